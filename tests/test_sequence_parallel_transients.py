@@ -57,14 +57,19 @@ def test_a_t2_sequence_parallel_blocks_backward_holds_its_partial_sums_and_gathe
     their reduce-scatter (10,240): 23,040, where every tensor 1/t was 20,480 (the count's 40,960 halved). The
     weight-gradient pass's is at the attention output projection's weight gradient: the residual gradient (5,120),
     that product's output gradient gathered whole (10,240) and its input gradient, the heads' half (5,120): 20,480,
-    against 15,360. The forward's: the MLP's second product's output whole before its reduce-scatter (10,240)."""
+    against 15,360. The forward's: the MLP's second product's output whole before its reduce-scatter (10,240).
+    Under torch each peak holds one whole copy more, made beside its collective and freed right after
+    (`Parallelism.collective_copies`: funcol's chunk-and-cat, eager without async TP): beside the MLP's and q, k
+    and v's partial sums their concatenation on the first dimension, which the reduce-scatter reads; in the
+    weight-gradient pass the all-gather's output beside the gathered gradient's concatenation on the sequence."""
     whole = T * W * 2
+    copy = whole if runtime == "torch" else 0
     code, _, err = pipesim("estimate", "--model", "gpt", *SHAPE, "--gpu", "h100-sxm", "--tensor-parallel", 2,
                            "--sequence-parallel", "--tp-runtime", runtime, "--out", tmp_path / "e.json")
     assert code == 0, err
     layer = json.loads((tmp_path / "e.json").read_text())["layers"][1]
-    assert layer["transient_bytes"] == {"fwd": whole, "bwd": whole // 2 + T * QKV + whole,
-                                        "igrad": whole // 2 + T * QKV + whole, "wgrad": 2 * whole}
+    assert layer["transient_bytes"] == {"fwd": whole + copy, "bwd": whole // 2 + T * QKV + whole + copy,
+                                        "igrad": whole // 2 + T * QKV + whole + copy, "wgrad": 2 * whole + copy}
 
 
 def test_without_sequence_parallelism_the_peak_is_the_ranks_own(block):
@@ -88,7 +93,7 @@ def test_without_sequence_parallelism_the_peak_is_the_ranks_own(block):
 
 def replayed_backward(counted, parallel: Parallelism) -> tuple[list[tuple[int, int]], list[int]]:
     """The first block's backward as the allocator replays it on a rank (`layer_allocations`): its (storage, bytes)
-    events, and the bytes of those the count never made (the rank's own: its gathers)."""
+    events, and the bytes of those the count never made (the rank's own: its gathers and its collectives' copies)."""
     from pipesim.planning.estimate import layer_allocations
 
     backward = layer_allocations(counted, parallel)[1].passes["bwd"]
@@ -141,12 +146,18 @@ def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_
     k's or v's, whose products have o's shape; and q's, k's and v's input gradients are partial sums whole before
     their one reduce-scatter, 48 x 48 x 2 = 4,608 bytes, beside their weight gradients' halves (2,304): under torch
     each (DTensor's Partial gradients, summed before it), under Megatron-core the first only (v's, the backward's
-    first), the fused product's, the others halves."""
+    first), the fused product's, the others halves. Under torch (eager, without async TP) each collective copies its
+    whole tensor once more (`Parallelism.collective_copies`: funcol's chunk-and-cat), a copy beside it freed right
+    after: the all-gather's output (`element` bytes: torchao's `float8_cat`) beside each gathered gradient, freed
+    once that is concatenated, and the bf16 concatenation of gate's and up's (q's, k's and v's) summed input
+    gradients, made after the sum and freed once reduce-scattered."""
     counted = separate_projections
     layer = counted.layers[1]
     parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime, fp8=fp8)
     backward, gathers = replayed_backward(counted, parallel)
-    assert gathers == [48 * 48 * element, -48 * 48 * element] * 2
+    gathered, summed = 48 * 48 * element, 48 * 48 * 2
+    each = [gathered, gathered, -gathered, -gathered, summed, -summed] if runtime == "torch" else [gathered, -gathered]
+    assert gathers == each * 2  # down's and gate and up's, then o's and q, k and v's
     made = dict(reversed(backward))  # each number's first bytes: as made
     qkv = [number for number, _ in layer.product_allocations["bwd"][-6:]]  # v's, k's, q's weight and input gradients
     later = 48 * 48 * 2 if runtime == "torch" else 48 * 48
