@@ -85,6 +85,7 @@ from ..profiles.schema import (
     Profile,
     fused_accumulation,
     layer_costs,
+    layer_static_bytes,
     p2p_synced,
     stage_waits_ms,
     step_shares,
@@ -1004,7 +1005,7 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     weights' bytes (`stages_for`), and its gradient accumulation (`_least_accumulate_ms`). A layer's times are its
     least (`_own_times`): a stage's host waits beyond its layers' times are at least minus the waits carried in
     those of its layers that never synchronise, so their times without them sum to no more than any cut's stages."""
-    held = (sum(c.static_bytes for c in layer_costs(profile.layers, optimizer)),
+    held = (sum(layer_static_bytes(layer, optimizer) for layer in profile.layers),
             sum(layer.param_bytes for layer in profile.layers),
             sum(layer.expert_param_bytes for layer in profile.layers),
             sum(layer.grad_bytes for layer in profile.layers))
@@ -2522,6 +2523,7 @@ def _each_layer_op_ms(profile: Profile, optimizer: str) -> Callable[[int], np.nd
 
 
 _OWN_TIMES: dict[tuple[int, bool], Profile] = {}  # `_own_times`, by the profile's identity, kept while it lives
+_OWN_LAYERS: dict[tuple[int, bool], LayerProfile] = {}  # `_own_layer`, by the layer's identity, kept while it lives
 
 
 def _own_times(profile: Profile, least: bool = False) -> Profile:
@@ -2533,27 +2535,34 @@ def _own_times(profile: Profile, least: bool = False) -> Profile:
     is monotone in the lead); a stage none of whose layers synchronises may, floored by its issue alone (a dense
     stage in a dropless MoE model; under `--p2p-sync`, the first stage's forward and the last's backward). `least`:
     those layers' times without their carried waits too, their GPU's, which no stage undercuts: what tune's bound
-    sums. Made once per profile, which is immutable."""
+    sums. Made once per profile, which is immutable, of layers made once each (`_own_layer`)."""
     key = (id(profile), least)
     if key not in _OWN_TIMES:
-        def own(layer: LayerProfile) -> LayerProfile:
-            issue = layer.host_issue
-            if not least or issue is None or issue["fwd"].synchronises:
-                return layer.model_copy(update={"host_issue": None})
-            return layer.model_copy(update={
+        carries = any(layer.host_issue is not None and any(passed.carried_ms for passed in layer.host_issue.values())
+                      for layer in profile.layers)
+        _OWN_TIMES[key] = (profile.model_copy(update={"layers": [_own_layer(layer, least) for layer in profile.layers]})
+                           if carries or not least else _own_times(profile))
+        weakref.finalize(profile, _OWN_TIMES.pop, key, None)
+    return _OWN_TIMES[key]
+
+
+def _own_layer(layer: LayerProfile, least: bool) -> LayerProfile:
+    """`_own_times`' layer, made once per layer, which is immutable: the estimates of one t, b and recomputation at
+    every p and d share their layers (planning/estimate.py `LayerMemo`), 48 layer lists in the 324 profiles of a
+    70B model's tune."""
+    key = (id(layer), least)
+    if key not in _OWN_LAYERS:
+        issue = layer.host_issue
+        _OWN_LAYERS[key] = layer.model_copy(update={"host_issue": None}) if (
+            not least or issue is None or issue["fwd"].synchronises) else layer.model_copy(update={
                 "host_issue": None,
                 **{name: getattr(layer, name).model_copy(update={
                     "median_ms": max(0.0, getattr(layer, name).median_ms - issue[name].carried_ms)})
                    for name in ("fwd", "bwd", "igrad", "wgrad")},
                 **{f"{name}_ms": max(0.0, getattr(layer, f"{name}_ms") - issue[name].carried_ms)
                    for name in ("fwd_sharing", "bwd_sharing")}})
-
-        carries = any(layer.host_issue is not None and any(passed.carried_ms for passed in layer.host_issue.values())
-                      for layer in profile.layers)
-        _OWN_TIMES[key] = (profile.model_copy(update={"layers": [own(layer) for layer in profile.layers]})
-                           if carries or not least else _own_times(profile))
-        weakref.finalize(profile, _OWN_TIMES.pop, key, None)
-    return _OWN_TIMES[key]
+        weakref.finalize(layer, _OWN_LAYERS.pop, key, None)
+    return _OWN_LAYERS[key]
 
 
 def _ops_per_step(schedule: Schedule) -> np.ndarray:

@@ -639,9 +639,14 @@ def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
     return [LayerCost(layer.fwd.median_ms + layer.bwd.median_ms + layer.all_to_all_fwd_ms + layer.all_to_all_bwd_ms
                       + max(layer.ring_fwd_ms - layer.ring_fwd_hidden_ms, 0.0)
                       + max(layer.ring_bwd_ms - layer.ring_bwd_hidden_ms, 0.0),
-                      layer.param_bytes + layer.float8_weight_bytes + layer.grad_bytes
-                      + layer.optimizer_state_bytes[optimizer],
-                      layer.activation_bytes, layer.shared_with_previous_bytes) for layer in layers]
+                      layer_static_bytes(layer, optimizer), layer.activation_bytes, layer.shared_with_previous_bytes)
+            for layer in layers]
+
+
+def layer_static_bytes(layer: LayerProfile, optimizer: str) -> int:
+    """What a layer holds throughout a step (`LayerCost.static_bytes`): its weights, their float8 copies, their
+    gradients and `optimizer`'s state."""
+    return layer.param_bytes + layer.float8_weight_bytes + layer.grad_bytes + layer.optimizer_state_bytes[optimizer]
 
 
 # a stage's (optimizer steps, averaging, accumulation, copy-on-write copy of its weights)
