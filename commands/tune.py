@@ -364,7 +364,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     needs more ranks), as is a searched t the estimate refuses (--recompute op, modelled at t = 1 only); a given t it
     refuses is its one line. Under --precision fsdp2, a layout of one replica (d·C = 1) is left out: FSDP2's weights
     are sharded over the replicas, and simulate refuses --zero over one."""
-    from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
+    from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo, allocations_key
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
 
@@ -376,6 +376,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     for b in sizes:
         counted = counts.get(b) or count_what_if(what, b)
         memo = LayerMemo(counted, what.gpu, what.curve)  # each t and recomputation's layers made for one p
+        replays: dict = {}  # `allocator_fields` by what its replay reads (`allocations_key`): made for one p and d
         degrees = _expert_degrees(what, counted, expert_given)
         for t in tensors:
             made, refused = len(settings), []
@@ -394,8 +395,10 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                             parallel = what.parallelism(p, t, devices // (t * p), kind, e)
                             scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo),
                                                         optimizer, pp_runtime)
-                            fields = allocator_fields(allocator, counted, parallel, optimizer_step)
-                            settings.append(Setting(replace(scenario, **fields), t, kind, (p,), e))
+                            replayed = allocations_key(parallel)
+                            if replayed not in replays:
+                                replays[replayed] = allocator_fields(allocator, counted, parallel, optimizer_step)
+                            settings.append(Setting(replace(scenario, **replays[replayed]), t, kind, (p,), e))
                 except InputError as exc:
                     refused.append(exc)
             if refused and (len(degrees) == 1 or len(settings) == made):  # a searched E refused: another may suit

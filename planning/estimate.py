@@ -1977,6 +1977,12 @@ def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parall
     return weight_bytes - elements // parallel.tensor * (element_bytes - FP8_BYTES) + scales
 
 
+def allocations_key(parallel: Parallelism) -> Parallelism:
+    """What `layer_allocations` reads of `parallel`: all of it but the depth p, and the replicas d but under FSDP2
+    (`_unsharded`'s shards), so that tune replays one list for every p and d of a t, b, E and recomputation."""
+    return replace(parallel, pipeline=1, data=parallel.data if parallel.precision == "fsdp2" else 1)
+
+
 def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
                       megatron_step: bool = False) -> list[LayerAllocations]:
     """Every counted layer's allocations on one of its stage's t·C ranks under `parallel`'s recomputation

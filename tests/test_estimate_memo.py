@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Parallelism, estimate_profile, layer_allocations
+from pipesim.planning.estimate import Parallelism, allocations_key, estimate_profile, layer_allocations
 from pipesim.profiles.workload import LayerCount
 
 torch = pytest.importorskip("torch")
@@ -64,6 +64,22 @@ def test_repeated_blocks_estimate_is_each_layers_own(model, monkeypatch):
         alone = estimate_profile(anew, H100, parallel)
         assert profile.model_dump(exclude={"environment"}) == alone.model_dump(exclude={"environment"}), parallel
         assert profile.layers == alone.layers
+
+
+@pytest.mark.parametrize("model", ["gpt", "moe"])
+def test_allocations_read_neither_depth_nor_replicas_but_fsdp2s(model):
+    """tune replays one allocation list per `allocations_key` (commands/tune.py `_estimated_settings`): at each p and
+    d it is the list made there; under FSDP2 the replicas shard the gradients, so d stays in the key."""
+    name, options = MODELS[model]
+    counted = count_built(name, options, 2, torch.bfloat16)
+    expert = 2 if model == "moe" else 1
+    for parallel in (Parallelism(pipeline=2, data=4, expert=expert), Parallelism(pipeline=3, data=2, recompute="full"),
+                     Parallelism(tensor=2, pipeline=2, data=2, sequence_parallel=True, sharded_optimizer=True),
+                     Parallelism(pipeline=2, data=4, precision="fsdp2", expert=expert)):
+        assert layer_allocations(counted, parallel) == layer_allocations(counted, allocations_key(parallel)), parallel
+    fsdp2 = Parallelism(data=4, precision="fsdp2")
+    assert allocations_key(fsdp2).data == 4
+    assert layer_allocations(counted, fsdp2) != layer_allocations(counted, replace(fsdp2, data=2))
 
 
 def test_the_version_is_read_once_a_process(monkeypatch):
