@@ -2541,8 +2541,6 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     accumulated = held.grad_bytes if parallel.accumulation == "fused" else None  # in the weight-gradient products
     modules_us = module_us(parallel.fp8, parallel.host_module_us)
 
-    # the host, in some layer or at each exchange between stages
-    waits = parallel.p2p_sync or any(synchronises(layer, counted.options) for layer in counted.layers)
     issues: list[_HostIssue] = []
     for layer, repeated in () if made is not None else zip(counted.layers, counted.repeats, strict=True):
         if repeated:
@@ -2610,6 +2608,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                                 * layer.param_bytes // element) * held_state) // shards
                                    for name in OPTIMIZERS}))
     if made is None:
+        # the host, in some layer or at each exchange between stages
+        waits = parallel.p2p_sync or any(synchronises(layer, counted.options) for layer in counted.layers)
         layers = _with_host_waits(layers, issues, waits)
     if memo is not None:
         memo.layers[key] = layers
@@ -2628,9 +2628,13 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         return {name: (layer.optimizer_step_moved_bytes[name] * widen + 3 * ema * layer.param_bytes // element) * held
                 for name in OPTIMIZERS}
 
-    # each layer's bytes an optimizer's step moves, found once a block: a stage's are its layers' summed in their order
-    moved = _per_block(counted, step_moved_bytes)
-    step_bytes = {name: [layer_moved[name] for layer_moved in moved] for name in OPTIMIZERS}
+    def layers_step_bytes() -> dict[str, list[float]]:
+        moved = _per_block(counted, step_moved_bytes)
+        return {name: [layer_moved[name] for layer_moved in moved] for name in OPTIMIZERS}
+
+    # each layer's bytes an optimizer's step moves, found once a block and key: a stage's are its layers' summed in
+    # their order
+    step_bytes = kept(("step bytes",), layers_step_bytes)
 
     def memory_ms(nbytes: float) -> float:
         return curve.kernel_overhead_ms + nbytes / device.memory_bytes_per_ms

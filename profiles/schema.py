@@ -860,7 +860,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
             held_bytes=held_bytes[k] if held_bytes is not None else None,
-            activation_parts=_stage_parts(mine, stage_activation_bytes(costs, start, stop)),
+            activation_parts=_stage_parts(mine, activation_bytes),
             accumulate=steps[k][2],
             weight_copy=steps[k][3],
             passes=passes[k] if passes is not None else None,
