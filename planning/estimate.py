@@ -1757,8 +1757,9 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
         sums = whole - roles.keys()
         scattered = _reduce_scattered(out, whole, partial, sums)
         copied = {"product": scattered - sums, "sum": scattered & sums}
-        return _with_collective_copies(out, set(frees.values()) if "gather" in split.collective_copies else set(),
-                                       {number for kind in split.collective_copies for number in copied.get(kind, ())})
+        return _with_collective_copies(out, split.t, set(frees.values()) if "gather" in split.collective_copies
+                                       else set(), {number for kind in split.collective_copies
+                                                    for number in copied.get(kind, ())}, sums)
     return tuple(out)
 
 
@@ -1780,25 +1781,45 @@ def _reduce_scattered(events: Sequence[tuple[int, int]], whole: Set[int], partia
     return set(whole) - set(partials) - superseded
 
 
-def _with_collective_copies(events: Sequence[tuple[int, int]], gathered: Set[int],
-                            scattered: Set[int]) -> tuple[tuple[int, int], ...]:
+def _with_collective_copies(events: Sequence[tuple[int, int]], tensor: int, gathered: Set[int],
+                            scattered: Set[int] = frozenset(), sums: Set[int] = frozenset()
+                            ) -> tuple[tuple[int, int], ...]:
     """A rank's pass (`events`) with the copy each sequence-parallel collective makes of its whole tensor
     (`Parallelism.collective_copies`), a storage of the whole tensor's bytes numbered after the pass's: an all-gather's
     output on the first dimension before each `gathered` storage (the concatenation on the sequence) is made and
     freed once it is; a concatenation on the first dimension after each `scattered` storage (partial sums) is
-    made, read by the reduce-scatter and freed (its output 1/t, counted as the count's)."""
+    made, then the reduce-scatter's output, 1/`tensor` of it, made while the concatenation lives and freed after it
+    (the count's storage, held whole, stands for it after): torch/csrc/distributed/c10d/Functional.cpp's
+    `reduce_scatter_tensor_coalesced` allocates each output (`allocate_reduce_scatter_output`) before it issues
+    the collective on its input. Of autograd's `sums` of Partial gradients, the copy waits for the frees that follow
+    the sum, before the pass's next allocation: torch/csrc/autograd/input_buffer.cpp's `accumulate` replaces the
+    buffer's gradient with the sum (`buffer[pos] = old_var + var`, a tensor subclass's out of place) and drops the
+    one it added, their last uses, before the next node, the redistribution's backward, runs its reduce-scatter."""
     out: list[tuple[int, int]] = []
     copy = 1 + max((number for number, _ in events), default=-1)
+    waiting = 0  # the bytes of a sum's concatenation that waits for the pass's next allocation
+
+    def reduce_scatter(nbytes: int) -> list[tuple[int, int]]:
+        nonlocal copy
+        copy += 2
+        output = round(nbytes / tensor)
+        return [(copy - 2, nbytes), (copy - 1, output), (copy - 2, -nbytes), (copy - 1, -output)]
+
     for number, nbytes in events:
+        if nbytes > 0 and waiting:
+            out += reduce_scatter(waiting)
+            waiting = 0
         if nbytes > 0 and number in gathered:
             out += [(copy, nbytes), (number, nbytes), (copy, -nbytes)]
+            copy += 1
+        elif nbytes > 0 and number in scattered and number in sums:
+            out.append((number, nbytes))
+            waiting = nbytes
         elif nbytes > 0 and number in scattered:
-            out += [(number, nbytes), (copy, nbytes), (copy, -nbytes)]
+            out += [(number, nbytes), *reduce_scatter(nbytes)]
         else:
             out.append((number, nbytes))
-            continue
-        copy += 1
-    return tuple(out)
+    return tuple(out + (reduce_scatter(waiting) if waiting else []))
 
 
 def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], tokens: int,
@@ -2135,7 +2156,8 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules:
     if gathers:
         passes["fwd"] = gathers + passes.get("fwd", ())
     if "gather" in split.collective_copies and gathered:
-        passes["fwd"] = _with_collective_copies(passes["fwd"], whole.keys() | {number for number, _ in gathers}, ())
+        passes["fwd"] = _with_collective_copies(passes["fwd"], split.t,
+                                                whole.keys() | {number for number, _ in gathers})
     made = [(number, shape) for number, shape, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes >= 0]
     kept: frozenset[int] = frozenset()
     rerun: frozenset[int] | None = None

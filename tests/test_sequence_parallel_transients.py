@@ -60,16 +60,18 @@ def test_a_t2_sequence_parallel_blocks_backward_holds_its_partial_sums_and_gathe
     against 15,360. The forward's: the MLP's second product's output whole before its reduce-scatter (10,240).
     Under torch each peak holds one whole copy more, made beside its collective and freed right after
     (`Parallelism.collective_copies`: funcol's chunk-and-cat, eager without async TP): beside the MLP's and q, k
-    and v's partial sums their concatenation on the first dimension, which the reduce-scatter reads; in the
-    weight-gradient pass the all-gather's output beside the gathered gradient's concatenation on the sequence."""
+    and v's partial sums their concatenation on the first dimension, which the reduce-scatter reads, and the
+    reduce-scatter's output, 1/t, made while it lives (5,120); in the weight-gradient pass the all-gather's output
+    beside the gathered gradient's concatenation on the sequence."""
     whole = T * W * 2
     copy = whole if runtime == "torch" else 0
+    scattered = copy + copy // 2
     code, _, err = pipesim("estimate", "--model", "gpt", *SHAPE, "--gpu", "h100-sxm", "--tensor-parallel", 2,
                            "--sequence-parallel", "--tp-runtime", runtime, "--out", tmp_path / "e.json")
     assert code == 0, err
     layer = json.loads((tmp_path / "e.json").read_text())["layers"][1]
-    assert layer["transient_bytes"] == {"fwd": whole + copy, "bwd": whole // 2 + T * QKV + whole + copy,
-                                        "igrad": whole // 2 + T * QKV + whole + copy, "wgrad": 2 * whole + copy}
+    assert layer["transient_bytes"] == {"fwd": whole + scattered, "bwd": whole // 2 + T * QKV + whole + scattered,
+                                        "igrad": whole // 2 + T * QKV + whole + scattered, "wgrad": 2 * whole + copy}
 
 
 def test_without_sequence_parallelism_the_peak_is_the_ranks_own(block):
@@ -150,13 +152,14 @@ def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_
     whole tensor once more (`Parallelism.collective_copies`: funcol's chunk-and-cat), a copy beside it freed right
     after: the all-gather's output (`element` bytes: torchao's `float8_cat`) beside each gathered gradient, freed
     once that is concatenated, and the bf16 concatenation of gate's and up's (q's, k's and v's) summed input
-    gradients, made after the sum and freed once reduce-scattered."""
+    gradients, made once autograd frees what the sum read, with the reduce-scatter's output (half) beside it."""
     counted = separate_projections
     layer = counted.layers[1]
     parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime, fp8=fp8)
     backward, gathers = replayed_backward(counted, parallel)
     gathered, summed = 48 * 48 * element, 48 * 48 * 2
-    each = [gathered, gathered, -gathered, -gathered, summed, -summed] if runtime == "torch" else [gathered, -gathered]
+    each = [gathered, gathered, -gathered, -gathered, summed, summed // 2, -summed, -summed // 2
+            ] if runtime == "torch" else [gathered, -gathered]
     assert gathers == each * 2  # down's and gate and up's, then o's and q, k and v's
     made = dict(reversed(backward))  # each number's first bytes: as made
     qkv = [number for number, _ in layer.product_allocations["bwd"][-6:]]  # v's, k's, q's weight and input gradients
