@@ -2037,7 +2037,8 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
             unsharded = _unsharded(layer, made, parallel, element)
             wgrad_kept, wgrad_inputs, wgrad_gradients = _wgrad_kept_storages(forms.of(layer), split, parallel)
             made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
-                           stepped=_stepped(_gradient_storages(made), held, element) if megatron_step else (),
+                           stepped=(_stepped(tuple(_gradient_storages(made).values()), held, element)
+                                    if megatron_step else ()),
                            wgrad_kept=wgrad_kept, wgrad_inputs=wgrad_inputs, wgrad_gradients=wgrad_gradients)
         allocations.append(made)
     return allocations
@@ -2082,14 +2083,14 @@ def _wgrad_kept_storages(layer: LayerCount, split: _Split, parallel: Parallelism
     return frozenset(held), ranked(elsewhere), ranked(gradients)
 
 
-def _gradient_storages(made: LayerAllocations) -> list[int]:
-    """The bytes of each storage a layer's weight-gradient pass on a rank leaves live: its parameters' gradients
-    (autograd's .grad), one a parameter, in the order the pass makes them."""
+def _gradient_storages(made: LayerAllocations) -> dict[int, int]:
+    """The bytes of each storage a layer's weight-gradient pass on a rank leaves live, by its number: its
+    parameters' gradients (autograd's .grad), one a parameter, in the order the pass makes them."""
     live = left_live(made.passes.get("wgrad", ()))
-    return [live[number] for number in sorted(live)]
+    return {number: live[number] for number in sorted(live)}
 
 
-def _stepped(grads: list[int], held: Precision, element_bytes: int) -> tuple[tuple[int, int], ...]:
+def _stepped(grads: Sequence[int], held: Precision, element_bytes: int) -> tuple[tuple[int, int], ...]:
     """Under Megatron-LM's 16-bit optimizer (a precision keeping a float32 master copy of 16-bit weights), per
     parameter of gradient bytes `grads` on a rank: the float32 main gradient each step makes where the gradients
     are accumulated in 16 bits (`_copy_model_grads_to_main_grads`: `main_grad.float()`, which copies them; float32
@@ -2113,7 +2114,7 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
     experts whole and its reduce-scatter shards their gradient over those ranks; the rest over the d·C ranks."""
     if parallel.precision != "fsdp2":
         return ()
-    live = left_live(made.passes.get("wgrad", ()))
+    live = _gradient_storages(made)
     if not sum(live.values()):
         return ()
     routed = layer.weight_grad_routed or (False,) * len(layer.weight_grad_outputs)
@@ -2121,7 +2122,7 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
                if role == "weight" and routed[j]}
     t, local = parallel.tensor, weight_shards(parallel.expert, parallel.expert_tensor, parallel.tensor)
     shards = {number: parallel.data * parallel.context / (local if number in experts else 1) for number in live}
-    grads = {number: live[number] / (local if number in experts else 1) for number in sorted(live)}
+    grads = {number: nbytes / (local if number in experts else 1) for number, nbytes in live.items()}
     share = rank_share(layer, held_share(layer, local), t, element_bytes)  # t x the rank's
     weights = round(layer.param_bytes * share) // t
     gathered = gathered_weight_bytes(layer, weights, parallel, element_bytes)
