@@ -384,9 +384,11 @@ def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
 
 
 def write_all_atomic(files: Iterable[tuple[str | os.PathLike[str], str | bytes]]) -> None:
-    """Write each (path, text) of `files` as `write_atomic` does, all or none: every file to be replaced is first
-    written to its temporary file, one text at a time, and only once all are written (and those written in
-    place) are they renamed over their paths, so a write that fails (a full disk) leaves every one as it was."""
+    """Write each (path, text) of `files` as `write_atomic` does, all or none where it can be: every file to be
+    replaced is first written to its temporary file, one text at a time, and only once all are written are they
+    renamed over their paths, so a write that fails (a full disk) leaves every one as it was. Not held back: a
+    file written in place (a FIFO, /dev/stdout), written as its turn comes, and the renames themselves: one that
+    fails (rare: the folder's entries, not its space) leaves those renamed before it replaced."""
     staged: list[tuple[str, Path, str | os.PathLike[str]]] = []  # (temporary file, the file it replaces, as given)
     try:
         for path, text in files:
@@ -449,7 +451,8 @@ def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
 
 
 def write_traces(traces: Iterable[tuple[Trace, str | os.PathLike[str]]]) -> None:
-    """Each (trace, path), all or none (`write_all_atomic`): a later one that cannot be written leaves no earlier."""
+    """Each (trace, path), all or none as `write_all_atomic` can: a later one that cannot be written leaves no
+    earlier (but for one written in place, or a rename that fails after others succeeded)."""
     write_all_atomic((path, json.dumps(to_chrome(trace), separators=(",", ":"))) for trace, path in traces)
 
 
