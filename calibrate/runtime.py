@@ -158,7 +158,7 @@ def _message_bytes(probe: Profile, kind: str, stage: int, peer: int) -> int:
 
 def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float]]:
     """Per kind of row, the gaps (ms) after its steady-state rows until the device's next row; and the SEND
-    rows' own cost (ms): the CPU time posting each took its rank's thread (the executor's `send_cpu_us`), not
+    rows' own cost (ms): the CPU time posting each took its rank's thread (the trace's `cpu_us`), not
     its row's wall time, which on a loaded host is mostly the thread descheduled or waiting while its peer
     runs (the mlp's on the 2-core host here: 0.1-0.25 ms of CPU in rows of 0.7-8 ms median)."""
     gaps: dict[str, list[float]] = defaultdict(list)
@@ -166,11 +166,8 @@ def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float
     for trace in traces:
         ops, names = trace.ops, np.asarray(trace.kinds)[trace.ops.kind]
         steady, end_us = _steady(trace), ops.start_us + ops.dur_us
-        sending = ops.stream == Stream.SEND
-        cpu_us = np.asarray(trace.meta.extra.get("send_cpu_us", []), dtype=np.float64)
-        if len(cpu_us) == int(sending.sum()):  # else a trace that does not time them: none recorded
-            cpu_us = cpu_us[steady[sending]]
-            sends += (cpu_us[cpu_us >= 0] / 1e3).tolist()
+        cpu_us = ops.cpu_us[steady & (ops.stream == Stream.SEND)]
+        sends += (cpu_us[cpu_us >= 0] / 1e3).tolist()  # a trace that does not time them records none
         for d in range(trace.num_devices):
             rows = np.flatnonzero(ops.device == d)
             rows = rows[np.argsort(ops.start_us[rows], kind="stable")]

@@ -733,14 +733,6 @@ def _whole_experts(weights: list[dict[tuple[int, int], list[torch.Tensor]]], rou
     return whole
 
 
-def _send_cpu_us(ops: Ops, send_cpu_ns: np.ndarray) -> list[float]:
-    """Each SEND op's CPU time on its rank's loop thread (us, in the order of the trace's SEND ops; -1 where its
-    rank reported heartbeats only): what posting it cost the rank, where its row's time also holds the time
-    the thread was descheduled or blocked meanwhile (on a loaded host, most of it)."""
-    sent = send_cpu_ns[ops.stream == Stream.SEND]
-    return np.where(sent >= 0, np.round(sent / 1e3, 1), -1.0).tolist()
-
-
 def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], hardware: dict[str, Any], *,
            timed: dict[int, list[tuple[int, int, int]]] | None = None, failed_rank: int | None = None) -> RunResult:
     """One measured trace from every rank's rows (ranks on one host share the monotonic clock): its device is
@@ -778,7 +770,8 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
     ops = Ops(device=device, stream=_STREAM_OF_KIND[t.kind[row]], kind=t.kind[row], stage=t.stage[row],
               microbatch=t.microbatch[row], minibatch=t.minibatch[row], pipeline=t.pipeline[row], peer=t.peer[row],
               version=version, prediction=prediction,
-              start_us=(start_ns - t0) / 1e3, dur_us=(end_ns - start_ns) / 1e3)
+              start_us=(start_ns - t0) / 1e3, dur_us=(end_ns - start_ns) / 1e3,
+              cpu_us=np.where(send_cpu_ns >= 0, send_cpu_ns / 1e3, -1.0))
     base = 1 + schedule.policy.extra_copies
     counters: dict[str, list[Counter]] = {"weight_versions": [], "memory_bytes": []}
     for d, r in enumerate(results):
@@ -801,7 +794,6 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
                "bounds": next((r.bounds for r in results if r is not None), None if spec.bounds is None
                               else list(spec.bounds)),
                "model_options": dict(spec.model_options), "recv_window": spec.recv_window,
-               "send_cpu_us": _send_cpu_us(ops, send_cpu_ns),
                "model": spec.model if isinstance(spec.model, str) else getattr(spec.model, "__name__", "custom")})
     weights: list[dict[tuple[int, int], list[torch.Tensor]]] = [{} for _ in range(layout.replicas)]
     for rank, r in enumerate(results):

@@ -217,13 +217,14 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
     kinds = tuple(k.value for k in KINDS)
     table = list(zip(*rows))
     kind = np.array([kinds.index(k) for k in table[1]])
-    ops = Ops(device=table[0], stream=Stream.of_kinds(kinds)[kind], kind=kind, stage=table[2], microbatch=table[3],
+    stream = Stream.of_kinds(kinds)[kind]
+    cpu_us = np.where(stream == Stream.SEND, (send_ms if send_cpu_ms is None else send_cpu_ms) * 1e3, -1.0)
+    ops = Ops(device=table[0], stream=stream, kind=kind, stage=table[2], microbatch=table[3],
               minibatch=table[4], pipeline=np.zeros(len(rows)), peer=table[5], version=np.zeros(len(rows)),
-              prediction=np.full(len(rows), -1), start_us=table[6], dur_us=table[7])
+              prediction=np.full(len(rows), -1), start_us=table[6], dur_us=table[7], cpu_us=cpu_us)
     meta = TraceMeta(source="measured", schedule="probe", params={}, microbatches=2, minibatches=3, pipelines=1,
                      microbatch_size=1, placement=[0, 1], stage_edges=[[0, 1]], policy={}, tool="test",
-                     extra={"recv_window": window, "send_cpu_us": [(send_ms if send_cpu_ms is None else send_cpu_ms)
-                                                                     * 1e3] * int((ops.stream == Stream.SEND).sum())})
+                     extra={"recv_window": window})
     counters = {"memory_bytes": [Counter(*map(np.array, zip((0.0, 0), *memory[d]))) for d in (0, 1)]}
     return Trace(kinds, 2, ops, meta, counters)
 
@@ -255,7 +256,7 @@ def test_runtime_terms_recover_what_the_probe_trace_holds():
     both = host_times(terms, [host])
     assert all(t.median_ms == pytest.approx(0.09) for t in both.gap_ms.values())
     assert both.send_ms.median_ms == pytest.approx(0.3)  # not the 8 ms its rows held a descheduled rank
-    untimed = replace(host, meta=replace(host.meta, extra={"recv_window": 2}))
+    untimed = replace(host, ops=replace(host.ops, cpu_us=None))  # a trace that did not time its sends
     with pytest.raises(RuntimeProbeError, match="the runtime probe recorded no SEND rows' CPU time"):
         host_times(terms, [untimed])
     assert both.compute_ms == terms.compute_ms and both.recv_ms == terms.recv_ms

@@ -57,7 +57,7 @@ STREAMS = tuple(s.name.lower() for s in Stream)
 
 _INT_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer", "version",
                 "prediction")
-_FLOAT_COLUMNS = ("start_us", "dur_us")
+_FLOAT_COLUMNS = ("start_us", "dur_us", "cpu_us")
 _ARG_COLUMNS = ("stage", "microbatch", "minibatch", "pipeline", "peer", "version", "prediction")
 
 
@@ -69,7 +69,9 @@ class TraceError(ValueError):
 class Ops:
     """One row per op. `kind` indexes `Trace.kinds`, `stream` indexes STREAMS; -1 means "not applicable"
     (`microbatch` of an optimizer step, `peer` of compute that runs alone (a part of an overlapped pair names
-    its other part's stage), `version` of a transfer, `prediction` when the weights were not predicted)."""
+    its other part's stage), `version` of a transfer, `prediction` when the weights were not predicted).
+    `cpu_us` is the CPU time an op took its rank's thread, where a run measured it (an executed SEND: its own
+    cost, where its `dur_us` also holds the thread descheduled or waiting on a loaded host); -1.0 elsewhere."""
 
     device: np.ndarray
     stream: np.ndarray
@@ -83,8 +85,11 @@ class Ops:
     prediction: np.ndarray
     start_us: np.ndarray
     dur_us: np.ndarray
+    cpu_us: np.ndarray | None = None  # None: measured for none
 
     def __post_init__(self) -> None:
+        if self.cpu_us is None:
+            self.cpu_us = np.full(len(self.start_us), -1.0)
         for name in _INT_COLUMNS:  # integers of any width as given (a prediction's are narrow), else int64
             column = np.asarray(getattr(self, name))
             setattr(self, name, column if column.dtype.kind == "i" else column.astype(np.int64))
@@ -249,7 +254,8 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
             "tid": columns["stream"][i],
             "ts": columns["start_us"][i],
             "dur": columns["dur_us"][i],
-            "args": {name: columns[name][i] for name in _ARG_COLUMNS},
+            "args": {name: columns[name][i] for name in _ARG_COLUMNS}
+            | ({"cpu_us": columns["cpu_us"][i]} if columns["cpu_us"][i] >= 0 else {}),
         })
     for name, per_device in trace.counters.items():
         for d, counter in enumerate(per_device):
@@ -304,6 +310,7 @@ def from_chrome(doc: Any) -> Trace:
                 columns["kind"].append(kind_codes[event["cat"]])
                 columns["start_us"].append(event["ts"])
                 columns["dur_us"].append(event["dur"])
+                columns["cpu_us"].append(args.get("cpu_us", -1.0))  # written where measured
                 for name in _ARG_COLUMNS:
                     columns[name].append(args[name])
             elif phase == "C":
