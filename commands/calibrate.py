@@ -13,6 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..units import GIB, KIB, MIB, count_text
+from ..workload.sizes import too_few_layers
 from .common import (
     CapacityFactor,
     ExpertFfn,
@@ -41,7 +42,6 @@ from .common import (
     require_model_data,
     stderr,
     stdout,
-    too_few_layers,
     writing,
 )
 from .estimate import fit_device_curve, print_fitted_curve

@@ -22,7 +22,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..choices import choose_from
-from ..units import count_text
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -862,18 +861,6 @@ def require_model_data(needer: str, model: str) -> None:
         require(f"{needer} --model {model} (it trains on scikit-learn's digits)", "sklearn")
     if is_hf(model):
         require(f"{needer} --model {model} (transformers builds it from its config)", "transformers")
-
-
-def too_few_layers(stages: str, model: str, options: dict[str, Any], layers: int) -> str:
-    """The one line for more stages than the model has layers (`stages`: the flags that ask for them). --layers
-    counts a built-in model's blocks, and a pipeline cuts between all its layers, the embedding or classifier
-    around the blocks too: both counts are said, so that 4 blocks and 6 layers do not read as a contradiction."""
-    from ..workload.hfconfig import is_hf
-
-    given = "" if is_hf(model) else " (--layers)"  # a Hugging Face config gives its own
-    blocks = f" of {count_text(options['layers'], 'block')}{given}" if "layers" in options else ""
-    return (f"{stages}: {model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs at least "
-            "one layer)")
 
 
 MAX_MEMORY_GB = 1 << 20  # a PiB per device: beyond any machine, and safely inside an int64 of bytes

@@ -16,6 +16,7 @@ import typer
 
 from ..choices import choose_from
 from ..planning.host import HOST_KERNEL_US
+from ..workload.sizes import too_few_layers
 from .common import (
     DTYPES,
     MODEL_SIZES,
@@ -45,7 +46,6 @@ from .common import (
     require_model_data,
     stderr,
     stdout,
-    too_few_layers,
     what_if_options,
     writing,
     zero_stage,
@@ -518,20 +518,18 @@ def _read_count(path: Path) -> WorkloadCount | None:
 
 
 def _write_count(path: Path, counted: WorkloadCount) -> None:
-    """Keep the count, atomically; a cache that cannot be written is skipped (the count is still returned)."""
+    """Keep the count (`write_atomic`: no temporary file is left where it fails); a cache that cannot be written
+    is skipped (the count is still returned)."""
     import contextlib
-    import os
-    import tempfile
 
     from pydantic import TypeAdapter
 
     from ..profiles.workload import WorkloadCount
+    from ..traces import write_atomic
 
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("wb", dir=path.parent, suffix=".tmp", delete=False) as handle:
-            handle.write(TypeAdapter(WorkloadCount).dump_json(counted))
-        os.replace(handle.name, path)
+        write_atomic(path, TypeAdapter(WorkloadCount).dump_json(counted))
 
 
 def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelism, optimizer: str,

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from ..traces.metrics import rate_text
 from ..units import count_text
+from ..workload.sizes import too_few_layers
 from .common import (
     SEARCH_COSTS,
     ActivationLimit,
@@ -65,7 +66,6 @@ from .common import (
     searched_scenario,
     stderr,
     stdout,
-    too_few_layers,
     writing,
 )
 from .tables import print_table

@@ -56,7 +56,7 @@ from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserv
 from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime, keeps_saved_until_weights, merges_outputs, wgrad_held
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
-from ..units import count_text
+from ..workload.sizes import too_few_layers
 
 if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile, StageProfile
@@ -903,26 +903,6 @@ def device_stages(sched: Schedule, stages: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(s % stages for s in held) for held in sched.stages_by_device)
 
 
-def _layers_text(measured: Profile) -> str:
-    """The profile's layers in the user's terms: --layers counts a model's blocks (the layers of its most common
-    kind), and a pipeline cuts between all its layers, the embedding before them and the head after too. Where
-    the kinds do not tell the blocks (a CNN's layers all Sequential, a GPT of one block each kind once), --layers'
-    count and the rest."""
-    kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]
-    block = max(dict.fromkeys(kinds), key=kinds.count)
-    where = [i for i, kind in enumerate(kinds) if kind == block]
-    blocks = None if measured.model.name.startswith("hf:") else measured.model.options.get("layers")
-    layers = f"{measured.model.name} has {count_text(len(kinds), 'layer')} to cut between"
-    if blocks is not None and (blocks != len(where) or sum(kinds.count(kind) == blocks for kind in set(kinds)) > 1):
-        return f"{layers}: {count_text(blocks, 'block')} (--layers) + {len(kinds) - blocks} more"
-    parts = [f"{count_text(len(where), 'block')}{'' if blocks is None else ' (--layers)'}"]
-    for count, side, one in ((where[0], "before them", "the embedding"), (len(kinds) - 1 - where[-1], "after",
-                                                                          "the head")):
-        if count:
-            parts.append(f"{count} {side}" + (f" ({one})" if count == 1 else ""))
-    return f"{layers}: {' + '.join(parts)}"
-
-
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced",
                    devices: Sequence[Sequence[int]] | None = None) -> list[int]:
     """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`). Balanced: the
@@ -932,8 +912,8 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     from ..profiles.schema import layer_costs, profile_stage_time
 
     if num_stages > len(measured.layers):
-        raise CostError(f"the schedule has {num_stages} model stages but {_layers_text(measured)}; each stage needs "
-                        "one at least: lower --stages or --chunks")
+        raise CostError(too_few_layers(f"the schedule's {num_stages} model stages (--stages x --chunks)",
+                                       measured.model.name, measured.model.options, len(measured.layers)))
     ends = first_last(stage_cut)
     if stage_cut in BLOCK_CUTS or ends is not None:
         kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]

@@ -40,12 +40,12 @@ def simulate_json(*args) -> list[dict]:
      "--tensor-parallel 4 does not divide the model's 90 MLP width"),
     (("estimate", *GPU, *SMALL, "-p", "9", "--out", "est.json"), "--stages 9: gpt of 3 blocks (--layers) has 5 layers"),
     (("simulate", *GPU, *SMALL, "-p", "4", "-s", "dualpipev"),
-     "error: the schedule has 8 model stages but gpt has 5 layers to cut between: 3 blocks (--layers) + 1 before "
-     "them (the embedding) + 1 after (the head); each stage needs one at least: lower --stages or --chunks"),
+     "error: the schedule's 8 model stages (--stages x --chunks): gpt of 3 blocks (--layers) has 5 layers in all; "
+     "give at most 5 stages (each needs at least one layer)"),
     (("simulate", *GPU, "--model", "cnn", "--layers", "3", "-p", "4", "-s", "interleaved-1f1b"),  # all Sequential
-     "but cnn has 4 layers to cut between: 3 blocks (--layers) + 1 more; each stage needs one at least"),
+     "stages (--stages x --chunks): cnn of 3 blocks (--layers) has 4 layers in all; give at most 4 stages"),
     (("simulate", *GPU, *SMALL[:3], "1", *SMALL[4:], "-p", "2", "-s", "interleaved-1f1b", "--chunks", "2"),
-     "but gpt has 3 layers to cut between: 1 block (--layers) + 2 more; each"),  # embedding, block, head: once each
+     "stages (--stages x --chunks): gpt of 1 block (--layers) has 3 layers in all"),  # embedding, block, head
     (("tune", *GPU, *SMALL, "-D", "6", "--tensor-parallel", "4"),
      "--tensor-parallel 4 does not divide 6; give --devices 4 or 8, or --tensor-parallel 3 or 6"),
     (("tune", *GPU, *SMALL, "-D", "8", "--tensor-parallel", "2", "--data-parallel", "3"),
@@ -220,6 +220,21 @@ def test_a_built_in_models_count_is_kept_and_read_back_without_counting(tmp_path
     kept[0].write_text("{not json")  # a damaged file is counted again, not an error
     with pytest.raises(AssertionError, match="counted again"):
         simulate_json(*GPU, *SMALL, "-s", "1f1b", "-p", "2")
+
+
+def test_a_count_that_cannot_be_kept_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The count is written beside its file and renamed over it: a rename that fails (here, every one) skips the
+    cache and leaves nothing behind (it left a .tmp file in counts/ each time)."""
+    import os
+
+    monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path))
+
+    def fails(*_):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", fails)
+    assert simulate_json(*GPU, *SMALL, "-s", "1f1b", "-p", "2")
+    assert list((tmp_path / "counts").iterdir()) == []
 
 
 def test_dropout_is_counted_and_priced():
