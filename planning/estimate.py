@@ -2462,8 +2462,8 @@ class LayerMemo:
     found: dict[tuple, Any] = field(default_factory=dict)  # what `kept` found of each key's layers
 
     def kept(self, key: tuple, make: Callable[[], Any]) -> Any:
-        """`make()`, found once: what an estimate reads of its layers alone (their costs, their stage time), by their
-        key in `layers` and what else it reads."""
+        """`make()`, found once: what an estimate reads of its layers alone (their costs, their stage time, the
+        bytes each one's optimizer step moves), by their key in `layers` and what else it reads."""
         if key not in self.found:
             self.found[key] = make()
         return self.found[key]
