@@ -1,5 +1,5 @@
 """torch's tensor parallelism without async TP copies each sequence-parallel collective's whole tensor once more
-(planning/estimate.py `Parallelism.collectives_copy`, `_with_collective_copies`, `_reduce_scattered`): DTensor's
+(planning/estimate.py `Parallelism.collective_copies`, `_with_collective_copies`, `_reduce_scattered`): DTensor's
 Shard(1) gathers and scatters go through torch/distributed/_functional_collectives.py, which concatenates the
 all-gather's chunks on the sequence (`all_gather_tensor`) and the partial sums' chunks on the first dimension before
 the reduce-scatter (`reduce_scatter_tensor`). Async TP's fused ops gather into one whole tensor and write the partial
