@@ -1855,9 +1855,9 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
         last = np.flatnonzero(t.minibatch[rows] == minibatch + 1)
         _, firsts = np.unique(t.device[rows][last], return_index=True)
         starts = last[firsts].tolist()  # each device's first row of the last mini-batch, and its rows from it on
-        longest = _longest_from_ms([program[[row for row, *_ in program].index(start):]
-                                    for program, start in zip(programs, starts)])
-        step_ms = max(step_ms, min(longest.get(start, 0.0) for start in starts))  # none: rows wait on one another
+        longest_ms = _longest_from_ms([program[[row for row, *_ in program].index(start):]
+                                       for program, start in zip(programs, starts)])
+        step_ms = max(step_ms, min(longest_ms.get(start, 0.0) for start in starts))  # none: rows wait on one another
     return step_ms
 
 
@@ -1902,37 +1902,37 @@ def _longest_from_ms(programs: list[list[tuple[int, int, float, float]]]) -> dic
         for row, wait, lag_ms, _ in program:
             if wait >= 0:
                 named.setdefault(wait, []).append((row, lag_ms))
-    longest: dict[int, float] = {}
+    longest_ms: dict[int, float] = {}
     rows = {row for program in programs for row, *_ in program}
     left = [len(program) for program in programs]  # per device: its rows not taken yet
-    ahead = [0.0] * len(programs)  # per device: the longest of its next compute row and the network rows before it
-    lane = [0.0] * len(programs)  # per device: its next network row's longest
+    ahead_ms = [0.0] * len(programs)  # per device: the longest of its next compute row and the network rows before it
+    lane_ms = [0.0] * len(programs)  # per device: its next network row's longest
     progressed = True
     while progressed:
         progressed = False
         for d, program in enumerate(programs):
-            i, most, next_ms = left[d], ahead[d], lane[d]
+            i, most_ms, next_ms = left[d], ahead_ms[d], lane_ms[d]
             while i:
                 row, wait, _, duration_ms = program[i - 1]
                 waited_ms = 0.0
                 for later, lag_ms in named.get(row, ()):
                     if later in rows:
-                        if later not in longest:
+                        if later not in longest_ms:
                             break
-                        waited_ms = max(waited_ms, lag_ms + longest[later])
+                        waited_ms = max(waited_ms, lag_ms + longest_ms[later])
                 else:
                     if wait == _ON_NETWORK:
-                        next_ms = longest[row] = duration_ms + max(waited_ms, next_ms)
-                        most = max(most, next_ms)
+                        next_ms = longest_ms[row] = duration_ms + max(waited_ms, next_ms)
+                        most_ms = max(most_ms, next_ms)
                     else:
-                        most = longest[row] = duration_ms + max(waited_ms, most)
+                        most_ms = longest_ms[row] = duration_ms + max(waited_ms, most_ms)
                     i -= 1
                     continue
                 break
             if i < left[d]:
                 progressed = True
-                left[d], ahead[d], lane[d] = i, most, next_ms
-    return longest
+                left[d], ahead_ms[d], lane_ms[d] = i, most_ms, next_ms
+    return longest_ms
 
 
 def _earliest_end_ms(programs: list[list[tuple[int, int, float, float]]], rows: int, target: int) -> float:
