@@ -1405,7 +1405,7 @@ def _replicated_gradients(layer: LayerCount, name: str, weights: frozenset[int])
              if sum(nbytes for nbytes, _ in vectors) == layer.norm_param_bytes + _row_bias_bytes(layer) else set())
     embedding = next((number for number, (shape, nbytes) in made.items()
                       if nbytes == layer.position_embedding_bytes and sum(size > 1 for size in shape) > 1), None)
-    return frozenset(whole | ({embedding} if layer.position_embedding_bytes and embedding is not None else set()))
+    return frozenset(whole | ({embedding} if embedding is not None else set()))  # none where the layer has none
 
 
 def rank_share(layer: LayerCount, share: float, t: int, element_bytes: int) -> float:
