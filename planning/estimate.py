@@ -2013,8 +2013,7 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
     with `megatron_step`, what Megatron-LM's 16-bit optimizer makes of each parameter each step (`_stepped`),
     refused where the precision keeps no float32 master weights or the optimizer is sharded (its distributed
     optimizer, not replayed so). A run of layers alike but for their names and inputs (a model's repeated blocks)
-    shares the first one's, made once."""
-    allocations: list[LayerAllocations] = []
+    shares the first one's, made once (`_per_block`)."""
     held = parallel.held(counted.dtype)
     if megatron_step and not held.master_bytes:
         raise EstimateError(f"megatron is Megatron-LM's 16-bit optimizer, whose float32 master weights {{precision}} "
@@ -2025,23 +2024,22 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
                             "({sharded_optimizer}) allocates otherwise and is not replayed so")
     element = _element_bytes(counted.dtype)
     forms = Float8Forms(parallel.float8_recipe, element)
-    for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
-        if not repeated:
-            gathered = gathered_saves(layer, parallel)
-            saved = forms.of(layer).saved_tensors if gathered else ()  # a gathered input as the recipe saves it
-            split = _Split.of(layer, parallel)
-            made = _rank_allocations(layer, split, parallel.recompute,
-                                     parallel.recompute_modules, parallel.torch_compile,
-                                     tuple((number, saved[i][1]) for i, number in gathered),
-                                     gathered_gradient_element_bytes(layer, parallel, element))
-            unsharded = _unsharded(layer, made, parallel, element)
-            wgrad_kept, wgrad_inputs, wgrad_gradients = _wgrad_kept_storages(forms.of(layer), split, parallel)
-            made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
-                           stepped=(_stepped(tuple(_gradient_storages(made).values()), held, element)
-                                    if megatron_step else ()),
-                           wgrad_kept=wgrad_kept, wgrad_inputs=wgrad_inputs, wgrad_gradients=wgrad_gradients)
-        allocations.append(made)
-    return allocations
+
+    def allocations_of(layer: LayerCount) -> LayerAllocations:
+        gathered = gathered_saves(layer, parallel)
+        saved = forms.of(layer).saved_tensors if gathered else ()  # a gathered input as the recipe saves it
+        split = _Split.of(layer, parallel)
+        made = _rank_allocations(layer, split, parallel.recompute,
+                                 parallel.recompute_modules, parallel.torch_compile,
+                                 tuple((number, saved[i][1]) for i, number in gathered),
+                                 gathered_gradient_element_bytes(layer, parallel, element))
+        unsharded = _unsharded(layer, made, parallel, element)
+        wgrad_kept, wgrad_inputs, wgrad_gradients = _wgrad_kept_storages(forms.of(layer), split, parallel)
+        return replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
+                       stepped=_stepped(tuple(_gradient_storages(made).values()), held, element) if megatron_step
+                       else (), wgrad_kept=wgrad_kept, wgrad_inputs=wgrad_inputs, wgrad_gradients=wgrad_gradients)
+
+    return _per_block(counted, allocations_of)
 
 
 def _wgrad_kept_storages(layer: LayerCount, split: _Split, parallel: Parallelism
