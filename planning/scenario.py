@@ -48,7 +48,7 @@ from ..schedules import (
     StageGraph,
     kind_mask,
     peak_per_stage,
-    weight_versions,
+    version_reads,
 )
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
@@ -561,8 +561,7 @@ class Scenario:
         weights = range_sums(c.param_bytes for c in costs.stages)
         transient = _range_maxima([max(layer.transient_bytes.values(), default=0) for layer in layers])
         received = 2 * np.array([0, *(layer.output_bytes for layer in layers[:-1]), 0])  # into layer i, and back
-        versions = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), weight_versions(sched).copies_delta,
-                                  sched.num_stages)
+        versions = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), version_reads(sched)[1], sched.num_stages)
         activations = activation_ranges(layer_costs(layers, self.optimizer))
         # summed over a range as a stage's are; a range fed by the batch alone all it saved, no gradients
         # (profiles/schema.py `stage_wgrad_held`)

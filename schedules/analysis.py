@@ -368,7 +368,8 @@ def weight_versions(schedule: Schedule) -> Versions:
 
 def version_reads(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     """`weight_versions`' `read` and `copies_delta` alone, without the copies each device holds after each action:
-    what tune reads off hundreds of orders (planning/tune.py `_held`)."""
+    what tune reads off hundreds of orders (planning/tune.py `_held`) and a stage's memory of every range of layers
+    (planning/scenario.py `Scenario.stage_memory`)."""
     read, _, copies_delta, _ = _version_reads(schedule)
     return read, copies_delta
 
