@@ -161,7 +161,7 @@ TORCH_RING_BACKWARD_QUERY_COPIES = 2
 # The queries a fused attention kernel's CTA takes on Hopper at head dim 128 (FlashAttention-3's causal 128 x 128:
 # Dao-AILab/flash-attention hopper/tile_size.h `tile_size_fwd_sm90`; cuDNN's are not published): the unit of the
 # causal tail's tiles (hardware/catalogue.py `AttentionPasses`)
-ATTENTION_QUERY_TILE = 128
+ATTENTION_TILE_QUERIES = 128
 FLOAT32_BYTES = 4
 # How a backward's weight gradients are added into those accumulated over the mini-batch's micro-batches: fused,
 # inside the weight-gradient product (TransformerEngine's and APEX's fuse_wgrad_accumulation: the GEMM writes
@@ -417,8 +417,8 @@ def op_ms(op: OpCount, device: Device) -> float:
 
 def query_tiles(op: OpCount) -> int:
     """The CTAs an attention kernel `op` (batch·heads, queries, keys, head size) runs: one a block of
-    `ATTENTION_QUERY_TILE` queries of each batch·head."""
-    return op.shape[0] * math.ceil(op.shape[1] / ATTENTION_QUERY_TILE)
+    `ATTENTION_TILE_QUERIES` queries of each batch·head."""
+    return op.shape[0] * math.ceil(op.shape[1] / ATTENTION_TILE_QUERIES)
 
 
 def attention_kernel_ms(flops: float, moved_bytes: float, backward: bool, causal: bool, device: Device,
