@@ -126,17 +126,15 @@ def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | 
     splits backwards, or counts its updates); each gives stage k's bytes or ms for every range of layers at once,
     entry [i, j] for layers i .. j-1."""
     n = _check(layers, stages)
-
-    def memory() -> StageCosts:  # read only under a cap, or where no split fits (tune partitions uncapped)
-        return stage_bytes or _one_f_one_b_bytes(layers, stages)
-
-    over_cap = None if memory_cap_bytes is None else _stage_blocks(n, stages, memory(), memory_cap_bytes)
+    # read only under a cap (tune partitions uncapped), where no split fitting it falls back on the leanest
+    memory = None if memory_cap_bytes is None else stage_bytes or _one_f_one_b_bytes(layers, stages)
+    over_cap = None if memory is None else _stage_blocks(n, stages, memory, memory_cap_bytes)
     times = _stage_blocks(n, stages, stage_time or _forward_backward_ms(layers))
     slowest_ms, bounds = _min_max_split(n, stages, times, over_cap)
     if devices is not None and slowest_ms < math.inf and any(len(held) > 1 for held in devices):
         bounds = _least_busy_devices(n, times, devices, slowest_ms, over_cap, bounds)
     if slowest_ms == math.inf:
-        least_bytes, leanest = leanest_partition(layers, stages, memory())
+        least_bytes, leanest = leanest_partition(layers, stages, memory)
         raise OverCapError(
             f"no split of {n} layers into {stages} stages fits {memory_cap_bytes / GIB:.3g} GiB per device: "
             f"the least memory any split needs on its fullest device is {least_bytes / GIB:.3g} GiB"

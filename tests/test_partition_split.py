@@ -8,11 +8,13 @@ import math
 from functools import cache
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from pipesim.profiles.partition import LayerCost, PartitionError, leanest_partition, partition
+from pipesim.profiles import partition as partition_module
+from pipesim.profiles.partition import LayerCost, OverCapError, PartitionError, leanest_partition, partition
 
 # few distinct values, so that ties are common; negative ones only where no range is (i >= j)
 COSTS = st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 7.25])
@@ -103,3 +105,18 @@ def test_stages_whose_costs_differ_in_type_are_compared_as_numbers():
     held[1][1, 3] = 3.75
     assert leanest_partition([LayerCost(1.0, 0, 0)] * 3, 2, held.__getitem__) == (3.75, [0, 1, 3]) == \
         _reference(3, 2, lambda k, i, j: float(held[k][i, j]))
+
+
+def test_a_cap_no_split_fits_builds_the_1f1b_memory_tables_once(monkeypatch):
+    """The cap's check and the leanest split it falls back on read the same 1F1B tables, built once."""
+    built = []
+
+    def counted(layers, stages):
+        built.append(stages)
+        return one_f_one_b_bytes(layers, stages)
+
+    one_f_one_b_bytes = partition_module._one_f_one_b_bytes
+    monkeypatch.setattr(partition_module, "_one_f_one_b_bytes", counted)
+    with pytest.raises(OverCapError) as refused:
+        partition([LayerCost(1.0, 100, 10)] * 4, 2, memory_cap_bytes=50)
+    assert built == [2] and refused.value.leanest == leanest_partition([LayerCost(1.0, 100, 10)] * 4, 2)[1]
