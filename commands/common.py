@@ -816,7 +816,7 @@ def writing(flag: str) -> Iterator[None]:
         yield
     except OSError as exc:
         path = exc.filename if exc.filename else "its output"
-        raise InputError(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
+        raise InputError(f"{flag}: cannot write {path}: {_reason(exc)}") from None
 
 
 def read_error(exc: OSError) -> str:
@@ -824,7 +824,13 @@ def read_error(exc: OSError) -> str:
     which names its flag, and the files the flags name are read through pipesim.files, which names the flag too:
     what is left is a file the command reads for itself (a source of pipesim's, a cache) or no file at all (a
     socket), never an output, so it is never called one."""
-    return f"cannot read {exc.filename}: {exc.strerror}" if exc.filename else str(exc)
+    return f"cannot read {exc.filename}: {_reason(exc)}" if exc.filename else str(exc)
+
+
+def _reason(exc: OSError) -> str:
+    """What went wrong in an OSError's own words: its strerror, else what it was raised with (a message alone;
+    its str would read "[Errno None] None: PATH" once a file name is set), else its type."""
+    return exc.strerror or ", ".join(map(str, exc.args)) or type(exc).__name__
 
 
 # What the optional modules are and how to install them: import name -> (pip package, pipesim's extra with it).

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from pipesim import traces
+from pipesim.commands.common import InputError, read_error, writing
 from pipesim.study import results
 from tests.conftest import pipesim
 
@@ -83,3 +84,12 @@ def test_a_study_whose_results_cannot_be_saved_names_results(tmp_path, monkeypat
                            "--html", tmp_path / "s.html")
     assert (code, err) == (2, f"error: --results: cannot write {path}: No space left on device\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_os_error_without_strerror_still_says_why_on_a_read_and_on_a_write():
+    exc = OSError("the cache is locked")
+    exc.filename = "/some/cache"
+    assert read_error(exc) == "cannot read /some/cache: the cache is locked"
+    with pytest.raises(InputError) as raised, writing("--out"):
+        raise exc
+    assert str(raised.value) == "--out: cannot write /some/cache: the cache is locked"
