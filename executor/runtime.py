@@ -241,6 +241,7 @@ class DeviceResult:
     memory_bytes: np.ndarray
     peak_bytes: np.ndarray
     activation_bytes: np.ndarray
+    send_cpu_ns: np.ndarray
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
     weights: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
     rows_done: int = 0
@@ -248,7 +249,6 @@ class DeviceResult:
     compute: str = ""
     bounds: list[int] = field(default_factory=list)  # the stage bounds the model was cut at
     routed: dict[int, list[int]] = field(default_factory=dict)  # stage -> its weights that are slices of experts
-    send_cpu_ns: np.ndarray = field(default_factory=lambda: _int_array(0))
 
 
 class DeviceLoop:
