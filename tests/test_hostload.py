@@ -5,6 +5,7 @@ between them (tests/test_contention.py calibrates under two loads). The load is 
 with `host_counters`: no test reads the machine's."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -82,6 +83,43 @@ def test_own_cpu_time_counts_descendants_alive_and_ended():
     # /proc counts CPU in clock ticks (10 ms), each process's rounded down: the grandchild's 0.3 s can read 0.28;
     # uncounted, it would read only the two interpreters' start-up, well under 0.2
     assert alive >= 0.25 and ended >= alive
+
+
+def _ended_unreaped(pid: int) -> None:
+    """Wait until process `pid` has ended and is a zombie, not yet reaped."""
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
+        assert time.monotonic() < deadline, f"process {pid} did not end"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_an_adopted_orphan_is_reaped_once_it_ends():
+    """A grandchild seen while its parent lives, then orphaned (re-parented here) and ended, is reaped by the
+    next reading, not left a zombie for as long as the command (a pytest session) runs."""
+    orphan = ("import os, time\nparent = os.getppid()\nprint(os.getpid(), flush=True)\n"
+              "while os.getppid() == parent: time.sleep(0.01)")
+    child = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', "
+                              f"{orphan!r}])\nsys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    grandchild = int(child.stdout.readline())  # once it knows its parent
+    hostload._own_cpu_s()  # sees it below its parent
+    child.stdin.close()  # its parent reads the end and ends
+    assert child.wait(30) == 0
+    _ended_unreaped(grandchild)
+    hostload._own_cpu_s()
+    with pytest.raises(ChildProcessError):  # reaped: no longer a child of this process
+        os.waitpid(grandchild, os.WNOHANG)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_a_child_of_this_commands_own_is_left_for_its_waiter():
+    """A subprocess that has ended but is not yet waited for keeps its exit status for its Popen."""
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    hostload._own_cpu_s()
+    _ended_unreaped(child.pid)
+    hostload._own_cpu_s()
+    assert child.wait(30) == 3
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")

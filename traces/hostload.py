@@ -43,6 +43,7 @@ import ctypes
 import math
 import os
 import time
+from contextlib import suppress
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from functools import cache
@@ -119,14 +120,17 @@ def _own_cpu_s() -> float | None:
     if under_torchrun():
         return tree_cpu_s(os.getppid())
     _adopt_orphans()
-    return tree_cpu_s(os.getpid())
+    processes = _processes()
+    if processes is not None:
+        _reap_orphans(processes)
+    return _tree_cpu_s(processes, os.getpid())
 
 
 @cache
 def _adopt_orphans() -> None:
     """Make this process its descendants' subreaper (Linux; elsewhere nothing changes): one whose parent ends is
     re-parented here, not to init, so `tree_cpu_s` still walks to it, and once it ends its CPU time stays in the
-    tree, in its zombie's /proc stat until reaped, then in this process's cutime."""
+    tree, in its zombie's /proc stat until reaped (`_reap_orphans`), then in this process's cutime."""
     try:
         libc = ctypes.CDLL(None)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -134,14 +138,51 @@ def _adopt_orphans() -> None:
         pass
 
 
-def tree_cpu_s(root: int) -> float | None:
-    """The CPU-seconds process `root` and its descendants have used: each live process's own and what its ended
-    children used (those it waited for), or None without /proc or where `root` has ended."""
-    parents, used = {}, {}
+@dataclass(frozen=True)
+class _Process:
+    """A process as /proc/PID/stat tells it: its parent, state ("Z": ended, not yet reaped), start (clock ticks
+    after boot: with the pid, which a new process may take once this one is reaped, it names this one) and the
+    CPU ticks it and the children it waited for used."""
+
+    parent: int
+    state: str
+    started: int
+    ticks: int
+
+
+# (pid, start) of the processes seen below a child of this command's (alive, or adopted here since): the orphans
+# it may reap once they end (`_reap_orphans`)
+_below_children: set[tuple[int, int]] = set()
+
+
+def _reap_orphans(processes: dict[int, _Process]) -> None:
+    """Reap the ended orphans this command adopted (`_adopt_orphans`), else they would stay zombies as long as it
+    runs (pytest's whole session). Only a process first seen below one of its children is reaped: its own
+    children are its subprocesses' and multiprocessing's to wait for, which reaping would rob of their exit
+    status. An orphan born and ended between two readings was never seen so; it stays a zombie until this
+    command ends (its CPU time counted all the same, in its stat)."""
+    me = os.getpid()
+    tree = _descendants(processes, me)
+    for pid in tree[1:]:
+        process = processes[pid]
+        key = (pid, process.started)
+        if process.parent == me and key in _below_children:
+            if process.state == "Z":
+                with suppress(ChildProcessError):  # reaped meanwhile by a wait for any child
+                    os.waitpid(pid, os.WNOHANG)  # its time moves into this process's cutime: the tree's stays
+                _below_children.discard(key)
+        elif process.parent != me:
+            _below_children.add(key)
+    _below_children.intersection_update((pid, processes[pid].started) for pid in tree)
+
+
+def _processes() -> dict[int, _Process] | None:
+    """Every process /proc lists now, by pid, or None without /proc."""
     try:
         names = [name for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         return None
+    processes = {}
     for name in names:
         try:
             with open(f"/proc/{name}/stat", "rb") as stat:
@@ -149,19 +190,34 @@ def tree_cpu_s(root: int) -> float | None:
         except OSError:  # ended meanwhile
             continue
         after_name = text[text.rindex(b")") + 2:].split()  # the name in brackets may hold spaces
-        parents[int(name)] = int(after_name[1])
-        used[int(name)] = sum(int(ticks) for ticks in after_name[11:15])  # utime, stime, cutime, cstime
-    if root not in used:
-        return None
+        processes[int(name)] = _Process(int(after_name[1]), after_name[0].decode(), int(after_name[19]),
+                                        sum(int(ticks) for ticks in after_name[11:15]))  # utime, stime, cutime, cstime
+    return processes
+
+
+def _descendants(processes: dict[int, _Process], root: int) -> list[int]:
+    """`root`, then every process below it."""
     children: dict[int, list[int]] = {}
-    for pid, parent in parents.items():
-        children.setdefault(parent, []).append(pid)
-    tree, ticks = [root], 0
+    for pid, process in processes.items():
+        children.setdefault(process.parent, []).append(pid)
+    tree, found = [root], []
     while tree:
         pid = tree.pop()
-        ticks += used[pid]
+        found.append(pid)
         tree += children.get(pid, [])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return found
+
+
+def tree_cpu_s(root: int) -> float | None:
+    """The CPU-seconds process `root` and its descendants have used: each live process's own and what its ended
+    children used (those it waited for), or None without /proc or where `root` has ended."""
+    return _tree_cpu_s(_processes(), root)
+
+
+def _tree_cpu_s(processes: dict[int, _Process] | None, root: int) -> float | None:
+    if processes is None or root not in processes:
+        return None
+    return sum(processes[pid].ticks for pid in _descendants(processes, root)) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
