@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .common import InputError, check_outputs, fail, stderr, stdout, writing
-from .tables import print_table
+from .tables import print_tables
 
 
 def _percent(value: float | None) -> str:
@@ -99,8 +99,6 @@ def _render(c) -> None:
         start_worst = "-" if k.start_worst is None else \
             f"{k.start_worst.op}@{k.start_worst.device} {k.start_worst.error:+,.2f}"
         starts.add_row(k.kind, f"{k.ops:,}", f"{k.start_median_ms:,.2f}", f"{k.start_p90_ms:,.2f}", start_worst)
-    print_table(durations)
-    print_table(starts)
     devices = Table(box=box.SIMPLE_HEAD, title="per device (predicted / measured)", title_justify="left")
     for header in ("device", "busy ms", "exposed comm ms", "peak MiB", "peak error"):
         devices.add_column(header, justify="right")
@@ -109,7 +107,7 @@ def _render(c) -> None:
                         f"{d.predicted_exposed_comm_ms:,.2f} / {d.measured_exposed_comm_ms:,.2f}",
                         f"{_mib(d.predicted_peak_memory_mb)} / {_mib(d.measured_peak_memory_mb)}",
                         _percent(d.peak_memory_error))
-    print_table(devices)
+    print_tables([durations, starts, devices])
     stdout.print(f"matched {c.matched_ops:,} ops; weight versions: {_versions(c)}", highlight=False)
     if c.missing_in_measured or c.missing_in_predicted:
         stdout.print(f"missing: {c.missing_in_measured:,} predicted ops were not measured, "

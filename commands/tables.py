@@ -129,17 +129,31 @@ def _compact(table: Table) -> Table:
     return compact
 
 
-def print_table(table: Table, console: Console = stdout, keys: int = 1) -> None:
+def _too_wide(table: Table, ranges: list[tuple[int, int, int]], width: int | None) -> bool:
+    """Whether `table` whole (its columns at their widest) is wider than `width` (None: nothing limits it)."""
+    return width is not None and _whole_width(table, [widest for *_, widest in ranges]) > width
+
+
+def print_tables(tables: list[Table], console: Console = stdout, keys: int = 1) -> None:
+    """Print the tables of one output (`print_table` each) in one style: all compact where one must be."""
+    width = available_width(console)
+    compact = any(_too_wide(table, _content_ranges(console, table, keys), width) for table in tables)
+    for table in tables:
+        print_table(table, console, keys, compact)
+
+
+def print_table(table: Table, console: Console = stdout, keys: int = 1, compact: bool = False) -> None:
     """Print `table` so that no cell is cut: whole where it fits, else with one space between columns (the
     padding saved goes to the cells that wrap: tune's "why not" at 100 columns), else in parts of whole columns,
     each led by the first `keys` columns, which name a row (simulate --memory's schedule and device) and wrap only
-    where the other columns cannot; its title and caption wrap at the width available, not at the table's."""
+    where the other columns cannot; its title and caption wrap at the width available, not at the table's.
+    `compact`: with one space between columns even where it fits (`print_tables`: beside one that does not)."""
     width = available_width(console)
     ranges = _content_ranges(console, table, keys)
     parts = [list(range(len(ranges)))]
-    if width is not None and _whole_width(table, [widest for *_, widest in ranges]) > width:
+    if compact or _too_wide(table, ranges, width):
         table = _compact(table)
-        if _readable_width(table, ranges) > width and len(ranges) > keys + 1:
+        if width is not None and _readable_width(table, ranges) > width and len(ranges) > keys + 1:
             parts = _split(table, ranges, width, keys)
     tables = [_part(table, group) for group in parts]
     if width is None:

@@ -14,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.tables import SHORT_CELL, print_table
+from pipesim.commands.tables import SHORT_CELL, print_table, print_tables
 from pipesim.traces.metrics import rate_text
 from tests.conftest import at_columns, pipesim
 
@@ -93,6 +93,25 @@ def test_a_number_with_its_spread_is_one_value_never_wrapped():
                   "3,2,1,0", "1/3")
     lines = rendered(table, 80)
     assert any("0.904 ± 0.198" in line for line in lines), "\n".join(lines)
+
+
+def test_the_tables_of_one_output_share_one_style_where_one_must_be_compact():
+    """compare's three tables at 80 columns: the widest compact, the two that fit whole printed compact too, not
+    padded with blank rows and edges beside it."""
+    tables = []
+    for columns in (9, 2):
+        table = Table(box=box.SIMPLE_HEAD)
+        for k in range(columns):
+            table.add_column(f"column {k}", justify="right")
+        table.add_row(*(f"{k:,}.25 ms" for k in range(columns)))
+        tables.append(table)
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", "80")
+        print_tables(tables, Console(file=out, width=120, color_system=None))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 6 and all(line.startswith("column 0") or line.lstrip()[:1] in "─0" for line in lines), \
+        "\n".join(lines)
 
 
 def test_a_table_that_wraps_gives_its_padding_to_the_wrapped_cell():
