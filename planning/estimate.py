@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache
@@ -1753,14 +1753,21 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
         out.append((number, round(nbytes / split.context) if number in whole else on_rank))
         if nbytes > 0 and number in frees:
             out.append((frees[number], -gather))
-    if split.collective_copies:
-        sums = whole - roles.keys()
-        scattered = _reduce_scattered(out, whole, partial, sums)
-        copied = {"product": scattered - sums, "sum": scattered & sums}
-        return _with_collective_copies(out, split.t, set(frees.values()) if "gather" in split.collective_copies
-                                       else set(), {number for kind in split.collective_copies
-                                                    for number in copied.get(kind, ())}, sums)
-    return tuple(out)
+    sums = whole - roles.keys()
+    scattered = _reduce_scattered(out, whole, partial, sums)
+    copied = {"product": scattered - sums, "sum": scattered & sums}
+    held: dict[int, int] = {}  # Megatron-core's input gradient -> its product's weight gradient, made after it
+    if split.runtime == "megatron":
+        awaiting: dict[int, int] = {}  # a product's index -> its reduce-scattered input gradient
+        for number in dict.fromkeys(number for number, _ in out):  # each storage's allocation, in order
+            j, _, role = roles.get(number, (-1, "", ""))
+            if role == "input" and number in scattered:
+                awaiting[j] = number
+            elif role == "weight" and j in awaiting:
+                held[awaiting.pop(j)] = number
+    return _with_collective_copies(out, split.t, set(frees.values()) if "gather" in split.collective_copies else set(),
+                                   scattered, {number for kind in split.collective_copies
+                                               for number in copied.get(kind, ())}, sums, held)
 
 
 def _reduce_scattered(events: Sequence[tuple[int, int]], whole: Set[int], partials: Set[int],
@@ -1782,44 +1789,60 @@ def _reduce_scattered(events: Sequence[tuple[int, int]], whole: Set[int], partia
 
 
 def _with_collective_copies(events: Sequence[tuple[int, int]], tensor: int, gathered: Set[int],
-                            scattered: Set[int] = frozenset(), sums: Set[int] = frozenset()
+                            scattered: Set[int] = frozenset(), concatenated: Set[int] = frozenset(),
+                            sums: Set[int] = frozenset(), held: Mapping[int, int] | None = None
                             ) -> tuple[tuple[int, int], ...]:
-    """A rank's pass (`events`) with the copy each sequence-parallel collective makes of its whole tensor
-    (`Parallelism.collective_copies`), a storage of the whole tensor's bytes numbered after the pass's: an all-gather's
-    output on the first dimension before each `gathered` storage (the concatenation on the sequence) is made and
-    freed once it is; a concatenation on the first dimension after each `scattered` storage (partial sums) is
-    made, then the reduce-scatter's output, 1/`tensor` of it, made while the concatenation lives and freed after it
-    (the count's storage, held whole, stands for it after): torch/csrc/distributed/c10d/Functional.cpp's
-    `reduce_scatter_tensor_coalesced` allocates each output (`allocate_reduce_scatter_output`) before it issues
-    the collective on its input. Of autograd's `sums` of Partial gradients, the copy waits for the frees that follow
-    the sum, before the pass's next allocation: torch/csrc/autograd/input_buffer.cpp's `accumulate` replaces the
-    buffer's gradient with the sum (`buffer[pos] = old_var + var`, a tensor subclass's out of place) and drops the
-    one it added, their last uses, before the next node, the redistribution's backward, runs its reduce-scatter."""
+    """A rank's pass (`events`) with what each sequence-parallel collective allocates beside its whole tensor, each
+    a storage numbered after the pass's. Under torch's TP (`Parallelism.collective_copies`) an all-gather's output
+    on the first dimension before each `gathered` storage (the concatenation on the sequence), made and freed once
+    it is. Each `scattered` storage (partial sums) has its reduce-scatter's output, 1/`tensor` of it, made while
+    it lives, and freed at once (the count's storage, held whole, stands for it after) or, where `held` names the
+    storage, after that allocation of the pass: every runtime allocates the output before the collective reads its
+    input (torch/csrc/distributed/c10d/Functional.cpp's `reduce_scatter_tensor_coalesced`,
+    `allocate_reduce_scatter_output`; Megatron-core's `_reduce_scatter_along_first_dim`, a torch.empty of 1/t
+    before `_reduce_scatter_base`, and `LinearWithGradAccumulationAndAsyncCommunication.backward`'s
+    `sub_grad_input`, live with `grad_input` through the weight-gradient product, megatron/core/tensor_parallel/
+    mappings.py and layers.py at core_v0.9.0; async TP's `_fused_matmul_reduce_scatter_impl`, whose reduction of
+    `stacked_partials` writes the output, torch/distributed/_symmetric_memory/__init__.py at 2.6). Of those, each
+    `concatenated` has before its output the concatenation on the first dimension that funcol's reduce-scatter
+    reads, the whole tensor's bytes, freed after the output is made. Of autograd's `sums` of Partial gradients,
+    the reduce-scatter waits for the frees that follow the sum, before the pass's next allocation:
+    torch/csrc/autograd/input_buffer.cpp's `accumulate` replaces the buffer's gradient with the sum (`buffer[pos]
+    = old_var + var`, a tensor subclass's out of place) and drops the one it added, their last uses, before the
+    next node, the redistribution's backward, runs its reduce-scatter."""
     out: list[tuple[int, int]] = []
     copy = 1 + max((number for number, _ in events), default=-1)
-    waiting = 0  # the bytes of a sum's concatenation that waits for the pass's next allocation
+    waiting: tuple[int, int] | None = None  # a sum (number, bytes) whose reduce-scatter waits for an allocation
+    lingering: dict[int, tuple[int, int]] = {}  # an allocation of the pass -> an output freed after it
 
-    def reduce_scatter(nbytes: int) -> list[tuple[int, int]]:
+    def reduce_scatter(number: int, nbytes: int) -> list[tuple[int, int]]:
         nonlocal copy
-        copy += 2
-        output = round(nbytes / tensor)
-        return [(copy - 2, nbytes), (copy - 1, output), (copy - 2, -nbytes), (copy - 1, -output)]
+        made = [(copy, nbytes)] if number in concatenated else []
+        output = (copy + len(made), round(nbytes / tensor))
+        copy = output[0] + 1
+        freed = [(made_number, -made_bytes) for made_number, made_bytes in made]
+        if held and number in held:
+            lingering[held[number]] = output
+            return [*made, output, *freed]
+        return [*made, output, *freed, (output[0], -output[1])]
 
     for number, nbytes in events:
-        if nbytes > 0 and waiting:
-            out += reduce_scatter(waiting)
-            waiting = 0
+        if nbytes > 0 and waiting is not None:
+            out += reduce_scatter(*waiting)
+            waiting = None
         if nbytes > 0 and number in gathered:
             out += [(copy, nbytes), (number, nbytes), (copy, -nbytes)]
             copy += 1
-        elif nbytes > 0 and number in scattered and number in sums:
-            out.append((number, nbytes))
-            waiting = nbytes
+            continue
+        out.append((number, nbytes))
+        if nbytes > 0 and number in scattered and number in sums:
+            waiting = (number, nbytes)
         elif nbytes > 0 and number in scattered:
-            out += [(number, nbytes), *reduce_scatter(nbytes)]
-        else:
-            out.append((number, nbytes))
-    return tuple(out + (reduce_scatter(waiting) if waiting else []))
+            out += reduce_scatter(number, nbytes)
+        if number in lingering:
+            output, output_bytes = lingering.pop(number)
+            out.append((output, -output_bytes))
+    return tuple(out + (reduce_scatter(*waiting) if waiting is not None else []))
 
 
 def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], tokens: int,

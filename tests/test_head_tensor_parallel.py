@@ -29,11 +29,14 @@ def test_the_heads_backward_holds_its_input_gradient_whole(head, sequence_parall
     logits (TOKENS x V/t, 24,576 bytes each, two live at once: 49,152) are freed before the head's products run;
     then the logits' gradient cast to bf16 (TOKENS x V/t: 12,288) is live beside the input gradient, which the
     product writes whole before its reduction (TOKENS x W: 65,536): 77,824. Taken 1/t as the vocabulary's share,
-    the input gradient (16,384) left the logits' pair the peak."""
+    the input gradient (16,384) left the logits' pair the peak. Under sequence parallelism the reduce-scatter's
+    output, 1/t of the input gradient (16,384), is allocated beside it first (Megatron-core's `sub_grad_input`):
+    94,208."""
     parallel = Parallelism(tensor=T, sequence_parallel=sequence_parallel)
     estimated = estimate_layer(head, DEVICE, parallel, placement_links(H100, parallel).tensor, E)
+    scattered = TOKENS * W * E // T if sequence_parallel else 0
     for name in ("bwd", "igrad"):
-        assert estimated.transient_bytes[name] == TOKENS * V * E // T + TOKENS * W * E
+        assert estimated.transient_bytes[name] == TOKENS * V * E // T + TOKENS * W * E + scattered
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

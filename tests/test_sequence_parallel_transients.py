@@ -58,20 +58,25 @@ def test_a_t2_sequence_parallel_blocks_backward_holds_its_partial_sums_and_gathe
     weight-gradient pass's is at the attention output projection's weight gradient: the residual gradient (5,120),
     that product's output gradient gathered whole (10,240) and its input gradient, the heads' half (5,120): 20,480,
     against 15,360. The forward's: the MLP's second product's output whole before its reduce-scatter (10,240).
+    Each reduce-scatter's output, 1/t (5,120), is made while its partial sums live (Megatron-core's torch.empty
+    before `_reduce_scatter_base`, `sub_grad_input` in the backward; torch's `allocate_reduce_scatter_output`):
+    the backward's peak holds q, k and v's beside their partial sums (28,160); the forward's, under Megatron-core,
+    the MLP's ties the residual sum the count makes next while the partial sums are held whole (10,240 either way).
     Under torch each peak holds one whole copy more, made beside its collective and freed right after
     (`Parallelism.collective_copies`: funcol's chunk-and-cat, eager without async TP): beside the MLP's and q, k
     and v's partial sums their concatenation on the first dimension, which the reduce-scatter reads, and the
-    reduce-scatter's output, 1/t, made while it lives (5,120); in the weight-gradient pass the all-gather's output
-    beside the gathered gradient's concatenation on the sequence."""
+    output beside it; in the weight-gradient pass the all-gather's output beside the gathered gradient's
+    concatenation on the sequence."""
     whole = T * W * 2
     copy = whole if runtime == "torch" else 0
-    scattered = copy + copy // 2
+    scattered = copy + whole // 2
     code, _, err = pipesim("estimate", "--model", "gpt", *SHAPE, "--gpu", "h100-sxm", "--tensor-parallel", 2,
                            "--sequence-parallel", "--tp-runtime", runtime, "--out", tmp_path / "e.json")
     assert code == 0, err
     layer = json.loads((tmp_path / "e.json").read_text())["layers"][1]
-    assert layer["transient_bytes"] == {"fwd": whole + scattered, "bwd": whole // 2 + T * QKV + whole + scattered,
-                                        "igrad": whole // 2 + T * QKV + whole + scattered, "wgrad": 2 * whole + copy}
+    backward = whole // 2 + T * QKV + whole + scattered
+    assert layer["transient_bytes"] == {"fwd": whole + (scattered if copy else 0), "bwd": backward,
+                                        "igrad": backward, "wgrad": 2 * whole + copy}
 
 
 def test_without_sequence_parallelism_the_peak_is_the_ranks_own(block):
@@ -93,6 +98,13 @@ def test_without_sequence_parallelism_the_peak_is_the_ranks_own(block):
                for shape, nbytes in layer.transient_tensors["bwd"]) == 25600
 
 
+def _weight_roles(layer) -> dict[int, tuple[int, str]]:
+    """The backward's products that belong to a product with weights: number -> (index, "input" or "weight")."""
+    from pipesim.planning.estimate import _weighted_products
+
+    return {number: (j, role) for number, (j, _, role) in _weighted_products(layer, {}, "bwd").items()}
+
+
 def replayed_backward(counted, parallel: Parallelism) -> tuple[list[tuple[int, int]], list[int]]:
     """The first block's backward as the allocator replays it on a rank (`layer_allocations`): its (storage, bytes)
     events, and the bytes of those the count never made (the rank's own: its gathers and its collectives' copies)."""
@@ -104,11 +116,22 @@ def replayed_backward(counted, parallel: Parallelism) -> tuple[list[tuple[int, i
 
 
 def test_the_allocator_replays_the_gathered_gradients_whole(block):
-    """The backward's replay (`layer_allocations`) gathers each row-parallel product's output gradient whole, the
-    MLP's second product's and the attention output projection's, made and freed around its two products."""
-    counted, _ = block
-    _, gathers = replayed_backward(counted, Parallelism(tensor=2, sequence_parallel=True))
-    assert gathers == [T * W * 2, -T * W * 2] * 2
+    """The backward's replay (`layer_allocations`) under Megatron-core gathers each row-parallel product's output
+    gradient whole, the MLP's second product's and the attention output projection's, made and freed around its two
+    products; and beside each column-parallel input gradient, whole, the MLP's first product's and q, k and v's,
+    `sub_grad_input`, 1/t, made before the reduce-scatter and freed after the weight gradient (core_v0.9.0
+    `LinearWithGradAccumulationAndAsyncCommunication.backward`)."""
+    counted, layer = block
+    backward, gathers = replayed_backward(counted, Parallelism(tensor=2, sequence_parallel=True))
+    assert gathers == [T * W * 2, -T * W * 2, T * W, -T * W] * 2
+    numbered = {number for number, *_ in layer.allocations["bwd"]}
+    outputs = [i for i, (number, nbytes) in enumerate(backward) if number not in numbered and nbytes == T * W]
+    weights = {number for number, (_, role) in _weight_roles(layer).items() if role == "weight"}
+    for i in outputs:
+        freed = backward.index((backward[i][0], -T * W))
+        assert backward[i - 1][1] == T * W * 2 and [number for number, nbytes in backward[i + 1:freed]
+                                                    if nbytes > 0] == [backward[freed - 1][0]]
+        assert backward[freed - 1][0] in weights
 
 
 @pytest.mark.parametrize("fp8, runtime, element", [(None, "torch", 2), ("te", "megatron", 1),
@@ -159,7 +182,7 @@ def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_
     backward, gathers = replayed_backward(counted, parallel)
     gathered, summed = 48 * 48 * element, 48 * 48 * 2
     each = [gathered, gathered, -gathered, -gathered, summed, summed // 2, -summed, -summed // 2
-            ] if runtime == "torch" else [gathered, -gathered]
+            ] if runtime == "torch" else [gathered, -gathered, summed // 2, -summed // 2]
     assert gathers == each * 2  # down's and gate and up's, then o's and q, k and v's
     made = dict(reversed(backward))  # each number's first bytes: as made
     qkv = [number for number, _ in layer.product_allocations["bwd"][-6:]]  # v's, k's, q's weight and input gradients
