@@ -12,8 +12,8 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..profiles.workload import too_few_layers
 from ..units import GIB, KIB, MIB, count_text
-from ..workload.sizes import too_few_layers
 from .common import (
     CapacityFactor,
     ExpertFfn,

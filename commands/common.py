@@ -801,7 +801,8 @@ def check_outputs(outputs: Sequence[tuple[str, Path | None]], reads: Sequence[tu
 def model_reads(params: dict[str, Any]) -> list[tuple[str, Path | None]]:
     """The files a model's flags name, for check_outputs: --model hf:PATH's config.json, --curve-from and --gpus
     (where the command takes them)."""
-    from ..workload.hfconfig import hf_config_path, is_hf
+    from ..profiles.workload import is_hf
+    from ..workload.hfconfig import hf_config_path
 
     model = params.get("model")
     return [("--model", hf_config_path(model) if model and is_hf(model) else None),
@@ -860,7 +861,7 @@ def require(needer: str, *modules: str) -> None:
 def require_model_data(needer: str, model: str) -> None:
     """scikit-learn, for a built-in model that trains on its digits data; transformers, for a Hugging Face config
     (call after torch is required: the models are torch code)."""
-    from ..workload.hfconfig import is_hf
+    from ..profiles.workload import is_hf
     from ..workload.models import DIGITS_MODELS
 
     if model in DIGITS_MODELS:

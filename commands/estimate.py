@@ -16,7 +16,7 @@ import typer
 
 from ..choices import choose_from
 from ..planning.host import HOST_KERNEL_US
-from ..workload.sizes import too_few_layers
+from ..profiles.workload import too_few_layers
 from .common import (
     DTYPES,
     MODEL_SIZES,
@@ -477,8 +477,9 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
     import json
     from importlib import metadata
 
+    from ..profiles.workload import is_hf
     from ..workload.cachedir import cache_dir
-    from ..workload.hfconfig import HfConfigError, is_hf, read_hf_config
+    from ..workload.hfconfig import HfConfigError, read_hf_config
 
     sources = ["workload/models.py", "workload/moe.py", "workload/loss.py", "workload/norms.py", "workload/rope.py",
                "workload/count.py",

@@ -17,9 +17,9 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from ..profiles.workload import too_few_layers
 from ..traces.metrics import rate_text
 from ..units import count_text
-from ..workload.sizes import too_few_layers
 from .common import (
     SEARCH_COSTS,
     ActivationLimit,
@@ -173,7 +173,7 @@ def run(
         from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
         from ..planning.scenario import all_to_all_refusal
         from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
-        from ..workload.hfconfig import is_hf
+        from ..profiles.workload import is_hf
         from ..workload.models import ModelError, build_model
         from ..workload.transport import TransportError, choose_transport
 

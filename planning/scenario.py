@@ -37,6 +37,7 @@ from ..profiles.partition import (
     searched_partition,
 )
 from ..profiles.partition import StageCosts as RangeCosts
+from ..profiles.workload import too_few_layers
 from ..schedules import (
     COLLECTIVE_KINDS,
     KIND_CODE,
@@ -56,7 +57,6 @@ from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserv
 from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime, keeps_saved_until_weights, merges_outputs, wgrad_held
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
-from ..workload.sizes import too_few_layers
 
 if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile, StageProfile

@@ -5,10 +5,32 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
+
+from ..units import count_text
+
+HF_PREFIX = "hf:"  # --model hf:PATH counts a Hugging Face decoder from its config (workload/hfconfig.py)
+
+
+def is_hf(model: str) -> bool:
+    """Whether --model names a Hugging Face config (`hf:PATH`) rather than a built-in or a user's module: here, beside
+    the counts, so that the planner may tell a profile's model apart without the torch side."""
+    return model.startswith(HF_PREFIX)
+
+
+def too_few_layers(stages: str, model: str, options: Mapping[str, Any], layers: int) -> str:
+    """The one line for more stages than the model has layers (`stages`: the flags that ask for them), which the
+    command line says of a model it builds or counts and the planner of a profile's. --layers counts a built-in
+    model's blocks, and a pipeline cuts between all its layers, the embedding or classifier around the blocks too:
+    both counts are said, so that 4 blocks and 6 layers do not read as a contradiction."""
+    given = "" if is_hf(model) else " (--layers)"  # a Hugging Face config gives its own
+    blocks = f" of {count_text(options['layers'], 'block')}{given}" if "layers" in options else ""
+    return (f"{stages}: {model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs at least "
+            "one layer)")
+
 
 # forward, full backward, and the backward split into its input-gradient and weight-gradient passes: the weight
 # pass's ops are the full backward's that the input pass does not run alike (a LayerNorm's backward, which

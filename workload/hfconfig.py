@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..files import read_json
+from ..profiles.workload import HF_PREFIX
 
-HF_PREFIX = "hf:"
 CONFIG_NAME = "config.json"
 # The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
 # model's size), as pipesim names them: its options, which the estimate's tensor-parallel checks read.
@@ -27,11 +27,6 @@ SIZES = (*FIGURES.values(), "num_key_value_heads")
 
 class HfConfigError(ValueError):
     """A config that cannot be read; the message is one line naming the file and what is wrong."""
-
-
-def is_hf(model: str) -> bool:
-    """Whether --model names a Hugging Face config (`hf:PATH`) rather than a built-in or a user's module."""
-    return model.startswith(HF_PREFIX)
 
 
 @dataclass(frozen=True)

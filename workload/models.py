@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from pipesim.choices import choose_from, unknown_names
+from pipesim.profiles.workload import is_hf
 from pipesim.workload import data
-from pipesim.workload.hfconfig import is_hf
 from pipesim.workload.moe import (
     DEFAULT_TOP_K,
     ExpertExchange,

@@ -1,12 +1,9 @@
 """The built-in models' default sizes and the choices their count takes, apart from their torch code
 (workload/models.py builds with them, workload/count.py counts with them), so that the command line can show and
-check them without importing torch; and the one line refusing more stages than a model's layers."""
+check them without importing torch."""
 
-from collections.abc import Mapping
-from typing import Any
 
 from ..choices import choose_from
-from ..units import count_text
 
 DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "mlp": {"layers": 8, "width": 512},
@@ -32,16 +29,3 @@ def kernels_refusal(cross_entropy: str, norm_kernel: str, rope_kernel: str, loss
     if loss_parallel and cross_entropy != "torch":
         return "--loss-parallel is torch's cross entropy: leave out --cross-entropy megatron"
     return None
-
-
-def too_few_layers(stages: str, model: str, options: Mapping[str, Any], layers: int) -> str:
-    """The one line for more stages than the model has layers (`stages`: the flags that ask for them), which the
-    command line says of a model it builds or counts and the planner of a profile's. --layers counts a built-in
-    model's blocks, and a pipeline cuts between all its layers, the embedding or classifier around the blocks too:
-    both counts are said, so that 4 blocks and 6 layers do not read as a contradiction."""
-    from .hfconfig import is_hf
-
-    given = "" if is_hf(model) else " (--layers)"  # a Hugging Face config gives its own
-    blocks = f" of {count_text(options['layers'], 'block')}{given}" if "layers" in options else ""
-    return (f"{stages}: {model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs at least "
-            "one layer)")
