@@ -471,11 +471,12 @@ def _least_busy_devices(n: int, times: np.ndarray, devices: Sequence[Sequence[in
         for k in held:
             counts[k][device] += 1
     runs = np.array(counts, dtype=float)
-    per_stage = runs.sum(axis=1).tolist()
+    stage_runs = runs.sum(axis=1)  # [k]: how often stage k runs, over every device
+    per_stage = stage_runs.tolist()
     least = np.full((stages + 1, m), math.inf)  # [k, r]: the least busy time stages k.. add from row r
     least[stages, m - 1] = 0.0
     with np.errstate(invalid="ignore"):
-        busy = np.where(allowed, runs.sum(axis=1)[:, None, None] * times, math.inf)  # stage k's over each range
+        busy = np.where(allowed, stage_runs[:, None, None] * times, math.inf)  # stage k's over each range
     for k in range(stages - 1, -1, -1):
         least[k] = (busy[k] + least[k + 1]).min(axis=1)
     open_ = allowed & np.isfinite(least[1:, None, :])  # [k, r, c]: stage k may end at c, the stages after cover c..
