@@ -337,10 +337,16 @@ _QK_NORM_NAMES = {"q_norm", "k_norm", "q_layernorm", "k_layernorm"}
 _POSITION_EMBEDDING_NAMES = {"positions", "wpe", "position_embeddings"}
 
 
-def _norm_bytes(layer: torch.nn.Module, names: set[str] | None = None) -> int:
-    """The bytes of `layer`'s norms' weights (`_region_kind`), of those whose own name is among `names` if given."""
-    return sum(_nbytes(p) for name, module in layer.named_modules() if _region_kind(name, module) == "layernorm"
+def _module_bytes(layer: torch.nn.Module, kept: Callable[[str, torch.nn.Module], bool],
+                  names: set[str] | None = None) -> int:
+    """The bytes of the own parameters of `layer`'s submodules that `kept` (qualified name, module) keeps, of those
+    whose own name is among `names` if given."""
+    return sum(_nbytes(p) for name, module in layer.named_modules() if kept(name, module)
                and (names is None or name.rpartition(".")[2] in names) for p in module.parameters(recurse=False))
+
+
+def _is_norm(name: str, module: torch.nn.Module) -> bool:
+    return _region_kind(name, module) == "layernorm"
 
 
 def _region_kind(name: str, module: torch.nn.Module) -> str | None:
@@ -794,11 +800,10 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         sequence_inputs=_sequence_inputs(saved, fwd.live),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
-        norm_param_bytes=_norm_bytes(layer), qk_norm_param_bytes=_norm_bytes(layer, _QK_NORM_NAMES),
-        position_embedding_bytes=sum(_nbytes(p) for name, module in layer.named_modules()
-                                     if isinstance(module, torch.nn.Embedding)
-                                     and name.rpartition(".")[2] in _POSITION_EMBEDDING_NAMES
-                                     for p in module.parameters(recurse=False)),
+        norm_param_bytes=_module_bytes(layer, _is_norm),
+        qk_norm_param_bytes=_module_bytes(layer, _is_norm, _QK_NORM_NAMES),
+        position_embedding_bytes=_module_bytes(layer, lambda _, module: isinstance(module, torch.nn.Embedding),
+                                               _POSITION_EMBEDDING_NAMES),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
