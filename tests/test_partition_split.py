@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from pipesim.profiles import partition as partition_module
-from pipesim.profiles.partition import LayerCost, OverCapError, PartitionError, leanest_partition, partition
+from pipesim.profiles.partition import (
+    LayerCost,
+    OverCapError,
+    PartitionError,
+    ScaledRanges,
+    leanest_partition,
+    partition,
+)
 
 # few distinct values, so that ties are common; negative ones only where no range is (i >= j)
 COSTS = st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 7.25])
@@ -120,3 +127,21 @@ def test_a_cap_no_split_fits_builds_the_1f1b_memory_tables_once(monkeypatch):
     with pytest.raises(OverCapError) as refused:
         partition([LayerCost(1.0, 100, 10)] * 4, 2, memory_cap_bytes=50)
     assert built == [2] and refused.value.leanest == leanest_partition([LayerCost(1.0, 100, 10)] * 4, 2)[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_scaled_ranges_read_at_once_are_each_stages_table(data):
+    """`ScaledRanges`' blocks of every stage, read at once off strided views of its tables (`_stage_blocks`), are
+    those cut from each stage's whole table, `base + scales[k] · table + ...`, entry for entry, and over a cap."""
+    n = data.draw(st.integers(1, 8))
+    stages = data.draw(st.integers(1, n))
+    table = arrays(np.int64, (n + 1, n + 1), elements=st.integers(0, 1_000))
+    terms = tuple((data.draw(st.lists(st.integers(0, 5), min_size=stages, max_size=stages)), data.draw(table))
+                  for _ in range(data.draw(st.integers(0, 2))))
+    costs = ScaledRanges(data.draw(table), terms)
+    whole = [costs(k) for k in range(stages)]  # each stage's (n+1) x (n+1) table, as a plain `StageCosts`
+    cap = data.draw(st.integers(0, 6_000))
+    for above in (None, cap):
+        assert np.array_equal(partition_module._stage_blocks(n, stages, costs, above),
+                              partition_module._stage_blocks(n, stages, whole.__getitem__, above))
