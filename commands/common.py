@@ -933,9 +933,10 @@ def held_precision(flags: dict) -> str | None:
     from ..sim.costs import precision_refusal
 
     precision = flags.get("precision")
-    if precision is not None:
-        refuse(precision_refusal(precision, "--precision"))
-    if precision is not None and flags.get("profile") is not None:
+    if precision is None:
+        return None
+    refuse(precision_refusal(precision, "--precision"))
+    if flags.get("profile") is not None:
         raise InputError("--precision: a profile holds its weights, gradients and optimizer state as it was "
                          "calibrated or estimated with; drop --precision (`pipesim estimate --precision` sets an "
                          "estimate's)")
