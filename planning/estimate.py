@@ -1363,27 +1363,30 @@ def replicated_share(layer: LayerCount, element_bytes: int) -> float:
     return whole / layer.param_bytes
 
 
-def _row_bias_bytes(layer: LayerCount) -> int:
-    """The bytes of `layer`'s row-parallel products' biases (`_biases`), whole on every rank."""
-    return sum(nbytes for nbytes, row in _biases(layer) if row)
+def _row_bias_bytes(layer: LayerCount, splits: Mapping[int, str] | None = None) -> int:
+    """The bytes of `layer`'s row-parallel products' biases (`_biases`, of `splits`), whole on every rank."""
+    return sum(nbytes for nbytes, row in _biases(layer, splits) if row)
 
 
-def _biases(layer: LayerCount) -> list[tuple[int, bool]]:
+def _biases(layer: LayerCount, splits: Mapping[int, str] | None = None) -> list[tuple[int, bool]]:
     """Per product's bias (`LayerCount.weight_grad_bias_bytes`, none where 0), its bytes and whether its product is
     row-parallel (`_weight_splits`: the attention's output projection's, the MLP's down projection's), whole on every
     rank: Megatron-core's RowParallelLinear adds its whole bias after the reduction (megatron/core/tensor_parallel/
     layers.py `RowParallelLinear.__init__` at core_v0.14.0: `self.bias` of `output_size`, its `sequence_parallel`
     attribute set), as torch's RowwiseParallel replicates it (torch/distributed/tensor/parallel/style.py
-    `_partition_linear_fn`); a column-parallel product's split with it."""
+    `_partition_linear_fn`); a column-parallel product's split with it. `splits`: `_weight_splits`' where found
+    (`_Split.weights`), else found here."""
     if not any(layer.weight_grad_bias_bytes):
         return []
-    shape = _stream_shape(layer)
-    splits = _weight_splits(layer, _weighted_products(layer, {}, "fwd"), math.prod(shape[:-1]) if shape else 0,
-                            shape[-1] if shape else 0)
+    if splits is None:
+        shape = _stream_shape(layer)
+        splits = _weight_splits(layer, _weighted_products(layer, {}, "fwd"), math.prod(shape[:-1]) if shape else 0,
+                                shape[-1] if shape else 0)
     return [(nbytes, splits.get(j) == "row") for j, nbytes in enumerate(layer.weight_grad_bias_bytes) if nbytes]
 
 
-def _replicated_gradients(layer: LayerCount, name: str, weights: frozenset[int]) -> frozenset[int]:
+def _replicated_gradients(layer: LayerCount, name: str, weights: frozenset[int],
+                          splits: Mapping[int, str]) -> frozenset[int]:
     """Of the parameters' gradients pass `name` leaves (`weights`, `_weight_gradients`), those of the weights tensor
     parallelism keeps whole on every rank (`replicated_share`), which a rank makes whole: its norms'
     (`LayerCount.norm_param_bytes`), its row-parallel products' biases (`_biases`) and its learned position embedding
@@ -1391,18 +1394,19 @@ def _replicated_gradients(layer: LayerCount, name: str, weights: frozenset[int])
     count does not link a storage to its parameter, so they are told by their bytes, which is all a replay reads: the
     position embedding's, a storage of its bytes that is no vector; the norms' and row biases', the vectors (one
     dimension above 1) no product makes, once each column-parallel bias has taken one of its bytes, where they add up
-    to those weights' bytes (else none: the count's storages are not told apart)."""
+    to those weights' bytes (else none: the count's storages are not told apart). `splits`: the layer's products'
+    (`_Split.weights`)."""
     made = {number: (shape, nbytes) for number, shape, nbytes, _ in layer.allocations.get(name, ())
             if nbytes > 0 and number in weights}
     products = _weighted_products(layer, {}, name)
     vectors = sorted((nbytes, number) for number, (shape, nbytes) in made.items()
                      if sum(size > 1 for size in shape) <= 1 and number not in products)
-    for nbytes, row in _biases(layer):
+    for nbytes, row in _biases(layer, splits):
         taken = next((vector for vector in vectors if vector[0] == nbytes), None) if not row else None
         if taken is not None:
             vectors.remove(taken)
-    whole = ({number for _, number in vectors}
-             if sum(nbytes for nbytes, _ in vectors) == layer.norm_param_bytes + _row_bias_bytes(layer) else set())
+    vector_bytes = layer.norm_param_bytes + _row_bias_bytes(layer, splits)
+    whole = {number for _, number in vectors} if sum(nbytes for nbytes, _ in vectors) == vector_bytes else set()
     embedding = next((number for number, (shape, nbytes) in made.items()
                       if nbytes == layer.position_embedding_bytes and sum(size > 1 for size in shape) > 1), None)
     return frozenset(whole | ({embedding} if embedding is not None else set()))  # none where the layer has none
@@ -1713,7 +1717,7 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
     events = layer.allocations.get(name, ())
     roles = _weighted_products(layer, split.weights, name) if split.weights else {}
     weights = _weight_gradients(layer, name)
-    replicated = _replicated_gradients(layer, name, weights) if split.t > 1 else frozenset()
+    replicated = _replicated_gradients(layer, name, weights, split.weights) if split.t > 1 else frozenset()
     rank = [(number, round(_on_rank(shape, nbytes, split, replicated=number in replicated or split.replicated_whole(
         roles.get(number)), weight=number in weights))) for number, shape, nbytes, _ in events]
     if not (split.sequence_parallel and split.t > 1 and layer.product_allocations.get(name)):
