@@ -1634,6 +1634,11 @@ def _gating(layer: LayerCount) -> tuple[bool, ...]:
     return layer.weight_grad_router or (False,) * len(layer.weight_grad_outputs)
 
 
+def _routed(layer: LayerCount) -> tuple[bool, ...]:
+    """Per product of `layer.weight_grad_outputs`, whether it is a routed expert's (`LayerCount.weight_grad_routed`)."""
+    return layer.weight_grad_routed or (False,) * len(layer.weight_grad_outputs)
+
+
 def _deferred_saves(layer: LayerCount) -> list[int]:
     """The indices in `layer.saved_tensors` of the products' inputs a deferred weight pass keeps (`wgrad_kept`)."""
     routers = set(layer.router_input_saves)
@@ -1866,8 +1871,7 @@ def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], 
     all width x width, and its router, which reads a float32 copy of the norm's output. Empty where the count does not
     record its products' storages."""
     outputs = layer.weight_grad_outputs
-    routed = layer.weight_grad_routed or (False,) * len(outputs)
-    router = _gating(layer)
+    routed, router = _routed(layer), _gating(layer)
     reads = dict(layer.forward_reads)
     sequence = {number for _, number in layer.sequence_inputs}
     weights: dict[int, str] = {}
@@ -2142,7 +2146,7 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
     live = _gradient_storages(made)
     if not sum(live.values()):
         return ()
-    routed = layer.weight_grad_routed or (False,) * len(layer.weight_grad_outputs)
+    routed = _routed(layer)
     experts = {number for number, (j, _, role) in _weighted_products(layer, {}, "wgrad").items()
                if role == "weight" and routed[j]}
     t, local = parallel.tensor, weight_shards(parallel.expert, parallel.expert_tensor, parallel.tensor)
