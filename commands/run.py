@@ -21,6 +21,7 @@ from ..profiles.workload import too_few_layers
 from ..traces.metrics import rate_text
 from ..units import count_text
 from .common import (
+    DTYPES,
     SEARCH_COSTS,
     ActivationLimit,
     Advance,
@@ -125,6 +126,10 @@ def run(
     expert_ffn: ExpertFfn = None,
     capacity_factor: CapacityFactor = None,
     device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str | None, typer.Option(
+        "--dtype", metavar="DTYPE", show_default=False, help="The model's weights and activations: float32, bfloat16 "
+                                                             "or float16 (default the profile's, else "
+                                                             "float32).")] = None,
     backend: Annotated[str, typer.Option(
         "--backend", metavar="NAME", help="auto (gloo on CPU; NCCL with a GPU per rank, else host-staged gloo), gloo "
                                           "or nccl.")] = "auto",
@@ -201,6 +206,8 @@ def run(
             resolve_device(device)
         except DeviceError as exc:
             raise InputError(str(exc)) from None
+        if dtype is not None and dtype not in DTYPES:
+            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
         bounds, measured = None, None
         if profile is not None:
             measured, bounds, options = _partition(profile, model, options)
@@ -221,6 +228,11 @@ def run(
                                  f"{profiled_b} samples per micro-batch, and its times hold there only; drop the "
                                  "flag or recalibrate")
             microbatch_size = profiled_b
+            profiled_dtype = measured.environment.dtype
+            if dtype is not None and DTYPES[dtype] != profiled_dtype:
+                raise InputError(f"--dtype {dtype}: the profile {profile} was calibrated in {profiled_dtype}, and its "
+                                 "times hold there only; drop the flag or recalibrate")
+            dtype = profiled_dtype
         scenario = searched_scenario(ctx, method, measured)
         params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
                                average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
@@ -247,7 +259,8 @@ def run(
         if expert_parallel > 1:
             check_expert_parallel(expert_parallel, net)
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
-                       seed=seed, bounds=bounds, threads_per_rank=threads_per_rank, timeout_s=timeout)
+                       seed=seed, dtype=DTYPES[dtype or "float32"], bounds=bounds,
+                       threads_per_rank=threads_per_rank, timeout_s=timeout)
         if len(net.layers) < built.num_stages:
             asked = f"--stages {stages}" + (f" x --chunks {params.chunks}" if params.chunks > 1 else "")
             raise InputError(too_few_layers(asked, model, net.options, len(net.layers)))

@@ -684,8 +684,7 @@ class DeviceLoop:
             result.rows_done = done
             result.losses = dict(self.losses)
         self.sends.clear()
-        result.weights = {key: [w.detach().cpu().numpy().copy() for w in state.current]
-                          for key, state in self.weights.items()}
+        result.weights = {key: [_host_copy(w) for w in state.current] for key, state in self.weights.items()}
         return result
 
     def _in_flight(self) -> list[tuple[Handle, torch.Tensor | None]]:
@@ -735,3 +734,9 @@ class _GpuClock:
         for row, began, ended in self.rows:
             start_ns[row] = self.anchor_ns + round(self.anchor.elapsed_time(began) * 1e6)
             end_ns[row] = self.anchor_ns + round(self.anchor.elapsed_time(ended) * 1e6)
+
+
+def _host_copy(weight: torch.Tensor) -> np.ndarray:
+    """A weight as a numpy array of its own; numpy has no bfloat16, so that one is widened to float32 (exactly)."""
+    weight = weight.detach()
+    return (weight.float() if weight.dtype == torch.bfloat16 else weight).cpu().numpy().copy()

@@ -97,6 +97,8 @@ BAD = {
                            "--backend nccl sends GPU tensors only"),
     "unknown optimizer": (["--schedule", "1f1b", *SMALL_MLP, "--optimizer", "lion"], "--optimizer"),
     "learning rate not positive": (["--schedule", "1f1b", *SMALL_MLP, "--lr", 0], "--lr"),
+    "unknown dtype": (["--schedule", "1f1b", *SMALL_MLP, "--dtype", "int8"],
+                      "--dtype: choose float32, bfloat16 or float16 (got 'int8')"),
     "option of another method": (["--schedule", "1f1b", *SMALL_MLP, "--elastic-alpha", 0.5], "--elastic-alpha"),
     "unknown model option": (["--schedule", "1f1b", "--model", "mlp", "--layers", 0], "--layers"),
     "auto without costs": (["--schedule", "auto", *SMALL_MLP],
@@ -167,6 +169,29 @@ def test_a_profile_that_does_not_match_is_refused(tmp_path, profile, stages, mod
                            "--minibatches", 1, "--profile", profile, "--trace", trace)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not trace.exists()
+
+
+def test_a_run_trains_in_its_profiles_dtype_and_refuses_another(tmp_path, profile, monkeypatch):
+    """A profile calibrated in bfloat16 is run in bfloat16 (the run once built the model in float32 whatever the
+    profile said, and on a GPU measured float32 kernels ten times slower than the bf16 ones it was compared with);
+    its weights come back widened to float32, which numpy holds and bfloat16 it does not."""
+    from pipesim.executor import runners
+
+    document = json.loads(profile.read_text())
+    document["environment"]["dtype"] = "bfloat16"
+    in_bf16 = tmp_path / "bf16.json"
+    in_bf16.write_text(json.dumps(document))
+    ran = []
+    monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: ran.append(spec) or run_in_process(spec))
+    trace = tmp_path / "t.json"
+    code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatches", 2, "--minibatches", 2,
+                           "--profile", in_bf16, "--trace", trace)
+    assert code == 0, err
+    assert ran[0].dtype == "bfloat16" and read_trace(trace).meta.extra["dtype"] == "bfloat16"
+    code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatches", 2, "--minibatches", 2,
+                           "--profile", in_bf16, "--dtype", "fp32", "--trace", tmp_path / "x.json")
+    assert code == 2 and "calibrated in bfloat16, and its times hold there only" in err
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.parametrize("stages", [4, 5, 6])
