@@ -34,7 +34,7 @@ from rich.table import Table
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.profiles.schema import load_profile
-from pipesim.traces.trace import read_trace
+from pipesim.traces.trace import read_trace, write_atomic
 
 METHODS = ("1f1b", "zb-h1")
 SHAPES = {  # a GPT whose layers take about a millisecond on an H100, and a small one for a CPU smoke run
@@ -101,6 +101,9 @@ def main() -> None:
         check["gpu"] = torch.cuda.get_device_name()
         check["torch"] = torch.__version__
 
+    def save() -> None:  # after each step: a check stopped by the device's time limit keeps what it measured
+        write_atomic(args.out / "check.json", json.dumps(check, indent=1))
+
     profile = args.out / "profile.json"
     pipesim("calibrate", *shape, *dtype, "--device", args.device, "--stages", "2", "--out", str(profile),
             log=args.out / "calibrate.log")
@@ -112,7 +115,9 @@ def main() -> None:
         compared = json.loads(pipesim("compare", str(trace), "--json", log=args.out / f"compare-{method}.log"))
         (args.out / f"compare-{method}.json").write_text(json.dumps(compared, indent=1))
         check["steps"][method] = {"calibrated_ms": compared["predicted_ms"], "measured_ms": compared["measured_ms"],
-                                  "error": compared["iteration_time_error"], "ops": measured_ms(trace)}
+                                  "error": compared["iteration_time_error"],
+                                  "ops": {f"{stage}{kind}": ms for (stage, kind), ms in measured_ms(trace).items()}}
+        save()
 
     estimated = {}  # the catalogue's curve, and the part's curve fitted to this calibration
     for source, curve in (("catalogue", []), ("fitted", ["--curve-from", str(profile)])) if part else ():
@@ -124,6 +129,7 @@ def main() -> None:
             simulated = json.loads(pipesim("simulate", "--profile", str(estimate), "-s", method, "-p", "2",
                                            *minibatches, "--json", log=args.out / f"simulate-{source}-{method}.log"))
             check["steps"][method][f"estimated_{source}_ms"] = simulated["results"][0]["time_per_minibatch_ms"]
+        save()
 
     table = Table(box=box.SIMPLE_HEAD, title="per stage and micro-batch, ms")
     for column in ("stage", "op", *(f"estimated ({part}, {source} curve)" for source in estimated), "calibrated",
@@ -134,15 +140,13 @@ def main() -> None:
         for kind, field in (("F", "fwd_ms"), ("B", "bwd_ms")):
             guesses = [f"{getattr(profile.stages[k], field):.3f}" for profile in estimated.values()]
             table.add_row(str(k), kind, *guesses, f"{getattr(stage, field):.3f}",
-                          f"{ops.get((k, kind), float('nan')):.3f}")
+                          f"{ops.get(f'{k}{kind}', float('nan')):.3f}")
     console.print(table)
     for method, step in check["steps"].items():
         guess = "".join(f"estimated ({source} curve) {step[f'estimated_{source}_ms']:.2f} ms, "
                         for source in estimated)
         console.print(f"{method} per mini-batch: {guess}calibrated {step['calibrated_ms']:.2f} ms, measured "
                       f"{step['measured_ms']:.2f} ms (calibrated's error {step['error']:+.1%})", highlight=False)
-        step["ops"] = {f"{stage}{kind}": ms for (stage, kind), ms in step["ops"].items()}
-    (args.out / "check.json").write_text(json.dumps(check, indent=1))
 
 
 if __name__ == "__main__":
