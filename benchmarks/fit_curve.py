@@ -37,6 +37,7 @@ import torch
 from pipesim.hardware.catalogue import Curve, load_catalogue
 from pipesim.planning.estimate import (
     CALIBRATED_OPS,
+    FIT_ATTENTION,
     PEAK_DTYPE,
     Device,
     Parallelism,
@@ -99,7 +100,7 @@ def measured_overhead(profiles: list[Profile]) -> float | None:
 def counted(profile: Profile) -> WorkloadCount:
     env = profile.environment
     return count_built(profile.model.name, dict(profile.model.options), env.microbatch_size,
-                       getattr(torch, env.dtype))
+                       getattr(torch, env.dtype), FIT_ATTENTION)
 
 
 def errors(predicted: dict[str, list[float | None]], target: Profile) -> dict[str, list[float]]:

@@ -133,11 +133,12 @@ class WhatIf:
     @cached_property
     def curve(self) -> Curve | None:
         """The part's efficiency curve from the --curve-from calibration: the one `pipesim calibrate` stored in it
-        where that was fitted on the tiles this part's products are priced on, else fitted here to its measured
-        layers on the same model's count (imports torch; once per command); None: the catalogue's curve."""
+        where that was fitted on the tiles this part's products are priced on and the attention the fit counts
+        (`FIT_ATTENTION`: a curve stored before was fitted on the math path's scores), else fitted here to its
+        measured layers on the same model's count (imports torch; once per command); None: the catalogue's curve."""
         if self.calibrated is None:
             return None
-        from ..planning.estimate import PEAK_DTYPE, EstimateError, curve_for, fit_rates
+        from ..planning.estimate import FIT_ATTENTION, PEAK_DTYPE, EstimateError, curve_for, fit_rates
 
         env = self.calibrated.environment
         peak = getattr(self.gpu.dense_tflops, PEAK_DTYPE[env.dtype])
@@ -149,12 +150,15 @@ class WhatIf:
         stored = self.calibrated.fitted_curve
         where = f"{self.calibrated_path} ({env.device_name}, {env.date})"
         try:
-            if stored is not None and (stored.multiprocessors, stored.tiles) == shape:
+            if stored is not None and (stored.multiprocessors, stored.tiles) == shape and \
+                    stored.attention in (None, FIT_ATTENTION):
                 fitted, how = stored, "stored by pipesim calibrate in"
             else:
                 counted = count_model_of(self.calibrated.model.name, dict(self.calibrated.model.options),
-                                         env.microbatch_size, env.dtype, "math", "--curve-from", swiglu_fusion=False)
-                fitted, how = fit_rates(self.calibrated, counted, *shape), "fitted to"
+                                         env.microbatch_size, env.dtype, FIT_ATTENTION, "--curve-from",
+                                         swiglu_fusion=False)
+                timed = stored.kernel_overhead_ms if stored is not None and stored.kernel_overhead_measured else None
+                fitted, how = fit_rates(self.calibrated, counted, *shape, timed), "fitted to"
             return curve_for(fitted, peak * 1e9, self.gpu.memory_bandwidth_gb_s * 1e6, self.gpu.curve,
                              f"{how} {where}; {fit_errors(fitted)}")
         except EstimateError as exc:
@@ -375,7 +379,7 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
     import torch
 
     from ..calibrate.kernel import kernel_overhead_ms
-    from ..planning.estimate import CUDA_TILES, EstimateError, fit_rates
+    from ..planning.estimate import CUDA_TILES, FIT_ATTENTION, EstimateError, fit_rates
 
     env = profile.environment
     device = torch.device(env.device)
@@ -386,7 +390,7 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
     with phase("fitting the device's efficiency curve to the layers"):
         try:
             counted = count_model_of(profile.model.name, dict(profile.model.options), env.microbatch_size, env.dtype,
-                                     "math", "the fitted curve", swiglu_fusion=False)
+                                     FIT_ATTENTION, "the fitted curve", swiglu_fusion=False)
             overhead_ms = kernel_overhead_ms(device, getattr(torch, env.dtype))
             return profile.model_copy(update={"fitted_curve": fit_rates(profile, counted, *shape, overhead_ms)})
         except (InputError, EstimateError, RuntimeError, NotImplementedError) as exc:  # the meta device's too

@@ -2743,6 +2743,14 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
 # weights again, which in a layer whose first op has weights (a norm, an embedding) is the full backward's work.
 CALIBRATED_OPS = {"fwd": "fwd", "bwd": "bwd", "igrad": "igrad", "wgrad": "bwd"}
 FIT_PASSES = ("fwd", "bwd", "igrad")  # fitted; the weight pass repeats the backward's work and is only predicted
+# The attention the fit counts a calibration's layers with: the kernel torch's scaled_dot_product_attention ran
+# there, a fused one that keeps no s x s scores wherever calibrate runs (on CUDA flash in float16 and bfloat16 from
+# sm80, else the memory-efficient kernel; on a CPU its own flash kernel since torch 2.2: torch._fused_sdp_choice
+# answers FLASH_ATTENTION for a gpt's q, k and v there), which the count's "flash" is. Counted as "math", each gpt
+# block of the first H200 calibration (traces/measured/gpu-check-h200) carried 0.75 GB of scores and 14 kernels
+# its flash kernel never ran, and the fit put the products at 1.12 PFLOP/s, above the part's 989 peak. Not told
+# apart: a CPU's math path under attention dropout, which its flash kernel does not take.
+FIT_ATTENTION = "flash"
 # The output tiles a CUDA device's matrix products pick from (NVIDIA's matmul guide, as the catalogue's parts list)
 CUDA_TILES = ((256, 128), (128, 256), (128, 128))
 
