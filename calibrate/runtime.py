@@ -9,10 +9,11 @@ stage's own pass as the probe's calibration timed it (`StagePasses`, which hold 
 layers: functional_call and the saved-tensor hooks); the CPU time a SEND row takes its rank's thread (its own
 cost: its wall time holds the waits of a descheduled thread) and the host time of a RECV whose message had
 already arrived; how long a message takes from its send's post to a receiver waiting for it; the gap after
-each kind of row; and the gradient copies an update leaves held (memory after it, at a flush, less the
-weights, SGD keeping no state, and less the buffers of the receives posted ahead for the next mini-batch). The
-probe runs its schedules in turn in one run (`probe_schedule`: 1F1B for B, then ZB-H1 for I and W; both for
-F, OPT and the transfers), so its ranks start once. The gaps and a SEND's host time come from the same run on
+each kind of row (less a compute row's wait for its turn on a GPU it shares); and the gradient copies an update
+leaves held (memory after it, at a flush, less the weights, SGD keeping no state, and less the buffers of the
+receives posted ahead for the next mini-batch, where that memory holds them). The probe runs its schedules in
+turn in one run (`probe_schedule`: 1F1B for B, then ZB-H1 for I and W; both for F, OPT and the transfers), so
+its ranks start once. The gaps and a SEND's host time come from the same run on
 the calibrated model itself (`host_times`): that host work runs on the caches a stage's compute leaves, and
 after a stage of large layers it takes longer than after the probe's (the default gpt's gap after a forward
 3.5x, a micro-batch's host time in all 1.25-1.8x); where what that could add to the probe's is a negligible share
@@ -31,7 +32,7 @@ import numpy as np
 
 from ..profiles.schema import COMPUTE_KINDS, RECV_WINDOW, Profile, RuntimeProfile, Timing
 from ..schedules import Schedule, ScheduleParams, build_schedule
-from ..traces.trace import Stream, Trace
+from ..traces.trace import Ops, Stream, Trace
 
 PROBE_SCHEDULES = ("1f1b", "zb-h1")  # run in turn, each for one warm-up mini-batch and `steady` more
 PROBE_OPTIMIZER = "sgd"  # the probe's OPT rows minus its calibrated SGD step leave the runtime's own part
@@ -156,6 +157,14 @@ def _message_bytes(probe: Profile, kind: str, stage: int, peer: int) -> int:
     return probe.stages[peer if kind == "RECV_F" else stage].output_bytes
 
 
+def _gaps_us(ops: Ops, rows: np.ndarray) -> np.ndarray:
+    """The host time after each of a device's `rows` (in the order it ran them) but its last, until the next row:
+    less the wait of a compute row for its turn on a GPU shared with other ranks (the ranks' compute, which the
+    simulator runs on that GPU: left in, it was the 2-rank H200 run's gap after RECV_F, 9.9 ms, the other stage's
+    backward)."""
+    return ops.start_us[rows[1:]] - ops.end_us[rows[:-1]] - np.maximum(ops.wait_us[rows[1:]], 0.0)
+
+
 def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float]]:
     """Per kind of row, the gaps (ms) after its steady-state rows until the device's next row; and the SEND
     rows' own cost (ms): the CPU time posting each took its rank's thread (the trace's `cpu_us`), not
@@ -165,14 +174,13 @@ def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float
     sends: list[float] = []
     for trace in traces:
         ops, names = trace.ops, np.asarray(trace.kinds)[trace.ops.kind]
-        steady, end_us = _steady(trace), ops.start_us + ops.dur_us
+        steady = _steady(trace)
         cpu_us = ops.cpu_us[steady & (ops.stream == Stream.SEND)]
         sends += (cpu_us[cpu_us >= 0] / 1e3).tolist()  # a trace that does not time them records none
         for d in range(trace.num_devices):
             rows = np.flatnonzero(ops.device == d)
             rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
-            after = (ops.start_us[rows[1:]] - end_us[rows[:-1]]) / 1e3
-            for row, gap in zip(rows[:-1], after):
+            for row, gap in zip(rows[:-1], _gaps_us(ops, rows) / 1e3):
                 if steady[row]:
                     gaps[names[row]].append(gap)
     return gaps, sends
@@ -196,7 +204,7 @@ def warmup_ms(traces: list[Trace]) -> list[float]:
             rows = np.flatnonzero(ops.device == d)
             rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
             held_us = np.where(ops.stream[rows] == Stream.RECV, 0.0, ops.dur_us[rows])
-            held_us[:-1] += ops.start_us[rows[1:]] - (ops.start_us + ops.dur_us)[rows[:-1]]
+            held_us[:-1] += _gaps_us(ops, rows)
             timed = first[rows]
             timed[-1] = False  # no row ends the host time after the device's last
             compute = ops.stream[rows] == Stream.COMPUTE
@@ -262,7 +270,7 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
             rows = np.flatnonzero(ops.device == d)
             rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
             # After an update at a flush a device holds its stage's weights, whatever gradient the update left,
-            # and the buffers of its next `window` receives, posted ahead.
+            # and the buffers of its next `window` receives, posted ahead (where its memory counts them).
             memory = trace.counters["memory_bytes"][d]
             receives = np.flatnonzero(ops.stream[rows] == Stream.RECV)  # positions in the device's order
             for at in np.flatnonzero((names[rows] == "OPT") & steady[rows]):
@@ -270,7 +278,7 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
                 stage = probe.stages[int(ops.stage[row])]
                 # its last sample (a row that frees weights has two at its end: its peak, then after)
                 after = memory.values[np.searchsorted(memory.times_us, end_us[row] + 0.5, side="right") - 1]
-                posted = rows[receives[receives > at][:window]]
+                posted = rows[receives[receives > at][:window]] if trace.meta.counts_posted_receives else []
                 after -= sum(_message_bytes(probe, names[i], int(ops.stage[i]), int(ops.peer[i])) for i in posted)
                 kept.append((after - stage.param_bytes) / stage.grad_bytes)
     recv = _timing(arrived, "receive whose message had arrived")

@@ -682,6 +682,11 @@ def _finished_after(lowered: Lowered, device: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- the trace
 
 
+def _measured_us(ns: np.ndarray) -> np.ndarray:
+    """A column the ranks measured for some rows (ns, -1 elsewhere) in the trace's microseconds (-1.0 elsewhere)."""
+    return np.where(ns >= 0, ns / 1e3, -1.0)
+
+
 def _memory_counter(result: DeviceResult | None, t0_ns: int) -> Counter:
     """A device's memory over time: before its first row as after it, then at each row's end its peak (before
     it freed the weights it read last, where it did) and what it holds after."""
@@ -755,23 +760,25 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         version = np.array(lowered.version[rows.start:rows.stop])
         prediction = np.array(lowered.prediction[rows.start:rows.stop])
         send_cpu_ns = np.full(len(rows), -1, dtype=np.int64)
+        wait_ns = np.full(len(rows), -1, dtype=np.int64)
         if r is not None:
             start_ns[:], end_ns[:], version[:], prediction[:] = r.start_ns, r.end_ns, r.version, r.prediction
-            send_cpu_ns[:] = r.send_cpu_ns
+            send_cpu_ns[:], wait_ns[:] = r.send_cpu_ns, r.wait_ns
         beats = (timed or {}).get(rank)
         if beats:
             index, starts, ends = np.array(beats, dtype=np.int64).T
             start_ns[index - rows.start], end_ns[index - rows.start] = starts, ends
         ran = end_ns >= 0
         parts.append((np.arange(rows.start, rows.stop)[ran], np.full(int(ran.sum()), rank), start_ns[ran],
-                      end_ns[ran], version[ran], prediction[ran], send_cpu_ns[ran]))
-    row, device, start_ns, end_ns, version, prediction, send_cpu_ns = (np.concatenate(column) for column in zip(*parts))
+                      end_ns[ran], version[ran], prediction[ran], send_cpu_ns[ran], wait_ns[ran]))
+    row, device, start_ns, end_ns, version, prediction, send_cpu_ns, wait_ns = (np.concatenate(column)
+                                                                                for column in zip(*parts))
     t0 = int(start_ns.min()) if len(start_ns) else 0
     ops = Ops(device=device, stream=_STREAM_OF_KIND[t.kind[row]], kind=t.kind[row], stage=t.stage[row],
               microbatch=t.microbatch[row], minibatch=t.minibatch[row], pipeline=t.pipeline[row], peer=t.peer[row],
               version=version, prediction=prediction,
               start_us=(start_ns - t0) / 1e3, dur_us=(end_ns - start_ns) / 1e3,
-              cpu_us=np.where(send_cpu_ns >= 0, send_cpu_ns / 1e3, -1.0))
+              cpu_us=_measured_us(send_cpu_ns), wait_us=_measured_us(wait_ns))
     base = 1 + schedule.policy.extra_copies
     counters: dict[str, list[Counter]] = {"weight_versions": [], "memory_bytes": []}
     for d, r in enumerate(results):

@@ -225,12 +225,13 @@ class AllToAllRows:
 class DeviceResult:
     """What a device reports, per row (its rows in order): start and end on the monotonic clock (ns); a SEND
     row's CPU time on the loop's thread (ns, -1 for other rows: its own cost, without what the rank waited or
-    was descheduled for meanwhile); the weight copies its fullest stage replica held after the row (versions,
-    prediction buffers, reference); the weight version and prediction distance the row's op used (-1: none);
-    memory after the row (bytes: all, and saved activations alone) and its peak (at its end, before it let go
-    of what it used last). Also the loss per (pipeline, mini-batch) when it holds a last stage, every stage
-    replica's final weights (numpy, in the stage module's parameter order), and where it computed
-    (`host/device`: ranks that name the same one shared a GPU)."""
+    was descheduled for meanwhile); a compute row's wait for its turn on a GPU shared with other ranks (ns, -1 where
+    the GPU is its own or on CPU: the host time before the row holds it); the weight copies its fullest stage
+    replica held after the row (versions, prediction buffers, reference); the weight version and prediction
+    distance the row's op used (-1: none); memory after the row (bytes: all, and saved activations alone) and its
+    peak (at its end, before it let go of what it used last). Also the loss per (pipeline, mini-batch) when it
+    holds a last stage, every stage replica's final weights (numpy, in the stage module's parameter order), and
+    where it computed (`host/device`: ranks that name the same one shared a GPU)."""
 
     device: int
     start_ns: np.ndarray
@@ -242,6 +243,7 @@ class DeviceResult:
     peak_bytes: np.ndarray
     activation_bytes: np.ndarray
     send_cpu_ns: np.ndarray
+    wait_ns: np.ndarray
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
     weights: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
     rows_done: int = 0
@@ -580,7 +582,7 @@ class DeviceLoop:
         lo, n = rows.start, len(rows)
         result = self.result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n),
                                             _int_array(n, -1), _int_array(n, -1), *(_int_array(n) for _ in range(3)),
-                                            send_cpu_ns=_int_array(n, -1),
+                                            send_cpu_ns=_int_array(n, -1), wait_ns=_int_array(n, -1),
                                             compute=f"{socket.gethostname()}/{self.torch_device}",
                                             bounds=list(self.stages.bounds), routed=self.routed)
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
@@ -629,7 +631,10 @@ class DeviceLoop:
                 elif kind in ALL_TO_ALL_KINDS:
                     pass  # its pass ran its exchanges (`AllToAllRows`)
                 else:
+                    asked_ns = time.perf_counter_ns()
                     with self.compute_lock, self.pairs.around(i):
+                        if self.shares_gpu:  # the other ranks' compute, which the simulator runs on the GPU too
+                            result.wait_ns[i - lo] = time.perf_counter_ns() - asked_ns
                         began = gpu_clock.mark() if gpu_clock else None
                         used = self._compute(i, kind, (stage, j, b, r))
                         if gpu_clock:  # ranks that take turns on one GPU hold it until their kernels finish

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -26,10 +27,12 @@ import torch
 
 from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, Weights, cut, run_in_process, run_multiprocess
 from pipesim.executor.replicas import Layout, thread_replicas
+from pipesim.executor.runners import _merge
 from pipesim.planning.auto import search_schedule
 from pipesim.schedules import KINDS, METHODS, Kind, ScheduleParams, StageGraph, lower
 from pipesim.schedules.graph import graph_schedule, two_branch_graph
 from pipesim.sim import Cluster, Costs
+from pipesim.traces.trace import Stream
 from pipesim.workload.transport import InProcessTransport
 from tests.conftest import build
 from tests.reference import STAGE_LAYERS, Reference, Snapshot, forward_version, single_process
@@ -397,14 +400,19 @@ def test_memory_follows_the_activations_each_schedule_keeps():
 
 
 def test_rows_are_reported_and_compute_runs_under_the_lock():
+    """Ranks that share a GPU take turns for compute under a lock; each compute row records how long it waited for
+    its turn (the other ranks' compute, which the simulator runs on the shared GPU: calibrate/runtime.py takes it
+    off the host time between rows), and the trace carries it."""
     spec = make_spec("1f1b", stages=2, m=2, n=2)
     seen: list[int] = []
+    turn_s = 0.002
 
     class CountingLock(contextlib.AbstractContextManager):
         entered = 0
 
         def __enter__(self):
             self.entered += 1
+            time.sleep(turn_s)  # the other rank's compute
             return self
 
         def __exit__(self, *exc):
@@ -416,6 +424,11 @@ def test_rows_are_reported_and_compute_runs_under_the_lock():
     assert sorted(seen) == list(range(len(lowered.table.kind)))
     assert lock.entered == int(lowered.is_compute.sum())
     assert {key for r in results for key in r.losses} == {(0, 0), (0, 1)}
+    trace = _merge(spec, lowered, results, {}).trace
+    waited = trace.ops.wait_us >= 0
+    assert (trace.ops.stream[waited] == Stream.COMPUTE).all() and waited.sum() == lock.entered
+    assert (trace.ops.wait_us[waited] >= turn_s * 1e6).all()
+    assert (run_in_process(spec).trace.ops.wait_us == -1.0).all()  # threads that share no GPU take no turns
 
 
 def test_a_diverging_loss_stops_at_once_naming_the_minibatch():

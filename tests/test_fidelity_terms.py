@@ -171,20 +171,23 @@ def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
 
 
 def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float,
-                window: int = 2, warmup_ms: tuple[float, ...] = (), send_cpu_ms: float | None = None) -> Trace:
+                window: int = 2, warmup_ms: tuple[float, ...] = (), send_cpu_ms: float | None = None,
+                turn_ms: float | None = None) -> Trace:
     """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
     the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms` of which
     `send_cpu_ms` (default: all) its thread's CPU time, a RECV
     waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows, each of the rows but a RECV
     and each gap `warmup_ms[j]` longer after j·WARMUP_ROWS compute rows of its device; after an update a device
-    holds its weights, `kept` gradients and the buffers of its next `window` receives, posted ahead."""
+    holds its weights, `kept` gradients and the buffers of its next `window` receives, posted ahead. With `turn_ms`,
+    the two ranks shared a GPU over the host-staged transport: each compute row first waited that long for its turn
+    (its `wait_us`), and the receives were posted in host memory."""
     own = {"F": "fwd_ms", "B": "bwd_ms", "I": "igrad_ms", "W": "wgrad_ms"}
     programs = {d: [(kind, d, j, b) for b in range(3) for kind, j in order] for d, order in (
         (0, [("F", 0), ("SEND_F", 0), ("F", 1), ("SEND_F", 1), ("RECV_B", 0), ("B", 0), ("RECV_B", 1), ("I", 1),
              ("W", 1), ("OPT", -1)]),
         (1, [("RECV_F", 0), ("F", 0), ("B", 0), ("SEND_B", 0), ("RECV_F", 1), ("F", 1), ("I", 1), ("W", 1),
              ("SEND_B", 1), ("OPT", -1)]))}
-    rows, memory, sent = [], {0: [], 1: []}, {}
+    rows, memory, sent, waits = [], {0: [], 1: []}, {}, []
     clock, at, computed = {0: 0.0, 1: 0.0}, {0: 0, 1: 0}, {0: 0, 1: 0}
     while any(at[d] < len(programs[d]) for d in programs):
         for d, program in programs.items():
@@ -207,9 +210,11 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
                 cold = warmup_ms[step] if step < len(warmup_ms) else 0.0
                 computed[d] += kind in COMPUTE_KINDS
                 ms, gap = (ms, gap_ms + cold) if kind.startswith("RECV") else (ms + cold, gap_ms + cold)
+                waits.append(turn_ms if turn_ms is not None and kind in COMPUTE_KINDS else -1.0)
+                clock[d] += max(waits[-1], 0.0)
                 rows.append((d, kind, stage, j, b, 1 - d if "_" in kind else -1, clock[d] * 1e3, ms * 1e3))
                 # after an update: weights, kept gradients and the next `window` receives (2 a mini-batch) posted
-                posted = min(window, 2 * (2 - b)) * probe.stages[0].output_bytes
+                posted = min(window, 2 * (2 - b)) * probe.stages[0].output_bytes * (turn_ms is None)
                 memory[d].append(((clock[d] + ms) * 1e3, s.param_bytes + kept * s.grad_bytes + posted if kind == "OPT"
                                   else 10 * s.param_bytes))
                 clock[d] += ms + gap
@@ -221,9 +226,11 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
     cpu_us = np.where(stream == Stream.SEND, (send_ms if send_cpu_ms is None else send_cpu_ms) * 1e3, -1.0)
     ops = Ops(device=table[0], stream=stream, kind=kind, stage=table[2], microbatch=table[3],
               minibatch=table[4], pipeline=np.zeros(len(rows)), peer=table[5], version=np.zeros(len(rows)),
-              prediction=np.full(len(rows), -1), start_us=table[6], dur_us=table[7], cpu_us=cpu_us)
+              prediction=np.full(len(rows), -1), start_us=table[6], dur_us=table[7], cpu_us=cpu_us,
+              wait_us=np.where(np.array(waits) >= 0, np.array(waits) * 1e3, -1.0))
     meta = TraceMeta(source="measured", schedule="probe", params={}, microbatches=2, minibatches=3, pipelines=1,
                      microbatch_size=1, placement=[0, 1], stage_edges=[[0, 1]], policy={}, tool="test",
+                     hardware=None if turn_ms is None else {"device": "cuda", "host_staged": True},
                      extra={"recv_window": window})
     counters = {"memory_bytes": [Counter(*map(np.array, zip((0.0, 0), *memory[d]))) for d in (0, 1)]}
     return Trace(kinds, 2, ops, meta, counters)
@@ -262,6 +269,26 @@ def test_runtime_terms_recover_what_the_probe_trace_holds():
     assert both.compute_ms == terms.compute_ms and both.recv_ms == terms.recv_ms
     assert both.delivery_ms == terms.delivery_ms and both.kept_gradients == terms.kept_gradients
     assert terms.warmup_ms == [0.0] and both.warmup_ms == terms.warmup_ms  # its first rows ran as the rest
+
+
+def test_ranks_sharing_a_gpu_price_neither_their_turns_as_host_time_nor_host_buffers_as_its_memory(tmp_path):
+    """Two ranks on one GPU take turns for compute (the executor's lock): a compute row waits for the other rank's
+    before it starts, as the simulator runs them on that GPU, so that wait is no host time between rows (left in,
+    the H200 run's gap after RECV_F was 9.9 ms, the other stage's backward). Their receives are posted in host
+    memory, so the memory after an update holds no receive buffers to take off its kept gradients."""
+    from pipesim.traces import read_trace
+
+    probe = load_profile(PROFILE)
+    extra = {"F": 0.3, "B": 0.2, "I": 0.15, "W": 0.1, "OPT": 0.25}
+    write_trace(probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0, turn_ms=3.0),
+                tmp_path / "t.json")
+    shared = read_trace(tmp_path / "t.json")  # the waits as the run's trace file holds them
+    assert set(shared.ops.wait_us[shared.ops.stream == Stream.COMPUTE]) == {3000.0}
+    terms = runtime_terms([shared], probe, {"boundary_bytes": 4096})
+    assert all(t.median_ms == pytest.approx(0.04) for t in terms.gap_ms.values())
+    assert terms.kept_gradients == 1.0 and terms.warmup_ms == [0.0]
+    assert {k: t.median_ms for k, t in terms.compute_ms.items()} == pytest.approx(extra)
+    assert all(t.median_ms == pytest.approx(0.04) for t in host_times(terms, [shared]).gap_ms.values())
 
 
 def test_the_warm_up_of_a_trace_in_memory_is_that_of_the_trace_read_back(tmp_path):

@@ -57,7 +57,8 @@ STREAMS = tuple(s.name.lower() for s in Stream)
 
 _INT_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer", "version",
                 "prediction")
-_FLOAT_COLUMNS = ("start_us", "dur_us", "cpu_us")
+_MEASURED_COLUMNS = ("cpu_us", "wait_us")  # where a run measured them; -1.0 elsewhere, and left out of its file
+_FLOAT_COLUMNS = ("start_us", "dur_us", *_MEASURED_COLUMNS)
 _ARG_COLUMNS = ("stage", "microbatch", "minibatch", "pipeline", "peer", "version", "prediction")
 
 
@@ -71,7 +72,9 @@ class Ops:
     (`microbatch` of an optimizer step, `peer` of compute that runs alone (a part of an overlapped pair names
     its other part's stage), `version` of a transfer, `prediction` when the weights were not predicted).
     `cpu_us` is the CPU time an op took its rank's thread, where a run measured it (an executed SEND: its own
-    cost, where its `dur_us` also holds the thread descheduled or waiting on a loaded host); -1.0 elsewhere."""
+    cost, where its `dur_us` also holds the thread descheduled or waiting on a loaded host); `wait_us` how long a
+    compute op waited for its turn on a GPU its rank shared with others (the executor's compute lock), just before
+    it started: a measured gap before it holds that wait; -1.0 elsewhere."""
 
     device: np.ndarray
     stream: np.ndarray
@@ -86,10 +89,12 @@ class Ops:
     start_us: np.ndarray
     dur_us: np.ndarray
     cpu_us: np.ndarray | None = None  # None: measured for none
+    wait_us: np.ndarray | None = None  # None: measured for none
 
     def __post_init__(self) -> None:
-        if self.cpu_us is None:
-            self.cpu_us = np.full(len(self.start_us), -1.0)
+        for name in _MEASURED_COLUMNS:
+            if getattr(self, name) is None:
+                setattr(self, name, np.full(len(self.start_us), -1.0))
         for name in _INT_COLUMNS:  # integers of any width as given (a prediction's are narrow), else int64
             column = np.asarray(getattr(self, name))
             setattr(self, name, column if column.dtype.kind == "i" else column.astype(np.int64))
@@ -171,6 +176,13 @@ class TraceMeta:
     def samples_per_minibatch(self) -> int:
         """Samples one update trains on: every pipeline's micro-batches, on each of its d data-parallel replicas."""
         return self.microbatches * self.microbatch_size * self.pipelines * int(self.params.get("data_parallel", 1))
+
+    @property
+    def counts_posted_receives(self) -> bool:
+        """Whether the memory a run measured holds the buffers of its receives posted ahead: not where a
+        host-staged GPU run posts them in host memory (workload/transport.py `HostStagedTransport`)."""
+        hardware = self.hardware or {}
+        return not (hardware.get("host_staged") and hardware.get("device") == "cuda")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -255,7 +267,7 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
             "ts": columns["start_us"][i],
             "dur": columns["dur_us"][i],
             "args": {name: columns[name][i] for name in _ARG_COLUMNS}
-            | ({"cpu_us": columns["cpu_us"][i]} if columns["cpu_us"][i] >= 0 else {}),
+            | {name: columns[name][i] for name in _MEASURED_COLUMNS if columns[name][i] >= 0},
         })
     for name, per_device in trace.counters.items():
         for d, counter in enumerate(per_device):
@@ -310,7 +322,8 @@ def from_chrome(doc: Any) -> Trace:
                 columns["kind"].append(kind_codes[event["cat"]])
                 columns["start_us"].append(event["ts"])
                 columns["dur_us"].append(event["dur"])
-                columns["cpu_us"].append(args.get("cpu_us", -1.0))  # written where measured
+                for name in _MEASURED_COLUMNS:  # written where measured
+                    columns[name].append(args.get(name, -1.0))
                 for name in _ARG_COLUMNS:
                     columns[name].append(args[name])
             elif phase == "C":
