@@ -893,22 +893,15 @@ class ContextRing:
         """The copies TransformerEngine's ring (p2p; torch's rings hand their kernels views) makes of what it hands
         cuDNN, which `merge_ms` does not count (transformer_engine/pytorch/attention.py at v1.10): FusedAttention's
         context-parallel branch makes q, k and v contiguous (`x.contiguous()`), and v, a view of Megatron-core's
-        fused QKV product (`SplitAlongDim`; q and k come whole out of its reshape and the RoPE), is copied; each
-        unmasked step of `AttnFuncWithCPAndKVP2P` copies the half it takes: in the forward the queries' second half
-        (`q[1].contiguous()`, where the step is past the rank) or the keys' and values' first
-        (`kv_inputs[i % 2][0].contiguous()`, elsewhere), in the backward the second halves of the queries, the
-        output and its gradient (`q[1]`, `out[1]`, `dout[1]`) or the keys' and values' first (`kv[0]`). A step
-        goes at its busiest rank's pace: the larger copy. Each copy reads and writes its bytes, a kernel at the
-        memory's rate."""
-        if self.rotate != "p2p":
+        fused QKV product (`SplitAlongDim`; q and k come whole out of its reshape and the RoPE), is copied: one
+        kernel reading and writing v, at the memory's rate, in the forward. The halves the unmasked steps take copy
+        nothing: in Megatron-core's sbhd layout `AttnFuncWithCPAndKVP2P` views its contiguous q, k and v as [2, s/2,
+        ...] and its key-value buffer as [2, s/2, b, 2, ...], so `q[1]`, `kv_inputs[i % 2][0]`, `out[1]`, `dout[1]`
+        and `kv[0]` are contiguous slices and their `.contiguous()` returns them as they are (bshd's `q[:, 1, ...]`
+        would copy)."""
+        if self.rotate != "p2p" or op.op.endswith("_backward"):
             return 0.0
-        queries = op.shape[0] * op.shape[1] * op.shape[3] * element_bytes
-        keys_values = self.keys_values(op) * element_bytes
-        overhead_ms, rate = device.curve.kernel_overhead_ms, device.memory_bytes_per_ms
-        if op.op.endswith("_backward"):
-            halves = (3, 3 * queries) if 3 * queries >= keys_values else (1, keys_values)
-            return (self.ranks - 1) * (halves[0] * overhead_ms + halves[1] / rate)
-        return overhead_ms + keys_values / rate + (self.ranks - 1) * (overhead_ms + max(queries, keys_values) / rate)
+        return device.curve.kernel_overhead_ms + self.keys_values(op) * element_bytes / device.memory_bytes_per_ms
 
     def kept(self, layer: LayerCount) -> LayerCount:
         """`layer` keeping for the backward what the ring's forward keeps: under p2p the attention's inputs made

@@ -14,6 +14,7 @@
 - `reductions(split, ops, name)`: pass `name`'s reductions of the products `ops` on one rank, per reduced shape.
 - `tensor_reductions` (a fixture): each all-reduce and reduce-scatter planning/estimate.py prices, as (bytes,
   ranks), each priced at 0 ms.
+- `script_module(name)`: benchmarks/NAME.py imported as a module while the context lasts.
 
 Tests marked `slow` (real transports, Ray, calibration that measures links) are left out by `-m "not slow"`.
 """
@@ -21,9 +22,11 @@ Tests marked `slow` (real transports, Ray, calibration that measures links) are 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import math
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -248,3 +251,17 @@ def spy_reserves(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     monkeypatch.setattr(caching_allocator, "_reserve", reserve)
     return seen
+
+
+@contextlib.contextmanager
+def script_module(name: str) -> Iterator[Any]:
+    """The script benchmarks/`name`.py (benchmarks/ is no package) imported as module `name`, registered in
+    sys.modules while the context lasts: dataclasses look their module up by name."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[name]

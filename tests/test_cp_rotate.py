@@ -191,7 +191,7 @@ def test_p2p_keeps_every_forward_steps_buffer_and_two_of_keys_values_and_gradien
 
 def test_an_estimate_and_a_what_if_run_transformer_engines_ring(flash_gpt, monkeypatch):
     """The what-if runs p2p's ring: its smaller backward exchanges shorten the step, its copies aside
-    (`ContextRing.copies_ms`: 13 kernels a layer, whose overheads outweigh what this small model's exchanges save)."""
+    (`ContextRing.copies_ms`: its copy of v a layer's forward, which torch's rings do not make)."""
     torch, p2p = (estimate_profile(flash_gpt, H100, Parallelism(context=4, cp_rotate=rotate)).layers[1]
                   for rotate in ("alltoall", "p2p"))
     assert p2p.ring_bwd_ms < torch.ring_bwd_ms and p2p.ring_fwd_ms == torch.ring_fwd_ms

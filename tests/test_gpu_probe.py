@@ -2,26 +2,18 @@
 fields, its refusals, and that what it times computes what it stands for (the MoE layer a dense sum over each
 token's experts, TransformerEngine's C = 2 ring one causal attention, forward and backward)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu_probe.py"
+from tests.conftest import script_module
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("gpu_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_probe"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["gpu_probe"]
+    with script_module("gpu_probe") as module:
+        yield module
 
 
 def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_parts_skip(probe, tmp_path, capsys):
