@@ -811,5 +811,5 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         weights = _whole_experts(weights, {k: i for r in results for k, i in r.routed.items()},
                                  schedule.expert_parallel)
     if complete and spec.heldout:
-        meta.extra["heldout"] = heldout_scores(spec, weights[0])
+        meta.extra["heldout"] = heldout_scores(spec, weights[0], device=hardware.get("device", "cpu"))
     return RunResult(Trace(tuple(k.value for k in KINDS), layout.ranks, ops, meta, counters), losses, weights)

@@ -359,3 +359,19 @@ def test_two_gloo_ranks_match_the_in_process_run():
     np.testing.assert_allclose(real.losses[0], local.losses[0], rtol=1e-5)
     assert real.trace.meta.hardware["backend"] == "gloo"
     np.testing.assert_array_equal(real.trace.ops.version, lower(spec.schedule).version)
+
+
+def test_the_held_out_set_is_scored_in_chunks_that_bound_its_outputs(monkeypatch):
+    """A held-out set whose outputs pass HELDOUT_CHUNK_ELEMENTS is scored in chunks of samples, each weighted by its
+    samples, as the whole set in one forward scores it (the GPU check's GPT made 34 GB of logits at once, and its
+    scoring took the run's parent minutes on a CPU: it now scores on the run's device)."""
+    from pipesim.executor import stages
+
+    spec = spec_for("1f1b", n=1, layers=2)
+    trained = run_in_process(spec)
+    whole = trained.trace.meta.extra["heldout"]
+    assert whole == stages.heldout_scores(spec, trained.weights, device="cpu")
+    monkeypatch.setattr(stages, "HELDOUT_CHUNK_ELEMENTS", 7 * 10)  # 7 samples of 10 logits: 52 chunks of 360
+    chunked = stages.heldout_scores(spec, trained.weights)
+    assert chunked.keys() == whole.keys() == {"loss", "accuracy"}
+    assert chunked == pytest.approx(whole, rel=1e-6)  # the loss is float32 whatever the model's dtype
