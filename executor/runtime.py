@@ -62,7 +62,7 @@ from .backward import PendingWeightGrad, backward_input, backward_weight, full_b
 from .experts import ExpertRanks, Joined
 from .overlap import PairStreams
 from .replicas import Layout, Pending, ReplicaGroup
-from .stages import DivergedError, ExecutorError, RunSpec, Stages, microbatch_data
+from .stages import DivergedError, ExecutorError, RunSpec, StageModule, Stages, microbatch_data
 from .weights import BufferKey, StageWeights, Weights
 
 Unit = tuple[int, int, int, int]  # (stage, micro-batch, mini-batch, pipeline)
@@ -156,13 +156,14 @@ class Tape:
         return packed.tensor
 
 
-def stage_forward(module: torch.nn.Module, parameters: dict[str, torch.Tensor], args: list[torch.Tensor], tape: Tape,
+def stage_forward(module: StageModule, parameters: dict[str, torch.Tensor], args: list[torch.Tensor], tape: Tape,
                   loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
     """A stage's forward as every F row runs it, which calibration times too (calibrate/passes.py): the stage
-    module through functional_call on `parameters`, its saved tensors through `tape`; the outputs per outgoing
-    edge, or, given `loss`, [the loss of the output]."""
+    module through functional_call on `parameters` (a tied tensor's further names given it, `StageModule.aliases`),
+    its saved tensors through `tape`; the outputs per outgoing edge, or, given `loss`, [the loss of the output]."""
+    tied = {alias: parameters[name] for alias, name in module.aliases.items()}
     with saved_tensors_hooks(tape.pack, tape.unpack):
-        out = functional_call(module, parameters, tuple(args))
+        out = functional_call(module, parameters | tied if tied else parameters, tuple(args), tie_weights=False)
         return [loss(out)] if loss is not None else list(out)
 
 
