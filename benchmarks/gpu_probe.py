@@ -13,14 +13,17 @@
     (`AttnFuncWithCPAndKVP2P`, sbhd): step 0 causal over the rank's two chunks of 2,048, step 1 unmasked (rank 0:
     its second half of the queries against all the keys; rank 1: all its queries against the first half of the
     keys), and the passes that join them (the forward's softmax-statistics and output corrections, the backward's
-    buffer copy, joins and adds), eager and compiled as TE compiles them.
+    buffer copy, joins and adds), eager and compiled as TE compiles them; the rank's forward also with step 1 on
+    a second stream, as TE runs it. Each span starts behind a held device (`HOLD_CYCLES`), so it times the
+    device's work, not the host's issue (traces/measured/gpu-probe-h200.json, from before the hold, does not).
 (c) *The experts' GEMMs*: each of an expert's six products (fc1 and fc2; forward, input and weight gradients) as
     a loop of one GEMM a local expert at 4 and 16 local experts, against the same FLOPs as one GEMM; BF16 with
     torch.mm, FP8 with torch._scaled_mm where the GPU has FP8.
 
 Device times are CUDA events; host times time.perf_counter; every figure is the median of `--repeats` after
 `--warmup` runs, with its spread. One JSON lands at `--out`. On a CPU (`--device cpu --quick`) the same code runs
-tiny, device times are the host's, and the GPU-only parts (kernel counts, FP8, compiled passes) say why they skip.
+tiny, device times are the host's, and the GPU-only parts (kernel counts, FP8, compiled passes, the second stream)
+say why they skip.
 
     python benchmarks/gpu_probe.py --out probe.json    # one H100/H200; sized for under 4 minutes, not yet run on one
     python benchmarks/gpu_probe.py --device cpu --quick --out /tmp/probe.json  # the same code, tiny, on a CPU
@@ -44,6 +47,10 @@ import torch
 import torch.nn.functional as F
 
 # --- timing ------------------------------------------------------------------------------------------------------
+
+# The GPU clock cycles part (b) holds the device for before each span it times (`Clock.held_start`): 10^7, 5 ms at
+# Hopper's 1.98 GHz boost (longer at lower clocks), where the spans' issue took under 2 ms of the first H200 run's host.
+HOLD_CYCLES = 10**7
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,16 @@ class Clock:
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+
+    def held_start(self) -> Mark:
+        """A span's start that the device reaches only after `HOLD_CYCLES` of a spinning kernel, by when the host has
+        issued the span's work behind it: the span is then the device's time alone, not the host's issue (from an
+        idle device, the first H200 run's C = 2 forward spans timed the host: docs/hardware.md, "What the H200
+        probe settled"). On a CPU, a plain start."""
+        self.synchronize()
+        if self.cuda:
+            torch.cuda._sleep(HOLD_CYCLES)
+        return self.mark()
 
     @staticmethod
     def host_ms(start: Mark, end: Mark) -> float:
@@ -435,8 +452,7 @@ def time_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     def step() -> dict[str, float]:
         for leaf in leaves:
             leaf.grad = None
-        clock.synchronize()
-        start = clock.mark()
+        start = clock.held_start()
         out = attend(*leaves, causal)
         forward_done = clock.mark()
         out.backward(dout)
@@ -458,7 +474,8 @@ def rank_inputs(shape: AttentionShape, device: torch.device, dtype: torch.dtype)
 def time_rank(rank: int, shape: AttentionShape, device: torch.device, dtype: torch.dtype, clock: Clock,
               budget: Budget, compiled: tuple[Callable, Callable] | str) -> dict:
     """A C = 2 rank's forward (the buffer's join, both steps, the passes) and backward (the passes around both
-    steps' kernels), whole and the passes alone, the passes also as TE compiles them (`compiled`, or why not);
+    steps' kernels), whole and the passes alone, the passes also as TE compiles them (`compiled`, or why not), the
+    forward also with step 1 on a second stream as TE runs it (on a GPU);
     the statistics are random, as their values cost nothing. The forward's kernels run as in training, keeping
     what their backward needs; its passes, as inside TE's autograd.Function, record nothing."""
     inputs = rank_inputs(shape, device, dtype)
@@ -468,21 +485,31 @@ def time_rank(rank: int, shape: AttentionShape, device: torch.device, dtype: tor
     q = _leaf(inputs.q.shape, device, dtype)
     k, v = (_leaf(inputs.kv[..., 0, :, :].shape, device, dtype) for _ in range(2))
 
-    def forward() -> dict[str, float]:
-        clock.synchronize()
-        start = clock.mark()
-        kv = torch.cat((k.unsqueeze(-3), v.unsqueeze(-3)), dim=-3)
-        step_outs = [attend(*rank_blocks(rank, RankInputs(q, kv), step)) for step in range(CONTEXT_PARALLEL)]
-        with torch.no_grad():
-            forward_passes(rank, q, step_outs, lses, lse_correction, out_correction)
-        end = clock.mark()
-        clock.synchronize()
-        return {"forward_ms": clock.device_ms(start, end)}
+    def forward(side: torch.cuda.Stream | None = None) -> Callable[[], dict[str, float]]:
+        """The rank's forward, its steps on the current stream, or step 1 on `side` as TE 1.10 runs it
+        (`flash_attn_streams`, "to resolve wave quantization issue"): after the receive that TE issues behind the
+        buffer's join and before step 0, so that step 1's tiles may fill step 0's tail."""
+        def step() -> dict[str, float]:
+            start = clock.held_start()
+            kv = torch.cat((k.unsqueeze(-3), v.unsqueeze(-3)), dim=-3)
+            received = clock.mark()
+            step_outs = [attend(*rank_blocks(rank, RankInputs(q, kv), 0))]
+            with torch.cuda.stream(side):  # None: the current stream
+                if side:
+                    side.wait_event(received.event)
+                step_outs.append(attend(*rank_blocks(rank, RankInputs(q, kv), 1)))
+            if side:
+                torch.cuda.current_stream().wait_stream(side)
+            with torch.no_grad():
+                forward_passes(rank, q, step_outs, lses, lse_correction, out_correction)
+            end = clock.mark()
+            clock.synchronize()
+            return {"forward_two_streams_ms" if side else "forward_ms": clock.device_ms(start, end)}
+        return step
 
     def passes(lse_correct: Callable, out_correct: Callable) -> Callable[[], dict[str, float]]:
         def step() -> dict[str, float]:
-            clock.synchronize()
-            start = clock.mark()
+            start = clock.held_start()
             forward_passes(rank, inputs.q, outs, lses, lse_correct, out_correct)
             end = clock.mark()
             clock.synchronize()
@@ -497,8 +524,7 @@ def time_rank(rank: int, shape: AttentionShape, device: torch.device, dtype: tor
 
     def backward() -> dict[str, float]:
         graphs = [attend(*block, flag) for block, flag in zip(leaves, causal)]
-        clock.synchronize()
-        start = clock.mark()
+        start = clock.held_start()
         grads = [torch.autograd.grad(out, block, dout) for out, block, dout in zip(graphs, leaves, douts)]
         backward_passes(rank, inputs, grads)
         end = clock.mark()
@@ -506,16 +532,17 @@ def time_rank(rank: int, shape: AttentionShape, device: torch.device, dtype: tor
         return {"backward_ms": clock.device_ms(start, end)}
 
     def backward_alone() -> dict[str, float]:
-        clock.synchronize()
-        start = clock.mark()
+        start = clock.held_start()
         backward_passes(rank, inputs, step_grads)
         end = clock.mark()
         clock.synchronize()
         return {"backward_passes_ms": clock.device_ms(start, end)}
 
     result = {}
-    for step in (forward, backward, passes(lse_correction, out_correction), backward_alone):
+    for step in (forward(), backward, passes(lse_correction, out_correction), backward_alone):
         result.update(repeat(step, budget))
+    result.update(repeat(forward(torch.cuda.Stream()), budget) if clock.cuda
+                  else {"forward_two_streams_ms": {"skipped": "a second stream needs a CUDA GPU"}})
     if isinstance(compiled, str):
         result["forward_passes_compiled"] = {"skipped": compiled}
         return result
@@ -560,7 +587,8 @@ def probe_attention(shape: AttentionShape, device: torch.device, dtype: torch.dt
                 result[f"c2_rank{rank}"] = attempt(partial(time_rank, rank, shape, device, dtype, clock, budget,
                                                            compiled))
         results[name] = result
-    return {"shape": asdict(shape), "context_parallel": CONTEXT_PARALLEL, "dtype": str(dtype), "kernels": results,
+    return {"shape": asdict(shape), "context_parallel": CONTEXT_PARALLEL, "dtype": str(dtype),
+            "held_cycles": HOLD_CYCLES if clock.cuda else 0, "kernels": results,
             "c2_rank_over_half_c1": {name: ring_over_half_c1(result) for name, result in results.items()}}
 
 
@@ -719,7 +747,7 @@ def tables(result: dict) -> list[Table]:
                          f"{t['backward_host_ms'].median_ms:.3f}", cell(c["backward"]["ops"]),
                          cell(c["backward"]["kernels"])])
     attention = Table("(b) attention, ms", ["kernel", "part", "forward", "backward", "passes fwd", "passes bwd",
-                                            "passes fwd compiled"], keys=2)
+                                            "passes fwd compiled", "fwd two streams"], keys=2)
     for kernel, parts in result["attention"]["kernels"].items():
         for part, timings in parts.items():
             if "skipped" in timings:
@@ -727,10 +755,12 @@ def tables(result: dict) -> list[Table]:
                 continue
             cells = [f"{timings[key].median_ms:.3f}" if key in timings else "" for key in
                      ("forward_ms", "backward_ms", "forward_passes_ms", "backward_passes_ms")]
-            compiled = timings.get("forward_passes_compiled")
-            if isinstance(compiled, dict):
-                attention.notes.append(f"{kernel} {part}'s compiled passes: skipped, {compiled['skipped']}")
-            cells.append(f"{compiled.median_ms:.3f}" if isinstance(compiled, Timing) else "")
+            for key, what in (("forward_passes_compiled", "compiled passes"),
+                              ("forward_two_streams_ms", "two streams")):
+                timing = timings.get(key)
+                if isinstance(timing, dict):
+                    attention.notes.append(f"{kernel} {part}'s {what}: skipped, {timing['skipped']}")
+                cells.append(f"{timing.median_ms:.3f}" if isinstance(timing, Timing) else "")
             attention.rows.append([kernel, part, *cells])
     gemm = Table("(c) expert GEMMs: a loop of one a local expert against one of the same FLOPs",
                  ["type", "local experts", "product", "m x k x n", "loop ms", "loop TFLOP/s", "us a GEMM",

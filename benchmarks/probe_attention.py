@@ -12,11 +12,13 @@ pipesim's `cudnn` and its flash kernel (torch's FlashAttention-2) as `flash2`:
   buffer's `torch.cat`, 34 MB, about 0.01 ms), and the rank whole. The probe's k and v are contiguous leaves, so
   `copies_ms` (v's copy out of Megatron-core's fused QKV) is left out.
 
-How the probe times a part decides what it can check (docs/hardware.md, "Llama 3.1 8B's C = 2 step"): every span
-starts on an idle device, right after a synchronisation, so a forward span holds the host's issue up to its first
-kernel, and where the host issues slower than the device runs it goes at the host's pace; the backward's blocks
-each outlast the host's issue of the next. The test (tests/test_probe_attention.py) holds the parts that are the
-device's time to the model.
+How the probe timed a part decides what it can check (docs/hardware.md, "What the H200 probe settled"): in a run
+without `attention.held_cycles` (the committed H200 one) every span starts on an idle device, right after a
+synchronisation, so a forward span holds the host's issue up to its first kernel, and where the host issues slower
+than the device runs it goes at the host's pace; the backward's blocks each outlast the host's issue of the next.
+The test (tests/test_probe_attention.py) holds the parts that are the device's time to the model. Later runs start
+each span behind a held device and time the rank's forward also with step 1 on a second stream as TransformerEngine
+runs it (priced as the rank's forward: pipesim does not model the overlap).
 
     python benchmarks/probe_attention.py                           # the table
     python benchmarks/probe_attention.py --probe probe.json        # another run of the probe
@@ -124,8 +126,9 @@ def rows(probe: dict, gpu_name: str, rows_gpu: str = "h100-sxm") -> list[Row]:
                           (f"C = 2 passes, rank {rank}", f"c2_rank{rank}", f"{word}_passes_ms", "passes"),
                           (f"C = 2 rank {rank}", f"c2_rank{rank}", f"{word}_ms", "rank")]
                 if name == "fwd":
-                    parts.append((f"C = 2 passes compiled, rank {rank}", f"c2_rank{rank}", "forward_passes_compiled",
-                                  "passes"))
+                    parts += [(f"C = 2 passes compiled, rank {rank}", f"c2_rank{rank}", "forward_passes_compiled",
+                               "passes"),
+                              (f"C = 2 rank {rank}, two streams", f"c2_rank{rank}", "forward_two_streams_ms", "rank")]
             for label, part, key, field in parts:
                 table.append(Row(kernel, label, word, getattr(mine[name], field), measured_ms(measured, part, key),
                                  getattr(theirs[name], field)))

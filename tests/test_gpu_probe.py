@@ -46,6 +46,8 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     for rank in ("c2_rank0", "c2_rank1"):
         assert {"forward_ms", "backward_ms", "forward_passes_ms", "backward_passes_ms"} <= set(kernels["flash"][rank])
         assert "CUDA" in kernels["flash"][rank]["forward_passes_compiled"]["skipped"]
+        assert "CUDA" in kernels["flash"][rank]["forward_two_streams_ms"]["skipped"]
+    assert result["attention"]["held_cycles"] == 0  # a CPU's spans start as they are: nothing to hold
     assert set(result["attention"]["c2_rank_over_half_c1"]["flash"]) == {
         "rank0_forward", "rank0_backward", "rank1_forward", "rank1_backward"}
 
