@@ -12,6 +12,7 @@ commit the small files under traces/measured/ so that tests and CI can replay th
 
     python benchmarks/gpu_check.py --out traces/measured/gpu-check-h100        # on the GPU machine
     python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu-check  # the same steps on a CPU, small
+    python benchmarks/gpu_check.py --device cpu --quick --dtype bfloat16 --out /tmp/gpu-check  # ... in bf16
 
 The device tool's machines lack simpy, plotly and pydantic: carry them as wheels (docs/benchmarks.md says how);
 this script then runs with `PYTHONPATH` set to them and to a folder holding this checkout as `pipesim`.
@@ -88,10 +89,13 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="A small GPT (for a CPU smoke run of the steps).")
     parser.add_argument("--gpu", help="Catalogue part to estimate for (default: matched from the GPU's name).")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="Weights and activations (default bfloat16 on cuda, float32 on cpu; a CPU run in "
+                             "bfloat16 goes through the GPU's 16-bit paths).")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shape = ["--model", "gpt", *SHAPES["quick" if args.quick else "full"]]
-    dtype = ["--dtype", "bfloat16" if args.device == "cuda" else "float32"]
+    dtype = ["--dtype", args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     minibatches = ["-m", "8", "-n", "4" if args.quick else "8"]
     part = args.gpu or catalogue_part(args.device)
     check: dict = {"device": args.device, "catalogue_part": part, "shape": shape, "steps": {}}

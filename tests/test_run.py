@@ -194,6 +194,30 @@ def test_a_run_trains_in_its_profiles_dtype_and_refuses_another(tmp_path, profil
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_calibration_probes_its_runtime_and_a_run_of_it_compares(tmp_path, dtype, monkeypatch):
+    """`calibrate --dtype bfloat16` on a GPU died in its runtime probe, whose ranks hand their trained weights back
+    as numpy, which holds no bfloat16; the calibrations in 16 bits here timed the layers alone. Both 16-bit dtypes
+    calibrate with the probe (its ranks, then the calibrated model's), run in their dtype, score the trained model
+    and compare with the profile's prediction."""
+    from pipesim.executor import runners
+
+    profile, trace = tmp_path / "p.json", tmp_path / "t.json"
+    code, _, err = pipesim("calibrate", *SMALL_MLP, "--stages", 2, "--dtype", dtype, "--no-links", "--no-contention",
+                           "--repeats", 1, "--warmup", 0, "--out", profile)
+    assert code == 0, err
+    assert load_profile(profile).runtime is not None and load_profile(profile).environment.dtype == dtype
+    monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: run_in_process(spec))
+    code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatches", 2, "--minibatches", 2,
+                           "--profile", profile, "--trace", trace)
+    assert code == 0, err
+    measured = read_trace(trace)
+    assert measured.meta.extra["dtype"] == dtype and math.isfinite(measured.meta.extra["heldout"]["loss"])
+    code, out, err = pipesim("compare", trace, "--json")
+    assert code == 0, err
+    assert math.isfinite(json.loads(out)["iteration_time_error"])
+
+
 @pytest.mark.parametrize("stages", [4, 5, 6])
 @pytest.mark.parametrize("layers", [1, 2, 3, 4])
 def test_without_bounds_a_branching_model_is_cut_along_graphpipes_stage_graph(stages, layers):
