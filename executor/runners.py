@@ -108,8 +108,9 @@ def run_in_process(spec: RunSpec) -> RunResult:
     rooms, members = thread_replicas(layout, spec.timeout_s)
     exchanges, experts = thread_experts(layout, spec.schedule.expert_parallel, spec.timeout_s)
     rooms += exchanges
-    loops = [DeviceLoop(spec, lowered, cut(spec), device, transports[rank], replica=replica, replicas=members[rank],
-                        experts=experts[rank])
+    outputs = cut(spec).outputs  # each rank's cut takes them: one forward finds them
+    loops = [DeviceLoop(spec, lowered, cut(spec, outputs=outputs), device, transports[rank], replica=replica,
+                        replicas=members[rank], experts=experts[rank])
              for rank, (device, replica) in enumerate(map(layout.place, range(layout.ranks)))]
     results: list[DeviceResult | None] = [None] * layout.ranks
     causes: list[tuple[int, Exception]] = []
@@ -254,18 +255,18 @@ class _Reporter:
 def _rank_main(setup: Any, rank: int, init_method: str, choice: TransportChoice, messages: Any,
                compute_lock: Any, prelude: tuple[Callable[[Any, int], None], Any] | None = None) -> None:
     """One rank of `run_multiprocess` (a spawned process): run the caller's `prelude` (its work and its pipe end)
-    if any, receive the RunSpec from `setup`, run the device, reporting heartbeats, then put ("done", rank,
-    result) or ("error", rank, message, diverged)."""
+    if any, receive the RunSpec and its layers' outputs (`cut`) from `setup`, run the device, reporting
+    heartbeats, then put ("done", rank, result) or ("error", rank, message, diverged)."""
     reporter = None
     try:
         if prelude is not None:
             work, conn = prelude
             work(conn, rank)
             conn.close()
-        spec: RunSpec = setup.recv()
+        spec, outputs = setup.recv()
         torch.set_num_threads(spec.threads_per_rank)
         lowered = _lowered(spec)
-        stages = cut(spec)
+        stages = cut(spec, outputs=outputs)
         reporter = _Reporter(rank, lowered, messages)
         with _joined(spec, lowered, choice, rank, init_method=init_method) as placed:
             loop = DeviceLoop(spec, lowered, stages, **placed, on_row=reporter.on_row, compute_lock=compute_lock)
@@ -427,7 +428,8 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
     after each message from a rank, and every HEARTBEAT_S when none comes. A `prelude` runs in the ranks first
     (neither timeout counts its time)."""
     lowered = _lowered(spec)
-    cut(spec)  # fail here, in one line, on a model the schedule cannot be cut into
+    # fail here, in one line, on a model the schedule cannot be cut into; the ranks' cuts take its layers' outputs
+    outputs = cut(spec).outputs
     world = _layout(spec).ranks
     try:
         choice = choose_transport(device, world, backend=backend)
@@ -456,7 +458,7 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
         supervisor = _Supervisor(spec, lowered, procs, stall_timeout_s)
         started = time.monotonic()
         for _, writer in setups:
-            writer.send(spec)
+            writer.send((spec, outputs))
         while any(r is None for r in supervisor.results):
             try:
                 supervisor.take(messages.get(timeout=HEARTBEAT_S))

@@ -192,6 +192,7 @@ class Stages:
     reads_batch: list[bool]
     edge_shapes: dict[tuple[int, int], tuple[int, ...]]
     edge_dtypes: dict[tuple[int, int], torch.dtype]
+    outputs: LayerOutputs  # what `cut` read them from: another cut of the same spec may take it (`cut(outputs=)`)
 
 
 def _path(graph: StageGraph, src: int, dst: int) -> list[int] | None:
@@ -287,13 +288,29 @@ def carried_bounds(spec: RunSpec, layer_ms: Sequence[float] | None = None,
     return tuple(best[1]) if best else None
 
 
-def cut(spec: RunSpec, model: Model | None = None) -> Stages:
+LayerOutputs = dict[int, tuple[tuple[int, ...], torch.dtype]]  # layer -> the shape and dtype of its output
+
+
+@torch.no_grad()
+def layer_outputs(spec: RunSpec, model: Model) -> LayerOutputs:
+    """The shape and dtype of every layer's output on micro-batch 0, from a forward of the model on its device."""
+    x, _ = microbatch_data(spec, model, 0, 0)
+    outputs: dict[int, torch.Tensor] = {
+        BATCH: x.to(next((p.device for layer in model.layers for p in layer.parameters()), torch.device("cpu")))}
+    for i, layer in enumerate(model.layers):
+        outputs[i] = layer(*(outputs[s] for s in model.inputs[i]))
+    return {i: (tuple(out.shape), out.dtype) for i, out in outputs.items() if i != BATCH}
+
+
+def cut(spec: RunSpec, model: Model | None = None, outputs: LayerOutputs | None = None) -> Stages:
     """Cut `spec`'s model into its schedule's stages (contiguous layer ranges) and route every layer output
     another stage reads along the stage graph: over the edge between the two stages, or, where there is none
     (a skip connection over a stage of a chain), along the shortest path, the stages between passing it on.
     A model the stage graph cannot carry (an output with no path to its reader, an edge that would carry
     nothing, the last layer not on the one final stage) fails with one clear message. Without `spec.bounds`
-    the cut is the even one where the stage graph carries it, else the most even one it carries."""
+    the cut is the even one where the stage graph carries it, else the most even one it carries. The layers'
+    `outputs` (`layer_outputs`; another cut's of the same spec) spare their forward: a spawned rank takes its
+    parent's, which the GPU check's GPT took a rank's one CPU thread tens of seconds to compute."""
     schedule = spec.schedule
     graph = _one_copy(schedule)
     model = model if model is not None else spec.build_model()
@@ -304,20 +321,15 @@ def cut(spec: RunSpec, model: Model | None = None) -> Stages:
     else:
         bounds = check_bounds(spec.bounds, layers, p)
     carried = _route(model.name, model.inputs, bounds, schedule)
-    x, _ = microbatch_data(spec, model, 0, 0)
-    x = x.to(next((p.device for layer in model.layers for p in layer.parameters()), torch.device("cpu")))
-    with torch.no_grad():
-        outputs: dict[int, torch.Tensor] = {BATCH: x}
-        for i, layer in enumerate(model.layers):
-            outputs[i] = layer(*(outputs[s] for s in model.inputs[i]))
+    outputs = layer_outputs(spec, model) if outputs is None else outputs
     edge_dtypes = {}
     for edge, outs in carried.items():
-        dtypes = {outputs[s].dtype for s in outs}
+        dtypes = {outputs[s][1] for s in outs}
         if len(dtypes) > 1:
             raise ExecutorError(f"stage edge {edge[0]}->{edge[1]} would carry layers {sorted(outs)} of dtypes "
                                 f"{sorted(map(str, dtypes))}; the executor sends one tensor of one dtype per edge")
         edge_dtypes[edge] = dtypes.pop()
-    shaped = {e: [(s, tuple(outputs[s].shape)) for s in sorted(outs)] for e, outs in carried.items()}
+    shaped = {e: [(s, outputs[s][0]) for s in sorted(outs)] for e, outs in carried.items()}
     in_edges = [sorted((q, k) for q in graph.preds[k]) for k in range(p)]
     out_edges = [sorted((k, q) for q in graph.succs[k]) for k in range(p)]
     reads_batch = [any(BATCH in model.inputs[i] for i in range(bounds[k], bounds[k + 1])) for k in range(p)]
@@ -333,7 +345,7 @@ def cut(spec: RunSpec, model: Model | None = None) -> Stages:
     return Stages(model, bounds, modules, [shifted(in_edges[s], c) for c in range(copies) for s in range(p)],
                   [shifted(out_edges[s], c) for c in range(copies) for s in range(p)], reads_batch * copies,
                   {shifted([e], c)[0]: shape for c in range(copies) for e, shape in edge_shapes.items()},
-                  {shifted([e], c)[0]: dtype for c in range(copies) for e, dtype in edge_dtypes.items()})
+                  {shifted([e], c)[0]: dtype for c in range(copies) for e, dtype in edge_dtypes.items()}, outputs)
 
 
 HELDOUT_CHUNK_ELEMENTS = 1 << 26  # the most output elements one forward of the held-out set makes: the GPU check's

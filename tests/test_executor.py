@@ -375,3 +375,21 @@ def test_the_held_out_set_is_scored_in_chunks_that_bound_its_outputs(monkeypatch
     chunked = stages.heldout_scores(spec, trained.weights)
     assert chunked.keys() == whole.keys() == {"loss", "accuracy"}
     assert chunked == pytest.approx(whole, rel=1e-6)  # the loss is float32 whatever the model's dtype
+
+
+def test_a_cut_given_its_layers_outputs_runs_no_forward():
+    """A spawned rank cuts the model with the layers' outputs its parent's cut found (`Stages.outputs`), not by a
+    forward of the whole model on its one CPU thread (the GPU check's GPT: tens of seconds a rank)."""
+    spec = spec_for("1f1b", stages=3)
+    found = cut(spec)
+    model = spec.build_model()
+
+    def refuse(*_):
+        raise AssertionError("a forward")
+
+    for layer in model.layers:
+        layer.register_forward_pre_hook(refuse)
+    again = cut(spec, model, outputs=found.outputs)
+    assert again.edge_shapes == found.edge_shapes and again.edge_dtypes == found.edge_dtypes
+    with pytest.raises(AssertionError, match="a forward"):
+        cut(spec, model)
