@@ -393,3 +393,27 @@ def test_a_cut_given_its_layers_outputs_runs_no_forward():
     assert again.edge_shapes == found.edge_shapes and again.edge_dtypes == found.edge_dtypes
     with pytest.raises(AssertionError, match="a forward"):
         cut(spec, model)
+
+
+def test_a_rows_memory_on_a_gpu_is_one_read_of_the_allocators_counters(monkeypatch):
+    """On CUDA a row's memory and peak are the caching allocator's allocated bytes, now and at their peak, as
+    torch.cuda.memory_allocated and max_memory_allocated give them; read as one nested dict, since each of those
+    flattens and sorts all the allocator's counters in Python (memory_stats), twice a row."""
+    from types import SimpleNamespace
+
+    from pipesim.executor.runtime import DeviceLoop
+
+    pools = ("all", "large_pool", "small_pool")
+    nested = {name: {pool: {"current": 3 * n + 1, "peak": 5 * n + 2, "allocated": 1, "freed": 0} for pool in pools}
+              for n, name in enumerate(("allocation", "allocated_bytes", "reserved_bytes", "active_bytes"))}
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda device=None: nested)
+    want = (torch.cuda.memory_allocated(0), torch.cuda.max_memory_allocated(0))  # torch's reading of the same counters
+    assert want == (4, 7)
+
+    def flattened(device=None):
+        raise AssertionError("every counter flattened")
+
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats", flattened)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: nested)
+    loop = SimpleNamespace(on_cuda=True, torch_device=torch.device("cuda", 0))
+    assert DeviceLoop._memory(loop, {}, 0, 0) == want
