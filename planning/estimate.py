@@ -679,26 +679,27 @@ def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = N
                     curve: Curve | None = None) -> PlacementLinks:
     """The links of `parallel`'s placement on the part (or cluster): `links_of` its `node_placement`."""
     return links_of(node_placement(gpu, cluster, curve), parallel.tensor, parallel.pipeline, parallel.data,
-                    parallel.context, parallel.rank_order)
+                    parallel.context, parallel.rank_order, parallel.sequence_parallel)
 
 
 def links_of(placement: EstimatePlacement, t: int, p: int, d: int, c: int = 1,
-             order: str = "pipesim") -> PlacementLinks:
+             order: str = "pipesim", sequence_parallel: bool = False) -> PlacementLinks:
     """The links of the groups as `order` numbers the ranks (planning/ranks.py; "pipesim": t inside a node first,
     then the C context-parallel ranks, then p, then d; "megatron": t, C, d, then p): a group within one node talks
     over the node's link, else over the network: the context ring once t·C exceeds a node (a ring step waits for its
-    slowest hop, a GPU's own NIC), the stage boundaries once the pipeline's block of ranks does, the data-parallel
-    group once its block does. The gradients are reduced over the C·d ranks that hold the same weights; with k of
-    them on each node the group crosses nodes on k NICs at once (NCCL runs a ring per channel, each through its own
-    NIC), up to the node's link. A tensor-parallel group larger than a node fills whole nodes and crosses them
-    likewise (`_across_nodes`)."""
+    slowest hop, a GPU's own NIC), the stage boundaries once the pipeline's block of ranks does (`_stage_link`),
+    the data-parallel group once its block does. The gradients are reduced over the C·d ranks that hold the same
+    weights; with k of them on each node the group crosses nodes on k NICs at once (NCCL runs a ring per channel,
+    each through its own NIC), up to the node's link. A tensor-parallel group larger than a node fills whole nodes
+    and crosses them likewise (`_across_nodes`)."""
     node, inside, outside = placement.gpus_per_node, placement.node_link, placement.network_link
     if t > node and t % node:
         raise EstimateError(f"tensor: {t} spans nodes of {node} GPUs and must fill them: give a multiple of {node}")
     grid = dense_grid(order, t, c, p, d)
     members = grid.per_node(GRADIENT_GROUP, node)
     tensor = inside if t <= node else _across_nodes(outside, inside, node, t)
-    return PlacementLinks(tensor, inside if grid.within_node(("pp",), node) else _scatter_gather(outside, tensor, t),
+    return PlacementLinks(tensor, inside if grid.within_node(("pp",), node) else _stage_link(outside, tensor, t,
+                                                                                             sequence_parallel),
                           inside if grid.within_node(GRADIENT_GROUP, node) else _across(outside, inside, members),
                           inside if grid.within_node(("cp",), node) else outside)
 
@@ -726,11 +727,18 @@ def _across_nodes(network: EstimateLink, node: EstimateLink, per_node: int, rank
         crossing_steps * network.latency_ms + (steps - crossing_steps) * node.latency_ms) / steps})
 
 
-def _scatter_gather(network: EstimateLink, node: EstimateLink, t: int) -> EstimateLink:
-    """Megatron's scatter/gather between stages on other nodes: each of the t ranks sends 1/t of the boundary
-    tensor on its own NIC (the profile's boundary bytes are that share), then the t ranks all-gather it on their
-    group's link `node`: (t-1) steps of the same share, so a byte sent costs 1/network + (t-1)/node."""
-    if t == 1:
+def _stage_link(network: EstimateLink, node: EstimateLink, t: int, sequence_parallel: bool) -> EstimateLink:
+    """The link between stages on other nodes, each of the t ranks sending 1/t of the boundary tensor on its own
+    NIC (the profile's boundary bytes are that share). Without sequence parallelism the receiving ranks then
+    all-gather it on their group's link `node` (Megatron-LM's scatter/gather, `scatter_gather_tensors_in_pipeline`):
+    (t-1) steps of the same share, so a byte sent costs 1/network + (t-1)/node. Under sequence parallelism the
+    share is the rank's own sequence shard and nothing is gathered: Megatron-LM skips the scatter/gather there
+    (megatron/p2p_communication.py `_communicate`, `scatter_gather_tensors_in_pipeline and not
+    args.sequence_parallel`, from 6658158b58 and cfd2e21607, 2022), Megatron-core has none (core_v0.9.0:
+    p2p_communication.py sends the tensor as given, its shape seq_length/t under sequence parallelism, schedules.py
+    `get_tensor_shapes` and the interleaved schedule's `tensor_shape`), and torchtitan's stages pass their blocks'
+    Shard(1) local outputs: the network alone."""
+    if t == 1 or sequence_parallel:
         return network
     return EstimateLink(kind=network.kind, latency_ms=network.latency_ms + (t - 1) * node.latency_ms,
                         bytes_per_ms=1 / (1 / network.bytes_per_ms + (t - 1) / node.bytes_per_ms))
@@ -2564,7 +2572,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     except ExpertParallelError as exc:
         raise EstimateError(*exc.args) from None  # its {settings} as they are
     links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,
-                     parallel.rank_order)
+                     parallel.rank_order, parallel.sequence_parallel)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")

@@ -381,7 +381,8 @@ class Scenario:
         try:
             return links_of(estimate.placement, t, sched.num_devices, sched.data_parallel,
                             int(estimate.parallelism.get("context", 1)),
-                            estimate.parallelism.get("rank_order", "pipesim"))
+                            estimate.parallelism.get("rank_order", "pipesim"),
+                            bool(estimate.parallelism.get("sequence_parallel", False)))
         except EstimateError as exc:
             raise CostError(f"--profile: {exc}") from None
 

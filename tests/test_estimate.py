@@ -231,6 +231,24 @@ def test_an_estimate_read_at_another_d_or_p_is_priced_on_that_placements_links(s
         (0, deep.estimate.stage_link.latency_ms, deep.estimate.stage_link.bytes_per_ms),)
 
 
+def test_stage_boundaries_gather_the_ranks_shares_only_without_sequence_parallelism(small_gpt, tmp_path):
+    """t = 8 fills a node, so p = 2 sends the boundary between nodes, 1/t a rank on its own NIC. Without sequence
+    parallelism Megatron-LM's scatter/gather all-gathers the shares on NVLink after (1/network + 7/node a byte);
+    under it each rank's share is its own sequence shard, which Megatron-LM and Megatron-core send as it is: the
+    network alone. A t = 4 estimate at p = 2 (one node) read at p = 4 keeps its sequence parallelism."""
+    from pipesim.planning.estimate import links_of, node_placement
+
+    placement = node_placement(A100)
+    network, node = placement.network_link, placement.node_link
+    gathered = links_of(placement, t=8, p=2, d=1).stage
+    assert gathered.bytes_per_ms == pytest.approx(1 / (1 / network.bytes_per_ms + 7 / node.bytes_per_ms))
+    assert links_of(placement, t=8, p=2, d=1, sequence_parallel=True).stage == network
+    shards = _written(small_gpt, Parallelism(tensor=4, pipeline=2, sequence_parallel=True), tmp_path / "sp.json")
+    assert _placed(shards, 4, 1)[3].links[0, 1].segments == ((0, network.latency_ms, network.bytes_per_ms),)
+    whole = _written(small_gpt, Parallelism(tensor=4, pipeline=2), tmp_path / "whole.json")
+    assert _placed(whole, 4, 1)[3].links[0, 1].segments[0][2] < network.bytes_per_ms
+
+
 def test_an_estimate_without_its_placement_still_loads_and_is_refused_where_its_links_would_differ(
         small_gpt, tmp_path):
     """An older pipesim's estimate (no `placement`) runs at its own p and d; at another d it is refused in one
