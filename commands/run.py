@@ -267,7 +267,7 @@ def run(
         if bounds is None and carried_bounds(spec, model=net) is None:
             raise InputError(_no_cut(spec, len(net.layers)))
         if bounds is not None:
-            carried = carried_bounds(spec, [cost.ms for cost in layer_costs(measured.layers, optimizer)])
+            carried = carried_bounds(spec, [cost.ms for cost in layer_costs(measured.layers, optimizer)], model=net)
             if carried is None:
                 raise InputError(f"--profile {profile}: {schedule}'s stage graph can carry no cut of the profile's "
                                  f"{len(measured.layers)} layers into {built.num_stages} stages")
