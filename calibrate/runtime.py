@@ -1,9 +1,9 @@
 """The executor's own costs per row, read off real runs of it on a model of tiny layers.
 
-A measured row costs more than its stage's work: the runtime draws the micro-batch, reads the loss, posts and
-takes messages, and keeps its memory and version books between rows. Those costs are per row, so `pipesim
-calibrate` runs the executor itself (its own processes, transport and threads per rank) on a two-layer MLP
-whose layers take microseconds, with the stage boundary as large as the calibrated model's, and
+A measured row costs more than its stage's work: the runtime reads the loss, posts and takes messages, and
+between rows draws the next forward's micro-batch and keeps its memory and version books. Those costs are per
+row, so `pipesim calibrate` runs the executor itself (its own processes, transport and threads per rank) on a
+two-layer MLP whose layers take microseconds, with the stage boundary as large as the calibrated model's, and
 `runtime_terms` turns its traces into the profile's `RuntimeProfile`: per compute kind, a row's time minus its
 stage's own pass as the probe's calibration timed it (`StagePasses`, which hold what grows with a stage's
 layers: functional_call and the saved-tensor hooks); the CPU time a SEND row takes its rank's thread (its own

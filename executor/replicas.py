@@ -258,7 +258,9 @@ class _WorkPending:
 class DistReplicas(ReplicaGroup):
     """A member of a torch.distributed group: the gradients flattened into one buffer, summed by one
     all-reduce and divided by d. `staged`: the ranks share a GPU, so the buffer goes through the host (gloo
-    takes CPU tensors only). On NCCL the completion time is when the host learns of it."""
+    takes CPU tensors only). The completion time is the work's future's callback: gloo runs it as the all-reduce
+    completes, but ProcessGroupNCCL completes the future as it enqueues the all-reduce, so on NCCL ranks (a GPU
+    each) a REDUCE row ends as it starts, its time not measured."""
 
     def __init__(self, group: Any, ranks: list[int], rank: int, staged: bool, timeout_s: float) -> None:
         super().__init__(len(ranks), timeout_s)
