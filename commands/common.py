@@ -348,14 +348,15 @@ HostKernelUs = Annotated[float | None, typer.Option(
     "--host-kernel-us", metavar="US", min=0, help="With --gpu: the host's microseconds to issue one kernel (eager "
                                                   "PyTorch's Python, dispatcher, autograd and CUDA launch), which a "
                                                   "MoE layer's forward waits for after its dropless dispatcher "
-                                                  "synchronises with the host; 0: never. Default: 12 "
-                                                  "(docs/hardware.md, \"Host-bound execution\").")]
+                                                  "synchronises with the host; 0: never. Default: 31.9, "
+                                                  "measured on an H200's host (docs/hardware.md, \"Host-bound "
+                                                  "execution\").")]
 HostModuleUs = Annotated[float | None, typer.Option(
     "--host-module-us", metavar="US", min=0, help="With --gpu: the host's microseconds a TransformerEngine module "
                                                   "call (a linear, grouped linear or attention module) spends beyond "
                                                   "issuing its kernels, forward and backward, twice for a module in "
                                                   "float8, which a synchronising MoE layer waits for like its "
-                                                  "kernels; 0: none. Default: 103 under --fp8-recipe te or "
+                                                  "kernels; 0: none. Default: 83.1 under --fp8-recipe te or "
                                                   "te-current, 0 otherwise (docs/hardware.md, \"Host-bound "
                                                   "execution\").")]
 ExpertTensorParallel = Annotated[int | None, typer.Option(

@@ -38,11 +38,16 @@ its own layers synchronises, and the simulator cuts the layers into stages after
 hold the model's layers' waits carried from the first (`carried_waits_ms`), and its passes' issue as a max-plus map
 of the lead each starts with (`pass_issue`), from which a stage composes its own from its start (profiles/schema.py
 `stage_host_waits_ms`; the lead a stage's wait for its input gives the host is not counted). The host's cost per
-kernel (`HOST_KERNEL_US`) is eager PyTorch's per op: Python, the dispatcher and autograd, 6.8 us per op measured on
-a one-element tensor with requires_grad (github.com/pytorch/pytorch issue 41383: 6.8 s for 10^6 `2*x`; "approx 2 us"
-without autograd, its maintainer there), plus the CUDA launch's own CPU side, "usually between 5-20 microseconds" in
-PyTorch's training traces (Holistic Trace Analysis, facebookresearch/HolisticTraceAnalysis
-docs/source/features/cuda_kernel_launch_stats.rst), taken at its low end: 12 us.
+kernel (`HOST_KERNEL_US`) is eager PyTorch's, measured: the GPU probe's MoE layer (benchmarks/gpu_probe.py part (a),
+traces/measured/gpu-probe-h200.json: torch 2.11.0+cu130 on an H200 behind a 16-core VM host) issued 438 kernels in
+13.96 ms of host time over the spans that issue from an empty queue (each forward from the dispatcher's wait, each
+backward; 4, 8 and 16 local experts pooled): 31.9 us a kernel (19.8 to 39.0 a span). The count lists the ops that
+run a kernel, not the views and kernel-less ops between them (t, chunk, split, autograd's view nodes), which the
+host pays too: the probe dispatched 1.9 ops a kernel at 16.6 us an op (15.3 to 17.8 a span), in line with the
+published per op, 6.8 us of Python, dispatcher and autograd (github.com/pytorch/pytorch issue 41383) plus the CUDA
+launch's "usually between 5-20 microseconds" (facebookresearch/HolisticTraceAnalysis
+docs/source/features/cuda_kernel_launch_stats.rst); so a counted kernel costs the host its ops' time, views included
+(benchmarks/probe_moe.py prints the probe against pipesim's prediction of its layer).
 
 Under TransformerEngine (the float8 recipes `te` and `te-current`: Megatron-core's TransformerEngine layer spec)
 a layer's products and attention are module calls whose Python costs the host more than their kernels' issue:
@@ -71,7 +76,7 @@ from typing import Any
 from ..profiles.schema import PassIssue
 from ..profiles.workload import LayerCount, OpCount
 
-HOST_KERNEL_US = 12.0  # the host's issue of one kernel in eager PyTorch (sources above)
+HOST_KERNEL_US = 31.9  # the host's issue of one kernel in eager PyTorch: the GPU probe's, pooled (above)
 # a TransformerEngine module call's Python beyond its kernels' issue, in BF16 (sources above): PR 1191's 115 us a
 # TEColumnParallelLinear forward less its one GEMM's issue
 TE_MODULE_US = 115.0 - HOST_KERNEL_US

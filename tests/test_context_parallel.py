@@ -176,7 +176,7 @@ def test_simulate_counts_t_x_c_gpus_per_device_and_shards_zero_over_the_context_
 
 
 def test_sweep_and_estimate_take_the_context_ranks(tmp_path, monkeypatch):
-    """Half the tokens per GPU at C = 2: faster and less held, the host free (at eager PyTorch's 12 us a kernel this
+    """Half the tokens per GPU at C = 2: faster and less held, the host free (at eager PyTorch's 31.9 us a kernel this
     small model's passes are their kernels' issue, which C does not halve: planning/host.py), at a sequence long
     enough that the attention outweighs the ring's exchanges and the small products half the tokens make (at 2,048
     this narrow model's head, 1,024 tokens a rank, runs its products at a lower efficiency)."""

@@ -175,7 +175,7 @@ def test_the_padding_to_capacity_is_work_not_model_flops():
 
 def test_mfu_counts_the_same_model_flops_at_every_capacity_factor():
     """MFU × step time is the model's FLOPs per step (over the peak): the same at C = 1, 2 and 4, where the step
-    (which computes the padding) grows, the host free (at eager PyTorch's 12 us a kernel this small model's passes
+    (which computes the padding) grows, the host free (at eager PyTorch's 31.9 us a kernel this small model's passes
     are their issue whatever the padding: planning/host.py)."""
     results = [simulate_json("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 1, "--width", H, "--heads", 4,
                              "--seq-len", S, "--vocab", 100, "--experts", EXPERTS, "--capacity-factor", c, "-p", 1,

@@ -61,7 +61,7 @@ def test_first_last_gives_the_ends_their_blocks_and_the_stages_between_an_equal_
 
 
 def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
-    """The host free: at eager PyTorch's 12 us a kernel this small model's passes are their kernels' issue
+    """The host free: at eager PyTorch's 31.9 us a kernel this small model's passes are their kernels' issue
     (planning/host.py), which equal blocks balance as well as the balanced cut (tests/test_cut_host_floor.py)."""
     args = (*GPT, "--host-kernel-us", 0, "-p", 2, "-m", 4, "-s", "1f1b")
     (balanced,) = simulate_json(*args)

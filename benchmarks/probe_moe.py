@@ -1,0 +1,240 @@
+"""The GPU probe's measurements (benchmarks/gpu_probe.py, its JSON in traces/measured/) against pipesim's
+prediction of what it ran, nothing fitted: (a) its MoE layer, forward and backward, and (c) its loops of one GEMM
+a local expert.
+
+(a) The probe's layer is Qwen3-30B-A3B's MoE block alone (router, permute, the host's wait for the tokens per
+expert, one fc1, SwiGLU and fc2 a local expert, the weighted combine) in eager torch on one GPU, its 4,096 tokens
+folded onto 4, 8 or 16 local experts as a balanced expert-parallel rank of experts / local ranks receives them,
+with no all-to-all. pipesim prices it as such a rank: the gpt's MoE MLP (workload/models.py `_ExpertsMLP`) counted
+at the probe's shape with its SwiGLU unfused (the probe's chunk, silu and product), one rank of an expert-parallel
+group of experts / local ranks (planning/experts.py `ExpertGroup.local`: each local expert's rows are the ranks'
+share of theirs) whose dispatcher permutes once (DeepEP's: no chunk sort, as the probe sorts by local expert
+once), its products one GEMM a local expert (`per_expert_products`) on one stream, as the probe's loop issues
+them, at the GPU's BF16 peak, no all-to-all, the forward waiting for the host before the first expert's GEMM
+(planning/host.py `pass_kernels`) and priced in its kernels' order (`waited_ms`). Compared: the GPU's time
+(pipesim's kernels against the profiler's busy time, before and after the wait), the host's issue after the wait
+(and of the backward) against the probe's host time there, and the pass (the max-plus result) against the device's
+time over the span (CUDA events: the forward from the router to the last launch, its wait included; the backward
+from its start on an empty queue).
+
+(c) Each product of the probe's loops (fc1 and fc2, forward, input and weight gradient, at 4 and 16 local
+experts) priced as pipesim prices one local expert's product (`matmul_ms`, BF16 or at the float8 peak) issued
+back to back from an empty queue at the host's cost a kernel (`waited_ms`), against the loop's device time, and
+its one GEMM of the same FLOPs against the probe's.
+
+    python benchmarks/probe_moe.py                                        # the committed H200 probe
+    python benchmarks/probe_moe.py --probe PROBE.json --gpu h100-sxm --host-kernel-us 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from pipesim.commands.tables import print_table
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import (
+    Device,
+    Parallelism,
+    estimate_layer,
+    kernel_curve,
+    links_of,
+    matmul_ms,
+    node_placement,
+)
+from pipesim.planning.experts import ExpertGroup, per_expert_products
+from pipesim.planning.host import HOST_KERNEL_US, Kernels, issued_ms, pass_kernels, waited_ms
+from pipesim.profiles.workload import LayerCount, OpCount
+from pipesim.workload.count import META, count_model
+from pipesim.workload.models import Model, build_model
+
+PROBE = Path(__file__).resolve().parents[1] / "traces" / "measured" / "gpu-probe-h200.json"
+GPU = "h200"  # the part the committed probe ran on (its environment's name: NVIDIA H200)
+HEADS = 16  # the gpt's attention, which the layer counted leaves out: any divisor of the hidden size
+
+
+@dataclass(frozen=True)
+class LayerPass:
+    """One pass of the probe's MoE layer, predicted or measured (ms): over the span the host issues from an empty
+    queue (the forward's after the dispatcher's wait, the whole backward) the GPU's busy time, the host's issue and
+    its kernels; and the whole pass (the forward's wait included)."""
+
+    gpu_ms: float
+    issue_ms: float
+    kernels: int
+    pass_ms: float
+
+
+def probe_layer(shape: dict, dtype: torch.dtype = torch.bfloat16) -> LayerCount:
+    """The probe's MoE block alone, counted on the meta device: the gpt's MoE MLP between its embedding (so that
+    its input takes a gradient, as the probe's does) and its head."""
+    with META:
+        gpt = build_model("gpt", layers=1, width=shape["hidden"], heads=HEADS, seq_len=shape["tokens"], vocab=1000,
+                          gated=True, experts=shape["experts"], top_k=shape["top_k"], expert_ffn=shape["ffn"])
+    embedding, block, head = gpt.layers
+    model = Model("probe", [embedding, block.mlp, head], gpt.make_batch, gpt.loss)
+    return count_model(model, 1, dtype, swiglu_fusion=False).layers[1]
+
+
+def predict_layer(layer: LayerCount, experts: int, local_experts: int, gpu_name: str,
+                  host_kernel_us: float) -> dict[str, LayerPass]:
+    """The probe's layer at `local_experts` (module docstring), forward and backward."""
+    gpu = load_catalogue().find(gpu_name)
+    curve = kernel_curve(gpu.curve, "flash2", gpu.name)
+    placement = node_placement(gpu, None, curve)
+    links = links_of(placement, 1, 1, 1)
+    ranks = experts // local_experts
+    group = ExpertGroup(ranks, placement.gpus_per_node, links.tensor, links.tensor, experts, dispatcher="deepep")
+    split = per_expert_products(group.local(layer))
+    one_stream = replace(split, ops={name: tuple(replace(op, streams=1) for op in ops)
+                                     for name, ops in split.ops.items()})
+    parallel = Parallelism(data=ranks, expert=ranks, expert_gemm="per-expert", host_kernel_us=host_kernel_us)
+    priced = estimate_layer(one_stream, Device.of(gpu, "bf16", curve), parallel, links.tensor, 2)
+    forward_ops = [op for op, _ in priced.timed_ops["fwd"]]
+    passes = {}
+    for name in ("fwd", "bwd"):
+        kernels = pass_kernels(priced.timed_ops[name], forward_ops, False, host_kernel_us, name,
+                               synchronised=name == "fwd")
+        after = kernels[next((i for i, run in enumerate(kernels) if run.waits), 0):]
+        passes[name] = LayerPass(sum(run.count * run.gpu_ms for run in after), issued_ms(after),
+                                 sum(run.count for run in after if not run.waits),
+                                 sum(run.count * run.gpu_ms for run in kernels) + waited_ms(kernels)[0])
+    return passes
+
+
+def measured_layer(layer: dict) -> dict[str, LayerPass]:
+    """The probe's figures of one layer (its medians; the busy times from its one profiled run)."""
+    timings, counts = layer["timings"], layer["counts"]
+    return {"fwd": LayerPass(counts["after_sync"]["device_busy_ms"], timings["after_sync_host_ms"]["median_ms"],
+                             counts["after_sync"]["kernels"], timings["forward_device_ms"]["median_ms"]),
+            "bwd": LayerPass(counts["backward"]["device_busy_ms"], timings["backward_host_ms"]["median_ms"],
+                             counts["backward"]["kernels"], timings["backward_device_ms"]["median_ms"])}
+
+
+def host_us_per_kernel(probe: dict) -> float:
+    """The probe's host microseconds a kernel over its layer's spans that issue from an empty queue (the
+    forward after the dispatcher's wait, the backward), every local-expert count pooled: their host time over
+    the kernels the profiler saw the device run in them."""
+    spans = [(layer["timings"][host]["median_ms"], layer["counts"][span]["kernels"])
+             for layer in probe["moe"]["layers"]
+             for span, host in (("after_sync", "after_sync_host_ms"), ("backward", "backward_host_ms"))]
+    return sum(ms for ms, _ in spans) * 1e3 / sum(kernels for _, kernels in spans)
+
+
+def layer_rows(probe: dict, gpu: str, host_kernel_us: float) -> list[dict]:
+    """Per local-expert count and pass, pipesim's prediction beside the probe's measurement."""
+    shape = probe["moe"]["shape"]
+    layer = probe_layer(shape)
+    rows = []
+    for measured in probe["moe"]["layers"]:
+        predicted = predict_layer(layer, shape["experts"], measured["local_experts"], gpu, host_kernel_us)
+        for name, seen in measured_layer(measured).items():
+            rows.append({"local_experts": measured["local_experts"], "pass": name,
+                         "predicted": asdict(predicted[name]), "measured": asdict(seen),
+                         "error": predicted[name].pass_ms / seen.pass_ms - 1})
+    return rows
+
+
+def gemm_rows(probe: dict, gpu_name: str, host_kernel_us: float) -> list[dict]:
+    """Per loop of part (c), pipesim's loop and one GEMM beside the probe's device times."""
+    gpu = load_catalogue().find(gpu_name)
+    curve = kernel_curve(gpu.curve, "flash2", gpu.name)
+    rows = []
+    for kind, loops in probe["gemm"].items():
+        if not isinstance(loops, list):
+            continue  # a part the probe skipped (no FP8 there)
+        float8 = kind == "fp8"
+        device = Device.of(gpu, "bf16", curve, fp8=float8)
+        operand = 1 if float8 else 2
+        for loop in loops:
+            m, k, n, local = loop["m"], loop["k"], loop["n"], loop["local_experts"]
+
+            def product(rows: int, depth: int, count: int = 1) -> OpCount:
+                moved = (rows * depth + depth * n) * operand + rows * n * 2  # BF16 out, as the probe's
+                return OpCount("mm", "matmul", (1, rows, n, depth), 2 * rows * n * depth, moved, count,
+                               float8=float8)
+
+            each_ms = matmul_ms(product(m, k), device)
+            one_m, one_k = (m * local, k) if loop["token_dim"] == "m" else (m, k * local)
+            loop_ms = local * each_ms + waited_ms([Kernels(local, host_kernel_us / 1e3, each_ms)])[0]
+            rows.append({"kind": kind, "local_experts": local, "name": loop["name"], "m": m, "k": k, "n": n,
+                         "predicted_loop_ms": loop_ms, "measured_loop_ms": loop["loop"]["device_ms"]["median_ms"],
+                         "predicted_one_ms": matmul_ms(product(one_m, one_k), device),
+                         "measured_one_ms": loop["one_gemm"]["device_ms"]["median_ms"],
+                         "measured_loop_host_ms": loop["loop"]["host_ms"]["median_ms"]})
+    return rows
+
+
+def summary(errors: list[float]) -> str:
+    magnitudes = [abs(e) for e in errors]
+    return f"median {statistics.median(magnitudes):.1%}, worst {max(magnitudes):.1%} over {len(errors)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--probe", type=Path, default=PROBE, help="the probe's JSON (default: the committed H200's)")
+    parser.add_argument("--gpu", default=GPU, help=f"the catalogue's part the probe ran on (default {GPU})")
+    parser.add_argument("--host-kernel-us", type=float, default=HOST_KERNEL_US,
+                        help=f"the host's issue of a kernel (default pipesim's, {HOST_KERNEL_US:g})")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        probe = json.loads(args.probe.read_text())
+        if not isinstance(probe["moe"]["layers"], list) or not isinstance(probe["gemm"], dict):
+            raise TypeError("moe.layers is no list or gemm no table")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"--probe {args.probe}: not a GPU probe's JSON with parts (a) and (c) ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
+    if args.host_kernel_us < 0:
+        print(f"--host-kernel-us: {args.host_kernel_us:g} is negative; give 0 or more microseconds", file=sys.stderr)
+        return 2
+    try:
+        load_catalogue().find(args.gpu)
+    except Exception as exc:  # the catalogue's error names the parts it knows
+        print(f"--gpu: {exc}", file=sys.stderr)
+        return 2
+    compared = layer_rows(probe, args.gpu, args.host_kernel_us)
+    table = Table(title=f"(a) the probe's MoE layer on {args.gpu} at {args.host_kernel_us:g} us a kernel: "
+                        "pipesim / measured, ms (GPU, host: after the wait)")
+    for name in ("experts", "pass", "GPU", "host", "kernels", "pass ms", "error"):
+        table.add_column(name, justify="right")
+    for r in compared:
+        p, m = r["predicted"], r["measured"]
+        table.add_row(str(r["local_experts"]), r["pass"], f"{p['gpu_ms']:.3f} / {m['gpu_ms']:.3f}",
+                      f"{p['issue_ms']:.3f} / {m['issue_ms']:.3f}", f"{p['kernels']} / {m['kernels']}",
+                      f"{p['pass_ms']:.3f} / {m['pass_ms']:.3f}", f"{r['error']:+.1%}")
+    print_table(table)
+    print(f"|error| of the pass: {summary([r['error'] for r in compared])}; the probe's host "
+          f"{host_us_per_kernel(probe):.1f} us a kernel after the wait and in the backward, pooled")
+    loops = gemm_rows(probe, args.gpu, args.host_kernel_us)
+    table = Table(title=f"(c) a GEMM a local expert at {args.host_kernel_us:g} us a kernel: pipesim / measured, ms")
+    for name in ("type", "experts", "product", "loop", "loop error", "one GEMM", "one error"):
+        table.add_column(name, justify="right")
+    for r in loops:
+        table.add_row(r["kind"], str(r["local_experts"]), r["name"],
+                      f"{r['predicted_loop_ms']:.3f} / {r['measured_loop_ms']:.3f}",
+                      f"{r['predicted_loop_ms'] / r['measured_loop_ms'] - 1:+.1%}",
+                      f"{r['predicted_one_ms']:.3f} / {r['measured_one_ms']:.3f}",
+                      f"{r['predicted_one_ms'] / r['measured_one_ms'] - 1:+.1%}")
+    print_table(table)
+    for kind in dict.fromkeys(r["kind"] for r in loops):
+        mine = [r for r in loops if r["kind"] == kind]
+        print(f"{kind}: loop |error| {summary([r['predicted_loop_ms'] / r['measured_loop_ms'] - 1 for r in mine])}; "
+              f"one GEMM {summary([r['predicted_one_ms'] / r['measured_one_ms'] - 1 for r in mine])}")
+    if args.json:
+        args.json.write_text(json.dumps({"probe": str(args.probe), "gpu": args.gpu,
+                                         "host_kernel_us": args.host_kernel_us, "layers": compared, "gemms": loops},
+                                        indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
