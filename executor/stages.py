@@ -352,14 +352,23 @@ HELDOUT_CHUNK_ELEMENTS = 1 << 26  # the most output elements one forward of the 
 # GPT (256 sequences of 1,024 tokens over 32,000 words) made 8.4 G of logits at once, 34 GB in float32
 
 
-@torch.no_grad()
 def heldout_scores(spec: RunSpec, weights: dict[tuple[int, int], list[torch.Tensor]], pipeline: int = 0,
                    device: torch.device | str = "cpu") -> dict[str, float] | None:
     """The trained model (pipeline `pipeline`'s replica of every stage, `weights` keyed (stage, pipeline) in
-    each stage module's parameter order) scored on its model's held-out set, on `device` (the run's: on a CPU the
-    GPU check's GPT took its run's parent 4-5 minutes): loss, and accuracy for a classifier, over chunks of samples
-    whose outputs hold at most HELDOUT_CHUNK_ELEMENTS, each weighted by its samples (one chunk where they fit).
-    None when the model has no held-out set or a stage's weights are missing."""
+    each stage module's parameter order) scored on its model's held-out set, on `device` (the run's: by its FLOPs
+    the GPU check's GPT spent most of the H200 run's 317 s there on the parent's CPU), or on the CPU where the
+    whole model does not fit on it: loss, and accuracy for a classifier, over chunks of samples whose outputs hold
+    at most HELDOUT_CHUNK_ELEMENTS, each weighted by its samples (one chunk where they fit). None when the model has
+    no held-out set or a stage's weights are missing."""
+    try:
+        return _scores(spec, weights, pipeline, device)
+    except torch.OutOfMemoryError:
+        return _scores(spec, weights, pipeline, "cpu")
+
+
+@torch.no_grad()
+def _scores(spec: RunSpec, weights: dict[tuple[int, int], list[torch.Tensor]], pipeline: int,
+            device: torch.device | str) -> dict[str, float] | None:
     model = spec.build_model()
     for layer in model.layers:
         layer.to(device)

@@ -375,6 +375,16 @@ def test_the_held_out_set_is_scored_in_chunks_that_bound_its_outputs(monkeypatch
     chunked = stages.heldout_scores(spec, trained.weights)
     assert chunked.keys() == whole.keys() == {"loss", "accuracy"}
     assert chunked == pytest.approx(whole, rel=1e-6)  # the loss is float32 whatever the model's dtype
+    # where the whole model does not fit on the run's device (a GPU), the CPU scores it after the run
+    cut = stages.cut
+
+    def fits_on_cpu(spec, model=None, outputs=None):
+        if next(model.layers[0].parameters()).device.type != "cpu":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return cut(spec, model, outputs)
+
+    monkeypatch.setattr(stages, "cut", fits_on_cpu)
+    assert stages.heldout_scores(spec, trained.weights, device="meta") == chunked
 
 
 def test_a_cut_given_its_layers_outputs_runs_no_forward():
