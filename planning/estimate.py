@@ -881,20 +881,24 @@ class ContextRing:
         `AttnFuncWithCP` runs them (transformer_engine/pytorch/attention.py, the p2p ring Megatron-core's
         cp_comm_type p2p runs): the forward copies the keys and values into the first send buffer (`torch.cat`),
         zeroes the output and adds each step's block output into it scaled by its softmax statistics
-        (`flash_attn_fwd_out_correction`: the block's output read, the sum read and written); the backward copies
-        the keys and values into its send buffer and, after each step, joins the block's key and value gradients
-        (`torch.cat`) and adds them into the travelling sum, and adds the block's query gradient into the rank's
-        (`dq.add_`, `dkv.add_`). Each pass counted over the whole tensor: the halves of the masked steps (half the
-        queries or the keys) and the first step's copies where later steps add are taken as the others, the
-        softmax statistics' corrections (one float per row) and the masked steps' half-tensor copies left out.
-        torch's ring (`_SDPAMerger`) merges in float32: at least these bytes. Each pass a kernel at the memory's
-        rate."""
+        (`flash_attn_fwd_out_correction`, compiled: one kernel reading the block's output and reading and writing
+        the sum); the backward copies the keys and values into its send buffer and, after each step, joins the
+        block's key and value gradients (`torch.cat`) and adds them into the travelling sum, and adds the block's
+        query gradient into the rank's (`dq.add_`, `dkv.add_`). Each pass counted over the whole tensor: the halves
+        of the masked steps (half the queries or the keys) and the first step's copies where later steps add are
+        taken as the others. The softmax statistics (one float a query row: 0.5 MB a rank at Llama 3.1 8B, C = 2)
+        cost their kernels, not their bytes: the forward clones the first step's and widens them to float64
+        (`torch.clone(...).to(torch.double)`), joins each later step's into them
+        (`flash_attn_fwd_softmax_lse_correction`, compiled: one kernel each) and narrows them to float32 again
+        before the output's corrections, C + 2 kernels; the backward copies their second half
+        (`softmax_lse_[..., 1, :].contiguous()`), one. torch's ring (`_SDPAMerger`) merges in float32: at least these
+        bytes. Each pass a kernel at the memory's rate."""
         queries = op.shape[0] * op.shape[1] * op.shape[3] * element_bytes
         keys_values = self.keys_values(op) * element_bytes
         if op.op.endswith("_backward"):
-            moved, kernels = 2 * keys_values + self.ranks * (5 * keys_values + 3 * queries), 1 + 3 * self.ranks
+            moved, kernels = 2 * keys_values + self.ranks * (5 * keys_values + 3 * queries), 2 + 3 * self.ranks
         else:
-            moved, kernels = 2 * keys_values + queries + self.ranks * 3 * queries, 2 + self.ranks
+            moved, kernels = 2 * keys_values + queries + self.ranks * 3 * queries, 4 + 2 * self.ranks
         return kernels * device.curve.kernel_overhead_ms + moved / device.memory_bytes_per_ms
 
     def copies_ms(self, op: OpCount, device: Device, element_bytes: int) -> float:
