@@ -2,27 +2,18 @@
 pipesim's default host cost a kernel is the probe's measured one, and at it pipesim's probe layer and GEMM loops
 bind where the probe's bound (the host or the GPU), which the literature's 12 us did not."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from pipesim.planning.host import HOST_KERNEL_US
-
-ROOT = Path(__file__).parent.parent
-SCRIPT = ROOT / "benchmarks" / "probe_moe.py"
+from tests.conftest import script_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("probe_moe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["probe_moe"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["probe_moe"]
+    with script_module("probe_moe") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
