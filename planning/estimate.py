@@ -23,8 +23,8 @@ linear products at the part's float8 peak with the recipe's casts and saved byte
 
 Placement: the ranks numbered as the rank order says (planning/ranks.py: pipesim's, t inside a node first, then
 C, p, d; or Megatron-core's, t, C, d, then p); a stage boundary or a data-parallel group that leaves a node uses
-the network (a stage boundary with t > 1 as Megatron's scatter/gather: 1/t of the
-tensor per rank on the network, then an all-gather on the node's link). Pure arithmetic on counts: no torch.
+the network (a stage boundary with t > 1: 1/t of the tensor per rank on the network, then, without sequence
+parallelism, Megatron-LM's all-gather on the node's link: `_stage_link`). Pure arithmetic on counts: no torch.
 """
 
 from __future__ import annotations
@@ -733,11 +733,13 @@ def _stage_link(network: EstimateLink, node: EstimateLink, t: int, sequence_para
     all-gather it on their group's link `node` (Megatron-LM's scatter/gather, `scatter_gather_tensors_in_pipeline`):
     (t-1) steps of the same share, so a byte sent costs 1/network + (t-1)/node. Under sequence parallelism the
     share is the rank's own sequence shard and nothing is gathered: Megatron-LM skips the scatter/gather there
-    (megatron/p2p_communication.py `_communicate`, `scatter_gather_tensors_in_pipeline and not
-    args.sequence_parallel`, from 6658158b58 and cfd2e21607, 2022), Megatron-core has none (core_v0.9.0:
+    (megatron/p2p_communication.py `_communicate`: `and not args.model_parallel_memory_opt` from 6658158b58, the
+    flag renamed `sequence_parallel` in cfd2e21607, 2022), Megatron-core has none (core_v0.9.0:
     p2p_communication.py sends the tensor as given, its shape seq_length/t under sequence parallelism, schedules.py
     `get_tensor_shapes` and the interleaved schedule's `tensor_shape`), and torchtitan's stages pass their blocks'
-    Shard(1) local outputs: the network alone."""
+    Shard(1) local outputs: the network alone. Not priced: Megatron-core without sequence parallelism, where each
+    rank sends the whole tensor (t shares) on its NIC and gathers nothing; every published row without it ran
+    Megatron-LM's scatter/gather."""
     if t == 1 or sequence_parallel:
         return network
     return EstimateLink(kind=network.kind, latency_ms=network.latency_ms + (t - 1) * node.latency_ms,
