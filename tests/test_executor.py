@@ -30,7 +30,7 @@ from pipesim.executor import (
 )
 from pipesim.schedules import ScheduleParams, build_schedule, lower
 from pipesim.traces.trace import Stream, read_trace, write_trace
-from pipesim.workload.models import gpt, mlp
+from pipesim.workload.models import Model, gpt, mlp
 from pipesim.workload.optim import make_optimizer
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -372,7 +372,15 @@ def test_the_held_out_set_is_scored_in_chunks_that_bound_its_outputs(monkeypatch
     whole = trained.trace.meta.extra["heldout"]
     assert whole == stages.heldout_scores(spec, trained.weights, device="cpu")
     monkeypatch.setattr(stages, "HELDOUT_CHUNK_ELEMENTS", 7 * 10)  # 7 samples of 10 logits: 52 chunks of 360
+    scored, score = [], Model.score
+
+    def counted(model, output, target):
+        scored.append(output.numel())
+        return score(model, output, target)
+
+    monkeypatch.setattr(Model, "score", counted)
     chunked = stages.heldout_scores(spec, trained.weights)
+    assert len(scored) == 52 and max(scored) == 70 and sum(scored) == 10 * 360  # each chunk's outputs bounded
     assert chunked.keys() == whole.keys() == {"loss", "accuracy"}
     assert chunked == pytest.approx(whole, rel=1e-6)  # the loss is float32 whatever the model's dtype
     # where the whole model does not fit on the run's device (a GPU), the CPU scores it after the run
