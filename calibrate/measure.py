@@ -286,7 +286,7 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
                     wrt = [a for a in leaves if a.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
                     torch.autograd.grad(out, wrt, torch.ones_like(out), retain_graph=True, allow_unused=True)
         except Exception as exc:  # the user's model: report whatever it raised, in one line
-            if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+            if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
                 raise
             raise ModelError(f"layer {names[i]} failed on its sample input: {type(exc).__name__}: "
                              f"{(str(exc).splitlines() or [''])[0]}") from None

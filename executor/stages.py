@@ -362,7 +362,7 @@ def heldout_scores(spec: RunSpec, weights: dict[tuple[int, int], list[torch.Tens
     no held-out set or a stage's weights are missing."""
     try:
         return _scores(spec, weights, pipeline, device)
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError is the same class, but only from torch 2.5 on
         return _scores(spec, weights, pipeline, "cpu")
 
 

@@ -303,6 +303,7 @@ def test_a_model_whose_backward_fails_is_one_line(tmp_path, monkeypatch):
         "class Layer(nn.Linear):\n    def forward(self, x):\n        return Refuse.apply(super().forward(x))\n"
         "layers = [nn.Linear(8, 8), Layer(8, 8), nn.Linear(8, 2)]\n")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delattr(torch, "OutOfMemoryError", raising=False)  # as torch < 2.5, which pyproject.toml allows
     code, _, err = pipesim("calibrate", "--model", "byo_broken_backward:layers", "--no-links", "--out",
                            tmp_path / "p.json")
     assert code == 2 and "no gradient here" in err and err.strip().count("\n") == 0
