@@ -149,18 +149,23 @@ class WhatIf:
         shape = (self.gpu.curve.multiprocessors, self.gpu.curve.tiles) if env.device == "cuda" else (1, [(1, 1)])
         stored = self.calibrated.fitted_curve
         where = f"{self.calibrated_path} ({env.device_name}, {env.date})"
+        # why a stored curve is not the one this part is priced on, said in the curve's source
+        passed_over = [] if stored is None else [why for why, holds in (
+            ("fitted on other tiles", (stored.multiprocessors, stored.tiles) != shape),
+            (f"attention counted as {stored.attention}", stored.attention not in (None, FIT_ATTENTION))) if holds]
         try:
-            if stored is not None and (stored.multiprocessors, stored.tiles) == shape and \
-                    stored.attention in (None, FIT_ATTENTION):
-                fitted, how = stored, "stored by pipesim calibrate in"
+            if stored is not None and not passed_over:
+                fitted, source = stored, f"stored by pipesim calibrate in {where}"
             else:
                 counted = count_model_of(self.calibrated.model.name, dict(self.calibrated.model.options),
                                          env.microbatch_size, env.dtype, FIT_ATTENTION, "--curve-from",
                                          swiglu_fusion=False)
                 timed = stored.kernel_overhead_ms if stored is not None and stored.kernel_overhead_measured else None
-                fitted, how = fit_rates(self.calibrated, counted, *shape, timed), "fitted to"
+                fitted = fit_rates(self.calibrated, counted, *shape, timed)
+                source = f"fitted to {where}" + (f", not its stored curve ({', '.join(passed_over)})"
+                                                  if passed_over else "")
             return curve_for(fitted, peak * 1e9, self.gpu.memory_bandwidth_gb_s * 1e6, self.gpu.curve,
-                             f"{how} {where}; {fit_errors(fitted)}")
+                             f"{source}; {fit_errors(fitted)}")
         except EstimateError as exc:
             raise InputError(f"--curve-from: {exc}") from None
 

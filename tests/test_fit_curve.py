@@ -85,7 +85,16 @@ def test_curve_from_prefers_the_stored_curve_and_fits_a_profile_without_one(cali
     monkeypatch.setattr(estimate, "fit_rates", fit_rates)
     code, out, err = pipesim(*ESTIMATE, "--curve-from", old, "--out", tmp_path / "from-old.json")
     assert code == 0, err
-    assert load_profile(tmp_path / "from-old.json").estimate.curve["source"].startswith(f"fitted to {old}")
+    source = load_profile(tmp_path / "from-old.json").estimate.curve["source"]
+    assert source.startswith(f"fitted to {old}") and "stored curve" not in source
+    raw = json.loads(path.read_text())
+    raw["fitted_curve"]["tiles"] = [[2, 1]]  # fitted on a part whose products fill other tiles: passed over, said so
+    other = tmp_path / "other-tiles.json"
+    other.write_text(json.dumps(raw))
+    code, out, err = pipesim(*ESTIMATE, "--curve-from", other, "--out", tmp_path / "from-other.json")
+    assert code == 0, err
+    source = load_profile(tmp_path / "from-other.json").estimate.curve["source"]
+    assert source.startswith(f"fitted to {other}") and ", not its stored curve (fitted on other tiles); " in source
 
 
 def test_a_curve_fitted_to_one_committed_cpu_calibration_predicts_its_layers_and_another_widths():
@@ -159,4 +168,5 @@ def test_the_h200_calibration_fits_below_the_parts_datasheet_and_curve_from_pric
     assert code == 0, err
     curve = load_profile(tmp_path / "estimate.json").estimate.curve
     assert curve["source"].startswith(f"fitted to {H200}")
+    assert ", not its stored curve (attention counted as math); " in curve["source"]  # why, not silently
     assert curve["matmul_efficiency"] == pytest.approx(fitted.matmul_flops_per_ms / peak_flops_per_ms)
