@@ -32,12 +32,10 @@ import statistics
 import subprocess
 from pathlib import Path
 
-import torch
-
+from pipesim.commands.estimate import fit_count
 from pipesim.hardware.catalogue import Curve, load_catalogue
 from pipesim.planning.estimate import (
     CALIBRATED_OPS,
-    FIT_ATTENTION,
     PEAK_DTYPE,
     Device,
     Parallelism,
@@ -46,7 +44,6 @@ from pipesim.planning.estimate import (
     fit_rates,
 )
 from pipesim.profiles.schema import PASSES, EstimateLink, Profile, Timing, load_profile
-from pipesim.workload.count import WorkloadCount, count_built
 
 CPU = Curve(matmul_efficiency=1.0, attention_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_ms=0.0,
             multiprocessors=1, tiles=[(1, 1)], source="nominal CPU: 1 TFLOP/s, 100 GB/s")
@@ -97,12 +94,6 @@ def measured_overhead(profiles: list[Profile]) -> float | None:
     return statistics.median(timed) if timed else None
 
 
-def counted(profile: Profile) -> WorkloadCount:
-    env = profile.environment
-    return count_built(profile.model.name, dict(profile.model.options), env.microbatch_size,
-                       getattr(torch, env.dtype), FIT_ATTENTION)
-
-
 def errors(predicted: dict[str, list[float | None]], target: Profile) -> dict[str, list[float]]:
     """Per pass, each layer's predicted time over the target's measured one, less 1 (layers without work, or
     under 10 us measured, left out)."""
@@ -140,7 +131,7 @@ def main() -> None:
             gpu.curve
     else:
         peak, bandwidth, shape = 1e9, 1e8, CPU
-    counts = {key: counted(halves[0][0]) for key, halves in sizes.items()}
+    counts = {key: fit_count(halves[0][0], "benchmarks/fit_curve.py") for key, halves in sizes.items()}
     widths = max(map(len, names.values())) + 2
 
     def row(first: str, second: str, result: dict[str, dict[str, float]]) -> None:

@@ -157,9 +157,7 @@ class WhatIf:
             if stored is not None and not passed_over:
                 fitted, source = stored, f"stored by pipesim calibrate in {where}"
             else:
-                counted = count_model_of(self.calibrated.model.name, dict(self.calibrated.model.options),
-                                         env.microbatch_size, env.dtype, FIT_ATTENTION, "--curve-from",
-                                         swiglu_fusion=False)
+                counted = fit_count(self.calibrated, "--curve-from")
                 timed = stored.kernel_overhead_ms if stored is not None and stored.kernel_overhead_measured else None
                 fitted = fit_rates(self.calibrated, counted, *shape, timed)
                 source = f"fitted to {where}" + (f", not its stored curve ({', '.join(passed_over)})"
@@ -376,6 +374,17 @@ def fit_errors(fitted: FittedCurve) -> str:
             + (f"; predicted: {others}" if others else ""))
 
 
+def fit_count(profile: Profile, needer: str) -> WorkloadCount:
+    """A calibration's model counted as the fit of its device's curve reads it (calibrate's, --curve-from's,
+    benchmarks/fit_curve.py's): its attention as the fused kernel torch ran there (`FIT_ATTENTION`), its SwiGLU as
+    the torch ops it ran, unfused; from the host cache once counted."""
+    from ..planning.estimate import FIT_ATTENTION
+
+    env = profile.environment
+    return count_model_of(profile.model.name, dict(profile.model.options), env.microbatch_size, env.dtype,
+                          FIT_ATTENTION, needer, swiglu_fusion=False)
+
+
 def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextManager]) -> Profile:
     """`profile` (just calibrated) with its device's efficiency curve stored: the kernel overhead timed on the
     device (calibrate/kernel.py), the rates fitted to the measured layers on the same model's count
@@ -384,7 +393,7 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
     import torch
 
     from ..calibrate.kernel import kernel_overhead_ms
-    from ..planning.estimate import CUDA_TILES, FIT_ATTENTION, EstimateError, fit_rates
+    from ..planning.estimate import CUDA_TILES, EstimateError, fit_rates
 
     env = profile.environment
     device = torch.device(env.device)
@@ -394,8 +403,7 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
         shape = (1, [(1, 1)])  # a CPU: no tile or wave quantisation
     with phase("fitting the device's efficiency curve to the layers"):
         try:
-            counted = count_model_of(profile.model.name, dict(profile.model.options), env.microbatch_size, env.dtype,
-                                     FIT_ATTENTION, "the fitted curve", swiglu_fusion=False)
+            counted = fit_count(profile, "the fitted curve")
             overhead_ms = kernel_overhead_ms(device, getattr(torch, env.dtype))
             return profile.model_copy(update={"fitted_curve": fit_rates(profile, counted, *shape, overhead_ms)})
         except (InputError, EstimateError, RuntimeError, NotImplementedError) as exc:  # the meta device's too

@@ -31,8 +31,8 @@ def calibrated(tmp_path_factory) -> tuple[Path, str]:
 
 
 def test_calibrate_stores_the_fitted_curve_and_it_round_trips(calibrated, tmp_path):
+    from pipesim.commands.estimate import fit_count
     from pipesim.planning.estimate import FIT_ATTENTION, fit_rates
-    from pipesim.workload.count import count_built
 
     path, out = calibrated
     profile = load_profile(path)
@@ -42,9 +42,8 @@ def test_calibrate_stores_the_fitted_curve_and_it_round_trips(calibrated, tmp_pa
     assert fitted.kernel_overhead_measured and 0 < fitted.kernel_overhead_ms < 0.1  # microseconds, timed
     assert all(len(residuals) == len(profile.layers) for residuals in fitted.residuals.values())
     assert fitted.residuals["igrad"][0] is None  # the embedding's input is the batch: no input gradient
-    counted = count_built("gpt", dict(profile.model.options), profile.environment.microbatch_size, torch.float32,
-                          FIT_ATTENTION)
     assert fitted.attention == FIT_ATTENTION
+    counted = fit_count(profile, "the test")
     refitted = fit_rates(profile, counted, 1, [(1, 1)], fitted.kernel_overhead_ms)  # calibrate's fit, as it stored it
     assert (fitted.matmul_flops_per_ms, fitted.memory_bytes_per_ms) == pytest.approx(
         (refitted.matmul_flops_per_ms, refitted.memory_bytes_per_ms), rel=1e-6)
@@ -111,9 +110,9 @@ def test_a_curve_fitted_to_one_committed_cpu_calibration_predicts_its_layers_and
     (22 % worst before, the embedding's backward, whose bytes the count then overstated). Counted with the flash
     kernel torch ran there (`FIT_ATTENTION`; the math path's scores before): its own passes back within 4, 3 and
     4 % (8, 2 and 6 before), the wider model's 9, 7, 4 and 9 % median (10, 5, 0.6, 7), worst 38 %, the same pass."""
+    from pipesim.commands.estimate import fit_count
     from pipesim.planning.estimate import (
         CALIBRATED_OPS,
-        FIT_ATTENTION,
         Device,
         Parallelism,
         curve_for,
@@ -121,11 +120,9 @@ def test_a_curve_fitted_to_one_committed_cpu_calibration_predicts_its_layers_and
         fit_rates,
     )
     from pipesim.profiles.schema import PASSES, EstimateLink
-    from pipesim.workload.count import count_built
 
     def counted(profile):
-        return count_built("gpt", dict(profile.model.options), profile.environment.microbatch_size, torch.float32,
-                           FIT_ATTENTION)
+        return fit_count(profile, "the test")
 
     narrow, wide = (load_profile(TRACES / f"gpt-cpu-w{width}.json") for width in (256, 512))
     fitted = fit_rates(narrow, counted(narrow), 1, [(1, 1)])  # calibrated before calibrate timed the kernel overhead
@@ -149,14 +146,14 @@ def test_the_h200_calibration_fits_below_the_parts_datasheet_and_curve_from_pric
     kernel that ran (`FIT_ATTENTION`, here at use since the stored one was fitted on another), every rate is below
     the H200's datasheet figure (products 663 TFLOP/s, attention 382, memory-bound 3.9 TB/s of 4.8) and the
     estimate prices with it."""
-    from pipesim.planning.estimate import CUDA_TILES, FIT_ATTENTION, PEAK_DTYPE, fit_rates
-    from pipesim.workload.count import count_built
+    from pipesim.commands.estimate import fit_count
+    from pipesim.planning.estimate import CUDA_TILES, PEAK_DTYPE, fit_rates
 
     profile = load_profile(H200)
     env, part = profile.environment, load_catalogue().find("h200")
     stored = profile.fitted_curve
     assert stored.attention == "math" and stored.matmul_flops_per_ms > 1e12  # 1.12 PFLOP/s, as calibrate fitted it
-    counted = count_built("gpt", dict(profile.model.options), env.microbatch_size, torch.bfloat16, FIT_ATTENTION)
+    counted = fit_count(profile, "the test")
     fitted = fit_rates(profile, counted, stored.multiprocessors, CUDA_TILES, stored.kernel_overhead_ms)
     peak_flops_per_ms = getattr(part.dense_tflops, PEAK_DTYPE[env.dtype]) * 1e9
     assert fitted.matmul_flops_per_ms < peak_flops_per_ms and fitted.attention_flops_per_ms < peak_flops_per_ms
@@ -170,3 +167,20 @@ def test_the_h200_calibration_fits_below_the_parts_datasheet_and_curve_from_pric
     assert curve["source"].startswith(f"fitted to {H200}")
     assert ", not its stored curve (attention counted as math); " in curve["source"]  # why, not silently
     assert curve["matmul_efficiency"] == pytest.approx(fitted.matmul_flops_per_ms / peak_flops_per_ms)
+
+
+def test_every_fit_counts_a_calibration_as_it_ran(calibrated):
+    """`fit_count`, the one count calibrate, --curve-from and benchmarks/fit_curve.py fit a curve on: attention as
+    the fused kernel torch ran (no s x s scores) and a gated model's SwiGLU as its own torch ops (the estimate's
+    default fuses it into one kernel), so a gated calibration is not fitted on kernels it never ran."""
+    from pipesim.commands.estimate import fit_count
+    from pipesim.workload.count import count_built
+
+    profile = load_profile(calibrated[0])
+    gated = profile.model_copy(update={"model": profile.model.model_copy(
+        update={"options": {**profile.model.options, "gated": 1}})})
+    env, options = profile.environment, dict(gated.model.options)
+    counted = fit_count(gated, "the test")
+    assert counted == count_built("gpt", options, env.microbatch_size, torch.float32, "flash", swiglu_fusion=False)
+    assert counted != count_built("gpt", options, env.microbatch_size, torch.float32, "flash")
+    assert counted != count_built("gpt", options, env.microbatch_size, torch.float32, "math", swiglu_fusion=False)
