@@ -223,15 +223,16 @@ def run(
                 if why:
                     raise InputError(why)
             profiled_b = measured.environment.microbatch_size
+            made, again = ("estimated", "estimate it again") if measured.estimate else ("calibrated", "recalibrate")
             if is_given(ctx, "microbatch_size") and microbatch_size != profiled_b:
-                raise InputError(f"--microbatch-size {microbatch_size}: the profile {profile} was measured at "
-                                 f"{profiled_b} samples per micro-batch, and its times hold there only; drop the "
-                                 "flag or recalibrate")
+                raise InputError(f"--microbatch-size {microbatch_size}: the profile {profile} was {made} at "
+                                 f"{count_text(profiled_b, 'sample')} per micro-batch, and its times hold there "
+                                 f"only; drop the flag or {again}")
             microbatch_size = profiled_b
             profiled_dtype = measured.environment.dtype
             if dtype is not None and DTYPES[dtype] != profiled_dtype:
-                raise InputError(f"--dtype {dtype}: the profile {profile} was calibrated in {profiled_dtype}, and its "
-                                 "times hold there only; drop the flag or recalibrate")
+                raise InputError(f"--dtype {dtype}: the profile {profile} was {made} in {profiled_dtype}, and its "
+                                 f"times hold there only; drop the flag or {again}")
             dtype = profiled_dtype
         scenario = searched_scenario(ctx, method, measured)
         params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,

@@ -194,6 +194,20 @@ def test_a_run_trains_in_its_profiles_dtype_and_refuses_another(tmp_path, profil
     assert not (tmp_path / "x.json").exists()
 
 
+def test_an_estimated_profile_refuses_another_dtype_or_micro_batch_as_estimated(tmp_path):
+    """An estimate's times hold in its dtype and micro-batch as a calibration's do, but it was never calibrated:
+    the refusal says so, and to estimate it again."""
+    estimate = tmp_path / "e.json"
+    code, _, err = pipesim("estimate", "--model", "mlp", "--gpu", "h100-sxm", "--stages", 2, "--out", estimate)
+    assert code == 0, err
+    for flag, value, held in (("--dtype", "fp32", "in bfloat16"), ("--microbatch-size", 3, "at 1 sample per")):
+        code, _, err = pipesim("run", "--schedule", "1f1b", "--model", "mlp", "--microbatches", 2, "--profile",
+                               estimate, flag, value, "--trace", tmp_path / "t.json")
+        assert code == 2 and f"{flag} {value}: the profile {estimate} was estimated {held}" in err, err
+        assert "drop the flag or estimate it again" in err
+    assert not (tmp_path / "t.json").exists()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_16_bit_calibration_probes_its_runtime_and_a_run_of_it_compares(tmp_path, dtype, monkeypatch):
     """`calibrate --dtype bfloat16` on a GPU died in its runtime probe, whose ranks hand their trained weights back
