@@ -18,9 +18,10 @@ time over the span (CUDA events: the forward from the router to the last launch,
 from its start on an empty queue).
 
 (c) Each product of the probe's loops (fc1 and fc2, forward, input and weight gradient, at 4 and 16 local
-experts) priced as pipesim prices one local expert's product (`matmul_ms`, BF16 or at the float8 peak) issued
-back to back from an empty queue at the host's cost a kernel (`waited_ms`), against the loop's device time, and
-its one GEMM of the same FLOPs against the probe's.
+experts) priced as pipesim prices one local expert's product (`matmul_ms`, BF16, or FP8 at the float8 peak with
+split accumulation: the probe's torch._scaled_mm runs its default use_fast_accum=False) issued back to back from an
+empty queue at the host's cost a kernel (`waited_ms`), against the loop's device time, and its one GEMM of the same
+FLOPs against the probe's.
 
     python benchmarks/probe_moe.py                                        # the committed H200 probe
     python benchmarks/probe_moe.py --probe PROBE.json --gpu h100-sxm --host-kernel-us 12
@@ -159,7 +160,7 @@ def gemm_rows(probe: dict, gpu_name: str, host_kernel_us: float) -> list[dict]:
             def product(rows: int, depth: int, count: int = 1) -> OpCount:
                 moved = (rows * depth + depth * n) * operand + rows * n * 2  # BF16 out, as the probe's
                 return OpCount("mm", "matmul", (1, rows, n, depth), 2 * rows * n * depth, moved, count,
-                               float8=float8)
+                               float8=float8, split_accumulation=float8)
 
             each_ms = matmul_ms(product(m, k), device)
             one_m, one_k = (m * local, k) if loop["token_dim"] == "m" else (m, k * local)

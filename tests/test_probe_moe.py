@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.host import HOST_KERNEL_US
 from tests.conftest import script_module
 
@@ -56,6 +57,19 @@ def test_the_bf16_expert_loops_come_within_40_percent_at_the_default_host_cost(b
 
     assert worst(HOST_KERNEL_US) < 0.4
     assert worst(12.0) > 0.5
+
+
+def test_the_fp8_gemms_are_priced_with_split_accumulation_as_the_probe_ran_them(bench, probe):
+    """The probe's torch._scaled_mm runs its default use_fast_accum=False: each FP8 one GEMM is priced at the H200's
+    float8 peak times its split-accumulation efficiency (0.734) times its tile fill, never at the fast-accumulating
+    product's 0.83, which its best-filled shapes would pass."""
+    gpu = load_catalogue().find(bench.GPU)
+    rows = [r for r in bench.gemm_rows(probe, bench.GPU, HOST_KERNEL_US) if r["kind"] == "fp8"]
+    fractions = [loop["flop"] / ((row["predicted_one_ms"] - gpu.curve.kernel_overhead_ms) * gpu.dense_tflops.fp8 * 1e9)
+                 for loop, row in zip(probe["gemm"]["fp8"], rows, strict=True)]
+    assert len(fractions) == 12
+    assert max(fractions) <= gpu.curve.fp8_split_accumulation_efficiency * 1.0001
+    assert max(fractions) > 0.95 * gpu.curve.fp8_split_accumulation_efficiency
 
 
 def test_the_benchmark_prints_both_parts_and_refuses_a_file_that_is_no_probe(bench, tmp_path, capsys):
