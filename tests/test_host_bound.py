@@ -151,6 +151,19 @@ def test_the_module_cost_defaults_by_the_runtime(tmp_path):
     assert "host module" not in " ".join(out.split())
 
 
+def test_the_help_gives_the_host_costs_the_planner_defaults_to():
+    """--help states both defaults as numbers: each the planner's constant (planning/host.py), the module call's the
+    115 us of TransformerEngine PR 1191 less the default kernel's issue."""
+    from typing import get_args
+
+    from pipesim.commands.common import HostKernelUs, HostModuleUs
+    from pipesim.planning.host import HOST_KERNEL_US, TE_MODULE_US
+
+    assert TE_MODULE_US == pytest.approx(115 - HOST_KERNEL_US)
+    assert f"Default: {HOST_KERNEL_US:g}," in get_args(HostKernelUs)[1].help
+    assert f"Default: {TE_MODULE_US:g} under --fp8-recipe te" in get_args(HostModuleUs)[1].help
+
+
 @pytest.mark.parametrize("value", ["inf", "-1"])
 def test_a_bad_module_cost_is_one_line(tmp_path, value):
     code, out, err = pipesim("estimate", *MOE, "--host-module-us", value, "-o", tmp_path / "x.json")
