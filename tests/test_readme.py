@@ -8,6 +8,7 @@ part here; CI runs their install part on a fresh machine.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -108,3 +109,39 @@ def section_runs(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
 def test_every_readme_command_runs_as_written(section, section_runs):
     failure = section_runs[section].result()
     assert failure is None, failure
+
+
+def _prose(section: str) -> str:
+    return " ".join(README.read_text().split(f"## {section}")[1].split("\n## ")[0].split())
+
+
+def test_the_models_sections_figures_are_what_its_commands_print():
+    """The prose under "Models and parallelism of now" quotes DeepSeek-V3's step and peak per schedule (and
+    DualPipeV's peak in BF16, the same command) and Llama 3.1 405B's step: each is what its command prints, to the digit
+    quoted."""
+    from typer.testing import CliRunner
+
+    from pipesim.cli import app
+
+    commands = readme_sections()["Models and parallelism of now"]
+    (deepseek,) = [c for c in commands if "deepseek-v3" in c]
+    (llama,) = [c for c in commands if "llama3.1-405b" in c]
+    args = deepseek.split()[1:] + ["--json"]
+
+    def results(argv: list[str]) -> dict[str, dict]:
+        done = CliRunner().invoke(app, argv)
+        assert done.exit_code == 0, done.output
+        return {r["schedule"]: r for r in json.loads(done.stdout)["results"]}
+
+    fp8 = results(args)
+    bf16 = results(" ".join(args).replace("--dtype fp8 --fp8-recipe deepseek", "--dtype bf16").split())
+    prose = _prose("Models and parallelism of now")
+    quoted = {f"DualPipeV {fp8['dualpipev']['time_per_minibatch_ms'] / 1e3:.1f} s a step in "
+              f"{fp8['dualpipev']['peak_memory_mb'] / 1024:.1f} GiB against 1F1B's "
+              f"{fp8['1f1b']['time_per_minibatch_ms'] / 1e3:.1f}",
+              f"ZB-V ({fp8['zb-v']['time_per_minibatch_ms'] / 1e3:.1f} s) needs "
+              f"{fp8['zb-v']['peak_memory_mb'] / 1024:.1f}",
+              f"in BF16 DualPipeV's {bf16['dualpipev']['peak_memory_mb'] / 1024:.1f} GiB does not fit",
+              f"{results(llama.split()[1:] + ['--json'])['1f1b']['time_per_minibatch_ms'] / 1e3:.1f} s a step"}
+    for figure in quoted:
+        assert figure in prose
