@@ -5,8 +5,10 @@
     micro-batch) at 4, 8 and 16 local experts: router, permute, the host's synchronisation for the tokens per
     expert (`.tolist()`, as Megatron-core's all-to-all dispatcher waits at "before_ep_alltoall"), one GEMM a local
     expert (fc1, SwiGLU, fc2), weighted unpermute; forward and backward. It times the host from the
-    synchronisation to the layer's last launch against the device in the same span, and counts the ops and the
-    kernels (torch.profiler), so a kernel's host cost and an expert's cost can be read off.
+    synchronisation to the layer's last launch against the device in the same span, and the device alone in that
+    span and the backward each behind a held device; and counts the ops and the kernels, each kernel's device time
+    kept by name and by the op that launched it (torch.profiler, `moe.kernels`), so a kernel's host cost, an
+    expert's cost and the kernels pipesim misprices can be read off.
 (b) *Context parallelism's attention as TransformerEngine runs it* ("Llama 3.1 8B's C = 2 step, read from its
     code"): Llama 3.1 8B's attention (32 heads of 128, 8 KV heads, causal, 8,192 tokens) through torch's SDPA,
     whole at C = 1 and as TransformerEngine 1.10's p2p ring runs it at C = 2 on one rank
@@ -18,14 +20,15 @@
     device's work, not the host's issue (traces/measured/gpu-probe-h200.json, from before the hold, does not).
 (c) *The experts' GEMMs*: each of an expert's six products (fc1 and fc2; forward, input and weight gradients) as
     a loop of one GEMM a local expert at 4 and 16 local experts, against the same FLOPs as one GEMM; BF16 with
-    torch.mm, FP8 with torch._scaled_mm where the GPU has FP8.
+    torch.mm, FP8 with torch._scaled_mm where the GPU has FP8; each loop also behind a held device (the device's time
+    a GEMM apart from the host's) and profiled once (its kernels a GEMM, by name).
 
 Device times are CUDA events; host times time.perf_counter; every figure is the median of `--repeats` after
 `--warmup` runs, with its spread. One JSON lands at `--out`. On a CPU (`--device cpu --quick`) the same code runs
-tiny, device times are the host's, and the GPU-only parts (kernel counts, FP8, compiled passes, the second stream)
-say why they skip.
+tiny, device times are the host's (an aten op's own time stands for a kernel's), and the GPU-only parts (kernel
+counts, FP8, compiled passes, the second stream) say why they skip.
 
-    python benchmarks/gpu_probe.py --out probe.json    # one H100/H200; sized for under 4 minutes, not yet run on one
+    python benchmarks/gpu_probe.py --out probe.json    # one H100/H200: 28 s on an H200 before the kernels by name
     python benchmarks/gpu_probe.py --device cpu --quick --out /tmp/probe.json  # the same code, tiny, on a CPU
 """
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -48,9 +52,11 @@ import torch.nn.functional as F
 
 # --- timing ------------------------------------------------------------------------------------------------------
 
-# The GPU clock cycles part (b) holds the device for before each span it times (`Clock.held_start`): 10^7, 5 ms at
-# Hopper's 1.98 GHz boost (longer at lower clocks), where the spans' issue took under 2 ms of the first H200 run's host.
+# The GPU clock cycles parts (b) and (c) hold the device for before each span they time (`Clock.held_start`): 10^7,
+# 5 ms at Hopper's 1.98 GHz boost (longer at lower clocks), where the spans' issue took under 2 ms of the first H200
+# run's host; part (a)'s held spans, 3 x 10^7 (15 ms), where its backward at 16 local experts took 6 ms to issue.
 HOLD_CYCLES = 10**7
+MOE_HOLD_CYCLES = 3 * 10**7
 
 
 @dataclass(frozen=True)
@@ -79,15 +85,20 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def held_start(self) -> Mark:
-        """A span's start that the device reaches only after `HOLD_CYCLES` of a spinning kernel, by when the host has
+    def held_start(self, cycles: int = HOLD_CYCLES) -> Mark:
+        """A span's start that the device reaches only after `cycles` of a spinning kernel, by when the host has
         issued the span's work behind it: the span is then the device's time alone, not the host's issue (from an
         idle device, the first H200 run's C = 2 forward spans timed the host: docs/hardware.md, "What the H200
         probe settled"). On a CPU, a plain start."""
         self.synchronize()
         if self.cuda:
-            torch.cuda._sleep(HOLD_CYCLES)
+            torch.cuda._sleep(cycles)
         return self.mark()
+
+    def still_held(self, start: Mark) -> bool | None:
+        """Whether the device has not yet reached `start` (a `held_start`): asked as the host ends a span's issue,
+        True says the hold outlasted the issue, so the span holds no host gap. None on a CPU."""
+        return not start.event.query() if self.cuda else None
 
     @staticmethod
     def host_ms(start: Mark, end: Mark) -> float:
@@ -222,6 +233,99 @@ def _has_aten_ancestor(event) -> bool:
     return False
 
 
+AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+
+
+def _caller(event) -> str:
+    """Who asked for `event`'s work: in a backward the autograd node it runs under (`MmBackward0`), else the
+    top-level aten op (the one Python called) it runs in."""
+    top = event
+    while event.cpu_parent is not None:
+        event = event.cpu_parent
+        if event.name.startswith(AUTOGRAD_NODE):
+            return event.name.removeprefix(AUTOGRAD_NODE)
+        if event.name.startswith("aten::"):
+            top = event
+    return top.name
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel the device ran: its name, the aten op that launched it (the innermost), who asked for that op
+    (`_caller`) and its device time. On a CPU each aten op stands for a kernel, its own CPU time (its children's
+    left out) for the device's (the probe's convention there)."""
+
+    kernel: str
+    op: str | None
+    caller: str | None
+    device_us: float
+
+
+def launches(events: list, on_device: list | None) -> list[Launch]:
+    """The kernels of a profiled run (`on_device`: the device's events; None on a CPU) by the op that launched
+    each (the profiler links a kernel to its op through their correlation); any it could not link in rows with no
+    op, so that the rows sum to every kernel."""
+    if on_device is None:
+        return [Launch(e.name, e.name, _caller(e), e.self_cpu_time_total) for e in events
+                if e.name.startswith("aten::")]
+    linked = [Launch(kernel.name, e.name, _caller(e), kernel.duration) for e in events
+              if e.device_type == torch.autograd.DeviceType.CPU for kernel in e.kernels]
+    unlinked = len(on_device) - len(linked)
+    if unlinked > 0:
+        rest_us = sum(e.time_range.elapsed_us() for e in on_device) - sum(launch.device_us for launch in linked)
+        linked += [Launch("(no launching op found)", None, None, rest_us / unlinked)] * unlinked
+    return linked
+
+
+ELEMENTWISE_FAMILIES = {"vectorized_elementwise_kernel": "elementwise", "unrolled_elementwise_kernel": "elementwise",
+                        "elementwise_kernel": "elementwise", "reduce_kernel": "reduce"}
+GENERIC_FUNCTORS = {"BinaryFunctor", "UnaryFunctor", "AUnaryFunctor", "BUnaryFunctor", "gpu_kernel",
+                    "gpu_kernel_impl", "gpu_kernel_impl_nocast"}
+
+
+def short_kernel(name: str) -> str:
+    """A kernel's name to print: its function without namespaces, templates or arguments, and for torch's
+    elementwise and reduction kernels the functor or kernel they apply ("elementwise Fill", "reduce sum")."""
+    if name.startswith(("Memcpy", "Memset", "(")):
+        return name
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    cut = min((i for i in (name.find("<"), name.find("(")) if i >= 0), default=len(name))
+    base = name[:cut].rsplit("::", 1)[-1]
+    applied = [found for found in re.findall(r"(\w+?(?:Functor|_functor|_kernel_cuda|_kernel))\b", name[cut:])
+               if found not in GENERIC_FUNCTORS and found != base]
+    if base not in ELEMENTWISE_FAMILIES or not applied:
+        return base
+    detail = re.sub(r"(Functor|_functor|_kernel_cuda|_kernel)$", "", applied[0])
+    return f"{ELEMENTWISE_FAMILIES[base]} {detail}"
+
+
+TOP_KERNELS = 20  # kernels a span keeps by name; the rest summed in one row
+
+
+def _tally(launched: list[Launch], key: Callable[[Launch], object]) -> dict:
+    """The launches' count and device microseconds per `key`, longest first."""
+    totals: dict[object, list] = {}
+    for launch in launched:
+        entry = totals.setdefault(key(launch), [0, 0.0])
+        entry[0] += 1
+        entry[1] += launch.device_us
+    return dict(sorted(totals.items(), key=lambda item: -item[1][1]))
+
+
+def by_kernel(launched: list[Launch], top: int = TOP_KERNELS) -> dict:
+    """A span's kernels: per (op, caller, kernel name) their count and device microseconds, the `top` longest
+    and the rest in one row (`by_kernel`), and per launching op, all of them (`by_op`)."""
+    ranked = list(_tally(launched, lambda launch: (launch.op, launch.caller, launch.kernel)).items())
+    rows = [{"kernel": kernel, "short": short_kernel(kernel), "op": op, "caller": caller, "count": count,
+             "device_us": round(device_us, 3)} for (op, caller, kernel), (count, device_us) in ranked[:top]]
+    if rest := ranked[top:]:
+        rows.append({"kernel": f"({len(rest)} more)", "short": f"({len(rest)} more)", "op": None, "caller": None,
+                     "count": sum(count for _, (count, _) in rest),
+                     "device_us": round(sum(us for _, (_, us) in rest), 3)})
+    return {"by_kernel": rows, "by_op": {op: {"count": count, "device_us": round(device_us, 3)} for op, (
+        count, device_us) in _tally(launched, lambda launch: str(launch.op)).items()}}
+
+
 def _busy_ms(intervals: list[tuple[float, float]]) -> float:
     """The time covered by the union of (start, end) intervals in microseconds, in milliseconds."""
     busy_us, reached = 0.0, float("-inf")
@@ -232,10 +336,10 @@ def _busy_ms(intervals: list[tuple[float, float]]) -> float:
     return busy_us / 1e3
 
 
-def activity(run: Callable[[], object], cuda: bool) -> tuple[object, dict]:
+def activity(run: Callable[[], object], cuda: bool) -> tuple[object, dict, dict]:
     """Run `run` once under torch.profiler: the aten ops it dispatched from the top (Python's or autograd's, each
     one the host pays for), and on a GPU the kernels, copies and sets the device ran and the time they kept it
-    busy. Returns run's result and the counts."""
+    busy. Returns run's result, the counts and the kernels by name and by op (`by_kernel`)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -249,13 +353,15 @@ def activity(run: Callable[[], object], cuda: bool) -> tuple[object, dict]:
     counts = {"ops": ops, "kernels": len(on_device) if cuda else None,
               "device_busy_ms": _busy_ms([(e.time_range.start, e.time_range.end) for e in on_device]) if cuda
               else None}
-    return result, counts
+    return result, counts, by_kernel(launches(events, on_device if cuda else None))
 
 
 def probe_moe(shape: MoeShape, device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
-    """(a): per local-expert count, the forward's and backward's device and host times and their op counts."""
+    """(a): per local-expert count, the forward's and backward's device and host times, the device's alone after
+    the synchronisation and in the backward (`*_held_device_ms`, with how often the hold outlasted the host's issue),
+    their op and kernel counts, and their kernels by name (`kernels`)."""
     clock = Clock(device.type == "cuda")
-    layers = []
+    layers, kernels = [], []
     for local_experts in LOCAL_EXPERTS:
         layer = MoeLayer(shape, local_experts, device, dtype)
         x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype, requires_grad=True)
@@ -285,15 +391,38 @@ def probe_moe(shape: MoeShape, device: torch.device, dtype: torch.dtype, budget:
                     "backward_host_ms": clock.host_ms(backward_start, backward_launched),
                     "backward_device_ms": clock.device_ms(backward_start, backward_launched)}
 
-        timings = repeat(step, budget)
-        routed, before_sync = activity(lambda: layer.route(x), clock.cuda)
-        out, after_sync = activity(lambda: layer.combine(routed), clock.cuda)
+        held: dict[str, list[bool | None]] = {"after_sync": [], "backward": []}
+
+        def held_step() -> dict[str, float]:
+            """The spans that issue from an empty queue, each behind a held device: their device time alone."""
+            forget_grads()
+            routed = layer.route(x)
+            start = clock.held_start(MOE_HOLD_CYCLES)
+            out = layer.combine(routed)
+            launched = clock.mark()
+            held["after_sync"].append(clock.still_held(start))
+            backward_start = clock.held_start(MOE_HOLD_CYCLES)
+            out.backward(grad_out)
+            backward_launched = clock.mark()
+            held["backward"].append(clock.still_held(backward_start))
+            clock.synchronize()
+            return {"after_sync_held_device_ms": clock.device_ms(start, launched),
+                    "backward_held_device_ms": clock.device_ms(backward_start, backward_launched)}
+
+        timings = repeat(step, budget) | repeat(held_step, budget)
+        routed, before_sync, before_sync_kernels = activity(lambda: layer.route(x), clock.cuda)
+        out, after_sync, after_sync_kernels = activity(lambda: layer.combine(routed), clock.cuda)
         forget_grads()
-        _, backward = activity(lambda: out.backward(grad_out), clock.cuda)
+        _, backward, backward_kernels = activity(lambda: out.backward(grad_out), clock.cuda)
         layers.append({"local_experts": local_experts, "rows_per_expert": shape.rows_per_expert(local_experts),
                        "tokens_per_expert_seen": routed.tokens_per_expert, "timings": timings,
-                       "counts": {"before_sync": before_sync, "after_sync": after_sync, "backward": backward}})
-    return {"shape": asdict(shape), "dtype": str(dtype), "layers": layers, "derived": moe_derived(layers)}
+                       "counts": {"before_sync": before_sync, "after_sync": after_sync, "backward": backward},
+                       "hold": {"cycles": MOE_HOLD_CYCLES if clock.cuda else 0, "outlasted_issue": {
+                           span: None if None in runs else sum(runs) / len(runs) for span, runs in held.items()}}})
+        kernels.append({"local_experts": local_experts, "before_sync": before_sync_kernels,
+                        "after_sync": after_sync_kernels, "backward": backward_kernels})
+    return {"shape": asdict(shape), "dtype": str(dtype), "layers": layers, "derived": moe_derived(layers),
+            "kernels": kernels}
 
 
 def moe_derived(layers: list[dict]) -> dict:
@@ -668,20 +797,35 @@ def gemm_kinds(device: torch.device, dtype: torch.dtype) -> dict[str, GemmKind |
     return kinds
 
 
-def time_gemms(kind: GemmKind, sizes: list[tuple[int, int, int]], clock: Clock, budget: Budget) -> dict[str, Timing]:
-    """A loop of GEMMs of these (m, k, n), each on its own operands, issued back to back: device and host time."""
+def time_gemms(kind: GemmKind, sizes: list[tuple[int, int, int]], clock: Clock,
+               budget: Budget) -> tuple[dict[str, Timing], dict]:
+    """A loop of GEMMs of these (m, k, n), each on its own operands, issued back to back: device and host time from
+    an idle device, and the device's time alone behind a held one (`held_device_ms`); and one loop profiled (its
+    ops and kernels, and the kernels by name: `activity`)."""
     operands = [(kind.make(m, k), kind.make(n, k).t()) for m, k, n in sizes]
+
+    def loop() -> None:
+        for a, b in operands:
+            kind.multiply(a, b)
 
     def step() -> dict[str, float]:
         clock.synchronize()
         start = clock.mark()
-        for a, b in operands:
-            kind.multiply(a, b)
+        loop()
         launched = clock.mark()
         clock.synchronize()
         return {"device_ms": clock.device_ms(start, launched), "host_ms": clock.host_ms(start, launched)}
 
-    return repeat(step, budget)
+    def held_step() -> dict[str, float]:
+        start = clock.held_start()
+        loop()
+        launched = clock.mark()
+        clock.synchronize()
+        return {"held_device_ms": clock.device_ms(start, launched)}
+
+    timings = repeat(step, budget) | repeat(held_step, budget)
+    _, counts, kernels = activity(loop, clock.cuda)
+    return timings, {**counts, **kernels}
 
 
 def probe_gemms(shape: MoeShape, device: torch.device, dtype: torch.dtype, budget: Budget,
@@ -697,14 +841,19 @@ def probe_gemms(shape: MoeShape, device: torch.device, dtype: torch.dtype, budge
         try:
             for local_experts in local_counts:
                 for product in expert_products(shape, local_experts):
-                    loop = time_gemms(kind, [(product.m, product.k, product.n)] * local_experts, clock, budget)
-                    one = time_gemms(kind, [product.one_gemm(local_experts)], clock, budget)
+                    loop, loop_profile = time_gemms(kind, [(product.m, product.k, product.n)] * local_experts,
+                                                    clock, budget)
+                    one, one_profile = time_gemms(kind, [product.one_gemm(local_experts)], clock, budget)
                     flop = 2 * product.m * product.k * product.n * local_experts
+                    kernels = loop_profile["kernels"]
                     rows.append({"local_experts": local_experts, **asdict(product), "flop": flop,
                                  "loop": loop, "one_gemm": one,
                                  "loop_tflops": flop / loop["device_ms"].median_ms / 1e9,
                                  "one_gemm_tflops": flop / one["device_ms"].median_ms / 1e9,
-                                 "loop_us_per_gemm": loop["device_ms"].median_ms * 1e3 / local_experts})
+                                 "loop_us_per_gemm": loop["device_ms"].median_ms * 1e3 / local_experts,
+                                 "loop_held_us_per_gemm": loop["held_device_ms"].median_ms * 1e3 / local_experts,
+                                 "loop_kernels_per_gemm": kernels / local_experts if kernels is not None else None,
+                                 "loop_profile": loop_profile, "one_gemm_profile": one_profile})
         except RuntimeError as error:
             results[name] = skipped(error)
             continue
@@ -729,10 +878,11 @@ class Table:
 
 def tables(result: dict) -> list[Table]:
     """The probe's medians as tables: MoE layers, attention kernels, expert GEMMs."""
-    moe = Table("(a) MoE layer, ms (host after sync: from the .tolist() to the last launch)",
+    moe = Table("(a) MoE layer, ms (host after sync: from the .tolist() to the last launch; held: the device's "
+                "time alone, behind a held device)",
                 ["local experts", "rows an expert", "forward", "host after sync", "device after sync",
-                 "busy after sync", "ops after sync", "kernels after sync", "backward", "backward host",
-                 "backward ops", "backward kernels"], keys=1)
+                 "held after sync", "busy after sync", "ops after sync", "kernels after sync", "backward",
+                 "backward host", "held backward", "backward ops", "backward kernels"], keys=1)
 
     def cell(value: float | int | None, style: str = "") -> str:
         return "-" if value is None else format(value, style)
@@ -741,11 +891,12 @@ def tables(result: dict) -> list[Table]:
         t, c = layer["timings"], layer["counts"]
         moe.rows.append([str(layer["local_experts"]), f"{layer['rows_per_expert']:,}",
                          *(f"{t[key].median_ms:.3f}" for key in ("forward_device_ms", "after_sync_host_ms",
-                                                                 "after_sync_device_ms")),
+                                                                 "after_sync_device_ms", "after_sync_held_device_ms")),
                          cell(c["after_sync"]["device_busy_ms"], ".3f"), cell(c["after_sync"]["ops"]),
-                         cell(c["after_sync"]["kernels"]), f"{t['backward_device_ms'].median_ms:.3f}",
-                         f"{t['backward_host_ms'].median_ms:.3f}", cell(c["backward"]["ops"]),
-                         cell(c["backward"]["kernels"])])
+                         cell(c["after_sync"]["kernels"]),
+                         *(f"{t[key].median_ms:.3f}" for key in ("backward_device_ms", "backward_host_ms",
+                                                                 "backward_held_device_ms")),
+                         cell(c["backward"]["ops"]), cell(c["backward"]["kernels"])])
     attention = Table("(b) attention, ms", ["kernel", "part", "forward", "backward", "passes fwd", "passes bwd",
                                             "passes fwd compiled", "fwd two streams"], keys=2)
     for kernel, parts in result["attention"]["kernels"].items():
@@ -764,7 +915,7 @@ def tables(result: dict) -> list[Table]:
             attention.rows.append([kernel, part, *cells])
     gemm = Table("(c) expert GEMMs: a loop of one a local expert against one of the same FLOPs",
                  ["type", "local experts", "product", "m x k x n", "loop ms", "loop TFLOP/s", "us a GEMM",
-                  "one ms", "one TFLOP/s"], keys=3)
+                  "held us a GEMM", "kernels a GEMM", "one ms", "one TFLOP/s"], keys=3)
     for name, rows in result["gemm"].items():
         if isinstance(rows, dict):
             gemm.notes.append(f"{name}: skipped, {rows['skipped']}")
@@ -772,9 +923,45 @@ def tables(result: dict) -> list[Table]:
         for row in rows:
             gemm.rows.append([name, str(row["local_experts"]), row["name"], f"{row['m']}x{row['k']}x{row['n']}",
                               f"{row['loop']['device_ms'].median_ms:.3f}", f"{row['loop_tflops']:.4g}",
-                              f"{row['loop_us_per_gemm']:.1f}", f"{row['one_gemm']['device_ms'].median_ms:.3f}",
+                              f"{row['loop_us_per_gemm']:.1f}", f"{row['loop_held_us_per_gemm']:.1f}",
+                              cell(row["loop_kernels_per_gemm"], "g"), f"{row['one_gemm']['device_ms'].median_ms:.3f}",
                               f"{row['one_gemm_tflops']:.4g}"])
-    return [moe, attention, gemm]
+    return [moe, moe_kernel_table(result["moe"]), attention, gemm]
+
+
+TOP_PRINTED = 5  # kernels a span of part (a) prints by name (the JSON keeps `TOP_KERNELS`)
+SPANS = {"before_sync": "before sync", "after_sync": "after sync", "backward": "backward"}
+
+
+def moe_kernel_table(moe: dict) -> Table:
+    """Part (a)'s longest kernels a span, by the op that launched them, per local-expert count: device us and
+    count, the rest of the span's kernels summed."""
+    layers = moe["kernels"]
+    table = Table("(a) MoE layer's longest kernels a span: device us (kernels) by the op that launched them",
+                  ["span", "op (asked by)", "kernel", *(f"{layer['local_experts']} local experts" for layer in layers)],
+                  keys=1)
+
+    def op_name(row: dict) -> str:
+        op, caller = (str(name).removeprefix("aten::") for name in (row["op"], row["caller"]))
+        return op if op == caller else f"{op} ({caller})"
+
+    for span, title in SPANS.items():
+        found = [{(row["op"], row["caller"], row["kernel"]): row for row in layer[span]["by_kernel"]
+                  if row["op"] is not None} for layer in layers]
+        longest = sorted({key for rows in found for key in rows},
+                         key=lambda key: -max(rows[key]["device_us"] if key in rows else 0.0 for rows in found))
+        shown = longest[:TOP_PRINTED]
+        for key in shown:
+            row = next(rows[key] for rows in found if key in rows)
+            table.rows.append([title, op_name(row), row["short"], *(
+                f"{rows[key]['device_us']:,.0f} ({rows[key]['count']})" if key in rows else "-" for rows in found)])
+        rest = []
+        for layer, rows in zip(layers, found):
+            total = [sum(op[unit] for op in layer[span]["by_op"].values()) for unit in ("count", "device_us")]
+            kept = [sum(rows[key][unit] for key in shown if key in rows) for unit in ("count", "device_us")]
+            rest.append(f"{total[1] - kept[1]:,.0f} ({total[0] - kept[0]})")
+        table.rows.append([title, "the rest", "", *rest])
+    return table
 
 
 def show(table: Table) -> None:

@@ -15,7 +15,9 @@ them, at the GPU's BF16 peak, no all-to-all, the forward waiting for the host be
 (pipesim's kernels against the profiler's busy time, before and after the wait), the host's issue after the wait
 (and of the backward) against the probe's host time there, and the pass (the max-plus result) against the device's
 time over the span (CUDA events: the forward from the router to the last launch, its wait included; the backward
-from its start on an empty queue).
+from its start on an empty queue). Where the probe kept its kernels by name (`moe.kernels`), each pass's kernels are
+compared by role (`ROLES`: GEMM, index, top-k and sort, fill, copy and cast, elementwise), pipesim's ops against the
+kernels the profiler saw, each by the aten op that launched it, with the probe's longest kernel of each role.
 
 (c) Each product of the probe's loops (fc1 and fc2, forward, input and weight gradient, at 4 and 16 local
 experts) priced as pipesim prices one local expert's product (`matmul_ms`, BF16, or FP8 at the float8 peak with
@@ -34,6 +36,7 @@ import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -43,6 +46,7 @@ from pipesim.commands.tables import print_table
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     Device,
+    LayerEstimate,
     Parallelism,
     estimate_layer,
     kernel_curve,
@@ -73,20 +77,21 @@ class LayerPass:
     pass_ms: float
 
 
-def probe_layer(shape: dict, dtype: torch.dtype = torch.bfloat16) -> LayerCount:
-    """The probe's MoE block alone, counted on the meta device: the gpt's MoE MLP between its embedding (so that
-    its input takes a gradient, as the probe's does) and its head."""
+@cache
+def probe_layer(hidden: int, ffn: int, experts: int, top_k: int, tokens: int) -> LayerCount:
+    """The probe's MoE block alone (its JSON's `moe.shape`), counted on the meta device in BF16: the gpt's MoE MLP
+    between its embedding (so that its input takes a gradient, as the probe's does) and its head."""
     with META:
-        gpt = build_model("gpt", layers=1, width=shape["hidden"], heads=HEADS, seq_len=shape["tokens"], vocab=1000,
-                          gated=True, experts=shape["experts"], top_k=shape["top_k"], expert_ffn=shape["ffn"])
+        gpt = build_model("gpt", layers=1, width=hidden, heads=HEADS, seq_len=tokens, vocab=1000, gated=True,
+                          experts=experts, top_k=top_k, expert_ffn=ffn)
     embedding, block, head = gpt.layers
     model = Model("probe", [embedding, block.mlp, head], gpt.make_batch, gpt.loss)
-    return count_model(model, 1, dtype, swiglu_fusion=False).layers[1]
+    return count_model(model, 1, torch.bfloat16, swiglu_fusion=False).layers[1]
 
 
-def predict_layer(layer: LayerCount, experts: int, local_experts: int, gpu_name: str,
-                  host_kernel_us: float) -> dict[str, LayerPass]:
-    """The probe's layer at `local_experts` (module docstring), forward and backward."""
+def price_layer(layer: LayerCount, experts: int, local_experts: int, gpu_name: str,
+                host_kernel_us: float) -> LayerEstimate:
+    """The probe's layer at `local_experts` (module docstring) as pipesim's estimate prices it, op by op."""
     gpu = load_catalogue().find(gpu_name)
     curve = kernel_curve(gpu.curve, "flash2", gpu.name)
     placement = node_placement(gpu, None, curve)
@@ -97,7 +102,11 @@ def predict_layer(layer: LayerCount, experts: int, local_experts: int, gpu_name:
     one_stream = replace(split, ops={name: tuple(replace(op, streams=1) for op in ops)
                                      for name, ops in split.ops.items()})
     parallel = Parallelism(data=ranks, expert=ranks, expert_gemm="per-expert", host_kernel_us=host_kernel_us)
-    priced = estimate_layer(one_stream, Device.of(gpu, "bf16", curve), parallel, links.tensor, 2)
+    return estimate_layer(one_stream, Device.of(gpu, "bf16", curve), parallel, links.tensor, 2)
+
+
+def predict_layer(priced: LayerEstimate, host_kernel_us: float) -> dict[str, LayerPass]:
+    """The probe's layer as pipesim runs it (`price_layer`), forward and backward."""
     forward_ops = [op for op, _ in priced.timed_ops["fwd"]]
     passes = {}
     for name in ("fwd", "bwd"):
@@ -119,27 +128,86 @@ def measured_layer(layer: dict) -> dict[str, LayerPass]:
                              counts["backward"]["kernels"], timings["backward_device_ms"]["median_ms"])}
 
 
-def host_us_per_kernel(probe: dict) -> float:
+def host_us_per_kernel(probe: dict) -> float | None:
     """The probe's host microseconds a kernel over its layer's spans that issue from an empty queue (the
     forward after the dispatcher's wait, the backward), every local-expert count pooled: their host time over
-    the kernels the profiler saw the device run in them."""
+    the kernels the profiler saw the device run in them (None from a CPU run, which counts no kernels)."""
     spans = [(layer["timings"][host]["median_ms"], layer["counts"][span]["kernels"])
              for layer in probe["moe"]["layers"]
              for span, host in (("after_sync", "after_sync_host_ms"), ("backward", "backward_host_ms"))]
+    if any(kernels is None for _, kernels in spans):
+        return None
     return sum(ms for ms, _ in spans) * 1e3 / sum(kernels for _, kernels in spans)
 
 
 def layer_rows(probe: dict, gpu: str, host_kernel_us: float) -> list[dict]:
     """Per local-expert count and pass, pipesim's prediction beside the probe's measurement."""
     shape = probe["moe"]["shape"]
-    layer = probe_layer(shape)
+    layer = probe_layer(**shape)
     rows = []
     for measured in probe["moe"]["layers"]:
-        predicted = predict_layer(layer, shape["experts"], measured["local_experts"], gpu, host_kernel_us)
+        predicted = predict_layer(price_layer(layer, shape["experts"], measured["local_experts"], gpu,
+                                              host_kernel_us), host_kernel_us)
         for name, seen in measured_layer(measured).items():
             rows.append({"local_experts": measured["local_experts"], "pass": name,
                          "predicted": asdict(predicted[name]), "measured": asdict(seen),
                          "error": predicted[name].pass_ms / seen.pass_ms - 1})
+    return rows
+
+
+# An op's role in the layer, for pipesim's priced ops and the probe's kernels alike (by the aten op that launched
+# each, its trailing underscore dropped): the rest are elementwise ops and reductions.
+ROLES = {"GEMM": {"mm", "bmm", "matmul", "addmm", "_scaled_mm"},
+         "index": {"index_select", "index", "index_put", "_index_put_impl", "index_add", "scatter", "scatter_add",
+                   "gather"},
+         "top-k, sort": {"topk", "sort", "argsort", "bincount", "histc", "cumsum", "remainder", "floor_divide"},
+         "fill": {"fill", "zero", "zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty", "ones"},
+         "copy, cast": {"copy", "_to_copy", "to", "cat", "clone", "_local_scalar_dense"}}
+ELEMENTWISE = "elementwise"  # and reductions
+UNLINKED = "no op"  # kernels the profiler linked to no op
+SPANS = {"fwd": ("before_sync", "after_sync"), "bwd": ("backward",)}  # the probe's spans (moe.kernels) a pass
+
+
+def role(op: str | None) -> str:
+    """The role (`ROLES`) of an op, named as pipesim counts it (`index_add`) or as the profiler (`aten::index_add_`)."""
+    if op is None or op == "None":
+        return UNLINKED
+    name = op.removeprefix("aten::").removesuffix("_")
+    return next((group for group, ops in ROLES.items() if name in ops), ELEMENTWISE)
+
+
+def kernel_rows(probe: dict, gpu: str, host_kernel_us: float) -> list[dict]:
+    """Per local-expert count, pass and role (`ROLES`), pipesim's priced kernels beside the probe's (`moe.kernels`,
+    the forward's two spans together): their count and GPU microseconds, the ops pipesim priced and the probe's
+    longest kernel by name; each pass's total last ("all"). None from a probe that kept no kernels by name."""
+    if "kernels" not in probe["moe"]:
+        return []
+    shape = probe["moe"]["shape"]
+    layer = probe_layer(**shape)
+    rows = []
+    for measured in probe["moe"]["kernels"]:
+        priced = price_layer(layer, shape["experts"], measured["local_experts"], gpu, host_kernel_us)
+        for name, spans in SPANS.items():
+            roles: dict[str, dict] = {group: {"local_experts": measured["local_experts"], "pass": name, "role": group,
+                                              "priced_ops": [], "predicted_kernels": 0, "predicted_us": 0.0,
+                                              "measured_kernels": 0, "measured_us": 0.0, "measured_longest": None}
+                                      for group in (*ROLES, ELEMENTWISE, UNLINKED, "all")}
+            for op, ms in priced.timed_ops[name]:
+                roles[role(op.op)]["priced_ops"] = sorted({*roles[role(op.op)]["priced_ops"], op.op})
+                for group in (role(op.op), "all"):
+                    roles[group]["predicted_kernels"] += op.count
+                    roles[group]["predicted_us"] += ms * 1e3
+            for span in spans:
+                for op, seen in measured[span]["by_op"].items():
+                    for group in (role(op), "all"):
+                        roles[group]["measured_kernels"] += seen["count"]
+                        roles[group]["measured_us"] += seen["device_us"]
+                for kernel in measured[span]["by_kernel"]:  # the longest by name, the rest (no op) left out
+                    for group in ((role(kernel["op"]), "all") if kernel["op"] is not None else ()):
+                        longest = roles[group]["measured_longest"]
+                        if longest is None or kernel["device_us"] > longest["device_us"]:
+                            roles[group]["measured_longest"] = kernel
+            rows += [entry for entry in roles.values() if entry["predicted_kernels"] or entry["measured_kernels"]]
     return rows
 
 
@@ -173,6 +241,31 @@ def gemm_rows(probe: dict, gpu_name: str, host_kernel_us: float) -> list[dict]:
     return rows
 
 
+def pair(predicted: float | None, measured: float | None, style: str = ".3f") -> str:
+    """A cell "pipesim / measured", "-" for a figure the probe has not (a CPU run's GPU times)."""
+    return " / ".join("-" if value is None else format(value, style) for value in (predicted, measured))
+
+
+def print_kernels(rows: list[dict], gpu: str) -> None:
+    """`kernel_rows` as a table: per local-expert count, pass and role, pipesim's kernels and GPU time beside the
+    probe's, then the ops pipesim priced and the probe's longest kernel by name (its op, count and time)."""
+    table = Table(title=f"(a) the layer's kernels by role on {gpu}, pipesim / measured (forward: the whole pass)")
+    for name in ("experts", "pass", "role", "kernels", "GPU ms"):
+        table.add_column(name, justify="right")
+    table.add_column("pipesim's ops; the probe's longest kernel")
+    for r in rows:
+        longest = r["measured_longest"]
+        if longest is not None:
+            op = longest["op"].removeprefix("aten::")
+            longest = (f"{longest['short']}{'' if op == longest['short'] else f' ({op})'} x{longest['count']}: "
+                       f"{longest['device_us'] / 1e3:.3f} ms")
+        table.add_row(str(r["local_experts"]), r["pass"], r["role"],
+                      pair(r["predicted_kernels"], r["measured_kernels"], "d"),
+                      pair(r["predicted_us"] / 1e3, r["measured_us"] / 1e3),
+                      f"{', '.join(r['priced_ops']) or '-'}; {longest or '-'}")
+    print_table(table, keys=3)
+
+
 def summary(errors: list[float]) -> str:
     magnitudes = [abs(e) for e in errors]
     return f"median {statistics.median(magnitudes):.1%}, worst {max(magnitudes):.1%} over {len(errors)}"
@@ -190,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         probe = json.loads(args.probe.read_text())
         if not isinstance(probe["moe"]["layers"], list) or not isinstance(probe["gemm"], dict):
             raise TypeError("moe.layers is no list or gemm no table")
+        if not isinstance(probe["moe"].get("kernels", []), list):
+            raise TypeError("moe.kernels is no list")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"--probe {args.probe}: not a GPU probe's JSON with parts (a) and (c) ({type(exc).__name__}: {exc})",
               file=sys.stderr)
@@ -209,12 +304,19 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(name, justify="right")
     for r in compared:
         p, m = r["predicted"], r["measured"]
-        table.add_row(str(r["local_experts"]), r["pass"], f"{p['gpu_ms']:.3f} / {m['gpu_ms']:.3f}",
-                      f"{p['issue_ms']:.3f} / {m['issue_ms']:.3f}", f"{p['kernels']} / {m['kernels']}",
-                      f"{p['pass_ms']:.3f} / {m['pass_ms']:.3f}", f"{r['error']:+.1%}")
+        table.add_row(str(r["local_experts"]), r["pass"], pair(p["gpu_ms"], m["gpu_ms"]),
+                      pair(p["issue_ms"], m["issue_ms"]), pair(p["kernels"], m["kernels"], "d"),
+                      pair(p["pass_ms"], m["pass_ms"]), f"{r['error']:+.1%}")
     print_table(table)
-    print(f"|error| of the pass: {summary([r['error'] for r in compared])}; the probe's host "
-          f"{host_us_per_kernel(probe):.1f} us a kernel after the wait and in the backward, pooled")
+    host_us = host_us_per_kernel(probe)
+    print(f"|error| of the pass: {summary([r['error'] for r in compared])}; " + (
+        "the probe counted no kernels (a CPU run)" if host_us is None else
+        f"the probe's host {host_us:.1f} us a kernel after the wait and in the backward, pooled"))
+    kernels = kernel_rows(probe, args.gpu, args.host_kernel_us)
+    if kernels:
+        print_kernels(kernels, args.gpu)
+    else:
+        print("(a) by kernel: this probe kept no kernels by name (moe.kernels: probes since they were recorded)")
     loops = gemm_rows(probe, args.gpu, args.host_kernel_us)
     table = Table(title=f"(c) a GEMM a local expert at {args.host_kernel_us:g} us a kernel: pipesim / measured, ms")
     for name in ("type", "experts", "product", "loop", "loop error", "one GEMM", "one error"):
@@ -232,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
               f"one GEMM {summary([r['predicted_one_ms'] / r['measured_one_ms'] - 1 for r in mine])}")
     if args.json:
         args.json.write_text(json.dumps({"probe": str(args.probe), "gpu": args.gpu,
-                                         "host_kernel_us": args.host_kernel_us, "layers": compared, "gemms": loops},
+                                         "host_kernel_us": args.host_kernel_us, "layers": compared,
+                                         "kernels": kernels, "gemms": loops},
                                         indent=1) + "\n")
     return 0
 

@@ -3,6 +3,7 @@ fields, its refusals, and that what it times computes what it stands for (the Mo
 token's experts, TransformerEngine's C = 2 ring one causal attention, forward and backward)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,6 +39,19 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     assert [entry["after_sync_host_us_per_op"] > 0 for entry in derived["per_layer"]] == [True] * 3
     assert derived["per_layer"][0]["after_sync_host_us_per_kernel"] is None
     assert "after_sync_host_ms" in derived["ms_per_added_local_expert"]
+    for layer in layers:  # the device's time alone after the sync and in the backward; nothing to hold on a CPU
+        assert {"after_sync_held_device_ms", "backward_held_device_ms"} <= set(layer["timings"])
+        assert layer["hold"] == {"cycles": 0, "outlasted_issue": {"after_sync": None, "backward": None}}
+    spans = ("before_sync", "after_sync", "backward")
+    assert [entry["local_experts"] for entry in result["moe"]["kernels"]] == [4, 8, 16]
+    for entry in result["moe"]["kernels"]:
+        for span in spans:
+            rows, ops = entry[span]["by_kernel"], entry[span]["by_op"]
+            assert 0 < len(rows) <= probe.TOP_KERNELS + 1
+            assert all(set(row) == {"kernel", "short", "op", "caller", "count", "device_us"} for row in rows)
+            assert sum(row["count"] for row in rows) == sum(op["count"] for op in ops.values())
+    assert any(row["op"] == "aten::mm" and row["caller"] == "aten::matmul"  # the experts' GEMMs, from Python
+               for row in result["moe"]["kernels"][0]["after_sync"]["by_kernel"])
 
     kernels = result["attention"]["kernels"]
     assert list(kernels) == ["flash"]  # cuDNN's attention is timed on a GPU only
@@ -55,6 +69,11 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     assert [(row["local_experts"], row["name"]) for row in bf16][:3] == [
         (4, "fc1 forward"), (4, "fc1 input grad"), (4, "fc1 weight grad")]
     assert len(bf16) == 12 and all(row["loop_tflops"] > 0 and row["one_gemm_tflops"] > 0 for row in bf16)
+    for row in bf16:  # the device's time a GEMM behind a held device; kernels counted on a GPU only
+        assert row["loop_held_us_per_gemm"] > 0 and len(row["loop"]["held_device_ms"]["samples_ms"]) == 2
+        assert row["loop_kernels_per_gemm"] is None
+        assert row["loop_profile"]["ops"] == row["local_experts"] and row["one_gemm_profile"]["ops"] == 1
+        assert row["loop_profile"]["by_op"]["aten::mm"]["count"] == row["local_experts"]
     assert "compute capability 8.9" in result["gemm"]["fp8"]["skipped"]
 
 
@@ -193,3 +212,61 @@ def test_the_c2_rings_backward_joins_give_each_rank_the_whole_attentions_gradien
 
 def test_device_busy_time_is_the_union_of_its_activities(probe):
     assert probe._busy_ms([(20.0, 25.0), (0.0, 10.0), (5.0, 15.0), (12.0, 14.0)]) == pytest.approx(0.020)
+
+
+def _event(name, parent=None, kernels=(), device=torch.autograd.DeviceType.CPU, us=0.0):
+    """A stand-in for one of torch.profiler's FunctionEvents: its name, parent, kernels and device."""
+    return SimpleNamespace(name=name, cpu_parent=parent, kernels=list(kernels), device_type=device,
+                           time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+
+def _kernel(name, us):
+    """A stand-in for the profiler's record of a kernel an op launched (torch.autograd.profiler_util.Kernel)."""
+    return SimpleNamespace(name=name, duration=us)
+
+
+def test_each_kernel_is_named_by_the_op_that_launched_it_and_who_asked_for_that(probe):
+    """A kernel counts under its innermost aten op, asked for by the autograd node above it (a backward) or the
+    top-level op; kernels the profiler linked to no op keep their time in rows with none, so the rows sum to all."""
+    node = _event("autograd::engine::evaluate_function: IndexSelectBackward0")
+    backward = _event("aten::index_select_backward", _event("IndexSelectBackward0", node))
+    fill = _event("aten::fill_", _event("aten::zero_", _event("aten::new_zeros", backward)),
+                  [_kernel("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >", 3.0)])
+    add = _event("aten::index_add_", backward, [_kernel("void at::native::indexFuncLargeIndex<float>(int)", 40.0)])
+    matmul = _event("aten::matmul")
+    mm = _event("aten::mm", matmul, [_kernel("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", 100.0)])
+    on_device = [_event(name, device=torch.autograd.DeviceType.CUDA, us=us)
+                 for name, us in (("fill", 3.0), ("index", 40.0), ("gemm", 100.0), ("unlinked", 7.0))]
+    launched = probe.launches([node, backward, fill, add, matmul, mm, *on_device], on_device)
+    assert [(launch.op, launch.caller, launch.device_us) for launch in launched] == [
+        ("aten::fill_", "IndexSelectBackward0", 3.0), ("aten::index_add_", "IndexSelectBackward0", 40.0),
+        ("aten::mm", "aten::matmul", 100.0), (None, None, 7.0)]
+    kernels = probe.by_kernel(launched, top=2)
+    assert [(row["short"], row["count"], row["device_us"]) for row in kernels["by_kernel"]] == [
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", 1, 100.0), ("indexFuncLargeIndex", 1, 40.0),
+        ("(2 more)", 2, 10.0)]
+    assert kernels["by_op"] == {"aten::mm": {"count": 1, "device_us": 100.0},
+                                "aten::index_add_": {"count": 1, "device_us": 40.0},
+                                "None": {"count": 1, "device_us": 7.0},
+                                "aten::fill_": {"count": 1, "device_us": 3.0}}
+
+
+@pytest.mark.parametrize("name,short", [
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::BFloat16>, std::array<char*, "
+     "1ul> >(int, at::native::FillFunctor<c10::BFloat16>, std::array<char*, 1ul>)", "elementwise Fill"),
+    ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<"
+     "c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> > >(at::"
+     "TensorIteratorBase&, at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::"
+     "binary_internal::MulFunctor<float> > const&)::{lambda(int)#1}>(int, ...)", "elementwise Mul"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}"
+     "::operator()() const::{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >(int, ...)", "elementwise silu"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native"
+     "::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, "
+     "float, 4, 4> >(at::native::ReduceOp<...>)", "reduce sum"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, "
+     "unsigned int, 2, 128, 1>(...)", "CatArrayBatchedCopy"),
+    ("Memcpy DtoH (Device -> Pageable)", "Memcpy DtoH (Device -> Pageable)"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", "nvjet_tst_64x8_64x16_4x1_v_bz_TNN"),
+])
+def test_a_kernels_printed_name_is_its_function_and_what_an_elementwise_one_applies(probe, name, short):
+    assert probe.short_kernel(name) == short

@@ -77,11 +77,69 @@ def test_the_benchmark_prints_both_parts_and_refuses_a_file_that_is_no_probe(ben
     assert bench.main(["--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "(a) the probe's MoE layer on h200" in printed and "(c) a GEMM a local expert" in printed
+    assert "this probe kept no kernels by name" in printed  # the committed probe predates moe.kernels
     written = json.loads(out.read_text())
-    assert len(written["layers"]) == 6 and len(written["gemms"]) == 24
+    assert len(written["layers"]) == 6 and len(written["gemms"]) == 24 and written["kernels"] == []
     (tmp_path / "bad.json").write_text("{}")
     assert bench.main(["--probe", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("--probe ") and len(err.strip().splitlines()) == 1
     assert bench.main(["--host-kernel-us", "-1"]) == 2
     assert "--host-kernel-us" in capsys.readouterr().err
+
+
+def _span(ops: dict[str, tuple[int, float]], kernels: list[tuple[str, str, int, float]]) -> dict:
+    """One span of a probe's `moe.kernels`: per launching op its kernels and microseconds, and kernels by name."""
+    return {"by_op": {op: {"count": count, "device_us": us} for op, (count, us) in ops.items()},
+            "by_kernel": [{"kernel": name, "short": name, "op": op, "caller": op, "count": count, "device_us": us}
+                          for name, op, count, us in kernels]}
+
+
+@pytest.fixture
+def with_kernels(probe):
+    """The committed probe with kernels by name as a later probe keeps them (gpu_probe.py `moe.kernels`), the same
+    invented spans at every local-expert count, and counted no kernels (a CPU run's None)."""
+    synthetic = json.loads(json.dumps(probe))
+    forward = _span({"aten::mm": (9, 900.0), "aten::index_add_": (1, 400.0), "aten::copy_": (2, 60.0),
+                     "aten::fill_": (2, 20.0), "aten::sort": (3, 30.0), "aten::silu": (4, 80.0), "None": (1, 7.0)},
+                    [("indexFuncLargeIndex", "aten::index_add_", 1, 400.0), ("nvjet_a", "aten::mm", 8, 800.0),
+                     ("nvjet_router", "aten::mm", 1, 100.0), ("(3 more)", None, 9, 197.0)])
+    synthetic["moe"]["kernels"] = [{"local_experts": layer["local_experts"], "before_sync": _span({}, []),
+                                    "after_sync": forward, "backward": forward}
+                                   for layer in probe["moe"]["layers"]]
+    for layer in synthetic["moe"]["layers"]:
+        for counts in layer["counts"].values():
+            counts["kernels"] = counts["device_busy_ms"] = None
+    return synthetic
+
+
+def test_the_kernels_by_role_put_pipesims_ops_beside_the_probes_launches(bench, with_kernels):
+    """Each role sums pipesim's priced kernels and the probe's kernels by the op that launched them: two GEMMs a
+    local expert and the router's (forward), four and two (backward); the probe's index_add_ under "index", its
+    longest kernel by name there, kernels linked to no op apart, and each pass's "all" the sum of its roles."""
+    rows = {(r["local_experts"], r["pass"], r["role"]): r for r in bench.kernel_rows(with_kernels, bench.GPU, 31.9)}
+    for local in (4, 8, 16):
+        assert rows[local, "fwd", "GEMM"]["predicted_kernels"] == 2 * local + 1
+        assert rows[local, "bwd", "GEMM"]["predicted_kernels"] == 4 * local + 2
+        assert rows[local, "fwd", "GEMM"]["priced_ops"] == ["bmm", "mm"]
+    index = rows[4, "fwd", "index"]
+    assert (index["measured_kernels"], index["measured_us"]) == (1, 400.0)
+    assert index["measured_longest"]["kernel"] == "indexFuncLargeIndex"
+    assert rows[4, "fwd", "GEMM"]["measured_longest"]["kernel"] == "nvjet_a"
+    assert {role: rows[4, "fwd", role]["measured_kernels"] for role in (
+        "copy, cast", "fill", "top-k, sort", "elementwise", "no op")} == {
+        "copy, cast": 2, "fill": 2, "top-k, sort": 3, "elementwise": 4, "no op": 1}
+    for pass_name in ("fwd", "bwd"):
+        parts = [r for key, r in rows.items() if key[:2] == (4, pass_name) and key[2] != "all"]
+        for field in ("predicted_kernels", "predicted_us", "measured_kernels", "measured_us"):
+            assert rows[4, pass_name, "all"][field] == pytest.approx(sum(r[field] for r in parts))
+    assert rows[4, "fwd", "all"]["measured_us"] == pytest.approx(1497.0)
+
+
+def test_the_benchmark_prints_the_kernels_by_role_of_a_probe_that_kept_them(bench, with_kernels, tmp_path, capsys):
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(with_kernels))
+    assert bench.main(["--probe", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "(a) the layer's kernels by role on h200" in printed and "indexFuncLargeIndex" in printed
+    assert "the probe counted no kernels" in printed
