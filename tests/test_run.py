@@ -378,7 +378,7 @@ def test_a_run_with_a_profile_is_predicted_again_from_it_and_compared_op_by_op(t
     assert np.isfinite(c["iteration_time_error"])
     code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatch-size", 8, "--profile", profile,
                            "--trace", tmp_path / "x.json")
-    assert code == 2 and "measured at 4 samples per micro-batch" in err
+    assert code == 2 and "calibrated at 4 samples per micro-batch" in err
 
 
 @pytest.mark.slow
