@@ -150,10 +150,10 @@ def test_the_readme_published_run_prints_the_figure_it_quotes():
     quoted_s = float(re.search(r"pipesim predicts ([\d.]+) s", section).group(1))
     code, out, err = pipesim(*shlex.split(command)[1:])
     assert code == 0, err
-    shown_rows = [line.split() for line in shown.splitlines() if line.startswith(" interleaved")]
-    printed_rows = [line.split() for line in out.splitlines() if line.startswith(" interleaved")]
-    assert shown_rows and shown_rows == printed_rows
-    ms_per_step = float(printed_rows[0][2])
+    shown_rows = [line.split() for line in shown.splitlines() if line.startswith(("p=", " interleaved"))]
+    printed_rows = [line.split() for line in out.splitlines() if line.startswith(("p=", " interleaved"))]
+    assert len(shown_rows) == 2 and shown_rows == printed_rows  # the shape line and the schedule's row
+    ms_per_step = float(printed_rows[1][2])
     assert quoted_s == round(ms_per_step / 1e3, 2)
     (published,) = [r for r in RUNS if r["run"] == "Korthikanti 175B SP + selective"]
     assert published["command"] == command and round(published["predicted"], 2) == quoted_s

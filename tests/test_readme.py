@@ -117,11 +117,12 @@ def _prose(section: str) -> str:
 
 def test_the_models_sections_figures_are_what_its_commands_print():
     """The prose under "Models and parallelism of now" quotes DeepSeek-V3's step and peak per schedule (and
-    DualPipeV's peak in BF16, the same command) and Llama 3.1 405B's step: each is what its command prints, to the digit
-    quoted."""
+    DualPipeV's peak in BF16, the same command) and Llama 3.1 405B's GPUs and step: each is what its command prints, to
+    the digit quoted, and DualPipeV fits an H100 where ZB-V and BF16 do not."""
     from typer.testing import CliRunner
 
     from pipesim.cli import app
+    from pipesim.hardware.catalogue import load_catalogue
 
     commands = readme_sections()["Models and parallelism of now"]
     (deepseek,) = [c for c in commands if "deepseek-v3" in c]
@@ -135,6 +136,7 @@ def test_the_models_sections_figures_are_what_its_commands_print():
 
     fp8 = results(args)
     bf16 = results(" ".join(args).replace("--dtype fp8 --fp8-recipe deepseek", "--dtype bf16").split())
+    llama_1f1b = results(llama.split()[1:] + ["--json"])["1f1b"]
     prose = _prose("Models and parallelism of now")
     quoted = {f"DualPipeV {fp8['dualpipev']['time_per_minibatch_ms'] / 1e3:.1f} s a step in "
               f"{fp8['dualpipev']['peak_memory_mb'] / 1024:.1f} GiB against 1F1B's "
@@ -142,6 +144,10 @@ def test_the_models_sections_figures_are_what_its_commands_print():
               f"ZB-V ({fp8['zb-v']['time_per_minibatch_ms'] / 1e3:.1f} s) needs "
               f"{fp8['zb-v']['peak_memory_mb'] / 1024:.1f}",
               f"in BF16 DualPipeV's {bf16['dualpipev']['peak_memory_mb'] / 1024:.1f} GiB does not fit",
-              f"{results(llama.split()[1:] + ['--json'])['1f1b']['time_per_minibatch_ms'] / 1e3:.1f} s a step"}
+              f"Llama 3.1 405B on {llama_1f1b['gpus']} H100s",
+              f"{llama_1f1b['time_per_minibatch_ms'] / 1e3:.1f} s a step"}
     for figure in quoted:
         assert figure in prose
+    h100_gib = load_catalogue().find("h100-sxm").memory_gib  # what fits and what does not, as the prose says
+    assert fp8["dualpipev"]["peak_memory_mb"] / 1024 < h100_gib < fp8["zb-v"]["peak_memory_mb"] / 1024
+    assert bf16["dualpipev"]["peak_memory_mb"] / 1024 > h100_gib

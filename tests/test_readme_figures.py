@@ -1,19 +1,26 @@
 """The tables the README shows are the ones their commands print now, figure for figure.
 
-test_readme.py runs every command the README shows; test_published_runs.py holds its published run's figure.
-Here the deterministic tables beside a command (what-if costs, auto's order, tune's pick from a committed
-profile) are printed again and compared row by row, word by word: a README row that ends in "..." is the
-printed row cut short, compared up to there. Timings (ms/step of a run, seconds taken) are not compared."""
+test_readme.py runs every command the README shows and holds the Models section's figures; test_published_runs.py
+holds its published run's figure. Here the deterministic tables beside a command (what-if costs, auto's order,
+tune's pick from a committed profile, a run's losses) are printed again and compared row by row, word by word: a
+README row that ends in "..." is the printed row cut short, compared up to there. The prose's deterministic figures
+are what their commands print or what the committed records hold. Timings (ms/step of a run, seconds taken, a
+calibration's costs) are not compared."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import statistics
 from pathlib import Path
 
 import pytest
 
+from benchmarks.bench_auto import bubble
+from pipesim.schedules import METHODS
 from tests.conftest import pipesim, simulate_json
+from tests.test_readme import _prose
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -44,7 +51,7 @@ def words_agree(shown: list[str], printed: str, first_words: tuple[str, ...]) ->
 
 
 @pytest.mark.parametrize("title, command_start, first_words", [
-    ("Simulate: what-if, side by side", "pipesim simulate -s 1f1b", ("1f1b", "zb-h1", "pipedream", "xpipe")),
+    ("Simulate: what-if, side by side", "pipesim simulate -s 1f1b", ("p=4", "1f1b", "zb-h1", "pipedream", "xpipe")),
     ("auto: the schedule searched for your costs", "pipesim simulate -s auto", ("auto", "zb-h1", "zb-h2", "1f1b")),
     ("Sweep and tune: many configurations at once", "pipesim tune", ("best", "over", "note:")),
 ])
@@ -57,40 +64,6 @@ def test_a_readme_table_is_what_its_command_prints(title, command_start, first_w
     words_agree(shown, out, first_words)
 
 
-@pytest.mark.slow
-def test_the_deepseek_what_if_prose_is_what_its_command_prints(monkeypatch):
-    """The figures the README quotes after its DeepSeek-V3 what-if, in order: DualPipeV's step (s) and peak (GiB),
-    1F1B's step, ZB-V's step and peak, as the command prints them; then DualPipeV's peak in BF16 (the command
-    without its FP8 flags), beyond the H100's 80 GiB as the sentence says."""
-    monkeypatch.chdir(REPO)
-    text = section("Models and parallelism of now")
-    command = next(line for line in text.splitlines() if line.startswith("pipesim") and "deepseek-v3" in line)
-    sentence = text.split("above, in FP8 as DeepSeek-V3 trained,", 1)[1].split("does not fit either")[0]
-    quoted = [float(number) for number in re.findall(r"\d+\.\d+", sentence)]
-    args = shlex.split(command)[2:]
-    fp8 = {result["schedule"].split()[0]: result for result in simulate_json(*args)}
-    schedules = {i for i, arg in enumerate(args) if arg == "-s"}
-    bf16_args = [arg for i, arg in enumerate(args) if i not in schedules and i - 1 not in schedules
-                 and arg not in ("--dtype", "fp8", "--fp8-recipe", "deepseek")]
-    (bf16,) = simulate_json(*bf16_args, "-s", "dualpipev")
-    seconds = {name: round(result["time_per_minibatch_ms"] / 1e3, 1) for name, result in fp8.items()}
-    gib = {name: round(result["peak_memory_mb"] / 1024, 1) for name, result in fp8.items()}
-    assert quoted == [seconds["dualpipev"], gib["dualpipev"], seconds["1f1b"], seconds["zb-v"], gib["zb-v"],
-                      round(bf16["peak_memory_mb"] / 1024, 1)]
-    assert gib["dualpipev"] < 80 < gib["zb-v"] and bf16["peak_memory_mb"] / 1024 > 80
-
-
-@pytest.mark.slow
-def test_the_405b_what_if_step_is_what_its_command_prints(monkeypatch):
-    """The step the README quotes after its Llama 3.1 405B what-if (torchtitan's layout) is its command's, in s."""
-    monkeypatch.chdir(REPO)
-    text = section("Models and parallelism of now")
-    command = next(line for line in text.splitlines() if line.startswith("pipesim") and "llama3.1-405b" in line)
-    quoted = float(re.search(r"as torchtitan runs it:\s+(\d+\.\d) s a step", text).group(1))
-    (result,) = simulate_json(*shlex.split(command)[2:])
-    assert quoted == round(result["time_per_minibatch_ms"] / 1e3, 1)
-
-
 def test_the_simulate_tour_gpipe_figures_are_what_its_command_prints():
     """docs/simulate.md's tour: its gpipe command prints makespan_ms 33 = (m+p-1)(F+B) and bubble 3/11 (without
     --minibatches 1 it simulated N = 2 and printed 66)."""
@@ -100,3 +73,140 @@ def test_the_simulate_tour_gpipe_figures_are_what_its_command_prints():
     assert args[-1] == "--json"
     (result,) = simulate_json(*args[:-1])
     assert result["makespan_ms"] == pytest.approx(33) and result["bubble_fraction"] == pytest.approx(3 / 11)
+
+
+NUMBER_WORDS = {2: "two", 3: "three", 8: "eight", 16: "sixteen"}
+
+
+def test_the_methods_table_lists_every_method_and_the_opening_counts_them():
+    """The table of families names every method once, and the opening sentence counts them in words."""
+    families = re.findall(r"^\| [a-z].*\| (`.*`) \|$", README, flags=re.M)
+    listed = [name for row in families for name in re.findall(r"`([a-z0-9-]+)`", row)]
+    assert sorted(listed) == sorted(METHODS)
+    assert f"pipesim predicts what {NUMBER_WORDS[len(METHODS)]} pipeline schedules do" in " ".join(README.split())
+
+
+def test_the_simulate_sections_costs_and_makespan_are_what_its_commands_print(monkeypatch):
+    """The first table's costs are the defaults the prose names; the gpipe line's makespan is (m+p-1)(F+B)."""
+    monkeypatch.chdir(REPO)
+    text = _prose("Simulate: what-if, side by side")
+    fwd_ms, bwd_ms = re.search(r"defaults: (\d+) ms forward, (\d+) ms backward per device", text).groups()
+    command, _ = shown_after(section("Simulate: what-if, side by side"), "pipesim simulate -s 1f1b")
+    args = [a for a in shlex.split(command)[2:] if not a.endswith(".html") and a != "--html"]
+    assert simulate_json(*args) == simulate_json(*args, "--fwd", fwd_ms, "--bwd", bwd_ms)
+    line = next(line for line in section("Simulate: what-if, side by side").splitlines()
+                if line.startswith("pipesim simulate -s gpipe"))
+    command, comment = line.split("#")
+    args = shlex.split(command)[2:]
+    assert args[-1] == "--json"
+    (result,) = simulate_json(*args[:-1])
+    shape = {flag: float(args[args.index(flag) + 1]) for flag in ("-p", "-m", "--fwd", "--bwd")}
+    makespan_ms = (shape["-m"] + shape["-p"] - 1) * (shape["--fwd"] + shape["--bwd"])
+    assert result["makespan_ms"] == pytest.approx(makespan_ms)
+    assert comment.strip() == f"makespan (m+p-1)(F+B) = {makespan_ms:g} ms"
+
+
+def test_the_auto_sections_figures_are_what_its_command_and_the_papers_costs_give(monkeypatch):
+    """auto's step is the slow stages' compute alone, m(F + B); on the zero-bubble paper's costs
+    (benchmarks/zero_bubble_paper.json, as `python benchmarks/bench_auto.py paper` prints them) auto at R = 1 is
+    ZB-1p in every setting and at R = 2 beats or ties ZB-2p, at the paper's four places."""
+    monkeypatch.chdir(REPO)
+    text = _prose("auto: the schedule searched for your costs")
+    command, _ = shown_after(section("auto: the schedule searched for your costs"), "pipesim simulate -s auto")
+    args = [a for a in shlex.split(command)[2:] if not a.endswith(".html") and a != "--html"]
+    (auto, *_) = simulate_json(*args)
+    per_stage = {flag: [float(ms) for ms in args[args.index(flag) + 1].split(",")] for flag in ("--fwd", "--bwd")}
+    compute_ms = float(args[args.index("-m") + 1]) * max(map(sum, zip(*per_stage.values())))
+    assert auto["time_per_minibatch_ms"] == pytest.approx(compute_ms)
+    assert f"auto reaches their compute alone ({compute_ms:g} ms)" in text
+    rows = json.loads((REPO / "benchmarks" / "zero_bubble_paper.json").read_text())["rows"]
+    at_1 = [round(bubble("auto", row, 1.0, None), 4) - row["bubble"]["zb-1p"] for row in rows]
+    at_2 = [round(bubble("auto", row, 2.0, None), 4) - row["bubble"]["zb-2p"] for row in rows]
+    assert at_1.count(0) == len(rows) and all(d <= 0 for d in at_2)
+    assert (f"auto equals ZB-1p at R = 1 in all {len(rows)} settings and beats ZB-2p at R = 2 in "
+            f"{sum(d < 0 for d in at_2)}, ties it in {at_2.count(0)}") in text
+
+
+def _published_row_label(row: dict) -> str:
+    """The README table's row a published run counts in."""
+    if row["run"].startswith("Megatron"):
+        return "Narayanan et al. 2021 (Megatron-LM)"
+    return "Korthikanti et al. 2022, iterations" if row["unit"] == "s" else "Korthikanti et al. 2022, one 22B layer"
+
+
+def _pct(fraction: float) -> str:
+    return f"{100 * fraction:.1f} %"
+
+
+def test_the_published_runs_table_and_sentences_are_the_record():
+    """The table of published runs (rows, median and worst |error| per paper), the sentence under it and the
+    175B's measured step and error are benchmarks/published_runs.json's (test_published_runs.py holds the record to
+    its script, one row per paper, and the 175B's predicted step to the README's command)."""
+    records = json.loads((REPO / "benchmarks" / "published_runs.json").read_text())["rows"]
+    title = "What-if GPUs: a published run, predicted from the catalogue"
+    table = [line.split(" | ") for line in section(title).splitlines() if line.startswith("| ") and "---" not in line]
+    shown = {cells[0][2:]: cells[1:] for cells in table[1:]}
+    assert len(shown) == 3
+    for label, cells in shown.items():
+        errors = [abs(r["error"]) for r in records if label.startswith(_published_row_label(r))]
+        assert cells == [str(len(errors)), _pct(statistics.median(errors)), _pct(max(errors)) + " |"], label
+    errors = [abs(r["error"]) for r in records]
+    outside = [r for r in records if abs(r["error"]) > 0.10]
+    sizes = [float(re.match(r"Megatron ([\d.]+)B \(t\d+ p\d+ d\d+ v[2-9]\)", r["run"]).group(1)) for r in outside]
+    fast = [r["error"] for r in outside]  # too high a TFLOP/s
+    assert min(fast) > 0
+    assert (f"All {len(records)}: median {_pct(statistics.median(errors))}, {sum(e <= 0.10 for e in errors)} within "
+            f"10 %. Outside: Megatron-LM 2021's interleaved {min(sizes):.0f}–{max(sizes):.0f}B runs, "
+            f"{100 * min(fast):.0f}–{100 * max(fast):.0f} % fast.") in _prose(title)
+    (gpt3,) = [r for r in records if r["run"] == "Korthikanti 175B SP + selective"]
+    assert (f"they measured {gpt3['published']:.2f} s per iteration; pipesim predicts {gpt3['predicted']:.2f} s "
+            f"({_pct(gpt3['error']).replace('-', '−')})") in _prose(title)
+
+
+def test_the_sweep_runs_the_grids_configurations_the_prose_counts(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    (command,) = [line for line in section("Sweep and tune: many configurations at once").splitlines()
+                  if line.startswith("pipesim sweep")]
+    args = [str(tmp_path / a) if a.endswith((".csv", ".html")) else a for a in shlex.split(command)[1:]]
+    code, out, err = pipesim(*args)
+    assert code == 0, err
+    counts = re.search(r"of the (\d+) configurations that ran \((\d+) more skipped, (\d+) more the same schedule",
+                       " ".join(out.split()))
+    assert counts, out
+    assert f"simulates the grid's {sum(map(int, counts.groups()))} configurations" in _prose(
+        "Sweep and tune: many configurations at once")
+
+
+def test_the_committed_studys_figures_are_what_its_plot_prints(tmp_path, monkeypatch):
+    """`study --plot-only` of the committed study: its methods, optimizers and seeds as the prose counts them, and
+    PipeDream's loss of accuracy against 1F1B under momentum."""
+    monkeypatch.chdir(REPO)
+    (command,) = [line for line in section("Study: what staleness does to training").splitlines()
+                  if line.startswith("pipesim study --plot-only")]
+    code, out, err = pipesim(*[str(tmp_path / a) if a.endswith(".html") else a for a in shlex.split(command)[1:]])
+    assert code == 0, err
+    blocks = re.split(r"^ (\w+), lr [\d.]+ *$", out, flags=re.M)[1:]
+    accuracy = {(optimizer, row.split()[0]): float(row.split()[1])
+                for optimizer, rows in zip(blocks[::2], blocks[1::2]) for row in rows.splitlines()
+                if row.split()[:1] and row.split()[0] in METHODS and not row.split()[1].startswith("(")}
+    methods = {method for _, method in accuracy}
+    seeds = int(re.search(r"mean ± std over (\d+) seeds", " ".join(out.split())).group(1))
+    text = _prose("Study: what staleness does to training")
+    assert (f"the committed study ({NUMBER_WORDS[len(methods)]} methods, {NUMBER_WORDS[len(blocks) // 2]} "
+            f"optimizers, {NUMBER_WORDS[seeds]} seeds") in text
+    lost = accuracy["momentum", "1f1b"] - accuracy["momentum", "pipedream"]
+    assert f"one update of staleness costs PipeDream {lost:.1f} points under momentum" in text
+
+
+@pytest.mark.slow
+def test_a_runs_losses_are_what_its_command_prints(tmp_path, monkeypatch):
+    """`pipesim run`'s shape line and its losses and held-out scores (seeded: the same run after run); its step,
+    samples/s and peak memory are measured and not compared."""
+    monkeypatch.chdir(tmp_path)
+    command, shown = shown_after(section("Run: the same schedules, for real"), "pipesim run")
+    code, out, err = pipesim(*shlex.split(command)[1:])
+    assert code == 0, err
+    words_agree([line for line in shown if line.startswith("xpipe")], out, ("xpipe",))
+    (row,), (printed,) = ([line.split() for line in lines if re.match(r" +[\d.]+ ", line)]
+                          for lines in (shown, out.splitlines()))
+    assert printed[2:8] == row[2:8]  # first -> last loss, held-out loss / accuracy
