@@ -153,6 +153,8 @@ def test_the_readme_published_run_prints_the_figure_it_quotes():
     shown_rows = [line.split() for line in shown.splitlines() if line.startswith(("p=", " interleaved"))]
     printed_rows = [line.split() for line in out.splitlines() if line.startswith(("p=", " interleaved"))]
     assert len(shown_rows) == 2 and shown_rows == printed_rows  # the shape line and the schedule's row
+    shape = dict(word.split("=") for word in printed_rows[0] if "=" in word)
+    assert f"GPT-3 175B on {int(shape['p']) * int(shape['t'])} A100s" in " ".join(section.split())
     ms_per_step = float(printed_rows[1][2])
     assert quoted_s == round(ms_per_step / 1e3, 2)
     (published,) = [r for r in RUNS if r["run"] == "Korthikanti 175B SP + selective"]
