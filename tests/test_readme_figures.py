@@ -210,3 +210,22 @@ def test_a_runs_losses_are_what_its_command_prints(tmp_path, monkeypatch):
     (row,), (printed,) = ([line.split() for line in lines if re.match(r" +[\d.]+ ", line)]
                           for lines in (shown, out.splitlines()))
     assert printed[2:8] == row[2:8]  # first -> last loss, held-out loss / accuracy
+
+
+FIDELITY_RUNS = ("fidelity-cpu2-day6-quiet-after", "fidelity-cpu2-day7-quiet-after-1",
+                 "fidelity-cpu2-day7-quiet-after-2")
+
+
+def test_the_fidelity_figures_are_the_committed_runs():
+    """The three quiet runs of `benchmarks/fidelity.py` docs/fidelity.md tabulates (traces/measured/): per run the
+    median over methods of |iteration error|, the range of the runs' noise floors and their largest median
+    peak-memory error, as the README quotes them."""
+    runs = [json.loads((REPO / "traces" / "measured" / f"{name}.json").read_text()) for name in FIDELITY_RUNS]
+    (methods,) = {len(run["methods"]) for run in runs}
+    errors = [f"{100 * statistics.median(abs(m['iteration_error']) for m in run['methods']):.1f}" for run in runs]
+    noise = [100 * run["noise_floor"] for run in runs]
+    memory = max(statistics.median(m["memory_error"] for m in run["methods"] if m["memory_error"] is not None)
+                 for run in runs)
+    assert (f"three quiet runs on two days: iteration time within {', '.join(errors[:-1])} and {errors[-1]} % "
+            f"(median of {methods} methods; noise floor {min(noise):.0f}-{max(noise):.0f} %), peak memory "
+            f"{_pct(memory)}") in _prose("Compare and view: predicted against measured")
