@@ -111,8 +111,14 @@ def test_every_readme_command_runs_as_written(section, section_runs):
     assert failure is None, failure
 
 
-def _prose(section: str) -> str:
-    return " ".join(README.read_text().split(f"## {section}")[1].split("\n## ")[0].split())
+def section(title: str) -> str:
+    """The README's `## title` section."""
+    return README.read_text().split(f"\n## {title}\n")[1].split("\n## ")[0]
+
+
+def prose(title: str) -> str:
+    """The README's `## title` section as one line of words: a sentence quoted across its lines reads as one."""
+    return " ".join(section(title).split())
 
 
 def test_the_models_sections_figures_are_what_its_commands_print():
@@ -137,7 +143,7 @@ def test_the_models_sections_figures_are_what_its_commands_print():
     fp8 = results(args)
     bf16 = results(" ".join(args).replace("--dtype fp8 --fp8-recipe deepseek", "--dtype bf16").split())
     llama_1f1b = results(llama.split()[1:] + ["--json"])["1f1b"]
-    prose = _prose("Models and parallelism of now")
+    text = prose("Models and parallelism of now")
     quoted = {f"DualPipeV {fp8['dualpipev']['time_per_minibatch_ms'] / 1e3:.1f} s a step in "
               f"{fp8['dualpipev']['peak_memory_mb'] / 1024:.1f} GiB against 1F1B's "
               f"{fp8['1f1b']['time_per_minibatch_ms'] / 1e3:.1f}",
@@ -147,7 +153,7 @@ def test_the_models_sections_figures_are_what_its_commands_print():
               f"Llama 3.1 405B on {llama_1f1b['gpus']} H100s",
               f"{llama_1f1b['time_per_minibatch_ms'] / 1e3:.1f} s a step"}
     for figure in quoted:
-        assert figure in prose
+        assert figure in text
     h100_gib = load_catalogue().find("h100-sxm").memory_gib  # what fits and what does not, as the prose says
     assert fp8["dualpipev"]["peak_memory_mb"] / 1024 < h100_gib < fp8["zb-v"]["peak_memory_mb"] / 1024
     assert bf16["dualpipev"]["peak_memory_mb"] / 1024 > h100_gib

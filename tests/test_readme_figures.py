@@ -20,15 +20,10 @@ import pytest
 from benchmarks.bench_auto import bubble
 from pipesim.schedules import METHODS
 from tests.conftest import pipesim, simulate_json
-from tests.test_readme import _prose
+from tests.test_readme import prose, section
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-
-
-def section(title: str) -> str:
-    """The README's `## title` section."""
-    return README.split(f"\n## {title}\n")[1].split("\n## ")[0]
 
 
 def shown_after(text: str, command_start: str) -> tuple[str, list[str]]:
@@ -89,7 +84,7 @@ def test_the_methods_table_lists_every_method_and_the_opening_counts_them():
 def test_the_simulate_sections_costs_and_makespan_are_what_its_commands_print(monkeypatch):
     """The first table's costs are the defaults the prose names; the gpipe line's makespan is (m+p-1)(F+B)."""
     monkeypatch.chdir(REPO)
-    text = _prose("Simulate: what-if, side by side")
+    text = prose("Simulate: what-if, side by side")
     fwd_ms, bwd_ms = re.search(r"defaults: (\d+) ms forward, (\d+) ms backward per device", text).groups()
     command, _ = shown_after(section("Simulate: what-if, side by side"), "pipesim simulate -s 1f1b")
     args = [a for a in shlex.split(command)[2:] if not a.endswith(".html") and a != "--html"]
@@ -111,7 +106,7 @@ def test_the_auto_sections_figures_are_what_its_command_and_the_papers_costs_giv
     (benchmarks/zero_bubble_paper.json, as `python benchmarks/bench_auto.py paper` prints them) auto at R = 1 is
     ZB-1p in every setting and at R = 2 beats or ties ZB-2p, at the paper's four places."""
     monkeypatch.chdir(REPO)
-    text = _prose("auto: the schedule searched for your costs")
+    text = prose("auto: the schedule searched for your costs")
     command, _ = shown_after(section("auto: the schedule searched for your costs"), "pipesim simulate -s auto")
     args = [a for a in shlex.split(command)[2:] if not a.endswith(".html") and a != "--html"]
     (auto, *_) = simulate_json(*args)
@@ -157,10 +152,10 @@ def test_the_published_runs_table_and_sentences_are_the_record():
     assert min(fast) > 0
     assert (f"All {len(records)}: median {_pct(statistics.median(errors))}, {sum(e <= 0.10 for e in errors)} within "
             f"10 %. Outside: Megatron-LM 2021's interleaved {min(sizes):.0f}–{max(sizes):.0f}B runs, "
-            f"{100 * min(fast):.0f}–{100 * max(fast):.0f} % fast.") in _prose(title)
+            f"{100 * min(fast):.0f}–{100 * max(fast):.0f} % fast.") in prose(title)
     (gpt3,) = [r for r in records if r["run"] == "Korthikanti 175B SP + selective"]
     assert (f"they measured {gpt3['published']:.2f} s per iteration; pipesim predicts {gpt3['predicted']:.2f} s "
-            f"({_pct(gpt3['error']).replace('-', '−')})") in _prose(title)
+            f"({_pct(gpt3['error']).replace('-', '−')})") in prose(title)
 
 
 def test_the_sweep_runs_the_grids_configurations_the_prose_counts(tmp_path, monkeypatch):
@@ -173,7 +168,7 @@ def test_the_sweep_runs_the_grids_configurations_the_prose_counts(tmp_path, monk
     counts = re.search(r"of the (\d+) configurations that ran \((\d+) more skipped, (\d+) more the same schedule",
                        " ".join(out.split()))
     assert counts, out
-    assert f"simulates the grid's {sum(map(int, counts.groups()))} configurations" in _prose(
+    assert f"simulates the grid's {sum(map(int, counts.groups()))} configurations" in prose(
         "Sweep and tune: many configurations at once")
 
 
@@ -191,7 +186,7 @@ def test_the_committed_studys_figures_are_what_its_plot_prints(tmp_path, monkeyp
                 if row.split()[:1] and row.split()[0] in METHODS and not row.split()[1].startswith("(")}
     methods = {method for _, method in accuracy}
     seeds = int(re.search(r"mean ± std over (\d+) seeds", " ".join(out.split())).group(1))
-    text = _prose("Study: what staleness does to training")
+    text = prose("Study: what staleness does to training")
     assert (f"the committed study ({NUMBER_WORDS[len(methods)]} methods, {NUMBER_WORDS[len(blocks) // 2]} "
             f"optimizers, {NUMBER_WORDS[seeds]} seeds") in text
     lost = accuracy["momentum", "1f1b"] - accuracy["momentum", "pipedream"]
@@ -228,4 +223,4 @@ def test_the_fidelity_figures_are_the_committed_runs():
                  for run in runs)
     assert (f"three quiet runs on two days: iteration time within {', '.join(errors[:-1])} and {errors[-1]} % "
             f"(median of {methods} methods; noise floor {min(noise):.0f}-{max(noise):.0f} %), peak memory "
-            f"{_pct(memory)}") in _prose("Compare and view: predicted against measured")
+            f"{_pct(memory)}") in prose("Compare and view: predicted against measured")
