@@ -1,7 +1,6 @@
 """benchmarks/torch_pipelining.py runs what a calibration profile measured, so that a prediction from that
 profile describes the torch run; without one it prints the calibrate command that matches its flags."""
 
-import importlib.util
 import json
 import shlex
 from pathlib import Path
@@ -9,16 +8,16 @@ from pathlib import Path
 import pytest
 import typer
 
+from tests.conftest import script_module
+
 ROOT = Path(__file__).parent.parent
 PROFILE = ROOT / "traces" / "measured" / "fidelity-cpu2-day3-runs" / "mlp-profile.json"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("torch_pipelining", ROOT / "benchmarks" / "torch_pipelining.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with script_module("torch_pipelining") as module:
+        yield module
 
 
 def test_a_profile_fixes_the_model_its_cut_micro_batch_size_threads_and_stages(script):
