@@ -223,7 +223,7 @@ def run(
                 if why:
                     raise InputError(why)
             profiled_b = measured.environment.microbatch_size
-            made, again = ("estimated", "estimate it again") if measured.estimate else ("calibrated", "recalibrate")
+            made, again = _made(measured)
             if is_given(ctx, "microbatch_size") and microbatch_size != profiled_b:
                 raise InputError(f"--microbatch-size {microbatch_size}: the profile {profile} was {made} at "
                                  f"{count_text(profiled_b, 'sample')} per micro-batch, and its times hold there "
@@ -350,8 +350,8 @@ def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: in
 
 
 def _partition(path: Path, model: str, options: dict[str, int]):
-    """The profile, the stage bounds its partition gives, and the model options it was calibrated with (those
-    given on the command line must agree). A profile of another model is refused."""
+    """The profile, the stage bounds its partition gives, and the model options it was calibrated or estimated with
+    (those given on the command line must agree). A profile of another model is refused."""
     from ..profiles.schema import ProfileError, load_profile
 
     try:
@@ -363,9 +363,16 @@ def _partition(path: Path, model: str, options: dict[str, int]):
                          f"--model {measured.model.name} or a profile of {model}")
     clash = [key for key, value in options.items() if measured.model.options.get(key) != value]
     if clash:
-        raise InputError(f"--{clash[0]} {options[clash[0]]}: the profile {path} was calibrated with "
-                         f"{clash[0]} {measured.model.options.get(clash[0])}; drop the flag or recalibrate")
+        made, again = _made(measured)
+        raise InputError(f"--{clash[0]} {options[clash[0]]}: the profile {path} was {made} with "
+                         f"{clash[0]} {measured.model.options.get(clash[0])}; drop the flag or {again}")
     return measured, tuple(measured.partition.bounds), dict(measured.model.options)
+
+
+def _made(measured) -> tuple[str, str]:
+    """How a profile's times were made and how to make them again, as a refusal of another size says: an
+    estimate was never calibrated."""
+    return ("estimated", "estimate it again") if measured.estimate else ("calibrated", "recalibrate")
 
 
 LAYERS_TRIED = 12  # --layers values a model the stage graph cannot carry is tried at, to say which work

@@ -194,13 +194,14 @@ def test_a_run_trains_in_its_profiles_dtype_and_refuses_another(tmp_path, profil
     assert not (tmp_path / "x.json").exists()
 
 
-def test_an_estimated_profile_refuses_another_dtype_or_micro_batch_as_estimated(tmp_path):
-    """An estimate's times hold in its dtype and micro-batch as a calibration's do, but it was never calibrated:
-    the refusal says so, and to estimate it again."""
+def test_an_estimated_profile_refuses_another_dtype_micro_batch_or_size_as_estimated(tmp_path):
+    """An estimate's times hold in its dtype, micro-batch and model sizes as a calibration's do, but it was never
+    calibrated: the refusal says so, and to estimate it again."""
     estimate = tmp_path / "e.json"
     code, _, err = pipesim("estimate", "--model", "mlp", "--gpu", "h100-sxm", "--stages", 2, "--out", estimate)
     assert code == 0, err
-    for flag, value, held in (("--dtype", "fp32", "in bfloat16"), ("--microbatch-size", 3, "at 1 sample per")):
+    for flag, value, held in (("--dtype", "fp32", "in bfloat16"), ("--microbatch-size", 3, "at 1 sample per"),
+                              ("--width", 7, "with width 512")):
         code, _, err = pipesim("run", "--schedule", "1f1b", "--model", "mlp", "--microbatches", 2, "--profile",
                                estimate, flag, value, "--trace", tmp_path / "t.json")
         assert code == 2 and f"{flag} {value}: the profile {estimate} was estimated {held}" in err, err
