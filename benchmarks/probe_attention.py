@@ -46,6 +46,7 @@ KERNELS = {"cudnn": "cudnn", "flash": "flash2"}  # the probe's SDPA kernel -> pi
 PASSES = {"fwd": "forward", "bwd": "backward"}
 ELEMENT_BYTES = 2  # bf16
 CONTEXT = 2
+ATTENTION_SHAPE = ("heads", "kv_heads", "head_dim", "tokens")  # the probe's `attention.shape` attention_ops reads
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         probe = json.loads(args.probe.read_text())
-        probe["attention"]["kernels"], probe["attention"]["shape"]
+        attention = probe["attention"]
+        if not isinstance(attention["kernels"], dict) or not isinstance(attention["shape"], dict) or any(
+                name not in attention["shape"] for name in ATTENTION_SHAPE):
+            raise TypeError(f"attention.kernels is no table or attention.shape not {', '.join(ATTENTION_SHAPE)}")
     except (OSError, ValueError, KeyError, TypeError) as error:
         print(f"--probe: {args.probe} is not a gpu_probe.py JSON with its attention part "
               f"({type(error).__name__}: {error})", file=sys.stderr)

@@ -77,6 +77,9 @@ class LayerPass:
     pass_ms: float
 
 
+MOE_SHAPE = ("hidden", "ffn", "experts", "top_k", "tokens")  # the probe's `moe.shape`, as probe_layer takes it
+
+
 @cache
 def probe_layer(hidden: int, ffn: int, experts: int, top_k: int, tokens: int) -> LayerCount:
     """The probe's MoE block alone (its JSON's `moe.shape`), counted on the meta device in BF16: the gpt's MoE MLP
@@ -179,7 +182,7 @@ def role(op: str | None) -> str:
 def kernel_rows(probe: dict, gpu: str, host_kernel_us: float) -> list[dict]:
     """Per local-expert count, pass and role (`ROLES`), pipesim's priced kernels beside the probe's (`moe.kernels`,
     the forward's two spans together): their count and GPU microseconds, the ops pipesim priced and the probe's
-    longest kernel by name; each pass's total last ("all"). None from a probe that kept no kernels by name."""
+    longest kernel by name; each pass's total last ("all"). Empty from a probe that kept no kernels by name."""
     if "kernels" not in probe["moe"]:
         return []
     shape = probe["moe"]["shape"]
@@ -281,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         probe = json.loads(args.probe.read_text())
-        if not isinstance(probe["moe"]["layers"], list) or not isinstance(probe["gemm"], dict):
-            raise TypeError("moe.layers is no list or gemm no table")
+        if not isinstance(probe["moe"]["layers"], list) or not probe["moe"]["layers"] or not isinstance(
+                probe["gemm"], dict):
+            raise TypeError("moe.layers is no list of layers or gemm no table")
+        if not isinstance(probe["moe"]["shape"], dict) or sorted(probe["moe"]["shape"]) != sorted(MOE_SHAPE):
+            raise TypeError(f"moe.shape is not {', '.join(MOE_SHAPE)}")
         if not isinstance(probe["moe"].get("kernels", []), list):
             raise TypeError("moe.kernels is no list")
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -66,3 +66,12 @@ def test_bad_input_is_one_line_and_exit_2(replay, capsys, flags, message):
     assert replay.main(flags) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_a_probe_without_the_attentions_whole_shape_is_one_line_and_exit_2(replay, tmp_path, capsys):
+    """A shape short of a field the count reads (here the heads alone) is refused before any pricing."""
+    bad = tmp_path / "probe.json"
+    bad.write_text(json.dumps({"attention": {"kernels": {"flash": {}}, "shape": {"heads": 32}}}))
+    assert replay.main(["--probe", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "attention.shape not heads, kv_heads, head_dim, tokens" in err and err.count("\n") == 1

@@ -143,3 +143,16 @@ def test_the_benchmark_prints_the_kernels_by_role_of_a_probe_that_kept_them(benc
     printed = capsys.readouterr().out
     assert "(a) the layer's kernels by role on h200" in printed and "indexFuncLargeIndex" in printed
     assert "the probe counted no kernels" in printed
+
+
+@pytest.mark.parametrize("moe,message", [
+    ({"layers": []}, "moe.layers is no list of layers"),
+    ({"layers": [{}], "shape": {"hidden": 2048}}, "moe.shape is not hidden, ffn, experts, top_k, tokens"),
+])
+def test_a_probe_without_layers_or_their_whole_shape_is_one_line_and_exit_2(bench, tmp_path, capsys, moe, message):
+    """Refused before any pricing: no layer left no error to summarise, and a partial shape no layer to count."""
+    bad = tmp_path / "probe.json"
+    bad.write_text(json.dumps({"moe": moe, "gemm": {}}))
+    assert bench.main(["--probe", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
