@@ -36,7 +36,7 @@ from rich.table import Table
 
 from pipesim.commands.estimate import count_model_of
 from pipesim.commands.tables import print_table
-from pipesim.hardware.catalogue import load_catalogue
+from pipesim.hardware.catalogue import CatalogueError, load_catalogue
 from pipesim.planning.estimate import ContextRing, Device, Parallelism, _Split, kernel_curve, op_ms, placement_links
 from pipesim.profiles.workload import OpCount
 
@@ -151,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--probe: {args.probe} is not a gpu_probe.py JSON with its attention part "
               f"({type(error).__name__}: {error})", file=sys.stderr)
         return 2
-    names = list(load_catalogue().gpu)
-    if args.gpu not in names:
-        print(f"--gpu: unknown {args.gpu!r}; known: {', '.join(names)}", file=sys.stderr)
+    try:
+        load_catalogue().find(args.gpu)
+    except CatalogueError as error:  # it names the parts the catalogue knows
+        print(f"--gpu: {error}", file=sys.stderr)
         return 2
     table = Table(title=f"Llama 3.1 8B's attention, ms a layer and micro-batch: pipesim against {args.probe.name}")
     for column in ("kernel", "part", "pass", f"pipesim {args.gpu}", "measured", "pipesim / measured",

@@ -43,7 +43,7 @@ import torch
 from rich.table import Table
 
 from pipesim.commands.tables import print_table
-from pipesim.hardware.catalogue import load_catalogue
+from pipesim.hardware.catalogue import CatalogueError, load_catalogue
 from pipesim.planning.estimate import (
     Device,
     LayerEstimate,
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         load_catalogue().find(args.gpu)
-    except Exception as exc:  # the catalogue's error names the parts it knows
+    except CatalogueError as exc:  # it names the parts the catalogue knows
         print(f"--gpu: {exc}", file=sys.stderr)
         return 2
     compared = layer_rows(probe, args.gpu, args.host_kernel_us)

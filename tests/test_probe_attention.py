@@ -60,7 +60,7 @@ def test_the_blocks_transfer_from_the_h200_to_the_h100_and_the_passes_go_at_its_
 
 @pytest.mark.parametrize("flags,message", [
     (["--probe", "/nonexistent/probe.json"], "--probe: /nonexistent/probe.json is not a gpu_probe.py JSON"),
-    (["--gpu", "h300"], "--gpu: unknown 'h300'; known: "),
+    (["--gpu", "h300"], "--gpu: unknown GPU 'h300'; known: "),
 ])
 def test_bad_input_is_one_line_and_exit_2(replay, capsys, flags, message):
     assert replay.main(flags) == 2

@@ -86,6 +86,8 @@ def test_the_benchmark_prints_both_parts_and_refuses_a_file_that_is_no_probe(ben
     assert err.startswith("--probe ") and len(err.strip().splitlines()) == 1
     assert bench.main(["--host-kernel-us", "-1"]) == 2
     assert "--host-kernel-us" in capsys.readouterr().err
+    assert bench.main(["--gpu", "h300"]) == 2
+    assert capsys.readouterr().err.startswith("--gpu: unknown GPU 'h300'; known: ")
 
 
 def _span(ops: dict[str, tuple[int, float]], kernels: list[tuple[str, str, int, float]]) -> dict:
