@@ -472,7 +472,8 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
                         f"{hardware.get('transport')} ({hardware.get('device')})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="step: one mini-batch in steady state (from the second mini-batch's end on); "
-                          f"{meta.extra.get('optimizer')} at lr {meta.extra.get('lr')} (--optimizer, --lr)",
+                          f"{meta.extra.get('optimizer')} at lr {meta.extra.get('lr')} in {meta.extra.get('dtype')} "
+                          "(--optimizer, --lr, --dtype)",
                   caption_justify="left")
     heldout = meta.extra.get("heldout") or {}
     held = "-" if not heldout else f"{heldout['loss']:.4g}" + (

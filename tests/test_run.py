@@ -184,10 +184,11 @@ def test_a_run_trains_in_its_profiles_dtype_and_refuses_another(tmp_path, profil
     ran = []
     monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: ran.append(spec) or run_in_process(spec))
     trace = tmp_path / "t.json"
-    code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatches", 2, "--minibatches", 2,
-                           "--profile", in_bf16, "--trace", trace)
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatches", 2, "--minibatches", 2,
+                             "--profile", in_bf16, "--trace", trace)
     assert code == 0, err
     assert ran[0].dtype == "bfloat16" and read_trace(trace).meta.extra["dtype"] == "bfloat16"
+    assert "in bfloat16 (--optimizer, --lr, --dtype)" in " ".join(out.split())  # the table says what it trained in
     code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatches", 2, "--minibatches", 2,
                            "--profile", in_bf16, "--dtype", "fp32", "--trace", tmp_path / "x.json")
     assert code == 2 and "calibrated in bfloat16, and its times hold there only" in err
@@ -271,7 +272,7 @@ def test_graphpipe_runs_the_two_branch_model_at_its_default_layers_and_tables_th
     assert code == 0, err
     assert read_trace(trace).meta.extra["bounds"] not in (None, [0, 2, 4, 5, 6])  # the even cut, which it cannot carry
     for text in ("ms/step", "samples/s", "loss first -> last", "peak MiB per device", f"wrote {trace}",
-                 "sgd at lr 0.05 (--optimizer, --lr)"):  # the defaults it trained with, named
+                 "sgd at lr 0.05 in float32 (--optimizer, --lr, --dtype)"):  # the defaults it trained with, named
         assert text in " ".join(out.split())
 
 
