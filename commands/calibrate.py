@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..profiles.workload import too_few_layers
 from ..units import GIB, KIB, MIB, count_text
+from .common import DTYPES as DTYPE_NAMES  # --dtype's names -> torch's (calibrate.measure's DTYPES: torch's dtypes)
 from .common import (
     CapacityFactor,
     ExpertFfn,
@@ -63,7 +64,8 @@ def calibrate(
         "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch.")] = 8,
     device: Annotated[str | None, typer.Option(
         "--device", metavar="DEVICE", help="cpu or cuda (default: cuda when torch sees a GPU).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(
+        "--dtype", metavar="DTYPE", help="float32, bfloat16 or float16 (or fp32, bf16, fp16).")] = "float32",
     memory_gb: Annotated[float | None, typer.Option(
         "--memory-gb", metavar="GIB", help="Per-device memory cap in GiB for the partition (1F1B: weights, gradients, "
                                            "optimizer state, in-flight activations).")] = None,
@@ -152,8 +154,9 @@ def calibrate(
         if runtime:  # its probe times the executor on a small mlp, which draws the digits
             require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
         check_outputs([("--out", out)], model_reads(ctx.params))
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
+        if dtype not in DTYPE_NAMES:
+            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
+        dtype = DTYPE_NAMES[dtype]
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         check_memory_gb(memory_gb)
         for flag in ("link_max_mb", "expert_parallel"):

@@ -128,8 +128,8 @@ def run(
     device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu or cuda.")] = "cpu",
     dtype: Annotated[str | None, typer.Option(
         "--dtype", metavar="DTYPE", show_default=False, help="The model's weights and activations: float32, bfloat16 "
-                                                             "or float16 (default the profile's, else "
-                                                             "float32).")] = None,
+                                                             "or float16 (or fp32, bf16, fp16; default the "
+                                                             "profile's, else float32).")] = None,
     backend: Annotated[str, typer.Option(
         "--backend", metavar="NAME", help="auto (gloo on CPU; NCCL with a GPU per rank, else host-staged gloo), gloo "
                                           "or nccl.")] = "auto",
@@ -207,7 +207,7 @@ def run(
         except DeviceError as exc:
             raise InputError(str(exc)) from None
         if dtype is not None and dtype not in DTYPES:
-            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
+            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
         bounds, measured = None, None
         if profile is not None:
             measured, bounds, options = _partition(profile, model, options)

@@ -98,7 +98,7 @@ BAD = {
     "unknown optimizer": (["--schedule", "1f1b", *SMALL_MLP, "--optimizer", "lion"], "--optimizer"),
     "learning rate not positive": (["--schedule", "1f1b", *SMALL_MLP, "--lr", 0], "--lr"),
     "unknown dtype": (["--schedule", "1f1b", *SMALL_MLP, "--dtype", "int8"],
-                      "--dtype: choose float32, bfloat16 or float16 (got 'int8')"),
+                      "--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got 'int8')"),
     "option of another method": (["--schedule", "1f1b", *SMALL_MLP, "--elastic-alpha", 0.5], "--elastic-alpha"),
     "unknown model option": (["--schedule", "1f1b", "--model", "mlp", "--layers", 0], "--layers"),
     "auto without costs": (["--schedule", "auto", *SMALL_MLP],
