@@ -3,12 +3,17 @@ fields, its refusals, and that what it times computes what it stands for (the Mo
 token's experts, TransformerEngine's C = 2 ring one causal attention, forward and backward)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.conftest import script_module
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -270,3 +275,16 @@ def test_each_kernel_is_named_by_the_op_that_launched_it_and_who_asked_for_that(
 ])
 def test_a_kernels_printed_name_is_its_function_and_what_an_elementwise_one_applies(probe, name, short):
     assert probe.short_kernel(name) == short
+
+
+def test_the_device_session_script_parses_and_runs_the_two_benchmarks_there_are():
+    """benchmarks/gpu_session.sh is the one call a GPU session makes (docs/benchmarks.md): bash reads it, and the
+    scripts it runs exist with the flags it gives them."""
+    script = REPO / "benchmarks" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    for name, flags in (("gpu_check.py", ["--out"]), ("gpu_probe.py", ["--out"])):
+        assert f"benchmarks/{name}" in text
+        usage = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), "--help"], capture_output=True,
+                               text=True)
+        assert usage.returncode == 0 and all(flag in usage.stdout for flag in flags)
