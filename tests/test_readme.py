@@ -8,7 +8,6 @@ part here; CI runs their install part on a fresh machine.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -125,24 +124,21 @@ def test_the_models_sections_figures_are_what_its_commands_print():
     """The prose under "Models and parallelism of now" quotes DeepSeek-V3's step and peak per schedule (and
     DualPipeV's peak in BF16, the same command) and Llama 3.1 405B's GPUs and step: each is what its command prints, to
     the digit quoted, and DualPipeV fits an H100 where ZB-V and BF16 do not."""
-    from typer.testing import CliRunner
-
-    from pipesim.cli import app
     from pipesim.hardware.catalogue import load_catalogue
+    from tests.conftest import simulate_json
 
     commands = readme_sections()["Models and parallelism of now"]
-    (deepseek,) = [c for c in commands if "deepseek-v3" in c]
+    (deepseek,) = [" ".join(c.split()) for c in commands if "deepseek-v3" in c]
     (llama,) = [c for c in commands if "llama3.1-405b" in c]
-    args = deepseek.split()[1:] + ["--json"]
+    in_bf16 = deepseek.replace("--dtype fp8 --fp8-recipe deepseek", "--dtype bf16")
+    assert in_bf16 != deepseek  # the command's FP8 flags, as the BF16 sentence drops them
 
-    def results(argv: list[str]) -> dict[str, dict]:
-        done = CliRunner().invoke(app, argv)
-        assert done.exit_code == 0, done.output
-        return {r["schedule"]: r for r in json.loads(done.stdout)["results"]}
+    def results(command: str) -> dict[str, dict]:
+        """`command` (pipesim simulate ...) run: its results by schedule."""
+        return {r["schedule"]: r for r in simulate_json(*command.split()[2:])}
 
-    fp8 = results(args)
-    bf16 = results(" ".join(args).replace("--dtype fp8 --fp8-recipe deepseek", "--dtype bf16").split())
-    llama_1f1b = results(llama.split()[1:] + ["--json"])["1f1b"]
+    fp8, bf16 = results(deepseek), results(in_bf16)
+    llama_1f1b = results(llama)["1f1b"]
     text = prose("Models and parallelism of now")
     quoted = {f"DualPipeV {fp8['dualpipev']['time_per_minibatch_ms'] / 1e3:.1f} s a step in "
               f"{fp8['dualpipev']['peak_memory_mb'] / 1024:.1f} GiB against 1F1B's "
