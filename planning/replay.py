@@ -66,11 +66,12 @@ def _recorded_profile(meta: TraceMeta) -> Profile:
 
 def _windowed(costs: Costs, meta: TraceMeta) -> Costs:
     """The costs with the run's own receive window, where its posted buffers are in the memory it counted
-    (a host-staged GPU run posts them in host memory); a what-if without runtime terms keeps none."""
+    (a host-staged GPU run posts them in host memory); a what-if without runtime terms keeps none. The window as
+    recorded: `Costs` refuses one that is not a whole number >= 0."""
     window = meta.extra.get("recv_window")
     if not costs.recv_window or window is None:
         return costs
-    return replace(costs, recv_window=int(window) if meta.counts_posted_receives else 0)
+    return replace(costs, recv_window=window if meta.counts_posted_receives else 0)
 
 
 def _placed(cluster: Cluster, hardware: dict) -> Cluster:

@@ -280,6 +280,25 @@ def test_a_measured_trace_of_an_unknown_schedule_is_refused_naming_the_trace_not
     assert "--schedule" not in str(refused.value)
 
 
+@pytest.mark.parametrize("window", ["many", 2.5, -3])
+def test_a_runs_malformed_receive_window_is_one_line(tmp_path, window):
+    """compare predicts a run with the receive window its trace records: one that is not a whole number >= 0 is
+    refused in one line naming it (a string showed int()'s traceback)."""
+    import json
+
+    from tests.conftest import pipesim
+
+    document = json.loads((FIDELITY_RUNS / "1f1b.json").read_text())
+    extra = document["pipesim"]["meta"]["extra"]
+    extra["profile"] = json.loads((FIDELITY_RUNS / "mlp-profile.json").read_text())
+    extra["recv_window"] = window
+    (tmp_path / "run.json").write_text(json.dumps(document))
+    code, out, err = pipesim("compare", tmp_path / "run.json")
+    assert code == 2 and out == "", err
+    assert err.strip().splitlines() == [f"error: cannot predict the recorded run: recv_window must be a whole number "
+                                        f">= 0 (got {window!r})"]
+
+
 @pytest.mark.parametrize("predicted", [False, True])
 def test_compare_names_a_folder_without_traces(tmp_path, predicted):
     """An empty folder was said to "hold torch profiler traces" (without PREDICTED), or to be "no torch profiler
