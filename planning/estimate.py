@@ -234,7 +234,7 @@ class Parallelism:
     loss_parallel: bool = False  # the loss counted as torch's loss_parallel computes it (workload/loss.py)
     cp_rotate: str = "alltoall"  # how the context ring passes keys and values, of `CP_ROTATES` (`ContextRing`)
     attention_kernel: str = "flash2"  # the fused attention kernel, of `ATTENTION_KERNELS` (`kernel_curve`)
-    host_kernel_us: float = HOST_KERNEL_US  # the host's issue of a kernel, exposed after a sync (planning/host.py)
+    host_kernel_us: float = HOST_KERNEL_US  # the issue of a kernel: floors every pass, exposed after a sync (host.py)
     host_module_us: float | None = None  # a TransformerEngine module call's Python (None: by the runtime, host.py)
     expert_gemm: str = "grouped"  # how a rank runs its local experts' products, of planning/experts.py's EXPERT_GEMMS
     p2p_sync: bool = False  # the device synchronised after each exchange between stages (`stage_host_waits_ms`)
