@@ -767,6 +767,7 @@ class LayerEstimate:
     # per pass, its ops in the order the host issues them, each with its time (`_pass_ms`): a backward's rerun of
     # the forward first; what planning/host.py's `issued_ms` prices a pass after a synchronisation by
     timed_ops: dict[str, tuple[tuple[OpCount, float], ...]] = field(default_factory=dict)
+    ring: ContextRing | None = None  # the context ring its attention runs on (None: C = 1), whose kernels it issues
 
 
 @dataclass(frozen=True)
@@ -898,10 +899,24 @@ class ContextRing:
         queries = op.shape[0] * op.shape[1] * op.shape[3] * element_bytes
         keys_values = self.keys_values(op) * element_bytes
         if op.op.endswith("_backward"):
-            moved, kernels = 2 * keys_values + self.ranks * (5 * keys_values + 3 * queries), 2 + 3 * self.ranks
+            moved = 2 * keys_values + self.ranks * (5 * keys_values + 3 * queries)
         else:
-            moved, kernels = 2 * keys_values + queries + self.ranks * 3 * queries, 4 + 2 * self.ranks
-        return kernels * device.curve.kernel_overhead_ms + moved / device.memory_bytes_per_ms
+            moved = 2 * keys_values + queries + self.ranks * 3 * queries
+        return self.merge_kernels(op) * device.curve.kernel_overhead_ms + moved / device.memory_bytes_per_ms
+
+    def merge_kernels(self, op: OpCount) -> int:
+        """The kernels `merge_ms` prices for one call of `op`: the backward's 2 + 3C, the forward's 4 + 2C."""
+        return 2 + 3 * self.ranks if op.op.endswith("_backward") else 4 + 2 * self.ranks
+
+    def copy_kernels(self, op: OpCount) -> int:
+        """The kernels `copies_ms` prices for one call of `op`: v's copy in p2p's forward, else none."""
+        return 1 if self.rotate == "p2p" and not op.op.endswith("_backward") else 0
+
+    def kernels(self, op: OpCount) -> int:
+        """The kernels one call of the attention `op` runs on the ring, each one the host issues (planning/host.py
+        `pass_kernels`): its C blocks, their merges and copies. The exchanges' sends and receives are the link's
+        time on the network stream (`exchange_ms`), not kernels the passes count."""
+        return self.ranks + self.merge_kernels(op) + self.copy_kernels(op)
 
     def copies_ms(self, op: OpCount, device: Device, element_bytes: int) -> float:
         """The copies TransformerEngine's ring (p2p; torch's rings hand their kernels views) makes of what it hands
@@ -913,9 +928,8 @@ class ContextRing:
         ...] and its key-value buffer as [2, s/2, b, 2, ...], so `q[1]`, `kv_inputs[i % 2][0]`, `out[1]`, `dout[1]`
         and `kv[0]` are contiguous slices and their `.contiguous()` returns them as they are (bshd's `q[:, 1, ...]`
         would copy)."""
-        if self.rotate != "p2p" or op.op.endswith("_backward"):
-            return 0.0
-        return device.curve.kernel_overhead_ms + self.keys_values(op) * element_bytes / device.memory_bytes_per_ms
+        return self.copy_kernels(op) * (device.curve.kernel_overhead_ms
+                                        + self.keys_values(op) * element_bytes / device.memory_bytes_per_ms)
 
     def kept(self, layer: LayerCount) -> LayerCount:
         """`layer` keeping for the backward what the ring's forward keeps: under p2p the attention's inputs made
@@ -1586,7 +1600,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                          whole_parts(parts, total),
                          _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total,
                                           gathered_gradient_element_bytes(layer, parallel, element_bytes)),
-                         *rings, *wgrad_kept(layer, split, rest_share), timed)
+                         *rings, *wgrad_kept(layer, split, rest_share), timed, ring)
 
 
 def _rest_share(parallel: Parallelism) -> float:
@@ -2629,8 +2643,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             return {name: pass_kernels(
                 estimate.timed_ops[name], [op for op, _ in estimate.timed_ops["fwd"]], float8.recipe is not None,
                 parallel.host_kernel_us, name, modules_us,
-                {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms), synced and name == "fwd")
-                for name in names}
+                {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms), synced and name == "fwd",
+                None if estimate.ring is None else estimate.ring.kernels) for name in names}
 
         def issued(passes: dict[str, list[Kernels]]) -> dict[str, float]:
             """The host's issue of each of `passes` (`issued_ms`) where the layer makes it wait (so the model

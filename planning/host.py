@@ -69,7 +69,7 @@ runs the stage's passes, floored by their issue as any."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +143,7 @@ class Kernels:
 
 def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[OpCount], float8: bool,
                  host_kernel_us: float, name: str = "fwd", host_module_us: float = 0.0, all_to_all_ms: float = 0.0,
-                 synchronised: bool = False) -> list[Kernels]:
+                 synchronised: bool = False, ring_kernels: Callable[[OpCount], int] | None = None) -> list[Kernels]:
     """A layer's pass `name` as the host issues it: its ops in the count's order (`ops_ms`: each op as the pass
     runs it, its `count` kernels' GPU time together; a count lists an op where it first runs, its later calls on
     the same shapes with it), with the TransformerEngine module calls of the layer's forward (`forward_ops`,
@@ -151,17 +151,22 @@ def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[
     in a backward pass spread over its kernels (which backward kernels follow which module's Python the count does
     not say). The routed experts' all-to-alls (`all_to_all_ms`: half a dispatch, half a combine) are GPU time the
     host issues under, the first before the first routed op and the second after the last; with `synchronised` (a
-    dropless dispatcher's forward) the host waits for the GPU before the dispatch."""
+    dropless dispatcher's forward) the host waits for the GPU before the dispatch. Under context parallelism an
+    attention call runs `ring_kernels(op)` kernels (estimate.py `ContextRing.kernels`: the ring's blocks, merges and
+    copies, which its GPU time prices), each one issued."""
+    def issued(op: OpCount) -> int:
+        return op.count * (ring_kernels(op) if ring_kernels is not None and op.kind == "attention" else 1)
+
     calls = _module_calls(forward_ops) if name in MODULE_PASSES else []
     product_us = host_module_us * (TE_FLOAT8_MODULE_FACTOR if float8 else 1.0)
     calls_us = [products * product_us + attention * host_module_us for products, attention in calls]
-    spread_us = 0.0 if name == "fwd" else sum(calls_us) / max(sum(op.count for op, _ in ops_ms), 1)
+    spread_us = 0.0 if name == "fwd" else sum(calls_us) / max(sum(issued(op) for op, _ in ops_ms), 1)
     routed = [i for i, (op, _) in enumerate(ops_ms) if op.routed]
     kernels = []
     for i, (op, gpu_ms) in enumerate(ops_ms):
         if routed and i == routed[0] and (all_to_all_ms or synchronised):
             kernels.append(Kernels(1, 0.0, all_to_all_ms / 2, waits=synchronised))
-        kernels.append(Kernels(op.count, (host_kernel_us + spread_us) / 1e3, gpu_ms / op.count,
+        kernels.append(Kernels(issued(op), (host_kernel_us + spread_us) / 1e3, gpu_ms / issued(op),
                                calls_us[i] / 1e3 if name == "fwd" and calls_us else 0.0))
         if routed and i == routed[-1] and all_to_all_ms:
             kernels.append(Kernels(1, 0.0, all_to_all_ms / 2))

@@ -140,3 +140,26 @@ def test_tunes_shape_sums_stay_below_every_cut_where_a_stage_takes_its_floor_bes
             assert work.bwd_ms <= math.fsum(table[:, b]) + 1e-12
             assert work.least_bwd_ms <= math.fsum(least_bwd) + 1e-12
             assert work.slowest_ms[stages] <= (table[:, f] + least_bwd).max() + 1e-12
+
+
+@pytest.mark.parametrize("rotate, forward_kernels, backward_kernels", [("alltoall", 10, 10), ("p2p", 11, 10)])
+def test_the_host_issues_every_kernel_of_the_context_ring(tmp_path, rotate, forward_kernels, backward_kernels):
+    """At C = 2 a layer's attention call runs the ring's 2 blocks, their merges (TransformerEngine 1.10's
+    `AttnFuncWithCPAndKVP2P`: 4 + 2C forward, 2 + 3C backward) and under p2p v's copy (planning/estimate.py
+    `ContextRing.kernels`), which the GPU side prices: the host issues each, so where it binds this small model a
+    stage's pass rises over C = 1 by those kernels less the one kernel of C = 1's attention, per layer."""
+    ring = ("--context-parallel", 2, "--cp-rotate", rotate)
+    kernels = {}
+    for context in ((), ring):
+        slow, slower = (profile(tmp_path, *SMALL, "--attention", "flash", *context, "--host-kernel-us", us)
+                        for us in (1000, 2000))
+        kernels[bool(context)] = [{name: host2[f"{name}_ms"] - host[f"{name}_ms"] for name in PASS_NAMES}
+                                  for host, host2 in zip(slow["stages"], slower["stages"], strict=True)]
+    for stage, one, two in zip(slow["stages"], kernels[False], kernels[True], strict=True):
+        attending = sum(layer["name"].endswith("_Block") for layer in slow["layers"][slice(*stage["layers"])])
+        assert attending == 2
+        first = not one["igrad"]  # the first stage: no input-gradient pass, its weight pass the whole backward
+        added = {"fwd": forward_kernels - 1, "bwd": backward_kernels - 1, "igrad": 0 if first else backward_kernels - 1,
+                 "wgrad": backward_kernels - 1 if first else 0}
+        assert {name: two[name] - one[name] for name in PASS_NAMES} == pytest.approx(
+            {name: count * attending for name, count in added.items()})
