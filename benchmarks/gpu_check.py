@@ -108,10 +108,13 @@ def main() -> None:
     def save() -> None:  # after each step: a check stopped by the device's time limit keeps what it measured
         write_atomic(args.out / "check.json", json.dumps(check, indent=1))
 
+    save()
     profile = args.out / "profile.json"
     pipesim("calibrate", *shape, *dtype, "--device", args.device, "--stages", "2", "--out", str(profile),
             log=args.out / "calibrate.log")
     calibrated = load_profile(profile)
+    check["calibrated_stages_ms"] = [{"fwd": stage.fwd_ms, "bwd": stage.bwd_ms} for stage in calibrated.stages]
+    save()
     for method in METHODS:
         trace = args.out / f"run-{method}.json"
         pipesim("run", "-s", method, *shape[:2], "--profile", str(profile), "--device", args.device, *minibatches,
