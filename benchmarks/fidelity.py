@@ -535,6 +535,8 @@ def parse_arguments(description: str, *, runs: str, methods: str, quick: str,
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1 (got {args.repeats})")
+    if args.source is not None and not args.source.is_dir():
+        parser.error(f"--from {args.source}: give the folder a run's --keep filled, not a file or a missing path")
     if args.quick:
         args.repeats = min(args.repeats, 2)
     return args
