@@ -381,7 +381,10 @@ def _scores(spec: RunSpec, weights: dict[tuple[int, int], list[torch.Tensor]], p
     x, target = model.heldout
     x = x.to(device, spec.torch_dtype if x.is_floating_point() else x.dtype)
     target = target.to(device) if torch.is_tensor(target) else target
-    rows = max(1, HELDOUT_CHUNK_ELEMENTS // model.forward(x[:1]).numel()) if torch.is_tensor(target) else len(x)
+    # a chunk's samples from the last layer's output on micro-batch 0, which the cut's forward already found
+    output_elements = math.prod(stages.outputs[len(model.layers) - 1][0])
+    rows = (max(1, HELDOUT_CHUNK_ELEMENTS * spec.microbatch_size // output_elements) if torch.is_tensor(target)
+            else len(x))
     if rows >= len(x):
         return model.score(model.forward(x), target)
     parts = [(len(chunk), model.score(model.forward(chunk), target[start:start + rows]))
