@@ -1,7 +1,7 @@
 """benchmarks/gpu_probe.py's part (b) priced by pipesim, no GPU needed: Llama 3.1 8B's attention in the probe's shape
 (32 heads of 128, 8 key/value heads, 8,192 tokens, causal, bf16) at C = 1 and one rank of TransformerEngine 1.10's
 C = 2 ring, each part as pipesim's estimate prices it beside what the probe measured (by default
-traces/measured/gpu-probe-h200.json: an H200, torch 2.11, cuDNN 9.19).
+traces/measured/gpu-probe-h200-day9.json: an H200, torch 2.11, cuDNN 9.19, every span behind a held device).
 
 The attention op is the gpt's as `pipesim estimate` counts it (torch on the meta device); a part is priced on the
 probe's GPU (`--gpu`, h200) and on the one the published rows ran on (h100-sxm), with the probe's cuDNN kernel as
@@ -11,14 +11,16 @@ pipesim's `cudnn` and its flash kernel (torch's FlashAttention-2) as `flash2`:
   (`blocks_ms`), the passes that join them (`merge_ms`; the probe's passes-alone span leaves out the key-value
   buffer's `torch.cat`, 34 MB, about 0.01 ms), and the rank whole. The probe's k and v are contiguous leaves, so
   `copies_ms` (v's copy out of Megatron-core's fused QKV) is left out.
+- the rank's forward as TransformerEngine runs it: its output and statistics corrections are `jit_fuser` functions,
+  torch.compile'd (transformer_engine/pytorch/jit.py at v1.10, NVTE_TORCH_COMPILE unset in the runs' configure.sh),
+  where the probe's rank runs them eager; measured, the rank's forward less its eager passes plus the compiled ones,
+  each timed alone.
 
-How the probe timed a part decides what it can check (docs/hardware.md, "What the H200 probe settled"): in a run
-without `attention.held_cycles` (the committed H200 one) every span starts on an idle device, right after a
-synchronisation, so a forward span holds the host's issue up to its first kernel, and where the host issues slower
-than the device runs it goes at the host's pace; the backward's blocks each outlast the host's issue of the next.
-The test (tests/test_probe_attention.py) holds the parts that are the device's time to the model. Later runs start
-each span behind a held device and time the rank's forward also with step 1 on a second stream as TransformerEngine
-runs it (priced as the rank's forward: pipesim does not model the overlap).
+How the probe timed a part decides what it can check (docs/hardware.md, "What the H200 probe settled"): a run with
+`attention.held_cycles` (the default record) starts each span behind a held device, so that every span is the
+device's work; in one without (traces/measured/gpu-probe-h200.json, the first) a forward span holds the host's issue.
+The test (tests/test_probe_attention.py) holds the model to the default record. The rank's forward with step 1 on a
+second stream, as TransformerEngine runs it, is priced as the rank's forward: pipesim does not model the overlap.
 
     python benchmarks/probe_attention.py                           # the table
     python benchmarks/probe_attention.py --probe probe.json        # another run of the probe
@@ -41,7 +43,7 @@ from pipesim.planning.estimate import ContextRing, Device, Parallelism, _Split, 
 from pipesim.profiles.workload import OpCount
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = ROOT / "traces" / "measured" / "gpu-probe-h200.json"
+PROBE = ROOT / "traces" / "measured" / "gpu-probe-h200-day9.json"
 KERNELS = {"cudnn": "cudnn", "flash": "flash2"}  # the probe's SDPA kernel -> pipesim's --attention-kernel
 PASSES = {"fwd": "forward", "bwd": "backward"}
 ELEMENT_BYTES = 2  # bf16
@@ -94,6 +96,16 @@ def measured_ms(kernel: dict, part: str, key: str) -> float | None:
     return timing["median_ms"] if isinstance(timing, dict) and "median_ms" in timing else None
 
 
+def compiled_forward_ms(kernel: dict, part: str) -> float | None:
+    """A rank's forward with TransformerEngine's compiled passes for the probe's eager ones: the rank's forward, less
+    its eager passes, plus the compiled passes, each span timed alone (None where one did not run)."""
+    spans = [measured_ms(kernel, part, key) for key in ("forward_ms", "forward_passes_ms", "forward_passes_compiled")]
+    if None in spans:
+        return None
+    whole, eager, compiled = spans
+    return whole - eager + compiled
+
+
 @dataclass(frozen=True)
 class Row:
     """One part and pass: pipesim's price on the probe's GPU and on the rows' GPU, and the probe's median."""
@@ -129,9 +141,11 @@ def rows(probe: dict, gpu_name: str, rows_gpu: str = "h100-sxm") -> list[Row]:
                 if name == "fwd":
                     parts += [(f"C = 2 passes compiled, rank {rank}", f"c2_rank{rank}", "forward_passes_compiled",
                                "passes"),
+                              (f"C = 2 rank {rank} as TE runs it", f"c2_rank{rank}", None, "rank"),
                               (f"C = 2 rank {rank}, two streams", f"c2_rank{rank}", "forward_two_streams_ms", "rank")]
             for label, part, key, field in parts:
-                table.append(Row(kernel, label, word, getattr(mine[name], field), measured_ms(measured, part, key),
+                probe_ms = compiled_forward_ms(measured, part) if key is None else measured_ms(measured, part, key)
+                table.append(Row(kernel, label, word, getattr(mine[name], field), probe_ms,
                                  getattr(theirs[name], field)))
     return table
 
