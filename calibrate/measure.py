@@ -55,6 +55,7 @@ from ..units import GIB, KIB, MIB
 from ..workload.models import BATCH, Model, ModelError, routed_experts_of
 from ..workload.moe import dispatches
 from ..workload.optim import elastic_average, make_optimizer
+from ..workload.transport import choose_transport
 from .cache import HostCache, fresh
 from .links import measure_all_to_all, measure_p2p_and_allreduce
 from .passes import StageRun, stage_runs
@@ -155,8 +156,8 @@ Phase = tuple[Hashable, Callable[[Any], Any]]  # a name, and the work: the previ
 
 
 def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None = None,
-          tolerance: float = LAYER_TOLERANCE, floor_ms: Callable[[Hashable], float] = lambda name: FLOOR_MS
-          ) -> dict[Hashable, Timing]:
+          tolerance: float = LAYER_TOLERANCE, floor_ms: Callable[[Hashable], float] = lambda name: FLOOR_MS,
+          idle: bool = False) -> dict[Hashable, Timing]:
     """Time every phase of every sequence on its own, in rounds that each run all the sequences in turn, so a
     slow spell of a shared machine spreads over all of them instead of bending one: `warmup` rounds, then
     timed ones until every phase is `precise` (to `tolerance`, or `floor_ms(name)`) or `repeats` rounds are
@@ -164,7 +165,10 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
     untimed pass before a step costs a hundred times the step), so one noisy phase repeats its own sequence,
     not every other. A phase hands its result to the next (a forward's graph to its backward), so no untimed
     work is repeated just to set one up; the last result is released after the clock stops, so freeing it is
-    not charged to any phase. A name in several sequences pools their samples."""
+    not charged to any phase. A name in several sequences pools their samples. On a GPU a phase is queued
+    behind the one before it, its host issuing while the GPU still runs that one; `idle`: each starts on an
+    idle GPU instead (the device synchronised first), so the time its host takes to issue it, where that
+    outlasts its kernels, is in its time (`idle_passes`)."""
     samples: dict[Hashable, list[float]] = {}
     rounds = settings.warmup + settings.repeats
     active = list(sequences)
@@ -177,6 +181,8 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
             for name, run in sequence:
                 if settings.cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    if idle:
+                        torch.cuda.synchronize()
                     start.record()
                     state = run(state)
                     end.record()
@@ -398,8 +404,19 @@ def _plain_attributes(module: torch.nn.Module) -> tuple[tuple[str, Hashable], ..
     return tuple(sorted((name, key(value)) for name, value in vars(module).items() if not name.startswith("_")))
 
 
+def idle_passes(settings: Settings, ranks: int, gpus: int | None = None) -> bool:
+    """Whether a run of `ranks` ranks here (over `gpus` GPUs, default those torch sees) issues each compute row to
+    an idle GPU: ranks that share GPUs use the host-staged transport, under which the executor holds a GPU
+    until a row's kernels finish before the next row, its own or another rank's, takes it (executor/runtime.py).
+    On the 2-rank H200 check (traces/measured/gpu-check-h200-day9) the ZB-H1 run's stage-1 W took 6.2 ms
+    (median; 4.1 ms at its fastest) and its I 5.1 ms against 3.2 and 4.1 ms timed queued: W's
+    issue (an autograd call per anchor group, executor/backward.py) and I's walk of the graph before its first
+    kernel outlast the kernels the queue used to hide them behind."""
+    return settings.cuda and choose_transport("cuda", ranks, gpus=gpus).host_staged
+
+
 def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance,
-                   stage_ms: list[float]) -> list[StagePasses]:
+                   stage_ms: list[float], idle: bool = False) -> list[StagePasses]:
     """Each stage's F, B, I and W timed as the executor runs them (calibrate/passes.py): a forward then the
     full backward, and a forward then the split one, every stage in every round (a stage nothing
     differentiates has its forward only). Where no input needs a gradient (the first stage), I has nothing to
@@ -407,7 +424,7 @@ def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance,
     W's time too. Each is timed until its median is known to PASS_SHARE of its stage's F + B (`stage_ms`, as its
     layers sum them). One untimed round at most comes first (the default gpt's passes: the first round 1.3-4.8x the
     later median, the second 1.0-1.2x, as the later ones scatter: one such sample among five or more moves a
-    median by half a rank at most)."""
+    median by half a rank at most). `idle`: each starts on an idle GPU, as the run's rows will (`idle_passes`)."""
     settings = replace(settings, warmup=min(settings.warmup, 1))
     sequences = []
     for k, run in enumerate(runs):
@@ -421,7 +438,7 @@ def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance,
                           [((k, "fwd"), run.forward), ((k, "igrad"), run.backward_input),
                            ((k, "wgrad"), run.backward_weight)]]
     times = _time(settings, *sequences, advance=lambda what: advance(f"timing stages as one pass, {what}"),
-                  tolerance=0.0, floor_ms=lambda name: max(FLOOR_MS, PASS_SHARE * stage_ms[name[0]]))
+                  tolerance=0.0, floor_ms=lambda name: max(FLOOR_MS, PASS_SHARE * stage_ms[name[0]]), idle=idle)
     zero = _zero(settings)
     return [StagePasses(fwd=times[k, "fwd"], bwd=times.get((k, "bwd"), zero), igrad=times.get((k, "igrad"), zero),
                         wgrad=times.get((k, "wgrad"), times.get((k, "bwd"), zero))) for k in range(len(runs))]
@@ -635,10 +652,11 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
             layers = measure_times(model, settings, recording, layers, advance)
         bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
         runs = stage_runs(model, bounds, dtype_name, settings.microbatch_size)
-        with phase(f"timing stages as one pass ({stages})"):
+        idle = idle_passes(settings, stages)
+        with phase(f"timing stages as one pass ({stages}{', each from an idle GPU its ranks share' if idle else ''})"):
             passes = measure_passes(runs, settings, advance, [sum(layer.fwd.median_ms + layer.bwd.median_ms
                                                                   for layer in layers[first:stop])
-                                                              for first, stop in zip(bounds, bounds[1:])])
+                                                              for first, stop in zip(bounds, bounds[1:])], idle)
         with phase(f"timing updates, predictions, averaging ({stages} stages, {len(OPTIMIZERS)} optimizers)"):
             steps = measure_steps(runs, settings, advance, passes)
     link = allreduce = None

@@ -679,6 +679,40 @@ def test_a_sequence_leaves_the_rounds_once_its_phases_are_precise(monkeypatch):
     assert runs.count("b") == settings.warmup + 20
 
 
+class _FakeEvent:
+    """A CUDA event that logs its recording (the GPU-less stand-in for `torch.cuda.Event`)."""
+
+    log: list[str] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        self.log.append("record")
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return 1.0
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_passes_for_ranks_sharing_a_gpu_start_each_on_an_idle_gpu(monkeypatch, idle):
+    """The executor holds a GPU its ranks share until a row's kernels finish, so each row is issued to an empty
+    queue: the passes such a run predicts from are timed from a synchronised device, each phase's start event
+    recorded after the synchronisation; otherwise queued behind the phase before."""
+    from pipesim.calibrate import measure
+
+    log = _FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    settings = measure.Settings(torch.device("cuda"), torch.float32, 1, warmup=0, repeats=5)
+    measure._time(settings, [("F", lambda _: log.append("F")), ("W", lambda _: log.append("W"))], idle=idle)
+    round_log = log[:log.index("sync", log.index("W"))]  # the first round, up to the reading of its events
+    assert round_log == (["sync", "record", "F", "record", "sync", "record", "W", "record"] if idle else
+                         ["record", "F", "record", "record", "W", "record"])
+    assert measure.idle_passes(settings, ranks=2, gpus=1) and not measure.idle_passes(settings, ranks=2, gpus=2)
+    assert not measure.idle_passes(measure.Settings(torch.device("cpu"), torch.float32, 1, 0, 5), ranks=2, gpus=1)
+
+
 def test_the_runtime_probe_runs_its_schedules_in_turn_in_one_valid_schedule():
     from pipesim.calibrate.runtime import PROBE_SCHEDULES, probe_schedule
     from pipesim.schedules.analysis import validate
