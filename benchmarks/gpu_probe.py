@@ -261,15 +261,21 @@ class Launch:
     device_us: float
 
 
+# The profiler's record of CUPTI asking for a buffer, to which torch 2.11's profiler links the kernel running then a
+# second time, beside the aten op that launched it (the H200 probe of day 9: each GEMM loop's first mm and its
+# memset twice, the layer's one GEMM a span): its kernels are counted under their op already.
+BUFFER_REQUEST = "Activity Buffer Request"
+
+
 def launches(events: list, on_device: list | None) -> list[Launch]:
     """The kernels of a profiled run (`on_device`: the device's events; None on a CPU) by the op that launched
-    each (the profiler links a kernel to its op through their correlation); any it could not link in rows with no
-    op, so that the rows sum to every kernel."""
+    each (the profiler links a kernel to its op through their correlation), none twice (`BUFFER_REQUEST`); any it
+    could not link in rows with no op, so that the rows sum to every kernel."""
     if on_device is None:
         return [Launch(e.name, e.name, _caller(e), e.self_cpu_time_total) for e in events
                 if e.name.startswith("aten::")]
     linked = [Launch(kernel.name, e.name, _caller(e), kernel.duration) for e in events
-              if e.device_type == torch.autograd.DeviceType.CPU for kernel in e.kernels]
+              if e.device_type == torch.autograd.DeviceType.CPU and e.name != BUFFER_REQUEST for kernel in e.kernels]
     unlinked = len(on_device) - len(linked)
     if unlinked > 0:
         rest_us = sum(e.time_range.elapsed_us() for e in on_device) - sum(launch.device_us for launch in linked)

@@ -25,7 +25,8 @@ split accumulation: the probe's torch._scaled_mm runs its default use_fast_accum
 empty queue at the host's cost a kernel (`waited_ms`), against the loop's device time, and its one GEMM of the same
 FLOPs against the probe's.
 
-    python benchmarks/probe_moe.py                                        # the committed H200 probe
+    python benchmarks/probe_moe.py                                        # the day-9 H200 probe
+    python benchmarks/probe_moe.py --probe traces/measured/gpu-probe-h200.json  # the first, no kernels by name
     python benchmarks/probe_moe.py --probe PROBE.json --gpu h100-sxm --host-kernel-us 12
 """
 
@@ -60,8 +61,10 @@ from pipesim.profiles.workload import LayerCount, OpCount
 from pipesim.workload.count import META, count_model
 from pipesim.workload.models import Model, build_model
 
-PROBE = Path(__file__).resolve().parents[1] / "traces" / "measured" / "gpu-probe-h200.json"
-GPU = "h200"  # the part the committed probe ran on (its environment's name: NVIDIA H200)
+MEASURED = Path(__file__).resolve().parents[1] / "traces" / "measured"
+PROBE = MEASURED / "gpu-probe-h200-day9.json"  # the second H200 probe: each kernel's device time by name
+FIRST_PROBE = MEASURED / "gpu-probe-h200.json"  # the first, whose pooled host cost is HOST_KERNEL_US
+GPU = "h200"  # the part the committed probes ran on (their environment's name: NVIDIA H200)
 HEADS = 16  # the gpt's attention, which the layer counted leaves out: any divisor of the hidden size
 
 
@@ -131,16 +134,18 @@ def measured_layer(layer: dict) -> dict[str, LayerPass]:
                              counts["backward"]["kernels"], timings["backward_device_ms"]["median_ms"])}
 
 
-def host_us_per_kernel(probe: dict) -> float | None:
-    """The probe's host microseconds a kernel over its layer's spans that issue from an empty queue (the
-    forward after the dispatcher's wait, the backward), every local-expert count pooled: their host time over
-    the kernels the profiler saw the device run in them (None from a CPU run, which counts no kernels)."""
-    spans = [(layer["timings"][host]["median_ms"], layer["counts"][span]["kernels"])
+def host_us_per(probe: dict, unit: str = "kernels") -> float | None:
+    """The probe's host microseconds a kernel (`unit` "kernels") or a top-level op ("ops": each one Python or the
+    autograd engine dispatched, views and kernel-less ops too) over its layer's spans that issue from an empty
+    queue (the forward after the dispatcher's wait, the backward), every local-expert count pooled: their host
+    time over the kernels the profiler saw the device run in them, or the ops it saw dispatched (None from a CPU
+    run, which counts no kernels)."""
+    spans = [(layer["timings"][host]["median_ms"], layer["counts"][span][unit])
              for layer in probe["moe"]["layers"]
              for span, host in (("after_sync", "after_sync_host_ms"), ("backward", "backward_host_ms"))]
-    if any(kernels is None for _, kernels in spans):
+    if any(count is None for _, count in spans):
         return None
-    return sum(ms for ms, _ in spans) * 1e3 / sum(kernels for _, kernels in spans)
+    return sum(ms for ms, _ in spans) * 1e3 / sum(count for _, count in spans)
 
 
 def layer_rows(probe: dict, gpu: str, host_kernel_us: float) -> list[dict]:
@@ -169,6 +174,13 @@ ROLES = {"GEMM": {"mm", "bmm", "matmul", "addmm", "_scaled_mm"},
 ELEMENTWISE = "elementwise"  # and reductions
 UNLINKED = "no op"  # kernels the profiler linked to no op
 SPANS = {"fwd": ("before_sync", "after_sync"), "bwd": ("backward",)}  # the probe's spans (moe.kernels) a pass
+
+
+def profiled(op: str) -> bool:
+    """Whether the probe's kernels linked to `op` are counted here: those of aten ops and those linked to none, not
+    those the profiler also linked to a record of its own (gpu_probe.py `BUFFER_REQUEST`, which probes before it
+    kept: the day-9 one's spans each list one of their GEMMs under it a second time)."""
+    return op == "None" or op.startswith("aten::")
 
 
 def role(op: str | None) -> str:
@@ -202,11 +214,12 @@ def kernel_rows(probe: dict, gpu: str, host_kernel_us: float) -> list[dict]:
                     roles[group]["predicted_us"] += ms * 1e3
             for span in spans:
                 for op, seen in measured[span]["by_op"].items():
-                    for group in (role(op), "all"):
+                    for group in ((role(op), "all") if profiled(op) else ()):
                         roles[group]["measured_kernels"] += seen["count"]
                         roles[group]["measured_us"] += seen["device_us"]
                 for kernel in measured[span]["by_kernel"]:  # the longest by name, the rest (no op) left out
-                    for group in ((role(kernel["op"]), "all") if kernel["op"] is not None else ()):
+                    for group in ((role(kernel["op"]), "all") if kernel["op"] is not None and profiled(kernel["op"])
+                                  else ()):
                         longest = roles[group]["measured_longest"]
                         if longest is None or kernel["device_us"] > longest["device_us"]:
                             roles[group]["measured_longest"] = kernel
@@ -276,7 +289,7 @@ def summary(errors: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--probe", type=Path, default=PROBE, help="the probe's JSON (default: the committed H200's)")
+    parser.add_argument("--probe", type=Path, default=PROBE, help="the probe's JSON (default: the day-9 H200's)")
     parser.add_argument("--gpu", default=GPU, help=f"the catalogue's part the probe ran on (default {GPU})")
     parser.add_argument("--host-kernel-us", type=float, default=HOST_KERNEL_US,
                         help=f"the host's issue of a kernel (default pipesim's, {HOST_KERNEL_US:g})")
@@ -314,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                       pair(p["issue_ms"], m["issue_ms"]), pair(p["kernels"], m["kernels"], "d"),
                       pair(p["pass_ms"], m["pass_ms"]), f"{r['error']:+.1%}")
     print_table(table)
-    host_us = host_us_per_kernel(probe)
+    host_us = host_us_per(probe)
     print(f"|error| of the pass: {summary([r['error'] for r in compared])}; " + (
         "the probe counted no kernels (a CPU run)" if host_us is None else
-        f"the probe's host {host_us:.1f} us a kernel after the wait and in the backward, pooled"))
+        f"the probe's host {host_us:.1f} us a kernel ({host_us_per(probe, 'ops'):.1f} an op) after the wait and "
+        "in the backward, pooled"))
     kernels = kernel_rows(probe, args.gpu, args.host_kernel_us)
     if kernels:
         print_kernels(kernels, args.gpu)
@@ -336,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(table)
     for kind in dict.fromkeys(r["kind"] for r in loops):
         mine = [r for r in loops if r["kind"] == kind]
+        host_us = [r["measured_loop_host_ms"] * 1e3 / r["local_experts"] for r in mine]
         print(f"{kind}: loop |error| {summary([r['predicted_loop_ms'] / r['measured_loop_ms'] - 1 for r in mine])}; "
-              f"one GEMM {summary([r['predicted_one_ms'] / r['measured_one_ms'] - 1 for r in mine])}")
+              f"one GEMM {summary([r['predicted_one_ms'] / r['measured_one_ms'] - 1 for r in mine])}; the loop's "
+              f"host {min(host_us):.1f}-{max(host_us):.1f} us a GEMM (one op)")
     if args.json:
         args.json.write_text(json.dumps({"probe": str(args.probe), "gpu": args.gpu,
                                          "host_kernel_us": args.host_kernel_us, "layers": compared,

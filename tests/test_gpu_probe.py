@@ -232,7 +232,8 @@ def _kernel(name, us):
 
 def test_each_kernel_is_named_by_the_op_that_launched_it_and_who_asked_for_that(probe):
     """A kernel counts under its innermost aten op, asked for by the autograd node above it (a backward) or the
-    top-level op; kernels the profiler linked to no op keep their time in rows with none, so the rows sum to all."""
+    top-level op, once though the profiler links it to its buffer request too; kernels the profiler linked to no op
+    keep their time in rows with none, so the rows sum to all."""
     node = _event("autograd::engine::evaluate_function: IndexSelectBackward0")
     backward = _event("aten::index_select_backward", _event("IndexSelectBackward0", node))
     fill = _event("aten::fill_", _event("aten::zero_", _event("aten::new_zeros", backward)),
@@ -240,9 +241,10 @@ def test_each_kernel_is_named_by_the_op_that_launched_it_and_who_asked_for_that(
     add = _event("aten::index_add_", backward, [_kernel("void at::native::indexFuncLargeIndex<float>(int)", 40.0)])
     matmul = _event("aten::matmul")
     mm = _event("aten::mm", matmul, [_kernel("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", 100.0)])
+    buffer = _event(probe.BUFFER_REQUEST, matmul, mm.kernels)  # the same GEMM linked a second time
     on_device = [_event(name, device=torch.autograd.DeviceType.CUDA, us=us)
                  for name, us in (("fill", 3.0), ("index", 40.0), ("gemm", 100.0), ("unlinked", 7.0))]
-    launched = probe.launches([node, backward, fill, add, matmul, mm, *on_device], on_device)
+    launched = probe.launches([node, backward, fill, add, matmul, mm, buffer, *on_device], on_device)
     assert [(launch.op, launch.caller, launch.device_us) for launch in launched] == [
         ("aten::fill_", "IndexSelectBackward0", 3.0), ("aten::index_add_", "IndexSelectBackward0", 40.0),
         ("aten::mm", "aten::matmul", 100.0), (None, None, 7.0)]
