@@ -4,10 +4,13 @@
 2. run it for real with the executor on 2 ranks sharing the GPU (1F1B and ZB-H1), measured traces;
 3. compare each run with pipesim's prediction from that profile (`pipesim compare`);
 4. predict the same model from the GPU catalogue alone (`pipesim estimate`, the what-if path that needs no GPU),
-   and with the part's curve fitted to this calibration (`--curve-from`);
+   and with the part's curve fitted to this calibration (`--curve-from`): each on two GPUs over the catalogue's
+   NVLink, as `pipesim simulate` prices it, and as the run ran (`as_run_ms`): both ranks on the one GPU, over the
+   calibration's host-staged links, with the executor's own costs per row;
 
 then print per stage and op the estimated, calibrated and measured milliseconds side by side, and per schedule
-the iteration time three ways. Everything lands in `--out` (profiles, traces, the comparisons, `check.json`):
+the iteration time each way. `--again zb-h1` runs a method a second time: the two runs' difference is the
+measurement's noise floor. Everything lands in `--out` (profiles, traces, the comparisons, `check.json`):
 commit the small files under traces/measured/ so that tests and CI can replay them.
 
     python benchmarks/gpu_check.py --out traces/measured/gpu-check-h100        # on the GPU machine
@@ -34,7 +37,9 @@ from rich.console import Console
 from rich.table import Table
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.profiles.schema import load_profile
+from pipesim.planning.replay import predict_measured
+from pipesim.profiles.schema import Profile, load_profile
+from pipesim.traces.compare import compare
 from pipesim.traces.trace import read_trace, write_atomic
 
 METHODS = ("1f1b", "zb-h1")
@@ -83,6 +88,15 @@ def measured_ms(trace_path: Path) -> dict[tuple[int, str], float]:
     return result
 
 
+def as_run_ms(estimate: Profile, calibrated: Profile, trace_path: Path) -> float:
+    """The estimate's compute as the measured run placed it (its ranks on the GPU they shared, the simulator
+    serialising their compute as the executor's lock does), over the calibration's links, with its runtime terms
+    (the executor's own costs per row): per mini-batch, as `pipesim compare` measures the calibrated prediction."""
+    measured = read_trace(trace_path)
+    as_run = estimate.model_copy(update={"runtime": calibrated.runtime})
+    return compare(predict_measured(measured.meta, as_run, links_from=calibrated), measured).predicted_ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="Folder for profiles, traces and check.json.")
@@ -92,6 +106,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="Weights and activations (default bfloat16 on cuda, float32 on cpu; a CPU run in "
                              "bfloat16 goes through the GPU's 16-bit paths).")
+    parser.add_argument("--again", action="append", choices=METHODS, default=[],
+                        help="Run this method once more after the others (repeatable): the noise floor.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shape = ["--model", "gpt", *SHAPES["quick" if args.quick else "full"]]
@@ -113,17 +129,19 @@ def main() -> None:
     pipesim("calibrate", *shape, *dtype, "--device", args.device, "--stages", "2", "--out", str(profile),
             log=args.out / "calibrate.log")
     calibrated = load_profile(profile)
-    check["calibrated_stages_ms"] = [{"fwd": stage.fwd_ms, "bwd": stage.bwd_ms} for stage in calibrated.stages]
+    check["calibrated_stages_ms"] = [{"fwd": stage.fwd_ms, "bwd": stage.bwd_ms, "igrad": stage.igrad_ms,
+                                      "wgrad": stage.wgrad_ms} for stage in calibrated.stages]
     save()
-    for method in METHODS:
-        trace = args.out / f"run-{method}.json"
+    for step in [*METHODS, *(f"{method}-again" for method in args.again)]:
+        method = step.removesuffix("-again")
+        trace = args.out / f"run-{step}.json"
         pipesim("run", "-s", method, *shape[:2], "--profile", str(profile), "--device", args.device, *minibatches,
-                "--trace", str(trace), log=args.out / f"run-{method}.log")
-        compared = json.loads(pipesim("compare", str(trace), "--json", log=args.out / f"compare-{method}.log"))
-        (args.out / f"compare-{method}.json").write_text(json.dumps(compared, indent=1))
-        check["steps"][method] = {"calibrated_ms": compared["predicted_ms"], "measured_ms": compared["measured_ms"],
-                                  "error": compared["iteration_time_error"],
-                                  "ops": {f"{stage}{kind}": ms for (stage, kind), ms in measured_ms(trace).items()}}
+                "--trace", str(trace), log=args.out / f"run-{step}.log")
+        compared = json.loads(pipesim("compare", str(trace), "--json", log=args.out / f"compare-{step}.log"))
+        (args.out / f"compare-{step}.json").write_text(json.dumps(compared, indent=1))
+        check["steps"][step] = {"calibrated_ms": compared["predicted_ms"], "measured_ms": compared["measured_ms"],
+                                "error": compared["iteration_time_error"],
+                                "ops": {f"{stage}{kind}": ms for (stage, kind), ms in measured_ms(trace).items()}}
         save()
 
     estimated = {}  # the catalogue's curve, and the part's curve fitted to this calibration
@@ -136,25 +154,35 @@ def main() -> None:
             simulated = json.loads(pipesim("simulate", "--profile", str(estimate), "-s", method, "-p", "2",
                                            *minibatches, "--json", log=args.out / f"simulate-{source}-{method}.log"))
             check["steps"][method][f"estimated_{source}_ms"] = simulated["results"][0]["time_per_minibatch_ms"]
+            check["steps"][method][f"estimated_{source}_as_run_ms"] = as_run_ms(
+                estimated[source], calibrated, args.out / f"run-{method}.json")
         save()
 
-    table = Table(box=box.SIMPLE_HEAD, title="per stage and micro-batch, ms")
+    table = Table(box=box.SIMPLE_HEAD, title="per stage and micro-batch, ms (measured: median)")
     for column in ("stage", "op", *(f"estimated ({part}, {source} curve)" for source in estimated), "calibrated",
-                   "measured (1f1b)"):
+                   *(f"measured ({method})" for method in METHODS)):
         table.add_column(column, justify="right")
-    ops = check["steps"]["1f1b"]["ops"]
     for k, stage in enumerate(calibrated.stages):
-        for kind, field in (("F", "fwd_ms"), ("B", "bwd_ms")):
+        for kind, field in (("F", "fwd_ms"), ("B", "bwd_ms"), ("I", "igrad_ms"), ("W", "wgrad_ms")):
             guesses = [f"{getattr(profile.stages[k], field):.3f}" for profile in estimated.values()]
+            measured = [check["steps"][method]["ops"].get(f"{k}{kind}") for method in METHODS]
             table.add_row(str(k), kind, *guesses, f"{getattr(stage, field):.3f}",
-                          f"{ops.get(f'{k}{kind}', float('nan')):.3f}")
+                          *("-" if ms is None else f"{ms:.3f}" for ms in measured))
     console.print(table)
-    for method, step in check["steps"].items():
-        guess = "".join(f"estimated ({source} curve) {step[f'estimated_{source}_ms']:.2f} ms, "
-                        for source in estimated)
-        console.print(f"{method} per mini-batch: {guess}calibrated {step['calibrated_ms']:.2f} ms, measured "
-                      f"{step['measured_ms']:.2f} ms (calibrated's error {step['error']:+.1%})", highlight=False)
-
+    if estimated:
+        console.print(f"estimated: on two {part}s over the catalogue's NVLink, as `pipesim simulate` prices the "
+                      "estimate; as run: the estimate's compute where the run's ranks computed (one GPU for "
+                      "both), over the calibration's links, with its runtime terms", highlight=False)
+    for step, found in check["steps"].items():
+        guess = "".join(f"estimated ({source} curve) {found[f'estimated_{source}_ms']:.2f} ms, as run "
+                        f"{found[f'estimated_{source}_as_run_ms']:.2f} ms, " for source in estimated
+                        if f"estimated_{source}_ms" in found)
+        console.print(f"{step} per mini-batch: {guess}calibrated {found['calibrated_ms']:.2f} ms, measured "
+                      f"{found['measured_ms']:.2f} ms (calibrated's error {found['error']:+.1%})", highlight=False)
+        if step.endswith("-again"):
+            first = check["steps"][step.removesuffix("-again")]["measured_ms"]
+            console.print(f"  noise floor: the two {step.removesuffix('-again')} runs measured "
+                          f"{found['measured_ms'] / first - 1:+.1%} apart", highlight=False)
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -3,7 +3,8 @@
 # in a few files (the device tool brings back at most 8). Run from the repository root on the device machine, with the
 # wheels docs/benchmarks.md names in .whl (carry: [".whl"]):  bash benchmarks/gpu_session.sh
 # CHECK_S and PROBE_S bound each part in seconds (defaults 330 and 150: both inside one 10-minute call, its start
-# included); PROBE_ARGS passes flags to the probe (e.g. --no-compile).
+# included; PROBE_S=0 leaves the probe out); CHECK_ARGS and PROBE_ARGS pass flags to each (e.g. --again zb-h1,
+# --no-compile).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
@@ -12,10 +13,12 @@ export PYTHONPATH=/tmp/pp:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit,driver_version --format=csv | tee "$OUT/smi.txt"
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version())" | tee -a "$OUT/smi.txt"
 start=$(date +%s)
-timeout "${CHECK_S:-330}" python3 benchmarks/gpu_check.py --out /tmp/gpu-check 2>&1 | tee "$OUT/gpu-check.log"
+# shellcheck disable=SC2086  # CHECK_ARGS and PROBE_ARGS hold several flags
+timeout "${CHECK_S:-330}" python3 benchmarks/gpu_check.py --out /tmp/gpu-check ${CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu-check.log"
 echo "gpu_check: exit ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu-check.log"
 tar -czf "$OUT/gpu-check.tar.gz" -C /tmp gpu-check  # check.json is rewritten after each step: a stopped check keeps it
+[ "${PROBE_S:-150}" = 0 ] && exit 0
 start=$(date +%s)
-# shellcheck disable=SC2086  # PROBE_ARGS holds several flags
+# shellcheck disable=SC2086
 timeout "${PROBE_S:-150}" python3 benchmarks/gpu_probe.py --out "$OUT/gpu-probe.json" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/gpu-probe.log"
 echo "gpu_probe: exit ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu-probe.log"

@@ -21,11 +21,13 @@ if TYPE_CHECKING:
     from ..profiles.schema import Profile
 
 
-def predict_measured(meta: TraceMeta, profile: Profile | None = None) -> Trace:
+def predict_measured(meta: TraceMeta, profile: Profile | None = None, links_from: Profile | None = None) -> Trace:
     """The simulator's trace of the run `meta` describes, from the profile it recorded; TraceError says what
     the run did not record, or why that profile's times do not hold for it (another micro-batch size or thread
     count). `profile` replaces the recorded one, unchecked: a what-if (the fidelity report predicts with
-    terms of the profile turned off), to be labelled as such."""
+    terms of the profile turned off), to be labelled as such; `links_from`, the profile whose links the transfers
+    take (an estimate's own are its catalogue placement's: benchmarks/gpu_check.py prices one over the links the
+    run was calibrated on)."""
     from ..profiles.schema import threads_mismatch
 
     if meta.source != "measured":
@@ -45,7 +47,8 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None) -> Trace:
     try:
         schedule = scenario.build(meta.schedule, ScheduleParams.recorded(meta.params), bounds)
         costs = _windowed(scenario.costs(schedule, bounds), meta)
-        trace = simulate(schedule, costs, _placed(scenario.links(schedule), meta.hardware or {}))
+        linked = scenario if links_from is None else profile_scenario(links_from, scenario.optimizer)
+        trace = simulate(schedule, costs, _placed(linked.links(schedule), meta.hardware or {}))
     except (ScheduleError, CostError, TypeError) as exc:
         raise TraceError(f"cannot predict the recorded run: {exc}") from None
     return trace

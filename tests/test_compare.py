@@ -312,3 +312,24 @@ def test_compare_names_a_folder_without_traces(tmp_path, predicted):
     code, out, err = pipesim("compare", folder, *([trace] if predicted else []), "--html", page)
     assert code == 2 and out == "" and err.count("\n") == 1 and not page.exists(), err
     assert f"MEASURED: {folder} is a folder with no .json files" in err
+
+
+def test_an_estimate_predicts_a_gpu_run_over_the_links_that_run_was_calibrated_on():
+    """benchmarks/gpu_check.py prices its estimate as the run ran: `links_from` gives the transfers the
+    calibration's host-staged links (an estimate's own are its catalogue placement's NVLink), the compute stays
+    the estimate's, and both ranks compute on the one GPU they shared."""
+    from pipesim.planning.replay import predict_measured
+    from pipesim.profiles.schema import load_profile
+
+    check = TORCH_RUNS / "gpu-check-h200-day9"
+    measured = read_trace(check / "run-1f1b.json")
+    calibrated, estimate = load_profile(check / "profile.json"), load_profile(check / "estimate-fitted.json")
+    traces = [predict_measured(measured.meta), predict_measured(measured.meta, estimate),
+              predict_measured(measured.meta, estimate, links_from=calibrated)]
+    kinds = [np.asarray(trace.kinds)[trace.ops.kind] for trace in traces]
+    send, forward = [[trace.ops.dur_us[names == kind] for trace, names in zip(traces, kinds)]
+                     for kind in ("SEND_F", "F")]
+    assert np.array_equal(send[2], send[0]) and send[1].max() < send[0].min() / 10
+    assert np.array_equal(forward[2], forward[1]) and not np.array_equal(forward[1], forward[0])
+    busy_ms = float(traces[2].ops.dur_us[np.isin(kinds[2], ("F", "B"))].sum()) / 1e3  # both ranks' compute
+    assert compare(traces[2], measured).predicted_ms >= busy_ms / measured.meta.minibatches
