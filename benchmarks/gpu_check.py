@@ -8,10 +8,11 @@
    NVLink, as `pipesim simulate` prices it, and as the run ran (`as_run_ms`): both ranks on the one GPU, over the
    calibration's host-staged links, with the executor's own costs per row;
 
-then print per stage and op the estimated, calibrated and measured milliseconds side by side, and per schedule
-the iteration time each way. `--again zb-h1` runs a method a second time: the two runs' difference is the
-measurement's noise floor. Everything lands in `--out` (profiles, traces, the comparisons, `check.json`):
-commit the small files under traces/measured/ so that tests and CI can replay them.
+then time the stages' passes in this process queued and from an idle GPU (`pass_issue`: what their host's issue adds
+where the run's ranks share the GPU), and print per stage and op the estimated, calibrated and measured milliseconds
+side by side, and per schedule the iteration time each way. `--again zb-h1` runs a method a second time: the two
+runs' difference is the measurement's noise floor. Everything lands in `--out` (profiles, traces, the comparisons,
+`check.json`): commit the small files under traces/measured/ so that tests and CI can replay them.
 
     python benchmarks/gpu_check.py --out traces/measured/gpu-check-h100        # on the GPU machine
     python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu-check  # the same steps on a CPU, small
@@ -97,6 +98,34 @@ def as_run_ms(estimate: Profile, calibrated: Profile, trace_path: Path) -> float
     return compare(predict_measured(measured.meta, as_run, links_from=calibrated), measured).predicted_ms
 
 
+def pass_issue(calibrated: Profile, device: str, dtype: str) -> dict[str, list[dict[str, float]]]:
+    """Each stage's F, B, I and W as calibration times them, queued behind the pass before and from an idle GPU
+    (calibrate/measure.py `idle_passes`: the run's rows on a GPU its ranks share start idle), in turn twice in one
+    process: per way, per stage, the medians (ms) of its two timings. Where the idle times exceed the queued
+    ones, the pass's host issue outlasts its kernels (on CPU the two ways are the same timing)."""
+    import torch
+
+    from pipesim.calibrate.measure import DTYPES, Settings, measure_passes, place
+    from pipesim.calibrate.passes import stage_runs
+    from pipesim.workload.models import build_model
+
+    model = build_model(calibrated.model.name, **calibrated.model.options)
+    settings = Settings(torch.device(device), DTYPES[dtype], calibrated.environment.microbatch_size, warmup=1,
+                        repeats=10)
+    place(model, settings.device, settings.dtype)
+    runs = stage_runs(model, list(calibrated.partition.bounds), dtype, settings.microbatch_size)
+    stage_ms = [stage.fwd_ms + stage.bwd_ms for stage in calibrated.stages]
+    timed = {way: [] for way in ("queued", "idle")}
+    for way in [*timed] * 2:
+        timed[way].append(measure_passes(runs, settings, lambda what: None, stage_ms, idle=way == "idle"))
+    del runs, model
+    if settings.cuda:
+        torch.cuda.empty_cache()
+    return {way: [{name: float(np.median([getattr(rounds[k], name).median_ms for rounds in found]))
+                   for name in ("fwd", "bwd", "igrad", "wgrad")} for k in range(len(stage_ms))]
+            for way, found in timed.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="Folder for profiles, traces and check.json.")
@@ -143,6 +172,11 @@ def main() -> None:
                                 "error": compared["iteration_time_error"],
                                 "ops": {f"{stage}{kind}": ms for (stage, kind), ms in measured_ms(trace).items()}}
         save()
+    started = time.perf_counter()  # after the runs, whose GPU this process would otherwise hold memory on
+    check["pass_issue_ms"] = pass_issue(calibrated, args.device, dtype[1])
+    console.print(f"[dim]{time.perf_counter() - started:6.1f} s[/dim]  stage passes queued and from an idle GPU",
+                  highlight=False)
+    save()
 
     estimated = {}  # the catalogue's curve, and the part's curve fitted to this calibration
     for source, curve in (("catalogue", []), ("fitted", ["--curve-from", str(profile)])) if part else ():
@@ -169,6 +203,9 @@ def main() -> None:
             table.add_row(str(k), kind, *guesses, f"{getattr(stage, field):.3f}",
                           *("-" if ms is None else f"{ms:.3f}" for ms in measured))
     console.print(table)
+    for k, (queued, idle) in enumerate(zip(*check["pass_issue_ms"].values())):
+        console.print(f"stage {k} passes queued / from an idle GPU, ms: " + ", ".join(
+            f"{name} {queued[name]:.3f} / {idle[name]:.3f}" for name in queued), highlight=False)
     if estimated:
         console.print(f"estimated: on two {part}s over the catalogue's NVLink, as `pipesim simulate` prices the "
                       "estimate; as run: the estimate's compute where the run's ranks computed (one GPU for "
