@@ -1,4 +1,4 @@
-"""The GPU probe: one script, torch alone, for the three questions docs/hardware.md leaves to hardware.
+"""The GPU probe: one script, torch alone, for the questions docs/hardware.md leaves to hardware.
 
 (a) *Host-bound MoE* ("Host-bound execution", "TransformerEngine's module calls"): a dropless MoE layer in eager
     torch shaped like Qwen3-30B-A3B (hidden 2,048, expert FFN 768, SwiGLU, top-8 of 128, 4,096 tokens a
@@ -22,6 +22,10 @@
     a loop of one GEMM a local expert at 4 and 16 local experts, against the same FLOPs as one GEMM; BF16 with
     torch.mm, FP8 with torch._scaled_mm where the GPU has FP8; each loop also behind a held device (the device's time
     a GEMM apart from the host's) and profiled once (its kernels a GEMM, by name).
+(d) *The combine's kernels*: at (a)'s shape in BF16 and float32, each alone behind a held device, the ops that could
+    sum the rows back into their tokens (index_add_, scatter_add_, index_put_ accumulating, a gather and a sum over
+    top_k) and a product and silu on contiguous, broadcast and strided operands, each with the bytes it moves
+    (`combine_ops`).
 
 Device times are CUDA events; host times time.perf_counter; every figure is the median of `--repeats` after
 `--warmup` runs, with its spread. One JSON lands at `--out`. On a CPU (`--device cpu --quick`) the same code runs
@@ -867,6 +871,66 @@ def probe_gemms(shape: MoeShape, device: torch.device, dtype: torch.dtype, budge
     return results
 
 
+# --- (d) the combine's kernels and elementwise layouts -------------------------------------------------------------
+
+
+COMBINE_DTYPES = (torch.bfloat16, torch.float32)
+COMBINE_LOCAL_EXPERTS = 16  # the rows' order: sorted by local expert, as part (a)'s at 16
+
+
+def combine_ops(shape: MoeShape, device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Callable, int]]:
+    """Part (d)'s ops at part (a)'s shape (tokens x top_k rows of the hidden size, ordered by local expert), each
+    with the bytes it must read and write: the ways to sum the rows back into their tokens, index_add_ (eager's
+    combine: torch's ReduceAdd, an atomic add an element), scatter_add_ (Megatron-core's unfused unpermute,
+    moe_utils.py), index_put_ accumulating (the count's op: sorted, no atomics), and the gather and the sum over
+    top_k that TransformerEngine's fused unpermute reads and writes in one kernel; and one product and one silu
+    on contiguous, broadcast (a column, as the router's weights) and strided (a chunk's halves, as SwiGLU's)
+    operands, of which torch vectorises the contiguous only."""
+    tokens, top_k, hidden = shape.tokens, shape.top_k, shape.hidden
+    rows = tokens * top_k
+    chosen = torch.randint(0, COMBINE_LOCAL_EXPERTS, (rows,), device=device)
+    order = chosen.argsort(stable=True)
+    token_of_row = order // top_k
+    source, out = torch.randn(rows, hidden, device=device, dtype=dtype), torch.zeros(tokens, hidden, device=device,
+                                                                                       dtype=dtype)
+    other, weights = torch.randn_like(source), torch.randn(rows, 1, device=device, dtype=dtype)
+    halves = torch.randn(rows, 2 * hidden, device=device, dtype=dtype)
+    gathered = source.index_select(0, order)
+    size = source.element_size()
+    rows_bytes, tokens_bytes = rows * hidden * size, tokens * hidden * size
+    scatter = rows_bytes + 2 * tokens_bytes
+    return {"index_add_": (lambda: out.index_add_(0, token_of_row, source), scatter),
+            "scatter_add_": (lambda: out.scatter_add_(0, token_of_row[:, None].expand(-1, hidden), source), scatter),
+            "index_put_ accumulate": (lambda: out.index_put_((token_of_row,), source, accumulate=True), scatter),
+            "index_select": (lambda: source.index_select(0, order), 2 * rows_bytes),
+            "sum over top_k": (lambda: gathered.view(tokens, top_k, hidden).sum(1), rows_bytes + tokens_bytes),
+            "mul contiguous": (lambda: source * other, 3 * rows_bytes),
+            "mul broadcast": (lambda: source * weights, 2 * rows_bytes + rows * size),
+            "mul strided": (lambda: halves[:, :hidden] * halves[:, hidden:], 3 * rows_bytes),
+            "silu contiguous": (lambda: F.silu(source), 2 * rows_bytes),
+            "silu strided": (lambda: F.silu(halves[:, :hidden]), 2 * rows_bytes)}
+
+
+def probe_combine(shape: MoeShape, device: torch.device, budget: Budget) -> dict:
+    """(d): per dtype (`COMBINE_DTYPES`), each of `combine_ops` alone behind a held device: its device time and
+    the bytes it moves, whose ratio is its achieved bandwidth (on a CPU, the host's time)."""
+    clock = Clock(device.type == "cuda")
+    results = {}
+    for dtype in COMBINE_DTYPES:
+        ops = {}
+        for name, (run, moved_bytes) in combine_ops(shape, device, dtype).items():
+            def step(run: Callable = run) -> dict[str, float]:
+                start = clock.held_start()
+                run()
+                end = clock.mark()
+                clock.synchronize()
+                return {"device_ms": clock.device_ms(start, end)}
+
+            ops[name] = {"device_ms": repeat(step, budget)["device_ms"], "moved_bytes": moved_bytes}
+        results[str(dtype).removeprefix("torch.")] = ops
+    return results
+
+
 # --- the report --------------------------------------------------------------------------------------------------
 
 
@@ -883,7 +947,7 @@ class Table:
 
 
 def tables(result: dict) -> list[Table]:
-    """The probe's medians as tables: MoE layers, attention kernels, expert GEMMs."""
+    """The probe's medians as tables: MoE layers, attention kernels, expert GEMMs, the combine's kernels."""
     moe = Table("(a) MoE layer, ms (host after sync: from the .tolist() to the last launch; held: the device's "
                 "time alone, behind a held device)",
                 ["local experts", "rows an expert", "forward", "host after sync", "device after sync",
@@ -932,7 +996,14 @@ def tables(result: dict) -> list[Table]:
                               f"{row['loop_us_per_gemm']:.1f}", f"{row['loop_held_us_per_gemm']:.1f}",
                               cell(row["loop_kernels_per_gemm"], "g"), f"{row['one_gemm']['device_ms'].median_ms:.3f}",
                               f"{row['one_gemm_tflops']:.4g}"])
-    return [moe, moe_kernel_table(result["moe"]), attention, gemm]
+    combine = Table("(d) the combine's kernels and elementwise layouts at (a)'s shape, each alone",
+                    ["dtype", "op", "device ms", "GB moved", "GB/s"], keys=2)
+    for dtype, ops in result["combine"].items():
+        for name, op in ops.items():
+            ms = op["device_ms"].median_ms
+            combine.rows.append([dtype, name, f"{ms:.3f}", f"{op['moved_bytes'] / 1e9:.3f}",
+                                 f"{op['moved_bytes'] / 1e6 / ms:,.0f}"])
+    return [moe, moe_kernel_table(result["moe"]), attention, gemm, combine]
 
 
 TOP_PRINTED = 5  # kernels a span of part (a) prints by name (the JSON keeps `TOP_KERNELS`)
@@ -1052,7 +1123,8 @@ def main(argv: list[str] | None = None) -> int:
               "budget": asdict(budget), "seconds": {}}
     parts = {"moe": partial(probe_moe, moe_shape, device, dtype, budget),
              "attention": partial(probe_attention, attention_shape, device, dtype, budget, args.no_compile),
-             "gemm": partial(probe_gemms, moe_shape, device, dtype, budget)}
+             "gemm": partial(probe_gemms, moe_shape, device, dtype, budget),
+             "combine": partial(probe_combine, moe_shape, device, budget)}
     for name, probe in parts.items():
         started = time.perf_counter()
         result[name] = probe()

@@ -28,7 +28,8 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     assert f"wrote {out}" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["environment"]["device"] == "cpu" and result["environment"]["torch"] == torch.__version__
-    assert result["budget"] == {"warmup": 0, "repeats": 2} and set(result["seconds"]) == {"moe", "attention", "gemm"}
+    assert result["budget"] == {"warmup": 0, "repeats": 2}
+    assert set(result["seconds"]) == {"moe", "attention", "gemm", "combine"}
 
     layers = result["moe"]["layers"]
     assert [layer["local_experts"] for layer in layers] == [4, 8, 16]
@@ -57,6 +58,14 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
             assert sum(row["count"] for row in rows) == sum(op["count"] for op in ops.values())
     assert any(row["op"] == "aten::mm" and row["caller"] == "aten::matmul"  # the experts' GEMMs, from Python
                for row in result["moe"]["kernels"][0]["after_sync"]["by_kernel"])
+    combine = result["combine"]  # part (d): 256 rows of 64 into 64 tokens, BF16 and float32
+    assert list(combine) == ["bfloat16", "float32"] and list(combine["bfloat16"]) == list(combine["float32"])
+    assert {"index_add_", "scatter_add_", "index_put_ accumulate", "mul broadcast", "mul strided"} <= set(
+        combine["bfloat16"])
+    for dtype, size in (("bfloat16", 2), ("float32", 4)):
+        assert combine[dtype]["index_add_"]["moved_bytes"] == (256 + 2 * 64) * 64 * size  # rows read, tokens summed
+        assert combine[dtype]["mul strided"]["moved_bytes"] == 3 * 256 * 64 * size
+        assert all(len(op["device_ms"]["samples_ms"]) == 2 for op in combine[dtype].values())
 
     kernels = result["attention"]["kernels"]
     assert list(kernels) == ["flash"]  # cuDNN's attention is timed on a GPU only

@@ -231,3 +231,20 @@ def test_the_day9_layers_gpu_gap_is_its_atomic_combine_and_its_gathers_backward(
         without = whole["measured_us"] - rows[local, "bwd", "index"]["measured_longest"]["device_us"]
         assert whole["predicted_us"] == pytest.approx(without, rel=0.1)
         assert whole["predicted_us"] < 0.8 * whole["measured_us"]
+
+
+def test_the_combines_kernels_alone_cost_an_element_and_the_contiguous_mul_runs_at_the_catalogues_bandwidth(bench):
+    """The probe's part (d) at the layer's shape on the H200: index_add_ takes longer in BF16 than in float32, twice
+    the bytes (an atomic add an element either way), scatter_add_ and the sorted index_put_ under half of it; a
+    contiguous mul moves its bytes at the catalogue's achieved bandwidth (4.8 TB/s x 0.88) within 3 %, while a
+    broadcast or strided BF16 operand (torch's non-vectorised kernel) runs under 55 % of it."""
+    ops = json.loads((bench.MEASURED / "gpu-probe-h200-day9-combine.json").read_text())["combine"]
+    ms = {dtype: {name: op["device_ms"]["median_ms"] for name, op in entries.items()} for dtype, entries in ops.items()}
+    assert ms["bfloat16"]["index_add_"] > ms["float32"]["index_add_"] > 0.4
+    for dtype in ms:
+        assert max(ms[dtype]["scatter_add_"], ms[dtype]["index_put_ accumulate"]) < ms[dtype]["index_add_"] / 2
+    gpu = load_catalogue().find(bench.GPU)
+    achieved = gpu.memory_bandwidth_gb_s * 1e6 * gpu.curve.memory_efficiency  # bytes a ms
+    rate = {name: op["moved_bytes"] / op["device_ms"]["median_ms"] / achieved for name, op in ops["bfloat16"].items()}
+    assert rate["mul contiguous"] == pytest.approx(1.0, abs=0.03)
+    assert max(rate["mul broadcast"], rate["mul strided"], rate["silu strided"]) < 0.55
