@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..executor.weights import StageWeights, copy_on_write
+from ..executor.weights import StageWeights, copy_on_write, main_dtype
 from ..profiles.linkfit import fit_link
 from ..profiles.partition import partition
 from ..profiles.schema import (
@@ -228,13 +228,25 @@ def _with_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return copies
 
 
+def _grad_bytes(weights: list[torch.nn.Parameter]) -> int:
+    """Bytes of the gradients of `weights` as the executor accumulates them (float32 main gradients of 16-bit
+    weights: executor/weights.py `main_dtype`)."""
+    main = main_dtype(weights)
+    return sum(w.numel() * (w.element_size() if main is None else main.itemsize) for w in weights)
+
+
 def _state_bytes(name: str, weights: list[torch.nn.Parameter]) -> int:
-    """Bytes of the state `name` keeps for `weights`, as measured after one step."""
+    """Bytes of the state `name` keeps for `weights`, as measured after one step, with the executor's float32
+    master copy of 16-bit weights (the optimizer's then, as Megatron-LM's and sim/costs.py's "megatron" have it)."""
     if not weights:
         return 0
-    optimizer = make_optimizer(name, _with_grads(weights), LEARNING_RATE)
+    main = main_dtype(weights)
+    owned = _with_grads(weights if main is None else [w.to(main) for w in weights])
+    optimizer = make_optimizer(name, owned, LEARNING_RATE)
     optimizer.step()
-    return sum(_nbytes(v for v in state.values() if torch.is_tensor(v)) for state in optimizer.state.values())
+    masters = 0 if main is None else _nbytes(owned)
+    return masters + sum(_nbytes(v for v in state.values() if torch.is_tensor(v))
+                         for state in optimizer.state.values())
 
 
 @dataclass
@@ -307,7 +319,7 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
             activation_bytes=sum(saved.values()),
             shared_with_previous_bytes=sum(n for ptr, n in saved.items() if ptr in previous),
             output_bytes=0 if i == last else _nbytes([out]),  # the last layer's output is its loss
-            param_bytes=_nbytes(layer.parameters()), grad_bytes=_nbytes(weights),
+            param_bytes=_nbytes(layer.parameters()), grad_bytes=_grad_bytes(weights),
             optimizer_state_bytes={name: _state_bytes(name, weights) for name in OPTIMIZERS},
             saved_input_bytes=[saved.get(a.untyped_storage().data_ptr(), 0) for a in args],
             output_saved=out.untyped_storage().data_ptr() in saved, expert_param_bytes=routed.expert_weight_bytes,
@@ -502,7 +514,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
         kept = [w.grad for w in weights]
         reference = [p.detach().clone() for p in weights]
         average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
-        accumulate = _call_with(_accumulate, [torch.zeros_like(w) for w in weights], kept)
+        accumulate = _call_with(_accumulate, [torch.zeros_like(w, dtype=run.main) for w in weights], kept)
         times = _time(settings, [("pass", _call_with(after_pass, weights, None, kept)), ("accumulate", accumulate),
                                  ("copy", _call_with(copy_on_write, weights)), ("average", average)],
                       floor_ms=floor_ms)

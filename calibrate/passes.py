@@ -22,7 +22,7 @@ from ..executor import RunSpec, cut, microbatch_data
 from ..executor.backward import backward_input, backward_weight, full_backward
 from ..executor.runtime import Ledger, Tape, stage_forward
 from ..executor.stages import StageModule
-from ..executor.weights import Weights
+from ..executor.weights import Weights, main_dtype
 from ..schedules import ScheduleParams
 from ..schedules.catalogue import build_schedule
 from ..workload.models import Model
@@ -35,7 +35,8 @@ class StageRun:
     """One stage's rows as `measure._time` phases: F returns what B, or I then W, runs on. `weights` are the
     tensors the passes run on (the stage's parameters, in its module's order): a caller may put others in
     their place. Each backward adds the weights' gradients into the stage's one buffer `into`, as the
-    executor's do for every micro-batch of a mini-batch but its first."""
+    executor's do for every micro-batch of a mini-batch but its first (in `main`, float32 for 16-bit weights, as
+    the executor's main gradients; None: the weights' dtype)."""
 
     module: StageModule
     buffers: dict[str, torch.Tensor]
@@ -46,6 +47,7 @@ class StageRun:
     grad_outputs: list[torch.Tensor | None]  # per outgoing edge, or [None] under the loss
     loss: Any
     into: list[torch.Tensor | None] = field(default_factory=list)
+    main: torch.dtype | None = None
     saved_bytes: int = 0  # what the last forward saved for backward (its Ledger's count)
 
     @property
@@ -76,7 +78,7 @@ class StageRun:
 
     def backward(self, saved: Saved) -> Saved:
         inputs, outputs, _ = saved
-        full_backward(outputs, self.grad_outputs, inputs, self.weights, self._buffer())
+        full_backward(outputs, self.grad_outputs, inputs, self.weights, self._buffer(), self.main)
         return saved
 
     def backward_input(self, saved: Saved) -> Saved:
@@ -85,7 +87,7 @@ class StageRun:
         return [], [], pending
 
     def backward_weight(self, saved: Saved) -> Saved:
-        backward_weight(saved[2], self.weights, self._buffer())
+        backward_weight(saved[2], self.weights, self._buffer(), self.main)
         return saved
 
 
@@ -115,5 +117,5 @@ def stage_runs(model: Model, bounds: list[int], dtype: str, microbatch_size: int
             weights=[p.detach().clone().requires_grad_(True) for _, p in named], args=args,
             received=([False] if cutting.reads_batch[k] else []) + [True] * len(cutting.in_edges[k]),
             grad_outputs=[None] if last else [torch.randn_like(o) for o in out],
-            loss=(lambda y: model.loss(y, target)) if last else None))
+            loss=(lambda y: model.loss(y, target)) if last else None, main=main_dtype(module.parameters())))
     return runs

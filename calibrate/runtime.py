@@ -10,10 +10,10 @@ layers: functional_call and the saved-tensor hooks); the CPU time a SEND row tak
 cost: its wall time holds the waits of a descheduled thread) and the host time of a RECV whose message had
 already arrived; how long a message takes from its send's post to a receiver waiting for it; the gap after
 each kind of row (less a compute row's wait for its turn on a GPU it shares); and the gradient copies an update
-leaves held (memory after it, at a flush, less the weights, SGD keeping no state, and less the buffers of the
-receives posted ahead for the next mini-batch, where that memory holds them). The probe runs its schedules in
-turn in one run (`probe_schedule`: 1F1B for B, then ZB-H1 for I and W; both for F, OPT and the transfers), so
-its ranks start once. The gaps and a SEND's host time come from the same run on
+leaves held (memory after it, at a flush, less the weights, SGD's state (none, or a 16-bit model's float32 master
+copy) and the buffers of the receives posted ahead for the next mini-batch, where that memory holds them). The
+probe runs its schedules in turn in one run (`probe_schedule`: 1F1B for B, then ZB-H1 for I and W; both for F,
+OPT and the transfers), so its ranks start once. The gaps and a SEND's host time come from the same run on
 the calibrated model itself (`host_times`): that host work runs on the caches a stage's compute leaves, and
 after a stage of large layers it takes longer than after the probe's (the default gpt's gap after a forward
 3.5x, a micro-batch's host time in all 1.25-1.8x); where what that could add to the probe's is a negligible share
@@ -280,7 +280,8 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
                 after = memory.values[np.searchsorted(memory.times_us, end_us[row] + 0.5, side="right") - 1]
                 posted = rows[receives[receives > at][:window]] if trace.meta.counts_posted_receives else []
                 after -= sum(_message_bytes(probe, names[i], int(ops.stage[i]), int(ops.peer[i])) for i in posted)
-                kept.append((after - stage.param_bytes) / stage.grad_bytes)
+                kept.append((after - stage.param_bytes - stage.optimizer_state_bytes[PROBE_OPTIMIZER])
+                            / stage.grad_bytes)
     recv = _timing(arrived, "receive whose message had arrived")
     return RuntimeProfile(
         compute_ms={kind: _timing(compute[kind], f"{kind} rows") for kind in COMPUTE_KINDS},

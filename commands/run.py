@@ -129,7 +129,9 @@ def run(
     dtype: Annotated[str | None, typer.Option(
         "--dtype", metavar="DTYPE", show_default=False, help="The model's weights and activations: float32, bfloat16 "
                                                              "or float16 (or fp32, bf16, fp16; default the "
-                                                             "profile's, else float32).")] = None,
+                                                             "profile's, else float32). 16 bits train in mixed "
+                                                             "precision: float32 master weights, gradients and "
+                                                             "optimizer state; float16 without loss scaling.")] = None,
     backend: Annotated[str, typer.Option(
         "--backend", metavar="NAME", help="auto (gloo on CPU; NCCL with a GPU per rank, else host-staged gloo), gloo "
                                           "or nccl.")] = "auto",
@@ -458,6 +460,8 @@ def _document(result, summary, trace: Path | None, html: Path | None) -> dict:
 
 
 def _print_table(result, summary, trace: Path | None, html: Path | None) -> None:
+    from ..executor.weights import trained_in
+
     meta = result.trace.meta
     hardware = meta.hardware or {}
     first, last = _loss_ends(result)
@@ -472,8 +476,8 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
                         f"{hardware.get('transport')} ({hardware.get('device')})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="step: one mini-batch in steady state (from the second mini-batch's end on); "
-                          f"{meta.extra.get('optimizer')} at lr {meta.extra.get('lr')} in {meta.extra.get('dtype')} "
-                          "(--optimizer, --lr, --dtype)",
+                          f"{meta.extra.get('optimizer')} at lr {meta.extra.get('lr')} in "
+                          f"{trained_in(meta.extra.get('dtype'))} (--optimizer, --lr, --dtype)",
                   caption_justify="left")
     heldout = meta.extra.get("heldout") or {}
     held = "-" if not heldout else f"{heldout['loss']:.4g}" + (

@@ -16,7 +16,7 @@ backward (four times the page faults of torch's runtime, and 20 % slower steps o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,16 +31,32 @@ def _grads(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
 
 
 def _accumulate(tensors: Sequence[Any], grad_tensors: Sequence[torch.Tensor | None], leaves: Sequence[torch.Tensor],
-                slots: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+                slots: Sequence[torch.Tensor | None], main: torch.dtype | None = None,
+                mains: int = 0) -> list[torch.Tensor | None]:
     """Backward from `tensors` (tensors or gradient edges), adding each leaf's gradient in place into its slot
-    (None: the gradient becomes the slot); the slots after it. The leaves' own `.grad` is left as it was."""
+    (None: the gradient becomes the slot); the slots after it. The leaves' own `.grad` is left as it was. With
+    `main`, the first `mains` leaves' slots hold their gradients in that dtype (mixed precision's float32 main
+    gradients of 16-bit weights): each gradient is added in as autograd makes it and freed at once, as Megatron-LM's
+    gradient hook does (`param.main_grad.add_(param.grad)`), not held until the pass ends."""
     kept = [leaf.grad for leaf in leaves]
+    found = list(slots)
+    widened = range(mains if main is not None else 0)
+    handles = []
+
+    def add_into(i: int) -> Callable[[torch.Tensor], None]:
+        def add(leaf: torch.Tensor) -> None:
+            grad, leaf.grad = leaf.grad, None
+            found[i] = grad.to(main) if found[i] is None else found[i].add_(grad)
+        return add
     try:
-        for leaf, slot in zip(leaves, slots):
-            leaf.grad = slot
+        for i, (leaf, slot) in enumerate(zip(leaves, slots)):
+            leaf.grad = None if i in widened else slot
+        handles = [leaves[i].register_post_accumulate_grad_hook(add_into(i)) for i in widened]
         torch.autograd.backward(list(tensors), list(grad_tensors), inputs=list(leaves))
-        return [leaf.grad for leaf in leaves]
+        return [found[i] if i in widened else leaf.grad for i, leaf in enumerate(leaves)]
     finally:
+        for handle in handles:
+            handle.remove()
         for leaf, grad in zip(leaves, kept):
             leaf.grad = grad
 
@@ -56,12 +72,14 @@ def _aligned(inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> l
 
 def full_backward(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None],
                   inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                  into: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+                  into: list[torch.Tensor | None], main: torch.dtype | None = None) -> list[torch.Tensor | None]:
     """B: per input, its gradient (None for one that needs none); the gradients of `weights` are added into
-    `into` (one slot per weight, None: nothing added yet; a weight the stage does not use adds nothing).
-    `outputs` are the stage's outputs (with `grad_outputs`) or the last stage's scalar loss ([None])."""
+    `into` (one slot per weight, None: nothing added yet; a weight the stage does not use adds nothing), in
+    dtype `main` where given (None: the weights'). `outputs` are the stage's outputs (with `grad_outputs`) or the
+    last stage's scalar loss ([None])."""
     wanted = _wanted(inputs)
-    found = _accumulate(outputs, grad_outputs, [*weights, *wanted], [*into, *[None] * len(wanted)])
+    found = _accumulate(outputs, grad_outputs, [*weights, *wanted], [*into, *[None] * len(wanted)], main,
+                        len(weights))
     into[:] = found[:len(weights)]
     dxs = [torch.zeros_like(x) if g is None else g for x, g in zip(wanted, found[len(weights):])]
     return _aligned(inputs, dxs)
@@ -172,10 +190,10 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch
 
 
 def backward_weight(pending: PendingWeightGrad, weights: Sequence[torch.Tensor],
-                    into: list[torch.Tensor | None]) -> None:
+                    into: list[torch.Tensor | None], main: torch.dtype | None = None) -> None:
     """W: the weights' gradients from what I left, added into `into` as `full_backward` adds them."""
     if pending.outputs:
-        into[:] = _accumulate(pending.outputs, pending.grad_outputs, weights, into)
+        into[:] = _accumulate(pending.outputs, pending.grad_outputs, weights, into, main, len(weights))
     for group in pending.groups:
         edges, grads = [], []
         for anchor, arrived in zip(group.anchors, group.arrived):
@@ -189,7 +207,8 @@ def backward_weight(pending: PendingWeightGrad, weights: Sequence[torch.Tensor],
                 handles.append(anchor.register_prehook(lambda _, arrived=arrived: arrived))
         try:
             if edges:
-                found = _accumulate(edges, grads, [weights[i] for i in group.weights], [into[i] for i in group.weights])
+                found = _accumulate(edges, grads, [weights[i] for i in group.weights], [into[i] for i in group.weights],
+                                    main, len(group.weights))
                 for i, grad in zip(group.weights, found):
                     into[i] = grad
         finally:

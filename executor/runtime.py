@@ -22,18 +22,19 @@ Weight gradients are taken with respect to the forward's leaves and accumulate i
 buffer, whichever weights produced them. The forward is never recomputed.
 
 AVG pulls the P pipeline replicas of a stage on this device and a reference model (the initial weights)
-together by elastic averaging, with the schedule's coefficient alpha. REDUCE starts averaging a stage's
-accumulated gradients over its data-parallel replicas (the same device of the other d - 1 pipelines, on other
-ranks: see replicas.py) and is not waited on: the stage's OPT waits for it before it starts, outside the compute
-lock (the replicas it waits for may share this rank's GPU). A REDUCE row runs from its start until the
-all-reduce completed, as the simulator's network stream has it.
+together by elastic averaging, with the schedule's coefficient alpha (in mixed precision the replicas' float32
+masters and a float32 reference: weights.py). REDUCE starts averaging a stage's accumulated gradients over its
+data-parallel replicas (the same device of the other d - 1 pipelines, on other ranks: see replicas.py) and is not
+waited on: the stage's OPT waits for it before it starts, outside the compute lock (the replicas it waits for may
+share this rank's GPU). A REDUCE row runs from its start until the all-reduce completed, as the simulator's network
+stream has it.
 
 Measured per row: the version and prediction distance the op used (from the weights it ran on), and memory: on
 CUDA the allocator's count; on CPU the bytes of the tensors autograd saved for backward (each storage once,
 until its graph is freed), a forward's inputs and outputs until its backward (the backward's roots), weights
-(every version, their gradients, prediction buffers, optimizer state, reference models) and activations or
-gradients waiting for their consumer or their send, or in a send that has not completed (the in-process
-transport copies a sent tensor and completes at once). A row's peak is that at its end before it frees the
+(every version, their gradients, prediction buffers, master weights, optimizer state, reference models) and
+activations or gradients waiting for their consumer or their send, or in a send that has not completed (the
+in-process transport copies a sent tensor and completes at once). A row's peak is that at its end before it frees the
 version or prediction it was the last to read (the memory of weights nothing reads again is freed even while a
 forward's graph holds them as leaves: see weights.py).
 """
@@ -232,8 +233,9 @@ class DeviceResult:
     replica held after the row (versions, prediction buffers, reference); the weight version and prediction
     distance the row's op used (-1: none); memory after the row (bytes: all, and saved activations alone) and its
     peak (at its end, before it let go of what it used last). Also the loss per (pipeline, mini-batch) when it
-    holds a last stage, every stage replica's final weights (numpy, in the stage module's parameter order), and
-    where it computed (`host/device`: ranks that name the same one shared a GPU)."""
+    holds a last stage, every stage replica's final weights (numpy, in the stage module's parameter order; a
+    16-bit run's float32 masters), and where it computed (`host/device`: ranks that name the same one shared a
+    GPU)."""
 
     device: int
     start_ns: np.ndarray
@@ -362,7 +364,7 @@ class DeviceLoop:
         """A reference model per stage this device averages (the initial weights), and the coefficient."""
         t, rows = self.lowered.table, self.lowered.rows(self.device)
         averaged = {int(t.stage[i]) for i in rows if KINDS[t.kind[i]] is Kind.AVG}
-        self.references = {k: [w.detach().clone() for w in self.weights[(k, 0)].current] for k in sorted(averaged)}
+        self.references = {k: [w.detach().clone() for w in self.weights[(k, 0)].owned] for k in sorted(averaged)}
         self.alpha = 0.0
         if averaged:
             try:
@@ -468,8 +470,9 @@ class DeviceLoop:
     def backward(self, unit: Unit, weights: Weights) -> None:
         saved = self._saved_for(unit, "backward", weights)
         del self.saved[unit]
+        state = self.weights[(unit[0], unit[3])]
         dxs = full_backward(saved.outputs, self._grad_outputs(unit), saved.inputs, saved.weights.tensors,
-                            self.weights[(unit[0], unit[3])].grads)
+                            state.grads, state.grad_dtype)
         self._hand_back(unit, dxs)
 
     def backward_input(self, unit: Unit, weights: Weights) -> None:
@@ -484,12 +487,15 @@ class DeviceLoop:
         if saved.pending is None:
             raise ExecutorError(f"device {self.device}: weight gradient of {unit} before its input gradient")
         del self.saved[unit]
-        backward_weight(saved.pending, saved.weights.tensors, self.weights[(unit[0], unit[3])].grads)
+        state = self.weights[(unit[0], unit[3])]
+        backward_weight(saved.pending, saved.weights.tensors, state.grads, state.grad_dtype)
 
     def average(self, stage: int) -> None:
-        replicas = [self.weights[(stage, r)].current for r in range(self.pipelines)]
+        states = [self.weights[(stage, r)] for r in range(self.pipelines)]
         with torch.no_grad():
-            elastic_average(replicas, self.references[stage], self.alpha)
+            elastic_average([state.owned for state in states], self.references[stage], self.alpha)
+        for state in states:
+            state.refresh()
 
     def reduce(self, row: int, stage: int, r: int) -> None:
         """Start averaging the stage replica's accumulated gradients over its data-parallel replicas (its routed
@@ -497,7 +503,7 @@ class DeviceLoop:
         if self.replicas is None:
             raise ExecutorError(f"device {self.device}: a REDUCE row, but the run has no data-parallel replicas")
         state = self.weights[(stage, r)]
-        state.grads = [torch.zeros_like(w) if g is None else g for w, g in zip(state.current, state.grads)]
+        state.grads = state.filled_grads()
         routed = self.routed.get(stage, [])
         if not routed:
             self.reducing[(stage, r)] = (self.replicas.start(state.grads), row)
@@ -703,7 +709,7 @@ class DeviceLoop:
             result.rows_done = done
             result.losses = dict(self.losses)
         self.sends.clear()
-        result.weights = {key: [_host_copy(w) for w in state.current] for key, state in self.weights.items()}
+        result.weights = {key: [_host_copy(w) for w in state.owned] for key, state in self.weights.items()}
         return result
 
     def _in_flight(self) -> list[tuple[Handle, torch.Tensor | None]]:

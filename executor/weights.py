@@ -12,6 +12,16 @@ since plain SGD's prediction extrapolates the last gradient.
 Predicted weights live in buffers keyed by (version, distance, side): `predict` fills one from the newest
 version and the optimizer's state (`workload.optim.predict_weights`); ops on predicted weights read it; the
 loop frees it after its last reader. Forward and backward buffers are separate sides even when equal.
+
+A 16-bit stage trains in mixed precision as Megatron-LM does (`Float16OptimizerWithFloat16Params`, and
+`accumulate_allreduce_grads_in_fp32`, which its arguments.py forces on for --bf16; sim/costs.py's "megatron"
+precision): the optimizer owns float32 master weights and keeps its state in float32; the versions the passes
+read are 16-bit copies, made from the masters after each update (in place, or fresh copies where a later row
+still reads the old version); each micro-batch's 16-bit weight gradients are added into float32 main gradients
+as autograd makes them (`main_dtype`), which the replicas all-reduce and the update consumes. Predictions
+and elastic averaging work on the masters too. Updating 16-bit weights in place instead lost every step whose
+lr x gradient fell below bfloat16's resolution: a GPT's loss did not move in 40 steps. No loss scaling: a
+float16 gradient that underflows is lost.
 """
 
 from __future__ import annotations
@@ -23,9 +33,22 @@ import torch
 from torch import nn
 
 from ..workload.optim import make_optimizer, predict_weights
-from .stages import ExecutorError
+from .stages import DTYPES, ExecutorError
 
 BufferKey = tuple[int, int, str]  # (version predicted from, distance s, "F" or "B")
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # weights trained in mixed precision
+MAIN_DTYPE = torch.float32  # mixed precision's master weights, main gradients and optimizer state
+
+
+def main_dtype(weights: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """The dtype mixed precision keeps the master copies, main gradients and optimizer state of `weights` in;
+    None where none is 16-bit: the optimizer updates them and their gradients accumulate, in their own."""
+    return MAIN_DTYPE if any(w.dtype in HALF_DTYPES for w in weights) else None
+
+
+def trained_in(dtype: str) -> str:
+    """What a run whose model is in `dtype` (a RunSpec's name of it) trains in, as its table says it."""
+    return f"{dtype} with float32 master weights and gradients" if DTYPES.get(dtype) in HALF_DTYPES else dtype
 
 
 @dataclass
@@ -67,7 +90,10 @@ class StageWeights:
         self.names = [name for name, _ in named]
         self.buffers = {name: b.to(device) for name, b in module.named_buffers()}
         current = [p.detach().to(device, copy=True).requires_grad_(True) for _, p in named]
-        self.optimizer = make_optimizer(optimizer, current, lr)
+        self.grad_dtype = main_dtype(current)
+        # float32 masters of 16-bit weights (None: the optimizer updates the newest version itself)
+        self.masters = None if self.grad_dtype is None else [w.detach().to(self.grad_dtype) for w in current]
+        self.optimizer = make_optimizer(optimizer, current if self.masters is None else self.masters, lr)
         self.version = 0
         self.versions: dict[int, list[torch.Tensor]] = {0: current}
         self.predicted: dict[BufferKey, Weights] = {}
@@ -76,6 +102,21 @@ class StageWeights:
     @property
     def current(self) -> list[torch.Tensor]:
         return self.versions[self.version]
+
+    @property
+    def owned(self) -> list[torch.Tensor]:
+        """The weights the optimizer updates: the masters, or the newest version."""
+        return self.current if self.masters is None else self.masters
+
+    def filled_grads(self) -> list[torch.Tensor]:
+        """The mini-batch's gradients, zeros (in the optimizer's dtype) where nothing was added."""
+        return [torch.zeros_like(w) if g is None else g for w, g in zip(self.owned, self.grads)]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the masters, after something changed them in place, into the newest version."""
+        if self.masters is not None:
+            torch._foreach_copy_(self.current, self.masters)
 
     def read(self, version: int) -> Weights:
         if version not in self.versions:
@@ -93,7 +134,9 @@ class StageWeights:
         if version != self.version:
             raise ExecutorError(f"{self.label}: a prediction from version {version} needs it to be the newest, "
                                 f"whose optimizer state it extrapolates (newest {self.version})")
-        tensors = [w.requires_grad_(True) for w in predict_weights(self.optimizer, self.current, distance)]
+        dtypes = [w.dtype for w in self.current]  # a prediction of masters: the passes read it in 16 bits
+        tensors = [w.to(dtype).requires_grad_(True)
+                   for w, dtype in zip(predict_weights(self.optimizer, self.owned, distance), dtypes)]
         self.predicted[key] = Weights(tensors, version, distance)
         return self.predicted[key]
 
@@ -114,20 +157,25 @@ class StageWeights:
         """Apply the optimizer to the accumulated gradients: version v -> v + 1. `keep_old`: a later row still
         reads version v, so the update goes to copies and v stays as it is."""
         old = self.current
-        if keep_old:
-            new = copy_on_write(old)
+        grads = self.filled_grads()
+        new = copy_on_write(old) if keep_old and self.masters is None else old
+        if new is not old:  # the optimizer moves on to the copies, its state with it
             group = self.optimizer.param_groups[0]
             group["params"] = new
             for before, after in zip(old, new):
                 before.grad = None
                 if before in self.optimizer.state:
                     self.optimizer.state[after] = self.optimizer.state.pop(before)
-        else:
-            new = old
-            del self.versions[self.version]
-        for weight, grad in zip(new, self.grads):
-            weight.grad = torch.zeros_like(weight) if grad is None else grad
+        for weight, grad in zip(new if self.masters is None else self.masters, grads):
+            weight.grad = grad
         self.optimizer.step()
+        if self.masters is not None:  # the passes' 16-bit copies of the updated masters
+            if keep_old:
+                new = [m.to(w.dtype).requires_grad_(True) for m, w in zip(self.masters, old)]
+            else:
+                torch._foreach_copy_(old, self.masters)
+        if not keep_old:
+            del self.versions[self.version]
         self.grads = [None] * len(new)
         self.version += 1
         self.versions[self.version] = new
@@ -144,8 +192,8 @@ class StageWeights:
 
     def tensors(self) -> Iterable[torch.Tensor]:
         """Every tensor this replica holds: versions, their last gradients, the gradient being accumulated,
-        prediction buffers and optimizer state."""
-        for weights in self.versions.values():
+        prediction buffers, masters and optimizer state."""
+        for weights in (*self.versions.values(), *([self.masters] if self.masters is not None else ())):
             yield from weights
             yield from (w.grad for w in weights if w.grad is not None)
         yield from (g for g in self.grads if g is not None)

@@ -198,7 +198,7 @@ def _buffer_bytes(costs: Costs, k: int) -> float:
     tensors of the pass running (its largest pass's, `StageCosts.transient_bytes`)."""
     boundary = [costs.stages[j].output_bytes for j in (k - 1, k) if 0 <= j < len(costs.stages) - 1]
     return (2 * sum(boundary) + costs.recv_window * max(boundary, default=0)
-            + costs.kept_gradients * costs.stages[k].param_bytes
+            + costs.kept_gradients * costs.stages[k].gradient_bytes
             + max(costs.stages[k].transient_bytes.values(), default=0))
 
 

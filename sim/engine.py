@@ -500,8 +500,9 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     sparse["parameters"] = (copies, np.zeros(len(copies), dtype=np.int64),
                             lowered.copies_delta[copies] * param[stage[copies]])
     if costs.kept_gradients:  # a second gradient copy while the update's last one is kept
-        opening = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
-        closing = -np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
+        gradient = per_stage([c.gradient_bytes for c in stages])
+        opening = np.round(gradient[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
+        closing = -np.round(gradient[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
         both = np.concatenate([spans.opening, spans.closing])
         order = np.argsort(both, kind="stable")
         sparse["gradients"] = (both[order], np.concatenate([opening, np.zeros_like(closing)])[order],

@@ -25,6 +25,9 @@ STAGE_LAYERS = {(5, 2): [[0, 1, 2], [3, 4]], (5, 3): [[0, 1], [2, 3], [4]]}
 
 MOMENTUM = 0.9  # SGD with momentum, as pipesim's "momentum" optimizer
 ADAMW_DECAY = 0.01  # AdamW's decoupled weight decay
+HALF = ("bfloat16", "float16")  # trained in mixed precision, as Megatron-LM trains them: float32 master weights
+# that the optimizer steps (its state float32), 16-bit copies of them that the passes compute with, and the
+# micro-batches' 16-bit gradients summed in float32
 
 
 def initial_model(spec: RunSpec) -> Model:
@@ -109,14 +112,18 @@ class Reference:
     """The MLP's stages trained mini-batch by mini-batch with explicit weights per op. Stage k's weights
     are a flat list (weight, bias, weight, bias, ...) of its Linear layers; every Linear but the model's last
     is followed by a ReLU. `history[k][v]` is version v (after v updates) with the optimizer's state then,
-    from which a prediction s updates ahead is made by the paper's formula."""
+    from which a prediction s updates ahead is made by the paper's formula. In 16 bits (HALF) the weights the
+    optimizer steps, its history and the elastic average's are float32 masters; an op computes with a 16-bit copy
+    of what it reads."""
 
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
         self.model = initial_model(spec)
         self.p, self.m = spec.schedule.num_stages, spec.schedule.microbatches
+        self.compute = getattr(torch, spec.dtype)
+        main = torch.float32 if spec.dtype in HALF else self.compute
         cut = STAGE_LAYERS[(len(self.model.layers), self.p)]
-        self.weights = [[w.detach().clone() for i in layers for w in self.model.layers[i].parameters()]
+        self.weights = [[w.detach().to(main, copy=True) for i in layers for w in self.model.layers[i].parameters()]
                         for layers in cut]
         self.optimizers = [optimizer(spec.optimizer, ws, spec.lr) for ws in self.weights]
         self.history = [[self.snapshot(k)] for k in range(self.p)]
@@ -163,13 +170,17 @@ class Reference:
         for j in range(self.m):
             x, target = draw(self.spec, self.model, b, j, pipeline)
             reads = [rule(k, b, j) for k in range(self.p)]
-            forward = [self.history[k][v].predicted(s) for k, ((v, s), _) in enumerate(reads)]
-            backward = [self.history[k][v].predicted(s) for k, (_, (v, s)) in enumerate(reads)]
+            forward = [self._read(self.history[k][v].predicted(s)) for k, ((v, s), _) in enumerate(reads)]
+            backward = [self._read(self.history[k][v].predicted(s)) for k, (_, (v, s)) in enumerate(reads)]
             for acc, grads in zip(sums, self.gradients(forward, backward, x, target)):
                 for a, g in zip(acc, grads):
                     a.add_(g)
         for k in range(self.p):
             self.update(k, sums[k])
+
+    def _read(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What an op computes with: `weights` in the model's dtype."""
+        return [w.to(self.compute) for w in weights]
 
     def flat(self) -> list[torch.Tensor]:
         """Every stage's weights in order, as the executor's final weights list them."""

@@ -304,12 +304,15 @@ SOURCES = ["paper", "code", "counted"]
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("stages,m", [(3, 1), (2, 3), (3, 2)])
-def test_spectrain_predicts_forward_and_backward_weights_with_momentum(stages, m, source):
+@pytest.mark.parametrize("stages,m,dtype", [(3, 1, "float64"), (2, 3, "float64"), (3, 2, "float64"),
+                                            (3, 2, "bfloat16")])
+def test_spectrain_predicts_forward_and_backward_weights_with_momentum(stages, m, dtype, source):
     """SpecTrain: F of micro-batch j of mini-batch b on stage k reads the version it finds, B version b (b's
     own update comes after it). The paper and its code predict F s_F = k//2 + p-k-1 and B s_B = k//2 ahead;
-    counted, F b - version (the updates before the one that consumes its gradient) and B 0."""
-    spec = make_spec("spectrain", stages=stages, m=m, n=5, optimizer="momentum", lr=0.05, prediction=source)
+    counted, F b - version (the updates before the one that consumes its gradient) and B 0. In bfloat16 the
+    prediction extrapolates the float32 masters and the op computes with its 16-bit copy."""
+    spec = make_spec("spectrain", stages=stages, m=m, n=5, optimizer="momentum", lr=0.05, prediction=source,
+                     dtype=dtype)
     p = stages
 
     def reads(k, b, j):
@@ -319,13 +322,16 @@ def test_spectrain_predicts_forward_and_backward_weights_with_momentum(stages, m
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("stages,m,optimizer", [(3, 1, "momentum"), (2, 3, "adam"), (3, 2, "momentum"),
-                                                (3, 2, "adamw")])
-def test_pipeoptim_predicts_the_forward_and_runs_the_backward_on_current_weights(stages, m, optimizer, source):
+@pytest.mark.parametrize("stages,m,optimizer,dtype", [(3, 1, "momentum", "float64"), (2, 3, "adam", "float64"),
+                                                      (3, 2, "momentum", "float64"), (3, 2, "adamw", "float64"),
+                                                      (3, 2, "adamw", "bfloat16")])
+def test_pipeoptim_predicts_the_forward_and_runs_the_backward_on_current_weights(stages, m, optimizer, dtype,
+                                                                                 source):
     """PipeOptim: F reads the version it finds, predicted by the optimizer's own rule (SGD-momentum: v; Adam:
     m_hat / (sqrt(v_hat) + eps); AdamW: that + decay * W) s = p-k-1 ahead (paper), p-k (code) or b - version
     (counted); B runs on the current weights, version b, unpredicted."""
-    spec = make_spec("pipeoptim", stages=stages, m=m, n=5, optimizer=optimizer, lr=0.02, prediction=source)
+    spec = make_spec("pipeoptim", stages=stages, m=m, n=5, optimizer=optimizer, lr=0.02, prediction=source,
+                     dtype=dtype)
     p = stages
 
     def reads(k, b, j):
@@ -339,14 +345,15 @@ def half_up(x: Fraction) -> int:
 
 
 @pytest.mark.parametrize("source", ["counted", "paper"])
-@pytest.mark.parametrize("stages,m", [(2, 2), (3, 2), (2, 3)])
-def test_xpipe_bellwether_predicts_once_per_minibatch_with_adam(stages, m, source):
+@pytest.mark.parametrize("stages,m,dtype", [(2, 2, "float64"), (3, 2, "float64"), (2, 3, "float64"),
+                                            (3, 2, "bfloat16")])
+def test_xpipe_bellwether_predicts_once_per_minibatch_with_adam(stages, m, dtype, source):
     """XPipe: every micro-batch of mini-batch b reads what its bellwether (micro-batch 0) read: in F the
     version stage k had at the bellwether's forward, in B version b (b's own update follows it), each
     predicted s ahead with Adam's moments. s counted: the updates still to come before the one that consumes
     b's gradient (b - version; 0 in B). s from the paper: round((p+m-k/2-2)/m) in F, round((m+floor(k/2)-1)/m)
     in B, halves rounded up."""
-    spec = make_spec("xpipe", stages=stages, m=m, n=5, optimizer="adam", lr=0.02, prediction=source)
+    spec = make_spec("xpipe", stages=stages, m=m, n=5, optimizer="adam", lr=0.02, prediction=source, dtype=dtype)
     p = stages
 
     def reads(k, b, j):
@@ -357,12 +364,12 @@ def test_xpipe_bellwether_predicts_once_per_minibatch_with_adam(stages, m, sourc
     assert_trains_like_reference(spec, reads)
 
 
-@pytest.mark.parametrize("pipelines", [2, 3])
-def test_avgpipe_averages_its_pipelines_elastically(pipelines):
+@pytest.mark.parametrize("pipelines,dtype", [(2, "float64"), (3, "float64"), (2, "bfloat16")])
+def test_avgpipe_averages_its_pipelines_elastically(pipelines, dtype):
     """AvgPipe: P synchronous pipelines on their own data; after every mini-batch each replica X_i takes
     alpha of its distance to the reference model R and R takes alpha of the sum of the distances (EASGD),
-    alpha = 0.9 / P; R starts at the initial weights."""
-    spec = make_spec("avgpipe", stages=2, m=2, n=4, optimizer="momentum", lr=0.05, pipelines=pipelines)
+    alpha = 0.9 / P; R starts at the initial weights. In bfloat16 X_i are the float32 masters and R is float32."""
+    spec = make_spec("avgpipe", stages=2, m=2, n=4, optimizer="momentum", lr=0.05, pipelines=pipelines, dtype=dtype)
     alpha = 0.9 / pipelines
     replicas = [Reference(spec) for _ in range(pipelines)]
     center = [[w.clone() for w in ws] for ws in replicas[0].weights]
@@ -382,6 +389,26 @@ def test_avgpipe_averages_its_pipelines_elastically(pipelines):
     results = run_devices(spec)
     for r, replica in enumerate(replicas):
         assert_same(final_weights(results, spec, r), replica.flat())
+
+
+@pytest.mark.parametrize("method,m", [("pipedream", 1), ("pipedream-2bw", 2)])
+def test_stashed_versions_hold_in_mixed_precision(method, m):
+    """PipeDream's stashing (F and B of mini-batch b on stage k read version b - (p-1-k)) and 2BW's double buffer
+    (every op of b reads b - 1) in bfloat16: a version is the 16-bit copy of the float32 masters as its update left
+    them, made afresh where an older version is still read, and the micro-batches' gradients add up in float32.
+    Updating the 16-bit weights themselves ended elsewhere, as does reading the newest version."""
+    spec = make_spec(method, stages=3, m=m, n=5, optimizer="adam", lr=0.02, dtype="bfloat16")
+
+    def reads(k, b, j):
+        version = max(0, b - (2 - k)) if method == "pipedream" else max(0, b - 1)
+        return ((version, 0),) * 2
+    reference = Reference(spec)
+    reference.train(reads)
+    got = final_weights(run_devices(spec), spec)
+    assert_same(got, reference.flat())
+    newest = Reference(spec)
+    newest.train(lambda k, b, j: ((b, 0),) * 2)
+    assert any(not torch.allclose(a, w) for a, w in zip(got, newest.flat()))
 
 
 # ----------------------------------------------------------------------------------- memory and hooks

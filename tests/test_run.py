@@ -188,7 +188,8 @@ def test_a_run_trains_in_its_profiles_dtype_and_refuses_another(tmp_path, profil
                              "--profile", in_bf16, "--trace", trace)
     assert code == 0, err
     assert ran[0].dtype == "bfloat16" and read_trace(trace).meta.extra["dtype"] == "bfloat16"
-    assert "in bfloat16 (--optimizer, --lr, --dtype)" in " ".join(out.split())  # the table says what it trained in
+    # the table says what it trained in
+    assert "in bfloat16 with float32 master weights and gradients (--optimizer, --lr, --dtype)" in " ".join(out.split())
     code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatches", 2, "--minibatches", 2,
                            "--profile", in_bf16, "--dtype", "fp32", "--trace", tmp_path / "x.json")
     assert code == 2 and "calibrated in bfloat16, and its times hold there only" in err
@@ -482,6 +483,34 @@ def test_stashed_and_predicted_weights_cost_what_the_simulator_counts(weighty_pr
                    bounds=tuple(weighty_profile.partition.bounds))
     measured = run_in_process(spec).trace
     predicted = predict_measured(measured.meta, weighty_profile)
+    for device in compare(predicted, measured).devices:
+        assert device.peak_memory_error == pytest.approx(0, abs=0.03), device
+
+
+@pytest.fixture(scope="module")
+def weighty_bf16_profile(tmp_path_factory):
+    """`weighty_profile`'s model calibrated in bfloat16, the runtime probe with it."""
+    path = tmp_path_factory.mktemp("profile") / "weighty-bf16.json"
+    code, _, err = pipesim("calibrate", *WEIGHTY_MLP, "--stages", 2, "--dtype", "bfloat16", "--no-links",
+                           "--no-contention", "--repeats", 1, "--warmup", 0, "--out", path)
+    assert code == 0, err
+    return load_profile(path)
+
+
+@pytest.mark.parametrize("method", ["1f1b", "pipedream", "pipeoptim"])
+def test_mixed_precision_weights_cost_what_the_simulator_counts(weighty_bf16_profile, method):
+    """In bfloat16 the executor keeps float32 masters (the optimizer's state, so SGD's is that copy alone) and float32
+    main gradients beside its 16-bit weights; calibration records them so (a layer's gradient twice its weights'
+    bytes, SGD's state as much, momentum's twice that) and each device's peak memory, measured, is what the
+    simulator counts from them: versions and predictions in 16 bits, an update's kept gradient in float32."""
+    layers = [layer for layer in weighty_bf16_profile.layers if layer.param_bytes]
+    assert layers and all(layer.grad_bytes == 2 * layer.param_bytes for layer in layers)
+    assert all(layer.optimizer_state_bytes["sgd"] == 2 * layer.param_bytes
+               and layer.optimizer_state_bytes["momentum"] == 4 * layer.param_bytes for layer in layers)
+    spec = RunSpec(build(method, 2, 4, 4), "mlp", {"layers": 3, "width": 96}, microbatch_size=2, optimizer="momentum",
+                   dtype="bfloat16", bounds=tuple(weighty_bf16_profile.partition.bounds))
+    measured = run_in_process(spec).trace
+    predicted = predict_measured(measured.meta, weighty_bf16_profile)
     for device in compare(predicted, measured).devices:
         assert device.peak_memory_error == pytest.approx(0, abs=0.03), device
 
