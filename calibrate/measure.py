@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..executor.weights import StageWeights, copy_on_write, main_dtype
+from ..executor.weights import StageWeights, average_replicas, main_dtype
 from ..profiles.linkfit import fit_link
 from ..profiles.partition import partition
 from ..profiles.schema import (
@@ -54,7 +54,7 @@ from ..profiles.schema import (
 from ..units import GIB, KIB, MIB
 from ..workload.models import BATCH, Model, ModelError, routed_experts_of
 from ..workload.moe import dispatches
-from ..workload.optim import elastic_average, make_optimizer
+from ..workload.optim import make_optimizer
 from ..workload.transport import choose_transport
 from .cache import HostCache, fresh
 from .links import measure_all_to_all, measure_p2p_and_allreduce
@@ -460,7 +460,8 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
                   passes: list[StagePasses] | None = None) -> list[StageSteps]:
     """Per stage: each optimizer's update and weight prediction, one replica's elastic averaging, adding one
     micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does), and the
-    copy of the weights a copy-on-write update makes (`copy_on_write`, the executor's own).
+    copy of the weights a copy-on-write update makes (the executor's own: `StageWeights.fresh_copies`,
+    `average_replicas`; in 16 bits the float32 masters averaged and cast).
 
     Each is timed on the caches a forward and backward of its stage leave, as it runs in a pipeline: these ops
     stream the weights, gradients and optimizer state through memory, and timed back to back they find them
@@ -510,14 +511,15 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
                                (predicted.version, predicted.distance, "F")))], floor_ms=floor_ms)
             steps[name] = StepTimes(step=times["step"], predict=times["predict"])
         advance(f"stage {k}: gradient accumulation, weight copy, elastic averaging")
-        weights = _with_grads(run.weights)
-        kept = [w.grad for w in weights]
-        reference = [p.detach().clone() for p in weights]
-        average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
-        accumulate = _call_with(_accumulate, [torch.zeros_like(w, dtype=run.main) for w in weights], kept)
-        times = _time(settings, [("pass", _call_with(after_pass, weights, None, kept)), ("accumulate", accumulate),
-                                 ("copy", _call_with(copy_on_write, weights)), ("average", average)],
-                      floor_ms=floor_ms)
+        state = StageWeights(run.module, "sgd", LEARNING_RATE, label=f"stage {k}", device=settings.device)  # no step
+        made = [torch.randn_like(w) * 1e-3 for w in state.current]  # one micro-batch's gradients, as `_with_grads`
+        kept = [torch.zeros_like(w) for w in state.owned]  # the mini-batch's buffer (float32 main gradients)
+        reference = [w.detach().clone() for w in state.owned]
+        average = _call_with(average_replicas, [state], reference, ELASTIC_ALPHA)
+        accumulate = _call_with(_accumulate, kept, made)
+        times = _time(settings, [("pass", _call_with(after_pass, state.current, None, kept)),
+                                 ("accumulate", accumulate), ("copy", _call_with(state.fresh_copies)),
+                                 ("average", average)], floor_ms=floor_ms)
         out.append((steps, times["average"], times["accumulate"], times["copy"]))
     return out
 

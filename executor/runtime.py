@@ -58,14 +58,13 @@ from ..schedules import KINDS, Kind, Lowered, ScheduleParams
 from ..schedules.ir import ALL_TO_ALL_KINDS
 from ..workload.models import place_experts, routed_parameters
 from ..workload.moe import ExpertExchange
-from ..workload.optim import elastic_average
 from ..workload.transport import Handle, Transport
 from .backward import PendingWeightGrad, backward_input, backward_weight, full_backward
 from .experts import ExpertRanks, Joined
 from .overlap import PairStreams
 from .replicas import Layout, Pending, ReplicaGroup
 from .stages import DivergedError, ExecutorError, RunSpec, StageModule, Stages, microbatch_data
-from .weights import BufferKey, StageWeights, Weights
+from .weights import BufferKey, StageWeights, Weights, average_replicas
 
 Unit = tuple[int, int, int, int]  # (stage, micro-batch, mini-batch, pipeline)
 EdgeUnit = tuple[int, int, int, int, int]  # (from stage, to stage, micro-batch, mini-batch, pipeline)
@@ -491,11 +490,7 @@ class DeviceLoop:
         backward_weight(saved.pending, saved.weights.tensors, state.grads, state.grad_dtype)
 
     def average(self, stage: int) -> None:
-        states = [self.weights[(stage, r)] for r in range(self.pipelines)]
-        with torch.no_grad():
-            elastic_average([state.owned for state in states], self.references[stage], self.alpha)
-        for state in states:
-            state.refresh()
+        average_replicas([self.weights[(stage, r)] for r in range(self.pipelines)], self.references[stage], self.alpha)
 
     def reduce(self, row: int, stage: int, r: int) -> None:
         """Start averaging the stage replica's accumulated gradients over its data-parallel replicas (its routed

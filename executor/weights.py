@@ -26,13 +26,13 @@ float16 gradient that underflows is lost.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..workload.optim import make_optimizer, predict_weights
+from ..workload.optim import elastic_average, make_optimizer, predict_weights
 from .stages import DTYPES, ExecutorError
 
 BufferKey = tuple[int, int, str]  # (version predicted from, distance s, "F" or "B")
@@ -74,12 +74,6 @@ def _give_back(tensors: Iterable[torch.Tensor]) -> int:
     return freed
 
 
-def copy_on_write(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The fresh copies an update moves on to when later rows still read the version it supersedes
-    (calibration times this as the profile's `weight_copy`)."""
-    return [w.detach().clone().requires_grad_(True) for w in weights]
-
-
 class StageWeights:
     """The versions of one stage's weights in one pipeline replica, its prediction buffers and its optimizer."""
 
@@ -117,6 +111,13 @@ class StageWeights:
         """Copy the masters, after something changed them in place, into the newest version."""
         if self.masters is not None:
             torch._foreach_copy_(self.current, self.masters)
+
+    def fresh_copies(self) -> list[torch.Tensor]:
+        """New tensors of the weights the optimizer owns as the passes read them (the newest version, or the
+        masters in 16 bits): what an update moves on to when later rows still read the version it supersedes
+        (calibration times this as the profile's `weight_copy`)."""
+        dtypes = [w.dtype for w in self.current]
+        return [w.detach().to(dtype, copy=True).requires_grad_(True) for w, dtype in zip(self.owned, dtypes)]
 
     def read(self, version: int) -> Weights:
         if version not in self.versions:
@@ -158,7 +159,7 @@ class StageWeights:
         reads version v, so the update goes to copies and v stays as it is."""
         old = self.current
         grads = self.filled_grads()
-        new = copy_on_write(old) if keep_old and self.masters is None else old
+        new = self.fresh_copies() if keep_old and self.masters is None else old
         if new is not old:  # the optimizer moves on to the copies, its state with it
             group = self.optimizer.param_groups[0]
             group["params"] = new
@@ -171,9 +172,9 @@ class StageWeights:
         self.optimizer.step()
         if self.masters is not None:  # the passes' 16-bit copies of the updated masters
             if keep_old:
-                new = [m.to(w.dtype).requires_grad_(True) for m, w in zip(self.masters, old)]
+                new = self.fresh_copies()
             else:
-                torch._foreach_copy_(old, self.masters)
+                self.refresh()
         if not keep_old:
             del self.versions[self.version]
         self.grads = [None] * len(new)
@@ -201,3 +202,12 @@ class StageWeights:
             yield from buffer.tensors
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if torch.is_tensor(v))
+
+
+def average_replicas(replicas: Sequence[StageWeights], reference: list[torch.Tensor], alpha: float) -> None:
+    """AVG: a stage's pipeline `replicas` and its `reference` model pulled together by elastic averaging
+    (`workload.optim.elastic_average`) on the weights their optimizers own, the 16-bit versions copied from the
+    masters after (calibration times it, with one replica, as the profile's `average`)."""
+    elastic_average([replica.owned for replica in replicas], reference, alpha)
+    for replica in replicas:
+        replica.refresh()
