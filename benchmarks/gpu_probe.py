@@ -26,6 +26,13 @@
     sum the rows back into their tokens (index_add_, scatter_add_, index_put_ accumulating, a gather and a sum over
     top_k) and a product and silu on contiguous, broadcast and strided operands, each with the bytes it moves
     (`combine_ops`).
+(e) *The Llama 3.1 rows' dense products* (docs/hardware.md, the Llama rows' missing step): each product a rank of
+    the published 8B (t = 1) and 70B (t = 4) rows runs a layer, at C = 2's 4,096 tokens (`LLAMA31_DENSE`): qkv, proj,
+    fc1 (gate and up) and fc2, forward, input and weight gradient, and at t = 4 the forward and input gradient in
+    the userbuffers overlap's chunks of 1/t of the rows; one GEMM a span behind a held device, in BF16 (the weight
+    gradient also into float32, as TransformerEngine accumulates it) and in FP8 (e4m3 with and without fast
+    accumulation; HYBRID's e5m2 gradients by e4m3 without), each with its kernel by name (`dense_kinds`).
+    benchmarks/probe_dense.py prices the same products with pipesim.
 
 Device times are CUDA events; host times time.perf_counter; every figure is the median of `--repeats` after
 `--warmup` runs, with its spread. One JSON lands at `--out`. On a CPU (`--device cpu --quick`) the same code runs
@@ -34,6 +41,7 @@ counts, FP8, compiled passes, the second stream) say why they skip.
 
     python benchmarks/gpu_probe.py --out probe.json    # one H100/H200: 28 s on an H200 before the kernels by name
     python benchmarks/gpu_probe.py --device cpu --quick --out /tmp/probe.json  # the same code, tiny, on a CPU
+    python benchmarks/gpu_probe.py --parts dense --out probe.json  # some of the parts only
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import NoReturn
@@ -753,7 +761,7 @@ def ring_over_half_c1(result: dict) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Product:
-    """One of an expert's six GEMMs, (m x k) @ (k x n) a local expert; `token_dim` names which of m and k the
+    """A linear layer's GEMM, (m x k) @ (k x n), in one of `ORIENTATIONS`; `token_dim` names which of m and k the
     tokens run along, the one a single GEMM over every local expert's rows grows."""
 
     name: str
@@ -761,6 +769,7 @@ class Product:
     k: int
     n: int
     token_dim: str
+    orientation: str
 
     def one_gemm(self, local_experts: int) -> tuple[int, int, int]:
         """The (m, k, n) of one GEMM doing the loop's FLOPs, the local experts' rows stacked along the tokens."""
@@ -769,42 +778,80 @@ class Product:
         return self.m, self.k * local_experts, self.n
 
 
+ORIENTATIONS = ("forward", "input grad", "weight grad")
+
+
+def linear_products(layer: str, rows: int, inputs: int, outputs: int) -> list[Product]:
+    """A linear layer's three products over `rows` tokens: forward (rows x inputs by inputs x outputs), input
+    gradient (rows x outputs by outputs x inputs) and weight gradient (outputs x rows by rows x inputs)."""
+    forward, input_grad, weight_grad = ORIENTATIONS
+    return [Product(f"{layer} {forward}", rows, inputs, outputs, "m", forward),
+            Product(f"{layer} {input_grad}", rows, outputs, inputs, "m", input_grad),
+            Product(f"{layer} {weight_grad}", outputs, rows, inputs, "k", weight_grad)]
+
+
 def expert_products(shape: MoeShape, local_experts: int) -> list[Product]:
     """fc1 (hidden -> 2 x ffn, gate and up) and fc2 (ffn -> hidden): forward, input gradient, weight gradient."""
     rows = shape.rows_per_expert(local_experts)
-    products = []
-    for layer, (inputs, outputs) in (("fc1", (shape.hidden, 2 * shape.ffn)), ("fc2", (shape.ffn, shape.hidden))):
-        products += [Product(f"{layer} forward", rows, inputs, outputs, "m"),
-                     Product(f"{layer} input grad", rows, outputs, inputs, "m"),
-                     Product(f"{layer} weight grad", outputs, rows, inputs, "k")]
-    return products
+    return [*linear_products("fc1", rows, shape.hidden, 2 * shape.ffn),
+            *linear_products("fc2", rows, shape.ffn, shape.hidden)]
 
 
 @dataclass(frozen=True)
 class GemmKind:
-    """How operands are made and multiplied: BF16 through torch.mm, or FP8 (e4m3, per-tensor scales, BF16 out)
-    through torch._scaled_mm, whose second operand is column-major (a weight stored n x k, transposed)."""
+    """How a product (m, k, n) is made and multiplied: `operands` its arguments, the first operand row-major
+    (m x k) and the second column-major (a weight stored n x k, transposed, as torch._scaled_mm wants it and
+    TransformerEngine's float8 products read theirs), and `multiply` what runs on them."""
 
     name: str
-    make: Callable[[int, int], torch.Tensor]
-    multiply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    operands: Callable[[int, int, int], tuple[torch.Tensor, ...]]
+    multiply: Callable[..., torch.Tensor]
+
+
+def plain_kind(device: torch.device, dtype: torch.dtype, accumulate: torch.dtype | None = None) -> GemmKind:
+    """Products in `dtype` through torch.mm; with `accumulate`, each added into an m x n tensor of that dtype and
+    written there (torch.addmm's out_dtype), as TransformerEngine's weight-gradient product accumulates into
+    Megatron-core's float32 main_grad (`fuse_wgrad_accumulation`: cuBLASLt's D = A.B + C, C = D)."""
+
+    def operands(m: int, k: int, n: int) -> tuple[torch.Tensor, ...]:
+        a, b = (torch.randn(rows, k, device=device, dtype=dtype) for rows in (m, n))
+        return (a, b.t()) if accumulate is None else (torch.zeros(m, n, device=device, dtype=accumulate), a, b.t())
+
+    name = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+    if accumulate is None:
+        return GemmKind(name, operands, torch.mm)
+    return GemmKind(f"{name} into {str(accumulate).removeprefix('torch.').replace('float32', 'fp32')}", operands,
+                    partial(torch.addmm, out_dtype=accumulate))
+
+
+def no_float8(device: torch.device) -> RuntimeError | None:
+    """Why this device or torch cannot run a float8 product (None: it can): _scaled_mm needs a CUDA GPU of compute
+    capability 8.9 or newer (Ada, Hopper)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return RuntimeError("FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer")
+    if not hasattr(torch, "_scaled_mm"):
+        return RuntimeError(f"torch {torch.__version__} has no torch._scaled_mm")
+    return None
+
+
+def float8_kind(name: str, device: torch.device, first: torch.dtype = torch.float8_e4m3fn, fast_accum: bool = False,
+                out: torch.dtype = torch.bfloat16) -> GemmKind:
+    """Float8 products through torch._scaled_mm with per-tensor scales (delayed scaling's: one float32 each): the
+    first operand in `first` (e4m3, or e5m2 for a gradient under TransformerEngine's HYBRID format), the second in
+    e4m3, `fast_accum` cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM, the result in `out`."""
+    unit = torch.ones((), device=device)
+
+    def operands(m: int, k: int, n: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(m, k, device=device).to(first),
+                torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t())
+
+    return GemmKind(name, operands, lambda a, b: torch._scaled_mm(a, b, unit, unit, out_dtype=out,
+                                                                  use_fast_accum=fast_accum))
 
 
 def gemm_kinds(device: torch.device, dtype: torch.dtype) -> dict[str, GemmKind | Exception]:
-    """BF16 always; FP8 where torch has _scaled_mm and the GPU is Ada or Hopper or newer (compute capability 8.9)."""
-    kinds: dict[str, GemmKind | Exception] = {
-        "bf16": GemmKind("bf16", lambda rows, columns: torch.randn(rows, columns, device=device, dtype=dtype),
-                         torch.mm)}
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        kinds["fp8"] = RuntimeError("FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer")
-    elif not hasattr(torch, "_scaled_mm"):
-        kinds["fp8"] = RuntimeError(f"torch {torch.__version__} has no torch._scaled_mm")
-    else:
-        unit = torch.ones((), device=device)
-        kinds["fp8"] = GemmKind(
-            "fp8", lambda rows, columns: torch.randn(rows, columns, device=device).to(torch.float8_e4m3fn),
-            lambda a, b: torch._scaled_mm(a, b, unit, unit, out_dtype=torch.bfloat16))
-    return kinds
+    """BF16 always; FP8 (e4m3, accumulating split: _scaled_mm's default) where the GPU and torch can (`no_float8`)."""
+    return {"bf16": plain_kind(device, dtype), "fp8": no_float8(device) or float8_kind("fp8", device)}
 
 
 def time_gemms(kind: GemmKind, sizes: list[tuple[int, int, int]], clock: Clock,
@@ -812,11 +859,11 @@ def time_gemms(kind: GemmKind, sizes: list[tuple[int, int, int]], clock: Clock,
     """A loop of GEMMs of these (m, k, n), each on its own operands, issued back to back: device and host time from
     an idle device, and the device's time alone behind a held one (`held_device_ms`); and one loop profiled (its
     ops and kernels, and the kernels by name: `activity`)."""
-    operands = [(kind.make(m, k), kind.make(n, k).t()) for m, k, n in sizes]
+    operands = [kind.operands(m, k, n) for m, k, n in sizes]
 
     def loop() -> None:
-        for a, b in operands:
-            kind.multiply(a, b)
+        for arguments in operands:
+            kind.multiply(*arguments)
 
     def step() -> dict[str, float]:
         clock.synchronize()
@@ -931,6 +978,103 @@ def probe_combine(shape: MoeShape, device: torch.device, budget: Budget) -> dict
     return results
 
 
+# --- (e) the Llama 3.1 rows' dense products ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DenseShape:
+    """A published Llama 3.1 row's transformer layer as one of its ranks multiplies it: the model's config.json
+    (hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim 128) over `tensor` ranks
+    (Megatron-core's column-parallel linear_qkv and linear_fc1, gate and up fused, and row-parallel linear_proj and
+    linear_fc2), at the `tokens` a rank's products read: the sequence over the context-parallel ranks times the
+    micro-batch (8,192 / 2 x 1 in every row of benchmarks/published/nvidia-dgxc-h100.csv; sequence parallelism
+    gathers the tensor-parallel ranks' shares before a product, so `tensor` does not divide them)."""
+
+    name: str
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tensor: int
+    tokens: int
+
+
+LLAMA31_DENSE = (DenseShape("Llama 3.1 8B", hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128, tensor=1,
+                            tokens=4096),
+                 DenseShape("Llama 3.1 70B", hidden=8192, ffn=28672, heads=64, kv_heads=8, head_dim=128, tensor=4,
+                            tokens=4096))
+QUICK_DENSE = (DenseShape("quick", hidden=64, ffn=96, heads=4, kv_heads=2, head_dim=16, tensor=2, tokens=32),)
+
+
+def dense_products(shape: DenseShape) -> list[Product]:
+    """A rank's products of one layer, each as `linear_products` (forward, input and weight gradient): qkv
+    (hidden -> its share of the query, key and value heads), proj (its share of the heads -> hidden), fc1 (hidden ->
+    its share of gate and up) and fc2 (its share of the FFN -> hidden); at t > 1 also each forward and input gradient
+    over 1/t of the tokens, the chunks TransformerEngine's userbuffers overlap runs them in and pipesim prices
+    (planning/estimate.py `overlapped_ms`)."""
+    t = shape.tensor
+    attention = shape.heads * shape.head_dim
+    layers = (("qkv", shape.hidden, (shape.heads + 2 * shape.kv_heads) * shape.head_dim // t),
+              ("proj", attention // t, shape.hidden), ("fc1", shape.hidden, 2 * shape.ffn // t),
+              ("fc2", shape.ffn // t, shape.hidden))
+    products = []
+    for layer, inputs, outputs in layers:
+        products += linear_products(layer, shape.tokens, inputs, outputs)
+        if t > 1:
+            products += [replace(product, name=f"{product.name}, a 1/{t} chunk", m=product.m // t)
+                         for product in linear_products(layer, shape.tokens, inputs, outputs)[:2]]
+    return products
+
+
+def dense_kinds(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[tuple[str, ...], GemmKind | Exception]]:
+    """Part (e)'s kinds of product, each with the orientations (of `ORIENTATIONS`) it runs: BF16, and its weight
+    gradient into float32 as TransformerEngine accumulates it (`plain_kind`); float8 e4m3 by e4m3 with fast
+    accumulation and without; and TransformerEngine's HYBRID format's gradients (e5m2, the first operand) by e4m3,
+    without fast accumulation as its backward runs (transformer_engine/pytorch/module/base.py `_2X_ACC_DGRAD` and
+    `_2X_ACC_WGRAD` True, `_2X_ACC_FPROP` False), the weight gradient also into float32 (the first operand's e5m2
+    rows, written, not added: torch._scaled_mm has no C)."""
+    gradients = ORIENTATIONS[1:]
+    kinds: dict[str, tuple[tuple[str, ...], GemmKind | Exception]] = {
+        "bf16": (ORIENTATIONS, plain_kind(device, dtype)),
+        "bf16 into fp32": (ORIENTATIONS[2:], plain_kind(device, dtype, torch.float32))}
+    unavailable = no_float8(device)
+    for name, orientations, first, fast_accum, out in (
+            ("fp8 fast accum", ORIENTATIONS, torch.float8_e4m3fn, True, torch.bfloat16),
+            ("fp8", ORIENTATIONS, torch.float8_e4m3fn, False, torch.bfloat16),
+            ("fp8 e5m2 grad", gradients, torch.float8_e5m2, False, torch.bfloat16),
+            ("fp8 e5m2 grad into fp32", ORIENTATIONS[2:], torch.float8_e5m2, False, torch.float32)):
+        kinds[name] = (orientations, unavailable or float8_kind(name, device, first, fast_accum, out))
+    return kinds
+
+
+def probe_dense(shapes: tuple[DenseShape, ...], device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
+    """(e): each rank's product of each shape (`dense_products`) in each kind that runs its orientation
+    (`dense_kinds`), one GEMM a span: its device time from an idle device and behind a held one, its host's, its
+    TFLOP/s (held) and its kernels by name; a kind this GPU or torch cannot run is skipped, with why."""
+    clock = Clock(device.type == "cuda")
+    kinds = dense_kinds(device, dtype)
+    rows = []
+    for shape in shapes:
+        for product in dense_products(shape):
+            for name, (orientations, kind) in kinds.items():
+                if isinstance(kind, Exception) or product.orientation not in orientations:
+                    continue
+                flop = 2 * product.m * product.k * product.n
+                try:
+                    timings, profile = time_gemms(kind, [(product.m, product.k, product.n)], clock, budget)
+                except RuntimeError as error:
+                    rows.append({"model": shape.name, "kind": name, **asdict(product), **skipped(error)})
+                    continue
+                rows.append({"model": shape.name, "kind": name, **asdict(product), "flop": flop, "timings": timings,
+                             "tflops": flop / timings["held_device_ms"].median_ms / 1e9, "profile": profile})
+    return {"shapes": [asdict(shape) for shape in shapes], "held_cycles": HOLD_CYCLES if clock.cuda else 0,
+            "kinds": {name: {"orientations": list(orientations)} | (skipped(kind) if isinstance(kind, Exception)
+                                                                    else {})
+                      for name, (orientations, kind) in kinds.items()},
+            "products": rows}
+
+
 # --- the report --------------------------------------------------------------------------------------------------
 
 
@@ -946,18 +1090,19 @@ class Table:
     notes: list[str] = field(default_factory=list)
 
 
-def tables(result: dict) -> list[Table]:
-    """The probe's medians as tables: MoE layers, attention kernels, expert GEMMs, the combine's kernels."""
+def cell(value: float | int | None, style: str = "") -> str:
+    """A number as `style` formats it, or "-" where there is none."""
+    return "-" if value is None else format(value, style)
+
+
+def moe_tables(moe_result: dict) -> list[Table]:
+    """Part (a)'s layers and their longest kernels."""
     moe = Table("(a) MoE layer, ms (host after sync: from the .tolist() to the last launch; held: the device's "
                 "time alone, behind a held device)",
                 ["local experts", "rows an expert", "forward", "host after sync", "device after sync",
                  "held after sync", "busy after sync", "ops after sync", "kernels after sync", "backward",
                  "backward host", "held backward", "backward ops", "backward kernels"], keys=1)
-
-    def cell(value: float | int | None, style: str = "") -> str:
-        return "-" if value is None else format(value, style)
-
-    for layer in result["moe"]["layers"]:
+    for layer in moe_result["layers"]:
         t, c = layer["timings"], layer["counts"]
         moe.rows.append([str(layer["local_experts"]), f"{layer['rows_per_expert']:,}",
                          *(f"{t[key].median_ms:.3f}" for key in ("forward_device_ms", "after_sync_host_ms",
@@ -967,9 +1112,14 @@ def tables(result: dict) -> list[Table]:
                          *(f"{t[key].median_ms:.3f}" for key in ("backward_device_ms", "backward_host_ms",
                                                                  "backward_held_device_ms")),
                          cell(c["backward"]["ops"]), cell(c["backward"]["kernels"])])
+    return [moe, moe_kernel_table(moe_result)]
+
+
+def attention_tables(attention_result: dict) -> list[Table]:
+    """Part (b)'s kernels and spans."""
     attention = Table("(b) attention, ms", ["kernel", "part", "forward", "backward", "passes fwd", "passes bwd",
                                             "passes fwd compiled", "fwd two streams"], keys=2)
-    for kernel, parts in result["attention"]["kernels"].items():
+    for kernel, parts in attention_result["kernels"].items():
         for part, timings in parts.items():
             if "skipped" in timings:
                 attention.notes.append(f"{kernel} {part}: skipped, {timings['skipped']}")
@@ -983,10 +1133,15 @@ def tables(result: dict) -> list[Table]:
                     attention.notes.append(f"{kernel} {part}'s {what}: skipped, {timing['skipped']}")
                 cells.append(f"{timing.median_ms:.3f}" if isinstance(timing, Timing) else "")
             attention.rows.append([kernel, part, *cells])
+    return [attention]
+
+
+def gemm_tables(gemm_result: dict) -> list[Table]:
+    """Part (c)'s loops against one GEMM."""
     gemm = Table("(c) expert GEMMs: a loop of one a local expert against one of the same FLOPs",
                  ["type", "local experts", "product", "m x k x n", "loop ms", "loop TFLOP/s", "us a GEMM",
                   "held us a GEMM", "kernels a GEMM", "one ms", "one TFLOP/s"], keys=3)
-    for name, rows in result["gemm"].items():
+    for name, rows in gemm_result.items():
         if isinstance(rows, dict):
             gemm.notes.append(f"{name}: skipped, {rows['skipped']}")
             continue
@@ -996,14 +1151,47 @@ def tables(result: dict) -> list[Table]:
                               f"{row['loop_us_per_gemm']:.1f}", f"{row['loop_held_us_per_gemm']:.1f}",
                               cell(row["loop_kernels_per_gemm"], "g"), f"{row['one_gemm']['device_ms'].median_ms:.3f}",
                               f"{row['one_gemm_tflops']:.4g}"])
+    return [gemm]
+
+
+def combine_tables(combine_result: dict) -> list[Table]:
+    """Part (d)'s ops and their bandwidth."""
     combine = Table("(d) the combine's kernels and elementwise layouts at (a)'s shape, each alone",
                     ["dtype", "op", "device ms", "GB moved", "GB/s"], keys=2)
-    for dtype, ops in result["combine"].items():
+    for dtype, ops in combine_result.items():
         for name, op in ops.items():
             ms = op["device_ms"].median_ms
             combine.rows.append([dtype, name, f"{ms:.3f}", f"{op['moved_bytes'] / 1e9:.3f}",
                                  f"{op['moved_bytes'] / 1e6 / ms:,.0f}"])
-    return [moe, moe_kernel_table(result["moe"]), attention, gemm, combine]
+    return [combine]
+
+
+def dense_tables(dense_result: dict) -> list[Table]:
+    """Part (e)'s products: a row a rank's product, a column a kind, each cell its held device ms (TFLOP/s)."""
+    kinds = list(dense_result["kinds"])
+    dense = Table("(e) the Llama 3.1 rows' products on a rank, held device ms (TFLOP/s)",
+                  ["model", "product", "m x k x n", *kinds], keys=3)
+    cells: dict[tuple[str, str, str], dict[str, str]] = {}
+    for row in dense_result["products"]:
+        found = cells.setdefault((row["model"], row["name"], f"{row['m']}x{row['k']}x{row['n']}"), {})
+        found[row["kind"]] = ("skipped" if "skipped" in row else
+                              f"{row['timings']['held_device_ms'].median_ms:.3f} ({row['tflops']:.0f})")
+    dense.rows = [[*key, *(found.get(kind, "") for kind in kinds)] for key, found in cells.items()]
+    dense.notes = [f"{name}: skipped, {kind['skipped']}" for name, kind in dense_result["kinds"].items()
+                   if "skipped" in kind]
+    dense.notes += [f"{row['model']} {row['name']} {row['kind']}: skipped, {row['skipped']}"
+                    for row in dense_result["products"] if "skipped" in row]
+    return [dense]
+
+
+TABLES = {"moe": moe_tables, "attention": attention_tables, "gemm": gemm_tables, "combine": combine_tables,
+          "dense": dense_tables}
+
+
+def tables(result: dict) -> list[Table]:
+    """The medians of the parts the probe ran, as tables: MoE layers, attention kernels, expert GEMMs, the
+    combine's kernels, the Llama rows' products."""
+    return [table for part, build in TABLES.items() if part in result for table in build(result[part])]
 
 
 TOP_PRINTED = 5  # kernels a span of part (a) prints by name (the JSON keeps `TOP_KERNELS`)
@@ -1100,7 +1288,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, help="Untimed runs before them (default 3, quick 1).")
     parser.add_argument("--no-compile", action="store_true",
                         help="Skip the torch.compile'd context-parallel passes (they compile for a few seconds).")
+    parser.add_argument("--parts", default=",".join(TABLES),
+                        help=f"The parts to run, comma-separated, of {', '.join(TABLES)} (default: all).")
     args = parser.parse_args(argv)
+    chosen = [name.strip() for name in args.parts.split(",")]
+    unknown = [name for name in chosen if name not in TABLES]
+    if unknown or not chosen:
+        print(f"--parts: {', '.join(map(repr, unknown))} is no part; give some of {', '.join(TABLES)}, "
+              "comma-separated", file=sys.stderr)
+        return 2
     for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
         if value is not None and value < (1 if flag == "--repeats" else 0):
             print(f"{flag}: {value} is not allowed; give a whole number of at least "
@@ -1116,7 +1312,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     budget = Budget(warmup=args.warmup if args.warmup is not None else 1 if args.quick else 3,
                     repeats=args.repeats or (3 if args.quick else 20))
-    moe_shape, attention_shape = (QUICK_MOE, QUICK_ATTENTION) if args.quick else (QWEN3_30B_A3B, LLAMA31_8B)
+    moe_shape, attention_shape, dense_shapes = ((QUICK_MOE, QUICK_ATTENTION, QUICK_DENSE) if args.quick else
+                                                (QWEN3_30B_A3B, LLAMA31_8B, LLAMA31_DENSE))
     dtype = torch.bfloat16
     torch.manual_seed(0)
     result = {"probe": "benchmarks/gpu_probe.py", "environment": environment(device), "quick": args.quick,
@@ -1124,8 +1321,10 @@ def main(argv: list[str] | None = None) -> int:
     parts = {"moe": partial(probe_moe, moe_shape, device, dtype, budget),
              "attention": partial(probe_attention, attention_shape, device, dtype, budget, args.no_compile),
              "gemm": partial(probe_gemms, moe_shape, device, dtype, budget),
-             "combine": partial(probe_combine, moe_shape, device, budget)}
-    for name, probe in parts.items():
+             "combine": partial(probe_combine, moe_shape, device, budget),
+             "dense": partial(probe_dense, dense_shapes, device, dtype, budget)}
+    for name in (name for name in parts if name in chosen):
+        probe = parts[name]
         started = time.perf_counter()
         result[name] = probe()
         result["seconds"][name] = time.perf_counter() - started

@@ -4,7 +4,7 @@
 # wheels docs/benchmarks.md names in .whl (carry: [".whl"]):  bash benchmarks/gpu_session.sh
 # CHECK_S and PROBE_S bound each part in seconds (defaults 330 and 150: both inside one 10-minute call, its start
 # included; PROBE_S=0 leaves the probe out); CHECK_ARGS and PROBE_ARGS pass flags to each (e.g. --again zb-h1,
-# --no-compile).
+# --no-compile, --parts dense).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3

@@ -37,7 +37,7 @@ import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -227,6 +227,17 @@ def kernel_rows(probe: dict, gpu: str, host_kernel_us: float) -> list[dict]:
     return rows
 
 
+def probe_product(m: int, k: int, n: int, float8: bool = False, split_accumulation: bool = False,
+                  out_bytes: int = 2) -> OpCount:
+    """One of the probe's GEMMs, (m x k) by (k x n), as pipesim counts a product: its FLOPs, its operands read (an
+    element a byte in float8, else two) and its output moved at `out_bytes` an element (BF16 written, as the probe's;
+    8 where it is added into a float32 gradient, read and written: planning/estimate.py `accumulated_in_products`);
+    a `float8` one at the float8 peak, its partial sums added into float32 where `split_accumulation`."""
+    moved = (m * k + k * n) * (1 if float8 else 2) + m * n * out_bytes
+    return OpCount("mm", "matmul", (1, m, n, k), 2 * m * n * k, moved, 1, float8=float8,
+                   split_accumulation=split_accumulation)
+
+
 def gemm_rows(probe: dict, gpu_name: str, host_kernel_us: float) -> list[dict]:
     """Per loop of part (c), pipesim's loop and one GEMM beside the probe's device times."""
     gpu = load_catalogue().find(gpu_name)
@@ -237,15 +248,9 @@ def gemm_rows(probe: dict, gpu_name: str, host_kernel_us: float) -> list[dict]:
             continue  # a part the probe skipped (no FP8 there)
         float8 = kind == "fp8"
         device = Device.of(gpu, "bf16", curve, fp8=float8)
-        operand = 1 if float8 else 2
         for loop in loops:
             m, k, n, local = loop["m"], loop["k"], loop["n"], loop["local_experts"]
-
-            def product(rows: int, depth: int, count: int = 1) -> OpCount:
-                moved = (rows * depth + depth * n) * operand + rows * n * 2  # BF16 out, as the probe's
-                return OpCount("mm", "matmul", (1, rows, n, depth), 2 * rows * n * depth, moved, count,
-                               float8=float8, split_accumulation=float8)
-
+            product = partial(probe_product, n=n, float8=float8, split_accumulation=float8)
             each_ms = matmul_ms(product(m, k), device)
             one_m, one_k = (m * local, k) if loop["token_dim"] == "m" else (m, k * local)
             loop_ms = local * each_ms + waited_ms([Kernels(local, host_kernel_us / 1e3, each_ms)])[0]
@@ -282,6 +287,16 @@ def print_kernels(rows: list[dict], gpu: str) -> None:
     print_table(table, keys=3)
 
 
+def refused_gpu(name: str) -> bool:
+    """Whether `--gpu` `name` is no part of the catalogue, said in one line on stderr (the parts it knows)."""
+    try:
+        load_catalogue().find(name)
+    except CatalogueError as exc:
+        print(f"--gpu: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def summary(errors: list[float]) -> str:
     magnitudes = [abs(e) for e in errors]
     return f"median {statistics.median(magnitudes):.1%}, worst {max(magnitudes):.1%} over {len(errors)}"
@@ -311,10 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_kernel_us < 0:
         print(f"--host-kernel-us: {args.host_kernel_us:g} is negative; give 0 or more microseconds", file=sys.stderr)
         return 2
-    try:
-        load_catalogue().find(args.gpu)
-    except CatalogueError as exc:  # it names the parts the catalogue knows
-        print(f"--gpu: {exc}", file=sys.stderr)
+    if refused_gpu(args.gpu):
         return 2
     compared = layer_rows(probe, args.gpu, args.host_kernel_us)
     table = Table(title=f"(a) the probe's MoE layer on {args.gpu} at {args.host_kernel_us:g} us a kernel: "

@@ -29,7 +29,7 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     result = json.loads(out.read_text())
     assert result["environment"]["device"] == "cpu" and result["environment"]["torch"] == torch.__version__
     assert result["budget"] == {"warmup": 0, "repeats": 2}
-    assert set(result["seconds"]) == {"moe", "attention", "gemm", "combine"}
+    assert set(result["seconds"]) == {"moe", "attention", "gemm", "combine", "dense"}
 
     layers = result["moe"]["layers"]
     assert [layer["local_experts"] for layer in layers] == [4, 8, 16]
@@ -91,8 +91,53 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     assert "compute capability 8.9" in result["gemm"]["fp8"]["skipped"]
 
 
+def test_the_dense_part_alone_times_each_ranks_product_in_each_kind_that_runs_its_orientation(probe, tmp_path):
+    """`--parts dense` runs part (e) alone: the quick shape's rank at t = 2 (its 12 products and the forward's and
+    input gradient's chunks of half the rows), BF16 everywhere, its weight gradients also into float32, and the
+    float8 kinds, which a CPU cannot run, skipped with why."""
+    out = tmp_path / "probe.json"
+    assert probe.main(["--device", "cpu", "--quick", "--parts", "dense", "--repeats", "2", "--warmup", "0",
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"dense"} and "moe" not in result
+    dense = result["dense"]
+    assert all("compute capability 8.9" in dense["kinds"][name]["skipped"]
+               for name in ("fp8 fast accum", "fp8", "fp8 e5m2 grad", "fp8 e5m2 grad into fp32"))
+    assert dense["kinds"]["bf16 into fp32"] == {"orientations": ["weight grad"]}
+    bf16 = [row for row in dense["products"] if row["kind"] == "bf16"]
+    assert len(bf16) == 20 and all(row["tflops"] > 0 and len(row["timings"]["held_device_ms"]["samples_ms"]) == 2
+                                   for row in bf16)
+    shapes = {row["name"]: (row["m"], row["k"], row["n"]) for row in bf16}
+    assert shapes["qkv forward"] == (32, 64, (4 + 2 * 2) * 16 // 2) and shapes["fc2 weight grad"] == (64, 32, 48)
+    assert shapes["fc1 forward, a 1/2 chunk"] == (16, 64, 96) and shapes["proj input grad, a 1/2 chunk"] == (16, 64, 32)
+    into_fp32 = [row for row in dense["products"] if row["kind"] == "bf16 into fp32"]
+    assert [row["name"] for row in into_fp32] == [f"{layer} weight grad" for layer in ("qkv", "proj", "fc1", "fc2")]
+    assert {row["kind"] for row in dense["products"]} == {"bf16", "bf16 into fp32"}
+
+
+def test_the_llama_rows_products_are_a_ranks_share_of_each_layer_at_c2s_tokens(probe):
+    eight, seventy = ({product.name: (product.m, product.k, product.n) for product in probe.dense_products(shape)}
+                      for shape in probe.LLAMA31_DENSE)
+    assert len(eight) == 12 and len(seventy) == 20  # at t = 4 the forward and input gradient in chunks too
+    assert eight["qkv forward"] == (4096, 4096, 6144) and eight["fc2 input grad"] == (4096, 4096, 14336)
+    assert seventy["qkv forward"] == (4096, 8192, (16 + 2 * 2) * 128) and seventy["proj forward"] == (4096, 2048, 8192)
+    assert seventy["fc1 weight grad"] == (2 * 28672 // 4, 4096, 8192)
+    assert seventy["fc2 forward, a 1/4 chunk"] == (1024, 7168, 8192)
+
+
+def test_a_plain_kind_multiplies_its_operands_and_adds_into_its_accumulator(probe):
+    cpu = torch.device("cpu")
+    kind = probe.plain_kind(cpu, torch.float32)
+    a, b = kind.operands(3, 5, 4)
+    assert b.shape == (5, 4) and not b.is_contiguous()  # the weight stored n x k, read transposed
+    torch.testing.assert_close(kind.multiply(a, b), a @ b)
+    accumulating = probe.plain_kind(cpu, torch.bfloat16, torch.float32)
+    assert accumulating.name == "bf16 into fp32" and accumulating.operands(3, 5, 4)[0].dtype == torch.float32
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--repeats", "0"], "--repeats: 0 is not allowed"),
+    (["--parts", "dense,moes"], "--parts: 'moes' is no part; give some of moe, attention, gemm, combine, dense"),
     (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from "),  # quoted or not by version
     (["--device", "cpu", "--out", "/nonexistent-folder/probe.json"], "--out: the folder /nonexistent-folder"),
     *([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: torch sees no CUDA GPU")]),

@@ -1,0 +1,125 @@
+"""benchmarks/probe_dense.py: the GPU probe's part (e), the Llama 3.1 rows' products on a rank, priced by pipesim
+beside a probe's device times, replayed here on a synthetic probe of the part's shape (every product of
+gpu_probe.py's `dense_products` in each kind its `dense_kinds` runs, each measured at a rate of its own)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from tests.conftest import script_module
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+MEASURED_TFLOPS = {"bf16": 700.0, "bf16 into fp32": 650.0, "fp8 fast accum": 1400.0, "fp8": 1100.0,
+                   "fp8 e5m2 grad": 1000.0, "fp8 e5m2 grad into fp32": 900.0}
+
+
+@pytest.fixture(scope="module")
+def modules():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        with script_module("gpu_probe") as probe, script_module("probe_dense") as replay:
+            yield probe, replay
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("probe_moe", None)
+
+
+def synthetic_probe(probe, skip: str | None = None) -> dict:
+    """Part (e) as gpu_probe.py writes it, each product measured at its kind's `MEASURED_TFLOPS`; the kind `skip`
+    skipped for every product, as a GPU without it writes it."""
+    import torch
+
+    kinds = probe.dense_kinds(torch.device("cpu"), torch.bfloat16)
+    products = []
+    for shape in probe.LLAMA31_DENSE:
+        for product in probe.dense_products(shape):
+            for name, (orientations, _) in kinds.items():
+                if product.orientation not in orientations:
+                    continue
+                row = {"model": shape.name, "kind": name, **product.__dict__}
+                if name == skip:
+                    products.append(row | {"skipped": "RuntimeError: not here"})
+                    continue
+                ms = 2 * product.m * product.k * product.n / (MEASURED_TFLOPS[name] * 1e9)
+                products.append(row | {"timings": {"held_device_ms": {"median_ms": ms}}})
+    return {"dense": {"shapes": [shape.__dict__ for shape in probe.LLAMA31_DENSE], "kinds": {}, "products": products}}
+
+
+def test_each_kind_is_priced_at_its_peak_and_efficiency_beside_what_was_measured(modules):
+    """The 8B's fc1 forward (4,096 x 4,096 by 4,096 x 28,672) is compute-bound: BF16 at the BF16 peak and the
+    curve's matmul efficiency, float8 with fast accumulation at the float8 peak and the same efficiency, without
+    it at the split-accumulation efficiency, each times the best tile's fill (128 x 128 tiles: 7,168 in 55 waves of
+    132), plus the kernel overhead."""
+    probe, replay = modules
+    rows = {(row.model, row.name, row.kind): row for row in replay.rows(synthetic_probe(probe), "h200")}
+    gpu = load_catalogue().find("h200")
+    curve = gpu.curve
+    flop = 2 * 4096 * 4096 * 28672
+    fill = 7168 / (55 * 132)
+    for kind, peak, efficiency in (("bf16", gpu.dense_tflops.bf16, curve.matmul_efficiency),
+                                   ("fp8 fast accum", gpu.dense_tflops.fp8, curve.matmul_efficiency),
+                                   ("fp8", gpu.dense_tflops.fp8, curve.fp8_split_accumulation_efficiency)):
+        row = rows["Llama 3.1 8B", "fc1 forward", kind]
+        assert row.predicted_ms == pytest.approx(flop / (peak * 1e9 * efficiency * fill) + curve.kernel_overhead_ms)
+        assert row.measured_tflops == pytest.approx(MEASURED_TFLOPS[kind])
+        assert row.ratio == pytest.approx(row.predicted_ms / (flop / (MEASURED_TFLOPS[kind] * 1e9)))
+    assert rows["Llama 3.1 8B", "fc1 weight grad", "bf16 into fp32"].predicted_ms == pytest.approx(
+        rows["Llama 3.1 8B", "fc1 weight grad", "bf16"].predicted_ms)  # its float32 traffic hides under the FLOPs
+    assert ("Llama 3.1 8B", "fc1 forward", "bf16 into fp32") not in rows  # a weight gradient's kind only
+
+
+def test_a_layer_is_summed_as_each_recipe_runs_it_and_at_t4_also_in_chunks(modules):
+    """BF16: forward and input gradient in BF16, the weight gradient into float32; float8: the forward with fast
+    accumulation, the gradients e5m2; the 70B (t = 4) also with its forward and input gradients as 4 chunks of a
+    quarter of the rows, each priced with its own tile fill and overhead; a recipe whose kind the probe skipped is
+    left out."""
+    probe, replay = modules
+    table = replay.rows(synthetic_probe(probe), "h200")
+    sums = {(s.model, s.recipe, s.chunked): s for s in replay.layer_sums(table, {"Llama 3.1 8B": 1,
+                                                                                 "Llama 3.1 70B": 4})}
+    assert set(sums) == {("Llama 3.1 8B", "bf16", False), ("Llama 3.1 8B", "fp8 (TE hybrid)", False),
+                         *((("Llama 3.1 70B", recipe, chunked) for recipe in ("bf16", "fp8 (TE hybrid)")
+                            for chunked in (False, True)))}
+    shape = probe.LLAMA31_DENSE[0]
+    flop = 2 * shape.tokens * shape.hidden * ((shape.heads + 2 * shape.kv_heads) * shape.head_dim + shape.hidden
+                                              + 2 * shape.ffn + shape.ffn)
+    expected = flop * (2 / MEASURED_TFLOPS["bf16"] + 1 / MEASURED_TFLOPS["bf16 into fp32"]) / 1e9
+    assert sums["Llama 3.1 8B", "bf16", False].measured_ms == pytest.approx(expected)
+    whole, chunked = sums["Llama 3.1 70B", "bf16", False], sums["Llama 3.1 70B", "bf16", True]
+    assert chunked.measured_ms == pytest.approx(whole.measured_ms)  # the same FLOPs at the same synthetic rate
+    assert chunked.predicted_ms > whole.predicted_ms  # 4 kernels' overheads and a quarter's tile fill each
+    fp8 = replay.layer_sums(replay.rows(synthetic_probe(probe, skip="fp8 e5m2 grad"), "h200"), {"Llama 3.1 8B": 1})
+    assert [(s.model, s.recipe) for s in fp8] == [("Llama 3.1 8B", "bf16")]
+    assert not math.isclose(sums["Llama 3.1 8B", "fp8 (TE hybrid)", False].predicted_ms,
+                            sums["Llama 3.1 8B", "bf16", False].predicted_ms / 2, rel_tol=0.01)  # split is slower
+
+
+def test_the_replay_prints_every_product_and_the_layer_sums(modules, tmp_path, capsys):
+    probe, replay = modules
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(synthetic_probe(probe, skip="bf16 into fp32")))
+    assert replay.main(["--probe", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 e5m2 grad into fp32: pipesim / measured median" in out and "bf16 into fp32:" not in out
+    assert "in t chunks" in out and "fp8 (TE hybrid)" in out
+
+
+@pytest.mark.parametrize("document,message", [
+    (None, "--probe: {path} is not a gpu_probe.py JSON with its dense part (FileNotFoundError"),
+    ({"moe": {}}, "--probe: {path} is not a gpu_probe.py JSON with its dense part (KeyError: 'dense')"),
+    ({"dense": {"shapes": [], "products": [{"kind": "fp16"}]}}, "kinds fp16 are not this replay's"),
+])
+def test_a_probe_without_the_dense_part_is_one_line_and_exit_2(modules, tmp_path, capsys, document, message):
+    _, replay = modules
+    path = tmp_path / "probe.json"
+    if document is not None:
+        path.write_text(json.dumps(document))
+    assert replay.main(["--probe", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message.format(path=path) in err and err.count("\n") == 1
