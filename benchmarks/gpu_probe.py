@@ -1063,7 +1063,7 @@ def probe_dense(shapes: tuple[DenseShape, ...], device: torch.device, dtype: tor
                 flop = 2 * product.m * product.k * product.n
                 try:
                     timings, profile = time_gemms(kind, [(product.m, product.k, product.n)], clock, budget)
-                except RuntimeError as error:
+                except (RuntimeError, TypeError) as error:  # a torch without a kind's op, or refusing its dtypes
                     rows.append({"model": shape.name, "kind": name, **asdict(product), **skipped(error)})
                     continue
                 rows.append({"model": shape.name, "kind": name, **asdict(product), "flop": flop, "timings": timings,
