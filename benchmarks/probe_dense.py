@@ -70,6 +70,7 @@ class Row:
     n: int
     predicted_ms: float
     measured_ms: float
+    kernel: str | None = None  # the longest kernel the probe's profiler saw it run (None: it kept none)
 
     @property
     def ratio(self) -> float:
@@ -91,8 +92,9 @@ def rows(probe: dict, gpu_name: str) -> list[Row]:
         kind = KINDS[product["kind"]]
         m, k, n = product["m"], product["k"], product["n"]
         predicted = matmul_ms(probe_product(m, k, n, kind.float8, kind.split_accumulation, kind.out_bytes), device)
+        kernels = product.get("profile", {}).get("by_kernel") or [{}]
         table.append(Row(product["model"], product["name"], product["orientation"], product["kind"], m, k, n,
-                         predicted, product["timings"]["held_device_ms"]["median_ms"]))
+                         predicted, product["timings"]["held_device_ms"]["median_ms"], kernels[0].get("short")))
     return table
 
 
@@ -151,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     table = rows(probe, args.gpu)
     printed = Table(title=f"The Llama 3.1 rows' products on a rank: pipesim {args.gpu} against {args.probe.name}, ms")
     for column in ("model", "product", "kind", "m x k x n", "pipesim", "measured", "pipesim / measured",
-                   "measured TFLOP/s"):
-        printed.add_column(column, justify="left" if column in ("model", "product", "kind") else "right")
+                   "measured TFLOP/s", "kernel"):
+        printed.add_column(column, justify="left" if column in ("model", "product", "kind", "kernel") else "right")
     for row in table:
         printed.add_row(row.model, row.name, row.kind, f"{row.m}x{row.k}x{row.n}", f"{row.predicted_ms:.3f}",
-                        f"{row.measured_ms:.3f}", f"{row.ratio:.3f}", f"{row.measured_tflops:.0f}")
+                        f"{row.measured_ms:.3f}", f"{row.ratio:.3f}", f"{row.measured_tflops:.0f}", row.kernel or "-")
     print_table(printed, keys=3)
     for kind in dict.fromkeys(row.kind for row in table):
         mine = [row for row in table if row.kind == kind]

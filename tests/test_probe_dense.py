@@ -47,7 +47,8 @@ def synthetic_probe(probe, skip: str | None = None) -> dict:
                     products.append(row | {"skipped": "RuntimeError: not here"})
                     continue
                 ms = 2 * product.m * product.k * product.n / (MEASURED_TFLOPS[name] * 1e9)
-                products.append(row | {"timings": {"held_device_ms": {"median_ms": ms}}})
+                products.append(row | {"timings": {"held_device_ms": {"median_ms": ms}},
+                                       "profile": {"by_kernel": [{"short": f"nvjet {name}"}, {"short": "Memset"}]}})
     return {"dense": {"shapes": [shape.__dict__ for shape in probe.LLAMA31_DENSE], "kinds": {}, "products": products}}
 
 
@@ -67,7 +68,7 @@ def test_each_kind_is_priced_at_its_peak_and_efficiency_beside_what_was_measured
                                    ("fp8", gpu.dense_tflops.fp8, curve.fp8_split_accumulation_efficiency)):
         row = rows["Llama 3.1 8B", "fc1 forward", kind]
         assert row.predicted_ms == pytest.approx(flop / (peak * 1e9 * efficiency * fill) + curve.kernel_overhead_ms)
-        assert row.measured_tflops == pytest.approx(MEASURED_TFLOPS[kind])
+        assert row.measured_tflops == pytest.approx(MEASURED_TFLOPS[kind]) and row.kernel == f"nvjet {kind}"
         assert row.ratio == pytest.approx(row.predicted_ms / (flop / (MEASURED_TFLOPS[kind] * 1e9)))
     assert rows["Llama 3.1 8B", "fc1 weight grad", "bf16 into fp32"].predicted_ms == pytest.approx(
         rows["Llama 3.1 8B", "fc1 weight grad", "bf16"].predicted_ms)  # its float32 traffic hides under the FLOPs
