@@ -2275,27 +2275,31 @@ def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Paralleli
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 
 
-def paired_passes(priced: LayerEstimate, routed: LayerEstimate, all_to_all_fwd_ms: float, all_to_all_bwd_ms: float,
-                  issued: dict[str, float], experts_issued: dict[str, float]) -> tuple[MoePass, MoePass]:
-    """A MoE layer's forward and backward (`priced` on the GPU, its routed experts' part, `_routed_part`, priced
-    `routed`) as Megatron-core's overlapped pair runs them node by node (`planning.experts.MoePass`): dispatch and
-    combine alike; of the backward, the weight gradients `delay_wgrad_compute` runs after each part's input
-    gradients; and where the layer makes the host wait, each part's issue (the host's issue of each pass, by name:
-    `issued` the whole layer's, `experts_issued` its routed part's; 0 where it never waits), its weight gradients'
-    of it (the weight-gradient pass's, within the backward's)."""
+def paired_passes(priced: LayerEstimate, routed: LayerEstimate, combined: LayerEstimate, all_to_all_fwd_ms: float,
+                  all_to_all_bwd_ms: float, issued: dict[str, dict[str, float]]) -> tuple[MoePass, MoePass]:
+    """A MoE layer's forward and backward (`priced` on the GPU; its routed experts' part, `_routed_part`, priced
+    `routed`; what its combine node runs beside the all-to-all, `_combine_part`, priced `combined`) as
+    Megatron-core's overlapped pair runs them node by node (`planning.experts.MoePass`): dispatch and combine
+    alike; of the backward, the weight gradients `delay_wgrad_compute` runs after each part's input gradients; and
+    where the layer makes the host wait, each part's issue (the host's issue of each pass, by part and pass name:
+    "layer" the whole layer's, "experts" its routed part's, "combine" its combine node's; 0 where it never waits),
+    its weight gradients' of it (the weight-gradient pass's, within the backward's)."""
 
-    def split_issue(name: str) -> tuple[float, float]:  # (outside the routed experts, theirs)
-        return issued[name] - experts_issued[name], experts_issued[name]
+    def split_issue(name: str) -> tuple[float, float, float]:  # (the attention node's, the experts', the combine's)
+        experts, combine = issued["experts"][name], issued["combine"][name]
+        return issued["layer"][name] - experts - combine, experts, combine
 
-    (attention_fwd, experts_fwd), (attention_bwd, experts_bwd), (attention_wgrad, experts_wgrad) = (
-        split_issue(name) for name in ("fwd", "bwd", "wgrad"))
-    forward = MoePass(priced.fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2,
-                      attention_issue_ms=attention_fwd, experts_issue_ms=experts_fwd)
-    attention_bwd_ms = priced.bwd_ms - routed.bwd_ms
+    (attention_fwd, experts_fwd, combine_fwd), (attention_bwd, experts_bwd, combine_bwd), (
+        attention_wgrad, experts_wgrad, _) = (split_issue(name) for name in ("fwd", "bwd", "wgrad"))
+    forward = MoePass(priced.fwd_ms - routed.fwd_ms - combined.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2,
+                      all_to_all_fwd_ms / 2, attention_issue_ms=attention_fwd, experts_issue_ms=experts_fwd,
+                      combine_compute_ms=combined.fwd_ms, combine_issue_ms=combine_fwd)
+    attention_bwd_ms = priced.bwd_ms - routed.bwd_ms - combined.bwd_ms
     backward = MoePass(attention_bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2,
                        min(max(priced.wgrad_ms - routed.wgrad_ms, 0.0), attention_bwd_ms),
                        min(routed.wgrad_ms, routed.bwd_ms), attention_bwd, experts_bwd,
-                       min(attention_wgrad, attention_bwd), min(experts_wgrad, experts_bwd))
+                       min(attention_wgrad, attention_bwd), min(experts_wgrad, experts_bwd),
+                       combined.bwd_ms, combine_bwd)
     return forward, backward
 
 
@@ -2355,6 +2359,24 @@ def _routed_part(layer: LayerCount) -> LayerCount:
     regions' reruns too (`Regions`: moe_act's, not the norms' outside the experts)."""
     return replace(layer, ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.ops.items()},
                    region_ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.region_ops.items()})
+
+
+def _combine_part(layer: LayerCount) -> LayerCount:
+    """What Megatron-core's `moe_combine` node of an overlapped pair computes beside its all-to-all, on the
+    communication stream (models/gpt/fine_grained_callables.py `submodule_combine_forward`): of `layer`'s ops,
+    the unpermutation (the count's scatter back of the routed experts' outputs, workload/moe.py `routed_experts`:
+    `index_put` in the forward, its gradient's gather `index` in a backward) and one call of the residual add over
+    the layer's output (`mlp_bda`, whose gradient passes through: no kernel in the count). A shared expert's add
+    (`postprocess`) is not told apart and stays in the attention node."""
+    def mine(name: str, op: OpCount) -> OpCount | None:
+        if op.routed:
+            return None
+        if name == "fwd" and op.op == "add" and op.shape == tuple(layer.output_shape):
+            return replace(op, count=1)
+        return op if op.op == ("index_put" if name == "fwd" else "index") else None
+
+    ops = {name: tuple(filter(None, (mine(name, op) for op in ops))) for name, ops in layer.ops.items()}
+    return replace(layer, ops=ops, region_ops={})
 
 
 def _op_kept(layer: LayerCount) -> frozenset[int]:
@@ -2628,9 +2650,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         priced = estimate_layer(busiest, device, parallel, links.tensor, element, links.context, float8, accumulated)
         shared = None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor, element,
                                                               links.context, float8, accumulated)
-        experts_part = _routed_part(busiest) if parallel.expert > 1 and layer.dispatched_bytes else None
-        routed = (None if experts_part is None else estimate_layer(experts_part, device, parallel, links.tensor,
-                                                                   element, links.context, float8, accumulated))
+        paired = parallel.expert > 1 and layer.dispatched_bytes
+        routed, combined = (estimate_layer(part(busiest), device, parallel, links.tensor, element, links.context,
+                                           float8, accumulated) if paired else None
+                            for part in (_routed_part, _combine_part))
         share = rank_share(layer, held_share(layer, experts.weight_shards), t, element)  # t x the rank's
         params = round(layer.param_bytes * share) // t
         held_state = state_share(layer, parallel, experts.weight_shards, element)  # of them t x its optimizer's
@@ -2652,12 +2675,14 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             return {name: issued_ms(passes[name]) if synced else 0.0 for name in PASSES}
 
         passes = kernels(priced, PASSES)
-        experts_passes = kernels(routed, PASSES) if routed is not None and synced else {}
-        issues.append(_HostIssue(
-            passes, None if shared is None else kernels(shared, ("fwd", "bwd")),
-            None if routed is None else paired_passes(priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms,
-                                                      issued(passes), issued(experts_passes)),
-            synced and parallel.token_dispatcher == "deepep"))
+        pair = None
+        if routed is not None and combined is not None:
+            parts_issued = {part: issued(kernels(estimate, PASSES) if synced else {})
+                            for part, estimate in (("experts", routed), ("combine", combined))}
+            pair = paired_passes(priced, routed, combined, all_to_all_fwd_ms, all_to_all_bwd_ms,
+                                 {"layer": issued(passes), **parts_issued})
+        issues.append(_HostIssue(passes, None if shared is None else kernels(shared, ("fwd", "bwd")), pair,
+                                 synced and parallel.token_dispatcher == "deepep"))
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,

@@ -304,8 +304,10 @@ class MoePass:
     """One pass (a forward or a backward) of a mixture-of-experts layer as Megatron-core's overlap splits it
     (megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan), each node's GPU time:
     the compute outside the routed experts (`attention_ms`: attention, norms, router; its weight gradients in a
-    backward), the routed experts' compute (`experts_ms`, with theirs), and its dispatch and combine all-to-alls'
-    network time. Of a backward's, the weight gradients each part runs after its input gradients
+    backward), the routed experts' compute (`experts_ms`, with theirs), its dispatch and combine all-to-alls'
+    network time, and the compute its combine node runs on the communication stream (`combine_compute_ms`: the
+    unpermutation and the residual add, `mlp_bda`, after a forward's combine; their gradients before a backward's;
+    not in `attention_ms`). Of a backward's, the weight gradients each part runs after its input gradients
     (`attention_wgrad_ms`, `experts_wgrad_ms`: TransformerEngine's modules hold them back under
     `delay_wgrad_compute`, and the pair runs them as `backward_dw`, outside its nodes). The `*_issue_ms`: the
     host's issue of each part's kernels (planning/host.py `issued_ms`; 0 where the layer never makes the host wait,
@@ -321,6 +323,8 @@ class MoePass:
     experts_issue_ms: float = 0.0
     attention_wgrad_issue_ms: float = 0.0
     experts_wgrad_issue_ms: float = 0.0
+    combine_compute_ms: float = 0.0
+    combine_issue_ms: float = 0.0
 
 
 def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | None = None,
@@ -336,12 +340,18 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
 
     each node waiting on its pass's event (pipeline_parallel/utils.py `stream_acquire_context`: a node waits for
     the event its pass's last node recorded, then records it), so a pass's nodes run in order, and the streams run
-    theirs in issue order. The weight gradients (`backward_dw`, under `delay_wgrad_compute`, which every
-    Megatron-Bridge recipe setting `moe_a2a_overlap` sets with it: `set_moe_a2a_overlap_overrides`) run on the
-    compute stream outside any node and record no event: the backward's dispatch waits for its experts' input
-    gradients only, and the next layer's combine_bwd for this layer's attention's input gradients only, beside its
-    attention's weight gradients. So each all-to-all hides only under what runs beside it, not under the other
-    pass's whole compute (a 4-node Qwen3-235B layer: 8.1 ms of all-to-alls, 1.7 ms of it exposed).
+    theirs in issue order. The combine node is more than its all-to-all (models/gpt/fine_grained_callables.py
+    `submodule_combine_forward`, at 0d8e0714cd and b0cc2706 alike): after the combine it unpermutes the tokens
+    (the dispatcher's `combine_postprocess`, "Unpermutation 1") and adds the residual (`mlp_bda`), and its
+    backward runs their gradients before the all-to-all, all on the communication stream
+    (`MoePass.combine_compute_ms`); the dispatch node is its all-to-all alone (the permutations run in the
+    attention and experts nodes: `dispatch_preprocess`, `dispatch_postprocess`). The weight gradients
+    (`backward_dw`, under `delay_wgrad_compute`, which every Megatron-Bridge recipe setting `moe_a2a_overlap` sets
+    with it: `set_moe_a2a_overlap_overrides`) run on the compute stream outside any node and record no event: the
+    backward's dispatch waits for its experts' input gradients only, and the next layer's combine_bwd for this
+    layer's attention's input gradients only, beside its attention's weight gradients. So each all-to-all hides
+    only under what runs beside it, not under the other pass's whole compute (a 4-node Qwen3-235B layer's pair:
+    8.2 ms of all-to-alls, 2.3 ms beyond its compute).
 
     One host issues all of it, in that order: a node's kernels run no sooner than it issues them. It runs ahead
     until it waits for the GPU: once a pair in the forward's dispatch, for the split sizes the attention node's
@@ -360,33 +370,36 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
     ends = []
 
     def node(stream: float, done: float, run_ms: float, issue_ms: float) -> float:
-        """When a compute node ends: started once its stream, its event and its issue allow, ended no sooner than
-        its last kernel is issued."""
+        """When a node's work on `stream` ends: started once its stream, its event and its issue allow, ended no
+        sooner than its last kernel is issued."""
         nonlocal host
         start = max(stream, done, host)
         host += issue_ms
         return max(start + run_ms, host)
 
     for _ in range(PAIRED_LAYERS):
-        comm = backward_done = max(comm, backward_done, host) + backward.combine_ms
+        # the combine's gradients, then its all-to-all, which the host issues after them
+        comm = backward_done = node(comm, backward_done, backward.combine_compute_ms,
+                                    backward.combine_issue_ms) + backward.combine_ms
         comp = forward_done = node(comp, forward_done, forward.attention_ms, forward.attention_issue_ms)
         comp = backward_done = node(comp, backward_done, backward.experts_ms - backward.experts_wgrad_ms,
                                     backward.experts_issue_ms - backward.experts_wgrad_issue_ms)
         host = max(host, forward_done)  # the dispatch's wait for the router's split sizes
-        comm = forward_done = max(comm, forward_done, host) + forward.dispatch_ms
+        comm = forward_done = node(comm, forward_done, forward.dispatch_ms, 0.0)
         comp = node(comp, 0.0, backward.experts_wgrad_ms, backward.experts_wgrad_issue_ms)
-        comm = backward_done = max(comm, backward_done, host) + backward.dispatch_ms
+        comm = backward_done = node(comm, backward_done, backward.dispatch_ms, 0.0)
         if experts_wait:  # for the dispatched tokens, once the stream reaches the experts
             host = max(host, comp, forward_done)
         comp = forward_done = node(comp, forward_done, forward.experts_ms, forward.experts_issue_ms)
-        comm = forward_done = max(comm, forward_done, host) + forward.combine_ms
+        comm = forward_done = node(comm, forward_done, forward.combine_ms + forward.combine_compute_ms,
+                                   forward.combine_issue_ms)
         comp = backward_done = node(comp, backward_done, backward.attention_ms - backward.attention_wgrad_ms,
                                     backward.attention_issue_ms - backward.attention_wgrad_issue_ms)
         comp = node(comp, 0.0, backward.attention_wgrad_ms, backward.attention_wgrad_issue_ms)
         ends.append(max(comp, comm))
     layer_ms = (ends[-1] - ends[-1 - PAIRED_STEADY_LAYERS]) / PAIRED_STEADY_LAYERS
     if charged_ms is None:
-        charged_ms = forward.attention_ms + forward.experts_ms + backward.attention_ms + backward.experts_ms
+        charged_ms = sum(part.attention_ms + part.experts_ms + part.combine_compute_ms for part in (forward, backward))
     return max(layer_ms - charged_ms, 0.0)  # never below what its rows charge
 
 

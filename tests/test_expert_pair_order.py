@@ -51,6 +51,16 @@ def test_all_to_alls_no_longer_than_their_nodes_are_hidden_and_longer_ones_show_
     assert paired_exposed_ms(MoePass(2.0, 2.0, 0.0, 0.0), MoePass(4.0, 4.0, 0.0, 3.0)) == pytest.approx(1.0)
 
 
+def test_the_combine_nodes_unpermutation_and_residual_add_run_on_the_communication_stream():
+    """Megatron-core's combine node unpermutes the combined tokens and adds the residual after its all-to-all (its
+    backward their gradients before it), on the communication stream. A pair bound by that stream (each pass's
+    attention 1, experts 1, dispatch and combine 2: 8 ms of all-to-alls a layer beside 4 of compute) exposes 4 ms;
+    where 0.5 ms of each pass's attention node is that work, the same compute exposes 5."""
+    assert paired_exposed_ms(MoePass(1.0, 1.0, 2.0, 2.0), MoePass(1.0, 1.0, 2.0, 2.0)) == pytest.approx(4.0)
+    moved = MoePass(0.5, 1.0, 2.0, 2.0, combine_compute_ms=0.5)
+    assert paired_exposed_ms(moved, moved) == pytest.approx(5.0)
+
+
 def test_the_next_layers_combine_runs_beside_the_attentions_delayed_weight_gradients():
     """Under `delay_wgrad_compute` the attention's weight gradients (1 of its 4 ms) run after its node, so the next
     layer's backward combine (3 ms), which waits for that node's event, runs beside them and the forward's attention
@@ -88,22 +98,34 @@ def counted() -> WorkloadCount:
 
 
 def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
-    """E = 8 from d = 8 replicas of p = 4 stages (2 of the group a node, 3/4 of each all-to-all on the NIC): a
-    block's field is `paired_exposed_ms` of its passes split at the routed experts' ops, half of each pass's
-    all-to-alls its dispatch; the embedding and the head route nothing, and with E = 1 there is nothing to expose."""
-    parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=0)  # the GPU's pricing (planning/host.py)
+    """E = 8 from d = 8 replicas of p = 4 stages (2 of the group a node, 3/4 of each all-to-all on the NIC), the
+    busiest expert taking half the copies, so that the busiest rank's all-to-alls outlast what they hide under: a
+    block's field is `paired_exposed_ms` of its passes split at the routed experts' ops and the combine node's (the
+    scatter back, `index_put`, and the residual add after it; in the backward the scatter's gradient, `index`),
+    half of each pass's all-to-alls its dispatch; the embedding and the head route nothing, and with E = 1 there
+    is nothing to expose."""
+    parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=0,  # the GPU's pricing (planning/host.py)
+                           hot_expert_share=0.5)
     profile = estimate_profile(counted(), H100, parallel)
     links = links_of(node_placement(H100), 1, 4, 8)
-    group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8)
+    group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8, hot_share=0.5)
     for layer, priced in zip(map(group.local, counted().layers), profile.layers):
         if not layer.dispatched_bytes:
             assert priced.all_to_all_paired_ms == 0.0
             continue
         routed = replace(layer, ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.ops.items()})
         experts = estimate_layer(routed, DEVICE, parallel, links.tensor, 2)
-        forward = MoePass(priced.fwd.median_ms - experts.fwd_ms, experts.fwd_ms, *(priced.all_to_all_fwd_ms / 2,) * 2)
-        backward = MoePass(priced.bwd.median_ms - experts.bwd_ms, experts.bwd_ms, *(priced.all_to_all_bwd_ms / 2,) * 2,
-                           priced.wgrad.median_ms - experts.wgrad_ms, experts.wgrad_ms)  # the GPU's: no host wait
+        residual_add = next(op for op in layer.ops["fwd"] if op.op == "add" and op.shape == layer.output_shape)
+        combine = replace(layer, ops={"fwd": (replace(residual_add, count=1),
+                                              *(op for op in layer.ops["fwd"] if op.op == "index_put")),
+                                      "bwd": tuple(op for op in layer.ops["bwd"] if op.op == "index")}, region_ops={})
+        combined = estimate_layer(combine, DEVICE, parallel, links.tensor, 2)
+        assert combined.fwd_ms > 0 and combined.bwd_ms > 0
+        forward = MoePass(priced.fwd.median_ms - experts.fwd_ms - combined.fwd_ms, experts.fwd_ms,
+                          *(priced.all_to_all_fwd_ms / 2,) * 2, combine_compute_ms=combined.fwd_ms)
+        backward = MoePass(priced.bwd.median_ms - experts.bwd_ms - combined.bwd_ms, experts.bwd_ms,
+                           *(priced.all_to_all_bwd_ms / 2,) * 2, priced.wgrad.median_ms - experts.wgrad_ms,
+                           experts.wgrad_ms, combine_compute_ms=combined.bwd_ms)  # the GPU's: no host wait
         assert priced.all_to_all_paired_ms == pytest.approx(paired_exposed_ms(forward, backward), rel=1e-12)
         assert priced.all_to_all_paired_ms > 0
     single = estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8))
