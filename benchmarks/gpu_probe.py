@@ -31,7 +31,9 @@
     fc1 (gate and up) and fc2, forward, input and weight gradient, and at t = 4 the forward and input gradient in
     the userbuffers overlap's chunks of 1/t of the rows; one GEMM a span behind a held device, in BF16 (the weight
     gradient also into float32, as TransformerEngine accumulates it) and in FP8 (e4m3 with and without fast
-    accumulation; HYBRID's e5m2 gradients by e4m3 without), each with its kernel by name (`dense_kinds`).
+    accumulation; HYBRID's e5m2 gradients by e4m3 without), each with its kernel by name (`dense_kinds`); and each
+    layer's products as the rows run them (`RECIPES`) back to back for 32 layers, with the SM clock and power
+    meanwhile (`time_sustained`).
     benchmarks/probe_dense.py prices the same products with pipesim.
 
 Device times are CUDA events; host times time.perf_counter; every figure is the median of `--repeats` after
@@ -51,6 +53,7 @@ import json
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -1048,6 +1051,48 @@ def dense_kinds(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[tup
     return kinds
 
 
+# a layer's products as the rows run them: the kind (of `dense_kinds`) of each orientation (of `ORIENTATIONS`)
+RECIPES = {"bf16": {"forward": "bf16", "input grad": "bf16", "weight grad": "bf16 into fp32"},
+           "fp8 (TE hybrid)": {"forward": "fp8 fast accum", "input grad": "fp8 e5m2 grad",
+                               "weight grad": "fp8 e5m2 grad into fp32"}}
+SUSTAINED_LAYERS = 32  # layers a sustained span runs back to back: about 0.2 s of the 8B's BF16 products
+SUSTAINED_REPEATS = 5
+
+
+def gpu_clocks() -> dict[str, float] | None:
+    """The GPU's SM clock (MHz) and power draw (W) now, as nvidia-smi reads them (None where it cannot)."""
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()[0]
+        sm_mhz, power_w = (float(value) for value in line.split(","))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
+    return {"sm_mhz": sm_mhz, "power_w": power_w}
+
+
+def time_sustained(products: list[tuple[GemmKind, Product]], clock: Clock, budget: Budget) -> dict:
+    """A layer's products (each in its recipe's kind) run `SUSTAINED_LAYERS` times back to back behind a held
+    device, as a step's layers keep the GPU busy for seconds where a span of one GEMM does not: the device's time a
+    layer, and the SM clock and power nvidia-smi read while they ran (a GPU holding its clocks down at its power
+    limit runs them slower than short spans show)."""
+    operands = [(kind, kind.operands(product.m, product.k, product.n)) for kind, product in products]
+    clocks: list[dict[str, float] | None] = []
+
+    def step() -> dict[str, float]:
+        start = clock.held_start()
+        for _ in range(SUSTAINED_LAYERS):
+            for kind, arguments in operands:
+                kind.multiply(*arguments)
+        end = clock.mark()
+        if clock.cuda:
+            clocks.append(gpu_clocks())
+        clock.synchronize()
+        return {"layer_ms": clock.device_ms(start, end) / SUSTAINED_LAYERS}
+
+    timings = repeat(step, Budget(min(budget.warmup, 1), min(budget.repeats, SUSTAINED_REPEATS)))
+    return {"layers": SUSTAINED_LAYERS, "layer_ms": timings["layer_ms"], "clocks": clocks}
+
+
 def probe_dense(shapes: tuple[DenseShape, ...], device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
     """(e): each rank's product of each shape (`dense_products`) in each kind that runs its orientation
     (`dense_kinds`), one GEMM a span: its device time from an idle device and behind a held one, its host's, its
@@ -1068,11 +1113,22 @@ def probe_dense(shapes: tuple[DenseShape, ...], device: torch.device, dtype: tor
                     continue
                 rows.append({"model": shape.name, "kind": name, **asdict(product), "flop": flop, "timings": timings,
                              "tflops": flop / timings["held_device_ms"].median_ms / 1e9, "profile": profile})
+    sustained = []
+    for shape in shapes:
+        whole = [product for product in dense_products(shape) if "chunk" not in product.name]
+        for recipe, chosen in RECIPES.items():
+            layer = [(kinds[chosen[product.orientation]][1], product) for product in whole]
+            unavailable = next((kind for kind, _ in layer if isinstance(kind, Exception)), None)
+            try:
+                measured = skipped(unavailable) if unavailable else time_sustained(layer, clock, budget)
+            except (RuntimeError, TypeError) as error:
+                measured = skipped(error)
+            sustained.append({"model": shape.name, "recipe": recipe, **measured})
     return {"shapes": [asdict(shape) for shape in shapes], "held_cycles": HOLD_CYCLES if clock.cuda else 0,
             "kinds": {name: {"orientations": list(orientations)} | (skipped(kind) if isinstance(kind, Exception)
                                                                     else {})
                       for name, (orientations, kind) in kinds.items()},
-            "products": rows}
+            "products": rows, "sustained": sustained}
 
 
 # --- the report --------------------------------------------------------------------------------------------------
@@ -1181,7 +1237,18 @@ def dense_tables(dense_result: dict) -> list[Table]:
                    if "skipped" in kind]
     dense.notes += [f"{row['model']} {row['name']} {row['kind']}: skipped, {row['skipped']}"
                     for row in dense_result["products"] if "skipped" in row]
-    return [dense]
+    sustained = Table(f"(e) a layer's products as the rows run them, {SUSTAINED_LAYERS} layers back to back, ms a "
+                      "layer (SM clock and power while they ran)", ["model", "recipe", "layer ms", "SM MHz", "W"],
+                      keys=2)
+    for row in dense_result["sustained"]:
+        if "skipped" in row:
+            sustained.notes.append(f"{row['model']} {row['recipe']}: skipped, {row['skipped']}")
+            continue
+        read = [clocks for clocks in row["clocks"] if clocks]
+        sustained.rows.append([row["model"], row["recipe"], f"{row['layer_ms'].median_ms:.3f}",
+                               *(f"{min(c[key] for c in read):.0f}-{max(c[key] for c in read):.0f}" if read else "-"
+                                 for key in ("sm_mhz", "power_w"))])
+    return [dense, sustained]
 
 
 TABLES = {"moe": moe_tables, "attention": attention_tables, "gemm": gemm_tables, "combine": combine_tables,

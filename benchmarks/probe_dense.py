@@ -12,7 +12,8 @@ into no C). pipesim has no e5m2 of its own: HYBRID's e5m2 gradients are priced a
 Then each layer as the rows run it (`RECIPES`): BF16's forward and input gradient, its weight gradient into float32
 (`--grad-accumulation fused`); TransformerEngine's float8 (HYBRID delayed scaling) forward with fast accumulation,
 its gradients e5m2 without, the weight gradient into float32; at t > 1 also with the forward and input gradient
-in t chunks, as the overlap runs them.
+in t chunks, as the overlap runs them; and beside each whole layer the probe's same products run back to back for
+many layers (`dense.sustained`), as a step keeps the GPU busy, which a span of one GEMM from a held device does not.
 
     python benchmarks/probe_dense.py --probe traces/measured/PROBE.json   # a gpu_probe.py run with part (e)
 """
@@ -26,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_probe import RECIPES
 from probe_moe import probe_product, refused_gpu, summary
 from rich.table import Table
 
@@ -50,10 +52,6 @@ class Kind:
 KINDS = {"bf16": Kind(False, False, 2), "bf16 into fp32": Kind(False, False, 8),
          "fp8 fast accum": Kind(True, False, 2), "fp8": Kind(True, True, 2),
          "fp8 e5m2 grad": Kind(True, True, 2), "fp8 e5m2 grad into fp32": Kind(True, True, 8)}
-# a layer's products as each recipe runs them: the kind of each orientation (gpu_probe.py `ORIENTATIONS`)
-RECIPES = {"bf16": {"forward": "bf16", "input grad": "bf16", "weight grad": "bf16 into fp32"},
-           "fp8 (TE hybrid)": {"forward": "fp8 fast accum", "input grad": "fp8 e5m2 grad",
-                               "weight grad": "fp8 e5m2 grad into fp32"}}
 LAYERS = ("qkv", "proj", "fc1", "fc2")
 
 
@@ -100,20 +98,26 @@ def rows(probe: dict, gpu_name: str) -> list[Row]:
 
 @dataclass(frozen=True)
 class LayerSum:
-    """A layer's products of one model as a recipe runs them, summed: pipesim's and measured, ms."""
+    """A layer's products of one model as a recipe runs them, summed: pipesim's and measured (each alone), ms; and
+    the layer measured with its products back to back for many layers (`sustained_ms`, the whole products only;
+    None where the probe has none)."""
 
     model: str
     recipe: str
     chunked: bool
     predicted_ms: float
     measured_ms: float
+    sustained_ms: float | None = None
 
 
-def layer_sums(table: list[Row], tensor: dict[str, int]) -> list[LayerSum]:
-    """Per model and recipe (`RECIPES`), its layer's products summed (each orientation in the recipe's kind), and at
-    t > 1 (`tensor`, a model's t) also with its forward and input gradients as t chunks of 1/t of the rows; a sum
-    the probe left a product of out (a kind skipped) is not given."""
+def layer_sums(table: list[Row], tensor: dict[str, int], sustained: list[dict] = ()) -> list[LayerSum]:
+    """Per model and recipe (gpu_probe.py `RECIPES`), its layer's products summed (each orientation in the recipe's
+    kind), and at t > 1 (`tensor`, a model's t) also with its forward and input gradients as t chunks of 1/t of the
+    rows; a sum the probe left a product of out (a kind skipped) is not given. `sustained`: the probe's layers back
+    to back (`dense.sustained`), set beside the whole products' sum."""
     found = {(row.model, row.name, row.kind): row for row in table}
+    back_to_back = {(row["model"], row["recipe"]): row["layer_ms"]["median_ms"] for row in sustained
+                    if "layer_ms" in row}
     sums = []
     for model, t in tensor.items():
         for recipe, kinds in RECIPES.items():
@@ -126,7 +130,8 @@ def layer_sums(table: list[Row], tensor: dict[str, int]) -> list[LayerSum]:
                         parts.append((found.get((model, name, kind)), t if chunk else 1))
                 if all(row is not None for row, _ in parts):
                     sums.append(LayerSum(model, recipe, chunked, sum(row.predicted_ms * times for row, times in parts),
-                                         sum(row.measured_ms * times for row, times in parts)))
+                                         sum(row.measured_ms * times for row, times in parts),
+                                         None if chunked else back_to_back.get((model, recipe))))
     return sums
 
 
@@ -164,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: pipesim / measured median {statistics.median(row.ratio for row in mine):.3f}, "
               f"|error| {summary([row.ratio - 1 for row in mine])}")
     sums = Table(title="A layer's products as the rows run them, summed, ms")
-    for column in ("model", "recipe", "forward and input grad", "pipesim", "measured", "pipesim / measured"):
+    for column in ("model", "recipe", "forward and input grad", "pipesim", "measured alone", "pipesim / alone",
+                   "back to back", "pipesim / back to back"):
         sums.add_column(column, justify="left" if column in ("model", "recipe") else "right")
-    for layer in layer_sums(table, tensor):
+    for layer in layer_sums(table, tensor, dense.get("sustained", [])):
+        sustained = layer.sustained_ms
         sums.add_row(layer.model, layer.recipe, "in t chunks" if layer.chunked else "whole",
                      f"{layer.predicted_ms:.3f}", f"{layer.measured_ms:.3f}",
-                     f"{layer.predicted_ms / layer.measured_ms:.3f}")
+                     f"{layer.predicted_ms / layer.measured_ms:.3f}", "-" if sustained is None else f"{sustained:.3f}",
+                     "-" if sustained is None else f"{layer.predicted_ms / sustained:.3f}")
     print_table(sums, keys=3)
     return 0
 

@@ -113,6 +113,22 @@ def test_the_dense_part_alone_times_each_ranks_product_in_each_kind_that_runs_it
     into_fp32 = [row for row in dense["products"] if row["kind"] == "bf16 into fp32"]
     assert [row["name"] for row in into_fp32] == [f"{layer} weight grad" for layer in ("qkv", "proj", "fc1", "fc2")]
     assert {row["kind"] for row in dense["products"]} == {"bf16", "bf16 into fp32"}
+    assert [(row["model"], row["recipe"]) for row in dense["sustained"]] == [("quick", "bf16"),
+                                                                             ("quick", "fp8 (TE hybrid)")]
+    assert "compute capability 8.9" in dense["sustained"][1]["skipped"]  # a recipe runs only if its kinds all run
+
+
+def test_a_sustained_span_runs_the_layers_products_back_to_back_and_reads_no_clock_on_a_cpu(probe):
+    cpu = torch.device("cpu")
+    layer = [(probe.plain_kind(cpu, torch.float32), product)
+             for product in probe.linear_products("fc1", 8, 16, 32)]
+    calls = []
+    counting = [(probe.GemmKind(kind.name, kind.operands, lambda *a, run=kind.multiply: calls.append(1) or run(*a)),
+                 product) for kind, product in layer]
+    measured = probe.time_sustained(counting, probe.Clock(False), probe.Budget(warmup=1, repeats=2))
+    assert len(calls) == 3 * probe.SUSTAINED_LAYERS * 3  # a warm-up and two repeats of every layer's 3 products
+    assert measured["layers"] == probe.SUSTAINED_LAYERS and measured["clocks"] == []
+    assert len(measured["layer_ms"].samples_ms) == 2 and measured["layer_ms"].median_ms > 0
 
 
 def test_the_llama_rows_products_are_a_ranks_share_of_each_layer_at_c2s_tokens(probe):

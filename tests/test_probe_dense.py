@@ -49,7 +49,10 @@ def synthetic_probe(probe, skip: str | None = None) -> dict:
                 ms = 2 * product.m * product.k * product.n / (MEASURED_TFLOPS[name] * 1e9)
                 products.append(row | {"timings": {"held_device_ms": {"median_ms": ms}},
                                        "profile": {"by_kernel": [{"short": f"nvjet {name}"}, {"short": "Memset"}]}})
-    return {"dense": {"shapes": [shape.__dict__ for shape in probe.LLAMA31_DENSE], "kinds": {}, "products": products}}
+    sustained = [{"model": "Llama 3.1 8B", "recipe": "bf16", "layers": 32, "layer_ms": {"median_ms": 8.5}},
+                 {"model": "Llama 3.1 8B", "recipe": "fp8 (TE hybrid)", "skipped": "RuntimeError: not here"}]
+    return {"dense": {"shapes": [shape.__dict__ for shape in probe.LLAMA31_DENSE], "kinds": {}, "products": products,
+                      "sustained": sustained}}
 
 
 def test_each_kind_is_priced_at_its_peak_and_efficiency_beside_what_was_measured(modules):
@@ -82,8 +85,8 @@ def test_a_layer_is_summed_as_each_recipe_runs_it_and_at_t4_also_in_chunks(modul
     left out."""
     probe, replay = modules
     table = replay.rows(synthetic_probe(probe), "h200")
-    sums = {(s.model, s.recipe, s.chunked): s for s in replay.layer_sums(table, {"Llama 3.1 8B": 1,
-                                                                                 "Llama 3.1 70B": 4})}
+    sums = {(s.model, s.recipe, s.chunked): s for s in replay.layer_sums(
+        table, {"Llama 3.1 8B": 1, "Llama 3.1 70B": 4}, synthetic_probe(probe)["dense"]["sustained"])}
     assert set(sums) == {("Llama 3.1 8B", "bf16", False), ("Llama 3.1 8B", "fp8 (TE hybrid)", False),
                          *((("Llama 3.1 70B", recipe, chunked) for recipe in ("bf16", "fp8 (TE hybrid)")
                             for chunked in (False, True)))}
@@ -92,6 +95,8 @@ def test_a_layer_is_summed_as_each_recipe_runs_it_and_at_t4_also_in_chunks(modul
                                               + 2 * shape.ffn + shape.ffn)
     expected = flop * (2 / MEASURED_TFLOPS["bf16"] + 1 / MEASURED_TFLOPS["bf16 into fp32"]) / 1e9
     assert sums["Llama 3.1 8B", "bf16", False].measured_ms == pytest.approx(expected)
+    assert sums["Llama 3.1 8B", "bf16", False].sustained_ms == 8.5  # the layers back to back, beside the whole sum
+    assert sums["Llama 3.1 8B", "fp8 (TE hybrid)", False].sustained_ms is None  # skipped there
     whole, chunked = sums["Llama 3.1 70B", "bf16", False], sums["Llama 3.1 70B", "bf16", True]
     assert chunked.measured_ms == pytest.approx(whole.measured_ms)  # the same FLOPs at the same synthetic rate
     assert chunked.predicted_ms > whole.predicted_ms  # 4 kernels' overheads and a quarter's tile fill each
