@@ -258,13 +258,16 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
         probe_width,
     )
     from ..profiles.schema import RuntimeProfile
+    from ..workload.transport import choose_transport
 
     env = profile.environment
     probe_options = {"layers": 1, "width": probe_width(profile, settings.dtype.itemsize)}
-    key = {"device": env.device, "dtype": env.dtype, "microbatch_size": env.microbatch_size,
-           "threads": settings.threads, "repeats": settings.repeats, "warmup": settings.warmup,
-           "probe": probe_options, "schedules": PROBE_SCHEDULES, "microbatches": PROBE_MICROBATCHES,
-           "steady": PROBE_STEADY, "warmup_rows": WARMUP_ROWS}
+    # its two ranks' transport: their sends, and on a GPU they share, the passes its terms are read against,
+    # timed from an idle GPU (calibrate/measure.py `idle_passes`), so a probe made under another is not reused
+    key = {"device": env.device, "transport": choose_transport(env.device, 2).kind, "dtype": env.dtype,
+           "microbatch_size": env.microbatch_size, "threads": settings.threads, "repeats": settings.repeats,
+           "warmup": settings.warmup, "probe": probe_options, "schedules": PROBE_SCHEDULES,
+           "microbatches": PROBE_MICROBATCHES, "steady": PROBE_STEADY, "warmup_rows": WARMUP_ROWS}
     with phase(f"runtime probe ({' then '.join(PROBE_SCHEDULES)} on two ranks)") as notes:
         measure = lambda: _probe_terms(profile, settings, advance, probe_options).model_dump(mode="json")  # noqa: E731
         probe = cache.get("runtime-probe", key, measure, own_tasks=2 * settings.threads) if cache is not None \

@@ -69,3 +69,31 @@ def test_a_run_timed_for_its_rows_alone_scores_no_trained_model():
                    {"layers": 2, "width": 8}, microbatch_size=2)
     assert run_in_process(spec).trace.meta.extra["heldout"]["accuracy"] >= 0
     assert "heldout" not in run_in_process(replace(spec, heldout=False)).trace.meta.extra
+
+
+def test_a_runtime_probe_kept_under_one_transport_is_not_reused_under_another(monkeypatch):
+    """The probe's compute terms are its rows less its passes, which two ranks sharing a GPU time from an idle GPU
+    (calibrate/measure.py `idle_passes`), and its sends go over its transport: the host cache keys the probe by
+    the transport its two ranks take, so one made on two GPUs is not reused on one."""
+    import torch
+
+    from pipesim.calibrate.measure import Settings
+    from pipesim.commands.calibrate import measure_runtime
+
+    class Looked(Exception):
+        """The cache asked for the probe: its key, in args[0]."""
+
+    class Cache:
+        def get(self, kind: str, key: dict, measure, own_tasks: int):
+            raise Looked(key)
+
+    profile = load_profile(PROFILE.parents[1] / "measured" / "gpu-check-h200-day9" / "profile.json")
+    settings = Settings(torch.device("cuda"), torch.bfloat16, profile.environment.microbatch_size, 1, 5)
+    keys = {}
+    for gpus in (1, 2):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        with pytest.raises(Looked) as looked:
+            measure_runtime(profile, settings, lambda what: None, "gpt", {}, cache=Cache())
+        keys[gpus] = looked.value.args[0]
+    assert (keys[1].pop("transport"), keys[2].pop("transport")) == ("host-staged", "nccl")
+    assert keys[1] == keys[2]
