@@ -134,8 +134,11 @@ class WhatIf:
     def curve(self) -> Curve | None:
         """The part's efficiency curve from the --curve-from calibration: the one `pipesim calibrate` stored in it
         where that was fitted on the tiles this part's products are priced on and the attention the fit counts
-        (`FIT_ATTENTION`: a curve stored before was fitted on the math path's scores), else fitted here to its
-        measured layers on the same model's count (imports torch; once per command); None: the catalogue's curve."""
+        (`FIT_ATTENTION`: a curve stored before was fitted on the math path's scores) with a kernel overhead timed
+        on the device's clock, else fitted here to its measured layers on the same model's count (imports torch;
+        once per command), less the overhead calibrate timed on the device, or the part's where calibrate timed
+        its host's issue (a CUDA calibration from before: `FittedCurve.kernel_overhead_on_device`); None: the
+        catalogue's curve."""
         if self.calibrated is None:
             return None
         from ..planning.estimate import FIT_ATTENTION, PEAK_DTYPE, EstimateError, curve_for, fit_rates
@@ -149,16 +152,23 @@ class WhatIf:
         shape = (self.gpu.curve.multiprocessors, self.gpu.curve.tiles) if env.device == "cuda" else (1, [(1, 1)])
         stored = self.calibrated.fitted_curve
         where = f"{self.calibrated_path} ({env.device_name}, {env.date})"
+        timed = stored.kernel_overhead_ms if stored is not None and stored.kernel_overhead_measured else None
+        # timed as the host issued the chain, not as the device runs it (`kernel_overhead_on_device`)
+        host_timed = timed is not None and env.device == "cuda" and not stored.kernel_overhead_on_device
+        if host_timed:
+            timed = self.gpu.curve.kernel_overhead_ms
         # why a stored curve is not the one this part is priced on, said in the curve's source
         passed_over = [] if stored is None else [why for why, holds in (
             ("fitted on other tiles", (stored.multiprocessors, stored.tiles) != shape),
-            (f"attention counted as {stored.attention}", stored.attention not in (None, FIT_ATTENTION))) if holds]
+            (f"attention counted as {stored.attention}", stored.attention not in (None, FIT_ATTENTION)),
+            (f"its kernel overhead timed on the host's clock: the part's "
+             f"{self.gpu.curve.kernel_overhead_ms * 1e3:.1f} us a kernel taken", host_timed))
+            if holds]
         try:
             if stored is not None and not passed_over:
                 fitted, source = stored, f"stored by pipesim calibrate in {where}"
             else:
                 counted = fit_count(self.calibrated, "--curve-from")
-                timed = stored.kernel_overhead_ms if stored is not None and stored.kernel_overhead_measured else None
                 fitted = fit_rates(self.calibrated, counted, *shape, timed)
                 source = f"fitted to {where}" + (f", not its stored curve ({', '.join(passed_over)})"
                                                   if passed_over else "")
@@ -405,7 +415,9 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
         try:
             counted = fit_count(profile, "the fitted curve")
             overhead_ms = kernel_overhead_ms(device, getattr(torch, env.dtype))
-            return profile.model_copy(update={"fitted_curve": fit_rates(profile, counted, *shape, overhead_ms)})
+            fitted = fit_rates(profile, counted, *shape, overhead_ms)
+            return profile.model_copy(update={"fitted_curve": fitted.model_copy(
+                update={"kernel_overhead_on_device": True})})
         except (InputError, EstimateError, RuntimeError, NotImplementedError) as exc:  # the meta device's too
             first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
             stderr.print(f"note: no efficiency curve stored in the profile: {first_line}", highlight=False,

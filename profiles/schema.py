@@ -498,15 +498,17 @@ class FittedCurve(_Strict):
     large matrix products' FLOP/ms (before their tile fill over `multiprocessors` × `tiles`), fused attention
     kernels' (None: the count has none), memory-bound bytes/ms (None: they cost nothing measurable), and what
     each kernel costs beyond its work (`kernel_overhead_measured`: timed on the device, calibrate/kernel.py,
-    rather than fitted). `passes`: the layer passes fitted, on the model counted with `attention`;
-    `residuals`: per pass the calibration times, each layer's time from the fitted curve over its measured
-    time, less 1 (None: a pass the count gives the layer no work for)."""
+    rather than fitted; `kernel_overhead_on_device`: on the device's clock, False in a CUDA calibration from
+    before, whose chain timed its host's issue). `passes`: the layer passes fitted, on the model counted with
+    `attention`; `residuals`: per pass the calibration times, each layer's time from the fitted curve over its
+    measured time, less 1 (None: a pass the count gives the layer no work for)."""
 
     matmul_flops_per_ms: float = Field(gt=0)
     attention_flops_per_ms: float | None = Field(None, gt=0)
     memory_bytes_per_ms: float | None = Field(None, gt=0)
     kernel_overhead_ms: float = Field(ge=0)
     kernel_overhead_measured: bool = False
+    kernel_overhead_on_device: bool = False
     multiprocessors: int = Field(ge=1)
     tiles: list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]] = Field(min_length=1)
     passes: list[Pass] = Field(min_length=1)
