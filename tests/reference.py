@@ -189,10 +189,14 @@ class Reference:
 
 def single_process(spec: RunSpec, losses: list[float] | None = None) -> list[torch.Tensor]:
     """The model trained in one process, its layers wired as the model says (a DAG for two-branch): what a
-    synchronous schedule's run must end with. Each mini-batch's loss is appended to `losses`, if given."""
+    synchronous schedule's run must end with. Each mini-batch's loss is appended to `losses`, if given. In 16 bits
+    (HALF) in mixed precision: each micro-batch's 16-bit gradients summed in float32, the optimizer stepping float32
+    masters (returned), the model's weights copied from them after each update."""
     model = initial_model(spec)
     params = [p for layer in model.layers for p in layer.parameters()]
-    opt = optimizer(spec.optimizer, params, spec.lr)
+    half = spec.dtype in HALF
+    masters = [p.detach().to(torch.float32, copy=True) for p in params] if half else params
+    opt = optimizer(spec.optimizer, masters, spec.lr)
     m = spec.schedule.microbatches
     for b in range(spec.schedule.minibatches):
         total = 0.0
@@ -201,8 +205,15 @@ def single_process(spec: RunSpec, losses: list[float] | None = None) -> list[tor
             loss = model.loss(model.forward(x), target) / m
             loss.backward()
             total += float(loss.detach())
+            for master, p in zip(masters, params) if half else ():
+                if p.grad is not None:
+                    master.grad = p.grad.float() if master.grad is None else master.grad.add_(p.grad)
+                    p.grad = None
         if losses is not None:
             losses.append(total)
         opt.step()
         opt.zero_grad()
-    return [p.detach() for p in params]
+        with torch.no_grad():
+            for p, master in zip(params, masters) if half else ():
+                p.copy_(master)
+    return [w.detach() for w in masters]
