@@ -32,6 +32,7 @@ from pipesim.schedules.ir import order_tokens, parse_token
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import InProcessTransport
+from tests.reference import initial_model
 from tests.reference import single_process as reference_single_process
 from tests.test_executor import assert_same, pipeline_weights, single_process, spec_for
 from tests.test_executor_dp import dp_spec, whole
@@ -127,6 +128,33 @@ def test_on_a_gpu_a_pairs_parts_run_side_by_side_and_train_as_on_cpu():
             b, f = i - rows.start, i - 1 - rows.start
             overlapped += int(result.start_ns[b] < result.end_ns[f])
     assert overlapped > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_pairs_parts_add_bfloat16_gradients_into_float32_main_gradients_as_in_turn():
+    """In bfloat16 a hook adds each weight's 16-bit gradient into its float32 main gradient on the stream autograd
+    accumulates that weight on (executor/backward.py): with a pair's parts on two streams the update is the one
+    with the same parts run in turn on the device's stream, to the order cuBLAS reduces in on several streams;
+    a micro-batch's gradient lost, or added before its stream made it, moves it by a quarter or more."""
+    spec = RunSpec(build_schedule("dualpipev", ScheduleParams(2, 4, 2, chunks=2)), "mlp",
+                   {"layers": 8, "width": 2048}, microbatch_size=512, lr=0.01, seed=3, dtype="bfloat16")
+    lowered = lower(spec.schedule)
+    start = torch.cat([p.detach().float().reshape(-1) for layer in initial_model(spec).layers
+                       for p in layer.parameters()])
+
+    def update(side_by_side: bool) -> torch.Tensor:
+        transports = InProcessTransport.connected(2, device="cuda", timeout_s=120)
+        loops = [DeviceLoop(spec, lowered, cut(spec), d, transports[d]) for d in range(2)]
+        assert all(loop.pairs.on_gpu for loop in loops)
+        for loop in loops:
+            loop.pairs.on_gpu = side_by_side
+        results = run_loops(loops)
+        return torch.cat([torch.from_numpy(w).reshape(-1) for k in range(spec.schedule.num_stages)
+                          for r in results for w in r.weights.get((k, 0), [])]) - start
+
+    in_turn = update(False)
+    assert float(in_turn.norm()) > 0
+    assert float((update(True) - in_turn).norm() / in_turn.norm()) < 0.01
 
 
 # ---------------------------------------------------------------------------------- the bidirectional DualPipe
