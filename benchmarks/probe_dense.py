@@ -15,7 +15,8 @@ its gradients e5m2 without, the weight gradient into float32; at t > 1 also with
 in t chunks, as the overlap runs them; and beside each whole layer the probe's same products run back to back for
 many layers (`dense.sustained`), as a step keeps the GPU busy, which a span of one GEMM from a held device does not.
 
-    python benchmarks/probe_dense.py --probe traces/measured/PROBE.json   # a gpu_probe.py run with part (e)
+    python benchmarks/probe_dense.py                     # the H200's record, traces/measured/gpu-probe-h200-dense.json
+    python benchmarks/probe_dense.py --probe PROBE.json  # another gpu_probe.py run with part (e)
 """
 
 from __future__ import annotations
