@@ -41,7 +41,7 @@ from ..traces import write_atomic
 from ..traces.hostload import LOAD_TOLERANCE_PER_CORE, HostLoad, format_age, loads_differ, mark, utc_now
 from ..workload.cachedir import cache_dir
 
-CACHE_VERSION = 5  # raised when what a cached entry holds, or how it is measured, changes (5: a send's CPU time)
+CACHE_VERSION = 6  # raised when what a cached entry holds, or how it is measured, changes (6: the kept gradients)
 MAX_AGE_S = 24 * 3600.0  # a kept term older than this is measured again
 
 

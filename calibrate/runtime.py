@@ -10,8 +10,8 @@ layers: functional_call and the saved-tensor hooks); the CPU time a SEND row tak
 cost: its wall time holds the waits of a descheduled thread) and the host time of a RECV whose message had
 already arrived; how long a message takes from its send's post to a receiver waiting for it; the gap after
 each kind of row (less a compute row's wait for its turn on a GPU it shares); and the gradient copies an update
-leaves held (memory after it, at a flush, less the weights, SGD's state (none, or a 16-bit model's float32 master
-copy) and the buffers of the receives posted ahead for the next mini-batch, where that memory holds them). The
+leaves held (what a device holds before an update at a flush over what it held before the run's first, less the
+buffers of the receives posted ahead for the next mini-batch, where that memory holds them). The
 probe runs its schedules in turn in one run (`probe_schedule`: 1F1B for B, then ZB-H1 for I and W; both for F,
 OPT and the transfers), so its ranks start once. The gaps and a SEND's host time come from the same run on
 the calibrated model itself (`host_times`): that host work runs on the caches a stage's compute leaves, and
@@ -266,22 +266,32 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
                 arrived.append(dur_ms[i])
             else:
                 waited.append((end_us[i] - ops.start_us[send]) / 1e3)
+        # The first schedule's updates: a later one's first rows may allocate for good what none before did.
+        later = [b for b in trace.meta.params.get("warmup_minibatches", [0]) if b > 0]
+        first_schedule = ops.minibatch < min(later, default=trace.meta.minibatches)
         for d in range(trace.num_devices):
             rows = np.flatnonzero(ops.device == d)
             rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
-            # After an update at a flush a device holds its stage's weights, whatever gradient the update left,
-            # and the buffers of its next `window` receives, posted ahead (where its memory counts them).
+            # Before an update at a flush a device holds its stage's weights and optimizer state, the mini-batch's
+            # gradient, what the last update left of its own, the buffers of its next `window` receives, posted
+            # ahead (where its memory counts them), and on a GPU what its allocator holds beyond the books (cuBLAS's
+            # workspace per handle and stream among it, ATen/cuda/CublasHandlePool.cpp: 82 MiB a rank in the H200
+            # check's runs, which over the probe's 1-16 MiB gradients read as 16-31 of them). Before the run's first
+            # update none had left any: the excess over it of a later one's, in gradients, is the copies kept.
             memory = trace.counters["memory_bytes"][d]
             receives = np.flatnonzero(ops.stream[rows] == Stream.RECV)  # positions in the device's order
-            for at in np.flatnonzero((names[rows] == "OPT") & steady[rows]):
+            held: dict[int, dict[int, int]] = defaultdict(dict)  # per stage, per mini-batch
+            for at in np.flatnonzero((names[rows] == "OPT") & first_schedule[rows]):
                 row = rows[at]
-                stage = probe.stages[int(ops.stage[row])]
-                # its last sample (a row that frees weights has two at its end: its peak, then after)
-                after = memory.values[np.searchsorted(memory.times_us, end_us[row] + 0.5, side="right") - 1]
+                # the previous row's last sample (a row that frees weights has two at its end: its peak, then after)
+                before = memory.values[np.searchsorted(memory.times_us, end_us[row] - 0.5, side="left") - 1]
                 posted = rows[receives[receives > at][:window]] if trace.meta.counts_posted_receives else []
-                after -= sum(_message_bytes(probe, names[i], int(ops.stage[i]), int(ops.peer[i])) for i in posted)
-                kept.append((after - stage.param_bytes - stage.optimizer_state_bytes[PROBE_OPTIMIZER])
-                            / stage.grad_bytes)
+                held[int(ops.stage[row])][int(ops.minibatch[row])] = before - sum(
+                    _message_bytes(probe, names[i], int(ops.stage[i]), int(ops.peer[i])) for i in posted)
+            for stage, by_minibatch in held.items():
+                if 0 in by_minibatch:
+                    kept += [(nbytes - by_minibatch[0]) / probe.stages[stage].grad_bytes
+                             for b, nbytes in by_minibatch.items() if b > 0]
     recv = _timing(arrived, "receive whose message had arrived")
     return RuntimeProfile(
         compute_ms={kind: _timing(compute[kind], f"{kind} rows") for kind in COMPUTE_KINDS},

@@ -378,9 +378,10 @@ class RuntimeProfile(_Strict):
       where a ping-pong (the link fit) also pays for waking a blocked rank;
     - `gap_ms`: per kind of the row before, the time until the next row starts (the loop's memory and version
       bookkeeping, and posting the next receive after a RECV);
-    - `kept_gradients`: copies of a stage's weight gradient an update leaves held (memory after an OPT row minus
-      before, in gradients, plus the one the update consumed): a runtime that keeps the last gradient holds a
-      second buffer while the next mini-batch accumulates;
+    - `kept_gradients`: copies of a stage's weight gradient an update leaves held (what a device holds before an
+      update at a flush over what it held before the run's first, in gradients: calibrate/runtime.py
+      `runtime_terms`): a runtime that keeps the last gradient holds a second buffer while the next mini-batch
+      accumulates;
     - `recv_window`: receives the executor keeps posted ahead of the row it runs, each holding its buffer from
       its posting (the probe's; a profile from before it was recorded ran with the same default; 0 leaves
       them out, holding a buffer from its message's arrival);

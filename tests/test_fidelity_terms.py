@@ -173,13 +173,15 @@ def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
 
 def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float,
                 window: int = 2, warmup_ms: tuple[float, ...] = (), send_cpu_ms: float | None = None,
-                turn_ms: float | None = None) -> Trace:
+                turn_ms: float | None = None, beyond_bytes: int = 0) -> Trace:
     """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
     the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms` of which
     `send_cpu_ms` (default: all) its thread's CPU time, a RECV
     waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows, each of the rows but a RECV
-    and each gap `warmup_ms[j]` longer after j·WARMUP_ROWS compute rows of its device; after an update a device
-    holds its weights, `kept` gradients and the buffers of its next `window` receives, posted ahead. With `turn_ms`,
+    and each gap `warmup_ms[j]` longer after j·WARMUP_ROWS compute rows of its device; before an update a device
+    holds its weights, the mini-batch's gradient and the `kept` gradients an earlier update left, after it those
+    copies, each time with the buffers of its next `window` receives, posted ahead, and throughout `beyond_bytes`
+    its allocator holds beyond the books (a GPU's cuBLAS workspaces). With `turn_ms`,
     the two ranks shared a GPU over the host-staged transport: each compute row first waited that long for its turn
     (its `wait_us`), and the receives were posted in host memory."""
     own = {"F": "fwd_ms", "B": "bwd_ms", "I": "igrad_ms", "W": "wgrad_ms"}
@@ -214,10 +216,12 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
                 waits.append(turn_ms if turn_ms is not None and kind in COMPUTE_KINDS else -1.0)
                 clock[d] += max(waits[-1], 0.0)
                 rows.append((d, kind, stage, j, b, 1 - d if "_" in kind else -1, clock[d] * 1e3, ms * 1e3))
-                # after an update: weights, kept gradients and the next `window` receives (2 a mini-batch) posted
+                # around an update: weights, gradients and the next `window` receives (2 a mini-batch) posted
                 posted = min(window, 2 * (2 - b)) * probe.stages[0].output_bytes * (turn_ms is None)
-                memory[d].append(((clock[d] + ms) * 1e3, s.param_bytes + kept * s.grad_bytes + posted if kind == "OPT"
-                                  else 10 * s.param_bytes))
+                updates = at[d] + 1 < len(program) and program[at[d] + 1][0] == "OPT"
+                gradients = kept * (b > 0) + 1 if updates else kept if kind == "OPT" else None
+                held = 10 * s.param_bytes if gradients is None else s.param_bytes + gradients * s.grad_bytes + posted
+                memory[d].append(((clock[d] + ms) * 1e3, held + beyond_bytes))
                 clock[d] += ms + gap
                 at[d] += 1
     kinds = tuple(k.value for k in KINDS)
@@ -276,13 +280,15 @@ def test_ranks_sharing_a_gpu_price_neither_their_turns_as_host_time_nor_host_buf
     """Two ranks on one GPU take turns for compute (the executor's lock): a compute row waits for the other rank's
     before it starts, as the simulator runs them on that GPU, so that wait is no host time between rows (left in,
     the H200 run's gap after RECV_F was 9.9 ms, the other stage's backward). Their receives are posted in host
-    memory, so the memory after an update holds no receive buffers to take off its kept gradients."""
+    memory, so the memory around an update holds no receive buffers to take off its kept gradients; what their
+    allocators hold beyond the books (cuBLAS's workspaces: 82 MiB a rank in the H200 check's runs, over the probe's
+    1-16 MiB gradients 16-31 of them read as kept) is no gradient either."""
     from pipesim.traces import read_trace
 
     probe = load_profile(PROFILE)
     extra = {"F": 0.3, "B": 0.2, "I": 0.15, "W": 0.1, "OPT": 0.25}
-    write_trace(probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0, turn_ms=3.0),
-                tmp_path / "t.json")
+    write_trace(probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0, turn_ms=3.0,
+                            beyond_bytes=82 * 2**20), tmp_path / "t.json")
     shared = read_trace(tmp_path / "t.json")  # the waits as the run's trace file holds them
     assert set(shared.ops.wait_us[shared.ops.stream == Stream.COMPUTE]) == {3000.0}
     terms = runtime_terms([shared], probe, {"boundary_bytes": 4096})
