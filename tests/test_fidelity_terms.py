@@ -298,6 +298,18 @@ def test_ranks_sharing_a_gpu_price_neither_their_turns_as_host_time_nor_host_buf
     assert all(t.median_ms == pytest.approx(0.04) for t in host_times(terms, [shared]).gap_ms.values())
 
 
+@pytest.mark.parametrize("kept", [0.0, 2.0])
+def test_the_kept_gradients_are_what_a_device_holds_before_an_update_over_the_first(kept):
+    """An update's kept gradients are read from the memory before each update at a flush over the memory before the
+    run's first, in gradients: weights, the mini-batch's gradient, the receives posted ahead and what a GPU's
+    allocator holds beyond the books (82 MiB) cancel, so a runtime that frees its last gradient reads 0 and one that
+    keeps two reads 2, not the allocator's bytes as gradients."""
+    probe = load_profile(PROFILE)
+    extra = {"F": 0.3, "B": 0.2, "I": 0.15, "W": 0.1, "OPT": 0.25}
+    trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=kept, beyond_bytes=82 * 2**20)
+    assert runtime_terms([trace], probe, {"boundary_bytes": 4096}).kept_gradients == kept
+
+
 def test_the_warm_up_of_a_trace_in_memory_is_that_of_the_trace_read_back(tmp_path):
     """A prediction keeps its byte-wide kinds in memory; its keys per kind and stage must not wrap (128 stages)."""
     from pipesim.traces import read_trace
