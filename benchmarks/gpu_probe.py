@@ -812,9 +812,10 @@ class GemmKind:
 
 
 def plain_kind(device: torch.device, dtype: torch.dtype, accumulate: torch.dtype | None = None) -> GemmKind:
-    """Products in `dtype` through torch.mm; with `accumulate`, each added into an m x n tensor of that dtype and
-    written there (torch.addmm's out_dtype), as TransformerEngine's weight-gradient product accumulates into
-    Megatron-core's float32 main_grad (`fuse_wgrad_accumulation`: cuBLASLt's D = A.B + C, C = D)."""
+    """Products in `dtype` through torch.mm; with `accumulate`, each added to an m x n tensor of that dtype, the sum
+    written in it (torch.addmm's out_dtype, into a new tensor: the same bytes read and written as in place), as
+    TransformerEngine's weight-gradient product accumulates into Megatron-core's float32 main_grad
+    (`fuse_wgrad_accumulation`: cuBLASLt's D = A.B + C, C = D). A CPU's torch has no kernel for it."""
 
     def operands(m: int, k: int, n: int) -> tuple[torch.Tensor, ...]:
         a, b = (torch.randn(rows, k, device=device, dtype=dtype) for rows in (m, n))

@@ -93,8 +93,9 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
 
 def test_the_dense_part_alone_times_each_ranks_product_in_each_kind_that_runs_its_orientation(probe, tmp_path):
     """`--parts dense` runs part (e) alone: the quick shape's rank at t = 2 (its 12 products and the forward's and
-    input gradient's chunks of half the rows), BF16 everywhere, its weight gradients also into float32, and the
-    float8 kinds, which a CPU cannot run, skipped with why."""
+    input gradient's chunks of half the rows), BF16 everywhere, its weight gradients also into float32 where torch
+    can (a CPU's torch has no kernel for addmm's out_dtype), and the float8 kinds, which a CPU cannot run, skipped
+    with why."""
     out = tmp_path / "probe.json"
     assert probe.main(["--device", "cpu", "--quick", "--parts", "dense", "--repeats", "2", "--warmup", "0",
                        "--out", str(out)]) == 0
@@ -112,6 +113,7 @@ def test_the_dense_part_alone_times_each_ranks_product_in_each_kind_that_runs_it
     assert shapes["fc1 forward, a 1/2 chunk"] == (16, 64, 96) and shapes["proj input grad, a 1/2 chunk"] == (16, 64, 32)
     into_fp32 = [row for row in dense["products"] if row["kind"] == "bf16 into fp32"]
     assert [row["name"] for row in into_fp32] == [f"{layer} weight grad" for layer in ("qkv", "proj", "fc1", "fc2")]
+    assert all(("tflops" in row) != ("skipped" in row) for row in into_fp32)  # timed, or why not
     assert {row["kind"] for row in dense["products"]} == {"bf16", "bf16 into fp32"}
     assert [(row["model"], row["recipe"]) for row in dense["sustained"]] == [("quick", "bf16"),
                                                                              ("quick", "fp8 (TE hybrid)")]
@@ -149,6 +151,10 @@ def test_a_plain_kind_multiplies_its_operands_and_adds_into_its_accumulator(prob
     torch.testing.assert_close(kind.multiply(a, b), a @ b)
     accumulating = probe.plain_kind(cpu, torch.bfloat16, torch.float32)
     assert accumulating.name == "bf16 into fp32" and accumulating.operands(3, 5, 4)[0].dtype == torch.float32
+    # a CPU's torch runs no addmm into another dtype: its call (accumulator, then the operands) on the meta device
+    meta = probe.plain_kind(torch.device("meta"), torch.bfloat16, torch.float32)
+    added = meta.multiply(*meta.operands(3, 5, 4))
+    assert added.shape == (3, 4) and added.dtype == torch.float32
 
 
 @pytest.mark.parametrize("flags,message", [
