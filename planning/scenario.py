@@ -1021,7 +1021,8 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
         fwd_sharing_ms=s.fwd_sharing_ms * tail, bwd_sharing_ms=s.bwd_sharing_ms * tail * grown,
         expert_param_bytes=s.expert_param_bytes, ring_fwd_ms=s.ring_fwd_ms, ring_bwd_ms=s.ring_bwd_ms,
         ring_fwd_hidden_ms=s.ring_fwd_hidden_ms, ring_bwd_hidden_ms=s.ring_bwd_hidden_ms,
-        ring_buffer_bytes=s.ring_buffer_bytes, product_ms=s.product_ms * tail)
+        ring_buffer_bytes=s.ring_buffer_bytes, product_ms=s.product_ms * tail,
+        master_bytes=measured.master_bytes(*s.layers))
 
 
 def all_to_all_refusal(measured: Profile, ranks: int) -> str | None:

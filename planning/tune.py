@@ -1664,8 +1664,10 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
     short = warmup_minibatches(sketch.flushing, sketch.stages, m)
     params = replace(params, minibatches=short + (1 if sketch.flushing else STEADY_STEPS))
     order = orders(setting.scenario, planned, params)
+    policy = order.schedule.policy
     bounds = split(order.schedule.num_stages, pipelines, tuple(map(tuple, order.per_step.tolist())),
-                   order.schedule.policy.extra_copies, order.in_flight, order.lingering, problem.memory_cap_bytes // v,
+                   policy.extra_copies, policy.master_copies, order.in_flight, order.lingering,
+                   problem.memory_cap_bytes // v,
                    device_stages(order.schedule, order.schedule.num_stages))
     return params, short, order, bounds
 
@@ -2421,11 +2423,14 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
       from the layers (updates, predictions and averaging shared out by weight bytes, as for any split; the
       all-reduce runs on the network, beside it);
     - memory: P replicas of weights, gradients and optimizer state, the weight versions and micro-batches
-      of activations its order holds at most, and an activation and a gradient in transfer at each boundary.
+      of activations its order holds at most, its policy's extra copies (its master copies as the optimizer owns
+      the weights), and an activation and a gradient in transfer at each boundary.
     """
     layers = layer_costs(profile.layers, optimizer)
     static = range_sums(c.static_bytes for c in layers)
     params = range_sums(layer.param_bytes for layer in profile.layers)
+    # the weights as the optimizer owns them, which a policy's master copies are of (`StageCosts.owned_weight_bytes`)
+    owned = range_sums(profile.master_bytes(i, i + 1) or layer.param_bytes for i, layer in enumerate(profile.layers))
     activations = activation_ranges(layers)
     sent = np.array([layer.output_bytes for layer in profile.layers[:-1]] + [0])
     # an activation and a gradient in transfer at each boundary: into the stage's first layer, out of its last
@@ -2448,7 +2453,7 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
 
     @cache
     def split(stages: int, pipelines: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
-              in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int,
+              master_copies: int, in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int,
               devices: tuple[tuple[int, ...], ...]) -> list[int]:
         summed = summed_ms(pipelines)
         held = pipelines * static + buffers
@@ -2457,8 +2462,10 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
         def stage_time(k: int) -> np.ndarray:
             return times(per_step[k])
 
-        stage_bytes = ScaledRanges(held, ((tuple(extra_copies + count for count in lingering), params),
-                                          (in_flight, activations)))
+        copies = ((tuple(extra_copies - master_copies + count for count in lingering), params),)
+        if master_copies:
+            copies += (((master_copies,) * stages, owned),)
+        stage_bytes = ScaledRanges(held, (*copies, (in_flight, activations)))
         try:
             return partition(layers, stages, budget_bytes, stage_bytes, stage_time, devices)
         except OverCapError as exc:

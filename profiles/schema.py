@@ -35,6 +35,7 @@ from .partition import (
 SCHEMA_VERSION = 2  # 2 added the executor's runtime costs and gradient accumulation; version 1 still reads
 SUPPORTED_VERSIONS = (1, 2)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the simulator's --optimizer names; momentum is SGD-momentum
+MASTER_ONLY = "sgd"  # the optimizer whose state is a mixed-precision master copy alone (`Profile.master_bytes`)
 
 
 def optimizer_refusal(name: str, flag: str = "optimizer") -> str | None:
@@ -556,7 +557,21 @@ class Profile(_Strict):
         for where, values in keyed:
             if set(values) != set(OPTIMIZERS):
                 raise ValueError(f"{where} must have exactly the keys {', '.join(OPTIMIZERS)}")
+        for i, layer in enumerate(self.layers):
+            state = layer.optimizer_state_bytes
+            if any(held < state[MASTER_ONLY] for held in state.values()):
+                raise ValueError(f"layers.{i}.optimizer_state_bytes: {MASTER_ONLY}'s is the master copy of the weights "
+                                 f"alone, part of every optimizer's state, so none may be less (got {state})")
         return self
+
+    def master_bytes(self, start: int, stop: int) -> int:
+        """The master copy of layers [start, stop)'s weights the optimizer owns (0: none, it updates the weights
+        themselves): a calibration's SGD state, since SGD keeps none of its own (calibrate/measure.py
+        `_state_bytes` records a 16-bit layer's float32 masters with every optimizer's state; a profile from before
+        mixed precision, none). 0 for an estimate, whose state may hold a moving average and be sharded."""
+        if self.estimate is not None:
+            return 0
+        return sum(layer.optimizer_state_bytes[MASTER_ONLY] for layer in self.layers[start:stop])
 
     def describe(self) -> dict:
         """What the profile measured, as a prediction made from it records it: the model and the setting its

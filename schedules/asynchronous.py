@@ -43,8 +43,9 @@ XPIPE_POLICY = WeightPolicy(
     predict_backward=Prediction({"paper": "(3*m + 2*(k//2) - 2)//(2*m)"}),
     extra_copies=2, primary_source="paper",  # the F and the B bellwether buffers are alive at once
 )
-# AvgPipe (Zhang et al. 2023): each pipeline is synchronous; the reference model is an extra copy.
-AVGPIPE_POLICY = WeightPolicy(extra_copies=1)
+# AvgPipe (Zhang et al. 2023): each pipeline is synchronous; the reference model is an extra copy, of the weights
+# elastic averaging updates: the optimizer's (executor/weights.py `average_replicas`, its float32 masters in 16 bits).
+AVGPIPE_POLICY = WeightPolicy(extra_copies=1, master_copies=1)
 
 
 def pipedream_2bw(params: ScheduleParams) -> Schedule:

@@ -350,7 +350,9 @@ class WeightPolicy:
     `predict_backward`: how far ahead the weights those ops run on are predicted, if at all, by source.
     `primary_source`: the source of s the method publishes, used unless `chosen_source` names another.
     `extra_copies`: weight copies held besides the versions in use (the buffer predicted weights are
-    written to; AvgPipe's reference model).
+    written to; AvgPipe's reference model). `master_copies`: of those, the copies of the weights as the optimizer
+    owns them (AvgPipe's reference, which elastic averaging pulls with the masters: float32 where 16-bit weights
+    train in mixed precision, `StageCosts.owned_weight_bytes`); the rest are as the passes read them.
     """
 
     forward: Read = Read.LATEST
@@ -358,10 +360,14 @@ class WeightPolicy:
     predict_forward: Prediction | None = None
     predict_backward: Prediction | None = None
     extra_copies: int = 0
+    master_copies: int = 0
     primary_source: str = COUNTED
     chosen_source: str | None = None
 
     def __post_init__(self) -> None:
+        if not 0 <= self.master_copies <= self.extra_copies:
+            raise ScheduleError(f"master_copies ({self.master_copies}) counts some of extra_copies "
+                                f"({self.extra_copies}): from 0 to it")
         sides = self._predicted_sides
         if len(sides) == 2 and set(sides[0].forms) != set(sides[1].forms):
             raise ScheduleError("a policy that predicts for F and for the backward needs closed forms from the same "

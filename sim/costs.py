@@ -51,6 +51,10 @@ class Precision:
     def gradient_bytes(self, weight_bytes: int) -> int:
         return round(weight_bytes / self.weight_bytes * self.grad_bytes)
 
+    def master_weight_bytes(self, weight_bytes: int) -> int:
+        """The master copy of weights the passes read as `weight_bytes` (0: none)."""
+        return round(weight_bytes / self.weight_bytes * self.master_bytes)
+
     def stored_weight_bytes(self, weight_bytes: int) -> int | None:
         """The stored weights of weights the passes read as `weight_bytes` (None: those themselves)."""
         return None if self.stored_bytes is None else round(weight_bytes / self.weight_bytes * self.stored_bytes)
@@ -114,7 +118,8 @@ class StageCosts:
     all-reduce, or with a sharded optimizer a reduce-scatter), `gather_ms` that of the all-gather of its updated
     weights (a GATHER); the simulator runs them on the device's network stream, beside its compute.
     `grad_bytes`: the weight gradients as accumulated (float32 under Megatron-LM's mixed precision; None: as
-    large as the weights); `optimizer_state_bytes` includes a mixed-precision master copy of the weights.
+    large as the weights); `optimizer_state_bytes` includes a mixed-precision master copy of the weights, of
+    `master_bytes` (0: none, the optimizer updates the weights themselves).
     `activation_parts`: of `activation_bytes`, the bytes by what saves them (attention, mlp, norms, dropout,
     other), summing to them; None: not attributed. `stored_bytes`: the weights as stored between passes where
     ZeRO-3 shards them, if not as the passes read them (FSDP2's float32 shards of 16-bit compute copies; None:
@@ -217,10 +222,16 @@ class StageCosts:
     product_ms: float = 0.0
     wgrad_kept_bytes: int | None = None
     wgrad_gradient_bytes: int = 0
+    master_bytes: int = 0
 
     @property
     def gradient_bytes(self) -> int:
         return self.param_bytes if self.grad_bytes is None else self.grad_bytes
+
+    @property
+    def owned_weight_bytes(self) -> int:
+        """The weights as the optimizer owns them: its master copy, else the weights as stored."""
+        return self.master_bytes or self.stored_param_bytes
 
     @property
     def gathered_weight_bytes(self) -> int:
@@ -260,7 +271,7 @@ _STAGE_OPTIONAL = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_b
 _STAGE_NUMBERS = tuple((name, MAX_MS if name in _STAGE_TIMES else math.inf, name in _STAGE_OPTIONAL) for name in (
     *_STAGE_TIMES, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "expert_param_bytes",
     "float8_weight_bytes", "model_output_bytes", "receive_buffer_bytes", "buffered_input_bytes", "forward_kept_bytes",
-    "backward_kept_bytes", "wgrad_gradient_bytes", "runtime_buffer_bytes", *_STAGE_OPTIONAL[2:]))
+    "backward_kept_bytes", "wgrad_gradient_bytes", "runtime_buffer_bytes", "master_bytes", *_STAGE_OPTIONAL[2:]))
 
 
 @dataclass(frozen=True)
@@ -484,6 +495,7 @@ class Costs:
                 output_bytes=_bytes(values["output_mb"][k]),
                 optimizer_state_bytes=held.optimizer_state_bytes(param_bytes, optimizer),
                 grad_bytes=held.gradient_bytes(param_bytes), stored_bytes=held.stored_weight_bytes(param_bytes),
+                master_bytes=held.master_weight_bytes(param_bytes),
             ))
         return cls(tuple(stages), microbatch_size)
 

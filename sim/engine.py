@@ -686,7 +686,8 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     and optimizer state (master weights included) of every stage it holds, per pipeline replica, each 1/(d·C) of
     itself where ZeRO's stage shards it over the d replicas and C context ranks (ZeRO-2's and 3's gradients, held
     only from a backward until the update, and ZeRO-3's whole weights while computed with, are `_unsharded`'s), and
-    the policy's extra weight copies and a float8 recipe's weight casts, whole (parameters), the receive
+    the policy's extra weight copies (its master copies as the optimizer owns the weights, the rest as the passes
+    read them) and a float8 recipe's weight casts, whole (parameters), the receive
     buffers its stages keep, each `StageCosts.receive_buffer_bytes` a micro-batch (communication), and the
     runtime's own buffer, the largest `StageCosts.runtime_buffer_bytes` of its stages (one a process:
     runtime_buffers). Its memory never drops below their sum."""
@@ -716,7 +717,10 @@ def held_static_parts(schedule: Schedule, mine: Sequence[StageCosts]) -> dict[st
     if schedule.zero >= 1:  # ZeRO-1: each of the d replicas keeps its shard of the state
         state = shard(state)
     float8 = sum(c.float8_weight_bytes for c in mine)  # a float8 recipe's weight casts: never sharded
-    return {"parameters": (stored + float8) * schedule.pipelines + schedule.policy.extra_copies * weights,
+    policy = schedule.policy
+    copies = ((policy.extra_copies - policy.master_copies) * weights
+              + policy.master_copies * sum(c.owned_weight_bytes for c in mine))
+    return {"parameters": (stored + float8) * schedule.pipelines + copies,
             "gradients": grads * schedule.pipelines,
             "optimizer_state": state * schedule.pipelines,
             "communication": schedule.microbatches * sum(c.receive_buffer_bytes for c in mine),

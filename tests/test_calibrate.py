@@ -372,6 +372,8 @@ def _edited(mlp_profile, tmp_path, edit):
     (lambda d: d["layers"][0]["fwd"].pop("median_ms"), "layers.0.fwd.median_ms: Field required"),
     (lambda d: d.pop("environment"), "environment: Field required"),
     (lambda d: d["partition"].update(bounds=[0, 9]), "partition.bounds must rise strictly from 0 to 4"),
+    (lambda d: d["layers"][1]["optimizer_state_bytes"].update(sgd=d["layers"][1]["optimizer_state_bytes"]["adam"] + 1),
+     "layers.1.optimizer_state_bytes: sgd's is the master copy of the weights alone, part of every optimizer's"),
     (lambda d: d.update(link={"segments": [{"min_bytes": 8192, "latency_ms": 0.1, "bytes_per_ms": 1e6},
                                            {"min_bytes": 0, "latency_ms": 0.1, "bytes_per_ms": 1e6}],
                               "points": [], "meta": {}}), "min_bytes must rise"),

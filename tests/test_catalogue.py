@@ -195,6 +195,12 @@ def test_avgpipe_reference_model_is_an_extra_copy():
                         optimizer="sgd").summary
     # two replicas of weights and gradients, plus the reference model's weights
     assert summary.devices[0].peak_memory_mb == pytest.approx(2 * 2 * 10 + 10)
+    # in mixed precision a copy of the float32 masters it averages with (16-bit weights of 10 MB: 20 MB each of
+    # gradients and masters, SGD's state), where a prediction's buffer is one of the 16-bit weights
+    for name, copy_mb in (("avgpipe", 20), ("spectrain", 10)):
+        schedule = build(name, 2, 4, 1, pipelines=2 if name == "avgpipe" else 1)
+        summary = simulated(schedule, param_mb=10, activation_mb=0, optimizer="sgd", precision="megatron").summary
+        assert summary.devices[0].peak_memory_mb == pytest.approx(schedule.pipelines * 50 + copy_mb), name
 
 
 def test_graphpipe_branches_beat_the_same_stages_in_a_chain():

@@ -158,3 +158,10 @@ def test_stages_on_lists_each_devices_stages_in_order(placement):
                         WeightPolicy(), microbatches=1)
     for device in range(devices):
         assert schedule.stages_on(device) == [s for s, d in enumerate(placement) if d == device]
+
+
+def test_a_policys_master_copies_are_some_of_its_extra_copies():
+    assert WeightPolicy(extra_copies=2, master_copies=1).master_copies == 1
+    for extra, master in ((0, 1), (1, -1)):
+        with pytest.raises(ScheduleError, match=rf"master_copies \({master}\) counts some of extra_copies \({extra}\)"):
+            WeightPolicy(extra_copies=extra, master_copies=master)
