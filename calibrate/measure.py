@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..executor.backward import backward_input, backward_weight, full_backward
 from ..executor.weights import StageWeights, average_replicas, main_dtype
 from ..profiles.linkfit import fit_link
 from ..profiles.partition import partition
@@ -382,6 +383,61 @@ def measure_times(model: Model, settings: Settings, recording: Recording, layers
             for i, layer in enumerate(layers)]
 
 
+def measure_transients(model: Model, settings: Settings, recording: Recording,
+                       layers: list[LayerProfile]) -> list[LayerProfile]:
+    """`layers` with, on a GPU, each pass's transient bytes (`LayerProfile.transient_bytes`): what the pass makes
+    and frees within itself at its peak, which the simulator holds beside the activations while the pass's row
+    runs. The caching allocator's allocated bytes at the pass's peak less the most of those before it (its inputs,
+    and a backward's activations, which the simulator holds until it ends) and after it (what it leaves: a
+    forward's saved tensors and output, a backward's input gradient), each pass run as the executor runs it
+    (executor/backward.py: the weights' gradients added into a started buffer, in float32 for 16-bit weights, each
+    freed as it is added) after one untimed round. The loss's float32 softmax gradients are most of its backward's
+    (the H200 check's stage-1 peaks fall in its B or I: traces/measured/gpu-check-h200-day9-masters). Alike layers
+    share the first's, as their times. On a CPU none: the executor counts the tensors its rows hold there, not an
+    allocator's peak, so a run's measured memory holds no transients (executor/runtime.py `_memory`)."""
+    if not settings.cuda:
+        return layers
+    timed_as = alike_layers(model, recording)
+    found = {i: _transient_bytes(model, i, recording, settings.device) for i in sorted(set(timed_as))}
+    return [layer.model_copy(update={"transient_bytes": found[timed_as[i]]}) for i, layer in enumerate(layers)]
+
+
+def _transient_bytes(model: Model, i: int, recording: Recording, device: torch.device) -> dict[str, int]:
+    """Layer i's transient bytes per pass (`measure_transients`): a forward then the full backward, and a forward
+    then the split backward, once untimed and once read; only the forward when nothing needs a gradient."""
+    layer = model.layers[i]
+    weights = [p for p in layer.parameters() if p.requires_grad]
+    into: list[torch.Tensor | None] = [None] * len(weights)
+    main = main_dtype(layer.parameters())
+
+    def forward(_: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        args = _leaves(recording.inputs[i], model.inputs[i])
+        return args, [_call(model, i, layer, args, recording.target)]
+
+    sample = forward(None)[1][0]
+    sequences: list[list[Phase]] = [[("fwd", forward)]]
+    if sample.requires_grad:
+        grad_outputs = [None if i == len(model.layers) - 1 else torch.randn_like(sample)]
+        sequences = [
+            [("fwd", forward), ("bwd", lambda state: full_backward(state[1], grad_outputs, state[0], weights, into,
+                                                                     main))],
+            [("fwd", forward), ("igrad", lambda state: backward_input(state[1], grad_outputs, state[0], weights)),
+             ("wgrad", lambda state: backward_weight(state[1], weights, into, main))]]
+    del sample
+    found: dict[str, int] = {}
+    for read in (False, True):
+        for sequence in sequences:
+            state = None
+            for name, run in sequence:
+                before = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                state = run(state)  # what the pass before left is freed here, what this one leaves is kept
+                made = torch.cuda.max_memory_allocated(device) - max(before, torch.cuda.memory_allocated(device))
+                if read:
+                    found[name] = max(found.get(name, 0), made)
+    return found
+
+
 def alike_layers(model: Model, recording: Recording) -> list[int]:
     """Per layer, the first layer alike to it (itself if none before is): the same module tree (each module's
     class, `extra_repr` and plain attributes), parameters and buffers of the same names, shapes, dtypes and
@@ -664,6 +720,7 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
             recording, layers = measure_bytes(model, settings)
             partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)  # no split fits the cap: fail now
             layers = measure_times(model, settings, recording, layers, advance)
+            layers = measure_transients(model, settings, recording, layers)
         bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
         runs = stage_runs(model, bounds, dtype_name, settings.microbatch_size)
         idle = idle_passes(settings, stages)

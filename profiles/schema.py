@@ -154,7 +154,8 @@ class LayerProfile(_Strict):
     # process, the largest asked for (sim/costs.py `StageCosts.runtime_buffer_bytes`)
     runtime_buffer_bytes: int = Field(0, ge=0)
     # Per pass (`PASSES`), the bytes of the tensors it creates and frees within itself at its peak, above its
-    # inputs and what outlives it (an estimate's, from the count; {}: none known, a calibration's)
+    # inputs and what outlives it (an estimate's, from the count; a GPU calibration's, from the caching allocator,
+    # calibrate/measure.py `measure_transients`; {}: none known, a CPU calibration's or one from before)
     transient_bytes: dict[str, int] = Field(default_factory=dict)
     # The link time of the key/value exchanges around the layer's context-parallel ring (an estimate's,
     # planning/estimate.py `ContextRing`) during its forward and during its backward, which the stage's RING_F and
