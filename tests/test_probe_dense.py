@@ -121,6 +121,7 @@ def test_the_replay_prints_every_product_and_the_layer_sums(modules, tmp_path, c
     (None, "--probe: {path} is not a gpu_probe.py JSON with its dense part (FileNotFoundError"),
     ({"moe": {}}, "--probe: {path} is not a gpu_probe.py JSON with its dense part (KeyError: 'dense')"),
     ({"dense": {"shapes": [], "products": [{"kind": "fp16"}]}}, "kinds fp16 are not this replay's"),
+    ({"dense": {"shapes": [], "products": [{"kind": "bf16", "m": 8}]}}, "dense part (KeyError: 'k')"),
 ])
 def test_a_probe_without_the_dense_part_is_one_line_and_exit_2(modules, tmp_path, capsys, document, message):
     _, replay = modules
@@ -130,6 +131,16 @@ def test_a_probe_without_the_dense_part_is_one_line_and_exit_2(modules, tmp_path
     assert replay.main(["--probe", str(path)]) == 2
     err = capsys.readouterr().err
     assert message.format(path=path) in err and err.count("\n") == 1
+
+
+def test_a_part_without_float8_refuses_a_probes_float8_products_in_one_line(modules, tmp_path, capsys):
+    probe, replay = modules
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(synthetic_probe(probe)))
+    assert replay.main(["--probe", str(path), "--gpu", "a100-sxm-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("--gpu: a100-sxm-80gb cannot price probe.json's products: ") and "float8" in err
+    assert err.count("\n") == 1
 
 
 @pytest.fixture(scope="module")
