@@ -515,9 +515,9 @@ def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance,
 def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
                   passes: list[StagePasses] | None = None) -> list[StageSteps]:
     """Per stage: each optimizer's update and weight prediction, one replica's elastic averaging, adding one
-    micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does), and the
-    copy of the weights a copy-on-write update makes (the executor's own: `StageWeights.fresh_copies`,
-    `average_replicas`; in 16 bits the float32 masters averaged and cast).
+    micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does), and what a
+    copy-on-write update adds over one in place (the executor's own: `StageWeights.fresh_copies`,
+    `average_replicas`; in 16 bits the new tensors the masters' cast fills, and the masters averaged, then cast).
 
     Each is timed on the caches a forward and backward of its stage leave, as it runs in a pipeline: these ops
     stream the weights, gradients and optimizer state through memory, and timed back to back they find them

@@ -113,11 +113,14 @@ class StageWeights:
             torch._foreach_copy_(self.current, self.masters)
 
     def fresh_copies(self) -> list[torch.Tensor]:
-        """New tensors of the weights the optimizer owns as the passes read them (the newest version, or the
-        masters in 16 bits): what an update moves on to when later rows still read the version it supersedes
-        (calibration times this as the profile's `weight_copy`)."""
-        dtypes = [w.dtype for w in self.current]
-        return [w.detach().to(dtype, copy=True).requires_grad_(True) for w, dtype in zip(self.owned, dtypes)]
+        """What a copy-on-write update adds over one in place: new tensors for the version it makes, so the one it
+        supersedes stays as it is for the rows that still read it. Where the optimizer owns the newest version, a
+        copy of it, which the optimizer moves on to; where it owns float32 masters, empty 16-bit tensors, which the
+        update's cast of the masters fills instead of the newest version. Calibration times this as the profile's
+        `weight_copy`, which the simulator adds to the update in place (its `step`, in 16 bits the cast included)."""
+        if self.masters is None:
+            return [w.detach().clone().requires_grad_(True) for w in self.current]
+        return [torch.empty_like(w).requires_grad_(True) for w in self.current]
 
     def read(self, version: int) -> Weights:
         if version not in self.versions:
@@ -135,9 +138,12 @@ class StageWeights:
         if version != self.version:
             raise ExecutorError(f"{self.label}: a prediction from version {version} needs it to be the newest, "
                                 f"whose optimizer state it extrapolates (newest {self.version})")
-        dtypes = [w.dtype for w in self.current]  # a prediction of masters: the passes read it in 16 bits
-        tensors = [w.to(dtype).requires_grad_(True)
-                   for w, dtype in zip(predict_weights(self.optimizer, self.owned, distance), dtypes)]
+        if self.masters is None:
+            tensors = predict_weights(self.optimizer, self.current, distance)
+        else:  # the masters' prediction, cast tensor by tensor: the float32 held beside the 16-bit is one tensor's
+            tensors = [predict_weights(self.optimizer, [master], distance)[0].to(w.dtype)
+                       for master, w in zip(self.masters, self.current)]
+        tensors = [w.requires_grad_(True) for w in tensors]
         self.predicted[key] = Weights(tensors, version, distance)
         return self.predicted[key]
 
@@ -159,27 +165,23 @@ class StageWeights:
         reads version v, so the update goes to copies and v stays as it is."""
         old = self.current
         grads = self.filled_grads()
-        new = self.fresh_copies() if keep_old and self.masters is None else old
-        if new is not old:  # the optimizer moves on to the copies, its state with it
-            group = self.optimizer.param_groups[0]
-            group["params"] = new
-            for before, after in zip(old, new):
-                before.grad = None
-                if before in self.optimizer.state:
-                    self.optimizer.state[after] = self.optimizer.state.pop(before)
-        for weight, grad in zip(new if self.masters is None else self.masters, grads):
-            weight.grad = grad
-        self.optimizer.step()
-        if self.masters is not None:  # the passes' 16-bit copies of the updated masters
-            if keep_old:
-                new = self.fresh_copies()
-            else:
-                self.refresh()
-        if not keep_old:
-            del self.versions[self.version]
-        self.grads = [None] * len(new)
+        if keep_old:
+            new = self.fresh_copies()
+            if self.masters is None:  # the optimizer moves on to the copies, its state with it
+                self.optimizer.param_groups[0]["params"] = new
+                for before, after in zip(old, new):
+                    before.grad = None
+                    if before in self.optimizer.state:
+                        self.optimizer.state[after] = self.optimizer.state.pop(before)
+        else:
+            new = self.versions.pop(self.version)
         self.version += 1
         self.versions[self.version] = new
+        self.grads = [None] * len(new)
+        for weight, grad in zip(self.owned, grads):
+            weight.grad = grad
+        self.optimizer.step()
+        self.refresh()  # the passes' 16-bit copies of the updated masters
 
     def release(self, version: int) -> int:
         """Drop `version` after its last read (never the newest: the optimizer owns it); the bytes given back."""

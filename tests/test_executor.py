@@ -4,8 +4,10 @@ and a split backward (I then W) gives what a full one (B) gives."""
 
 from __future__ import annotations
 
+import collections
 import re
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipesim.executor import (
     DivergedError,
@@ -28,6 +31,7 @@ from pipesim.executor import (
     run_in_process,
     run_multiprocess,
 )
+from pipesim.executor.weights import StageWeights
 from pipesim.schedules import ScheduleParams, build_schedule, lower
 from pipesim.traces.trace import Stream, read_trace, write_trace
 from pipesim.workload.models import Model, gpt, mlp
@@ -338,6 +342,86 @@ def test_a_bfloat16_run_learns_as_float32_does():
     assert first - last > 0.9 * learnt
     assert abs(last - last_32) < 0.05 * learnt
     assert all(w.dtype == torch.float32 for w in weights)  # the trained weights are the float32 masters
+
+
+def _stepped(dtype: torch.dtype, optimizer: str, device: str = "cpu") -> StageWeights:
+    """A stage of four equal layers in `dtype` after one update, with the next mini-batch's gradients added."""
+    torch.manual_seed(0)
+    state = StageWeights(nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))).to(dtype), optimizer, 0.1,
+                         label="stage 0", device=device)
+    state.grads = [torch.randn_like(w) for w in state.owned]
+    state.step(False)
+    state.grads = [torch.randn_like(w) for w in state.owned]
+    return state
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops run inside it, counted."""
+
+    def __enter__(self):
+        self.ops = collections.Counter()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_a_copy_on_write_update_adds_to_one_in_place_the_copy_calibration_times(dtype, optimizer):
+    """The simulator prices a copy-on-write OPT as the in-place update (calibration's `step`) plus the profile's
+    `weight_copy` (`StageWeights.fresh_copies`): the update runs exactly their ops, and makes the same weights. In
+    16 bits the in-place update casts the stepped masters into the newest version; a copy-on-write one casts them
+    into new tensors instead, once: it used to cast them afresh where the copy timed a cast too (one cast of the
+    stage's weights counted twice at each pipedream and 2BW OPT)."""
+    in_place, copy_on_write, copied = _stepped(dtype, optimizer), _stepped(dtype, optimizer), _stepped(dtype, optimizer)
+    with _Ops() as step:
+        in_place.step(False)
+    with _Ops() as step_keeping:
+        copy_on_write.step(True)
+    with _Ops() as copy:
+        copied.fresh_copies()
+    assert step_keeping.ops == step.ops + copy.ops
+    assert all(torch.equal(a, b) for a, b in zip(copy_on_write.current, in_place.current))
+    assert copy_on_write.versions[1] is not copy_on_write.current and len(copy_on_write.versions) == 2
+
+
+def _allocated_bytes(run: Callable[[], object], device: str) -> tuple[int, int]:
+    """What `run` allocated on `device` and holds at its peak, and at its end: on CUDA the allocator's counters, on
+    the CPU the profiler's record of each allocation and free, in order."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
+                     if e.name() == "[memory]")
+    held = np.cumsum([0] + [nbytes for _, nbytes in changes])
+    return int(held.max()), int(held[-1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_a_16_bit_prediction_holds_one_tensors_float32_transient(optimizer, device):
+    """A PRED in 16 bits extrapolates the float32 masters and keeps the prediction in 16 bits, which the simulator
+    prices (one 16-bit copy of the weights). It predicts and casts tensor by tensor, so what it holds beyond that copy
+    at its peak is one tensor's float32 prediction and Adam's float32 denominator. Predicting all the masters before
+    casting held twice the 16-bit weights' bytes beyond them (Adam's denominators twice more): 3-5x what is priced.
+    The CPU runs' memory, counted from the tensors the executor holds, cannot see it; a GPU's allocator does."""
+    state = _stepped(torch.bfloat16, optimizer, device)
+    largest = max(m.nbytes for m in state.masters)
+    peak, end = _allocated_bytes(lambda: state.predict((state.version, 2, "F")), device)
+    predicted = state.read_predicted((state.version, 2, "F")).tensors
+    assert sum(w.nbytes for w in state.masters) >= 4 * largest
+    assert end >= sum(p.nbytes for p in predicted)  # the allocations were seen
+    assert peak - end < 3 * largest  # two float32 tensors at most, and room for the allocator's rounding
+    assert all(p.dtype == torch.bfloat16 for p in predicted)
 
 
 # ---------------------------------------------------------------------------------------------- bad input
