@@ -12,7 +12,9 @@ then time the stages' passes in this process queued and from an idle GPU (`pass_
 where the run's ranks share the GPU), and print per stage and op the estimated, calibrated and measured milliseconds
 side by side, and per schedule the iteration time each way. `--again zb-h1` runs a method a second time: the two
 runs' difference is the measurement's noise floor. Everything lands in `--out` (profiles, traces, the comparisons,
-`check.json`): commit the small files under traces/measured/ so that tests and CI can replay them.
+`check.json`): commit the small files under traces/measured/ so that tests and CI can replay them. The estimates are
+optional: one that fails is kept in check.json's `failed` and its table column, the check prints the rest (what a
+GPU session pays for) and exits 1; any other step's failure stops it.
 
     python benchmarks/gpu_check.py --out traces/measured/gpu-check-h100        # on the GPU machine
     python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu-check  # the same steps on a CPU, small
@@ -52,16 +54,22 @@ SHAPES = {  # a GPT whose layers take about a millisecond on an H100, and a smal
 console = Console()
 
 
-def pipesim(*args: str, log: Path) -> str:
-    """Run one pipesim command as a user would; its output is kept in `log`, a failure stops the check."""
+def pipesim(*args: str, log: Path, failed: dict[str, str] | None = None) -> str | None:
+    """Run one pipesim command as a user would; its output is kept in `log`. A failure stops the check, or, for
+    an optional step (`failed` given), is kept there under the log's name and None returned, so that the check
+    goes on to measure and print the rest."""
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pipesim.cli", *args], capture_output=True, text=True)
     log.write_text(f"$ pipesim {' '.join(args)}\n{done.stdout}{done.stderr}")
     console.print(f"[dim]{time.perf_counter() - started:6.1f} s[/dim]  pipesim {' '.join(args)}", highlight=False)
-    if done.returncode != 0:
-        console.print(done.stdout + done.stderr, markup=False, highlight=False)
-        raise SystemExit(f"pipesim {args[0]} failed (exit {done.returncode}); see {log}")
-    return done.stdout
+    if done.returncode == 0:
+        return done.stdout
+    console.print(done.stdout + done.stderr, markup=False, highlight=False)
+    why = f"pipesim {args[0]} failed (exit {done.returncode}); see {log}"
+    if failed is None:
+        raise SystemExit(why)
+    failed[log.stem] = f"{why}: {(done.stderr.strip().splitlines() or [''])[-1]}"
+    return None
 
 
 def catalogue_part(device: str) -> str | None:
@@ -143,7 +151,8 @@ def main() -> None:
     dtype = ["--dtype", args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     minibatches = ["-m", "8", "-n", "4" if args.quick else "8"]
     part = args.gpu or catalogue_part(args.device)
-    check: dict = {"device": args.device, "catalogue_part": part, "shape": shape, "steps": {}}
+    check: dict = {"device": args.device, "catalogue_part": part, "shape": shape, "steps": {},
+                   "failed": {}}  # an optional step's failure (the estimates): log name -> why
     if args.device == "cuda":
         import torch
 
@@ -179,26 +188,33 @@ def main() -> None:
     save()
 
     estimated = {}  # the catalogue's curve, and the part's curve fitted to this calibration
-    for source, curve in (("catalogue", []), ("fitted", ["--curve-from", str(profile)])) if part else ():
+    sources = {"catalogue": [], "fitted": ["--curve-from", str(profile)]} if part else {}
+    for source, curve in sources.items():
         estimate = args.out / f"estimate-{source}.json"
-        pipesim("estimate", "--gpu", part, *shape, *dtype, "--stages", "2", *curve, "--out", str(estimate),
-                log=args.out / f"estimate-{source}.log")
+        if pipesim("estimate", "--gpu", part, *shape, *dtype, "--stages", "2", *curve, "--out", str(estimate),
+                   log=args.out / f"estimate-{source}.log", failed=check["failed"]) is None:
+            save()
+            continue
         estimated[source] = load_profile(estimate)
         for method in METHODS:
-            simulated = json.loads(pipesim("simulate", "--profile", str(estimate), "-s", method, "-p", "2",
-                                           *minibatches, "--json", log=args.out / f"simulate-{source}-{method}.log"))
-            check["steps"][method][f"estimated_{source}_ms"] = simulated["results"][0]["time_per_minibatch_ms"]
+            simulated = pipesim("simulate", "--profile", str(estimate), "-s", method, "-p", "2", *minibatches,
+                                "--json", log=args.out / f"simulate-{source}-{method}.log", failed=check["failed"])
+            if simulated is None:
+                continue
+            check["steps"][method][f"estimated_{source}_ms"] = json.loads(simulated)["results"][0][
+                "time_per_minibatch_ms"]
             check["steps"][method][f"estimated_{source}_as_run_ms"] = as_run_ms(
                 estimated[source], calibrated, args.out / f"run-{method}.json")
         save()
 
     table = Table(box=box.SIMPLE_HEAD, title="per stage and micro-batch, ms (measured: median)")
-    for column in ("stage", "op", *(f"estimated ({part}, {source} curve)" for source in estimated), "calibrated",
+    for column in ("stage", "op", *(f"estimated ({part}, {source} curve)" for source in sources), "calibrated",
                    *(f"measured ({method})" for method in METHODS)):
         table.add_column(column, justify="right")
     for k, stage in enumerate(calibrated.stages):
         for kind, field in (("F", "fwd_ms"), ("B", "bwd_ms"), ("I", "igrad_ms"), ("W", "wgrad_ms")):
-            guesses = [f"{getattr(profile.stages[k], field):.3f}" for profile in estimated.values()]
+            guesses = [f"{getattr(estimated[source].stages[k], field):.3f}" if source in estimated else "failed"
+                       for source in sources]
             measured = [check["steps"][method]["ops"].get(f"{k}{kind}") for method in METHODS]
             table.add_row(str(k), kind, *guesses, f"{getattr(stage, field):.3f}",
                           *("-" if ms is None else f"{ms:.3f}" for ms in measured))
@@ -220,6 +236,10 @@ def main() -> None:
             first = check["steps"][step.removesuffix("-again")]["measured_ms"]
             console.print(f"  noise floor: the two {step.removesuffix('-again')} runs measured "
                           f"{found['measured_ms'] / first - 1:+.1%} apart", highlight=False)
+    for step, why in check["failed"].items():
+        console.print(f"failed: {step}: {why}", markup=False, highlight=False)
+    if check["failed"]:
+        raise SystemExit(1)
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

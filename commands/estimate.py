@@ -137,11 +137,12 @@ class WhatIf:
         (`FIT_ATTENTION`: a curve stored before was fitted on the math path's scores) with a kernel overhead timed
         on the device's clock, else fitted here to its measured layers on the same model's count (imports torch;
         once per command), less the overhead calibrate timed on the device, or the part's where calibrate timed
-        its host's issue (a CUDA calibration from before: `FittedCurve.kernel_overhead_on_device`); None: the
-        catalogue's curve."""
+        its host's issue (a CUDA calibration from before: `FittedCurve.kernel_overhead_on_device`); either curve
+        refitted with the attention held at the part's where it puts a rate above the datasheet (`separated_fit`);
+        None: the catalogue's curve."""
         if self.calibrated is None:
             return None
-        from ..planning.estimate import FIT_ATTENTION, PEAK_DTYPE, EstimateError, curve_for, fit_rates
+        from ..planning.estimate import FIT_ATTENTION, PEAK_DTYPE, EstimateError, curve_for, fit_rates, separated_fit
 
         env = self.calibrated.environment
         peak = getattr(self.gpu.dense_tflops, PEAK_DTYPE[env.dtype])
@@ -164,16 +165,20 @@ class WhatIf:
             (f"its kernel overhead timed on the host's clock: the part's "
              f"{self.gpu.curve.kernel_overhead_ms * 1e3:.1f} us a kernel taken", host_timed))
             if holds]
+        datasheet = (peak * 1e9, self.gpu.memory_bandwidth_gb_s * 1e6)
+
+        def refit(attention_flops_per_ms: float | None = None) -> FittedCurve:
+            return fit_rates(self.calibrated, fit_count(self.calibrated, "--curve-from"), *shape, timed,
+                             attention_flops_per_ms)
         try:
             if stored is not None and not passed_over:
                 fitted, source = stored, f"stored by pipesim calibrate in {where}"
             else:
-                counted = fit_count(self.calibrated, "--curve-from")
-                fitted = fit_rates(self.calibrated, counted, *shape, timed)
+                fitted = refit()
                 source = f"fitted to {where}" + (f", not its stored curve ({', '.join(passed_over)})"
                                                   if passed_over else "")
-            return curve_for(fitted, peak * 1e9, self.gpu.memory_bandwidth_gb_s * 1e6, self.gpu.curve,
-                             f"{source}; {fit_errors(fitted)}")
+            fitted, held = separated_fit(fitted, refit, *datasheet, self.gpu.curve)
+            return curve_for(fitted, *datasheet, self.gpu.curve, f"{source}{held}; {fit_errors(fitted)}")
         except EstimateError as exc:
             raise InputError(f"--curve-from: {exc}") from None
 

@@ -366,3 +366,20 @@ def test_the_device_session_script_parses_and_runs_the_two_benchmarks_there_are(
         usage = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), "--help"], capture_output=True,
                                text=True)
         assert usage.returncode == 0 and all(flag in usage.stdout for flag in flags)
+
+
+def test_the_checks_optional_step_that_fails_is_kept_and_a_required_one_stops_it(tmp_path):
+    """benchmarks/gpu_check.py's estimates are optional: one that fails (on the H200 day9-masters check, the fitted
+    curve's, exit 2) is kept under its log's name with why, and the check goes on to print the rest; any other
+    step's failure stops it."""
+    failed = {}
+    refused = ("estimate", "--gpu", "no-such-part", "--model", "gpt", "--layers", "1", "--width", "64", "--heads",
+               "2", "--seq-len", "16", "--vocab", "32", "-b", "1", "--out", str(tmp_path / "estimate.json"))
+    with script_module("gpu_check") as check:
+        assert check.pipesim(*refused, log=tmp_path / "estimate-fitted.log", failed=failed) is None
+        assert list(failed) == ["estimate-fitted"]
+        assert failed["estimate-fitted"].startswith(f"pipesim estimate failed (exit 2); see {tmp_path}")
+        assert "--gpu" in failed["estimate-fitted"] and "no-such-part" in failed["estimate-fitted"]
+        with pytest.raises(SystemExit, match=r"pipesim estimate failed \(exit 2\)"):
+            check.pipesim(*refused, log=tmp_path / "required.log")
+    assert (tmp_path / "estimate-fitted.log").read_text().startswith("$ pipesim estimate --gpu no-such-part")
