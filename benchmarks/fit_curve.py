@@ -6,9 +6,10 @@ the same size calibrated again, compared layer by layer.
 Each size's calibrations (a size: the same model, options, micro-batch size, dtype and threads) are dealt in
 the order given into two halves, alternately (rounds 1, 3, 5 ... and 2, 4, 6 ...); a half's time for a layer
 pass is the least over its calibrations (a shared machine's load only ever adds time). The curve is fitted to
-each size's first half, with the kernel overhead its calibrations timed (their median; fitted where they are
-from before calibrate timed it), and predicts every size's second half; the noise floor compares a size's two
-halves. With one calibration in a half it is that calibration.
+each size's first half, with the kernel overhead its calibrations timed (their median; the part's where a GPU
+calibration timed its host's issue, as --curve-from; fitted where they are from before calibrate timed it), and
+predicts every size's second half; the noise floor compares a size's two halves. With one calibration in a half
+it is that calibration.
 
 `--calibrate DIR` makes them first: `SIZES` (a small gpt at three widths and two sequence lengths, its layers
 only, one thread) calibrated `--rounds` times, the sizes interleaved within each round so that the load falls on
@@ -32,7 +33,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from pipesim.commands.estimate import fit_count
+from pipesim.commands.estimate import fit_count, timed_overhead_ms
 from pipesim.hardware.catalogue import Curve, load_catalogue
 from pipesim.planning.estimate import (
     CALIBRATED_OPS,
@@ -87,10 +88,10 @@ def least(profiles: list[Profile]) -> Profile:
         for name in PASSES}) for i, layer in enumerate(profiles[0].layers)]})
 
 
-def measured_overhead(profiles: list[Profile]) -> float | None:
-    """The median kernel overhead calibrate timed in `profiles` (None: none timed it; the fit finds one)."""
-    timed = [p.fitted_curve.kernel_overhead_ms for p in profiles
-             if p.fitted_curve is not None and p.fitted_curve.kernel_overhead_measured]
+def measured_overhead(profiles: list[Profile], part_overhead_ms: float) -> float | None:
+    """The median kernel overhead calibrate timed in `profiles`, the part's for one that timed its host's issue
+    (`timed_overhead_ms`, as --curve-from takes it); None: none timed it, the fit finds one."""
+    timed = [ms for p in profiles if (ms := timed_overhead_ms(p, part_overhead_ms)) is not None]
     return statistics.median(timed) if timed else None
 
 
@@ -144,7 +145,8 @@ def main() -> None:
     results, across = [], {name: [] for name in PASSES}
     element = 4 if next(iter(sizes.values()))[0][0].environment.dtype == "float32" else 2
     for key, (first, _) in sizes.items():
-        fitted = fit_rates(least(first), counts[key], shape.multiprocessors, shape.tiles, measured_overhead(first))
+        fitted = fit_rates(least(first), counts[key], shape.multiprocessors, shape.tiles,
+                           measured_overhead(first, shape.kernel_overhead_ms))
         curve = curve_for(fitted, peak, bandwidth, shape, f"fitted to {names[key]}")
         device = Device(peak, bandwidth * curve.memory_efficiency, curve)
         print(f"  {names[key]} ({len(first)} calibrations): products {fitted.matmul_flops_per_ms / 1e6:.1f} GFLOP/s, "

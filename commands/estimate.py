@@ -153,11 +153,8 @@ class WhatIf:
         shape = (self.gpu.curve.multiprocessors, self.gpu.curve.tiles) if env.device == "cuda" else (1, [(1, 1)])
         stored = self.calibrated.fitted_curve
         where = f"{self.calibrated_path} ({env.device_name}, {env.date})"
-        timed = stored.kernel_overhead_ms if stored is not None and stored.kernel_overhead_measured else None
-        # timed as the host issued the chain, not as the device runs it (`kernel_overhead_on_device`)
-        host_timed = timed is not None and env.device == "cuda" and not stored.kernel_overhead_on_device
-        if host_timed:
-            timed = self.gpu.curve.kernel_overhead_ms
+        timed = timed_overhead_ms(self.calibrated, self.gpu.curve.kernel_overhead_ms)
+        host_timed = host_timed_overhead(self.calibrated)
         # why a stored curve is not the one this part is priced on, said in the curve's source
         passed_over = [] if stored is None else [why for why, holds in (
             ("fitted on other tiles", (stored.multiprocessors, stored.tiles) != shape),
@@ -398,6 +395,25 @@ def fit_count(profile: Profile, needer: str) -> WorkloadCount:
     env = profile.environment
     return count_model_of(profile.model.name, dict(profile.model.options), env.microbatch_size, env.dtype,
                           FIT_ATTENTION, needer, swiglu_fusion=False)
+
+
+def host_timed_overhead(profile: Profile) -> bool:
+    """Whether the kernel overhead calibrate stored in `profile` is its host's issue of the timed chain, not the
+    device's time for it: a CUDA chain timed on the host's clock (`FittedCurve.kernel_overhead_on_device` false, a
+    calibration from before calibrate/kernel.py timed it on the GPU's), which the layers it is taken off hide."""
+    stored = profile.fitted_curve
+    return (stored is not None and stored.kernel_overhead_measured and profile.environment.device == "cuda"
+            and not stored.kernel_overhead_on_device)
+
+
+def timed_overhead_ms(profile: Profile, part_overhead_ms: float) -> float | None:
+    """The kernel overhead a fit to `profile`'s layers takes as measured (--curve-from's, benchmarks/fit_curve.py's):
+    the one calibrate timed on the device, or the part's (`part_overhead_ms`) where it timed its host's issue
+    (`host_timed_overhead`); None where it timed none (the fit finds one)."""
+    stored = profile.fitted_curve
+    if stored is None or not stored.kernel_overhead_measured:
+        return None
+    return part_overhead_ms if host_timed_overhead(profile) else stored.kernel_overhead_ms
 
 
 def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextManager]) -> Profile:

@@ -249,6 +249,24 @@ def test_curve_from_holds_the_attention_where_the_layers_do_not_separate_it_from
     assert not (tmp_path / "a100.json").exists()
 
 
+def test_fit_curve_takes_the_parts_kernel_overhead_where_a_gpu_calibration_timed_its_hosts_issue():
+    """benchmarks/fit_curve.py fits a size's calibrations less the kernel overhead they timed, by the same rule as
+    --curve-from (commands/estimate.py `timed_overhead_ms`): the H200 calibration of day 9 timed its host's issue
+    of the chain (9.7 us an add), so the part's is taken; a CPU's chain runs as it is issued, so its own is; a
+    calibration from before calibrate timed one leaves the fit to find it."""
+    from tests.conftest import script_module
+
+    again = load_profile(H200.parents[1] / "gpu-check-h200-day9-idle-passes" / "profile.json")
+    assert again.fitted_curve.kernel_overhead_ms > 0.009
+    untimed = load_profile(TRACES / "gpt-cpu-w256.json")  # calibrated before the overhead was timed
+    timed = untimed.model_copy(update={"fitted_curve": untimed.fitted_curve.model_copy(
+        update={"kernel_overhead_ms": 0.002, "kernel_overhead_measured": True})})
+    with script_module("fit_curve") as fit_curve:
+        assert fit_curve.measured_overhead([again], 0.004) == 0.004
+        assert fit_curve.measured_overhead([timed], 0.004) == 0.002
+        assert fit_curve.measured_overhead([untimed], 0.004) is None
+
+
 def test_every_fit_counts_a_calibration_as_it_ran(calibrated):
     """`fit_count`, the one count calibrate, --curve-from and benchmarks/fit_curve.py fit a curve on: attention as
     the fused kernel torch ran (no s x s scores) and a gated model's SwiGLU as its own torch ops (the estimate's
