@@ -14,8 +14,8 @@ run as TransformerEngine's fused kernel, `--rope-kernel fused`: every such yaml 
 linear biases where the config sets `bias: false`, `--no-linear-bias`, and RMSNorm where it sets `normalization:
 rmsnorm`, `--norm rmsnorm`: the CSV's `linear_bias` and `normalization`), the
 recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B), the distributed optimizer
-(`--zero 1`;
-`--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
+(`--zero 1`; its gradients held and reduced as the row's optimizer holds them, `precision`) with its gradient
+reduce-scatter overlapped with the
 backward (each stage's right after its last backward) and its collectives grouped as the row's optimizer groups
 them (`--optimizer-buckets`, the CSV's `optimizer_buckets`: nemo for NeMo's distributed Adam, megatron for
 Megatron-core's), interleaved 1F1B where the row has virtual stages, the
@@ -57,6 +57,22 @@ def padded_vocab(vocab: int, tensor: int) -> int:
     return math.ceil(vocab / multiple) * multiple
 
 
+def precision(row: dict[str, str]) -> list[str]:
+    """The row's --precision. NeMo's distributed Adam (`optimizer_buckets` nemo: `distributed_fused_adam`), with
+    `grad_sync_dtype: bf16` in every dgxc yaml that runs it (gpt3_175b_hydra.yaml, llama3.1_*.yaml,
+    nemotron4-340b-synth.yaml at 143b90dd91, 0b71cfda51 and 35a9aecc8d), accumulates and reduce-scatters the
+    gradients in bf16: Apex's contiguous grad buffers are of grad_sync_dtype
+    (apex/contrib/optimizers/distributed_fused_adam.py `_init_grad_buffer` at 6424da3b) and NeMo hands their views
+    out as the weights' main_grad (nemo/core/optim/distributed_adam.py `MegatronDistributedFusedAdam.zero_grad` at
+    v2.0.0): with its float32 state and master copy megatron-16bit-grads, with `dtype: bf16` nemo-bf16-adam.
+    Megatron-core's distributed optimizer (`optimizer_buckets` megatron, `mcore_distributed_optim` with no
+    grad_sync_dtype) reduces float32 main gradients (NeMo's `setup_mcore_distributed_parallel`: grad_reduce_in_fp32
+    unless grad_sync_dtype says otherwise, megatron_gpt_model.py at v2.1.0): the default, megatron."""
+    if row["optimizer_state"] == "bf16":
+        return ["--precision", "nemo-bf16-adam"]
+    return ["--precision", "megatron-16bit-grads"] if row["optimizer_buckets"] == "nemo" else []
+
+
 def simulate_command(row: dict[str, str]) -> list[str]:
     """The row's step as NeMo ran it (see the module docstring), from the row's columns alone."""
     t, p, v, c, gpus, batch, b = (int(row[k]) for k in (
@@ -83,7 +99,7 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             "-m", str(batch // (d * b)),
             *schedule, "--data-parallel", str(d), "--zero", "1", "--optimizer-buckets", row["optimizer_buckets"],
             "--grad-accumulation", "fused",
-            *(["--precision", "nemo-bf16-adam"] if row["optimizer_state"] == "bf16" else []),
+            *precision(row),
             *(["--recompute", row["recompute"]] if row["recompute"] != "none" else []),
             "--stage-cut", "equal-blocks", "--cross-entropy", "megatron"]
 

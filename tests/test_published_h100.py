@@ -37,6 +37,9 @@ def test_every_published_row_is_recorded_with_its_figure_and_layout():
         assert _flag(args, "--dtype") == published["precision"]
         assert ("--fp8-param-gather" in args) == (published["precision"] == "fp8")  # every FP8 run's fp8_params
         assert ("nemo-bf16-adam" in args) == (published["optimizer_state"] == "bf16")
+        # NeMo's distributed Adam syncs bf16 gradients (grad_sync_dtype), Megatron-core's optimizer float32 ones
+        held = _flag(args, "--precision") if "--precision" in args else "megatron"
+        assert (held in ("megatron-16bit-grads", "nemo-bf16-adam")) == (published["optimizer_buckets"] == "nemo")
         assert _flag(args, "--optimizer-buckets") == published["optimizer_buckets"]
         assert (_flag(args, "--recompute") if "--recompute" in args else "none") == published["recompute"]
         assert ("--tp-overlap-no-margin" in args) == (published["tp_overlap_sm_margin"] == "false")
