@@ -108,7 +108,7 @@ def as_run_ms(estimate: Profile, calibrated: Profile, trace_path: Path) -> float
 
 def pass_issue(calibrated: Profile, device: str, dtype: str) -> dict[str, list[dict[str, float]]]:
     """Each stage's F, B, I and W as calibration times them, queued behind the pass before and from an idle GPU
-    (calibrate/measure.py `idle_passes`: the run's rows on a GPU its ranks share start idle), in turn twice in one
+    (profiles/schema.py `StagePasses`: the run's rows on a GPU its ranks share start idle), twice in one
     process: per way, per stage, the medians (ms) of its two timings. Where the idle times exceed the queued
     ones, the pass's host issue outlasts its kernels (on CPU the two ways are the same timing)."""
     import torch
@@ -124,8 +124,10 @@ def pass_issue(calibrated: Profile, device: str, dtype: str) -> dict[str, list[d
     runs = stage_runs(model, list(calibrated.partition.bounds), dtype, settings.microbatch_size)
     stage_ms = [stage.fwd_ms + stage.bwd_ms for stage in calibrated.stages]
     timed = {way: [] for way in ("queued", "idle")}
-    for way in [*timed] * 2:
-        timed[way].append(measure_passes(runs, settings, lambda what: None, stage_ms, idle=way == "idle"))
+    for _ in range(2):
+        passes = measure_passes(runs, settings, lambda what: None, stage_ms)
+        for way, found in timed.items():
+            found.append([stage.issued(shared_gpu=way == "idle") for stage in passes])
     del runs, model
     if settings.cuda:
         torch.cuda.empty_cache()

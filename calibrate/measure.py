@@ -9,6 +9,7 @@ forward pass, so a layer's time is what a pipeline stage boundary would see.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -42,6 +43,7 @@ from ..profiles.schema import (
     LinkProfile,
     ModelInfo,
     Partition,
+    PassTimes,
     Profile,
     StagePasses,
     StageSteps,
@@ -56,7 +58,6 @@ from ..units import GIB, KIB, MIB
 from ..workload.models import BATCH, Model, ModelError, routed_experts_of
 from ..workload.moe import dispatches
 from ..workload.optim import make_optimizer
-from ..workload.transport import choose_transport
 from .cache import HostCache, fresh
 from .links import measure_all_to_all, measure_p2p_and_allreduce
 from .passes import StageRun, stage_runs
@@ -72,6 +73,7 @@ PhaseLine = Callable[[str], AbstractContextManager[list[str]]]
 MIN_REPEATS = 5  # timed runs before a measurement may stop: the fewest whose extremes bound a 90 % interval
 CONFIDENCE = 0.9  # of the median's interval the stopping rule checks
 FLOOR_MS = 0.002  # an interval this narrow is precise whatever the median: the clock's and the call's own jitter
+QUEUED, IDLE = "queued", "idle"  # a stage pass timed behind the one before, or from an idle GPU (`measure_passes`)
 LAYER_TOLERANCE = 0.1  # layers' times set the partition and scale other cuts' stages, each layer by its calibrated
 # stage's ratio of pass to layers (the passes are precise to PASS_SHARE): at 5 % the default gpt's layers ran to 10
 # rounds, their split backward's input gradient scattering 11 % (interquartile)
@@ -158,7 +160,7 @@ Phase = tuple[Hashable, Callable[[Any], Any]]  # a name, and the work: the previ
 
 def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None = None,
           tolerance: float = LAYER_TOLERANCE, floor_ms: Callable[[Hashable], float] = lambda name: FLOOR_MS,
-          idle: bool = False) -> dict[Hashable, Timing]:
+          idle: Callable[[Hashable], bool] = lambda name: False) -> dict[Hashable, Timing]:
     """Time every phase of every sequence on its own, in rounds that each run all the sequences in turn, so a
     slow spell of a shared machine spreads over all of them instead of bending one: `warmup` rounds, then
     timed ones until every phase is `precise` (to `tolerance`, or `floor_ms(name)`) or `repeats` rounds are
@@ -167,9 +169,9 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
     not every other. A phase hands its result to the next (a forward's graph to its backward), so no untimed
     work is repeated just to set one up; the last result is released after the clock stops, so freeing it is
     not charged to any phase. A name in several sequences pools their samples. On a GPU a phase is queued
-    behind the one before it, its host issuing while the GPU still runs that one; `idle`: each starts on an
-    idle GPU instead (the device synchronised first), so the time its host takes to issue it, where that
-    outlasts its kernels, is in its time (`idle_passes`)."""
+    behind the one before it, its host issuing while the GPU still runs that one; one whose name is `idle` starts
+    on an idle GPU instead (the device synchronised first), so the time its host takes to issue it, where that
+    outlasts its kernels, is in its time (`StagePasses`)."""
     samples: dict[Hashable, list[float]] = {}
     rounds = settings.warmup + settings.repeats
     active = list(sequences)
@@ -182,7 +184,7 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
             for name, run in sequence:
                 if settings.cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    if idle:
+                    if idle(name):
                         torch.cuda.synchronize()
                     start.record()
                     state = run(state)
@@ -472,19 +474,8 @@ def _plain_attributes(module: torch.nn.Module) -> tuple[tuple[str, Hashable], ..
     return tuple(sorted((name, key(value)) for name, value in vars(module).items() if not name.startswith("_")))
 
 
-def idle_passes(settings: Settings, ranks: int, gpus: int | None = None) -> bool:
-    """Whether a run of `ranks` ranks here (over `gpus` GPUs, default those torch sees) issues each compute row to
-    an idle GPU: ranks that share GPUs use the host-staged transport, under which the executor holds a GPU
-    until a row's kernels finish before the next row, its own or another rank's, takes it (executor/runtime.py).
-    On the 2-rank H200 check (traces/measured/gpu-check-h200-day9) the ZB-H1 run's stage-1 W took 6.2 ms
-    (median; 4.1 ms at its fastest) and its I 5.1 ms against 3.2 and 4.1 ms timed queued: W's
-    issue (an autograd call per anchor group, executor/backward.py) and I's walk of the graph before its first
-    kernel outlast the kernels the queue used to hide them behind."""
-    return settings.cuda and choose_transport("cuda", ranks, gpus=gpus).host_staged
-
-
 def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance,
-                   stage_ms: list[float], idle: bool = False) -> list[StagePasses]:
+                   stage_ms: list[float]) -> list[StagePasses]:
     """Each stage's F, B, I and W timed as the executor runs them (calibrate/passes.py): a forward then the
     full backward, and a forward then the split one, every stage in every round (a stage nothing
     differentiates has its forward only). Where no input needs a gradient (the first stage), I has nothing to
@@ -492,24 +483,33 @@ def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance,
     W's time too. Each is timed until its median is known to PASS_SHARE of its stage's F + B (`stage_ms`, as its
     layers sum them). One untimed round at most comes first (the default gpt's passes: the first round 1.3-4.8x the
     later median, the second 1.0-1.2x, as the later ones scatter: one such sample among five or more moves a
-    median by half a rank at most). `idle`: each starts on an idle GPU, as the run's rows will (`idle_passes`)."""
+    median by half a rank at most). On a GPU each is timed both ways in the same rounds, queued behind the pass
+    before and from an idle GPU, as a run's rows are issued with a GPU per rank and on GPUs its ranks share
+    (`StagePasses`); a CPU runs ops as issued, one path, timed once."""
     settings = replace(settings, warmup=min(settings.warmup, 1))
+    ways = (QUEUED, IDLE) if settings.cuda else (QUEUED,)
     sequences = []
-    for k, run in enumerate(runs):
+    for way, (k, run) in itertools.product(ways, enumerate(runs)):
         if not run.differentiable:
-            sequences.append([((k, "fwd"), run.forward)])
+            phases = [[("fwd", run.forward)]]
         elif not run.input_gradients:
-            sequences.append([((k, "fwd"), run.forward), ((k, "igrad"), run.backward_input),
-                              ((k, "bwd"), run.backward_weight)])
+            phases = [[("fwd", run.forward), ("igrad", run.backward_input), ("bwd", run.backward_weight)]]
         else:
-            sequences += [[((k, "fwd"), run.forward), ((k, "bwd"), run.backward)],
-                          [((k, "fwd"), run.forward), ((k, "igrad"), run.backward_input),
-                           ((k, "wgrad"), run.backward_weight)]]
+            phases = [[("fwd", run.forward), ("bwd", run.backward)],
+                      [("fwd", run.forward), ("igrad", run.backward_input), ("wgrad", run.backward_weight)]]
+        sequences += [[((way, k, kind), work) for kind, work in phase] for phase in phases]
     times = _time(settings, *sequences, advance=lambda what: advance(f"timing stages as one pass, {what}"),
-                  tolerance=0.0, floor_ms=lambda name: max(FLOOR_MS, PASS_SHARE * stage_ms[name[0]]), idle=idle)
+                  tolerance=0.0, floor_ms=lambda name: max(FLOOR_MS, PASS_SHARE * stage_ms[name[1]]),
+                  idle=lambda name: name[0] == IDLE)
     zero = _zero(settings)
-    return [StagePasses(fwd=times[k, "fwd"], bwd=times.get((k, "bwd"), zero), igrad=times.get((k, "igrad"), zero),
-                        wgrad=times.get((k, "wgrad"), times.get((k, "bwd"), zero))) for k in range(len(runs))]
+
+    def timed(way: str, k: int) -> PassTimes:
+        bwd = times.get((way, k, "bwd"), zero)
+        return PassTimes(fwd=times[way, k, "fwd"], bwd=bwd, igrad=times.get((way, k, "igrad"), zero),
+                         wgrad=times.get((way, k, "wgrad"), bwd))
+
+    return [StagePasses(**dict(timed(QUEUED, k)), idle=timed(IDLE, k) if settings.cuda else None)
+            for k in range(len(runs))]
 
 
 def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
@@ -723,11 +723,10 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
             layers = measure_transients(model, settings, recording, layers)
         bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
         runs = stage_runs(model, bounds, dtype_name, settings.microbatch_size)
-        idle = idle_passes(settings, stages)
-        with phase(f"timing stages as one pass ({stages}{', each from an idle GPU its ranks share' if idle else ''})"):
+        with phase(f"timing stages as one pass ({stages}{', queued and from an idle GPU' if settings.cuda else ''})"):
             passes = measure_passes(runs, settings, advance, [sum(layer.fwd.median_ms + layer.bwd.median_ms
                                                                   for layer in layers[first:stop])
-                                                              for first, stop in zip(bounds, bounds[1:])], idle)
+                                                              for first, stop in zip(bounds, bounds[1:])])
         with phase(f"timing updates, predictions, averaging ({stages} stages, {len(OPTIMIZERS)} optimizers)"):
             steps = measure_steps(runs, settings, advance, passes)
     link = allreduce = None

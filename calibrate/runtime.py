@@ -144,12 +144,15 @@ def _timing(samples_ms: list[float] | np.ndarray, what: str) -> Timing:
     return Timing(median_ms=max(float(median), 0.0), spread_ms=float(q3 - q1), repeats=len(samples_ms))
 
 
-def _own_ms(probe: Profile, kind: str, stage: int) -> float:
+def _own_ms(probe: Profile, kind: str, stage: int, shared_gpu: bool) -> float:
     """What the probe's calibration says row `kind` of `stage` costs by its work alone: its pass as the
-    executor computes it (or its layers' sum, in a probe calibrated before passes were measured)."""
+    executor computes it, as the probe's run issued it (`shared_gpu`: `StagePasses.issued`), or its layers' sum,
+    in a probe calibrated before passes were measured."""
     s = probe.stages[stage]
-    return {"F": s.fwd_ms, "B": s.bwd_ms, "I": s.igrad_ms, "W": s.wgrad_ms,
-            "OPT": s.steps[PROBE_OPTIMIZER].step.median_ms}[kind]
+    if kind == "OPT":
+        return s.steps[PROBE_OPTIMIZER].step.median_ms
+    name = {"F": "fwd", "B": "bwd", "I": "igrad", "W": "wgrad"}[kind]
+    return getattr(s.passes.issued(shared_gpu), name).median_ms if s.passes is not None else getattr(s, f"{name}_ms")
 
 
 def _message_bytes(probe: Profile, kind: str, stage: int, peer: int) -> int:
@@ -250,7 +253,8 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
         steady = _steady(trace)
         dur_ms, end_us = ops.dur_us / 1e3, ops.start_us + ops.dur_us
         for i in np.flatnonzero(steady & (ops.stream == Stream.COMPUTE)):
-            own = _own_ms(probe, names[i], int(ops.stage[i])) if names[i] in COMPUTE_KINDS else 0.0
+            own = (_own_ms(probe, names[i], int(ops.stage[i]), trace.meta.shares_gpu) if names[i] in COMPUTE_KINDS
+                   else 0.0)
             if own > 0:  # a pass its layers do not have (an input gradient of the stage reading the batch) is skipped
                 compute[names[i]].append(dur_ms[i] - own)
         sending = steady & (ops.stream == Stream.SEND)

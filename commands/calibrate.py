@@ -262,8 +262,8 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
 
     env = profile.environment
     probe_options = {"layers": 1, "width": probe_width(profile, settings.dtype.itemsize)}
-    # its two ranks' transport: their sends, and on a GPU they share, the passes its terms are read against,
-    # timed from an idle GPU (calibrate/measure.py `idle_passes`), so a probe made under another is not reused
+    # its two ranks' transport: their sends, and on a GPU they share, the passes its terms are read against, as
+    # issued from an idle GPU (`StagePasses.issued`), so a probe made under another is not reused
     key = {"device": env.device, "transport": choose_transport(env.device, 2).kind, "dtype": env.dtype,
            "microbatch_size": env.microbatch_size, "threads": settings.threads, "repeats": settings.repeats,
            "warmup": settings.warmup, "probe": probe_options, "schedules": PROBE_SCHEDULES,
@@ -381,6 +381,7 @@ def _phases(title: str):
 def _print_profile(profile) -> None:
     """Per stage: layers, times, the backward's split, memory; the host's load; then the runtime's terms,
     contention, the link fit and all-reduce points."""
+    from ..profiles.schema import PASSES
     from ..traces.hostload import HostLoad
 
     env = profile.environment
@@ -408,6 +409,12 @@ def _print_profile(profile) -> None:
                       f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
                       f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
     print_table(table)
+    idle = [stage.passes.idle for stage in profile.stages if stage.passes is not None and stage.passes.idle]
+    if idle:
+        stdout.print("above: each pass queued behind the one before, as ranks with a GPU each issue them; from an "
+                     "idle GPU, as ranks sharing GPUs do (F/B/I/W ms): " + "; ".join(
+                         f"stage {k} " + "/".join(f"{getattr(times, name).median_ms:.3f}" for name in PASSES)
+                         for k, times in enumerate(idle)), highlight=False)
     print_fitted_curve(profile)
     load = HostLoad.from_dict(env.load)
     if load is not None:

@@ -46,9 +46,11 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None, links_from
     bounds = meta.extra.get("bounds")
     try:
         schedule = scenario.build(meta.schedule, ScheduleParams.recorded(meta.params), bounds)
-        costs = _windowed(scenario.costs(schedule, bounds), meta)
         linked = scenario if links_from is None else profile_scenario(links_from, scenario.optimizer)
-        trace = simulate(schedule, costs, _placed(linked.links(schedule), meta.hardware or {}))
+        placed = _placed(linked.links(schedule), meta.hardware or {})
+        # costs on the run's placement: ranks that shared a GPU take the passes timed from an idle one
+        costs = _windowed(replace(scenario, topology=placed).costs(schedule, bounds), meta)
+        trace = simulate(schedule, costs, placed)
     except (ScheduleError, CostError, TypeError) as exc:
         raise TraceError(f"cannot predict the recorded run: {exc}") from None
     return trace

@@ -421,7 +421,8 @@ class Scenario:
         if self.measured is not None:
             cut = list(bounds) if bounds is not None else self.cut(sched)
             costs = profile_costs(self.measured, self.optimizer, cut,
-                                  dag=sched.graph.edges != StageGraph.chain(n, copies).edges)
+                                  dag=sched.graph.edges != StageGraph.chain(n, copies).edges,
+                                  shared_gpu=self._shares_gpu(sched))
             if sched.expert_parallel > 1 and self.measured.estimate is None:
                 costs = measured_all_to_alls(costs, self.measured, cut, sched.expert_parallel)
             return replace(costs, stages=costs.stages * copies)
@@ -441,6 +442,13 @@ class Scenario:
         return replace(costs, stages=tuple(
             replace(c, opt_ms=opt[k], pred_ms=(pred or opt)[k], avg_ms=(avg or opt)[k])
             for k, c in enumerate(costs.stages)))
+
+    def _shares_gpu(self, sched: Schedule) -> bool:
+        """Whether the schedule's ranks share GPUs on this scenario's cluster (its compute resources: `--cluster`,
+        or a measured run's placement, planning/replay.py), which picks the timing of the profile's passes
+        (`StagePasses.issued`); asked only where the profile timed them both ways."""
+        return (any(stage.passes is not None and stage.passes.idle is not None for stage in self.measured.stages)
+                and self.links(sched).shares_compute(sched.num_devices))
 
     def _per_stage(self, flag: str, given: list[float], sched: Schedule, share: list[float]) -> list[float]:
         """One flag's values, one per model stage; CostError names the flag and the lengths allowed."""
@@ -939,23 +947,27 @@ def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | No
     return StageGraph(num_stages, tuple(stage_edges(measured.layers, cut)))
 
 
-def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag: bool = False) -> Costs:
+def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag: bool = False,
+                  shared_gpu: bool = False) -> Costs:
     """Costs of the profile's layers cut into stages at `bounds` (linked as a chain, or by their own edges
     when `dag`), with `optimizer`'s update and prediction, the gradient accumulation and the runtime's own
-    cost per row where the profile measured them. A stage's passes, where measured, add into the gradient
-    buffer as they run, so their accumulation is not added again. The passes are priced at their mean where
-    the contention probe measured how far it lies above their median (`ContentionProfile.tail`). Each stage's
-    costs are priced once for the profile (`_priced_stages`): a search prices the same stages for many schedules."""
+    cost per row where the profile measured them. The stages' passes are as issued where the ranks share GPUs
+    (`shared_gpu`, `Scenario._shares_gpu`) or each has a GPU of its own (`StagePasses.issued`). A stage's passes,
+    where measured, add into the gradient buffer as they run, so their accumulation is not added again. The
+    passes are priced at their mean where the contention probe measured how far it lies above their median
+    (`ContentionProfile.tail`). Each stage's costs are priced once for the profile (`_priced_stages`): a search
+    prices the same stages for many schedules."""
     from ..profiles.schema import boundary_bytes, boundary_held_bytes, stages_for
 
     cut = list(bounds)
     calibrated = cut == measured.partition.bounds  # its stages' steps and passes were measured, not shared out
-    keys = [(optimizer, start, stop, calibrated, sent, held) for (start, stop), sent, held in zip(
+    keys = [(optimizer, start, stop, calibrated, sent, held, shared_gpu) for (start, stop), sent, held in zip(
         itertools.pairwise(cut), boundary_bytes(measured.layers, cut, dag), boundary_held_bytes(measured.layers,
                                                                                                 cut, dag))]
     priced = _priced_stages(measured)
     if any(key not in priced for key in keys):
-        for key, stage in zip(keys, stages_for(measured, cut, dag=dag, optimizers=(optimizer,))):
+        for key, stage in zip(keys, stages_for(measured, cut, dag=dag, optimizers=(optimizer,),
+                                               shared_gpu=shared_gpu)):
             if key not in priced:
                 priced[key] = _stage_costs(measured, optimizer, stage)
     return Costs(tuple(priced[key] for key in keys),
@@ -974,9 +986,10 @@ _FITTED: dict[tuple[int, int], list[int]] = {}
 
 def _priced_stages(measured: Profile) -> dict[tuple, StageCosts]:
     """The profile's stages priced so far (`_stage_costs`), by all a stage's costs read of its cut: the optimizer,
-    its layers [start, stop), whether the cut is the calibrated one, what it sends (`boundary_bytes`) and the
-    boundary tensors it holds (`boundary_held_bytes`). Kept while the profile lives, which is immutable: tune's
-    70B search prices 15,104 stages, 5,715 of them different."""
+    its layers [start, stop), whether the cut is the calibrated one, what it sends (`boundary_bytes`), the
+    boundary tensors it holds (`boundary_held_bytes`) and whether its ranks share GPUs (`StagePasses.issued`).
+    Kept while the profile lives, which is immutable: tune's 70B search prices 15,104 stages, 5,715 of them
+    different."""
     key = id(measured)
     if key not in _PRICED:
         _PRICED[key] = {}

@@ -228,17 +228,37 @@ class StepTimes(_Strict):
     predict: Timing
 
 
-class StagePasses(_Strict):
-    """A stage's rows timed as the executor computes them (calibrate/passes.py): the stage as one module
-    through functional_call under the executor's saved-tensor hooks, forward (`fwd`), full backward (`bwd`),
-    and the split backward's input half (`igrad`) then weight half (`wgrad`). They exceed the sums of the
-    layers timed alone by the per-layer cost of the executor's calls and by the caches a stage's several
-    layers no longer fit."""
+class PassTimes(_Strict):
+    """A stage's rows timed one way: forward (`fwd`), full backward (`bwd`), and the split backward's input half
+    (`igrad`) then weight half (`wgrad`)."""
 
     fwd: Timing
     bwd: Timing
     igrad: Timing
     wgrad: Timing
+
+
+class StagePasses(PassTimes):
+    """A stage's rows timed as the executor computes them (calibrate/passes.py): the stage as one module
+    through functional_call under the executor's saved-tensor hooks. They exceed the sums of the
+    layers timed alone by the per-layer cost of the executor's calls and by the caches a stage's several
+    layers no longer fit.
+
+    On a GPU each is timed two ways. Queued behind the pass before (its host issuing while the GPU still runs
+    that one), as a run with a GPU per rank issues its rows; and `idle`: each from an idle GPU, as a run whose
+    ranks share GPUs issues every row (the host-staged transport: the executor holds the GPU until a row's
+    kernels finish, executor/runtime.py), so a host that issues a pass slower than its kernels run shows in it
+    (the 2-rank H200 check, traces/measured/gpu-check-h200-day9-masters check.json: stage 1's W 3.77 ms queued,
+    6.00 idle; I 4.16 and 5.15). A CPU runs ops as they are issued: one path, timed once (`idle` None). So is a
+    profile from before both were kept, whose passes are as its calibration timed them for every placement
+    (queued; from an idle GPU where it had fewer GPUs than stages, from 6521538 on). `issued` picks."""
+
+    idle: PassTimes | None = None
+
+    def issued(self, shared_gpu: bool) -> StagePasses:
+        """The passes as a run issues its rows: from an idle GPU where its ranks share GPUs (`shared_gpu`), else
+        queued; the one timing a profile holds where it holds one."""
+        return StagePasses(**dict(self.idle)) if shared_gpu and self.idle is not None else self
 
 
 class StageProfile(_Strict):
@@ -548,6 +568,10 @@ class Profile(_Strict):
             raise ValueError(f"partition.bounds must rise strictly from 0 to {n} (the layer count), got {bounds}")
         if [tuple(s.layers) for s in self.stages] != list(zip(bounds, bounds[1:])):
             raise ValueError("stages: one entry per partition stage, with the partition's layer ranges")
+        idle = {stage.passes is not None and stage.passes.idle is not None for stage in self.stages}
+        if idle == {True, False} or (True in idle and self.environment.device != "cuda"):
+            raise ValueError("stages.*.passes.idle: timed on a GPU for every stage or for none (a CPU's passes are one "
+                             "timing)")
         for i, layer in enumerate(self.layers):
             if not layer.inputs or any(not -1 <= s < i for s in layer.inputs):
                 raise ValueError(f"layers.{i}.inputs must name earlier layers or -1 (the batch), got {layer.inputs}")
@@ -948,7 +972,7 @@ def _stage_parts(layers: list[LayerProfile], activation_bytes: int) -> dict[str,
 
 
 def stages_for(profile: Profile, bounds: list[int], dag: bool = False,
-               optimizers: Sequence[str] = OPTIMIZERS) -> list[StageProfile]:
+               optimizers: Sequence[str] = OPTIMIZERS, shared_gpu: bool = False) -> list[StageProfile]:
     """The profile's layers as the stages `bounds` cuts, linked as a chain or (`dag`) by `stage_edges`.
 
     The optimizer, prediction, averaging, accumulation and copy steps were timed on the calibrated partition's
@@ -956,23 +980,25 @@ def stages_for(profile: Profile, bounds: list[int], dag: bool = False,
     steps are elementwise passes over the weights, so their time follows the bytes), `optimizers`' steps alone
     (a caller pricing one optimizer's steps needs no other's: sharing them out is most of a stage's cost). So
     were the stages' rows as one pass (`StagePasses`): another cut's stage takes its layers' times, each scaled
-    by the ratio of the pass to the layers' sum in the calibrated stage holding the layer."""
+    by the ratio of the pass to the layers' sum in the calibrated stage holding the layer. The passes are as a run
+    whose ranks share GPUs issues them where `shared_gpu`, else as one with a GPU per rank (`StagePasses.issued`)."""
     if bounds == profile.partition.bounds:
         steps = [(stage.steps, stage.average, stage.accumulate, stage.weight_copy) for stage in profile.stages]
     else:
         steps = _shared_steps(profile, step_shares(profile, bounds), optimizers)
     return aggregate_stages(profile.layers, bounds, profile.partition.optimizer,
-                            boundary_bytes(profile.layers, bounds, dag), steps, _passes_for(profile, bounds),
+                            boundary_bytes(profile.layers, bounds, dag), steps,
+                            _passes_for(profile, bounds, shared_gpu),
                             boundary_held_bytes(profile.layers, bounds, dag),
                             p2p_sync=p2p_synced(profile))
 
 
-def _passes_for(profile: Profile, bounds: list[int]) -> list[StagePasses] | None:
-    """The stages' passes at `bounds`: the measured ones on the calibrated cut, scaled layer sums on another
-    (None where the profile measured none)."""
-    measured = [stage.passes for stage in profile.stages]
-    if any(found is None for found in measured):
+def _passes_for(profile: Profile, bounds: list[int], shared_gpu: bool) -> list[StagePasses] | None:
+    """The stages' passes at `bounds` as issued (`shared_gpu`: `StagePasses.issued`): the measured ones on the
+    calibrated cut, scaled layer sums on another (None where the profile measured none)."""
+    if any(stage.passes is None for stage in profile.stages):
         return None
+    measured = [stage.passes.issued(shared_gpu) for stage in profile.stages]
     if bounds == profile.partition.bounds:
         return measured
     layers, ones = profile.layers, [1.0] * len(profile.layers)

@@ -116,6 +116,11 @@ class Cluster:
         included (just itself when it has one of its own)."""
         return _peers(self.compute, num_devices)
 
+    def shares_compute(self, num_devices: int) -> bool:
+        """Whether any two of the first `num_devices` devices are ranks on one GPU: then the executor runs every
+        rank's rows under one lock (the host-staged transport), each issued to an idle GPU."""
+        return any(len(peers) > 1 for peers in self.compute_peers(num_devices))
+
     def host_peers(self, num_devices: int) -> list[tuple[int, ...]]:
         """Per device of the first `num_devices`: the devices among them whose compute contends with its own on
         one host, itself included (just itself where no slowdown was measured or it has a host of its own)."""

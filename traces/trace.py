@@ -178,11 +178,18 @@ class TraceMeta:
         return self.microbatches * self.microbatch_size * self.pipelines * int(self.params.get("data_parallel", 1))
 
     @property
+    def shares_gpu(self) -> bool:
+        """Whether the run's ranks shared GPUs: the host-staged transport on CUDA (workload/transport.py
+        `HostStagedTransport`), under which the executor holds a GPU until a row's kernels finish, so each row
+        was issued to an idle GPU (executor/runtime.py)."""
+        hardware = self.hardware or {}
+        return bool(hardware.get("host_staged")) and hardware.get("device") == "cuda"
+
+    @property
     def counts_posted_receives(self) -> bool:
         """Whether the memory a run measured holds the buffers of its receives posted ahead: not where a
-        host-staged GPU run posts them in host memory (workload/transport.py `HostStagedTransport`)."""
-        hardware = self.hardware or {}
-        return not (hardware.get("host_staged") and hardware.get("device") == "cuda")
+        host-staged GPU run posts them in host memory (`shares_gpu`)."""
+        return not self.shares_gpu
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
