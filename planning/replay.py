@@ -47,7 +47,7 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None, links_from
     try:
         schedule = scenario.build(meta.schedule, ScheduleParams.recorded(meta.params), bounds)
         linked = scenario if links_from is None else profile_scenario(links_from, scenario.optimizer)
-        placed = _placed(linked.links(schedule), meta.hardware or {})
+        placed = _placed(linked.links(schedule), meta.hardware or {}, meta.shares_gpu)
         # costs on the run's placement: ranks that shared a GPU take the passes timed from an idle one
         costs = _windowed(replace(scenario, topology=placed).costs(schedule, bounds), meta)
         trace = simulate(schedule, costs, placed)
@@ -79,12 +79,17 @@ def _windowed(costs: Costs, meta: TraceMeta) -> Costs:
     return replace(costs, recv_window=window if meta.counts_posted_receives else 0)
 
 
-def _placed(cluster: Cluster, hardware: dict) -> Cluster:
+def _placed(cluster: Cluster, hardware: dict, shares_gpu: bool = False) -> Cluster:
     """The cluster with the devices where the run's ranks computed (the runner records `host/device` per
-    rank): on CUDA, ranks that computed on one GPU name one compute resource, so the simulator serialises their
-    compute as the executor's lock did; on CPU, ranks on one host share its cores (their slowdown is the
-    profile's)."""
+    rank): on CUDA, ranks that took turns under the executor's compute lock name one compute resource, so the
+    simulator serialises their compute as the lock did and prices their passes as issued to an idle GPU: every
+    rank where the run was host-staged (`TraceMeta.shares_gpu`: one lock over all ranks, executor/runners.py,
+    though its first pipeline's ranks computed on GPUs of their own, as with --backend gloo or d > 1), else those
+    on one GPU (a run recorded before `host_staged` was); on CPU, ranks on one host share its cores (their
+    slowdown is the profile's)."""
     places = (hardware.get("compute") or [])[:cluster.num_devices]
+    if shares_gpu:
+        return replace(cluster, compute=(places[0] if places else "cuda",) * cluster.num_devices)
     if hardware.get("device") == "cuda":
         return cluster if len(set(places)) == len(places) else replace(cluster, compute=tuple(places))
     if cluster.contention and places:

@@ -238,6 +238,9 @@ def test_the_replay_places_ranks_where_they_computed():
     assert shared.compute == ("h/cuda:0", "h/cuda:0") and shared.compute_peers(2) == [(0, 1), (0, 1)]
     for own in ({"device": "cuda", "compute": ["h/cuda:0", "h/cuda:1"]}, {"device": "cpu", "compute": ["h/cpu"] * 2}):
         assert _placed(cluster, own) is cluster
+    # host-staged: one lock over every rank, though each computed on a GPU of its own (--backend gloo, or d > 1)
+    staged = _placed(cluster, {"device": "cuda", "host_staged": True, "compute": ["h/cuda:0", "h/cuda:1"]}, True)
+    assert staged.compute_peers(2) == [(0, 1), (0, 1)]
     contended = replace(cluster, contention=(1.0, 1.5))
     on_cpu = {"device": "cpu", "compute": ["node-a/cpu", "node-b/cpu"]}
     assert _placed(contended, on_cpu).hosts == ("node-a", "node-b")

@@ -95,6 +95,10 @@ def test_compare_predicts_a_run_on_a_shared_gpu_from_the_passes_timed_idle():
 
     queued, idle = _ms(both, "queued")[1]["wgrad"], _ms(both, "idle")[1]["wgrad"]
     assert w_ms(predict_measured(meta, both)) - w_ms(predict_measured(apart, both)) == pytest.approx(idle - queued)
+    # host-staged with a GPU per rank (--backend gloo, or the first pipeline's ranks when d > 1): every rank's rows
+    # still take turns under one lock, each issued to an idle GPU
+    staged_apart = replace(meta, hardware={**meta.hardware, "gpus": 2, "compute": ["vm/cuda:0", "vm/cuda:1"]})
+    assert w_ms(predict_measured(staged_apart, both)) == pytest.approx(w_ms(predict_measured(meta, both)))
     # a profile that holds one timing prices every placement with it, as before
     idle_only = _idle_only()
     assert w_ms(predict_measured(meta, idle_only)) == pytest.approx(w_ms(predict_measured(apart, idle_only)))
