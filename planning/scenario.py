@@ -233,13 +233,19 @@ class Scenario:
                 return nemo_groups(len(layers), chunked)
             return buckets([layer.param_bytes // element for layer in layers], bucket_params(sched.data_parallel))
 
-        def traffic(layers: list, stage: StageCosts, nbytes: Callable[[object], int]) -> Callable[[list[int]], float]:
-            """A group's time to reduce-scatter its gradients (`param_bytes`) or all-gather its weights as they are
-            gathered (`gathered_weight_bytes`: TransformerEngine's float8 weights at 1 byte), the same traffic: its
-            layers' share of the stage's."""
+        def traffic(layers: list, stage_bytes: int, nbytes: Callable[[object], int]) -> Callable[[list[int]], float]:
+            """A group's time to reduce-scatter its gradients as accumulated (`grad_bytes`) or all-gather its
+            weights as they are gathered (`gathered_weight_bytes`: TransformerEngine's float8 weights at 1 byte),
+            the same traffic: its layers' share (by `nbytes`) of the stage's `stage_bytes`."""
             total = sum(nbytes(layer) for layer in layers)
             return lambda group: link.reduce_scatter_ms(
-                nbytes(stage) * (sum(nbytes(layers[i]) for i in group) / total), sched.gradient_ranks)
+                stage_bytes * (sum(nbytes(layers[i]) for i in group) / total), sched.gradient_ranks)
+
+        def reduced(layers: list, stage: StageCosts) -> Callable[[list[int]], float]:
+            return traffic(layers, stage.gradient_bytes, attrgetter("grad_bytes"))
+
+        def gathered(layers: list, stage: StageCosts) -> Callable[[list[int]], float]:
+            return traffic(layers, stage.gathered_weight_bytes, attrgetter("gathered_weight_bytes"))
 
         def shares(times: list[float], stage_ms: float) -> list[float]:  # the stage's pass, split as its layers'
             total = sum(times)
@@ -250,18 +256,16 @@ class Scenario:
         planned = groups(layers)
         stages = [replace(
             first, reduce_ms=exposed_reduce_ms(shares([layer.bwd.median_ms for layer in layers], first.bwd_ms),
-                                               planned, traffic(layers, first, attrgetter("param_bytes")),
-                                               persistent),
+                                               planned, reduced(layers, first), persistent),
             gather_ms=exposed_gather_ms(shares([layer.fwd.median_ms for layer in layers], first.fwd_ms), planned,
-                                        traffic(layers, first, attrgetter("gathered_weight_bytes")), persistent))]
+                                        gathered(layers, first), persistent))]
         for index, c in enumerate(costs.stages[1:], start=1):
             layers = measured.layers[cut[index]:cut[index + 1]]
             if not nemo or chunked or not layers or not c.param_bytes or c.expert_param_bytes:
                 stages.append(c)
                 continue
             planned = groups(layers)
-            reduce_ms, gather_ms = (traffic(layers, c, attrgetter(nbytes))
-                                    for nbytes in ("param_bytes", "gathered_weight_bytes"))
+            reduce_ms, gather_ms = reduced(layers, c), gathered(layers, c)
             stages.append(replace(c, reduce_ms=sum(map(reduce_ms, planned)),
                                   gather_ms=sum(map(gather_ms, planned)) + c.gather_cast_ms))
         return replace(costs, stages=tuple(stages))
@@ -668,10 +672,11 @@ def _grouped(ufunc: np.ufunc, groups: np.ndarray, values: np.ndarray, size: int,
 
 
 def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert_replicas: int | None = None) -> Costs:
-    """Each stage's REDUCE and GATHER priced for the schedule's d·C `gradient_ranks` on `link`: the gradients (the
-    size of the weights; with ZeRO-2 and 3 as accumulated, which FSDP2 reduce-scatters in its reduce dtype)
-    all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then all-gathered; NCCL's
-    faster of ring and tree for an all-reduce. Under E-way expert parallelism the routed experts' share
+    """Each stage's REDUCE and GATHER priced for the schedule's d·C `gradient_ranks` on `link`: the gradients as
+    accumulated (`StageCosts.gradient_bytes`, the precision's: Megatron-LM reduces the float32 main gradients it
+    forces under --bf16, megatron/training/arguments.py `validate_args` at d98e8a64dd, and FSDP2 in its reduce
+    dtype) all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then all-gathered;
+    NCCL's faster of ring and tree for an all-reduce. Under E-way expert parallelism the routed experts' share
     (`expert_param_bytes`) goes over the `expert_replicas` ranks that hold the same experts (None: d·C/E; folded
     over t·C·d, planning/ranks.py: t·C·d/(E·ETP)), after the rest."""
     d, sharded = sched.gradient_ranks, sched.sharded_optimizer
@@ -683,7 +688,7 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert
         return over_expert_groups(collective, nbytes, experts, d, expert_replicas)
 
     return replace(costs, stages=tuple(replace(
-        c, reduce_ms=over_groups(reduce, c.gradient_bytes if sched.zero >= 2 else c.param_bytes, c),
+        c, reduce_ms=over_groups(reduce, c.gradient_bytes, c),
         gather_ms=over_groups(link.reduce_scatter_ms, c.gathered_weight_bytes, c) + c.gather_cast_ms if sharded
         else 0.0)
         for c in costs.stages))

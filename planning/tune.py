@@ -611,8 +611,8 @@ class _Built:
         return self._chains[id(setting)]
 
     def _layer_reduces_ms(self, setting: Setting, config: Config, bounds: list[int]) -> np.ndarray:
-        """[k]: the least REDUCE of stage k's gradients (its layers' weights' bytes, their routed experts' apart; as
-        accumulated under ZeRO-2 and 3) over the replicas (`_least_reduce_ms`); none for one replica."""
+        """[k]: the least REDUCE of stage k's gradients (as accumulated, their routed experts' apart, in proportion
+        to their weights) over the replicas (`_least_reduce_ms`); none for one replica."""
         if config.replicas == 1:
             return np.zeros(len(bounds) - 1)
         link, (held, _, experts, grads) = self._data_link(setting, config), self._layer_bytes(setting)
@@ -987,7 +987,7 @@ class _Work:
     static_bytes: int
     param_bytes: int
     expert_param_bytes: int  # the routed experts' share of `param_bytes`
-    grad_bytes: int  # the gradients as accumulated: what ZeRO-2 and 3 reduce-scatter
+    grad_bytes: int  # the gradients as accumulated: what the replicas reduce
     slowest_ms: np.ndarray  # [k]: the least a busiest of k stages runs per micro-batch (F + least backward)
     step_ms: tuple[float, float, float]  # an update, a weight prediction and an averaging of every stage, summed
     accumulate_ms: float  # one accumulation of every stage, summed: the least over every cut (`_least_accumulate_ms`)
@@ -1261,20 +1261,20 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
 
 
 def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, param_bytes: int,
-                    expert_ranks: int | None, expert_bytes: int, zero: int = 0, grad_bytes: int = 0) -> float:
+                    expert_ranks: int | None, expert_bytes: int, zero: int, grad_bytes: int) -> float:
     """What p stages' REDUCEs (`_least_reduce_ms`) over r replicas take at least on average, however the model's
     gradients are cut among them, `param_bytes` of weights, `expert_bytes` of them routed experts': NCCL's
     all-reduce time, the faster of a ring and a tree, each affine in the bytes (the tree at its full rate, at most
-    what its size correction leaves), is concave in them, and so is a ring reduce-scatter's (ZeRO's; of
-    `grad_bytes`, the gradients as accumulated, under ZeRO-2 and 3), so the mean over any cut is at least the
-    chord from no bytes to all of them, 1/p of the way; the routed experts' part, none where a stage holds no
+    what its size correction leaves), is concave in them, and so is a ring reduce-scatter's (ZeRO's), each of
+    `grad_bytes`, the gradients as accumulated, so the mean over any cut is at least the chord from no bytes to
+    all of them, 1/p of the way; the routed experts' part, none where a stage holds no
     experts, at least the chord from nothing to all of theirs (their gradients in proportion to their weights, as
     one precision holds them). Under ZeRO-1 stage 0's may be nothing (`_least_reduce_ms`) and each other stage's
     is at least an empty one's, a collective taking no less for more bytes: the mean is at least (p - 1)/p of
     that. `link`: the replicas' (`_data_link`; None for one replica, which reduces nothing)."""
     if replicas == 1:
         return 0.0
-    empty = _least_reduce_ms(link, replicas, None, 0, 0, zero)
+    empty = _least_reduce_ms(link, replicas, None, 0, 0, zero, 0)
     if zero == 1:
         return empty * (stages - 1) / stages
     whole = _least_reduce_ms(link, replicas, expert_ranks, param_bytes, expert_bytes, zero, grad_bytes)
@@ -1282,12 +1282,12 @@ def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, par
 
 
 def _least_reduce_ms(link: CollectiveLink | None, replicas: int, expert_ranks: int | None, nbytes: int,
-                     expert_bytes: int, zero: int = 0, grad_bytes: int = 0, first: bool = False) -> float:
+                     expert_bytes: int, zero: int, grad_bytes: int, first: bool = False) -> float:
     """The least REDUCE of a stage's gradients, `nbytes` of weights, `expert_bytes` of them routed experts', as
     `collective_costs` prices it: NCCL's all-reduce, its tree at its full rate (`CollectiveLink.all_reduce_ms`),
-    or under ZeRO (`zero` >= 1) the reduce-scatter, of the weights' bytes at ZeRO-1 and of the gradients as
-    accumulated (`grad_bytes`) at ZeRO-2 and 3; of the rest over the r replicas and of the experts' over the
-    `expert_ranks` that hold the same ones (None: E = 1, all of them over r): priced over r, the experts' share at
+    or under ZeRO (`zero` >= 1) the reduce-scatter, of the gradients as accumulated (`grad_bytes`, the experts'
+    share as theirs of the weights); of the rest over the r replicas and of the experts' over the `expert_ranks`
+    that hold the same ones (None: E = 1, all of them over r): priced over r, the experts' share at
     E > 1 would go over E times the ranks it reduces over, and the bound pass the REDUCE it bounds (the 4-expert
     GPT's E = 2 stages: 0.074 ms against 0.063). Either collective takes no less over the d·C ranks the run
     reduces over than over r <= d·C. Under ZeRO-1 the `first` stage's (stage 0's) REDUCE is only what of its
@@ -1297,7 +1297,7 @@ def _least_reduce_ms(link: CollectiveLink | None, replicas: int, expert_ranks: i
     if replicas == 1 or (zero == 1 and first):
         return 0.0
     collective = link.reduce_scatter_ms if zero else partial(link.all_reduce_ms, tree_correction=False)
-    return over_expert_groups(collective, float(grad_bytes if zero >= 2 else nbytes),
+    return over_expert_groups(collective, float(grad_bytes),
                               expert_bytes / nbytes if expert_ranks is not None and nbytes else 0.0, replicas,
                               expert_ranks or replicas)
 

@@ -237,6 +237,47 @@ def test_typed_costs_price_the_all_reduce_on_comm_per_ring_step_and_the_network_
     assert _what_if().costs(build_schedule("1f1b", ScheduleParams(2, 2))).stages[0].reduce_ms == 0.0
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("precision, grads_per_weight", [("fp32", 1), ("megatron", 2), ("megatron-16bit-grads", 1),
+                                                        ("megatron-bf16-moments", 2), ("nemo-bf16-adam", 1)])
+def test_the_replicas_reduce_the_gradients_as_the_precision_accumulates_them(precision, grads_per_weight, zero):
+    """Megatron-LM accumulates and reduces float32 main gradients under --bf16 (megatron/training/arguments.py
+    forces accumulate_allreduce_grads_in_fp32, DistributedDataParallelConfig.grad_reduce_in_fp32): its REDUCE, an
+    all-reduce or a reduce-scatter, moves twice the 16-bit weights' bytes at every ZeRO stage; megatron-16bit-grads
+    and NeMo's bf16 grad_sync_dtype reduce in 16 bits, fp32 its weights' bytes. The GATHER brings the weights."""
+    weights = 64 * MIB
+    sched = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=4, zero=zero))
+    stage = _what_if(network_gb_s=10.0, precision=precision).costs(sched).stages[0]
+    if zero:
+        assert stage.reduce_ms == pytest.approx(3 * 0.01 + grads_per_weight * weights * 3 / 4 / 1e7)
+        assert stage.gather_ms == pytest.approx(3 * 0.01 + weights * 3 / 4 / 1e7)
+    else:
+        assert stage.reduce_ms == pytest.approx(6 * 0.01 + grads_per_weight * weights * 6 / 4 / 1e7)
+
+
+@pytest.mark.parametrize("precision, grads_per_weight", [(None, 2), ("megatron-16bit-grads", 1)])
+def test_an_estimates_replicas_reduce_the_gradients_as_its_precision_accumulates_them(precision, grads_per_weight):
+    """A bf16 estimate under Megatron-LM's mixed precision (its default) all-reduces, or under ZeRO-1
+    reduce-scatters, its float32 main gradients, twice its weights' bytes; with 16-bit gradients their bytes."""
+    torch = pytest.importorskip("torch")
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Parallelism, estimate_profile
+    from pipesim.workload.count import count_built
+
+    count = count_built("gpt", dict(layers=4, width=512, heads=8, seq_len=512, vocab=8192), 1, torch.bfloat16)
+    for zero in (0, 1):
+        profile = estimate_profile(count, load_catalogue().find("a100-sxm-80gb"),
+                                   Parallelism(data=4, sharded_optimizer=bool(zero), precision=precision))
+        scenario = profile_scenario(profile, "adam")
+        sched = scenario.build("1f1b", ScheduleParams(2, 4, data_parallel=4, zero=zero))
+        link, stage = scenario.data_parallel_link(sched), scenario.costs(sched).stages[1]  # stage 0: buckets
+        assert stage.grad_bytes == grads_per_weight * stage.param_bytes > 0
+        collective = link.reduce_scatter_ms if zero else link.all_reduce_ms
+        assert stage.reduce_ms == pytest.approx(collective(grads_per_weight * stage.param_bytes, 4), rel=1e-12)
+        if zero:
+            assert stage.gather_ms == pytest.approx(link.reduce_scatter_ms(stage.param_bytes, 4), rel=1e-12)
+
+
 def test_a_calibrated_all_reduce_is_fitted_to_a_link():
     latency_ms, bytes_per_ms, ranks = 0.02, 1e6, 4
     points = [(n, 2 * (ranks - 1) * (latency_ms + n / ranks / bytes_per_ms)) for n in (4096, 65536, 1 << 20)]

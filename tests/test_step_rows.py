@@ -127,8 +127,9 @@ def test_an_orders_rows_are_read_once_shared_with_its_replicas_and_not_pickled()
 
 
 def test_a_stages_least_reduce_is_priced_once_per_size_and_frame(monkeypatch):
-    """The bound on a fixed order's partition prices each stage's least REDUCE by its weights' bytes: stages of like
-    bytes (a model of like layers cut many ways) are priced once per setting, p and d, each as priced alone."""
+    """The bound on a fixed order's partition prices each stage's least REDUCE by its gradients' bytes (float32 main
+    gradients of the bf16 weights: twice theirs): stages of like bytes (a model of like layers cut many ways) are
+    priced once per setting, p and d, each as priced alone."""
     from pipesim.planning.scenario import CollectiveLink
     from tests.test_tune_reserve import searched_settings
 
@@ -139,7 +140,9 @@ def test_a_stages_least_reduce_is_priced_once_per_size_and_frame(monkeypatch):
     config = tuning.Config("1f1b", 2, 1, 1, 4, 4, 1, 2, "none")
     built = tuning._Built(tuning.Problem(8, 80 * tuning.GIB, 32, ("1f1b",)), tuning._Orders())
     link = tuning._data_link(setting.scenario, 2, 4)
-    held = np.cumsum([0, *(layer.param_bytes for layer in setting.scenario.measured.layers)])
+    layers = setting.scenario.measured.layers
+    assert all(layer.grad_bytes == 2 * layer.param_bytes for layer in layers)
+    held = np.cumsum([0, *(layer.grad_bytes for layer in layers)])
     priced, alone = [], CollectiveLink.all_reduce_ms
     monkeypatch.setattr(CollectiveLink, "all_reduce_ms", lambda self, nbytes, ranks, tree_correction=True: (
         priced.append(nbytes) or alone(self, nbytes, ranks, tree_correction)))

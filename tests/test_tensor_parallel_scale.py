@@ -208,7 +208,8 @@ def test_tunes_reduce_bound_stays_below_what_the_simulation_prices(gpt16):
     link = scenario.data_parallel_link(scenario.build("gpipe", ScheduleParams(1, 1, data_parallel=16)))
     assert link.per_node == 8
     nbytes = 10 ** 9
-    assert 0 < _mean_reduce_ms(_data_link(scenario, 1, 16), 1, 16, nbytes, None, 0) <= link.all_reduce_ms(nbytes, 16)
+    assert 0 < _mean_reduce_ms(_data_link(scenario, 1, 16), 1, 16, nbytes, None, 0, 0, nbytes) <= link.all_reduce_ms(
+        nbytes, 16)
 
 
 @pytest.mark.parametrize("tp_overlap", [False, True])
