@@ -31,6 +31,7 @@ import json
 import os
 import statistics
 import subprocess
+from functools import partial
 from pathlib import Path
 
 from pipesim.commands.estimate import fit_count, timed_overhead_ms
@@ -39,10 +40,12 @@ from pipesim.planning.estimate import (
     CALIBRATED_OPS,
     PEAK_DTYPE,
     Device,
+    EstimateError,
     Parallelism,
     curve_for,
     estimate_layer,
     fit_rates,
+    separated_fit,
 )
 from pipesim.profiles.schema import PASSES, EstimateLink, Profile, Timing, load_profile
 
@@ -145,13 +148,19 @@ def main() -> None:
     results, across = [], {name: [] for name in PASSES}
     element = 4 if next(iter(sizes.values()))[0][0].environment.dtype == "float32" else 2
     for key, (first, _) in sizes.items():
-        fitted = fit_rates(least(first), counts[key], shape.multiprocessors, shape.tiles,
-                           measured_overhead(first, shape.kernel_overhead_ms))
-        curve = curve_for(fitted, peak, bandwidth, shape, f"fitted to {names[key]}")
+        # fitted as --curve-from fits: the attention held at the part's where the free fit outruns the datasheet
+        refit = partial(fit_rates, least(first), counts[key], shape.multiprocessors, shape.tiles,
+                        measured_overhead(first, shape.kernel_overhead_ms))
+        try:
+            fitted, held = separated_fit(refit(), refit, peak, bandwidth, shape)
+            curve = curve_for(fitted, peak, bandwidth, shape, f"fitted to {names[key]}{held}")
+        except EstimateError as exc:
+            parser.exit(2, f"error: {names[key]}: {exc}\n")
         device = Device(peak, bandwidth * curve.memory_efficiency, curve)
         print(f"  {names[key]} ({len(first)} calibrations): products {fitted.matmul_flops_per_ms / 1e6:.1f} GFLOP/s, "
               f"memory-bound {(fitted.memory_bytes_per_ms or 0) / 1e6:.1f} GB/s, "
-              f"{fitted.kernel_overhead_ms * 1e3:.1f} us a kernel{' (measured)' * fitted.kernel_overhead_measured}")
+              f"{fitted.kernel_overhead_ms * 1e3:.1f} us a kernel{' (measured)' * fitted.kernel_overhead_measured}"
+              + held)
         for target_key, (_, second) in sizes.items():
             if not second:
                 continue

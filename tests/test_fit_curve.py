@@ -267,6 +267,26 @@ def test_fit_curve_takes_the_parts_kernel_overhead_where_a_gpu_calibration_timed
         assert fit_curve.measured_overhead([untimed], 0.004) is None
 
 
+def test_fit_curve_holds_the_attention_as_curve_from_does_and_refuses_an_outrun_part_in_one_line(monkeypatch, capsys):
+    """benchmarks/fit_curve.py --gpu fits a GPU calibration as --curve-from does (`separated_fit`): the
+    day9-masters profile, whose free fit puts the products at 1.33 of the H200's datasheet, is refitted with the
+    attention held (products 0.77, as --curve-from's); an A100's datasheet the layers outran is refused in one line,
+    exit 2 (both were a traceback)."""
+    from tests.conftest import script_module
+
+    with script_module("fit_curve") as fit_curve:
+        monkeypatch.setattr("sys.argv", ["fit_curve.py", str(MASTERS), "--gpu", "h200"])
+        fit_curve.main()
+        out = capsys.readouterr().out
+        assert "refitted with the attention held at the part's 0.35 of the datasheet" in out
+        assert "products 761" in out  # GFLOP/s: 0.77 of the H200's 989 TFLOP/s
+        monkeypatch.setattr("sys.argv", ["fit_curve.py", str(MASTERS), "--gpu", "a100-sxm-80gb"])
+        with pytest.raises(SystemExit) as exited:
+            fit_curve.main()
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "matmul_efficiency: the fit gives" in err and "Traceback" not in err
+
+
 def test_every_fit_counts_a_calibration_as_it_ran(calibrated):
     """`fit_count`, the one count calibrate, --curve-from and benchmarks/fit_curve.py fit a curve on: attention as
     the fused kernel torch ran (no s x s scores) and a gated model's SwiGLU as its own torch ops (the estimate's
