@@ -41,7 +41,7 @@ from rich.table import Table
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.replay import predict_measured
-from pipesim.profiles.schema import Profile, load_profile
+from pipesim.profiles.schema import PASSES, Profile, load_profile, stages_for
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import read_trace, write_atomic
 
@@ -106,6 +106,14 @@ def as_run_ms(estimate: Profile, calibrated: Profile, trace_path: Path) -> float
     return compare(predict_measured(measured.meta, as_run, links_from=calibrated), measured).predicted_ms
 
 
+def calibrated_ms(calibrated: Profile) -> list[dict[str, float]]:
+    """Per stage, the F, B, I and W (ms) `pipesim compare` predicts the check's runs from: the profile's passes as
+    a run whose ranks share a GPU issues them (`StagePasses.issued`: from an idle GPU, where the profile timed them
+    so: on CUDA), for both ranks run on the one GPU."""
+    return [{name: getattr(stage, f"{name}_ms") for name in PASSES}
+            for stage in stages_for(calibrated, calibrated.partition.bounds, shared_gpu=True)]
+
+
 def pass_issue(calibrated: Profile, device: str, dtype: str) -> dict[str, list[dict[str, float]]]:
     """Each stage's F, B, I and W as calibration times them, queued behind the pass before and from an idle GPU
     (profiles/schema.py `StagePasses`: the run's rows on a GPU its ranks share start idle), twice in one
@@ -132,7 +140,7 @@ def pass_issue(calibrated: Profile, device: str, dtype: str) -> dict[str, list[d
     if settings.cuda:
         torch.cuda.empty_cache()
     return {way: [{name: float(np.median([getattr(rounds[k], name).median_ms for rounds in found]))
-                   for name in ("fwd", "bwd", "igrad", "wgrad")} for k in range(len(stage_ms))]
+                   for name in PASSES} for k in range(len(stage_ms))]
             for way, found in timed.items()}
 
 
@@ -169,8 +177,7 @@ def main() -> None:
     pipesim("calibrate", *shape, *dtype, "--device", args.device, "--stages", "2", "--out", str(profile),
             log=args.out / "calibrate.log")
     calibrated = load_profile(profile)
-    check["calibrated_stages_ms"] = [{"fwd": stage.fwd_ms, "bwd": stage.bwd_ms, "igrad": stage.igrad_ms,
-                                      "wgrad": stage.wgrad_ms} for stage in calibrated.stages]
+    check["calibrated_stages_ms"] = calibrated_ms(calibrated)
     save()
     for step in [*METHODS, *(f"{method}-again" for method in args.again)]:
         method = step.removesuffix("-again")
@@ -210,15 +217,16 @@ def main() -> None:
         save()
 
     table = Table(box=box.SIMPLE_HEAD, title="per stage and micro-batch, ms (measured: median)")
-    for column in ("stage", "op", *(f"estimated ({part}, {source} curve)" for source in sources), "calibrated",
-                   *(f"measured ({method})" for method in METHODS)):
+    issued = " (idle GPU)" if args.device == "cuda" else ""  # the timing `calibrated_ms` takes
+    for column in ("stage", "op", *(f"estimated ({part}, {source} curve)" for source in sources),
+                   f"calibrated{issued}", *(f"measured ({method})" for method in METHODS)):
         table.add_column(column, justify="right")
-    for k, stage in enumerate(calibrated.stages):
-        for kind, field in (("F", "fwd_ms"), ("B", "bwd_ms"), ("I", "igrad_ms"), ("W", "wgrad_ms")):
-            guesses = [f"{getattr(estimated[source].stages[k], field):.3f}" if source in estimated else "failed"
-                       for source in sources]
+    for k, passes_ms in enumerate(check["calibrated_stages_ms"]):
+        for kind, name in zip("FBIW", PASSES):
+            guesses = [f"{getattr(estimated[source].stages[k], f'{name}_ms'):.3f}" if source in estimated
+                       else "failed" for source in sources]
             measured = [check["steps"][method]["ops"].get(f"{k}{kind}") for method in METHODS]
-            table.add_row(str(k), kind, *guesses, f"{getattr(stage, field):.3f}",
+            table.add_row(str(k), kind, *guesses, f"{passes_ms[name]:.3f}",
                           *("-" if ms is None else f"{ms:.3f}" for ms in measured))
     console.print(table)
     for k, (queued, idle) in enumerate(zip(*check["pass_issue_ms"].values())):

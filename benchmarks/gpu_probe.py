@@ -1362,8 +1362,9 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [name.strip() for name in args.parts.split(",")]
     unknown = [name for name in chosen if name not in TABLES]
     if unknown or not chosen:
-        print(f"--parts: {', '.join(map(repr, unknown))} is no part; give some of {', '.join(TABLES)}, "
-              "comma-separated", file=sys.stderr)
+        named = ", ".join(map(repr, unknown))
+        print(f"--parts: {named} {'is no part' if len(unknown) == 1 else 'are no parts'}; give some of "
+              f"{', '.join(TABLES)}, comma-separated", file=sys.stderr)
         return 2
     for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
         if value is not None and value < (1 if flag == "--repeats" else 0):

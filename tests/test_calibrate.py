@@ -715,7 +715,6 @@ def test_passes_for_ranks_sharing_a_gpu_start_each_on_an_idle_gpu(monkeypatch, i
                          *(["sync"] if "W" in idle else []), "record", "W", "record"]
 
 
-
 def test_a_gpus_kernel_overhead_is_timed_on_its_clock_from_a_hold_that_outlasts_the_issue(monkeypatch):
     """calibrate/kernel.py times a CUDA chain of kernels by the device's events from a start a spinning kernel holds
     back until the host has issued the whole chain (its start event not yet reached), the hold doubled while it was
@@ -757,6 +756,7 @@ def test_a_gpus_kernel_overhead_is_timed_on_its_clock_from_a_hold_that_outlasts_
     monkeypatch.setattr(kernel, "host_ms", None)
     monkeypatch.setattr(kernel, "device_ms", lambda run: run() or 0.002 * kernel.CHAIN)
     assert kernel.kernel_overhead_ms(torch.device("cuda"), torch.float32) == pytest.approx(0.002)
+
 
 def test_the_runtime_probe_runs_its_schedules_in_turn_in_one_valid_schedule():
     from pipesim.calibrate.runtime import PROBE_SCHEDULES, probe_schedule

@@ -160,6 +160,7 @@ def test_a_plain_kind_multiplies_its_operands_and_adds_into_its_accumulator(prob
 @pytest.mark.parametrize("flags,message", [
     (["--repeats", "0"], "--repeats: 0 is not allowed"),
     (["--parts", "dense,moes"], "--parts: 'moes' is no part; give some of moe, attention, gemm, combine, dense"),
+    (["--parts", "gemms,dense,moes"], "--parts: 'gemms', 'moes' are no parts; give some of moe, attention, "),
     (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from "),  # quoted or not by version
     (["--device", "cpu", "--out", "/nonexistent-folder/probe.json"], "--out: the folder /nonexistent-folder"),
     *([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: torch sees no CUDA GPU")]),

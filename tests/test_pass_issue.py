@@ -24,6 +24,7 @@ from pipesim.planning.scenario import profile_costs, profile_scenario
 from pipesim.profiles.schema import PASSES, PassTimes, Profile, StagePasses, Timing, stages_for
 from pipesim.schedules import ScheduleParams
 from pipesim.traces.trace import read_trace
+from tests.conftest import script_module
 from tests.test_fidelity_terms import probe_trace
 
 CHECK = Path(__file__).resolve().parents[1] / "traces" / "measured" / "gpu-check-h200-day9-masters"
@@ -103,6 +104,17 @@ def test_compare_predicts_a_run_on_a_shared_gpu_from_the_passes_timed_idle():
     idle_only = _idle_only()
     assert w_ms(predict_measured(meta, idle_only)) == pytest.approx(w_ms(predict_measured(apart, idle_only)))
     assert w_ms(predict_measured(meta, idle_only)) == pytest.approx(w_ms(predict_measured(meta, both)))
+
+
+def test_the_gpu_checks_calibrated_figures_are_the_passes_its_runs_issue_from_an_idle_gpu():
+    """benchmarks/gpu_check.py runs both ranks on the one GPU, so its "calibrated" figures (check.json
+    `calibrated_stages_ms`, the table's column) are the passes `compare` prices its runs from: those timed idle,
+    not the stages' stored (queued) times."""
+    both = _both_ways()
+    with script_module("gpu_check") as check:
+        shown = check.calibrated_ms(both)
+    assert shown == [pytest.approx(ms) for ms in _ms(both, "idle")]
+    assert shown[1]["wgrad"] != pytest.approx(both.stages[1].wgrad_ms)
 
 
 @pytest.mark.parametrize("edit, why", [
