@@ -29,7 +29,8 @@ import torch
 
 from .. import __version__
 from ..executor.backward import backward_input, backward_weight, full_backward
-from ..executor.weights import StageWeights, average_replicas, main_dtype
+from ..executor.runtime import Ledger, Tape
+from ..executor.weights import StageWeights, Weights, average_replicas, main_dtype
 from ..profiles.linkfit import fit_link
 from ..profiles.partition import partition
 from ..profiles.schema import (
@@ -411,15 +412,11 @@ def _transient_bytes(model: Model, i: int, recording: Recording, device: torch.d
     weights = [p for p in layer.parameters() if p.requires_grad]
     into: list[torch.Tensor | None] = [None] * len(weights)
     main = main_dtype(layer.parameters())
-
-    def forward(_: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        args = _leaves(recording.inputs[i], model.inputs[i])
-        return args, [_call(model, i, layer, args, recording.target)]
-
+    forward = _layer_forward(model, i, recording)
     sample = forward(None)[1][0]
     sequences: list[list[Phase]] = [[("fwd", forward)]]
     if sample.requires_grad:
-        grad_outputs = [None if i == len(model.layers) - 1 else torch.randn_like(sample)]
+        grad_outputs = _output_gradients(model, i, sample)
         sequences = [
             [("fwd", forward), ("bwd", lambda state: full_backward(state[1], grad_outputs, state[0], weights, into,
                                                                      main))],
@@ -438,6 +435,60 @@ def _transient_bytes(model: Model, i: int, recording: Recording, device: torch.d
                 if read:
                     found[name] = max(found.get(name, 0), made)
     return found
+
+
+def _layer_forward(model: Model, i: int, recording: Recording
+                   ) -> Callable[[Any], tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Layer i's forward as a phase: fresh leaves of its recorded inputs, and [its output] (the last layer's loss)."""
+    def forward(_: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        args = _leaves(recording.inputs[i], model.inputs[i])
+        return args, [_call(model, i, model.layers[i], args, recording.target)]
+    return forward
+
+
+def _output_gradients(model: Model, i: int, output: torch.Tensor) -> list[torch.Tensor | None]:
+    """What layer i's backward starts from: a gradient of its output, or [None] under the last layer's loss."""
+    return [None if i == len(model.layers) - 1 else torch.randn_like(output)]
+
+
+def measure_wgrad_held(model: Model, recording: Recording, layers: list[LayerProfile]) -> list[LayerProfile]:
+    """`layers` with what each one's input-gradient pass leaves for its weight pass (`LayerProfile.wgrad_kept_bytes`,
+    `wgrad_gradient_bytes`), as the executor's split backward leaves it (executor/backward.py): its I runs
+    autograd.grad with retain_graph and keeps the nodes where the weights' gradients branch off the path to the
+    input, with the gradients arriving at them, for its W; so every saved tensor below the topmost such node stays
+    until W (the head's input, beside the logits' gradient arriving at its product), and what the graph holds above
+    it (the loss's saved softmax) goes as I ends.
+    Measured as the layer its stage ends with. Below another layer of its stage a layer keeps all it saved (the later
+    layer's nodes hold its whole graph), which a stage's sum of its layers' leaves out where a layer saves something
+    above its last weight: none in the gpt without dropout or the mlp (a ReLU's output is the next linear's saved
+    input), a dropout's mask after a block's last linear, the cnn's ReLU outputs and max-pool indices (its 2-stage
+    ZB-H1 on CPU: stage 1 priced 8.0 % under its measured peak, 5.6 % with half its activations). The
+    saved tensors are counted as `measure_bytes` counts the activations, each storage once and the weights and
+    buffers left out, through the executor's saved-tensor hooks (its Ledger: what its graph still holds), and the
+    gradients as tensors too (`PendingWeightGrad.gradients`), on either device, as the executor counts a CPU run's
+    memory (executor/runtime.py `_memory`). One forward and I per layer, alike layers sharing the first's; a layer
+    that reads no other (the first stage's: its I walks nothing, W the whole backward) keeps all it saved."""
+    timed_as = alike_layers(model, recording)
+    found = {i: _wgrad_held(model, i, recording) for i in sorted(set(timed_as))}
+    return [layer.model_copy(update=dict(zip(("wgrad_kept_bytes", "wgrad_gradient_bytes"), found[timed_as[i]])))
+            for i, layer in enumerate(layers)]
+
+
+def _wgrad_held(model: Model, i: int, recording: Recording) -> tuple[int, int]:
+    """Layer i's saved bytes and gradient bytes its input-gradient pass leaves for its weight pass
+    (`measure_wgrad_held`)."""
+    layer = model.layers[i]
+    ledger = Ledger()
+    tape = Tape(Weights([*layer.parameters(), *layer.buffers()], 0), ledger)
+    with torch.autograd.graph.saved_tensors_hooks(tape.pack, tape.unpack):
+        args, (out,) = _layer_forward(model, i, recording)(None)
+    if not out.requires_grad:
+        return 0, 0
+    _, pending = backward_input([out], _output_gradients(model, i, out), args,
+                                [p for p in layer.parameters() if p.requires_grad])
+    del args, out  # the graph above the weights' nodes goes with the output, as the executor drops it after I
+    return ledger.total, sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                              for t in pending.gradients()}.values())
 
 
 def alike_layers(model: Model, recording: Recording) -> list[int]:
@@ -721,6 +772,7 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
             partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)  # no split fits the cap: fail now
             layers = measure_times(model, settings, recording, layers, advance)
             layers = measure_transients(model, settings, recording, layers)
+            layers = measure_wgrad_held(model, recording, layers)
         bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
         runs = stage_runs(model, bounds, dtype_name, settings.microbatch_size)
         with phase(f"timing stages as one pass ({stages}{', queued and from an idle GPU' if settings.cuda else ''})"):

@@ -103,6 +103,11 @@ class PendingWeightGrad:
     outputs: Sequence[torch.Tensor] = ()
     grad_outputs: Sequence[torch.Tensor | None] = ()
 
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients I recorded arriving at the anchors, which W starts from: held beside the graph until W."""
+        return [grad for group in self.groups for arrived in group.arrived
+                for grad in arrived or () if grad is not None]
+
 
 def _node(t: torch.Tensor) -> Any:
     return get_gradient_edge(t).node

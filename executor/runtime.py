@@ -560,11 +560,14 @@ class DeviceLoop:
             return int(allocated["current"]), int(allocated["peak"])
         waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values(),
                                      *(t for _, t in self.sends if t is not None)])
-        # a forward's weights (freed ones have no storage left) stay in its graph until its backward, and its
-        # inputs and outputs (the backward's roots) until its backward, or its input-gradient half, runs
+        # a forward's weights (freed ones have no storage left) stay in its graph until its backward, its inputs
+        # and outputs (the backward's roots) until its backward, or its input-gradient half, runs, and the gradients
+        # that half recorded for its weight half until that runs (`PendingWeightGrad.gradients`)
         versions = {id(saved.weights.tensors): saved.weights.tensors for saved in self.saved.values()}  # each once
         graphs = _bytes_by_storage([*(t for tensors in versions.values() for t in tensors),
-                                    *(t for saved in self.saved.values() for t in (*saved.inputs, *saved.outputs))])
+                                    *(t for saved in self.saved.values() for t in (*saved.inputs, *saved.outputs)),
+                                    *(t for saved in self.saved.values() if saved.pending
+                                      for t in saved.pending.gradients())])
         held = {**weight_storage, **graphs, **self.ledger.by_storage(), **waiting}
         dropped = sum(nbytes for ptr, nbytes in self.taken.items() if ptr not in held)
         total = sum(held.values()) + posted_bytes

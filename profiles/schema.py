@@ -123,8 +123,10 @@ class LayerProfile(_Strict):
     igrad: Timing
     wgrad: Timing
     activation_bytes: int = Field(ge=0)  # saved for backward (saved_tensors_hooks), weights excluded
-    # What a weight pass deferred after the input pass keeps (an estimate's, planning/estimate.py `wgrad_kept`):
-    # of `activation_bytes`, its products' saved inputs (None: not known), and their output gradients beside them
+    # What a weight pass deferred after the input pass keeps: of `activation_bytes` (None: not known), and gradients
+    # beside them. An estimate's its products' saved inputs and output gradients (planning/estimate.py `wgrad_kept`);
+    # a calibration's what the executor's I leaves for its W as the last layer of its stage: every saved tensor below
+    # its topmost weight's node, and the gradients arriving at those nodes (calibrate/measure.py `measure_wgrad_held`)
     wgrad_kept_bytes: int | None = Field(None, ge=0)
     wgrad_gradient_bytes: int = Field(0, ge=0)
     shared_with_previous_bytes: int = Field(ge=0)  # of those, saved by the previous layer as well

@@ -166,7 +166,8 @@ class StageCosts:
     activations while it runs, created and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
     `wgrad_kept_bytes`: what a split backward keeps of `activation_bytes` from the end of its input-gradient part
     (I) until its weight-gradient part (W) ends: Megatron-LM's deferred W its products' saved inputs
-    (planning/estimate.py `wgrad_kept`), torch's pipelining all of them (`held_as_runtime`); None: not known,
+    (planning/estimate.py `wgrad_kept`), pipesim's executor its graph below its weights' nodes (a calibration's,
+    calibrate/measure.py `measure_wgrad_held`), torch's pipelining all of them (`held_as_runtime`); None: not known,
     `Costs.wgrad_activation_fraction` of them. `wgrad_gradient_bytes`: the products' output gradients the I makes
     and leaves for the W beside them (0 where `wgrad_kept_bytes` is None). A stage fed by the batch alone runs none
     of its layers in its I: all of its activations kept, no gradients (profiles/schema.py `stage_wgrad_held`).

@@ -517,6 +517,32 @@ def test_mixed_precision_weights_cost_what_the_simulator_counts(weighty_bf16_pro
         assert device.peak_memory_error == pytest.approx(0, abs=0.03), device
 
 
+SMALL_GPT = {"layers": 3, "width": 64, "heads": 4, "seq_len": 64, "vocab": 2000}
+
+
+def test_a_split_backward_holds_until_its_weight_pass_what_calibration_measured(tmp_path):
+    """A gpt's last stage (a block and the head) in ZB-H1, bfloat16: its I keeps for its W the block's saved tensors,
+    the head's input and the gradients arriving where the weights' gradients branch off (the logits' among them),
+    and calibration records them so (calibrate/measure.py `measure_wgrad_held`): each device's peak memory, measured,
+    is what the simulator counts. Before, the profile held none (priced as half the activations) and the executor's
+    books left the gradients out: +7.3 % on the last stage."""
+    path = tmp_path / "gpt.json"
+    options = [str(a) for key, value in SMALL_GPT.items() for a in (f"--{key.replace('_', '-')}", value)]
+    code, _, err = pipesim("calibrate", "--model", "gpt", *options, "--microbatch-size", 2, "--stages", 2,
+                           "--dtype", "bfloat16", "--no-links", "--no-contention", "--repeats", 1, "--warmup", 0,
+                           "--out", path)
+    assert code == 0, err
+    profile = load_profile(path)
+    head = profile.layers[-1]
+    assert head.wgrad_gradient_bytes > 2 * 64 * 2000 * 2 > head.wgrad_kept_bytes  # the logits' gradient, not its loss
+    spec = RunSpec(build("zb-h1", 2, 4, 4), "gpt", SMALL_GPT, microbatch_size=2, optimizer="momentum",
+                   dtype="bfloat16", bounds=tuple(profile.partition.bounds))
+    measured = run_in_process(spec).trace
+    predicted = predict_measured(measured.meta, profile)
+    for device in compare(predicted, measured).devices:
+        assert device.peak_memory_error == pytest.approx(0, abs=0.01), device
+
+
 @pytest.fixture(scope="module")
 def dag_profile(tmp_path_factory, weighty_profile):
     """GraphPipe's two-branch DAG in 4 stages whose messages outweigh its weights, with the runtime terms the
