@@ -673,12 +673,12 @@ def _grouped(ufunc: np.ufunc, groups: np.ndarray, values: np.ndarray, size: int,
 
 def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert_replicas: int | None = None) -> Costs:
     """Each stage's REDUCE and GATHER priced for the schedule's d·C `gradient_ranks` on `link`: the gradients as
-    accumulated (`StageCosts.gradient_bytes`, the precision's: Megatron-LM reduces the float32 main gradients it
-    forces under --bf16, megatron/training/arguments.py `validate_args` at d98e8a64dd, and FSDP2 in its reduce
-    dtype) all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then all-gathered;
-    NCCL's faster of ring and tree for an all-reduce. Under E-way expert parallelism the routed experts' share
-    (`expert_param_bytes`) goes over the `expert_replicas` ranks that hold the same experts (None: d·C/E; folded
-    over t·C·d, planning/ranks.py: t·C·d/(E·ETP)), after the rest."""
+    accumulated (`StageCosts.gradient_bytes`, the precision's: Megatron-LM reduces float32 main gradients under
+    --bf16 unless --grad-reduce-in-bf16, megatron/training/arguments.py `validate_args` at d98e8a64dd, and FSDP2
+    in its reduce dtype) all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then
+    all-gathered; NCCL's faster of ring and tree for an all-reduce. Under E-way expert parallelism the routed
+    experts' share (`expert_param_bytes`) goes over the `expert_replicas` ranks that hold the same experts (None:
+    d·C/E; folded over t·C·d, planning/ranks.py: t·C·d/(E·ETP)), after the rest."""
     d, sharded = sched.gradient_ranks, sched.sharded_optimizer
     expert_replicas = expert_replicas or d // sched.expert_parallel
     reduce = link.reduce_scatter_ms if sharded else link.all_reduce_ms

@@ -242,9 +242,10 @@ def test_typed_costs_price_the_all_reduce_on_comm_per_ring_step_and_the_network_
                                                         ("megatron-bf16-moments", 2), ("nemo-bf16-adam", 1)])
 def test_the_replicas_reduce_the_gradients_as_the_precision_accumulates_them(precision, grads_per_weight, zero):
     """Megatron-LM accumulates and reduces float32 main gradients under --bf16 (megatron/training/arguments.py
-    forces accumulate_allreduce_grads_in_fp32, DistributedDataParallelConfig.grad_reduce_in_fp32): its REDUCE, an
-    all-reduce or a reduce-scatter, moves twice the 16-bit weights' bytes at every ZeRO stage; megatron-16bit-grads
-    and NeMo's bf16 grad_sync_dtype reduce in 16 bits, fp32 its weights' bytes. The GATHER brings the weights."""
+    sets accumulate_allreduce_grads_in_fp32 unless --grad-reduce-in-bf16: DistributedDataParallelConfig's
+    grad_reduce_in_fp32): its REDUCE, an all-reduce or a reduce-scatter, moves twice the 16-bit weights' bytes at
+    every ZeRO stage; megatron-16bit-grads and NeMo's bf16 grad_sync_dtype reduce in 16 bits, fp32 its weights'
+    bytes. The GATHER brings the weights."""
     weights = 64 * MIB
     sched = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=4, zero=zero))
     stage = _what_if(network_gb_s=10.0, precision=precision).costs(sched).stages[0]
