@@ -47,12 +47,13 @@ class Kind:
 
     float8: bool
     split_accumulation: bool
-    out_bytes: int  # the output's bytes an element moved: 2 written, 8 a float32 gradient read and written
+    out_bytes: int = 2  # the output's bytes an element: BF16 2, float32 4
+    accumulated: bool = False  # added into its output (read and written in the epilogue), not only written
 
 
-KINDS = {"bf16": Kind(False, False, 2), "bf16 into fp32": Kind(False, False, 8),
-         "fp8 fast accum": Kind(True, False, 2), "fp8": Kind(True, True, 2),
-         "fp8 e5m2 grad": Kind(True, True, 2), "fp8 e5m2 grad into fp32": Kind(True, True, 8)}
+KINDS = {"bf16": Kind(False, False), "bf16 into fp32": Kind(False, False, 4, accumulated=True),
+         "fp8 fast accum": Kind(True, False), "fp8": Kind(True, True),
+         "fp8 e5m2 grad": Kind(True, True), "fp8 e5m2 grad into fp32": Kind(True, True, 4)}
 LAYERS = ("qkv", "proj", "fc1", "fc2")
 
 
@@ -90,7 +91,8 @@ def rows(probe: dict, gpu_name: str) -> list[Row]:
             continue
         kind = KINDS[product["kind"]]
         m, k, n = product["m"], product["k"], product["n"]
-        predicted = matmul_ms(probe_product(m, k, n, kind.float8, kind.split_accumulation, kind.out_bytes), device)
+        predicted = matmul_ms(probe_product(m, k, n, kind.float8, kind.split_accumulation, kind.out_bytes,
+                                            kind.accumulated), device)
         kernels = product.get("profile", {}).get("by_kernel") or [{}]
         table.append(Row(product["model"], product["name"], product["orientation"], product["kind"], m, k, n,
                          predicted, product["timings"]["held_device_ms"]["median_ms"], kernels[0].get("short")))

@@ -49,6 +49,7 @@ from pipesim.planning.estimate import (
     Device,
     LayerEstimate,
     Parallelism,
+    accumulating,
     estimate_layer,
     kernel_curve,
     links_of,
@@ -228,14 +229,15 @@ def kernel_rows(probe: dict, gpu: str, host_kernel_us: float) -> list[dict]:
 
 
 def probe_product(m: int, k: int, n: int, float8: bool = False, split_accumulation: bool = False,
-                  out_bytes: int = 2) -> OpCount:
+                  out_bytes: int = 2, accumulated: bool = False) -> OpCount:
     """One of the probe's GEMMs, (m x k) by (k x n), as pipesim counts a product: its FLOPs, its operands read (an
-    element a byte in float8, else two) and its output moved at `out_bytes` an element (BF16 written, as the probe's;
-    8 where it is added into a float32 gradient, read and written: planning/estimate.py `accumulated_in_products`);
-    a `float8` one at the float8 peak, its partial sums added into float32 where `split_accumulation`."""
+    element a byte in float8, else two) and its output written at `out_bytes` an element (BF16, as the probe's;
+    float32 4), or where `accumulated` added into, read and written (planning/estimate.py `accumulating`); a
+    `float8` one at the float8 peak, its partial sums added into float32 where `split_accumulation`."""
     moved = (m * k + k * n) * (1 if float8 else 2) + m * n * out_bytes
-    return OpCount("mm", "matmul", (1, m, n, k), 2 * m * n * k, moved, 1, float8=float8,
-                   split_accumulation=split_accumulation)
+    product = OpCount("mm", "matmul", (1, m, n, k), 2 * m * n * k, moved, 1, float8=float8,
+                      split_accumulation=split_accumulation)
+    return accumulating(product, out_bytes, out_bytes) if accumulated else product
 
 
 def gemm_rows(probe: dict, gpu_name: str, host_kernel_us: float) -> list[dict]:

@@ -34,7 +34,7 @@ import platform
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
-from functools import cache
+from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 from ..choices import choose_from
@@ -307,16 +307,7 @@ class Parallelism:
 
     def held(self, dtype: str) -> Precision:
         """How a model counted in `dtype` (torch's name) holds its weights, gradients and optimizer state."""
-        name = self.precision or {"float32": "fp32", "bfloat16": "megatron", "float16": "megatron-16bit-grads"}[dtype]
-        held = PRECISIONS[name]
-        if held.weight_bytes != _element_bytes(dtype):
-            raise EstimateError(f"precision: {name} holds {8 * held.weight_bytes}-bit weights; the model is "
-                                f"counted in {dtype}")
-        if self.fp8_param_gather and not held.master_bytes:
-            # float8 weights cannot stand in for the master copy: NeMo's setup_optimization (megatron_base_model.py)
-            # sets `store_params = True` under `fp8_params`, a master shard in the optimizer's dtype
-            return replace(held, master_bytes=held.state_bytes)
-        return held
+        return held_precision(self.precision, dtype, self.fp8_param_gather)
 
     @property
     def gpus(self) -> int:
@@ -346,6 +337,23 @@ class Parallelism:
             return frozenset()
         return frozenset((*(() if self.tp_overlap else ("gather", "product")), *(() if self.torch_compile else
                                                                                 ("sum",))))
+
+
+def held_precision(precision: str | None, dtype: str, fp8_param_gather: bool = False) -> Precision:
+    """How a model counted in `dtype` (torch's name) holds its weights, gradients and optimizer state under
+    `precision` (of `PRECISIONS`; None: as Megatron-LM keeps the dtype, `Parallelism`), with TransformerEngine's
+    float8 weights where `fp8_param_gather`: an estimate's, and a profile estimated so (planning/scenario.py
+    `held_weights`)."""
+    name = precision or {"float32": "fp32", "bfloat16": "megatron", "float16": "megatron-16bit-grads"}[dtype]
+    held = PRECISIONS[name]
+    if held.weight_bytes != _element_bytes(dtype):
+        raise EstimateError(f"precision: {name} holds {8 * held.weight_bytes}-bit weights; the model is "
+                            f"counted in {dtype}")
+    if fp8_param_gather and not held.master_bytes:
+        # float8 weights cannot stand in for the master copy: NeMo's setup_optimization (megatron_base_model.py)
+        # sets `store_params = True` under `fp8_params`, a master shard in the optimizer's dtype
+        return replace(held, master_bytes=held.state_bytes)
+    return held
 
 
 @dataclass(frozen=True)
@@ -378,7 +386,8 @@ def tile_fill(shape: tuple[int, ...], multiprocessors: int, tiles: list[tuple[in
 def matmul_ms(op: OpCount, device: Device) -> float:
     """One call of a matrix product: its FLOPs at the large-product efficiency times its tile fill (of the float8
     peak for a float8 product, at the split-accumulation efficiency for one that accumulates so:
-    `Curve.product_efficiency`), or its bytes at the memory bandwidth, whichever is slower, plus the kernel
+    `Curve.product_efficiency`), or its bytes at the memory bandwidth, whichever is slower, then the bytes of an
+    output it adds into (`OpCount.epilogue_bytes`, `accumulating`) at the memory bandwidth, plus the kernel
     overhead. A product running beside `op.streams - 1` others like it on streams of their own takes its share of
     the wave they fill together, overhead included."""
     curve = device.curve
@@ -388,7 +397,8 @@ def matmul_ms(op: OpCount, device: Device) -> float:
     if peak is None:
         raise EstimateError("fp8: the part has no float8 peak")
     compute = streams * op.flops / (peak * curve.product_efficiency(op.split_accumulation) * fill)
-    return (curve.kernel_overhead_ms + max(compute, streams * op.moved_bytes / device.memory_bytes_per_ms)) / streams
+    return (curve.kernel_overhead_ms + max(compute, streams * op.moved_bytes / device.memory_bytes_per_ms)
+            + streams * op.epilogue_bytes / device.memory_bytes_per_ms) / streams
 
 
 def kernel_flops(op: OpCount) -> float:
@@ -1313,26 +1323,36 @@ def _ring_of(ops: Sequence[OpCount], split: _Split, ring: ContextRing, device: D
     return total
 
 
+def accumulating(op: OpCount, grad_bytes: int, element_bytes: int) -> OpCount:
+    """A product `op`, counted writing its output at `element_bytes` an element, adding it instead into a tensor of
+    `grad_bytes` an element: cuBLASLt's D = A·B + beta·C with beta 1 and C = D, whose epilogue reads each element of
+    C and writes it back after the main loop of its tile, so those bytes come on top of the product's time
+    (`matmul_ms`), not under its FLOPs. The H200 probe (traces/measured/gpu-probe-h200-dense.json, `python
+    benchmarks/probe_dense.py`): BF16 weight gradients added into float32 (torch.addmm, cuBLAS's `badd` kernels) ran
+    18-20 % slower than the same products writing BF16, their 8 bytes an element at 2.8-3.3 TB/s on top of the
+    FLOPs, priced so at 0.95-0.98 of measured (under the FLOPs, 0.81-0.83); float8 products writing float32
+    without reading it ran 3-5 % slower, its store overlapping the main loop as a 16-bit output's does."""
+    batch, m, n, _ = op.shape
+    return replace(op, moved_bytes=op.moved_bytes - batch * m * n * element_bytes, accumulates_into=grad_bytes)
+
+
 def accumulated_in_products(layer: LayerCount, grad_bytes: int, element_bytes: int) -> LayerCount:
     """`layer` with its weight gradients accumulated inside their products (`--grad-accumulation fused`): each
-    weight-gradient product (the matmuls of its wgrad pass, and as many calls of the same in its full backward) reads
-    and writes the accumulated gradient, `grad_bytes` an element, where the count's writes its output at
-    `element_bytes`. TransformerEngine hands `main_grad` to the GEMM as its output with accumulate on (linear.py,
-    layernorm_linear.py and grouped_linear.py `fuse_wgrad_accumulation`: `general_gemm`/`general_grouped_gemm`
-    with `accumulate=True`, out=main_grad; cuBLASLt's D = A·B + C with C = D, cublaslt_gemm.cu at v2.2 to v2.9),
-    so the product's epilogue moves 2·`grad_bytes` an element of the gradient (float32 main_grad under
-    Megatron-core's default, the parameters' dtype under `grad_reduce_in_fp32` False), priced as every product:
-    the slower of its FLOPs and its bytes (`matmul_ms`). It binds where the tokens a product contracts over are few
-    beside its weight: a rank's routed experts each see tokens·k/E of them (FLOPs per gradient element 2·K, bytes
-    2·grad_bytes plus the inputs')."""
-    extra = 2 * grad_bytes - element_bytes
-
-    def accumulating(op: OpCount) -> OpCount:
-        batch, m, n, _ = op.shape
-        return replace(op, moved_bytes=op.moved_bytes + batch * m * n * extra)
-
+    weight-gradient product (the matmuls of its wgrad pass, and as many calls of the same in its full backward)
+    adds its output into the accumulated gradient, `grad_bytes` an element, where the count's writes it at
+    `element_bytes` (`accumulating`). TransformerEngine hands `main_grad` to the GEMM as its output with accumulate
+    on (linear.py, layernorm_linear.py and grouped_linear.py `fuse_wgrad_accumulation`: `general_gemm`/
+    `general_grouped_gemm` with `accumulate=True`, out=main_grad; cuBLASLt's D = A·B + C with C = D, cublaslt_gemm.cu
+    at v2.2 to v2.9; in 1.10, 08a85d3, its float8 weight gradient alike: linear.py's `fp8_gemm(...,
+    accumulate=accumulate_wgrad_into_param_main_grad, out=weight.main_grad)`, beta 1 and C = D whatever the
+    inputs' type in cublaslt_gemm.cu `cublas_gemm`), so the product's epilogue reads and writes `grad_bytes` an
+    element of the gradient (float32 main_grad under Megatron-core's default, the parameters' dtype under
+    `grad_reduce_in_fp32` False). It weighs most where the tokens a product contracts over are few beside its
+    weight: a rank's routed experts each see tokens·k/E of them (FLOPs per gradient element 2·K, bytes
+    2·grad_bytes)."""
+    accumulated = partial(accumulating, grad_bytes=grad_bytes, element_bytes=element_bytes)
     products = [op for op in layer.ops.get("wgrad", ()) if op.kind == "matmul"]
-    if not products or extra <= 0:
+    if not products:
         return layer
     backward: list[OpCount] = []
     for op in layer.ops.get("bwd", ()):
@@ -1341,10 +1361,10 @@ def accumulated_in_products(layer: LayerCount, grad_bytes: int, element_bytes: i
             backward.append(op)
             continue
         products.remove(match)
-        backward.append(accumulating(replace(op, count=match.count)))
+        backward.append(accumulated(replace(op, count=match.count)))
         if op.count > match.count:  # an input-gradient product of the same shape
             backward.append(replace(op, count=op.count - match.count))
-    wgrad = tuple(accumulating(op) if op.kind == "matmul" else op for op in layer.ops.get("wgrad", ()))
+    wgrad = tuple(accumulated(op) if op.kind == "matmul" else op for op in layer.ops.get("wgrad", ()))
     return replace(layer, ops={**layer.ops, "bwd": tuple(backward), "wgrad": wgrad})
 
 

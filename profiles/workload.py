@@ -59,7 +59,7 @@ class OpCount:
     kernel, forward or backward; `shape` is (batch·heads, query length, key length, head size)), "compute"
     (other ops torch counts FLOPs for, convolutions; no shape), "memory" (ops it counts none for: norms,
     activations, softmax, copies; `shape` is that of the largest tensor it writes). `flops` and `moved_bytes`
-    (every tensor read plus every tensor written) are per call."""
+    (every tensor read plus every tensor written, but an output added into: `epilogue_bytes`) are per call."""
 
     op: str
     kind: OpKind
@@ -75,6 +75,19 @@ class OpCount:
     split_accumulation: bool = False  # a float8 product adding its partial sums into float32 every few steps
     streams: int = 1  # a product issued once per local expert, this many running at once on streams of their own
     # (planning/experts.py `per_expert_products`); never counted
+    # a product that adds its output into a tensor of this many bytes an element (its epilogue reads it and writes
+    # it back, `epilogue_bytes`, apart from `moved_bytes`: planning/estimate.py `accumulating`); 0: it writes its
+    # output, counted in `moved_bytes`; never counted
+    accumulates_into: int = 0
+
+    @property
+    def epilogue_bytes(self) -> int:
+        """The bytes a product's epilogue moves adding into its output (`accumulates_into`): each element read and
+        written; 0 where it only writes it."""
+        if not self.accumulates_into:
+            return 0
+        batch, m, n, _ = self.shape
+        return 2 * batch * m * n * self.accumulates_into
 
 
 

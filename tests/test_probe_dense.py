@@ -6,7 +6,6 @@ the H200's record (traces/measured/gpu-probe-h200-dense.json), to which it holds
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -74,8 +73,13 @@ def test_each_kind_is_priced_at_its_peak_and_efficiency_beside_what_was_measured
         assert row.predicted_ms == pytest.approx(flop / (peak * 1e9 * efficiency * fill) + curve.kernel_overhead_ms)
         assert row.measured_tflops == pytest.approx(MEASURED_TFLOPS[kind]) and row.kernel == f"nvjet {kind}"
         assert row.ratio == pytest.approx(row.predicted_ms / (flop / (MEASURED_TFLOPS[kind] * 1e9)))
+    # added into float32: its gradient's 8 bytes an element read and written on top of the FLOPs; FP8 writing
+    # float32 (torch._scaled_mm adds into no C) as writing BF16, its store under the FLOPs
+    gpu_bytes_per_ms = gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency
     assert rows["Llama 3.1 8B", "fc1 weight grad", "bf16 into fp32"].predicted_ms == pytest.approx(
-        rows["Llama 3.1 8B", "fc1 weight grad", "bf16"].predicted_ms)  # its float32 traffic hides under the FLOPs
+        rows["Llama 3.1 8B", "fc1 weight grad", "bf16"].predicted_ms + 8 * 28672 * 4096 / gpu_bytes_per_ms)
+    assert rows["Llama 3.1 8B", "fc1 weight grad", "fp8 e5m2 grad into fp32"].predicted_ms == pytest.approx(
+        rows["Llama 3.1 8B", "fc1 weight grad", "fp8 e5m2 grad"].predicted_ms)
     assert ("Llama 3.1 8B", "fc1 forward", "bf16 into fp32") not in rows  # a weight gradient's kind only
 
 
@@ -103,8 +107,8 @@ def test_a_layer_is_summed_as_each_recipe_runs_it_and_at_t4_also_in_chunks(modul
     assert chunked.predicted_ms > whole.predicted_ms  # 4 kernels' overheads and a quarter's tile fill each
     fp8 = replay.layer_sums(replay.rows(synthetic_probe(probe, skip="fp8 e5m2 grad"), "h200"), {"Llama 3.1 8B": 1})
     assert [(s.model, s.recipe) for s in fp8] == [("Llama 3.1 8B", "bf16")]
-    assert not math.isclose(sums["Llama 3.1 8B", "fp8 (TE hybrid)", False].predicted_ms,
-                            sums["Llama 3.1 8B", "bf16", False].predicted_ms / 2, rel_tol=0.01)  # split is slower
+    written = sum(row.predicted_ms for row in table if row.model == "Llama 3.1 8B" and row.kind == "bf16")
+    assert sums["Llama 3.1 8B", "fp8 (TE hybrid)", False].predicted_ms > 1.01 * written / 2  # split is slower
 
 
 def test_the_replay_prints_every_product_and_the_layer_sums(modules, tmp_path, capsys):
@@ -161,16 +165,22 @@ def test_each_product_of_the_rows_alone_is_priced_within_10_percent_of_the_h200(
     table, sums = recorded
     plain = [row for row in table if "chunk" not in row.name and "into fp32" not in row.kind]
     assert len(plain) == 88 and all(0.88 <= row.ratio <= 1.10 for row in plain)
-    assert all(0.95 <= layer.predicted_ms / layer.measured_ms <= 1.03 for layer in sums)
+    assert all(0.98 <= layer.predicted_ms / layer.measured_ms <= 1.04 for layer in sums)
 
 
-def test_what_the_h200_ran_slower_than_priced_is_the_float32_accumulation_and_the_layers_back_to_back(recorded):
-    """Not modelled (docs/hardware.md): the BF16 weight gradient added into float32 is priced as the plain one
-    (its float32 traffic under the FLOPs) and runs 18-20 % slower; 32 layers back to back run 14-18 % slower a
-    layer than their products alone (the GPU at its power limit). A model that prices either moves these."""
-    table, sums = recorded
+def test_the_bf16_weight_gradient_added_into_float32_is_priced_with_its_epilogue_bytes_on_top(recorded):
+    """The BF16 weight gradient added into float32 (torch.addmm, cuBLAS's `badd` kernels) runs 18-20 % slower than
+    writing BF16: its gradient's 8 bytes an element read and written on top of the FLOPs price it at 0.94-0.99 of
+    measured, where under the FLOPs it was 0.80-0.84 (docs/hardware.md)."""
+    table, _ = recorded
     accumulating = [row for row in table if row.kind == "bf16 into fp32"]
-    assert len(accumulating) == 8 and all(0.78 <= row.ratio <= 0.86 for row in accumulating)
+    assert len(accumulating) == 8 and all(0.94 <= row.ratio <= 0.99 for row in accumulating)
+
+
+def test_what_the_h200_ran_slower_than_priced_is_the_layers_back_to_back(recorded):
+    """Not modelled (docs/hardware.md): 32 layers back to back run 14-18 % slower a layer than their products alone
+    (the GPU at its power limit). A model that prices it moves these."""
+    _, sums = recorded
     whole = [layer for layer in sums if not layer.chunked]
     assert len(whole) == 4 and all(1.12 <= layer.sustained_ms / layer.measured_ms <= 1.20 for layer in whole)
-    assert all(0.80 <= layer.predicted_ms / layer.sustained_ms <= 0.87 for layer in whole)
+    assert all(0.82 <= layer.predicted_ms / layer.sustained_ms <= 0.90 for layer in whole)
