@@ -453,24 +453,24 @@ def _output_gradients(model: Model, i: int, output: torch.Tensor) -> list[torch.
 
 def measure_wgrad_held(model: Model, recording: Recording, layers: list[LayerProfile]) -> list[LayerProfile]:
     """`layers` with what each one's input-gradient pass leaves for its weight pass (`LayerProfile.wgrad_kept_bytes`,
-    `wgrad_gradient_bytes`), as the executor's split backward leaves it (executor/backward.py): its I runs
-    autograd.grad with retain_graph and keeps the nodes where the weights' gradients branch off the path to the
-    input, with the gradients arriving at them, for its W; so every saved tensor below the topmost such node stays
-    until W (the head's input, beside the logits' gradient arriving at its product), and what the graph holds above
-    it (the loss's saved softmax) goes as I ends.
+    `wgrad_gradient_bytes`, `wgrad_kept_below_bytes`), as the executor's split backward leaves it
+    (executor/backward.py): its I runs autograd.grad with retain_graph and keeps the nodes where the weights'
+    gradients branch off the path to the input, with the gradients arriving at them, for its W; so every saved tensor
+    below the topmost such node stays until W (the head's input, beside the logits' gradient arriving at its
+    product), and what the graph holds above it (the loss's saved softmax) goes as I ends.
     Measured as the layer its stage ends with. Below another layer of its stage a layer keeps all it saved (the later
-    layer's nodes hold its whole graph), which a stage's sum of its layers' leaves out where a layer saves something
-    above its last weight: none in the gpt without dropout or the mlp (a ReLU's output is the next linear's saved
-    input), a dropout's mask after a block's last linear, the cnn's ReLU outputs and max-pool indices (its 2-stage
-    ZB-H1 on CPU: stage 1 priced 8.0 % under its measured peak, 5.6 % with half its activations). The
-    saved tensors are counted as `measure_bytes` counts the activations, each storage once and the weights and
-    buffers left out, through the executor's saved-tensor hooks (its Ledger: what its graph still holds), and the
-    gradients as tensors too (`PendingWeightGrad.gradients`), on either device, as the executor counts a CPU run's
-    memory (executor/runtime.py `_memory`). One forward and I per layer, alike layers sharing the first's; a layer
+    layer's nodes hold its whole graph): a dropout's mask after a block's last linear, the cnn's ReLU outputs and
+    max-pool indices, which a stage's sum of its layers' kept left out (its 2-stage ZB-H1 on CPU: stage 1 priced
+    8.0 % under its measured peak; profiles/schema.py `wgrad_held_ranges`). The saved tensors are counted as
+    `measure_bytes` counts the activations, each storage once and the weights and buffers left out, through the
+    executor's saved-tensor hooks (its Ledger: what its graph still holds), and the gradients as tensors too
+    (`PendingWeightGrad.gradients`), on either device, as the executor counts a CPU run's memory
+    (executor/runtime.py `_memory`). One forward and I per layer, alike layers sharing the first's; a layer
     that reads no other (the first stage's: its I walks nothing, W the whole backward) keeps all it saved."""
     timed_as = alike_layers(model, recording)
     found = {i: _wgrad_held(model, i, recording) for i in sorted(set(timed_as))}
-    return [layer.model_copy(update=dict(zip(("wgrad_kept_bytes", "wgrad_gradient_bytes"), found[timed_as[i]])))
+    return [layer.model_copy(update=dict(zip(("wgrad_kept_bytes", "wgrad_gradient_bytes"), found[timed_as[i]]),
+                                         wgrad_kept_below_bytes=layer.activation_bytes))
             for i, layer in enumerate(layers)]
 
 

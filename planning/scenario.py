@@ -562,7 +562,7 @@ class Scenario:
         activations, each held from its forward until its backward or input-gradient pass, and after the latter
         what its weight pass reads until that ends, as the simulator holds them (sim/costs.py `wgrad_held`). The
         caching allocator's reserve is not counted."""
-        from ..profiles.schema import fed_ranges, layer_costs
+        from ..profiles.schema import layer_costs, wgrad_held_ranges
 
         layers, t = self.measured.layers, sched.table
         n = len(layers)
@@ -576,13 +576,7 @@ class Scenario:
         received = 2 * np.array([0, *(layer.output_bytes for layer in layers[:-1]), 0])  # into layer i, and back
         versions = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), version_reads(sched)[1], sched.num_stages)
         activations = activation_ranges(layer_costs(layers, self.optimizer))
-        # summed over a range as a stage's are; a range fed by the batch alone all it saved, no gradients
-        # (profiles/schema.py `stage_wgrad_held`)
-        layer_kept, fed = [layer.wgrad_kept_bytes for layer in layers], fed_ranges(layers)
-        held_until_w = wgrad_held(activations, np.where(fed, activations, range_sums(kept or 0 for kept in layer_kept)),
-                                  np.where(fed, 0, range_sums(layer.wgrad_gradient_bytes for layer in layers)),
-                                  fed | (range_sums(kept is None for kept in layer_kept) == 0),
-                                  costs.wgrad_activation_fraction)
+        held_until_w = wgrad_held(activations, *wgrad_held_ranges(layers, activations), costs.wgrad_activation_fraction)
         return StageMemory([static + received[:, None] + received[None, :] + kept * weights for kept in versions],
                            transient, activations=activations, held_until_w=np.add(*held_until_w),
                            together=_held_together(sched))

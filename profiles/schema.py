@@ -25,8 +25,10 @@ from ..units import count_text
 from .partition import (
     LayerCost,
     StageCosts,
+    activation_ranges,
     exact_range_sums,
     product_mean_ms,
+    range_sums,
     stage_activation_bytes,
     stage_memory_bytes,
     with_range_ms,
@@ -129,6 +131,10 @@ class LayerProfile(_Strict):
     # its topmost weight's node, and the gradients arriving at those nodes (calibrate/measure.py `measure_wgrad_held`)
     wgrad_kept_bytes: int | None = Field(None, ge=0)
     wgrad_gradient_bytes: int = Field(0, ge=0)
+    # What it keeps where a later layer of its stage reads it (`wgrad_held_ranges`; None: `wgrad_kept_bytes`, as an
+    # estimate's products' inputs wherever the layer lies). A calibration's all it saved: the later layer's nodes,
+    # which the executor's I keeps for its W, hold the graph below them whole
+    wgrad_kept_below_bytes: int | None = Field(None, ge=0)
     shared_with_previous_bytes: int = Field(ge=0)  # of those, saved by the previous layer as well
     output_bytes: int = Field(ge=0)
     param_bytes: int = Field(ge=0)
@@ -277,8 +283,8 @@ class StageProfile(_Strict):
     igrad_ms: float = Field(ge=0)
     wgrad_ms: float = Field(ge=0)
     activation_bytes: int = Field(ge=0)
-    wgrad_kept_bytes: int | None = Field(None, ge=0)  # its layers' summed (`LayerProfile.wgrad_kept_bytes`; None
-    wgrad_gradient_bytes: int = Field(0, ge=0)  # where one is not known), as the next (`stage_wgrad_held`)
+    wgrad_kept_bytes: int | None = Field(None, ge=0)  # of its layers' (`LayerProfile.wgrad_kept_bytes`; None
+    wgrad_gradient_bytes: int = Field(0, ge=0)  # where one is not known), as the next (`wgrad_held_ranges`)
     output_bytes: int = Field(ge=0)  # sent to the next stage(s) per micro-batch
     param_bytes: int = Field(ge=0)
     grad_bytes: int = Field(ge=0)
@@ -719,7 +725,7 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
 def fed_by_the_batch(mine: Sequence[LayerProfile], start: int) -> bool:
     """Whether a stage of the layers `mine` from layer `start` reads nothing another stage makes (the first of a
     chain): it has no input gradient to compute, so its split backward's input half runs none of its layers and
-    frees nothing, and its weight half runs their whole backward (`_summed`, `stage_passes`, `stage_wgrad_held`), as
+    frees nothing, and its weight half runs their whole backward (`_summed`, `stage_passes`, `wgrad_held_ranges`), as
     pipesim's executor runs it (executor/backward.py `backward_input`: no input wants a gradient, W walks the graph)
     and torch's stage (torch/distributed/pipelining/stage.py at torch 2.13, `backward_one_chunk`: `is_first` skips
     stage_backward_input; `backward_weight_one_chunk`: stage 0's W a full backward)."""
@@ -737,15 +743,35 @@ def fed_ranges(layers: Sequence[LayerProfile]) -> np.ndarray:
     return reached >= starts
 
 
-def stage_wgrad_held(mine: Sequence[LayerProfile], start: int, activation_bytes: int) -> tuple[int | None, int]:
-    """What a stage of the layers `mine` from layer `start` keeps from its input-gradient pass until its weight pass
-    (`StageProfile.wgrad_kept_bytes`, `wgrad_gradient_bytes`): its layers' summed; a stage fed by the batch alone
-    (`fed_by_the_batch`) all its activations, since its I frees nothing, and no output gradients, since it makes
-    none."""
-    if fed_by_the_batch(mine, start):
-        return activation_bytes, 0
-    return (None if any(layer.wgrad_kept_bytes is None for layer in mine) else
-            sum(layer.wgrad_kept_bytes for layer in mine)), sum(layer.wgrad_gradient_bytes for layer in mine)
+def wgrad_held_ranges(layers: Sequence[LayerProfile], activations: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What a stage of layers i .. j-1 keeps from its input-gradient pass until its weight pass, [i, j] for every
+    range at once (`StageProfile.wgrad_kept_bytes`, `wgrad_gradient_bytes`), of its `activations`
+    (`activation_ranges`): the saved bytes, the gradients beside them, and whether known (each layer's
+    `wgrad_kept_bytes` is). A layer that no later layer of the stage reads (its last, a branch's last) keeps its
+    `wgrad_kept_bytes`, one that a later layer reads its `wgrad_kept_below_bytes`; the stage its activations less
+    what its layers do not keep, a storage two layers save counted once as there. So an estimate's stage keeps its
+    layers' summed; a calibrated one (pipesim's executor) its activations less what its last layer's I frees: the
+    later layers' nodes, which that I keeps for W, hold the graph below them. The gradients: its layers' summed. A
+    stage fed by the batch alone (`fed_by_the_batch`) keeps all its activations, since its I frees nothing, and no
+    output gradients, since it makes none."""
+    n = len(layers)
+    saved = np.array([layer.activation_bytes for layer in layers], dtype=np.int64).reshape(n, 1)
+    kept = np.array([layer.wgrad_kept_bytes or 0 for layer in layers], dtype=np.int64).reshape(n, 1)
+    below = np.array([layer.wgrad_kept_bytes or 0 if layer.wgrad_kept_below_bytes is None else
+                      layer.wgrad_kept_below_bytes for layer in layers], dtype=np.int64).reshape(n, 1)
+    first_reader = np.full(n, n, dtype=np.int64)
+    for reader, layer in enumerate(layers):
+        for source in layer.inputs:
+            if 0 <= source < reader:
+                first_reader[source] = min(first_reader[source], reader)
+    # [l, j]: what layer l does not keep in a stage ending before layer j, which it tops where none before j reads it
+    released = saved - np.where(first_reader[:, None] >= np.arange(n + 1)[None, :], kept, below)
+    prefix = np.vstack([np.zeros((1, n + 1), dtype=np.int64), np.cumsum(released, axis=0)])
+    fed = fed_ranges(layers)
+    return (np.where(fed, activations, activations - (np.diagonal(prefix)[None, :] - prefix)),
+            np.where(fed, 0, range_sums(layer.wgrad_gradient_bytes for layer in layers)),
+            fed | (range_sums(layer.wgrad_kept_bytes is None for layer in layers) == 0))
 
 
 def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name: str, p2p_sync: bool = False) -> float:
@@ -869,17 +895,18 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
     p = len(bounds) - 1
     ones = [1.0] * len(layers)
     out = []
+    kept, gradients, known = wgrad_held_ranges(layers, activation_ranges(costs))
     for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         mine = layers[start:stop]
         activation_bytes = stage_activation_bytes(costs, start, stop)
-        wgrad_kept_bytes, wgrad_gradient_bytes = stage_wgrad_held(mine, start, activation_bytes)
         times = (_summed(layers, start, stop, ones, ones, p2p_sync) if passes is None else
                  {f"{kind}_ms": getattr(passes[k], kind).median_ms for kind in ("fwd", "bwd", "igrad", "wgrad")})
         out.append(StageProfile(
             layers=(start, stop),
             **times,
             activation_bytes=activation_bytes,
-            wgrad_kept_bytes=wgrad_kept_bytes, wgrad_gradient_bytes=wgrad_gradient_bytes,
+            wgrad_kept_bytes=int(kept[start, stop]) if known[start, stop] else None,
+            wgrad_gradient_bytes=int(gradients[start, stop]),
             output_bytes=output_bytes[k],
             param_bytes=sum(layer.param_bytes for layer in mine),
             grad_bytes=sum(layer.grad_bytes for layer in mine),

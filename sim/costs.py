@@ -170,7 +170,7 @@ class StageCosts:
     calibrate/measure.py `measure_wgrad_held`), torch's pipelining all of them (`held_as_runtime`); None: not known,
     `Costs.wgrad_activation_fraction` of them. `wgrad_gradient_bytes`: the products' output gradients the I makes
     and leaves for the W beside them (0 where `wgrad_kept_bytes` is None). A stage fed by the batch alone runs none
-    of its layers in its I: all of its activations kept, no gradients (profiles/schema.py `stage_wgrad_held`).
+    of its layers in its I: all of its activations kept, no gradients (profiles/schema.py `wgrad_held_ranges`).
     `product_ms`: how long one of its passes' persistent products runs, the mean of their times weighted by their
     times (the product a kernel launched at a random moment meets; an estimate's `LayerProfile.product_ms`), by
     which a transfer's kernel beside it delays it at most (`Costs.transfers_hold_products`); 0: none known, left out

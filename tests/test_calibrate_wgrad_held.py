@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from pipesim.calibrate.measure import Settings, measure_bytes, measure_wgrad_held
-from pipesim.profiles.schema import layer_costs, stage_activation_bytes, stage_wgrad_held
+from pipesim.profiles.partition import activation_ranges
+from pipesim.profiles.schema import layer_costs, wgrad_held_ranges
 from pipesim.workload.models import Model
 
 B, WIDTH, F32 = 2, 8, 4  # samples, features, bytes an element
@@ -37,8 +38,31 @@ def test_calibration_records_what_the_input_gradient_pass_leaves_for_the_weight_
     held = measure_wgrad_held(model, recording, layers)
     assert [(layer.wgrad_kept_bytes, layer.wgrad_gradient_bytes) for layer in held] == [
         (B * 4 * F32, 0), (2 * ROW, 2 * ROW), (ROW, B * F32)]
-    assert [layer.model_copy(update={"wgrad_kept_bytes": None, "wgrad_gradient_bytes": 0}) for layer in held] == layers
-    costs = layer_costs(held, "sgd")
-    assert stage_wgrad_held(held[1:], 1, stage_activation_bytes(costs, 1, 3)) == (3 * ROW, 2 * ROW + B * F32)
-    assert stage_wgrad_held(held[:2], 0, stage_activation_bytes(costs, 0, 2)) == (
-        stage_activation_bytes(costs, 0, 2), 0)
+    assert [layer.wgrad_kept_below_bytes for layer in held] == [layer.activation_bytes for layer in layers]
+    assert [layer.model_copy(update={"wgrad_kept_bytes": None, "wgrad_gradient_bytes": 0,
+                                     "wgrad_kept_below_bytes": None}) for layer in held] == layers
+    activations = activation_ranges(layer_costs(held, "sgd"))
+    kept, gradients, known = wgrad_held_ranges(held, activations)
+    assert known.all()
+    assert (kept[1, 3], gradients[1, 3]) == (3 * ROW, 2 * ROW + B * F32)
+    assert (kept[0, 2], gradients[0, 2]) == (activations[0, 2], 0)
+
+
+def test_a_layer_below_another_of_its_stage_keeps_all_it_saved():
+    """A layer whose dropout saves its ReLU's output and its mask above its linear: as its stage's last its I frees
+    them, below the head they stay until W (the head's nodes hold its graph), so the stage keeps its activations less
+    the head's loss's (y - target). Before, a stage summed its layers' kept as if each were last: 2 rows, not 3 and
+    the mask."""
+    dropped = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Dropout(0.5))
+    model = Model("dropped", [nn.Linear(4, WIDTH), dropped, nn.Linear(WIDTH, 1)],
+                  lambda b, g: (torch.randn(b, 4, generator=g), torch.randn(b, 1, generator=g)),
+                  lambda y, target: ((y - target) ** 2).mean())
+    recording, layers = measure_bytes(model, Settings(torch.device("cpu"), torch.float32, B, warmup=0, repeats=1))
+    held = measure_wgrad_held(model, recording, layers)
+    saved = held[1].activation_bytes  # its input, its ReLU's output, its dropout's mask
+    assert saved > 2 * ROW
+    assert [(layer.wgrad_kept_bytes, layer.shared_with_previous_bytes) for layer in held[1:]] == [(ROW, 0), (ROW, 0)]
+    activations = activation_ranges(layer_costs(held, "sgd"))
+    kept, _, _ = wgrad_held_ranges(held, activations)
+    assert kept[1, 2] == ROW  # the dropout's layer last: its input alone
+    assert kept[1, 3] == activations[1, 3] - B * F32 == saved + ROW

@@ -520,27 +520,46 @@ def test_mixed_precision_weights_cost_what_the_simulator_counts(weighty_bf16_pro
 SMALL_GPT = {"layers": 3, "width": 64, "heads": 4, "seq_len": 64, "vocab": 2000}
 
 
+def _zb_h1_calibrated_peaks(tmp_path, model: str, options: dict[str, int], dtype: str):
+    """A 2-stage CPU calibration of `model` in `dtype`, and its ZB-H1 (m = n = 4, momentum) run on its cut: the
+    profile and, per device, predicted against measured peak memory (`compare`)."""
+    path = tmp_path / f"{model}.json"
+    flags = [str(a) for key, value in options.items() for a in (f"--{key.replace('_', '-')}", value)]
+    code, _, err = pipesim("calibrate", "--model", model, *flags, "--microbatch-size", 2, "--stages", 2,
+                           "--dtype", dtype, "--no-links", "--no-contention", "--repeats", 1, "--warmup", 0,
+                           "--out", path)
+    assert code == 0, err
+    profile = load_profile(path)
+    spec = RunSpec(build("zb-h1", 2, 4, 4), model, options, microbatch_size=2, optimizer="momentum",
+                   dtype=dtype, bounds=tuple(profile.partition.bounds))
+    measured = run_in_process(spec).trace
+    return profile, compare(predict_measured(measured.meta, profile), measured).devices
+
+
 def test_a_split_backward_holds_until_its_weight_pass_what_calibration_measured(tmp_path):
     """A gpt's last stage (a block and the head) in ZB-H1, bfloat16: its I keeps for its W the block's saved tensors,
     the head's input and the gradients arriving where the weights' gradients branch off (the logits' among them),
     and calibration records them so (calibrate/measure.py `measure_wgrad_held`): each device's peak memory, measured,
     is what the simulator counts. Before, the profile held none (priced as half the activations) and the executor's
     books left the gradients out: +7.3 % on the last stage."""
-    path = tmp_path / "gpt.json"
-    options = [str(a) for key, value in SMALL_GPT.items() for a in (f"--{key.replace('_', '-')}", value)]
-    code, _, err = pipesim("calibrate", "--model", "gpt", *options, "--microbatch-size", 2, "--stages", 2,
-                           "--dtype", "bfloat16", "--no-links", "--no-contention", "--repeats", 1, "--warmup", 0,
-                           "--out", path)
-    assert code == 0, err
-    profile = load_profile(path)
+    profile, devices = _zb_h1_calibrated_peaks(tmp_path, "gpt", SMALL_GPT, "bfloat16")
     head = profile.layers[-1]
     assert head.wgrad_gradient_bytes > 2 * 64 * 2000 * 2 > head.wgrad_kept_bytes  # the logits' gradient, not its loss
-    spec = RunSpec(build("zb-h1", 2, 4, 4), "gpt", SMALL_GPT, microbatch_size=2, optimizer="momentum",
-                   dtype="bfloat16", bounds=tuple(profile.partition.bounds))
-    measured = run_in_process(spec).trace
-    predicted = predict_measured(measured.meta, profile)
-    for device in compare(predicted, measured).devices:
+    for device in devices:
         assert device.peak_memory_error == pytest.approx(0, abs=0.01), device
+
+
+def test_a_calibrated_stage_keeps_until_its_weight_pass_all_its_lower_layers_saved(tmp_path):
+    """The default cnn's last stage in ZB-H1: its I frees only what its last layer saves above its linear, the lower
+    layers' ReLU outputs and max-pool indices stay for W (profiles/schema.py `wgrad_held_ranges`), and its peak
+    memory, measured, is what the simulator counts. Before, the stage summed its layers' kept as if each were last:
+    8.0 % under."""
+    profile, devices = _zb_h1_calibrated_peaks(tmp_path, "cnn", {}, "float32")
+    stage = profile.stages[-1]
+    mine, last = profile.layers[slice(*stage.layers)], profile.layers[stage.layers[1] - 1]
+    assert stage.wgrad_kept_bytes == stage.activation_bytes - (last.activation_bytes - last.wgrad_kept_bytes) > sum(
+        layer.wgrad_kept_bytes for layer in mine)
+    assert devices[-1].peak_memory_error == pytest.approx(0, abs=0.01), devices[-1]
 
 
 @pytest.fixture(scope="module")

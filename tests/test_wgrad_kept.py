@@ -187,3 +187,30 @@ def test_every_ranges_feeding_is_each_stages():
         assert fed.shape == (n + 1, n + 1)
         assert all(fed[i, j] == fed_by_the_batch(layers[i:j], i) for i in range(n) for j in range(i + 1, n + 1))
         assert fed[0, 1:].all()
+
+
+def test_a_stage_keeps_what_each_layer_keeps_where_it_lies():
+    """`wgrad_held_ranges`: a layer no later layer of its range reads (the range's last, a branch's last) keeps its
+    `wgrad_kept_bytes`, one read within it its `wgrad_kept_below_bytes` (None: the same, an estimate's), a storage
+    two layers save counted once as the activations count it. A DAG: 0 reads the batch, 1 and 2 read 0, 3 reads
+    both; each saves 10 and keeps 4 as the last; calibrated, all 10 below another, 3 sharing 2 with 2."""
+    from types import SimpleNamespace
+
+    from pipesim.profiles.partition import LayerCost, activation_ranges
+    from pipesim.profiles.schema import wgrad_held_ranges
+
+    def ranges(below, shared):
+        layers = [SimpleNamespace(inputs=inputs, activation_bytes=10, wgrad_kept_bytes=4, wgrad_kept_below_bytes=below,
+                                  wgrad_gradient_bytes=1, shared_with_previous_bytes=shared * (i == 3))
+                  for i, inputs in enumerate([[-1], [0], [0], [1, 2]])]
+        activations = activation_ranges([LayerCost(0.0, 0, x.activation_bytes, x.shared_with_previous_bytes)
+                                         for x in layers])
+        return activations, *wgrad_held_ranges(layers, activations)
+
+    activations, kept, gradients, known = ranges(below=10, shared=2)
+    assert known.all()
+    assert [kept[1, 2], kept[1, 3], kept[1, 4], kept[2, 4]] == [4, 4 + 4, 10 + 10 + 4 - 2, 10 + 4 - 2]
+    assert kept[0, 3] == activations[0, 3] == 30  # fed by the batch alone: all it saved
+    assert [gradients[1, 4], gradients[0, 3]] == [3, 0]  # and no gradients
+    _, kept, _, _ = ranges(below=None, shared=0)  # an estimate's: each keeps its 4 wherever it lies
+    assert [kept[1, 3], kept[1, 4], kept[2, 4]] == [8, 12, 8]

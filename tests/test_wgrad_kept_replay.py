@@ -76,7 +76,7 @@ def test_a_stage_fed_by_the_batch_runs_no_input_gradient_and_its_whole_backward_
 @pytest.mark.parametrize("pp_runtime", ["pipesim", "torch"])
 def test_a_first_stage_replays_the_whole_frame_held_from_i_to_w_as_the_simulation_holds_it(pp_runtime):
     """ZB-H1's first stage: fed by the batch alone, its I keeps the whole frame and makes no gradients (its costs'
-    kept bytes the activations, no gradient bytes: profiles/schema.py `stage_wgrad_held`), and its W's full backward
+    kept bytes the activations, no gradient bytes: profiles/schema.py `wgrad_held_ranges`), and its W's full backward
     makes 300 MiB on it, in the replay as in the simulation, to the byte, on every device (keeping the products'
     inputs and output gradients alone, the replay's first device peaked 124 MiB below the simulation's)."""
     schedule = build("zb-h1", 4, 8)
