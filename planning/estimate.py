@@ -527,12 +527,14 @@ class _Split:
     def context_share(self, op: OpCount) -> OpCount:
         """The op on one of C context-parallel ranks: every op works per token, so 1/C of its FLOPs and bytes,
         its first token or sequence dimension divided (an attention's queries: with the causal load balance each
-        rank's queries meet an even share of the keys, `ContextRing`)."""
+        rank's queries meet an even share of the keys, `ContextRing`); a product adding into a weight's gradient
+        (`OpCount.accumulates_into`) its contraction, the tokens, whatever its weight's sides measure: its output, the
+        whole weight's gradient, is every rank's (a 70B's 8,192-wide weights beside 8,192 tokens a micro-batch)."""
         if self.context == 1:
             return op
         dims = list(op.shape)
-        at = next((i for i in range(1 if len(dims) == 4 else 0, len(dims)) if dims[i] in (self.tokens, self.seq)),
-                  None)
+        at = 3 if op.accumulates_into else next(
+            (i for i in range(1 if len(dims) == 4 else 0, len(dims)) if dims[i] in (self.tokens, self.seq)), None)
         if at is not None:
             dims[at] = max(dims[at] // self.context, 1)
         return _scaled(op, tuple(dims), self.context)

@@ -14,6 +14,7 @@ from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     Device,
     Parallelism,
+    _Split,
     accumulated_in_products,
     accumulating,
     estimate_layer,
@@ -65,6 +66,23 @@ def test_a_compute_bound_product_adding_into_float32_takes_its_epilogue_bytes_on
     fused = accumulating(product, 4, 2)
     assert matmul_ms(fused, DEVICE) - matmul_ms(product, DEVICE) == pytest.approx(
         8 * 4096 * 4096 / DEVICE.memory_bytes_per_ms)
+
+
+@pytest.mark.parametrize("seq_len", [128, 256])
+def test_a_context_parallel_rank_adds_into_its_whole_weight_gradient_whatever_the_weights_sides_measure(seq_len):
+    """Under C = 2 each rank contracts over half the tokens and adds into the whole weight's gradient: its epilogue's
+    bytes as on one rank, its tokens halved, also where a weight's side measures the micro-batch's tokens (128 wide
+    at 128 tokens, as a 70B's 8,192 at seq 8,192), which the split once took for the tokens and halved instead."""
+    count = count_built("gpt", dict(layers=2, width=128, heads=4, seq_len=seq_len, vocab=128), 1, torch.bfloat16,
+                        "flash")
+    block = accumulated_in_products(count.layers[1], 4, 2)
+    split = _Split.of(block, Parallelism(context=2))
+    products = [op for op in block.ops["wgrad"] if op.kind == "matmul"]
+    for op in products:
+        ((mine, _, share),) = split.products(op, "wgrad")
+        assert (mine.epilogue_bytes, mine.shape[:3], mine.shape[3], share) == (
+            op.epilogue_bytes, op.shape[:3], op.shape[3] // 2, 1.0)
+    assert any(seq_len in op.shape[1:3] for op in products) == (seq_len == 128)
 
 
 def test_an_input_gradient_product_of_a_weight_gradients_shape_keeps_its_calls():
