@@ -54,7 +54,7 @@ from ..schedules import (
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
-from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime, keeps_saved_until_weights, merges_outputs, wgrad_held
+from ..sim.costs import RowOverhead, held_as_runtime, keeps_saved_until_weights, merges_outputs, wgrad_held
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
 
@@ -1001,8 +1001,7 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
     from ..profiles.schema import fused_accumulation
 
     tail = measured.contention.tail if measured.contention is not None else 1.0
-    # An estimate's precision may store the weights otherwise than the passes read them (FSDP2's float32 shards)
-    held = PRECISIONS.get(measured.estimate.parallelism.get("precision")) if measured.estimate is not None else None
+    master_bytes, stored_bytes = held_weights(measured, *s.layers, s.param_bytes)
     accumulate_ms = s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0
     # Under fused accumulation the pass is the runtime's hook adding the gradients no product accumulates into the
     # buffer it zeroes at each step's start (planning/estimate.py `unfused_weight_share`): in every backward, the
@@ -1023,7 +1022,7 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
         held_bytes=s.held_bytes,
         grad_bytes=s.grad_bytes, activation_parts=s.activation_parts,
         gathered_bytes=gathered_bytes(measured.layers[s.layers[0]:s.layers[1]]),
-        stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
+        stored_bytes=stored_bytes,
         float8_weight_bytes=s.float8_weight_bytes, model_output_bytes=s.model_output_bytes,
         runtime_buffer_bytes=s.runtime_buffer_bytes,
         all_gather_bytes=s.all_gather_bytes, gather_cast_ms=s.gather_cast_ms,
@@ -1034,7 +1033,23 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
         expert_param_bytes=s.expert_param_bytes, ring_fwd_ms=s.ring_fwd_ms, ring_bwd_ms=s.ring_bwd_ms,
         ring_fwd_hidden_ms=s.ring_fwd_hidden_ms, ring_bwd_hidden_ms=s.ring_bwd_hidden_ms,
         ring_buffer_bytes=s.ring_buffer_bytes, product_ms=s.product_ms * tail,
-        master_bytes=measured.master_bytes(*s.layers))
+        master_bytes=master_bytes)
+
+
+def held_weights(measured: Profile, start: int, stop: int, param_bytes: int) -> tuple[int, int | None]:
+    """Of the profile's layers [start, stop), whose weights the passes read as `param_bytes`: the optimizer's master
+    copy of them (0: none, it updates the weights themselves) and the weights as stored between passes (None: as the
+    passes read them). A calibration's as it recorded them (`Profile.master_bytes`); an estimate's as its precision
+    holds them (planning/estimate.py `held_precision`: its --precision, else Megatron-LM's for its count's dtype;
+    FSDP2's float32 shards), which its profile records as the estimate's parallelism and environment."""
+    estimate = measured.estimate
+    if estimate is None:
+        return measured.master_bytes(start, stop), None
+    from .estimate import held_precision
+
+    held = held_precision(estimate.parallelism.get("precision"), measured.environment.dtype,
+                          bool(estimate.parallelism.get("fp8_param_gather")))
+    return held.master_weight_bytes(param_bytes), held.stored_weight_bytes(param_bytes)
 
 
 def all_to_all_refusal(measured: Profile, ranks: int) -> str | None:

@@ -111,12 +111,12 @@ from ..schedules import (
     warmup_minibatches,
 )
 from ..sim.cluster import Cluster
-from ..sim.costs import Costs, runtime_refusal
+from ..sim.costs import Costs, owned_bytes, runtime_refusal
 from ..sim.engine import device_product_ms, product_delay, simulate, static_bytes, takes_time
 from ..traces import Summary, Trace, summarize
 from ..units import GIB, count_text
 from .auto import activation_ratio, check_shape, schedule_frame
-from .scenario import CollectiveLink, Scenario, device_stages, over_expert_groups, profile_costs
+from .scenario import CollectiveLink, Scenario, device_stages, held_weights, over_expert_groups, profile_costs
 
 RUNNERS_UP = 5
 COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds on compute, not the network lane
@@ -2429,8 +2429,9 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     layers = layer_costs(profile.layers, optimizer)
     static = range_sums(c.static_bytes for c in layers)
     params = range_sums(layer.param_bytes for layer in profile.layers)
-    # the weights as the optimizer owns them, which a policy's master copies are of (`StageCosts.owned_weight_bytes`)
-    owned = range_sums(profile.master_bytes(i, i + 1) or layer.param_bytes for i, layer in enumerate(profile.layers))
+    # the weights as the optimizer owns them, which a policy's master copies are of, as a stage's costs hold them
+    owned = range_sums(owned_bytes(layer.param_bytes, *held_weights(profile, i, i + 1, layer.param_bytes))
+                       for i, layer in enumerate(profile.layers))
     activations = activation_ranges(layers)
     sent = np.array([layer.output_bytes for layer in profile.layers[:-1]] + [0])
     # an activation and a gradient in transfer at each boundary: into the stage's first layer, out of its last

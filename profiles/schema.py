@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from ..choices import choose_from
 from ..files import first_error, read_json
@@ -262,6 +270,14 @@ class StagePasses(PassTimes):
     (queued; from an idle GPU where it had fewer GPUs than stages, from 6521538 on). `issued` picks."""
 
     idle: PassTimes | None = None
+
+    @model_serializer(mode="wrap")
+    def _written(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without `idle` where there is none (a CPU's passes): such a profile is written as before both were kept."""
+        written = write(self)
+        if self.idle is None:
+            del written["idle"]
+        return written
 
     def issued(self, shared_gpu: bool) -> StagePasses:
         """The passes as a run issues its rows: from an idle GPU where its ranks share GPUs (`shared_gpu`), else
@@ -601,7 +617,8 @@ class Profile(_Strict):
         """The master copy of layers [start, stop)'s weights the optimizer owns (0: none, it updates the weights
         themselves): a calibration's SGD state, since SGD keeps none of its own (calibrate/measure.py
         `_state_bytes` records a 16-bit layer's float32 masters with every optimizer's state; a profile from before
-        mixed precision, none). 0 for an estimate, whose state may hold a moving average and be sharded."""
+        mixed precision, none). 0 for an estimate, whose state may hold a moving average and be sharded: its precision
+        says (planning/scenario.py `held_weights`)."""
         if self.estimate is not None:
             return 0
         return sum(layer.optimizer_state_bytes[MASTER_ONLY] for layer in self.layers[start:stop])

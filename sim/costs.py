@@ -82,6 +82,14 @@ PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
               "nemo-bf16-adam": Precision(2, 2, 0, 2), "megatron-bf16-moments": Precision(2, 4, 4, 2)}
 
 
+def owned_bytes(param_bytes: int, master_bytes: int, stored_bytes: int | None) -> int:
+    """Weights the passes read as `param_bytes` as the optimizer owns them, which a policy's master copies are of
+    (`WeightPolicy.master_copies`): its master copy (`master_bytes`), else the weights it updates itself, as stored
+    (`stored_bytes`; None: as the passes read them). A stage's (`StageCosts.owned_weight_bytes`) and tune's
+    partitioner's, layer by layer."""
+    return master_bytes or (param_bytes if stored_bytes is None else stored_bytes)
+
+
 def precision_refusal(name: str, flag: str = "precision") -> str | None:
     """The one line refusing a precision that is not one of `PRECISIONS`, naming it as its reader does (`flag`: the
     commands' --precision); None for one that is. The typed costs and the estimate's parallelism refuse with it."""
@@ -231,8 +239,7 @@ class StageCosts:
 
     @property
     def owned_weight_bytes(self) -> int:
-        """The weights as the optimizer owns them: its master copy, else the weights as stored."""
-        return self.master_bytes or self.stored_param_bytes
+        return owned_bytes(self.param_bytes, self.master_bytes, self.stored_bytes)
 
     @property
     def gathered_weight_bytes(self) -> int:

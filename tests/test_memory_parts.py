@@ -137,6 +137,30 @@ def test_deepseek_v3s_bf16_moments_keep_float32_master_weights_and_gradients():
             assert parts["optimizer_state"] == pytest.approx(state_per_weight * parts["parameters"], rel=1e-3)
 
 
+@pytest.mark.parametrize("dtype,precision,reference_per_weight", [
+    ("bf16", None, 2.0),  # as Megatron-LM keeps bf16 weights: float32 masters
+    ("bf16", "megatron", 2.0),
+    ("fp16", None, 2.0),
+    ("bf16", "nemo-bf16-adam", 1.0),  # no master copy: the optimizer updates the 16-bit weights themselves
+    ("fp32", None, 1.0),
+])
+def test_an_estimates_avgpipe_reference_copies_the_weights_its_optimizer_owns(dtype, precision,
+                                                                              reference_per_weight, tmp_path):
+    """AvgPipe's reference model is a copy of the weights the optimizer averages (`WeightPolicy.master_copies`):
+    beside P = 2 replicas of an estimate's 16-bit weights, the float32 masters its precision keeps, twice their
+    bytes (priced as a 16-bit copy before), else the weights; a profile estimated so and read back holds the same."""
+    held = ("--dtype", dtype, *(["--precision", precision] if precision else []))
+    path = tmp_path / "estimate.json"
+    code, _, err = pipesim("estimate", *TINY_GPT[:-4], *held, "--stages", 2, "--out", path)
+    assert code == 0, err
+    for costs in ((*TINY_GPT[:-2], *held), ("--profile", path, "-p", 2)):
+        plain, averaged = simulate_json(*costs, "-s", "1f1b", "-s", "avgpipe")
+        for weights, device in zip(plain["devices"], averaged["devices"], strict=True):
+            parameters = weights["peak_memory_parts_mb"]["parameters"]
+            assert device["peak_memory_parts_mb"]["parameters"] == pytest.approx(
+                (2 + reference_per_weight) * parameters, rel=1e-12)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--precision", "fp8"],
      "--precision: choose from fp32, megatron, megatron-16bit-grads, fsdp2, nemo-bf16-adam, megatron-bf16-moments "

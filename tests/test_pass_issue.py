@@ -21,13 +21,14 @@ import torch
 from pipesim.calibrate.runtime import runtime_terms
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_costs, profile_scenario
-from pipesim.profiles.schema import PASSES, PassTimes, Profile, StagePasses, Timing, stages_for
+from pipesim.profiles.schema import PASSES, PassTimes, Profile, StagePasses, Timing, profile_json, stages_for
 from pipesim.schedules import ScheduleParams
 from pipesim.traces.trace import read_trace
 from tests.conftest import script_module
 from tests.test_fidelity_terms import probe_trace
 
 CHECK = Path(__file__).resolve().parents[1] / "traces" / "measured" / "gpu-check-h200-day9-masters"
+CPU_RUNS = CHECK.parent / "fidelity-cpu2-day3-runs"  # a CPU calibration's, its passes timed once
 
 
 def _idle_only() -> Profile:
@@ -126,6 +127,16 @@ def test_passes_timed_idle_on_some_stages_or_on_a_cpu_are_refused(edit, why):
     edit(doc)
     with pytest.raises(ValueError, match=f"stages.\\*.passes.idle: {why}"):
         Profile.model_validate(doc)
+
+
+def test_a_cpus_passes_are_written_without_idle_timings_and_a_gpus_with_them():
+    """A CPU's passes are timed once (`idle` None): its profile is written as before both were kept, no "idle" in
+    any stage's passes, and reads back the same; a GPU's keeps both."""
+    cpu = Profile.model_validate_json((CPU_RUNS / "mlp-profile.json").read_text())
+    for profile, timed_idle in ((cpu, False), (_both_ways(), True)):
+        written = json.loads(profile_json(profile))
+        assert [("idle" in stage["passes"]) for stage in written["stages"]] == [timed_idle] * len(profile.stages)
+        assert Profile.model_validate(written) == profile
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
