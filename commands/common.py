@@ -928,7 +928,7 @@ def zero_stage(flags: dict) -> int:
     return stage
 
 
-def held_precision(flags: dict) -> str | None:
+def given_precision(flags: dict) -> str | None:
     """--precision (None: not given), checked: one of the precisions, and not beside a --profile, whose weights,
     gradients and state are held as it was made."""
     from ..sim.costs import precision_refusal
@@ -1002,7 +1002,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
                  for flag in ("--fwd", "--bwd", "--param-mb", "--activation-mb", "--output-mb")}
     refuse(optimizer_refusal(flags["optimizer"], "--optimizer"))
-    precision = held_precision(flags)
+    precision = given_precision(flags)
     comm_ms = parse_numbers("--comm", flags["comm"])
     if len(comm_ms) != 1:
         raise InputError("--comm: give one number of milliseconds")

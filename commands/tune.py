@@ -39,7 +39,7 @@ from .common import (
     check_memory_gb,
     check_p2p_sync,
     fail,
-    held_precision,
+    given_precision,
     is_given,
     load_profile_flag,
     refuse,
@@ -183,7 +183,7 @@ def tune(
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
         check_allocator(ctx, what)
-        held_precision(ctx.params)
+        given_precision(ctx.params)
         zero = zero_stage(ctx.params)
         work: dict[int, ModelWork] = {}  # by b, with --gpu
         if what is None:
