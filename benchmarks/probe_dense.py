@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             raise TypeError(f"kinds {', '.join(unknown)} are not this replay's ({', '.join(KINDS)})")
         tensor = {shape["name"]: shape["tensor"] for shape in dense["shapes"]}
         table = rows(probe, args.gpu)
+        layers = layer_sums(table, tensor, dense.get("sustained", []))
     except EstimateError as error:  # a ValueError: the part prices none of a kind the probe timed (float8)
         print(f"--gpu: {args.gpu} cannot price {args.probe.name}'s products: {error}", file=sys.stderr)
         return 2
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     for column in ("model", "recipe", "forward and input grad", "pipesim", "measured alone", "pipesim / alone",
                    "back to back", "pipesim / back to back"):
         sums.add_column(column, justify="left" if column in ("model", "recipe") else "right")
-    for layer in layer_sums(table, tensor, dense.get("sustained", [])):
+    for layer in layers:
         sustained = layer.sustained_ms
         sums.add_row(layer.model, layer.recipe, "in t chunks" if layer.chunked else "whole",
                      f"{layer.predicted_ms:.3f}", f"{layer.measured_ms:.3f}",

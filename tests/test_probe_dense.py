@@ -126,6 +126,8 @@ def test_the_replay_prints_every_product_and_the_layer_sums(modules, tmp_path, c
     ({"moe": {}}, "--probe: {path} is not a gpu_probe.py JSON with its dense part (KeyError: 'dense')"),
     ({"dense": {"shapes": [], "products": [{"kind": "fp16"}]}}, "kinds fp16 are not this replay's"),
     ({"dense": {"shapes": [], "products": [{"kind": "bf16", "m": 8}]}}, "dense part (KeyError: 'k')"),
+    ({"dense": {"shapes": [{"name": "x", "tensor": "4"}], "products": []}}, "dense part (TypeError: '>'"),
+    ({"dense": {"shapes": [], "products": [], "sustained": 5}}, "dense part (TypeError: 'int' object is not iter"),
 ])
 def test_a_probe_without_the_dense_part_is_one_line_and_exit_2(modules, tmp_path, capsys, document, message):
     _, replay = modules
