@@ -29,7 +29,7 @@ import torch
 
 from .. import __version__
 from ..executor.backward import backward_input, backward_weight, full_backward
-from ..executor.runtime import Ledger, Tape
+from ..executor.runtime import Ledger, Tape, bytes_by_storage
 from ..executor.weights import StageWeights, Weights, average_replicas, main_dtype
 from ..profiles.linkfit import fit_link
 from ..profiles.partition import partition
@@ -487,8 +487,7 @@ def _wgrad_held(model: Model, i: int, recording: Recording) -> tuple[int, int]:
     _, pending = backward_input([out], _output_gradients(model, i, out), args,
                                 [p for p in layer.parameters() if p.requires_grad])
     del args, out  # the graph above the weights' nodes goes with the output, as the executor drops it after I
-    return ledger.total, sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                              for t in pending.gradients()}.values())
+    return ledger.total, sum(bytes_by_storage(pending.gradients()).values())
 
 
 def alike_layers(model: Model, recording: Recording) -> list[int]:

@@ -79,7 +79,8 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def _bytes_by_storage(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+def bytes_by_storage(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """The bytes of the storages `tensors` view, by storage: each counted once, whole."""
     return dict(_storage(t) for t in tensors)
 
 
@@ -548,7 +549,7 @@ class DeviceLoop:
     def _weight_storage(self) -> dict[int, int]:
         tensors = [t for state in self.weights.values() for t in state.tensors()]
         tensors += [t for reference in self.references.values() for t in reference]
-        return _bytes_by_storage(tensors)
+        return bytes_by_storage(tensors)
 
     def _memory(self, weight_storage: dict[int, int], freed: int, posted_bytes: int) -> tuple[int, int]:
         """Bytes held after the current row, and at its end before it let go of `freed` bytes of weights and
@@ -558,16 +559,16 @@ class DeviceLoop:
             # flatten and sort every one of them in Python (torch.cuda.memory_stats: 61 us a call on the CPUs here)
             allocated = torch.cuda.memory_stats_as_nested_dict(self.torch_device)["allocated_bytes"]["all"]
             return int(allocated["current"]), int(allocated["peak"])
-        waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values(),
-                                     *(t for _, t in self.sends if t is not None)])
+        waiting = bytes_by_storage([*self.acts.values(), *self.grads.values(),
+                                    *(t for _, t in self.sends if t is not None)])
         # a forward's weights (freed ones have no storage left) stay in its graph until its backward, its inputs
         # and outputs (the backward's roots) until its backward, or its input-gradient half, runs, and the gradients
         # that half recorded for its weight half until that runs (`PendingWeightGrad.gradients`)
         versions = {id(saved.weights.tensors): saved.weights.tensors for saved in self.saved.values()}  # each once
-        graphs = _bytes_by_storage([*(t for tensors in versions.values() for t in tensors),
-                                    *(t for saved in self.saved.values() for t in (*saved.inputs, *saved.outputs)),
-                                    *(t for saved in self.saved.values() if saved.pending
-                                      for t in saved.pending.gradients())])
+        graphs = bytes_by_storage([*(t for tensors in versions.values() for t in tensors),
+                                   *(t for saved in self.saved.values() for t in (*saved.inputs, *saved.outputs)),
+                                   *(t for saved in self.saved.values() if saved.pending
+                                     for t in saved.pending.gradients())])
         held = {**weight_storage, **graphs, **self.ledger.by_storage(), **waiting}
         dropped = sum(nbytes for ptr, nbytes in self.taken.items() if ptr not in held)
         total = sum(held.values()) + posted_bytes
