@@ -343,7 +343,11 @@ def held_precision(precision: str | None, dtype: str, fp8_param_gather: bool = F
     """How a model counted in `dtype` (torch's name) holds its weights, gradients and optimizer state under
     `precision` (of `PRECISIONS`; None: as Megatron-LM keeps the dtype, `Parallelism`), with TransformerEngine's
     float8 weights where `fp8_param_gather`: an estimate's, and a profile estimated so (planning/scenario.py
-    `held_weights`)."""
+    `held_weights`). EstimateError naming the precision or dtype that is not one of those known."""
+    refusal = (choose_from("dtype", PEAK_DTYPE, dtype) if dtype not in PEAK_DTYPE
+               else precision_refusal(precision) if precision is not None else None)
+    if refusal is not None:
+        raise EstimateError(refusal)
     name = precision or {"float32": "fp32", "bfloat16": "megatron", "float16": "megatron-16bit-grads"}[dtype]
     held = PRECISIONS[name]
     if held.weight_bytes != _element_bytes(dtype):

@@ -1041,14 +1041,18 @@ def held_weights(measured: Profile, start: int, stop: int, param_bytes: int) -> 
     copy of them (0: none, it updates the weights themselves) and the weights as stored between passes (None: as the
     passes read them). A calibration's as it recorded them (`Profile.master_bytes`); an estimate's as its precision
     holds them (planning/estimate.py `held_precision`: its --precision, else Megatron-LM's for its count's dtype;
-    FSDP2's float32 shards), which its profile records as the estimate's parallelism and environment."""
+    FSDP2's float32 shards), which its profile records as the estimate's parallelism and environment. CostError
+    where those name no precision or dtype known (a profile edited by hand)."""
     estimate = measured.estimate
     if estimate is None:
         return measured.master_bytes(start, stop), None
-    from .estimate import held_precision
+    from .estimate import EstimateError, held_precision
 
-    held = held_precision(estimate.parallelism.get("precision"), measured.environment.dtype,
-                          bool(estimate.parallelism.get("fp8_param_gather")))
+    try:
+        held = held_precision(estimate.parallelism.get("precision"), measured.environment.dtype,
+                              bool(estimate.parallelism.get("fp8_param_gather")))
+    except EstimateError as exc:
+        raise CostError(f"--profile: the estimate's {exc}") from None
     return held.master_weight_bytes(param_bytes), held.stored_weight_bytes(param_bytes)
 
 

@@ -161,6 +161,26 @@ def test_an_estimates_avgpipe_reference_copies_the_weights_its_optimizer_owns(dt
                 (2 + reference_per_weight) * parameters, rel=1e-12)
 
 
+@pytest.mark.parametrize("edit,message", [
+    ({"precision": "fp8"}, "precision: choose from fp32, megatron, megatron-16bit-grads, fsdp2, nemo-bf16-adam, "
+                           "megatron-bf16-moments (got 'fp8')"),
+    ({"precision": "fp32"}, "precision: fp32 holds 32-bit weights; the model is counted in bfloat16"),
+])
+def test_an_estimated_profile_whose_precision_cannot_hold_is_one_line(edit, message, tmp_path):
+    """An estimate's weights are held as its recorded precision says (planning/scenario.py `held_weights`): a
+    profile edited to name one unknown, or one that cannot hold its count's dtype, is refused in one line, not a
+    traceback."""
+    path = tmp_path / "estimate.json"
+    code, _, err = pipesim("estimate", *TINY_GPT[:-4], "--dtype", "bf16", "--stages", 2, "--out", path)
+    assert code == 0, err
+    profile = json.loads(path.read_text())
+    profile["estimate"]["parallelism"].update(edit)
+    path.write_text(json.dumps(profile))
+    code, out, err = pipesim("simulate", "--profile", path, "-p", 2, "-s", "1f1b")
+    assert code == 2 and out == "" and err.startswith(f"error: --profile: the estimate's {message}") and \
+        err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--precision", "fp8"],
      "--precision: choose from fp32, megatron, megatron-16bit-grads, fsdp2, nemo-bf16-adam, megatron-bf16-moments "
