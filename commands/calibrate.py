@@ -409,12 +409,13 @@ def _print_profile(profile) -> None:
                       f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
                       f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
     print_table(table)
-    idle = [stage.passes.idle for stage in profile.stages if stage.passes is not None and stage.passes.idle]
+    idle = [(k, stage.passes.idle) for k, stage in enumerate(profile.stages)
+            if stage.passes is not None and stage.passes.idle]
     if idle:
         stdout.print("above: each pass queued behind the one before, as ranks with a GPU each issue them; from an "
                      "idle GPU, as ranks sharing GPUs do (F/B/I/W ms): " + "; ".join(
                          f"stage {k} " + "/".join(f"{getattr(times, name).median_ms:.3f}" for name in PASSES)
-                         for k, times in enumerate(idle)), highlight=False)
+                         for k, times in idle), highlight=False)
     print_fitted_curve(profile)
     load = HostLoad.from_dict(env.load)
     if load is not None:

@@ -180,3 +180,18 @@ def test_the_runtime_probe_reads_its_rows_against_the_passes_as_its_run_issued_t
     assert trace.meta.shares_gpu
     terms = runtime_terms([trace], probe, {"boundary_bytes": 4096})
     assert {kind: t.median_ms for kind, t in terms.compute_ms.items()} == pytest.approx(extra)
+
+
+def test_calibrate_names_each_stage_whose_passes_from_an_idle_gpu_it_prints_by_its_own_index(capsys):
+    """A stage without passes from an idle GPU is left out of calibrate's line, and the rest keep their numbers."""
+    from pipesim.commands.calibrate import _print_profile
+
+    both = _both_ways()
+    first = both.stages[0]
+    stages = [first.model_copy(update={"passes": first.passes.model_copy(update={"idle": None})}), *both.stages[1:]]
+    _print_profile(both.model_copy(update={"stages": stages}))
+    printed = " ".join(capsys.readouterr().out.split())
+    idle = both.stages[1].passes.idle
+    assert ("(F/B/I/W ms): stage 1 " + "/".join(f"{getattr(idle, name).median_ms:.3f}" for name in PASSES)
+            in printed)
+    assert "stage 0 " not in printed.split("(F/B/I/W ms):")[1]
