@@ -2,12 +2,13 @@
 
 Version v is a list of leaf tensors; forwards run on the version their row names through
 `torch.func.functional_call`, so autograd's graph holds exactly those tensors. The newest version is the one
-the optimizer owns. An update is copy-on-write: when a later row still reads the version being superseded
-(the lowering says so), the optimizer moves on to fresh copies and the old tensors stay untouched for the
-graphs that hold them; otherwise it updates in place. A superseded version is dropped after its last read.
-Gradients of a mini-batch's micro-batches accumulate in one buffer that the update consumes, so the optimizer
-sees what a single-process run's `.grad` would hold; the update leaves that gradient on the new weights,
-since plain SGD's prediction extrapolates the last gradient.
+the optimizer owns (a 16-bit stage's: the one its float32 masters are cast into, below). An update is
+copy-on-write: when a later row still reads the version being superseded (the lowering says so), the update
+goes to fresh copies and the old tensors stay untouched for the graphs that hold them; otherwise it updates in
+place. A superseded version is dropped after its last read. Gradients of a mini-batch's micro-batches accumulate
+in one buffer that the update consumes, so the optimizer sees what a single-process run's `.grad` would hold;
+the update leaves that gradient on the weights it owns, since plain SGD's prediction extrapolates the last
+gradient.
 
 Predicted weights live in buffers keyed by (version, distance, side): `predict` fills one from the newest
 version and the optimizer's state (`workload.optim.predict_weights`); ops on predicted weights read it; the
@@ -184,7 +185,8 @@ class StageWeights:
         self.refresh()  # the passes' 16-bit copies of the updated masters
 
     def release(self, version: int) -> int:
-        """Drop `version` after its last read (never the newest: the optimizer owns it); the bytes given back."""
+        """Drop `version` after its last read (never the newest: the optimizer owns it, or casts its masters into
+        it); the bytes given back."""
         if version == self.version or version not in self.versions:
             return 0
         return _give_back(self.versions.pop(version))
