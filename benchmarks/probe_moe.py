@@ -47,6 +47,7 @@ from pipesim.commands.tables import print_table
 from pipesim.hardware.catalogue import CatalogueError, load_catalogue
 from pipesim.planning.estimate import (
     Device,
+    EstimateError,
     LayerEstimate,
     Parallelism,
     accumulating,
@@ -330,7 +331,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if refused_gpu(args.gpu):
         return 2
-    compared = layer_rows(probe, args.gpu, args.host_kernel_us)
+    try:
+        compared = layer_rows(probe, args.gpu, args.host_kernel_us)
+        host_us = host_us_per(probe)
+        kernels = kernel_rows(probe, args.gpu, args.host_kernel_us)
+        loops = gemm_rows(probe, args.gpu, args.host_kernel_us)
+    except EstimateError as exc:  # a ValueError: the part prices none of a kind the probe timed (float8)
+        print(f"--gpu: {args.gpu} cannot price {args.probe.name}'s GEMMs: {exc}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        print(f"--probe {args.probe}: not a GPU probe's JSON with parts (a) and (c) ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
     table = Table(title=f"(a) the probe's MoE layer on {args.gpu} at {args.host_kernel_us:g} us a kernel: "
                         "pipesim / measured, ms (GPU, host: after the wait)")
     for name in ("experts", "pass", "GPU", "host", "kernels", "pass ms", "error"):
@@ -341,17 +353,14 @@ def main(argv: list[str] | None = None) -> int:
                       pair(p["issue_ms"], m["issue_ms"]), pair(p["kernels"], m["kernels"], "d"),
                       pair(p["pass_ms"], m["pass_ms"]), f"{r['error']:+.1%}")
     print_table(table)
-    host_us = host_us_per(probe)
     print(f"|error| of the pass: {summary([r['error'] for r in compared])}; " + (
         "the probe counted no kernels (a CPU run)" if host_us is None else
         f"the probe's host {host_us:.1f} us a kernel ({host_us_per(probe, 'ops'):.1f} an op) after the wait and "
         "in the backward, pooled"))
-    kernels = kernel_rows(probe, args.gpu, args.host_kernel_us)
     if kernels:
         print_kernels(kernels, args.gpu)
     else:
         print("(a) by kernel: this probe kept no kernels by name (moe.kernels: probes since they were recorded)")
-    loops = gemm_rows(probe, args.gpu, args.host_kernel_us)
     table = Table(title=f"(c) a GEMM a local expert at {args.host_kernel_us:g} us a kernel: pipesim / measured, ms")
     for name in ("type", "experts", "product", "loop", "loop error", "one GEMM", "one error"):
         table.add_column(name, justify="right")

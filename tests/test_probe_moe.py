@@ -112,6 +112,9 @@ def test_the_benchmark_prints_both_parts_and_refuses_a_file_that_is_no_probe(ben
     assert "--host-kernel-us" in capsys.readouterr().err
     assert bench.main(["--gpu", "h300"]) == 2
     assert capsys.readouterr().err.startswith("--gpu: unknown GPU 'h300'; known: ")
+    assert bench.main(["--gpu", "a100-sxm-80gb"]) == 2  # (c) timed float8 GEMMs; an A100 has no float8 peak
+    err = capsys.readouterr().err
+    assert err.startswith("--gpu: a100-sxm-80gb cannot price") and "no FP8 peak" in err and err.count("\n") == 1
 
 
 def _span(ops: dict[str, tuple[int, float]], kernels: list[tuple[str, str, int, float]]) -> dict:
@@ -174,9 +177,12 @@ def test_the_benchmark_prints_the_kernels_by_role_of_a_probe_that_kept_them(benc
 @pytest.mark.parametrize("moe,message", [
     ({"layers": []}, "moe.layers is no list of layers"),
     ({"layers": [{}], "shape": {"hidden": 2048}}, "moe.shape is not hidden, ffn, experts, top_k, tokens"),
+    ({"layers": [{}], "shape": {"hidden": 2048, "ffn": 768, "experts": 128, "top_k": 8, "tokens": 4096}},
+     "(KeyError: 'local_experts')"),
 ])
 def test_a_probe_without_layers_or_their_whole_shape_is_one_line_and_exit_2(bench, tmp_path, capsys, moe, message):
-    """Refused before any pricing: no layer left no error to summarise, and a partial shape no layer to count."""
+    """Refused before any pricing: no layer left no error to summarise, and a partial shape no layer to count;
+    a layer without its fields, in pricing and before a row is printed."""
     bad = tmp_path / "probe.json"
     bad.write_text(json.dumps({"moe": moe, "gemm": {}}))
     assert bench.main(["--probe", str(bad)]) == 2
