@@ -44,7 +44,8 @@ XPIPE_POLICY = WeightPolicy(
     extra_copies=2, primary_source="paper",  # the F and the B bellwether buffers are alive at once
 )
 # AvgPipe (Zhang et al. 2023): each pipeline is synchronous; the reference model is an extra copy, of the weights
-# elastic averaging updates: the optimizer's (executor/weights.py `average_replicas`, its float32 masters in 16 bits).
+# elastic averaging updates: those the optimizer owns (executor/weights.py `average_replicas`; a 16-bit model's
+# float32 masters).
 AVGPIPE_POLICY = WeightPolicy(extra_copies=1, master_copies=1)
 
 
