@@ -153,19 +153,18 @@ class WhatIf:
         shape = (self.gpu.curve.multiprocessors, self.gpu.curve.tiles) if env.device == "cuda" else (1, [(1, 1)])
         stored = self.calibrated.fitted_curve
         where = f"{self.calibrated_path} ({env.device_name}, {env.date})"
-        timed = timed_overhead_ms(self.calibrated, self.gpu.curve.kernel_overhead_ms)
-        host_timed = host_timed_overhead(self.calibrated)
+        overhead_ms = timed_overhead_ms(self.calibrated, self.gpu.curve.kernel_overhead_ms)  # None: the fit finds one
         # why a stored curve is not the one this part is priced on, said in the curve's source
         passed_over = [] if stored is None else [why for why, holds in (
             ("fitted on other tiles", (stored.multiprocessors, stored.tiles) != shape),
             (f"attention counted as {stored.attention}", stored.attention not in (None, FIT_ATTENTION)),
             (f"its kernel overhead timed on the host's clock: the part's "
-             f"{self.gpu.curve.kernel_overhead_ms * 1e3:.1f} us a kernel taken", host_timed))
+             f"{self.gpu.curve.kernel_overhead_ms * 1e3:.1f} us a kernel taken", host_timed_overhead(self.calibrated)))
             if holds]
         datasheet = (peak * 1e9, self.gpu.memory_bandwidth_gb_s * 1e6)
 
         def refit(attention_flops_per_ms: float | None = None) -> FittedCurve:
-            return fit_rates(self.calibrated, fit_count(self.calibrated, "--curve-from"), *shape, timed,
+            return fit_rates(self.calibrated, fit_count(self.calibrated, "--curve-from"), *shape, overhead_ms,
                              attention_flops_per_ms)
         try:
             if stored is not None and not passed_over:
