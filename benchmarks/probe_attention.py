@@ -39,7 +39,16 @@ from rich.table import Table
 from pipesim.commands.estimate import count_model_of
 from pipesim.commands.tables import print_table
 from pipesim.hardware.catalogue import CatalogueError, load_catalogue
-from pipesim.planning.estimate import ContextRing, Device, Parallelism, _Split, kernel_curve, op_ms, placement_links
+from pipesim.planning.estimate import (
+    ContextRing,
+    Device,
+    EstimateError,
+    Parallelism,
+    _Split,
+    kernel_curve,
+    op_ms,
+    placement_links,
+)
 from pipesim.profiles.workload import OpCount
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,11 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     except CatalogueError as error:  # it names the parts the catalogue knows
         print(f"--gpu: {error}", file=sys.stderr)
         return 2
+    try:
+        priced_rows = rows(probe, args.gpu)
+    except EstimateError as error:  # a ValueError: the part publishes no rate for a kernel the probe timed
+        print(f"--gpu: {args.gpu} cannot price {args.probe.name}'s attention: {error}", file=sys.stderr)
+        return 2
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        print(f"--probe: {args.probe} is not a gpu_probe.py JSON with its attention part "
+              f"({type(error).__name__}: {error})", file=sys.stderr)
+        return 2
     table = Table(title=f"Llama 3.1 8B's attention, ms a layer and micro-batch: pipesim against {args.probe.name}")
     for column in ("kernel", "part", "pass", f"pipesim {args.gpu}", "measured", "pipesim / measured",
                    "pipesim h100-sxm"):
         table.add_column(column, justify="left" if column in ("kernel", "part", "pass") else "right")
-    for row in rows(probe, args.gpu):
+    for row in priced_rows:
         table.add_row(row.kernel, row.part, row.pass_name, f"{row.predicted_ms:.3f}",
                       "-" if row.measured_ms is None else f"{row.measured_ms:.3f}",
                       "-" if row.ratio is None else f"{row.ratio:.2f}", f"{row.rows_gpu_ms:.3f}")

@@ -87,6 +87,7 @@ def test_the_blocks_transfer_from_the_h200_to_the_h100_and_the_passes_go_at_its_
 @pytest.mark.parametrize("flags,message", [
     (["--probe", "/nonexistent/probe.json"], "--probe: /nonexistent/probe.json is not a gpu_probe.py JSON"),
     (["--gpu", "h300"], "--gpu: unknown GPU 'h300'; known: "),
+    (["--gpu", "a100-sxm-80gb"], "--gpu: a100-sxm-80gb cannot price gpu-probe-h200-day9.json's attention: "),
 ])
 def test_bad_input_is_one_line_and_exit_2(replay, capsys, flags, message):
     assert replay.main(flags) == 2
@@ -101,3 +102,14 @@ def test_a_probe_without_the_attentions_whole_shape_is_one_line_and_exit_2(repla
     assert replay.main(["--probe", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "attention.shape not heads, kv_heads, head_dim, tokens" in err and err.count("\n") == 1
+
+
+def test_a_probe_whose_kernel_is_no_table_is_one_line_and_exit_2(replay, tmp_path, capsys):
+    """A kernel's timings that are no table are refused in pricing, before a row is printed."""
+    probe = json.loads(replay.PROBE.read_text())
+    probe["attention"]["kernels"]["cudnn"] = 5
+    bad = tmp_path / "probe.json"
+    bad.write_text(json.dumps(probe))
+    assert replay.main(["--probe", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "attention part (AttributeError: 'int' object" in err and err.count("\n") == 1
