@@ -35,7 +35,7 @@ from functools import partial
 from pathlib import Path
 
 from pipesim.commands.estimate import fit_count, timed_overhead_ms
-from pipesim.hardware.catalogue import Curve, load_catalogue
+from pipesim.hardware.catalogue import CatalogueError, Curve, load_catalogue
 from pipesim.planning.estimate import (
     CALIBRATED_OPS,
     PEAK_DTYPE,
@@ -47,7 +47,7 @@ from pipesim.planning.estimate import (
     fit_rates,
     separated_fit,
 )
-from pipesim.profiles.schema import PASSES, EstimateLink, Profile, Timing, load_profile
+from pipesim.profiles.schema import PASSES, EstimateLink, Profile, ProfileError, Timing, load_profile
 
 CPU = Curve(matmul_efficiency=1.0, attention_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_ms=0.0,
             multiprocessors=1, tiles=[(1, 1)], source="nominal CPU: 1 TFLOP/s, 100 GB/s")
@@ -124,12 +124,18 @@ def main() -> None:
     sizes: dict[tuple, list[list[Profile]]] = {}
     names: dict[tuple, str] = {}
     for path in paths:
-        profile = load_profile(path)
+        try:
+            profile = load_profile(path)
+        except ProfileError as exc:  # it names the file and what is wrong with it
+            parser.exit(2, f"error: {exc}\n")
         halves = sizes.setdefault(size_of(profile), [[], []])
         names.setdefault(size_of(profile), path.stem.rsplit("-", 1)[0])
         halves[len(halves[0]) > len(halves[1])].append(profile)
     if args.gpu:
-        gpu = load_catalogue().find(args.gpu)
+        try:
+            gpu = load_catalogue().find(args.gpu)
+        except CatalogueError as exc:  # it names the parts the catalogue knows
+            parser.exit(2, f"error: --gpu: {exc}\n")
         dtype = next(iter(sizes.values()))[0][0].environment.dtype
         peak, bandwidth, shape = getattr(gpu.dense_tflops, PEAK_DTYPE[dtype]) * 1e9, gpu.memory_bandwidth_gb_s * 1e6, \
             gpu.curve

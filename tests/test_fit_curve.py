@@ -287,6 +287,22 @@ def test_fit_curve_holds_the_attention_as_curve_from_does_and_refuses_an_outrun_
     assert exited.value.code == 2 and "matmul_efficiency: the fit gives" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["/nonexistent/profile.json"], "error: cannot read profile /nonexistent/profile.json"),
+    ([str(TRACES / "gpt-cpu-w256.json"), "--gpu", "h300"], "error: --gpu: unknown GPU 'h300'; known: "),
+])
+def test_fit_curve_refuses_a_file_that_is_no_profile_and_an_unknown_part_in_one_line(monkeypatch, capsys, flags,
+                                                                                      message):
+    from tests.conftest import script_module
+
+    with script_module("fit_curve") as fit_curve:
+        monkeypatch.setattr("sys.argv", ["fit_curve.py", *flags])
+        with pytest.raises(SystemExit) as exited:
+            fit_curve.main()
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith(message) and err.count("\n") == 1
+
+
 def test_every_fit_counts_a_calibration_as_it_ran(calibrated):
     """`fit_count`, the one count calibrate, --curve-from and benchmarks/fit_curve.py fit a curve on: attention as
     the fused kernel torch ran (no s x s scores) and a gated model's SwiGLU as its own torch ops (the estimate's
