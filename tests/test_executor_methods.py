@@ -287,17 +287,17 @@ def test_the_stages_hold_the_layers_of_the_references_cut():
         assert cut(make_spec("pipedream", stages=stages)).bounds == [*(ls[0] for ls in layers), layers[-1][-1] + 1]
 
 
-def assert_trains_like_reference(spec: RunSpec, reads) -> None:
+def assert_trains_like_reference(spec: RunSpec, reads, other_reads=None) -> None:
     """The executor's final weights are the reference's trained by `reads(k, b, j)` -> ((forward version, s),
-    (backward version, s)), and differ from the reference's on the same versions unpredicted: the prediction
-    matters to the result."""
+    (backward version, s)), and differ from the reference's trained by `other_reads` (default: the same versions
+    unpredicted, so that the prediction matters to the result)."""
     reference = Reference(spec)
     reference.train(reads)
     got = final_weights(run_devices(spec), spec)
     assert_same(got, reference.flat())
-    plain = Reference(spec)
-    plain.train(lambda k, b, j: tuple((version, 0) for version, _ in reads(k, b, j)))
-    assert any(not torch.allclose(a, w) for a, w in zip(got, plain.flat()))
+    other = Reference(spec)
+    other.train(other_reads or (lambda k, b, j: tuple((version, 0) for version, _ in reads(k, b, j))))
+    assert any(not torch.allclose(a, w) for a, w in zip(got, other.flat()))
 
 
 SOURCES = ["paper", "code", "counted"]
@@ -402,13 +402,7 @@ def test_stashed_versions_hold_in_mixed_precision(method, m):
     def reads(k, b, j):
         version = max(0, b - (2 - k)) if method == "pipedream" else max(0, b - 1)
         return ((version, 0),) * 2
-    reference = Reference(spec)
-    reference.train(reads)
-    got = final_weights(run_devices(spec), spec)
-    assert_same(got, reference.flat())
-    newest = Reference(spec)
-    newest.train(lambda k, b, j: ((b, 0),) * 2)
-    assert any(not torch.allclose(a, w) for a, w in zip(got, newest.flat()))
+    assert_trains_like_reference(spec, reads, other_reads=lambda k, b, j: ((b, 0),) * 2)  # reading the newest
 
 
 # ----------------------------------------------------------------------------------- memory and hooks
