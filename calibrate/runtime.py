@@ -32,7 +32,7 @@ import numpy as np
 
 from ..profiles.schema import COMPUTE_KINDS, RECV_WINDOW, Profile, RuntimeProfile, Timing
 from ..schedules import Schedule, ScheduleParams, build_schedule
-from ..traces.trace import Ops, Stream, Trace
+from ..traces.trace import Counter, Ops, Stream, Trace
 
 PROBE_SCHEDULES = ("1f1b", "zb-h1")  # run in turn, each for one warm-up mini-batch and `steady` more
 PROBE_OPTIMIZER = "sgd"  # the probe's OPT rows minus its calibrated SGD step leave the runtime's own part
@@ -160,6 +160,11 @@ def _message_bytes(probe: Profile, kind: str, stage: int, peer: int) -> int:
     return probe.stages[peer if kind == "RECV_F" else stage].output_bytes
 
 
+def _last_before(counter: Counter, at_us: float) -> float:
+    """`counter`'s last sample before `at_us`."""
+    return counter.values[np.searchsorted(counter.times_us, at_us, side="left") - 1]
+
+
 def _gaps_us(ops: Ops, rows: np.ndarray) -> np.ndarray:
     """The host time after each of a device's `rows` (in the order it ran them) but its last, until the next row:
     less the wait of a compute row for its turn on a GPU shared with other ranks (the ranks' compute, which the
@@ -281,14 +286,17 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
             # ahead (where its memory counts them), and on a GPU what its allocator holds beyond the books (cuBLAS's
             # workspace per handle and stream among it, ATen/cuda/CublasHandlePool.cpp: 82 MiB a rank in the H200
             # check's runs, which over the probe's 1-16 MiB gradients read as 16-31 of them). Before the run's first
-            # update none had left any: the excess over it of a later one's, in gradients, is the copies kept.
+            # update none had left any: the excess over it of a later one's, in gradients, is the copies kept. Sends
+            # still in flight (the executor's `sending_bytes`) are left out: when one completes is the transport's
+            # threads' timing, which under load left one at the first update and none at a later (0.61-0.94 read).
             memory = trace.counters["memory_bytes"][d]
+            sending = trace.counters.get("sending_bytes", [Counter(np.zeros(1), np.zeros(1))] * (d + 1))[d]
             receives = np.flatnonzero(ops.stream[rows] == Stream.RECV)  # positions in the device's order
             held: dict[int, dict[int, int]] = defaultdict(dict)  # per stage, per mini-batch
             for at in np.flatnonzero((names[rows] == "OPT") & first_schedule[rows]):
                 row = rows[at]
                 # the previous row's last sample (a row that frees weights has two at its end: its peak, then after)
-                before = memory.values[np.searchsorted(memory.times_us, end_us[row] - 0.5, side="left") - 1]
+                before = _last_before(memory, end_us[row] - 0.5) - _last_before(sending, end_us[row] - 0.5)
                 posted = rows[receives[receives > at][:window]] if trace.meta.counts_posted_receives else []
                 held[int(ops.stage[row])][int(ops.minibatch[row])] = before - sum(
                     _message_bytes(probe, names[i], int(ops.stage[i]), int(ops.peer[i])) for i in posted)

@@ -782,12 +782,14 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
               start_us=(start_ns - t0) / 1e3, dur_us=(end_ns - start_ns) / 1e3,
               cpu_us=_measured_us(send_cpu_ns), wait_us=_measured_us(wait_ns))
     base = 1 + schedule.policy.extra_copies
-    counters: dict[str, list[Counter]] = {"weight_versions": [], "memory_bytes": []}
+    counters: dict[str, list[Counter]] = {"weight_versions": [], "memory_bytes": [], "sending_bytes": []}
     for d, r in enumerate(results):
         times_us = np.concatenate([[0.0], (r.end_ns - t0) / 1e3]) if r is not None else np.zeros(1)
         counters["weight_versions"].append(Counter(times_us, np.concatenate([[base], r.held]) if r is not None
                                                    else np.array([base])))
         counters["memory_bytes"].append(_memory_counter(r, t0))
+        counters["sending_bytes"].append(Counter(times_us, np.concatenate([[0], r.sending_bytes]) if r is not None
+                                                 else np.zeros(1)))
     losses_by = _mean_losses([r.losses for r in results if r is not None])
     losses = [[losses_by.get((p, b), float("nan")) for b in range(schedule.minibatches)]
               for p in range(schedule.pipelines)]

@@ -232,7 +232,9 @@ class DeviceResult:
     the GPU is its own or on CPU: the host time before the row holds it); the weight copies its fullest stage
     replica held after the row (versions, prediction buffers, reference); the weight version and prediction
     distance the row's op used (-1: none); memory after the row (bytes: all, and saved activations alone) and its
-    peak (at its end, before it let go of what it used last). Also the loss per (pipeline, mini-batch) when it
+    peak (at its end, before it let go of what it used last), and of the memory after it the bytes only sends still
+    in flight hold (CPU; 0 on CUDA: when those complete is up to the transport's threads, so that part varies with
+    the host's load). Also the loss per (pipeline, mini-batch) when it
     holds a last stage, every stage replica's final weights (numpy, in the stage module's parameter order; a
     16-bit run's float32 masters), and where it computed (`host/device`: ranks that name the same one shared a
     GPU)."""
@@ -248,6 +250,7 @@ class DeviceResult:
     activation_bytes: np.ndarray
     send_cpu_ns: np.ndarray
     wait_ns: np.ndarray
+    sending_bytes: np.ndarray
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
     weights: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
     rows_done: int = 0
@@ -551,16 +554,17 @@ class DeviceLoop:
         tensors += [t for reference in self.references.values() for t in reference]
         return bytes_by_storage(tensors)
 
-    def _memory(self, weight_storage: dict[int, int], freed: int, posted_bytes: int) -> tuple[int, int]:
+    def _memory(self, weight_storage: dict[int, int], freed: int, posted_bytes: int) -> tuple[int, int, int]:
         """Bytes held after the current row, and at its end before it let go of `freed` bytes of weights and
-        of the tensors it took (received or handed over) that nothing holds any more: its peak. A posted
-        receive's buffer (`posted_bytes` in all) is held from its posting, as the transport allocated it."""
+        of the tensors it took (received or handed over) that nothing holds any more: its peak; and of the first,
+        those only sends in flight hold. A posted receive's buffer (`posted_bytes` in all) is held from its
+        posting, as the transport allocated it."""
         if self.on_cuda:  # one read of the allocator's counters: memory_allocated and max_memory_allocated each
             # flatten and sort every one of them in Python (torch.cuda.memory_stats: 61 us a call on the CPUs here)
             allocated = torch.cuda.memory_stats_as_nested_dict(self.torch_device)["allocated_bytes"]["all"]
-            return int(allocated["current"]), int(allocated["peak"])
-        waiting = bytes_by_storage([*self.acts.values(), *self.grads.values(),
-                                    *(t for _, t in self.sends if t is not None)])
+            return int(allocated["current"]), int(allocated["peak"]), 0
+        waiting = bytes_by_storage([*self.acts.values(), *self.grads.values()])
+        sending = bytes_by_storage([t for _, t in self.sends if t is not None])
         # a forward's weights (freed ones have no storage left) stay in its graph until its backward, its inputs
         # and outputs (the backward's roots) until its backward, or its input-gradient half, runs, and the gradients
         # that half recorded for its weight half until that runs (`PendingWeightGrad.gradients`)
@@ -570,9 +574,11 @@ class DeviceLoop:
                                    *(t for saved in self.saved.values() if saved.pending
                                      for t in saved.pending.gradients())])
         held = {**weight_storage, **graphs, **self.ledger.by_storage(), **waiting}
+        sending_only = sum(nbytes for ptr, nbytes in sending.items() if ptr not in held)
+        held.update(sending)
         dropped = sum(nbytes for ptr, nbytes in self.taken.items() if ptr not in held)
         total = sum(held.values()) + posted_bytes
-        return total, total + freed + dropped
+        return total, total + freed + dropped, sending_only
 
     def read_losses(self) -> None:
         """Add the losses the last stage's forwards computed to their mini-batches'; a non-finite one stops the run.
@@ -600,6 +606,7 @@ class DeviceLoop:
         result = self.result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n),
                                             _int_array(n, -1), _int_array(n, -1), *(_int_array(n) for _ in range(3)),
                                             send_cpu_ns=_int_array(n, -1), wait_ns=_int_array(n, -1),
+                                            sending_bytes=_int_array(n),
                                             compute=f"{socket.gethostname()}/{self.torch_device}",
                                             bounds=list(self.stages.bounds), routed=self.routed)
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
@@ -684,7 +691,7 @@ class DeviceLoop:
                 self.sends = self._in_flight()
                 # a taken receive's buffer is counted among the received tensors from its row on
                 posted_bytes = sum(buffer_bytes[k] for k in posted)
-                held_after, peak = self._memory(weight_storage, freed, posted_bytes)
+                held_after, peak, result.sending_bytes[i - lo] = self._memory(weight_storage, freed, posted_bytes)
                 # a backward frees its micro-batch's activations as it runs: its peak is at its start
                 result.memory_bytes[i - lo] = held_after
                 result.peak_bytes[i - lo] = peak if self.on_cuda else max(peak, held_before)

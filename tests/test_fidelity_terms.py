@@ -173,7 +173,7 @@ def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
 
 def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float,
                 window: int = 2, warmup_ms: tuple[float, ...] = (), send_cpu_ms: float | None = None,
-                turn_ms: float | None = None, beyond_bytes: int = 0) -> Trace:
+                turn_ms: float | None = None, beyond_bytes: int = 0, in_flight_bytes: int = 0) -> Trace:
     """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
     the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms` of which
     `send_cpu_ms` (default: all) its thread's CPU time, a RECV
@@ -181,7 +181,8 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
     and each gap `warmup_ms[j]` longer after j·WARMUP_ROWS compute rows of its device; before an update a device
     holds its weights, the mini-batch's gradient and the `kept` gradients an earlier update left, after it those
     copies, each time with the buffers of its next `window` receives, posted ahead, and throughout `beyond_bytes`
-    its allocator holds beyond the books (a GPU's cuBLAS workspaces). With `turn_ms`,
+    its allocator holds beyond the books (a GPU's cuBLAS workspaces); before the first update, `in_flight_bytes`
+    of sends not yet complete too (the executor's `sending_bytes`). With `turn_ms`,
     the two ranks shared a GPU over the host-staged transport: each compute row first waited that long for its turn
     (its `wait_us`), and the receives were posted in host memory."""
     own = {"F": "fwd_ms", "B": "bwd_ms", "I": "igrad_ms", "W": "wgrad_ms"}
@@ -190,7 +191,7 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
              ("W", 1), ("OPT", -1)]),
         (1, [("RECV_F", 0), ("F", 0), ("B", 0), ("SEND_B", 0), ("RECV_F", 1), ("F", 1), ("I", 1), ("W", 1),
              ("SEND_B", 1), ("OPT", -1)]))}
-    rows, memory, sent, waits = [], {0: [], 1: []}, {}, []
+    rows, memory, sent, waits, sending = [], {0: [], 1: []}, {}, [], {0: [], 1: []}
     clock, at, computed = {0: 0.0, 1: 0.0}, {0: 0, 1: 0}, {0: 0, 1: 0}
     while any(at[d] < len(programs[d]) for d in programs):
         for d, program in programs.items():
@@ -221,7 +222,9 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
                 updates = at[d] + 1 < len(program) and program[at[d] + 1][0] == "OPT"
                 gradients = kept * (b > 0) + 1 if updates else kept if kind == "OPT" else None
                 held = 10 * s.param_bytes if gradients is None else s.param_bytes + gradients * s.grad_bytes + posted
-                memory[d].append(((clock[d] + ms) * 1e3, held + beyond_bytes))
+                flying = in_flight_bytes * (updates and b == 0)
+                memory[d].append(((clock[d] + ms) * 1e3, held + beyond_bytes + flying))
+                sending[d].append(((clock[d] + ms) * 1e3, flying))
                 clock[d] += ms + gap
                 at[d] += 1
     kinds = tuple(k.value for k in KINDS)
@@ -237,7 +240,8 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
                      microbatch_size=1, placement=[0, 1], stage_edges=[[0, 1]], policy={}, tool="test",
                      hardware=None if turn_ms is None else {"device": "cuda", "host_staged": True},
                      extra={"recv_window": window})
-    counters = {"memory_bytes": [Counter(*map(np.array, zip((0.0, 0), *memory[d]))) for d in (0, 1)]}
+    counters = {name: [Counter(*map(np.array, zip((0.0, 0), *samples[d]))) for d in (0, 1)]
+                for name, samples in (("memory_bytes", memory), ("sending_bytes", sending))}
     return Trace(kinds, 2, ops, meta, counters)
 
 
@@ -299,14 +303,17 @@ def test_ranks_sharing_a_gpu_price_neither_their_turns_as_host_time_nor_host_buf
 
 
 @pytest.mark.parametrize("kept", [0.0, 2.0])
-def test_the_kept_gradients_are_what_a_device_holds_before_an_update_over_the_first(kept):
+@pytest.mark.parametrize("in_flight_bytes", [0, 1024])
+def test_the_kept_gradients_are_what_a_device_holds_before_an_update_over_the_first(kept, in_flight_bytes):
     """An update's kept gradients are read from the memory before each update at a flush over the memory before the
     run's first, in gradients: weights, the mini-batch's gradient, the receives posted ahead and what a GPU's
     allocator holds beyond the books (82 MiB) cancel, so a runtime that frees its last gradient reads 0 and one that
-    keeps two reads 2, not the allocator's bytes as gradients."""
+    keeps two reads 2, not the allocator's bytes as gradients; nor a send still in flight at the first update (a
+    CPU run's under load), which would read as fewer."""
     probe = load_profile(PROFILE)
     extra = {"F": 0.3, "B": 0.2, "I": 0.15, "W": 0.1, "OPT": 0.25}
-    trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=kept, beyond_bytes=82 * 2**20)
+    trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=kept, beyond_bytes=82 * 2**20,
+                        in_flight_bytes=in_flight_bytes)
     assert runtime_terms([trace], probe, {"boundary_bytes": 4096}).kept_gradients == kept
 
 

@@ -214,7 +214,8 @@ class TraceMeta:
 class Trace:
     """What happened (or is predicted to happen), when, on which weights, with how much memory.
 
-    counters: name -> one Counter per device. Known names: `memory_bytes`, `activations` (micro-batches
+    counters: name -> one Counter per device. Known names: `memory_bytes`, `sending_bytes` (a measured run's: of
+    its memory, what only sends still in flight hold), `activations` (micro-batches
     whose activations are held), `weight_versions` (copies of one stage's weights held), and a prediction's
     `memory_bytes.PART` for each of `MEMORY_PARTS`, which add up to `memory_bytes` on each device whose curves
     they hold (every device's from the engine; the fullest's only, reserve included, once a planning `Scenario`
