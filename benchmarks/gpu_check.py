@@ -39,7 +39,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.hardware.catalogue import load_catalogue
+from pipesim.hardware.catalogue import CatalogueError, load_catalogue
 from pipesim.planning.replay import predict_measured
 from pipesim.profiles.schema import PASSES, Profile, load_profile, stages_for
 from pipesim.traces.compare import compare
@@ -156,6 +156,11 @@ def main() -> None:
     parser.add_argument("--again", action="append", choices=METHODS, default=[],
                         help="Run this method once more after the others (repeatable): the noise floor.")
     args = parser.parse_args()
+    if args.gpu:  # refused now, not after the runs it would have spent the GPU's time on
+        try:
+            load_catalogue().find(args.gpu)
+        except CatalogueError as exc:  # it names the parts the catalogue knows
+            parser.exit(2, f"error: --gpu: {exc}\n")
     args.out.mkdir(parents=True, exist_ok=True)
     shape = ["--model", "gpt", *SHAPES["quick" if args.quick else "full"]]
     dtype = ["--dtype", args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]

@@ -384,3 +384,16 @@ def test_the_checks_optional_step_that_fails_is_kept_and_a_required_one_stops_it
         with pytest.raises(SystemExit, match=r"pipesim estimate failed \(exit 2\)"):
             check.pipesim(*refused, log=tmp_path / "required.log")
     assert (tmp_path / "estimate-fitted.log").read_text().startswith("$ pipesim estimate --gpu no-such-part")
+
+
+def test_the_check_refuses_an_unknown_part_before_it_runs_anything(tmp_path, monkeypatch, capsys):
+    """A --gpu the catalogue lacks would fail the check's estimates only after its calibration and runs had spent the
+    GPU's time: it is refused first, in one line (exit 2), nothing written."""
+    out = tmp_path / "check"
+    with script_module("gpu_check") as check:
+        monkeypatch.setattr("sys.argv", ["gpu_check.py", "--device", "cpu", "--gpu", "h300", "--out", str(out)])
+        with pytest.raises(SystemExit) as exited:
+            check.main()
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("error: --gpu: unknown GPU 'h300'; known: ")
+    assert err.count("\n") == 1 and not out.exists()
