@@ -110,6 +110,14 @@ class Clock:
             torch.cuda._sleep(cycles)
         return self.mark()
 
+    def held_ms(self, run: Callable[[], object]) -> float:
+        """The device's time for what `run` issues, from a `held_start`: its time alone, not the host's issue."""
+        start = self.held_start()
+        run()
+        end = self.mark()
+        self.synchronize()
+        return self.device_ms(start, end)
+
     def still_held(self, start: Mark) -> bool | None:
         """Whether the device has not yet reached `start` (a `held_start`): asked as the host ends a span's issue,
         True says the hold outlasted the issue, so the span holds no host gap. None on a CPU."""
@@ -659,11 +667,8 @@ def time_rank(rank: int, shape: AttentionShape, device: torch.device, dtype: tor
 
     def passes(lse_correct: Callable, out_correct: Callable) -> Callable[[], dict[str, float]]:
         def step() -> dict[str, float]:
-            start = clock.held_start()
-            forward_passes(rank, inputs.q, outs, lses, lse_correct, out_correct)
-            end = clock.mark()
-            clock.synchronize()
-            return {"forward_passes_ms": clock.device_ms(start, end)}
+            return {"forward_passes_ms": clock.held_ms(
+                lambda: forward_passes(rank, inputs.q, outs, lses, lse_correct, out_correct))}
         return step
 
     # The backward runs the off-diagonal step first and the causal one last, as TE's backward loop does.
@@ -682,11 +687,7 @@ def time_rank(rank: int, shape: AttentionShape, device: torch.device, dtype: tor
         return {"backward_ms": clock.device_ms(start, end)}
 
     def backward_alone() -> dict[str, float]:
-        start = clock.held_start()
-        backward_passes(rank, inputs, step_grads)
-        end = clock.mark()
-        clock.synchronize()
-        return {"backward_passes_ms": clock.device_ms(start, end)}
+        return {"backward_passes_ms": clock.held_ms(lambda: backward_passes(rank, inputs, step_grads))}
 
     result = {}
     for step in (forward(), backward, passes(lse_correction, out_correction), backward_alone):
@@ -878,11 +879,7 @@ def time_gemms(kind: GemmKind, sizes: list[tuple[int, int, int]], clock: Clock,
         return {"device_ms": clock.device_ms(start, launched), "host_ms": clock.host_ms(start, launched)}
 
     def held_step() -> dict[str, float]:
-        start = clock.held_start()
-        loop()
-        launched = clock.mark()
-        clock.synchronize()
-        return {"held_device_ms": clock.device_ms(start, launched)}
+        return {"held_device_ms": clock.held_ms(loop)}
 
     timings = repeat(step, budget) | repeat(held_step, budget)
     _, counts, kernels = activity(loop, clock.cuda)
@@ -971,11 +968,7 @@ def probe_combine(shape: MoeShape, device: torch.device, budget: Budget) -> dict
         ops = {}
         for name, (run, moved_bytes) in combine_ops(shape, device, dtype).items():
             def step(run: Callable = run) -> dict[str, float]:
-                start = clock.held_start()
-                run()
-                end = clock.mark()
-                clock.synchronize()
-                return {"device_ms": clock.device_ms(start, end)}
+                return {"device_ms": clock.held_ms(run)}
 
             ops[name] = {"device_ms": repeat(step, budget)["device_ms"], "moved_bytes": moved_bytes}
         results[str(dtype).removeprefix("torch.")] = ops
