@@ -29,20 +29,18 @@ second stream, as TransformerEngine runs it, is priced as the rank's forward: pi
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from probe_replay import replayed
 from rich.table import Table
 
 from pipesim.commands.estimate import count_model_of
 from pipesim.commands.tables import print_table
-from pipesim.hardware.catalogue import CatalogueError, load_catalogue
+from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     ContextRing,
     Device,
-    EstimateError,
     Parallelism,
     _Split,
     kernel_curve,
@@ -164,29 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", type=Path, default=PROBE, help="the probe's JSON (gpu_probe.py --out)")
     parser.add_argument("--gpu", default="h200", help="the catalogue's name of the GPU the probe ran on")
     args = parser.parse_args(argv)
-    try:
-        probe = json.loads(args.probe.read_text())
+
+    def price(probe: dict) -> list:
         attention = probe["attention"]
         if not isinstance(attention["kernels"], dict) or not isinstance(attention["shape"], dict) or any(
                 name not in attention["shape"] for name in ATTENTION_SHAPE):
             raise TypeError(f"attention.kernels is no table or attention.shape not {', '.join(ATTENTION_SHAPE)}")
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        print(f"--probe: {args.probe} is not a gpu_probe.py JSON with its attention part "
-              f"({type(error).__name__}: {error})", file=sys.stderr)
-        return 2
-    try:
-        load_catalogue().find(args.gpu)
-    except CatalogueError as error:  # it names the parts the catalogue knows
-        print(f"--gpu: {error}", file=sys.stderr)
-        return 2
-    try:
-        priced_rows = rows(probe, args.gpu)
-    except EstimateError as error:  # a ValueError: the part publishes no rate for a kernel the probe timed
-        print(f"--gpu: {args.gpu} cannot price {args.probe.name}'s attention: {error}", file=sys.stderr)
-        return 2
-    except (AttributeError, KeyError, TypeError, ValueError) as error:
-        print(f"--probe: {args.probe} is not a gpu_probe.py JSON with its attention part "
-              f"({type(error).__name__}: {error})", file=sys.stderr)
+        return rows(probe, args.gpu)
+
+    priced_rows = replayed(args, "attention part", "attention", price)
+    if priced_rows is None:
         return 2
     table = Table(title=f"Llama 3.1 8B's attention, ms a layer and micro-batch: pipesim against {args.probe.name}")
     for column in ("kernel", "part", "pass", f"pipesim {args.gpu}", "measured", "pipesim / measured",

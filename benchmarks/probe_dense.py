@@ -22,19 +22,19 @@ many layers (`dense.sustained`), as a step keeps the GPU busy, which a span of o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_probe import RECIPES
-from probe_moe import probe_product, refused_gpu, summary
+from probe_moe import probe_product, summary
+from probe_replay import replayed
 from rich.table import Table
 
 from pipesim.commands.tables import print_table
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, EstimateError, matmul_ms
+from pipesim.planning.estimate import Device, matmul_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "traces" / "measured" / "gpu-probe-h200-dense.json"
@@ -143,10 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", type=Path, default=PROBE, help="the probe's JSON with part (e) (gpu_probe.py --out)")
     parser.add_argument("--gpu", default=GPU, help=f"the catalogue's part the probe ran on (default {GPU})")
     args = parser.parse_args(argv)
-    if refused_gpu(args.gpu):
-        return 2
-    try:
-        probe = json.loads(args.probe.read_text())
+
+    def price(probe: dict) -> tuple[list[Row], list[LayerSum]]:
         dense = probe["dense"]
         if not isinstance(dense["products"], list) or not isinstance(dense["shapes"], list):
             raise TypeError("dense.products or dense.shapes is no list")
@@ -155,14 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             raise TypeError(f"kinds {', '.join(unknown)} are not this replay's ({', '.join(KINDS)})")
         tensor = {shape["name"]: shape["tensor"] for shape in dense["shapes"]}
         table = rows(probe, args.gpu)
-        layers = layer_sums(table, tensor, dense.get("sustained", []))
-    except EstimateError as error:  # a ValueError: the part prices none of a kind the probe timed (float8)
-        print(f"--gpu: {args.gpu} cannot price {args.probe.name}'s products: {error}", file=sys.stderr)
+        return table, layer_sums(table, tensor, dense.get("sustained", []))
+
+    replay = replayed(args, "dense part", "products", price)
+    if replay is None:
         return 2
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        print(f"--probe: {args.probe} is not a gpu_probe.py JSON with its dense part "
-              f"({type(error).__name__}: {error})", file=sys.stderr)
-        return 2
+    table, layers = replay
     printed = Table(title=f"The Llama 3.1 rows' products on a rank: pipesim {args.gpu} against {args.probe.name}, ms")
     for column in ("model", "product", "kind", "m x k x n", "pipesim", "measured", "pipesim / measured",
                    "measured TFLOP/s", "kernel"):

@@ -41,13 +41,13 @@ from functools import cache, partial
 from pathlib import Path
 
 import torch
+from probe_replay import replayed
 from rich.table import Table
 
 from pipesim.commands.tables import print_table
-from pipesim.hardware.catalogue import CatalogueError, load_catalogue
+from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     Device,
-    EstimateError,
     LayerEstimate,
     Parallelism,
     accumulating,
@@ -290,16 +290,6 @@ def print_kernels(rows: list[dict], gpu: str) -> None:
     print_table(table, keys=3)
 
 
-def refused_gpu(name: str) -> bool:
-    """Whether `--gpu` `name` is no part of the catalogue, said in one line on stderr (the parts it knows)."""
-    try:
-        load_catalogue().find(name)
-    except CatalogueError as exc:
-        print(f"--gpu: {exc}", file=sys.stderr)
-        return True
-    return False
-
-
 def summary(errors: list[float]) -> str:
     magnitudes = [abs(e) for e in errors]
     return f"median {statistics.median(magnitudes):.1%}, worst {max(magnitudes):.1%} over {len(errors)}"
@@ -313,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the host's issue of a kernel (default pipesim's, {HOST_KERNEL_US:g})")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
-    try:
-        probe = json.loads(args.probe.read_text())
+    if args.host_kernel_us < 0:
+        print(f"--host-kernel-us: {args.host_kernel_us:g} is negative; give 0 or more microseconds", file=sys.stderr)
+        return 2
+
+    def price(probe: dict) -> tuple:
         if not isinstance(probe["moe"]["layers"], list) or not probe["moe"]["layers"] or not isinstance(
                 probe["gemm"], dict):
             raise TypeError("moe.layers is no list of layers or gemm no table")
@@ -322,27 +315,14 @@ def main(argv: list[str] | None = None) -> int:
             raise TypeError(f"moe.shape is not {', '.join(MOE_SHAPE)}")
         if not isinstance(probe["moe"].get("kernels", []), list):
             raise TypeError("moe.kernels is no list")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"--probe {args.probe}: not a GPU probe's JSON with parts (a) and (c) ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
+        compared, host_us = layer_rows(probe, args.gpu, args.host_kernel_us), host_us_per(probe)
+        return (compared, host_us, None if host_us is None else host_us_per(probe, "ops"),
+                kernel_rows(probe, args.gpu, args.host_kernel_us), gemm_rows(probe, args.gpu, args.host_kernel_us))
+
+    replay = replayed(args, "moe and gemm parts", "GEMMs", price)
+    if replay is None:
         return 2
-    if args.host_kernel_us < 0:
-        print(f"--host-kernel-us: {args.host_kernel_us:g} is negative; give 0 or more microseconds", file=sys.stderr)
-        return 2
-    if refused_gpu(args.gpu):
-        return 2
-    try:
-        compared = layer_rows(probe, args.gpu, args.host_kernel_us)
-        host_us = host_us_per(probe)
-        kernels = kernel_rows(probe, args.gpu, args.host_kernel_us)
-        loops = gemm_rows(probe, args.gpu, args.host_kernel_us)
-    except EstimateError as exc:  # a ValueError: the part prices none of a kind the probe timed (float8)
-        print(f"--gpu: {args.gpu} cannot price {args.probe.name}'s GEMMs: {exc}", file=sys.stderr)
-        return 2
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        print(f"--probe {args.probe}: not a GPU probe's JSON with parts (a) and (c) ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
-        return 2
+    compared, host_us, host_op_us, kernels, loops = replay
     table = Table(title=f"(a) the probe's MoE layer on {args.gpu} at {args.host_kernel_us:g} us a kernel: "
                         "pipesim / measured, ms (GPU, host: after the wait)")
     for name in ("experts", "pass", "GPU", "host", "kernels", "pass ms", "error"):
@@ -355,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(table)
     print(f"|error| of the pass: {summary([r['error'] for r in compared])}; " + (
         "the probe counted no kernels (a CPU run)" if host_us is None else
-        f"the probe's host {host_us:.1f} us a kernel ({host_us_per(probe, 'ops'):.1f} an op) after the wait and "
+        f"the probe's host {host_us:.1f} us a kernel ({host_op_us:.1f} an op) after the wait and "
         "in the backward, pooled"))
     if kernels:
         print_kernels(kernels, args.gpu)

@@ -256,12 +256,23 @@ def spy_reserves(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 @contextlib.contextmanager
 def script_module(name: str) -> Iterator[Any]:
     """The script benchmarks/`name`.py (benchmarks/ is no package) imported as module `name`, registered in
-    sys.modules while the context lasts: dataclasses look their module up by name."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "benchmarks" / f"{name}.py")
+    sys.modules while the context lasts (dataclasses look their module up by name), with benchmarks/ on sys.path
+    meanwhile so that its imports of sibling scripts (probe_replay, probe_moe) resolve; those are dropped after."""
+    benchmarks = Path(__file__).parent.parent / "benchmarks"
+    added = str(benchmarks) not in sys.path
+    if added:
+        sys.path.insert(0, str(benchmarks))
+    loaded = set(sys.modules)
+    spec = importlib.util.spec_from_file_location(name, benchmarks / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
         yield module
     finally:
-        del sys.modules[name]
+        for sibling in set(sys.modules) - loaded:
+            if Path(getattr(sys.modules[sibling], "__file__", None) or "/").parent == benchmarks:
+                del sys.modules[sibling]
+        sys.modules.pop(name, None)
+        if added:
+            sys.path.remove(str(benchmarks))

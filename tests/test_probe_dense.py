@@ -6,28 +6,20 @@ the H200's record (traces/measured/gpu-probe-h200-dense.json), to which it holds
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
 from tests.conftest import script_module
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 MEASURED_TFLOPS = {"bf16": 700.0, "bf16 into fp32": 650.0, "fp8 fast accum": 1400.0, "fp8": 1100.0,
                    "fp8 e5m2 grad": 1000.0, "fp8 e5m2 grad into fp32": 900.0}
 
 
 @pytest.fixture(scope="module")
 def modules():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        with script_module("gpu_probe") as probe, script_module("probe_dense") as replay:
-            yield probe, replay
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        sys.modules.pop("probe_moe", None)
+    with script_module("gpu_probe") as probe, script_module("probe_dense") as replay:
+        yield probe, replay
 
 
 def synthetic_probe(probe, skip: str | None = None) -> dict:

@@ -107,7 +107,7 @@ def test_the_benchmark_prints_both_parts_and_refuses_a_file_that_is_no_probe(ben
     (tmp_path / "bad.json").write_text("{}")
     assert bench.main(["--probe", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("--probe ") and len(err.strip().splitlines()) == 1
+    assert err.startswith("--probe: ") and len(err.strip().splitlines()) == 1
     assert bench.main(["--host-kernel-us", "-1"]) == 2
     assert "--host-kernel-us" in capsys.readouterr().err
     assert bench.main(["--gpu", "h300"]) == 2
