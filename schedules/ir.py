@@ -405,7 +405,8 @@ class WeightPolicy:
         return {"forward": self.forward.value, "backward": self.backward.value,
                 "predict_forward": prediction(self.predict_forward),
                 "predict_backward": prediction(self.predict_backward), "primary_source": self.primary_source,
-                "prediction_source": self.source, "extra_copies": self.extra_copies}
+                "prediction_source": self.source, "extra_copies": self.extra_copies,
+                "master_copies": self.master_copies}
 
 
 SYNCHRONOUS = WeightPolicy()

@@ -165,3 +165,14 @@ def test_a_policys_master_copies_are_some_of_its_extra_copies():
     for extra, master in ((0, 1), (1, -1)):
         with pytest.raises(ScheduleError, match=rf"master_copies \({master}\) counts some of extra_copies \({extra}\)"):
             WeightPolicy(extra_copies=extra, master_copies=master)
+
+
+def test_a_traces_policy_records_its_master_copies_and_one_written_before_still_reads():
+    from pathlib import Path
+
+    from pipesim.schedules.asynchronous import AVGPIPE_POLICY
+    from pipesim.traces.trace import read_trace
+
+    assert AVGPIPE_POLICY.describe()["master_copies"] == 1 and WeightPolicy().describe()["master_copies"] == 0
+    before = read_trace(Path(__file__).parent.parent / "traces" / "measured" / "gpu-check-h200-day9" / "run-1f1b.json")
+    assert "master_copies" not in before.meta.policy and before.meta.policy["extra_copies"] == 0
