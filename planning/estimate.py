@@ -411,8 +411,18 @@ def kernel_flops(op: OpCount) -> float:
     2307.08691, 3.1.1), and its benchmarks, in which the catalogue's attention efficiencies are published
     (FlashAttention-2 and -3 on A100 and H100, arXiv 2307.08691 and 2407.08608), count a causal kernel's FLOPs as
     half the square's (flash-attn's benchmarks/benchmark_flash_attention.py, `flops`): the same work at the same
-    efficiency."""
-    return op.flops / 2 if op.kind == "attention" and op.causal else op.flops
+    efficiency. Under a sliding window of w keys (`OpCount.window`: Mistral's, gpt-oss's sliding layers) the
+    kernel skips the blocks past the window too (flash-attn's `window_size`, cuDNN's sliding window: the blocks
+    wholly outside the band are never loaded), so it computes the pairs the band holds, s·w - w(w-1)/2 of the
+    s x s square for s queries (each query its w latest keys, the first w-1 fewer), where the causal kernel
+    computes half of it."""
+    if op.kind != "attention" or not op.causal:
+        return op.flops
+    _, queries, keys, _ = op.shape
+    window = op.window
+    if not window or window >= keys:
+        return op.flops / 2
+    return op.flops * (queries * window - window * (window - 1) / 2) / (queries * keys)
 
 
 def op_ms(op: OpCount, device: Device) -> float:
@@ -888,6 +898,10 @@ class ContextRing:
         publishes them apart (`Curve.attention_fraction`). TransformerEngine's backward runs the forward's steps in
         reverse, its causal block at i == cp_size - 1; under p2p that step's transfer (the gradients alone) is the
         first's size (the keys and values alone), so pricing the causal block first covers the same link time."""
+        if op.window:  # its ring would pass the keys and values of blocks the window never reaches
+            raise EstimateError(f"{{context}} {self.ranks}, but the model's attention has a sliding window of "
+                                f"{op.window} keys, which pipesim's context-parallel ring does not run; give "
+                                "{context} 1")
         busiest = [max(pairs) for pairs in zip(*(self.step_pairs(rank) for rank in range(self.ranks)))]
         share = self.ranks / sum(sum(self.step_pairs(rank)) for rank in range(self.ranks))  # of the rank's op
         backward = op.op.endswith("_backward")

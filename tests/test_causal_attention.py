@@ -42,6 +42,20 @@ def test_a_causal_kernel_computes_half_the_square_and_takes_half_the_time():
         DEVICE.peak_flops_per_ms * H100.curve.attention_efficiency)  # FlashAttention's convention, its efficiency
 
 
+def test_a_sliding_window_kernel_computes_the_pairs_its_band_holds():
+    """Each of s queries attends to its last w keys (the first w - 1 queries to fewer): s·w - w(w-1)/2 pairs of the
+    s x s square, priced at the causal kernel's rate; a window as long as the keys is the causal kernel."""
+    window = 128
+    windowed = replace(_attention(True), window=window)
+    pairs = SEQ * window - window * (window - 1) / 2
+    assert kernel_flops(windowed) == pytest.approx(FLOPS * pairs / SEQ ** 2)
+    assert kernel_flops(replace(windowed, window=SEQ)) == kernel_flops(_attention(True)) == FLOPS / 2
+    overhead = H100.curve.kernel_overhead_ms
+    compute = (op_ms(_attention(True), DEVICE) - overhead) * pairs / (SEQ ** 2 / 2)  # the causal kernel's rate
+    memory = windowed.moved_bytes / DEVICE.memory_bytes_per_ms  # its q, k, v and output, at 128 of 8,192 keys slower
+    assert memory > compute and op_ms(windowed, DEVICE) - overhead == pytest.approx(memory)
+
+
 def test_the_calibration_fits_the_attention_rate_on_the_same_flops_it_prices():
     class Layer:
         ops = {"fwd": (_attention(True),)}
@@ -101,3 +115,18 @@ def test_the_count_records_the_kernels_grouped_key_value_heads():
         return {op.kv_group for name in ("fwd", "bwd") for op in counted.layers[1].ops[name] if op.kind == "attention"}
 
     assert groups(2) == {4} and groups(8) == {1}
+
+
+def test_a_sliding_window_under_a_context_parallel_ring_is_one_line(tmp_path):
+    """The ring passes every rank's keys and values to every other, as a causal kernel needs them; a window needs
+    only its last w: not what pipesim's ring runs, so refused in one line."""
+    pytest.importorskip("transformers")
+    from tests.conftest import pipesim
+    from tests.test_hf import LLAMA, write_config
+
+    folder = write_config(tmp_path / "mistral", {**LLAMA, "model_type": "mistral", "sliding_window": 8})
+    code, out, err = pipesim("simulate", "--model", f"hf:{folder}", "--seq-len", 32, "--gpu", "h100-sxm",
+                             "--attention", "flash", "--context-parallel", 2, "-p", 1, "-m", 2)
+    assert code == 2 and out == "" and err.strip().splitlines() == [
+        "error: --context-parallel 2, but the model's attention has a sliding window of 8 keys, which pipesim's "
+        "context-parallel ring does not run; give --context-parallel 1"], err

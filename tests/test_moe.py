@@ -282,6 +282,63 @@ def test_the_moe_examples_have_their_published_parameter_counts(example, billion
     assert round(sum(layer.param_bytes for layer in counted.layers) / 2e9, 1) == billions
 
 
+# gpt-oss's layout on Mixtral's sizes: biases on every product (attention, router, experts), attention sinks, gate
+# and up interleaved, one sliding-window layer
+GPT_OSS = {**MIXTRAL, "model_type": "gpt_oss", "attention_bias": True, "head_dim": H // 4, "sliding_window": 8,
+           "layer_types": ["sliding_attention"]}
+
+
+@needs_transformers
+def test_a_gpt_oss_config_does_a_mixtrals_products_and_holds_its_biases_and_sinks(tmp_path):
+    """gpt-oss's experts, with their biases and clamped SwiGLU, do Mixtral's products (a bias adds no FLOPs); its
+    extra weights are the biases (q, k, v and o; the router's; each expert's gate/up and down, which expert
+    parallelism shards with the experts) and one sink a head."""
+    oss, mixtral = (count_built(f"hf:{write_config(tmp_path / name, fields)}", {"seq_len": S}, B, torch.bfloat16)
+                    for name, fields in (("oss", GPT_OSS), ("mixtral", MIXTRAL)))
+    moe, plain = oss.layers[1], mixtral.layers[1]
+    assert (moe.fwd_flops, moe.igrad_flops, moe.wgrad_flops) == (plain.fwd_flops, plain.igrad_flops,
+                                                                 plain.wgrad_flops)
+    heads, kv_heads, head = 4, 2, H // 4
+    attention_biases = 2 * heads * head + 2 * kv_heads * head
+    expert_biases = EXPERTS * (2 * FFN + H)
+    assert (moe.param_bytes - plain.param_bytes) // 2 == attention_biases + EXPERTS + expert_biases + heads
+    assert (moe.expert_param_bytes - plain.expert_param_bytes) // 2 == expert_biases
+    # the router's product with its bias is a gating product; the down product's bias, scaled by the router's
+    # weight and added per token, is a routed op of the expert's output's shape
+    assert any(op.gating and op.kind == "matmul" for op in moe.ops["fwd"])
+    each = expected_tokens(TOKENS, TOP_K, EXPERTS)
+    assert [op.op for op in moe.ops["fwd"] if op.routed and op.shape == (EXPERTS, each, H)] == ["mul", "add"]
+
+
+@needs_transformers
+def test_a_sliding_window_layers_flash_kernels_carry_its_window_forward_and_backward(tmp_path):
+    """gpt-oss's "sliding_attention" layers (and a Mistral's sliding_window) attend each query to its last w keys:
+    the fused kernels, forward and backward, are recorded with w; a "full_attention" layer's with none."""
+    fields = {**GPT_OSS, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
+    counted = count_built(f"hf:{write_config(tmp_path / 'oss', fields)}", {"seq_len": S}, B, torch.bfloat16,
+                          "flash")
+    windows = [[(op.op, op.window) for name in ("fwd", "bwd", "igrad") for op in layer.ops[name]
+                if op.kind == "attention"] for layer in counted.layers[1:3]]
+    kernels = ["_scaled_dot_product_flash_attention"] + ["_scaled_dot_product_flash_attention_backward"] * 2
+    assert windows == [list(zip(kernels, (8, 8, 8))), list(zip(kernels, (0, 0, 0)))]
+    mistral = {**LLAMA, "model_type": "mistral", "sliding_window": 8}
+    counted = count_built(f"hf:{write_config(tmp_path / 'mistral', mistral)}", {"seq_len": S}, B, torch.bfloat16,
+                          "flash")
+    assert {op.window for name in ("fwd", "bwd") for op in counted.layers[1].ops[name] if op.kind == "attention"} == {8}
+
+
+@needs_transformers
+def test_gpt_oss_120b_has_its_published_total_and_active_parameters():
+    """gpt-oss-120b's model card (OpenAI, arXiv 2508.10925, Table 1): 116.83B parameters, 5.13B active per token:
+    the total less the 124 of 128 experts a token does not go to in each of the 36 layers and the input
+    embedding."""
+    counted = count_built(f"hf:{ROOT / 'examples' / 'gpt-oss-120b'}", {"seq_len": 64}, 1, torch.bfloat16)
+    total = sum(layer.param_bytes for layer in counted.layers) // 2
+    expert = sum(layer.expert_param_bytes for layer in counted.layers) // 2 // (36 * 128)
+    active = total - 36 * (128 - 4) * expert - counted.layers[0].param_bytes // 2
+    assert (round(total / 1e7), round(active / 1e7)) == (11683, 513)
+
+
 # DeepSeek-V3's layout, tiny: MLA (queries and keys of 16 + 8 RoPE, values of 16), one dense layer, then experts
 TINY_DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": H, "intermediate_size": 128, "moe_intermediate_size": 32,
                  "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 2,

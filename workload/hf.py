@@ -4,9 +4,11 @@ and the vocabulary head, which workload/count.py counts as it counts the built-i
 
 Each decoder layer is handed what the model's own forward hands it: the rotary position embeddings, computed in
 the layer from the model's rotary module (as each pipeline stage computes them for its own layers), and no mask,
-so that transformers' sdpa attention asks for a causal kernel (`is_causal`). Anything else a model's forward does
-between its parts is not counted (Llama's, Mistral's and Qwen's do nothing else; Gemma scales its embedding in its
-embedding module). A tied head is counted as its own copy of the embedding's weights, as Megatron-LM keeps one on
+so that transformers' sdpa attention asks for a causal kernel (`is_causal`), run as `counted_attention`: on the
+meta device with the layer's sliding window (Mistral's `sliding_window`, gpt-oss's "sliding_attention" layers),
+which the fused kernel's count carries (workload/count.py `attention_window`). Anything else a model's forward
+does between its parts is not counted (Llama's, Mistral's and Qwen's do nothing else; Gemma scales its embedding
+in its embedding module). A tied head is counted as its own copy of the embedding's weights, as Megatron-LM keeps one on
 the last stage.
 
 With `mtp_layers` D (`--mtp-layers`), DeepSeek-V3's multi-token prediction (its report, arXiv 2412.19437, 2.2: D
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import data
+from .count import attention_window
 from .hfconfig import FIGURES, HfConfig, HfConfigError, read_hf_config
 from .models import BATCH, Model, ModelError, check_capacity_factor, check_positive, classification_loss
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
@@ -53,6 +56,7 @@ EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is 
 # experts among them (transformers' DeepseekV3 router; the report's node-limited routing, a group a node)
 GROUP_FIELDS = ("n_group", "topk_group")
 EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
+ATTENTION_IMPLEMENTATION = "pipesim_attention"  # and `counted_attention`
 # the capacity factor `balanced_experts` pads an experts module to, set on it by `_drop_past_capacity` (absent: it
 # drops nothing)
 CAPACITY_ATTRIBUTE = "pipesim_capacity_factor"
@@ -61,16 +65,34 @@ CAPACITY_ATTRIBUTE = "pipesim_capacity_factor"
 def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """A transformers experts module (`@use_experts_implementation`: every expert's gate/up and down products as
-    3-D weights) run by `workload.moe.routed_experts`: on the meta device each expert at its expected share of
-    the tokens (its capacity where the model drops, `CAPACITY_ATTRIBUTE`), counted as one matrix product per
-    expert."""
+    3-D weights, with their biases where it has them) run by `workload.moe.routed_experts`: on the meta device
+    each expert at its expected share of the tokens (its capacity where the model drops, `CAPACITY_ATTRIBUTE`),
+    counted as one matrix product per expert."""
     up = experts.gate_up_proj if experts.has_gate else experts.up_proj
     down = experts.down_proj
     if not experts.is_transposed:  # stored (E, out, in), as nn.Linear's weights
         up, down = up.transpose(1, 2), down.transpose(1, 2)
     activation = experts._apply_gate if experts.has_gate else experts.act_fn
+    biases = None
+    if experts.has_bias:  # transformers' names for them (integrations/moe.py `grouped_mm_experts_forward`)
+        biases = (experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias, experts.down_proj_bias)
     return routed_experts(hidden, top_k_index, top_k_weights, up, down, activation,
-                          getattr(experts, CAPACITY_ATTRIBUTE, None), gated=experts.has_gate)
+                          getattr(experts, CAPACITY_ATTRIBUTE, None), gated=experts.has_gate, biases=biases)
+
+
+def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, sliding_window: int | None = None,
+                      s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' sdpa attention (an attention interface: the layer's own code calls it), its kernel recorded on
+    the meta device with the layer's `sliding_window` (None: every earlier key). gpt-oss's attention sinks
+    (`s_aux`, one learned logit per head in every query's softmax) are computed inside the fused kernel, as
+    TransformerEngine runs them (softmax_type "learnable": Megatron-Bridge's gpt_oss_bridge.py maps the sinks to
+    core_attention.softmax_offset, at NVIDIA-NeMo/Megatron-Bridge 067f987df), their work the kernel's; off the
+    meta device neither the window nor the sinks are applied (the kernel is timed, not its values)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with attention_window(sliding_window if query.device.type == "meta" else None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 class DecoderLayer(nn.Module):
@@ -142,13 +164,19 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         raise ModelError(f"{where}: model_type {config.model_type!r} is not a causal language model transformers "
                          f"builds (as {', '.join(WELL_KNOWN)} are)")
     # sdpa where the model has it (its attention counted as the kernel --attention names), else its own (Gemma 2's
-    # soft-capped scores: products and a softmax, as --attention math)
-    attention = "sdpa" if getattr(built, "_supports_sdpa", False) else "eager"
+    # soft-capped scores: products and a softmax, as --attention math), but for attention sinks (gpt-oss's), which
+    # the fused kernels compute (`counted_attention`)
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, counted_attention)
+    sdpa = getattr(built, "_supports_sdpa", False)
     try:
-        model = AutoModelForCausalLM.from_config(settings, attn_implementation=attention,
-                                                 **_experts_implementation(experts))
+        model = AutoModelForCausalLM.from_config(settings, attn_implementation=ATTENTION_IMPLEMENTATION if sdpa
+                                                 else "eager", **_experts_implementation(experts))
     except Exception as exc:  # transformers' own code on the config's values: whatever it raised, in one line
         raise ModelError(f"{where}: transformers cannot build it: {_in_one_line(exc)}") from None
+    if not sdpa and any(name.endswith("sinks") for name, _ in model.named_parameters()):
+        model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     if experts:
         _check_experts(model, where, experts)
     layers = decoder_layers(model, where)
@@ -243,15 +271,16 @@ def _drop_past_capacity(layers: list[nn.Module], capacity_factor: float) -> None
 
 def _check_experts(model: nn.Module, where: str, experts: int) -> None:
     """Refuse a mixture of experts whose experts `balanced_experts` cannot run as they are: not held as 3-D weights
-    (transformers' experts interface), or with biases or a norm after each expert (gpt-oss)."""
+    (transformers' experts interface), or with a norm after each expert. Biases are run (gpt-oss's), and gate and up
+    weights interleaved (gpt-oss's) by the module's own `_apply_gate`, which splits them."""
     held = [m for m in model.modules() if hasattr(m, "is_concatenated")]  # what @use_experts_implementation sets
     if not held:
         raise ModelError(f"{where}: its {experts} experts are not held as transformers' experts modules (3-D weights "
                          "run by an experts implementation), which pipesim counts at their expected share")
-    odd = next((m for m in held if m.has_bias or m.has_post_expert_norm or not m.is_concatenated), None)
+    odd = next((m for m in held if m.has_post_expert_norm), None)
     if odd is not None:
-        raise ModelError(f"{where}: its experts ({type(odd).__name__}) have biases, a norm after each expert or "
-                         "interleaved gate/up weights; pipesim counts experts of gate/up and down products only")
+        raise ModelError(f"{where}: its experts ({type(odd).__name__}) have a norm after each expert; pipesim counts "
+                         "experts of gate/up and down products (with their biases) only")
 
 
 def _in_one_line(exc: Exception) -> str:
@@ -305,17 +334,17 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
 
 def _as_megatron_runs(block: nn.Module) -> None:
     """Run `block`'s gated MLPs (dense, shared experts) as `workload.moe.gated_mlp` (their activation fused under
-    --swiglu-fusion) and its router (a mixture of experts' `gate` beside its `experts`, with a `weight`) and its
-    shared expert's gate (Qwen2-MoE's `shared_expert_gate`, a Linear to one score a token, as Megatron-core's
-    SharedExpertMLP `gate_weight`, a plain Parameter it multiplies by the rank's tokens: megatron/core/transformer/
-    moe/shared_experts.py at core_v0.14.0) as `workload.moe.gating_router` (its product in its own precision,
-    keeping its input as it is; tensor parallelism keeps both whole on every rank)."""
+    --swiglu-fusion) and its router (a mixture of experts' `gate` or `router` beside its `experts`, with a `weight`
+    and, gpt-oss's, a bias) and its shared expert's gate (Qwen2-MoE's `shared_expert_gate`, a Linear to one score
+    a token, as Megatron-core's SharedExpertMLP `gate_weight`, a plain Parameter it multiplies by the rank's tokens:
+    megatron/core/transformer/moe/shared_experts.py at core_v0.14.0) as `workload.moe.gating_router` (its product
+    in its own precision, keeping its input as it is; tensor parallelism keeps both whole on every rank)."""
     for module in block.modules():
         if all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             module.forward = functools.partial(_gated_mlp, module)
-        router = getattr(module, "gate", None)
-        if hasattr(module, "experts") and isinstance(router, nn.Module) and isinstance(getattr(router, "weight", None),
-                                                                                       torch.Tensor):
+        router = next((getattr(module, name) for name in ("gate", "router")  # gpt-oss's is its router
+                       if isinstance(getattr(module, name, None), nn.Module)), None)
+        if hasattr(module, "experts") and isinstance(getattr(router, "weight", None), torch.Tensor):
             gating_router(router)
         if isinstance(getattr(module, "shared_expert_gate", None), nn.Linear):
             gating_router(module.shared_expert_gate)

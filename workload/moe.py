@@ -169,8 +169,8 @@ class Fused(torch.autograd.Function):
             with _disable_current_modes():  # its ops and their graph, for the backward, out of the count's sight
                 ctx.out = compute(*ctx.leaves)
             out = inputs[0].new_empty(ctx.out.shape, dtype=ctx.out.dtype)  # its one write, seen made from its reads
-            for read in inputs[1:]:
-                out.add_(read)
+            for read in inputs[1:]:  # a read its shape does not broadcast to (a bias of gate and up): one element
+                out.add_(read if _broadcasts(read, out) else read.view(-1)[0])
             _kernel_writes(out)
         return out
 
@@ -183,6 +183,11 @@ class Fused(torch.autograd.Function):
                 _kernel_writes(*grads)
         given = iter(grads)
         return None, None, *(next(given) if any(leaf is w for w in wanted) else None for leaf in ctx.leaves)
+
+
+def _broadcasts(t: torch.Tensor, to: torch.Tensor) -> bool:
+    """Whether `t`'s shape broadcasts to `to`'s."""
+    return t.dim() <= to.dim() and all(n in (1, m) for n, m in zip(reversed(t.shape), reversed(to.shape)))
 
 
 # The fused kernels under way, innermost last: each its name, the tensors it reads and those it writes
@@ -250,9 +255,10 @@ class _GatingCasts(TorchFunctionMode):
             if dtype is not None:
                 self.dtype = dtype
                 return args[0]
-        if func is torch.nn.functional.linear and kwargs.get("bias", args[2] if len(args) > 2 else None) is None:
-            inp, weight = args[0], kwargs.get("weight", args[1] if len(args) > 1 else None)
-            return gating_linear(inp, weight, self.dtype or inp.dtype)
+        if func is torch.nn.functional.linear:
+            given = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
+            return gating_linear(given["input"], given["weight"], self.dtype or given["input"].dtype,
+                                 given.get("bias"))
         return func(*args, **kwargs)
 
 
@@ -272,15 +278,18 @@ def gating_router(router: torch.nn.Module) -> None:
     router.forward = run
 
 
-def gating_linear(inp: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A router's product `inp @ weight.T` computed in `dtype` from `inp` and `weight` kept in their own dtype
-    (Megatron-core's RouterGatingLinearFunction), its ops marked as the gating's (`gating_now`)."""
-    def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(a.to(dtype), w.to(dtype))
+def gating_linear(inp: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A router's product `inp @ weight.T` (plus `bias`, gpt-oss's) computed in `dtype` from `inp`, `weight` and
+    `bias` kept in their own dtype (Megatron-core's RouterGatingLinearFunction, which takes the bias too), its ops
+    marked as the gating's (`gating_now`)."""
+    def product(a: torch.Tensor, w: torch.Tensor, *b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(a.to(dtype), w.to(dtype), b[0].to(dtype) if b else None)
 
+    given = (inp, weight) if bias is None else (inp, weight, bias)
     if inp.device.type != "meta":
-        return product(inp, weight)
-    return Fused.apply(product, True, inp, weight)
+        return product(*given)
+    return Fused.apply(product, True, *given)
 
 
 def _experts_own(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -305,18 +314,24 @@ def capacity(tokens: int, top_k: int, experts: int, capacity_factor: float | Non
 
 def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    up: torch.Tensor, down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
-                   capacity_factor: float | None = None, gated: bool = False) -> torch.Tensor:
+                   capacity_factor: float | None = None, gated: bool = False,
+                   biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The experts' weighted outputs summed per token, for `hidden` (T, d) routed as `top_k_index` and
     `top_k_weights` (T, k) say. `up` (E, d, u) and `down` (E, f, d) are every expert's two products, `activation`
-    what runs between them (SwiGLU's silu(gate)·up halves u = 2f, `gated`). On the meta device every expert takes
-    its expected share (`expected_tokens`)."""
+    what runs between them (SwiGLU's silu(gate)·up halves u = 2f, `gated`), `biases` (E, u) and (E, d) their
+    biases where the experts have them (gpt-oss's). On the meta device every expert takes its expected share
+    (`expected_tokens`). The biases run as Megatron-core's TEGroupedMLP runs them (megatron/core/transformer/moe/
+    experts.py at NVIDIA/Megatron-LM d98e8a64, `bias_act_func` and `_apply_bias`): the up product's added inside
+    the fused activation (`weighted_bias_swiglu_impl`, `weighted_bias_quick_geglu_impl`: an input of its one
+    kernel), else before the activation; the down product's scaled by the router's weight and added to its output,
+    token by token (`_apply_packed_bias`: a product and a sum over the outputs)."""
     tokens, width = hidden.shape
     experts, top_k = up.shape[0], top_k_index.shape[-1]
     out = torch.zeros_like(hidden)
     for record in _recording:  # each expert's tokens in turn: what a dispatch sends (padded to its capacity)
         sent = experts * expected_tokens(tokens, top_k, experts, capacity_factor) * width * hidden.element_size()
         record.token_bytes += sent
-        record.expert_weight_bytes += sum(w.untyped_storage().nbytes() for w in (up, down))
+        record.expert_weight_bytes += sum(w.untyped_storage().nbytes() for w in (up, down, *(biases or ())))
         record.routed_copies += top_k * tokens
         record.computed_copies += experts * expected_tokens(tokens, top_k, experts, capacity_factor)
     if hidden.device.type == "meta":
@@ -325,29 +340,36 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         copy = torch.empty_like(token)  # and which of the T·k routed copies each one is
         routed = hidden.index_select(0, token).view(experts, each, width)
         weights = top_k_weights.reshape(-1).index_select(0, copy).view(experts, each, 1)
-        _experts_own(routed, up, down)  # what the experts' products read: their own ops read these
+        _experts_own(routed, up, down, *(biases or ()))  # what the experts' products read: their own ops read these
         inner = torch.bmm(routed, up)
         _experts_own(inner)
         scale = weights.to(hidden.dtype)  # the activation scaled before the down product, as Megatron-core
+        up_bias = () if biases is None else (biases[0].unsqueeze(1),)
+
+        def weighted_activation(i: torch.Tensor, w: torch.Tensor, *bias: torch.Tensor) -> torch.Tensor:
+            return _experts_own(activation(i + bias[0] if bias else i))[0] * w
         OPEN_REGIONS.append("moe_act")
         try:
             if gated and _fusing_now(inner):
-                weighted = Fused.apply(lambda i, w: _experts_own(activation(i))[0] * w, False, inner, scale)
+                weighted = Fused.apply(weighted_activation, False, inner, scale, *up_bias)
             else:
-                active = activation(inner)
+                active = activation(_experts_own(inner + up_bias[0])[0] if up_bias else inner)
                 _experts_own(active)
                 weighted = active * scale
         finally:
             OPEN_REGIONS.pop()
         _experts_own(weighted)
-        done = torch.bmm(weighted, down).view(experts * each, width)
-        return out.index_put((token,), done, accumulate=True)  # autograd keeps the index only
+        done = torch.bmm(weighted, down)
+        if biases is not None:
+            done = done + _experts_own(biases[1].unsqueeze(1) * scale)[0]
+        return out.index_put((token,), done.view(experts * each, width), accumulate=True)  # keeps the index only
     limit = capacity(tokens, top_k, experts, capacity_factor)
     for expert in range(experts):
         token, slot = torch.where(top_k_index == expert)
         token, slot = token[:limit], slot[:limit]
         if token.numel():
-            done = activation(hidden[token] @ up[expert]) @ down[expert]
+            inner = hidden[token] @ up[expert] + (biases[0][expert] if biases is not None else 0)
+            done = activation(inner) @ down[expert] + (biases[1][expert] if biases is not None else 0)
             out = out.index_add(0, token, done * top_k_weights[token, slot, None].to(hidden.dtype))
     return out
 
