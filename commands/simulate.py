@@ -56,6 +56,7 @@ from .common import (
     check_outputs,
     check_p2p_sync,
     check_prediction,
+    check_writable,
     expert_overlap_options,
     fail,
     is_given,
@@ -84,9 +85,11 @@ PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see stea
 
 
 def _output_paths(path: Path, names: list[str]) -> list[Path]:
-    """PATH for one schedule; PATH with `-<schedule>` before the suffix for several."""
+    """PATH for one schedule; PATH with `-<schedule>` before the suffix for several, PATH a file's name: a folder
+    is refused as for one schedule (its traces were written beside it, `DIR-1f1b`, ...)."""
     if len(names) == 1:
         return [path]
+    check_writable("--trace", path)
     return [path.with_name(f"{path.stem}-{name}{path.suffix}") for name in names]
 
 

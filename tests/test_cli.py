@@ -595,3 +595,15 @@ def test_simulate_writes_every_methods_trace_or_none(tmp_path, monkeypatch):
                              "--trace", tmp_path / "t.json")
     assert code == 2 and err == f"error: --trace: cannot write {tmp_path / 't-zb-h1.json'}: No space left on device\n"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("schedules", [["1f1b"], ["1f1b", "zb-h1"]])
+def test_a_folder_given_to_trace_is_refused_for_one_method_or_several(tmp_path, schedules):
+    """Several methods' traces are PATH-<method>: a folder given as PATH wrote `folder-1f1b`, ... beside it (exit 0),
+    where one method's was refused."""
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    code, out, err = pipesim("simulate", *(arg for name in schedules for arg in ("-s", name)), "-p", 2, "-m", 2,
+                             "--trace", folder)
+    assert code == 2 and out == "" and err == f"error: --trace: {folder} is a directory; give a file path\n"
+    assert list(tmp_path.iterdir()) == [folder] and list(folder.iterdir()) == []
