@@ -30,6 +30,8 @@ from ..profiles.partition import (
     activation_ranges,
     equal_blocks,
     first_last_blocks,
+    layout_blocks,
+    megatron_layout,
     mirrored_partition,
     padded_blocks,
     partition,
@@ -71,18 +73,32 @@ FIT = "fit"
 FIT_ROUNDS = 4  # --stage-cut fit's searches at most, each with the reserves of the last cut found (`Scenario._fitted`)
 STAGE_CUTS = ("balanced", FIT, *BLOCK_CUTS)
 FIRST_LAST = "first-last:"  # first-last:F,L: F blocks on the first stage, L on the last (`first_last_blocks`)
+LAYOUT = "layout:"  # layout:STRING: Megatron-core's --pipeline-model-parallel-layout (`layout_blocks`)
+MTP_KIND = "MultiTokenPrediction"  # the layer kind --mtp-layers adds (workload/hf.py), a layout's m
 
 
 def first_last(stage_cut: str) -> tuple[int, int] | None:
     """The first and last stages' block counts `stage_cut` gives (first-last:F,L), None for a named cut
-    (`STAGE_CUTS`); a cut that is neither is refused in one line."""
-    if stage_cut in STAGE_CUTS:
+    (`STAGE_CUTS`) or a layout (`layout_of`, its letters checked here); any other cut is refused in one line."""
+    if stage_cut in STAGE_CUTS or layout_of(stage_cut) is not None:
         return None
     counts = stage_cut.removeprefix(FIRST_LAST).split(",") if stage_cut.startswith(FIRST_LAST) else []
     if len(counts) != 2 or not all(count.isdigit() for count in counts):
-        raise CostError(f"--stage-cut: choose from {', '.join(STAGE_CUTS)} or {FIRST_LAST}F,L (the first and last "
-                        f"stages' blocks, whole numbers; got {stage_cut!r})")
+        raise CostError(f"--stage-cut: choose from {', '.join(STAGE_CUTS)}, {FIRST_LAST}F,L (the first and last "
+                        f"stages' blocks, whole numbers) or {LAYOUT}STRING (Megatron-core's pipeline layout); got "
+                        f"{stage_cut!r}")
     return int(counts[0]), int(counts[1])
+
+
+def layout_of(stage_cut: str) -> list[str] | None:
+    """Each stage's letters of a layout:STRING cut (`megatron_layout`), None for any other; a string Megatron-core
+    would not parse is refused in one line."""
+    if not stage_cut.startswith(LAYOUT):
+        return None
+    try:
+        return megatron_layout(stage_cut.removeprefix(LAYOUT))
+    except PartitionError as exc:
+        raise CostError(f"--stage-cut {stage_cut}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -108,7 +124,7 @@ class Scenario:
     cost_scale: float = 1.0  # `sweep --cost-scale`: every compute time x this (a faster or slower accelerator)
     memory_bytes: int | None = None  # `tune --memory-gb`: every device's memory, whatever the cluster or profile say
     network_gb_s: float | None = None  # typed costs: each GPU's network for the data-parallel all-reduce (GB/s)
-    stage_cut: str = "balanced"  # how a profile's layers are cut into model stages: STAGE_CUTS or first-last:F,L
+    stage_cut: str = "balanced"  # how a profile's layers are cut into model stages: STAGE_CUTS, FIRST_LAST, LAYOUT
     precision: str = "fp32"  # typed costs: how --param-mb's weights, their gradients and state are held (PRECISIONS)
     overlap_hidden_fraction: float = 0.0  # `simulate --fb-hidden-fraction`: Costs.overlap_hidden_fraction
     overlap_expert_comm: bool = False  # `--overlap-expert-comm`: ScheduleParams.overlap_expert_comm of every build
@@ -912,7 +928,8 @@ def device_stages(sched: Schedule, stages: int) -> tuple[tuple[int, ...], ...]:
 
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced",
                    devices: Sequence[Sequence[int]] | None = None) -> list[int]:
-    """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`). Balanced: the
+    """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`, `layout_of`: a
+    layout's m is the --mtp-layers layer, and its last-stage rule is checked where `devices` is given). Balanced: the
     profile's own partition for its stage count; other counts re-partition its layers for time alone (the
     calibration's memory cap planned for its own stage count, so it is not applied here), the busiest device least
     busy among the cuts of the least slowest stage where `devices` run several stages each (`partition`)."""
@@ -921,10 +938,13 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     if num_stages > len(measured.layers):
         raise CostError(too_few_layers(f"the schedule's {num_stages} model stages (--stages x --chunks)",
                                        measured.model.name, measured.model.options, len(measured.layers)))
-    ends = first_last(stage_cut)
-    if stage_cut in BLOCK_CUTS or ends is not None:
+    ends, layout = first_last(stage_cut), layout_of(stage_cut)
+    if stage_cut in BLOCK_CUTS or ends is not None or layout is not None:
         kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]
         try:
+            if layout is not None:
+                return layout_blocks(kinds, num_stages, layout, int(measured.model.options.get("mtp_layers", 0)),
+                                     MTP_KIND, devices)
             if ends is not None:
                 return first_last_blocks(kinds, num_stages, *ends)
             return BLOCK_CUTS[stage_cut](kinds, num_stages)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -310,6 +311,72 @@ def first_last_blocks(kinds: Sequence[str], stages: int, first_blocks: int, last
                              f"divide into the {max(inner, 0)} model stages between (p·v = {stages})")
     return _bounds(kinds, first, [first_blocks, *[middle // inner] * inner, last_blocks] if inner else
                    [first_blocks, last_blocks])
+
+
+# Megatron-core's --pipeline-model-parallel-layout: its letters, and its repeats in the order it unrolls them, a
+# group's and then a letter's (megatron/core/transformer/pipeline_parallel_layer_layout.py `parse_str_to_list`, the
+# same from 77732c3 to d98e8a6)
+LAYOUT_LETTERS = {"E": "the embedding", "t": "a decoder layer", "m": "a multi-token-prediction layer",
+                  "L": "the loss, with the final norm and head"}
+LAYOUT_REPEATS = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
+LAYOUT_GRAMMAR = (f"letters {', '.join(f'{letter} ({what})' for letter, what in LAYOUT_LETTERS.items())}, "
+                  "| between stages, (...)*n and x*n repeats, commas ignored")
+
+
+def megatron_layout(layout: str) -> list[str]:
+    """Each stage's letters in `layout`, parsed as Megatron-core parses it: commas dropped, every (...)*n and then
+    every x*n unrolled once, the rest split at |; a character that is not a letter it knows refused (so is a
+    parenthesis left unbalanced, nested or without *n, as Megatron-core refuses it)."""
+    unrolled = layout.replace(",", "")
+    for repeat in LAYOUT_REPEATS:
+        unrolled = repeat.sub(lambda match: match.group(1) * int(match.group(2)), unrolled)
+    stages = unrolled.split("|")
+    for k, stage in enumerate(stages):
+        unknown = next((letter for letter in stage if letter not in LAYOUT_LETTERS), None)
+        if unknown is not None:
+            what = " (a parenthesis unbalanced, nested or without *n)" if unknown in "()" else ""
+            raise PartitionError(f"stage {k} holds {unknown!r}{what}; a layout has {LAYOUT_GRAMMAR}")
+    return stages
+
+
+def layout_blocks(kinds: Sequence[str], stages: int, layout: Sequence[str], mtp_layers: int = 0,
+                  mtp_kind: str = "", devices: Sequence[Sequence[int]] | None = None) -> list[int]:
+    """Stage bounds as Megatron-core's `layout` (`megatron_layout`'s stages) cuts the model: its stage i is model
+    stage i, which Megatron-core runs on pipeline rank i mod p as virtual stage i // p (interleaved 1F1B's
+    placement). Refused as TransformerConfig refuses it (`validate_layer_layout`): E first and L last, once each,
+    as many t as the model's blocks and m as its `mtp_layers`, every m after the last t, in one stage, the last
+    its device runs (`devices`: each device's stages); and where its stages are not the schedule's `stages`. The
+    layers before the blocks go with E and those after with L, but that with m the final norm goes with the last
+    t (`TransformerBlock.has_final_layernorm_in_this_stage`) and the `mtp_kind` layer with the m. A stage left
+    without a layer, which Megatron-core allows, is refused: each of pipesim's stages runs some."""
+    if len(layout) != stages:
+        raise PartitionError(f"its {len(layout)} stages are not the schedule's p·v = {stages} model stages")
+    first, blocks, kind = _block_run(kinds, stages)
+    flat = "".join(layout)
+    at = {letter: [k for k, stage in enumerate(layout) for held in stage if held == letter] for letter in "Etm"}
+    rules = ((flat[:1] == "E" and flat[-1:] == "L", "E first and L last"),
+             (flat.count("E") == flat.count("L") == 1, "E and L once each"),
+             (len(at["t"]) == blocks, f"{blocks} t, the model's blocks ({kind}), not {len(at['t'])}"),
+             (len(at["m"]) == mtp_layers, f"{mtp_layers} m, the model's --mtp-layers, not {len(at['m'])}"),
+             ("t" not in flat.partition("m")[2], "every t before the first m"),
+             (len(set(at["m"])) < 2, "every m in one stage"),
+             (not at["m"] or devices is None or any(max(held) == at["m"][0] for held in devices),
+              "its m in the last stage its device runs (Megatron-core's last virtual stage of its rank)"))
+    for holds, rule in rules:
+        if not holds:
+            raise PartitionError(f"a layout needs {rule}")
+    after, loss = len(kinds) - first - blocks, next(k for k, stage in enumerate(layout) if "L" in stage)
+    if at["m"]:
+        mtp_at = list(kinds[first + blocks:]).index(mtp_kind)
+        tail = [at["t"][-1]] * mtp_at + at["m"][:1] + [loss] * (after - mtp_at - 1)
+    else:
+        tail = [loss] * after
+    held = [at["E"][0]] * first + at["t"] + tail
+    bounds = [sum(stage < k for stage in held) for k in range(stages)] + [len(kinds)]
+    empty = [k for k, (start, stop) in enumerate(itertools.pairwise(bounds)) if start >= stop]
+    if empty:
+        raise PartitionError(f"it leaves model stage {empty[0]} without a layer (pipesim runs no empty stage)")
+    return bounds
 
 
 def _block_run(kinds: Sequence[str], stages: int) -> tuple[int, int, str]:

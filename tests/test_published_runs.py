@@ -78,8 +78,9 @@ def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--stage-cut", "even"), "--stage-cut: choose from balanced, fit, equal-blocks, padded-blocks or first-last:F,L"),
-    (("--stage-cut", "first-last:3"), "(the first and last stages' blocks, whole numbers; got 'first-last:3')"),
+    (("--stage-cut", "even"), "--stage-cut: choose from balanced, fit, equal-blocks, padded-blocks, first-last:F,L"),
+    (("--stage-cut", "first-last:3"), "(the first and last stages' blocks, whole numbers) or layout:STRING (Megatron-"
+                                      "core's pipeline layout); got 'first-last:3'"),
     (("--stage-cut", "equal-blocks", "--fwd", "2"), "--stage-cut cuts --gpu's or --profile's layers into stages"),
     (("--reduce-after-flush",), "--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                                 "--data-parallel 2 or more"),

@@ -1,0 +1,130 @@
+"""--stage-cut layout:STRING: Megatron-core's --pipeline-model-parallel-layout (profiles/partition.py
+`megatron_layout`, `layout_blocks`), parsed as megatron/core/transformer/pipeline_parallel_layer_layout.py parses it,
+refused as its TransformerConfig refuses it, and cut onto the model's layers."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipesim.profiles.partition import PartitionError, equal_blocks, layout_blocks, megatron_layout
+from tests.conftest import pipesim, simulate_json
+from tests.test_hf import write_config
+from tests.test_moe import TINY_DEEPSEEK
+from tests.test_published_runs import GPT
+from tests.test_recompute_modules import needs_transformers
+
+MTP = "MultiTokenPrediction"
+HF = ["Embedding", *["DecoderLayer"] * 4, "Norm", "Linear"]  # workload/hf.py's cut: embedding, blocks, norm, head
+HF_MTP = [*HF[:-1], MTP, "Linear"]  # with --mtp-layers: the module between the norm and the head
+
+
+def test_the_string_parses_as_megatron_cores_docstring_and_patterns_say():
+    """parse_str_to_list's own examples: "Ettt|(tt|)*29,m|L"; a group then a letter unrolled, commas dropped, an
+    empty stage kept (Megatron-core allows one)."""
+    assert megatron_layout("Ettt|(tt|)*29,m|L") == ["Ettt", *["tt"] * 29, "m", "L"]
+    assert megatron_layout("Et(tt|t|)*2,L") == ["Ettt", "t", "tt", "t", "L"]
+    assert megatron_layout("(|tt)*2,tL") == ["", "tt", "tttL"]
+    assert megatron_layout("E,t*3|(t*2|)*2L") == ["Ettt", "tt", "tt", "L"]
+    assert megatron_layout("E||L") == ["E", "", "L"]
+
+
+def _rendered(stages: list[str]) -> str:
+    """`stages` written with Megatron-core's repeats: a run of one letter as x*n, a run of n equal stages as
+    (S|)*n and a comma (the last run as (S|)*(n-1) then S)."""
+    def stage_text(stage: str) -> str:
+        return "".join(letter if n == 1 else f"{letter}*{n}"
+                       for letter, n in ((letter, len(list(run))) for letter, run in itertools.groupby(stage)))
+
+    runs = [(stage_text(stage), len(list(run))) for stage, run in itertools.groupby(stages)]
+    *before, (last, n) = runs
+    return "".join(f"({text}|)*{k}," if k > 1 else f"{text}|" for text, k in before) + (
+        f"({last}|)*{n - 1},{last}" if n > 1 else last)
+
+
+@given(st.lists(st.text("EtmL", max_size=5), min_size=1, max_size=8))
+def test_a_layout_written_with_repeats_parses_back_to_its_stages(stages):
+    text = _rendered(stages)
+    assert megatron_layout(text) == stages, text
+
+
+@pytest.mark.parametrize(("layout", "letter"), [("Et|tx|L", "'x'"), ("Et|(tt|tL", "'('"), ("Et|tt)*2|L", "')'"),
+                                                ("((t)*2)*2", "'('"), ("Et|tt L", "' '")])
+def test_a_character_megatron_core_does_not_know_is_refused(layout, letter):
+    with pytest.raises(PartitionError, match=re.escape(f"holds {letter}")):
+        megatron_layout(layout)
+
+
+def test_the_layers_before_the_blocks_go_with_e_and_those_after_with_l_but_the_norm_with_the_last_t_under_mtp():
+    """Without MTP the final norm is the post-process stage's, L's; with it, the stage of the last decoder layer's
+    (Megatron-core's TransformerBlock.has_final_layernorm_in_this_stage), the MTP layer with the m."""
+    assert layout_blocks(HF, 2, megatron_layout("Ett|ttL")) == [0, 3, 7]
+    assert layout_blocks(HF, 3, megatron_layout("Ettt|t|L")) == [0, 4, 5, 7]
+    assert layout_blocks(HF_MTP, 3, megatron_layout("Ett|tt|mL"), 1, MTP) == [0, 3, 6, 8]
+    assert layout_blocks(HF_MTP, 3, megatron_layout("Ett|ttm|L"), 1, MTP) == [0, 3, 7, 8]
+    gpt = ["_Embed", *["_Block"] * 8, "Sequential"]
+    assert layout_blocks(gpt, 4, megatron_layout("E(tt|)*3ttL")) == equal_blocks(gpt, 4)
+
+
+def test_deepseek_v3s_recipe_layout_gives_two_blocks_a_stage_and_the_mtp_layer_with_the_loss():
+    """Megatron-Bridge's DeepSeek-V3 layout, 61 blocks on 32 stages: E and one block, 30 stages of two, then the
+    MTP layer with the head."""
+    deepseek = ["Embedding", *["DecoderLayer"] * 61, "Norm", MTP, "Linear"]
+    assert layout_blocks(deepseek, 32, megatron_layout("Et|(tt|)*30mL"), 1, MTP) == [0, *range(2, 61, 2), 63, 65]
+
+
+@pytest.mark.parametrize(("stages", "layout", "mtp", "devices", "message"), [
+    (3, "Ett|ttL", 0, None, "its 2 stages are not the schedule's p·v = 3 model stages"),
+    (2, "Ettt|ttL", 0, None, "a layout needs 4 t, the model's blocks (DecoderLayer), not 5"),
+    (2, "tE|tttL", 0, None, "a layout needs E first and L last"),
+    (2, "EEtt|ttL", 0, None, "a layout needs E and L once each"),
+    (2, "Ett|ttmL", 0, None, "a layout needs 0 m, the model's --mtp-layers, not 1"),
+    (2, "Ett|tmtL", 1, None, "a layout needs every t before the first m"),
+    (3, "Ett|ttm|mL", 2, None, "a layout needs every m in one stage"),
+    (4, "Ett|ttm|L|", 1, ((0, 2), (1, 3)), "a layout needs its m in the last stage its device runs"),
+    (4, "Ett|ttm|L|", 1, None, "it leaves model stage 3 without a layer"),
+])
+def test_a_layout_megatron_core_or_pipesim_refuses_names_why(stages, layout, mtp, devices, message):
+    with pytest.raises(PartitionError, match=re.escape(message)):
+        layout_blocks(HF_MTP if mtp else HF, stages, megatron_layout(layout), mtp, MTP, devices)
+
+
+def test_simulate_cuts_as_the_layout_says_and_interleaved_stages_in_megatrons_virtual_order():
+    """1F1B on 2 stages and interleaved 1F1B on 2 x 2: the layout giving equal blocks runs as equal-blocks does
+    (stage i on device i mod p); an uneven one records its own bounds."""
+    for flags, layout in ((("-p", 2, "-m", 4, "-s", "1f1b"), "Ett|ttL"),
+                          (("-p", 2, "-m", 4, "-s", "interleaved-1f1b", "--chunks", 2), "Et|t|t|tL")):
+        (blocks,) = simulate_json(*GPT, *flags, "--stage-cut", "equal-blocks")
+        (cut,) = simulate_json(*GPT, *flags, "--stage-cut", f"layout:{layout}")
+        assert cut["stage_bounds"] == blocks["stage_bounds"]
+        assert cut["time_per_minibatch_ms"] == blocks["time_per_minibatch_ms"]
+    (uneven,) = simulate_json(*GPT, "-p", 2, "-m", 4, "-s", "1f1b", "--stage-cut", "layout:Et|tttL")
+    assert uneven["stage_bounds"] == [0, 2, 6]
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    ("Et|tq|L", "--stage-cut layout:Et|tq|L: stage 1 holds 'q'; a layout has letters E (the embedding)"),
+    ("Et|(tt|L", "stage 1 holds '(' (a parenthesis unbalanced, nested or without *n)"),
+    ("Et|t|tL", "--stage-cut layout:Et|t|tL: its 3 stages are not the schedule's p·v = 2 model stages"),
+    ("Et|tL", "a layout needs 4 t, the model's blocks (_Block), not 2"),
+    ("Ett|tmtL", "a layout needs 0 m, the model's --mtp-layers, not 1"),
+])
+def test_a_bad_layout_is_one_line_exit_2(layout, message):
+    code, out, err = pipesim("simulate", *GPT, "-p", 2, "-s", "1f1b", "--stage-cut", f"layout:{layout}")
+    assert code == 2 and not out and err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+@needs_transformers
+def test_an_mtp_layout_runs_the_module_with_the_m(tmp_path):
+    """A tiny DeepSeek-V3 with --mtp-layers 1: the layout's m puts the module, and the norm with the last t, on
+    the last stage; without --mtp-layers the same layout is refused."""
+    config = write_config(tmp_path / "deepseek", TINY_DEEPSEEK)
+    args = ("--model", f"hf:{config}", "--seq-len", 64, "--gpu", "h100-sxm", "-p", 2, "-m", 2, "-s", "1f1b")
+    (cut,) = simulate_json(*args, "--mtp-layers", 1, "--stage-cut", "layout:Et|tmL")
+    assert cut["stage_bounds"] == [0, 2, 6]
+    code, _, err = pipesim("simulate", *args, "--stage-cut", "layout:Et|tmL")
+    assert code == 2 and "a layout needs 0 m, the model's --mtp-layers, not 1" in err
