@@ -657,8 +657,9 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def parse_numbers(flag: str, text: str) -> list[float]:
-    """One number or a comma-separated list of them, each finite and >= 0."""
+def parse_numbers(flag: str, text: str, most: float = math.inf) -> list[float]:
+    """One number or a comma-separated list of them, each finite, >= 0 and at most `most` (a cost's range,
+    sim/costs.py `MAX_MS` or `MAX_BYTES`, in the flag's unit)."""
     values = []
     for part in text.split(","):
         try:
@@ -667,6 +668,8 @@ def parse_numbers(flag: str, text: str) -> list[float]:
             raise InputError(f"{flag}: expected a number or comma-separated numbers, got {text!r}") from None
         if not value >= 0 or value == float("inf"):
             raise InputError(f"{flag}: values must be finite and >= 0, got {part.strip()!r}")
+        if value > most:
+            raise InputError(f"{flag}: values must be at most {most:g}, got {part.strip()!r}")
         values.append(value)
     return values
 
@@ -1000,13 +1003,16 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     from ..planning.scenario import Scenario, check_stage_cut, first_last
     from ..profiles.schema import optimizer_refusal
     from ..sim import ClusterError, CostError, load_cluster
+    from ..sim.costs import MAX_BYTES, MAX_MS
+    from ..units import MIB
 
     flags = {**ctx.params, **overrides}
-    per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
-                 for flag in ("--fwd", "--bwd", "--param-mb", "--activation-mb", "--output-mb")}
+    per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")], most)
+                 for flag, most in (("--fwd", MAX_MS), ("--bwd", MAX_MS), ("--param-mb", MAX_BYTES / MIB),
+                                    ("--activation-mb", MAX_BYTES / MIB), ("--output-mb", MAX_BYTES / MIB))}
     refuse(optimizer_refusal(flags["optimizer"], "--optimizer"))
     precision = given_precision(flags)
-    comm_ms = parse_numbers("--comm", flags["comm"])
+    comm_ms = parse_numbers("--comm", flags["comm"], MAX_MS)
     if len(comm_ms) != 1:
         raise InputError("--comm: give one number of milliseconds")
     network = flags.get("network_gb_s")

@@ -23,6 +23,7 @@ from ..schedules import (
 from ..units import MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
+MAX_BYTES = 2**50  # a PiB per stage: anything larger is a typo, and would overflow the int64 memory counters
 # The passes a stage's `transient_bytes` name, and the row each is (`KINDS`)
 TRANSIENT_KINDS = {"fwd": Kind.F, "bwd": Kind.B, "igrad": Kind.I, "wgrad": Kind.W}
 COLLECTIVE_KIND_NAMES = tuple(sorted(kind.value for kind in COLLECTIVE_KINDS))
@@ -274,9 +275,10 @@ _STAGE_TIMES = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "
                 "gather_cast_ms", "collective_delay_ms", "product_ms")
 _STAGE_OPTIONAL = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes",
                    "all_gather_bytes", "wgrad_kept_bytes")
-# What `StageCosts.__post_init__` checks, in its order: each number field, the most it may be (a time's MAX_MS), and
-# whether it may be None; worked out once, since a search builds tens of thousands of stages' costs
-_STAGE_NUMBERS = tuple((name, MAX_MS if name in _STAGE_TIMES else math.inf, name in _STAGE_OPTIONAL) for name in (
+# What `StageCosts.__post_init__` checks, in its order: each number field, the most it may be (a time's MAX_MS, a
+# size's MAX_BYTES), and whether it may be None; worked out once, since a search builds tens of thousands of stages'
+# costs
+_STAGE_NUMBERS = tuple((name, MAX_MS if name in _STAGE_TIMES else MAX_BYTES, name in _STAGE_OPTIONAL) for name in (
     *_STAGE_TIMES, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "expert_param_bytes",
     "float8_weight_bytes", "model_output_bytes", "receive_buffer_bytes", "buffered_input_bytes", "forward_kept_bytes",
     "backward_kept_bytes", "wgrad_gradient_bytes", "runtime_buffer_bytes", "master_bytes", *_STAGE_OPTIONAL[2:]))

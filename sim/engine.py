@@ -52,9 +52,12 @@ from ..schedules import (
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
-from .costs import TRANSIENT_KINDS, Costs, RowOverhead, StageCosts, kept_until_update_refusal
+from .costs import TRANSIENT_KINDS, CostError, Costs, RowOverhead, StageCosts, kept_until_update_refusal
 
 _PS_PER_MS = 1e9
+# The most the picosecond clock and the counters (int64) count to, with room to spare: a run whose times add up to
+# more would overflow the clock (`_check_clock`), a device's memory events adding up to more its counter.
+_COUNTER_LIMIT = 2**62
 # `_Model._lockstep`: the steps per sweep, over a window of sweeps, above which sweeping pays (a sweep costs about
 # as much as 25 steps one at a time).
 _SWEEP_PAYS = 32
@@ -71,7 +74,26 @@ def _picoseconds(ms: np.ndarray) -> np.ndarray:
     """Times run on an integer picosecond clock: sums are exact and associative, so an op computed to
     start where the one before it ends starts exactly there, however its time was added up."""
     ps = np.asarray(ms, dtype=np.float64) * _PS_PER_MS
+    if ps.size and not ps.max() < _COUNTER_LIMIT:  # a time the clock cannot hold: refused, not cast to garbage
+        raise _clock_refusal(float(ps.max()))
     return np.round(ps, out=ps).astype(np.int64)
+
+
+def _clock_refusal(ps: float) -> CostError:
+    most_ms = _COUNTER_LIMIT / _PS_PER_MS
+    return CostError(f"the run's times add up to {ps / _PS_PER_MS:.3g} ms, more than the simulator's picosecond "
+                     f"clock holds ({most_ms:.3g} ms, about {most_ms / 86_400_000:.0f} days): lower the costs, m "
+                     "(--microbatches) or N (--minibatches)")
+
+
+def _check_clock(held_ps: np.ndarray, transfer_ps: np.ndarray, collective_ps: np.ndarray,
+                 contention: Sequence[float]) -> None:
+    """Refuse a run whose clocks could overflow: no device's clock passes every row's time, transfer and
+    collective added up, each compute row slowed by the most its host's contention slows it."""
+    total = (float(held_ps.sum(dtype=np.float64)) * max(contention, default=1.0)
+             + float(transfer_ps.sum(dtype=np.float64)) + float(collective_ps.sum(dtype=np.float64)))
+    if not total < _COUNTER_LIMIT:
+        raise _clock_refusal(total)
 
 
 def takes_time(ms: np.ndarray) -> np.ndarray:
@@ -291,6 +313,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     collective_ms = op_ms[stage[collective_rows], kind[collective_rows]]
     hidden_ms = costs.hidden_ms_table()[stage[collective_rows], kind[collective_rows]]
     collective_ps = _picoseconds(np.maximum(collective_ms - hidden_ms, 0.0))
+    _check_clock(held, transfer_ps, collective_ps, cluster.contention)
     # An overlapped pair's all-to-alls run under its other part's compute, as DualPipe overlaps them (DeepSeek-V3's
     # report, section 3.2.1: each part's communication hidden under the other part's computation): what remains
     # of each once that compute has run is what its row holds the lane for. Megatron-core's pair (the schedule's
@@ -1459,6 +1482,9 @@ def _step_counters(bounds, first_ps, second_ps, first_delta, second_delta, initi
         mine_deltas[0::2], mine_deltas[1::2] = first_delta[lo:hi], second_delta[lo:hi]
         keep = np.flatnonzero(mine_deltas != 0)
         mine_times, mine_deltas = _event_times_ms(first_ps, second_ps, lo, hi)[keep], mine_deltas[keep]
+        if not abs(initial[d]) + float(np.abs(mine_deltas).sum(dtype=np.float64)) < _COUNTER_LIMIT:  # int64 wraps
+            raise CostError(f"device {d}'s rows add and free more bytes than the simulator's counters hold "
+                            f"({_COUNTER_LIMIT:.3g}): lower the sizes or m (--microbatches)")
         order = np.argsort(mine_times, kind="stable")
         values = initial[d] + np.cumsum(mine_deltas[order])
         highest = int(np.argmax(values)) if len(values) else -1

@@ -1,13 +1,14 @@
 """A stage's costs refuse a number out of range in one line naming the field (sim/costs.py `StageCosts`): a time
-(`*_ms`) from 0 to MAX_MS, a size from 0 up, finite either way; the optional ones may be None. The checks are
-worked out once for the class (`_STAGE_NUMBERS`), so every number field must be among them."""
+(`*_ms`) from 0 to MAX_MS, a size from 0 to MAX_BYTES (above it, the memory counters overflowed: a traceback), finite
+either way; the optional ones may be None. The checks are worked out once for the class (`_STAGE_NUMBERS`), so every
+number field must be among them."""
 
 import dataclasses
 import math
 
 import pytest
 
-from pipesim.sim.costs import MAX_MS, CostError, StageCosts
+from pipesim.sim.costs import MAX_BYTES, MAX_MS, CostError, StageCosts
 
 NUMBERS = [field for field in dataclasses.fields(StageCosts)
            if field.type in ("float", "int", "float | None", "int | None") and field.name != "wgrad_fraction"]
@@ -15,12 +16,12 @@ NUMBERS = [field for field in dataclasses.fields(StageCosts)
 
 @pytest.mark.parametrize("name", [field.name for field in NUMBERS])
 def test_every_number_is_checked_and_named(name):
-    limit = MAX_MS if name.endswith("_ms") else math.inf
-    for bad in (-1, math.nan, math.inf, "1", limit * 2 if limit < math.inf else -0.5):
+    limit = MAX_MS if name.endswith("_ms") else MAX_BYTES
+    for bad in (-1, math.nan, math.inf, "1", limit * 2):
         with pytest.raises(CostError) as refused:
             StageCosts(**{"fwd_ms": 1.0, "bwd_ms": 1.0, name: bad})
         assert str(refused.value) == f"{name} must be a finite number from 0 to {limit:g} (got {bad!r})"
-    StageCosts(**{"fwd_ms": 1.0, "bwd_ms": 1.0, name: MAX_MS if limit < math.inf else 1 << 40})
+    StageCosts(**{"fwd_ms": 1.0, "bwd_ms": 1.0, name: limit})
     optional = next(field for field in NUMBERS if field.name == name).type.endswith("| None")
     if optional:
         StageCosts(**{"fwd_ms": 1.0, "bwd_ms": 1.0, name: None})
