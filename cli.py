@@ -126,6 +126,16 @@ def __getattr__(name: str) -> typer.Typer:
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
+def _missing(exc: Exception) -> str | None:
+    """A required option or argument left out, as one line naming it and saying in its help's words what it takes
+    (click's own, "Missing option '--format'.", said not what to give); None for any other usage error."""
+    param = getattr(exc, "param", None)
+    if not hasattr(exc, "param_type") or param is None or not getattr(param, "help", None):
+        return None
+    name = param.opts[0] if param.param_type_name == "option" else (param.metavar or param.name.upper()).rstrip(".")
+    return f"{name} is required: {param.help}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: usage errors become one line and exit code 2, never a traceback; Ctrl-C is one
     line, "interrupted", and exit code 130 (outputs are written whole or not at all)."""
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if not callable(getattr(exc, "format_message", None)):
             raise
-        fail(exc.format_message())  # click's usage and parameter errors
+        fail(_missing(exc) or exc.format_message())  # click's usage and parameter errors
     if code == INTERRUPTED:  # typer turns a KeyboardInterrupt in a command into this exit code
         stderr.print("interrupted", highlight=False)
     if argv is None:  # the process ends here: the interpreter's last collections over what torch and sympy made

@@ -616,3 +616,15 @@ def test_a_folder_given_to_trace_is_refused_for_one_method_or_several(tmp_path, 
                              "--trace", folder)
     assert code == 2 and out == "" and err == f"error: --trace: {folder} is a directory; give a file path\n"
     assert list(tmp_path.iterdir()) == [folder] and list(folder.iterdir()) == []
+
+
+REQUIRED = list({name: param for name, param, _ in reversed(list(help_records())) if param.required}.items())
+
+
+@pytest.mark.parametrize("command, param", REQUIRED, ids=[name for name, _ in REQUIRED])
+def test_a_required_flag_or_argument_left_out_is_named_with_what_it_takes(command, param):
+    """Click's "Missing option '--format'." named the flag but not what to give: the line says it in the help's
+    words, for every command's first required option or argument."""
+    name = param.opts[0] if param.param_type_name == "option" else (param.metavar or param.name.upper()).rstrip(".")
+    code, out, err = pipesim(command)
+    assert code == 2 and out == "" and err == f"error: {name} is required: {param.help}\n"
