@@ -2,14 +2,16 @@
 summaries, the Megatron MoE Model Zoo's Qwen3-235B-A22B table, DGX Cloud's recipes) predicted by a pipesim command
 line each, nothing fitted.
 
-Megatron-Bridge's rows (nemo-megatron-bridge-moe-h100.csv; Qwen3-30B-A3B and DeepSeek-V3 among them) first.
+Megatron-Bridge's rows (nemo-megatron-bridge-moe-h100.csv; Qwen3-30B-A3B, gpt-oss-120b and DeepSeek-V3 among them)
+first.
 
 Each expressible row's `pipesim simulate` command is built from the row's own columns and the model's Hugging Face
 config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine's float8 products (`--dtype fp8`)
 with the row's scaling (`FP8_RECIPES`), flash attention, no recomputation, the distributed optimizer (`--zero 1`)
-with 16-bit gradients (`--precision megatron-16bit-grads`: every Qwen3 recipe sets grad_reduce_in_fp32 False,
-perf_recipes/_common.py's _perf_precision and _benchmark_common at 067f987df0,
-scripts/performance/configs/qwen*/qwen3_llm_pretrain.py before, and Megatron-core's gradient buffer takes the
+with 16-bit gradients (`--precision megatron-16bit-grads`: every Qwen3 and gpt-oss recipe sets grad_reduce_in_fp32
+False, perf_recipes/_common.py's _perf_precision and _benchmark_common at 067f987df0,
+scripts/performance/configs/qwen*/qwen3_llm_pretrain.py and gpt_oss/gpt_oss_llm_pretrain.py before, and
+Megatron-core's gradient buffer takes the
 parameters' dtype then, param_and_grad_buffer.py group_params_for_buffers), each backward's weight gradients
 accumulated inside TransformerEngine's weight-gradient products (`--grad-accumulation fused`: Megatron-Bridge's GPT
 provider sets gradient_accumulation_fusion wherever APEX's fused_weight_gradient_mlp_cuda is present,
@@ -38,7 +40,9 @@ random where the run forces balance, which the summary's footnote says its MoE r
 Megatron-core draws each token's router logits from a normal distribution, moe_utils.py RandomSTE, so the shares are
 even on average and the busiest rank is waited for), and balanced where the row drops tokens at capacity 1 (25.09's
 "(tokendrop)", `TOKEN_DROP`: each expert padded to its even share, `--capacity-factor 1`, so its dispatcher never
-synchronises with the host: planning/host.py, workload/hf.py). The predicted tokens/s per GPU is the global
+synchronises with the host: planning/host.py, workload/hf.py). gpt-oss-120b's rows run in BF16 (`--dtype bf16`,
+the recipes' `_perf_precision("bf16")`) with the parts its recipe recomputes (`RECOMPUTE_MODULES`). The predicted
+tokens/s per GPU is the global
 batch's tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why; a row whose
 release's recipe ran another layout or micro-batch than the row prints runs that (`RELEASE_LAYOUTS`, each with its
 source), listed too. Each command's
@@ -95,16 +99,33 @@ SOURCE = "nemo-megatron-bridge-moe-h100.csv"  # benchmarks/published/README.md: 
 MODELZOO = "megatron-moe-modelzoo-h100.csv"  # the Megatron MoE Model Zoo's H100 table, README.md there too
 GPU = "h100-sxm"
 EXAMPLES = "examples"  # the Hugging Face configs, relative to the repository root the commands run in
-PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b"}  # the table's model: its examples/
+PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b",  # the table's model: its examples/
+           "GPT OSS 120B": "gpt-oss-120b"}
 # the model -> --expert-tensor-parallel: Megatron-Bridge's scripts/performance/configs/qwen/
 # qwen3_workload_base_configs.py (01b2977), BASE_QWEN3_235B_A22B_CONFIG and BASE_QWEN3_30B_A3B_CONFIG:
 # expert_tensor_parallel_size=1, which every H100 preset of both keeps
-EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1}
+# gpt-oss-120b's: BASE_GPT_OSS_120B_CONFIG's expert_tensor_parallel_size=1 (scripts/performance/configs/gpt_oss/
+# workload_base_configs.py at v0.2.1, gpt_oss_workload_base_configs.py at v0.3.0 to v0.4.1), which the 26.x
+# perf recipe keeps (perf_recipes/gpt_oss/h100/gpt_oss.py at 067f987df0 on recipes/gpt_oss/h100/gpt_oss.py's
+# gpt_oss_120b_pretrain_64gpu_h100_bf16_config)
+EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1, "GPT OSS 120B": 1}
 # the row's precision -> --fp8-recipe: FP8-CS is TransformerEngine's current scaling, and so is the 26.x rows' FP8:
 # their recipes are the fp8cs configs (perf_recipes/qwen/h100/qwen3_moe.py at 067f987df0, e.g.
 # qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config; benchmarks/published/README.md); 25.09 states none: delayed
 # scaling, TransformerEngine's default recipe
-FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te"}
+FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te", "BF16": None}
+# the model -> --recompute-modules its H100 recipe sets: gpt-oss-120b's recompute_modules ["layernorm", "moe_act"]
+# under selective granularity (GPT_OSS_120B_H100_BF16_BASE_CONFIG in workload_base_configs.py at v0.2.1,
+# GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V1 and _V2 in gpt_oss_workload_base_configs.py at v0.3.0 to v0.4.1,
+# gpt_oss_120b_pretrain_64gpu_h100_bf16_config in perf_recipes/gpt_oss/h100/gpt_oss.py at 067f987df0); the Qwen3
+# recipes recompute nothing
+RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act")}
+# the model -> --attention-kernel where the run's attention can take one fused kernel only: gpt-oss's learned sinks
+# (Megatron-Bridge's gpt_oss_bridge.py sets softmax_type "learnable") disable TransformerEngine's FlashAttention,
+# leaving its FusedAttention, cuDNN's, which it selects ahead of its unfused path
+# (transformer_engine/pytorch/attention/dot_product_attention/utils.py at d0067d0da, "Disabling FlashAttention for
+# softmax_type" and "Selected backend"); the rest run the default
+ATTENTION_KERNELS = {"GPT OSS 120B": "cudnn"}
 # (model, t, p, v, E) -> (--token-dispatcher, the containers whose H100 recipe for that layout ran it) in
 # Megatron-Bridge's history (README.md there); the rest ran the model provider's default, NCCL's all-to-all
 # (qwen_provider.py: moe_token_dispatcher_type), as 25.11's p2 v12 recipe did (its base config names no flex backend)
@@ -151,10 +172,16 @@ RELEASE_LAYOUTS = {
                                 "at v0.2.1, QWEN3_30B_A3B_H100_FP8_CS_BASE_CONFIG; the row prints 25.09's MBS 2 v24)"),
     ("25.09", "Qwen3_30B_a3B"): ((1, 2, 12, 8, 2), "Megatron-Bridge v0.1.0rc4's H100 recipe for it runs VP 12 "
                                 "(qwen3_30b_a3b_llm_pretrain.yaml's perf_matrix; the row prints VP 24)"),
+    ("25.11", "GPT OSS 120B"): ((1, 4, 1, 8, 1), "Megatron-Bridge v0.2.x's H100 BF16 recipe for it runs MBS 1 "
+                               "(workload_base_configs.py at v0.2.0 and v0.2.1, GPT_OSS_120B_H100_BF16_BASE_CONFIG "
+                               "on BASE_GPT_OSS_120B_CONFIG); the row prints the B200 row's MBS 4 and GA 2, which "
+                               "GBS 512 over its 16 data-parallel ranks does not give"),
 }
 # The runs that force balance (--routing random) and those that do not: the dropless Qwen3 runs set
 # moe_router_force_load_balancing (scripts/performance/configs/qwen3/qwen3_llm_pretrain.py at v0.2.1,
-# set_qwen3_common_configs: "required for token dropless"; perf_recipes/qwen/h100/qwen3_moe.py at 067f987df0);
+# set_qwen3_common_configs: "required for token dropless"; perf_recipes/qwen/h100/qwen3_moe.py at 067f987df0), and so
+# do gpt-oss-120b's (set_gpt_oss_common_configs in gpt_oss_llm_pretrain.py at v0.2.1 to v0.4.1;
+# perf_recipes/gpt_oss/h100/gpt_oss.py at 067f987df0: moe_router_force_load_balancing = True);
 # 25.09's "(tokendrop)" runs route by the model's
 # router and drop at capacity 1 (scripts/performance/run_script.py at v0.1.0rc4: apply_moe_token_drop, no forced
 # balance), each expert padded to its even share
@@ -203,7 +230,6 @@ NOT_EXPRESSIBLE = {
     "DeepSeekV3": "the row states no precision; its recipe (scripts/performance/configs/deepseek/"
                   "deepseek_v3_llm_pretrain.yaml at 7623546) runs a multi-token-prediction layer (mtp_num_layers 1: "
                   "--mtp-layers 1) in a layout of its own (\"Et|(tt|)*30mL\")",
-    "GPT OSS 120B": "no config of it in examples/",
     "Nemotron_3_Nano": "a hybrid of Mamba-2 and attention layers: pipesim counts no Mamba layer",
 }
 
@@ -234,6 +260,7 @@ class MoeRun:
     stage_cut: str | None = None  # --stage-cut where the run set its own (None: Megatron's cut of the blocks)
     rope_kernel: str = "fused"  # --rope-kernel: fused where the run sets apply_rope_fusion
     mtp_layers: int = 0  # --mtp-layers: the run's multi-token-prediction depth
+    attention_kernel: str | None = None  # --attention-kernel where the run's attention takes one (`ATTENTION_KERNELS`)
 
     @property
     def data(self) -> int:
@@ -250,7 +277,9 @@ class MoeRun:
         cut = self.stage_cut or ("equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced")
         dtype = ["fp8", "--fp8-recipe", self.fp8_recipe] if self.fp8_recipe else ["bf16"]
         return ["simulate", "--model", f"hf:{EXAMPLES}/{self.preset}", "--seq-len", str(self.seq_len), "--dtype",
-                *dtype, "--attention", "flash", "-b", str(self.microbatch_size),
+                *dtype, "--attention", "flash",
+                *(["--attention-kernel", self.attention_kernel] if self.attention_kernel else []),
+                "-b", str(self.microbatch_size),
                 "--gpu", GPU,
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
                 "-p", str(self.pipeline), "-m", str(self.global_batch // (self.data * self.microbatch_size)),
@@ -291,7 +320,9 @@ def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                                    dispatcher if row["container"].startswith(flex_containers) else None,
                                    EXPERT_TENSOR[model], row["container"].startswith(A2A_OVERLAP.get(layout, ())),
                                    FP8_RECIPES[row["precision"]],
-                                   "balanced" if drops else "random", TOKEN_DROP_CAPACITY if drops else None),
+                                   "balanced" if drops else "random", TOKEN_DROP_CAPACITY if drops else None,
+                                   recompute_modules=RECOMPUTE_MODULES.get(model, ()),
+                                   attention_kernel=ATTENTION_KERNELS.get(model)),
                             float(row["tokens_per_s_per_gpu"])))
     return expressible, left_out
 

@@ -303,11 +303,13 @@ def test_a_gpt_oss_config_does_a_mixtrals_products_and_holds_its_biases_and_sink
     expert_biases = EXPERTS * (2 * FFN + H)
     assert (moe.param_bytes - plain.param_bytes) // 2 == attention_biases + EXPERTS + expert_biases + heads
     assert (moe.expert_param_bytes - plain.expert_param_bytes) // 2 == expert_biases
-    # the router's product with its bias is a gating product; the down product's bias, scaled by the router's
-    # weight and added per token, is a routed op of the expert's output's shape
+    # the router's product with its bias is a gating product; the up product adds its bias itself; the down
+    # product's, times the router's weights, is added to each expert's outputs, which are then joined
     assert any(op.gating and op.kind == "matmul" for op in moe.ops["fwd"])
     each = expected_tokens(TOKENS, TOP_K, EXPERTS)
-    assert [op.op for op in moe.ops["fwd"] if op.routed and op.shape == (EXPERTS, each, H)] == ["mul", "add"]
+    assert [op.op for op in moe.ops["fwd"] if op.routed and op.kind == "matmul"] == ["baddbmm", "bmm"]
+    assert [op.op for op in moe.ops["fwd"] if op.routed and op.shape in ((EXPERTS, each, H), (EXPERTS * each, H))
+            ] == ["mul", "add", "cat"]
 
 
 @needs_transformers

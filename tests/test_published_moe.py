@@ -20,7 +20,7 @@ EVERY_RECORDED = json.loads((REPO / "benchmarks" / "published_moe.json").read_te
 # Megatron-Bridge's rows; the other sources': tests/test_published_modelzoo.py, tests/test_published_dgxc_deepseek.py
 RECORDED = [row for row in EVERY_RECORDED if row["source"] == SOURCE]
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
-EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "Qwen3_235B_a22B"))]
+EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "Qwen3_235B_a22B", "GPT OSS"))]
 
 
 def _flag(args: list[str], flag: str) -> str:
@@ -29,14 +29,15 @@ def _flag(args: list[str], flag: str) -> str:
 
 # (container, model) -> (t, p, v, E, micro-batch): the rows run as their release's recipe ran them (published_moe.py
 # `RELEASE_LAYOUTS`): 26.02.01 is Megatron-Bridge r0.3.1, whose H100 FP8-CS recipe for the 30B is t1 p1 E16; 25.11's
-# (v0.2.x) is p2 v12 at MBS 1, 25.09's (v0.1.0rc4) p2 v12 at MBS 2, where both rows print MBS 2 and VP 24
+# (v0.2.x) is p2 v12 at MBS 1, 25.09's (v0.1.0rc4) p2 v12 at MBS 2, where both rows print MBS 2 and VP 24; 25.11's
+# gpt-oss-120b recipe runs MBS 1 where its row prints 4
 RELEASE_LAYOUTS = {("26.02.01", "Qwen3_30B_a3B"): (1, 1, 1, 16, 1), ("25.11", "Qwen3_30B_a3B"): (1, 2, 12, 8, 1),
-                   ("25.09", "Qwen3_30B_a3B (tokendrop)"): (1, 2, 12, 8, 2)}
+                   ("25.09", "Qwen3_30B_a3B (tokendrop)"): (1, 2, 12, 8, 2), ("25.11", "GPT OSS 120B"): (1, 4, 1, 8, 1)}
 
 
 def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
     """Each row's command runs the row's columns, or its release's recipe's layout where that differs."""
-    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 13
+    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 18
     for row, published in zip(RECORDED, EXPRESSIBLE):
         args = shlex.split(row["command"])
         t, p, e, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
@@ -51,7 +52,14 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         assert (_flag(args, "--tensor-parallel"), _flag(args, "-p"), _flag(args, "--data-parallel"),
                 _flag(args, "--expert-parallel")) == (str(t), str(p), str(d), str(e))
         assert _flag(args, "-b") == str(b) and int(_flag(args, "-m")) * d * b == int(published["global_batch"])
-        assert _flag(args, "--seq-len") == published["sequence_length"] and _flag(args, "--dtype") == "fp8"
+        gpt_oss = published["model"] == "GPT OSS 120B"  # BF16, recomputing its norms and experts' activation
+        assert _flag(args, "--seq-len") == published["sequence_length"] and _flag(args, "--dtype") == (
+            "bf16" if gpt_oss else "fp8")
+        assert (_flag(args, "--recompute-modules") if "--recompute-modules" in args else None) == (
+            "layernorm,moe_act" if gpt_oss else None)
+        # its sinks leave TransformerEngine cuDNN's fused attention alone (published_moe.py `ATTENTION_KERNELS`)
+        assert (_flag(args, "--attention-kernel") if "--attention-kernel" in args else None) == (
+            "cudnn" if gpt_oss else None)
         assert (_flag(args, "--rank-order"), _flag(args, "--expert-tensor-parallel")) == ("megatron", "1")
         assert _flag(args, "--expert-gemm") == "per-expert"  # TEGroupedMLP: a GEMM per local expert
         # forced balance draws each token's experts (random), but the token-drop runs pad each expert to its share
@@ -71,11 +79,12 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
 
 
 @pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16", "26.02 Qwen3_30B_a3B t1 p2 v12 E8",
+                                 "26.04.01 GPT OSS 120B t1 p4 v1 E8",
                                  "25.11 Qwen3_235B_a22B t2 p8 v4 E32", "25.11 Qwen3_30B_a3B t1 p2 v12 E8",
                                  "25.09 Qwen3_30B_a3B (tokendrop) t1 p2 v12 E8",
                                  *(row["run"] for row in EVERY_RECORDED if row["source"] != SOURCE)])
 def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
-    """Five of Megatron-Bridge's rows and every row of the other sources. The 235B row runs Megatron-core's
+    """Six of Megatron-Bridge's rows and every row of the other sources. The 235B row runs Megatron-core's
     overlapped pairs, each leaving its layers' all-to-alls exposed as their nodes' order does (planning/experts.py
     `paired_exposed_ms`)."""
     monkeypatch.chdir(REPO)  # the command names its config as examples/, from the repository root
@@ -108,10 +117,11 @@ def test_the_rows_whose_recipe_sets_moe_a2a_overlap_run_megatron_cores_expert_ov
 
 
 def test_every_layout_fits_as_megatron_core_holds_it():
-    """Every Qwen3 recipe keeps 16-bit gradients (grad_reduce_in_fp32 False), and the routed experts keep what
-    Megatron-core's TEGroupedMLP keeps with its fused SwiGLU (tests/test_moe.py): Qwen3-30B-A3B's t1 p1 E16 and
-    t1 p2 v12 E8 layouts and Qwen3-235B-A22B's fit in 80 GB as they ran (before: 96,141, 89,140 and 118,730 MiB;
-    unfused SwiGLU, 235B: 83,276 and 85,020 with the recipe's expert overlap). The 30B at MBS 2 (25.09's) fits
+    """Every Qwen3 and gpt-oss recipe keeps 16-bit gradients (grad_reduce_in_fp32 False), and the routed experts
+    keep what Megatron-core's TEGroupedMLP keeps with its fused SwiGLU (tests/test_moe.py): Qwen3-30B-A3B's t1 p1
+    E16 and t1 p2 v12 E8 layouts and Qwen3-235B-A22B's fit in 80 GB as they ran (before: 96,141, 89,140 and 118,730
+    MiB; unfused SwiGLU, 235B: 83,276 and 85,020 with the recipe's expert overlap), gpt-oss-120b's t1 p4 E8 too
+    (57,896 MiB, recomputing its norms and its experts' activation). The 30B at MBS 2 (25.09's) fits
     with TransformerEngine's norms and Megatron-core's cross entropy (`--norm-kernel fused`, `--cross-entropy
     megatron`; 97,952 MiB over 24 chunks with transformers' eager RMSNorm and aten's cross entropy)."""
     for row in RECORDED:

@@ -169,8 +169,8 @@ class Fused(torch.autograd.Function):
             with _disable_current_modes():  # its ops and their graph, for the backward, out of the count's sight
                 ctx.out = compute(*ctx.leaves)
             out = inputs[0].new_empty(ctx.out.shape, dtype=ctx.out.dtype)  # its one write, seen made from its reads
-            for read in inputs[1:]:  # a read its shape does not broadcast to (a bias of gate and up): one element
-                out.add_(read if _broadcasts(read, out) else read.view(-1)[0])
+            for read in inputs[1:]:
+                out.add_(read)
             _kernel_writes(out)
         return out
 
@@ -183,11 +183,6 @@ class Fused(torch.autograd.Function):
                 _kernel_writes(*grads)
         given = iter(grads)
         return None, None, *(next(given) if any(leaf is w for w in wanted) else None for leaf in ctx.leaves)
-
-
-def _broadcasts(t: torch.Tensor, to: torch.Tensor) -> bool:
-    """Whether `t`'s shape broadcasts to `to`'s."""
-    return t.dim() <= to.dim() and all(n in (1, m) for n, m in zip(reversed(t.shape), reversed(to.shape)))
 
 
 # The fused kernels under way, innermost last: each its name, the tensors it reads and those it writes
@@ -321,10 +316,10 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     what runs between them (SwiGLU's silu(gate)·up halves u = 2f, `gated`), `biases` (E, u) and (E, d) their
     biases where the experts have them (gpt-oss's). On the meta device every expert takes its expected share
     (`expected_tokens`). The biases run as Megatron-core's TEGroupedMLP runs them (megatron/core/transformer/moe/
-    experts.py at NVIDIA/Megatron-LM d98e8a64, `bias_act_func` and `_apply_bias`): the up product's added inside
-    the fused activation (`weighted_bias_swiglu_impl`, `weighted_bias_quick_geglu_impl`: an input of its one
-    kernel), else before the activation; the down product's scaled by the router's weight and added to its output,
-    token by token (`_apply_packed_bias`: a product and a sum over the outputs)."""
+    experts.py, core_v0.15.0 to core_v0.18.0): the up product's added by the product itself (linear_fc1's
+    skip_bias_add False: TransformerEngine's GroupedLinear adds it), the down product's returned apart
+    (skip_bias_add True) and `_apply_bias`'s: each local expert's outputs plus its bias times the router's
+    weights, `t + b * p`, the experts' results then joined by one `torch.cat`."""
     tokens, width = hidden.shape
     experts, top_k = up.shape[0], top_k_index.shape[-1]
     out = torch.zeros_like(hidden)
@@ -341,27 +336,23 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         routed = hidden.index_select(0, token).view(experts, each, width)
         weights = top_k_weights.reshape(-1).index_select(0, copy).view(experts, each, 1)
         _experts_own(routed, up, down, *(biases or ()))  # what the experts' products read: their own ops read these
-        inner = torch.bmm(routed, up)
+        inner = torch.bmm(routed, up) if biases is None else torch.baddbmm(biases[0].unsqueeze(1), routed, up)
         _experts_own(inner)
         scale = weights.to(hidden.dtype)  # the activation scaled before the down product, as Megatron-core
-        up_bias = () if biases is None else (biases[0].unsqueeze(1),)
-
-        def weighted_activation(i: torch.Tensor, w: torch.Tensor, *bias: torch.Tensor) -> torch.Tensor:
-            return _experts_own(activation(i + bias[0] if bias else i))[0] * w
         OPEN_REGIONS.append("moe_act")
         try:
             if gated and _fusing_now(inner):
-                weighted = Fused.apply(weighted_activation, False, inner, scale, *up_bias)
+                weighted = Fused.apply(lambda i, w: _experts_own(activation(i))[0] * w, False, inner, scale)
             else:
-                active = activation(_experts_own(inner + up_bias[0])[0] if up_bias else inner)
+                active = activation(inner)
                 _experts_own(active)
                 weighted = active * scale
         finally:
             OPEN_REGIONS.pop()
         _experts_own(weighted)
         done = torch.bmm(weighted, down)
-        if biases is not None:
-            done = done + _experts_own(biases[1].unsqueeze(1) * scale)[0]
+        if biases is not None:  # `_apply_bias`: each expert's t + b * p, joined
+            done = torch.cat(tuple(_experts_own(done + _experts_own(biases[1].unsqueeze(1) * scale)[0])[0]))
         return out.index_put((token,), done.view(experts * each, width), accumulate=True)  # keeps the index only
     limit = capacity(tokens, top_k, experts, capacity_factor)
     for expert in range(experts):
