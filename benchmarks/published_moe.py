@@ -49,6 +49,20 @@ source), listed too. Each command's
 fullest device's peak memory is printed with it: the summaries publish no memory figure, but every row ran, so none
 should be marked out of memory.
 
+25.09's DeepSeek-V3 row (t2 p8 v4 E64 on 1,024 GPUs) runs as Megatron-Bridge v0.1.0rc4's run_script.py ran its H100
+recipe (scripts/performance/run_script.py lines 56-102 and 178; deepseek_v3_llm_pretrain.yaml, also at 7623546):
+Megatron-core's layout "Et|(tt|)*30mL" (`--stage-cut layout:...`: the embedding and a block, 30 stages of two, then
+the multi-token-prediction layer, `--mtp-layers 1`, deepseek_v3.py's mtp_num_layers, with the loss), DeepEP with
+forced balance (enable_deepep on H100: the flex dispatcher), the expert overlap (A2A_1F1B:
+overlap_moe_expert_parallel_comm, delay_wgrad_compute), MLA's up-projections recomputed (recompute_modules
+["mla_up_proj", "mlp"] under selective granularity), the gradients reduced after the backward (overlap_grad_reduce
+False on H100: `--reduce-after-flush`) in 16 bits (grad_reduce_in_fp32 False), in FP8 with delayed scaling as the
+other 25.09 rows (`FP8_RECIPES`). Not modelled (`RECIPE_NOT_MODELLED`): "mlp", which recomputes the 3 dense layers'
+MLPs only (megatron/core/transformer/transformer_layer.py at core_v0.14.0: not a MoELayer); the precision-aware
+optimizer's bfloat16 moments (deepseek_v3.py exp_avg_dtype, exp_avg_sq_dtype), held as float32 here (the same step,
+a peak about 2.7 GB higher); fp8_param_gather (bf16_with_fp8_delayed_scaling_mixed), which pipesim does not model
+beside expert parallelism.
+
 The Megatron MoE Model Zoo's H100 table (benchmarks/published/megatron-moe-modelzoo-h100.csv: Qwen3-235B-A22B in
 BF16 on 256 H100s, each row's step time with its whole layout) runs through the same command, as Megatron-LM's
 pretrain_gpt.py ran it with the zoo's model config (model_configs/benchmarking/Qwen3-235B-A22B.yaml at b0b92ff):
@@ -100,7 +114,7 @@ MODELZOO = "megatron-moe-modelzoo-h100.csv"  # the Megatron MoE Model Zoo's H100
 GPU = "h100-sxm"
 EXAMPLES = "examples"  # the Hugging Face configs, relative to the repository root the commands run in
 PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b",  # the table's model: its examples/
-           "GPT OSS 120B": "gpt-oss-120b"}
+           "GPT OSS 120B": "gpt-oss-120b", "DeepSeekV3": "deepseek-v3"}
 # the model -> --expert-tensor-parallel: Megatron-Bridge's scripts/performance/configs/qwen/
 # qwen3_workload_base_configs.py (01b2977), BASE_QWEN3_235B_A22B_CONFIG and BASE_QWEN3_30B_A3B_CONFIG:
 # expert_tensor_parallel_size=1, which every H100 preset of both keeps
@@ -108,18 +122,23 @@ PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b
 # workload_base_configs.py at v0.2.1, gpt_oss_workload_base_configs.py at v0.3.0 to v0.4.1), which the 26.x
 # perf recipe keeps (perf_recipes/gpt_oss/h100/gpt_oss.py at 067f987df0 on recipes/gpt_oss/h100/gpt_oss.py's
 # gpt_oss_120b_pretrain_64gpu_h100_bf16_config)
-EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1, "GPT OSS 120B": 1}
+# DeepSeek-V3's: its H100 perf_matrix's etp 1 (deepseek_v3_llm_pretrain.yaml at v0.1.0rc4)
+EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1, "GPT OSS 120B": 1, "DeepSeekV3": 1}
 # the row's precision -> --fp8-recipe: FP8-CS is TransformerEngine's current scaling, and so is the 26.x rows' FP8:
 # their recipes are the fp8cs configs (perf_recipes/qwen/h100/qwen3_moe.py at 067f987df0, e.g.
 # qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config; benchmarks/published/README.md); 25.09 states none: delayed
-# scaling, TransformerEngine's default recipe
+# scaling, TransformerEngine's default recipe (run_script.py's --fp8_recipe default "ds", argument_parser.py line 106
+# at v0.1.0rc4); FP8 all the same: the 25.09 H100 table's footnote gives its DeepSeek-V3 row's parenthesised TFLOP/s
+# as another quantization granularity, 128x128 weights and 1x128 activations (docs/performance-summary.md there)
 FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te", "BF16": None}
 # the model -> --recompute-modules its H100 recipe sets: gpt-oss-120b's recompute_modules ["layernorm", "moe_act"]
 # under selective granularity (GPT_OSS_120B_H100_BF16_BASE_CONFIG in workload_base_configs.py at v0.2.1,
 # GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V1 and _V2 in gpt_oss_workload_base_configs.py at v0.3.0 to v0.4.1,
 # gpt_oss_120b_pretrain_64gpu_h100_bf16_config in perf_recipes/gpt_oss/h100/gpt_oss.py at 067f987df0); the Qwen3
 # recipes recompute nothing
-RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act")}
+# DeepSeek-V3's 25.09 H100 run: ["mla_up_proj", "mlp"] (run_script.py line 91 at v0.1.0rc4), "mlp" not modelled
+# (`RECIPE_NOT_MODELLED`)
+RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act"), "DeepSeekV3": ("mla_up_proj",)}
 # the model -> --attention-kernel where the run's attention can take one fused kernel only: gpt-oss's learned sinks
 # (Megatron-Bridge's gpt_oss_bridge.py sets softmax_type "learnable") disable TransformerEngine's FlashAttention,
 # leaving its FusedAttention, cuDNN's, which it selects ahead of its unfused path
@@ -132,7 +151,9 @@ ATTENTION_KERNELS = {"GPT OSS 120B": "cudnn"}
 DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): ("hybridep", ("26.",)),  # the layout's only recipe (4a64507)
                # DeepEP with GBS 1024 (90bdd9f, c4cc63b): in r0.3.0 (26.02) qwen3_llm_pretrain.py hands the base
                # config's deepep to the library recipe, whose apply_flex_dispatcher_backend picks flex on Hopper
-               ("Qwen3_30B_a3B", 1, 2, 12, 8): ("deepep", ("26.02",))}
+               ("Qwen3_30B_a3B", 1, 2, 12, 8): ("deepep", ("26.02",)),
+               # run_script.py lines 56 and 78 at v0.1.0rc4: DeepEP on H100 (deepseek_v3.py's flex dispatcher)
+               ("DeepSeekV3", 2, 8, 4, 64): ("deepep", ("25.09",))}
 # (model, t, p, v, E) -> the containers whose recipe for that layout sets moe_a2a_overlap (Megatron-core's
 # overlap_moe_expert_parallel_comm: `--overlap-expert-comm`), each with its line in Megatron-Bridge. 25.09 ran
 # v0.1.0's recipe, which sets no overlap (scripts/performance/configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml and
@@ -144,6 +165,9 @@ A2A_OVERLAP = {
     # qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config, lines 213-219: cfg.model.moe_a2a_overlap = True,
     # overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True
     ("Qwen3_235B_a22B", 2, 8, 4, 32): ("25.11", "26."),
+    # 25.09's DeepSeek-V3 H100 run: run_script.py lines 62 and 83 at v0.1.0rc4 (A2A_1F1B on H100):
+    # overlap_moe_expert_parallel_comm and delay_wgrad_compute True
+    ("DeepSeekV3", 2, 8, 4, 64): ("25.09",),
     # 25.11: scripts/performance/configs/qwen3/workload_base_configs.py at v0.2.0 and v0.2.1, line 233,
     # QWEN3_30B_A3B_H100_FP8_CS_BASE_CONFIG (p 2, v 12, GBS 512): moe_a2a_overlap=True. 26.02: scripts/performance/
     # configs/qwen/qwen3_workload_base_configs.py at c4cc63b, line 429, QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1
@@ -226,10 +250,13 @@ MODELZOO_NOT_EXPRESSIBLE = {
     "FSDP On": "Megatron-FSDP, whose sharding (--data-parallel-sharding-strategy) the table does not give, and no "
                "command of the row's (its code column names only Megatron-LM's main at 1e057005)",
 }
+# the model -> what else its recipe sets (`MoeRun` fields): DeepSeek-V3's 25.09 H100 run (run_script.py at
+# v0.1.0rc4, lines 66 and 102): its layout, deepseek_v3.py's mtp_num_layers 1, overlap_grad_reduce False
+RECIPE_RUNS = {"DeepSeekV3": {"stage_cut": "layout:Et|(tt|)*30mL", "mtp_layers": 1, "reduce_after_flush": True}}
+# the model -> what its recipe sets that pipesim does not model (the module docstring)
+RECIPE_NOT_MODELLED = {"DeepSeekV3": "recompute_modules' \"mlp\" (its 3 dense layers' MLPs), the optimizer's "
+                                     "bfloat16 moments, fp8_param_gather beside expert parallelism"}
 NOT_EXPRESSIBLE = {
-    "DeepSeekV3": "the row states no precision; its recipe (scripts/performance/configs/deepseek/"
-                  "deepseek_v3_llm_pretrain.yaml at 7623546) runs a multi-token-prediction layer (mtp_num_layers 1: "
-                  "--mtp-layers 1) in a layout of its own (\"Et|(tt|)*30mL\")",
     "Nemotron_3_Nano": "a hybrid of Mamba-2 and attention layers: pipesim counts no Mamba layer",
 }
 
@@ -260,6 +287,7 @@ class MoeRun:
     stage_cut: str | None = None  # --stage-cut where the run set its own (None: Megatron's cut of the blocks)
     rope_kernel: str = "fused"  # --rope-kernel: fused where the run sets apply_rope_fusion
     mtp_layers: int = 0  # --mtp-layers: the run's multi-token-prediction depth
+    reduce_after_flush: bool = False  # --reduce-after-flush: the recipe sets overlap_grad_reduce False
     attention_kernel: str | None = None  # --attention-kernel where the run's attention takes one (`ATTENTION_KERNELS`)
 
     @property
@@ -294,6 +322,7 @@ class MoeRun:
                 *(["--capacity-factor", f"{self.capacity_factor:g}"] if self.capacity_factor is not None else []),
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else []),
+                *(["--reduce-after-flush"] if self.reduce_after_flush else []),
                 *p2p_sync(schedule, self.pipeline)]
 
 
@@ -322,7 +351,7 @@ def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                                    FP8_RECIPES[row["precision"]],
                                    "balanced" if drops else "random", TOKEN_DROP_CAPACITY if drops else None,
                                    recompute_modules=RECOMPUTE_MODULES.get(model, ()),
-                                   attention_kernel=ATTENTION_KERNELS.get(model)),
+                                   attention_kernel=ATTENTION_KERNELS.get(model), **RECIPE_RUNS.get(model, {})),
                             float(row["tokens_per_s_per_gpu"])))
     return expressible, left_out
 
@@ -444,6 +473,9 @@ def main() -> None:
     print("\nNot expressible:")
     for name, why in runs()[1]:
         print(f"{name}: {why}")
+    print("\nRun without what their recipe sets and pipesim does not model:")
+    for model, what in RECIPE_NOT_MODELLED.items():
+        print(f"{model}: {what}")
     print("\nRun as their release's recipe ran them, not as printed:")
     for (container, model), (_, why) in RELEASE_LAYOUTS.items():
         print(f"{container} {model}: {why}")

@@ -20,7 +20,9 @@ EVERY_RECORDED = json.loads((REPO / "benchmarks" / "published_moe.json").read_te
 # Megatron-Bridge's rows; the other sources': tests/test_published_modelzoo.py, tests/test_published_dgxc_deepseek.py
 RECORDED = [row for row in EVERY_RECORDED if row["source"] == SOURCE]
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
-EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "Qwen3_235B_a22B", "GPT OSS"))]
+EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "Qwen3_235B_a22B", "GPT OSS",
+                                                                      "DeepSeekV3"))]
+DEEPSEEK = "25.09 DeepSeekV3 (dropless) t2 p8 v4 E64"  # run as v0.1.0rc4's run_script.py ran its H100 recipe
 
 
 def _flag(args: list[str], flag: str) -> str:
@@ -37,7 +39,7 @@ RELEASE_LAYOUTS = {("26.02.01", "Qwen3_30B_a3B"): (1, 1, 1, 16, 1), ("25.11", "Q
 
 def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
     """Each row's command runs the row's columns, or its release's recipe's layout where that differs."""
-    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 18
+    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 19
     for row, published in zip(RECORDED, EXPRESSIBLE):
         args = shlex.split(row["command"])
         t, p, e, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
@@ -56,7 +58,7 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         assert _flag(args, "--seq-len") == published["sequence_length"] and _flag(args, "--dtype") == (
             "bf16" if gpt_oss else "fp8")
         assert (_flag(args, "--recompute-modules") if "--recompute-modules" in args else None) == (
-            "layernorm,moe_act" if gpt_oss else None)
+            "layernorm,moe_act" if gpt_oss else "mla_up_proj" if row["run"] == DEEPSEEK else None)
         # its sinks leave TransformerEngine cuDNN's fused attention alone (published_moe.py `ATTENTION_KERNELS`)
         assert (_flag(args, "--attention-kernel") if "--attention-kernel" in args else None) == (
             "cudnn" if gpt_oss else None)
@@ -70,7 +72,7 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         assert (_flag(args, "--chunks") if "--chunks" in args else "1") == chunks
         # the recipes that ran HybridEP (t1 p1 E16) or DeepEP (26.02's p2 v12; 25.11's ran NCCL's all-to-all)
         hybridep = (p, chunks, e) == (1, "1", 16)
-        deepep = (published["container"], p, chunks, e) == ("26.02", 2, "12", 8)
+        deepep = (published["container"], p, chunks, e) == ("26.02", 2, "12", 8) or row["run"] == DEEPSEEK
         assert (_flag(args, "--token-dispatcher") if "--token-dispatcher" in args else None) == (
             "hybridep" if hybridep else "deepep" if deepep else None)
         predicted = int(published["global_batch"]) * int(published["sequence_length"]) / (
@@ -79,12 +81,12 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
 
 
 @pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16", "26.02 Qwen3_30B_a3B t1 p2 v12 E8",
-                                 "26.04.01 GPT OSS 120B t1 p4 v1 E8",
+                                 "26.04.01 GPT OSS 120B t1 p4 v1 E8", DEEPSEEK,
                                  "25.11 Qwen3_235B_a22B t2 p8 v4 E32", "25.11 Qwen3_30B_a3B t1 p2 v12 E8",
                                  "25.09 Qwen3_30B_a3B (tokendrop) t1 p2 v12 E8",
                                  *(row["run"] for row in EVERY_RECORDED if row["source"] != SOURCE)])
 def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
-    """Six of Megatron-Bridge's rows and every row of the other sources. The 235B row runs Megatron-core's
+    """Seven of Megatron-Bridge's rows and every row of the other sources. The 235B row runs Megatron-core's
     overlapped pairs, each leaving its layers' all-to-alls exposed as their nodes' order does (planning/experts.py
     `paired_exposed_ms`)."""
     monkeypatch.chdir(REPO)  # the command names its config as examples/, from the repository root
@@ -113,7 +115,21 @@ def test_the_rows_whose_recipe_sets_moe_a2a_overlap_run_megatron_cores_expert_ov
         ("26.04.01", "Qwen3_235B_a22B t2 p8 v4 E32"), ("26.04", "Qwen3_235B_a22B t2 p8 v4 E32"),
         ("26.02.01", "Qwen3_235B_a22B t2 p8 v4 E32"), ("26.02", "Qwen3_235B_a22B t2 p8 v4 E32"),
         ("25.11", "Qwen3_235B_a22B t2 p8 v4 E32"), ("26.02", "Qwen3_30B_a3B t1 p2 v12 E8"),
-        ("25.11", "Qwen3_30B_a3B t1 p2 v12 E8"))}
+        ("25.11", "Qwen3_30B_a3B t1 p2 v12 E8"))} | {DEEPSEEK}
+
+
+def test_deepseek_v3_runs_its_recipes_layout_mtp_layer_and_unoverlapped_gradient_reduce():
+    """25.09's DeepSeek-V3 row: run_script.py's H100 layout (Megatron-core's "Et|(tt|)*30mL": 32 stages, p·v = 8 x 4),
+    deepseek_v3.py's MTP layer and overlap_grad_reduce False (published_moe.py `RECIPE_RUNS`); no other row sets
+    them."""
+    commands = {row["run"]: shlex.split(row["command"]) for row in RECORDED}
+    set_by = {run: [flag for flag in ("--mtp-layers", "--reduce-after-flush") if flag in args]
+              + ["layout"] * _flag(args, "--stage-cut").startswith("layout:") for run, args in commands.items()}
+    assert {run for run, flags in set_by.items() if flags} == {DEEPSEEK}
+    args = commands[DEEPSEEK]
+    assert set_by[DEEPSEEK] == ["--mtp-layers", "--reduce-after-flush", "layout"]
+    assert (_flag(args, "--stage-cut"), _flag(args, "--mtp-layers")) == ("layout:Et|(tt|)*30mL", "1")
+    assert (_flag(args, "-p"), _flag(args, "--chunks"), _flag(args, "--fp8-recipe")) == ("8", "4", "te")
 
 
 def test_every_layout_fits_as_megatron_core_holds_it():
