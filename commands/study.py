@@ -43,11 +43,11 @@ def _optimizers(specs: list[str]) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for spec in specs:
-        name, _, rate = spec.partition("=")
+        name, given, rate = spec.partition("=")
         if name not in DEFAULT_LR:
             raise InputError(f"--optimizer {spec}: choose from {', '.join(DEFAULT_LR)}, optionally as NAME=LR")
         try:
-            lr = float(rate) if rate else DEFAULT_LR[name]
+            lr = float(rate) if given else DEFAULT_LR[name]  # `adam=` names no rate: refused, not the default
         except ValueError:
             lr = math.nan
         if not 0 < lr < math.inf:

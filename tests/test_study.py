@@ -126,6 +126,7 @@ def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_pa
 @pytest.mark.parametrize("args,message", [
     (("--optimizer", "rmsprop"), "--optimizer rmsprop: choose from"),
     (("--optimizer", "adam=-1"), "finite number > 0"),
+    (("--optimizer", "adam="), "--optimizer adam=: the learning rate must be a finite number > 0"),  # trained at 0.002
     (("--optimizer", "adam", "--optimizer", "adam=0.01"), "given twice"),
     (("-s", "nosuch"), "--schedule: unknown 'nosuch'"),
     (("-s", "pipedream-2bw", "-p", 4, "-m", 2, "--layers", 8), "m >= p-1"),
