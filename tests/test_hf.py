@@ -243,6 +243,8 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
     (lambda folder: write_config(folder, {**LLAMA, "vocab_size": -1}), "gives vocab_size -1; it must be a whole"),
     (lambda folder: write_config(folder, {**LLAMA, "hidden_size": 64.0}), "gives hidden_size 64.0; it must be a whole"),
     (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": True}), "gives num_key_value_heads true;"),
+    (lambda folder: write_config(folder, {**LLAMA, "model_type": "mistral", "sliding_window": -4}),
+     "gives sliding_window -4; it must be a whole"),  # its windowed kernels were priced at negative FLOPs
 ])
 def test_an_unreadable_config_is_one_line_before_torch_and_nothing_is_written(tmp_path, make, fragment):
     path, out = make(tmp_path), tmp_path / "profile.json"

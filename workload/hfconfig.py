@@ -19,10 +19,11 @@ CONFIG_NAME = "config.json"
 # model's size), as pipesim names them: its options, which the estimate's tensor-parallel checks read.
 FIGURES = {"layers": "num_hidden_layers", "width": "hidden_size", "heads": "num_attention_heads",
            "ffn": "intermediate_size", "vocab": "vocab_size"}
-# The sizes a config gives (the key/value heads where it is not the attention heads'), each a whole number of at
-# least 1 where given: transformers builds a model of no decoder layers at 0 or fewer, and torch fails deep in the
-# count at a width, head or vocabulary of 0
-SIZES = (*FIGURES.values(), "num_key_value_heads")
+# The sizes a config gives (the key/value heads where it is not the attention heads', the keys a sliding window
+# holds), each a whole number of at least 1 where given: transformers builds a model of no decoder layers at 0 or
+# fewer, torch fails deep in the count at a width, head or vocabulary of 0, and a window of 0 or fewer holds no
+# key (transformers' mask) yet was priced as no window or at negative FLOPs (planning/estimate.py `kernel_flops`)
+SIZES = (*FIGURES.values(), "num_key_value_heads", "sliding_window")
 
 
 class HfConfigError(ValueError):
