@@ -52,6 +52,21 @@ from .estimate import count_what_if, estimated_profile, what_if
 from .tables import print_table
 
 
+def _check_answers(address: str) -> None:
+    """Refuse a --ray HOST:PORT (or ray://HOST:PORT) that nothing answers at, before any work: ray.init retries one
+    for minutes, writing its own log lines (`--ray nosuch:1` still had no answer after 5). "auto" and "local", and
+    an address without a port, are Ray's to resolve."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        raise InputError(f"--ray {address}: nothing answers at {host}:{port} ({exc.strerror or exc})") from None
+
+
 @optional_what_if_options
 @expert_overlap_options
 def sweep(
@@ -181,6 +196,7 @@ def sweep(
         if out is not None and out.suffix == ".parquet":
             require(f"--out {out} (Parquet; a .csv file needs nothing more)", "pyarrow")
         if ray is not None:
+            _check_answers(ray)
             require(f"--ray {ray}", "ray")
         if ray is not None and workers is not None:
             raise InputError("--workers sizes the local process pool, --ray runs on the cluster's CPUs: give one")
