@@ -35,6 +35,12 @@
     layer's products as the rows run them (`RECIPES`) back to back for 32 layers, with the SM clock and power
     meanwhile (`time_sustained`).
     benchmarks/probe_dense.py prices the same products with pipesim.
+(f) *The expert weights' backward* (docs/hardware.md, "The unexplained time scales with a layer's local experts"):
+    (a)'s experts' products at 4 and 16 local experts (fc1, SwiGLU, fc2; a GEMM an expert as TransformerEngine's
+    GroupedLinear loops them) with each weight's gradient handed over as autograd does (part (a)'s) or as
+    Megatron-core runs TransformerEngine (`WEIGHT_PATHS`: the weight-gradient GEMM adding into `main_grad`, a dummy
+    `torch.empty` gradient a weight, DDP's post-hook on each AccumulateGrad node), and the same without the products
+    (the host's work a weight alone): forward host, backward host and device apart, ops and kernels.
 
 Device times are CUDA events; host times time.perf_counter; every figure is the median of `--repeats` after
 `--warmup` runs, with its spread. One JSON lands at `--out`. On a CPU (`--device cpu --quick`) the same code runs
@@ -385,6 +391,16 @@ def activity(run: Callable[[], object], cuda: bool) -> tuple[object, dict, dict]
     return result, counts, by_kernel(launches(events, on_device if cuda else None))
 
 
+def timed_backward(clock: Clock, out: torch.Tensor, grad_out: torch.Tensor) -> tuple[float, float]:
+    """`out`'s backward from a drained device: the host's time to issue it and the device's to run it, ms."""
+    clock.synchronize()
+    start = clock.mark()
+    out.backward(grad_out)
+    launched = clock.mark()
+    clock.synchronize()
+    return clock.host_ms(start, launched), clock.device_ms(start, launched)
+
+
 def probe_moe(shape: MoeShape, device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
     """(a): per local-expert count, the forward's and backward's device and host times, the device's alone after
     the synchronisation and in the backward (`*_held_device_ms`, with how often the hold outlasted the host's issue),
@@ -408,17 +424,12 @@ def probe_moe(shape: MoeShape, device: torch.device, dtype: torch.dtype, budget:
             synchronised = clock.mark()
             out = layer.combine(routed)
             launched = clock.mark()
-            clock.synchronize()
-            backward_start = clock.mark()
-            out.backward(grad_out)
-            backward_launched = clock.mark()
-            clock.synchronize()
+            backward_host_ms, backward_device_ms = timed_backward(clock, out, grad_out)
             return {"forward_device_ms": clock.device_ms(start, launched),
                     "before_sync_host_ms": clock.host_ms(start, synchronised),
                     "after_sync_host_ms": clock.host_ms(synchronised, launched),
                     "after_sync_device_ms": clock.device_ms(synchronised, launched),
-                    "backward_host_ms": clock.host_ms(backward_start, backward_launched),
-                    "backward_device_ms": clock.device_ms(backward_start, backward_launched)}
+                    "backward_host_ms": backward_host_ms, "backward_device_ms": backward_device_ms}
 
         held: dict[str, list[bool | None]] = {"after_sync": [], "backward": []}
 
@@ -1125,6 +1136,179 @@ def probe_dense(shapes: tuple[DenseShape, ...], device: torch.device, dtype: tor
             "products": rows, "sustained": sustained}
 
 
+# --- (f) the expert weights' backward as Megatron-core and TransformerEngine run it -------------------------------
+
+
+@dataclass(frozen=True)
+class WeightPath:
+    """How part (f)'s expert weights get their gradients. `gemms`: the products run (else the passes issue none of
+    their kernels, leaving the host's work a weight alone); `fused`: TransformerEngine's fuse_wgrad_accumulation
+    under Megatron-core, each weight-gradient GEMM adding into its weight's `main_grad` (fetched a weight) and the
+    weight handed a dummy gradient, a `torch.empty` (grouped_linear.py `handle_custom_ddp_from_mcore`, TE v2.2 to
+    v2.9; v2.12 on hand out a cached one's `.detach()`), else autograd's own gradients, as part (a)'s; `hooked`:
+    Megatron-core DDP's post-hook on each weight's AccumulateGrad node (distributed_data_parallel.py
+    `_make_backward_post_hook`, Megatron-LM 1e057005)."""
+
+    gemms: bool
+    fused: bool
+    hooked: bool
+
+
+WEIGHT_PATHS = {"autograd": WeightPath(gemms=True, fused=False, hooked=False),
+                "megatron": WeightPath(gemms=True, fused=True, hooked=True),
+                "no products": WeightPath(gemms=False, fused=False, hooked=False),
+                "dummies": WeightPath(gemms=False, fused=True, hooked=False),
+                "dummies + hooks": WeightPath(gemms=False, fused=True, hooked=True)}
+WEIGHT_LOCAL_EXPERTS = (4, 16)
+
+
+class ExpertProducts(torch.autograd.Function):
+    """One GEMM a local expert on its rows of `x` into one output, as TransformerEngine's GroupedLinear runs them
+    (torch.split of the input, `general_grouped_gemm`'s loop), and its backward: an input-gradient and a
+    weight-gradient GEMM an expert, each weight's gradient as `path` hands it over."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, splits: list[int], path: WeightPath, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.splits, ctx.path = splits, path
+        ctx.save_for_backward(x, *weights)
+        ctx.main_grad_funcs = [lambda weight=weight: weight.main_grad for weight in weights] if path.fused else []
+        out = x.new_empty(x.shape[0], weights[0].shape[0])
+        if path.gemms:
+            for rows, weight, into in zip(x.split(splits), weights, out.split(splits)):
+                torch.mm(rows, weight.t(), out=into)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        path = ctx.path
+        main_grads = [get() for get in ctx.main_grad_funcs]
+        grad_x, grad_weights = None, [None] * len(weights)
+        if path.gemms:
+            grad_x = x.new_empty(x.shape)
+            pieces = list(zip(x.split(ctx.splits), grad_out.split(ctx.splits), grad_x.split(ctx.splits)))
+            for (rows, grads, into), weight in zip(pieces, weights):
+                torch.mm(grads, weight, out=into)
+            for i, (rows, grads, _) in enumerate(pieces):
+                if path.fused:
+                    main_grads[i].addmm_(grads.t(), rows)  # cuBLAS's C = A·B + C, as fuse_wgrad_accumulation
+                else:
+                    grad_weights[i] = grads.t() @ rows
+        if path.fused:
+            for i, weight in enumerate(weights):
+                weight.grad_added_to_main_grad = True
+                grad_weights[i] = torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+        return grad_x, None, None, *grad_weights
+
+
+def ddp_post_hooks(weights: list[torch.Tensor]) -> list:
+    """Megatron-core DDP's backward post-hook on each weight's AccumulateGrad node, registered as it registers them
+    (`param.expand_as(param).grad_fn.next_functions[0][0].register_hook`); returns the nodes, which must be kept."""
+    buckets = dict.fromkeys(weights)  # param_to_bucket_group
+
+    def post_hook(param: torch.Tensor, *unused) -> None:
+        if param in buckets:
+            if param.grad is not None and not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad.data)
+            param.grad = None
+
+    accumulators = []
+    for weight in weights:
+        accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
+        accumulator.register_hook(partial(post_hook, weight))
+        accumulators.append(accumulator)
+    return accumulators
+
+
+def expert_weights(shape: MoeShape, local_experts: int, device: torch.device, dtype: torch.dtype
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """fc1's and fc2's weights a local expert, each with a `main_grad` of its own (16-bit, Megatron-Bridge's)."""
+    def weight(rows: int, columns: int) -> torch.Tensor:
+        made = (torch.randn(rows, columns, device=device) * columns**-0.5).to(dtype).requires_grad_()
+        made.main_grad = torch.zeros_like(made)
+        made.grad_added_to_main_grad = False
+        return made
+
+    return ([weight(2 * shape.ffn, shape.hidden) for _ in range(local_experts)],
+            [weight(shape.hidden, shape.ffn) for _ in range(local_experts)])
+
+
+def routed_experts(x: torch.Tensor, splits: list[int], fc1: list[torch.Tensor], fc2: list[torch.Tensor],
+                   path: WeightPath) -> torch.Tensor:
+    """TEGroupedMLP's experts on rows already sorted by local expert: fc1, SwiGLU over all the rows, fc2."""
+    gate, up = ExpertProducts.apply(x, splits, path, *fc1).chunk(2, dim=-1)
+    return ExpertProducts.apply(F.silu(gate) * up, splits, path, *fc2)
+
+
+def probe_weights(shape: MoeShape, device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
+    """(f): per weight path (`WEIGHT_PATHS`) and local-expert count, the experts' forward's host time, their
+    backward's host and device times (and the device's alone, behind a held device), and the backward's op and
+    kernel counts; derived, the host's microseconds a weight beyond the products' (each path against "no
+    products") and each time's growth a local expert."""
+    clock = Clock(device.type == "cuda")
+    runs = []
+    for name, path in WEIGHT_PATHS.items():
+        for local_experts in WEIGHT_LOCAL_EXPERTS:
+            fc1, fc2 = expert_weights(shape, local_experts, device, dtype)
+            weights = [*fc1, *fc2]
+            kept = ddp_post_hooks(weights) if path.hooked else []
+            rows = shape.rows_per_expert(local_experts)
+            splits = [rows] * local_experts
+            x = torch.randn(rows * local_experts, shape.hidden, device=device, dtype=dtype, requires_grad=True)
+            grad_out = torch.randn(rows * local_experts, shape.hidden, device=device, dtype=dtype)
+
+            def forget_grads() -> None:
+                for tensor in (x, *weights):
+                    tensor.grad = None
+                for weight in weights:
+                    weight.grad_added_to_main_grad = False
+
+            def step() -> dict[str, float]:
+                forget_grads()
+                clock.synchronize()
+                start = clock.mark()
+                out = routed_experts(x, splits, fc1, fc2, path)
+                forward_launched = clock.mark()
+                backward_host_ms, backward_device_ms = timed_backward(clock, out, grad_out)
+                return {"forward_host_ms": clock.host_ms(start, forward_launched),
+                        "backward_host_ms": backward_host_ms, "backward_device_ms": backward_device_ms}
+
+            def held_step() -> dict[str, float]:
+                forget_grads()
+                out = routed_experts(x, splits, fc1, fc2, path)
+                start = clock.held_start(MOE_HOLD_CYCLES)
+                out.backward(grad_out)
+                end = clock.mark()
+                clock.synchronize()
+                return {"backward_held_device_ms": clock.device_ms(start, end)}
+
+            timings = repeat(step, budget) | repeat(held_step, budget)
+            forget_grads()
+            out = routed_experts(x, splits, fc1, fc2, path)
+            _, counts, kernels = activity(lambda: out.backward(grad_out), clock.cuda)
+            runs.append({"path": name, **asdict(path), "local_experts": local_experts, "weights": len(weights),
+                         "hooks": len(kept), "rows_per_expert": rows, "timings": timings, "counts": counts,
+                         "kernels": kernels["by_op"]})
+    return {"shape": asdict(shape), "dtype": str(dtype), "runs": runs, "derived": weights_derived(runs)}
+
+
+def weights_derived(runs: list[dict]) -> dict:
+    """Per path, each median's growth a local expert between the fewest and the most local experts (us), and the
+    backward's host microseconds a weight beyond "no products"'s at each local-expert count."""
+    found = {(run["path"], run["local_experts"]): run for run in runs}
+    fewest, most = WEIGHT_LOCAL_EXPERTS[0], WEIGHT_LOCAL_EXPERTS[-1]
+
+    def median(path: str, local_experts: int, key: str) -> float:
+        return found[path, local_experts]["timings"][key].median_ms
+
+    return {path: {"us_per_added_local_expert": {key: (median(path, most, key) - median(path, fewest, key)) * 1e3
+                                                 / (most - fewest) for key in found[path, most]["timings"]},
+                   "backward_host_us_per_weight_over_no_products": {
+                       str(n): (median(path, n, "backward_host_ms") - median("no products", n, "backward_host_ms"))
+                       * 1e3 / found[path, n]["weights"] for n in WEIGHT_LOCAL_EXPERTS}}
+            for path in WEIGHT_PATHS}
+
+
 # --- the report --------------------------------------------------------------------------------------------------
 
 
@@ -1245,13 +1429,29 @@ def dense_tables(dense_result: dict) -> list[Table]:
     return [dense, sustained]
 
 
+def weights_tables(weights_result: dict) -> list[Table]:
+    """Part (f)'s paths: host and device ms a run, and the host's us a weight beyond the products'."""
+    table = Table("(f) the experts' weights' backward by path, ms (held: the device's time alone)",
+                  ["path", "local experts", "forward host", "backward host", "backward device", "held backward",
+                   "backward ops", "backward kernels", "host us a weight over no products"], keys=2)
+    for run in weights_result["runs"]:
+        t = run["timings"]
+        over = weights_result["derived"][run["path"]]["backward_host_us_per_weight_over_no_products"]
+        table.rows.append([run["path"], str(run["local_experts"]),
+                           *(f"{t[key].median_ms:.3f}" for key in ("forward_host_ms", "backward_host_ms",
+                                                                   "backward_device_ms", "backward_held_device_ms")),
+                           cell(run["counts"]["ops"]), cell(run["counts"]["kernels"]),
+                           f"{over[str(run['local_experts'])]:.1f}"])
+    return [table]
+
+
 TABLES = {"moe": moe_tables, "attention": attention_tables, "gemm": gemm_tables, "combine": combine_tables,
-          "dense": dense_tables}
+          "dense": dense_tables, "weights": weights_tables}
 
 
 def tables(result: dict) -> list[Table]:
     """The medians of the parts the probe ran, as tables: MoE layers, attention kernels, expert GEMMs, the
-    combine's kernels, the Llama rows' products."""
+    combine's kernels, the Llama rows' products, the experts' weights' backward."""
     return [table for part, build in TABLES.items() if part in result for table in build(result[part])]
 
 
@@ -1384,7 +1584,8 @@ def main(argv: list[str] | None = None) -> int:
              "attention": partial(probe_attention, attention_shape, device, dtype, budget, args.no_compile),
              "gemm": partial(probe_gemms, moe_shape, device, dtype, budget),
              "combine": partial(probe_combine, moe_shape, device, budget),
-             "dense": partial(probe_dense, dense_shapes, device, dtype, budget)}
+             "dense": partial(probe_dense, dense_shapes, device, dtype, budget),
+             "weights": partial(probe_weights, moe_shape, device, dtype, budget)}
     for name in (name for name in parts if name in chosen):
         probe = parts[name]
         started = time.perf_counter()

@@ -29,7 +29,7 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     result = json.loads(out.read_text())
     assert result["environment"]["device"] == "cpu" and result["environment"]["torch"] == torch.__version__
     assert result["budget"] == {"warmup": 0, "repeats": 2}
-    assert set(result["seconds"]) == {"moe", "attention", "gemm", "combine", "dense"}
+    assert set(result["seconds"]) == {"moe", "attention", "gemm", "combine", "dense", "weights"}
 
     layers = result["moe"]["layers"]
     assert [layer["local_experts"] for layer in layers] == [4, 8, 16]
@@ -89,6 +89,19 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
         assert row["loop_profile"]["ops"] == row["local_experts"] and row["one_gemm_profile"]["ops"] == 1
         assert row["loop_profile"]["by_op"]["aten::mm"]["count"] == row["local_experts"]
     assert "compute capability 8.9" in result["gemm"]["fp8"]["skipped"]
+
+    runs = result["weights"]["runs"]  # part (f): each path at 4 and 16 local experts, two weights an expert
+    assert [(run["path"], run["local_experts"]) for run in runs] == [
+        (path, n) for path in probe.WEIGHT_PATHS for n in (4, 16)]
+    for run in runs:
+        assert run["weights"] == 2 * run["local_experts"]
+        assert run["hooks"] == (run["weights"] if run["hooked"] else 0)
+        assert {"forward_host_ms", "backward_host_ms", "backward_device_ms", "backward_held_device_ms"} == set(
+            run["timings"])
+    ops = {(run["path"], run["local_experts"]): run["counts"]["ops"] for run in runs}
+    assert ops["no products", 16] == ops["no products", 4]  # no weight gets a gradient: nothing a weight
+    assert ops["dummies", 16] - ops["dummies", 4] == ops["dummies + hooks", 16] - ops["dummies + hooks", 4] > 0
+    assert set(result["weights"]["derived"]) == set(probe.WEIGHT_PATHS)
 
 
 def test_the_dense_part_alone_times_each_ranks_product_in_each_kind_that_runs_its_orientation(probe, tmp_path):
@@ -159,7 +172,8 @@ def test_a_plain_kind_multiplies_its_operands_and_adds_into_its_accumulator(prob
 
 @pytest.mark.parametrize("flags,message", [
     (["--repeats", "0"], "--repeats: 0 is not allowed"),
-    (["--parts", "dense,moes"], "--parts: 'moes' is no part; give some of moe, attention, gemm, combine, dense"),
+    (["--parts", "dense,moes"],
+     "--parts: 'moes' is no part; give some of moe, attention, gemm, combine, dense, weights"),
     (["--parts", "gemms,dense,moes"], "--parts: 'gemms', 'moes' are no parts; give some of moe, attention, "),
     (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from "),  # quoted or not by version
     (["--device", "cpu", "--out", "/nonexistent-folder/probe.json"], "--out: the folder /nonexistent-folder"),
@@ -173,6 +187,37 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(probe, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_weights_paths_compute_autograds_gradients_and_megatrons_leave_them_in_main_grad(probe):
+    """Part (f)'s products are the experts' (fc1, SwiGLU, fc2 on each expert's rows), and Megatron-core's path adds
+    each weight's gradient into its main_grad, where autograd's leaves it in .grad, its hooks leaving .grad None."""
+    torch.manual_seed(2)
+    shape = probe.MoeShape(hidden=8, ffn=4, experts=4, top_k=2, tokens=6)
+    splits = [5, 7]
+    x = torch.randn(sum(splits), shape.hidden, dtype=torch.float64)
+    grad_out = torch.randn(sum(splits), shape.hidden, dtype=torch.float64)
+    fc1, fc2 = probe.expert_weights(shape, 2, torch.device("cpu"), torch.float64)
+    weights = [*fc1, *fc2]
+    expected = []
+    for rows, up, down in zip(x.split(splits), fc1, fc2):
+        gate, lin = (rows @ up.t()).chunk(2, dim=-1)
+        expected.append((torch.nn.functional.silu(gate) * lin) @ down.t())
+    grads = torch.autograd.grad(torch.cat(expected), weights, grad_out)
+
+    out = probe.routed_experts(x, splits, fc1, fc2, probe.WEIGHT_PATHS["autograd"])
+    assert torch.allclose(out, torch.cat(expected))
+    out.backward(grad_out)
+    assert all(torch.allclose(w.grad, g) for w, g in zip(weights, grads))
+    assert all(not w.main_grad.any() for w in weights)
+
+    for w in weights:
+        w.grad = None
+    kept = probe.ddp_post_hooks(weights)
+    assert len(kept) == len(weights)
+    probe.routed_experts(x, splits, fc1, fc2, probe.WEIGHT_PATHS["megatron"]).backward(grad_out)
+    assert all(w.grad is None and w.grad_added_to_main_grad for w in weights)
+    assert all(torch.allclose(w.main_grad, g) for w, g in zip(weights, grads))
 
 
 def test_the_moe_layer_is_each_tokens_experts_weighted_by_their_renormalised_probabilities(probe):
