@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -49,17 +50,33 @@ def test_a_measured_incomplete_trace_round_trips(predicted, tmp_path):
     (lambda meta: meta.pop("schedule"), "meta.schedule: Field required"),
     (lambda meta: meta.update(flavour=1), "meta: unknown field 'flavour'"),
     (lambda meta: meta.update(complete="yes"), "meta.complete: Input should be a valid boolean"),
+    # counts out of range: `view` drew such a trace, `compare` called it another run
+    (lambda meta: meta.update(microbatches=-4), "meta.microbatches must be a whole number >= 1 (got -4)"),
+    (lambda meta: meta.update(microbatch_size=0), "meta.microbatch_size must be a whole number >= 1 (got 0)"),
 ])
 def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
+    _refused_once_edited(predicted, tmp_path, lambda doc: edit(doc["pipesim"]["meta"]), fragment)
+
+
+def _refused_once_edited(trace, tmp_path, edit, fragment):
+    """`trace` written, its document changed by `edit` and read again: refused, the message holding `fragment`."""
     path = tmp_path / "t.json"
-    write_trace(predicted, path)
+    write_trace(trace, path)
     doc = json.loads(path.read_text())
-    edit(doc["pipesim"]["meta"])
+    edit(doc)
     path.write_text(json.dumps(doc))
-    with pytest.raises(TraceError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(TraceError, match=re.escape(fragment)):
         read_trace(path)
 
 
+@pytest.mark.parametrize("edit,fragment", [
+    (lambda doc: doc["pipesim"].update(num_devices=-1), "num_devices must be a whole number >= 1 (got -1)"),
+    (lambda doc: next(e for e in doc["traceEvents"] if e.get("ph") == "X").update(pid=3),
+     "trace event 0 (F): pid 3 is not one of the trace's 3 devices (0..2)"),
+])
+def test_devices_out_of_range_are_refused(predicted, tmp_path, edit, fragment):
+    """`view` drew a trace of -1 devices, and an op on a device the trace does not have."""
+    _refused_once_edited(predicted, tmp_path, edit, fragment)
 
 
 @pytest.mark.parametrize("field,value,fragment", [
@@ -68,14 +85,9 @@ def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
     ("dur", "long", "a field is not a number"),
 ])
 def test_an_op_that_ends_before_it_starts_or_is_not_a_time_is_refused(predicted, tmp_path, field, value, fragment):
-    path = tmp_path / "t.json"
-    write_trace(predicted, path)
-    doc = json.loads(path.read_text())
-    op = next(e for e in doc["traceEvents"] if e.get("ph") == "X")
-    op[field] = value
-    path.write_text(json.dumps(doc))
-    with pytest.raises(TraceError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-        read_trace(path)
+    _refused_once_edited(predicted, tmp_path,
+                         lambda doc: next(e for e in doc["traceEvents"] if e.get("ph") == "X").update({field: value}),
+                         fragment)
 
 
 @settings(max_examples=80, deadline=None)

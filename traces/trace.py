@@ -205,9 +205,13 @@ class TraceMeta:
         if unknown:
             raise TraceError(f"pipesim header: meta: unknown field {unknown[0]!r}")
         try:
-            return TypeAdapter(cls).validate_json(json.dumps(doc), strict=True)  # JSON types, no coercion
+            meta = TypeAdapter(cls).validate_json(json.dumps(doc), strict=True)  # JSON types, no coercion
         except ValidationError as exc:  # a field's error: its loc names it (`doc` is an object)
             raise TraceError(f"pipesim header: meta.{first_error(exc)}") from None
+        for name in ("microbatches", "minibatches", "pipelines", "microbatch_size"):  # a count, which view drew
+            if getattr(meta, name) < 1:  # from whatever it was
+                raise TraceError(f"pipesim header: meta.{name} must be a whole number >= 1 (got {getattr(meta, name)})")
+        return meta
 
 
 @dataclass(eq=False)
@@ -314,6 +318,8 @@ def from_chrome(doc: Any) -> Trace:
         meta = head["meta"]
     except (KeyError, TypeError, ValueError) as exc:
         raise TraceError(f"pipesim header: missing or malformed field {exc}") from None
+    if num_devices < 1:
+        raise TraceError(f"pipesim header: num_devices must be a whole number >= 1 (got {num_devices})")
     streams = tuple(head.get("streams", ()))
     if streams != STREAMS[:max(len(streams), 3)]:  # a trace written before the network stream names three
         raise TraceError(f"pipesim header: streams must be {list(STREAMS)}")
@@ -350,6 +356,11 @@ def from_chrome(doc: Any) -> Trace:
         i = int(bad[0])
         raise TraceError(f"trace event {i} ({kinds[ops.kind[i]]} on device {ops.device[i]}): ts must be finite and "
                          f"dur a finite number >= 0 (got ts={float(ops.start_us[i]):g}, dur={float(ops.dur_us[i]):g})")
+    outside = np.flatnonzero((ops.device < 0) | (ops.device >= num_devices))
+    if len(outside):
+        i = int(outside[0])
+        raise TraceError(f"trace event {i} ({kinds[ops.kind[i]]}): pid {int(ops.device[i])} is not one of the trace's "
+                         f"{num_devices} devices (0..{num_devices - 1})")
     counters = {}
     for name in counter_names:
         per_device = []
