@@ -380,10 +380,11 @@ def layout_blocks(kinds: Sequence[str], stages: int, layout: Sequence[str], mtp_
 
 
 def _block_run(kinds: Sequence[str], stages: int) -> tuple[int, int, str]:
-    """Where the model's blocks (the layers of its most common kind, on a tie the first seen) start, how many
-    there are, and their kind; refused where they are not one contiguous run."""
+    """Where the model's blocks (the layers of its most common kind, on a tie the first seen between the first
+    and last layers: one block ties with the embedding) start, how many there are, and their kind; refused where
+    they are not one contiguous run."""
     _check(kinds, stages)
-    kind = max(dict.fromkeys(kinds), key=kinds.count)
+    kind = max(dict.fromkeys(kinds[1:-1] or kinds), key=kinds.count)
     where = [i for i, k in enumerate(kinds) if k == kind]
     first, blocks = where[0], len(where)
     if where[-1] - first + 1 != blocks:

@@ -70,6 +70,15 @@ def test_the_layers_before_the_blocks_go_with_e_and_those_after_with_l_but_the_n
     assert layout_blocks(gpt, 4, megatron_layout("E(tt|)*3ttL")) == equal_blocks(gpt, 4)
 
 
+def test_a_model_of_one_block_cuts_its_block_not_its_embedding():
+    """One block is as common as the embedding: the block is the t (the embedding was, so "E|t|L" left stage 0
+    without a layer)."""
+    assert layout_blocks(["_Embed", "_Block", "Sequential"], 3, megatron_layout("E|t|L")) == [0, 1, 2, 3]
+    one = [*HF[:2], *HF[-2:]]  # the embedding, one decoder layer, the norm and the head
+    assert layout_blocks(one, 3, megatron_layout("E|t|L")) == [0, 1, 2, 4]
+    assert layout_blocks(one, 2, megatron_layout("E|tL")) == [0, 1, 4]
+
+
 def test_deepseek_v3s_recipe_layout_gives_two_blocks_a_stage_and_the_mtp_layer_with_the_loss():
     """Megatron-Bridge's DeepSeek-V3 layout, 61 blocks on 32 stages: E and one block, 30 stages of two, then the
     MTP layer with the head."""
