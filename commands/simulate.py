@@ -243,6 +243,10 @@ def simulate(
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            **allocator_fields(allocator, counted, parallel, optimizer_step))
         check_p2p_sync(ctx, compared, scenario.measured)
+        if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:
+            placed = scenario.dag[0].num_stages  # graphpipe ran at the file's p whatever --stages said
+            raise InputError(f"--stages {stages}: the --graph file's {placed} stages are graphpipe's p; give "
+                             f"--stages {placed} or leave it out")
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages

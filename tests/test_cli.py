@@ -6,12 +6,15 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from pipesim.schedules import METHODS
 from tests.conftest import help_records, pipesim, simulate_json
 from tests.test_view import _page_data
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_issue_example_json():
@@ -122,6 +125,8 @@ def test_schedules_lists_methods():
     (["-s", "1f1b", "--advance", "2"], "--advance applies to avgpipe only"),
     (["-s", "avgpipe", "--elastic-alpha", "0"], "--elastic-alpha"),
     (["-s", "graphpipe", "--graph", "/no/such/graph.json"], "--graph: cannot read graph file /no/such/graph.json"),
+    (["-s", "graphpipe", "--graph", EXAMPLES / "dag.json", "-p", "3"],  # graphpipe ran at p = 6 with no word
+     "--stages 3: the --graph file's 6 stages are graphpipe's p; give --stages 6 or leave it out"),
     (["-s", "pipedream-2bw", "-p", "8", "-m", "4"], "m >= p-1"),
     (["-s", "1f1b", "-p", "64", "-m", "100000"], "lower m (--microbatches)"),
     # the picosecond clock: a run whose times overflow it showed a traceback, a link's time past it a wrong answer
