@@ -27,6 +27,7 @@ from .common import (
     check_outputs,
     check_prediction,
     fail,
+    is_given,
     read_error,
     require,
     require_model_data,
@@ -64,6 +65,7 @@ STUDY_MODELS = ("mlp", "cnn")
 
 
 def study(
+    ctx: typer.Context,
     schedules: Annotated[list[str] | None, typer.Option(
         "--schedule", "-s", metavar="NAME", help="Method to train (repeatable). Default: gpipe, 1f1b, pipedream, "
                                                  "pipedream-2bw, spectrain, pipeoptim, xpipe, avgpipe.")] = None,
@@ -108,6 +110,12 @@ def study(
         check_outputs([("--results", None if plot_only else results), ("--html", html)],
                       [("--results", results if plot_only else None)])
         if plot_only:
+            trained = ["/".join([param.opts[0], *param.secondary_opts]) for param in ctx.command.params
+                       if is_given(ctx, param.name)
+                       and param.name not in ("results", "html", "plot_only", "as_json")]
+            if trained:  # ignored, where the table and page showed --results' own setting
+                raise InputError(f"{', '.join(trained)}: --plot-only trains nothing and shows --results as it was "
+                                 "recorded; leave it out")
             saved = load_results(results)
             setting = Setting(**saved.setting)
             chosen, rates, seed_list = recorded_arms(saved)

@@ -152,6 +152,17 @@ def test_plot_only_needs_a_readable_results_file(tmp_path, content, message):
     assert code == 2 and err.startswith("error: --results: ") and message in err
 
 
+@pytest.mark.parametrize("args,flags", [
+    (("-p", 2), "--stages"), (("-s", "1f1b", "--model", "cnn"), "--schedule, --model"),
+    (("--no-timing",), "--timing/--no-timing"),
+])
+def test_plot_only_refuses_the_flags_of_a_study_it_does_not_train(tmp_path, args, flags):
+    """They were ignored: `--plot-only -p 2` showed the recorded p = 4 study as though it were p = 2's."""
+    code, out, err = pipesim("study", "--plot-only", "--results", COMMITTED, "--html", tmp_path / "p.html", *args)
+    assert code == 2 and out == "" and not list(tmp_path.iterdir())
+    assert err == f"error: {flags}: --plot-only trains nothing and shows --results as it was recorded; leave it out\n"
+
+
 @pytest.mark.slow
 def test_timing_measures_spawned_ranks_and_predicts_them_from_a_calibration_with_the_runtime_terms(tmp_path,
                                                                                                   monkeypatch):
