@@ -7,7 +7,8 @@ first.
 
 Each expressible row's `pipesim simulate` command is built from the row's own columns and the model's Hugging Face
 config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine's float8 products (`--dtype fp8`)
-with the row's scaling (`FP8_RECIPES`), flash attention, no recomputation, the distributed optimizer (`--zero 1`)
+with the row's scaling (`FP8_RECIPES`), cuDNN's fused attention (`ATTENTION_KERNEL`), no recomputation, the
+distributed optimizer (`--zero 1`)
 with 16-bit gradients (`--precision megatron-16bit-grads`: every Qwen3 and gpt-oss recipe sets grad_reduce_in_fp32
 False, perf_recipes/_common.py's _perf_precision and _benchmark_common at 067f987df0,
 scripts/performance/configs/qwen*/qwen3_llm_pretrain.py and gpt_oss/gpt_oss_llm_pretrain.py before, and
@@ -71,10 +72,11 @@ accumulate_allreduce_grads_in_fp32 under --bf16) added inside the weight-gradien
 gradient_accumulation_fusion, with the APEX kernel NGC's PyTorch containers ship), the row's recomputed modules
 (`--recompute-modules`; "norm, act" is the H100 command's `--recompute-modules moe_act layernorm`), its dispatcher
 (DeepEP's, or NCCL's all-to-all for "A2A"), Megatron-core's expert overlap on the "+1f1b overlap" row
-(A2A_OVERLAP=1), and the layers cut with the embedding and the loss counted as a layer each (the yaml's
---account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: Megatron-core's
-get_transformer_layer_offset, megatron/core/transformer/transformer_layer.py, splits the 94 layers and those two
-evenly over the p·v chunks: `MODELZOO_SPLIT_LAYERS`). Routing is forced balance (`--routing random`), as the
+(A2A_OVERLAP=1), cuDNN's fused attention (`ATTENTION_KERNEL`), and the layers cut with the embedding and the loss
+counted as a layer each (the yaml's --account-for-embedding-in-pipeline-split and
+--account-for-loss-in-pipeline-split: Megatron-core's get_transformer_layer_offset,
+megatron/core/transformer/transformer_layer.py, splits the 94 layers and those two evenly over the p·v chunks:
+`MODELZOO_SPLIT_LAYERS`). Routing is forced balance (`--routing random`), as the
 table's H100 command runs it (best_practice/Qwen3/run_235b.sh at b0b92ff); the other rows give no command of their
 own and are run so too. A row's published tokens/s per GPU is its global batch's tokens over its step time and GPUs.
 
@@ -86,10 +88,10 @@ the recipe's multi-token-prediction layer (`--mtp-layers 1`: deepseek_v3.py's pr
 `mla_up_proj` under selective recomputation, Megatron-core's all-to-all dispatcher with MegatronTokenDropCallback's
 capacity 1 padded to capacity (`--capacity-factor 1`, balanced: USE_TOKEN_DROP), float32 gradient reduction
 (bf16_mixed's and the recipe's DDP config's grad_reduce_in_fp32: `--precision megatron`), gradients accumulated
-inside the products (DeepSeekConfig's gradient_accumulation_fusion), TransformerEngine's cross entropy and norms, and
-RoPE unfused (DeepSeekConfig's apply_rope_fusion False: `--rope-kernel eager`). Its shared expert's overlap with the
-dispatch (moe_shared_expert_overlap) is not modelled. Llama 4 Maverick's rows are listed with why they are not run
-(`DGXC_NOT_EXPRESSIBLE`).
+inside the products (DeepSeekConfig's gradient_accumulation_fusion), TransformerEngine's cross entropy and norms,
+cuDNN's fused attention (`ATTENTION_KERNEL`), and RoPE unfused (DeepSeekConfig's apply_rope_fusion False:
+`--rope-kernel eager`). Its shared expert's overlap with the dispatch (moe_shared_expert_overlap) is not modelled.
+Llama 4 Maverick's rows are listed with why they are not run (`DGXC_NOT_EXPRESSIBLE`).
 
     python benchmarks/published_moe.py                 # the table, the rows left out, then each row's command
     python benchmarks/published_moe.py --json out.json # and the rows as JSON
@@ -139,12 +141,26 @@ FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te", "BF16": No
 # DeepSeek-V3's 25.09 H100 run: ["mla_up_proj", "mlp"] (run_script.py line 91 at v0.1.0rc4), "mlp" not modelled
 # (`RECIPE_NOT_MODELLED`)
 RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act"), "DeepSeekV3": ("mla_up_proj",)}
-# the model -> --attention-kernel where the run's attention can take one fused kernel only: gpt-oss's learned sinks
-# (Megatron-Bridge's gpt_oss_bridge.py sets softmax_type "learnable") disable TransformerEngine's FlashAttention,
-# leaving its FusedAttention, cuDNN's, which it selects ahead of its unfused path
-# (transformer_engine/pytorch/attention/dot_product_attention/utils.py at d0067d0da, "Disabling FlashAttention for
-# softmax_type" and "Selected backend"); the rest run the default
-ATTENTION_KERNELS = {"GPT OSS 120B": "cudnn"}
+# --attention-kernel: every source's row ran TransformerEngine's FusedAttention, cuDNN's kernel. TransformerEngine
+# enables FlashAttention and FusedAttention unless NVTE_FLASH_ATTN or NVTE_FUSED_ATTN is 0 (both read as 1 unset),
+# and where both take the shape on Hopper it drops FlashAttention ("Disabling FlashAttention to give FusedAttention
+# preference on Hopper+": get_attention_backend in transformer_engine/pytorch/attention/dot_product_attention/utils.py
+# from v2.2 to v2.16, in pytorch/dot_product_attention/utils.py at v2.2). Every source leaves both on:
+# Megatron-Bridge v0.1.0rc4's scripts/performance/utils/executors.py (25.09) sets both to 1 (PERF_ENV_VARS, lines
+# 43-44), its later scripts set neither (cf457d8d3 took them out), and Megatron-core's attention_backend auto, the
+# default (the recipes' None sets nothing), sets both to 1 (language_module.py _set_attention_backend); the Model Zoo's
+# Qwen3-235B-A22B.yaml at b0b92ff sets neither, nor --attention-backend (its --use-flash-attn reaches only
+# Megatron-LM's legacy model, megatron/legacy/model/transformer.py at 1e057005); NeMo's scripts/performance/utils.py at
+# 7a8f1cc7bc, DGX Cloud's launcher, sets both to 1. Their TransformerEngine: 2.7 (25.09) to 2.16 (26.06), as
+# Megatron-Bridge's docs/releases/software-versions.md lists them; the Model Zoo's dockers/Dockerfile at b0b92ff builds
+# 07afda98 (2.6.0.dev0) with cuDNN 9.11.0.92; NeMo 25.04.01's is not in these sources, a release before NeMo
+# r2.3.0's 7a8f1cc7bc (2 June 2025), so 2.4 at the latest. The shapes: Qwen3's head dim 128 (its QK-norm runs before
+# the kernel) is in cuDNN's range; DeepSeek-V3's MLA, q and k 192 against v 128, leaves FlashAttention out ("does not
+# support MLA") and cuDNN takes it in training on sm90 (transformer_engine/common/fused_attn/fused_attn.cpp
+# nvte_get_fused_attn_backend: head dims up to 256 from cuDNN 9.0 to v2.4, from 9.5 at v2.5 on; v2.7's exclusion of
+# unequal dims under cuDNN 9.11-9.13 spares 192 with 128); gpt-oss's learned sinks (gpt_oss_bridge.py: softmax_type
+# "learnable") leave FlashAttention out whatever the environment ("Disabling FlashAttention for softmax_type")
+ATTENTION_KERNEL = "cudnn"
 # (model, t, p, v, E) -> (--token-dispatcher, the containers whose H100 recipe for that layout ran it) in
 # Megatron-Bridge's history (README.md there); the rest ran the model provider's default, NCCL's all-to-all
 # (qwen_provider.py: moe_token_dispatcher_type), as 25.11's p2 v12 recipe did (its base config names no flex backend)
@@ -288,7 +304,6 @@ class MoeRun:
     rope_kernel: str = "fused"  # --rope-kernel: fused where the run sets apply_rope_fusion
     mtp_layers: int = 0  # --mtp-layers: the run's multi-token-prediction depth
     reduce_after_flush: bool = False  # --reduce-after-flush: the recipe sets overlap_grad_reduce False
-    attention_kernel: str | None = None  # --attention-kernel where the run's attention takes one (`ATTENTION_KERNELS`)
 
     @property
     def data(self) -> int:
@@ -305,8 +320,7 @@ class MoeRun:
         cut = self.stage_cut or ("equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced")
         dtype = ["fp8", "--fp8-recipe", self.fp8_recipe] if self.fp8_recipe else ["bf16"]
         return ["simulate", "--model", f"hf:{EXAMPLES}/{self.preset}", "--seq-len", str(self.seq_len), "--dtype",
-                *dtype, "--attention", "flash",
-                *(["--attention-kernel", self.attention_kernel] if self.attention_kernel else []),
+                *dtype, "--attention", "flash", "--attention-kernel", ATTENTION_KERNEL,
                 "-b", str(self.microbatch_size),
                 "--gpu", GPU,
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
@@ -351,7 +365,7 @@ def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                                    FP8_RECIPES[row["precision"]],
                                    "balanced" if drops else "random", TOKEN_DROP_CAPACITY if drops else None,
                                    recompute_modules=RECOMPUTE_MODULES.get(model, ()),
-                                   attention_kernel=ATTENTION_KERNELS.get(model), **RECIPE_RUNS.get(model, {})),
+                                   **RECIPE_RUNS.get(model, {})),
                             float(row["tokens_per_s_per_gpu"])))
     return expressible, left_out
 

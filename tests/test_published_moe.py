@@ -59,9 +59,8 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
             "bf16" if gpt_oss else "fp8")
         assert (_flag(args, "--recompute-modules") if "--recompute-modules" in args else None) == (
             "layernorm,moe_act" if gpt_oss else "mla_up_proj" if row["run"] == DEEPSEEK else None)
-        # its sinks leave TransformerEngine cuDNN's fused attention alone (published_moe.py `ATTENTION_KERNELS`)
-        assert (_flag(args, "--attention-kernel") if "--attention-kernel" in args else None) == (
-            "cudnn" if gpt_oss else None)
+        # TransformerEngine picks cuDNN's fused attention on Hopper (published_moe.py `ATTENTION_KERNEL`)
+        assert _flag(args, "--attention-kernel") == "cudnn"
         assert (_flag(args, "--rank-order"), _flag(args, "--expert-tensor-parallel")) == ("megatron", "1")
         assert _flag(args, "--expert-gemm") == "per-expert"  # TEGroupedMLP: a GEMM per local expert
         # forced balance draws each token's experts (random), but the token-drop runs pad each expert to its share
