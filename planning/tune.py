@@ -435,9 +435,16 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     kept: list[list[Result]] = []
     out: deque[Shape | Candidate | Result] = deque()  # handed to a worker (searched, simulated or replayed), in order
 
+    def beaten() -> float:
+        """The speed key a result must beat to matter: `above`, and once the groups are full, all under the last
+        kept (a tie with it ranks by the rest of `rank_key`)."""
+        if len(kept) < groups:
+            return above
+        return max(above, math.nextafter(speed_key(kept[-1][0].samples_per_s), -math.inf))
+
     def could_win(speed: float) -> bool:
         """Whether a result this fast beats `above` and its group would rank no lower than the last kept."""
-        return speed > above and not (len(kept) >= groups and speed < speed_key(kept[-1][0].samples_per_s))
+        return speed > beaten()
 
     def worth_replaying(result: Result) -> bool:
         """Whether a result known by its peak less the reserve could be kept at some peak: its speed could win
@@ -454,7 +461,7 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
                 heapq.heappush(heap, (-candidate.max_samples_per_s, item.index, candidate))
             return
         if isinstance(item, Candidate):
-            result = built.floor(item)  # its peak without the caching allocator's reserve, a lower bound
+            result = built.floor(item, beaten())  # its peak without the caching allocator's reserve, a lower bound
             if not worth_replaying(result):
                 return  # cut by its speed whatever its peak, or refused at its least peak and at any larger one
             if item.index not in built.results:  # replayed meanwhile, and taken again after what is out
@@ -471,7 +478,7 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
 
     while heap or out:
-        built.ahead(heap, out, could_win, worth_replaying)
+        built.ahead(heap, out, beaten(), worth_replaying)
         if staler_ahead and kept:
             built.ahead_of_staler(speed_key(kept[0][0].samples_per_s))
         if not could_win(speed_key(-heap[0][0]) if heap else above):
@@ -496,7 +503,7 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             if searched:
                 built.submit_search(item)
             else:
-                built.submit(item)
+                built.submit(item, beaten())
             out.append(item)
     return kept
 
@@ -547,6 +554,7 @@ class _Built:
         self.orders = orders  # the shapes' own: a fixed order is built once
         self.candidates: dict[int, Candidate | None] = {}
         self.floors: dict[int, Result] = {}  # simulated, the peak without the caching allocator's reserve
+        self._beaten: dict[int, float] = {}  # the speed key each floor was found against: one no faster may be a bound
         self.results: dict[int, Result] = {}  # the reserve replayed too: the peak simulate gives
         self._long_runs: dict[int, Trace] = {}  # floors' long runs as the replay reads them (`_floor`), until replayed
         self.partitioned: dict[int, Shape] = {}  # shapes bounded again on their partitions before they are built
@@ -750,10 +758,10 @@ class _Built:
         return self._shipped[id(value)][1]
 
     def ahead(self, heap: list[tuple[float, int, Shape | Candidate]], out: deque[Shape | Candidate | Result],
-              could_win: Callable[[float], bool], worth_replaying: Callable[[Result], bool]) -> None:
+              beaten: float, worth_replaying: Callable[[Result], bool]) -> None:
         """Idle workers take, ahead of the search, the next steps it will want: the caching allocator's replay
         (`result`) of a candidate whose simulation has come back (out, or on `heap`) and is `worth_replaying`
-        as things stand, and, for the best items near the top of `heap` whose bound `could_win`, a candidate's
+        as things stand, and, for the best items near the top of `heap` whose bound beats `beaten`, a candidate's
         critical path (`tighten`), a tightened candidate's simulation (`floor`), a partitioned searched order's
         search and a fixed chain's costs on its partition (`candidate`). Each is a function of the item alone,
         taken by the search when (and only if) it comes to that step as it would without workers ahead, so what
@@ -766,12 +774,12 @@ class _Built:
             if isinstance(item, Candidate):
                 self._replay_ahead(item, worth_replaying)
         for key, index, item in sorted(heap[:AHEAD_READ]):
-            if not could_win(speed_key(-key)):
+            if speed_key(-key) <= beaten:
                 return
             if isinstance(item, Candidate) and not item.critical:
                 self._path_ahead(item)
             elif isinstance(item, Candidate):
-                self.submit(item)
+                self.submit(item, beaten)
                 self._replay_ahead(item, worth_replaying)
             elif item.partitioned and METHODS[item.config.schedule].needs_costs:
                 self.submit_search(item)
@@ -801,7 +809,7 @@ class _Built:
                 tightening = self._path_ahead(candidate)
                 if not (tightening.done() and speed_key(tightening.result()) > beaten):
                     continue
-            self.submit(candidate)
+            self.submit(candidate, beaten)
             self._replay_ahead(candidate, lambda result: speed_key(result.samples_per_s) > beaten)
 
     def _path_ahead(self, candidate: Candidate) -> Future:
@@ -833,27 +841,44 @@ class _Built:
         self.candidates[candidate.index] = tightened
         return tightened
 
-    def submit(self, candidate: Candidate) -> None:
-        """Start simulating the candidate in a worker, if there are workers and it is not simulated yet."""
+    def submit(self, candidate: Candidate, beaten: float = -math.inf) -> None:
+        """Start simulating the candidate in a worker, exactly where it beats `beaten` (`_floor`), if there are
+        workers and it is not simulated yet."""
         index = candidate.index
         if self._pool is not None and index not in self.floors and index not in self._simulating:
-            self._simulating[index] = self._submit(_floor, self.problem, candidate)
+            self._simulating[index] = self._submit(_floor, self.problem, candidate, beaten)
+            self._beaten[index] = beaten
 
-    def floor(self, candidate: Candidate) -> Result:
+    def floor(self, candidate: Candidate, beaten: float = -math.inf) -> Result:
         """The candidate simulated, its peak without the caching allocator's reserve (the replay, the dear part
         of a simulation: `result` adds it), a lower bound of the peak; the peak itself where nothing is
-        replayed (`Scenario.allocations` None)."""
+        replayed (`Scenario.allocations` None). Its speed is exact where it beats `beaten` (a speed key), else
+        may be a bound from above (`_measured`): no faster than `beaten` either way. A floor found against a
+        higher bar that may be such a bound and beats this one is found again, against this one."""
         index = candidate.index
+        if index in self.floors and not self._settles(index, self.floors[index].samples_per_s, beaten):
+            del self.floors[index]
         if index not in self.floors:
             running = self._simulating.pop(index, None)
-            measured, long_run = running.result() if running is not None else _floor(self.problem, candidate)
+            found = running.result() if running is not None else None
+            if found is None or not self._settles(index, found[0][0], beaten):
+                found = _floor(self.problem, candidate, beaten)
+                self._beaten[index] = beaten
+            measured, long_run = found
             self.floors[index] = Result(candidate, *measured)
-            if long_run is None:
-                self.results[index] = self.floors[index]
-            else:
+            if long_run is not None:
                 self._long_runs[index] = long_run
+            elif speed_key(measured[0]) > self._beaten[index]:  # exact: the result itself
+                self.results[index] = self.floors[index]
             self._progress()
         return self.floors[index]
+
+    def _settles(self, index: int, samples_per_s: float, beaten: float) -> bool:
+        """Whether a floor this fast, found against the bar `_beaten[index]`, serves a search that needs it exact
+        where it beats `beaten`: it beats the bar it was found against (so is exact), or it does not beat
+        `beaten` (nor does the exact speed, no faster)."""
+        key = speed_key(samples_per_s)
+        return key > self._beaten[index] or key <= beaten
 
     def replay(self, candidate: Candidate) -> None:
         """Start replaying the candidate's caching allocator (`result`) in a worker, if there are workers, it is
@@ -1319,11 +1344,14 @@ def evaluate(problem: Problem, candidate: Candidate) -> Result:
     return Result(candidate, *_measured(problem, candidate)[0])
 
 
-def _measured(problem: Problem, candidate: Candidate, reserve: bool = True
+def _measured(problem: Problem, candidate: Candidate, reserve: bool = True, beaten: float = -math.inf
               ) -> tuple[tuple[float, float, float, int], Trace]:
     """`evaluate`'s figures without the candidate: samples/s, the step in ms, the bubble fraction and the peak
     memory in bytes, with the caching allocator's reserve if `reserve` (as simulate's and sweep's peaks), else
-    without it (the tensors alone: no more than that peak); and the long run's trace."""
+    without it (the tensors alone: no more than that peak); and the long run's trace. Where the candidate is
+    found no faster than `beaten` (a speed key) before its step is known (`_periodic_step_ms`'s lower bound, a
+    millionth over the step of that speed: its key and its exact step's stay at or below `beaten`), the samples/s
+    and bubble are bounds from above and the step from below; the peak is exact either way."""
     config, scenario, links = candidate.config, candidate.setting.scenario, candidate.links
     short = candidate.short_schedule or build(scenario, problem, config.schedule, replace(
         candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
@@ -1337,18 +1365,21 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True
     if not flushes(candidate.schedule):
         growth_ms = _periodic_step_ms(lambda n: build(scenario, problem, config.schedule, replace(
             candidate.params, minibatches=n), candidate.bounds), candidate.short_minibatches, candidate.schedule,
-            long_trace, candidate.costs, links, growth_ms)
+            long_trace, candidate.costs, links, growth_ms,
+            problem.batch_size / beaten * 1e3 * (1 + 1e-6) if beaten > 0 else math.inf)
     step_ms = max(growth_ms, _steady_busiest_ms(candidate.schedule, candidate.costs, candidate.busy_ms,
                                                 candidate.short_minibatches))
     return (problem.batch_size / step_ms * 1e3, step_ms, 1.0 - float(candidate.busy_ms.mean()) / step_ms,
             _peak_bytes(long_run)), long_trace
 
 
-def _floor(problem: Problem, candidate: Candidate) -> tuple[tuple[float, float, float, int], Trace | None]:
-    """`_measured`'s figures without the caching allocator's reserve (what a worker sends back), and what the replay
-    that adds it reads of the long run (`_replayed_part`; None where nothing is replayed), so that the replay need
-    not simulate the run again (0.04-0.12 CPU s a candidate on the 70B: 1 of its 12.6 CPU s in one process)."""
-    figures, long_trace = _measured(problem, candidate, False)
+def _floor(problem: Problem, candidate: Candidate, beaten: float = -math.inf
+           ) -> tuple[tuple[float, float, float, int], Trace | None]:
+    """`_measured`'s figures without the caching allocator's reserve (what a worker sends back), found exactly
+    where they beat `beaten`, and what the replay that adds it reads of the long run (`_replayed_part`; None where
+    nothing is replayed), so that the replay need not simulate the run again (0.04-0.12 CPU s a candidate on the
+    70B: 1 of its 12.6 CPU s in one process)."""
+    figures, long_trace = _measured(problem, candidate, False, beaten)
     return figures, None if candidate.setting.scenario.allocations is None else _replayed_part(long_trace)
 
 
@@ -1361,12 +1392,14 @@ def _replayed_part(trace: Trace) -> Trace:
 
 
 def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedule: Schedule, trace: Trace,
-                      costs: Costs, links: Cluster, growth_ms: float) -> float:
+                      costs: Costs, links: Cluster, growth_ms: float, losing_ms: float = math.inf) -> float:
     """The steady step of an order that never flushes (`schedule_of`: built for N mini-batches), from its long run
     (`schedule`, simulated: `trace`) past its `short` warm-up's mini-batches: `growth_ms` (the makespan's growth
     from the short run) where that is it, else the step of the periodic regime the run reaches, run longer
     (STEADY_STEPS doubled, up to LONGEST_STEADY_STEPS) until one shows, else the least, over the periods tried, of
-    the largest mean step of any row over the window, each of which no steady step exceeds. The growth alone can
+    the largest mean step of any row over the window, each of which no steady step exceeds; but where a run shows
+    no period and a lower bound of the steady step at or over `losing_ms` (a step the caller needs only to know
+    is reached: what loses to the choice, `_measured`), that bound, and no longer run. The growth alone can
     read a transient: a REDUCE chain's backlog on its lane can build up for tens of steps (PipeDream, 2 stages, m =
     1: 6.96 ms where every step from the eighth on takes 7), and a sound bound then sits above the step tune
     measures.
@@ -1383,21 +1416,29 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
     bounds the steady step from above wherever the rows' ends are monotone and shift-invariant in their inputs (a
     max-plus order's are: if every row of a window of W ends at most c·s later c mini-batches on, so does every row
     after it, by the same induction), so tune does not measure a step below the steady state's, which the bounds
-    stay at or below."""
+    stay at or below. Its twin bounds the steady step from below: if every row of the window ends at least c·s
+    later c mini-batches on (min over the rows and k of E[g, k + c] - E[g, k] >= c·s), then so does the first row
+    after it, each of whose inputs ends at least c·s after its own c mini-batches back, and by induction every
+    later row: no steady step is under s, from a run of any length (the 70B's stale p = 32 orders: 657.4 ms at N =
+    16 against their 657.9-659.2 at N = 52-100, where 641.4 loses to the choice; 0.4 CPU s a run instead of 4.7)."""
     steps, reach = schedule.minibatches - short, short
     in_flight = -(-schedule.num_stages // schedule.microbatches)
     while True:
         ends_ps = _row_ends_ps(trace)
         clean = schedule.minibatches - in_flight
         least_ms = math.inf  # the least upper bound of the steady step the periods give
+        lower_ms = 0.0  # the greatest lower bound of it they give
         for period in range(1, clean - reach + 1):
             shift_ps = ends_ps[:, clean - reach:clean] - ends_ps[:, clean - reach - period:clean - period]
             step_ms = float(shift_ps.max()) / period / 1e9
             if shift_ps.max() - shift_ps.min() <= _PERIOD_TOLERANCE_PS:
                 return growth_ms if math.isclose(growth_ms, step_ms, rel_tol=1e-9) else step_ms
             least_ms = min(least_ms, step_ms)
+            lower_ms = max(lower_ms, float(shift_ps.min()) / period / 1e9)
         if steps >= LONGEST_STEADY_STEPS and clean > reach:
             return least_ms
+        if lower_ms >= losing_ms and clean > reach:
+            return lower_ms
         steps *= 2
         schedule = schedule_of(short + steps)
         trace = simulate(schedule, costs, links)

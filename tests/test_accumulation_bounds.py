@@ -215,12 +215,10 @@ def test_an_order_whose_reduces_settle_after_the_window_is_measured_at_its_perio
     assert bound_ms <= _step_ms(schedule_of, costs, links)
 
 
-def test_a_window_not_yet_periodic_is_run_longer(monkeypatch):
-    """PipeDream on four stages, one micro-batch, REDUCEs after the flush: the steps alternate 9 and 9.5 ms for
-    twenty mini-batches while device 0's REDUCE chain falls behind, then take 9.5 for good; tune's window reads
-    9.29, the rows of its long run show no periodic regime yet, and the runs it makes longer find the 9.5. Allowed
-    no longer run, the step is the least over the periods of the long run's largest mean step per row, each at or
-    above the steady step: 9.5 here too (device 0's rows, one mini-batch apart), not the 9.29."""
+def _lagging_reduces() -> tuple[Callable[[int], Schedule], Costs, Cluster, list[int]]:
+    """PipeDream on four stages, one micro-batch, REDUCEs after the flush, whose steps alternate 9 and 9.5 ms for
+    twenty mini-batches while device 0's REDUCE chain falls behind, then take 9.5 for good: its order by its
+    mini-batches, its costs and links, and the mini-batches of each order built, as built."""
     given_costs = [dict(fwd_ms=2.0, igrad_ms=1.0, wgrad_ms=1.0, bwd_ms=2.0, opt_ms=0.5, reduce_ms=5.0, output_bytes=0),
                    dict(fwd_ms=0.0, igrad_ms=0.0, wgrad_ms=1.0, bwd_ms=1.0, opt_ms=1.0, reduce_ms=1.0,
                         output_bytes=1000),
@@ -238,9 +236,51 @@ def test_a_window_not_yet_periodic_is_run_longer(monkeypatch):
         return build_schedule("pipedream", ScheduleParams(4, 1, minibatches, data_parallel=2,
                                                           reduce_after_flush=True))
 
+    return schedule_of, costs, links, built
+
+
+def test_a_window_not_yet_periodic_is_run_longer(monkeypatch):
+    """`_lagging_reduces`' PipeDream: tune's window reads 9.29, the rows of its long run show no periodic regime
+    yet, and the runs it makes longer find the 9.5. Allowed no longer run, the step is the least over the periods
+    of the long run's largest mean step per row, each at or above the steady step: 9.5 here too (device 0's rows,
+    one mini-batch apart), not the 9.29."""
+    schedule_of, costs, links, built = _lagging_reduces()
     assert _growth_ms(schedule_of, costs, links)[0] == pytest.approx(9.0 + 7 / 24)
     del built[:]
     assert _step_ms(schedule_of, costs, links) == pytest.approx(9.5)
     assert max(built) > _runs(schedule_of)[1]
     monkeypatch.setattr(tuning, "LONGEST_STEADY_STEPS", tuning.STEADY_STEPS)
     assert _step_ms(schedule_of, costs, links) == pytest.approx(9.5)
+
+
+def test_a_step_known_to_lose_is_bounded_from_below_without_a_longer_run():
+    """`_lagging_reduces`' PipeDream: its long run's rows end at least 18.5 ms later two mini-batches on, so no
+    steady step is under 9.25 (the steady one is 9.5). Asked only whether the step reaches 9.2 ms (`losing_ms`),
+    `_periodic_step_ms` answers 9.25 from that run, building no longer one; asked whether it reaches 9.3, it runs
+    on to the 9.5."""
+    schedule_of, costs, links, built = _lagging_reduces()
+    short, long = _runs(schedule_of)
+    growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
+    del built[:]
+    assert tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
+                                    9.2) == pytest.approx(9.25)
+    assert built == [long]
+    assert tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
+                                    9.3) == pytest.approx(9.5)
+    assert max(built) > long
+
+
+@settings(max_examples=120, deadline=None)
+@given(chains(), st.sampled_from(("pipedream", "pipedream-2bw", "xpipe")), st.booleans())
+def test_the_lower_bound_of_a_never_flushing_orders_step_stays_at_or_below_its_step(chain, name, after_flush):
+    """Random chains, each order that never flushes, REDUCEs after the flush or not: asked only whether the step
+    reaches 0 ms, `_periodic_step_ms` answers from tune's long run with its lower bound where that run shows no
+    period (the rows' least shift c mini-batches on, over c), never above the step it measures when asked for it
+    exactly (the periodic regime's, or the least of its upper bounds)."""
+    costs, links, m = chain
+    schedule_of = fixed_order(name, len(costs.stages), m, after_flush)
+    short, long = _runs(schedule_of)
+    growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
+    lower_ms = tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
+                                        0.0)
+    assert lower_ms <= _step_ms(schedule_of, costs, links) * (1 + 1e-9) + ROUNDING_MS

@@ -91,7 +91,7 @@ def replaying_every_candidate(patch) -> None:
     """The search as it was before it replayed lazily: every candidate simulated has its reserve replayed at once."""
     from pipesim.planning import tune as tuning
 
-    def floor(built, candidate):
+    def floor(built, candidate, *beaten):
         if candidate.index not in built.floors:
             built.floors[candidate.index] = built.results[candidate.index] = tuning.evaluate(built.problem, candidate)
         return built.floors[candidate.index]

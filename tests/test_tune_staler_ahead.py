@@ -26,11 +26,11 @@ def test_the_later_passes_read_the_stale_candidates_simulated_ahead_and_answer_a
     floor, ahead_of_staler = planning._Built.floor, planning._Built.ahead_of_staler
     taken = []
 
-    def reading(self, candidate):
+    def reading(self, candidate, *beaten):
         if candidate.staleness > self.problem.max_staleness:
             running = self._simulating.get(candidate.index)
             taken.append(running is not None and running.done())
-        return floor(self, candidate)
+        return floor(self, candidate, *beaten)
 
     def waiting_for_workers(self, beaten):
         ahead_of_staler(self, beaten)

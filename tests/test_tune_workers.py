@@ -4,6 +4,7 @@ its answer are those of workers started by the search, and the answer that of a 
 
 import gc
 import json
+import math
 import multiprocessing
 import os
 import threading
@@ -127,7 +128,7 @@ def test_workers_ahead_of_the_search_find_what_the_search_would_find_itself(monk
     assert len(shapes) > costed
 
 
-_EVERYTHING = (lambda bound: True, lambda result: True)  # `ahead`'s could_win and worth_replaying
+_EVERYTHING = (-math.inf, lambda result: True)  # `ahead`'s bar (none) and worth_replaying
 
 
 def _broken(*args):
