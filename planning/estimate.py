@@ -2700,14 +2700,21 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
 
-        def kernels(estimate: LayerEstimate, names: Sequence[str]) -> dict[str, list[Kernels]]:
+        # the experts' biases on the rank, each added into its main_grad by Megatron-core DDP's hook where the
+        # products accumulate the weights' gradients (its gradient accumulation fusion): one kernel each a backward
+        bias_adds = layer.expert_bias_tensors // experts.ranks if parallel.accumulation == "fused" else 0
+
+        def kernels(estimate: LayerEstimate, names: Sequence[str], hook_adds: int = bias_adds
+                    ) -> dict[str, list[Kernels]]:
             """The passes `names` of the layer as the host issues them (`pass_kernels`: a backward's rerun of the
-            forward first), its all-to-alls (held apart in its profile) among its kernels."""
+            forward first), its all-to-alls (held apart in its profile) among its kernels, `hook_adds` after each
+            pass that takes the weights' gradients."""
             return {name: pass_kernels(
                 estimate.timed_ops[name], [op for op, _ in estimate.timed_ops["fwd"]], float8.recipe is not None,
                 parallel.host_kernel_us, name, modules_us,
                 {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms), synced and name == "fwd",
-                None if estimate.ring is None else estimate.ring.kernels) for name in names}
+                None if estimate.ring is None else estimate.ring.kernels,
+                hook_adds if name in ("bwd", "wgrad") else 0) for name in names}
 
         def issued(passes: dict[str, list[Kernels]]) -> dict[str, float]:
             """The host's issue of each of `passes` (`issued_ms`) where the layer makes it wait (so the model
@@ -2717,8 +2724,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         passes = kernels(priced, PASSES)
         pair = None
         if routed is not None and combined is not None:
-            parts_issued = {part: issued(kernels(estimate, PASSES) if synced else {})
-                            for part, estimate in (("experts", routed), ("combine", combined))}
+            parts_issued = {part: issued(kernels(estimate, PASSES, adds) if synced else {})
+                            for part, estimate, adds in (("experts", routed, bias_adds), ("combine", combined, 0))}
             pair = paired_passes(priced, routed, combined, all_to_all_fwd_ms, all_to_all_bwd_ms,
                                  {"layer": issued(passes), **parts_issued})
         issues.append(_HostIssue(passes, None if shared is None else kernels(shared, ("fwd", "bwd")), pair,

@@ -143,7 +143,8 @@ class Kernels:
 
 def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[OpCount], float8: bool,
                  host_kernel_us: float, name: str = "fwd", host_module_us: float = 0.0, all_to_all_ms: float = 0.0,
-                 synchronised: bool = False, ring_kernels: Callable[[OpCount], int] | None = None) -> list[Kernels]:
+                 synchronised: bool = False, ring_kernels: Callable[[OpCount], int] | None = None,
+                 hook_adds: int = 0) -> list[Kernels]:
     """A layer's pass `name` as the host issues it: its ops in the count's order (`ops_ms`: each op as the pass
     runs it, its `count` kernels' GPU time together; a count lists an op where it first runs, its later calls on
     the same shapes with it), with the TransformerEngine module calls of the layer's forward (`forward_ops`,
@@ -153,7 +154,11 @@ def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[
     host issues under, the first before the first routed op and the second after the last; with `synchronised` (a
     dropless dispatcher's forward) the host waits for the GPU before the dispatch. Under context parallelism an
     attention call runs `ring_kernels(op)` kernels (estimate.py `ContextRing.kernels`: the ring's blocks, merges and
-    copies, which its GPU time prices), each one issued."""
+    copies, which its GPU time prices), each one issued. `hook_adds`: the adds Megatron-core DDP's backward post-hook
+    issues after the pass, one a parameter whose gradient no product accumulated into its `main_grad`
+    (`param.main_grad.add_(param.grad.data)`, distributed_data_parallel.py `_make_backward_post_hook`, Megatron-LM
+    0d8e0714cd, b0cc2706, core_v0.15.0 to core_v0.18.0): kernels the host issues, their bytes priced with the step's
+    accumulation (estimate.py `unfused_weight_share`), so no GPU time here."""
     def issued(op: OpCount) -> int:
         return op.count * (ring_kernels(op) if ring_kernels is not None and op.kind == "attention" else 1)
 
@@ -170,6 +175,8 @@ def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[
                                calls_us[i] / 1e3 if name == "fwd" and calls_us else 0.0))
         if routed and i == routed[-1] and all_to_all_ms:
             kernels.append(Kernels(1, 0.0, all_to_all_ms / 2))
+    if hook_adds:
+        kernels.append(Kernels(hook_adds, host_kernel_us / 1e3, 0.0))
     return kernels
 
 

@@ -159,6 +159,10 @@ class LayerCount:
     # as many), which its all-to-alls carry
     expert_param_bytes: int = 0
     dispatched_bytes: int = 0
+    # the routed experts' biases as the runtime holds them, one parameter an expert and product (TransformerEngine's
+    # GroupedLinear `bias{i}`; gpt-oss's up and down: 2 an expert): each takes a gradient no product accumulates
+    # (planning/host.py `pass_kernels`' `hook_adds`); expert parallelism shards them with the experts
+    expert_bias_tensors: int = 0
     # of the routed experts' products, the share that is model work: the k·T token copies routing sends over the
     # E·(expected share or capacity) the experts compute; below 1 where a capacity factor pads the experts (the
     # padding's FLOPs are work, not the model's: `model_flops`) and by ⌈k·T/E⌉'s rounding

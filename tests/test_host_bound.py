@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import estimate_json, pipesim
+from tests.test_hf import write_config
+from tests.test_moe import GPT_OSS, MIXTRAL, needs_transformers
 
 MOE = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000, "--gated",
        "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "--data-parallel", 4,
@@ -189,3 +191,27 @@ def test_a_repeated_blocks_passes_are_mapped_once_and_each_keeps_its_carried_wai
         assert carried == pytest.approx([host[name]["median_ms"] - gpu[name]["median_ms"]
                                          for host, gpu in zip(slow, free)])
         assert len({round(ms, 9) for ms in carried[1:5]}) > 1, carried  # the repeated blocks' waits differ
+
+
+@needs_transformers
+def test_megatron_ddps_hook_adds_each_local_experts_bias_gradient_in_a_kernel_the_host_issues(tmp_path):
+    """gpt-oss's experts hold a bias each for their up and down products (TransformerEngine's GroupedLinear `bias{i}`),
+    whose gradients no product accumulates: with the products accumulating the weights' (`--grad-accumulation
+    fused`, Megatron-core's gradient accumulation fusion) its DDP hook adds each into main_grad, one kernel a bias
+    after each pass that takes the weights' gradients: 2 a local expert (8 experts over 2 ranks: 8 kernels), none
+    in the forward or input-gradient pass, none where autograd accumulates (`separate`), none for Mixtral's."""
+    oss, mixtral = (f"hf:{write_config(tmp_path / name, fields)}" for name, fields in (("oss", GPT_OSS),
+                                                                                        ("mixtral", MIXTRAL)))
+
+    def kernels(model: str, accumulation: str) -> dict[str, float]:
+        """The MoE layer's kernels a pass: its time at 2 ms a kernel less at 1 ms."""
+        slow, slower = (layers(tmp_path, "--model", model, "--seq-len", 32, "-b", 2, "--gpu", "h100-sxm",
+                               "--data-parallel", 2, "--expert-parallel", 2, "--dtype", "bf16",
+                               "--grad-accumulation", accumulation, "--host-kernel-us", us)[1]
+                        for us in (1000, 2000))
+        return {name: slower[name]["median_ms"] - slow[name]["median_ms"] for name in ("fwd", "bwd", "igrad", "wgrad")}
+
+    fused, separate = kernels(oss, "fused"), kernels(oss, "separate")
+    assert {name: round(fused[name] - separate[name]) for name in fused} == {"fwd": 0, "bwd": 8, "igrad": 0, "wgrad": 8}
+    plain = kernels(mixtral, "fused")
+    assert {name: round(plain[name] - kernels(mixtral, "separate")[name]) for name in plain} == dict.fromkeys(plain, 0)

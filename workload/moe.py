@@ -75,6 +75,7 @@ class Dispatched:
     expert_weight_bytes: int = 0
     routed_copies: int = 0  # the k·T token copies routing sends, summed over the calls
     computed_copies: int = 0  # the token copies the experts compute (E·`expected_tokens`: padded to a capacity)
+    bias_tensors: int = 0  # the experts' biases as parameters, one an expert and product (GroupedLinear's `bias{i}`)
     expert_storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)
 
     def reads_experts(self, tensors: list[torch.Tensor]) -> bool:
@@ -327,6 +328,7 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         sent = experts * expected_tokens(tokens, top_k, experts, capacity_factor) * width * hidden.element_size()
         record.token_bytes += sent
         record.expert_weight_bytes += sum(w.untyped_storage().nbytes() for w in (up, down, *(biases or ())))
+        record.bias_tensors += experts * len(biases or ())
         record.routed_copies += top_k * tokens
         record.computed_copies += experts * expected_tokens(tokens, top_k, experts, capacity_factor)
     if hidden.device.type == "meta":
