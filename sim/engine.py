@@ -861,12 +861,13 @@ class _Model:
         self.host_stretch_ps = np.zeros(len(program.duration_ps), dtype=np.int64) if self.cores else None
         # Where transfers hold the compute beside them (`Costs.transfers_hold_products`; devices that queue their
         # compute on a shared resource aside): per device, the spans its transfers' kernels run (a send's from its
-        # issue, a receive's while its data moves: begin and end, ps), and every hold of a device's compute as (the
-        # clock index before it, how far into the compute since that clock it began, its length), which
-        # `_held_back` lays on the rows.
+        # issue, a receive's while its data moves: begin and end, ps), and every hold of a device's compute as three
+        # numbers (the clock index before it, how far into the compute since that clock it began, its length), which
+        # `_held_back` lays on the rows: machine integers, as `clocks`, which numpy reads without a Python object per
+        # hold.
         self.kernels: list[list[tuple[int, int]]] | None = (
             [[] for _ in range(devices)] if transfers_hold and program.timed else None)
-        self.held: list[tuple[int, int, int]] = []
+        self.held = array.array("q")
         # Per channel: the links its transfers take, their time and their receiver.
         self.channels = list(zip(program.routes, program.channel_ps,
                                  (channel.dst_device for channel in program.lowered.channels)))
@@ -1078,11 +1079,11 @@ class _Model:
                 return True
         return False
 
-    def _hold(self, kernels: list[tuple[int, int]], end: int, holds: list[tuple[int, int, int]]) -> None:
+    def _hold(self, kernels: list[tuple[int, int]], end: int, holds: list[int]) -> None:
         """Records the holds of a device's compute (`_held_compute`'s), which ended at `end`, and forgets the
         kernels that ended by then."""
         if holds:
-            self.held += holds
+            self.held.extend(holds)
         if kernels:
             kernels[:] = [kernel for kernel in kernels if kernel[1] > end]
 
@@ -1367,11 +1368,11 @@ def _posting_rows(bounds: Sequence[int], stream: np.ndarray, window: int) -> tup
 
 
 def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, clock_index: int,
-                  product_ps: int = 0) -> tuple[int, list[tuple[int, int, int]]]:
+                  product_ps: int = 0) -> tuple[int, list[int]]:
     """When `work_ps` of compute begun at `start_ps` ends beside `kernels` (begin, end), and its holds as
-    `_Model.held` keeps them: `clock_index`, how far into the work each began, and its length. Where its products
-    run `product_ps` each, the kernels running together from where they meet the compute delay it as
-    `product_delay` says, at most the work left (a product is held at most its own time); 0: it makes no
+    `_Model.held` keeps them, three numbers each: `clock_index`, how far into the work it began, and its length.
+    Where its products run `product_ps` each, the kernels running together from where they meet the compute delay
+    it as `product_delay` says, at most the work left (a product is held at most its own time); 0: it makes no
     progress while any of them runs."""
     clock, done, holds = start_ps, 0, []
     for begin, end in _spans(sorted(kernels)):
@@ -1383,7 +1384,7 @@ def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, c
             done += begin - clock
             clock = begin
         held = min(product_delay(end - clock, product_ps), work_ps - done) if product_ps else end - clock
-        holds.append((clock_index, done, held))
+        holds += clock_index, done, held
         clock += held
     return clock + work_ps - done, holds
 
@@ -1419,8 +1420,11 @@ def _held_back(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray
     later."""
     clock_before, since, duration = program.clock_before, program.since_ps, program.duration_ps
     later, longer = np.zeros(len(since) + 1, dtype=np.int64), np.zeros(len(since), dtype=np.int64)
-    clock, at, held = np.array(model.held, dtype=np.int64).T
-    lo, hi = np.searchsorted(clock_before, clock, "left"), np.searchsorted(clock_before, clock, "right")
+    clock, at, held = np.frombuffer(model.held, dtype=np.int64).reshape(-1, 3).T
+    # Per clock index, the first row whose clock before is it or later: clock_before ascends, so one search for
+    # every index in order beats a search per hold (each a cache miss) several times over.
+    first_row = np.searchsorted(clock_before, np.arange(program.num_clocks + 1))
+    lo, hi = first_row[clock], first_row[clock + 1]  # the rows whose clock before is the hold's
     first_after = _search_right(since, lo, hi, at)
     np.add.at(later, first_after, held)
     np.add.at(later, hi, -held)
