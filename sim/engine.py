@@ -1008,7 +1008,7 @@ class _Model:
         and works it out again with the kernels announced meanwhile."""
         program = self.program
         clocks, waiters, resume, arrival = self.clocks, self.waiters, self.ready.extend, self.arrival
-        due, frontier, senders = self.due, self.frontier, tuple(self.senders[d])
+        due, frontier, senders, sends_after = self.due, self.frontier, tuple(self.senders[d]), self._sends_after
         kernels = None if self.kernels is None else self.kernels[d]
         product_ps = program.product_ps[d] if kernels is not None else 0
         awaited, sender_of, units = self.awaited, self.sender_of, program.lowered.units
@@ -1026,7 +1026,7 @@ class _Model:
                               else (clock + busy_ps, ()))
                 while True:
                     for s in senders:
-                        if frontier[s] < end and not self._sends_after(s, d, end):
+                        if frontier[s] < end and not sends_after(s, d, end):
                             break
                     else:
                         break
@@ -1374,6 +1374,12 @@ def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, c
     Where its products run `product_ps` each, the kernels running together from where they meet the compute delay
     it as `product_delay` says, at most the work left (a product is held at most its own time); 0: it makes no
     progress while any of them runs."""
+    stop = start_ps + work_ps
+    for begin, end in kernels:
+        if end > start_ps and begin < stop:
+            break
+    else:  # none runs beside the work (most calls): spare the spans, which would hold nothing
+        return stop, []
     clock, done, holds = start_ps, 0, []
     for begin, end in _spans(sorted(kernels)):
         if end <= clock:
