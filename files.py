@@ -28,16 +28,26 @@ def read_json(path: str | Path, error: type[Exception], what: str, prefix: str =
     return _read(path, error, json.loads, json.JSONDecodeError, "JSON", prefix, f"{what} {path}")
 
 
-def _read(path: str | Path, error: type[Exception], loads: Callable[[str], Any], invalid: type[Exception],
-          language: str, prefix: str, named: str) -> Any:
-    """The text at `path` parsed by `loads`; where it cannot be read, is not UTF-8 or `loads` raises `invalid`,
-    `error` led by `prefix` and naming the file as `named`."""
+def read_text(path: str | Path, error: type[Exception], prefix: str = "", named: str | None = None) -> str:
+    """The UTF-8 text at `path`, less the byte-order mark Windows editors write (json refused a file saved so, a
+    torch CSV's first cell read '\\ufeff0F0'); where it cannot be read or is not UTF-8, `error` led by `prefix`
+    and naming the file as `named` (its path by default)."""
+    named = str(path) if named is None else named
     try:
-        return loads(Path(path).read_text(encoding="utf-8"))
+        return Path(path).read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise error(f"{prefix}cannot read {named}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise error(f"{prefix}{named} is not a text (UTF-8) file") from None
+
+
+def _read(path: str | Path, error: type[Exception], loads: Callable[[str], Any], invalid: type[Exception],
+          language: str, prefix: str, named: str) -> Any:
+    """The text at `path` (`read_text`) parsed by `loads`; where `loads` raises `invalid`, `error` led by `prefix`
+    and naming the file as `named`."""
+    text = read_text(path, error, prefix, named)
+    try:
+        return loads(text)
     except invalid as exc:
         raise error(f"{prefix}{named} is not valid {language}: {exc}") from None
 

@@ -385,6 +385,7 @@ def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
 def _schedule_file(ctx: typer.Context, path: Path):
     """The schedule a torch CSV describes, run --minibatches times (once by default), as torch's runtime runs it
     every step. It fixes p, v and m, so flags that set them would be silently ignored: refuse them instead."""
+    from ..files import read_text
     from ..schedules import ScheduleError
     from ..schedules.torch_csv import from_torch_csv
 
@@ -400,12 +401,7 @@ def _schedule_file(ctx: typer.Context, path: Path):
     if (ctx.params.get("data_parallel") or 1) > 1:  # --zero and the like need it, so they are refused with it
         raise InputError("--data-parallel: the schedule file is one pipeline's ranks, without data-parallel "
                          "replicas; simulate d replicas of a method with --schedule")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"--schedule-file: cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"--schedule-file: {path} is not a text (UTF-8) CSV file") from None
+    text = read_text(path, InputError, "--schedule-file: ")
     try:
         return from_torch_csv(text, path.stem, ctx.params.get("minibatches") or 1)
     except ScheduleError as exc:

@@ -170,24 +170,25 @@ def from_torch_csv(text: str, name: str, minibatches: int = 1) -> Schedule:
             raise ScheduleError(f"{name}: {where}: stage {stage} has no compute action; "
                                 f"compute actions name stages 0..{num_stages - 1}")
     microbatches = top[0] + 1
-    problems = []
-    for stage in range(num_stages):
-        if stage not in rank_of:
-            problems.append(f"stage {stage} appears on no rank")
-            continue
-        no_forward, bad_backward = [], []
-        for j in range(microbatches):
-            if (Kind.F, stage, j) not in seen:
-                no_forward.append(j)
-            full, split = (Kind.B, stage, j) in seen, ((Kind.I, stage, j) in seen, (Kind.W, stage, j) in seen)
-            if not (full and split == (False, False) or not full and split == (True, True)):
-                bad_backward.append(j)
-        lacks = ([f"F for micro-batches {_some(no_forward)}"] if no_forward else []) + (
-            [f"one B, or one I and one W, for micro-batches {_some(bad_backward)}"] if bad_backward else [])
+    # What each stage lacks, from the actions written: never a walk over every stage and micro-batch the indices
+    # imply (a cell 0F99999999999999999999 made that endless); `_absent` finds the first few and counts the rest.
+    written: dict[tuple[Kind, int], set[int]] = {}
+    for kind, stage, j in seen:
+        written.setdefault((kind, stage), set()).add(j)
+    problems = {stage: f"stage {stage} appears on no rank" for stage in _absent(set(rank_of), num_stages, 6)[0]}
+    for stage in rank_of:
+        forwards, whole, inputs, weights = (written.get((kind, stage), set())
+                                            for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
+        backward = (whole - inputs - weights) | (inputs & weights - whole)  # one B, or one I and one W
+        no_forward, bad_backward = _absent(forwards, microbatches), _absent(backward, microbatches)
+        lacks = ([f"F for micro-batches {_some(*no_forward)}"] if no_forward[1] else []) + (
+            [f"one B, or one I and one W, for micro-batches {_some(*bad_backward)}"] if bad_backward[1] else [])
         if lacks:
-            problems.append(f"stage {stage} (rank {rank_of[stage][0]}) lacks " + " and ".join(lacks))
+            problems[stage] = f"stage {stage} (rank {rank_of[stage][0]}) lacks " + " and ".join(lacks)
     if problems:
-        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more stages" if len(problems) > 6 else "")
+        count = num_stages - len(rank_of) + len(problems) - len(set(problems) - set(rank_of))
+        shown = "; ".join(problems[stage] for stage in sorted(problems)[:6]) + (
+            f"; and {count - 6} more stages" if count > 6 else "")
         raise ScheduleError(f"{name}: incomplete schedule of {num_stages} stages x {microbatches} micro-batches "
                             f"(the largest micro-batch index, {top[0]}, is at {top[1]}): {shown}")
 
@@ -211,6 +212,13 @@ def from_torch_csv(text: str, name: str, minibatches: int = 1) -> Schedule:
     return schedule
 
 
-def _some(numbers: list[int]) -> str:
-    head = ", ".join(map(str, numbers[:4]))
-    return head + (f" and {len(numbers) - 4} more" if len(numbers) > 4 else "")
+def _absent(present: set[int], count: int, first: int = 4) -> tuple[list[int], int]:
+    """Of 0..count-1, the `first` lowest not in `present`, and how many are not: the lowest lie within
+    len(present) + first of 0, so the range is never walked whole."""
+    return ([j for j in range(min(count, len(present) + first)) if j not in present][:first],
+            count - sum(j < count for j in present))
+
+
+def _some(head: list[int], count: int) -> str:
+    """The numbers `head` of `count` (`_absent`'s), the rest as how many more."""
+    return ", ".join(map(str, head)) + (f" and {count - len(head)} more" if count > len(head) else "")

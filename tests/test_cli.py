@@ -193,6 +193,15 @@ def test_malformed_cluster_file(tmp_path):
     assert code == 2 and err == f"error: --cluster: cluster file {path} is not a text (UTF-8) file\n"
 
 
+def test_a_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Windows editors begin a UTF-8 file with one, which json refused: 'not valid JSON: Unexpected UTF-8 BOM'.
+    Every JSON and TOML file pipesim reads goes through files.py's read_text."""
+    plain, marked = tmp_path / "plain.json", tmp_path / "marked.json"
+    plain.write_text((EXAMPLES / "cluster.json").read_text())
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert simulate_json("-s", "1f1b", "--cluster", marked) == simulate_json("-s", "1f1b", "--cluster", plain)
+
+
 def test_nothing_half_written_when_one_output_is_bad(tmp_path):
     code, _, _ = pipesim("simulate", "-s", "1f1b", "--trace", str(tmp_path / "t.json"),
                          "--html", str(tmp_path / "missing" / "t.html"))

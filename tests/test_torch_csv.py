@@ -344,6 +344,13 @@ def test_a_bad_schedule_file_is_refused_naming_the_flag(tmp_path):
     ('0F0,"0B0\n', "not CSV"),
     ("", "empty schedule file"),
     ("0F0,0B0\n1B0,1F0\n", "the order deadlocks"),
+    # indices far past the actions written: the check walked every stage and micro-batch they imply, for ever
+    ("0F99999999999999999999,0B0\n", "stage 0 (rank 0) lacks F for micro-batches 0, 1, 2, 3 and "
+                                     "99999999999999999995 more and one B, or one I and one W, for micro-batches 1, "
+                                     "2, 3, 4 and 99999999999999999995 more"),
+    ("99999999999999F0,0F0,0B0\n", "incomplete schedule of 100000000000000 stages x 1 micro-batches (the largest "
+                                   "micro-batch index, 0, is at rank 0 (row 1), cell 1 '99999999999999F0'): stage 1 "
+                                   "appears on no rank; stage 2"),
 ])
 def test_cli_bad_schedule_file(tmp_path, content, fragment):
     path = tmp_path / "s.csv"
@@ -351,6 +358,15 @@ def test_cli_bad_schedule_file(tmp_path, content, fragment):
     code, _, err = pipesim("simulate", "--schedule-file", str(path))
     assert code == 2 and fragment in err
     assert err.strip().count("\n") == 0
+
+
+def test_a_schedule_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Windows editors begin a UTF-8 file with one: the first cell read '\\ufeff0F0', not a torch action."""
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"
+    plain.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert simulate_json("--schedule-file", marked)[0]["makespan_ms"] == simulate_json("--schedule-file", plain)[0][
+        "makespan_ms"]
 
 
 def test_blank_lines_after_the_last_rank_are_not_ranks():
