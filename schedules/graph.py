@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..files import read_json
 from .ir import Schedule, ScheduleError, StageGraph
-from .methods import Method, ScheduleParams, flushed_1f1b, make_schedule
+from .methods import MAX_STAGES, Method, ScheduleParams, flushed_1f1b, make_schedule
 
 
 def two_branch_graph(stages: int) -> StageGraph:
@@ -60,13 +60,14 @@ def load_graph(path: Path) -> tuple[StageGraph, tuple[int, ...]]:
         raise ScheduleError(f'graph file {path}: expected an object with "stages", "edges" and optionally '
                             '"placement"')
     stages, edges = doc["stages"], doc.get("edges", [])
-    placement = doc.get("placement", list(range(stages)) if isinstance(stages, int) else None)
 
     def whole(v: object) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    if not whole(stages) or stages < 1:
-        raise ScheduleError(f'graph file {path}: "stages" must be a whole number >= 1 (got {stages!r})')
+    if not whole(stages) or not 1 <= stages <= MAX_STAGES:  # 10**12 stages: a MemoryError making the placement
+        raise ScheduleError(f'graph file {path}: "stages" must be a whole number from 1 to {MAX_STAGES:,}, the '
+                            f"model stages pipesim simulates (got {stages!r})")
+    placement = doc.get("placement", list(range(stages)))
     if not isinstance(edges, list) or not all(isinstance(e, list) and len(e) == 2 and all(map(whole, e))
                                               for e in edges):
         raise ScheduleError(f'graph file {path}: "edges" must be a list of [from, to] stage pairs')

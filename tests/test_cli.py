@@ -234,6 +234,10 @@ def test_graph_file(tmp_path):
     path.write_text(json.dumps({"stages": 2, "edges": [[0, 1], [1, 0]]}))
     code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", str(path))
     assert code == 2 and "cycle" in err
+    path.write_text(json.dumps({"stages": 10**12, "edges": [[0, 1]]}))  # a MemoryError's traceback
+    code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", str(path))
+    assert code == 2 and err == (f'error: --graph: graph file {path}: "stages" must be a whole number from 1 to 4,096, '
+                                 "the model stages pipesim simulates (got 1000000000000)\n")
 
 
 def devices_busy(result: dict) -> list[float]:
