@@ -392,12 +392,14 @@ class _MemoryTables:
 
     def row_deltas(self, parts: Sequence[str], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows lo..hi's bytes of `parts`, summed, taken at their start and given back at their end."""
-        at_start, at_end = (sum(table[part] for part in parts) for table in (self.at_start, self.at_end))
-        start, end = at_start[self.stage_kind[lo:hi]], at_end[self.stage_kind[lo:hi]]
+        # Most parts' tables are zeros (only `communication` moves with the transfers): zeros need no look-up.
+        start, end = (_per_row(sum(table[part] for part in parts), self.stage_kind[lo:hi])
+                      for table in (self.at_start, self.at_end))
         i0, i1 = np.searchsorted(self.transfers, (lo, hi))
-        rows, side = self.transfers[i0:i1] - lo, self.side[i0:i1]
         for table, out in ((self.transfer_start, start), (self.transfer_end, end)):
-            out[rows] += sum(table[part] for part in parts)[side]
+            bytes_per_side = sum(table[part] for part in parts)
+            if bytes_per_side.any():
+                out[self.transfers[i0:i1] - lo] += bytes_per_side[self.side[i0:i1]]
         for part in parts:
             sparse_rows, sparse_start, sparse_end = self.sparse[part]
             j0, j1 = np.searchsorted(sparse_rows, (lo, hi))
@@ -427,6 +429,11 @@ class _MemoryTables:
                             + sparse_start[j0:j1][counted_start[mine]].sum()
                             + sparse_end[j0:j1][counted_end[mine]].sum())
         return out
+
+
+def _per_row(table: np.ndarray, entries: np.ndarray) -> np.ndarray:
+    """`table[entries]`, a new array; zeros without the look-up where the table holds nothing else."""
+    return table[entries] if table.any() else np.zeros(len(entries), dtype=table.dtype)
 
 
 def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_ids: np.ndarray) -> _MemoryTables:
