@@ -118,7 +118,7 @@ StageCut = Annotated[str, typer.Option(
                                        "the last, first, ... stage per padded block: the zero-bubble paper's) or "
                                        "first-last:F,L (F blocks in the first stage, L in the last, the others an "
                                        "equal share: Megatron-core's decoder_first/last_pipeline_num_layers) or "
-                                       "layout:STRING (Megatron-core's --pipeline-model-parallel-layout, e.g. "
+                                       "layout:STRING (Megatron-core's pipeline_model_parallel_layout, e.g. "
                                        "'Et|(tt|)*30mL': E the embedding, t a block, m the --mtp-layers layer, L "
                                        "the norm and head, | between the p·v stages, (..)*n and x*n repeats).")]
 NetworkGbS = Annotated[float | None, typer.Option(
