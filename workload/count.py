@@ -542,16 +542,26 @@ class _GpuKernels(TorchFunctionMode):
         return torch.native_dropout(scores.softmax(-1), p, True)[0] @ v
 
 
+_fused: list[bool] = []  # whether each count under way runs attention as one fused kernel, innermost last
+
+
+def fused_attention() -> bool:
+    """Whether the count under way runs attention as one fused kernel ("flash"), not as its products and softmax."""
+    return bool(_fused) and _fused[-1]
+
+
 @contextmanager
 def _attention(kind: str) -> Iterator[_GpuKernels]:
     if kind not in ATTENTION:
         raise ValueError(choose_from("attention", ATTENTION, kind))
     allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    _fused.append(kind == "flash")
     try:
         with _GpuKernels(kind == "flash") as kernels:
             yield kernels
     finally:
+        _fused.pop()
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
 
 

@@ -4,9 +4,10 @@ and the vocabulary head, which workload/count.py counts as it counts the built-i
 
 Each decoder layer is handed what the model's own forward hands it: the rotary position embeddings, computed in
 the layer from the model's rotary module (as each pipeline stage computes them for its own layers), and no mask,
-so that transformers' sdpa attention asks for a causal kernel (`is_causal`), run as `counted_attention`: on the
-meta device with the layer's sliding window (Mistral's `sliding_window`, gpt-oss's "sliding_attention" layers),
-which the fused kernel's count carries (workload/count.py `attention_window`). Anything else a model's forward
+so that every model's attention, run as `counted_attention` (transformers' sdpa attention, whether or not the
+model's class offers it), asks for a causal kernel (`is_causal`): on the meta device with the layer's sliding window
+(Mistral's `sliding_window`, the "sliding_attention" layers of gpt-oss, Gemma 2 and 3 and Qwen2), which the fused
+kernel's count carries (workload/count.py `attention_window`). Anything else a model's forward
 does between its parts is not counted (Llama's, Mistral's and Qwen's do nothing else; Gemma scales its embedding
 in its embedding module). A tied head is counted as its own copy of the embedding's weights, as Megatron-LM keeps one on
 the last stage.
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import sys
 from typing import Any
 
 import torch
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import data
-from .count import attention_window
+from .count import attention_window, fused_attention
 from .hfconfig import FIGURES, HfConfig, HfConfigError, read_hf_config
 from .models import BATCH, Model, ModelError, check_capacity_factor, check_positive, classification_loss
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
@@ -57,6 +60,10 @@ EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is 
 GROUP_FIELDS = ("n_group", "topk_group")
 EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
 ATTENTION_IMPLEMENTATION = "pipesim_attention"  # and `counted_attention`
+# what a layer may hand its attention that `counted_attention` refuses: a bias added to every score (Inkling 2's
+# position_bias) and the keys a sparse attention picks for each query (HY-V4's indices, as flash_mla takes them)
+UNCOUNTED_ATTENTION = {"position_bias": "a position bias added to its scores",
+                       "indices": "the keys its sparse attention picks for each query"}
 # the capacity factor `balanced_experts` pads an experts module to, set on it by `_drop_past_capacity` (absent: it
 # drops nothing)
 CAPACITY_ATTRIBUTE = "pipesim_capacity_factor"
@@ -81,33 +88,50 @@ def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torc
 
 
 def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, sliding_window: int | None = None,
-                      s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """transformers' sdpa attention (an attention interface: the layer's own code calls it), its kernel recorded on
-    the meta device with the layer's `sliding_window` (None: every earlier key). gpt-oss's attention sinks
-    (`s_aux`, one learned logit per head in every query's softmax) are computed inside the fused kernel, as
-    TransformerEngine runs them (softmax_type "learnable": Megatron-Bridge's gpt_oss_bridge.py maps the sinks to
-    core_attention.softmax_offset, at NVIDIA-NeMo/Megatron-Bridge 067f987df), their work the kernel's; off the
-    meta device neither the window nor the sinks are applied (the kernel is timed, not its values)."""
+                      attention_mask: torch.Tensor | None, s_aux: torch.Tensor | None = None,
+                      softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """Every model's attention (an attention interface: the layer's own code calls it), handed no mask: transformers'
+    sdpa attention, so a causal kernel, its kernel recorded on the meta device with the layer's sliding window
+    (`sliding_window`, as Mistral, Qwen2, Gemma 2 and 3, Cohere 2 and OLMo 3 pass it, else the attention's own
+    `sliding_window`, as Qwen2-MoE's holds it; None: every earlier key). gpt-oss's attention sinks (`s_aux`, one
+    learned logit per head in every query's softmax) are computed inside the fused kernel, as TransformerEngine runs
+    them (softmax_type "learnable": Megatron-Bridge's gpt_oss_bridge.py maps the sinks to
+    core_attention.softmax_offset, at NVIDIA-NeMo/Megatron-Bridge 067f987df), their work the kernel's. Gemma 2's
+    soft-capped scores (`softcap`: cap·tanh(score/cap)) are too in a fused count: FlashAttention-2 (from 2.6,
+    `softcap`) and -3 cap them in the kernel; in an unfused one ("math") they are the model's own eager attention,
+    the scores' products, the capping's ops and the softmax, as Megatron-Bridge's Gemma2DotProductAttention runs
+    them (TransformerEngine's fused attention has no soft-capping). Off the meta device neither the window nor the
+    sinks are applied (the kernel is timed, not its values)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    with attention_window(sliding_window if query.device.type == "meta" else None):
+    unknown = next((what for name, what in UNCOUNTED_ATTENTION.items() if kwargs.get(name) is not None), None)
+    if unknown:
+        raise ModelError(f"--model: {type(module).__name__} hands its attention {unknown}, which the fused attention "
+                         "kernels pipesim counts do not compute")
+    if softcap is not None and not fused_attention():
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, softcap=softcap, **kwargs)
+    window = kwargs.pop("sliding_window", getattr(module, "sliding_window", None))
+    with attention_window(window if query.device.type == "meta" else None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 class DecoderLayer(nn.Module):
     """One decoder layer of a transformers model, given its position embeddings by `rotary` (None: the layer
-    has none, or makes its own) and causal attention."""
+    has none, or makes its own), for its `layer_type` where the rotary module computes one per type (Gemma 3's
+    local and global layers rotate at their own bases), and causal attention."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module | None) -> None:
+    def __init__(self, layer: nn.Module, rotary: nn.Module | None, layer_type: str | None = None) -> None:
         super().__init__()
         self.layer, self.rotary = layer, rotary
+        typed = rotary is not None and "layer_type" in inspect.signature(type(rotary).forward).parameters
+        self.rotary_options = {"layer_type": layer_type} if typed else {}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         given: dict[str, Any] = {"position_ids": positions}
         if self.rotary is not None:
-            given["position_embeddings"] = self.rotary(hidden, positions)
+            given["position_embeddings"] = self.rotary(hidden, positions, **self.rotary_options)
         out = self.layer(hidden, attention_mask=None, **given)
         return out[0] if isinstance(out, tuple) else out
 
@@ -163,20 +187,15 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     if built is None:
         raise ModelError(f"{where}: model_type {config.model_type!r} is not a causal language model transformers "
                          f"builds (as {', '.join(WELL_KNOWN)} are)")
-    # sdpa where the model has it (its attention counted as the kernel --attention names), else its own (Gemma 2's
-    # soft-capped scores: products and a softmax, as --attention math), but for attention sinks (gpt-oss's), which
-    # the fused kernels compute (`counted_attention`)
+    # every model's attention run by `counted_attention`, whatever transformers' class says it supports
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, counted_attention)
-    sdpa = getattr(built, "_supports_sdpa", False)
     try:
-        model = AutoModelForCausalLM.from_config(settings, attn_implementation=ATTENTION_IMPLEMENTATION if sdpa
-                                                 else "eager", **_experts_implementation(experts))
+        model = AutoModelForCausalLM.from_config(settings, attn_implementation=ATTENTION_IMPLEMENTATION,
+                                                 **_experts_implementation(experts))
     except Exception as exc:  # transformers' own code on the config's values: whatever it raised, in one line
         raise ModelError(f"{where}: transformers cannot build it: {_in_one_line(exc)}") from None
-    if not sdpa and any(name.endswith("sinks") for name, _ in model.named_parameters()):
-        model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     if experts:
         _check_experts(model, where, experts)
     layers = decoder_layers(model, where)
@@ -327,9 +346,10 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
         raise _not_laid_out(where, type(model).__name__)
     embed, blocks, norm = parts
     rotary = getattr(base, "rotary_emb", None)
+    types = getattr(model.config, "layer_types", None) or [None] * len(blocks)
     for block in blocks:
         _as_megatron_runs(block)
-    return [embed, *(DecoderLayer(block, rotary) for block in blocks), norm, head]
+    return [embed, *(DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)), norm, head]
 
 
 def _as_megatron_runs(block: nn.Module) -> None:

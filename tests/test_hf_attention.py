@@ -1,0 +1,73 @@
+"""Every Hugging Face model's attention is counted one way (workload/hf.py `counted_attention`): a causal kernel,
+with the layer's sliding window, whether transformers' class offers sdpa (Mistral, Qwen2, Gemma 3) or not (Gemma 2,
+whose soft-capped scores FlashAttention-2 computes in the kernel)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from pipesim.planning.estimate import kernel_flops
+from pipesim.workload.count import count_built
+from tests.test_hf import write_config
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+HEADS, HEAD, WINDOW = 4, 16, 16
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": HEADS,
+         "num_key_value_heads": 2, "head_dim": HEAD, "vocab_size": 256, "max_position_embeddings": 256,
+         "sliding_window": WINDOW}
+# each model's layers, windowed first: Gemma 2 alternates local and global from its first layer, Qwen2 windows the
+# layers from max_window_layers on, Mistral every layer
+MODELS = {"gemma2": ({"attn_logit_softcapping": 50.0}, (WINDOW, 0)),
+          "gemma3_text": ({"layer_types": ["sliding_attention", "full_attention"]}, (WINDOW, 0)),
+          "qwen2": ({"use_sliding_window": True, "max_window_layers": 1}, (0, WINDOW)),
+          "mistral": ({}, (WINDOW, WINDOW))}
+
+
+def _forward_kernels(tmp_path, model_type: str, seq_len: int, attention: str = "flash") -> list[list]:
+    fields, _ = MODELS[model_type]
+    folder = write_config(tmp_path / model_type, {**SMALL, "model_type": model_type, **fields})
+    counted = count_built(f"hf:{folder}", {"seq_len": seq_len}, 1, torch.bfloat16, attention)
+    return [[op for op in layer.ops["fwd"] if op.kind == "attention" or op.op == "bmm"]
+            for layer in counted.layers[1:3]]
+
+
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_a_layer_past_its_window_computes_the_band_and_within_it_half_the_square(tmp_path, model_type):
+    """At s > w a windowed layer's forward kernel computes the band's s·w - w(w-1)/2 query-key pairs, 4·head FLOPs
+    each (its two products), a global layer half the s x s square; at s <= w both compute half of it."""
+    s = 64
+    for kernels, window in zip(_forward_kernels(tmp_path, model_type, s), MODELS[model_type][1]):
+        (kernel,) = kernels
+        pairs = s * window - window * (window - 1) // 2 if window else s * s / 2
+        assert kernel.causal and kernel.window == window
+        assert kernel_flops(kernel) == pytest.approx(4 * HEADS * HEAD * pairs)
+    for (kernel,) in _forward_kernels(tmp_path / "short", model_type, WINDOW):
+        assert kernel.causal and kernel_flops(kernel) == pytest.approx(4 * HEADS * HEAD * WINDOW * WINDOW / 2)
+
+
+def test_gemma2s_unfused_attention_computes_the_whole_square_and_caps_it(tmp_path):
+    """Counted unfused ("math"), Gemma 2's attention is its own eager code, as Megatron-Bridge runs it: both
+    products over the whole s x s square, whatever the window, and the capping's tanh on the scores."""
+    folder = write_config(tmp_path / "gemma2", {**SMALL, "model_type": "gemma2", **MODELS["gemma2"][0]})
+    counted = count_built(f"hf:{folder}", {"seq_len": 64}, 1, torch.bfloat16, "math")
+    for layer in counted.layers[1:3]:
+        products = [op for op in layer.ops["fwd"] if op.op == "bmm"]
+        assert sum(op.count * op.flops for op in products) == 2 * 2 * HEADS * 64 * 64 * HEAD
+        assert any(op.op == "tanh" and op.shape == (1, HEADS, 64, 64) for op in layer.ops["fwd"])
+
+
+@pytest.mark.parametrize("given", [{"position_bias": torch.zeros(1, HEADS, 8, 8)},
+                                   {"indices": torch.zeros(1, 8, 4, dtype=torch.long)}])
+def test_an_attention_the_kernels_do_not_compute_is_refused_in_one_line(given):
+    """A score bias (Inkling 2's) or a sparse attention's picked keys (HY-V4's) would be counted as the dense causal
+    kernel: refused, naming what the layer hands its attention."""
+    from pipesim.workload.hf import counted_attention
+    from pipesim.workload.models import ModelError
+
+    query = torch.zeros(1, HEADS, 8, HEAD, device="meta")
+    with pytest.raises(ModelError, match=r"^--model: Linear hands its attention (a position bias|the keys its sparse)"):
+        counted_attention(torch.nn.Linear(1, 1), query, query, query, None, **given)
