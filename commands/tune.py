@@ -363,7 +363,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     the t (E = 1 beside --token-dispatcher or --hot-expert-share, which need E > 1; a dispatcher or routing that
     needs more ranks), as is a searched t the estimate refuses (--recompute op, modelled at t = 1 only); a given t it
     refuses is its one line. Under --precision fsdp2, a layout of one replica (d·C = 1) is left out: FSDP2's weights
-    are sharded over the replicas, and simulate refuses --zero over one."""
+    are sharded over the replicas, and simulate refuses --zero over one. A searched t = 1 under --loss-parallel is
+    counted with aten's loss, which torchtitan runs there (simulate refuses the flag at a given t = 1)."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo, allocations_key
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
@@ -379,6 +380,11 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
         replays: dict = {}  # `allocator_fields` by what its replay reads (`allocations_key`): made for one p and d
         degrees = _expert_degrees(what, counted, expert_given)
         for t in tensors:
+            at_t, counted_t, memo_t = what, counted, memo
+            if what.loss_parallel and t == 1:  # torchtitan's loss parallelism is on at t > 1 only
+                at_t = replace(what, loss_parallel=False)  # (ParallelDims.loss_parallel_enabled): aten's loss
+                counted_t = count_what_if(at_t, b)
+                memo_t = LayerMemo(counted_t, what.gpu, what.curve)
             made, refused = len(settings), []
             for e in degrees:
                 if report is not None:
@@ -392,12 +398,12 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 try:
                     with refused_with_flags():  # the estimate's refusal of a layout (recompute op at t > 1)
                         for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
-                            parallel = what.parallelism(p, t, devices // (t * p), kind, e)
-                            scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo),
-                                                        optimizer, pp_runtime)
+                            parallel = at_t.parallelism(p, t, devices // (t * p), kind, e)
+                            scenario = profile_scenario(estimated_profile(at_t, counted_t, parallel, optimizer,
+                                                                          memo_t), optimizer, pp_runtime)
                             replayed = allocations_key(parallel)
                             if replayed not in replays:
-                                replays[replayed] = allocator_fields(allocator, counted, parallel, optimizer_step)
+                                replays[replayed] = allocator_fields(allocator, counted_t, parallel, optimizer_step)
                             settings.append(Setting(replace(scenario, **replays[replayed]), t, kind, (p,), e))
                 except InputError as exc:
                     refused.append(exc)

@@ -54,6 +54,8 @@ def simulate_json(*args) -> list[dict]:
     (("simulate", "--network-gb-s", "10"), "--network-gb-s prices the gradient all-reduce of data-parallel replicas"),
     (("simulate", *GPU, *SMALL, "--data-parallel", "2", "--network-gb-s", "10"), "--network-gb-s: --gpu estimates"),
     (("simulate", *GPU, *SMALL, "--sequence-parallel"), "--sequence-parallel splits a tensor-parallel group's"),
+    (("simulate", *GPU, *SMALL, "--loss-parallel"), "--loss-parallel splits the logits by vocabulary over a "
+                                                    "tensor-parallel group (torchtitan's with t > 1): give "),
     (("simulate", "--sharded-optimizer"), "--sharded-optimizer shards over data-parallel replicas"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fragment):

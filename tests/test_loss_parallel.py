@@ -142,3 +142,16 @@ def test_without_gpu_it_is_refused_in_one_line():
     code, out, err = pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "2", "--loss-parallel")
     assert code == 2 and out == ""
     assert "--loss-parallel: only --gpu's estimate reads it" in err and len(err.strip().splitlines()) == 1
+
+
+def test_tune_prices_a_searched_t_of_1_with_atens_loss():
+    """torchtitan runs loss_parallel at t > 1 only: on one device tune's rows are those without the flag, where
+    they priced the loss's dozen more kernels."""
+    args = ["tune", "--model", "gpt", *(f"--{k.replace('_', '-')}={v}" for k, v in TINY_GPT.items()), "--gpu",
+            "a100-sxm-80gb", "-D", "1", "-b", "4", "--json"]
+    rates = []
+    for flags in ((), ("--loss-parallel",)):
+        code, out, err = pipesim(*args, *flags)
+        assert code == 0, err
+        rates.append(json.loads(out)["choice"]["samples_per_s"])
+    assert rates[0] == rates[1]
