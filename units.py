@@ -7,6 +7,7 @@ A leaf module (it imports nothing), so both shared vocabularies may use it.
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
+MAX_BYTES = 1 << 50  # a PiB: any size pipesim reads larger is a typo, and would overflow the int64 memory counters
 
 
 def count_text(number: int, noun: str) -> str:

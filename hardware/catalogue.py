@@ -8,9 +8,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from ..files import first_error, read_toml
+from ..units import GIB, MAX_BYTES
 
 BUILT_IN = Path(__file__).with_name("gpus.toml")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -112,7 +113,7 @@ class Curve(_Strict):
     kernel_overhead_ms: float = Field(ge=0)
     multiprocessors: int = Field(ge=1)
     tiles: list[tuple[int, int]] = Field(min_length=1)
-    persistent_products: bool = False
+    persistent_products: StrictBool = False  # not "yes", which pydantic would read as true
     fp8_split_accumulation_efficiency: float | None = Field(default=None, gt=0, le=1)
     source: str = Field(min_length=1)
 
@@ -161,7 +162,7 @@ class Gpu(_Strict):
     published measurement known) how far below those figures it runs."""
 
     name: str = Field(min_length=1)
-    memory_gib: float = Field(gt=0)
+    memory_gib: float = Field(gt=0, le=MAX_BYTES / GIB)  # past a PiB, the memory counters overflow
     memory_bandwidth_gb_s: float = Field(gt=0)
     source: str = Field(min_length=1)
     dense_tflops: DenseTflops

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..files import first_error, read_json
 from ..profiles.linkfit import piecewise_ms
-from ..units import GIB, MIB
+from ..units import GIB, MAX_BYTES, MIB
 
 
 class ClusterError(ValueError):
@@ -202,14 +202,14 @@ def load_cluster(path: str | Path) -> Cluster:
     CPU ranks on its cores: while k of them compute at once each is `contention[k - 1]` times slower than
     alone (`pipesim calibrate` measures it; the first factor is 1).
     """
-    from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
     class _Strict(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     class DeviceSpec(_Strict):
         name: str
-        memory_gib: float | None = Field(default=None, gt=0)
+        memory_gib: float | None = Field(default=None, gt=0, le=MAX_BYTES / GIB)  # past it, the counters overflow
         compute: str | None = Field(default=None, min_length=1)
         host: str | None = Field(default=None, min_length=1)
 
@@ -238,7 +238,7 @@ def load_cluster(path: str | Path) -> Cluster:
         devices: list[DeviceSpec]
         link: LinkSpec = LinkSpec()
         links: list[PairSpec] = []
-        overlap_comm: bool = True
+        overlap_comm: StrictBool = True  # not "yes", which pydantic would read as true
         contention: list[float] = []
 
         @field_validator("contention")

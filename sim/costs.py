@@ -20,10 +20,9 @@ from ..schedules import (
     ScheduleError,
     StageGraph,
 )
-from ..units import MIB
+from ..units import MAX_BYTES, MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
-MAX_BYTES = 2**50  # a PiB per stage: anything larger is a typo, and would overflow the int64 memory counters
 # The passes a stage's `transient_bytes` name, and the row each is (`KINDS`)
 TRANSIENT_KINDS = {"fwd": Kind.F, "bwd": Kind.B, "igrad": Kind.I, "wgrad": Kind.W}
 COLLECTIVE_KIND_NAMES = tuple(sorted(kind.value for kind in COLLECTIVE_KINDS))

@@ -191,6 +191,12 @@ def test_malformed_cluster_file(tmp_path):
     path.write_bytes(b"\xab\xcd")  # a traceback (UnicodeDecodeError) before files.py's read_json read it
     code, _, err = pipesim("simulate", "--cluster", str(path))
     assert code == 2 and err == f"error: --cluster: cluster file {path} is not a text (UTF-8) file\n"
+    for field, fragment in (({"overlap_comm": "yes"}, "overlap_comm: Input should be a valid boolean"),  # read true
+                            ({"devices": [{"name": "g", "memory_gib": 1e30}] * 4},  # a memory no counter holds
+                             "devices.0.memory_gib: Input should be less than or equal to 1048576")):
+        path.write_text(json.dumps({"devices": 4, **field}))
+        code, _, err = pipesim("simulate", "--cluster", str(path))
+        assert code == 2 and err == f"error: --cluster: cluster file {path}: {fragment}\n", err
 
 
 def test_a_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path):

@@ -51,6 +51,8 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
 @pytest.mark.parametrize("text, fragment", [
     (PART.format(name="x").replace("memory_gib = 24\n", ""), "gpu.x.memory_gib: Field required"),
     (PART.format(name="x").replace("bf16 = 100", "bf16 = -1"), "gpu.x.dense_tflops.bf16: Input should be greater"),
+    (PART.format(name="x").replace("memory_gib = 24", "memory_gib = 1e30"),  # read as 1e30 GiB
+     "gpu.x.memory_gib: Input should be less than or equal to 1048576"),
     (PART.format(name="x").replace('"pcie"', '"usb"'), "gpu.x.intra_node.link: Input should be 'nvlink', 'xgmi'"),
     (PART.format(name="x") + "speed = 3\n", "gpu.x.speed: Extra inputs are not permitted"),
     (PART.format(name='"Big GPU"'), "gpu.Big GPU: name with lower-case letters"),
