@@ -29,7 +29,7 @@ from pydantic import (
 from ..choices import choose_from
 from ..files import first_error, read_json
 from ..memory_parts import SAVED_PARTS
-from ..units import count_text
+from ..units import MAX_BYTES, MAX_MS, count_text
 from .partition import (
     LayerCost,
     StageCosts,
@@ -1124,9 +1124,43 @@ def load_profile(path: str | Path) -> Profile:
                            f"pipesim reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}); re-run pipesim "
                            "calibrate")
     try:
-        return Profile.model_validate(raw)
+        profile = Profile.model_validate(raw)
     except ValidationError as exc:
         raise ProfileError(f"profile {path}: {first_error(exc)}") from None
+    if (past := _past_limits(profile)) is not None:
+        raise ProfileError(f"profile {path}: {past}")
+    return profile
+
+
+def _past_limits(profile: Profile) -> str | None:
+    """Which size or time of the profile the simulator cannot take, or None: a stage's sizes up to MAX_BYTES and
+    its times up to MAX_MS (sim/costs.py `StageCosts`), and a stage may hold every layer, so the layers' sums are
+    bounded, and each calibrated stage's own figures. Said here naming the file's field, where StageCosts would name
+    its own."""
+    totals: dict[str, float] = {}
+    for layer in profile.layers:
+        for name, value in _numbers(layer.model_dump()):
+            totals[name] = totals.get(name, 0.0) + value
+    named = [("layers' ", name, "add up to", value) for name, value in totals.items()]
+    named += [(f"stages.{i}.", name, "is", value) for i, stage in enumerate(profile.stages)
+              for name, value in _numbers(stage.model_dump())]
+    for where, name, verb, value in named:
+        most, unit = (MAX_MS, "ms") if name.endswith("_ms") else (MAX_BYTES, "bytes") if "bytes" in name else (0, "")
+        if unit and value > most:
+            return f"{where}{name} {verb} {value:.3g}, more than the simulator takes (at most {most:.3g} {unit})"
+    return None
+
+
+def _numbers(tree: Any, name: str = "") -> Iterator[tuple[str, float]]:
+    """Every number in a dumped model's `tree` with its dotted field name (a list's items under the list's)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _numbers(value, f"{name}.{key}" if name else str(key))
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _numbers(value, name)
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        yield name, tree
 
 
 def threads_mismatch(profile: Profile, threads_per_rank: int) -> str | None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..files import first_error, read_json
 from ..profiles.linkfit import piecewise_ms
-from ..units import GIB, MAX_BYTES, MIB
+from ..units import GIB, MAX_BYTES, MAX_MS, MIB
 
 
 class ClusterError(ValueError):
@@ -214,7 +214,7 @@ def load_cluster(path: str | Path) -> Cluster:
         host: str | None = Field(default=None, min_length=1)
 
     class LinkSpec(_Strict):
-        latency_us: float = Field(default=0.0, ge=0)
+        latency_us: float = Field(default=0.0, ge=0, le=MAX_MS * 1e3)  # past it, no clock holds one transfer
         bandwidth_gb_per_s: float | None = Field(default=None, gt=0)
         table: list[tuple[float, float]] | None = None
 
@@ -225,8 +225,8 @@ def load_cluster(path: str | Path) -> Cluster:
                 if len(table) < 2:
                     raise ValueError("a size table needs at least two [bytes, ms] points")
                 sizes = [size for size, _ in table]
-                if any(b <= a for a, b in zip(sizes, sizes[1:])) or any(ms < 0 for _, ms in table):
-                    raise ValueError("sizes must increase and times must be >= 0")
+                if any(b <= a for a, b in zip(sizes, sizes[1:])) or any(not 0 <= ms <= MAX_MS for _, ms in table):
+                    raise ValueError(f"sizes must increase and times must be from 0 to {MAX_MS:g} ms")
             return table
 
     class PairSpec(LinkSpec):

@@ -20,9 +20,8 @@ from ..schedules import (
     ScheduleError,
     StageGraph,
 )
-from ..units import MAX_BYTES, MIB
+from ..units import MAX_BYTES, MAX_MS, MIB
 
-MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
 # The passes a stage's `transient_bytes` name, and the row each is (`KINDS`)
 TRANSIENT_KINDS = {"fwd": Kind.F, "bwd": Kind.B, "igrad": Kind.I, "wgrad": Kind.W}
 COLLECTIVE_KIND_NAMES = tuple(sorted(kind.value for kind in COLLECTIVE_KINDS))

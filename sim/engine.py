@@ -70,30 +70,39 @@ _AWAITS_NONE = (-1, -1)
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS)).astype(np.int8)
 
 
-def _picoseconds(ms: np.ndarray) -> np.ndarray:
+# What a run's times are, by the input that sets them: what `_clock_refusal` names for the user to lower.
+_CLOCK_PARTS = {"compute": "the rows' compute (--fwd, --bwd, a profile's or --gpu's times)",
+                "transfers": "the transfers between stages (--comm, or a --cluster file's latency_us, "
+                             "bandwidth_gb_per_s or table)",
+                "collectives": "the collectives (all-reduces, all-to-alls: their links' or the profile's times)"}
+
+
+def _picoseconds(ms: np.ndarray, part: str = "compute") -> np.ndarray:
     """Times run on an integer picosecond clock: sums are exact and associative, so an op computed to
-    start where the one before it ends starts exactly there, however its time was added up."""
+    start where the one before it ends starts exactly there, however its time was added up. `part`: of
+    `_CLOCK_PARTS`, what sets them."""
     ps = np.asarray(ms, dtype=np.float64) * _PS_PER_MS
     if ps.size and not ps.max() < _COUNTER_LIMIT:  # a time the clock cannot hold: refused, not cast to garbage
-        raise _clock_refusal(float(ps.max()))
+        raise _clock_refusal(float(ps.max()), part)
     return np.round(ps, out=ps).astype(np.int64)
 
 
-def _clock_refusal(ps: float) -> CostError:
+def _clock_refusal(ps: float, part: str) -> CostError:
     most_ms = _COUNTER_LIMIT / _PS_PER_MS
     return CostError(f"the run's times add up to {ps / _PS_PER_MS:.3g} ms, more than the simulator's picosecond "
-                     f"clock holds ({most_ms:.3g} ms, about {most_ms / 86_400_000:.0f} days): lower the costs, m "
-                     "(--microbatches) or N (--minibatches)")
+                     f"clock holds ({most_ms:.3g} ms, about {most_ms / 86_400_000:.0f} days), most of them "
+                     f"{_CLOCK_PARTS[part]}: lower those, m (--microbatches) or N (--minibatches)")
 
 
 def _check_clock(held_ps: np.ndarray, transfer_ps: np.ndarray, collective_ps: np.ndarray,
                  contention: Sequence[float]) -> None:
     """Refuse a run whose clocks could overflow: no device's clock passes every row's time, transfer and
     collective added up, each compute row slowed by the most its host's contention slows it."""
-    total = (float(held_ps.sum(dtype=np.float64)) * max(contention, default=1.0)
-             + float(transfer_ps.sum(dtype=np.float64)) + float(collective_ps.sum(dtype=np.float64)))
-    if not total < _COUNTER_LIMIT:
-        raise _clock_refusal(total)
+    parts = {"compute": float(held_ps.sum(dtype=np.float64)) * max(contention, default=1.0),
+             "transfers": float(transfer_ps.sum(dtype=np.float64)),
+             "collectives": float(collective_ps.sum(dtype=np.float64))}
+    if not sum(parts.values()) < _COUNTER_LIMIT:
+        raise _clock_refusal(sum(parts.values()), max(parts, key=parts.__getitem__))
 
 
 def takes_time(ms: np.ndarray) -> np.ndarray:
@@ -242,7 +251,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     host_unit = [None if len(peers) == 1 or compute_unit[d] is not None
                  else hosts.setdefault(cluster.hosts[d], len(hosts))
                  for d, peers in enumerate(cluster.host_peers(schedule.num_devices))]
-    channel_ps = _picoseconds(np.asarray(channel_ms, dtype=np.float64))
+    channel_ps = _picoseconds(np.asarray(channel_ms, dtype=np.float64), "transfers")
     transfer_ps = np.repeat(channel_ps, lowered.units)
     # Transfers that hold the compute beside them (`Costs.transfers_hold_products`) make a device's clock depend on
     # when its transfers run: every one a step, run in simulated time order.
@@ -312,7 +321,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # attention block computed beside it) does not hold the lane: the row holds it for what that compute leaves.
     collective_ms = op_ms[stage[collective_rows], kind[collective_rows]]
     hidden_ms = costs.hidden_ms_table()[stage[collective_rows], kind[collective_rows]]
-    collective_ps = _picoseconds(np.maximum(collective_ms - hidden_ms, 0.0))
+    collective_ps = _picoseconds(np.maximum(collective_ms - hidden_ms, 0.0), "collectives")
     _check_clock(held, transfer_ps, collective_ps, cluster.contention)
     # An overlapped pair's all-to-alls run under its other part's compute, as DualPipe overlaps them (DeepSeek-V3's
     # report, section 3.2.1: each part's communication hidden under the other part's computation): what remains

@@ -193,10 +193,28 @@ def test_malformed_cluster_file(tmp_path):
     assert code == 2 and err == f"error: --cluster: cluster file {path} is not a text (UTF-8) file\n"
     for field, fragment in (({"overlap_comm": "yes"}, "overlap_comm: Input should be a valid boolean"),  # read true
                             ({"devices": [{"name": "g", "memory_gib": 1e30}] * 4},  # a memory no counter holds
-                             "devices.0.memory_gib: Input should be less than or equal to 1048576")):
+                             "devices.0.memory_gib: Input should be less than or equal to 1048576"),
+                            ({"link": {"latency_us": 1e15}},  # the engine's clock check, naming no field
+                             "link.latency_us: Input should be less than or equal to 1000000000000")):
         path.write_text(json.dumps({"devices": 4, **field}))
         code, _, err = pipesim("simulate", "--cluster", str(path))
         assert code == 2 and err == f"error: --cluster: cluster file {path}: {fragment}\n", err
+    path.write_text(json.dumps({"devices": 4, "link": {"bandwidth_gb_per_s": 1e-15}}))  # no one bound: the sum's
+    code, _, err = pipesim("simulate", "--cluster", str(path))
+    assert code == 2 and "most of them the transfers between stages (--comm, or a --cluster file's latency_us, " \
+                         "bandwidth_gb_per_s or table)" in err, err
+
+
+def test_a_profile_past_what_the_simulator_takes_names_the_file_and_field(tmp_path):
+    """A size past MAX_BYTES or a time past MAX_MS was refused by StageCosts in its own words ('param_bytes must
+    be ...'), naming neither --profile nor the file; the layers' sums are bounded, since a stage may hold them all."""
+    profile = json.loads((Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json").read_text())
+    profile["layers"][0]["param_bytes"] = 2**51
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    code, _, err = pipesim("simulate", "--profile", path, "-s", "1f1b")
+    assert code == 2 and err == (f"error: --profile: profile {path}: layers' param_bytes add up to 2.25e+15, more "
+                                 "than the simulator takes (at most 1.13e+15 bytes)\n"), err
 
 
 def test_a_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
