@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipesim.planning.estimate import unfused_weight_share
 from pipesim.workload.count import WorkloadCount, count_built
 from pipesim.workload.moe import expected_tokens, routed_experts
 from tests.conftest import pipesim, reductions, simulate_json
@@ -310,6 +311,23 @@ def test_a_gpt_oss_config_does_a_mixtrals_products_and_holds_its_biases_and_sink
     assert [op.op for op in moe.ops["fwd"] if op.routed and op.kind == "matmul"] == ["baddbmm", "bmm"]
     assert [op.op for op in moe.ops["fwd"] if op.routed and op.shape in ((EXPERTS, each, H), (EXPERTS * each, H))
             ] == ["mul", "add", "cat"]
+
+
+@needs_transformers
+def test_a_gpt_oss_up_product_with_its_bias_is_recorded_as_a_mixtrals(tmp_path):
+    """gpt-oss's up product adds its bias itself (baddbmm, TransformerEngine's GroupedLinear): it is the routed
+    experts' grouped product with weights as Mixtral's bmm is, so the count records the same products for their
+    weight gradients, the up one with its bias's bytes, and the layer's unfused weights (accumulated in a pass of their
+    own) are its weights outside those products, Mixtral's plus gpt-oss's extra ones."""
+    oss, mixtral = (count_built(f"hf:{write_config(tmp_path / name, fields)}", {"seq_len": S}, B, torch.bfloat16
+                                ).layers[1] for name, fields in (("oss", GPT_OSS), ("mixtral", MIXTRAL)))
+    assert (oss.weight_grad_outputs, oss.weight_grad_routed) == (mixtral.weight_grad_outputs,
+                                                                mixtral.weight_grad_routed)
+    assert sum(oss.weight_grad_routed) == 2
+    up = oss.weight_grad_routed.index(True)
+    assert oss.weight_grad_bias_bytes[up] == EXPERTS * 2 * FFN * 2
+    unfused = [layer.param_bytes * unfused_weight_share(layer, 2) for layer in (oss, mixtral)]
+    assert round(unfused[0] - unfused[1]) == oss.param_bytes - mixtral.param_bytes
 
 
 @needs_transformers

@@ -602,9 +602,9 @@ class _Product:
 class _SaverParts(TorchFunctionMode):
     """Which part is saving now: the torch functions of `_FUNCTION_PART` under way, innermost last; and whether
     a product with weights is: a linear layer's (F.linear) or the routed experts' grouped one (a batched product
-    of `routed`'s expert weights, TransformerEngine's GroupedLinear under Megatron-core): what it saves is its
-    input, kept for its weight gradient. `products`: each such product whose weights take a gradient (`_Product`),
-    in the forward's order."""
+    of `routed`'s expert weights, their bias added or not, TransformerEngine's GroupedLinear under Megatron-core):
+    what it saves is its input, kept for its weight gradient. `products`: each such product whose weights take a
+    gradient (`_Product`), in the forward's order."""
 
     def __init__(self, routed: Dispatched | None = None) -> None:
         super().__init__()
@@ -613,19 +613,27 @@ class _SaverParts(TorchFunctionMode):
         self.routed = routed
         self.products: list[_Product] = []
 
-    def _weighted(self, func: Callable[..., Any], args: tuple) -> bool:
-        grouped = func is torch.bmm and self.routed is not None and self.routed.reads_experts([args[1]])
-        return func is F.linear or grouped
+    def _weighted(self, func: Callable[..., Any], args: tuple, kwargs: dict
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """A product with weights' (input, weight, added bias or None), by what it computes: F.linear's, or a matrix
+        product (`MATMULS`: its two factors last, after the term addmm and baddbmm add) whose second factor is the
+        routed experts' (bmm; baddbmm where the product adds their bias, as gpt-oss's up product); None otherwise."""
+        if func is F.linear:
+            return (args[0], args[1] if len(args) > 1 else kwargs["weight"],
+                    args[2] if len(args) > 2 else kwargs.get("bias"))
+        if getattr(func, "__name__", None) not in MATMULS or self.routed is None:
+            return None
+        *added, x, weight = (a for a in args if torch.is_tensor(a))
+        return (x, weight, (*added, None)[0]) if self.routed.reads_experts([weight]) else None
 
-    def _record_product(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+    def _record_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        out: torch.Tensor) -> None:
         """A product with weights as (batch, m, n, k) and its output's bytes, where its weights take a gradient:
         F.linear's input rows by the weight's (n, k), or the grouped product's (experts, rows, n, k)."""
-        x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
         if not weight.requires_grad:
             return
         shape = ((1, math.prod(x.shape[:-1]), *weight.shape) if weight.dim() == 2
                  else (*out.shape, x.shape[-1]))
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
         self.products.append(_Product(shape, _nbytes(out), x.untyped_storage(), weight.dim() != 2, router_now(),
                                       _nbytes(bias) if bias is not None and bias.requires_grad else 0))
 
@@ -633,12 +641,13 @@ class _SaverParts(TorchFunctionMode):
         part = _FUNCTION_PART.get(func)
         if part is not None:
             self.running.append(part)
-        weighted = self._weighted(func, args)
+        terms = self._weighted(func, args, kwargs or {})
+        weighted = terms is not None
         self.linear += weighted
         try:
             out = func(*args, **(kwargs or {}))
-            if weighted and self.linear == 1:
-                self._record_product(args, kwargs or {}, out)
+            if terms is not None and self.linear == 1:
+                self._record_product(*terms, out)
             return out
         finally:
             self.linear -= weighted
