@@ -273,6 +273,11 @@ def with_help(option: Any, words: str) -> Any:
     return Annotated[kind, told]
 
 
+# Every command's --seed: numpy's and torch's generators both take it, and run's data seeds (seed x 1,000,003 + index,
+# executor/stages.py) stay within torch's 64 bits.
+Seed = Annotated[int, typer.Option("--seed", metavar="N", min=0, max=2**32 - 1, help="Seed")]
+
+
 CurveFrom = Annotated[Path | None, typer.Option(
     "--curve-from", metavar="PROFILE", help="With --gpu: a calibration made on that GPU (`pipesim calibrate --device "
                                             "cuda`): the efficiency curve calibrate stored in it (else fitted to its "

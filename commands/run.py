@@ -44,6 +44,7 @@ from .common import (
     SearchComm,
     SearchFwd,
     SearchSeconds,
+    Seed,
     SharedExperts,
     Stages,
     TopK,
@@ -67,6 +68,7 @@ from .common import (
     searched_scenario,
     stderr,
     stdout,
+    with_help,
     writing,
 )
 from .tables import print_table
@@ -138,7 +140,7 @@ def run(
     optimizer: Annotated[str, typer.Option(
         "--optimizer", metavar="NAME", help="sgd, momentum, adam or adamw.")] = "sgd",
     lr: Annotated[float, typer.Option("--lr", metavar="LR", help="Learning rate.")] = 0.05,
-    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the model and the data.")] = 0,
+    seed: with_help(Seed, "of the model and the data.") = 0,
     profile: Annotated[Path | None, typer.Option(
         "--profile", metavar="JSON", help="Profile from `pipesim calibrate`: its partition gives the stage layer "
                                           "bounds (and the model's size options); auto's order is searched for its "

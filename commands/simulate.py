@@ -44,6 +44,7 @@ from .common import (
     SearchComm,
     SearchFwd,
     SearchSeconds,
+    Seed,
     ShardedOptimizer,
     StageCut,
     Stages,
@@ -74,6 +75,7 @@ from .common import (
     searched_scenario,
     stderr,
     stdout,
+    with_help,
     writing,
     zero_stage,
 )
@@ -177,7 +179,7 @@ def simulate(
     jitter: Annotated[float, typer.Option(
         "--jitter", min=0.0, metavar="SIGMA", help="Sigma of a log-normal factor on every compute time (0: "
                                                    "none).")] = 0.0,
-    seed: Annotated[int, typer.Option("--seed", metavar="N", min=0, help="Seed for --jitter.")] = 0,
+    seed: with_help(Seed, "for --jitter.") = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
     memory_view: Annotated[bool, typer.Option(
         "--memory", help="Print each device's peak memory by what holds it (weights, gradients, optimizer state, "

@@ -116,6 +116,7 @@ def test_schedules_lists_methods():
     (["--chunks", "2", "-s", "gpipe"], "gpipe places one model stage per device"),
     (["--cluster", "/no/such/cluster.json"], "--cluster: cannot read cluster file"),
     (["-s", "1f1b", "--jitter", "0.1", "--seed", "-3"], "--seed"),  # numpy's traceback: a seed is not negative
+    (["-s", "1f1b", "--seed", str(2**32)], "Input should be less than or equal to 4294967295"),  # run's rule too
     (["--html", "/no/such/dir/x.html"], "--html: cannot write"),
     (["--trace", "/no/such/dir/x.json"], "--trace: cannot write"),
     (["--frobnicate"], "No such option"),
