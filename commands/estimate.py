@@ -251,11 +251,11 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
+    refuse(kernels_refusal(params.get("cross_entropy", "torch"), params.get("norm_kernel", "eager"),  # before the
+                           params.get("rope_kernel", "eager"), params.get("loss_parallel", False)))  # count's torch
     if params.get("loss_parallel") and params.get("tensor_parallel") == 1:  # torchtitan's at t > 1 only
         raise InputError("--loss-parallel splits the logits by vocabulary over a tensor-parallel group (torchtitan's "
                          "with t > 1): give --tensor-parallel 2 or more")
-    refuse(kernels_refusal(params.get("cross_entropy", "torch"), params.get("norm_kernel", "eager"),  # before the
-                           params.get("rope_kernel", "eager"), params.get("loss_parallel", False)))  # count's torch
     try:
         catalogue = load_catalogue(params.get("gpus"))
     except CatalogueError as exc:
