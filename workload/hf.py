@@ -112,7 +112,9 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         eager = sys.modules[type(module).__module__].eager_attention_forward
         return eager(module, query, key, value, attention_mask, softcap=softcap, **kwargs)
     window = kwargs.pop("sliding_window", getattr(module, "sliding_window", None))
-    with attention_window(window if query.device.type == "meta" else None):
+    if query.device.type != "meta":  # timed or compiled (torch.compile traces no recording context): the kernel alone
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    with attention_window(window):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
