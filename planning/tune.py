@@ -1351,7 +1351,8 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True, beat
     without it (the tensors alone: no more than that peak); and the long run's trace. Where the candidate is
     found no faster than `beaten` (a speed key) before its step is known (`_periodic_step_ms`'s lower bound, a
     millionth over the step of that speed: its key and its exact step's stay at or below `beaten`), the samples/s
-    and bubble are bounds from above and the step from below; the peak is exact either way."""
+    is a bound from above, the step and the bubble (1 - busy / step) bounds from below; the peak is exact either
+    way."""
     config, scenario, links = candidate.config, candidate.setting.scenario, candidate.links
     short = candidate.short_schedule or build(scenario, problem, config.schedule, replace(
         candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
@@ -1420,7 +1421,11 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
     later c mini-batches on (min over the rows and k of E[g, k + c] - E[g, k] >= c·s), then so does the first row
     after it, each of whose inputs ends at least c·s after its own c mini-batches back, and by induction every
     later row: no steady step is under s, from a run of any length (the 70B's stale p = 32 orders: 657.4 ms at N =
-    16 against their 657.9-659.2 at N = 52-100, where 641.4 loses to the choice; 0.4 CPU s a run instead of 4.7)."""
+    16 against their 657.9-659.2 at N = 52-100, where 641.4 loses to the choice; 0.4 CPU s a run instead of 4.7).
+    Both inductions need that monotonicity, which two of the engine's rules lack: a transfer kernel that begins
+    later can hold the compute beside it less, so that it ends sooner (`_held_compute`), and a transfer that comes
+    later to a lane shared first come, first served can let another go first. Where those run (an H100's estimate,
+    a REDUCE lane) the bounds rest on tests/test_accumulation_bounds.py's random chains, holds in, not on a proof."""
     steps, reach = schedule.minibatches - short, short
     in_flight = -(-schedule.num_stages // schedule.microbatches)
     while True:
