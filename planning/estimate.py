@@ -2620,6 +2620,13 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if curve is None:
         raise EstimateError(f"gpu {gpu.name!r} has no efficiency curve (curve = {{...}} in its catalogue entry)")
     curve = kernel_curve(curve, parallel.attention_kernel, gpu.name)
+    if parallel.attention_kernel == "cudnn" and any(op.softcap for layer in counted.layers
+                                                    for ops in layer.ops.values() for op in ops):
+        # TransformerEngine's FusedAttention caps scores only through cuDNN frontend's experimental score_mod, which
+        # takes no mask (dot_product_attention.py `score_mod`, TransformerEngine d0067d0): not the causal kernel
+        raise EstimateError("{attention_kernel} cudnn: the model soft-caps its attention scores, which cuDNN's "
+                            "causal fused attention does not compute; use flash2 or flash3 (their softcap), or "
+                            "count it with --attention math")
     if (refused := optimizer_refusal(optimizer, "{optimizer}")) is not None:
         raise EstimateError(refused)
     expert_split = ("tensor", parallel.tensor) if parallel.expert_tensor is None else (

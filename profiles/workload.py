@@ -73,6 +73,7 @@ class OpCount:
     kv_group: int = 1  # an attention kernel's query heads per key/value head (grouped-query attention; 1: as many)
     gating: bool = False  # a router's gating product or its casts (workload/moe.py), kept out of float8 recipes
     window: int = 0  # an attention kernel's sliding window: the keys each query attends to at most (0: all)
+    softcap: bool = False  # an attention kernel that soft-caps its scores in the kernel (Gemma 2's cap·tanh(s/cap))
     split_accumulation: bool = False  # a float8 product adding its partial sums into float32 every few steps
     streams: int = 1  # a product issued once per local expert, this many running at once on streams of their own
     # (planning/experts.py `per_expert_products`); never counted

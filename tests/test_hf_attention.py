@@ -11,6 +11,7 @@ import torch
 
 from pipesim.planning.estimate import kernel_flops
 from pipesim.workload.count import count_built
+from tests.conftest import pipesim
 from tests.test_hf import write_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -71,3 +72,40 @@ def test_an_attention_the_kernels_do_not_compute_is_refused_in_one_line(given):
     query = torch.zeros(1, HEADS, 8, HEAD, device="meta")
     with pytest.raises(ModelError, match=r"^--model: Linear hands its attention (a position bias|the keys its sparse)"):
         counted_attention(torch.nn.Linear(1, 1), query, query, query, None, **given)
+
+
+def test_gemma2s_fused_kernels_carry_the_soft_capping_and_cudnn_refuses_them(tmp_path):
+    """Counted fused, Gemma 2's kernels, forward and backward, are marked as capping their scores (Mistral's are
+    not); cuDNN's fused attention caps only through TransformerEngine's experimental score_mod, which takes no
+    causal mask: an estimate on it is refused in one line, writing nothing, where flash2's goes through."""
+    for model_type, capped in (("gemma2", True), ("mistral", False)):
+        folder = write_config(tmp_path / model_type, {**SMALL, "model_type": model_type, **MODELS[model_type][0]})
+        counted = count_built(f"hf:{folder}", {"seq_len": 64}, 1, torch.bfloat16, "flash")
+        kernels = [op for layer in counted.layers[1:3] for ops in layer.ops.values() for op in ops
+                   if op.kind == "attention"]
+        assert {op.op.endswith("_backward") for op in kernels} == {False, True}
+        assert {op.softcap for op in kernels} == {capped}
+    run = ["estimate", "--model", f"hf:{tmp_path / 'gemma2'}", "--seq-len", 64, "--attention", "flash",
+           "--gpu", "h100-sxm"]
+    out = tmp_path / "profile.json"
+    code, _, err = pipesim(*run, "--attention-kernel", "cudnn", "--out", out)
+    assert code == 2 and err.strip() == (
+        "error: --attention-kernel cudnn: the model soft-caps its attention scores, which cuDNN's causal fused "
+        "attention does not compute; use flash2 or flash3 (their softcap), or count it with --attention math")
+    assert not out.exists()
+    assert pipesim(*run, "--attention-kernel", "flash2", "--out", out).code == 0 and out.exists()
+
+
+def test_gemma2s_final_logit_capping_is_counted_in_the_heads_layer(tmp_path):
+    """Gemma 2 caps its logits after the head's product (`final_logit_softcapping`): a division, a tanh and a
+    multiplication over the tokens x vocabulary logits, in the head's layer, which keeps the tanh's output for its
+    backward (the division and multiplication by a number keep nothing)."""
+    heads = {}
+    for cap in (None, 30.0):
+        folder = write_config(tmp_path / str(cap), {**SMALL, "model_type": "gemma2", "final_logit_softcapping": cap})
+        heads[cap] = count_built(f"hf:{folder}", {"seq_len": 64}, 1, torch.bfloat16, "flash").layers[-1]
+    logits = (1, 64, SMALL["vocab_size"])
+    capping = [(op.op, op.shape) for op in heads[30.0].ops["fwd"] if op.op in ("div", "tanh", "mul")]
+    assert capping == [("div", logits), ("tanh", logits), ("mul", logits)]
+    assert not [op for op in heads[None].ops["fwd"] if op.op in ("div", "tanh", "mul")]
+    assert heads[30.0].saved_bytes - heads[None].saved_bytes == 64 * SMALL["vocab_size"] * 2

@@ -80,7 +80,7 @@ ATTENTION_KERNELS = {str(op).removeprefix("aten.") for op in flop_registry if "a
 class _Tally:
     flops: int = 0
     moved_bytes: int = 0  # of the memory-bound ops
-    # (op, kind, shape, flops, moved bytes, routed, causal, kv group, gating, window)
+    # (op, kind, shape, flops, moved bytes, routed, causal, kv group, gating, window, soft-capping)
     ops: Counter = field(default_factory=Counter)
     transient: tuple[tuple[tuple[int, ...], int], ...] = ()  # `_LiveBytes.transient`
     allocations: tuple[tuple[int, tuple[int, ...], int, str], ...] = ()  # `_LiveBytes.allocations`
@@ -89,7 +89,7 @@ class _Tally:
 
     def records(self) -> tuple[OpCount, ...]:
         return tuple(OpCount(*key[:5], count=n, routed=key[5], causal=key[6], kv_group=key[7], gating=key[8],
-                             window=key[9]) for key, n in self.ops.items() if n > 0)
+                             window=key[9], softcap=key[10]) for key, n in self.ops.items() if n > 0)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -118,35 +118,39 @@ def _kv_group(name: str, tensors: list[torch.Tensor]) -> int:
     return q.shape[1] // k.shape[1]
 
 
-_windows: list[int] = []  # the sliding windows of the attentions under way, innermost last (`attention_window`)
-# by the id of a windowed kernel's output storage, its window: its backward, which reads that output, runs after
-# the attention's forward has returned (entries leave as the storages are freed)
-_windowed: dict[int, int] = {}
+_windows: list[tuple[int, bool]] = []  # the (sliding window, soft-capping) of the attentions under way, innermost
+# last (`attention_window`)
+# by the id of a marked kernel's output storage, its (window, soft-capping): its backward, which reads that output,
+# runs after the attention's forward has returned (entries leave as the storages are freed)
+_windowed: dict[int, tuple[int, bool]] = {}
 
 
 @contextmanager
-def attention_window(keys: int | None) -> Iterator[None]:
+def attention_window(keys: int | None, softcap: bool = False) -> Iterator[None]:
     """Record the fused attention kernels run inside, and their backwards, as attending each query to at most
-    `keys` keys, itself the last (a sliding window; None: every key before it)."""
-    _windows.append(keys or 0)
+    `keys` keys, itself the last (a sliding window; None: every key before it), and as soft-capping their scores
+    (`softcap`: Gemma 2's cap·tanh(score/cap), in the kernel)."""
+    _windows.append((keys or 0, softcap))
     try:
         yield
     finally:
         _windows.pop()
 
 
-def _window(name: str, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> int:
-    """An attention kernel's window (0: none): the one open where it runs forward, its forward's for a backward."""
+def _window(name: str, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> tuple[int, bool]:
+    """An attention kernel's (window, soft-capping) ((0, False): neither): the one open where it runs forward, its
+    forward's for a backward."""
     if name not in ATTENTION_KERNELS:
-        return 0
+        return 0, False
     if name.endswith("_backward"):
-        return next((_windowed[id(t.untyped_storage())] for t in reads if id(t.untyped_storage()) in _windowed), 0)
-    keys = _windows[-1] if _windows else 0
-    if keys:
+        return next((_windowed[id(t.untyped_storage())] for t in reads if id(t.untyped_storage()) in _windowed),
+                    (0, False))
+    marks = _windows[-1] if _windows else (0, False)
+    if any(marks):
         key = id(writes[0].untyped_storage())
-        _windowed[key] = keys
+        _windowed[key] = marks
         weakref.finalize(writes[0].untyped_storage(), _windowed.pop, key, None)
-    return keys
+    return marks
 
 
 def _kind(name: str) -> str:
@@ -237,7 +241,8 @@ class _MovedBytes(TorchDispatchMode):
         moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
         experts = self.routed is not None and self.routed.reads_experts(list(reads))
         self.tally.moved_bytes += moved
-        self._record((name, "memory", tuple(max(writes, key=_nbytes).shape), 0, moved, experts, False, 1, False, 0))
+        self._record((name, "memory", tuple(max(writes, key=_nbytes).shape), 0, moved, experts, False, 1, False, 0,
+                      False))
 
     def _record(self, key: tuple) -> None:
         self.tally.ops[key] += 1
@@ -258,7 +263,7 @@ class _MovedBytes(TorchDispatchMode):
             given = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
             causal = bool(given.get("is_causal", False))  # an attention kernel's mask; no other op has one
             self._record((name, _kind(name), _shape(name, reads), flops, moved, experts, causal,
-                          _kv_group(name, reads), gating_now(), _window(name, reads, writes)))
+                          _kv_group(name, reads), gating_now(), *_window(name, reads, writes)))
             return out
         if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
             written = [value for arg, value in zip(func._schema.arguments, args)
@@ -272,7 +277,7 @@ class _MovedBytes(TorchDispatchMode):
         self.tally.moved_bytes += moved
         largest = max(writes, key=_nbytes, default=None)
         self._record((name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts,
-                      False, 1, gating_now(), 0))
+                      False, 1, gating_now(), 0, False))
         return out
 
 

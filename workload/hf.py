@@ -7,10 +7,10 @@ the layer from the model's rotary module (as each pipeline stage computes them f
 so that every model's attention, run as `counted_attention` (transformers' sdpa attention, whether or not the
 model's class offers it), asks for a causal kernel (`is_causal`): on the meta device with the layer's sliding window
 (Mistral's `sliding_window`, the "sliding_attention" layers of gpt-oss, Gemma 2 and 3 and Qwen2), which the fused
-kernel's count carries (workload/count.py `attention_window`). Anything else a model's forward
-does between its parts is not counted (Llama's, Mistral's and Qwen's do nothing else; Gemma scales its embedding
-in its embedding module). A tied head is counted as its own copy of the embedding's weights, as Megatron-LM keeps one on
-the last stage.
+kernel's count carries (workload/count.py `attention_window`). Gemma 2's and 3's capping of their logits is counted
+in the head's layer (`CappedHead`); anything else a model's forward does between its parts is not (Llama's,
+Mistral's and Qwen's do nothing else; Gemma scales its embedding in its embedding module). A tied head is counted as
+its own copy of the embedding's weights, as Megatron-LM keeps one on the last stage.
 
 With `mtp_layers` D (`--mtp-layers`), DeepSeek-V3's multi-token prediction (its report, arXiv 2412.19437, 2.2: D
 sequential modules, each a projection of [RMSNorm(h); RMSNorm(Emb(t_{i+k}))] from 2h to h, one more transformer
@@ -100,7 +100,8 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     soft-capped scores (`softcap`: cap·tanh(score/cap)) are too in a fused count: FlashAttention-2 (from 2.6,
     `softcap`) and -3 cap them in the kernel; in an unfused one ("math") they are the model's own eager attention,
     the scores' products, the capping's ops and the softmax, as Megatron-Bridge's Gemma2DotProductAttention runs
-    them (TransformerEngine's fused attention has no soft-capping). Off the meta device neither the window nor the
+    them. The fused kernel is marked as capping (`OpCount.softcap`): cuDNN's does not cap a causal kernel
+    (planning/estimate.py refuses it). Off the meta device neither the window nor the
     sinks are applied (the kernel is timed, not its values)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -114,7 +115,7 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     window = kwargs.pop("sliding_window", getattr(module, "sliding_window", None))
     if query.device.type != "meta":  # timed or compiled (torch.compile traces no recording context): the kernel alone
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    with attention_window(window):
+    with attention_window(window, softcap is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -351,7 +352,22 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     types = getattr(model.config, "layer_types", None) or [None] * len(blocks)
     for block in blocks:
         _as_megatron_runs(block)
-    return [embed, *(DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)), norm, head]
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return [embed, *(DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)), norm,
+            CappedHead(head, cap) if cap else head]
+
+
+class CappedHead(nn.Module):
+    """A head whose logits are soft-capped, cap·tanh(logits/cap), as Gemma 2's and 3's causal language models'
+    forward caps them (`final_logit_softcapping`) after the head's product: its division, tanh and multiplication
+    run in the head's layer, each saving what it saves."""
+
+    def __init__(self, head: nn.Module, cap: float) -> None:
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(hidden) / self.cap) * self.cap
 
 
 def _as_megatron_runs(block: nn.Module) -> None:
