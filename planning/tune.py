@@ -1400,7 +1400,8 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
     (STEADY_STEPS doubled, up to LONGEST_STEADY_STEPS) until one shows, else the least, over the periods tried, of
     the largest mean step of any row over the window, each of which no steady step exceeds; but where a run shows
     no period and a lower bound of the steady step at or over `losing_ms` (a step the caller needs only to know
-    is reached: what loses to the choice, `_measured`), that bound, and no longer run. The growth alone can
+    is reached: what loses to the choice, `_measured`), that bound, and no longer run, unless transfers hold the
+    compute (below). The growth alone can
     read a transient: a REDUCE chain's backlog on its lane can build up for tens of steps (PipeDream, 2 stages, m =
     1: 6.96 ms where every step from the eighth on takes 7), and a sound bound then sits above the step tune
     measures.
@@ -1425,7 +1426,9 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
     Both inductions need that monotonicity, which two of the engine's rules lack: a transfer kernel that begins
     later can hold the compute beside it less, so that it ends sooner (`_held_compute`), and a transfer that comes
     later to a lane shared first come, first served can let another go first. Where those run (an H100's estimate,
-    a REDUCE lane) the bounds rest on tests/test_accumulation_bounds.py's random chains, holds in, not on a proof."""
+    a REDUCE lane) the bounds rest on tests/test_accumulation_bounds.py's random chains, not on a proof; and where
+    transfers hold the compute those found the lower bound 2.5 % over the steady step (16.49 ms against 16.2: an
+    XPipe chain there), so it stops no run with holds."""
     steps, reach = schedule.minibatches - short, short
     in_flight = -(-schedule.num_stages // schedule.microbatches)
     while True:
@@ -1442,7 +1445,7 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
             lower_ms = max(lower_ms, float(shift_ps.min()) / period / 1e9)
         if steps >= LONGEST_STEADY_STEPS and clean > reach:
             return least_ms
-        if lower_ms >= losing_ms and clean > reach:
+        if lower_ms >= losing_ms and clean > reach and not costs.transfers_hold_products:
             return lower_ms
         steps *= 2
         schedule = schedule_of(short + steps)

@@ -284,3 +284,27 @@ def test_the_lower_bound_of_a_never_flushing_orders_step_stays_at_or_below_its_s
     lower_ms = tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
                                         0.0)
     assert lower_ms <= _step_ms(schedule_of, costs, links) * (1 + 1e-9) + ROUNDING_MS
+
+
+def test_where_transfers_hold_the_compute_no_lower_bound_stops_the_run():
+    """XPipe on three stages, one micro-batch, REDUCEs after the flush, transfers holding the compute: its long
+    run's rows end at least 16.49 ms later a mini-batch on, yet its steady step is 16.2 (a kernel that begins later
+    can let the compute beside it end sooner: the engine is not monotone there). Asked only whether the step
+    reaches 0 ms, `_periodic_step_ms` runs on to that step, where it answered 16.49 and tune could cut a candidate
+    that wins."""
+    given_costs = [dict(fwd_ms=0.0, bwd_ms=2.0, igrad_ms=2.0, wgrad_ms=0.0, opt_ms=2.8, reduce_ms=4.8, product_ms=1.0),
+                   dict(fwd_ms=1.2, bwd_ms=4.3, igrad_ms=1.0, wgrad_ms=3.6, opt_ms=4.0, reduce_ms=4.6, product_ms=0.1),
+                   dict(fwd_ms=2.1, bwd_ms=5.3, igrad_ms=4.5, wgrad_ms=0.8, opt_ms=4.3, reduce_ms=4.5, product_ms=0.1)]
+    accumulate_ms, output_bytes = (0.4, 0.4, 0.8), (947, 947, 87)
+    costs = Costs.per_stage(3, fwd_ms=1.0, bwd_ms=2.0)
+    costs = replace(costs, transfers_hold_products=True, stages=tuple(
+        replace(stage, **given, accumulate_ms=accumulated, output_bytes=size)
+        for stage, given, accumulated, size in zip(costs.stages, given_costs, accumulate_ms, output_bytes)))
+    links = Cluster(3, Link(latency_ms=1.34, bandwidth_bytes_per_ms=7214.0))
+    schedule_of = fixed_order("xpipe", 3, 1, True)
+    short, long = _runs(schedule_of)
+    growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
+    step_ms = _step_ms(schedule_of, costs, links)
+    assert step_ms == pytest.approx(16.2)
+    assert tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
+                                    0.0) == pytest.approx(step_ms)
