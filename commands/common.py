@@ -664,7 +664,7 @@ def fail(message: str) -> NoReturn:
 
 def parse_numbers(flag: str, text: str, most: float = math.inf) -> list[float]:
     """One number or a comma-separated list of them, each finite, >= 0 and at most `most` (a cost's range,
-    sim/costs.py `MAX_MS` or `MAX_BYTES`, in the flag's unit)."""
+    units.py `MAX_MS` or `MAX_BYTES`, in the flag's unit)."""
     values = []
     for part in text.split(","):
         try:
@@ -674,7 +674,7 @@ def parse_numbers(flag: str, text: str, most: float = math.inf) -> list[float]:
         if not value >= 0 or value == float("inf"):
             raise InputError(f"{flag}: values must be finite and >= 0, got {part.strip()!r}")
         if value > most:
-            raise InputError(f"{flag}: values must be at most {most:g}, got {part.strip()!r}")
+            raise InputError(f"{flag}: values must be at most {most:,.0f}, got {part.strip()!r}")
         values.append(value)
     return values
 
@@ -1008,8 +1008,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     from ..planning.scenario import Scenario, check_stage_cut, first_last
     from ..profiles.schema import optimizer_refusal
     from ..sim import ClusterError, CostError, load_cluster
-    from ..sim.costs import MAX_BYTES, MAX_MS
-    from ..units import MIB
+    from ..units import MAX_BYTES, MAX_MS, MIB
 
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")], most)

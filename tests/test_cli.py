@@ -133,10 +133,10 @@ def test_schedules_lists_methods():
     # the picosecond clock: a run whose times overflow it showed a traceback, a link's time past it a wrong answer
     (["-s", "1f1b", "--fwd", "1e8", "-m", "100"], "error: the run's times add up to 8e+10 ms, more than the "
                                                   "simulator's picosecond clock holds (4.61e+09 ms, about 53 days)"),
-    (["-s", "1f1b", "--comm", "1e10"], "error: --comm: values must be at most 1e+09, got '1e10'"),
+    (["-s", "1f1b", "--comm", "1e10"], "error: --comm: values must be at most 1,000,000,000, got '1e10'"),
     (["-s", "1f1b", "--comm", "1e9"], "error: the run's times add up to 9.6e+10 ms, more than the simulator's"),
     # sizes: one past MAX_BYTES overflowed numpy's int64 (a traceback), many micro-batches' the counter (wrong peaks)
-    (["-s", "1f1b", "--param-mb", "1e30"], "error: --param-mb: values must be at most 1.07374e+09, got '1e30'"),
+    (["-s", "1f1b", "--param-mb", "1e30"], "error: --param-mb: values must be at most 1,073,741,824, got '1e30'"),
     (["-s", "gpipe", "--activation-mb", "1e9", "-m", "10000", "-n", "1"],
      "error: device 0's rows add and free more bytes than the simulator's counters hold (4.61e+18)"),
 ])
