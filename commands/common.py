@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..choices import choose_from
+from ..units import GIB, MAX_BYTES, MAX_MS, MIB
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -882,7 +883,7 @@ def require_model_data(needer: str, model: str) -> None:
         require(f"{needer} --model {model} (transformers builds it from its config)", "transformers")
 
 
-MAX_MEMORY_GB = 1 << 20  # a PiB per device: beyond any machine, and safely inside an int64 of bytes
+MAX_MEMORY_GB = MAX_BYTES // GIB  # a PiB per device (units.py): beyond any machine, inside the memory counters
 
 
 def check_memory_gb(memory_gb: float | None) -> None:
@@ -1008,7 +1009,6 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     from ..planning.scenario import Scenario, check_stage_cut, first_last
     from ..profiles.schema import optimizer_refusal
     from ..sim import ClusterError, CostError, load_cluster
-    from ..units import MAX_BYTES, MAX_MS, MIB
 
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")], most)
