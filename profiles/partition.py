@@ -321,15 +321,24 @@ LAYOUT_LETTERS = {"E": "the embedding", "t": "a decoder layer", "m": "a multi-to
 LAYOUT_REPEATS = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
 LAYOUT_GRAMMAR = (f"letters {', '.join(f'{letter} ({what})' for letter, what in LAYOUT_LETTERS.items())}, "
                   "| between stages, (...)*n and x*n repeats, commas ignored")
+# The most characters a layout may unroll to: far past any model's layers and pipesim's stages (MAX_STAGES), where a
+# repeat of 10**12 ran out of memory or for minutes
+LAYOUT_MOST_CHARACTERS = 1_000_000
 
 
 def megatron_layout(layout: str) -> list[str]:
     """Each stage's letters in `layout`, parsed as Megatron-core parses it: commas dropped, every (...)*n and then
     every x*n unrolled once, the rest split at |; a character that is not a letter it knows refused (so is a
-    parenthesis left unbalanced, nested or without *n, as Megatron-core refuses it)."""
+    parenthesis left unbalanced, nested or without *n, as Megatron-core refuses it), and so is one that would
+    unroll past LAYOUT_MOST_CHARACTERS, before it is unrolled."""
     unrolled = layout.replace(",", "")
     for repeat in LAYOUT_REPEATS:
-        unrolled = repeat.sub(lambda match: match.group(1) * int(match.group(2)), unrolled)
+        length = len(unrolled) + sum(len(match.group(1)) * _repeats(match) - len(match.group(0))
+                                     for match in repeat.finditer(unrolled))
+        if length > LAYOUT_MOST_CHARACTERS:
+            raise PartitionError(f"its repeats unroll to more than {LAYOUT_MOST_CHARACTERS:,} characters, far more "
+                                 "than a model's layers")
+        unrolled = repeat.sub(lambda match: match.group(1) * _repeats(match), unrolled)
     stages = unrolled.split("|")
     for k, stage in enumerate(stages):
         unknown = next((letter for letter in stage if letter not in LAYOUT_LETTERS), None)
@@ -337,6 +346,12 @@ def megatron_layout(layout: str) -> list[str]:
             what = " (a parenthesis unbalanced, nested or without *n)" if unknown in "()" else ""
             raise PartitionError(f"stage {k} holds {unknown!r}{what}; a layout has {LAYOUT_GRAMMAR}")
     return stages
+
+
+def _repeats(match: re.Match) -> int:
+    """A layout repeat's n, any past LAYOUT_MOST_CHARACTERS as that (int() refuses a string of 4,301 digits)."""
+    digits = match.group(2).lstrip("0")
+    return int(digits or 0) if len(digits) <= len(str(LAYOUT_MOST_CHARACTERS)) else LAYOUT_MOST_CHARACTERS + 1
 
 
 def layout_blocks(kinds: Sequence[str], stages: int, layout: Sequence[str], mtp_layers: int = 0,

@@ -121,6 +121,11 @@ def test_simulate_cuts_as_the_layout_says_and_interleaved_stages_in_megatrons_vi
     ("Et|t|tL", "--stage-cut layout:Et|t|tL: its 3 stages are not the schedule's p·v = 2 model stages"),
     ("Et|tL", "a layout needs 4 t, the model's blocks (_Block), not 2"),
     ("Ett|tmtL", "a layout needs 0 m, the model's --mtp-layers, not 1"),
+    # a repeat of 10**11, 10**12 nested, or of 5,000 digits: a MemoryError, minutes, int()'s ValueError, unrolled
+    ("Et*99999999999|L", "its repeats unroll to more than 1,000,000 characters"),
+    ("E(t*1000000)*1000000|L", "its repeats unroll to more than 1,000,000 characters"),
+    (f"Et*{'9' * 5000}|L", "its repeats unroll to more than 1,000,000 characters"),
+    (f"E(tt)*{'0' * 5000}3|L", "a layout needs 4 t, the model's blocks (_Block), not 6"),
 ])
 def test_a_bad_layout_is_one_line_exit_2(layout, message):
     code, out, err = pipesim("simulate", *GPT, "-p", 2, "-s", "1f1b", "--stage-cut", f"layout:{layout}")
