@@ -7,20 +7,19 @@ first.
 
 Each expressible row's `pipesim simulate` command is built from the row's own columns and the model's Hugging Face
 config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine's float8 products (`--dtype fp8`)
-with the row's scaling (`FP8_RECIPES`), cuDNN's fused attention (`ATTENTION_KERNEL`), no recomputation, the
-distributed optimizer (`--zero 1`)
-with 16-bit gradients (`--precision megatron-16bit-grads`: every Qwen3 and gpt-oss recipe sets grad_reduce_in_fp32
-False, perf_recipes/_common.py's _perf_precision and _benchmark_common at 067f987df0,
+with the row's scaling (`FP8_RECIPES`), cuDNN's fused attention (`ATTENTION_KERNEL`), no recomputation (the
+Qwen3 recipes set none; gpt-oss's and DeepSeek-V3's modules: `RECOMPUTE_MODULES`), the distributed optimizer
+(`--zero 1`) with 16-bit gradients (`--precision megatron-16bit-grads`: every Qwen3 and gpt-oss recipe sets
+grad_reduce_in_fp32 False, perf_recipes/_common.py's _perf_precision and _benchmark_common at 067f987df0,
 scripts/performance/configs/qwen*/qwen3_llm_pretrain.py and gpt_oss/gpt_oss_llm_pretrain.py before, and
-Megatron-core's gradient buffer takes the
-parameters' dtype then, param_and_grad_buffer.py group_params_for_buffers), each backward's weight gradients
+Megatron-core's gradient buffer takes the parameters' dtype then, param_and_grad_buffer.py
+group_params_for_buffers), each backward's weight gradients
 accumulated inside TransformerEngine's weight-gradient products (`--grad-accumulation fused`: Megatron-Bridge's GPT
 provider sets gradient_accumulation_fusion wherever APEX's fused_weight_gradient_mlp_cuda is present,
 utils/fusions.py can_enable_gradient_accumulation_fusion, which NeMo's containers ship) and the routed experts'
-SwiGLU fused
-(`--swiglu-fusion`, the default: the recipes' bias_activation_fusion True), the loss Megatron-core's cross entropy
-(`--cross-entropy megatron`: the GPT provider's cross_entropy_loss_fusion True; Megatron-core's function turns the
-kept softmax into the gradient in place), every RMSNorm TransformerEngine's
+SwiGLU fused (`--swiglu-fusion`, the default: the recipes' bias_activation_fusion True), the loss Megatron-core's
+cross entropy (`--cross-entropy megatron`: the GPT provider's cross_entropy_loss_fusion True; Megatron-core's function
+turns the kept softmax into the gradient in place), every RMSNorm TransformerEngine's
 (`--norm-kernel fused`: Megatron-core's TENorm and LayerNormLinear keep the 16-bit input and one float32 a token,
 where transformers' eager module keeps a float32 copy too, and run one kernel each way), RoPE as TransformerEngine's
 fused kernel (`--rope-kernel fused`: every release's performance script sets apply_rope_fusion True,
@@ -43,12 +42,10 @@ even on average and the busiest rank is waited for), and balanced where the row 
 "(tokendrop)", `TOKEN_DROP`: each expert padded to its even share, `--capacity-factor 1`, so its dispatcher never
 synchronises with the host: planning/host.py, workload/hf.py). gpt-oss-120b's rows run in BF16 (`--dtype bf16`,
 the recipes' `_perf_precision("bf16")`) with the parts its recipe recomputes (`RECOMPUTE_MODULES`). The predicted
-tokens/s per GPU is the global
-batch's tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why; a row whose
-release's recipe ran another layout or micro-batch than the row prints runs that (`RELEASE_LAYOUTS`, each with its
-source), listed too. Each command's
-fullest device's peak memory is printed with it: the summaries publish no memory figure, but every row ran, so none
-should be marked out of memory.
+tokens/s per GPU is the global batch's tokens over the predicted step and the row's GPUs. A row pipesim cannot express
+is listed with why; a row whose release's recipe ran another layout or micro-batch than the row prints runs that
+(`RELEASE_LAYOUTS`, each with its source), listed too. Each command's fullest device's peak memory is printed with it:
+the summaries publish no memory figure, but every row ran, so none should be marked out of memory.
 
 25.09's DeepSeek-V3 row (t2 p8 v4 E64 on 1,024 GPUs) runs as Megatron-Bridge v0.1.0rc4's run_script.py ran its H100
 recipe (scripts/performance/run_script.py lines 56-102 and 178; deepseek_v3_llm_pretrain.yaml, also at 7623546):

@@ -106,9 +106,10 @@ def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
 
 
 def test_the_rows_whose_recipe_sets_moe_a2a_overlap_run_megatron_cores_expert_overlap():
-    """Qwen3-235B-A22B from 25.11 on (25.09's recipe sets none) and the 30B's p2 v12 layout (benchmarks/
-    published_moe.py `A2A_OVERLAP`, each with its recipe line) as 25.11 and 26.02 ran it: 25.09's p2 v12 recipe
-    sets none, and 26.02.01 runs r0.3.1's E16 recipe, which sets none."""
+    """Qwen3-235B-A22B from 25.11 on (25.09's recipe sets none), the 30B's p2 v12 layout as 25.11 and 26.02 ran it
+    (25.09's p2 v12 recipe sets none, and 26.02.01 runs r0.3.1's E16 recipe, which sets none) and 25.09's
+    DeepSeek-V3 (run_script.py's A2A_1F1B on H100): benchmarks/published_moe.py `A2A_OVERLAP`, each with its recipe
+    line."""
     overlapped = {row["run"] for row in RECORDED if "--overlap-expert-comm" in shlex.split(row["command"])}
     assert overlapped == {f"{container} {model}" for container, model in (
         ("26.04.01", "Qwen3_235B_a22B t2 p8 v4 E32"), ("26.04", "Qwen3_235B_a22B t2 p8 v4 E32"),
@@ -132,13 +133,14 @@ def test_deepseek_v3_runs_its_recipes_layout_mtp_layer_and_unoverlapped_gradient
 
 
 def test_every_layout_fits_as_megatron_core_holds_it():
-    """Every Qwen3 and gpt-oss recipe keeps 16-bit gradients (grad_reduce_in_fp32 False), and the routed experts
-    keep what Megatron-core's TEGroupedMLP keeps with its fused SwiGLU (tests/test_moe.py): Qwen3-30B-A3B's t1 p1
-    E16 and t1 p2 v12 E8 layouts and Qwen3-235B-A22B's fit in 80 GB as they ran (before: 96,141, 89,140 and 118,730
-    MiB; unfused SwiGLU, 235B: 83,276 and 85,020 with the recipe's expert overlap), gpt-oss-120b's t1 p4 E8 too
-    (57,896 MiB, recomputing its norms and its experts' activation). The 30B at MBS 2 (25.09's) fits
-    with TransformerEngine's norms and Megatron-core's cross entropy (`--norm-kernel fused`, `--cross-entropy
-    megatron`; 97,952 MiB over 24 chunks with transformers' eager RMSNorm and aten's cross entropy)."""
+    """Every recipe keeps 16-bit gradients (grad_reduce_in_fp32 False: Qwen3's, gpt-oss's and 25.09's DeepSeek-V3's
+    run), and the routed experts keep what Megatron-core's TEGroupedMLP keeps with its fused SwiGLU
+    (tests/test_moe.py): Qwen3-30B-A3B's t1 p1 E16 and t1 p2 v12 E8 layouts and Qwen3-235B-A22B's fit in 80 GB as
+    they ran (before: 96,141, 89,140 and 118,730 MiB; unfused SwiGLU, 235B: 83,276 and 85,020 with the recipe's
+    expert overlap), gpt-oss-120b's t1 p4 E8 too (57,896 MiB, recomputing its norms and its experts' activation),
+    and 25.09's DeepSeek-V3 (62,070 MiB). The 30B at MBS 2 (25.09's) fits with TransformerEngine's norms and
+    Megatron-core's cross entropy (`--norm-kernel fused`, `--cross-entropy megatron`; 97,952 MiB over 24 chunks with
+    transformers' eager RMSNorm and aten's cross entropy)."""
     for row in RECORDED:
         args = shlex.split(row["command"])
         assert _flag(args, "--precision") == "megatron-16bit-grads"
