@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -155,7 +156,8 @@ def sweep(
         "--workers", "-j", metavar="N", min=1, help="Worker processes (default: one per CPU core).")] = None,
     ray: Annotated[str | None, typer.Option(
         "--ray", metavar="ADDRESS", help="Run the tasks on the Ray cluster at this address instead (auto, "
-                                         "ray://host:10001, or local to start one); needs pipesim[ray].")] = None,
+                                         "ray://host:10001, or local to start one); needs pipesim[ray] (ray:// "
+                                         "needs ray[client]).")] = None,
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", metavar="FILE", help="Results, one row per configuration: .csv, or .parquet (needs pyarrow); "
                                             "replaced atomically.")] = None,
@@ -196,8 +198,11 @@ def sweep(
         if out is not None and out.suffix == ".parquet":
             require(f"--out {out} (Parquet; a .csv file needs nothing more)", "pyarrow")
         if ray is not None:
-            _check_answers(ray)
             require(f"--ray {ray}", "ray")
+            if ray.startswith("ray://") and importlib.util.find_spec("grpc") is None:  # else ray.init's traceback
+                raise InputError(f"--ray {ray}: a ray:// address is Ray Client's, which needs grpcio: pip install "
+                                 "'ray[client]'")
+            _check_answers(ray)
         if ray is not None and workers is not None:
             raise InputError("--workers sizes the local process pool, --ray runs on the cluster's CPUs: give one")
         search = search_options(None, search_seconds)

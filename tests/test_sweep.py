@@ -296,6 +296,8 @@ def without(module, monkeypatch):
     (["--out", "OUT/r.parquet", "WITHOUT:pyarrow"],
      "needs pyarrow, which is not installed: pip install 'pipesim[parquet]'"),
     (["--ray", "auto", "WITHOUT:ray"], "--ray auto needs ray, which is not installed: pip install 'pipesim[ray]'"),
+    (["--ray", "ray://127.0.0.1:1", "WITHOUT:grpc"],  # ray.init raised its ValueError: a traceback
+     "--ray ray://127.0.0.1:1: a ray:// address is Ray Client's, which needs grpcio: pip install 'ray[client]'"),
     (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: nothing answers at 127.0.0.1:1 (Connection refused)"),  # Ray
     # retried it for minutes, writing its own log lines
     (["--workers", "0"], "--workers"),
