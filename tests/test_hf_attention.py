@@ -4,17 +4,15 @@ whose soft-capped scores FlashAttention-2 computes in the kernel)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from pipesim.planning.estimate import kernel_flops
 from pipesim.workload.count import count_built
 from tests.conftest import pipesim
-from tests.test_hf import write_config
+from tests.test_hf import needs_transformers, write_config
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+pytestmark = needs_transformers
 
 HEADS, HEAD, WINDOW = 4, 16, 16
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": HEADS,
