@@ -1,7 +1,8 @@
 """Reading the files users give: one-line errors that name the file and the first field that is wrong.
 
-A leaf like `units`: the catalogue, the profile schema, the sweep's grid, cluster, graph, trace, study results and
-Hugging Face config files are read through it, so every file a user hands pipesim fails the same way."""
+A leaf like `units`: the catalogue, the profile schema, the sweep's grid, cluster, graph, trace, study results,
+Hugging Face config and torch schedule CSV files are read through it, so every file a user hands pipesim fails the
+same way."""
 
 from __future__ import annotations
 
