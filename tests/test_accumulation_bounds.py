@@ -3,6 +3,7 @@
 partition (`_searched_bound_ms`) count them, and must stay at or below the simulated step; a searched candidate's
 own bound never sits above its shape's."""
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
@@ -308,3 +309,23 @@ def test_where_transfers_hold_the_compute_no_lower_bound_stops_the_run():
     assert step_ms == pytest.approx(16.2)
     assert tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
                                     0.0) == pytest.approx(step_ms)
+
+
+def test_a_floor_bounded_against_a_higher_bar_is_found_again_for_a_lower_one(monkeypatch):
+    """`_Built.floor` (1e52466): a candidate simulated against a bar (a speed key) it does not beat may come back
+    with a bound from above of its speed, at or under the bar; asked again against a bar that bound beats, it is
+    simulated again against that one, and once it beats the bar it was found against, its speed is exact and kept.
+    The exact speed here is 100 samples/s, and each bound half a sample under its bar."""
+    bars = []
+
+    def floor(problem, candidate, beaten):
+        bars.append(beaten)
+        return ((100.0 if 100.0 > beaten else beaten - 0.5, 1.0, 0.0, 0), None)
+
+    monkeypatch.setattr(tuning, "_floor", floor)
+    built = tuning._Built(tuning.Problem(8, 80 * tuning.GIB, 32, ("1f1b",)), tuning._Orders())
+    candidate = SimpleNamespace(index=0)
+    found = [built.floor(candidate, bar).samples_per_s for bar in (150.0, 149.5, 120.0, 50.0, -math.inf)]
+    assert found == [149.5, 149.5, 119.5, 100.0, 100.0]
+    assert bars == [150.0, 120.0, 50.0]  # 149.5 does not beat 149.5, and 100 beat the bar it was found against
+    assert built.result(candidate).samples_per_s == 100.0  # exact: nothing to replay
