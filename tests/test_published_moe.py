@@ -59,8 +59,6 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
             "bf16" if gpt_oss else "fp8")
         assert (_flag(args, "--recompute-modules") if "--recompute-modules" in args else None) == (
             "layernorm,moe_act" if gpt_oss else "mla_up_proj" if row["run"] == DEEPSEEK else None)
-        # TransformerEngine picks cuDNN's fused attention on Hopper (published_moe.py `ATTENTION_KERNEL`)
-        assert _flag(args, "--attention-kernel") == "cudnn"
         assert (_flag(args, "--rank-order"), _flag(args, "--expert-tensor-parallel")) == ("megatron", "1")
         assert _flag(args, "--expert-gemm") == "per-expert"  # TEGroupedMLP: a GEMM per local expert
         # forced balance draws each token's experts (random), but the token-drop runs pad each expert to its share
@@ -153,3 +151,13 @@ def test_every_row_rotates_q_and_k_with_transformer_engines_fused_rope():
     each row's command prices RoPE as TransformerEngine's kernel (`--rope-kernel fused`, workload/rope.py)."""
     for row in RECORDED:
         assert _flag(shlex.split(row["command"]), "--rope-kernel") == "fused", row["run"]
+
+
+def test_every_sources_row_runs_cudnns_fused_attention():
+    """TransformerEngine prefers cuDNN's fused attention to FlashAttention on Hopper wherever both are enabled and
+    cuDNN takes the shape (published_moe.py `ATTENTION_KERNEL`): every source's rows ran it, the Model Zoo's with no
+    --attention-backend (Megatron-core's auto), DeepSeek-V3's because MLA's unequal head dims (q and k 192, v 128)
+    leave FlashAttention out, gpt-oss's because its sinks do."""
+    assert len({row["source"] for row in EVERY_RECORDED}) == 3
+    for row in EVERY_RECORDED:
+        assert _flag(shlex.split(row["command"]), "--attention-kernel") == "cudnn", row["run"]
