@@ -153,6 +153,12 @@ def _window(name: str, reads: list[torch.Tensor], writes: list[torch.Tensor]) ->
     return marks
 
 
+def _memory_key(name: str, shape: tuple[int, ...], moved: int, experts: bool, gating: bool = False) -> tuple:
+    """A memory-bound op's key in `_Tally.ops`: no FLOPs, and none of an attention kernel's mask, key/value group,
+    window or capping."""
+    return (name, "memory", shape, 0, moved, experts, False, 1, gating, 0, False)
+
+
 def _kind(name: str) -> str:
     return "matmul" if name in MATMULS else "attention" if name in ATTENTION_KERNELS else "compute"
 
@@ -241,8 +247,7 @@ class _MovedBytes(TorchDispatchMode):
         moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
         experts = self.routed is not None and self.routed.reads_experts(list(reads))
         self.tally.moved_bytes += moved
-        self._record((name, "memory", tuple(max(writes, key=_nbytes).shape), 0, moved, experts, False, 1, False, 0,
-                      False))
+        self._record(_memory_key(name, tuple(max(writes, key=_nbytes).shape), moved, experts))
 
     def _record(self, key: tuple) -> None:
         self.tally.ops[key] += 1
@@ -276,8 +281,8 @@ class _MovedBytes(TorchDispatchMode):
                  else sum(map(_nbytes, reads)) + sum(map(_nbytes, writes)))
         self.tally.moved_bytes += moved
         largest = max(writes, key=_nbytes, default=None)
-        self._record((name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts,
-                      False, 1, gating_now(), 0, False))
+        self._record(_memory_key(name, tuple(largest.shape) if largest is not None else (), moved, experts,
+                                 gating_now()))
         return out
 
 
