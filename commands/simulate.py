@@ -88,10 +88,16 @@ PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see stea
 
 def _output_paths(path: Path, names: list[str]) -> list[Path]:
     """PATH for one schedule; PATH with `-<schedule>` before the suffix for several, PATH a file's name: a folder
-    is refused as for one schedule (its traces were written beside it, `DIR-1f1b`, ...)."""
+    is refused as for one schedule (its traces were written beside it, `DIR-1f1b`, ...), and so is a stream
+    (/dev/stdout, a FIFO: they were written to new files beside it, `/dev/stdout-1f1b`, ...)."""
+    from ..traces.trace import writes_in_place
+
     if len(names) == 1:
         return [path]
     check_writable("--trace", path)
+    if writes_in_place(path):
+        raise InputError(f"--trace: {path} takes one trace, and {len(names)} methods' are written to files named "
+                         "from PATH (PATH-<method>): give a file path, or one method")
     return [path.with_name(f"{path.stem}-{name}{path.suffix}") for name in names]
 
 

@@ -661,6 +661,18 @@ def test_a_folder_given_to_trace_is_refused_for_one_method_or_several(tmp_path, 
     assert list(tmp_path.iterdir()) == [folder] and list(folder.iterdir()) == []
 
 
+def test_a_stream_given_to_trace_is_refused_for_several_methods(tmp_path):
+    """Several methods' traces are PATH-<method>: --trace /dev/stdout wrote /dev/stdout-1f1b, ... (exit 0), and a
+    FIFO's traces went to new files beside it, not down the FIFO."""
+    fifo = tmp_path / "traces"
+    os.mkfifo(fifo)
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-s", "zb-h1", "-p", 2, "-m", 2, "--trace", fifo)
+    assert code == 2 and out == "" and err == (f"error: --trace: {fifo} takes one trace, and 2 methods' are written to "
+                                               "files named from PATH (PATH-<method>): give a file path, or one "
+                                               "method\n")
+    assert list(tmp_path.iterdir()) == [fifo]
+
+
 REQUIRED = list({name: param for name, param, _ in reversed(list(help_records())) if param.required}.items())
 
 
