@@ -55,8 +55,8 @@ from .tables import print_table
 
 def _check_answers(address: str) -> None:
     """Refuse a --ray HOST:PORT (or ray://HOST:PORT) that nothing answers at, before any work: ray.init retries one
-    for minutes, writing its own log lines (`--ray nosuch:1` still had no answer after 5). "auto" and "local", and
-    an address without a port, are Ray's to resolve."""
+    for minutes, writing its own log lines (`--ray nosuch:1` still had no answer after 5 minutes). "auto" and
+    "local", and an address without a port, are Ray's to resolve."""
     import socket
 
     host, _, port = address.removeprefix("ray://").rpartition(":")
