@@ -12,6 +12,7 @@ import numpy as np
 
 from ..files import first_error, read_json
 from ..profiles.linkfit import piecewise_ms
+from ..schedules.methods import MAX_ROWS
 from ..units import GIB, MAX_BYTES, MAX_MS, MIB
 
 
@@ -256,8 +257,10 @@ def load_cluster(path: str | Path) -> Cluster:
             if not isinstance(raw, dict) or "devices" not in raw or isinstance(raw["devices"], list):
                 return raw
             count = raw["devices"]
-            if not isinstance(count, int) or isinstance(count, bool):
-                raise ValueError(f"devices: a whole number of devices or a list of devices (got {count!r})")
+            if not isinstance(count, int) or isinstance(count, bool) or count > MAX_ROWS // 2:
+                # 10**12 ran out of memory listing them: no schedule runs on more (each device runs 2 rows at least)
+                raise ValueError(f"devices: a whole number of devices, at most {MAX_ROWS // 2:,} (the most any "
+                                 f"schedule pipesim simulates runs on), or a list of devices (got {count!r})")
             return {**raw, "devices": [{"name": f"device {d}"} for d in range(count)]}
 
         @model_validator(mode="after")

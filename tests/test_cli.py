@@ -196,7 +196,10 @@ def test_malformed_cluster_file(tmp_path):
                             ({"devices": [{"name": "g", "memory_gib": 1e30}] * 4},  # a memory no counter holds
                              "devices.0.memory_gib: Input should be less than or equal to 1048576"),
                             ({"link": {"latency_us": 1e15}},  # the engine's clock check, naming no field
-                             "link.latency_us: Input should be less than or equal to 1000000000000")):
+                             "link.latency_us: Input should be less than or equal to 1000000000000"),
+                            ({"devices": 10**12},  # a MemoryError's traceback, listing them
+                             "devices: a whole number of devices, at most 15,000,000 (the most any schedule pipesim "
+                             "simulates runs on), or a list of devices (got 1000000000000)")):
         path.write_text(json.dumps({"devices": 4, **field}))
         code, _, err = pipesim("simulate", "--cluster", str(path))
         assert code == 2 and err == f"error: --cluster: cluster file {path}: {fragment}\n", err
