@@ -9,6 +9,7 @@ import torch
 
 from pipesim.planning.estimate import kernel_flops
 from pipesim.workload.count import count_built
+from pipesim.workload.hf import hf_model
 from tests.conftest import pipesim
 from tests.test_hf import needs_transformers, write_config
 
@@ -57,6 +58,20 @@ def test_gemma2s_unfused_attention_computes_the_whole_square_and_caps_it(tmp_pat
         products = [op for op in layer.ops["fwd"] if op.op == "bmm"]
         assert sum(op.count * op.flops for op in products) == 2 * 2 * HEADS * 64 * 64 * HEAD
         assert any(op.op == "tanh" and op.shape == (1, HEADS, 64, 64) for op in layer.ops["fwd"])
+
+
+def test_gemma2s_unfused_attention_is_causal(tmp_path):
+    """Handed no mask, Gemma 2's eager attention attended each token to the later ones too: off the meta device (run
+    and calibrate trained and timed that model) and in the count (no mask's add over the scores, which torch's
+    unfused sdpa counts for every other model). It is handed the causal mask the fused kernel applies."""
+    folder = write_config(tmp_path / "gemma2", {**SMALL, "model_type": "gemma2", **MODELS["gemma2"][0]})
+    layer = hf_model(f"hf:{folder}", 8).layers[1]
+    hidden = torch.randn(1, 8, SMALL["hidden_size"], generator=torch.Generator().manual_seed(0))
+    later = hidden.clone()
+    later[:, -1] += 1  # the last token changed: no earlier one's output may change
+    assert torch.allclose(layer(hidden)[:, :-1], layer(later)[:, :-1])
+    counted = count_built(f"hf:{folder}", {"seq_len": 64}, 1, torch.bfloat16, "math")
+    assert any(op.op == "add" and op.shape == (1, HEADS, 64, 64) for op in counted.layers[1].ops["fwd"])
 
 
 @pytest.mark.parametrize("given", [{"position_bias": torch.zeros(1, HEADS, 8, 8)},

@@ -100,9 +100,9 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     soft-capped scores (`softcap`: cap·tanh(score/cap)) are too in a fused count: FlashAttention-2 (from 2.6,
     `softcap`) and -3 cap them in the kernel; in an unfused one ("math") they are the model's own eager attention,
     the scores' products, the capping's ops and the softmax, as Megatron-Bridge's Gemma2DotProductAttention runs
-    them. The fused kernel is marked as capping (`OpCount.softcap`): cuDNN's does not cap a causal kernel
-    (planning/estimate.py refuses it). Off the meta device neither the window nor the
-    sinks are applied (the kernel is timed, not its values)."""
+    them, handed the causal mask (its add over the scores, as torch's unfused sdpa adds it). The fused kernel is
+    marked as capping (`OpCount.softcap`): cuDNN's does not cap a causal kernel (planning/estimate.py refuses it).
+    Off the meta device neither the window nor the sinks are applied (the kernel is timed, not its values)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     unknown = next((what for name, what in UNCOUNTED_ATTENTION.items() if kwargs.get(name) is not None), None)
@@ -111,6 +111,9 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                          "kernels pipesim counts do not compute")
     if softcap is not None and not fused_attention():
         eager = sys.modules[type(module).__module__].eager_attention_forward
+        if attention_mask is None:  # causal, as the fused kernel is: eager attention adds only the mask it is given
+            attention_mask = torch.full((1, 1, query.shape[-2], key.shape[-2]), float("-inf"), dtype=query.dtype,
+                                        device=query.device).triu(1)
         return eager(module, query, key, value, attention_mask, softcap=softcap, **kwargs)
     window = kwargs.pop("sliding_window", getattr(module, "sliding_window", None))
     if query.device.type != "meta":  # timed or compiled (torch.compile traces no recording context): the kernel alone
