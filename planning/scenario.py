@@ -83,7 +83,8 @@ def first_last(stage_cut: str) -> tuple[int, int] | None:
     if stage_cut in STAGE_CUTS or layout_of(stage_cut) is not None:
         return None
     counts = stage_cut.removeprefix(FIRST_LAST).split(",") if stage_cut.startswith(FIRST_LAST) else []
-    if len(counts) != 2 or not all(count.isdigit() for count in counts):
+    # isdecimal: what int() reads (isdigit passed '²'); 18 digits at most: int() refuses 4,301 (both tracebacks)
+    if len(counts) != 2 or not all(count.isdecimal() and len(count.lstrip("0")) <= 18 for count in counts):
         raise CostError(f"--stage-cut: choose from {', '.join(STAGE_CUTS)}, {FIRST_LAST}F,L (the first and last "
                         f"stages' blocks, whole numbers) or {LAYOUT}STRING (Megatron-core's pipeline layout); got "
                         f"{stage_cut!r}")

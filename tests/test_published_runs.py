@@ -81,6 +81,11 @@ def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
     (("--stage-cut", "even"), "--stage-cut: choose from balanced, fit, equal-blocks, padded-blocks, first-last:F,L"),
     (("--stage-cut", "first-last:3"), "(the first and last stages' blocks, whole numbers) or layout:STRING (Megatron-"
                                       "core's pipeline layout); got 'first-last:3'"),
+    # int() refused both in a traceback: '²' passes isdigit, and 5,000 digits its limit
+    (("--stage-cut", "first-last:²,1"), "whole numbers) or layout:STRING (Megatron-core's pipeline layout); got "
+                                        "'first-last:²,1'"),
+    (("--stage-cut", f"first-last:{'9' * 5000},1"), "whole numbers) or layout:STRING (Megatron-core's pipeline "
+                                                    "layout); got 'first-last:999"),
     (("--stage-cut", "equal-blocks", "--fwd", "2"), "--stage-cut cuts --gpu's or --profile's layers into stages"),
     (("--reduce-after-flush",), "--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                                 "--data-parallel 2 or more"),
