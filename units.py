@@ -8,6 +8,7 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 MAX_BYTES = 1 << 50  # a PiB: any size pipesim reads larger is a typo, and would overflow the int64 memory counters
+MAX_MEMORY_GIB = MAX_BYTES // GIB  # a device's memory (a cluster's, a GPU's, --memory-gb) at most: the same PiB
 MAX_MS = 1e9  # about 11.6 days per op: any time pipesim reads larger is a typo, and would overflow its clock
 
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..choices import choose_from
-from ..units import GIB, MAX_BYTES, MAX_MS, MIB
+from ..units import MAX_BYTES, MAX_MEMORY_GIB, MAX_MS, MIB
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -883,12 +883,9 @@ def require_model_data(needer: str, model: str) -> None:
         require(f"{needer} --model {model} (transformers builds it from its config)", "transformers")
 
 
-MAX_MEMORY_GB = MAX_BYTES // GIB  # a PiB per device (units.py): beyond any machine, inside the memory counters
-
-
 def check_memory_gb(memory_gb: float | None) -> None:
-    if memory_gb is not None and not 0 < memory_gb <= MAX_MEMORY_GB:
-        raise InputError(f"--memory-gb: give GiB per device, more than 0 and at most {MAX_MEMORY_GB:,} "
+    if memory_gb is not None and not 0 < memory_gb <= MAX_MEMORY_GIB:
+        raise InputError(f"--memory-gb: give GiB per device, more than 0 and at most {MAX_MEMORY_GIB:,} "
                          f"(got {memory_gb})")
 
 

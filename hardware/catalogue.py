@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from ..files import first_error, read_toml
-from ..units import GIB, MAX_BYTES
+from ..units import MAX_MEMORY_GIB
 
 BUILT_IN = Path(__file__).with_name("gpus.toml")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -162,7 +162,7 @@ class Gpu(_Strict):
     published measurement known) how far below those figures it runs."""
 
     name: str = Field(min_length=1)
-    memory_gib: float = Field(gt=0, le=MAX_BYTES / GIB)  # past a PiB, the memory counters overflow
+    memory_gib: float = Field(gt=0, le=MAX_MEMORY_GIB)
     memory_bandwidth_gb_s: float = Field(gt=0)
     source: str = Field(min_length=1)
     dense_tflops: DenseTflops

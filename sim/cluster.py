@@ -13,7 +13,7 @@ import numpy as np
 from ..files import first_error, read_json
 from ..profiles.linkfit import piecewise_ms
 from ..schedules.methods import MAX_ROWS
-from ..units import GIB, MAX_BYTES, MAX_MS, MIB
+from ..units import GIB, MAX_MEMORY_GIB, MAX_MS, MIB
 
 
 class ClusterError(ValueError):
@@ -210,7 +210,7 @@ def load_cluster(path: str | Path) -> Cluster:
 
     class DeviceSpec(_Strict):
         name: str
-        memory_gib: float | None = Field(default=None, gt=0, le=MAX_BYTES / GIB)  # past it, the counters overflow
+        memory_gib: float | None = Field(default=None, gt=0, le=MAX_MEMORY_GIB)
         compute: str | None = Field(default=None, min_length=1)
         host: str | None = Field(default=None, min_length=1)
 
