@@ -898,7 +898,8 @@ class ContextRing:
         publishes them apart (`Curve.attention_fraction`). TransformerEngine's backward runs the forward's steps in
         reverse, its causal block at i == cp_size - 1; under p2p that step's transfer (the gradients alone) is the
         first's size (the keys and values alone), so pricing the causal block first covers the same link time."""
-        if op.window:  # its ring would pass the keys and values of blocks the window never reaches
+        if 0 < op.window < op.shape[2]:  # its ring would pass keys and values the window never reaches; a window of
+            # every key (Mistral's 4,096 at --seq-len 4096 or less) is the causal kernel, as `kernel_flops` prices it
             raise EstimateError(f"{{context}} {self.ranks}, but the model's attention has a sliding window of "
                                 f"{op.window} keys, which pipesim's context-parallel ring does not run; give "
                                 "{context} 1")

@@ -119,9 +119,10 @@ def test_the_count_records_the_kernels_grouped_key_value_heads():
 
 def test_a_sliding_window_under_a_context_parallel_ring_is_one_line(tmp_path):
     """The ring passes every rank's keys and values to every other, as a causal kernel needs them; a window needs
-    only its last w: not what pipesim's ring runs, so refused in one line."""
+    only its last w: not what pipesim's ring runs, so refused in one line. A window of every key (Mistral's 4,096
+    at a shorter sequence) is the causal kernel, and runs as one (it was refused)."""
     pytest.importorskip("transformers")
-    from tests.conftest import pipesim
+    from tests.conftest import pipesim, simulate_json
     from tests.test_hf import LLAMA, write_config
 
     folder = write_config(tmp_path / "mistral", {**LLAMA, "model_type": "mistral", "sliding_window": 8})
@@ -130,3 +131,9 @@ def test_a_sliding_window_under_a_context_parallel_ring_is_one_line(tmp_path):
     assert code == 2 and out == "" and err.strip().splitlines() == [
         "error: --context-parallel 2, but the model's attention has a sliding window of 8 keys, which pipesim's "
         "context-parallel ring does not run; give --context-parallel 1"], err
+    whole = write_config(tmp_path / "whole", {**LLAMA, "model_type": "mistral", "sliding_window": 32})
+    causal = write_config(tmp_path / "causal", {**LLAMA, "model_type": "mistral", "sliding_window": None})
+    ran = [simulate_json("--model", f"hf:{folder}", "--seq-len", 32, "--gpu", "h100-sxm", "--attention", "flash",
+                         "--context-parallel", 2, "-p", 1, "-m", 2)[0]["time_per_minibatch_ms"]
+           for folder in (whole, causal)]
+    assert ran[0] == ran[1]
