@@ -349,7 +349,8 @@ def megatron_layout(layout: str) -> list[str]:
 
 
 def _repeats(match: re.Match) -> int:
-    """A layout repeat's n, any past LAYOUT_MOST_CHARACTERS as that (int() refuses a string of 4,301 digits)."""
+    """A layout repeat's n; one of more digits than LAYOUT_MOST_CHARACTERS, as one past it (unrolled, either is
+    refused), not read whole (int() refuses a string of 4,301 digits)."""
     digits = match.group(2).lstrip("0")
     return int(digits or 0) if len(digits) <= len(str(LAYOUT_MOST_CHARACTERS)) else LAYOUT_MOST_CHARACTERS + 1
 
