@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import re
 
 import numpy as np
 import pytest
@@ -55,18 +54,19 @@ def test_a_measured_incomplete_trace_round_trips(predicted, tmp_path):
     (lambda meta: meta.update(microbatch_size=0), "meta.microbatch_size must be a whole number >= 1 (got 0)"),
 ])
 def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
-    _refused_once_edited(predicted, tmp_path, lambda doc: edit(doc["pipesim"]["meta"]), fragment)
+    assert fragment in _refusal_once_edited(predicted, tmp_path, lambda doc: edit(doc["pipesim"]["meta"]))
 
 
-def _refused_once_edited(trace, tmp_path, edit, fragment):
-    """`trace` written, its document changed by `edit` and read again: refused, the message holding `fragment`."""
+def _refusal_once_edited(trace, tmp_path, edit) -> str:
+    """`trace` written, its document changed by `edit` and read again: the message it is refused with."""
     path = tmp_path / "t.json"
     write_trace(trace, path)
     doc = json.loads(path.read_text())
     edit(doc)
     path.write_text(json.dumps(doc))
-    with pytest.raises(TraceError, match=re.escape(fragment)):
+    with pytest.raises(TraceError) as refused:
         read_trace(path)
+    return str(refused.value)
 
 
 @pytest.mark.parametrize("edit,fragment", [
@@ -79,7 +79,7 @@ def _refused_once_edited(trace, tmp_path, edit, fragment):
 ])
 def test_devices_out_of_range_are_refused(predicted, tmp_path, edit, fragment):
     """`view` drew a trace of -1 devices, and an op on a device the trace does not have."""
-    _refused_once_edited(predicted, tmp_path, edit, fragment)
+    assert fragment in _refusal_once_edited(predicted, tmp_path, edit)
 
 
 @pytest.mark.parametrize("field,value,fragment", [
@@ -88,9 +88,10 @@ def test_devices_out_of_range_are_refused(predicted, tmp_path, edit, fragment):
     ("dur", "long", "a field is not a number"),
 ])
 def test_an_op_that_ends_before_it_starts_or_is_not_a_time_is_refused(predicted, tmp_path, field, value, fragment):
-    _refused_once_edited(predicted, tmp_path,
-                         lambda doc: next(e for e in doc["traceEvents"] if e.get("ph") == "X").update({field: value}),
-                         fragment)
+    def edit(doc):
+        next(e for e in doc["traceEvents"] if e.get("ph") == "X").update({field: value})
+
+    assert fragment in _refusal_once_edited(predicted, tmp_path, edit)
 
 
 @settings(max_examples=80, deadline=None)
