@@ -15,6 +15,7 @@
 - `tensor_reductions` (a fixture): each all-reduce and reduce-scatter planning/estimate.py prices, as (bytes,
   ranks), each priced at 0 ms.
 - `script_module(name)`: benchmarks/NAME.py imported as a module while the context lasts.
+- `needs_transformers`: the mark that skips a test without transformers (an optional extra: `pipesim[hf]`).
 
 Tests marked `slow` (real transports, Ray, calibration that measures links) are left out by `-m "not slow"`.
 """
@@ -43,6 +44,9 @@ from pipesim.traces import Summary, Trace, summarize
 # and a developer see. A test's own @settings keep this (hypothesis takes the loaded profile as their parent).
 settings.register_profile("pipesim", derandomize=True)
 settings.load_profile("pipesim")
+
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (pip install 'pipesim[hf]')")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -21,6 +21,7 @@ from pipesim.planning.estimate import (
 )
 from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount
+from tests.conftest import needs_transformers
 
 H100 = load_catalogue().find("h100-sxm")
 DEVICE = Device.of(H100, "bf16")
@@ -117,11 +118,11 @@ def test_the_count_records_the_kernels_grouped_key_value_heads():
     assert groups(2) == {4} and groups(8) == {1}
 
 
+@needs_transformers
 def test_a_sliding_window_under_a_context_parallel_ring_is_one_line(tmp_path):
     """The ring passes every rank's keys and values to every other, as a causal kernel needs them; a window needs
     only its last w: not what pipesim's ring runs, so refused in one line. A window of every key (Mistral's 4,096
     at a shorter sequence) is the causal kernel, and runs as one (it was refused)."""
-    pytest.importorskip("transformers")
     from tests.conftest import pipesim, simulate_json
     from tests.test_hf import LLAMA, write_config
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
-from tests.test_recompute_modules import B, S, deepseek, needs_transformers
+from tests.conftest import needs_transformers
+from tests.test_recompute_modules import B, S, deepseek
 
 
 @needs_transformers

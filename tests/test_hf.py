@@ -5,7 +5,6 @@ transformers is in the test extra, so CI runs all of these; without it only thos
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -17,11 +16,9 @@ import pytest
 import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
-from tests.conftest import help_records, pipesim, simulate_json
+from tests.conftest import help_records, needs_transformers, pipesim, simulate_json
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed (pip install 'pipesim[hf]')")
 
 B, S, H, A, KV, FFN, V, L = 2, 32, 64, 4, 2, 176, 512, 2  # micro-batch, sequence, hidden, heads, kv heads, ...
 HEAD = H // A

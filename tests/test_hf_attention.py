@@ -10,8 +10,8 @@ import torch
 from pipesim.planning.estimate import kernel_flops
 from pipesim.workload.count import count_built
 from pipesim.workload.hf import hf_model
-from tests.conftest import pipesim
-from tests.test_hf import needs_transformers, write_config
+from tests.conftest import needs_transformers, pipesim
+from tests.test_hf import write_config
 
 pytestmark = needs_transformers
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import estimate_json, pipesim
+from tests.conftest import estimate_json, needs_transformers, pipesim
 from tests.test_hf import write_config
-from tests.test_moe import GPT_OSS, MIXTRAL, needs_transformers
+from tests.test_moe import GPT_OSS, MIXTRAL
 
 MOE = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000, "--gated",
        "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "--data-parallel", 4,

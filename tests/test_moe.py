@@ -4,7 +4,6 @@ parameter counts, the real routing the executor would run, and bad input refused
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from functools import cache
 from pathlib import Path
@@ -15,12 +14,10 @@ import torch
 from pipesim.planning.estimate import unfused_weight_share
 from pipesim.workload.count import WorkloadCount, count_built
 from pipesim.workload.moe import expected_tokens, routed_experts
-from tests.conftest import pipesim, reductions, simulate_json
+from tests.conftest import needs_transformers, pipesim, reductions, simulate_json
 from tests.test_hf import write_config
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed (pip install 'pipesim[hf]')")
 B, S, H, EXPERTS, TOP_K, FFN = 2, 32, 64, 8, 2, 96  # micro-batch, sequence, width, experts, top-k, expert MLP
 TOKENS = B * S
 GPT = dict(layers=1, width=H, heads=4, seq_len=S, vocab=100, gated=True)

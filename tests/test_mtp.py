@@ -11,10 +11,10 @@ import torch
 
 from pipesim.planning.fp8 import FP8_RECIPES, float8_weight_bytes
 from pipesim.workload.count import WorkloadCount, count_built
-from tests.conftest import pipesim
+from tests.conftest import needs_transformers, pipesim
 from tests.test_hf import write_config
 from tests.test_moe import TINY_DEEPSEEK
-from tests.test_recompute_modules import B, S, needs_transformers
+from tests.test_recompute_modules import B, S
 
 H, VOCAB = TINY_DEEPSEEK["hidden_size"], TINY_DEEPSEEK["vocab_size"]
 TOKENS = B * S

@@ -10,8 +10,8 @@ import torch
 from pipesim.workload.count import count_built
 from pipesim.workload.models import ModelError
 from pipesim.workload.norms import NO_RMSNORM_TO_FUSE
-from tests.conftest import pipesim, refused
-from tests.test_hf import GPT, LLAMA, B, H, S, needs_transformers, write_config
+from tests.conftest import needs_transformers, pipesim, refused
+from tests.test_hf import GPT, LLAMA, B, H, S, write_config
 
 E = 2  # bytes per bf16 element
 

@@ -12,11 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipesim.profiles.partition import PartitionError, equal_blocks, layout_blocks, megatron_layout
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import needs_transformers, pipesim, simulate_json
 from tests.test_hf import write_config
 from tests.test_moe import TINY_DEEPSEEK
 from tests.test_published_runs import GPT
-from tests.test_recompute_modules import needs_transformers
 
 MTP = "MultiTokenPrediction"
 HF = ["Embedding", *["DecoderLayer"] * 4, "Norm", "Linear"]  # workload/hf.py's cut: embedding, blocks, norm, head

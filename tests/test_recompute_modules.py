@@ -5,7 +5,6 @@ meta device, not matched by size."""
 
 from __future__ import annotations
 
-import importlib.util
 from functools import cache
 
 import pytest
@@ -14,11 +13,9 @@ import torch
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, EstimateError, Parallelism, estimate_layer, layer_allocations, op_ms
 from pipesim.workload.count import WorkloadCount, count_built
-from tests.conftest import pipesim
+from tests.conftest import needs_transformers, pipesim
 from tests.test_hf import write_config
 
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed (pip install 'pipesim[hf]')")
 H100 = load_catalogue().find("h100-sxm")
 DEVICE = Device.of(H100, "bf16")
 B, S, H = 2, 32, 64

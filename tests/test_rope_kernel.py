@@ -11,8 +11,8 @@ import torch
 from pipesim.workload.count import count_built
 from pipesim.workload.models import ModelError
 from pipesim.workload.rope import NO_ROPE_TO_FUSE
-from tests.conftest import pipesim, simulate_json
-from tests.test_hf import GPT, HEAD, KV, LLAMA, A, B, S, needs_transformers, write_config
+from tests.conftest import needs_transformers, pipesim, simulate_json
+from tests.test_hf import GPT, HEAD, KV, LLAMA, A, B, S, write_config
 from tests.test_moe import TINY_DEEPSEEK
 
 E = 2  # bytes per bf16 element

@@ -3,17 +3,15 @@ dtype (no float32 copy saved), its product in the precision its code asks for, o
 
 from __future__ import annotations
 
-import importlib.util
 from functools import cache
 
 import pytest
 
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 from pipesim.profiles.workload import LayerCount
+from tests.conftest import needs_transformers
 from tests.test_moe import EXPERTS
 
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is an optional extra")
 B, S, H = 2, 32, 64  # tests/test_recompute_modules.py's, whose tiny DeepSeek-V3 this is
 
 

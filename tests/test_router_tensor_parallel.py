@@ -9,7 +9,6 @@ embedding's bytes (`LayerCount.norm_param_bytes`, `weight_grad_bias_bytes`, `pos
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
 
@@ -18,6 +17,7 @@ import pytest
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning import estimate
 from pipesim.planning.estimate import Device, Parallelism, _Split, estimate_layer, estimate_profile, placement_links
+from tests.conftest import needs_transformers
 
 torch = pytest.importorskip("torch")
 
@@ -30,8 +30,6 @@ QWEN3 = {"model_type": "qwen3_moe", "hidden_size": H, "intermediate_size": 128, 
          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
          "num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "decoder_sparse_step": 1, "mlp_only_layers": [],
          "vocab_size": 100, "max_position_embeddings": 256, "tie_word_embeddings": False}
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed (pip install 'pipesim[hf]')")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pipesim.planning.estimate import (
     placement_links,
 )
 from pipesim.profiles.workload import transient_peak
-from tests.conftest import pipesim, reductions
+from tests.conftest import needs_transformers, pipesim, reductions
 
 H100 = load_catalogue().find("h100-sxm")
 B, S, W, HEADS, KV_HEADS, FFN = 2, 40, 64, 8, 2, 32
@@ -152,7 +152,6 @@ def separate_projections(tmp_path_factory):
     """A Hugging Face Llama block, q, k, v and o separate and all width x width (as many kv heads as heads), whose
     tokens equal its width (2 x 24 = 48): every projection's input- and weight-gradient products are one shape."""
     torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     from pipesim.workload.count import count_built
 
     folder = tmp_path_factory.mktemp("llama")
@@ -163,6 +162,7 @@ def separate_projections(tmp_path_factory):
     return count_built(f"hf:{folder}", {"seq_len": 24}, 2, torch.bfloat16, "flash")
 
 
+@needs_transformers
 @pytest.mark.parametrize("fp8, runtime, element", [(None, "megatron", 2), (None, "torch", 2), ("te", "megatron", 1),
                                                    ("torchao", "torch", 1)])
 def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_projections, fp8, runtime, element):
@@ -190,6 +190,7 @@ def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_
     assert [made[number] for number in qkv] == [48 * 48, 48 * 48 * 2, *[48 * 48, later] * 2]
 
 
+@needs_transformers
 @pytest.mark.parametrize("runtime, summed", [("megatron", 48 * 48), ("torch", 48 * 48 * 2)])
 def test_autograds_sums_of_partial_gradients_are_whole_under_torch(separate_projections, runtime, summed):
     """t = 2 with sequence parallelism, tokens = width = 48: autograd sums the attention input's gradients, v's and
@@ -206,6 +207,7 @@ def test_autograds_sums_of_partial_gradients_are_whole_under_torch(separate_proj
     assert [made[number] for number in sums] == [summed] * 2
 
 
+@needs_transformers
 def test_separate_projections_split_by_their_roles_not_their_shapes(separate_projections):
     """t = 2, tokens = width = 48, q, k, v and o one shape (48 x 48 x 48): q, k and v are column-parallel (split on
     their outputs, their input gradients on their contraction), o and down row-parallel (their forwards split on

@@ -9,7 +9,7 @@ from pipesim.hardware import collectives
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, EstimateError, Parallelism, estimate_layer, op_ms, placement_links
 from pipesim.profiles.workload import WorkloadCount
-from tests.conftest import pipesim
+from tests.conftest import needs_transformers, pipesim
 
 A100 = load_catalogue().find("a100-sxm-80gb")
 DEVICE = Device.of(A100, "fp16")
@@ -403,12 +403,12 @@ LLAMA = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"
                     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
 
 
+@needs_transformers
 def test_a_torchtitan_style_last_stage_saves_its_heads_gathered_input_whole(tmp_path):
     """A Llama's head as torchtitan runs it under DTensor (t = 2, sequence parallel, loss_parallel, two stages): the
     head's product reads the final norm, a layer of its own, so its forward gathers its input, 2 samples x 32
     tokens x 64 in bf16 = 8,192 bytes, and saves it whole: 4,096 more on the last stage than Megatron's runtime's
     half, and in the allocator's replay a whole storage of its own made as the head's forward begins."""
-    pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from pipesim.planning.estimate import layer_allocations
     from pipesim.workload.count import count_built

@@ -10,10 +10,10 @@ from collections import defaultdict
 
 import pytest
 
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import needs_transformers, pipesim, simulate_json
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+pytestmark = needs_transformers
 
 LLAMA = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
                     "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -9,6 +9,7 @@ import pytest
 
 from pipesim.planning.estimate import Parallelism, _reduce_scattered, _with_collective_copies
 from pipesim.units import MIB
+from tests.conftest import needs_transformers
 
 WHOLE, SHARD = 64 * MIB, 8 * MIB
 
@@ -141,6 +142,7 @@ def test_a_compiled_blocks_first_forward_makes_the_copies_as_its_rerun_does():
         event for event in fused.first_forward if event not in outputs]
 
 
+@needs_transformers
 @pytest.mark.parametrize(("tp_overlap", "torch_compile", "copies"), [
     (False, False, (4, 4)), (False, True, (4, 2)), (True, False, (0, 2)), (True, True, (0, 0))])
 def test_a_llamas_summed_input_gradients_are_copied_eager_only(tmp_path, tp_overlap, torch_compile, copies):
@@ -148,7 +150,6 @@ def test_a_llamas_summed_input_gradients_are_copied_eager_only(tmp_path, tp_over
     its forward copies its two gathered inputs and its two row-parallel outputs, its backward its two gathered output
     gradients and its two sums, eager; compiled, not the sums; under async TP the sums alone, eager. Each pass's two
     reduce-scatters make their output (half) in every case."""
-    pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from pipesim.planning.estimate import layer_allocations
     from pipesim.workload.count import count_built
