@@ -45,6 +45,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from pipesim.commands.common import refuse_unwritable, write_output
 from pipesim.executor import RunSpec, carried_bounds, even_bounds, run_multiprocess
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_scenario
@@ -512,7 +513,7 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
         console.print("torch's cost per action (median over repeats): " + ", ".join(
             f"{method} {ms:.3f} ms" for method, ms in action_ms.items()), highlight=False)
     if out:
-        out.write_text(json.dumps({
+        write_output("--json", out, json.dumps({
             "workload": header, "noise_floor": noise, "per_op_noise_floor": op_noise,
             "methods": [vars(r) for r in rows], "structure_only": structure, "per_op_floor": op_floor,
             "op_contexts": {context: {"mean_ratio": r, "ops": n} for context, (r, n) in contexts.items()},
@@ -533,6 +534,7 @@ def parse_arguments(description: str, *, runs: str, methods: str, quick: str,
     parser.add_argument("--from", dest="source", type=Path, help="report on a folder --keep filled; run nothing")
     parser.add_argument("--json", type=Path, help="also write the tables as JSON here")
     args = parser.parse_args()
+    refuse_unwritable(("--json", args.json))
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1 (got {args.repeats})")
     if args.source is not None and not args.source.is_dir():

@@ -34,6 +34,7 @@ import subprocess
 from functools import partial
 from pathlib import Path
 
+from pipesim.commands.common import refuse_unwritable, write_output
 from pipesim.commands.estimate import fit_count, timed_overhead_ms
 from pipesim.hardware.catalogue import CatalogueError, Curve, load_catalogue
 from pipesim.planning.estimate import (
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--gpu", help="the catalogue part they were calibrated on (default: a nominal CPU)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
+    refuse_unwritable(("--json", args.json))
     paths, loads = calibrate_sizes(args.calibrate, args.rounds) if args.calibrate else (args.profiles, {})
     if not paths:
         parser.error("give calibrations, or --calibrate DIR")
@@ -197,9 +199,9 @@ def main() -> None:
     if any(floor.values()):
         row("every size", "", summary(floor))
     if args.json:
-        args.json.write_text(json.dumps({"predictions": results, "across_sizes": summary(across),
-                                         "noise_floor": floors, "noise_floor_pooled": summary(floor),
-                                         "load_average": loads}, indent=1) + "\n")
+        write_output("--json", args.json, json.dumps({"predictions": results, "across_sizes": summary(across),
+                                                      "noise_floor": floors, "noise_floor_pooled": summary(floor),
+                                                      "load_average": loads}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*args.child, args.neighbours, args.kept)))
         return
+    from pipesim.commands.common import refuse_unwritable, write_output  # not in a child: its allocator's history
+
+    refuse_unwritable(("--json", args.json))
     if args.processes < 1 or args.passes < 10:
         parser.error("--processes must be >= 1 and --passes >= 10")
     console = Console(width=160)
@@ -200,7 +203,7 @@ def main() -> None:
     console.print(f"the host's load average ran {min(out['load_average']):.1f}-{max(out['load_average']):.1f} on "
                   f"{out['cpus']} cores", highlight=False)
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        write_output("--json", args.json, json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

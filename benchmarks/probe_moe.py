@@ -44,6 +44,7 @@ import torch
 from probe_replay import replayed
 from rich.table import Table
 
+from pipesim.commands.common import refuse_unwritable, write_output
 from pipesim.commands.tables import print_table
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the host's issue of a kernel (default pipesim's, {HOST_KERNEL_US:g})")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
+    refuse_unwritable(("--json", args.json))
     if args.host_kernel_us < 0:
         print(f"--host-kernel-us: {args.host_kernel_us:g} is negative; give 0 or more microseconds", file=sys.stderr)
         return 2
@@ -358,10 +360,9 @@ def main(argv: list[str] | None = None) -> int:
               f"one GEMM {summary([r['predicted_one_ms'] / r['measured_one_ms'] - 1 for r in mine])}; the loop's "
               f"host {min(host_us):.1f}-{max(host_us):.1f} us a GEMM (one op)")
     if args.json:
-        args.json.write_text(json.dumps({"probe": str(args.probe), "gpu": args.gpu,
-                                         "host_kernel_us": args.host_kernel_us, "layers": compared,
-                                         "kernels": kernels, "gemms": loops},
-                                        indent=1) + "\n")
+        write_output("--json", args.json, json.dumps({"probe": str(args.probe), "gpu": args.gpu,
+                                                      "host_kernel_us": args.host_kernel_us, "layers": compared,
+                                                      "kernels": kernels, "gemms": loops}, indent=1) + "\n")
     return 0
 
 

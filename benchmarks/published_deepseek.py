@@ -49,6 +49,7 @@ from published_memory import fullest
 from published_runs import _rows, command_text, iteration_ms
 from rich.table import Table
 
+from pipesim.commands.common import refuse_unwritable, write_output
 from pipesim.commands.tables import print_table
 
 SOURCE = "deepseek-v3-2024.csv"  # benchmarks/published/README.md: its source and the report's sentences
@@ -141,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the row as JSON here")
     args = parser.parse_args()
+    refuse_unwritable(("--json", args.json))
     row = compared()
     table = Table(title="Tokens/s per GPU on h800: predicted against DeepSeek-V3's report")
     for name, justify in (("run", "left"), ("predicted", "right"), ("published", "right"), ("error", "right")):
@@ -149,7 +151,7 @@ def main() -> None:
                   f"{row['published_tokens_per_s_per_gpu']:,.0f}", f"{row['error']:+.1%}")
     print_table(table)
     if args.json:
-        args.json.write_text(json.dumps(row, indent=1) + "\n")
+        write_output("--json", args.json, json.dumps(row, indent=1) + "\n")
     print("\nNot modelled:")
     for what, why in NOT_MODELLED.items():
         print(f"{what}: {why}")

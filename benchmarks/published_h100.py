@@ -43,6 +43,7 @@ from pathlib import Path
 from published_runs import _rows, command_text, iteration_ms
 from rich.table import Table
 
+from pipesim.commands.common import refuse_unwritable, write_output
 from pipesim.commands.tables import print_table
 
 SOURCE = "nvidia-dgxc-h100.csv"
@@ -146,6 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
+    refuse_unwritable(("--json", args.json))
     compared = rows()
     table = Table(title=f"Step time on {GPU}: predicted against NVIDIA's published (s)")
     for name, justify in (("run", "left"), ("predicted s", "right"), ("published s", "right"), ("error", "right")):
@@ -163,7 +165,7 @@ def main() -> None:
         print(f"{r['run']}:\n  {r['command']}")
     if args.json:
         rows_out = [{k: v for k, v in r.items() if k != "layout"} for r in compared]
-        args.json.write_text(json.dumps({"gpu": GPU, "rows": rows_out}, indent=1) + "\n")
+        write_output("--json", args.json, json.dumps({"gpu": GPU, "rows": rows_out}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pathlib import Path
 from published_runs import KORTHIKANTI_SETTINGS, SEQ, Run, _rows, command_text, korthikanti_runs, megatron_runs, run_cli
 from rich.table import Table
 
+from pipesim.commands.common import refuse_unwritable, write_output
 from pipesim.commands.tables import print_table
 from pipesim.schedules.zb_heuristic import ForkCosts, fork_csv
 
@@ -324,6 +325,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
+    refuse_unwritable(("--json", args.json))
     compared, ran, (titan, listed), bubble = table2(), measured_runs(), torchtitan(), zero_bubble()
     width = max(len(r["run"]) for r in compared)
     print(f"{'Korthikanti 2022 Table 2':<{width}}  {'pipesim':>9} {'paper':>9} {'error':>7}   (MiB per layer)")
@@ -380,8 +382,9 @@ def main() -> None:
     for r in compared + ran + titan + bubble:
         print(f"{r['run']}:\n  {r['command']}")
     if args.json:
-        args.json.write_text(json.dumps({"table2": compared, "measured_running": ran, "torchtitan": titan,
-                                         "torchtitan_not_modelled": listed, "zero_bubble": bubble}, indent=1) + "\n")
+        write_output("--json", args.json, json.dumps({"table2": compared, "measured_running": ran, "torchtitan": titan,
+                                                      "torchtitan_not_modelled": listed, "zero_bubble": bubble},
+                                                     indent=1) + "\n")
 
 
 if __name__ == "__main__":

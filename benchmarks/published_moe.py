@@ -106,6 +106,7 @@ from published_memory import fullest
 from published_runs import _rows, command_text, megatron_schedule, p2p_sync, run_cli
 from rich.table import Table
 
+from pipesim.commands.common import refuse_unwritable, write_output
 from pipesim.commands.tables import print_table
 
 SOURCE = "nemo-megatron-bridge-moe-h100.csv"  # benchmarks/published/README.md: its source and how to read it
@@ -468,6 +469,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
+    refuse_unwritable(("--json", args.json))
     compared = rows(Path.cwd())
     table = Table(title=f"Tokens/s per GPU on {GPU}: predicted against NVIDIA's published")
     for name, justify in (("run", "left"), ("predicted", "right"), ("published", "right"), ("error", "right")):
@@ -477,7 +479,7 @@ def main() -> None:
                       f"{r['published_tokens_per_s_per_gpu']:,.0f}", f"{r['error']:+.1%}")
     print_table(table)
     if args.json:
-        args.json.write_text(json.dumps({"gpu": GPU, "rows": compared}, indent=1) + "\n")
+        write_output("--json", args.json, json.dumps({"gpu": GPU, "rows": compared}, indent=1) + "\n")
     print(f"|error|: {summary(compared)}")
     for source in (SOURCE, MODELZOO, DGXC):
         print(f"  {source}: {summary([r for r in compared if r['source'] == source])}")

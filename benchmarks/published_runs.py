@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipesim.cli import main as pipesim
+from pipesim.commands.common import refuse_unwritable, write_output
 from pipesim.schedules import METHODS
 
 PUBLISHED = Path(__file__).resolve().parent / "published"  # the papers' tables; README.md there says how to read them
@@ -203,6 +204,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
+    refuse_unwritable(("--json", args.json))
     rows = korthikanti() + korthikanti_layer() + megatron()
     width = max(len(r["run"]) for r in rows)
     print(f"{'run':<{width}}  {'unit':<11} {'predicted':>10} {'published':>10} {'error':>8}")
@@ -216,7 +218,7 @@ def main() -> None:
     for command in dict.fromkeys(r["command"] for r in rows):
         print(f"{', '.join(r['run'] for r in rows if r['command'] == command)}:\n  {command}")
     if args.json:
-        args.json.write_text(json.dumps({"gpu": GPU, "rows": rows}, indent=1) + "\n")
+        write_output("--json", args.json, json.dumps({"gpu": GPU, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -811,6 +811,27 @@ def check_outputs(outputs: Sequence[tuple[str, Path | None]], reads: Sequence[tu
         seen.setdefault(where, f"{flag}'s output" if written else f"{flag}, which it reads")
 
 
+def refuse_unwritable(*outputs: tuple[str, Path | None]) -> None:
+    """For a script of benchmarks/: its outputs refused as the command line refuses them (`check_outputs`), before
+    it computes anything: one line, exit 2."""
+    try:
+        check_outputs(outputs)
+    except InputError as exc:
+        fail(str(exc))
+
+
+def write_output(flag: str, path: Path, text: str) -> None:
+    """For a script of benchmarks/: `flag`'s output written whole or not at all (`write_atomic`); a write that fails
+    all the same (a full disk) is one line naming the flag, exit 2."""
+    from ..traces.trace import write_atomic
+
+    try:
+        with writing(flag):
+            write_atomic(path, text)
+    except InputError as exc:
+        fail(str(exc))
+
+
 def model_reads(params: dict[str, Any]) -> list[tuple[str, Path | None]]:
     """The files a model's flags name, for check_outputs: --model hf:PATH's config.json, --curve-from and --gpus
     (where the command takes them)."""

@@ -1,13 +1,16 @@
 """A file that cannot be used is one line that says whether it was read or written, which path, and the flag
 that named it; never "cannot write" for a file only read, never a traceback."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from pipesim import traces
-from pipesim.commands.common import InputError, read_error, writing
+from pipesim.commands.common import InputError, read_error, write_output, writing
 from pipesim.study import results
+from pipesim.traces import trace
 from tests.conftest import pipesim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,3 +96,27 @@ def test_an_os_error_without_strerror_still_says_why_on_a_read_and_on_a_write():
     with pytest.raises(InputError) as raised, writing("--out"):
         raise exc
     assert str(raised.value) == "--out: cannot write /some/cache: the cache is locked"
+
+
+@pytest.mark.parametrize("script", ["published_moe", "published_runs"])
+def test_a_benchmarks_json_that_cannot_be_written_is_refused_before_it_computes(tmp_path, script):
+    """Refused as the command line refuses it, before the minutes its rows take (it wrote them, then a traceback)."""
+    missing = tmp_path / "missing" / "x.json"
+    done = subprocess.run([sys.executable, ROOT / "benchmarks" / f"{script}.py", "--json", missing], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", f"error: --json: cannot write {missing}: folder {missing.parent} does not exist\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_benchmarks_output_whose_write_fails_is_one_line_and_leaves_no_file(tmp_path, monkeypatch, capsys):
+    def full(path, _):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(trace, "write_atomic", full)
+    path = tmp_path / "x.json"
+    with pytest.raises(SystemExit) as exited:
+        write_output("--json", path, "{}")
+    assert (exited.value.code, capsys.readouterr().err) == (
+        2, f"error: --json: cannot write {path}: No space left on device\n")
+    assert list(tmp_path.iterdir()) == []
