@@ -102,24 +102,42 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     the scores' products, the capping's ops and the softmax, as Megatron-Bridge's Gemma2DotProductAttention runs
     them, handed the causal mask (its add over the scores, as torch's unfused sdpa adds it). The fused kernel is
     marked as capping (`OpCount.softcap`): cuDNN's does not cap a causal kernel (planning/estimate.py refuses it).
-    Off the meta device neither the window nor the sinks are applied (the kernel is timed, not its values)."""
+
+    Off the meta device (run trains it, calibrate times it, torch.compile traces it, which traces no recording
+    context) the layer's attention computes what transformers' model computes: sdpa's causal kernel, handed the
+    window's mask where the window is shorter than the keys (as transformers' sdpa attention is handed
+    masking_utils.py's sliding-window mask: torch's sdpa takes no window); with sinks or capped scores, which sdpa
+    does not compute, the model's own eager attention (gpt-oss's `eager_attention_forward` adds the sinks) handed
+    the causal mask, windowed. Either times a kernel other than the count's: a masked kernel that visits every
+    query-key pair, or the eager products and softmax over the whole materialised square, where the count prices
+    the fused causal kernel over the window's band (with the sinks and the capping inside it)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     unknown = next((what for name, what in UNCOUNTED_ATTENTION.items() if kwargs.get(name) is not None), None)
     if unknown:
         raise ModelError(f"--model: {type(module).__name__} hands its attention {unknown}, which the fused attention "
                          "kernels pipesim counts do not compute")
-    if softcap is not None and not fused_attention():
-        eager = sys.modules[type(module).__module__].eager_attention_forward
-        if attention_mask is None:  # causal, as the fused kernel is: eager attention adds only the mask it is given
-            attention_mask = torch.full((1, 1, query.shape[-2], key.shape[-2]), float("-inf"), dtype=query.dtype,
-                                        device=query.device).triu(1)
-        return eager(module, query, key, value, attention_mask, softcap=softcap, **kwargs)
     window = kwargs.pop("sliding_window", getattr(module, "sliding_window", None))
-    if query.device.type != "meta":  # timed or compiled (torch.compile traces no recording context): the kernel alone
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    computed = query.device.type != "meta"
+    if (computed and (s_aux is not None or softcap is not None)) or (softcap is not None and not fused_attention()):
+        eager = sys.modules[type(module).__module__].eager_attention_forward  # counted: the whole square, no window
+        return eager(module, query, key, value, _causal_mask(query, key, window if computed else None),
+                     softcap=softcap, **kwargs)
+    if computed:
+        windowed = window is not None and window < key.shape[-2]
+        return sdpa_attention_forward(module, query, key, value, _causal_mask(query, key, window) if windowed else None,
+                                      **kwargs)
     with attention_window(window, softcap is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _causal_mask(query: torch.Tensor, key: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The additive mask (-inf where a query may not look) that attends each query to the keys up to its own, and
+    of those to its last `window` (None: to all), as transformers' masking_utils.py masks a sliding window
+    (`kv_idx > q_idx - sliding_window`); eager attention adds only the mask it is given."""
+    blocked = torch.full((1, 1, query.shape[-2], key.shape[-2]), float("-inf"), dtype=query.dtype,
+                         device=query.device)
+    return blocked.triu(1) if window is None else blocked.triu(1) + blocked.tril(-window)
 
 
 class DecoderLayer(nn.Module):
