@@ -393,10 +393,11 @@ def fit_count(profile: Profile, needer: str) -> WorkloadCount:
     benchmarks/fit_curve.py's): its attention as the fused kernel torch ran there (`FIT_ATTENTION`), its SwiGLU as
     the torch ops it ran, unfused; from the host cache once counted."""
     from ..planning.estimate import FIT_ATTENTION
+    from ..workload.models import rebuilt_options
 
     env = profile.environment
-    return count_model_of(profile.model.name, dict(profile.model.options), env.microbatch_size, env.dtype,
-                          FIT_ATTENTION, needer, swiglu_fusion=False)
+    return count_model_of(profile.model.name, rebuilt_options(profile.model.name, profile.model.options),
+                          env.microbatch_size, env.dtype, FIT_ATTENTION, needer, swiglu_fusion=False)
 
 
 def host_timed_overhead(profile: Profile) -> bool:

@@ -355,8 +355,10 @@ def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: in
 
 def _partition(path: Path, model: str, options: dict[str, int]):
     """The profile, the stage bounds its partition gives, and the model options it was calibrated or estimated with
-    (those given on the command line must agree). A profile of another model is refused."""
+    (those given on the command line must agree), as the model is built again with them. A profile of another model
+    is refused."""
     from ..profiles.schema import ProfileError, load_profile
+    from ..workload.models import rebuilt_options
 
     try:
         measured = load_profile(path)
@@ -370,7 +372,7 @@ def _partition(path: Path, model: str, options: dict[str, int]):
         made, again = _made(measured)
         raise InputError(f"--{clash[0]} {options[clash[0]]}: the profile {path} was {made} with "
                          f"{clash[0]} {measured.model.options.get(clash[0])}; drop the flag or {again}")
-    return measured, tuple(measured.partition.bounds), dict(measured.model.options)
+    return measured, tuple(measured.partition.bounds), rebuilt_options(model, measured.model.options)
 
 
 def _made(measured) -> tuple[str, str]:

@@ -1,14 +1,20 @@
 """Off the meta device (run trains it, calibrate times it) a Hugging Face model's layers compute what transformers'
 own model computes (workload/hf.py `counted_attention`): the sliding windows of gpt-oss, Mistral and Gemma 2, gpt-oss's
 attention sinks and Gemma 2's capped scores, against the model run with transformers' eager attention on the same
-weights and tokens."""
+weights and tokens; and a config's profile builds the model again (run, the fitted curve's count)."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 
+from pipesim.executor import RunSpec
 from pipesim.workload.hf import hf_model
+from tests.conftest import build, pipesim
+from tests.reference import single_process
 from tests.test_hf import needs_transformers, write_config
 
 pytestmark = needs_transformers
@@ -74,3 +80,43 @@ def test_a_windowed_layer_compiles_whole_and_computes_as_it_runs(tmp_path, model
         torch.testing.assert_close(compiled(hidden), layer(hidden))
     finally:
         torch._dynamo.reset()
+
+
+def _estimated(tmp_path) -> tuple[str, object]:
+    """A tiny gpt-oss config (`hf:PATH`) and the profile `estimate` writes of it, in float32 over 2 stages."""
+    model = f"hf:{write_config(tmp_path / 'oss', {**SMALL, 'model_type': 'gpt_oss', **MODELS['gpt_oss']})}"
+    profile = tmp_path / "profile.json"
+    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--seq-len", SEQ, "-b", 1, "-p", 2, "--dtype",
+                   "fp32", "--out", profile).code == 0
+    return model, profile
+
+
+def test_a_configs_profile_is_counted_again_for_its_fitted_curve(tmp_path):
+    """A profile records a config's sizes (layers, width, ...) to describe it; counted again with them, as the fit
+    of calibrate's efficiency curve and --curve-from count it, the config refused them ("--layers does not apply"),
+    so calibrate stored no curve for any Hugging Face model."""
+    from pipesim.commands.estimate import fit_count
+    from pipesim.profiles.schema import load_profile
+
+    model, profile = _estimated(tmp_path)
+    recorded = load_profile(profile)
+    assert recorded.model.options["layers"] == 2
+    assert [layer.name for layer in fit_count(recorded, "the test").layers] == [
+        "0:Embedding", "1:DecoderLayer", "2:DecoderLayer", "3:GptOssRMSNorm", "4:Linear"]
+
+
+@pytest.mark.slow
+def test_run_trains_a_gpt_oss_config_from_its_profile_on_two_gloo_ranks_as_one_process(tmp_path):
+    """`run --model hf:PATH --profile P` built the model with the profile's described sizes too, which a config
+    refuses, so no Hugging Face model ran: a gpt-oss config, its windowed layer and sinks included, trains on two
+    gloo ranks to one process's losses."""
+    model, profile = _estimated(tmp_path)
+    code, out, err = pipesim("run", "--model", model, "--profile", profile, "-s", "1f1b", "-p", 2, "-m", 2, "-n", 2,
+                             "--json")
+    assert code == 0, err
+    ran = json.loads(out)
+    assert ran["hardware"]["ranks"] == 2 and ran["hardware"]["backend"] == "gloo"
+    losses: list[float] = []
+    single_process(RunSpec(build("gpipe", 1, 2, 2), model, {"seq_len": SEQ}, microbatch_size=1, lr=0.05),
+                   losses)  # run's defaults: sgd, seed 0
+    np.testing.assert_allclose(ran["losses"][0], losses, rtol=1e-5)

@@ -479,6 +479,13 @@ def model_options(name: str) -> list[str]:
     return list(inspect.signature(MODELS[name]).parameters) if name in MODELS else []
 
 
+def rebuilt_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a profile's model, recorded as `name` with `options` (its `Model.options`, which describe it), is
+    built again with: a Hugging Face config's those `build_model` takes of it (`HF_OPTIONS`), the config giving its
+    sizes."""
+    return {key: value for key, value in options.items() if not is_hf(name) or key in HF_OPTIONS}
+
+
 def build_model(name: str, **options: int) -> Model:
     """A built-in model by name, a Hugging Face config (`hf:PATH`, workload/hf.py) or bring-your-own
     `package.module:attribute`. `options` are the size options the user gave (None values are left at the
