@@ -268,3 +268,24 @@ def test_curve_from_a_calibration_fits_the_part_to_its_measured_layers(tmp_path)
     assert code == 0, err  # an estimate is a profile too, though fitting to one only gives its curve back
     code, out, err = pipesim(*args, str(tmp_path / "no.json"), "--curve-from", str(tmp_path / "missing.json"))
     assert code == 2 and err.startswith("error: --curve-from:") and len(err.strip().splitlines()) == 1, err
+
+
+# Every setting whose value was read with its default standing in for an empty one (a MoE with each parallelism on)
+EVERY_SETTING = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "4", "--seq-len",
+                 "96", "--experts", "4", "--data-parallel", "2", "--expert-parallel", "2", "--attention", "flash",
+                 "--context-parallel", "2", "--dtype", "fp8", "--tensor-parallel", "2", "--sequence-parallel")
+
+
+@pytest.mark.parametrize("flag, choices", [
+    ("--recompute", "none, selective, full, op"), ("--expert-gemm", "grouped, per-expert"),
+    ("--rank-order", "pipesim, megatron"), ("--routing", "balanced, random"), ("--tp-runtime", "megatron, torch"),
+    ("--cp-rotate", "alltoall, allgather, p2p"), ("--attention-kernel", "flash2, cudnn, flash3"),
+    ("--fp8-recipe", "te, torchao, te-current, deepseek, torchao-2024")])
+def test_an_empty_choice_is_refused_not_run_as_the_default(tmp_path, monkeypatch, flag, choices):
+    """`--expert-gemm ''` ran as grouped (the value read as `or "grouped"`), and `--recompute ''` raised a
+    traceback past the check that let it through as none."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "4", *EVERY_SETTING, flag, "", "--html",
+                             "t.html")
+    assert (code, out, err) == (2, "", f"error: {flag}: choose from {choices} (got '')\n")
+    assert not list(tmp_path.iterdir())
