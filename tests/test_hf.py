@@ -242,6 +242,16 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
     (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": True}), "gives num_key_value_heads true;"),
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mistral", "sliding_window": -4}),
      "gives sliding_window -4; it must be a whole"),  # its windowed kernels were priced at negative FLOPs
+    # each a traceback deep in the count: torch's shapes, top-k of no experts, a division by no experts a token
+    (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": 3}),
+     "gives num_key_value_heads 3, which does not divide its num_attention_heads 4; give a divisor of 4"),
+    (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_local_experts": 0}),
+     "gives num_local_experts 0; it must be a whole number, 1 or more"),
+    (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 0}),
+     "gives num_experts_per_tok 0; it must be a whole number, 1 or more"),
+    (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_local_experts": 4,
+                                          "num_experts_per_tok": 5}),
+     "gives num_experts_per_tok 5, more than its 4 routed experts (num_local_experts); give 1 to 4"),
 ])
 def test_an_unreadable_config_is_one_line_before_torch_and_nothing_is_written(tmp_path, make, fragment):
     path, out = make(tmp_path), tmp_path / "profile.json"
@@ -275,8 +285,9 @@ SEQ = ("--seq-len", 16)
                                                                             "KeyError: 'nosuch'"),
     ({**LLAMA, "model_type": "phi3", "pad_token_id": 10 ** 6}, SEQ, "transformers cannot build it: AssertionError: "
                                                                    "Padding_idx must be within num_embeddings"),
-    ({**LLAMA, "num_attention_heads": A + 1}, SEQ, f"transformers refuses {{folder}}/config.json: "
-     "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': "
+    ({**LLAMA, "num_attention_heads": A + 1, "num_key_value_heads": 1}, SEQ,
+     f"transformers refuses {{folder}}/config.json: StrictDataclassClassValidationError: Class validation error "
+     "for validator 'validate_architecture': "
      f"ValueError: The hidden size ({H}) is not a multiple of the number of attention heads ({A + 1})"),
     (LLAMA, (), "--seq-len: give the tokens a sample of"),
     (LLAMA, ("--seq-len", 512), "--seq-len 512: hf:"),

@@ -44,16 +44,13 @@ from torch import nn
 
 from . import data
 from .count import attention_window, fused_attention
-from .hfconfig import FIGURES, HfConfig, HfConfigError, read_hf_config
+from .hfconfig import EXPERT_FIELDS, FIGURES, TOP_K_FIELD, HfConfig, HfConfigError, read_hf_config
 from .models import BATCH, Model, ModelError, check_capacity_factor, check_positive, classification_loss
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
 
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
-# The fields by which transformers' configs give a mixture of experts its routed experts (Mixtral, Qwen-MoE,
-# DeepSeek, OLMoE) and how many of them each token goes to. transformers runs the experts as grouped products,
-# which torch's FLOP counter counts as nothing, so pipesim runs them as its own (`balanced_experts`).
-EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
-TOP_K_FIELD = "num_experts_per_tok"
+# transformers runs a mixture's experts (hfconfig.py's EXPERT_FIELDS) as grouped products, which torch's FLOP
+# counter counts as nothing, so pipesim runs them as its own (`balanced_experts`).
 EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is not intermediate_size's (Mixtral's)
 # DeepSeek-V3's group-limited routing: the router picks topk_group of n_group expert groups a token, then its k
 # experts among them (transformers' DeepseekV3 router; the report's node-limited routing, a group a node)

@@ -19,11 +19,16 @@ CONFIG_NAME = "config.json"
 # model's size), as pipesim names them: its options, which the estimate's tensor-parallel checks read.
 FIGURES = {"layers": "num_hidden_layers", "width": "hidden_size", "heads": "num_attention_heads",
            "ffn": "intermediate_size", "vocab": "vocab_size"}
+# The fields by which transformers' configs give a mixture of experts its routed experts (Mixtral, Qwen-MoE,
+# DeepSeek, OLMoE) and how many of them each token goes to.
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+TOP_K_FIELD = "num_experts_per_tok"
 # The sizes a config gives (the key/value heads where it is not the attention heads', the keys a sliding window
-# holds), each a whole number of at least 1 where given: transformers builds a model of no decoder layers at 0 or
-# fewer, torch fails deep in the count at a width, head or vocabulary of 0, and a window of 0 or fewer holds no
-# key (transformers' mask) yet was priced as no window or at negative FLOPs (planning/estimate.py `kernel_flops`)
-SIZES = (*FIGURES.values(), "num_key_value_heads", "sliding_window")
+# holds, the routed experts and a token's share of them), each a whole number of at least 1 where given:
+# transformers builds a model of no decoder layers at 0 or fewer, torch fails deep in the count at a width, head,
+# vocabulary, expert or token's experts of 0, and a window of 0 or fewer holds no key (transformers' mask) yet was
+# priced as no window or at negative FLOPs (planning/estimate.py `kernel_flops`)
+SIZES = (*FIGURES.values(), "num_key_value_heads", "sliding_window", *EXPERT_FIELDS, TOP_K_FIELD)
 
 
 class HfConfigError(ValueError):
@@ -55,8 +60,8 @@ def hf_config_path(spec: str) -> Path:
 
 
 def read_hf_config(spec: str) -> HfConfig:
-    """The config `spec` names; a missing or unreadable file, one not a JSON object, one without a model_type or
-    one whose `SIZES` are not whole numbers of 1 or more, is `HfConfigError`."""
+    """The config `spec` names; a missing or unreadable file, one not a JSON object, one without a model_type, one
+    whose `SIZES` are not whole numbers of 1 or more or do not fit together (`_check_shares`), is `HfConfigError`."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
@@ -79,4 +84,20 @@ def read_hf_config(spec: str) -> HfConfig:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise HfConfigError(f"--model {spec}: {path} gives {field} {json.dumps(value)}; it must be a whole "
                                 "number, 1 or more")
+    _check_shares(spec, path, fields)
     return HfConfig(spec, path, fields)
+
+
+def _check_shares(spec: str, path: Path, fields: dict[str, Any]) -> None:
+    """Refuse key/value heads that do not divide the attention heads (transformers' attention repeats each for
+    as many query heads; torch failed deep in the count) and more experts a token than routed experts (the
+    router's top-k of fewer: torch's "k not in range")."""
+    heads, kv_heads = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise HfConfigError(f"--model {spec}: {path} gives num_key_value_heads {kv_heads}, which does not divide its "
+                            f"num_attention_heads {heads}; give a divisor of {heads}")
+    experts = next(((name, fields[name]) for name in EXPERT_FIELDS if fields.get(name) is not None), None)
+    top_k = fields.get(TOP_K_FIELD)
+    if experts is not None and top_k is not None and top_k > experts[1]:
+        raise HfConfigError(f"--model {spec}: {path} gives {TOP_K_FIELD} {top_k}, more than its {experts[1]} routed "
+                            f"experts ({experts[0]}); give 1 to {experts[1]}")
