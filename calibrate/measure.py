@@ -580,9 +580,12 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
     made afresh, as a mini-batch's first backward makes it: a buffer kept from step to step stays in cache (an
     SGD step of a 4 MiB stage, timed in turn on the 2-core CPUs here: mean 0.37 ms on a kept buffer, 0.44-0.52
     ms on a fresh one). Accumulation, the copy and averaging follow gradients added into a kept buffer, in that
-    order, as a later micro-batch's backward adds them. Given the stages' `passes`, each op stops repeating
-    once known to STEP_SHARE of its stage's F + B. One untimed round at most comes first: the stage's passes
-    were just timed, and it makes the optimizer's state."""
+    order, as a later micro-batch's backward adds them. The prediction, the copy, averaging and Adam's step take
+    their tensors from the stage's spares and give them back, as the executor's do (workload/optim.py `Spares`):
+    the first round makes them, and none is timed on the allocator, which on CPU gave a 4.3 MB prediction 0.21-0.30
+    ms on reused heap and 1.2-1.7 ms on fresh pages, as glibc's history had it. Given the stages' `passes`, each
+    op stops repeating once known to STEP_SHARE of its stage's F + B. One untimed round at most comes first: the
+    stage's passes were just timed, and it makes the optimizer's state and the spares."""
     out = []
     settings = replace(settings, warmup=min(settings.warmup, 1))
     buffer = None
@@ -625,7 +628,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
         accumulate = _call_with(_accumulate, kept, made)
         times = _time(settings, [("pass", _call_with(after_pass, state.current, None, kept)),
                                  ("accumulate", accumulate), ("copy", _call_with(state.fresh_copies)),
-                                 ("average", average)], floor_ms=floor_ms)
+                                 ("drop", state.spares.give), ("average", average)], floor_ms=floor_ms)
         out.append((steps, times["average"], times["accumulate"], times["copy"]))
     return out
 

@@ -35,8 +35,8 @@ until its graph is freed), a forward's inputs and outputs until its backward (th
 (every version, their gradients, prediction buffers, master weights, optimizer state, reference models) and
 activations or gradients waiting for their consumer or their send, or in a send that has not completed (the
 in-process transport copies a sent tensor and completes at once). A row's peak is that at its end before it frees the
-version or prediction it was the last to read (the memory of weights nothing reads again is freed even while a
-forward's graph holds them as leaves: see weights.py).
+version or prediction it was the last to read (weights nothing reads again go to their replica's spares, which the
+books leave out as the allocator's free memory, even while a forward's graph holds them as leaves: see weights.py).
 """
 
 from __future__ import annotations
@@ -565,12 +565,11 @@ class DeviceLoop:
             return int(allocated["current"]), int(allocated["peak"]), 0
         waiting = bytes_by_storage([*self.acts.values(), *self.grads.values()])
         sending = bytes_by_storage([t for _, t in self.sends if t is not None])
-        # a forward's weights (freed ones have no storage left) stay in its graph until its backward, its inputs
-        # and outputs (the backward's roots) until its backward, or its input-gradient half, runs, and the gradients
-        # that half recorded for its weight half until that runs (`PendingWeightGrad.gradients`)
-        versions = {id(saved.weights.tensors): saved.weights.tensors for saved in self.saved.values()}  # each once
-        graphs = bytes_by_storage([*(t for tensors in versions.values() for t in tensors),
-                                   *(t for saved in self.saved.values() for t in (*saved.inputs, *saved.outputs)),
+        # a forward's inputs and outputs (the backward's roots) stay in its graph until its backward, or its
+        # input-gradient half, runs, and the gradients that half recorded for its weight half until that runs
+        # (`PendingWeightGrad.gradients`); its weights count while their replica holds them (`weight_storage`):
+        # let go of, they are spares, the allocator's free memory, or have no storage left (weights.py)
+        graphs = bytes_by_storage([*(t for saved in self.saved.values() for t in (*saved.inputs, *saved.outputs)),
                                    *(t for saved in self.saved.values() if saved.pending
                                      for t in saved.pending.gradients())])
         held = {**weight_storage, **graphs, **self.ledger.by_storage(), **waiting}

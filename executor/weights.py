@@ -14,6 +14,11 @@ Predicted weights live in buffers keyed by (version, distance, side): `predict` 
 version and the optimizer's state (`workload.optim.predict_weights`); ops on predicted weights read it; the
 loop frees it after its last reader. Forward and backward buffers are separate sides even when equal.
 
+A freed version or prediction goes to the replica's `spares` (on CPU; workload/optim.py `Spares`), whence the
+next copy-on-write update's copies, prediction, elastic average and Adam step take their tensors, as PipeDream's
+and SpecTrain's runtimes rotate a queue of weight copies made once: these ops then run without the allocator,
+here as where calibration times them (calibrate/measure.py `measure_steps`).
+
 A 16-bit stage trains in mixed precision as Megatron-LM does (`Float16OptimizerWithFloat16Params`, and
 `accumulate_allreduce_grads_in_fp32`, which its arguments.py forces on for --bf16; sim/costs.py's "megatron"
 precision): the optimizer owns float32 master weights and keeps its state in float32; the versions the passes
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..workload.optim import elastic_average, make_optimizer, predict_weights
+from ..workload.optim import Spares, elastic_average, make_optimizer, predict_weights
 from .stages import DTYPES, ExecutorError
 
 BufferKey = tuple[int, int, str]  # (version predicted from, distance s, "F" or "B")
@@ -62,19 +67,6 @@ class Weights:
     distance: int = -1
 
 
-def _give_back(tensors: Iterable[torch.Tensor]) -> int:
-    """Free the memory of weights no row reads again, though a forward's graph may still hold them as its
-    leaves until its backward (which unpacks the weights its own row names): as the original codes swapped
-    `param.data`, a superseded version or a used prediction costs nothing after its last read. The leaves keep
-    their shape, all a weight gradient needs. Returns the bytes freed."""
-    freed = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        freed += storage.nbytes()
-        storage.resize_(0)  # a second view of the same storage finds it empty
-    return freed
-
-
 class StageWeights:
     """The versions of one stage's weights in one pipeline replica, its prediction buffers and its optimizer."""
 
@@ -88,7 +80,11 @@ class StageWeights:
         self.grad_dtype = main_dtype(current)
         # float32 masters of 16-bit weights (None: the optimizer updates the newest version itself)
         self.masters = None if self.grad_dtype is None else [w.detach().to(self.grad_dtype) for w in current]
-        self.optimizer = make_optimizer(optimizer, current if self.masters is None else self.masters, lr)
+        # what the replica lets go of, for its next versions, predictions and averages (kept on CPU); the optimizer
+        # keeps its own for Adam's denominators, which a copy-on-write update takes beside the version's copies
+        self.spares = Spares(keep=torch.device(device).type == "cpu")
+        self.optimizer = make_optimizer(optimizer, current if self.masters is None else self.masters, lr,
+                                        spares=Spares(keep=self.spares.keep))
         self.version = 0
         self.versions: dict[int, list[torch.Tensor]] = {0: current}
         self.predicted: dict[BufferKey, Weights] = {}
@@ -114,14 +110,16 @@ class StageWeights:
             torch._foreach_copy_(self.current, self.masters)
 
     def fresh_copies(self) -> list[torch.Tensor]:
-        """What a copy-on-write update adds over one in place: new tensors for the version it makes, so the one it
-        supersedes stays as it is for the rows that still read it. Where the optimizer owns the newest version, a
-        copy of it, which the optimizer moves on to; where it owns float32 masters, empty 16-bit tensors, which the
-        update's cast of the masters fills instead of the newest version. Calibration times this as the profile's
-        `weight_copy`, which the simulator adds to the update in place (its `step`, in 16 bits the cast included)."""
+        """What a copy-on-write update adds over one in place: other tensors (spares) for the version it makes, so
+        the one it supersedes stays as it is for the rows that still read it. Where the optimizer owns the newest
+        version, a copy of it, which the optimizer moves on to; where it owns float32 masters, the tensors alone,
+        which the update's cast of the masters fills instead of the newest version. Calibration times this as the
+        profile's `weight_copy`, which the simulator adds to the update in place (its `step`, in 16 bits the cast
+        included)."""
+        copies = self.spares.take(self.current)
         if self.masters is None:
-            return [w.detach().clone().requires_grad_(True) for w in self.current]
-        return [torch.empty_like(w).requires_grad_(True) for w in self.current]
+            torch._foreach_copy_(copies, [w.detach() for w in self.current])
+        return [w.requires_grad_(True) for w in copies]
 
     def read(self, version: int) -> Weights:
         if version not in self.versions:
@@ -140,10 +138,13 @@ class StageWeights:
             raise ExecutorError(f"{self.label}: a prediction from version {version} needs it to be the newest, "
                                 f"whose optimizer state it extrapolates (newest {self.version})")
         if self.masters is None:
-            tensors = predict_weights(self.optimizer, self.current, distance)
+            tensors = predict_weights(self.optimizer, self.current, distance, self.spares)
         else:  # the masters' prediction, cast tensor by tensor: the float32 held beside the 16-bit is one tensor's
-            tensors = [predict_weights(self.optimizer, [master], distance)[0].to(w.dtype)
-                       for master, w in zip(self.masters, self.current)]
+            tensors = self.spares.take(self.current)
+            for master, cast in zip(self.masters, tensors):
+                (predicted,) = predict_weights(self.optimizer, [master], distance, self.spares)
+                cast.copy_(predicted)
+                self.spares.give([predicted])
         tensors = [w.requires_grad_(True) for w in tensors]
         self.predicted[key] = Weights(tensors, version, distance)
         return self.predicted[key]
@@ -156,9 +157,9 @@ class StageWeights:
         return self.predicted[key]
 
     def free_predicted(self, key: BufferKey) -> int:
-        """Drop buffer `key` after its last reader; the bytes given back."""
+        """Drop buffer `key` after its last reader, into the spares; the bytes given back."""
         buffer = self.predicted.pop(key, None)
-        return 0 if buffer is None else _give_back(buffer.tensors)
+        return 0 if buffer is None else self.spares.give(buffer.tensors)
 
     @torch.no_grad()
     def step(self, keep_old: bool) -> None:
@@ -186,10 +187,10 @@ class StageWeights:
 
     def release(self, version: int) -> int:
         """Drop `version` after its last read (never the newest: the optimizer owns it, or casts its masters into
-        it); the bytes given back."""
+        it), into the spares; the bytes given back."""
         if version == self.version or version not in self.versions:
             return 0
-        return _give_back(self.versions.pop(version))
+        return self.spares.give(self.versions.pop(version))
 
     def held(self) -> int:
         """Weight copies held: versions and prediction buffers."""
@@ -212,6 +213,6 @@ def average_replicas(replicas: Sequence[StageWeights], reference: list[torch.Ten
     """AVG: a stage's pipeline `replicas` and its `reference` model pulled together by elastic averaging
     (`workload.optim.elastic_average`) on the weights their optimizers own, the 16-bit versions copied from the
     masters after (calibration times it, with one replica, as the profile's `average`)."""
-    elastic_average([replica.owned for replica in replicas], reference, alpha)
+    elastic_average([replica.owned for replica in replicas], reference, alpha, replicas[0].spares)
     for replica in replicas:
         replica.refresh()

@@ -7,12 +7,19 @@ out here, because torch.optim's `step` and `add_param_group` import torch._dynam
 whole run. The arithmetic is torch's own on CPU, op for op, so the weights come out bit for bit as torch.optim's
 (tests/test_workload.py holds them to it). All work on lists of tensors with torch's foreach kernels, one launch
 per list rather than one per tensor, since a stage may hold hundreds of parameter tensors.
+
+The tensors these ops write (a prediction, averaging's differences, Adam's denominator) come from `Spares`, where
+the executor keeps those it is done with for the next op. SpecTrain's and PipeOptim's runtimes (PipeDream's, extended)
+allocate nothing there either: they keep their stashed versions in a queue of copies made once and refilled with
+`copy_` (`initialize_queue`, `get_params`), and predict into the module's own parameters in place (`p.data.add_`;
+ntueclab/SpecTrain-PyTorch src/optimizer.py at b93355d, guanleics/PipeOptim optimizer.py at 8f5e4f8).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,23 +27,64 @@ import torch
 # the names profiles and the simulator know; "momentum" is SGD-momentum
 from ..profiles.schema import OPTIMIZERS, optimizer_refusal
 
-__all__ = ["OPTIMIZERS", "Optimizer", "elastic_average", "make_optimizer", "predict_weights"]
+__all__ = ["OPTIMIZERS", "Optimizer", "Spares", "elastic_average", "make_optimizer", "predict_weights"]
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults
 ADAM_EPS = 1e-8
+
+
+class Spares:
+    """Tensors an op is done with, kept by shape, stride, dtype and device for the next op that needs the same, or
+    (`keep` False) let go. On CPU glibc hands a freed block of a few MB back to the OS, and the next tensor of its
+    size is faulted in afresh, or not, as the process's history has moved glibc's thresholds (allocator.py): a 4.3
+    MB prediction took 0.21-0.30 ms on reused heap and 1.2-1.7 ms on fresh pages, so an op that allocated its output
+    timed in calibration in either mode (docs/fidelity.md). Taken from here, its tensors are made once, in the
+    first rounds, and the op is its arithmetic alone, in calibration as in the executor. On a GPU torch's caching
+    allocator keeps freed blocks the same way, and the executor's books count what it holds allocated: nothing is
+    kept here."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.free: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> Hashable:
+        return tuple(t.shape), t.stride(), t.dtype, t.device
+
+    def take(self, like: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors shaped as `like`'s, contents undefined: kept ones where there are, else new."""
+        return [self.free[key].pop() if self.free.get(key := self._key(t)) else
+                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in like]
+
+    def give(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Keep `tensors` for a later `take`, each as a new alias of its storage, or free that storage: whatever
+        else still views it (a forward's graph holding used weights as its leaves until its backward, which
+        unpacks the weights its own row names) keeps its tensor and shape, all a weight gradient needs, as the
+        original codes swapped `param.data`. The bytes given."""
+        given = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            given += storage.nbytes()
+            if self.keep:
+                self.free[self._key(t)].append(t.detach())
+            else:
+                storage.resize_(0)  # a second view of the same storage finds it empty
+        return given
 
 
 class Optimizer:
     """One of OPTIMIZERS over `params`, shaped as torch.optim's: one parameter group (`param_groups[0]` holds the
     params and hyperparameters; the executor swaps its params for copies), and per-tensor `state` under torch's
     keys (`momentum_buffer`; `step`, `exp_avg`, `exp_avg_sq`), made at a tensor's first step with a gradient.
-    `step()` updates every parameter that holds a gradient, as torch.optim does."""
+    `step()` updates every parameter that holds a gradient, as torch.optim does. Adam's denominators, in a step and
+    a prediction, are taken from `spares` and given back."""
 
     def __init__(self, name: str, params: Iterable[torch.Tensor], lr: float, *, momentum: float = 0.0,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, spares: Spares | None = None) -> None:
         if (refused := optimizer_refusal(name)) is not None:
             raise ValueError(refused)
         self.name = name
+        self.spares = Spares(keep=False) if spares is None else spares
         group: dict[str, Any] = {"params": list(params), "lr": lr}
         if name in ("sgd", "momentum"):
             group["momentum"] = momentum
@@ -99,36 +147,49 @@ class Optimizer:
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         counts = [step.item() for step in steps]
-        denom = torch._foreach_sqrt(exp_avg_sqs)
+        denom = _square_roots(self.spares, exp_avg_sqs)
         torch._foreach_div_(denom, [(1 - beta2 ** t) ** 0.5 for t in counts])
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denom, [-(lr / (1 - beta1 ** t)) for t in counts])
+        self.spares.give(denom)
+
+
+def _square_roots(spares: Spares, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The square roots of `tensors` in tensors taken from `spares` (the caller gives them back)."""
+    roots = spares.take(tensors)
+    torch._foreach_copy_(roots, tensors)
+    torch._foreach_sqrt_(roots)
+    return roots
 
 
 def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float, *, momentum: float = 0.9,
-                   weight_decay: float = 0.01) -> Optimizer:
+                   weight_decay: float = 0.01, spares: Spares | None = None) -> Optimizer:
     """The optimizer `name` (one of OPTIMIZERS) over `params`: `momentum` applies to "momentum" (SGD with
     momentum) and `weight_decay` to "adamw" (decoupled decay) only; "sgd" and "adam" have no decay."""
     return Optimizer(name, params, lr, momentum=momentum if name == "momentum" else 0.0,
-                     weight_decay=weight_decay if name == "adamw" else 0.0)
+                     weight_decay=weight_decay if name == "adamw" else 0.0, spares=spares)
 
 
 @torch.no_grad()
-def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor],
-                    distance: int) -> list[torch.Tensor]:
-    """The weights `distance` updates ahead, as new tensors: W - distance * lr * d, d the direction of the
-    optimizer's update, as if the next updates repeated the last one.
+def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor], distance: int,
+                    spares: Spares | None = None) -> list[torch.Tensor]:
+    """The weights `distance` updates ahead, in tensors taken from `spares` (the caller's to give back; None: new
+    ones): W - distance * lr * d, d the direction of the optimizer's update, as if the next updates repeated the
+    last one.
 
     `weights` are tensors the optimizer steps (its state is looked up by them). The direction d is
     - SGD: the gradient the parameter holds (so predict before zeroing it);
     - SGD with momentum: the momentum buffer (SpecTrain's and PipeOptim's rule);
-    - Adam: m_hat / (sqrt(v_hat) + eps) with both bias corrections (PipeOptim's Adam rule, XPipe's prediction);
+    - Adam: m_hat / (sqrt(v_hat) + eps) with both bias corrections (PipeOptim's Adam rule, XPipe's prediction),
+      its denominator in the optimizer's spares;
     - AdamW: the same plus weight_decay * W, its decoupled decay, applied at every predicted step.
     A weight the optimizer has no direction for yet (no gradient, no momentum buffer, no Adam step) has
-    nothing to extrapolate: its prediction is a copy of itself. Distance 0 returns copies.
+    nothing to extrapolate: its prediction is a copy of itself. Distance 0 gives copies.
     """
     if distance < 0:
         raise ValueError(f"prediction distance must be >= 0 (got {distance})")
+    out = (Spares(keep=False) if spares is None else spares).take(weights)
+    torch._foreach_copy_(out, list(weights))  # W, which the direction moves where there is one
     group = optimizer.param_groups[0]
     states = [optimizer.state.get(w, {}) for w in weights]
     sgd = optimizer.name in ("sgd", "momentum")
@@ -141,32 +202,33 @@ def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor],
     else:
         live = [i for i, state in enumerate(states) if "exp_avg" in state]
     if distance == 0 or not live:
-        return [w.detach().clone() for w in weights]
+        return out
 
-    moving = [weights[i] for i in live]
+    predicted = [out[i] for i in live]
     lr = group["lr"]
     if sgd:
-        predicted = torch._foreach_add(moving, [directions[i] for i in live], alpha=-distance * lr)
+        torch._foreach_add_(predicted, [directions[i] for i in live], alpha=-distance * lr)
     else:
         beta1, beta2 = group["betas"]
         steps = [float(states[i]["step"]) for i in live]
-        denom = torch._foreach_sqrt([states[i]["exp_avg_sq"] for i in live])
+        denom = _square_roots(optimizer.spares, [states[i]["exp_avg_sq"] for i in live])
         torch._foreach_div_(denom, [math.sqrt(1 - beta2 ** t) for t in steps])
         torch._foreach_add_(denom, group["eps"])
-        predicted = torch._foreach_addcdiv(moving, [states[i]["exp_avg"] for i in live], denom,
-                                           [-distance * lr / (1 - beta1 ** t) for t in steps])
+        torch._foreach_addcdiv_(predicted, [states[i]["exp_avg"] for i in live], denom,
+                                [-distance * lr / (1 - beta1 ** t) for t in steps])
+        optimizer.spares.give(denom)
         if optimizer.name == "adamw" and group["weight_decay"]:
-            torch._foreach_add_(predicted, moving, alpha=-distance * lr * group["weight_decay"])
-    out = dict(zip(live, predicted))
-    return [out[i] if i in out else w.detach().clone() for i, w in enumerate(weights)]
+            torch._foreach_add_(predicted, [weights[i] for i in live], alpha=-distance * lr * group["weight_decay"])
+    return out
 
 
 @torch.no_grad()
 def elastic_average(replicas: Sequence[Sequence[torch.Tensor]], reference: Sequence[torch.Tensor],
-                    alpha: float) -> None:
+                    alpha: float, spares: Spares | None = None) -> None:
     """Synchronous elastic averaging (EASGD, as AvgPipe averages its pipelines), in place: with
     D_i = X_i - R for every replica X_i, each X_i -= alpha * D_i and R += alpha * sum_i D_i, all differences
-    taken before anything moves. One replica is one pipeline's copy of a stage's weights."""
+    taken before anything moves, in tensors taken from `spares` and given back (None: new ones). One replica
+    is one pipeline's copy of a stage's weights."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"elastic averaging needs 0 <= alpha <= 1 (got {alpha})")
     if not replicas:
@@ -175,12 +237,15 @@ def elastic_average(replicas: Sequence[Sequence[torch.Tensor]], reference: Seque
         raise ValueError(f"every replica must hold {len(reference)} tensors, as the reference does")
     if not reference:
         return
-    total = None  # sum of the differences, one replica's at a time so memory stays at two copies
-    for replica in replicas:
-        diff = torch._foreach_sub(replica, reference)
-        torch._foreach_add_(replica, diff, alpha=-alpha)
-        if total is None:
-            total = diff
-        else:
+    spares = Spares(keep=False) if spares is None else spares
+    # the sum of the differences, and one replica's at a time: two copies' memory
+    total, diff = spares.take(reference), spares.take(reference) if len(replicas) > 1 else []
+    for n, replica in enumerate(replicas):
+        taken = total if n == 0 else diff
+        torch._foreach_copy_(taken, list(replica))
+        torch._foreach_sub_(taken, list(reference))
+        torch._foreach_add_(replica, taken, alpha=-alpha)
+        if n:
             torch._foreach_add_(total, diff)
     torch._foreach_add_(reference, total, alpha=alpha)
+    spares.give([*total, *diff])
