@@ -126,6 +126,7 @@ DATA_PARALLEL = np.array([kind in COLLECTIVE_KINDS - PASS_COLLECTIVE_KINDS for k
 _UNBOUNDED_BYTES = 1 << 62  # a peak no cap admits
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
 LONGEST_STEADY_STEPS = 8 * STEADY_STEPS  # the longest run `_periodic_step_ms` looks for a periodic regime in
+UNPROVEN_STEADY_STEPS = 4 * LONGEST_STEADY_STEPS  # its longest where the engine's rules are not max-plus
 _PERIOD_TOLERANCE_PS = 2  # rows' ends read back from the trace's microseconds: within 2 ps of the engine's
 CRITICAL_STEPS = 4  # steps of those a critical path follows (`_with_critical_path`), fewer than STEADY_STEPS
 AHEAD_READ = 15  # the heap's first four levels, which idle workers read for work ahead (`_Built.ahead`)
@@ -1397,11 +1398,11 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
     """The steady step of an order that never flushes (`schedule_of`: built for N mini-batches), from its long run
     (`schedule`, simulated: `trace`) past its `short` warm-up's mini-batches: `growth_ms` (the makespan's growth
     from the short run) where that is it, else the step of the periodic regime the run reaches, run longer
-    (STEADY_STEPS doubled, up to LONGEST_STEADY_STEPS) until one shows, else the least, over the periods tried, of
-    the largest mean step of any row over the window, each of which no steady step exceeds; but where a run shows
-    no period and a lower bound of the steady step at or over `losing_ms` (a step the caller needs only to know
-    is reached: what loses to the choice, `_measured`), that bound, and no longer run, unless transfers hold the
-    compute (below). The growth alone can
+    (STEADY_STEPS doubled, up to LONGEST_STEADY_STEPS, or UNPROVEN_STEADY_STEPS where the engine's rules are not
+    max-plus: `_max_plus`) until one shows, else the least, over the periods tried, of the largest mean step of any
+    row over the window, each of which no steady step of a max-plus run exceeds (other runs: below); but where a run
+    shows no period and a lower bound of the steady step at or over `losing_ms` (a step the caller needs only to
+    know is reached: what loses to the choice, `_measured`), that bound, and no longer run. The growth alone can
     read a transient: a REDUCE chain's backlog on its lane can build up for tens of steps (PipeDream, 2 stages, m =
     1: 6.96 ms where every step from the eighth on takes 7), and a sound bound then sits above the step tune
     measures.
@@ -1421,35 +1422,81 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
     stay at or below. Its twin bounds the steady step from below: if every row of the window ends at least c·s
     later c mini-batches on (min over the rows and k of E[g, k + c] - E[g, k] >= c·s), then so does the first row
     after it, each of whose inputs ends at least c·s after its own c mini-batches back, and by induction every
-    later row: no steady step is under s, from a run of any length (the 70B's stale p = 32 orders: 657.4 ms at N =
-    16 against their 657.9-659.2 at N = 52-100, where 641.4 loses to the choice; 0.4 CPU s a run instead of 4.7).
-    Both inductions need that monotonicity, which two of the engine's rules lack: a transfer kernel that begins
-    later can hold the compute beside it less, so that it ends sooner (`_held_compute`), and a transfer that comes
-    later to a lane shared first come, first served can let another go first. Where those run (an H100's estimate,
-    a REDUCE lane) the bounds rest on tests/test_accumulation_bounds.py's random chains, not on a proof; and where
-    transfers hold the compute those found the lower bound 2.5 % over the steady step (16.49 ms against 16.2: an
-    XPipe chain there), so it stops no run with holds."""
+    later row: no steady step is under s, from a run of any length.
+
+    Where the rules are not max-plus neither window bound holds: a transfer kernel that begins later can hold the
+    compute beside it less, so that it ends sooner (`_held_compute`), and a transfer that comes later to a lane two
+    devices share first come, first served can let another go first. Random chains with holds (some on one bus)
+    found a window's least upper bound 4.5-13 % under the steady step (runs that keep one regime for 20-30
+    mini-batches, then settle slower), at tune's last window too (an XPipe chain: 19.27 ms against its 19.30), and
+    its lower bound 2.5 % over.
+    So such a run doubles on to UNPROVEN_STEADY_STEPS for its period, and where none shows there, the step is the
+    greater of the window's two bounds (in a max-plus run the upper), unproven: of 3,500 random chains with holds or
+    one bus, 703 not periodic in tune's first run, none came out under its step at N = 1,000 (or, 16 not periodic by
+    then, that run's least upper bound) by more than 1.4e-6 (the least upper bound alone: 1.1e-5). Where the holds
+    are all that is not max-plus, the same order without them bounds the steady step from below: its rows have the same
+    inputs, each begins at the end of the last of them in both runs and no held row ends sooner than the same row
+    without its holds, so by induction in event order no row of the held run ends before the hold-free one's, whose
+    window bounds (or period) give a step no steady step of the held run is under (the XPipe chain's: its period's
+    16.2 ms, where the held window read 16.49; the 70B's stale p = 32 orders, whose holds cost 2.6 %, stay under the
+    641.4 that loses: 639.5 at N = 16)."""
     steps, reach = schedule.minibatches - short, short
     in_flight = -(-schedule.num_stages // schedule.microbatches)
+    max_plus = _max_plus(costs, links, schedule.num_devices)
+    held_free = (not max_plus and losing_ms < math.inf and costs.transfers_hold_products
+                 and _max_plus(replace(costs, transfers_hold_products=False), links, schedule.num_devices))
+    floor_ms, floor_settled = 0.0, False  # the hold-free order's lower bound of the steady step; whether exact
     while True:
-        ends_ps = _row_ends_ps(trace)
         clean = schedule.minibatches - in_flight
-        least_ms = math.inf  # the least upper bound of the steady step the periods give
-        lower_ms = 0.0  # the greatest lower bound of it they give
-        for period in range(1, clean - reach + 1):
-            shift_ps = ends_ps[:, clean - reach:clean] - ends_ps[:, clean - reach - period:clean - period]
-            step_ms = float(shift_ps.max()) / period / 1e9
-            if shift_ps.max() - shift_ps.min() <= _PERIOD_TOLERANCE_PS:
-                return growth_ms if math.isclose(growth_ms, step_ms, rel_tol=1e-9) else step_ms
-            least_ms = min(least_ms, step_ms)
-            lower_ms = max(lower_ms, float(shift_ps.min()) / period / 1e9)
-        if steps >= LONGEST_STEADY_STEPS and clean > reach:
-            return least_ms
-        if lower_ms >= losing_ms and clean > reach and not costs.transfers_hold_products:
-            return lower_ms
+        period_ms, least_ms, lower_ms = _window_steps(_row_ends_ps(trace), clean, reach)
+        if period_ms is not None:
+            return growth_ms if math.isclose(growth_ms, period_ms, rel_tol=1e-9) else period_ms
+        if clean > reach:
+            if steps >= (LONGEST_STEADY_STEPS if max_plus else UNPROVEN_STEADY_STEPS):
+                return max(least_ms, lower_ms)
+            if held_free and not floor_settled:
+                hold_free = simulate(schedule, replace(costs, transfers_hold_products=False), links)
+                free_ms, _, free_lower_ms = _window_steps(_row_ends_ps(hold_free), clean, reach)
+                floor_ms = max(floor_ms, free_lower_ms if free_ms is None else free_ms)
+                floor_settled = free_ms is not None
+            lower_ms = lower_ms if max_plus else floor_ms
+            if lower_ms >= losing_ms:
+                return lower_ms
         steps *= 2
         schedule = schedule_of(short + steps)
         trace = simulate(schedule, costs, links)
+
+
+def _window_steps(ends_ps: np.ndarray, clean: int, reach: int) -> tuple[float | None, float, float]:
+    """Of rows' ends E[g, k] (`_row_ends_ps`) over the `reach` mini-batches before `clean`: the step of the first
+    period c that shifts every row by one value (None where none does), else, over the periods, the least of the
+    largest mean step of any row and the greatest of the least (`_periodic_step_ms`' window bounds)."""
+    least_ms, lower_ms = math.inf, 0.0
+    for period in range(1, clean - reach + 1):
+        shift_ps = ends_ps[:, clean - reach:clean] - ends_ps[:, clean - reach - period:clean - period]
+        step_ms = float(shift_ps.max()) / period / 1e9
+        if shift_ps.max() - shift_ps.min() <= _PERIOD_TOLERANCE_PS:
+            return step_ms, least_ms, lower_ms
+        least_ms = min(least_ms, step_ms)
+        lower_ms = max(lower_ms, float(shift_ps.min()) / period / 1e9)
+    return None, least_ms, lower_ms
+
+
+def _max_plus(costs: Costs, links: Cluster, devices: int) -> bool:
+    """Whether every row of a run ends its own time after the last of its inputs (its device's row before it, its
+    data, the transfer before it on its lane), so that rows' ends are monotone and shift-invariant in their inputs
+    (`_periodic_step_ms`'s bounds): no transfer holds the compute beside it, no link resource is queued on by two
+    devices' sends (each device issues its own in its order), no two devices share a compute resource or a host's
+    cores."""
+    senders: dict[str, set[int]] = {}
+    for src in range(devices):
+        for dst in range(devices):
+            resource = links.link(src, dst).resource
+            if src != dst and resource is not None:
+                senders.setdefault(resource, set()).add(src)
+    return (not costs.transfers_hold_products and all(len(sending) == 1 for sending in senders.values())
+            and all(len(peers) == 1 for peers in links.compute_peers(devices))
+            and all(len(peers) == 1 for peers in links.host_peers(devices)))
 
 
 def _row_ends_ps(trace: Trace) -> np.ndarray:

@@ -287,12 +287,12 @@ def test_the_lower_bound_of_a_never_flushing_orders_step_stays_at_or_below_its_s
     assert lower_ms <= _step_ms(schedule_of, costs, links) * (1 + 1e-9) + ROUNDING_MS
 
 
-def test_where_transfers_hold_the_compute_no_lower_bound_stops_the_run():
+def test_where_transfers_hold_the_compute_the_windows_lower_bound_gives_way_to_the_hold_free_orders():
     """XPipe on three stages, one micro-batch, REDUCEs after the flush, transfers holding the compute: its long
     run's rows end at least 16.49 ms later a mini-batch on, yet its steady step is 16.2 (a kernel that begins later
-    can let the compute beside it end sooner: the engine is not monotone there). Asked only whether the step
-    reaches 0 ms, `_periodic_step_ms` runs on to that step, where it answered 16.49 and tune could cut a candidate
-    that wins."""
+    can let the compute beside it end sooner: the engine is not max-plus there). Asked only whether the step
+    reaches 0 ms, `_periodic_step_ms` answers the same order's without the holds, whose rows end no later: its
+    period's 16.2, where the held run's window answered 16.49 and tune could cut a candidate that wins."""
     given_costs = [dict(fwd_ms=0.0, bwd_ms=2.0, igrad_ms=2.0, wgrad_ms=0.0, opt_ms=2.8, reduce_ms=4.8, product_ms=1.0),
                    dict(fwd_ms=1.2, bwd_ms=4.3, igrad_ms=1.0, wgrad_ms=3.6, opt_ms=4.0, reduce_ms=4.6, product_ms=0.1),
                    dict(fwd_ms=2.1, bwd_ms=5.3, igrad_ms=4.5, wgrad_ms=0.8, opt_ms=4.3, reduce_ms=4.5, product_ms=0.1)]
@@ -307,8 +307,83 @@ def test_where_transfers_hold_the_compute_no_lower_bound_stops_the_run():
     growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
     step_ms = _step_ms(schedule_of, costs, links)
     assert step_ms == pytest.approx(16.2)
+    _, _, held_lower_ms = tuning._window_steps(tuning._row_ends_ps(long_trace), long - 3, short)
+    assert held_lower_ms == pytest.approx(16.4919, abs=1e-4)
     assert tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
                                     0.0) == pytest.approx(step_ms)
+
+
+def _held_chain(given_costs: list[dict], link: Link) -> tuple[Costs, Cluster]:
+    """A chain's costs from each stage's `given_costs`, its transfers holding the compute, on `link`."""
+    costs = Costs.per_stage(len(given_costs), fwd_ms=1.0, bwd_ms=2.0)
+    return replace(costs, transfers_hold_products=True, stages=tuple(
+        replace(stage, **given) for stage, given in zip(costs.stages, given_costs))), Cluster(len(given_costs), link)
+
+
+def test_where_transfers_hold_the_compute_a_run_with_no_period_is_run_on_to_its_period():
+    """XPipe on four stages, two micro-batches, transfers holding the compute (hypothesis's random chain, rounded):
+    every window up to tune's longest run (N = 102) reads a least upper bound of 19.274 ms, yet by N = 198 the step
+    is 19.299 for good (the engine is not max-plus with holds, so no window bounds it). `_periodic_step_ms` runs it
+    on to N = 198, where the period shows. Asked only whether the step reaches 19.1,
+    it answers from the same order without the holds, whose rows end no later: its period's 19.2 (at N = 54), no
+    longer held run built."""
+    costs, links = _held_chain([
+        dict(fwd_ms=2.5, bwd_ms=4.9, igrad_ms=4.3, wgrad_ms=4.0, opt_ms=1.4, reduce_ms=2.0, accumulate_ms=1.0,
+             product_ms=0.0, output_bytes=38),
+        dict(fwd_ms=1.1, bwd_ms=0.5, igrad_ms=0.0, wgrad_ms=0.5, opt_ms=2.9, reduce_ms=3.1, accumulate_ms=0.5,
+             product_ms=0.0, output_bytes=349),
+        dict(fwd_ms=3.6, bwd_ms=3.1, igrad_ms=0.0, wgrad_ms=3.1, opt_ms=0.0, reduce_ms=2.3, accumulate_ms=0.9,
+             product_ms=0.1, output_bytes=126),
+        dict(fwd_ms=4.2, bwd_ms=4.7, igrad_ms=0.1, wgrad_ms=4.6, opt_ms=0.0, reduce_ms=0.0, accumulate_ms=0.0,
+             product_ms=0.0, output_bytes=1211)], Link(latency_ms=0.0, bandwidth_bytes_per_ms=1541.0))
+    xpipe = fixed_order("xpipe", 4, 2, False)
+    built = []
+
+    def schedule_of(minibatches: int) -> Schedule:
+        built.append(minibatches)
+        return xpipe(minibatches)
+
+    short, long = _runs(schedule_of)
+    longest = short + tuning.LONGEST_STEADY_STEPS
+    _, least_ms, _ = tuning._window_steps(tuning._row_ends_ps(simulate(schedule_of(longest), costs, links)),
+                                          longest - 2, short)
+    assert least_ms == pytest.approx(19.274, abs=1e-3)
+    growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
+    del built[:]
+    assert tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links,
+                                    growth_ms) == pytest.approx(19.298637248)
+    assert max(built) == short + 2 * tuning.LONGEST_STEADY_STEPS
+    del built[:]
+    assert tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
+                                    19.1) == pytest.approx(19.2)
+    assert max(built) == short + 4 * tuning.STEADY_STEPS
+
+
+def test_where_devices_queue_on_one_link_a_run_with_no_period_is_run_on_to_its_period():
+    """PipeDream on four stages, one micro-batch, every transfer queued on one bus first come, first served, and
+    holding the compute (hypothesis's random chain, rounded): tune's longest run (N = 106) reads a least upper bound
+    of 12.87 ms, yet the step settles at 14.61 (period 2) by N = 202, where `_periodic_step_ms` runs it on to. A bus
+    the devices share is no max-plus rule even without the holds; a link per direction, each one device's, is."""
+    bus = Link(latency_ms=1.644, bandwidth_bytes_per_ms=3561.1, resource="bus")
+    costs, links = _held_chain([
+        dict(fwd_ms=3.672, bwd_ms=5.135, igrad_ms=4.983, wgrad_ms=0.152, opt_ms=2.004, reduce_ms=0.0,
+             accumulate_ms=0.0, product_ms=0.3, output_bytes=433),
+        dict(fwd_ms=1.577, bwd_ms=0.865, igrad_ms=0.79, wgrad_ms=0.139, opt_ms=0.938, reduce_ms=0.777,
+             accumulate_ms=0.457, product_ms=1.0, output_bytes=2909),
+        dict(fwd_ms=1.035, bwd_ms=2.712, igrad_ms=1.5, wgrad_ms=2.571, opt_ms=0.0, reduce_ms=0.243,
+             accumulate_ms=0.938, product_ms=0.0, output_bytes=1),
+        dict(fwd_ms=3.064, bwd_ms=4.723, igrad_ms=3.672, wgrad_ms=1.577, opt_ms=0.0, reduce_ms=4.92,
+             accumulate_ms=0.116, product_ms=0.0, output_bytes=104)], bus)
+    schedule_of = fixed_order("pipedream", 4, 1, False)
+    short, long = _runs(schedule_of)
+    longest = short + tuning.LONGEST_STEADY_STEPS
+    _, least_ms, _ = tuning._window_steps(tuning._row_ends_ps(simulate(schedule_of(longest), costs, links)),
+                                          longest - 4, short)
+    assert least_ms == pytest.approx(12.870, abs=1e-3)
+    assert _step_ms(schedule_of, costs, links) == pytest.approx(14.60674491)
+    unheld = replace(costs, transfers_hold_products=False)
+    own = {(src, dst): replace(bus, resource=f"{src}->{dst}") for src in range(4) for dst in range(4)}
+    assert not tuning._max_plus(unheld, links, 4) and tuning._max_plus(unheld, replace(links, links=own), 4)
 
 
 def test_a_floor_bounded_against_a_higher_bar_is_found_again_for_a_lower_one(monkeypatch):
