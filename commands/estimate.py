@@ -541,29 +541,34 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
     from ..workload.cachedir import cache_dir
     from ..workload.hfconfig import HfConfigError, read_hf_config
 
-    sources = ["workload/models.py", "workload/moe.py", "workload/loss.py", "workload/norms.py", "workload/rope.py",
-               "workload/count.py",
-               "profiles/workload.py", "workload/hf.py"]
     described: list[str] = [model]
     if is_hf(model):
         try:
             described = [read_hf_config(model).digest]
         except HfConfigError as exc:
             raise InputError(str(exc)) from None
-        sources += ["workload/hf.py", "workload/hfconfig.py"]
     elif ":" in model:
         return None
     try:
         versions = [metadata.version(name) for name in ("torch", *(("transformers",) if is_hf(model) else ()))]
     except metadata.PackageNotFoundError:
         return None
-    package = Path(__file__).resolve().parent.parent
     key = hashlib.sha256(json.dumps([*described, options, microbatch_size, dtype, attention, loss_parallel,
                                      swiglu_fusion, cross_entropy, norm_kernel, rope_kernel, *versions],
                                     sort_keys=True).encode())
-    for source in sources:
-        key.update((package / source).read_bytes())
+    for source in count_sources():
+        key.update(source.read_bytes())
     return cache_dir() / "counts" / f"{key.hexdigest()[:32]}.json"
+
+
+def count_sources() -> list[Path]:
+    """The code a count is made by, whose every change counts again: all of workload/ (the models, the count, the
+    optimizer step it takes, the sizes and data; a list by hand left out optim.py, whose change moved a GPT's
+    estimate while its kept count was read back) and the two modules outside it whose rules the count applies
+    (profiles/workload.py, choices.py)."""
+    package = Path(__file__).resolve().parent.parent
+    return [*sorted((package / "workload").glob("*.py")), package / "profiles" / "workload.py",
+            package / "choices.py"]
 
 
 def _read_count(path: Path) -> WorkloadCount | None:
