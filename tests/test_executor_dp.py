@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, cut, run_in_process, run_multiprocess
-from pipesim.executor.replicas import Layout, thread_replicas
+from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, cut, replicas, run_in_process, run_multiprocess
+from pipesim.executor.replicas import DistReplicas, Layout, bucket, thread_replicas
 from pipesim.executor.runners import TorchrunEnv, run_torchrun
 from pipesim.schedules import KINDS, Kind, lower
 from pipesim.sim import Cluster, Costs, simulate
@@ -166,6 +166,52 @@ def test_a_stage_without_weights_has_nothing_to_wait_for():
     """Every replica of a weightless stage skips its all-reduce alike, so none waits for the others."""
     _, members = thread_replicas(Layout(1, D), timeout_s=0.5)
     assert members[0].start([]).wait() > 0
+
+
+def test_a_reduced_stage_accumulates_into_one_bucket_that_its_all_reduce_sums_in_place(monkeypatch):
+    """A stage that REDUCE rows average keeps its gradients as views of one flat buffer from its first backward on,
+    and the all-reduce sums that buffer itself: no flattened copy, no copy of the mean back. Gradients that are not
+    one buffer end to end are flattened into a copy and the mean copied back, as before."""
+    reduced = []
+
+    def start(member, n, tensors):
+        reduced.append(replicas._flat(tensors))
+        return started(member, n, tensors)
+    started = replicas.ThreadReplicas._start
+    monkeypatch.setattr(replicas.ThreadReplicas, "_start", start)
+    spec = dp_spec("1f1b", 2)
+    assert_every_replica_is(run_in_process(spec), spec, single_process(whole(spec)))
+    assert len(reduced) == 2 * D * spec.schedule.minibatches and all(flat is not None for flat in reduced)
+
+    summed = []
+
+    class Work:
+        def wait(self, timeout):
+            return True
+
+        def get_future(self):
+            done = torch.futures.Future()
+            done.set_result(None)
+            return done
+
+    def all_reduce(tensor, group, async_op):
+        summed.append(tensor)
+        tensor.mul_(D)  # D replicas of the same gradients
+        return Work()
+    monkeypatch.setattr(replicas.dist, "all_reduce", all_reduce)
+    member = DistReplicas(None, list(range(D)), 0, False, 1.0)
+    weights = [torch.randn(3, 4), torch.randn(4)]
+    grads = bucket(weights)
+    for grad, weight in zip(grads, weights):
+        grad.add_(weight)
+    member.start(grads).wait()
+    assert summed[0].data_ptr() == grads[0].data_ptr() and summed[0].numel() == 16
+    assert all(torch.equal(grad, weight) for grad, weight in zip(grads, weights))
+    for loose in ([w.clone() for w in weights], grads[::-1]):
+        member.start(loose).wait()
+        assert summed[-1].data_ptr() not in {t.data_ptr() for t in loose}
+        assert all(torch.equal(grad, weight) for grad, weight in zip(sorted(loose, key=len), sorted(weights, key=len)))
+    assert bucket([torch.zeros(2), torch.zeros(2, dtype=torch.float64)]) is None
 
 
 def test_pipedream_with_two_replicas_stashes_as_with_one_and_averages_each_update():
