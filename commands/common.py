@@ -228,7 +228,9 @@ Fp8ParamGather = Annotated[bool, typer.Option(
                                "weights at 1 byte each (off by default).")]
 Attention = Annotated[str, typer.Option(
     "--attention", metavar="KIND", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash "
-                                        "(torch's fused kernel: no scores saved).")]
+                                        "(torch's fused kernel: no scores saved). Default: the model's own "
+                                        "runtime's, flash for an hf: model (transformers' sdpa) or your own "
+                                        "module, math for the built-in models (gpt: Megatron-LM 2021's).")]
 AttentionKernel = Annotated[str | None, typer.Option(
     "--attention-kernel", metavar="KERNEL", help="With --attention flash: which fused kernel runs it, at its "
                                                  "published rate on the part (`pipesim gpus`' curves): flash2 "
@@ -240,7 +242,7 @@ MODEL_SHAPE = (("layers", Layers, None), ("width", Width, None), ("heads", Heads
                ("rotary_percent", RotaryPercent, None), ("experts", Experts, None), ("top_k", TopK, None),
                ("shared_experts", SharedExperts, None), ("expert_ffn", ExpertFfn, None),
                ("capacity_factor", CapacityFactor, None), ("mtp_layers", MtpLayers, None),
-               ("dtype", ModelDtype, "bf16"), ("attention", Attention, "math"))
+               ("dtype", ModelDtype, "bf16"), ("attention", Attention, None))
 MODEL_SIZES = tuple(name for name, _, _ in MODEL_SHAPE[:-2])  # what the model is built with (dtype and attention
                                                                 # are how it is counted)
 
@@ -534,8 +536,15 @@ optional_what_if_options = shared_options(*WHAT_IF_ONLY, *OPTIONAL_MODEL)
 # tune: the same but FSDP2's float8 all-gather, which needs --zero 3 --precision fsdp2, and the float8 weights'
 # gather, which needs --zero 1 or 2, flags tune does not take, and --torch-compile, which needs the recomputation
 # tune searches
-tune_what_if_options = shared_options(*(option for option in WHAT_IF_ONLY if option[0] not in (
-    "fsdp_float8_all_gather", "fp8_param_gather", "torch_compile")),
+TuneSequenceParallel = Annotated[bool | None, typer.Option(
+    "--sequence-parallel/--no-sequence-parallel", help="With --gpu: Megatron's sequence parallelism at t > 1 (norms "
+                                                       "and dropouts split over the t GPUs), on or off; searched where "
+                                                       "not given.")]
+# tune: the what-if flags it takes, sequence parallelism searched where not given
+tune_what_if_options = shared_options(*(("sequence_parallel", TuneSequenceParallel, None)
+                                        if option[0] == "sequence_parallel" else option for option in WHAT_IF_ONLY
+                                        if option[0] not in ("fsdp_float8_all_gather", "fp8_param_gather",
+                                                             "torch_compile")),
                                       *OPTIONAL_MODEL)
 
 

@@ -13,6 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import choose_from
+from ..workload.sizes import attention_of
 from .common import (
     DTYPES,
     MODEL_SIZES,
@@ -41,7 +42,7 @@ def count(
     """Count a model's work per layer on torch's meta device. Per micro-batch, with no memory and at any size:
     forward, input-gradient and weight-gradient FLOPs, bytes moved by memory-bound ops, bytes saved for the
     backward, weight and Adam-state bytes, and the tensor each layer outputs (what a stage ending there sends)."""
-    dtype, attention = ctx.params["dtype"], ctx.params["attention"]
+    dtype, attention = ctx.params["dtype"], attention_of(ctx.params["attention"], model)
     try:
         require("pipesim count", "torch")
         require_model_data("pipesim count", model)

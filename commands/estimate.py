@@ -236,7 +236,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # pydantic: only for --gpu
     from ..planning.estimate import check_ring_attention, kernel_curve
-    from ..workload.sizes import kernels_refusal
+    from ..workload.sizes import attention_of, kernels_refusal
 
     clash = [flag_of(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
@@ -291,7 +291,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
             raise InputError(f"--curve-from: {exc}") from None
     modules, zero = params.get("recompute_modules"), zero_stage(params)
     what = WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
-                  DTYPES.get(params["dtype"], "bfloat16"), params["attention"], params.get("sequence_parallel", False),
+                  DTYPES.get(params["dtype"], "bfloat16"), attention_of(params["attention"], params["model"]),
+                  bool(params.get("sequence_parallel")),
                   params.get("context_parallel", 1), zero >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"),
@@ -324,10 +325,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("cp_rotate") is not None and params.get("context_parallel", 1) == 1:
         raise InputError("--cp-rotate sets how the context ring passes keys and values: give --context-parallel 2 "
                          "or more")
-    if params.get("scores_buffer") and params["attention"] != "math":
+    if params.get("scores_buffer") and what.attention != "math":
         raise InputError("--scores-buffer keeps the buffer Megatron-LM's unfused attention computes its scores "
                          "beside: give --attention math")
-    if params.get("attention_kernel") is not None and params["attention"] != "flash":
+    if params.get("attention_kernel") is not None and what.attention != "flash":
         raise InputError("--attention-kernel names the fused kernel that runs --attention flash: give --attention "
                          "flash")
     if params.get("attention_kernel") is not None and params.get("curve_from") is not None:

@@ -243,7 +243,7 @@ def tune(
             with _working(_estimating_text(_expert_degrees(what, counts[sizes[0]], expert_given))) as report:
                 settings = _estimated_settings(what, devices // context, tensor_parallel, data_parallel, recompute,
                                                sizes, optimizer, allocator, optimizer_step, pp_runtime, counts,
-                                               expert_given, report)
+                                               expert_given, ctx.params["sequence_parallel"], report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
@@ -273,6 +273,11 @@ def tune(
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return
     _print_tuning(tuning, measured, work, data_parallel is not None)
+
+
+def _split_text(config) -> str:
+    """A row's sequence parallelism: on or off at t > 1, "-" at t = 1 (nothing to split over)."""
+    return "-" if config.tensor == 1 else "on" if config.sequence_parallel else "off"
 
 
 def _estimated_degrees(measured) -> tuple[int, int, int]:
@@ -349,11 +354,13 @@ def _expert_degrees(what: WhatIf, counted: WorkloadCount, expert_given: bool) ->
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
                         sizes: tuple[int, ...], optimizer: str, allocator: str, optimizer_step: str,
                         pp_runtime: str,
-                        counts: dict[int, WorkloadCount], expert_given: bool,
+                        counts: dict[int, WorkloadCount], expert_given: bool, sequence_parallel: bool | None,
                         report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node that
     divides `devices`, D/C, and the model), expert-parallel degree E (of `_expert_degrees`, those the rank order can
-    place at that t and d, `_experts_fit`), pipeline depth p (D/(t·C·d) for a given d, else each divisor of D/(t·C) up
+    place at that t and d, `_experts_fit`), sequence parallelism at t > 1 (`sequence_parallel`, or off and on where
+    None: it splits the norms' work and activations over t, and Megatron's backward gathers each product's input
+    again), pipeline depth p (D/(t·C·d) for a given d, else each divisor of D/(t·C) up
     to the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
     (`allocator_fields`), so tune's peaks and memory check are simulate's, the boundary tensors held as
     `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's counted already (the rest are
@@ -386,6 +393,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 counted_t = count_what_if(at_t, b)
                 memo_t = LayerMemo(counted_t, what.gpu, what.curve)
             made, refused = len(settings), []
+            splits = [False, True] if sequence_parallel is None and t > 1 else [what.sequence_parallel]
             for e in degrees:
                 if report is not None:
                     report(f"{_estimating_text(degrees)}: {len(settings)} done")
@@ -397,14 +405,16 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                     depths = [p for p in depths if devices // (t * p) * what.context > 1]
                 try:
                     with refused_with_flags():  # the estimate's refusal of a layout (recompute op at t > 1)
-                        for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
-                            parallel = at_t.parallelism(p, t, devices // (t * p), kind, e)
-                            scenario = profile_scenario(estimated_profile(at_t, counted_t, parallel, optimizer,
+                        for p, kind, split in itertools.product(depths, [recompute] if recompute else
+                                                                SEARCHED_RECOMPUTE, splits):
+                            at_split = replace(at_t, sequence_parallel=split)
+                            parallel = at_split.parallelism(p, t, devices // (t * p), kind, e)
+                            scenario = profile_scenario(estimated_profile(at_split, counted_t, parallel, optimizer,
                                                                           memo_t), optimizer, pp_runtime)
                             replayed = allocations_key(parallel)
                             if replayed not in replays:
                                 replays[replayed] = allocator_fields(allocator, counted_t, parallel, optimizer_step)
-                            settings.append(Setting(replace(scenario, **replays[replayed]), t, kind, (p,), e))
+                            settings.append(Setting(replace(scenario, **replays[replayed]), t, kind, (p,), e, split))
                 except InputError as exc:
                     refused.append(exc)
             if refused and (len(degrees) == 1 or len(settings) == made):  # a searched E refused: another may suit
@@ -449,9 +459,11 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool) -> None:
     searched = any(row.result.candidate.activation_limit is not None for row in rows)
     shared = any(row.result.config.pipelines > 1 for row in rows)
     experts = bool(work) and bool(measured.model.options.get("experts"))  # E searched unless given
-    estimated = (f"estimated, t, {'E, ' * experts}b and recomputation (recomp; sel: selective) searched where not "
-                 f"given; {'E: ranks the routed experts are placed over; ' * experts}MFU: model "
-                 f"FLOPs per second over the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
+    split = bool(work) and any(row.result.config.tensor > 1 for row in rows)  # sp: on or off at t > 1
+    estimated = (f"estimated, t, {'sequence parallelism (sp), ' * split}{'E, ' * experts}b and recomputation "
+                 f"(recomp; sel: selective) searched where not given; "
+                 f"{'E: ranks the routed experts are placed over; ' * experts}MFU: model FLOPs per second over "
+                 f"the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
     per_stage = f"·{context}" * (context > 1)
     precision = _held_as(measured)
     # at C > 1 no layout's d·C is 1, nor where d is given (--zero refuses --data-parallel 1)
@@ -472,7 +484,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool) -> None:
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
                           + "bubble: 1 - mean compute / step time; ms/step: the busiest device's compute per step")
-    estimate_columns = ("t", "d", *("E",) * experts, "b", "recomp") if work else ()
+    estimate_columns = ("t", *("sp",) * split, "d", *("E",) * experts, "b", "recomp") if work else ()
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
                    *("MFU",) * bool(work), "bubble", "peak", "stale", "why not"):
         table.add_column(header, justify="left" if header in ("schedule", "recomp", "why not") else "right",
@@ -484,7 +496,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool) -> None:
         ratio = result.candidate.activation_limit
         mfu = [f"{work[c.microbatch_size].metrics(result.samples_per_s, gpus)['mfu']:.1%}"] if work else []
         table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), *[str(c.pipelines)] * shared,
-                      *([str(c.tensor), str(c.replicas), *[str(c.expert)] * experts, str(c.microbatch_size),
+                      *([str(c.tensor), *[_split_text(c)] * split, str(c.replicas), *[str(c.expert)] * experts,
+                         str(c.microbatch_size),
                          {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),
                       str(c.microbatches), *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),

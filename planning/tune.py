@@ -160,6 +160,7 @@ class Setting:
     recompute: str | None = None  # None: as calibrated
     depths: tuple[int, ...] | None = None  # the p it prices (None: any)
     expert: int = 1  # E: ranks a mixture of experts' routed experts are placed over
+    sequence_parallel: bool = False  # an estimate's at t > 1: norms and dropouts split over the t GPUs
 
     @property
     def microbatch_size(self) -> int:
@@ -179,10 +180,12 @@ class Config:
     recompute: str | None = None  # an estimate's; None: as calibrated
     expert: int = 1  # E
     zero: int = 0  # ZeRO's stage: the problem's, none where d·C = 1 (as the estimate's `Parallelism` shards)
+    sequence_parallel: bool = False  # an estimate's
 
     def label(self) -> str:
         extra = [f"v={self.chunks}"] * (self.chunks > 1) + [f"P={self.pipelines}"] * (self.pipelines > 1)
-        extra += [f"t={self.tensor}"] * (self.tensor > 1) + [f"d={self.replicas}"] * (self.recompute is not None)
+        extra += [f"t={self.tensor}"] * (self.tensor > 1) + ["sp"] * self.sequence_parallel
+        extra += [f"d={self.replicas}"] * (self.recompute is not None)
         extra += [f"E={self.expert}"] * (self.expert > 1)
         extra += [f"b={self.microbatch_size}"] * (self.recompute is not None)
         extra += [f"recompute {self.recompute}"] * (self.recompute not in (None, "none"))
@@ -238,7 +241,7 @@ class Result:
         return {"schedule": c.schedule, "stages": c.stages, "chunks": c.chunks, "pipelines": c.pipelines,
                 "microbatches": c.microbatches, "replicas": c.replicas, "tensor_parallel": c.tensor,
                 "microbatch_size": c.microbatch_size, "recompute": c.recompute, "expert_parallel": c.expert,
-                "zero": c.zero,
+                "zero": c.zero, "sequence_parallel": c.sequence_parallel,
                 "partition": list(self.candidate.bounds),
                 "samples_per_s": self.samples_per_s, "step_ms": self.step_ms, "bubble_fraction": self.bubble_fraction,
                 "peak_memory_gib": self.peak_memory_bytes / GIB, "staleness": self.staleness,
@@ -1279,7 +1282,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                             refused += 1
                             continue
                         config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute, setting.expert,
-                                        zero[p])
+                                        zero[p], setting.sequence_parallel)
                         floor = (pipelines * held[p] + sketch.extra_copies * work.param_bytes) // p
                         bound = _shape_bound(problem, config, work, sketch, scenario.cost_scale, reduce_ms[p])
                         shapes.append(Shape(config, setting, count - 1, sketch.staleness, bound, floor))

@@ -12,6 +12,20 @@ DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "two-branch": {"layers": 2, "width": 32},
 }
 
+
+def attention_of(given: str | None, model: str) -> str:
+    """--attention as given, else the attention the model's own runtime runs. The built-in models: "math", the
+    scores materialised, as Megatron-LM ran its GPT in 2021 (CoreAttention, before FlashAttention), whose published
+    rows pipesim's gpt reproduces (benchmarks/published_runs.py). A Hugging Face model: "flash", as transformers
+    builds it (attn_implementation None picks "sdpa", torch's fused kernels: modeling_utils.py
+    `get_correct_attn_implementation`, transformers 5.24.0), and as Megatron-core trains it (attention_backend
+    auto, TransformerEngine's fused attention: transformer_config.py at Megatron-LM d98e8a6). Your own module:
+    "flash", as torch's scaled_dot_product_attention picks a fused kernel on a GPU where one applies."""
+    if given is not None:
+        return given
+    return "math" if model in DEFAULT_SIZES else "flash"
+
+
 CROSS_ENTROPY = ("torch", "megatron")  # whose cross entropy a model's loss runs (workload/count.py `count_model`)
 NORM_KERNELS = ("eager", "fused")  # how a Hugging Face model's RMSNorms run (workload/norms.py)
 ROPE_KERNELS = ("eager", "fused")  # how a Hugging Face model's rotary position embedding runs (workload/rope.py)
