@@ -240,6 +240,12 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
     (lambda folder: write_config(folder, {**LLAMA, "vocab_size": -1}), "gives vocab_size -1; it must be a whole"),
     (lambda folder: write_config(folder, {**LLAMA, "hidden_size": 64.0}), "gives hidden_size 64.0; it must be a whole"),
     (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": True}), "gives num_key_value_heads true;"),
+    # a count that grew past the host's memory for hours, and torch's randperm of the vocabulary's 8 TB
+    (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 10 ** 9}),
+     "{folder}/config.json: num_hidden_layers 1,000,000,000 is more than the count builds and holds: give 1 to "
+     "10,000"),
+    (lambda folder: write_config(folder, {**LLAMA, "vocab_size": 10 ** 12}),
+     "config.json: vocab_size 1,000,000,000,000 is more than the count builds and holds: give 1 to 16,777,216"),
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mistral", "sliding_window": -4}),
      "gives sliding_window -4; it must be a whole"),  # its windowed kernels were priced at negative FLOPs
     # each a traceback deep in the count: torch's shapes, top-k of no experts, a division by no experts a token

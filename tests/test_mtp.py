@@ -90,7 +90,7 @@ def test_its_loss_is_the_one_the_model_is_counted_with():
 @pytest.mark.parametrize(("flags", "message"), [
     (("--model", "gpt", "--mtp-layers", "1"), "--mtp-layers does not apply to gpt"),
     (("--model", "hf:examples/deepseek-v3", "--seq-len", "64", "--mtp-layers", "-1"),
-     "--mtp-layers: the multi-token-prediction depth D is 0 or more (got -1)"),
+     "--mtp-layers must be >= 0 (got -1)"),
 ])
 def test_a_bad_depth_or_model_is_refused_in_one_line(flags, message):
     code, out, err = pipesim("simulate", *flags, "--gpu", "h100-sxm", "-p", "1", "-m", "1", "-s", "gpipe")

@@ -25,6 +25,7 @@ from pipesim.workload.transport import (
     choose_transport,
     free_port,
 )
+from tests.conftest import pipesim
 
 LR = 0.1
 DISTANCES = [0, 1, 3]
@@ -85,6 +86,24 @@ def test_gpt_defaults_are_a_4x_gelu_mlp_and_full_heads_and_bad_shapes_name_the_f
         build_model("gpt", ffn=0)
     with pytest.raises(ModelError, match=r"--kv-heads does not apply to mlp"):
         build_model("mlp", kv_heads=2)
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--layers", 10 ** 9), "--layers 1,000,000,000 is more than the count builds and holds: give 1 to 10,000"),
+    (("--vocab", 10 ** 12), "--vocab 1,000,000,000,000 is more than the count builds and holds: give 1 to "
+                            "16,777,216"),
+    (("--width", 10 ** 9, "--heads", 1), "--width 1,000,000,000 is more than"),
+    (("--seq-len", 10 ** 9), "--seq-len 1,000,000,000 is more than"),
+    (("--experts", 4, "--shared-experts", 10 ** 9), "--shared-experts 1,000,000,000 is more than the count builds "
+                                                    "and holds: give 0 to 16,384"),
+])
+def test_a_size_past_what_the_count_holds_is_refused_in_one_line_and_nothing_is_written(tmp_path, args, fragment):
+    """--layers 1e9 grew the host's memory past 12 GB, silently; --vocab 1e12 was torch's traceback from the token
+    task's randperm of the vocabulary, and --width and --seq-len 1e9 others from the storages."""
+    out = tmp_path / "profile.json"
+    code, stdout, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", *args, "--out", out)
+    assert code == 2 and stdout == "" and fragment in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
 
 # ------------------------------------------------------------------------------------------------ optimizers
 

@@ -47,6 +47,7 @@ from .count import attention_window, fused_attention
 from .hfconfig import EXPERT_FIELDS, FIGURES, TOP_K_FIELD, HfConfig, HfConfigError, read_hf_config
 from .models import BATCH, Model, ModelError, check_capacity_factor, check_positive, classification_loss
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
+from .sizes import size_refusal
 
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
 # transformers runs a mixture's experts (hfconfig.py's EXPERT_FIELDS) as grouped products, which torch's FLOP
@@ -202,8 +203,9 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     check_positive(seq_len=seq_len)
     if longest and seq_len > longest:
         raise ModelError(f"--seq-len {seq_len}: {spec} takes at most its max_position_embeddings, {longest}")
-    if mtp_layers < 0:
-        raise ModelError(f"--mtp-layers: the multi-token-prediction depth D is 0 or more (got {mtp_layers})")
+    refusal = size_refusal("--mtp-layers", "mtp_layers", mtp_layers, least=0)
+    if refusal is not None:
+        raise ModelError(refusal)
     built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(settings), None)
     if built is None:
         raise ModelError(f"{where}: model_type {config.model_type!r} is not a causal language model transformers "

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..files import read_json
 from ..profiles.workload import HF_PREFIX
+from .sizes import size_refusal
 
 CONFIG_NAME = "config.json"
 # The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
@@ -27,8 +28,10 @@ TOP_K_FIELD = "num_experts_per_tok"
 # holds, the routed experts and a token's share of them), each a whole number of at least 1 where given:
 # transformers builds a model of no decoder layers at 0 or fewer, torch fails deep in the count at a width, head,
 # vocabulary, expert or token's experts of 0, and a window of 0 or fewer holds no key (transformers' mask) yet was
-# priced as no window or at negative FLOPs (planning/estimate.py `kernel_flops`)
-SIZES = (*FIGURES.values(), "num_key_value_heads", "sliding_window", *EXPERT_FIELDS, TOP_K_FIELD)
+# priced as no window or at negative FLOPs (planning/estimate.py `kernel_flops`); each field -> the `MAX_SIZES`
+# bound it is held to
+SIZES = {**{field: size for size, field in FIGURES.items()}, "num_key_value_heads": "kv_heads",
+         "sliding_window": "seq_len", **dict.fromkeys(EXPERT_FIELDS, "experts"), TOP_K_FIELD: "top_k"}
 
 
 class HfConfigError(ValueError):
@@ -79,11 +82,14 @@ def read_hf_config(spec: str) -> HfConfig:
     if not isinstance(fields.get("model_type"), str):
         raise HfConfigError(f"--model {spec}: {path} has no model_type; give a Hugging Face {CONFIG_NAME} "
                             "(model_type says which transformers model it configures)")
-    for field in SIZES:
+    for field, size in SIZES.items():
         value = fields.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise HfConfigError(f"--model {spec}: {path} gives {field} {json.dumps(value)}; it must be a whole "
                                 "number, 1 or more")
+        refusal = None if value is None else size_refusal(field, size, value)
+        if refusal is not None:
+            raise HfConfigError(f"--model {spec}: {path}: {refusal}")
     _check_shares(spec, path, fields)
     return HfConfig(spec, path, fields)
 

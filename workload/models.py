@@ -36,7 +36,7 @@ from pipesim.workload.moe import (
     routing,
 )
 from pipesim.workload.rope import rotated
-from pipesim.workload.sizes import DEFAULT_SIZES
+from pipesim.workload.sizes import DEFAULT_SIZES, size_refusal
 
 MAX_CNN_CHANNELS = 512
 BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
@@ -111,10 +111,12 @@ def _heldout_images() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_positive(**values: int) -> None:
-    """Each size given as its flag's name = value is at least 1, else ModelError naming the flag."""
+    """Each size given as its flag's name = value is from 1 to its `MAX_SIZES` bound, else ModelError naming the
+    flag."""
     for name, value in values.items():
-        if value < 1:
-            raise ModelError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+        refusal = size_refusal(f"--{name.replace('_', '-')}", name, value)
+        if refusal is not None:
+            raise ModelError(refusal)
 
 
 def _relu_linear(inputs: int, outputs: int) -> nn.Linear:
@@ -419,8 +421,9 @@ def _expert_shape(ffn: int, experts: int | None, top_k: int | None, shared: int 
     check_positive(experts=experts, top_k=shape.top_k, expert_ffn=shape.ffn)
     if shape.top_k > experts:
         raise ModelError(f"--top-k ({shape.top_k}) must be at most --experts ({experts})")
-    if shape.shared < 0:
-        raise ModelError(f"--shared-experts must be >= 0 (got {shape.shared})")
+    refusal = size_refusal("--shared-experts", "shared_experts", shape.shared, least=0)
+    if refusal is not None:
+        raise ModelError(refusal)
     check_capacity_factor(capacity_factor, experts, shape.top_k)
     return shape
 

@@ -43,3 +43,25 @@ def kernels_refusal(cross_entropy: str, norm_kernel: str, rope_kernel: str, loss
     if loss_parallel and cross_entropy != "torch":
         return "--loss-parallel is torch's cross entropy: leave out --cross-entropy megatron"
     return None
+
+# The most of each size a model is counted at, each where the count's time or the host's memory would stop being
+# bounded (a larger one ran for hours, grew past the host's memory or overflowed torch's storage sizes): the count
+# builds and traces every layer (about 20 ms each on a 2-core host), the token task draws its held-out set of 256
+# sequences and its vocabulary's permutation on the host (workload/data.py), and a weight's elements, width x
+# ffn and experts x width x expert-ffn, stay far inside int64. The largest published models are well inside them:
+# 126 layers (Llama 3.1 405B), width 18,432 and ffn 73,728 (PaLM 540B), 128 heads, 131,072 tokens (Llama 3.1's
+# context), a vocabulary of 262,144 (Gemma 3) and 256 routed experts (DeepSeek-V3).
+MAX_SIZES = {"layers": 10_000, "width": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16, "seq_len": 1 << 17,
+             "vocab": 1 << 24, "ffn": 1 << 22, "expert_ffn": 1 << 22, "experts": 1 << 14, "top_k": 1 << 14,
+             "shared_experts": 1 << 14, "mtp_layers": 10_000}
+
+
+def size_refusal(flag: str, size: str, value: int, least: int = 1) -> str | None:
+    """The one line refusing `value` of `size` (a `MAX_SIZES` key) where `flag` gave it (None: it is from `least`
+    to its bound)."""
+    if value < least:
+        return f"{flag} must be >= {least} (got {value})"
+    if value > MAX_SIZES[size]:
+        return (f"{flag} {value:,} is more than the count builds and holds: give {least} to "
+                f"{MAX_SIZES[size]:,}")
+    return None
