@@ -33,6 +33,18 @@ if TYPE_CHECKING:
 stdout = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
 stderr = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS") else 120)
 
+
+def finite_from(low: float, high: float) -> Callable[[float | None], float | None]:
+    """A float flag's typer callback refusing nan, inf and what is outside low to high, in one line naming the
+    flag and its range (typer's min= read nan as "should be >= 0" and took inf, which a cost far downstream then
+    refused without naming the flag)."""
+    def check(value: float | None) -> float | None:
+        if value is not None and not low <= value <= high:
+            raise typer.BadParameter(f"give a finite number from {low:,.10g} to {high:,.10g} (got {value:g})")
+        return value
+    return check
+
+
 # The schedule's shape and the method options, as `simulate` and `run` declare them (each with its defaults).
 Stages = Annotated[int, typer.Option(
     "--stages", "-p", metavar="P", min=1, help="Pipeline depth p: devices in one pipeline.")]
@@ -57,8 +69,8 @@ ElasticAlpha = Annotated[float | None, typer.Option(
 
 # Options `simulate` and `sweep` share word for word.
 WgradFraction = Annotated[float, typer.Option(
-    "--wgrad-fraction", min=0.0, max=1.0, help="Share of the backward that is the weight gradient (split-backward "
-                                               "schedules).", metavar="F")]
+    "--wgrad-fraction", help="Share of the backward that is the weight gradient (split-backward schedules).",
+    metavar="F", callback=finite_from(0, 1))]
 HeldOptimizer = Annotated[str, typer.Option(
     "--optimizer", metavar="NAME", help="Optimizer whose state is held: sgd, momentum, adam, adamw.")]
 MicrobatchSize = Annotated[int, typer.Option(
@@ -356,20 +368,20 @@ P2pSync = Annotated[bool, typer.Option(
                        "receives the input of starts with its host not ahead of the GPU; for the 1f1b schedule only "
                        "(docs/hardware.md, \"Host-bound execution\").")]
 HostKernelUs = Annotated[float | None, typer.Option(
-    "--host-kernel-us", metavar="US", min=0, help="With --gpu: the host's microseconds to issue one kernel (eager "
-                                                  "PyTorch's Python, dispatcher, autograd and CUDA launch), which a "
-                                                  "MoE layer's forward waits for after its dropless dispatcher "
-                                                  "synchronises with the host; 0: never. Default: 31.9, "
-                                                  "measured on an H200's host (docs/hardware.md, \"Host-bound "
-                                                  "execution\").")]
+    "--host-kernel-us", metavar="US", help="With --gpu: the host's microseconds to issue one kernel (eager "
+                                           "PyTorch's Python, dispatcher, autograd and CUDA launch), which a "
+                                           "MoE layer's forward waits for after its dropless dispatcher "
+                                           "synchronises with the host; 0: never. Default: 31.9, "
+                                           "measured on an H200's host (docs/hardware.md, \"Host-bound "
+                                           "execution\").")]
 HostModuleUs = Annotated[float | None, typer.Option(
-    "--host-module-us", metavar="US", min=0, help="With --gpu: the host's microseconds a TransformerEngine module "
-                                                  "call (a linear, grouped linear or attention module) spends beyond "
-                                                  "issuing its kernels, forward and backward, twice for a module in "
-                                                  "float8, which a synchronising MoE layer waits for like its "
-                                                  "kernels; 0: none. Default: 83.1 under --fp8-recipe te or "
-                                                  "te-current, 0 otherwise (docs/hardware.md, \"Host-bound "
-                                                  "execution\").")]
+    "--host-module-us", metavar="US", help="With --gpu: the host's microseconds a TransformerEngine module "
+                                           "call (a linear, grouped linear or attention module) spends beyond "
+                                           "issuing its kernels, forward and backward, twice for a module in "
+                                           "float8, which a synchronising MoE layer waits for like its "
+                                           "kernels; 0: none. Default: 83.1 under --fp8-recipe te or "
+                                           "te-current, 0 otherwise (docs/hardware.md, \"Host-bound "
+                                           "execution\").")]
 ExpertTensorParallel = Annotated[int | None, typer.Option(
     "--expert-tensor-parallel", metavar="ETP", min=1, help="With --expert-parallel and --rank-order megatron: the "
                                                            "ranks each routed expert is split over (Megatron-core's "

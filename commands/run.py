@@ -194,9 +194,11 @@ def run(
         if backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend: choose auto, gloo or nccl (got {backend!r})")
         refuse(optimizer_refusal(optimizer, "--optimizer"))
-        for flag, value in (("--lr", lr), ("--timeout", timeout), ("--stall-timeout", stall_timeout)):
-            if not 0 < value < math.inf:
-                raise InputError(f"{flag}: give a finite number > 0 (got {value})")
+        for flag, value, most in (("--lr", lr, math.inf), ("--timeout", timeout, MAX_WAIT_S),
+                                  ("--stall-timeout", stall_timeout, MAX_WAIT_S)):
+            if not 0 < value < math.inf or value > most:
+                raise InputError(f"{flag}: give a finite number > 0" + (f" and at most {most:,}" if most < math.inf
+                                                                        else "") + f" (got {value})")
         check_prediction(prediction)
         check_outputs([("--trace", trace), ("--html", html)], [("--profile", profile), *model_reads(ctx.params)])
         options = {key: value for key, value in (("layers", layers), ("width", width), ("ffn", ffn),
@@ -381,6 +383,9 @@ def _made(measured) -> tuple[str, str]:
     return ("estimated", "estimate it again") if measured.estimate else ("calibrated", "recalibrate")
 
 
+# --timeout's and --stall-timeout's seconds at most: torch's process groups wait in a C int of milliseconds (24.8
+# days), past which a rank failed with an OverflowError; a day is past any transfer's or step's wait
+MAX_WAIT_S = 86_400
 LAYERS_TRIED = 12  # --layers values a model the stage graph cannot carry is tried at, to say which work
 
 

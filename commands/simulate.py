@@ -16,7 +16,7 @@ from rich.table import Table
 from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
 from ..traces.metrics import rate_text
-from ..units import count_text
+from ..units import MAX_MS, count_text
 from .common import (
     ActivationLimit,
     Advance,
@@ -60,6 +60,7 @@ from .common import (
     check_writable,
     expert_overlap_options,
     fail,
+    finite_from,
     is_given,
     load_profile_flag,
     model_reads,
@@ -83,6 +84,9 @@ from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_t
 from .tables import print_table
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
+# --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger
+# ones overflowed the simulator's clock (inf x 0: its times summed to nan)
+MAX_JITTER = 3.0
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
 
 
@@ -136,17 +140,20 @@ def simulate(
         "--bwd", metavar="MS[,MS...]", help="Full backward ms per micro-batch, as --fwd.")] = "2",
     wgrad_fraction: WgradFraction = 0.5,
     fb_hidden_fraction: Annotated[float, typer.Option(
-        "--fb-hidden-fraction", min=0.0, max=1.0, metavar="H", show_default=False,
+        "--fb-hidden-fraction", callback=finite_from(0, 1), metavar="H", show_default=False,
         help="Of each overlapped F&B pair (dualpipev), the share of its shorter part hidden under the longer: the pair "
              "takes F + B - H x min(F, B). Default 0: without expert parallelism's all-to-all there is nothing to "
              "hide.")] = 0.0,
     opt: Annotated[float, typer.Option(
-        "--opt", min=0.0, metavar="MS", help="Optimizer step ms per device (split over its chunks).")] = 0.0,
+        "--opt", callback=finite_from(0, MAX_MS), metavar="MS",
+        help="Optimizer step ms per device (split over its chunks).")] = 0.0,
     pred: Annotated[float | None, typer.Option(
-        "--pred", min=0.0, metavar="MS", help="Weight prediction (PRED) ms per device (default: --opt).")] = None,
+        "--pred", callback=finite_from(0, MAX_MS), metavar="MS",
+        help="Weight prediction (PRED) ms per device (default: --opt).")] = None,
     avg: Annotated[float | None, typer.Option(
-        "--avg", min=0.0, metavar="MS", help="Elastic averaging (AVG) ms per device and pipeline: averaging P "
-                                             "pipelines' replicas takes P times it (default: --opt).")] = None,
+        "--avg", callback=finite_from(0, MAX_MS), metavar="MS",
+        help="Elastic averaging (AVG) ms per device and pipeline: averaging P pipelines' replicas takes P times it "
+             "(default: --opt).")] = None,
     comm: Annotated[str, typer.Option(
         "--comm", metavar="MS", help="Milliseconds per activation or gradient transfer between devices (no "
                                      "contention).")] = "0",
@@ -183,8 +190,8 @@ def simulate(
     pp_runtime: PpRuntime = "pipesim",
     stage_cut: StageCut = "balanced",
     jitter: Annotated[float, typer.Option(
-        "--jitter", min=0.0, metavar="SIGMA", help="Sigma of a log-normal factor on every compute time (0: "
-                                                   "none).")] = 0.0,
+        "--jitter", callback=finite_from(0, MAX_JITTER), metavar="SIGMA",
+        help="Sigma of a log-normal factor on every compute time (0: none).")] = 0.0,
     seed: with_help(Seed, "for --jitter.") = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
     memory_view: Annotated[bool, typer.Option(

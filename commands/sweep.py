@@ -13,6 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..traces.metrics import rate_text
+from ..units import MAX_MS
 from .common import (
     Allocator,
     BlockingComm,
@@ -38,6 +39,7 @@ from .common import (
     check_p2p_sync,
     expert_overlap_options,
     fail,
+    finite_from,
     model_reads,
     optional_what_if_options,
     progress,
@@ -114,14 +116,15 @@ def sweep(
         "--bwd", metavar="MS", help="Full backward ms per micro-batch of the whole model (split likewise).")] = "8",
     wgrad_fraction: WgradFraction = 0.5,
     opt: Annotated[float, typer.Option(
-        "--opt", metavar="MS", min=0.0, help="Optimizer step ms of the whole model (split likewise).")] = 0.4,
+        "--opt", metavar="MS", callback=finite_from(0, MAX_MS),
+        help="Optimizer step ms of the whole model (split likewise).")] = 0.4,
     pred: Annotated[float | None, typer.Option(
-        "--pred", metavar="MS", min=0.0, help="Weight prediction (PRED) ms of the whole model (split likewise; "
-                                              "default: --opt).")] = None,
+        "--pred", metavar="MS", callback=finite_from(0, MAX_MS),
+        help="Weight prediction (PRED) ms of the whole model (split likewise; default: --opt).")] = None,
     avg: Annotated[float | None, typer.Option(
-        "--avg", metavar="MS", min=0.0, help="Elastic averaging (AVG) ms of the whole model per pipeline (split "
-                                             "likewise; averaging P pipelines' replicas takes P times it; default: "
-                                             "--opt).")] = None,
+        "--avg", metavar="MS", callback=finite_from(0, MAX_MS),
+        help="Elastic averaging (AVG) ms of the whole model per pipeline (split likewise; averaging P pipelines' "
+             "replicas takes P times it; default: --opt).")] = None,
     comm: Annotated[str, typer.Option(
         "--comm", metavar="MS", help="Milliseconds per activation or gradient transfer between devices "
                                      "(no contention).")] = "0.1",

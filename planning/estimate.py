@@ -116,6 +116,10 @@ from .ranks import RANK_ORDERS, SettingsError, dense_grid
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
 
+# --host-kernel-us and --host-module-us at most: 10 ms, 300 times the 31.9 us measured (host.py), so that a stage of
+# the most kernels a count takes (workload/sizes.py's bounds) times its passes within units.py's `MAX_MS`; at 1e15
+# `estimate` wrote a profile `simulate` refused, and 1e30 was refused as its fwd_ms, naming no flag
+MAX_HOST_US = 1e4
 RECOMPUTE = ("none", "selective", "full", "op")
 SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torchtitan's policy) only when asked for
 # The recomputations under which a compiled block's saves are modelled (`_unread_kept`): torch's checkpoint around it,
@@ -245,8 +249,9 @@ class Parallelism:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
         for name, what in (("host_kernel_us", "to issue a kernel"), ("host_module_us", "a module call adds")):
             us = getattr(self, name)
-            if us is not None and not 0 <= us < math.inf:
-                raise EstimateError(f"{{{name}}}: the host's microseconds {what}, a finite number from 0 (got {us})")
+            if us is not None and not 0 <= us <= MAX_HOST_US:
+                raise EstimateError(f"{{{name}}}: the host's microseconds {what}, a finite number from 0 to "
+                                    f"{MAX_HOST_US:,.0f} (got {us:g})")
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if value not in choices and (value is not None or name not in _OPTIONAL):

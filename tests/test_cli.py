@@ -139,12 +139,48 @@ def test_schedules_lists_methods():
     (["-s", "1f1b", "--param-mb", "1e30"], "error: --param-mb: values must be at most 1,073,741,824, got '1e30'"),
     (["-s", "gpipe", "--activation-mb", "1e9", "-m", "10000", "-n", "1"],
      "error: device 0's rows add and free more bytes than the simulator's counters hold (4.61e+18)"),
+    # each float flag names itself and its range: nan read "should be >= 0", inf and 1e30 a cost unnamed
+    # ("opt_ms must be a finite number ..."), --jitter inf the simulator's clock summing to nan ms
+    *(([flag, value, "-s", "avgpipe"], f"error: Invalid value for '{flag}': give a finite number from 0 to "
+                                       f"1,000,000,000 (got {got})")
+      for flag in ("--opt", "--pred", "--avg") for value, got in (("nan", "nan"), ("inf", "inf"), ("1e30", "1e+30"))),
+    (["-s", "1f1b", "--jitter", "inf"], "error: Invalid value for '--jitter': give a finite number from 0 to 3 "
+                                        "(got inf)"),
+    (["-s", "zb-h1", "--wgrad-fraction", "nan"], "error: Invalid value for '--wgrad-fraction': give a finite "
+                                                 "number from 0 to 1 (got nan)"),
+    (["-s", "dualpipev", "--fb-hidden-fraction", "nan"], "error: Invalid value for '--fb-hidden-fraction': give a "
+                                                         "finite number from 0 to 1 (got nan)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     code, out, err = pipesim("simulate", *args)
     assert code == 2
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("flag, value", [("--host-kernel-us", "nan"), ("--host-kernel-us", "1e30"),
+                                         ("--host-kernel-us", "1e15"), ("--host-module-us", "inf")])
+def test_a_host_time_past_its_range_is_refused_at_its_flag_and_nothing_is_written(tmp_path, flag, value):
+    """1e30 read "fwd_ms must be a finite number from 0 to 1e+09", naming no flag; at 1e15 estimate wrote a profile
+    simulate then refused; nan read "should be >= 0"."""
+    out = tmp_path / "profile.json"
+    code, stdout, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--experts", 4, flag, value,
+                                "--out", out)
+    assert code == 2 and stdout == "" and not out.exists(), err
+    what = "to issue a kernel" if flag == "--host-kernel-us" else "a module call adds"
+    assert err.startswith(f"error: {flag}: the host's microseconds {what}, a finite number from 0 to 10,000 (got "), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command, args, fragment", [
+    ("sweep", ["--opt", "1e30"], "error: Invalid value for '--opt': give a finite number from 0 to 1,000,000,000"),
+    ("run", ["-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--timeout", "1e30"],
+     "error: --timeout: give a finite number > 0 and at most 86,400 (got 1e+30)"),
+])
+def test_other_commands_name_a_float_flag_past_its_range(command, args, fragment):
+    """run's --timeout 1e30 was a rank's OverflowError in torch's wait."""
+    code, out, err = pipesim(command, *args)
+    assert code == 2 and out == "" and err.startswith(fragment) and len(err.strip().splitlines()) == 1, err
 
 
 def test_zero_cost_flags_beside_a_profile_are_refused_as_flags_the_profile_fixes():

@@ -86,13 +86,13 @@ def test_a_negative_host_cost_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("command", ["estimate", "simulate"])
 def test_an_infinite_host_cost_is_one_line(tmp_path, command):
-    """typer's bound takes inf (not nan): refused before any layer is priced (an infinite forward was a
-    traceback), nothing written."""
+    """inf (and nan, and past 10,000 us) refused before any layer is priced (an infinite forward was a traceback),
+    nothing written."""
     where = ("-o", tmp_path / "x.json") if command == "estimate" else ("-p", 1, "-m", 2, "-s", "1f1b")
     code, out, err = pipesim(command, *MOE, "--host-kernel-us", "inf", *where)
     assert (code, out) == (2, "") and "Traceback" not in err
-    assert err == ("error: --host-kernel-us: the host's microseconds to issue a kernel, a finite number from 0 "
-                   "(got inf)\n")
+    assert err == ("error: --host-kernel-us: the host's microseconds to issue a kernel, a finite number from 0 to "
+                   "10,000 (got inf)\n")
     assert not list(tmp_path.iterdir())
 
 
