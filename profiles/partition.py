@@ -306,9 +306,18 @@ def first_last_blocks(kinds: Sequence[str], stages: int, first_blocks: int, last
     equal share of the rest, refused where they do not divide it (as TransformerConfig's check refuses it)."""
     first, blocks, kind = _block_run(kinds, stages)
     middle, inner = blocks - first_blocks - last_blocks, stages - 2
-    if stages < 2 or middle < 0 or (middle % inner if inner else middle):
+    if stages < 2:
+        raise PartitionError(f"it cuts a first and a last stage: give p·v 2 or more model stages (got {stages})")
+    given = f"{first_blocks} first and {last_blocks} last blocks"
+    most = f"F + L at most {blocks}" if inner else f"F + L = {blocks}"
+    if middle < 0:
+        raise PartitionError(f"{given} are more than the model's {blocks} ({kind}): give {most}")
+    if not inner and middle:
+        raise PartitionError(f"{given} leave {middle} of the model's {blocks} ({kind}) to no stage at p·v = 2: "
+                             f"give {most}")
+    if inner and middle % inner:
         raise PartitionError(f"{blocks} blocks ({kind}) less {first_blocks} first and {last_blocks} last do not "
-                             f"divide into the {max(inner, 0)} model stages between (p·v = {stages})")
+                             f"divide into the {inner} model stages between (p·v = {stages})")
     return _bounds(kinds, first, [first_blocks, *[middle // inner] * inner, last_blocks] if inner else
                    [first_blocks, last_blocks])
 

@@ -55,6 +55,17 @@ def test_first_last_gives_the_ends_their_blocks_and_the_stages_between_an_equal_
     assert first_last_blocks(["_Embed", *["_Block"] * 5, "Sequential"], 2, 3, 2) == [0, 4, 7]
     with pytest.raises(PartitionError, match="61 blocks \\(DecoderLayer\\) less 2 first and 2 last do not divide"):
         first_last_blocks(deepseek, 16, 2, 2)
+    # each read "do not divide into the 0 model stages between": what is wrong is ends of more blocks than the model's
+    for stages, ends, message in ((2, (5, 5), r"5 first and 5 last blocks are more than the model's 2 \(_Block\): "
+                                              r"give F \+ L = 2"),
+                                  (3, (2, 2), r"2 first and 2 last blocks are more than the model's 2 \(_Block\): "
+                                              r"give F \+ L at most 2"),
+                                  (2, (1, 0), r"1 first and 0 last blocks leave 1 of the model's 2 \(_Block\) to no "
+                                              r"stage at p·v = 2: give F \+ L = 2"),
+                                  (1, (1, 1), r"it cuts a first and a last stage: give p·v 2 or more model stages "
+                                              r"\(got 1\)")):
+        with pytest.raises(PartitionError, match=f"^{message}$"):
+            first_last_blocks(["_Embed", *["_Block"] * 2, "Sequential"], stages, *ends)
     (cut,) = simulate_json(*GPT, "-p", 3, "-m", 3, "-s", "1f1b", "--stage-cut", "first-last:1,1")
     (even,) = simulate_json(*GPT, "-p", 3, "-m", 3, "-s", "1f1b", "--stage-cut", "first-last:2,1")
     assert cut["devices"][0]["busy_ms"] < even["devices"][0]["busy_ms"]  # one block fewer on the first stage
@@ -86,6 +97,9 @@ def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
                                         "'first-last:²,1'"),
     (("--stage-cut", f"first-last:{'9' * 5000},1"), "whole numbers) or layout:STRING (Megatron-core's pipeline "
                                                     "layout); got 'first-last:999"),
+    (("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "-p", 2, "--stage-cut", "first-last:5,5"),
+     "error: --stage-cut first-last:5,5: 5 first and 5 last blocks are more than the model's 2 (_Block): give F + L "
+     "= 2; use --stage-cut balanced"),
     (("--stage-cut", "equal-blocks", "--fwd", "2"), "--stage-cut cuts --gpu's or --profile's layers into stages"),
     (("--reduce-after-flush",), "--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                                 "--data-parallel 2 or more"),
