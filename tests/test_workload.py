@@ -105,6 +105,22 @@ def test_a_size_past_what_the_count_holds_is_refused_in_one_line_and_nothing_is_
     assert not out.exists()
 
 
+def test_a_long_context_and_a_window_over_it_are_inside_what_the_count_holds(tmp_path):
+    """Phi-3.5-mini's and Phi-4-mini's config.json give sliding_window 262,144, and context-parallel runs train on
+    262,144 tokens and more: held to 131,072, such a config was refused at any --seq-len, and a 262,144-token run at
+    C = 8 that simulated in 10 s was refused too (at 1,048,576 tokens it ran in 18 s and 2.7 GB)."""
+    from pipesim.workload.hfconfig import read_hf_config
+    from pipesim.workload.models import check_positive
+
+    (tmp_path / "config.json").write_text('{"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, '
+                                          '"num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": '
+                                          '8, "vocab_size": 200064, "sliding_window": 262144}')
+    assert read_hf_config(f"hf:{tmp_path}").fields["sliding_window"] == 262144
+    check_positive(seq_len=1 << 20)
+    with pytest.raises(ModelError, match="--seq-len 1,048,577 is more than"):
+        check_positive(seq_len=(1 << 20) + 1)
+
+
 # ------------------------------------------------------------------------------------------------ optimizers
 
 

@@ -49,9 +49,11 @@ def kernels_refusal(cross_entropy: str, norm_kernel: str, rope_kernel: str, loss
 # builds and traces every layer (about 20 ms each on a 2-core host), the token task draws its held-out set of 256
 # sequences and its vocabulary's permutation on the host (workload/data.py), and a weight's elements, width x
 # ffn and experts x width x expert-ffn, stay far inside int64. The largest published models are well inside them:
-# 126 layers (Llama 3.1 405B), width 18,432 and ffn 73,728 (PaLM 540B), 128 heads, 131,072 tokens (Llama 3.1's
-# context), a vocabulary of 262,144 (Gemma 3) and 256 routed experts (DeepSeek-V3).
-MAX_SIZES = {"layers": 10_000, "width": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16, "seq_len": 1 << 17,
+# 126 layers (Llama 3.1 405B), width 18,432 and ffn 73,728 (PaLM 540B), 128 heads, a vocabulary of 262,144 (Gemma
+# 3) and 256 routed experts (DeepSeek-V3). Tokens: 2^20, past the 262,144 that long-context runs split over a
+# context-parallel ring and that Phi-3.5-mini's and Phi-4-mini's configs give their sliding window, which is held to
+# the same bound (a 2-layer gpt at 1,048,576 tokens, C = 8: simulated in 18 s, 2.7 GB; at 262,144, 10 s, 1.2 GB).
+MAX_SIZES = {"layers": 10_000, "width": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16, "seq_len": 1 << 20,
              "vocab": 1 << 24, "ffn": 1 << 22, "expert_ffn": 1 << 22, "experts": 1 << 14, "top_k": 1 << 14,
              "shared_experts": 1 << 14, "mtp_layers": 10_000}
 
