@@ -1560,14 +1560,13 @@ def explain(result: Result, choice: Result, problem: Problem) -> str:
     if speed_key(result.samples_per_s) < speed_key(choice.samples_per_s):
         slower = f"{_percent(1 - result.samples_per_s / choice.samples_per_s)} slower"
         more_work = result.candidate.busiest_ms - choice.candidate.busiest_ms
-        more_idle = (result.step_ms - result.candidate.busiest_ms) - (choice.step_ms - choice.candidate.busiest_ms)
-        if more_idle >= more_work:
-            return f"{slower}: bubble {result.bubble_fraction:.0%} vs {choice.bubble_fraction:.0%}"
-        return (f"{slower}: busiest device {ms_text(result.candidate.busiest_ms)} vs "
-                f"{ms_text(choice.candidate.busiest_ms)} ms/step")
+        idle_ms = result.step_ms - result.candidate.busiest_ms, choice.step_ms - choice.candidate.busiest_ms
+        if idle_ms[0] - idle_ms[1] >= more_work:  # the busiest device idles longer: its bubble, in ms (the bubble
+            # column, a share of all devices' time, can read less: 10.8% against the choice's 10.9%)
+            return f"{slower}: busiest device idle {_apart(*idle_ms)} ms/step"
+        return f"{slower}: busiest device {_apart(result.candidate.busiest_ms, choice.candidate.busiest_ms)} ms/step"
     if result.peak_memory_bytes > choice.peak_memory_bytes:
-        return (f"as fast, more memory: {memory_text(result.peak_memory_bytes)} vs "
-                f"{memory_text(choice.peak_memory_bytes)}")
+        return f"as fast, more memory: {_apart(result.peak_memory_bytes, choice.peak_memory_bytes, memory_text)}"
     return f"as fast and lean, staleness {result.staleness} vs {choice.staleness}"  # else it would be a twin
 
 
@@ -2766,13 +2765,24 @@ def _staler_note(staler: Row, choice: Result) -> str:
             f"{choice.config.label()}; it trains on stale weights: --max-staleness {result.staleness} allows it")
 
 
-def memory_text(nbytes: float) -> str:
-    """GiB, the unit of --memory-gb, to three significant digits and never in e-notation."""
-    return np.format_float_positional(nbytes / GIB, precision=3, unique=False, fractional=False, trim="-") + " GiB"
+def memory_text(nbytes: float, more_digits: int = 0) -> str:
+    """GiB, the unit of --memory-gb, to three significant digits (and `more_digits`) and never in e-notation."""
+    return np.format_float_positional(nbytes / GIB, precision=3 + more_digits, unique=False, fractional=False,
+                                      trim="-") + " GiB"
 
 
-def ms_text(value: float) -> str:
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+def ms_text(value: float, more_digits: int = 0) -> str:
+    return f"{value:,.{more_digits}f}" if value >= 100 else f"{value:.{3 + more_digits}g}"
+
+
+def _apart(figure: float, against: float, text: Callable[[float, int], str] = ms_text) -> str:
+    """"figure vs against" as `text` writes them, with the fewest more digits (up to 3) at which they read apart:
+    the figures that explain why a result lost must show the difference ("busiest device 6,742 vs 6,742")."""
+    for more_digits in range(4):
+        shown = text(figure, more_digits), text(against, more_digits)
+        if shown[0] != shown[1]:
+            break
+    return f"{shown[0]} vs {shown[1]}"
 
 
 def _percent(fraction: float) -> str:
