@@ -224,7 +224,6 @@ def test_a_built_in_models_count_is_kept_and_read_back_without_counting(tmp_path
         simulate_json(*GPU, *SMALL, "-s", "1f1b", "-p", "2")
 
 
-
 def test_a_change_to_any_code_the_count_is_made_by_counts_again(tmp_path, monkeypatch):
     """A kept count's key reads all of workload/: a list by hand left out optim.py, whose change to the optimizer
     step the count takes moved a GPT's estimate (3677.506 -> 3685.586 ms) while a count kept before was read back."""
@@ -236,6 +235,7 @@ def test_a_change_to_any_code_the_count_is_made_by_counts_again(tmp_path, monkey
     read_bytes = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda path: read_bytes(path) + b"#" * (path.name == "optim.py"))
     assert _count_cache(*shape) != kept
+
 
 def test_a_count_that_cannot_be_kept_leaves_no_temporary_file(tmp_path, monkeypatch):
     """The count is written beside its file and renamed over it: a rename that fails (here, every one) skips the

@@ -87,6 +87,7 @@ def test_gpt_defaults_are_a_4x_gelu_mlp_and_full_heads_and_bad_shapes_name_the_f
     with pytest.raises(ModelError, match=r"--kv-heads does not apply to mlp"):
         build_model("mlp", kv_heads=2)
 
+
 @pytest.mark.parametrize("args, fragment", [
     (("--layers", 10 ** 9), "--layers 1,000,000,000 is more than the count builds and holds: give 1 to 10,000"),
     (("--vocab", 10 ** 12), "--vocab 1,000,000,000,000 is more than the count builds and holds: give 1 to "
