@@ -569,3 +569,26 @@ def test_two_real_ranks_exchange_tensors_with_pre_posted_receives(kind, monkeypa
                           ([5], "torch.int64", [10 * peer + 2] * 5)], values
     assert got[1][1] == "rank 1: receive #4 from rank 0 timed out after 0.5 s"
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+@pytest.mark.parametrize(("name", "passes"), [("sgd", 3), ("momentum", 3), ("adam", 10), ("adamw", 13)])
+def test_prediction_and_averaging_without_kept_spares_move_one_pass_a_op(name, passes):
+    """Where the spares keep nothing (a GPU's run and calibration), a prediction and an average write new tensors in
+    one pass, as torch's out-of-place ops and PipeOptim's in-place prediction do: no copy into a taken tensor first
+    (d403e19's: SGD's prediction 7 weights' bytes, one replica's average 13). Bytes moved as the count tallies them."""
+    from pipesim.workload.count import _MovedBytes, _Tally
+
+    def moved(op):
+        tally = _Tally()
+        with _MovedBytes(tally):
+            op()
+        return tally.moved_bytes / (1024 * 1024 * 4)
+
+    w = torch.empty(1024, 1024, device="meta", requires_grad=True)
+    w.grad = torch.empty_like(w)
+    optimizer = make_optimizer(name, [w], LR)
+    optimizer.step()
+    # SGD: read W and d, write; Adam: sqrt, div, add over v, then read W, m and the denominator, write (AdamW: + decay)
+    assert moved(lambda: predict_weights(optimizer, [w], 2)) == passes
+    replica, reference = [torch.empty(1024, 1024, device="meta")], [torch.empty(1024, 1024, device="meta")]
+    assert moved(lambda: elastic_average([replica], reference, 0.5)) == 9  # D = X - R, X -= aD, R += aD: 3 each

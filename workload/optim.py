@@ -147,24 +147,30 @@ class Optimizer:
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         counts = [step.item() for step in steps]
-        denom = _square_roots(self.spares, exp_avg_sqs)
+        denom = _computed(self.spares, "sqrt", exp_avg_sqs)
         torch._foreach_div_(denom, [(1 - beta2 ** t) ** 0.5 for t in counts])
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denom, [-(lr / (1 - beta1 ** t)) for t in counts])
         self.spares.give(denom)
 
 
-def _square_roots(spares: Spares, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The square roots of `tensors` (the caller gives them back to `spares`): where the spares keep nothing (a GPU's,
-    and the count's, whose optimizer step estimate.py prices), in new tensors, one pass as torch.optim's Adam takes
-    them; else in tensors taken from `spares`, a copy and then the roots in place (the copy priced nowhere: a 62-layer
-    GPT's Adam step on an A100 38.4 -> 46.5 ms a stage when counted so)."""
+def _computed(spares: Spares, op: str | None, tensors: Sequence[torch.Tensor], *args: Any,
+              **kwargs: Any) -> list[torch.Tensor]:
+    """torch's foreach `op` over `tensors` (then `args`), out of place (None: copies of `tensors`), the caller's to
+    give back to `spares`. Where the spares keep nothing (a GPU's executor and calibration, and the count on the meta
+    device, whose optimizer step planning/estimate.py prices from the bytes it moves), in new tensors: one pass, as
+    torch.optim's Adam takes its roots and PipeOptim predicts. Else (CPU) in tensors taken from `spares`: a copy, then
+    `op` in place, a pass more (a 62-layer GPT's Adam step on an A100 38.4 -> 46.5 ms a stage, counted so)."""
+    tensors = list(tensors)
     if not spares.keep:
-        return torch._foreach_sqrt(tensors)
-    roots = spares.take(tensors)
-    torch._foreach_copy_(roots, tensors)
-    torch._foreach_sqrt_(roots)
-    return roots
+        if op is None:
+            return [t.clone() for t in tensors]
+        return list(getattr(torch, f"_foreach_{op}")(tensors, *args, **kwargs))
+    out = spares.take(tensors)
+    torch._foreach_copy_(out, tensors)
+    if op is not None:
+        getattr(torch, f"_foreach_{op}_")(out, *args, **kwargs)
+    return out
 
 
 def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float, *, momentum: float = 0.9,
@@ -193,8 +199,7 @@ def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor], dista
     """
     if distance < 0:
         raise ValueError(f"prediction distance must be >= 0 (got {distance})")
-    out = (Spares(keep=False) if spares is None else spares).take(weights)
-    torch._foreach_copy_(out, list(weights))  # W, which the direction moves where there is one
+    spares = Spares(keep=False) if spares is None else spares
     group = optimizer.param_groups[0]
     states = [optimizer.state.get(w, {}) for w in weights]
     sgd = optimizer.name in ("sgd", "momentum")
@@ -207,24 +212,28 @@ def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor], dista
     else:
         live = [i for i, state in enumerate(states) if "exp_avg" in state]
     if distance == 0 or not live:
-        return out
+        return _computed(spares, None, weights)
 
-    predicted = [out[i] for i in live]
+    moving = [weights[i] for i in live]
     lr = group["lr"]
     if sgd:
-        torch._foreach_add_(predicted, [directions[i] for i in live], alpha=-distance * lr)
+        predicted = _computed(spares, "add", moving, [directions[i] for i in live], alpha=-distance * lr)
     else:
         beta1, beta2 = group["betas"]
         steps = [float(states[i]["step"]) for i in live]
-        denom = _square_roots(optimizer.spares, [states[i]["exp_avg_sq"] for i in live])
+        denom = _computed(optimizer.spares, "sqrt", [states[i]["exp_avg_sq"] for i in live])
         torch._foreach_div_(denom, [math.sqrt(1 - beta2 ** t) for t in steps])
         torch._foreach_add_(denom, group["eps"])
-        torch._foreach_addcdiv_(predicted, [states[i]["exp_avg"] for i in live], denom,
-                                [-distance * lr / (1 - beta1 ** t) for t in steps])
+        predicted = _computed(spares, "addcdiv", moving, [states[i]["exp_avg"] for i in live], denom,
+                              [-distance * lr / (1 - beta1 ** t) for t in steps])
         optimizer.spares.give(denom)
         if optimizer.name == "adamw" and group["weight_decay"]:
-            torch._foreach_add_(predicted, [weights[i] for i in live], alpha=-distance * lr * group["weight_decay"])
-    return out
+            torch._foreach_add_(predicted, moving, alpha=-distance * lr * group["weight_decay"])
+    if len(live) == len(weights):
+        return predicted
+    out = dict(zip(live, predicted))
+    copies = iter(_computed(spares, None, [w for i, w in enumerate(weights) if i not in out]))
+    return [out[i] if i in out else next(copies) for i in range(len(weights))]
 
 
 @torch.no_grad()
@@ -243,14 +252,14 @@ def elastic_average(replicas: Sequence[Sequence[torch.Tensor]], reference: Seque
     if not reference:
         return
     spares = Spares(keep=False) if spares is None else spares
-    # the sum of the differences, and one replica's at a time: two copies' memory
-    total, diff = spares.take(reference), spares.take(reference) if len(replicas) > 1 else []
-    for n, replica in enumerate(replicas):
-        taken = total if n == 0 else diff
-        torch._foreach_copy_(taken, list(replica))
-        torch._foreach_sub_(taken, list(reference))
-        torch._foreach_add_(replica, taken, alpha=-alpha)
-        if n:
+    total = None  # the sum of the differences, one replica's at a time: two copies' memory
+    for replica in replicas:
+        diff = _computed(spares, "sub", replica, list(reference))
+        torch._foreach_add_(replica, diff, alpha=-alpha)
+        if total is None:
+            total = diff
+        else:
             torch._foreach_add_(total, diff)
+            spares.give(diff)
     torch._foreach_add_(reference, total, alpha=alpha)
-    spares.give([*total, *diff])
+    spares.give(total)
