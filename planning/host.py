@@ -216,11 +216,17 @@ def carried_waits_ms(passes: Sequence[Sequence[Kernels]], backward: bool) -> lis
     kernels issued from the queue the one before it left, each synchronisation emptying it again: a forward's
     segment runs from one layer's dispatch to the next's (the rest of the one, the next up to its dispatch); a
     backward pass (`backward`), which waits for nothing itself, runs whole from the queue the forward's last
-    synchronisation emptied, the last layer first."""
+    synchronisation emptied, the last layer first. A repeated block's layers share their lists of kernels
+    (planning/estimate.py `estimate_profile`) and mostly start from the same queue, so each list's pass is priced
+    once per lead it starts with."""
     waits = [0.0] * len(passes)
     lead = 0.0
+    priced: dict[tuple[int, float], tuple[float, float]] = {}  # by the list's id (`passes` holds it) and lead
     for i in reversed(range(len(passes))) if backward else range(len(passes)):
-        waits[i], lead = waited_ms(passes[i], lead)
+        key = (id(passes[i]), lead)
+        if key not in priced:
+            priced[key] = waited_ms(passes[i], lead)
+        waits[i], lead = priced[key]
     return waits
 
 

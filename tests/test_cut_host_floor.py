@@ -59,3 +59,19 @@ def test_a_gpu_bound_models_cut_is_its_layers_times_cut(tmp_path):
     for stages in range(1, len(layers) + 1):
         assert partition(layer_costs(layers, "sgd"), stages, stage_time=stage_time(layers)) == partition(
             layer_costs(layers, "sgd"), stages)
+
+
+def test_a_kept_waits_table_is_the_one_its_layers_issues_give(tmp_path):
+    """`stage_waits_ms` keeps its tables by what it reads: layers whose issue of the pass differs get their own
+    table, alike layers the same values, and a caller's change to its table changes no later caller's."""
+    layers = estimated(tmp_path, *GPT, "-p", 2).layers
+    kept = stage_waits_ms(layers, "fwd")
+    first = kept.copy()
+    kept += 1.0
+    assert (stage_waits_ms(layers, "fwd") == first).all()
+    slower = [layer.model_copy(update={"host_issue": {**layer.host_issue, "fwd": layer.host_issue["fwd"].model_copy(
+        update={"slack_ms": layer.host_issue["fwd"].slack_ms - 1.0})}}) for layer in layers]
+    table = stage_waits_ms(slower, "fwd")
+    assert (table != first).any()
+    for start, stop in itertools.combinations(range(len(layers) + 1), 2):
+        assert table[start, stop] == stage_host_waits_ms(slower, start, stop, "fwd"), (start, stop)
