@@ -8,11 +8,12 @@ whole run. The arithmetic is torch's own on CPU, op for op, so the weights come 
 (tests/test_workload.py holds them to it). All work on lists of tensors with torch's foreach kernels, one launch
 per list rather than one per tensor, since a stage may hold hundreds of parameter tensors.
 
-The tensors these ops write (a prediction, averaging's differences, Adam's denominator) come from `Spares`, where
-the executor keeps those it is done with for the next op. SpecTrain's and PipeOptim's runtimes (PipeDream's, extended)
-allocate nothing there either: they keep their stashed versions in a queue of copies made once and refilled with
-`copy_` (`initialize_queue`, `get_params`), and predict into the module's own parameters in place (`p.data.add_`;
-ntueclab/SpecTrain-PyTorch src/optimizer.py at b93355d, guanleics/PipeOptim optimizer.py at 8f5e4f8).
+The tensors these ops write (a prediction, averaging's differences, Adam's denominator) come, on CPU, from `Spares`,
+where the executor keeps those it is done with for the next op. SpecTrain's and PipeOptim's runtimes (PipeDream's,
+extended) allocate nothing there either: they keep their stashed versions in a queue of copies made once and
+refilled with `copy_` (`initialize_queue`, `get_params`), and predict into the module's own parameters in place
+(`p.data.add_`; ntueclab/SpecTrain-PyTorch src/optimizer.py at b93355d, guanleics/PipeOptim optimizer.py at
+8f5e4f8).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Optimizer:
     params and hyperparameters; the executor swaps its params for copies), and per-tensor `state` under torch's
     keys (`momentum_buffer`; `step`, `exp_avg`, `exp_avg_sq`), made at a tensor's first step with a gradient.
     `step()` updates every parameter that holds a gradient, as torch.optim does. Adam's denominators, in a step and
-    a prediction, are taken from `spares` and given back."""
+    a prediction, are written as `spares` has it (`_computed`) and given back."""
 
     def __init__(self, name: str, params: Iterable[torch.Tensor], lr: float, *, momentum: float = 0.0,
                  weight_decay: float = 0.0, spares: Spares | None = None) -> None:
@@ -184,9 +185,9 @@ def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float, *, mome
 @torch.no_grad()
 def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor], distance: int,
                     spares: Spares | None = None) -> list[torch.Tensor]:
-    """The weights `distance` updates ahead, in tensors taken from `spares` (the caller's to give back; None: new
-    ones): W - distance * lr * d, d the direction of the optimizer's update, as if the next updates repeated the
-    last one.
+    """The weights `distance` updates ahead, in tensors as `spares` has them (`_computed`; the caller's to give
+    back; None: new ones): W - distance * lr * d, d the direction of the optimizer's update, as if the next
+    updates repeated the last one.
 
     `weights` are tensors the optimizer steps (its state is looked up by them). The direction d is
     - SGD: the gradient the parameter holds (so predict before zeroing it);
@@ -241,8 +242,8 @@ def elastic_average(replicas: Sequence[Sequence[torch.Tensor]], reference: Seque
                     alpha: float, spares: Spares | None = None) -> None:
     """Synchronous elastic averaging (EASGD, as AvgPipe averages its pipelines), in place: with
     D_i = X_i - R for every replica X_i, each X_i -= alpha * D_i and R += alpha * sum_i D_i, all differences
-    taken before anything moves, in tensors taken from `spares` and given back (None: new ones). One replica
-    is one pipeline's copy of a stage's weights."""
+    taken before anything moves, in tensors as `spares` has them (`_computed`) and given back (None: new ones).
+    One replica is one pipeline's copy of a stage's weights."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"elastic averaging needs 0 <= alpha <= 1 (got {alpha})")
     if not replicas:
