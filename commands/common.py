@@ -617,6 +617,17 @@ def flag_of(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
+def option_of(ctx: typer.Context, name: str) -> Any:
+    """The command's click parameter `name` (None where it has none)."""
+    return next((param for param in ctx.command.params if param.name == name), None)
+
+
+def given_flag(ctx: typer.Context, name: str) -> str:
+    """The flag the user gave for parameter `name`: a switch's off side (--no-...) where they turned it off."""
+    off = getattr(option_of(ctx, name), "secondary_opts", None)
+    return off[0] if off and ctx.params.get(name) is False else flag_of(name)
+
+
 def setting_flag(name: str) -> str:
     """The flag that sets the estimate's setting `name` (a `Parallelism` field, --gpu, --optimizer)."""
     return ESTIMATE_FLAGS.get(name, flag_of(name))

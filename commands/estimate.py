@@ -36,8 +36,10 @@ from .common import (
     fail,
     flag_line,
     flag_of,
+    given_flag,
     is_given,
     model_reads,
+    option_of,
     out_of_memory_line,
     read_error,
     refuse,
@@ -225,11 +227,16 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     params = ctx.params
     if params.get("gpu") is None:
         read = profile_reads if params.get("profile") is not None else ()
-        given = [flag_of(name) for name in ESTIMATE_ONLY if name in params and is_given(ctx, name) and name not in read]
+        names = [name for name in ESTIMATE_ONLY if name in params and is_given(ctx, name) and name not in read]
+        given = [given_flag(ctx, name) for name in names]
         if given and params.get("profile") is not None:
+            # estimate's flags for them: a switch that tune searches where not given (its default None), turned off,
+            # is estimate's default, which has no off side
+            again = [flag for name, flag in zip(names, given) if not (params[name] is False and _searched(ctx, name))]
             raise InputError(f"{', '.join(given)}: --profile's costs are priced already (an estimate records its "
-                             "settings, which the costs line names); write another with `pipesim estimate ... "
-                             f"{' '.join(given)}`, or give --gpu NAME and --model in place of --profile")
+                             "settings, which the costs line names); write another with "
+                             f"`{' '.join(['pipesim estimate ...', *again])}`, or give --gpu NAME and --model in "
+                             "place of --profile")
         if given:
             raise InputError(f"{', '.join(given)}: only --gpu's estimate reads {'it' if len(given) == 1 else 'them'}; "
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
@@ -342,6 +349,12 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         raise InputError("--expert-tensor-parallel folds the experts over the tensor-, context- and data-parallel "
                          "ranks as Megatron-core numbers them: give --rank-order megatron")
     return what
+
+
+def _searched(ctx: typer.Context, name: str) -> bool:
+    """Whether option `name` defaults to None, searched where not given (tune's --sequence-parallel)."""
+    option = option_of(ctx, name)
+    return option is not None and option.default is None
 
 
 def _given(params: dict[str, Any], key: str, default: str) -> str:

@@ -168,13 +168,23 @@ def test_an_estimate_records_the_kernels_it_counted_and_the_costs_line_names_tho
     ("simulate", "-s", "1f1b", "--attention-kernel", "cudnn"),
     ("simulate", "-s", "1f1b", "--recompute-modules", "layernorm"), ("simulate", "-s", "1f1b", "--fp8-recipe", "te"),
     ("simulate", "-s", "1f1b", "--ema", "cpu"), ("sweep", "-s", "1f1b", "--ema", "cpu"),
-    ("tune", "--devices", 2, "--ema", "cpu"),
+    ("tune", "--devices", 2, "--ema", "cpu"), ("simulate", "-s", "1f1b", "--no-swiglu-fusion"),
+    ("tune", "--devices", 2, "--no-sequence-parallel"),
 ])
 def test_a_setting_the_profile_was_priced_with_given_again_beside_it_is_refused_in_one_line(kernels_estimate, args):
     code, out, err = pipesim(*args, "--profile", kernels_estimate)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     setting = [arg for arg in args if str(arg).startswith("--")][-1]
     assert err.startswith(f"error: {setting}: --profile's costs are priced already"), err
+
+
+def test_a_switch_turned_off_is_named_as_given_and_estimate_is_told_only_flags_it_takes(kernels_estimate):
+    """--no-swiglu-fusion and tune's --no-sequence-parallel read as their on sides; estimate has no
+    --no-sequence-parallel (off is its default), so the refusal does not tell to write one with it."""
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--no-swiglu-fusion")
+    assert code == 2 and err.startswith("error: --no-swiglu-fusion: only --gpu's estimate reads it"), err
+    code, _, err = pipesim("tune", "--devices", 2, "--no-sequence-parallel", "--profile", kernels_estimate)
+    assert code == 2 and "write another with `pipesim estimate ...`, or" in err, err
 
 
 def test_tune_searches_t_d_b_and_recomputation_under_the_gpu_memory():
