@@ -250,6 +250,33 @@ def test_a_mixtral_config_does_a_llamas_products_with_a_k_times_wider_mlp_plus_t
     assert mixtral.options["experts"] == EXPERTS and mixtral.options["top_k"] == TOP_K
 
 
+# Qwen3's config of LLAMA's sizes (its head size given: its default is 128), and Qwen3-MoE's of the same
+QWEN3 = {**LLAMA, "model_type": "qwen3", "head_dim": H // 4}
+QWEN3_MOE = {**QWEN3, "model_type": "qwen3_moe", "num_experts_per_tok": TOP_K, "moe_intermediate_size": FFN}
+
+
+@needs_transformers
+def test_a_qwen3_moe_config_of_no_experts_is_counted_as_the_dense_qwen3_transformers_builds(tmp_path):
+    """transformers builds Qwen3-MoE's layer with a dense MLP of intermediate_size where num_experts is 0
+    (modeling_qwen3_moe.py's `config.num_experts > 0`): the same products and weights as Qwen3's."""
+    moe, dense = (count_built(f"hf:{write_config(tmp_path / name, fields)}", {"seq_len": S}, B, torch.bfloat16)
+                  for name, fields in (("moe", {**QWEN3_MOE, "num_experts": 0}), ("dense", QWEN3)))
+    assert [(layer.fwd_flops, layer.igrad_flops, layer.wgrad_flops, layer.param_bytes) for layer in moe.layers] == \
+        [(layer.fwd_flops, layer.igrad_flops, layer.wgrad_flops, layer.param_bytes) for layer in dense.layers]
+    assert moe.options == dense.options and "experts" not in moe.options
+
+
+@needs_transformers
+def test_no_experts_where_transformers_builds_a_mixture_of_none_is_one_line(tmp_path):
+    """Mixtral's layer is a mixture whatever num_local_experts is: at 0 its router's top-k of none was torch's
+    "k not in range" deep in the count."""
+    folder = write_config(tmp_path / "mixtral", {**MIXTRAL, "num_local_experts": 0})
+    code, out, err = pipesim("count", "--model", f"hf:{folder}", "--seq-len", S)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert (f"--model hf:{folder}: {folder}/config.json gives num_local_experts 0, which transformers' "
+            "MixtralForCausalLM builds as a mixture of no experts (model.layers.0.mlp.") in err, err
+
+
 DEEPSEEK_MOE_LAYERS, DEEPSEEK_ROUTED, DEEPSEEK_TOP_K = 61 - 3, 256, 8
 DEEPSEEK_EXPERT = 3 * 7168 * 2048  # one routed expert's weights
 

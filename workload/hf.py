@@ -193,7 +193,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     if capacity_factor is not None:
         if not experts:
             raise ModelError(f"--capacity-factor applies to a mixture of experts: {spec}'s config gives no routed "
-                             f"experts (none of {', '.join(EXPERT_FIELDS)})")
+                             f"experts (none of {', '.join(EXPERT_FIELDS)} above 0)")
         check_capacity_factor(capacity_factor, experts, options["top_k"])
         options["capacity_factor"] = capacity_factor
     longest = getattr(settings, "max_position_embeddings", None)
@@ -221,6 +221,8 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         raise ModelError(f"{where}: transformers cannot build it: {_in_one_line(exc)}") from None
     if experts:
         _check_experts(model, where, experts)
+    else:
+        _check_no_experts(model, where, config)
     layers = decoder_layers(model, where)
     inputs: list[tuple[int, ...]] = []
     if mtp_layers:
@@ -323,6 +325,17 @@ def _check_experts(model: nn.Module, where: str, experts: int) -> None:
     if odd is not None:
         raise ModelError(f"{where}: its experts ({type(odd).__name__}) have a norm after each expert; pipesim counts "
                          "experts of gate/up and down products (with their biases) only")
+
+
+def _check_no_experts(model: nn.Module, where: str, config: HfConfig) -> None:
+    """Refuse routed experts of 0 where transformers builds a mixture of no experts (Mixtral's, DeepSeek's: their
+    router's top-k of none failed deep in the count, torch's "k not in range"), seen as a weight of no elements,
+    which a dense layer (Qwen-MoE's, GraniteMoeHybrid's at 0) never holds."""
+    field = next((name for name in EXPERT_FIELDS if config.fields.get(name) == 0), None)
+    empty = next((name for name, weight in model.named_parameters() if not weight.numel()), None)
+    if field is not None and empty is not None:
+        raise ModelError(f"{where}: {config.path} gives {field} 0, which transformers' {type(model).__name__} builds "
+                         f"as a mixture of no experts ({empty} holds none); give 1 or more")
 
 
 def _in_one_line(exc: Exception) -> str:

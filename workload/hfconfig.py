@@ -25,13 +25,17 @@ FIGURES = {"layers": "num_hidden_layers", "width": "hidden_size", "heads": "num_
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K_FIELD = "num_experts_per_tok"
 # The sizes a config gives (the key/value heads where it is not the attention heads', the keys a sliding window
-# holds, the routed experts and a token's share of them), each a whole number of at least 1 where given:
+# holds, the routed experts and a token's share of them), each a whole number of at least 1 (`LEAST`) where given:
 # transformers builds a model of no decoder layers at 0 or fewer, torch fails deep in the count at a width, head,
-# vocabulary, expert or token's experts of 0, and a window of 0 or fewer holds no key (transformers' mask) yet was
+# vocabulary or token's experts of 0, and a window of 0 or fewer holds no key (transformers' mask) yet was
 # priced as no window or at negative FLOPs (planning/estimate.py `kernel_flops`); each field -> the `MAX_SIZES`
 # bound it is held to
 SIZES = {**{field: size for size, field in FIGURES.items()}, "num_key_value_heads": "kv_heads",
          "sliding_window": "seq_len", **dict.fromkeys(EXPERT_FIELDS, "experts"), TOP_K_FIELD: "top_k"}
+# The least each of `SIZES` may be, where not 1: routed experts of 0 are a dense model where transformers builds
+# one (Qwen-MoE's `num_experts > 0` in modeling_qwen3_moe.py, GraniteMoeHybrid's) and a mixture of no experts
+# where it does not (Mixtral's, which workload/hf.py refuses once built)
+LEAST = dict.fromkeys(EXPERT_FIELDS, 0)
 
 
 class HfConfigError(ValueError):
@@ -64,7 +68,8 @@ def hf_config_path(spec: str) -> Path:
 
 def read_hf_config(spec: str) -> HfConfig:
     """The config `spec` names; a missing or unreadable file, one not a JSON object, one without a model_type, one
-    whose `SIZES` are not whole numbers of 1 or more or do not fit together (`_check_shares`), is `HfConfigError`."""
+    whose `SIZES` are not whole numbers of their `LEAST` or more or do not fit together (`_check_shares`), is
+    `HfConfigError`."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
@@ -83,11 +88,11 @@ def read_hf_config(spec: str) -> HfConfig:
         raise HfConfigError(f"--model {spec}: {path} has no model_type; give a Hugging Face {CONFIG_NAME} "
                             "(model_type says which transformers model it configures)")
     for field, size in SIZES.items():
-        value = fields.get(field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        value, least = fields.get(field), LEAST.get(field, 1)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
             raise HfConfigError(f"--model {spec}: {path} gives {field} {json.dumps(value)}; it must be a whole "
-                                "number, 1 or more")
-        refusal = None if value is None else size_refusal(field, size, value)
+                                f"number, {least} or more")
+        refusal = None if value is None else size_refusal(field, size, value, least)
         if refusal is not None:
             raise HfConfigError(f"--model {spec}: {path}: {refusal}")
     _check_shares(spec, path, fields)
@@ -104,6 +109,6 @@ def _check_shares(spec: str, path: Path, fields: dict[str, Any]) -> None:
                             f"num_attention_heads {heads}; give a divisor of {heads}")
     experts = next(((name, fields[name]) for name in EXPERT_FIELDS if fields.get(name) is not None), None)
     top_k = fields.get(TOP_K_FIELD)
-    if experts is not None and top_k is not None and top_k > experts[1]:
+    if experts is not None and top_k is not None and 0 < experts[1] < top_k:  # none: a dense layer, no router
         raise HfConfigError(f"--model {spec}: {path} gives {TOP_K_FIELD} {top_k}, more than its {experts[1]} routed "
                             f"experts ({experts[0]}); give 1 to {experts[1]}")
