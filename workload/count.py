@@ -118,11 +118,12 @@ def _kv_group(name: str, tensors: list[torch.Tensor]) -> int:
     return q.shape[1] // k.shape[1]
 
 
-_windows: list[tuple[int, bool]] = []  # the (sliding window, soft-capping) of the attentions under way, innermost
-# last (`attention_window`)
+UNMARKED = (0, False)  # an attention kernel's (sliding window, soft-capping) where it has neither
+_open_marks: list[tuple[int, bool]] = []  # the (window, soft-capping) of the attentions under way, innermost last
+# (`attention_window`)
 # by the id of a marked kernel's output storage, its (window, soft-capping): its backward, which reads that output,
 # runs after the attention's forward has returned (entries leave as the storages are freed)
-_windowed: dict[int, tuple[int, bool]] = {}
+_marked: dict[int, tuple[int, bool]] = {}
 
 
 @contextmanager
@@ -130,33 +131,33 @@ def attention_window(keys: int | None, softcap: bool = False) -> Iterator[None]:
     """Record the fused attention kernels run inside, and their backwards, as attending each query to at most
     `keys` keys, itself the last (a sliding window; None: every key before it), and as soft-capping their scores
     (`softcap`: Gemma 2's cap·tanh(score/cap), in the kernel)."""
-    _windows.append((keys or 0, softcap))
+    _open_marks.append((keys or 0, softcap))
     try:
         yield
     finally:
-        _windows.pop()
+        _open_marks.pop()
 
 
-def _window(name: str, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> tuple[int, bool]:
-    """An attention kernel's (window, soft-capping) ((0, False): neither): the one open where it runs forward, its
-    forward's for a backward."""
+def _kernel_marks(name: str, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> tuple[int, bool]:
+    """An attention kernel's (window, soft-capping) (`UNMARKED` for any other op): the one open where it runs
+    forward, its forward's for a backward."""
     if name not in ATTENTION_KERNELS:
-        return 0, False
+        return UNMARKED
     if name.endswith("_backward"):
-        return next((_windowed[id(t.untyped_storage())] for t in reads if id(t.untyped_storage()) in _windowed),
-                    (0, False))
-    marks = _windows[-1] if _windows else (0, False)
-    if any(marks):
+        return next((_marked[id(t.untyped_storage())] for t in reads if id(t.untyped_storage()) in _marked),
+                    UNMARKED)
+    marks = _open_marks[-1] if _open_marks else UNMARKED
+    if marks != UNMARKED:
         key = id(writes[0].untyped_storage())
-        _windowed[key] = marks
-        weakref.finalize(writes[0].untyped_storage(), _windowed.pop, key, None)
+        _marked[key] = marks
+        weakref.finalize(writes[0].untyped_storage(), _marked.pop, key, None)
     return marks
 
 
 def _memory_key(name: str, shape: tuple[int, ...], moved: int, experts: bool, gating: bool = False) -> tuple:
     """A memory-bound op's key in `_Tally.ops`: no FLOPs, and none of an attention kernel's mask, key/value group,
     window or capping."""
-    return (name, "memory", shape, 0, moved, experts, False, 1, gating, 0, False)
+    return (name, "memory", shape, 0, moved, experts, False, 1, gating, *UNMARKED)
 
 
 def _kind(name: str) -> str:
@@ -268,7 +269,7 @@ class _MovedBytes(TorchDispatchMode):
             given = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
             causal = bool(given.get("is_causal", False))  # an attention kernel's mask; no other op has one
             self._record((name, _kind(name), _shape(name, reads), flops, moved, experts, causal,
-                          _kv_group(name, reads), gating_now(), *_window(name, reads, writes)))
+                          _kv_group(name, reads), gating_now(), *_kernel_marks(name, reads, writes)))
             return out
         if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
             written = [value for arg, value in zip(func._schema.arguments, args)
