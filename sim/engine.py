@@ -101,8 +101,8 @@ def _check_clock(held_ps: np.ndarray, transfer_ps: np.ndarray, collective_ps: np
     parts = {"compute": float(held_ps.sum(dtype=np.float64)) * max(contention, default=1.0),
              "transfers": float(transfer_ps.sum(dtype=np.float64)),
              "collectives": float(collective_ps.sum(dtype=np.float64))}
-    if not sum(parts.values()) < _COUNTER_LIMIT:
-        raise _clock_refusal(sum(parts.values()), max(parts, key=parts.__getitem__))
+    if not (total := sum(parts.values())) < _COUNTER_LIMIT:
+        raise _clock_refusal(total, max(parts, key=parts.__getitem__))
 
 
 def takes_time(ms: np.ndarray) -> np.ndarray:
