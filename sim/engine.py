@@ -335,7 +335,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         collective_ps[at + 1] = np.maximum(collective_ps[at + 1] - duration[paired], 0)
         if schedule.params.get("overlap_expert_comm", False):
             exposed = np.array([c.all_to_all_paired_ms for c in stages]) / 2
-            short = np.maximum(_picoseconds(exposed[stage[paired]] + exposed[stage[paired + 1]])
+            short = np.maximum(_picoseconds(exposed[stage[paired]] + exposed[stage[paired + 1]], "collectives")
                                - collective_ps[at] - collective_ps[at + 1], 0)
             collective_ps[at] += short // 2
             collective_ps[at + 1] += short - short // 2
