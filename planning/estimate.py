@@ -117,8 +117,8 @@ if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
 
 # --host-kernel-us and --host-module-us at most: 10 ms, 300 times the 31.9 us measured (host.py), so that a stage of
-# the most kernels a count takes (workload/sizes.py's bounds) times its passes within units.py's `MAX_MS`; at 1e15
-# `estimate` wrote a profile `simulate` refused, and 1e30 was refused as its fwd_ms, naming no flag
+# the most kernels a count takes (workload/sizes.py's bounds), times its passes, stays within units.py's `MAX_MS`; at
+# 1e15 `estimate` wrote a profile `simulate` refused, and 1e30 was refused as its fwd_ms, naming no flag
 MAX_HOST_US = 1e4
 RECOMPUTE = ("none", "selective", "full", "op")
 SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torchtitan's policy) only when asked for
