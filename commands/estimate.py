@@ -275,7 +275,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
         raise InputError(f"--gpu: unknown {name!r}; known GPUs: {', '.join(catalogue.gpu)}{clusters}")
     fp8 = _fp8_recipe(params, name, catalogue.gpu)
-    dispatcher, routing = params.get("token_dispatcher"), _given(params, "routing", "balanced")
+    dispatcher, routing = params.get("token_dispatcher"), _or_default(params, "routing", "balanced")
     if routing == "random" and params.get("capacity_factor") is not None:
         raise InputError("--routing random: a model that drops tokens (--capacity-factor) computes each expert's "
                          "capacity however they are routed; give balanced")
@@ -303,8 +303,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("context_parallel", 1), zero >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"),
-                  _given(params, "rank_order", "pipesim"), params.get("loss_parallel", False),
-                  _given(params, "tp_runtime", "megatron"), _given(params, "cp_rotate", "alltoall"),
+                  _or_default(params, "rank_order", "pipesim"), params.get("loss_parallel", False),
+                  _or_default(params, "tp_runtime", "megatron"), _or_default(params, "cp_rotate", "alltoall"),
                   swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=params.get("cross_entropy", "torch"),
                   norm_kernel=params.get("norm_kernel", "eager"), rope_kernel=params.get("rope_kernel", "eager"),
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
@@ -315,13 +315,13 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   ema=params.get("ema"), scores_buffer=params.get("scores_buffer", False),
                   tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   tp_overlap_fp8_buf=params.get("tp_overlap_fp8_buf", False),
-                  attention_kernel=_given(params, "attention_kernel", "flash2"),
+                  attention_kernel=_or_default(params, "attention_kernel", "flash2"),
                   grad_accumulation=params.get("grad_accumulation"), routing=routing,
                   host_kernel_us=params.get("host_kernel_us"), host_module_us=params.get("host_module_us"),
-                  expert_gemm=_given(params, "expert_gemm", "grouped"), p2p_sync=params.get("p2p_sync", False))
+                  expert_gemm=_or_default(params, "expert_gemm", "grouped"), p2p_sync=params.get("p2p_sync", False))
     with refused_with_flags():  # the layout's rules, before the model is counted (which takes seconds)
         check_ring_attention(what.context, what.attention)
-        recompute = _given(params, "recompute", "none")
+        recompute = _or_default(params, "recompute", "none")
         # with the modules as given: `parallelism` drops them under full and op, which tune tries too; at the t
         # given (tune's search, none given, tries 1 too)
         replace(what.parallelism(1, params.get("tensor_parallel") or 1, recompute=recompute),
@@ -357,9 +357,9 @@ def _searched(ctx: typer.Context, name: str) -> bool:
     return option is not None and option.default is None
 
 
-def _given(params: dict[str, Any], key: str, default: str) -> str:
-    """Flag `key`'s value, or `default` where it was not given: an empty value given is checked as any other (it
-    read as not given, and ran as the default)."""
+def _or_default(params: dict[str, Any], key: str, default: str) -> str:
+    """Flag `key`'s value, or `default` where it is None (not given): an empty value given is checked as any other
+    (`params.get(key) or default` read it as not given, and ran the default)."""
     value = params.get(key)
     return default if value is None else value
 
