@@ -73,6 +73,9 @@ class Spares:
         return given
 
 
+NO_SPARES = Spares(keep=False)  # keeps nothing, so stateless: the one for every caller that gives none
+
+
 class Optimizer:
     """One of OPTIMIZERS over `params`, shaped as torch.optim's: one parameter group (`param_groups[0]` holds the
     params and hyperparameters; the executor swaps its params for copies), and per-tensor `state` under torch's
@@ -81,11 +84,11 @@ class Optimizer:
     a prediction, are written as `spares` has it (`_computed`) and given back."""
 
     def __init__(self, name: str, params: Iterable[torch.Tensor], lr: float, *, momentum: float = 0.0,
-                 weight_decay: float = 0.0, spares: Spares | None = None) -> None:
+                 weight_decay: float = 0.0, spares: Spares = NO_SPARES) -> None:
         if (refused := optimizer_refusal(name)) is not None:
             raise ValueError(refused)
         self.name = name
-        self.spares = Spares(keep=False) if spares is None else spares
+        self.spares = spares
         group: dict[str, Any] = {"params": list(params), "lr": lr}
         if name in ("sgd", "momentum"):
             group["momentum"] = momentum
@@ -175,7 +178,7 @@ def _computed(spares: Spares, op: str | None, tensors: Sequence[torch.Tensor], *
 
 
 def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float, *, momentum: float = 0.9,
-                   weight_decay: float = 0.01, spares: Spares | None = None) -> Optimizer:
+                   weight_decay: float = 0.01, spares: Spares = NO_SPARES) -> Optimizer:
     """The optimizer `name` (one of OPTIMIZERS) over `params`: `momentum` applies to "momentum" (SGD with
     momentum) and `weight_decay` to "adamw" (decoupled decay) only; "sgd" and "adam" have no decay."""
     return Optimizer(name, params, lr, momentum=momentum if name == "momentum" else 0.0,
@@ -184,9 +187,9 @@ def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float, *, mome
 
 @torch.no_grad()
 def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor], distance: int,
-                    spares: Spares | None = None) -> list[torch.Tensor]:
+                    spares: Spares = NO_SPARES) -> list[torch.Tensor]:
     """The weights `distance` updates ahead, in tensors as `spares` has them (`_computed`; the caller's to give
-    back; None: new ones): W - distance * lr * d, d the direction of the optimizer's update, as if the next
+    back; `NO_SPARES`: new ones): W - distance * lr * d, d the direction of the optimizer's update, as if the next
     updates repeated the last one.
 
     `weights` are tensors the optimizer steps (its state is looked up by them). The direction d is
@@ -200,7 +203,6 @@ def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor], dista
     """
     if distance < 0:
         raise ValueError(f"prediction distance must be >= 0 (got {distance})")
-    spares = Spares(keep=False) if spares is None else spares
     group = optimizer.param_groups[0]
     states = [optimizer.state.get(w, {}) for w in weights]
     sgd = optimizer.name in ("sgd", "momentum")
@@ -239,10 +241,10 @@ def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor], dista
 
 @torch.no_grad()
 def elastic_average(replicas: Sequence[Sequence[torch.Tensor]], reference: Sequence[torch.Tensor],
-                    alpha: float, spares: Spares | None = None) -> None:
+                    alpha: float, spares: Spares = NO_SPARES) -> None:
     """Synchronous elastic averaging (EASGD, as AvgPipe averages its pipelines), in place: with
     D_i = X_i - R for every replica X_i, each X_i -= alpha * D_i and R += alpha * sum_i D_i, all differences
-    taken before anything moves, in tensors as `spares` has them (`_computed`) and given back (None: new ones).
+    taken before anything moves, in tensors as `spares` has them (`_computed`) and given back (`NO_SPARES`: new ones).
     One replica is one pipeline's copy of a stage's weights."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"elastic averaging needs 0 <= alpha <= 1 (got {alpha})")
@@ -252,7 +254,6 @@ def elastic_average(replicas: Sequence[Sequence[torch.Tensor]], reference: Seque
         raise ValueError(f"every replica must hold {len(reference)} tensors, as the reference does")
     if not reference:
         return
-    spares = Spares(keep=False) if spares is None else spares
     total = None  # the sum of the differences, one replica's at a time: two copies' memory
     for replica in replicas:
         diff = _computed(spares, "sub", replica, list(reference))
