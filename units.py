@@ -19,3 +19,14 @@ def count_text(number: int, noun: str) -> str:
     plural = (noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else
               noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s"))
     return f"{number:,} {noun if number == 1 else plural}"
+
+
+def whole_number(text: str, most: int) -> int | None:
+    """`text` as a whole number written in decimal digits alone, from 0 to `most`; None where it is not one (int()
+    reads '+1', ' 1' and '1_0', and isdigit passes '²', which int() refuses) or is more than `most`, told by its
+    count of digits before int() reads it (int() refuses a string of 4,301 digits, both with a traceback)."""
+    digits = text.lstrip("0")
+    if not text.isdecimal() or len(digits) > len(str(most)):
+        return None
+    number = int(digits or 0)
+    return number if number <= most else None

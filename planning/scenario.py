@@ -24,6 +24,7 @@ import numpy as np
 
 from ..profiles.linkfit import piecewise_ms
 from ..profiles.partition import (
+    LAYOUT_MOST_CHARACTERS,
     LayerCost,
     PairBytes,
     PartitionError,
@@ -59,6 +60,7 @@ from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserv
 from ..sim.costs import RowOverhead, held_as_runtime, keeps_saved_until_weights, merges_outputs, wgrad_held
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
+from ..units import whole_number
 
 if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile, StageProfile
@@ -82,13 +84,15 @@ def first_last(stage_cut: str) -> tuple[int, int] | None:
     (`STAGE_CUTS`) or a layout (`layout_of`, its letters checked here); any other cut is refused in one line."""
     if stage_cut in STAGE_CUTS or layout_of(stage_cut) is not None:
         return None
-    counts = stage_cut.removeprefix(FIRST_LAST).split(",") if stage_cut.startswith(FIRST_LAST) else []
-    # isdecimal: what int() reads (isdigit passed '²'); 18 digits at most: int() refuses 4,301 (both tracebacks)
-    if len(counts) != 2 or not all(count.isdecimal() and len(count.lstrip("0")) <= 18 for count in counts):
+    # as many blocks at most as a layout may unroll to: far past any model's
+    counts = ([whole_number(count, LAYOUT_MOST_CHARACTERS) for count in stage_cut.removeprefix(FIRST_LAST).split(",")]
+              if stage_cut.startswith(FIRST_LAST) else [])
+    first, last = counts if len(counts) == 2 else (None, None)
+    if first is None or last is None:
         raise CostError(f"--stage-cut: choose from {', '.join(STAGE_CUTS)}, {FIRST_LAST}F,L (the first and last "
-                        f"stages' blocks, whole numbers) or {LAYOUT}STRING (Megatron-core's pipeline layout); got "
-                        f"{stage_cut!r}")
-    return int(counts[0]), int(counts[1])
+                        f"stages' blocks, whole numbers to {LAYOUT_MOST_CHARACTERS:,}) or {LAYOUT}STRING "
+                        f"(Megatron-core's pipeline layout); got {stage_cut!r}")
+    return first, last
 
 
 def layout_of(stage_cut: str) -> list[str] | None:

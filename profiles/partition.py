@@ -18,6 +18,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..units import whole_number
+
 GIB = 1 << 30
 # `_least_busy_devices`: the share by which a cut's busiest device is less busy than the best's where it beats it:
 # more than rounding's (the same times summed in another order)
@@ -358,10 +360,9 @@ def megatron_layout(layout: str) -> list[str]:
 
 
 def _repeats(match: re.Match) -> int:
-    """A layout repeat's n; one of more digits than LAYOUT_MOST_CHARACTERS, as one past it (unrolled, either is
-    refused), not read whole (int() refuses a string of 4,301 digits)."""
-    digits = match.group(2).lstrip("0")
-    return int(digits or 0) if len(digits) <= len(str(LAYOUT_MOST_CHARACTERS)) else LAYOUT_MOST_CHARACTERS + 1
+    """A layout repeat's n; one past LAYOUT_MOST_CHARACTERS as one past it (unrolled, either is refused)."""
+    repeats = whole_number(match.group(2), LAYOUT_MOST_CHARACTERS)
+    return LAYOUT_MOST_CHARACTERS + 1 if repeats is None else repeats
 
 
 def layout_blocks(kinds: Sequence[str], stages: int, layout: Sequence[str], mtp_layers: int = 0,

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.profiles.partition import PartitionError, equal_blocks, first_last_blocks, padded_blocks
+from pipesim.units import whole_number
 from tests.conftest import pipesim, simulate_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,16 +91,21 @@ def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
 
 @pytest.mark.parametrize(("args", "message"), [
     (("--stage-cut", "even"), "--stage-cut: choose from balanced, fit, equal-blocks, padded-blocks, first-last:F,L"),
-    (("--stage-cut", "first-last:3"), "(the first and last stages' blocks, whole numbers) or layout:STRING (Megatron-"
-                                      "core's pipeline layout); got 'first-last:3'"),
+    (("--stage-cut", "first-last:3"), "(the first and last stages' blocks, whole numbers to 1,000,000) or "
+                                      "layout:STRING (Megatron-core's pipeline layout); got 'first-last:3'"),
     # int() refused both in a traceback: '²' passes isdigit, and 5,000 digits its limit
-    (("--stage-cut", "first-last:²,1"), "whole numbers) or layout:STRING (Megatron-core's pipeline layout); got "
-                                        "'first-last:²,1'"),
-    (("--stage-cut", f"first-last:{'9' * 5000},1"), "whole numbers) or layout:STRING (Megatron-core's pipeline "
-                                                    "layout); got 'first-last:999"),
+    (("--stage-cut", "first-last:²,1"), "whole numbers to 1,000,000) or layout:STRING (Megatron-core's pipeline "
+                                        "layout); got 'first-last:²,1'"),
+    (("--stage-cut", f"first-last:{'9' * 5000},1"), "whole numbers to 1,000,000) or layout:STRING (Megatron-core's "
+                                                    "pipeline layout); got 'first-last:999"),
+    (("--stage-cut", "first-last:1,1000001"), "whole numbers to 1,000,000) or layout:STRING (Megatron-core's "
+                                              "pipeline layout); got 'first-last:1,1000001'"),
     (("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "-p", 2, "--stage-cut", "first-last:5,5"),
      "error: --stage-cut first-last:5,5: 5 first and 5 last blocks are more than the model's 2 (_Block): give F + L "
      "= 2; use --stage-cut balanced"),
+    # the bound read past leading zeros, and refused as the model's blocks
+    (("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "-p", 2, "--stage-cut", "first-last:0001000000,1"),
+     "1000000 first and 1 last blocks are more than the model's 2 (_Block)"),
     (("--stage-cut", "equal-blocks", "--fwd", "2"), "--stage-cut cuts --gpu's or --profile's layers into stages"),
     (("--reduce-after-flush",), "--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                                 "--data-parallel 2 or more"),
@@ -107,6 +113,16 @@ def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
 def test_bad_published_run_flags_are_one_line(args, message):
     code, out, err = pipesim("simulate", "-s", "1f1b", *args)
     assert code == 2 and not out and err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("text", "number"), [
+    ("0", 0), ("007", 7), ("100", 100), ("101", None), ("0" * 5000 + "1", 1), ("9" * 5000, None), ("١٢", 12),
+    ("²", None), ("+1", None), (" 1", None), ("1_0", None), ("", None), ("-1", None), ("1.0", None)])
+def test_a_whole_number_is_decimal_digits_alone_up_to_its_most(text, number):
+    """What --stage-cut first-last:F,L and a layout's repeats read (`first_last`, `_repeats`): int() reads '+1',
+    ' 1' and '1_0' and '١٢' (Arabic-Indic digits, as the layout's \\d matches them); it refused '²' and 5,000
+    digits in a traceback."""
+    assert whole_number(text, 100) == number
 
 
 def test_reduce_after_flush_waits_for_the_devices_last_backward():
