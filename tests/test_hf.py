@@ -255,9 +255,6 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
      "gives num_local_experts -1; it must be a whole number, 0 or more"),  # 0: see test_moe's Qwen3-MoE and Mixtral
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 0}),
      "gives num_experts_per_tok 0; it must be a whole number, 1 or more"),
-    (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_local_experts": 4,
-                                          "num_experts_per_tok": 5}),
-     "gives num_experts_per_tok 5, more than its 4 routed experts (num_local_experts); give 1 to 4"),
 ])
 def test_an_unreadable_config_is_one_line_before_torch_and_nothing_is_written(tmp_path, make, fragment):
     path, out = make(tmp_path), tmp_path / "profile.json"
@@ -299,6 +296,12 @@ SEQ = ("--seq-len", 16)
     (LLAMA, ("--seq-len", 512), "--seq-len 512: hf:"),
     (LLAMA, ("--seq-len", 0), "--seq-len must be >= 1 (got 0)"),
     (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),
+    # the router's top-k of fewer experts: torch's "k not in range"; which field gives them, transformers tells
+    ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5}, SEQ,
+     "{folder}/config.json sends a token to num_experts_per_tok 5 experts, more than its 4 routed experts "
+     "(num_local_experts); give 1 to 4"),
+    ({**LLAMA, "model_type": "qwen2_moe", "num_local_experts": 8, "num_experts": 4, "num_experts_per_tok": 5}, SEQ,
+     "more than its 4 routed experts (num_experts); give 1 to 4"),
 ])
 def test_a_config_transformers_cannot_build_as_a_decoder_is_one_line(tmp_path, fields, args, fragment):
     folder = write_config(tmp_path / "model", fields)

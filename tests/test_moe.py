@@ -277,6 +277,43 @@ def test_no_experts_where_transformers_builds_a_mixture_of_none_is_one_line(tmp_
             "MixtralForCausalLM builds as a mixture of no experts (model.layers.0.mlp.") in err, err
 
 
+QWEN2_MOE = {**LLAMA, "model_type": "qwen2_moe", "num_experts_per_tok": TOP_K, "moe_intermediate_size": FFN,
+             "shared_expert_intermediate_size": FFN}
+
+
+def _figures(counted: WorkloadCount) -> tuple:
+    return counted.options, [(layer.fwd_flops, layer.igrad_flops, layer.wgrad_flops, layer.param_bytes)
+                             for layer in counted.layers]
+
+
+@needs_transformers
+@pytest.mark.parametrize("fields, read", [
+    # the class's field and an alias of it: transformers keeps the one the class does not declare, which it sets
+    # after those it does (Mixtral declares num_local_experts; Qwen3-MoE declares num_experts, stored as
+    # num_local_experts)
+    ({**MIXTRAL, "num_experts": 4}, {**MIXTRAL, "num_local_experts": 4}),
+    ({**QWEN3_MOE, "num_local_experts": 4, "num_experts": EXPERTS}, {**QWEN3_MOE, "num_experts": 4}),
+    ({**QWEN3_MOE, "num_local_experts": 0, "num_experts": 4}, QWEN3),  # a dense MLP, as transformers builds
+    # a field the class neither has nor maps is none of its model's: Qwen2-MoE's modeling file reads num_experts
+    ({**QWEN2_MOE, "num_local_experts": EXPERTS, "num_experts": 4}, {**QWEN2_MOE, "num_experts": 4}),
+])
+def test_a_config_of_two_experts_fields_is_counted_by_the_one_transformers_reads(tmp_path, fields, read):
+    """The model a config of two of the fields describes is the one of the field transformers reads: counted as
+    that config alone (Qwen2-MoE's num_local_experts was read first: 8 experts priced where 4 were built)."""
+    both, one = (count_built(f"hf:{write_config(tmp_path / name, config)}", {"seq_len": S}, B, torch.bfloat16)
+                 for name, config in (("both", fields), ("one", read)))
+    assert _figures(both) == _figures(one)
+
+
+@needs_transformers
+def test_no_experts_by_an_alias_are_refused_naming_it(tmp_path):
+    """Mixtral's num_experts, its alias of num_local_experts, is the field transformers keeps of the two."""
+    folder = write_config(tmp_path / "mixtral", {**MIXTRAL, "num_experts": 0})
+    code, out, err = pipesim("count", "--model", f"hf:{folder}", "--seq-len", S)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"{folder}/config.json gives num_experts 0, which transformers' MixtralForCausalLM builds" in err, err
+
+
 DEEPSEEK_MOE_LAYERS, DEEPSEEK_ROUTED, DEEPSEEK_TOP_K = 61 - 3, 256, 8
 DEEPSEEK_EXPERT = 3 * 7168 * 2048  # one routed expert's weights
 

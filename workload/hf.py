@@ -50,8 +50,8 @@ from .moe import gated_mlp, gating_linear, gating_router, routed_experts
 from .sizes import size_refusal
 
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
-# transformers runs a mixture's experts (hfconfig.py's EXPERT_FIELDS) as grouped products, which torch's FLOP
-# counter counts as nothing, so pipesim runs them as its own (`balanced_experts`).
+# transformers runs a mixture's experts (`_routed_experts`) as grouped products, which torch's FLOP counter counts
+# as nothing, so pipesim runs them as its own (`balanced_experts`).
 EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is not intermediate_size's (Mixtral's)
 # DeepSeek-V3's group-limited routing: the router picks topk_group of n_group expert groups a token, then its k
 # experts among them (transformers' DeepseekV3 router; the report's node-limited routing, a group a node)
@@ -183,10 +183,14 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     settings = _settings(config, CONFIG_MAPPING[config.model_type])
     options = {name: getattr(settings, field) for name, field in FIGURES.items()}
     options["kv_heads"] = getattr(settings, "num_key_value_heads", None) or options["heads"]
-    experts = next((getattr(settings, name) for name in EXPERT_FIELDS if getattr(settings, name, None)), None)
-    if experts:  # aliases of one another: one is enough
+    routed = _routed_experts(config, settings)
+    experts = routed[1] if routed else None
+    if experts:
         options.update(experts=experts, top_k=getattr(settings, TOP_K_FIELD, None),
                        expert_ffn=getattr(settings, EXPERT_FFN_FIELD, None) or options["ffn"])
+        if options["top_k"] is not None and options["top_k"] > experts:  # the router's top-k: torch's "k not in range"
+            raise ModelError(f"{where}: {config.path} sends a token to {TOP_K_FIELD} {options['top_k']} experts, more "
+                             f"than its {experts} routed experts ({routed[0]}); give 1 to {experts}")
         groups, per_token = (getattr(settings, name, None) for name in GROUP_FIELDS)
         if groups and per_token and per_token < groups:
             options.update(expert_groups=groups, groups_per_token=per_token)
@@ -222,7 +226,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     if experts:
         _check_experts(model, where, experts)
     else:
-        _check_no_experts(model, where, config)
+        _check_no_experts(model, where, config, routed)
     layers = decoder_layers(model, where)
     inputs: list[tuple[int, ...]] = []
     if mtp_layers:
@@ -327,15 +331,35 @@ def _check_experts(model: nn.Module, where: str, experts: int) -> None:
                          "experts of gate/up and down products (with their biases) only")
 
 
-def _check_no_experts(model: nn.Module, where: str, config: HfConfig) -> None:
-    """Refuse routed experts of 0 where transformers builds a mixture of no experts (Mixtral's, DeepSeek's: their
-    router's top-k of none failed deep in the count, torch's "k not in range"), seen as a weight of no elements,
-    which a dense layer (Qwen-MoE's, GraniteMoeHybrid's at 0) never holds."""
-    field = next((name for name in EXPERT_FIELDS if config.fields.get(name) == 0), None)
+def _check_no_experts(model: nn.Module, where: str, config: HfConfig, routed: tuple[str, int] | None) -> None:
+    """Refuse routed experts of 0 (`routed`, `_routed_experts`) where transformers builds a mixture of no experts
+    (Mixtral's, DeepSeek's: their router's top-k of none failed deep in the count, torch's "k not in range"), seen
+    as a weight of no elements, which a dense layer (Qwen-MoE's, GraniteMoeHybrid's at 0) never holds."""
     empty = next((name for name, weight in model.named_parameters() if not weight.numel()), None)
-    if field is not None and empty is not None:
-        raise ModelError(f"{where}: {config.path} gives {field} 0, which transformers' {type(model).__name__} builds "
-                         f"as a mixture of no experts ({empty} holds none); give 1 or more")
+    if routed is not None and routed[1] == 0 and empty is not None:
+        raise ModelError(f"{where}: {config.path} gives {routed[0]} 0, which transformers' {type(model).__name__} "
+                         f"builds as a mixture of no experts ({empty} holds none); give 1 or more")
+
+
+def _routed_experts(config: HfConfig, settings: Any) -> tuple[str, int] | None:
+    """The field of `config` that gives the routed experts transformers builds its model with, and their count;
+    None where its config class has none of `EXPERT_FIELDS` (a dense model's). Of those a class has, declared or
+    in its attribute_map, each names one value (in every class of transformers 5.24.0): Mixtral's num_experts is
+    its num_local_experts, Qwen3-MoE's num_experts stored as num_local_experts; one it neither has nor maps is kept
+    unread (Qwen2-MoE's num_local_experts: modeling_qwen2_moe.py reads num_experts). Of two a config gives for
+    one value, transformers keeps the one its class does not declare: it sets those after the declared
+    (configuration_utils.py `PreTrainedConfig.__post_init__`), so `settings` holds the count its model is built
+    with."""
+    config_class = type(settings)
+    aliases = getattr(config_class, "attribute_map", {})
+    names = [name for name in EXPERT_FIELDS
+             if name in aliases or name in aliases.values() or hasattr(config_class, name)]
+    if not names:
+        return None
+    experts = getattr(settings, names[0])
+    given = next((name for name in (*names, *(aliases.get(name, name) for name in names))
+                  if config.fields.get(name) == experts), names[0])
+    return given, experts
 
 
 def _in_one_line(exc: Exception) -> str:

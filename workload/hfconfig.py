@@ -101,14 +101,9 @@ def read_hf_config(spec: str) -> HfConfig:
 
 def _check_shares(spec: str, path: Path, fields: dict[str, Any]) -> None:
     """Refuse key/value heads that do not divide the attention heads (transformers' attention repeats each for
-    as many query heads; torch failed deep in the count) and more experts a token than routed experts (the
-    router's top-k of fewer: torch's "k not in range")."""
+    as many query heads; torch failed deep in the count). More experts a token than routed experts are refused
+    where transformers tells which field gives them (workload/hf.py `_routed_experts`)."""
     heads, kv_heads = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
     if heads is not None and kv_heads is not None and heads % kv_heads:
         raise HfConfigError(f"--model {spec}: {path} gives num_key_value_heads {kv_heads}, which does not divide its "
                             f"num_attention_heads {heads}; give a divisor of {heads}")
-    experts = next(((name, fields[name]) for name in EXPERT_FIELDS if fields.get(name) is not None), None)
-    top_k = fields.get(TOP_K_FIELD)
-    if experts is not None and top_k is not None and 0 < experts[1] < top_k:  # none: a dense layer, no router
-        raise HfConfigError(f"--model {spec}: {path} gives {TOP_K_FIELD} {top_k}, more than its {experts[1]} routed "
-                            f"experts ({experts[0]}); give 1 to {experts[1]}")
