@@ -236,8 +236,8 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
     *((lambda folder, text=text: (folder / "c.json").write_text(text) and folder / "c.json",
        "{folder}/c.json is not a JSON object; give a Hugging Face config.json") for text in ("[]", "[1]", "7", '"x"')),
     (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 0}),
-     "{folder}/config.json gives num_hidden_layers 0; it must be a whole number, 1 or more"),
-    (lambda folder: write_config(folder, {**LLAMA, "vocab_size": -1}), "gives vocab_size -1; it must be a whole"),
+     "{folder}/config.json: num_hidden_layers must be >= 1 (got 0)"),
+    (lambda folder: write_config(folder, {**LLAMA, "vocab_size": -1}), "config.json: vocab_size must be >= 1 (got -1)"),
     (lambda folder: write_config(folder, {**LLAMA, "hidden_size": 64.0}), "gives hidden_size 64.0; it must be a whole"),
     (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": True}), "gives num_key_value_heads true;"),
     # a count that grew past the host's memory for hours, and torch's randperm of the vocabulary's 8 TB
@@ -247,14 +247,14 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
     (lambda folder: write_config(folder, {**LLAMA, "vocab_size": 10 ** 12}),
      "config.json: vocab_size 1,000,000,000,000 is more than the count builds and holds: give 1 to 16,777,216"),
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mistral", "sliding_window": -4}),
-     "gives sliding_window -4; it must be a whole"),  # its windowed kernels were priced at negative FLOPs
+     "config.json: sliding_window must be >= 1 (got -4)"),  # its windowed kernels were priced at negative FLOPs
     # each a traceback deep in the count: torch's shapes, top-k of no experts, a division by no experts a token
     (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": 3}),
      "gives num_key_value_heads 3, which does not divide its num_attention_heads 4; give a divisor of 4"),
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_local_experts": -1}),
-     "gives num_local_experts -1; it must be a whole number, 0 or more"),  # 0: see test_moe's Qwen3-MoE and Mixtral
+     "config.json: num_local_experts must be >= 0 (got -1)"),  # 0: see test_moe's Qwen3-MoE and Mixtral
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 0}),
-     "gives num_experts_per_tok 0; it must be a whole number, 1 or more"),
+     "config.json: num_experts_per_tok must be >= 1 (got 0)"),
 ])
 def test_an_unreadable_config_is_one_line_before_torch_and_nothing_is_written(tmp_path, make, fragment):
     path, out = make(tmp_path), tmp_path / "profile.json"

@@ -89,10 +89,10 @@ def read_hf_config(spec: str) -> HfConfig:
                             "(model_type says which transformers model it configures)")
     for field, size in SIZES.items():
         value, least = fields.get(field), LEAST.get(field, 1)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise HfConfigError(f"--model {spec}: {path} gives {field} {json.dumps(value)}; it must be a whole "
                                 f"number, {least} or more")
-        refusal = None if value is None else size_refusal(field, size, value, least)
+        refusal = None if value is None else size_refusal(field, size, value, least)  # from least to its bound
         if refusal is not None:
             raise HfConfigError(f"--model {spec}: {path}: {refusal}")
     _check_shares(spec, path, fields)
