@@ -393,7 +393,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 counted_t = count_what_if(at_t, b)
                 memo_t = LayerMemo(counted_t, what.gpu, what.curve)
             made, refused = len(settings), []
-            splits = [False, True] if sequence_parallel is None and t > 1 else [what.sequence_parallel]
+            # off at t = 1, given or not: nothing to split over (the row's "-"; simulate refuses it there)
+            splits = [False, True] if sequence_parallel is None and t > 1 else [what.sequence_parallel and t > 1]
             for e in degrees:
                 if report is not None:
                     report(f"{_estimating_text(degrees)}: {len(settings)} done")
