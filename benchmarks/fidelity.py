@@ -45,7 +45,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_output
+from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.executor import RunSpec, carried_bounds, even_bounds, run_multiprocess
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_scenario
@@ -512,13 +512,12 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
                                                "left out)"))
         console.print("torch's cost per action (median over repeats): " + ", ".join(
             f"{method} {ms:.3f} ms" for method, ms in action_ms.items()), highlight=False)
-    if out:
-        write_output("--json", out, json.dumps({
-            "workload": header, "noise_floor": noise, "per_op_noise_floor": op_noise,
-            "methods": [vars(r) for r in rows], "structure_only": structure, "per_op_floor": op_floor,
-            "op_contexts": {context: {"mean_ratio": r, "ops": n} for context, (r, n) in contexts.items()},
-            "terms": [{"prediction_from": label, "methods": [vars(r) for r in found]} for label, found in lines],
-            "torch": [vars(r) for r in torch_rows], "torch_action_ms": action_ms}, indent=1) + "\n")
+    write_json(out, {
+        "workload": header, "noise_floor": noise, "per_op_noise_floor": op_noise,
+        "methods": [vars(r) for r in rows], "structure_only": structure, "per_op_floor": op_floor,
+        "op_contexts": {context: {"mean_ratio": r, "ops": n} for context, (r, n) in contexts.items()},
+        "terms": [{"prediction_from": label, "methods": [vars(r) for r in found]} for label, found in lines],
+        "torch": [vars(r) for r in torch_rows], "torch_action_ms": action_ms})
 
 
 def parse_arguments(description: str, *, runs: str, methods: str, quick: str,

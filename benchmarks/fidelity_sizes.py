@@ -52,7 +52,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipesim.calibrate.runtime import warmup_ms
-from pipesim.commands.common import write_output
+from pipesim.commands.common import write_json
 from pipesim.planning.replay import predict_measured
 from pipesim.profiles.schema import Profile, load_profile
 from pipesim.traces.trace import Stream, Trace, read_trace, write_trace
@@ -243,13 +243,12 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
     console.print(f"mini-batch j's measured time over its steady-pace prediction, median over the {max(lengths)}"
                   "-mini-batch runs of every size and method: " + ", ".join(
                       f"{j + 1}: {ratio:.2f}" for j, ratio in enumerate(by_minibatch[:8])) + later, highlight=False)
-    if out:
-        write_output("--json", out, json.dumps({
-            "cells": [{"size": c.size.key, "label": c.size.label, "fwd_ms": c.fwd_ms, "minibatches": c.minibatches,
-                       "warmup_ms": c.warmup_ms, "iteration_error_at_steady_pace": c.error_steady,
-                       "calibration_spread": c.calibration_spread, **vars(c.row)}
-                      for c in cells],
-            "summary": summary, "minibatch_ratio": [float(r) for r in by_minibatch], "load": load}, indent=1) + "\n")
+    write_json(out, {
+        "cells": [{"size": c.size.key, "label": c.size.label, "fwd_ms": c.fwd_ms, "minibatches": c.minibatches,
+                   "warmup_ms": c.warmup_ms, "iteration_error_at_steady_pace": c.error_steady,
+                   "calibration_spread": c.calibration_spread, **vars(c.row)}
+                  for c in cells],
+        "summary": summary, "minibatch_ratio": [float(r) for r in by_minibatch], "load": load})
 
 
 def main() -> None:

@@ -27,14 +27,13 @@ way to the weights again: it is predicted as the count's full backward (`CALIBRA
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 from functools import partial
 from pathlib import Path
 
-from pipesim.commands.common import refuse_unwritable, write_output
+from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.estimate import fit_count, timed_overhead_ms
 from pipesim.hardware.catalogue import CatalogueError, Curve, load_catalogue
 from pipesim.planning.estimate import (
@@ -198,10 +197,8 @@ def main() -> None:
         row(names[key], "", summary(found))
     if any(floor.values()):
         row("every size", "", summary(floor))
-    if args.json:
-        write_output("--json", args.json, json.dumps({"predictions": results, "across_sizes": summary(across),
-                                                      "noise_floor": floors, "noise_floor_pooled": summary(floor),
-                                                      "load_average": loads}, indent=1) + "\n")
+    write_json(args.json, {"predictions": results, "across_sizes": summary(across), "noise_floor": floors,
+                           "noise_floor_pooled": summary(floor), "load_average": loads})
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*args.child, args.neighbours, args.kept)))
         return
-    from pipesim.commands.common import refuse_unwritable, write_output  # not in a child: its allocator's history
+    from pipesim.commands.common import refuse_unwritable, write_json  # not in a child: its allocator's history
 
     refuse_unwritable(("--json", args.json))
     if args.processes < 1 or args.passes < 10:
@@ -202,8 +202,7 @@ def main() -> None:
     console.print(busy)
     console.print(f"the host's load average ran {min(out['load_average']):.1f}-{max(out['load_average']):.1f} on "
                   f"{out['cpus']} cores", highlight=False)
-    if args.json:
-        write_output("--json", args.json, json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

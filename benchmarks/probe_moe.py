@@ -33,7 +33,6 @@ FLOPs against the probe's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -44,7 +43,7 @@ import torch
 from probe_replay import replayed
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_output
+from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.tables import print_table
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
@@ -359,10 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: loop |error| {summary([r['predicted_loop_ms'] / r['measured_loop_ms'] - 1 for r in mine])}; "
               f"one GEMM {summary([r['predicted_one_ms'] / r['measured_one_ms'] - 1 for r in mine])}; the loop's "
               f"host {min(host_us):.1f}-{max(host_us):.1f} us a GEMM (one op)")
-    if args.json:
-        write_output("--json", args.json, json.dumps({"probe": str(args.probe), "gpu": args.gpu,
-                                                      "host_kernel_us": args.host_kernel_us, "layers": compared,
-                                                      "kernels": kernels, "gemms": loops}, indent=1) + "\n")
+    write_json(args.json, {"probe": str(args.probe), "gpu": args.gpu, "host_kernel_us": args.host_kernel_us,
+                           "layers": compared, "kernels": kernels, "gemms": loops})
     return 0
 
 

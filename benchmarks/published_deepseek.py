@@ -41,7 +41,6 @@ against can only be as fast or faster. Predicted: the global batch's tokens over
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +48,7 @@ from published_memory import fullest
 from published_runs import _rows, command_text, iteration_ms
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_output
+from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.tables import print_table
 
 SOURCE = "deepseek-v3-2024.csv"  # benchmarks/published/README.md: its source and the report's sentences
@@ -150,8 +149,7 @@ def main() -> None:
     table.add_row(row["run"], f"{row['predicted_tokens_per_s_per_gpu']:,.0f}",
                   f"{row['published_tokens_per_s_per_gpu']:,.0f}", f"{row['error']:+.1%}")
     print_table(table)
-    if args.json:
-        write_output("--json", args.json, json.dumps(row, indent=1) + "\n")
+    write_json(args.json, row)
     print("\nNot modelled:")
     for what, why in NOT_MODELLED.items():
         print(f"{what}: {why}")

@@ -35,7 +35,6 @@ TransformerEngine's weight-gradient products (`--grad-accumulation fused`: every
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from pathlib import Path
@@ -43,7 +42,7 @@ from pathlib import Path
 from published_runs import _rows, command_text, iteration_ms
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_output
+from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.tables import print_table
 
 SOURCE = "nvidia-dgxc-h100.csv"
@@ -163,9 +162,7 @@ def main() -> None:
     print("\nEach row's command (its ms/step / 1000 is the predicted s):")
     for r in compared:
         print(f"{r['run']}:\n  {r['command']}")
-    if args.json:
-        rows_out = [{k: v for k, v in r.items() if k != "layout"} for r in compared]
-        write_output("--json", args.json, json.dumps({"gpu": GPU, "rows": rows_out}, indent=1) + "\n")
+    write_json(args.json, {"gpu": GPU, "rows": [{k: v for k, v in r.items() if k != "layout"} for r in compared]})
 
 
 if __name__ == "__main__":

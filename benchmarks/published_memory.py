@@ -32,7 +32,7 @@ from pathlib import Path
 from published_runs import KORTHIKANTI_SETTINGS, SEQ, Run, _rows, command_text, korthikanti_runs, megatron_runs, run_cli
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_output
+from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.tables import print_table
 from pipesim.schedules.zb_heuristic import ForkCosts, fork_csv
 
@@ -381,10 +381,8 @@ def main() -> None:
     print("\nEach row's command:")
     for r in compared + ran + titan + bubble:
         print(f"{r['run']}:\n  {r['command']}")
-    if args.json:
-        write_output("--json", args.json, json.dumps({"table2": compared, "measured_running": ran, "torchtitan": titan,
-                                                      "torchtitan_not_modelled": listed, "zero_bubble": bubble},
-                                                     indent=1) + "\n")
+    write_json(args.json, {"table2": compared, "measured_running": ran, "torchtitan": titan,
+                           "torchtitan_not_modelled": listed, "zero_bubble": bubble})
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ from published_memory import fullest
 from published_runs import _rows, command_text, megatron_schedule, p2p_sync, run_cli
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_output
+from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.tables import print_table
 
 SOURCE = "nemo-megatron-bridge-moe-h100.csv"  # benchmarks/published/README.md: its source and how to read it
@@ -478,8 +478,7 @@ def main() -> None:
         table.add_row(r["run"], f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
                       f"{r['published_tokens_per_s_per_gpu']:,.0f}", f"{r['error']:+.1%}")
     print_table(table)
-    if args.json:
-        write_output("--json", args.json, json.dumps({"gpu": GPU, "rows": compared}, indent=1) + "\n")
+    write_json(args.json, {"gpu": GPU, "rows": compared})
     print(f"|error|: {summary(compared)}")
     for source in (SOURCE, MODELZOO, DGXC):
         print(f"  {source}: {summary([r for r in compared if r['source'] == source])}")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipesim.cli import main as pipesim
-from pipesim.commands.common import refuse_unwritable, write_output
+from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.schedules import METHODS
 
 PUBLISHED = Path(__file__).resolve().parent / "published"  # the papers' tables; README.md there says how to read them
@@ -217,8 +217,7 @@ def main() -> None:
     print("\nEach row's command (s: its ms/step; layer rows: the profile's layers[1]; TFLOP/s: Eq. 3 of ms/step):")
     for command in dict.fromkeys(r["command"] for r in rows):
         print(f"{', '.join(r['run'] for r in rows if r['command'] == command)}:\n  {command}")
-    if args.json:
-        write_output("--json", args.json, json.dumps({"gpu": GPU, "rows": rows}, indent=1) + "\n")
+    write_json(args.json, {"gpu": GPU, "rows": rows})
 
 
 if __name__ == "__main__":

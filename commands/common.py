@@ -852,14 +852,19 @@ def refuse_unwritable(*outputs: tuple[str, Path | None]) -> None:
         fail(str(exc))
 
 
-def write_output(flag: str, path: Path, text: str) -> None:
-    """For a script of benchmarks/: `flag`'s output written whole or not at all (`write_atomic`); a write that fails
-    all the same (a full disk) is one line naming the flag, exit 2."""
+def write_json(path: Path | None, document: Any) -> None:
+    """For a script of benchmarks/: its --json, `document` indented one space a level, written whole or not at all
+    (`write_atomic`), nothing where --json was not given (None); a write that fails all the same (a full disk) is
+    one line naming --json, exit 2."""
+    import json
+
     from ..traces.trace import write_atomic
 
+    if path is None:
+        return
     try:
-        with writing(flag):
-            write_atomic(path, text)
+        with writing("--json"):
+            write_atomic(path, json.dumps(document, indent=1) + "\n")
     except InputError as exc:
         fail(str(exc))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipesim import traces
-from pipesim.commands.common import InputError, read_error, write_output, writing
+from pipesim.commands.common import InputError, read_error, write_json, writing
 from pipesim.study import results
 from pipesim.traces import trace
 from tests.conftest import pipesim
@@ -109,6 +109,14 @@ def test_a_benchmarks_json_that_cannot_be_written_is_refused_before_it_computes(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_benchmarks_json_is_its_document_indented_and_nothing_without_the_flag(tmp_path):
+    path = tmp_path / "x.json"
+    write_json(None, {"rows": [1]})
+    assert list(tmp_path.iterdir()) == []
+    write_json(path, {"rows": [1]})
+    assert path.read_text() == '{\n "rows": [\n  1\n ]\n}\n'
+
+
 def test_a_benchmarks_output_whose_write_fails_is_one_line_and_leaves_no_file(tmp_path, monkeypatch, capsys):
     def full(path, _):
         raise OSError(28, "No space left on device", str(path))
@@ -116,7 +124,7 @@ def test_a_benchmarks_output_whose_write_fails_is_one_line_and_leaves_no_file(tm
     monkeypatch.setattr(trace, "write_atomic", full)
     path = tmp_path / "x.json"
     with pytest.raises(SystemExit) as exited:
-        write_output("--json", path, "{}")
+        write_json(path, {})
     assert (exited.value.code, capsys.readouterr().err) == (
         2, f"error: --json: cannot write {path}: No space left on device\n")
     assert list(tmp_path.iterdir()) == []
