@@ -1765,8 +1765,7 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
     policy = order.schedule.policy
     bounds = split(order.schedule.num_stages, pipelines, tuple(map(tuple, order.per_step.tolist())),
                    policy.extra_copies, policy.master_copies, order.in_flight, order.lingering,
-                   problem.memory_cap_bytes // v,
-                   device_stages(order.schedule, order.schedule.num_stages))
+                   problem.memory_cap_bytes, device_stages(order.schedule, order.schedule.num_stages))
     return params, short, order, bounds
 
 
@@ -2522,7 +2521,13 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
       all-reduce runs on the network, beside it);
     - memory: P replicas of weights, gradients and optimizer state, the weight versions and micro-batches
       of activations its order holds at most, its policy's extra copies (its master copies as the optimizer owns
-      the weights), and an activation and a gradient in transfer at each boundary.
+      the weights), and an activation and a gradient in transfer at each boundary;
+    - the cap: the stages a device runs held together within its memory (`_fits_devices`), as `simulate
+      --stage-cut fit` holds them (planning/scenario.py `_within_shares`, `mirrored_partition`); where the fastest
+      cut with each stage within the memory does not fit so, the fastest with each stage within its share (1/v of
+      a device of v stages), as every cut was held before: a V's first stage holds the most micro-batches, its last
+      the fewest (Llama 3.1 8B's DualPipeV at p = 2, t = 2: 40.2 and 24.0 GiB of 80; held to 40 a stage, its cut
+      lost 4.6 % a step to simulate's own).
     """
     layers = layer_costs(profile.layers, optimizer)
     static = range_sums(c.static_bytes for c in layers)
@@ -2552,7 +2557,7 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
 
     @cache
     def split(stages: int, pipelines: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
-              master_copies: int, in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int,
+              master_copies: int, in_flight: tuple[int, ...], lingering: tuple[int, ...], device_bytes: int,
               devices: tuple[tuple[int, ...], ...]) -> list[int]:
         summed = summed_ms(pipelines)
         held = pipelines * static + buffers
@@ -2565,8 +2570,12 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
         if master_copies:
             copies += (((master_copies,) * stages, owned),)
         stage_bytes = ScaledRanges(held, (*copies, (in_flight, activations)))
+        most_held = max(map(len, devices))
         try:
-            return partition(layers, stages, budget_bytes, stage_bytes, stage_time, devices)
+            cut = partition(layers, stages, device_bytes, stage_bytes, stage_time, devices)
+            if most_held == 1 or _fits_devices(stage_bytes, cut, devices, device_bytes):
+                return cut
+            return partition(layers, stages, device_bytes // most_held, stage_bytes, stage_time, devices)
         except OverCapError as exc:
             return exc.leanest
 
@@ -2591,6 +2600,17 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
 
     split.stage_ms = stage_ms
     return split
+
+
+def _fits_devices(stage_bytes: ScaledRanges, cut: list[int], devices: Sequence[Sequence[int]],
+                  device_bytes: int) -> bool:
+    """Whether each device holds the stages it runs (`devices`, per device, as `partition` takes them) of `cut`
+    within `device_bytes`, each stage's bytes as `stage_bytes` counts them."""
+    def held(k: int) -> int:
+        start, stop = cut[k], cut[k + 1]
+        return stage_bytes.base[start, stop] + sum(scales[k] * table[start, stop]
+                                                   for scales, table in stage_bytes.terms)
+    return all(sum(map(held, stages)) <= device_bytes for stages in devices)
 
 
 def _each_layer_op_ms(profile: Profile, optimizer: str) -> Callable[[int], np.ndarray]:
