@@ -491,8 +491,19 @@ def per_expert_products(layer: LayerCount) -> LayerCount:
     scaling only, planning/fp8.py `Fp8Recipe.fuses_split_casts`). Each product is then one expert's, a kernel the
     host issues (planning/host.py), running beside the GEMMs on the other streams (`GEMM_STREAMS`, or as many as
     there are experts): each a share of the waves they fill together and of one kernel overhead
-    (planning/estimate.py `matmul_ms`), as the streams overlap one GEMM's tail with the next's start."""
+    (planning/estimate.py `matmul_ms`), as the streams overlap one GEMM's tail with the next's start.
+
+    The ops the count marks as a local expert's each (`OpCount.per_expert`: TEGroupedMLP's `_apply_bias`, which
+    adds the down product's bias to each local expert's split apart, `t + b * p`, then joins the splits by one
+    `torch.cat`: megatron/core/transformer/moe/experts.py at 0d8e0714cd line 843, b0cc2706 and 55ac708 line 609,
+    core_v0.17.0 line 251) run once a local expert too, each a kernel the host issues: forward its mul and add,
+    backward the mul's two products by the other operand and their reductions to the bias's and the weights'
+    shapes, the add passing its gradient on."""
+    local = next((op.shape[0] for op in layer.ops.get("fwd", ()) if _grouped(op)), 1)
+
     def split(op: OpCount) -> OpCount:
+        if op.per_expert and local > 1:
+            return replace(op, count=op.count * local, flops=op.flops // local, moved_bytes=op.moved_bytes // local)
         if not _grouped(op) or op.shape[0] == 1:
             return op
         batch, *dims = op.shape

@@ -20,10 +20,12 @@ te: TransformerEngine's delayed scaling (recipe.DelayedScaling, its default) as 
   (transformer_engine/pytorch/module/linear.py: `saved_inputmat_t = inputmat_t` under fp8).
 te-current: TransformerEngine's current scaling (recipe.Float8CurrentScaling; Megatron-core's fp8_recipe
   "tensorwise", Megatron-Bridge's fp8cs configs, the performance summaries' FP8-CS) as te otherwise: each tensor's
-  scale comes from its own amax, so a cast is three kernels (transformer_engine/pytorch/csrc/quantizer.cpp,
-  `Float8CurrentScalingQuantizer::quantize_impl`): the amax (`nvte_compute_amax`, reads the tensor), the scale
-  from it (`nvte_compute_scale_from_amax`, one value) and the cast-transpose (`nvte_quantize_v2`). The amaxes'
-  all-reduce over the tensor-parallel group it runs for a sequence-parallel input is not modelled.
+  scale comes from its own amax, so a cast is four kernels (transformer_engine/pytorch/csrc/quantizer.cpp,
+  `Float8CurrentScalingQuantizer::quantize_impl`, at TransformerEngine v2.9, v2.12 and v2.14): the amax
+  (`nvte_compute_amax_with_config`, which zeroes it first with a one-thread kernel and then reads the tensor:
+  common/recipe/current_scaling.cu `launch_amax_kernel`'s `zero_amax_kernel<<<1, 1>>>` and `amax_kernel`), the
+  scale from it (`nvte_compute_scale_from_amax`, one value) and the cast-transpose (`nvte_quantize_v2`). The
+  amaxes' all-reduce over the tensor-parallel group it runs for a sequence-parallel input is not modelled.
 torchao: torchao.float8's tensorwise dynamic scaling as torchtitan runs it (float8_linear.py,
   `matmul_with_hp_or_float8_args`). A cast is two kernels: the amax (reads the tensor) and the scaled cast
   (reads it, writes float8). The forward casts the input and the weight; the backward casts the output's
@@ -163,7 +165,7 @@ FP8_RECIPES = {
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False,
                          split_accumulation=BACKWARD_PASSES),
 }
-FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("amax", 1, 0), ("scale", 0, 0),
+FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("zero_amax", 0, 0), ("amax", 1, 0), ("scale", 0, 0),
                                                                   ("cast_transpose", 1, 2)), fuses_split_casts=False)
 FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
 # DeepSeek-V3's activation tile (its report, 3.3.2): 1x128 elements a float32 scale, as deepseek-ai/DeepGEMM's

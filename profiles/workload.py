@@ -81,6 +81,9 @@ class OpCount:
     # it back, `epilogue_bytes`, apart from `moved_bytes`: planning/estimate.py `accumulating`); 0: it writes its
     # output, counted in `moved_bytes`; never counted
     accumulates_into: int = 0
+    # an op Megatron-core issues once a local expert where the count batches it over the experts (`_apply_bias`'s
+    # mul and add, their backward: workload/moe.py `per_expert_now`), which `per_expert_products` issues so
+    per_expert: bool = False
 
     @property
     def epilogue_bytes(self) -> int:

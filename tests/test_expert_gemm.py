@@ -13,7 +13,7 @@ import pytest
 from pipesim.planning.experts import per_expert_products
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 from pipesim.profiles.workload import LayerCount, OpCount
-from tests.conftest import pipesim
+from tests.conftest import needs_transformers, pipesim
 
 EXPERTS, TOKENS, WIDTH, FFN = 8, 64, 128, 256  # a rank's 8 local experts, 64 token copies each
 
@@ -47,6 +47,12 @@ def test_current_scaling_casts_each_experts_split_and_delayed_scaling_all_in_one
     forward = in_float8(per_expert_products(_layer()), FP8_RECIPES[recipe], 2).ops["fwd"]
     casts = [op for op in forward if op.op == "fp8_cast_transpose_input" and op.shape == (TOKENS, WIDTH)]
     assert [op.count for op in casts] == [kernels]
+    # current scaling's quantize of a split: zero its amax (a one-thread kernel), the amax, the scale, the cast
+    # (TransformerEngine v2.9 to v2.14: quantizer.cpp `quantize_impl`, current_scaling.cu `launch_amax_kernel`)
+    before = [(op.op, op.count) for op in forward if op.op.startswith("fp8_") and op.op.endswith("_input")
+              and op.shape == (TOKENS, WIDTH)]
+    assert before == ([(f"fp8_{kernel}_input", EXPERTS) for kernel in ("zero_amax", "amax", "scale", "cast_transpose")]
+                      if recipe == "te-current" else [("fp8_cast_transpose_input", 1)])
     assert casts[0].count * casts[0].moved_bytes == EXPERTS * TOKENS * WIDTH * (2 + 2)
     grouped = [op for op in in_float8(_layer(), FP8_RECIPES[recipe], 2).ops["fwd"]
                if op.op == "fp8_cast_transpose_input" and op.shape == (TOKENS, WIDTH)]
@@ -69,7 +75,7 @@ MOE = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len
 
 
 def test_the_cli_prices_a_moe_layer_per_expert_and_leaves_the_rest(tmp_path):
-    """A rank's 4 local experts: each product a kernel of its own and each cast three, so the MoE layers' passes
+    """A rank's 4 local experts: each product a kernel of its own and each cast four, so the MoE layers' passes
     take longer and the host issues more of their forward kernels; the embedding's forward (before the first
     dispatch: the host runs ahead, planning/host.py) is unchanged."""
     out = {}
@@ -132,3 +138,50 @@ def test_tune_refuses_per_expert_on_a_dense_model_as_such():
     code, out, err = pipesim("tune", *dense, "-D", 8, "-B", 16, "--expert-gemm", "per-expert")
     assert code == 2 and not out
     assert err.strip().splitlines()[-1].startswith("error: --expert-gemm per-expert runs a mixture of experts'")
+
+
+def test_megatron_cores_bias_ops_marked_a_local_experts_run_once_a_local_expert():
+    """An op the count marks as a local expert's (`OpCount.per_expert`: `_apply_bias`'s mul and add, batched over
+    the experts in the count) becomes one kernel a local expert, the batch of the layer's grouped products, with
+    the same bytes; an unmarked memory op stays one kernel."""
+    bias = OpCount("add", "memory", (EXPERTS, TOKENS, WIDTH), 0, 3 * EXPERTS * TOKENS * WIDTH * 2, 1, routed=True,
+                   per_expert=True)
+    cat = OpCount("cat", "memory", (EXPERTS * TOKENS, WIDTH), 0, 2 * EXPERTS * TOKENS * WIDTH * 2, 1, routed=True)
+    layer = _layer()
+    layer = replace(layer, ops={**layer.ops, "fwd": (*layer.ops["fwd"], bias, cat)})
+    *_, each, joined = per_expert_products(layer).ops["fwd"]
+    assert (each.count, each.count * each.moved_bytes) == (EXPERTS, bias.moved_bytes)
+    assert joined == cat
+    assert per_expert_products(replace(layer, ops={**layer.ops, "fwd": (bias,)})).ops["fwd"] == (bias,)  # no experts
+
+
+def _issued(tmp_path, model: str, how: str) -> dict[str, int]:
+    """The MoE layer's kernels a pass under `--expert-gemm how`: its time at 2 ms a kernel less at 1 ms."""
+    from tests.test_host_bound import layers
+
+    slow, slower = (layers(tmp_path, "--model", model, "--seq-len", 32, "-b", 2, "--gpu", "h100-sxm",
+                           "--data-parallel", 2, "--expert-parallel", 2, "--dtype", "bf16", "--expert-gemm", how,
+                           "--host-kernel-us", us)[1] for us in (1000, 2000))
+    return {name: round(slower[name]["median_ms"] - slow[name]["median_ms"]) for name in ("fwd", "bwd", "igrad",
+                                                                                           "wgrad")}
+
+
+@needs_transformers
+def test_megatron_core_adds_gpt_oss_down_bias_one_local_expert_at_a_time(tmp_path):
+    """TEGroupedMLP's `_apply_bias` (megatron/core/transformer/moe/experts.py at 0d8e0714cd, b0cc2706, core_v0.17.0)
+    adds the down product's bias to each local expert's split apart, `t + b * p`: a mul and an add a local expert
+    forward; backward the mul's products by the router's weights and by the bias and their reductions to the bias's
+    and the weights' shapes (4 a local expert; 2 in each of a split backward's passes), the add passing its gradient
+    on. At 8 experts over 2 ranks, 4 local experts: 3 more each than the count's batched one, beyond what the
+    per-expert GEMMs add to Mixtral's experts, which have no bias."""
+    from tests.test_hf import write_config
+    from tests.test_moe import GPT_OSS, MIXTRAL
+
+    oss, mixtral = (f"hf:{write_config(tmp_path / name, fields)}" for name, fields in (("oss", GPT_OSS),
+                                                                                        ("mixtral", MIXTRAL)))
+    added = {}
+    for name, model in (("oss", oss), ("mixtral", mixtral)):
+        per_expert, grouped = (_issued(tmp_path, model, how) for how in ("per-expert", "grouped"))
+        added[name] = {key: per_expert[key] - grouped[key] for key in per_expert}
+    assert {key: added["oss"][key] - added["mixtral"][key] for key in added["oss"]} == {
+        "fwd": 2 * 3, "bwd": 4 * 3, "igrad": 2 * 3, "wgrad": 2 * 3}

@@ -1,5 +1,5 @@
 """--fp8-recipe te-current: TransformerEngine's current scaling (Megatron-core's tensorwise, the FP8-CS of NVIDIA's
-performance summaries) casts each tensor after its own amax: three kernels where delayed scaling runs one
+performance summaries) casts each tensor after its own amax: four kernels where delayed scaling runs one
 (planning/fp8.py), everything else as te; published_moe runs it where a row's recipe did."""
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_each_cast_reads_its_tensor_for_the_amax_then_casts_it_as_te_does():
-    """Per cast of te's cast-transpose (reads 2 bytes an element, writes 2), te-current runs an amax kernel reading
-    the same 2 bytes and a scale kernel of one value first; the products and what the forward saves are te's."""
+    """Per cast of te's cast-transpose (reads 2 bytes an element, writes 2), te-current first zeroes the amax (a
+    one-thread kernel: TransformerEngine's `zero_amax_kernel`, v2.9 to v2.14), runs an amax kernel reading the same
+    2 bytes and a scale kernel of one value; the products and what the forward saves are te's."""
     layer = _layer(4096, 2048)
     te, current = (in_float8(layer, FP8_RECIPES[name], 2) for name in ("te", "te-current"))
     for name in ("fwd", "bwd"):
         te_casts = [op for op in te.ops[name] if op.op.startswith("fp8_")]
         casts = [op for op in current.ops[name] if op.op.startswith("fp8_")]
-        assert te_casts and len(casts) == 3 * len(te_casts)
-        for cast, (amax, scale, again) in zip(te_casts, zip(casts[::3], casts[1::3], casts[2::3])):
-            assert again == cast and scale.moved_bytes == 0
+        assert te_casts and len(casts) == 4 * len(te_casts)
+        for cast, (zero, amax, scale, again) in zip(te_casts, zip(*(casts[i::4] for i in range(4)))):
+            assert again == cast and zero.moved_bytes == scale.moved_bytes == 0
+            assert zero.op.startswith("fp8_zero_amax") and zero.count == cast.count
             assert amax.op.startswith("fp8_amax") and amax.moved_bytes * 2 == cast.moved_bytes
         assert [op for op in current.ops[name] if not op.op.startswith("fp8_")] == \
             [op for op in te.ops[name] if not op.op.startswith("fp8_")]

@@ -87,6 +87,7 @@ _recording: list[Dispatched] = []  # the records open, innermost last
 _fusing: list[bool] = []  # `fused_swiglu`'s settings open, innermost last
 _gating: list[bool] = []  # a router's gating product under way (`gating_now`)
 _routing: list[bool] = []  # a mixture of experts' router under way (`router_now`)
+_per_expert: list[bool] = []  # ops a runtime issues once a local expert under way (`per_expert_now`)
 # The recomputation regions under way that no module marks (workload/count.py's `_Regions` reads it): the routed
 # experts' activation, Megatron-core's "moe_act" (`--recompute-modules`)
 OPEN_REGIONS: list[str] = []
@@ -138,6 +139,27 @@ def router_now() -> bool:
     expert, or its shared expert's gate's, to one score a token (`routing`): tensor parallelism keeps its weight
     whole (planning/estimate.py `_weight_splits`)."""
     return bool(_routing)
+
+
+def per_expert_now() -> bool:
+    """Whether the op running is one Megatron-core issues once a local expert where the count batches it over the
+    experts (`_apply_bias`'s, forward and backward: `_per_local_expert`)."""
+    return bool(_per_expert)
+
+
+def _per_local_expert(*made: torch.Tensor) -> None:
+    """Mark the backward of the ops that made `made` (their autograd nodes, whose hooks bracket each node's
+    kernels, the engine's reductions of a broadcast operand's gradient included) as `per_expert_now`, as the
+    forward's ran inside `_open(_per_expert, True)`."""
+    def enter(grads: Any) -> None:
+        _per_expert.append(True)
+
+    def leave(grads: Any, given: Any) -> None:
+        _per_expert.pop()
+
+    for node in (t.grad_fn for t in made if t.grad_fn is not None):
+        node.register_prehook(enter)
+        node.register_hook(leave)
 
 
 def routing() -> AbstractContextManager[None]:
@@ -320,7 +342,9 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     experts.py, core_v0.15.0 to core_v0.18.0): the up product's added by the product itself (linear_fc1's
     skip_bias_add False: TransformerEngine's GroupedLinear adds it), the down product's returned apart
     (skip_bias_add True) and `_apply_bias`'s: each local expert's outputs plus its bias times the router's
-    weights, `t + b * p`, the experts' results then joined by one `torch.cat`."""
+    weights, `t + b * p`, the experts' results then joined by one `torch.cat`; the count batches that mul and add
+    over the experts, forward and backward, marked as ops Megatron-core issues once a local expert
+    (`per_expert_now`, which planning/experts.py `per_expert_products` issues so)."""
     tokens, width = hidden.shape
     experts, top_k = up.shape[0], top_k_index.shape[-1]
     out = torch.zeros_like(hidden)
@@ -353,8 +377,12 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
             OPEN_REGIONS.pop()
         _experts_own(weighted)
         done = torch.bmm(weighted, down)
-        if biases is not None:  # `_apply_bias`: each expert's t + b * p, joined
-            done = torch.cat(tuple(_experts_own(done + _experts_own(biases[1].unsqueeze(1) * scale)[0])[0]))
+        if biases is not None:  # `_apply_bias`: each local expert's t + b * p, joined by one torch.cat
+            with _open(_per_expert, True):
+                scaled = _experts_own(biases[1].unsqueeze(1) * scale)[0]
+                biased = _experts_own(done + scaled)[0]
+            _per_local_expert(scaled, biased)
+            done = torch.cat(tuple(biased))
         return out.index_put((token,), done.view(experts * each, width), accumulate=True)  # keeps the index only
     limit = capacity(tokens, top_k, experts, capacity_factor)
     for expert in range(experts):
