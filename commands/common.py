@@ -656,6 +656,21 @@ def refused_with_flags() -> Iterator[None]:
         raise InputError(flag_line(exc)) from None
 
 
+def check_estimate_experts(measured, stages: int, data_parallel: int) -> None:
+    """A --profile estimated with E expert-parallel ranks runs them (`Scenario.order_params`), drawn from this run's
+    replicas as its rank order draws them (planning/ranks.py `estimated_experts_refusal`), in simulate and sweep: a d
+    they do not divide was a traceback, no ranks left to reduce the experts' gradients over."""
+    from ..planning.ranks import estimated_experts_refusal
+
+    if measured is None or measured.estimate is None:
+        return
+    parallelism = measured.estimate.parallelism
+    refusal = estimated_experts_refusal(parallelism, stages, data_parallel)
+    if refusal is not None:
+        raise InputError(f"--data-parallel {data_parallel}: the profile was estimated with --expert-parallel "
+                         f"{parallelism['expert']}, and {flag_line(refusal)}")
+
+
 def check_expert_parallel(expert_parallel: int, net) -> None:
     """--expert-parallel E needs a mixture of experts (`net`) whose routed experts E divides
     (planning/experts.py `check_expert_ranks`)."""

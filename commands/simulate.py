@@ -53,6 +53,7 @@ from .common import (
     Zero,
     allocator_fields,
     check_allocator,
+    check_estimate_experts,
     check_method_options,
     check_outputs,
     check_p2p_sync,
@@ -268,6 +269,8 @@ def simulate(
         experts = ctx.params.get("expert_parallel", 1)
         if what is None and experts > 1:
             _check_profile_experts(scenario.measured, experts, data_parallel)
+        if what is None:
+            check_estimate_experts(scenario.measured, stages, data_parallel)
 
         def build(name: str, count: int):
             method = METHODS[name]

@@ -35,6 +35,7 @@ from .common import (
     Zero,
     allocator_fields,
     check_allocator,
+    check_estimate_experts,
     check_outputs,
     check_p2p_sync,
     expert_overlap_options,
@@ -232,6 +233,8 @@ def sweep(
             axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
             axes.get("cost-scale", (1.0,)), axes.get("prediction"), axes.get("activation-limit"),
             search["search_seconds"], data_parallel, reduce_after_flush, zero_stage(ctx.params)).configs()
+        for p in sorted({config.stages for config in configs}) if what is None else ():
+            check_estimate_experts(scenario.measured, p, data_parallel)
         # (scenario, the configurations it runs): an estimate depends on p (which links a stage boundary crosses)
         jobs = [(scenario, list(range(len(configs))))]
         if what is not None:

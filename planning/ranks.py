@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..choices import choose_from
 
@@ -117,6 +118,21 @@ def check_expert_replicas(e: int, d: int) -> None:
         raise RankOrderError(f"expert: {e} must divide the data-parallel degree, {d}: give {{data}} a multiple of {e} "
                              "(pipesim's rank order and `pipesim run` draw its ranks from the data-parallel replicas; "
                              "Megatron-core's order folds them over t·C·d)")
+
+
+def estimated_experts_refusal(parallelism: Mapping[str, Any], stages: int, data: int) -> RankOrderError | None:
+    """Why a profile estimated with E > 1 expert-parallel ranks (its `parallelism`) cannot run them at d = `data`
+    replicas of `stages`, its t, C and ETP kept, as its rank order places them (`expert_grid`); None where it can,
+    or at E = 1. Its schedules run the estimate's E wherever they are planned (`Scenario.order_params`)."""
+    experts = int(parallelism.get("expert", 1))
+    if experts == 1:
+        return None
+    try:
+        expert_grid(parallelism.get("rank_order", "pipesim"), int(parallelism.get("tensor", 1)),
+                    int(parallelism.get("context", 1)), stages, data, experts, parallelism.get("expert_tensor"))
+    except RankOrderError as exc:
+        return exc
+    return None
 
 
 def _check(order: str) -> None:

@@ -116,6 +116,7 @@ from ..sim.engine import device_product_ms, product_delay, simulate, static_byte
 from ..traces import Summary, Trace, summarize
 from ..units import GIB, count_text
 from .auto import activation_ratio, check_shape, schedule_frame
+from .ranks import estimated_experts_refusal
 from .scenario import CollectiveLink, Scenario, device_stages, held_weights, over_expert_groups, profile_costs
 
 RUNNERS_UP = 5
@@ -1257,8 +1258,8 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
         profile = scenario.measured
         layers = len(profile.layers)
         work = _work(profile, scenario.optimizer)
-        depths = [p for p in _depths(problem.devices // t, layers, _prices_data_parallel(profile))
-                  if setting.depths is None or p in setting.depths] if problem.devices % t == 0 else []
+        depths = [p for p in _placed_depths(setting, problem.devices)
+                  if setting.depths is None or p in setting.depths]
         context = scenario.order_params(ScheduleParams(1, 1)).context_parallel  # the C ranks that shard with d
         zero = {p: problem.zero if problem.devices // (p * t) * context > 1 else 0 for p in depths}
         held = {p: work.static_bytes - work.grad_bytes * (zero[p] >= 2) - work.param_bytes * (zero[p] >= 3)
@@ -2721,6 +2722,18 @@ def _depths(devices: int, layers: int, data_parallel: bool) -> list[int]:
     return [p for p in range(1, min(devices, layers) + 1) if devices % p == 0 and (data_parallel or p == devices)]
 
 
+def _placed_depths(setting: Setting, devices: int) -> list[int]:
+    """The setting's depths p (`_depths`, of D/t) whose d = D/(p·t) replicas hold the expert-parallel ranks its
+    estimate was made with (planning/ranks.py `estimated_experts_refusal`): a --profile estimated at E = 8 planned
+    at d = 4 was a traceback."""
+    profile, t = setting.scenario.measured, setting.tensor
+    if devices % t:
+        return []
+    parallelism = profile.estimate.parallelism if profile.estimate is not None else {}
+    return [p for p in _depths(devices // t, len(profile.layers), _prices_data_parallel(profile))
+            if estimated_experts_refusal(parallelism, p, devices // (p * t)) is None]
+
+
 def _prices_data_parallel(profile: Profile) -> bool:
     """Whether the profile prices a data-parallel all-reduce: an estimate's link, or measured all-reduce times."""
     return profile.estimate is not None or bool(profile.allreduce and profile.allreduce.points)
@@ -2731,10 +2744,14 @@ def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int, r
     refusal (`_Orders.refusals`)."""
     profile = settings[0].scenario.measured  # the model's layers are the same in every setting
     sizes = " or ".join(map(str, sorted({setting.microbatch_size for setting in settings})))
-    if not any(_depths(problem.devices // s.tensor, len(profile.layers), _prices_data_parallel(s.scenario.measured))
-               for s in settings if problem.devices % s.tensor == 0):
+    if not any(_placed_depths(s, problem.devices) for s in settings):
+        experts = profile.estimate.parallelism.get("expert", 1) if profile.estimate is not None else 1
         return (f"no pipeline depth p: p must divide --devices {problem.devices}, be at most the model's "
-                f"{len(profile.layers)} layers and, as the profile has no all-reduce times, equal D")
+                f"{len(profile.layers)} layers and, as the profile has no all-reduce times, equal D"
+                if experts == 1 else
+                f"no pipeline depth p: p must divide --devices {problem.devices}, be at most the model's "
+                f"{len(profile.layers)} layers and leave d = D/(p·t) replicas over which the profile's rank order "
+                f"places the E = {experts} expert-parallel ranks it was estimated with")
     if not shapes:
         return (f"no configuration: the batch of {problem.batch_size} samples must split into whole micro-batches "
                 f"of {sizes} over r = D/p replicas and P pipelines for some pipeline depth p dividing "

@@ -114,3 +114,27 @@ def test_the_table_and_json_show_c_and_count_every_gpu(monkeypatch):
         words = " ".join(out.split())
         assert words.startswith("gpt on 8 x NVIDIA H100") and "C = 2 context-parallel ranks" in words
         assert "over the 8 GPUs' dense peak" in words
+
+
+def test_a_profile_estimated_over_4_expert_ranks_runs_where_the_replicas_hold_them(tmp_path, monkeypatch):
+    """An estimate's E = 4 expert-parallel ranks are drawn from the replicas (pipesim's rank order): simulate and
+    sweep at d = 2 and tune at p·d = 8 with p = 4 priced the experts' gradients over 2 // 4 = 0 ranks, a traceback.
+    simulate and sweep refuse such a d in one line, tune plans only the depths whose d holds them, and says so
+    where none does."""
+    path = _estimated(tmp_path, "--experts", 4, "--top-k", 2, "-p", 2, "--data-parallel", 4, "--expert-parallel", 4)
+    code, out, err = pipesim("tune", "--profile", path, "-D", 8, "-B", 16, "-s", "1f1b", "--json")
+    assert code == 0, err
+    assert {(row["replicas"], row["expert_parallel"]) for row in tune_rows(json.loads(out))} <= {(4, 4), (8, 4)}
+    code, out, err = pipesim("simulate", "--profile", path, "-s", "1f1b", "-m", 4, "--data-parallel", 8)
+    assert code == 0, err
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    assert refused("simulate", "--profile", path, "-s", "1f1b", "-m", 4, "--data-parallel", 2).startswith(
+        "error: --data-parallel 2: the profile was estimated with --expert-parallel 4, and --expert-parallel 4 must "
+        "divide the data-parallel degree, 2: give --data-parallel a multiple of 4")
+    assert refused("sweep", "--profile", path, "-s", "1f1b", "--stages", 2, "--microbatches", 4).startswith(
+        "error: --data-parallel 1: the profile was estimated with --expert-parallel 4")
+    assert refused("tune", "--profile", path, "-D", 2, "-s", "1f1b") == (
+        "error: no pipeline depth p: p must divide --devices 2, be at most the model's 6 layers and leave d = "
+        "D/(p·t) replicas over which the profile's rank order places the E = 4 expert-parallel ranks it was "
+        "estimated with\n")
