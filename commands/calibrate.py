@@ -40,7 +40,7 @@ from .common import (
     read_error,
     refuse,
     require,
-    require_model_data,
+    require_model,
     stderr,
     stdout,
     writing,
@@ -149,8 +149,7 @@ def calibrate(
     if starts_processes:  # first: their server imports torch while this process does
         prepare()
     try:
-        require("pipesim calibrate", "torch")
-        require_model_data("pipesim calibrate", model)
+        require_model("pipesim calibrate", model)
         if runtime:  # its probe times the executor on a small mlp, which draws the digits
             require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
         check_outputs([("--out", out)], model_reads(ctx.params))

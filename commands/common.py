@@ -944,10 +944,16 @@ def require(needer: str, *modules: str) -> None:
             raise InputError(f"{needer} needs {package}, which is not installed: {hint}")
 
 
-def require_model_data(needer: str, model: str) -> None:
-    """scikit-learn, for a built-in model that trains on its digits data; transformers, for a Hugging Face config
-    (call after torch is required: the models are torch code)."""
+def require_model(needer: str, model: str, torch_needer: str | None = None) -> None:
+    """Before any work, for --model `model`: a name of a model (workload/sizes.py `model_name_refusal`: a misspelt
+    one was refused only after torch's import, 4 s); torch (needed by `torch_needer`, default `needer`); scikit-learn
+    for a built-in model that trains on its digits data; transformers for a Hugging Face config."""
     from ..profiles.workload import is_hf
+    from ..workload.sizes import model_name_refusal
+
+    if (refusal := model_name_refusal(model)) is not None:
+        raise InputError(refusal)
+    require(torch_needer or needer, "torch")
     from ..workload.models import DIGITS_MODELS
 
     if model in DIGITS_MODELS:

@@ -21,8 +21,7 @@ from .common import (
     ModelName,
     fail,
     model_shape_options,
-    require,
-    require_model_data,
+    require_model,
     stderr,
 )
 from .tables import print_table
@@ -44,8 +43,7 @@ def count(
     backward, weight and Adam-state bytes, and the tensor each layer outputs (what a stage ending there sends)."""
     dtype, attention = ctx.params["dtype"], attention_of(ctx.params["attention"], model)
     try:
-        require("pipesim count", "torch")
-        require_model_data("pipesim count", model)
+        require_model("pipesim count", model)
         if dtype not in DTYPES:
             raise InputError(choose_from("--dtype", DTYPES, dtype))
         import torch

@@ -44,8 +44,7 @@ from .common import (
     read_error,
     refuse,
     refused_with_flags,
-    require,
-    require_model_data,
+    require_model,
     stderr,
     stdout,
     what_if_options,
@@ -520,8 +519,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
         counted = _read_count(cache)
         if counted is not None:
             return replace(counted, model=model)  # a config is kept by its content, whatever path named it
-    require(needer, "torch")
-    require_model_data(needer.split()[0], model)
+    require_model(needer.split()[0], model, needer)
     import torch
 
     from ..workload.count import ATTENTION, count_built

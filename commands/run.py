@@ -61,8 +61,7 @@ from .common import (
     read_error,
     refuse,
     refused_with_flags,
-    require,
-    require_model_data,
+    require_model,
     search_options,
     search_progress,
     searched_scenario,
@@ -174,8 +173,7 @@ def run(
     if not under_torchrun():  # first: this command starts the ranks, and their server imports while it does
         prepare()
     try:
-        require("pipesim run", "torch")
-        require_model_data("pipesim run", model)
+        require_model("pipesim run", model)
         from ..calibrate.measure import DeviceError, resolve_device
         from ..executor import ExecutorError, RunSpec, carried_bounds
         from ..executor.replicas import Layout

@@ -29,8 +29,7 @@ from .common import (
     fail,
     is_given,
     read_error,
-    require,
-    require_model_data,
+    require_model,
     stderr,
     stdout,
     writing,
@@ -130,8 +129,7 @@ def study(
                               minibatches, pipelines)
             chosen = arms(setting, schedules or list(DEFAULT_METHODS), prediction)
             seed_list = list(range(seeds))
-            require("pipesim study", "torch")
-            require_model_data("pipesim study", model)
+            require_model("pipesim study", model)
             _check_model(setting)
             saved = open_results(results, setting)
             from ..calibrate.contention import ContentionError

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from pipesim.choices import choose_from, unknown_names
+from pipesim.choices import choose_from
 from pipesim.profiles.workload import is_hf
 from pipesim.workload import data
 from pipesim.workload.moe import (
@@ -36,7 +36,7 @@ from pipesim.workload.moe import (
     routing,
 )
 from pipesim.workload.rope import rotated
-from pipesim.workload.sizes import DEFAULT_SIZES, size_refusal
+from pipesim.workload.sizes import DEFAULT_SIZES, model_name_refusal, size_refusal
 
 MAX_CNN_CHANNELS = 512
 BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
@@ -507,9 +507,8 @@ def build_model(name: str, **options: int) -> Model:
             raise ModelError(f"--{next(iter(given)).replace('_', '-')} applies to the built-in models only; "
                              f"{name} is built by its own code")
         return load_model(name)
-    if name not in MODELS:
-        raise ModelError(f"{unknown_names('--model', [name], MODELS)}, or give "
-                         "package.module:attribute or hf:PATH (a Hugging Face config.json)")
+    if (refusal := model_name_refusal(name)) is not None:
+        raise ModelError(refusal)
     takes = model_options(name)
     wrong = [key for key in given if key not in takes]
     if wrong:
