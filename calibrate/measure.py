@@ -156,7 +156,8 @@ def precise(samples: list[float], tolerance: float, floor_ms: float = FLOOR_MS) 
     return (interval[1] - interval[0]) / 2 <= max(tolerance * float(np.median(samples)), floor_ms)
 
 
-Phase = tuple[Hashable, Callable[[Any], Any]]  # a name, and the work: the previous phase's result in, its own out
+# a name (None: run untimed, as `_time` says), and the work: the previous phase's result in, its own out
+Phase = tuple[Hashable | None, Callable[[Any], Any]]
 
 
 def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None = None,
@@ -169,10 +170,11 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
     untimed pass before a step costs a hundred times the step), so one noisy phase repeats its own sequence,
     not every other. A phase hands its result to the next (a forward's graph to its backward), so no untimed
     work is repeated just to set one up; the last result is released after the clock stops, so freeing it is
-    not charged to any phase. A name in several sequences pools their samples. On a GPU a phase is queued
-    behind the one before it, its host issuing while the GPU still runs that one; one whose name is `idle` starts
-    on an idle GPU instead (the device synchronised first), so the time its host takes to issue it, where that
-    outlasts its kernels, is in its time (`StagePasses`)."""
+    not charged to any phase. A phase named None is run untimed: the work a timed one needs done before or after it
+    (the pass whose caches a step finds, the spares a prediction gives back). A name in several sequences pools
+    their samples. On a GPU a phase is queued behind the one before it, its host issuing while the GPU still runs
+    that one; one whose name is `idle` starts on an idle GPU instead (the device synchronised first), so the time
+    its host takes to issue it, where that outlasts its kernels, is in its time (`StagePasses`)."""
     samples: dict[Hashable, list[float]] = {}
     rounds = settings.warmup + settings.repeats
     active = list(sequences)
@@ -183,7 +185,9 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
         for sequence in active:
             state = None
             for name, run in sequence:
-                if settings.cuda:
+                if name is None:
+                    state = run(state)
+                elif settings.cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     if idle(name):
                         torch.cuda.synchronize()
@@ -203,7 +207,8 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
         for name, sample in timed:
             samples.setdefault(name, []).append(sample[0].elapsed_time(sample[1]) if settings.cuda else sample)
         active = [sequence for sequence in active
-                  if not all(precise(samples[name], tolerance, floor_ms(name)) for name, _ in sequence)]
+                  if not all(precise(samples[name], tolerance, floor_ms(name)) for name, _ in sequence
+                             if name is not None)]
         if not active:
             break
     return {name: _timing(ms) for name, ms in samples.items()}
@@ -594,10 +599,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
             zero = _zero(settings)
             out.append(({name: StepTimes(step=zero, predict=zero) for name in OPTIMIZERS}, zero, zero, zero))
             continue
-        enough_ms = STEP_SHARE * (passes[k].fwd.median_ms + passes[k].bwd.median_ms) if passes else 0.0
-
-        def floor_ms(name: Hashable, enough_ms: float = enough_ms) -> float:
-            return math.inf if name in ("pass", "drop") else max(FLOOR_MS, enough_ms)
+        floor_ms = max(FLOOR_MS, STEP_SHARE * (passes[k].fwd.median_ms + passes[k].bwd.median_ms) if passes else 0.0)
         stage_pass = partial(_stage_pass, run)
         if passes and len(run.into) == len(run.weights):  # they left its gradients and what a forward saves
             pass_ms = passes[k].fwd.median_ms + passes[k].bwd.median_ms
@@ -612,12 +614,13 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
             advance(f"stage {k}: {name} step and prediction")
             state = StageWeights(run.module, name, LEARNING_RATE, label=f"stage {k}", device=settings.device)
             # The step runs first in every round, so the prediction always has a direction to extrapolate.
-            times = _time(settings, [("pass", _call_with(after_pass, state.current, state)),
+            times = _time(settings, [(None, _call_with(after_pass, state.current, state)),
                                      ("step", _call_with(state.step, False))],
-                          [("pass", _call_with(after_pass, state.current)),
+                          [(None, _call_with(after_pass, state.current)),
                            ("predict", lambda _, state=state: state.predict((state.version, 1, "F"))),
-                           ("drop", lambda predicted, state=state: state.free_predicted(
-                               (predicted.version, predicted.distance, "F")))], floor_ms=floor_ms)
+                           (None, lambda predicted, state=state: state.free_predicted(
+                               (predicted.version, predicted.distance, "F")))],
+                          floor_ms=lambda name, floor_ms=floor_ms: floor_ms)
             steps[name] = StepTimes(step=times["step"], predict=times["predict"])
         advance(f"stage {k}: gradient accumulation, weight copy, elastic averaging")
         state = StageWeights(run.module, "sgd", LEARNING_RATE, label=f"stage {k}", device=settings.device)  # no step
@@ -626,9 +629,10 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
         reference = [w.detach().clone() for w in state.owned]
         average = _call_with(average_replicas, [state], reference, ELASTIC_ALPHA)
         accumulate = _call_with(_accumulate, kept, made)
-        times = _time(settings, [("pass", _call_with(after_pass, state.current, None, kept)),
+        times = _time(settings, [(None, _call_with(after_pass, state.current, None, kept)),
                                  ("accumulate", accumulate), ("copy", _call_with(state.fresh_copies)),
-                                 ("drop", state.spares.give), ("average", average)], floor_ms=floor_ms)
+                                 (None, state.spares.give), ("average", average)],
+                      floor_ms=lambda name, floor_ms=floor_ms: floor_ms)
         out.append((steps, times["average"], times["accumulate"], times["copy"]))
     return out
 
