@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-COMMANDS = [("simulate", "--gpu", "h100-sxm", "-p", 2, "-s", "1f1b"), ("count",), ("calibrate", "--stages", 2, "--out", "p.json"),
-            ("run", "-s", "1f1b")]
+COMMANDS = [("simulate", "--gpu", "h100-sxm", "-p", 2, "-s", "1f1b"), ("count",),
+            ("calibrate", "--stages", 2, "--out", "p.json"), ("run", "-s", "1f1b")]
 PROBE = """
 import contextlib, io, json, sys
 from pipesim.cli import main
@@ -32,3 +32,13 @@ def test_an_unknown_model_is_refused_before_torch_is_imported(command, tmp_path)
                               "package.module:attribute or hf:PATH (a Hugging Face config.json)\n")
     assert not torch_imported
     assert not list(tmp_path.iterdir())
+
+
+def test_the_names_refused_before_torch_are_the_built_in_models():
+    """`model_name_refusal` knows the built-ins by workload/sizes.py's torch-free DEFAULT_SIZES; `build_model` builds
+    them from workload/models.py's MODELS: a model added to one alone would be refused, or fail after torch."""
+    from pipesim.workload.models import MODELS
+    from pipesim.workload.sizes import DEFAULT_SIZES, model_name_refusal
+
+    assert set(MODELS) == set(DEFAULT_SIZES)
+    assert [model_name_refusal(name) for name in MODELS] == [None] * len(MODELS)
