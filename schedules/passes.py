@@ -318,15 +318,14 @@ def overlap_expert_communication(schedule: Schedule) -> Schedule:
         return schedule
     if schedule.method not in EXPERT_OVERLAP_METHODS:
         raise ScheduleError(f"{schedule.method}: Megatron-core overlaps the expert-parallel all-to-alls only in "
-                            f"{' and '.join(EXPERT_OVERLAP_METHODS)}'s order; leave out the expert-communication "
-                            "overlap")
+                            f"{' and '.join(EXPERT_OVERLAP_METHODS)}'s order; leave out --overlap-expert-comm")
     if schedule.expert_parallel == 1:
-        raise ScheduleError(f"{schedule.method}: the expert-communication overlap hides the expert-parallel "
-                            "all-to-alls, and with E = 1 there are none: give expert parallelism E >= 2")
+        raise ScheduleError(f"{schedule.method}: --overlap-expert-comm hides the expert-parallel all-to-alls, and "
+                            "with E = 1 there are none: give --expert-parallel 2 or more")
     if schedule.num_devices > 1 and schedule.num_stages == schedule.num_devices:
         raise ScheduleError(f"{schedule.method}: Megatron-core overlaps the expert-parallel all-to-alls under "
-                            "pipeline parallelism only with virtual stages: use interleaved-1f1b with 2 chunks or "
-                            "more, or one stage")
+                            "pipeline parallelism only with virtual stages: use interleaved-1f1b with --chunks 2 "
+                            "or more, or --stages 1")
     t = schedule.table
     forward, backward = t.kind == KIND_CODE[Kind.F], t.kind == KIND_CODE[Kind.B]
     segment = (t.device.astype(np.int64) * schedule.minibatches + t.minibatch) * schedule.pipelines + t.pipeline

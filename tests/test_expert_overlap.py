@@ -76,11 +76,11 @@ def test_the_warm_up_is_megatrons_plus_one_and_every_later_forward_is_paired(sta
 
 
 @pytest.mark.parametrize("method, stages, chunks, experts, fragment", [
-    ("gpipe", 2, 1, 2, "only in 1f1b and interleaved-1f1b's order"),
+    ("gpipe", 2, 1, 2, "only in 1f1b and interleaved-1f1b's order; leave out --overlap-expert-comm"),
     ("zb-h1", 2, 1, 2, "only in 1f1b and interleaved-1f1b's order"),
-    ("1f1b", 2, 1, 2, "only with virtual stages: use interleaved-1f1b with 2 chunks or more"),
+    ("1f1b", 2, 1, 2, "only with virtual stages: use interleaved-1f1b with --chunks 2 or more, or --stages 1"),
     ("interleaved-1f1b", 2, 1, 2, "only with virtual stages"),
-    ("1f1b", 1, 1, 1, "with E = 1 there are none"),
+    ("1f1b", 1, 1, 1, "with E = 1 there are none: give --expert-parallel 2 or more"),
 ])
 def test_orders_megatron_does_not_pair_are_refused(method, stages, chunks, experts, fragment):
     with pytest.raises(ScheduleError, match=fragment):
