@@ -14,10 +14,12 @@ from __future__ import annotations
 import ctypes
 from functools import cache
 
+from .units import GIB
+
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters
 M_MMAP_THRESHOLD = -3
 PR_SET_THP_DISABLE = 41  # Linux's prctl option
-KEPT_BYTES = 1 << 30  # blocks under a GiB come from the heap, which gives memory back only when a GiB is free
+KEPT_BYTES = GIB  # blocks under a GiB come from the heap, which gives memory back only when a GiB is free
 
 
 @cache

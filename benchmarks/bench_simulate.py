@@ -30,6 +30,7 @@ from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.schedules.lowering import lower, preflight
 from pipesim.sim import Cluster, Costs, engine
 from pipesim.traces import summarize
+from pipesim.units import KIB, MIB
 
 PHASES = ("build", "check", "lower", "price", "run", "trace", "metrics")
 
@@ -62,7 +63,7 @@ def measure(p: int, m: int, n: int, comm_ms: float) -> dict[str, float]:
         "p": p, "m": m, "fb_ops": fb_ops, "rows": len(trace.ops),
         **{phase: b - a for phase, a, b in zip(PHASES, marks, marks[1:])},
         "cpu": (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB / MIB,  # Linux counts it in KiB
     }
 
 
@@ -101,7 +102,7 @@ def main() -> None:
             f"{p}x{m}", f"{r['fb_ops']:,}", f"{r['rows']:,}", *(f"{r[phase]:.3f}" for phase in PHASES),
             f"{simulate_s:.2f}", f"{r['cpu']:.2f}", f"{r['fb_ops'] / simulate_s:,.0f}",
             f"{r['rows'] / simulate_s:,.0f}",
-            f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] * 2**20 / r['rows']:,.0f}",
+            f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] * MIB / r['rows']:,.0f}",
         )
     Console(width=200).print(table)
 

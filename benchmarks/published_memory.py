@@ -35,6 +35,7 @@ from rich.table import Table
 from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.tables import print_table
 from pipesim.schedules.zb_heuristic import ForkCosts, fork_csv
+from pipesim.units import GIB, MIB
 
 LAYER_PROFILE = "layer.json"  # where a Table 2 row's `estimate` writes its profile
 REPO = Path(__file__).resolve().parents[1]  # where the printed commands run (they name examples/ files)
@@ -86,7 +87,7 @@ def table2() -> list[dict]:
             published = (sbh * (float(formula["replicated_sbh"]) + float(formula["split_sbh"]) / t)
                          + scores * (float(formula["scores_replicated"]) + float(formula["scores_split"]) / t))
             out.append({"source": "Korthikanti 2022 Table 2", "run": f"{run.name} t={t}: {formula['configuration']}",
-                        "unit": "MiB/layer", "predicted": predicted / 2**20, "published": published / 2**20,
+                        "unit": "MiB/layer", "predicted": predicted / MIB, "published": published / MIB,
                         "error": predicted / published - 1, "command": command_text(args)})
     return out
 
@@ -229,7 +230,7 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
             continue
         with contextlib.chdir(REPO):
             found = fullest(args)
-        predicted, allocated = found["peak_mib"] / 1024, found["allocated_mib"] / 1024
+        predicted, allocated = found["peak_mib"] * MIB / GIB, found["allocated_mib"] * MIB / GIB
         unmodelled = ["Inductor's fusion"] if "compile" in row["techniques"] else []
         compared.append({"run": run, "predicted_gib": predicted, "allocated_gib": allocated,
                          "published_gib": published, "error": predicted / published - 1,
@@ -313,7 +314,7 @@ def zero_bubble() -> list[dict]:
         args = zero_bubble_command(row)
         with contextlib.chdir(REPO):
             found = fullest(args)
-        predicted, allocated = found["peak_mib"] / 1024, found["allocated_mib"] / 1024
+        predicted, allocated = found["peak_mib"] * MIB / GIB, found["allocated_mib"] * MIB / GIB
         published = float(row["memory_gb"])
         out.append({"run": run, "predicted_gib": predicted, "allocated_gib": allocated, "published_gib": published,
                     "error": predicted / published - 1, "allocated_error": allocated / published - 1,

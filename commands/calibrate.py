@@ -164,8 +164,8 @@ def calibrate(
                                  "give one")
         if ranks is not None and not contention:
             raise InputError("--ranks sizes the contention probe, which --no-contention skips: give one")
-        if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
-            raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
+        if links and not 8 * KIB <= link_max_mb * MIB <= 4 * GIB:
+            raise InputError(f"--link-max-mb: give from 8 KiB ({8 * KIB / MIB:g} MiB: two sizes to fit a line) to "
                              f"4096 MiB (got {link_max_mb})")
         from ..calibrate.cache import HostCache
         from ..calibrate.contention import ContentionError, ContentionProbe

@@ -114,7 +114,7 @@ from ..sim.cluster import Cluster
 from ..sim.costs import Costs, owned_bytes, runtime_refusal
 from ..sim.engine import device_product_ms, product_delay, simulate, static_bytes, takes_time
 from ..traces import Summary, Trace, summarize
-from ..units import GIB, count_text
+from ..units import GIB, MIB, count_text
 from .auto import activation_ratio, check_shape, schedule_frame
 from .ranks import estimated_experts_refusal
 from .scenario import CollectiveLink, Scenario, device_stages, held_weights, over_expert_groups, profile_costs
@@ -1544,7 +1544,7 @@ def _add_reserve(candidate: Candidate, trace: Trace) -> None:
 
 
 def _peak_bytes(run: Summary) -> int:
-    return round(run.peak_memory_mb * (1 << 20))
+    return round(run.peak_memory_mb * MIB)
 
 
 def explain(result: Result, choice: Result, problem: Problem) -> str:

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-MIN_BYTES = 4 << 10
+from ..units import KIB, MIB
+
+MIN_BYTES = 4 * KIB
 # Bandwidth ceiling (1 PB/s) for a segment whose times do not grow with size: keeps bytes_per_ms finite for JSON.
 _MAX_BYTES_PER_MS = 1e12
 _MIN_POINTS_PER_SEGMENT = 3
@@ -179,7 +181,7 @@ def fit_link(points: Sequence[LinkPoint], max_segments: int = 3, penalty: float 
     return LinkFit(tuple(segments), dict(getattr(points, "meta", {})))
 
 
-def default_sizes(max_bytes: int = 64 << 20) -> list[int]:
+def default_sizes(max_bytes: int = 64 * MIB) -> list[int]:
     """Powers of two from 4 KiB (latency-bound) to `max_bytes` (bandwidth-bound), enough to see protocol changes."""
     if max_bytes < MIN_BYTES:
         raise ValueError(f"max_bytes must be at least {MIN_BYTES} (got {max_bytes})")

@@ -18,9 +18,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..units import whole_number
+from ..units import GIB, whole_number
 
-GIB = 1 << 30
 # `_least_busy_devices`: the share by which a cut's busiest device is less busy than the best's where it beats it:
 # more than rounding's (the same times summed in another order)
 BEATS = 1e-9

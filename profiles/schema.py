@@ -29,7 +29,7 @@ from pydantic import (
 from ..choices import choose_from
 from ..files import first_error, read_json
 from ..memory_parts import SAVED_PARTS
-from ..units import MAX_BYTES, MAX_MS, count_text
+from ..units import MAX_BYTES, MAX_MS, MIB, count_text
 from .partition import (
     LayerCost,
     StageCosts,
@@ -861,7 +861,7 @@ def stage_waits_ms(layers: list[LayerProfile], name: str, p2p_sync: bool = False
 
 
 _STAGE_WAITS_MS: dict[tuple, np.ndarray] = {}  # `stage_waits_ms` by what it reads
-_STAGE_WAITS_KEPT_BYTES = 64 * 2**20  # the tables kept at most, all dropped when full
+_STAGE_WAITS_KEPT_BYTES = 64 * MIB  # the tables kept at most, all dropped when full
 
 
 def _stage_waits_table(layers: list[LayerProfile], name: str, p2p_sync: bool) -> np.ndarray:

@@ -18,11 +18,12 @@ from ..profiles.linkfit import default_sizes
 from ..profiles.schema import Profile
 from ..traces.metrics import summarize
 from ..traces.trace import Trace
+from ..units import MIB
 from ..workload.models import build_model
 from .plan import Arm, Setting, build
 from .results import RunRecord, StageRecord, TimingRecord
 
-LINK_MAX_BYTES = 1 << 20  # a study's stage edges carry a micro-batch's activations: kilobytes, not megabytes
+LINK_MAX_BYTES = MIB  # a study's stage edges carry a micro-batch's activations: kilobytes, not megabytes
 TIMEOUT_S = 120.0
 
 
