@@ -24,3 +24,26 @@ def test_a_v_shapes_stages_share_their_devices_memory():
     assert simulated["peak_memory_mb"] <= 80 * 1024  # simulate's balanced cut fits the device
     assert choice["partition"] == simulated["stage_bounds"]
     assert choice["step_ms"] <= simulated["time_per_minibatch_ms"]
+
+
+GPT_16K = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 1024, "--heads", 8, "--seq-len", 16384,
+           "--vocab", 32000, "--attention", "flash", "-D", 2, "-s", "dualpipev", "-b", 1, "--recompute", "none",
+           "--tensor-parallel", 1)
+
+
+def test_where_no_cut_for_time_fits_the_leanest_cut_that_fits_is_the_answer():
+    """The partitioner holds a cut to the cap by the tensors it counts; the caching allocator's reserve then takes
+    DualPipeV's cut for time to 14.4 GiB, over 13, where its leanest cut peaks at 11.4. tune refused, saying that the
+    least any configuration needs is 11.4 GiB, under the cap it refused; it answers with that cut, the time cut
+    the 'over' row beside it."""
+    code, out, err = pipesim("tune", *GPT_16K, "--memory-gb", 13, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    choice, over = document["choice"], document["excluded"]
+    assert choice["peak_memory_gib"] <= 13 < over[0]["peak_memory_gib"]
+    assert choice["samples_per_s"] < over[0]["samples_per_s"]
+    assert any("the configuration that needs the least memory, on its leanest cut" in note
+               for note in document["notes"])
+    code, out, err = pipesim("tune", *GPT_16K, "--memory-gb", 10)
+    assert code == 2 and err.startswith("error: --memory-gb: no configuration fits in 10 GiB; the least memory any "
+                                        "needs is 11.4 GiB per device"), err
