@@ -4,8 +4,13 @@ simulate --gpu, count, calibrate and run imported it first, 4 s of a 4.2 s refus
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from tests.conftest import pipesim
+
+ROOT = Path(__file__).resolve().parents[1]
 
 COMMANDS = [("simulate", "--gpu", "h100-sxm", "-p", 2, "-s", "1f1b"), ("count",),
             ("calibrate", "--stages", 2, "--out", "p.json"), ("run", "-s", "1f1b")]
@@ -29,7 +34,8 @@ def test_an_unknown_model_is_refused_before_torch_is_imported(command, tmp_path)
                           cwd=tmp_path)
     code, err, torch_imported = json.loads(done.stdout)
     assert (code, err) == (2, "error: --model: unknown 'llama3.1-8b'; choose from mlp, cnn, gpt, two-branch, or give "
-                              "package.module:attribute or hf:PATH (a Hugging Face config.json)\n")
+                              "package.module:attribute or hf:PATH (a Hugging Face config.json); "
+                              f"hf:{ROOT / 'examples' / 'llama3.1-8b'} is the nearest name that holds one\n")
     assert not torch_imported
     assert not list(tmp_path.iterdir())
 
@@ -42,3 +48,19 @@ def test_the_names_refused_before_torch_are_the_built_in_models():
 
     assert set(MODELS) == set(DEFAULT_SIZES)
     assert [model_name_refusal(name) for name in MODELS] == [None] * len(MODELS)
+
+
+@pytest.mark.parametrize("model, hint", [
+    ("hf:llama3.1-8b", " (hf:examples/llama3.1-8b is the nearest name that does)"),
+    ("hf:examples/mixtral", " (hf:examples/mixtral-8x7b is the nearest name that does)"),
+    ("hf:examples/Qwen3-30B-A3B", " (hf:examples/qwen3-30b-a3b is the nearest name that does)"),
+    ("hf:examples/nothing-like-it", ""),
+])
+def test_a_config_that_is_not_there_names_the_nearest_that_is(model, hint, monkeypatch):
+    """An example named without examples/, or misspelt: the refusal names the folder holding a config.json whose
+    name is nearest, among the path's siblings and pipesim's examples, as the working folder reaches it."""
+    monkeypatch.chdir(ROOT)
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "-p", 2, "-s", "1f1b")
+    path = model.removeprefix("hf:")
+    assert (code, out, err) == (2, "", f"error: --model {model}: no {path}; give hf:PATH, a config.json or a folder "
+                                       f"holding one{hint}\n")

@@ -16,6 +16,7 @@ from ..profiles.workload import HF_PREFIX
 from .sizes import size_refusal
 
 CONFIG_NAME = "config.json"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"  # the configs pipesim comes with (examples/README.md)
 # The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
 # model's size), as pipesim names them: its options, which the estimate's tensor-parallel checks read.
 FIGURES = {"layers": "num_hidden_layers", "width": "hidden_size", "heads": "num_attention_heads",
@@ -66,6 +67,26 @@ def hf_config_path(spec: str) -> Path:
     return path / CONFIG_NAME if os.path.isdir(path) else path  # False where it cannot be looked at: read it says why
 
 
+def nearest_config(given: Path) -> str | None:
+    """The folder holding a config.json whose name is nearest the `given` path's that is not there, among its
+    siblings and pipesim's examples (a typo, or an example named without examples/: `hf:llama3.1-8b`), as
+    hf:PATH below the working folder where it lies there; None where no name is near."""
+    import difflib
+
+    folders: dict[str, Path] = {}
+    for place in (given.parent, EXAMPLES):
+        try:
+            folders.update({folder.name: folder for folder in place.iterdir()
+                            if folder.name not in folders and (folder / CONFIG_NAME).is_file()})
+        except OSError:  # no such folder, or one that cannot be listed: nothing near there
+            continue
+    near = difflib.get_close_matches(given.name, list(folders), n=1)
+    if not near:
+        return None
+    folder = folders[near[0]].resolve()
+    return HF_PREFIX + str(folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder)
+
+
 def read_hf_config(spec: str) -> HfConfig:
     """The config `spec` names; a missing or unreadable file, one not a JSON object, one without a model_type, one
     whose `SIZES` are not whole numbers of their `LEAST` or more or do not fit together (`_check_shares`), is
@@ -79,7 +100,9 @@ def read_hf_config(spec: str) -> HfConfig:
     except OSError:  # a name too long, a folder that cannot be searched: reading it says which
         missing = False
     if missing:
-        raise HfConfigError(f"--model {spec}: no {path}; give hf:PATH, a {CONFIG_NAME} or a folder holding one")
+        near = nearest_config(Path(given))
+        raise HfConfigError(f"--model {spec}: no {path}; give hf:PATH, a {CONFIG_NAME} or a folder holding one"
+                            + (f" ({near} is the nearest name that does)" if near else ""))
     fields = read_json(path, HfConfigError, "Hugging Face config", f"--model {spec}: ")
     if not isinstance(fields, dict):  # an array, number or string: no fields to read
         raise HfConfigError(f"--model {spec}: {path} is not a JSON object; give a Hugging Face {CONFIG_NAME} "
