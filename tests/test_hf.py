@@ -224,7 +224,8 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
         simulate_json(*args[:3], f"hf:{moved}", *args[4:])
 
 
-@pytest.mark.parametrize("make, fragment", [
+# Configs read_hf_config refuses by their fields' own names, before torch is imported
+UNREADABLE = [
     (lambda folder: folder / "absent", "no {folder}/absent; give hf:PATH, a config.json or a folder holding one"),
     (lambda folder: folder, "no {folder}/config.json"),
     (lambda folder: (folder / "c.json").write_text("{not json") and folder / "c.json", "is not valid JSON"),
@@ -255,13 +256,61 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
      "config.json: num_local_experts must be >= 0 (got -1)"),  # 0: see test_moe's Qwen3-MoE and Mixtral
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 0}),
      "config.json: num_experts_per_tok must be >= 1 (got 0)"),
-])
-def test_an_unreadable_config_is_one_line_before_torch_and_nothing_is_written(tmp_path, make, fragment):
-    path, out = make(tmp_path), tmp_path / "profile.json"
-    code, stdout, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", f"hf:{path}", "--seq-len", 64,
+]
+
+
+def estimate_refusal(model: Path, out: Path) -> str:
+    """`pipesim estimate` of `model`'s config refused: exit 2, one line (returned), nothing written to `out`."""
+    code, stdout, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", f"hf:{model}", "--seq-len", 64,
                                 "--out", out)
     assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
-    assert fragment.format(folder=tmp_path) in err and not out.exists()
+    assert not out.exists()
+    return err
+
+
+@pytest.mark.parametrize("make, fragment", UNREADABLE)
+def test_an_unreadable_config_is_one_line_and_nothing_is_written(tmp_path, make, fragment):
+    err = estimate_refusal(make(tmp_path), tmp_path / "profile.json")
+    assert fragment.format(folder=tmp_path) in err, err
+
+
+def test_an_unreadable_config_is_refused_before_torch_is_imported(tmp_path):
+    """Each of `UNREADABLE` exits 2 in a process that imports neither torch nor transformers."""
+    paths, out = [], tmp_path / "profile.json"
+    for i, (make, _) in enumerate(UNREADABLE):
+        (tmp_path / str(i)).mkdir()
+        paths.append(str(make(tmp_path / str(i))))
+    probe = ("import json, sys; from pipesim.cli import main\n"
+             "codes = []\n"
+             f"for path in {paths!r}:\n"
+             "    try:\n"
+             f"        main(['estimate', '--gpu', 'h100-sxm', '--model', 'hf:' + path, '--seq-len', '64', '--out', "
+             f"{str(out)!r}])\n"
+             "    except SystemExit as exc:\n"
+             "        codes.append(exc.code)\n"
+             "print(json.dumps([codes, sorted({'torch', 'transformers'} & set(sys.modules))]))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == [[2] * len(UNREADABLE), []]
+    refusals = run.stderr.strip().splitlines()
+    assert len(refusals) == len(UNREADABLE) and all("--model hf:" in line for line in refusals), run.stderr
+    assert not out.exists()
+
+
+@needs_transformers
+@pytest.mark.parametrize("fields, fragment", [
+    # the router's top-k of fewer experts: torch's "k not in range"; which field gives them, transformers tells
+    ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5},
+     "{folder}/config.json sends a token to num_experts_per_tok 5 experts, more than its 4 routed experts "
+     "(num_local_experts); give 1 to 4"),
+    ({**LLAMA, "model_type": "qwen2_moe", "num_local_experts": 8, "num_experts": 4, "num_experts_per_tok": 5},
+     "more than its 4 routed experts (num_experts); give 1 to 4"),
+])
+def test_a_config_transformers_reads_as_unfit_is_one_line_and_nothing_is_written(tmp_path, fields, fragment):
+    """Refused once transformers' config class has read it, before the model is built (workload/hf.py `hf_model`)."""
+    folder = write_config(tmp_path / "model", fields)
+    err = estimate_refusal(folder, tmp_path / "profile.json")
+    assert fragment.format(folder=folder) in err, err
 
 
 SEQ = ("--seq-len", 16)
@@ -296,12 +345,6 @@ SEQ = ("--seq-len", 16)
     (LLAMA, ("--seq-len", 512), "--seq-len 512: hf:"),
     (LLAMA, ("--seq-len", 0), "--seq-len must be >= 1 (got 0)"),
     (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),
-    # the router's top-k of fewer experts: torch's "k not in range"; which field gives them, transformers tells
-    ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5}, SEQ,
-     "{folder}/config.json sends a token to num_experts_per_tok 5 experts, more than its 4 routed experts "
-     "(num_local_experts); give 1 to 4"),
-    ({**LLAMA, "model_type": "qwen2_moe", "num_local_experts": 8, "num_experts": 4, "num_experts_per_tok": 5}, SEQ,
-     "more than its 4 routed experts (num_experts); give 1 to 4"),
 ])
 def test_a_config_transformers_cannot_build_as_a_decoder_is_one_line(tmp_path, fields, args, fragment):
     folder = write_config(tmp_path / "model", fields)
