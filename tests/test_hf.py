@@ -249,14 +249,13 @@ UNREADABLE = [
      "config.json: vocab_size 1,000,000,000,000 is more than the count builds and holds: give 1 to 16,777,216"),
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mistral", "sliding_window": -4}),
      "config.json: sliding_window must be >= 1 (got -4)"),  # its windowed kernels were priced at negative FLOPs
-    # each a traceback deep in the count: torch's shapes, top-k of no experts, a division by no experts a token
-    (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": 3}),
-     "gives num_key_value_heads 3, which does not divide its num_attention_heads 4; give a divisor of 4"),
+    # each a traceback deep in the count: top-k of no experts, a division by no experts a token
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_local_experts": -1}),
      "config.json: num_local_experts must be >= 0 (got -1)"),  # 0: see test_moe's Qwen3-MoE and Mixtral
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 0}),
      "config.json: num_experts_per_tok must be >= 1 (got 0)"),
 ]
+NO_KV_HEADS = {name: value for name, value in LLAMA.items() if name != "num_key_value_heads"}
 
 
 def estimate_refusal(model: Path, out: Path) -> str:
@@ -299,6 +298,22 @@ def test_an_unreadable_config_is_refused_before_torch_is_imported(tmp_path):
 
 @needs_transformers
 @pytest.mark.parametrize("fields, fragment", [
+    ({**LLAMA, "num_key_value_heads": 3},  # torch's shapes, deep in the count
+     "{folder}/config.json gives num_key_value_heads 3, which does not divide its num_attention_heads 4; give a "
+     "divisor of 4"),
+    # Step-3.5's key/value heads by their alias alone (Step3p7TextConfig's attribute_map), which read_hf_config
+    # does not know
+    ({**NO_KV_HEADS, "model_type": "step3p5", "num_attention_groups": 3},
+     "{folder}/config.json gives num_attention_groups 3, which does not divide its num_attention_heads 4"),
+    ({**NO_KV_HEADS, "model_type": "step3p5", "num_attention_groups": 0},
+     "{folder}/config.json: num_attention_groups must be >= 1 (got 0)"),
+    # none given: Step3p7TextConfig's default, 8
+    ({**NO_KV_HEADS, "model_type": "step3p5", "hidden_size": 96, "num_attention_heads": 12},
+     "{folder}/config.json leaves num_key_value_heads at Step3p7TextConfig's 8, which does not divide its "
+     "num_attention_heads 12; give a divisor of 12"),
+    # GPT-2's layers by its own name, n_layer: 10,001 layers built before its layout was refused
+    ({"model_type": "gpt2", "n_embd": 64, "n_layer": 10_001, "n_head": 4, "vocab_size": 100, "intermediate_size": 256},
+     "{folder}/config.json: n_layer 10,001 is more than the count builds and holds: give 1 to 10,000"),
     # the router's top-k of fewer experts: torch's "k not in range"; which field gives them, transformers tells
     ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5},
      "{folder}/config.json sends a token to num_experts_per_tok 5 experts, more than its 4 routed experts "

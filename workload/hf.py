@@ -44,7 +44,16 @@ from torch import nn
 
 from . import data
 from .count import attention_window, fused_attention
-from .hfconfig import EXPERT_FIELDS, FIGURES, TOP_K_FIELD, HfConfig, HfConfigError, read_hf_config
+from .hfconfig import (
+    EXPERT_FIELDS,
+    FIGURES,
+    SIZES,
+    TOP_K_FIELD,
+    HfConfig,
+    HfConfigError,
+    read_hf_config,
+    size_field_refusal,
+)
 from .models import BATCH, Model, ModelError, check_capacity_factor, check_positive, classification_loss
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
 from .sizes import size_refusal
@@ -182,15 +191,16 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
                          f"language model, {', '.join(known)} among them")
     settings = _settings(config, CONFIG_MAPPING[config.model_type])
     options = {name: getattr(settings, field) for name, field in FIGURES.items()}
-    options["kv_heads"] = getattr(settings, "num_key_value_heads", None) or options["heads"]
+    options["kv_heads"] = _check_read(config, settings) or options["heads"]
     routed = _routed_experts(config, settings)
     experts = routed[1] if routed else None
     if experts:
-        options.update(experts=experts, top_k=getattr(settings, TOP_K_FIELD, None),
+        top_k = _read(config, settings, TOP_K_FIELD)
+        options.update(experts=experts, top_k=top_k[1] if top_k else None,
                        expert_ffn=getattr(settings, EXPERT_FFN_FIELD, None) or options["ffn"])
-        if options["top_k"] is not None and options["top_k"] > experts:  # the router's top-k: torch's "k not in range"
-            raise ModelError(f"{where}: {config.path} sends a token to {TOP_K_FIELD} {options['top_k']} experts, more "
-                             f"than its {experts} routed experts ({routed[0]}); give 1 to {experts}")
+        if top_k and top_k[1] is not None and top_k[1] > experts:  # the router's top-k: torch's "k not in range"
+            raise ModelError(f"{where}: {config.path} sends a token to {top_k[0]} {top_k[1]} experts, more than its "
+                             f"{experts} routed experts ({routed[0]}); give 1 to {experts}")
         groups, per_token = (getattr(settings, name, None) for name in GROUP_FIELDS)
         if groups and per_token and per_token < groups:
             options.update(expert_groups=groups, groups_per_token=per_token)
@@ -342,24 +352,50 @@ def _check_no_experts(model: nn.Module, where: str, config: HfConfig, routed: tu
 
 
 def _routed_experts(config: HfConfig, settings: Any) -> tuple[str, int] | None:
-    """The field of `config` that gives the routed experts transformers builds its model with, and their count;
-    None where its config class has none of `EXPERT_FIELDS` (a dense model's). Of those a class has, declared or
-    in its attribute_map, each names one value (in every class of transformers 5.24.0): Mixtral's num_experts is
-    its num_local_experts, Qwen3-MoE's num_experts stored as num_local_experts; one it neither has nor maps is kept
-    unread (Qwen2-MoE's num_local_experts: modeling_qwen2_moe.py reads num_experts). Of two a config gives for
-    one value, transformers keeps the one its class does not declare: it sets those after the declared
-    (configuration_utils.py `PreTrainedConfig.__post_init__`), so `settings` holds the count its model is built
-    with."""
+    """The field of `config` that gives the routed experts transformers builds its model with, and their count
+    (`_read`): the first of `EXPERT_FIELDS` its config class declares or maps, each of which names one value in
+    every class of transformers 5.24.0 (Mixtral's num_experts is its num_local_experts, Qwen3-MoE's num_experts
+    stored as num_local_experts); None where it has none (a dense model's)."""
+    return next(filter(None, (_read(config, settings, name) for name in EXPERT_FIELDS)), None)
+
+
+def _read(config: HfConfig, settings: Any, field: str) -> tuple[str, Any] | None:
+    """`field` as transformers' config `settings` reads it: the name `config` gives it by and its value. The name
+    is `field` or another that the class's attribute_map stores as the same value (Step-3.5's num_attention_groups
+    is its num_key_value_heads), `field` where the config gives none (the class's default). Of two a config gives
+    for one value, transformers keeps the one its class does not declare: it sets those after the declared
+    (configuration_utils.py `PreTrainedConfig.__post_init__`), so the name is the one whose value `settings`
+    holds. None where the class neither declares nor maps `field`: transformers keeps a config's such field, but
+    its model reads none (Qwen2-MoE's num_local_experts: modeling_qwen2_moe.py reads num_experts)."""
     config_class = type(settings)
     aliases = getattr(config_class, "attribute_map", {})
-    names = [name for name in EXPERT_FIELDS
-             if name in aliases or name in aliases.values() or hasattr(config_class, name)]
-    if not names:
+    stored = aliases.get(field, field)
+    if stored == field and field not in aliases.values() and not hasattr(config_class, field):
         return None
-    experts = getattr(settings, names[0])
-    given = next((name for name in (*names, *(aliases.get(name, name) for name in names))
-                  if config.fields.get(name) == experts), names[0])
-    return given, experts
+    value = getattr(settings, stored)
+    names = (field, stored, *(alias for alias, name in aliases.items() if name == stored))
+    return next((name for name in names if name in config.fields and config.fields[name] == value), field), value
+
+
+def _check_read(config: HfConfig, settings: Any) -> int | None:
+    """Refuse what transformers reads from `config` where read_hf_config, which reads the fields by their own
+    names, could not: a size given under an alias (`_read`) past its bounds (`size_field_refusal`), and key/value
+    heads, however given, that do not divide the attention heads (transformers' attention repeats each for as
+    many query heads; torch failed deep in the count). The key/value heads as read; None where the class has
+    none, or leaves them to the attention heads'."""
+    for field in SIZES:
+        read = _read(config, settings, field)
+        refusal = (size_field_refusal(config.spec, config.path, read[0], field, read[1])
+                   if read and read[0] != field and read[1] is not None else None)
+        if refusal is not None:
+            raise ModelError(refusal)
+    kv_heads, heads = (_read(config, settings, field) for field in ("num_key_value_heads", "num_attention_heads"))
+    if kv_heads and kv_heads[1] and heads and heads[1] % kv_heads[1]:
+        gives = (f"gives {kv_heads[0]} {kv_heads[1]}" if kv_heads[0] in config.fields else
+                 f"leaves {kv_heads[0]} at {type(settings).__name__}'s {kv_heads[1]}")
+        raise ModelError(f"--model {config.spec}: {config.path} {gives}, which does not divide its {heads[0]} "
+                         f"{heads[1]}; give a divisor of {heads[1]}")
+    return kv_heads[1] if kv_heads else None
 
 
 def _in_one_line(exc: Exception) -> str:

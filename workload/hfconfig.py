@@ -89,8 +89,10 @@ def nearest_config(given: Path) -> str | None:
 
 def read_hf_config(spec: str) -> HfConfig:
     """The config `spec` names; a missing or unreadable file, one not a JSON object, one without a model_type, one
-    whose `SIZES` are not whole numbers of their `LEAST` or more or do not fit together (`_check_shares`), is
-    `HfConfigError`."""
+    whose `SIZES`, given by their own names, are not whole numbers from their `LEAST` to their bounds
+    (`size_field_refusal`), is `HfConfigError`. What transformers reads, aliases and all, only its config class
+    tells, so workload/hf.py refuses the rest once it is read (`_check_read`: a size given under an alias, key/value
+    heads that do not divide the attention heads; more experts a token than routed experts)."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
@@ -110,23 +112,19 @@ def read_hf_config(spec: str) -> HfConfig:
     if not isinstance(fields.get("model_type"), str):
         raise HfConfigError(f"--model {spec}: {path} has no model_type; give a Hugging Face {CONFIG_NAME} "
                             "(model_type says which transformers model it configures)")
-    for field, size in SIZES.items():
-        value, least = fields.get(field), LEAST.get(field, 1)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise HfConfigError(f"--model {spec}: {path} gives {field} {json.dumps(value)}; it must be a whole "
-                                f"number, {least} or more")
-        refusal = None if value is None else size_refusal(field, size, value, least)  # from least to its bound
+    for field in SIZES:
+        refusal = None if fields.get(field) is None else size_field_refusal(spec, path, field, field, fields[field])
         if refusal is not None:
-            raise HfConfigError(f"--model {spec}: {path}: {refusal}")
-    _check_shares(spec, path, fields)
+            raise HfConfigError(refusal)
     return HfConfig(spec, path, fields)
 
 
-def _check_shares(spec: str, path: Path, fields: dict[str, Any]) -> None:
-    """Refuse key/value heads that do not divide the attention heads (transformers' attention repeats each for
-    as many query heads; torch failed deep in the count). More experts a token than routed experts are refused
-    where transformers tells which field gives them (workload/hf.py `_routed_experts`)."""
-    heads, kv_heads = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
-    if heads is not None and kv_heads is not None and heads % kv_heads:
-        raise HfConfigError(f"--model {spec}: {path} gives num_key_value_heads {kv_heads}, which does not divide its "
-                            f"num_attention_heads {heads}; give a divisor of {heads}")
+def size_field_refusal(spec: str, path: Path, given: str, field: str, value: Any) -> str | None:
+    """The one line refusing `value`, which `path` gives as `given` (the `SIZES` field `field`, or an alias of it
+    that transformers reads: workload/hf.py `_read`), where it is not a whole number from its `LEAST` to its
+    bound; None where it is one."""
+    least = LEAST.get(field, 1)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"--model {spec}: {path} gives {given} {json.dumps(value)}; it must be a whole number, {least} or more"
+    refusal = size_refusal(given, SIZES[field], value, least)
+    return None if refusal is None else f"--model {spec}: {path}: {refusal}"
