@@ -92,7 +92,8 @@ class Curve(_Strict):
     `attention_passes` and `attention_kernel_passes`: theirs by pass and mask where published so, which then price
     the kernel in place of the one figure), the memory
     bandwidth's (`memory_efficiency`), the intra-node link's (`link_efficiency`: a GPU-to-GPU copy over the
-    datasheet's bandwidth per direction; the network is taken at its datasheet rate), what each kernel costs
+    datasheet's bandwidth per direction), the network's (`network_efficiency`: what NCCL moves through one NIC over
+    its line rate, the part's reference NIC's as NCCL's maintainers give it; 1: the line rate), what each kernel costs
     beyond its work (`kernel_overhead_ms`: launch, ramp and tail), and the shape of the machine the products'
     tiles are spread over: `multiprocessors` and the output tiles (m × n) its matrix-product kernels pick from;
     `persistent_products`: its products run persistent CTAs, one per multiprocessor, each with a fixed share of the
@@ -110,6 +111,7 @@ class Curve(_Strict):
     attention_kernel_passes: dict[Literal["cudnn", "flash3"], AttentionPasses] = Field(default_factory=dict)
     memory_efficiency: float = Field(gt=0, le=1)
     link_efficiency: float = Field(1.0, gt=0, le=1)
+    network_efficiency: float = Field(1.0, gt=0, le=1)
     kernel_overhead_ms: float = Field(ge=0)
     multiprocessors: int = Field(ge=1)
     tiles: list[tuple[int, int]] = Field(min_length=1)

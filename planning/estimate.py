@@ -696,15 +696,15 @@ def _link(kind: str, gb_s: float) -> EstimateLink:
 
 def node_placement(gpu: Gpu, cluster: Cluster | None = None, curve: Curve | None = None) -> EstimatePlacement:
     """What every placement's links follow from: the node's size and link and the network (a cluster's replace
-    the part's). The node's link runs at the curve's measured fraction of its datasheet rate, the network at its
-    datasheet rate."""
+    the part's). The node's link runs at the curve's measured fraction of its datasheet rate, the network at the
+    fraction of its line rate NCCL moves through a NIC (`Curve.network_efficiency`)."""
     intra = cluster.intra_node if cluster and cluster.intra_node else gpu.intra_node
     network = cluster.network if cluster and cluster.network else gpu.network
     curve = curve or gpu.curve
     return EstimatePlacement(
         gpus_per_node=cluster.gpus_per_node if cluster and cluster.gpus_per_node else gpu.intra_node.gpus_per_node,
         node_link=_link(intra.link, intra.gb_s_per_direction * (curve.link_efficiency if curve else 1.0)),
-        network_link=_link(network.kind, network.gbit_s / 8))
+        network_link=_link(network.kind, network.gbit_s / 8 * (curve.network_efficiency if curve else 1.0)))
 
 
 def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = None,
@@ -2659,7 +2659,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:
         raise EstimateError(f"tp_overlap: moves its chunks between the GPUs of one node (userbuffers, symmetric "
                             f"memory), and a tensor-parallel group of {parallel.tensor} spans nodes of "
-                            f"{placement.gpus_per_node} GPUs")
+                            f"{placement.gpus_per_node} GPUs: give {{tensor}} {placement.gpus_per_node} or fewer, or "
+                            "leave {tp_overlap} out")
     try:
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
                                parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,

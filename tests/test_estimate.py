@@ -140,7 +140,7 @@ def test_an_estimated_profile_is_a_profile_with_its_links_from_the_placement(sma
 
 
 def test_a_data_parallel_group_with_ranks_on_every_node_crosses_on_as_many_nics():
-    nic = A100.network.gbit_s / 8 * 1e6
+    nic = A100.network.gbit_s / 8 * A100.curve.network_efficiency * 1e6
     one_per_node = placement_links(A100, Parallelism(tensor=8, data=4)).data
     four_per_node = placement_links(A100, Parallelism(tensor=2, data=16)).data
     assert one_per_node.kind == four_per_node.kind == "infiniband"

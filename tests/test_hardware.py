@@ -92,23 +92,23 @@ def test_the_catalogue_file_ships_inside_the_package():
 
 
 def test_the_docs_efficiency_table_holds_the_catalogues_curves():
-    """docs/hardware.md's table of each part's matmul, attention, memory and link efficiencies says what the
+    """docs/hardware.md's table of each part's matmul, attention, memory, link and network efficiencies says what the
     catalogue prices, to the digits it prints (the H200's matmul row kept the GH200's 0.830 after dc68a21 moved the
     part to the H100's 0.801)."""
     rows = {"A100 SXM 80 GB": ["a100-sxm-80gb"], "A100 SXM 40 GB": ["a100-sxm-40gb"], "H100 SXM": ["h100-sxm"],
             "H200": ["h200"], "MI300X": ["mi300x"],
-            "H100 PCIe, H800, B200, L40S": ["h100-pcie", "h800", "b200", "l40s"]}
-    fields = ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "link_efficiency")
+            "H800, B200": ["h800", "b200"], "H100 PCIe, L40S": ["h100-pcie", "l40s"]}
+    fields = ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "link_efficiency", "network_efficiency")
     table = {}
     for line in (BUILT_IN.parents[1] / "docs" / "hardware.md").read_text().splitlines():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if len(cells) == 6 and cells[0] in rows:
-            table[cells[0]] = cells[1:5]
+        if len(cells) == 7 and cells[0] in rows:
+            table[cells[0]] = cells[1:6]
     assert set(table) == set(rows)
     catalogue = load_catalogue()
     for row, parts in rows.items():
         for part in parts:
             curve = catalogue.gpu[part].curve
             for field, printed in zip(fields, table[row]):
-                digits = len(printed.split(".")[1])
+                digits = len(printed.partition(".")[2])
                 assert round(getattr(curve, field), digits) == float(printed), (row, part, field)

@@ -13,7 +13,7 @@ from tests.conftest import needs_transformers, pipesim
 
 A100 = load_catalogue().find("a100-sxm-80gb")
 DEVICE = Device.of(A100, "fp16")
-NIC_BYTES_PER_MS = A100.network.gbit_s / 8 * 1e6
+NIC_BYTES_PER_MS = A100.network.gbit_s / 8 * A100.curve.network_efficiency * 1e6  # NCCL's 24 of HDR's 25 GB/s
 NVLINK_BYTES_PER_MS = A100.intra_node.gb_s_per_direction * A100.curve.link_efficiency * 1e6
 S, B, H, HEADS = 128, 2, 256, 16  # 16 heads: t = 16 divides them
 
@@ -29,7 +29,7 @@ def gpt16() -> WorkloadCount:
 def test_a_tensor_parallel_group_of_two_nodes_crosses_on_every_nic_at_nccls_mixed_step_latency():
     link = placement_links(A100, Parallelism(tensor=16)).tensor
     assert link.kind == "infiniband"
-    assert link.bytes_per_ms == min(8 * NIC_BYTES_PER_MS, NVLINK_BYTES_PER_MS)  # 8 NICs of 25 GB/s: 200 GB/s
+    assert link.bytes_per_ms == min(8 * NIC_BYTES_PER_MS, NVLINK_BYTES_PER_MS)  # 8 NICs of 24 GB/s: 192 GB/s
     # NCCL's ring all-reduce over 16 ranks on 2 nodes: 2·2 of its 30 steps on the network, 26 on NVLink
     assert link.latency_ms == pytest.approx((4 * 0.014 + 26 * 0.0034) / 30)
     assert placement_links(A100, Parallelism(tensor=8)).tensor.kind == "nvlink"  # one node: as before
@@ -62,7 +62,7 @@ GPT16 = ["--model", "gpt", "--layers", 2, "--width", 192, "--heads", 48, "--seq-
 def test_estimate_says_the_tensor_parallel_group_crosses_nodes(tmp_path):
     code, out, err = pipesim("estimate", *GPT16, "--tensor-parallel", 16, "--out", tmp_path / "p.json")
     assert code == 0, err
-    assert "tensor-parallel group across 2 nodes infiniband 200 GB/s" in " ".join(out.split())
+    assert "tensor-parallel group across 2 nodes infiniband 192 GB/s" in " ".join(out.split())
     code, out, err = pipesim("simulate", *GPT16, "--tensor-parallel", 16, "-p", 1, "-m", 1, "-s", "gpipe")
     assert code == 0, err
     assert "the tensor-parallel group across 2 nodes" in " ".join(out.split())
@@ -145,6 +145,7 @@ def test_tp_overlap_needs_sequence_parallelism_and_one_node(tmp_path):
     code, _, err = pipesim("estimate", *GPT16, "--tensor-parallel", 16, "--sequence-parallel", "--tp-overlap",
                            "--out", tmp_path / "p.json")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--tp-overlap moves its chunks" in err
+    assert err.endswith("spans nodes of 8 GPUs: give --tensor-parallel 8 or fewer, or leave --tp-overlap out\n")
     assert not (tmp_path / "p.json").exists()
 
 
