@@ -2659,7 +2659,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:
         raise EstimateError(f"tp_overlap: moves its chunks between the GPUs of one node (userbuffers, symmetric "
                             f"memory), and a tensor-parallel group of {parallel.tensor} spans nodes of "
-                            f"{placement.gpus_per_node} GPUs")
+                            f"{placement.gpus_per_node} GPUs: give {{tensor}} {placement.gpus_per_node} or fewer, or "
+                            "leave {tp_overlap} out")
     try:
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
                                parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,

@@ -145,6 +145,7 @@ def test_tp_overlap_needs_sequence_parallelism_and_one_node(tmp_path):
     code, _, err = pipesim("estimate", *GPT16, "--tensor-parallel", 16, "--sequence-parallel", "--tp-overlap",
                            "--out", tmp_path / "p.json")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--tp-overlap moves its chunks" in err
+    assert err.endswith("spans nodes of 8 GPUs: give --tensor-parallel 8 or fewer, or leave --tp-overlap out\n")
     assert not (tmp_path / "p.json").exists()
 
 
