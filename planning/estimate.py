@@ -2520,6 +2520,19 @@ def check_context(counted: WorkloadCount, c: int) -> None:
     check_ring_attention(c, counted.attention)
 
 
+def check_sequence_split(counted: WorkloadCount, parallel: Parallelism) -> None:
+    """Sequence parallelism splits each rank's tokens over the t ranks, which must divide them: Megatron-core's
+    reduce-scatter into the sequence-parallel region asserts "First dimension of the tensor should be divisible by
+    tensor parallel size" (tensor_parallel/mappings.py `_reduce_scatter_along_first_dim`), the C context-parallel
+    ranks' share of the sequence where C > 1 (a sequence they did not divide was priced, 8,193 tokens at t = 2)."""
+    seq, t, c = counted.options.get("seq_len"), parallel.tensor, parallel.context
+    if parallel.sequence_parallel and t > 1 and seq and (seq // c) % t:
+        share = f"a rank's {seq // c} of its {seq} tokens" if c > 1 else f"its {seq} tokens"
+        raise EstimateError(f"sequence_parallel: splits {share} over the {t} tensor-parallel ranks, which do not "
+                            f"divide them (Megatron-core asserts they do): give a seq_len that {t * c} divides, or "
+                            "leave {sequence_parallel} out")
+
+
 def _ring_fields(priced: LayerEstimate) -> dict[str, Any]:
     """A layer profile's context-ring fields (`LayerProfile.ring_fwd_ms` and on) of its estimate (none: C = 1)."""
     if priced.ring_fwd is None or priced.ring_bwd is None:
@@ -2655,6 +2668,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                 "{attention} math"))
     if parallel.context > 1:
         check_context(counted, parallel.context)
+    check_sequence_split(counted, parallel)
     placement = node_placement(gpu, cluster, curve)
     if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:
         raise EstimateError(f"tp_overlap: moves its chunks between the GPUs of one node (userbuffers, symmetric "
