@@ -2529,7 +2529,7 @@ def check_sequence_split(counted: WorkloadCount, parallel: Parallelism) -> None:
     if parallel.sequence_parallel and t > 1 and seq and (seq // c) % t:
         share = f"a rank's {seq // c} of its {seq} tokens" if c > 1 else f"its {seq} tokens"
         raise EstimateError(f"sequence_parallel: splits {share} over the {t} tensor-parallel ranks, which do not "
-                            f"divide them (Megatron-core asserts they do): give a seq_len that {t * c} divides, or "
+                            f"divide them (Megatron-core asserts they do): give {{seq_len}} a multiple of {t * c}, or "
                             "leave {sequence_parallel} out")
 
 

@@ -20,9 +20,10 @@ def test_a_sequence_the_tensor_parallel_ranks_do_not_divide_is_refused_with_sequ
     monkeypatch.chdir(tmp_path)
     code, out, err = pipesim(*GPT, *flags, "--sequence-parallel")
     assert (code, out) == (2, "")
+    multiple = 4 * (2 if len(flags) > 2 else 1)
     assert err == (f"error: --sequence-parallel splits {share} over the 4 tensor-parallel ranks, which do not divide "
-                   f"them (Megatron-core asserts they do): give a seq_len that {4 * (2 if len(flags) > 2 else 1)} "
-                   "divides, or leave --sequence-parallel out\n")
+                   f"them (Megatron-core asserts they do): give --seq-len a multiple of {multiple}, or leave "
+                   "--sequence-parallel out\n")
     assert not list(tmp_path.iterdir())
     code, _, err = pipesim(*GPT, *flags)  # without it, each rank holds the whole sequence
     assert code == 0, err
