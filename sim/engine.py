@@ -399,14 +399,19 @@ class _MemoryTables:
     transfers: np.ndarray  # the transfers' rows, ascending
     side: np.ndarray  # per transfer row, its entry in `transfer_start` and `transfer_end`
 
-    def row_deltas(self, parts: Sequence[str], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows lo..hi's bytes of `parts`, summed, taken at their start and given back at their end."""
+    def row_deltas(self, parts: Sequence[str], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Rows lo..hi's bytes of `parts`, summed, taken at their start and given back at their end; None where no
+        row moves any (their tables hold zeros and they have no rows beyond them: most parts of most runs)."""
+        at_start, at_end, transfer_start, transfer_end = (
+            sum(table[part] for part in parts)
+            for table in (self.at_start, self.at_end, self.transfer_start, self.transfer_end))
+        if not (at_start.any() or at_end.any() or transfer_start.any() or transfer_end.any()
+                or any(len(self.sparse[part][0]) for part in parts)):
+            return None
         # Most parts' tables are zeros (only `communication` moves with the transfers): zeros need no look-up.
-        start, end = (_per_row(sum(table[part] for part in parts), self.stage_kind[lo:hi])
-                      for table in (self.at_start, self.at_end))
+        start, end = (_per_row(table, self.stage_kind[lo:hi]) for table in (at_start, at_end))
         i0, i1 = np.searchsorted(self.transfers, (lo, hi))
-        for table, out in ((self.transfer_start, start), (self.transfer_end, end)):
-            bytes_per_side = sum(table[part] for part in parts)
+        for bytes_per_side, out in ((transfer_start, start), (transfer_end, end)):
             if bytes_per_side.any():
                 out[self.transfers[i0:i1] - lo] += bytes_per_side[self.side[i0:i1]]
         for part in parts:
@@ -1258,11 +1263,10 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         first_ps[receives] = posted_ps
     devices = schedule.num_devices
     memory_tables = _memory_tables(program, costs, transfers, transfer_ids)
-    mem_at_start, mem_at_end = memory_tables.row_deltas(MEMORY_PARTS, 0, len(t.kind))
     static = program.static_parts
-    memory, peak_events = _step_counters(bounds, first_ps, end_ps, mem_at_start, mem_at_end,
+    memory, peak_events = _step_counters(bounds, first_ps, end_ps,
+                                         memory_tables.row_deltas(MEMORY_PARTS, 0, len(t.kind)),
                                          [sum(held) for held in zip(*static.values())])
-    del mem_at_start, mem_at_end
     # Per device, each part at its peak: what it holds throughout and its rows' events up to the peak's.
     up_to_peak = _up_to_peak(bounds, first_ps, end_ps, peak_events)
     parts_at_peak, savers_at_peak = [], []
@@ -1277,14 +1281,14 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     part_counters = {}
     for part in (*MEMORY_PARTS, *SAVERS):
         part_counters[f"memory_bytes.{part}"], _ = _step_counters(
-            bounds, first_ps, end_ps, *memory_tables.row_deltas((part,), 0, len(t.kind)),
+            bounds, first_ps, end_ps, memory_tables.row_deltas((part,), 0, len(t.kind)),
             static[part] if part in static else [0] * devices)
     del memory_tables
     act_at_start = kind_mask(t.kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
     act_at_end = -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int8)
     counters = {
         "memory_bytes": memory,
-        "activations": _step_counters(bounds, first_ps, end_ps, act_at_start, act_at_end, [0] * devices)[0],
+        "activations": _step_counters(bounds, first_ps, end_ps, (act_at_start, act_at_end), [0] * devices)[0],
         "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, 1 + schedule.policy.extra_copies),
         **part_counters,
     }
@@ -1496,18 +1500,22 @@ def _event_times_ms(first_ps: np.ndarray, second_ps: np.ndarray, lo: int, hi: in
     return times
 
 
-def _step_counters(bounds, first_ps, second_ps, first_delta, second_delta, initial) -> tuple[list[Counter], list[int]]:
-    """Per device (rows bounds[d]..bounds[d+1], in program order), the running total of deltas applied at
-    two event times per op (picoseconds; the counter's in µs as ms * 1e3), in time order (ties keep program order,
-    so an op's end counts before the next op's start); and per device the event (2i: row lo + i's start, 2i + 1:
-    its end) after which the total first reaches its largest value, -1 where that is the initial value. Events
-    that change nothing are left out before any time is sorted."""
+def _step_counters(bounds, first_ps, second_ps, deltas: tuple[np.ndarray, np.ndarray] | None, initial
+                   ) -> tuple[list[Counter], list[int]]:
+    """Per device (rows bounds[d]..bounds[d+1], in program order), the running total of `deltas` (per row, one
+    applied at each of its two event times: picoseconds; the counter's in µs as ms * 1e3), in time order (ties
+    keep program order, so an op's end counts before the next op's start); and per device the event (2i: row lo +
+    i's start, 2i + 1: its end) after which the total first reaches its largest value, -1 where that is the
+    initial value. Events that change nothing are left out before any time is sorted; `deltas` None: none changes
+    anything (most parts' curves: a part no row moves), and no event is made."""
     out, peaks = [], []
+    keep, mine_times, mine_deltas = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64)
     for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        mine_deltas = np.empty(2 * (hi - lo), dtype=np.int64)
-        mine_deltas[0::2], mine_deltas[1::2] = first_delta[lo:hi], second_delta[lo:hi]
-        keep = np.flatnonzero(mine_deltas != 0)
-        mine_times, mine_deltas = _event_times_ms(first_ps, second_ps, lo, hi)[keep], mine_deltas[keep]
+        if deltas is not None:
+            mine_deltas = np.empty(2 * (hi - lo), dtype=np.int64)
+            mine_deltas[0::2], mine_deltas[1::2] = deltas[0][lo:hi], deltas[1][lo:hi]
+            keep = np.flatnonzero(mine_deltas != 0)
+            mine_times, mine_deltas = _event_times_ms(first_ps, second_ps, lo, hi)[keep], mine_deltas[keep]
         if not abs(initial[d]) + float(np.abs(mine_deltas).sum(dtype=np.float64)) < _COUNTER_LIMIT:  # int64 wraps
             raise CostError(f"device {d}'s rows add and free more bytes than the simulator's counters hold "
                             f"({_COUNTER_LIMIT:.3g}): lower the sizes or m (--microbatches)")

@@ -74,7 +74,8 @@ class Ops:
     `cpu_us` is the CPU time an op took its rank's thread, where a run measured it (an executed SEND: its own
     cost, where its `dur_us` also holds the thread descheduled or waiting on a loaded host); `wait_us` how long a
     compute op waited for its turn on a GPU its rank shared with others (the executor's compute lock), just before
-    it started: a measured gap before it holds that wait; -1.0 elsewhere."""
+    it started: a measured gap before it holds that wait; -1.0 elsewhere (measured for none: one -1.0 broadcast over
+    the rows, read-only)."""
 
     device: np.ndarray
     stream: np.ndarray
@@ -93,8 +94,8 @@ class Ops:
 
     def __post_init__(self) -> None:
         for name in _MEASURED_COLUMNS:
-            if getattr(self, name) is None:
-                setattr(self, name, np.full(len(self.start_us), -1.0))
+            if getattr(self, name) is None:  # a prediction's millions of rows hold no column of -1.0
+                setattr(self, name, np.broadcast_to(-1.0, len(self.start_us)))
         for name in _INT_COLUMNS:  # integers of any width as given (a prediction's are narrow), else int64
             column = np.asarray(getattr(self, name))
             setattr(self, name, column if column.dtype.kind == "i" else column.astype(np.int64))
