@@ -770,7 +770,8 @@ def _curve_text(read, attention_kernel: str, sources: bool) -> str:
     attention = read.attention_kernel_efficiency(attention_kernel)
     fractions = ", ".join([f"products {read.matmul_efficiency:.3g}",
                            *([f"attention ({attention_kernel}) {attention:.3g}"] if attention else []),
-                           f"memory {read.memory_efficiency:.3g}", f"link {read.link_efficiency:.3g}"])
+                           f"memory {read.memory_efficiency:.3g}", f"link {read.link_efficiency:.3g}",
+                           f"network {read.network_efficiency:.3g}"])
     return (f"efficiency curve: {fractions} of the datasheet's, {read.kernel_overhead_ms * 1e3:.1f} us a kernel; "
             + ("its sources at the end" if sources else "--sources says where each comes from"))
 

@@ -83,7 +83,7 @@ def test_estimate_names_its_curve_and_prints_the_sources_on_asking(tmp_path):
     said = " ".join(out.split())
     assert (f"efficiency curve: products {curve['matmul_efficiency']:.3g}, attention (flash2) "
             f"{curve['attention_efficiency']:.3g}, memory {curve['memory_efficiency']:.3g}, link "
-            f"{curve['link_efficiency']:.3g} of the datasheet's") in said
+            f"{curve['link_efficiency']:.3g}, network {curve['network_efficiency']:.3g} of the datasheet's") in said
     assert "--sources says where each comes from" in said and "https://" not in said
     code, out, err = pipesim(*args, "--sources")
     # one line the terminal wraps, not folded at the table's width: each address stays whole to open
