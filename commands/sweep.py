@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..traces.metrics import rate_text
-from ..units import MAX_MS
+from ..units import MAX_MS, whole_number
 from .common import (
     Allocator,
     BlockingComm,
@@ -55,18 +55,24 @@ from .common import (
 from .estimate import count_what_if, estimated_profile, what_if
 from .tables import print_table
 
+MAX_PORT = 65_535  # a TCP port's largest
+
 
 def _check_answers(address: str) -> None:
     """Refuse a --ray HOST:PORT (or ray://HOST:PORT) that nothing answers at, before any work: ray.init retries one
     for minutes, writing its own log lines (`--ray nosuch:1` still had no answer after 5 minutes). "auto" and
-    "local", and an address without a port, are Ray's to resolve."""
+    "local", and an address without a port, are Ray's to resolve; digits that are no port (past 65,535, where
+    socket dialled another; '²', which int() refuses) are refused."""
     import socket
 
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         return
+    number = whole_number(port, MAX_PORT)  # isdigit passes '²', which int() refuses
+    if number is None:
+        raise InputError(f"--ray {address}: {port} is not a port; give HOST:PORT with a port from 0 to {MAX_PORT}")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        socket.create_connection((host.strip("[]"), number), timeout=5).close()
     except OSError as exc:
         raise InputError(f"--ray {address}: nothing answers at {host}:{port} ({exc.strerror or exc})") from None
 
