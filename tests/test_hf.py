@@ -227,7 +227,7 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
 # Configs read_hf_config refuses by their fields' own names, before torch is imported
 UNREADABLE = [
     (lambda folder: folder / "absent", "no {folder}/absent; give hf:PATH, a config.json or a folder holding one"),
-    (lambda folder: folder, "no {folder}/config.json"),
+    (lambda folder: folder, "{folder} holds no config.json, nor do its folders"),
     (lambda folder: (folder / "c.json").write_text("{not json") and folder / "c.json", "is not valid JSON"),
     (lambda folder: (folder / "c.json").write_text('{"model_type": "lla') and folder / "c.json",
      "is not valid JSON: Unterminated string starting at: line 1 column 16"),

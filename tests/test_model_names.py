@@ -64,3 +64,16 @@ def test_a_config_that_is_not_there_names_the_nearest_that_is(model, hint, monke
     path = model.removeprefix("hf:")
     assert (code, out, err) == (2, "", f"error: --model {model}: no {path}; give hf:PATH, a config.json or a folder "
                                        f"holding one{hint}\n")
+
+
+@pytest.mark.parametrize("model, folders", [
+    ("hf:examples", "examples holds no config.json; its folders that do: deepseek-v3, gpt-oss-120b, llama3.1-405b, "
+                    "llama3.1-70b, llama3.1-8b, mixtral-8x7b, qwen3-235b-a22b, qwen3-30b-a3b (give hf:examples/NAME)"),
+    ("hf:docs", "docs holds no config.json, nor do its folders; give hf:PATH, a config.json or a folder holding one"),
+])
+def test_a_folder_of_configs_names_the_configs_it_holds(model, folders, monkeypatch):
+    """hf:examples, a folder of configs with no config.json of its own: the refusal names its folders that hold one,
+    where it said only that examples/config.json is not there."""
+    monkeypatch.chdir(ROOT)
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "-p", 2, "-s", "1f1b")
+    assert (code, out, err) == (2, "", f"error: --model {model}: {folders}\n")

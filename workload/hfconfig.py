@@ -87,6 +87,20 @@ def nearest_config(given: Path) -> str | None:
     return HF_PREFIX + str(folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder)
 
 
+def _folder_refusal(spec: str, folder: Path) -> str:
+    """The one line refusing a `folder` with no config.json in it: the folders in it that hold one, as
+    hf:`folder`/NAME takes them (hf:examples names pipesim's examples below it)."""
+    try:
+        inside = sorted(entry.name for entry in folder.iterdir() if (entry / CONFIG_NAME).is_file())
+    except OSError:  # a folder that cannot be listed: nothing to name
+        inside = []
+    if not inside:
+        return (f"--model {spec}: {folder} holds no {CONFIG_NAME}, nor do its folders; give hf:PATH, a {CONFIG_NAME} "
+                "or a folder holding one")
+    return (f"--model {spec}: {folder} holds no {CONFIG_NAME}; its folders that do: {', '.join(inside)} "
+            f"(give hf:{folder / 'NAME'})")
+
+
 def read_hf_config(spec: str) -> HfConfig:
     """The config `spec` names; a missing or unreadable file, one not a JSON object, one without a model_type, one
     whose `SIZES`, given by their own names, are not whole numbers from their `LEAST` to their bounds
@@ -101,6 +115,8 @@ def read_hf_config(spec: str) -> HfConfig:
         missing = not path.exists()
     except OSError:  # a name too long, a folder that cannot be searched: reading it says which
         missing = False
+    if missing and os.path.isdir(given):  # a folder of configs (hf:examples): the ones it holds
+        raise HfConfigError(_folder_refusal(spec, Path(given)))
     if missing:
         near = nearest_config(Path(given))
         raise HfConfigError(f"--model {spec}: no {path}; give hf:PATH, a {CONFIG_NAME} or a folder holding one"
