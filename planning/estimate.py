@@ -2991,7 +2991,8 @@ def curve_for(fitted: FittedCurve, peak_flops_per_ms: float, memory_bytes_per_ms
               source: str) -> Curve:
     """The fitted rates as the curve of a part with this datasheet peak (FLOP/ms, the count's dtype) and memory
     bandwidth (bytes/ms): each rate over its datasheet figure. A rate the fit left out takes `base`'s
-    efficiency (attention) or the datasheet's (memory); `base` gives the link efficiency. EstimateError naming
+    efficiency (attention) or the datasheet's (memory); `base` gives the link's and the network's efficiencies
+    (`Curve.network_efficiency`), which a fit to the layers does not give. EstimateError naming
     the efficiency where a rate exceeds the datasheet."""
     efficiencies = _efficiencies(fitted, peak_flops_per_ms, memory_bytes_per_ms, base)
     bad = [key for key, value in efficiencies.items() if value > 1]

@@ -494,8 +494,9 @@ class EstimateLink(_Strict):
 
 class EstimatePlacement(_Strict):
     """What the links of every placement follow from (planning/estimate.py's `links_of`): the GPUs of a node,
-    the link inside it (at the curve's measured fraction of its datasheet rate) and the network's. Recorded so
-    that a profile read back at another p or d is priced on that placement's links."""
+    the link inside it (at the curve's measured fraction of its datasheet rate) and the network's (at the fraction
+    of its line rate NCCL moves through a NIC, `Curve.network_efficiency`; a profile estimated before dfb5e92 holds
+    the line rate). Recorded so that a profile read back at another p or d is priced on that placement's links."""
 
     gpus_per_node: int = Field(ge=1)
     node_link: EstimateLink
