@@ -381,10 +381,7 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
                       and fits_floor(item), lambda result: allowed(result, problem), float("-inf"), staler_ahead=True)
     leanest = []
     if not best:  # every cut for time over the cap, with the reserve the partitioner does not count: the leanest?
-        least = _least_memory(settings, problem)
-        if not allowed(least, problem):
-            raise TuneError(_nothing_fits(least, problem))
-        best, leanest = [[least]], [LEANEST_NOTE]
+        best, leanest = [[_fastest_leanest(settings, problem)]], [LEANEST_NOTE]
     choice = best[0][0]
     faster = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem),
                         speed_key(choice.samples_per_s))
@@ -2766,22 +2763,42 @@ def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int, r
             f"{problem.batch_size} samples on {problem.devices} devices ({why}); try other schedules or --batch-size")
 
 
-# The choice's note where no cut for time fits the cap (`_search`) and the least one's leanest (`_least_memory`) does
+# The choice's note where no cut for time fits the cap (`_search`) and a leanest cut does (`_fastest_leanest`)
 LEANEST_NOTE = ("no configuration cut for time within the cap fits it once the caching allocator's reserve is added: "
-                "the choice is the configuration that needs the least memory, on its leanest cut")
+                "the choice is the fastest configuration that fits on its leanest cut (cuts between a configuration's "
+                "leanest and its cut for time are not searched)")
 
 
-def _least_memory(settings: list[Setting], problem: Problem) -> Result:
-    """The configuration that needs the least memory, each cut into its leanest split (a cap of 0 leaves no other):
-    simulated lowest memory floor first, until the floors pass the least peak found. The partitioner holds a cut
-    to the cap by the tensors it counts, which the caching allocator's reserve adds to, so this may fit where no
-    cut for time did (a 16,384-token GPT's DualPipeV at 13 GiB: 11.4 GiB on its leanest cut, 14.4 on its cut for
-    time); TuneError where no configuration is within the staleness limit."""
+def _fastest_leanest(settings: list[Setting], problem: Problem) -> Result:
+    """The fastest configuration that fits the cap as simulated, each cut into its leanest split (a cap of 0
+    leaves no other). The partitioner holds a cut to the cap by the tensors it counts, which the caching
+    allocator's reserve adds to, so a leanest cut may fit where no cut for time did (a 16,384-token GPT's DualPipeV
+    at 13 GiB: 11.4 GiB on its leanest cut, 14.4 on its cut for time). Best bound first, as `top_groups`, among
+    those whose memory floor is within the cap, until no bound left can beat the fastest that fits (a tie ranks
+    by `rank_key`); TuneError naming the least memory any needs (`_least_memory`) where none fits, or where no
+    configuration is within the staleness limit."""
     lean = replace(problem, memory_cap_bytes=0)
     candidates = [c for c in prepare(settings, lean)[0] if c.staleness <= problem.max_staleness]
     if not candidates:
         raise TuneError(f"no configuration has staleness <= {problem.max_staleness}; raise --max-staleness or add "
                         "synchronous schedules")
+    fastest = None
+    for candidate in sorted(candidates, key=lambda c: -c.max_samples_per_s):
+        if fastest is not None and speed_key(candidate.max_samples_per_s) < speed_key(fastest.samples_per_s):
+            break
+        if candidate.memory_floor_bytes > problem.memory_cap_bytes:
+            continue
+        result = evaluate(lean, candidate)
+        if allowed(result, problem) and (fastest is None or rank_key(result) < rank_key(fastest)):
+            fastest = result
+    if fastest is None:
+        raise TuneError(_nothing_fits(_least_memory(lean, candidates), problem))
+    return fastest
+
+
+def _least_memory(lean: Problem, candidates: list[Candidate]) -> Result:
+    """The candidate that needs the least memory on its leanest cut (`lean`'s cap of 0): simulated lowest memory
+    floor first, until the floors pass the least peak found."""
     least = None
     for candidate in sorted(candidates, key=lambda c: c.memory_floor_bytes):
         if least is not None and candidate.memory_floor_bytes >= least.peak_memory_bytes:

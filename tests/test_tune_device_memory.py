@@ -27,7 +27,7 @@ def test_a_v_shapes_stages_share_their_devices_memory():
 
 
 GPT_16K = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 1024, "--heads", 8, "--seq-len", 16384,
-           "--vocab", 32000, "--attention", "flash", "-D", 2, "-s", "dualpipev", "-b", 1, "--recompute", "none",
+           "--vocab", 32000, "--attention", "flash", "-s", "dualpipev", "-b", 1, "--recompute", "none",
            "--tensor-parallel", 1)
 
 
@@ -36,14 +36,27 @@ def test_where_no_cut_for_time_fits_the_leanest_cut_that_fits_is_the_answer():
     DualPipeV's cut for time to 14.4 GiB, over 13, where its leanest cut peaks at 11.4. tune refused, saying that the
     least any configuration needs is 11.4 GiB, under the cap it refused; it answers with that cut, the time cut
     the 'over' row beside it."""
-    code, out, err = pipesim("tune", *GPT_16K, "--memory-gb", 13, "--json")
+    code, out, err = pipesim("tune", *GPT_16K, "-D", 2, "--memory-gb", 13, "--json")
     assert code == 0, err
     document = json.loads(out)
     choice, over = document["choice"], document["excluded"]
     assert choice["peak_memory_gib"] <= 13 < over[0]["peak_memory_gib"]
     assert choice["samples_per_s"] < over[0]["samples_per_s"]
-    assert any("the configuration that needs the least memory, on its leanest cut" in note
-               for note in document["notes"])
-    code, out, err = pipesim("tune", *GPT_16K, "--memory-gb", 10)
+    assert any("the fastest configuration that fits on its leanest cut" in note for note in document["notes"])
+    code, out, err = pipesim("tune", *GPT_16K, "-D", 2, "--memory-gb", 10)
     assert code == 2 and err.startswith("error: --memory-gb: no configuration fits in 10 GiB; the least memory any "
                                         "needs is 11.4 GiB per device"), err
+
+
+def test_where_no_cut_for_time_fits_the_fastest_leanest_cut_that_fits_is_the_answer():
+    """On 4 devices DualPipeV's leanest cuts peak at 9.0 GiB (p = 4, 37.4 samples/s) and 11.4 (p = 2, d = 2, 46.0),
+    and neither cut for time fits 12 GiB: the answer there is p = 2, where tune took the configuration of least
+    memory, p = 4, not looking at the faster one that fits too. Under 11.4 GiB p = 4 is the answer."""
+    choices = {}
+    for cap in (11, 12):
+        code, out, err = pipesim("tune", *GPT_16K, "-D", 4, "--memory-gb", cap, "--json")
+        assert code == 0, err
+        choices[cap] = json.loads(out)["choice"]
+    assert (choices[11]["stages"], choices[12]["stages"]) == (4, 2)
+    assert choices[11]["peak_memory_gib"] < choices[12]["peak_memory_gib"] <= 12
+    assert choices[12]["samples_per_s"] > choices[11]["samples_per_s"]
