@@ -658,8 +658,9 @@ def refused_with_flags() -> Iterator[None]:
 
 def check_estimate_experts(measured, stages: int, data_parallel: int) -> None:
     """A --profile estimated with E expert-parallel ranks runs them (`Scenario.order_params`), drawn from this run's
-    replicas as its rank order draws them (planning/ranks.py `estimated_experts_refusal`), in simulate and sweep: a d
-    they do not divide was a traceback, no ranks left to reduce the experts' gradients over."""
+    replicas as its rank order draws them (planning/ranks.py `estimated_experts_refusal`), in simulate, sweep and
+    run (its searched order's): a d they do not divide was a traceback, no ranks left to reduce the experts'
+    gradients over."""
     from ..planning.ranks import estimated_experts_refusal
 
     if measured is None or measured.estimate is None:

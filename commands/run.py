@@ -50,6 +50,7 @@ from .common import (
     TopK,
     WgradFraction,
     Width,
+    check_estimate_experts,
     check_expert_parallel,
     check_method_options,
     check_outputs,
@@ -239,6 +240,8 @@ def run(
                                  f"times hold there only; drop the flag or {again}")
             dtype = profiled_dtype
         scenario = searched_scenario(ctx, method, measured)
+        if scenario is not None:  # the order searched runs the estimate's E (a built one runs --expert-parallel's)
+            check_estimate_experts(measured, stages, data_parallel)
         params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
                                average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
                                data_parallel=data_parallel, expert_parallel=expert_parallel,
