@@ -599,7 +599,9 @@ def test_a_flushing_chain_is_read_in_one_pass_as_device_by_device():
 
 def test_a_runner_ups_reason_shows_its_figures_apart():
     """"1.6% slower: bubble 11% vs 11%" explained nothing, and its bubbles were 10.8% against the choice's 10.9%:
-    a reason names the busiest device's work or idle ms that decided it, with the digits at which they differ."""
+    a reason names the busiest device's work or idle ms that decided it, with the digits at which they differ; where
+    one grew past the whole loss and the other shrank, the step and both (DeepSeek-V3's "2.6% slower: busiest device
+    17,571 vs 12,953 ms/step" told no reader why it lost)."""
     from types import SimpleNamespace
 
     def result(samples_per_s: float, step_ms: float, busiest_ms: float, bubble: float, gib: float = 1.0):
@@ -617,5 +619,10 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
             == "1% slower: busiest device 8.9004 vs 8.9 ms/step")
     assert (tuning.explain(result(99.0, 10.03, 8.93, 0.11), choice, problem)
             == "1% slower: busiest device 8.93 vs 8.9 ms/step")
+    lean = result(100.0, 10.0, 6.0, 0.3)  # where one part grew past the whole loss, the other shrinking: the step, both
+    assert (tuning.explain(result(97.4, 10.27, 8.0, 0.2), lean, problem)
+            == "2.6% slower: step 10.3 vs 10 ms: busiest device computing 8 vs 6 ms, idle 2.27 vs 4 ms")
+    assert (tuning.explain(result(97.4, 10.27, 5.5, 0.4), lean, problem)
+            == "2.6% slower: step 10.3 vs 10 ms: busiest device computing 5.5 vs 6 ms, idle 4.77 vs 4 ms")
     assert (tuning.explain(result(100.0, 10.0, 8.9, 0.11, gib=1.0004), choice, problem)
             == "as fast, more memory: 1.0004 GiB vs 1 GiB")
