@@ -1,6 +1,8 @@
 """Helpers the test modules share, imported as `from tests.conftest import ...`.
 
 - `pipesim(*args)`: the command line run in-process, its output captured: (code, out, err).
+- `pipesim_fresh(*commands)`: commands run one after another in a new Python process: each one's (code, out, err)
+  and the packages the process imported (torch?).
 - `at_columns(monkeypatch, columns)`: the terminal width the command line prints for, as a process would see it.
 - `simulate_json(*args)`: `pipesim simulate ... --json`, which must succeed: its results.
 - `build(name, p, m, n)`: a method's schedule in its default shape (the V schedules' two chunks, AvgPipe's two
@@ -27,6 +29,7 @@ import importlib.util
 import io
 import json
 import math
+import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -107,6 +110,37 @@ def pipesim(*args: Any) -> Cli:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
         main([str(a) for a in args])
     return Cli(exc.value.code, out.getvalue(), err.getvalue())
+
+
+FRESH = """
+import contextlib, io, json, sys
+from pipesim.cli import main
+runs = []
+for args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(args)
+            code = None
+        except SystemExit as exc:
+            code = exc.code
+    runs.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps([runs, sorted({name.partition(".")[0] for name in sys.modules})]))
+"""
+
+
+class Fresh(NamedTuple):
+    runs: list[Cli]
+    imported: set[str]  # the top-level packages the process imported by its end
+
+
+def pipesim_fresh(*commands: Iterable[Any], cwd: Path | None = None) -> Fresh:
+    """Each of `commands` (the command line's arguments) run as `pipesim` runs it, one after another in one new
+    Python process, which imported nothing before: what a command imports (torch) shows in `imported`."""
+    argv = json.dumps([[str(arg) for arg in command] for command in commands])
+    done = subprocess.run([sys.executable, "-c", FRESH, argv], capture_output=True, text=True, check=True, cwd=cwd)
+    runs, imported = json.loads(done.stdout.splitlines()[-1])
+    return Fresh([Cli(*run) for run in runs], set(imported))
 
 
 def at_columns(monkeypatch: pytest.MonkeyPatch, columns: int | None) -> None:

@@ -4,8 +4,6 @@ except the tests that skip without CUDA)."""
 import itertools
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from pipesim.profiles.partition import LayerCost, PartitionError, partition, sta
 from pipesim.profiles.schema import boundary_held_bytes, load_profile, profile_json, stage_edges, stages_for
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Link
-from tests.conftest import at_columns, pipesim, simulate_json, stage_ms
+from tests.conftest import at_columns, pipesim, pipesim_fresh, simulate_json, stage_ms
 
 WIDTH, BATCH = 64, 4  # a 3-block MLP of width 64 on micro-batches of 4: layer sizes are known in closed form
 MLP = ["--model", "mlp", "--layers", "3", "--width", str(WIDTH), "--microbatch-size", str(BATCH), "--device", "cpu",
@@ -319,11 +317,8 @@ def test_dtype_sets_the_bytes(tmp_path):
 
 
 def test_simulate_with_a_profile_never_imports_torch(mlp_profile):
-    probe = ("import sys; from pipesim.cli import main\n"
-             f"try:\n    main(['simulate', '--profile', {str(mlp_profile)!r}, '-s', '1f1b', '--json'])\n"
-             "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
-             "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
+    (done,), imported = pipesim_fresh(("simulate", "--profile", mlp_profile, "-s", "1f1b", "--json"))
+    assert done.code == 0 and "torch" not in imported, done.err
 
 
 CUDA = torch.cuda.is_available()

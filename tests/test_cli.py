@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.schedules import METHODS
-from tests.conftest import help_records, pipesim, simulate_json
+from tests.conftest import help_records, pipesim, pipesim_fresh, simulate_json
 from tests.test_view import _page_data
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -274,11 +274,8 @@ def test_nothing_half_written_when_one_output_is_bad(tmp_path):
 
 
 def test_console_script_starts_without_torch():
-    probe = ("import sys; from pipesim.cli import main\n"
-             "try:\n    main(['simulate', '-s', '1f1b', '--json'])\n"
-             "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
-             "assert 'torch' not in sys.modules and 'plotly' not in sys.modules, 'heavy import at start-up'")
-    subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
+    (done,), imported = pipesim_fresh(("simulate", "-s", "1f1b", "--json"))
+    assert done.code == 0 and not {"torch", "plotly"} & imported, done.err  # no heavy import at start-up
 
 
 def test_method_defaults_and_avgpipe_options():

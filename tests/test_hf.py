@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
-from tests.conftest import help_records, needs_transformers, pipesim, simulate_json
+from tests.conftest import help_records, needs_transformers, pipesim, pipesim_fresh, simulate_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -207,14 +206,9 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
     def refuse(*args, **kwargs):
         raise AssertionError("counted again although the count was kept")
 
-    # read back in a fresh process, neither torch nor transformers imported
-    probe = ("import json, sys; from pipesim.cli import main\n"
-             f"try:\n    main(['simulate', *{[str(a) for a in args]!r}, '--json'])\n"
-             "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
-             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'counted again'")
-    kept = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert kept.returncode == 0, kept.stderr
-    assert json.loads(kept.stdout)["results"] == [first]
+    (kept,), imported = pipesim_fresh(["simulate", *args, "--json"])  # read back: neither torch nor transformers
+    assert kept.code == 0 and not {"torch", "transformers"} & imported, kept.err
+    assert json.loads(kept.out)["results"] == [first]
     monkeypatch.setattr(counting, "count_built", refuse)
     moved = shutil.copytree(ROOT / "examples" / "llama3.1-8b", tmp_path / "elsewhere")
     assert simulate_json(*args[:3], f"hf:{moved}", *args[4:]) == [first]  # the same config, at another path
@@ -279,21 +273,11 @@ def test_an_unreadable_config_is_refused_before_torch_is_imported(tmp_path):
     for i, (make, _) in enumerate(UNREADABLE):
         (tmp_path / str(i)).mkdir()
         paths.append(str(make(tmp_path / str(i))))
-    probe = ("import json, sys; from pipesim.cli import main\n"
-             "codes = []\n"
-             f"for path in {paths!r}:\n"
-             "    try:\n"
-             f"        main(['estimate', '--gpu', 'h100-sxm', '--model', 'hf:' + path, '--seq-len', '64', '--out', "
-             f"{str(out)!r}])\n"
-             "    except SystemExit as exc:\n"
-             "        codes.append(exc.code)\n"
-             "print(json.dumps([codes, sorted({'torch', 'transformers'} & set(sys.modules))]))")
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout.splitlines()[-1]) == [[2] * len(UNREADABLE), []]
-    refusals = run.stderr.strip().splitlines()
-    assert len(refusals) == len(UNREADABLE) and all("--model hf:" in line for line in refusals), run.stderr
-    assert not out.exists()
+    runs, imported = pipesim_fresh(*(("estimate", "--gpu", "h100-sxm", "--model", f"hf:{path}", "--seq-len", 64,
+                                      "--out", out) for path in paths))
+    assert [(run.code, run.out) for run in runs] == [(2, "")] * len(UNREADABLE)
+    assert all(run.err.count("\n") == 1 and "--model hf:" in run.err for run in runs), [run.err for run in runs]
+    assert not {"torch", "transformers"} & imported and not out.exists()
 
 
 @needs_transformers

@@ -1,42 +1,25 @@
 """A --model that names no model (a Hugging Face example without hf:, a typo) is refused before torch is imported:
 simulate --gpu, count, calibrate and run imported it first, 4 s of a 4.2 s refusal."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import pipesim
+from tests.conftest import pipesim, pipesim_fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 
 COMMANDS = [("simulate", "--gpu", "h100-sxm", "-p", 2, "-s", "1f1b"), ("count",),
             ("calibrate", "--stages", 2, "--out", "p.json"), ("run", "-s", "1f1b")]
-PROBE = """
-import contextlib, io, json, sys
-from pipesim.cli import main
-err = io.StringIO()
-with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-    try:
-        main(sys.argv[1:])
-    except SystemExit as exc:
-        code = exc.code
-print(json.dumps([code, err.getvalue(), "torch" in sys.modules]))
-"""
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[command[0] for command in COMMANDS])
 def test_an_unknown_model_is_refused_before_torch_is_imported(command, tmp_path):
-    args = [command[0], "--model", "llama3.1-8b", *map(str, command[1:])]
-    done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, check=True,
-                          cwd=tmp_path)
-    code, err, torch_imported = json.loads(done.stdout)
-    assert (code, err) == (2, "error: --model: unknown 'llama3.1-8b'; choose from mlp, cnn, gpt, two-branch, or give "
-                              "package.module:attribute or hf:PATH (a Hugging Face config.json); "
-                              f"hf:{ROOT / 'examples' / 'llama3.1-8b'} is the nearest name that holds one\n")
-    assert not torch_imported
+    (done,), imported = pipesim_fresh((command[0], "--model", "llama3.1-8b", *command[1:]), cwd=tmp_path)
+    assert done == (2, "", "error: --model: unknown 'llama3.1-8b'; choose from mlp, cnn, gpt, two-branch, or give "
+                           "package.module:attribute or hf:PATH (a Hugging Face config.json); "
+                           f"hf:{ROOT / 'examples' / 'llama3.1-8b'} is the nearest name that holds one\n")
+    assert "torch" not in imported
     assert not list(tmp_path.iterdir())
 
 
