@@ -9,6 +9,7 @@ simulator reads profiles without importing it.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 from collections.abc import Callable, Iterator, Sequence
@@ -503,6 +504,9 @@ class EstimatePlacement(_Strict):
     network_link: EstimateLink
 
 
+ESTIMATE_DEGREES = ("tensor", "pipeline", "data", "context", "expert", "expert_tensor")  # an estimate's ranks
+
+
 class Estimate(_Strict):
     """A profile estimated, not measured (planning/estimate.py): the catalogue part (`gpu`, its name), the
     parallelism its per-GPU figures hold for (tensor, pipeline, data, context, sequence_parallel, recompute,
@@ -525,6 +529,17 @@ class Estimate(_Strict):
     model_flops_per_sample: float | None = Field(None, gt=0)
     peak_flops_per_s: float | None = Field(None, gt=0)
     placement: EstimatePlacement | None = None
+
+    @model_validator(mode="after")
+    def _whole_degrees(self) -> Estimate:
+        """The ranks its parallelism gives are whole numbers, 1 or more (a profile edited by hand: the commands
+        read them as int, an expert_parallel of 'x' or 0 was a traceback); an expert_tensor of None is t."""
+        for name in ESTIMATE_DEGREES:
+            value = self.parallelism.get(name, 1)
+            if not (value is None and name == "expert_tensor") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"parallelism.{name} must be a whole number, 1 or more (got {json.dumps(value)})")
+        return self
 
     @property
     def degrees(self) -> tuple[int, int, int]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from pipesim.planning import tune as tuning
 from tests.conftest import at_columns, pipesim, refused, tune_rows
 from tests.test_tune import differences, exhaustive
@@ -114,6 +116,23 @@ def test_the_table_and_json_show_c_and_count_every_gpu(monkeypatch):
         words = " ".join(out.split())
         assert words.startswith("gpt on 8 x NVIDIA H100") and "C = 2 context-parallel ranks" in words
         assert "over the 8 GPUs' dense peak" in words
+
+
+@pytest.mark.parametrize("name, value", [("expert", "x"), ("expert", 0), ("tensor", True), ("data", 2.5),
+                                         ("expert_tensor", -1)])
+def test_an_estimates_ranks_edited_to_no_whole_number_are_refused_naming_the_field(tmp_path, monkeypatch, name,
+                                                                                  value):
+    """The commands read an estimate's ranks as int (`Estimate.degrees`, planning/ranks.py
+    `estimated_experts_refusal`): an expert of 'x' or 0 edited into a profile was a traceback."""
+    path = _estimated(tmp_path, "--experts", 4, "--top-k", 2, "-p", 2, "--data-parallel", 4, "--expert-parallel", 4)
+    document = json.loads(path.read_text())
+    document["estimate"]["parallelism"][name] = value
+    path.write_text(json.dumps(document))
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    assert refused("simulate", "--profile", path, "-s", "1f1b", "-m", 4, "--data-parallel", 8) == (
+        f"error: --profile: profile {path}: estimate: parallelism.{name} must be a whole number, 1 or more (got "
+        f"{json.dumps(value)})\n")
 
 
 def test_a_profile_estimated_over_4_expert_ranks_runs_where_the_replicas_hold_them(tmp_path, monkeypatch):
