@@ -191,7 +191,8 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
                          f"language model, {', '.join(known)} among them")
     settings = _settings(config, CONFIG_MAPPING[config.model_type])
     options = {name: getattr(settings, field) for name, field in FIGURES.items()}
-    options["kv_heads"] = _check_read(config, settings) or options["heads"]
+    _check_aliased_sizes(config, settings)
+    options["kv_heads"] = _kv_heads(config, settings) or options["heads"]
     routed = _routed_experts(config, settings)
     experts = routed[1] if routed else None
     if experts:
@@ -377,18 +378,21 @@ def _read(config: HfConfig, settings: Any, field: str) -> tuple[str, Any] | None
     return next((name for name in names if name in config.fields and config.fields[name] == value), field), value
 
 
-def _check_read(config: HfConfig, settings: Any) -> int | None:
-    """Refuse what transformers reads from `config` where read_hf_config, which reads the fields by their own
-    names, could not: a size given under an alias (`_read`) past its bounds (`size_field_refusal`), and key/value
-    heads, however given, that do not divide the attention heads (transformers' attention repeats each for as
-    many query heads; torch failed deep in the count). The key/value heads as read; None where the class has
-    none, or leaves them to the attention heads'."""
+def _check_aliased_sizes(config: HfConfig, settings: Any) -> None:
+    """Refuse a size `config` gives under an alias transformers reads (`_read`) past its bounds
+    (`size_field_refusal`): read_hf_config reads the fields by their own names only."""
     for field in SIZES:
         read = _read(config, settings, field)
         refusal = (size_field_refusal(config.spec, config.path, read[0], field, read[1])
                    if read and read[0] != field and read[1] is not None else None)
         if refusal is not None:
             raise ModelError(refusal)
+
+
+def _kv_heads(config: HfConfig, settings: Any) -> int | None:
+    """The key/value heads transformers reads from `config` (`_read`), however given; None where the class has
+    none, or leaves them to the attention heads'. Refused where they do not divide the attention heads
+    (transformers' attention repeats each for as many query heads; torch failed deep in the count)."""
     kv_heads, heads = (_read(config, settings, field) for field in ("num_key_value_heads", "num_attention_heads"))
     if kv_heads and kv_heads[1] and heads and heads[1] % kv_heads[1]:
         gives = (f"gives {kv_heads[0]} {kv_heads[1]}" if kv_heads[0] in config.fields else

@@ -105,8 +105,8 @@ def read_hf_config(spec: str) -> HfConfig:
     """The config `spec` names; a missing or unreadable file, one not a JSON object, one without a model_type, one
     whose `SIZES`, given by their own names, are not whole numbers from their `LEAST` to their bounds
     (`size_field_refusal`), is `HfConfigError`. What transformers reads, aliases and all, only its config class
-    tells, so workload/hf.py refuses the rest once it is read (`_check_read`: a size given under an alias, key/value
-    heads that do not divide the attention heads; more experts a token than routed experts)."""
+    tells, so workload/hf.py refuses the rest once it is read: a size given under an alias (`_check_aliased_sizes`),
+    key/value heads that do not divide the attention heads (`_kv_heads`), more experts a token than routed experts."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
