@@ -4,8 +4,6 @@ command line must explain its answer and refuse bad input in one line."""
 import itertools
 import json
 import math
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from pipesim.profiles.schema import Timing, load_profile
 from pipesim.schedules import METHODS, flushes
 from pipesim.sim import simulate
 from pipesim.traces import summarize
-from tests.conftest import pipesim, tune_rows
+from tests.conftest import pipesim, pipesim_fresh, tune_rows
 
 PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
 GPT, CNN = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"
@@ -369,11 +367,8 @@ def test_committed_profiles_are_small_and_name_their_device(path):
 
 
 def test_tune_never_imports_torch():
-    probe = ("import sys; from pipesim.cli import main\n"
-             f"try:\n    main(['tune', '--profile', {str(CNN)!r}, '--devices', '2', '--json'])\n"
-             "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
-             "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
+    (done,), imported = pipesim_fresh(("tune", "--profile", CNN, "--devices", 2, "--json"))
+    assert done.code == 0 and "torch" not in imported, done.err
 
 
 def jittered(profile, seed):
