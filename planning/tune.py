@@ -2759,12 +2759,11 @@ def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int, r
     sizes = " or ".join(map(str, sorted({setting.microbatch_size for setting in settings})))
     if not any(_placed_depths(s, problem.devices) for s in settings):
         experts = profile.estimate.parallelism.get("expert", 1) if profile.estimate is not None else 1
+        placed = (", as the profile has no all-reduce times, equal D" if experts == 1 else
+                  " leave d = D/(p·t) replicas over which the profile's rank order places the "
+                  f"E = {experts} expert-parallel ranks it was estimated with")
         return (f"no pipeline depth p: p must divide --devices {problem.devices}, be at most the model's "
-                f"{len(profile.layers)} layers and, as the profile has no all-reduce times, equal D"
-                if experts == 1 else
-                f"no pipeline depth p: p must divide --devices {problem.devices}, be at most the model's "
-                f"{len(profile.layers)} layers and leave d = D/(p·t) replicas over which the profile's rank order "
-                f"places the E = {experts} expert-parallel ranks it was estimated with")
+                f"{len(profile.layers)} layers and{placed}")
     if not shapes:
         return (f"no configuration: the batch of {problem.batch_size} samples must split into whole micro-batches "
                 f"of {sizes} over r = D/p replicas and P pipelines for some pipeline depth p dividing "
