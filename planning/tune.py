@@ -2620,11 +2620,7 @@ def _fits_devices(stage_bytes: ScaledRanges, cut: list[int], devices: Sequence[S
                   device_bytes: int) -> bool:
     """Whether each device holds the stages it runs (`devices`, per device, as `partition` takes them) of `cut`
     within `device_bytes`, each stage's bytes as `stage_bytes` counts them."""
-    def held(k: int) -> int:
-        start, stop = cut[k], cut[k + 1]
-        return stage_bytes.base[start, stop] + sum(scales[k] * table[start, stop]
-                                                   for scales, table in stage_bytes.terms)
-    return all(sum(map(held, stages)) <= device_bytes for stages in devices)
+    return all(sum(stage_bytes.at(k, cut[k], cut[k + 1]) for k in stages) <= device_bytes for stages in devices)
 
 
 def _each_layer_op_ms(profile: Profile, optimizer: str) -> Callable[[int], np.ndarray]:

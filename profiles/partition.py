@@ -101,6 +101,10 @@ class ScaledRanges:
             total = total + scales[k] * table
         return total
 
+    def at(self, k: int, start: int, stop: int) -> int:
+        """Stage k's cost of layers start .. stop-1: the entry [start, stop] of `self(k)`, no table made."""
+        return self.base[start, stop] + sum(scales[k] * table[start, stop] for scales, table in self.terms)
+
     def blocks(self, n: int, p: int) -> np.ndarray:
         """`_stage_blocks`' [k, r, c] of these costs, every stage's at once."""
         total = _bands(self.base, n, p)
