@@ -521,8 +521,9 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool) -> None:
     stdout.print(f"searched {count_text(stats.configurations, 'configuration')} ({stats.refused:,} more shapes "
                  f"refused by their method): {stats.stale:,} too stale and {stats.over_memory_floor:,} over the cap by "
                  f"their memory floor ({stats.simulated_over_limits:,} of them simulated to show what the limits "
-                 f"cost), {stats.pruned:,} pruned by the throughput bound, {stats.simulated:,} simulated; "
-                 f"{stats.seconds:.2f} s",
+                 f"cost), {stats.pruned:,} pruned by the throughput bound, {stats.simulated:,} simulated"
+                 + (f", and {count_text(stats.simulated_leanest, 'leanest cut')} simulated where no cut for time fits"
+                    if stats.simulated_leanest else "") + f"; {stats.seconds:.2f} s",
                  highlight=False)
     for note in tuning.notes:
         stdout.print(f"note: {note}", highlight=False)

@@ -272,6 +272,7 @@ class Stats:
     pruned: int  # within the limits but never simulated: their throughput bound could not beat the rows kept
     simulated: int  # within the limits by staleness and memory floor, and simulated
     simulated_over_limits: int  # stale or over the memory floor, simulated only to show what the limits cost
+    simulated_leanest: int  # leanest cuts simulated where no cut for time fits the cap (`_fastest_leanest`)
     seconds: float
 
     @property
@@ -379,9 +380,10 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
 
     best = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness <= limit)
                       and fits_floor(item), lambda result: allowed(result, problem), float("-inf"), staler_ahead=True)
-    leanest = []
+    leanest, simulated_leanest = [], 0
     if not best:  # every cut for time over the cap, with the reserve the partitioner does not count: the leanest?
-        best, leanest = [[_fastest_leanest(settings, problem)]], [LEANEST_NOTE]
+        fastest, simulated_leanest = _fastest_leanest(settings, problem)
+        best, leanest = [[fastest]], [LEANEST_NOTE]
     choice = best[0][0]
     faster = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem),
                         speed_key(choice.samples_per_s))
@@ -393,7 +395,7 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
         return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
 
     refused_built, *accounts = _accounts(shapes, built, problem)
-    stats = Stats(count, refused + refused_built, *accounts, time.perf_counter() - started)
+    stats = Stats(count, refused + refused_built, *accounts, simulated_leanest, time.perf_counter() - started)
     staler_row = row(staler[0]) if staler else None
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster[:RUNNERS_UP]], stats,
                   _notes(settings, problem) + leanest + ([_staler_note(staler_row, choice)] if staler_row else []),
@@ -2776,31 +2778,31 @@ LEANEST_NOTE = ("no configuration cut for time within the cap fits it once the c
                 "leanest and its cut for time are not searched)")
 
 
-def _fastest_leanest(settings: list[Setting], problem: Problem) -> Result:
+def _fastest_leanest(settings: list[Setting], problem: Problem) -> tuple[Result, int]:
     """The fastest configuration that fits the cap as simulated, each cut into its leanest split (a cap of 0
-    leaves no other). The partitioner holds a cut to the cap by the tensors it counts, which the caching
-    allocator's reserve adds to, so a leanest cut may fit where no cut for time did (a 16,384-token GPT's DualPipeV
-    at 13 GiB: 11.4 GiB on its leanest cut, 14.4 on its cut for time). Best bound first, as `top_groups`, among
-    those whose memory floor is within the cap, until no bound left can beat the fastest that fits (a tie ranks
-    by `rank_key`); TuneError naming the least memory any needs (`_least_memory`) where none fits, or where no
-    configuration is within the staleness limit."""
+    leaves no other), and how many it simulated to find it (`Stats.simulated_leanest`). The partitioner holds a cut
+    to the cap by the tensors it counts, which the caching allocator's reserve adds to, so a leanest cut may fit
+    where no cut for time did (a 16,384-token GPT's DualPipeV at 13 GiB: 11.4 GiB on its leanest cut, 14.4 on its
+    cut for time). Best bound first, as `top_groups`, among those whose memory floor is within the cap, until no
+    bound left can beat the fastest that fits (a tie ranks by `rank_key`); TuneError naming the least memory any
+    needs (`_least_memory`) where none fits, or where no configuration is within the staleness limit."""
     lean = replace(problem, memory_cap_bytes=0)
     candidates = [c for c in prepare(settings, lean)[0] if c.staleness <= problem.max_staleness]
     if not candidates:
         raise TuneError(f"no configuration has staleness <= {problem.max_staleness}; raise --max-staleness or add "
                         "synchronous schedules")
-    fastest = None
+    fastest, simulated = None, 0
     for candidate in sorted(candidates, key=lambda c: -c.max_samples_per_s):
         if fastest is not None and speed_key(candidate.max_samples_per_s) < speed_key(fastest.samples_per_s):
             break
         if candidate.memory_floor_bytes > problem.memory_cap_bytes:
             continue
-        result = evaluate(lean, candidate)
+        result, simulated = evaluate(lean, candidate), simulated + 1
         if allowed(result, problem) and (fastest is None or rank_key(result) < rank_key(fastest)):
             fastest = result
     if fastest is None:
         raise TuneError(_nothing_fits(_least_memory(lean, candidates), problem))
-    return fastest
+    return fastest, simulated
 
 
 def _least_memory(lean: Problem, candidates: list[Candidate]) -> Result:

@@ -51,12 +51,20 @@ def test_where_no_cut_for_time_fits_the_leanest_cut_that_fits_is_the_answer():
 def test_where_no_cut_for_time_fits_the_fastest_leanest_cut_that_fits_is_the_answer():
     """On 4 devices DualPipeV's leanest cuts peak at 9.0 GiB (p = 4, 37.4 samples/s) and 11.4 (p = 2, d = 2, 46.0),
     and neither cut for time fits 12 GiB: the answer there is p = 2, where tune took the configuration of least
-    memory, p = 4, not looking at the faster one that fits too. Under 11.4 GiB p = 4 is the answer."""
-    choices = {}
+    memory, p = 4, not looking at the faster one that fits too. Under 11.4 GiB p = 4 is the answer. The leanest cuts
+    simulated are counted, where the search's count said only the cuts for time: at 11 GiB both (p = 2's over the
+    cap, then p = 4's), at 12 p = 2's alone (p = 4's bound cannot beat it)."""
+    choices, searches = {}, {}
     for cap in (11, 12):
         code, out, err = pipesim("tune", *GPT_16K, "-D", 4, "--memory-gb", cap, "--json")
         assert code == 0, err
-        choices[cap] = json.loads(out)["choice"]
+        document = json.loads(out)
+        choices[cap], searches[cap] = document["choice"], document["search"]
     assert (choices[11]["stages"], choices[12]["stages"]) == (4, 2)
     assert choices[11]["peak_memory_gib"] < choices[12]["peak_memory_gib"] <= 12
     assert choices[12]["samples_per_s"] > choices[11]["samples_per_s"]
+    assert (searches[11]["simulated_leanest"], searches[12]["simulated_leanest"]) == (2, 1)
+    code, out, err = pipesim("tune", *GPT_16K, "-D", 4, "--memory-gb", 12)
+    assert code == 0, err
+    assert (f"{searches[12]['simulated']} simulated, and 1 leanest cut simulated where no cut for time fits; "
+            in " ".join(out.split())), out
