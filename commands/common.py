@@ -656,20 +656,25 @@ def refused_with_flags() -> Iterator[None]:
         raise InputError(flag_line(exc)) from None
 
 
-def check_estimate_experts(measured, stages: int, data_parallel: int) -> None:
+def check_estimate_experts(measured, stages: int, data_parallel: int, *, one_replica: str | None = None) -> None:
     """A --profile estimated with E expert-parallel ranks runs them (`Scenario.order_params`), drawn from this run's
-    replicas as its rank order draws them (planning/ranks.py `estimated_experts_refusal`), in simulate, sweep and
-    run (its searched order's): a d they do not divide was a traceback, no ranks left to reduce the experts'
-    gradients over."""
+    replicas as its rank order draws them (planning/ranks.py `estimated_experts_refusal`), in simulate, sweep, run
+    and export (their searched orders'): a d they do not divide was a traceback, no ranks left to reduce the experts'
+    gradients over, and at d = 1 all-to-alls over E ranks inside one replica. `one_replica`: the command, where it
+    writes one replica and has no --data-parallel to give (export)."""
     from ..planning.ranks import estimated_experts_refusal
 
     if measured is None or measured.estimate is None:
         return
     parallelism = measured.estimate.parallelism
     refusal = estimated_experts_refusal(parallelism, stages, data_parallel)
-    if refusal is not None:
-        raise InputError(f"--data-parallel {data_parallel}: the profile was estimated with --expert-parallel "
-                         f"{parallelism['expert']}, and {flag_line(refusal)}")
+    if refusal is None:
+        return
+    estimated = f"the profile was estimated with --expert-parallel {parallelism['expert']}"
+    if one_replica is None:
+        raise InputError(f"--data-parallel {data_parallel}: {estimated}, and {flag_line(refusal)}")
+    raise InputError(f"--profile: {one_replica} writes one replica (d = 1), and {estimated}, whose ranks its rank "
+                     f"order cannot place in one replica: give a profile estimated with --expert-parallel 1")
 
 
 def check_expert_parallel(expert_parallel: int, net) -> None:

@@ -779,6 +779,7 @@ def export(
         if scenario is None:
             built = method.build(params)
         else:
+            check_estimate_experts(measured, stages, 1, one_replica="export")
             with search_progress(params.search_seconds, False) as report:
                 built = scenario.build(method.name, params, progress=report)
         text = to_torch_csv(built)

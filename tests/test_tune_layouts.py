@@ -138,8 +138,9 @@ def test_an_estimates_ranks_edited_to_no_whole_number_are_refused_naming_the_fie
 def test_a_profile_estimated_over_4_expert_ranks_runs_where_the_replicas_hold_them(tmp_path, monkeypatch):
     """An estimate's E = 4 expert-parallel ranks are drawn from the replicas (pipesim's rank order): simulate and
     sweep at d = 2, run's searched order at d = 2, and tune at p·d = 8 with p = 4 priced the experts' gradients over
-    2 // 4 = 0 ranks, a traceback. simulate, sweep and run refuse such a d in one line, tune plans only the depths
-    whose d holds them, and says so where none does."""
+    2 // 4 = 0 ranks, a traceback, and export (one replica) wrote all-to-alls over 4 ranks inside it. simulate, sweep,
+    run and export refuse such a d in one line, tune plans only the depths whose d holds them, and says so where none
+    does."""
     path = _estimated(tmp_path, "--experts", 4, "--top-k", 2, "-p", 2, "--data-parallel", 4, "--expert-parallel", 4)
     code, out, err = pipesim("tune", "--profile", path, "-D", 8, "-B", 16, "-s", "1f1b", "--json")
     assert code == 0, err
@@ -156,6 +157,10 @@ def test_a_profile_estimated_over_4_expert_ranks_runs_where_the_replicas_hold_th
     assert refused("run", "--profile", path, "-s", "auto", "--model", "gpt", "--stages", 2, "--data-parallel",
                    2).startswith("error: --data-parallel 2: the profile was estimated with --expert-parallel 4, and "
                                  "--expert-parallel 4 must divide")  # run's searched order: the same traceback
+    assert refused("export", "-s", "auto", "--profile", path, "--format", "torch-csv", "-o", "o.csv") == (
+        "error: --profile: export writes one replica (d = 1), and the profile was estimated with --expert-parallel 4, "
+        "whose ranks its rank order cannot place in one replica: give a profile estimated with --expert-parallel 1\n")
+    assert not (tmp_path / "run" / "o.csv").exists()  # it wrote all-to-alls over E = 4 inside one replica
     assert refused("tune", "--profile", path, "-D", 2, "-s", "1f1b") == (
         "error: no pipeline depth p: p must divide --devices 2, be at most the model's 6 layers and leave d = "
         "D/(p·t) replicas over which the profile's rank order places the E = 4 expert-parallel ranks it was "
