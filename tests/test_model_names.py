@@ -18,7 +18,7 @@ def test_an_unknown_model_is_refused_before_torch_is_imported(command, tmp_path)
     (done,), imported = pipesim_fresh((command[0], "--model", "llama3.1-8b", *command[1:]), cwd=tmp_path)
     assert done == (2, "", "error: --model: unknown 'llama3.1-8b'; choose from mlp, cnn, gpt, two-branch, or give "
                            "package.module:attribute or hf:PATH (a Hugging Face config.json); "
-                           f"hf:{ROOT / 'examples' / 'llama3.1-8b'} is the nearest name that holds one\n")
+                           f"hf:{ROOT / 'examples' / 'llama3.1-8b'} is the nearest name that holds a config.json\n")
     assert "torch" not in imported
     assert not list(tmp_path.iterdir())
 
@@ -34,9 +34,9 @@ def test_the_names_refused_before_torch_are_the_built_in_models():
 
 
 @pytest.mark.parametrize("model, hint", [
-    ("hf:llama3.1-8b", " (hf:examples/llama3.1-8b is the nearest name that does)"),
-    ("hf:examples/mixtral", " (hf:examples/mixtral-8x7b is the nearest name that does)"),
-    ("hf:examples/Qwen3-30B-A3B", " (hf:examples/qwen3-30b-a3b is the nearest name that does)"),
+    ("hf:llama3.1-8b", "; hf:examples/llama3.1-8b is the nearest name that holds a config.json"),
+    ("hf:examples/mixtral", "; hf:examples/mixtral-8x7b is the nearest name that holds a config.json"),
+    ("hf:examples/Qwen3-30B-A3B", "; hf:examples/qwen3-30b-a3b is the nearest name that holds a config.json"),
     ("hf:examples/nothing-like-it", ""),
 ])
 def test_a_config_that_is_not_there_names_the_nearest_that_is(model, hint, monkeypatch):

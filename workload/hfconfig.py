@@ -67,10 +67,11 @@ def hf_config_path(spec: str) -> Path:
     return path / CONFIG_NAME if os.path.isdir(path) else path  # False where it cannot be looked at: read it says why
 
 
-def nearest_config(given: Path) -> str | None:
-    """The folder holding a config.json whose name is nearest the `given` path's that is not there, among its
-    siblings and pipesim's examples (a typo, or an example named without examples/: `hf:llama3.1-8b`), as
-    hf:PATH below the working folder where it lies there; None where no name is near."""
+def nearest_config_hint(given: Path) -> str:
+    """The refusals' hint for a `given` path that is not there: the folder holding a config.json whose name is
+    nearest its name, among its siblings and pipesim's examples (a typo, or an example named without examples/:
+    `hf:llama3.1-8b`), as hf:PATH below the working folder where it lies there; "" where no name is near. One
+    wording for both refusals that give it (a name without hf:, `model_name_refusal`; an hf:PATH, `read_config`)."""
     import difflib
 
     folders: dict[str, Path] = {}
@@ -82,9 +83,10 @@ def nearest_config(given: Path) -> str | None:
             continue
     near = difflib.get_close_matches(given.name, list(folders), n=1)
     if not near:
-        return None
+        return ""
     folder = folders[near[0]].resolve()
-    return HF_PREFIX + str(folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder)
+    named = HF_PREFIX + str(folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder)
+    return f"; {named} is the nearest name that holds a {CONFIG_NAME}"
 
 
 def _folder_refusal(spec: str, folder: Path) -> str:
@@ -118,9 +120,8 @@ def read_hf_config(spec: str) -> HfConfig:
     if missing and os.path.isdir(given):  # a folder of configs (hf:examples): the ones it holds
         raise HfConfigError(_folder_refusal(spec, Path(given)))
     if missing:
-        near = nearest_config(Path(given))
         raise HfConfigError(f"--model {spec}: no {path}; give hf:PATH, a {CONFIG_NAME} or a folder holding one"
-                            + (f" ({near} is the nearest name that does)" if near else ""))
+                            + nearest_config_hint(Path(given)))
     fields = read_json(path, HfConfigError, "Hugging Face config", f"--model {spec}: ")
     if not isinstance(fields, dict):  # an array, number or string: no fields to read
         raise HfConfigError(f"--model {spec}: {path} is not a JSON object; give a Hugging Face {CONFIG_NAME} "

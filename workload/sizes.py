@@ -19,13 +19,12 @@ def model_name_refusal(name: str) -> str | None:
     """Why --model `name` names no model: neither a built-in, nor `package.module:attribute` (a colon), nor
     `hf:PATH`; None where it is one of them. Here, apart from the torch code, so that a misspelt name is refused
     before torch is imported (4 s of a refusal's 4.2 before)."""
-    from .hfconfig import nearest_config  # here: it reads this module's sizes
+    from .hfconfig import nearest_config_hint  # here: it reads this module's sizes
 
     if name in DEFAULT_SIZES or ":" in name or is_hf(name):
         return None
-    near = nearest_config(Path(name))  # a Hugging Face example named without hf:
     return (f"{unknown_names('--model', [name], DEFAULT_SIZES)}, or give package.module:attribute or hf:PATH (a "
-            "Hugging Face config.json)" + (f"; {near} is the nearest name that holds one" if near else ""))
+            "Hugging Face config.json)" + nearest_config_hint(Path(name)))  # an example named without hf:
 
 
 def attention_of(given: str | None, model: str) -> str:
