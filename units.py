@@ -9,6 +9,7 @@ MIB = 1 << 20
 GIB = 1 << 30
 MAX_BYTES = 1 << 50  # a PiB: any size pipesim reads larger is a typo, and would overflow the int64 memory counters
 MAX_MEMORY_GIB = MAX_BYTES // GIB  # a device's memory (a cluster's, a GPU's, --memory-gb) at most: the same PiB
+MIN_MEMORY_GIB = 1 / GIB  # a device's memory at least: one byte, as pipesim holds it in whole bytes (int(gib * GIB))
 MAX_MS = 1e9  # about 11.6 days per op: any time pipesim reads larger is a typo, and would overflow its clock
 
 
@@ -19,6 +20,15 @@ def count_text(number: int, noun: str) -> str:
     plural = (noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else
               noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s"))
     return f"{number:,} {noun if number == 1 else plural}"
+
+
+def memory_gib_refusal(memory_gib: float) -> str | None:
+    """What a device's memory in GiB (--memory-gb, a cluster file's memory_gib) must be, where `memory_gib` is not
+    it (None where it is): pipesim holds it as whole bytes, so less than one byte was a 0-byte cap that nothing fits."""
+    if MIN_MEMORY_GIB <= memory_gib <= MAX_MEMORY_GIB:
+        return None
+    return (f"give GiB per device, at least one byte ({MIN_MEMORY_GIB:.3g}) and at most {MAX_MEMORY_GIB:,} "
+            f"(got {memory_gib:g})")
 
 
 def whole_number(text: str, most: int) -> int | None:

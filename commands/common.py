@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..choices import choose_from
-from ..units import GIB, MAX_BYTES, MAX_MEMORY_GIB, MAX_MS, MIB
+from ..units import MAX_BYTES, MAX_MS, MIB, memory_gib_refusal
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -971,9 +971,8 @@ def require_model(needer: str, model: str, torch_needer: str | None = None) -> N
 def check_memory_gb(memory_gb: float | None) -> None:
     """--memory-gb, held as whole bytes (tune's and calibrate's `int(memory_gb * GIB)`): from one byte, where a cap
     below it read as "fits in 0 GiB", to a PiB."""
-    if memory_gb is not None and not 1 / GIB <= memory_gb <= MAX_MEMORY_GIB:
-        raise InputError(f"--memory-gb: give GiB per device, at least one byte ({1 / GIB:.3g}) and at most "
-                         f"{MAX_MEMORY_GIB:,} (got {memory_gb:g})")
+    if memory_gb is not None and (refusal := memory_gib_refusal(memory_gb)):
+        raise InputError(f"--memory-gb: {refusal}")
 
 
 def progress(items: Iterable, quiet: bool, total: int | None = None):

@@ -13,7 +13,7 @@ import numpy as np
 from ..files import first_error, read_json
 from ..profiles.linkfit import piecewise_ms
 from ..schedules.methods import MAX_ROWS
-from ..units import GIB, MAX_MEMORY_GIB, MAX_MS, MIB
+from ..units import GIB, MAX_MS, MIB, memory_gib_refusal
 
 
 class ClusterError(ValueError):
@@ -210,9 +210,17 @@ def load_cluster(path: str | Path) -> Cluster:
 
     class DeviceSpec(_Strict):
         name: str
-        memory_gib: float | None = Field(default=None, gt=0, le=MAX_MEMORY_GIB)
+        memory_gib: float | None = None
         compute: str | None = Field(default=None, min_length=1)
         host: str | None = Field(default=None, min_length=1)
+
+        @field_validator("memory_gib")
+        @classmethod
+        def _whole_bytes(cls, gib: float | None) -> float | None:
+            """Held as whole bytes (`int(gib * GIB)` below), as --memory-gb is: less than one byte was a 0-byte cap."""
+            if gib is not None and (refusal := memory_gib_refusal(gib)):
+                raise ValueError(refusal)
+            return gib
 
     class LinkSpec(_Strict):
         latency_us: float = Field(default=0.0, ge=0, le=MAX_MS * 1e3)  # past it, no clock holds one transfer

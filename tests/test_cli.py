@@ -230,7 +230,11 @@ def test_malformed_cluster_file(tmp_path):
     assert code == 2 and err == f"error: --cluster: cluster file {path} is not a text (UTF-8) file\n"
     for field, fragment in (({"overlap_comm": "yes"}, "overlap_comm: Input should be a valid boolean"),  # read true
                             ({"devices": [{"name": "g", "memory_gib": 1e30}] * 4},  # a memory no counter holds
-                             "devices.0.memory_gib: Input should be less than or equal to 1048576"),
+                             "devices.0.memory_gib: give GiB per device, at least one byte (9.31e-10) and at most "
+                             "1,048,576 (got 1e+30)"),
+                            ({"devices": [{"name": "g", "memory_gib": 1e-300}] * 4},  # held as 0 bytes: nothing fits
+                             "devices.0.memory_gib: give GiB per device, at least one byte (9.31e-10) and at most "
+                             "1,048,576 (got 1e-300)"),
                             ({"link": {"latency_us": 1e15}},  # the engine's clock check, naming no field
                              "link.latency_us: Input should be less than or equal to 1000000000000"),
                             ({"devices": 10**12},  # a MemoryError's traceback, listing them
