@@ -23,12 +23,21 @@ def count_text(number: int, noun: str) -> str:
 
 
 def memory_gib_refusal(memory_gib: float) -> str | None:
-    """What a device's memory in GiB (--memory-gb, a cluster file's memory_gib) must be, where `memory_gib` is not
-    it (None where it is): pipesim holds it as whole bytes, so less than one byte was a 0-byte cap that nothing fits."""
+    """What a device's memory in GiB (--memory-gb, a cluster file's or a catalogue part's memory_gib) must be, where
+    `memory_gib` is not it (None where it is): pipesim holds it as whole bytes, so less than one byte was a 0-byte cap
+    that nothing fits."""
     if MIN_MEMORY_GIB <= memory_gib <= MAX_MEMORY_GIB:
         return None
     return (f"give GiB per device, at least one byte ({MIN_MEMORY_GIB:.3g}) and at most {MAX_MEMORY_GIB:,} "
             f"(got {memory_gib:g})")
+
+
+def checked_memory_gib(memory_gib: float) -> float:
+    """`memory_gib`, or a ValueError saying memory_gib_refusal: the validator of every schema's memory_gib (a
+    cluster file's device, a catalogue part), so a file's field is refused as the flag is."""
+    if refusal := memory_gib_refusal(memory_gib):
+        raise ValueError(refusal)
+    return memory_gib
 
 
 def whole_number(text: str, most: int) -> int | None:

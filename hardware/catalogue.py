@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from ..files import first_error, read_toml
-from ..units import MAX_MEMORY_GIB
+from ..units import checked_memory_gib
 
 BUILT_IN = Path(__file__).with_name("gpus.toml")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -164,7 +164,7 @@ class Gpu(_Strict):
     published measurement known) how far below those figures it runs."""
 
     name: str = Field(min_length=1)
-    memory_gib: float = Field(gt=0, le=MAX_MEMORY_GIB)
+    memory_gib: Annotated[float, AfterValidator(checked_memory_gib)]  # held as int(gib * GIB) (estimate's)
     memory_bandwidth_gb_s: float = Field(gt=0)
     source: str = Field(min_length=1)
     dense_tflops: DenseTflops

@@ -6,14 +6,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
 from ..files import first_error, read_json
 from ..profiles.linkfit import piecewise_ms
 from ..schedules.methods import MAX_ROWS
-from ..units import GIB, MAX_MS, MIB, memory_gib_refusal
+from ..units import GIB, MAX_MS, MIB, checked_memory_gib
 
 
 class ClusterError(ValueError):
@@ -203,24 +203,25 @@ def load_cluster(path: str | Path) -> Cluster:
     CPU ranks on its cores: while k of them compute at once each is `contention[k - 1]` times slower than
     alone (`pipesim calibrate` measures it; the first factor is 1).
     """
-    from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+    from pydantic import (
+        AfterValidator,
+        BaseModel,
+        ConfigDict,
+        Field,
+        StrictBool,
+        ValidationError,
+        field_validator,
+        model_validator,
+    )
 
     class _Strict(BaseModel):
         model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     class DeviceSpec(_Strict):
         name: str
-        memory_gib: float | None = None
+        memory_gib: Annotated[float, AfterValidator(checked_memory_gib)] | None = None  # held as int(gib * GIB)
         compute: str | None = Field(default=None, min_length=1)
         host: str | None = Field(default=None, min_length=1)
-
-        @field_validator("memory_gib")
-        @classmethod
-        def _whole_bytes(cls, gib: float | None) -> float | None:
-            """Held as whole bytes (`int(gib * GIB)` below), as --memory-gb is: less than one byte was a 0-byte cap."""
-            if gib is not None and (refusal := memory_gib_refusal(gib)):
-                raise ValueError(refusal)
-            return gib
 
     class LinkSpec(_Strict):
         latency_us: float = Field(default=0.0, ge=0, le=MAX_MS * 1e3)  # past it, no clock holds one transfer
