@@ -5,7 +5,7 @@ stage, Llama 3.1 8B's DualPipeV at p = 2 lost 4.6 % a step to a cut that simulat
 import json
 from pathlib import Path
 
-from tests.conftest import needs_transformers, pipesim
+from tests.conftest import needs_transformers, pipesim, simulate_json
 
 LLAMA_8B = Path(__file__).resolve().parents[1] / "examples" / "llama3.1-8b"
 LAYOUT = ("--gpu", "h100-sxm", "--model", f"hf:{LLAMA_8B}", "--seq-len", 8192, "--tensor-parallel", 2,
@@ -17,10 +17,7 @@ def test_a_v_shapes_stages_share_their_devices_memory():
     code, out, err = pipesim("tune", *LAYOUT, "-D", 8, "-s", "dualpipev", "--json")
     assert code == 0, err
     choice = json.loads(out)["choice"]
-    code, out, err = pipesim("simulate", *LAYOUT, "-p", choice["stages"], "-m", choice["microbatches"],
-                             "-s", "dualpipev", "--json")
-    assert code == 0, err
-    simulated = json.loads(out)["results"][0]
+    simulated = simulate_json(*LAYOUT, "-p", choice["stages"], "-m", choice["microbatches"], "-s", "dualpipev")[0]
     assert simulated["peak_memory_mb"] <= 80 * 1024  # simulate's balanced cut fits the device
     assert choice["partition"] == simulated["stage_bounds"]
     assert choice["step_ms"] <= simulated["time_per_minibatch_ms"]
