@@ -599,7 +599,10 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
             zero = _zero(settings)
             out.append(({name: StepTimes(step=zero, predict=zero) for name in OPTIMIZERS}, zero, zero, zero))
             continue
-        floor_ms = max(FLOOR_MS, STEP_SHARE * (passes[k].fwd.median_ms + passes[k].bwd.median_ms) if passes else 0.0)
+        enough_ms = max(FLOOR_MS, STEP_SHARE * (passes[k].fwd.median_ms + passes[k].bwd.median_ms) if passes else 0.0)
+
+        def floor_ms(name: Hashable, enough_ms: float = enough_ms) -> float:  # every timed phase's alike
+            return enough_ms
         stage_pass = partial(_stage_pass, run)
         if passes and len(run.into) == len(run.weights):  # they left its gradients and what a forward saves
             pass_ms = passes[k].fwd.median_ms + passes[k].bwd.median_ms
@@ -620,7 +623,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
                            ("predict", lambda _, state=state: state.predict((state.version, 1, "F"))),
                            (None, lambda predicted, state=state: state.free_predicted(
                                (predicted.version, predicted.distance, "F")))],
-                          floor_ms=lambda name, floor_ms=floor_ms: floor_ms)
+                          floor_ms=floor_ms)
             steps[name] = StepTimes(step=times["step"], predict=times["predict"])
         advance(f"stage {k}: gradient accumulation, weight copy, elastic averaging")
         state = StageWeights(run.module, "sgd", LEARNING_RATE, label=f"stage {k}", device=settings.device)  # no step
@@ -632,7 +635,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
         times = _time(settings, [(None, _call_with(after_pass, state.current, None, kept)),
                                  ("accumulate", accumulate), ("copy", _call_with(state.fresh_copies)),
                                  (None, state.spares.give), ("average", average)],
-                      floor_ms=lambda name, floor_ms=floor_ms: floor_ms)
+                      floor_ms=floor_ms)
         out.append((steps, times["average"], times["accumulate"], times["copy"]))
     return out
 
