@@ -2791,28 +2791,28 @@ def _fastest_leanest(settings: list[Setting], problem: Problem) -> tuple[Result,
     if not candidates:
         raise TuneError(f"no configuration has staleness <= {problem.max_staleness}; raise --max-staleness or add "
                         "synchronous schedules")
-    fastest, simulated = None, 0
+    fastest, simulated = None, {}  # the results by id(candidate), which `_least_memory` reads again
     for candidate in sorted(candidates, key=lambda c: -c.max_samples_per_s):
         if fastest is not None and speed_key(candidate.max_samples_per_s) < speed_key(fastest.samples_per_s):
             break
         if candidate.memory_floor_bytes > problem.memory_cap_bytes:
             continue
-        result, simulated = evaluate(lean, candidate), simulated + 1
+        result = simulated[id(candidate)] = evaluate(lean, candidate)
         if allowed(result, problem) and (fastest is None or rank_key(result) < rank_key(fastest)):
             fastest = result
     if fastest is None:
-        raise TuneError(_nothing_fits(_least_memory(lean, candidates), problem))
-    return fastest, simulated
+        raise TuneError(_nothing_fits(_least_memory(lean, candidates, simulated), problem))
+    return fastest, len(simulated)
 
 
-def _least_memory(lean: Problem, candidates: list[Candidate]) -> Result:
+def _least_memory(lean: Problem, candidates: list[Candidate], simulated: dict[int, Result]) -> Result:
     """The candidate that needs the least memory on its leanest cut (`lean`'s cap of 0): simulated lowest memory
-    floor first, until the floors pass the least peak found."""
+    floor first, until the floors pass the least peak found; those `simulated` already (by id) not again."""
     least = None
     for candidate in sorted(candidates, key=lambda c: c.memory_floor_bytes):
         if least is not None and candidate.memory_floor_bytes >= least.peak_memory_bytes:
             break
-        result = evaluate(lean, candidate)
+        result = simulated.get(id(candidate)) or evaluate(lean, candidate)
         if least is None or (result.peak_memory_bytes, rank_key(result)) < (least.peak_memory_bytes, rank_key(least)):
             least = result
     return least
