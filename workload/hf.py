@@ -54,9 +54,16 @@ from .hfconfig import (
     read_hf_config,
     size_field_refusal,
 )
-from .models import BATCH, Model, ModelError, check_capacity_factor, check_positive, classification_loss
+from .models import (
+    BATCH,
+    Model,
+    ModelError,
+    check_capacity_factor,
+    check_positive,
+    check_size,
+    classification_loss,
+)
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
-from .sizes import size_refusal
 
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
 # transformers runs a mixture's experts (`_routed_experts`) as grouped products, which torch's FLOP counter counts
@@ -218,9 +225,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     check_positive(seq_len=seq_len)
     if longest and seq_len > longest:
         raise ModelError(f"--seq-len {seq_len}: {spec} takes at most its max_position_embeddings, {longest}")
-    refusal = size_refusal("--mtp-layers", "mtp_layers", mtp_layers, least=0)
-    if refusal is not None:
-        raise ModelError(refusal)
+    check_size("mtp_layers", mtp_layers, least=0)
     built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(settings), None)
     if built is None:
         raise ModelError(f"{where}: model_type {config.model_type!r} is not a causal language model transformers "

@@ -114,9 +114,15 @@ def check_positive(**values: int) -> None:
     """Each size given as its flag's name = value is from 1 to its `MAX_SIZES` bound, else ModelError naming the
     flag."""
     for name, value in values.items():
-        refusal = size_refusal(f"--{name.replace('_', '-')}", name, value)
-        if refusal is not None:
-            raise ModelError(refusal)
+        check_size(name, value)
+
+
+def check_size(name: str, value: int, least: int = 1) -> None:
+    """The size `name` (its flag's name, a `MAX_SIZES` key) is from `least` to its bound, else ModelError naming
+    the flag."""
+    refusal = size_refusal(f"--{name.replace('_', '-')}", name, value, least)
+    if refusal is not None:
+        raise ModelError(refusal)
 
 
 def _relu_linear(inputs: int, outputs: int) -> nn.Linear:
@@ -421,9 +427,7 @@ def _expert_shape(ffn: int, experts: int | None, top_k: int | None, shared: int 
     check_positive(experts=experts, top_k=shape.top_k, expert_ffn=shape.ffn)
     if shape.top_k > experts:
         raise ModelError(f"--top-k ({shape.top_k}) must be at most --experts ({experts})")
-    refusal = size_refusal("--shared-experts", "shared_experts", shape.shared, least=0)
-    if refusal is not None:
-        raise ModelError(refusal)
+    check_size("shared_experts", shape.shared, least=0)
     check_capacity_factor(capacity_factor, experts, shape.top_k)
     return shape
 
