@@ -85,6 +85,23 @@ def test_traces_of_different_runs_are_refused_naming_the_difference():
         compare(predicted, as_measured(predicted, stage_edges=[[1, 2], [0, 1]]))
 
 
+def test_a_prediction_calibrated_on_another_model_or_micro_batch_size_is_refused():
+    # The ops match one for one whatever the costs were measured on: only the recorded model tells them apart.
+    plain = run("1f1b", 2, 4).trace
+    gpt = {"model": "gpt", "options": {"layers": 2, "width": 64}, "microbatch_size": 8}
+    predicted = replace(plain, meta=replace(plain.meta, microbatch_size=8, calibration=gpt))
+    trained = {"model": "gpt", "model_options": {"layers": 2, "width": 64}}
+    assert compare(predicted, as_measured(predicted, extra=trained, calibration=None)).iteration_time_error == 0
+    for extra, size, says in ((trained | {"model": "mlp"}, 8, "model mlp measured, gpt in the profile"),
+                              (trained | {"model_options": {"layers": 4}}, 8, "model option layers 4 measured, 2 "),
+                              (trained, 32, "microbatch_size 32 measured, 8 in the profile")):
+        with pytest.raises(TraceError, match=says):
+            compare(predicted, as_measured(predicted, extra=extra, calibration=None, microbatch_size=size))
+    # What-if costs describe no model: compared (compare warns), as is a run that records none (torch.profiler's).
+    assert compare(plain, as_measured(plain, extra=trained, microbatch_size=32)).iteration_time_error == 0
+    assert compare(predicted, as_measured(predicted, extra={}, calibration=None)).iteration_time_error == 0
+
+
 def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_cannot_compare(tmp_path):
     import json
 

@@ -141,6 +141,30 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
     if predicted.num_devices != measured.num_devices:
         raise TraceError(f"the traces describe different runs: {measured.num_devices} devices measured, "
                          f"{predicted.num_devices} predicted")
+    trained, calibrated = _model_of(measured), _model_of(predicted)
+    if trained is None or calibrated is None:
+        return
+    differ = [("model", trained[0], calibrated[0])] + [
+        (f"model option {key}", trained[1][key], calibrated[1][key])
+        for key in sorted(set(trained[1]) & set(calibrated[1]))] + [
+        ("microbatch_size", measured.meta.microbatch_size, calibrated[2])]
+    for name, b, a in differ:
+        if a != b:
+            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} in the profile the "
+                             "prediction's costs were calibrated on")
+
+
+def _model_of(trace: Trace) -> tuple[str, dict, int] | None:
+    """The model (its name and size options) and micro-batch size a prediction's costs were calibrated on, or a
+    run trained; None where the trace does not record them (what-if costs, torch.profiler's traces). A prediction
+    from another model's profile matches a run's ops one for one and reports a meaningless error."""
+    if trace.meta.calibration is not None:
+        c = trace.meta.calibration
+        return c.get("model"), c.get("options") or {}, c.get("microbatch_size")
+    extra = trace.meta.extra
+    if trace.meta.source == "measured" and isinstance(extra.get("model"), str):
+        return extra["model"], extra.get("model_options") or {}, trace.meta.microbatch_size
+    return None
 
 
 def _replica_zero(predicted: Trace, measured: Trace) -> tuple[Trace, list[str]]:
