@@ -346,7 +346,7 @@ def _estimating_text(expert_degrees: list[int]) -> str:
 def _expert_degrees(what: WhatIf, counted: WorkloadCount, expert_given: bool) -> list[int]:
     """The expert-parallel degrees E the estimates try: the one given (--expert-parallel; 1 by default), else, for a
     mixture of experts, each divisor of its routed experts (`_estimated_settings` keeps those the rank order can
-    place at each t and d, `_experts_fit`)."""
+    place at each t and d, planning/ranks.py `expert_grid_refusal`)."""
     experts = counted.options.get("experts")
     return [what.expert] if expert_given or not experts else [e for e in range(1, experts + 1) if experts % e == 0]
 
@@ -358,9 +358,9 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                         report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node that
     divides `devices`, D/C, and the model), expert-parallel degree E (of `_expert_degrees`, those the rank order can
-    place at that t and d, `_experts_fit`), sequence parallelism at t > 1 (`sequence_parallel`, or off and on where
-    None: it splits the norms' work and activations over t, and Megatron's backward gathers each product's input
-    again), pipeline depth p (D/(t·C·d) for a given d, else each divisor of D/(t·C) up
+    place at that t and d, `expert_grid_refusal`), sequence parallelism at t > 1 (`sequence_parallel`, or off and
+    on where None: it splits the norms' work and activations over t, and Megatron's backward gathers each product's
+    input again), pipeline depth p (D/(t·C·d) for a given d, else each divisor of D/(t·C) up
     to the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
     (`allocator_fields`), so tune's peaks and memory check are simulate's, the boundary tensors held as
     `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's counted already (the rest are
@@ -373,6 +373,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     are sharded over the replicas, and simulate refuses --zero over one. A searched t = 1 under --loss-parallel is
     counted with aten's loss, which torchtitan runs there (simulate refuses the flag at a given t = 1)."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo, allocations_key
+    from ..planning.ranks import expert_grid_refusal
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
 
@@ -401,7 +402,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
                                                                if devices % (t * p) == 0]
                 if len(degrees) > 1 or not data:  # a given d and E: the estimate says why they do not fit
-                    depths = [p for p in depths if _experts_fit(what, t, devices // (t * p), e)]
+                    depths = [p for p in depths if expert_grid_refusal(
+                        what.rank_order, t, what.context, p, devices // (t * p), e, what.expert_tensor) is None]
                 if what.precision == "fsdp2":  # its weights sharded: over d·C >= 2 ranks only
                     depths = [p for p in depths if devices // (t * p) * what.context > 1]
                 try:
@@ -434,18 +436,6 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                          f"{', '.join(map(str, tensors))} suits the model (t must divide its heads and MLP "
                          f"width{replicas}){reasons}; give --tensor-parallel")
     return settings
-
-
-def _experts_fit(what: WhatIf, t: int, d: int, e: int) -> bool:
-    """Whether E expert-parallel ranks can be placed, in the rank order asked for, over t x C x d ranks a stage
-    (planning/ranks.py: pipesim's draws them from the d replicas, Megatron's folds them over t·C·d)."""
-    from ..planning.ranks import RankOrderError, expert_grid
-
-    try:
-        expert_grid(what.rank_order, t, what.context, 1, d, e, what.expert_tensor)
-    except RankOrderError:
-        return False
-    return True
 
 
 def _print_tuning(tuning, measured, work: dict, replicas_given: bool) -> None:

@@ -127,9 +127,18 @@ def estimated_experts_refusal(parallelism: Mapping[str, Any], stages: int, data:
     experts = int(parallelism.get("expert", 1))
     if experts == 1:
         return None
+    return expert_grid_refusal(parallelism.get("rank_order", "pipesim"), int(parallelism.get("tensor", 1)),
+                               int(parallelism.get("context", 1)), stages, data, experts,
+                               parallelism.get("expert_tensor"))
+
+
+def expert_grid_refusal(order: str, t: int, c: int, p: int, d: int, e: int, etp: int | None = None
+                        ) -> RankOrderError | None:
+    """Why `order` cannot place E = `e` expert-parallel ranks over t x C x d ranks a stage (`expert_grid`), None
+    where it can: the one rule of where E fits, for a profile's estimate (`estimated_experts_refusal`) and for the E
+    that tune searches (commands/tune.py)."""
     try:
-        expert_grid(parallelism.get("rank_order", "pipesim"), int(parallelism.get("tensor", 1)),
-                    int(parallelism.get("context", 1)), stages, data, experts, parallelism.get("expert_tensor"))
+        expert_grid(order, t, c, p, d, e, etp)
     except RankOrderError as exc:
         return exc
     return None
