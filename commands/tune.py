@@ -395,7 +395,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 memo_t = LayerMemo(counted_t, what.gpu, what.curve)
             made, refused = len(settings), []
             # off at t = 1, given or not: nothing to split over (the row's "-"; simulate refuses it there)
-            splits = [False, True] if sequence_parallel is None and t > 1 else [what.sequence_parallel and t > 1]
+            splits = [False] if t == 1 else [False, True] if sequence_parallel is None else [sequence_parallel]
             for e in degrees:
                 if report is not None:
                     report(f"{_estimating_text(degrees)}: {len(settings)} done")
