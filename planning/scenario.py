@@ -1003,7 +1003,7 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
                  overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),
                  kept_gradients=measured.runtime.kept_gradients if measured.runtime is not None else 0.0,
                  recv_window=measured.runtime.recv_window if measured.runtime is not None else 0,
-                 calibration=measured.describe())
+                 calibration={**measured.describe(), "optimizer": optimizer})
 
 
 _PRICED: dict[int, dict[tuple, StageCosts]] = {}  # `_priced_stages`, by the profile's identity

@@ -641,10 +641,10 @@ class Profile(_Strict):
 
     def describe(self) -> dict:
         """What the profile measured, as a prediction made from it records it: the model and the setting its
-        times hold for (micro-batch size, device, threads, torch), and for an estimate what it was made from."""
+        times hold for (micro-batch size, dtype, device, threads, torch), and for an estimate what it was made from."""
         env = self.environment
         return {"model": self.model.name, "options": dict(self.model.options), "microbatch_size": env.microbatch_size,
-                "device": env.device, "device_name": env.device_name, "threads": env.threads,
+                "dtype": env.dtype, "device": env.device, "device_name": env.device_name, "threads": env.threads,
                 "torch_version": env.torch_version,
                 **({"estimate": self.estimate.model_dump(mode="json")} if self.estimate is not None else {}),
                 **({"date": env.date, "load": env.load, "ranks": env.ranks, "host_terms": self.host_terms()}

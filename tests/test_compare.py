@@ -85,21 +85,38 @@ def test_traces_of_different_runs_are_refused_naming_the_difference():
         compare(predicted, as_measured(predicted, stage_edges=[[1, 2], [0, 1]]))
 
 
-def test_a_prediction_calibrated_on_another_model_or_micro_batch_size_is_refused():
-    # The ops match one for one whatever the costs were measured on: only the recorded model tells them apart.
+def test_a_prediction_calibrated_or_priced_for_another_setting_than_the_run_trained_is_refused():
+    # The ops match one for one whatever the costs were measured on: only the recorded setting tells them apart.
     plain = run("1f1b", 2, 4).trace
-    gpt = {"model": "gpt", "options": {"layers": 2, "width": 64}, "microbatch_size": 8}
+    gpt = {"model": "gpt", "options": {"layers": 2, "width": 64}, "microbatch_size": 8, "dtype": "float32",
+           "optimizer": "adam"}
     predicted = replace(plain, meta=replace(plain.meta, microbatch_size=8, calibration=gpt))
-    trained = {"model": "gpt", "model_options": {"layers": 2, "width": 64}}
+    trained = {"model": "gpt", "model_options": {"layers": 2, "width": 64}, "dtype": "float32", "optimizer": "adam"}
     assert compare(predicted, as_measured(predicted, extra=trained, calibration=None)).iteration_time_error == 0
-    for extra, size, says in ((trained | {"model": "mlp"}, 8, "model mlp measured, gpt in the profile"),
+    for extra, size, says in ((trained | {"model": "mlp"}, 8, "model mlp measured, gpt predicted"),
                               (trained | {"model_options": {"layers": 4}}, 8, "model option layers 4 measured, 2 "),
-                              (trained, 32, "microbatch_size 32 measured, 8 in the profile")):
+                              (trained, 32, "microbatch_size 32 measured, 8 predicted"),
+                              (trained | {"optimizer": "sgd"}, 8, "optimizer sgd measured.*--optimizer sgd"),
+                              (trained | {"dtype": "bfloat16"}, 8, "dtype bfloat16 measured, float32 predicted")):
         with pytest.raises(TraceError, match=says):
             compare(predicted, as_measured(predicted, extra=extra, calibration=None, microbatch_size=size))
-    # What-if costs describe no model: compared (compare warns), as is a run that records none (torch.profiler's).
+    # What-if costs describe no model: compared (compare warns), as is a run that records none (torch.profiler's),
+    # and a field an older file lacks.
     assert compare(plain, as_measured(plain, extra=trained, microbatch_size=32)).iteration_time_error == 0
     assert compare(predicted, as_measured(predicted, extra={}, calibration=None)).iteration_time_error == 0
+    older = trained | {"optimizer": None}
+    assert compare(predicted, as_measured(predicted, extra=older, calibration=None)).iteration_time_error == 0
+
+
+def test_a_prediction_from_a_profile_records_the_optimizer_and_dtype_it_was_priced_for(tmp_path):
+    from tests.conftest import pipesim
+
+    trace, profile = tmp_path / "p.json", Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    code, _, err = pipesim("simulate", "--profile", profile, "-s", "1f1b", "--optimizer", "sgd",
+                           "--trace", trace)
+    assert code == 0, err
+    calibration = read_trace(trace).meta.calibration
+    assert (calibration["optimizer"], calibration["dtype"], calibration["model"]) == ("sgd", "float32", "gpt")
 
 
 def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_cannot_compare(tmp_path):

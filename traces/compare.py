@@ -141,29 +141,33 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
     if predicted.num_devices != measured.num_devices:
         raise TraceError(f"the traces describe different runs: {measured.num_devices} devices measured, "
                          f"{predicted.num_devices} predicted")
-    trained, calibrated = _model_of(measured), _model_of(predicted)
+    trained, calibrated = _setting_of(measured), _setting_of(predicted)
     if trained is None or calibrated is None:
         return
-    differ = [("model", trained[0], calibrated[0])] + [
-        (f"model option {key}", trained[1][key], calibrated[1][key])
-        for key in sorted(set(trained[1]) & set(calibrated[1]))] + [
-        ("microbatch_size", measured.meta.microbatch_size, calibrated[2])]
-    for name, b, a in differ:
-        if a != b:
-            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} in the profile the "
-                             "prediction's costs were calibrated on")
+    options = [(f"model option {key}", trained["options"][key], calibrated["options"][key])
+               for key in sorted(set(trained["options"]) & set(calibrated["options"]))]
+    for name, b, a in [(name, trained[name], calibrated[name]) for name in _SETTING] + options:
+        if a != b and None not in (a, b):
+            again = f"simulate with --optimizer {b}" if name == "optimizer" else "predict from a profile of what ran"
+            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted (its costs' "
+                             f"calibration): {again}")
 
 
-def _model_of(trace: Trace) -> tuple[str, dict, int] | None:
-    """The model (its name and size options) and micro-batch size a prediction's costs were calibrated on, or a
-    run trained; None where the trace does not record them (what-if costs, torch.profiler's traces). A prediction
-    from another model's profile matches a run's ops one for one and reports a meaningless error."""
+_SETTING = ("model", "microbatch_size", "dtype", "optimizer")  # besides the model's size options
+
+
+def _setting_of(trace: Trace) -> dict | None:
+    """What a prediction's costs were calibrated on and priced for (`_SETTING` and the model's size `options`), or
+    what a run trained; None where the trace does not record it (what-if costs, torch.profiler's traces), and a
+    field None where it does not record that one (an older file). A prediction from another model's profile, or
+    priced for another optimizer, matches a run's ops one for one and reports a meaningless error."""
     if trace.meta.calibration is not None:
         c = trace.meta.calibration
-        return c.get("model"), c.get("options") or {}, c.get("microbatch_size")
+        return {name: c.get(name) for name in _SETTING} | {"options": c.get("options") or {}}
     extra = trace.meta.extra
     if trace.meta.source == "measured" and isinstance(extra.get("model"), str):
-        return extra["model"], extra.get("model_options") or {}, trace.meta.microbatch_size
+        return {"model": extra["model"], "microbatch_size": trace.meta.microbatch_size, "dtype": extra.get("dtype"),
+                "optimizer": extra.get("optimizer"), "options": extra.get("model_options") or {}}
     return None
 
 

@@ -141,8 +141,8 @@ class TraceMeta:
     `params`: the schedule's build parameters; `placement` (stage -> device) and `stage_edges` its stage
     graph; `policy`: its weight policy as data. A prediction records its per-stage `costs` and `cluster`;
     a measurement its `hardware` (devices, backend, threads). A prediction's `calibration` names the profile
-    its costs were measured into (model, micro-batch size, device, threads); None: typed what-if costs, whose
-    times describe no machine. `complete` is false when a run stopped
+    its costs were measured into (model, micro-batch size, dtype, device, threads) and the optimizer whose step
+    they price; None: typed what-if costs, whose times describe no machine. `complete` is false when a run stopped
     early, `failed_rank` then names the rank that failed, if one did. `peak_memory_parts`: per device, the bytes
     of each of `MEMORY_PARTS` at the moment of its `memory_bytes` peak, which they sum to (None: the source does
     not break memory down, as a measurement); `peak_activation_parts` splits its activations likewise by what saves
