@@ -213,11 +213,7 @@ class Scenario:
         costs = scaled(self._sharded_for(self._costs(sched, bounds), sched), self.cost_scale)
         estimate = self.measured.estimate if self.measured is not None else None
         ring = estimate.context_link if estimate is not None else None
-        # Not beside expert parallelism: a pass's ring follows its all-to-alls, and the row after them waits for the
-        # run's last (schedules/lowering.py `Lowered.awaits`), which only one lane runs last; on a lane of its own,
-        # the ring ended first and the next pass ran under the all-to-alls
-        if (ring is not None and sched.context_parallel > 1 and sched.expert_parallel == 1
-                and ring.kind != self.estimate_links(sched).data.kind):
+        if ring is not None and sched.context_parallel > 1 and ring.kind != self.estimate_links(sched).data.kind:
             costs = replace(costs, collective_links=dict.fromkeys(("RING_F", "RING_B"), ring.kind))
         if self.overlap_hidden_fraction:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)

@@ -66,11 +66,13 @@ class Lowered:
     old version a later row still reads, -1 after a version's last read); `held_after`, the largest
     number of weight copies of one stage its device holds after it (transfers keep the level before them);
     `transfer`, the id a SEND shares with its RECV (-1 for compute): channel c, unit u (micro-batch,
-    mini-batch, pipeline) is `c * units + u`; `awaits`, the collective row (REDUCE, GATHER, A2A_*, RING_*) a row
-    must wait for before it starts (-1: none): an OPT waits for its REDUCE (the gradients it applies), a stage's
-    first row after a GATHER for the gathered weights (under ZeRO-3 the pass it was issued ahead of), the
-    device's next row after a run of all-to-alls, a receive aside, for the last of them (the pass they follow is
-    done only then). A collective itself holds its device no longer than issuing it.
+    mini-batch, pipeline) is `c * units + u`; `awaits_first` and `awaits`, the collective rows (REDUCE, GATHER,
+    A2A_*, RING_*) a row must wait for before it starts, every one of rows `awaits_first..awaits` of its device,
+    on whatever lane each runs (-1: none): an OPT waits for its REDUCE (the gradients it applies), a stage's first
+    row after a GATHER for the gathered weights (under ZeRO-3 the pass it was issued ahead of), the device's next
+    row after a run of a pass's collectives (its all-to-alls, then its ring), a receive aside, for the whole run
+    (the pass they follow is done only when all of them are, and a ring may run on a link of its own beside the
+    all-to-alls: `Costs.collective_links`). A collective itself holds its device no longer than issuing it.
     """
 
     schedule: Schedule
@@ -84,6 +86,7 @@ class Lowered:
     transfer: np.ndarray
     channels: tuple[Channel, ...]
     units: int
+    awaits_first: np.ndarray
     awaits: np.ndarray
 
     @property
@@ -133,14 +136,16 @@ def lower(schedule: Schedule) -> Lowered:
     units = schedule.microbatches * schedule.minibatches * schedule.pipelines
     bounds = np.searchsorted(t.device, np.arange(schedule.num_devices + 1))
     return Lowered(schedule, t, origin, bounds, scatter(versions.read, -1), scatter(versions.prediction, -1),
-                   scatter(versions.copies_delta, 0), held, transfer, channels, units, _awaits(schedule, t))
+                   scatter(versions.copies_delta, 0), held, transfer, channels, units, *_awaits(schedule, t))
 
 
-def _awaits(schedule: Schedule, t: ActionTable) -> np.ndarray:
-    """`Lowered.awaits`: -1 broadcast where the schedule has no collective rows (d = 1)."""
+def _awaits(schedule: Schedule, t: ActionTable) -> tuple[np.ndarray, np.ndarray]:
+    """`Lowered.awaits_first` and `Lowered.awaits`: -1 broadcast where the schedule has no collective rows (d = 1);
+    one array, both, where every row waits for one collective at most."""
     collective = kind_mask(t.kind, *COLLECTIVE_KINDS)
     if not collective.any():
-        return np.broadcast_to(FIELD_DTYPE(-1), t.kind.shape)
+        none = np.broadcast_to(FIELD_DTYPE(-1), t.kind.shape)
+        return none, none
     awaits = np.full(len(t.kind), -1, dtype=FIELD_DTYPE)
     step = t.step_index(schedule)
     update = np.flatnonzero(t.kind == KIND_CODE[Kind.OPT])
@@ -164,16 +169,22 @@ def _awaits(schedule: Schedule, t: ActionTable) -> np.ndarray:
                          & (replica[np.minimum(gathers + 1, len(own) - 1)] == replica[gathers])]
         awaits[own[waited + 1]] = own[waited]
     # After a run of a pass's collectives (all-to-alls, rings), their device's next row but a receive (which waits
-    # for its data, not for them) waits for the run's last, which its network stream runs last.
-    all_to_all = kind_mask(t.kind, *PASS_COLLECTIVE_KINDS)
-    last = np.flatnonzero(all_to_all & ~np.append(all_to_all[1:], False))
-    others = np.flatnonzero(~all_to_all & ~kind_mask(t.kind, *RECV_KINDS))
+    # for its data, not for them) waits for the whole run. (A run follows its pass, so it never begins a device's
+    # rows: no run crosses from one device's rows to the next's.)
+    run = kind_mask(t.kind, *PASS_COLLECTIVE_KINDS)
+    if not run.any():
+        return awaits, awaits
+    first = np.flatnonzero(run & ~np.r_[False, run[:-1]])
+    last = np.flatnonzero(run & ~np.append(run[1:], False))
+    others = np.flatnonzero(~run & ~kind_mask(t.kind, *RECV_KINDS))
     following = np.searchsorted(others, last)
     found = following < len(others)
-    last, waiter = last[found], others[following[found]]
+    first, last, waiter = first[found], last[found], others[following[found]]
     mine = t.device[waiter] == t.device[last]
+    awaits_first = awaits.copy()
+    awaits_first[waiter[mine]] = first[mine]
     awaits[waiter[mine]] = last[mine]
-    return awaits
+    return awaits_first, awaits
 
 
 def check_transfer_order(lowered: Lowered) -> None:

@@ -145,7 +145,8 @@ class _Program:
     # Each device with collectives has a lane per link they run on (`Costs.collective_links`) after the devices: a
     # clock list of its own (in `steps` and `start_clock` after the devices'), one step per collective: when it
     # begins, after the one before it on the lane has ended (its busy ps) and once its row has issued it (the
-    # clock it waits for).
+    # clock it waits for); after the lanes, a join per device whose rows wait for collectives on more than one lane
+    # (`_Joins`).
     collective_rows: np.ndarray  # the collective rows, in program order
     collective_clock: np.ndarray  # per collective row: the index in `_Model.clocks` of its lane's clock at its begin
     collective_ps: np.ndarray  # per collective row: its network time
@@ -345,10 +346,10 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     link_of_kind = np.zeros(len(KINDS), dtype=np.int64)
     for name, link in costs.collective_links.items():
         link_of_kind[KIND_CODE[Kind(name)]] = links.index(link) + 1
-    lane_keys, lane = np.unique(device[collective_rows].astype(np.int64) * (len(links) + 1)
-                                + link_of_kind[kind[collective_rows]], return_inverse=True)
-    by_lane = np.argsort(lane, kind="stable")  # the lanes' steps, one lane after another
-    lane = lane[by_lane]
+    lane_keys, row_lane = np.unique(device[collective_rows].astype(np.int64) * (len(links) + 1)
+                                    + link_of_kind[kind[collective_rows]], return_inverse=True)
+    by_lane = np.argsort(row_lane, kind="stable")  # the lanes' steps, one lane after another
+    lane = row_lane[by_lane]
     first_clock = len(step_rows) + num_devices  # the lanes' clocks follow the devices'
     lane_starts = np.searchsorted(lane, np.arange(len(lane_keys)))
     collective_clock = np.empty(len(collective_rows), dtype=np.int64)
@@ -356,29 +357,74 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     lane_busy = np.r_[0, collective_ps[by_lane][:-1]]
     lane_busy[lane_starts] = 0
     lane_waits_for = clock_before[collective_rows[by_lane]] + 1  # the clock after the collective row's own step
-    # A row that needs a collective's result waits for the lane's clock at its begin, plus its network time.
+    # A row that needs collectives' results waits for each one's lane clock at its begin plus its network time: for
+    # the last where they run on one lane (which runs them in order), else for its join's clock (`_joins`).
     waiting = np.flatnonzero(waiter[step_rows])
     awaited = np.searchsorted(collective_rows, lowered.awaits[step_rows[waiting]])
     waits_for[waiting] = collective_clock[awaited]
     after[waiting] = collective_ps[awaited]
+    first_join_clock = first_clock + len(lane) + len(lane_keys)  # the joins' clocks follow the lanes'
+    joins = _joins(np.searchsorted(collective_rows, lowered.awaits_first[step_rows[waiting]]), awaited,
+                   row_lane, step_device[waiting], first_join_clock)
+    joins_waiting = waiting[joins.waiters]
+    waits_for[joins_waiting] = joins.clock
+    after[joins_waiting] = 0
+    nothing = np.zeros(len(lane), dtype=np.int64)
+    lane_columns = (lane_busy, np.full(len(lane), int(Stream.NETWORK)), nothing, lane_waits_for, nothing)
+    nothing = np.zeros(len(joins.waits_for_row), dtype=np.int64)
+    join_columns = (nothing, np.full(len(nothing), int(Stream.NETWORK)), nothing,
+                    collective_clock[joins.waits_for_row], collective_ps[joins.waits_for_row])
     columns = (pre, step_stream, operand, waits_for, after)
-    lane_columns = (lane_busy, np.full(len(lane), int(Stream.NETWORK)), np.zeros(len(lane), dtype=np.int64),
-                    lane_waits_for, np.zeros(len(lane), dtype=np.int64))
-    lane_bounds = np.r_[lane_starts, len(lane)].tolist()
-    if len(lane):  # the lanes' steps after the devices', in the same columns
-        columns = tuple(np.concatenate(pair) for pair in zip(columns, lane_columns))
-    step_offsets = np.r_[step_bounds, len(step_rows) + np.asarray(lane_bounds[1:], dtype=np.int64)]
+    if len(lane):  # the lanes' and joins' steps after the devices', in the same columns
+        columns = tuple(np.concatenate(parts) for parts in zip(columns, lane_columns, join_columns))
+    lane_bounds = np.r_[lane_starts, len(lane)]
+    step_offsets = np.r_[step_bounds, len(step_rows) + lane_bounds[1:], len(step_rows) + len(lane) + joins.bounds[1:]]
     steps = [tuple(c[lo:hi] for c in columns) for lo, hi in itertools.pairwise(step_offsets.tolist())]
-    start_clock = np.r_[start_clock, first_clock + np.asarray(lane_bounds[:-1], dtype=np.int64)
-                        + np.arange(len(lane_keys))]
-    no_unit = [None] * len(lane_keys)
+    start_clock = np.r_[start_clock, first_clock + lane_bounds[:-1] + np.arange(len(lane_keys)),
+                        first_join_clock + joins.bounds[:-1] + np.arange(len(joins.bounds) - 1)]
+    no_unit = [None] * (len(lane_keys) + len(joins.bounds) - 1)
     return _Program(lowered, stream, steps, columns, step_offsets, step_rows, step_bounds, start_clock,
-                    collective_rows, collective_clock, collective_ps, first_clock + len(lane) + len(lane_keys),
+                    collective_rows, collective_clock, collective_ps,
+                    first_join_clock + len(joins.waits_for_row) + len(joins.bounds) - 1,
                     timed, send_clock, send_to_arrival, compute_unit + no_unit, host_unit + no_unit,
                     cluster.contention, clock_before, since_ps, duration, channel_ps.tolist(), routes,
                     len(resources), spans, channel_bytes, static_parts(schedule, costs),
                     [round(ms * _PS_PER_MS) for ms in device_product_ms(schedule.stages_by_device, costs)]
                     if costs.transfers_hold_products else [])
+
+
+@dataclass(frozen=True)
+class _Joins:
+    """Where a row waits for collectives on more than one lane (a pass's all-to-alls on its device's network and its
+    ring on a link of its own: `Lowered.awaits`): a join per device, a clock list whose steps each wait for one lane's
+    last awaited collective to end, in program order, so that its clock after a row's steps is the latest of their
+    ends (and of earlier rows', which the device has waited for already); the row waits for that clock.
+    `waiters`: the waiting steps that wait for a join (indices into them); `clock`: per such step, the index in
+    `_Model.clocks` of its join's clock after its last step; `waits_for_row`: per join step, the collective it waits
+    for (its index in the program's collective rows); `bounds`: where each join's steps begin (the last: their end)."""
+
+    waiters: np.ndarray
+    clock: np.ndarray
+    waits_for_row: np.ndarray
+    bounds: np.ndarray
+
+
+def _joins(first: np.ndarray, last: np.ndarray, lane: np.ndarray, device: np.ndarray, first_clock: int) -> _Joins:
+    """The joins (`_Joins`) of waiting steps that wait for collectives `first..last` each (indices into the
+    collective rows, whose lanes are `lane`), on `device`s, in program order, their clocks from `first_clock` on."""
+    lane_changes = np.r_[0, np.cumsum(lane[1:] != lane[:-1])]
+    waiters = np.flatnonzero(lane_changes[last] != lane_changes[first])
+    count = last[waiters] - first[waiters] + 1
+    owner = np.repeat(np.arange(len(waiters)), count)
+    member = np.arange(int(count.sum())) + np.repeat(first[waiters] - (np.cumsum(count) - count), count)
+    key = owner * (int(lane.max(initial=0)) + 1) + lane[member]
+    by_key = np.argsort(key, kind="stable")  # an owner's collectives by lane, each lane's in program order
+    last_of_lane = by_key[np.diff(key[by_key], append=-1) != 0]
+    owner, waits_for_row = owner[last_of_lane], member[last_of_lane]
+    join_keys, join = np.unique(device[waiters][owner], return_inverse=True)
+    bounds = np.searchsorted(join, np.arange(len(join_keys) + 1)).astype(np.int64)
+    last_step = np.searchsorted(owner, np.arange(len(waiters)), side="right") - 1
+    return _Joins(waiters, first_clock + last_step + join[last_step] + 1, waits_for_row, bounds)
 
 
 @dataclass
