@@ -216,7 +216,7 @@ def run(
         bounds, measured = None, None
         if profile is not None:
             measured, bounds, options = _partition(profile, model, options)
-            context = int(measured.estimate.parallelism.get("context", 1)) if measured.estimate else 1
+            context = int(measured.estimated_parallelism.get("context", 1))
             if context > 1:  # its schedule would reduce over context-parallel ranks the executor does not start
                 raise InputError(f"--profile {profile}: estimated for context parallelism C={context}, which pipesim "
                                  "simulates but does not run; estimate it without --context-parallel")

@@ -284,15 +284,12 @@ def _estimated_degrees(measured) -> tuple[int, int, int]:
     """A --profile's t (GPUs per stage), C (context-parallel ranks a device of its schedules stands for) and E (ranks
     its routed experts are placed over): an estimate's, whose schedules run with them (`Scenario.order_params`);
     1, 1 and 1 for a calibration."""
-    estimate = measured.estimate
-    if estimate is None:
-        return 1, 1, 1
-    return estimate.degrees[0], *(int(estimate.parallelism.get(name, 1)) for name in ("context", "expert"))
+    return tuple(int(measured.estimated_parallelism.get(name, 1)) for name in ("tensor", "context", "expert"))
 
 
 def _held_as(measured) -> str | None:
     """The --precision an estimate was made with (None: as the count's dtype, or a calibration)."""
-    return measured.estimate.parallelism.get("precision") if measured.estimate is not None else None
+    return measured.estimated_parallelism.get("precision")
 
 
 def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int) -> None:

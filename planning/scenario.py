@@ -140,13 +140,18 @@ class Scenario:
     allocations: tuple[LayerAllocations, ...] | None = None
     expandable_segments: bool = False  # `--allocator expandable`: `allocations` replayed with expandable segments
 
+    @property
+    def _estimate(self) -> Estimate | None:
+        """The profile's estimate; None for a measured profile, or without one (--comm's costs)."""
+        return self.measured.estimate if self.measured is not None else None
+
     def order_params(self, params: ScheduleParams) -> ScheduleParams:
         """`params` as this scenario's orders are built with them (`build`): an estimate's context-parallel ranks C
         and expert-parallel ranks E (whose all-to-all rows the order holds), and the expert overlap if asked for; so
         that a search building a fixed order without `build` (planning/tune.py `_Orders`) builds the same one;
         `params` themselves where they say so already (the search asks for tens of thousands)."""
         wanted = {"overlap_expert_comm": True} if self.overlap_expert_comm else {}
-        estimate = self.measured.estimate if self.measured is not None else None
+        estimate = self._estimate
         if estimate is not None:
             wanted.update(context_parallel=int(estimate.parallelism.get("context", 1)),
                           expert_parallel=int(estimate.parallelism.get("expert", 1)))
@@ -183,7 +188,7 @@ class Scenario:
     def transfers_hold_products(self) -> bool:
         """Whether NCCL's pipeline transfers hold the compute beside them (`Costs.transfers_hold_products`): beside
         an estimate's persistent products (Hopper's)."""
-        estimate = self.measured.estimate if self.measured is not None else None
+        estimate = self._estimate
         return estimate is not None and bool(estimate.curve.get("persistent_products"))
 
     def costs(self, sched: Schedule, bounds: Sequence[int] | None = None) -> Costs:
@@ -211,7 +216,7 @@ class Scenario:
                                 "step's first forward and reshards them after its last backward: give a method that "
                                 "flushes each mini-batch (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, ...)")
         costs = scaled(self._sharded_for(self._costs(sched, bounds), sched), self.cost_scale)
-        estimate = self.measured.estimate if self.measured is not None else None
+        estimate = self._estimate
         ring = estimate.context_link if estimate is not None else None
         if ring is not None and sched.context_parallel > 1 and ring.kind != self.estimate_links(sched).data.kind:
             costs = replace(costs, collective_links=dict.fromkeys(("RING_F", "RING_B"), ring.kind))
@@ -306,7 +311,7 @@ class Scenario:
         (routed experts or not) and stage 0's own bucket conditions do not enter. ZeRO-3's gathers before every
         pass (FSDP's, not once a step): as they are; so is a schedule not yet ordered (a search's, priced before
         its rows exist)."""
-        estimate = self.measured.estimate if self.measured is not None else None
+        estimate = self._estimate
         if (estimate is None or not estimate.curve.get("persistent_products") or sched.zero >= 3
                 or not len(sched.table.kind)):
             return costs
@@ -341,7 +346,7 @@ class Scenario:
         with log2 of the nodes the group spans. 0 without an estimate's te recipe or its placement."""
         from ..hardware.collectives import nccl_ll_all_reduce_ms
 
-        estimate = self.measured.estimate if self.measured is not None else None
+        estimate = self._estimate
         if estimate is None or estimate.parallelism.get("fp8") != "te" or estimate.placement is None:
             return 0.0
         t, link = estimate.degrees[0], self.data_parallel_link(sched)
@@ -364,7 +369,7 @@ class Scenario:
         """The ranks that hold the same routed experts, over which their gradients reduce (`collective_costs`): the
         d·C gradient ranks over E, or where an estimate folds them over t·C·d with an expert-tensor-parallel size
         ETP (planning/ranks.py), times t/(E·ETP)."""
-        estimate = self.measured.estimate if self.measured is not None else None
+        estimate = self._estimate
         etp = estimate.parallelism.get("expert_tensor") if estimate is not None else None
         if etp is None:
             return sched.gradient_ranks // sched.expert_parallel
@@ -375,7 +380,7 @@ class Scenario:
         whole state (the simulator divides it by the schedule's d where the schedule shards), and the step over
         the shard the schedule updates (its bytes at the memory's rate, the kernel's overhead aside), whether the
         estimate or only the schedule shards."""
-        estimate = self.measured.estimate if self.measured is not None else None
+        estimate = self._estimate
         if estimate is None:
             return costs
         sharded = bool(estimate.parallelism.get("sharded_optimizer"))

@@ -2740,9 +2740,8 @@ def _placed_depths(setting: Setting, devices: int) -> list[int]:
     profile, t = setting.scenario.measured, setting.tensor
     if devices % t:
         return []
-    parallelism = profile.estimate.parallelism if profile.estimate is not None else {}
     return [p for p in _depths(devices // t, len(profile.layers), _prices_data_parallel(profile))
-            if estimated_experts_refusal(parallelism, p, devices // (p * t)) is None]
+            if estimated_experts_refusal(profile.estimated_parallelism, p, devices // (p * t)) is None]
 
 
 def _prices_data_parallel(profile: Profile) -> bool:
@@ -2756,7 +2755,7 @@ def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int, r
     profile = settings[0].scenario.measured  # the model's layers are the same in every setting
     sizes = " or ".join(map(str, sorted({setting.microbatch_size for setting in settings})))
     if not any(_placed_depths(s, problem.devices) for s in settings):
-        experts = profile.estimate.parallelism.get("expert", 1) if profile.estimate is not None else 1
+        experts = profile.estimated_parallelism.get("expert", 1)
         placed = (", as the profile has no all-reduce times, equal D" if experts == 1 else
                   " leave d = D/(p·t) replicas over which the profile's rank order places the "
                   f"E = {experts} expert-parallel ranks it was estimated with")

@@ -629,6 +629,11 @@ class Profile(_Strict):
                                  f"alone, part of every optimizer's state, so none may be less (got {state})")
         return self
 
+    @property
+    def estimated_parallelism(self) -> dict[str, Any]:
+        """The parallelism an estimate was made at; {} for a measured profile, each degree then read as 1."""
+        return self.estimate.parallelism if self.estimate is not None else {}
+
     def master_bytes(self, start: int, stop: int) -> int:
         """The master copy of layers [start, stop)'s weights the optimizer owns (0: none, it updates the weights
         themselves): a calibration's SGD state, since SGD keeps none of its own (calibrate/measure.py
