@@ -375,7 +375,7 @@ def simulate(
         _print_memory_table(summaries, built, memory, skipped)
     else:
         _print_table(summaries, built, steady, example, skipped, memory,
-                     _cost_basis(scenario, built) + _overlap_text(built, pairs, fb_hidden_fraction)
+                     _cost_basis(scenario, built, what is None) + _overlap_text(built, pairs, fb_hidden_fraction)
                      + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names}),
                      [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
         for path in [*trace_paths, *([html] if html else [])]:
@@ -467,8 +467,10 @@ def _nothing_runs(requested: list[str], skipped: dict[str, str]) -> str:
     return f"none of the {len(requested)} methods can run: " + "; ".join(texts)
 
 
-def _cost_basis(scenario, schedules: list) -> str:
-    """What the cost flags' numbers describe, for the table's caption."""
+def _cost_basis(scenario, schedules: list, read: bool) -> str:
+    """What the cost flags' numbers describe, for the table's caption. An estimate `read` from --profile holds no
+    allocations for the caching allocator to replay: its peaks are the tensors alone, below --gpu's of the same
+    model and flags (max reserved), which the caption says so that the two are not read as one figure."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
         estimate = scenario.measured.estimate
         _, p, d = estimate.degrees
@@ -477,9 +479,13 @@ def _cost_basis(scenario, schedules: list) -> str:
         span = tensor_span_text(estimate)
         degrees = parallelism_text(estimate.parallelism, shape=False) + (
             f", the tensor-parallel group{span}" if span else "")
+        # a mixture of experts' peaks are the tensors alone under --gpu too (commands/common.py allocator_fields)
+        below_gpu = read and not any(layer.dispatched_bytes for layer in scenario.measured.layers)
         return (f"costs: estimated on {estimate.gpu} ({degrees}) from "
                 f"the model counted on the meta device{elsewhere}; MFU: model FLOPs (no recomputation) per second "
-                "over the GPUs' dense peak")
+                "over the GPUs' dense peak" + ("; peak: the tensors alone (max allocated): a profile holds no "
+                                               "allocations to replay through the caching allocator, as simulate "
+                                               "--gpu does (max reserved)" if below_gpu else ""))
     if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose
         return f"costs: measured (--profile), {scenario.optimizer}'s updates and state (--optimizer)"
     stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})

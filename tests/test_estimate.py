@@ -371,3 +371,25 @@ def test_an_estimate_over_its_gpus_memory_warns_as_simulate_does(tmp_path):
                         r"49,152 MiB( \(and 1 more out of memory\))?\n", err), err
     code, out, err = pipesim("estimate", *shape, "-b", 16, "--out", tmp_path / "within.json")
     assert code == 0 and "alloc MiB" in out and err == "", err
+
+
+def test_an_estimate_read_back_says_its_peak_is_the_tensors_alone_below_gpus_replay(tmp_path):
+    """simulate --profile of a written estimate has no allocations to replay through the caching allocator, so its
+    peak is below simulate --gpu's of the same flags: the caption says which each is, not two figures for one."""
+    import json
+
+    from tests.conftest import pipesim
+
+    shape = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 2, "--width", 512, "--heads", 8, "--seq-len", 512,
+             "-b", 2, "-p", 2)
+    assert pipesim("estimate", *shape, "--out", tmp_path / "e.json").code == 0
+    run = ("-s", "1f1b", "-m", 4)
+    code, read, err = pipesim("simulate", "--profile", tmp_path / "e.json", "-p", 2, *run)
+    assert code == 0, err
+    code, counted, err = pipesim("simulate", *shape, *run)
+    assert code == 0, err
+    note = "peak: the tensors alone (max allocated): a profile holds no allocations to replay"
+    assert note in " ".join(read.split()) and note not in " ".join(counted.split())
+    peaks = [json.loads(pipesim("simulate", *source, *run, "--json").out)["results"][0]["peak_memory_mb"]
+             for source in (("--profile", tmp_path / "e.json", "-p", 2), shape)]
+    assert peaks[0] < peaks[1]
