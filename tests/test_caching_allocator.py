@@ -650,7 +650,7 @@ def _synthetic_layer(seed: int, recompute: str) -> LayerAllocations:
             if live and rng.random() < 0.35:
                 freed = rng.choice(sorted(live))
                 made.append((freed, -live.pop(freed)))
-            nbytes = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 10 * MIB),
+            nbytes = rng.choice([rng.randrange(1, MIB), rng.randrange(MIB, 10 * MIB),
                                  rng.randrange(10 * MIB, 48 * MIB), 0])
             made.append((number, nbytes))
             live[number] = nbytes

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.calibrate.links import LinkError, measure_allreduce, measure_p2p
+from pipesim.calibrate.links import LinkError, measure_allreduce, measure_p2p, measure_p2p_and_allreduce
 from pipesim.profiles.linkfit import LinkFit, LinkPoint, LinkSegment, default_sizes, fit_link
+from pipesim.units import GIB
 
 SIZES = default_sizes()  # 4 KiB .. 64 MiB
 
@@ -85,7 +86,7 @@ def test_any_fit_is_monotone(times_ms):
     bandwidth <= 0) whose times never fall with size, across and around every segment start."""
     sizes = SIZES[: len(times_ms)]
     fit = fit_link([LinkPoint(n, t, 0.0) for n, t in zip(sizes, times_ms)])
-    grid = sorted(set(sizes) | {0, 1, 1 << 30} | {s.min_bytes for s in fit.segments} |
+    grid = sorted(set(sizes) | {0, 1, GIB} | {s.min_bytes for s in fit.segments} |
                   {s.min_bytes - 1 for s in fit.segments})
     times = [fit.ms(n) for n in grid]
     assert all(b >= a for a, b in itertools.pairwise(times))
@@ -115,6 +116,17 @@ def test_real_gloo_allreduce_with_two_ranks():
     points = measure_allreduce(sizes, world_size=2, repeats=5, min_time_s=0.05)
     assert points.meta["op"] == "allreduce" and points.meta["world_size"] == 2
     assert [p.nbytes for p in points] == sizes and all(np.isfinite(p.ms) and p.ms > 0 for p in points)
+
+
+@pytest.mark.slow
+def test_real_gloo_allreduce_is_timed_beside_zero_one_and_two_computing_ranks():
+    """On a CPU host the two ranks time the largest all-reduce beside 0, 1 and 2 of them computing: a factor per
+    count over none computing's time (1.0), each from its own point at that size."""
+    _, reduced = measure_p2p_and_allreduce([4 << 10, 256 << 10], repeats=3, min_time_s=0.02)
+    points = reduced.meta["beside_compute_points"]
+    assert [p["nbytes"] for p in points] == [256 << 10] * 3 and all(p["ms"] > 0 for p in points)
+    assert reduced.meta["beside_compute"] == [round(p["ms"] / points[0]["ms"], 4) for p in points]
+    assert reduced.meta["beside_compute"][0] == 1.0
 
 
 @pytest.mark.slow

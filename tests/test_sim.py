@@ -10,6 +10,7 @@ import pytest
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Cluster, ClusterError, Costs, Link, load_cluster, simulate
 from pipesim.traces import read_trace, summarize, write_trace
+from pipesim.units import MIB
 from tests.conftest import build, run
 
 GRID = [(1, 1), (2, 2), (4, 4), (4, 8), (3, 10), (8, 8), (8, 32)]
@@ -167,13 +168,12 @@ def test_same_inputs_same_trace_and_seeded_jitter():
 
 
 def test_alpha_beta_link_time():
-    mib = 1 << 20
     latency_ms, gb_per_s = 0.01, 10.0
     link = Link(latency_ms=latency_ms, bandwidth_bytes_per_ms=gb_per_s * 1e9 / 1e3, resource="l")
     schedule = build_schedule("gpipe", ScheduleParams(2, 1))
     costs = Costs.per_stage(2, fwd_ms=1, bwd_ms=2, output_mb=64)
     cluster = Cluster(2, link, {(0, 1): link, (1, 0): link})
-    transfer_ms = latency_ms + 64 * mib / (gb_per_s * 1e6)
+    transfer_ms = latency_ms + 64 * MIB / (gb_per_s * 1e6)
     assert summarize(simulate(schedule, costs, cluster)).makespan_ms == pytest.approx(6 + 2 * transfer_ms)
 
 

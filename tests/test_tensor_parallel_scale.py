@@ -9,6 +9,7 @@ from pipesim.hardware import collectives
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, EstimateError, Parallelism, estimate_layer, op_ms, placement_links
 from pipesim.profiles.workload import WorkloadCount
+from pipesim.units import GIB
 from tests.conftest import needs_transformers, pipesim
 
 A100 = load_catalogue().find("a100-sxm-80gb")
@@ -174,7 +175,7 @@ def test_the_data_parallel_collective_grows_with_the_ranks_and_takes_the_tree_wh
     within = collectives.nccl_all_reduce_ms(nbytes, 8, 8, NVLINK_MS, NIC_MS, rate)  # one node: no network step
     assert within == pytest.approx(min(collectives.RING_BASE_LATENCY_MS + 14 * NVLINK_MS + nbytes * 14 / 8 / rate,
                                        2 * 7 * collectives.TREE_HOP_LATENCY_MS + 2 * nbytes / tree_rate))
-    huge = 1 << 30  # from 512 MiB the tree runs uncorrected
+    huge = GIB  # from 512 MiB the tree runs uncorrected
     assert collectives.nccl_all_reduce_ms(huge, 1024, 1, NVLINK_MS, NIC_MS, rate) == pytest.approx(min(
         2 * 10 * collectives.TREE_HOP_LATENCY_MS + 2 * huge / (collectives.TREE_BANDWIDTH_FACTOR * rate),
         (collectives.RING_BASE_LATENCY_MS + 2046 * NIC_MS) * collectives.RING_PLATEAU + huge * 2046 / 1024 / rate))

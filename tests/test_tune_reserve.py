@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pipesim.units import MIB
 from tests.conftest import pipesim
 
 MODEL = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 512, "--heads", 8, "--seq-len", 512,
@@ -208,7 +209,7 @@ def test_the_replay_cuts_the_layers_where_the_candidate_cuts_them(small_gpt_sett
     def peak_bytes(candidate, bounds) -> int:
         trace = simulate(candidate.schedule, candidate.costs, candidate.links)
         candidate.setting.scenario.add_reserve(candidate.schedule, trace, bounds)
-        return round(summarize(trace).peak_memory_mb * (1 << 20))
+        return round(summarize(trace).peak_memory_mb * MIB)
 
     problem = tuning.Problem(4, int(0.4 * tuning.GIB), 32, tuple(METHODS))
     cut_apart = [candidate for candidate in tuning.prepare(small_gpt_settings, problem)[0]
