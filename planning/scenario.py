@@ -873,8 +873,10 @@ def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], bala
     holds one stage of a copy or a mirrored pair (k and p-1-k: DualPipe, the V-shapes; `mirrored_partition`), by
     the device's peak where its stages' counts coincide (`StageMemory.pair`); where a device holds more
     (interleaved chunks), searched by what each device holds (`searched_partition`), and where that search is too
-    long, each of its stages within a share of its memory (`StageMemory.stage`), the faster of two splits: as the
-    stages hold it at `balanced`, and equal (as `tune` cuts v chunks). A stage's time: `stage_time`'s
+    long, the fastest cut with each stage within its device's memory (`StageMemory.stage`) where every device then
+    holds its stages together (as tune's `_splitter` takes it: the fastest of all that fit, since every stage of
+    one fits its device), else each stage within a share of its device's memory, the faster of two splits: as
+    the stages hold it at `balanced`, and equal (1/v of a device of v stages). A stage's time: `stage_time`'s
     (profiles/schema.py `stage_time`). PartitionError where none fits."""
     per_copy = sched.graph.stages_per_copy
     if all(memory.device(sched, device, balanced) <= limit for device, limit in enumerate(limits)):
@@ -894,8 +896,11 @@ def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], bala
     if searched is not None:
         return searched
     stage_bytes = [memory.stage(sched, s) for s in range(sched.num_stages)]
+    whole = _within_shares(sched, stage_bytes, _shares(sched, limits, None), layers, stage_time)
+    if whole is not None and all(memory.device(sched, d, whole) <= limit for d, limit in enumerate(limits)):
+        return whole
     at_balanced = [stage_bytes[s][balanced[s % per_copy], balanced[s % per_copy + 1]] for s in range(len(stage_bytes))]
-    cuts = [cut for cut in (_within_shares(sched, stage_bytes, limits, layers, weights, stage_time)
+    cuts = [cut for cut in (_within_shares(sched, stage_bytes, _shares(sched, limits, weights), layers, stage_time)
                             for weights in (at_balanced, [1] * len(stage_bytes))) if cut is not None]
     if not cuts:
         raise PartitionError(f"no cut of {len(layers)} layers into {per_copy} stages found that fits every device's "
@@ -904,14 +909,18 @@ def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], bala
     return min(cuts, key=lambda cut: max(ms[start, stop] for start, stop in itertools.pairwise(cut)))
 
 
-def _within_shares(sched: Schedule, stage_bytes: Sequence[np.ndarray], limits: Sequence[int],
-                   layers: Sequence[LayerCost], weights: Sequence[float],
-                   stage_time: RangeCosts) -> list[int] | None:
-    """The cut whose slowest stage is fastest where each model stage s holds at most its device's memory times
-    weights[s] over its stages' weights (so the device holds at most its memory), None where none does."""
+def _shares(sched: Schedule, limits: Sequence[int], weights: Sequence[float] | None) -> dict[int, float]:
+    """Per model stage s, its device's memory times weights[s] over its device's stages' weights (so that the shares
+    add up to the device's memory); None: the device's whole memory, each."""
+    return {s: limits[d] * (1.0 if weights is None else weights[s] / sum(weights[t] for t in sched.stages_on(d)))
+            for d in range(sched.num_devices) for s in sched.stages_on(d)}
+
+
+def _within_shares(sched: Schedule, stage_bytes: Sequence[np.ndarray], budget: dict[int, float],
+                   layers: Sequence[LayerCost], stage_time: RangeCosts) -> list[int] | None:
+    """The cut whose slowest stage is fastest where each model stage s holds at most budget[s] bytes, None where
+    none does."""
     per_copy = sched.graph.stages_per_copy
-    budget = {s: limits[d] * weights[s] / sum(weights[t] for t in sched.stages_on(d))
-              for d in range(sched.num_devices) for s in sched.stages_on(d)}
 
     def share(k: int) -> np.ndarray:  # the fullest of one copy's stage k's model stages, in shares of its budget
         return np.max([stage_bytes[s] / budget[s] for s in budget if s % per_copy == k], axis=0)

@@ -11,8 +11,10 @@ import math
 import numpy as np
 import pytest
 
+from pipesim.planning import scenario
 from pipesim.planning.scenario import _held_together, _outermost
 from pipesim.profiles.partition import LayerCost, PartitionError, mirrored_partition, ranges, searched_partition
+from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Costs
 from tests.conftest import build, pipesim, simulate_json, simulated
 
@@ -91,6 +93,28 @@ def test_the_searched_cut_is_the_fastest_of_every_cut_that_fits():
         assert found is not None and fullest(found) <= cap and len(found) == stages + 1
         assert max(ms[i, j] for i, j in itertools.pairwise(found)) == min(fitting)
 
+
+
+def test_where_the_search_is_too_long_fit_takes_the_fastest_cut_whose_devices_hold_their_stages(monkeypatch):
+    """Interleaved chunks on 2 devices (device d: stages d and d + 2), 8 layers of 1 ms; stages 0 and 1 hold 3 GB
+    a layer, 2 and 3 one, and a device holds the fuller of its two (their peaks do not coincide), 4 at most. The
+    search too long, each stage within a share of its device (equal, or as the balanced cut holds them) leaves
+    stage 0 or 2 no layer: no cut. Each within its device's whole memory, the fastest cut (stages 0 and 1 a layer
+    each, 2 and 3 three) holds 3 GB on each device, and fit takes it, as tune's partitioner does (db4587b)."""
+    monkeypatch.setattr(scenario, "searched_partition", lambda *args, **kwargs: None)
+    sched = build_schedule("interleaved-1f1b", ScheduleParams(stages=2, microbatches=4, chunks=2))
+    per_layer_gb, layer_count, ms = [3, 3, 1, 1], ranges(np.arange(9)), ranges(np.arange(9.0))
+
+    class Memory:
+        def stage(self, sched, s: int) -> np.ndarray:
+            return per_layer_gb[s] * layer_count
+
+        def device(self, sched, d: int, cut: list[int]) -> float:
+            return max(self.stage(sched, s)[cut[s], cut[s + 1]] for s in sched.stages_on(d))
+
+    cut = scenario.fitted_cut(sched, Memory(), [4, 4], [0, 5, 6, 7, 8], [LayerCost(1.0, 0, 0)] * 8, lambda k: ms)
+    assert max(Memory().device(sched, d, cut) for d in (0, 1)) <= 4
+    assert max(ms[i, j] for i, j in itertools.pairwise(cut)) == 3.0
 
 @pytest.mark.parametrize(("name", "chunks"), [("interleaved-1f1b", 2), ("dualpipe", None), ("zb-v", None)])
 def test_the_micro_batches_a_device_holds_together_are_the_simulators(name, chunks):
