@@ -100,6 +100,10 @@ def test_a_prediction_calibrated_or_priced_for_another_setting_than_the_run_trai
                               (trained | {"dtype": "bfloat16"}, 8, "dtype bfloat16 measured, float32 predicted")):
         with pytest.raises(TraceError, match=says):
             compare(predicted, as_measured(predicted, extra=extra, calibration=None, microbatch_size=size))
+    on_gpu = replace(predicted.meta, calibration=gpt | {"device": "cuda"})  # an estimate on a catalogue GPU
+    with pytest.raises(TraceError, match="device cpu measured, cuda predicted"):
+        compare(replace(predicted, meta=on_gpu), as_measured(predicted, extra=trained, calibration=None,
+                                                             hardware={"device": "cpu"}))
     # What-if costs describe no model: compared (compare warns), as is a run that records none (torch.profiler's),
     # and a field an older file lacks.
     assert compare(plain, as_measured(plain, extra=trained, microbatch_size=32)).iteration_time_error == 0

@@ -153,21 +153,23 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
                              f"calibration): {again}")
 
 
-_SETTING = ("model", "microbatch_size", "dtype", "optimizer")  # besides the model's size options
+_SETTING = ("model", "microbatch_size", "dtype", "optimizer", "device")  # besides the model's size options
 
 
 def _setting_of(trace: Trace) -> dict | None:
     """What a prediction's costs were calibrated on and priced for (`_SETTING` and the model's size `options`), or
-    what a run trained; None where the trace does not record it (what-if costs, torch.profiler's traces), and a
-    field None where it does not record that one (an older file). A prediction from another model's profile, or
-    priced for another optimizer, matches a run's ops one for one and reports a meaningless error."""
+    what a run trained and on which device kind; None where the trace does not record it (what-if costs,
+    torch.profiler's traces), and a field None where it does not record that one (an older file). A prediction from
+    another model's profile, an A100's estimate against a CPU run, or one priced for another optimizer matches a
+    run's ops one for one and reports a meaningless error."""
     if trace.meta.calibration is not None:
         c = trace.meta.calibration
         return {name: c.get(name) for name in _SETTING} | {"options": c.get("options") or {}}
     extra = trace.meta.extra
     if trace.meta.source == "measured" and isinstance(extra.get("model"), str):
         return {"model": extra["model"], "microbatch_size": trace.meta.microbatch_size, "dtype": extra.get("dtype"),
-                "optimizer": extra.get("optimizer"), "options": extra.get("model_options") or {}}
+                "optimizer": extra.get("optimizer"), "device": (trace.meta.hardware or {}).get("device"),
+                "options": extra.get("model_options") or {}}
     return None
 
 
