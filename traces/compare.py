@@ -148,6 +148,8 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
                for key in sorted(set(trained["options"]) & set(calibrated["options"]))]
     for name, b, a in [(name, trained[name], calibrated[name]) for name in _SETTING] + options:
         if a != b and None not in (a, b):
+            if predicted.meta.calibration is None:  # two runs, one held against the other (the noise floor)
+                raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} in the other run")
             again = f"simulate with --optimizer {b}" if name == "optimizer" else "predict from a profile of what ran"
             raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted (its costs' "
                              f"calibration): {again}")
