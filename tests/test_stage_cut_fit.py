@@ -94,7 +94,6 @@ def test_the_searched_cut_is_the_fastest_of_every_cut_that_fits():
         assert max(ms[i, j] for i, j in itertools.pairwise(found)) == min(fitting)
 
 
-
 def test_where_the_search_is_too_long_fit_takes_the_fastest_cut_whose_devices_hold_their_stages(monkeypatch):
     """Interleaved chunks on 2 devices (device d: stages d and d + 2), 8 layers of 1 ms; stages 0 and 1 hold 3 GB
     a layer, 2 and 3 one, and a device holds the fuller of its two (their peaks do not coincide), 4 at most. The
@@ -115,6 +114,7 @@ def test_where_the_search_is_too_long_fit_takes_the_fastest_cut_whose_devices_ho
     cut = scenario.fitted_cut(sched, Memory(), [4, 4], [0, 5, 6, 7, 8], [LayerCost(1.0, 0, 0)] * 8, lambda k: ms)
     assert max(Memory().device(sched, d, cut) for d in (0, 1)) <= 4
     assert max(ms[i, j] for i, j in itertools.pairwise(cut)) == 3.0
+
 
 @pytest.mark.parametrize(("name", "chunks"), [("interleaved-1f1b", 2), ("dualpipe", None), ("zb-v", None)])
 def test_the_micro_batches_a_device_holds_together_are_the_simulators(name, chunks):
