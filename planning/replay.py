@@ -57,7 +57,10 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None, links_from
 
 
 def _recorded_profile(meta: TraceMeta) -> Profile:
-    from ..profiles.schema import Profile, ProfileError
+    from pydantic import ValidationError
+
+    from ..files import first_error
+    from ..profiles.schema import Profile
 
     document = meta.extra.get("profile")
     if document is None:
@@ -65,8 +68,8 @@ def _recorded_profile(meta: TraceMeta) -> Profile:
                          "it from; give a predicted trace as well (`pipesim simulate ... --trace`)")
     try:
         return Profile.model_validate(document)
-    except (ProfileError, ValueError) as exc:
-        raise TraceError(f"the run's recorded profile is not valid: {str(exc).splitlines()[0]}") from None
+    except ValidationError as exc:  # its first error names the field, as a profile file's refusal does
+        raise TraceError(f"the run's recorded profile (meta.extra.profile) is not valid: {first_error(exc)}") from None
 
 
 def _windowed(costs: Costs, meta: TraceMeta) -> Costs:

@@ -324,6 +324,22 @@ def test_a_measured_trace_of_an_unknown_schedule_is_refused_naming_the_trace_not
     assert "--schedule" not in str(refused.value)
 
 
+def test_a_runs_recorded_profile_edited_wrong_is_refused_naming_its_field():
+    """compare MEASURED predicts from the profile the run recorded: one that fails its checks names the field, as
+    a profile file's refusal does (it said "7 validation errors for Profile")."""
+    from pipesim.planning.replay import predict_measured
+    from pipesim.profiles.schema import load_profile
+
+    measured = read_trace(FIDELITY_RUNS / "1f1b.json")
+    recorded = load_profile(FIDELITY_RUNS / "mlp-profile.json").model_dump(mode="json")
+    del recorded["environment"]
+    for document, field in ((recorded, "environment: Field required"), ("x", "Input should be a valid dictionary")):
+        meta = replace(measured.meta, extra=measured.meta.extra | {"profile": document})
+        with pytest.raises(TraceError, match=f"^the run's recorded profile \\(meta.extra.profile\\) is not valid: "
+                                             f"{field}"):
+            predict_measured(meta)
+
+
 @pytest.mark.parametrize("window", ["many", 2.5, -3])
 def test_a_runs_malformed_receive_window_is_one_line(tmp_path, window):
     """compare predicts a run with the receive window its trace records: one that is not a whole number >= 0 is
