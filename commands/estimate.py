@@ -219,6 +219,30 @@ class WhatIf:
                            p2p_sync=self.p2p_sync)
 
 
+def _estimated(path: Path) -> bool:
+    """Whether the --profile file holds an estimate (its `estimate` field set), read as JSON alone: a file that is
+    not a profile is refused by the profile's own checks, after this."""
+    import json
+
+    try:
+        return json.loads(Path(path).read_text()).get("estimate") is not None
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
+def _calibrated_refusal(names: list[str], given: list[str]) -> str:
+    """The one line for estimate's flags beside a calibrated --profile: its costs were measured, so the way to
+    other settings is calibrate's flags, where it takes them, or --gpu; not `pipesim estimate`."""
+    import inspect
+
+    from .calibrate import calibrate
+
+    takes = [flag for name, flag in zip(names, given) if name in inspect.signature(calibrate).parameters]
+    again = f"calibrate again with `pipesim calibrate ... {' '.join(takes)}`, or give" if takes else "give"
+    return (f"{', '.join(given)}: --profile's costs were measured by `pipesim calibrate` with its own model and "
+            f"settings; {again} --gpu NAME and --model in place of --profile")
+
+
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
     """The --gpu flags, checked before any work (no torch yet); None without --gpu, whose flags are then refused
     (they would be silently ignored) but for `profile_reads` beside --profile (the command reads those itself),
@@ -228,6 +252,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         read = profile_reads if params.get("profile") is not None else ()
         names = [name for name in ESTIMATE_ONLY if name in params and is_given(ctx, name) and name not in read]
         given = [given_flag(ctx, name) for name in names]
+        if given and params.get("profile") is not None and not _estimated(params["profile"]):
+            raise InputError(_calibrated_refusal(names, given))
         if given and params.get("profile") is not None:
             # estimate's flags for them: a switch that tune searches where not given (its default None), turned off,
             # is estimate's default, which has no off side

@@ -178,6 +178,20 @@ def test_a_setting_the_profile_was_priced_with_given_again_beside_it_is_refused_
     assert err.startswith(f"error: {setting}: --profile's costs are priced already"), err
 
 
+@pytest.mark.parametrize("command", [("simulate", "-s", "1f1b"), ("sweep", "-s", "1f1b"), ("tune", "--devices", 2)])
+def test_a_model_setting_beside_a_calibrated_profile_names_calibrate_not_estimate(command):
+    """A calibration's costs were measured: the refusal of --layers beside it names calibrate's flag (it said to
+    write another with `pipesim estimate`), and one calibrate does not take (--tensor-parallel) only --gpu."""
+    calibration = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    code, out, err = pipesim(*command, "--profile", calibration, "--layers", 4, "--tensor-parallel", 2)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --layers, --tensor-parallel: --profile's costs were measured by `pipesim calibrate`")
+    assert "calibrate again with `pipesim calibrate ... --layers`, or give --gpu NAME" in err
+    assert "pipesim estimate" not in err
+    code, _, err = pipesim(*command, "--profile", calibration, "--tensor-parallel", 2)
+    assert code == 2 and "settings; give --gpu NAME and --model in place of --profile" in err, err
+
+
 def test_a_switch_turned_off_is_named_as_given_and_estimate_is_told_only_flags_it_takes(kernels_estimate):
     """--no-swiglu-fusion and tune's --no-sequence-parallel read as their on sides; estimate has no
     --no-sequence-parallel (off is its default), so the refusal does not tell to write one with it."""
