@@ -255,8 +255,9 @@ def run(
                 built = scenario.build(method.name, params, bounds if fits else None, progress=report)
         if bounds is not None and len(bounds) - 1 != built.num_stages:
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
-                             f"{stages} devices has {built.num_stages}; calibrate with --stages "
-                             f"{built.num_stages} or drop --profile")
+                             f"{stages} devices has {built.num_stages}; "
+                             f"{'estimate' if measured.estimate else 'calibrate'} with --stages {built.num_stages} or "
+                             "drop --profile")
         if is_hf(model) and "seq_len" not in options:  # run has no --seq-len: a profile carries it
             raise InputError(f"--model {model}: run builds a Hugging Face model at the sequence length it was "
                              "calibrated at: give --profile, from `pipesim calibrate --model hf:PATH --seq-len N`")
