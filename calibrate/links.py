@@ -14,6 +14,7 @@ import math
 import queue as queue_mod
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,10 @@ from ..workload.transport import TransportChoice, TransportError, choose_transpo
 
 Progress = Callable[[int, int], Any]
 LINK_THREADS = 1  # ranks share the machine's cores with each other and the transport's threads
+# `measure_p2p_and_allreduce`'s all-reduce beside computing ranks: each computing rank multiplies a (rows x width)
+# by a (width x width) float32 matrix on its LINK_THREADS until the all-reduce completes (a rank's passes keep a
+# core as busy), and each count of computing ranks is timed this many times a round
+BESIDE_COMPUTE = {"rows": 32, "width": 512, "per_round": 3}
 
 
 class LinkError(RuntimeError):
@@ -62,13 +67,28 @@ def measure_allreduce(sizes: Iterable[int], *, world_size: int = 2, device: str 
 
 def measure_p2p_and_allreduce(sizes: Iterable[int], *, device: str = "cpu", repeats: int = 10, warmup: int = 2,
                               progress: tuple[Progress | None, Progress | None] = (None, None),
-                              min_time_s: float = 0.15, timeout_s: float = 120.0) -> tuple[LinkPoints, LinkPoints]:
+                              min_time_s: float = 0.15, timeout_s: float = 120.0,
+                              beside_bytes: int | None = None) -> tuple[LinkPoints, LinkPoints]:
     """`measure_p2p` then `measure_allreduce` over two ranks with these settings, in the same two ranks one
     after the other: one start-up (spawning, importing torch, joining the group) for both. `progress` follows
-    each; `timeout_s` is each one's."""
+    each; `timeout_s` is each one's.
+
+    On a CPU host the ranks then time an all-reduce of `beside_bytes` (default: the largest size; a calibration
+    gives its largest stage's gradients, the all-reduce a REDUCE row makes) beside k = 0, 1, 2 of them computing
+    (`BESIDE_COMPUTE`), from its issue to its completion, the k alternating within each of `repeats` rounds:
+    gloo's threads reduce and send on the cores the ranks compute on. The all-reduce's meta says it
+    (`beside_compute`: per k, its median over k = 0's; `beside_compute_points`: per k, its time)."""
     plan = (repeats, warmup, min_time_s)
-    p2p, reduced = _measure([("p2p", sizes, plan, progress[0]), ("allreduce", sizes, plan, progress[1])], 2, device,
-                            2 * timeout_s)
+    jobs = [("p2p", sizes, plan, progress[0]), ("allreduce", sizes, plan, progress[1])]
+    if device == "cpu":
+        jobs.append(("beside", [beside_bytes or max(int(s) for s in sizes)], plan, None))
+    p2p, reduced, *beside = _measure(jobs, 2, device, 2 * timeout_s)
+    for points in beside:
+        alone_ms = max(points[0].ms, 1e-6)
+        reduced.meta.update(beside_compute=[round(point.ms / alone_ms, 4) for point in points],
+                            beside_compute_points=[asdict(point) for point in points],
+                            beside_compute_workload={"bytes": points[0].nbytes, **BESIDE_COMPUTE,
+                                                     "threads": LINK_THREADS})
     return p2p, reduced
 
 
@@ -95,7 +115,7 @@ def _measure(jobs: list[Job], world_size: int, device: str, timeout_s: float) ->
         sizes = sorted({int(s) for s in sizes})
         if not sizes or sizes[0] <= 0:
             raise ValueError("sizes must be a non-empty list of byte counts > 0")
-        if op == "allreduce":
+        if op in ("allreduce", "beside"):
             sizes = sorted({max(4, s - s % 4) for s in sizes})
         elif op == "alltoall":  # an even split among the ranks
             sizes = sorted({max(world_size, s - s % world_size) for s in sizes})
@@ -152,6 +172,8 @@ def _measure(jobs: list[Job], world_size: int, device: str, timeout_s: float) ->
     measured = []
     for index, (op, sizes, (repeats, warmup, min_time_s)) in enumerate(plans):
         points = []
+        if op == "beside":  # a point per count of computing ranks, all of one size
+            sizes = sizes * len(samples[index])
         for nbytes, ms in zip(sizes, samples[index]):
             q1, med, q3 = np.percentile(ms, [25, 50, 75])
             points.append(LinkPoint(nbytes, float(med), float(q3 - q1)))
@@ -174,8 +196,9 @@ def _worker(rank: int, world_size: int, port: int, plans: list[tuple[str, list[i
         for index, (op, sizes, plan) in enumerate(plans):
             if rank == 0:
                 results.put(("progress", index, 0, plan[0]))  # the group is up: startup is over
-            samples = _time_sizes(rank, op, sizes, plan, choice, transport,
-                                  lambda done, total, index=index: results.put(("progress", index, done, total)))
+            samples = _time_beside(rank, world_size, sizes[0], plan) if op == "beside" else _time_sizes(
+                rank, op, sizes, plan, choice, transport,
+                lambda done, total, index=index: results.put(("progress", index, done, total)))
             if rank == 0:
                 results.put(("done", index, samples))
     except Exception as exc:  # noqa: BLE001 - any failure becomes one line for the parent's LinkError
@@ -283,3 +306,34 @@ def _time_sizes(rank: int, op: str, sizes: list[int], plan: Plan, choice: Transp
         slowest = iter(flat.tolist())
         samples = [[next(slowest) for _ in times] for times in samples]
     return samples
+
+
+def _time_beside(rank: int, world_size: int, nbytes: int, plan: Plan) -> list[list[float]]:
+    """Per k = 0 .. `world_size`: the times (ms, each the slowest rank's) of a float32 all-reduce of `nbytes` from
+    its issue to its completion (its future's callback, as the executor's REDUCE rows time it) while ranks 0 .. k-1
+    compute (`BESIDE_COMPUTE`) until it completes and the others wait in it; the k alternate within each round."""
+    repeats, warmup, _ = plan
+    buf = torch.ones(nbytes // 4)
+    rows, width = torch.randn(BESIDE_COMPUTE["rows"], BESIDE_COMPUTE["width"]), torch.randn(
+        BESIDE_COMPUTE["width"], BESIDE_COMPUTE["width"])
+
+    def once(computing: bool) -> float:
+        dist.barrier()
+        began = time.perf_counter_ns()
+        work = dist.all_reduce(buf, async_op=True)
+        done = work.get_future().then(lambda _: time.perf_counter_ns())
+        while computing and not done.done():
+            torch.mm(rows, width)
+        work.wait()
+        return (done.wait() - began) / 1e6
+
+    for k in list(range(world_size + 1)) * max(warmup, 1):
+        once(rank < k)
+    samples: list[list[float]] = [[] for _ in range(world_size + 1)]
+    for _ in range(repeats * BESIDE_COMPUTE["per_round"]):
+        for k, times in enumerate(samples):
+            times.append(once(rank < k))
+    flat = torch.tensor([ms for times in samples for ms in times], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    slowest = iter(flat.tolist())
+    return [[next(slowest) for _ in times] for times in samples]

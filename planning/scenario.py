@@ -1201,7 +1201,8 @@ def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool,
     """Every device pair gets the measured p2p link (or `segments`: an estimate's, priced for the placement), a
     resource of its own (transfers on one link queue); the devices are named, with their memory (or the
     calibration's cap), in the trace's metadata. Where the profile measured how ranks computing at once slow
-    each other, the devices are ranks on its host's cores.
+    each other, the devices are ranks on its host's cores, and their collectives share those cores as far as
+    the all-reduce beside computing ranks measured (`AllReduceProfile.beside_compute`).
 
     Where the profile measured the runtime, the fit is moved (every segment's latency by the same amount, never
     below zero) to pass through the delivery time the runtime probe saw at its message size: a ping-pong pays
@@ -1217,6 +1218,8 @@ def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool,
              for a in range(num_devices) for b in range(num_devices) if a != b}
     memory = env.memory_cap_bytes or env.device_memory_bytes
     contention = measured.contention  # ranks on the calibrating host's cores, as `pipesim run` starts them
+    beside = measured.allreduce.beside_compute if contention and measured.allreduce else None
     return Cluster(num_devices, Link(segments=segments), pairs, (env.device_name,) * num_devices,
                    (memory,) * num_devices, overlap_comm, hosts=(env.host,) * num_devices if contention else (),
-                   contention=tuple(contention.slowdown) if contention else ())
+                   contention=tuple(contention.slowdown) if contention else (),
+                   collective_contention=tuple(beside) if beside else ())

@@ -398,11 +398,24 @@ class AllToAllProfile(LinkProfile):
 
 class AllReduceProfile(_Strict):
     """All-reduce time per size over `world_size` local ranks, for data-parallel what-ifs: the simulator's
-    AvgPipe averages replicas that share a device, so it does not read these."""
+    AvgPipe averages replicas that share a device, so it does not read these. `beside_compute[k]`: on a CPU host,
+    the all-reduce's time while k of its ranks compute beside it over its time alone (gloo's threads share the
+    cores; calibrate/links.py `measure_p2p_and_allreduce`, `meta` says at which size, beside what and the times;
+    `beside_compute[0]` is 1; None: a GPU, or a profile from before it was measured), which the simulator prices
+    on the host's cores with its contention (sim/engine.py `_SharedCores`)."""
 
     world_size: int = Field(ge=2)
     points: list[LinkPointModel]
     meta: dict[str, Any]
+    beside_compute: list[Annotated[float, Field(gt=0)]] | None = None
+
+    @model_validator(mode="after")
+    def _alone_first(self) -> AllReduceProfile:
+        factors = self.beside_compute
+        if factors is not None and (len(factors) != self.world_size + 1 or factors[0] != 1.0):
+            raise ValueError(f"beside_compute: one factor per count of computing ranks, 0 to world_size "
+                             f"({self.world_size}), the first (none computing) 1.0; got {factors}")
+        return self
 
 
 COMPUTE_KINDS = ("F", "B", "I", "W", "OPT")  # the rows whose fixed cost the runtime probe measures

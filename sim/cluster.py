@@ -90,7 +90,9 @@ class Cluster:
     same one are ranks on one GPU, which run their compute rows one at a time and share its one memory.
     `hosts[d]` names the host whose cores device d computes on (CPU ranks; None: cores of its own): while k
     devices of one host compute at once, each computes `contention[k - 1]` times slower than alone (shared
-    cores, caches and memory bandwidth; beyond the measured k, the last factor holds).
+    cores, caches and memory bandwidth; beyond the measured k, the last factor holds). `collective_contention[k]`:
+    how many times slower than alone a collective of such a device runs while k of its host's devices compute
+    (gloo's threads on the same cores; the first 1, beyond the measured k the last; empty: not measured).
     """
 
     num_devices: int
@@ -102,12 +104,14 @@ class Cluster:
     compute: tuple[str | None, ...] = ()
     hosts: tuple[str | None, ...] = ()
     contention: tuple[float, ...] = ()
+    collective_contention: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.contention and (self.contention[0] != 1.0 or any(
-                not math.isfinite(f) or f <= 0 for f in self.contention)):
-            raise ClusterError(f"contention: slowdowns with 1, 2, ... devices computing at once, the first 1 and "
-                               f"every one a finite number > 0 (got {list(self.contention)})")
+        for name, factors, counted in (("contention", self.contention, "1, 2"),
+                                       ("collective_contention", self.collective_contention, "0, 1")):
+            if factors and (factors[0] != 1.0 or any(not math.isfinite(f) or f <= 0 for f in factors)):
+                raise ClusterError(f"{name}: slowdowns with {counted}, ... devices computing at once, the first 1 "
+                                   f"and every one a finite number > 0 (got {list(factors)})")
 
     def link(self, src: int, dst: int) -> Link:
         return self.links.get((src, dst), self.default_link)
@@ -156,6 +160,8 @@ class Cluster:
         for device, host in zip(devices, self.hosts):
             device["host"] = host
         contention = {"contention": list(self.contention)} if self.contention else {}
+        if self.collective_contention:
+            contention["collective_contention"] = list(self.collective_contention)
         return {
             "num_devices": self.num_devices,
             "default_link": _describe_link(self.default_link),

@@ -825,46 +825,60 @@ def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:
 class _SharedCores:
     """One host's cores shared by processor sharing: while k pieces of work run on it (compute rows, and the
     runtime's host time between rows, which needs a core as much), each advances at 1 / slowdown[k - 1] of its
-    speed alone (the last factor beyond the measured k). Work is in picoseconds alone; `run` gives the event
-    that succeeds, with its end time, when a piece's work is done."""
+    speed alone (the last factor beyond the measured k). A collective of one of the host's devices runs on them
+    too where `beside` was measured (gloo's threads reduce and send on the host's cores): while k pieces of
+    compute run, it advances at 1 / beside[k] of its speed alone (`beside[0]` is 1), and it does not count among
+    the compute's k (its slowing them was not measured). Work is in picoseconds alone; `run` gives the event that
+    succeeds, with its end time, when a piece's work is done."""
 
-    def __init__(self, env: simpy.Environment, slowdown: tuple[float, ...]) -> None:
-        self.env, self.slowdown = env, slowdown
+    def __init__(self, env: simpy.Environment, slowdown: tuple[float, ...], beside: tuple[float, ...] = ()) -> None:
+        self.env, self.slowdown, self.beside = env, slowdown, beside
         self.left: dict[simpy.Event, float] = {}  # running rows: work still to do
+        self.collectives: set[simpy.Event] = set()  # those of `left` that are collectives
         self.since = 0  # when `left` was last brought up to date
         self.next_end: simpy.Event | None = None  # the timer for the next row to finish; older ones are stale
 
-    def run(self, work_ps: int) -> simpy.Event:
+    def run(self, work_ps: int, collective: bool = False) -> simpy.Event:
         self._advance()
         finished = self.env.event()
         self.left[finished] = float(work_ps)
+        if collective:
+            self.collectives.add(finished)
         self._plan()
         return finished
 
-    def _speed(self) -> float:
-        return 1.0 / self.slowdown[min(len(self.left), len(self.slowdown)) - 1]
+    def _speed(self, row: simpy.Event | None = None) -> float:
+        """A piece's speed: a compute row's (`row` None: any compute row's), or a collective's."""
+        computing = len(self.left) - len(self.collectives)
+        if row in self.collectives:
+            return 1.0 / self.beside[min(computing, len(self.beside) - 1)]
+        return 1.0 / self.slowdown[min(max(computing, 1), len(self.slowdown)) - 1]
 
     def _advance(self) -> None:
         if self.left:
-            done = (self.env.now - self.since) * self._speed()
+            elapsed = self.env.now - self.since
+            done = elapsed * self._speed()
             for row in self.left:
-                self.left[row] -= done
+                self.left[row] -= elapsed * self._speed(row) if row in self.collectives else done
         self.since = self.env.now
 
     def _plan(self) -> None:
         if not self.left:
             self.next_end = None
             return
-        timer = self.next_end = self.env.timeout(max(0, math.ceil(min(self.left.values()) / self._speed())))
+        soonest = min(work / self._speed(row) for row, work in self.left.items()) if self.collectives \
+            else min(self.left.values()) / self._speed()
+        timer = self.next_end = self.env.timeout(max(0, math.ceil(soonest)))
         timer.callbacks.append(lambda _: self._finish(timer))
 
     def _finish(self, timer: simpy.Event) -> None:
         if timer is not self.next_end:  # a row started or ended since: a later timer stands for it
             return
         self._advance()
-        tolerance = self._speed()  # a picosecond's work: what rounding the timer to whole picoseconds leaves
-        for row in [row for row, work in self.left.items() if work <= tolerance]:
+        # a picosecond's work (what rounding the timer to whole picoseconds leaves), each at its speed
+        for row in [row for row, work in self.left.items() if work <= self._speed(row)]:
             del self.left[row]
+            self.collectives.discard(row)
             row.succeed(self.env.now)
         self._plan()
 
@@ -901,7 +915,8 @@ class _Model:
     SimPy's, at a fraction of its cost a step.
     """
 
-    def __init__(self, program: _Program, overlap_comm: bool, transfers_hold: bool = False) -> None:
+    def __init__(self, program: _Program, overlap_comm: bool, transfers_hold: bool = False,
+                 beside: tuple[float, ...] = ()) -> None:
         self.program = program
         self.overlap_comm = overlap_comm
         devices = len(program.step_bounds) - 1
@@ -920,8 +935,16 @@ class _Model:
         self.ready: collections.deque = collections.deque()  # coroutines to resume, where nothing is timed
         self.running = None  # the coroutine running, where nothing is timed
         self.free_at = [0] * program.num_resources
-        self.cores = [_SharedCores(self.env, program.contention)
+        self.cores = [_SharedCores(self.env, program.contention, beside)
                       for _ in range(max((u + 1 for u in program.host_unit if u is not None), default=0))]
+        # Where a host's collectives share its cores (`beside`, `_SharedCores`): per such collective, its lane's
+        # clock at its begin -> its host and network ps alone; and, once it has ended, how much longer it took.
+        self.on_host: dict[int, tuple[int, int]] = {}
+        if self.cores and beside:
+            hosts = [program.host_unit[d] for d in program.lowered.table.device[program.collective_rows].tolist()]
+            self.on_host = {clock: (host, ps) for clock, host, ps in zip(
+                program.collective_clock.tolist(), hosts, program.collective_ps.tolist()) if host is not None}
+        self.network_stretch_ps: dict[int, int] = {}
         # A row on shared cores lasts as long as they let it (a copy only where there are some), and so does
         # the host time before it (how much longer: its stretch).
         self.duration_ps = program.duration_ps.copy() if self.cores else program.duration_ps
@@ -998,6 +1021,7 @@ class _Model:
         arrival, free_at, clocks, waiters = self.arrival, self.free_at, self.clocks, self.waiters
         routes, units = program.routes, program.lowered.units
         overlap = self.overlap_comm
+        on_host, stretched = self.on_host, self.network_stretch_ps
         send, recv, compute = int(Stream.SEND), int(Stream.RECV), int(Stream.COMPUTE)  # plain ints: this loop runs
         queued = cores is not None or unit is not None  # once per step
         kernels = self.kernels[d] if self.kernels is not None and d < len(self.kernels) and not queued else None
@@ -1034,7 +1058,7 @@ class _Model:
                 # A fixed time after that clock, or the arrival its SEND step found. (The step's own clock is set
                 # below, once known whole: a SEND that waited for a collective has not found its arrival yet, and a
                 # receive that sees the clock reads that arrival.)
-                ready = clocks[other] + after_ps if after_ps >= 0 else arrival[xid]
+                ready = clocks[other] + after_ps + stretched.get(other, 0) if after_ps >= 0 else arrival[xid]
                 if ready > clock:
                     clock = ready
             if stream == send:
@@ -1057,6 +1081,14 @@ class _Model:
                         clock = free_at[unit]
                     free_at[unit] = clock + xid
                     clocks[mine] = clock
+            elif mine in on_host:  # a collective beginning, on its host's shared cores: as long as they let it
+                host, network_ps = on_host[mine]
+                if clock > env.now:
+                    yield env.timeout(clock - env.now)
+                end = yield self.cores[host].run(network_ps, collective=True)
+                stretched[mine] = end - clock - network_ps
+                clocks[mine] = clock
+                clock = end - network_ps  # the lane's next step adds its network ps (its busy ps)
             else:  # a collective issued, or a compute row of its own that waited for one
                 clocks[mine] = clock
             woken = waiters.pop(mine, None)
@@ -1277,7 +1309,7 @@ def simulate(
     if jitter < 0:
         raise ScheduleError(f"jitter must be >= 0 (got {jitter})")
     program = _price(lower(schedule), costs, cluster, jitter, seed)
-    model = _Model(program, cluster.overlap_comm, costs.transfers_hold_products)
+    model = _Model(program, cluster.overlap_comm, costs.transfers_hold_products, cluster.collective_contention)
     model.run()
     if model.finished < len(program.start_clock):  # a device or lane whose steps never ended
         validate(schedule)
@@ -1392,6 +1424,9 @@ def _issue_and_end_times(program: _Program, model: _Model, transfers: np.ndarray
             arrival = clocks[program.send_clock] + program.send_to_arrival_ps
         end_ps[transfers] = arrival[transfer_ids]
     end_ps[program.collective_rows] = clocks[program.collective_clock] + program.collective_ps
+    if model.network_stretch_ps:  # collectives that shared their host's cores took longer
+        stretch = model.network_stretch_ps
+        end_ps[program.collective_rows] += [stretch.get(clock, 0) for clock in program.collective_clock.tolist()]
     return issued_ps, end_ps
 
 

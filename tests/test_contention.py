@@ -351,3 +351,35 @@ def test_contention_is_measured_in_the_ranks_of_the_calibrated_models_run_before
     assert contention.meta["processes_started"] == "the ranks of the run it preceded"
     assert len(contention.slowdown) == 2 and contention.slowdown[0] == 1.0
     assert all(n > 0 for windows in contention.meta["iterations"] for window in windows for n in window)
+
+
+def _with_beside(tmp_path, beside) -> Path:
+    """The profile with contention measured and its all-reduce timed beside computing ranks (`beside`)."""
+    doc = json.loads(_with_contention(tmp_path, MEASURED).read_text())
+    doc["allreduce"]["beside_compute"] = beside
+    path = tmp_path / "beside.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_collectives_beside_computing_ranks_take_as_long_as_the_calibration_measured(tmp_path):
+    """DualPipe's REDUCE rows (each device's all-reduce of a stage with the other copy's device) run on the
+    host's cores beside its ranks' compute: with the all-reduce measured 3x as long beside computing ranks,
+    the step is longer; a profile without the measurement prices them as before."""
+    beside = _with_beside(tmp_path, [1.0, 2.0, 3.0])
+    assert profile_cluster(load_profile(beside), 4, overlap_comm=True).collective_contention == (1.0, 2.0, 3.0)
+    args = ("-s", "dualpipe", "-p", "4", "-m", "8")
+    (before,), (after,) = (simulate_json("--profile", path, *args)
+                           for path in (_with_contention(tmp_path, MEASURED), beside))
+    assert after["time_per_minibatch_ms"] > before["time_per_minibatch_ms"]
+
+
+@pytest.mark.parametrize("beside,fragment", [
+    ([1.2, 2.0, 3.0], "allreduce: beside_compute: one factor per count of computing ranks, 0 to world_size (2), the "
+                      "first (none computing) 1.0; got [1.2, 2.0, 3.0]"),
+    ([1.0, 2.0], "got [1.0, 2.0]"),
+    ([1.0, 0.0, 3.0], "allreduce.beside_compute.1: Input should be greater than 0"),
+])
+def test_a_bad_collective_factor_is_one_line_exit_2(tmp_path, beside, fragment):
+    result = pipesim("simulate", "--profile", _with_beside(tmp_path, beside), "-s", "dualpipe", "-p", "4")
+    assert result.code == 2 and fragment in result.err and len(result.err.strip().splitlines()) == 1

@@ -120,3 +120,45 @@ def test_the_runtime_host_time_between_rows_shares_the_cores_as_compute_does():
     host_ms = overhead.host_ms[[KINDS.index(Kind(trace.kinds[k])) for k in trace.ops.kind]].sum()
     alone_ms = simulate(schedule, costs, Cluster.uniform(2, 0.0)).ops.dur_us[compute].sum() / 1e3
     assert makespan_us(trace) / 1e3 == pytest.approx(alone_ms + host_ms - 2 * 0.5)
+
+
+def dualpipe_reducing(reduce_ms: float) -> tuple:
+    """DualPipe on two ranks, each device all-reducing its two stages' gradients with the other's copies."""
+    schedule = build("dualpipe", 2, 4, 2)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0)
+    return schedule, replace(costs, stages=tuple(replace(stage, reduce_ms=reduce_ms) for stage in costs.stages))
+
+
+def test_a_collective_beside_compute_on_shared_cores_takes_as_long_as_they_let_it():
+    """A collective on a host's shared cores (gloo's threads) advances at 1 / beside[k] of its speed alone while
+    k of the host's ranks compute: checked from the trace, over each REDUCE the integral of that speed is its
+    time alone; one running beside compute takes longer than alone, and the rows that wait for it start later."""
+    schedule, costs = dualpipe_reducing(3.0)
+    beside = (1.0, 2.0, 3.0)
+    host = on_one_host(Cluster.uniform(2, 0.1), 1.0, 1.2)
+    trace = simulate(schedule, costs, replace(host, collective_contention=beside))
+    ops, kinds = trace.ops, np.asarray(trace.kinds)[trace.ops.kind]
+    compute, reduces = ops.stream == Stream.COMPUTE, np.flatnonzero(kinds == "REDUCE")
+    for row in reduces:
+        edges = np.unique(np.clip(np.r_[ops.start_us[compute], ops.end_us[compute]], ops.start_us[row],
+                                  ops.end_us[row]))
+        mid = (edges[:-1] + edges[1:]) / 2
+        running = ((ops.start_us[compute][None, :] < mid[:, None]) & (mid[:, None] < ops.end_us[compute][None, :]))
+        speed = 1.0 / np.asarray(beside)[running.sum(axis=1)]
+        assert (np.diff(edges) * speed).sum() == pytest.approx(3e3, abs=1e-3)
+    assert ops.dur_us[reduces].max() > 3e3
+    without = simulate(schedule, costs, host)
+    assert np.array_equal(without.ops.dur_us[reduces], np.full(len(reduces), 3e3))
+    assert makespan_us(trace) > makespan_us(without)
+
+
+def test_collectives_on_cores_of_their_own_are_not_slowed():
+    """A GPU's ranks (no host named): the measured factors change nothing."""
+    schedule, costs = dualpipe_reducing(3.0)
+    plain = simulate(schedule, costs, Cluster.uniform(2, 0.1))
+    trace = simulate(schedule, costs, replace(Cluster.uniform(2, 0.1), contention=(1.0, 1.2),
+                                              collective_contention=(1.0, 2.0, 3.0)))
+    assert np.array_equal(trace.ops.start_us, plain.ops.start_us)
+    assert np.array_equal(trace.ops.dur_us, plain.ops.dur_us)
+    with pytest.raises(ClusterError, match="collective_contention: slowdowns with 0, 1"):
+        Cluster(2, collective_contention=(1.0, -2.0))
