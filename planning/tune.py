@@ -217,15 +217,10 @@ class Candidate:
     critical: bool = False  # whether its bound holds its critical path too (`_with_critical_path`)
 
     @property
-    def steady_busy_ms(self) -> np.ndarray:
-        """Per device, its compute in a steady step with the gradient accumulations its B and W rows add, which
-        `busy_ms` leaves out and the simulator prices in those rows (`_steady_busy_ms`): the bubble and the busiest
-        device's compute that the results report, as simulate reports them."""
-        return _steady_busy_ms(self.schedule, self.costs, self.busy_ms, self.short_minibatches)
-
-    @property
     def busiest_ms(self) -> float:
-        return float(self.steady_busy_ms.max())
+        """The busiest device's compute in a steady step with the gradient accumulations its B and W rows add, which
+        `busy_ms` leaves out and the simulator prices in those rows: what a reason names (`_slower_part`)."""
+        return _steady_busiest_ms(self.schedule, self.costs, self.busy_ms, self.short_minibatches)
 
 
 @dataclass(frozen=True)
@@ -1385,7 +1380,10 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True, beat
             problem.batch_size / beaten * 1e3 * (1 + 1e-6) if beaten > 0 else math.inf)
     step_ms = max(growth_ms, _steady_busiest_ms(candidate.schedule, candidate.costs, candidate.busy_ms,
                                                 candidate.short_minibatches))
-    return (problem.batch_size / step_ms * 1e3, step_ms, 1.0 - float(candidate.steady_busy_ms.mean()) / step_ms,
+    # the bubble as simulate's: the compute rows as simulated (accumulations, and transfers' holds on the compute,
+    # included), a mini-batch's share of the long run's
+    busy_ms = float(np.mean([device.busy_ms for device in long_run.devices])) / candidate.schedule.minibatches
+    return (problem.batch_size / step_ms * 1e3, step_ms, max(1.0 - busy_ms / step_ms, 0.0),  # 0, not -4e-16, at no idle
             _peak_bytes(long_run)), long_trace
 
 
@@ -1535,14 +1533,8 @@ def _steady_busiest_ms(schedule: Schedule, costs: Costs, busy_ms: np.ndarray, sh
     can read less where its window starts before an order's steady state (a PipeDream-2BW chain whose
     accumulations settle late), and a bound above the step `_measured` gives could prune what the exhaustive
     search keeps."""
-    return float(_steady_busy_ms(schedule, costs, busy_ms, short).max())
-
-
-def _steady_busy_ms(schedule: Schedule, costs: Costs, busy_ms: np.ndarray, short: int) -> np.ndarray:
-    """`busy_ms` (a candidate's compute per step, per device) with the gradient accumulations of each device's rows
-    in mini-batch `short`."""
     accumulations = _Accumulations.of(schedule, short, _accumulates(schedule))
-    return busy_ms + accumulations.ms(_accumulates_ms(costs))
+    return float((busy_ms + accumulations.ms(_accumulates_ms(costs))).max())
 
 
 def _reserved_peak_bytes(candidate: Candidate, long_run: Trace) -> int:
