@@ -320,13 +320,9 @@ def _held_chain(given_costs: list[dict], link: Link) -> tuple[Costs, Cluster]:
         replace(stage, **given) for stage, given in zip(costs.stages, given_costs))), Cluster(len(given_costs), link)
 
 
-def test_where_transfers_hold_the_compute_a_run_with_no_period_is_run_on_to_its_period():
+def _held_xpipe() -> tuple[Costs, Cluster, Callable[[int], Schedule], list[int]]:
     """XPipe on four stages, two micro-batches, transfers holding the compute (hypothesis's random chain, rounded):
-    every window up to tune's longest run (N = 102) reads a least upper bound of 19.274 ms, yet by N = 198 the step
-    is 19.299 for good (the engine is not max-plus with holds, so no window bounds it). `_periodic_step_ms` runs it
-    on to N = 198, where the period shows. Asked only whether the step reaches 19.1,
-    it answers from the same order without the holds, whose rows end no later: its period's 19.2 (at N = 54), no
-    longer held run built."""
+    its costs, links, order by its mini-batches, and the mini-batches of each order built, in order."""
     costs, links = _held_chain([
         dict(fwd_ms=2.5, bwd_ms=4.9, igrad_ms=4.3, wgrad_ms=4.0, opt_ms=1.4, reduce_ms=2.0, accumulate_ms=1.0,
              product_ms=0.0, output_bytes=38),
@@ -343,6 +339,16 @@ def test_where_transfers_hold_the_compute_a_run_with_no_period_is_run_on_to_its_
         built.append(minibatches)
         return xpipe(minibatches)
 
+    return costs, links, schedule_of, built
+
+
+def test_where_transfers_hold_the_compute_a_run_with_no_period_is_run_on_to_its_period():
+    """`_held_xpipe`: every window up to tune's longest run (N = 102) reads a least upper bound of 19.274 ms, yet by
+    N = 198 the step is 19.299 for good (the engine is not max-plus with holds, so no window bounds it).
+    `_periodic_step_ms` runs it on to N = 198, where the period shows. Asked only whether the step reaches 19.1,
+    it answers from the same order without the holds, whose rows end no later: its period's 19.2 (at N = 54), no
+    longer held run built."""
+    costs, links, schedule_of, built = _held_xpipe()
     short, long = _runs(schedule_of)
     longest = short + tuning.LONGEST_STEADY_STEPS
     _, least_ms, _ = tuning._window_steps(tuning._row_ends_ps(simulate(schedule_of(longest), costs, links)),
@@ -357,6 +363,48 @@ def test_where_transfers_hold_the_compute_a_run_with_no_period_is_run_on_to_its_
     assert tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
                                     19.1) == pytest.approx(19.2)
     assert max(built) == short + 4 * tuning.STEADY_STEPS
+
+
+def test_row_ends_are_each_rows_end_by_its_place_among_rows_alike_and_its_minibatch(monkeypatch):
+    """`_row_ends_ps` of `_held_xpipe`'s long run, as its docstring defines it, counted out row by row in the order
+    the trace lists them; the same where every key `_ordinal` packs is numbered densely as soon as it would pass 64
+    values."""
+    costs, links, schedule_of, _ = _held_xpipe()
+    ops = simulate(schedule_of(_runs(schedule_of)[1]), costs, links).ops
+    alike: dict[tuple, int] = {}
+    ends: dict[tuple, dict[int, int]] = {}
+    for i in range(len(ops.device)):
+        row = tuple(int(column[i]) for column in (ops.device, ops.stream, ops.kind, ops.stage, ops.microbatch,
+                                                    ops.pipeline, ops.peer))
+        place = alike.get((row, int(ops.minibatch[i])), 0)
+        alike[row, int(ops.minibatch[i])] = place + 1
+        ends.setdefault((*row, place), {})[int(ops.minibatch[i])] = int(np.rint(ops.start_us[i] * 1e6)) + int(
+            np.rint(ops.dur_us[i] * 1e6))
+    expected = np.array([[by_minibatch[k] for k in sorted(by_minibatch)] for _, by_minibatch in sorted(ends.items())])
+    trace = SimpleNamespace(ops=ops)
+    assert np.array_equal(tuning._row_ends_ps(trace), expected)
+    monkeypatch.setattr(tuning, "_ORDINAL_VALUES", 64)
+    assert np.array_equal(tuning._row_ends_ps(trace), expected)
+
+
+def test_the_hold_free_order_is_run_no_longer_once_its_step_is_known_to_stay_under_the_losing_one(monkeypatch):
+    """`_held_xpipe`, asked whether its step reaches 19.25 ms: the hold-free order's first run (N = 18) bounds that
+    order's steady step from above under 19.25 (it is max-plus: its window's least upper bound holds), and every
+    lower bound its longer runs could give stays at or below that step, so it is run no longer (it was at N = 30
+    and 54 for its period, 19.2, which could not reach 19.25 either); the held order runs on to its period, the
+    step it answers with no limit asked (19.299, over the limit)."""
+    costs, links, schedule_of, _ = _held_xpipe()
+    short, long = _runs(schedule_of)
+    growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
+    simulated = []
+    run = tuning.simulate
+    monkeypatch.setattr(tuning, "simulate", lambda schedule, costs, links: simulated.append(
+        (schedule.minibatches, costs.transfers_hold_products)) or run(schedule, costs, links))
+    step_ms = tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
+                                       19.25)
+    assert step_ms == tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links,
+                                               growth_ms) == pytest.approx(19.298637248)
+    assert [n for n, held in simulated if not held] == [long]
 
 
 def test_where_devices_queue_on_one_link_a_run_with_no_period_is_run_on_to_its_period():
