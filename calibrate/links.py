@@ -77,15 +77,18 @@ def measure_p2p_and_allreduce(sizes: Iterable[int], *, device: str = "cpu", repe
     gives its largest stage's gradients, the all-reduce a REDUCE row makes) beside k = 0, 1, 2 of them computing
     (`BESIDE_COMPUTE`), from its issue to its completion, the k alternating within each of `repeats` rounds:
     gloo's threads reduce and send on the cores the ranks compute on. The all-reduce's meta says it
-    (`beside_compute`: per k, its median over k = 0's; `beside_compute_points`: per k, its time)."""
+    (`beside_compute`: per k, its median over k = 0's, never below the one for fewer computing, as the contention
+    factors (`contention.slowdowns`); `beside_compute_points`: per k, its time)."""
     plan = (repeats, warmup, min_time_s)
     jobs = [("p2p", sizes, plan, progress[0]), ("allreduce", sizes, plan, progress[1])]
     if device == "cpu":
         jobs.append(("beside", [beside_bytes or max(int(s) for s in sizes)], plan, None))
     p2p, reduced, *beside = _measure(jobs, 2, device, 2 * timeout_s)
+    from .contention import slowdowns  # here: that module imports this one (through measure.py)
+
     for points in beside:
         alone_ms = max(points[0].ms, 1e-6)
-        reduced.meta.update(beside_compute=[round(point.ms / alone_ms, 4) for point in points],
+        reduced.meta.update(beside_compute=[round(f, 4) for f in slowdowns([point.ms / alone_ms for point in points])],
                             beside_compute_points=[asdict(point) for point in points],
                             beside_compute_workload={"bytes": points[0].nbytes, **BESIDE_COMPUTE,
                                                      "threads": LINK_THREADS})

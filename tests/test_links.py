@@ -125,7 +125,8 @@ def test_real_gloo_allreduce_is_timed_beside_zero_one_and_two_computing_ranks():
     _, reduced = measure_p2p_and_allreduce([4 << 10, 256 << 10], repeats=3, min_time_s=0.02)
     points = reduced.meta["beside_compute_points"]
     assert [p["nbytes"] for p in points] == [256 << 10] * 3 and all(p["ms"] > 0 for p in points)
-    assert reduced.meta["beside_compute"] == [round(p["ms"] / points[0]["ms"], 4) for p in points]
+    ratios = [p["ms"] / points[0]["ms"] for p in points]
+    assert reduced.meta["beside_compute"] == [round(max(ratios[:k + 1]), 4) for k in range(3)]
     assert reduced.meta["beside_compute"][0] == 1.0
 
 
