@@ -1128,8 +1128,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if measured is None and not any(per_stage["--fwd"] + per_stage["--bwd"]):  # 0.0 samples/s, a 0 ms step
         raise InputError("--fwd, --bwd: every forward and backward takes 0 ms, so a step has no compute to time; "
                          "give one of them above 0")
-    if measured is not None and measured.estimate is not None and zero != 3 and (
-            measured.estimate.parallelism.get("precision") == "fsdp2"):
+    if measured is not None and zero != 3 and measured.estimated_parallelism.get("precision") == "fsdp2":
         raise InputError("--profile: estimated with --precision fsdp2, whose float32 weights are sharded: give "
                          "--zero 3 (with --data-parallel 2 or more)")
     if is_given(ctx, "stage_cut") and measured is None and flags.get("gpu") is None:

@@ -941,14 +941,14 @@ def profile_stage_time(profile: Profile) -> StageCosts:
 
 def p2p_synced(profile: Profile) -> bool:
     """Whether the profile's runtime synchronises after each exchange between stages (an estimate's --p2p-sync)."""
-    return bool(profile.estimate and profile.estimate.parallelism.get("p2p_sync"))
+    return bool(profile.estimated_parallelism.get("p2p_sync"))
 
 
 def fused_accumulation(profile: Profile) -> bool:
     """Whether the profile's runtime accumulates its weight gradients fused (an estimate's --grad-accumulation
     fused): the pass over the weights no product accumulates is in every backward, not after each but the first
     (planning/scenario.py `_stage_costs`)."""
-    return bool(profile.estimate and profile.estimate.parallelism.get("grad_accumulation") == "fused")
+    return profile.estimated_parallelism.get("grad_accumulation") == "fused"
 
 
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
