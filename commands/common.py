@@ -133,7 +133,9 @@ StageCut = Annotated[str, typer.Option(
                                        "equal share: Megatron-core's decoder_first/last_pipeline_num_layers) or "
                                        "layout:STRING (Megatron-core's pipeline_model_parallel_layout, e.g. "
                                        "'Et|(tt|)*30mL': E the embedding, t a block, m the --mtp-layers layer, L "
-                                       "the norm and head, | between the p·v stages, (..)*n and x*n repeats).")]
+                                       "the norm and head, | between the p·v stages, (..)*n and x*n repeats) or "
+                                       "layers:N,N,... (each stage's count of the layers, in order: the cut tune "
+                                       "prints).")]
 NetworkGbS = Annotated[float | None, typer.Option(
     "--network-gb-s", metavar="GB/S", help="With --data-parallel and typed costs: each GPU's network bandwidth for "
                                            "the gradient all-reduce (--comm: the latency of each ring step). "

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -52,7 +53,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, what_if
-from .tables import print_table
+from .tables import available_width, print_table
 
 if TYPE_CHECKING:
     from ..profiles.workload import WorkloadCount
@@ -261,8 +262,10 @@ def tune(
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
+    command = _simulate_command(ctx, tuning.choice.result)
     if as_json:
         document = tuning.to_dict()
+        document["simulate_command"] = " ".join(map(shlex.join, command))
         document["problem"]["devices"] = devices  # the search's devices are C-rank groups
         document["problem"]["precision"] = _held_as(measured)
         for row in (document["choice"], *document["runners_up"], *document["excluded"],
@@ -272,7 +275,53 @@ def tune(
                 row.update(work[row["microbatch_size"]].metrics(row["samples_per_s"], devices))
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return
-    _print_tuning(tuning, measured, work, data_parallel is not None)
+    _print_tuning(tuning, measured, work, data_parallel is not None, command)
+
+
+# tune's own flags, and those it searches: the command that reproduces a choice gives the choice's values for these
+_TUNE_OWN = {"devices", "memory_gb", "batch_size", "schedule", "max_staleness", "max_chunks", "max_pipelines",
+             "search_seconds", "tensor_parallel", "data_parallel", "recompute", "zero", "microbatch_size", "as_json",
+             "expert_parallel", "sequence_parallel"}
+
+
+def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
+    """The `pipesim simulate` command that gives the chosen `result`'s step, samples/s and peak, a flag and its value
+    a piece: the flags the user gave that simulate shares, as given and in their order, and the choice's schedule,
+    shape, degrees and cut (layers:N,N,..., the layers of each model stage), so a planner's answer can be checked."""
+    from ..planning.scenario import LAYERS
+
+    c, candidate = result.config, result.candidate
+    options = {param.name: param for param in ctx.command.params}
+    pieces = [["pipesim", "simulate"]]
+    for name, value in ctx.params.items():  # click fills them in the order given
+        param = options[name]
+        if name in _TUNE_OWN or not is_given(ctx, name):
+            continue
+        if isinstance(value, bool):
+            pieces += [[param.opts[0] if value else param.secondary_opts[0]]]
+        else:
+            pieces += [[param.opts[0], str(given)] for given in (value if param.multiple else [value])]
+    shape = [("-s", c.schedule), ("-p", c.stages), ("-v", c.chunks), *[("-P", c.pipelines)] * (c.pipelines > 1),
+             ("-m", c.microbatches), ("--data-parallel", c.replicas)]
+    if c.recompute is not None:  # estimated with --gpu: the degrees and b searched
+        shape += [("--tensor-parallel", c.tensor), ("-b", c.microbatch_size), ("--recompute", c.recompute),
+                  *[("--expert-parallel", c.expert)] * (c.expert > 1),
+                  *[("--sequence-parallel",)] * c.sequence_parallel]
+    shape += [*[("--zero", c.zero)] * bool(c.zero),
+              ("--stage-cut", LAYERS + ",".join(str(b - a) for a, b in pairwise(candidate.bounds))),
+              *[("--activation-limit", repr(candidate.activation_limit))] * (candidate.activation_limit is not None)]
+    return pieces + [[str(word) for word in piece] for piece in shape]
+
+
+def _shell_lines(command: list[list[str]], width: int | None) -> str:
+    """`command` indented, in lines of at most `width` columns (one line where None), each but the last ended with
+    ` \\` so that it pastes as one command; a flag keeps its value on its line, and no number is cut."""
+    lines = [""]
+    for piece in map(shlex.join, command):
+        if lines[-1].strip() and width is not None and len(lines[-1]) + 1 + len(piece) + len(" \\") > width:
+            lines.append("   ")
+        lines[-1] += (" " if lines[-1] else "  ") + piece
+    return " \\\n".join(lines)
 
 
 def _split_text(config) -> str:
@@ -435,8 +484,9 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     return settings
 
 
-def _print_tuning(tuning, measured, work: dict, replicas_given: bool) -> None:
-    """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost."""
+def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]]) -> None:
+    """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
+    choice's cut and the `command` that simulates it."""
     from ..planning.tune import memory_text, ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
@@ -505,6 +555,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool) -> None:
         f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; "
         f"{'reduce-scatter and all-gather' if tuning.choice.result.config.zero else 'all-reduce'} "
         f"{ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step", highlight=False)
+    stdout.print("the choice, as simulate gives it:\n" + _shell_lines(command, available_width(stdout)),
+                 highlight=False, soft_wrap=True)
     stdout.print(f"searched {count_text(stats.configurations, 'configuration')} ({stats.refused:,} more shapes "
                  f"refused by their method): {stats.stale:,} too stale and {stats.over_memory_floor:,} over the cap by "
                  f"their memory floor ({stats.simulated_over_limits:,} of them simulated to show what the limits "

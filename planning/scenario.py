@@ -76,23 +76,44 @@ FIT_ROUNDS = 4  # --stage-cut fit's searches at most, each with the reserves of 
 STAGE_CUTS = ("balanced", FIT, *BLOCK_CUTS)
 FIRST_LAST = "first-last:"  # first-last:F,L: F blocks on the first stage, L on the last (`first_last_blocks`)
 LAYOUT = "layout:"  # layout:STRING: Megatron-core's --pipeline-model-parallel-layout (`layout_blocks`)
+LAYERS = "layers:"  # layers:N,N,...: each model stage's count of the profile's layers, in order (`layer_counts`)
 MTP_KIND = "MultiTokenPrediction"  # the layer kind --mtp-layers adds (workload/hf.py), a layout's m
 
 
 def first_last(stage_cut: str) -> tuple[int, int] | None:
     """The first and last stages' block counts `stage_cut` gives (first-last:F,L), None for a named cut
-    (`STAGE_CUTS`) or a layout (`layout_of`, its letters checked here); any other cut is refused in one line."""
-    if stage_cut in STAGE_CUTS or layout_of(stage_cut) is not None:
+    (`STAGE_CUTS`), a layout (`layout_of`, its letters checked here) or a cut by layers (`layer_counts`, its numbers
+    checked here); any other cut is refused in one line."""
+    if stage_cut in STAGE_CUTS or layout_of(stage_cut) is not None or layer_counts(stage_cut) is not None:
         return None
-    # as many blocks at most as a layout may unroll to: far past any model's
-    counts = ([whole_number(count, LAYOUT_MOST_CHARACTERS) for count in stage_cut.removeprefix(FIRST_LAST).split(",")]
-              if stage_cut.startswith(FIRST_LAST) else [])
+    counts = _counts(stage_cut, FIRST_LAST)
     first, last = counts if len(counts) == 2 else (None, None)
     if first is None or last is None:
         raise CostError(f"--stage-cut: choose from {', '.join(STAGE_CUTS)}, {FIRST_LAST}F,L (the first and last "
                         f"stages' blocks, whole numbers to {LAYOUT_MOST_CHARACTERS:,}) or {LAYOUT}STRING "
-                        f"(Megatron-core's pipeline layout); got {stage_cut!r}")
+                        f"(Megatron-core's pipeline layout) or {LAYERS}N,N,... (each stage's layers); got "
+                        f"{stage_cut!r}")
     return first, last
+
+
+def layer_counts(stage_cut: str) -> list[int] | None:
+    """Each model stage's count of the profile's layers a layers:N,N,... cut gives (the cut tune chose, which it
+    prints so that simulate can reproduce it), None for any other cut; a count that is not a whole number from 1 is
+    refused in one line."""
+    if not stage_cut.startswith(LAYERS):
+        return None
+    counts = _counts(stage_cut, LAYERS)
+    if not counts or not all(counts):
+        raise CostError(f"--stage-cut {stage_cut}: give each model stage's layers after {LAYERS!r}, whole numbers "
+                        f"from 1 to {LAYOUT_MOST_CHARACTERS:,} separated by commas")
+    return counts
+
+
+def _counts(stage_cut: str, form: str) -> list[int | None]:
+    """The comma-separated whole numbers after `form` in `stage_cut` (None for one that is not), [] where it does not
+    start with `form`: as many at most as a layout may unroll to, far past any model's."""
+    return ([whole_number(count, LAYOUT_MOST_CHARACTERS) for count in stage_cut.removeprefix(form).split(",")]
+            if stage_cut.startswith(form) else [])
 
 
 def layout_of(stage_cut: str) -> list[str] | None:
@@ -947,7 +968,8 @@ def device_stages(sched: Schedule, stages: int) -> tuple[tuple[int, ...], ...]:
 
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced",
                    devices: Sequence[Sequence[int]] | None = None) -> list[int]:
-    """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`, `layout_of`: a
+    """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`, `layer_counts`,
+    `layout_of`: a
     layout's m is the --mtp-layers layer, and its last-stage rule is checked where `devices` is given). Balanced: the
     profile's own partition for its stage count; other counts re-partition its layers for time alone (the
     calibration's memory cap planned for its own stage count, so it is not applied here), the busiest device least
@@ -957,7 +979,12 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     if num_stages > len(measured.layers):
         raise CostError(too_few_layers(f"the schedule's {num_stages} model stages (--stages x --chunks)",
                                        measured.model.name, measured.model.options, len(measured.layers)))
-    ends, layout = first_last(stage_cut), layout_of(stage_cut)
+    ends, layout, counts = first_last(stage_cut), layout_of(stage_cut), layer_counts(stage_cut)
+    if counts is not None:
+        if len(counts) != num_stages or sum(counts) != len(measured.layers):
+            raise CostError(f"--stage-cut {stage_cut}: give the schedule's p·v = {num_stages} model stages' layers, "
+                            f"{len(measured.layers)} in all (got {len(counts)} stages, {sum(counts)} layers)")
+        return [0, *itertools.accumulate(counts)]
     if stage_cut in BLOCK_CUTS or ends is not None or layout is not None:
         kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]
         try:

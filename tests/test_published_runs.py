@@ -92,14 +92,17 @@ def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
 @pytest.mark.parametrize(("args", "message"), [
     (("--stage-cut", "even"), "--stage-cut: choose from balanced, fit, equal-blocks, padded-blocks, first-last:F,L"),
     (("--stage-cut", "first-last:3"), "(the first and last stages' blocks, whole numbers to 1,000,000) or "
-                                      "layout:STRING (Megatron-core's pipeline layout); got 'first-last:3'"),
+                                      "layout:STRING (Megatron-core's pipeline layout) or layers:N,N,... (each "
+                                      "stage's layers); got 'first-last:3'"),
     # int() refused both in a traceback: '²' passes isdigit, and 5,000 digits its limit
     (("--stage-cut", "first-last:²,1"), "whole numbers to 1,000,000) or layout:STRING (Megatron-core's pipeline "
-                                        "layout); got 'first-last:²,1'"),
+                                        "layout) or layers:N,N,... (each stage's layers); got 'first-last:²,1'"),
     (("--stage-cut", f"first-last:{'9' * 5000},1"), "whole numbers to 1,000,000) or layout:STRING (Megatron-core's "
-                                                    "pipeline layout); got 'first-last:999"),
+                                                    "pipeline layout) or layers:N,N,... (each stage's layers); "
+                                                    "got 'first-last:999"),
     (("--stage-cut", "first-last:1,1000001"), "whole numbers to 1,000,000) or layout:STRING (Megatron-core's "
-                                              "pipeline layout); got 'first-last:1,1000001'"),
+                                              "pipeline layout) or layers:N,N,... (each stage's layers); got "
+                                              "'first-last:1,1000001'"),
     (("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "-p", 2, "--stage-cut", "first-last:5,5"),
      "error: --stage-cut first-last:5,5: 5 first and 5 last blocks are more than the model's 2 (_Block): give F + L "
      "= 2; use --stage-cut balanced"),

@@ -4,6 +4,7 @@ command line must explain its answer and refuse bad input in one line."""
 import itertools
 import json
 import math
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from pipesim.profiles.schema import Timing, load_profile
 from pipesim.schedules import METHODS, flushes
 from pipesim.sim import simulate
 from pipesim.traces import summarize
-from tests.conftest import pipesim, pipesim_fresh, tune_rows
+from tests.conftest import at_columns, pipesim, pipesim_fresh, tune_rows
 
 PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
 GPT, CNN = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"
@@ -661,3 +662,41 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
             == "2.6% slower: step 10.3 vs 10 ms: busiest device computing 5.5 vs 6 ms, idle 4.77 vs 4 ms")
     assert (tuning.explain(result(100.0, 10.0, 8.9, 0.11, gib=1.0004), choice, problem)
             == "as fast, more memory: 1.0004 GiB vs 1 GiB")
+
+
+@pytest.mark.parametrize("flags", [
+    ("--profile", GPT, "-D", 8, "--memory-gb", 0.3),
+    ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 1024, "--heads", 8, "--seq-len", 1024,
+     "--vocab", 32000, "-D", 8, "--memory-gb", 2, "--zero", 1)])
+def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
+    """tune prints the `pipesim simulate` command that reproduces its choice, the cut as layers:N,N,... (its
+    partition printed as 0-6 | 7-15 could be had only as first-last:6,8, in blocks, which nothing said), and --json
+    holds it: run, it gives the choice's step, samples/s and peak, and at 80 columns each line ends in ` \\` and
+    no number is cut."""
+    code, out, err = pipesim("tune", *flags, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    choice, command = document["choice"], document["simulate_command"]
+    assert command.startswith("pipesim simulate ") and "--stage-cut layers:" in command
+    code, out, err = pipesim(*shlex.split(command)[1:], "--json")
+    assert code == 0, err
+    simulated = json.loads(out)["results"][0]
+    assert simulated["stage_bounds"] == choice["partition"]
+    assert simulated["time_per_minibatch_ms"] == pytest.approx(choice["step_ms"], rel=1e-12)
+    assert simulated["samples_per_s"] == pytest.approx(choice["samples_per_s"], rel=1e-12)
+    assert simulated["peak_memory_mb"] / 1024 == pytest.approx(choice["peak_memory_gib"], rel=1e-12)
+    at_columns(monkeypatch, 80)
+    code, out, err = pipesim("tune", *flags)
+    assert code == 0, err
+    printed = out[out.index("the choice, as simulate gives it:\n"):].splitlines()[1:]
+    lines = printed[:next(k for k, line in enumerate(printed) if not line.endswith(" \\")) + 1]
+    assert len(lines) > 1 and all(len(line) <= 80 for line in lines)
+    assert shlex.split(" ".join(line.removesuffix(" \\") for line in lines)) == shlex.split(command)
+
+
+def test_a_cut_by_layers_names_what_it_must_sum_to():
+    """--stage-cut layers:N,N,... (tune's cut) must give each of the p·v stages its layers, all of them: one line."""
+    code, _, err = pipesim("simulate", "--profile", GPT, "-s", "1f1b", "-p", 2, "-m", 4, "--stage-cut", "layers:7,8")
+    assert code == 2 and "p·v = 2 model stages' layers, 16 in all (got 2 stages, 15 layers)" in err
+    code, _, err = pipesim("simulate", "--profile", GPT, "-s", "1f1b", "-p", 2, "-m", 4, "--stage-cut", "layers:0,16")
+    assert code == 2 and "whole numbers from 1" in err
