@@ -280,8 +280,8 @@ def tune(
 
 # tune's own flags, and those it searches: the command that reproduces a choice gives the choice's values for these
 _TUNE_OWN = {"devices", "memory_gb", "batch_size", "schedule", "max_staleness", "max_chunks", "max_pipelines",
-             "search_seconds", "tensor_parallel", "data_parallel", "recompute", "zero", "microbatch_size", "as_json",
-             "expert_parallel", "sequence_parallel"}
+             "tensor_parallel", "data_parallel", "recompute", "zero", "microbatch_size", "as_json", "expert_parallel",
+             "sequence_parallel"}
 
 
 def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
@@ -295,8 +295,8 @@ def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
     pieces = [["pipesim", "simulate"]]
     for name, value in ctx.params.items():  # click fills them in the order given
         param = options[name]
-        if name in _TUNE_OWN or not is_given(ctx, name):
-            continue
+        if name in _TUNE_OWN or not is_given(ctx, name) or (name == "search_seconds" and c.schedule != "auto"):
+            continue  # (auto's budget shapes its order; simulate refuses it beside another method)
         if isinstance(value, bool):
             pieces += [[param.opts[0] if value else param.secondary_opts[0]]]
         else:

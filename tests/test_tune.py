@@ -694,6 +694,19 @@ def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
     assert shlex.split(" ".join(line.removesuffix(" \\") for line in lines)) == shlex.split(command)
 
 
+@pytest.mark.parametrize(("method", "carried"), [("auto", True), ("1f1b", False)])
+def test_the_simulate_command_carries_autos_search_budget_where_auto_is_chosen(method, carried):
+    """--search-seconds is auto's budget, which shapes the order it finds: the printed command gives it where the
+    choice is auto (simulate would search with its default), and not beside another method (simulate refuses it)."""
+    code, out, err = pipesim("tune", "--profile", GPT, "-D", 8, "--memory-gb", 0.3, "-s", method, "--search-seconds",
+                             0.05, "--json")
+    assert code == 0, err
+    command = json.loads(out)["simulate_command"]
+    assert ("--search-seconds 0.05" in command) == carried, command
+    code, _, err = pipesim(*shlex.split(command)[1:], "--json")
+    assert code == 0, err
+
+
 def test_a_cut_by_layers_names_what_it_must_sum_to():
     """--stage-cut layers:N,N,... (tune's cut) must give each of the p·v stages its layers, all of them: one line."""
     code, _, err = pipesim("simulate", "--profile", GPT, "-s", "1f1b", "-p", 2, "-m", 4, "--stage-cut", "layers:7,8")
