@@ -667,7 +667,7 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
 @pytest.mark.parametrize("flags", [
     ("--profile", GPT, "-D", 8, "--memory-gb", 0.3),
     ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 1024, "--heads", 8, "--seq-len", 1024,
-     "--vocab", 32000, "-D", 8, "--memory-gb", 2, "--zero", 1)])
+     "--vocab", 32000, "-D", 8, "--memory-gb", 2, "--zero", 1, "-s", "1f1b", "-s", "interleaved-1f1b")])
 def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
     """tune prints the `pipesim simulate` command that reproduces its choice, the cut as layers:N,N,... (its
     partition printed as 0-6 | 7-15 could be had only as first-last:6,8, in blocks, which nothing said), and --json
@@ -678,6 +678,7 @@ def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
     document = json.loads(out)
     choice, command = document["choice"], document["simulate_command"]
     assert command.startswith("pipesim simulate ") and "--stage-cut layers:" in command
+    assert command.count(" -s ") == 1, command  # the choice's method, not the ones tune searched
     code, out, err = pipesim(*shlex.split(command)[1:], "--json")
     assert code == 0, err
     simulated = json.loads(out)["results"][0]
