@@ -163,6 +163,9 @@ def run(
     this rank and rank 0 writes the trace.
     """
     from ..launch import under_torchrun
+    from ..planning.scenario import all_to_all_refusal
+    from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
+    from ..profiles.workload import is_hf
     from ..schedules import ScheduleError
     from ..schedules.catalogue import method_named
     from ..sim import CostError
@@ -174,17 +177,6 @@ def run(
     if not under_torchrun():  # first: this command starts the ranks, and their server imports while it does
         prepare()
     try:
-        require_model("pipesim run", model)
-        from ..calibrate.measure import DeviceError, resolve_device
-        from ..executor import ExecutorError, RunSpec, carried_bounds
-        from ..executor.replicas import Layout
-        from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
-        from ..planning.scenario import all_to_all_refusal
-        from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
-        from ..profiles.workload import is_hf
-        from ..workload.models import ModelError, build_model
-        from ..workload.transport import TransportError, choose_transport
-
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
                                                   "--pipelines", "--prediction", "--activation-limit",
@@ -199,23 +191,17 @@ def run(
                 raise InputError(f"{flag}: give a finite number > 0" + (f" and at most {most:,}" if most < math.inf
                                                                         else "") + f" (got {value})")
         check_prediction(prediction)
-        check_outputs([("--trace", trace), ("--html", html)], [("--profile", profile), *model_reads(ctx.params)])
+        if dtype is not None and dtype not in DTYPES:
+            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
         options = {key: value for key, value in (("layers", layers), ("width", width), ("ffn", ffn),
                                                  ("experts", experts), ("top_k", top_k),
                                                  ("shared_experts", shared_experts), ("expert_ffn", expert_ffn),
                                                  ("capacity_factor", capacity_factor)) if value is not None}
-        if expert_parallel > 1:
-            data_parallel = _expert_replicas(ctx, expert_parallel, data_parallel, device)
-        try:  # calibrate's rule: cuda where torch sees a GPU, said before the ranks start (after
-            # expert parallelism's refusal of any device but cpu, which holds on every machine)
-            resolve_device(device)
-        except DeviceError as exc:
-            raise InputError(str(exc)) from None
-        if dtype is not None and dtype not in DTYPES:
-            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
+        # the profile is checked against the run's flags before torch is imported (5-10 s), as is the schedule's
+        # stage count against its partition
         bounds, measured = None, None
         if profile is not None:
-            measured, bounds, options = _partition(profile, model, options)
+            measured, bounds = _partition(profile, model, options)
             context = int(measured.estimated_parallelism.get("context", 1))
             if context > 1:  # its schedule would reduce over context-parallel ranks the executor does not start
                 raise InputError(f"--profile {profile}: estimated for context parallelism C={context}, which pipesim "
@@ -239,6 +225,9 @@ def run(
                 raise InputError(f"--dtype {dtype}: the profile {profile} was {made} in {profiled_dtype}, and its "
                                  f"times hold there only; drop the flag or {again}")
             dtype = profiled_dtype
+        check_outputs([("--trace", trace), ("--html", html)], [("--profile", profile), *model_reads(ctx.params)])
+        if expert_parallel > 1:
+            data_parallel = _expert_replicas(ctx, expert_parallel, data_parallel, device)
         scenario = searched_scenario(ctx, method, measured)
         if scenario is not None:  # the order searched runs the estimate's E (a built one runs --expert-parallel's)
             check_estimate_experts(measured, stages, data_parallel)
@@ -258,6 +247,21 @@ def run(
                              f"{stages} devices has {built.num_stages}; "
                              f"{'estimate' if measured.estimate else 'calibrate'} with --stages {built.num_stages} or "
                              "drop --profile")
+        require_model("pipesim run", model)
+        from ..calibrate.measure import DeviceError, resolve_device
+        from ..executor import ExecutorError, RunSpec, carried_bounds
+        from ..executor.replicas import Layout
+        from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
+        from ..workload.models import ModelError, build_model, rebuilt_options
+        from ..workload.transport import TransportError, choose_transport
+
+        try:  # calibrate's rule: cuda where torch sees a GPU, said before the ranks start (after
+            # expert parallelism's refusal of any device but cpu, which holds on every machine)
+            resolve_device(device)
+        except DeviceError as exc:
+            raise InputError(str(exc)) from None
+        if measured is not None:
+            options = rebuilt_options(model, measured.model.options)
         if is_hf(model) and "seq_len" not in options:  # run has no --seq-len: a profile carries it
             raise InputError(f"--model {model}: run builds a Hugging Face model at the sequence length it was "
                              "calibrated at: give --profile, from `pipesim calibrate --model hf:PATH --seq-len N`")
@@ -358,11 +362,9 @@ def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: in
 
 
 def _partition(path: Path, model: str, options: dict[str, int]):
-    """The profile, the stage bounds its partition gives, and the model options it was calibrated or estimated with
-    (those given on the command line must agree), as the model is built again with them. A profile of another model
-    is refused."""
+    """The profile and the stage bounds its partition gives; the model and the model options given on the command
+    line must be those it was calibrated or estimated with. A profile of another model is refused."""
     from ..profiles.schema import ProfileError, load_profile
-    from ..workload.models import rebuilt_options
 
     try:
         measured = load_profile(path)
@@ -376,7 +378,7 @@ def _partition(path: Path, model: str, options: dict[str, int]):
         made, again = _made(measured)
         raise InputError(f"--{clash[0]} {options[clash[0]]}: the profile {path} was {made} with "
                          f"{clash[0]} {measured.model.options.get(clash[0])}; drop the flag or {again}")
-    return measured, tuple(measured.partition.bounds), rebuilt_options(model, measured.model.options)
+    return measured, tuple(measured.partition.bounds)
 
 
 def _made(measured) -> tuple[str, str]:

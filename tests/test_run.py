@@ -25,7 +25,7 @@ from pipesim.schedules import ScheduleParams, lower
 from pipesim.traces import read_trace
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import free_port
-from tests.conftest import build, pipesim
+from tests.conftest import build, pipesim, pipesim_fresh
 
 # A task a few steps of SGD learn (the class is where the first four features peak), so "the loss falls" does
 # not depend on the built-in models' data. Ranks import it from the working folder, as `--model` allows.
@@ -173,6 +173,20 @@ def test_a_profile_that_does_not_match_is_refused(tmp_path, profile, stages, mod
                            "--minibatches", 1, "--profile", profile, "--trace", trace)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not trace.exists()
+
+
+def test_a_profile_that_does_not_match_is_refused_before_torch_is_imported(tmp_path, profile):
+    """The profile is held to the run's flags before torch's import (5-10 s), where run imported the executor and
+    resolved the device first."""
+    trace = tmp_path / "t.json"
+    run = ["run", "-s", "1f1b", "--profile", profile, "--trace", trace]
+    fresh = pipesim_fresh([*run, "--model", "cnn"], [*run, "--model", "mlp", "--stages", 3],
+                          [*run, "--model", "mlp", "--width", 32])
+    assert [run.code for run in fresh.runs] == [2, 2, 2]
+    assert "it profiles model 'mlp', not 'cnn'; give --model mlp" in fresh.runs[0].err
+    assert "its partition has 2 stages, but 1f1b on 3 devices has 3" in fresh.runs[1].err
+    assert "--width 32: the profile" in fresh.runs[2].err
+    assert "torch" not in fresh.imported and not trace.exists()
 
 
 def test_an_estimate_of_another_depth_is_refused_naming_estimate_not_calibrate(tmp_path):
