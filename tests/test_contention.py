@@ -21,9 +21,13 @@ TINY = ["--model", "mlp", "--layers", "2", "--width", "16", "--microbatch-size",
 MEASURED = {"slowdown": [1.0, 1.6], "spread": [0.02, 0.1], "meta": {"processes": 2}}
 
 
-def _with_contention(tmp_path, contention) -> Path:
+def _with_contention(tmp_path, contention, beside_compute: list[float] | None = None) -> Path:
+    """The committed profile with `contention` measured and, where given, its all-reduce timed beside computing
+    ranks (`allreduce.beside_compute`), written over the last one this wrote."""
     doc = json.loads(PROFILE.read_text())
     doc["contention"] = contention
+    if beside_compute is not None:
+        doc["allreduce"]["beside_compute"] = beside_compute
     path = tmp_path / "edited.json"
     path.write_text(json.dumps(doc))
     return path
@@ -353,24 +357,15 @@ def test_contention_is_measured_in_the_ranks_of_the_calibrated_models_run_before
     assert all(n > 0 for windows in contention.meta["iterations"] for window in windows for n in window)
 
 
-def _with_beside(tmp_path, beside) -> Path:
-    """The profile with contention measured and its all-reduce timed beside computing ranks (`beside`)."""
-    doc = json.loads(_with_contention(tmp_path, MEASURED).read_text())
-    doc["allreduce"]["beside_compute"] = beside
-    path = tmp_path / "beside.json"
-    path.write_text(json.dumps(doc))
-    return path
-
-
 def test_collectives_beside_computing_ranks_take_as_long_as_the_calibration_measured(tmp_path):
     """DualPipe's REDUCE rows (each device's all-reduce of a stage with the other copy's device) run on the
     host's cores beside its ranks' compute: with the all-reduce measured 3x as long beside computing ranks,
     the step is longer; a profile without the measurement prices them as before."""
-    beside = _with_beside(tmp_path, [1.0, 2.0, 3.0])
+    beside = _with_contention(tmp_path, MEASURED, [1.0, 2.0, 3.0])
     assert profile_cluster(load_profile(beside), 4, overlap_comm=True).collective_contention == (1.0, 2.0, 3.0)
     args = ("-s", "dualpipe", "-p", "4", "-m", "8")
-    (before,), (after,) = (simulate_json("--profile", path, *args)
-                           for path in (_with_contention(tmp_path, MEASURED), beside))
+    (before,), (after,) = (simulate_json("--profile", _with_contention(tmp_path, MEASURED, factors), *args)
+                           for factors in (None, [1.0, 2.0, 3.0]))  # each written, then simulated
     assert after["time_per_minibatch_ms"] > before["time_per_minibatch_ms"]
 
 
@@ -381,5 +376,5 @@ def test_collectives_beside_computing_ranks_take_as_long_as_the_calibration_meas
     ([1.0, 0.0, 3.0], "allreduce.beside_compute.1: Input should be greater than 0"),
 ])
 def test_a_bad_collective_factor_is_one_line_exit_2(tmp_path, beside, fragment):
-    result = pipesim("simulate", "--profile", _with_beside(tmp_path, beside), "-s", "dualpipe", "-p", "4")
+    result = pipesim("simulate", "--profile", _with_contention(tmp_path, MEASURED, beside), "-s", "dualpipe", "-p", "4")
     assert result.code == 2 and fragment in result.err and len(result.err.strip().splitlines()) == 1
