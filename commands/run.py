@@ -89,10 +89,11 @@ def run(
     ctx: typer.Context,
     schedule: Annotated[str, typer.Option(
         "--schedule", "-s", metavar="NAME", help="Method to run (see `pipesim schedules`).")],
-    model: Annotated[str, typer.Option(
-        "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch (graphpipe's), package.module:attribute naming a "
-                                        "torch.nn.Sequential, a list of modules, or a zero-argument callable "
-                                        "returning one, or hf:PATH with a --profile calibrated from it.")],
+    model: Annotated[str | None, typer.Option(
+        "--model", metavar="NAME", show_default=False,
+        help="mlp, cnn, gpt, two-branch (graphpipe's), package.module:attribute naming a torch.nn.Sequential, a list "
+             "of modules, or a zero-argument callable returning one, or hf:PATH with a --profile calibrated from it. "
+             "Default: --profile's model.")] = None,
     trace: Annotated[Path | None, typer.Option(
         "--trace", metavar="PATH", help="Measured trace to write (Chrome Trace Event JSON; written whole, also "
                                         "for a run that stopped part-way or was interrupted, then marked "
@@ -202,6 +203,7 @@ def run(
         bounds, measured = None, None
         if profile is not None:
             measured, bounds = _partition(profile, model, options)
+            model = measured.model.name
             context = int(measured.estimated_parallelism.get("context", 1))
             if context > 1:  # its schedule would reduce over context-parallel ranks the executor does not start
                 raise InputError(f"--profile {profile}: estimated for context parallelism C={context}, which pipesim "
@@ -225,7 +227,10 @@ def run(
                 raise InputError(f"--dtype {dtype}: the profile {profile} was {made} in {profiled_dtype}, and its "
                                  f"times hold there only; drop the flag or {again}")
             dtype = profiled_dtype
-        check_outputs([("--trace", trace), ("--html", html)], [("--profile", profile), *model_reads(ctx.params)])
+        elif model is None:
+            raise InputError("--model: give the model to run, or --profile, whose model it runs")
+        check_outputs([("--trace", trace), ("--html", html)],
+                      [("--profile", profile), *model_reads({**ctx.params, "model": model})])
         if expert_parallel > 1:
             data_parallel = _expert_replicas(ctx, expert_parallel, data_parallel, device)
         scenario = searched_scenario(ctx, method, measured)
@@ -361,16 +366,17 @@ def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: in
     return data_parallel
 
 
-def _partition(path: Path, model: str, options: dict[str, int]):
-    """The profile and the stage bounds its partition gives; the model and the model options given on the command
-    line must be those it was calibrated or estimated with. A profile of another model is refused."""
+def _partition(path: Path, model: str | None, options: dict[str, int]):
+    """The profile and the stage bounds its partition gives; the model (`model`: --model's, None where not given)
+    and the model options given on the command line must be those it was calibrated or estimated with. A profile of
+    another model is refused, naming both."""
     from ..profiles.schema import ProfileError, load_profile
 
     try:
         measured = load_profile(path)
     except ProfileError as exc:
         raise InputError(f"--profile: {exc}") from None
-    if measured.model.name != model:
+    if model is not None and measured.model.name != model:
         raise InputError(f"--profile {path}: it profiles model {measured.model.name!r}, not {model!r}; give "
                          f"--model {measured.model.name} or a profile of {model}")
     clash = [key for key, value in options.items() if measured.model.options.get(key) != value]

@@ -189,6 +189,22 @@ def test_a_profile_that_does_not_match_is_refused_before_torch_is_imported(tmp_p
     assert "torch" not in fresh.imported and not trace.exists()
 
 
+def test_a_run_of_a_profile_runs_its_model_and_without_either_says_which_to_give(tmp_path, profile, monkeypatch):
+    """--profile names the model, so --model may be left out (run refused it as missing): the run builds the
+    profile's model at its sizes; with neither flag the refusal names both."""
+    from pipesim.executor import runners
+
+    ran = []
+    monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: ran.append(spec) or run_in_process(spec))
+    code, _, err = pipesim("run", "-s", "1f1b", "--microbatches", 2, "--minibatches", 1, "--profile", profile,
+                           "--trace", tmp_path / "t.json")
+    assert code == 0, err
+    assert ran[0].model == "mlp" and ran[0].model_options == {"layers": 3, "width": 16}
+    code, _, err = pipesim("run", "-s", "1f1b", "--trace", tmp_path / "x.json")
+    assert code == 2 and "--model: give the model to run, or --profile, whose model it runs" in err
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_an_estimate_of_another_depth_is_refused_naming_estimate_not_calibrate(tmp_path):
     estimate = tmp_path / "e.json"
     assert pipesim("estimate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
