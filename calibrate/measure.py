@@ -795,8 +795,7 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
         with phase(f"measuring the p2p link and all-reduce ({len(link_sizes)} sizes)") as notes:
             gradient_bytes = max(sum(layer.param_bytes for layer in layers[first:stop])
                                  for first, stop in zip(bounds, bounds[1:]))
-            key = {"device": settings.device.type, "sizes": link_sizes, "repeats": settings.repeats,
-                   "warmup": settings.warmup, "beside_compute": {**BESIDE_COMPUTE, "bytes": gradient_bytes}}
+            key = links_key(link_sizes, settings, gradient_bytes)
             measure = lambda: measure_links(link_sizes, settings, advance, gradient_bytes)  # noqa: E731
             links = cache.get("links", key, measure, own_tasks=2) if cache is not None else fresh(measure)
             link = LinkProfile.model_validate(links.value["link"])
@@ -826,6 +825,15 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
         stages=aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), steps,
                                 passes, boundary_held_bytes(layers, bounds, dag=False)),
         link=link, allreduce=allreduce, all_to_all=all_to_all)
+
+
+def links_key(link_sizes: list[int], settings: Settings, gradient_bytes: int) -> dict[str, Any]:
+    """The host cache's key of `measure_links`' terms: what they are measured with, the all-reduce beside computing
+    ranks (its size: the largest stage's gradients) only on a CPU host, the one that measures it
+    (`measure_p2p_and_allreduce`), so that a GPU's link and all-reduce are reused across models and stage counts."""
+    beside = {"beside_compute": {**BESIDE_COMPUTE, "bytes": gradient_bytes}} if settings.device.type == "cpu" else {}
+    return {"device": settings.device.type, "sizes": link_sizes, "repeats": settings.repeats,
+            "warmup": settings.warmup, **beside}
 
 
 def measure_links(link_sizes: list[int], settings: Settings, advance: Advance,

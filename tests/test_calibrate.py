@@ -857,3 +857,15 @@ def test_a_second_calibration_reuses_the_host_terms_and_fresh_measures_them(tmp_
     # curve prices (commands/estimate.py)
     assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["counts", "digits", "links",
                                                                                    "runtime"]
+
+
+def test_the_links_cache_key_holds_the_gradients_beside_compute_on_a_cpu_host_alone():
+    from pipesim.calibrate.measure import Settings, links_key
+
+    def key(device: str, gradient_bytes: int) -> dict:
+        return links_key([4096], Settings(torch.device(device), torch.float32, 1, 1, 3), gradient_bytes)
+
+    assert key("cpu", 1 << 20) != key("cpu", 2 << 20)  # a CPU host times the all-reduce of this size beside compute
+    assert key("cpu", 1 << 20)["beside_compute"]["bytes"] == 1 << 20
+    assert key("cuda", 1 << 20) == key("cuda", 2 << 20)  # a GPU's: the link alone, one for every model and cut
+    assert "beside_compute" not in key("cuda", 1 << 20)
