@@ -81,7 +81,15 @@ from .common import (
     writing,
     zero_stage,
 )
-from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, tensor_span_text, what_if
+from .estimate import (
+    ModelWork,
+    count_what_if,
+    estimated_profile,
+    parallelism_text,
+    tensor_span_text,
+    tensors_alone_text,
+    what_if,
+)
 from .tables import print_table
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
@@ -479,13 +487,10 @@ def _cost_basis(scenario, schedules: list, read: bool) -> str:
         span = tensor_span_text(estimate)
         degrees = parallelism_text(estimate.parallelism, shape=False) + (
             f", the tensor-parallel group{span}" if span else "")
-        # a mixture of experts' peaks are the tensors alone under --gpu too (commands/common.py allocator_fields)
-        below_gpu = read and not any(layer.dispatched_bytes for layer in scenario.measured.layers)
+        alone = tensors_alone_text(scenario.measured) if read else ""
         return (f"costs: estimated on {estimate.gpu} ({degrees}) from "
                 f"the model counted on the meta device{elsewhere}; MFU: model FLOPs (no recomputation) per second "
-                "over the GPUs' dense peak" + ("; peak: the tensors alone (max allocated): a profile holds no "
-                                               "allocations to replay through the caching allocator, as simulate "
-                                               "--gpu does (max reserved)" if below_gpu else ""))
+                "over the GPUs' dense peak" + (f"; {alone}" if alone else ""))
     if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose
         return f"costs: measured (--profile), {scenario.optimizer}'s updates and state (--optimizer)"
     stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})

@@ -52,7 +52,7 @@ from .common import (
     writing,
     zero_stage,
 )
-from .estimate import count_what_if, estimated_profile, what_if
+from .estimate import count_what_if, estimated_profile, tensors_alone_text, what_if
 from .tables import print_table
 
 MAX_PORT = 65_535  # a TCP port's largest
@@ -278,7 +278,7 @@ def sweep(
         fail(f"--ray {ray}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
     except OSError as exc:
         fail(read_error(exc))
-    _print_front(results, front)
+    _print_front(results, front, "" if what is not None else tensors_alone_text(scenario.measured))
     for path in (out, html):
         if path is not None:
             stdout.print(f"wrote {path}", highlight=False)
@@ -300,15 +300,17 @@ FRONT_HEADERS = ("v: chunks per device; P: pipelines; cost×: the costs' scale; 
                  "distances (--prediction); R: auto's activation limit, in 1F1B's peak; -: not the method's")
 
 
-def _print_front(results: list, front: list[int]) -> None:
-    """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first."""
+def _print_front(results: list, front: list[int], alone: str) -> None:
+    """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first; `alone`: what a peak
+    read from an estimate's profile leaves out (`tensors_alone_text`)."""
     from ..planning.sweep import front_group, ran_text
 
     table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
                         f"mini-batch size: {len(front):,} of the {ran_text(results)}", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
-                  caption=FRONT_HEADERS + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
-                                           if len(front) > FRONT_ROWS else ""))
+                  caption=FRONT_HEADERS + (f"; {alone}" if alone else "")
+                  + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
+                     if len(front) > FRONT_ROWS else ""))
     table.add_column("schedule", no_wrap=True)
     for header in ("p", "m", "v", "P", "cost×", "s", "R", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
         table.add_column(header, justify="right", no_wrap=True)

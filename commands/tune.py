@@ -52,7 +52,7 @@ from .common import (
     with_help,
     zero_stage,
 )
-from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, what_if
+from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, tensors_alone_text, what_if
 from .tables import available_width, print_table
 
 if TYPE_CHECKING:
@@ -502,6 +502,9 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                  f"(recomp; sel: selective) searched where not given; "
                  f"{'E: ranks the routed experts are placed over; ' * experts}MFU: model FLOPs per second over "
                  f"the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
+    alone = "" if work else tensors_alone_text(measured)  # --gpu's peaks replay the caching allocator
+    read = (f"{alone}; " if alone else "") + ("MFU: the simulate command below gives the choice's; " if (
+        measured.estimate is not None and not work) else "")
     per_stage = f"·{context}" * (context > 1)
     precision = _held_as(measured)
     # at C > 1 no layout's d·C is 1, nor where d is given (--zero refuses --data-parallel 1)
@@ -518,7 +521,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                         + ("" if work else f" (micro-batch {env.microbatch_size})")
                         + f", staleness <= {problem.max_staleness}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
-                  caption=f"{estimated}p: devices per pipeline ({replicas}), {held}v: chunks per device, "
+                  caption=f"{estimated}{read}p: devices per pipeline ({replicas}), {held}v: chunks per device, "
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
                           + "bubble: 1 - mean compute / step time; ms/step: the busiest device's compute per step")

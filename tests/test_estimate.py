@@ -393,3 +393,30 @@ def test_an_estimate_read_back_says_its_peak_is_the_tensors_alone_below_gpus_rep
     peaks = [json.loads(pipesim("simulate", *source, *run, "--json").out)["results"][0]["peak_memory_mb"]
              for source in (("--profile", tmp_path / "e.json", "-p", 2), shape)]
     assert peaks[0] < peaks[1]
+
+
+def test_tune_and_sweep_of_an_estimate_read_back_say_their_peaks_are_the_tensors_alone(tmp_path):
+    """tune --profile and sweep --profile of a written estimate show the tensors-alone peaks and tune no MFU column,
+    as simulate --profile's does: their captions say so in simulate's words (they said nothing), and a calibration's
+    and --gpu's do not."""
+    from pathlib import Path
+
+    from tests.conftest import pipesim
+
+    shape = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 2, "--width", 512, "--heads", 8, "--seq-len", 512,
+             "-b", 2, "-p", 2)
+    assert pipesim("estimate", *shape, "--out", tmp_path / "e.json").code == 0
+    note = ("peak: the tensors alone (max allocated): a profile holds no allocations to replay through the caching "
+            "allocator, as simulate --gpu does (max reserved)")
+    profiles = Path(__file__).resolve().parents[1] / "traces" / "profiles"
+    for command, source, said in (
+            (("tune", "-D", 2, "-s", "1f1b"), ("--profile", tmp_path / "e.json"), True),
+            (("sweep", "-p", 2, "-m", 4, "-s", "1f1b"), ("--profile", tmp_path / "e.json"), True),
+            (("tune", "-D", 2, "-s", "1f1b"), ("--profile", profiles / "gpt-cpu.json"), False),
+            (("sweep", "-p", 2, "-m", 4, "-s", "1f1b"), shape[:-2], False)):
+        code, out, err = pipesim(*command, *source)
+        assert code == 0, err
+        assert (note in " ".join(out.split())) == said, (command, source)
+        if command[0] == "tune" and said:
+            assert "MFU: the simulate command below gives the choice's" in " ".join(out.split())
+            assert "MFU" not in next(line for line in out.splitlines() if "samples/s" in line)  # no column
