@@ -126,6 +126,18 @@ def test_a_prediction_from_a_profile_records_the_optimizer_and_dtype_it_was_pric
     assert (calibration["optimizer"], calibration["dtype"], calibration["model"]) == ("sgd", "float32", "gpt")
 
 
+def test_model_options_that_are_not_an_object_are_refused_naming_the_field():
+    plain = run("1f1b", 2, 4).trace
+    predicted = replace(plain, meta=replace(plain.meta, calibration={"model": "gpt", "options": {"layers": 2}}))
+    for calibration, options, field in (({"model": "gpt", "options": 5}, {"layers": 2}, "calibration.options"),
+                                        ({"model": "gpt", "options": {"layers": 2}}, ["layers"],
+                                         "extra.model_options")):
+        bad = replace(predicted, meta=replace(predicted.meta, calibration=calibration))
+        with pytest.raises(TraceError) as refused:  # a TypeError's traceback before
+            compare(bad, as_measured(predicted, extra={"model": "gpt", "model_options": options}, calibration=None))
+        assert str(refused.value).startswith(f"pipesim header: meta.{field} must be an object of the model's options")
+
+
 def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_cannot_compare(tmp_path):
     import json
 

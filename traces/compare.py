@@ -166,13 +166,21 @@ def _setting_of(trace: Trace) -> dict | None:
     run's ops one for one and reports a meaningless error."""
     if trace.meta.calibration is not None:
         c = trace.meta.calibration
-        return {name: c.get(name) for name in _SETTING} | {"options": c.get("options") or {}}
+        return {name: c.get(name) for name in _SETTING} | {"options": _options(c.get("options"), "calibration.options")}
     extra = trace.meta.extra
     if trace.meta.source == "measured" and isinstance(extra.get("model"), str):
         return {"model": extra["model"], "microbatch_size": trace.meta.microbatch_size, "dtype": extra.get("dtype"),
                 "optimizer": extra.get("optimizer"), "device": (trace.meta.hardware or {}).get("device"),
-                "options": extra.get("model_options") or {}}
+                "options": _options(extra.get("model_options"), "extra.model_options")}
     return None
+
+
+def _options(options: object, where: str) -> dict:
+    """The model's size options a trace records at meta.`where` ({} where it records none); TraceError where they
+    are not an object (a hand-edited file), which `check_comparable` would index."""
+    if options is not None and not isinstance(options, dict):
+        raise TraceError(f"pipesim header: meta.{where} must be an object of the model's options (got {options!r})")
+    return options or {}
 
 
 def _replica_zero(predicted: Trace, measured: Trace) -> tuple[Trace, list[str]]:
