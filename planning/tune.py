@@ -221,7 +221,8 @@ class Candidate:
     @property
     def busiest_ms(self) -> float:
         """The busiest device's compute in a steady step with the gradient accumulations its B and W rows add, which
-        `busy_ms` leaves out and the simulator prices in those rows: what a reason names (`_slower_part`)."""
+        `busy_ms` leaves out and the simulator prices in those rows: no step is shorter (`_measured`), and what a
+        reason names (`_slower_part`)."""
         return _steady_busiest_ms(self.schedule, self.costs, self.busy_ms, self.short_minibatches)
 
 
@@ -1380,8 +1381,7 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True, beat
             candidate.params, minibatches=n), candidate.bounds), candidate.short_minibatches, candidate.schedule,
             long_trace, candidate.costs, links, growth_ms,
             problem.batch_size / beaten * 1e3 * (1 + 1e-6) if beaten > 0 else math.inf)
-    step_ms = max(growth_ms, _steady_busiest_ms(candidate.schedule, candidate.costs, candidate.busy_ms,
-                                                candidate.short_minibatches))
+    step_ms = max(growth_ms, candidate.busiest_ms)
     # the bubble as simulate's: the compute rows as simulated (accumulations, and transfers' holds on the compute,
     # included), a mini-batch's share of the long run's
     busy_ms = float(np.mean([device.busy_ms for device in long_run.devices])) / candidate.schedule.minibatches
