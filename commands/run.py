@@ -80,7 +80,7 @@ DataParallel = Annotated[int, typer.Option(
                                                 "replicas before its update.")]
 ExpertParallel = Annotated[int, typer.Option(
     "--expert-parallel", metavar="E", min=1, help="gpt with --experts: its routed experts placed over E of the D "
-                                                  "data-parallel replicas (D defaults to E; E divides D and "
+                                                  "data-parallel replicas (E divides --data-parallel D and "
                                                   "--experts), each holding 1/E of them; the tokens go to their "
                                                   "experts' ranks and back by all-to-alls (CPU ranks, gloo).")]
 
@@ -232,7 +232,7 @@ def run(
         check_outputs([("--trace", trace), ("--html", html)],
                       [("--profile", profile), *model_reads({**ctx.params, "model": model})])
         if expert_parallel > 1:
-            data_parallel = _expert_replicas(ctx, expert_parallel, data_parallel, device)
+            _check_expert_replicas(expert_parallel, data_parallel, device)
         scenario = searched_scenario(ctx, method, measured)
         if scenario is not None:  # the order searched runs the estimate's E (a built one runs --expert-parallel's)
             check_estimate_experts(measured, stages, data_parallel)
@@ -351,19 +351,17 @@ def run(
         _print_table(result, summary, trace, html)
 
 
-def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: int, device: str) -> int:
-    """The data-parallel replicas D that --expert-parallel E draws its ranks from (executor/experts.py): E unless
-    --data-parallel says, which E must divide."""
+def _check_expert_replicas(expert_parallel: int, data_parallel: int, device: str) -> None:
+    """--expert-parallel E draws its ranks from the --data-parallel replicas (executor/experts.py), which E must
+    divide: simulate's rule, so the flags that run a layout are the flags that simulate it (run took d = E where
+    --data-parallel was not given, and started twice the ranks the same flags simulate)."""
     if device != "cpu":
         raise InputError(f"--expert-parallel {expert_parallel}: runs on CPU ranks (gloo) only; drop --device "
                          f"{device}")
     from ..planning.ranks import check_expert_replicas
 
-    if not is_given(ctx, "data_parallel"):
-        return expert_parallel
     with refused_with_flags():
         check_expert_replicas(expert_parallel, data_parallel)
-    return data_parallel
 
 
 def _partition(path: Path, model: str | None, options: dict[str, int]):

@@ -135,8 +135,11 @@ def test_the_expert_parallel_degree_must_divide_the_data_parallel_one():
 
 
 @pytest.mark.parametrize("flags, says", [
-    (("--model", "gpt", "--experts", 3), "--expert-parallel 2 does not divide the model's 3 routed experts"),
-    (("--model", "mlp"), "--expert-parallel 2, but the model has no routed experts"),
+    (("--model", "gpt", "--experts", 3, "--data-parallel", 2),
+     "--expert-parallel 2 does not divide the model's 3 routed experts"),
+    (("--model", "mlp", "--data-parallel", 2), "--expert-parallel 2, but the model has no routed experts"),
+    (("--model", "gpt", "--experts", 4), "--expert-parallel 2 must divide the data-parallel degree, 1: give "
+                                         "--data-parallel a multiple of 2"),
     (("--model", "gpt", "--experts", 4, "--data-parallel", 3), "--expert-parallel 2 must divide the data-parallel "
                                                                "degree, 3: give --data-parallel a multiple of 2"),
     (("--model", "gpt", "--experts", 4, "--device", "cuda"), "runs on CPU ranks (gloo) only"),
@@ -163,7 +166,8 @@ def test_a_calibrated_mixture_of_experts_runs_over_e_replicas_and_compares_row_b
                            "--warmup", 0,
                            "--out", profile)
     assert code == 0, err
-    run = ("run", "-s", "1f1b", "--model", "gpt", "--profile", profile, "--expert-parallel", 2, "-m", 2, "-n", 2)
+    run = ("run", "-s", "1f1b", "--model", "gpt", "--profile", profile, "--expert-parallel", 2, "--data-parallel", 2,
+           "-m", 2, "-n", 2)
     code, out, err = pipesim(*run, "--json")
     assert code == 0, err
     document = json.loads(out)

@@ -95,10 +95,13 @@ def test_ring_attention_is_refused_without_a_fused_kernel_in_the_flags_terms(tmp
 
 
 @pytest.mark.parametrize("flags, rule, refusal", [
-    (("--model", "mlp"), lambda: check_expert_ranks(2, None), ExpertParallelError),
-    (("--model", "gpt", "--experts", "3"), lambda: check_expert_ranks(2, 3), ExpertParallelError),
+    (("--model", "mlp", "--data-parallel", "2"), lambda: check_expert_ranks(2, None), ExpertParallelError),
+    (("--model", "gpt", "--experts", "3", "--data-parallel", "2"), lambda: check_expert_ranks(2, 3),
+     ExpertParallelError),
     (("--model", "gpt", "--experts", "4", "--data-parallel", "3"), lambda: check_expert_replicas(2, 3),
      RankOrderError),
+    # simulate's rule: E ranks are drawn from the replicas --data-parallel gives (run took d = E where not given)
+    (("--model", "gpt", "--experts", "4"), lambda: check_expert_replicas(2, 1), RankOrderError),
 ])
 def test_run_refuses_experts_with_the_planners_own_rule(flags, rule, refusal, tmp_path):
     pytest.importorskip("torch")
