@@ -969,11 +969,11 @@ def device_stages(sched: Schedule, stages: int) -> tuple[tuple[int, ...], ...]:
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced",
                    devices: Sequence[Sequence[int]] | None = None) -> list[int]:
     """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`, `layer_counts`,
-    `layout_of`: a
-    layout's m is the --mtp-layers layer, and its last-stage rule is checked where `devices` is given). Balanced: the
-    profile's own partition for its stage count; other counts re-partition its layers for time alone (the
-    calibration's memory cap planned for its own stage count, so it is not applied here), the busiest device least
-    busy among the cuts of the least slowest stage where `devices` run several stages each (`partition`)."""
+    `layout_of`: a layout's m is the --mtp-layers layer, and its last-stage rule is checked where `devices` is
+    given). Balanced: the profile's own partition for its stage count; other counts re-partition its layers for time
+    alone (the calibration's memory cap planned for its own stage count, so it is not applied here), the busiest
+    device least busy among the cuts of the least slowest stage where `devices` run several stages each
+    (`partition`)."""
     from ..profiles.schema import layer_costs, profile_stage_time
 
     if num_stages > len(measured.layers):
