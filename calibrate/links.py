@@ -107,7 +107,8 @@ def measure_all_to_all(sizes: Iterable[int], *, world_size: int = 2, device: str
                     timeout_s)[0]
 
 
-# An op to time in the ranks: its name ("p2p", "allreduce" or "alltoall"), sizes, plan and progress callback.
+# An op to time in the ranks: its name ("p2p", "allreduce", "alltoall", or "beside": an all-reduce beside computing
+# ranks, `_time_beside`), sizes, plan and progress callback.
 Job = tuple[str, Iterable[int], Plan, Progress | None]
 
 
