@@ -398,9 +398,10 @@ class AllToAllProfile(LinkProfile):
 
 class AllReduceProfile(_Strict):
     """All-reduce time per size over `world_size` local ranks, for data-parallel what-ifs: the simulator's
-    AvgPipe averages replicas that share a device, so it does not read these. `beside_compute[k]`: on a CPU host,
-    the all-reduce's time while k of its ranks compute beside it over its time alone (gloo's threads share the
-    cores; calibrate/links.py `measure_p2p_and_allreduce`, `meta` says at which size, beside what and the times;
+    AvgPipe averages replicas that share a device, so it does not read these times. `beside_compute[k]`: on a CPU
+    host, the all-reduce's time while k of its ranks compute beside it over its time alone, never below the one for
+    fewer computing (gloo's threads share the cores; calibrate/links.py `measure_p2p_and_allreduce`, which takes
+    calibrate/contention.py `slowdowns`' rule; `meta` says at which size, beside what and the times;
     `beside_compute[0]` is 1; None: a GPU, or a profile from before it was measured), which the simulator prices
     on the host's cores with its contention (sim/engine.py `_SharedCores`)."""
 
