@@ -106,16 +106,20 @@ class Layout:
                 for src, dst, channel in edges]
 
 
-def bucket(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Zeroed gradients for `weights`, each a view of one flat buffer, in their order (what `_flat` finds again);
-    None where their dtypes or devices differ, which one buffer cannot hold."""
+def bucket(weights: list[torch.Tensor], flat: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+    """Zeroed gradients for `weights`, each a view of one flat buffer, in their order (what `flat_buffer` finds
+    again): `flat`, an earlier bucket's buffer, zeroed in place where given, else a new one; None where their dtypes
+    or devices differ, which one buffer cannot hold."""
     if not weights or len({(w.dtype, w.device) for w in weights}) > 1:
         return None
-    flat = torch.zeros(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=weights[0].device)
+    if flat is None:
+        flat = torch.zeros(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=weights[0].device)
+    else:
+        flat.zero_()
     return [view.view_as(w) for view, w in zip(flat.split([w.numel() for w in weights]), weights)]
 
 
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+def flat_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The one flat buffer `tensors` are views of, end to end in their order (`bucket`'s), else None."""
     base = tensors[0]._base
     if base is None or base.dim() != 1 or not base.is_contiguous():
@@ -295,7 +299,7 @@ class DistReplicas(ReplicaGroup):
         self.label = f"rank {rank}: all-reduce over ranks {ranks}"
 
     def _start(self, n: int, tensors: list[torch.Tensor]) -> Pending:
-        flat = _flat(tensors)
+        flat = flat_buffer(tensors)
         wire = torch.cat([t.detach().reshape(-1) for t in tensors]) if flat is None else flat
         wire = wire.cpu() if self.staged else wire
         if wire is flat:  # the all-reduce sums the gradients themselves: nothing to copy back

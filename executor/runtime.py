@@ -62,7 +62,7 @@ from ..workload.transport import Handle, Transport
 from .backward import PendingWeightGrad, backward_input, backward_weight, full_backward
 from .experts import ExpertRanks, Joined
 from .overlap import PairStreams
-from .replicas import Layout, Pending, ReplicaGroup, bucket
+from .replicas import Layout, Pending, ReplicaGroup
 from .stages import DivergedError, ExecutorError, RunSpec, StageModule, Stages, microbatch_data
 from .weights import BufferKey, StageWeights, Weights, average_replicas
 
@@ -496,14 +496,6 @@ class DeviceLoop:
     def average(self, stage: int) -> None:
         average_replicas([self.weights[(stage, r)] for r in range(self.pipelines)], self.references[stage], self.alpha)
 
-    @staticmethod
-    def _bucket(state: StageWeights) -> None:
-        """A stage that REDUCE rows average (its experts' apart) keeps the mini-batch's gradients as views of one
-        flat buffer (`replicas.bucket`), zeroed before its first backward adds into it: its all-reduce then sums
-        them in place, with no copy to flatten them first."""
-        if all(g is None for g in state.grads):
-            state.grads = bucket(state.owned) or state.grads
-
     def reduce(self, row: int, stage: int, r: int) -> None:
         """Start averaging the stage replica's accumulated gradients over its data-parallel replicas (its routed
         experts' over the replicas that hold the same experts: executor/experts.py); its OPT waits (`reduced`)."""
@@ -642,7 +634,7 @@ class DeviceLoop:
                 # a B or W adds into the mini-batch's gradient buffer, creating it only where it is still empty
                 starts_buffer = kind in _FILLING and any(g is None for g in self.weights[(stage, r)].grads)
                 if starts_buffer and self.replicas is not None and not self.routed.get(stage):
-                    self._bucket(self.weights[(stage, r)])
+                    self.weights[(stage, r)].start_bucket()
                 if kind is Kind.OPT and (reduced := self.reduced(stage, r)) is not None:
                     result.end_ns[reduced[0] - lo] = reduced[1]
                 if kind is Kind.F:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, cut, replicas, run_in_process, run_multiprocess
+from pipesim.executor import weights as weights_module
 from pipesim.executor.replicas import DistReplicas, Layout, bucket, thread_replicas
 from pipesim.executor.runners import TorchrunEnv, run_torchrun
 from pipesim.schedules import KINDS, Kind, lower
@@ -175,7 +176,7 @@ def test_a_reduced_stage_accumulates_into_one_bucket_that_its_all_reduce_sums_in
     reduced = []
 
     def start(member, n, tensors):
-        reduced.append(replicas._flat(tensors))
+        reduced.append(replicas.flat_buffer(tensors))
         return started(member, n, tensors)
     started = replicas.ThreadReplicas._start
     monkeypatch.setattr(replicas.ThreadReplicas, "_start", start)
@@ -212,6 +213,53 @@ def test_a_reduced_stage_accumulates_into_one_bucket_that_its_all_reduce_sums_in
         assert summed[-1].data_ptr() not in {t.data_ptr() for t in loose}
         assert all(torch.equal(grad, weight) for grad, weight in zip(sorted(loose, key=len), sorted(weights, key=len)))
     assert bucket([torch.zeros(2), torch.zeros(2, dtype=torch.float64)]) is None
+
+
+def test_a_reduced_stage_zeroes_a_bucket_made_before_in_place_where_each_mini_batch_made_a_new_one(monkeypatch):
+    """Two buckets a stage replica, made once: mini-batch b + 2 accumulates in b's buffer, zeroed in place before
+    its first backward (b + 1's is the last update's gradient, on the weights' `.grad`), and training is one
+    process's still."""
+    reduced: dict[int, list[torch.Tensor]] = {}  # id of a rank's member -> the buffers it all-reduced, in order
+    zeroed = []  # per reused buffer: (held a gradient before, all zero after)
+
+    def start(member, n, tensors):
+        reduced.setdefault(id(member), []).append(replicas.flat_buffer(tensors))  # held: no address is reused
+        return started(member, n, tensors)
+
+    def made(weights, flat=None):
+        before = None if flat is None else bool(flat.any())
+        views = bucketed(weights, flat)
+        if flat is not None:
+            zeroed.append((before, all(not v.any() for v in views) and views[0].data_ptr() == flat.data_ptr()))
+        return views
+    started, bucketed = replicas.ThreadReplicas._start, weights_module.bucket
+    monkeypatch.setattr(replicas.ThreadReplicas, "_start", start)
+    monkeypatch.setattr(weights_module, "bucket", made)
+    spec = dp_spec("1f1b", 2, n=4)
+    assert_every_replica_is(run_in_process(spec), spec, single_process(whole(spec)))
+    assert len(reduced) == 2 * D
+    for flats in reduced.values():
+        ptrs = [flat.data_ptr() for flat in flats]
+        assert len(ptrs) == 4 and ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
+    assert zeroed == [(True, True)] * (2 * 2 * D)
+
+
+def test_a_new_bucket_leaves_the_last_updates_gradient_that_plain_sgds_prediction_reads(monkeypatch):
+    """SpecTrain with plain SGD predicts from the weights' `.grad`, the last update's gradient, after the next
+    mini-batch's first backward: the bucket zeroed for that backward is never the one `.grad` holds."""
+    kept = []  # per bucket started after an update: the last update's gradient is as it was
+
+    def start(state):
+        last = [None if w.grad is None else w.grad.clone() for w in state.owned]
+        started(state)
+        if None not in last:
+            kept.append(all(torch.equal(w.grad, g) and g.any() for w, g in zip(state.owned, last)))
+    started = weights_module.StageWeights.start_bucket
+    monkeypatch.setattr(weights_module.StageWeights, "start_bucket", start)
+    spec = dp_spec("spectrain", 2, n=4)
+    assert [a.kind for a in spec.schedule.orders[0]].count(Kind.PRED) > 0
+    run_in_process(spec)
+    assert kept == [True] * (2 * 3 * D)
 
 
 def test_pipedream_with_two_replicas_stashes_as_with_one_and_averages_each_update():
