@@ -27,9 +27,9 @@ from ..workload.transport import TransportChoice, TransportError, choose_transpo
 
 Progress = Callable[[int, int], Any]
 LINK_THREADS = 1  # ranks share the machine's cores with each other and the transport's threads
-# `measure_p2p_and_allreduce`'s all-reduce beside computing ranks: each computing rank multiplies a (rows x width)
-# by a (width x width) float32 matrix on its LINK_THREADS until the all-reduce completes (a rank's passes keep a
-# core as busy), and each count of computing ranks is timed this many times a round
+# `measure_allreduce_beside_compute`'s all-reduce beside computing ranks: each computing rank multiplies a
+# (rows x width) by a (width x width) float32 matrix on its LINK_THREADS until the all-reduce completes (a rank's
+# passes keep a core as busy), and each count of computing ranks is timed this many times a round
 BESIDE_COMPUTE = {"rows": 32, "width": 512, "per_round": 3}
 
 
@@ -67,32 +67,31 @@ def measure_allreduce(sizes: Iterable[int], *, world_size: int = 2, device: str 
 
 def measure_p2p_and_allreduce(sizes: Iterable[int], *, device: str = "cpu", repeats: int = 10, warmup: int = 2,
                               progress: tuple[Progress | None, Progress | None] = (None, None),
-                              min_time_s: float = 0.15, timeout_s: float = 120.0,
-                              beside_bytes: int | None = None) -> tuple[LinkPoints, LinkPoints]:
+                              min_time_s: float = 0.15, timeout_s: float = 120.0) -> tuple[LinkPoints, LinkPoints]:
     """`measure_p2p` then `measure_allreduce` over two ranks with these settings, in the same two ranks one
     after the other: one start-up (spawning, importing torch, joining the group) for both. `progress` follows
-    each; `timeout_s` is each one's.
-
-    On a CPU host the ranks then time an all-reduce of `beside_bytes` (default: the largest size; a calibration
-    gives its largest stage's gradients, the all-reduce a REDUCE row makes) beside k = 0, 1, 2 of them computing
-    (`BESIDE_COMPUTE`), from its issue to its completion, the k alternating within each of `repeats` rounds:
-    gloo's threads reduce and send on the cores the ranks compute on. The all-reduce's meta says it
-    (`beside_compute`: per k, its median over k = 0's, never below the one for fewer computing, as the contention
-    factors (`contention.slowdowns`); `beside_compute_points`: per k, its time)."""
+    each; `timeout_s` is each one's."""
     plan = (repeats, warmup, min_time_s)
-    jobs = [("p2p", sizes, plan, progress[0]), ("allreduce", sizes, plan, progress[1])]
-    if device == "cpu":
-        jobs.append(("beside", [beside_bytes or max(int(s) for s in sizes)], plan, None))
-    p2p, reduced, *beside = _measure(jobs, 2, device, 2 * timeout_s)
+    p2p, reduced = _measure([("p2p", sizes, plan, progress[0]), ("allreduce", sizes, plan, progress[1])], 2, device,
+                            2 * timeout_s)
+    return p2p, reduced
+
+
+def measure_allreduce_beside_compute(nbytes: int, *, repeats: int = 10, warmup: int = 2,
+                                     timeout_s: float = 120.0) -> dict[str, Any]:
+    """On a CPU host, two ranks time an all-reduce of `nbytes` (a calibration gives its largest stage's gradients,
+    the all-reduce a REDUCE row makes) beside k = 0, 1, 2 of them computing (`BESIDE_COMPUTE`), from its issue to
+    its completion, the k alternating within each of `repeats` rounds: gloo's threads reduce and send on the cores
+    the ranks compute on. What the all-reduce's meta records of it: `beside_compute` (per k, its median over
+    k = 0's, never below the one for fewer computing, as the contention factors (`contention.slowdowns`)),
+    `beside_compute_points` (per k, its time) and `beside_compute_workload`."""
     from .contention import slowdowns  # here: that module imports this one (through measure.py)
 
-    for points in beside:
-        alone_ms = max(points[0].ms, 1e-6)
-        reduced.meta.update(beside_compute=[round(f, 4) for f in slowdowns([point.ms / alone_ms for point in points])],
-                            beside_compute_points=[asdict(point) for point in points],
-                            beside_compute_workload={"bytes": points[0].nbytes, **BESIDE_COMPUTE,
-                                                     "threads": LINK_THREADS})
-    return p2p, reduced
+    points = _measure([("beside", [nbytes], (repeats, warmup, 0.0), None)], 2, "cpu", timeout_s)[0]
+    alone_ms = max(points[0].ms, 1e-6)
+    return {"beside_compute": [round(f, 4) for f in slowdowns([point.ms / alone_ms for point in points])],
+            "beside_compute_points": [asdict(point) for point in points],
+            "beside_compute_workload": {"bytes": points[0].nbytes, **BESIDE_COMPUTE, "threads": LINK_THREADS}}
 
 
 def measure_all_to_all(sizes: Iterable[int], *, world_size: int = 2, device: str = "cpu", repeats: int = 10,

@@ -60,7 +60,7 @@ from ..workload.models import BATCH, Model, ModelError, routed_experts_of
 from ..workload.moe import dispatches
 from ..workload.optim import make_optimizer
 from .cache import HostCache, fresh
-from .links import BESIDE_COMPUTE, measure_all_to_all, measure_p2p_and_allreduce
+from .links import BESIDE_COMPUTE, measure_all_to_all, measure_allreduce_beside_compute, measure_p2p_and_allreduce
 from .passes import StageRun, stage_runs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -793,10 +793,9 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
     link = allreduce = None
     if link_sizes:
         with phase(f"measuring the p2p link and all-reduce ({len(link_sizes)} sizes)") as notes:
-            gradient_bytes = max(sum(layer.param_bytes for layer in layers[first:stop])
-                                 for first, stop in zip(bounds, bounds[1:]))
-            key = links_key(link_sizes, settings, gradient_bytes)
-            measure = lambda: measure_links(link_sizes, settings, advance, gradient_bytes)  # noqa: E731
+            key = {"device": settings.device.type, "sizes": link_sizes, "repeats": settings.repeats,
+                   "warmup": settings.warmup}
+            measure = lambda: measure_links(link_sizes, settings, advance)  # noqa: E731
             links = cache.get("links", key, measure, own_tasks=2) if cache is not None else fresh(measure)
             link = LinkProfile.model_validate(links.value["link"])
             allreduce = AllReduceProfile.model_validate(links.value["allreduce"])
@@ -804,6 +803,11 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
                 notes.append(links.describe())
                 link = link.model_copy(update={"meta": {**link.meta, "host_cache": links.meta()}})
                 allreduce = allreduce.model_copy(update={"meta": {**allreduce.meta, "host_cache": links.meta()}})
+        if settings.device.type == "cpu":
+            gradient_bytes = max(sum(layer.param_bytes for layer in layers[first:stop])
+                                 for first, stop in zip(bounds, bounds[1:]))
+            with phase(f"timing the all-reduce beside computing ranks ({gradient_bytes} bytes)") as notes:
+                allreduce = with_beside_compute(allreduce, gradient_bytes, settings, cache, notes)
     sizes = all_to_all_sizes(layers, expert_parallel)
     all_to_all = None
     if link_sizes and sizes:
@@ -827,33 +831,39 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
         link=link, allreduce=allreduce, all_to_all=all_to_all)
 
 
-def links_key(link_sizes: list[int], settings: Settings, gradient_bytes: int) -> dict[str, Any]:
-    """The host cache's key of `measure_links`' terms: what they are measured with, the all-reduce beside computing
-    ranks (its size: the largest stage's gradients) only on a CPU host, the one that measures it
-    (`measure_p2p_and_allreduce`), so that a GPU's link and all-reduce are reused across models and stage counts."""
-    beside = {"beside_compute": {**BESIDE_COMPUTE, "bytes": gradient_bytes}} if settings.device.type == "cpu" else {}
-    return {"device": settings.device.type, "sizes": link_sizes, "repeats": settings.repeats,
-            "warmup": settings.warmup, **beside}
+def with_beside_compute(allreduce: AllReduceProfile, gradient_bytes: int, settings: Settings,
+                        cache: HostCache | None, notes: list[str]) -> AllReduceProfile:
+    """`allreduce` with its time beside computing ranks at `gradient_bytes` (calibrate/links.py
+    `measure_allreduce_beside_compute`): a host cache entry of its own, keyed by its workload and bytes, so that
+    another model or cut reuses the link and the all-reduce's sizes and measures only this; where it came from in
+    `meta["beside_compute_host_cache"]`."""
+    key = {"device": settings.device.type, "repeats": settings.repeats, "warmup": settings.warmup,
+           **BESIDE_COMPUTE, "bytes": gradient_bytes}
+    measure = lambda: measure_allreduce_beside_compute(gradient_bytes, repeats=settings.repeats,  # noqa: E731
+                                                       warmup=settings.warmup)
+    measured = cache.get("beside", key, measure, own_tasks=2) if cache is not None else fresh(measure)
+    meta = {**allreduce.meta, **measured.value}
+    if cache is not None:
+        notes.append(measured.describe())
+        meta["beside_compute_host_cache"] = measured.meta()
+    return allreduce.model_copy(update={"beside_compute": meta.pop("beside_compute"), "meta": meta})
 
 
-def measure_links(link_sizes: list[int], settings: Settings, advance: Advance,
-                  gradient_bytes: int | None = None) -> dict[str, Any]:
+def measure_links(link_sizes: list[int], settings: Settings, advance: Advance) -> dict[str, Any]:
     """The p2p link (its points and fit) and the all-reduce between two local ranks (the same two, started
-    once), in `repeats` rounds over the sizes, each reported to `advance` as it starts, and on a CPU host the
-    all-reduce of `gradient_bytes` beside computing ranks: {"link": LinkProfile, "allreduce": AllReduceProfile},
-    as JSON."""
+    once), in `repeats` rounds over the sizes, each reported to `advance` as it starts: {"link": LinkProfile,
+    "allreduce": AllReduceProfile}, as JSON."""
     def rounds(what: str) -> Callable[[int, int], None]:
         return lambda done, total: advance(f"{what}: round {done}/{total}")
 
     p2p, reduced = measure_p2p_and_allreduce(link_sizes, device=settings.device.type, repeats=settings.repeats,
                                              warmup=settings.warmup,
-                                             progress=(rounds("p2p link"), rounds("all-reduce")),
-                                             beside_bytes=gradient_bytes)
+                                             progress=(rounds("p2p link"), rounds("all-reduce")))
     fit = fit_link(p2p)
     link = LinkProfile(segments=[asdict(s) for s in fit.segments], points=[asdict(p) for p in p2p],
                        meta=dict(fit.meta))
     allreduce = AllReduceProfile(world_size=reduced.meta["world_size"], points=[asdict(p) for p in reduced],
-                                 meta=reduced.meta, beside_compute=reduced.meta.pop("beside_compute", None))
+                                 meta=reduced.meta)
     return {"link": link.model_dump(mode="json"), "allreduce": allreduce.model_dump(mode="json")}
 
 

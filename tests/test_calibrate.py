@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.profiles.linkfit import LinkFit, LinkSegment
+from pipesim.profiles.linkfit import LinkFit, LinkPoint, LinkPoints, LinkSegment
 from pipesim.profiles.partition import LayerCost, PartitionError, partition, stage_memory_bytes
 from pipesim.profiles.schema import boundary_held_bytes, load_profile, profile_json, stage_edges, stages_for
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
@@ -845,9 +845,10 @@ def test_a_second_calibration_reuses_the_host_terms_and_fresh_measures_them(tmp_
         runs[name] = (load_profile(tmp_path / f"{name}.json"), err)
     for name, reused in (("cold", False), ("warm", True), ("fresh", False)):
         profile, err = runs[name]
-        for meta in (profile.link.meta, profile.allreduce.meta, profile.runtime.meta):
-            assert meta["host_cache"]["reused"] is reused
-        assert (err.count("from the host cache") == 2) is reused and (err.count("measured now") == 2) is not reused
+        for cached in (profile.link.meta["host_cache"], profile.allreduce.meta["host_cache"],
+                       profile.allreduce.meta["beside_compute_host_cache"], profile.runtime.meta["host_cache"]):
+            assert cached["reused"] is reused
+        assert (err.count("from the host cache") == 3) is reused and (err.count("measured now") == 3) is not reused
         assert profile.runtime.meta["host_times_from"] == "the calibrated model"  # measured every time
     cold, warm = runs["cold"][0], runs["warm"][0]
     assert warm.link == cold.link.model_copy(update={"meta": warm.link.meta})
@@ -855,17 +856,44 @@ def test_a_second_calibration_reuses_the_host_terms_and_fresh_measures_them(tmp_
     assert warm.link.meta["host_cache"]["measured_at"] == cold.link.meta["host_cache"]["measured_at"]
     # the host's terms, the digits split the mlp draws from (workload/data.py), and the model's count the fitted
     # curve prices (commands/estimate.py)
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["counts", "digits", "links",
-                                                                                   "runtime"]
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["beside", "counts", "digits",
+                                                                                   "links", "runtime"]
 
 
-def test_the_links_cache_key_holds_the_gradients_beside_compute_on_a_cpu_host_alone():
-    from pipesim.calibrate.measure import Settings, links_key
+def test_a_second_model_reuses_the_link_and_all_reduce_and_measures_its_all_reduce_beside_compute(tmp_path,
+                                                                                                monkeypatch):
+    """The link and the all-reduce's sizes are the host's, the all-reduce beside computing ranks is at the largest
+    stage's gradients: two models on one cache measure the links once and the beside factor once per size, and
+    each profile records where each part came from."""
+    import pipesim.calibrate.measure as measure
+    from pipesim.calibrate.cache import HostCache
+    from pipesim.workload.models import build_model
 
-    def key(device: str, gradient_bytes: int) -> dict:
-        return links_key([4096], Settings(torch.device(device), torch.float32, 1, 1, 3), gradient_bytes)
+    measured = []
+    real_links = measure.measure_links
 
-    assert key("cpu", 1 << 20) != key("cpu", 2 << 20)  # a CPU host times the all-reduce of this size beside compute
-    assert key("cpu", 1 << 20)["beside_compute"]["bytes"] == 1 << 20
-    assert key("cuda", 1 << 20) == key("cuda", 2 << 20)  # a GPU's: the link alone, one for every model and cut
-    assert "beside_compute" not in key("cuda", 1 << 20)
+    def links(link_sizes, settings, advance):
+        measured.append("links")
+        return real_links(link_sizes, settings, advance)
+
+    def beside(nbytes, **_):
+        measured.append(("beside", nbytes))
+        return {"beside_compute": [1.0, 1.5, 2.0], "beside_compute_points": [], "beside_compute_workload": {}}
+
+    monkeypatch.setattr(measure, "measure_links", links)
+    monkeypatch.setattr(measure, "measure_p2p_and_allreduce", lambda sizes, **_: tuple(
+        LinkPoints([LinkPoint(s, 0.01 + s / 1e6, 0.0) for s in sizes], {"world_size": 2}) for _ in range(2)))
+    monkeypatch.setattr(measure, "measure_allreduce_beside_compute", beside)
+    settings = measure.Settings(torch.device("cpu"), torch.float32, BATCH, warmup=0, repeats=1)
+    profiles = [measure.calibrate(build_model("mlp", layers=3, width=width), settings, stages=1, optimizer="sgd",
+                                  memory_cap_bytes=None, link_sizes=[4096, 65536], dtype_name="float32",
+                                  advance=lambda what: None, cache=HostCache(tmp_path))
+                for width in (8, 16, 8)]
+    gradients = [p.stages[0].param_bytes for p in profiles]  # one stage: the whole model's, whatever the times
+    assert gradients[0] != gradients[1] and gradients[0] == gradients[2]
+    assert measured == ["links", ("beside", gradients[0]), ("beside", gradients[1])]
+    assert [p.allreduce.meta["host_cache"]["reused"] for p in profiles] == [False, True, True]
+    assert [p.allreduce.meta["beside_compute_host_cache"]["reused"] for p in profiles] == [False, False, True]
+    assert all(p.allreduce.beside_compute == [1.0, 1.5, 2.0] and "beside_compute" not in p.allreduce.meta
+               for p in profiles)
+    assert sorted(path.name.split("-")[0] for path in tmp_path.iterdir()) == ["beside", "beside", "links"]
