@@ -400,7 +400,7 @@ class AllReduceProfile(_Strict):
     """All-reduce time per size over `world_size` local ranks, for data-parallel what-ifs: the simulator's
     AvgPipe averages replicas that share a device, so it does not read these times. `beside_compute[k]`: on a CPU
     host, the all-reduce's time while k of its ranks compute beside it over its time alone, never below the one for
-    fewer computing (gloo's threads share the cores; calibrate/links.py `measure_p2p_and_allreduce`, which takes
+    fewer computing (gloo's threads share the cores; calibrate/links.py `measure_allreduce_beside_compute`, which takes
     calibrate/contention.py `slowdowns`' rule; `meta` says at which size, beside what and the times;
     `beside_compute[0]` is 1; None: a GPU, or a profile from before it was measured), which the simulator prices
     on the host's cores with its contention (sim/engine.py `_SharedCores`)."""
@@ -670,13 +670,15 @@ class Profile(_Strict):
                    if env.load is not None else {})}
 
     def host_terms(self) -> dict[str, dict]:
-        """Per term measured on the host rather than the model (the link and all-reduce, the all-to-all, the
-        runtime probe, contention), what its `meta["host_cache"]` says: when and under what load it was measured,
-        and whether the calibration reused it from the host cache."""
-        found = {"link and all-reduce": self.link, "all-to-all": self.all_to_all, "runtime probe": self.runtime,
-                 "contention": self.contention}
-        return {name: term.meta["host_cache"] for name, term in found.items()
-                if term is not None and "host_cache" in term.meta}
+        """Per term measured on the host rather than the model (the link and all-reduce, the all-reduce beside
+        computing ranks, its own host-cache entry on a CPU host, the all-to-all, the runtime probe, contention),
+        what its host cache's meta says: when and under what load it was measured, and whether the calibration
+        reused it from the host cache."""
+        found = {"link and all-reduce": (self.link, "host_cache"),
+                 "all-reduce beside compute": (self.allreduce, "beside_compute_host_cache"),
+                 "all-to-all": (self.all_to_all, "host_cache"), "runtime probe": (self.runtime, "host_cache"),
+                 "contention": (self.contention, "host_cache")}
+        return {name: term.meta[key] for name, (term, key) in found.items() if term is not None and key in term.meta}
 
 
 def _stage_of(bounds: list[int]) -> list[int]:

@@ -378,3 +378,13 @@ def test_collectives_beside_computing_ranks_take_as_long_as_the_calibration_meas
 def test_a_bad_collective_factor_is_one_line_exit_2(tmp_path, beside, fragment):
     result = pipesim("simulate", "--profile", _with_contention(tmp_path, MEASURED, beside), "-s", "dualpipe", "-p", "4")
     assert result.code == 2 and fragment in result.err and len(result.err.strip().splitlines()) == 1
+
+
+def test_the_all_reduce_beside_compute_is_a_host_term_with_its_own_cache_conditions():
+    profile = load_profile(Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json")
+    cached = {"measured_at": "2026-01-01T00:00:00+00:00", "age_s": 3.0, "reused": True, "load": None}
+    assert "all-reduce beside compute" not in profile.host_terms()  # measured before it had an entry of its own
+    beside = profile.allreduce.model_copy(update={"meta": {**profile.allreduce.meta,
+                                                           "beside_compute_host_cache": cached}})
+    terms = profile.model_copy(update={"allreduce": beside}).host_terms()
+    assert terms["all-reduce beside compute"] == cached  # when and under what load, as compare's conditions show
