@@ -303,12 +303,17 @@ def _time_sizes(rank: int, op: str, sizes: list[int], plan: Plan, choice: Transp
             progress(done, repeats)
     if op == "p2p":  # a round trip is two one-way transfers
         samples = [[ms / 2 for ms in times] for times in samples]
-    else:  # a repeat lasts as long as its slowest rank
-        flat = torch.tensor([ms for times in samples for ms in times], dtype=torch.float64, device=comm_dev)
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-        slowest = iter(flat.tolist())
-        samples = [[next(slowest) for _ in times] for times in samples]
+    else:
+        samples = _slowest(samples, comm_dev)
     return samples
+
+
+def _slowest(samples: list[list[float]], device: Any = "cpu") -> list[list[float]]:
+    """`samples` (ms) with each replaced by the slowest rank's: a repeat lasts as long as its slowest rank."""
+    flat = torch.tensor([ms for times in samples for ms in times], dtype=torch.float64, device=device)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    slowest = iter(flat.tolist())
+    return [[next(slowest) for _ in times] for times in samples]
 
 
 def _time_beside(rank: int, world_size: int, nbytes: int, plan: Plan) -> list[list[float]]:
@@ -336,7 +341,4 @@ def _time_beside(rank: int, world_size: int, nbytes: int, plan: Plan) -> list[li
     for _ in range(repeats * BESIDE_COMPUTE["per_round"]):
         for k, times in enumerate(samples):
             times.append(once(rank < k))
-    flat = torch.tensor([ms for times in samples for ms in times], dtype=torch.float64)
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-    slowest = iter(flat.tolist())
-    return [[next(slowest) for _ in times] for times in samples]
+    return _slowest(samples)
