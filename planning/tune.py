@@ -218,11 +218,11 @@ class Candidate:
     # search again (a searched order's search is remembered only for the next few)
     critical: bool = False  # whether its bound holds its critical path too (`_with_critical_path`)
 
-    @property
+    @cached_property
     def busiest_ms(self) -> float:
         """The busiest device's compute in a steady step with the gradient accumulations its B and W rows add, which
         `busy_ms` leaves out and the simulator prices in those rows: no step is shorter (`_measured`), and what a
-        reason names (`_slower_part`)."""
+        reason names (`_slower_part`, the choice's once for every row it explains)."""
         return _steady_busiest_ms(self.schedule, self.costs, self.busy_ms, self.short_minibatches)
 
 
