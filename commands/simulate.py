@@ -476,9 +476,8 @@ def _nothing_runs(requested: list[str], skipped: dict[str, str]) -> str:
 
 
 def _cost_basis(scenario, schedules: list, read: bool) -> str:
-    """What the cost flags' numbers describe, for the table's caption. An estimate `read` from --profile holds no
-    allocations for the caching allocator to replay: its peaks are the tensors alone, below --gpu's of the same
-    model and flags (max reserved), which the caption says so that the two are not read as one figure."""
+    """What the cost flags' numbers describe, for the table's caption; for an estimate `read` from --profile, that
+    its peaks are the tensors alone (`tensors_alone_text`)."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
         estimate = scenario.measured.estimate
         _, p, d = estimate.degrees
