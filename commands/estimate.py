@@ -219,15 +219,14 @@ class WhatIf:
                            p2p_sync=self.p2p_sync)
 
 
-def _estimated(path: Path) -> bool:
-    """Whether the --profile file holds an estimate (its `estimate` field set), read as JSON alone: a file that is
-    not a profile is refused by the profile's own checks, after this."""
-    import json
+def _read_profile(path: Path, flag: str) -> Profile:
+    """The profile file `flag` names, refused in one line naming the flag where the profile's checks fail."""
+    from ..profiles.schema import ProfileError, load_profile
 
     try:
-        return json.loads(Path(path).read_text()).get("estimate") is not None
-    except (OSError, ValueError, AttributeError):
-        return True
+        return load_profile(path)
+    except ProfileError as exc:
+        raise InputError(f"{flag}: {exc}") from None
 
 
 def _calibrated_refusal(names: list[str], given: list[str]) -> str:
@@ -252,9 +251,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         read = profile_reads if params.get("profile") is not None else ()
         names = [name for name in ESTIMATE_ONLY if name in params and is_given(ctx, name) and name not in read]
         given = [given_flag(ctx, name) for name in names]
-        if given and params.get("profile") is not None and not _estimated(params["profile"]):
-            raise InputError(_calibrated_refusal(names, given))
         if given and params.get("profile") is not None:
+            # read here on the way to a refusal only: a profile the command goes on with is read after
+            if _read_profile(params["profile"], "--profile").estimate is None:
+                raise InputError(_calibrated_refusal(names, given))
             # estimate's flags for them: a switch that tune searches where not given (its default None), turned off,
             # is estimate's default, which has no off side
             again = [flag for name, flag in zip(names, given) if not (params[name] is False and _searched(ctx, name))]
@@ -315,12 +315,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                          "capacity however they are routed; give one of them")
     calibrated = None
     if params.get("curve_from") is not None:
-        from ..profiles.schema import ProfileError, load_profile
-
-        try:
-            calibrated = load_profile(params["curve_from"])
-        except ProfileError as exc:
-            raise InputError(f"--curve-from: {exc}") from None
+        calibrated = _read_profile(params["curve_from"], "--curve-from")
     modules, zero = params.get("recompute_modules"), zero_stage(params)
     what = WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES.get(params["dtype"], "bfloat16"), attention_of(params["attention"], params["model"]),

@@ -192,6 +192,16 @@ def test_a_model_setting_beside_a_calibrated_profile_names_calibrate_not_estimat
     assert code == 2 and "settings; give --gpu NAME and --model in place of --profile" in err, err
 
 
+@pytest.mark.parametrize("command", [("simulate", "-s", "1f1b"), ("sweep", "-s", "1f1b"), ("tune", "--devices", 2)])
+def test_a_model_setting_beside_a_file_that_is_not_a_profile_refuses_the_file(command, tmp_path):
+    """The refusal of --layers beside --profile reads the profile to say whether it was estimated: a file that is
+    not one is refused by the profile's own checks, not taken for an estimate."""
+    (tmp_path / "notes.json").write_text('{"fwd": 1}')
+    code, out, err = pipesim(*command, "--profile", tmp_path / "notes.json", "--layers", 4)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --profile: profile ") and "schema_version: missing" in err, err
+
+
 def test_a_switch_turned_off_is_named_as_given_and_estimate_is_told_only_flags_it_takes(kernels_estimate):
     """--no-swiglu-fusion and tune's --no-sequence-parallel read as their on sides; estimate has no
     --no-sequence-parallel (off is its default), so the refusal does not tell to write one with it."""
