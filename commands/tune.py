@@ -278,39 +278,56 @@ def tune(
     _print_tuning(tuning, measured, work, data_parallel is not None, command)
 
 
-# tune's own flags, and those it searches: the command that reproduces a choice gives the choice's values for these
-_TUNE_OWN = {"devices", "memory_gb", "batch_size", "schedule", "max_staleness", "max_chunks", "max_pipelines",
-             "tensor_parallel", "data_parallel", "recompute", "zero", "microbatch_size", "as_json", "expert_parallel",
-             "sequence_parallel"}
+def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
+    """The choice's schedule, shape, degrees and cut as simulate's flags: (simulate's parameter name, the flag, its
+    value), the value None where the flag is left out (simulate's default, or a --profile's own), True for a switch
+    given alone. Tune searches these (or takes them as given), so its command gives the choice's, not the user's."""
+    from ..planning.scenario import LAYERS
+
+    estimated = c.recompute is not None  # with --gpu: the degrees and b searched
+    return [("schedule", "-s", c.schedule), ("stages", "-p", c.stages), ("chunks", "-v", c.chunks),
+            ("pipelines", "-P", c.pipelines if c.pipelines > 1 else None), ("microbatches", "-m", c.microbatches),
+            ("data_parallel", "--data-parallel", c.replicas),
+            ("tensor_parallel", "--tensor-parallel", c.tensor if estimated else None),
+            ("microbatch_size", "-b", c.microbatch_size if estimated else None),
+            ("recompute", "--recompute", c.recompute),
+            ("expert_parallel", "--expert-parallel", c.expert if estimated and c.expert > 1 else None),
+            ("sequence_parallel", "--sequence-parallel", True if estimated and c.sequence_parallel else None),
+            ("zero", "--zero", c.zero or None),
+            ("stage_cut", "--stage-cut", LAYERS + ",".join(str(b - a) for a, b in pairwise(candidate.bounds))),
+            ("activation_limit", "--activation-limit",
+             None if candidate.activation_limit is None else repr(candidate.activation_limit))]
+
+
+def _tune_own(chosen: list[str]) -> set[str]:
+    """Tune's flags its simulate command leaves out: those simulate does not take, read from the two commands'
+    parameters, those whose value is the choice's (`chosen`), and --json (the command prints simulate's table)."""
+    import inspect
+
+    from .simulate import simulate
+
+    takes = inspect.signature(simulate).parameters
+    return {name for name in inspect.signature(tune).parameters if name not in takes} | {*chosen, "as_json"}
 
 
 def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
     """The `pipesim simulate` command that gives the chosen `result`'s step, samples/s and peak, a flag and its value
     a piece: the flags the user gave that simulate shares, as given and in their order, and the choice's schedule,
     shape, degrees and cut (layers:N,N,..., the layers of each model stage), so a planner's answer can be checked."""
-    from ..planning.scenario import LAYERS
-
-    c, candidate = result.config, result.candidate
+    c = result.config
+    chosen = _choice_flags(c, result.candidate)
+    own = _tune_own([name for name, _, _ in chosen])
     options = {param.name: param for param in ctx.command.params}
     pieces = [["pipesim", "simulate"]]
     for name, value in ctx.params.items():  # click fills them in the order given
         param = options[name]
-        if name in _TUNE_OWN or not is_given(ctx, name) or (name == "search_seconds" and c.schedule != "auto"):
+        if name in own or not is_given(ctx, name) or (name == "search_seconds" and c.schedule != "auto"):
             continue  # (auto's budget shapes its order; simulate refuses it beside another method)
         if isinstance(value, bool):
             pieces += [[param.opts[0] if value else param.secondary_opts[0]]]
         else:
             pieces += [[param.opts[0], str(given)] for given in (value if param.multiple else [value])]
-    shape = [("-s", c.schedule), ("-p", c.stages), ("-v", c.chunks), *[("-P", c.pipelines)] * (c.pipelines > 1),
-             ("-m", c.microbatches), ("--data-parallel", c.replicas)]
-    if c.recompute is not None:  # estimated with --gpu: the degrees and b searched
-        shape += [("--tensor-parallel", c.tensor), ("-b", c.microbatch_size), ("--recompute", c.recompute),
-                  *[("--expert-parallel", c.expert)] * (c.expert > 1),
-                  *[("--sequence-parallel",)] * c.sequence_parallel]
-    shape += [*[("--zero", c.zero)] * bool(c.zero),
-              ("--stage-cut", LAYERS + ",".join(str(b - a) for a, b in pairwise(candidate.bounds))),
-              *[("--activation-limit", repr(candidate.activation_limit))] * (candidate.activation_limit is not None)]
-    return pieces + [[str(word) for word in piece] for piece in shape]
+    return pieces + [[flag] if value is True else [flag, str(value)] for _, flag, value in chosen if value is not None]
 
 
 def _shell_lines(command: list[list[str]], width: int | None) -> str:

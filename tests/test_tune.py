@@ -708,6 +708,34 @@ def test_the_simulate_command_carries_autos_search_budget_where_auto_is_chosen(m
     assert code == 0, err
 
 
+def test_every_tune_flag_is_passed_on_to_simulate_as_it_parses_there_or_left_out_as_tunes_own():
+    """tune's simulate command gives the user's flags that are not tune's own (`_tune_own`: those simulate does not
+    take, read from both commands, and the choice's): each of the others parses in simulate as tune prints it, and
+    each of the choice's flags is one of simulate's parameter's."""
+    from types import SimpleNamespace
+
+    import typer
+
+    from pipesim.cli import make_app
+    from pipesim.commands.tune import _choice_flags, _tune_own
+
+    commands = typer.main.get_command(make_app()).commands
+    takes = {param.name: param for param in commands["simulate"].params}
+    config = SimpleNamespace(schedule="1f1b", stages=2, chunks=1, pipelines=2, microbatches=4, replicas=2, tensor=2,
+                             microbatch_size=1, recompute="full", expert=2, sequence_parallel=True, zero=1)
+    chosen = _choice_flags(config, SimpleNamespace(bounds=[0, 3, 5], activation_limit=2))
+    assert all(value is not None for _, _, value in chosen)  # every flag the choice can give, given
+    assert all(flag in takes[name].opts for name, flag, _ in chosen), chosen
+    own = _tune_own([name for name, _, _ in chosen])
+    assert {"devices", "memory_gb", "max_chunks", "schedule", "zero", "as_json"} <= own
+    passed = [param for param in commands["tune"].params if param.name not in own]
+    assert passed and all(param.name in takes for param in passed), [p.name for p in passed if p.name not in takes]
+    for param in passed:
+        there = takes[param.name]
+        assert param.opts[0] in there.opts and param.multiple == there.multiple, param.name
+        assert param.secondary_opts[:1] == there.secondary_opts[:1], param.name  # a switch's off side, as printed
+
+
 def test_a_cut_by_layers_names_what_it_must_sum_to():
     """--stage-cut layers:N,N,... (tune's cut) must give each of the p·v stages its layers, all of them: one line."""
     code, _, err = pipesim("simulate", "--profile", GPT, "-s", "1f1b", "-p", 2, "-m", 4, "--stage-cut", "layers:7,8")
