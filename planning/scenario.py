@@ -979,12 +979,14 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     if num_stages > len(measured.layers):
         raise CostError(too_few_layers(f"the schedule's {num_stages} model stages (--stages x --chunks)",
                                        measured.model.name, measured.model.options, len(measured.layers)))
-    ends, layout, counts = first_last(stage_cut), layout_of(stage_cut), layer_counts(stage_cut)
+    counts = layer_counts(stage_cut)  # each form read once, by its prefix: first_last would read the others again
     if counts is not None:
         if len(counts) != num_stages or sum(counts) != len(measured.layers):
             raise CostError(f"--stage-cut {stage_cut}: give the schedule's p·v = {num_stages} model stages' layers, "
                             f"{len(measured.layers)} in all (got {len(counts)} stages, {sum(counts)} layers)")
         return [0, *itertools.accumulate(counts)]
+    layout = layout_of(stage_cut)
+    ends = first_last(stage_cut) if layout is None else None
     if stage_cut in BLOCK_CUTS or ends is not None or layout is not None:
         kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]
         try:
