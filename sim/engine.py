@@ -145,10 +145,14 @@ class _Program:
     # Each device with collectives has a lane per link they run on (`Costs.collective_links`) after the devices: a
     # clock list of its own (in `steps` and `start_clock` after the devices'), one step per collective: when it
     # begins, after the one before it on the lane has ended (its busy ps) and once its row has issued it (the
-    # clock it waits for); after the lanes, a join per device whose rows wait for collectives on more than one lane
-    # (`_Joins`).
+    # clock it waits for), or, a collective whose members are rows of several devices, once the last of them has
+    # (its meeting's clock); after the lanes, a join per device whose rows wait for collectives on more than one
+    # lane, then a meeting per lane whose collectives have members on other devices (`_Joins`, `_meetings`).
     collective_rows: np.ndarray  # the collective rows, in program order
-    collective_clock: np.ndarray  # per collective row: the index in `_Model.clocks` of its lane's clock at its begin
+    # Per collective row: the index in `_Model.clocks` of its lane's clock at its begin, moved on by how much longer
+    # than alone it took on its host's shared cores (`_Model.network_stretch_ps`), so that it ends its network time
+    # after that clock.
+    collective_clock: np.ndarray
     collective_ps: np.ndarray  # per collective row: its network time
     num_clocks: int
     timed: bool  # whether a resource is shared, so that devices must take it in simulated time order
@@ -159,6 +163,9 @@ class _Program:
     compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
     host_unit: list[int | None]  # per device: the host whose cores its compute rows share, if any
     contention: tuple[float, ...]  # the hosts' slowdown with 1, 2, ... devices computing at once
+    # A host's collectives' slowdown with 0, 1, ... of its devices computing (`Cluster.collective_contention`;
+    # empty: not measured, and they share no cores)
+    collective_contention: tuple[float, ...]
     # Per row (released by `_trace` once read): the index in `_Model.clocks` of its device's clock before it, the
     # compute time of its device's rows between that clock and it, and its duration.
     clock_before: np.ndarray | None
@@ -364,30 +371,36 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     waits_for[waiting] = collective_clock[awaited]
     after[waiting] = collective_ps[awaited]
     first_join_clock = first_clock + len(lane) + len(lane_keys)  # the joins' clocks follow the lanes'
-    joins = _joins(np.searchsorted(collective_rows, lowered.awaits_first[step_rows[waiting]]), awaited,
-                   row_lane, step_device[waiting], first_join_clock)
-    joins_waiting = waiting[joins.waiters]
+    joined, joins = _joins(np.searchsorted(collective_rows, lowered.awaits_first[step_rows[waiting]]), awaited,
+                           row_lane, step_device[waiting], collective_clock, collective_ps, first_join_clock)
+    joins_waiting = waiting[joined]
     waits_for[joins_waiting] = joins.clock
     after[joins_waiting] = 0
-    nothing = np.zeros(len(lane), dtype=np.int64)
-    lane_columns = (lane_busy, np.full(len(lane), int(Stream.NETWORK)), nothing, lane_waits_for, nothing)
-    nothing = np.zeros(len(joins.waits_for_row), dtype=np.int64)
-    join_columns = (nothing, np.full(len(nothing), int(Stream.NETWORK)), nothing,
-                    collective_clock[joins.waits_for_row], collective_ps[joins.waits_for_row])
+    # A collective whose members are rows of several devices begins once the last has issued it: its lane step waits
+    # for its meeting's clock, whose steps wait for each member's issue (the clock after its row's own step).
+    first_meeting_clock = first_join_clock + joins.num_clocks  # the meetings' clocks follow the joins'
+    met, meetings = _meeting_lists(_meetings(lowered, collective_rows)[by_lane], lane, lane_waits_for,
+                                   first_meeting_clock)
+    lane_waits_for[met] = meetings.clock
+    lane_columns = (lane_busy, np.full(len(lane), int(Stream.NETWORK)), np.zeros(len(lane), dtype=np.int64),
+                    lane_waits_for, np.zeros(len(lane), dtype=np.int64))
     columns = (pre, step_stream, operand, waits_for, after)
-    if len(lane):  # the lanes' and joins' steps after the devices', in the same columns
-        columns = tuple(np.concatenate(parts) for parts in zip(columns, lane_columns, join_columns))
+    if len(lane):  # the lanes', joins' and meetings' steps after the devices', in the same columns
+        columns = tuple(np.concatenate(parts) for parts in zip(columns, lane_columns, joins.columns(),
+                                                                meetings.columns()))
     lane_bounds = np.r_[lane_starts, len(lane)]
-    step_offsets = np.r_[step_bounds, len(step_rows) + lane_bounds[1:], len(step_rows) + len(lane) + joins.bounds[1:]]
+    joins_from = len(step_rows) + len(lane)
+    step_offsets = np.r_[step_bounds, len(step_rows) + lane_bounds[1:], joins_from + joins.bounds[1:],
+                         joins_from + len(joins.waits_for) + meetings.bounds[1:]]
     steps = [tuple(c[lo:hi] for c in columns) for lo, hi in itertools.pairwise(step_offsets.tolist())]
     start_clock = np.r_[start_clock, first_clock + lane_bounds[:-1] + np.arange(len(lane_keys)),
-                        first_join_clock + joins.bounds[:-1] + np.arange(len(joins.bounds) - 1)]
-    no_unit = [None] * (len(lane_keys) + len(joins.bounds) - 1)
+                        joins.start_clocks(first_join_clock), meetings.start_clocks(first_meeting_clock)]
+    no_unit = [None] * (len(lane_keys) + len(joins.bounds) - 1 + len(meetings.bounds) - 1)
     return _Program(lowered, stream, steps, columns, step_offsets, step_rows, step_bounds, start_clock,
-                    collective_rows, collective_clock, collective_ps,
-                    first_join_clock + len(joins.waits_for_row) + len(joins.bounds) - 1,
+                    collective_rows, collective_clock, collective_ps, first_meeting_clock + meetings.num_clocks,
                     timed, send_clock, send_to_arrival, compute_unit + no_unit, host_unit + no_unit,
-                    cluster.contention, clock_before, since_ps, duration, channel_ps.tolist(), routes,
+                    cluster.contention, cluster.collective_contention, clock_before, since_ps, duration,
+                    channel_ps.tolist(), routes,
                     len(resources), spans, channel_bytes, static_parts(schedule, costs),
                     [round(ms * _PS_PER_MS) for ms in device_product_ms(schedule.stages_by_device, costs)]
                     if costs.transfers_hold_products else [])
@@ -395,23 +408,53 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
 
 @dataclass(frozen=True)
 class _Joins:
-    """Where a row waits for collectives on more than one lane (a pass's all-to-alls on its device's network and its
-    ring on a link of its own: `Lowered.awaits`): a join per device, a clock list whose steps each wait for one lane's
-    last awaited collective to end, in program order, so that its clock after a row's steps is the latest of their
-    ends (and of earlier rows', which the device has waited for already); the row waits for that clock.
-    `waiters`: the waiting steps that wait for a join (indices into them); `clock`: per such step, the index in
-    `_Model.clocks` of its join's clock after its last step; `waits_for_row`: per join step, the collective it waits
-    for (its index in the program's collective rows); `bounds`: where each join's steps begin (the last: their end)."""
+    """Clock lists whose steps each wait for one clock (a time after it), in order, so that a list's clock after a
+    step is the latest of the times its steps so far waited for; a waiter waits for its list's clock after its last
+    step. A join per device whose rows wait for collectives on more than one lane (a pass's all-to-alls on its
+    device's network and its ring on a link of its own: `Lowered.awaits`), each step one lane's last awaited
+    collective's end (`_joins`); a meeting per lane whose collectives have members on other devices, each step a
+    member's issue (`_meeting_lists`). Earlier steps' times are no later than the waiter needs: a device has waited
+    for its earlier rows' collectives already, a lane's collective begins after the one before it ended.
+    `clock`: per waiter, the index in `_Model.clocks` of its list's clock after its last step; `waits_for` and
+    `after_ps`: per step, the clock it waits for and how long after it; `bounds`: where each list's steps begin
+    (the last: their end)."""
 
-    waiters: np.ndarray
     clock: np.ndarray
-    waits_for_row: np.ndarray
+    waits_for: np.ndarray
+    after_ps: np.ndarray
     bounds: np.ndarray
 
+    @property
+    def num_clocks(self) -> int:
+        """Its clocks in `_Model.clocks`: each list's start, then its clock after each of its steps."""
+        return len(self.waits_for) + len(self.bounds) - 1
 
-def _joins(first: np.ndarray, last: np.ndarray, lane: np.ndarray, device: np.ndarray, first_clock: int) -> _Joins:
-    """The joins (`_Joins`) of waiting steps that wait for collectives `first..last` each (indices into the
-    collective rows, whose lanes are `lane`), on `device`s, in program order, their clocks from `first_clock` on."""
+    def start_clocks(self, first_clock: int) -> np.ndarray:
+        """Each list's start in `_Model.clocks`, its clocks from `first_clock` on."""
+        return first_clock + self.bounds[:-1] + np.arange(len(self.bounds) - 1)
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """Its steps in `_Program.steps`' five columns: no compute, on the network stream, waiting."""
+        none = np.zeros(len(self.waits_for), dtype=np.int64)
+        return none, np.full(len(none), int(Stream.NETWORK)), none, self.waits_for, self.after_ps
+
+
+def _clock_lists(owner: np.ndarray, waits_for: np.ndarray, after_ps: np.ndarray, list_of_owner: np.ndarray,
+                 first_clock: int) -> _Joins:
+    """The lists (`_Joins`) of steps that wait for `waits_for` plus `after_ps` each, step i a step of waiter
+    `owner[i]` (0, 1, ...: nondecreasing, each waiter with a step), every waiter's steps in the list
+    `list_of_owner` names (nondecreasing over the waiters), their clocks from `first_clock` on."""
+    keys, of_step = np.unique(list_of_owner[owner], return_inverse=True)
+    bounds = np.searchsorted(of_step, np.arange(len(keys) + 1)).astype(np.int64)
+    last_step = np.searchsorted(owner, np.arange(len(list_of_owner)), side="right") - 1
+    return _Joins(first_clock + last_step + of_step[last_step] + 1, waits_for, after_ps, bounds)
+
+
+def _joins(first: np.ndarray, last: np.ndarray, lane: np.ndarray, device: np.ndarray, collective_clock: np.ndarray,
+           collective_ps: np.ndarray, first_clock: int) -> tuple[np.ndarray, _Joins]:
+    """The waiting steps that wait for collectives `first..last` each (indices into the collective rows, whose lanes
+    are `lane`, which begin at `collective_clock` and take `collective_ps`) on more than one lane (indices into
+    them), and their joins (`_Joins`): one per device of `device`, its steps in program order."""
     lane_changes = np.r_[0, np.cumsum(lane[1:] != lane[:-1])]
     waiters = np.flatnonzero(lane_changes[last] != lane_changes[first])
     count = last[waiters] - first[waiters] + 1
@@ -421,10 +464,51 @@ def _joins(first: np.ndarray, last: np.ndarray, lane: np.ndarray, device: np.nda
     by_key = np.argsort(key, kind="stable")  # an owner's collectives by lane, each lane's in program order
     last_of_lane = by_key[np.diff(key[by_key], append=-1) != 0]
     owner, waits_for_row = owner[last_of_lane], member[last_of_lane]
-    join_keys, join = np.unique(device[waiters][owner], return_inverse=True)
-    bounds = np.searchsorted(join, np.arange(len(join_keys) + 1)).astype(np.int64)
-    last_step = np.searchsorted(owner, np.arange(len(waiters)), side="right") - 1
-    return _Joins(waiters, first_clock + last_step + join[last_step] + 1, waits_for_row, bounds)
+    return waiters, _clock_lists(owner, collective_clock[waits_for_row], collective_ps[waits_for_row],
+                                 device[waiters], first_clock)
+
+
+def _meetings(lowered: Lowered, collective_rows: np.ndarray) -> np.ndarray:
+    """Per collective row, its meeting: the rows of one collective on several devices share one (numbered 0, 1, ...),
+    -1 where its other members are not simulated (the d replicas, an expert-parallel group's or a context ring's
+    ranks a device stands for: symmetric with it, they issue it as it does). A stage's REDUCE and GATHER meet where
+    several model copies hold it (`StageGraph.copies`): each copy's device reduces the same model stage's
+    gradients with the others', the j-th of a kind, model stage, mini-batch and pipeline on one device with the
+    j-th on another, as a process group pairs its members' calls in the order each issues them (executor/replicas.py
+    `Layout`)."""
+    schedule, t = lowered.schedule, lowered.table
+    alone = np.full(len(collective_rows), -1, dtype=np.int64)
+    if schedule.graph.copies == 1:
+        return alone
+    replicated = np.flatnonzero(kind_mask(t.kind[collective_rows], Kind.REDUCE, Kind.GATHER))
+    rows = collective_rows[replicated]
+    n = schedule.graph.stages_per_copy
+    key = t.kind[rows].astype(np.int64) * n + t.stage[rows] % n
+    key = (key * schedule.minibatches + t.minibatch[rows]) * schedule.pipelines + t.pipeline[rows]
+    order = np.lexsort((key, t.device[rows]))  # by device, then key, each in program order
+    begins = np.r_[True, (np.diff(key[order]) != 0) | (np.diff(t.device[rows][order]) != 0)]
+    run_start = np.maximum.accumulate(np.where(begins, np.arange(len(order)), 0))
+    occurrence = np.empty(len(rows), dtype=np.int64)
+    occurrence[order] = np.arange(len(order)) - run_start
+    _, meeting, members = np.unique(key * len(rows) + occurrence, return_inverse=True, return_counts=True)
+    met = members[meeting] > 1
+    alone[replicated[met]] = np.unique(meeting[met], return_inverse=True)[1]
+    return alone
+
+
+def _meeting_lists(meeting: np.ndarray, lane: np.ndarray, issued_clock: np.ndarray, first_clock: int
+                   ) -> tuple[np.ndarray, _Joins]:
+    """The lane steps that wait for a meeting (indices into them, in lanes' order: their `meeting`s, `_meetings`',
+    and `lane`s) and their meetings' lists (`_Joins`), one per lane, whose steps wait for every member's issue
+    (`issued_clock`, per lane step: the clock after its row's own step)."""
+    met = np.flatnonzero(meeting >= 0)
+    by_meeting = met[np.argsort(meeting[met], kind="stable")]  # the members of meeting 0, then of meeting 1, ...
+    member_bounds = np.searchsorted(meeting[by_meeting], np.arange(int(meeting.max(initial=-1)) + 2))
+    count = np.diff(member_bounds)[meeting[met]]
+    owner = np.repeat(np.arange(len(met)), count)
+    member = np.arange(int(count.sum())) + np.repeat(member_bounds[meeting[met]] - (np.cumsum(count) - count), count)
+    return met, _clock_lists(owner, issued_clock[by_meeting[member]], np.zeros(len(member), dtype=np.int64),
+                             lane[met], first_clock)
 
 
 @dataclass
@@ -915,8 +999,7 @@ class _Model:
     SimPy's, at a fraction of its cost a step.
     """
 
-    def __init__(self, program: _Program, overlap_comm: bool, transfers_hold: bool = False,
-                 beside: tuple[float, ...] = ()) -> None:
+    def __init__(self, program: _Program, overlap_comm: bool, transfers_hold: bool = False) -> None:
         self.program = program
         self.overlap_comm = overlap_comm
         devices = len(program.step_bounds) - 1
@@ -935,10 +1018,12 @@ class _Model:
         self.ready: collections.deque = collections.deque()  # coroutines to resume, where nothing is timed
         self.running = None  # the coroutine running, where nothing is timed
         self.free_at = [0] * program.num_resources
+        beside = program.collective_contention
         self.cores = [_SharedCores(self.env, program.contention, beside)
                       for _ in range(max((u + 1 for u in program.host_unit if u is not None), default=0))]
         # Where a host's collectives share its cores (`beside`, `_SharedCores`): per such collective, its lane's
-        # clock at its begin -> its host and network ps alone; and, once it has ended, how much longer it took.
+        # clock at its begin -> its host and network ps alone; and, once it has ended, how much longer it took
+        # (by which its lane's clock moved on: `_Program.collective_clock`).
         self.on_host: dict[int, tuple[int, int]] = {}
         if self.cores and beside:
             hosts = [program.host_unit[d] for d in program.lowered.table.device[program.collective_rows].tolist()]
@@ -1058,7 +1143,7 @@ class _Model:
                 # A fixed time after that clock, or the arrival its SEND step found. (The step's own clock is set
                 # below, once known whole: a SEND that waited for a collective has not found its arrival yet, and a
                 # receive that sees the clock reads that arrival.)
-                ready = clocks[other] + after_ps + stretched.get(other, 0) if after_ps >= 0 else arrival[xid]
+                ready = clocks[other] + after_ps if after_ps >= 0 else arrival[xid]
                 if ready > clock:
                     clock = ready
             if stream == send:
@@ -1087,8 +1172,8 @@ class _Model:
                     yield env.timeout(clock - env.now)
                 end = yield self.cores[host].run(network_ps, collective=True)
                 stretched[mine] = end - clock - network_ps
-                clocks[mine] = clock
-                clock = end - network_ps  # the lane's next step adds its network ps (its busy ps)
+                clock = clocks[mine] = end - network_ps  # moved on: it ends, as the lane's next step adds, its
+                # network ps after its clock
             else:  # a collective issued, or a compute row of its own that waited for one
                 clocks[mine] = clock
             woken = waiters.pop(mine, None)
@@ -1309,7 +1394,7 @@ def simulate(
     if jitter < 0:
         raise ScheduleError(f"jitter must be >= 0 (got {jitter})")
     program = _price(lower(schedule), costs, cluster, jitter, seed)
-    model = _Model(program, cluster.overlap_comm, costs.transfers_hold_products, cluster.collective_contention)
+    model = _Model(program, cluster.overlap_comm, costs.transfers_hold_products)
     model.run()
     if model.finished < len(program.start_clock):  # a device or lane whose steps never ended
         validate(schedule)
@@ -1407,8 +1492,8 @@ def keep_fullest_parts(trace: Trace) -> None:
 def _issue_and_end_times(program: _Program, model: _Model, transfers: np.ndarray, transfer_ids: np.ndarray
                          ) -> tuple[np.ndarray, np.ndarray]:
     """Per row, when it was issued and when it ended (ps): a transfer when it arrives, a collective its network
-    time after its lane's begin. (A function of its own, so that its temporaries are freed before the trace
-    makes its columns.)"""
+    time after its lane's clock (`_Program.collective_clock`). (A function of its own, so that its temporaries are
+    freed before the trace makes its columns.)"""
     clocks = np.frombuffer(model.clocks, dtype=np.int64)
     issued_ps = _issue_times(program, model, clocks)
     duration_ps = model.duration_ps
@@ -1424,9 +1509,6 @@ def _issue_and_end_times(program: _Program, model: _Model, transfers: np.ndarray
             arrival = clocks[program.send_clock] + program.send_to_arrival_ps
         end_ps[transfers] = arrival[transfer_ids]
     end_ps[program.collective_rows] = clocks[program.collective_clock] + program.collective_ps
-    if model.network_stretch_ps:  # collectives that shared their host's cores took longer
-        stretch = model.network_stretch_ps
-        end_ps[program.collective_rows] += [stretch.get(clock, 0) for clock in program.collective_clock.tolist()]
     return issued_ps, end_ps
 
 
@@ -1434,10 +1516,13 @@ def _start_times(program: _Program, model: _Model, issued_ps: np.ndarray, end_ps
                  transfer_ids: np.ndarray) -> np.ndarray:
     """Per row, when it started (ps), in `issued_ps`'s memory, which holds the issue times on every row but the
     transfers': a row starts when issued, a transfer its duration before it arrives, a collective at its lane's
-    begin."""
+    begin (its clock, before what the host's cores stretched it moved that on)."""
     channel = transfer_ids // program.lowered.units
     issued_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[channel]
     issued_ps[program.collective_rows] = np.frombuffer(model.clocks, dtype=np.int64)[program.collective_clock]
+    if model.network_stretch_ps:  # collectives that shared their host's cores took longer
+        stretch = model.network_stretch_ps
+        issued_ps[program.collective_rows] -= [stretch.get(clock, 0) for clock in program.collective_clock.tolist()]
     return issued_ps
 
 
