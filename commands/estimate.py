@@ -650,12 +650,14 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     return profile.model_copy(update={"estimate": estimate})
 
 
-def tensors_alone_text(measured: Profile | None) -> str:
-    """For a caption: an estimate read from --profile holds no allocations for the caching allocator to replay, so
-    its peaks are the tensors alone, below --gpu's of the same model and flags (max reserved), which this says so that
-    the two are not read as one figure; "" for a calibration or a mixture of experts, whose peaks are the tensors alone
-    under --gpu too (commands/common.py `allocator_fields`)."""
-    if measured is None or measured.estimate is None or any(layer.dispatched_bytes for layer in measured.layers):
+def tensors_alone_text(measured: Profile | None, what: WhatIf | None) -> str:
+    """For a caption: an estimate read from --profile (`what` None: no --gpu) holds no allocations for the caching
+    allocator to replay, so its peaks are the tensors alone, below --gpu's of the same model and flags (max
+    reserved), which this says so that the two are not read as one figure; "" for --gpu's own estimate, a calibration
+    or a mixture of experts, whose peaks are the tensors alone under --gpu too (commands/common.py
+    `allocator_fields`)."""
+    if (what is not None or measured is None or measured.estimate is None
+            or any(layer.dispatched_bytes for layer in measured.layers)):
         return ""
     return ("peak: the tensors alone (max allocated): a profile holds no allocations to replay through the caching "
             "allocator, as simulate --gpu does (max reserved)")

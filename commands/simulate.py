@@ -383,7 +383,8 @@ def simulate(
         _print_memory_table(summaries, built, memory, skipped)
     else:
         _print_table(summaries, built, steady, example, skipped, memory,
-                     _cost_basis(scenario, built, what is None) + _overlap_text(built, pairs, fb_hidden_fraction)
+                     _cost_basis(scenario, built, tensors_alone_text(scenario.measured, what))
+                     + _overlap_text(built, pairs, fb_hidden_fraction)
                      + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names}),
                      [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
         for path in [*trace_paths, *([html] if html else [])]:
@@ -475,9 +476,9 @@ def _nothing_runs(requested: list[str], skipped: dict[str, str]) -> str:
     return f"none of the {len(requested)} methods can run: " + "; ".join(texts)
 
 
-def _cost_basis(scenario, schedules: list, read: bool) -> str:
-    """What the cost flags' numbers describe, for the table's caption; for an estimate `read` from --profile, that
-    its peaks are the tensors alone (`tensors_alone_text`)."""
+def _cost_basis(scenario, schedules: list, alone: str) -> str:
+    """What the cost flags' numbers describe, for the table's caption; for an estimate, `alone`: where its peaks are
+    the tensors alone (`tensors_alone_text`)."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
         estimate = scenario.measured.estimate
         _, p, d = estimate.degrees
@@ -486,7 +487,6 @@ def _cost_basis(scenario, schedules: list, read: bool) -> str:
         span = tensor_span_text(estimate)
         degrees = parallelism_text(estimate.parallelism, shape=False) + (
             f", the tensor-parallel group{span}" if span else "")
-        alone = tensors_alone_text(scenario.measured) if read else ""
         return (f"costs: estimated on {estimate.gpu} ({degrees}) from "
                 f"the model counted on the meta device{elsewhere}; MFU: model FLOPs (no recomputation) per second "
                 "over the GPUs' dense peak" + (f"; {alone}" if alone else ""))

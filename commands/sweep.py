@@ -278,7 +278,7 @@ def sweep(
         fail(f"--ray {ray}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
     except OSError as exc:
         fail(read_error(exc))
-    _print_front(results, front, "" if what is not None else tensors_alone_text(scenario.measured))
+    _print_front(results, front, tensors_alone_text(scenario.measured, what))
     for path in (out, html):
         if path is not None:
             stdout.print(f"wrote {path}", highlight=False)

@@ -275,7 +275,7 @@ def tune(
                 row.update(work[row["microbatch_size"]].metrics(row["samples_per_s"], devices))
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return
-    _print_tuning(tuning, measured, work, data_parallel is not None, command)
+    _print_tuning(tuning, measured, work, data_parallel is not None, command, tensors_alone_text(measured, what))
 
 
 def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
@@ -501,9 +501,10 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     return settings
 
 
-def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]]) -> None:
+def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], alone: str) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
-    choice's cut and the `command` that simulates it."""
+    choice's cut and the `command` that simulates it; `alone`: what a peak read from an estimate's profile leaves
+    out (`tensors_alone_text`)."""
     from ..planning.tune import memory_text, ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
@@ -519,7 +520,6 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                  f"(recomp; sel: selective) searched where not given; "
                  f"{'E: ranks the routed experts are placed over; ' * experts}MFU: model FLOPs per second over "
                  f"the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
-    alone = "" if work else tensors_alone_text(measured)  # --gpu's peaks replay the caching allocator
     read = (f"{alone}; " if alone else "") + ("MFU: the simulate command below gives the choice's; " if (
         measured.estimate is not None and not work) else "")
     per_stage = f"·{context}" * (context > 1)
