@@ -10,7 +10,7 @@ import math
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 from rich import box
@@ -216,7 +216,7 @@ def run(
                 if why:
                     raise InputError(why)
             profiled_b = measured.environment.microbatch_size
-            made, again = _made(measured)
+            made, again, _ = _made(measured)
             if is_given(ctx, "microbatch_size") and microbatch_size != profiled_b:
                 raise InputError(f"--microbatch-size {microbatch_size}: the profile {profile} was {made} at "
                                  f"{count_text(profiled_b, 'sample')} per micro-batch, and its times hold there "
@@ -250,7 +250,7 @@ def run(
         if bounds is not None and len(bounds) - 1 != built.num_stages:
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
                              f"{stages} devices has {built.num_stages}; "
-                             f"{'estimate' if measured.estimate else 'calibrate'} with --stages {built.num_stages} or "
+                             f"{_made(measured).command} with --stages {built.num_stages} or "
                              "drop --profile")
         require_model("pipesim run", model)
         from ..calibrate.measure import DeviceError, resolve_device
@@ -379,16 +379,25 @@ def _partition(path: Path, model: str | None, options: dict[str, int]):
                          f"--model {measured.model.name} or a profile of {model}")
     clash = [key for key, value in options.items() if measured.model.options.get(key) != value]
     if clash:
-        made, again = _made(measured)
+        made, again, _ = _made(measured)
         raise InputError(f"--{clash[0]} {options[clash[0]]}: the profile {path} was {made} with "
                          f"{clash[0]} {measured.model.options.get(clash[0])}; drop the flag or {again}")
     return measured, tuple(measured.partition.bounds)
 
 
-def _made(measured) -> tuple[str, str]:
+class Made(NamedTuple):
     """How a profile's times were made and how to make them again, as a refusal of another size says: an
     estimate was never calibrated."""
-    return ("estimated", "estimate it again") if measured.estimate else ("calibrated", "recalibrate")
+
+    made: str  # estimated or calibrated
+    again: str  # what to do for another size
+    command: str  # the pipesim command that makes one: estimate or calibrate
+
+
+def _made(measured) -> Made:
+    """The profile's: by `pipesim estimate` where it holds an estimate, else by `pipesim calibrate`."""
+    return (Made("estimated", "estimate it again", "estimate") if measured.estimate
+            else Made("calibrated", "recalibrate", "calibrate"))
 
 
 # --timeout's and --stall-timeout's seconds at most: torch's process groups wait in a C int of milliseconds (24.8
