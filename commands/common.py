@@ -978,15 +978,17 @@ def check_memory_gb(memory_gb: float | None) -> None:
 
 
 def progress(items: Iterable, quiet: bool, total: int | None = None):
-    """Iterate with a transient progress bar on an interactive terminal (simulations can take seconds); `total`
-    counts the items of an iterator."""
+    """Iterate with a transient progress bar on an interactive terminal (simulations can take seconds, one alone
+    too: its spinner and elapsed time say it is working); `total` counts the items of an iterator."""
     total = len(items) if total is None else total
-    if quiet or not stderr.is_terminal or total < 2:
+    if quiet or not stderr.is_terminal or not total:
         yield from items
         return
-    from rich.progress import track
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    yield from track(items, total=total, description="simulating", console=stderr, transient=True)
+    columns = (SpinnerColumn(), TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=stderr, transient=True) as bar:
+        yield from bar.track(items, total=total)
 
 
 @contextmanager
