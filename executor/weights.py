@@ -186,7 +186,7 @@ class StageWeights:
         old = self.current
         grads = self.filled_grads()
         last = [w.grad for w in self.owned]  # the last update's gradients, which this one's replace
-        let_go = flat_buffer(last) if self.spares.keep and None not in last else None
+        last_bucket = flat_buffer(last) if self.spares.keep and None not in last else None
         if keep_old:
             new = self.fresh_copies()
             if self.masters is None:  # the optimizer moves on to the copies, its state with it
@@ -202,7 +202,11 @@ class StageWeights:
         self.grads = [None] * len(new)
         for weight, grad in zip(self.owned, grads):
             weight.grad = grad
-        self.spare_bucket = self.spare_bucket if let_go is None else let_go
+        # the bucket the last update's gradients lay in, off .grad now, is the next mini-batch's to zero
+        # (`start_bucket`): this update's stay on .grad until the next, as plain SGD's prediction reads them
+        # (SpecTrain, PipeOptim, XPipe), so a replica keeps two buckets
+        if last_bucket is not None:
+            self.spare_bucket = last_bucket
         self.optimizer.step()
         self.refresh()  # the passes' 16-bit copies of the updated masters
 
