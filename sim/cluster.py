@@ -200,14 +200,17 @@ def load_cluster(path: str | Path) -> Cluster:
       "links": [{"src": 0, "dst": 1, "latency_us": 3, "bandwidth_gb_per_s": 150,
                  "shared": "nic0", "table": [[4096, 0.01], [67108864, 0.5]]}],
       "overlap_comm": true,
-      "contention": [1.0, 1.6, 2.4]
+      "contention": [1.0, 1.6, 2.4],
+      "collective_contention": [1.0, 1.9, 3.5]
     }
     Bandwidths are in GB/s (10^9 bytes). Every link is a first-come-first-served resource of its own
     direction unless `shared` names a resource it shares with other links (a NIC, a bus). Devices naming
     the same `compute` are ranks on one GPU: they take turns for compute and share its memory, so the
     `memory_gib` they give (one of them may give it for all) must agree. Devices naming the same `host` are
     CPU ranks on its cores: while k of them compute at once each is `contention[k - 1]` times slower than
-    alone (`pipesim calibrate` measures it; the first factor is 1).
+    alone (`pipesim calibrate` measures it; the first factor is 1), and their collectives run on those cores too,
+    `collective_contention[k]` times slower than alone while k of them compute (a calibration's
+    `allreduce.beside_compute`; the first factor, none computing, is 1).
     """
     from pydantic import (
         AfterValidator,
@@ -216,6 +219,7 @@ def load_cluster(path: str | Path) -> Cluster:
         Field,
         StrictBool,
         ValidationError,
+        ValidationInfo,
         field_validator,
         model_validator,
     )
@@ -256,12 +260,14 @@ def load_cluster(path: str | Path) -> Cluster:
         links: list[PairSpec] = []
         overlap_comm: StrictBool = True  # not "yes", which pydantic would read as true
         contention: list[float] = []
+        collective_contention: list[float] = []
 
-        @field_validator("contention")
+        @field_validator("contention", "collective_contention")
         @classmethod
-        def _slowdowns(cls, factors: list[float]) -> list[float]:
+        def _slowdowns(cls, factors: list[float], info: ValidationInfo) -> list[float]:
             if factors and (factors[0] != 1.0 or any(not math.isfinite(f) or f <= 0 for f in factors)):
-                raise ValueError("slowdowns with 1, 2, ... devices computing at once: the first 1, each one > 0")
+                counted = "1, 2" if info.field_name == "contention" else "0, 1"
+                raise ValueError(f"slowdowns with {counted}, ... devices computing at once: the first 1, each one > 0")
             return factors
 
         @model_validator(mode="before")
@@ -320,4 +326,4 @@ def load_cluster(path: str | Path) -> Cluster:
             if src != dst and (src, dst) not in links:
                 links[(src, dst)] = to_link(spec.link, f"link {src}->{dst}")
     return Cluster(n, to_link(spec.link, None), links, names, memory, spec.overlap_comm, compute, hosts,
-                   tuple(spec.contention))
+                   tuple(spec.contention), tuple(spec.collective_contention))

@@ -11,7 +11,7 @@ from pipesim.schedules import KINDS, Kind
 from pipesim.sim import Cluster, ClusterError, Costs, load_cluster, simulate
 from pipesim.sim.costs import RowOverhead
 from pipesim.traces import Stream
-from tests.conftest import build
+from tests.conftest import build, pipesim
 
 
 def on_one_host(cluster: Cluster, *contention: float) -> Cluster:
@@ -105,6 +105,29 @@ def test_the_cluster_file_names_hosts_and_their_contention(tmp_path):
             load_cluster(path)
     with pytest.raises(ClusterError, match="contention"):
         Cluster(2, contention=(2.0,))
+
+
+def test_the_cluster_file_sets_how_much_the_hosts_compute_slows_its_collectives(tmp_path):
+    """A cluster file gives `collective_contention` as a calibration's all-reduce beside computing ranks gives it
+    (it could not: a field it did not know): read, described, priced, and a bad one refused naming the field."""
+    path = tmp_path / "c.json"
+    on_box = {"devices": [{"name": f"rank {d}", "host": "box"} for d in range(2)], "contention": [1.0, 1.2]}
+    run = ("simulate", "-s", "dualpipe", "-p", 2, "-m", 4, "--fwd", 1, "--bwd", 2, "--param-mb", 100,
+           "--data-parallel", 2, "--network-gb-s", 10, "--cluster", path, "--json")
+    step_ms = []
+    for beside in ([], [1.0, 2.0, 3.0]):
+        path.write_text(json.dumps({**on_box, "collective_contention": beside}))
+        assert load_cluster(path).collective_contention == tuple(beside)
+        assert load_cluster(path).describe().get("collective_contention", []) == beside
+        code, out, err = pipesim(*run)
+        assert code == 0, err
+        step_ms.append(json.loads(out)["results"][0]["time_per_minibatch_ms"])
+    assert step_ms[1] > step_ms[0]  # the all-reduce beside the other rank's compute takes longer
+    for bad in ([2.0, 3.0], [1.0, 0.0], [1.0, "fast"]):
+        path.write_text(json.dumps({**on_box, "collective_contention": bad}))
+        code, out, err = pipesim(*run)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"error: --cluster: cluster file {path}: collective_contention"), err
 
 
 def test_the_runtime_host_time_between_rows_shares_the_cores_as_compute_does():
