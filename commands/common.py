@@ -992,6 +992,17 @@ def progress(items: Iterable, quiet: bool, total: int | None = None):
 
 
 @contextmanager
+def transient_status(what: str, quiet: bool) -> Iterator[None]:
+    """What a step that may take seconds is doing, as a transient status on an interactive terminal (a model's
+    first count on torch's meta device imports torch: seconds with nothing else on the screen)."""
+    if quiet or not stderr.is_terminal:
+        yield
+        return
+    with stderr.status(what):
+        yield
+
+
+@contextmanager
 def search_progress(search_seconds: float | None, quiet: bool) -> Iterator[Callable[[float], None] | None]:
     """For a search given --search-seconds of a second or more, on an interactive terminal: a transient progress
     bar, and the callback the search reports the share of its budget spent to (else None: no bar)."""

@@ -47,6 +47,7 @@ from .common import (
     require_model,
     stderr,
     stdout,
+    transient_status,
     what_if_options,
     writing,
     zero_stage,
@@ -505,6 +506,10 @@ def print_fitted_curve(profile: Profile) -> None:
                  f"{' (measured)' if fitted.kernel_overhead_measured else ''}; {fit_errors(fitted)}", highlight=False)
 
 
+# what a terminal shows while count_what_if and estimated_profile run: a first count imports torch (seconds)
+COUNTING_STATUS = "counting the model on torch's meta device, then pricing it on the GPU"
+
+
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     """The model counted on the meta device at `microbatch_size` samples. A built-in model's count is kept in the
     host cache, keyed by everything it depends on (see `_count_cache`), so that only the first what-if of a shape
@@ -732,9 +737,10 @@ def estimate(
         check_outputs([("--out", out)], model_reads(ctx.params))
         zero = zero_stage(ctx.params)
         what = what_if(ctx)
-        counted = count_what_if(what, microbatch_size)
-        profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
-                                                                    recompute), optimizer)
+        with transient_status(COUNTING_STATUS, False):
+            counted = count_what_if(what, microbatch_size)
+            profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
+                                                                        recompute), optimizer)
         with writing("--out"):
             write_atomic(out, profile_json(profile))
     except InputError as exc:

@@ -77,11 +77,13 @@ from .common import (
     searched_scenario,
     stderr,
     stdout,
+    transient_status,
     with_help,
     writing,
     zero_stage,
 )
 from .estimate import (
+    COUNTING_STATUS,
     ModelWork,
     count_what_if,
     estimated_profile,
@@ -260,9 +262,12 @@ def simulate(
                              "give one")
         what = what_if(ctx, profile_reads=("expert_parallel",))
         check_allocator(ctx, what)
-        counted = None if what is None else count_what_if(what, microbatch_size)
-        parallel = None if what is None else what.parallelism(stages, tensor_parallel, data_parallel, recompute)
-        estimated = None if what is None else estimated_profile(what, counted, parallel, optimizer)
+        counted = parallel = estimated = None
+        if what is not None:
+            with transient_status(COUNTING_STATUS, as_json):
+                counted = count_what_if(what, microbatch_size)
+                parallel = what.parallelism(stages, tensor_parallel, data_parallel, recompute)
+                estimated = estimated_profile(what, counted, parallel, optimizer)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            **allocator_fields(allocator, counted, parallel, optimizer_step))

@@ -2,9 +2,12 @@
 
 from io import StringIO
 
+import pytest
 from rich.console import Console
 
 from pipesim.commands import common
+
+from .conftest import pipesim
 
 
 def _terminal(monkeypatch) -> StringIO:
@@ -26,3 +29,32 @@ def test_progress_stays_off_when_quiet(monkeypatch):
     screen = _terminal(monkeypatch)
     assert list(common.progress(["1f1b", "zb-h1"], quiet=True)) == ["1f1b", "zb-h1"]
     assert screen.getvalue() == ""
+
+
+def test_a_status_says_what_runs_on_a_terminal_and_nothing_when_quiet(monkeypatch):
+    screen = _terminal(monkeypatch)
+    with common.transient_status("counting", quiet=True):
+        pass
+    assert screen.getvalue() == ""
+    with common.transient_status("counting", quiet=False):
+        pass
+    assert "counting" in screen.getvalue()
+
+
+@pytest.mark.parametrize("command", [["simulate", "-s", "1f1b"], ["estimate", "--out", "gpt.json"]])
+def test_counting_a_model_for_a_gpu_says_so_on_a_terminal(monkeypatch, tmp_path, command):
+    """A first --gpu count imports torch and counts on the meta device, 10 s and more on a busy host, where the
+    terminal stayed blank: a status names it while it runs."""
+    from pipesim.commands import estimate, simulate
+
+    screen = _terminal(monkeypatch)
+
+    def count(*_):  # the command's last step: what the screen shows by its end was shown while it counted
+        raise common.InputError("stopped at the count")
+
+    monkeypatch.setattr(simulate, "count_what_if", count)
+    monkeypatch.setattr(estimate, "count_what_if", count)
+    monkeypatch.chdir(tmp_path)
+    code, _, _ = pipesim(*command, "--gpu", "h100-sxm", "--model", "gpt")
+    assert code == 2 and "stopped at the count" in screen.getvalue()
+    assert estimate.COUNTING_STATUS in screen.getvalue()
