@@ -23,6 +23,7 @@ from .common import (
     model_shape_options,
     require_model,
     stderr,
+    transient_status,
 )
 from .tables import print_table
 
@@ -46,19 +47,20 @@ def count(
         require_model("pipesim count", model)
         if dtype not in DTYPES:
             raise InputError(choose_from("--dtype", DTYPES, dtype))
-        import torch
+        with transient_status("counting the model on torch's meta device", as_json):
+            import torch
 
-        from ..workload.count import ATTENTION, count_built
-        from ..workload.models import ModelError
+            from ..workload.count import ATTENTION, count_built
+            from ..workload.models import ModelError
 
-        if attention not in ATTENTION:
-            raise InputError(choose_from("--attention", ATTENTION, attention))
-        options = {name: ctx.params[name] for name in MODEL_SIZES}
-        started = time.perf_counter()
-        try:
-            counted = count_built(model, options, microbatch_size, getattr(torch, DTYPES[dtype]), attention)
-        except ModelError as exc:
-            raise InputError(str(exc)) from None
+            if attention not in ATTENTION:
+                raise InputError(choose_from("--attention", ATTENTION, attention))
+            options = {name: ctx.params[name] for name in MODEL_SIZES}
+            started = time.perf_counter()
+            try:
+                counted = count_built(model, options, microbatch_size, getattr(torch, DTYPES[dtype]), attention)
+            except ModelError as exc:
+                raise InputError(str(exc)) from None
     except InputError as exc:
         fail(str(exc))
     if as_json:

@@ -58,3 +58,18 @@ def test_counting_a_model_for_a_gpu_says_so_on_a_terminal(monkeypatch, tmp_path,
     code, _, _ = pipesim(*command, "--gpu", "h100-sxm", "--model", "gpt")
     assert code == 2 and "stopped at the count" in screen.getvalue()
     assert estimate.COUNTING_STATUS in screen.getvalue()
+
+
+def test_count_says_what_it_counts_on_a_terminal(monkeypatch):
+    """`pipesim count` imports torch and counts, 6 s for the small gpt on a busy host, with a blank terminal."""
+    from pipesim.workload import count
+
+    screen = _terminal(monkeypatch)
+
+    def counted(*_):
+        raise common.InputError("stopped at the count")
+
+    monkeypatch.setattr(count, "count_built", counted)
+    code, _, _ = pipesim("count", "--model", "gpt")
+    assert code == 2 and "stopped at the count" in screen.getvalue()
+    assert "counting the model on torch's meta device" in screen.getvalue()
