@@ -41,6 +41,7 @@ from ..profiles.schema import (
     AllToAllProfile,
     Environment,
     LayerProfile,
+    LinkPointModel,
     LinkProfile,
     ModelInfo,
     Partition,
@@ -60,7 +61,13 @@ from ..workload.models import BATCH, Model, ModelError, routed_experts_of
 from ..workload.moe import dispatches
 from ..workload.optim import make_optimizer
 from .cache import HostCache, fresh
-from .links import BESIDE_COMPUTE, measure_all_to_all, measure_allreduce_beside_compute, measure_p2p_and_allreduce
+from .links import (
+    BESIDE_COMPUTE,
+    measure_all_to_all,
+    measure_allreduce,
+    measure_allreduce_beside_compute,
+    measure_p2p_and_allreduce,
+)
 from .passes import StageRun, stage_runs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -772,9 +779,10 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
               phase: PhaseLine = lambda title: nullcontext([]), expert_parallel: int = 2) -> Profile:
     """Everything `pipesim calibrate` measures in process, as a Profile: layers, the partition into `stages`
     (under the cap, for `optimizer`'s state), the stages' passes and steps, and, given sizes, the p2p link and
-    all-reduce (`measure_links`), and for a mixture of experts the all-to-all over `expert_parallel` ranks at the
-    sizes its layers exchange (`measure_all_to_alls`), each from `cache` where it holds them for this host. Each
-    of these runs inside `phase(title)`."""
+    all-reduce (`measure_links`; on a CPU the all-reduce past them too, up to the largest stage's gradients:
+    `with_sizes_covering`, and beside computing ranks: `with_beside_compute`), and for a mixture of experts the
+    all-to-all over `expert_parallel` ranks at the sizes its layers exchange (`measure_all_to_alls`), each from
+    `cache` where it holds them for this host. Each of these runs inside `phase(title)`."""
     with threads(settings.threads):  # the bytes too: every core's threads wait on each other on a busy host
         with phase(f"timing layers ({len(model.layers)})"):
             recording, layers = measure_bytes(model, settings)
@@ -806,6 +814,11 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
         if settings.device.type == "cpu":
             gradient_bytes = max(sum(layer.param_bytes for layer in layers[first:stop])
                                  for first, stop in zip(bounds, bounds[1:]))
+            past = sizes_covering(link_sizes, gradient_bytes)
+            if past:
+                with phase(f"timing the all-reduce past the link's sizes, up to {past[-1]} bytes (a stage's gradients: "
+                           f"{gradient_bytes})") as notes:
+                    allreduce = with_sizes_covering(allreduce, past, settings, advance, cache, notes)
             with phase(f"timing the all-reduce beside computing ranks ({gradient_bytes} bytes)") as notes:
                 allreduce = with_beside_compute(allreduce, gradient_bytes, settings, cache, notes)
     sizes = all_to_all_sizes(layers, expert_parallel)
@@ -829,6 +842,41 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
         stages=aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), steps,
                                 passes, boundary_held_bytes(layers, bounds, dag=False)),
         link=link, allreduce=allreduce, all_to_all=all_to_all)
+
+
+def sizes_covering(link_sizes: list[int], nbytes: int) -> list[int]:
+    """Powers of two past the largest of `link_sizes`, up to the first that holds `nbytes` (none where it does)."""
+    sizes, size = [], max(link_sizes)
+    while size < nbytes:
+        size *= 2
+        sizes.append(size)
+    return sizes
+
+
+def with_sizes_covering(allreduce: AllReduceProfile, sizes: list[int], settings: Settings, advance: Advance,
+                        cache: HostCache | None, notes: list[str]) -> AllReduceProfile:
+    """`allreduce` with points at `sizes` too (`sizes_covering`: past the link's, up to the first that holds the
+    largest stage's gradients, which its REDUCE row all-reduces in one call, the executor's one flat bucket a stage:
+    executor/replicas.py `bucket`). A fit of the link's sizes alone (1 MiB at most, as `benchmarks/fidelity.py`
+    calibrates) priced a 4 MB all-reduce by extrapolation. A host cache entry of its own, keyed by the sizes, which
+    say what it covers: up to a power of two, not the gradients' bytes, so that every model whose largest stage
+    needs no more reuses it, and one that needs more measures the sizes that cover it; what it covers and where it
+    came from in `meta["sizes_covering"]`."""
+    key = {"device": settings.device.type, "sizes": sizes, "repeats": settings.repeats, "warmup": settings.warmup}
+
+    def measure() -> dict[str, Any]:
+        points = measure_allreduce(sizes, device=settings.device.type, repeats=settings.repeats,
+                                   warmup=settings.warmup,
+                                   progress=lambda done, total: advance(f"all-reduce: round {done}/{total}"))
+        return {"points": [asdict(point) for point in points], "covers_bytes": max(sizes)}
+
+    measured = cache.get("allreduce-past", key, measure, own_tasks=2) if cache is not None else fresh(measure)
+    covering = {"sizes": sizes, "covers_bytes": measured.value["covers_bytes"]}
+    if cache is not None:
+        notes.append(measured.describe())
+        covering["host_cache"] = measured.meta()
+    points = [*allreduce.points, *(LinkPointModel(**point) for point in measured.value["points"])]
+    return allreduce.model_copy(update={"points": points, "meta": {**allreduce.meta, "sizes_covering": covering}})
 
 
 def with_beside_compute(allreduce: AllReduceProfile, gradient_bytes: int, settings: Settings,

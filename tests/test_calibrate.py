@@ -846,9 +846,10 @@ def test_a_second_calibration_reuses_the_host_terms_and_fresh_measures_them(tmp_
     for name, reused in (("cold", False), ("warm", True), ("fresh", False)):
         profile, err = runs[name]
         for cached in (profile.link.meta["host_cache"], profile.allreduce.meta["host_cache"],
+                       profile.allreduce.meta["sizes_covering"]["host_cache"],
                        profile.allreduce.meta["beside_compute_host_cache"], profile.runtime.meta["host_cache"]):
             assert cached["reused"] is reused
-        assert (err.count("from the host cache") == 3) is reused and (err.count("measured now") == 3) is not reused
+        assert (err.count("from the host cache") == 4) is reused and (err.count("measured now") == 4) is not reused
         assert profile.runtime.meta["host_times_from"] == "the calibrated model"  # measured every time
     cold, warm = runs["cold"][0], runs["warm"][0]
     assert warm.link == cold.link.model_copy(update={"meta": warm.link.meta})
@@ -856,8 +857,8 @@ def test_a_second_calibration_reuses_the_host_terms_and_fresh_measures_them(tmp_
     assert warm.link.meta["host_cache"]["measured_at"] == cold.link.meta["host_cache"]["measured_at"]
     # the host's terms, the digits split the mlp draws from (workload/data.py), and the model's count the fitted
     # curve prices (commands/estimate.py)
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["beside", "counts", "digits",
-                                                                                   "links", "runtime"]
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["allreduce", "beside", "counts",
+                                                                                   "digits", "links", "runtime"]
 
 
 def test_a_second_model_reuses_the_link_and_all_reduce_and_measures_its_all_reduce_beside_compute(tmp_path,
