@@ -144,6 +144,12 @@ class StageCosts:
     `all_to_all_paired_ms`: of both, what Megatron-core's overlapped pair of a forward and a backward leaves exposed
     (its layers' nodes side by side: planning/experts.py `paired_exposed_ms`; 0: not known, each part's all-to-alls
     hidden under the other part's whole compute), half of it its forward's and half its backward's;
+    `pair_layer_bytes`: the largest of its layers' `activation_bytes`, which an overlapped pair's forward holds
+    beside its backward's micro-batch while the pair runs (None: not known, its whole activations): the pair runs
+    layer i's forward beside layer L-1-i's backward and frees each backward layer's state as it goes
+    (megatron/core/models/common/model_chunk_schedule_plan.py `TransformerModelChunkSchedulePlan.run` at
+    Megatron-LM 01cf4fb5: `get_layer(i)` beside `pop_layer()`, `release_state()` after each pair), so the newer
+    micro-batch grows a layer as the older shrinks by one: one micro-batch and a layer at the most;
     `fwd_sharing_ms` and `bwd_sharing_ms`: the forward and backward on the multiprocessors the dispatcher's kernels
     leave them (0: none held), which an overlapped pair's part runs at while the other part's all-to-alls run
     (`Costs.sharing_dispatcher_ms`);
@@ -231,6 +237,7 @@ class StageCosts:
     wgrad_kept_bytes: int | None = None
     wgrad_gradient_bytes: int = 0
     master_bytes: int = 0
+    pair_layer_bytes: int | None = None
 
     @property
     def gradient_bytes(self) -> int:

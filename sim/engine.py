@@ -673,6 +673,8 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     copies = np.flatnonzero(lowered.copies_delta != 0)  # weight copies an update leaves to later readers
     sparse["parameters"] = (copies, np.zeros(len(copies), dtype=np.int64),
                             lowered.copies_delta[copies] * param[stage[copies]])
+    for part, events in _paired_forwards_held(t, stages, at_start).items():
+        sparse[part] = _merged(sparse[part], events)
     if costs.kept_gradients:  # a second gradient copy while the update's last one is kept
         gradient = per_stage([c.gradient_bytes for c in stages])
         opening = np.round(gradient[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
@@ -800,6 +802,29 @@ def _events(rows: np.ndarray, start: np.ndarray | None = None, end: np.ndarray |
     their end (None: none)."""
     none = np.zeros(len(rows), dtype=np.int64)
     return rows, none if start is None else start, none if end is None else end
+
+
+def _paired_forwards_held(t, stages: Sequence[StageCosts], at_start: dict[str, np.ndarray]
+                          ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Sparse rows that move an overlapped pair's forward's activations (an F with a peer, its B the next row)
+    beyond one layer's (`StageCosts.pair_layer_bytes`, where known) from the F's start to the pair's end, as the
+    backward's micro-batch frees its layers while the forward's grows: per activations part, in proportion to what
+    the F takes of it."""
+    layer = np.array([-1 if c.pair_layer_bytes is None else c.pair_layer_bytes for c in stages], dtype=np.int64)
+    pairs = np.flatnonzero((t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0))
+    pairs = pairs[layer[t.stage[pairs]] >= 0]
+    if not len(pairs):
+        return {}
+    entry = (t.stage[pairs], KIND_CODE[Kind.F])
+    taken = at_start["activations"][entry]
+    later = np.maximum(taken - layer[t.stage[pairs]], 0)
+    moved = {"activations": later}
+    for saver in SAVERS[:-1]:
+        moved[saver] = at_start[saver][entry] * later // np.maximum(taken, 1)
+    moved[SAVERS[-1]] = later - sum(moved[saver] for saver in SAVERS[:-1])
+    rows, none = np.concatenate([pairs, pairs + 1]), np.zeros(len(pairs), dtype=np.int64)
+    return {part: _merged((rows, np.concatenate([-bytes_, none]), np.concatenate([none, bytes_])))
+            for part, bytes_ in moved.items()}
 
 
 def _merged(*sparse: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,33 @@
+"""An overlapped F&B pair's activations: Megatron-core's pair runs the forward's layer i beside the backward's layer
+L-1-i and frees each backward layer's state as it goes (model_chunk_schedule_plan.py at Megatron-LM 01cf4fb5), so
+while it runs the device holds the older micro-batch's activations and one layer of the newer one's, not both
+micro-batches' (sim/costs.py `StageCosts.pair_layer_bytes`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipesim.schedules import ScheduleParams, build_schedule
+from pipesim.sim.cluster import Cluster
+from pipesim.sim.costs import Costs
+from pipesim.sim.engine import simulate
+from pipesim.traces.metrics import summarize
+
+MIB = 2**20
+
+
+def peak_activations_mib(pair_layer_bytes: int | None) -> tuple[float, int]:
+    """One stage of 8 MiB of activations a micro-batch, each forward after the first paired with the backward
+    before it: the peak activations (MiB) and micro-batches held."""
+    schedule = build_schedule("1f1b", ScheduleParams(stages=1, microbatches=4, expert_parallel=2,
+                                                     overlap_expert_comm=True))
+    costs = Costs.per_stage(1, fwd_ms=2, bwd_ms=4, activation_mb=8.0)
+    costs = replace(costs, stages=tuple(replace(s, pair_layer_bytes=pair_layer_bytes) for s in costs.stages))
+    (device,) = summarize(simulate(schedule, costs, Cluster.uniform(1, 0.0))).devices
+    return device.peak_memory_parts_mb["activations"], device.peak_activations
+
+
+def test_a_pair_holds_one_micro_batch_and_one_layer_of_the_next():
+    assert peak_activations_mib(1 * MIB) == (8 + 1, 2)  # the older micro-batch's, and a layer of the newer
+    assert peak_activations_mib(None) == (2 * 8, 2)  # a layer not known: both micro-batches, as before
+
