@@ -98,6 +98,17 @@ class _Command(typer.core.TyperCommand):
             if type(param) is typer.core.TyperArgument:
                 param.__class__ = _Argument
 
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        """Refuses a second --schedule where the command runs one method, of which click kept the last alone:
+        `run -s 1f1b -s xpipe` ran xpipe only, exit 0, where simulate's, tune's and study's -s compare several.
+        Any other option given again replaces its value, as in most tools."""
+        _, _, given = self.make_parser(ctx).parse_args(args=list(args))
+        for param in dict.fromkeys(given):
+            if "--schedule" in param.opts and param.metavar == "NAME" and not param.multiple and given.count(param) > 1:
+                fail(f"--schedule: given {given.count(param)} times, and `pipesim {ctx.info_name}` runs one method; "
+                     "give one (`pipesim simulate` compares several)")
+        return super().parse_args(ctx, args)
+
 
 def make_app(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
     """The typer app with the commands `names` (all by default)."""

@@ -73,3 +73,17 @@ def test_count_says_what_it_counts_on_a_terminal(monkeypatch):
     code, _, _ = pipesim("count", "--model", "gpt")
     assert code == 2 and "stopped at the count" in screen.getvalue()
     assert "counting the model on torch's meta device" in screen.getvalue()
+
+
+@pytest.mark.parametrize("command", [["run", "--model", "mlp"], ["export", "--format", "torch-csv"]])
+def test_a_second_method_where_one_runs_is_refused(tmp_path, monkeypatch, command):
+    """`run -s 1f1b -s xpipe` ran xpipe alone, exit 0: click keeps an option's last value."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*command, "-s", "1f1b", "-s", "xpipe")
+    assert code == 2 and out == "" and not list(tmp_path.iterdir())
+    assert err.startswith("error: --schedule: given 2 times") and len(err.strip().splitlines()) == 1, err
+
+
+def test_methods_compared_and_an_option_given_again_still_run():
+    code, out, _ = pipesim("simulate", "-s", "1f1b", "-s", "zb-h1", "-p", "2", "-p", "4", "-m", "8", "--json")
+    assert code == 0 and '"zb-h1"' in out and '"device": 3' in out  # -p 4, the last given
