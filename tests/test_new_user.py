@@ -5,7 +5,10 @@ from io import StringIO
 import pytest
 from rich.console import Console
 
-from pipesim.commands import common
+# imported before any test stands a terminal in for common.stderr: a module first imported under the stand-in
+# would keep it as its `stderr` for every later test
+from pipesim import cli  # noqa: F401
+from pipesim.commands import common, count, estimate, simulate  # noqa: F401
 
 from .conftest import pipesim
 
@@ -45,15 +48,13 @@ def test_a_status_says_what_runs_on_a_terminal_and_nothing_when_quiet(monkeypatc
 def test_counting_a_model_for_a_gpu_says_so_on_a_terminal(monkeypatch, tmp_path, command):
     """A first --gpu count imports torch and counts on the meta device, 10 s and more on a busy host, where the
     terminal stayed blank: a status names it while it runs."""
-    from pipesim.commands import estimate, simulate
-
     screen = _terminal(monkeypatch)
 
-    def count(*_):  # the command's last step: what the screen shows by its end was shown while it counted
+    def stopped(*_):  # the command's last step: what the screen shows by its end was shown while it counted
         raise common.InputError("stopped at the count")
 
-    monkeypatch.setattr(simulate, "count_what_if", count)
-    monkeypatch.setattr(estimate, "count_what_if", count)
+    monkeypatch.setattr(simulate, "count_what_if", stopped)
+    monkeypatch.setattr(estimate, "count_what_if", stopped)
     monkeypatch.chdir(tmp_path)
     code, _, _ = pipesim(*command, "--gpu", "h100-sxm", "--model", "gpt")
     assert code == 2 and "stopped at the count" in screen.getvalue()
@@ -62,14 +63,14 @@ def test_counting_a_model_for_a_gpu_says_so_on_a_terminal(monkeypatch, tmp_path,
 
 def test_count_says_what_it_counts_on_a_terminal(monkeypatch):
     """`pipesim count` imports torch and counts, 6 s for the small gpt on a busy host, with a blank terminal."""
-    from pipesim.workload import count
+    from pipesim.workload import count as workload_count
 
     screen = _terminal(monkeypatch)
 
     def counted(*_):
         raise common.InputError("stopped at the count")
 
-    monkeypatch.setattr(count, "count_built", counted)
+    monkeypatch.setattr(workload_count, "count_built", counted)
     code, _, _ = pipesim("count", "--model", "gpt")
     assert code == 2 and "stopped at the count" in screen.getvalue()
     assert "counting the model on torch's meta device" in screen.getvalue()
