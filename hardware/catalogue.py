@@ -4,6 +4,7 @@ schema. Pure data: no torch, no simulator."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -84,6 +85,38 @@ class AttentionPasses(_Strict):
         return self
 
 
+class DispatcherRates(_Strict):
+    """A token dispatcher's published algorithm bandwidth by the expert-parallel group's rank count, across nodes:
+    the bytes of every token over the nodes it reaches, its own included where its experts lie there, over the time of
+    one dispatch or one combine (planning/experts.py `ExpertGroup.all_to_all_ms`), at the `source`'s
+    `gpus_per_node` ranks a node. Between two measured counts the rate is linear in log2 of the ranks; outside them,
+    the nearest's."""
+
+    ranks: list[int] = Field(min_length=1)
+    dispatch_gb_s: list[Annotated[float, Field(gt=0)]]
+    combine_gb_s: list[Annotated[float, Field(gt=0)]]
+    gpus_per_node: int = Field(ge=1)
+    source: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_rate_a_count(self) -> DispatcherRates:
+        if len(self.dispatch_gb_s) != len(self.ranks) or len(self.combine_gb_s) != len(self.ranks):
+            raise ValueError("dispatch_gb_s, combine_gb_s: one rate for each of ranks")
+        if any(low >= high for low, high in zip(self.ranks, self.ranks[1:])) or self.ranks[0] < 2:
+            raise ValueError("ranks: rising rank counts, 2 or more")
+        return self
+
+    def gb_s(self, ranks: int) -> tuple[float, float]:
+        """The (dispatch, combine) algorithm bandwidth at `ranks` ranks (the class docstring)."""
+        rates = (self.dispatch_gb_s, self.combine_gb_s)
+        if ranks <= self.ranks[0] or ranks >= self.ranks[-1]:
+            end = 0 if ranks <= self.ranks[0] else -1
+            return rates[0][end], rates[1][end]
+        high = next(i for i, count in enumerate(self.ranks) if count >= ranks)
+        share = math.log2(ranks / self.ranks[high - 1]) / math.log2(self.ranks[high] / self.ranks[high - 1])
+        return tuple(rate[high - 1] + (rate[high] - rate[high - 1]) * share for rate in rates)
+
+
 class Curve(_Strict):
     """How far below its datasheet a part runs, from published measurements (`source`), for the time model of
     planning/estimate.py: the large matrix products' fraction of peak (`matmul_efficiency`: at shapes that fill
@@ -101,7 +134,9 @@ class Curve(_Strict):
     product (planning/estimate.py `bulk_exposed_ms`); `fp8_split_accumulation_efficiency`: a float8 product's
     fraction of the float8 peak where it adds its partial sums into float32 every few steps (cuBLASLt's FAST_ACCUM
     off, torch._scaled_mm's default; the backward's products under TransformerEngine and torchao: planning/fp8.py),
-    where published; None: at `matmul_efficiency`, as a product with fast accumulation is priced."""
+    where published; None: at `matmul_efficiency`, as a product with fast accumulation is priced; `hybridep`:
+    HybridEP's algorithm bandwidth across nodes where published for the part (None: its dispatch priced on the
+    links, as NCCL's)."""
 
     matmul_efficiency: float = Field(gt=0, le=1)
     attention_efficiency: float = Field(gt=0, le=1)
@@ -117,6 +152,7 @@ class Curve(_Strict):
     tiles: list[tuple[int, int]] = Field(min_length=1)
     persistent_products: StrictBool = False  # not "yes", which pydantic would read as true
     fp8_split_accumulation_efficiency: float | None = Field(default=None, gt=0, le=1)
+    hybridep: DispatcherRates | None = None
     source: str = Field(min_length=1)
 
     def attention_kernel_efficiency(self, kernel: str) -> float | None:

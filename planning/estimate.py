@@ -2679,7 +2679,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
                                parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,
                                parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor,
-                               _routing_groups(counted.options), parallel.routing)
+                               _routing_groups(counted.options), parallel.routing, curve.hybridep)
     except ExpertParallelError as exc:
         raise EstimateError(*exc.args) from None  # its {settings} as they are
     links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,

@@ -26,7 +26,13 @@ which forwards it over the node's link to that node's ranks (DeepSeek-V3 technic
 token's k experts are k of the n drawn alike, so a group of g of them misses all k with chance C(n - g, k) / C(n,
 k): a rank (g = n/E) or a node (g its ranks' experts) receives the token with one minus that. The NIC carries one
 copy per other node receiving it, the node's link one per other rank receiving it on each node
-(`ExpertGroup.all_to_all_ms`). Where the router limits a token to M of G expert groups of s = n/G (DeepSeek-V3's
+(`ExpertGroup.all_to_all_ms`). HybridEP across nodes is priced at its own published rate where the part's curve
+holds one (hardware/catalogue.py `DispatcherRates`, an H100's: its algorithm bandwidth, which counts a token once for
+each node it reaches, its own included): the bytes a token carries to each of those nodes over the rate at the
+group's rank count (in GB/s, 1e6 bytes a ms), half the dispatch's, half the combine's, the two an all-to-all of the
+pass prices (a forward's dispatch and combine, a backward's gradients of each), after the NIC's step latency as
+NCCL's (within a percent of the table's transfers, 2 ms and more). Inside a node, or on a part without the table,
+it is priced as DeepEP's. Where the router limits a token to M of G expert groups of s = n/G (DeepSeek-V3's
 node-limited routing, M = 4 of 8, a group a node: its report, section 2.1.2; transformers' DeepseekV3 router,
 n_group and topk_group), its M groups are M of the G drawn alike and its k experts k of their M·s: a rank whose
 experts lie in one group receives it with chance M/G·(1 - C(Ms - g, k)/C(Ms, k)), a node holding j whole groups with
@@ -52,6 +58,7 @@ from fractions import Fraction
 from functools import cache
 from statistics import NormalDist
 
+from ..hardware.catalogue import DispatcherRates
 from ..profiles.schema import EstimateLink, EstimatePlacement
 from ..profiles.workload import LayerCount, OpCount
 from .ranks import RankOrderError, SettingsError, expert_grid
@@ -95,6 +102,8 @@ class ExpertGroup:
     groups: tuple[int, int] | None = None  # (G, M): a token's experts lie in M of G expert groups (None: any)
     context: int = 1  # C: the context-parallel ranks a stage's tokens are split over beside the t
     routing: str = "balanced"  # of `ROUTINGS`
+    # HybridEP's (dispatch, combine) algorithm bandwidth in GB/s at `ranks` across nodes (None: priced on the links)
+    hybridep_gb_s: tuple[float, float] | None = None
 
     @property
     def weight_shards(self) -> int | Fraction:
@@ -241,11 +250,15 @@ class ExpertGroup:
     def all_to_all_ms(self, nbytes: float, copies: int = 1) -> float:
         """One all-to-all of a rank's `nbytes`, `copies` of each token (its k experts' routed copies): its (E-1)/E
         sent, the share for its node's ranks over the node's link beside the share for other nodes' over its NIC;
-        DeepEP's sends each token once to each other rank and node receiving it (module docstring)."""
+        DeepEP's sends each token once to each other rank and node receiving it; HybridEP's across nodes, at its
+        published rate, the mean of a dispatch's and a combine's (module docstring)."""
         if self.ranks == 1 or nbytes == 0:
             return 0.0
+        nodes, token = self.ranks / self.per_node, nbytes / copies
+        if self.dispatcher == "hybridep" and self.hybridep_gb_s and self.experts and nodes > 1:
+            reached = token * nodes * self._receives(self.experts // self.ranks * self.per_node, copies)
+            return self.network_link.latency_ms + sum(reached / (gb_s * 1e6) for gb_s in self.hybridep_gb_s) / 2
         if self.dispatcher in FLEX_DISPATCHERS and self.experts:
-            nodes, token = self.ranks / self.per_node, nbytes / copies
             inside = token * nodes * (self.per_node - 1) * self._receives(self.experts // self.ranks, copies)
             outside = token * (nodes - 1) * self._receives(self.experts // self.ranks * self.per_node, copies)
         else:
@@ -437,14 +450,16 @@ def check_expert_ranks(ranks: int, experts: int | None) -> None:
 def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
                  pipeline: int, data: int, hot_share: float | None = None, dispatcher: str | None = None,
                  order: str = "pipesim", expert_tensor: int | None = None,
-                 groups: tuple[int, int] | None = None, routing: str = "balanced") -> ExpertGroup:
+                 groups: tuple[int, int] | None = None, routing: str = "balanced",
+                 hybridep: DispatcherRates | None = None) -> ExpertGroup:
     """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
     model), placed as the rank `order` says (planning/ranks.py) with each expert split over `expert_tensor` ranks
     (None: t), its busiest expert taking `hot_share` of the routed token copies (None: balanced), its tokens
     dispatched by `dispatcher` (of `DISPATCHERS`; None: alltoall), each routed within M of G expert `groups` (None:
     any; kept only where each rank's and each node's experts lie in one group or hold whole ones), by `routing` (of
-    `ROUTINGS`; `Parallelism` refuses another dispatcher or routing); an impossible degree or share, or a dispatcher
-    or routing that needs more ranks, is `ExpertParallelError`."""
+    `ROUTINGS`; `Parallelism` refuses another dispatcher or routing), HybridEP priced at the part's `hybridep`
+    table where it has one (None: on the links); an impossible degree or share, or a dispatcher or routing that
+    needs more ranks, is `ExpertParallelError`."""
     check_expert_ranks(ranks, experts)
     try:
         grid = expert_grid(order, tensor, context, pipeline, data, ranks, expert_tensor)
@@ -471,8 +486,9 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
     if groups is not None and not (experts and experts % groups[0] == 0 and all(
             _aligned(experts // ranks * count, experts // groups[0]) for count in (1, per_node))):
         groups = None
+    rates = hybridep.gb_s(ranks) if hybridep is not None and dispatcher == "hybridep" else None
     return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link, experts, hot_share, dispatcher,
-                       grid.size("tp"), tensor, groups, context, routing)
+                       grid.size("tp"), tensor, groups, context, routing, rates)
 
 
 def _aligned(held: int, size: int) -> bool:
