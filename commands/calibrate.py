@@ -451,9 +451,13 @@ def _print_profile(profile) -> None:
     if profile.link is None:
         stdout.print("links: not measured (--no-links)", highlight=False)
         return
+    from ..profiles.linkfit import MAX_BYTES_PER_MS
+
     meta = profile.link.meta
-    lines = [f"from {_size(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us + {s.bytes_per_ms / 1e6:.3g} GB/s"
-             for s in profile.link.segments]
+    # a segment whose times did not grow with size is fitted at the ceiling: "1e+06 GB/s" read as a measurement
+    lines = [f"from {_size(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us "
+             + ("at any size (its times did not grow)" if s.bytes_per_ms >= MAX_BYTES_PER_MS else
+                f"+ {s.bytes_per_ms / 1e6:.3g} GB/s") for s in profile.link.segments]
     stdout.print(f"p2p link fit ({meta.get('backend')}, {meta.get('device')}): " + "; ".join(lines)
                  + _cached(meta, "the link and all-reduce"), highlight=False)
     points = profile.allreduce.points

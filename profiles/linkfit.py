@@ -20,7 +20,7 @@ from ..units import KIB, MIB
 
 MIN_BYTES = 4 * KIB
 # Bandwidth ceiling (1 PB/s) for a segment whose times do not grow with size: keeps bytes_per_ms finite for JSON.
-_MAX_BYTES_PER_MS = 1e12
+MAX_BYTES_PER_MS = 1e12
 _MIN_POINTS_PER_SEGMENT = 3
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def _fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     if a >= 0 and b > 0:
         candidates = [(float(a), float(b))]
     else:  # the constrained optimum lies on a boundary: through the origin, or flat at the slope floor
-        b_floor = 1 / _MAX_BYTES_PER_MS
+        b_floor = 1 / MAX_BYTES_PER_MS
         through_origin = (0.0, max(float(wx @ wy / (wx @ wx)), b_floor))
         flat = (max(float(w @ (wy - wx * b_floor) / (w @ w)), 0.0), b_floor)
         candidates = [through_origin, flat]

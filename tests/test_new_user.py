@@ -88,3 +88,21 @@ def test_a_second_method_where_one_runs_is_refused(tmp_path, monkeypatch, comman
 def test_methods_compared_and_an_option_given_again_still_run():
     code, out, _ = pipesim("simulate", "-s", "1f1b", "-s", "zb-h1", "-p", "2", "-p", "4", "-m", "8", "--json")
     assert code == 0 and '"zb-h1"' in out and '"device": 3' in out  # -p 4, the last given
+
+
+def test_a_link_segment_whose_times_did_not_grow_reads_so_not_as_a_bandwidth(capsys):
+    """calibrate printed "from 0 B: 562.1 us + 1e+06 GB/s" for a first segment fitted at the ceiling (its times
+    flat or falling with size on a busy host), which reads as a measured bandwidth."""
+    from pathlib import Path
+
+    from pipesim.commands.calibrate import _print_profile
+    from pipesim.profiles.linkfit import MAX_BYTES_PER_MS
+    from pipesim.profiles.schema import load_profile
+
+    profile = load_profile(Path(__file__).parents[1] / "traces" / "profiles" / "gpt-cpu.json")
+    first, *rest = profile.link.segments
+    flat = first.model_copy(update={"bytes_per_ms": MAX_BYTES_PER_MS})
+    _print_profile(profile.model_copy(update={"link": profile.link.model_copy(update={"segments": [flat, *rest]})}))
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"from 0 B: {first.latency_ms * 1e3:.1f} us at any size (its times did not grow);" in printed
+    assert "1e+06 GB/s" not in printed and f"{rest[0].bytes_per_ms / 1e6:.3g} GB/s" in printed
