@@ -49,8 +49,10 @@ candidates whose floor fits are simulated, best bound first, only while their bo
 five rows that do are kept (the five shown), the fifth: what the limits cost (one whose floor is over the cap
 holds more than the device before any schedule runs).
 The limit that changes what a run trains is staleness (synchronous by default): so that it is not a hidden
-price, the fastest configuration over it alone (within the cap) that beats the choice is found the same way,
-best bound first among those whose floor fits, and named in a note.
+price, a configuration over it alone (within the cap) that beats the choice is named in a note (`_staler`): the
+fastest, exactly, where a row over a limit is one; else the first such one the stale candidates whose floor fits
+give, searched best bound first, with the highest bound of those left unsimulated that could beat it ("up to"),
+none where nothing could, so that the note costs no more than one such simulation.
 """
 
 from __future__ import annotations
@@ -286,6 +288,15 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class StalerBound:
+    """The stale candidates the staleness note left unsimulated whose bounds beat the configuration it names
+    (`_staler`): how many, and the highest bound, in samples/s."""
+
+    configurations: int
+    max_samples_per_s: float
+
+
+@dataclass(frozen=True)
 class Tuning:
     problem: Problem
     choice: Row
@@ -293,7 +304,8 @@ class Tuning:
     excluded: list[Row]  # faster than the choice but over a limit
     stats: Stats
     notes: list[str]
-    staler: Row | None = None  # the fastest configuration over the staleness limit alone that beats the choice
+    staler: Row | None = None  # a configuration over the staleness limit alone that beats the choice (`_staler`)
+    staler_bound: StalerBound | None = None  # None: `staler` is the fastest such, exactly
 
     def to_dict(self) -> dict:
         problem = self.problem
@@ -309,7 +321,10 @@ class Tuning:
             "excluded": [row.to_dict() for row in self.excluded],
             "search": {**asdict(self.stats), "configurations": self.stats.configurations},
             "notes": self.notes,
-            "staler_winner": self.staler.to_dict() if self.staler else None,
+            "staler_winner": None if self.staler is None else {
+                **self.staler.to_dict(),  # with the highest bound of what could be faster unsimulated (None: exact)
+                "bound_samples_per_s": self.staler_bound.max_samples_per_s if self.staler_bound else None,
+                "bound_configurations": self.staler_bound.configurations if self.staler_bound else 0},
         }
 
 
@@ -383,40 +398,79 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
     def fits_floor(item: Shape | Candidate) -> bool:
         return item.memory_floor_bytes <= cap
 
-    best = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness <= limit)
-                      and fits_floor(item), lambda result: allowed(result, problem), float("-inf"), staler_ahead=True)
+    best, _ = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness <= limit)
+                         and fits_floor(item), lambda result: allowed(result, problem), float("-inf"),
+                         staler_ahead=True)
     leanest, simulated_leanest = [], 0
     if not best:  # every cut for time over the cap, with the reserve the partitioner does not count: the leanest?
         fastest, simulated_leanest = _fastest_leanest(settings, problem)
         best, leanest = [[fastest]], [LEANEST_NOTE]
     choice = best[0][0]
-    faster = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem),
-                        speed_key(choice.samples_per_s), groups=RUNNERS_UP)  # the rows shown, and no more
-    staler = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness > limit)
-                        and fits_floor(item), lambda result: result.peak_memory_bytes <= cap,
-                        speed_key(choice.samples_per_s), groups=1)
+    faster, _ = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem),
+                           speed_key(choice.samples_per_s), groups=RUNNERS_UP)  # the rows shown, and no more
+    staler, bounds = _staler(shapes, built, problem, choice, faster)
 
     def row(group: list[Result]) -> Row:
         return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
 
     refused_built, *accounts = _accounts(shapes, built, problem)
     stats = Stats(count, refused + refused_built, *accounts, simulated_leanest, time.perf_counter() - started)
-    staler_row = row(staler[0]) if staler else None
+    staler_row = row(staler) if staler else None
+    unsimulated = StalerBound(len(bounds), max(bounds)) if staler_row and bounds else None
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster], stats,
-                  _notes(settings, problem) + leanest + ([_staler_note(staler_row, choice)] if staler_row else []),
-                  staler_row)
+                  _notes(settings, problem) + leanest + (
+                      [_staler_note(staler_row, choice, unsimulated)] if staler_row else []),
+                  staler_row, unsimulated)
+
+
+def _staler(shapes: list[Shape], built: _Built, problem: Problem, choice: Result, faster: list[list[Result]]
+            ) -> tuple[list[Result], list[float]]:
+    """The staleness note's configuration: over the staleness limit alone (within the cap) and faster than the
+    choice, with its twins (none if nothing is), and the bounds (samples/s) of the stale candidates left
+    unsimulated that could be faster still. The fastest, exactly, where a row over a limit is one (`faster`
+    ranks them exactly); else the stale candidates are searched best bound first up to the first such result
+    (`top_groups`' `first`), and the fastest of those simulated so far is named, with its twins simulated so far:
+    the note says what the limit costs, and at most how much more by the bounds, without simulating every stale
+    candidate whose bound beats the one found. A candidate left whose simulation is known without its replay is
+    bounded by the speed that gave (exact, or a bound from above where it lost: `_Built.floor`)."""
+    limit, cap = problem.max_staleness, problem.memory_cap_bytes
+    stale = next((group for group in faster if group[0].staleness > limit and group[0].peak_memory_bytes <= cap), None)
+    if stale is not None:
+        return stale, []
+    found, left = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness > limit)
+                             and item.memory_floor_bytes <= cap, lambda result: result.peak_memory_bytes <= cap,
+                             speed_key(choice.samples_per_s), groups=1, first=True)
+    if not found:
+        return [], []
+    simulated = [result for result in built.results.values()
+                 if result.staleness > limit and result.peak_memory_bytes <= cap]
+    fastest = min(simulated, key=rank_key)  # the one found, or one the passes before simulated
+    bounds = [built.floors[index].samples_per_s if index in built.floors else _bound(item)
+              for item, index in ((item, _index(item)) for item in left) if index not in built.results]
+    # a bound is shaded a billionth over the step it bounds (`_candidate`): one within that ties, as a twin would
+    return (sorted([result for result in simulated if twins(result, fastest)], key=rank_key),
+            [bound for bound in bounds if speed_key(bound * (1 - 1e-9)) > speed_key(fastest.samples_per_s)])
+
+
+def _index(item: Shape | Candidate | Result) -> int:
+    return item.candidate.index if isinstance(item, Result) else item.index
 
 
 def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | Candidate], bool],
                keep: Callable[[Result], bool], above: float, groups: int = RUNNERS_UP + 1,
-               staler_ahead: bool = False) -> list[list[Result]]:
+               staler_ahead: bool = False, first: bool = False
+               ) -> tuple[list[list[Result]], list[Shape | Candidate | Result]]:
     """The best `groups` groups of twins among the results `keep` accepts whose speed key beats `above`, in
-    rank order (each group best first), of the candidates `eligible` accepts. Best bound first: a shape not yet
-    built is built when its bound (`Shape.max_samples_per_s`, which no partition beats) comes up, and goes back
-    with the candidate's own bound (never higher; a searched order's shape first goes back bounded on its
-    partition, before its search, `_Built.advance`); a candidate goes back once more with its critical path
-    (`_Built.tighten`), and is simulated when its bound comes up after that. So the
-    bounds popped never rise, and the search stops at the first that can neither beat `above` nor match the
+    rank order (each group best first), of the candidates `eligible` accepts; and what is left untaken whose
+    bound (a result's: its speed) is over the last group kept, nothing unless `first`. With `first`, the search
+    stops at the first result kept, a group of one, exact but not always the best: what is still on the heap
+    or out (searched, simulated or replayed in a worker, its result not taken) is left.
+
+    Best bound first: a shape not yet built is built when its bound (`Shape.max_samples_per_s`, which no
+    partition beats) comes up, and goes back with the candidate's own bound (never higher; a searched order's
+    shape first goes back bounded on its partition, before its search, `_Built.advance`); a candidate goes back
+    once more with its critical path (`_Built.tighten`), and is simulated when its bound comes up after that. So
+    the bounds popped never rise, and the search stops at the first that can neither beat `above` nor match the
     last group kept: no later one could.
 
     With worker processes, up to `built.window` candidates are simulated, or searched orders searched (their
@@ -490,7 +544,7 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
         else:
             kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
 
-    while heap or out:
+    while (heap or out) and not (first and kept):
         built.ahead(heap, out, beaten(), worth_replaying)
         if staler_ahead and kept:
             built.ahead_of_staler(speed_key(kept[0][0].samples_per_s))
@@ -518,7 +572,14 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             else:
                 built.submit(item, beaten())
             out.append(item)
-    return kept
+    last = speed_key(kept[-1][0].samples_per_s) if kept else above
+    return kept, [item for item in [*(item for _, _, item in heap), *out] if speed_key(_bound(item)) > last]
+
+
+def _bound(item: Shape | Candidate | Result) -> float:
+    """The most samples/s an item of `top_groups` can give: its bound, or a result's speed (its peak may be unknown:
+    out for its replay)."""
+    return item.samples_per_s if isinstance(item, Result) else item.max_samples_per_s
 
 
 def _accounts(shapes: list[Shape], built: _Built, problem: Problem) -> tuple[int, int, int, int, int, int]:
@@ -2864,14 +2925,17 @@ def _notes(settings: list[Setting], problem: Problem) -> list[str]:
     return notes
 
 
-def _staler_note(staler: Row, choice: Result) -> str:
-    """What the staleness limit costs: which configuration it rules out, how much faster, how to allow it."""
+def _staler_note(staler: Row, choice: Result, unsimulated: StalerBound | None = None) -> str:
+    """What the staleness limit costs: which configuration it rules out, how much faster (and, where stale
+    candidates were left unsimulated, how much faster at most by their bounds), how to allow it."""
     result = staler.result
     gain = result.samples_per_s - choice.samples_per_s
     same = f" (same as {', '.join(twin.label() for twin in staler.twins)})" if staler.twins else ""
+    most = (f", up to {_percent(unsimulated.max_samples_per_s / choice.samples_per_s - 1)} more by the bounds of the "
+            f"{count_text(unsimulated.configurations, 'stale configuration')} not simulated" if unsimulated else "")
     return (f"at staleness {result.staleness}, {result.config.label()}{same} fits and gives "
             f"{result.samples_per_s:,.1f} samples/s, {_percent(gain / choice.samples_per_s)} ({gain:,.1f}) more than "
-            f"{choice.config.label()}; it trains on stale weights: --max-staleness {result.staleness} allows it")
+            f"{choice.config.label()}{most}; it trains on stale weights: --max-staleness {result.staleness} allows it")
 
 
 def memory_text(nbytes: float, more_digits: int = 0) -> str:

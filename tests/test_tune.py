@@ -61,7 +61,7 @@ def exhaustive(source, prob):
     top = tuning.speed_key(best[0][0].samples_per_s) if best else float("-inf")
     faster = grouped([r for r in results if not tuning.allowed(r, prob) and tuning.speed_key(r.samples_per_s) > top
                       and r.candidate.memory_floor_bytes <= prob.memory_cap_bytes])
-    staler = [g for g in faster if g[0].peak_memory_bytes <= prob.memory_cap_bytes][:1]
+    staler = [g for g in faster if g[0].peak_memory_bytes <= prob.memory_cap_bytes]  # every one, fastest first
     return best[:tuning.RUNNERS_UP + 1], faster[:tuning.RUNNERS_UP], staler, results
 
 
@@ -74,10 +74,24 @@ def differences(found, best, faster, staler) -> list[str]:
         return [(g[0].config, g[0].samples_per_s, g[0].peak_memory_bytes, [t.config for t in g[1:]])
                 for g in group_list]
 
+    def noted():
+        """The staler winner as the exhaustive search has it: the fastest group where the note is exact, else the
+        group the configuration named heads, if the bound is no lower than the fastest's speed; with the twins the
+        note lists of that group (those simulated)."""
+        if found.staler is None or not staler:
+            return groups(staler[:1])
+        bound = found.staler_bound
+        group = staler[0] if bound is None else next((g for g in staler if g[0].config == found.staler.result.config),
+                                                     None)
+        if group is None or (bound is not None and bound.max_samples_per_s < staler[0][0].samples_per_s):
+            return ["a stale configuration faster than the choice, whose bound is no lower than the fastest's"]
+        return [(group[0].config, group[0].samples_per_s, group[0].peak_memory_bytes,
+                 [twin.config for twin in group[1:] if twin.config in found.staler.twins])]
+
     wrong = []
     for what, got, want in (("choice and runners-up", rows([found.choice, *found.runners_up]), groups(best)),
                             ("excluded", rows(found.excluded), groups(faster)),
-                            ("staler winner", rows([found.staler] if found.staler else []), groups(staler))):
+                            ("staler winner", rows([found.staler] if found.staler else []), noted())):
         if got != want:
             wrong.append(f"{what}: search {got} != exhaustive {want}")
     return wrong
