@@ -1097,6 +1097,8 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
         transient_bytes=s.transient_bytes,
         all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms,
         all_to_all_paired_ms=s.all_to_all_paired_ms,
+        pair_layer_bytes=max((layer.activation_bytes for layer in measured.layers[s.layers[0]:s.layers[1]]),
+                             default=None),
         fwd_sharing_ms=s.fwd_sharing_ms * tail, bwd_sharing_ms=s.bwd_sharing_ms * tail * grown,
         expert_param_bytes=s.expert_param_bytes, ring_fwd_ms=s.ring_fwd_ms, ring_bwd_ms=s.ring_bwd_ms,
         ring_fwd_hidden_ms=s.ring_fwd_hidden_ms, ring_bwd_hidden_ms=s.ring_bwd_hidden_ms,

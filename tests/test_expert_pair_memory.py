@@ -12,8 +12,12 @@ from pipesim.sim.cluster import Cluster
 from pipesim.sim.costs import Costs
 from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
+from tests.conftest import simulate_json
 
 MIB = 2**20
+GPT = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
+       "--gated", "--experts", 8, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "-p", 1, "-m", 4,
+       "-s", "1f1b", "--data-parallel", 2, "--expert-parallel", 2)
 
 
 def peak_activations_mib(pair_layer_bytes: int | None) -> tuple[float, int]:
@@ -31,3 +35,12 @@ def test_a_pair_holds_one_micro_batch_and_one_layer_of_the_next():
     assert peak_activations_mib(1 * MIB) == (8 + 1, 2)  # the older micro-batch's, and a layer of the newer
     assert peak_activations_mib(None) == (2 * 8, 2)  # a layer not known: both micro-batches, as before
 
+
+def test_simulate_counts_the_pair_as_a_micro_batch_and_its_largest_layer():
+    """A profile's stage knows its layers: with the overlap the 4 blocks' stage holds more than one micro-batch's
+    activations (the newer micro-batch's first layer beside the older's) and less than two (before: two)."""
+    (alone,) = simulate_json(*GPT)
+    (paired,) = simulate_json(*GPT, "--overlap-expert-comm")
+    one = alone["devices"][0]["peak_memory_parts_mb"]["activations"]
+    held = paired["devices"][0]["peak_memory_parts_mb"]["activations"]
+    assert one < held < 1.5 * one
