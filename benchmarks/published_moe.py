@@ -90,6 +90,13 @@ cuDNN's fused attention (`ATTENTION_KERNEL`), and RoPE unfused (DeepSeekConfig's
 `--rope-kernel eager`). Its shared expert's overlap with the dispatch (moe_shared_expert_overlap) is not modelled.
 Llama 4 Maverick's rows are listed with why they are not run (`DGXC_NOT_EXPRESSIBLE`).
 
+Megatron-Bridge's measured runs outside its summaries (benchmarks/published/megatron-bridge-cards-moe-h100.csv: a
+skill's and a model card's, each with its whole layout and step time) run as the summaries' rows in BF16: Qwen3-30B-A3B
+at t1 p1 E16 over HybridEP, and DeepSeek-V3 on 1,024 H100s as 25.09's row's recipe runs it (`RECIPE_RUNS`, its
+"mlp" recompute not modelled) over HybridEP without the expert overlap. The Qwen3 run with the overlap kept
+delay_wgrad_compute off, which pipesim's pair does not model, and the all-to-all run gives no layout: both listed
+with why (`CARDS_NOT_EXPRESSIBLE`).
+
     python benchmarks/published_moe.py                 # the table, the rows left out, then each row's command
     python benchmarks/published_moe.py --json out.json # and the rows as JSON
 """
@@ -273,6 +280,21 @@ RECIPE_NOT_MODELLED = {"DeepSeekV3": "recompute_modules' \"mlp\" (its 3 dense la
 NOT_EXPRESSIBLE = {
     "Nemotron_3_Nano": "a hybrid of Mamba-2 and attention layers: pipesim counts no Mamba layer",
 }
+CARDS = "megatron-bridge-cards-moe-h100.csv"  # Megatron-Bridge's skill and model card runs, README.md there too
+# the card's model -> the summaries' name of it (for `RECOMPUTE_MODULES`, `RECIPE_RUNS`) and its examples/ config
+CARD_MODELS = {"Qwen3-30B-A3B": "Qwen3_30B_a3B", "DeepSeek-V3": "DeepSeekV3"}
+CARDS_NOT_EXPRESSIBLE = {
+    "delay_wgrad off": "the expert overlap with delay_wgrad_compute off (SKILL.md: \"delayed wgrad stayed disabled\"), "
+                       "where pipesim's pair runs each part's weight gradients after its input gradients, as every "
+                       "recipe setting moe_a2a_overlap sets delay_wgrad_compute with it (planning/experts.py "
+                       "`paired_exposed_ms`)",
+}
+# runs a source prints without their layout: (name, why)
+CARDS_WITHOUT_LAYOUT = [
+    ("Bridge card Qwen3-30B-A3B BF16 all-to-all eager", "docs/training/cuda-graphs.md at 067f987df0 gives its "
+     "41.36 s (42.00 s graphed) with the model, H100, BF16 and the all-to-all dispatcher only: no t, p, E, batch, "
+     "micro-batch or sequence"),
+]
 
 
 @dataclass(frozen=True)
@@ -428,11 +450,31 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     return expressible, left_out
 
 
+def card_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
+    """Megatron-Bridge's skill and model card runs (the module docstring), each with its published tokens/s per GPU,
+    and those pipesim cannot express, each named with why."""
+    expressible, left_out = [], list(CARDS_WITHOUT_LAYOUT)
+    for row in _rows(CARDS):
+        t, p, chunks, e, etp, gpus, batch, b, seq = _step_layout(row)
+        overlap = row["expert_overlap"] == "on"
+        name = f"Bridge card {row['model']} {row['precision']} t{t} p{p} v{chunks} E{e}{' overlap' if overlap else ''}"
+        if overlap and row["delay_wgrad"] == "off":
+            left_out.append((name, CARDS_NOT_EXPRESSIBLE["delay_wgrad off"]))
+            continue
+        model = CARD_MODELS[row["model"]]
+        run = MoeRun(name, PRESETS[model], gpus, batch, b, seq, t, p, chunks, e, row["dispatcher"] or None,
+                     etp, overlap, FP8_RECIPES[row["precision"]], "random", None, source=CARDS,
+                     recompute_modules=RECOMPUTE_MODULES.get(model, ()), **RECIPE_RUNS.get(model, {}))
+        expressible.append((run, _tokens_per_s_per_gpu(row)))
+    return expressible, left_out
+
+
 def runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     """Every source's rows as runs, each with its published tokens/s per GPU, and the rows pipesim cannot express,
     each named with why."""
-    (bridge, bridge_left), (zoo, zoo_left), (dgxc, dgxc_left) = bridge_runs(), modelzoo_runs(), dgxc_runs()
-    return bridge + zoo + dgxc, bridge_left + zoo_left + dgxc_left
+    (bridge, bridge_left), (zoo, zoo_left), (dgxc, dgxc_left), (cards, cards_left) = (
+        bridge_runs(), modelzoo_runs(), dgxc_runs(), card_runs())
+    return bridge + zoo + dgxc + cards, bridge_left + zoo_left + dgxc_left + cards_left
 
 
 def step_parts(result: dict) -> dict[str, float | int]:
@@ -480,7 +522,7 @@ def main() -> None:
     print_table(table)
     write_json(args.json, {"gpu": GPU, "rows": compared})
     print(f"|error|: {summary(compared)}")
-    for source in (SOURCE, MODELZOO, DGXC):
+    for source in (SOURCE, MODELZOO, DGXC, CARDS):
         print(f"  {source}: {summary([r for r in compared if r['source'] == source])}")
     print("\nNot expressible:")
     for name, why in runs()[1]:

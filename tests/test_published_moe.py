@@ -158,6 +158,6 @@ def test_every_sources_row_runs_cudnns_fused_attention():
     cuDNN takes the shape (published_moe.py `ATTENTION_KERNEL`): every source's rows ran it, the Model Zoo's with no
     --attention-backend (Megatron-core's auto), DeepSeek-V3's because MLA's unequal head dims (q and k 192, v 128)
     leave FlashAttention out, gpt-oss's because its sinks do."""
-    assert len({row["source"] for row in EVERY_RECORDED}) == 3
+    assert len({row["source"] for row in EVERY_RECORDED}) == 4
     for row in EVERY_RECORDED:
         assert _flag(shlex.split(row["command"]), "--attention-kernel") == "cudnn", row["run"]

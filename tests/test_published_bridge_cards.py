@@ -1,0 +1,48 @@
+"""Megatron-Bridge's skill and model card runs on H100 (benchmarks/published/megatron-bridge-cards-moe-h100.csv,
+benchmarks/published_moe.py `card_runs`): each expressible run recorded with its step and its whole layout as
+the command's flags, the rest listed with why."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CARDS = "megatron-bridge-cards-moe-h100.csv"
+RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
+            if row["source"] == CARDS]
+PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / CARDS).open()))
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_each_run_without_the_overlap_is_recorded_with_its_step_and_layout():
+    runs = [row for row in PUBLISHED if row["expert_overlap"] == "off"]
+    assert len(RECORDED) == len(runs) == 2
+    for row, recorded in zip(runs, RECORDED):
+        args = shlex.split(recorded["command"])
+        gpus, t, p = int(row["gpus"]), int(row["tensor_parallel"]), int(row["pipeline_parallel"])
+        data, micro = gpus // (t * p), int(row["microbatch_size"])
+        assert (_flag(args, "--tensor-parallel"), _flag(args, "-p"), _flag(args, "--expert-parallel"),
+                _flag(args, "--data-parallel"), _flag(args, "-b"), _flag(args, "--seq-len")) == (
+            row["tensor_parallel"], row["pipeline_parallel"], row["expert_parallel"], str(data), str(micro),
+            row["seq_len"])
+        assert int(_flag(args, "-m")) * data * micro == int(row["global_batch"])
+        assert (_flag(args, "--chunks") or "1") == row["virtual_pipeline"]
+        assert _flag(args, "--dtype") == "bf16" and _flag(args, "--token-dispatcher") == row["dispatcher"]
+        assert "--overlap-expert-comm" not in args
+        assert recorded["published_tokens_per_s_per_gpu"] == int(row["global_batch"]) * int(row["seq_len"]) / (
+            float(row["step_time_s"]) * gpus)
+
+
+def test_the_overlap_without_delayed_weight_gradients_and_the_run_without_a_layout_are_listed_with_why(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_moe
+
+    left_out = dict(published_moe.card_runs()[1])
+    assert "delay_wgrad_compute off" in left_out["Bridge card Qwen3-30B-A3B BF16 t1 p1 v1 E16 overlap"]
+    assert "no t, p, E" in left_out["Bridge card Qwen3-30B-A3B BF16 all-to-all eager"]
