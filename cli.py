@@ -99,14 +99,21 @@ class _Command(typer.core.TyperCommand):
                 param.__class__ = _Argument
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        """Refuses a second --schedule where the command runs one method, of which click kept the last alone:
-        `run -s 1f1b -s xpipe` ran xpipe only, exit 0, where simulate's, tune's and study's -s compare several.
-        Any other option given again replaces its value, as in most tools."""
+        """Refuses an option of one value given twice, of which click kept the last alone: `run -s 1f1b -s xpipe`
+        ran xpipe only and `simulate -p 2 -p 4` p = 4 only, exit 0, where the user asked for both. An option that
+        takes several values (simulate's -s, sweep's axes) adds each one given; a flag given twice is still on."""
         _, _, given = self.make_parser(ctx).parse_args(args=list(args))
         for param in dict.fromkeys(given):
-            if "--schedule" in param.opts and param.metavar == "NAME" and not param.multiple and given.count(param) > 1:
-                fail(f"--schedule: given {given.count(param)} times, and `pipesim {ctx.info_name}` runs one method; "
-                     "give one (`pipesim simulate` compares several)")
+            times = given.count(param)
+            if times == 1 or not isinstance(param, typer.core.TyperOption) or param.multiple or param.is_flag \
+                    or param.count:
+                continue
+            if "--schedule" in param.opts:
+                fail(f"--schedule: given {times} times, and `pipesim {ctx.info_name}` runs one method; give one "
+                     "(`pipesim simulate` compares several)")
+            several = ", as one comma-separated list" if "[," in (param.metavar or "") else ""
+            fail(f"{param.opts[0]}: given {times} times, and `pipesim {ctx.info_name}` takes one value; give it once"
+                 f"{several}")
         return super().parse_args(ctx, args)
 
 

@@ -81,32 +81,32 @@ def _check_answers(address: str) -> None:
 @expert_overlap_options
 def sweep(
     ctx: typer.Context,
-    schedule: Annotated[str | None, typer.Option(
+    schedule: Annotated[list[str] | None, typer.Option(
         "--schedule", "-s", metavar="NAME[,NAME...]", help="Methods, comma-separated (default: all).")] = None,
-    stages: Annotated[str | None, typer.Option(
+    stages: Annotated[list[str] | None, typer.Option(
         "--stages", "-p", metavar="P[,P...]", help="Pipeline depths p, comma-separated (default: 4, or the "
                                                    "profile's).")] = None,
-    microbatches: Annotated[str | None, typer.Option(
+    microbatches: Annotated[list[str] | None, typer.Option(
         "--microbatches", "-m", metavar="M[,M...]", help="Micro-batches per mini-batch m, comma-separated "
                                                          "(default: 8).")] = None,
-    chunks: Annotated[str | None, typer.Option(
+    chunks: Annotated[list[str] | None, typer.Option(
         "--chunks", "-v", metavar="V[,V...]", help="Chunks per device v, comma-separated; only interleaved and V "
                                                    "schedules read them (default: each method's).")] = None,
-    pipelines: Annotated[str | None, typer.Option(
+    pipelines: Annotated[list[str] | None, typer.Option(
         "--pipelines", "-P", metavar="P[,P...]", help="Parallel pipelines P, comma-separated; only avgpipe reads them "
                                                       "(default: 2).")] = None,
-    prediction: Annotated[str | None, typer.Option(
+    prediction: Annotated[list[str] | None, typer.Option(
         "--prediction", metavar="SOURCE[,SOURCE...]", help="Sources of the prediction distance s, comma-separated: "
                                                            "paper, code, counted; only spectrain, pipeoptim and xpipe "
                                                            "read them, and a method skips a source it records no form "
                                                            "from (default: each method's primary source).")] = None,
-    activation_limit: Annotated[str | None, typer.Option(
+    activation_limit: Annotated[list[str] | None, typer.Option(
         "--activation-limit", metavar="R[,R...]", help="auto's activation limits R, comma-separated: the peak "
                                                        "activation memory any device may hold, as a multiple of "
                                                        "1F1B's peak on its fullest device (default: 1); only auto "
                                                        "reads them.")] = None,
     search_seconds: SearchSeconds = None,
-    cost_scale: Annotated[str | None, typer.Option(
+    cost_scale: Annotated[list[str] | None, typer.Option(
         "--cost-scale", metavar="X[,X...]", help="Factors on every compute time, comma-separated: a faster or slower "
                                                  "accelerator on the same links (default: 1).")] = None,
     grid: Annotated[Path | None, typer.Option(
@@ -179,7 +179,7 @@ def sweep(
     """Simulate a grid of configurations; find their Pareto fronts. The configurations run in parallel; the
     fronts are of time, memory and staleness.
 
-    Axes are comma lists, or a TOML file (--grid).
+    Axes are comma lists (an axis flag given again adds its values), or a TOML file (--grid).
     A configuration a method cannot run is a row with status "skipped" and the reason.
     One front per p, cost scale and mini-batch size (m·P): only the same work on the same hardware competes.
     Costs are the whole model's, split over each configuration's stages (default: the built-in example's), or
@@ -216,15 +216,15 @@ def sweep(
         if ray is not None and workers is not None:
             raise InputError("--workers sizes the local process pool, --ray runs on the cluster's CPUs: give one")
         search = search_options(None, search_seconds)
-        for limit in (activation_limit or "").split(",") if activation_limit is not None else ():
+        # an axis flag given again adds its values: `-s 1f1b -s zb-h1` sweeps both (click kept the last alone)
+        given = {key: ",".join(ctx.params[key.replace("-", "_")]) for key in AXES if ctx.params[key.replace("-", "_")]}
+        for limit in given["activation-limit"].split(",") if "activation-limit" in given else ():
             search_options(limit.strip(), None)  # each R as simulate checks its one
         axes = load_grid(grid) if grid is not None else {}
-        for key in AXES:
-            text = ctx.params[key.replace("-", "_")]
-            if text is not None and key in axes:
+        for key, text in given.items():
+            if key in axes:
                 raise InputError(f"--{key} and --grid both give {key}: give one")
-            if text is not None:
-                axes[key] = parse_axis(key, text)
+            axes[key] = parse_axis(key, text)
         what = what_if(ctx)
         check_allocator(ctx, what)
         scenario = scenario_from_flags(ctx, "model")

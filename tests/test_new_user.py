@@ -85,9 +85,34 @@ def test_a_second_method_where_one_runs_is_refused(tmp_path, monkeypatch, comman
     assert err.startswith("error: --schedule: given 2 times") and len(err.strip().splitlines()) == 1, err
 
 
-def test_methods_compared_and_an_option_given_again_still_run():
-    code, out, _ = pipesim("simulate", "-s", "1f1b", "-s", "zb-h1", "-p", "2", "-p", "4", "-m", "8", "--json")
-    assert code == 0 and '"zb-h1"' in out and '"device": 3' in out  # -p 4, the last given
+def test_methods_compared_and_a_flag_given_again_still_run():
+    code, out, _ = pipesim("simulate", "-s", "1f1b", "-s", "zb-h1", "-p", "2", "-m", "8", "--json", "--json")
+    assert code == 0 and '"zb-h1"' in out and '"1f1b"' in out
+
+
+@pytest.mark.parametrize("command,flag", [
+    (["simulate", "-s", "1f1b", "-p", "2", "-p", "4"], "--stages"),
+    (["simulate", "-s", "1f1b", "--fwd", "1", "--fwd", "2"], "--fwd"),
+    (["tune", "--devices", "8", "--devices", "16"], "--devices"),
+    (["study", "--layers", "4", "--layers", "8"], "--layers"),
+])
+def test_a_value_given_twice_where_one_is_taken_is_refused(tmp_path, monkeypatch, command, flag):
+    """`simulate -p 2 -p 4` simulated p = 4 alone, exit 0: click keeps an option's last value, where the user
+    asked for both."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*command)
+    assert code == 2 and out == "" and not list(tmp_path.iterdir())
+    assert err.startswith(f"error: {flag}: given 2 times") and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_sweep_axis_given_again_adds_its_values(tmp_path):
+    """`sweep -s 1f1b -s zb-h1` swept zb-h1 alone and `-p 2 -p 4` p = 4 alone, exit 0."""
+    out = tmp_path / "r.csv"
+    code, _, err = pipesim("sweep", "-s", "1f1b", "-s", "zb-h1", "-p", "2", "-p", "4", "-j", "1", "--out", out)
+    assert code == 0, err
+    rows = out.read_text().splitlines()[1:]
+    assert sorted((row.split(",")[0], row.split(",")[1]) for row in rows) == [
+        ("1f1b", "2"), ("1f1b", "4"), ("zb-h1", "2"), ("zb-h1", "4")], rows
 
 
 def test_a_link_segment_whose_times_did_not_grow_reads_so_not_as_a_bandwidth(capsys):

@@ -19,6 +19,12 @@ TINY = Setting("mlp", {"layers": 2, "width": 16}, stages=2, microbatches=2, micr
 TINY_FLAGS = ("--layers", 2, "--width", 16, "-p", 2, "-m", 2, "-b", 4, "-n", 4, "--seeds", 2, "--no-timing")
 
 
+def replaced(flags: tuple, flag: str, value) -> tuple:
+    """`flags` with `flag`'s value replaced: the command line refuses a flag of one value given twice."""
+    at = flags.index(flag)
+    return (*flags[:at + 1], value, *flags[at + 2:])
+
+
 def test_predicting_methods_also_run_every_other_source_that_changes_their_distances():
     """At p=4, m=4 (values from the sources, docs/methods.md): SpecTrain's paper and code agree (k//2 + p-k-1)
     and the count differs; PipeOptim's paper (p-k-1), code (p-k) and count all differ; XPipe has no code."""
@@ -91,8 +97,8 @@ def test_a_diverged_run_is_recorded_not_raised():
 
 def test_study_trains_writes_its_results_and_page_then_resumes_without_training_again(tmp_path):
     results, page = tmp_path / "study.json", tmp_path / "study.html"
-    args = ("study", "-s", "gpipe", "-s", "pipedream", "--optimizer", "momentum=0.05", *TINY_FLAGS,
-            "--results", results, "--html", page)
+    flags = ("study", "-s", "gpipe", "-s", "pipedream", "--optimizer", "momentum=0.05")
+    args = (*flags, *TINY_FLAGS, "--results", results, "--html", page)
     code, out, err = pipesim(*args, "--json")
     assert code == 0, err
     document = json.loads(out)
@@ -102,7 +108,8 @@ def test_study_trains_writes_its_results_and_page_then_resumes_without_training_
     assert len(saved.runs) == 4 and "<html" in page.read_text()
     stamps = [r.wall_s for r in saved.runs]
 
-    code, out, err = pipesim(*args[:-4], "--seeds", 3, "--results", results, "--html", page)  # one seed more
+    more_seeds = replaced(TINY_FLAGS, "--seeds", 3)
+    code, out, err = pipesim(*flags, *more_seeds, "--results", results, "--html", page)
     assert code == 0, err
     resumed = load_results(results)
     assert len(resumed.runs) == 6 and [r.wall_s for r in resumed.runs[:4]] == stamps  # the old runs were kept
@@ -119,7 +126,7 @@ def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_pa
     StudyFile(format_version=1, setting=TINY.as_dict()).save(results)
     with pytest.raises(ResultsError, match="microbatch_size 4, not 16"):
         open_results(results, Setting("mlp", {"layers": 2, "width": 16}, stages=2, microbatches=2, minibatches=4))
-    code, _, err = pipesim("study", *TINY_FLAGS, "-n", 6, "--results", results, "--html", tmp_path / "p.html")
+    code, _, err = pipesim("study", *replaced(TINY_FLAGS, "-n", 6), "--results", results, "--html", tmp_path / "p.html")
     assert code == 2 and "minibatches 4, not 6" in err
 
 
@@ -174,8 +181,8 @@ def test_timing_measures_spawned_ranks_and_predicts_them_from_a_calibration_with
     monkeypatch.setattr(contention, "WINDOW_S", 0.2)  # the parent sets the windows: shorter ones for a test
 
     results = tmp_path / "study.json"
-    flags = [flag for flag in TINY_FLAGS if flag != "--no-timing"]
-    code, out, err = pipesim("study", "-s", "1f1b", "--optimizer", "momentum", *flags, "--seeds", 1,
+    flags = [flag for flag in replaced(TINY_FLAGS, "--seeds", 1) if flag != "--no-timing"]
+    code, out, err = pipesim("study", "-s", "1f1b", "--optimizer", "momentum", *flags,
                              "--timing-repeats", 1, "--results", results, "--html", tmp_path / "s.html", "--json")
     assert code == 0, err
     (arm,) = json.loads(out)["arms"]

@@ -322,7 +322,8 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, arg
             without(arg[8:], monkeypatch)
             continue
         expanded.append(arg.replace("OUT", str(out)))
-    code, _, err = pipesim("sweep", "-s", "1f1b", "-j", "1", "--html", out / "t.html", *expanded)
+    methods = [] if "-s" in expanded else ["-s", "1f1b"]  # a second -s adds its methods to the first
+    code, _, err = pipesim("sweep", *methods, "-j", "1", "--html", out / "t.html", *expanded)
     assert code == 2
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
