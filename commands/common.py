@@ -718,9 +718,9 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def parse_numbers(flag: str, text: str, most: float = math.inf) -> list[float]:
+def parse_numbers(flag: str, text: str, most: float = math.inf, most_why: str = "") -> list[float]:
     """One number or a comma-separated list of them, each finite, >= 0 and at most `most` (a cost's range,
-    units.py `MAX_MS` or `MAX_BYTES`, in the flag's unit)."""
+    units.py `MAX_MS` or `MAX_BYTES`, in the flag's unit; `most_why` says why, where not plain)."""
     values = []
     for part in text.split(","):
         try:
@@ -730,7 +730,7 @@ def parse_numbers(flag: str, text: str, most: float = math.inf) -> list[float]:
         if not value >= 0 or value == float("inf"):
             raise InputError(f"{flag}: values must be finite and >= 0, got {part.strip()!r}")
         if value > most:
-            raise InputError(f"{flag}: values must be at most {most:,.0f}, got {part.strip()!r}")
+            raise InputError(f"{flag}: values must be at most {math.floor(most):,}{most_why}, got {part.strip()!r}")
         values.append(value)
     return values
 
@@ -1109,11 +1109,12 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     from ..sim import ClusterError, CostError, load_cluster
 
     flags = {**ctx.params, **overrides}
-    per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")], most)
-                 for flag, most in (("--fwd", MAX_MS), ("--bwd", MAX_MS), ("--param-mb", MAX_BYTES / MIB),
-                                    ("--activation-mb", MAX_BYTES / MIB), ("--output-mb", MAX_BYTES / MIB))}
     refuse(optimizer_refusal(flags["optimizer"], "--optimizer"))
     precision = given_precision(flags)
+    most = {"--fwd": (MAX_MS, ""), "--bwd": (MAX_MS, ""),
+            "--param-mb": _param_mb_most(flags["optimizer"], precision or "fp32"),
+            "--activation-mb": (MAX_BYTES / MIB, ""), "--output-mb": (MAX_BYTES / MIB, "")}
+    per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")], *most[flag]) for flag in most}
     comm_ms = parse_numbers("--comm", flags["comm"], MAX_MS)
     if len(comm_ms) != 1:
         raise InputError("--comm: give one number of milliseconds")
@@ -1169,6 +1170,21 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network, stage_cut=stage_cut,
         precision=precision or "fp32", overlap_expert_comm=bool(flags.get("overlap_expert_comm")),
         pp_runtime=pp_runtime, optimizer_buckets=optimizer_buckets)
+
+
+def _param_mb_most(optimizer: str, precision: str) -> tuple[float, str]:
+    """--param-mb's largest value and why: the weights' gradients and optimizer state (adam's two moments, a
+    master copy) are sizes as well, each at most units.py's MAX_BYTES; a larger value was refused as the
+    simulator's "optimizer_state_bytes must be ...", no flag named."""
+    from ..sim.costs import PRECISIONS
+
+    held = PRECISIONS[precision]
+    state_bytes = held.optimizer_state_bytes(held.weight_bytes, optimizer)
+    largest = max(held.weight_bytes, held.grad_bytes, held.stored_bytes or 0, state_bytes)
+    why = (f" (MiB of weights, whose gradients and {optimizer} state under --precision {precision} take up to "
+           f"{largest / held.weight_bytes:g} times their bytes, and a size is at most {MAX_BYTES / MIB:,.0f} MiB)"
+           if largest > held.weight_bytes else "")
+    return MAX_BYTES / MIB * held.weight_bytes / largest, why
 
 
 def searched_scenario(ctx: typer.Context, method, measured: Profile | None = None) -> Scenario | None:

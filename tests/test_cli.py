@@ -136,7 +136,12 @@ def test_schedules_lists_methods():
     (["-s", "1f1b", "--comm", "1e10"], "error: --comm: values must be at most 1,000,000,000, got '1e10'"),
     (["-s", "1f1b", "--comm", "1e9"], "error: the run's times add up to 9.6e+10 ms, more than the simulator's"),
     # sizes: one past MAX_BYTES overflowed numpy's int64 (a traceback), many micro-batches' the counter (wrong peaks)
-    (["-s", "1f1b", "--param-mb", "1e30"], "error: --param-mb: values must be at most 1,073,741,824, got '1e30'"),
+    (["-s", "1f1b", "--param-mb", "1e30", "--optimizer", "sgd"],
+     "error: --param-mb: values must be at most 1,073,741,824, got '1e30'"),
+    # adam's state, twice the weights, past MAX_BYTES: refused as "optimizer_state_bytes must be ...", no flag named
+    (["-s", "1f1b", "--param-mb", "600000000"], "error: --param-mb: values must be at most 536,870,912 (MiB of "
+                                                "weights, whose gradients and adam state under --precision fp32 "
+                                                "take up to 2 times their bytes"),
     (["-s", "gpipe", "--activation-mb", "1e9", "-m", "10000", "-n", "1"],
      "error: device 0's rows add and free more bytes than the simulator's counters hold (4.61e+18)"),
     # each float flag names itself and its range: nan read "should be >= 0", inf and 1e30 a cost unnamed
