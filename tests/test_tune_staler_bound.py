@@ -6,6 +6,8 @@ by that bound; where none is, the figure is the fastest's and the note has no "u
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from pipesim.planning import tune as tuning
 from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.schema import load_profile
@@ -37,19 +39,21 @@ def _loosened(monkeypatch, label: str) -> None:
     monkeypatch.setattr(tuning._Built, "tighten", lambda built, made: loose(built, tighten(built, made)))
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_the_note_stops_at_the_first_stale_configuration_that_beats_the_choice_and_gives_the_bound_left(
-        monkeypatch):
+        monkeypatch, workers):
     """The small GPT on 8 devices of 0.2 GiB: five stale configurations at p = 4 and five at p = 8 beat 1F1B p = 4,
     and the fastest rows over a limit are interleaved ones over the cap. One row over a limit shown (not five),
     SpecTrain p = 8, the slowest stale one that beats the choice, bounded loosely, comes first: the note names it
-    at its simulated speed, and says the limit may cost up to the bound of PipeDream p = 4 and the rest."""
+    at its simulated speed, and says the limit may cost up to the bound of PipeDream p = 4 and the rest; the same
+    with two worker processes, whose results are taken in the order popped."""
     settings, problem = _gpt_on_8(0.2)
     best, faster, staler, results = exhaustive(settings, problem)
     slowest = staler[-1][0]
     assert slowest.config.label() == "spectrain p=8" and staler[0][0].config.label() == "pipedream p=4"
     monkeypatch.setattr(tuning, "RUNNERS_UP", 1)
     _loosened(monkeypatch, "spectrain p=8")
-    found = tuning.tune(settings, problem)
+    found = tuning.tune(settings, problem, workers=workers)
     assert differences(found, best, faster[:1], staler) == []
     assert found.staler.result.config.label() == "spectrain p=8"
     assert found.staler.result.samples_per_s == slowest.samples_per_s  # simulated: exact
