@@ -818,7 +818,7 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
             if past:
                 with phase(f"timing the all-reduce past the link's sizes, up to {past[-1]} bytes (a stage's gradients: "
                            f"{gradient_bytes})") as notes:
-                    allreduce = with_sizes_covering(allreduce, past, settings, advance, cache, notes)
+                    allreduce = with_sizes_covering(allreduce, max(link_sizes), past, settings, advance, cache, notes)
             with phase(f"timing the all-reduce beside computing ranks ({gradient_bytes} bytes)") as notes:
                 allreduce = with_beside_compute(allreduce, gradient_bytes, settings, cache, notes)
     sizes = all_to_all_sizes(layers, expert_parallel)
@@ -853,30 +853,47 @@ def sizes_covering(link_sizes: list[int], nbytes: int) -> list[int]:
     return sizes
 
 
-def with_sizes_covering(allreduce: AllReduceProfile, sizes: list[int], settings: Settings, advance: Advance,
-                        cache: HostCache | None, notes: list[str]) -> AllReduceProfile:
-    """`allreduce` with points at `sizes` too (`sizes_covering`: past the link's, up to the first that holds the
-    largest stage's gradients, which its REDUCE row all-reduces in one call, the executor's one flat bucket a stage:
-    executor/replicas.py `bucket`). A fit of the link's sizes alone (1 MiB at most, as `benchmarks/fidelity.py`
-    calibrates) priced a 4 MB all-reduce by extrapolation. A host cache entry of its own, keyed by the sizes, which
-    say what it covers: up to a power of two, not the gradients' bytes, so that every model whose largest stage
-    needs no more reuses it, and one that needs more measures the sizes that cover it; what it covers and where it
-    came from in `meta["sizes_covering"]`."""
-    key = {"device": settings.device.type, "sizes": sizes, "repeats": settings.repeats, "warmup": settings.warmup}
+def with_sizes_covering(allreduce: AllReduceProfile, link_max_bytes: int, sizes: list[int], settings: Settings,
+                        advance: Advance, cache: HostCache | None, notes: list[str]) -> AllReduceProfile:
+    """`allreduce` with points at `sizes` too (`sizes_covering`: the powers of two past `link_max_bytes`, the link's
+    largest size, up to the first that holds the largest stage's gradients, which its REDUCE row all-reduces in one
+    call, the executor's one flat bucket a stage: executor/replicas.py `bucket`). A fit of the link's sizes alone
+    (1 MiB at most, as `benchmarks/fidelity.py` calibrates) priced a 4 MB all-reduce by extrapolation.
 
-    def measure() -> dict[str, Any]:
-        points = measure_allreduce(sizes, device=settings.device.type, repeats=settings.repeats,
-                                   warmup=settings.warmup,
-                                   progress=lambda done, total: advance(f"all-reduce: round {done}/{total}"))
-        return {"points": [asdict(point) for point in points], "covers_bytes": max(sizes)}
+    Host cache entries of their own (`allreduce-past`), each keyed by what fixes its measurement (device, repeats,
+    warmup: its ranks run links.py LINK_THREADS whatever --threads) and the size its powers start past, holding them
+    up to its `covers_bytes`: a model whose gradients an entry covers takes its points up to `sizes[-1]`; one that
+    needs more takes them all and goes on from `covers_bytes` to the entry keyed there, measuring (and keeping
+    there) only the sizes no entry holds. Each entry is reused or measured again under the cache's rule on its own,
+    so that points measured at different times each say when and under what load: in
+    `meta["sizes_covering"]["host_cache"]`, one for each entry, with the sizes taken from it."""
+    points: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []
+    start_bytes = link_max_bytes
+    while start_bytes < sizes[-1]:
+        missing = [size for size in sizes if size > start_bytes]
+        key = {"device": settings.device.type, "repeats": settings.repeats, "warmup": settings.warmup,
+               "past_bytes": start_bytes}
+        measure = partial(_measure_allreduce_past, missing, settings, advance)
+        measured = cache.get("allreduce-past", key, measure, own_tasks=2) if cache is not None else fresh(measure)
+        taken = [point for point in measured.value["points"] if point["nbytes"] <= sizes[-1]]
+        points += taken
+        if cache is not None:
+            taken_sizes = [point["nbytes"] for point in taken]
+            span = f"{taken_sizes[0]}" if len(taken_sizes) == 1 else f"{taken_sizes[0]} to {taken_sizes[-1]}"
+            notes.append(f"{span} bytes {measured.describe()}")
+            kept.append({"sizes": taken_sizes, **measured.meta()})
+        start_bytes = measured.value["covers_bytes"]
+    covering = {"sizes": sizes, "covers_bytes": sizes[-1], **({"host_cache": kept} if cache is not None else {})}
+    return allreduce.model_copy(update={"points": [*allreduce.points, *(LinkPointModel(**point) for point in points)],
+                                        "meta": {**allreduce.meta, "sizes_covering": covering}})
 
-    measured = cache.get("allreduce-past", key, measure, own_tasks=2) if cache is not None else fresh(measure)
-    covering = {"sizes": sizes, "covers_bytes": measured.value["covers_bytes"]}
-    if cache is not None:
-        notes.append(measured.describe())
-        covering["host_cache"] = measured.meta()
-    points = [*allreduce.points, *(LinkPointModel(**point) for point in measured.value["points"])]
-    return allreduce.model_copy(update={"points": points, "meta": {**allreduce.meta, "sizes_covering": covering}})
+
+def _measure_allreduce_past(sizes: list[int], settings: Settings, advance: Advance) -> dict[str, Any]:
+    """The all-reduce's points at `sizes` and what they cover (the largest, `covers_bytes`), as JSON."""
+    points = measure_allreduce(sizes, device=settings.device.type, repeats=settings.repeats, warmup=settings.warmup,
+                               progress=lambda done, total: advance(f"all-reduce: round {done}/{total}"))
+    return {"points": [asdict(point) for point in points], "covers_bytes": max(sizes)}
 
 
 def with_beside_compute(allreduce: AllReduceProfile, gradient_bytes: int, settings: Settings,

@@ -846,7 +846,7 @@ def test_a_second_calibration_reuses_the_host_terms_and_fresh_measures_them(tmp_
     for name, reused in (("cold", False), ("warm", True), ("fresh", False)):
         profile, err = runs[name]
         for cached in (profile.link.meta["host_cache"], profile.allreduce.meta["host_cache"],
-                       profile.allreduce.meta["sizes_covering"]["host_cache"],
+                       *profile.allreduce.meta["sizes_covering"]["host_cache"],
                        profile.allreduce.meta["beside_compute_host_cache"], profile.runtime.meta["host_cache"]):
             assert cached["reused"] is reused
         assert (err.count("from the host cache") == 4) is reused and (err.count("measured now") == 4) is not reused

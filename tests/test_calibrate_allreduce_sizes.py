@@ -1,6 +1,6 @@
 """A CPU calibration times the all-reduce past the link's sizes, up to the first power of two that holds its largest
-stage's gradients (what a REDUCE row all-reduces in one call), in a host cache entry keyed by those sizes: a model
-that needs no more reuses it, one that needs more measures the sizes that cover it."""
+stage's gradients (what a REDUCE row all-reduces in one call), in host cache entries keyed by the size their powers
+start past: a model whose gradients an entry covers reuses it, one that needs more measures only the sizes past it."""
 
 import torch
 
@@ -17,10 +17,11 @@ def test_sizes_covering_are_powers_of_two_past_the_link_up_to_the_gradients():
     assert sizes_covering(LINK_SIZES, 4_200_000) == [131072, 262144, 524288, 1 << 20, 1 << 21, 1 << 22, 1 << 23]
 
 
-def test_the_all_reduce_is_timed_up_to_the_largest_stage_gradients_once_per_sizes(tmp_path, monkeypatch):
-    """Three models on one cache: the second's gradients need the first's sizes (reused), the third's one more
-    power of two (measured). Each profile's all-reduce has a point at or past its stage's gradients and says what
-    its points cover and where they came from."""
+def test_the_all_reduce_past_the_link_reuses_what_covers_and_measures_only_the_sizes_past_it(tmp_path, monkeypatch):
+    """Models on one cache: the second's gradients need the first's sizes (the same: reused), the third's one size
+    fewer (reused, up to its size), the fourth's one more (the kept ones reused, the one past them measured), the
+    fifth's the third's again; --fresh measures them all again. Each profile's all-reduce has points up to the first
+    power of two at or past its stage's gradients, and each of its host cache entries says which it gave."""
     import pipesim.calibrate.measure as measure
     from pipesim.calibrate.cache import HostCache
     from pipesim.workload.models import build_model
@@ -39,13 +40,19 @@ def test_the_all_reduce_is_timed_up_to_the_largest_stage_gradients_once_per_size
     settings = measure.Settings(torch.device("cpu"), torch.float32, 4, warmup=0, repeats=1)
     profiles = [measure.calibrate(build_model("mlp", layers=3, width=width), settings, stages=1, optimizer="sgd",
                                   memory_cap_bytes=None, link_sizes=LINK_SIZES, dtype_name="float32",
-                                  advance=lambda what: None, cache=HostCache(tmp_path))
-                for width in (120, 160, 180)]
+                                  advance=lambda what: None, cache=HostCache(tmp_path, fresh=fresh))
+                for width, fresh in ((120, False), (160, False), (100, False), (180, False), (100, False),
+                                     (180, True))]
     gradients = [p.stages[0].param_bytes for p in profiles]  # one stage: the whole model's
-    assert 131072 < gradients[0] < gradients[1] <= 262144 < gradients[2] <= 524288
-    assert measured == [[131072, 262144], [131072, 262144, 524288]]
+    assert 65536 < gradients[2] <= 131072 < gradients[0] < gradients[1] <= 262144 < gradients[3] <= 524288
+    assert measured == [[131072, 262144], [524288], [131072, 262144, 524288]]
+    kept = [[(part["sizes"], part["reused"]) for part in p.allreduce.meta["sizes_covering"]["host_cache"]]
+            for p in profiles]
+    assert kept == [[([131072, 262144], False)], [([131072, 262144], True)], [([131072], True)],
+                    [([131072, 262144], True), ([524288], False)], [([131072], True)],
+                    [([131072, 262144, 524288], False)]]
     for profile, nbytes in zip(profiles, gradients):
         covering = profile.allreduce.meta["sizes_covering"]
-        assert max(p.nbytes for p in profile.allreduce.points) == covering["covers_bytes"] >= nbytes
-        assert [p.nbytes for p in profile.allreduce.points][:2] == LINK_SIZES
-    assert [p.allreduce.meta["sizes_covering"]["host_cache"]["reused"] for p in profiles] == [False, True, False]
+        sizes = [p.nbytes for p in profile.allreduce.points]
+        assert sizes == [*LINK_SIZES, *covering["sizes"]] and sizes[-1] == covering["covers_bytes"] >= nbytes > \
+            sizes[-2]
