@@ -806,13 +806,17 @@ def _events(rows: np.ndarray, start: np.ndarray | None = None, end: np.ndarray |
 
 def _paired_forwards_held(t, stages: Sequence[StageCosts], at_start: dict[str, np.ndarray]
                           ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Sparse rows that move an overlapped pair's forward's activations (an F with a peer, its B the next row)
-    beyond one layer's (`StageCosts.pair_layer_bytes`, where known) from the F's start to the pair's end, as the
-    backward's micro-batch frees its layers while the forward's grows: per activations part, in proportion to what
-    the F takes of it."""
+    """Sparse rows that move an overlapped pair's forward's activations (an F with a peer, its B the next row, its
+    all-to-alls the two after) beyond one layer's (`StageCosts.pair_layer_bytes`, where known) from the F's start to
+    the pair's end, as the backward's micro-batch frees its layers while the forward's grows: per activations part,
+    in proportion to what the F takes of it. A pair without all-to-alls keeps both micro-batches' (the example
+    `overlapped_forward_backward` of deepseek-ai/DualPipe runs the whole forward, then the backward)."""
     layer = np.array([-1 if c.pair_layer_bytes is None else c.pair_layer_bytes for c in stages], dtype=np.int64)
-    pairs = np.flatnonzero((t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0))
-    pairs = pairs[layer[t.stage[pairs]] >= 0]
+    kind = t.kind
+    pairs = np.flatnonzero((kind == KIND_CODE[Kind.F]) & (t.peer >= 0))
+    pairs = pairs[pairs + 3 < len(kind)]
+    pairs = pairs[(kind[pairs + 2] == KIND_CODE[Kind.A2A_F]) & (kind[pairs + 3] == KIND_CODE[Kind.A2A_B])
+                  & (layer[t.stage[pairs]] >= 0)]
     if not len(pairs):
         return {}
     entry = (t.stage[pairs], KIND_CODE[Kind.F])

@@ -44,3 +44,16 @@ def test_simulate_counts_the_pair_as_a_micro_batch_and_its_largest_layer():
     one = alone["devices"][0]["peak_memory_parts_mb"]["activations"]
     held = paired["devices"][0]["peak_memory_parts_mb"]["activations"]
     assert one < held < 1.5 * one
+
+
+def test_a_pair_without_all_to_alls_keeps_both_micro_batches():
+    """DualPipeV's F&B without expert parallelism: its example overlapped_forward_backward runs the whole forward,
+    then the backward, so a known layer size changes nothing."""
+    schedule = build_schedule("dualpipev", ScheduleParams(stages=2, microbatches=8, chunks=2))
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=2, bwd_ms=4, activation_mb=8.0)
+    peaks = []
+    for layer in (None, 1 * MIB):
+        known = replace(costs, stages=tuple(replace(s, pair_layer_bytes=layer) for s in costs.stages))
+        devices = summarize(simulate(schedule, known, Cluster.uniform(schedule.num_devices, 0.0))).devices
+        peaks.append([device.peak_memory_parts_mb["activations"] for device in devices])
+    assert peaks[0] == peaks[1] and max(peaks[0]) > 0
