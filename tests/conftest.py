@@ -170,6 +170,15 @@ def refused(*args: Any) -> str:
     return err
 
 
+def flags_with(flags: Iterable[Any], *given: Any) -> tuple:
+    """`flags` (options each with its value) with the options `given` (each with its value) in place of theirs and
+    the others added: the command line refuses an option of one value given twice."""
+    flags, replaced = list(flags), dict(zip(given[::2], given[1::2]))
+    kept = [item for option, value in zip(flags[::2], flags[1::2]) if option not in replaced
+            for item in (option, value)]
+    return (*kept, *given)
+
+
 def simulate_json(*args: Any) -> list[dict]:
     """`pipesim simulate ARGS --json`, which must exit 0: its results, one per schedule."""
     code, out, err = pipesim("simulate", *args, "--json")

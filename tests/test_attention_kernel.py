@@ -7,7 +7,7 @@ import pytest
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, EstimateError, Parallelism, kernel_curve, op_ms
 from pipesim.profiles.workload import OpCount
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import flags_with, pipesim, simulate_json
 
 CATALOGUE = load_catalogue()
 H100 = CATALOGUE.find("h100-sxm")
@@ -65,6 +65,6 @@ def test_the_simulated_step_runs_faster_on_cudnns_kernel_and_the_default_is_flas
 ])
 def test_bad_kernels_are_one_line_and_write_nothing(tmp_path, extra, message):
     out = tmp_path / "profile.json"
-    code, _, err = pipesim("estimate", *MODEL, *extra, "--out", out)
+    code, _, err = pipesim("estimate", *flags_with(MODEL, *extra), "--out", out)
     assert code == 2 and err.strip() == f"error: {message}"
     assert not out.exists()

@@ -16,7 +16,7 @@ from pipesim.planning.scenario import _held_together, _outermost
 from pipesim.profiles.partition import LayerCost, PartitionError, mirrored_partition, ranges, searched_partition
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Costs
-from tests.conftest import build, pipesim, simulate_json, simulated
+from tests.conftest import build, flags_with, pipesim, simulate_json, simulated
 
 # A 40 GB A100 and a GPT whose stages' activations, held as the schedule holds them, outgrow it where the cut is
 # balanced for time alone (the head's stage is slow, so the first stages take more layers)
@@ -196,8 +196,8 @@ def test_the_table_says_which_cut_fit_chose():
     ("-b", 4, "-s", "interleaved-1f1b", "--chunks", 2, "--seq-len", 2176),
 ])
 def test_fit_keeps_the_balanced_cut_where_it_fits(args):
-    (balanced,) = simulate_json(*GPT, *args)
-    (fitted,) = simulate_json(*GPT, *args, "--stage-cut", "fit")
+    (balanced,) = simulate_json(*flags_with(GPT, *args))
+    (fitted,) = simulate_json(*flags_with(GPT, *args), "--stage-cut", "fit")
     assert all(peak <= limit for peak, limit in zip(*_peaks(balanced)))
     assert fitted["stage_bounds"] == balanced["stage_bounds"]
     assert fitted["time_per_minibatch_ms"] == balanced["time_per_minibatch_ms"]
