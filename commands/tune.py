@@ -501,6 +501,20 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     return settings
 
 
+def search_summary(stats) -> str:
+    """The search's counts, each configuration in one of them. It counts the configurations the progress line
+    counted ("searching 73 configurations"), those refused once built among them: it said "searched 72"."""
+    searched = stats.configurations + stats.refused_built
+    return (f"searched {count_text(searched, 'configuration')} ({stats.refused - stats.refused_built:,} more shapes "
+            f"refused by their method): "
+            + (f"{stats.refused_built:,} refused once built, " if stats.refused_built else "")
+            + f"{stats.stale:,} too stale and {stats.over_memory_floor:,} over the cap by their memory floor "
+            f"({stats.simulated_over_limits:,} of them simulated to show what the limits cost), {stats.pruned:,} "
+            f"pruned by the throughput bound, {stats.simulated:,} simulated"
+            + (f", and {count_text(stats.simulated_leanest, 'leanest cut')} simulated where no cut for time fits"
+               if stats.simulated_leanest else "") + f"; {stats.seconds:.2f} s")
+
+
 def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], alone: str) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
     choice's cut and the `command` that simulates it; `alone`: what a peak read from an estimate's profile leaves
@@ -577,12 +591,6 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         f"{ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step", highlight=False)
     stdout.print("the choice, as simulate gives it:\n" + _shell_lines(command, available_width(stdout)),
                  highlight=False, soft_wrap=True)
-    stdout.print(f"searched {count_text(stats.configurations, 'configuration')} ({stats.refused:,} more shapes "
-                 f"refused by their method): {stats.stale:,} too stale and {stats.over_memory_floor:,} over the cap by "
-                 f"their memory floor ({stats.simulated_over_limits:,} of them simulated to show what the limits "
-                 f"cost), {stats.pruned:,} pruned by the throughput bound, {stats.simulated:,} simulated"
-                 + (f", and {count_text(stats.simulated_leanest, 'leanest cut')} simulated where no cut for time fits"
-                    if stats.simulated_leanest else "") + f"; {stats.seconds:.2f} s",
-                 highlight=False)
+    stdout.print(search_summary(stats), highlight=False)
     for note in tuning.notes:
         stdout.print(f"note: {note}", highlight=False)

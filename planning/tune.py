@@ -281,6 +281,7 @@ class Stats:
     simulated_over_limits: int  # stale or over the memory floor, simulated only to show what the limits cost
     simulated_leanest: int  # leanest cuts simulated where no cut for time fits the cap (`_fastest_leanest`)
     seconds: float
+    refused_built: int = 0  # of `refused`, shapes searched and refused once built (a searched order short of memory)
 
     @property
     def configurations(self) -> int:
@@ -414,7 +415,8 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
         return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
 
     refused_built, *accounts = _accounts(shapes, built, problem)
-    stats = Stats(count, refused + refused_built, *accounts, simulated_leanest, time.perf_counter() - started)
+    stats = Stats(count, refused + refused_built, *accounts, simulated_leanest, time.perf_counter() - started,
+                  refused_built)
     staler_row = row(staler) if staler else None
     unsimulated = StalerBound(len(bounds), max(bounds)) if staler_row and bounds else None
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster], stats,

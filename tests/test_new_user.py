@@ -131,3 +131,16 @@ def test_a_link_segment_whose_times_did_not_grow_reads_so_not_as_a_bandwidth(cap
     printed = " ".join(capsys.readouterr().out.split())
     assert f"from 0 B: {first.latency_ms * 1e3:.1f} us at any size (its times did not grow);" in printed
     assert "1e+06 GB/s" not in printed and f"{rest[0].bytes_per_ms / 1e6:.3g} GB/s" in printed
+
+
+def test_tunes_summary_counts_the_configurations_its_progress_line_counted():
+    """The progress line said "searching 73 configurations", the summary "searched 72": one shape was refused once
+    built, which the summary counted among the shapes refused before any search."""
+    from pipesim.commands.tune import search_summary
+    from pipesim.planning.tune import Stats
+
+    stats = Stats(shapes=528, refused=456, stale=16, over_memory_floor=10, pruned=16, simulated=30,
+                  simulated_over_limits=6, simulated_leanest=0, seconds=3.5, refused_built=1)
+    summary = search_summary(stats)
+    assert summary.startswith("searched 73 configurations (455 more shapes refused by their method): 1 refused once "
+                              "built, 16 too stale"), summary
