@@ -153,7 +153,10 @@ def compare(
             if predicted is None:
                 from ..planning.replay import predict_measured
 
-                predicted_trace = predict_measured(measured_trace.meta)
+                try:
+                    predicted_trace = predict_measured(measured_trace.meta)
+                except TraceError as exc:  # said "a predicted trace: ...", no file named
+                    raise TraceError(f"MEASURED {measured}: {exc}") from None
             else:
                 predicted_trace = read_trace(predicted)
         result = compare_traces(predicted_trace, measured_trace)

@@ -31,7 +31,8 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None, links_from
     from ..profiles.schema import threads_mismatch
 
     if meta.source != "measured":
-        raise TraceError(f"a {meta.source} trace: give a measured one (from `pipesim run`) to predict it")
+        raise TraceError(f"a {meta.source} trace, not a measured one: give a trace `pipesim run --trace` wrote to "
+                         "predict it, or a predicted trace beside it to compare")
     if profile is None:
         profile = _recorded_profile(meta)
         if profile.environment.microbatch_size != meta.microbatch_size:

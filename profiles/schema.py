@@ -1172,6 +1172,9 @@ def load_profile(path: str | Path) -> Profile:
     if isinstance(raw, dict) and {"traceEvents", "pipesim"} <= raw.keys():  # traces/trace.py's, as `read_trace` tells
         raise ProfileError(f"{path} is a pipesim trace, not a profile: `pipesim view` draws it; give a profile that "
                            "`pipesim calibrate --out` or `pipesim estimate --out` wrote")
+    if isinstance(raw, dict) and "model_type" in raw and "schema_version" not in raw:  # transformers' config.json
+        raise ProfileError(f"profile {path}: a Hugging Face model config (model_type {raw['model_type']!r}), not a "
+                           f"profile: give it as --model hf:{path} (with --gpu NAME to estimate its costs)")
     if not isinstance(raw, dict) or "schema_version" not in raw:
         raise ProfileError(f"profile {path}: schema_version: missing (is this a pipesim calibrate profile?)")
     if raw["schema_version"] not in SUPPORTED_VERSIONS:

@@ -137,6 +137,9 @@ def open_results(path: Path, setting: Setting) -> StudyFile:
 
 def load_results(path: Path) -> StudyFile:
     document = read_json(path, ResultsError, "study results file")
+    if isinstance(document, dict) and {"traceEvents", "pipesim"} <= document.keys():  # "format_version: Field ...
+        raise ResultsError(f"{path} is a pipesim trace, not a study's results: give the --results file `pipesim "
+                           "study` wrote")
     try:
         study = StudyFile.model_validate(document)
     except ValidationError as exc:

@@ -153,7 +153,8 @@ def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_
     assert code == 0 and "error -3.2%" in out and (tmp_path / "c.html").stat().st_size > 0
     # One argument predicts the run again from the profile it recorded: a prediction has none.
     code, _, err = pipesim("compare", predicted)
-    assert code == 2 and "give a measured one" in err and "Traceback" not in err
+    assert code == 2 and f"MEASURED {predicted}: a predicted trace, not a measured one" in err, err
+    assert "Traceback" not in err
     (tmp_path / "bad.json").write_text('{"traceEvents": [')
     code, _, err = pipesim("compare", tmp_path / "bad.json", predicted)
     assert code == 2 and "not valid JSON" in err

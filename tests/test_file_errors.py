@@ -66,6 +66,25 @@ def test_a_trace_given_for_a_profile_is_named_a_trace(tmp_path, monkeypatch):
     assert [path.name for path in tmp_path.iterdir()] == ["t.json"]
 
 
+def test_a_hugging_face_config_given_for_a_profile_is_named_one_with_the_flag_that_reads_it(tmp_path, monkeypatch):
+    """A config.json given as --profile was "schema_version: missing (is this a pipesim calibrate profile?)"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    code, _, err = pipesim("simulate", "--profile", "config.json", "-s", "1f1b")
+    assert (code, err) == (2, "error: --profile: profile config.json: a Hugging Face model config (model_type "
+                              "'llama'), not a profile: give it as --model hf:config.json (with --gpu NAME to "
+                              "estimate its costs)\n")
+
+
+def test_a_trace_given_for_a_studys_results_is_named_a_trace(tmp_path, monkeypatch):
+    """`study --plot-only --results run.json` said "format_version: Field required"."""
+    monkeypatch.chdir(tmp_path)
+    assert pipesim("simulate", "-s", "1f1b", "--trace", "t.json")[0] == 0
+    code, _, err = pipesim("study", "--plot-only", "--results", "t.json")
+    assert (code, err) == (2, "error: --results: t.json is a pipesim trace, not a study's results: give the "
+                              "--results file `pipesim study` wrote\n")
+
+
 def test_a_failed_read_the_command_makes_for_itself_is_not_called_a_write(tmp_path, monkeypatch):
     def unreadable(*_):
         raise PermissionError(13, "Permission denied", "/some/source.py")
