@@ -368,8 +368,8 @@ def test_a_runs_malformed_receive_window_is_one_line(tmp_path, window):
     (tmp_path / "run.json").write_text(json.dumps(document))
     code, out, err = pipesim("compare", tmp_path / "run.json")
     assert code == 2 and out == "", err
-    assert err.strip().splitlines() == [f"error: cannot predict the recorded run: recv_window must be a whole number "
-                                        f">= 0 (got {window!r})"]
+    assert err.strip().splitlines() == [f"error: MEASURED {tmp_path / 'run.json'}: cannot predict the recorded run: "
+                                        f"recv_window must be a whole number >= 0 (got {window!r})"]
 
 
 @pytest.mark.parametrize("predicted", [False, True])
