@@ -16,6 +16,7 @@ from ..profiles.workload import too_few_layers
 from ..units import GIB, KIB, MIB, count_text
 from .common import DTYPES as DTYPE_NAMES  # --dtype's names -> torch's (calibrate.measure's DTYPES: torch's dtypes)
 from .common import (
+    PROFILE,
     CapacityFactor,
     ExpertFfn,
     Experts,
@@ -152,7 +153,7 @@ def calibrate(
         require_model("pipesim calibrate", model)
         if runtime:  # its probe times the executor on a small mlp, which draws the digits
             require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
-        check_outputs([("--out", out)], model_reads(ctx.params))
+        check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))
         if dtype not in DTYPE_NAMES:
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
         dtype = DTYPE_NAMES[dtype]

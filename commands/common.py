@@ -10,10 +10,11 @@ import importlib.util
 import inspect
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, get_args
 
@@ -823,6 +824,37 @@ def is_given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
+@dataclass(frozen=True)
+class Output:
+    """What an output flag writes, told from a file's bytes: a file already at its path that is not one is
+    refused, not replaced (`run --trace mlp.json` wrote a trace over a calibrated profile, without a word)."""
+
+    name: str  # "pipesim trace", as the refusal says it
+    is_one: Callable[[bytes], bool]
+
+
+TRACE = Output("pipesim trace", lambda data: data.lstrip().startswith(b'{"traceEvents"') and b'"pipesim"' in data)
+PAGE = Output("pipesim page", lambda data: b"window.pipesimHealth" in data or b'id="pipesim-data"' in data)
+PROFILE = Output("pipesim profile", lambda data: data.lstrip().startswith(b"{") and b'"schema_version"' in data[:200])
+SWEEP_RESULTS = Output("pipesim sweep results file", lambda data: data.startswith((b"schedule,stages,", b"PAR1")))
+TORCH_CSV = Output("torch.distributed.pipelining schedule CSV",
+                   lambda data: re.fullmatch(rb"(\d+[A-Z_]+\d*|,|\r?\n)*", data) is not None)
+OUTPUTS = {"--trace": TRACE, "--html": PAGE}  # each command's --out says its own
+
+
+def check_replaceable(flag: str, path: Path, output: Output) -> None:
+    """Refuse to replace a file that is not what `flag` writes (`output`): a profile, a model's config, a page
+    pipesim did not draw. An empty file is replaced."""
+    try:
+        if not path.is_file() or path.stat().st_size == 0:
+            return
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{flag}: cannot read {path} to see what it is: {_reason(exc)}") from None
+    if not output.is_one(data):
+        raise InputError(f"{flag}: {path} exists and is not a {output.name}; remove it or give {flag} another path")
+
+
 def check_writable(flag: str, path: Path | None) -> None:
     """Refuse an output path before any work is done, so nothing is half-written later. As `write_atomic`
     writes: a FIFO, a device or /dev/stdout in place, anything else by replacing the file a symlink points
@@ -846,24 +878,29 @@ def check_writable(flag: str, path: Path | None) -> None:
             raise InputError(f"{flag}: cannot write {path}: folder {folder} is not writable")
 
 
-def check_outputs(outputs: Sequence[tuple[str, Path | None]], reads: Sequence[tuple[str, Path | None]] = ()) -> None:
+def check_outputs(outputs: Sequence[tuple[str, Path | None] | tuple[str, Path | None, Output]],
+                  reads: Sequence[tuple[str, Path | None]] = ()) -> None:
     """Refuse, before any work is done, an output that cannot be written (`check_writable`, in the order given) or
     that names the file of another output, or of a file the command reads: the later write replaced the earlier
     (`simulate --trace t.json --html t.json` kept the page, not the trace) or the input (`view t.json --html t.json`
     wrote the page over its trace). Outputs written in place (a FIFO, /dev/stdout) may be shared. Each (flag, path)
-    pair names its flag, or the argument, as the user gave it."""
+    pair names its flag, or the argument, as the user gave it; a third, the `Output` the flag writes where
+    `OUTPUTS` has none for it."""
     from ..traces.trace import writes_in_place
 
-    for flag, path in outputs:
+    for flag, path, *_ in outputs:
         check_writable(flag, path)
     seen: dict[str, str] = {}
-    for k, (flag, path) in enumerate([*reads, *outputs]):
+    for k, (flag, path, *_) in enumerate([*reads, *outputs]):
         if path is None:
             continue
         where, written = os.path.realpath(path), k >= len(reads)
         if written and where in seen and not writes_in_place(path):
             raise InputError(f"{flag}: {path} is also {seen[where]}; give {flag} a file of its own")
         seen.setdefault(where, f"{flag}'s output" if written else f"{flag}, which it reads")
+    for flag, path, *output in outputs:
+        if path is not None and (output or flag in OUTPUTS) and not writes_in_place(path):
+            check_replaceable(flag, path, output[0] if output else OUTPUTS[flag])
 
 
 def refuse_unwritable(*outputs: tuple[str, Path | None]) -> None:

@@ -20,6 +20,7 @@ from ..profiles.workload import too_few_layers
 from .common import (
     DTYPES,
     MODEL_SIZES,
+    PROFILE,
     DataParallel,
     GpuName,
     HeldOptimizer,
@@ -734,7 +735,7 @@ def estimate(
     from ..traces import write_atomic
 
     try:
-        check_outputs([("--out", out)], model_reads(ctx.params))
+        check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))
         zero = zero_stage(ctx.params)
         what = what_if(ctx)
         with transient_status(COUNTING_STATUS, False):

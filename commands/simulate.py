@@ -18,6 +18,7 @@ from ..choices import unknown_names
 from ..traces.metrics import rate_text
 from ..units import MAX_MS, count_text
 from .common import (
+    TORCH_CSV,
     ActivationLimit,
     Advance,
     Allocator,
@@ -778,7 +779,7 @@ def export(
     try:
         if fmt not in EXPORT_FORMATS:
             raise InputError(unknown_names("--format", [fmt], EXPORT_FORMATS))
-        check_outputs([("--out", out)], [("--profile", profile)])
+        check_outputs([("--out", out, TORCH_CSV)], [("--profile", profile)])
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--activation-limit", "--search-seconds"))
         search = search_options(activation_limit, search_seconds)

@@ -15,6 +15,7 @@ from rich.table import Table
 from ..traces.metrics import rate_text
 from ..units import MAX_MS, whole_number
 from .common import (
+    SWEEP_RESULTS,
     Allocator,
     BlockingComm,
     DataParallel,
@@ -201,7 +202,7 @@ def sweep(
     from ..sim import ClusterError
 
     try:
-        check_outputs([("--out", out), ("--html", html)],
+        check_outputs([("--out", out, SWEEP_RESULTS), ("--html", html)],
                       [("--grid", grid), ("--profile", profile), ("--cluster", cluster), *model_reads(ctx.params)])
         if out is not None and out.suffix not in (".csv", ".parquet"):
             raise InputError(f"--out: give a .csv or .parquet file (got {out})")

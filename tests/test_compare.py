@@ -194,7 +194,7 @@ def test_view_titles_a_trace_by_its_method_and_shape_not_its_file_name(tmp_path)
     assert "measured (measured)" not in page
 
 
-def test_view_replaces_only_a_page_of_its_own_unless_the_page_is_named(tmp_path):
+def test_view_replaces_only_a_page_of_its_own(tmp_path):
     from tests.conftest import pipesim
 
     trace, page = tmp_path / "t.json", tmp_path / "t.html"
@@ -207,8 +207,8 @@ def test_view_replaces_only_a_page_of_its_own_unless_the_page_is_named(tmp_path)
     code, out, err = pipesim("view", trace)  # not a pipesim page, and not named: left alone
     assert code == 2 and out == "" and page.read_text() == "<html>notes of my own</html>"
     assert f"{page} exists and is not a pipesim page" in err and err.count("\n") == 1
-    code, out, _ = pipesim("view", trace, "--html", page)  # named: the user asked for it
-    assert code == 0 and "replaced" in out and 'id="pipesim-data"' in page.read_text()
+    code, out, err = pipesim("view", trace, "--html", page)  # named: the same, as every writer refuses
+    assert code == 2 and out == "" and page.read_text() == "<html>notes of my own</html>", err
 
 
 TORCH_RUNS = Path(__file__).parent.parent / "traces" / "measured"

@@ -147,3 +147,39 @@ def test_a_benchmarks_output_whose_write_fails_is_one_line_and_leaves_no_file(tm
     assert (exited.value.code, capsys.readouterr().err) == (
         2, f"error: --json: cannot write {path}: No space left on device\n")
     assert list(tmp_path.iterdir()) == []
+
+
+PROFILE_TEXT = '{\n "schema_version": 2,\n "environment": {}\n}\n'
+MODEL_CONFIG = '{"model_type": "llama", "hidden_size": 64}'
+
+
+@pytest.mark.parametrize("args,kind", [
+    (["run", "-s", "1f1b", "--model", "mlp", "--trace"], "pipesim trace"),
+    (["simulate", "-s", "1f1b", "--trace"], "pipesim trace"),
+    (["simulate", "-s", "1f1b", "--html"], "pipesim page"),
+    (["sweep", "-s", "1f1b", "-j", "1", "--html"], "pipesim page"),
+    (["export", "-s", "1f1b", "--format", "torch-csv", "--out"], "torch.distributed.pipelining schedule CSV"),
+    (["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--out"], "pipesim profile"),
+    (["view", "t.json", "--html"], "pipesim page"),
+])
+@pytest.mark.parametrize("there", [PROFILE_TEXT, MODEL_CONFIG])
+def test_an_output_refuses_to_replace_a_file_of_another_kind(tmp_path, monkeypatch, args, kind, there):
+    """`run --trace mlp.json` wrote its trace over a calibrated profile without a word: a writer replaces only
+    a file of what it writes (view's page rule, for every --trace, --out and --html)."""
+    monkeypatch.chdir(tmp_path)
+    there = MODEL_CONFIG if kind == "pipesim profile" else there  # a profile is what estimate writes
+    assert pipesim("simulate", "-s", "1f1b", "--trace", "t.json")[0] == 0
+    (tmp_path / "mine").write_text(there)
+    code, out, err = pipesim(*args, "mine")
+    assert (code, out) == (2, ""), err
+    assert err.startswith(f"error: {args[-1]}: mine exists and is not a {kind}; ") and err.count("\n") == 1, err
+    assert (tmp_path / "mine").read_text() == there and sorted(p.name for p in tmp_path.iterdir()) == ["mine", "t.json"]
+
+
+def test_sweep_replaces_its_own_results_and_no_other_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert pipesim("sweep", "-s", "1f1b", "-j", "1", "--out", "r.csv")[0] == 0
+    assert pipesim("sweep", "-s", "1f1b", "-j", "1", "--out", "r.csv")[0] == 0  # its own: replaced
+    (tmp_path / "r.csv").write_text(PROFILE_TEXT)
+    code, _, err = pipesim("sweep", "-s", "1f1b", "-j", "1", "--out", "r.csv")
+    assert code == 2 and err.startswith("error: --out: r.csv exists and is not a pipesim sweep results file"), err

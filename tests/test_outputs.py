@@ -41,7 +41,7 @@ def test_a_failed_write_leaves_nothing_and_names_the_path(tmp_path, monkeypatch)
 def test_writing_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
     (tmp_path / "real").mkdir()
     target = tmp_path / "real" / "zb.csv"
-    target.write_text("old")
+    target.write_text("0F0,0B0\n")  # an older schedule CSV: a file of another kind is refused
     link = tmp_path / "zb.csv"
     link.symlink_to(os.path.join("real", "zb.csv"))  # relative, as `ln -s` makes them
     code, out, err = pipesim(*EXPORT, "--out", link)
