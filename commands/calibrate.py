@@ -403,9 +403,9 @@ def _print_profile(profile) -> None:
         ratios = [ms / summed if summed > 0 else 1.0 for ms, summed in (
             (stage.fwd_ms, sum(layer.fwd.median_ms for layer in mine)),
             (stage.bwd_ms, sum(layer.bwd.median_ms for layer in mine)))] if stage.passes else []
-        table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:.3f}",
-                      f"{stage.bwd_ms:.3f}", "/".join(f"{r:.2f}" for r in ratios) or "-",
-                      f"{stage.igrad_ms:.3f}/{stage.wgrad_ms:.3f}",
+        table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:,.3f}",
+                      f"{stage.bwd_ms:,.3f}", "/".join(f"{r:.2f}" for r in ratios) or "-",
+                      f"{stage.igrad_ms:,.3f}/{stage.wgrad_ms:,.3f}",
                       f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
                       f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
     print_table(table)

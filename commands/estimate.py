@@ -840,8 +840,8 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
         table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)
     for k, stage in enumerate(profile.stages):
         first, stop = stage.layers
-        table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:.3f}",
-                      f"{stage.bwd_ms:.3f}", f"{stage.igrad_ms:.3f}/{stage.wgrad_ms:.3f}",
+        table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:,.3f}",
+                      f"{stage.bwd_ms:,.3f}", f"{stage.igrad_ms:,.3f}/{stage.wgrad_ms:,.3f}",
                       f"{stage.activation_bytes / MIB:,.1f}", f"{stage.param_bytes / MIB:,.1f}",
                       f"{stage.memory_bytes / MIB:,.0f}")
     print_table(table)

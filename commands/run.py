@@ -516,7 +516,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
         peaks = [f"replica {r}: " + ", ".join(peaks[r * p:(r + 1) * p]) for r in range(replicas)]
     else:
         peaks = [f"{device}: {peak}" for device, peak in enumerate(peaks)]
-    table.add_row(f"{summary.time_per_minibatch_ms:.2f}", rate_text(summary.samples_per_s),
+    table.add_row(f"{summary.time_per_minibatch_ms:,.2f}", rate_text(summary.samples_per_s),
                   f"{first:.4g} -> {last:.4g}", held, "; ".join(peaks) if replicas > 1 else ", ".join(peaks))
     print_table(table)
     for path in (path for path in (trace, html) if path is not None):

@@ -530,7 +530,8 @@ def _cut_text(scenario, cuts: dict[str, list[int]]) -> str:
 
 
 def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> str:
-    """For the caption: which methods overlap F&B pairs, how many per mini-batch, and what each costs."""
+    """For the caption: which methods overlap F&B pairs, how many per mini-batch (every device's together), and
+    what each costs."""
     overlapping = [f"{sched.method} {pairs[sched.method] // sched.minibatches}" for sched in schedules
                    if pairs[sched.method]]
     if not overlapping:
@@ -539,7 +540,7 @@ def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> st
              else f"F + B less {fraction:g} of the shorter part") + " (--fb-hidden-fraction)"
     experts = any(sched.expert_parallel > 1 for sched in schedules)
     hidden = ", each part's expert all-to-alls under the other's compute" if experts else ""
-    return f"; F&B pairs per mini-batch: {', '.join(overlapping)}, each {price}{hidden}"
+    return f"; F&B pairs per mini-batch over all devices: {', '.join(overlapping)}, each {price}{hidden}"
 
 
 def _zero_text(schedule) -> str:
@@ -603,13 +604,10 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
     if limited:
         table.add_column("memory", no_wrap=True)
     for s, sched, is_steady, checks, share in zip(summaries, schedules, steady, memory, mfu):
-        shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
-        shape += [f"P={sched.pipelines}"] if sched.pipelines > 1 else []
-        shape += [f"s: {_source(sched)}"] if _source(sched) else []
         oom = out_of_memory(checks)
         table.add_row(
-            s.schedule + (f" ({', '.join(shape)})" if shape else ""),
-            f"{s.time_per_minibatch_ms:.3f}" + ("" if is_steady else "*"),
+            _label(s, sched),
+            f"{s.time_per_minibatch_ms:,.3f}" + ("" if is_steady else "*"),
             rate_text(s.samples_per_s) + ("" if is_steady else "*"),
             *([f"{share:.1%}"] if share is not None else []),
             f"{s.bubble_fraction:.1%}",
@@ -617,7 +615,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
             str(max((d.peak_activations for d in s.devices), default=0)),
             str(max((d.peak_weight_versions for d in s.devices), default=0)),
             str(s.max_staleness) + ("" if is_steady else "*"),
-            *([] if estimated else [f"{s.makespan_ms:.3f}"]),
+            *([] if estimated else [f"{s.makespan_ms:,.3f}"]),
             *([oom[0] if oom else "fits"] if limited else []),
             style="red" if oom else None,
         )
@@ -670,12 +668,22 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
         for d, (device, check) in enumerate(zip(s.devices, checks)):
             whole = _summing_whole([device.peak_memory_parts_mb[part] for part in parts])
             table.add_row(
-                s.schedule if d == 0 else "", str(device.device), *[f"{mib:,}" for mib in whole], f"{sum(whole):,}",
+                _label(s, sched) if d == 0 else "", str(device.device), *[f"{mib:,}" for mib in whole],
+                f"{sum(whole):,}",
                 *([f"{check.limit_bytes / MIB:,.0f}" if check.limit_bytes is not None else ""] if limited else []),
                 style="red" if check.out_of_memory else None, end_section=d == len(s.devices) - 1)
     for name in skipped:
         table.add_row(name, "skipped", style="dim")
     print_table(table, keys=2)  # a row is a schedule's device: both lead each part
+
+
+def _label(summary, sched) -> str:
+    """A method's row label in simulate's tables, with the shape that tells its runs apart: "interleaved-1f1b
+    (v=2)" (--memory's table said "interleaved-1f1b" alone)."""
+    shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
+    shape += [f"P={sched.pipelines}"] if sched.pipelines > 1 else []
+    shape += [f"s: {_source(sched)}"] if _source(sched) else []
+    return summary.schedule + (f" ({', '.join(shape)})" if shape else "")
 
 
 def _summing_whole(values: list[float]) -> list[int]:

@@ -144,3 +144,13 @@ def test_tunes_summary_counts_the_configurations_its_progress_line_counted():
     summary = search_summary(stats)
     assert summary.startswith("searched 73 configurations (455 more shapes refused by their method): 1 refused once "
                               "built, 16 too stale"), summary
+
+
+def test_simulates_tables_separate_thousands_of_ms_and_label_a_method_by_its_shape_in_each():
+    """`ms/step 330000000.000` beside memory's "1,288", and --memory's table labelled interleaved-1f1b without
+    its "(v=2)", which the main table gives."""
+    args = ("simulate", "-s", "interleaved-1f1b", "--fwd", "1e8", "-m", "4", "-n", "1")
+    (code, out, err), (memory_code, memory, _) = pipesim(*args), pipesim(*args, "--memory")
+    assert code == 0 and memory_code == 0, err
+    assert "550,000,011.000*" in out and "550000011" not in out, out
+    assert "interleaved-1f1b (v=2)" in " ".join(out.split()) and "interleaved-1f1b (v=2)" in memory, memory

@@ -133,7 +133,9 @@ def test_simulate_says_how_many_pairs_each_method_overlaps_and_prices_them_by_th
     assert hidden[0]["fb_hidden_fraction"] == 1.0
     assert hidden[0]["makespan_ms"] < plain[0]["makespan_ms"] and hidden[1] == plain[1]
     code, out, _ = pipesim("simulate", *args)
-    assert code == 0 and "F&B pairs per mini-batch: dualpipev 25, each F + B, nothing hidden" in " ".join(out.split())
+    caption = " ".join(out.split())  # the pairs of every device together: "dualpipev 867" read as one device's
+    assert code == 0, caption
+    assert "F&B pairs per mini-batch over all devices: dualpipev 25, each F + B, nothing hidden" in caption
 
 
 @pytest.mark.parametrize("args,fragment", [
