@@ -15,6 +15,8 @@ from tests.conftest import estimate_json, pipesim
 
 SMALL = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 128, "-b", 1,
          "--gpu", "h100-sxm")
+WIDER = ("--model", "gpt", "--layers", 4, "--width", 1024, "--heads", 8, "--seq-len", 1024, "-b", 1,
+         "--gpu", "h100-sxm")  # SMALL four times as wide and eight times as long
 BIG = ("--model", "gpt", "--layers", 2, "--width", 8192, "--heads", 64, "--seq-len", 4096, "-b", 1,
        "--gpu", "h100-sxm")
 PASS_NAMES = ("fwd", "bwd", "igrad", "wgrad")
@@ -114,8 +116,7 @@ def test_tunes_layer_sums_stay_below_every_stage_where_a_stage_takes_its_floor_b
     embedding), but the first stage's forward and the last stage's backward receive nothing and take only the
     floor of their totals, which the carried waits can exceed: the bound (`_own_times`' `least`) leaves them out
     for every layer that never synchronises, so it stays at or below each stage of every cut."""
-    measured, cuts = two_stage_costs(tmp_path, *SMALL, "--width", 1024, "--heads", 8, "--seq-len", 1024,
-                                     "--p2p-sync")
+    measured, cuts = two_stage_costs(tmp_path, *WIDER, "--p2p-sync")
     assert any(math.fsum(layer.fwd.median_ms for layer in measured.layers[:cut]) > costs[0, 0] + 1e-6
                for cut, costs in cuts.items())
 
@@ -129,7 +130,7 @@ def test_tunes_shape_sums_stay_below_every_cut_where_a_stage_takes_its_floor_bes
     from pipesim.planning.tune import _work
     from pipesim.schedules import KIND_CODE, Kind
 
-    measured, _ = two_stage_costs(tmp_path, *SMALL, "--width", 1024, "--heads", 8, "--seq-len", 1024, "--p2p-sync")
+    measured, _ = two_stage_costs(tmp_path, *WIDER, "--p2p-sync")
     work, n = _work(measured, "adam"), len(measured.layers)
     f, b, i, w = (KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
     for stages in (1, 2, 3):

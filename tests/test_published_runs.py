@@ -194,7 +194,7 @@ def test_the_readme_published_run_prints_the_figure_it_quotes():
     assert len(shown_rows) == 2 and shown_rows == printed_rows  # the shape line and the schedule's row
     shape = dict(word.split("=") for word in printed_rows[0] if "=" in word)
     assert f"GPT-3 175B on {int(shape['p']) * int(shape['t'])} A100s" in " ".join(section.split())
-    ms_per_step = float(printed_rows[1][2])
+    ms_per_step = float(printed_rows[1][2].replace(",", ""))
     assert quoted_s == round(ms_per_step / 1e3, 2)
     (published,) = [r for r in RUNS if r["run"] == "Korthikanti 175B SP + selective"]
     assert published["command"] == command and round(published["predicted"], 2) == quoted_s
