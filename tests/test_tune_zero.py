@@ -11,9 +11,10 @@ import json
 import pytest
 
 from pipesim.planning import tune as tuning
-from tests.conftest import at_columns, pipesim, refused, tune_rows
+from tests.conftest import at_columns, flags_with, pipesim, refused, tune_rows
 from tests.test_tune import differences, exhaustive
 from tests.test_tune_layouts import GPU, SMALL_GPT, _estimated, _searched, exactly_searched
+from tests.test_tune_reserve import searched
 
 FLAGS = ("-D", 8, "-B", 16, "-b", 1, "--recompute", "none")
 SCHEDULES = ("-s", "1f1b,gpipe,zb-h1,interleaved-1f1b")
@@ -112,7 +113,7 @@ def test_bad_sharding_is_refused_in_one_line(tmp_path, tmp_path_factory, monkeyp
         "error: --precision: a profile holds its weights")
 
 
-WIDE = ("--width", 512, "--seq-len", 16)  # weights heavy beside the activations: the floor is most of the peak
+WIDE = ("--width", 512, "--seq-len", 16)  # SMALL_GPT's in place: weights heavy, the floor most of the peak
 
 
 @pytest.mark.parametrize(("flags", "cap_gib"), [
@@ -122,7 +123,7 @@ def test_a_layout_the_cap_holds_is_not_left_out_by_its_floor(flags, cap_gib):
     """One stage over 8 replicas of a GPT whose weights outweigh its activations: its floor counted the gradients
     whole at ZeRO-2 (102.3 MB against an 89.3 MB peak) and the weights whole at ZeRO-3 (95.6 MB against 85.3 MB),
     so under a cap between them the fastest layout was left out unsimulated, and the search chose a slower one."""
-    settings, problem = _searched(*FLAGS, *WIDE, *flags)
+    settings, problem = searched(*FLAGS, *flags, model=(*GPU, *flags_with(SMALL_GPT, *WIDE)))
     capped = tuning.Problem(8, int(cap_gib * tuning.GIB), problem.batch_size, problem.schedules, zero=problem.zero)
     found = tuning.tune(settings, capped)
     best, faster, staler, _ = exhaustive(settings, capped)
