@@ -62,7 +62,7 @@ TUNED = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 5
 @pytest.mark.parametrize(("flags", "searched"), [((), {False, True}), (("--sequence-parallel",), {True}),
                                                   (("--no-sequence-parallel",), {False})])
 def test_tune_searches_sequence_parallelism_at_t_above_one_where_it_is_not_given(flags, searched):
-    settings = searched_settings(*TUNED, *flags)
+    settings = searched_settings(*flags, model=TUNED)  # TUNED in place of the default model: each flag once
     at = {t: {setting.sequence_parallel for setting in settings if setting.tensor == t} for t in (1, 2, 4)}
     assert at[2] == at[4] == searched
     assert at[1] == {False}  # nothing to split at t = 1, given or not: the JSON and note say the table's "-"
