@@ -45,14 +45,17 @@ with a floor over the cap are out unsimulated; the rest are simulated best bound
 falls below the sixth best row found, so the choice and its five runners-up are exact; the caching
 allocator's reserve, the dear part of a simulation, is replayed only for a result that could be kept by its
 speed and its peak less the reserve (`top_groups`). Excluded
-candidates whose floor fits are simulated, best bound first, only while their bound beats the choice and, once
-five rows that do are kept (the five shown), the fifth: what the limits cost (one whose floor is over the cap
-holds more than the device before any schedule runs).
+candidates whose floor fits are simulated, best bound first, only while their bound beats the choice by more
+than OVER_MARGIN and, once five rows that do are kept (the five shown), the fifth: what the limits cost (one
+whose floor is over the cap holds more than the device before any schedule runs), shown where the simulation
+beats the margin too, so that what is shown does not depend on what was simulated. Those that could beat the
+choice by no more than the margin, by their bounds, are not simulated for it: while fewer than five rows are
+shown, a note counts them (`_within_margin`).
 The limit that changes what a run trains is staleness (synchronous by default): so that it is not a hidden
-price, a configuration over it alone (within the cap) that beats the choice is named in a note (`_staler`): the
-fastest, exactly, where a row over a limit is one; else the first such one the stale candidates whose floor fits
-give, searched best bound first, with the highest bound of those left unsimulated that could beat it ("up to"),
-none where nothing could, so that the note costs no more than one such simulation.
+price, a configuration over it alone (within the cap) that beats the choice by more than the margin is named in
+a note (`_staler`): the fastest, exactly, where a row over a limit is one; else the first such one the stale
+candidates whose floor fits give, searched best bound first, with the highest bound of those left unsimulated
+that could beat it ("up to"), none where nothing could, so that the note costs no more than one such simulation.
 """
 
 from __future__ import annotations
@@ -123,6 +126,12 @@ from .ranks import estimated_experts_refusal
 from .scenario import CollectiveLink, Scenario, device_stages, held_weights, over_expert_groups, profile_costs
 
 RUNNERS_UP = 5
+OVER_MARGIN = 0.005
+"""How much more than the choice's samples/s a configuration over a limit must be able to give (by its bound) to
+be simulated for a row over the limits or the staleness note, and give (simulated) to be shown: what the limits
+cost is worth a row where it is more than this; within it, proving that a candidate loses is most of tune's time
+(the 70B's twelve stale p = 32 orders, 0.02-1.5 % over by their bounds, 38 CPU s of 60), so those are counted in
+a note instead."""
 COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds on compute, not the network lane
                     for kind in KINDS[:NUM_COMPUTE_KINDS]])
 # the replicas' collectives (REDUCE, GATHER): a candidate's all-reduce, not its passes' all-to-alls
@@ -307,6 +316,7 @@ class Tuning:
     notes: list[str]
     staler: Row | None = None  # a configuration over the staleness limit alone that beats the choice (`_staler`)
     staler_bound: StalerBound | None = None  # None: `staler` is the fastest such, exactly
+    over_within_margin: int = 0  # configurations over a limit left unshown within OVER_MARGIN (`_within_margin`)
 
     def to_dict(self) -> dict:
         problem = self.problem
@@ -322,6 +332,7 @@ class Tuning:
             "excluded": [row.to_dict() for row in self.excluded],
             "search": {**asdict(self.stats), "configurations": self.stats.configurations},
             "notes": self.notes,
+            "over_within_margin": self.over_within_margin,
             "staler_winner": None if self.staler is None else {
                 **self.staler.to_dict(),  # with the highest bound of what could be faster unsimulated (None: exact)
                 "bound_samples_per_s": self.staler_bound.max_samples_per_s if self.staler_bound else None,
@@ -407,9 +418,11 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
         fastest, simulated_leanest = _fastest_leanest(settings, problem)
         best, leanest = [[fastest]], [LEANEST_NOTE]
     choice = best[0][0]
-    faster, _ = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem),
-                           speed_key(choice.samples_per_s), groups=RUNNERS_UP)  # the rows shown, and no more
-    staler, bounds = _staler(shapes, built, problem, choice, faster)
+    margin = speed_key(choice.samples_per_s * (1 + OVER_MARGIN))
+    faster, _ = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem), margin,
+                           groups=RUNNERS_UP)  # the rows shown, and no more
+    staler, bounds = _staler(shapes, built, problem, margin, faster)
+    within = _within_margin(shapes, built, problem, choice) if len(faster) < RUNNERS_UP else 0
 
     def row(group: list[Result]) -> Row:
         return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
@@ -420,28 +433,51 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
     staler_row = row(staler) if staler else None
     unsimulated = StalerBound(len(bounds), max(bounds)) if staler_row and bounds else None
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster], stats,
-                  _notes(settings, problem) + leanest + (
+                  _notes(settings, problem) + leanest + [_within_margin_note(within)] * bool(within) + (
                       [_staler_note(staler_row, choice, unsimulated)] if staler_row else []),
-                  staler_row, unsimulated)
+                  staler_row, unsimulated, within)
 
 
-def _staler(shapes: list[Shape], built: _Built, problem: Problem, choice: Result, faster: list[list[Result]]
+def _within_margin(shapes: list[Shape], built: _Built, problem: Problem, choice: Result) -> int:
+    """How many configurations over a limit (their floor within the cap, as the rows over the limits) might beat
+    the choice by no more than OVER_MARGIN: those whose bound, or speed where simulated (`_Built.floor`: a bound
+    too where it lost), beats the choice's and not the margin. A configuration within the limits is not among
+    them: none beats the choice."""
+    cap, fastest = problem.memory_cap_bytes, speed_key(choice.samples_per_s)
+    margin = speed_key(choice.samples_per_s * (1 + OVER_MARGIN))
+    count = 0
+    for shape in shapes:
+        item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
+        if item is None or item.memory_floor_bytes > cap:
+            continue
+        bound = built.floors[shape.index].samples_per_s if shape.index in built.floors else item.max_samples_per_s
+        count += fastest < speed_key(bound) <= margin
+    return count
+
+
+def _within_margin_note(count: int) -> str:
+    return (f"{count_text(count, 'more configuration')} over the limits might beat the choice by at most "
+            f"{_percent(OVER_MARGIN)} (by their bounds; not shown)")
+
+
+def _staler(shapes: list[Shape], built: _Built, problem: Problem, margin: float, faster: list[list[Result]]
             ) -> tuple[list[Result], list[float]]:
     """The staleness note's configuration: over the staleness limit alone (within the cap) and faster than the
-    choice, with its twins (none if nothing is), and the bounds (samples/s) of the stale candidates left
-    unsimulated that could be faster still. The fastest, exactly, where a row over a limit is one (`faster`
-    ranks them exactly); else the stale candidates are searched best bound first up to the first such result
-    (`top_groups`' `first`), and the fastest of those simulated so far is named, with its twins simulated so far:
-    the note says what the limit costs, and at most how much more by the bounds, without simulating every stale
-    candidate whose bound beats the one found. A candidate left whose simulation is known without its replay is
-    bounded by the speed that gave (exact, or a bound from above where it lost: `_Built.floor`)."""
+    choice by more than OVER_MARGIN (`margin`, a speed key), with its twins (none if nothing is), and the bounds
+    (samples/s) of the stale candidates left unsimulated that could be faster still. The fastest, exactly, where
+    a row over a limit is one (`faster` ranks them exactly); else the stale candidates are searched best bound
+    first up to the first such result (`top_groups`' `first`), and the fastest of those simulated so far is
+    named, with its twins simulated so far: the note says what the limit costs, and at most how much more by the
+    bounds, without simulating every stale candidate whose bound beats the one found. A candidate left whose
+    simulation is known without its replay is bounded by the speed that gave (exact, or a bound from above where
+    it lost: `_Built.floor`)."""
     limit, cap = problem.max_staleness, problem.memory_cap_bytes
     stale = next((group for group in faster if group[0].staleness > limit and group[0].peak_memory_bytes <= cap), None)
     if stale is not None:
         return stale, []
     found, left = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness > limit)
                              and item.memory_floor_bytes <= cap, lambda result: result.peak_memory_bytes <= cap,
-                             speed_key(choice.samples_per_s), groups=1, first=True)
+                             margin, groups=1, first=True)
     if not found:
         return [], []
     simulated = [result for result in built.results.values()

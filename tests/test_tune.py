@@ -45,8 +45,9 @@ def slow_allreduce(profile, factor=1000.0):
 
 def exhaustive(source, prob):
     """Every candidate simulated: the groups of twins in rank order, allowed ones, those faster than the
-    best allowed one but over a limit (whose memory floor fits: one over it is never simulated), and those
-    faster over the staleness limit alone, as `tune` defines them (the search is what is under test)."""
+    best allowed one by more than OVER_MARGIN but over a limit (whose memory floor fits: one over it is never
+    simulated), and those as fast over the staleness limit alone, as `tune` defines them (the search is what is
+    under test)."""
     candidates, _, _ = tuning.prepare(source, prob)
     results = [tuning.evaluate(prob, c) for c in candidates]
 
@@ -58,7 +59,7 @@ def exhaustive(source, prob):
         return groups
 
     best = grouped([r for r in results if tuning.allowed(r, prob)])
-    top = tuning.speed_key(best[0][0].samples_per_s) if best else float("-inf")
+    top = tuning.speed_key(best[0][0].samples_per_s * (1 + tuning.OVER_MARGIN)) if best else float("-inf")
     faster = grouped([r for r in results if not tuning.allowed(r, prob) and tuning.speed_key(r.samples_per_s) > top
                       and r.candidate.memory_floor_bytes <= prob.memory_cap_bytes])
     staler = [g for g in faster if g[0].peak_memory_bytes <= prob.memory_cap_bytes]  # every one, fastest first
@@ -132,6 +133,13 @@ def test_search_equals_exhaustive_search(which, devices, cap_gib, kw):
     assert differences(found, best, faster, staler) == []
     assert found.stats.simulated < len(results)  # it pruned: the bounds did work
     choice = found.choice.result
+    margin = tuning.speed_key(choice.samples_per_s * (1 + tuning.OVER_MARGIN))
+    within = [r for r in results if not tuning.allowed(r, prob) and r.candidate.memory_floor_bytes
+              <= prob.memory_cap_bytes and tuning.speed_key(choice.samples_per_s) < tuning.speed_key(r.samples_per_s)
+              <= margin]  # over a limit, beating the choice by at most the margin: counted, by bounds no lower
+    counted = found.over_within_margin
+    assert counted >= len(within) if len(found.excluded) < tuning.RUNNERS_UP else counted == 0
+    assert any(note.startswith(f"{counted} more configuration") for note in found.notes) == (counted > 0)
     assert choice.peak_memory_bytes <= prob.memory_cap_bytes and choice.staleness <= prob.max_staleness
     fastest = max(tuning.speed_key(r.samples_per_s) for r in results if tuning.allowed(r, prob))
     assert tuning.speed_key(choice.samples_per_s) == fastest
