@@ -156,8 +156,9 @@ def tune(
 
     The search bounds before it simulates: staleness and a memory floor from the schedule alone, a
     throughput bound from each device's compute, its waits for the all-reduce and the pipeline's fill and
-    drain; the choice and its five runners-up are exact. Faster configurations over a limit are listed from
-    those whose memory floor fits the cap.
+    drain; the choice and its five runners-up are exact. Configurations over a limit that beat the choice by
+    more than 0.5% are listed from those whose memory floor fits the cap; those that might beat it by less, by
+    their bounds, are counted in a note, not simulated.
 
     With --gpu instead of --profile, the model (--model and its size flags) is counted on the meta device and
     estimated on the catalogue GPU for every tensor-parallel degree t (powers of two within a node), micro-batch
