@@ -279,7 +279,7 @@ _STAGE_TIMES = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "
                 "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms", "all_to_all_paired_ms",
                 "gather_cast_ms", "collective_delay_ms", "product_ms")
 _STAGE_OPTIONAL = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes",
-                   "all_gather_bytes", "wgrad_kept_bytes")
+                   "all_gather_bytes", "wgrad_kept_bytes", "pair_layer_bytes")
 # What `StageCosts.__post_init__` checks, in its order: each number field, the most it may be (a time's MAX_MS, a
 # size's MAX_BYTES), and whether it may be None; worked out once, since a search builds tens of thousands of stages'
 # costs
