@@ -12,10 +12,12 @@ from pipesim.sim.costs import Costs, StageCosts
 from tests.conftest import pipesim, simulate_json
 from tests.test_expert_parallel import DEVICE
 
-GPT = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
-       "--gated", "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "-p", 1, "-m", 4,
-       "-s", "1f1b", "--data-parallel", 16, "--expert-parallel", 16, "--token-dispatcher", "deepep",
-       "--host-kernel-us", 0)  # the GPU's pricing alone: a layer this small waits on the host (planning/host.py)
+ANY_DISPATCHER = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
+                  "--gated", "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "-p", 1, "-m", 4,
+                  "-s", "1f1b", "--data-parallel", 16, "--expert-parallel", 16,
+                  # the GPU's pricing alone: a layer this small waits on the host (planning/host.py)
+                  "--host-kernel-us", 0)
+GPT = (*ANY_DISPATCHER, "--token-dispatcher", "deepep")
 
 
 def test_a_part_computes_slower_only_while_the_other_parts_all_to_alls_run_beside_it():
@@ -49,11 +51,12 @@ def test_hybridep_holds_megatron_cores_16_multiprocessors_where_deepep_holds_20(
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--token-dispatcher", "alltoall", "--dispatcher-sms", 20),
+    ((*ANY_DISPATCHER, "--token-dispatcher", "alltoall", "--dispatcher-sms", 20),
      "--dispatcher-sms: the multiprocessors DeepEP's or HybridEP's kernels hold; give --token-dispatcher deepep or "
      "hybridep"),
-    (("--dispatcher-sms", 132), "--dispatcher-sms 132 of the part's 132 multiprocessors leaves none to compute on"),
+    ((*GPT, "--dispatcher-sms", 132),
+     "--dispatcher-sms 132 of the part's 132 multiprocessors leaves none to compute on"),
 ])
 def test_bad_dispatcher_sms_is_one_line(args, message):
-    code, out, err = pipesim("simulate", *GPT, *args)
+    code, out, err = pipesim("simulate", *args)
     assert code == 2 and not out and err.count("\n") == 1 and message in err and "Traceback" not in err
