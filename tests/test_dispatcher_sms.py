@@ -14,10 +14,9 @@ from tests.test_expert_parallel import DEVICE
 
 ANY_DISPATCHER = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
                   "--gated", "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "-p", 1, "-m", 4,
-                  "-s", "1f1b", "--data-parallel", 16, "--expert-parallel", 16,
-                  # the GPU's pricing alone: a layer this small waits on the host (planning/host.py)
-                  "--host-kernel-us", 0)
-GPT = (*ANY_DISPATCHER, "--token-dispatcher", "deepep")
+                  "-s", "1f1b", "--data-parallel", 16, "--expert-parallel", 16)
+GPU_ALONE = ("--host-kernel-us", 0)  # the GPU's pricing alone: a layer this small waits on the host (planning/host.py)
+GPT = (*ANY_DISPATCHER, "--token-dispatcher", "deepep", *GPU_ALONE)
 
 
 def test_a_part_computes_slower_only_while_the_other_parts_all_to_alls_run_beside_it():
@@ -51,7 +50,7 @@ def test_hybridep_holds_megatron_cores_16_multiprocessors_where_deepep_holds_20(
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    ((*ANY_DISPATCHER, "--token-dispatcher", "alltoall", "--dispatcher-sms", 20),
+    ((*ANY_DISPATCHER, "--token-dispatcher", "alltoall", *GPU_ALONE, "--dispatcher-sms", 20),
      "--dispatcher-sms: the multiprocessors DeepEP's or HybridEP's kernels hold; give --token-dispatcher deepep or "
      "hybridep"),
     ((*GPT, "--dispatcher-sms", 132),
