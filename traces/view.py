@@ -402,12 +402,6 @@ def error_figure(comparison: Comparison) -> go.Figure:
     return fig
 
 
-def is_timeline_page(path: str | os.PathLike[str]) -> bool:
-    """Whether the file at `path` is a page `write_timeline_page` wrote (it embeds the pipesim-data script)."""
-    with open(path, "rb") as page:
-        return b'<script type="application/json" id="pipesim-data">' in page.read()
-
-
 def write_timeline_page(traces: Sequence[Trace], path: str | os.PathLike[str], **options: Any) -> None:
     """Write `timeline_page(traces, **options)` to `path`, atomically: a failure leaves no half-written page."""
     write_atomic(path, timeline_page(traces, **options))
