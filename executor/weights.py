@@ -204,7 +204,7 @@ class StageWeights:
             weight.grad = grad
         # the bucket the last update's gradients lay in, off .grad now, is the next mini-batch's to zero
         # (`start_bucket`): this update's stay on .grad until the next, as plain SGD's prediction reads them
-        # (SpecTrain, PipeOptim, XPipe), so a replica keeps two buckets
+        # (workload/optim.py `predict_weights`), so a replica keeps two buckets
         if last_bucket is not None:
             self.spare_bucket = last_bucket
         self.optimizer.step()
