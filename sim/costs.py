@@ -149,7 +149,8 @@ class StageCosts:
     layer i's forward beside layer L-1-i's backward and frees each backward layer's state as it goes
     (megatron/core/models/common/model_chunk_schedule_plan.py `TransformerModelChunkSchedulePlan.run` at
     Megatron-LM 01cf4fb5: `get_layer(i)` beside `pop_layer()`, `release_state()` after each pair), so the newer
-    micro-batch grows a layer as the older shrinks by one: one micro-batch and a layer at the most;
+    micro-batch grows a layer as the older shrinks by one: one micro-batch and a layer at the most (a pair with
+    all-to-alls, Megatron-core's; one without keeps both micro-batches': sim/engine.py `_paired_forwards_held`);
     `fwd_sharing_ms` and `bwd_sharing_ms`: the forward and backward on the multiprocessors the dispatcher's kernels
     leave them (0: none held), which an overlapped pair's part runs at while the other part's all-to-alls run
     (`Costs.sharing_dispatcher_ms`);
