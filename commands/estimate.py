@@ -508,7 +508,7 @@ def print_fitted_curve(profile: Profile) -> None:
 
 
 # what a terminal shows while count_what_if and estimated_profile run: a first count imports torch (seconds)
-COUNTING_STATUS = "counting the model on torch's meta device, then pricing it on the GPU"
+COUNTING_STATUS = "counting the model on torch's meta device, then pricing it for --gpu"
 
 
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
@@ -738,7 +738,7 @@ def estimate(
         check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))
         zero = zero_stage(ctx.params)
         what = what_if(ctx)
-        with transient_status(COUNTING_STATUS, False):
+        with transient_status(COUNTING_STATUS, quiet=False):
             counted = count_what_if(what, microbatch_size)
             profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
                                                                         recompute), optimizer)
