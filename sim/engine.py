@@ -233,8 +233,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         forward_ms, backward_ms = costs.overlapped_ms(duration[pair] / _PS_PER_MS, duration[pair + 1] / _PS_PER_MS)
         duration[pair], duration[pair + 1] = _picoseconds(forward_ms), _picoseconds(backward_ms)
     # An overlapped pair's all-to-alls (the A2A_F and A2A_B right after it) run beside its other part's compute.
-    paired = pair[pair + 3 < n]
-    paired = paired[(kind[paired + 2] == KIND_CODE[Kind.A2A_F]) & (kind[paired + 3] == KIND_CODE[Kind.A2A_B])]
+    paired = _with_all_to_alls(kind, pair)
     if len(paired) and any(c.fwd_sharing_ms or c.bwd_sharing_ms for c in stages):  # a dispatcher holds some
         a2a_f, a2a_b = KIND_CODE[Kind.A2A_F], KIND_CODE[Kind.A2A_B]
         forward_ms = costs.sharing_dispatcher_ms(stage[paired], True, duration[paired] / _PS_PER_MS,
@@ -804,6 +803,13 @@ def _events(rows: np.ndarray, start: np.ndarray | None = None, end: np.ndarray |
     return rows, none if start is None else start, none if end is None else end
 
 
+def _with_all_to_alls(kind: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """Of overlapped pairs (their F rows, each before its B), those whose all-to-alls follow them: an A2A_F and an
+    A2A_B the two rows after the B."""
+    pairs = pairs[pairs + 3 < len(kind)]
+    return pairs[(kind[pairs + 2] == KIND_CODE[Kind.A2A_F]) & (kind[pairs + 3] == KIND_CODE[Kind.A2A_B])]
+
+
 def _paired_forwards_held(t, stages: Sequence[StageCosts], at_start: dict[str, np.ndarray]
                           ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Sparse rows that move an overlapped pair's forward's activations (an F with a peer, its B the next row, its
@@ -812,11 +818,8 @@ def _paired_forwards_held(t, stages: Sequence[StageCosts], at_start: dict[str, n
     in proportion to what the F takes of it. A pair without all-to-alls keeps both micro-batches' (the example
     `overlapped_forward_backward` of deepseek-ai/DualPipe runs the whole forward, then the backward)."""
     layer = np.array([-1 if c.pair_layer_bytes is None else c.pair_layer_bytes for c in stages], dtype=np.int64)
-    kind = t.kind
-    pairs = np.flatnonzero((kind == KIND_CODE[Kind.F]) & (t.peer >= 0))
-    pairs = pairs[pairs + 3 < len(kind)]
-    pairs = pairs[(kind[pairs + 2] == KIND_CODE[Kind.A2A_F]) & (kind[pairs + 3] == KIND_CODE[Kind.A2A_B])
-                  & (layer[t.stage[pairs]] >= 0)]
+    pairs = _with_all_to_alls(t.kind, np.flatnonzero((t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0)))
+    pairs = pairs[layer[t.stage[pairs]] >= 0]
     if not len(pairs):
         return {}
     entry = (t.stage[pairs], KIND_CODE[Kind.F])
