@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..files import first_error, read_json
-from ..traces.trace import write_atomic
+from ..traces.trace import is_trace_document, write_atomic
 from .plan import Arm, RunKey, Setting
 
 FORMAT_VERSION = 1
@@ -137,7 +137,7 @@ def open_results(path: Path, setting: Setting) -> StudyFile:
 
 def load_results(path: Path) -> StudyFile:
     document = read_json(path, ResultsError, "study results file")
-    if isinstance(document, dict) and {"traceEvents", "pipesim"} <= document.keys():  # "format_version: Field ...
+    if is_trace_document(document):  # refused as "format_version: Field required"
         raise ResultsError(f"{path} is a pipesim trace, not a study's results: give the --results file `pipesim "
                            "study` wrote")
     try:
