@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 MINIBATCHES = 1000  # far longer than a test waits: every run here ends by its fault
 RUN = ["--schedule", "1f1b", "--model", "mlp", "--layers", "3", "--width", "64", "--stages", "2",
-       "--microbatches", "4", "--minibatches", str(MINIBATCHES), "--stall-timeout", "3"]
+       "--microbatches", "4", "--minibatches", str(MINIBATCHES)]
 BOUND_S = 60  # a hung command fails the test here (start-up included) instead of hanging the suite
 
 
@@ -74,14 +74,14 @@ def _alive(pid: int) -> bool:
     return _state(pid) not in ("", "Z")
 
 
-def _launch(tmp_path: Path, fault: str | None, *flags: str) -> subprocess.Popen:
+def _launch(tmp_path: Path, fault: str | None, stall_timeout_s: int = 3) -> subprocess.Popen:
     env = {name: value for name, value in os.environ.items() if name != FAULT_ENV}
     if fault is not None:
         env[FAULT_ENV] = fault
     # SIGINT as a terminal's foreground command has it: a shell's background job (CI started with `&`) would
     # hand down SIGINT ignored, and Ctrl-C would then mean nothing to the command
-    return subprocess.Popen([sys.executable, "-m", "pipesim.cli", "run", *RUN, *flags, "--trace",
-                             str(tmp_path / "t.json")],
+    return subprocess.Popen([sys.executable, "-m", "pipesim.cli", "run", *RUN, "--stall-timeout",
+                             str(stall_timeout_s), "--trace", str(tmp_path / "t.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -139,7 +139,7 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
     """Ctrl-C writes the rows the ranks reported as an incomplete trace, as a failed rank's are kept, then
     exits 130. Rank 1 stops itself after 12 rows (and the stall limit is far off), so the run is mid-way, with a
     known count of rows measured, when Ctrl-C comes."""
-    proc = _launch(tmp_path, "1:12:STOP", "--stall-timeout", str(10 * BOUND_S))
+    proc = _launch(tmp_path, "1:12:STOP", stall_timeout_s=10 * BOUND_S)
     ranks = _watch(proc, until=lambda seen: any(_is_rank(pid) and _state(pid) == "T" for pid in seen))
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=BOUND_S)
