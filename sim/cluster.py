@@ -81,6 +81,19 @@ class MemoryCheck:
         return f"devices {sharers} share compute {self.memory} and its memory: their peaks add up to {used}, {verdict}"
 
 
+# Cluster's slowdown fields -> the devices computing at once that their first, second, ... factor is for
+_SLOWDOWNS_COUNT = {"contention": "1, 2", "collective_contention": "0, 1"}
+
+
+def _slowdowns_problem(name: str, factors: Sequence[float]) -> str | None:
+    """Why `factors` are not the slowdowns Cluster's field `name` holds (None: they are), for its checks and the
+    cluster file's alike."""
+    if factors and (factors[0] != 1.0 or any(not math.isfinite(f) or f <= 0 for f in factors)):
+        return (f"slowdowns with {_SLOWDOWNS_COUNT[name]}, ... devices computing at once, the first 1 and every one "
+                f"a finite number > 0 (got {list(factors)})")
+    return None
+
+
 @dataclass(frozen=True)
 class Cluster:
     """`links[(src, dst)]` overrides `default_link` for transfers from device src to dst.
@@ -107,11 +120,10 @@ class Cluster:
     collective_contention: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for name, factors, counted in (("contention", self.contention, "1, 2"),
-                                       ("collective_contention", self.collective_contention, "0, 1")):
-            if factors and (factors[0] != 1.0 or any(not math.isfinite(f) or f <= 0 for f in factors)):
-                raise ClusterError(f"{name}: slowdowns with {counted}, ... devices computing at once, the first 1 "
-                                   f"and every one a finite number > 0 (got {list(factors)})")
+        for name in _SLOWDOWNS_COUNT:
+            problem = _slowdowns_problem(name, getattr(self, name))
+            if problem:
+                raise ClusterError(f"{name}: {problem}")
 
     def link(self, src: int, dst: int) -> Link:
         return self.links.get((src, dst), self.default_link)
@@ -265,9 +277,9 @@ def load_cluster(path: str | Path) -> Cluster:
         @field_validator("contention", "collective_contention")
         @classmethod
         def _slowdowns(cls, factors: list[float], info: ValidationInfo) -> list[float]:
-            if factors and (factors[0] != 1.0 or any(not math.isfinite(f) or f <= 0 for f in factors)):
-                counted = "1, 2" if info.field_name == "contention" else "0, 1"
-                raise ValueError(f"slowdowns with {counted}, ... devices computing at once: the first 1, each one > 0")
+            problem = _slowdowns_problem(info.field_name, factors)
+            if problem:
+                raise ValueError(problem)
             return factors
 
         @model_validator(mode="before")
