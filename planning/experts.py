@@ -27,7 +27,7 @@ token's k experts are k of the n drawn alike, so a group of g of them misses all
 k): a rank (g = n/E) or a node (g its ranks' experts) receives the token with one minus that. The NIC carries one
 copy per other node receiving it, the node's link one per other rank receiving it on each node
 (`ExpertGroup.all_to_all_ms`). HybridEP across nodes is priced at its own published rate where the part's curve
-holds one (hardware/catalogue.py `DispatcherRates`, an H100's: its algorithm bandwidth, which counts a token once for
+holds one measured at the group's expert-parallel ranks a node (hardware/catalogue.py `DispatcherRates`, an H100's: its algorithm bandwidth, which counts a token once for
 each node it reaches, its own included): the bytes a token carries to each of those nodes over the rate at the
 group's rank count (in GB/s, 1e6 bytes a ms), half the dispatch's, half the combine's, the two an all-to-all of the
 pass prices (a forward's dispatch and combine, a backward's gradients of each), after the NIC's step latency as
@@ -458,7 +458,7 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
     dispatched by `dispatcher` (of `DISPATCHERS`; None: alltoall), each routed within M of G expert `groups` (None:
     any; kept only where each rank's and each node's experts lie in one group or hold whole ones), by `routing` (of
     `ROUTINGS`; `Parallelism` refuses another dispatcher or routing), HybridEP priced at the part's `hybridep`
-    table where it has one (None: on the links); an impossible degree or share, or a dispatcher or routing that
+    table where it has one measured at the group's ranks a node (else, or None: on the links); an impossible degree or share, or a dispatcher or routing that
     needs more ranks, is `ExpertParallelError`."""
     check_expert_ranks(ranks, experts)
     try:
@@ -486,7 +486,8 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
     if groups is not None and not (experts and experts % groups[0] == 0 and all(
             _aligned(experts // ranks * count, experts // groups[0]) for count in (1, per_node))):
         groups = None
-    rates = hybridep.gb_s(ranks) if hybridep is not None and dispatcher == "hybridep" else None
+    measured_alike = hybridep is not None and hybridep.gpus_per_node == per_node  # the table's ranks a node
+    rates = hybridep.gb_s(ranks) if measured_alike and dispatcher == "hybridep" else None
     return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link, experts, hot_share, dispatcher,
                        grid.size("tp"), tensor, groups, context, routing, rates)
 

@@ -70,3 +70,14 @@ def test_a_table_without_one_rate_a_rising_count_is_refused(table, field):
     with pytest.raises(ValueError, match=field):
         DispatcherRates(**table, gpus_per_node=8, source="x")
     assert issubclass(CatalogueError, ValueError)
+
+
+def test_hybridep_on_nodes_of_another_size_than_the_tables_stays_on_the_links():
+    """The table was measured at 8 expert-parallel ranks a node; on nodes of 4 a token's bytes split otherwise
+    between the NIC and the node's link, so the group is priced on the links as on a part without the table."""
+    quads = PLACEMENT.model_copy(update={"gpus_per_node": 4})
+    group = expert_group(quads, 16, 128, 1, 1, 1, 16, dispatcher="hybridep", order="megatron",
+                         expert_tensor=1, hybridep=H100.curve.hybridep)
+    on_links = expert_group(quads, 16, 128, 1, 1, 1, 16, dispatcher="hybridep", order="megatron", expert_tensor=1)
+    assert group.per_node == 4 < H100.curve.hybridep.gpus_per_node and group.hybridep_gb_s is None
+    assert group.all_to_all_ms(8e7, copies=8) == on_links.all_to_all_ms(8e7, copies=8) > 0
