@@ -27,17 +27,18 @@ token's k experts are k of the n drawn alike, so a group of g of them misses all
 k): a rank (g = n/E) or a node (g its ranks' experts) receives the token with one minus that. The NIC carries one
 copy per other node receiving it, the node's link one per other rank receiving it on each node
 (`ExpertGroup.all_to_all_ms`). HybridEP across nodes is priced at its own published rate where the part's curve
-holds one measured at the group's expert-parallel ranks a node (hardware/catalogue.py `DispatcherRates`, an H100's: its algorithm bandwidth, which counts a token once for
-each node it reaches, its own included): the bytes a token carries to each of those nodes over the rate at the
-group's rank count (in GB/s, 1e6 bytes a ms), half the dispatch's, half the combine's, the two an all-to-all of the
-pass prices (a forward's dispatch and combine, a backward's gradients of each), after the NIC's step latency as
-NCCL's (within a percent of the table's transfers, 2 ms and more). Inside a node, or on a part without the table,
-it is priced as DeepEP's. Where the router limits a token to M of G expert groups of s = n/G (DeepSeek-V3's
-node-limited routing, M = 4 of 8, a group a node: its report, section 2.1.2; transformers' DeepseekV3 router,
-n_group and topk_group), its M groups are M of the G drawn alike and its k experts k of their M·s: a rank whose
-experts lie in one group receives it with chance M/G·(1 - C(Ms - g, k)/C(Ms, k)), a node holding j whole groups with
-one minus the sum over the i of its groups chosen (hypergeometric: C(j, i)·C(G - j, M - i)/C(G, M)) of C((M - i)s,
-k)/C(Ms, k). A placement whose ranks or nodes split groups otherwise is priced without the limit.
+holds one measured at the group's expert-parallel ranks a node (hardware/catalogue.py `DispatcherRates`, an H100's:
+its algorithm bandwidth, which counts a token once for each node it reaches, its own included): the bytes a token
+carries to each of those nodes over the rate at the group's rank count (in GB/s, 1e6 bytes a ms), half the
+dispatch's, half the combine's, the two an all-to-all of the pass prices (a forward's dispatch and combine, a
+backward's gradients of each), after the NIC's step latency as NCCL's (within a percent of the table's transfers, 2
+ms and more). Inside a node, or on a part without the table, it is priced as DeepEP's. Where the router limits a
+token to M of G expert groups of s = n/G (DeepSeek-V3's node-limited routing, M = 4 of 8, a group a node: its
+report, section 2.1.2; transformers' DeepseekV3 router, n_group and topk_group), its M groups are M of the G drawn
+alike and its k experts k of their M·s: a rank whose experts lie in one group receives it with chance
+M/G·(1 - C(Ms - g, k)/C(Ms, k)), a node holding j whole groups with one minus the sum over the i of its groups
+chosen (hypergeometric: C(j, i)·C(G - j, M - i)/C(G, M)) of C((M - i)s, k)/C(Ms, k). A placement whose ranks or
+nodes split groups otherwise is priced without the limit.
 
 Routing is data-dependent; balanced, every rank computes the same. With the busiest expert taking a share S of a
 micro-batch's routed token copies (`hot_share`; balanced: 1/n of n experts), the rank holding it and n/E - 1
@@ -458,8 +459,8 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
     dispatched by `dispatcher` (of `DISPATCHERS`; None: alltoall), each routed within M of G expert `groups` (None:
     any; kept only where each rank's and each node's experts lie in one group or hold whole ones), by `routing` (of
     `ROUTINGS`; `Parallelism` refuses another dispatcher or routing), HybridEP priced at the part's `hybridep`
-    table where it has one measured at the group's ranks a node (else, or None: on the links); an impossible degree or share, or a dispatcher or routing that
-    needs more ranks, is `ExpertParallelError`."""
+    table where it has one measured at the group's ranks a node (else, or None: on the links); an impossible
+    degree or share, or a dispatcher or routing that needs more ranks, is `ExpertParallelError`."""
     check_expert_ranks(ranks, experts)
     try:
         grid = expert_grid(order, tensor, context, pipeline, data, ranks, expert_tensor)
