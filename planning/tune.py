@@ -422,7 +422,7 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
     faster, _ = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem), margin,
                            groups=RUNNERS_UP)  # the rows shown, and no more
     staler, bounds = _staler(shapes, built, problem, margin, faster)
-    within = _within_margin(shapes, built, problem, choice) if len(faster) < RUNNERS_UP else 0
+    within = _within_margin(shapes, built, problem, choice, margin) if len(faster) < RUNNERS_UP else 0
 
     def row(group: list[Result]) -> Row:
         return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
@@ -438,20 +438,17 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
                   staler_row, unsimulated, within)
 
 
-def _within_margin(shapes: list[Shape], built: _Built, problem: Problem, choice: Result) -> int:
+def _within_margin(shapes: list[Shape], built: _Built, problem: Problem, choice: Result, margin: float) -> int:
     """How many configurations over a limit (their floor within the cap, as the rows over the limits) might beat
-    the choice by no more than OVER_MARGIN: those whose bound, or speed where simulated (`_Built.floor`: a bound
-    too where it lost), beats the choice's and not the margin. A configuration within the limits is not among
-    them: none beats the choice."""
+    the choice by no more than OVER_MARGIN (`margin`, a speed key): those whose bound (`_known_bound`) beats the
+    choice's and not the margin. A configuration within the limits is not among them: none beats the choice."""
     cap, fastest = problem.memory_cap_bytes, speed_key(choice.samples_per_s)
-    margin = speed_key(choice.samples_per_s * (1 + OVER_MARGIN))
     count = 0
     for shape in shapes:
         item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
         if item is None or item.memory_floor_bytes > cap:
             continue
-        bound = built.floors[shape.index].samples_per_s if shape.index in built.floors else item.max_samples_per_s
-        count += fastest < speed_key(bound) <= margin
+        count += fastest < speed_key(_known_bound(built, shape.index, item)) <= margin
     return count
 
 
@@ -483,11 +480,18 @@ def _staler(shapes: list[Shape], built: _Built, problem: Problem, margin: float,
     simulated = [result for result in built.results.values()
                  if result.staleness > limit and result.peak_memory_bytes <= cap]
     fastest = min(simulated, key=rank_key)  # the one found, or one the passes before simulated
-    bounds = [built.floors[index].samples_per_s if index in built.floors else _bound(item)
+    bounds = [_known_bound(built, index, item)
               for item, index in ((item, _index(item)) for item in left) if index not in built.results]
     # a bound is shaded a billionth over the step it bounds (`_candidate`): one within that ties, as a twin would
     return (sorted([result for result in simulated if twins(result, fastest)], key=rank_key),
             [bound for bound in bounds if speed_key(bound * (1 - 1e-9)) > speed_key(fastest.samples_per_s)])
+
+
+def _known_bound(built: _Built, index: int, item: Shape | Candidate | Result) -> float:
+    """The most samples/s candidate `index` (`item`) can give as far as the search knows: its simulation's speed
+    where that is known without its replay (`_Built.floor`: exact, or a bound from above where it lost), else its
+    bound (`_bound`)."""
+    return built.floors[index].samples_per_s if index in built.floors else _bound(item)
 
 
 def _index(item: Shape | Candidate | Result) -> int:
