@@ -153,21 +153,25 @@ PROFILE_TEXT = '{\n "schema_version": 2,\n "environment": {}\n}\n'
 MODEL_CONFIG = '{"model_type": "llama", "hidden_size": 64}'
 
 
-@pytest.mark.parametrize("args,kind", [
+WRITERS = [  # each command's output flag last, with the kind of file it writes
     (["run", "-s", "1f1b", "--model", "mlp", "--trace"], "pipesim trace"),
     (["simulate", "-s", "1f1b", "--trace"], "pipesim trace"),
     (["simulate", "-s", "1f1b", "--html"], "pipesim page"),
     (["sweep", "-s", "1f1b", "-j", "1", "--html"], "pipesim page"),
     (["export", "-s", "1f1b", "--format", "torch-csv", "--out"], "torch.distributed.pipelining schedule CSV"),
-    (["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--out"], "pipesim profile"),
     (["view", "t.json", "--html"], "pipesim page"),
+]
+
+
+@pytest.mark.parametrize("args,kind,there", [
+    *((args, kind, there) for args, kind in WRITERS for there in (PROFILE_TEXT, MODEL_CONFIG)),
+    # a profile is what estimate writes: the other kind there is a model's config
+    (["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--out"], "pipesim profile", MODEL_CONFIG),
 ])
-@pytest.mark.parametrize("there", [PROFILE_TEXT, MODEL_CONFIG])
 def test_an_output_refuses_to_replace_a_file_of_another_kind(tmp_path, monkeypatch, args, kind, there):
     """`run --trace mlp.json` wrote its trace over a calibrated profile without a word: a writer replaces only
     a file of what it writes (view's page rule, for every --trace, --out and --html)."""
     monkeypatch.chdir(tmp_path)
-    there = MODEL_CONFIG if kind == "pipesim profile" else there  # a profile is what estimate writes
     assert pipesim("simulate", "-s", "1f1b", "--trace", "t.json")[0] == 0
     (tmp_path / "mine").write_text(there)
     code, out, err = pipesim(*args, "mine")
