@@ -171,12 +171,32 @@ def refused(*args: Any) -> str:
 
 
 def flags_with(flags: Iterable[Any], *given: Any) -> tuple:
-    """`flags` (options each with its value) with the options `given` (each with its value) in place of theirs and
-    the others added: the command line refuses an option of one value given twice."""
-    flags, replaced = list(flags), dict(zip(given[::2], given[1::2]))
-    kept = [item for option, value in zip(flags[::2], flags[1::2]) if option not in replaced
-            for item in (option, value)]
+    """`flags` with the options `given` in place of theirs and the others added: the command line refuses an option
+    of one value given twice. An option is a word that starts with "-" (a negative number is a value); its values
+    are the words up to the next option, none for a switch such as --p2p-sync."""
+    replaced = {option for option, *_ in _options(given)}
+    kept = [word for option, *values in _options(flags) if option not in replaced for word in (option, *values)]
     return (*kept, *given)
+
+
+def _options(words: Iterable[Any]) -> list[list]:
+    """Each option among `words` with the values that follow it, in their order."""
+    options: list[list] = []
+    for word in words:
+        if isinstance(word, str) and word.startswith("-") and not _is_number(word):
+            options.append([word])
+        else:
+            assert options, f"flags_with: the value {word!r} follows no option"
+            options[-1].append(word)
+    return options
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
 def simulate_json(*args: Any) -> list[dict]:
