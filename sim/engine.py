@@ -43,6 +43,7 @@ from ..schedules import (
     KIND_CODE,
     KINDS,
     NUM_COMPUTE_KINDS,
+    ActionTable,
     Kind,
     Schedule,
     ScheduleError,
@@ -774,7 +775,7 @@ class _Ends:
     last: np.ndarray
 
 
-def _per_replica_minibatch(t, schedule: Schedule, kinds: tuple[Kind, ...]) -> _Ends:
+def _per_replica_minibatch(t: ActionTable, schedule: Schedule, kinds: tuple[Kind, ...]) -> _Ends:
     """`_Ends` of the `kinds` rows (a stage replica is on one device, whose rows are in program order)."""
     rows = np.flatnonzero(kind_mask(t.kind, *kinds))
     key = (t.minibatch[rows].astype(np.int64) * schedule.graph.num_stages + t.stage[rows]) * schedule.pipelines
@@ -782,7 +783,7 @@ def _per_replica_minibatch(t, schedule: Schedule, kinds: tuple[Kind, ...]) -> _E
     return _ends_by(rows, key)
 
 
-def _per_device_minibatch(t, schedule: Schedule, kinds: tuple[Kind, ...]) -> _Ends:
+def _per_device_minibatch(t: ActionTable, schedule: Schedule, kinds: tuple[Kind, ...]) -> _Ends:
     """`_Ends` of the `kinds` rows per device and mini-batch (a device's rows are in program order)."""
     rows = np.flatnonzero(kind_mask(t.kind, *kinds))
     return _ends_by(rows, t.minibatch[rows].astype(np.int64) * schedule.num_devices + t.device[rows])
@@ -810,7 +811,7 @@ def _with_all_to_alls(kind: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     return pairs[(kind[pairs + 2] == KIND_CODE[Kind.A2A_F]) & (kind[pairs + 3] == KIND_CODE[Kind.A2A_B])]
 
 
-def _paired_forwards_held(t, stages: Sequence[StageCosts], at_start: dict[str, np.ndarray]
+def _paired_forwards_held(t: ActionTable, stages: Sequence[StageCosts], at_start: dict[str, np.ndarray]
                           ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Sparse rows that move an overlapped pair's forward's activations (an F with a peer, its B the next row, its
     all-to-alls the two after) beyond one layer's (`StageCosts.pair_layer_bytes`, where known) from the F's start to
