@@ -1626,8 +1626,9 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         rerun_ops = layer.ops.get("fwd", ())
         rerun = [timed["fwd"]]
     if regions.ops:
-        rerun.append(pass_ops(regions.ops, "fwd"))
+        rerun.append(pass_ops(regions.first, "fwd"))
         rerun_ops = (*rerun_ops, *regions.ops)
+    at_experts = pass_ops(regions.at_experts, "fwd")  # rerun where the backward reaches the experts' down product
     parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
     # a recipe's saved float8 weight copies (planning/fp8.py), not the tokens': made again where the forward reruns
     weight_copies = saved_weight_bytes(layer, parallel.float8_recipe, t) if parallel.fp8 is not None else 0.0
@@ -1639,10 +1640,10 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         _ring_of(layer.ops.get("fwd", ()), split, ring, device, element_bytes),
         _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes))
     times = {name: sum(ms for _, ms in ops) for name, ops in timed.items()}
-    rerun_ms = sum(sum(ms for _, ms in part) for part in rerun)  # part by part, each its own sum
+    rerun_ms = sum(sum(ms for _, ms in part) for part in (*rerun, at_experts))  # part by part, each its own sum
     rerun_timed = tuple(timed_op for part in rerun for timed_op in part)
-    timed = {"fwd": timed["fwd"], "bwd": rerun_timed + timed["bwd"], "igrad": rerun_timed + timed["igrad"],
-             "wgrad": timed["wgrad"]}
+    timed = {"fwd": timed["fwd"], "bwd": rerun_timed + _rerun_at_experts(timed["bwd"], at_experts),
+             "igrad": rerun_timed + _rerun_at_experts(timed["igrad"], at_experts), "wgrad": timed["wgrad"]}
     return LayerEstimate(times["fwd"], times["bwd"] + rerun_ms, times["igrad"] + rerun_ms, times["wgrad"], total,
                          whole_parts(parts, total),
                          _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total,
@@ -1713,6 +1714,22 @@ def _deferred_saves(layer: LayerCount) -> list[int]:
     return [i for i, how in enumerate(layer.linear_input_saves) if how and i not in routers]
 
 
+def _rerun_at_experts(ops: tuple[tuple[OpCount, float], ...], rerun: tuple[tuple[OpCount, float], ...]
+                      ) -> tuple[tuple[OpCount, float], ...]:
+    """A backward pass's timed `ops` with the regions' rerun there (`rerun`: `Regions.at_experts`, timed) before
+    its first routed product, the experts' down product's gradient, where Megatron-core's checkpoint reruns them
+    (`RERUN_AT_EXPERTS`); first where it has none."""
+    at = next((i for i, (op, _) in enumerate(ops) if op.routed and op.kind == "matmul"), 0)
+    return (*ops[:at], *rerun, *ops[at:])
+
+
+# The regions whose output-discarding checkpoint Megatron-core hangs on the routed experts' down product's output,
+# so that the backward reruns them when it reaches that product, not at the layer's start as the others:
+# TEGroupedMLP's "moe_act" (`self.activation_checkpoint.discard_output_and_register_recompute(output)` after
+# linear_fc2, megatron/core/transformer/moe/experts.py at 0d8e0714cd, b0cc2706 and core_v0.17.0)
+RERUN_AT_EXPERTS = ("moe_act",)
+
+
 @dataclass(frozen=True)
 class Regions:
     """What recomputing a layer's regions (profiles/workload.py `RECOMPUTE_REGIONS`, `--recompute-modules`) does, as
@@ -1721,12 +1738,19 @@ class Regions:
     backward needs them, from what the regions read, which is kept (the checkpoint's inputs); a region's input
     that another recomputed region made is made again too. `dropped`: indices in the layer's saved_tensors;
     `inputs`: (number in allocations["fwd"], negative: made before the layer; shape; bytes) of those kept that
-    nothing saved; `ops`: the forward's ops the backward reruns; `made`: the allocations they make again."""
+    nothing saved; `first`: the forward's ops the backward reruns at its start, `at_experts` those it reruns at the
+    routed experts' down product (`RERUN_AT_EXPERTS`); `made`: the allocations they make again."""
 
     dropped: frozenset[int] = frozenset()
     inputs: tuple[tuple[int, tuple[int, ...], int], ...] = ()
-    ops: tuple[OpCount, ...] = ()
+    first: tuple[OpCount, ...] = ()
     made: frozenset[int] = frozenset()
+    at_experts: tuple[OpCount, ...] = ()
+
+    @property
+    def ops(self) -> tuple[OpCount, ...]:
+        """The forward's ops the backward reruns."""
+        return (*self.first, *self.at_experts)
 
     @classmethod
     def of(cls, layer: LayerCount, modules: Sequence[str]) -> Regions:
@@ -1735,8 +1759,9 @@ class Regions:
                   for number, shape, nbytes, made_by, saved in layer.region_inputs.get(name, ())
                   if saved < 0 and not set(made_by) & set(run)}
         return cls(frozenset(i for name in run for i in layer.region_saves[name]), tuple(inputs.values()),
-                   tuple(op for name in run for op in layer.region_ops.get(name, ())),
-                   frozenset(n for name in run for n in layer.region_allocations.get(name, ())))
+                   tuple(op for name in run if name not in RERUN_AT_EXPERTS for op in layer.region_ops.get(name, ())),
+                   frozenset(n for name in run for n in layer.region_allocations.get(name, ())),
+                   tuple(op for name in run if name in RERUN_AT_EXPERTS for op in layer.region_ops.get(name, ())))
 
 
 def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float,

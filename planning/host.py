@@ -60,7 +60,8 @@ Python beyond its kernels' issue (`TE_MODULE_US`: the 115 us less its GEMM's iss
 for a module whose products run in float8), forward and backward (the backward's Python is not published: assumed
 as the forward's, spread over the backward's kernels, which the count does not tie to modules), its kernels still
 issued at the per-kernel cost (`_module_calls` says which calls a layer makes and where). Not modelled: the kernels a
-CUDA graph issues as one (each would issue fewer), a recomputed forward's own synchronisation, TransformerEngine's
+CUDA graph issues as one (each would issue fewer), a recomputed forward's dispatcher synchronisation (a rerun
+op's own wait, `OpCount.host_waits`, is priced where the backward reruns it), TransformerEngine's
 norms, RoPE, router and permutation functions beyond their kernels' issue, and the synchronisation's own round
 trip. Megatron-core's overlapped pair (`--overlap-expert-comm`, planning/experts.py `paired_exposed_ms`) keeps its
 own node-by-node max-plus of the two passes where its layer synchronises, each node's issue as one lump
@@ -86,8 +87,10 @@ MODULE_PASSES = ("fwd", "bwd", "igrad")  # the passes a module call's Python run
 
 
 def synchronises(layer: LayerCount, options: dict[str, Any]) -> bool:
-    """Whether the layer's forward waits for the GPU on the host: a routed layer whose experts are dropless."""
-    return options.get("capacity_factor") is None and any(op.routed for op in layer.ops.get("fwd", ()))
+    """Whether the layer's forward waits for the GPU on the host: a routed layer whose experts are dropless, or one
+    that runs an op the count marks so (`OpCount.host_waits`)."""
+    ops = layer.ops.get("fwd", ())
+    return (options.get("capacity_factor") is None and any(op.routed for op in ops)) or any(op.host_waits for op in ops)
 
 
 def module_us(fp8: str | None, given: float | None) -> float:
@@ -132,7 +135,8 @@ def _module_calls(ops: Sequence[OpCount]) -> list[tuple[int, int]]:
 class Kernels:
     """`count` alike kernels of a pass, in its issue order: the host issues each in `host_ms`, after `call_ms` of
     module calls' Python before the first, and the GPU runs each in `gpu_ms`; `waits`: the host first waits for the
-    GPU to drain its queue (a dropless dispatcher's device-to-host synchronisation)."""
+    GPU to drain its queue (a dropless dispatcher's device-to-host synchronisation, a synchronous copy to the
+    device)."""
 
     count: int
     host_ms: float
@@ -152,7 +156,9 @@ def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[
     in a backward pass spread over its kernels (which backward kernels follow which module's Python the count does
     not say). The routed experts' all-to-alls (`all_to_all_ms`: half a dispatch, half a combine) are GPU time the
     host issues under, the first before the first routed op and the second after the last; with `synchronised` (a
-    dropless dispatcher's forward) the host waits for the GPU before the dispatch. Under context parallelism an
+    dropless dispatcher's forward) the host waits for the GPU before the dispatch, and before any op the count marks
+    so (`OpCount.host_waits`: the clamped GLU's synchronous copy, workload/moe.py `routed_experts`, wherever the pass
+    runs it, a recomputation's rerun included). Under context parallelism an
     attention call runs `ring_kernels(op)` kernels (estimate.py `ContextRing.kernels`: the ring's blocks, merges and
     copies, which its GPU time prices), each one issued. `hook_adds`: the adds Megatron-core DDP's backward post-hook
     issues after the pass, one a parameter whose gradient no product accumulated into its `main_grad`
@@ -172,7 +178,7 @@ def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[
         if routed and i == routed[0] and (all_to_all_ms or synchronised):
             kernels.append(Kernels(1, 0.0, all_to_all_ms / 2, waits=synchronised))
         kernels.append(Kernels(issued(op), (host_kernel_us + spread_us) / 1e3, gpu_ms / issued(op),
-                               calls_us[i] / 1e3 if name == "fwd" and calls_us else 0.0))
+                               calls_us[i] / 1e3 if name == "fwd" and calls_us else 0.0, op.host_waits))
         if routed and i == routed[-1] and all_to_all_ms:
             kernels.append(Kernels(1, 0.0, all_to_all_ms / 2))
     if hook_adds:

@@ -84,6 +84,9 @@ class OpCount:
     # an op Megatron-core issues once a local expert where the count batches it over the experts (`_apply_bias`'s
     # mul and add, their backward: workload/moe.py `per_expert_now`), which `per_expert_products` issues so
     per_expert: bool = False
+    # a kernel whose call first makes the host wait for the GPU to drain its queue (a synchronous copy to the device:
+    # workload/moe.py `host_waits_now`), which planning/host.py prices so; never counted
+    host_waits: bool = False
 
     @property
     def epilogue_bytes(self) -> int:

@@ -59,6 +59,7 @@ from .moe import (
     dispatches,
     fused_swiglu,
     gating_now,
+    host_waits_now,
     in_fused_kernel,
     kernel_listeners,
     per_expert_now,
@@ -81,7 +82,8 @@ ATTENTION_KERNELS = {str(op).removeprefix("aten.") for op in flop_registry if "a
 class _Tally:
     flops: int = 0
     moved_bytes: int = 0  # of the memory-bound ops
-    # (op, kind, shape, flops, moved bytes, routed, causal, kv group, gating, window, soft-capping, per expert)
+    # (op, kind, shape, flops, moved bytes, routed, causal, kv group, gating, window, soft-capping, per expert,
+    # host waits)
     ops: Counter = field(default_factory=Counter)
     transient: tuple[tuple[tuple[int, ...], int], ...] = ()  # `_LiveBytes.transient`
     allocations: tuple[tuple[int, tuple[int, ...], int, str], ...] = ()  # `_LiveBytes.allocations`
@@ -90,7 +92,7 @@ class _Tally:
 
     def records(self) -> tuple[OpCount, ...]:
         return tuple(OpCount(*key[:5], count=n, routed=key[5], causal=key[6], kv_group=key[7], gating=key[8],
-                             window=key[9], softcap=key[10], per_expert=key[11])
+                             window=key[9], softcap=key[10], per_expert=key[11], host_waits=key[12])
                      for key, n in self.ops.items() if n > 0)
 
 
@@ -158,9 +160,10 @@ def _kernel_marks(name: str, reads: list[torch.Tensor], writes: list[torch.Tenso
 
 def _memory_key(name: str, shape: tuple[int, ...], moved: int, experts: bool, gating: bool = False) -> tuple:
     """A memory-bound op's key in `_Tally.ops`: no FLOPs, and none of an attention kernel's mask, key/value group,
-    window or capping; an op a runtime issues once a local expert (`per_expert_now`) is a routed expert's."""
+    window or capping; an op a runtime issues once a local expert (`per_expert_now`) is a routed expert's; a
+    kernel the host waits for the GPU before (`host_waits_now`) is marked so."""
     return (name, "memory", shape, 0, moved, experts or per_expert_now(), False, 1, gating, *UNMARKED,
-            per_expert_now())
+            per_expert_now(), host_waits_now())
 
 
 def _kind(name: str) -> str:
@@ -272,7 +275,7 @@ class _MovedBytes(TorchDispatchMode):
             given = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
             causal = bool(given.get("is_causal", False))  # an attention kernel's mask; no other op has one
             self._record((name, _kind(name), _shape(name, reads), flops, moved, experts, causal,
-                          _kv_group(name, reads), gating_now(), *_kernel_marks(name, reads, writes), False))
+                          _kv_group(name, reads), gating_now(), *_kernel_marks(name, reads, writes), False, False))
             return out
         if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
             written = [value for arg, value in zip(func._schema.arguments, args)

@@ -88,7 +88,8 @@ def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torc
     """A transformers experts module (`@use_experts_implementation`: every expert's gate/up and down products as
     3-D weights, with their biases where it has them) run by `workload.moe.routed_experts`: on the meta device
     each expert at its expected share of the tokens (its capacity where the model drops, `CAPACITY_ATTRIBUTE`),
-    counted as one matrix product per expert."""
+    counted as one matrix product per expert; a gated activation that clamps its halves (gpt-oss's `limit`, its
+    config's `swiglu_limit`) as Megatron-core runs it (`routed_experts`' `clamp`)."""
     up = experts.gate_up_proj if experts.has_gate else experts.up_proj
     down = experts.down_proj
     if not experts.is_transposed:  # stored (E, out, in), as nn.Linear's weights
@@ -98,7 +99,8 @@ def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torc
     if experts.has_bias:  # transformers' names for them (integrations/moe.py `grouped_mm_experts_forward`)
         biases = (experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias, experts.down_proj_bias)
     return routed_experts(hidden, top_k_index, top_k_weights, up, down, activation,
-                          getattr(experts, CAPACITY_ATTRIBUTE, None), gated=experts.has_gate, biases=biases)
+                          getattr(experts, CAPACITY_ATTRIBUTE, None), gated=experts.has_gate, biases=biases,
+                          clamp=getattr(experts, "limit", None) if experts.has_gate else None)
 
 
 def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

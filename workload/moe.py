@@ -88,6 +88,7 @@ _fusing: list[bool] = []  # `fused_swiglu`'s settings open, innermost last
 _gating: list[bool] = []  # a router's gating product under way (`gating_now`)
 _routing: list[bool] = []  # a mixture of experts' router under way (`router_now`)
 _per_expert: list[bool] = []  # ops a runtime issues once a local expert under way (`per_expert_now`)
+_host_waits: list[bool] = []  # a kernel the host waits for the GPU before issuing under way (`host_waits_now`)
 # The recomputation regions under way that no module marks (workload/count.py's `_Regions` reads it): the routed
 # experts' activation, Megatron-core's "moe_act" (`--recompute-modules`)
 OPEN_REGIONS: list[str] = []
@@ -145,6 +146,13 @@ def per_expert_now() -> bool:
     """Whether the op running is one Megatron-core issues once a local expert where the count batches it over the
     experts (`_apply_bias`'s, forward and backward: `_per_local_expert`)."""
     return bool(_per_expert)
+
+
+def host_waits_now() -> bool:
+    """Whether the kernel running is one whose call first makes the host wait for the GPU to drain its queue: the
+    clamped GLU's fused kernel, after Megatron-core's synchronous copy of its offset to the device
+    (`routed_experts`), in the forward and where a recomputation reruns it."""
+    return bool(_host_waits) and _host_waits[-1]
 
 
 def _per_local_expert(*made: torch.Tensor) -> None:
@@ -333,7 +341,8 @@ def capacity(tokens: int, top_k: int, experts: int, capacity_factor: float | Non
 def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    up: torch.Tensor, down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                    capacity_factor: float | None = None, gated: bool = False,
-                   biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   clamp: float | None = None) -> torch.Tensor:
     """The experts' weighted outputs summed per token, for `hidden` (T, d) routed as `top_k_index` and
     `top_k_weights` (T, k) say. `up` (E, d, u) and `down` (E, f, d) are every expert's two products, `activation`
     what runs between them (SwiGLU's silu(gate)·up halves u = 2f, `gated`), `biases` (E, u) and (E, d) their
@@ -344,7 +353,19 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     (skip_bias_add True) and `_apply_bias`'s: each local expert's outputs plus its bias times the router's
     weights, `t + b * p`, the experts' results then joined by one `torch.cat`; the count batches that mul and add
     over the experts, forward and backward, marked as ops Megatron-core issues once a local expert
-    (`per_expert_now`, which planning/experts.py `per_expert_products` issues so)."""
+    (`per_expert_now`, which planning/experts.py `per_expert_products` issues so).
+
+    `clamp`: the gated activation clamps its halves at this limit (gpt-oss's `swiglu_limit`: the gate at most it,
+    the linear half within ±it), which Megatron-Bridge runs as Megatron-core's quick-GEGLU with
+    `activation_func_clamp_value` (its gpt-oss bridge: `quick_gelu`, `glu_linear_offset` 1, clamp 7). Inside
+    `fused_swiglu(True)` that is `weighted_bias_quick_geglu_impl` (fusions/fused_bias_geglu.py at Megatron-LM
+    0d8e0714cd, b0cc2706, core_v0.17.0 and core_v0.18.0, the gpt-oss rows' pins): the two clamps and the
+    `torch.cat` joining them run as eager ops before the fused kernel, counted so, and it makes its offset a
+    device tensor, `torch.tensor(linear_offset, device=input.device)`, a copy from the host that torch makes
+    synchronously (torch/csrc/utils/tensor_new.cpp `internal_new_from_data`: `.to(device, non_blocking=false)`;
+    aten/src/ATen/native/cuda/Copy.cu `copy_kernel_cuda`: `memcpy_and_sync`, a cudaStreamSynchronize): the host
+    waits for the GPU before the fused kernel, each call, the forward's and a recomputation's
+    (`host_waits_now`)."""
     tokens, width = hidden.shape
     experts, top_k = up.shape[0], top_k_index.shape[-1]
     out = torch.zeros_like(hidden)
@@ -368,7 +389,12 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         OPEN_REGIONS.append("moe_act")
         try:
             if gated and _fusing_now(inner):
-                weighted = Fused.apply(lambda i, w: _experts_own(activation(i))[0] * w, False, inner, scale)
+                if clamp is not None:  # Megatron-core's eager clamps of the halves, joined again
+                    glu, linear = inner.chunk(2, -1)
+                    inner = _experts_own(torch.cat(_experts_own(glu.clamp(max=clamp), linear.clamp(-clamp, clamp)),
+                                                   -1))[0]
+                with _open(_host_waits, clamp is not None):
+                    weighted = Fused.apply(lambda i, w: _experts_own(activation(i))[0] * w, False, inner, scale)
             else:
                 active = activation(inner)
                 _experts_own(active)
