@@ -79,6 +79,12 @@ GEMM_STREAMS = 4  # TransformerEngine's compute streams (common/util/multi_strea
 # the rows TransformerEngine's Fp8Padding pads each local expert's split of the tokens to before the float8 products
 # (transformer_engine/pytorch/module/fp8_padding.py at v2.9 to v2.14: 32 under MXFP8, 16 for every other recipe)
 FLOAT8_PADDING_ROWS = 16
+# the aten ops Megatron-core's flex dispatcher runs, DeepEP's path, to turn the received tokens' top-k indices into
+# each local expert's routing map and weights (`ExpertGroup.multihot_conversion`), one kernel each: the forward's,
+# then the backward's of the weights' gathers
+MULTIHOT_OPS = {"fwd": ("zeros", "zeros", "ne", "index", "arange", "sum", "repeat_interleave", "index_select",
+                        "index_put_", "index", "index_put_", "_to_copy"),
+                "bwd": ("index", "new_zeros", "index_put")}
 
 
 class ExpertParallelError(SettingsError):
@@ -158,8 +164,14 @@ class ExpertGroup:
             return op
 
         sorts = self.chunk_sorts(layer, load)
-        return replace(layer, ops={name: (*(mine(op, name == "fwd") for op in ops), *sorts.get(name, ()))
-                                   for name, ops in layer.ops.items()},
+        converted = self.multihot_conversion(layer, load)
+        ops = {name: (*(mine(op, name == "fwd") for op in ops), *sorts.get(name, ()))
+               for name, ops in layer.ops.items()}
+        if converted:  # after the dispatch, before the permutation: where the forward's first routed op runs
+            first = next(i for i, op in enumerate(ops["fwd"]) if op.routed)
+            ops = {name: (*ops[name][:first], *converted[name], *ops[name][first:]) if name == "fwd"
+                   else (*done, *converted.get(name, ())) for name, done in ops.items()}
+        return replace(layer, ops=ops,
                        region_ops={name: tuple(mine(op, True) for op in ops) for name, ops in layer.region_ops.items()})
 
     def chunk_sorts(self, layer: LayerCount, load: float) -> dict[str, tuple[OpCount, ...]]:
@@ -182,6 +194,33 @@ class ExpertGroup:
         sort = self.received_copies_pass(layer, load, "moe_sort_chunks_by_index", 2)
         backward = replace(sort, op="moe_sort_chunks_by_index_backward")
         return {"fwd": (sort,), "bwd": (backward,), "igrad": (backward,)}
+
+    def multihot_conversion(self, layer: LayerCount, load: float) -> dict[str, tuple[OpCount, ...]]:
+        """Per pass, the ops DeepEP's path of Megatron-core's flex dispatcher runs on what a rank received, beyond the
+        count's permutation: DeepEP hands over each received token once with its top-k expert indices (-1 where
+        an expert is not the rank's), and `_DeepepManager.get_permuted_hidden_states_by_experts` turns them into
+        a [tokens, local experts] routing map and weights for the permutation by `_indices_to_multihot` (two
+        zero fills, a comparison, the valid indices and the weights each taken by a boolean mask, a row index
+        repeated per valid entry, two index_puts, a cast: `MULTIHOT_OPS`, the aten ops it dispatches; the
+        weights' gradient back through their gathers), unless Megatron-core's experimental flag and permute
+        fusion select the fused `fused_indices_to_multihot` (megatron/core/transformer/moe/token_dispatcher.py at
+        Megatron-LM 1e057005 and, the same code, b0cc2706, 0d8e0714cd and d98e8a64dd; the flag, ENABLE_EXPERIMENTAL,
+        False unless `--enable-experimental`, megatron/core/config.py, which Megatron-Bridge never sets:
+        scripts/translate_mlm_to_bridge.py at 067f987df skips it). Each op a kernel over the routing map, the
+        received tokens (each of the E·ETP ranks' 1/(t·C) of the micro-batch, reaching the rank with the chance
+        DeepEP's dispatch is priced by, times `load`) by the local experts in int64. The boolean masks and the
+        repeat by a tensor each wait on the host for their output's size (three waits), which the host's count
+        (planning/host.py) does not model: the dispatch's own wait is the forward's one. HybridEP (`hybridep`)
+        permutes inside its own path, and the all-to-all dispatcher's map is the router's: neither converts."""
+        if self.dispatcher != "deepep" or not self.experts or not layer.dispatched_bytes:
+            return {}
+        local = self.experts // self.ranks
+        sent = math.prod(layer.output_shape[:-1]) * self.ranks * self.tensor / (self.dense_tensor * self.context)
+        received = round(sent * self._receives(local, round(layer.dispatched_bytes / layer.output_bytes)) * load)
+        return {name: tuple(OpCount(op, "memory", (received, local), 0, received * local * 8, 1, routed=True)
+                            for op in ops)
+                for name, ops in (("fwd", MULTIHOT_OPS["fwd"]), ("bwd", MULTIHOT_OPS["bwd"]),
+                                  ("igrad", MULTIHOT_OPS["bwd"]))}
 
     def received_copies_pass(self, layer: LayerCount, load: float, name: str, kernels: int) -> OpCount:
         """`kernels` memory-bound kernels named `name`, each reading and writing every token copy the rank

@@ -187,8 +187,9 @@ def test_megatron_cores_all_to_all_sorts_what_a_rank_receives_by_local_expert_an
     """8 experts at top 2 over E = 4 ranks (2 local experts each) under the all-to-all dispatcher: a 512-token
     micro-batch's 1,024 copies of 256 bf16 (524,288 bytes) are sorted by local expert after the dispatch and back
     before the combine, each a read and a write of every copy, and each sort's gradient in the backward's input
-    pass; the busiest rank (the hot expert's, 1.6 times the copies) sorts 1.6 times as many. DeepEP's dispatcher
-    and one local expert a rank (E = 8) sort nothing."""
+    pass; the busiest rank (the hot expert's, 1.6 times the copies) sorts 1.6 times as many. The flex dispatcher
+    (HybridEP's; DeepEP's converts its indices instead, tests/test_deepep_multihot.py) and one local expert a rank
+    (E = 8) sort nothing."""
     layer = counted().layers[1]
     dispatched = S * TOP_K * H * 2
     assert layer.dispatched_bytes == dispatched
@@ -203,15 +204,15 @@ def test_megatron_cores_all_to_all_sorts_what_a_rank_receives_by_local_expert_an
         assert forward.shape == (round(S * TOP_K * load), H)
         assert backward == input_pass == replace(forward, op="moe_sort_chunks_by_index_backward")
         assert sorts["wgrad"] == []
-    alltoall, deepep = profile(expert=4), profile(expert=4, token_dispatcher="deepep")
+    alltoall, flex = profile(expert=4), profile(expert=4, token_dispatcher="hybridep")
     sort_ms = 2 * (H100.curve.kernel_overhead_ms + 2 * dispatched / DEVICE.memory_bytes_per_ms)
-    for one, other, counted_layer in zip(alltoall.layers, deepep.layers, counted().layers):
+    for one, other, counted_layer in zip(alltoall.layers, flex.layers, counted().layers):
         extra = sort_ms if counted_layer.dispatched_bytes else 0.0
         for name in ("fwd", "bwd", "igrad"):
             assert getattr(one, name).median_ms - getattr(other, name).median_ms == pytest.approx(extra)
         assert one.wgrad == other.wgrad
-    one_each, deepep_each = profile(expert=8), profile(expert=8, token_dispatcher="deepep")
-    assert [layer.fwd for layer in one_each.layers] == [layer.fwd for layer in deepep_each.layers]
+    one_each, flex_each = profile(expert=8), profile(expert=8, token_dispatcher="hybridep")
+    assert [layer.fwd for layer in one_each.layers] == [layer.fwd for layer in flex_each.layers]
 
 
 def test_random_routing_waits_for_the_busiest_rank_of_draws_that_are_even_only_on_average():
