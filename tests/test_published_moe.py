@@ -135,7 +135,7 @@ def test_every_layout_fits_as_megatron_core_holds_it():
     run), and the routed experts keep what Megatron-core's TEGroupedMLP keeps with its fused SwiGLU
     (tests/test_moe.py): Qwen3-30B-A3B's t1 p1 E16 and t1 p2 v12 E8 layouts and Qwen3-235B-A22B's fit in 80 GB as
     they ran (before: 96,141, 89,140 and 118,730 MiB; unfused SwiGLU, 235B: 83,276 and 85,020 with the recipe's
-    expert overlap), gpt-oss-120b's t1 p4 E8 too (57,896 MiB, recomputing its norms and its experts' activation),
+    expert overlap), gpt-oss-120b's t1 p4 E8 too (58,076 MiB, recomputing its norms and its experts' activation),
     and 25.09's DeepSeek-V3 (62,070 MiB). The 30B at MBS 2 (25.09's) fits with TransformerEngine's norms and
     Megatron-core's cross entropy (`--norm-kernel fused`, `--cross-entropy megatron`; 97,952 MiB over 24 chunks with
     transformers' eager RMSNorm and aten's cross entropy)."""
