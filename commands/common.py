@@ -351,7 +351,8 @@ TokenDispatcher = Annotated[str | None, typer.Option(
                                               "across nodes once to each node, holding any of its experts, forwarded "
                                               "there over the node's link; under TransformerEngine's float8 the "
                                               "experts pad their tokens after DeepEP's, HybridEP pads in its "
-                                              "dispatch).")]
+                                              "dispatch; DeepEP's received indices made each local expert's map by "
+                                              "Megatron-core's unfused conversion, 12 kernels a forward).")]
 DispatcherSms = Annotated[int | None, typer.Option(
     "--dispatcher-sms", metavar="N", min=1, help="With --token-dispatcher deepep or hybridep: the multiprocessors "
                                                  "its dispatch and combine kernels hold, which the compute "
