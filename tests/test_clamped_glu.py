@@ -14,6 +14,7 @@ import torch
 from pipesim.planning.estimate import Regions, _rerun_at_experts
 from pipesim.planning.host import pass_kernels, synchronises, waited_ms
 from pipesim.workload.count import count_built
+from pipesim.workload.hf import _quick_geglu_limit
 from tests.conftest import needs_transformers
 from tests.test_hf import write_config
 from tests.test_moe import FFN, GPT_OSS, MIXTRAL, B, S
@@ -69,3 +70,17 @@ def test_the_host_waits_for_the_gpu_before_the_clamped_glus_fused_kernel(tmp_pat
     idle = [waited_ms(pass_kernels(ops, [op for op, _ in ops], False, 10.0))[0] for ops in (forward, plain)]
     assert idle == pytest.approx([0.02, 0.01])
     assert synchronises(layer, {"capacity_factor": 1.0})
+
+
+@pytest.mark.parametrize(("fields", "limit"), [({"alpha": 1.702, "limit": 7.0}, 7.0), ({"limit": 10.0}, None),
+                                               ({"alpha": 1.702, "limit": float("inf")}, None),
+                                               ({"alpha": 1.702, "limit": None}, None)])
+def test_only_a_bounded_quick_geglu_is_run_as_megatron_cores_clamped_one(fields, limit):
+    """gpt-oss's experts (the gate's sigmoid scaled by `alpha`, clamped at `limit`) are Megatron-core's clamped
+    quick-GEGLU; a SwiGLU clamped at a limit (DeepSeek-V4's and MiniMax's experts hold `limit` without `alpha`) is
+    not, nor a limit that bounds nothing (Step-3.7's infinite one) or none."""
+    experts = torch.nn.Module()
+    experts.has_gate = True
+    for name, value in fields.items():
+        setattr(experts, name, value)
+    assert _quick_geglu_limit(experts) == limit

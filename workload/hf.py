@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import math
 import sys
 from typing import Any
 
@@ -88,8 +89,8 @@ def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torc
     """A transformers experts module (`@use_experts_implementation`: every expert's gate/up and down products as
     3-D weights, with their biases where it has them) run by `workload.moe.routed_experts`: on the meta device
     each expert at its expected share of the tokens (its capacity where the model drops, `CAPACITY_ATTRIBUTE`),
-    counted as one matrix product per expert; a gated activation that clamps its halves (gpt-oss's `limit`, its
-    config's `swiglu_limit`) as Megatron-core runs it (`routed_experts`' `clamp`)."""
+    counted as one matrix product per expert; a clamped quick-GEGLU (gpt-oss's, `_quick_geglu_limit`) as
+    Megatron-core runs it (`routed_experts`' `clamp`)."""
     up = experts.gate_up_proj if experts.has_gate else experts.up_proj
     down = experts.down_proj
     if not experts.is_transposed:  # stored (E, out, in), as nn.Linear's weights
@@ -100,7 +101,18 @@ def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torc
         biases = (experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias, experts.down_proj_bias)
     return routed_experts(hidden, top_k_index, top_k_weights, up, down, activation,
                           getattr(experts, CAPACITY_ATTRIBUTE, None), gated=experts.has_gate, biases=biases,
-                          clamp=getattr(experts, "limit", None) if experts.has_gate else None)
+                          clamp=_quick_geglu_limit(experts))
+
+
+def _quick_geglu_limit(experts: nn.Module) -> float | None:
+    """The limit a gated experts module's quick-GEGLU clamps its halves at (gpt-oss's: its gate's sigmoid scaled by
+    `alpha`, `swiglu_alpha` 1.702, the sigmoid approximation of GELU, clamped at `limit`, `swiglu_limit`), which
+    Megatron-Bridge runs as Megatron-core's quick-GEGLU with `activation_func_clamp_value`; None for any other
+    activation (a SwiGLU's silu, clamped or not) or an unbounded limit."""
+    limit = getattr(experts, "limit", None)
+    if not (experts.has_gate and hasattr(experts, "alpha")) or limit is None or not math.isfinite(limit):
+        return None
+    return float(limit)
 
 
 def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
