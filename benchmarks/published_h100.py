@@ -3,8 +3,9 @@ and 340B, Llama 3.1 8B, 70B and 405B, BF16 and FP8, 8 to 2,304 GPUs) predicted b
 nothing fitted.
 
 Each row's `pipesim simulate` command is built from the row's own columns as NeMo ran it (its launcher's config,
-benchmarks/published/README.md): Megatron-core's GPT with TransformerEngine (flash attention, sequence
-parallelism and the tensor-parallel collectives overlapped with the products, `--tp-overlap`, where t > 1, the
+benchmarks/published/README.md): Megatron-core's GPT with TransformerEngine (its linear layers, `--linear-kernel
+te`; flash attention, sequence parallelism and the tensor-parallel collectives overlapped with the products,
+`--tp-overlap`, where t > 1, the
 forward's pipelined reduce-scatters without TransformerEngine's SM margin, `--tp-overlap-no-margin`, where the
 run's config left it at TransformerEngine 1.x's default, and with float8 outputs, `--tp-overlap-fp8-buf`, where the
 run's config sets `fp8_buf` for them; context parallelism where the row has it, its ring
@@ -93,6 +94,7 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             "--vocab", str(padded_vocab(int(row["vocab"]), t)),
             *(["--dropout", row["dropout"]] if float(row["dropout"]) else []),
             "--dtype", row["precision"], *(["--fp8-param-gather"] if row["precision"] == "fp8" else []),
+            "--linear-kernel", "te",
             "--attention", "flash", "--attention-kernel", row["attention_kernel"],
             "-b", str(b), "--gpu", GPU, *tensor,
             *(["--context-parallel", str(c), "--cp-rotate", "p2p"] if c > 1 else []), "-p", str(p),

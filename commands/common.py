@@ -434,6 +434,16 @@ CrossEntropy = Annotated[str, typer.Option(
                                                "vocabulary-parallel one, fused or not: its backward writes the "
                                                "gradient into the saved float32 softmax in place).",
     show_default=False)]
+LinearKernel = Annotated[str | None, typer.Option(
+    "--linear-kernel", metavar="KERNEL", help="With --gpu: whose linear layers run: eager (torch's nn.Linear: "
+                                              "autograd sums each bias's gradient in a kernel of its own) or te "
+                                              "(Megatron-core's TransformerEngine layers: the attention's input "
+                                              "projection takes its bias's gradient from its weight-gradient "
+                                              "product, under --fp8-recipe te from its output gradient's cast; "
+                                              "the others' biases, which Megatron-core adds in the next fused "
+                                              "kernel, summed apart). Default: te under --fp8-recipe te or "
+                                              "te-current, eager otherwise.",
+    show_default=False)]
 NormKernel = Annotated[str, typer.Option(
     "--norm-kernel", metavar="KERNEL", help="With --gpu: how a Hugging Face model's RMSNorms run: eager "
                                             "(transformers' module, keeping a float32 copy of its input and the "
@@ -534,6 +544,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("swiglu_fusion", SwigluFusion, True), ("cross_entropy", CrossEntropy, "torch"),
                 ("norm_kernel", NormKernel, "eager"), ("rope_kernel", RopeKernel, "eager"),
+                ("linear_kernel", LinearKernel, None),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("routing", Routing, None), ("token_dispatcher", TokenDispatcher, None),

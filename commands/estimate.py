@@ -71,7 +71,7 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
                  "rope_kernel", "recompute_modules", "torch_compile",
                  "ema", "scores_buffer", "tp_overlap_no_margin", "tp_overlap_fp8_buf", "attention_kernel",
-                 "grad_accumulation")
+                 "grad_accumulation", "linear_kernel")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -124,6 +124,7 @@ class WhatIf:
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
     scores_buffer: bool = False  # --scores-buffer (planning/estimate.py `scores_buffer_bytes`)
     grad_accumulation: str | None = None  # --grad-accumulation (None: --precision's, planning/estimate.py)
+    linear_kernel: str | None = None  # --linear-kernel, of planning/te.py's LINEAR_KERNELS (None: by the recipe)
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
     tp_overlap_fp8_buf: bool = False  # --tp-overlap-fp8-buf
     attention_kernel: str = "flash2"  # --attention-kernel, of hardware/catalogue.py's ATTENTION_KERNELS
@@ -216,6 +217,7 @@ class WhatIf:
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
                            torch_compile=self.torch_compile,
                            ema=self.ema, scores_buffer=self.scores_buffer, grad_accumulation=self.grad_accumulation,
+                           linear_kernel=self.linear_kernel,
                            host_kernel_us=HOST_KERNEL_US if self.host_kernel_us is None else self.host_kernel_us,
                            host_module_us=self.host_module_us, expert_gemm=self.expert_gemm,
                            p2p_sync=self.p2p_sync)
@@ -338,7 +340,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   tp_overlap_fp8_buf=params.get("tp_overlap_fp8_buf", False),
                   attention_kernel=_or_default(params, "attention_kernel", "flash2"),
-                  grad_accumulation=params.get("grad_accumulation"), routing=routing,
+                  grad_accumulation=params.get("grad_accumulation"), linear_kernel=params.get("linear_kernel"),
+                  routing=routing,
                   host_kernel_us=params.get("host_kernel_us"), host_module_us=params.get("host_module_us"),
                   expert_gemm=_or_default(params, "expert_gemm", "grouped"), p2p_sync=params.get("p2p_sync", False))
     with refused_with_flags():  # the layout's rules, before the model is counted (which takes seconds)

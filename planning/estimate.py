@@ -113,6 +113,7 @@ from .host import (
     synchronises,
 )
 from .ranks import RANK_ORDERS, SettingsError, dense_grid
+from .te import LINEAR_KERNELS
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
@@ -196,8 +197,8 @@ class EstimateError(SettingsError):
 _CHOICES = {"expert_gemm": EXPERT_GEMMS, "token_dispatcher": DISPATCHERS, "routing": ROUTINGS,
             "rank_order": RANK_ORDERS, "recompute": RECOMPUTE, "ema": EMA_PLACES,
             "grad_accumulation": GRAD_ACCUMULATIONS, "fp8": tuple(FP8_RECIPES), "tp_runtime": TP_RUNTIMES,
-            "cp_rotate": CP_ROTATES, "attention_kernel": ATTENTION_KERNELS}
-_OPTIONAL = ("token_dispatcher", "ema", "grad_accumulation", "fp8")
+            "cp_rotate": CP_ROTATES, "attention_kernel": ATTENTION_KERNELS, "linear_kernel": LINEAR_KERNELS}
+_OPTIONAL = ("token_dispatcher", "ema", "grad_accumulation", "fp8", "linear_kernel")
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,9 @@ class Parallelism:
     fp8_param_gather: bool = False  # TransformerEngine's float8 weights, gathered so by ZeRO (`gathered_weight_bytes`)
     tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
     tp_runtime: str = "megatron"  # whose tensor-parallel layers, of `TP_RUNTIMES` (`input_gather_ms`)
+    # whose linear layers, of planning/te.py's LINEAR_KERNELS (None: te under a TransformerEngine float8 recipe, else
+    # eager; `bias_gradients_fused`)
+    linear_kernel: str | None = None
     tp_overlap_no_margin: bool = False  # the forward's pipelined products on every SM (`userbuffers_forward_ms`)
     tp_overlap_fp8_buf: bool = False  # the forward's pipelined reduce-scatters of float8 outputs (`estimate_layer`)
     loss_parallel: bool = False  # the loss counted as torch's loss_parallel computes it (workload/loss.py)
@@ -293,6 +297,10 @@ class Parallelism:
             if getattr(self, name) and not (self.tp_overlap and self.tp_runtime == "megatron"):
                 raise EstimateError(f"{{{name}}} sets {what} of TransformerEngine's pipelined reduce-scatters: give "
                                     "{tp_overlap} under {tp_runtime} megatron")
+        if None not in (self.linear_kernel, self.fp8) and (self.linear_kernel == "te") != (self.fp8 in TE_RECIPES):
+            whose = "TransformerEngine's modules" if self.fp8 in TE_RECIPES else "linear layers of its own"
+            raise EstimateError(f"{{linear_kernel}} {self.linear_kernel}: {{fp8}} {self.fp8} runs {whose}; leave "
+                                "{linear_kernel} out")
         if self.tp_overlap_fp8_buf and self.fp8 not in TE_RECIPES:
             raise EstimateError(f"{{tp_overlap_fp8_buf}}: TransformerEngine's float8 userbuffers; give {{fp8}} "
                                 f"{' or '.join(TE_RECIPES)} (got {self.fp8 or 'none'})")
@@ -304,6 +312,18 @@ class Parallelism:
             return None
         recipe = FP8_RECIPES[self.fp8]
         return gathered_in_float8(recipe) if self.fsdp_float8_all_gather else recipe
+
+    @property
+    def bias_gradients_fused(self) -> bool:
+        """The attention's input projection's bias gradient comes out of its product's backward (planning/te.py):
+        under TransformerEngine's layers (`linear_kernel` te, or not given under a TransformerEngine recipe) in
+        16 bits, or in float8 where the recipe fuses it (`Fp8Recipe.fuses_bias_gradients`)."""
+        te = self.linear_kernel == "te" or (self.linear_kernel is None and self.fp8 in TE_RECIPES)
+        return te and (self.fp8 is None or FP8_RECIPES[self.fp8].fuses_bias_gradients)
+
+    def float8_forms(self, element_bytes: int) -> Float8Forms:
+        """The layers as this run's recipe and runtime run them (`Float8Forms`), each built once."""
+        return Float8Forms(self.float8_recipe, element_bytes, self.bias_gradients_fused)
 
     @property
     def accumulation(self) -> str:
@@ -1145,7 +1165,7 @@ def persistent_product_ms(layer: LayerCount, device: Device, parallel: Paralleli
     `float8`: the estimate's layers as its recipe runs them (`Float8Forms`), else built here."""
     if not device.curve.persistent_products:
         return 0.0
-    layer = (float8 or Float8Forms(parallel.float8_recipe, element_bytes)).of(layer)
+    layer = (float8 or parallel.float8_forms(element_bytes)).of(layer)
     split = _Split.of(layer, parallel)
     total_ms = squared_ms = 0.0
     for name in ("fwd", "bwd"):
@@ -1542,7 +1562,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     if c > 1 and context_link is None:
         raise EstimateError(f"context: {c} ranks need the ring's link")
     ring = ContextRing(c, context_link, parallel.cp_rotate) if c > 1 else None
-    layer = (float8 or Float8Forms(parallel.float8_recipe, element_bytes)).of(layer, ring)
+    layer = (float8 or parallel.float8_forms(element_bytes)).of(layer, ring)
     if grad_bytes is not None:
         layer = accumulated_in_products(layer, grad_bytes, element_bytes)
     split = _Split.of(layer, parallel)
@@ -2147,7 +2167,7 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
         raise EstimateError("megatron is Megatron-LM's 16-bit optimizer unsharded; its distributed optimizer "
                             "({sharded_optimizer}) allocates otherwise and is not replayed so")
     element = _element_bytes(counted.dtype)
-    forms = Float8Forms(parallel.float8_recipe, element)
+    forms = parallel.float8_forms(element)
 
     def allocations_of(layer: LayerCount) -> LayerAllocations:
         gathered = gathered_saves(layer, parallel)
@@ -2726,7 +2746,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     made = None if memo is None else memo.layers.get(key)  # by an estimate at another p or d
     layers = [] if made is None else made
     sharing = sharing_dispatcher(device, parallel)
-    float8 = Float8Forms(parallel.float8_recipe, element)  # each layer's form built once for all that price it
+    float8 = parallel.float8_forms(element)  # each layer's form built once for all that price it
     accumulated = held.grad_bytes if parallel.accumulation == "fused" else None  # in the weight-gradient products
     modules_us = module_us(parallel.fp8, parallel.host_module_us)
 

@@ -110,6 +110,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..profiles.workload import LayerCount, OpCount
+from .te import te_modules, without_fused_bias_sums
 
 if TYPE_CHECKING:
     from .estimate import ContextRing
@@ -138,7 +139,12 @@ class Fp8Recipe:
     `multi_tensor_quantize_impl` at 006b336: `nvte_multi_cast_transpose` for delayed scaling's quantizers only,
     "Quantize kernels individually" for the rest); `routed_output_gradient_tile`: the routed experts'
     down-projection's output gradient kept for a deferred weight pass in float8, a float32 scale a tile of that many
-    elements of a row (None: as counted)."""
+    elements of a row (None: as counted); `fuses_bias_gradients`: under TransformerEngine's layers
+    (`--linear-kernel te`) a product's bias gradient comes out of its output gradient's cast (planning/te.py);
+    `clones_scale_inverses`: each TransformerEngine module's forward clones its scale-inverses
+    (`fp8_meta["scaling_fwd"].scale_inv.clone()` in linear.py, layernorm_linear.py and grouped_linear.py at v1.7 and
+    v1.10, gone at v1.12: te's, as the H100 runs' v1.10-era containers ran it; a 2.x run of delayed scaling has
+    none), one small kernel a module (planning/te.py `te_modules`) and forward."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -153,26 +159,33 @@ class Fp8Recipe:
     gathers_float8: bool = False  # sequence-parallel all-gathers move the float8 copies
     fuses_split_casts: bool = False  # a per-expert product's splits cast by one kernel (`per_expert_products`)
     routed_output_gradient_tile: int | None = None  # the routed down-projection's output gradient kept so until W
+    fuses_bias_gradients: bool = False  # a TransformerEngine product's bias gradient from its cast (planning/te.py)
+    clones_scale_inverses: bool = False  # each module's forward clones its scale-inverses, a kernel (`in_float8`)
 
 
 FP8_RECIPES = {
     "te": Fp8Recipe(casts={"fwd": ("input",), "bwd": ("grad",), "igrad": ("grad",), "wgrad": ()},
                     kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True,
                     weight_copy_bytes=2 * FP8_BYTES, routed=True, split_accumulation=BACKWARD_PASSES,
-                    gathers_float8=True, fuses_split_casts=True),
+                    gathers_float8=True, fuses_split_casts=True, fuses_bias_gradients=True,
+                    clones_scale_inverses=True),
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False,
                          split_accumulation=BACKWARD_PASSES),
 }
 FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("zero_amax", 0, 0), ("amax", 1, 0), ("scale", 0, 0),
-                                                                  ("cast_transpose", 1, 2)), fuses_split_casts=False)
+                                                                  ("cast_transpose", 1, 2)), fuses_split_casts=False,
+                                    fuses_bias_gradients=False, clones_scale_inverses=False)
 FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
+# the scale-inverses a TransformerEngine 1.x module's forward keeps: its input's, weight's and output's
+# (fp8_meta["scaling_fwd"], `num_gemms * 3`), which `clones_scale_inverses` copies
+SCALE_INVERSES = 3
 # DeepSeek-V3's activation tile (its report, 3.3.2): 1x128 elements a float32 scale, as deepseek-ai/DeepGEMM's
 # `gemm_fp8_fp8_bf16_nt` takes them (its LHS scales: float32, (m, ceil(k / 128)))
 TILE_ELEMENTS = 128
 FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
-                                  split_accumulation=(),
+                                  split_accumulation=(), fuses_bias_gradients=False, clones_scale_inverses=False,
                                   routed_output_gradient_tile=TILE_ELEMENTS)
 FP8_RECIPES["torchao-2024"] = replace(FP8_RECIPES["torchao"], casts={"fwd": ("input", "weight"), "bwd": ("grad",),
                                                                       "igrad": ("grad",), "wgrad": ()},
@@ -298,6 +311,9 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
     cached = cached_saves(layer, recipe, element_bytes)
     saved = tuple((shape, cached.get(i, nbytes)) for i, (shape, nbytes) in enumerate(saved))
     ops["fwd"] += cache_ops(layer, cached, element_bytes, forward=True)
+    if recipe.clones_scale_inverses and (modules := te_modules(layer, recipe.routed)):
+        ops["fwd"] += (OpCount("fp8_scale_inv_clone", "memory", (SCALE_INVERSES,), 0,
+                               2 * SCALE_INVERSES * FP8_SCALE_BYTES, modules),)
     for name in ("bwd", "igrad"):
         ops[name] = ops.get(name, ()) + cache_ops(layer, cached, element_bytes, forward=False)
     delta = sum(nbytes for _, nbytes in saved) - sum(nbytes for _, nbytes in layer.saved_tensors)
@@ -332,7 +348,8 @@ def kept_output_gradients(layer: LayerCount, recipe: Fp8Recipe, element_bytes: i
 
 @dataclass
 class Float8Forms:
-    """The layers one estimate prices as its recipe runs them (`in_float8`; `recipe` None: as counted), each built
+    """The layers one estimate prices as its recipe runs them (`in_float8`; `recipe` None: as counted), with the bias
+    gradients its runtime fuses into their products dropped where `bias_fused` (planning/te.py), each built
     once: a layer's passes on each device and its routed part (planning/estimate.py `estimate_layer`), its products'
     times (`persistent_product_ms`) and its kernels' issue (host.py `pass_kernels`) read the same form. `of` a
     layer with a context ring converts the layer as the ring keeps it (`ContextRing.kept`, the count's own storages
@@ -341,13 +358,17 @@ class Float8Forms:
 
     recipe: Fp8Recipe | None
     element_bytes: int
+    bias_fused: bool = False
     built: dict[tuple, tuple[LayerCount, LayerCount]] = field(default_factory=dict)
 
     def of(self, layer: LayerCount, ring: ContextRing | None = None) -> LayerCount:
         if ring is not None:
             layer = self._once(("kept", id(layer), ring), layer, ring.kept)
-        return self._once(("run", id(layer)), layer, lambda counted: counted if self.recipe is None else
-                          in_float8(counted, self.recipe, self.element_bytes))
+        return self._once(("run", id(layer)), layer, self._run)
+
+    def _run(self, counted: LayerCount) -> LayerCount:
+        layer = without_fused_bias_sums(counted) if self.bias_fused else counted
+        return layer if self.recipe is None else in_float8(layer, self.recipe, self.element_bytes)
 
     def _once(self, key: tuple, layer: LayerCount, make: Callable[[LayerCount], LayerCount]) -> LayerCount:
         if key not in self.built:

@@ -61,6 +61,7 @@ from ..sim.costs import RowOverhead, held_as_runtime, keeps_saved_until_weights,
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
 from ..units import whole_number
+from .te import AMAX_UPDATE_KERNELS
 
 if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile, StageProfile
@@ -374,11 +375,22 @@ class Scenario:
         per_node = min(t * link.per_node, estimate.placement.gpus_per_node)
         return nccl_ll_all_reduce_ms(0, t * sched.gradient_ranks, per_node, link.bytes_per_ms, link.node_link)
 
+    def amax_update_ms(self) -> float:
+        """The kernels TransformerEngine's delayed scaling runs around each amax all-reduce
+        (`reduce_and_update_fp8_tensors`: fp8.py at v1.7, v1.10 and v1.12, quantization.py at v2.9): `torch.cat` of
+        the chunk's amaxes and `fused_amax_and_scale_update_after_reduction`, `AMAX_UPDATE_KERNELS` small kernels at
+        the curve's cost of a kernel (a few float32 a module: their bytes left out), with or without the all-reduce.
+        0 without an estimate's te recipe."""
+        estimate = self._estimate
+        if estimate is None or estimate.parallelism.get("fp8") != "te":
+            return 0.0
+        return AMAX_UPDATE_KERNELS * float(estimate.curve.get("kernel_overhead_ms", 0.0))
+
     def _amax_reductions(self, costs: Costs, sched: Schedule) -> Costs:
         """Every stage that runs float8 products (holds float8 weights: one block's fp8_autocast, a chunk) pays
-        `amax_reduction_ms` in each forward and backward (and input-gradient pass, where the backward's amaxes
-        are taken)."""
-        amax_ms = self.amax_reduction_ms(sched)
+        `amax_reduction_ms` and `amax_update_ms` in each forward and backward (and input-gradient pass, where the
+        backward's amaxes are taken)."""
+        amax_ms = self.amax_reduction_ms(sched) + self.amax_update_ms()
         if not amax_ms:
             return costs
         return replace(costs, stages=tuple(replace(

@@ -47,6 +47,7 @@ def test_every_published_row_is_recorded_with_its_figure_and_layout():
         assert ("--tp-overlap-fp8-buf" in args) == (published["tp_overlap_fp8_buf"] == "true")
         assert published["tp_overlap_fp8_buf"] != "true" or published["precision"] == "fp8"
         assert _flag(args, "--attention-kernel") == published["attention_kernel"]
+        assert _flag(args, "--linear-kernel") == "te"  # Megatron-core's TransformerEngine layers, every run's
         rotary = _flag(args, "--rotary-percent") if "--rotary-percent" in args else ""
         assert rotary == published["rotary_percent"] and ("--rope-kernel" in args) == bool(rotary)
         assert rotary == ("" if published["model"] == "GPT-3 175B" else "0.5" if "Nemotron" in published["model"]
