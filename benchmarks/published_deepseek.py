@@ -26,7 +26,7 @@ The report states no micro-batch size: one sequence (`MICROBATCH_SIZE`), so a pi
 step. Nor does it give the layers each stage holds: the run ran within the H800's 80 GB, so the row is cut as a
 planner would cut it, the slowest stage as fast as it can be with every device holding its two stages (DualPipe's
 stage i of one copy and 15 - i of the other) within its memory (`--stage-cut fit`; the time-balanced cut alone
-gives stage 0 five layers held 15 micro-batches deep at device 0's peak, 95,441 MiB). What no flag expresses is in
+gives stage 0 five layers, 94,531 MiB at device 0's peak). What no flag expresses is in
 `NOT_MODELLED`.
 
 Published: 180K H800 GPU hours per trillion tokens, so 10^12 tokens / (180,000 GPU h x 3,600 s/h) = 1,543 tokens/s

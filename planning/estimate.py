@@ -1615,11 +1615,14 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     regions = Regions.of(layer, parallel.recompute_modules)
     whole = {i for i, _ in gathered_saves(layer, parallel)}
     rerun_bytes = 0.0  # what the backward makes again of the saved tensors below
+    region_rerun: list[tuple[int, float]] = []  # of it, a recomputed region's: (index in saved_tensors, bytes)
     for i, ((shape, nbytes), part) in enumerate(zip(layer.saved_tensors, named)):
         core = split.core(shape)
         kept_bytes = nbytes / t if core else nbytes if i in whole else nbytes * rest_share
         if (core and parallel.recompute == "selective") or i in regions.dropped:
             rerun_bytes += kept_bytes
+            if i in regions.dropped and not (core and parallel.recompute == "selective"):
+                region_rerun.append((i, kept_bytes))
         else:
             parts[part] += kept_bytes
     parts["other"] += (saved - sum(nbytes for _, nbytes in layer.saved_tensors)) * rest_share  # a count lists all
@@ -1667,7 +1670,9 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     return LayerEstimate(times["fwd"], times["bwd"] + rerun_ms, times["igrad"] + rerun_ms, times["wgrad"], total,
                          whole_parts(parts, total),
                          _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total,
-                                          gathered_gradient_element_bytes(layer, parallel, element_bytes)),
+                                          gathered_gradient_element_bytes(layer, parallel, element_bytes),
+                                          tuple((i, nbytes / c) for i, nbytes in region_rerun)
+                                          if parallel.recompute in ("none", "selective") else ()),
                          *rings, *wgrad_kept(layer, split, rest_share), timed, ring)
 
 
@@ -1784,8 +1789,8 @@ class Regions:
                    tuple(op for name in run if name in RERUN_AT_EXPERTS for op in layer.region_ops.get(name, ())))
 
 
-def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float,
-                     gradient_element_bytes: int) -> dict[str, int]:
+def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float, gradient_element_bytes: int,
+                     region_rerun: Sequence[tuple[int, float]] = ()) -> dict[str, int]:
     """Per pass, the bytes of the transient tensors at the pass's peak on one of the t·C ranks: under tensor or
     context parallelism the peak of the pass's allocations as the rank makes them (`_rank_pass` with
     `gradient_element_bytes`: a residual-stream tensor whole without sequence parallelism, as Megatron-LM keeps it,
@@ -1794,17 +1799,44 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float,
     input gradient, whole before its reduction, outweighs its vocabulary-split logits' gradients at t ranks), else
     the count's; and in the input-gradient and full backward the `recomputed` bytes, which the backward recreates
     before it frees them (Korthikanti et al. 2022, section 4: full recomputation holds one layer's activations during
-    its backward)."""
-    def peak(name: str) -> float:
-        if (split.t == 1 and split.context == 1) or not layer.allocations.get(name):
+    its backward), for the whole pass; but a recomputed region's saved tensors of them, `region_rerun` ((index in
+    `saved_tensors`, bytes on the rank)), where the count says when the pass reads them (`LayerCount.saved_reads`),
+    only from there, the backward's entry into the submodule the region runs in, until the node that last reads
+    them ends: the module's input-gradient pass reaches its decoder layer's norms after its head's cross entropy,
+    whose gradients are freed by then."""
+    def peak(name: str, placed: Sequence[tuple[int, int, float]]) -> float:
+        if not placed and ((split.t == 1 and split.context == 1) or not layer.allocations.get(name)):
             return sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
         events = _rank_pass(layer, split, name, gradient_element_bytes)
+        events = _with_placed(events, placed) if placed else events
         made: dict[int, int] = {}
         for number, nbytes in events:
             made.setdefault(number, nbytes)
         return sum(made[number] for number in transient_peak(events, beside_kept=name == "fwd"))
 
-    return {name: round(peak(name) + (max(recomputed, 0.0) if name in ("bwd", "igrad") else 0.0)) for name in PASSES}
+    transient = {}
+    for name in PASSES:
+        reads = layer.saved_reads.get(name, ()) if layer.allocations.get(name) else ()
+        placed = [(*reads[i], nbytes) for i, nbytes in region_rerun if i < len(reads) and reads[i][0] >= 0]
+        whole = max(recomputed - sum(nbytes for *_, nbytes in placed), 0.0) if name in ("bwd", "igrad") else 0.0
+        transient[name] = round(peak(name, placed) + whole)
+    return transient
+
+
+def _with_placed(events: Sequence[tuple[int, int]], placed: Sequence[tuple[int, int, float]]
+                 ) -> list[tuple[int, int]]:
+    """A pass's `events` ((number, bytes) in order) with the tensors `placed` ((made before event, freed before
+    event, bytes)) made and freed among them, numbered after its own; at one position a free before a make."""
+    unmade = 1 + max((number for number, _ in events), default=-1)
+    inserted = sorted((at, made, unmade + k, round(nbytes) if made else -round(nbytes))
+                      for k, (start, end, nbytes) in enumerate(placed) for at, made in ((start, 1), (end, 0)))
+    merged: list[tuple[int, int]] = []
+    taken = 0  # of `events`, those merged
+    for at, _, number, nbytes in inserted:
+        merged.extend(events[taken:at])
+        taken = max(taken, at)
+        merged.append((number, nbytes))
+    return merged + list(events[taken:])
 
 
 def _rank_pass(layer: LayerCount, split: _Split, name: str,

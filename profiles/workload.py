@@ -192,6 +192,11 @@ class LayerCount:
     # per storage of allocations["fwd"], (its number, the numbers of those the ops making or writing it read): the
     # forward's data flow (workload/count.py `_LiveBytes.reads`); (): a count from before it was recorded
     forward_reads: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # per backward pass ("bwd", "igrad"), per saved tensor (saved_tensors' order), where autograd reads it, as
+    # positions in allocations[pass] (the events before): (its first unpacking, the end of the node that unpacks it
+    # last: the next node's unpacking, else the pass's end); (-1, -1): not read; {}: a count from before they were
+    # recorded (workload/count.py `_LiveBytes.saved_reads`)
+    saved_reads: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     # Per region of `TRACED_REGIONS` that the layer runs (workload/count.py `_Regions`), what recomputing it
     # changes: `region_saves`, the indices in `saved_tensors` of those its ops created (dropped);
     # `region_inputs`, the storages its ops read and did not create, each (its number in allocations["fwd"], or

@@ -9,12 +9,13 @@ from functools import cache
 import pytest
 import torch
 
+from pipesim.planning.estimate import Regions
 from pipesim.planning.fp8 import FP8_RECIPES, float8_weight_bytes
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import needs_transformers, pipesim
 from tests.test_hf import write_config
 from tests.test_moe import TINY_DEEPSEEK
-from tests.test_recompute_modules import B, S
+from tests.test_recompute_modules import B, S, priced
 
 H, VOCAB = TINY_DEEPSEEK["hidden_size"], TINY_DEEPSEEK["vocab_size"]
 TOKENS = B * S
@@ -85,6 +86,24 @@ def test_its_loss_is_the_one_the_model_is_counted_with():
         module, head = counted(1, cross_entropy).layers[-2:]
         aten = ["nll_loss_backward" in {op.op for op in layer.ops["bwd"]} for layer in (module, head)]
         assert aten == [cross_entropy == "torch"] * 2
+
+
+@needs_transformers
+def test_its_blocks_recomputed_regions_are_made_again_after_its_cross_entropys_backward():
+    """Megatron-core makes a recomputed region again at a hook on the gradient of a later output of the submodule it
+    runs in (CheckpointWithoutOutput), so no earlier than the backward's entry into that submodule: the module's
+    decoder layer's up-projections and experts' activation after its cross entropy's backward, whose float32
+    log-softmax's node has ended by then. The input-gradient pass holds them from there only, not beside its peak
+    for the whole pass (their sum on top of it, before)."""
+    module = counted(1).layers[-2]
+    reads = module.saved_reads["igrad"]
+    (logits,) = (i for i, (shape, _) in enumerate(module.saved_tensors) if shape == (TOKENS, VOCAB))
+    block = [i for name in ("mla_up_proj", "moe_act") for i in module.region_saves[name]]
+    assert block and all(reads[i][0] >= reads[logits][1] > reads[logits][0] >= 0 for i in block)
+    modules = ("layernorm", "mla_up_proj", "moe_act")
+    plain, recomputed = priced(module).transient_bytes, priced(module, *modules).transient_bytes
+    dropped = sum(module.saved_tensors[i][1] for i in Regions.of(module, modules).dropped)
+    assert plain["igrad"] < recomputed["igrad"] < plain["igrad"] + dropped
 
 
 @pytest.mark.parametrize(("flags", "message"), [

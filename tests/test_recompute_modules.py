@@ -58,6 +58,16 @@ def test_recomputing_the_norms_drops_exactly_their_outputs_and_statistics_and_re
     assert priced(block, "mla_up_proj", "moe_act").activation_bytes == priced(block).activation_bytes  # none here
 
 
+def test_norms_directly_under_the_layer_are_made_again_as_its_backward_begins():
+    """A recomputed region is made again no earlier than the backward's entry into the submodule it runs in
+    (planning/estimate.py `_transient_bytes`): a GPT block's norms run in the block itself, so each backward pass
+    holds what they made beside its own peak, as a layer's full recomputation holds the layer."""
+    block = gpt().layers[1]
+    made = 2 * (TOKENS * H * 2 + 2 * TOKENS * 4)
+    for name in ("bwd", "igrad"):
+        assert priced(block, "layernorm").transient_bytes[name] == priced(block).transient_bytes[name] + made
+
+
 def test_the_allocator_replays_the_norms_outputs_made_again_in_the_backward():
     (_, block, *_) = layer_allocations(gpt(), Parallelism(recompute_modules=("layernorm",)))
     assert block.rerun == frozenset(gpt().layers[1].region_allocations["layernorm"])

@@ -33,6 +33,7 @@ recorded with its window, forward and backward, so that it is priced at the quer
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import weakref
@@ -308,6 +309,7 @@ class _LiveBytes(TorchDispatchMode):
         self.region_kinds: dict[int, tuple[str, ...]] = {}  # by number: the regions that created it (`_Regions`)
         self.made_from: dict[int, set[int]] = {}  # by number: those created inside that its ops read (`reads`)
         self.products: dict[int, tuple[int, ...]] = {}  # by number: a matrix product's output, its (batch, m, n, k)
+        self.unpacked: list[tuple[int, int]] = []  # (a saved storage's id, the events before it): autograd read it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         read: set[int] = set()
@@ -360,6 +362,23 @@ class _LiveBytes(TorchDispatchMode):
         holds; the op tells what a recomputation policy keeps (torchtitan's op policy saves by op)."""
         return tuple((number, shape, nbytes * (1 if created else -1), op)
                      for number, created in self.events for _, shape, nbytes, op in (self.created[number],))
+
+    def saved_reads(self, saved: dict[int, Any], events: int) -> tuple[tuple[int, int], ...]:
+        """Per storage of `saved` (by identity, in its order), where this backward, of `events` events, reads it
+        (`unpacked`), as positions in `allocations`: (where autograd first unpacks it, where the node that last
+        unpacks it has ended: the next node's unpacking, else the pass's end); (-1, -1) where it does not."""
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for key, at in self.unpacked:
+            first.setdefault(key, at)
+            last[key] = at
+        positions = sorted({at for _, at in self.unpacked})
+
+        def ended(at: int) -> int:
+            later = bisect.bisect_right(positions, at)
+            return positions[later] if later < len(positions) else events
+
+        return tuple((first[key], ended(last[key])) if key in first else (-1, -1) for key in saved)
 
     def reads(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """Per storage created inside, in order, (its number, the numbers of those created inside that the ops
@@ -488,18 +507,22 @@ class _Regions(TorchDispatchMode):
 
 @contextmanager
 def _counting(routed: Dispatched | None = None, forward: bool = False,
-              regions: _Regions | None = None) -> Iterator[_Tally]:
+              regions: _Regions | None = None, reading: _Reading | None = None) -> Iterator[_Tally]:
     """FLOPs, moved bytes and transient tensors of what runs inside, filled in when it ends; `forward`: a forward,
     whose saved tensors the simulator holds from its start (`_LiveBytes.transient`); `regions`: its recomputation
-    regions traced too."""
+    regions traced too; `reading`: a backward, the saved tensors it reads noted (`_LiveBytes.unpacked`)."""
     tally = _Tally()
     flops = FlopCounterMode(display=False)
     live = _LiveBytes(regions)
     if regions is not None:
         regions.live = live
+    if reading is not None:
+        reading.live = live
     with regions if regions is not None else contextlib.nullcontext(), flops, _MovedBytes(tally, routed, regions), \
             live:
         yield tally
+    if reading is not None:
+        reading.live = None
     tally.flops = flops.get_total_flops()
     tally.transient = live.transient(beside_kept=forward)
     tally.allocations = live.allocations()
@@ -677,36 +700,52 @@ class _Save:
     """A storage autograd saves, as `_saved` records it: the shape of the first tensor saved on it, what saved it
     (one of `SAVED_PARTS`), whether it is the input of a product with weights (`LINEAR_INPUT_SAVES`) and, where
     the attention kernel alone saved it, the distinct tensors it saved on it (their bytes by offset, shape and
-    strides; None where anything else saved it too: `_attention_copied`)."""
+    strides; None where anything else saved it too: `_attention_copied`); `under`: the qualified names of the
+    submodules under way when it was first saved ("": the layer), outermost first."""
 
     storage: torch.UntypedStorage
     shape: tuple[int, ...]
     part: str
     linear: str
     views: dict[tuple[int, tuple[int, ...], tuple[int, ...]], int] | None
+    under: tuple[str, ...] = ()
+
+
+@dataclass
+class _Reading:
+    """The backward pass being counted (`_counting`), whose `_LiveBytes` notes each saved storage autograd reads
+    (`_saved`'s unpack hook); None between passes."""
+
+    live: _LiveBytes | None = None
 
 
 @contextmanager
-def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
+def _saved(layer: torch.nn.Module, routed: Dispatched | None = None, reading: _Reading | None = None
            ) -> Iterator[tuple[dict[int, _Save], list[_Product]]]:
     """The storages autograd saves inside, by identity (meta storages have no address), each as a `_Save`
     (`routed`: the routed experts running inside). `layer`'s weights and buffers left out: the module
     holds them whatever autograd saves (the gpt's RoPE angles, which its fused RoPE saves). Every storage compared
     is held meanwhile, so no identity is reused. Yields them with the products whose weights take a gradient
-    (`_SaverParts.products`)."""
+    (`_SaverParts.products`); `reading`: where a later backward reads them (`_LiveBytes.unpacked`)."""
     weights = [p.untyped_storage() for p in (*layer.parameters(), *shared_weights(layer), *layer.buffers())]
     params = {id(storage) for storage in weights}
     saved: dict[int, _Save] = {}
     modules: list[str | None] = []  # the submodules under way, outermost first: the part each name says
+    names: list[str] = []  # and their qualified names
     hooks = []
-    def enter(part: str | None) -> Callable[..., None]:
-        return lambda *_: modules.append(part)  # None: the module's inputs and outputs stay as they are
+    def enter(part: str | None, name: str) -> Callable[..., None]:
+        def entered(*_: Any) -> None:
+            modules.append(part)  # None: the module's inputs and outputs stay as they are
+            names.append(name)
+        return entered
 
     def leave(*_: Any) -> None:
         modules.pop()
+        names.pop()
 
     for name, module in layer.named_modules():
-        hooks.append(module.register_forward_pre_hook(enter(_module_part(name.rpartition(".")[2]) if name else None)))
+        hooks.append(module.register_forward_pre_hook(enter(_module_part(name.rpartition(".")[2]) if name else None,
+                                                            name)))
         hooks.append(module.register_forward_hook(leave))
     functions = _SaverParts(routed)
 
@@ -722,11 +761,16 @@ def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
         elif id(storage) not in params:
             named = [part for part in reversed(modules) if part is not None]
             part = functions.running[-1] if functions.running else named[0] if named else "other"
-            saved[id(storage)] = _Save(storage, tuple(t.shape), part, linear, view)
+            saved[id(storage)] = _Save(storage, tuple(t.shape), part, linear, view, tuple(names))
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        if reading is not None and reading.live is not None:
+            reading.live.unpacked.append((id(t.untyped_storage()), len(reading.live.events)))
         return t
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), functions:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), functions:
             yield saved, functions.products
     finally:
         for hook in hooks:
@@ -842,14 +886,14 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                  steps: dict[tuple, tuple[int, int]]) -> tuple[LayerCount, torch.Tensor]:
     """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes."""
     weights = [p for p in layer.parameters() if p.requires_grad]
-    regions = _Regions(layer)
+    regions, reading = _Regions(layer), _Reading()
     with dispatches() as routed, regions.tracing(layer), _counting(routed, True, regions) as fwd, \
-            _saved(layer, routed) as (saved, products):
+            _saved(layer, routed, reading) as (saved, products):
         out = layer(*inputs)
         model_output_bytes = _nbytes(out) if last else 0  # not held: the loss frees it as it goes
         out = model.loss(out, target) if last else out
     igrad, wgrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights + list(shared_weights(layer)),
-                                   routed)
+                                   routed, reading)
     shapes = tuple((tuple(w.shape), w.dtype) for w in weights)
     for name in OPTIMIZERS:
         if (name, shapes) not in steps:
@@ -890,8 +934,26 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         product_allocations={"fwd": fwd.products, "bwd": full.products, "igrad": igrad.products,
                              "wgrad": wgrad.products},
         saved_allocations=fwd.live.alive(saved), forward_reads=fwd.live.reads(),
+        saved_reads={name: _saved_reads(saved, regions, tally) for name, tally in (("bwd", full), ("igrad", igrad))},
         **_region_fields(regions, fwd.live, saved))
     return count, out.detach()
+
+
+def _saved_reads(saved: dict[int, _Save], regions: _Regions, tally: _Tally) -> tuple[tuple[int, int], ...]:
+    """`LayerCount.saved_reads` of a backward pass's `tally`: per storage of `saved`, (where the pass first reads
+    it, or where it first reads any storage saved under the submodule a region that made it runs in, if earlier;
+    where the node that last reads it has ended). A recomputed region (Megatron-core's CheckpointWithoutOutput,
+    megatron/core/tensor_parallel/random.py) is made again by a hook on the gradient of a later tensor in that
+    submodule (`discard_output_and_register_recompute`: a transformer layer's attention or MLP output, for the norm
+    before it), which the backward reaches no earlier than its entry into the submodule, taken as its first read of
+    a storage saved under it: what a region made is held from there at the most."""
+    reads = tally.live.saved_reads(saved, len(tally.allocations))
+    entered: dict[str, int] = {}  # a submodule's qualified name -> the pass's first read of a storage saved under it
+    for (first, _), save in zip(reads, saved.values()):
+        for name in save.under if first >= 0 else ():
+            entered[name] = min(entered.get(name, first), first)
+    return tuple((min([first, *(entered.get(where, first) for where in regions.kinds.get(key, {}).values())]), end)
+                 if first >= 0 else (first, end) for key, (first, end) in zip(saved, reads))
 
 
 def _weight_grad_outputs(products: list[_Product]
@@ -936,25 +998,26 @@ def _region_fields(regions: _Regions, live: _LiveBytes, saved: dict[int, Any]) -
 
 
 def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch.Tensor],
-              routed: Dispatched | None = None) -> tuple[_Tally, _Tally, _Tally]:
+              routed: Dispatched | None = None, reading: _Reading | None = None) -> tuple[_Tally, _Tally, _Tally]:
     """The input-gradient pass alone, the weight-gradient pass's transient tensors and allocations (autograd.grad
     on the weights over the graph the input pass kept, as a zero-bubble W runs; with no input to differentiate,
     the full backward's), and the full backward (inputs and weights), counted; `routed`: the forward's routed
-    experts, whose ops the backward's reading their weights or products are."""
+    experts, whose ops the backward's reading their weights or products are; `reading`: the saved tensors the input
+    pass and the full backward read noted (`_counting`)."""
     igrad = full = _Tally()
     if not out.requires_grad:
         return igrad, full, full
     grad = torch.ones_like(out)
     wgrad = None
     if inputs:
-        with _counting(routed) as igrad:
+        with _counting(routed, reading=reading) as igrad:
             kept = torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)  # noqa: F841
         if weights:  # (the gradients held until the pass's transients are read: they outlive it)
             with _LiveBytes() as live:
                 kept = torch.autograd.grad(out, weights, grad, retain_graph=True, allow_unused=True)  # noqa: F841
             wgrad = _Tally(transient=live.transient(), allocations=live.allocations(),
                            products=tuple(live.products.items()))
-    with _counting(routed) as full:
+    with _counting(routed, reading=reading) as full:
         kept = torch.autograd.grad(out, inputs + weights, grad, allow_unused=True)  # noqa: F841
     return igrad, full if wgrad is None else wgrad, full
 
