@@ -1476,7 +1476,7 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True, beat
     if reserve:
         _add_reserve(candidate, long_trace)
     long_run = summarize(long_trace)
-    short_run = summarize(simulate(short, candidate.costs, links))
+    short_run = summarize(simulate(short, candidate.costs, links, memory=False))  # its makespan alone
     growth_ms = (long_run.makespan_ms - short_run.makespan_ms) / (
         candidate.schedule.minibatches - candidate.short_minibatches)
     if not flushes(candidate.schedule):
@@ -1577,7 +1577,7 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
             if steps >= (LONGEST_STEADY_STEPS if max_plus else UNPROVEN_STEADY_STEPS):
                 return max(least_ms, lower_ms)
             if held_free and not floor_settled:
-                hold_free = simulate(schedule, replace(costs, transfers_hold_products=False), links)
+                hold_free = simulate(schedule, replace(costs, transfers_hold_products=False), links, memory=False)
                 free_ms, free_upper_ms, free_lower_ms = _window_steps(_row_ends_ps(hold_free), clean, reach)
                 floor_ms = max(floor_ms, free_lower_ms if free_ms is None else free_ms)
                 floor_settled = free_ms is not None or free_upper_ms < losing_ms
@@ -1586,7 +1586,7 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
                 return lower_ms
         steps *= 2
         schedule = schedule_of(short + steps)
-        trace = simulate(schedule, costs, links)
+        trace = simulate(schedule, costs, links, memory=False)  # its rows' ends alone
 
 
 def _window_steps(ends_ps: np.ndarray, clean: int, reach: int) -> tuple[float | None, float, float]:

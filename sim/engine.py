@@ -1411,11 +1411,13 @@ class _Model:
 
 
 def simulate(
-    schedule: Schedule, costs: Costs, cluster: Cluster, *, jitter: float = 0.0, seed: int = 0
+    schedule: Schedule, costs: Costs, cluster: Cluster, *, jitter: float = 0.0, seed: int = 0, memory: bool = True
 ) -> Trace:
     """Predict the timeline of `schedule` on `cluster` with `costs`; the same inputs give the same trace.
 
     `jitter` > 0 multiplies every compute time by a log-normal factor with that sigma, drawn from `seed`.
+    `memory` False: the rows alone, no counters nor memory at the peak (about 70 % of the trace's making), for a
+    caller that reads only when rows run (tune's longer runs for a steady step); the rows are the same.
     """
     preflight(schedule)
     if len(costs.stages) != schedule.num_stages:
@@ -1432,10 +1434,11 @@ def simulate(
     if model.finished < len(program.start_clock):  # a device or lane whose steps never ended
         validate(schedule)
         raise SimulationError(f"{schedule.method}: {schedule.num_devices - model.finished} devices never finished")
-    return _trace(costs, cluster, program, model, jitter, seed)
+    return _trace(costs, cluster, program, model, jitter, seed, memory)
 
 
-def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jitter: float, seed: int) -> Trace:
+def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jitter: float, seed: int,
+           memory: bool = True) -> Trace:
     lowered = program.lowered
     schedule, t, bounds = lowered.schedule, lowered.table, lowered.bounds
     # The point-to-point transfers' rows and ids, which the times and the memory counters below all read.
@@ -1457,6 +1460,36 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     np.copyto(first_ps, end_ps, where=program.stream == Stream.RECV)
     if costs.recv_window:
         first_ps[receives] = posted_ps
+    counters, parts_at_peak, savers_at_peak = (_counters(program, costs, transfers, transfer_ids, first_ps, end_ps)
+                                               if memory else ({}, None, None))
+    start_ps = _start_times(program, model, first_ps, end_ps, transfers, transfer_ids)
+    del transfers, transfer_ids
+    devices = schedule.num_devices
+    # Microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
+    start_us = start_ps / _PS_PER_MS
+    start_us *= 1e3
+    dur_us = np.subtract(end_ps, start_ps, out=end_ps) / (_PS_PER_MS / 1e3)
+    ops = Ops(device=t.device, stream=program.stream, kind=t.kind, stage=t.stage, microbatch=t.microbatch,
+              minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=lowered.version,
+              prediction=lowered.prediction, start_us=start_us, dur_us=dur_us)
+    meta = TraceMeta(
+        source="predicted", schedule=schedule.method, params=dict(schedule.params),
+        microbatches=schedule.microbatches, minibatches=schedule.minibatches, pipelines=schedule.pipelines,
+        microbatch_size=costs.microbatch_size, placement=list(schedule.placement),
+        stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
+        tool=f"pipesim {__version__}", costs=[dict(vars(c)) for c in costs.stages], cluster=cluster.describe(),
+        jitter=jitter, seed=seed, calibration=costs.calibration, peak_memory_parts=parts_at_peak,
+        peak_activation_parts=savers_at_peak,
+        extra=_runtime_terms(costs))
+    return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
+
+
+def _counters(program: _Program, costs: Costs, transfers: np.ndarray, transfer_ids: np.ndarray, first_ps: np.ndarray,
+              end_ps: np.ndarray) -> tuple[dict[str, list[Counter]], list[dict[str, int]], list[dict[str, int]]]:
+    """The trace's counters (each row's events at `first_ps` and `end_ps`), and per device each memory part and each
+    saver of activations at its peak."""
+    lowered = program.lowered
+    schedule, t, bounds = lowered.schedule, lowered.table, lowered.bounds
     devices = schedule.num_devices
     memory_tables = _memory_tables(program, costs, transfers, transfer_ids)
     static = program.static_parts
@@ -1488,26 +1521,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, 1 + schedule.policy.extra_copies),
         **part_counters,
     }
-    del issued_ps, act_at_start, act_at_end
-    start_ps = _start_times(program, model, first_ps, end_ps, transfers, transfer_ids)
-    del transfers, transfer_ids
-    # Microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
-    start_us = start_ps / _PS_PER_MS
-    start_us *= 1e3
-    dur_us = np.subtract(end_ps, start_ps, out=end_ps) / (_PS_PER_MS / 1e3)
-    ops = Ops(device=t.device, stream=program.stream, kind=t.kind, stage=t.stage, microbatch=t.microbatch,
-              minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=lowered.version,
-              prediction=lowered.prediction, start_us=start_us, dur_us=dur_us)
-    meta = TraceMeta(
-        source="predicted", schedule=schedule.method, params=dict(schedule.params),
-        microbatches=schedule.microbatches, minibatches=schedule.minibatches, pipelines=schedule.pipelines,
-        microbatch_size=costs.microbatch_size, placement=list(schedule.placement),
-        stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
-        tool=f"pipesim {__version__}", costs=[dict(vars(c)) for c in costs.stages], cluster=cluster.describe(),
-        jitter=jitter, seed=seed, calibration=costs.calibration, peak_memory_parts=parts_at_peak,
-        peak_activation_parts=savers_at_peak,
-        extra=_runtime_terms(costs))
-    return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
+    return counters, parts_at_peak, savers_at_peak
 
 
 def keep_fullest_parts(trace: Trace) -> None:
