@@ -398,8 +398,8 @@ def test_the_hold_free_order_is_run_no_longer_once_its_step_is_known_to_stay_und
     growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
     simulated = []
     run = tuning.simulate
-    monkeypatch.setattr(tuning, "simulate", lambda schedule, costs, links: simulated.append(
-        (schedule.minibatches, costs.transfers_hold_products)) or run(schedule, costs, links))
+    monkeypatch.setattr(tuning, "simulate", lambda schedule, costs, links, **options: simulated.append(
+        (schedule.minibatches, costs.transfers_hold_products)) or run(schedule, costs, links, **options))
     step_ms = tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
                                        19.25)
     assert step_ms == tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links,
