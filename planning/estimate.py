@@ -65,7 +65,7 @@ from ..profiles.schema import (
     optimizer_refusal,
     stage_time,
 )
-from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak
+from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak, weighted_products
 from ..sim.caching_allocator import LayerAllocations, left_live
 from ..sim.costs import PRECISIONS, Precision, precision_refusal
 from ..units import GIB
@@ -136,7 +136,7 @@ EMA_PLACES = ("gpu", "cpu")
 EMA_BYTES = 4
 PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
 GRADIENT_GROUP = ("cp", "dp")  # the ranks that hold the same weights and reduce their gradients (planning/ranks.py)
-# (how a weight splits, which of its products: `_weighted_products`) for the products tensor parallelism splits on
+# (how a weight splits, which of its products: `weighted_products`) for the products tensor parallelism splits on
 # their contraction, whose partial sums a reduction ends: a row-parallel weight's forward, a column-parallel one's
 # input gradient (`_Split.products`)
 _CONTRACTED = (("row", "output"), ("column", "input"))
@@ -529,7 +529,7 @@ class _Split:
     # per product with weights (its index in `LayerCount.weight_grad_outputs`), "column", "row" or "replicated"
     # (`_weight_splits`)
     weights: dict[int, str] = field(default_factory=dict, compare=False)
-    # per pass, per product shape, each of the pass's products of that shape with a role (`_weighted_products`):
+    # per pass, per product shape, each of the pass's products of that shape with a role (`weighted_products`):
     # (how its weight splits, which product it is, the weight's side tensor parallelism divides, that side summed
     # over the column-parallel products that read its input: `_input_groups`)
     roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int, int], ...]]] = field(default_factory=dict,
@@ -547,13 +547,13 @@ class _Split:
         shape = _stream_shape(layer)
         width = shape[-1] if shape else 0
         tokens = math.prod(shape[:-1]) if shape else 0
-        forward = _weighted_products(layer, {}, "fwd") if parallel.tensor > 1 else {}  # its products, found once
+        forward = weighted_products(layer, {}, "fwd") if parallel.tensor > 1 else {}  # its products, found once
         weights = _weight_splits(layer, forward, tokens, width)
         groups = _input_groups(layer, forward, weights, parallel.tp_runtime) if weights else {}
         roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int, int], ...]]] = {}
         for name in PASSES if weights else ():
             shapes = dict(layer.product_allocations.get(name, ()))
-            for number, (j, how, role) in _weighted_products(layer, weights, name).items():
+            for number, (j, how, role) in weighted_products(layer, weights, name).items():
                 if how:
                     side = layer.weight_grad_outputs[j][0][2 if how == "column" else 3]
                     together = sum(layer.weight_grad_outputs[i][0][2] for i in groups.get(j, ())
@@ -593,7 +593,7 @@ class _Split:
         """Pass `name`'s product `op` on one of the t·C ranks, as (its share, the reduction it takes part in where
         it was split on its contraction, else None, the share of its calls so split); a routed expert's as it
         comes, at its rank's shape (`ExpertGroup.local`). Split by its weight's role where the count's products of
-        its shape have roles (`_weighted_products`), in their proportions, else as `matmul` splits it by its shape.
+        its shape have roles (`weighted_products`), in their proportions, else as `matmul` splits it by its shape.
         A column-parallel weight (q, k and v, a gated MLP's gate and up: ColumnParallelLinear in Megatron-core,
         ColwiseParallel in torch's tensor parallelism) is split on its output features: the forward on its output,
         the input gradient on its contraction (reduced); a row-parallel one (the attention's output projection,
@@ -635,7 +635,7 @@ class _Split:
         return _Reduction(self.context_share(self._divided(fused, at)), k / together)
 
     def _replicated_at(self, role: str) -> int | None:
-        """Where a replicated weight's product (`role`, `_weighted_products`) divides over t: on its tokens, m of
+        """Where a replicated weight's product (`role`, `weighted_products`) divides over t: on its tokens, m of
         its output and input gradient, k of its weight gradient, where the rank holds 1/t of them (Megatron-core
         under sequence parallelism, whose router reads the rank's tokens before the dispatcher gathers them:
         megatron/core/transformer/moe/moe_layer.py `MoELayer.forward` and router.py at 7094270c6f, core_r0.12.0);
@@ -647,7 +647,7 @@ class _Split:
         return 2 if role == "weight" else 0
 
     def replicated_whole(self, product: tuple[int, str, str] | None) -> bool:
-        """Whether a product (`_weighted_products`' (index, how its weight splits, which product it is)) of a
+        """Whether a product (`weighted_products`' (index, how its weight splits, which product it is)) of a
         replicated weight writes its output whole on the rank, as it runs (`_replicated_at`): its weight gradient
         always, its output and input gradient where the rank holds all the tokens (Megatron-core's router without
         sequence parallelism, torch's after its gather), not 1/t as a tensor of its shape otherwise is."""
@@ -1468,7 +1468,7 @@ def _biases(layer: LayerCount, splits: Mapping[int, str] | None = None) -> list[
         return []
     if splits is None:
         shape = _stream_shape(layer)
-        splits = _weight_splits(layer, _weighted_products(layer, {}, "fwd"), math.prod(shape[:-1]) if shape else 0,
+        splits = _weight_splits(layer, weighted_products(layer, {}, "fwd"), math.prod(shape[:-1]) if shape else 0,
                                 shape[-1] if shape else 0)
     return [(nbytes, splits.get(j) == "row") for j, nbytes in enumerate(layer.weight_grad_bias_bytes) if nbytes]
 
@@ -1486,7 +1486,7 @@ def _replicated_gradients(layer: LayerCount, name: str, weights: frozenset[int],
     (`_Split.weights`)."""
     made = {number: (shape, nbytes) for number, shape, nbytes, _ in layer.allocations.get(name, ())
             if nbytes > 0 and number in weights}
-    products = _weighted_products(layer, {}, name)
+    products = weighted_products(layer, {}, name)
     vectors = sorted((nbytes, number) for number, (shape, nbytes) in made.items()
                      if sum(size > 1 for size in shape) <= 1 and number not in products)
     for nbytes, row in _biases(layer, splits):
@@ -1844,7 +1844,7 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
     """Pass `name`'s allocations (`LayerCount.allocations`, as (number, bytes)) as one of the t·C ranks makes them:
     each `_on_rank`, and under sequence parallelism what a tensor-parallel product holds whole while it runs, 1/C
     (Korthikanti et al. 2022, section 4.2.2, Figure 6's g and its conjugate), each product told by its role
-    (`_weighted_products`), not its shape:
+    (`weighted_products`), not its shape:
     - a product split on its contraction writes its partial sums whole, tokens x width, before their
       reduce-scatter: in the forward a row-parallel product's output (Megatron-core's RowParallelLinear, then
       `reduce_scatter_to_sequence_parallel_region`; torch's RowwiseParallel, its Partial output redistributed to
@@ -1865,7 +1865,7 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
     weight's product writes (`_Split.replicated_whole`) and a replicated weight's gradient (`_replicated_gradients`);
     a parameter's gradient whole on each of the C ranks (`_weight_gradients`)."""
     events = layer.allocations.get(name, ())
-    roles = _weighted_products(layer, split.weights, name) if split.weights else {}
+    roles = weighted_products(layer, split.weights, name) if split.weights else {}
     weights = _weight_gradients(layer, name)
     replicated = _replicated_gradients(layer, name, weights, split.weights) if split.t > 1 else frozenset()
     rank = [(number, round(_on_rank(shape, nbytes, split, replicated=number in replicated or split.replicated_whole(
@@ -2002,7 +2002,7 @@ def _with_collective_copies(events: Sequence[tuple[int, int]], tensor: int, gath
 def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], tokens: int,
                    width: int) -> dict[int, str]:
     """How tensor parallelism splits each product with weights (`LayerCount.weight_grad_outputs`, by index; the routed
-    experts' aside; `forward`: the forward's, `_weighted_products` with no splits), told by its role in the count, not
+    experts' aside; `forward`: the forward's, `weighted_products` with no splits), told by its role in the count, not
     its shape: "replicated", not split, a mixture of experts' router (`LayerCount.weight_grad_router`): Megatron-core's
     Router holds its weight, experts x hidden, whole on every rank, a plain Parameter, not a tensor-parallel linear, and
     its gating product reads the rank's own tokens and reduces no gradient (megatron/core/transformer/moe/router.py at
@@ -2074,45 +2074,6 @@ def _input_groups(layer: LayerCount, forward: dict[int, tuple[int, str, str]], w
         elif outputs[j][2]:
             by_input.setdefault(reads.get(number, ()), []).append(j)
     return {j: (j,) for j in alone} | {j: tuple(group) for group in by_input.values() for j in group}
-
-
-def _weighted_products(layer: LayerCount, weights: dict[int, str], name: str) -> dict[int, tuple[int, str, str]]:
-    """Pass `name`'s products that belong to a product with weights (`LayerCount.weight_grad_outputs`), by number
-    in `product_allocations`: (its index there, how tensor parallelism splits it, `weights`' (`_weight_splits`),
-    or "", which product it is). Which product: "output" in the forward; in a backward its input gradient,
-    (batch, tokens, in, out), or its weight gradient, (batch, out, in, tokens) or (batch, in, out, tokens), matched
-    in order, each product's after the next one's (the backward runs them in reverse); where both shapes are one
-    (tokens == out) the weight gradient first, as torch's MmBackward0 computes the weight's (mat2's) before the
-    input's; the input-gradient pass computes input gradients only, the weight-gradient pass weight gradients."""
-    def forms(shape: tuple[int, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        batch, m, n, k = shape
-        weight = (("weight", (batch, n, k, m)), ("weight", (batch, k, n, m)))
-        grad_input = (("input", (batch, m, k, n)),)
-        return {"fwd": (("output", shape),), "igrad": grad_input, "wgrad": weight}.get(name, (*weight, *grad_input))
-
-    order = [(j, forms(shape)) for j, (shape, _, _) in enumerate(layer.weight_grad_outputs)]
-    matched = _matched(layer.product_allocations.get(name, ()), order if name == "fwd" else order[::-1])
-    return {number: (j, weights.get(j, ""), role) for number, (j, role) in matched.items()}
-
-
-def _matched(products: Sequence[tuple[int, tuple[int, ...]]],
-             order: Sequence[tuple[int, tuple[tuple[str, tuple[int, ...]], ...]]]) -> dict[int, tuple[int, str]]:
-    """`products` (number, shape), in the pass's order, each matched to the first product of `order` at or after
-    the last one matched, (index, its products' (role, shape))), whose role of that shape is not yet taken:
-    number -> (index, role). A product that fits none (an attention's, one without weights) is left out."""
-    taken: set[tuple[int, str]] = set()
-    matched: dict[int, tuple[int, str]] = {}
-    at = 0
-    for number, shape in products:
-        for i in range(at, len(order)):
-            j, forms = order[i]
-            role = next((role for role, form in forms if form == tuple(shape) and (j, role) not in taken), None)
-            if role is not None:
-                taken.add((j, role))
-                matched[number] = (j, role)
-                at = i
-                break
-    return matched
 
 
 def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split, *, replicated: bool = False,
@@ -2292,7 +2253,7 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
     if not sum(live.values()):
         return ()
     routed = _routed(layer)
-    experts = {number for number, (j, _, role) in _weighted_products(layer, {}, "wgrad").items()
+    experts = {number for number, (j, _, role) in weighted_products(layer, {}, "wgrad").items()
                if role == "weight" and routed[j]}
     t, local = parallel.tensor, weight_shards(parallel.expert, parallel.expert_tensor, parallel.tensor)
     shards = {number: parallel.data * parallel.context / (local if number in experts else 1) for number in live}

@@ -29,7 +29,7 @@ import math
 from collections import Counter
 from dataclasses import replace
 
-from ..profiles.workload import LayerCount, OpCount
+from ..profiles.workload import LayerCount, OpCount, weighted_products
 
 LINEAR_KERNELS = ("eager", "te")  # whose linear layers run: torch's nn.Linear, Megatron-core's TransformerEngine ones
 BIAS_GRADIENT_PASSES = ("bwd", "wgrad")  # the passes that compute the weights' (and biases') gradients
@@ -41,9 +41,7 @@ AMAX_UPDATE_KERNELS = 2
 def _forward_products(layer: LayerCount) -> dict[int, int]:
     """The forward's products with weights: their storage's number in `allocations["fwd"]` -> their index in
     `LayerCount.weight_grad_outputs`."""
-    from .estimate import _weighted_products
-
-    return {number: j for number, (j, _, _) in _weighted_products(layer, {}, "fwd").items()}
+    return {number: j for number, (j, _, _) in weighted_products(layer, {}, "fwd").items()}
 
 
 def fused_bias_products(layer: LayerCount) -> tuple[int, ...]:

@@ -225,6 +225,45 @@ class LayerCount:
         return round(self.fwd_flops + self.igrad_flops + self.wgrad_flops - (1 - self.routed_model_share) * routed)
 
 
+def weighted_products(layer: LayerCount, weights: dict[int, str], name: str) -> dict[int, tuple[int, str, str]]:
+    """Pass `name`'s products that belong to a product with weights (`LayerCount.weight_grad_outputs`), by number
+    in `product_allocations`: (its index there, how tensor parallelism splits it, `weights`' (planning/estimate.py
+    `_weight_splits`), or "", which product it is). Which product: "output" in the forward; in a backward its input
+    gradient, (batch, tokens, in, out), or its weight gradient, (batch, out, in, tokens) or (batch, in, out, tokens),
+    matched in order, each product's after the next one's (the backward runs them in reverse); where both shapes are
+    one (tokens == out) the weight gradient first, as torch's MmBackward0 computes the weight's (mat2's) before the
+    input's; the input-gradient pass computes input gradients only, the weight-gradient pass weight gradients."""
+    def forms(shape: tuple[int, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        batch, m, n, k = shape
+        weight = (("weight", (batch, n, k, m)), ("weight", (batch, k, n, m)))
+        grad_input = (("input", (batch, m, k, n)),)
+        return {"fwd": (("output", shape),), "igrad": grad_input, "wgrad": weight}.get(name, (*weight, *grad_input))
+
+    order = [(j, forms(shape)) for j, (shape, _, _) in enumerate(layer.weight_grad_outputs)]
+    matched = _matched(layer.product_allocations.get(name, ()), order if name == "fwd" else order[::-1])
+    return {number: (j, weights.get(j, ""), role) for number, (j, role) in matched.items()}
+
+
+def _matched(products: Sequence[tuple[int, tuple[int, ...]]],
+             order: Sequence[tuple[int, tuple[tuple[str, tuple[int, ...]], ...]]]) -> dict[int, tuple[int, str]]:
+    """`products` (number, shape), in the pass's order, each matched to the first product of `order` at or after
+    the last one matched, (index, its products' (role, shape))), whose role of that shape is not yet taken:
+    number -> (index, role). A product that fits none (an attention's, one without weights) is left out."""
+    taken: set[tuple[int, str]] = set()
+    matched: dict[int, tuple[int, str]] = {}
+    at = 0
+    for number, shape in products:
+        for i in range(at, len(order)):
+            j, forms = order[i]
+            role = next((role for role, form in forms if form == tuple(shape) and (j, role) not in taken), None)
+            if role is not None:
+                taken.add((j, role))
+                matched[number] = (j, role)
+                at = i
+                break
+    return matched
+
+
 def transient_peak(events: Sequence[tuple[int, int]], beside_kept: bool = False) -> tuple[int, ...]:
     """Of a pass's `events` in order ((number, bytes): a storage made, then, if it is, freed: `LayerCount.allocations`
     without the shapes, the bytes' sign aside), the numbers of those made and freed within the pass that are live

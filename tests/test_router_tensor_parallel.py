@@ -17,6 +17,7 @@ import pytest
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning import estimate
 from pipesim.planning.estimate import Device, Parallelism, _Split, estimate_layer, estimate_profile, placement_links
+from pipesim.profiles.workload import weighted_products
 from tests.conftest import needs_transformers
 
 torch = pytest.importorskip("torch")
@@ -230,7 +231,7 @@ def test_a_rank_holds_the_routers_outputs_as_its_products_write_them(layer, sequ
     split = _Split.of(layer, Parallelism(tensor=T, sequence_parallel=sequence_parallel, tp_runtime=runtime))
     for name, role, share in (("fwd", "output", tokens / TOKENS), ("bwd", "input", tokens / TOKENS),
                               ("bwd", "weight", 1.0)):
-        [number] = [number for number, (j, how, of) in estimate._weighted_products(layer, split.weights, name).items()
+        [number] = [number for number, (j, how, of) in weighted_products(layer, split.weights, name).items()
                     if how == "replicated" and of == role]
         made = {n: nbytes for n, _, nbytes, _ in layer.allocations[name] if nbytes > 0}
         on_rank = {n: nbytes for n, nbytes in estimate._rank_pass(layer, split, name, E) if nbytes > 0}

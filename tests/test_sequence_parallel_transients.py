@@ -14,7 +14,7 @@ from pipesim.planning.estimate import (
     gathered_gradient_element_bytes,
     placement_links,
 )
-from pipesim.profiles.workload import transient_peak
+from pipesim.profiles.workload import transient_peak, weighted_products
 from tests.conftest import needs_transformers, pipesim, reductions
 
 H100 = load_catalogue().find("h100-sxm")
@@ -100,9 +100,7 @@ def test_without_sequence_parallelism_the_peak_is_the_ranks_own(block):
 
 def _weight_roles(layer) -> dict[int, tuple[int, str]]:
     """The backward's products that belong to a product with weights: number -> (index, "input" or "weight")."""
-    from pipesim.planning.estimate import _weighted_products
-
-    return {number: (j, role) for number, (j, _, role) in _weighted_products(layer, {}, "bwd").items()}
+    return {number: (j, role) for number, (j, _, role) in weighted_products(layer, {}, "bwd").items()}
 
 
 def replayed_backward(counted, parallel: Parallelism) -> tuple[list[tuple[int, int]], list[int]]:
