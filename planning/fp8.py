@@ -144,7 +144,11 @@ class Fp8Recipe:
     `clones_scale_inverses`: each TransformerEngine module's forward clones its scale-inverses
     (`fp8_meta["scaling_fwd"].scale_inv.clone()` in linear.py, layernorm_linear.py and grouped_linear.py at v1.7 and
     v1.10, gone at v1.12: te's, as the H100 runs' v1.10-era containers ran it; a 2.x run of delayed scaling has
-    none), one small kernel a module (planning/te.py `te_modules`) and forward."""
+    none), one small kernel a module (planning/te.py `te_modules`) and forward; `reduces_and_updates_amaxes`: delayed
+    scaling's amax history, all-reduced when a chunk's forward and its backward end and updated by the kernels around
+    that (`reduce_and_update_fp8_tensors`: fp8.py at v1.7, v1.10 and v1.12, quantization.py at v2.9;
+    planning/scenario.py `amax_reduction_ms`, `amax_update_ms`): te's; current scaling takes each tensor's amax as it
+    casts it and DeepSeek-V3 each tile's, with no history."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -161,6 +165,7 @@ class Fp8Recipe:
     routed_output_gradient_tile: int | None = None  # the routed down-projection's output gradient kept so until W
     fuses_bias_gradients: bool = False  # a TransformerEngine product's bias gradient from its cast (planning/te.py)
     clones_scale_inverses: bool = False  # each module's forward clones its scale-inverses, a kernel (`in_float8`)
+    reduces_and_updates_amaxes: bool = False  # delayed scaling's amax all-reduce and update a chunk's passes end
 
 
 FP8_RECIPES = {
@@ -168,7 +173,7 @@ FP8_RECIPES = {
                     kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True,
                     weight_copy_bytes=2 * FP8_BYTES, routed=True, split_accumulation=BACKWARD_PASSES,
                     gathers_float8=True, fuses_split_casts=True, fuses_bias_gradients=True,
-                    clones_scale_inverses=True),
+                    clones_scale_inverses=True, reduces_and_updates_amaxes=True),
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False,
@@ -176,7 +181,8 @@ FP8_RECIPES = {
 }
 FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("zero_amax", 0, 0), ("amax", 1, 0), ("scale", 0, 0),
                                                                   ("cast_transpose", 1, 2)), fuses_split_casts=False,
-                                    fuses_bias_gradients=False, clones_scale_inverses=False)
+                                    fuses_bias_gradients=False, clones_scale_inverses=False,
+                                    reduces_and_updates_amaxes=False)
 FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
 # the scale-inverses a TransformerEngine 1.x module's forward keeps: its input's, weight's and output's
 # (fp8_meta["scaling_fwd"], `num_gemms * 3`), which `clones_scale_inverses` copies
@@ -186,7 +192,7 @@ SCALE_INVERSES = 3
 TILE_ELEMENTS = 128
 FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
                                   split_accumulation=(), fuses_bias_gradients=False, clones_scale_inverses=False,
-                                  routed_output_gradient_tile=TILE_ELEMENTS)
+                                  reduces_and_updates_amaxes=False, routed_output_gradient_tile=TILE_ELEMENTS)
 FP8_RECIPES["torchao-2024"] = replace(FP8_RECIPES["torchao"], casts={"fwd": ("input", "weight"), "bwd": ("grad",),
                                                                       "igrad": ("grad",), "wgrad": ()},
                                       saves_float8_inputs=True, saves_float8_weights=True)

@@ -61,6 +61,7 @@ from ..sim.costs import RowOverhead, held_as_runtime, keeps_saved_until_weights,
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
 from ..units import whole_number
+from .fp8 import FP8_RECIPES
 from .te import AMAX_UPDATE_KERNELS
 
 if TYPE_CHECKING:
@@ -358,18 +359,25 @@ class Scenario:
                                            replace(c, collective_delay_ms=float(ms))
                                            for c, ms in zip(costs.stages, delay_ms, strict=True)))
 
+    def _reduces_and_updates_amaxes(self) -> bool:
+        """Whether the estimate's float8 recipe keeps delayed scaling's amax history
+        (planning/fp8.py `Fp8Recipe.reduces_and_updates_amaxes`)."""
+        recipe = FP8_RECIPES.get(self._estimate.parallelism.get("fp8")) if self._estimate is not None else None
+        return recipe is not None and recipe.reduces_and_updates_amaxes
+
     def amax_reduction_ms(self, sched: Schedule) -> float:
-        """TransformerEngine's delayed scaling (an estimate's te recipe) all-reduces the amaxes of a chunk's float8
-        tensors when its forward ends (fp8_autocast's exit) and when its backward does (its first module's),
-        blocking the compute stream, over Megatron-core's amax reduction group: the t·C·d ranks of the tensor-,
-        context- and data-parallel groups (parallel_state.get_amax_reduction_group(with_context_parallel=True), the
-        group TransformerBlock's fp8_autocast is given). A few float32 a product, which NCCL sends on its LL
-        protocol: the all-reduce's latency (`nccl_ll_all_reduce_ms`; the bytes' nanoseconds left out), which grows
-        with log2 of the nodes the group spans. 0 without an estimate's te recipe or its placement."""
+        """TransformerEngine's delayed scaling (an estimate's recipe that `reduces_and_updates_amaxes`: te)
+        all-reduces the amaxes of a chunk's float8 tensors when its forward ends (fp8_autocast's exit) and when its
+        backward does (its first module's), blocking the compute stream, over Megatron-core's amax reduction group:
+        the t·C·d ranks of the tensor-, context- and data-parallel groups
+        (parallel_state.get_amax_reduction_group(with_context_parallel=True), the group TransformerBlock's
+        fp8_autocast is given). A few float32 a product, which NCCL sends on its LL protocol: the all-reduce's latency
+        (`nccl_ll_all_reduce_ms`; the bytes' nanoseconds left out), which grows with log2 of the nodes the group
+        spans. 0 without such a recipe or an estimate's placement."""
         from ..hardware.collectives import nccl_ll_all_reduce_ms
 
         estimate = self._estimate
-        if estimate is None or estimate.parallelism.get("fp8") != "te" or estimate.placement is None:
+        if estimate is None or not self._reduces_and_updates_amaxes() or estimate.placement is None:
             return 0.0
         t, link = estimate.degrees[0], self.data_parallel_link(sched)
         per_node = min(t * link.per_node, estimate.placement.gpus_per_node)
@@ -380,9 +388,9 @@ class Scenario:
         (`reduce_and_update_fp8_tensors`: fp8.py at v1.7, v1.10 and v1.12, quantization.py at v2.9): `torch.cat` of
         the chunk's amaxes and `fused_amax_and_scale_update_after_reduction`, `AMAX_UPDATE_KERNELS` small kernels at
         the curve's cost of a kernel (a few float32 a module: their bytes left out), with or without the all-reduce.
-        0 without an estimate's te recipe."""
+        0 without an estimate's recipe that `reduces_and_updates_amaxes` (te)."""
         estimate = self._estimate
-        if estimate is None or estimate.parallelism.get("fp8") != "te":
+        if estimate is None or not self._reduces_and_updates_amaxes():
             return 0.0
         return AMAX_UPDATE_KERNELS * float(estimate.curve.get("kernel_overhead_ms", 0.0))
 

@@ -105,7 +105,7 @@ def test_modules_that_read_one_input_are_one():
 def test_delayed_scaling_pays_two_small_kernels_around_each_amax_all_reduce():
     """`torch.cat` of the amaxes and the fused amax-and-scale update, at the curve's cost of a kernel, in each
     forward and backward of a chunk under te, with or without an all-reduce (d = 1, t = 1: none); none under
-    current scaling."""
+    current scaling or DeepSeek-V3's tile scales, recipes derived from te that keep no amax history."""
     torch = pytest.importorskip("torch")
     from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import estimate_profile
@@ -115,7 +115,7 @@ def test_delayed_scaling_pays_two_small_kernels_around_each_amax_all_reduce():
 
     count = count_built("gpt", SMALL, 1, torch.bfloat16, attention="flash")
     h100 = load_catalogue().find("h100-sxm")
-    for fp8, kernels in (("te", 2), ("te-current", 0)):
+    for fp8, kernels in (("te", 2), ("te-current", 0), ("deepseek", 0)):
         profile = estimate_profile(count, h100, Parallelism(fp8=fp8))
         scenario = profile_scenario(profile, "adam")
         scenario.build("1f1b", ScheduleParams(1, 4))
