@@ -97,6 +97,17 @@ at t1 p1 E16 over HybridEP, and DeepSeek-V3 on 1,024 H100s as 25.09's row's reci
 delay_wgrad_compute off, which pipesim's pair does not model, and the all-to-all run gives no layout: both listed
 with why (`CARDS_NOT_EXPRESSIBLE`).
 
+Every source's run built its layers from TransformerEngine's modules (`--linear-kernel te`, planning/te.py; in
+BF16 it moves the rows whose attention's input projection has a bias, gpt-oss-120b's): Megatron-Bridge's
+summaries and cards through its GPT provider's default_layer_spec, transformer_engine_layer_spec (gpt_provider.py at
+v0.1.0rc4, v0.2.1 and 067f987df0), which the Qwen3 and gpt-oss providers keep and the DeepSeek ones replace by
+get_gpt_decoder_block_spec with use_transformer_engine=HAVE_TE (deepseek_provider.py, deepseek_v3_bridge.py), the
+26.x recipes setting transformer_impl "transformer_engine" too (recipes/gpt_oss/h100/gpt_oss.py,
+recipes/qwen/h100/qwen3_moe.py, recipes/deepseek/h100/deepseek_v3.py at 067f987df0); the Model Zoo's runs by the
+yaml's `--transformer-impl transformer_engine` (Qwen3-235B-A22B.yaml at b0b92ff; Megatron-LM's default, arguments.py
+at 1e057005); DGX Cloud's by NeMo's DeepSeekConfig, get_gpt_decoder_block_spec with use_transformer_engine=HAVE_TE
+(nemo/collections/llm/gpt/model/deepseek.py at 7a8f1cc7bc).
+
     python benchmarks/published_moe.py                 # the table, the rows left out, then each row's command
     python benchmarks/published_moe.py --json out.json # and the rows as JSON
 """
@@ -340,7 +351,7 @@ class MoeRun:
         cut = self.stage_cut or ("equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced")
         dtype = ["fp8", "--fp8-recipe", self.fp8_recipe] if self.fp8_recipe else ["bf16"]
         return ["simulate", "--model", f"hf:{EXAMPLES}/{self.preset}", "--seq-len", str(self.seq_len), "--dtype",
-                *dtype, "--attention", "flash", "--attention-kernel", ATTENTION_KERNEL,
+                *dtype, "--linear-kernel", "te", "--attention", "flash", "--attention-kernel", ATTENTION_KERNEL,
                 "-b", str(self.microbatch_size),
                 "--gpu", GPU,
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),

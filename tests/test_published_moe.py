@@ -161,3 +161,12 @@ def test_every_sources_row_runs_cudnns_fused_attention():
     assert len({row["source"] for row in EVERY_RECORDED}) == 4
     for row in EVERY_RECORDED:
         assert _flag(shlex.split(row["command"]), "--attention-kernel") == "cudnn", row["run"]
+
+
+def test_every_sources_row_runs_transformer_engines_linear_layers():
+    """Every source's run built Megatron-core's layers from TransformerEngine's modules (published_moe.py's
+    docstring): each row's command says so (`--linear-kernel te`, planning/te.py), so gpt-oss-120b's BF16 rows take
+    their attention input projection's bias gradient from its weight-gradient product, no sum of its own."""
+    assert len({row["source"] for row in EVERY_RECORDED}) == 4
+    for row in EVERY_RECORDED:
+        assert _flag(shlex.split(row["command"]), "--linear-kernel") == "te", row["run"]
