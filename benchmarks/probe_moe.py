@@ -4,20 +4,21 @@ a local expert.
 
 (a) The probe's layer is Qwen3-30B-A3B's MoE block alone (router, permute, the host's wait for the tokens per
 expert, one fc1, SwiGLU and fc2 a local expert, the weighted combine) in eager torch on one GPU, its 4,096 tokens
-folded onto 4, 8 or 16 local experts as a balanced expert-parallel rank of experts / local ranks receives them,
-with no all-to-all. pipesim prices it as such a rank: the gpt's MoE MLP (workload/models.py `_ExpertsMLP`) counted
-at the probe's shape with its SwiGLU unfused (the probe's chunk, silu and product), one rank of an expert-parallel
-group of experts / local ranks (planning/experts.py `ExpertGroup.local`: each local expert's rows are the ranks'
-share of theirs) whose dispatcher permutes once (DeepEP's: no chunk sort, as the probe sorts by local expert
-once), its products one GEMM a local expert (`per_expert_products`) on one stream, as the probe's loop issues
-them, at the GPU's BF16 peak, no all-to-all, the forward waiting for the host before the first expert's GEMM
-(planning/host.py `pass_kernels`) and priced in its kernels' order (`waited_ms`). Compared: the GPU's time
-(pipesim's kernels against the profiler's busy time, before and after the wait), the host's issue after the wait
-(and of the backward) against the probe's host time there, and the pass (the max-plus result) against the device's
-time over the span (CUDA events: the forward from the router to the last launch, its wait included; the backward
-from its start on an empty queue). Where the probe kept its kernels by name (`moe.kernels`), each pass's kernels are
-compared by role (`ROLES`: GEMM, index, top-k and sort, fill, copy and cast, elementwise), pipesim's ops against the
-kernels the profiler saw, each by the aten op that launched it, with the probe's longest kernel of each role.
+folded onto 4, 8 or 16 local experts as a balanced expert-parallel rank of experts / local ranks receives them, with
+no all-to-all. pipesim prices it as such a rank: the gpt's MoE MLP (workload/models.py `_ExpertsMLP`) counted at the
+probe's shape with its SwiGLU unfused (the probe's chunk, silu and product), one rank of an expert-parallel group of
+experts / local ranks (planning/experts.py `ExpertGroup.local`: each local expert's rows are the ranks' share of
+theirs) whose dispatcher permutes once (HybridEP's: no chunk sort, as the probe sorts by local expert once, and no
+index conversion, which DeepEP's path of Megatron-core runs), its products one GEMM a local expert
+(`per_expert_products`) on one stream, as the probe's loop issues them, at the GPU's BF16 peak, no all-to-all, the
+forward waiting for the host before the first expert's GEMM (planning/host.py `pass_kernels`) and priced in its
+kernels' order (`waited_ms`). Compared: the GPU's time (pipesim's kernels against the profiler's busy time, before
+and after the wait), the host's issue after the wait (and of the backward) against the probe's host time there, and
+the pass (the max-plus result) against the device's time over the span (CUDA events: the forward from the router to
+the last launch, its wait included; the backward from its start on an empty queue). Where the probe kept its kernels
+by name (`moe.kernels`), each pass's kernels are compared by role (`ROLES`: GEMM, index, top-k and sort, fill, copy
+and cast, elementwise), pipesim's ops against the kernels the profiler saw, each by the aten op that launched it,
+with the probe's longest kernel of each role.
 
 (c) Each product of the probe's loops (fc1 and fc2, forward, input and weight gradient, at 4 and 16 local
 experts) priced as pipesim prices one local expert's product (`matmul_ms`, BF16, or FP8 at the float8 peak with
@@ -105,7 +106,7 @@ def price_layer(layer: LayerCount, experts: int, local_experts: int, gpu_name: s
     placement = node_placement(gpu, None, curve)
     links = links_of(placement, 1, 1, 1)
     ranks = experts // local_experts
-    group = ExpertGroup(ranks, placement.gpus_per_node, links.tensor, links.tensor, experts, dispatcher="deepep")
+    group = ExpertGroup(ranks, placement.gpus_per_node, links.tensor, links.tensor, experts, dispatcher="hybridep")
     split = per_expert_products(group.local(layer))
     one_stream = replace(split, ops={name: tuple(replace(op, streams=1) for op in ops)
                                      for name, ops in split.ops.items()})
