@@ -142,13 +142,14 @@ class Fp8Recipe:
     elements of a row (None: as counted); `fuses_bias_gradients`: under TransformerEngine's layers
     (`--linear-kernel te`) a product's bias gradient comes out of its output gradient's cast (planning/te.py);
     `clones_scale_inverses`: each TransformerEngine module's forward clones its scale-inverses
-    (`fp8_meta["scaling_fwd"].scale_inv.clone()` in linear.py, layernorm_linear.py and grouped_linear.py at v1.7 and
-    v1.10, gone at v1.12: te's, as the H100 runs' v1.10-era containers ran it; a 2.x run of delayed scaling has
-    none), one small kernel a module (planning/te.py `te_modules`) and forward; `reduces_and_updates_amaxes`: delayed
-    scaling's amax history, all-reduced when a chunk's forward and its backward end and updated by the kernels around
-    that (`reduce_and_update_fp8_tensors`: fp8.py at v1.7, v1.10 and v1.12, quantization.py at v2.9;
-    planning/scenario.py `amax_reduction_ms`, `amax_update_ms`): te's; current scaling takes each tensor's amax as it
-    casts it and DeepSeek-V3 each tile's, with no history."""
+    (`fp8_meta["scaling_fwd"].scale_inv.clone()` in linear.py and layernorm_linear.py at v1.7 to v1.10,
+    grouped_linear.py at v1.9 and v1.10, gone from the three at v1.11, from layernorm_mlp.py at v2.0: te's, as the
+    H100 runs' v1.10-era containers ran it; a 2.x run of delayed scaling has none), one small kernel a module
+    (planning/te.py `te_modules`) and forward; `reduces_and_updates_amaxes`: delayed scaling's amax history,
+    all-reduced when a chunk's forward and its backward end and updated by the kernels around that
+    (`reduce_and_update_fp8_tensors`: fp8.py at v1.7, v1.10 and v1.12, quantization.py at v2.9; planning/scenario.py
+    `amax_reduction_ms`, `amax_update_ms`): te's; current scaling takes each tensor's amax as it casts it and
+    DeepSeek-V3 each tile's, with no history."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
