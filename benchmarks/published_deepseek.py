@@ -69,6 +69,11 @@ NOT_MODELLED = {
                         "at 64 ranks, 20 SMs and 7,168 16-bit hidden values, by deepseek-ai/DeepEP's size hints "
                         "(csrc/legacy/config.hpp) at its 64-rank dispatch and combine configs "
                         "(deep_ep/buffers/legacy.py); device 7 would hold 80,761 MiB",
+    "DeepSeek's dispatcher": "its own framework's handling of what DeepEP delivers is not published: priced as "
+                             "Megatron-core's DeepEP path runs it, the received top-k indices converted into each "
+                             "local expert's routing map (planning/experts.py `ExpertGroup.multihot_conversion`, 12 "
+                             "kernels a MoE layer's forward, 3 a backward pass): 21 ms of the step its run may not "
+                             "have",
     "fine-grained FP8": "1x128 activation tiles and 128x128 weight blocks with FP32 promotion every 128 products "
                         "(section 3.3.2), the dispatch sent in FP8 (3.3.3): their casts priced as TransformerEngine's "
                         "per-tensor recipe's, the dispatch in 16 bits (what it keeps is modelled: --fp8-recipe "
