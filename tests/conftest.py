@@ -29,6 +29,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
@@ -37,6 +38,11 @@ from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import settings
+
+# pytest-xdist starts its workers with COLUMNS=80, which a serial run does not have: the commands' consoles, made at
+# import (commands/common.py), would wrap at 80 columns instead of a pipe's 120.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
 
 from pipesim.profiles.partition import LayerCost
 from pipesim.schedules import METHODS, Schedule, build_schedule
@@ -56,8 +62,6 @@ needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers")
 def host_cache_dir(tmp_path_factory):
     """Calibration's per-host cache in a temporary folder for the whole session (spawned ranks inherit it), so
     no test reads or fills the user's."""
-    import os
-
     saved = os.environ.get("PIPESIM_CACHE_DIR")
     os.environ["PIPESIM_CACHE_DIR"] = str(tmp_path_factory.mktemp("host-cache"))
     yield
