@@ -439,9 +439,10 @@ LinearKernel = Annotated[str | None, typer.Option(
                                               "autograd sums each bias's gradient in a kernel of its own) or te "
                                               "(Megatron-core's TransformerEngine layers: the attention's input "
                                               "projection takes its bias's gradient from its weight-gradient "
-                                              "product, under --fp8-recipe te from its output gradient's cast; "
-                                              "the others' biases, which Megatron-core adds in the next fused "
-                                              "kernel, summed apart). Default: te under --fp8-recipe te or "
+                                              "product, under --fp8-recipe te from its output gradient's cast, "
+                                              "under te-current summed apart; the others' biases, which "
+                                              "Megatron-core adds in the next fused kernel, summed apart). "
+                                              "Default: te under --fp8-recipe te or "
                                               "te-current, eager otherwise.",
     show_default=False)]
 NormKernel = Annotated[str, typer.Option(
