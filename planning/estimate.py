@@ -168,6 +168,23 @@ TORCH_RING_BACKWARD_QUERY_COPIES = 2
 # Dao-AILab/flash-attention hopper/tile_size.h `tile_size_fwd_sm90`; cuDNN's are not published): the unit of the
 # causal tail's tiles (hardware/catalogue.py `AttentionPasses`)
 ATTENTION_TILE_QUERIES = 128
+# The (queries, keys) tile a fused attention kernel's CTA computes under a sliding window, per pass, for head sizes
+# up to each bound (16-bit inputs, A100 and H100): a windowed kernel runs, for each block of queries, every key block
+# its band touches whole (`window_tile_pairs`). FlashAttention-2: csrc/flash_attn/src/flash_fwd_launch_template.h
+# `run_mha_fwd_hdim*` (read at Dao-AILab/flash-attention 01afd16d; no dropout, A100 and H100 alike but at head size
+# 256, where the A100 runs 128 x 64) and flash_bwd_launch_template.h `run_mha_bwd_hdim*` (073afd59; 144 KB of shared
+# memory or more). FlashAttention-3 (Hopper): hopper/tile_size.h `tile_size_fwd_sm90` with is_local (07602adc; a
+# causal window is local there: flash_api.cpp sets is_causal only without a left window) and
+# hopper/flash_bwd_launch_template.h `run_mha_bwd_hdim*`, Arch >= 90 (000786d2). cuDNN publishes none: taken as
+# FlashAttention-3's, the Hopper kernel alike (as `ATTENTION_TILE_QUERIES` takes its causal tile for cuDNN's).
+_FLASH3_WINDOW_TILES = {"fwd": ((64, 192, 160), (96, 192, 128), (128, 128, 128), (192, 128, 96), (256, 128, 64)),
+                        "bwd": ((64, 128, 128), (96, 64, 128), (128, 64, 128), (192, 64, 96), (256, 64, 80))}
+WINDOW_TILES: dict[str, dict[str, tuple[tuple[int, int, int], ...]]] = {
+    "flash2": {"fwd": ((64, 128, 128), (192, 128, 64), (256, 64, 64)),
+               "bwd": ((64, 128, 128), (128, 64, 128), (256, 64, 64))},
+    "flash3": _FLASH3_WINDOW_TILES,
+    "cudnn": _FLASH3_WINDOW_TILES,
+}
 FLOAT32_BYTES = 4
 # How a backward's weight gradients are added into those accumulated over the mini-batch's micro-batches: fused,
 # inside the weight-gradient product (TransformerEngine's and APEX's fuse_wgrad_accumulation: the GEMM writes
@@ -395,14 +412,16 @@ class Device:
     memory_bytes_per_ms: float
     curve: Curve
     fp8_peak_flops_per_ms: float | None = None
+    attention_kernel: str = "flash2"  # the fused attention kernel, of `WINDOW_TILES`: the tiles a window runs
 
     @classmethod
-    def of(cls, gpu: Gpu, dtype: str, curve: Curve | None = None, fp8: bool = False) -> Device:
+    def of(cls, gpu: Gpu, dtype: str, curve: Curve | None = None, fp8: bool = False,
+           attention_kernel: str = "flash2") -> Device:
         """The catalogue's part pricing ops in `dtype` (its name there: bf16, fp16, ...) on `curve` (default: the
         part's own; a kernel's curve keeps its memory efficiency), with its float8 peak where `fp8`."""
         curve = curve or gpu.curve
         return cls(getattr(gpu.dense_tflops, dtype) * 1e9, gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency,
-                   curve, fp8_peak_tflops(gpu, repr(gpu.name)) * 1e9 if fp8 else None)
+                   curve, fp8_peak_tflops(gpu, repr(gpu.name)) * 1e9 if fp8 else None, attention_kernel)
 
 
 def tile_fill(shape: tuple[int, ...], multiprocessors: int, tiles: list[tuple[int, int]]) -> float:
@@ -431,24 +450,48 @@ def matmul_ms(op: OpCount, device: Device) -> float:
             + streams * op.epilogue_bytes / device.memory_bytes_per_ms) / streams
 
 
-def kernel_flops(op: OpCount) -> float:
-    """The FLOPs `op`'s kernel computes: torch's count (`sdpa_flop_count` ignores is_causal: the whole s x s),
-    of a causal attention kernel half of it. FlashAttention skips the blocks past the diagonal (Dao 2023, arXiv
-    2307.08691, 3.1.1), and its benchmarks, in which the catalogue's attention efficiencies are published
-    (FlashAttention-2 and -3 on A100 and H100, arXiv 2307.08691 and 2407.08608), count a causal kernel's FLOPs as
-    half the square's (flash-attn's benchmarks/benchmark_flash_attention.py, `flops`): the same work at the same
-    efficiency. Under a sliding window of w keys (`OpCount.window`: Mistral's, gpt-oss's sliding layers) the
-    kernel skips the blocks past the window too (flash-attn's `window_size`, cuDNN's sliding window: the blocks
-    wholly outside the band are never loaded), so it computes the pairs the band holds, s·w - w(w-1)/2 of the
-    s x s square for s queries (each query its w latest keys, the first w-1 fewer), where the causal kernel
-    computes half of it."""
+def kernel_flops(op: OpCount, kernel: str = "flash2") -> float:
+    """The FLOPs `op`'s kernel computes (`kernel`, of `WINDOW_TILES`), as its benchmarks count them: torch's count
+    (`sdpa_flop_count` ignores is_causal: the whole s x s), of a causal attention kernel half of it. FlashAttention
+    skips the blocks past the diagonal (Dao 2023, arXiv 2307.08691, 3.1.1), and its benchmarks, in which the
+    catalogue's attention efficiencies are published (FlashAttention-2 and -3 on A100 and H100, arXiv 2307.08691
+    and 2407.08608), count a causal kernel's FLOPs as half the square's (flash-attn's
+    benchmarks/benchmark_flash_attention.py, `flops`): the same work at the same efficiency. Under a sliding window
+    of w keys (`OpCount.window`: Mistral's, gpt-oss's sliding layers) the kernel skips the blocks wholly outside the
+    band too, but computes every block the band touches whole (flash-attn's `window_size`: each block of queries
+    runs its key blocks from n_block_min to n_block_max, hopper/block.h `get_n_block_min_max`; cuDNN's sliding
+    window likewise): the causal kernel's FLOPs in the share of its tiles the band touches (`window_tile_pairs`),
+    about twice the band's s·w - w(w-1)/2 pairs at w = 128 and 128 x 128 tiles."""
     if op.kind != "attention" or not op.causal:
         return op.flops
-    _, queries, keys, _ = op.shape
+    _, queries, keys, head_size = op.shape
     window = op.window
     if not window or window >= keys:
         return op.flops / 2
-    return op.flops * (queries * window - window * (window - 1) / 2) / (queries * keys)
+    tile = window_tile(kernel, op.op.endswith("_backward"), head_size)
+    return op.flops / 2 * window_tile_pairs(queries, keys, window, tile) / window_tile_pairs(queries, keys, keys, tile)
+
+
+def window_tile(kernel: str, backward: bool, head_size: int) -> tuple[int, int]:
+    """The (queries, keys) tile `kernel` computes a windowed pass in at `head_size` (`WINDOW_TILES`; past its
+    largest head size, its largest's)."""
+    tiles = WINDOW_TILES[kernel]["bwd" if backward else "fwd"]
+    return next(((q, k) for bound, q, k in tiles if head_size <= bound), tiles[-1][1:])
+
+
+@cache
+def window_tile_pairs(queries: int, keys: int, window: int, tile: tuple[int, int]) -> int:
+    """The query-key pairs of the `tile`s a kernel computes for a causal band of `window` keys (each query its
+    `window` latest, itself the last; the queries the last of the keys, as flash-attn aligns them): for each block
+    of queries, the key blocks from the first its earliest query reaches to the last its latest does, whole."""
+    block_queries, block_keys = tile
+    offset = keys - queries
+    blocks = 0
+    for block in range(math.ceil(queries / block_queries)):
+        last = min(math.ceil(keys / block_keys), math.ceil(((block + 1) * block_queries + offset) / block_keys))
+        first = max(0, (block * block_queries + offset - window + 1) // block_keys)
+        blocks += max(0, last - first)
+    return blocks * block_queries * block_keys
 
 
 def op_ms(op: OpCount, device: Device) -> float:
@@ -459,8 +502,8 @@ def op_ms(op: OpCount, device: Device) -> float:
     if op.kind == "memory":
         return curve.kernel_overhead_ms + op.moved_bytes / device.memory_bytes_per_ms
     if op.kind == "attention":
-        return attention_kernel_ms(kernel_flops(op), op.moved_bytes, op.op.endswith("_backward"), op.causal, device,
-                                   query_tiles(op))
+        return attention_kernel_ms(kernel_flops(op, device.attention_kernel), op.moved_bytes,
+                                   op.op.endswith("_backward"), op.causal, device, query_tiles(op))
     return curve.kernel_overhead_ms + max(op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency),
                                           op.moved_bytes / device.memory_bytes_per_ms)
 
@@ -932,7 +975,8 @@ class ContextRing:
         busiest = [max(pairs) for pairs in zip(*(self.step_pairs(rank) for rank in range(self.ranks)))]
         share = self.ranks / sum(sum(self.step_pairs(rank)) for rank in range(self.ranks))  # of the rank's op
         backward = op.op.endswith("_backward")
-        return [attention_kernel_ms(kernel_flops(op) * pairs * share, op.moved_bytes * pairs * share, backward,
+        flops = kernel_flops(op, device.attention_kernel)
+        return [attention_kernel_ms(flops * pairs * share, op.moved_bytes * pairs * share, backward,
                                     op.causal and step == 0, device, query_tiles(op))
                 for step, pairs in enumerate(busiest)]
 
@@ -2725,7 +2769,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
-    device = Device.of(gpu, PEAK_DTYPE[counted.dtype], curve, fp8=parallel.fp8 is not None)
+    device = Device.of(gpu, PEAK_DTYPE[counted.dtype], curve, fp8=parallel.fp8 is not None,
+                       attention_kernel=parallel.attention_kernel)
     element = _element_bytes(counted.dtype)
     held = parallel.held(counted.dtype)
     t = parallel.tensor

@@ -18,6 +18,8 @@ from pipesim.planning.estimate import (
     kernel_flops,
     node_placement,
     op_ms,
+    window_tile,
+    window_tile_pairs,
 )
 from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount
@@ -43,18 +45,45 @@ def test_a_causal_kernel_computes_half_the_square_and_takes_half_the_time():
         DEVICE.peak_flops_per_ms * H100.curve.attention_efficiency)  # FlashAttention's convention, its efficiency
 
 
-def test_a_sliding_window_kernel_computes_the_pairs_its_band_holds():
-    """Each of s queries attends to its last w keys (the first w - 1 queries to fewer): s·w - w(w-1)/2 pairs of the
-    s x s square, priced at the causal kernel's rate; a window as long as the keys is the causal kernel."""
+def test_a_sliding_window_kernel_computes_every_tile_its_band_touches():
+    """Each of s queries attends to its last w keys: s·w - w(w-1)/2 pairs of the s x s square, but the kernel runs
+    each block of queries against every key block the band touches, whole (flash-attn's n_block_min to
+    n_block_max): FlashAttention-2's forward at head size 128 tiles 128 queries x 64 keys, so at w = 128 each block
+    of queries runs 4 key blocks (the first 2), where the causal kernel runs 2m + 2 (its half square); priced as
+    that share of the causal kernel, about twice the band's pairs. A window as long as the keys is the causal
+    kernel."""
     window = 128
     windowed = replace(_attention(True), window=window)
+    blocks, causal_blocks = 2 + 4 * (SEQ // 128 - 1), sum(2 * m + 2 for m in range(SEQ // 128))
+    assert window_tile("flash2", False, HEAD) == (128, 64)
+    assert window_tile_pairs(SEQ, SEQ, window, (128, 64)) == blocks * 128 * 64
+    assert window_tile_pairs(SEQ, SEQ, SEQ, (128, 64)) == causal_blocks * 128 * 64
+    assert kernel_flops(windowed) == pytest.approx(FLOPS / 2 * blocks / causal_blocks)
     pairs = SEQ * window - window * (window - 1) / 2
-    assert kernel_flops(windowed) == pytest.approx(FLOPS * pairs / SEQ ** 2)
+    assert kernel_flops(windowed) / (FLOPS * pairs / SEQ ** 2) == pytest.approx(1.969, abs=1e-3)  # the band's
     assert kernel_flops(replace(windowed, window=SEQ)) == kernel_flops(_attention(True)) == FLOPS / 2
     overhead = H100.curve.kernel_overhead_ms
-    compute = (op_ms(_attention(True), DEVICE) - overhead) * pairs / (SEQ ** 2 / 2)  # the causal kernel's rate
-    memory = windowed.moved_bytes / DEVICE.memory_bytes_per_ms  # its q, k, v and output, at 128 of 8,192 keys slower
-    assert memory > compute and op_ms(windowed, DEVICE) - overhead == pytest.approx(memory)
+    compute = (op_ms(_attention(True), DEVICE) - overhead) * blocks / causal_blocks  # the causal kernel's rate
+    memory = windowed.moved_bytes / DEVICE.memory_bytes_per_ms
+    assert op_ms(windowed, DEVICE) - overhead == pytest.approx(max(compute, memory))
+
+
+def test_a_windows_tiles_are_its_kernels_for_the_pass_and_head_size():
+    """FlashAttention-3's forward at head size 64 runs a window in 192 x 160 tiles (hopper/tile_size.h, is_local),
+    FlashAttention-2's in 128 x 128; their backwards at head size 128 in 64 x 128; cuDNN, which publishes none,
+    takes FlashAttention-3's. The device's kernel picks them: the same op costs more under FlashAttention-3's
+    wider tiles at w = 128."""
+    assert window_tile("flash3", False, 64) == (192, 160) and window_tile("flash2", False, 64) == (128, 128)
+    assert window_tile("flash2", True, 128) == window_tile("flash3", True, 128) == (64, 128)
+    assert window_tile("cudnn", False, 64) == window_tile("flash3", False, 64)
+    assert window_tile("flash2", False, 512) == (64, 64)  # past the largest head size, the largest's
+    narrow = OpCount("_scaled_dot_product_flash_attention", "attention", (64, SEQ, SEQ, 64), FLOPS / 2, 1.0, 1,
+                     causal=True, window=128)
+    assert kernel_flops(narrow, "flash3") > kernel_flops(narrow, "flash2")
+    flash3 = replace(DEVICE, attention_kernel="flash3")
+    assert op_ms(narrow, flash3) == pytest.approx(
+        H100.curve.kernel_overhead_ms + kernel_flops(narrow, "flash3") / (
+            DEVICE.peak_flops_per_ms * H100.curve.attention_fraction(False, True, 64 * SEQ // 128)))
 
 
 def test_the_calibration_fits_the_attention_rate_on_the_same_flops_it_prices():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipesim.planning.estimate import kernel_flops
+from pipesim.planning.estimate import kernel_flops, window_tile_pairs
 from pipesim.workload.count import count_built
 from pipesim.workload.hf import hf_model
 from tests.conftest import needs_transformers, pipesim
@@ -36,15 +36,17 @@ def _forward_kernels(tmp_path, model_type: str, seq_len: int, attention: str = "
 
 
 @pytest.mark.parametrize("model_type", sorted(MODELS))
-def test_a_layer_past_its_window_computes_the_band_and_within_it_half_the_square(tmp_path, model_type):
-    """At s > w a windowed layer's forward kernel computes the band's s·w - w(w-1)/2 query-key pairs, 4·head FLOPs
-    each (its two products), a global layer half the s x s square; at s <= w both compute half of it."""
+def test_a_layer_past_its_window_records_it_and_within_it_the_causal_kernel(tmp_path, model_type):
+    """At s > w a windowed layer's forward kernel records its window (torch's count: the whole s x s, 4·head FLOPs a
+    pair), priced at the causal kernel's share of the tiles its band touches (`window_tile_pairs`: at s = 64 in
+    FlashAttention-2's 128 x 128 tiles, the one tile, half the square, where the band holds s·w - w(w-1)/2 pairs),
+    a global layer half the s x s square; at s <= w both compute half of it."""
     s = 64
     for kernels, window in zip(_forward_kernels(tmp_path, model_type, s), MODELS[model_type][1]):
         (kernel,) = kernels
-        pairs = s * window - window * (window - 1) // 2 if window else s * s / 2
-        assert kernel.causal and kernel.window == window
-        assert kernel_flops(kernel) == pytest.approx(4 * HEADS * HEAD * pairs)
+        assert kernel.causal and kernel.window == window and kernel.flops == 4 * HEADS * HEAD * s * s
+        share = window_tile_pairs(s, s, window, (128, 128)) / window_tile_pairs(s, s, s, (128, 128)) if window else 1
+        assert share == 1 and kernel_flops(kernel) == pytest.approx(4 * HEADS * HEAD * s * s / 2 * share)
     for (kernel,) in _forward_kernels(tmp_path / "short", model_type, WINDOW):
         assert kernel.causal and kernel_flops(kernel) == pytest.approx(4 * HEADS * HEAD * WINDOW * WINDOW / 2)
 
