@@ -1852,7 +1852,10 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float, gradie
         if not placed and ((split.t == 1 and split.context == 1) or not layer.allocations.get(name)):
             return sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
         events = _rank_pass(layer, split, name, gradient_element_bytes)
-        events = _with_placed(events, placed) if placed else events
+        if placed:  # positions among the count's events, mapped into the rank's, which adds collectives' storages
+            counted = 1 + max(number for number, *_ in layer.allocations[name])
+            at = [i for i, (number, _) in enumerate(events) if number < counted] + [len(events)]
+            events = _with_placed(events, [(at[start], at[end], nbytes) for start, end, nbytes in placed])
         made: dict[int, int] = {}
         for number, nbytes in events:
             made.setdefault(number, nbytes)

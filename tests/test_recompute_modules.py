@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, EstimateError, Parallelism, estimate_layer, layer_allocations, op_ms
+from pipesim.planning.estimate import (
+    Device,
+    EstimateError,
+    Parallelism,
+    estimate_layer,
+    estimate_profile,
+    layer_allocations,
+    op_ms,
+)
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import needs_transformers, pipesim
 from tests.test_hf import write_config
@@ -66,6 +74,23 @@ def test_norms_directly_under_the_layer_are_made_again_as_its_backward_begins():
     made = 2 * (TOKENS * H * 2 + 2 * TOKENS * 4)
     for name in ("bwd", "igrad"):
         assert priced(block, "layernorm").transient_bytes[name] == priced(block).transient_bytes[name] + made
+
+
+@pytest.mark.parametrize(("tensor", "runtime"), [(2, "megatron"), (4, "megatron"), (2, "torch"), (4, "torch")])
+def test_under_sequence_parallelism_the_norms_are_made_again_among_the_ranks_own_events(tensor, runtime):
+    """As above on one of t ranks under sequence parallelism, whose pass holds storages the count's has not (a
+    gathered gradient, a reduce-scatter's output: planning/estimate.py `_rank_pass`): what the norms made is placed
+    at the count's positions among the rank's events, so each backward pass holds what their recomputation dropped
+    beside its own peak, as at t = 1."""
+    def block(*modules: str):
+        parallel = Parallelism(tensor=tensor, sequence_parallel=True, tp_runtime=runtime, recompute_modules=modules)
+        return estimate_profile(gpt(), H100, parallel).layers[1]
+
+    plain, recomputed = block(), block("layernorm")
+    dropped = plain.activation_bytes - recomputed.activation_bytes
+    assert dropped > 0
+    for name in ("bwd", "igrad"):
+        assert recomputed.transient_bytes[name] == plain.transient_bytes[name] + dropped, name
 
 
 def test_the_allocator_replays_the_norms_outputs_made_again_in_the_backward():
