@@ -157,6 +157,14 @@ FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te", "BF16": No
 # DeepSeek-V3's 25.09 H100 run: ["mla_up_proj", "mlp"] (run_script.py line 91 at v0.1.0rc4), "mlp" not modelled
 # (`RECIPE_NOT_MODELLED`)
 RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act"), "DeepSeekV3": ("mla_up_proj",)}
+# the model -> --router-aux-loss, its load-balancing loss as Megatron-core computes it (workload/moe.py
+# `with_aux_loss`): Megatron-Bridge's Qwen3 providers set aux_loss 1e-3 (qwen_provider.py at v0.1.0rc4, v0.2.1,
+# r0.3.0; qwen3_moe_bridge.py at 067f987df0), DeepSeek-V3's seq_aux_loss (deepseek_provider.py,
+# deepseek_v3_bridge.py: the same kernels and a division by the batch), the performance configs moe_router_fusion
+# True (scripts/performance/configs/qwen3, deepseek at v0.1.0rc4 to r0.3.0; the cards' recipes: recipes/qwen/h100/
+# qwen3_moe.py's 16-GPU config, perf_recipes/deepseek/common.py at 067f987df0), which Megatron-core's router runs as
+# TransformerEngine's fused kernels (router.py at core_v0.14.0 to b0cc2706); gpt-oss's provider sets none
+BRIDGE_AUX_LOSS = {"Qwen3_30B_a3B": "fused", "Qwen3_235B_a22B": "fused", "GPT OSS 120B": "none", "DeepSeekV3": "fused"}
 # --attention-kernel: every source's row ran TransformerEngine's FusedAttention, cuDNN's kernel. TransformerEngine
 # enables FlashAttention and FusedAttention unless NVTE_FLASH_ATTN or NVTE_FUSED_ATTN is 0 (both read as 1 unset),
 # and where both take the shape on Hopper it drops FlashAttention ("Disabling FlashAttention to give FusedAttention
@@ -251,6 +259,9 @@ MODELZOO_PRESETS = {"235B": "qwen3-235b-a22b"}
 DGXC = "nvidia-dgxc-moe-h100.csv"  # DGX Cloud's MoE recipes on H100, README.md there too
 # the recipe (dgxc-benchmarking's folder) -> the model's name and its examples/ config; DeepSeek-V3's the only one run
 DGXC_MODELS = {"deepseek_v3": ("DeepSeek-V3", "deepseek-v3"), "llama4": ("Llama 4 Maverick", None)}
+# NeMo's DeepSeekConfig (nemo/collections/llm/gpt/model/deepseek.py at 7a8f1cc7bc): seq_aux_loss, coefficient 1e-4,
+# no moe_router_fusion: the loss's torch ops
+DGXC_AUX_LOSS = "unfused"
 DGXC_NOT_EXPRESSIBLE = {
     "llama4": "no config of Llama 4 Maverick in examples/, and transformers' Llama4TextMoe repeats every token for "
               "every expert (modeling_llama4.py), where Megatron-core computes each token's top-1 only: a count of it "
@@ -276,6 +287,12 @@ MODELZOO_DISPATCHERS = {"DeepEP": "deepep", "A2A": None}
 # the table's recompute column's parts -> --recompute-modules (the H100 command's `--recompute-modules moe_act
 # layernorm` for "norm, act")
 MODELZOO_RECOMPUTE = {"norm": "layernorm", "act": "moe_act"}
+# the row's code -> --router-aux-loss: the zoo's config sets aux_loss 1e-3 (Qwen3-235B-A22B.yaml at b06a6d8 and
+# b0b92ff); Megatron-LM 1e057005 computes it unfused, the E32 rows' config (b0b92ff) sets --moe-router-fusion
+# (TransformerEngine's kernels), and the t4 E8 row's command (run_235b.sh at 8017e11) --moe-router-aux-loss-fusion,
+# an argument of no public Megatron-LM whose kernels are priced as TransformerEngine's (`MODELZOO_AUX_FUSED`)
+MODELZOO_AUX_LOSS = {"main(1e057005)": "unfused", "moe_dev(f3e6c5)": "fused"}
+MODELZOO_AUX_FUSED = ("DeepEP", 4)  # the dispatcher and t of the row whose command fuses the loss
 MODELZOO_NOT_EXPRESSIBLE = {
     "Next-80B-A3B": "Qwen3-Next's Gated DeltaNet layers: pipesim counts no linear-attention layer, and examples/ "
                     "holds no config of it",
@@ -335,6 +352,7 @@ class MoeRun:
     rope_kernel: str = "fused"  # --rope-kernel: fused where the run sets apply_rope_fusion
     mtp_layers: int = 0  # --mtp-layers: the run's multi-token-prediction depth
     reduce_after_flush: bool = False  # --reduce-after-flush: the recipe sets overlap_grad_reduce False
+    router_aux_loss: str = "none"  # --router-aux-loss: how the run computes its load-balancing loss
 
     @property
     def data(self) -> int:
@@ -368,6 +386,7 @@ class MoeRun:
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else []),
                 *(["--reduce-after-flush"] if self.reduce_after_flush else []),
+                *(["--router-aux-loss", self.router_aux_loss] if self.router_aux_loss != "none" else []),
                 *p2p_sync(schedule, self.pipeline)]
 
 
@@ -396,7 +415,7 @@ def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                                    FP8_RECIPES[row["precision"]],
                                    "balanced" if drops else "random", TOKEN_DROP_CAPACITY if drops else None,
                                    recompute_modules=RECOMPUTE_MODULES.get(model, ()),
-                                   **RECIPE_RUNS.get(model, {})),
+                                   router_aux_loss=BRIDGE_AUX_LOSS[model], **RECIPE_RUNS.get(model, {})),
                             float(row["tokens_per_s_per_gpu"])))
     return expressible, left_out
 
@@ -437,7 +456,9 @@ def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
         run = MoeRun(name, MODELZOO_PRESETS[row["model"]], gpus, batch, b, seq, t, p, chunks, e,
                      MODELZOO_DISPATCHERS[row["dispatcher"]], etp, overlap, None, "random", None, source=MODELZOO,
                      precision="megatron", recompute_modules=modules,
-                     stage_cut=f"first-last:{per_chunk - 1},{per_chunk - 1}")
+                     stage_cut=f"first-last:{per_chunk - 1},{per_chunk - 1}",
+                     router_aux_loss="fused" if (row["dispatcher"], t) == MODELZOO_AUX_FUSED
+                     else MODELZOO_AUX_LOSS[row["code"]])
         expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 
@@ -456,7 +477,7 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
         run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e, None, etp, False, None, "balanced",
                      TOKEN_DROP_CAPACITY, source=DGXC, precision="megatron",
                      recompute_modules=tuple(row["recompute_modules"].split(",")), stage_cut=dgxc_first_last(p),
-                     rope_kernel="eager", mtp_layers=1)
+                     rope_kernel="eager", mtp_layers=1, router_aux_loss=DGXC_AUX_LOSS)
         expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 
@@ -475,7 +496,8 @@ def card_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
         model = CARD_MODELS[row["model"]]
         run = MoeRun(name, PRESETS[model], gpus, batch, b, seq, t, p, chunks, e, row["dispatcher"] or None,
                      etp, overlap, FP8_RECIPES[row["precision"]], "random", None, source=CARDS,
-                     recompute_modules=RECOMPUTE_MODULES.get(model, ()), **RECIPE_RUNS.get(model, {}))
+                     recompute_modules=RECOMPUTE_MODULES.get(model, ()), router_aux_loss=BRIDGE_AUX_LOSS[model],
+                     **RECIPE_RUNS.get(model, {}))
         expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 

@@ -459,6 +459,15 @@ RopeKernel = Annotated[str, typer.Option(
                                             "kernel, Megatron-core's apply_rope_fusion: one kernel for q and one "
                                             "for k each way). Both keep only the angles.",
     show_default=False)]
+RouterAuxLoss = Annotated[str | None, typer.Option(
+    "--router-aux-loss", metavar="HOW", help="With --gpu: a mixture of experts' load-balancing loss in every MoE "
+                                             "layer, as Megatron-core computes it under "
+                                             "moe_router_load_balancing_type aux_loss and a nonzero "
+                                             "moe_aux_loss_coeff: none (transformers' count without "
+                                             "output_router_logits; the default), unfused (its torch ops, as "
+                                             "Megatron-LM 1e057005 runs them) or fused (TransformerEngine's "
+                                             "kernels, under moe_router_fusion).",
+    show_default=False)]
 ALLOCATORS = ("caching", "expandable", "none")  # --allocator
 Allocator = Annotated[str, typer.Option(
     "--allocator", metavar="MODEL", help="With --gpu: what a device's memory counts, caching (its tensors and the "
@@ -545,6 +554,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("swiglu_fusion", SwigluFusion, True), ("cross_entropy", CrossEntropy, "torch"),
                 ("norm_kernel", NormKernel, "eager"), ("rope_kernel", RopeKernel, "eager"),
+                ("router_aux_loss", RouterAuxLoss, None),
                 ("linear_kernel", LinearKernel, None),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),

@@ -71,13 +71,14 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
                  "rope_kernel", "recompute_modules", "torch_compile",
                  "ema", "scores_buffer", "tp_overlap_no_margin", "tp_overlap_fp8_buf", "attention_kernel",
-                 "grad_accumulation", "linear_kernel")
+                 "grad_accumulation", "linear_kernel", "router_aux_loss")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
 # The count's kernels (workload/count.py) and their defaults: recorded beside an estimate's parallelism, so that a
 # profile says what it priced and the costs line names what is not the default.
-KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager", "rope_kernel": "eager"}
+KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager", "rope_kernel": "eager",
+                   "router_aux_loss": "none"}
 # Settings named in an estimate's parallelism text only when they are not these (a bool not listed: when set).
 SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_accumulation": "separate",
                     "routing": "balanced", "host_kernel_us": HOST_KERNEL_US, "host_module_us": None,
@@ -118,6 +119,7 @@ class WhatIf:
     cross_entropy: str = "torch"  # --cross-entropy, of workload/sizes.py's CROSS_ENTROPY
     norm_kernel: str = "eager"  # --norm-kernel, of workload/sizes.py's NORM_KERNELS
     rope_kernel: str = "eager"  # --rope-kernel, of workload/sizes.py's ROPE_KERNELS
+    router_aux_loss: str = "none"  # --router-aux-loss, of workload/moe.py's ROUTER_AUX_LOSSES
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: the flex dispatcher backend's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     torch_compile: bool = False  # --torch-compile (planning/estimate.py `_unread_kept`)
@@ -288,7 +290,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
     refuse(kernels_refusal(params.get("cross_entropy", "torch"), params.get("norm_kernel", "eager"),  # before the
-                           params.get("rope_kernel", "eager"), params.get("loss_parallel", False)))  # count's torch
+                           params.get("rope_kernel", "eager"), params.get("loss_parallel", False),  # count's torch
+                           _or_default(params, "router_aux_loss", "none")))
     if params.get("loss_parallel") and params.get("tensor_parallel") == 1:  # torchtitan's at t > 1 only
         raise InputError("--loss-parallel splits the logits by vocabulary over a tensor-parallel group (torchtitan's "
                          "with t > 1): give --tensor-parallel 2 or more")
@@ -331,6 +334,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   _or_default(params, "tp_runtime", "megatron"), _or_default(params, "cp_rotate", "alltoall"),
                   swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=params.get("cross_entropy", "torch"),
                   norm_kernel=params.get("norm_kernel", "eager"), rope_kernel=params.get("rope_kernel", "eager"),
+                  router_aux_loss=_or_default(params, "router_aux_loss", "none"),
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
                   fp8_param_gather=params.get("fp8_param_gather", False),
                   dispatcher_sms=params.get("dispatcher_sms"),
@@ -525,7 +529,8 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
 
     counted = count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
                              "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
-                             what.swiglu_fusion, what.cross_entropy, what.norm_kernel, what.rope_kernel)
+                             what.swiglu_fusion, what.cross_entropy, what.norm_kernel, what.rope_kernel,
+                             what.router_aux_loss)
     if what.expert_gemm != "grouped" and not counted.options.get("experts"):
         raise InputError(f"--expert-gemm {what.expert_gemm} runs a mixture of experts' routed products, and the "
                          "model has none (gpt --experts, or a Hugging Face MoE config); give grouped")
@@ -537,14 +542,14 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
 def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
                    needer: str, loss_parallel: bool = False, swiglu_fusion: bool = True,
                    cross_entropy: str = "torch", norm_kernel: str = "eager",
-                   rope_kernel: str = "eager") -> WorkloadCount:
+                   rope_kernel: str = "eager", router_aux_loss: str = "none") -> WorkloadCount:
     """`model` counted on the meta device, from the host cache where a built-in model's or a Hugging Face config's
     count is kept. `swiglu_fusion`: gated MLPs' SwiGLU as one fused kernel; a calibrated model ran its own torch
     ops, unfused."""
     from dataclasses import replace
 
     cache = _count_cache(model, options, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion,
-                         cross_entropy, norm_kernel, rope_kernel)
+                         cross_entropy, norm_kernel, rope_kernel, router_aux_loss)
     if cache is not None:
         counted = _read_count(cache)
         if counted is not None:
@@ -559,7 +564,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
         raise InputError(choose_from("--attention", ATTENTION, attention))
     try:
         counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention, loss_parallel,
-                              swiglu_fusion, cross_entropy, norm_kernel, rope_kernel)
+                              swiglu_fusion, cross_entropy, norm_kernel, rope_kernel, router_aux_loss)
     except ModelError as exc:
         raise InputError(str(exc)) from None
     if cache is not None:
@@ -569,7 +574,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
 
 def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
                  loss_parallel: bool, swiglu_fusion: bool, cross_entropy: str, norm_kernel: str,
-                 rope_kernel: str) -> Path | None:
+                 rope_kernel: str, router_aux_loss: str) -> Path | None:
     """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype,
     attention and loss, the installed torch's version and the source of the code that builds and counts it (so that a
     change to either counts again); a Hugging Face config's by its content (`HfConfig.digest`) and transformers'
@@ -596,7 +601,8 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
     except metadata.PackageNotFoundError:
         return None
     key = hashlib.sha256(json.dumps([*described, options, microbatch_size, dtype, attention, loss_parallel,
-                                     swiglu_fusion, cross_entropy, norm_kernel, rope_kernel, *versions],
+                                     swiglu_fusion, cross_entropy, norm_kernel, rope_kernel, router_aux_loss,
+                                     *versions],
                                     sort_keys=True).encode())
     for source in count_sources():
         key.update(source.read_bytes())

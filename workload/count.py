@@ -66,6 +66,7 @@ from .moe import (
     per_expert_now,
     router_now,
 )
+from .moe import router_aux_loss as moe_router_aux_loss
 from .norms import NO_RMSNORM_TO_FUSE, fused_norms, is_transformers_rms_norm
 from .optim import OPTIMIZERS, make_optimizer
 from .rope import NO_ROPE_TO_FUSE, fused_rope
@@ -803,7 +804,8 @@ def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype]
 
 def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attention: str = "math",
                 loss_parallel: bool = False, swiglu_fusion: bool = True,
-                cross_entropy: str = "torch", norm_kernel: str = "eager", rope_kernel: str = "eager") -> WorkloadCount:
+                cross_entropy: str = "torch", norm_kernel: str = "eager", rope_kernel: str = "eager",
+                router_aux_loss: str = "none") -> WorkloadCount:
     """Count `model` for a micro-batch of `microbatch_size` samples in `dtype`. Its layers are moved to the meta
     device (their values are lost): build it there (`with torch.device("meta")`, as `count_built` does). Layers
     alike (`_signature`) are counted once: a 175B GPT's 96 blocks cost one. `loss_parallel`: its cross entropy
@@ -812,8 +814,9 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     `cross_entropy`: whose cross entropy, of `CROSS_ENTROPY` (megatron: workload/loss.py `megatron_cross_entropy`).
     `norm_kernel`: how its RMSNorms run, of `NORM_KERNELS` (fused: workload/norms.py's TransformerEngine kernel).
     `rope_kernel`: how its RoPE runs, of `ROPE_KERNELS` (fused: workload/rope.py's TransformerEngine kernel). A model
-    with no RMSNorm or RoPE a fused kernel replaces is refused it, so that the flag never silently changes nothing."""
-    if (refused := kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel)) is not None:
+    with no RMSNorm or RoPE a fused kernel replaces is refused it, so that the flag never silently changes nothing.
+    `router_aux_loss`: its routed experts' load-balancing loss, of ROUTER_AUX_LOSSES (`workload.moe.with_aux_loss`)."""
+    if (refused := kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel, router_aux_loss)):
         raise ModelError(refused)
     flag = "--loss-parallel" if loss_parallel else "--cross-entropy megatron"
     if (loss_parallel or cross_entropy != "torch") and model.loss is not classification_loss:
@@ -836,7 +839,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     counted = []
     for layer in model.layers:  # all before any is counted: a layer may read another's weights (`shared_weights`)
         layer.to(device=META, dtype=dtype).train()
-    with _attention(attention) as kernels, fused_swiglu(swiglu_fusion):
+    with _attention(attention) as kernels, fused_swiglu(swiglu_fusion), moe_router_aux_loss(router_aux_loss):
         for i, layer in enumerate(model.layers):
             inputs = [outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point())
                       for s in model.inputs[i]]
@@ -1024,11 +1027,12 @@ def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch
 
 def count_built(name: str, options: dict[str, Any], microbatch_size: int, dtype: torch.dtype,
                 attention: str = "math", loss_parallel: bool = False, swiglu_fusion: bool = True,
-                cross_entropy: str = "torch", norm_kernel: str = "eager", rope_kernel: str = "eager") -> WorkloadCount:
+                cross_entropy: str = "torch", norm_kernel: str = "eager", rope_kernel: str = "eager",
+                router_aux_loss: str = "none") -> WorkloadCount:
     """Build model `name` (built-in or package.module:attribute, with `options`) on the meta device and count it."""
     from .models import build_model
 
     with META:
         model = build_model(name, **options)
     return count_model(model, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion, cross_entropy,
-                       norm_kernel, rope_kernel)
+                       norm_kernel, rope_kernel, router_aux_loss)

@@ -499,7 +499,7 @@ def _as_megatron_runs(block: nn.Module) -> None:
         router = next((getattr(module, name) for name in ("gate", "router")  # gpt-oss's is its router
                        if isinstance(getattr(module, name, None), nn.Module)), None)
         if hasattr(module, "experts") and isinstance(getattr(router, "weight", None), torch.Tensor):
-            gating_router(router)
+            gating_router(router, balanced=True)
         if isinstance(getattr(module, "shared_expert_gate", None), nn.Linear):
             gating_router(module.shared_expert_gate)
 

@@ -291,17 +291,133 @@ class _GatingCasts(TorchFunctionMode):
 _CASTS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.float)
 
 
-def gating_router(router: torch.nn.Module) -> None:
+def gating_router(router: torch.nn.Module, balanced: bool = False) -> None:
     """Run `router` (a mixture of experts' router: its `weight` and the product it computes from it) with its
-    product as `gating_linear` on the meta device, marked as a router's (`routing`)."""
+    product as `gating_linear` on the meta device, marked as a router's (`routing`); `balanced`: the routed experts'
+    router, whose logits the load-balancing loss reads where `router_aux_loss` asks for it (`with_aux_loss`)."""
     forward = router.forward
 
     def run(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if hidden.device.type != "meta":
             return forward(hidden, *args, **kwargs)
         with _GatingCasts((hidden, router.weight)), routing():
-            return forward(hidden, *args, **kwargs)
+            out = forward(hidden, *args, **kwargs)
+        return with_aux_loss(out) if balanced else out
     router.forward = run
+
+
+_aux_loss: list[str] = []  # `router_aux_loss`'s settings open, innermost last
+
+
+@contextmanager
+def router_aux_loss(kind: str) -> Iterator[None]:
+    """Count a routed experts' router's load-balancing loss (Switch Transformer's, `aux_loss`) as `kind` of
+    workload/sizes.py's `ROUTER_AUX_LOSSES` computes it in every MoE layer inside (`with_aux_loss`)."""
+    _aux_loss.append(kind)
+    try:
+        yield
+    finally:
+        _aux_loss.pop()
+
+
+class _AuxLossScaler(torch.autograd.Function):
+    """Megatron-core's MoEAuxLossAutoScaler (transformer/moe/moe_utils.py): `activation` as it is, and in the
+    backward the loss's gradient, ones times the main loss's scale, so autograd runs the loss's backward too."""
+
+    @staticmethod
+    def forward(ctx: Any, activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        with _disable_current_modes():  # `main_loss_backward_scale`, made once a run
+            ctx.scale = loss.new_empty(())
+        return activation
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss) * ctx.scale
+
+
+class _FusedAuxScores(torch.autograd.Function):
+    """TransformerEngine's `fused_compute_score_for_moe_aux_loss` (pytorch/router.py at v2.9): the float32 softmax
+    of the logits and their top-k routing map, one kernel each way, keeping the scores."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with _one_kernel("fused_aux_loss_scores", (logits,)):
+            scores = torch.softmax(logits, -1, dtype=torch.float32)
+            routing_map = logits.new_empty(logits.shape, dtype=torch.bool)
+            _kernel_writes(scores, routing_map)
+        ctx.save_for_backward(scores)
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(routing_map)
+        ctx.set_materialize_grads(False)  # the routing map's gradient, none, made no zeros
+        return routing_map, scores
+
+    @staticmethod
+    def backward(ctx: Any, _: Any, grad: torch.Tensor) -> torch.Tensor:
+        (scores,) = ctx.saved_tensors
+        with _one_kernel("fused_aux_loss_scores_backward", (grad, scores)):
+            logits_grad = grad.new_empty(grad.shape, dtype=ctx.logits_dtype)
+            _kernel_writes(logits_grad)
+        return logits_grad
+
+
+class _FusedAuxLoss(torch.autograd.Function):
+    """TransformerEngine's `fused_moe_aux_loss` (pytorch/router.py at v2.9): the loss from the scores and the
+    tokens an expert, one kernel each way."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        with _one_kernel("fused_aux_loss", (scores, tokens_per_expert)):
+            loss = scores.new_empty(())
+            _kernel_writes(loss)
+        ctx.save_for_backward(tokens_per_expert)
+        ctx.scores_shape = scores.shape
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (tokens_per_expert,) = ctx.saved_tensors
+        with _one_kernel("fused_aux_loss_backward", (grad, tokens_per_expert)):
+            scores_grad = grad.new_empty(ctx.scores_shape)
+            _kernel_writes(scores_grad)
+        return scores_grad, None
+
+
+def with_aux_loss(out: Any) -> Any:
+    """A routed experts' router's output `out` (its logits, or transformers 5's logits, weights and indices) with
+    Megatron-core's load-balancing loss attached as `router_aux_loss` asks for it (none outside it or without
+    gradients, as Megatron-core skips it under no_grad). The loss is computed from the logits and attached to
+    what the experts read of the router (its weights where it gives them, else the logits), as TopKRouter's
+    `apply_load_balancing_loss` attaches it to its probabilities (router.py at Megatron-LM 1e057005; `_apply_aux_loss`
+    at b0cc2706). Its ops, as 1e057005 runs them unfused: the float32 softmax of the logits
+    (`compute_routing_scores_for_aux_loss`), their sum over the tokens, the product with the tokens an expert (the
+    routing map's column sums, which the router's top-k computes anyway) and its sum times a constant
+    (`switch_load_balancing_loss_func`), the tracker's division and in-place add of its layer's entry
+    (`save_to_aux_losses_tracker`); fused (`moe_router_fusion`, b0cc2706), TransformerEngine's two kernels and the
+    sum of their routing map's columns (`get_tokens_per_expert_and_token_count`) in place of the first four. The
+    all-reduce of the tokens an expert over the tensor x context-parallel ranks is not counted (128 integers at t4:
+    a latency a layer micro-batch)."""
+    if not _aux_loss or _aux_loss[-1] == "none" or not torch.is_grad_enabled():
+        return out
+    logits = out if torch.is_tensor(out) else out[0]
+    tokens = logits.reshape(-1, logits.shape[-1])
+    with _disable_current_modes():  # made elsewhere: the router's top-k sums its routing map, the tracker once a run
+        per_expert = tokens.new_empty(tokens.shape[-1], dtype=torch.int64)
+        tracked = tokens.new_empty(1, dtype=torch.float32)
+    if _aux_loss[-1] == "fused":
+        routing_map, scores = _FusedAuxScores.apply(tokens)
+        loss = _FusedAuxLoss.apply(scores, routing_map.sum(0))
+    else:
+        scores = torch.softmax(tokens, -1, dtype=torch.float32)
+        loss = torch.sum(scores.sum(0) * per_expert) * _TRACKED_COEFF  # times E·coeff/(T²·k): its value uncounted
+    tracked[0] += (loss / _TRACKED_COEFF).detach()
+    if torch.is_tensor(out):
+        return _AuxLossScaler.apply(out, loss)
+    return (out[0], _AuxLossScaler.apply(out[1], loss), *out[2:])
+
+
+_TRACKED_COEFF = 1e-3  # the coefficient the tracker divides by: any nonzero one runs the same division
 
 
 def gating_linear(inp: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,

@@ -43,15 +43,20 @@ def attention_of(given: str | None, model: str) -> str:
 CROSS_ENTROPY = ("torch", "megatron")  # whose cross entropy a model's loss runs (workload/count.py `count_model`)
 NORM_KERNELS = ("eager", "fused")  # how a Hugging Face model's RMSNorms run (workload/norms.py)
 ROPE_KERNELS = ("eager", "fused")  # how a Hugging Face model's rotary position embedding runs (workload/rope.py)
+# How Megatron-core computes a routed experts' router's load-balancing loss (workload/moe.py `with_aux_loss`): none,
+# its torch ops (Megatron-LM 1e057005), TransformerEngine's two fused kernels (`moe_router_fusion`)
+ROUTER_AUX_LOSSES = ("none", "unfused", "fused")
 
 
-def kernels_refusal(cross_entropy: str, norm_kernel: str, rope_kernel: str, loss_parallel: bool) -> str | None:
+def kernels_refusal(cross_entropy: str, norm_kernel: str, rope_kernel: str, loss_parallel: bool,
+                    router_aux_loss: str = "none") -> str | None:
     """The one line refusing kernels the count does not take (None: it takes them), which the command line says
     before torch is imported and the count says again for its other callers: each of its choices, and torch's
     loss_parallel only with torch's cross entropy."""
     for flag, kernel, choices in (("--norm-kernel", norm_kernel, NORM_KERNELS),
                                   ("--rope-kernel", rope_kernel, ROPE_KERNELS),
-                                  ("--cross-entropy", cross_entropy, CROSS_ENTROPY)):
+                                  ("--cross-entropy", cross_entropy, CROSS_ENTROPY),
+                                  ("--router-aux-loss", router_aux_loss, ROUTER_AUX_LOSSES)):
         if kernel not in choices:
             return choose_from(flag, choices, kernel)
     if loss_parallel and cross_entropy != "torch":
