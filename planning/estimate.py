@@ -111,6 +111,7 @@ from .host import (
     pass_issue,
     pass_kernels,
     synchronises,
+    waits_for_tokens,
 )
 from .ranks import RANK_ORDERS, SettingsError, dense_grid
 from .te import LINEAR_KERNELS
@@ -2814,6 +2815,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         held_state = state_share(layer, parallel, experts.weight_shards, element)  # of them t x its optimizer's
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
+        tokens_wait = waits_for_tokens(busiest, counted.options)  # before the dispatch, of `synced`
 
         # the experts' biases on the rank, each added into its main_grad by Megatron-core DDP's hook where the
         # products accumulate the weights' gradients (its gradient accumulation fusion): one kernel each a backward
@@ -2827,7 +2829,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             return {name: pass_kernels(
                 estimate.timed_ops[name], [op for op, _ in estimate.timed_ops["fwd"]], float8.recipe is not None,
                 parallel.host_kernel_us, name, modules_us,
-                {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms), synced and name == "fwd",
+                {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms), tokens_wait and name == "fwd",
                 None if estimate.ring is None else estimate.ring.kernels,
                 hook_adds if name in ("bwd", "wgrad") else 0) for name in names}
 
@@ -2844,7 +2846,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             pair = paired_passes(priced, routed, combined, all_to_all_fwd_ms, all_to_all_bwd_ms,
                                  {"layer": issued(passes), **parts_issued})
         issues.append(_HostIssue(passes, None if shared is None else kernels(shared, ("fwd", "bwd")), pair,
-                                 synced and parallel.token_dispatcher == "deepep"))
+                                 tokens_wait and parallel.token_dispatcher == "deepep"))
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,

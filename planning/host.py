@@ -86,11 +86,16 @@ TE_RECIPES = ("te", "te-current")  # the float8 recipes that are TransformerEngi
 MODULE_PASSES = ("fwd", "bwd", "igrad")  # the passes a module call's Python runs in (wgrad: its GEMMs alone)
 
 
+def waits_for_tokens(layer: LayerCount, options: dict[str, Any]) -> bool:
+    """Whether the layer's forward waits for the GPU on the host before its dispatch: a routed layer whose experts
+    are dropless (the tokens each expert receives copied to the host)."""
+    return options.get("capacity_factor") is None and any(op.routed for op in layer.ops.get("fwd", ()))
+
+
 def synchronises(layer: LayerCount, options: dict[str, Any]) -> bool:
-    """Whether the layer's forward waits for the GPU on the host: a routed layer whose experts are dropless, or one
-    that runs an op the count marks so (`OpCount.host_waits`)."""
-    ops = layer.ops.get("fwd", ())
-    return (options.get("capacity_factor") is None and any(op.routed for op in ops)) or any(op.host_waits for op in ops)
+    """Whether the layer's forward waits for the GPU on the host anywhere: before its dispatch (`waits_for_tokens`)
+    or before an op the count marks so (`OpCount.host_waits`)."""
+    return waits_for_tokens(layer, options) or any(op.host_waits for op in layer.ops.get("fwd", ()))
 
 
 def module_us(fp8: str | None, given: float | None) -> float:

@@ -72,6 +72,27 @@ def test_the_host_waits_for_the_gpu_before_the_clamped_glus_fused_kernel(tmp_pat
     assert synchronises(layer, {"capacity_factor": 1.0})
 
 
+@needs_transformers
+def test_padded_experts_wait_at_the_clamped_glu_and_not_before_their_dispatch(tmp_path, monkeypatch):
+    """Experts padded to their capacity dispatch without the host's wait for the tokens each receives; gpt-oss's
+    clamped GLU still makes the host wait before its fused kernel (`synchronises`), there alone: the forward's
+    kernels are issued with no wait before the dispatch (`pass_kernels`' `synchronised`), dropless ones with it."""
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning import estimate
+
+    h100 = load_catalogue().find("h100-sxm")
+    issue = estimate.pass_kernels
+    for capacity_factor, dispatch_waits in ((1.0, False), (None, True)):
+        count = count_built(f"hf:{write_config(tmp_path / 'oss', GPT_OSS)}",
+                            {"seq_len": S, "capacity_factor": capacity_factor}, B, torch.bfloat16)
+        waits = []
+        monkeypatch.setattr(estimate, "pass_kernels", lambda *args, **kwargs: waits.append(
+            (args[4], args[7])) or issue(*args, **kwargs))
+        estimate.estimate_profile(count, h100, estimate.Parallelism())
+        assert synchronises(count.layers[1], count.options)
+        assert {synchronised for name, synchronised in waits if name == "fwd"} == {False, dispatch_waits}, waits
+
+
 @pytest.mark.parametrize(("fields", "limit"), [({"alpha": 1.702, "limit": 7.0}, 7.0), ({"limit": 10.0}, None),
                                                ({"alpha": 1.702, "limit": float("inf")}, None),
                                                ({"alpha": 1.702, "limit": None}, None)])
