@@ -72,6 +72,16 @@ def test_the_loss_slows_a_step_and_a_bad_setting_is_one_line(tmp_path):
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--router-aux-loss" in err, err
 
 
+def test_a_model_without_routed_experts_refuses_the_loss_in_one_line():
+    """The loss is the routed experts' router's: on a dense model the flag would change nothing, so it is refused
+    (as --capacity-factor and --rope-kernel fused are where they apply to nothing)."""
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 256,
+                             "--heads", 4, "--seq-len", 128, "--vocab", 1000, "-p", 1, "-m", 2, "-s", "1f1b",
+                             "--router-aux-loss", "fused")
+    assert (code, out, err) == (2, "", "error: --router-aux-loss fused: this model routes no tokens to experts: leave "
+                                       "it out or pass none\n")
+
+
 @pytest.mark.parametrize("name, kind", [
     ("26.02 Qwen3_30B_a3B", "fused"), ("GPT OSS 120B", "none"), ("DeepSeekV3", "fused"),
     ("Model Zoo 235B DeepEP t4", "fused"), ("Model Zoo 235B A2A t2 p32", "unfused"),

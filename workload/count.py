@@ -857,6 +857,9 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
                                       (rope_kernel, "fused_rope" in fused, NO_ROPE_TO_FUSE)):  # fused either way
         if kernel == "fused" and not replaced:
             raise ModelError(refusal)
+    if router_aux_loss != "none" and not any(op.routed for count in counted for op in count.ops["fwd"]):
+        raise ModelError(f"--router-aux-loss {router_aux_loss}: this model routes no tokens to experts: leave it out "
+                         "or pass none")
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention if kernels.attended else None, counted)
 
