@@ -34,6 +34,7 @@ from pipesim.workload.moe import (
     gated_mlp,
     routed_experts,
     routing,
+    with_aux_loss,
 )
 from pipesim.workload.rope import rotated
 from pipesim.workload.sizes import DEFAULT_SIZES, model_name_refusal, size_refusal
@@ -267,7 +268,7 @@ class _ExpertsMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         with routing():
-            scores = self.router(flat)
+            scores = with_aux_loss(self.router(flat))  # the load-balancing loss where the count asks for it
         weights, index = scores.float().softmax(-1).topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         activation = _swiglu if self.gated else F.gelu
