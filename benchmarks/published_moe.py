@@ -126,6 +126,7 @@ from rich.table import Table
 
 from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.tables import print_table
+from pipesim.workload.sizes import ROUTER_AUX_LOSSES
 
 SOURCE = "nemo-megatron-bridge-moe-h100.csv"  # benchmarks/published/README.md: its source and how to read it
 MODELZOO = "megatron-moe-modelzoo-h100.csv"  # the Megatron MoE Model Zoo's H100 table, README.md there too
@@ -287,12 +288,6 @@ MODELZOO_DISPATCHERS = {"DeepEP": "deepep", "A2A": None}
 # the table's recompute column's parts -> --recompute-modules (the H100 command's `--recompute-modules moe_act
 # layernorm` for "norm, act")
 MODELZOO_RECOMPUTE = {"norm": "layernorm", "act": "moe_act"}
-# the row's code -> --router-aux-loss: the zoo's config sets aux_loss 1e-3 (Qwen3-235B-A22B.yaml at b06a6d8 and
-# b0b92ff); Megatron-LM 1e057005 computes it unfused, the E32 rows' config (b0b92ff) sets --moe-router-fusion
-# (TransformerEngine's kernels), and the t4 E8 row's command (run_235b.sh at 8017e11) --moe-router-aux-loss-fusion,
-# an argument of no public Megatron-LM whose kernels are priced as TransformerEngine's (`MODELZOO_AUX_FUSED`)
-MODELZOO_AUX_LOSS = {"main(1e057005)": "unfused", "moe_dev(f3e6c5)": "fused"}
-MODELZOO_AUX_FUSED = ("DeepEP", 4)  # the dispatcher and t of the row whose command fuses the loss
 MODELZOO_NOT_EXPRESSIBLE = {
     "Next-80B-A3B": "Qwen3-Next's Gated DeltaNet layers: pipesim counts no linear-attention layer, and examples/ "
                     "holds no config of it",
@@ -435,11 +430,21 @@ def _tokens_per_s_per_gpu(row: dict[str, str]) -> float:
     return int(row["global_batch"]) * int(row["seq_len"]) / (float(row["step_time_s"]) * int(row["gpus"]))
 
 
+def _modelzoo_aux_loss(row: dict[str, str], line: int) -> str:
+    """The row's --router-aux-loss, its `router_aux_loss` column (benchmarks/published/README.md gives each value's
+    source), refused in one line naming the file, line and column where it is none of ROUTER_AUX_LOSSES."""
+    setting = row["router_aux_loss"]
+    if setting not in ROUTER_AUX_LOSSES:
+        raise ValueError(f"{MODELZOO} line {line}, column router_aux_loss: {setting!r}, not one of "
+                         f"{', '.join(ROUTER_AUX_LOSSES)}")
+    return setting
+
+
 def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     """The Model Zoo's H100 rows as runs (the module docstring), each with its published tokens/s per GPU (the
     global batch's tokens over its step time and GPUs), and the rows pipesim cannot express, each named with why."""
     expressible, left_out = [], []
-    for row in _rows(MODELZOO):
+    for line, row in enumerate(_rows(MODELZOO), start=2):
         t, p, chunks, e, etp, gpus, batch, b, seq = _step_layout(row)
         overlap = row["notes"] == "+1f1b overlap"
         name = f"Model Zoo {row['model']} {row['dispatcher']} t{t} p{p} v{chunks} E{e}{' overlap' if overlap else ''}"
@@ -457,8 +462,7 @@ def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                      MODELZOO_DISPATCHERS[row["dispatcher"]], etp, overlap, None, "random", None, source=MODELZOO,
                      precision="megatron", recompute_modules=modules,
                      stage_cut=f"first-last:{per_chunk - 1},{per_chunk - 1}",
-                     router_aux_loss="fused" if (row["dispatcher"], t) == MODELZOO_AUX_FUSED
-                     else MODELZOO_AUX_LOSS[row["code"]])
+                     router_aux_loss=_modelzoo_aux_loss(row, line))
         expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 

@@ -82,3 +82,17 @@ def test_the_rows_pipesim_cannot_express_are_listed_with_why(monkeypatch):
     assert [run.name for run, _ in expressible] == [row["run"] for row in RECORDED]
     assert [(name, "Gated DeltaNet" in why or "Megatron-FSDP" in why) for name, why in left_out] == [
         ("Model Zoo 235B DeepEP t2 p1 v1 E8", True), ("Model Zoo Next-80B-A3B DeepEP t1 p4 v3 E32", True)]
+
+
+def test_each_rows_router_loss_is_its_csv_column_and_a_bad_one_is_refused_naming_where(monkeypatch):
+    """The router_aux_loss column (benchmarks/published/README.md: each value's source) is what each row's command
+    passes; a value outside none|unfused|fused is refused naming the file, its line and the column."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_moe
+
+    expressible, _ = published_moe.modelzoo_runs()
+    assert [run.router_aux_loss for run, _ in expressible] == ["fused", "fused", "unfused", "fused"]
+    bad = [dict(row, router_aux_loss="fuzed") if row["notes"] == "+1f1b overlap" else row for row in PUBLISHED]
+    monkeypatch.setattr(published_moe, "_rows", lambda name: bad if name == SOURCE else [])
+    with pytest.raises(ValueError, match=rf"^{SOURCE} line 3, column router_aux_loss: 'fuzed', not one of none"):
+        published_moe.modelzoo_runs()

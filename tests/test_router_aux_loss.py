@@ -101,7 +101,7 @@ def test_a_model_without_routed_experts_refuses_the_loss_in_one_line():
 ])
 def test_each_published_row_runs_its_recipes_loss(name, kind):
     """The published MoE rows (benchmarks/published_moe.json) pass the loss their recipe or command sets
-    (published_moe.py `BRIDGE_AUX_LOSS`, `MODELZOO_AUX_LOSS`, `DGXC_AUX_LOSS`)."""
+    (published_moe.py `BRIDGE_AUX_LOSS` and `DGXC_AUX_LOSS`, the Model Zoo CSV's `router_aux_loss`)."""
     commands = [shlex.split(row["command"]) for row in RECORDED if name in row["run"]]
     assert commands and {args[args.index("--router-aux-loss") + 1] if "--router-aux-loss" in args else "none"
                          for args in commands} == {kind}
