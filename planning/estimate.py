@@ -1717,7 +1717,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                          _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total,
                                           gathered_gradient_element_bytes(layer, parallel, element_bytes),
                                           tuple((i, nbytes / c) for i, nbytes in region_rerun)
-                                          if parallel.recompute in ("none", "selective") else ()),
+                                          if parallel.recompute in ("none", "selective") else (),
+                                          parallel.recompute_modules),
                          *rings, *wgrad_kept(layer, split, rest_share), timed, ring)
 
 
@@ -1835,7 +1836,8 @@ class Regions:
 
 
 def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float, gradient_element_bytes: int,
-                     region_rerun: Sequence[tuple[int, float]] = ()) -> dict[str, int]:
+                     region_rerun: Sequence[tuple[int, float]] = (), recomputed_regions: Sequence[str] = ()
+                     ) -> dict[str, int]:
     """Per pass, the bytes of the transient tensors at the pass's peak on one of the t·C ranks: under tensor or
     context parallelism the peak of the pass's allocations as the rank makes them (`_rank_pass` with
     `gradient_element_bytes`: a residual-stream tensor whole without sequence parallelism, as Megatron-LM keeps it,
@@ -1846,9 +1848,10 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float, gradie
     before it frees them (Korthikanti et al. 2022, section 4: full recomputation holds one layer's activations during
     its backward), for the whole pass; but a recomputed region's saved tensors of them, `region_rerun` ((index in
     `saved_tensors`, bytes on the rank)), where the count says when the pass reads them (`LayerCount.saved_reads`),
-    only from there, the backward's entry into the submodule the region runs in, until the node that last reads
-    them ends: the module's input-gradient pass reaches its decoder layer's norms after its head's cross entropy,
-    whose gradients are freed by then."""
+    only from the backward's entry into the submodule a region of `recomputed_regions` that made them runs in
+    (`LayerCount.saved_region_entries`: the earliest of those regions', not of a region that made them and is
+    kept) until the node that last reads them ends: the module's input-gradient pass reaches its decoder layer's
+    norms after its head's cross entropy, whose gradients are freed by then."""
     def peak(name: str, placed: Sequence[tuple[int, int, float]]) -> float:
         if not placed and ((split.t == 1 and split.context == 1) or not layer.allocations.get(name)):
             return sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
@@ -1865,7 +1868,9 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float, gradie
     transient = {}
     for name in PASSES:
         reads = layer.saved_reads.get(name, ()) if layer.allocations.get(name) else ()
-        placed = [(*reads[i], nbytes) for i, nbytes in region_rerun if i < len(reads) and reads[i][0] >= 0]
+        entries = layer.saved_region_entries.get(name, ()) or ({},) * len(reads)  # per region that made it
+        placed = [(min([first, *(entries[i].get(kind, first) for kind in recomputed_regions)]), end, nbytes)
+                  for i, nbytes in region_rerun if i < len(reads) for first, end in (reads[i],) if first >= 0]
         whole = max(recomputed - sum(nbytes for *_, nbytes in placed), 0.0) if name in ("bwd", "igrad") else 0.0
         transient[name] = round(peak(name, placed) + whole)
     return transient

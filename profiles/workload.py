@@ -197,6 +197,10 @@ class LayerCount:
     # last: the next node's unpacking, else the pass's end); (-1, -1): not read; {}: a count from before they were
     # recorded (workload/count.py `_LiveBytes.saved_reads`)
     saved_reads: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    # per backward pass, per saved tensor, per region of `RECOMPUTE_REGIONS` that made it, the position in
+    # allocations[pass] where recomputing that region makes it again at the earliest: the pass's entry into the
+    # submodule the region runs in, if before its first unpacking (workload/count.py `_saved_region_entries`)
+    saved_region_entries: dict[str, tuple[dict[str, int], ...]] = field(default_factory=dict)
     # Per region of `TRACED_REGIONS` that the layer runs (workload/count.py `_Regions`), what recomputing it
     # changes: `region_saves`, the indices in `saved_tensors` of those its ops created (dropped);
     # `region_inputs`, the storages its ops read and did not create, each (its number in allocations["fwd"], or

@@ -98,8 +98,9 @@ def test_its_blocks_recomputed_regions_are_made_again_after_its_cross_entropys_b
     module = counted(1).layers[-2]
     reads = module.saved_reads["igrad"]
     (logits,) = (i for i, (shape, _) in enumerate(module.saved_tensors) if shape == (TOKENS, VOCAB))
-    block = [i for name in ("mla_up_proj", "moe_act") for i in module.region_saves[name]]
-    assert block and all(reads[i][0] >= reads[logits][1] > reads[logits][0] >= 0 for i in block)
+    entries = module.saved_region_entries["igrad"]  # where recomputing each region makes its tensors again
+    block = [entries[i][name] for name in ("mla_up_proj", "moe_act") for i in module.region_saves[name]]
+    assert block and all(at >= reads[logits][1] > reads[logits][0] >= 0 for at in block)
     modules = ("layernorm", "mla_up_proj", "moe_act")
     plain, recomputed = priced(module).transient_bytes, priced(module, *modules).transient_bytes
     dropped = sum(module.saved_tensors[i][1] for i in Regions.of(module, modules).dropped)

@@ -9,6 +9,7 @@ from functools import cache
 
 import pytest
 import torch
+from torch import nn
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
@@ -20,7 +21,8 @@ from pipesim.planning.estimate import (
     layer_allocations,
     op_ms,
 )
-from pipesim.workload.count import WorkloadCount, count_built
+from pipesim.workload.count import WorkloadCount, count_built, count_model
+from pipesim.workload.models import Model
 from tests.conftest import needs_transformers, pipesim
 from tests.test_hf import write_config
 
@@ -91,6 +93,61 @@ def test_under_sequence_parallelism_the_norms_are_made_again_among_the_ranks_own
     assert dropped > 0
     for name in ("bwd", "igrad"):
         assert recomputed.transient_bytes[name] == plain.transient_bytes[name] + dropped, name
+
+
+class _UpProjection(nn.Module):
+    """A norm inside an up-projection (a module named as MLA's, "q_b_proj"): what the norm makes is in both
+    regions, the norm's, run in the up-projection, and the up-projection's, run in the attention above it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(H), nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class _Attention(nn.Module):
+    """The up-projection, then a product 8 times as wide, whose gradients make the backward's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_b_proj, self.up, self.down = _UpProjection(), nn.Linear(H, 8 * H), nn.Linear(8 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.q_b_proj(x))))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x)
+
+
+def test_a_tensor_two_regions_made_is_made_again_where_the_recomputed_one_is_entered():
+    """The norm's output and statistics are in both regions: recomputing the up-projection makes them again as the
+    backward enters the attention, beside the wide product's gradients (the peak); recomputing the norm alone, as
+    the backward enters the up-projection, after that peak, so the passes' peaks stay as without recomputation.
+    Taking the earliest entry of every region that made them, recomputed or not, put them beside the peak."""
+    with torch.device("meta"):
+        layers = [nn.Linear(H, H), _Block()]
+    model = Model("nested-regions", layers, lambda n, gen: (torch.randn(n, H, generator=gen), None),
+                  lambda out, target: out.float().square().mean())
+    block = count_model(model, TOKENS, torch.bfloat16).layers[1]
+    norms = block.region_saves["layernorm"]
+    assert norms and set(norms) < set(block.region_saves["mla_up_proj"])
+    for name in ("bwd", "igrad"):
+        entries = block.saved_region_entries[name]
+        assert all(entries[i]["mla_up_proj"] < entries[i]["layernorm"] for i in norms), name
+    plain, norm, up = priced(block), priced(block, "layernorm"), priced(block, "mla_up_proj")
+    assert norm.activation_bytes < plain.activation_bytes
+    dropped = plain.activation_bytes - up.activation_bytes
+    for name in ("bwd", "igrad"):
+        assert norm.transient_bytes[name] == plain.transient_bytes[name], name
+        assert up.transient_bytes[name] == plain.transient_bytes[name] + dropped, name
 
 
 def test_the_allocator_replays_the_norms_outputs_made_again_in_the_backward():

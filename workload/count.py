@@ -940,26 +940,31 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         product_allocations={"fwd": fwd.products, "bwd": full.products, "igrad": igrad.products,
                              "wgrad": wgrad.products},
         saved_allocations=fwd.live.alive(saved), forward_reads=fwd.live.reads(),
-        saved_reads={name: _saved_reads(saved, regions, tally) for name, tally in (("bwd", full), ("igrad", igrad))},
+        saved_reads={name: tally.live.saved_reads(saved, len(tally.allocations))
+                     for name, tally in (("bwd", full), ("igrad", igrad))},
+        saved_region_entries={name: _saved_region_entries(saved, regions, tally)
+                              for name, tally in (("bwd", full), ("igrad", igrad))},
         **_region_fields(regions, fwd.live, saved))
     return count, out.detach()
 
 
-def _saved_reads(saved: dict[int, _Save], regions: _Regions, tally: _Tally) -> tuple[tuple[int, int], ...]:
-    """`LayerCount.saved_reads` of a backward pass's `tally`: per storage of `saved`, (where the pass first reads
-    it, or where it first reads any storage saved under the submodule a region that made it runs in, if earlier;
-    where the node that last reads it has ended). A recomputed region (Megatron-core's CheckpointWithoutOutput,
-    megatron/core/tensor_parallel/random.py) is made again by a hook on the gradient of a later tensor in that
-    submodule (`discard_output_and_register_recompute`: a transformer layer's attention or MLP output, for the norm
-    before it), which the backward reaches no earlier than its entry into the submodule, taken as its first read of
-    a storage saved under it: what a region made is held from there at the most."""
+def _saved_region_entries(saved: dict[int, _Save], regions: _Regions, tally: _Tally
+                          ) -> tuple[dict[str, int], ...]:
+    """`LayerCount.saved_region_entries` of a backward pass's `tally`: per storage of `saved`, per region that made
+    it, where the pass first reads it or any storage saved under the submodule that region runs in, if earlier. A
+    recomputed region (Megatron-core's CheckpointWithoutOutput, megatron/core/tensor_parallel/random.py) is made
+    again by a hook on the gradient of a later tensor in that submodule (`discard_output_and_register_recompute`: a
+    transformer layer's attention or MLP output, for the norm before it), which the backward reaches no earlier
+    than its entry into the submodule, taken as its first read of a storage saved under it: what a region made is
+    held from there at the most. Kept per region, since a storage two regions made is made again where the one
+    recomputed is entered, not the other (planning/estimate.py `_transient_bytes`)."""
     reads = tally.live.saved_reads(saved, len(tally.allocations))
     entered: dict[str, int] = {}  # a submodule's qualified name -> the pass's first read of a storage saved under it
     for (first, _), save in zip(reads, saved.values()):
         for name in save.under if first >= 0 else ():
             entered[name] = min(entered.get(name, first), first)
-    return tuple((min([first, *(entered.get(where, first) for where in regions.kinds.get(key, {}).values())]), end)
-                 if first >= 0 else (first, end) for key, (first, end) in zip(saved, reads))
+    return tuple({kind: min(first, entered.get(where, first)) for kind, where in regions.kinds.get(key, {}).items()}
+                 if first >= 0 else {} for key, (first, _) in zip(saved, reads))
 
 
 def _weight_grad_outputs(products: list[_Product]
