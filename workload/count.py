@@ -900,6 +900,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         out = model.loss(out, target) if last else out
     igrad, wgrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights + list(shared_weights(layer)),
                                    routed, reading)
+    saved_reads = {name: tally.live.saved_reads(saved, len(tally.allocations))  # found once, read twice
+                   for name, tally in (("bwd", full), ("igrad", igrad))}
     shapes = tuple((tuple(w.shape), w.dtype) for w in weights)
     for name in OPTIMIZERS:
         if (name, shapes) not in steps:
@@ -940,25 +942,24 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         product_allocations={"fwd": fwd.products, "bwd": full.products, "igrad": igrad.products,
                              "wgrad": wgrad.products},
         saved_allocations=fwd.live.alive(saved), forward_reads=fwd.live.reads(),
-        saved_reads={name: tally.live.saved_reads(saved, len(tally.allocations))
-                     for name, tally in (("bwd", full), ("igrad", igrad))},
-        saved_region_entries={name: _saved_region_entries(saved, regions, tally)
-                              for name, tally in (("bwd", full), ("igrad", igrad))},
+        saved_reads=saved_reads,
+        saved_region_entries={name: _saved_region_entries(saved, regions, reads)
+                              for name, reads in saved_reads.items()},
         **_region_fields(regions, fwd.live, saved))
     return count, out.detach()
 
 
-def _saved_region_entries(saved: dict[int, _Save], regions: _Regions, tally: _Tally
+def _saved_region_entries(saved: dict[int, _Save], regions: _Regions, reads: tuple[tuple[int, int], ...]
                           ) -> tuple[dict[str, int], ...]:
-    """`LayerCount.saved_region_entries` of a backward pass's `tally`: per storage of `saved`, per region that made
-    it, where the pass first reads it or any storage saved under the submodule that region runs in, if earlier. A
-    recomputed region (Megatron-core's CheckpointWithoutOutput, megatron/core/tensor_parallel/random.py) is made
-    again by a hook on the gradient of a later tensor in that submodule (`discard_output_and_register_recompute`: a
-    transformer layer's attention or MLP output, for the norm before it), which the backward reaches no earlier
-    than its entry into the submodule, taken as its first read of a storage saved under it: what a region made is
-    held from there at the most. Kept per region, since a storage two regions made is made again where the one
-    recomputed is entered, not the other (planning/estimate.py `_transient_bytes`)."""
-    reads = tally.live.saved_reads(saved, len(tally.allocations))
+    """`LayerCount.saved_region_entries` of a backward pass whose `reads` of `saved` are `_LiveBytes.saved_reads`':
+    per storage of `saved`, per region that made it, where the pass first reads it or any storage saved under the
+    submodule that region runs in, if earlier. A recomputed region (Megatron-core's CheckpointWithoutOutput,
+    megatron/core/tensor_parallel/random.py) is made again by a hook on the gradient of a later tensor in that
+    submodule (`discard_output_and_register_recompute`: a transformer layer's attention or MLP output, for the norm
+    before it), which the backward reaches no earlier than its entry into the submodule, taken as its first read of
+    a storage saved under it: what a region made is held from there at the most. Kept per region, since a storage
+    two regions made is made again where the one recomputed is entered, not the other (planning/estimate.py
+    `_transient_bytes`)."""
     entered: dict[str, int] = {}  # a submodule's qualified name -> the pass's first read of a storage saved under it
     for (first, _), save in zip(reads, saved.values()):
         for name in save.under if first >= 0 else ():
