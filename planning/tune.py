@@ -445,7 +445,7 @@ def _within_margin(shapes: list[Shape], built: _Built, problem: Problem, choice:
     cap, fastest = problem.memory_cap_bytes, speed_key(choice.samples_per_s)
     count = 0
     for shape in shapes:
-        item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
+        item = built.known(shape)
         if item is None or item.memory_floor_bytes > cap:
             continue
         count += fastest < speed_key(_known_bound(built, shape.index, item)) <= margin
@@ -537,7 +537,7 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     later passes will want of the stale candidates built meanwhile (`_Built.ahead_of_staler`)."""
     heap = []
     for shape in shapes:
-        item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
+        item = built.known(shape)
         if item is not None and eligible(item):
             heap.append((-item.max_samples_per_s, shape.index, item))
     heapq.heapify(heap)
@@ -684,6 +684,11 @@ class _Built:
         # REDUCE by its bytes and its routed experts' (`_layer_reduces_ms`)
         self._layers: dict[int, tuple[np.ndarray, bool, np.ndarray]] = {}  # by id of the setting (`_layer_bytes`)
         self._expert_groups: dict[tuple[int, int, int], int | None] = {}  # by setting, p and d (`_expert_ranks`)
+
+    def known(self, shape: Shape) -> Shape | Candidate | None:
+        """What the search has made of `shape` so far: its candidate (None: refused once built), else the shape
+        bounded on its partition (`advance`), else the shape itself."""
+        return self.candidates.get(shape.index, self.partitioned.get(shape.index, shape))
 
     def advance(self, shape: Shape) -> Shape | Candidate | None:
         """What a shape becomes once its bound comes up: its candidate; first, for a searched order, whose search
