@@ -17,11 +17,11 @@ from pipesim.workload.count import count_built
 from pipesim.workload.hf import _quick_geglu_limit
 from tests.conftest import needs_transformers
 from tests.test_hf import write_config
-from tests.test_moe import FFN, GPT_OSS, MIXTRAL, B, S
+from tests.test_moe import FFN, GPT_OSS, MIXTRAL, B, S, count_config
 
 
 def _moe_layer(tmp_path, name: str, fields: dict):
-    return count_built(f"hf:{write_config(tmp_path / name, fields)}", {"seq_len": S}, B, torch.bfloat16).layers[1]
+    return count_config(tmp_path / name, fields).layers[1]
 
 
 @needs_transformers

@@ -34,6 +34,12 @@ def block(counted: WorkloadCount):
     return counted.layers[1]
 
 
+def count_config(folder: Path, fields: dict, *args, **kwargs) -> WorkloadCount:
+    """A Hugging Face config of `fields`, written in `folder`, counted at S tokens a sequence, B sequences, in
+    bfloat16 (count_built's further arguments, `args` and `kwargs`, as given)."""
+    return count_built(f"hf:{write_config(folder, fields)}", {"seq_len": S}, B, torch.bfloat16, *args, **kwargs)
+
+
 def test_expected_tokens_are_k_over_e_of_them_or_the_capacity():
     assert expected_tokens(64, 2, 8) == 16
     assert expected_tokens(64, 2, 8, capacity_factor=1.25) == 20
@@ -241,7 +247,7 @@ MIXTRAL = {**LLAMA, "model_type": "mixtral", "intermediate_size": FFN, "num_loca
 def test_a_mixtral_config_does_a_llamas_products_with_a_k_times_wider_mlp_plus_the_router(tmp_path):
     """transformers runs Mixtral's experts as grouped products, which torch's FLOP counter counts as nothing;
     pipesim runs them as one product per expert at its expected share, so the count is Llama's of MLP k·f."""
-    mixtral, llama = (count_built(f"hf:{write_config(tmp_path / name, fields)}", {"seq_len": S}, B, torch.bfloat16)
+    mixtral, llama = (count_config(tmp_path / name, fields)
                       for name, fields in (("mixtral", MIXTRAL), ("llama", LLAMA)))
     moe, dense = mixtral.layers[1], llama.layers[1]
     assert (moe.fwd_flops - dense.fwd_flops, moe.igrad_flops - dense.igrad_flops,
@@ -259,7 +265,7 @@ QWEN3_MOE = {**QWEN3, "model_type": "qwen3_moe", "num_experts_per_tok": TOP_K, "
 def test_a_qwen3_moe_config_of_no_experts_is_counted_as_the_dense_qwen3_transformers_builds(tmp_path):
     """transformers builds Qwen3-MoE's layer with a dense MLP of intermediate_size where num_experts is 0
     (modeling_qwen3_moe.py's `config.num_experts > 0`): the same products and weights as Qwen3's."""
-    moe, dense = (count_built(f"hf:{write_config(tmp_path / name, fields)}", {"seq_len": S}, B, torch.bfloat16)
+    moe, dense = (count_config(tmp_path / name, fields)
                   for name, fields in (("moe", {**QWEN3_MOE, "num_experts": 0}), ("dense", QWEN3)))
     assert [(layer.fwd_flops, layer.igrad_flops, layer.wgrad_flops, layer.param_bytes) for layer in moe.layers] == \
         [(layer.fwd_flops, layer.igrad_flops, layer.wgrad_flops, layer.param_bytes) for layer in dense.layers]
@@ -300,7 +306,7 @@ def _figures(counted: WorkloadCount) -> tuple:
 def test_a_config_of_two_experts_fields_is_counted_by_the_one_transformers_reads(tmp_path, fields, read):
     """The model a config of two of the fields describes is the one of the field transformers reads: counted as
     that config alone (Qwen2-MoE's num_local_experts was read first: 8 experts priced where 4 were built)."""
-    both, one = (count_built(f"hf:{write_config(tmp_path / name, config)}", {"seq_len": S}, B, torch.bfloat16)
+    both, one = (count_config(tmp_path / name, config)
                  for name, config in (("both", fields), ("one", read)))
     assert _figures(both) == _figures(one)
 
@@ -355,7 +361,7 @@ def test_a_gpt_oss_config_does_a_mixtrals_products_and_holds_its_biases_and_sink
     """gpt-oss's experts, with their biases and clamped SwiGLU, do Mixtral's products (a bias adds no FLOPs); its
     extra weights are the biases (q, k, v and o; the router's; each expert's gate/up and down, which expert
     parallelism shards with the experts) and one sink a head."""
-    oss, mixtral = (count_built(f"hf:{write_config(tmp_path / name, fields)}", {"seq_len": S}, B, torch.bfloat16)
+    oss, mixtral = (count_config(tmp_path / name, fields)
                     for name, fields in (("oss", GPT_OSS), ("mixtral", MIXTRAL)))
     moe, plain = oss.layers[1], mixtral.layers[1]
     assert (moe.fwd_flops, moe.igrad_flops, moe.wgrad_flops) == (plain.fwd_flops, plain.igrad_flops,
@@ -380,8 +386,8 @@ def test_a_gpt_oss_up_product_with_its_bias_is_recorded_as_a_mixtrals(tmp_path):
     experts' grouped product with weights as Mixtral's bmm is, so the count records the same products for their
     weight gradients, the up one with its bias's bytes, and the layer's unfused weights (accumulated in a pass of their
     own) are its weights outside those products, Mixtral's plus gpt-oss's extra ones."""
-    oss, mixtral = (count_built(f"hf:{write_config(tmp_path / name, fields)}", {"seq_len": S}, B, torch.bfloat16
-                                ).layers[1] for name, fields in (("oss", GPT_OSS), ("mixtral", MIXTRAL)))
+    oss, mixtral = (count_config(tmp_path / name, fields).layers[1]
+                    for name, fields in (("oss", GPT_OSS), ("mixtral", MIXTRAL)))
     assert (oss.weight_grad_outputs, oss.weight_grad_routed) == (mixtral.weight_grad_outputs,
                                                                 mixtral.weight_grad_routed)
     assert sum(oss.weight_grad_routed) == 2
@@ -396,15 +402,13 @@ def test_a_sliding_window_layers_flash_kernels_carry_its_window_forward_and_back
     """gpt-oss's "sliding_attention" layers (and a Mistral's sliding_window) attend each query to its last w keys:
     the fused kernels, forward and backward, are recorded with w; a "full_attention" layer's with none."""
     fields = {**GPT_OSS, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
-    counted = count_built(f"hf:{write_config(tmp_path / 'oss', fields)}", {"seq_len": S}, B, torch.bfloat16,
-                          "flash")
+    counted = count_config(tmp_path / "oss", fields, "flash")
     windows = [[(op.op, op.window) for name in ("fwd", "bwd", "igrad") for op in layer.ops[name]
                 if op.kind == "attention"] for layer in counted.layers[1:3]]
     kernels = ["_scaled_dot_product_flash_attention"] + ["_scaled_dot_product_flash_attention_backward"] * 2
     assert windows == [list(zip(kernels, (8, 8, 8))), list(zip(kernels, (0, 0, 0)))]
     mistral = {**LLAMA, "model_type": "mistral", "sliding_window": 8}
-    counted = count_built(f"hf:{write_config(tmp_path / 'mistral', mistral)}", {"seq_len": S}, B, torch.bfloat16,
-                          "flash")
+    counted = count_config(tmp_path / "mistral", mistral, "flash")
     assert {op.window for name in ("fwd", "bwd") for op in counted.layers[1].ops[name] if op.kind == "attention"} == {8}
 
 
@@ -433,8 +437,7 @@ TINY_DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": H, "intermediate_si
 def test_mla_under_flash_pads_the_values_to_the_queries_head_size(tmp_path):
     """torch's flash kernel takes one head size: MLA's values (16) are padded to the queries' and keys' (16 + 8),
     so both of its products run at 24 (4·b·heads·s²·24 FLOPs, every score counted as torch counts them)."""
-    counted = count_built(f"hf:{write_config(tmp_path / 'deepseek', TINY_DEEPSEEK)}", {"seq_len": S}, B,
-                          torch.bfloat16, "flash")
+    counted = count_config(tmp_path / "deepseek", TINY_DEEPSEEK, "flash")
     attention = [op for op in counted.layers[2].ops["fwd"] if op.kind == "attention"]
     assert [(op.shape, op.flops) for op in attention] == [((B * 2, S, S, 24), 4 * B * 2 * S * S * 24)]
     assert counted.layers[1].expert_param_bytes == 0 and counted.layers[2].expert_param_bytes > 0
@@ -452,8 +455,7 @@ def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_split
     none (tests/test_router_tensor_parallel.py)."""
     from pipesim.planning.estimate import Parallelism, _Split
 
-    counted = count_built(f"hf:{write_config(tmp_path / 'deepseek', TINY_DEEPSEEK)}", {"seq_len": S}, B,
-                          torch.bfloat16, "flash")
+    counted = count_config(tmp_path / "deepseek", TINY_DEEPSEEK, "flash")
     layer = counted.layers[2]
     split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime))
     reduced = reductions(split, [op for op in layer.ops["igrad"] if op.kind == "matmul"], "igrad")

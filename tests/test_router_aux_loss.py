@@ -8,20 +8,17 @@ import shlex
 from pathlib import Path
 
 import pytest
-import torch
 
-from pipesim.workload.count import count_built
 from tests.conftest import needs_transformers, pipesim, simulate_json
 from tests.test_hf import write_config
-from tests.test_moe import QWEN3_MOE, B, S
+from tests.test_moe import QWEN3_MOE, B, S, count_config
 
 CONFIG = {**QWEN3_MOE, "num_experts": 8}
 RECORDED = json.loads((Path(__file__).parents[1] / "benchmarks" / "published_moe.json").read_text())["rows"]
 
 
 def _moe_layer(tmp_path, kind: str):
-    return count_built(f"hf:{write_config(tmp_path / 'qwen3-moe', CONFIG)}", {"seq_len": S}, B, torch.bfloat16,
-                       router_aux_loss=kind).layers[1]
+    return count_config(tmp_path / "qwen3-moe", CONFIG, router_aux_loss=kind).layers[1]
 
 
 def _kernels(layer, names=None) -> dict[str, int]:
