@@ -433,8 +433,8 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
     staler_row = row(staler) if staler else None
     unsimulated = StalerBound(len(bounds), max(bounds)) if staler_row and bounds else None
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster], stats,
-                  _notes(settings, problem) + leanest + [_within_margin_note(within)] * bool(within) + (
-                      [_staler_note(staler_row, choice, unsimulated)] if staler_row else []),
+                  _notes(settings, problem) + leanest + ([_within_margin_note(within)] if within else [])
+                  + ([_staler_note(staler_row, choice, unsimulated)] if staler_row else []),
                   staler_row, unsimulated, within)
 
 
