@@ -1664,9 +1664,10 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     for i, ((shape, nbytes), part) in enumerate(zip(layer.saved_tensors, named)):
         core = split.core(shape)
         kept_bytes = nbytes / t if core else nbytes if i in whole else nbytes * rest_share
-        if (core and parallel.recompute == "selective") or i in regions.dropped:
+        selective = core and parallel.recompute == "selective"  # made again by selective recomputation
+        if selective or i in regions.dropped:
             rerun_bytes += kept_bytes
-            if i in regions.dropped and not (core and parallel.recompute == "selective"):
+            if not selective:
                 region_rerun.append((i, kept_bytes))
         else:
             parts[part] += kept_bytes
