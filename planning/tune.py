@@ -290,7 +290,7 @@ class Stats:
     simulated_over_limits: int  # stale or over the memory floor, simulated only to show what the limits cost
     simulated_leanest: int  # leanest cuts simulated where no cut for time fits the cap (`_fastest_leanest`)
     seconds: float
-    refused_built: int = 0  # of `refused`, shapes searched and refused once built (a searched order short of memory)
+    refused_built: int  # of `refused`, shapes searched and refused once built (a searched order short of memory)
 
     @property
     def configurations(self) -> int:
