@@ -131,9 +131,14 @@ class ExpertGroup:
         E·ETP/(t·C) shares of the micro-batch's tokens its group dispatches (`random_routing_load`)."""
         if self.routing == "balanced" or self.hot_share is not None or not layer.dispatched_bytes:
             return self.load
-        tokens = math.prod(layer.output_shape[:-1]) * self.ranks * self.tensor / (self.dense_tensor * self.context)
-        return random_routing_load(self.experts, round(layer.dispatched_bytes / layer.output_bytes), self.ranks,
-                                   tokens)
+        tokens, copies = self._dispatched(layer)
+        return random_routing_load(self.experts, copies, self.ranks, tokens)
+
+    def _dispatched(self, layer: LayerCount) -> tuple[float, int]:
+        """What the group's E ranks dispatch in `layer`: the tokens, each of the E·ETP ranks' 1/(t·C) of the
+        micro-batch, and the copies of each (the router's top-k)."""
+        return (math.prod(layer.output_shape[:-1]) * self.ranks * self.tensor / (self.dense_tensor * self.context),
+                round(layer.dispatched_bytes / layer.output_bytes))
 
     def local(self, layer: LayerCount) -> LayerCount:
         """`layer` as the group's busiest rank runs it: its routed experts' grouped products at the shapes
@@ -215,8 +220,8 @@ class ExpertGroup:
         if self.dispatcher != "deepep" or not self.experts or not layer.dispatched_bytes:
             return {}
         local = self.experts // self.ranks
-        sent = math.prod(layer.output_shape[:-1]) * self.ranks * self.tensor / (self.dense_tensor * self.context)
-        received = round(sent * self._receives(local, round(layer.dispatched_bytes / layer.output_bytes)) * load)
+        sent, copies = self._dispatched(layer)
+        received = round(sent * self._receives(local, copies) * load)
         return {name: tuple(OpCount(op, "memory", (received, local), 0, received * local * 8, 1, routed=True)
                             for op in ops)
                 for name, ops in (("fwd", MULTIHOT_OPS["fwd"]), ("bwd", MULTIHOT_OPS["bwd"]),
