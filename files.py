@@ -58,3 +58,10 @@ def first_error(exc: Any) -> str:
     err = exc.errors()[0]
     where = ".".join(map(str, err["loc"]))
     return f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}"
+
+
+def is_trace_document(doc: Any) -> bool:
+    """Whether a JSON document has a pipesim trace's top-level keys (traces/trace.py `to_chrome`'s), so that a trace
+    given where another file is read (a profile, a study's results) is refused as a trace, not by the first field it
+    lacks."""
+    return isinstance(doc, dict) and {"traceEvents", "pipesim"} <= doc.keys()

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from ..choices import choose_from
-from ..files import first_error, read_json
+from ..files import first_error, is_trace_document, read_json
 from ..memory_parts import SAVED_PARTS
 from ..units import MAX_BYTES, MAX_MS, MIB, count_text
 from .partition import (
@@ -1169,7 +1169,7 @@ def _shared_steps(profile: Profile, shares: Sequence[float], optimizers: Sequenc
 def load_profile(path: str | Path) -> Profile:
     """Read and check a profile; ProfileError names the file and the first field that is wrong."""
     raw = read_json(path, ProfileError, "profile")
-    if isinstance(raw, dict) and {"traceEvents", "pipesim"} <= raw.keys():  # traces/trace.py's, as `read_trace` tells
+    if is_trace_document(raw):
         raise ProfileError(f"{path} is a pipesim trace, not a profile: `pipesim view` draws it; give a profile that "
                            "`pipesim calibrate --out` or `pipesim estimate --out` wrote")
     if isinstance(raw, dict) and "model_type" in raw and "schema_version" not in raw:  # transformers' config.json

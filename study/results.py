@@ -13,8 +13,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..files import first_error, read_json
-from ..traces.trace import is_trace_document, write_atomic
+from ..files import first_error, is_trace_document, read_json
+from ..traces.trace import write_atomic
 from .plan import Arm, RunKey, Setting
 
 FORMAT_VERSION = 1

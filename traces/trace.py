@@ -300,12 +300,6 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
     }
 
 
-def is_trace_document(doc: Any) -> bool:
-    """Whether a JSON document has a pipesim trace's top-level keys (`to_chrome`'s), so that a trace given where
-    another file is read (a profile, a study's results) is refused as a trace, not by the first field it lacks."""
-    return isinstance(doc, dict) and {"traceEvents", "pipesim"} <= doc.keys()
-
-
 def from_chrome(doc: Any) -> Trace:
     """Read a document written by `to_chrome`; raises TraceError naming what is missing or wrong."""
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
