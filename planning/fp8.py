@@ -139,17 +139,9 @@ class Fp8Recipe:
     `multi_tensor_quantize_impl` at 006b336: `nvte_multi_cast_transpose` for delayed scaling's quantizers only,
     "Quantize kernels individually" for the rest); `routed_output_gradient_tile`: the routed experts'
     down-projection's output gradient kept for a deferred weight pass in float8, a float32 scale a tile of that many
-    elements of a row (None: as counted); `fuses_bias_gradients`: under TransformerEngine's layers
-    (`--linear-kernel te`) a product's bias gradient comes out of its output gradient's cast (planning/te.py);
-    `clones_scale_inverses`: each TransformerEngine module's forward clones its scale-inverses
-    (`fp8_meta["scaling_fwd"].scale_inv.clone()` in linear.py and layernorm_linear.py at v1.7 to v1.10,
-    grouped_linear.py at v1.9 and v1.10, gone from the three at v1.11, from layernorm_mlp.py at v2.0: te's, as the
-    H100 runs' v1.10-era containers ran it; a 2.x run of delayed scaling has none), one small kernel a module
-    (planning/te.py `te_modules`) and forward; `reduces_and_updates_amaxes`: delayed scaling's amax history,
-    all-reduced when a chunk's forward and its backward end and updated by the kernels around that
-    (`reduce_and_update_fp8_tensors`: fp8.py at v1.7, v1.10 and v1.12, quantization.py at v2.9; planning/scenario.py
-    `amax_reduction_ms`, `amax_update_ms`): te's; current scaling takes each tensor's amax as it casts it and
-    DeepSeek-V3 each tile's, with no history."""
+    elements of a row (None: as counted); `delayed_scaling`: TransformerEngine's delayed scaling as its 1.x
+    modules run it (te's, as the H100 runs' v1.10-era containers ran it); the work it adds beside the products is
+    its three properties' (`fuses_bias_gradients`, `clones_scale_inverses`, `reduces_and_updates_amaxes`)."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -164,17 +156,37 @@ class Fp8Recipe:
     gathers_float8: bool = False  # sequence-parallel all-gathers move the float8 copies
     fuses_split_casts: bool = False  # a per-expert product's splits cast by one kernel (`per_expert_products`)
     routed_output_gradient_tile: int | None = None  # the routed down-projection's output gradient kept so until W
-    fuses_bias_gradients: bool = False  # a TransformerEngine product's bias gradient from its cast (planning/te.py)
-    clones_scale_inverses: bool = False  # each module's forward clones its scale-inverses, a kernel (`in_float8`)
-    reduces_and_updates_amaxes: bool = False  # delayed scaling's amax all-reduce and update a chunk's passes end
+    delayed_scaling: bool = False  # TransformerEngine's delayed scaling, an amax history, as its 1.x modules run it
+
+    @property
+    def fuses_bias_gradients(self) -> bool:
+        """Under TransformerEngine's layers (`--linear-kernel te`) a product's bias gradient comes out of its output
+        gradient's cast (planning/te.py): under delayed scaling, at v1.10 and v2.9 alike."""
+        return self.delayed_scaling
+
+    @property
+    def clones_scale_inverses(self) -> bool:
+        """Each TransformerEngine module's forward clones its scale-inverses, one small kernel a module
+        (planning/te.py `te_modules`) and forward (`in_float8`): `fp8_meta["scaling_fwd"].scale_inv.clone()` in
+        linear.py and layernorm_linear.py at v1.7 to v1.10, grouped_linear.py at v1.9 and v1.10, gone from the
+        three at v1.11, from layernorm_mlp.py at v2.0. A 2.x run of delayed scaling has none: a recipe for one
+        would state this apart from `delayed_scaling`."""
+        return self.delayed_scaling
+
+    @property
+    def reduces_and_updates_amaxes(self) -> bool:
+        """Delayed scaling's amax history, all-reduced when a chunk's forward and its backward end and updated by
+        the kernels around that (`reduce_and_update_fp8_tensors`: fp8.py at v1.7, v1.10 and v1.12, quantization.py
+        at v2.9; planning/scenario.py `amax_reduction_ms`, `amax_update_ms`); current scaling takes each tensor's
+        amax as it casts it and DeepSeek-V3 each tile's, with no history."""
+        return self.delayed_scaling
 
 
 FP8_RECIPES = {
     "te": Fp8Recipe(casts={"fwd": ("input",), "bwd": ("grad",), "igrad": ("grad",), "wgrad": ()},
                     kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True,
                     weight_copy_bytes=2 * FP8_BYTES, routed=True, split_accumulation=BACKWARD_PASSES,
-                    gathers_float8=True, fuses_split_casts=True, fuses_bias_gradients=True,
-                    clones_scale_inverses=True, reduces_and_updates_amaxes=True),
+                    gathers_float8=True, fuses_split_casts=True, delayed_scaling=True),
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False,
@@ -182,8 +194,7 @@ FP8_RECIPES = {
 }
 FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("zero_amax", 0, 0), ("amax", 1, 0), ("scale", 0, 0),
                                                                   ("cast_transpose", 1, 2)), fuses_split_casts=False,
-                                    fuses_bias_gradients=False, clones_scale_inverses=False,
-                                    reduces_and_updates_amaxes=False)
+                                    delayed_scaling=False)
 FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
 # the scale-inverses a TransformerEngine 1.x module's forward keeps: its input's, weight's and output's
 # (fp8_meta["scaling_fwd"], `num_gemms * 3`), which `clones_scale_inverses` copies
@@ -192,8 +203,8 @@ SCALE_INVERSES = 3
 # `gemm_fp8_fp8_bf16_nt` takes them (its LHS scales: float32, (m, ceil(k / 128)))
 TILE_ELEMENTS = 128
 FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
-                                  split_accumulation=(), fuses_bias_gradients=False, clones_scale_inverses=False,
-                                  reduces_and_updates_amaxes=False, routed_output_gradient_tile=TILE_ELEMENTS)
+                                  split_accumulation=(), delayed_scaling=False,
+                                  routed_output_gradient_tile=TILE_ELEMENTS)
 FP8_RECIPES["torchao-2024"] = replace(FP8_RECIPES["torchao"], casts={"fwd": ("input", "weight"), "bwd": ("grad",),
                                                                       "igrad": ("grad",), "wgrad": ()},
                                       saves_float8_inputs=True, saves_float8_weights=True)
