@@ -7,6 +7,7 @@ same way."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -65,3 +66,13 @@ def is_trace_document(doc: Any) -> bool:
     given where another file is read (a profile, a study's results) is refused as a trace, not by the first field it
     lacks."""
     return isinstance(doc, dict) and {"traceEvents", "pipesim"} <= doc.keys()
+
+
+# `is_trace_document`'s keys as a file's bytes hold them: the "traceEvents" list and the "pipesim" header
+_TRACE_KEYS = (re.compile(rb'"traceEvents"\s*:\s*\['), re.compile(rb'"pipesim"\s*:\s*\{'))
+
+
+def is_trace_bytes(data: bytes) -> bool:
+    """Whether a file's bytes are a pipesim trace's: a JSON object with `is_trace_document`'s keys, however a JSON
+    tool laid it out (re-indented, its keys reordered), told without parsing what may be a gigabyte of events."""
+    return data.lstrip().startswith(b"{") and all(key.search(data) for key in _TRACE_KEYS)

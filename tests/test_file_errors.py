@@ -1,6 +1,7 @@
 """A file that cannot be used is one line that says whether it was read or written, which path, and the flag
 that named it; never "cannot write" for a file only read, never a traceback."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -178,6 +179,22 @@ def test_an_output_refuses_to_replace_a_file_of_another_kind(tmp_path, monkeypat
     assert (code, out) == (2, ""), err
     assert err.startswith(f"error: {args[-1]}: mine exists and is not a {kind}; ") and err.count("\n") == 1, err
     assert (tmp_path / "mine").read_text() == there and sorted(p.name for p in tmp_path.iterdir()) == ["mine", "t.json"]
+
+
+def test_a_trace_laid_out_anew_is_replaced_and_a_profile_is_not(tmp_path, monkeypatch):
+    """A trace re-indented with its keys sorted (`python -m json.tool --sort-keys`) was "not a pipesim trace", which
+    --trace refused to replace: the check wanted `{"traceEvents"` first."""
+    monkeypatch.chdir(tmp_path)
+    assert pipesim("simulate", "-s", "1f1b", "--trace", "t.json")[0] == 0
+    written = (tmp_path / "t.json").read_text()
+    (tmp_path / "t.json").write_text(json.dumps(json.loads(written), indent=2, sort_keys=True))
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--trace", "t.json")
+    assert code == 0 and (tmp_path / "t.json").read_text() == written, err
+    profile = json.dumps(json.loads(PROFILE_TEXT), indent=4)
+    (tmp_path / "p.json").write_text(profile)
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--trace", "p.json")
+    assert code == 2 and err.startswith("error: --trace: p.json exists and is not a pipesim trace; "), err
+    assert (tmp_path / "p.json").read_text() == profile
 
 
 def test_sweep_replaces_its_own_results_and_no_other_file(tmp_path, monkeypatch):
