@@ -2,7 +2,8 @@
 
 A leaf like `units`: the catalogue, the profile schema, the sweep's grid, cluster, graph, trace, study results,
 Hugging Face config and torch schedule CSV files are read through it, so every file a user hands pipesim fails the
-same way."""
+same way; and what tells pipesim's own traces and pages from other files, where one is given in another's place or
+would be replaced."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The global every page pipesim draws sets before anything else runs (traces/view.py's health script): what tells
+# its pages from any other file (commands/common.py `PAGE`, the pages an --html may replace)
+PAGE_HEALTH = "window.pipesimHealth"
 
 def read_toml(path: Path, error: type[Exception], prefix: str = "") -> dict:
     """The TOML document at `path`; an unreadable, non-UTF-8 or invalid file raises `error` (its message led by

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import pytest
 from plotly.offline import get_plotlyjs
 
+from pipesim.commands.common import PAGE
 from pipesim.traces import summarize
 from pipesim.traces.compare import compare
 from pipesim.traces.view import (
@@ -151,6 +152,16 @@ def test_figure_page_embeds_plotly_once_with_its_headings(tmp_path):
     text = path.read_text(encoding="utf-8")
     assert text.count(get_plotlyjs()) == 1 and text.count("Plotly.newPlot(") == 2
     assert "<h2>two</h2>" in text and "<title>figures</title>" in text and "pipesimHealth" in text
+
+
+def test_both_writers_pages_are_what_an_html_flag_may_replace(trace, tmp_path):
+    """commands/common.py `PAGE` knows a page by the global its health script sets (files.py `PAGE_HEALTH`), which
+    both writers spell from that one constant; a page of someone else's is not one."""
+    figures, timeline = tmp_path / "figures.html", tmp_path / "timeline.html"
+    write_html([("one", go.Figure(go.Bar(x=[1], y=[1])))], figures)
+    write_timeline_page([trace], timeline)
+    assert PAGE.is_one(figures.read_bytes()) and PAGE.is_one(timeline.read_bytes())
+    assert not PAGE.is_one(b"<html><script>window.pipesim = {}</script>notes of my own</html>")
 
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.colors import qualitative, sample_colorscale
 
+from ..files import PAGE_HEALTH
 from ..memory_parts import MEMORY_PARTS, SAVERS
 from ..units import MIB
 from .compare import Comparison
@@ -427,7 +428,7 @@ def write_html(figures: Iterable[tuple[str, go.Figure]], path: str | os.PathLike
         f"<title>{html.escape(title)}</title>\n<style>{_PAGE_CSS}</style>\n"
         f"<script>{_HEALTH_JS}</script>\n</head>\n<body data-status=\"loading\">\n"
         + "\n".join(sections)
-        + "\n<script>window.addEventListener('load', () => requestAnimationFrame(() => pipesimHealth.done()));"
+        + f"\n<script>window.addEventListener('load', () => requestAnimationFrame(() => {PAGE_HEALTH}.done()));"
           "</script>\n</body>\n</html>\n"
     )
     write_atomic(path, page)
@@ -459,7 +460,7 @@ _HEALTH_JS = r"""
     if (errors.length) { body.dataset.status = "error"; body.dataset.errors = errors.join(" | "); }
   }
   function note(message) { errors.push(String(message)); mark(); }
-  var health = window.pipesimHealth = {
+  var health = """ + PAGE_HEALTH + r""" = {
     errors: errors, note: note,
     checkResources: function () {
       performance.getEntriesByType("resource").forEach(function (r) {
@@ -496,7 +497,7 @@ _HEALTH_JS = r"""
 _TIMELINE_JS = r"""
 (function () {
   "use strict";
-  const health = window.pipesimHealth;
+  const health = """ + PAGE_HEALTH + r""";
   const DATA = JSON.parse(document.getElementById("pipesim-data").textContent);
   const TEST = location.hash === "#test";
   const TYPES = {int8: Int8Array, int16: Int16Array, int32: Int32Array, float32: Float32Array,
