@@ -18,6 +18,7 @@
   ranks), each priced at 0 ms.
 - `script_module(name)`: benchmarks/NAME.py imported as a module while the context lasts.
 - `needs_transformers`: the mark that skips a test without transformers (an optional extra: `pipesim[hf]`).
+- `started_early` (autouse): each selected test module's `start_early`, called as the session starts.
 
 Tests marked `slow` (real transports, Ray, calibration that measures links) are left out by `-m "not slow"`.
 """
@@ -30,6 +31,7 @@ import io
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
@@ -96,6 +98,22 @@ def steady_host_load():
         patch.setattr("pipesim.traces.hostload.sample", host_counters(0.0))
         patch.setattr("pipesim.traces.hostload.QUIET_WINDOW_S", 0.0)
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started_early(request, tmp_path_factory):
+    """What a selected test only waits for, started as the session starts by its module's `start_early(session,
+    tmp_path_factory)` (test_readme.py's: the README's sections; test_install.py's: a bare install's commands) in
+    a process of its own, in a session of its own: on a 2-core machine the tests before it, most of them one
+    process, leave a core idle that it takes. `start_early` returns that process (None where nothing of its
+    module is selected), ended with all it started where the session ends first."""
+    modules = {item.module for item in request.session.items if hasattr(getattr(item, "module", None), "start_early")}
+    started = [module.start_early(request.session, tmp_path_factory) for module in modules]
+    yield
+    for process in started:
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 class Cli(NamedTuple):
