@@ -34,10 +34,12 @@ from .common import (
     check_expert_parallel,
     check_memory_gb,
     check_outputs,
+    check_threads,
     fail,
     flag_of,
     is_given,
     model_reads,
+    out_of_host_memory,
     read_error,
     refuse,
     require,
@@ -159,6 +161,7 @@ def calibrate(
         dtype = DTYPE_NAMES[dtype]
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         check_memory_gb(memory_gb)
+        check_threads("--threads", threads)
         for flag in ("link_max_mb", "expert_parallel"):
             if not links and is_given(ctx, flag):
                 raise InputError(f"{flag_of(flag)} sizes the link measurement, which --no-links skips: "
@@ -221,11 +224,9 @@ def calibrate(
         except (ModelError, DeviceError, PartitionError, LinkError, RuntimeProbeError, ContentionError) as exc:
             raise InputError(str(exc)) from None
         except (MemoryError, RuntimeError) as exc:  # the model or its batch does not fit in memory
-            first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-            if not isinstance(exc, MemoryError) and not any(w in first_line.lower() for w in ("alloc", "memory")):
+            if (refusal := out_of_host_memory(exc, model, microbatch_size)) is None:
                 raise
-            raise InputError(f"{model} does not fit in memory at micro-batch size {microbatch_size}: "
-                             f"{first_line}; make it smaller (--width, --layers, --microbatch-size)") from None
+            raise refusal from None
         except OSError as exc:
             raise InputError(f"calibration failed: {read_error(exc)}") from None
         with writing("--out"):

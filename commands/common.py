@@ -1038,6 +1038,26 @@ def check_memory_gb(memory_gb: float | None) -> None:
         raise InputError(f"--memory-gb: {refusal}")
 
 
+def check_threads(flag: str, threads: int) -> None:
+    """Torch threads per process, at most the cores this process may run on: more time the threads' own contention,
+    not the model, and torch took 10**12 as an overflow's traceback (calibrate) or a dead rank (run)."""
+    from ..traces.hostload import usable_cpus
+
+    if threads > (cores := usable_cpus()):
+        raise InputError(f"{flag}: give 1 to {cores}, the cores this host lets pipesim use (got {threads:,})")
+
+
+def out_of_host_memory(exc: BaseException, model: str, microbatch_size: int) -> InputError | None:
+    """A MemoryError, or torch's error for an allocation that failed, as the line saying the model or its
+    micro-batch does not fit in this host's memory (`calibrate`, `run` and `study` make real batches); None for any
+    other error, which is a bug's and keeps its traceback."""
+    first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+    if not isinstance(exc, MemoryError) and not any(word in first_line.lower() for word in ("alloc", "memory")):
+        return None
+    return InputError(f"{model} does not fit in memory at micro-batch size {microbatch_size} (--microbatch-size): "
+                      f"{first_line}; make it smaller (--width, --layers, --microbatch-size)")
+
+
 def progress(items: Iterable, quiet: bool, total: int | None = None):
     """Iterate with a transient progress bar on an interactive terminal (simulations can take seconds, one alone
     too: its spinner and elapsed time say it is working); `total` counts the items of an iterator."""

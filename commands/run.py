@@ -55,10 +55,12 @@ from .common import (
     check_method_options,
     check_outputs,
     check_prediction,
+    check_threads,
     fail,
     flag_of,
     is_given,
     model_reads,
+    out_of_host_memory,
     read_error,
     refuse,
     refused_with_flags,
@@ -192,6 +194,7 @@ def run(
                 raise InputError(f"{flag}: give a finite number > 0" + (f" and at most {most:,}" if most < math.inf
                                                                         else "") + f" (got {value})")
         check_prediction(prediction)
+        check_threads("--threads-per-rank", threads_per_rank)
         if dtype is not None and dtype not in DTYPES:
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
         options = {key: value for key, value in (("layers", layers), ("width", width), ("ffn", ffn),
@@ -297,6 +300,8 @@ def run(
                                  "carries with the fastest slowest stage (`pipesim compare` re-cuts the profile "
                                  "there)", highlight=False)
         job = TorchrunEnv.detect()
+        if job is None:
+            _check_rank_count(Layout.of(built).ranks)
         try:  # the transport the ranks will open, refused before any starts
             choose_transport(device, job.local_world_size if job else Layout.of(built).ranks, backend=backend)
         except TransportError as exc:
@@ -345,10 +350,31 @@ def run(
         fail(str(exc))
     except OSError as exc:
         fail(read_error(exc))
+    except (MemoryError, RuntimeError) as exc:  # the micro-batch the ranks are sent, made here first
+        if (refusal := out_of_host_memory(exc, model, microbatch_size)) is None:
+            raise
+        fail(str(refusal))
     if as_json:
         sys.stdout.write(json.dumps(_document(result, summary, trace, html), indent=2) + "\n")
     else:
         _print_table(result, summary, trace, html)
+
+
+# The files this process holds open per rank it starts (executor/runners.py's run_multiprocess): a pipe's two ends
+# that send the rank its work, and the process's sentinel and its pipe to the forkserver.
+RANK_FILES = 4
+
+
+def _check_rank_count(ranks: int) -> None:
+    """The ranks `run` starts on this host, one process each, within this process's open-file limit: `--stages 2
+    --data-parallel 10**12` opened pipes for 18 s, then stopped at "[Errno 24] Too many open files"."""
+    import resource
+
+    files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if files != resource.RLIM_INFINITY and ranks * RANK_FILES > files:
+        raise InputError(f"--stages x --pipelines x --data-parallel: {ranks:,} ranks, one process each on this host, "
+                         f"and its open-file limit (ulimit -n {files:,}) starts {files // RANK_FILES:,} at most; "
+                         "give fewer")
 
 
 def _check_expert_replicas(expert_parallel: int, data_parallel: int, device: str) -> None:

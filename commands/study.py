@@ -28,6 +28,7 @@ from .common import (
     check_prediction,
     fail,
     is_given,
+    out_of_host_memory,
     read_error,
     require_model,
     stderr,
@@ -62,6 +63,10 @@ def _optimizers(specs: list[str]) -> dict[str, float]:
 # yet `--model gpt` started a study of minutes instead of saying it).
 STUDY_MODELS = ("mlp", "cnn")
 
+# Seeds a study trains at most: each trains every arm again (the committed study took 3), and --seeds 10**12 was a
+# MemoryError's traceback as its list was made.
+MAX_SEEDS = 1000
+
 
 def study(
     ctx: typer.Context,
@@ -72,7 +77,8 @@ def study(
         "--optimizer", metavar="NAME[=LR]", help="Optimizer, optionally with its learning rate (repeatable): "
                                                  "sgd, momentum, adam, adamw. Default: momentum=0.05 and "
                                                  "adam=0.002.")] = None,
-    seeds: Annotated[int, typer.Option("--seeds", min=1, metavar="K", help="Seeds 0..K-1 per arm.")] = 3,
+    seeds: Annotated[int, typer.Option("--seeds", min=1, max=MAX_SEEDS, metavar="K",
+                                       help="Seeds 0..K-1 per arm.")] = 3,
     stages: Stages = 4,
     microbatches: Microbatches = 4,
     minibatches: Minibatches = 60,
@@ -154,6 +160,10 @@ def study(
         fail(f"--results: {exc}")
     except OSError as exc:
         fail(read_error(exc))
+    except (MemoryError, RuntimeError) as exc:  # a micro-batch this host cannot hold, made as a run starts
+        if (refusal := out_of_host_memory(exc, model, microbatch_size)) is None:
+            raise
+        fail(str(refusal))
     if as_json:
         print(json.dumps({"setting": setting.as_dict(), "samples": setting.samples, "results": str(results),
                           "html": str(html), "arms": [s.as_dict() for s in summaries]}, indent=2))

@@ -115,6 +115,15 @@ BAD = {
                                 "--fwd: only a schedule searched from the costs (auto) reads it, not 1f1b"),
     "auto's limit for a fixed order": (["--schedule", "1f1b", *SMALL_MLP, "--activation-limit", 2],
                                        "--activation-limit applies to auto only, not 1f1b"),
+    # torch took 10**12 threads as an overflow in each rank, which exited with code 1
+    "threads past the host's cores": (["--schedule", "1f1b", *SMALL_MLP, "--threads-per-rank", 10**12],
+                                      "--threads-per-rank: give 1 to "),
+    # the micro-batch the ranks are sent, made here first, was torch's allocation traceback
+    "micro-batch past memory": (["--schedule", "1f1b", *SMALL_MLP[:-1], 10**12],
+                                "mlp does not fit in memory at micro-batch size 1000000000000 (--microbatch-size)"),
+    # a pipe per rank opened for 18 s, then "[Errno 24] Too many open files"
+    "more ranks than files to start them": (["--schedule", "1f1b", *SMALL_MLP, "--data-parallel", 10**12],
+                                            "--stages x --pipelines x --data-parallel: 2,000,000,000,000 ranks"),
 }
 
 
