@@ -414,6 +414,9 @@ class Device:
     curve: Curve
     fp8_peak_flops_per_ms: float | None = None
     attention_kernel: str = "flash2"  # the fused attention kernel, of `WINDOW_TILES`: the tiles a window runs
+    # beside kernels that hold some of the part's multiprocessors, where its products run persistent CTAs and no SM
+    # target is given them: the whole part, on which each product is launched and held (`sharing_dispatcher`)
+    products_held_on: Device | None = None
 
     @classmethod
     def of(cls, gpu: Gpu, dtype: str, curve: Curve | None = None, fp8: bool = False,
@@ -496,10 +499,10 @@ def window_tile_pairs(queries: int, keys: int, window: int, tile: tuple[int, int
 
 
 def op_ms(op: OpCount, device: Device) -> float:
-    """One call of `op` on `device`."""
+    """One call of `op` on `device` (a product held on it, `Device.products_held_on`, twice its time there)."""
     curve = device.curve
     if op.kind == "matmul":
-        return matmul_ms(op, device)
+        return matmul_ms(op, device) if device.products_held_on is None else 2 * matmul_ms(op, device.products_held_on)
     if op.kind == "memory":
         return curve.kernel_overhead_ms + op.moved_bytes / device.memory_bytes_per_ms
     if op.kind == "attention":
@@ -1108,14 +1111,26 @@ FLEX_DISPATCHER_MULTIPROCESSORS = {"deepep": 20, "hybridep": 16}
 # SM of its own that no compute kernel shares, 16 on a DGX with 8 NICs (NCCL's maintainer, github.com/NVIDIA/nccl
 # issue 689); all_to_all_single's ncclDevKernel_SendRecv launched 16 CTAs (issue 1598).
 NCCL_ALL_TO_ALL_MULTIPROCESSORS = 16
+# The float8 recipes whose products run on the multiprocessors the dispatcher leaves them: DeepSeek's, whose
+# framework sets "the ratio of GPU SMs dedicated to communication versus computation" for each overlapped pair
+# (DeepSeek-V3's report, arXiv 2412.19437, section 3.2.1), its GEMMs DeepGEMM's with a target (`set_num_sms`,
+# "the maximum SM count for all GEMM kernels to use"). TransformerEngine's are given none (`sharing_dispatcher`).
+SM_TARGET_RECIPES = frozenset({"deepseek"})
 
 
 def sharing_dispatcher(device: Device, parallel: Parallelism) -> Device | None:
-    """`device` as a pass computing beside the dispatcher's kernels sees it: on the multiprocessors they leave
-    (`on_multiprocessors`), DeepEP's or HybridEP's (`--dispatcher-sms`) or NCCL's all-to-all's; None without expert
-    parallelism.
-    Only an overlapped pair computes beside them (sim/costs.py `Costs.sharing_dispatcher_ms`): without the expert
-    overlap the dispatch is a row the next pass waits for."""
+    """`device` as a pass computing beside the dispatcher's kernels sees it, DeepEP's or HybridEP's
+    (`--dispatcher-sms`) or NCCL's all-to-all's, each holding its multiprocessors until its data has moved; None
+    without expert parallelism. Its kernels run on the multiprocessors they leave (`on_multiprocessors`), products
+    in waves among them; but where products run persistent CTAs (`Curve.persistent_products`: Hopper) a product
+    is launched on every multiprocessor, as TransformerEngine launches its GEMMs in Megatron-core's pair (cuBLAS
+    gets an SM target, `CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`, only from `NVTE_EXT_MARGIN_SM`, which no recipe
+    sets: pytorch/csrc/extensions/gemm.cpp, cpp_extensions/gemm.py, common/gemm/cublaslt_gemm.cu at v2.12), and
+    the CTAs that find theirs held start when the others free theirs: beside kernels that outlast it, twice its
+    time (`Device.products_held_on`; sim/engine.py `product_delay`, the engine's rule for compute beside the
+    pipeline's transfers), unless its recipe gives its products their multiprocessors (`SM_TARGET_RECIPES`).
+    Only an overlapped pair computes beside them, for as long as they run (sim/costs.py
+    `Costs.sharing_dispatcher_ms`): without the expert overlap the dispatch is a row the next pass waits for."""
     if parallel.expert == 1:
         return None
     held = NCCL_ALL_TO_ALL_MULTIPROCESSORS
@@ -1125,17 +1140,19 @@ def sharing_dispatcher(device: Device, parallel: Parallelism) -> Device | None:
     if held >= device.curve.multiprocessors:
         raise EstimateError(f"dispatcher_sms: {held} of the part's {device.curve.multiprocessors} multiprocessors "
                             "leaves none to compute on; give fewer")
-    return on_multiprocessors(device, device.curve.multiprocessors - held)
+    left = on_multiprocessors(device, device.curve.multiprocessors - held)
+    held_products = device.curve.persistent_products and parallel.fp8 not in SM_TARGET_RECIPES
+    return replace(left, products_held_on=device) if held_products else left
 
 
 def on_multiprocessors(device: Device, multiprocessors: int) -> Device:
     """`device` running a kernel on `multiprocessors` of its own: the peaks in that share, the tiles' waves over
-    that many (`tile_fill`)."""
+    that many (`tile_fill`), its products too (given that many as their target, none is held)."""
     share = multiprocessors / device.curve.multiprocessors
     fp8 = device.fp8_peak_flops_per_ms
     return replace(device, peak_flops_per_ms=device.peak_flops_per_ms * share,
                    fp8_peak_flops_per_ms=None if fp8 is None else fp8 * share,
-                   curve=device.curve.model_copy(update={"multiprocessors": multiprocessors}))
+                   curve=device.curve.model_copy(update={"multiprocessors": multiprocessors}), products_held_on=None)
 
 
 def userbuffers_forward_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink,

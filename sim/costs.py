@@ -151,9 +151,9 @@ class StageCosts:
     Megatron-LM 01cf4fb5: `get_layer(i)` beside `pop_layer()`, `release_state()` after each pair), so the newer
     micro-batch grows a layer as the older shrinks by one: one micro-batch and a layer at the most (a pair with
     all-to-alls, Megatron-core's; one without keeps both micro-batches': sim/engine.py `_paired_forwards_held`);
-    `fwd_sharing_ms` and `bwd_sharing_ms`: the forward and backward on the multiprocessors the dispatcher's kernels
-    leave them (0: none held), which an overlapped pair's part runs at while the other part's all-to-alls run
-    (`Costs.sharing_dispatcher_ms`);
+    `fwd_sharing_ms` and `bwd_sharing_ms`: the forward and backward beside the dispatcher's kernels, on the
+    multiprocessors they leave, persistent products held (planning/estimate.py `sharing_dispatcher`; 0: none held),
+    which an overlapped pair's part runs at while the other part's all-to-alls run (`Costs.sharing_dispatcher_ms`);
     `collective_delay_ms`: how long the stage's REDUCE and GATHER hold back the products of its device's other
     stages they run beside (their whole time where products run persistent CTAs: planning/scenario.py's
     `_collectives_beside_products`), paid in its OPT row, which runs that much longer;
@@ -430,8 +430,10 @@ class Costs:
                               beside_ms: np.ndarray) -> np.ndarray:
         """What an overlapped pair's part (a forward, or a backward: `forward`) of `stage` takes while the other
         part's all-to-alls run `beside_ms` beside it on kernels that hold multiprocessors (DeepEP's, NCCL's): for as
-        long as they run, it computes at its own time over its time on the multiprocessors they leave
-        (`StageCosts.fwd_sharing_ms`), the rest at full speed; unchanged where none are held."""
+        long as they run, it computes at its own time over its time beside them (`StageCosts.fwd_sharing_ms`), the
+        rest at full speed; unchanged where none are held. Its persistent products, each twice its time beside them,
+        so lose half the kernels' time they meet: sim/engine.py `product_delay`'s rate for kernels longer than a
+        product (it adds at most half a product a span)."""
         own = np.array([c.fwd_ms if forward else c.bwd_ms for c in self.stages])[stage]
         sharing = np.array([c.fwd_sharing_ms if forward else c.bwd_sharing_ms for c in self.stages])[stage]
         slower = np.divide(sharing, own, out=np.ones_like(own), where=(sharing > 0) & (own > 0))

@@ -21,8 +21,11 @@ from pipesim.planning.estimate import (
     links_of,
     node_placement,
     on_multiprocessors,
+    op_ms,
+    sharing_dispatcher,
 )
 from pipesim.planning.experts import MoePass, expert_group, paired_exposed_ms
+from pipesim.profiles.workload import OpCount
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim.cluster import Cluster, Link
 from pipesim.sim.costs import Costs, StageCosts
@@ -172,21 +175,49 @@ def test_the_experts_node_reruns_only_the_recomputed_regions_within_the_experts(
     assert experts[("layernorm",)] == experts[()] < experts[("moe_act",)]
 
 
-def test_nccls_all_to_all_holds_sixteen_multiprocessors_beside_the_pair():
+@pytest.mark.parametrize("gpu, beside", [
+    ("a100-sxm-80gb", lambda device: on_multiprocessors(device, 92)),
+    ("h100-sxm", lambda device: replace(on_multiprocessors(device, 116), products_held_on=device))])
+def test_nccls_all_to_all_holds_sixteen_multiprocessors_beside_the_pair(gpu, beside):
     """NCCL's all-to-all (the default dispatcher) runs a CTA a channel on multiprocessors no compute kernel shares,
-    16 on a DGX H100 (NCCL issue 689): a layer's passes beside it are priced on the other 116 of 132, which an
-    overlapped pair's part runs at while the other part's all-to-alls run; without expert parallelism none."""
+    16 on a DGX (NCCL issue 689): a layer's passes beside it run on the others, an A100's products in waves over
+    the 92 of 108 left; an H100's persistent products are launched on all 132 and held (each twice its time
+    there), its other kernels on the 116 left. An overlapped pair's part runs so while the other part's
+    all-to-alls run; without expert parallelism none."""
+    part = load_catalogue().find(gpu)
     parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=0)  # the GPU's pricing (planning/host.py)
-    links = links_of(node_placement(H100), 1, 4, 8)
-    beside = on_multiprocessors(DEVICE, 116)
-    group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8)
-    for layer, priced in zip(map(group.local, counted().layers), estimate_profile(counted(), H100, parallel).layers):
-        shared = estimate_layer(layer, beside, parallel, links.tensor, 2)
+    links = links_of(node_placement(part), 1, 4, 8)
+    device = Device.of(part, "bf16")
+    group = expert_group(node_placement(part), 8, 8, 1, 1, 4, 8)
+    for layer, priced in zip(map(group.local, counted().layers), estimate_profile(counted(), part, parallel).layers):
+        shared = estimate_layer(layer, beside(device), parallel, links.tensor, 2)
         assert (priced.fwd_sharing_ms, priced.bwd_sharing_ms) == pytest.approx((shared.fwd_ms, shared.bwd_ms))
         if layer.dispatched_bytes:  # its products take the multiprocessors' share (the embedding is memory-bound)
             assert priced.bwd_sharing_ms > priced.bwd.median_ms
-    single = estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8))
+    single = estimate_profile(counted(), part, Parallelism(pipeline=4, data=8))
     assert all(layer.fwd_sharing_ms == layer.bwd_sharing_ms == 0.0 for layer in single.layers)
+
+
+def test_a_persistent_product_beside_the_dispatcher_is_held_its_own_time():
+    """Beside NCCL's 16 multiprocessors a product of 4,096 x 4,096 x 4,096 on an H100 (persistent CTAs, no SM
+    target) is launched on all 132 and held its own time: 512 tiles of 128 x 256, 4 waves of 132 (fill 0.9697), at
+    0.801 of 989.4 TFLOP/s, 0.1788 ms + 4 us alone, twice that beside (the share rule would give 0.2052 on the 116
+    left). An A100's products run in waves on the 92 of 108 left: 1,024 tiles of 128 x 128, 10 waves of 108 (fill
+    0.9481) at 0.859 of 312, 0.5449 ms alone; 12 waves of 92 (0.9275) at 92/108 of the peak, 0.6530 beside. A
+    memory-bound kernel keeps its time. DeepSeek's recipe sets its GEMMs' multiprocessors: the share rule."""
+    product = OpCount(op="mm", kind="matmul", shape=(1, 4096, 4096, 4096), flops=2 * 4096**3,
+                      moved_bytes=3 * 4096 * 4096 * 2, count=1)
+    copy = OpCount(op="copy", kind="memory", shape=(2**29,), flops=0, moved_bytes=2**30, count=1)
+    parallel = Parallelism(data=8, expert=8)
+    for gpu, alone_ms, beside_ms in (("h100-sxm", 0.1828, 2 * 0.1828), ("a100-sxm-80gb", 0.5449, 0.6530)):
+        device = Device.of(load_catalogue().find(gpu), "bf16")
+        beside = sharing_dispatcher(device, parallel)
+        assert op_ms(product, device) == pytest.approx(alone_ms, abs=1e-4)
+        assert op_ms(product, beside) == pytest.approx(beside_ms, abs=1e-4)
+        assert op_ms(copy, beside) == op_ms(copy, device)
+    h100 = Device.of(H100, "bf16")  # DeepSeek's framework gives its GEMMs the multiprocessors the kernels leave
+    assert op_ms(product, sharing_dispatcher(h100, Parallelism(data=8, expert=8, fp8="deepseek"))) == pytest.approx(
+        0.2052, abs=1e-4)
 
 
 def step_ms(method: str, paired_ms: float, overlap: bool, microbatches: int = 8, stages: int = 1, chunks: int = 1,
