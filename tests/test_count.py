@@ -266,6 +266,20 @@ def test_count_prints_a_table_and_json_whose_totals_are_the_layers_sums():
     assert code == 0 and "1:_Block..3" in out and "total" in out  # alike blocks fold into one row
 
 
+def test_a_micro_batch_past_the_hosts_memory_is_counted_on_the_meta_device_alone():
+    """The count made the batch on the host first: `-b 10**12` of the gpt's tokens was torch's allocation traceback
+    (simulate, estimate and tune --gpu too); one sample is made there now, the micro-batch on the meta device."""
+    small = ("--layers", 1, "--width", 32, "--heads", 4, "--seq-len", 16, "--vocab", 64, "--json")
+    code, out, err = pipesim("count", *small, "-b", 10**12)
+    assert code == 0, err
+    huge = json.loads(out)["layers"][:-1]  # the last outputs the loss, one number at any b
+    code, out, err = pipesim("count", *small, "-b", 1)
+    assert code == 0, err
+    one = json.loads(out)["layers"][:-1]
+    assert [layer["output_shape"][0] for layer in huge] == [10**12] * len(one)
+    assert [layer["output_bytes"] for layer in huge] == [10**12 * layer["output_bytes"] for layer in one]
+
+
 @pytest.mark.parametrize("args, fragment", [
     (("--dtype", "fp64"), "--dtype: choose from fp32, bf16, fp16"),
     (("--attention", "sparse"), "--attention: choose from math, flash"),

@@ -829,9 +829,13 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     for layer in model.layers:
         if hasattr(layer, "criterion"):  # a layer computing a loss of its own (workload/hf.py's multi-token prediction)
             layer.criterion = model.loss
-    batch, target = model.make_batch(microbatch_size, torch.Generator().manual_seed(0))
-    batch = batch.to(META, dtype if batch.is_floating_point() else batch.dtype)
-    target = target.to(META) if torch.is_tensor(target) else target
+    # one sample made on the host, the micro-batch's b of it on the meta device (its values are never read):
+    # `count -b 10**12` made 512 TB of tokens on the host first, an allocation's traceback
+    sample, target = model.make_batch(1, torch.Generator().manual_seed(0))
+    batch = torch.empty(microbatch_size, *sample.shape[1:], device=META,
+                        dtype=dtype if sample.is_floating_point() else sample.dtype)
+    target = torch.empty(microbatch_size, *target.shape[1:], device=META, dtype=target.dtype) \
+        if torch.is_tensor(target) else target
     outputs: dict[int, torch.Tensor] = {BATCH: batch}
     names, last = model.layer_names(), len(model.layers) - 1
     alike: dict[tuple, tuple[LayerCount, torch.Tensor]] = {}
