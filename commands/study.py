@@ -24,6 +24,7 @@ from .common import (
     Pipelines,
     PredictionSource,
     Stages,
+    check_method_options,
     check_outputs,
     check_prediction,
     fail,
@@ -130,6 +131,8 @@ def study(
             if model not in STUDY_MODELS:
                 raise InputError(choose_from("--model", STUDY_MODELS, model))
             check_prediction(prediction)
+            # given to methods that do not read them, they were dropped: `-s 1f1b --pipelines 3` trained 1F1B alone
+            check_method_options(ctx, schedules or DEFAULT_METHODS, ("--pipelines", "--prediction"))
             rates = _optimizers(optimizers or list(DEFAULT_OPTIMIZERS))
             setting = Setting(model, {"layers": layers, "width": width}, stages, microbatches, microbatch_size,
                               minibatches, pipelines)

@@ -37,6 +37,7 @@ from .common import (
     allocator_fields,
     check_allocator,
     check_estimate_experts,
+    check_method_options,
     check_outputs,
     check_p2p_sync,
     expert_overlap_options,
@@ -226,6 +227,9 @@ def sweep(
             if key in axes:
                 raise InputError(f"--{key} and --grid both give {key}: give one")
             axes[key] = parse_axis(key, text)
+        # an axis of options no method in the grid reads was dropped, as if not given: `-s 1f1b --chunks 2`
+        check_method_options(ctx, axes.get("schedule", METHODS), ("--chunks", "--pipelines", "--prediction",
+                                                                  "--activation-limit", "--search-seconds"))
         what = what_if(ctx)
         check_allocator(ctx, what)
         scenario = scenario_from_flags(ctx, "model")

@@ -309,6 +309,10 @@ def without(module, monkeypatch):
     (["-s", "auto", "--activation-limit", "0.01"], "--activation-limit: R = 0.01 lets a device hold"),
     (["-s", "auto", "--search-seconds", "0"], "--search-seconds: give one finite number above 0 (got '0')"),
     (["--grid", "GRID:activation-limit = [-1]"], "activation-limit: values must be finite numbers > 0 (got -1)"),
+    # an axis no method in the grid reads was dropped, exit 0: 1f1b swept alone
+    (["-s", "1f1b", "--chunks", "2"], "--chunks applies to interleaved-1f1b, zb-v, dualpipev, dualpipe only, not 1f1b"),
+    (["-s", "1f1b,zb-h1", "--prediction", "paper"],
+     "--prediction applies to spectrain, pipeoptim, xpipe only, not 1f1b, zb-h1"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, args, fragment):
     out = tmp_path / "out"
