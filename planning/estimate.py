@@ -97,6 +97,7 @@ from .fp8 import (
     float8_weight_bytes,
     float8_weights,
     gathered_in_float8,
+    gathered_norm_share,
     per_use_recipes,
     saved_weight_bytes,
     step_cast_ops,
@@ -1377,7 +1378,7 @@ def scale_precompute_ms(layers: Sequence[LayerCount], parallel: Parallelism, dev
                             link.bytes_per_ms))
 
 
-def gathered_transposes_ms(elements: int, t: int, device: Device) -> float:
+def gathered_transposes_ms(elements: int, t: int, device: Device, norm_share: float = 0.0) -> float:
     """The float8 transposes TransformerEngine 1.x makes after a sequence-parallel gather, for a backward's
     column-parallel input gradient of `elements` (its whole, gathered tokens x width): its weight gradient's input
     (LayerNormLinear.backward: `ln_out_total_t = tex.fp8_transpose(ln_out_total)`) and the output gradient the
@@ -1385,9 +1386,12 @@ def gathered_transposes_ms(elements: int, t: int, device: Device) -> float:
     transpose for efficient gather": cast_to_fp8 on the rank's share, the gather, then `tex.fp8_transpose` of the
     gathered tensor; with userbuffers the same after the dgrad product). Each reads and writes the gathered float8
     tensor, where the recipe's fused cast-transpose (`cast_ops`) wrote a transpose of the rank's 1/t share only:
-    that share is taken off here."""
-    moved = 2 * (2 * elements - elements // t) * FP8_BYTES
-    return 2 * device.curve.kernel_overhead_ms + moved / device.memory_bytes_per_ms
+    that share is taken off here. Of the inputs, the `norm_share` a norm wrote in float8 (planning/fp8.py
+    `gathered_norm_share`) have the rank's share transposed by a kernel of the layer's own already
+    (`norms_in_float8`): its read and write, and that kernel, are taken off instead."""
+    share = elements // t
+    moved = (2 * (2 * elements - share) - norm_share * share) * FP8_BYTES
+    return (2 - norm_share) * device.curve.kernel_overhead_ms + moved / device.memory_bytes_per_ms
 
 
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device,
@@ -1643,7 +1647,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
         gather_ms = input_gather_ms(gathered, product_ms, t, tensor_link, device) if regathers else 0.0
         if regathers and gathered_bytes == FP8_BYTES:
-            gather_ms += gathered_transposes_ms(batch * m * n, t, device)
+            gather_ms += gathered_transposes_ms(batch * m * n, t, device,
+                                                gathered_norm_share(layer, FP8_RECIPES[parallel.fp8]))
         if parallel.tp_overlap and parallel.tp_runtime == "torch":
             return async_tp_ms(op, device, t, nbytes, tensor_link, reduction.summed) + gather_ms
         if parallel.tp_overlap and forward:

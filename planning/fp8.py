@@ -17,7 +17,9 @@ te: TransformerEngine's delayed scaling (recipe.DelayedScaling, its default) as 
   (Linear.forward's `is_first_microbatch`, which Megatron-LM's TELinear passes for a step's first micro-batch):
   counted with the step, and held until the next (the cast and its transpose: 2 bytes a weight, beside the
   16-bit weights). The forward saves its float8 copy of each product's input, not the 16-bit one
-  (transformer_engine/pytorch/module/linear.py: `saved_inputmat_t = inputmat_t` under fp8).
+  (transformer_engine/pytorch/module/linear.py: `saved_inputmat_t = inputmat_t` under fp8). A norm's output
+  that Megatron-core's TELayerNormColumnParallelLinear reads (linear_qkv's, a dense MLP's linear_fc1's) is cast
+  by the norm's own kernel, which writes it in float8, and transposed in the backward (`norms_in_float8`).
 te-current: TransformerEngine's current scaling (recipe.Float8CurrentScaling; Megatron-core's fp8_recipe
   "tensorwise", Megatron-Bridge's fp8cs configs, the performance summaries' FP8-CS) as te otherwise: each tensor's
   scale comes from its own amax, so a cast is four kernels (transformer_engine/pytorch/csrc/quantizer.cpp,
@@ -95,22 +97,24 @@ measured 1.1-1.2x faster, pytorch/ao#2377: about the bf16 share). deepseek's pro
 (DeepGEMM: promotion to CUDA cores every 128 elements, "up to 1550 TFLOPS on H800", 78 % of the peak, in all
 passes), not cuBLAS's: none is priced split.
 
-Not modelled: casts fused into a preceding norm or activation kernel (LayerNormLinear, LayerNormMLP write float8
-directly: counted here as a cast of their own; TransformerEngine 1.x's row-parallel casts under sequence
-parallelism, a cast and a later transpose, counted as one cast-transpose: under 0.5 % of any published run,
-docs/hardware.md "Casts TransformerEngine 1.10 fuses or splits"), torch.compile's fusions of torchao's casts. Pure
+Not modelled: casts fused into an activation kernel (LayerNormMLP's, which Megatron-core's layers do not run:
+their activation is a kernel of its own, its output cast by linear_fc2 as priced; TransformerEngine 1.x's
+row-parallel casts under sequence parallelism, a cast and a later transpose, counted as one cast-transpose: under
+0.5 % of any published run, docs/hardware.md "Casts TransformerEngine 1.10 fuses or splits"), a norm recomputed
+alone (`--recompute-modules layernorm`) rerun writing float8, torch.compile's fusions of torchao's casts. Pure
 arithmetic on counts: no torch.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..profiles.workload import LayerCount, OpCount
-from .te import te_modules, without_fused_bias_sums
+from .te import BIAS_GRADIENT_PASSES, float8_norm_outputs, norm_read_products, te_modules, without_fused_bias_sums
 
 if TYPE_CHECKING:
     from .estimate import ContextRing
@@ -179,6 +183,13 @@ class Fp8Recipe:
         the kernels around that (`reduce_and_update_fp8_tensors`: fp8.py at v1.7, v1.10 and v1.12, quantization.py
         at v2.9; planning/scenario.py `amax_reduction_ms`, `amax_update_ms`); current scaling takes each tensor's
         amax as it casts it and DeepSeek-V3 each tile's, with no history."""
+        return self.delayed_scaling
+
+    @property
+    def norms_write_float8(self) -> bool:
+        """A TransformerEngine LayerNormLinear's norm writes its product's input in float8, its own cast
+        (`norms_in_float8`): under delayed scaling, at v1.7 to v1.11 and v2.x alike; under current scaling v2.x's
+        norm writes 16 bits and a cast follows (csrc/extensions/normalization.cpp `force_unfused_kernel`)."""
         return self.delayed_scaling
 
 
@@ -289,17 +300,21 @@ def _in_float8(op: OpCount, element_bytes: int, split_accumulation: bool) -> OpC
 
 
 def cast_ops(products: tuple[OpCount, ...], roles: tuple[str, ...], recipe: Fp8Recipe,
-             element_bytes: int, expert_ranks: int = 1) -> tuple[OpCount, ...]:
+             element_bytes: int, expert_ranks: int = 1, cast_inputs: Counter | None = None) -> tuple[OpCount, ...]:
     """The memory-bound kernels casting each of `roles`' tensors of every forward product (each of its `batch`
     products' m × k input, n × k weight, m × n output gradient) to float8; a routed product's weights only the
-    1/`expert_ranks` of its experts one rank holds."""
+    1/`expert_ranks` of its experts one rank holds; of the products of each shape, so many fewer inputs as
+    `cast_inputs` counts (those a norm wrote in float8: `norms_in_float8`)."""
     ops = []
     for product in products:
         batch, m, n, k = product.shape
         shapes = {"input": (m, k), "weight": (n, k), "grad": (m, n)}
         for role in roles:
             held = batch // expert_ranks if role == "weight" and product.routed else batch
-            elements, calls = held * shapes[role][0] * shapes[role][1], product.count
+            calls = product.count - (cast_inputs or Counter())[product.shape] * (role == "input")
+            elements = held * shapes[role][0] * shapes[role][1]
+            if not calls:
+                continue
             if product.routed and recipe.fuses_split_casts:  # every local expert's split in one kernel
                 elements, calls = elements * calls, 1
             ops += [OpCount(f"fp8_{kernel}_{role}", "memory", shapes[role], 0,
@@ -316,9 +331,14 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
     if not attends(layer):
         return layer
     products = tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
+    norms = float8_norm_outputs(layer) if recipe.norms_write_float8 else ()
+    cast_inputs = norm_read_products(layer, norms)
     ops = {name: tuple(_in_float8(op, element_bytes, name in recipe.split_accumulation) if _converted(op, recipe)
                        else op for op in passed)
-           + cast_ops(products, recipe.casts[name], recipe, element_bytes) for name, passed in layer.ops.items()}
+           + cast_ops(products, recipe.casts[name], recipe, element_bytes, cast_inputs=cast_inputs)
+           for name, passed in layer.ops.items()}
+    if norms:
+        ops = norms_in_float8(ops, layer, norms, element_bytes)
     saved = layer.saved_tensors
     if recipe.saves_float8_inputs and layer.linear_input_saves:
         def kept(nbytes: int, how: str) -> int:
@@ -340,6 +360,48 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
              for name, region in layer.region_ops.items()}  # a recomputed forward product reads its float8 input
     return replace(layer, ops=ops, saved_tensors=saved, saved_bytes=layer.saved_bytes + delta, region_ops=rerun,
                    weight_grad_outputs=kept_output_gradients(layer, recipe, element_bytes))
+
+
+def norms_in_float8(ops: dict[str, tuple[OpCount, ...]], layer: LayerCount,
+                    outputs: tuple[tuple[int, tuple[int, ...]], ...],
+                    element_bytes: int) -> dict[str, tuple[OpCount, ...]]:
+    """A layer's passes (`ops`) with each norm output of `outputs` (planning/te.py `float8_norm_outputs`) written
+    in float8 by the norm's kernel, as TransformerEngine's LayerNormLinear runs it under delayed scaling
+    (module/layernorm_linear.py at v1.7 to v1.11: `ln_out_dtype = torch.uint8`, its norm `layernorm_fwd_fp8` or
+    `rmsnorm_fwd_fp8`, module/_common.py `_apply_normalization`; v2.x alike, csrc/extensions/normalization.cpp
+    "Always used fused kernel for FP8 delayed scaling"): one forward call of the norm's kernel writes 1 byte an
+    element, not 16 bits, and the products that read it cast no input (`cast_ops`), and the weight-gradient
+    passes transpose it, reading and writing 1 byte an element, one kernel (`ln_out_total_t =
+    tex.fp8_transpose(ln_out_total, ...)` before the weight-gradient GEMM), where a cast-transpose wrote the
+    transpose in the forward. Under sequence parallelism that transposes the gathered tensor: what the rank's share
+    leaves is `gathered_transposes_ms`'s (planning/estimate.py)."""
+    kernels = {(op.op, op.shape) for op in layer.region_ops.get("layernorm", ())}
+    written = Counter(math.prod(shape) for _, shape in outputs)
+    forward = []
+    for op in ops.get("fwd", ()):
+        elements = math.prod(op.shape)
+        fused = min(op.count, written[elements]) if (op.op, op.shape) in kernels else 0
+        written[elements] -= fused
+        if fused:  # its output written at 1 byte an element, not `element_bytes`
+            saved = elements * (element_bytes - FP8_BYTES)
+            forward.append(replace(op, count=fused, moved_bytes=op.moved_bytes - saved))
+        if op.count > fused:
+            forward.append(replace(op, count=op.count - fused))
+    shapes = Counter(shape for _, shape in outputs)
+    transposes = tuple(OpCount("fp8_transpose_input", "memory", shape, 0, math.prod(shape) * 2 * FP8_BYTES, count)
+                       for shape, count in shapes.items())
+    return {name: tuple(forward) if name == "fwd" else passed + transposes * (name in BIAS_GRADIENT_PASSES)
+            for name, passed in ops.items()}
+
+
+def gathered_norm_share(layer: LayerCount, recipe: Fp8Recipe) -> float:
+    """Of the product inputs sequence parallelism gathers in `layer` (`LayerCount.sequence_inputs`), the share a
+    norm writes in float8 under the recipe (`norms_in_float8`), whose weight-gradient pass transposes the rank's
+    share already (planning/estimate.py `gathered_transposes_ms`); 0 where none is gathered."""
+    gathered = {number for _, number in layer.sequence_inputs}
+    if not (recipe.norms_write_float8 and gathered):
+        return 0.0
+    return len(gathered.intersection(number for number, _ in float8_norm_outputs(layer))) / len(gathered)
 
 
 def kept_output_gradients(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int

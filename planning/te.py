@@ -91,6 +91,33 @@ def without_fused_bias_sums(layer: LayerCount) -> LayerCount:
                                for name, ops in layer.ops.items()})
 
 
+def float8_norm_outputs(layer: LayerCount) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The norms' outputs TransformerEngine's LayerNormLinear writes in float8 under delayed scaling (Megatron-core's
+    TELayerNormColumnParallelLinear: linear_qkv with the input norm, a dense MLP's linear_fc1 with the pre-MLP
+    norm): each storage a norm makes (the count's "layernorm" region) that products with weights read and nothing
+    else, none a router's (a mixture of experts' pre-MLP norm is a TENorm of its own, which its router reads:
+    core_v0.9.0 gpt_layer_specs.py `pre_mlp_layernorm=TENorm if num_experts else IdentityOp`), each as (its number
+    in allocations["fwd"], its shape)."""
+    made = set(layer.region_allocations.get("layernorm", ()))
+    products = _forward_products(layer)
+    router = layer.weight_grad_router or (False,) * len(layer.weight_grad_outputs)
+    readers: dict[int, set[int]] = {}
+    for number, sources in layer.forward_reads:
+        for source in made.intersection(sources):
+            readers.setdefault(source, set()).add(number)
+    shapes = {number: shape for number, shape, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes > 0}
+    return tuple((source, shapes[source]) for source, numbers in sorted(readers.items())
+                 if all(number in products and not router[products[number]] for number in numbers))
+
+
+def norm_read_products(layer: LayerCount, outputs: tuple[tuple[int, tuple[int, ...]], ...]) -> Counter:
+    """The forward's products that read one of `outputs` (`float8_norm_outputs`), counted by their shape."""
+    read = {number for number, _ in outputs}
+    sources = dict(layer.forward_reads)
+    return Counter(tuple(shape) for number, shape in layer.product_allocations.get("fwd", ())
+                   if read.intersection(sources.get(number, ())))
+
+
 def te_modules(layer: LayerCount, routed: bool) -> int:
     """The TransformerEngine modules a layer's forward calls: its products with weights but a router's gating ones
     (no TransformerEngine module), the routed experts' grouped ones only where `routed` (TEGroupedMLP), those reading

@@ -10,7 +10,7 @@ import pytest
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning import estimate
 from pipesim.planning.estimate import Device, Parallelism, estimate_layer, gathered_transposes_ms, placement_links
-from pipesim.planning.fp8 import FP8_RECIPES
+from pipesim.planning.fp8 import FP8_RECIPES, gathered_norm_share
 
 H100 = load_catalogue().find("h100-sxm")
 DEVICE = Device.of(H100, "bf16", fp8=True)
@@ -40,7 +40,7 @@ def test_a_float8_layers_forward_gathers_its_products_inputs_in_float8(block, mo
     assert sixteen_bit.fwd_ms - float8.fwd_ms == pytest.approx(2 * saved_byte_ms)
     # the backward's two output-gradient gathers and two input re-gathers, each exposed whole on a slow link; a
     # 16-bit gather makes no float8 transposes of what it gathered
-    transposes_ms = gathered_transposes_ms(SEQ * WIDTH, T, DEVICE)
+    transposes_ms = gathered_transposes_ms(SEQ * WIDTH, T, DEVICE, gathered_norm_share(block, FP8_RECIPES["te"]))
     assert sixteen_bit.bwd_ms - float8.bwd_ms == pytest.approx(4 * saved_byte_ms - 2 * transposes_ms, rel=1e-6)
 
 
@@ -58,9 +58,11 @@ def test_each_backward_transposes_its_two_gathered_float8_tensors_whole(block, m
     link = placement_links(H100, parallel).tensor
     bf16 = replace(parallel, fp8=None)  # gathers 16-bit copies and transposes nothing after
     with_transposes, bf16_before = (estimate_layer(block, DEVICE, run, link, 2) for run in (parallel, bf16))
-    monkeypatch.setattr(estimate, "gathered_transposes_ms", lambda elements, t, device: 0.0)
+    monkeypatch.setattr(estimate, "gathered_transposes_ms", lambda *_: 0.0)
     without = estimate_layer(block, DEVICE, parallel, link, 2)
     assert with_transposes.fwd_ms == without.fwd_ms
-    assert with_transposes.bwd_ms - without.bwd_ms == pytest.approx(2 * gathered_transposes_ms(elements, T, DEVICE))
+    # both gathered inputs are norms' outputs written in float8 (tests/test_fp8_norm_casts.py)
+    transposes_ms = gathered_transposes_ms(elements, T, DEVICE, norm_share=1.0)
+    assert with_transposes.bwd_ms - without.bwd_ms == pytest.approx(2 * transposes_ms)
     assert estimate_layer(block, DEVICE, bf16, link, 2).bwd_ms == bf16_before.bwd_ms
 

@@ -1,0 +1,95 @@
+"""TransformerEngine's LayerNormLinear under delayed scaling (the `te` recipe): the norm's kernel writes its
+product's input in float8 (`layernorm_fwd_fp8`, `rmsnorm_fwd_fp8`), so that input takes no cast of its own, and the
+weight gradient transposes the float8 copy (`tex.fp8_transpose(ln_out_total)`) instead (planning/fp8.py
+`norms_in_float8`, planning/te.py `float8_norm_outputs`). Each layer's memory-bound bytes and kernels, by hand."""
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import Device, gathered_transposes_ms
+from pipesim.planning.fp8 import FP8_RECIPES, Fp8Recipe, gathered_norm_share, in_float8
+from pipesim.planning.te import float8_norm_outputs, norm_read_products
+
+WIDTH, HEADS, SEQ, FFN = 256, 4, 128, 1024
+TOKENS = SEQ  # one sequence a micro-batch
+DEVICE = Device.of(load_catalogue().find("h100-sxm"), "bf16", fp8=True)
+TE = FP8_RECIPES["te"]
+
+
+def _block(**options):
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    sizes = dict(layers=1, width=WIDTH, heads=HEADS, seq_len=SEQ, vocab=128, ffn=FFN, **options)
+    return count_built("gpt", sizes, 1, torch.bfloat16).layers[1]
+
+
+@pytest.fixture(scope="module", params=["layernorm", "rmsnorm"])
+def block(request):
+    return _block(norm=request.param, gated=request.param == "rmsnorm")
+
+
+def _memory(layer, name):
+    """A pass's memory-bound bytes and kernels."""
+    ops = [op for op in layer.ops.get(name, ()) if op.kind == "memory"]
+    return sum(op.moved_bytes * op.count for op in ops), sum(op.count for op in ops)
+
+
+def test_the_two_norms_outputs_are_qkv_and_the_first_mlp_products_inputs(block):
+    outputs = float8_norm_outputs(block)
+    assert [shape for _, shape in outputs] == [(1, SEQ, WIDTH)] * 2
+    first = 2 * FFN if any(op.shape[2] == 2 * FFN for op in block.ops["fwd"] if op.kind == "matmul") else FFN
+    assert norm_read_products(block, outputs) == {(1, SEQ, 3 * WIDTH, WIDTH): 1, (1, SEQ, first, WIDTH): 1}
+
+
+def test_a_norm_writes_float8_and_its_products_input_is_not_cast_again(block, monkeypatch):
+    """Against the same recipe casting the norms' 16-bit outputs: the forward moves, for each of the two norms, its
+    output's second byte and the cast-transpose's 2 + 2 bytes an element less, one kernel less; the full backward
+    and the weight-gradient pass each transpose both float8 copies, 1 + 1 bytes an element, a kernel each; the
+    input-gradient pass is unchanged."""
+    fused = in_float8(block, TE, 2)
+    monkeypatch.setattr(Fp8Recipe, "norms_write_float8", property(lambda recipe: False))
+    cast = in_float8(block, TE, 2)
+    elements = TOKENS * WIDTH
+    (fused_bytes, fused_kernels), (cast_bytes, cast_kernels) = _memory(fused, "fwd"), _memory(cast, "fwd")
+    assert cast_bytes - fused_bytes == 2 * elements * (1 + 4)
+    assert cast_kernels - fused_kernels == 2
+    for name in ("bwd", "wgrad"):
+        (fused_bytes, fused_kernels), (cast_bytes, cast_kernels) = _memory(fused, name), _memory(cast, name)
+        assert fused_bytes - cast_bytes == 2 * elements * 2
+        assert fused_kernels - cast_kernels == 2
+    assert _memory(fused, "igrad") == _memory(cast, "igrad")
+    assert fused.saved_bytes == cast.saved_bytes  # the float8 copy is kept either way
+
+
+def test_current_scaling_and_torchao_cast_the_norms_output_still():
+    """TransformerEngine 2.x runs the norm in 16 bits before a current-scaling cast (normalization.cpp
+    `force_unfused_kernel`); torchao's casts are its linears' own."""
+    assert not any(FP8_RECIPES[name].norms_write_float8 for name in ("te-current", "torchao", "torchao-2024"))
+    assert TE.norms_write_float8
+
+
+def test_a_mixture_of_experts_pre_mlp_norm_is_cast_by_its_readers():
+    """Megatron-core runs a mixture of experts' pre-MLP norm as a TENorm of its own, which the router reads too:
+    only the attention's norm writes float8."""
+    moe = _block(experts=4, top_k=2)
+    assert len(float8_norm_outputs(moe)) == 1
+    assert norm_read_products(moe, float8_norm_outputs(moe)) == {(1, SEQ, 3 * WIDTH, WIDTH): 1}
+
+
+def test_a_gathered_norm_output_is_transposed_whole_once():
+    """Under sequence parallelism at t = 4 the weight gradient transposes the gathered float8 copy: the layer's own
+    transpose covers the rank's share (1 + 1 bytes an element of it, one kernel), the gather's the rest; the
+    gathered output gradient, cast-transposed on the rank's share, is read and written whole as before."""
+    t, elements = 4, TOKENS * WIDTH
+    share = elements // t
+    bytes_per_ms = DEVICE.memory_bytes_per_ms
+    overhead = DEVICE.curve.kernel_overhead_ms
+    assert gathered_transposes_ms(elements, t, DEVICE, norm_share=1.0) == pytest.approx(
+        overhead + ((2 * elements - share) + (2 * elements - 2 * share)) / bytes_per_ms)
+    assert gathered_transposes_ms(elements, t, DEVICE) == pytest.approx(
+        2 * overhead + 2 * (2 * elements - share) / bytes_per_ms)
+    block = _block()
+    assert gathered_norm_share(block, TE) == 1.0
+    assert gathered_norm_share(block, FP8_RECIPES["te-current"]) == 0.0
+    assert gathered_norm_share(_block(experts=4, top_k=2), TE) == 0.5  # the attention's norm of the two
