@@ -386,7 +386,7 @@ class MoePass:
 
 
 def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | None = None,
-                      experts_wait: bool = False) -> float:
+                      experts_wait: bool = False, slower: tuple[float, float] = (1.0, 1.0)) -> float:
     """What a layer's forward paired with a backward of the same layer (Megatron-core's combined 1F1B,
     `overlap_moe_expert_parallel_comm`) takes beyond what its two parts are charged (`charged_ms`; None: their
     compute): the all-to-all time its order leaves exposed, and the host's issue and waits where they outlast it.
@@ -421,44 +421,111 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
     Qwen3 recipe sets, picks the fused kernel). Where the host issues slower than the GPU runs, a pair takes at
     least both passes' issue, however its all-to-alls hide.
 
+    The all-to-alls' kernels hold multiprocessors while they run (NCCL's channels, DeepEP's and HybridEP's SMs): a
+    compute node beside them runs `slower` (the forward's, the backward's: its time beside them over its own,
+    `LayerProfile.fwd_sharing_ms`; planning/estimate.py `sharing_dispatcher`: persistent products held, the rest on
+    the multiprocessors left) for as long as they run beside it, at its own speed otherwise, so a node held off the
+    pair's path costs nothing. A compute node's end waits for the all-to-alls that can run beside it: those the host
+    issues before the next compute node or before a node that waits for it.
+
     Layers run back to back (`PAIRED_LAYERS`), each carrying the streams, events and host the one before left; the
     steady state's time a layer (`PAIRED_STEADY_LAYERS`) less what its parts are charged is what it leaves
     exposed."""
     comp = comm = forward_done = backward_done = host = 0.0  # each stream free, each pass's event, the host's time
-    ends = []
+    kernels: list[tuple[float, float]] = []  # the all-to-alls' (begin, end), in the communication stream's order
+    pending: tuple[float, float, float, float, str] | None = None  # the compute node whose end waits for kernels
+    ends: list[float] = []
 
-    def node(stream: float, done: float, run_ms: float, issue_ms: float) -> float:
-        """When a node's work on `stream` ends: started once its stream, its event and its issue allow, ended no
-        sooner than its last kernel is issued."""
+    def node(stream: float, done: float, run_ms: float, issue_ms: float) -> tuple[float, float]:
+        """When a node's work on `stream` starts and ends: started once its stream, its event and its issue allow,
+        ended no sooner than its last kernel is issued."""
         nonlocal host
         start = max(stream, done, host)
         host += issue_ms
-        return max(start + run_ms, host)
+        return start, max(start + run_ms, host)
 
-    for _ in range(PAIRED_LAYERS):
+    def finish() -> float:
+        """Ends the compute node started last, beside the all-to-alls issued so far, and records its event."""
+        nonlocal comp, forward_done, backward_done, pending
+        if pending is not None:
+            start, run_ms, part_slower, issued, records = pending
+            comp = max(held_end(start, run_ms, part_slower, kernels), issued)
+            forward_done = comp if records == "forward" else forward_done
+            backward_done = comp if records == "backward" else backward_done
+            pending = None
+        return comp
+
+    def compute(done: float, run_ms: float, issue_ms: float, part_slower: float, records: str = "") -> None:
+        """Starts a compute node once the stream, its event (`done`) and its issue allow; `records`: the pass whose
+        event it records."""
+        nonlocal pending
+        start, issued = node(finish(), done, 0.0, issue_ms)
+        pending = (start, run_ms, part_slower, issued, records)
+
+    def event(name: str) -> float:
+        """A pass's event as a node waiting for it reads it (the compute node recording it ended first)."""
+        if pending is not None and pending[4] == name:
+            finish()
+        return forward_done if name == "forward" else backward_done
+
+    def communicate(done: float, compute_ms: float, all_to_all_ms: float, issue_ms: float, first: bool) -> float:
+        """A communication node: its compute and its all-to-all, the all-to-all `first` or after it."""
+        nonlocal comm
+        start, comm = node(comm, done, compute_ms + all_to_all_ms, issue_ms)
+        begin = start if first else comm - all_to_all_ms
+        kernels.append((begin, begin + all_to_all_ms))
+        return comm
+
+    forward_slower, backward_slower = slower
+    layer_comm = 0.0
+    for layer in range(PAIRED_LAYERS + 1):
         # the combine's gradients, then its all-to-all, which the host issues after them
-        comm = backward_done = node(comm, backward_done, backward.combine_compute_ms,
-                                    backward.combine_issue_ms) + backward.combine_ms
-        comp = forward_done = node(comp, forward_done, forward.attention_ms, forward.attention_issue_ms)
-        comp = backward_done = node(comp, backward_done, backward.experts_ms - backward.experts_wgrad_ms,
-                                    backward.experts_issue_ms - backward.experts_wgrad_issue_ms)
-        host = max(host, forward_done)  # the dispatch's wait for the router's split sizes
-        comm = forward_done = node(comm, forward_done, forward.dispatch_ms, 0.0)
-        comp = node(comp, 0.0, backward.experts_wgrad_ms, backward.experts_wgrad_issue_ms)
-        comm = backward_done = node(comm, backward_done, backward.dispatch_ms, 0.0)
+        backward_done = communicate(event("backward"), backward.combine_compute_ms, backward.combine_ms,
+                                    backward.combine_issue_ms, False)
+        if layer:  # the layer before ends with its weight gradients, beside this combine's all-to-all
+            ends.append(max(finish(), layer_comm))
+        if layer == PAIRED_LAYERS:
+            break
+        compute(event("forward"), forward.attention_ms, forward.attention_issue_ms, forward_slower, "forward")
+        compute(event("backward"), backward.experts_ms - backward.experts_wgrad_ms,
+                backward.experts_issue_ms - backward.experts_wgrad_issue_ms, backward_slower, "backward")
+        host = max(host, event("forward"))  # the dispatch's wait for the router's split sizes
+        forward_done = communicate(event("forward"), 0.0, forward.dispatch_ms, 0.0, True)
+        compute(0.0, backward.experts_wgrad_ms, backward.experts_wgrad_issue_ms, backward_slower)
+        backward_done = communicate(event("backward"), 0.0, backward.dispatch_ms, 0.0, True)
         if experts_wait:  # for the dispatched tokens, once the stream reaches the experts
-            host = max(host, comp, forward_done)
-        comp = forward_done = node(comp, forward_done, forward.experts_ms, forward.experts_issue_ms)
-        comm = forward_done = node(comm, forward_done, forward.combine_ms + forward.combine_compute_ms,
-                                   forward.combine_issue_ms)
-        comp = backward_done = node(comp, backward_done, backward.attention_ms - backward.attention_wgrad_ms,
-                                    backward.attention_issue_ms - backward.attention_wgrad_issue_ms)
-        comp = node(comp, 0.0, backward.attention_wgrad_ms, backward.attention_wgrad_issue_ms)
-        ends.append(max(comp, comm))
+            host = max(host, finish(), event("forward"))
+        compute(event("forward"), forward.experts_ms, forward.experts_issue_ms, forward_slower, "forward")
+        forward_done = communicate(event("forward"), forward.combine_compute_ms, forward.combine_ms,
+                                   forward.combine_issue_ms, True)
+        compute(event("backward"), backward.attention_ms - backward.attention_wgrad_ms,
+                backward.attention_issue_ms - backward.attention_wgrad_issue_ms, backward_slower, "backward")
+        compute(0.0, backward.attention_wgrad_ms, backward.attention_wgrad_issue_ms, backward_slower)
+        layer_comm = comm
     layer_ms = (ends[-1] - ends[-1 - PAIRED_STEADY_LAYERS]) / PAIRED_STEADY_LAYERS
     if charged_ms is None:
         charged_ms = sum(part.attention_ms + part.experts_ms + part.combine_compute_ms for part in (forward, backward))
     return max(layer_ms - charged_ms, 0.0)  # never below what its rows charge
+
+
+def held_end(start: float, run_ms: float, slower: float, kernels: list[tuple[float, float]]) -> float:
+    """When `run_ms` of compute begun at `start` ends beside `kernels` (begin, end), running `slower` while any of
+    them runs (its time beside them over its own: `Costs.sharing_dispatcher_ms`'s rule), at its own speed
+    otherwise."""
+    clock, left = start, run_ms
+    for begin, end in sorted(kernels):
+        if end <= clock:
+            continue
+        if begin > clock:
+            if left <= begin - clock:
+                break
+            left -= begin - clock
+            clock = begin
+        if left * slower <= end - clock:
+            return clock + left * slower
+        left -= (end - clock) / slower
+        clock = end
+    return clock + left
 
 
 def _grouped(op: OpCount) -> bool:

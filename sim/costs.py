@@ -153,7 +153,8 @@ class StageCosts:
     all-to-alls, Megatron-core's; one without keeps both micro-batches': sim/engine.py `_paired_forwards_held`);
     `fwd_sharing_ms` and `bwd_sharing_ms`: the forward and backward beside the dispatcher's kernels, on the
     multiprocessors they leave, persistent products held (planning/estimate.py `sharing_dispatcher`; 0: none held),
-    which an overlapped pair's part runs at while the other part's all-to-alls run (`Costs.sharing_dispatcher_ms`);
+    which an overlapped pair's part runs at while the other part's all-to-alls run (`Costs.sharing_dispatcher_ms`;
+    Megatron-core's pair, node by node, in its `all_to_all_paired_ms` instead);
     `collective_delay_ms`: how long the stage's REDUCE and GATHER hold back the products of its device's other
     stages they run beside (their whole time where products run persistent CTAs: planning/scenario.py's
     `_collectives_beside_products`), paid in its OPT row, which runs that much longer;

@@ -46,6 +46,22 @@ def test_an_all_to_all_hides_only_under_the_node_beside_it():
     assert paired_exposed_ms(forward, backward) == pytest.approx(0.5)
 
 
+def test_a_node_beside_an_all_to_all_runs_slower_only_while_it_runs_and_only_on_the_path_it_lengthens():
+    """Every node 1 ms, each part's compute twice as slow beside the all-to-alls' kernels (a persistent product
+    held). Each compute node starts with an all-to-all beside it (the backward's combine beside the forward's
+    attention, the forward's dispatch beside the backward's experts, the backward's dispatch beside the forward's
+    experts, the forward's combine beside the backward's attention): half its work in that 1 ms, the other half
+    after, 1.5 ms, and the next node waits for it: 6 ms a layer for 4 of compute, 2 exposed where none was.
+    With 0.5 ms nodes beside 2 ms all-to-alls each node ends within its all-to-all, which the chain waits for
+    anyway: 8 ms a layer, 6 exposed, held or not (the simulator's stretch of each part, 2 ms more, would not know)."""
+    even = (MoePass(1.0, 1.0, 1.0, 1.0), MoePass(1.0, 1.0, 1.0, 1.0))
+    assert paired_exposed_ms(*even) == 0.0
+    assert paired_exposed_ms(*even, slower=(2.0, 2.0)) == pytest.approx(2.0)
+    bound = (MoePass(0.5, 0.5, 2.0, 2.0), MoePass(0.5, 0.5, 2.0, 2.0))
+    assert paired_exposed_ms(*bound) == pytest.approx(6.0)
+    assert paired_exposed_ms(*bound, slower=(2.0, 2.0)) == pytest.approx(6.0)
+
+
 def test_all_to_alls_no_longer_than_their_nodes_are_hidden_and_longer_ones_show_their_excess():
     compute = (MoePass(2.0, 2.0, 0.0, 0.0), MoePass(4.0, 4.0, 0.0, 0.0))
     assert paired_exposed_ms(*compute) == 0.0
@@ -105,8 +121,8 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
     busiest expert taking half the copies, so that the busiest rank's all-to-alls outlast what they hide under: a
     block's field is `paired_exposed_ms` of its passes split at the routed experts' ops and the combine node's (the
     scatter back, `index_put`, and the residual add after it; in the backward the scatter's gradient, `index`),
-    half of each pass's all-to-alls its dispatch; the embedding and the head route nothing, and with E = 1 there
-    is nothing to expose."""
+    half of each pass's all-to-alls its dispatch, each part slowed beside them as its sharing times say; the
+    embedding and the head route nothing, and with E = 1 there is nothing to expose."""
     parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=0,  # the GPU's pricing (planning/host.py)
                            hot_expert_share=0.5)
     profile = estimate_profile(counted(), H100, parallel)
@@ -129,7 +145,10 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
         backward = MoePass(priced.bwd.median_ms - experts.bwd_ms - combined.bwd_ms, experts.bwd_ms,
                            *(priced.all_to_all_bwd_ms / 2,) * 2, priced.wgrad.median_ms - experts.wgrad_ms,
                            experts.wgrad_ms, combine_compute_ms=combined.bwd_ms)  # the GPU's: no host wait
-        assert priced.all_to_all_paired_ms == pytest.approx(paired_exposed_ms(forward, backward), rel=1e-12)
+        slower = (priced.fwd_sharing_ms / priced.fwd.median_ms, priced.bwd_sharing_ms / priced.bwd.median_ms)
+        assert min(slower) > 1
+        assert priced.all_to_all_paired_ms == pytest.approx(paired_exposed_ms(forward, backward, slower=slower),
+                                                            rel=1e-12)
         assert priced.all_to_all_paired_ms > 0
     single = estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8))
     assert all(layer.all_to_all_paired_ms == 0.0 for layer in single.layers)
@@ -221,11 +240,11 @@ def test_a_persistent_product_beside_the_dispatcher_is_held_its_own_time():
 
 
 def step_ms(method: str, paired_ms: float, overlap: bool, microbatches: int = 8, stages: int = 1, chunks: int = 1,
-            backward_all_to_all_ms: float = 0.5) -> float:
+            backward_all_to_all_ms: float = 0.5, sharing_ms: tuple[float, float] = (0.0, 0.0)) -> float:
     schedule = build_schedule(method, ScheduleParams(stages=stages, microbatches=microbatches, chunks=chunks,
                                                      minibatches=2, expert_parallel=2, overlap_expert_comm=overlap))
     costs = StageCosts(fwd_ms=1.0, bwd_ms=2.0, all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=backward_all_to_all_ms,
-                       all_to_all_paired_ms=paired_ms)
+                       all_to_all_paired_ms=paired_ms, fwd_sharing_ms=sharing_ms[0], bwd_sharing_ms=sharing_ms[1])
     trace = simulate(schedule, Costs((costs,) * (stages * chunks)), Cluster(stages, default_link=Link(latency_ms=0)))
     return summarize(trace).time_per_minibatch_ms
 
@@ -241,6 +260,16 @@ def test_each_megatron_pair_holds_its_device_for_what_its_layers_leave_exposed(m
     longer = step_ms("1f1b", 0.0, True, microbatches, backward_all_to_all_ms=3.0)
     assert step_ms("1f1b", 1.5, True, microbatches, backward_all_to_all_ms=3.0) == pytest.approx(longer)
     assert step_ms("1f1b", 3.0, True, microbatches, backward_all_to_all_ms=3.0) == pytest.approx(longer + pairs)
+
+
+def test_a_megatron_pair_is_slowed_beside_its_all_to_alls_in_what_it_leaves_exposed_not_again():
+    """Parts twice as slow beside the dispatcher's kernels (forward 2 ms of 1, backward 4 of 2): where the stage's
+    layers priced the pair node by node (its exposure known) the rows keep their own times, the exposure holding
+    the slowing; where it is not known (0), each part is stretched for the other's 0.5 ms all-to-all, 0.25 ms."""
+    pairs = 7
+    slowed = (2.0, 4.0)
+    assert step_ms("1f1b", 2.0, True, sharing_ms=slowed) == pytest.approx(step_ms("1f1b", 2.0, True))
+    assert step_ms("1f1b", 0.0, True, sharing_ms=slowed) == pytest.approx(step_ms("1f1b", 0.0, True) + 0.5 * pairs)
 
 
 def test_dualpipes_pairs_keep_hiding_each_part_under_the_other():
