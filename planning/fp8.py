@@ -145,7 +145,14 @@ class Fp8Recipe:
     down-projection's output gradient kept for a deferred weight pass in float8, a float32 scale a tile of that many
     elements of a row (None: as counted); `delayed_scaling`: TransformerEngine's delayed scaling as its 1.x
     modules run it (te's, as the H100 runs' v1.10-era containers ran it); the work it adds beside the products is
-    its three properties' (`fuses_bias_gradients`, `clones_scale_inverses`, `reduces_and_updates_amaxes`)."""
+    its three properties' (`fuses_bias_gradients`, `clones_scale_inverses`, `reduces_and_updates_amaxes`);
+    `norm_cast_kernels`: the kernels that cast a product's input a TransformerEngine LayerNormLinear's norm wrote
+    (planning/te.py `float8_norm_outputs`), its norm's kernel doing the rest: under delayed scaling none, the norm
+    writes float8 (`norms_write_float8`, `norms_in_float8`), at v1.7 to v1.11 and v2.x alike (csrc/extensions/
+    normalization.cpp, "Always used fused kernel for FP8 delayed scaling"); under current scaling the norm takes its
+    output's amax and writes 16 bits, and the cast zeroes the amax first, then runs the scale and the cast-transpose
+    but no amax pass (`create_hp_tensor_with_amax` and `quantize_with_amax`: normalization.cpp's
+    `force_unfused_kernel` at v2.7, its `Impl::FUSED_NORM_AMAX_FP8` at v2.9, v2.12 and v2.14)."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -161,6 +168,9 @@ class Fp8Recipe:
     fuses_split_casts: bool = False  # a per-expert product's splits cast by one kernel (`per_expert_products`)
     routed_output_gradient_tile: int | None = None  # the routed down-projection's output gradient kept so until W
     delayed_scaling: bool = False  # TransformerEngine's delayed scaling, an amax history, as its 1.x modules run it
+    # the kernels that cast a product's input a LayerNormLinear's norm wrote, its norm kernel doing the rest (None: as
+    # any input's, `kernels`)
+    norm_cast_kernels: tuple[tuple[str, int, int], ...] | None = None
 
     @property
     def fuses_bias_gradients(self) -> bool:
@@ -187,17 +197,16 @@ class Fp8Recipe:
 
     @property
     def norms_write_float8(self) -> bool:
-        """A TransformerEngine LayerNormLinear's norm writes its product's input in float8, its own cast
-        (`norms_in_float8`): under delayed scaling, at v1.7 to v1.11 and v2.x alike; under current scaling v2.x's
-        norm writes 16 bits and a cast follows (csrc/extensions/normalization.cpp `force_unfused_kernel`)."""
-        return self.delayed_scaling
+        """A TransformerEngine LayerNormLinear's norm writes its product's input in float8, the whole cast
+        (`norms_in_float8`): no kernel of the cast is left to the product (`norm_cast_kernels`)."""
+        return self.norm_cast_kernels == ()
 
 
 FP8_RECIPES = {
     "te": Fp8Recipe(casts={"fwd": ("input",), "bwd": ("grad",), "igrad": ("grad",), "wgrad": ()},
                     kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True,
                     weight_copy_bytes=2 * FP8_BYTES, routed=True, split_accumulation=BACKWARD_PASSES,
-                    gathers_float8=True, fuses_split_casts=True, delayed_scaling=True),
+                    gathers_float8=True, fuses_split_casts=True, delayed_scaling=True, norm_cast_kernels=()),
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False,
@@ -205,7 +214,8 @@ FP8_RECIPES = {
 }
 FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("zero_amax", 0, 0), ("amax", 1, 0), ("scale", 0, 0),
                                                                   ("cast_transpose", 1, 2)), fuses_split_casts=False,
-                                    delayed_scaling=False)
+                                    delayed_scaling=False,
+                                    norm_cast_kernels=(("zero_amax", 0, 0), ("scale", 0, 0), ("cast_transpose", 1, 2)))
 FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
 # the scale-inverses a TransformerEngine 1.x module's forward keeps: its input's, weight's and output's
 # (fp8_meta["scaling_fwd"], `num_gemms * 3`), which `clones_scale_inverses` copies
@@ -214,7 +224,7 @@ SCALE_INVERSES = 3
 # `gemm_fp8_fp8_bf16_nt` takes them (its LHS scales: float32, (m, ceil(k / 128)))
 TILE_ELEMENTS = 128
 FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
-                                  split_accumulation=(), delayed_scaling=False,
+                                  split_accumulation=(), delayed_scaling=False, norm_cast_kernels=None,
                                   routed_output_gradient_tile=TILE_ELEMENTS)
 FP8_RECIPES["torchao-2024"] = replace(FP8_RECIPES["torchao"], casts={"fwd": ("input", "weight"), "bwd": ("grad",),
                                                                       "igrad": ("grad",), "wgrad": ()},
@@ -300,26 +310,25 @@ def _in_float8(op: OpCount, element_bytes: int, split_accumulation: bool) -> OpC
 
 
 def cast_ops(products: tuple[OpCount, ...], roles: tuple[str, ...], recipe: Fp8Recipe,
-             element_bytes: int, expert_ranks: int = 1, cast_inputs: Counter | None = None) -> tuple[OpCount, ...]:
+             element_bytes: int, expert_ranks: int = 1, norm_inputs: Counter | None = None) -> tuple[OpCount, ...]:
     """The memory-bound kernels casting each of `roles`' tensors of every forward product (each of its `batch`
     products' m × k input, n × k weight, m × n output gradient) to float8; a routed product's weights only the
-    1/`expert_ranks` of its experts one rank holds; of the products of each shape, so many fewer inputs as
-    `cast_inputs` counts (those a norm wrote in float8: `norms_in_float8`)."""
+    1/`expert_ranks` of its experts one rank holds; of the products of each shape, as many inputs as `norm_inputs`
+    counts (a norm's outputs: planning/te.py `norm_read_products`) by the recipe's `norm_cast_kernels`."""
     ops = []
     for product in products:
         batch, m, n, k = product.shape
         shapes = {"input": (m, k), "weight": (n, k), "grad": (m, n)}
         for role in roles:
             held = batch // expert_ranks if role == "weight" and product.routed else batch
-            calls = product.count - (cast_inputs or Counter())[product.shape] * (role == "input")
-            elements = held * shapes[role][0] * shapes[role][1]
-            if not calls:
-                continue
-            if product.routed and recipe.fuses_split_casts:  # every local expert's split in one kernel
-                elements, calls = elements * calls, 1
-            ops += [OpCount(f"fp8_{kernel}_{role}", "memory", shapes[role], 0,
-                            elements * (reads * element_bytes + writes * FP8_BYTES), calls)
-                    for kernel, reads, writes in recipe.kernels]
+            normed = (norm_inputs or Counter())[product.shape] if role == "input" else 0
+            for kernels, calls in ((recipe.kernels, product.count - normed), (recipe.norm_cast_kernels or (), normed)):
+                elements = held * shapes[role][0] * shapes[role][1]
+                if product.routed and recipe.fuses_split_casts:  # every local expert's split in one kernel
+                    elements, calls = elements * calls, 1
+                ops += [OpCount(f"fp8_{kernel}_{role}", "memory", shapes[role], 0,
+                                elements * (reads * element_bytes + writes * FP8_BYTES), calls)
+                        for kernel, reads, writes in kernels if calls]
     return tuple(ops)
 
 
@@ -331,13 +340,13 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
     if not attends(layer):
         return layer
     products = tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
-    norms = float8_norm_outputs(layer) if recipe.norms_write_float8 else ()
-    cast_inputs = norm_read_products(layer, norms)
+    norms = float8_norm_outputs(layer) if recipe.norm_cast_kernels is not None else ()
+    norm_inputs = norm_read_products(layer, norms)
     ops = {name: tuple(_in_float8(op, element_bytes, name in recipe.split_accumulation) if _converted(op, recipe)
                        else op for op in passed)
-           + cast_ops(products, recipe.casts[name], recipe, element_bytes, cast_inputs=cast_inputs)
+           + cast_ops(products, recipe.casts[name], recipe, element_bytes, norm_inputs=norm_inputs)
            for name, passed in layer.ops.items()}
-    if norms:
+    if norms and recipe.norms_write_float8:
         ops = norms_in_float8(ops, layer, norms, element_bytes)
     saved = layer.saved_tensors
     if recipe.saves_float8_inputs and layer.linear_input_saves:
@@ -370,7 +379,8 @@ def norms_in_float8(ops: dict[str, tuple[OpCount, ...]], layer: LayerCount,
     (module/layernorm_linear.py at v1.7 to v1.11: `ln_out_dtype = torch.uint8`, its norm `layernorm_fwd_fp8` or
     `rmsnorm_fwd_fp8`, module/_common.py `_apply_normalization`; v2.x alike, csrc/extensions/normalization.cpp
     "Always used fused kernel for FP8 delayed scaling"): one forward call of the norm's kernel writes 1 byte an
-    element, not 16 bits, and the products that read it cast no input (`cast_ops`), and the weight-gradient
+    element, not 16 bits, and the products that read it cast no input (`cast_ops`: `norm_cast_kernels` none), and
+    the weight-gradient
     passes transpose it, reading and writing 1 byte an element, one kernel (`ln_out_total_t =
     tex.fp8_transpose(ln_out_total, ...)` before the weight-gradient GEMM), where a cast-transpose wrote the
     transpose in the forward. Under sequence parallelism that transposes the gathered tensor: what the rank's share

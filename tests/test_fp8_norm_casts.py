@@ -1,13 +1,17 @@
 """TransformerEngine's LayerNormLinear under delayed scaling (the `te` recipe): the norm's kernel writes its
 product's input in float8 (`layernorm_fwd_fp8`, `rmsnorm_fwd_fp8`), so that input takes no cast of its own, and the
 weight gradient transposes the float8 copy (`tex.fp8_transpose(ln_out_total)`) instead (planning/fp8.py
-`norms_in_float8`, planning/te.py `float8_norm_outputs`). Each layer's memory-bound bytes and kernels, by hand."""
+`norms_in_float8`, planning/te.py `float8_norm_outputs`); under current scaling (`te-current`) the norm takes its
+output's amax, so its cast runs no amax pass (`norm_cast_kernels`). Each layer's memory-bound bytes and kernels, by
+hand."""
+
+from dataclasses import replace
 
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, gathered_transposes_ms
-from pipesim.planning.fp8 import FP8_RECIPES, Fp8Recipe, gathered_norm_share, in_float8
+from pipesim.planning.fp8 import FP8_RECIPES, gathered_norm_share, in_float8
 from pipesim.planning.te import float8_norm_outputs, norm_read_products
 
 WIDTH, HEADS, SEQ, FFN = 256, 4, 128, 1024
@@ -42,14 +46,13 @@ def test_the_two_norms_outputs_are_qkv_and_the_first_mlp_products_inputs(block):
     assert norm_read_products(block, outputs) == {(1, SEQ, 3 * WIDTH, WIDTH): 1, (1, SEQ, first, WIDTH): 1}
 
 
-def test_a_norm_writes_float8_and_its_products_input_is_not_cast_again(block, monkeypatch):
+def test_a_norm_writes_float8_and_its_products_input_is_not_cast_again(block):
     """Against the same recipe casting the norms' 16-bit outputs: the forward moves, for each of the two norms, its
     output's second byte and the cast-transpose's 2 + 2 bytes an element less, one kernel less; the full backward
     and the weight-gradient pass each transpose both float8 copies, 1 + 1 bytes an element, a kernel each; the
     input-gradient pass is unchanged."""
     fused = in_float8(block, TE, 2)
-    monkeypatch.setattr(Fp8Recipe, "norms_write_float8", property(lambda recipe: False))
-    cast = in_float8(block, TE, 2)
+    cast = in_float8(block, replace(TE, norm_cast_kernels=None), 2)
     elements = TOKENS * WIDTH
     (fused_bytes, fused_kernels), (cast_bytes, cast_kernels) = _memory(fused, "fwd"), _memory(cast, "fwd")
     assert cast_bytes - fused_bytes == 2 * elements * (1 + 4)
@@ -64,9 +67,24 @@ def test_a_norm_writes_float8_and_its_products_input_is_not_cast_again(block, mo
 
 def test_current_scaling_and_torchao_cast_the_norms_output_still():
     """TransformerEngine 2.x runs the norm in 16 bits before a current-scaling cast (normalization.cpp
-    `force_unfused_kernel`); torchao's casts are its linears' own."""
-    assert not any(FP8_RECIPES[name].norms_write_float8 for name in ("te-current", "torchao", "torchao-2024"))
+    `Impl::FUSED_NORM_AMAX_FP8`); torchao's and DeepSeek-V3's casts are their linears' own."""
+    assert not any(FP8_RECIPES[name].norms_write_float8 for name in ("te-current", "torchao", "torchao-2024",
+                                                                      "deepseek"))
     assert TE.norms_write_float8
+
+
+def test_under_current_scaling_the_norm_takes_its_outputs_amax(block):
+    """Current scaling's norm kernel takes its output's amax (`create_unquantized_tensor_with_amax`, then
+    `quantize_with_amax`): of each norm-fed input's cast only the amax pass goes, 2 bytes an element and a kernel;
+    the zeroing, the scale and the cast-transpose stay, and nothing else moves."""
+    current = FP8_RECIPES["te-current"]
+    fused = in_float8(block, current, 2)
+    cast = in_float8(block, replace(current, norm_cast_kernels=None), 2)
+    elements = TOKENS * WIDTH
+    (fused_bytes, fused_kernels), (cast_bytes, cast_kernels) = _memory(fused, "fwd"), _memory(cast, "fwd")
+    assert cast_bytes - fused_bytes == 2 * elements * 2
+    assert cast_kernels - fused_kernels == 2
+    assert all(_memory(fused, name) == _memory(cast, name) for name in ("bwd", "igrad", "wgrad"))
 
 
 def test_a_mixture_of_experts_pre_mlp_norm_is_cast_by_its_readers():
