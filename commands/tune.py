@@ -207,7 +207,7 @@ def tune(
             if batch % b:
                 raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
                                  "(its times were measured at that size)")
-            _check_max_pipelines(max_pipelines, batch, b)
+            _check_max_pipelines(ctx, max_pipelines, batch, b)
             depths = None  # a given d: the one p = D/(t·C·d)
             if data_parallel is not None:
                 per_stage = f" x {tensor * context} (the profile's GPUs per stage)" * (tensor * context > 1)
@@ -237,7 +237,7 @@ def tune(
             sizes = tuple(b for b in sizes if batch % b == 0)
             if not sizes:
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
-            _check_max_pipelines(max_pipelines, batch, min(sizes))
+            _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
             if context > 1:
                 with refused_with_flags():  # C must split the sequence: said before the note too
@@ -361,11 +361,12 @@ def _held_as(measured) -> str | None:
     return measured.estimated_parallelism.get("precision")
 
 
-def _check_max_pipelines(max_pipelines: int, batch: int, microbatch_size: int) -> None:
-    """--max-pipelines at most the micro-batches of b samples a step's batch holds, each pipeline's at least one:
-    the search tried every P up to it, and 10**12 searched for hours."""
+def _check_max_pipelines(ctx: typer.Context, max_pipelines: int, batch: int, microbatch_size: int) -> None:
+    """--max-pipelines, where given, at most the micro-batches of b samples a step's batch holds, each pipeline's at
+    least one: the search tried every P up to it, and 10**12 searched for hours. Its default, 4, is not refused
+    under a --batch-size of fewer micro-batches: the search skips the P that cannot run."""
     most = batch // microbatch_size
-    if max_pipelines > most:
+    if max_pipelines > most and is_given(ctx, "max_pipelines"):
         raise InputError(f"--max-pipelines {max_pipelines:,}: each pipeline takes at least one of the step's "
                          f"{most:,} micro-batches ({batch} samples, --batch-size, of {microbatch_size} each); give 1 "
                          f"to {most:,}")

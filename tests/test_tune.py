@@ -425,6 +425,15 @@ def test_bad_input_is_one_line_exit_2(args, fragment):
     assert "Traceback" not in err
 
 
+def test_the_default_max_pipelines_is_not_refused_under_a_small_batch():
+    """--max-pipelines is refused past the step's micro-batches only where given: its default, 4, under a
+    --batch-size of 2 micro-batches was refused (0ead5c6), where the search ran and chose."""
+    code, out, err = pipesim("tune", "--profile", str(GPT), "--devices", "2", "--batch-size", "16", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["problem"]["max_pipelines"] == 4 and doc["choice"]["pipelines"] * doc["choice"]["microbatches"] <= 2
+
+
 @pytest.mark.parametrize("path", sorted(PROFILES.glob("*.json")), ids=lambda p: p.name)
 def test_committed_profiles_are_small_and_name_their_device(path):
     profile = load_profile(path)
