@@ -133,6 +133,8 @@ def study(
             check_prediction(prediction)
             # given to methods that do not read them, they were dropped: `-s 1f1b --pipelines 3` trained 1F1B alone
             check_method_options(ctx, schedules or DEFAULT_METHODS, ("--pipelines", "--prediction"))
+            if not timing and is_given(ctx, "timing_repeats"):  # dropped, as calibrate refuses --no-links' sizes
+                raise InputError("--timing-repeats sizes the timing, which --no-timing skips: give one")
             rates = _optimizers(optimizers or list(DEFAULT_OPTIMIZERS))
             setting = Setting(model, {"layers": layers, "width": width}, stages, microbatches, microbatch_size,
                               minibatches, pipelines)
