@@ -38,7 +38,6 @@ from .common import (
     allocator_fields,
     check_allocator,
     check_memory_gb,
-    check_method_options,
     check_p2p_sync,
     fail,
     given_precision,
@@ -183,7 +182,6 @@ def tune(
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         check_memory_gb(memory_gb)
         check_p2p_sync(ctx, schedule or METHODS)
-        check_method_options(ctx, schedule or METHODS, ("--search-seconds",))  # -s 1f1b dropped it
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
         check_allocator(ctx, what)

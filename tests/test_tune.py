@@ -415,8 +415,6 @@ def test_cli_json_is_the_search_result():
     (["--profile", str(GPT), "--devices", "4", "--max-pipelines", "17"],  # every P was tried: 10**12 ran for hours
      "--max-pipelines 17: each pipeline takes at least one of the step's 16 micro-batches (128 samples, --batch-size, "
      "of 8 each); give 1 to 16"),
-    (["--profile", str(GPT), "--devices", "4", "-s", "1f1b", "--search-seconds", "5"],  # dropped, exit 0
-     "--search-seconds applies to auto only, not 1f1b"),
 ])
 def test_bad_input_is_one_line_exit_2(args, fragment):
     """One line of error; on a slow host a search may first say, after a second, what it is doing."""
