@@ -53,10 +53,11 @@ Pure arithmetic: no torch, no simulator."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from functools import cache
+from functools import cache, lru_cache
 from statistics import NormalDist
 
 from ..hardware.catalogue import DispatcherRates
@@ -385,6 +386,7 @@ class MoePass:
     combine_issue_ms: float = 0.0
 
 
+@lru_cache(maxsize=1024)  # a model's repeated layers pair alike: each is priced once
 def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | None = None,
                       experts_wait: bool = False, slower: tuple[float, float] = (1.0, 1.0)) -> float:
     """What a layer's forward paired with a backward of the same layer (Megatron-core's combined 1F1B,
@@ -509,13 +511,13 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
 
 
 def held_end(start: float, run_ms: float, slower: float, kernels: list[tuple[float, float]]) -> float:
-    """When `run_ms` of compute begun at `start` ends beside `kernels` (begin, end), running `slower` while any of
-    them runs (its time beside them over its own: `Costs.sharing_dispatcher_ms`'s rule), at its own speed
-    otherwise."""
+    """When `run_ms` of compute begun at `start` ends beside `kernels` (begin, end; in order, apart: one stream's),
+    running `slower` while one of them runs (its time beside them over its own: `Costs.sharing_dispatcher_ms`'s
+    rule), at its own speed otherwise."""
+    if slower == 1.0:
+        return start + run_ms
     clock, left = start, run_ms
-    for begin, end in sorted(kernels):
-        if end <= clock:
-            continue
+    for begin, end in kernels[bisect.bisect_right(kernels, start, key=lambda kernel: kernel[1]):]:
         if begin > clock:
             if left <= begin - clock:
                 break
