@@ -665,6 +665,17 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     return profile.model_copy(update={"estimate": estimate})
 
 
+def check_estimate_limits(profile: Profile) -> None:
+    """An estimate past the sizes and times the simulator takes, refused naming the micro-batch: `estimate -b 10**12`
+    wrote a profile that `--profile` refused, and `simulate --gpu` said "fwd_ms must be a finite number". Not for
+    each of tune's candidates (3,636 for DeepSeek-V3, 15 ms each), whose simulation refuses one all the same."""
+    from ..profiles.schema import past_limits
+
+    if (past := past_limits(profile)) is not None:
+        raise InputError(f"the estimate at micro-batch size {profile.environment.microbatch_size} "
+                         f"(--microbatch-size): {past}; give a smaller micro-batch or model")
+
+
 def tensors_alone_text(measured: Profile | None, what: WhatIf | None) -> str:
     """For a caption: an estimate read from --profile (`what` None: no --gpu) holds no allocations for the caching
     allocator to replay, so its peaks are the tensors alone, below --gpu's of the same model and flags (max
@@ -751,6 +762,7 @@ def estimate(
             counted = count_what_if(what, microbatch_size)
             profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
                                                                         recompute), optimizer)
+            check_estimate_limits(profile)
         with writing("--out"):
             write_atomic(out, profile_json(profile))
     except InputError as exc:

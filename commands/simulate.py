@@ -86,6 +86,7 @@ from .common import (
 from .estimate import (
     COUNTING_STATUS,
     ModelWork,
+    check_estimate_limits,
     count_what_if,
     estimated_profile,
     parallelism_text,
@@ -269,6 +270,7 @@ def simulate(
                 counted = count_what_if(what, microbatch_size)
                 parallel = what.parallelism(stages, tensor_parallel, data_parallel, recompute)
                 estimated = estimated_profile(what, counted, parallel, optimizer)
+                check_estimate_limits(estimated)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            **allocator_fields(allocator, counted, parallel, optimizer_step))

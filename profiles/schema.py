@@ -1185,12 +1185,12 @@ def load_profile(path: str | Path) -> Profile:
         profile = Profile.model_validate(raw)
     except ValidationError as exc:
         raise ProfileError(f"profile {path}: {first_error(exc)}") from None
-    if (past := _past_limits(profile)) is not None:
+    if (past := past_limits(profile)) is not None:
         raise ProfileError(f"profile {path}: {past}")
     return profile
 
 
-def _past_limits(profile: Profile) -> str | None:
+def past_limits(profile: Profile) -> str | None:
     """Which size or time of the profile the simulator cannot take, or None: a stage's sizes up to MAX_BYTES and
     its times up to MAX_MS (sim/costs.py `StageCosts`), and a stage may hold every layer, so the layers' sums are
     bounded, and each calibrated stage's own figures. Said here naming the file's field, where StageCosts would name
