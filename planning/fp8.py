@@ -314,21 +314,28 @@ def cast_ops(products: tuple[OpCount, ...], roles: tuple[str, ...], recipe: Fp8R
     """The memory-bound kernels casting each of `roles`' tensors of every forward product (each of its `batch`
     products' m × k input, n × k weight, m × n output gradient) to float8; a routed product's weights only the
     1/`expert_ranks` of its experts one rank holds; of the products of each shape, as many inputs as `norm_inputs`
-    counts (a norm's outputs: planning/te.py `norm_read_products`) by the recipe's `norm_cast_kernels`."""
+    counts (a norm's outputs: planning/te.py `norm_read_products`) by the recipe's `norm_cast_kernels`, taken once
+    over the products of a shape (Qwen2's biased q and unbiased o are two products of one shape; only q reads the
+    norm)."""
     ops = []
+    norm_left = Counter(norm_inputs or ())
     for product in products:
         batch, m, n, k = product.shape
         shapes = {"input": (m, k), "weight": (n, k), "grad": (m, n)}
+        norm_fed = min(product.count, norm_left[product.shape])
+        norm_left[product.shape] -= norm_fed
         for role in roles:
             held = batch // expert_ranks if role == "weight" and product.routed else batch
-            normed = (norm_inputs or Counter())[product.shape] if role == "input" else 0
+            normed = norm_fed if role == "input" else 0
             for kernels, calls in ((recipe.kernels, product.count - normed), (recipe.norm_cast_kernels or (), normed)):
+                if not calls:
+                    continue
                 elements = held * shapes[role][0] * shapes[role][1]
                 if product.routed and recipe.fuses_split_casts:  # every local expert's split in one kernel
                     elements, calls = elements * calls, 1
                 ops += [OpCount(f"fp8_{kernel}_{role}", "memory", shapes[role], 0,
                                 elements * (reads * element_bytes + writes * FP8_BYTES), calls)
-                        for kernel, reads, writes in kernels if calls]
+                        for kernel, reads, writes in kernels]
     return tuple(ops)
 
 

@@ -5,14 +5,16 @@ weight gradient transposes the float8 copy (`tex.fp8_transpose(ln_out_total)`) i
 output's amax, so its cast runs no amax pass (`norm_cast_kernels`). Each layer's memory-bound bytes and kernels, by
 hand."""
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, gathered_transposes_ms
-from pipesim.planning.fp8 import FP8_RECIPES, gathered_norm_share, in_float8
+from pipesim.planning.fp8 import FP8_RECIPES, cast_ops, gathered_norm_share, in_float8
 from pipesim.planning.te import float8_norm_outputs, norm_read_products
+from pipesim.profiles.workload import OpCount
 
 WIDTH, HEADS, SEQ, FFN = 256, 4, 128, 1024
 TOKENS = SEQ  # one sequence a micro-batch
@@ -111,3 +113,17 @@ def test_a_gathered_norm_output_is_transposed_whole_once():
     assert gathered_norm_share(block, TE) == 1.0
     assert gathered_norm_share(block, FP8_RECIPES["te-current"]) == 0.0
     assert gathered_norm_share(_block(experts=4, top_k=2), TE) == 0.5  # the attention's norm of the two
+
+
+def test_a_norm_fed_shape_is_taken_once_over_the_products_of_that_shape():
+    """Qwen2's q (biased: `addmm`) and o (unbiased: `mm`) are two products of one shape, only q reading the norm:
+    o's input is still cast in full (each product took the norm's count off, so o's cast was dropped under te
+    and cut to the norm-fed kernels under te-current)."""
+    q = OpCount("addmm", "matmul", (1, SEQ, WIDTH, WIDTH), 2 * SEQ * WIDTH * WIDTH, 0, 1)
+    o = replace(q, op="mm")
+    norm_inputs = Counter({q.shape: 1})
+    te = cast_ops((q, o), ("input",), TE, 2, norm_inputs=norm_inputs)
+    assert [(op.op, op.shape, op.count) for op in te] == [("fp8_cast_transpose_input", (SEQ, WIDTH), 1)]
+    current = FP8_RECIPES["te-current"]
+    kernels = [op.op for op in cast_ops((q, o), ("input",), current, 2, norm_inputs=norm_inputs)]
+    assert kernels == [f"fp8_{kernel}_input" for kernel, _, _ in current.norm_cast_kernels + current.kernels]
