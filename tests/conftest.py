@@ -18,7 +18,8 @@
   ranks), each priced at 0 ms.
 - `script_module(name)`: benchmarks/NAME.py imported as a module while the context lasts.
 - `needs_transformers`: the mark that skips a test without transformers (an optional extra: `pipesim[hf]`).
-- `started_early` (autouse): each selected test module's `start_early`, called as the session starts.
+- A module that says `RUN_EARLY = True` runs its selected tests in a pytest of their own, started as the session
+  starts, beside the others; they are reported last (`pytest_collection_finish`).
 
 Tests marked `slow` (real transports, Ray, calibration that measures links) are left out by `-m "not slow"`.
 """
@@ -31,9 +32,11 @@ import io
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -100,20 +103,95 @@ def steady_host_load():
         yield
 
 
-@pytest.fixture(scope="session", autouse=True)
-def started_early(request, tmp_path_factory):
-    """What a selected test only waits for, started as the session starts by its module's `start_early(session,
-    tmp_path_factory)` (test_readme.py's: the README's sections; test_install.py's: a bare install's commands) in
-    a process of its own, in a session of its own: on a 2-core machine the tests before it, most of them one
-    process, leave a core idle that it takes. `start_early` returns that process (None where nothing of its
-    module is selected), ended with all it started where the session ends first."""
-    modules = {item.module for item in request.session.items if hasattr(getattr(item, "module", None), "start_early")}
-    started = [module.start_early(request.session, tmp_path_factory) for module in modules]
-    yield
-    for process in started:
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+# Where the early pytest (`pytest_collection_finish`) writes its tests' reports, one JSON line each; set in its
+# environment only.
+EARLY_REPORTS = "PIPESIM_TEST_EARLY_REPORTS"
+
+
+class EarlyRun(NamedTuple):
+    process: subprocess.Popen
+    folder: Path  # its reports and its output
+
+
+EARLY_RUN = pytest.StashKey[EarlyRun]()
+
+
+def runs_early(item: pytest.Item) -> bool:
+    """A test of a module that says `RUN_EARLY = True` (one that waits mostly on processes of its own: the README's
+    commands, a bare install's, Chromium), where this is not the early pytest itself."""
+    return bool(getattr(getattr(item, "module", None), "RUN_EARLY", False)) and EARLY_REPORTS not in os.environ
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that run early are reported last, once the early pytest has run them beside the others."""
+    items[:] = [item for item in items if not runs_early(item)] + [item for item in items if runs_early(item)]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The selected tests that run early, started now in a pytest of their own, in a session of its own: on a
+    2-core machine the other tests, most of them one process, leave a core idle that it takes. Each is reported
+    here, in its place, as that pytest ran it (`pytest_runtest_protocol`)."""
+    early = [item.nodeid for item in session.items if runs_early(item)]
+    if not early or session.config.option.collectonly:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="pipesim-early-"))
+    with open(folder / "output.txt", "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *early],
+                                   cwd=session.config.rootpath, stdout=output, stderr=subprocess.STDOUT,
+                                   env=dict(os.environ, **{EARLY_REPORTS: str(folder / "reports.jsonl")}),
+                                   start_new_session=True)
+    session.stash[EARLY_RUN] = EarlyRun(process, folder)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The early pytest ended, with all it started, where the session ends first; its folder removed."""
+    run = session.stash.get(EARLY_RUN, None)
+    if run is not None:
+        if run.process.poll() is None:
+            os.killpg(run.process.pid, signal.SIGKILL)
+        run.process.wait()
+        shutil.rmtree(run.folder, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> bool | None:
+    """A test that ran early: its reports as the early pytest made them (once it has ended), or one failure saying
+    what that pytest printed where it made none."""
+    if not runs_early(item):
+        return None
+    run = item.session.stash[EARLY_RUN]
+    run.process.wait()
+    reports = [json.loads(line) for line in (run.folder / "reports.jsonl").read_text().splitlines()] \
+        if (run.folder / "reports.jsonl").exists() else []
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    made = [report for report in reports if report["nodeid"] == item.nodeid]
+    for data in made:
+        if isinstance(data["longrepr"], list):  # a skip's (path, line, reason), a list in JSON
+            data["longrepr"] = tuple(data["longrepr"])
+        item.ihook.pytest_runtest_logreport(report=item.config.hook.pytest_report_from_serializable(
+            config=item.config, data=data))
+    if not made:
+        output = (run.folder / "output.txt").read_text()[-5000:]
+        item.ihook.pytest_runtest_logreport(report=pytest.TestReport(
+            item.nodeid, item.location, {}, "failed", f"the early pytest made no report of it:\n{output}", "call"))
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the early pytest, each report written where the session that started it reads them."""
+    path = os.environ.get(EARLY_REPORTS)
+    if path is None:
+        return
+
+    class Reports:
+        @staticmethod
+        def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+            with open(path, "a") as reports:
+                reports.write(json.dumps(config.hook.pytest_report_to_serializable(config=config, report=report))
+                              + "\n")
+
+    config.pluginmanager.register(Reports(), "pipesim-early-reports")
 
 
 class Cli(NamedTuple):

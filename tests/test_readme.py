@@ -8,14 +8,13 @@ part here; CI runs their install part on a fresh machine.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -60,25 +59,22 @@ def test_the_readme_is_short_and_shows_commands():
     assert sum(map(len, sections.values())) >= 10
 
 
+RUN_EARLY = True  # in a pytest of its own beside the others (conftest.py): its commands are processes of their own
 MEASURING = ("pipesim calibrate", "pipesim run", "pipesim study")  # they time this machine and share its host cache
 
 
-def user_folder(folder: Path) -> None:
-    """Lay out `folder` as a user's copy of the repository holds what the docs' commands read (`SHARED_PATHS`,
-    linked)."""
+def user_folder(folder: Path, host_cache: Path) -> dict[str, str]:
+    """Lay out `folder` as a user's copy of the repository holds what the docs' commands read (`SHARED_PATHS`, linked),
+    and the environment they run in there: this venv's commands first on PATH, `host_cache` the host cache."""
     for name in SHARED_PATHS:
         (folder / name).symlink_to(REPO / name)
-
-
-def user_environment(host_cache: Path) -> dict[str, str]:
-    """The environment the docs' commands run in: this venv's commands first on PATH, `host_cache` the host
-    cache."""
     return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                 PIPESIM_CACHE_DIR=str(host_cache))
 
 
-def _run_section(commands: list[str], folder: Path, env: dict[str, str]) -> str | None:
+def _run_section(commands: list[str], folder: Path, host_cache: Path) -> str | None:
     """Run one section's commands in order in `folder`: None, or what the first one that failed printed."""
+    env = user_folder(folder, host_cache)
     for command in commands:
         done = subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True,
                               timeout=600)
@@ -89,55 +85,29 @@ def _run_section(commands: list[str], folder: Path, env: dict[str, str]) -> str 
     return None
 
 
-def run_sections(plan: dict[str, Any]) -> dict[str, str | None]:
-    """`plan`'s sections in two chains at once, as two users on a 2-core machine would: the sections that measure
-    (calibrate, run, study) one after another in one, sharing one host cache as one user's machine does, every
-    other section in the other; each section's commands in order in its own folder: section -> its outcome
-    (`_run_section`)."""
+@pytest.fixture(scope="module")
+def section_runs(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """The selected sections, started at once in two chains, as two users on a 2-core machine would: the sections
+    that measure (calibrate, run, study) one after another in one, sharing one host cache as one user's machine
+    does, every other section in the other. Each section still runs its commands in order in a folder of its own:
+    section -> its outcome (`_run_section`)."""
+    selected = {item.callspec.params["section"] for item in request.session.items
+                if item.originalname == "test_every_readme_command_runs_as_written"}
+    sections = {title: commands for title, commands in readme_sections().items() if title in selected}
+    host_cache = tmp_path_factory.mktemp("pipesim-cache")
     chains = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
     runs = {title: chains[any(c.startswith(MEASURING) for c in commands)].submit(
-                _run_section, commands, Path(plan["folders"][title]), plan["env"])
-            for title, commands in plan["sections"].items()}
-    return {title: run.result() for title, run in runs.items()}
-
-
-SECTION_RUNS = pytest.StashKey[subprocess.Popen]()
-
-
-def start_early(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory) -> subprocess.Popen | None:
-    """The process of the selected sections' runs (`run_sections`), started as the session starts (conftest.py's
-    `started_early`), this file run as a script: they then run beside the tests before this module's on the cores
-    those leave idle, and no thread of theirs runs in pytest's process (where one would make tune spawn its
-    workers, not fork them)."""
-    selected = {item.callspec.params["section"] for item in session.items
-                if item.originalname == "test_every_readme_command_runs_as_written"}
-    if not selected:
-        return None
-    sections = {title: commands for title, commands in readme_sections().items() if title in selected}
-    folders = {title: tmp_path_factory.mktemp("section") for title in sections}
-    env = user_environment(tmp_path_factory.mktemp("pipesim-cache"))
-    for folder in folders.values():
-        user_folder(folder)
-    plan = {"sections": sections, "folders": {title: str(folder) for title, folder in folders.items()}, "env": env}
-    runs = subprocess.Popen([sys.executable, __file__, json.dumps(plan)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    session.stash[SECTION_RUNS] = runs
-    return runs
-
-
-@pytest.fixture(scope="module")
-def section_runs(request) -> dict[str, str | None]:
-    """Each selected section's outcome (`run_sections`), once the runs `start_early` started have ended."""
-    runs = request.session.stash[SECTION_RUNS]
-    out, err = runs.communicate(timeout=3600)
-    assert runs.returncode == 0, err
-    return json.loads(out)
+                _run_section, commands, tmp_path_factory.mktemp("section"), host_cache)
+            for title, commands in sections.items()}
+    yield runs
+    for chain in chains:
+        chain.shutdown(cancel_futures=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("section", list(readme_sections()))
 def test_every_readme_command_runs_as_written(section, section_runs):
-    failure = section_runs[section]
+    failure = section_runs[section].result()
     assert failure is None, failure
 
 
@@ -184,7 +154,3 @@ def test_the_models_sections_figures_are_what_its_commands_print():
     h100_gib = load_catalogue().find("h100-sxm").memory_gib  # what fits and what does not, as the prose says
     assert fp8["dualpipev"]["peak_memory_mb"] / 1024 < h100_gib < fp8["zb-v"]["peak_memory_mb"] / 1024
     assert bf16["dualpipev"]["peak_memory_mb"] / 1024 > h100_gib
-
-
-if __name__ == "__main__":  # `start_early`'s process: the plan's sections run, their outcomes printed as JSON
-    print(json.dumps(run_sections(json.loads(sys.argv[1]))))
