@@ -2511,6 +2511,7 @@ def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits
         beside = [update.get(f"{name}_sharing_ms", getattr(layer, f"{name}_sharing_ms")) for name in ("fwd", "bwd")]
         slower = tuple(ms / times[name] if ms > 0 and times[name] > 0 else 1.0
                        for name, ms in zip(("fwd", "bwd"), beside, strict=True))
+        update["all_to_all_paired_by_node"] = issue.pair is not None
         update["all_to_all_paired_ms"] = 0.0 if issue.pair is None else paired_exposed_ms(
             *issue.pair, charged_ms=times["fwd"] + times["bwd"], experts_wait=issue.experts_wait, slower=slower)
         timed.append(layer.model_copy(update=update))

@@ -1116,7 +1116,7 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
         all_gather_bytes=s.all_gather_bytes, gather_cast_ms=s.gather_cast_ms,
         transient_bytes=s.transient_bytes,
         all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms,
-        all_to_all_paired_ms=s.all_to_all_paired_ms,
+        all_to_all_paired_ms=s.all_to_all_paired_ms, all_to_all_paired_by_node=s.all_to_all_paired_by_node,
         pair_layer_bytes=max((layer.activation_bytes for layer in measured.layers[s.layers[0]:s.layers[1]]),
                              default=None),
         fwd_sharing_ms=s.fwd_sharing_ms * tail, bwd_sharing_ms=s.bwd_sharing_ms * tail * grown,

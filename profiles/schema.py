@@ -187,8 +187,10 @@ class LayerProfile(_Strict):
     all_to_all_fwd_ms: float = Field(0.0, ge=0)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
     # Of those, the time Megatron-core's overlapped pair leaves exposed, its forward beside a backward of the same
-    # layer node by node (planning/experts.py `paired_exposed_ms`); 0: none known, each pass hidden whole
+    # layer node by node (planning/experts.py `paired_exposed_ms`), and whether it was priced so (False: none
+    # known, each pass hidden whole; an exposure of 0 may be priced, its compute's slowing held in it)
     all_to_all_paired_ms: float = Field(0.0, ge=0)
+    all_to_all_paired_by_node: bool = False
     # The layer's forward and backward on the multiprocessors a dispatcher's kernels leave them while its
     # all-to-alls run beside them (planning/estimate.py `sharing_dispatcher`); 0: none holds any
     fwd_sharing_ms: float = Field(0.0, ge=0)
@@ -323,6 +325,7 @@ class StageProfile(_Strict):
     all_to_all_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_fwd_ms`)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
     all_to_all_paired_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_paired_ms`)
+    all_to_all_paired_by_node: bool = False  # whether any of its layers' was (`LayerProfile.all_to_all_paired_by_node`)
     fwd_sharing_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.fwd_sharing_ms`), as the next
     bwd_sharing_ms: float = Field(0.0, ge=0)
     expert_param_bytes: int = Field(0, ge=0)  # its layers' summed (`LayerProfile.expert_param_bytes`)
@@ -993,6 +996,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),
             all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),
             all_to_all_paired_ms=math.fsum(layer.all_to_all_paired_ms for layer in mine),
+            all_to_all_paired_by_node=any(layer.all_to_all_paired_by_node for layer in mine),
             **{name: math.fsum(getattr(layer, name) for layer in mine)
                + stage_host_waits_ms(layers, start, stop, name.removesuffix("_ms"), p2p_sync)
                for name in SHARING_TIMES},

@@ -143,7 +143,8 @@ class StageCosts:
     expert-parallel group after a forward (an A2A_F) and after a backward (an A2A_B), on the network stream;
     `all_to_all_paired_ms`: of both, what Megatron-core's overlapped pair of a forward and a backward leaves exposed
     (its layers' nodes side by side: planning/experts.py `paired_exposed_ms`; 0: not known, each part's all-to-alls
-    hidden under the other part's whole compute), half of it its forward's and half its backward's;
+    hidden under the other part's whole compute), half of it its forward's and half its backward's, and
+    `all_to_all_paired_by_node` whether it was priced so (an exposure of 0 may be: all hidden, slowed or not);
     `pair_layer_bytes`: the largest of its layers' `activation_bytes`, which an overlapped pair's forward holds
     beside its backward's micro-batch while the pair runs (None: not known, its whole activations): the pair runs
     layer i's forward beside layer L-1-i's backward and frees each backward layer's state as it goes
@@ -220,6 +221,7 @@ class StageCosts:
     all_to_all_fwd_ms: float = 0.0
     all_to_all_bwd_ms: float = 0.0
     all_to_all_paired_ms: float = 0.0
+    all_to_all_paired_by_node: bool = False
     fwd_sharing_ms: float = 0.0
     bwd_sharing_ms: float = 0.0
     collective_delay_ms: float = 0.0

@@ -235,11 +235,11 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         duration[pair], duration[pair + 1] = _picoseconds(forward_ms), _picoseconds(backward_ms)
     # An overlapped pair's all-to-alls (the A2A_F and A2A_B right after it) run beside its other part's compute,
     # which they slow but where Megatron-core's pair prices that node by node in what it leaves exposed
-    # (`StageCosts.all_to_all_paired_ms`, planning/experts.py `paired_exposed_ms`).
+    # (`StageCosts.all_to_all_paired_by_node`, its exposure 0 or more: planning/experts.py `paired_exposed_ms`).
     paired = _with_all_to_alls(kind, pair)
     if len(paired) and any(c.fwd_sharing_ms or c.bwd_sharing_ms for c in stages):  # a dispatcher holds some
         a2a_f, a2a_b = KIND_CODE[Kind.A2A_F], KIND_CODE[Kind.A2A_B]
-        by_node = np.array([c.all_to_all_paired_ms > 0 for c in stages]) & bool(
+        by_node = np.array([c.all_to_all_paired_by_node for c in stages]) & bool(
             schedule.params.get("overlap_expert_comm", False))
         forward_ms = costs.sharing_dispatcher_ms(stage[paired], True, duration[paired] / _PS_PER_MS,
                                                  op_ms[stage[paired + 3], a2a_b] * ~by_node[stage[paired]])

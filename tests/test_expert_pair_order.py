@@ -130,7 +130,7 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
     group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8, hot_share=0.5)
     for layer, priced in zip(map(group.local, counted().layers), profile.layers):
         if not layer.dispatched_bytes:
-            assert priced.all_to_all_paired_ms == 0.0
+            assert priced.all_to_all_paired_ms == 0.0 and not priced.all_to_all_paired_by_node
             continue
         routed = replace(layer, ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.ops.items()})
         experts = estimate_layer(routed, DEVICE, parallel, links.tensor, 2)
@@ -149,9 +149,9 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
         assert min(slower) > 1
         assert priced.all_to_all_paired_ms == pytest.approx(paired_exposed_ms(forward, backward, slower=slower),
                                                             rel=1e-12)
-        assert priced.all_to_all_paired_ms > 0
+        assert priced.all_to_all_paired_ms > 0 and priced.all_to_all_paired_by_node
     single = estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8))
-    assert all(layer.all_to_all_paired_ms == 0.0 for layer in single.layers)
+    assert all(layer.all_to_all_paired_ms == 0.0 and not layer.all_to_all_paired_by_node for layer in single.layers)
 
 
 def test_a_host_bound_pair_exposes_the_forwards_all_to_alls_it_issued_under_alone():
@@ -240,11 +240,13 @@ def test_a_persistent_product_beside_the_dispatcher_is_held_its_own_time():
 
 
 def step_ms(method: str, paired_ms: float, overlap: bool, microbatches: int = 8, stages: int = 1, chunks: int = 1,
-            backward_all_to_all_ms: float = 0.5, sharing_ms: tuple[float, float] = (0.0, 0.0)) -> float:
+            backward_all_to_all_ms: float = 0.5, sharing_ms: tuple[float, float] = (0.0, 0.0),
+            by_node: bool = False) -> float:
     schedule = build_schedule(method, ScheduleParams(stages=stages, microbatches=microbatches, chunks=chunks,
                                                      minibatches=2, expert_parallel=2, overlap_expert_comm=overlap))
     costs = StageCosts(fwd_ms=1.0, bwd_ms=2.0, all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=backward_all_to_all_ms,
-                       all_to_all_paired_ms=paired_ms, fwd_sharing_ms=sharing_ms[0], bwd_sharing_ms=sharing_ms[1])
+                       all_to_all_paired_ms=paired_ms, all_to_all_paired_by_node=by_node,
+                       fwd_sharing_ms=sharing_ms[0], bwd_sharing_ms=sharing_ms[1])
     trace = simulate(schedule, Costs((costs,) * (stages * chunks)), Cluster(stages, default_link=Link(latency_ms=0)))
     return summarize(trace).time_per_minibatch_ms
 
@@ -264,11 +266,14 @@ def test_each_megatron_pair_holds_its_device_for_what_its_layers_leave_exposed(m
 
 def test_a_megatron_pair_is_slowed_beside_its_all_to_alls_in_what_it_leaves_exposed_not_again():
     """Parts twice as slow beside the dispatcher's kernels (forward 2 ms of 1, backward 4 of 2): where the stage's
-    layers priced the pair node by node (its exposure known) the rows keep their own times, the exposure holding
-    the slowing; where it is not known (0), each part is stretched for the other's 0.5 ms all-to-all, 0.25 ms."""
+    layers priced the pair node by node the rows keep their own times, the exposure holding the slowing, also
+    where it is 0 (every all-to-all hidden, slowed as it is: no step between 0 and a hair above it); where it was
+    not priced so, each part is stretched for the other's 0.5 ms all-to-all, 0.25 ms."""
     pairs = 7
     slowed = (2.0, 4.0)
-    assert step_ms("1f1b", 2.0, True, sharing_ms=slowed) == pytest.approx(step_ms("1f1b", 2.0, True))
+    for paired_ms in (2.0, 1e-9, 0.0):
+        assert step_ms("1f1b", paired_ms, True, sharing_ms=slowed, by_node=True) == pytest.approx(
+            step_ms("1f1b", paired_ms, True, by_node=True))
     assert step_ms("1f1b", 0.0, True, sharing_ms=slowed) == pytest.approx(step_ms("1f1b", 0.0, True) + 0.5 * pairs)
 
 
