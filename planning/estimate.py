@@ -1220,18 +1220,18 @@ def bulk_exposed_ms(collective_ms: float, product_ms: float, device: Device) -> 
 
 
 def persistent_product_ms(layer: LayerCount, device: Device, parallel: Parallelism, element_bytes: int,
-                          float8: Float8Forms | None = None) -> float:
-    """How long one of the layer's forward and backward products runs on one of its t·C ranks where products run
-    persistent CTAs (`Curve.persistent_products`; else 0): their times' mean weighted by their times, the product a
-    pipeline transfer's kernel launched at a random moment of the passes meets, which it delays by at most that
-    (sim/costs.py `Costs.transfers_hold_products`). Each product alone, without the collectives priced with it.
-    `float8`: the estimate's layers as its recipe runs them (`Float8Forms`), else built here."""
+                          float8: Float8Forms | None = None, passes: Sequence[str] = ("fwd", "bwd")) -> float:
+    """How long one of the layer's products of `passes` (its forward and backward) runs on one of its t·C ranks
+    where products run persistent CTAs (`Curve.persistent_products`; else 0): their times' mean weighted by their
+    times, the product a pipeline transfer's kernel launched at a random moment of the passes meets, which it delays
+    by at most that (sim/costs.py `Costs.transfers_hold_products`). Each product alone, without the collectives
+    priced with it. `float8`: the estimate's layers as its recipe runs them (`Float8Forms`), else built here."""
     if not device.curve.persistent_products:
         return 0.0
     layer = (float8 or parallel.float8_forms(element_bytes)).of(layer)
     split = _Split.of(layer, parallel)
     total_ms = squared_ms = 0.0
-    for name in ("fwd", "bwd"):
+    for name in passes:
         for op in layer.ops.get(name, ()):
             if op.kind != "matmul":
                 continue
@@ -2437,14 +2437,16 @@ def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Paralleli
 
 
 def paired_passes(priced: LayerEstimate, routed: LayerEstimate, combined: LayerEstimate, all_to_all_fwd_ms: float,
-                  all_to_all_bwd_ms: float, issued: dict[str, dict[str, float]]) -> tuple[MoePass, MoePass]:
+                  all_to_all_bwd_ms: float, issued: dict[str, dict[str, float]],
+                  product_ms: tuple[float, float] = (0.0, 0.0)) -> tuple[MoePass, MoePass]:
     """A MoE layer's forward and backward (`priced` on the GPU; its routed experts' part, `_routed_part`, priced
     `routed`; what its combine node runs beside the all-to-all, `_combine_part`, priced `combined`) as
     Megatron-core's overlapped pair runs them node by node (`planning.experts.MoePass`): dispatch and combine
     alike; of the backward, the weight gradients `delay_wgrad_compute` runs after each part's input gradients; and
     where the layer makes the host wait, each part's issue (the host's issue of each pass, by part and pass name:
     "layer" the whole layer's, "experts" its routed part's, "combine" its combine node's; 0 where it never waits),
-    its weight gradients' of it (the weight-gradient pass's, within the backward's)."""
+    its weight gradients' of it (the weight-gradient pass's, within the backward's). `product_ms`: the forward's
+    and the backward's mean product where it holds every multiprocessor (`MoePass.product_ms`)."""
 
     def split_issue(name: str) -> tuple[float, float, float]:  # (the attention node's, the experts', the combine's)
         experts, combine = issued["experts"][name], issued["combine"][name]
@@ -2454,13 +2456,13 @@ def paired_passes(priced: LayerEstimate, routed: LayerEstimate, combined: LayerE
         attention_wgrad, experts_wgrad, _) = (split_issue(name) for name in ("fwd", "bwd", "wgrad"))
     forward = MoePass(priced.fwd_ms - routed.fwd_ms - combined.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2,
                       all_to_all_fwd_ms / 2, attention_issue_ms=attention_fwd, experts_issue_ms=experts_fwd,
-                      combine_compute_ms=combined.fwd_ms, combine_issue_ms=combine_fwd)
+                      combine_compute_ms=combined.fwd_ms, combine_issue_ms=combine_fwd, product_ms=product_ms[0])
     attention_bwd_ms = priced.bwd_ms - routed.bwd_ms - combined.bwd_ms
     backward = MoePass(attention_bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2,
                        min(max(priced.wgrad_ms - routed.wgrad_ms, 0.0), attention_bwd_ms),
                        min(routed.wgrad_ms, routed.bwd_ms), attention_bwd, experts_bwd,
                        min(attention_wgrad, attention_bwd), min(experts_wgrad, experts_bwd),
-                       combined.bwd_ms, combine_bwd)
+                       combined.bwd_ms, combine_bwd, product_ms[1])
     return forward, backward
 
 
@@ -2875,8 +2877,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         if routed is not None and combined is not None:
             parts_issued = {part: issued(kernels(estimate, PASSES, adds) if synced else {})
                             for part, estimate, adds in (("experts", routed, bias_adds), ("combine", combined, 0))}
+            held_products = sharing is not None and sharing.products_held_on is not None  # on every multiprocessor
             pair = paired_passes(priced, routed, combined, all_to_all_fwd_ms, all_to_all_bwd_ms,
-                                 {"layer": issued(passes), **parts_issued})
+                                 {"layer": issued(passes), **parts_issued}, tuple(
+                                     persistent_product_ms(busiest, device, parallel, element, float8, (name,))
+                                     if held_products else 0.0 for name in ("fwd", "bwd")))
         issues.append(_HostIssue(passes, None if shared is None else kernels(shared, ("fwd", "bwd")), pair,
                                  tokens_wait and parallel.token_dispatcher == "deepep"))
         layers.append(LayerProfile(

@@ -370,7 +370,9 @@ class MoePass:
     (`attention_wgrad_ms`, `experts_wgrad_ms`: TransformerEngine's modules hold them back under
     `delay_wgrad_compute`, and the pair runs them as `backward_dw`, outside its nodes). The `*_issue_ms`: the
     host's issue of each part's kernels (planning/host.py `issued_ms`; 0 where the layer never makes the host wait,
-    so that it stays ahead), its weight gradients' of it."""
+    so that it stays ahead), its weight gradients' of it. `product_ms`: the mean product of the pass a kernel
+    launched at a random moment of its compute meets where products are launched on every multiprocessor
+    (planning/estimate.py `persistent_product_ms`; 0: in waves, or given a target, DeepSeek's)."""
 
     attention_ms: float
     experts_ms: float
@@ -384,6 +386,7 @@ class MoePass:
     experts_wgrad_issue_ms: float = 0.0
     combine_compute_ms: float = 0.0
     combine_issue_ms: float = 0.0
+    product_ms: float = 0.0
 
 
 @lru_cache(maxsize=1024)  # a model's repeated layers pair alike: each is priced once
@@ -428,14 +431,21 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
     `LayerProfile.fwd_sharing_ms`; planning/estimate.py `sharing_dispatcher`: persistent products held, the rest on
     the multiprocessors left) for as long as they run beside it, at its own speed otherwise, so a node held off the
     pair's path costs nothing. A compute node's end waits for the all-to-alls that can run beside it: those the host
-    issues before the next compute node or before a node that waits for it.
+    issues before the next compute node or before a node that waits for it. The other order too: an all-to-all
+    launched while a product launched on every multiprocessor runs finds none free for its CTAs until that
+    product's end (github.com/NVIDIA/nccl issue 1431; TransformerEngine launches its own overlaps' communication
+    first on Hopper for it, comm_gemm_overlap.cpp), so it starts later by half the mean product of the running
+    node's pass (`MoePass.product_ms`, the product met at a random moment; no later than the node's end), and that
+    product, begun before it, runs at its own speed. One released as a node starts (on the event the node before
+    recorded, as most are) is taken to start first: no source says whether the node's first product takes the SMs
+    first.
 
     Layers run back to back (`PAIRED_LAYERS`), each carrying the streams, events and host the one before left; the
     steady state's time a layer (`PAIRED_STEADY_LAYERS`) less what its parts are charged is what it leaves
     exposed."""
     comp = comm = forward_done = backward_done = host = 0.0  # each stream free, each pass's event, the host's time
     kernels: list[tuple[float, float]] = []  # the all-to-alls' (begin, end), in the communication stream's order
-    pending: tuple[float, float, float, float, str] | None = None  # the compute node whose end waits for kernels
+    pending: tuple[float, float, float, float, str, float] | None = None  # the compute node whose end waits for kernels
     ends: list[float] = []
 
     def node(stream: float, done: float, run_ms: float, issue_ms: float) -> tuple[float, float]:
@@ -450,19 +460,27 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         """Ends the compute node started last, beside the all-to-alls issued so far, and records its event."""
         nonlocal comp, forward_done, backward_done, pending
         if pending is not None:
-            start, run_ms, part_slower, issued, records = pending
+            start, run_ms, part_slower, issued, records, _ = pending
             comp = max(held_end(start, run_ms, part_slower, kernels), issued)
             forward_done = comp if records == "forward" else forward_done
             backward_done = comp if records == "backward" else backward_done
             pending = None
         return comp
 
-    def compute(done: float, run_ms: float, issue_ms: float, part_slower: float, records: str = "") -> None:
-        """Starts a compute node once the stream, its event (`done`) and its issue allow; `records`: the pass whose
-        event it records."""
+    def compute(done: float, run_ms: float, issue_ms: float, part: tuple[float, float], records: str = "") -> None:
+        """Starts a compute node once the stream, its event (`done`) and its issue allow; `part`: its pass's
+        slowing beside the all-to-alls and mean product; `records`: the pass whose event it records."""
         nonlocal pending
         start, issued = node(finish(), done, 0.0, issue_ms)
-        pending = (start, run_ms, part_slower, issued, records)
+        pending = (start, run_ms, part[0], issued, records, part[1])
+
+    def product_left_ms(launched: float) -> float:
+        """How long a kernel launched at `launched` waits for the product running on every multiprocessor then: half
+        the running compute node's mean product, no longer than the node runs on."""
+        if pending is None or not pending[5] or pending[0] >= launched:
+            return 0.0
+        start, run_ms, part_slower, _, _, product_ms = pending
+        return min(product_ms / 2, max(held_end(start, run_ms, part_slower, kernels) - launched, 0.0))
 
     def event(name: str) -> float:
         """A pass's event as a node waiting for it reads it (the compute node recording it ended first)."""
@@ -475,10 +493,13 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         nonlocal comm
         start, comm = node(comm, done, compute_ms + all_to_all_ms, issue_ms)
         begin = start if first else comm - all_to_all_ms
+        waited_ms = product_left_ms(begin)
+        begin += waited_ms
+        comm += waited_ms
         kernels.append((begin, begin + all_to_all_ms))
         return comm
 
-    forward_slower, backward_slower = slower
+    forward_part, backward_part = (slower[0], forward.product_ms), (slower[1], backward.product_ms)
     layer_comm = 0.0
     for layer in range(PAIRED_LAYERS + 1):
         # the combine's gradients, then its all-to-all, which the host issues after them
@@ -488,21 +509,21 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
             ends.append(max(finish(), layer_comm))
         if layer == PAIRED_LAYERS:
             break
-        compute(event("forward"), forward.attention_ms, forward.attention_issue_ms, forward_slower, "forward")
+        compute(event("forward"), forward.attention_ms, forward.attention_issue_ms, forward_part, "forward")
         compute(event("backward"), backward.experts_ms - backward.experts_wgrad_ms,
-                backward.experts_issue_ms - backward.experts_wgrad_issue_ms, backward_slower, "backward")
+                backward.experts_issue_ms - backward.experts_wgrad_issue_ms, backward_part, "backward")
         host = max(host, event("forward"))  # the dispatch's wait for the router's split sizes
         forward_done = communicate(event("forward"), 0.0, forward.dispatch_ms, 0.0, True)
-        compute(0.0, backward.experts_wgrad_ms, backward.experts_wgrad_issue_ms, backward_slower)
+        compute(0.0, backward.experts_wgrad_ms, backward.experts_wgrad_issue_ms, backward_part)
         backward_done = communicate(event("backward"), 0.0, backward.dispatch_ms, 0.0, True)
         if experts_wait:  # for the dispatched tokens, once the stream reaches the experts
             host = max(host, finish(), event("forward"))
-        compute(event("forward"), forward.experts_ms, forward.experts_issue_ms, forward_slower, "forward")
+        compute(event("forward"), forward.experts_ms, forward.experts_issue_ms, forward_part, "forward")
         forward_done = communicate(event("forward"), forward.combine_compute_ms, forward.combine_ms,
                                    forward.combine_issue_ms, True)
         compute(event("backward"), backward.attention_ms - backward.attention_wgrad_ms,
-                backward.attention_issue_ms - backward.attention_wgrad_issue_ms, backward_slower, "backward")
-        compute(0.0, backward.attention_wgrad_ms, backward.attention_wgrad_issue_ms, backward_slower)
+                backward.attention_issue_ms - backward.attention_wgrad_issue_ms, backward_part, "backward")
+        compute(0.0, backward.attention_wgrad_ms, backward.attention_wgrad_issue_ms, backward_part)
         layer_comm = comm
     layer_ms = (ends[-1] - ends[-1 - PAIRED_STEADY_LAYERS]) / PAIRED_STEADY_LAYERS
     if charged_ms is None:

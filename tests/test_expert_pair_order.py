@@ -22,6 +22,7 @@ from pipesim.planning.estimate import (
     node_placement,
     on_multiprocessors,
     op_ms,
+    persistent_product_ms,
     sharing_dispatcher,
 )
 from pipesim.planning.experts import MoePass, expert_group, paired_exposed_ms
@@ -60,6 +61,25 @@ def test_a_node_beside_an_all_to_all_runs_slower_only_while_it_runs_and_only_on_
     bound = (MoePass(0.5, 0.5, 2.0, 2.0), MoePass(0.5, 0.5, 2.0, 2.0))
     assert paired_exposed_ms(*bound) == pytest.approx(6.0)
     assert paired_exposed_ms(*bound, slower=(2.0, 2.0)) == pytest.approx(6.0)
+
+
+def test_an_all_to_all_launched_beside_a_running_product_starts_when_it_ends():
+    """The backward's dispatch (1 ms) waits for the forward's (1.5 ms, from the attention's end at 1 to 2.5) and is
+    launched at 2.5, while the backward's experts' weight gradients run (2 to 3): with products of 0.2 ms on every
+    multiprocessor it starts 0.1 ms later, half of one, and the backward's attention waiting for it starts so, 0.3
+    ms exposed a layer -> 0.4, 0.5 at 0.4 ms products, and 0.8 at 2 ms ones, the wait no longer than the node runs
+    on (0.5). The forward's products change nothing: every all-to-all beside its nodes is launched as they start,
+    on the event the node before recorded (the dispatch as the backward's experts start, the combine as the
+    attention does)."""
+    def exposed_ms(forward_product_ms: float, backward_product_ms: float) -> float:
+        return paired_exposed_ms(MoePass(1.0, 0.2, 1.5, 0.0, product_ms=forward_product_ms),
+                                 MoePass(1.0, 2.0, 1.0, 0.5, experts_wgrad_ms=1.0, product_ms=backward_product_ms))
+
+    assert exposed_ms(0.0, 0.0) == pytest.approx(0.3)
+    assert exposed_ms(0.0, 0.2) == pytest.approx(0.4)
+    assert exposed_ms(0.0, 0.4) == pytest.approx(0.5)
+    assert exposed_ms(0.0, 2.0) == pytest.approx(0.8)
+    assert exposed_ms(2.0, 0.0) == pytest.approx(0.3)
 
 
 def test_all_to_alls_no_longer_than_their_nodes_are_hidden_and_longer_ones_show_their_excess():
@@ -121,8 +141,10 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
     busiest expert taking half the copies, so that the busiest rank's all-to-alls outlast what they hide under: a
     block's field is `paired_exposed_ms` of its passes split at the routed experts' ops and the combine node's (the
     scatter back, `index_put`, and the residual add after it; in the backward the scatter's gradient, `index`),
-    half of each pass's all-to-alls its dispatch, each part slowed beside them as its sharing times say; the
-    embedding and the head route nothing, and with E = 1 there is nothing to expose."""
+    half of each pass's all-to-alls its dispatch, each part slowed beside them as its sharing times say, each
+    all-to-all launched beside a running product waiting for half its pass's mean product (an H100's products
+    hold every multiprocessor); the embedding and the head route nothing, and with E = 1 there is nothing to
+    expose."""
     parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=0,  # the GPU's pricing (planning/host.py)
                            hot_expert_share=0.5)
     profile = estimate_profile(counted(), H100, parallel)
@@ -140,11 +162,15 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
                                       "bwd": tuple(op for op in layer.ops["bwd"] if op.op == "index")}, region_ops={})
         combined = estimate_layer(combine, DEVICE, parallel, links.tensor, 2)
         assert combined.fwd_ms > 0 and combined.bwd_ms > 0
+        products = [persistent_product_ms(layer, DEVICE, parallel, 2, passes=(name,)) for name in ("fwd", "bwd")]
+        assert min(products) > 0
         forward = MoePass(priced.fwd.median_ms - experts.fwd_ms - combined.fwd_ms, experts.fwd_ms,
-                          *(priced.all_to_all_fwd_ms / 2,) * 2, combine_compute_ms=combined.fwd_ms)
+                          *(priced.all_to_all_fwd_ms / 2,) * 2, combine_compute_ms=combined.fwd_ms,
+                          product_ms=products[0])
         backward = MoePass(priced.bwd.median_ms - experts.bwd_ms - combined.bwd_ms, experts.bwd_ms,
                            *(priced.all_to_all_bwd_ms / 2,) * 2, priced.wgrad.median_ms - experts.wgrad_ms,
-                           experts.wgrad_ms, combine_compute_ms=combined.bwd_ms)  # the GPU's: no host wait
+                           experts.wgrad_ms, combine_compute_ms=combined.bwd_ms,  # the GPU's: no host wait
+                           product_ms=products[1])
         slower = (priced.fwd_sharing_ms / priced.fwd.median_ms, priced.bwd_sharing_ms / priced.bwd.median_ms)
         assert min(slower) > 1
         assert priced.all_to_all_paired_ms == pytest.approx(paired_exposed_ms(forward, backward, slower=slower),
