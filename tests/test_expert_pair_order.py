@@ -82,6 +82,27 @@ def test_an_all_to_all_launched_beside_a_running_product_starts_when_it_ends():
     assert exposed_ms(2.0, 0.0) == pytest.approx(0.3)
 
 
+def test_the_pairs_all_to_alls_wait_for_products_only_where_products_hold_every_multiprocessor(monkeypatch):
+    """An estimate's pair carries each pass's mean product where its products run on every multiprocessor beside
+    the dispatcher's kernels (an H100's, held: `sharing_dispatcher`), none where they run in waves (an A100's) or
+    are given a target (DeepSeek's recipe)."""
+    import pipesim.planning.estimate as estimate
+
+    real = estimate.paired_exposed_ms
+    pairs: list[tuple[MoePass, MoePass]] = []
+
+    def seen(forward: MoePass, backward: MoePass, **priced) -> float:
+        pairs.append((forward, backward))
+        return real(forward, backward, **priced)
+
+    monkeypatch.setattr(estimate, "paired_exposed_ms", seen)
+    for gpu, fp8, held in (("h100-sxm", None, True), ("h100-sxm", "deepseek", False), ("a100-sxm-80gb", None, False)):
+        pairs.clear()
+        estimate_profile(counted(), load_catalogue().find(gpu),
+                         Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=0, fp8=fp8))
+        assert pairs and all((min(part.product_ms for part in pair) > 0) == held for pair in pairs)
+
+
 def test_all_to_alls_no_longer_than_their_nodes_are_hidden_and_longer_ones_show_their_excess():
     compute = (MoePass(2.0, 2.0, 0.0, 0.0), MoePass(4.0, 4.0, 0.0, 0.0))
     assert paired_exposed_ms(*compute) == 0.0
