@@ -280,6 +280,17 @@ def test_a_micro_batch_past_the_hosts_memory_is_counted_on_the_meta_device_alone
     assert [layer["output_bytes"] for layer in huge] == [10**12 * layer["output_bytes"] for layer in one]
 
 
+@pytest.mark.parametrize("sizes, microbatch_size", [
+    (("--width", 8192, "--heads", 64, "--seq-len", 4096), 10**12),  # the embedding's output past 2**63 bytes
+    (("--width", 32, "--heads", 4, "--seq-len", 16), 10**20),  # the batch's size past a 64-bit integer
+])
+def test_a_micro_batch_past_what_torch_addresses_is_refused_naming_its_size(sizes, microbatch_size):
+    """The meta device holds no bytes, but torch still refuses a tensor it cannot address: a traceback before."""
+    code, out, err = pipesim("count", "--layers", 1, "--vocab", 64, *sizes, "-b", microbatch_size)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"--microbatch-size {microbatch_size:,}: a tensor of the micro-batch is larger than torch" in err
+
+
 @pytest.mark.parametrize("args, fragment", [
     (("--dtype", "fp64"), "--dtype: choose from fp32, bf16, fp16"),
     (("--attention", "sparse"), "--attention: choose from math, flash"),

@@ -832,10 +832,11 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     # one sample made on the host, the micro-batch's b of it on the meta device (its values are never read):
     # `count -b 10**12` made 512 TB of tokens on the host first, an allocation's traceback
     sample, target = model.make_batch(1, torch.Generator().manual_seed(0))
-    batch = torch.empty(microbatch_size, *sample.shape[1:], device=META,
-                        dtype=dtype if sample.is_floating_point() else sample.dtype)
-    target = torch.empty(microbatch_size, *target.shape[1:], device=META, dtype=target.dtype) \
-        if torch.is_tensor(target) else target
+    with _addressable(microbatch_size):
+        batch = torch.empty(microbatch_size, *sample.shape[1:], device=META,
+                            dtype=dtype if sample.is_floating_point() else sample.dtype)
+        target = torch.empty(microbatch_size, *target.shape[1:], device=META, dtype=target.dtype) \
+            if torch.is_tensor(target) else target
     outputs: dict[int, torch.Tensor] = {BATCH: batch}
     names, last = model.layer_names(), len(model.layers) - 1
     alike: dict[tuple, tuple[LayerCount, torch.Tensor]] = {}
@@ -843,7 +844,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     counted = []
     for layer in model.layers:  # all before any is counted: a layer may read another's weights (`shared_weights`)
         layer.to(device=META, dtype=dtype).train()
-    with _attention(attention) as kernels, fused_swiglu(swiglu_fusion), moe_router_aux_loss(router_aux_loss):
+    with _attention(attention) as kernels, fused_swiglu(swiglu_fusion), moe_router_aux_loss(router_aux_loss), \
+            _addressable(microbatch_size):
         for i, layer in enumerate(model.layers):
             inputs = [outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point())
                       for s in model.inputs[i]]
@@ -866,6 +868,21 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
                          "or pass none")
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention if kernels.attended else None, counted)
+
+
+@contextmanager
+def _addressable(microbatch_size: int) -> Iterator[None]:
+    """Torch's refusal of a tensor past what it addresses (a size past a 64-bit integer, or its bytes past one),
+    which a micro-batch large enough makes on the meta device too (`count -b 10**12` of a 4,096-token, 8,192-wide
+    model's embedding), as the line naming --microbatch-size; any other error keeps its traceback."""
+    try:
+        yield
+    except (RuntimeError, TypeError, OverflowError) as exc:
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        if "overflow" not in first_line.lower():
+            raise
+        raise ModelError(f"--microbatch-size {microbatch_size:,}: a tensor of the micro-batch is larger than torch "
+                         f"can address ({first_line}); give a smaller one") from None
 
 
 def shared_weights(layer: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
