@@ -59,6 +59,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import cache, lru_cache
 from statistics import NormalDist
+from typing import NamedTuple
 
 from ..hardware.catalogue import DispatcherRates
 from ..profiles.schema import EstimateLink, EstimatePlacement
@@ -389,6 +390,19 @@ class MoePass:
     product_ms: float = 0.0
 
 
+class _ComputeNode(NamedTuple):
+    """A compute node of `paired_exposed_ms`'s pair: when it starts, its own time, how much slower it runs beside an
+    all-to-all (`slower`), when the host has issued it, the pass whose event it records ("": none) and that pass's
+    mean product (`MoePass.product_ms`)."""
+
+    start_ms: float
+    run_ms: float
+    slower: float
+    issued_ms: float
+    records: str
+    product_ms: float
+
+
 @lru_cache(maxsize=1024)  # a model's repeated layers pair alike: each is priced once
 def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | None = None,
                       experts_wait: bool = False, slower: tuple[float, float] = (1.0, 1.0)) -> float:
@@ -445,7 +459,7 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
     exposed."""
     comp = comm = forward_done = backward_done = host = 0.0  # each stream free, each pass's event, the host's time
     kernels: list[tuple[float, float]] = []  # the all-to-alls' (begin, end), in the communication stream's order
-    pending: tuple[float, float, float, float, str, float] | None = None  # the compute node whose end waits for kernels
+    pending: _ComputeNode | None = None  # the compute node started last, whose end waits for the kernels beside it
     ends: list[float] = []
 
     def node(stream: float, done: float, run_ms: float, issue_ms: float) -> tuple[float, float]:
@@ -460,10 +474,9 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         """Ends the compute node started last, beside the all-to-alls issued so far, and records its event."""
         nonlocal comp, forward_done, backward_done, pending
         if pending is not None:
-            start, run_ms, part_slower, issued, records, _ = pending
-            comp = max(held_end(start, run_ms, part_slower, kernels), issued)
-            forward_done = comp if records == "forward" else forward_done
-            backward_done = comp if records == "backward" else backward_done
+            comp = max(held_end(pending.start_ms, pending.run_ms, pending.slower, kernels), pending.issued_ms)
+            forward_done = comp if pending.records == "forward" else forward_done
+            backward_done = comp if pending.records == "backward" else backward_done
             pending = None
         return comp
 
@@ -472,19 +485,19 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         slowing beside the all-to-alls and mean product; `records`: the pass whose event it records."""
         nonlocal pending
         start, issued = node(finish(), done, 0.0, issue_ms)
-        pending = (start, run_ms, part[0], issued, records, part[1])
+        pending = _ComputeNode(start, run_ms, part[0], issued, records, part[1])
 
     def product_left_ms(launched: float) -> float:
         """How long a kernel launched at `launched` waits for the product running on every multiprocessor then: half
         the running compute node's mean product, no longer than the node runs on."""
-        if pending is None or not pending[5] or pending[0] >= launched:
+        if pending is None or not pending.product_ms or pending.start_ms >= launched:
             return 0.0
-        start, run_ms, part_slower, _, _, product_ms = pending
-        return min(product_ms / 2, max(held_end(start, run_ms, part_slower, kernels) - launched, 0.0))
+        end_ms = held_end(pending.start_ms, pending.run_ms, pending.slower, kernels)
+        return min(pending.product_ms / 2, max(end_ms - launched, 0.0))
 
     def event(name: str) -> float:
         """A pass's event as a node waiting for it reads it (the compute node recording it ended first)."""
-        if pending is not None and pending[4] == name:
+        if pending is not None and pending.records == name:
             finish()
         return forward_done if name == "forward" else backward_done
 
