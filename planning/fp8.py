@@ -26,8 +26,10 @@ te-current: TransformerEngine's current scaling (recipe.Float8CurrentScaling; Me
   `Float8CurrentScalingQuantizer::quantize_impl`, at TransformerEngine v2.9, v2.12 and v2.14): the amax
   (`nvte_compute_amax_with_config`, which zeroes it first with a one-thread kernel and then reads the tensor:
   common/recipe/current_scaling.cu `launch_amax_kernel`'s `zero_amax_kernel<<<1, 1>>>` and `amax_kernel`), the
-  scale from it (`nvte_compute_scale_from_amax`, one value) and the cast-transpose (`nvte_quantize_v2`). The
-  amaxes' all-reduce over the tensor-parallel group it runs for a sequence-parallel input is not modelled.
+  scale from it (`nvte_compute_scale_from_amax`, one value) and the cast-transpose (`nvte_quantize_v2`); a norm's
+  output that TELayerNormColumnParallelLinear reads three, no amax pass: the norm's kernel takes its amax as it
+  writes it in 16 bits (`Fp8Recipe.norm_cast_kernels`). The amaxes' all-reduce over the tensor-parallel group it
+  runs for a sequence-parallel input is not modelled.
 torchao: torchao.float8's tensorwise dynamic scaling as torchtitan runs it (float8_linear.py,
   `matmul_with_hp_or_float8_args`). A cast is two kernels: the amax (reads the tensor) and the scaled cast
   (reads it, writes float8). The forward casts the input and the weight; the backward casts the output's
@@ -387,8 +389,7 @@ def norms_in_float8(ops: dict[str, tuple[OpCount, ...]], layer: LayerCount,
     `rmsnorm_fwd_fp8`, module/_common.py `_apply_normalization`; v2.x alike, csrc/extensions/normalization.cpp
     "Always used fused kernel for FP8 delayed scaling"): one forward call of the norm's kernel writes 1 byte an
     element, not 16 bits, and the products that read it cast no input (`cast_ops`: `norm_cast_kernels` none), and
-    the weight-gradient
-    passes transpose it, reading and writing 1 byte an element, one kernel (`ln_out_total_t =
+    the weight-gradient passes transpose it, reading and writing 1 byte an element, one kernel (`ln_out_total_t =
     tex.fp8_transpose(ln_out_total, ...)` before the weight-gradient GEMM), where a cast-transpose wrote the
     transpose in the forward. Under sequence parallelism that transposes the gathered tensor: what the rank's share
     leaves is `gathered_transposes_ms`'s (planning/estimate.py)."""
