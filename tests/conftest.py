@@ -155,8 +155,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> bool | None:
-    """A test that ran early: its reports as the early pytest made them (once it has ended), or one failure saying
-    what that pytest printed where it made none."""
+    """A test that ran early: its reports as the early pytest made them (once it has ended), and one failure saying
+    what that pytest printed where it ended before the test's teardown (a crash, a kill), whose reports end early."""
     if not runs_early(item):
         return None
     run = item.session.stash[EARLY_RUN]
@@ -170,10 +170,11 @@ def pytest_runtest_protocol(item: pytest.Item) -> bool | None:
             data["longrepr"] = tuple(data["longrepr"])
         item.ihook.pytest_runtest_logreport(report=item.config.hook.pytest_report_from_serializable(
             config=item.config, data=data))
-    if not made:
+    if not any(report["when"] == "teardown" for report in made):  # a setup's pass alone would count as nothing
         output = (run.folder / "output.txt").read_text()[-5000:]
         item.ihook.pytest_runtest_logreport(report=pytest.TestReport(
-            item.nodeid, item.location, {}, "failed", f"the early pytest made no report of it:\n{output}", "call"))
+            item.nodeid, item.location, {}, "failed", f"the early pytest (exit code {run.process.returncode}) ended "
+            f"before this test's teardown:\n{output}", "call"))
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
 
