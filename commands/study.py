@@ -131,14 +131,15 @@ def study(
             if model not in STUDY_MODELS:
                 raise InputError(choose_from("--model", STUDY_MODELS, model))
             check_prediction(prediction)
-            # given to methods that do not read them, they were dropped: `-s 1f1b --pipelines 3` trained 1F1B alone
-            check_method_options(ctx, schedules or DEFAULT_METHODS, ("--pipelines", "--prediction"))
             if not timing and is_given(ctx, "timing_repeats"):  # dropped, as calibrate refuses --no-links' sizes
                 raise InputError("--timing-repeats sizes the timing, which --no-timing skips: give one")
             rates = _optimizers(optimizers or list(DEFAULT_OPTIMIZERS))
             setting = Setting(model, {"layers": layers, "width": width}, stages, microbatches, microbatch_size,
                               minibatches, pipelines)
             chosen = arms(setting, schedules or list(DEFAULT_METHODS), prediction)
+            # given to methods that do not read them, they were dropped: `-s 1f1b --pipelines 3` trained 1F1B alone;
+            # after `arms`, which names a method that is none (`-s bogus --pipelines 3` was "not bogus")
+            check_method_options(ctx, schedules or DEFAULT_METHODS, ("--pipelines", "--prediction"))
             seed_list = list(range(seeds))
             require_model("pipesim study", model)
             _check_model(setting)
