@@ -2510,9 +2510,11 @@ def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits
         if sharing is not None:
             update |= {"fwd_sharing_ms": layer.fwd_sharing_ms + sharing["fwd"][i],
                        "bwd_sharing_ms": layer.bwd_sharing_ms + sharing["bwd"][i]}
-        beside = [update.get(f"{name}_sharing_ms", getattr(layer, f"{name}_sharing_ms")) for name in ("fwd", "bwd")]
-        slower = tuple(ms / times[name] if ms > 0 and times[name] > 0 else 1.0
-                       for name, ms in zip(("fwd", "bwd"), beside, strict=True))
+        # the pair's nodes are the GPU's times, the host's issue apart (`MoePass`): so is how much slower they run
+        # beside the all-to-alls, where the waits each series carries from layer to layer would skew it
+        slower = tuple(getattr(layer, f"{name}_sharing_ms") / getattr(layer, name).median_ms
+                       if getattr(layer, f"{name}_sharing_ms") > 0 and getattr(layer, name).median_ms > 0 else 1.0
+                       for name in ("fwd", "bwd"))
         update["all_to_all_paired_by_node"] = issue.pair is not None
         update["all_to_all_paired_ms"] = 0.0 if issue.pair is None else paired_exposed_ms(
             *issue.pair, charged_ms=times["fwd"] + times["bwd"], experts_wait=issue.experts_wait, slower=slower)
