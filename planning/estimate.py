@@ -2426,12 +2426,12 @@ def _compiled_checkpoint_forward(events: Sequence[tuple[int, int]], reads: Seque
 
 def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Parallelism) -> tuple[float, float]:
     """The network time of `layer`'s routed experts' all-to-alls (`planning.experts`) after its forward and after
-    its backward: each of the t·C ranks sends its share of the layer's token copies, the busiest receiving
-    `layer_load` times as many, each token in as many copies as the dispatched bytes hold its output's; a full
+    its backward: each MoE block's own (`LayerCount.routed_blocks`), each of the t·C ranks sending its share of
+    the block's token copies, its top-k of each token, the busiest receiving `layer_load` times as many; a full
     recomputation reruns the forward's in the backward."""
-    copies = round(layer.dispatched_bytes / layer.output_bytes) if layer.output_bytes else 1
-    busiest = layer.dispatched_bytes * experts.layer_load(layer) / (parallel.tensor * parallel.context)
-    each = experts.all_to_all_ms(busiest, max(copies, 1))
+    load, ranks = experts.layer_load(layer), parallel.tensor * parallel.context
+    each = math.fsum(experts.all_to_all_ms(block.sent_bytes * load / ranks, block.top_k)
+                     for block in layer.routed_blocks)
     rerun = ALL_TO_ALLS["fwd"] * each if parallel.recompute == "full" else 0.0
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import cache, lru_cache
@@ -63,7 +64,7 @@ from typing import NamedTuple
 
 from ..hardware.catalogue import DispatcherRates
 from ..profiles.schema import EstimateLink, EstimatePlacement
-from ..profiles.workload import LayerCount, OpCount
+from ..profiles.workload import LayerCount, OpCount, RoutedBlock
 from .ranks import RankOrderError, SettingsError, expert_grid
 
 # Per MoE layer and micro-batch: the dispatch and combine after its forward (an A2A_F row), and the gradients' way
@@ -129,18 +130,19 @@ class ExpertGroup:
 
     def layer_load(self, layer: LayerCount) -> float:
         """The busiest rank's routed work over a balanced rank's in `layer`: `load` with a hot expert or balanced
-        routing; under random routing the expected busiest of the E ranks, each receiving the copies of the
-        E·ETP/(t·C) shares of the micro-batch's tokens its group dispatches (`random_routing_load`)."""
+        routing; under random routing the expected busiest of the E ranks in each of its MoE blocks, each rank
+        receiving the copies of the E·ETP/(t·C) shares of the micro-batch's tokens its group dispatches
+        (`random_routing_load`), the blocks weighted by their copies (each block's combine waits for its own)."""
         if self.routing == "balanced" or self.hot_share is not None or not layer.dispatched_bytes:
             return self.load
-        tokens, copies = self._dispatched(layer)
-        return random_routing_load(self.experts, copies, self.ranks, tokens)
+        copies = sum(block.tokens * block.top_k for block in layer.routed_blocks)
+        return sum(random_routing_load(self.experts, block.top_k, self.ranks, self.dispatched_tokens(block))
+                   * (block.tokens * block.top_k / copies) for block in layer.routed_blocks)
 
-    def _dispatched(self, layer: LayerCount) -> tuple[float, int]:
-        """What the group's E ranks dispatch in `layer`: the tokens, each of the E·ETP ranks' 1/(t·C) of the
-        micro-batch, and the copies of each (the router's top-k)."""
-        return (math.prod(layer.output_shape[:-1]) * self.ranks * self.tensor / (self.dense_tensor * self.context),
-                round(layer.dispatched_bytes / layer.output_bytes))
+    def dispatched_tokens(self, block: RoutedBlock) -> float:
+        """The tokens the group's E ranks dispatch in a MoE `block`: each of the E·ETP ranks' 1/(t·C) of the
+        micro-batch's."""
+        return block.tokens * self.ranks * self.tensor / (self.dense_tensor * self.context)
 
     def local(self, layer: LayerCount) -> LayerCount:
         """`layer` as the group's busiest rank runs it: its routed experts' grouped products at the shapes
@@ -198,9 +200,9 @@ class ExpertGroup:
         if (self.dispatcher not in (None, "alltoall") or self.ranks == 1 or not self.experts
                 or self.experts // self.ranks == 1 or not layer.dispatched_bytes):
             return {}
-        sort = self.received_copies_pass(layer, load, "moe_sort_chunks_by_index", 2)
-        backward = replace(sort, op="moe_sort_chunks_by_index_backward")
-        return {"fwd": (sort,), "bwd": (backward,), "igrad": (backward,)}
+        sorts = self.received_copies_pass(layer, load, "moe_sort_chunks_by_index", 2)
+        backward = tuple(replace(sort, op="moe_sort_chunks_by_index_backward") for sort in sorts)
+        return {"fwd": sorts, "bwd": backward, "igrad": backward}
 
     def multihot_conversion(self, layer: LayerCount, load: float) -> dict[str, tuple[OpCount, ...]]:
         """Per pass, the ops DeepEP's path of Megatron-core's flex dispatcher runs on what a rank received, beyond the
@@ -222,22 +224,24 @@ class ExpertGroup:
         if self.dispatcher != "deepep" or not self.experts or not layer.dispatched_bytes:
             return {}
         local = self.experts // self.ranks
-        sent, copies = self._dispatched(layer)
-        received = round(sent * self._receives(local, copies) * load)
-        return {name: tuple(OpCount(op, "memory", (received, local), 0, received * local * 8, 1, routed=True)
-                            for op in ops)
+        converted = Counter(round(self.dispatched_tokens(block) * self._receives(local, block.top_k) * load)
+                            for block in layer.routed_blocks)  # each block's received tokens, alike ones together
+        return {name: tuple(OpCount(op, "memory", (received, local), 0, received * local * 8, blocks, routed=True)
+                            for received, blocks in converted.items() for op in ops)
                 for name, ops in (("fwd", MULTIHOT_OPS["fwd"]), ("bwd", MULTIHOT_OPS["bwd"]),
                                   ("igrad", MULTIHOT_OPS["bwd"]))}
 
-    def received_copies_pass(self, layer: LayerCount, load: float, name: str, kernels: int) -> OpCount:
-        """`kernels` memory-bound kernels named `name`, each reading and writing every token copy the rank
-        received: the layer's dispatched bytes times ETP (gathered over the expert-tensor group first) and `load`
-        (the busiest rank's, `layer_load`), which the estimate splits over the t·C ranks."""
+    def received_copies_pass(self, layer: LayerCount, load: float, name: str, kernels: int) -> tuple[OpCount, ...]:
+        """`kernels` memory-bound kernels named `name` a MoE block (alike blocks' in one), each reading and writing
+        every token copy the rank received in it: the block's dispatched bytes times ETP (gathered over the
+        expert-tensor group first) and `load` (the busiest rank's, `layer_load`), which the estimate splits over
+        the t·C ranks."""
         width = layer.output_shape[-1]
-        copies = round(layer.dispatched_bytes * self.tensor * load / (width * layer.output_bytes)
-                       * math.prod(layer.output_shape))
-        return OpCount(name, "memory", (copies, width), 0, round(2 * layer.dispatched_bytes * self.tensor * load),
-                       kernels, routed=True)
+        blocks = Counter(block.sent_bytes for block in layer.routed_blocks)
+        return tuple(OpCount(name, "memory", (round(sent * self.tensor * load / (width * layer.output_bytes)
+                                                    * math.prod(layer.output_shape)), width),
+                             0, round(2 * sent * self.tensor * load), kernels * alike, routed=True)
+                     for sent, alike in blocks.items())
 
     def float8_padded(self, layer: LayerCount, dropless: bool) -> LayerCount:
         """`layer` as one rank runs it (`local`) under TransformerEngine's float8 recipes, with the copies
@@ -264,8 +268,9 @@ class ExpertGroup:
             return layer
         if not dropless and forward.shape[1] % FLOAT8_PADDING_ROWS == 0:  # each local expert's capacity rows
             return layer
-        tokens = self.received_copies_pass(layer, self.layer_load(layer), "fp8_padding", 2)
-        pads = (tokens, OpCount("fp8_padding_router_weights", "memory", (tokens.shape[0], 1), 0, 0, 1, routed=True))
+        pads = tuple(pad for tokens in self.received_copies_pass(layer, self.layer_load(layer), "fp8_padding", 2)
+                     for pad in (tokens, OpCount("fp8_padding_router_weights", "memory", (tokens.shape[0], 1), 0, 0,
+                                                 tokens.count // 2, routed=True)))  # one a block, its tokens' two
         backward = tuple(replace(op, op=f"{op.op}_backward") for op in pads)
         added = {"fwd": pads, "bwd": backward, "igrad": backward}
         return replace(layer, ops={name: (*ops, *added.get(name, ())) for name, ops in layer.ops.items()})

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ..units import count_text
 
@@ -100,6 +100,16 @@ class OpCount:
 
 
 
+class RoutedBlock(NamedTuple):
+    """One mixture-of-experts block's dispatch (workload/moe.py `routed_experts`): the tokens its router routes, the
+    copies of each (its top-k) and the bytes of the copies it sends, padded to a capacity where the model drops
+    tokens (of `LayerCount.dispatched_bytes`, which sums a layer's blocks')."""
+
+    tokens: int
+    top_k: int
+    sent_bytes: int
+
+
 @dataclass(frozen=True)
 class LayerCount:
     """One layer's work for one micro-batch (FLOPs, bytes) and its sizes (bytes). `*_moved_bytes` sum the
@@ -166,6 +176,9 @@ class LayerCount:
     # as many), which its all-to-alls carry
     expert_param_bytes: int = 0
     dispatched_bytes: int = 0
+    # per mixture-of-experts block its forward runs, in order (a decoder layer's one; DeepSeek's multi-token-prediction
+    # layer's one a module): each dispatches and combines its own copies (planning/experts.py); (): none
+    routed_blocks: tuple[RoutedBlock, ...] = ()
     # the routed experts' biases as the runtime holds them, one parameter an expert and product (TransformerEngine's
     # GroupedLinear `bias{i}`; gpt-oss's up and down: 2 an expert): each takes a gradient no product accumulates
     # (planning/host.py `pass_kernels`' `hook_adds`); expert parallelism shards them with the experts

@@ -952,7 +952,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
         model_output_bytes=model_output_bytes,
         expert_param_bytes=routed.expert_weight_bytes, expert_bias_tensors=routed.bias_tensors,
-        dispatched_bytes=routed.token_bytes,
+        dispatched_bytes=routed.token_bytes, routed_blocks=tuple(routed.blocks),
         routed_model_share=routed.routed_copies / routed.computed_copies if routed.computed_copies else 1.0,
         ops={"fwd": fwd.records(), "bwd": full.records(), "igrad": igrad.records(),
              "wgrad": _Tally(ops=full.ops - igrad.ops).records()},

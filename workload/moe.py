@@ -47,6 +47,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..profiles.workload import RoutedBlock
+
 DEFAULT_TOP_K = 2  # GShard's and Mixtral's
 
 
@@ -72,6 +74,7 @@ class Dispatched:
     reused), by which workload/count.py tells the experts' own ops, forward and backward, from the rest."""
 
     token_bytes: int = 0
+    blocks: list[RoutedBlock] = field(default_factory=list)  # each call's dispatch, of token_bytes
     expert_weight_bytes: int = 0
     routed_copies: int = 0  # the k·T token copies routing sends, summed over the calls
     computed_copies: int = 0  # the token copies the experts compute (E·`expected_tokens`: padded to a capacity)
@@ -488,6 +491,7 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     for record in _recording:  # each expert's tokens in turn: what a dispatch sends (padded to its capacity)
         sent = experts * expected_tokens(tokens, top_k, experts, capacity_factor) * width * hidden.element_size()
         record.token_bytes += sent
+        record.blocks.append(RoutedBlock(tokens, top_k, sent))
         record.expert_weight_bytes += sum(w.untyped_storage().nbytes() for w in (up, down, *(biases or ())))
         record.bias_tensors += experts * len(biases or ())
         record.routed_copies += top_k * tokens
