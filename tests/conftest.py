@@ -118,8 +118,10 @@ EARLY_RUN = pytest.StashKey[EarlyRun]()
 
 def runs_early(item: pytest.Item) -> bool:
     """A test of a module that says `RUN_EARLY = True` (one that waits mostly on processes of its own: the README's
-    commands, a bare install's, Chromium), where this is not the early pytest itself."""
-    return bool(getattr(getattr(item, "module", None), "RUN_EARLY", False)) and EARLY_REPORTS not in os.environ
+    commands, a bare install's, Chromium), where this is not the early pytest itself, nor a pytest-xdist worker (which
+    runs beside the others already: each worker started one, every early test ran once a worker)."""
+    return (bool(getattr(getattr(item, "module", None), "RUN_EARLY", False)) and EARLY_REPORTS not in os.environ
+            and not os.environ.get("PYTEST_XDIST_WORKER"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
