@@ -1054,7 +1054,7 @@ def out_of_host_memory(exc: BaseException, model: str, microbatch_size: int) -> 
     first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
     if not isinstance(exc, MemoryError) and not any(word in first_line.lower() for word in ("alloc", "memory")):
         return None
-    return InputError(f"{model} does not fit in memory at micro-batch size {microbatch_size} (--microbatch-size): "
+    return InputError(f"{model} does not fit in memory at micro-batch size {microbatch_size:,} (--microbatch-size): "
                       f"{first_line}; make it smaller (--width, --layers, --microbatch-size)")
 
 

@@ -672,7 +672,7 @@ def check_estimate_limits(profile: Profile) -> None:
     from ..profiles.schema import past_limits
 
     if (past := past_limits(profile)) is not None:
-        raise InputError(f"the estimate at micro-batch size {profile.environment.microbatch_size} "
+        raise InputError(f"the estimate at micro-batch size {profile.environment.microbatch_size:,} "
                          f"(--microbatch-size): {past}; give a smaller micro-batch or model")
 
 

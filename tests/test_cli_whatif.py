@@ -59,9 +59,9 @@ def simulate_json(*args) -> list[dict]:
     (("simulate", "--sharded-optimizer"), "--sharded-optimizer shards over data-parallel replicas"),
     # estimate wrote the profile, which --profile then refused; simulate said "fwd_ms must be a finite number"
     (("estimate", *GPU, *SMALL, "-b", str(10**12), "--out", "est.json"),
-     "the estimate at micro-batch size 1000000000000 (--microbatch-size): layers' "),
+     "the estimate at micro-batch size 1,000,000,000,000 (--microbatch-size): layers' "),
     (("simulate", *GPU, *SMALL, "-b", str(10**12)),
-     "the estimate at micro-batch size 1000000000000 (--microbatch-size)"),
+     "the estimate at micro-batch size 1,000,000,000,000 (--microbatch-size)"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fragment):
     monkeypatch.chdir(tmp_path)

@@ -120,7 +120,7 @@ BAD = {
                                       "--threads-per-rank: give 1 to "),
     # the micro-batch the ranks are sent, made here first, was torch's allocation traceback
     "micro-batch past memory": (["--schedule", "1f1b", *SMALL_MLP[:-1], 10**12],
-                                "mlp does not fit in memory at micro-batch size 1000000000000 (--microbatch-size)"),
+                                "mlp does not fit in memory at micro-batch size 1,000,000,000,000 (--microbatch-size)"),
     # a pipe per rank opened for 18 s, then "[Errno 24] Too many open files"
     "more ranks than files to start them": (["--schedule", "1f1b", *SMALL_MLP, "--data-parallel", 10**12],
                                             "--stages x --pipelines x --data-parallel: 2,000,000,000,000 ranks"),
