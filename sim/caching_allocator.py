@@ -49,8 +49,10 @@ LARGE_ROUNDING_BYTES = 2 * MIB  # kRoundLarge: what such a segment is rounded up
 # The allocator's addresses are its own: a pool (`pool_of`: a stream's small or large pool) has an address space of
 # its own above POOL_SHIFT, in which each segment starts SEGMENT_GAP_BYTES above the end of the one before, so that
 # a block's end is another block's start only within a segment (blocks of different segments never merge), and
-# equal-sized cached blocks of a pool order as first made first (best fit's ties: the lowest address)
-POOL_SHIFT = 48
+# equal-sized cached blocks of a pool order as first made first (best fit's ties: the lowest address). No pool's
+# reservations reach the next pool's addresses: the count refuses a tensor past 2^63 bytes (workload/count.py
+# `_addressable`), so it would take 2^65 of them (an unbounded replay's, `_reserve`, passed 2^48 bytes: gpt at -b 6e7)
+POOL_SHIFT = 128
 SEGMENT_GAP_BYTES = MIN_BLOCK_BYTES
 # `CachingAllocator` keeps its addresses and sizes in units of MIN_BLOCK_BYTES (every request, block and segment is
 # a multiple of it): a large pool's addresses pass 2^30 bytes, past which CPython's ints take two digits and each sum,

@@ -120,6 +120,20 @@ def test_a_block_freed_on_one_stream_never_serves_another():
     assert allocator.reserved_bytes == 200 * MIB
 
 
+def test_a_pool_reserving_past_2_48_bytes_keeps_its_blocks_apart_from_the_next_pools():
+    """An unbounded replay's large pool past 2^48 bytes (gpt at -b 60,000,000): its second block, freed, is cached
+    in its own pool and serves it again, and the small pool's block its own."""
+    allocator = CachingAllocator()
+    small = allocator.malloc(KIB)
+    allocator.malloc(1 << 48)
+    second = allocator.malloc(1 << 48)
+    allocator.free(second)
+    assert allocator.malloc(1 << 48) == second
+    allocator.free(small)
+    assert allocator.malloc(KIB) == small
+    assert allocator.reserved_bytes == 2 * (1 << 48) + 2 * MIB
+
+
 def test_a_freed_tensor_keeps_its_segment_beside_a_larger_one():
     """The 8B's loss: the 16-bit logits (4,008 MiB) freed before a float32 tensor twice their size."""
     allocator = CachingAllocator()
