@@ -760,18 +760,19 @@ def parse_numbers(flag: str, text: str, most: float = math.inf, most_why: str = 
     return values
 
 
-def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterable[str]) -> None:
-    """Refuse each of `flags` (METHOD_OPTIONS keys) given on the command line that none of the methods `names`
-    reads (a name that is no method, as simulate's "--schedule-file PATH", reads none), naming the methods that do;
-    and an elastic coefficient outside (0, 1]."""
+def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterable[str],
+                         given: Iterable[str] = ()) -> None:
+    """Refuse each of `flags` (METHOD_OPTIONS keys) given on the command line, or among the options `given` (sweep's
+    --grid axes), that none of the methods `names` reads (a name that is no method, as simulate's "--schedule-file
+    PATH", reads none), naming the methods that do; and an elastic coefficient outside (0, 1]."""
     from ..schedules import METHODS
     from ..schedules.methods import elastic_alpha_refusal
 
-    names = list(names)
+    names, given = list(names), set(given)
     for flag in flags:
         option = METHOD_OPTIONS[flag]
         readers = [m.name for m in METHODS.values() if m.reads(option)]
-        if is_given(ctx, option) and not set(readers) & set(names):
+        if (is_given(ctx, option) or option in given) and not set(readers) & set(names):
             raise InputError(f"{flag} applies to {', '.join(readers)} only, not {', '.join(names)}")
     refuse(elastic_alpha_refusal(ctx.params.get("elastic_alpha"), "--elastic-alpha"))
 

@@ -227,9 +227,11 @@ def sweep(
             if key in axes:
                 raise InputError(f"--{key} and --grid both give {key}: give one")
             axes[key] = parse_axis(key, text)
-        # an axis of options no method in the grid reads was dropped, as if not given: `-s 1f1b --chunks 2`
+        # an axis of options no method in the grid reads was dropped, as if not given: `-s 1f1b --chunks 2`, or
+        # `-s 1f1b` with a --grid file's `chunks = [2]`
         check_method_options(ctx, axes.get("schedule", METHODS), ("--chunks", "--pipelines", "--prediction",
-                                                                  "--activation-limit", "--search-seconds"))
+                                                                  "--activation-limit", "--search-seconds"),
+                             given=(key.replace("-", "_") for key in axes))
         what = what_if(ctx)
         check_allocator(ctx, what)
         scenario = scenario_from_flags(ctx, "model")

@@ -313,6 +313,8 @@ def without(module, monkeypatch):
     (["-s", "1f1b", "--chunks", "2"], "--chunks applies to interleaved-1f1b, zb-v, dualpipev, dualpipe only, not 1f1b"),
     (["-s", "1f1b,zb-h1", "--prediction", "paper"],
      "--prediction applies to spectrain, pipeoptim, xpipe only, not 1f1b, zb-h1"),
+    (["-s", "1f1b", "--grid", "GRID:chunks = [2]"],  # a grid's axis too: 1f1b swept alone, chunks 1
+     "--chunks applies to interleaved-1f1b, zb-v, dualpipev, dualpipe only, not 1f1b"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, args, fragment):
     out = tmp_path / "out"
