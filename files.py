@@ -18,6 +18,7 @@ from typing import Any
 # its pages from any other file (commands/common.py `PAGE`, the pages an --html may replace)
 PAGE_HEALTH = "window.pipesimHealth"
 
+
 def read_toml(path: Path, error: type[Exception], prefix: str = "") -> dict:
     """The TOML document at `path`; an unreadable, non-UTF-8 or invalid file raises `error` (its message led by
     `prefix`, e.g. the flag that named the file)."""

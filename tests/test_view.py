@@ -164,7 +164,6 @@ def test_both_writers_pages_are_what_an_html_flag_may_replace(trace, tmp_path):
     assert not PAGE.is_one(b"<html><script>window.pipesim = {}</script>notes of my own</html>")
 
 
-
 def _replicas(trace, d):
     """`trace`'s run on d data-parallel replicas as `pipesim run` records it: p·d ranks, rank = replica·p + device,
     each replica's ops those of `trace` (a prediction draws one replica for all)."""
