@@ -67,7 +67,7 @@ from ..profiles.schema import (
 )
 from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak, weighted_products
 from ..sim.caching_allocator import LayerAllocations, left_live
-from ..sim.costs import PRECISIONS, Precision, precision_refusal
+from ..sim.costs import HELD_PRODUCT_SLOWDOWN, PRECISIONS, Precision, precision_refusal
 from ..units import GIB
 from .experts import (
     ALL_TO_ALLS,
@@ -500,10 +500,12 @@ def window_tile_pairs(queries: int, keys: int, window: int, tile: tuple[int, int
 
 
 def op_ms(op: OpCount, device: Device) -> float:
-    """One call of `op` on `device` (a product held on it, `Device.products_held_on`, twice its time there)."""
+    """One call of `op` on `device` (a product held on it, `Device.products_held_on`, `HELD_PRODUCT_SLOWDOWN` times
+    its time there)."""
     curve = device.curve
     if op.kind == "matmul":
-        return matmul_ms(op, device) if device.products_held_on is None else 2 * matmul_ms(op, device.products_held_on)
+        held_on = device.products_held_on
+        return matmul_ms(op, device) if held_on is None else HELD_PRODUCT_SLOWDOWN * matmul_ms(op, held_on)
     if op.kind == "memory":
         return curve.kernel_overhead_ms + op.moved_bytes / device.memory_bytes_per_ms
     if op.kind == "attention":

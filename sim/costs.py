@@ -26,6 +26,10 @@ from ..units import MAX_BYTES, MAX_MS, MIB
 TRANSIENT_KINDS = {"fwd": Kind.F, "bwd": Kind.B, "igrad": Kind.I, "wgrad": Kind.W}
 COLLECTIVE_KIND_NAMES = tuple(sorted(kind.value for kind in COLLECTIVE_KINDS))
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+# How many times its own time a persistent product takes beside a communication kernel longer than it: the CTAs
+# that find their multiprocessors held run their tiles after the others' (sim/engine.py `product_delay`; a held
+# pass's products, planning/estimate.py `op_ms`)
+HELD_PRODUCT_SLOWDOWN = 2
 
 
 @dataclass(frozen=True)

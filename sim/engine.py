@@ -53,7 +53,15 @@ from ..schedules import (
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
-from .costs import TRANSIENT_KINDS, CostError, Costs, RowOverhead, StageCosts, kept_until_update_refusal
+from .costs import (
+    HELD_PRODUCT_SLOWDOWN,
+    TRANSIENT_KINDS,
+    CostError,
+    Costs,
+    RowOverhead,
+    StageCosts,
+    kept_until_update_refusal,
+)
 
 _PS_PER_MS = 1e9
 # The most the picosecond clock and the counters (int64) count to, with room to spare: a run whose times add up to
@@ -1652,7 +1660,7 @@ def product_delay(kernel: float, product: float) -> float:
     (CUTLASS's sm90
     `StaticPersistentTileScheduler`: a fixed share of the tiles per CTA; "nearly doubles" beside an all-gather on
     an H100, NVIDIA developer forums topic 337991)."""
-    doubled, left = divmod(kernel, 2 * product)
+    doubled, left = divmod(kernel, HELD_PRODUCT_SLOWDOWN * product)
     return doubled * product + min(left, product)
 
 

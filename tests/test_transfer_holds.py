@@ -9,6 +9,7 @@ import pytest
 
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
+from pipesim.sim.costs import HELD_PRODUCT_SLOWDOWN
 from pipesim.sim.engine import product_delay
 from pipesim.traces import summarize
 
@@ -63,6 +64,16 @@ def test_product_delay_doubles_each_product_while_the_kernel_runs():
     """Products of 2 ps back to back beside a kernel: one of 1 ps delays the first by 1; of 3, the first by 2 (its
     own time; the second starts after the kernel); of 5, 2 + 1; of 8, 2 + 2."""
     assert [product_delay(kernel, 2) for kernel in (1, 3, 5, 8)] == [1, 2, 3, 4]
+
+
+def test_the_engines_hold_and_a_held_pass_take_a_product_beside_a_long_kernel_alike():
+    """A pass priced beside a communication kernel (planning/estimate.py `op_ms` on `Device.products_held_on`)
+    takes each product `HELD_PRODUCT_SLOWDOWN` times its time; the engine's hold delays products back to back beside
+    a kernel as long as n of them so held by the difference, so the two rules give one rate."""
+    product_ps = 3
+    for n in (1, 2, 5):
+        kernel_ps = n * HELD_PRODUCT_SLOWDOWN * product_ps
+        assert product_delay(kernel_ps, product_ps) == n * (HELD_PRODUCT_SLOWDOWN - 1) * product_ps
 
 
 def test_only_hoppers_estimates_hold_their_compute_beside_transfers():
