@@ -63,8 +63,6 @@ NOT_MODELLED = {
                  "backward's weight-pass inputs and gradients from I until W included, a device's two stages by "
                  "their coincident peak (docs/hardware.md: 4 layers on stages 0 to 14, 5 on stage 15, 4 MoE layers "
                  "a middle stage as DeepSeek's profile-data gives a chunk; 80,080 MiB on devices 7 and 8)",
-    "communication SMs": "20 of the H800's 132 SMs run the all-to-all kernels (section 3.2.2); the overlapped "
-                         "pairs' compute is priced on all 132",
     "DeepEP's buffers": "its Buffer's NVLink and RDMA buffers, held for the run, are not counted: 681 MiB a rank "
                         "at 64 ranks, 20 SMs and 7,168 16-bit hidden values, by deepseek-ai/DeepEP's size hints "
                         "(csrc/legacy/config.hpp) at its 64-rank dispatch and combine configs "
