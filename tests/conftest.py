@@ -126,7 +126,7 @@ def runs_early(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that run early are reported last, once the early pytest has run them beside the others."""
-    items[:] = [item for item in items if not runs_early(item)] + [item for item in items if runs_early(item)]
+    items.sort(key=runs_early)  # stable: each part keeps its order
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
