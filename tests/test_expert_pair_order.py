@@ -82,24 +82,31 @@ def test_an_all_to_all_launched_beside_a_running_product_starts_when_it_ends():
     assert exposed_ms(2.0, 0.0) == pytest.approx(0.3)
 
 
+def _paired_calls(monkeypatch) -> list[tuple[MoePass, MoePass, dict]]:
+    """Each pair an estimate prices from here on (planning/estimate.py's `paired_exposed_ms`): its two passes and
+    the rest of what it was given, in call order."""
+    import pipesim.planning.estimate as estimate
+
+    real, calls = estimate.paired_exposed_ms, []
+
+    def seen(forward: MoePass, backward: MoePass, **priced) -> float:
+        calls.append((forward, backward, priced))
+        return real(forward, backward, **priced)
+
+    monkeypatch.setattr(estimate, "paired_exposed_ms", seen)
+    return calls
+
+
 def test_the_pairs_all_to_alls_wait_for_products_only_where_products_hold_every_multiprocessor(monkeypatch):
     """An estimate's pair carries each pass's mean product where its products run on every multiprocessor beside
     the dispatcher's kernels (an H100's, held: `sharing_dispatcher`), none where they run in waves (an A100's) or
     are given a target (DeepSeek's recipe)."""
-    import pipesim.planning.estimate as estimate
-
-    real = estimate.paired_exposed_ms
-    pairs: list[tuple[MoePass, MoePass]] = []
-
-    def seen(forward: MoePass, backward: MoePass, **priced) -> float:
-        pairs.append((forward, backward))
-        return real(forward, backward, **priced)
-
-    monkeypatch.setattr(estimate, "paired_exposed_ms", seen)
+    calls = _paired_calls(monkeypatch)
     for gpu, fp8, held in (("h100-sxm", None, True), ("h100-sxm", "deepseek", False), ("a100-sxm-80gb", None, False)):
-        pairs.clear()
+        calls.clear()
         estimate_profile(counted(), load_catalogue().find(gpu),
                          Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=0, fp8=fp8))
+        pairs = [(forward, backward) for forward, backward, _ in calls]
         assert pairs and all((min(part.product_ms for part in pair) > 0) == held for pair in pairs)
 
 
@@ -109,21 +116,12 @@ def test_how_much_slower_the_pairs_nodes_run_beside_the_all_to_alls_is_the_gpus_
     waits each series carries from layer to layer (the slower kernels beside them let the host run further ahead),
     12 us a kernel gave this MoE 1.0-1.13 where its GPU's is 1.25 and 1.49, and 26.02's 30B row's last layers 0.55:
     faster beside the kernels than alone."""
-    import pipesim.planning.estimate as estimate
-
-    real = estimate.paired_exposed_ms
-    slowed: list[tuple[float, float]] = []
-
-    def seen(forward: MoePass, backward: MoePass, **priced) -> float:
-        slowed.append(priced["slower"])
-        return real(forward, backward, **priced)
-
-    monkeypatch.setattr(estimate, "paired_exposed_ms", seen)
+    calls = _paired_calls(monkeypatch)
     by_host = {}
     for host_kernel_us in (0.0, 12.0):
-        slowed.clear()
+        calls.clear()
         estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=host_kernel_us))
-        by_host[host_kernel_us] = list(slowed)
+        by_host[host_kernel_us] = [priced["slower"] for _, _, priced in calls]
     assert by_host[0.0] and all(min(slower) > 1 for slower in by_host[0.0])
     flat = {us: [ratio for slower in pairs for ratio in slower] for us, pairs in by_host.items()}
     assert flat[12.0] == pytest.approx(flat[0.0], rel=1e-12)
