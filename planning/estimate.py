@@ -1641,6 +1641,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     # (`grad_output_preprocess`): every sequence-parallel all-gather of a float8 layer moves 1 byte an element
     gathered_bytes = FP8_BYTES if parallel.fp8 is not None and FP8_RECIPES[parallel.fp8].gathers_float8 \
         and attends(layer) else element_bytes
+    norm_share = gathered_norm_share(layer, FP8_RECIPES[parallel.fp8]) \
+        if parallel.sequence_parallel and gathered_bytes == FP8_BYTES else 0.0
 
     def reduced_ms(reduction: _Reduction, product_ms: float, forward: bool) -> float:
         op = reduction.op
@@ -1649,8 +1651,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
         gather_ms = input_gather_ms(gathered, product_ms, t, tensor_link, device) if regathers else 0.0
         if regathers and gathered_bytes == FP8_BYTES:
-            gather_ms += gathered_transposes_ms(batch * m * n, t, device,
-                                                gathered_norm_share(layer, FP8_RECIPES[parallel.fp8]))
+            gather_ms += gathered_transposes_ms(batch * m * n, t, device, norm_share)
         if parallel.tp_overlap and parallel.tp_runtime == "torch":
             return async_tp_ms(op, device, t, nbytes, tensor_link, reduction.summed) + gather_ms
         if parallel.tp_overlap and forward:
