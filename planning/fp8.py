@@ -350,7 +350,7 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
         return layer
     products = tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
     norms = float8_norm_outputs(layer) if recipe.norm_cast_kernels is not None else ()
-    norm_inputs = norm_read_products(layer, norms)
+    norm_inputs = norm_read_products(layer, norms) if norms else None
     ops = {name: tuple(_in_float8(op, element_bytes, name in recipe.split_accumulation) if _converted(op, recipe)
                        else op for op in passed)
            + cast_ops(products, recipe.casts[name], recipe, element_bytes, norm_inputs=norm_inputs)
