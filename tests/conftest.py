@@ -27,6 +27,7 @@ Tests marked `slow` (real transports, Ray, calibration that measures links) are 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import json
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -103,14 +105,36 @@ def steady_host_load():
         yield
 
 
-# Where the early pytest (`pytest_collection_finish`) writes its tests' reports, one JSON line each; set in its
-# environment only.
+# Where the early pytest (`pytest_collection_finish`) writes its tests' reports, one JSON line each, and the pipe whose
+# end closes as the session that started it ends (`_ended_with`); set in its environment only.
 EARLY_REPORTS = "PIPESIM_TEST_EARLY_REPORTS"
+EARLY_PARENT_FD = "PIPESIM_TEST_EARLY_PARENT_FD"
 
 
-class EarlyRun(NamedTuple):
+@dataclasses.dataclass
+class EarlyRun:
     process: subprocess.Popen
     folder: Path  # its reports and its output
+    parent_end: int  # the pipe's end this session holds (-1 once closed): closed, the early pytest ends itself
+    reports: dict[str, list[dict]] | None = None  # each test's, once the process has ended
+
+    def close_parent_end(self) -> None:
+        """This process's end of the pipe closed: at the session's end, and in each fork of this process (which
+        would hold it open after this one ended)."""
+        if self.parent_end >= 0:
+            os.close(self.parent_end)
+            self.parent_end = -1
+
+    def reports_of(self, nodeid: str) -> list[dict]:
+        """The reports the early pytest made for test `nodeid`, read from its file once, after it ended."""
+        if self.reports is None:
+            self.process.wait()
+            path = self.folder / "reports.jsonl"
+            self.reports = {}
+            for line in path.read_text().splitlines() if path.exists() else []:
+                report = json.loads(line)
+                self.reports.setdefault(report["nodeid"], []).append(report)
+        return self.reports.get(nodeid, [])
 
 
 EARLY_RUN = pytest.StashKey[EarlyRun]()
@@ -132,17 +156,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The selected tests that run early, started now in a pytest of their own, in a session of its own: on a
     2-core machine the other tests, most of them one process, leave a core idle that it takes. Each is reported
-    here, in its place, as that pytest ran it (`pytest_runtest_protocol`)."""
+    here, in its place, as that pytest ran it (`pytest_runtest_protocol`). It watches a pipe whose other end only
+    this process holds (its forks close theirs), so that however this session ends (a SIGTERM, a SIGKILL, not only
+    Ctrl-C) the early pytest ends with all it started (`_ended_with`)."""
     early = [item.nodeid for item in session.items if runs_early(item)]
     if not early or session.config.option.collectonly:
         return
     folder = Path(tempfile.mkdtemp(prefix="pipesim-early-"))
+    early_end, parent_end = os.pipe()  # neither inheritable: the early pytest gets its end through pass_fds
     with open(folder / "output.txt", "w") as output:
         process = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *early],
                                    cwd=session.config.rootpath, stdout=output, stderr=subprocess.STDOUT,
-                                   env=dict(os.environ, **{EARLY_REPORTS: str(folder / "reports.jsonl")}),
-                                   start_new_session=True)
-    session.stash[EARLY_RUN] = EarlyRun(process, folder)
+                                   env=dict(os.environ, **{EARLY_REPORTS: str(folder / "reports.jsonl"),
+                                                           EARLY_PARENT_FD: str(early_end)}),
+                                   pass_fds=(early_end,), start_new_session=True)
+    os.close(early_end)
+    run = EarlyRun(process, folder, parent_end)
+    os.register_at_fork(after_in_child=run.close_parent_end)
+    session.stash[EARLY_RUN] = run
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -152,6 +183,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         if run.process.poll() is None:
             os.killpg(run.process.pid, signal.SIGKILL)
         run.process.wait()
+        run.close_parent_end()
         shutil.rmtree(run.folder, ignore_errors=True)
 
 
@@ -162,11 +194,8 @@ def pytest_runtest_protocol(item: pytest.Item) -> bool | None:
     if not runs_early(item):
         return None
     run = item.session.stash[EARLY_RUN]
-    run.process.wait()
-    reports = [json.loads(line) for line in (run.folder / "reports.jsonl").read_text().splitlines()] \
-        if (run.folder / "reports.jsonl").exists() else []
+    made = run.reports_of(item.nodeid)
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    made = [report for report in reports if report["nodeid"] == item.nodeid]
     for data in made:
         if isinstance(data["longrepr"], list):  # a skip's (path, line, reason), a list in JSON
             data["longrepr"] = tuple(data["longrepr"])
@@ -182,10 +211,14 @@ def pytest_runtest_protocol(item: pytest.Item) -> bool | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """In the early pytest, each report written where the session that started it reads them."""
+    """In the early pytest, each report written where the session that started it reads them, and its end tied to
+    that session's (`_ended_with`)."""
     path = os.environ.get(EARLY_REPORTS)
     if path is None:
         return
+    if EARLY_PARENT_FD in os.environ:
+        threading.Thread(target=_ended_with, args=(int(os.environ.pop(EARLY_PARENT_FD)), Path(path).parent),
+                         daemon=True).start()
 
     class Reports:
         @staticmethod
@@ -195,6 +228,16 @@ def pytest_configure(config: pytest.Config) -> None:
                               + "\n")
 
     config.pluginmanager.register(Reports(), "pipesim-early-reports")
+
+
+def _ended_with(early_end: int, folder: Path) -> None:
+    """The early pytest's process group killed (itself and all it started), and its `folder` removed, once the
+    session that started it has ended, however it ended: the kernel closes that session's end of the pipe, and
+    reading `early_end` stops waiting (end of file). A session that ends in order waits for this one first."""
+    os.set_inheritable(early_end, False)  # the processes the early tests start do not hold it
+    os.read(early_end, 1)  # nothing is written: it returns at the end of file
+    shutil.rmtree(folder, ignore_errors=True)
+    os.killpg(0, signal.SIGKILL)
 
 
 class Cli(NamedTuple):
