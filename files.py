@@ -75,9 +75,22 @@ def is_trace_document(doc: Any) -> bool:
 
 # `is_trace_document`'s keys as a file's bytes hold them: the "traceEvents" list and the "pipesim" header
 _TRACE_KEYS = (re.compile(rb'"traceEvents"\s*:\s*\['), re.compile(rb'"pipesim"\s*:\s*\{'))
+# a profile's (profiles/schema.py `Profile`'s) as they are told from other JSON (traces/trace.py `read_trace`'s)
+_PROFILE_KEYS = (re.compile(rb'"schema_version"\s*:'), re.compile(rb'"layers"\s*:\s*\['))
+
+
+def _json_object_with(data: bytes, keys: tuple[re.Pattern[bytes], ...]) -> bool:
+    """Whether a file's bytes are a JSON object holding `keys`, however a JSON tool laid it out (re-indented, its
+    keys reordered, a byte-order mark before it), told without parsing what may be a gigabyte of events."""
+    return data.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"{") and all(key.search(data) for key in keys)
 
 
 def is_trace_bytes(data: bytes) -> bool:
-    """Whether a file's bytes are a pipesim trace's: a JSON object with `is_trace_document`'s keys, however a JSON
-    tool laid it out (re-indented, its keys reordered), told without parsing what may be a gigabyte of events."""
-    return data.lstrip().startswith(b"{") and all(key.search(data) for key in _TRACE_KEYS)
+    """Whether a file's bytes are a pipesim trace's: a JSON object with `is_trace_document`'s keys."""
+    return _json_object_with(data, _TRACE_KEYS)
+
+
+def is_profile_bytes(data: bytes) -> bool:
+    """Whether a file's bytes are a pipesim profile's: a JSON object with a schema_version and layers, and not a
+    trace (whose header has a schema_version too, near its top once a tool sorts its keys)."""
+    return _json_object_with(data, _PROFILE_KEYS) and not is_trace_bytes(data)

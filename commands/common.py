@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..choices import choose_from
-from ..files import PAGE_HEALTH, is_trace_bytes
+from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes
 from ..units import MAX_BYTES, MAX_MS, MIB, memory_gib_refusal
 from ..workload.sizes import DEFAULT_SIZES
 
@@ -860,7 +860,7 @@ class Output:
 
 TRACE = Output("pipesim trace", is_trace_bytes)
 PAGE = Output("pipesim page", lambda data: PAGE_HEALTH.encode() in data)
-PROFILE = Output("pipesim profile", lambda data: data.lstrip().startswith(b"{") and b'"schema_version"' in data[:200])
+PROFILE = Output("pipesim profile", is_profile_bytes)
 SWEEP_RESULTS = Output("pipesim sweep results file", lambda data: data.startswith((b"schedule,stages,", b"PAR1")))
 TORCH_CSV = Output("torch.distributed.pipelining schedule CSV",
                    lambda data: re.fullmatch(rb"(\d+[A-Z_]+\d*|,|\r?\n)*", data) is not None)

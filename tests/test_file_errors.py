@@ -2,8 +2,10 @@
 that named it; never "cannot write" for a file only read, never a traceback."""
 
 import json
+import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -195,6 +197,32 @@ def test_a_trace_laid_out_anew_is_replaced_and_a_profile_is_not(tmp_path, monkey
     code, _, err = pipesim("simulate", "-s", "1f1b", "--trace", "p.json")
     assert code == 2 and err.startswith("error: --trace: p.json exists and is not a pipesim trace; "), err
     assert (tmp_path / "p.json").read_text() == profile
+
+
+def test_a_profile_laid_out_anew_is_replaced_and_a_trace_is_not(tmp_path, monkeypatch):
+    """A profile re-laid out by a JSON tool (`jq -S .`: keys sorted, indented) was "not a pipesim profile", which
+    --out refused to replace: the check wanted "schema_version" in the first 200 bytes. A trace with its header
+    first has the header's schema_version there, and is still refused (it was replaced)."""
+    monkeypatch.chdir(tmp_path)
+    estimate = ["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--out"]
+    assert pipesim(*estimate, "p.json")[0] == 0
+    written = (tmp_path / "p.json").read_text()
+    undated = partial(re.sub, r'"date": "[^"]*"', "")  # the estimate's time, in seconds
+    sorted_text = json.dumps(json.loads(written), indent=4, sort_keys=True)
+    assert sorted_text.find('"schema_version"') > 200
+    for layout in (sorted_text, "\ufeff" + written):  # and with a byte-order mark, as Windows editors save it
+        (tmp_path / "p.json").write_text(layout)
+        code, _, err = pipesim(*estimate, "p.json")
+        assert code == 0 and undated((tmp_path / "p.json").read_text()) == undated(written), err
+    assert pipesim("simulate", "-s", "1f1b", "--trace", "t.json")[0] == 0
+    trace = json.loads((tmp_path / "t.json").read_text())
+    header = trace.pop("pipesim")
+    trace_text = json.dumps({"pipesim": {"schema_version": header.pop("schema_version"), **header}, **trace})
+    assert trace_text.find('"schema_version"') < 200
+    (tmp_path / "t.json").write_text(trace_text)
+    code, _, err = pipesim(*estimate, "t.json")
+    assert code == 2 and err.startswith("error: --out: t.json exists and is not a pipesim profile; "), err
+    assert (tmp_path / "t.json").read_text() == trace_text
 
 
 def test_sweep_replaces_its_own_results_and_no_other_file(tmp_path, monkeypatch):
