@@ -339,7 +339,8 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
             optimizer_state_bytes={name: _state_bytes(name, weights) for name in OPTIMIZERS},
             saved_input_bytes=[saved.get(a.untyped_storage().data_ptr(), 0) for a in args],
             output_saved=out.untyped_storage().data_ptr() in saved, expert_param_bytes=routed.expert_weight_bytes,
-            routed_experts=routed_experts_of(layer) or 0, dispatched_bytes=routed.token_bytes))
+            routed_experts=routed_experts_of(layer) or 0, dispatched_bytes=routed.token_bytes,
+            dispatched_block_bytes=[block.sent_bytes for block in routed.blocks]))
         previous = saved
     return Recording(inputs, target), layers
 
@@ -934,10 +935,11 @@ def measure_links(link_sizes: list[int], settings: Settings, advance: Advance) -
 
 def all_to_all_sizes(layers: list[LayerProfile], ranks: int) -> list[int]:
     """The per-rank buffers a mixture of experts' layers exchange over `ranks` ranks (their counts, their token
-    copies: workload/moe.py `exchanged_experts`), each rounded down to an even split, and powers of four between
-    the least and the most so that the fit sees the curve's shape; [] for a model without routed experts."""
+    copies: workload/moe.py `exchanged_experts`, each MoE block's apart), each rounded down to an even split, and
+    powers of four between the least and the most so that the fit sees the curve's shape; [] for a model without
+    routed experts."""
     exchanged = {size for layer in layers if layer.dispatched_bytes
-                 for size in (COUNT_BYTES * layer.routed_experts, layer.dispatched_bytes)}
+                 for size in (COUNT_BYTES * layer.routed_experts, *layer.dispatches_bytes)}
     if not exchanged:
         return []
     between = {1 << e for e in range(0, max(exchanged).bit_length(), 2) if min(exchanged) < 1 << e < max(exchanged)}

@@ -1187,9 +1187,11 @@ def interleaved_minibatches(sched: Schedule) -> int | None:
 
 def measured_all_to_alls(costs: Costs, measured: Profile, bounds: Sequence[int], ranks: int) -> Costs:
     """Each stage's A2A_F and A2A_B priced on the calibrated profile's all-to-all over the `ranks` ranks of an
-    expert-parallel group (`Profile.all_to_all`, its fit at each rank's buffer): per mixture-of-experts layer, a
-    forward exchanges the counts (one int64 per routed expert), dispatches its token copies and combines as many
-    back; its backward sends their gradients both ways (workload/moe.py `exchanged_experts`; `ALL_TO_ALLS`).
+    expert-parallel group (`Profile.all_to_all`, its fit at each rank's buffer): per mixture-of-experts block (a
+    layer's one, or DeepSeek's multi-token-prediction layer's one a module: `LayerProfile.dispatches_bytes`, as the
+    estimate prices each of `LayerCount.routed_blocks`), a forward exchanges the counts (one int64 per routed
+    expert), dispatches its token copies and combines as many back; its backward sends their gradients both ways
+    (workload/moe.py `exchanged_experts`; `ALL_TO_ALLS`), each exchange paying its own latency.
     The fit is of collectives started together after a barrier: the group's wait for its last rank to arrive is
     not in it. CostError where the profile cannot price them (`all_to_all_refusal`)."""
     from ..profiles.schema import COUNT_BYTES
@@ -1202,8 +1204,8 @@ def measured_all_to_alls(costs: Costs, measured: Profile, bounds: Sequence[int],
 
     def exchanges_ms(start: int, stop: int, counts: bool, each: int) -> float:
         return math.fsum((piecewise_ms(segments, COUNT_BYTES * layer.routed_experts) if counts else 0.0)
-                         + each * piecewise_ms(segments, layer.dispatched_bytes)
-                         for layer in measured.layers[start:stop] if layer.dispatched_bytes)
+                         + each * piecewise_ms(segments, sent)
+                         for layer in measured.layers[start:stop] for sent in layer.dispatches_bytes)
 
     return replace(costs, stages=tuple(
         replace(c, all_to_all_fwd_ms=exchanges_ms(start, stop, True, ALL_TO_ALLS["fwd"]),

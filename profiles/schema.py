@@ -206,9 +206,12 @@ class LayerProfile(_Strict):
     expert_param_bytes: int = Field(0, ge=0)
     # A calibration's mixture-of-experts layer (workload/moe.py), for its all-to-alls priced on the profile's
     # `all_to_all` term: its routed experts (its count exchange sends `COUNT_BYTES` per expert) and the bytes of the
-    # token copies a micro-batch's dispatch sends (balanced routing; the combine returns as many)
+    # token copies a micro-batch's dispatch sends (balanced routing; the combine returns as many); of those, per MoE
+    # block its forward runs, in order, its own dispatch's (a decoder layer's one; DeepSeek's multi-token-prediction
+    # layer's one a module: each exchanges its counts, dispatches and combines apart, `dispatches_bytes`; []: one)
     routed_experts: int = Field(0, ge=0)
     dispatched_bytes: int = Field(0, ge=0)
+    dispatched_block_bytes: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _per_input(self) -> LayerProfile:
@@ -216,7 +219,16 @@ class LayerProfile(_Strict):
             raise ValueError(f"saved_input_bytes has {len(self.saved_input_bytes)} entries for "
                              f"{len(self.inputs)} inputs")
         _check_parts(self.activation_parts, self.activation_bytes)
+        if self.dispatched_block_bytes and sum(self.dispatched_block_bytes) != self.dispatched_bytes:
+            raise ValueError(f"dispatched_block_bytes sum to {sum(self.dispatched_block_bytes)}, not dispatched_bytes "
+                             f"{self.dispatched_bytes}")
         return self
+
+    @property
+    def dispatches_bytes(self) -> list[int]:
+        """The bytes of each dispatch a micro-batch's forward sends, one a MoE block (`dispatched_block_bytes`; a
+        profile from before they were recorded: one of `dispatched_bytes`); [] where it routes none."""
+        return self.dispatched_block_bytes or ([self.dispatched_bytes] if self.dispatched_bytes else [])
 
     @property
     def wgrad_fraction(self) -> float:

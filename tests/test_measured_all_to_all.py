@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipesim.calibrate.measure import Settings, all_to_all_sizes, calibrate, measure_bytes
+from pipesim.planning.scenario import measured_all_to_alls
 from pipesim.profiles.schema import COUNT_BYTES, AllToAllProfile, load_profile, profile_json
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim.cluster import Cluster
@@ -83,6 +84,28 @@ def test_a_profile_with_an_all_to_all_term_prices_each_row_for_the_bytes_its_lay
         for stage, moe_layers in enumerate(blocks):  # a forward: counts, dispatch, combine; a backward: the two back
             got = ops.dur_us[rows & (ops.stage == stage)] / 1e3
             np.testing.assert_allclose(got, moe_layers * each, rtol=1e-6)
+
+
+def test_a_layer_of_two_mixture_of_experts_blocks_pays_each_blocks_exchanges_and_latencies(moe_profile):
+    """DeepSeek's --mtp-layers 2 layer runs two MoE blocks, each exchanging its counts, dispatching and combining its
+    own copies (as the estimate prices `LayerCount.routed_blocks`): six exchanges after its forward, four after its
+    backward, each after the fit's 0.5 ms latency; not three and two of the blocks' bytes summed."""
+    _, priced, _ = moe_profile
+    measured = load_profile(priced)
+    copies = TOKEN_COPIES * 16 * 4
+    assert [layer.dispatched_block_bytes for layer in measured.layers] == [[], [copies], [copies], []]
+    two = measured.layers[1].model_copy(update={"dispatched_bytes": 2 * copies,
+                                                "dispatched_block_bytes": [copies, copies]})
+    measured = measured.model_copy(update={"layers": [measured.layers[0], two, *measured.layers[2:]]})
+    costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0),) * 2)
+    stages = measured_all_to_alls(costs, measured, (0, 2, 4), 2).stages  # the two blocks' layer, then the one's
+
+    def ms(nbytes: int) -> float:
+        return LATENCY_MS + nbytes / BYTES_PER_MS
+
+    forward_ms, backward_ms = ms(COUNT_BYTES * 4) + 2 * ms(copies), 2 * ms(copies)  # one block's
+    priced_ms = [exchange_ms for c in stages for exchange_ms in (c.all_to_all_fwd_ms, c.all_to_all_bwd_ms)]
+    assert priced_ms == pytest.approx([2 * forward_ms, 2 * backward_ms, forward_ms, backward_ms], rel=1e-12)
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 
+from pipesim.calibrate.measure import Settings, all_to_all_sizes, measure_bytes
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Parallelism, _all_to_alls_ms, node_placement
 from pipesim.planning.experts import ALL_TO_ALLS, MULTIHOT_OPS, expert_group
 from pipesim.profiles.workload import RoutedBlock
 from pipesim.workload.count import WorkloadCount, count_built
+from pipesim.workload.hf import hf_model
 from tests.conftest import needs_transformers, pipesim
 from tests.test_hf import write_config
 
@@ -54,6 +56,18 @@ def test_two_prediction_modules_dispatch_twice_k_copies_a_token(tmp_path_factory
     converted = [op for op in group.local(layer).ops["fwd"] if op.routed and op.shape[1:] == (2,)]
     assert [op.op for op in converted] == list(MULTIHOT_OPS["fwd"])
     assert {(op.shape, op.count) for op in converted} == {((received, 2), 2)}
+
+
+@needs_transformers
+def test_a_calibration_records_each_prediction_modules_dispatch(tmp_path):
+    """Calibrated at D = 2, the layer records its two blocks' dispatches apart, so that a measured all-to-all prices
+    each (planning/scenario.py `measured_all_to_alls`), and the all-to-all is measured at a block's bytes."""
+    model = hf_model(str(write_config(tmp_path / "mixtral", MIXTRAL)), S, 2)
+    _, layers = measure_bytes(model, Settings(torch.device("cpu"), torch.float32, microbatch_size=1, warmup=0,
+                                              repeats=1))
+    sent = EXPERTS * math.ceil(TOP_K * S / EXPERTS) * H * 4  # float32 copies
+    assert [layer.dispatched_block_bytes for layer in layers[1:4]] == [[sent], [], [sent, sent]]
+    assert layers[3].dispatched_bytes == 2 * sent and max(all_to_all_sizes(layers, 2)) == sent
 
 
 @needs_transformers
