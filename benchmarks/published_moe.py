@@ -87,15 +87,30 @@ capacity 1 padded to capacity (`--capacity-factor 1`, balanced: USE_TOKEN_DROP),
 (bf16_mixed's and the recipe's DDP config's grad_reduce_in_fp32: `--precision megatron`), gradients accumulated
 inside the products (DeepSeekConfig's gradient_accumulation_fusion), TransformerEngine's cross entropy and norms,
 cuDNN's fused attention (`ATTENTION_KERNEL`), and RoPE unfused (DeepSeekConfig's apply_rope_fusion False:
-`--rope-kernel eager`). Its shared expert's overlap with the dispatch (moe_shared_expert_overlap) is not modelled.
+`--rope-kernel eager`). Each flag read against the launch and the code it ran (launch.sh and setup.sh at 1f6d9f4;
+NeMo's pretrain_deepseek_v3.py, utils.py set_primary_perf_configs and get_user_configs, recipes/deepseek.py trainer
+and deepseek_v3.py pretrain_recipe, MegatronCommOverlapCallback, MegatronTokenDropCallback and PerfEnvPlugin at
+7a8f1cc7bc; Megatron-core at 7094270c6f), each as the command runs it: t2 with sequence parallelism (sequence_parallel
+= t > 1), p8 or p16 at VP 1 (the launch's VP=1: plain 1F1B), EP 64 at ETP 1 in Megatron-core's order (_strategy_lib.py:
+tp-cp-ep-dp-pp without use_tp_pp_dp_mapping, so a stage's 64 ranks, 8 nodes, are its expert group), MBS 1 and GBS 8 a
+GPU (128 and 256 micro-batches), the selective `mla_up_proj` (the csv's h100 row and the launch's RM; no
+recompute_layers, no activation offload, no CUDA graphs, no FSDP), the MTP layer, the all-to-all dispatcher with
+MegatronTokenDropCallback's capacity 1 padded, the router's product in float32 (moe_router_dtype 'fp32', as the count
+runs DeepSeek-V3's router), gradients reduced in float32 and overlapped with the backward (the trainer's DDP config
+and the callback's overlap_grad_reduce and overlap_param_gather where d > 1), the batched exchanges between stages
+(the callback's batch_p2p_comm at VP 1: `--p2p-sync`), the distributed optimizer (Megatron-core's, adam.py
+distributed_fused_adam_with_cosine_annealing's OptimizerConfig), NeMo 25.04.01's container. What it sets and pipesim
+does not model is printed with the rows (`RECIPE_NOT_MODELLED`). v25.08.01's H100 row (1,024 GPUs at t1 p8 v2, NeMo
+25.07.01 over DeepEP) recomputes whole MoE layers ("moe"), which pipesim cannot (`DGXC_RECOMPUTE_NOT_EXPRESSIBLE`);
 Llama 4 Maverick's rows are listed with why they are not run (`DGXC_NOT_EXPRESSIBLE`).
 
 Megatron-Bridge's measured runs outside its summaries (benchmarks/published/megatron-bridge-cards-moe-h100.csv: a
-skill's and a model card's, each with its whole layout and step time) run as the summaries' rows in BF16: Qwen3-30B-A3B
-at t1 p1 E16 over HybridEP, and DeepSeek-V3 on 1,024 H100s as 25.09's row's recipe runs it (`RECIPE_RUNS`, its
-"mlp" recompute not modelled) over HybridEP without the expert overlap. The Qwen3 run with the overlap kept
-delay_wgrad_compute off, which pipesim's pair does not model, and the all-to-all run gives no layout: both listed
-with why (`CARDS_NOT_EXPRESSIBLE`).
+skill's and the model cards', each with its whole layout and step time) run as the summaries' rows in BF16:
+Qwen3-30B-A3B at t1 p1 E16 over HybridEP, and DeepSeek-V3 on 1,024 H100s as 25.09's row's recipe runs it
+(`RECIPE_RUNS`, its "mlp" recompute not modelled) over HybridEP without the expert overlap. The Qwen3 runs with the
+overlap kept delay_wgrad_compute off, which pipesim's pair does not model, the cards' functional pretraining runs
+(Qwen3-30B-A3B, gpt-oss-120b) routed naturally, by an imbalance not published, and the all-to-all run gives no
+layout: all listed with why (`CARDS_NOT_EXPRESSIBLE`).
 
 Every source's run built its layers from TransformerEngine's modules (`--linear-kernel te`, planning/te.py; in
 BF16 it moves the rows whose attention's input projection has a bias, gpt-oss-120b's): Megatron-Bridge's
@@ -268,6 +283,14 @@ DGXC_NOT_EXPRESSIBLE = {
               "every expert (modeling_llama4.py), where Megatron-core computes each token's top-1 only: a count of it "
               "would need pipesim to route it as the run did",
 }
+# a recomputed module of a row's launch that --recompute-modules does not take -> why: v25.08.01's DeepSeek-V3 H100 row
+# (deepseek_v3/pretrain/launch.sh at 2fc17d4: RM="mla_up_proj mlp moe" on H100; its README's 1,024-GPU example
+# 36.189 s), which NeMo's pretrain_deepseek_v3.py at 9244b1ec89 ran over DeepEP with forced balance
+DGXC_RECOMPUTE_NOT_EXPRESSIBLE = {
+    "moe": "recompute_modules' \"moe\" (deepseek_v3/pretrain/launch.sh at 2fc17d4 on H100): each MoE layer's forward, "
+           "its dispatch and combine included, run again in its backward (Megatron-core's MoELayer under "
+           "selective recomputation), which --recompute-modules does not offer",
+}
 
 
 def dgxc_first_last(pipeline: int) -> str:
@@ -299,15 +322,29 @@ MODELZOO_NOT_EXPRESSIBLE = {
 RECIPE_RUNS = {"DeepSeekV3": {"stage_cut": "layout:Et|(tt|)*30mL", "mtp_layers": 1, "reduce_after_flush": True}}
 # the model -> what its recipe sets that pipesim does not model (the module docstring)
 RECIPE_NOT_MODELLED = {"DeepSeekV3": "recompute_modules' \"mlp\" (its 3 dense layers' MLPs), the optimizer's "
-                                     "bfloat16 moments, fp8_param_gather beside expert parallelism"}
+                                     "bfloat16 moments, fp8_param_gather beside expert parallelism",
+                       # NeMo 7a8f1cc7bc's DeepSeekConfig (deepseek.py), MegatronCommOverlapCallback
+                       # (megatron_comm_overlap.py lines 179-188: bucket_size 128 * 1024 * 1024 where d > 1),
+                       # PerfEnvPlugin (nemo/lightning/run/plugins.py: NVTE_FWD/BWD_LAYERNORM_SM_MARGIN 16,
+                       # CUDA_DEVICE_MAX_CONNECTIONS 1 at t > 1 on Hopper), Megatron-core 7094270c6f's
+                       # finalize_model_grads.py (line 145: the MTP stage's embedding copy)
+                       "DGXC DeepSeek-V3": "moe_shared_expert_overlap (the shared expert beside the dispatch), the "
+                                           "DDP buckets of 128M parameters MegatronCommOverlapCallback sets (cut on "
+                                           "pipeline rank 0 only, not the slowest device), the MTP layer's copy of "
+                                           "the embedding on the last stage and its gradient all-reduced with the "
+                                           "first stage's after the flush, TransformerEngine's norms leaving 16 SMs"}
 NOT_EXPRESSIBLE = {
     "Nemotron_3_Nano": "a hybrid of Mamba-2 and attention layers: pipesim counts no Mamba layer",
 }
 CARDS = "megatron-bridge-cards-moe-h100.csv"  # Megatron-Bridge's skill and model card runs, README.md there too
 # the card's model -> the summaries' name of it (for `RECOMPUTE_MODULES`, `RECIPE_RUNS`) and its examples/ config
-CARD_MODELS = {"Qwen3-30B-A3B": "Qwen3_30B_a3B", "DeepSeek-V3": "DeepSeekV3"}
+CARD_MODELS = {"Qwen3-30B-A3B": "Qwen3_30B_a3B", "DeepSeek-V3": "DeepSeekV3", "gpt-oss-120b": "GPT OSS 120B"}
 CARDS_NOT_EXPRESSIBLE = {
-    "delay_wgrad off": "the expert overlap with delay_wgrad_compute off (SKILL.md: \"delayed wgrad stayed disabled\"), "
+    "natural routing": "natural routing (the card's command sets moe_router_force_load_balancing false, on "
+                       "RedPajama-2 text, 100 steps from initialisation): how unevenly its router spread the tokens "
+                       "over the experts, the busiest rank's share --hot-expert-share would take, is not published",
+    "delay_wgrad off": "the expert overlap with delay_wgrad_compute off (SKILL.md: \"delayed wgrad stayed disabled\"; "
+                       "the model card: \"delayed weight-gradient compute disabled\"), "
                        "where pipesim's pair runs each part's weight gradients after its input gradients, as every "
                        "recipe setting moe_a2a_overlap sets delay_wgrad_compute with it (planning/experts.py "
                        "`paired_exposed_ms`)",
@@ -478,9 +515,14 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
         if row["workload"] in DGXC_NOT_EXPRESSIBLE:
             left_out.append((name, DGXC_NOT_EXPRESSIBLE[row["workload"]]))
             continue
+        modules = tuple(row["recompute_modules"].split(","))
+        unexpressed = [DGXC_RECOMPUTE_NOT_EXPRESSIBLE[m] for m in modules if m in DGXC_RECOMPUTE_NOT_EXPRESSIBLE]
+        if unexpressed:
+            left_out.append((name, "; ".join(unexpressed)))
+            continue
         run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e, None, etp, False, None, "balanced",
                      TOKEN_DROP_CAPACITY, source=DGXC, precision="megatron",
-                     recompute_modules=tuple(row["recompute_modules"].split(",")), stage_cut=dgxc_first_last(p),
+                     recompute_modules=modules, stage_cut=dgxc_first_last(p),
                      rope_kernel="eager", mtp_layers=1, router_aux_loss=DGXC_AUX_LOSS)
         expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
@@ -493,7 +535,11 @@ def card_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     for row in _rows(CARDS):
         t, p, chunks, e, etp, gpus, batch, b, seq = _step_layout(row)
         overlap = row["expert_overlap"] == "on"
-        name = f"Bridge card {row['model']} {row['precision']} t{t} p{p} v{chunks} E{e}{' overlap' if overlap else ''}"
+        name = (f"Bridge card {row['model']} {row['precision']} t{t} p{p} v{chunks} E{e}{' overlap' if overlap else ''}"
+                f"{f' ({label})' if (label := row['label']) else ''}")
+        if row["routing"] == "natural":
+            left_out.append((name, CARDS_NOT_EXPRESSIBLE["natural routing"]))
+            continue
         if overlap and row["delay_wgrad"] == "off":
             left_out.append((name, CARDS_NOT_EXPRESSIBLE["delay_wgrad off"]))
             continue

@@ -46,3 +46,21 @@ def test_the_overlap_without_delayed_weight_gradients_and_the_run_without_a_layo
     left_out = dict(published_moe.card_runs()[1])
     assert "delay_wgrad_compute off" in left_out["Bridge card Qwen3-30B-A3B BF16 t1 p1 v1 E16 overlap"]
     assert "no t, p, E" in left_out["Bridge card Qwen3-30B-A3B BF16 all-to-all eager"]
+
+
+def test_the_model_cards_runs_with_natural_routing_or_without_delayed_weight_gradients_are_listed_with_why(
+        monkeypatch):
+    """The model cards' H100 runs (examples/model_verification_cards at 067f987df0): Qwen3-30B-A3B's performance run
+    keeps delay_wgrad_compute off beside the overlap; its and gpt-oss-120b's functional pretraining runs route
+    naturally (moe_router_force_load_balancing false), an imbalance no source gives."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_moe
+
+    left_out = dict(published_moe.card_runs()[1])
+    assert "delay_wgrad_compute off" in left_out["Bridge card Qwen3-30B-A3B BF16 t1 p1 v1 E16 overlap (model card)"]
+    natural = [row for row in PUBLISHED if row["routing"] == "natural"]
+    assert [(row["model"], row["step_time_s"]) for row in natural] == [("Qwen3-30B-A3B", "30.28955"),
+                                                                       ("gpt-oss-120b", "16.66493")]
+    for name in ("Bridge card Qwen3-30B-A3B BF16 t1 p1 v1 E16 (functional pretrain)",
+                 "Bridge card gpt-oss-120b BF16 t1 p4 v1 E8 (functional pretrain)"):
+        assert "natural routing" in left_out[name]

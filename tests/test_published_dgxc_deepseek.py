@@ -15,7 +15,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "nvidia-dgxc-moe-h100.csv"
 EVERY_PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
-PUBLISHED = [row for row in EVERY_PUBLISHED if row["workload"] == "deepseek_v3"]
+# the rows of DGX Cloud's v25.05.04 (1f6d9f4) that pretrain_deepseek_v3.py at NeMo 7a8f1cc7bc ran; v25.08.01's
+# (2fc17d4) recomputes whole MoE layers and is listed, not run
+PUBLISHED = [row for row in EVERY_PUBLISHED if row["workload"] == "deepseek_v3" and row["release"] == "1f6d9f4"]
 RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
             if row["source"] == SOURCE]
 DEEPSEEK_V3_LAYERS = 61
@@ -27,11 +29,13 @@ def _flag(args: list[str], flag: str) -> str:
 
 def test_the_csv_holds_the_readmes_rows_and_their_own_arithmetic():
     """deepseek_v3/pretraining/README.md and llama4/README.md at 1f6d9f4: DeepSeek-V3 48.948 and 52.04 s a step,
-    Llama 4 Maverick 4.426 (BF16) and 3.855 (FP8); each README's tokens/s is GBS x sequence over the step (to the
-    figure it prints for DeepSeek-V3, within 0.03 % for Llama 4), and each layout's t·d·p its GPUs."""
-    assert [(row["workload"], row["gpus"], row["step_time_s"]) for row in EVERY_PUBLISHED] == [
-        ("deepseek_v3", "512", "48.948"), ("deepseek_v3", "1024", "52.04"), ("llama4", "512", "4.426"),
-        ("llama4", "512", "3.855")]
+    Llama 4 Maverick 4.426 (BF16) and 3.855 (FP8); deepseek_v3/pretrain/README.md at 2fc17d4 (v25.08.01): 36.189 s on
+    1,024 GPUs at t1 p8 v2; each README's tokens/s is GBS x sequence over the step (to the figure it prints for
+    DeepSeek-V3, within 0.03 % for Llama 4), and each layout's t·d·p its GPUs."""
+    assert [(row["workload"], row["gpus"], row["step_time_s"], row["release"]) for row in EVERY_PUBLISHED] == [
+        ("deepseek_v3", "512", "48.948", "1f6d9f4"), ("deepseek_v3", "1024", "52.04", "1f6d9f4"),
+        ("deepseek_v3", "1024", "36.189", "2fc17d4"), ("llama4", "512", "4.426", "1f6d9f4"),
+        ("llama4", "512", "3.855", "1f6d9f4")]
     for row in EVERY_PUBLISHED:
         t, p, d, gpus, batch, seq = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "data_parallel",
                                                            "gpus", "global_batch", "seq_len"))
@@ -74,3 +78,13 @@ def test_llama_4_maverick_is_listed_with_why(monkeypatch):
     assert [run.name for run, _ in expressible] == [row["run"] for row in RECORDED]
     assert [name for name, why in left_out if "Llama4TextMoe" in why] == [
         "DGXC Llama 4 Maverick BF16 t4 p1 v12 E128", "DGXC Llama 4 Maverick FP8 t4 p1 v12 E128"]
+
+
+def test_the_row_recomputing_whole_moe_layers_is_listed_with_why(monkeypatch):
+    """v25.08.01's H100 launch recomputes "mla_up_proj mlp moe" (deepseek_v3/pretrain/launch.sh at 2fc17d4), and
+    --recompute-modules has no whole-MoE-layer part: listed, not run."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from published_moe import dgxc_runs
+
+    left_out = dict(dgxc_runs()[1])
+    assert '"moe"' in left_out["DGXC DeepSeek-V3 BF16 t1 p8 v2 E64"]
