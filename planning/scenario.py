@@ -225,11 +225,12 @@ class Scenario:
         - "model" (`sweep`, where the stage count varies too): the whole model's, split over all stages.
 
         Compute times are then scaled by `cost_scale`; an overlapped pair hides `overlap_hidden_fraction` of its
-        shorter part; the boundary tensors are held as `pp_runtime`'s runtime holds them (`held_as_runtime`, here
-        alone: the simulator reads the fields it writes). An estimate's context ring runs on its own link where the
-        data-parallel group's is another (`Costs.collective_links`). With d > 1 data-parallel replicas
-        (`sched.data_parallel`) or C > 1 context-parallel ranks, each stage's REDUCE (and GATHER) is priced over
-        their `gradient_ranks` on `data_parallel_link` (`collective_costs`).
+        shorter part, and runs its layers' nodes side by side where the schedule pairs as Megatron-core's
+        expert-parallel overlap does (`Costs.pairs_by_node`); the boundary tensors are held as `pp_runtime`'s
+        runtime holds them (`held_as_runtime`, here alone: the simulator reads the fields it writes). An estimate's
+        context ring runs on its own link where the data-parallel group's is another (`Costs.collective_links`).
+        With d > 1 data-parallel replicas (`sched.data_parallel`) or C > 1 context-parallel ranks, each stage's
+        REDUCE (and GATHER) is priced over their `gradient_ranks` on `data_parallel_link` (`collective_costs`).
         """
         if self.allocations is not None and any(layer.unsharded for layer in self.allocations):
             interleaved = interleaved_minibatches(sched)
@@ -247,6 +248,8 @@ class Scenario:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
         if self.transfers_hold_products:
             costs = replace(costs, transfers_hold_products=True)
+        if sched.params.get("overlap_expert_comm", False):  # schedules/passes.py `overlap_expert_communication`
+            costs = replace(costs, pairs_by_node=True)
         costs = held_as_runtime(costs, sched, self.pp_runtime)
         costs = self._amax_reductions(costs, sched)
         if sched.gradient_ranks == 1:

@@ -398,6 +398,13 @@ class Costs:
     posted ahead holds before its data
     moves (Megatron-core's `overlap_p2p_comm` posts each with the send before it) is not counted: the simulator
     knows when data moves, not when a runtime posts a receive.
+
+    `pairs_by_node`: an overlapped pair runs its layers' nodes side by side, as Megatron-core's expert-parallel
+    overlap does (`overlap_moe_expert_parallel_comm`): each part's all-to-alls under the one node beside them, so
+    its A2A rows hold their lane at least for what the stages' `StageCosts.all_to_all_paired_ms` leave exposed, and
+    a stage whose layers priced the pair so (`all_to_all_paired_by_node`) keeps its parts' own times beside the
+    dispatcher's kernels; False: each part's all-to-alls under the other part's whole compute (DualPipe's pairs).
+    Set where the costs are built for a schedule that pairs so (planning/scenario.py `Scenario.costs`).
     """
 
     stages: tuple[StageCosts, ...]
@@ -412,6 +419,7 @@ class Costs:
     kept_until_update: bool = False
     merges_outputs: bool = False
     transfers_hold_products: bool = False
+    pairs_by_node: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.recv_window, int) or self.recv_window < 0:

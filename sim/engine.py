@@ -247,8 +247,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     paired = _with_all_to_alls(kind, pair)
     if len(paired) and any(c.fwd_sharing_ms or c.bwd_sharing_ms for c in stages):  # a dispatcher holds some
         a2a_f, a2a_b = KIND_CODE[Kind.A2A_F], KIND_CODE[Kind.A2A_B]
-        by_node = np.array([c.all_to_all_paired_by_node for c in stages]) & bool(
-            schedule.params.get("overlap_expert_comm", False))
+        by_node = np.array([c.all_to_all_paired_by_node for c in stages]) & costs.pairs_by_node
         forward_ms = costs.sharing_dispatcher_ms(stage[paired], True, duration[paired] / _PS_PER_MS,
                                                  op_ms[stage[paired + 3], a2a_b] * ~by_node[stage[paired]])
         backward_ms = costs.sharing_dispatcher_ms(stage[paired + 1], False, duration[paired + 1] / _PS_PER_MS,
@@ -345,15 +344,15 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     _check_clock(held, transfer_ps, collective_ps, cluster.contention)
     # An overlapped pair's all-to-alls run under its other part's compute, as DualPipe overlaps them (DeepSeek-V3's
     # report, section 3.2.1: each part's communication hidden under the other part's computation): what remains
-    # of each once that compute has run is what its row holds the lane for. Megatron-core's pair (the schedule's
-    # expert overlap) runs its layers' nodes side by side, each all-to-all under the one node beside it: its rows
-    # hold the lane at least for what that leaves exposed (`StageCosts.all_to_all_paired_ms`, half of each part's
-    # stage's), the shortfall split between them.
+    # of each once that compute has run is what its row holds the lane for. Megatron-core's pair
+    # (`Costs.pairs_by_node`) runs its layers' nodes side by side, each all-to-all under the one node beside it: its
+    # rows hold the lane at least for what that leaves exposed (`StageCosts.all_to_all_paired_ms`, half of each
+    # part's stage's), the shortfall split between them.
     if len(paired):
         at = np.searchsorted(collective_rows, paired + 2)
         collective_ps[at] = np.maximum(collective_ps[at] - duration[paired + 1], 0)
         collective_ps[at + 1] = np.maximum(collective_ps[at + 1] - duration[paired], 0)
-        if schedule.params.get("overlap_expert_comm", False):
+        if costs.pairs_by_node:
             exposed = np.array([c.all_to_all_paired_ms for c in stages]) / 2
             short = np.maximum(_picoseconds(exposed[stage[paired]] + exposed[stage[paired + 1]], "collectives")
                                - collective_ps[at] - collective_ps[at + 1], 0)

@@ -26,6 +26,7 @@ from pipesim.planning.estimate import (
     sharing_dispatcher,
 )
 from pipesim.planning.experts import MoePass, expert_group, paired_exposed_ms
+from pipesim.planning.scenario import Scenario
 from pipesim.profiles.workload import OpCount
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim.cluster import Cluster, Link
@@ -318,7 +319,8 @@ def step_ms(method: str, paired_ms: float, overlap: bool, microbatches: int = 8,
     costs = StageCosts(fwd_ms=1.0, bwd_ms=2.0, all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=backward_all_to_all_ms,
                        all_to_all_paired_ms=paired_ms, all_to_all_paired_by_node=by_node,
                        fwd_sharing_ms=sharing_ms[0], bwd_sharing_ms=sharing_ms[1])
-    trace = simulate(schedule, Costs((costs,) * (stages * chunks)), Cluster(stages, default_link=Link(latency_ms=0)))
+    trace = simulate(schedule, Costs((costs,) * (stages * chunks), pairs_by_node=overlap),
+                     Cluster(stages, default_link=Link(latency_ms=0)))
     return summarize(trace).time_per_minibatch_ms
 
 
@@ -346,6 +348,26 @@ def test_a_megatron_pair_is_slowed_beside_its_all_to_alls_in_what_it_leaves_expo
         assert step_ms("1f1b", paired_ms, True, sharing_ms=slowed, by_node=True) == pytest.approx(
             step_ms("1f1b", paired_ms, True, by_node=True))
     assert step_ms("1f1b", 0.0, True, sharing_ms=slowed) == pytest.approx(step_ms("1f1b", 0.0, True) + 0.5 * pairs)
+
+
+def test_the_engine_pairs_by_node_where_the_costs_say_so_which_the_scenario_sets_for_the_expert_overlap():
+    """The simulator reads Megatron-core's pairing from the costs (`Costs.pairs_by_node`), not from a schedule
+    parameter: the same overlapped combined 1F1B (7 pairs) adds each pair its stage's 2 ms exposure where the costs
+    say its pairs run node by node, nothing where they do not; the scenario's costs say so for a schedule built
+    with the expert overlap, and not without it."""
+    schedule = build_schedule("1f1b", ScheduleParams(stages=1, microbatches=8, minibatches=2, expert_parallel=2,
+                                                     overlap_expert_comm=True))
+    stage = StageCosts(fwd_ms=1.0, bwd_ms=2.0, all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=0.5,
+                       all_to_all_paired_ms=2.0, all_to_all_paired_by_node=True)
+    by_node, whole = (summarize(simulate(schedule, Costs((stage,), pairs_by_node=paired),
+                                         Cluster(1, default_link=Link(latency_ms=0)))).time_per_minibatch_ms
+                      for paired in (True, False))
+    assert by_node == pytest.approx(whole + 2.0 * 7)
+    scenario = Scenario(per_stage={"--fwd": [1.0], "--bwd": [2.0], "--param-mb": [1.0], "--activation-mb": [1.0],
+                                   "--output-mb": [1.0]}, wgrad_fraction=0.5, opt_ms=0.0, pred_ms=None,
+                        avg_ms=None, optimizer="sgd", microbatch_size=1, comm_ms=0.0, overlap_comm=True)
+    alone = build_schedule("1f1b", ScheduleParams(stages=1, microbatches=8, minibatches=2, expert_parallel=2))
+    assert scenario.costs(schedule).pairs_by_node and not scenario.costs(alone).pairs_by_node
 
 
 def test_dualpipes_pairs_keep_hiding_each_part_under_the_other():
