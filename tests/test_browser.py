@@ -743,7 +743,8 @@ def test_over_the_stack_only_the_stacked_devices_line_is_drawn_and_the_parts_sum
 def test_a_legend_wrapped_into_rows_stays_under_the_title(tmp_path):
     """DualPipeV with expert parallelism draws 13 kinds of op: at 1000 px their legend wraps into two rows, which
     plotly grows upwards from the lanes; the top margin makes room, so the legend never covers the title. And the
-    title, too long for one line there, puts its shape on a second line, clear of the mode bar."""
+    title, too long for one line, wraps clear of the mode bar: at 1000 px its shape took a second line, at 800 px
+    its figures ran under the mode bar, so here they wrap too."""
     from tests.conftest import pipesim
 
     page = tmp_path / "ep.html"
@@ -751,7 +752,7 @@ def test_a_legend_wrapped_into_rows_stays_under_the_title(tmp_path):
                            "--heads", 4, "--seq-len", 128, "--experts", 4, "--expert-parallel", 2, "--data-parallel", 2,
                            "--zero", 1, "-p", 2, "-m", 4, "-s", "dualpipev", "--html", page)
     assert code == 0, err
-    v = visit(page, "#test", width=1000, height=900)
+    v = visit(page, "#test", width=800, height=900)
     assert_healthy(v)
     (_, title_top, _, title_height), (_, legend_top, _, legend_height) = v.geometry["title"], v.geometry["legend"]
     assert legend_height > 40, "the legend is one row: this page no longer checks a wrapped one"
@@ -759,3 +760,4 @@ def test_a_legend_wrapped_into_rows_stays_under_the_title(tmp_path):
     assert legend_top + legend_height <= v.geometry["plot"][1] + 1
     title_left, _, title_width, _ = v.geometry["title"]
     assert title_left + title_width <= v.geometry["modebar"][0], (v.geometry["title"], v.geometry["modebar"])
+    assert title_height > 45, "the title is two lines or fewer: this page no longer checks its figures wrapping"

@@ -734,20 +734,33 @@ _TIMELINE_JS = r"""
   function fmt(v, digits) {
     return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
   }
-  // Each trace's line of the title: its figures, then in grey its shape, on a line of its own where the two do
-  // not fit in `width` px beside the mode bar (a long shape at 1000 px ran under it and off the page).
+  // Each trace's lines of the title: its figures, then in grey its shape, wrapped between figures where a line
+  // would run under the mode bar, `width` px less MODEBAR_PX (a long shape at 1000 px ran under it and off the
+  // page; at 800 px the figures alone did).
   function viewTitle(built, width) {
     const context = document.createElement("canvas").getContext("2d");
-    const textPx = (text, px) => { context.font = px + "px " + FONT_FAMILY; return context.measureText(text).width; };
+    const textPx = (text, px, weight = "") => {
+      context.font = weight + " " + px + "px " + FONT_FAMILY;
+      return context.measureText(text).width;
+    };
+    const room = width - MODEBAR_PX;
     return built.members.map(T => {
       const s = T.summary, m = T.meta;
-      const head = T.label + ": makespan " + fmt(s.makespan_ms, 2) + " ms, bubble " +
-        fmt(100 * s.bubble_fraction, 1) + "%, " + fmt(s.time_per_minibatch_ms, 3) + " ms/step, peak " +
-        mib(s.peak_memory_mb);
+      const figures = ["makespan " + fmt(s.makespan_ms, 2) + " ms", "bubble " + fmt(100 * s.bubble_fraction, 1) + "%",
+                       fmt(s.time_per_minibatch_ms, 3) + " ms/step", "peak " + mib(s.peak_memory_mb)];
+      const lines = [{html: "<b>" + esc(T.label) + "</b>: " + esc(figures[0]),
+                      px: textPx(T.label, TITLE_PX, "bold") + textPx(": " + figures[0], TITLE_PX)}];
+      const add = (html, px, joined, joinedPx, ending = "") => {
+        const line = lines[lines.length - 1];
+        if (line.px + joinedPx <= room) Object.assign(line, {html: line.html + joined, px: line.px + joinedPx});
+        else { line.html += ending; lines.push({html, px}); }
+      };
+      figures.slice(1).forEach(text => add(esc(text), textPx(text, TITLE_PX), esc(", " + text),
+                                           textPx(", " + text, TITLE_PX), ","));
       const shape = "(" + m.shape + ", " + T.n.toLocaleString("en-US") + " ops, " + m.source + ")";
-      const apart = textPx(head + " ", TITLE_PX) + textPx(shape, SHAPE_PX) > width - MODEBAR_PX;
-      return "<b>" + esc(T.label) + "</b>" + esc(head.slice(T.label.length)) + (apart ? "<br>" : " ") +
-        "<span style='font-size:" + SHAPE_PX + "px;color:#666'>" + esc(shape) + "</span>";
+      const grey = "<span style='font-size:" + SHAPE_PX + "px;color:#666'>" + esc(shape) + "</span>";
+      add(grey, textPx(shape, SHAPE_PX), " " + grey, textPx(" ", TITLE_PX) + textPx(shape, SHAPE_PX));
+      return lines.map(line => line.html).join("<br>");
     }).join("<br>");
   }
   function mib(v) { return v === null ? "n/a (not recorded)" : fmt(v, 0) + " MiB"; }  // unknown is not 0
