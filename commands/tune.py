@@ -38,6 +38,7 @@ from .common import (
     allocator_fields,
     check_allocator,
     check_memory_gb,
+    check_method_options,
     check_p2p_sync,
     fail,
     given_precision,
@@ -179,6 +180,7 @@ def tune(
         unknown = [name for name in schedule if name not in METHODS]
         if unknown:
             raise InputError(unknown_names("--schedule", unknown, METHODS))
+        check_method_options(ctx, schedule or METHODS, ("--search-seconds",))  # as simulate and sweep refuse it
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         check_memory_gb(memory_gb)
         check_p2p_sync(ctx, schedule or METHODS)

@@ -729,17 +729,25 @@ def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
     assert shlex.split(" ".join(line.removesuffix(" \\") for line in lines)) == shlex.split(command)
 
 
-@pytest.mark.parametrize(("method", "carried"), [("auto", True), ("1f1b", False)])
-def test_the_simulate_command_carries_autos_search_budget_where_auto_is_chosen(method, carried):
+def test_the_simulate_command_carries_autos_search_budget_where_auto_is_chosen():
     """--search-seconds is auto's budget, which shapes the order it finds: the printed command gives it where the
-    choice is auto (simulate would search with its default), and not beside another method (simulate refuses it)."""
-    code, out, err = pipesim("tune", "--profile", GPT, "-D", 8, "--memory-gb", 0.3, "-s", method, "--search-seconds",
+    choice is auto (simulate would search with its default)."""
+    code, out, err = pipesim("tune", "--profile", GPT, "-D", 8, "--memory-gb", 0.3, "-s", "auto", "--search-seconds",
                              0.05, "--json")
     assert code == 0, err
     command = json.loads(out)["simulate_command"]
-    assert ("--search-seconds 0.05" in command) == carried, command
+    assert "--search-seconds 0.05" in command, command
     code, _, err = pipesim(*shlex.split(command)[1:], "--json")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("methods", [["1f1b"], ["1f1b", "zb-h1"]])
+def test_autos_search_budget_without_auto_is_refused_as_simulate_refuses_it(methods):
+    """`tune -s 1f1b --search-seconds 5` searched without a word of the budget it dropped (it was left out of the
+    printed command), where `simulate -s 1f1b --search-seconds 5` refuses it."""
+    code, out, err = pipesim("tune", "--profile", GPT, "-D", 8, "--memory-gb", 0.3, "-s", ",".join(methods),
+                             "--search-seconds", 5)
+    assert (code, out, err) == (2, "", f"error: --search-seconds applies to auto only, not {', '.join(methods)}\n")
 
 
 def test_every_tune_flag_is_passed_on_to_simulate_as_it_parses_there_or_left_out_as_tunes_own():
