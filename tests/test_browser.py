@@ -197,6 +197,7 @@ class Visit:
     status: str
     body: dict[str, str]            # the page's data-* attributes on <body>
     geometry: dict[str, Any] | None  # where the timeline's lanes are on the page
+    summary: dict[str, Any] | None  # where the summary chart's titles and figures are
     screenshot: np.ndarray          # height x width x 3, uint8
     seconds: float
     requests: list[str] = field(default_factory=list)  # URLs the page asked for, other than itself and data:
@@ -219,7 +220,8 @@ def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000,
             time.sleep(settle)
             status = browser.evaluate("document.body.dataset.status")
         body = browser.evaluate("document.body ? Object.assign({}, document.body.dataset) : {}") or {}
-        geometry = browser.evaluate("(d => d && d.dataset.geometry)(document.getElementById('timeline'))")
+        geometry, summary = (browser.evaluate(f"(d => d && d.dataset.geometry)(document.getElementById('{name}'))")
+                             for name in ("timeline", "summary"))
         # The viewport only: capturing beyond it resizes the page, which redraws every plot (slow in software).
         shot = browser.call("Page.captureScreenshot", session=True, format="png")
         requests, problems = [], []
@@ -234,7 +236,7 @@ def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000,
                 problems.append("log: " + params["entry"]["text"])
             elif method == "Runtime.consoleAPICalled" and params["type"] == "error":
                 problems.append("console: " + json.dumps(params["args"])[:500])
-        return Visit(status, body, json.loads(geometry) if geometry else None,
+        return Visit(status, body, json.loads(geometry) if geometry else None, json.loads(summary) if summary else None,
                      decode_png(base64.b64decode(shot["data"])), seconds, requests, problems)
 
 
@@ -363,6 +365,22 @@ def test_built_in_example_renders_every_schedule(example_page):
     # The summary chart heads the page: its bars (SVG) are above the timeline.
     top = round(v.geometry["plot"][1])
     assert kind_pixels(v.screenshot[:top - 100], (0x4C, 0x78, 0xA8)).sum() > 200, "no summary chart at the top"
+
+
+@needs_chromium
+def test_the_summary_charts_titles_and_figures_keep_to_their_panels_at_800_px(example_page):
+    """At 800 px the built-in example's 16 names leave each of the summary chart's four panels 130 px: the titles
+    wrap within their panels (one ran into the next title, the last off the page), and a figure too wide for its
+    bar stands past the bar's end (ZB-V's "7.3%" bubble, kept inside shrunk and then drawn larger, ran left over
+    the axis)."""
+    v = visit(example_page, width=800, height=700)
+    assert_healthy(v)
+    titles, right = v.summary["titles"], v.summary["right"]
+    assert len(titles) == 4
+    for (_, end), (start, _) in zip(titles, [*titles[1:], (right, right)]):
+        assert end <= start, titles
+    for panel in v.summary["figures"]:
+        assert panel["left"] >= panel["axis_left"] - 0.5, v.summary["figures"]
 
 
 @needs_chromium

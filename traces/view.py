@@ -269,6 +269,7 @@ SUMMARY_SHOWN, SUMMARY_OTHER = "#4c78a8", "#bccbe0"  # the selected view's trace
 # The bars' figures, level and of one size in every panel: plotly's defaults turned a figure that fits a bar
 # better on end ("45" MiB on 16 bars) and wrote one outside a short bar larger than those inside.
 SUMMARY_TEXT_PX = 10
+SUMMARY_NOTE_PX, SUMMARY_LINE_PX = 10, 14  # a panel title's note under it, and the height each line of a title takes
 
 
 def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Sequence[Summary],
@@ -276,7 +277,8 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
     """The chart that heads a page of several traces (Plotly's figure JSON, which the page draws): a horizontal bar
     per trace in each panel of `_SUMMARY_PANELS`, the traces `shown` (the first view's) highlighted. Time per
     mini-batch says how many samples each mini-batch holds, and its title warns where they differ: a larger
-    mini-batch takes longer."""
+    mini-batch takes longer. `titles` are the panels' titles and notes as text: the page wraps a title wider than
+    its panel."""
     samples = [t.meta.samples_per_minibatch for t in traces]
     data = []
     for j, (title, field, text_of) in enumerate(_SUMMARY_PANELS):
@@ -289,11 +291,12 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
                      "xaxis": "x" + (str(j + 1) if j else ""), "yaxis": "y", "showlegend": False, "name": title,
                      "marker": {"color": [SUMMARY_SHOWN if k in shown else SUMMARY_OTHER for k in range(len(labels))]},
                      "hovertemplate": "%{y}: %{customdata}<extra>" + title + "</extra>"})
-    titles = [f"<b>{html.escape(title)}</b>" for title, _, _ in _SUMMARY_PANELS]
-    note_px = 0
+    notes = ["" for _ in _SUMMARY_PANELS]
     if len(set(samples)) > 1:  # on a line of its own: beside the title it ran over the next panel's at 1000 px
-        titles[1] += "<br><span style='font-size:10px'>mini-batches differ in size</span>"
-        note_px = 14
+        notes[1] = "mini-batches differ in size"
+    titles = [f"<b>{html.escape(title)}</b>" + (f"<br><span style='font-size:{SUMMARY_NOTE_PX}px'>{note}</span>"
+                                                if note else "") for (title, _, _), note in zip(_SUMMARY_PANELS, notes)]
+    note_px = SUMMARY_LINE_PX if any(notes) else 0
     width = 1 / len(_SUMMARY_PANELS)
     layout: dict[str, Any] = {
         "height": 80 + note_px + 20 * len(labels),
@@ -309,7 +312,8 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
         layout["xaxis" + (str(j + 1) if j else "")] = {
             "domain": [j * width, (j + 1) * width - 0.04], "anchor": "y", "gridcolor": "#ececec", "zeroline": False,
             "rangemode": "tozero", "fixedrange": True, **({"tickformat": ".0%"} if field == "bubble_fraction" else {})}
-    return {"data": data, "layout": layout, "colors": [SUMMARY_SHOWN, SUMMARY_OTHER]}
+    return {"data": data, "layout": layout, "colors": [SUMMARY_SHOWN, SUMMARY_OTHER],
+            "titles": [{"title": title, "note": note} for (title, _, _), note in zip(_SUMMARY_PANELS, notes)]}
 
 
 def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: Sequence[str] | None = None,
@@ -518,6 +522,11 @@ _TIMELINE_JS = r"""
   const FONT_FAMILY = "'Open Sans', verdana, arial, sans-serif", TITLE_PX = 14, SHAPE_PX = 12, MODEBAR_PX = 260;
   const STREAM_NAMES = ["", " send", " recv", " network"], NS = STREAM_NAMES.length;
   const LIMIT_COLOR = "#c0392b";  // the dashed line at a device's memory capacity
+  // The summary chart's titles: bold 12 px, their notes and each line's height as the chart's layout has them,
+  // and at least this gap to the next panel's title.
+  const SUMMARY_TITLE_PX = 12, SUMMARY_NOTE_PX = """ + str(SUMMARY_NOTE_PX) + """, SUMMARY_LINE_PX = """ + str(
+      SUMMARY_LINE_PX) + r""", SUMMARY_TITLE_GAP_PX = 8;
+  const BAR_TEXT_PAD_PX = 3;  // plotly's space between a bar's end and its figure
   const gd = document.getElementById("timeline");
   const tip = document.getElementById("tip");
   const CONFIG = {displaylogo: false, scrollZoom: true, responsive: true};
@@ -731,6 +740,21 @@ _TIMELINE_JS = r"""
   }
 
   // ---- the figure ---------------------------------------------------------------------------------------
+  const measure = document.createElement("canvas").getContext("2d");
+  function textPx(text, px, weight = "") {
+    measure.font = weight + " " + px + "px " + FONT_FAMILY;
+    return measure.measureText(text).width;
+  }
+  // `text`'s lines no wider than `room` px, broken between words (a word wider than `room` has a line of its own).
+  function wrapWords(text, px, room, weight = "") {
+    const lines = [];
+    text.split(" ").forEach(word => {
+      const last = lines.length - 1;
+      if (last >= 0 && textPx(lines[last] + " " + word, px, weight) <= room) lines[last] += " " + word;
+      else lines.push(word);
+    });
+    return lines;
+  }
   function fmt(v, digits) {
     return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
   }
@@ -738,11 +762,6 @@ _TIMELINE_JS = r"""
   // would run under the mode bar, `width` px less MODEBAR_PX (a long shape at 1000 px ran under it and off the
   // page; at 800 px the figures alone did).
   function viewTitle(built, width) {
-    const context = document.createElement("canvas").getContext("2d");
-    const textPx = (text, px, weight = "") => {
-      context.font = weight + " " + px + "px " + FONT_FAMILY;
-      return context.measureText(text).width;
-    };
     const room = width - MODEBAR_PX;
     return built.members.map(T => {
       const s = T.summary, m = T.meta;
@@ -1089,11 +1108,52 @@ _TIMELINE_JS = r"""
     const alone = DATA.views.findIndex(v => v.traces.length === 1 && v.traces[0] === k);
     return alone >= 0 ? alone : DATA.views.findIndex(v => v.traces.includes(k));
   }
+  // Each panel's title wrapped to its panel's width, the top margin grown by the lines added (at 800 px with
+  // the built-in example's names, "samples/s (more is better)" ran into the next panel's title and the last
+  // panel's ran off the page).
+  function fitSummaryTitles(layout) {
+    const {titles} = DATA.summary, margin = layout.margin;
+    const room = (summaryDiv.clientWidth - margin.l - margin.r) / titles.length - SUMMARY_TITLE_GAP_PX;
+    const lines = titles.map(({title, note}) => [wrapWords(title, SUMMARY_TITLE_PX, room, "bold"),
+                                                  note ? wrapWords(note, SUMMARY_NOTE_PX, room) : []]);
+    const count = ([title, note]) => title.length + note.length;
+    const grown = SUMMARY_LINE_PX * (Math.max(...lines.map(count)) - Math.max(...titles.map(t => (t.note ? 2 : 1))));
+    const annotations = layout.annotations.map((a, j) => Object.assign({}, a, {
+      text: "<b>" + lines[j][0].map(esc).join("<br>") + "</b>" + lines[j][1].map(line =>
+        "<br><span style='font-size:" + SUMMARY_NOTE_PX + "px'>" + esc(line) + "</span>").join("")}));
+    return Object.assign({}, layout, {annotations, height: layout.height + grown,
+                                      margin: Object.assign({}, margin, {t: margin.t + grown})});
+  }
+  // Each figure inside its bar where it fits there unshrunk, at the chart's font size, else just past the bar's
+  // end: plotly's "auto" keeps a figure inside a bar it fits only shrunk, which uniformtext then draws larger all
+  // the same, running left over the bar's start and the axis ("7.3%" on ZB-V's bubble at 800 px).
+  async function placeBarTexts() {
+    const fl = summaryDiv._fullLayout, fontPx = DATA.summary.layout.font.size;
+    const positions = summaryDiv.data.map(bars => {
+      const axis = fl[bars.xaxis.replace("x", "xaxis")], pxPerUnit = axis._length / (axis.range[1] - axis.range[0]);
+      return bars.x.map((value, k) => (value !== null &&
+        value * pxPerUnit >= textPx(bars.text[k], fontPx) + 2 * BAR_TEXT_PAD_PX ? "inside" : "outside"));
+    });
+    await Plotly.restyle(summaryDiv, {textposition: positions}, [...positions.keys()]);
+  }
   async function drawSummary() {
     if (!DATA.summary) return;
-    await Plotly.newPlot(summaryDiv, DATA.summary.data, DATA.summary.layout,
+    await Plotly.newPlot(summaryDiv, DATA.summary.data, fitSummaryTitles(DATA.summary.layout),
                          {displaylogo: false, responsive: true, displayModeBar: false});
+    await placeBarTexts();
     summaryDiv.on("plotly_click", ev => { if (ev.points.length) select(viewOf(ev.points[0].pointIndex)); });
+    recordSummary();
+  }
+  // Where the panels' titles and the bars' figures are (tests/test_browser.py checks them apart): each title's
+  // left and right, each panel's axis start and its figures' leftmost edge, and the chart's right.
+  function recordSummary() {
+    const fl = summaryDiv._fullLayout, box = summaryDiv.getBoundingClientRect();
+    const span = element => { const r = element.getBoundingClientRect(); return [r.left, r.right]; };
+    summaryDiv.dataset.geometry = JSON.stringify({
+      right: box.right, titles: [...summaryDiv.querySelectorAll(".annotation")].map(span),
+      figures: [...summaryDiv.querySelectorAll(".barlayer .trace")].map((trace, j) => ({
+        axis_left: box.left + fl[summaryDiv.data[j].xaxis.replace("x", "xaxis")]._offset,
+        left: Math.min(...[...trace.querySelectorAll("text")].map(text => span(text)[0]))}))});
   }
   DATA.views.forEach((v, i) => {
     const b = document.createElement("button");
