@@ -231,6 +231,18 @@ def test_summary_bars_write_samples_per_s_as_the_tables_do(trace):
     assert bars["text"] == bars["customdata"] == ["0.18", "0.18", "0.23"]
 
 
+def test_a_small_runs_peak_memory_keeps_three_significant_digits_on_the_page(trace):
+    """A measured CPU run peaks at 14.11 and 10.39 MiB, which the page's bars and title read "14" and "10" beside
+    compare's table's 14.1 and 10.4; from 100 MiB up, whole MiB."""
+    from pipesim.traces.view import summary_figure
+
+    summaries = [dataclasses.replace(summarize(trace), peak_memory_mb=mib) for mib in (14.11, 10.39, 0.5, 1552.4)]
+    bars = summary_figure([trace] * 4, ["a", "b", "c", "d"], summaries, [0])["data"][3]
+    assert bars["text"] == ["14.1", "10.4", "0.50", "1,552"]
+    page = _page_data(timeline_page([trace], summaries=summaries[:1]))
+    assert page["traces"][0]["summary"]["peak_memory_text"] == "14.1"
+
+
 def test_summary_bars_write_their_figures_level_and_of_one_size(trace):
     """Sixteen methods' peaks of 45 MiB stood on end in plotly's default (textangle "auto": a figure that fits a
     thin bar better turned), and a short bar's figure, written outside it, was larger than those inside: every

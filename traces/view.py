@@ -208,7 +208,8 @@ def trace_data(trace: Trace, label: str | None = None, summary: Summary | None =
         "n": len(ops),
         "columns": {name: encode_column(getattr(ops, name)) for name in _OP_COLUMNS},
         "memory": memory,
-        "summary": {k: getattr(summary, k) for k in _SUMMARY_FIELDS},
+        "summary": {**{k: getattr(summary, k) for k in _SUMMARY_FIELDS},
+                    "peak_memory_text": None if summary.peak_memory_mb is None else mib_text(summary.peak_memory_mb)},
         "meta": {"source": meta.source, "schedule": meta.schedule, "microbatches": meta.microbatches,
                  "minibatches": meta.minibatches, "pipelines": meta.pipelines,
                  "stages": int(ops.stage.max()) + 1 if len(ops) else 0, "shape": shape_text(trace)},
@@ -259,12 +260,19 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
     return out
 
 
+def mib_text(mib: float) -> str:
+    """MiB as the page writes them: whole from 100 up, else to three significant digits (at most two decimals): a
+    measured CPU run's 14.11 MiB peak read "14 MiB" on the page, beside compare's 14.1 and run's 14.11."""
+    decimals = 0 if not 0 < mib < 100 else min(2, 2 - math.floor(math.log10(mib)))
+    return f"{mib:,.{decimals}f}"
+
+
 # The summary chart's panels: (title, Summary field, bar text); samples/s first, the one measure that a mini-batch
 # of another size (AvgPipe's P pipelines, d replicas) does not distort, written as the commands' tables write it.
 _SUMMARY_PANELS = (("samples/s (more is better)", "samples_per_s", rate_text),
                    ("time per mini-batch (ms)", "time_per_minibatch_ms", "{:,.2f}".format),
                    ("bubble", "bubble_fraction", "{:.1%}".format),
-                   ("peak memory per device (MiB)", "peak_memory_mb", "{:,.0f}".format))
+                   ("peak memory per device (MiB)", "peak_memory_mb", mib_text))
 SUMMARY_SHOWN, SUMMARY_OTHER = "#4c78a8", "#bccbe0"  # the selected view's traces' bars, and the others'
 # The bars' figures, level and of one size in every panel: plotly's defaults turned a figure that fits a bar
 # better on end ("45" MiB on 16 bars) and wrote one outside a short bar larger than those inside.
@@ -766,7 +774,7 @@ _TIMELINE_JS = r"""
     return built.members.map(T => {
       const s = T.summary, m = T.meta;
       const figures = ["makespan " + fmt(s.makespan_ms, 2) + " ms", "bubble " + fmt(100 * s.bubble_fraction, 1) + "%",
-                       fmt(s.time_per_minibatch_ms, 3) + " ms/step", "peak " + mib(s.peak_memory_mb)];
+                       fmt(s.time_per_minibatch_ms, 3) + " ms/step", "peak " + mib(s.peak_memory_text)];
       const lines = [{html: "<b>" + esc(T.label) + "</b>: " + esc(figures[0]),
                       px: textPx(T.label, TITLE_PX, "bold") + textPx(": " + figures[0], TITLE_PX)}];
       const add = (html, px, joined, joinedPx, ending = "") => {
@@ -782,7 +790,7 @@ _TIMELINE_JS = r"""
       return lines.map(line => line.html).join("<br>");
     }).join("<br>");
   }
-  function mib(v) { return v === null ? "n/a (not recorded)" : fmt(v, 0) + " MiB"; }  // unknown is not 0
+  function mib(text) { return text === null ? "n/a (not recorded)" : text + " MiB"; }  // unknown is not 0
   function esc(s) { return String(s).replace(/[&<>"']/g, ch => "&#" + ch.charCodeAt(0) + ";"); }
 
   // A dashed line across the panel at the most each device may hold, labelled under it (above, plotly's clip
