@@ -112,6 +112,20 @@ overlap kept delay_wgrad_compute off, which pipesim's pair does not model, the c
 (Qwen3-30B-A3B, gpt-oss-120b) routed naturally, by an imbalance not published, and the all-to-all run gives no
 layout: all listed with why (`CARDS_NOT_EXPRESSIBLE`).
 
+NeMo AutoModel's H100 pre-training table (benchmarks/published/nemo-automodel-moe-h100.csv: its PyTorch backend,
+FSDP2 with expert parallelism, BF16) runs its Qwen3-30B-A3B row as qwen3_moe_30b_te_deepep.yaml at 8d9bfb90e, the
+commit that published its 21.773 s, ran it with nemo_automodel/components/moe there: `--zero 2` (FSDP2 over the 8
+ranks, each block's weights gathered once a step and kept: reshard_after_forward False, fsdp_mixin.py's
+reshard_after_backward and requires_gradient_sync False until the last micro-batch; the yaml spells the switch
+enable_fsdp_optimization, which BackendConfig would refuse, and the published step moved from 22.14 to 21.773 s
+hours after 2c236e081 added these optimizations, so they are taken as on), `--precision nemo-bf16-adam`
+(bfloat16 weights, torch Adam's moments in their dtype, no master copy), `--recompute full` (every block checkpointed,
+activation_checkpointing), `--grad-accumulation separate` (autograd's adds), TransformerEngine's attention, linears
+and RMSNorm, RoPE in torch ops (`--rope-kernel eager`), the experts' grouped_gemm (`--expert-gemm grouped`), DeepEP
+with FakeBalancedGate's even spread (`--routing balanced`, no auxiliary loss) and torch's cross entropy in bfloat16
+(`--cross-entropy torch`); what the command prices otherwise is printed with the rows (`AUTOMODEL_NOT_MODELLED`). Its
+other rows are listed with why (`AUTOMODEL_NOT_EXPRESSIBLE`; DeepSeek-V3's, `AUTOMODEL_NOT_BUILT`, not yet built).
+
 Every source's run built its layers from TransformerEngine's modules (`--linear-kernel te`, planning/te.py; in
 BF16 it moves the rows whose attention's input projection has a bias, gpt-oss-120b's): Megatron-Bridge's
 summaries and cards through its GPT provider's default_layer_spec, transformer_engine_layer_spec (gpt_provider.py at
@@ -191,7 +205,8 @@ BRIDGE_AUX_LOSS = {"Qwen3_30B_a3B": "fused", "Qwen3_235B_a22B": "fused", "GPT OS
 # default (the recipes' None sets nothing), sets both to 1 (language_module.py _set_attention_backend); the Model Zoo's
 # Qwen3-235B-A22B.yaml at b0b92ff sets neither, nor --attention-backend (its --use-flash-attn reaches only
 # Megatron-LM's legacy model, megatron/legacy/model/transformer.py at 1e057005); NeMo's scripts/performance/utils.py at
-# 7a8f1cc7bc, DGX Cloud's launcher, sets both to 1. Their TransformerEngine: 2.7 (25.09) to 2.16 (26.06), as
+# 7a8f1cc7bc, DGX Cloud's launcher, sets both to 1; NeMo AutoModel's Qwen3 config runs TransformerEngine's
+# DotProductAttention (backend attn "te") with neither set. Their TransformerEngine: 2.7 (25.09) to 2.16 (26.06), as
 # Megatron-Bridge's docs/releases/software-versions.md lists them; the Model Zoo's dockers/Dockerfile at b0b92ff builds
 # 07afda98 (2.6.0.dev0) with cuDNN 9.11.0.92; NeMo 25.04.01's is not in these sources, a release before NeMo
 # r2.3.0's 7a8f1cc7bc (2 June 2025), so 2.4 at the latest. The shapes: Qwen3's head dim 128 (its QK-norm runs before
@@ -356,6 +371,35 @@ CARDS_WITHOUT_LAYOUT = [
      "micro-batch or sequence"),
 ]
 
+AUTOMODEL = "nemo-automodel-moe-h100.csv"  # NeMo AutoModel's H100 pre-training table, README.md there too
+# AutoModel's model -> its examples/ config, for the rows run
+AUTOMODEL_PRESETS = {"Qwen3 MoE 30B": "qwen3-30b-a3b"}
+# AutoModel's model (or the prefix of its name) -> why its rows are not run
+AUTOMODEL_NOT_EXPRESSIBLE = {
+    "Nemotron V3": NOT_EXPRESSIBLE["Nemotron_3_Nano"],
+    "Kimi K2": "no config of Kimi K2 in examples/",
+    "GPT-OSS 20B": "no config of gpt-oss-20b in examples/",
+    "GPT-OSS 120B": "FlexAttention (its config's backend attn: flex, for the sinks: gptoss_120b_te_deepep.yaml at "
+                    "89e3a9fdd), which --attention-kernel does not price (flash2, cudnn, flash3)",
+}
+# AutoModel's model -> why its command is not built yet (published, expressible or not undecided)
+AUTOMODEL_NOT_BUILT = {
+    "DeepSeek V3 671B": "its command not built yet: torch.distributed.pipelining's interleaved 1F1B under FSDP2 "
+                        "over AutoPipeline's cut (layers_per_stage 2 at 256 GPUs, deepseek_v3_te_deepep.yaml at "
+                        "89e3a9fdd; the 1,024-GPU config, added at 8d9bfb90e, cuts 4 a stage, 16 stages or v 4 at "
+                        "p 4, where the table prints v 8): the stages as AutoPipeline splits the embedding, 61 layers "
+                        "and head not yet read",
+}
+# what the Qwen3 row's command prices differently from the run (qwen3_moe_30b_te_deepep.yaml at 8d9bfb90e and
+# nemo_automodel/components/moe at that commit: layers.py FakeBalancedGate and GroupedExpertsDeepEP's
+# moe_permute_fusion=True, parallelizer.py apply_fsdp's MixedPrecisionPolicy)
+AUTOMODEL_NOT_MODELLED = {
+    "Qwen3 MoE 30B": "FakeBalancedGate's experts by token index without the router's product (the count's router "
+                     "prices it), DeepEP's received indices made each local expert's map by the fused Triton kernel "
+                     "(where --token-dispatcher deepep prices Megatron-core's unfused 12), FSDP2's gradients "
+                     "reduce-scattered in float32 (reduce_dtype) where nemo-bf16-adam reduces 16 bits",
+}
+
 
 @dataclass(frozen=True)
 class MoeRun:
@@ -385,6 +429,11 @@ class MoeRun:
     mtp_layers: int = 0  # --mtp-layers: the run's multi-token-prediction depth
     reduce_after_flush: bool = False  # --reduce-after-flush: the recipe sets overlap_grad_reduce False
     router_aux_loss: str = "none"  # --router-aux-loss: how the run computes its load-balancing loss
+    zero: int = 1  # --zero: what the data-parallel ranks shard (Megatron-core's distributed optimizer: 1)
+    grad_accumulation: str = "fused"  # --grad-accumulation: inside the weight-gradient products, or autograd's adds
+    recompute: str = "none"  # --recompute: whole layers (full) where the run checkpoints each block
+    cross_entropy: str = "megatron"  # --cross-entropy: Megatron-core's, or torch's
+    expert_gemm: str = "per-expert"  # --expert-gemm: TEGroupedMLP's GEMM a local expert, or one grouped kernel
 
     @property
     def data(self) -> int:
@@ -406,14 +455,15 @@ class MoeRun:
                 "--gpu", GPU,
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
                 "-p", str(self.pipeline), "-m", str(self.global_batch // (self.data * self.microbatch_size)),
-                "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", "1",
-                "--precision", self.precision, "--grad-accumulation", "fused", "--recompute", "none",
+                "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", str(self.zero),
+                "--precision", self.precision, "--grad-accumulation", self.grad_accumulation,
+                "--recompute", self.recompute,
                 *(["--recompute-modules", ",".join(self.recompute_modules)] if self.recompute_modules else []),
                 *(["--mtp-layers", str(self.mtp_layers)] if self.mtp_layers else []),
                 *schedule, "--stage-cut", cut,
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
-                "--cross-entropy", "megatron", "--norm-kernel", "fused", "--rope-kernel", self.rope_kernel,
-                "--expert-gemm", "per-expert", "--routing", self.routing,
+                "--cross-entropy", self.cross_entropy, "--norm-kernel", "fused", "--rope-kernel", self.rope_kernel,
+                "--expert-gemm", self.expert_gemm, "--routing", self.routing,
                 *(["--capacity-factor", f"{self.capacity_factor:g}"] if self.capacity_factor is not None else []),
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else []),
@@ -552,12 +602,47 @@ def card_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     return expressible, left_out
 
 
+def _automodel_reason(model: str, table: dict[str, str]) -> str | None:
+    """Why an AutoModel row is not run, from `table` keyed by its model's name or a prefix of it; None if none."""
+    return next((why for key, why in table.items() if model.startswith(key)), None)
+
+
+def automodel_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
+    """NeMo AutoModel's H100 rows (the module docstring), each with its published tokens/s per GPU, and those not run,
+    each named with why (`AUTOMODEL_NOT_EXPRESSIBLE`, then `AUTOMODEL_NOT_BUILT`)."""
+    expressible, left_out = [], []
+    for row in _rows(AUTOMODEL):
+        t, p, gpus, batch, b, seq = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "gpus",
+                                                           "global_batch", "microbatch_size", "seq_len"))
+        chunks = 1 if row["virtual_pipeline"] == "-" else int(row["virtual_pipeline"])
+        e = row["expert_parallel"]
+        name = f"AutoModel {row['model']} {gpus} GPUs t{t} p{p} v{chunks} E{e}"
+        why = (_automodel_reason(row["model"], AUTOMODEL_NOT_EXPRESSIBLE)
+               or _automodel_reason(row["model"], AUTOMODEL_NOT_BUILT))
+        if why:
+            left_out.append((name, why))
+            continue
+        # FSDP2 over the t·C·d ranks with the experts sharded E ways; each block's weights gathered once a step and
+        # kept (reshard_after_forward False, and fsdp_mixin.py's reshard_after_backward and requires_gradient_sync
+        # False until the last micro-batch): ZeRO-2's timing; bfloat16 weights and torch Adam's bfloat16 moments, no
+        # master copy; every block checkpointed whole (activation_checkpointing); torch's autograd accumulating the
+        # gradients; TransformerEngine's attention, linears and RMSNorm; RoPE in torch ops (_apply_rotary_emb);
+        # the experts' grouped_gemm (ops.gmm, one kernel); DeepEP with FakeBalancedGate's even spread; the loss
+        # torch's cross entropy in bfloat16 (MaskedCrossEntropy, fp32_upcast false)
+        run = MoeRun(name, AUTOMODEL_PRESETS[row["model"]], gpus, batch, b, seq, t, p, chunks, int(e), "deepep", 1,
+                     False, None, "balanced", None, source=AUTOMODEL, precision="nemo-bf16-adam", rope_kernel="eager",
+                     zero=2, grad_accumulation="separate", recompute="full", cross_entropy="torch",
+                     expert_gemm="grouped")
+        expressible.append((run, float(row["tokens_per_s_per_gpu"])))
+    return expressible, left_out
+
+
 def runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     """Every source's rows as runs, each with its published tokens/s per GPU, and the rows pipesim cannot express,
     each named with why."""
-    (bridge, bridge_left), (zoo, zoo_left), (dgxc, dgxc_left), (cards, cards_left) = (
-        bridge_runs(), modelzoo_runs(), dgxc_runs(), card_runs())
-    return bridge + zoo + dgxc + cards, bridge_left + zoo_left + dgxc_left + cards_left
+    (bridge, bridge_left), (zoo, zoo_left), (dgxc, dgxc_left), (cards, cards_left), (auto, auto_left) = (
+        bridge_runs(), modelzoo_runs(), dgxc_runs(), card_runs(), automodel_runs())
+    return bridge + zoo + dgxc + cards + auto, bridge_left + zoo_left + dgxc_left + cards_left + auto_left
 
 
 def step_parts(result: dict) -> dict[str, float | int]:
@@ -605,7 +690,7 @@ def main() -> None:
     print_table(table)
     write_json(args.json, {"gpu": GPU, "rows": compared})
     print(f"|error|: {summary(compared)}")
-    for source in (SOURCE, MODELZOO, DGXC, CARDS):
+    for source in (SOURCE, MODELZOO, DGXC, CARDS, AUTOMODEL):
         print(f"  {source}: {summary([r for r in compared if r['source'] == source])}")
     print("\nNot expressible:")
     for name, why in runs()[1]:
@@ -613,6 +698,9 @@ def main() -> None:
     print("\nRun without what their recipe sets and pipesim does not model:")
     for model, what in RECIPE_NOT_MODELLED.items():
         print(f"{model}: {what}")
+    print("\nRun with what their run does otherwise:")
+    for model, what in AUTOMODEL_NOT_MODELLED.items():
+        print(f"AutoModel {model}: {what}")
     print("\nRun as their release's recipe ran them, not as printed:")
     for (container, model), (_, why) in RELEASE_LAYOUTS.items():
         print(f"{container} {model}: {why}")

@@ -157,8 +157,8 @@ def test_every_sources_row_runs_cudnns_fused_attention():
     """TransformerEngine prefers cuDNN's fused attention to FlashAttention on Hopper wherever both are enabled and
     cuDNN takes the shape (published_moe.py `ATTENTION_KERNEL`): every source's rows ran it, the Model Zoo's with no
     --attention-backend (Megatron-core's auto), DeepSeek-V3's because MLA's unequal head dims (q and k 192, v 128)
-    leave FlashAttention out, gpt-oss's because its sinks do."""
-    assert len({row["source"] for row in EVERY_RECORDED}) == 4
+    leave FlashAttention out, gpt-oss's because its sinks do, NeMo AutoModel's through its backend's attn "te"."""
+    assert len({row["source"] for row in EVERY_RECORDED}) == 5
     for row in EVERY_RECORDED:
         assert _flag(shlex.split(row["command"]), "--attention-kernel") == "cudnn", row["run"]
 
@@ -166,7 +166,8 @@ def test_every_sources_row_runs_cudnns_fused_attention():
 def test_every_sources_row_runs_transformer_engines_linear_layers():
     """Every source's run built Megatron-core's layers from TransformerEngine's modules (published_moe.py's
     docstring): each row's command says so (`--linear-kernel te`, planning/te.py), so gpt-oss-120b's BF16 rows take
-    their attention input projection's bias gradient from its weight-gradient product, no sum of its own."""
-    assert len({row["source"] for row in EVERY_RECORDED}) == 4
+    their attention input projection's bias gradient from its weight-gradient product, no sum of its own; NeMo
+    AutoModel's through its backend's linear "te"."""
+    assert len({row["source"] for row in EVERY_RECORDED}) == 5
     for row in EVERY_RECORDED:
         assert _flag(shlex.split(row["command"]), "--linear-kernel") == "te", row["run"]

@@ -1,0 +1,64 @@
+"""NeMo AutoModel's H100 pre-training table (benchmarks/published/nemo-automodel-moe-h100.csv, run by
+benchmarks/published_moe.py `automodel_runs` and recorded in benchmarks/published_moe.json): the CSV holds the
+table as printed, its Qwen3-30B-A3B row is recorded with FSDP2's layout and the config's settings (its command
+reproduces it: tests/test_published_moe.py), and the other rows are listed with why."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = "nemo-automodel-moe-h100.csv"
+PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
+RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
+            if row["source"] == SOURCE]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_the_csv_holds_the_tables_rows_and_their_arithmetic():
+    """docs/performance-summary.mdx at 36044ad3d: nine MoE rows; each GBS is GPUs / (t·p) x local batch x GA and
+    each tokens/s per GPU GBS x sequence over the step and GPUs (to the table's rounding)."""
+    assert len(PUBLISHED) == 9
+    for row in PUBLISHED:
+        gpus, t, p, batch, local, ga, seq = (int(row[k]) for k in ("gpus", "tensor_parallel", "pipeline_parallel",
+                                                                   "global_batch", "local_batch_size",
+                                                                   "gradient_accumulation", "seq_len"))
+        assert batch == gpus // (t * p) * local * ga
+        assert float(row["tokens_per_s_per_gpu"]) == pytest.approx(
+            batch * seq / (float(row["step_time_s"]) * gpus), rel=2e-3)
+
+
+def test_the_qwen3_row_runs_fsdp2_with_expert_parallelism_as_its_config_sets_it():
+    """qwen3_moe_30b_te_deepep.yaml at 8d9bfb90e: 8 GPUs, EP 8, local batch 4, GA 16, every block checkpointed,
+    DeepEP with FakeBalancedGate, the experts' grouped_gemm, torch's cross entropy and autograd's accumulation."""
+    (row,) = RECORDED
+    args = shlex.split(row["command"])
+    assert (_flag(args, "--data-parallel"), _flag(args, "--expert-parallel"), _flag(args, "-b"), _flag(args, "-m"),
+            _flag(args, "-p")) == ("8", "8", "4", "16", "1")
+    assert (_flag(args, "--zero"), _flag(args, "--precision"), _flag(args, "--recompute"),
+            _flag(args, "--grad-accumulation")) == ("2", "nemo-bf16-adam", "full", "separate")
+    assert (_flag(args, "--token-dispatcher"), _flag(args, "--routing"), _flag(args, "--expert-gemm"),
+            _flag(args, "--cross-entropy"), _flag(args, "--rope-kernel")) == ("deepep", "balanced", "grouped",
+                                                                              "torch", "eager")
+    assert row["published_tokens_per_s_per_gpu"] == 12040.0
+
+
+def test_the_other_rows_are_listed_with_why(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from published_moe import automodel_runs
+
+    expressible, left_out = automodel_runs()
+    assert [run.name for run, _ in expressible] == [row["run"] for row in RECORDED]
+    reasons = dict(left_out)
+    assert len(left_out) == 8 and len(reasons) == 8
+    assert "Mamba" in reasons["AutoModel Nemotron V3 Nano 30B (26.02) 8 GPUs t1 p1 v1 E8"]
+    assert "FlexAttention" in reasons["AutoModel GPT-OSS 120B 64 GPUs t1 p1 v1 E-"]
+    assert "not built yet" in reasons["AutoModel DeepSeek V3 671B 256 GPUs t1 p4 v8 E64"]
