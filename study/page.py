@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from ..traces.view import write_html
+from ..traces.view import log_ticks, write_html
 from .results import ArmSummary
 
 _PALETTE = qualitative.D3 + qualitative.Set2
@@ -112,7 +112,9 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
                                showarrow=False, bgcolor="rgba(255,255,255,0.85)", bordercolor="#c0392b",
                                font={"size": 11, "color": "#c0392b"})
         fig.update_xaxes(title_text="samples trained on", row=1, col=col)
-        fig.update_yaxes(type="log", range=y_range, row=1, col=col,
+        ticks = log_ticks(y_range)
+        fig.update_yaxes(type="log", range=y_range, tickvals=ticks or None,
+                         ticktext=[f"{tick:g}" for tick in ticks] or None, row=1, col=col,
                          title_text="training loss (running mean)" if col == 1 else None)
     fig.update_layout(height=480, margin={"t": 40, "b": 50, "l": 70, "r": 20}, legend={"title": "method"})
     return fig

@@ -66,6 +66,8 @@ def test_the_loss_panels_each_have_a_labelled_log_axis_clipped_to_the_runs_that_
         assert axis.type == "log" and axis.showticklabels is not False and axis.matches is None
         low, high = axis.range
         assert math.log10(0.2) < low < high < math.log10(3)  # the falling curves' span, not 1e16
+        # each label a whole number, 1, 2 and 5 of a decade: plotly's own read "1, 9, 8, ..., 2" down the axis
+        assert [float(text) for text in axis.ticktext] == list(axis.tickvals) == [0.5, 1, 2]
     # every arm is in the legend, also one that drew no curve under the first optimizer; a diverged one says so
     legend = {t.legendgroup: t.name for t in fig.data if t.showlegend is not False}
     assert legend == {"gpipe": "gpipe (diverged: momentum 1 of 2)",

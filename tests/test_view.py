@@ -3,6 +3,7 @@ is checked in a real browser by tests/test_browser.py."""
 
 import dataclasses
 import json
+import math
 import re
 
 import numpy as np
@@ -253,6 +254,18 @@ def test_summary_bars_write_their_figures_level_and_of_one_size(trace):
     chart = summary_figure([trace] * 16, [f"m{k}" for k in range(16)], summaries, [0])
     assert [bars["textangle"] for bars in chart["data"]] == [0] * 4
     assert chart["layout"]["uniformtext"] == {"mode": "show", "minsize": SUMMARY_TEXT_PX}
+
+
+@pytest.mark.parametrize("low, high, ticks", [
+    (0.07, 3, [0.1, 0.2, 0.5, 1, 2]),  # 1, 2 and 5 of each decade
+    (0.25, 3, [0.5, 1, 2]),
+    (1.9, 4.5, [2, 3, 4]),  # 1, 2 and 5 leave one: every digit
+    (2.1, 2.9, []),  # none: plotly's own ticks
+])
+def test_log_ticks_label_whole_numbers(low, high, ticks):
+    from pipesim.traces.view import log_ticks
+
+    assert log_ticks([math.log10(low), math.log10(high)]) == ticks
 
 
 def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readable():

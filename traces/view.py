@@ -386,6 +386,20 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     )
 
 
+def log_ticks(span: Sequence[float]) -> list[float]:
+    """A log axis's labelled ticks over `span` (log10 units): 1, 2 and 5 of each decade, or each of 1 to 9 where
+    that leaves fewer than three; none (plotly's own, then) where even those leave fewer than two, as within 2.1 to
+    2.9. Plotly's own label every minor tick of a longer span with its digit alone (under "1", "9 8 7 6 5 4 3 2"
+    for 0.9 down to 0.2, then "0.1")."""
+    ticks: list[float] = []
+    for factors in ((1, 2, 5), range(1, 10)):
+        ticks = [float(f"{f}e{e}") for e in range(math.floor(span[0]), math.ceil(span[1]) + 1) for f in factors
+                 if span[0] <= math.log10(f) + e <= span[1]]
+        if len(ticks) >= 3:
+            break
+    return ticks if len(ticks) >= 2 else []
+
+
 def error_figure(comparison: Comparison) -> go.Figure:
     """Per-op duration error by kind (median and p90 of |predicted − measured| / measured), in the kinds' colours, on
     a log axis: one kind's error can be a hundred times another's (a receive that waits 1,500 % longer than
@@ -405,7 +419,7 @@ def error_figure(comparison: Comparison) -> go.Figure:
     drawn = [y for bar in bars for y in bar.y if y is not None]
     # From the decade under the smallest bar (a log axis has no zero to start bars from) to above the largest.
     span = [math.floor(math.log10(min(drawn))), math.log10(max(drawn)) + 0.2] if drawn else [0, 2]
-    ticks = [f * 10.0 ** e for e in range(span[0], math.ceil(span[1]) + 1) for f in (1, 2, 5)]
+    ticks = log_ticks(span)
     fig = go.Figure(bars)
     fig.update_layout(barmode="group", height=340, margin=dict(l=60, r=20, t=40, b=40), showlegend=False,
                       yaxis=dict(type="log", range=span, title="|duration error| (%, log scale)", tickvals=ticks,
