@@ -60,7 +60,6 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
     fig = make_subplots(rows=1, cols=len(optimizers), horizontal_spacing=0.07,
                         subplot_titles=[f"{o} (lr {next(s.lr for s in summaries if s.optimizer == o):g})"
                                         for o in optimizers])
-    in_legend: set[str] = set()
     for col, optimizer in enumerate(optimizers, start=1):
         panel = [s for s in summaries if s.optimizer == optimizer and s.runs]
         curves = {}
@@ -89,22 +88,20 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
             if shown.any():
                 fig.add_trace(go.Scatter(
                     x=samples[shown], y=mean[shown], mode="lines", name=names[s.arm.label], legendgroup=s.arm.label,
-                    showlegend=s.arm.label not in in_legend, line={"color": colour, "dash": dash, "width": 2},
+                    showlegend=False, line={"color": colour, "dash": dash, "width": 2},
                     hovertemplate=f"{s.arm.label} ({optimizer}{note})<br>%{{x:,}} samples<br>loss %{{y:.4f}}"
                                   "<extra></extra>"), row=1, col=col)
-                in_legend.add(s.arm.label)
             left = [_left_range(samples, c, 10 ** y_range[1]) for r, c in zip(s.runs, smooth) if r.diverged]
             left = [point for point in left if point is not None]
             if left:
                 fig.add_trace(go.Scatter(
                     x=[x for x, _ in left], y=[10 ** (y_range[1] - 0.02 * (y_range[1] - y_range[0]))] * len(left),
-                    mode="markers", name=names[s.arm.label], legendgroup=s.arm.label,
-                    showlegend=s.arm.label not in in_legend, cliponaxis=False,
+                    mode="markers", name=names[s.arm.label], legendgroup=s.arm.label, showlegend=False,
+                    cliponaxis=False,
                     marker={"symbol": "x", "size": 13, "color": colour, "line": {"width": 1, "color": "white"}},
                     customdata=[loss for _, loss in left],
                     hovertemplate=f"{s.arm.label} ({optimizer}) diverged: its loss (running mean) left the plot "
                                   "at %{x:,} samples and ended at %{customdata:.3g}<extra></extra>"), row=1, col=col)
-                in_legend.add(s.arm.label)
         diverged = [f"{s.arm.label} {s.diverged}/{len(s.runs)}" for s in panel if s.diverged]
         if diverged:
             fig.add_annotation(text="diverged (seeds): " + ", ".join(diverged), xref="x domain", yref="y domain",
@@ -116,6 +113,14 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
         fig.update_yaxes(type="log", range=y_range, tickvals=ticks or None,
                          ticktext=[f"{tick:g}" for tick in ticks] or None, row=1, col=col,
                          title_text="training loss (running mean)" if col == 1 else None)
+    # Each arm in the legend once, in the arms' order, by its line where any panel draws one: XPipe, every momentum
+    # seed diverged, was listed by its momentum panel's ×, and its Adam line, drawn and named nowhere, read as no
+    # arm's.
+    for rank, label in enumerate(colours):
+        drawn = [t for t in fig.data if t.legendgroup == label and t.name is not None]
+        entry = next((t for t in drawn if t.mode == "lines"), drawn[0] if drawn else None)
+        if entry is not None:
+            entry.update(showlegend=True, legendrank=rank)
     fig.update_layout(height=480, margin={"t": 40, "b": 50, "l": 70, "r": 20}, legend={"title": "method"})
     return fig
 

@@ -79,6 +79,26 @@ def test_the_loss_panels_each_have_a_labelled_log_axis_clipped_to_the_runs_that_
     assert any("pipedream 1/1" in a.text for a in layout.annotations)
 
 
+def test_an_arm_whose_every_seed_diverged_under_one_optimizer_is_in_the_legend_by_its_line(tmp_path):
+    """XPipe's one momentum seed blew up (an × in that panel, no line) and its Adam seed trained: the legend names
+    it by its Adam line, where its × stood for it and the line was no arm's to the reader."""
+    from pipesim.study.page import loss_figure
+    from pipesim.study.results import recorded_arms, summarize
+
+    falling = [2.3 * 0.9 ** b for b in range(20)]
+    path = tmp_path / "one-blew-up.json"
+    StudyFile(format_version=1, setting=TINY.as_dict(),
+              runs=[_record("xpipe", "momentum", 0, [2.3 * 10 ** b for b in range(20)]),
+                    _record("xpipe", "adam", 0, falling)]).save(path)
+    saved = load_results(path)
+    arms, optimizers, seeds = recorded_arms(saved)
+    fig = loss_figure(summarize(saved, arms, optimizers, seeds), list(optimizers))
+    (entry,) = [t for t in fig.data if t.showlegend]
+    assert entry.mode == "lines" and entry.xaxis == "x2" and entry.name == "xpipe (diverged: momentum 1 of 1)"
+    assert [t.mode for t in fig.data if t.xaxis == "x"] == ["markers"]  # the × is still drawn
+    assert entry.legendrank == 0  # ranked as the arms run (by drawing order, one named by its Adam line came last)
+
+
 def test_accuracy_is_drawn_against_a_numeric_axis(blown_up):
     """Untimed, there is no throughput to place arms by: accuracy is the numeric axis and the arms are named
     down the side, rather than method names on a throughput axis."""
