@@ -176,8 +176,15 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
         fig.update_xaxes(title_text=f"held-out accuracy ({spread}; {marks})", tickformat=".0%")
         fig.update_yaxes(title_text="arm", autorange="reversed", type="category", categoryorder="array",
                          categoryarray=list(colours))
-    fig.update_layout(height=460 if timed else 120 + 28 * len(shown), margin={"t": 20, "b": 50, "l": 70, "r": 20},
-                      legend={"title": "method"}, showlegend=timed)
+    # An arm whose every seed diverged has no accuracy: named over the chart, where its marker went missing unsaid.
+    lost = [f"{s.arm.label} ({s.optimizer})" for s in summaries if s.runs and not s.heldout_accuracy.n]
+    if lost:
+        fig.add_annotation(text="no accuracy, every seed diverged: " + ", ".join(lost), xref="paper", yref="paper",
+                           x=0, y=1, xanchor="left", yanchor="bottom", yshift=4, showarrow=False,
+                           font={"size": 11, "color": "#c0392b"})
+    fig.update_layout(height=(460 if timed else 120 + 28 * len(shown)) + (20 if lost else 0),
+                      margin={"t": 40 if lost else 20, "b": 50, "l": 70, "r": 20}, legend={"title": "method"},
+                      showlegend=timed)
     return fig
 
 

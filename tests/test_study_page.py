@@ -112,6 +112,8 @@ def test_accuracy_is_drawn_against_a_numeric_axis(blown_up):
     assert untimed.layout.xaxis.tickformat == ".0%" and untimed.layout.yaxis.type == "category"
     # the marker key under the accuracy axis: along a few arms' height it was cut off
     assert untimed.layout.yaxis.title.text == "arm" and "circle: momentum" in untimed.layout.xaxis.title.text
+    # pipedream's one momentum seed diverged: its missing marker is named over the chart
+    assert [a.text for a in untimed.layout.annotations] == ["no accuracy, every seed diverged: pipedream (momentum)"]
     saved.timings = [TimingRecord(method=m, source=None, optimizer="adam", lr=0.002, seed=0, repeats=1,
                                   measured_samples_per_s=s, measured_spread=0, predicted_samples_per_s=2 * s, ranks=2)
                      for m, s in (("gpipe", 1500.0), ("pipedream", 1800.0))]
