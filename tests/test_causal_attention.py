@@ -7,10 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     ContextRing,
-    Device,
     Parallelism,
     _Split,
     curve_terms,
@@ -24,9 +22,9 @@ from pipesim.planning.estimate import (
 from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount
 from tests.conftest import needs_transformers
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
 
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16")
 HEADS, SEQ, HEAD = 32, 8192, 128
 FLOPS = 4 * HEADS * SEQ * SEQ * HEAD  # torch's count of the forward: the whole square
 

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     ContextRing,
-    Device,
     EstimateError,
     Parallelism,
     _Split,
@@ -28,9 +26,9 @@ from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount, WorkloadCount
 from pipesim.schedules import Kind, ScheduleParams
 from tests.conftest import pipesim
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
 
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16")
 S, B, H, HEADS = 256, 2, 192, 8  # tokens (b·s) differ from the width, as the split tells them apart
 
 

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import ContextRing, Parallelism, _Split, estimate_profile, placement_links
 from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.workload import OpCount, WorkloadCount
@@ -23,8 +22,7 @@ from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
 from pipesim.traces.trace import Stream
 from tests.conftest import simulate_json
-
-H100 = load_catalogue().find("h100-sxm")
+from tests.helpers import H100, H100_BF16
 
 
 def cp(method: str, stages: int = 2, microbatches: int = 2, chunks: int = 1, **params) -> Schedule:
@@ -138,16 +136,10 @@ def _closed_form_ms(counted: WorkloadCount, parallel: Parallelism, pass_name: st
                 mine = split.attention(op)
                 steps, after = ring.step_bytes(mine, 2)
                 total += op.count * (sum(max(ring.transfer_ms(nbytes) - block_ms, 0.0) for nbytes, block_ms
-                                         in zip(steps, ring.blocks_ms(mine, _device())) if nbytes)
+                                         in zip(steps, ring.blocks_ms(mine, H100_BF16)) if nbytes)
                                      + (ring.transfer_ms(after) if after else 0.0))
         exposed.append(total)
     return exposed
-
-
-def _device():
-    from pipesim.planning.estimate import Device
-
-    return Device.of(H100, "bf16")
 
 
 def _makespans(counted: WorkloadCount, parallel: Parallelism, rings: bool = True) -> tuple[float, float]:
@@ -243,7 +235,7 @@ def test_the_blocks_are_merged_by_transformer_engines_elementwise_passes_over_th
     backward's key/value copy and, each step, the key/value gradients joined and added (5 passes) and the query
     gradient added (3), and the statistics' second half copied; each pass a kernel at the memory's rate, the
     statistics' bytes left out."""
-    device = _device()
+    device = H100_BF16
     ring = ContextRing(2, placement_links(H100, Parallelism(context=2)).context)
     forward = replace(OpCount("_flash_attention_forward", "attention", (32, 4096, 4096, 128), 1, 1, 1), kv_group=4)
     backward = replace(forward, op="_flash_attention_backward")
@@ -260,7 +252,7 @@ def test_transformer_engines_ring_copies_the_value_and_no_half_its_unmasked_step
     the forward copies v (8,388,608 B read and written), one kernel; the halves its unmasked steps take are sbhd's
     contiguous slices (`q[1]`, `kv[0]`, `out[1]`, `dout[1]`), so neither pass copies them, at C = 2 or 4 (8 of 64
     heads, 1,024 queries: v 1,048,576 B). torch's rings copy nothing."""
-    device = _device()
+    device = H100_BF16
     overhead_ms, rate = H100.curve.kernel_overhead_ms, device.memory_bytes_per_ms
     link = placement_links(H100, Parallelism(context=2)).context
     forward = replace(OpCount("_flash_attention_forward", "attention", (32, 4096, 4096, 128), 1, 1, 1), kv_group=4)
@@ -282,13 +274,13 @@ def test_an_estimated_passs_attention_is_its_blocks_their_merges_and_copies(flas
     parallel = Parallelism(context=2, cp_rotate=rotate)
     links = placement_links(H100, parallel)
     layer = flash_gpt.layers[1]
-    whole = estimate_layer(layer, _device(), parallel, links.tensor, 2, links.context)
+    whole = estimate_layer(layer, H100_BF16, parallel, links.tensor, 2, links.context)
     ring = ContextRing(2, links.context, rotate)
-    added = {name: sum(op.count * getattr(ring, part)(_Split.of(layer, parallel).attention(op), _device(), 2)
+    added = {name: sum(op.count * getattr(ring, part)(_Split.of(layer, parallel).attention(op), H100_BF16, 2)
                        for op in layer.ops[name] if op.kind == "attention") for name in ("fwd", "bwd")}
     assert added["fwd"] > 0 and (added["bwd"] > 0) == (part == "merge_ms")  # the backward copies nothing
     monkeypatch.setattr(ContextRing, part, lambda ring, op, device, element_bytes: 0.0)
-    without = estimate_layer(layer, _device(), parallel, links.tensor, 2, links.context)
+    without = estimate_layer(layer, H100_BF16, parallel, links.tensor, 2, links.context)
     assert whole.fwd_ms - without.fwd_ms == pytest.approx(added["fwd"])
     assert whole.bwd_ms - without.bwd_ms == pytest.approx(added["bwd"])
 

@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     ContextRing,
     Device,
@@ -24,10 +23,10 @@ from pipesim.planning.estimate import (
 from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount
 from tests.conftest import pipesim, simulate_json
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
 from tests.test_tune_reserve import searched_settings
 
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16")
 SLOW = EstimateLink(kind="infiniband", latency_ms=0.01, bytes_per_ms=1e6)  # every transfer outlasts its block
 FORWARD = OpCount("_flash_attention_forward", "attention", (16, 64, 256, 32), 1, 1, 1)
 BACKWARD = OpCount("_flash_attention_backward", "attention", (16, 64, 256, 32), 1, 1, 1)

@@ -34,9 +34,8 @@ from pipesim.sim.costs import Costs, StageCosts
 from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
 from pipesim.workload.count import WorkloadCount, count_built
-
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16")
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
 
 
 def test_an_all_to_all_hides_only_under_the_node_beside_it():

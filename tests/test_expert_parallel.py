@@ -15,7 +15,6 @@ import torch
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
-    Device,
     Parallelism,
     estimate_layer,
     estimate_profile,
@@ -30,10 +29,10 @@ from pipesim.planning.experts import (
 )
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import pipesim, tune_rows
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
 
-H100 = load_catalogue().find("h100-sxm")
 PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
-DEVICE = Device.of(H100, "bf16")
 EXPERTS, TOP_K, S, H, FFN = 8, 2, 512, 256, 512
 GPT = dict(layers=4, width=H, heads=4, seq_len=S, vocab=1000, gated=True, experts=EXPERTS, top_k=TOP_K,
            expert_ffn=FFN)

@@ -10,9 +10,7 @@ from functools import cache
 import pytest
 import torch
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
-    Device,
     Parallelism,
     _Split,
     accumulated_in_products,
@@ -24,9 +22,8 @@ from pipesim.planning.estimate import (
 )
 from pipesim.profiles.workload import LayerCount, OpCount
 from pipesim.workload.count import WorkloadCount, count_built
-
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16")
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
 
 
 @cache

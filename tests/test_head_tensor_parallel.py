@@ -5,11 +5,10 @@ reduce-scatter under sequence parallelism), so it is held and reduced whole, ove
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
+from pipesim.planning.estimate import Parallelism, estimate_layer, placement_links
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
 
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16")
 B, S, W, V, E = 2, 64, 256, 192, 2  # micro-batch, sequence, width, vocabulary; bytes per bf16 element
 TOKENS, T = B * S, 4  # no dimension equals another: the vocabulary's share per rank, 48, is below the width
 

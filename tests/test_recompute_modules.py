@@ -11,9 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
-    Device,
     EstimateError,
     Parallelism,
     estimate_layer,
@@ -24,10 +22,10 @@ from pipesim.planning.estimate import (
 from pipesim.workload.count import WorkloadCount, count_built, count_model
 from pipesim.workload.models import Model
 from tests.conftest import needs_transformers, pipesim
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
 from tests.test_hf import write_config
 
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16")
 B, S, H = 2, 32, 64
 TOKENS = B * S
 

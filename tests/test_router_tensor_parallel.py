@@ -14,16 +14,15 @@ from dataclasses import replace
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning import estimate
-from pipesim.planning.estimate import Device, Parallelism, _Split, estimate_layer, estimate_profile, placement_links
+from pipesim.planning.estimate import Parallelism, _Split, estimate_layer, estimate_profile, placement_links
 from pipesim.profiles.workload import weighted_products
 from tests.conftest import needs_transformers
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
 
 torch = pytest.importorskip("torch")
 
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16")
 B, S, H, EXPERTS, TOP_K, E = 2, 32, 64, 6, 2, 2  # micro-batch, sequence, width, routed experts, top k, bf16 bytes
 TOKENS, T = B * S, 2
 ROUTER = (1, TOKENS, EXPERTS, H)  # its forward product: the tokens' scores, one per routed expert
