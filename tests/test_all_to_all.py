@@ -20,13 +20,13 @@ from pipesim.schedules import (
     validate,
 )
 from pipesim.schedules.analysis import overlapped_pairs
-from pipesim.schedules.table import KINDS
 from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.sim.cluster import Cluster
 from pipesim.sim.costs import Costs, StageCosts
 from pipesim.sim.engine import simulate
 from pipesim.traces.trace import Stream
 from tests.conftest import pipesim, simulate_json
+from tests.helpers import kind_stage_microbatch
 
 
 def ep(method: str, stages: int = 2, microbatches: int = 2, chunks: int = 1) -> Schedule:
@@ -67,8 +67,7 @@ def test_a_missing_all_to_all_is_an_incomplete_schedule():
 
 def test_a_forward_sends_its_output_after_its_all_to_alls_and_the_next_row_waits_for_them():
     lowered = lower(ep("1f1b"))
-    t = lowered.table
-    rows = [(str(KINDS[k]), int(s), int(m)) for k, s, m in zip(t.kind, t.stage, t.microbatch)]
+    rows = kind_stage_microbatch(lowered)
     first = rows.index(("A2A_F", 0, 0))
     assert rows[first - 1:first + 2] == [("F", 0, 0), ("A2A_F", 0, 0), ("SEND_F", 0, 0)]
     assert lowered.awaits[first + 1] == first  # the send waits for the combine

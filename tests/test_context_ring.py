@@ -14,7 +14,6 @@ from pipesim.planning.estimate import ContextRing, Parallelism, _Split, estimate
 from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.workload import OpCount, WorkloadCount
 from pipesim.schedules import Action, Kind, Schedule, ScheduleError, ScheduleParams, build_schedule, lower, validate
-from pipesim.schedules.table import KINDS
 from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.sim.cluster import Cluster, Link
 from pipesim.sim.costs import Costs, StageCosts
@@ -22,7 +21,7 @@ from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
 from pipesim.traces.trace import Stream
 from tests.conftest import simulate_json
-from tests.helpers import H100, H100_BF16
+from tests.helpers import H100, H100_BF16, kind_stage_microbatch
 
 
 def cp(method: str, stages: int = 2, microbatches: int = 2, chunks: int = 1, **params) -> Schedule:
@@ -62,8 +61,7 @@ def test_a_missing_ring_is_an_incomplete_schedule():
 
 def test_a_pass_sends_its_output_after_its_ring_and_the_next_row_waits_for_it():
     lowered = lower(cp("1f1b"))
-    t = lowered.table
-    rows = [(str(KINDS[k]), int(s), int(m)) for k, s, m in zip(t.kind, t.stage, t.microbatch)]
+    rows = kind_stage_microbatch(lowered)
     first = rows.index(("RING_F", 0, 0))
     assert rows[first - 1:first + 2] == [("F", 0, 0), ("RING_F", 0, 0), ("SEND_F", 0, 0)]
     assert lowered.awaits[first + 1] == first
