@@ -24,7 +24,7 @@ from rich.markup import escape
 
 from ..choices import choose_from
 from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes
-from ..units import MAX_BYTES, MAX_MS, MIB, memory_gib_refusal
+from ..units import MAX_BYTES, MAX_MS, MIB, count_text, memory_gib_refusal
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -1040,12 +1040,20 @@ def check_memory_gb(memory_gb: float | None) -> None:
 
 
 def check_threads(flag: str, threads: int) -> None:
-    """Torch threads per process, at most the cores this process may run on: more time the threads' own contention,
-    not the model, and torch took 10**12 as an overflow's traceback (calibrate) or a dead rank (run)."""
+    """Torch threads per process, at most the cores this process may run on. Torch takes more (10**12 overflowed: a
+    traceback in calibrate, a dead rank in run), but they take turns on the cores: a profile's T threads would be
+    timed at fewer cores' speed, their own contention, and say nothing of T threads on a host that has them. The
+    refusal says where the count comes from: a container's or taskset's CPU affinity may leave fewer than the host's."""
     from ..traces.hostload import usable_cpus
 
-    if threads > (cores := usable_cpus()):
-        raise InputError(f"{flag}: give 1 to {cores}, the cores this host lets pipesim use (got {threads:,})")
+    if threads <= (cores := usable_cpus()):
+        return
+    allowed = "1" if cores == 1 else f"1 to {cores:,}"
+    host_cores = os.cpu_count() or cores
+    usable = (f"{cores:,} of this host's {count_text(host_cores, 'core')} (its CPU affinity)" if host_cores > cores
+              else f"this host's {count_text(cores, 'core')}")
+    raise InputError(f"{flag}: give {allowed} (got {threads:,}): pipesim may run on {usable}, and more threads than "
+                     "cores take turns on them, timed at fewer cores' speed")
 
 
 def out_of_host_memory(exc: BaseException, model: str, microbatch_size: int) -> InputError | None:

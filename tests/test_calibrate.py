@@ -4,6 +4,7 @@ except the tests that skip without CUDA)."""
 import itertools
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -351,6 +352,24 @@ def test_bad_calibrate_input_is_one_line_exit_2_nothing_written(tmp_path, args, 
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
     assert list(tmp_path.iterdir()) == []  # no profile, no temporary file
+
+
+@pytest.mark.parametrize(("usable", "host", "line"), [
+    # it was "give 1 to 1, the cores this host lets pipesim use"
+    (1, 1, "give 1 (got 2): pipesim may run on this host's 1 core, "),
+    # a container's or taskset's share: the host's 64 cores are not what bounds it
+    (1, 64, "give 1 (got 2): pipesim may run on 1 of this host's 64 cores (its CPU affinity), "),
+    (4, 64, "give 1 to 4 (got 5): pipesim may run on 4 of this host's 64 cores (its CPU affinity), "),
+])
+def test_threads_past_the_usable_cores_say_how_many_are_allowed_and_why(tmp_path, monkeypatch, usable, host, line):
+    """More threads than cores take turns on them: the profile's T threads would be timed at fewer cores' speed."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(usable)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: host)
+    code, _, err = pipesim("calibrate", "--model", "mlp", "--threads", usable + 1, "--no-links", "--no-runtime",
+                           "--no-contention", "--out", tmp_path / "p.json")
+    assert (code, err) == (2, f"error: --threads: {line}and more threads than cores take turns on them, timed at "
+                              "fewer cores' speed\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _edited(mlp_profile, tmp_path, edit):
