@@ -159,6 +159,10 @@ def compare(
                     raise TraceError(f"MEASURED {measured}: {exc}") from None
             else:
                 predicted_trace = read_trace(predicted)
+                if (measured_trace.meta.source, predicted_trace.meta.source) == ("predicted", "measured"):
+                    # swapped, the run's error came out as its prediction's, inverted, and sign flipped
+                    raise InputError(f"MEASURED {measured} is a predicted trace and PREDICTED {predicted} a measured "
+                                     f"one: the run comes first: pipesim compare {predicted} {measured}")
         result = compare_traces(predicted_trace, measured_trace)
         if html is not None:
             from ..traces.view import error_figure, write_timeline_page
