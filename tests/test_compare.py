@@ -167,10 +167,12 @@ def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_
     assert code == 2 and "schedule 1f1b measured, gpipe predicted" in err
     # A run given second, its prediction first: refused, naming the order (it reported the run's time as predicted)
     run = Path(__file__).parent.parent / "traces" / "measured" / "fidelity-cpu2-day3-runs" / "1f1b.json"
-    code, out, err = pipesim("compare", predicted, run)
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 4, "-n", 8, "--trace", other).code == 0  # the run's shape
+    assert pipesim("compare", run, other).code == 0
+    code, out, err = pipesim("compare", other, run)
     assert code == 2 and not out and err.strip() == (
-        f"error: MEASURED {predicted} is a predicted trace and PREDICTED {run} a measured one: the run comes first: "
-        f"pipesim compare {run} {predicted}")
+        f"error: MEASURED {other} is a predicted trace and PREDICTED {run} a measured one: the run comes first: "
+        f"pipesim compare {run} {other}")
 
 
 def test_view_draws_several_traces_on_one_page_and_refuses_a_bad_file(tmp_path):
