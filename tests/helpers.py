@@ -1,15 +1,22 @@
-"""What several test modules build alike, built once here: the part they price on, and the lowered schedule's
-rows as they read them."""
+"""What several test modules build alike, built once here: the part they price on, a hand-written two-stage
+schedule, and the lowered schedule's rows as they read them."""
 
 from __future__ import annotations
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device
+from pipesim.schedules import SYNCHRONOUS, Schedule, StageGraph
 from pipesim.schedules.lowering import Lowered
 from pipesim.schedules.table import KINDS
 
 H100 = load_catalogue().find("h100-sxm")
 H100_BF16 = Device.of(H100, "bf16")
+
+
+def two_stage_schedule(device0: str, device1: str) -> Schedule:
+    """Stages 0 and 1 on devices 0 and 1, two micro-batches, synchronous: each device's order as text."""
+    orders = Schedule.orders_from_text(f"0: {device0}\n1: {device1}")
+    return Schedule("hand", StageGraph.chain(2), (0, 1), orders, SYNCHRONOUS, 2)
 
 
 def kind_stage_microbatch(lowered: Lowered) -> list[tuple[str, int, int]]:

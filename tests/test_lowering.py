@@ -20,19 +20,13 @@ from pipesim.schedules import (
 from pipesim.schedules.lowering import check_transfer_order, lower, preflight
 from pipesim.sim import Cluster, Costs, simulate
 from tests.conftest import build
+from tests.helpers import two_stage_schedule
 
 
 def refused(name, p, m):
     """The shapes the methods refuse, as their docs state them."""
     return {"zb-h2": m < 2 * p - 1, "dualpipev": m < 2 * p, "dualpipe": p % 2 or m % 2 or m < 2 * p,
             "interleaved-1f1b": m % p != 0, "graphpipe": p < 4, "pipedream-2bw": m < p - 1}.get(name, False)
-
-
-def two_stages(device0, device1, m=2):
-    """A hand-written 2-stage, 2-device schedule from each device's action text."""
-    orders = (tuple(map(Action.parse, device0.split())), tuple(map(Action.parse, device1.split())))
-    return Schedule("hand", StageGraph.chain(2), (0, 1), orders, METHODS["1f1b"].build(ScheduleParams(2, m)).policy,
-                    m)
 
 
 @settings(max_examples=40, deadline=None)
@@ -80,7 +74,7 @@ def test_rows_are_grouped_by_device_in_order():
 
 def test_crossing_transfers_are_refused_naming_both_ends():
     # Device 1 runs micro-batch 1's forward first, but device 0 sends micro-batch 0's activation first.
-    crossed = two_stages("0F0 0F1 0B1 0B0 0OPT", "1F1 1F0 1B1 1B0 1OPT")
+    crossed = two_stage_schedule("0F0 0F1 0B1 0B0 0OPT", "1F1 1F0 1B1 1B0 1OPT")
     preflight(crossed, dry_run=True)  # a valid order ...
     with pytest.raises(ScheduleError, match=r"device 0 sends 0SEND_F0>1 to device 1 when device 1 expects "
                                             r"1RECV_F1<0.*stage edge 0->1 \(activations\) crosses"):
@@ -89,7 +83,7 @@ def test_crossing_transfers_are_refused_naming_both_ends():
 
 def test_preflight_dry_run_finds_a_deadlock_across_devices():
     # 0B0 waits for 1B0, which comes after 1F1, which waits for 0F1, which comes after 0B0.
-    stuck = two_stages("0F0 0B0 0F1 0B1 0OPT", "1F1 1F0 1B0 1B1 1OPT")
+    stuck = two_stage_schedule("0F0 0B0 0F1 0B1 0OPT", "1F1 1F0 1B0 1B1 1OPT")
     preflight(stuck)  # each device's own order is fine: the simulator finds the stall when it runs
     with pytest.raises(ScheduleError, match=r"device 0: 0B0 can never start.*device 1: 1F1 can never start"):
         preflight(stuck, dry_run=True)
@@ -99,12 +93,12 @@ def test_preflight_dry_run_finds_a_deadlock_across_devices():
 
 def test_preflight_refuses_an_incomplete_schedule():
     with pytest.raises(ScheduleError, match=r"1B1: needs one B"):
-        preflight(two_stages("0F0 0F1 0B0 0B1 0OPT", "1F0 1F1 1B0 1OPT"))
+        preflight(two_stage_schedule("0F0 0F1 0B0 0B1 0OPT", "1F0 1F1 1B0 1OPT"))
 
 
 def test_a_field_beyond_a_columns_32_bits_is_refused_naming_it():
     with pytest.raises(ScheduleError, match="microbatch 2147483648"):
-        preflight(two_stages("0F0 0F2147483648 0B0 0OPT", "1F0 1B0 1OPT"))
+        preflight(two_stage_schedule("0F0 0F2147483648 0B0 0OPT", "1F0 1B0 1OPT"))
 
 
 def test_a_schedule_whose_transfer_ids_pass_32_bits_is_refused():

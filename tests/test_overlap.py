@@ -6,13 +6,11 @@ import numpy as np
 import pytest
 
 from pipesim.schedules import (
-    SYNCHRONOUS,
     Action,
     Kind,
     Schedule,
     ScheduleError,
     ScheduleParams,
-    StageGraph,
     build_schedule,
     check_complete,
     find_deadlock,
@@ -23,11 +21,7 @@ from pipesim.sim import Cluster, CostError, Costs, simulate
 from pipesim.traces import read_trace, write_trace
 from pipesim.traces.trace import Stream
 from tests.conftest import pipesim, simulate_json
-
-
-def two_stage(text: str) -> Schedule:
-    """Stages 0 and 1 on devices 0 and 1, two micro-batches, orders as text."""
-    return Schedule("hand", StageGraph.chain(2), (0, 1), Schedule.orders_from_text(text), SYNCHRONOUS, 2)
+from tests.helpers import two_stage_schedule
 
 
 def test_a_pair_is_written_as_torch_writes_it_and_read_back():
@@ -53,16 +47,16 @@ def test_a_pair_is_a_forward_then_a_full_backward_of_another_micro_batch(token):
 
 
 def test_a_part_without_its_partner_next_to_it_is_refused():
-    schedule = two_stage("0: 0F0&1 0F1 0B0 0B1 0OPT\n1: 1F0 1B0 1F1 1B1 1OPT")
+    schedule = two_stage_schedule("0F0&1 0F1 0B0 0B1 0OPT", "1F0 1B0 1F1 1B1 1OPT")
     with pytest.raises(ScheduleError, match="0F0&1 on device 0 .* its other part is not next to it"):
         check_complete(schedule)
 
 
 def test_a_pair_starts_only_once_both_parts_can():
     """Run in turn, 0F1 would feed 1F1, then 1B0 would feed 0B0; as a pair, 0F1 waits for 0B0's input."""
-    in_turn = two_stage("0: 0F0 0F1 0B0 0B1 0OPT\n1: 1F0 1F1 1B0 1B1 1OPT")
+    in_turn = two_stage_schedule("0F0 0F1 0B0 0B1 0OPT", "1F0 1F1 1B0 1B1 1OPT")
     assert find_deadlock(in_turn) == {}
-    paired = two_stage("0: 0F0 (0F1;0B0)OVERLAP_F_B 0B1 0OPT\n1: 1F0 1F1 1B0 1B1 1OPT")
+    paired = two_stage_schedule("0F0 (0F1;0B0)OVERLAP_F_B 0B1 0OPT", "1F0 1F1 1B0 1B1 1OPT")
     stuck = find_deadlock(paired)
     assert str(stuck[0][0]) == "0F1&0" and stuck[1][0] == Action(Kind.F, 1, 1)
 
