@@ -387,15 +387,16 @@ def simulate(
         document = {"results": results, "skipped": [{"schedule": name, "reason": reason}
                                                     for name, reason in skipped.items()]}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
-    elif memory_view:
-        _print_memory_table(summaries, built, memory, skipped)
     else:
-        _print_table(summaries, built, steady, example, skipped, memory,
-                     _cost_basis(scenario, built, tensors_alone_text(scenario.measured, what))
-                     + _overlap_text(built, pairs, fb_hidden_fraction)
-                     + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names}),
-                     [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
-        for path in [*trace_paths, *([html] if html else [])]:
+        if memory_view:
+            _print_memory_table(summaries, built, memory, skipped)
+        else:
+            _print_table(summaries, built, steady, example, skipped, memory,
+                         _cost_basis(scenario, built, tensors_alone_text(scenario.measured, what))
+                         + _overlap_text(built, pairs, fb_hidden_fraction)
+                         + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names}),
+                         [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
+        for path in [*trace_paths, *([html] if html else [])]:  # --memory's too: it wrote them without a word
             stdout.print(f"wrote {path}", highlight=False)
     _warn(skipped, summaries, memory)
 

@@ -227,6 +227,14 @@ def test_the_memory_view_fits_100_columns_with_every_part_whole(monkeypatch):
     assert code == 2 and err.startswith("error: --memory is a table; --json gives")
 
 
+def test_the_memory_view_says_what_it_wrote(tmp_path):
+    """`--memory --html` wrote the page without a word, where the plain table says "wrote PATH"."""
+    page, trace = tmp_path / "m.html", tmp_path / "m.json"
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "--memory", "--html", page, "--trace", trace)
+    assert code == 0, err
+    assert out.splitlines()[-2:] == [f"wrote {trace}", f"wrote {page}"] and page.is_file() and trace.is_file()
+
+
 def test_sweep_holds_the_precision_it_is_given(tmp_path):
     """Each 1F1B stage of 2 holds half of 100 MiB of 16-bit weights: megatron adds their float32 gradients' second
     half (50 MiB) and Adam's float32 moments and master copy beyond fp32's moments (200 MiB): 250 MiB more."""
