@@ -326,17 +326,18 @@ def cast_ops(products: tuple[OpCount, ...], roles: tuple[str, ...], recipe: Fp8R
         shapes = {"input": (m, k), "weight": (n, k), "grad": (m, n)}
         norm_fed = min(product.count, norm_left[product.shape])
         norm_left[product.shape] -= norm_fed
+        fused = product.routed and recipe.fuses_split_casts  # every local expert's split in one kernel
         for role in roles:
             held = batch // expert_ranks if role == "weight" and product.routed else batch
+            rows, cols = shapes[role]
+            elements = held * rows * cols  # a call's: its batch of tensors
             normed = norm_fed if role == "input" else 0
             for kernels, calls in ((recipe.kernels, product.count - normed), (recipe.norm_cast_kernels or (), normed)):
                 if not calls:
                     continue
-                elements = held * shapes[role][0] * shapes[role][1]
-                if product.routed and recipe.fuses_split_casts:  # every local expert's split in one kernel
-                    elements, calls = elements * calls, 1
+                kernel_elements, calls = (elements * calls, 1) if fused else (elements, calls)
                 ops += [OpCount(f"fp8_{kernel}_{role}", "memory", shapes[role], 0,
-                                elements * (reads * element_bytes + writes * FP8_BYTES), calls)
+                                kernel_elements * (reads * element_bytes + writes * FP8_BYTES), calls)
                         for kernel, reads, writes in kernels]
     return tuple(ops)
 
