@@ -244,6 +244,24 @@ def test_a_small_runs_peak_memory_keeps_three_significant_digits_on_the_page(tra
     assert page["traces"][0]["summary"]["peak_memory_text"] == "14.1"
 
 
+def test_a_peak_out_of_memory_says_so_on_its_bar(trace):
+    """DeepSeek-V3's ZB-V peaks at 117,205 MiB on 80 GiB H100s: its bar, the longest, read as plain as DualPipeV's
+    that fits; it says OOM, as the table's memory column does, and its hover says out of memory."""
+    from pipesim.traces.view import summary_figure
+
+    @dataclasses.dataclass
+    class Check:
+        room_bytes: float | None
+        memory: str | None = None
+        out_of_memory: bool = False
+
+    checks = [[Check(80 * 2**30)] * 4, [Check(80 * 2**30), Check(80 * 2**30, out_of_memory=True)] * 2, None]
+    summaries = [dataclasses.replace(summarize(trace), peak_memory_mb=mib) for mib in (68980.2, 117205.1, 12.0)]
+    bars = summary_figure([trace] * 3, ["dualpipev", "zb-v", "1f1b"], summaries, [0], checks)["data"][3]
+    assert bars["text"] == ["68,980", "117,205 OOM", "12.0"]
+    assert bars["customdata"] == ["68,980 MiB", "117,205 MiB, out of memory", "12.0 MiB"]
+
+
 def test_summary_bars_write_their_figures_level_and_of_one_size(trace):
     """Sixteen methods' peaks of 45 MiB stood on end in plotly's default (textangle "auto": a figure that fits a
     thin bar better turned), and a short bar's figure, written outside it, was larger than those inside: every

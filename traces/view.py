@@ -39,13 +39,17 @@ from .trace import STREAMS, Trace, TraceMeta, write_atomic
 
 class MemoryCheck(Protocol):
     """What the page reads of a device's memory check (sim/cluster.py's, which traces/ may not import): the most the
-    device alone may hold, and the shared GPU whose memory it draws on (None: its own)."""
+    device alone may hold, the shared GPU whose memory it draws on (None: its own), and whether it is out of
+    memory, as the table's fits / OOM says."""
 
     @property
     def room_bytes(self) -> float | None: ...
 
     @property
     def memory(self) -> str | None: ...
+
+    @property
+    def out_of_memory(self) -> bool: ...
 
 
 # Fixed per kind, so the same kind looks the same in every figure and comparisons read at a glance.
@@ -281,19 +285,27 @@ SUMMARY_NOTE_PX, SUMMARY_LINE_PX = 10, 14  # a panel title's note under it, and 
 
 
 def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Sequence[Summary],
-                   shown: Sequence[int]) -> dict[str, Any]:
+                   shown: Sequence[int],
+                   memory_checks: Sequence[Sequence[MemoryCheck] | None] | None = None) -> dict[str, Any]:
     """The chart that heads a page of several traces (Plotly's figure JSON, which the page draws): a horizontal bar
     per trace in each panel of `_SUMMARY_PANELS`, the traces `shown` (the first view's) highlighted. Time per
     mini-batch says how many samples each mini-batch holds, and its title warns where they differ: a larger
-    mini-batch takes longer. `titles` are the panels' titles and notes as text: the page wraps a title wider than
-    its panel."""
+    mini-batch takes longer. A trace out of memory on a device of its `memory_checks` (per trace, as
+    `timeline_page` takes them) has "OOM" after its peak, as the table's memory column says: ZB-V's DeepSeek-V3
+    peak led the panel unmarked, the fastest bar beside it. `titles` are the panels' titles and notes as text: the
+    page wraps a title wider than its panel."""
     samples = [t.meta.samples_per_minibatch for t in traces]
+    over = [any(check.out_of_memory for check in checks or ()) for checks in memory_checks or [None] * len(traces)]
     data = []
     for j, (title, field, text_of) in enumerate(_SUMMARY_PANELS):
         values = [getattr(s, field) for s in summaries]
         texts = ["n/a" if v is None else text_of(v) for v in values]
-        hover = ([f"{text} ms per mini-batch of {n:,} samples" for text, n in zip(texts, samples)]
-                 if field == "time_per_minibatch_ms" else texts)
+        hover = texts
+        if field == "time_per_minibatch_ms":
+            hover = [f"{text} ms per mini-batch of {n:,} samples" for text, n in zip(texts, samples)]
+        elif field == "peak_memory_mb":
+            hover = [f"{text} MiB" + (", out of memory" if oom else "") for text, oom in zip(texts, over)]
+            texts = [text + (" OOM" if oom else "") for text, oom in zip(texts, over)]
         data.append({"type": "bar", "orientation": "h", "y": list(labels), "x": values, "text": texts,
                      "customdata": hover, "textposition": "auto", "textangle": 0, "cliponaxis": False,
                      "xaxis": "x" + (str(j + 1) if j else ""), "yaxis": "y", "showlegend": False, "name": title,
@@ -363,7 +375,7 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
         "notes": list(notes),
         "traces": [trace_data(t, label, s, check) for t, label, s, check in zip(traces, labels, summaries, checks)],
         "views": [{"name": name, "traces": list(members)} for name, members in views],
-        "summary": summary_figure(traces, labels, summaries, views[0][1]) if len(traces) > 1 else None,
+        "summary": summary_figure(traces, labels, summaries, views[0][1], checks) if len(traces) > 1 else None,
     }
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     from plotly.offline import get_plotlyjs
