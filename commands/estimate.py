@@ -289,10 +289,12 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
-    refuse(kernels_refusal(params.get("cross_entropy", "torch"), params.get("norm_kernel", "eager"),  # before the
-                           params.get("rope_kernel", "eager"), params.get("loss_parallel", False),  # count's torch
-                           _or_default(params, "router_aux_loss", "none")))
-    if params.get("loss_parallel") and params.get("tensor_parallel") == 1:  # torchtitan's at t > 1 only
+    # the count's kernels, read once: refused here, before the count's torch, and held by the WhatIf
+    cross_entropy, norm_kernel = params.get("cross_entropy", "torch"), params.get("norm_kernel", "eager")
+    rope_kernel, loss_parallel = params.get("rope_kernel", "eager"), params.get("loss_parallel", False)
+    router_aux_loss = _or_default(params, "router_aux_loss", "none")
+    refuse(kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel, router_aux_loss))
+    if loss_parallel and params.get("tensor_parallel") == 1:  # torchtitan's at t > 1 only
         raise InputError("--loss-parallel splits the logits by vocabulary over a tensor-parallel group (torchtitan's "
                          "with t > 1): give --tensor-parallel 2 or more")
     try:
@@ -330,11 +332,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("context_parallel", 1), zero >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"),
-                  _or_default(params, "rank_order", "pipesim"), params.get("loss_parallel", False),
+                  _or_default(params, "rank_order", "pipesim"), loss_parallel,
                   _or_default(params, "tp_runtime", "megatron"), _or_default(params, "cp_rotate", "alltoall"),
-                  swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=params.get("cross_entropy", "torch"),
-                  norm_kernel=params.get("norm_kernel", "eager"), rope_kernel=params.get("rope_kernel", "eager"),
-                  router_aux_loss=_or_default(params, "router_aux_loss", "none"),
+                  swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=cross_entropy,
+                  norm_kernel=norm_kernel, rope_kernel=rope_kernel, router_aux_loss=router_aux_loss,
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
                   fp8_param_gather=params.get("fp8_param_gather", False),
                   dispatcher_sms=params.get("dispatcher_sms"),
