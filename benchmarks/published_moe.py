@@ -123,8 +123,13 @@ hours after 2c236e081 added these optimizations, so they are taken as on), `--pr
 activation_checkpointing), `--grad-accumulation separate` (autograd's adds), TransformerEngine's attention, linears
 and RMSNorm, RoPE in torch ops (`--rope-kernel eager`), the experts' grouped_gemm (`--expert-gemm grouped`), DeepEP
 with FakeBalancedGate's even spread (`--routing balanced`, no auxiliary loss) and torch's cross entropy in bfloat16
-(`--cross-entropy torch`); what the command prices otherwise is printed with the rows (`AUTOMODEL_NOT_MODELLED`). Its
-other rows are listed with why (`AUTOMODEL_NOT_EXPRESSIBLE`; DeepSeek-V3's, `AUTOMODEL_NOT_BUILT`, not yet built).
+(`--cross-entropy torch`); what the commands price otherwise is printed with the rows (`AUTOMODEL_NOT_MODELLED`).
+Its 256-GPU DeepSeek-V3 row runs so as deepseek_v3_te_deepep.yaml at 89e3a9fdd (the table's commit) ran it under
+torch.distributed.pipelining: interleaved 1F1B over AutoPipeline's 32 stages (`autopipeline_stages`,
+`autopipeline_layout`: layers_per_stage 2, the embedding with the first and the head with the last; no MTP layer in
+AutoModel's model), `--pp-runtime torch`, and `--zero 3`, the pipeline stage keeping FSDP2's gathered weights to the
+step's last backward. The 1,024-GPU row prints v 8 where its config cuts 16 stages (v 4), and the rest are listed with
+why (`AUTOMODEL_NOT_EXPRESSIBLE`).
 
 Every source's run built its layers from TransformerEngine's modules (`--linear-kernel te`, planning/te.py; in
 BF16 it moves the rows whose attention's input projection has a bias, gpt-oss-120b's): Megatron-Bridge's
@@ -145,6 +150,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -373,7 +379,7 @@ CARDS_WITHOUT_LAYOUT = [
 
 AUTOMODEL = "nemo-automodel-moe-h100.csv"  # NeMo AutoModel's H100 pre-training table, README.md there too
 # AutoModel's model -> its examples/ config, for the rows run
-AUTOMODEL_PRESETS = {"Qwen3 MoE 30B": "qwen3-30b-a3b"}
+AUTOMODEL_PRESETS = {"Qwen3 MoE 30B": "qwen3-30b-a3b", "DeepSeek V3 671B": "deepseek-v3"}
 # AutoModel's model (or the prefix of its name) -> why its rows are not run
 AUTOMODEL_NOT_EXPRESSIBLE = {
     "Nemotron V3": NOT_EXPRESSIBLE["Nemotron_3_Nano"],
@@ -382,23 +388,34 @@ AUTOMODEL_NOT_EXPRESSIBLE = {
     "GPT-OSS 120B": "FlexAttention (its config's backend attn: flex, for the sinks: gptoss_120b_te_deepep.yaml at "
                     "89e3a9fdd), which --attention-kernel does not price (flash2, cudnn, flash3)",
 }
-# AutoModel's model -> why its command is not built yet (published, expressible or not undecided)
-AUTOMODEL_NOT_BUILT = {
-    "DeepSeek V3 671B": "its command not built yet: torch.distributed.pipelining's interleaved 1F1B under FSDP2 "
-                        "over AutoPipeline's cut (layers_per_stage 2 at 256 GPUs, deepseek_v3_te_deepep.yaml at "
-                        "89e3a9fdd; the 1,024-GPU config, added at 8d9bfb90e, cuts 4 a stage, 16 stages or v 4 at "
-                        "p 4, where the table prints v 8): the stages as AutoPipeline splits the embedding, 61 layers "
-                        "and head not yet read",
-}
-# what the Qwen3 row's command prices differently from the run (qwen3_moe_30b_te_deepep.yaml at 8d9bfb90e and
-# nemo_automodel/components/moe at that commit: layers.py FakeBalancedGate and GroupedExpertsDeepEP's
-# moe_permute_fusion=True, parallelizer.py apply_fsdp's MixedPrecisionPolicy)
+
+
+def autopipeline_stages(layers: int, layers_per_stage: int, pipeline: int) -> int:
+    """The model stages AutoPipeline cuts `layers` blocks into (nemo_automodel/components/distributed/pipelining/
+    functional.py `calculate_virtual_stages` at 89e3a9fdd): ⌈layers / layers_per_stage⌉ + 1, rounded down to a
+    multiple of p (the configs' round_virtual_stages_to_pp_multiple "down")."""
+    stages = math.ceil(layers / layers_per_stage) + 1
+    return stages - stages % pipeline
+
+
+def autopipeline_layout(layers: int, stages: int) -> str:
+    """--stage-cut as AutoPipeline splits the blocks (functional.py `generate_hf_model_fqn_per_model_part`):
+    layers // stages a stage, one more in each of the first layers % stages, the embedding with the first and the
+    final norm and head with the last."""
+    each, extra = divmod(layers, stages)
+    cut = "|".join("t" * (each + (i < extra)) for i in range(stages))
+    return f"layout:E{cut}L"
+
+
+# what the rows' commands price differently from the runs (the configs and nemo_automodel/components/moe at their
+# commits: layers.py FakeBalancedGate and GroupedExpertsDeepEP's moe_permute_fusion=True, parallelizer.py apply_fsdp's
+# MixedPrecisionPolicy)
 AUTOMODEL_NOT_MODELLED = {
-    "Qwen3 MoE 30B": "FakeBalancedGate's experts by token index without the router's product (the count's router "
-                     "prices it), DeepEP's received indices made each local expert's map by the fused Triton kernel "
-                     "(where --token-dispatcher deepep prices Megatron-core's unfused 12), FSDP2's gradients "
-                     "reduce-scattered in float32 (reduce_dtype) where nemo-bf16-adam reduces 16 bits",
-}
+    model: "FakeBalancedGate's experts by token index without the router's product (the count's router prices it), "
+           "DeepEP's received indices made each local expert's map by the fused Triton kernel (where "
+           "--token-dispatcher deepep prices Megatron-core's unfused 12), FSDP2's gradients reduce-scattered in "
+           "float32 (reduce_dtype) where nemo-bf16-adam reduces 16 bits"
+    for model in AUTOMODEL_PRESETS}
 
 
 @dataclass(frozen=True)
@@ -434,6 +451,7 @@ class MoeRun:
     recompute: str = "none"  # --recompute: whole layers (full) where the run checkpoints each block
     cross_entropy: str = "megatron"  # --cross-entropy: Megatron-core's, or torch's
     expert_gemm: str = "per-expert"  # --expert-gemm: TEGroupedMLP's GEMM a local expert, or one grouped kernel
+    pp_runtime: str | None = None  # --pp-runtime: torch where torch.distributed.pipelining runs the stages
 
     @property
     def data(self) -> int:
@@ -468,6 +486,7 @@ class MoeRun:
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else []),
                 *(["--reduce-after-flush"] if self.reduce_after_flush else []),
+                *(["--pp-runtime", self.pp_runtime] if self.pp_runtime else []),
                 *(["--router-aux-loss", self.router_aux_loss] if self.router_aux_loss != "none" else []),
                 *p2p_sync(schedule, self.pipeline)]
 
@@ -609,7 +628,7 @@ def _automodel_reason(model: str, table: dict[str, str]) -> str | None:
 
 def automodel_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     """NeMo AutoModel's H100 rows (the module docstring), each with its published tokens/s per GPU, and those not run,
-    each named with why (`AUTOMODEL_NOT_EXPRESSIBLE`, then `AUTOMODEL_NOT_BUILT`)."""
+    each named with why (`AUTOMODEL_NOT_EXPRESSIBLE`, or a pipeline cut its config does not give as printed)."""
     expressible, left_out = [], []
     for row in _rows(AUTOMODEL):
         t, p, gpus, batch, b, seq = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "gpus",
@@ -617,22 +636,38 @@ def automodel_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]
         chunks = 1 if row["virtual_pipeline"] == "-" else int(row["virtual_pipeline"])
         e = row["expert_parallel"]
         name = f"AutoModel {row['model']} {gpus} GPUs t{t} p{p} v{chunks} E{e}"
-        why = (_automodel_reason(row["model"], AUTOMODEL_NOT_EXPRESSIBLE)
-               or _automodel_reason(row["model"], AUTOMODEL_NOT_BUILT))
+        why = _automodel_reason(row["model"], AUTOMODEL_NOT_EXPRESSIBLE)
         if why:
             left_out.append((name, why))
             continue
-        # FSDP2 over the t·C·d ranks with the experts sharded E ways; each block's weights gathered once a step and
-        # kept (reshard_after_forward False, and fsdp_mixin.py's reshard_after_backward and requires_gradient_sync
-        # False until the last micro-batch): ZeRO-2's timing; bfloat16 weights and torch Adam's bfloat16 moments, no
-        # master copy; every block checkpointed whole (activation_checkpointing); torch's autograd accumulating the
-        # gradients; TransformerEngine's attention, linears and RMSNorm; RoPE in torch ops (_apply_rotary_emb);
-        # the experts' grouped_gemm (ops.gmm, one kernel); DeepEP with FakeBalancedGate's even spread; the loss
-        # torch's cross entropy in bfloat16 (MaskedCrossEntropy, fp32_upcast false)
-        run = MoeRun(name, AUTOMODEL_PRESETS[row["model"]], gpus, batch, b, seq, t, p, chunks, int(e), "deepep", 1,
-                     False, None, "balanced", None, source=AUTOMODEL, precision="nemo-bf16-adam", rope_kernel="eager",
-                     zero=2, grad_accumulation="separate", recompute="full", cross_entropy="torch",
-                     expert_gemm="grouped")
+        preset = AUTOMODEL_PRESETS[row["model"]]
+        pipelined: dict = {}
+        if p > 1:
+            blocks = json.loads((Path(EXAMPLES) / preset / "config.json").read_text())["num_hidden_layers"]
+            stages = autopipeline_stages(blocks, int(row["layers_per_stage"]), p)
+            if stages != p * chunks:
+                left_out.append((name, f"the table prints v {chunks} where its config ({row['config']}) cuts "
+                                       f"{stages} stages, v {stages // p} at p {p} (layers_per_stage "
+                                       f"{row['layers_per_stage']}: functional.py calculate_virtual_stages): which "
+                                       "cut ran is not known"))
+                continue
+            # torch.distributed.pipelining's stages keep FSDP2's weights gathered from a step's first forward to its
+            # last backward (stage.py `backward_maybe_with_nosync`: set_reshard_after_backward and
+            # set_requires_gradient_sync False until the last; reshard_after_forward False under pipelining,
+            # parallelizer.py): ZeRO-3 as pipesim holds it in a pipeline
+            pipelined = {"zero": 3, "pp_runtime": "torch", "stage_cut": autopipeline_layout(blocks, stages)}
+        # FSDP2 over the t·C·d ranks with the experts sharded E ways, bfloat16 weights and torch Adam's bfloat16
+        # moments, no master copy; without a pipeline each block's weights gathered once a step and kept
+        # (reshard_after_forward False, fsdp_mixin.py's reshard_after_backward and requires_gradient_sync False
+        # until the last micro-batch): ZeRO-2's timing; every block checkpointed whole (activation_checkpointing);
+        # torch's autograd accumulating the gradients; TransformerEngine's attention, linears and RMSNorm; RoPE in
+        # torch ops; the experts' grouped_gemm (ops.gmm, one kernel); DeepEP with FakeBalancedGate's even spread;
+        # the loss torch's cross entropy in bfloat16 (MaskedCrossEntropy, fp32_upcast false)
+        settings = {"zero": 2, **pipelined}
+        run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, int(e), "deepep", 1, False, None, "balanced",
+                     None, source=AUTOMODEL, precision="nemo-bf16-adam", rope_kernel="eager",
+                     grad_accumulation="separate", recompute="full", cross_entropy="torch", expert_gemm="grouped",
+                     **settings)
         expressible.append((run, float(row["tokens_per_s_per_gpu"])))
     return expressible, left_out
 

@@ -1,7 +1,7 @@
 """NeMo AutoModel's H100 pre-training table (benchmarks/published/nemo-automodel-moe-h100.csv, run by
 benchmarks/published_moe.py `automodel_runs` and recorded in benchmarks/published_moe.json): the CSV holds the
-table as printed, its Qwen3-30B-A3B row is recorded with FSDP2's layout and the config's settings (its command
-reproduces it: tests/test_published_moe.py), and the other rows are listed with why."""
+table as printed, its Qwen3-30B-A3B and 256-GPU DeepSeek-V3 rows are recorded with FSDP2's layout and their configs'
+settings (their commands reproduce them: tests/test_published_moe.py), and the other rows are listed with why."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_the_csv_holds_the_tables_rows_and_their_arithmetic():
 def test_the_qwen3_row_runs_fsdp2_with_expert_parallelism_as_its_config_sets_it():
     """qwen3_moe_30b_te_deepep.yaml at 8d9bfb90e: 8 GPUs, EP 8, local batch 4, GA 16, every block checkpointed,
     DeepEP with FakeBalancedGate, the experts' grouped_gemm, torch's cross entropy and autograd's accumulation."""
-    (row,) = RECORDED
+    (row,) = [row for row in RECORDED if row["run"].startswith("AutoModel Qwen3")]
     args = shlex.split(row["command"])
     assert (_flag(args, "--data-parallel"), _flag(args, "--expert-parallel"), _flag(args, "-b"), _flag(args, "-m"),
             _flag(args, "-p")) == ("8", "8", "4", "16", "1")
@@ -49,6 +49,31 @@ def test_the_qwen3_row_runs_fsdp2_with_expert_parallelism_as_its_config_sets_it(
             _flag(args, "--cross-entropy"), _flag(args, "--rope-kernel")) == ("deepep", "balanced", "grouped",
                                                                               "torch", "eager")
     assert row["published_tokens_per_s_per_gpu"] == 12040.0
+    assert "--pp-runtime" not in args
+
+
+def test_the_256_gpu_deepseek_row_runs_autopipelines_cut_under_torchs_pipelining():
+    """deepseek_v3_te_deepep.yaml at 89e3a9fdd: p 4, layers_per_stage 2, so ⌈61 / 2⌉ + 1 = 32 stages (v 8, the
+    table's), 29 of two blocks then 3 of one, the embedding first and the head last; local batch 8 in micro-batches
+    of 1; FSDP2's weights kept gathered by the pipeline stage through the step (ZeRO-3 in a pipeline)."""
+    (row,) = [row for row in RECORDED if row["run"] == "AutoModel DeepSeek V3 671B 256 GPUs t1 p4 v8 E64"]
+    args = shlex.split(row["command"])
+    assert (_flag(args, "-p"), _flag(args, "--chunks"), _flag(args, "-m"), _flag(args, "--data-parallel"),
+            _flag(args, "--expert-parallel")) == ("4", "8", "8", "64", "64")
+    assert (_flag(args, "--zero"), _flag(args, "--pp-runtime"), _flag(args, "-s")) == ("3", "torch",
+                                                                                     "interleaved-1f1b")
+    stages = _flag(args, "--stage-cut").removeprefix("layout:E").removesuffix("L").split("|")
+    assert [len(stage) for stage in stages] == [2] * 29 + [1] * 3 and "--mtp-layers" not in args
+    assert row["published_tokens_per_s_per_gpu"] == 1002.0
+
+
+def test_autopipelines_stage_count_is_its_rule(monkeypatch):
+    """functional.py calculate_virtual_stages: ⌈L / n⌉ + 1 rounded down to a multiple of p: 32 at n = 2 and 16 at
+    n = 4 (the 1,024-GPU config, whose v 4 the table prints as 8)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from published_moe import autopipeline_stages
+
+    assert (autopipeline_stages(61, 2, 4), autopipeline_stages(61, 4, 4), autopipeline_stages(61, 3, 4)) == (32, 16, 20)
 
 
 def test_the_other_rows_are_listed_with_why(monkeypatch):
@@ -58,7 +83,7 @@ def test_the_other_rows_are_listed_with_why(monkeypatch):
     expressible, left_out = automodel_runs()
     assert [run.name for run, _ in expressible] == [row["run"] for row in RECORDED]
     reasons = dict(left_out)
-    assert len(left_out) == 8 and len(reasons) == 8
+    assert len(left_out) == 7 and len(reasons) == 7
     assert "Mamba" in reasons["AutoModel Nemotron V3 Nano 30B (26.02) 8 GPUs t1 p1 v1 E8"]
     assert "FlexAttention" in reasons["AutoModel GPT-OSS 120B 64 GPUs t1 p1 v1 E-"]
-    assert "not built yet" in reasons["AutoModel DeepSeek V3 671B 256 GPUs t1 p4 v8 E64"]
+    assert "cuts 16 stages, v 4" in reasons["AutoModel DeepSeek V3 671B 1024 GPUs t1 p4 v8 E64"]
