@@ -65,6 +65,7 @@ from typing import NamedTuple
 from ..hardware.catalogue import DispatcherRates
 from ..profiles.schema import EstimateLink, EstimatePlacement
 from ..profiles.workload import LayerCount, OpCount, RoutedBlock
+from ..sim.costs import product_delay
 from .ranks import RankOrderError, SettingsError, expert_grid
 
 # Per MoE layer and micro-batch: the dispatch and combine after its forward (an A2A_F row), and the gradients' way
@@ -479,7 +480,8 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         """Ends the compute node started last, beside the all-to-alls issued so far, and records its event."""
         nonlocal comp, forward_done, backward_done, pending
         if pending is not None:
-            comp = max(held_end(pending.start_ms, pending.run_ms, pending.slower, kernels), pending.issued_ms)
+            comp = max(held_end(pending.start_ms, pending.run_ms, pending.slower, kernels, pending.product_ms),
+                       pending.issued_ms)
             forward_done = comp if pending.records == "forward" else forward_done
             backward_done = comp if pending.records == "backward" else backward_done
             pending = None
@@ -497,7 +499,7 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         the running compute node's mean product, no longer than the node runs on."""
         if pending is None or not pending.product_ms or pending.start_ms >= launched:
             return 0.0
-        end_ms = held_end(pending.start_ms, pending.run_ms, pending.slower, kernels)
+        end_ms = held_end(pending.start_ms, pending.run_ms, pending.slower, kernels, pending.product_ms)
         return min(pending.product_ms / 2, max(end_ms - launched, 0.0))
 
     def event(name: str) -> float:
@@ -549,10 +551,13 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
     return max(layer_ms - charged_ms, 0.0)  # never below what its rows charge
 
 
-def held_end(start: float, run_ms: float, slower: float, kernels: list[tuple[float, float]]) -> float:
+def held_end(start: float, run_ms: float, slower: float, kernels: list[tuple[float, float]],
+             product_ms: float = 0.0) -> float:
     """When `run_ms` of compute begun at `start` ends beside `kernels` (begin, end; in order, apart: one stream's),
-    running `slower` while one of them runs (its time beside them over its own: `Costs.sharing_dispatcher_ms`'s
-    rule), at its own speed otherwise."""
+    each kernel it meets delaying it as the engine's transfers delay the compute beside them (sim/costs.py
+    `product_delay`, one rule: its products of `product_ms` each, 0 none, `slower` times their time while a kernel
+    runs: its time beside them over its own, `Costs.sharing_dispatcher_ms`'s), at most to `slower` times the work
+    left; at its own speed otherwise."""
     if slower == 1.0:
         return start + run_ms
     clock, left = start, run_ms
@@ -562,10 +567,8 @@ def held_end(start: float, run_ms: float, slower: float, kernels: list[tuple[flo
                 break
             left -= begin - clock
             clock = begin
-        if left * slower <= end - clock:
-            return clock + left * slower
-        left -= (end - clock) / slower
-        clock = end
+        if end > clock:  # the delay moves the work's rest later, past the kernel where it ends within it
+            clock += min(product_delay(end - clock, product_ms, slower), left * (slower - 1))
     return clock + left
 
 

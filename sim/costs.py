@@ -27,9 +27,27 @@ TRANSIENT_KINDS = {"fwd": Kind.F, "bwd": Kind.B, "igrad": Kind.I, "wgrad": Kind.
 COLLECTIVE_KIND_NAMES = tuple(sorted(kind.value for kind in COLLECTIVE_KINDS))
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 # How many times its own time a persistent product takes beside a communication kernel longer than it: the CTAs
-# that find their multiprocessors held run their tiles after the others' (sim/engine.py `product_delay`; a held
+# that find their multiprocessors held run their tiles after the others' (`product_delay`; a held
 # pass's products, planning/estimate.py `op_ms`)
 HELD_PRODUCT_SLOWDOWN = 2
+
+
+def product_delay(kernel: float, product: float, slower: float = HELD_PRODUCT_SLOWDOWN) -> float:
+    """How much later compute ends for a `kernel` beside it that holds some multiprocessors (any one unit: the
+    engine's picoseconds, tune's and planning/experts.py `held_end`'s ms), its products of `product` each run back to
+    back from the kernel's launch (or from where the compute meets it): a persistent product's CTAs that find theirs
+    held start when the kernel ends or when its other CTAs free theirs, whichever comes first, so while the kernel
+    runs each product takes `slower` times its time (`HELD_PRODUCT_SLOWDOWN`: twice; a pass's time beside the kernel
+    over its own, `held_end`'s), and the one it ends in is later by what of the kernel it met, at most by what a
+    product beside it adds (CUTLASS's sm90 `StaticPersistentTileScheduler`: a fixed share of the tiles per CTA;
+    "nearly doubles" beside an all-gather on an H100, NVIDIA developer forums topic 337991). `product` 0: compute of
+    no persistent products (in waves, or on a share of the multiprocessors), evenly `slower` while the kernel runs:
+    the kernel's time less what the compute does meanwhile. A kernel longer than a product delays it by that rate
+    and, for the product it ends in, at most (1 - 1/`slower`) of a product more."""
+    if not product:
+        return kernel * (1 - 1 / slower)
+    spans, left = divmod(kernel, slower * product)
+    return spans * (slower - 1) * product + min(left, (slower - 1) * product)
 
 
 @dataclass(frozen=True)
@@ -447,8 +465,9 @@ class Costs:
         part's all-to-alls run `beside_ms` beside it on kernels that hold multiprocessors (DeepEP's, NCCL's): for as
         long as they run, it computes at its own time over its time beside them (`StageCosts.fwd_sharing_ms`), the
         rest at full speed; unchanged where none are held. Its persistent products, each twice its time beside them,
-        so lose half the kernels' time they meet: sim/engine.py `product_delay`'s rate for kernels longer than a
-        product (it adds at most half a product a span)."""
+        so lose half the kernels' time they meet: `product_delay`'s rate for kernels longer than a product (its step
+        adds at most half a product a span; Megatron-core's pair takes it node by node, planning/experts.py
+        `held_end`)."""
         own = np.array([c.fwd_ms if forward else c.bwd_ms for c in self.stages])[stage]
         sharing = np.array([c.fwd_sharing_ms if forward else c.bwd_sharing_ms for c in self.stages])[stage]
         slower = np.divide(sharing, own, out=np.ones_like(own), where=(sharing > 0) & (own > 0))

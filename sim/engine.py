@@ -54,13 +54,13 @@ from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
 from .costs import (
-    HELD_PRODUCT_SLOWDOWN,
     TRANSIENT_KINDS,
     CostError,
     Costs,
     RowOverhead,
     StageCosts,
     kept_until_update_refusal,
+    product_delay,
 )
 
 _PS_PER_MS = 1e9
@@ -1649,18 +1649,6 @@ def _spans(kernels: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             joined.append((begin, end))
     return joined
-
-
-def product_delay(kernel: float, product: float) -> float:
-    """How much later products of `product` each, run back to back from a kernel's launch, end for the `kernel`
-    it holds some multiprocessors (any one unit: the engine's picoseconds, tune's ms): a persistent product's CTAs
-    that find theirs held start when the kernel ends or when its other CTAs free theirs, whichever comes first, so
-    while the kernel runs each product takes twice its time, and the one it ends in that less what of it was left
-    (CUTLASS's sm90
-    `StaticPersistentTileScheduler`: a fixed share of the tiles per CTA; "nearly doubles" beside an all-gather on
-    an H100, NVIDIA developer forums topic 337991)."""
-    doubled, left = divmod(kernel, HELD_PRODUCT_SLOWDOWN * product)
-    return doubled * product + min(left, product)
 
 
 def _held_back(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray]:
