@@ -107,7 +107,8 @@ def calibrate(
         "--link-max-mb", metavar="MIB", help="Largest link message in MiB (powers of two from 4 KiB).")] = 64.0,
     threads: Annotated[int, typer.Option(
         "--threads", min=1, metavar="T", help="Torch threads to measure with: as many as each rank of the "
-                                              "run has (`pipesim run --threads-per-rank`).")] = 1,
+                                              "run has (`pipesim run --threads-per-rank`), at most the cores "
+                                              "pipesim may run on.")] = 1,
     runtime: Annotated[bool, typer.Option(
         "--runtime/--no-runtime", help="Measure the executor's own cost per row: two ranks running a tiny model "
                                        "(kept in the host cache), then the calibrated model where the host "

@@ -149,7 +149,8 @@ def run(
                                           "bounds (and the model's size options); auto's order is searched for its "
                                           "costs.")] = None,
     threads_per_rank: Annotated[int, typer.Option(
-        "--threads-per-rank", metavar="T", min=1, help="Torch threads per rank.")] = 1,
+        "--threads-per-rank", metavar="T", min=1, help="Torch threads per rank, at most the cores pipesim may "
+                                                       "run on.")] = 1,
     timeout: Annotated[float, typer.Option(
         "--timeout", metavar="S", help="Seconds a rank waits for a transfer or a process-group operation.")] = 120.0,
     stall_timeout: Annotated[float, typer.Option(

@@ -372,6 +372,15 @@ def test_threads_past_the_usable_cores_say_how_many_are_allowed_and_why(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("command", "flag"), [("calibrate", "--threads"), ("run", "--threads-per-rank")])
+def test_the_thread_flags_help_says_the_bound_the_command_refuses_past(command, flag):
+    """The help said "Torch threads per rank.", and the first the user heard of the cores' bound was a refusal."""
+    code, out, err = pipesim(command, "--help")
+    words = " ".join(out.split())
+    assert code == 0 and f"{flag} T " in words, err
+    assert "at most the cores pipesim may run on." in words.split(f"{flag} T ")[1].split("[default:")[0]
+
+
 def _edited(mlp_profile, tmp_path, edit):
     doc = json.loads(mlp_profile.read_text())
     edit(doc)
