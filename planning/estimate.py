@@ -1130,7 +1130,7 @@ def sharing_dispatcher(device: Device, parallel: Parallelism) -> Device | None:
     gets an SM target, `CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`, only from `NVTE_EXT_MARGIN_SM`, which no recipe
     sets: pytorch/csrc/extensions/gemm.cpp, cpp_extensions/gemm.py, common/gemm/cublaslt_gemm.cu at v2.12), and
     the CTAs that find theirs held start when the others free theirs: beside kernels that outlast it, twice its
-    time (`Device.products_held_on`; sim/engine.py `product_delay`, the engine's rule for compute beside the
+    time (`Device.products_held_on`; sim/costs.py `product_delay`, the engine's rule for compute beside the
     pipeline's transfers), unless its recipe gives its products their multiprocessors (`SM_TARGET_RECIPES`).
     Only an overlapped pair computes beside them, for as long as they run (sim/costs.py
     `Costs.sharing_dispatcher_ms`): without the expert overlap the dispatch is a row the next pass waits for."""
