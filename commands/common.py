@@ -609,6 +609,9 @@ SearchComm = Annotated[str | None, typer.Option(
 SearchActivationMb = Annotated[str | None, typer.Option(
     "--activation-mb", metavar="MIB[,MIB...]", help="auto: activation MiB a micro-batch saves, as --fwd (default: "
                                                     "none, so --activation-limit counts micro-batches).")]
+SearchWgradFraction = Annotated[float, typer.Option(
+    "--wgrad-fraction", metavar="F", callback=finite_from(0, 1),
+    help="auto: share of the backward (--bwd) that is the weight gradient, which its order may run apart.")]
 SEARCH_COSTS = ("fwd", "bwd", "wgrad_fraction", "comm", "activation_mb")  # by parameter name
 # What `scenario_from_flags` reads that these commands do not declare (or the user left unset).
 SEARCH_DEFAULTS = {"comm": "0", "activation_mb": "0", "param_mb": "0", "output_mb": "0", "opt": 0.0, "pred": None,

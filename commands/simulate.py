@@ -45,6 +45,7 @@ from .common import (
     SearchComm,
     SearchFwd,
     SearchSeconds,
+    SearchWgradFraction,
     Seed,
     ShardedOptimizer,
     StageCut,
@@ -775,7 +776,7 @@ def export(
                                           "order is searched for (instead of --fwd and --bwd).")] = None,
     fwd: SearchFwd = None,
     bwd: SearchBwd = None,
-    wgrad_fraction: WgradFraction = 0.5,
+    wgrad_fraction: SearchWgradFraction = 0.5,
     comm: SearchComm = None,
     activation_mb: SearchActivationMb = None,
 ) -> None:

@@ -544,6 +544,20 @@ def test_each_commands_help_names_only_its_own_flags_and_no_other_commands_words
     assert sum(text.endswith("Default: searched.") for text in tune) == 3  # -t, --data-parallel, --recompute
 
 
+def test_the_costs_only_auto_reads_say_so_in_run_and_export():
+    """run and export refuse --wgrad-fraction beside any method but auto, as they refuse --fwd, --bwd, --comm and
+    --activation-mb; its help said "(split-backward schedules)", which read as zb-h1's too."""
+    import typer
+
+    from pipesim.cli import make_app
+    from pipesim.commands.common import SEARCH_COSTS
+
+    commands = typer.main.get_command(make_app()).commands
+    helps = {(name, param.name): param.help for name in ("run", "export") for param in commands[name].params}
+    assert not [key for key in helps if key[1] in SEARCH_COSTS and not helps[key].startswith("auto: ")], helps
+    assert {name for name, param in helps if param == "wgrad_fraction"} == {"run", "export"}
+
+
 def test_usage_lines_name_arguments_plainly_and_help_shows_the_models_default_sizes():
     code, out, _ = pipesim("compare", "--help")
     assert code == 0 and "Usage: pipesim compare [OPTIONS] MEASURED [PREDICTED]\n" in out
