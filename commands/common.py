@@ -474,9 +474,9 @@ Allocator = Annotated[str, typer.Option(
     "--allocator", metavar="MODEL", help="With --gpu: what a device's memory counts, caching (its tensors and the "
                                          "segments torch's CUDA caching allocator keeps cached beside them, its "
                                          "step replayed by the allocator's rules: max reserved, as torchtitan "
-                                         "logs it; the default), expandable (the same with "
-                                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's one-host "
-                                         "launcher sets it: one segment a stream, grown in 2 MiB pages for small "
+                                         "logs it; the default), expandable (the same with expandable_segments:True "
+                                         "in PYTORCH_CUDA_ALLOC_CONF, as torchtitan's one-host launcher sets it: "
+                                         "one segment a stream, grown in 2 MiB pages for small "
                                          "requests and 20 MiB for large) or none (its tensors alone: max "
                                          "allocated).",
     show_default=False)]

@@ -664,6 +664,24 @@ def test_help_never_breaks_a_flag_at_its_hyphens(monkeypatch):
     assert not broken, broken
 
 
+def test_help_never_cuts_a_word_at_80_columns(monkeypatch):
+    """A word longer than the help column is cut where the line ends: --allocator's help printed
+    "PYTORCH_CUDA_ALLOC_CONF=expan" and "dable_segments:True," on the next line, which pasted sets nothing."""
+    import typer
+
+    from pipesim.cli import make_app
+
+    monkeypatch.setenv("COLUMNS", "80")
+    cut = []
+    for name, command in typer.main.get_command(make_app()).commands.items():
+        code, out, err = pipesim(name, "--help")
+        assert code == 0, err
+        words = " ".join(out.split()).replace("- ", "-")  # click's wrapping breaks after a hyphen: "two-", "branch"
+        cut += [f"{name} {param.opts[0]}: {word}" for param in command.params
+                for word in (param.help or "").split() if word not in words]
+    assert not cut, cut
+
+
 def test_the_command_list_says_each_command_whole_at_80_columns(monkeypatch):
     """`pipesim --help`, a new user's first command, cut every command's first sentence at 80 columns: "Predict
     timelines, bubbles, memory and staleness of...", "Compare a measured run with its prediction op by op:..."."""
