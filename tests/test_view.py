@@ -297,7 +297,10 @@ def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readab
     assert fig.layout.yaxis.type == "log"
     assert list(median.x) == ["F", "B (exact)", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
     assert median.y[0] == pytest.approx(100 / 21) and median.y[1] is None and median.y[3] == pytest.approx(1500)
-    assert median.text[:4] == ("4.8%", "0.0%", "1,500.0%", "1,500.0%")
+    assert median.text[:4] == ("4.8%", "0.0%", "1,500%", "1,500%")  # whole from 100 %: at 800 px, shrunk to 7 px
+    assert fig.layout.uniformtext.minsize == 10 and fig.layout.uniformtext.mode == "show"
+    # the p90 bars pale, their figures not: opacity on the bars' fill, not the whole trace
+    assert fig.data[1].opacity is None and fig.data[1].marker.opacity == 0.45
     assert fig.layout.yaxis.range[0] == 0 and 10 ** fig.layout.yaxis.range[1] > 1500  # 1 % up to above 1,500 %
     assert "1,000%" in fig.layout.yaxis.ticktext and "1%" in fig.layout.yaxis.ticktext
 
