@@ -24,6 +24,21 @@ def _colours(summaries: Sequence[ArmSummary]) -> dict[str, str]:
     return {label: _PALETTE[i % len(_PALETTE)] for i, label in enumerate(labels)}
 
 
+LEGEND_ROW_PX, LEGEND_ROW_ARMS = 24, 4  # a row of the legend under a chart, and the arms it holds at 1000 px or so
+AXIS_TITLE_PX = 56  # from a chart's plot down past its x axis' labels and title, where a legend under it starts
+
+
+def _legend_below(fig: go.Figure, arms: int, plot_px: int, margin: dict[str, int]) -> None:
+    """The legend in rows under the chart, the figure taller by as many rows as `arms` take, so the plot keeps
+    `plot_px`: beside the chart, at 800 px, a legend of 12 arms ("pipeoptim (code) (diverged: momentum 1 of 3)")
+    took two fifths of the width and left each loss panel 110 px."""
+    legend_px = LEGEND_ROW_PX * -(-arms // LEGEND_ROW_ARMS)
+    fig.update_layout(height=plot_px + margin["t"] + AXIS_TITLE_PX + legend_px,
+                      margin={**margin, "b": AXIS_TITLE_PX + legend_px},
+                      legend={"title": "method", "orientation": "h", "x": 0, "xanchor": "left",
+                              "y": -AXIS_TITLE_PX / plot_px, "yanchor": "top"})
+
+
 def _smoothed(values: np.ndarray, window: int) -> np.ndarray:
     """Running mean over the last `window` mini-batches (fewer at the start); NaN stays NaN."""
     sums = np.nancumsum(values)
@@ -121,7 +136,7 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
         entry = next((t for t in drawn if t.mode == "lines"), drawn[0] if drawn else None)
         if entry is not None:
             entry.update(showlegend=True, legendrank=rank)
-    fig.update_layout(height=480, margin={"t": 40, "b": 50, "l": 70, "r": 20}, legend={"title": "method"})
+    _legend_below(fig, len(colours), 390, {"t": 40, "l": 70, "r": 20})
     return fig
 
 
@@ -182,9 +197,12 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
         fig.add_annotation(text="no accuracy, every seed diverged: " + ", ".join(lost), xref="paper", yref="paper",
                            x=0, y=1, xanchor="left", yanchor="bottom", yshift=4, showarrow=False,
                            font={"size": 11, "color": "#c0392b"})
-    fig.update_layout(height=(460 if timed else 120 + 28 * len(shown)) + (20 if lost else 0),
-                      margin={"t": 40 if lost else 20, "b": 50, "l": 70, "r": 20}, legend={"title": "method"},
-                      showlegend=timed)
+    margin = {"t": 40 if lost else 20, "l": 70, "r": 20}
+    if timed:
+        _legend_below(fig, len(shown), 390, margin)
+    else:  # the arms are named down the side: no legend
+        fig.update_layout(height=120 + 28 * len(shown) + (20 if lost else 0), margin={**margin, "b": 50},
+                          showlegend=False)
     return fig
 
 

@@ -77,6 +77,10 @@ def test_the_loss_panels_each_have_a_labelled_log_axis_clipped_to_the_runs_that_
     assert cross.marker.symbol == "x" and cross.xaxis == "x" and cross.customdata[0] == pytest.approx(3.4e16)
     assert math.log10(cross.y[0]) <= layout.yaxis.range[1]
     assert any("pipedream 1/1" in a.text for a in layout.annotations)
+    # the legend in rows under the panels (beside them at 800 px, 12 arms' names left each panel 110 px), the
+    # figure taller by its rows, so the panels keep their height
+    assert layout.legend.orientation == "h" and layout.legend.y < 0 and layout.legend.yanchor == "top"
+    assert layout.height - layout.margin.t - layout.margin.b == 390
 
 
 def test_an_arm_whose_every_seed_diverged_under_one_optimizer_is_in_the_legend_by_its_line(tmp_path):
@@ -120,6 +124,7 @@ def test_accuracy_is_drawn_against_a_numeric_axis(blown_up):
     timed = accuracy_figure(summarize(saved, arms, optimizers, seeds), list(optimizers))
     assert sorted({x for t in timed.data for x in t.x}) == [1500.0, 1800.0]
     assert "samples/s" in timed.layout.xaxis.title.text and timed.layout.yaxis.tickformat == ".0%"
+    assert timed.layout.legend.orientation == "h" and timed.layout.legend.y < 0  # under the chart, as the loss's
 
 
 def test_an_arm_whose_first_seed_diverged_shows_what_its_other_seeds_measured(tmp_path):
