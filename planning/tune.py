@@ -117,8 +117,8 @@ from ..schedules import (
     warmup_minibatches,
 )
 from ..sim.cluster import Cluster
-from ..sim.costs import Costs, owned_bytes, runtime_refusal
-from ..sim.engine import device_product_ms, product_delay, simulate, static_bytes, takes_time
+from ..sim.costs import Costs, owned_bytes, product_delay, runtime_refusal
+from ..sim.engine import device_product_ms, simulate, static_bytes, takes_time
 from ..traces import Summary, Trace, summarize
 from ..units import GIB, MIB, count_text
 from .auto import activation_ratio, check_shape, schedule_frame

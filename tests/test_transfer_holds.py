@@ -9,8 +9,7 @@ import pytest
 
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
-from pipesim.sim.costs import HELD_PRODUCT_SLOWDOWN
-from pipesim.sim.engine import product_delay
+from pipesim.sim.costs import HELD_PRODUCT_SLOWDOWN, product_delay
 from pipesim.traces import summarize
 
 
