@@ -29,7 +29,13 @@ TransformerEngine's weight-gradient products (`--grad-accumulation fused`: every
 `gradient_accumulation_fusion: true`, benchmarks/published/README.md). The command is printed and run as written
 (in-process, with --json added to read its ms/step).
 
-    python benchmarks/published_h100.py                 # the table, then each row's command
+A second source, benchmarks/published/nemo-perf-summary-h100.csv (NeMo's performance summary, NeMo 24.07 on
+DGX-H100, FP8, in tokens/s per GPU), is run the same way and printed as its own table: its columns say where a
+row's launcher config departs from the settings above (`tp_overlap`, `fp8_params`, `rope_fusion`,
+`grad_sync_dtype`; benchmarks/published/README.md), the published step its tokens a step over the row's GPUs
+at the printed rate.
+
+    python benchmarks/published_h100.py                 # the tables, then each row's command
     python benchmarks/published_h100.py --json out.json # and the rows as JSON
 """
 
@@ -47,6 +53,7 @@ from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.tables import print_table
 
 SOURCE = "nvidia-dgxc-h100.csv"
+NEMO_SUMMARY = "nemo-perf-summary-h100.csv"
 GPU = "h100-sxm"
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by, as NeMo's configs set it
 
@@ -71,6 +78,8 @@ def precision(row: dict[str, str]) -> list[str]:
     unless grad_sync_dtype says otherwise, megatron_gpt_model.py at v2.1.0): the default, megatron."""
     if row["optimizer_state"] == "bf16":
         return ["--precision", "nemo-bf16-adam"]
+    if row.get("grad_sync_dtype") == "fp32":  # Apex's default grad_sync_dtype: its dtype, float32
+        return []
     return ["--precision", "megatron-16bit-grads"] if row["optimizer_buckets"] == "nemo" else []
 
 
@@ -81,19 +90,22 @@ def simulate_command(row: dict[str, str]) -> list[str]:
         "microbatch_size"))
     d = gpus // (t * p * c)
     schedule = ["-s", "interleaved-1f1b", "--chunks", str(v)] if v > 1 else ["-s", "1f1b"]
-    tensor = ["--tensor-parallel", str(t), "--sequence-parallel", "--tp-overlap",
-              *(["--tp-overlap-no-margin"] if row["tp_overlap_sm_margin"] == "false" else []),
-              *(["--tp-overlap-fp8-buf"] if row["tp_overlap_fp8_buf"] == "true" else [])] if t > 1 else []
+    overlap = ["--tp-overlap", *(["--tp-overlap-no-margin"] if row["tp_overlap_sm_margin"] == "false" else []),
+               *(["--tp-overlap-fp8-buf"] if row["tp_overlap_fp8_buf"] == "true" else [])]
+    tensor = ["--tensor-parallel", str(t), "--sequence-parallel",
+              *(overlap if row.get("tp_overlap", "true") == "true" else [])] if t > 1 else []
+    rope = "fused" if row.get("rope_fusion", "true") == "true" else "eager"
+    fp8_params = row["precision"] == "fp8" and row.get("fp8_params", "true") == "true"
     return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden"], "--ffn",
             row["ffn_hidden"], "--heads", row["heads"], "--kv-heads", row["kv_heads"],
             *(["--gated"] if row["gated"] == "true" else []),
             *(["--no-linear-bias"] if row["linear_bias"] == "false" else []),
             *(["--norm", "rmsnorm"] if row["normalization"] == "rmsnorm" else []),
-            *(["--rotary-percent", row["rotary_percent"], "--rope-kernel", "fused"] if row["rotary_percent"] else []),
+            *(["--rotary-percent", row["rotary_percent"], "--rope-kernel", rope] if row["rotary_percent"] else []),
             "--seq-len", row["seq_len"],
             "--vocab", str(padded_vocab(int(row["vocab"]), t)),
             *(["--dropout", row["dropout"]] if float(row["dropout"]) else []),
-            "--dtype", row["precision"], *(["--fp8-param-gather"] if row["precision"] == "fp8" else []),
+            "--dtype", row["precision"], *(["--fp8-param-gather"] if fp8_params else []),
             "--linear-kernel", "te",
             "--attention", "flash", "--attention-kernel", row["attention_kernel"],
             "-b", str(b), "--gpu", GPU, *tensor,
@@ -106,15 +118,25 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             "--stage-cut", "equal-blocks", "--cross-entropy", "megatron"]
 
 
-def rows() -> list[dict]:
-    """Every row: its command, the predicted and the published step in seconds, and the error."""
+def published_step_s(row: dict[str, str]) -> float:
+    """The row's published step: as printed, or its global batch's tokens over its GPUs at the printed rate."""
+    if "step_s" in row:
+        return float(row["step_s"])
+    tokens = int(row["global_batch"]) * int(row["seq_len"])
+    return tokens / (int(row["gpus"]) * float(row["tokens_per_s_gpu"]))
+
+
+def rows(source: str = SOURCE) -> list[dict]:
+    """Every row of `source`: its command, the predicted and the published step in seconds, and the error."""
     out = []
-    for row in _rows(SOURCE):
+    for row in _rows(source):
         args = simulate_command(row)
         predicted_s = iteration_ms(args) / 1e3
-        published_s = float(row["step_s"])
+        published_s = published_step_s(row)
         layout = tuple(v for k, v in row.items() if k not in ("gpus", "global_batch", "step_s"))
-        out.append({"run": f"{row['model']} {row['precision'].upper()} {row['gpus']} GPUs", "model": row["model"],
+        release = f" ({row['commit'][:7]})" if "commit" in row else ""
+        run = f"{row['model']} {row['precision'].upper()} {row['gpus']} GPUs{release}"
+        out.append({"run": run, "model": row["model"],
                     "precision": row["precision"], "gpus": int(row["gpus"]), "layout": layout,
                     "predicted_s": predicted_s,
                     "published_s": published_s, "error": predicted_s / published_s - 1,
@@ -144,18 +166,22 @@ def summary(compared: list[dict]) -> str:
     return f"median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} rows"
 
 
+def print_step_table(title: str, compared: list[dict]) -> None:
+    table = Table(title=title)
+    for name, justify in (("run", "left"), ("predicted s", "right"), ("published s", "right"), ("error", "right")):
+        table.add_column(name, justify=justify)
+    for r in compared:
+        table.add_row(r["run"], f"{r['predicted_s']:.3f}", f"{r['published_s']:.3f}", f"{r['error']:+.1%}")
+    print_table(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
     refuse_unwritable(("--json", args.json))
     compared = rows()
-    table = Table(title=f"Step time on {GPU}: predicted against NVIDIA's published (s)")
-    for name, justify in (("run", "left"), ("predicted s", "right"), ("published s", "right"), ("error", "right")):
-        table.add_column(name, justify=justify)
-    for r in compared:
-        table.add_row(r["run"], f"{r['predicted_s']:.3f}", f"{r['published_s']:.3f}", f"{r['error']:+.1%}")
-    print_table(table)
+    print_step_table(f"Step time on {GPU}: predicted against NVIDIA's published (s)", compared)
     for precision in dict.fromkeys(r["precision"] for r in compared):
         print(f"{precision.upper()} |error|: {summary([r for r in compared if r['precision'] == precision])}")
     print(f"all |error|: {summary(compared)}")
@@ -164,7 +190,16 @@ def main() -> None:
     print("\nEach row's command (its ms/step / 1000 is the predicted s):")
     for r in compared:
         print(f"{r['run']}:\n  {r['command']}")
-    write_json(args.json, {"gpu": GPU, "rows": [{k: v for k, v in r.items() if k != "layout"} for r in compared]})
+    summary_rows = rows(NEMO_SUMMARY)
+    print()
+    print_step_table(f"Step time on {GPU}: predicted against NeMo 24.07's performance summary (s, from tokens/s)",
+                     summary_rows)
+    print(f"NeMo performance summary |error|: {summary(summary_rows)}")
+    print("\nEach row's command (its ms/step / 1000 is the predicted s):")
+    for r in summary_rows:
+        print(f"{r['run']}:\n  {r['command']}")
+    write_json(args.json, {"gpu": GPU, "rows": [{k: v for k, v in r.items() if k != "layout"} for r in compared],
+                           "nemo_summary_rows": [{k: v for k, v in r.items() if k != "layout"} for r in summary_rows]})
 
 
 if __name__ == "__main__":
