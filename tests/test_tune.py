@@ -1,6 +1,7 @@
 """`pipesim tune`: the pruned search must give what an exhaustive one gives, its bounds must hold, and the
 command line must explain its answer and refuse bad input in one line."""
 
+import functools
 import itertools
 import json
 import math
@@ -21,11 +22,18 @@ from pipesim.profiles.schema import Timing, load_profile
 from pipesim.schedules import METHODS, flushes
 from pipesim.sim import simulate
 from pipesim.traces import summarize
-from tests.conftest import at_columns, pipesim, pipesim_fresh, tune_rows
+from tests.conftest import Cli, at_columns, pipesim, pipesim_fresh, tune_rows
 
 PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
 GPT, CNN = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"
 GIB = tuning.GIB
+GPT_UNDER_03 = ("--profile", GPT, "-D", 8, "--memory-gb", 0.3)  # the tune several tests read (`tuned`)
+
+
+@functools.cache
+def tuned(*args) -> Cli:
+    """`pipesim tune ARGS` at the default width, run once for the tests that read the same command's output."""
+    return pipesim("tune", *args)
 
 
 def scenario(profile) -> list[tuning.Setting]:
@@ -315,7 +323,7 @@ def test_staleness_limit():
 
 
 def test_cli_table_explains_each_runner_up():
-    code, out, err = pipesim("tune", "--profile", str(GPT), "--devices", "8", "--memory-gb", "0.3")
+    code, out, err = tuned(*GPT_UNDER_03)
     assert code == 0, err
     assert "over memory: 0.352 GiB > 0.3 GiB" in out  # DualPipeV at p = 2 would be faster, but peaks over the cap
     assert "% slower: " in out and "partition (layers per model stage): " in out
@@ -325,8 +333,7 @@ def test_cli_table_explains_each_runner_up():
 def test_cli_is_synchronous_by_default_and_names_the_staler_method_it_rules_out():
     """PipeDream at p = 2 would be 9.7 % faster in the same 0.3 GiB, at staleness 1: the default keeps 1F1B's
     training and says what that costs; --max-staleness 1 chooses PipeDream as tune did before."""
-    flags = ("tune", "--profile", str(GPT), "--devices", "8", "--memory-gb", "0.3")
-    code, out, err = pipesim(*flags, "--json")
+    code, out, err = tuned(*GPT_UNDER_03, "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["problem"]["max_staleness"] == 0
@@ -337,12 +344,12 @@ def test_cli_is_synchronous_by_default_and_names_the_staler_method_it_rules_out(
     gain = staler["samples_per_s"] / doc["choice"]["samples_per_s"] - 1
     note = f"at staleness 1, pipedream p=2 (same as pipedream-2bw p=2) fits and gives 10.6 samples/s, {100 * gain:.2g}%"
     assert [n for n in doc["notes"] if n.startswith(note) and n.endswith("--max-staleness 1 allows it")], doc["notes"]
-    code, out, err = pipesim(*flags, "--max-staleness", "1", "--json")
+    code, out, err = pipesim("tune", *GPT_UNDER_03, "--max-staleness", "1", "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["choice"]["schedule"] == "pipedream" and doc["choice"]["staleness"] == 1
     assert doc["staler_winner"] is None and not [n for n in doc["notes"] if "--max-staleness" in n]
-    code, out, err = pipesim(*flags)
+    code, out, err = tuned(*GPT_UNDER_03)
     assert code == 0, err
     assert "staleness <= 0" in out and "note: at staleness 1, pipedream p=2" in " ".join(out.split())
 
@@ -699,7 +706,7 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
 
 
 @pytest.mark.parametrize("flags", [
-    ("--profile", GPT, "-D", 8, "--memory-gb", 0.3),
+    GPT_UNDER_03,
     ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 1024, "--heads", 8, "--seq-len", 1024,
      "--vocab", 32000, "-D", 8, "--memory-gb", 2, "--zero", 1, "-s", "1f1b", "-s", "interleaved-1f1b")])
 def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
@@ -707,7 +714,7 @@ def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
     partition printed as 0-6 | 7-15 could be had only as first-last:6,8, in blocks, which nothing said), and --json
     holds it: run, it gives the choice's step, samples/s and peak, and at 80 columns each line ends in ` \\` and
     no number is cut."""
-    code, out, err = pipesim("tune", *flags, "--json")
+    code, out, err = tuned(*flags, "--json")
     assert code == 0, err
     document = json.loads(out)
     choice, command = document["choice"], document["simulate_command"]
