@@ -1,0 +1,75 @@
+"""NeMo's performance summary on DGX-H100 (benchmarks/published/nemo-perf-summary-h100.csv), the second source of
+benchmarks/published_h100.py: every row is recorded in benchmarks/published_h100.json with its command, built from
+its columns, and printed in a table of its own with its median line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import simulate_json
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDED = json.loads((REPO / "benchmarks" / "published_h100.json").read_text())
+PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / "nemo-perf-summary-h100.csv").open()))
+# the summary's three tables on NeMo's main (docs/source/performance/performance_summary.md), rows at lines 14-25
+RELEASES = {"4c73f77670", "3a8081fef6", "8e3d65dcfe"}
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_every_summary_row_is_recorded_with_its_figure_and_layout():
+    rows = RECORDED["nemo_summary_rows"]
+    assert len(rows) == len(PUBLISHED) == 36
+    for row, published in zip(rows, PUBLISHED):
+        args = shlex.split(row["command"])
+        t, p, v, c, gpus, batch, seq = (int(published[k]) for k in (
+            "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel", "gpus", "global_batch",
+            "seq_len"))
+        d = gpus // (t * p * c)
+        assert published["commit"] in RELEASES and 14 <= int(published["line"]) <= 25
+        assert row["run"].endswith(f"({published['commit'][:7]})")
+        assert row["published_s"] == pytest.approx(batch * seq / (gpus * float(published["tokens_per_s_gpu"])))
+        assert (_flag(args, "-p"), _flag(args, "--data-parallel")) == (str(p), str(d))
+        assert int(_flag(args, "-m")) * d * int(_flag(args, "-b")) == batch
+        assert (_flag(args, "--chunks") if "--chunks" in args else "1") == str(v)
+        assert _flag(args, "--context-parallel") == str(c) if c > 1 else "--context-parallel" not in args
+        assert _flag(args, "--tensor-parallel") == str(t) if t > 1 else "--tensor-parallel" not in args
+        # the launcher configs' ub_tp_comm_overlap, fp8_params (none sets it), apply_rope_fusion, grad_sync_dtype
+        assert ("--tp-overlap" in args) == (published["tp_overlap"] == "true")
+        assert (published["tp_overlap"] == "") == (t == 1)
+        assert "--fp8-param-gather" not in args and published["fp8_params"] == "false"
+        rope = _flag(args, "--rope-kernel") if "--rope-kernel" in args else ""
+        assert rope == {"true": "fused", "false": "eager", "": ""}[published["rope_fusion"]]
+        held = _flag(args, "--precision") if "--precision" in args else "megatron"
+        assert held == ("nemo-bf16-adam" if published["grad_sync_dtype"] == "bf16" else "megatron")
+        assert _flag(args, "--dtype") == "fp8" and _flag(args, "--attention-kernel") == "flash2"  # NVTE_FUSED_ATTN 0
+
+
+def test_a_summary_row_is_reproduced_by_its_printed_command():
+    (row,) = [r for r in RECORDED["nemo_summary_rows"] if r["run"] == "LLAMA2-7B FP8 8 GPUs (8e3d65d)"]
+    args = shlex.split(row["command"])
+    (result,) = simulate_json(*args[2:])
+    assert result["time_per_minibatch_ms"] / 1e3 == pytest.approx(row["predicted_s"], rel=1e-9)
+
+
+def test_the_summary_is_printed_as_its_own_table_and_median(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import published_h100
+
+    recorded = {published_h100.SOURCE: RECORDED["rows"], published_h100.NEMO_SUMMARY: RECORDED["nemo_summary_rows"]}
+    monkeypatch.setattr(published_h100, "rows", lambda source=published_h100.SOURCE: [
+        {**r, "layout": r["run"]} for r in recorded[source]])
+    monkeypatch.setattr(sys, "argv", ["published_h100.py"])
+    published_h100.main()
+    out = capsys.readouterr().out
+    assert "performance summary (s, from tokens/s)" in out and "LLAMA3-70B FP8 64 GPUs (8e3d65d)" in out
+    assert f"all |error|: {published_h100.summary(RECORDED['rows'])}" in out  # the dgxc rows' line as before
+    assert f"NeMo performance summary |error|: {published_h100.summary(RECORDED['nemo_summary_rows'])}" in out
