@@ -244,7 +244,7 @@ def run(
                                average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
                                data_parallel=data_parallel, expert_parallel=expert_parallel,
                                overlap_expert_comm=overlap_expert_comm,
-                               **{option: value for option, value in search.items() if method.reads(option)})
+                               **method.read_options(search))
         if scenario is None:
             built = method.build(params)
         else:  # searched for the costs of the stages the run cuts (the profile's partition, where it fits)

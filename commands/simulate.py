@@ -291,8 +291,7 @@ def simulate(
 
         def build(name: str, count: int):
             method = METHODS[name]
-            options = {option: value for option, value in {"prediction": prediction, **search}.items()
-                       if method.reads(option)}
+            options = method.read_options({"prediction": prediction, **search})
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
                                    average_every=average_every, elastic_alpha=elastic_alpha,
                                    data_parallel=data_parallel, zero=zero_stage(ctx.params),
@@ -803,7 +802,7 @@ def export(
             stages = measured.partition.stages
         # torch's CSV is one pipeline: AvgPipe is refused for its averaging, not its default of two pipelines.
         params = method.params(stages, microbatches, chunks=chunks, pipelines=1,
-                               **{option: value for option, value in search.items() if method.reads(option)})
+                               **method.read_options(search))
         if scenario is None:
             built = method.build(params)
         else:

@@ -180,6 +180,13 @@ class Method:
         knobs, GraphPipe's graph): a shape it has a default for, or one of its own options."""
         return option in self.defaults or option in self.options
 
+    def read_options(self, options: Mapping[str, object]) -> dict[str, object]:
+        """The entries of `options` this method `reads`. A command holds its optional inputs (the search's knobs, a
+        prediction source) for every method it builds, several in one comparison, and gives each only its own:
+        `params` refuses a prediction source for a method that predicts none, and a schedule's params record only
+        what shaped it. (A flag that no method the user named reads is refused before, by the command.)"""
+        return {option: value for option, value in options.items() if self.reads(option)}
+
     def shape(self, chunks: int | None = None, pipelines: int | None = None) -> tuple[int, int]:
         """(v, P): the values given, else the method's defaults (1 where it has none)."""
         return (self.defaults.get("chunks", 1) if chunks is None else chunks,
