@@ -405,6 +405,11 @@ def _also(r: Result, separator: str) -> str:
 
 
 STALENESS_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "star")  # staleness 0, 1, 2, 3, 4 or more
+# Where plotly's mode bar ends under a figure's top (23 px high, 2 px down): the trade-off's title starts under
+# it, as does the fronts' table (at 800 px the title ran under its icons, and at the page's width the table's ran
+# over the "bubble" header). A title's text starts 15 px above its top pad: 20 px more leaves it 5 px clear.
+MODEBAR_PX = 25
+TITLE_PAD_PX = MODEBAR_PX + 20
 
 
 def _group_name(key: tuple[int, float, int]) -> str:
@@ -495,7 +500,7 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
                       "pad": {"b": 8}, "active": 0}] if views else [],
         xaxis_title="time per mini-batch (ms)", yaxis_title="peak memory per device (MiB)", template="plotly_white",
         height=650, margin={"t": 130}, legend={"title": {"text": "schedule"}},
-        title={"y": 0.97, "yanchor": "top"})
+        title={"y": 1, "yanchor": "top", "pad": {"t": TITLE_PAD_PX}})
     if views:  # the first group, as its button would show it
         _, traces, layout = views[0]
         fig.update(data=[{"visible": v, "showlegend": legend} for v, legend in zip(*traces.values())])
@@ -531,11 +536,14 @@ def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: P
                "ms/step": axis(best, "time_per_minibatch_ms"),
                "peak MiB": axis(best, "peak_memory_mb"), "staleness": axis(best, "max_staleness"),
                "samples/s": axis(best, "samples_per_s"), "bubble": axis(best, "bubble_fraction")}
+    # The page's whole width, the configuration's column a third of it: with plotly's 80 px margins, at 800 px
+    # "staleness" and "samples/s" were cut in columns 56 px wide.
     table = go.Figure(go.Table(
-        columnwidth=[4, 1.2, 1, 1, 1, 1, 1], header={"values": list(columns), "align": "left"},
+        columnwidth=[3, 1.2, 1, 1, 1, 1, 1], header={"values": list(columns), "align": "left"},
         cells={"values": list(columns.values()), "align": "left", "height": 26,
                "format": [None, None, ".3f", ",.0f", "d", ",.1f", ".1%"]}))
-    table.update_layout(height=80 + 26 * (len(best) + 1), margin={"t": 10, "b": 10})
+    top_px = MODEBAR_PX + 5
+    table.update_layout(height=top_px + 70 + 26 * (len(best) + 1), margin={"t": top_px, "b": 10, "l": 0, "r": 0})
     write_html([(f"Trade-off: time per mini-batch vs peak memory, {ran_text(results)}, one Pareto front per p, cost "
                  "scale and mini-batch size", tradeoff_figure(results, front)),
                 (f"Pareto fronts: {count_text(len(best), 'configuration')}", table)], path, title="pipesim sweep")

@@ -202,13 +202,15 @@ class Visit:
     seconds: float
     requests: list[str] = field(default_factory=list)  # URLs the page asked for, other than itself and data:
     problems: list[str] = field(default_factory=list)  # exceptions and errors the browser reported
+    probed: Any = None  # the value of visit's `probe`
 
 
 def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000, settle: float = 0.0,
-          cpu_s: float = WAIT_CPU_S, wall_s: float = WAIT_WALL_S) -> Visit:
+          cpu_s: float = WAIT_CPU_S, wall_s: float = WAIT_WALL_S, probe: str = "") -> Visit:
     """Open `path` in headless Chromium, wait until its body's data-status leaves "loading" (and `settle`
     seconds more; a `Wait` of `cpu_s` and `wall_s`, else TimeoutError), and collect what the page recorded, what
-    the browser saw, and a screenshot of the viewport (make it tall enough)."""
+    the browser saw, a screenshot of the viewport (make it tall enough), and the value of the JavaScript
+    expression `probe` (a page that records nothing of its own: the sweep's)."""
     url = path.resolve().as_uri() + fragment
     with Browser(width, height) as browser:
         wait = Wait(browser.proc.pid, cpu_s, wall_s)
@@ -220,6 +222,7 @@ def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000,
             time.sleep(settle)
             status = browser.evaluate("document.body.dataset.status")
         body = browser.evaluate("document.body ? Object.assign({}, document.body.dataset) : {}") or {}
+        probed = browser.evaluate(probe) if probe else None
         geometry, summary = (browser.evaluate(f"(d => d && d.dataset.geometry)(document.getElementById('{name}'))")
                              for name in ("timeline", "summary"))
         # The viewport only: capturing beyond it resizes the page, which redraws every plot (slow in software).
@@ -237,7 +240,7 @@ def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000,
             elif method == "Runtime.consoleAPICalled" and params["type"] == "error":
                 problems.append("console: " + json.dumps(params["args"])[:500])
         return Visit(status, body, json.loads(geometry) if geometry else None, json.loads(summary) if summary else None,
-                     decode_png(base64.b64decode(shot["data"])), seconds, requests, problems)
+                     decode_png(base64.b64decode(shot["data"])), seconds, requests, problems, probed)
 
 
 # --- pixels ----------------------------------------------------------------------------------------------
@@ -501,9 +504,25 @@ def test_traces_of_very_different_memory_each_get_their_own_memory_axis(tmp_path
         assert peak <= panel["range"][1] <= 1.3 * peak, (panel, peak)
 
 
+# The sweep page's boxes: the trade-off's title and mode bar, and each of the fronts' table's header and first row
+# cells with their text ([left, top, right, bottom]).
+SWEEP_BOXES_JS = """(() => {
+  const box = element => { const r = element.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const [figure, table] = document.querySelectorAll(".js-plotly-plot");
+  const cells = [...table.querySelectorAll(".column-block")].filter(block => block.id !== "cells2").map(block => {
+    const cell = block.querySelector(".column-cell");
+    return {text: cell.textContent, cell: box(cell.querySelector(".cell-rect")),
+            written: box(cell.querySelector(".cell-text"))};
+  });
+  return {title: box(figure.querySelector(".gtitle")), modebar: box(figure.querySelector(".modebar")), cells};
+})()"""
+
+
 @needs_chromium
 def test_sweep_page_draws_each_schedule_in_its_own_colour(tmp_path):
-    """The trade-off page opens on one front: its dots are there, in one colour per schedule."""
+    """The trade-off page opens on one front: its dots are there, in one colour per schedule. At 800 px its title
+    starts under the plot's mode bar, and no header or figure of the fronts' table runs past its cell (the title
+    ran under the icons; "staleness" and "samples/s" were cut)."""
     from plotly.colors import qualitative
 
     from tests.conftest import pipesim
@@ -511,11 +530,16 @@ def test_sweep_page_draws_each_schedule_in_its_own_colour(tmp_path):
     page = tmp_path / "t.html"
     code, _, err = pipesim("sweep", "-s", "1f1b,pipedream,zb-h1", "-p", "2,4", "-j", "1", "--html", page)
     assert code == 0, err
-    v = visit(page)
+    v = visit(page, width=800, probe=SWEEP_BOXES_JS)
     assert_healthy(v)
     for colour in qualitative.D3[:3]:
         rgb = tuple(int(colour[k:k + 2], 16) for k in (1, 3, 5))
         assert kind_pixels(v.screenshot, rgb, tolerance=8).sum() > 40, f"no dot of colour {colour} on the page"
+    boxes = v.probed
+    assert boxes["title"][1] >= boxes["modebar"][3], boxes
+    assert {"staleness", "samples/s"} <= {c["text"] for c in boxes["cells"]}
+    for c in boxes["cells"]:
+        assert c["cell"][0] < c["written"][0] and c["written"][2] <= c["cell"][2], c
 
 
 @needs_chromium
