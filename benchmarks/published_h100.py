@@ -31,9 +31,10 @@ TransformerEngine's weight-gradient products (`--grad-accumulation fused`: every
 
 A second source, benchmarks/published/nemo-perf-summary-h100.csv (NeMo's performance summary, NeMo 24.07 on
 DGX-H100, FP8, in tokens/s per GPU), is run the same way and printed as its own table: its columns say where a
-row's launcher config departs from the settings above (`tp_overlap`, `fp8_params`, `rope_fusion`,
-`grad_sync_dtype`; benchmarks/published/README.md), the published step its tokens a step over the row's GPUs
-at the printed rate.
+row's launcher config or the launcher's H100 FP8 example command departs from the settings above (`tp_overlap`,
+`fp8_params`, `rope_fusion`, `grad_sync_dtype`; benchmarks/published/README.md), the published step its tokens a step
+over the row's GPUs at the printed rate. Its three tables print the same 12 configurations re-measured (each table a
+row set): the median is printed over all 36 rows and over the latest table's 12 alone.
 
     python benchmarks/published_h100.py                 # the tables, then each row's command
     python benchmarks/published_h100.py --json out.json # and the rows as JSON
@@ -54,6 +55,7 @@ from pipesim.commands.tables import print_table
 
 SOURCE = "nvidia-dgxc-h100.csv"
 NEMO_SUMMARY = "nemo-perf-summary-h100.csv"
+NEMO_SUMMARY_LATEST = "8e3d65dcfe"  # the summary's last table on NeMo's main (2024-09-09, "24.07 perf numbers")
 GPU = "h100-sxm"
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by, as NeMo's configs set it
 
@@ -78,7 +80,7 @@ def precision(row: dict[str, str]) -> list[str]:
     unless grad_sync_dtype says otherwise, megatron_gpt_model.py at v2.1.0): the default, megatron."""
     if row["optimizer_state"] == "bf16":
         return ["--precision", "nemo-bf16-adam"]
-    if row.get("grad_sync_dtype") == "fp32":  # Apex's default grad_sync_dtype: its dtype, float32
+    if row.get("grad_sync_dtype") == "fp32":  # none named: Apex's default, its `dtype`, float32
         return []
     return ["--precision", "megatron-16bit-grads"] if row["optimizer_buckets"] == "nemo" else []
 
@@ -194,7 +196,9 @@ def main() -> None:
     print()
     print_step_table(f"Step time on {GPU}: predicted against NeMo 24.07's performance summary (s, from tokens/s)",
                      summary_rows)
-    print(f"NeMo performance summary |error|: {summary(summary_rows)}")
+    latest = [r for r in summary_rows if r["run"].endswith(f"({NEMO_SUMMARY_LATEST[:7]})")]
+    print(f"NeMo performance summary |error|: {summary(summary_rows)} (3 tables, the same 12 configurations)")
+    print(f"NeMo performance summary, latest table ({NEMO_SUMMARY_LATEST}) |error|: {summary(latest)}")
     print("\nEach row's command (its ms/step / 1000 is the predicted s):")
     for r in summary_rows:
         print(f"{r['run']}:\n  {r['command']}")

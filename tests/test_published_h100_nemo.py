@@ -44,12 +44,14 @@ def test_every_summary_row_is_recorded_with_its_figure_and_layout():
         assert _flag(args, "--tensor-parallel") == str(t) if t > 1 else "--tensor-parallel" not in args
         # the launcher configs' ub_tp_comm_overlap, fp8_params (none sets it), apply_rope_fusion, grad_sync_dtype
         assert ("--tp-overlap" in args) == (published["tp_overlap"] == "true")
+        assert ("--tp-overlap-fp8-buf" in args) == (published["tp_overlap_fp8_buf"] == "true")
         assert (published["tp_overlap"] == "") == (t == 1)
         assert "--fp8-param-gather" not in args and published["fp8_params"] == "false"
         rope = _flag(args, "--rope-kernel") if "--rope-kernel" in args else ""
         assert rope == {"true": "fused", "false": "eager", "": ""}[published["rope_fusion"]]
         held = _flag(args, "--precision") if "--precision" in args else "megatron"
-        assert held == ("nemo-bf16-adam" if published["grad_sync_dtype"] == "bf16" else "megatron")
+        assert held == {("bf16", "bf16"): "nemo-bf16-adam", ("fp32", "bf16"): "megatron-16bit-grads",
+                        ("fp32", "fp32"): "megatron"}[published["optimizer_state"], published["grad_sync_dtype"]]
         assert _flag(args, "--dtype") == "fp8" and _flag(args, "--attention-kernel") == "flash2"  # NVTE_FUSED_ATTN 0
 
 
@@ -73,3 +75,19 @@ def test_the_summary_is_printed_as_its_own_table_and_median(monkeypatch, capsys)
     assert "performance summary (s, from tokens/s)" in out and "LLAMA3-70B FP8 64 GPUs (8e3d65d)" in out
     assert f"all |error|: {published_h100.summary(RECORDED['rows'])}" in out  # the dgxc rows' line as before
     assert f"NeMo performance summary |error|: {published_h100.summary(RECORDED['nemo_summary_rows'])}" in out
+    # the three tables re-measure the same 12 configurations: the latest table's median is printed beside
+    latest = [r for r in RECORDED["nemo_summary_rows"] if r["run"].endswith("(8e3d65d)")]
+    assert len(latest) == 12
+    assert f"latest table (8e3d65dcfe) |error|: {published_h100.summary(latest)}" in out
+
+
+def test_the_launcher_examples_gradient_sync_is_each_rows():
+    # NeMo-Framework-Launcher 24.07's H100 FP8 examples add `+training.model.optim.grad_sync_dtype=bf16` for every
+    # GPT3 and Llama model, Nemotron-8B's and -22B's none (Apex's default: float32); 340B's config names bf16
+    for published in PUBLISHED:
+        example = published["example"]
+        expected = "bf16" if example.startswith(("examples/training/gpt/", "examples/training/llama/")) else "fp32"
+        if published["model"] == "Nemotron-340B":
+            assert example == "" and published["optimizer_state"] == "bf16"
+            expected = "bf16"
+        assert published["grad_sync_dtype"] == expected, published["model"]
