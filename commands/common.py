@@ -30,6 +30,8 @@ from ..workload.sizes import DEFAULT_SIZES
 if TYPE_CHECKING:
     from ..planning.scenario import Scenario
     from ..profiles.schema import Profile
+    from ..schedules import Schedule
+    from ..schedules.methods import Method, ScheduleParams
 
 # Text wraps at the terminal's width, else at $COLUMNS, else at 120 (pipes and CI logs); tables: commands/tables.py.
 stdout = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
@@ -1300,6 +1302,19 @@ def searched_scenario(ctx: typer.Context, method, measured: Profile | None = Non
                          "give them")
     return scenario_from_flags(ctx, "device", **{name: value for name, value in SEARCH_DEFAULTS.items()
                                                  if ctx.params.get(name) is None})
+
+
+def built_schedule(method: Method, params: ScheduleParams, scenario: Scenario | None, quiet: bool,
+                   bounds: Sequence[int] | None = None) -> Schedule:
+    """`method`'s schedule for `params`: its fixed order where `scenario` is None (`searched_scenario`'s answer
+    for such a method), else built by the scenario, under the progress bar of a long search (`search_progress`,
+    none when `quiet`), cut at `bounds` (a profile's partition) where they are the schedule's p·v stages, else
+    where the scenario cuts."""
+    if scenario is None:
+        return method.build(params)
+    fits = bounds is not None and len(bounds) - 1 == params.stages * params.chunks
+    with search_progress(params.search_seconds, quiet) as report:
+        return scenario.build(method.name, params, bounds if fits else None, progress=report)
 
 
 PROFILE_COSTS = ("fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb", "output_mb",

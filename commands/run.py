@@ -50,6 +50,7 @@ from .common import (
     Stages,
     TopK,
     Width,
+    built_schedule,
     check_estimate_experts,
     check_expert_parallel,
     check_method_options,
@@ -66,7 +67,6 @@ from .common import (
     refused_with_flags,
     require_model,
     search_options,
-    search_progress,
     searched_scenario,
     stderr,
     stdout,
@@ -245,12 +245,8 @@ def run(
                                data_parallel=data_parallel, expert_parallel=expert_parallel,
                                overlap_expert_comm=overlap_expert_comm,
                                **method.read_options(search))
-        if scenario is None:
-            built = method.build(params)
-        else:  # searched for the costs of the stages the run cuts (the profile's partition, where it fits)
-            fits = bounds is not None and len(bounds) - 1 == params.stages * params.chunks
-            with search_progress(params.search_seconds, as_json) as report:
-                built = scenario.build(method.name, params, bounds if fits else None, progress=report)
+        # a searched order: for the costs of the stages the run cuts (the profile's partition, where it fits)
+        built = built_schedule(method, params, scenario, as_json, bounds)
         if bounds is not None and len(bounds) - 1 != built.num_stages:
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
                              f"{stages} devices has {built.num_stages}; "

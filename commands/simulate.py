@@ -54,6 +54,7 @@ from .common import (
     WgradFraction,
     Zero,
     allocator_fields,
+    built_schedule,
     check_allocator,
     check_estimate_experts,
     check_method_options,
@@ -75,7 +76,6 @@ from .common import (
     refused_with_flags,
     scenario_from_flags,
     search_options,
-    search_progress,
     searched_scenario,
     stderr,
     stdout,
@@ -296,8 +296,7 @@ def simulate(
                                    average_every=average_every, elastic_alpha=elastic_alpha,
                                    data_parallel=data_parallel, zero=zero_stage(ctx.params),
                                    reduce_after_flush=reduce_after_flush, expert_parallel=experts, **options)
-            with search_progress(params.search_seconds, as_json) as report:
-                return scenario.build(name, params, progress=report)
+            return built_schedule(method, params, scenario, as_json)
 
         requested, skipped = names, {}  # skipped: method -> why it cannot run here
         schedules = {loaded.method: loaded} if loaded else {}
@@ -801,14 +800,10 @@ def export(
         if measured is not None and not is_given(ctx, "stages"):
             stages = measured.partition.stages
         # torch's CSV is one pipeline: AvgPipe is refused for its averaging, not its default of two pipelines.
-        params = method.params(stages, microbatches, chunks=chunks, pipelines=1,
-                               **method.read_options(search))
-        if scenario is None:
-            built = method.build(params)
-        else:
+        params = method.params(stages, microbatches, chunks=chunks, pipelines=1, **method.read_options(search))
+        if scenario is not None:
             check_estimate_experts(measured, stages, 1, one_replica="export")
-            with search_progress(params.search_seconds, False) as report:
-                built = scenario.build(method.name, params, progress=report)
+        built = built_schedule(method, params, scenario, False)
         text = to_torch_csv(built)
         with writing("--out"):
             write_atomic(out, text)
