@@ -590,6 +590,12 @@ def test_the_memory_panel_draws_each_devices_capacity_as_a_labelled_dashed_line(
          "label": "device 3, device 2: room beside its GPU's other ranks' peaks 1,392\u20131,456 MiB"},
         {"axis": "y2", "mib": 1456, "label": ""}]
     assert v.geometry["memory"][0]["range"][1] >= 1456
+    # The lines' label over the panel, off device 0's curve at its 1,280 MiB line (under the line, it lay on it).
+    (label,) = v.geometry["capacity_labels"]
+    assert label["text"] == "- - - device 0, device 1: memory 1,280 MiB; device 3, device 2: room beside its GPU's " \
+        "other ranks' peaks 1,392\u20131,456 MiB"
+    _, label_top, _, label_height = label["box"]
+    assert label_top + label_height <= v.geometry["memory"][0]["plot"][1], (label, v.geometry["memory"][0])
 
 
 @needs_chromium

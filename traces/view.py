@@ -823,8 +823,10 @@ _TIMELINE_JS = r"""
   function mib(text) { return text === null ? "n/a (not recorded)" : text + " MiB"; }  // unknown is not 0
   function esc(s) { return String(s).replace(/[&<>"']/g, ch => "&#" + ch.charCodeAt(0) + ";"); }
 
-  // A dashed line across the panel at the most each device may hold, labelled under it (above, plotly's clip
-  // cuts it off where the line tops the axis): the axis reaches it, so a curve above it is what does not fit.
+  // A dashed line across the panel at the most each device may hold, labelled over the panel's right end, where
+  // no curve runs (under the line, the label lay on the curve of a run that peaks at it; above, a curve over it
+  // crosses it, and plotly's clip cuts it off where the line tops the axis): the axis reaches it, so a curve above
+  // it is what does not fit.
   // Ranks sharing one GPU's memory may hold what the others' peaks leave (their peaks add up, as the table's
   // fits / OOM column checks). Heights within a label's height (LIMIT_BAND of the highest) are labelled once,
   // naming their devices unless all share it, and their range where it is one. A device whose peak stays under
@@ -848,20 +850,24 @@ _TIMELINE_JS = r"""
       const span = fmt(low, 0) === fmt(high, 0) ? fmt(low, 0) : fmt(low, 0) + "\u2013" + fmt(high, 0);
       return who + what + span + " MiB";
     };
-    const drawn = bands(known.filter(near)).flatMap(({low, high, shared, entries}) => {
+    const lines = bands(known.filter(near)).flatMap(({low, high, shared, entries}) => {
       const heights = [...new Set(entries.map(({limit}) => limit))];
-      return heights.map((limit, k) => ({
-        type: "line", xref: "x domain", x0: 0, x1: 1, yref: axis, y0: limit, y1: limit, layer: "above",
-        line: {color: LIMIT_COLOR, width: 1.5, dash: "dash"},
-        label: {text: k ? "" : label(entries, low, high, shared) + (many ? " \u00b7 " + esc(T.label) : ""),
-                textposition: "end", yanchor: "top", font: {size: 10, color: LIMIT_COLOR}}}));
+      return heights.map((mib, k) => ({axis, mib, label: k ? "" : label(entries, low, high, shared) +
+                                                                   (many ? " \u00b7 " + esc(T.label) : "")}));
     });
+    const shapes = lines.map(({mib}) => ({type: "line", xref: "x domain", x0: 0, x1: 1, yref: axis, y0: mib, y1: mib,
+                                          layer: "above", line: {color: LIMIT_COLOR, width: 1.5, dash: "dash"}}));
+    const labels = lines.map(line => line.label).filter(Boolean);
     const far = bands(known.filter(entry => !near(entry))).map(({low, high, shared, entries}) =>
       label(entries, low, high, shared) + peakShare(Math.max(...entries.map(({peak, limit}) => peak / limit))));
-    return {shapes: drawn, note: far.length ? capacityNote(far, axis) : null};
+    const note = far.length ? capacityNote(far, axis) : null;
+    if (note && labels.length) note.yshift += CAPACITY_LINE_PX;  // over the lines' label
+    return {shapes, lines, note,
+            label: labels.length ? Object.assign(capacityNote([], axis), {text: "- - - " + labels.join("; ")}) : null};
   }
   function peakShare(share) { return " (peak " + (share < 0.001 ? "under 0.1" : fmt(100 * share, 1)) + " % of it)"; }
   // Over a panel's right end: the memory its axis leaves out, each with its peak's share of it.
+  const CAPACITY_LINE_PX = 14;  // a 10 px note's line
   function capacityNote(texts, axis) {
     return {text: texts.join("; ") + ", off this panel's scale", xref: "x domain", x: 1, xanchor: "right",
             yref: axis + " domain", y: 1, yanchor: "bottom", yshift: 4, showarrow: false,
@@ -955,7 +961,8 @@ _TIMELINE_JS = r"""
       const parts = members[panel.member].memoryParts;
       return panel.rows.filter(({device}) => !parts || device === parts.device).map(({device}) => device);
     }));
-    const axes = {}, headings = [], shapes = [], notes = [];
+    const axes = {}, headings = [], shapes = [], notes = [], labels = [];
+    built.capacity = [];
     built.panels.forEach((panel, j) => {
       const T = members[panel.member], axis = "y" + (j + 2);
       const bottom = (built.panels.length - 1 - j) * (panelPx + PANEL_GAP_PX);
@@ -1010,6 +1017,8 @@ _TIMELINE_JS = r"""
                                    gridcolor: "#ececec", zeroline: false, rangemode: "tozero"};
         const capacity = capacityLines(T, panel.rows, axis, many);
         shapes.push(...capacity.shapes);
+        built.capacity.push(...capacity.lines);
+        if (capacity.label) labels.push(capacity.label);
         if (capacity.note) notes.push(capacity.note);
       }
       if (many) {
@@ -1031,7 +1040,8 @@ _TIMELINE_JS = r"""
               ticklabelstandoff: 4},
     };
     Object.assign(layout, axes);
-    layout.annotations = [...headings, ...notes];
+    layout.annotations = [...headings, ...notes, ...labels];
+    built.capacityLabels = labels.length;
     built.capacityNotes = notes.map(({yref, text}) => ({axis: yref.split(" ")[0], text}));
     layout.shapes = shapes;
     if (memoryLegend) {
@@ -1290,7 +1300,11 @@ _TIMELINE_JS = r"""
       modebar: onPage(gd.querySelector(".modebar")), figure: onPage(gd),
       memory_legend: memoryLegend && {box: onPage(memoryLegend),
                                       scrolls: Boolean(scrollbar && scrollbar.getBoundingClientRect().height > 0)},
-      capacity: (fl.shapes || []).map(s => ({axis: s.yref, mib: s.y0, label: s.label.text})),
+      capacity: b.capacity,
+      // the lines' labels (the layout's last annotations) and the plot areas of their panels
+      capacity_labels: [...gd.querySelectorAll(".annotation")]
+        .filter(a => Number(a.dataset.index) >= fl.annotations.length - b.capacityLabels)
+        .map(a => ({text: a.textContent, box: onPage(a)})),
       capacity_notes: b.capacityNotes,
       heatmaps: b.heatmaps.map(({index, capacity}) => ({capacity, zmax: gd.data[index].zmax,
                                                          colorscale: gd.data[index].colorscale,
