@@ -4,6 +4,7 @@ describe. Imports only typer and rich at start-up, so every command starts fast.
 
 from __future__ import annotations
 
+import codecs
 import copy
 import functools
 import importlib.util
@@ -863,10 +864,16 @@ class Output:
     is_one: Callable[[bytes], bool]
 
 
+def is_sweep_results_bytes(data: bytes) -> bool:
+    """Whether a file's bytes are `sweep --out`'s: Parquet's, or its CSV's header, after the byte-order mark a
+    spreadsheet adds when it re-saves the CSV as UTF-8 (as `is_profile_bytes` allows one before a profile)."""
+    return data.removeprefix(codecs.BOM_UTF8).startswith((b"schedule,stages,", b"PAR1"))
+
+
 TRACE = Output("pipesim trace", is_trace_bytes)
 PAGE = Output("pipesim page", lambda data: PAGE_HEALTH.encode() in data)
 PROFILE = Output("pipesim profile", is_profile_bytes)
-SWEEP_RESULTS = Output("pipesim sweep results file", lambda data: data.startswith((b"schedule,stages,", b"PAR1")))
+SWEEP_RESULTS = Output("pipesim sweep results file", is_sweep_results_bytes)
 TORCH_CSV = Output("torch.distributed.pipelining schedule CSV",
                    lambda data: re.fullmatch(rb"(\d+[A-Z_]+\d*|,|\r?\n)*", data) is not None)
 OUTPUTS = {"--trace": TRACE, "--html": PAGE}  # each command's --out says its own

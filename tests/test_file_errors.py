@@ -1,6 +1,7 @@
 """A file that cannot be used is one line that says whether it was read or written, which path, and the flag
 that named it; never "cannot write" for a file only read, never a traceback."""
 
+import codecs
 import json
 import re
 import subprocess
@@ -229,6 +230,10 @@ def test_sweep_replaces_its_own_results_and_no_other_file(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert pipesim("sweep", "-s", "1f1b", "-j", "1", "--out", "r.csv")[0] == 0
     assert pipesim("sweep", "-s", "1f1b", "-j", "1", "--out", "r.csv")[0] == 0  # its own: replaced
+    written = (tmp_path / "r.csv").read_bytes()
+    (tmp_path / "r.csv").write_bytes(codecs.BOM_UTF8 + written)  # re-saved by a spreadsheet as UTF-8: still its own
+    code, _, err = pipesim("sweep", "-s", "1f1b", "-j", "1", "--out", "r.csv")
+    assert code == 0 and (tmp_path / "r.csv").read_bytes() == written, err
     (tmp_path / "r.csv").write_text(PROFILE_TEXT)
     code, _, err = pipesim("sweep", "-s", "1f1b", "-j", "1", "--out", "r.csv")
     assert code == 2 and err.startswith("error: --out: r.csv exists and is not a pipesim sweep results file"), err
