@@ -22,6 +22,15 @@ def count_text(number: int, noun: str) -> str:
     return f"{number:,} {noun if number == 1 else plural}"
 
 
+def bytes_text(nbytes: int) -> str:
+    """A size in the largest of MiB and KiB it reaches, to four significant figures, else in bytes ("4.135 MiB",
+    "512 B"): calibrate's progress and its summary's link lines alike, where "4335616 bytes" was left to count."""
+    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes} B"
+
+
 def memory_gib_refusal(memory_gib: float) -> str | None:
     """What a device's memory in GiB (--memory-gb, a cluster file's or a catalogue part's memory_gib) must be, where
     `memory_gib` is not it (None where it is): pipesim holds it as whole bytes, so less than one byte was a 0-byte cap

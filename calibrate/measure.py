@@ -56,7 +56,7 @@ from ..profiles.schema import (
     boundary_held_bytes,
     layer_costs,
 )
-from ..units import GIB, KIB, MIB
+from ..units import GIB, KIB, MIB, bytes_text
 from ..workload.models import BATCH, Model, ModelError, routed_experts_of
 from ..workload.moe import dispatches
 from ..workload.optim import make_optimizer
@@ -817,10 +817,10 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
                                  for first, stop in zip(bounds, bounds[1:]))
             past = sizes_covering(link_sizes, gradient_bytes)
             if past:
-                with phase(f"timing the all-reduce past the link's sizes, up to {past[-1]} bytes (a stage's gradients: "
-                           f"{gradient_bytes})") as notes:
+                with phase(f"timing the all-reduce past the link's sizes, up to {bytes_text(past[-1])} (a stage's "
+                           f"gradients: {bytes_text(gradient_bytes)})") as notes:
                     allreduce = with_sizes_covering(allreduce, max(link_sizes), past, settings, advance, cache, notes)
-            with phase(f"timing the all-reduce beside computing ranks ({gradient_bytes} bytes)") as notes:
+            with phase(f"timing the all-reduce beside computing ranks ({bytes_text(gradient_bytes)})") as notes:
                 allreduce = with_beside_compute(allreduce, gradient_bytes, settings, cache, notes)
     sizes = all_to_all_sizes(layers, expert_parallel)
     all_to_all = None
@@ -881,8 +881,8 @@ def with_sizes_covering(allreduce: AllReduceProfile, link_max_bytes: int, sizes:
         points += taken
         if cache is not None:
             taken_sizes = [point["nbytes"] for point in taken]
-            span = f"{taken_sizes[0]}" if len(taken_sizes) == 1 else f"{taken_sizes[0]} to {taken_sizes[-1]}"
-            notes.append(f"{span} bytes {measured.describe()}")
+            span = " to ".join(bytes_text(size) for size in dict.fromkeys([taken_sizes[0], taken_sizes[-1]]))
+            notes.append(f"{span} {measured.describe()}")
             kept.append({"sizes": taken_sizes, **measured.meta()})
         start_bytes = measured.value["covers_bytes"]
     covering = {"sizes": sizes, "covers_bytes": sizes[-1], **({"host_cache": kept} if cache is not None else {})}

@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..profiles.workload import too_few_layers
-from ..units import GIB, KIB, MIB, count_text
+from ..units import GIB, KIB, MIB, bytes_text, count_text
 from .common import DTYPES as DTYPE_NAMES  # --dtype's names -> torch's (calibrate.measure's DTYPES: torch's dtypes)
 from .common import (
     PROFILE,
@@ -458,21 +458,21 @@ def _print_profile(profile) -> None:
 
     meta = profile.link.meta
     # a segment whose times did not grow with size is fitted at the ceiling: "1e+06 GB/s" read as a measurement
-    lines = [f"from {_size(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us "
+    lines = [f"from {bytes_text(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us "
              + ("at any size (its times did not grow)" if s.bytes_per_ms >= MAX_BYTES_PER_MS else
                 f"+ {s.bytes_per_ms / 1e6:.3g} GB/s") for s in profile.link.segments]
     stdout.print(f"p2p link fit ({meta.get('backend')}, {meta.get('device')}): " + "; ".join(lines)
                  + _cached(meta, "the link and all-reduce"), highlight=False)
     points = profile.allreduce.points
     stdout.print(f"all-reduce ({profile.allreduce.world_size} ranks): " + ", ".join(
-        f"{_size(p.nbytes)} {p.ms:.3g} ms" for p in (points[0], points[len(points) // 2], points[-1])),
+        f"{bytes_text(p.nbytes)} {p.ms:.3g} ms" for p in (points[0], points[len(points) // 2], points[-1])),
         highlight=False)
     if profile.all_to_all is not None:
         term = profile.all_to_all
         stdout.print(f"all-to-all ({term.world_size} ranks, {term.meta.get('backend')}): " + "; ".join(
-            f"from {_size(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us + {s.bytes_per_ms / 1e6:.3g} GB/s"
-            for s in term.segments) + f" (a rank's buffer, {_size(term.points[0].nbytes)} to "
-            f"{_size(term.points[-1].nbytes)})" + _cached(term.meta, "the all-to-all"), highlight=False)
+            f"from {bytes_text(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us + {s.bytes_per_ms / 1e6:.3g} GB/s"
+            for s in term.segments) + f" (a rank's buffer, {bytes_text(term.points[0].nbytes)} to "
+            f"{bytes_text(term.points[-1].nbytes)})" + _cached(term.meta, "the all-to-all"), highlight=False)
 
 
 def _cached(meta: dict, what: str) -> str:
@@ -486,10 +486,3 @@ def _cached(meta: dict, what: str) -> str:
     load = HostLoad.from_dict(cached.get("load"))
     return (f" ({what} from the host cache, measured {format_age(cached['age_s'])} ago at "
             f"{load.describe() if load is not None else 'load not recorded'})")
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.4g} {unit}"
-    return f"{nbytes} B"
