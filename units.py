@@ -23,9 +23,10 @@ def count_text(number: int, noun: str) -> str:
 
 
 def bytes_text(nbytes: int) -> str:
-    """A size in the largest of MiB and KiB it reaches, to four significant figures, else in bytes ("4.135 MiB",
-    "512 B"): calibrate's progress and its summary's link lines alike, where "4335616 bytes" was left to count."""
-    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
+    """A size in the largest of GiB, MiB and KiB it reaches, to four significant figures, else in bytes ("4.135 MiB",
+    "512 B"): calibrate's progress and its summary's link lines alike, where "4335616 bytes" was left to count. GiB
+    too: a stage's gradients past 10,000 MiB read "1.234e+04 MiB" at four figures."""
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if nbytes >= scale:
             return f"{nbytes / scale:.4g} {unit}"
     return f"{nbytes} B"
