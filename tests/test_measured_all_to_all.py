@@ -20,7 +20,8 @@ from pipesim.sim.engine import simulate
 from pipesim.traces import read_trace
 from pipesim.traces.trace import Stream
 from pipesim.workload.models import build_model, routed_parameters
-from tests.conftest import pipesim
+from tests.conftest import needs_transformers, pipesim
+from tests.test_hf import write_config
 
 MOE = {"layers": 2, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32, "experts": 4, "top_k": 2, "expert_ffn": 8}
 SETTINGS = Settings(torch.device("cpu"), torch.float32, microbatch_size=2, warmup=0, repeats=1)
@@ -36,6 +37,21 @@ def test_calibration_records_what_each_mixture_of_experts_layer_exchanges():
     experts = [sum(p.numel() * 4 for name, p in module.named_parameters() if name in routed_parameters(module))
                for module in net.layers]
     assert [layer.expert_param_bytes for layer in layers] == experts and experts[1] > 0
+
+
+@needs_transformers
+def test_a_calibrated_hugging_face_mixture_records_the_routed_experts_its_estimate_reads(tmp_path):
+    """A Hugging Face MoE's layers record the routed experts of its config (the model's `experts` option, which the
+    estimate reads), not 0, so that its count exchange (`COUNT_BYTES` an expert) is measured and priced."""
+    mixtral = {"model_type": "mixtral", "hidden_size": 16, "intermediate_size": 8, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+               "vocab_size": 32, "max_position_embeddings": 64, "tie_word_embeddings": False}
+    net = build_model(f"hf:{write_config(tmp_path / 'mixtral', mixtral)}", seq_len=8)
+    _, layers = measure_bytes(net, SETTINGS)
+    assert net.options["experts"] == 4
+    assert [(layer.routed_experts, layer.dispatched_bytes > 0) for layer in layers] == \
+        [(0, False), *[(4, True)] * 2, (0, False), (0, False)]  # embedding, 2 decoder layers, norm, head
+    assert all_to_all_sizes(layers, 2)[0] == COUNT_BYTES * 4
 
 
 def test_the_all_to_all_is_measured_at_the_sizes_exchanged_and_powers_of_four_between_split_evenly():

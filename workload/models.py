@@ -293,7 +293,9 @@ def routed_parameters(module: nn.Module) -> list[str]:
 
 
 def routed_experts_of(module: nn.Module) -> int | None:
-    """How many routed experts each of `module`'s mixture-of-experts layers has (None: it has none)."""
+    """How many routed experts each of `module`'s built-in mixture-of-experts layers (`_ExpertsMLP`, which
+    `place_experts` places) has (None: it has none). A model's routed experts, a Hugging Face config's too, are its
+    `experts` option (`Model.options`), which the estimate and calibrate read."""
     return next((sub.up.shape[0] for sub in module.modules() if isinstance(sub, _ExpertsMLP)), None)
 
 
