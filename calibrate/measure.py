@@ -57,7 +57,7 @@ from ..profiles.schema import (
     layer_costs,
 )
 from ..units import GIB, KIB, MIB, bytes_text
-from ..workload.models import BATCH, Model, ModelError
+from ..workload.models import BATCH, Model, ModelError, routed_experts_of
 from ..workload.moe import dispatches
 from ..workload.optim import make_optimizer
 from .cache import HostCache, fresh
@@ -284,9 +284,10 @@ def place(model: Model, device: torch.device, dtype: torch.dtype) -> None:
 def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[LayerProfile]]:
     """Move the model to the device and dtype and run it once: each layer's weight, gradient, optimizer
     state, output and saved-activation bytes, and a mixture of experts' routed experts (in each layer that
-    dispatches: the model's `experts` option, as the estimate reads them, a Hugging Face config's too) and the token
-    copies they are dispatched (workload/moe.py `dispatches`; timings left at zero: `measure_times` fills them, so a
-    memory cap nothing fits fails before the slow part).
+    dispatches: the model's `experts` option, as the estimate reads them, a Hugging Face config's too; where a
+    model built by its own code carries no options, its gpt blocks' `routed_experts_of`) and the token copies they
+    are dispatched (workload/moe.py `dispatches`; timings left at zero: `measure_times` fills them, so a memory cap
+    nothing fits fails before the slow part).
 
     Saved activations are what autograd keeps for backward (saved_tensors_hooks), weights and buffers excluded
     (the module holds them whatever autograd saves), each storage counted once per layer."""
@@ -340,7 +341,7 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
             optimizer_state_bytes={name: _state_bytes(name, weights) for name in OPTIMIZERS},
             saved_input_bytes=[saved.get(a.untyped_storage().data_ptr(), 0) for a in args],
             output_saved=out.untyped_storage().data_ptr() in saved, expert_param_bytes=routed.expert_weight_bytes,
-            routed_experts=(model.options.get("experts") or 0) if routed.blocks else 0,
+            routed_experts=(model.options.get("experts") or routed_experts_of(layer) or 0) if routed.blocks else 0,
             dispatched_bytes=routed.token_bytes,
             dispatched_block_bytes=[block.sent_bytes for block in routed.blocks]))
         previous = saved

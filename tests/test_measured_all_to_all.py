@@ -19,7 +19,7 @@ from pipesim.sim.costs import Costs, StageCosts
 from pipesim.sim.engine import simulate
 from pipesim.traces import read_trace
 from pipesim.traces.trace import Stream
-from pipesim.workload.models import build_model, routed_parameters
+from pipesim.workload.models import build_model, gpt, routed_parameters
 from tests.conftest import needs_transformers, pipesim
 from tests.test_hf import write_config
 
@@ -53,6 +53,12 @@ def test_a_calibrated_hugging_face_mixture_records_the_routed_experts_its_estima
         [(0, False), *[(4, True)] * 2, (0, False), (0, False)]  # embedding, 2 decoder layers, norm, head
     assert all_to_all_sizes(layers, 2)[0] == COUNT_BYTES * 4
 
+
+def test_a_model_built_by_its_own_code_records_its_gpt_blocks_routed_experts():
+    """A bring-your-own model (`package.module:attribute`) carries no options: its gpt blocks give the experts."""
+    net = gpt(**MOE)
+    assert "experts" not in net.options
+    assert [layer.routed_experts for layer in measure_bytes(net, SETTINGS)[1]] == [0, 4, 4, 0]
 
 def test_the_all_to_all_is_measured_at_the_sizes_exchanged_and_powers_of_four_between_split_evenly():
     _, layers = measure_bytes(build_model("gpt", **MOE), SETTINGS)
