@@ -710,15 +710,16 @@ def check_estimate_experts(measured, stages: int, data_parallel: int, *, one_rep
                      f"order cannot place in one replica: give a profile estimated with --expert-parallel 1")
 
 
-def check_expert_parallel(expert_parallel: int, net) -> None:
+def check_expert_parallel(expert_parallel: int, net, *, placed: bool = False) -> None:
     """--expert-parallel E needs a mixture of experts (`net`) whose routed experts E divides
-    (planning/experts.py `check_expert_ranks`)."""
+    (planning/experts.py `check_expert_ranks`): its `experts` option, as calibrate records them (a Hugging Face
+    config's too), or where run `placed` them on its ranks, the built-in gpt's that `place_experts` places."""
     from ..planning.experts import check_expert_ranks
     from ..workload.models import routed_experts_of
 
+    placeable = next((n for layer in net.layers if (n := routed_experts_of(layer)) is not None), None)
     with refused_with_flags():
-        check_expert_ranks(expert_parallel, next((n for layer in net.layers
-                                                  if (n := routed_experts_of(layer)) is not None), None))
+        check_expert_ranks(expert_parallel, placeable if placed else net.options.get("experts") or placeable)
 
 
 def out_of_memory(checks) -> tuple[str, str] | None:

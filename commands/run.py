@@ -275,7 +275,7 @@ def run(
         except ModelError as exc:
             raise InputError(str(exc)) from None
         if expert_parallel > 1:
-            check_expert_parallel(expert_parallel, net)
+            check_expert_parallel(expert_parallel, net, placed=True)
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, dtype=DTYPES[dtype or "float32"], bounds=bounds,
                        threads_per_rank=threads_per_rank, timeout_s=timeout)

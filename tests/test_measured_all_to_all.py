@@ -27,6 +27,9 @@ MOE = {"layers": 2, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32, "experts
 SETTINGS = Settings(torch.device("cpu"), torch.float32, microbatch_size=2, warmup=0, repeats=1)
 TOKEN_COPIES = 2 * 8 * 2  # micro-batch x sequence x top-k, balanced over the 4 experts (8 each)
 LATENCY_MS, BYTES_PER_MS = 0.5, 1000.0  # the all-to-all term written into the profile below
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 16, "intermediate_size": 8, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "vocab_size": 32, "max_position_embeddings": 64, "tie_word_embeddings": False}  # a tiny Hugging Face MoE
 
 
 def test_calibration_records_what_each_mixture_of_experts_layer_exchanges():
@@ -43,15 +46,24 @@ def test_calibration_records_what_each_mixture_of_experts_layer_exchanges():
 def test_a_calibrated_hugging_face_mixture_records_the_routed_experts_its_estimate_reads(tmp_path):
     """A Hugging Face MoE's layers record the routed experts of its config (the model's `experts` option, which the
     estimate reads), not 0, so that its count exchange (`COUNT_BYTES` an expert) is measured and priced."""
-    mixtral = {"model_type": "mixtral", "hidden_size": 16, "intermediate_size": 8, "num_attention_heads": 2,
-               "num_key_value_heads": 1, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
-               "vocab_size": 32, "max_position_embeddings": 64, "tie_word_embeddings": False}
-    net = build_model(f"hf:{write_config(tmp_path / 'mixtral', mixtral)}", seq_len=8)
+    net = build_model(f"hf:{write_config(tmp_path / 'mixtral', MIXTRAL)}", seq_len=8)
     _, layers = measure_bytes(net, SETTINGS)
     assert net.options["experts"] == 4
     assert [(layer.routed_experts, layer.dispatched_bytes > 0) for layer in layers] == \
         [(0, False), *[(4, True)] * 2, (0, False), (0, False)]  # embedding, 2 decoder layers, norm, head
     assert all_to_all_sizes(layers, 2)[0] == COUNT_BYTES * 4
+
+
+@needs_transformers
+def test_calibrate_checks_a_hugging_face_mixtures_expert_parallel_ranks_against_its_routed_experts(tmp_path):
+    """calibrate --expert-parallel E of a Hugging Face MoE is checked against the experts its layers record: refused
+    only where E does not divide them (it refused every E, as though the model had no routed experts)."""
+    config = write_config(tmp_path / "mixtral", MIXTRAL)
+    profile = tmp_path / "p.json"
+    code, out, err = pipesim("calibrate", "--model", f"hf:{config}", "--seq-len", 8, "--expert-parallel", 3,
+                             "--no-runtime", "--no-contention", "--out", profile)
+    assert code == 2 and "--expert-parallel 3 does not divide the model's 4 routed experts" in err, err
+    assert not profile.exists()
 
 
 def test_a_model_built_by_its_own_code_records_its_gpt_blocks_routed_experts():
