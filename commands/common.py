@@ -718,6 +718,10 @@ def check_expert_parallel(expert_parallel: int, net, *, placed: bool = False) ->
     from ..workload.models import routed_experts_of
 
     placeable = next((n for layer in net.layers if (n := routed_experts_of(layer)) is not None), None)
+    if placed and placeable is None and net.options.get("experts"):
+        raise InputError(f"--expert-parallel {expert_parallel}: run places the built-in gpt's routed experts on its "
+                         "ranks, not a Hugging Face model's; simulate its calibrated profile (pipesim calibrate "
+                         f"--expert-parallel {expert_parallel}) with --expert-parallel {expert_parallel}")
     with refused_with_flags():
         check_expert_ranks(expert_parallel, placeable if placed else net.options.get("experts") or placeable)
 

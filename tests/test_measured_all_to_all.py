@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipesim.calibrate.measure import Settings, all_to_all_sizes, calibrate, measure_bytes
+from pipesim.commands.common import InputError, check_expert_parallel
 from pipesim.planning.scenario import measured_all_to_alls
 from pipesim.profiles.schema import COUNT_BYTES, AllToAllProfile, load_profile, profile_json
 from pipesim.schedules import ScheduleParams, build_schedule
@@ -64,6 +65,19 @@ def test_calibrate_checks_a_hugging_face_mixtures_expert_parallel_ranks_against_
                              "--no-runtime", "--no-contention", "--out", profile)
     assert code == 2 and "--expert-parallel 3 does not divide the model's 4 routed experts" in err, err
     assert not profile.exists()
+
+
+@needs_transformers
+def test_run_refuses_to_place_a_hugging_face_mixtures_experts_and_says_what_does(tmp_path):
+    """run places only the built-in gpt's experts on its ranks (`check_expert_parallel(placed=True)`, run's check
+    of a model rebuilt from its profile): a Hugging Face MoE is refused naming the path that prices its expert
+    parallelism (calibrate, then simulate), not as a model without routed experts."""
+    net = build_model(f"hf:{write_config(tmp_path / 'mixtral', MIXTRAL)}", seq_len=8)
+    check_expert_parallel(2, net)  # calibrate's check: its 4 experts over 2 ranks
+    with pytest.raises(InputError) as refused:
+        check_expert_parallel(2, net, placed=True)
+    assert str(refused.value).startswith("--expert-parallel 2: run places the built-in gpt's routed experts on its "
+                                         "ranks, not a Hugging Face model's"), refused.value
 
 
 def test_a_model_built_by_its_own_code_records_its_gpt_blocks_routed_experts():
