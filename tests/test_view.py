@@ -305,6 +305,16 @@ def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readab
     assert "1,000%" in fig.layout.yaxis.ticktext and "1%" in fig.layout.yaxis.ticktext
 
 
+def test_error_chart_keeps_its_axis_labels_where_every_error_is_within_a_fifth_of_a_decade():
+    """Forwards 10 % too long, backwards exact: the axis spans 10 to 15.8 %, where log_ticks finds no two ticks;
+    given as none (tickvals []), plotly drew no label at all, so the axis is plotly's own, in %."""
+    predicted, measured = run("1f1b", 2, 4, 2, fwd=1.1).trace, run("1f1b", 2, 4, 2).trace
+    fig = error_figure(compare(predicted, dataclasses.replace(
+        measured, meta=dataclasses.replace(measured.meta, source="measured"))))
+    assert fig.data[0].text == ("10.0%", "0.0%") and fig.layout.yaxis.range == (1, 1.2)
+    assert fig.layout.yaxis.tickvals is None and fig.layout.yaxis.ticksuffix == "%"
+
+
 def test_the_fullest_devices_memory_is_stacked_by_part_up_to_its_curve():
     """The page stacks the fullest device's parts (weights at the bottom): their top is that device's memory curve
     wherever a part changes, and its peak is the device's peak; a long run keeps STACK_COLUMNS samples and the
