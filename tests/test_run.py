@@ -117,7 +117,7 @@ BAD = {
                                        "--activation-limit applies to auto only, not 1f1b"),
     # torch took 10**12 threads as an overflow in each rank, which exited with code 1
     "threads past the host's cores": (["--schedule", "1f1b", *SMALL_MLP, "--threads-per-rank", 10**12],
-                                      "--threads-per-rank: give 1 to "),
+                                      "--threads-per-rank: give 1"),  # "to N" past 1 core
     # the micro-batch the ranks are sent, made here first, was torch's allocation traceback
     "micro-batch past memory": (["--schedule", "1f1b", *SMALL_MLP[:-1], 10**12],
                                 "mlp does not fit in memory at micro-batch size 1,000,000,000,000 (--microbatch-size)"),
