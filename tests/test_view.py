@@ -117,9 +117,14 @@ def test_views_align_several_traces_and_labels_tell_them_apart(trace):
 
 
 def test_without_a_memory_counter_the_page_has_no_memory(trace):
-    data = _page_data(timeline_page([dataclasses.replace(trace, counters={})]))
+    from pipesim.traces.view import summary_figure
+
+    bare = dataclasses.replace(trace, counters={})
+    data = _page_data(timeline_page([bare]))
     assert data["traces"][0]["memory"] is None
     assert data["traces"][0]["summary"]["peak_memory_mb"] is None  # unknown, not 0: the page shows "n/a"
+    bars = summary_figure([trace, trace], ["a", "b"], [summarize(trace), summarize(bare)], [0])["data"][3]
+    assert bars["text"][1] == "n/a" and bars["customdata"] == [f"{bars['text'][0]} MiB", "n/a"]  # not "n/a MiB"
 
 
 def test_large_trace_page_grows_by_bytes_per_op():

@@ -304,7 +304,8 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
         if field == "time_per_minibatch_ms":
             hover = [f"{text} ms per mini-batch of {n:,} samples" for text, n in zip(texts, samples)]
         elif field == "peak_memory_mb":
-            hover = [f"{text} MiB" + (", out of memory" if oom else "") for text, oom in zip(texts, over)]
+            hover = [text if v is None else f"{text} MiB" + (", out of memory" if oom else "")  # "n/a", no unit
+                     for text, v, oom in zip(texts, values, over)]
             texts = [text + (" OOM" if oom else "") for text, oom in zip(texts, over)]
         data.append({"type": "bar", "orientation": "h", "y": list(labels), "x": values, "text": texts,
                      "customdata": hover, "textposition": "auto", "textangle": 0, "cliponaxis": False,
