@@ -86,6 +86,7 @@ def test_a_model_built_by_its_own_code_records_its_gpt_blocks_routed_experts():
     assert "experts" not in net.options
     assert [layer.routed_experts for layer in measure_bytes(net, SETTINGS)[1]] == [0, 4, 4, 0]
 
+
 def test_the_all_to_all_is_measured_at_the_sizes_exchanged_and_powers_of_four_between_split_evenly():
     _, layers = measure_bytes(build_model("gpt", **MOE), SETTINGS)
     counts, copies = COUNT_BYTES * 4, TOKEN_COPIES * 16 * 4  # 32 and 2,048 bytes a rank
