@@ -119,13 +119,22 @@ def _at_least(console: Console, width: int) -> Iterator[None]:
         console.width = saved
 
 
+def _edgeless(table: Table) -> Table:
+    """The table without its box's edges, which a simple box draws as a blank line over the header and another
+    under the rows: only a table that fit had them, so study's at 80 columns opened with a blank line and
+    simulate's, compacted, did not. The blank column the edge left before the first column stays, as padding."""
+    edgeless = copy.copy(table)
+    edgeless.show_edge = False
+    edgeless.pad_edge = True
+    return edgeless
+
+
 def _compact(table: Table) -> Table:
     """The table with one space between columns instead of two (the box's rule, or padding without one), and
-    no edges."""
+    none before the first."""
     compact = copy.copy(table)
     compact.padding = (0, 0) if table.box else (0, 1, 0, 0)
     compact.pad_edge = False
-    compact.show_edge = False
     return compact
 
 
@@ -137,7 +146,7 @@ def _too_wide(table: Table, ranges: list[tuple[int, int, int]], width: int | Non
 def print_tables(tables: list[Table], console: Console = stdout, keys: int = 1) -> None:
     """Print the tables of one output (`print_table` each) in one style: all compact where one must be."""
     width = available_width(console)
-    compact = any(_too_wide(table, _content_ranges(console, table, keys), width) for table in tables)
+    compact = any(_too_wide(_edgeless(table), _content_ranges(console, table, keys), width) for table in tables)
     for table in tables:
         print_table(table, console, keys, compact)
 
@@ -149,6 +158,7 @@ def print_table(table: Table, console: Console = stdout, keys: int = 1, compact:
     where the other columns cannot; its title and caption wrap at the width available, not at the table's.
     `compact`: with one space between columns even where it fits (`print_tables`: beside one that does not)."""
     width = available_width(console)
+    table = _edgeless(table)
     ranges = _content_ranges(console, table, keys)
     parts = [list(range(len(ranges)))]
     if compact or _too_wide(table, ranges, width):

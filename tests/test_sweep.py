@@ -105,7 +105,7 @@ def test_auto_rows_are_searched_per_limit_and_cost_scale_as_simulate_searches_th
         assert {k: row[k] for k in METRIC_NAMES} == {k: expected[k] for k in METRIC_NAMES}, (name, limit, scale)
     for scale in (1.0, 3.0):
         assert rows["auto", 2.0, scale]["time_per_minibatch_ms"] <= rows["auto", 1.0, scale]["time_per_minibatch_ms"]
-    assert " R " in text.splitlines()[3]  # the front's table has the column
+    assert " R " in text.splitlines()[2]  # the front's table has the column
 
 
 def dominates(a, b):
@@ -243,7 +243,7 @@ def test_one_run_under_several_names_is_one_row_naming_the_others(tmp_path):
     # the counts add up to the grid's 14: "8 configurations (2 skipped, ...)" read as if 2 of the 8 were skipped
     tally = f"{ran} configurations that ran ({skipped} more skipped, 4 more the same schedule as one of them)"
     assert ran + skipped + 4 == 14 and f"of the {tally}" in " ".join(text.split()) and tally in page.read_text()
-    assert "same schedule as" in text.splitlines()[3] and "interleaved-1f1b v=1" in text
+    assert "same schedule as" in text.splitlines()[2] and "interleaved-1f1b v=1" in text
     assert "the same schedule as interleaved-1f1b v=1" in page.read_text()
 
 

@@ -114,6 +114,18 @@ def test_the_tables_of_one_output_share_one_style_where_one_must_be_compact():
         "\n".join(lines)
 
 
+def test_a_table_that_fits_opens_as_one_compacted_does_with_no_blank_line():
+    """study's table fit at 80 columns and opened with a blank line over its header (its box's edge), which
+    simulate's, compacted, did not: no table has one now, only the padding differs."""
+    table = Table(title="the setting", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("arm")
+    table.add_column("acc %", justify="right")
+    table.add_row("1f1b", "90.3 ± 4.8")
+    lines = rendered(table, 80)
+    assert [line.rstrip() for line in lines] == ["the setting", " arm         acc %", "─" * 19,
+                                                 " 1f1b   90.3 ± 4.8"], "\n".join(lines)
+
+
 def test_a_table_that_wraps_gives_its_padding_to_the_wrapped_cell():
     """tune's table at 100 columns: with a space between columns instead of padding, its "why not" reason takes
     twice the width, and half the lines."""
