@@ -1,6 +1,6 @@
 """NVIDIA's published MoE pre-training throughput on H100 (benchmarks/published/: Megatron-Bridge's performance
-summaries, the Megatron MoE Model Zoo's Qwen3-235B-A22B table, DGX Cloud's recipes) predicted by a pipesim command
-line each, nothing fitted.
+summaries, the Megatron MoE Model Zoo's Qwen3-235B-A22B table, DGX Cloud's recipes, Megatron-Bridge's skill and model
+card runs, NeMo AutoModel's table) predicted by a pipesim command line each, nothing fitted.
 
 Megatron-Bridge's rows (nemo-megatron-bridge-moe-h100.csv; Qwen3-30B-A3B, gpt-oss-120b and DeepSeek-V3 among them)
 first.
