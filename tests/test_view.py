@@ -310,14 +310,18 @@ def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readab
     assert "1,000%" in fig.layout.yaxis.ticktext and "1%" in fig.layout.yaxis.ticktext
 
 
-def test_error_chart_keeps_its_axis_labels_where_every_error_is_within_a_fifth_of_a_decade():
-    """Forwards 10 % too long, backwards exact: the axis spans 10 to 15.8 %, where log_ticks finds no two ticks;
-    given as none (tickvals []), plotly drew no label at all, so the axis is plotly's own, in %."""
-    predicted, measured = run("1f1b", 2, 4, 2, fwd=1.1).trace, run("1f1b", 2, 4, 2).trace
-    fig = error_figure(compare(predicted, dataclasses.replace(
-        measured, meta=dataclasses.replace(measured.meta, source="measured"))))
-    assert fig.data[0].text == ("10.0%", "0.0%") and fig.layout.yaxis.range == (1, 1.2)
+def test_error_chart_keeps_its_axis_labels_and_bars_near_a_decade():
+    """Forwards 11 % too long, backwards exact: the axis spans 10 to 17.4 %, where log_ticks finds no two ticks;
+    given as none (tickvals []), plotly drew no label at all, so the axis is plotly's own, in %. Forwards 10 % too
+    long: the axis starts a decade under the bar, which starting at 10 % had no height."""
+    measured = run("1f1b", 2, 4, 2).trace
+    measured = dataclasses.replace(measured, meta=dataclasses.replace(measured.meta, source="measured"))
+    fig = error_figure(compare(run("1f1b", 2, 4, 2, fwd=1.11).trace, measured))
+    assert fig.data[0].text == ("11.0%", "0.0%") and fig.layout.yaxis.range[0] == 1
     assert fig.layout.yaxis.tickvals is None and fig.layout.yaxis.ticksuffix == "%"
+    fig = error_figure(compare(run("1f1b", 2, 4, 2, fwd=1.1).trace, measured))
+    assert fig.data[0].y[0] == pytest.approx(10) and fig.layout.yaxis.range == (0, 1.2)
+    assert fig.layout.yaxis.tickvals == (1, 2, 5, 10)
 
 
 def test_the_fullest_devices_memory_is_stacked_by_part_up_to_its_curve():

@@ -433,9 +433,10 @@ def error_figure(comparison: Comparison) -> go.Figure:
                            text=[f"{v:,.0f}%" if v >= 100 else f"{v:.1f}%" for v in percent], textposition="outside",
                            cliponaxis=False, hovertemplate="%{x} " + name + ": %{text}<extra></extra>"))
     drawn = [y for bar in bars for y in bar.y if y is not None]
-    # From the decade under the smallest bar (a log axis has no zero to start bars from) to above the largest.
-    span = [math.floor(math.log10(min(drawn))), math.log10(max(drawn)) + 0.2] if drawn else [0, 2]
-    ticks = log_ticks(span)  # none within a fifth of a decade (every error 10 to 12.6 %): plotly's own, then
+    # From the decade under the smallest bar (a log axis has no zero to start bars from; a bar at a decade, 10 %,
+    # starts under it, not at its top, where it had no height) to above the largest.
+    span = [math.ceil(math.log10(min(drawn))) - 1, math.log10(max(drawn)) + 0.2] if drawn else [0, 2]
+    ticks = log_ticks(span)  # none within a fifth of a decade (every error 10.1 to 12.6 %): plotly's own, then
     fig = go.Figure(bars)
     fig.update_layout(barmode="group", height=340, margin=dict(l=60, r=20, t=40, b=40), showlegend=False,
                       uniformtext={"mode": "show", "minsize": SUMMARY_TEXT_PX},
