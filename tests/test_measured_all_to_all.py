@@ -6,6 +6,8 @@ cannot price them."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from pipesim.calibrate.measure import Settings, all_to_all_sizes, calibrate, measure_bytes
 from pipesim.commands.common import InputError, check_expert_parallel
 from pipesim.planning.scenario import measured_all_to_alls
-from pipesim.profiles.schema import COUNT_BYTES, AllToAllProfile, load_profile, profile_json
+from pipesim.profiles.schema import COUNT_BYTES, AllToAllProfile, ProfileError, load_profile, profile_json
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim.cluster import Cluster
 from pipesim.sim.costs import Costs, StageCosts
@@ -155,6 +157,28 @@ def test_a_layer_of_two_mixture_of_experts_blocks_pays_each_blocks_exchanges_and
     forward_ms, backward_ms = ms(COUNT_BYTES * 4) + 2 * ms(copies), 2 * ms(copies)  # one block's
     priced_ms = [exchange_ms for c in stages for exchange_ms in (c.all_to_all_fwd_ms, c.all_to_all_bwd_ms)]
     assert priced_ms == pytest.approx([2 * forward_ms, 2 * backward_ms, forward_ms, backward_ms], rel=1e-12)
+
+
+def test_a_profile_from_before_the_blocks_were_recorded_prices_each_layer_as_one_block(moe_profile, tmp_path):
+    """A profile calibrated before `dispatched_block_bytes` (no such key) loads, each MoE layer one block of its
+    `dispatched_bytes`, priced as the profile that records them; blocks that do not sum to it are refused."""
+    _, priced, bounds = moe_profile
+    doc = json.loads(priced.read_text())
+    for layer in doc["layers"]:
+        del layer["dispatched_block_bytes"]
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(doc))
+    costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0),) * 2)
+    recorded, before = load_profile(priced), load_profile(older)
+    copies = TOKEN_COPIES * 16 * 4
+    assert [layer.dispatches_bytes for layer in before.layers] == [[], [copies], [copies], []]
+    priced_before = measured_all_to_alls(costs, before, bounds, 2)
+    assert priced_before == measured_all_to_alls(costs, recorded, bounds, 2)
+    assert all(c.all_to_all_fwd_ms > 0 for c in priced_before.stages)
+    doc["layers"][1]["dispatched_block_bytes"] = [1, 2]
+    older.write_text(json.dumps(doc))
+    with pytest.raises(ProfileError, match="dispatched_block_bytes sum to 3, not dispatched_bytes 2048"):
+        load_profile(older)
 
 
 @pytest.mark.parametrize("args, fragment", [
