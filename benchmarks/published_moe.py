@@ -643,7 +643,8 @@ def automodel_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]
         preset = AUTOMODEL_PRESETS[row["model"]]
         pipelined: dict = {}
         if p > 1:
-            blocks = json.loads((Path(EXAMPLES) / preset / "config.json").read_text())["num_hidden_layers"]
+            config = Path(__file__).resolve().parents[1] / EXAMPLES / preset / "config.json"  # wherever it runs
+            blocks = json.loads(config.read_text())["num_hidden_layers"]
             stages = autopipeline_stages(blocks, int(row["layers_per_stage"]), p)
             if stages != p * chunks:
                 left_out.append((name, f"the table prints v {chunks} where its config ({row['config']}) cuts "

@@ -76,8 +76,10 @@ def test_autopipelines_stage_count_is_its_rule(monkeypatch):
     assert (autopipeline_stages(61, 2, 4), autopipeline_stages(61, 4, 4), autopipeline_stages(61, 3, 4)) == (32, 16, 20)
 
 
-def test_the_other_rows_are_listed_with_why(monkeypatch):
+def test_the_other_rows_are_listed_with_why(monkeypatch, tmp_path):
+    """Wherever it runs: the DeepSeek configs' blocks are read from the repository's examples/, not the cwd's."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.chdir(tmp_path)
     from published_moe import automodel_runs
 
     expressible, left_out = automodel_runs()
