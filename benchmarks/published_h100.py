@@ -169,7 +169,7 @@ def summary(compared: list[dict]) -> str:
 
 
 def print_step_table(title: str, compared: list[dict]) -> None:
-    """The rows' predicted and published step (s) and error: one table a source, each with its own median line."""
+    """The rows' predicted and published step (s) and error as one table (`main` prints one a source)."""
     table = Table(title=title)
     for name, justify in (("run", "left"), ("predicted s", "right"), ("published s", "right"), ("error", "right")):
         table.add_column(name, justify=justify)
