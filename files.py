@@ -7,6 +7,7 @@ would be replaced."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import sys
@@ -79,10 +80,15 @@ _TRACE_KEYS = (re.compile(rb'"traceEvents"\s*:\s*\['), re.compile(rb'"pipesim"\s
 _PROFILE_KEYS = (re.compile(rb'"schema_version"\s*:'), re.compile(rb'"layers"\s*:\s*\['))
 
 
+def without_bom(data: bytes) -> bytes:
+    """A file's bytes after the UTF-8 byte-order mark a Windows editor or a spreadsheet puts before what it saves."""
+    return data.removeprefix(codecs.BOM_UTF8)
+
+
 def _json_object_with(data: bytes, keys: tuple[re.Pattern[bytes], ...]) -> bool:
     """Whether a file's bytes are a JSON object holding `keys`, however a JSON tool laid it out (re-indented, its
     keys reordered, a byte-order mark before it), told without parsing what may be a gigabyte of events."""
-    return data.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"{") and all(key.search(data) for key in keys)
+    return without_bom(data).lstrip().startswith(b"{") and all(key.search(data) for key in keys)
 
 
 def is_trace_bytes(data: bytes) -> bool:

@@ -4,7 +4,6 @@ describe. Imports only typer and rich at start-up, so every command starts fast.
 
 from __future__ import annotations
 
-import codecs
 import copy
 import functools
 import importlib.util
@@ -24,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..choices import choose_from
-from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes
+from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes, without_bom
 from ..units import MAX_BYTES, MAX_MS, MIB, count_text, memory_gib_refusal
 from ..workload.sizes import DEFAULT_SIZES
 
@@ -872,7 +871,7 @@ class Output:
 def is_sweep_results_bytes(data: bytes) -> bool:
     """Whether a file's bytes are `sweep --out`'s: Parquet's, or its CSV's header, after the byte-order mark a
     spreadsheet adds when it re-saves the CSV as UTF-8 (as `is_profile_bytes` allows one before a profile)."""
-    return data.removeprefix(codecs.BOM_UTF8).startswith((b"schedule,stages,", b"PAR1"))
+    return without_bom(data).startswith((b"schedule,stages,", b"PAR1"))
 
 
 TRACE = Output("pipesim trace", is_trace_bytes)
