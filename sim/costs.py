@@ -27,8 +27,8 @@ TRANSIENT_KINDS = {"fwd": Kind.F, "bwd": Kind.B, "igrad": Kind.I, "wgrad": Kind.
 COLLECTIVE_KIND_NAMES = tuple(sorted(kind.value for kind in COLLECTIVE_KINDS))
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 # How many times its own time a persistent product takes beside a communication kernel longer than it: the CTAs
-# that find their multiprocessors held run their tiles after the others' (`product_delay`; a held
-# pass's products, planning/estimate.py `op_ms`)
+# that find their multiprocessors held run their tiles after the others' (`product_delay`; a held pass's products,
+# planning/estimate.py `op_ms`)
 HELD_PRODUCT_SLOWDOWN = 2
 
 
