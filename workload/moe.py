@@ -73,8 +73,7 @@ class Dispatched:
     storages of the experts' weights and of what their products read and write (by identity, held so that none is
     reused), by which workload/count.py tells the experts' own ops, forward and backward, from the rest."""
 
-    token_bytes: int = 0
-    blocks: list[RoutedBlock] = field(default_factory=list)  # each call's dispatch, of token_bytes
+    blocks: list[RoutedBlock] = field(default_factory=list)  # each call's dispatch
     expert_weight_bytes: int = 0
     routed_copies: int = 0  # the k·T token copies routing sends, summed over the calls
     computed_copies: int = 0  # the token copies the experts compute (E·`expected_tokens`: padded to a capacity)
@@ -84,6 +83,11 @@ class Dispatched:
     def reads_experts(self, tensors: list[torch.Tensor]) -> bool:
         """Whether an op reading `tensors` is an expert's: it reads an expert's weights or products."""
         return bool(self.expert_storages) and any(id(t.untyped_storage()) in self.expert_storages for t in tensors)
+
+    @property
+    def token_bytes(self) -> int:
+        """The bytes of the token copies the dispatches send, summed over the calls."""
+        return sum(block.sent_bytes for block in self.blocks)
 
 
 _recording: list[Dispatched] = []  # the records open, innermost last
@@ -490,7 +494,6 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     out = torch.zeros_like(hidden)
     for record in _recording:  # each expert's tokens in turn: what a dispatch sends (padded to its capacity)
         sent = experts * expected_tokens(tokens, top_k, experts, capacity_factor) * width * hidden.element_size()
-        record.token_bytes += sent
         record.blocks.append(RoutedBlock(tokens, top_k, sent))
         record.expert_weight_bytes += sum(w.untyped_storage().nbytes() for w in (up, down, *(biases or ())))
         record.bias_tensors += experts * len(biases or ())
