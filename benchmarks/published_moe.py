@@ -167,6 +167,13 @@ SOURCE = "nemo-megatron-bridge-moe-h100.csv"  # benchmarks/published/README.md: 
 MODELZOO = "megatron-moe-modelzoo-h100.csv"  # the Megatron MoE Model Zoo's H100 table, README.md there too
 GPU = "h100-sxm"
 EXAMPLES = "examples"  # the Hugging Face configs, relative to the repository root the commands run in
+
+
+def config_blocks(root: Path, preset: str) -> int:
+    """The transformer blocks of `preset`'s Hugging Face config, under `root`'s `EXAMPLES`."""
+    return json.loads((root / EXAMPLES / preset / "config.json").read_text())["num_hidden_layers"]
+
+
 PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b",  # the table's model: its examples/
            "GPT OSS 120B": "gpt-oss-120b", "DeepSeekV3": "deepseek-v3"}
 # the model -> --expert-tensor-parallel: Megatron-Bridge's scripts/performance/configs/qwen/
@@ -464,7 +471,7 @@ class MoeRun:
         ModelParallelConfig) where v = 1, overlap_p2p_comm, which needs it False, where v > 1, and Megatron-LM's
         arguments.py sets it to `not overlap_p2p_comm` (docs/hardware.md, "Host-bound execution")."""
         schedule = megatron_schedule(self.chunks)
-        blocks = json.loads((root / EXAMPLES / self.preset / "config.json").read_text())["num_hidden_layers"]
+        blocks = config_blocks(root, self.preset)
         cut = self.stage_cut or ("equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced")
         dtype = ["fp8", "--fp8-recipe", self.fp8_recipe] if self.fp8_recipe else ["bf16"]
         return ["simulate", "--model", f"hf:{EXAMPLES}/{self.preset}", "--seq-len", str(self.seq_len), "--dtype",
@@ -641,10 +648,9 @@ def automodel_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]
             left_out.append((name, why))
             continue
         preset = AUTOMODEL_PRESETS[row["model"]]
-        pipelined: dict = {}
+        pipelined: dict[str, int | str] = {}
         if p > 1:
-            config = Path(__file__).resolve().parents[1] / EXAMPLES / preset / "config.json"  # wherever it runs
-            blocks = json.loads(config.read_text())["num_hidden_layers"]
+            blocks = config_blocks(Path(__file__).resolve().parents[1], preset)  # wherever it runs
             stages = autopipeline_stages(blocks, int(row["layers_per_stage"]), p)
             if stages != p * chunks:
                 left_out.append((name, f"the table prints v {chunks} where its config ({row['config']}) cuts "
