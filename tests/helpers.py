@@ -1,5 +1,5 @@
 """What several test modules build alike, built once here: the part they price on, a hand-written two-stage
-schedule, and the lowered schedule's rows as they read them."""
+schedule, the lowered schedule's rows as they read them, and a flag's value in a printed command."""
 
 from __future__ import annotations
 
@@ -23,3 +23,8 @@ def kind_stage_microbatch(lowered: Lowered) -> list[tuple[str, int, int]]:
     """Each lowered row as (its kind's name, stage, micro-batch), in row order."""
     table = lowered.table
     return [(str(KINDS[k]), int(s), int(m)) for k, s, m in zip(table.kind, table.stage, table.microbatch)]
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value after `flag` in a command's arguments (`shlex.split` of a printed command); None where not given."""
+    return args[args.index(flag) + 1] if flag in args else None

@@ -12,15 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import flag_value as _flag
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "nemo-automodel-moe-h100.csv"
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
 RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
             if row["source"] == SOURCE]
-
-
-def _flag(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1]
 
 
 def test_the_csv_holds_the_tables_rows_and_their_arithmetic():

@@ -9,15 +9,13 @@ import json
 import shlex
 from pathlib import Path
 
+from tests.helpers import flag_value as _flag
+
 REPO = Path(__file__).resolve().parents[1]
 CARDS = "megatron-bridge-cards-moe-h100.csv"
 RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
             if row["source"] == CARDS]
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / CARDS).open()))
-
-
-def _flag(args: list[str], flag: str) -> str | None:
-    return args[args.index(flag) + 1] if flag in args else None
 
 
 def test_each_run_without_the_overlap_is_recorded_with_its_step_and_layout():

@@ -11,13 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import simulate_json
+from tests.helpers import flag_value as _flag
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((REPO / "benchmarks" / "published_deepseek.json").read_text())
-
-
-def _flag(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1]
 
 
 def test_the_rows_command_is_rebuilt_from_the_csv_with_the_reports_layout(monkeypatch):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import flag_value as _flag
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "nvidia-dgxc-moe-h100.csv"
 EVERY_PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
@@ -21,10 +23,6 @@ PUBLISHED = [row for row in EVERY_PUBLISHED if row["workload"] == "deepseek_v3" 
 RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
             if row["source"] == SOURCE]
 DEEPSEEK_V3_LAYERS = 61
-
-
-def _flag(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1]
 
 
 def test_the_csv_holds_the_readmes_rows_and_their_own_arithmetic():

@@ -12,14 +12,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import simulate_json
+from tests.helpers import flag_value as _flag
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((REPO / "benchmarks" / "published_h100.json").read_text())["rows"]
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / "nvidia-dgxc-h100.csv").open()))
-
-
-def _flag(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1]
 
 
 def test_every_published_row_is_recorded_with_its_figure_and_layout():

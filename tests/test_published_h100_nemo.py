@@ -13,16 +13,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import simulate_json
+from tests.helpers import flag_value as _flag
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((REPO / "benchmarks" / "published_h100.json").read_text())
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / "nemo-perf-summary-h100.csv").open()))
 # the summary's three tables on NeMo's main (docs/source/performance/performance_summary.md), rows at lines 14-25
 RELEASES = {"4c73f77670", "3a8081fef6", "8e3d65dcfe"}
-
-
-def _flag(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1]
 
 
 def test_every_summary_row_is_recorded_with_its_figure_and_layout():

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import flag_value as _flag
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "megatron-moe-modelzoo-h100.csv"
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
@@ -19,10 +21,6 @@ RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json
             if row["source"] == SOURCE]
 EXPRESSIBLE = [row for row in PUBLISHED if row["model"] == "235B" and row["fsdp"] != "On"]
 QWEN3_235B_LAYERS = 94
-
-
-def _flag(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1]
 
 
 def test_the_csv_holds_the_tables_rows_and_each_layout_covers_its_gpus():

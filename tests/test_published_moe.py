@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import simulate_json
+from tests.helpers import flag_value as _flag
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "nemo-megatron-bridge-moe-h100.csv"
@@ -23,10 +24,6 @@ PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).ope
 EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "Qwen3_235B_a22B", "GPT OSS",
                                                                       "DeepSeekV3"))]
 DEEPSEEK = "25.09 DeepSeekV3 (dropless) t2 p8 v4 E64"  # run as v0.1.0rc4's run_script.py ran its H100 recipe
-
-
-def _flag(args: list[str], flag: str) -> str:
-    return args[args.index(flag) + 1]
 
 
 # (container, model) -> (t, p, v, E, micro-batch): the rows run as their release's recipe ran them (published_moe.py
