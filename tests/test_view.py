@@ -249,6 +249,14 @@ def test_a_small_runs_peak_memory_keeps_three_significant_digits_on_the_page(tra
     assert page["traces"][0]["summary"]["peak_memory_text"] == "14.1"
 
 
+@pytest.mark.parametrize("mib, text", [(0.004, "<0.01"), (0.0099, "<0.01"), (0.01, "0.01"), (0, "0")])
+def test_a_peak_under_a_hundredth_of_a_mib_is_not_written_as_nothing(mib, text):
+    """A 4 KiB peak read "0.00" MiB, as a trace that holds nothing; it reads "<0.01", and none reads "0"."""
+    from pipesim.traces.view import mib_text
+
+    assert mib_text(mib) == text
+
+
 def test_a_peak_out_of_memory_says_so_on_its_bar(trace):
     """DeepSeek-V3's ZB-V peaks at 117,205 MiB on 80 GiB H100s: its bar, the longest, read as plain as DualPipeV's
     that fits; it says OOM, as the table's memory column does, and its hover says out of memory."""
@@ -311,14 +319,21 @@ def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readab
 
 
 def test_error_chart_keeps_its_axis_labels_and_bars_near_a_decade():
-    """Forwards 11 % too long, backwards exact: the axis spans 10 to 17.4 %, where log_ticks finds no two ticks;
-    given as none (tickvals []), plotly drew no label at all, so the axis is plotly's own, in %. Forwards 10 % too
-    long: the axis starts a decade under the bar, which starting at 10 % had no height."""
+    """Forwards 11 % too long beside transfers 1,500 % too long: from the decade under 11 %, the forwards' bar was
+    0.04 of the axis' 2.4 decades, 2 px; it is at least MIN_BAR_DECADES tall, on a labelled axis. Forwards 10 %
+    too long: the axis starts a decade under the bar, which starting at 10 % had no height."""
+    from pipesim.traces.view import MIN_BAR_DECADES
+
+    measured = run("1f1b", 2, 4, 2, comm=0.1).trace
+    measured = dataclasses.replace(measured, meta=dataclasses.replace(measured.meta, source="measured"))
+    fig = error_figure(compare(run("1f1b", 2, 4, 2, fwd=1.11, comm=1.6).trace, measured))
+    assert fig.data[0].text[:3] == ("11.0%", "0.0%", "1,500%")
+    low, high = fig.layout.yaxis.range
+    assert math.log10(11) - low >= MIN_BAR_DECADES and 10 ** high > 1500, (low, high)
+    assert fig.layout.yaxis.ticktext == ("1%", "2%", "5%", "10%", "20%", "50%", "100%", "200%", "500%", "1,000%",
+                                          "2,000%")
     measured = run("1f1b", 2, 4, 2).trace
     measured = dataclasses.replace(measured, meta=dataclasses.replace(measured.meta, source="measured"))
-    fig = error_figure(compare(run("1f1b", 2, 4, 2, fwd=1.11).trace, measured))
-    assert fig.data[0].text == ("11.0%", "0.0%") and fig.layout.yaxis.range[0] == 1
-    assert fig.layout.yaxis.tickvals is None and fig.layout.yaxis.ticksuffix == "%"
     fig = error_figure(compare(run("1f1b", 2, 4, 2, fwd=1.1).trace, measured))
     assert fig.data[0].y[0] == pytest.approx(10) and fig.layout.yaxis.range == (0, 1.2)
     assert fig.layout.yaxis.tickvals == (1, 2, 5, 10)

@@ -264,9 +264,15 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
     return out
 
 
+MIB_SHOWN = 0.01  # the least the page writes in MiB (two decimals): under it, "<0.01"
+
+
 def mib_text(mib: float) -> str:
     """MiB as the page writes them: whole from 100 up, else to three significant digits (at most two decimals): a
-    measured CPU run's 14.11 MiB peak read "14 MiB" on the page, beside compare's 14.1 and run's 14.11."""
+    measured CPU run's 14.11 MiB peak read "14 MiB" on the page, beside compare's 14.1 and run's 14.11. Under
+    MIB_SHOWN, "<0.01": a 4 KiB peak read "0.00", as if nothing were held."""
+    if 0 < mib < MIB_SHOWN:
+        return f"<{MIB_SHOWN}"
     decimals = 0 if not 0 < mib < 100 else min(2, 2 - math.floor(math.log10(mib)))
     return f"{mib:,.{decimals}f}"
 
@@ -413,6 +419,9 @@ def log_ticks(span: Sequence[float]) -> list[float]:
     return ticks if len(ticks) >= 2 else []
 
 
+MIN_BAR_DECADES = 0.5  # the error chart's smallest bar is at least this tall, in decades of its log axis
+
+
 def error_figure(comparison: Comparison) -> go.Figure:
     """Per-op duration error by kind (median and p90 of |predicted − measured| / measured), in the kinds' colours, on
     a log axis: one kind's error can be a hundred times another's (a receive that waits 1,500 % longer than
@@ -433,16 +442,17 @@ def error_figure(comparison: Comparison) -> go.Figure:
                            text=[f"{v:,.0f}%" if v >= 100 else f"{v:.1f}%" for v in percent], textposition="outside",
                            cliponaxis=False, hovertemplate="%{x} " + name + ": %{text}<extra></extra>"))
     drawn = [y for bar in bars for y in bar.y if y is not None]
-    # From the decade under the smallest bar (a log axis has no zero to start bars from; a bar at a decade, 10 %,
-    # starts under it, not at its top, where it had no height) to above the largest.
-    span = [math.ceil(math.log10(min(drawn))) - 1, math.log10(max(drawn)) + 0.2] if drawn else [0, 2]
-    ticks = log_ticks(span)  # none within a fifth of a decade (every error 10.1 to 12.6 %): plotly's own, then
+    # From a decade at least MIN_BAR_DECADES under the smallest bar (a log axis has no zero to start bars from: from
+    # the decade just under it, 11 % beside 1,500 % was a bar of 2 px) to above the largest. The span then holds a
+    # decade's 1, 2 and 5, so log_ticks always labels it.
+    span = ([math.floor(math.log10(min(drawn)) - MIN_BAR_DECADES), math.log10(max(drawn)) + 0.2] if drawn
+            else [0, 2])
+    ticks = log_ticks(span)
     fig = go.Figure(bars)
     fig.update_layout(barmode="group", height=340, margin=dict(l=60, r=20, t=40, b=40), showlegend=False,
                       uniformtext={"mode": "show", "minsize": SUMMARY_TEXT_PX},
                       yaxis=dict(type="log", range=span, title="|duration error| (%, log scale)",
-                                 tickvals=ticks or None, ticktext=[f"{t:,g}%" for t in ticks] or None,
-                                 ticksuffix=None if ticks else "%"),
+                                 tickvals=ticks, ticktext=[f"{t:,g}%" for t in ticks]),
                       template="plotly_white",
                       title=f"iteration time error {comparison.iteration_time_error:+.1%}; bars: median, pale: p90")
     return fig
