@@ -206,19 +206,34 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
     return fig
 
 
+GROUP_FILLS = ("#ffffff", "#eef1f5")  # the stages table's methods, in turn: the rows of one method share a fill
+
+
 def stages_figure(summaries: Sequence[ArmSummary]) -> go.Figure:
-    """What every stage ran on, as the executor measured it, per arm: a table."""
-    rows: dict[str, tuple[str, ...]] = {}
-    for label in dict.fromkeys(s.arm.label for s in summaries):
+    """What every stage ran on, as the executor measured it, per arm: a table, a method's arms (one per source of
+    s) in rows of one fill, the method named on its first: "pipeoptim", "pipeoptim (code)", "pipeoptim (counted)"
+    and "xpipe" read as four rows alike, the methods' bounds to be found in the names."""
+    arms = list(dict.fromkeys(s.arm for s in summaries))
+    methods = list(dict.fromkeys(arm.method for arm in arms))
+    fills = [GROUP_FILLS[methods.index(arm.method) % len(GROUP_FILLS)] for arm in arms]
+    rows = []
+    for k, arm in enumerate(arms):
         # the first optimizer whose runs measured it (a run that diverged measured nothing)
-        measured = next((s for s in summaries if s.arm.label == label and s.stages), None)
-        rows[label] = tuple("-" if measured is None else measured.per_stage(name, ", ") for name in (
-            "forward_staleness", "backward_staleness", "prediction_distance", "backward_prediction_distance"))
-    header = ["arm", "F staleness per stage", "B staleness per stage", "F prediction s", "B prediction s"]
-    columns = [list(rows), *zip(*rows.values())] if rows else [[] for _ in header]
-    fig = go.Figure(go.Table(header={"values": header, "align": "left", "fill_color": "#eef1f5"},
-                             cells={"values": columns, "align": "left", "height": 24}))
-    fig.update_layout(height=80 + 26 * max(len(rows), 1), margin={"t": 10, "b": 10, "l": 10, "r": 10})
+        measured = next((s for s in summaries if s.arm == arm and s.stages), None)
+        first = k == 0 or arms[k - 1].method != arm.method
+        rows.append((arm.method if first else "", arm.source or "-", *(
+            "-" if measured is None else measured.per_stage(name, ", ") for name in (
+                "forward_staleness", "backward_staleness", "prediction_distance", "backward_prediction_distance"))))
+    header = ["method", "s from", "F staleness per stage", "B staleness per stage", "F prediction s per stage",
+              "B prediction s per stage"]
+    columns = [list(column) for column in zip(*rows)] if rows else [[] for _ in header]
+    fig = go.Figure(go.Table(columnwidth=[1.6, 0.8, 2, 2, 2, 2],
+                             header={"values": [f"<b>{name}</b>" for name in header], "align": "left",
+                                     "fill_color": "#dde3ec"},
+                             cells={"values": columns, "align": "left", "height": 24,
+                                    "fill_color": [fills] * len(header)}))
+    # the top margin clears the mode bar, which lay over the header's last column
+    fig.update_layout(height=80 + 24 * max(len(rows), 1), margin={"t": 30, "b": 10, "l": 10, "r": 10})
     return fig
 
 

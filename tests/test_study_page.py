@@ -162,3 +162,24 @@ def test_a_study_of_one_seed_shows_no_spread(tmp_path):
     figure = accuracy_figure(summarize(saved, *recorded_arms(saved)), ["momentum"])
     assert all(trace.error_x.array is None for trace in figure.data)
     assert all("(one seed)" in trace.hovertemplate and "±" not in trace.hovertemplate for trace in figure.data)
+
+
+def test_the_stages_table_groups_a_methods_arms(tmp_path):
+    """"pipeoptim", "pipeoptim (code)" and "xpipe" read as three rows alike: the table names a method once, on its
+    first arm's row, each arm's source of s in a column of its own, and a method's rows share one fill."""
+    from pipesim.study.page import stages_figure
+    from pipesim.study.results import recorded_arms, summarize
+
+    falling = [2.3 * 0.9 ** b for b in range(20)]
+    path = tmp_path / "sources.json"
+    runs = [_record("pipeoptim", "momentum", 0, falling, source="paper"),
+            _record("pipeoptim", "momentum", 0, falling, source="code"),
+            _record("xpipe", "momentum", 0, falling, source="paper"), _record("gpipe", "momentum", 0, falling)]
+    runs[1].primary = False
+    StudyFile(format_version=1, setting=TINY.as_dict(), runs=runs).save(path)
+    saved = load_results(path)
+    (table,) = stages_figure(summarize(saved, *recorded_arms(saved))).data
+    method, source = table.cells.values[:2]
+    assert list(method) == ["pipeoptim", "", "xpipe", "gpipe"] and list(source) == ["paper", "code", "paper", "-"]
+    fills = table.cells.fill.color[0]
+    assert fills[0] == fills[1] != fills[2] != fills[3], fills

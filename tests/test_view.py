@@ -2,6 +2,7 @@
 is checked in a real browser by tests/test_browser.py."""
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -80,6 +81,14 @@ def test_every_kind_pipesim_emits_has_its_colour():
     for name, options in [("1f1b", {}), ("zb-h1", {}), ("pipedream", {}), ("spectrain", {}), ("avgpipe", {})]:
         kinds |= set(_trace(name, 2, 4, 2, **options).kinds)
     assert kinds <= set(KIND_COLORS)
+
+
+def test_every_two_kinds_look_apart():
+    """SEND_F and RECV_F were one grey (SEND_B and RECV_B another): the legend showed two entries alike. Every two
+    kinds' colours are at least 40 apart in RGB (of 441)."""
+    rgb = {kind: np.array([int(colour[k:k + 2], 16) for k in (1, 3, 5)]) for kind, colour in KIND_COLORS.items()}
+    close = [(a, b) for a, b in itertools.combinations(rgb, 2) if np.linalg.norm(rgb[a] - rgb[b]) < 40]
+    assert close == []
 
 
 def test_page_embeds_plotly_once_and_asks_for_nothing_over_the_network(trace, tmp_path):
@@ -217,12 +226,12 @@ def test_summary_chart_leads_with_samples_per_s_and_says_when_mini_batches_diffe
     assert time["x"] == [s.time_per_minibatch_ms for s in summaries]
     assert time["customdata"] == [f"{s.time_per_minibatch_ms:,.2f} ms per mini-batch of {n} samples"
                                   for s, n in zip(summaries, (8, 16))]
-    titles = [a["text"] for a in chart["layout"]["annotations"]]
-    assert titles[:2] == ["<b>samples/s (more is better)</b>", "<b>time per mini-batch (ms)</b><br><span "
-                          "style='font-size:10px'>mini-batches differ in size</span>"]  # a line of its own
-    assert chart["layout"]["margin"]["t"] == 44
+    assert chart["titles"][:2] == [{"title": "samples/s (more is better)", "note": ""},
+                                   {"title": "time per mini-batch (ms)", "note": "mini-batches differ in size"}]
+    # the page writes the titles (fitSummaryTitles, wrapped to its width), the layout none: they were built twice
+    assert "annotations" not in chart["layout"] and chart["layout"]["margin"]["t"] == 30
     same = _page_data(timeline_page([trace, _trace("gpipe", 4, 8, 2)]))["summary"]
-    assert same["layout"]["annotations"][1]["text"] == "<b>time per mini-batch (ms)</b>"
+    assert same["titles"][1] == {"title": "time per mini-batch (ms)", "note": ""}
     assert _page_data(timeline_page([trace]))["summary"] is None  # one trace: nothing to compare
 
 

@@ -67,10 +67,10 @@ KIND_COLORS = {
     "A2A_B": "#3d8a85",
     "RING_F": "#d67fb5",
     "RING_B": "#a0457e",
-    "SEND_F": "#b0b0b0",
-    "RECV_F": "#b0b0b0",
+    "SEND_F": "#b0b0b0",  # sends grey, receives tan: alike, their legend entries read as one kind
+    "RECV_F": "#d4b483",
     "SEND_B": "#7a7a7a",
-    "RECV_B": "#7a7a7a",
+    "RECV_B": "#8c6d3f",
 }
 _OP_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer", "version",
                "prediction", "start_us", "dur_us")
@@ -287,7 +287,6 @@ SUMMARY_SHOWN, SUMMARY_OTHER = "#4c78a8", "#bccbe0"  # the selected view's trace
 # The bars' figures, level and of one size in every panel: plotly's defaults turned a figure that fits a bar
 # better on end ("45" MiB on 16 bars) and wrote one outside a short bar larger than those inside.
 SUMMARY_TEXT_PX = 10
-SUMMARY_NOTE_PX, SUMMARY_LINE_PX = 10, 14  # a panel title's note under it, and the height each line of a title takes
 
 
 def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Sequence[Summary],
@@ -299,7 +298,8 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
     mini-batch takes longer. A trace out of memory on a device of its `memory_checks` (per trace, as
     `timeline_page` takes them) has "OOM" after its peak, as the table's memory column says: ZB-V's DeepSeek-V3
     peak led the panel unmarked, the fastest bar beside it. `titles` are the panels' titles and notes as text: the
-    page wraps a title wider than its panel."""
+    page builds their annotations, each wrapped to its panel's width, and grows the top margin by the lines they
+    take (`fitSummaryTitles`), so the figure's layout holds none."""
     samples = [t.meta.samples_per_minibatch for t in traces]
     over = [any(check.out_of_memory for check in checks or ()) for checks in memory_checks or [None] * len(traces)]
     data = []
@@ -321,19 +321,13 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
     notes = ["" for _ in _SUMMARY_PANELS]
     if len(set(samples)) > 1:  # on a line of its own: beside the title it ran over the next panel's at 1000 px
         notes[1] = "mini-batches differ in size"
-    titles = [f"<b>{html.escape(title)}</b>" + (f"<br><span style='font-size:{SUMMARY_NOTE_PX}px'>{note}</span>"
-                                                if note else "") for (title, _, _), note in zip(_SUMMARY_PANELS, notes)]
-    note_px = SUMMARY_LINE_PX if any(notes) else 0
     width = 1 / len(_SUMMARY_PANELS)
     layout: dict[str, Any] = {
-        "height": 80 + note_px + 20 * len(labels),
-        "margin": {"t": 30 + note_px, "b": 20, "l": 20 + 7 * max(len(label) for label in labels), "r": 20},
+        "height": 80 + 20 * len(labels),  # and the titles' lines past the first (`fitSummaryTitles`)
+        "margin": {"t": 30, "b": 20, "l": 20 + 7 * max(len(label) for label in labels), "r": 20},
         "paper_bgcolor": "#fff", "plot_bgcolor": "#fff", "font": {"size": 12}, "bargap": 0.25,
         "uniformtext": {"mode": "show", "minsize": SUMMARY_TEXT_PX},
         "yaxis": {"autorange": "reversed", "type": "category", "ticks": "", "fixedrange": True},
-        "annotations": [{"text": title, "align": "left", "x": j * width, "xref": "paper", "xanchor": "left",
-                         "y": 1, "yref": "paper", "yanchor": "bottom", "showarrow": False}
-                        for j, title in enumerate(titles)],
     }
     for j, (_, field, _) in enumerate(_SUMMARY_PANELS):
         layout["xaxis" + (str(j + 1) if j else "")] = {
@@ -573,10 +567,9 @@ _TIMELINE_JS = r"""
   const FONT_FAMILY = "'Open Sans', verdana, arial, sans-serif", TITLE_PX = 14, SHAPE_PX = 12, MODEBAR_PX = 260;
   const STREAM_NAMES = ["", " send", " recv", " network"], NS = STREAM_NAMES.length;
   const LIMIT_COLOR = "#c0392b";  // the dashed line at a device's memory capacity
-  // The summary chart's titles: bold 12 px, their notes and each line's height as the chart's layout has them,
-  // and at least this gap to the next panel's title.
-  const SUMMARY_TITLE_PX = 12, SUMMARY_NOTE_PX = """ + str(SUMMARY_NOTE_PX) + """, SUMMARY_LINE_PX = """ + str(
-      SUMMARY_LINE_PX) + r""", SUMMARY_TITLE_GAP_PX = 8;
+  // The summary chart's titles: bold 12 px, their notes 10 px, the height each line takes, and at least this gap to
+  // the next panel's title.
+  const SUMMARY_TITLE_PX = 12, SUMMARY_NOTE_PX = 10, SUMMARY_LINE_PX = 14, SUMMARY_TITLE_GAP_PX = 8;
   const BAR_TEXT_PAD_PX = 3;  // plotly's space between a bar's end and its figure
   const gd = document.getElementById("timeline");
   const tip = document.getElementById("tip");
@@ -1169,19 +1162,21 @@ _TIMELINE_JS = r"""
     const alone = DATA.views.findIndex(v => v.traces.length === 1 && v.traces[0] === k);
     return alone >= 0 ? alone : DATA.views.findIndex(v => v.traces.includes(k));
   }
-  // Each panel's title wrapped to its panel's width, the top margin grown by the lines added (at 800 px with
-  // the built-in example's names, "samples/s (more is better)" ran into the next panel's title and the last
-  // panel's ran off the page).
+  // Each panel's title over its left end, its note on a line of its own, both wrapped to the panel's width, the
+  // top margin grown by the lines past the first (at 800 px with the built-in example's names, "samples/s (more is
+  // better)" ran into the next panel's title and the last panel's ran off the page). The page's one place that
+  // writes them.
   function fitSummaryTitles(layout) {
     const {titles} = DATA.summary, margin = layout.margin;
     const room = (summaryDiv.clientWidth - margin.l - margin.r) / titles.length - SUMMARY_TITLE_GAP_PX;
     const lines = titles.map(({title, note}) => [wrapWords(title, SUMMARY_TITLE_PX, room, "bold"),
                                                   note ? wrapWords(note, SUMMARY_NOTE_PX, room) : []]);
-    const count = ([title, note]) => title.length + note.length;
-    const grown = SUMMARY_LINE_PX * (Math.max(...lines.map(count)) - Math.max(...titles.map(t => (t.note ? 2 : 1))));
-    const annotations = layout.annotations.map((a, j) => Object.assign({}, a, {
-      text: "<b>" + lines[j][0].map(esc).join("<br>") + "</b>" + lines[j][1].map(line =>
-        "<br><span style='font-size:" + SUMMARY_NOTE_PX + "px'>" + esc(line) + "</span>").join("")}));
+    const grown = SUMMARY_LINE_PX * (Math.max(...lines.map(([title, note]) => title.length + note.length)) - 1);
+    const annotations = lines.map(([title, note], j) => ({
+      text: "<b>" + title.map(esc).join("<br>") + "</b>" + note.map(line =>
+        "<br><span style='font-size:" + SUMMARY_NOTE_PX + "px'>" + esc(line) + "</span>").join(""),
+      align: "left", x: j / titles.length, xref: "paper", xanchor: "left", y: 1, yref: "paper", yanchor: "bottom",
+      showarrow: false}));
     return Object.assign({}, layout, {annotations, height: layout.height + grown,
                                       margin: Object.assign({}, margin, {t: margin.t + grown})});
   }
