@@ -1,16 +1,23 @@
-"""What several test modules build alike, built once here: the part they price on, a hand-written two-stage
-schedule, the lowered schedule's rows as they read them, and a flag's value in a printed command."""
+"""What several test modules build alike, built once here: the parts they price on (as a device, and an H100 node's
+placement), a hand-written two-stage schedule, the lowered schedule's rows as they read them, and a flag's value in a
+printed command. Each part is frozen: the tests share it safely."""
 
 from __future__ import annotations
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device
+from pipesim.planning.estimate import Device, node_placement
 from pipesim.schedules import SYNCHRONOUS, Schedule, StageGraph
 from pipesim.schedules.lowering import Lowered
 from pipesim.schedules.table import KINDS
 
-H100 = load_catalogue().find("h100-sxm")
+CATALOGUE = load_catalogue()
+H100 = CATALOGUE.find("h100-sxm")
 H100_BF16 = Device.of(H100, "bf16")
+H100_FP8 = Device.of(H100, "bf16", fp8=True)  # bf16, its float8 products at the float8 peak
+H100_PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
+A100 = CATALOGUE.find("a100-sxm-80gb")
+A100_FP16 = Device.of(A100, "fp16")
+H200 = CATALOGUE.find("h200")
 
 
 def two_stage_schedule(device0: str, device1: str) -> Schedule:

@@ -7,6 +7,7 @@ import pytest
 
 from pipesim.hardware import collectives
 from tests.conftest import simulate_json
+from tests.helpers import H100
 
 # NCCL 2.20.3's tuner (src/graph/tuning.cc at b647562), LL protocol, in us: base latency, hop latency on NVLink
 # and on the network, per algorithm
@@ -68,16 +69,14 @@ def test_the_te_step_rises_with_d_by_its_amax_all_reduces_over_the_tensor_and_da
 
 def test_a_16_bit_run_pays_no_amax_all_reduce():
     torch = pytest.importorskip("torch")
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Parallelism, estimate_profile
     from pipesim.planning.scenario import profile_scenario
     from pipesim.schedules import ScheduleParams
     from pipesim.workload.count import count_built
 
     count = count_built("gpt", dict(layers=2, width=256, heads=8, seq_len=256, vocab=512), 1, torch.bfloat16)
-    h100 = load_catalogue().find("h100-sxm")
     for fp8, expected_ms in ((None, 0.0), ("te", _ll_tree_ms(2 * 64, 8))):
         parallel = Parallelism(tensor=2, data=64, fp8=fp8)
-        scenario = profile_scenario(estimate_profile(count, h100, parallel), "adam")
+        scenario = profile_scenario(estimate_profile(count, H100, parallel), "adam")
         sched = scenario.build("1f1b", ScheduleParams(1, 4, data_parallel=64))
         assert scenario.amax_reduction_ms(sched) == pytest.approx(expected_ms, rel=1e-9)

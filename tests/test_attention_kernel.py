@@ -4,13 +4,11 @@ default), refused where the part has no published figure for it (planning/estima
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, EstimateError, Parallelism, kernel_curve, op_ms
 from pipesim.profiles.workload import OpCount
 from tests.conftest import flags_with, pipesim, simulate_json
+from tests.helpers import A100, H100
 
-CATALOGUE = load_catalogue()
-H100 = CATALOGUE.find("h100-sxm")
 SEQ, HEADS, HEAD_DIM = 8192, 32, 128
 ATTENTION = OpCount("sdpa", "attention", (HEADS, SEQ, SEQ, HEAD_DIM), 4 * HEADS * SEQ * SEQ * HEAD_DIM,
                     4 * HEADS * SEQ * HEAD_DIM * 2, 1, causal=True)
@@ -40,9 +38,8 @@ def test_each_kernel_prices_attention_at_its_published_fraction_of_the_peak():
 
 
 def test_a_kernel_without_a_published_rate_on_the_part_is_refused():
-    a100 = CATALOGUE.find("a100-sxm-80gb")
     with pytest.raises(EstimateError, match="attention_kernel: no published cudnn rate for a100-sxm-80gb in its curve"):
-        kernel_curve(a100.curve, "cudnn", "a100-sxm-80gb")
+        kernel_curve(A100.curve, "cudnn", "a100-sxm-80gb")
     with pytest.raises(EstimateError, match="attention_kernel: choose from flash2, cudnn, flash3"):
         Parallelism(attention_kernel="flash4")
 

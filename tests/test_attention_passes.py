@@ -15,8 +15,8 @@ from pipesim.hardware.catalogue import AttentionPasses, CatalogueError, load_cat
 from pipesim.planning.estimate import ContextRing, Device, Parallelism, curve_for, kernel_curve, op_ms, placement_links
 from pipesim.profiles.schema import FittedCurve
 from pipesim.profiles.workload import OpCount
+from tests.helpers import H100
 
-H100 = load_catalogue().find("h100-sxm")
 HEADS, QUERIES, HEAD_DIM = 64, 4096, 128  # the published rates' shape: batch 4 x 16 heads, 2,048 query tiles
 SQUARE = 4 * HEADS * QUERIES * QUERIES * HEAD_DIM  # torch's count: the whole square, forward
 FORWARD = OpCount("_scaled_dot_product_flash_attention", "attention", (HEADS, QUERIES, QUERIES, HEAD_DIM), SQUARE, 1,

@@ -20,6 +20,7 @@ from pipesim.sim.caching_allocator import (
     stage_program,
 )
 from pipesim.units import KIB, MIB
+from tests.helpers import H100
 
 
 def replay(static_bytes, rows, layers, capacity_bytes=None) -> CachingAllocator:
@@ -324,7 +325,6 @@ def test_a_ranks_replayed_gradients_hold_the_replicated_weights_whole_as_the_est
     position embedding, a router) whole, the rest 1/t. Halved too, they fell short by the replicated half: a GPT's
     embedding 10,240 bytes against 12,288, its block 49,984 against 50,368."""
     torch = pytest.importorskip("torch")
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Parallelism, estimate_profile, layer_allocations
     from pipesim.sim.caching_allocator import left_live
     from pipesim.workload.count import count_built
@@ -333,7 +333,7 @@ def test_a_ranks_replayed_gradients_hold_the_replicated_weights_whole_as_the_est
                           torch.bfloat16)
     for sequence_parallel in (False, True):
         parallel = Parallelism(tensor=2, sequence_parallel=sequence_parallel)
-        profile = estimate_profile(counted, load_catalogue().find("h100-sxm"), parallel, bounds=[0, 3])
+        profile = estimate_profile(counted, H100, parallel, bounds=[0, 3])
         made = layer_allocations(counted, parallel)
         assert [sum(left_live(layer.passes["wgrad"]).values()) for layer in made] == [
             layer.grad_bytes // 2 for layer in profile.layers]

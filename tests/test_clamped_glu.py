@@ -16,6 +16,7 @@ from pipesim.planning.host import pass_kernels, synchronises, waited_ms
 from pipesim.workload.count import count_built
 from pipesim.workload.hf import _quick_geglu_limit
 from tests.conftest import needs_transformers
+from tests.helpers import H100
 from tests.test_hf import write_config
 from tests.test_moe import FFN, GPT_OSS, MIXTRAL, B, S, count_config
 
@@ -77,10 +78,8 @@ def test_padded_experts_wait_at_the_clamped_glu_and_not_before_their_dispatch(tm
     """Experts padded to their capacity dispatch without the host's wait for the tokens each receives; gpt-oss's
     clamped GLU still makes the host wait before its fused kernel (`synchronises`), there alone: the forward's
     kernels are issued with no wait before the dispatch (`pass_kernels`' `synchronised`), dropless ones with it."""
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning import estimate
 
-    h100 = load_catalogue().find("h100-sxm")
     issue = estimate.pass_kernels
     for capacity_factor, dispatch_waits in ((1.0, False), (None, True)):
         count = count_built(f"hf:{write_config(tmp_path / 'oss', GPT_OSS)}",
@@ -88,7 +87,7 @@ def test_padded_experts_wait_at_the_clamped_glu_and_not_before_their_dispatch(tm
         waits = []
         monkeypatch.setattr(estimate, "pass_kernels", lambda *args, **kwargs: waits.append(
             (args[4], args[7])) or issue(*args, **kwargs))
-        estimate.estimate_profile(count, h100, estimate.Parallelism())
+        estimate.estimate_profile(count, H100, estimate.Parallelism())
         assert synchronises(count.layers[1], count.options)
         assert {synchronised for name, synchronised in waits if name == "fwd"} == {False, dispatch_waits}, waits
 

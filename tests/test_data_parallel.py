@@ -25,6 +25,7 @@ from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.sim import Cluster, Costs, Link, simulate
 from pipesim.traces import Stream, read_trace, summarize, write_trace
 from pipesim.units import MIB
+from tests.helpers import A100
 
 PROFILES = Path(__file__).resolve().parent.parent / "traces" / "profiles"
 _SYNCHRONOUS_BUILT = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "pipedream", "xpipe", "avgpipe")
@@ -261,13 +262,12 @@ def test_an_estimates_replicas_reduce_the_gradients_as_its_precision_accumulates
     """A bf16 estimate under Megatron-LM's mixed precision (its default) all-reduces, or under ZeRO-1
     reduce-scatters, its float32 main gradients, twice its weights' bytes; with 16-bit gradients their bytes."""
     torch = pytest.importorskip("torch")
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Parallelism, estimate_profile
     from pipesim.workload.count import count_built
 
     count = count_built("gpt", dict(layers=4, width=512, heads=8, seq_len=512, vocab=8192), 1, torch.bfloat16)
     for zero in (0, 1):
-        profile = estimate_profile(count, load_catalogue().find("a100-sxm-80gb"),
+        profile = estimate_profile(count, A100,
                                    Parallelism(data=4, sharded_optimizer=bool(zero), precision=precision))
         scenario = profile_scenario(profile, "adam")
         sched = scenario.build("1f1b", ScheduleParams(2, 4, data_parallel=4, zero=zero))

@@ -11,14 +11,13 @@ from functools import cache
 import pytest
 import torch
 
-from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, Parallelism, estimate_profile, node_placement
+from pipesim.planning.estimate import Parallelism, estimate_profile
 from pipesim.planning.experts import MULTIHOT_OPS, expert_group
 from pipesim.planning.host import HOST_KERNEL_US
 from pipesim.workload.count import WorkloadCount, count_built
+from tests.helpers import H100, H100_BF16
+from tests.helpers import H100_PLACEMENT as PLACEMENT
 
-H100 = load_catalogue().find("h100-sxm")
-PLACEMENT = node_placement(H100)
 EXPERTS, TOP_K, S = 8, 2, 512
 GPT = dict(layers=4, width=256, heads=4, seq_len=S, vocab=1000, gated=True, experts=EXPERTS, top_k=TOP_K,
            expert_ffn=512)
@@ -62,7 +61,7 @@ def test_the_conversion_costs_its_kernels_and_after_the_wait_the_hosts_issue_of_
     forward takes the 12 kernels' GPU time more (each a kernel's overhead over a few kilobytes), its backward
     passes the 3's; at the host's 31.9 us a kernel the forward, issued from the queue the dispatch's wait emptied,
     takes 12 issues more, the GPU idle behind the host."""
-    device = Device.of(H100, "bf16")
+    device = H100_BF16
     kernel_ms = H100.curve.kernel_overhead_ms + 951 * 2 * 8 / device.memory_bytes_per_ms
     for host_us, forward_ms, backward_ms in ((0.0, 12 * kernel_ms, 3 * kernel_ms),
                                             (HOST_KERNEL_US, 12 * HOST_KERNEL_US / 1e3, 3 * HOST_KERNEL_US / 1e3)):

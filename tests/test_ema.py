@@ -9,12 +9,10 @@ from functools import cache
 import pytest
 import torch
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import EstimateError, Parallelism, estimate_profile
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import pipesim
-
-H100 = load_catalogue().find("h100-sxm")
+from tests.helpers import H100
 
 
 @cache

@@ -42,9 +42,7 @@ def test_one_rank_costs_nothing_and_bad_sizes_name_the_field():
 
 # --- the time model (planning/estimate.py) ---
 
-from pipesim.hardware.catalogue import load_catalogue  # noqa: E402
 from pipesim.planning.estimate import (  # noqa: E402
-    Device,
     EstimateError,
     Parallelism,
     estimate_layer,
@@ -53,9 +51,8 @@ from pipesim.planning.estimate import (  # noqa: E402
     placement_links,
 )
 from pipesim.profiles.workload import LayerCount, OpCount, WorkloadCount  # noqa: E402
-
-A100 = load_catalogue().find("a100-sxm-80gb")
-DEVICE = Device.of(A100, "fp16")
+from tests.helpers import A100  # noqa: E402
+from tests.helpers import A100_FP16 as DEVICE  # noqa: E402
 
 
 def test_a_big_gemm_that_fills_every_multiprocessor_runs_at_the_large_product_efficiency():

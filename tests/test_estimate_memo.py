@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Parallelism, allocations_key, estimate_profile, layer_allocations
 from pipesim.profiles.workload import LayerCount
+from tests.helpers import H100
 
 torch = pytest.importorskip("torch")
 from pipesim.workload.count import count_built  # noqa: E402  (counting needs torch)
@@ -25,7 +25,6 @@ MODELS = {
 SETTINGS = [Parallelism(), Parallelism(tensor=2, sequence_parallel=True), Parallelism(recompute="selective"),
             Parallelism(recompute="full"), Parallelism(recompute="op"),
             Parallelism(recompute_modules=("layernorm", "moe_act"))]
-H100 = load_catalogue().find("h100-sxm")
 
 
 def _unrepeated(counted, monkeypatch):

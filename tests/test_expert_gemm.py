@@ -14,6 +14,7 @@ from pipesim.planning.experts import per_expert_products
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 from pipesim.profiles.workload import LayerCount, OpCount
 from tests.conftest import needs_transformers, pipesim
+from tests.helpers import H100
 
 EXPERTS, TOKENS, WIDTH, FFN = 8, 64, 128, 256  # a rank's 8 local experts, 64 token copies each
 
@@ -113,11 +114,9 @@ def test_per_expert_on_a_dense_model_is_one_line_and_nothing_written(tmp_path, c
 def test_four_local_experts_share_the_waves_on_transformer_engines_four_streams():
     """TransformerEngine issues the GEMMs round-robin on its 4 compute streams: 4 local experts' products fill the
     multiprocessors together as the one grouped kernel does; 8 run as two such waves, each a kernel overhead."""
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Device, matmul_ms
 
-    gpu = load_catalogue().find("h100-sxm")
-    device = Device(gpu.dense_tflops.bf16 * 1e9, gpu.memory_bandwidth_gb_s * 1e6, gpu.curve)
+    device = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6, H100.curve)
     for experts in (4, 8):
         grouped = OpCount("bmm", "matmul", (experts, 96, 640, WIDTH), 2 * experts * 96 * 640 * WIDTH,
                           2 * experts * (96 * WIDTH + WIDTH * 640 + 96 * 640), 1, routed=True)

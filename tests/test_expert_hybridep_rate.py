@@ -9,13 +9,12 @@ import math
 
 import pytest
 
-from pipesim.hardware.catalogue import CatalogueError, DispatcherRates, load_catalogue
-from pipesim.planning.estimate import node_placement
+from pipesim.hardware.catalogue import CatalogueError, DispatcherRates
 from pipesim.planning.experts import expert_group
 from tests.conftest import simulate_json
+from tests.helpers import H100, H200
+from tests.helpers import H100_PLACEMENT as PLACEMENT
 
-H100 = load_catalogue().find("h100-sxm")
-PLACEMENT = node_placement(H100)  # 8 GPUs a node
 GPT = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
        "--gated", "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "-p", 1, "-m", 4, "-s", "1f1b",
        "--data-parallel", 16, "--expert-parallel", 16, "--rank-order", "megatron", "--host-kernel-us", 0)
@@ -27,7 +26,7 @@ def test_the_h100_table_by_rank_count_linear_in_log2_between_and_held_outside():
     assert rates.gb_s(8) == rates.gb_s(16) and rates.gb_s(256) == rates.gb_s(64)
     share = math.log2(24 / 16)  # 24 ranks: 0.58 of the way from 16 to 32 in log2
     assert rates.gb_s(24) == pytest.approx((54.47 + (47.36 - 54.47) * share, 53.35 + (52.53 - 53.35) * share))
-    assert load_catalogue().find("h200").curve.hybridep is None  # no published table: priced on the links
+    assert H200.curve.hybridep is None  # no published table: priced on the links
 
 
 def test_hybridep_across_two_nodes_is_the_bytes_to_every_node_reached_over_the_tables_rate():

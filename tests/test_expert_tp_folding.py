@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import node_placement
 from pipesim.planning.experts import expert_group
 from pipesim.workload.count import count_built
-
-PLACEMENT = node_placement(load_catalogue().find("h100-sxm"))  # 8 GPUs a node
+from tests.helpers import H100_PLACEMENT as PLACEMENT
 
 
 def test_at_expert_tensor_parallel_1_the_group_is_e_consecutive_ranks_on_one_node():

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.profiles.schema import ProfileError, load_profile, profile_json
 from tests.conftest import pipesim
+from tests.helpers import A100
+from tests.helpers import H200 as H200_PART
 
 torch = pytest.importorskip("torch")
 
@@ -128,8 +129,7 @@ def test_a_curve_fitted_to_one_committed_cpu_calibration_predicts_its_layers_and
     narrow, wide = (load_profile(TRACES / f"gpt-cpu-w{width}.json") for width in (256, 512))
     fitted = fit_rates(narrow, counted(narrow), 1, [(1, 1)])  # calibrated before calibrate timed the kernel overhead
     assert all(fitted.error(name)[0] < 0.10 for name in fitted.passes), fitted.residuals
-    part = load_catalogue().find("a100-sxm-80gb")
-    curve = curve_for(fitted, 1e9, 1e8, part.curve, "a nominal 1 TFLOP/s, 100 GB/s part")
+    curve = curve_for(fitted, 1e9, 1e8, A100.curve, "a nominal 1 TFLOP/s, 100 GB/s part")
     device = Device(1e9, 1e8 * curve.memory_efficiency, curve)
     link = EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1.0)  # one GPU: no collective priced
     for name in PASSES:
@@ -157,7 +157,7 @@ def test_the_h200_calibration_fits_below_the_parts_datasheet_and_curve_from_pric
     from pipesim.planning.estimate import CUDA_TILES, PEAK_DTYPE, fit_rates
 
     profile = load_profile(H200)
-    env, part = profile.environment, load_catalogue().find("h200")
+    env, part = profile.environment, H200_PART
     stored = profile.fitted_curve
     assert stored.attention == "math" and stored.matmul_flops_per_ms > 1e12  # 1.12 PFLOP/s, as calibrate fitted it
     counted = fit_count(profile, "the test")
@@ -188,7 +188,7 @@ def test_curve_from_takes_the_parts_kernel_overhead_where_calibrate_timed_its_ho
 
     again = H200.parents[1] / "gpu-check-h200-day9-idle-passes" / "profile.json"
     profile = load_profile(again)
-    part = load_catalogue().find("h200")
+    part = H200_PART
     stored = profile.fitted_curve
     assert stored.kernel_overhead_measured and not stored.kernel_overhead_on_device
     fitted = fit_rates(profile, fit_count(profile, "the test"), stored.multiprocessors, CUDA_TILES,
@@ -227,7 +227,7 @@ def test_curve_from_holds_the_attention_where_the_layers_do_not_separate_it_from
     from pipesim.planning.estimate import CUDA_TILES, PEAK_DTYPE, fit_rates
 
     profile = load_profile(MASTERS)
-    part = load_catalogue().find("h200")
+    part = H200_PART
     stored = profile.fitted_curve
     peak_flops_per_ms = getattr(part.dense_tflops, PEAK_DTYPE[profile.environment.dtype]) * 1e9
     assert stored.kernel_overhead_on_device and stored.matmul_flops_per_ms > 1.3 * peak_flops_per_ms

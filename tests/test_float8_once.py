@@ -9,14 +9,13 @@ the casts are found for other layers than the count's unrepeated ones."""
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning import estimate, fp8, host
 from pipesim.planning.estimate import Parallelism, estimate_profile
+from tests.helpers import H100
 
 torch = pytest.importorskip("torch")
 from pipesim.workload.count import count_built  # noqa: E402  (counting needs torch)
 
-H100 = load_catalogue().find("h100-sxm")
 MOE = {"layers": 3, "width": 64, "heads": 4, "seq_len": 64, "vocab": 1000, "experts": 4, "top_k": 2,
        "expert_ffn": 128}
 SETTINGS = [Parallelism(fp8="te", pipeline=2, data=2, expert=2),  # dropless experts: the host waits, paired passes

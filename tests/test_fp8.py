@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     Device,
     EstimateError,
@@ -20,9 +19,9 @@ from pipesim.planning.estimate import (
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 from pipesim.profiles.workload import LayerCount, OpCount
 from tests.conftest import pipesim
+from tests.helpers import A100, H100
+from tests.helpers import H100_FP8 as DEVICE
 
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16", fp8=True)
 LINK = placement_links(H100, Parallelism()).tensor
 HEADS, SEQ = 8, 256
 
@@ -105,8 +104,7 @@ def test_a_layer_that_does_not_attend_stays_in_16_bits():
 def test_a_recipe_is_one_of_the_known_and_a_part_without_fp8_cannot_price_a_float8_product():
     with pytest.raises(EstimateError, match="fp8: choose from te, torchao"):
         Parallelism(fp8="mxfp8")
-    a100 = load_catalogue().find("a100-sxm-80gb")
-    no_fp8 = Device(a100.dense_tflops.bf16 * 1e9, 1e9, a100.curve)
+    no_fp8 = Device(A100.dense_tflops.bf16 * 1e9, 1e9, A100.curve)
     with pytest.raises(EstimateError, match="fp8: the part has no float8 peak"):
         estimate_layer(_layer(256, 256), no_fp8, Parallelism(fp8="te"), LINK, 2)
 

@@ -7,13 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning import estimate
-from pipesim.planning.estimate import Device, Parallelism, estimate_layer, gathered_transposes_ms, placement_links
+from pipesim.planning.estimate import Parallelism, estimate_layer, gathered_transposes_ms, placement_links
 from pipesim.planning.fp8 import FP8_RECIPES, gathered_norm_share
+from tests.helpers import H100
+from tests.helpers import H100_FP8 as DEVICE
 
-H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device.of(H100, "bf16", fp8=True)
 T, WIDTH, SEQ = 4, 4096, 2048
 # a link so slow that every transfer outlasts the chunk beside it: each gathered byte is exposed
 SLOW = placement_links(H100, Parallelism(tensor=T)).tensor.model_copy(update={"latency_ms": 0.0, "bytes_per_ms": 1e5})

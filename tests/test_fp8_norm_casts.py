@@ -10,15 +10,14 @@ from dataclasses import replace
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, gathered_transposes_ms
+from pipesim.planning.estimate import gathered_transposes_ms
 from pipesim.planning.fp8 import FP8_RECIPES, cast_ops, gathered_norm_share, in_float8
 from pipesim.planning.te import float8_norm_outputs, norm_read_products
 from pipesim.profiles.workload import OpCount
+from tests.helpers import H100_FP8 as DEVICE
 
 WIDTH, HEADS, SEQ, FFN = 256, 4, 128, 1024
 TOKENS = SEQ  # one sequence a micro-batch
-DEVICE = Device.of(load_catalogue().find("h100-sxm"), "bf16", fp8=True)
 TE = FP8_RECIPES["te"]
 
 

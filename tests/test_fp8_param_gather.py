@@ -8,11 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import EstimateError, Parallelism
 from tests.conftest import refused, simulate_json
+from tests.helpers import H100
 
-H100 = load_catalogue().find("h100-sxm")
 WIDTH, D = 256, 4
 SMALL = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "512", "--heads", "4", "--seq-len", "128",
          "--vocab", "128", "--attention", "flash", "-p", "1", "-m", "2", "-s", "1f1b", "--data-parallel", "2")

@@ -13,6 +13,7 @@ import pytest
 from pipesim.sim.caching_allocator import LayerAllocations, replay_device, stage_program, step_events
 from pipesim.units import MIB
 from tests.conftest import pipesim
+from tests.helpers import H100
 
 
 def _rows(passes: list[str], steps: int = 2) -> list[tuple[str, int, tuple[int, int, int]]]:
@@ -74,13 +75,11 @@ def test_a_layers_whole_tensors_are_its_gathered_weights_and_float32_gradients_o
     (a block's float8 linears at 1 byte under the float8 all-gather, as the estimate's all_gather_bytes), its
     float32 gradients (the estimate's grad_bytes) and their shard over d = 4, on one of t = 2 ranks; nothing under
     another precision."""
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Parallelism, estimate_profile, layer_allocations
 
     parallel = Parallelism(tensor=2, data=4, sharded_optimizer=True, precision="fsdp2", fp8="torchao",
                            fsdp_float8_all_gather=True)
-    gpu = load_catalogue().find("h100-sxm")
-    profile = estimate_profile(counted, gpu, parallel, bounds=[0, len(counted.layers)])
+    profile = estimate_profile(counted, H100, parallel, bounds=[0, len(counted.layers)])
     for made, layer in zip(layer_allocations(counted, parallel), profile.layers, strict=True):
         grads: dict[int, int] = {}
         for number, nbytes in made.passes["wgrad"]:
@@ -104,7 +103,6 @@ def test_under_expert_parallelism_a_rank_gathers_its_local_experts_alone(tensor)
     dense parameters' storages as they were. The block's whole weights and gradients are the estimate's param_bytes
     and grad_bytes on the rank, as at E = 1 (where all 8 experts, 4 times the rank's, were gathered)."""
     torch = pytest.importorskip("torch")
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Parallelism, estimate_profile, layer_allocations
     from pipesim.workload.count import count_built
 
@@ -112,7 +110,7 @@ def test_under_expert_parallelism_a_rank_gathers_its_local_experts_alone(tensor)
                       2, torch.bfloat16)
     block = moe.layers[1]
     placed, whole = (Parallelism(tensor=tensor, data=4, expert=e, precision="fsdp2") for e in (4, 1))
-    profile = estimate_profile(moe, load_catalogue().find("h100-sxm"), placed, bounds=[0, len(moe.layers)])
+    profile = estimate_profile(moe, H100, placed, bounds=[0, len(moe.layers)])
     local, every = (layer_allocations(moe, parallel)[1].unsharded for parallel in (placed, whole))
     gathered, accumulated, _ = (sum(part) for part in zip(*local, strict=True))
     assert gathered == pytest.approx(profile.layers[1].param_bytes, abs=len(local))

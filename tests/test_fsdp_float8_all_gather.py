@@ -13,6 +13,7 @@ from pipesim.schedules.catalogue import METHODS
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.units import MIB
 from tests.conftest import pipesim
+from tests.helpers import H100
 
 GB_PER_S = 1e6  # bytes per ms in a GB/s
 WIDTH, FFN, LAYERS, D = 256, 512, 2, 4
@@ -49,15 +50,13 @@ def estimates():
     """A small Llama-shaped gpt's estimates under FSDP2 over d = 4 with torchao's float8, with and without the
     float8 all-gather."""
     torch = pytest.importorskip("torch")
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Parallelism, estimate_profile
     from pipesim.workload.count import count_built
 
     counted = count_built("gpt", dict(layers=LAYERS, width=WIDTH, heads=4, seq_len=128, vocab=1000), 2,
                           torch.bfloat16)
-    gpu = load_catalogue().find("h100-sxm")
     parallel = Parallelism(data=D, sharded_optimizer=True, precision="fsdp2", fp8="torchao")
-    return counted, [estimate_profile(counted, gpu, replace(parallel, fsdp_float8_all_gather=on), bounds=[0, 4])
+    return counted, [estimate_profile(counted, H100, replace(parallel, fsdp_float8_all_gather=on), bounds=[0, 4])
                      for on in (False, True)]
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     PRECISION_ACCUMULATION,
     EstimateError,
@@ -27,8 +26,8 @@ from pipesim.planning.scenario import profile_costs
 from pipesim.sim.costs import PRECISIONS
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import pipesim, simulate_json
+from tests.helpers import H100
 
-H100 = load_catalogue().find("h100-sxm")
 GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256,
        "--vocab", 1000, "--stages", 2, "-m", 8, "-s", "1f1b")
 

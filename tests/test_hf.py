@@ -16,6 +16,7 @@ import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import help_records, needs_transformers, pipesim, pipesim_fresh, simulate_json
+from tests.helpers import H100, H100_BF16
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,21 +109,18 @@ def test_its_activations_are_the_gpts_plus_eager_rmsnorm_and_rope(llama, attenti
 
 def tensor_links(parallel):
     """An H100's tensor-parallel link under `parallel`, without latency, and the same at 1,000 times its rate."""
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import placement_links
 
-    link = placement_links(load_catalogue().find("h100-sxm"), parallel).tensor.model_copy(update={"latency_ms": 0.0})
+    link = placement_links(H100, parallel).tensor.model_copy(update={"latency_ms": 0.0})
     return link, link.model_copy(update={"bytes_per_ms": link.bytes_per_ms * 1000})
 
 
 def communication_ms(layer, parallel) -> tuple[float, float]:
     """The layer's tensor-parallel communication under `parallel` on an H100, forward and backward: its time at the
     link's rate less at 1,000 times it (`tensor_links`)."""
-    from pipesim.hardware.catalogue import load_catalogue
-    from pipesim.planning.estimate import Device, estimate_layer
+    from pipesim.planning.estimate import estimate_layer
 
-    device = Device.of(load_catalogue().find("h100-sxm"), "bf16")
-    slow, fast = (estimate_layer(layer, device, parallel, link, E) for link in tensor_links(parallel))
+    slow, fast = (estimate_layer(layer, H100_BF16, parallel, link, E) for link in tensor_links(parallel))
     return slow.fwd_ms - fast.fwd_ms, slow.bwd_ms - fast.bwd_ms
 
 

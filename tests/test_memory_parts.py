@@ -11,6 +11,7 @@ from pipesim.traces import summarize
 from pipesim.traces.trace import MEMORY_PARTS
 from pipesim.units import MIB
 from tests.conftest import build, pipesim, simulate_json
+from tests.helpers import A100
 
 # Profiles whose layers say what autograd saves (boundary tensors held from F to B); graphpipe's branches.
 PROFILE = "traces/profiles/gpt-cpu.json"
@@ -278,17 +279,13 @@ def test_the_count_says_what_saves_each_activation_as_korthikanti_groups_them(gp
 
 
 def test_the_estimate_keeps_each_savers_share_and_selective_recomputation_drops_the_attentions_core(gpt_block):
-    from pipesim.hardware.catalogue import load_catalogue
-    from pipesim.planning.estimate import Parallelism, estimate_layer, placement_links
+    from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
 
-    gpu = load_catalogue().gpu["a100-sxm-80gb"]
-    from pipesim.planning.estimate import Device
-
-    device = Device(gpu.dense_tflops.fp16 * 1e9, gpu.memory_bandwidth_gb_s * 1e6, gpu.curve)
+    device = Device(A100.dense_tflops.fp16 * 1e9, A100.memory_bandwidth_gb_s * 1e6, A100.curve)
 
     def kept(**how):
         parallel = Parallelism(tensor=4, sequence_parallel=True, **how)
-        return estimate_layer(gpt_block, device, parallel, placement_links(gpu, parallel).tensor, 2)
+        return estimate_layer(gpt_block, device, parallel, placement_links(A100, parallel).tensor, 2)
 
     plain, selective = kept(), kept(recompute="selective")
     for layer in (plain, selective):

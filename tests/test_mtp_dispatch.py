@@ -11,17 +11,15 @@ from pathlib import Path
 import torch
 
 from pipesim.calibrate.measure import Settings, all_to_all_sizes, measure_bytes
-from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Parallelism, _all_to_alls_ms, node_placement
+from pipesim.planning.estimate import Parallelism, _all_to_alls_ms
 from pipesim.planning.experts import ALL_TO_ALLS, MULTIHOT_OPS, expert_group
 from pipesim.profiles.workload import RoutedBlock
 from pipesim.workload.count import WorkloadCount, count_built
 from pipesim.workload.hf import hf_model
 from tests.conftest import needs_transformers, pipesim
+from tests.helpers import H100_PLACEMENT as PLACEMENT
 from tests.test_hf import write_config
 
-H100 = load_catalogue().find("h100-sxm")
-PLACEMENT = node_placement(H100)
 EXPERTS, TOP_K, S, H = 8, 2, 64, 64
 MIXTRAL = {"model_type": "mixtral", "hidden_size": H, "intermediate_size": 128, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 1, "num_local_experts": EXPERTS,

@@ -9,6 +9,7 @@ import pytest
 
 from pipesim.planning import buckets
 from tests.conftest import refused
+from tests.helpers import H100
 
 
 def test_a_group_is_the_chunk_under_a_virtual_pipeline_else_each_layer_last_to_first():
@@ -21,7 +22,6 @@ def _scenario(method: str, chunks: int, d: int):
     products: a collective beside one costs its whole time), run as `method` on p = 2 under ZeRO-1 over d
     replicas: its profile, scenario, schedule and data-parallel link."""
     torch = pytest.importorskip("torch")
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Parallelism, estimate_profile
     from pipesim.planning.scenario import profile_scenario
     from pipesim.schedules import ScheduleParams
@@ -29,7 +29,7 @@ def _scenario(method: str, chunks: int, d: int):
 
     count = count_built("gpt", dict(layers=6, width=2048, ffn=8192, heads=16, seq_len=2048, vocab=32768), 1,
                         torch.bfloat16)
-    profile = estimate_profile(count, load_catalogue().find("h100-sxm"), Parallelism(data=d, sharded_optimizer=True))
+    profile = estimate_profile(count, H100, Parallelism(data=d, sharded_optimizer=True))
     scenario = profile_scenario(profile, "adam")
     sched = scenario.build(method, ScheduleParams(2, 4, chunks=chunks, data_parallel=d, zero=1))
     return profile, scenario, sched, scenario.data_parallel_link(sched)

@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 
 from pipesim.hardware import collectives
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     TE_PIPELINE_MULTIPROCESSORS,
     TE_PIPELINE_SPLITS,
@@ -27,9 +26,8 @@ from pipesim.planning.estimate import (
 )
 from pipesim.profiles.workload import OpCount
 from tests.conftest import pipesim
+from tests.helpers import CATALOGUE, H100
 
-CATALOGUE = load_catalogue()
-H100 = CATALOGUE.find("h100-sxm")
 PERSISTENT = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
                     H100.curve)
 WAVES = replace(PERSISTENT, curve=H100.curve.model_copy(update={"persistent_products": False}))

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from tests.conftest import script_module
+from tests.helpers import H200
 
 MEASURED_TFLOPS = {"bf16": 700.0, "bf16 into fp32": 650.0, "fp8 fast accum": 1400.0, "fp8": 1100.0,
                    "fp8 e5m2 grad": 1000.0, "fp8 e5m2 grad into fp32": 900.0}
@@ -54,20 +54,19 @@ def test_each_kind_is_priced_at_its_peak_and_efficiency_beside_what_was_measured
     132), plus the kernel overhead."""
     probe, replay = modules
     rows = {(row.model, row.name, row.kind): row for row in replay.rows(synthetic_probe(probe), "h200")}
-    gpu = load_catalogue().find("h200")
-    curve = gpu.curve
+    curve = H200.curve
     flop = 2 * 4096 * 4096 * 28672
     fill = 7168 / (55 * 132)
-    for kind, peak, efficiency in (("bf16", gpu.dense_tflops.bf16, curve.matmul_efficiency),
-                                   ("fp8 fast accum", gpu.dense_tflops.fp8, curve.matmul_efficiency),
-                                   ("fp8", gpu.dense_tflops.fp8, curve.fp8_split_accumulation_efficiency)):
+    for kind, peak, efficiency in (("bf16", H200.dense_tflops.bf16, curve.matmul_efficiency),
+                                   ("fp8 fast accum", H200.dense_tflops.fp8, curve.matmul_efficiency),
+                                   ("fp8", H200.dense_tflops.fp8, curve.fp8_split_accumulation_efficiency)):
         row = rows["Llama 3.1 8B", "fc1 forward", kind]
         assert row.predicted_ms == pytest.approx(flop / (peak * 1e9 * efficiency * fill) + curve.kernel_overhead_ms)
         assert row.measured_tflops == pytest.approx(MEASURED_TFLOPS[kind]) and row.kernel == f"nvjet {kind}"
         assert row.ratio == pytest.approx(row.predicted_ms / (flop / (MEASURED_TFLOPS[kind] * 1e9)))
     # added into float32: its gradient's 8 bytes an element read and written on top of the FLOPs; FP8 writing
     # float32 (torch._scaled_mm adds into no C) as writing BF16, its store under the FLOPs
-    gpu_bytes_per_ms = gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency
+    gpu_bytes_per_ms = H200.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency
     assert rows["Llama 3.1 8B", "fc1 weight grad", "bf16 into fp32"].predicted_ms == pytest.approx(
         rows["Llama 3.1 8B", "fc1 weight grad", "bf16"].predicted_ms + 8 * 28672 * 4096 / gpu_bytes_per_ms)
     assert rows["Llama 3.1 8B", "fc1 weight grad", "fp8 e5m2 grad into fp32"].predicted_ms == pytest.approx(

@@ -10,13 +10,12 @@ import math
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import gradient_ranks_per_node, links_of, node_placement
+from pipesim.planning.estimate import gradient_ranks_per_node, links_of
 from pipesim.planning.experts import ExpertParallelError, expert_group
 from pipesim.planning.ranks import RankOrderError, dense_grid, expert_grid
 from tests.conftest import pipesim, simulate_json, tune_rows
-
-PLACEMENT = node_placement(load_catalogue().find("h100-sxm"))  # 8 GPUs a node on NVLink, a NIC each
+from tests.helpers import H100
+from tests.helpers import H100_PLACEMENT as PLACEMENT
 
 
 def groups(grid, dims: tuple[str, ...]) -> list[list[int]]:
@@ -102,7 +101,7 @@ def test_a_folded_expert_is_held_by_etp_ranks_whatever_t_is():
     routed = sum(layer.expert_param_bytes for layer in counted.layers)
 
     def held(etp: int | None) -> int:
-        profile = estimate_profile(counted, load_catalogue().find("h100-sxm"), Parallelism(
+        profile = estimate_profile(counted, H100, Parallelism(
             tensor=2, data=4, expert=2, expert_tensor=etp, rank_order="megatron"))
         return sum(layer.expert_param_bytes for layer in profile.layers)
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import H100
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 SHARED_PATHS = ("examples", "traces", "benchmarks")
@@ -125,7 +127,6 @@ def test_the_models_sections_figures_are_what_its_commands_print():
     """The prose under "Models and parallelism of now" quotes DeepSeek-V3's step and peak per schedule (and
     DualPipeV's peak in BF16, the same command) and Llama 3.1 405B's GPUs and step: each is what its command prints, to
     the digit quoted, and DualPipeV fits an H100 where ZB-V and BF16 do not."""
-    from pipesim.hardware.catalogue import load_catalogue
     from tests.conftest import simulate_json
 
     commands = readme_sections()["Models and parallelism of now"]
@@ -151,6 +152,6 @@ def test_the_models_sections_figures_are_what_its_commands_print():
               f"{llama_1f1b['time_per_minibatch_ms'] / 1e3:.1f} s a step"}
     for figure in quoted:
         assert figure in text
-    h100_gib = load_catalogue().find("h100-sxm").memory_gib  # what fits and what does not, as the prose says
+    h100_gib = H100.memory_gib  # what fits and what does not, as the prose says
     assert fp8["dualpipev"]["peak_memory_mb"] / 1024 < h100_gib < fp8["zb-v"]["peak_memory_mb"] / 1024
     assert bf16["dualpipev"]["peak_memory_mb"] / 1024 > h100_gib

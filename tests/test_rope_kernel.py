@@ -12,6 +12,7 @@ from pipesim.workload.count import count_built
 from pipesim.workload.models import ModelError
 from pipesim.workload.rope import NO_ROPE_TO_FUSE
 from tests.conftest import needs_transformers, pipesim, simulate_json
+from tests.helpers import H100, H100_BF16
 from tests.test_hf import GPT, HEAD, KV, LLAMA, A, B, S, write_config
 from tests.test_moe import TINY_DEEPSEEK
 
@@ -150,15 +151,12 @@ def test_an_estimated_gpt_layer_pays_its_two_fused_rope_kernels_each_way():
     """The block's priced forward and backward are each two memory-bound kernels longer than without RoPE: a
     kernel's overhead each and 221,184 + 73,728 bytes at the memory's rate (q's and k's read and written, the
     angles read)."""
-    from pipesim.hardware.catalogue import load_catalogue
-    from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
+    from pipesim.planning.estimate import Parallelism, estimate_layer, placement_links
 
-    h100 = load_catalogue().find("h100-sxm")
-    device = Device.of(h100, "bf16")
-    links = placement_links(h100, Parallelism())
-    learned, fused = (estimate_layer(count.layers[1], device, Parallelism(), links.tensor, E)
+    links = placement_links(H100, Parallelism())
+    learned, fused = (estimate_layer(count.layers[1], H100_BF16, Parallelism(), links.tensor, E)
                       for count in (_rotary_gpt(None), _rotary_gpt(1.0, "fused")))
-    kernels_ms = 2 * h100.curve.kernel_overhead_ms + (221_184 + 73_728) / device.memory_bytes_per_ms
+    kernels_ms = 2 * H100.curve.kernel_overhead_ms + (221_184 + 73_728) / H100_BF16.memory_bytes_per_ms
     assert fused.fwd_ms - learned.fwd_ms == pytest.approx(kernels_ms)
     assert fused.bwd_ms - learned.bwd_ms == pytest.approx(kernels_ms)
 

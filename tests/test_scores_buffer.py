@@ -10,7 +10,6 @@ from functools import cache
 import pytest
 import torch
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import EstimateError, Parallelism, estimate_profile
 from pipesim.planning.scenario import Scenario
 from pipesim.sim import StageCosts
@@ -18,8 +17,8 @@ from pipesim.sim.engine import held_static_parts
 from pipesim.units import MIB
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import build, pipesim, simulate_json
+from tests.helpers import A100
 
-A100 = load_catalogue().find("a100-sxm-80gb")
 SHAPE = dict(layers=4, width=64, heads=4, seq_len=1024, vocab=100)
 B = 2
 SCORES = B * 4 * 1024 * 1024 * 2  # b x a x s x s in fp16: 16 MiB

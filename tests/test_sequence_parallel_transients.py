@@ -6,9 +6,7 @@ import math
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
-    Device,
     Parallelism,
     estimate_layer,
     gathered_gradient_element_bytes,
@@ -16,8 +14,8 @@ from pipesim.planning.estimate import (
 )
 from pipesim.profiles.workload import transient_peak, weighted_products
 from tests.conftest import needs_transformers, pipesim, reductions
+from tests.helpers import H100, H100_BF16
 
-H100 = load_catalogue().find("h100-sxm")
 B, S, W, HEADS, KV_HEADS, FFN = 2, 40, 64, 8, 2, 32
 T = B * S  # 80 tokens: no product dimension equals another's (`separate_projections`, below: they do)
 QKV = W + 2 * KV_HEADS * (W // HEADS)  # 96: q, k and v's fused output
@@ -84,7 +82,7 @@ def test_without_sequence_parallelism_the_peak_is_the_ranks_own(block):
     1/t, and its peak is that of the rank's tensors so sized, here 30,720 bytes, not the count's peak tensors so
     sized (25,600): halving some tensors and not others moves the moment of the most bytes live."""
     _, layer = block
-    device = Device.of(H100, "bf16")
+    device = H100_BF16
     link = placement_links(H100, Parallelism(tensor=2)).tensor
     one = estimate_layer(layer, device, Parallelism(), link, 2).transient_bytes
     assert one["bwd"] == sum(nbytes for _, nbytes in layer.transient_tensors["bwd"])

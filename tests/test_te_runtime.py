@@ -6,6 +6,7 @@ import pytest
 
 from pipesim.planning.estimate import EstimateError, Parallelism
 from tests.conftest import pipesim, simulate_json
+from tests.helpers import H100
 
 WIDTH, FFN, HEADS = 256, 1024, 4
 QKV = 3 * WIDTH  # the attention's input projection's outputs, its bias's elements
@@ -107,16 +108,14 @@ def test_delayed_scaling_pays_two_small_kernels_around_each_amax_all_reduce():
     forward and backward of a chunk under te, with or without an all-reduce (d = 1, t = 1: none); none under
     current scaling or DeepSeek-V3's tile scales, recipes derived from te that keep no amax history."""
     torch = pytest.importorskip("torch")
-    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import estimate_profile
     from pipesim.planning.scenario import profile_scenario
     from pipesim.schedules import ScheduleParams
     from pipesim.workload.count import count_built
 
     count = count_built("gpt", SMALL, 1, torch.bfloat16, attention="flash")
-    h100 = load_catalogue().find("h100-sxm")
     for fp8, kernels in (("te", 2), ("te-current", 0), ("deepseek", 0)):
-        profile = estimate_profile(count, h100, Parallelism(fp8=fp8))
+        profile = estimate_profile(count, H100, Parallelism(fp8=fp8))
         scenario = profile_scenario(profile, "adam")
         scenario.build("1f1b", ScheduleParams(1, 4))
         overhead_ms = profile.estimate.curve["kernel_overhead_ms"]

@@ -6,14 +6,13 @@ from dataclasses import replace
 import pytest
 
 from pipesim.hardware import collectives
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, EstimateError, Parallelism, estimate_layer, op_ms, placement_links
 from pipesim.profiles.workload import WorkloadCount
 from pipesim.units import GIB
 from tests.conftest import needs_transformers, pipesim
+from tests.helpers import A100
+from tests.helpers import A100_FP16 as DEVICE
 
-A100 = load_catalogue().find("a100-sxm-80gb")
-DEVICE = Device.of(A100, "fp16")
 NIC_BYTES_PER_MS = A100.network.gbit_s / 8 * A100.curve.network_efficiency * 1e6  # NCCL's 24 of HDR's 25 GB/s
 NVLINK_BYTES_PER_MS = A100.intra_node.gb_s_per_direction * A100.curve.link_efficiency * 1e6
 S, B, H, HEADS = 128, 2, 256, 16  # 16 heads: t = 16 divides them

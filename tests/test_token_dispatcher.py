@@ -8,13 +8,11 @@ import math
 
 import pytest
 
-from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import node_placement
 from pipesim.planning.experts import MULTIHOT_OPS, expert_group
 from tests.conftest import flags_with, pipesim, simulate_json
+from tests.helpers import H100
+from tests.helpers import H100_PLACEMENT as PLACEMENT
 
-H100 = load_catalogue().find("h100-sxm")
-PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
 GPT = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
        "--gated", "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm")
 

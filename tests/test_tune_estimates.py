@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     EMA_BYTES,
     Parallelism,
@@ -25,11 +24,11 @@ from pipesim.planning.estimate import (
 from pipesim.profiles import partition as partitioning
 from pipesim.profiles.schema import OPTIMIZERS, LayerProfile, Timing, layer_costs, stage_transient_bytes
 from tests.conftest import pipesim
+from tests.helpers import H100
 
 torch = pytest.importorskip("torch")
 from pipesim.workload.count import count_built  # noqa: E402  (counting needs torch)
 
-H100 = load_catalogue().find("h100-sxm")
 GPT = {"layers": 4, "width": 128, "heads": 16, "seq_len": 32, "vocab": 1000}
 
 

@@ -12,8 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipesim.hardware.catalogue import load_catalogue  # noqa: E402
-from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links  # noqa: E402
+from pipesim.planning.estimate import Parallelism, estimate_layer, placement_links  # noqa: E402
 from pipesim.profiles.workload import LayerCount  # noqa: E402
 from pipesim.sim import Cluster, Costs, simulate  # noqa: E402
 from pipesim.sim.costs import held_as_runtime  # noqa: E402
@@ -22,11 +21,11 @@ from pipesim.units import MIB  # noqa: E402
 from pipesim.workload.count import count_built, count_model  # noqa: E402
 from pipesim.workload.models import Model  # noqa: E402
 from tests.conftest import build  # noqa: E402
+from tests.helpers import A100  # noqa: E402
+from tests.helpers import A100_FP16 as DEVICE  # noqa: E402
 
 B, S, H, A = 2, 32, 64, 4  # micro-batch, sequence, hidden, heads of the small gpt
 SBH = B * S * H
-A100 = load_catalogue().find("a100-sxm-80gb")
-DEVICE = Device.of(A100, "fp16")
 
 
 @cache
