@@ -205,12 +205,19 @@ def test_bad_recompute_modules_are_refused_in_one_line():
         Parallelism(recompute_modules=("norms",))
 
 
-def test_tune_tries_full_recomputation_beside_recompute_modules():
+def test_tune_tries_full_recomputation_beside_recompute_modules(monkeypatch):
     """tune searches none, selective and full: --recompute-modules reruns its parts under the first two; full
     keeps only each layer's input, nothing more to drop, so it is tried as it is rather than refused."""
+    from pipesim.commands import tune
+
+    estimated = set()
+    estimate = tune.estimated_profile
+    monkeypatch.setattr(tune, "estimated_profile", lambda what, counted, parallel, *args: estimated.add(
+        (parallel.recompute, parallel.recompute_modules)) or estimate(what, counted, parallel, *args))
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "4", "--devices", "4",
                              "--recompute-modules", "layernorm")
     assert code == 0, err
+    assert estimated == {("none", ("layernorm",)), ("selective", ("layernorm",)), ("full", ())}
 
 
 def test_the_costs_line_names_the_recomputed_modules_only_where_given():
