@@ -14,7 +14,10 @@ environment picks, `--attention-kernel`; the rotary position embedding of the ro
 run as TransformerEngine's fused kernel, `--rope-kernel fused`: every such yaml sets `apply_rope_fusion: true`; no
 linear biases where the config sets `bias: false`, `--no-linear-bias`, and RMSNorm where it sets `normalization:
 rmsnorm`, `--norm rmsnorm`: the CSV's `linear_bias` and `normalization`), the
-recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B), the distributed optimizer
+recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B), the pipeline's exchanges beside
+the compute (`overlap_p2p_comm`) or, where the row's config batches them instead (the CSV's `p2p_overlap` false),
+each waited on before the compute goes on (`--blocking-comm`: Megatron-core's `_communicate` with `batch_p2p_comm`
+waits every request of the step's one batched exchange), the distributed optimizer
 (`--zero 1`; its gradients held and reduced as the row's optimizer holds them, `precision`) with its gradient
 reduce-scatter overlapped with the
 backward (each stage's right after its last backward) and its collectives grouped as the row's optimizer groups
@@ -32,9 +35,9 @@ TransformerEngine's weight-gradient products (`--grad-accumulation fused`: every
 A second source, benchmarks/published/nemo-perf-summary-h100.csv (NeMo's performance summary, NeMo 24.07 on
 DGX-H100, FP8, in tokens/s per GPU), is run the same way and printed as its own table: its columns say where a
 row's launcher config or the launcher's H100 FP8 example command departs from the settings above (`tp_overlap`,
-`fp8_params`, `rope_fusion`, `grad_sync_dtype`; benchmarks/published/README.md), the published step its tokens a step
-over the row's GPUs at the printed rate. Its three tables print the same 12 configurations re-measured (each table a
-row set): the median is printed over all 36 rows and over the latest table's 12 alone.
+`fp8_params`, `rope_fusion`, `grad_sync_dtype`, `p2p_overlap`; benchmarks/published/README.md), the published step
+its tokens a step over the row's GPUs at the printed rate. Its three tables print the same 12 configurations
+re-measured (each table a row set): the median is printed over all 36 rows and over the latest table's 12 alone.
 
     python benchmarks/published_h100.py                 # the tables, then each row's command
     python benchmarks/published_h100.py --json out.json # and the rows as JSON
@@ -92,6 +95,8 @@ def simulate_command(row: dict[str, str]) -> list[str]:
         "microbatch_size"))
     d = gpus // (t * p * c)
     schedule = ["-s", "interleaved-1f1b", "--chunks", str(v)] if v > 1 else ["-s", "1f1b"]
+    if p > 1 and row.get("p2p_overlap", "true") == "false":
+        schedule.append("--blocking-comm")
     overlap = ["--tp-overlap", *(["--tp-overlap-no-margin"] if row["tp_overlap_sm_margin"] == "false" else []),
                *(["--tp-overlap-fp8-buf"] if row["tp_overlap_fp8_buf"] == "true" else [])]
     tensor = ["--tensor-parallel", str(t), "--sequence-parallel",

@@ -43,6 +43,9 @@ def test_every_summary_row_is_recorded_with_its_figure_and_layout():
         assert ("--tp-overlap" in args) == (published["tp_overlap"] == "true")
         assert ("--tp-overlap-fp8-buf" in args) == (published["tp_overlap_fp8_buf"] == "true")
         assert (published["tp_overlap"] == "") == (t == 1)
+        # the configs' overlap_p2p_comm: where false (340B's batch_p2p_comm), Megatron-core waits each exchange
+        assert ("--blocking-comm" in args) == (published["p2p_overlap"] == "false")
+        assert (published["p2p_overlap"] == "") == (p == 1)
         assert "--fp8-param-gather" not in args and published["fp8_params"] == "false"
         rope = _flag(args, "--rope-kernel") if "--rope-kernel" in args else ""
         assert rope == {"true": "fused", "false": "eager", "": ""}[published["rope_fusion"]]
