@@ -53,7 +53,6 @@ Pure arithmetic: no torch, no simulator."""
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -65,7 +64,7 @@ from typing import NamedTuple
 from ..hardware.catalogue import DispatcherRates
 from ..profiles.schema import EstimateLink, EstimatePlacement
 from ..profiles.workload import LayerCount, OpCount, RoutedBlock
-from ..sim.costs import product_delay
+from ..sim.costs import held_compute
 from .ranks import RankOrderError, SettingsError, expert_grid
 
 # Per MoE layer and micro-batch: the dispatch and combine after its forward (an A2A_F row), and the gradients' way
@@ -408,6 +407,12 @@ class _ComputeNode(NamedTuple):
     records: str
     product_ms: float
 
+    def end_ms(self, kernels: list[tuple[float, float]]) -> float:
+        """When the node ends beside the all-to-alls' `kernels` (begin, end), held by the engine's rule for compute
+        beside a transfer (sim/costs.py `held_compute`): its products, of its pass's mean (0: in waves, or under an
+        SM target), `slower` while a kernel runs, at its own speed otherwise."""
+        return held_compute(kernels, self.start_ms, self.run_ms, self.product_ms, self.slower)[0]
+
 
 @lru_cache(maxsize=1024)  # a model's repeated layers pair alike: each is priced once
 def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | None = None,
@@ -480,8 +485,7 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         """Ends the compute node started last, beside the all-to-alls issued so far, and records its event."""
         nonlocal comp, forward_done, backward_done, pending
         if pending is not None:
-            comp = max(held_end(pending.start_ms, pending.run_ms, pending.slower, kernels, pending.product_ms),
-                       pending.issued_ms)
+            comp = max(pending.end_ms(kernels), pending.issued_ms)
             forward_done = comp if pending.records == "forward" else forward_done
             backward_done = comp if pending.records == "backward" else backward_done
             pending = None
@@ -499,8 +503,7 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         the running compute node's mean product, no longer than the node runs on."""
         if pending is None or not pending.product_ms or pending.start_ms >= launched:
             return 0.0
-        end_ms = held_end(pending.start_ms, pending.run_ms, pending.slower, kernels, pending.product_ms)
-        return min(pending.product_ms / 2, max(end_ms - launched, 0.0))
+        return min(pending.product_ms / 2, max(pending.end_ms(kernels) - launched, 0.0))
 
     def event(name: str) -> float:
         """A pass's event as a node waiting for it reads it (the compute node recording it ended first)."""
@@ -549,27 +552,6 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
     if charged_ms is None:
         charged_ms = sum(part.attention_ms + part.experts_ms + part.combine_compute_ms for part in (forward, backward))
     return max(layer_ms - charged_ms, 0.0)  # never below what its rows charge
-
-
-def held_end(start: float, run_ms: float, slower: float, kernels: list[tuple[float, float]],
-             product_ms: float = 0.0) -> float:
-    """When `run_ms` of compute begun at `start` ends beside `kernels` (begin, end; in order, apart: one stream's),
-    each kernel it meets delaying it as the engine's transfers delay the compute beside them (sim/costs.py
-    `product_delay`, one rule: its products of `product_ms` each, 0 none, `slower` times their time while a kernel
-    runs: its time beside them over its own, `Costs.sharing_dispatcher_ms`'s), at most to `slower` times the work
-    left; at its own speed otherwise."""
-    if slower == 1.0:
-        return start + run_ms
-    clock, left = start, run_ms
-    for begin, end in kernels[bisect.bisect_right(kernels, start, key=lambda kernel: kernel[1]):]:
-        if begin > clock:
-            if left <= begin - clock:
-                break
-            left -= begin - clock
-            clock = begin
-        if end > clock:  # the delay moves the work's rest later, past the kernel where it ends within it
-            clock += min(product_delay(end - clock, product_ms, slower), left * (slower - 1))
-    return clock + left
 
 
 def _grouped(op: OpCount) -> bool:

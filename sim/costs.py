@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -30,24 +31,71 @@ OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 # that find their multiprocessors held run their tiles after the others' (`product_delay`; a held pass's products,
 # planning/estimate.py `op_ms`)
 HELD_PRODUCT_SLOWDOWN = 2
+# A time in one unit throughout: the engine's integer picoseconds, or ms (`held_compute`)
+Time = TypeVar("Time", int, float)
 
 
 def product_delay(kernel: float, product: float, slower: float = HELD_PRODUCT_SLOWDOWN) -> float:
     """How much later compute ends for a `kernel` beside it that holds some multiprocessors (any one unit: the
-    engine's picoseconds, tune's and planning/experts.py `held_end`'s ms), its products of `product` each run back to
-    back from the kernel's launch (or from where the compute meets it): a persistent product's CTAs that find theirs
-    held start when the kernel ends or when its other CTAs free theirs, whichever comes first, so while the kernel
-    runs each product takes `slower` times its time (`HELD_PRODUCT_SLOWDOWN`: twice; a pass's time beside the kernel
-    over its own, `held_end`'s), and the one it ends in is later by what of the kernel it met, at most by what a
-    product beside it adds (CUTLASS's sm90 `StaticPersistentTileScheduler`: a fixed share of the tiles per CTA;
-    "nearly doubles" beside an all-gather on an H100, NVIDIA developer forums topic 337991). `product` 0: compute of
-    no persistent products (in waves, or on a share of the multiprocessors), evenly `slower` while the kernel runs:
-    the kernel's time less what the compute does meanwhile. A kernel longer than a product delays it by that rate
-    and, for the product it ends in, at most (1 - 1/`slower`) of a product more."""
+    engine's picoseconds, tune's and planning/experts.py's ms; `held_compute` steps it), its products of `product`
+    each run back to back from the kernel's launch (or from where the compute meets it): a persistent product's CTAs
+    that find theirs held start when the kernel ends or when its other CTAs free theirs, whichever comes first, so
+    while the kernel runs each product takes `slower` times its time (`HELD_PRODUCT_SLOWDOWN`: twice; a pass's time
+    beside the kernel over its own, planning/experts.py's pair's), and the one it ends in is later by what of the
+    kernel it met, at most by what a product beside it adds (CUTLASS's sm90 `StaticPersistentTileScheduler`: a fixed
+    share of the tiles per CTA; "nearly doubles" beside an all-gather on an H100, NVIDIA developer forums topic
+    337991). `product` 0: compute of no persistent products (in waves, or on a share of the multiprocessors), evenly
+    `slower` while the kernel runs: the kernel's time less what the compute does meanwhile. A kernel longer than a
+    product delays it by that rate and, for the product it ends in, at most (1 - 1/`slower`) of a product more."""
     if not product:
         return kernel * (1 - 1 / slower)
     spans, left = divmod(kernel, slower * product)
     return spans * (slower - 1) * product + min(left, (slower - 1) * product)
+
+
+def held_compute(kernels: Sequence[tuple[Time, Time]], start: Time, work: Time, product: Time | None,
+                 slower: Time = HELD_PRODUCT_SLOWDOWN, hold_tag: int = 0) -> tuple[Time, list[Time]]:
+    """When `work` of compute begun at `start` ends beside `kernels` (begin, end: any order, overlapping, several
+    streams'), in one unit (the engine's integer ps, planning/experts.py's ms), and its holds, three numbers each:
+    `hold_tag` (the engine's clock index), how far into the work it began, and how much later it made the work end.
+    Wherever some kernel runs (kernels that overlap or touch joined: the multiprocessors stay held) it delays the
+    work as `product_delay` says for its products of `product` each, `slower` times their time beside a kernel, at
+    most to `slower` times the work left; at its own speed otherwise. `product` 0: none persistent (in waves on the
+    multiprocessors the kernel leaves, or given a target), evenly `slower`. None: persistent products whose time is
+    not known (the engine's device without a product time), each held for the kernel's time left or its own, the
+    less, so for the kernel's whole time: the work makes no progress while any kernel runs."""
+    stop = start + work
+    for begin, end in kernels:
+        if end > start and begin < stop:
+            break
+    else:  # none runs beside the work (about half the engine's calls): spare the spans, which would hold nothing
+        return stop, []
+    clock, done, holds = start, 0, []
+    for begin, end in _joined(sorted(kernels)):
+        if end <= clock:
+            continue
+        if begin >= clock + work - done:
+            break
+        if begin > clock:
+            done += begin - clock
+            clock = begin
+        held = (end - clock if product is None
+                else min(product_delay(end - clock, product, slower), (work - done) * (slower - 1)))
+        holds += hold_tag, done, held
+        clock += held
+    return clock + work - done, holds
+
+
+def _joined(kernels: list[tuple[Time, Time]]) -> list[tuple[Time, Time]]:
+    """Sorted (begin, end) spans joined where they overlap or touch: the times some kernel runs."""
+    joined: list[tuple[Time, Time]] = []
+    for begin, end in kernels:
+        if joined and begin <= joined[-1][1]:
+            if end > joined[-1][1]:
+                joined[-1] = (joined[-1][0], end)
+        else:
+            joined.append((begin, end))
+    return joined
 
 
 @dataclass(frozen=True)
@@ -408,7 +456,7 @@ class Costs:
     `transfers_hold_products`: the devices' products run persistent CTAs (Hopper: `Curve.persistent_products`),
     so a point-to-point transfer's NCCL kernel, which holds its multiprocessors from its launch until its data
     has moved and shares none with compute kernels (NVIDIA/nccl issues 689 and 1025), holds back the compute
-    beside it on either device (sim/engine.py `_held_compute`): a send's from its issue until its data has
+    beside it on either device (the engine's, by `held_compute`): a send's from its issue until its data has
     arrived, a receive's while its data moves. A product's CTAs that find their multiprocessors held start when
     the kernel ends or when its other CTAs free theirs, whichever comes first, so each product it meets ends later
     by the kernel's time left or its own time, the less (the stages' `product_ms`; not known: the kernel's whole
@@ -467,7 +515,7 @@ class Costs:
         rest at full speed; unchanged where none are held. Its persistent products, each twice its time beside them,
         so lose half the kernels' time they meet: `product_delay`'s rate for kernels longer than a product (its step
         adds at most half a product a span; Megatron-core's pair takes it node by node, planning/experts.py
-        `held_end`)."""
+        `paired_exposed_ms`, by `held_compute`)."""
         own = np.array([c.fwd_ms if forward else c.bwd_ms for c in self.stages])[stage]
         sharing = np.array([c.fwd_sharing_ms if forward else c.bwd_sharing_ms for c in self.stages])[stage]
         slower = np.divide(sharing, own, out=np.ones_like(own), where=(sharing > 0) & (own > 0))

@@ -17,7 +17,7 @@ computing at that moment allows, so it lasts longer while others compute too. Wh
 beside them (`Costs.transfers_hold_products`: NCCL's kernels beside persistent products), a device's compute is
 held back while a kernel of one of its transfers runs (a send's from its issue until its data has arrived, a
 receive's while its data moves), each product it meets by the kernel's time left or its own, the less
-(`_held_compute`), and the devices run in simulated time order, so that each knows the transfers beside its
+(sim/costs.py `held_compute`), and the devices run in simulated time order, so that each knows the transfers beside its
 compute. Where devices share nothing but links each taken by one device's sends (a queue per link
 direction, as estimates and calibrations price them), none of this needs SimPy (`_Model._run_timed`).
 This module only prices the rows and runs them: nothing here knows a method by name.
@@ -59,8 +59,8 @@ from .costs import (
     Costs,
     RowOverhead,
     StageCosts,
+    held_compute,
     kept_until_update_refusal,
-    product_delay,
 )
 
 _PS_PER_MS = 1e9
@@ -116,7 +116,7 @@ def _check_clock(held_ps: np.ndarray, transfer_ps: np.ndarray, collective_ps: np
 
 def takes_time(ms: np.ndarray) -> np.ndarray:
     """Elementwise, whether a row of `ms` takes any time on the engine's clock (`_picoseconds`): one that takes
-    none is not held by the transfer kernels beside it (`_held_compute` holds compute left to do)."""
+    none is not held by the transfer kernels beside it (`held_compute` holds compute left to do)."""
     return _picoseconds(ms) > 0
 
 
@@ -192,7 +192,7 @@ class _Program:
 
 def device_product_ms(stages_on: Sequence[Sequence[int]], costs: Costs) -> list[float]:
     """Per device (its stages, `stages_on`), how long one of its products runs, as transfers' kernels meet them
-    (`_held_compute`): its stages' `product_ms` weighed as a profile's stage weighs its layers' (`product_mean_ms`);
+    (`held_compute`): its stages' `product_ms` weighed as a profile's stage weighs its layers' (`product_mean_ms`);
     0: not known."""
     stages = costs.stages
     return [product_mean_ms((stages[k].product_ms, stages[k].fwd_ms + stages[k].bwd_ms) for k in mine)
@@ -1154,7 +1154,8 @@ class _Model:
         send, recv, compute = int(Stream.SEND), int(Stream.RECV), int(Stream.COMPUTE)  # plain ints: this loop runs
         queued = cores is not None or unit is not None  # once per step
         kernels = self.kernels[d] if self.kernels is not None and d < len(self.kernels) and not queued else None
-        product_ps = program.product_ps[d] if kernels is not None else 0
+        # its products' time (`held_compute`'s; None: not known)
+        product_ps = (program.product_ps[d] or None) if kernels is not None else None
         start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
         for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
@@ -1163,7 +1164,7 @@ class _Model:
             if kernels is not None and busy_ps:  # the compute since the last step, held by the transfer kernels
                 computing_from = clock  # beside it: once simulated time reaches its end, every kernel that began
                 while True:  # under it is known (a sender announces its transfer when it issues it)
-                    end, holds = _held_compute(kernels, computing_from, busy_ps, mine - 1, product_ps)
+                    end, holds = held_compute(kernels, computing_from, busy_ps, product_ps, hold_tag=mine - 1)
                     if end <= env.now:
                         break
                     yield env.timeout(end - env.now)
@@ -1238,7 +1239,8 @@ class _Model:
         clocks, waiters, resume, arrival = self.clocks, self.waiters, self.ready.extend, self.arrival
         due, frontier, senders, sends_after = self.due, self.frontier, tuple(self.senders[d]), self._sends_after
         kernels = None if self.kernels is None else self.kernels[d]
-        product_ps = program.product_ps[d] if kernels is not None else 0
+        # its products' time (`held_compute`'s; None: not known)
+        product_ps = (program.product_ps[d] or None) if kernels is not None else None
         awaited, sender_of, units = self.awaited, self.sender_of, program.lowered.units
         overlap = self.overlap_comm
         me = self.running
@@ -1250,7 +1252,7 @@ class _Model:
             if kernels is None:
                 clock += busy_ps
             elif busy_ps:
-                end, holds = (_held_compute(kernels, clock, busy_ps, mine - 1, product_ps) if kernels
+                end, holds = (held_compute(kernels, clock, busy_ps, product_ps, hold_tag=mine - 1) if kernels
                               else (clock + busy_ps, ()))
                 while True:
                     for s in senders:
@@ -1264,7 +1266,7 @@ class _Model:
                     yield
                     if len(kernels) == known:
                         break
-                    end, holds = _held_compute(kernels, clock, busy_ps, mine - 1, product_ps)
+                    end, holds = held_compute(kernels, clock, busy_ps, product_ps, hold_tag=mine - 1)
                     if end <= self.now:
                         break
                 if holds or kernels:
@@ -1308,7 +1310,7 @@ class _Model:
         return False
 
     def _hold(self, kernels: list[tuple[int, int]], end: int, holds: list[int]) -> None:
-        """Records the holds of a device's compute (`_held_compute`'s), which ended at `end`, and forgets the
+        """Records the holds of a device's compute (`held_compute`'s), which ended at `end`, and forgets the
         kernels that ended by then."""
         if holds:
             self.held.extend(holds)
@@ -1609,46 +1611,6 @@ def _posting_rows(bounds: Sequence[int], stream: np.ndarray, window: int) -> tup
         posted.append(np.concatenate([np.full(min(window, len(mine)), lo), mine[:-window] + 1]) if len(mine)
                       else mine)
     return np.concatenate(receives), np.concatenate(posted)
-
-
-def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, clock_index: int,
-                  product_ps: int = 0) -> tuple[int, list[int]]:
-    """When `work_ps` of compute begun at `start_ps` ends beside `kernels` (begin, end), and its holds as
-    `_Model.held` keeps them, three numbers each: `clock_index`, how far into the work it began, and its length.
-    Where its products run `product_ps` each, the kernels running together from where they meet the compute delay
-    it as `product_delay` says, at most the work left (a product is held at most its own time); 0: it makes no
-    progress while any of them runs."""
-    stop = start_ps + work_ps
-    for begin, end in kernels:
-        if end > start_ps and begin < stop:
-            break
-    else:  # none runs beside the work (about half the calls): spare the spans, which would hold nothing
-        return stop, []
-    clock, done, holds = start_ps, 0, []
-    for begin, end in _spans(sorted(kernels)):
-        if end <= clock:
-            continue
-        if begin >= clock + work_ps - done:
-            break
-        if begin > clock:
-            done += begin - clock
-            clock = begin
-        held = min(product_delay(end - clock, product_ps), work_ps - done) if product_ps else end - clock
-        holds += clock_index, done, held
-        clock += held
-    return clock + work_ps - done, holds
-
-
-def _spans(kernels: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted (begin, end) spans joined where they overlap or touch: the times some kernel runs."""
-    joined: list[tuple[int, int]] = []
-    for begin, end in kernels:
-        if joined and begin <= joined[-1][1]:
-            if end > joined[-1][1]:
-                joined[-1] = (joined[-1][0], end)
-        else:
-            joined.append((begin, end))
-    return joined
 
 
 def _held_back(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray]:

@@ -25,13 +25,13 @@ from pipesim.planning.estimate import (
     persistent_product_ms,
     sharing_dispatcher,
 )
-from pipesim.planning.experts import MoePass, expert_group, held_end, paired_exposed_ms
+from pipesim.planning.experts import MoePass, expert_group, paired_exposed_ms
 from pipesim.planning.scenario import Scenario
 from pipesim.profiles.workload import OpCount
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim.cluster import Cluster, Link
-from pipesim.sim.costs import HELD_PRODUCT_SLOWDOWN, Costs, StageCosts
-from pipesim.sim.engine import _held_compute, simulate
+from pipesim.sim.costs import Costs, StageCosts, held_compute
+from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.helpers import H100
@@ -84,17 +84,16 @@ def test_an_all_to_all_launched_beside_a_running_product_starts_when_it_ends():
 
 def test_a_pairs_node_is_held_by_the_engines_rule_for_compute_beside_a_kernel():
     """The pair's compute node beside an all-to-all's kernels and the engine's compute beside a transfer's are held
-    by one rule (sim/costs.py `product_delay`): products of 2 ms, twice as slow beside a kernel, end 0.5 ms later for
-    a 0.5 ms kernel (the product it ends in held for all of it), not 0.25 ms (half its time, the rate: a kernel
-    shorter than two products); the same as the engine's hold at the same picoseconds, kernels short and long, one
-    met where the work ends within it. Without products (in waves) the node runs at half speed beside it."""
-    kernels = [(1, 1.5)]
-    assert held_end(0.0, 10.0, 2.0, kernels, 2.0) == pytest.approx(10.5)
-    assert held_end(0.0, 10.0, 2.0, kernels) == pytest.approx(10.25)
-    for kernels in ([(1_000, 1_500)], [(1_000, 6_000), (7_000, 7_300)], [(0, 3_000), (9_000, 40_000)]):
-        for work_ps, product_ps in ((10_000, 2_000), (10_000, 700), (3_000, 2_000)):
-            engine_end, _ = _held_compute(kernels, 0, work_ps, 0, product_ps)
-            assert held_end(0, work_ps, HELD_PRODUCT_SLOWDOWN, kernels, product_ps) == engine_end
+    by one function (sim/costs.py `held_compute`): products of 2 ms, twice as slow beside a kernel, end 0.5 ms later
+    for a 0.5 ms kernel (the product it ends in held for all of it), not 0.25 ms (half its time, the rate: a kernel
+    shorter than two products). Without persistent products (in waves) the node runs at half speed beside it; the
+    engine's device whose products' time is not known makes no progress while it runs."""
+    kernels = [(1.0, 1.5)]
+    assert held_compute(kernels, 0.0, 10.0, 2.0, 2.0)[0] == pytest.approx(10.5)
+    assert held_compute(kernels, 0.0, 10.0, 0.0, 2.0)[0] == pytest.approx(10.25)
+    assert held_compute(kernels, 0.0, 10.0, None, 2.0)[0] == pytest.approx(10.5)
+    assert held_compute(kernels, 0.0, 1.2, 0.0, 2.0)[0] == pytest.approx(1.4)  # its 0.2 ms left, twice as slow
+    assert held_compute(kernels, 0.0, 1.2, None, 2.0)[0] == pytest.approx(1.7)  # the kernel's whole time
 
 
 def _paired_calls(monkeypatch) -> list[tuple[MoePass, MoePass, dict]]:

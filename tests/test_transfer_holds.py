@@ -3,13 +3,17 @@ its multiprocessors from its launch until its data has moved and shares none wit
 issues 689 and 1025), so the compute beside it on either device is held back while they overlap: each product it
 meets by the kernel's time left or the product's own time, the less."""
 
+import itertools
 from dataclasses import replace
+from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
-from pipesim.sim.costs import HELD_PRODUCT_SLOWDOWN, product_delay
+from pipesim.sim.costs import HELD_PRODUCT_SLOWDOWN, held_compute, product_delay
 from pipesim.traces import summarize
 
 
@@ -127,3 +131,62 @@ def test_a_device_weighs_its_stages_products_as_a_stage_weighs_its_layers():
     assert [stage.product_ms for stage in stages] == pytest.approx([0.1, 0.4])
     pair = aggregate_stages([layers[0], layers[2]], [0, 2], "adam", [0], steps[:1])
     assert pair[0].product_ms == pytest.approx(0.175)
+
+
+def _integrated_end(kernels: list[tuple[int, int]], start: int, work: int, product: int | None,
+                    slower: int) -> Fraction:
+    """When `work` ps of compute begun at `start` ends beside `kernels`, a picosecond at a time: without persistent
+    products (`product` 0) it does 1/`slower` ps of work each ps some kernel runs, none where their time is not
+    known (None); with them it runs, from each ps it meets a running kernel, products of `product` (the last the
+    work left) back to back, each ending once it has run its own time plus the time it ran beside a kernel, at most
+    `slower` - 1 times its own, until one ends where no kernel runs; one ps of work a ps otherwise."""
+    def running(ps: int) -> bool:
+        return any(begin <= ps < end for begin, end in kernels)
+
+    clock, done = start, Fraction(0)
+    while done < work:
+        if product and running(clock):
+            piece, beside, ran = min(product, work - done), 0, 0
+            while ran < piece + min(beside, (slower - 1) * piece):
+                beside += running(clock)
+                clock, ran = clock + 1, ran + 1
+            done += piece
+            continue
+        rate = Fraction(1) if not running(clock) else Fraction(0) if product is None else Fraction(1, slower)
+        if done + rate >= work:
+            return clock + (work - done) / rate
+        clock, done = clock + 1, done + rate
+    return Fraction(clock)
+
+
+@st.composite
+def _beside_kernels(draw, product: int) -> list[tuple[int, int]]:
+    """Kernels of several streams, shuffled: spans apart, each one to three kernels that overlap or touch; with
+    persistent products the spans at least a product apart (the product a span ends in ends before the next)."""
+    kernels, clock = [], draw(st.integers(0, 40))
+    for _ in range(draw(st.integers(0, 4))):
+        begin = clock + draw(st.integers(max(product, 1), 40))
+        clock = begin + draw(st.integers(1, 30))
+        cuts = sorted(draw(st.lists(st.integers(begin, clock), max_size=2)))
+        edges = [begin, *cuts, clock]
+        kernels += [(lo, min(hi + draw(st.integers(0, 5)), clock)) for lo, hi in itertools.pairwise(edges)
+                    if hi > lo]
+    return draw(st.permutations(kernels))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(0, 60), st.integers(1, 60), st.integers(2, 4),
+       st.one_of(st.none(), st.just(0), st.integers(1, 12)))
+def test_held_compute_steps_the_rule_a_picosecond_at_a_time_would(data, start_ps, work_ps, slower, product_ps):
+    """One stepping rule for compute beside kernels (`held_compute`: the engine's and Megatron-core's pair's) ends
+    the work where the same rule integrated a picosecond at a time does, kernels of several streams in any order,
+    overlapping or touching; its holds add up to the delay, at ascending points of the work, in whole ps where the
+    products' time is known or not known."""
+    kernels = data.draw(_beside_kernels(product_ps or 0))
+    end, holds = held_compute(kernels, start_ps, work_ps, product_ps, slower, hold_tag=7)
+    assert end == pytest.approx(_integrated_end(kernels, start_ps, work_ps, product_ps, slower))
+    assert holds[0::3] == [7] * (len(holds) // 3)
+    assert holds[1::3] == sorted(holds[1::3]) and all(0 <= done < work_ps for done in holds[1::3])
+    assert sum(holds[2::3]) == pytest.approx(end - start_ps - work_ps)
+    if product_ps != 0:
+        assert isinstance(end, int) and all(isinstance(held, int) for held in holds)
