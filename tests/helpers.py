@@ -1,8 +1,10 @@
 """What several test modules build alike, built once here: the parts they price on (as a device, and an H100 node's
-placement), a hand-written two-stage schedule, the lowered schedule's rows as they read them, and a flag's value in a
-printed command. Each part is frozen: the tests share it safely."""
+placement), a hand-written two-stage schedule, the lowered schedule's rows as they read them, a flag's value in a
+printed command and tune's JSON as two runs share it. Each part is frozen: the tests share it safely."""
 
 from __future__ import annotations
+
+import json
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, node_placement
@@ -35,3 +37,10 @@ def kind_stage_microbatch(lowered: Lowered) -> list[tuple[str, int, int]]:
 def flag_value(args: list[str], flag: str) -> str | None:
     """The value after `flag` in a command's arguments (`shlex.split` of a printed command); None where not given."""
     return args[args.index(flag) + 1] if flag in args else None
+
+
+def tune_document(out: str) -> dict:
+    """`pipesim tune --json`'s document less the search's seconds, which no two runs share."""
+    document = json.loads(out)
+    del document["search"]["seconds"]
+    return document

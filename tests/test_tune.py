@@ -45,6 +45,12 @@ def problem(profile, devices, cap_gib, **kw) -> tuning.Problem:
     return tuning.Problem(devices, int(cap_gib * GIB), batch, kw.pop("schedules", tuple(METHODS)), **kw)
 
 
+def gpt_on_8(cap_gib: float) -> tuple[list[tuning.Setting], tuning.Problem]:
+    """The calibrated small GPT's setting and its problem on 8 devices of `cap_gib` each, every method."""
+    profile = load_profile(GPT)
+    return scenario(profile), problem(profile, 8, cap_gib)
+
+
 def slow_allreduce(profile, factor=1000.0):
     """The same model on a network whose all-reduce is `factor` times slower: data parallelism gets dear."""
     points = [point.model_copy(update={"ms": point.ms * factor}) for point in profile.allreduce.points]
@@ -177,8 +183,7 @@ def test_simulations_and_searches_run_in_worker_processes_and_give_the_same_answ
 
 def test_the_comparison_catches_a_bound_that_lies(monkeypatch):
     """Claim the true best can do no better than 1 sample/s: the search prunes it and the check must say so."""
-    profile = load_profile(GPT)
-    source, prob = scenario(profile), problem(profile, 8, 1.0)  # many configurations fit: pruning starts early
+    source, prob = gpt_on_8(1.0)  # many configurations fit: pruning starts early
     best, faster, staler, _ = exhaustive(source, prob)
     winner = best[0][0].config
     honest = tuning._candidate

@@ -2,22 +2,8 @@
 choice by no more than the margin is not simulated to show what the limits cost; it is counted, in a note and in
 the JSON's `over_within_margin`, and neither a row nor the staleness note names it."""
 
-from pathlib import Path
-
 from pipesim.planning import tune as tuning
-from pipesim.planning.scenario import profile_scenario
-from pipesim.profiles.schema import load_profile
-from pipesim.schedules import METHODS
-from tests.test_tune import differences, exhaustive
-
-GPT = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
-
-
-def _gpt_on_8(cap_gib: float):
-    profile = load_profile(GPT)
-    setting = tuning.Setting(profile_scenario(profile, "adam"))
-    return [setting], tuning.Problem(8, int(cap_gib * tuning.GIB), 32 * profile.environment.microbatch_size,
-                                     tuple(METHODS))
+from tests.test_tune import differences, exhaustive, gpt_on_8
 
 
 def _stale_simulations(monkeypatch, limit: int) -> list[str]:
@@ -38,7 +24,7 @@ def test_what_could_beat_the_choice_by_no_more_than_the_margin_is_counted_not_si
     the margin as it is they are rows (and the staleness note's) and stale candidates are simulated; with a
     margin over every bound, none is simulated, no row over a limit is shown, no staleness note is given, and
     every one of them is counted, by its bound, in one note and the JSON."""
-    settings, problem = _gpt_on_8(0.2)
+    settings, problem = gpt_on_8(0.2)
     stale = _stale_simulations(monkeypatch, problem.max_staleness)
     found = tuning.tune(settings, problem)
     assert found.excluded and found.staler is not None and stale and found.over_within_margin == 0

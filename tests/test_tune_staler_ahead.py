@@ -3,22 +3,15 @@ the choice is known; idle workers in the first pass take their critical paths, s
 (planning/tune.py `_Built.ahead_of_staler`), which the later passes read when they come to them: the same answer and
 counts as without them."""
 
-import json
 import os
 from pathlib import Path
 
 from pipesim.planning import tune as planning
 from tests.conftest import pipesim
+from tests.helpers import tune_document
 
 GPT = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
 NOTED = ("tune", "--profile", str(GPT), "--devices", 8, "--memory-gb", 0.3, "--json")  # PipeDream p = 2 is noted
-
-
-def _document(out: str) -> dict:
-    """The JSON document less the search's seconds, which no two runs share."""
-    document = json.loads(out)
-    del document["search"]["seconds"]
-    return document
 
 
 def test_the_later_passes_read_the_stale_candidates_simulated_ahead_and_answer_as_without(monkeypatch):
@@ -45,4 +38,4 @@ def test_the_later_passes_read_the_stale_candidates_simulated_ahead_and_answer_a
     monkeypatch.setattr(planning._Built, "ahead_of_staler", lambda self, beaten: None)
     code, alone, err = pipesim(*NOTED)
     assert code == 0, err
-    assert _document(ahead) == _document(alone) and _document(alone)["staler_winner"] is not None
+    assert tune_document(ahead) == tune_document(alone) and tune_document(alone)["staler_winner"] is not None

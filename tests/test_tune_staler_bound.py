@@ -4,25 +4,13 @@ names it, exact, and where an unsimulated stale candidate's bound is higher, say
 by that bound; where none is, the figure is the fastest's and the note has no "up to"."""
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from pipesim.planning import tune as tuning
-from pipesim.planning.scenario import profile_scenario
-from pipesim.profiles.schema import load_profile
-from pipesim.schedules import METHODS
-from tests.test_tune import differences, exhaustive
+from tests.test_tune import differences, exhaustive, gpt_on_8
 
-GPT = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
 LOOSE = 1e6  # samples/s: a bound no candidate reaches, so still a bound
-
-
-def _gpt_on_8(cap_gib: float):
-    profile = load_profile(GPT)
-    setting = tuning.Setting(profile_scenario(profile, "adam"))
-    return [setting], tuning.Problem(8, int(cap_gib * tuning.GIB), 32 * profile.environment.microbatch_size,
-                                     tuple(METHODS))
 
 
 def _loosened(monkeypatch, label: str) -> None:
@@ -47,7 +35,7 @@ def test_the_note_stops_at_the_first_stale_configuration_that_beats_the_choice_a
     SpecTrain p = 8, the slowest stale one that beats the choice, bounded loosely, comes first: the note names it
     at its simulated speed, and says the limit may cost up to the bound of PipeDream p = 4 and the rest; the same
     with two worker processes, whose results are taken in the order popped."""
-    settings, problem = _gpt_on_8(0.2)
+    settings, problem = gpt_on_8(0.2)
     best, faster, staler, results = exhaustive(settings, problem)
     slowest = staler[-1][0]
     assert slowest.config.label() == "spectrain p=8" and staler[0][0].config.label() == "pipedream p=4"
@@ -75,7 +63,7 @@ def test_the_note_is_exact_where_nothing_unsimulated_could_beat_the_configuratio
     """The same problem with one row over a limit shown and the bounds as they are: the note's search stops at
     PipeDream p = 4, the fastest; its twin PipeDream-2BW p = 4, bounded a billionth over it, is a tie, not a
     higher bound: no "up to", and the JSON's bound is null. The twin is not simulated, so not listed."""
-    settings, problem = _gpt_on_8(0.2)
+    settings, problem = gpt_on_8(0.2)
     best, faster, staler, _ = exhaustive(settings, problem)
     monkeypatch.setattr(tuning, "RUNNERS_UP", 1)
     found = tuning.tune(settings, problem)

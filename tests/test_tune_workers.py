@@ -3,7 +3,6 @@ the estimates leave idle (planning/tune.py `start_workers`), with their cycle co
 its answer are those of workers started by the search, and the answer that of a search without workers."""
 
 import gc
-import json
 import math
 import multiprocessing
 import os
@@ -18,18 +17,12 @@ from pipesim.profiles.schema import load_profile
 from pipesim.schedules import METHODS
 from pipesim.units import GIB
 from tests.conftest import pipesim
+from tests.helpers import tune_document
 
 PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
 
 SMALL = ("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 64, "--heads", 4, "--seq-len", 32,
          "--vocab", 1000, "-D", 8, "-b", 1, "--json")
-
-
-def _document(out: str) -> dict:
-    """The JSON document less the search's seconds, which no two runs share."""
-    document = json.loads(out)
-    del document["search"]["seconds"]
-    return document
 
 
 def test_tune_starts_its_workers_before_its_estimates_and_answers_as_without_them(monkeypatch):
@@ -61,18 +54,18 @@ def test_tune_starts_its_workers_before_its_estimates_and_answers_as_without_the
     assert code == 0, err
     # What idle workers take ahead (`_Built.ahead`) changes when work is done, never what the search builds,
     # simulates or keeps: the same JSON, the search's counts included, as workers that only take what it hands them.
-    assert _document(early) == _document(handed)
+    assert tune_document(early) == tune_document(handed)
     events.clear()
     monkeypatch.setattr(planning, "start_workers", refused_once)
     code, late, err = pipesim(*SMALL)
     assert code == 0, err
     assert events == [("workers", 2), ("estimates",), ("workers", 2)]
-    assert _document(early) == _document(late)
+    assert tune_document(early) == tune_document(late)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     code, alone, err = pipesim(*SMALL)
     assert code == 0, err
     # What the search built depends on how many candidates its workers take at once; its answer does not.
-    assert {**_document(early), "search": None} == {**_document(alone), "search": None}
+    assert {**tune_document(early), "search": None} == {**tune_document(alone), "search": None}
 
 
 def _collecting_in_two_workers() -> list[bool]:
