@@ -1549,7 +1549,7 @@ def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedu
     later row: no steady step is under s, from a run of any length.
 
     Where the rules are not max-plus neither window bound holds: a transfer kernel that begins later can hold the
-    compute beside it less, so that it ends sooner (`_held_compute`), and a transfer that comes later to a lane two
+    compute beside it less, so that it ends sooner (`held_compute`), and a transfer that comes later to a lane two
     devices share first come, first served can let another go first. Random chains with holds (some on one bus)
     found a window's least upper bound 4.5-13 % under the steady step (runs that keep one regime for 20-30
     mini-batches, then settle slower), at tune's last window too (an XPipe chain: 19.27 ms against its 19.30), and
