@@ -70,14 +70,3 @@ def test_a_bad_setting_is_refused_in_one_line(flags, message):
                              "-s", "gpipe", *flags)
     assert code == 2 and out == ""
     assert message in err and len(err.strip().splitlines()) == 1
-
-
-def test_a_model_with_a_loss_of_its_own_is_refused():
-    from pipesim.workload.count import count_model
-    from pipesim.workload.models import Model, ModelError
-
-    with torch.device("meta"):
-        model = Model("own", [torch.nn.Linear(4, 4)], lambda b, gen: (torch.zeros(b, 4), torch.zeros(b, 4)),
-                      lambda out, target: (out - target).square().mean())
-    with pytest.raises(ModelError, match="--cross-entropy megatron: model 'own' has a loss of its own"):
-        count_model(model, 2, torch.float32, cross_entropy="megatron")

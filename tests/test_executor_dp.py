@@ -24,6 +24,7 @@ from pipesim.traces.trace import Stream
 from pipesim.workload.transport import InProcessTransport
 from tests.conftest import build, pipesim
 from tests.reference import Reference, draw, forward_version, initial_model, single_process
+from tests.test_executor_methods import run_loops
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 D = 2
@@ -143,20 +144,7 @@ def test_ranks_that_take_turns_for_compute_wait_for_their_replicas_outside_the_t
     turn = threading.Lock()
     loops = [DeviceLoop(spec, lowered, cut(spec), device, transports[rank], replica=replica, replicas=members[rank],
                         compute_lock=turn) for rank, (device, replica) in enumerate(map(layout.place, range(4)))]
-    results, errors = [None] * 4, []
-
-    def work(rank: int) -> None:
-        try:
-            results[rank] = loops[rank].run()
-        except Exception as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
+    results = run_loops(loops)
     want = single_process(whole(spec))
     got = [torch.from_numpy(w) for k in range(2) for w in results[layout.rank(k, 1)].weights[(k, 0)]]
     for a, b in zip(got, want):

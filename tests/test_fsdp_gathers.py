@@ -91,12 +91,18 @@ def test_the_rows_move_16_bit_weights_and_reduce_scatter_float32_gradients(d):
     assert stage.reduce_ms == pytest.approx(2 * stage.gather_ms)
 
 
-def _one_stage_run(gb_per_s: float):
-    """One stage, 4 micro-batches, F 1 ms and B 2 ms, 100 MiB of weights gathered over d = 2 at `gb_per_s`."""
+def _one_stage_trace(gb_per_s: float):
+    """One stage, 4 micro-batches, F 1 ms and B 2 ms, 100 MiB of weights gathered over d = 2 at `gb_per_s`: its
+    costs and its trace."""
     schedule = _schedule("1f1b", 1, m=4, n=1)
     costs = Costs.per_stage(1, fwd_ms=1.0, bwd_ms=2.0, param_mb=100)
     costs = collective_costs(costs, schedule, CollectiveLink(0.0, gb_per_s * GB_PER_S, "test"))
-    trace = simulate(schedule, costs, Cluster.uniform(1, 0.0))
+    return costs, simulate(schedule, costs, Cluster.uniform(1, 0.0))
+
+
+def _one_stage_run(gb_per_s: float):
+    """`_one_stage_trace`'s gather time and its passes' and gathers' starts and ends, in ms."""
+    costs, trace = _one_stage_trace(gb_per_s)
     kinds = list(trace.kinds)
     ops = trace.ops
     passes = np.flatnonzero(np.isin(ops.kind, [kinds.index("F"), kinds.index("B")]))
@@ -154,10 +160,7 @@ def test_the_page_draws_the_gathers_on_the_network_lane_and_the_summary_counts_w
     from pipesim.traces import summarize
     from pipesim.traces.view import decode_column, trace_data
 
-    schedule = _schedule("1f1b", 1, m=4, n=1)
-    costs = Costs.per_stage(1, fwd_ms=1.0, bwd_ms=2.0, param_mb=100)
-    costs = collective_costs(costs, schedule, CollectiveLink(0.0, gb_per_s * GB_PER_S, "test"))
-    trace = simulate(schedule, costs, Cluster.uniform(1, 0.0))
+    costs, trace = _one_stage_trace(gb_per_s)
     page = trace_data(trace)
     kind = decode_column(page["columns"]["kind"])
     stream = decode_column(page["columns"]["stream"])

@@ -101,15 +101,19 @@ def test_its_backward_holds_three_float32_tokens_by_vocabulary_tensors_and_its_f
     assert fused.saved_bytes == aten.saved_bytes
 
 
-def test_a_model_with_a_loss_of_its_own_is_refused():
+@pytest.mark.parametrize("loss,flag", [({"loss_parallel": True}, "--loss-parallel"),
+                                       ({"cross_entropy": "megatron"}, "--cross-entropy megatron")])
+def test_a_model_with_a_loss_of_its_own_is_refused(loss, flag):
+    """Either loss computed as a framework computes it (this one's or tests/test_cross_entropy.py's) replaces the
+    cross entropy: a model whose loss is its own has none to replace."""
     from pipesim.workload.count import count_model
     from pipesim.workload.models import Model, ModelError
 
     with torch.device("meta"):
         model = Model("own", [torch.nn.Linear(4, 4)], lambda b, gen: (torch.zeros(b, 4), torch.zeros(b, 4)),
                       lambda out, target: (out - target).square().mean())
-    with pytest.raises(ModelError, match="--loss-parallel: model 'own' has a loss of its own"):
-        count_model(model, 2, torch.float32, loss_parallel=True)
+    with pytest.raises(ModelError, match=f"{flag}: model 'own' has a loss of its own"):
+        count_model(model, 2, torch.float32, **loss)
 
 
 def test_the_last_device_holds_one_more_tokens_by_vocabulary_over_t_tensor():

@@ -521,22 +521,29 @@ def _channels(rank: int, port: int, results) -> None:
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
-@pytest.mark.slow
-def test_gloo_channels_are_separate_fifos(monkeypatch):
+def _on_two_ranks(monkeypatch, target, *args) -> tuple[list, list[int | None]]:
+    """What `target(rank, *args, port, results)` puts on `results` in each of two spawned ranks, in the order they
+    put it, and the ranks' exit codes."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # spawned ranks import this module
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_channels, args=(rank, port, results), daemon=True) for rank in range(2)]
+    procs = [ctx.Process(target=target, args=(rank, *args, port, results), daemon=True) for rank in range(2)]
     for p in procs:
         p.start()
     try:
-        got = dict(results.get(timeout=120) for _ in procs)
+        put = [results.get(timeout=120) for _ in procs]
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
+    return put, [p.exitcode for p in procs]
+
+
+@pytest.mark.slow
+def test_gloo_channels_are_separate_fifos(monkeypatch):
+    got = dict(_on_two_ranks(monkeypatch, _channels)[0])
     assert got[1] == {2: [20.0, 21.0, 22.0], 1: [10.0, 11.0, 12.0],
                       "error": "rank 1: no link 1 -> 0 on channel 1 was opened"}, got
     assert got[0] is None
@@ -545,20 +552,8 @@ def test_gloo_channels_are_separate_fifos(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gloo", "host-staged"])
 def test_two_real_ranks_exchange_tensors_with_pre_posted_receives(kind, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # spawned ranks import this module
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_exchange, args=(rank, kind, port, results), daemon=True) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {rank: rest for rank, *rest in (results.get(timeout=120) for _ in procs)}
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    put, exit_codes = _on_two_ranks(monkeypatch, _exchange, kind)
+    got = {rank: rest for rank, *rest in put}
     for rank in (0, 1):
         values, timeout, released = got[rank]
         # gloo tells a send's completion only to a wait: the transport's waiter lets each go once sent
@@ -568,7 +563,7 @@ def test_two_real_ranks_exchange_tensors_with_pre_posted_receives(kind, monkeypa
                           ([2, 4], "torch.float64", [10.0 * peer + 1] * 8),
                           ([5], "torch.int64", [10 * peer + 2] * 5)], values
     assert got[1][1] == "rank 1: receive #4 from rank 0 timed out after 0.5 s"
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert exit_codes == [0, 0]
 
 
 @pytest.mark.parametrize(("name", "passes"), [("sgd", 3), ("momentum", 3), ("adam", 10), ("adamw", 13)])
