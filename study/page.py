@@ -183,7 +183,8 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
                               f"{throughput}<extra></extra>"))
             shown.add(s.arm.label)
     marks = ", ".join(f"{symbols[i % len(symbols)]}: {o}" for i, o in enumerate(optimizers))
-    spread = "mean ± std over seeds" if any(s.heldout_accuracy.std is not None for s in summaries) else "one seed"
+    # (an arm whose every seed diverged has no accuracy, and no spread: its std is NaN, not None)
+    spread = ("mean ± std over seeds" if any(s.heldout_accuracy.n > 1 for s in summaries) else "one seed")
     if timed:
         fig.update_xaxes(title_text=f"samples/s measured on spawned ranks ({marks})")
         fig.update_yaxes(title_text=f"held-out accuracy ({spread})", tickformat=".0%")

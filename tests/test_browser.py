@@ -13,6 +13,7 @@ Run as a script to look at a page: `python tests/test_browser.py PAGE.html OUT.p
 from __future__ import annotations
 
 import base64
+import dataclasses
 import fcntl
 import json
 import os
@@ -785,7 +786,7 @@ def test_a_legend_wrapped_into_rows_stays_under_the_title(tmp_path):
     """DualPipeV with expert parallelism draws 13 kinds of op: at 1000 px their legend wraps into two rows, which
     plotly grows upwards from the lanes; the top margin makes room, so the legend never covers the title. And the
     title, too long for one line, wraps clear of the mode bar: at 1000 px its shape took a second line, at 800 px
-    its figures ran under the mode bar, so here they wrap too."""
+    its figures ran under the mode bar, so here, at 640 px, they wrap too."""
     from tests.conftest import pipesim
 
     page = tmp_path / "ep.html"
@@ -793,7 +794,7 @@ def test_a_legend_wrapped_into_rows_stays_under_the_title(tmp_path):
                            "--heads", 4, "--seq-len", 128, "--experts", 4, "--expert-parallel", 2, "--data-parallel", 2,
                            "--zero", 1, "-p", 2, "-m", 4, "-s", "dualpipev", "--html", page)
     assert code == 0, err
-    v = visit(page, "#test", width=800, height=900)
+    v = visit(page, "#test", width=640, height=900)
     assert_healthy(v)
     (_, title_top, _, title_height), (_, legend_top, _, legend_height) = v.geometry["title"], v.geometry["legend"]
     assert legend_height > 40, "the legend is one row: this page no longer checks a wrapped one"
@@ -802,3 +803,45 @@ def test_a_legend_wrapped_into_rows_stays_under_the_title(tmp_path):
     title_left, _, title_width, _ = v.geometry["title"]
     assert title_left + title_width <= v.geometry["modebar"][0], (v.geometry["title"], v.geometry["modebar"])
     assert title_height > 45, "the title is two lines or fewer: this page no longer checks its figures wrapping"
+
+
+@dataclass
+class RoomCheck:
+    """A device's memory check as the page reads it (traces/view.py's MemoryCheck)."""
+
+    room_bytes: float | None
+    memory: str | None = None
+    out_of_memory: bool = False
+
+
+@needs_chromium
+def test_a_view_of_two_traces_keeps_its_title_and_memory_labels_apart_at_800_px(tmp_path):
+    """Two traces of long names side by side at 800 px, each device's memory known: the title of several lines was
+    cut at the figure's top and its first line ran under the mode bar; each memory panel's capacity label lay over
+    its heading ("memory of ... (its own scale)"); the summary's bubble axis, 110 px wide, stood its ticks on end.
+    The title is whole and clear of the mode bar, each label over its panel's heading, every tick level and apart."""
+    from pipesim.traces import summarize
+    from pipesim.traces.view import write_timeline_page
+    from tests.conftest import run
+
+    traces = [run("interleaved-1f1b", 2, 8, 2, chunks=2).trace, run("zb-h1", 2, 8, 2).trace]
+    checks = [[RoomCheck(1.02 * summarize(trace).peak_memory_mb * 2**20)] * trace.num_devices for trace in traces]
+    page = tmp_path / "two.html"
+    summaries = [dataclasses.replace(summarize(trace), bubble_fraction=bubble)  # as a measured run's 44 %
+                 for trace, bubble in zip(traces, (0.158, 0.444))]
+    write_timeline_page(traces, page, labels=["interleaved-1f1b, predicted on H100", "zb-h1, measured on H100"],
+                        summaries=summaries, views=[("both", [0, 1])], memory_checks=checks)
+    v = visit(page, "#test", width=800, height=1400)
+    assert_healthy(v)
+    (title_left, title_top, title_width, _), figure = v.geometry["title"], v.geometry["figure"]
+    assert title_top >= figure[1] and title_left + title_width <= v.geometry["modebar"][0], v.geometry
+    labels, panels = v.geometry["capacity_labels"], v.geometry["memory"]
+    assert len(labels) == len(panels) == 2, labels
+    for label, panel in zip(labels, panels):
+        _, label_top, _, label_height = label["box"]
+        assert label_top + label_height <= panel["plot"][1] - 14, (label, panel["plot"])  # over a 12 px heading
+    axes = v.summary["ticks"]
+    assert len(axes) == 4 and all(len(ticks) >= 2 for ticks in axes), axes
+    for ticks in axes:
+        assert max(bottom - top for _, _, top, bottom in ticks) <= 16, ticks  # one 12 px line high: level, not on end
+        assert all(a[1] <= b[0] for a, b in zip(ticks, ticks[1:])), ticks  # apart, left to right

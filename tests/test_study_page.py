@@ -183,3 +183,16 @@ def test_the_stages_table_groups_a_methods_arms(tmp_path):
     assert list(method) == ["pipeoptim", "", "xpipe", "gpipe"] and list(source) == ["paper", "code", "paper", "-"]
     fills = table.cells.fill.color[0]
     assert fills[0] == fills[1] != fills[2] != fills[3], fills
+
+
+def test_a_study_of_one_seed_where_an_arm_diverged_says_one_seed_on_its_accuracy_axis(blown_up):
+    """`study --seeds 1` where XPipe's momentum seed diverged: the accuracy axis said "mean ± std over seeds", the
+    diverged arm's spread (no seed) counted as one."""
+    from pipesim.study.page import accuracy_figure
+    from pipesim.study.results import recorded_arms, summarize
+
+    saved = load_results(blown_up)
+    saved.runs = [run for run in saved.runs if run.seed == 0]
+    arms, optimizers, seeds = recorded_arms(saved)
+    figure = accuracy_figure(summarize(saved, arms, optimizers, seeds), list(optimizers))
+    assert figure.layout.xaxis.title.text.startswith("held-out accuracy (one seed;"), figure.layout.xaxis.title.text

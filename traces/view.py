@@ -562,14 +562,18 @@ _TIMELINE_JS = r"""
   const LABEL_PX = 16, GROWN_TIMELINE_PX = 2400;
   const MEMORY_LEGEND_GAP_PX = 48;  // from the memory panel's bottom to its legend, under the time axis' title
   const PANEL_PX = 170, PANEL_GAP_PX = 36;  // a view of several traces: one memory panel each, on its own axis
+  const HEADING_PX = 18;  // such a panel's heading ("memory of 1f1b (its own scale)"), over its top left
   const LEGEND_GAP_PX = 8;  // at least this between the title and the kinds' legend under it
   // The title's fonts (plotly's default family), and the width of the mode bar at the figure's top right.
   const FONT_FAMILY = "'Open Sans', verdana, arial, sans-serif", TITLE_PX = 14, SHAPE_PX = 12, MODEBAR_PX = 260;
+  const TITLE_TOP_PX = 10, CAP_SHIFT = 0.7;  // from the figure's top to its title's; plotly's cap height (em)
   const STREAM_NAMES = ["", " send", " recv", " network"], NS = STREAM_NAMES.length;
   const LIMIT_COLOR = "#c0392b";  // the dashed line at a device's memory capacity
   // The summary chart's titles: bold 12 px, their notes 10 px, the height each line takes, and at least this gap to
   // the next panel's title.
   const SUMMARY_TITLE_PX = 12, SUMMARY_NOTE_PX = 10, SUMMARY_LINE_PX = 14, SUMMARY_TITLE_GAP_PX = 8;
+  // An axis tick's room in a summary panel ("3000", "40%" and space), and the most ticks a wide one has.
+  const SUMMARY_TICK_PX = 35, SUMMARY_MOST_TICKS = 6;
   const BAR_TEXT_PAD_PX = 3;  // plotly's space between a bar's end and its figure
   const gd = document.getElementById("timeline");
   const tip = document.getElementById("tip");
@@ -802,24 +806,25 @@ _TIMELINE_JS = r"""
   function fmt(v, digits) {
     return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
   }
-  // Each trace's lines of the title: its figures, then in grey its shape, wrapped between figures where a line
-  // would run under the mode bar, `width` px less MODEBAR_PX (a long shape at 1000 px ran under it and off the
-  // page; at 800 px the figures alone did).
+  // Each trace's lines of the title: its name, its figures, then in grey its shape, wrapped between them where a
+  // line would run under the mode bar, `width` px less MODEBAR_PX (a long shape at 1000 px ran under it and off the
+  // page; at 800 px the figures alone did, and a view of three traces' long names with its first figure).
   function viewTitle(built, width) {
     const room = width - MODEBAR_PX;
     return built.members.map(T => {
       const s = T.summary, m = T.meta;
       const figures = ["makespan " + fmt(s.makespan_ms, 2) + " ms", "bubble " + fmt(100 * s.bubble_fraction, 1) + "%",
                        fmt(s.time_per_minibatch_ms, 3) + " ms/step", "peak " + mib(s.peak_memory_text)];
-      const lines = [{html: "<b>" + esc(T.label) + "</b>: " + esc(figures[0]),
-                      px: textPx(T.label, TITLE_PX, "bold") + textPx(": " + figures[0], TITLE_PX)}];
+      const lines = [{html: "<b>" + esc(T.label) + "</b>", px: textPx(T.label, TITLE_PX, "bold")}];
       const add = (html, px, joined, joinedPx, ending = "") => {
         const line = lines[lines.length - 1];
         if (line.px + joinedPx <= room) Object.assign(line, {html: line.html + joined, px: line.px + joinedPx});
         else { line.html += ending; lines.push({html, px}); }
       };
-      figures.slice(1).forEach(text => add(esc(text), textPx(text, TITLE_PX), esc(", " + text),
-                                           textPx(", " + text, TITLE_PX), ","));
+      figures.forEach((text, k) => {
+        const joiner = k ? ", " : ": ";
+        add(esc(text), textPx(text, TITLE_PX), esc(joiner + text), textPx(joiner + text, TITLE_PX), joiner.trim());
+      });
       const shape = "(" + m.shape + ", " + T.n.toLocaleString("en-US") + " ops, " + m.source + ")";
       const grey = "<span style='font-size:" + SHAPE_PX + "px;color:#666'>" + esc(shape) + "</span>";
       add(grey, textPx(shape, SHAPE_PX), " " + grey, textPx(" ", TITLE_PX) + textPx(shape, SHAPE_PX));
@@ -841,7 +846,7 @@ _TIMELINE_JS = r"""
   // Unless another device's line takes the axis that high anyway: then its line is drawn too, not noted as off
   // the scale (Mixtral's 1F1B on four H100s: device 0 near its 81,920 MiB, devices 1-3 under half of theirs).
   const LIMIT_BAND = 0.05, LIMIT_DRAWN_SHARE = 0.5;
-  function capacityLines(T, rows, axis, many) {
+  function capacityLines(T, rows, axis) {
     const known = rows.map(({device}) => ({limit: T.memoryLimits[device], shared: Boolean(T.memoryShared[device]),
                                            name: T.device_names[device], peak: T.memory[device].peak}))
       .filter(({limit}) => limit !== null && limit !== undefined).sort((a, b) => a.limit - b.limit);
@@ -858,8 +863,7 @@ _TIMELINE_JS = r"""
     };
     const lines = bands(known.filter(near)).flatMap(({low, high, shared, entries}) => {
       const heights = [...new Set(entries.map(({limit}) => limit))];
-      return heights.map((mib, k) => ({axis, mib, label: k ? "" : label(entries, low, high, shared) +
-                                                                   (many ? " \u00b7 " + esc(T.label) : "")}));
+      return heights.map((mib, k) => ({axis, mib, label: k ? "" : label(entries, low, high, shared)}));
     });
     const shapes = lines.map(({mib}) => ({type: "line", xref: "x domain", x0: 0, x1: 1, yref: axis, y0: mib, y1: mib,
                                           layer: "above", line: {color: LIMIT_COLOR, width: 1.5, dash: "dash"}}));
@@ -878,6 +882,10 @@ _TIMELINE_JS = r"""
     return {text: texts.join("; ") + ", off this panel's scale", xref: "x domain", x: 1, xanchor: "right",
             yref: axis + " domain", y: 1, yanchor: "bottom", yshift: 4, showarrow: false,
             font: {size: 10, color: LIMIT_COLOR}};
+  }
+  // A panel's capacity label or note, over its heading where it has one (a view of several traces).
+  function overHeading(annotation, many) {
+    return many ? Object.assign(annotation, {yshift: annotation.yshift + HEADING_PX}) : annotation;
   }
   // Limits within LIMIT_BAND of the highest of them, and of one kind (a GPU's own memory, or a shared one's room).
   function bands(known) {
@@ -935,10 +943,15 @@ _TIMELINE_JS = r"""
     margin.l = 24 + 6.5 * Math.max(8, ...shown.map(l => (named(l) ? l.label : l.short).length));
     const memoryLegend = built.panels.some(panel => !panel.heatmap);
     if (hasMemory && built.panels.some(panel => panel.heatmap)) margin.r = 80;  // the heatmaps' colour bars
-    const title = viewTitle(built, columns - margin.l);
+    const title = viewTitle(built, columns);
     margin.t = 46 + 20 * title.split("<br>").length;
     const panelPx = built.panels.length > 1 ? PANEL_PX : MEMORY_PX;
-    const memoryPx = built.panels.length * (panelPx + PANEL_GAP_PX) - PANEL_GAP_PX;
+    // Several panels, one with a device's memory known: its capacity label and note (two lines at most) go over
+    // its heading, not beside it, where at 800 px they ran over each other; the panels stand apart by as much.
+    const stacked = built.panels.length > 1 && built.panels.some(({member, rows}) =>
+      rows.some(({device}) => members[member].memoryLimits[device] !== null));
+    const panelGapPx = PANEL_GAP_PX + (stacked ? 2 * CAPACITY_LINE_PX : 0);
+    const memoryPx = built.panels.length * (panelPx + panelGapPx) - panelGapPx;
     const plotPx = timelinePx + (hasMemory ? GAP_PX + memoryPx : 0);
     const height = plotPx + margin.t + margin.b;
     const split = hasMemory ? (memoryPx + GAP_PX) / plotPx : 0;
@@ -971,7 +984,7 @@ _TIMELINE_JS = r"""
     built.capacity = [];
     built.panels.forEach((panel, j) => {
       const T = members[panel.member], axis = "y" + (j + 2);
-      const bottom = (built.panels.length - 1 - j) * (panelPx + PANEL_GAP_PX);
+      const bottom = (built.panels.length - 1 - j) * (panelPx + panelGapPx);
       const domain = [bottom / plotPx, (bottom + panelPx) / plotPx];
       const many = built.panels.length > 1;
       if (panel.heatmap) {
@@ -980,7 +993,7 @@ _TIMELINE_JS = r"""
         const grid = memoryGrid(built, panel, 0, xEnd, plotColumns);
         const scale = heatmapScale(T, panel.rows, grid.zmax);
         built.heatmaps.push({panel, index: data.length, capacity: scale.capacity});
-        if (scale.far) notes.push(capacityNote([scale.far], axis));
+        if (scale.far) notes.push(overHeading(capacityNote([scale.far], axis), many));
         data.push({type: "heatmap", x: grid.x, y: grid.y, z: grid.z, xaxis: "x", yaxis: axis,
                    colorscale: scale.colorscale, zmin: 0, zmax: scale.zmax, name: "memory \u00b7 " + T.label,
                    showscale: true, hoverongaps: false,
@@ -1021,11 +1034,11 @@ _TIMELINE_JS = r"""
         });
         axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "MiB" : "memory (MiB)"},
                                    gridcolor: "#ececec", zeroline: false, rangemode: "tozero"};
-        const capacity = capacityLines(T, panel.rows, axis, many);
+        const capacity = capacityLines(T, panel.rows, axis);
         shapes.push(...capacity.shapes);
         built.capacity.push(...capacity.lines);
-        if (capacity.label) labels.push(capacity.label);
-        if (capacity.note) notes.push(capacity.note);
+        if (capacity.label) labels.push(overHeading(capacity.label, many));
+        if (capacity.note) notes.push(overHeading(capacity.note, many));
       }
       if (many) {
         headings.push({text: "<b>memory of " + esc(T.label) + "</b> (its own scale)", x: 0, xref: "paper",
@@ -1036,8 +1049,11 @@ _TIMELINE_JS = r"""
     const layout = {
       height, margin, hovermode: "closest", dragmode: "zoom", uirevision: built.view.name,
       paper_bgcolor: "#fff", plot_bgcolor: "#fff", font: {size: 12},
-      title: {text: title, x: 0, xref: "paper", xanchor: "left", y: 1, yref: "container",
-              yanchor: "top", pad: {t: 10}, font: {size: TITLE_PX}},
+      // From the figure's left, under the view buttons, not the plot's: right of lanes named "device 0 ·
+      // interleaved-1f1b, predicted" at 800 px it had 200 px before the mode bar. Its top TITLE_TOP_PX under the
+      // figure's: plotly lifts a title of several lines by its cap shift, which cut the first line at the top.
+      title: {text: title, x: 0, xref: "container", xanchor: "left", y: 1, yref: "container", yanchor: "top",
+              pad: {t: TITLE_TOP_PX + (title.includes("<br>") ? CAP_SHIFT * TITLE_PX : 0)}, font: {size: TITLE_PX}},
       legend: {orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", tracegroupgap: 4},
       xaxis: {anchor: hasMemory ? "y" + (built.panels.length + 1) : "y", title: {text: "time (ms)"}, range: [0, xEnd],
               gridcolor: "#ececec", zeroline: false, showline: true, linecolor: "#999"},
@@ -1180,6 +1196,19 @@ _TIMELINE_JS = r"""
     return Object.assign({}, layout, {annotations, height: layout.height + grown,
                                       margin: Object.assign({}, margin, {t: margin.t + grown})});
   }
+  // Each panel's axis with no more ticks than its width holds level: at 800 px, the bubble's 0 % to 40 % every 10 %
+  // stood on end, plotly's way out of labels that touch.
+  function fitSummaryTicks(layout) {
+    const margin = layout.margin, panels = DATA.summary.titles.length;
+    const nticks = Math.min(SUMMARY_MOST_TICKS, Math.max(3, Math.floor(
+      (summaryDiv.clientWidth - margin.l - margin.r) / panels / SUMMARY_TICK_PX)));
+    const axes = {};
+    for (let j = 0; j < panels; j++) {
+      const name = "xaxis" + (j ? j + 1 : "");
+      axes[name] = Object.assign({}, layout[name], {nticks, tickangle: 0});
+    }
+    return Object.assign({}, layout, axes);
+  }
   // Each figure inside its bar where it fits there unshrunk, at the chart's font size, else just past the bar's
   // end: plotly's "auto" keeps a figure inside a bar it fits only shrunk, which uniformtext then draws larger all
   // the same, running left over the bar's start and the axis ("7.3%" on ZB-V's bubble at 800 px).
@@ -1194,19 +1223,22 @@ _TIMELINE_JS = r"""
   }
   async function drawSummary() {
     if (!DATA.summary) return;
-    await Plotly.newPlot(summaryDiv, DATA.summary.data, fitSummaryTitles(DATA.summary.layout),
+    await Plotly.newPlot(summaryDiv, DATA.summary.data, fitSummaryTicks(fitSummaryTitles(DATA.summary.layout)),
                          {displaylogo: false, responsive: true, displayModeBar: false});
     await placeBarTexts();
     summaryDiv.on("plotly_click", ev => { if (ev.points.length) select(viewOf(ev.points[0].pointIndex)); });
     recordSummary();
   }
   // Where the panels' titles and the bars' figures are (tests/test_browser.py checks them apart): each title's
-  // left and right, each panel's axis start and its figures' leftmost edge, and the chart's right.
+  // left and right, each panel's axis start and its figures' leftmost edge, each axis' tick labels (left, right,
+  // top, bottom), and the chart's right.
   function recordSummary() {
     const fl = summaryDiv._fullLayout, box = summaryDiv.getBoundingClientRect();
     const span = element => { const r = element.getBoundingClientRect(); return [r.left, r.right]; };
     summaryDiv.dataset.geometry = JSON.stringify({
       right: box.right, titles: [...summaryDiv.querySelectorAll(".annotation")].map(span),
+      ticks: [...summaryDiv.querySelectorAll(".xaxislayer-above")].map(layer => [...layer.querySelectorAll("text")]
+        .map(text => { const r = text.getBoundingClientRect(); return [r.left, r.right, r.top, r.bottom]; })),
       figures: [...summaryDiv.querySelectorAll(".barlayer .trace")].map((trace, j) => ({
         axis_left: box.left + fl[summaryDiv.data[j].xaxis.replace("x", "xaxis")]._offset,
         left: Math.min(...[...trace.querySelectorAll("text")].map(text => span(text)[0]))}))});
