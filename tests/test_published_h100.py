@@ -43,6 +43,8 @@ def test_every_published_row_is_recorded_with_its_figure_and_layout():
         assert (published["tp_overlap_sm_margin"] == "") == (t == 1) == (published["tp_overlap_fp8_buf"] == "")
         assert ("--tp-overlap-fp8-buf" in args) == (published["tp_overlap_fp8_buf"] == "true")
         assert published["tp_overlap_fp8_buf"] != "true" or published["precision"] == "fp8"
+        # every pipelined run overlaps its exchanges: 340B's configure.sh overrides its yaml's overlap_p2p_comm False
+        assert published["p2p_overlap"] == ("true" if p > 1 else "") and "--blocking-comm" not in args
         assert _flag(args, "--attention-kernel") == published["attention_kernel"]
         assert _flag(args, "--linear-kernel") == "te"  # Megatron-core's TransformerEngine layers, every run's
         rotary = _flag(args, "--rotary-percent") if "--rotary-percent" in args else ""
