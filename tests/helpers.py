@@ -1,10 +1,12 @@
-"""What several test modules build alike, built once here: the parts they price on (as a device, and an H100 node's
-placement), a hand-written two-stage schedule, the lowered schedule's rows as they read them, a flag's value in a
-printed command and tune's JSON as two runs share it. Each part is frozen: the tests share it safely."""
+"""What several test modules build alike, built once here: the profiles calibrated in the repository, the parts they
+price on (as a device, and an H100 node's placement), a hand-written two-stage schedule, the lowered schedule's rows
+as they read them, a flag's value in a printed command and tune's JSON as two runs share it. Each part is frozen:
+the tests share it safely."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, node_placement
@@ -12,6 +14,8 @@ from pipesim.schedules import SYNCHRONOUS, Schedule, StageGraph
 from pipesim.schedules.lowering import Lowered
 from pipesim.schedules.table import KINDS
 
+PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
+GPT_CPU, CNN_CPU = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"  # the calibrated small gpt, cnn
 CATALOGUE = load_catalogue()
 H100 = CATALOGUE.find("h100-sxm")
 H100_BF16 = Device.of(H100, "bf16")

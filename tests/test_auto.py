@@ -29,6 +29,7 @@ from pipesim.sim.engine import static_bytes
 from pipesim.traces import read_trace, summarize
 from pipesim.units import MIB
 from tests.conftest import pipesim, simulate_json
+from tests.helpers import GPT_CPU
 
 PAPER = Path(__file__).resolve().parents[1] / "benchmarks" / "zero_bubble_paper.json"
 FIXED = ("1f1b", "zb-h1", "zb-h2")
@@ -158,14 +159,11 @@ def test_auto_matches_or_beats_the_zero_bubble_papers_automatic_schedules(row):
         assert round(bubble, 4) <= published, (limit, bubble, published)
 
 
-PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
-
-
 def test_r_1_admits_1f1b_where_the_first_stage_saves_little():
     """R counts against 1F1B's fullest device, not its first: on the GPT profile at 16 stages (stage 0, the
     embedding, saves 0.07 MiB a micro-batch, the others 16 MiB) the default R = 1 runs, and auto, which may then
     hold what 1F1B holds, is no slower than 1F1B."""
-    results = simulate_json("-s", "auto", "-s", "1f1b", "--profile", PROFILES / "gpt-cpu.json", "-p", "16")
+    results = simulate_json("-s", "auto", "-s", "1f1b", "--profile", GPT_CPU, "-p", "16")
     step = {r["schedule"]: r["time_per_minibatch_ms"] for r in results}
     assert step["auto"] <= step["1f1b"]
     peak = {r["schedule"]: max(d["peak_activations"] for d in r["devices"][1:]) for r in results}

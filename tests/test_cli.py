@@ -12,6 +12,7 @@ import pytest
 
 from pipesim.schedules import METHODS
 from tests.conftest import help_records, pipesim, pipesim_fresh, simulate_json
+from tests.helpers import GPT_CPU
 from tests.test_view import _page_data
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -191,9 +192,7 @@ def test_other_commands_name_a_float_flag_past_its_range(command, args, fragment
 def test_zero_cost_flags_beside_a_profile_are_refused_as_flags_the_profile_fixes():
     """--fwd 0 --bwd 0 with --profile: the profile gives the costs, so the flags are what is wrong, not a step of
     no compute ('every forward and backward takes 0 ms' would send the user after values the profile ignores)."""
-    from pathlib import Path
-
-    profile = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    profile = GPT_CPU
     code, _, err = pipesim("simulate", "--profile", profile, "-s", "1f1b", "-m", "2", "--fwd", "0", "--bwd", "0")
     assert code == 2 and err.startswith(f"error: --fwd, --bwd: the profile {profile} gives the costs"), err
 
@@ -257,7 +256,7 @@ def test_malformed_cluster_file(tmp_path):
 def test_a_profile_past_what_the_simulator_takes_names_the_file_and_field(tmp_path):
     """A size past MAX_BYTES or a time past MAX_MS was refused by StageCosts in its own words ('param_bytes must
     be ...'), naming neither --profile nor the file; the layers' sums are bounded, since a stage may hold them all."""
-    profile = json.loads((Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json").read_text())
+    profile = json.loads(GPT_CPU.read_text())
     profile["layers"][0]["param_bytes"] = 2**51
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile))
@@ -494,9 +493,7 @@ def test_torch_is_an_optional_extra():
 def test_a_profiles_table_names_the_optimizer_that_priced_its_updates():
     """The profile's costs hold every optimizer's step; the caption says which one the table used (Adam's unless
     --optimizer says), since `run` trains with SGD unless told otherwise and its memory differs by that state."""
-    from pathlib import Path
-
-    profile = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    profile = GPT_CPU
     memory = {}
     for optimizer, flags in (("adam", ()), ("sgd", ("--optimizer", "sgd"))):
         code, out, err = pipesim("simulate", "--profile", profile, "-s", "1f1b", "-m", "2", *flags)

@@ -10,6 +10,7 @@ import pytest
 
 from pipesim.hardware.collectives import all_reduce_ms
 from tests.conftest import pipesim
+from tests.helpers import GPT_CPU
 
 pytest.importorskip("torch")
 
@@ -187,7 +188,7 @@ def test_a_setting_the_profile_was_priced_with_given_again_beside_it_is_refused_
 def test_a_model_setting_beside_a_calibrated_profile_names_calibrate_not_estimate(command):
     """A calibration's costs were measured: the refusal of --layers beside it names calibrate's flag (it said to
     write another with `pipesim estimate`), and one calibrate does not take (--tensor-parallel) only --gpu."""
-    calibration = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    calibration = GPT_CPU
     code, out, err = pipesim(*command, "--profile", calibration, "--layers", 4, "--tensor-parallel", 2)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert err.startswith("error: --layers, --tensor-parallel: --profile's costs were measured by `pipesim calibrate`")
@@ -304,7 +305,7 @@ def test_curve_from_a_calibration_fits_the_part_to_its_measured_layers(tmp_path)
     from pipesim.planning.estimate import FIT_ATTENTION
     from pipesim.profiles.schema import load_profile
 
-    calibration = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    calibration = GPT_CPU
     measured = load_profile(calibration)
     shape = [f"--{key.replace('_', '-')}={value}" for key, value in measured.model.options.items()]
     args = ("estimate", *GPU, "--model", "gpt", *shape, "-b", str(measured.environment.microbatch_size),

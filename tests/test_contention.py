@@ -13,9 +13,10 @@ from pipesim.calibrate.contention import slowdowns
 from pipesim.planning.scenario import profile_cluster, profile_costs
 from pipesim.profiles.schema import ProfileError, load_profile, profile_json
 from tests.conftest import host_counters, pipesim, simulate_json
+from tests.helpers import CNN_CPU, GPT_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = ROOT / "traces" / "profiles" / "cnn-cpu.json"  # measured before contention was
+PROFILE = CNN_CPU  # measured before contention was
 TINY = ["--model", "mlp", "--layers", "2", "--width", "16", "--microbatch-size", "2", "--stages", "2", "--device",
         "cpu", "--repeats", "3", "--warmup", "1", "--no-links", "--no-runtime"]
 MEASURED = {"slowdown": [1.0, 1.6], "spread": [0.02, 0.1], "meta": {"processes": 2}}
@@ -382,7 +383,7 @@ def test_a_bad_collective_factor_is_one_line_exit_2(tmp_path, beside, fragment):
 
 
 def test_the_all_reduce_beside_compute_is_a_host_term_with_its_own_cache_conditions():
-    profile = load_profile(Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json")
+    profile = load_profile(GPT_CPU)
     cached = {"measured_at": "2026-01-01T00:00:00+00:00", "age_s": 3.0, "reused": True, "load": None}
     assert "all-reduce beside compute" not in profile.host_terms()  # measured before it had an entry of its own
     beside = profile.allreduce.model_copy(update={"meta": {**profile.allreduce.meta,

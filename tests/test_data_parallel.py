@@ -1,7 +1,6 @@
 """Data parallelism as rows of the IR: the REDUCE (and ZeRO-1's GATHER) pass, and its checks."""
 
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +24,8 @@ from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.sim import Cluster, Costs, Link, simulate
 from pipesim.traces import Stream, read_trace, summarize, write_trace
 from pipesim.units import MIB
-from tests.helpers import A100
+from tests.helpers import A100, GPT_CPU
 
-PROFILES = Path(__file__).resolve().parent.parent / "traces" / "profiles"
 _SYNCHRONOUS_BUILT = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "pipedream", "xpipe", "avgpipe")
 
 
@@ -287,7 +285,7 @@ def test_a_calibrated_all_reduce_is_fitted_to_a_link():
 
 
 def test_a_profile_prices_the_reduce_rows_it_simulates():
-    scenario = profile_scenario(load_profile(PROFILES / "gpt-cpu.json"), "adam")
+    scenario = profile_scenario(load_profile(GPT_CPU), "adam")
     sched = scenario.build("1f1b", ScheduleParams(2, 4, data_parallel=2))
     costs = scenario.costs(sched)
     assert scenario.data_parallel_link(sched).source == "the profile's all-reduce over 2 ranks, fitted"
@@ -298,7 +296,7 @@ def test_a_profile_prices_the_reduce_rows_it_simulates():
 
 
 def test_an_estimate_prices_on_its_data_parallel_link_and_its_state_is_divided_once():
-    profile = load_profile(PROFILES / "gpt-cpu.json")
+    profile = load_profile(GPT_CPU)
     link = EstimateLink(kind="infiniband", latency_ms=0.014, bytes_per_ms=25e6)
     estimate = Estimate(gpu="h100-sxm", parallelism={"pipeline": 2, "data": 4, "sharded_optimizer": True},
                         attention="sdpa", curve={}, tensor_link=link, stage_link=link, data_parallel_link=link)

@@ -51,7 +51,7 @@ from pipesim.planning.estimate import (  # noqa: E402
     placement_links,
 )
 from pipesim.profiles.workload import LayerCount, OpCount, WorkloadCount  # noqa: E402
-from tests.helpers import A100  # noqa: E402
+from tests.helpers import A100, GPT_CPU  # noqa: E402
 from tests.helpers import A100_FP16 as DEVICE  # noqa: E402
 
 
@@ -396,7 +396,6 @@ def test_tune_and_sweep_of_an_estimate_read_back_say_their_peaks_are_the_tensors
     """tune --profile and sweep --profile of a written estimate show the tensors-alone peaks and tune no MFU column,
     as simulate --profile's does: their captions say so in simulate's words (they said nothing), and a calibration's
     and --gpu's do not."""
-    from pathlib import Path
 
     from tests.conftest import pipesim
 
@@ -405,11 +404,10 @@ def test_tune_and_sweep_of_an_estimate_read_back_say_their_peaks_are_the_tensors
     assert pipesim("estimate", *shape, "--out", tmp_path / "e.json").code == 0
     note = ("peak: the tensors alone (max allocated): a profile holds no allocations to replay through the caching "
             "allocator, as simulate --gpu does (max reserved)")
-    profiles = Path(__file__).resolve().parents[1] / "traces" / "profiles"
     for command, source, said in (
             (("tune", "-D", 2, "-s", "1f1b"), ("--profile", tmp_path / "e.json"), True),
             (("sweep", "-p", 2, "-m", 4, "-s", "1f1b"), ("--profile", tmp_path / "e.json"), True),
-            (("tune", "-D", 2, "-s", "1f1b"), ("--profile", profiles / "gpt-cpu.json"), False),
+            (("tune", "-D", 2, "-s", "1f1b"), ("--profile", GPT_CPU), False),
             (("sweep", "-p", 2, "-m", 4, "-s", "1f1b"), shape[:-2], False)):
         code, out, err = pipesim(*command, *source)
         assert code == 0, err

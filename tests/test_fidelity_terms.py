@@ -35,9 +35,10 @@ from pipesim.traces import summarize
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Counter, Ops, Stream, Trace, TraceError, TraceMeta, write_trace
 from tests.conftest import build
+from tests.helpers import CNN_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = ROOT / "traces" / "profiles" / "cnn-cpu.json"  # a version 1 profile, calibrated with 2 threads
+PROFILE = CNN_CPU  # a version 1 profile, calibrated with 2 threads
 MS = {kind: i for i, kind in enumerate(KINDS)}
 
 

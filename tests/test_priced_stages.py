@@ -10,7 +10,8 @@ import pytest
 from pipesim.planning import scenario, tune
 from pipesim.planning.scenario import profile_costs
 from pipesim.profiles.schema import ContentionProfile, load_profile, stages_for
-from tests.test_fidelity_terms import ROOT, with_passes
+from tests.helpers import GPT_CPU
+from tests.test_fidelity_terms import with_passes
 
 
 def _skipping(profile):
@@ -36,7 +37,7 @@ def _cuts(profile, count: int) -> list[list[int]]:
     return cuts
 
 
-PLAIN = load_profile(ROOT / "traces" / "profiles" / "gpt-cpu.json")  # 16 layers in 4 stages
+PLAIN = load_profile(GPT_CPU)  # 16 layers in 4 stages
 
 
 @pytest.mark.parametrize("profile", [PLAIN, with_passes(PLAIN, [1.5, 1.2, 1.1, 1.3], [2.0, 1.4, 1.6, 1.25]),

@@ -1,7 +1,6 @@
 """The runtime terms' plan (calibrate/runtime.py): how much of the calibrated model's run its host time needs."""
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +16,9 @@ from pipesim.calibrate.runtime import (
     host_share,
 )
 from pipesim.profiles.schema import COMPUTE_KINDS, RuntimeProfile, Timing, load_profile
+from tests.helpers import CNN_CPU
 
-PROFILE = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "cnn-cpu.json"  # stages of 5.6-6.9 ms F + B
+PROFILE = CNN_CPU  # stages of 5.6-6.9 ms F + B
 
 
 def _timing(ms: float) -> Timing:

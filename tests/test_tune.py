@@ -7,7 +7,6 @@ import json
 import math
 import shlex
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,9 +22,10 @@ from pipesim.schedules import METHODS, flushes
 from pipesim.sim import simulate
 from pipesim.traces import summarize
 from tests.conftest import Cli, at_columns, pipesim, pipesim_fresh, tune_rows
+from tests.helpers import CNN_CPU as CNN
+from tests.helpers import GPT_CPU as GPT
+from tests.helpers import PROFILES
 
-PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
-GPT, CNN = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"
 GIB = tuning.GIB
 GPT_UNDER_03 = ("--profile", GPT, "-D", 8, "--memory-gb", 0.3)  # the tune several tests read (`tuned`)
 

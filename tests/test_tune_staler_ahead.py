@@ -4,13 +4,12 @@ the choice is known; idle workers in the first pass take their critical paths, s
 counts as without them."""
 
 import os
-from pathlib import Path
 
 from pipesim.planning import tune as planning
 from tests.conftest import pipesim
+from tests.helpers import GPT_CPU as GPT
 from tests.helpers import tune_document
 
-GPT = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
 NOTED = ("tune", "--profile", str(GPT), "--devices", 8, "--memory-gb", 0.3, "--json")  # PipeDream p = 2 is noted
 
 

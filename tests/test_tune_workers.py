@@ -8,18 +8,13 @@ import multiprocessing
 import os
 import threading
 from collections import deque
-from pathlib import Path
 
 from pipesim.commands import tune as command
 from pipesim.planning import tune as planning
-from pipesim.planning.scenario import profile_scenario
-from pipesim.profiles.schema import load_profile
-from pipesim.schedules import METHODS
 from pipesim.units import GIB
 from tests.conftest import pipesim
 from tests.helpers import tune_document
-
-PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
+from tests.test_tune import gpt_on_8
 
 SMALL = ("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 64, "--heads", 4, "--seq-len", 32,
          "--vocab", 1000, "-D", 8, "-b", 1, "--json")
@@ -87,9 +82,7 @@ def test_workers_ahead_of_the_search_find_what_the_search_would_find_itself(monk
     (`_Built.ahead`, the scenario and links shipped once, `_run`); the search takes their results as the ones it
     would find itself, to the bit. Here the parent's own costing and critical path are broken once the work is
     out: only the workers can have found what the search takes."""
-    profile = load_profile(PROFILES / "gpt-cpu.json")
-    prob = planning.Problem(8, int(0.3 * GIB), 4 * 8 * profile.environment.microbatch_size, tuple(METHODS))
-    settings = [planning.Setting(profile_scenario(profile, "adam"))]
+    settings, prob = gpt_on_8(0.3)
     alone_orders, ahead_orders = planning._Orders(), planning._Orders()
     shapes = planning._shapes(settings, prob, alone_orders)[0]
     alone, costed, tightened = planning._Built(prob, alone_orders), 0, 0
