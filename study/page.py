@@ -233,8 +233,9 @@ def stages_figure(summaries: Sequence[ArmSummary]) -> go.Figure:
                                      "fill_color": "#dde3ec"},
                              cells={"values": columns, "align": "left", "height": 24,
                                     "fill_color": [fills] * len(header)}))
-    # the top margin clears the mode bar, which lay over the header's last column
-    fig.update_layout(height=80 + 24 * max(len(rows), 1), margin={"t": 30, "b": 10, "l": 10, "r": 10})
+    # the top margin clears the mode bar, which lay over the header's last column; the header may wrap to two lines
+    # (at 800 px), which the height leaves room for
+    fig.update_layout(height=100 + 24 * max(len(rows), 1), margin={"t": 30, "b": 10, "l": 10, "r": 10})
     return fig
 
 
