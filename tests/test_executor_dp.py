@@ -24,6 +24,7 @@ from pipesim.traces.trace import Stream
 from pipesim.workload.transport import InProcessTransport
 from tests.conftest import build, pipesim
 from tests.reference import Reference, draw, forward_version, initial_model, single_process
+from tests.test_executor import assert_same
 from tests.test_executor_methods import run_loops
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -51,11 +52,9 @@ def replica_weights(result, spec: RunSpec, replica: int) -> list[torch.Tensor]:
 def assert_every_replica_is(result, spec: RunSpec, want: list[torch.Tensor]) -> None:
     """Replica 0 holds `want`, and every other replica exactly replica 0's weights."""
     first = replica_weights(result, spec, 0)
-    assert len(first) == len(want)
-    for got, expected in zip(first, want):
-        torch.testing.assert_close(got, expected, **TIGHT)
+    assert_same(first, want)
     for q in range(1, spec.schedule.data_parallel):
-        assert all(torch.equal(a, b) for a, b in zip(replica_weights(result, spec, q), first))
+        assert all(torch.equal(a, b) for a, b in zip(replica_weights(result, spec, q), first, strict=True))
 
 
 SYNCHRONOUS = [("gpipe", 2, "sgd"), ("1f1b", 2, "adam"), ("interleaved-1f1b", 4, "sgd"), ("zb-h1", 4, "momentum"),
@@ -146,9 +145,7 @@ def test_ranks_that_take_turns_for_compute_wait_for_their_replicas_outside_the_t
                         compute_lock=turn) for rank, (device, replica) in enumerate(map(layout.place, range(4)))]
     results = run_loops(loops)
     want = single_process(whole(spec))
-    got = [torch.from_numpy(w) for k in range(2) for w in results[layout.rank(k, 1)].weights[(k, 0)]]
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **TIGHT)
+    assert_same([torch.from_numpy(w) for k in range(2) for w in results[layout.rank(k, 1)].weights[(k, 0)]], want)
 
 
 def test_a_stage_without_weights_has_nothing_to_wait_for():

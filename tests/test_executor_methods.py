@@ -515,5 +515,5 @@ def test_ranks_sharing_one_gpu_take_turns_and_train_as_on_cpu():
     assert (ops.start_us[order][1:] >= ops.end_us[order][:-1] - 1e-3).all(), "compute rows overlap on one GPU"
     assert np.array_equal(ops.version, lower(spec.schedule).version)
     for key, weights in cpu.weights.items():
-        for a, b in zip(gpu.weights[key], weights):
+        for a, b in zip(gpu.weights[key], weights, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
