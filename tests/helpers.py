@@ -1,15 +1,18 @@
 """What several test modules build alike, built once here: the profiles calibrated in the repository, the parts they
-price on (as a device, and an H100 node's placement), a hand-written two-stage schedule, the lowered schedule's rows
-as they read them, a flag's value in a printed command and tune's JSON as two runs share it. Each part is frozen:
-the tests share it safely."""
+price on (as a device, on an attention kernel, and an H100 node's placement), a small GPT's count, a hand-written
+two-stage schedule, the lowered schedule's rows as they read them, a flag's value in a printed command and tune's
+JSON as two runs share it. Each part is frozen: the tests share it safely."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, node_placement
+from pipesim.planning.estimate import Device, kernel_curve, node_placement
+from pipesim.profiles.workload import WorkloadCount
 from pipesim.schedules import SYNCHRONOUS, Schedule, StageGraph
 from pipesim.schedules.lowering import Lowered
 from pipesim.schedules.table import KINDS
@@ -24,6 +27,21 @@ H100_PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
 A100 = CATALOGUE.find("a100-sxm-80gb")
 A100_FP16 = Device.of(A100, "fp16")
 H200 = CATALOGUE.find("h200")
+
+
+def h100_bf16_on(kernel: str) -> Device:
+    """The H100 in bf16 pricing attention on `kernel`'s curve (planning/estimate.py `kernel_curve`)."""
+    return Device.of(H100, "bf16", kernel_curve(H100.curve, kernel, "h100-sxm"))
+
+
+def small_gpt_count(attention: str) -> WorkloadCount:
+    """A GPT of 2 layers, width 64, 2 heads and 128 tokens counted at micro-batch 2 in bfloat16 with `attention`;
+    the test is skipped without torch."""
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 128, "vocab": 1000}, 2,
+                       torch.bfloat16, attention)
 
 
 def two_stage_schedule(device0: str, device1: str) -> Schedule:

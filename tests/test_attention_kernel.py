@@ -8,6 +8,7 @@ from pipesim.planning.estimate import Device, EstimateError, Parallelism, kernel
 from pipesim.profiles.workload import OpCount
 from tests.conftest import flags_with, pipesim, simulate_json
 from tests.helpers import A100, H100
+from tests.helpers import h100_bf16_on as _on
 
 SEQ, HEADS, HEAD_DIM = 8192, 32, 128
 ATTENTION = OpCount("sdpa", "attention", (HEADS, SEQ, SEQ, HEAD_DIM), 4 * HEADS * SEQ * SEQ * HEAD_DIM,
@@ -17,11 +18,6 @@ MODEL = ["--model", "gpt", "--layers", 2, "--width", 1024, "--heads", 8, "--seq-
 # 4 x 8 heads x 4,096 tokens: 1,024 query tiles, where cuDNN's causal tail (measured; FlashAttention-2's is not
 # published, so not priced) leaves it faster than FlashAttention-2 (hardware/catalogue.py `attention_fraction`)
 RUN = [*MODEL, "-b", 4, "-p", 1, "-m", 2, "-s", "1f1b"]
-
-
-def _on(kernel: str) -> Device:
-    curve = kernel_curve(H100.curve, kernel, "h100-sxm")
-    return Device.of(H100, "bf16", curve)
 
 
 def test_each_kernel_prices_attention_at_its_published_fraction_of_the_peak():

@@ -16,17 +16,13 @@ from pipesim.planning.estimate import ContextRing, Device, Parallelism, curve_fo
 from pipesim.profiles.schema import FittedCurve
 from pipesim.profiles.workload import OpCount
 from tests.helpers import H100
+from tests.helpers import h100_bf16_on as _on
 
 HEADS, QUERIES, HEAD_DIM = 64, 4096, 128  # the published rates' shape: batch 4 x 16 heads, 2,048 query tiles
 SQUARE = 4 * HEADS * QUERIES * QUERIES * HEAD_DIM  # torch's count: the whole square, forward
 FORWARD = OpCount("_scaled_dot_product_flash_attention", "attention", (HEADS, QUERIES, QUERIES, HEAD_DIM), SQUARE, 1,
                   1)
 BACKWARD = replace(FORWARD, op="_scaled_dot_product_flash_attention_backward", flops=SQUARE * 5 // 2)
-
-
-def _on(kernel: str) -> Device:
-    curve = kernel_curve(H100.curve, kernel, "h100-sxm")
-    return Device.of(H100, "bf16", curve)
 
 
 def _tflop_s(op: OpCount, device: Device, flops: float) -> float:

@@ -20,7 +20,7 @@ from pipesim.sim.caching_allocator import (
     stage_program,
 )
 from pipesim.units import KIB, MIB
-from tests.helpers import H100
+from tests.helpers import H100, small_gpt_count
 
 
 def replay(static_bytes, rows, layers, capacity_bytes=None) -> CachingAllocator:
@@ -370,12 +370,9 @@ def test_what_each_recomputation_has_a_blocks_backward_make_again(attention):
     selective reruns the s x s tensors of the attention core (math attention; flash has none). Replayed over two
     micro-batches, each recomputation holds less at its peak than none. The loss layer (no attention) reruns
     nothing under full."""
-    torch = pytest.importorskip("torch")
     from pipesim.planning.estimate import Parallelism, layer_allocations
-    from pipesim.workload.count import count_built
 
-    counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 128, "vocab": 1000}, 2,
-                          torch.bfloat16, attention)
+    counted = small_gpt_count(attention)
     block = counted.layers[1]
     made = [(number, shape, op) for number, shape, nbytes, op in block.allocations["fwd"] if nbytes >= 0]
     policy = {name: layer_allocations(counted, Parallelism(recompute=name))[1]

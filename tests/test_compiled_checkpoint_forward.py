@@ -3,11 +3,11 @@
 after its last use; sim/caching_allocator.py `LayerAllocations.first_forward`), while the backward's rerun makes and
 holds it as before. Each case written out by hand."""
 
-import pytest
 
 from pipesim.planning.estimate import _compiled_checkpoint_forward
 from pipesim.sim.caching_allocator import LayerAllocations, replay_device, stage_program
 from pipesim.units import MIB
+from tests.helpers import small_gpt_count
 
 # A block's forward that saves 30 MiB (0) and 12 MiB (1, made from 0) and outputs 16 (2, made from 1)
 EAGER = ((0, 30 * MIB), (1, 12 * MIB), (2, 16 * MIB))
@@ -53,12 +53,9 @@ def test_the_first_forward_frees_what_the_rerun_makes_and_holds_again():
 def test_an_estimate_frees_a_compiled_blocks_saved_storages_within_its_forward():
     """A GPT block under full recomputation: compiled, its forward leaves only its output live, each saved storage
     freed after the last storage made from it; eager, it holds them all to the block's end."""
-    torch = pytest.importorskip("torch")
     from pipesim.planning.estimate import Parallelism, layer_allocations
-    from pipesim.workload.count import count_built
 
-    counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 128, "vocab": 1000}, 2,
-                          torch.bfloat16, "flash")
+    counted = small_gpt_count("flash")
     block = counted.layers[1]
     eager, compiled = (layer_allocations(counted, Parallelism(recompute="full", torch_compile=on))[1]
                        for on in (False, True))

@@ -10,6 +10,7 @@ import pytest
 from pipesim.planning.estimate import Parallelism, _reduce_scattered, _with_collective_copies
 from pipesim.units import MIB
 from tests.conftest import needs_transformers
+from tests.helpers import small_gpt_count
 
 WHOLE, SHARD = 64 * MIB, 8 * MIB
 
@@ -85,12 +86,9 @@ def test_megatrons_collectives_and_torchs_without_sequence_parallelism_copy_none
 
 
 def _block_allocations(tp_overlap: bool, torch_compile: bool = False):
-    torch = pytest.importorskip("torch")
     from pipesim.planning.estimate import layer_allocations
-    from pipesim.workload.count import count_built
 
-    counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 128, "vocab": 1000}, 2,
-                          torch.bfloat16, "flash")
+    counted = small_gpt_count("flash")
     parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime="torch", tp_overlap=tp_overlap,
                            recompute="full", torch_compile=torch_compile)
     return counted.layers[1], layer_allocations(counted, parallel)[1]
