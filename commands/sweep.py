@@ -223,6 +223,8 @@ def sweep(
         for limit in given["activation-limit"].split(",") if "activation-limit" in given else ():
             search_options(limit.strip(), None)  # each R as simulate checks its one
         axes = load_grid(grid) if grid is not None else {}
+        if grid is not None and not axes:  # an empty or all-comment file swept the default grid, exit 0
+            raise InputError(f"--grid: {grid} gives no axis; give one or more of {', '.join(AXES)}")
         for key, text in given.items():
             if key in axes:
                 raise InputError(f"--{key} and --grid both give {key}: give one")

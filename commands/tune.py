@@ -241,6 +241,8 @@ def tune(
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
+            _check_weights_fit(counts[sizes[0]], devices, int(memory_gb * GIB) if memory_gb is not None else
+                               int(what.gpu.memory_gib * GIB))
             if context > 1:
                 with refused_with_flags():  # C must split the sequence: said before the note too
                     check_context(counts[sizes[0]], context)
@@ -372,6 +374,23 @@ def _check_max_pipelines(ctx: typer.Context, max_pipelines: int, batch: int, mic
         raise InputError(f"--max-pipelines {max_pipelines:,}: each pipeline takes at least one of the step's "
                          f"{most:,} micro-batches ({batch} samples, --batch-size, of {microbatch_size} each); give 1 "
                          f"to {most:,}")
+
+
+def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: int) -> None:
+    """The model's weights alone, spread evenly over all D devices, within the cap: each parameter is held at least
+    once at the count's precision however t, p, d, C and E shard it, so no configuration fits where they are not.
+    Said before the estimates, which for Llama 3.1 405B on 8 H100s took a minute to find the same, and for a model
+    thousands of times too large filled the host's memory first."""
+    from ..planning.tune import memory_text
+
+    weight_bytes = counted.total("param_bytes")
+    if weight_bytes <= devices * memory_cap_bytes:
+        return
+    each = memory_text(weight_bytes / devices)
+    raise InputError(f"--memory-gb: no configuration fits in {memory_text(memory_cap_bytes)}; the model's weights "
+                     f"alone ({memory_text(weight_bytes)} in {counted.dtype}) need {each} per device over --devices "
+                     f"{devices:,}: give at least {math.ceil(weight_bytes / memory_cap_bytes):,} devices, or more "
+                     "memory each")
 
 
 def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int) -> None:

@@ -1,0 +1,61 @@
+"""A new user's bad input, as a walk through the README's commands met it: each refusal is one line naming the
+flag and what it takes, exit 2, before any work and with nothing written."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from pipesim.commands import tune
+from pipesim.units import GIB
+from tests.conftest import pipesim
+
+# about 7e9 parameters: 13 GiB of weights in bfloat16
+SEVEN_B = ("--model", "gpt", "--layers", 8, "--width", 8192, "--heads", 64, "--seq-len", 128, "--vocab", 32000)
+
+
+def test_tune_refuses_a_model_whose_weights_alone_overfill_the_devices_before_estimating():
+    """Llama 3.1 405B on 8 H100s took a minute of estimates to say that nothing fits, and a model far larger filled
+    the host's memory (17 GiB) before the search ended; the weights, which every configuration holds at least once,
+    say it at once."""
+    pytest.importorskip("torch")
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", *SEVEN_B, "-D", 2, "--memory-gb", 4)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [  # nothing before it: no estimate ran
+        "error: --memory-gb: no configuration fits in 4 GiB; the model's weights alone (13 GiB in bfloat16) need "
+        "6.49 GiB per device over --devices 2: give at least 4 devices, or more memory each"]
+
+
+def test_the_weights_floor_refuses_only_past_the_devices_whole_memory():
+    counted = SimpleNamespace(total=lambda name: {"param_bytes": 8 * GIB}[name], dtype="bfloat16")
+    tune._check_weights_fit(counted, 4, 2 * GIB)  # exactly full: some configuration may still fit
+    with pytest.raises(tune.InputError, match="give at least 5 devices"):
+        tune._check_weights_fit(counted, 4, 2 * GIB - 1)
+
+
+@pytest.mark.parametrize("given, nearest", [("h10-sxm", "h100-sxm"), ("H100_SXM", "h100-sxm"),
+                                            ("a100-80gb", "a100-sxm-80gb"), ("nope", None)])
+def test_a_misspelt_gpu_is_answered_with_the_nearest_known_one(given, nearest):
+    code, _, err = pipesim("simulate", "--gpu", given, "--model", "gpt")
+    hint = f" (did you mean {nearest!r}?)" if nearest else ""
+    assert code == 2 and err.startswith(f"error: --gpu: unknown {given!r}{hint}; known GPUs: a100-sxm-40gb, "), err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("text", ["", "# axes to come\n"])
+def test_sweep_refuses_a_grid_file_that_gives_no_axis(tmp_path, text):
+    """An empty --grid swept the default grid and wrote its results, exit 0, as if the file had been read."""
+    grid, out = tmp_path / "grid.toml", tmp_path / "results.csv"
+    grid.write_text(text)
+    code, _, err = pipesim("sweep", "--grid", grid, "--out", out)
+    assert code == 2 and err == (f"error: --grid: {grid} gives no axis; give one or more of schedule, stages, "
+                                 "microbatches, chunks, pipelines, cost-scale, prediction, activation-limit\n")
+    assert not out.exists()
+
+
+def test_gpus_refuses_a_file_that_gives_no_part(tmp_path):
+    """An empty --gpus listed the built-in parts, exit 0: a file that adds nothing is the wrong file."""
+    empty = tmp_path / "gpus.toml"
+    empty.write_text("# parts to come\n")
+    code, out, err = pipesim("gpus", "--gpus", empty)
+    assert code == 2 and out == ""
+    assert err == f"error: --gpus: {empty}: gives no part ([gpu.NAME]) and no cluster ([cluster.NAME])\n"
