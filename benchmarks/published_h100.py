@@ -95,7 +95,7 @@ def simulate_command(row: dict[str, str]) -> list[str]:
         "microbatch_size"))
     d = gpus // (t * p * c)
     schedule = ["-s", "interleaved-1f1b", "--chunks", str(v)] if v > 1 else ["-s", "1f1b"]
-    if p > 1 and row.get("p2p_overlap", "true") == "false":
+    if p > 1 and row["p2p_overlap"] == "false":
         schedule.append("--blocking-comm")
     overlap = ["--tp-overlap", *(["--tp-overlap-no-margin"] if row["tp_overlap_sm_margin"] == "false" else []),
                *(["--tp-overlap-fp8-buf"] if row["tp_overlap_fp8_buf"] == "true" else [])]
