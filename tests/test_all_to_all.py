@@ -10,8 +10,6 @@ from collections import Counter
 import pytest
 
 from pipesim.schedules import (
-    Action,
-    Kind,
     Schedule,
     ScheduleError,
     ScheduleParams,
@@ -32,12 +30,6 @@ from tests.helpers import kind_stage_microbatch
 def ep(method: str, stages: int = 2, microbatches: int = 2, chunks: int = 1) -> Schedule:
     return build_schedule(method, ScheduleParams(stages=stages, microbatches=microbatches, chunks=chunks,
                                                  expert_parallel=4))
-
-
-def test_an_all_to_all_action_reads_and_prints_as_its_kind_stage_and_micro_batch():
-    action = Action.parse("2A2A_F5")
-    assert (action.kind, action.stage, action.microbatch) == (Kind.A2A_F, 2, 5) and str(action) == "2A2A_F5"
-    assert str(Action.parse("P1:0A2A_B3.2")) == "P1:0A2A_B3.2"
 
 
 def test_every_forward_and_backward_is_followed_by_its_all_to_alls():

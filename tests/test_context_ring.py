@@ -13,7 +13,7 @@ import pytest
 from pipesim.planning.estimate import ContextRing, Parallelism, _Split, estimate_profile, placement_links
 from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.workload import OpCount, WorkloadCount
-from pipesim.schedules import Action, Kind, Schedule, ScheduleError, ScheduleParams, build_schedule, lower, validate
+from pipesim.schedules import Schedule, ScheduleError, ScheduleParams, build_schedule, lower, validate
 from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.sim.cluster import Cluster, Link
 from pipesim.sim.costs import Costs, StageCosts
@@ -27,12 +27,6 @@ from tests.helpers import H100, H100_BF16, kind_stage_microbatch
 def cp(method: str, stages: int = 2, microbatches: int = 2, chunks: int = 1, **params) -> Schedule:
     return build_schedule(method, ScheduleParams(stages=stages, microbatches=microbatches, chunks=chunks,
                                                  context_parallel=4, **params))
-
-
-def test_a_ring_action_reads_and_prints_as_its_kind_stage_and_micro_batch():
-    action = Action.parse("2RING_F5")
-    assert (action.kind, action.stage, action.microbatch) == (Kind.RING_F, 2, 5) and str(action) == "2RING_F5"
-    assert str(Action.parse("P1:0RING_B3.2")) == "P1:0RING_B3.2"
 
 
 def test_every_forward_and_attention_backward_is_followed_by_its_ring_and_none_without_context_parallelism():

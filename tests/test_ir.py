@@ -50,6 +50,14 @@ def test_action_text_matches_torch_for_plain_actions():
     assert Action.parse("1RECV_B3<2") == Action(Kind.RECV_B, 1, 3, 0, 0, 2)
 
 
+@pytest.mark.parametrize("text,kind,on_a_pipeline", [("2A2A_F5", Kind.A2A_F, "P1:0A2A_B3.2"),
+                                                    ("2RING_F5", Kind.RING_F, "P1:0RING_B3.2")])
+def test_an_all_to_all_or_ring_action_reads_and_prints_as_its_kind_stage_and_micro_batch(text, kind, on_a_pipeline):
+    action = Action.parse(text)
+    assert (action.kind, action.stage, action.microbatch) == (kind, 2, 5) and str(action) == text
+    assert str(Action.parse(on_a_pipeline)) == on_a_pipeline
+
+
 @pytest.mark.parametrize("text", ["", "F0", "2X0", "0SEND_F1", "0F1>2", "0RECV_F1>2", "0F1.x"])
 def test_bad_action_text_is_rejected(text):
     with pytest.raises(ScheduleError):
