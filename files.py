@@ -74,6 +74,11 @@ def is_trace_document(doc: Any) -> bool:
     return isinstance(doc, dict) and {"traceEvents", "pipesim"} <= doc.keys()
 
 
+def is_profile_document(doc: Any) -> bool:
+    """Whether a JSON document has a pipesim profile's top-level keys (`is_profile_bytes`'s), and is no trace."""
+    return isinstance(doc, dict) and {"schema_version", "layers"} <= doc.keys() and not is_trace_document(doc)
+
+
 # `is_trace_document`'s keys as a file's bytes hold them: the "traceEvents" list and the "pipesim" header
 _TRACE_KEYS = (re.compile(rb'"traceEvents"\s*:\s*\['), re.compile(rb'"pipesim"\s*:\s*\{'))
 # a profile's (profiles/schema.py `Profile`'s) as they are told from other JSON (traces/trace.py `read_trace`'s)

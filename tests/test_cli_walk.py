@@ -8,6 +8,7 @@ import pytest
 from pipesim.commands import tune
 from pipesim.units import GIB
 from tests.conftest import pipesim
+from tests.helpers import GPT_CPU
 
 # about 7e9 parameters: 13 GiB of weights in bfloat16
 SEVEN_B = ("--model", "gpt", "--layers", 8, "--width", 8192, "--heads", 64, "--seq-len", 128, "--vocab", 32000)
@@ -59,3 +60,18 @@ def test_gpus_refuses_a_file_that_gives_no_part(tmp_path):
     code, out, err = pipesim("gpus", "--gpus", empty)
     assert code == 2 and out == ""
     assert err == f"error: --gpus: {empty}: gives no part ([gpu.NAME]) and no cluster ([cluster.NAME])\n"
+
+
+@pytest.mark.parametrize("kind", ["profile", "trace"])
+def test_a_profile_or_a_trace_given_as_cluster_is_named_for_what_it_is(tmp_path, kind):
+    """Both are JSON beside a cluster file; either was "devices: Field required", the first field it lacks."""
+    if kind == "trace":
+        path = tmp_path / "t.json"
+        assert pipesim("simulate", "-s", "1f1b", "--trace", path)[0] == 0
+    else:
+        path = GPT_CPU
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", path)
+    reader = "`pipesim view` draws it" if kind == "trace" else "--profile reads it"
+    assert (code, out) == (2, "")
+    assert err == (f"error: --cluster: cluster file {path}: a pipesim {kind}, not a cluster file ({reader}); give a "
+                   "JSON file of devices and links (docs/simulate.md)\n")
