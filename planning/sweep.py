@@ -16,7 +16,7 @@ import hashlib
 import io
 import math
 import multiprocessing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
 from itertools import product
@@ -426,6 +426,9 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     import plotly.graph_objects as go
     from plotly.colors import qualitative
 
+    from ..traces.metrics import rate_text
+    from ..traces.view import TICK_FORMAT, mib_text, ms_text, percent_text
+
     on_front = set(front)
     ran = [i for i, r in enumerate(results) if r.metrics is not None]
     groups = sorted({front_group(results[i].config) for i in ran})
@@ -445,9 +448,9 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     def hover(r: Result, best: bool) -> str:
         m = r.metrics
         others = [label for label in at_point[point(r)] if label != r.config.label]
-        return (f"<b>{r.config.label}</b>{' (on its front)' if best else ''}<br>{m.time_per_minibatch_ms:.3f} ms "
-                f"per mini-batch, {m.samples_per_s:,.1f} samples/s<br>peak {m.peak_memory_mb:,.0f} MiB, staleness "
-                f"{m.max_staleness}, bubble {m.bubble_fraction:.1%}" + _also(r, "<br>")
+        return (f"<b>{r.config.label}</b>{' (on its front)' if best else ''}<br>{ms_text(m.time_per_minibatch_ms)} "
+                f"ms per mini-batch, {rate_text(m.samples_per_s)} samples/s<br>peak {mib_text(m.peak_memory_mb)} MiB, "
+                f"staleness {m.max_staleness}, bubble {percent_text(m.bubble_fraction)}" + _also(r, "<br>")
                 + (f"<br>same point as {', '.join(others)}" if others else ""))
 
     fig = go.Figure()
@@ -499,6 +502,7 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
                       "direction": "down", "x": 0, "xanchor": "left", "y": 1.0, "yanchor": "bottom",
                       "pad": {"b": 8}, "active": 0}] if views else [],
         xaxis_title="time per mini-batch (ms)", yaxis_title="peak memory per device (MiB)", template="plotly_white",
+        xaxis_tickformat=TICK_FORMAT, yaxis_tickformat=TICK_FORMAT,
         height=650, margin={"t": 130}, legend={"title": {"text": "schedule"}},
         title={"y": 1, "yanchor": "top", "pad": {"t": TITLE_PAD_PX}})
     if views:  # the first group, as its button would show it
@@ -519,31 +523,40 @@ def ran_text(results: Sequence[Result]) -> str:
     return f"{count_text(len(results) - skipped, 'configuration')} that ran" + (f" ({', '.join(more)})" if more else "")
 
 
-def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: Path) -> None:
-    """The trade-off figure and the Pareto fronts listed below it: one self-contained offline page (plotly.js
-    embedded)."""
+def fronts_table(best: Sequence[Result]):
+    """The Pareto fronts' configurations as a table, its figures written as the trade-off's hover writes them
+    (plotly's cell formats have no rule of three significant digits, nor "<0.01")."""
     import plotly.graph_objects as go
 
-    from ..traces.view import write_html
+    from ..traces.metrics import rate_text
+    from ..traces.view import mib_text, ms_text, percent_text
 
-    def axis(rows: Sequence[Result], name: str) -> list:
-        return [getattr(r.metrics, name) for r in rows]
+    def axis(name: str, text: Callable[[float], str] = str) -> list[str]:
+        return [text(getattr(r.metrics, name)) for r in best]
 
-    best = [results[i] for i in front]
     columns = {"configuration": [r.config.label + _also(r, ": ") for r in best],
                "cost×, m·P": [f"{r.config.cost_scale:g}, {r.config.microbatches * r.config.pipelines}"
                               for r in best],
-               "ms/step": axis(best, "time_per_minibatch_ms"),
-               "peak MiB": axis(best, "peak_memory_mb"), "staleness": axis(best, "max_staleness"),
-               "samples/s": axis(best, "samples_per_s"), "bubble": axis(best, "bubble_fraction")}
+               "ms/step": axis("time_per_minibatch_ms", ms_text), "peak MiB": axis("peak_memory_mb", mib_text),
+               "staleness": axis("max_staleness"), "samples/s": axis("samples_per_s", rate_text),
+               "bubble": axis("bubble_fraction", percent_text)}
     # The page's whole width, the configuration's column a third of it: with plotly's 80 px margins, at 800 px
     # "staleness" and "samples/s" were cut in columns 56 px wide.
     table = go.Figure(go.Table(
         columnwidth=[3, 1.2, 1, 1, 1, 1, 1], header={"values": list(columns), "align": "left"},
-        cells={"values": list(columns.values()), "align": "left", "height": 26,
-               "format": [None, None, ".3f", ",.0f", "d", ",.1f", ".1%"]}))
+        cells={"values": list(columns.values()), "align": "left", "height": 26}))
     top_px = MODEBAR_PX + 5
     table.update_layout(height=top_px + 70 + 26 * (len(best) + 1), margin={"t": top_px, "b": 10, "l": 0, "r": 0})
+    return table
+
+
+def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: Path) -> None:
+    """The trade-off figure and the Pareto fronts listed below it: one self-contained offline page (plotly.js
+    embedded)."""
+    from ..traces.view import write_html
+
+    best = [results[i] for i in front]
     write_html([(f"Trade-off: time per mini-batch vs peak memory, {ran_text(results)}, one Pareto front per p, cost "
                  "scale and mini-batch size", tradeoff_figure(results, front)),
-                (f"Pareto fronts: {count_text(len(best), 'configuration')}", table)], path, title="pipesim sweep")
+                (f"Pareto fronts: {count_text(len(best), 'configuration')}", fronts_table(best))], path,
+               title="pipesim sweep")

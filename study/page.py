@@ -12,7 +12,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from ..traces.view import log_ticks, write_html
+from ..traces.metrics import rate_text
+from ..traces.view import TICK_FORMAT, log_ticks, percent_text, write_html
 from .results import ArmSummary
 
 _PALETTE = qualitative.D3 + qualitative.Set2
@@ -123,7 +124,7 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
                                row=1, col=col, x=0.01, y=0.01, xanchor="left", yanchor="bottom",
                                showarrow=False, bgcolor="rgba(255,255,255,0.85)", bordercolor="#c0392b",
                                font={"size": 11, "color": "#c0392b"})
-        fig.update_xaxes(title_text="samples trained on", row=1, col=col)
+        fig.update_xaxes(title_text="samples trained on", tickformat=TICK_FORMAT, row=1, col=col)
         ticks = log_ticks(y_range)
         fig.update_yaxes(type="log", range=y_range, tickvals=ticks or None,
                          ticktext=[f"{tick:g}" for tick in ticks] or None, row=1, col=col,
@@ -165,28 +166,28 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
             if timed and s.timing is None:
                 continue
             acc = s.heldout_accuracy
-            throughput = "" if not timed else (f"<br>{s.timing.measured_samples_per_s:,.0f} samples/s measured, "
-                                               f"{s.timing.predicted_samples_per_s:,.0f} predicted")
+            throughput = "" if not timed else (f"<br>{rate_text(s.timing.measured_samples_per_s)} samples/s measured, "
+                                               f"{rate_text(s.timing.predicted_samples_per_s)} predicted")
             diverged = f" ({s.diverged} of {len(s.runs)} seeds diverged)" if s.diverged else ""
             place = ({"x": [s.timing.measured_samples_per_s], "y": [acc.mean]} if timed
                      else {"x": [acc.mean], "y": [s.arm.label]})
             if acc.std is not None:  # one seed: no spread to draw
                 place["error_y" if timed else "error_x"] = {"type": "data", "array": [acc.std],
                                                             "color": colours[s.arm.label]}
-            over = f"± {acc.std:.1%} over {acc.n} seeds" if acc.std is not None else "(one seed)"
+            over = f"± {percent_text(acc.std)} over {acc.n} seeds" if acc.std is not None else "(one seed)"
             fig.add_trace(go.Scatter(
                 **place, mode="markers", name=s.arm.label, legendgroup=s.arm.label,
                 showlegend=s.arm.label not in shown,
                 marker={"color": colours[s.arm.label], "size": 11, "symbol": symbols[i % len(symbols)],
                         "line": {"width": 1, "color": "white"}},
-                hovertemplate=f"{s.arm.label} ({optimizer}{diverged})<br>accuracy {acc.mean:.1%} {over}"
+                hovertemplate=f"{s.arm.label} ({optimizer}{diverged})<br>accuracy {percent_text(acc.mean)} {over}"
                               f"{throughput}<extra></extra>"))
             shown.add(s.arm.label)
     marks = ", ".join(f"{symbols[i % len(symbols)]}: {o}" for i, o in enumerate(optimizers))
     # (an arm whose every seed diverged has no accuracy, and no spread: its std is NaN, not None)
     spread = ("mean ± std over seeds" if any(s.heldout_accuracy.n > 1 for s in summaries) else "one seed")
     if timed:
-        fig.update_xaxes(title_text=f"samples/s measured on spawned ranks ({marks})")
+        fig.update_xaxes(title_text=f"samples/s measured on spawned ranks ({marks})", tickformat=TICK_FORMAT)
         fig.update_yaxes(title_text=f"held-out accuracy ({spread})", tickformat=".0%")
     else:  # the marker key goes under the long axis: the height of a few arms cannot hold it
         fig.update_xaxes(title_text=f"held-out accuracy ({spread}; {marks})", tickformat=".0%")

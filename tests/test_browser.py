@@ -617,7 +617,7 @@ def test_a_capacity_far_above_its_devices_peak_is_noted_not_drawn_so_the_axis_st
     (note,) = v.geometry["capacity_notes"]
     assert note["axis"] == "y2"
     assert note["text"].startswith("device 1: memory 81,920 MiB (peak 1.") and note["text"].endswith(
-        " % of it), off this panel's scale"), note
+        "% of it), off this panel's scale"), note
     assert 1280 <= v.geometry["memory"][0]["range"][1] <= 1.1 * 1280
 
 
@@ -691,7 +691,53 @@ def test_a_small_runs_heatmap_runs_its_colours_to_its_own_peak_and_notes_the_mem
     (heatmap,) = v.geometry["heatmaps"]
     assert heatmap["capacity"] is None and heatmap["zmax"] == 2312 and heatmap["colorscale"] == "Viridis"
     assert v.geometry["capacity_notes"] == [
-        {"axis": "y2", "text": "each device's memory 81,920 MiB (peak 2.8 % of it), off this panel's scale"}]
+        {"axis": "y2", "text": "each device's memory 81,920 MiB (peak 2.8% of it), off this panel's scale"}]
+
+
+# The timeline's drawn figure: each trace's hover template, legend group, hovered figures (customdata, a heatmap's
+# text) and y (z) values, the tick labels of every axis and colour bar, and the title.
+HOVERS_JS = """(() => {
+  const gd = document.getElementById("timeline"), list = values => (values ? Array.from(values) : null);
+  const heatmap = d => d.type === "heatmap";
+  return {traces: gd.data.filter(d => d.hovertemplate).map(d => ({
+            type: d.type, template: d.hovertemplate, group: d.legendgroup || "",
+            shown: heatmap(d) ? d.text.flat() : list(d.customdata), values: heatmap(d) ? d.z.flat() : list(d.y)})),
+          ticks: [...gd.querySelectorAll("[class$=tick] text")].map(t => t.textContent), title: gd.layout.title.text};
+})()"""
+
+
+@needs_chromium
+def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page(tmp_path):
+    """A run of a few KiB: its memory hovered "0.0 MiB" (",.1f") where its bars say "<0.01"; a 2 GiB run's memory
+    axis read "2000" where every figure reads "1,288"; times hovered without separators. Every MiB hovered is
+    `mib_text`'s (a device's line, a part of its stack, a heatmap's cell), every time ",.3f", every tick separated."""
+    from pipesim.traces.view import mib_text
+    from tests.conftest import pipesim
+
+    big, small, page, heatmap = tmp_path / "big.json", tmp_path / "small.json", tmp_path / "v.html", tmp_path / "h.html"
+    shape = ("-s", "1f1b", "-p", 2, "-m", 4, "-n", 2)
+    assert pipesim("simulate", *shape, "--activation-mb", 700, "--trace", big).code == 0
+    assert pipesim("simulate", *shape, "--param-mb", 0.002, "--activation-mb", 0.001, "--output-mb", 0.001,
+                   "--trace", small).code == 0
+    assert pipesim("view", big, small, "--html", page).code == 0
+    assert pipesim("simulate", "-s", "1f1b", "-p", 20, "-m", 20, "--html", heatmap).code == 0  # 20 devices' heatmap
+    shown = set()
+    for path, kind in ((page, "scatter"), (heatmap, "heatmap")):
+        v = visit(path, "#test", height=1400, probe=HOVERS_JS)
+        assert_healthy(v)
+        below = None  # the top of the stacked part under this one: a part's MiB is its top less that
+        for t in v.probed["traces"]:
+            assert t["type"] == kind and "%{x:,.3f} ms" in t["template"], t
+            values, stacked = t["values"], t["group"].startswith("part ")
+            if stacked and below is not None:
+                values = [top - low for top, low in zip(values, below)]
+            below = t["values"] if stacked else None
+            assert t["shown"] == ["" if mib is None else mib_text(mib) for mib in values], t["template"]
+            shown.update(t["shown"])
+        ticks = [tick.replace("memory ", "") for tick in v.probed["ticks"] if tick[:1].isdigit() or "memory" in tick]
+        assert any("," in tick for tick in ticks) and not any(re.fullmatch(r"\d{4,}|.*k", t) for t in ticks), ticks
+        assert re.search(r"makespan [\d,]+\.\d{3} ms, bubble \d+\.\d%, [\d,]+\.\d{3} ms/step", v.probed["title"])
+    assert {"<0.01", "1,724"} <= shown
 
 
 if __name__ == "__main__":

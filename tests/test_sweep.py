@@ -352,3 +352,22 @@ def test_the_fronts_say_what_their_short_headers_are():
     assert code == 0, err
     assert all(f"{header}:" in words for header in ("v", "P", "cost×", "s", "R")), text
     assert "s: the source of prediction distances (--prediction); R: auto's activation limit" in words
+
+
+def test_the_trade_offs_hover_and_the_fronts_table_write_each_figure_alike():
+    """A run of a few KiB: its peak read "0 MiB" in the hover and the table (plotly's ",.0f"), its rate 0.176 "0.2"
+    and its time "12345.679" in the hover beside the table's ".3f"; each is written by the page's one rule per unit,
+    and the axes separate thousands ("12,000" where plotly wrote "12k")."""
+    from pipesim.planning.sweep import fronts_table, tradeoff_figure
+
+    config = Config("1f1b", 2, 4, 2, 1, 1, 1.0)
+    result = Result(config, Metrics(time_per_minibatch_ms=12345.6789, samples_per_s=0.176, bubble_fraction=0.073,
+                                    peak_memory_mb=0.004, max_staleness=0, makespan_ms=24691.3578,
+                                    exposed_comm_ms=0.0))
+    fig = tradeoff_figure([result], [0])
+    (hover,) = fig.data[0].text
+    assert "12,345.679 ms per mini-batch, 0.18 samples/s<br>peak <0.01 MiB, staleness 0, bubble 7.3%" in hover
+    assert fig.layout.xaxis.tickformat == fig.layout.yaxis.tickformat == ","
+    cells = fronts_table([result]).data[0].cells
+    assert [column[0] for column in cells.values[2:]] == ["12,345.679", "<0.01", "0", "0.18", "7.3%"]
+    assert cells.format is None

@@ -224,7 +224,7 @@ def test_summary_chart_leads_with_samples_per_s_and_says_when_mini_batches_diffe
     first, time = chart["data"][:2]
     assert first["name"].startswith("samples/s") and first["x"] == [s.samples_per_s for s in summaries]
     assert time["x"] == [s.time_per_minibatch_ms for s in summaries]
-    assert time["customdata"] == [f"{s.time_per_minibatch_ms:,.2f} ms per mini-batch of {n} samples"
+    assert time["customdata"] == [f"{s.time_per_minibatch_ms:,.3f} ms per mini-batch of {n} samples"
                                   for s, n in zip(summaries, (8, 16))]
     assert chart["titles"][:2] == [{"title": "samples/s (more is better)", "note": ""},
                                    {"title": "time per mini-batch (ms)", "note": "mini-batches differ in size"}]
@@ -264,6 +264,32 @@ def test_a_peak_under_a_hundredth_of_a_mib_is_not_written_as_nothing(mib, text):
     from pipesim.traces.view import mib_text
 
     assert mib_text(mib) == text
+
+
+def test_the_pages_write_each_unit_one_way():
+    """ms to the microsecond, as simulate's table (the bars wrote two decimals, the title's makespan two and its
+    mini-batch three); a share to a tenth of a percent, whole from 100 % up; MiB's ties round up as the page's
+    script does (1.125 MiB read 1.12 in the title and 1.13 hovered); thousands separated throughout."""
+    from pipesim.traces.view import mib_text, ms_text, percent_text
+
+    assert [ms_text(ms) for ms in (33.6, 12345.6789, 0.0004)] == ["33.600", "12,345.679", "0.000"]
+    assert [percent_text(f) for f in (0.073, 0, 0.9994, 1, 13.278)] == ["7.3%", "0.0%", "99.9%", "100%", "1,328%"]
+    assert [mib_text(mib) for mib in (1.125, 10.25, 0.375, 1288.5, 81920)] == ["1.13", "10.3", "0.38", "1,289",
+                                                                                 "81,920"]
+
+
+def test_the_summary_charts_figures_and_axes_follow_the_units_rules(trace):
+    """Its bars write ms and shares as the title and hovers do, and its axes separate thousands ("3,000" where
+    plotly wrote "3000", and "20k" past 10,000); the bubble's axis in percent."""
+    from pipesim.traces.view import summary_figure
+
+    summaries = [dataclasses.replace(summarize(trace), time_per_minibatch_ms=ms, bubble_fraction=bubble)
+                 for ms, bubble in ((33.6, 0.073), (12345.6789, 0.25))]
+    chart = summary_figure([trace] * 2, ["a", "b"], summaries, [0])
+    assert chart["data"][1]["text"] == ["33.600", "12,345.679"]
+    assert chart["data"][2]["text"] == ["7.3%", "25.0%"]
+    ticks = [chart["layout"][name]["tickformat"] for name in ("xaxis", "xaxis2", "xaxis3", "xaxis4")]
+    assert ticks == [",", ",", ".0%", ","]
 
 
 def test_a_peak_out_of_memory_says_so_on_its_bar(trace):
@@ -318,6 +344,7 @@ def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readab
     median = fig.data[0]
     assert fig.layout.yaxis.type == "log"
     assert list(median.x) == ["F", "B (exact)", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+    assert all("%{text}" in bar.hovertemplate for bar in fig.data)  # the bars' figures, as percent_text writes them
     assert median.y[0] == pytest.approx(100 / 21) and median.y[1] is None and median.y[3] == pytest.approx(1500)
     assert median.text[:4] == ("4.8%", "0.0%", "1,500%", "1,500%")  # whole from 100 %: at 800 px, shrunk to 7 px
     assert fig.layout.uniformtext.minsize == 10 and fig.layout.uniformtext.mode == "show"

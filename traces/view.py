@@ -23,6 +23,7 @@ import math
 import os
 import zlib
 from collections.abc import Iterable, Sequence
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any, Protocol
 
 import numpy as np
@@ -264,24 +265,42 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
     return out
 
 
+# The pages' numbers, one rule per unit, written alike by Python (figures' text, tables' cells) and by the timeline's
+# script (its hovers and title: msText, mibText, percentText), with thousands separators throughout: an axis tick
+# read "1000" and "20k" where every other figure read "1,288".
 MIB_SHOWN = 0.01  # the least the page writes in MiB (two decimals): under it, "<0.01"
+MS_FORMAT = ",.3f"  # ms in plotly's hover templates, as `ms_text` writes them
+TICK_FORMAT = ","  # the axes' ticks of ms, MiB, samples and samples/s: "1,000", "20,000" (plotly's own: "20k")
+
+
+def ms_text(ms: float) -> str:
+    """ms as the pages write them: to the microsecond, a trace's resolution, as `pipesim simulate`'s table does (the
+    summary's bars wrote two decimals, the title's mini-batch three and its makespan two)."""
+    return f"{ms:,.3f}"
 
 
 def mib_text(mib: float) -> str:
     """MiB as the page writes them: whole from 100 up, else to three significant digits (at most two decimals): a
     measured CPU run's 14.11 MiB peak read "14 MiB" on the page, beside compare's 14.1 and run's 14.11. Under
-    MIB_SHOWN, "<0.01": a 4 KiB peak read "0.00", as if nothing were held."""
+    MIB_SHOWN, "<0.01": a 4 KiB peak read "0.00", as if nothing were held. A tie rounds up, as the script's
+    toLocaleString does: MiB are binary fractions, so 1.125 MiB is one, and read 1.12 in the title, 1.13 hovered."""
     if 0 < mib < MIB_SHOWN:
         return f"<{MIB_SHOWN}"
     decimals = 0 if not 0 < mib < 100 else min(2, 2 - math.floor(math.log10(mib)))
-    return f"{mib:,.{decimals}f}"
+    return f"{Decimal(mib).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP):,f}"
+
+
+def percent_text(fraction: float) -> str:
+    """A share as the pages write it: to a tenth of a percent, whole from 100 % up ("7.3%", "1,328%"): an error bar's
+    "1,327.8%" was shrunk to fit it."""
+    return f"{fraction:,.0%}" if abs(fraction) >= 1 else f"{fraction:.1%}"
 
 
 # The summary chart's panels: (title, Summary field, bar text); samples/s first, the one measure that a mini-batch
 # of another size (AvgPipe's P pipelines, d replicas) does not distort, written as the commands' tables write it.
 _SUMMARY_PANELS = (("samples/s (more is better)", "samples_per_s", rate_text),
-                   ("time per mini-batch (ms)", "time_per_minibatch_ms", "{:,.2f}".format),
-                   ("bubble", "bubble_fraction", "{:.1%}".format),
+                   ("time per mini-batch (ms)", "time_per_minibatch_ms", ms_text),
+                   ("bubble", "bubble_fraction", percent_text),
                    ("peak memory per device (MiB)", "peak_memory_mb", mib_text))
 SUMMARY_SHOWN, SUMMARY_OTHER = "#4c78a8", "#bccbe0"  # the selected view's traces' bars, and the others'
 # The bars' figures, level and of one size in every panel: plotly's defaults turned a figure that fits a bar
@@ -332,7 +351,8 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
     for j, (_, field, _) in enumerate(_SUMMARY_PANELS):
         layout["xaxis" + (str(j + 1) if j else "")] = {
             "domain": [j * width, (j + 1) * width - 0.04], "anchor": "y", "gridcolor": "#ececec", "zeroline": False,
-            "rangemode": "tozero", "fixedrange": True, **({"tickformat": ".0%"} if field == "bubble_fraction" else {})}
+            "rangemode": "tozero", "fixedrange": True,
+            "tickformat": ".0%" if field == "bubble_fraction" else TICK_FORMAT}
     return {"data": data, "layout": layout, "colors": [SUMMARY_SHOWN, SUMMARY_OTHER],
             "titles": [{"title": title, "note": note} for (title, _, _), note in zip(_SUMMARY_PANELS, notes)]}
 
@@ -377,6 +397,7 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
         "traces": [trace_data(t, label, s, check) for t, label, s, check in zip(traces, labels, summaries, checks)],
         "views": [{"name": name, "traces": list(members)} for name, members in views],
         "summary": summary_figure(traces, labels, summaries, views[0][1], checks) if len(traces) > 1 else None,
+        "numbers": {"mib_shown": MIB_SHOWN, "ms_format": MS_FORMAT, "tick_format": TICK_FORMAT},
     }
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     from plotly.offline import get_plotlyjs
@@ -424,16 +445,15 @@ def error_figure(comparison: Comparison) -> go.Figure:
     100 % up, never shrunk under SUMMARY_TEXT_PX, and as dark over a pale p90 bar as over a median one: at 800 px
     plotly shrank "1,327.8%" to 7 px to fit its bar's width, and drew it at the bar's 0.45 opacity."""
     kinds = [k for k in comparison.kinds if k.duration_median is not None]
-    names = [k.kind if k.duration_median > 0 else f"{k.kind} ({'median 0 %' if k.duration_p90 > 0 else 'exact'})"
+    names = [k.kind if k.duration_median > 0 else f"{k.kind} ({'median 0%' if k.duration_p90 > 0 else 'exact'})"
              for k in kinds]
     colours = [kind_color(k.kind) for k in kinds]
     bars = []
     for name, values, opacity in (("median", [k.duration_median for k in kinds], 1.0),
                                   ("p90", [k.duration_p90 for k in kinds], 0.45)):
-        percent = [100 * v for v in values]
-        bars.append(go.Bar(name=name, x=names, y=[v if v > 0 else None for v in percent],
+        bars.append(go.Bar(name=name, x=names, y=[100 * v if v > 0 else None for v in values],
                            marker={"color": colours, "opacity": opacity},
-                           text=[f"{v:,.0f}%" if v >= 100 else f"{v:.1f}%" for v in percent], textposition="outside",
+                           text=[percent_text(v) for v in values], textposition="outside",
                            cliponaxis=False, hovertemplate="%{x} " + name + ": %{text}<extra></extra>"))
     drawn = [y for bar in bars for y in bar.y if y is not None]
     # From a decade at least MIN_BAR_DECADES under the smallest bar (a log axis has no zero to start bars from: from
@@ -806,6 +826,14 @@ _TIMELINE_JS = r"""
   function fmt(v, digits) {
     return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
   }
+  // The units as traces/view.py's ms_text, mib_text and percent_text write them, and plotly's formats for them.
+  const {mib_shown: MIB_SHOWN, ms_format: MS_FORMAT, tick_format: TICK_FORMAT} = DATA.numbers;
+  function msText(ms) { return fmt(ms, 3); }
+  function mibText(mib) {
+    if (mib > 0 && mib < MIB_SHOWN) return "<" + MIB_SHOWN;
+    return fmt(mib, !(mib > 0 && mib < 100) ? 0 : Math.min(2, 2 - Math.floor(Math.log10(mib))));
+  }
+  function percentText(fraction) { return fmt(100 * fraction, Math.abs(fraction) >= 1 ? 0 : 1) + "%"; }
   // Each trace's lines of the title: its name, its figures, then in grey its shape, wrapped between them where a
   // line would run under the mode bar, `width` px less MODEBAR_PX (a long shape at 1000 px ran under it and off the
   // page; at 800 px the figures alone did, and a view of three traces' long names with its first figure).
@@ -813,8 +841,8 @@ _TIMELINE_JS = r"""
     const room = width - MODEBAR_PX;
     return built.members.map(T => {
       const s = T.summary, m = T.meta;
-      const figures = ["makespan " + fmt(s.makespan_ms, 2) + " ms", "bubble " + fmt(100 * s.bubble_fraction, 1) + "%",
-                       fmt(s.time_per_minibatch_ms, 3) + " ms/step", "peak " + mib(s.peak_memory_text)];
+      const figures = ["makespan " + msText(s.makespan_ms) + " ms", "bubble " + percentText(s.bubble_fraction),
+                       msText(s.time_per_minibatch_ms) + " ms/step", "peak " + mib(s.peak_memory_text)];
       const lines = [{html: "<b>" + esc(T.label) + "</b>", px: textPx(T.label, TITLE_PX, "bold")}];
       const add = (html, px, joined, joinedPx, ending = "") => {
         const line = lines[lines.length - 1];
@@ -875,7 +903,7 @@ _TIMELINE_JS = r"""
     return {shapes, lines, note,
             label: labels.length ? Object.assign(capacityNote([], axis), {text: "- - - " + labels.join("; ")}) : null};
   }
-  function peakShare(share) { return " (peak " + (share < 0.001 ? "under 0.1" : fmt(100 * share, 1)) + " % of it)"; }
+  function peakShare(share) { return " (peak " + (share < 0.001 ? "under 0.1%" : percentText(share)) + " of it)"; }
   // Over a panel's right end: the memory its axis leaves out, each with its peak's share of it.
   const CAPACITY_LINE_PX = 14;  // a 10 px note's line
   function capacityNote(texts, axis) {
@@ -997,10 +1025,11 @@ _TIMELINE_JS = r"""
         data.push({type: "heatmap", x: grid.x, y: grid.y, z: grid.z, xaxis: "x", yaxis: axis,
                    colorscale: scale.colorscale, zmin: 0, zmax: scale.zmax, name: "memory \u00b7 " + T.label,
                    showscale: true, hoverongaps: false,
+                   text: grid.z.map(row => row.map(mib => (mib === null ? "" : mibText(mib)))),
                    colorbar: {title: {text: "MiB"}, len: panelPx / plotPx, y: domain[0], yanchor: "bottom",
-                              thickness: 12, ...scale.ticks},
+                              thickness: 12, tickformat: TICK_FORMAT, ...scale.ticks},
                    hovertemplate: "%{y}" + (many ? " \u00b7 " + esc(T.label) : "") +
-                                  ": up to %{z:,.0f} MiB around %{x:.3f} ms<extra></extra>"});
+                                  ": up to %{text} MiB around %{x:" + MS_FORMAT + "} ms<extra></extra>"});
         axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "device" : "memory"}, type: "category",
                                    autorange: "reversed", showgrid: false, ticks: "", tickfont: {size: 10}};
       } else {
@@ -1009,12 +1038,13 @@ _TIMELINE_JS = r"""
           const who = T.device_names[parts.device] + (many ? " \u00b7 " + esc(T.label) : "");
           parts.stack.forEach((top, i) => {
             const own = Array.from(top, (v, k) => (i ? v - parts.stack[i - 1][k] : v));
-            data.push({type: "scatter", mode: "lines", x: parts.t, y: top, customdata: own, xaxis: "x", yaxis: axis,
+            data.push({type: "scatter", mode: "lines", x: parts.t, y: top, customdata: own.map(mibText),
+                       xaxis: "x", yaxis: axis,
                        name: parts.names[i], legend: "legend2", legendgroup: "part " + parts.names[i],
                        showlegend: !inLegend.has("part " + i), fill: i ? "tonexty" : "tozeroy",
                        fillcolor: parts.colors[i] + "99", line: {color: parts.colors[i], width: 0.5, shape: "hv"},
-                       hovertemplate: parts.names[i] + " of " + who + ": %{customdata:,.1f} MiB at %{x:.3f} ms" +
-                                      "<extra></extra>"});
+                       hovertemplate: parts.names[i] + " of " + who + ": %{customdata} MiB at %{x:" + MS_FORMAT +
+                                      "} ms<extra></extra>"});
             inLegend.add("part " + i);
           });
         }
@@ -1024,16 +1054,17 @@ _TIMELINE_JS = r"""
           const mem = T.memory[device];
           const pts = decimate(mem.t, mem.v, 0, xEnd, plotColumns);
           built.memoryTraces.push({member, device, index: data.length, panel: j});
-          data.push({type: "scatter", mode: "lines", x: pts.x, y: pts.y, xaxis: "x", yaxis: axis, name: label,
+          data.push({type: "scatter", mode: "lines", x: pts.x, y: pts.y, customdata: Array.from(pts.y, mibText),
+                     xaxis: "x", yaxis: axis, name: label,
                      legend: "legend2", legendgroup: "memory " + device, showlegend: !inLegend.has(device),
                      visible: drawnDevices.has(device) ? true : "legendonly",
                      line: {color: palette[device], width: 1.5, shape: "hv"},
                      hovertemplate: label + (many ? " \u00b7 " + esc(T.label) : "") +
-                                    ": %{y:,.1f} MiB at %{x:.3f} ms<extra></extra>"});
+                                    ": %{customdata} MiB at %{x:" + MS_FORMAT + "} ms<extra></extra>"});
           inLegend.add(device);
         });
         axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "MiB" : "memory (MiB)"},
-                                   gridcolor: "#ececec", zeroline: false, rangemode: "tozero"};
+                                   gridcolor: "#ececec", zeroline: false, rangemode: "tozero", tickformat: TICK_FORMAT};
         const capacity = capacityLines(T, panel.rows, axis);
         shapes.push(...capacity.shapes);
         built.capacity.push(...capacity.lines);
@@ -1056,7 +1087,7 @@ _TIMELINE_JS = r"""
               pad: {t: TITLE_TOP_PX + (title.includes("<br>") ? CAP_SHIFT * TITLE_PX : 0)}, font: {size: TITLE_PX}},
       legend: {orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", tracegroupgap: 4},
       xaxis: {anchor: hasMemory ? "y" + (built.panels.length + 1) : "y", title: {text: "time (ms)"}, range: [0, xEnd],
-              gridcolor: "#ececec", zeroline: false, showline: true, linecolor: "#999"},
+              gridcolor: "#ececec", zeroline: false, showline: true, linecolor: "#999", tickformat: TICK_FORMAT},
       yaxis: {domain: [split, 1], anchor: "x", range: [span - 0.8, -0.8], tickvals: shown.map(l => l.y),
               ticktext: shown.map(tickText), showgrid: false, zeroline: false, ticks: "", tickfont: {size: 11},
               ticklabelstandoff: 4},
@@ -1149,7 +1180,7 @@ _TIMELINE_JS = r"""
          : ", overlapped with stage " + c.peer[i] + "'s op beside it"),  // one part of an overlapped pair (F&B)
       (mb >= 0 ? "micro-batch " + mb + ", " : "") + "mini-batch " + mini +
         (T.meta.pipelines > 1 || c.pipeline[i] > 0 ? ", pipeline " + c.pipeline[i] : ""),
-      "start " + T.start[i].toFixed(3) + " ms, duration " + T.dur[i].toFixed(3) + " ms"];
+      "start " + msText(T.start[i]) + " ms, duration " + msText(T.dur[i]) + " ms"];
     if (c.version[i] >= 0) lines.push("weight version " + c.version[i]);
     if (c.prediction[i] >= 0) lines.push("prediction distance " + c.prediction[i]);
     return lines.join("<br>");
