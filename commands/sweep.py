@@ -324,6 +324,10 @@ def _print_front(results: list, front: list[int], alone: str) -> None:
     for header in ("p", "m", "v", "P", "cost×", "s", "R", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
         table.add_column(header, justify="right", no_wrap=True)
     shown = front[:FRONT_ROWS]
+    over = any(results[i].metrics.out_of_memory for i in shown)  # a front of a model the devices cannot hold
+    if over:
+        table.add_column("memory", no_wrap=True)
+        table.caption += "; memory: OOM where a device's peak is past its memory (simulate names the devices)"
     folds = any(results[i].same_as for i in shown)
     if folds:
         table.add_column("same schedule as", no_wrap=True)
@@ -338,6 +342,7 @@ def _print_front(results: list, front: list[int], alone: str) -> None:
                       "-" if c.activation_limit is None else f"{c.activation_limit:g}",
                       f"{m.time_per_minibatch_ms:,.3f}", rate_text(m.samples_per_s), f"{m.bubble_fraction:.1%}",
                       f"{m.peak_memory_mb:,.0f}", str(m.max_staleness),
+                      *(["OOM" if m.out_of_memory else "fits"] * over),
                       *([", ".join(s.variant for s in results[i].same_as) or "-"] if folds else []))
     print_table(table)
 

@@ -32,7 +32,7 @@ from ..sim.cluster import ClusterError
 from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
 from ..traces import Trace, summarize, write_atomic
-from ..units import count_text
+from ..units import MIB, count_text
 from .auto import ActivationLimitError
 from .scenario import Scenario
 
@@ -96,6 +96,7 @@ class Metrics:
     max_staleness: int
     makespan_ms: float
     exposed_comm_ms: float
+    out_of_memory: bool = False  # a device's peak past its memory, as simulate checks it (none known: False)
 
 
 @dataclass(frozen=True)
@@ -237,11 +238,14 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
             trace = simulate(sched, scaled.costs(sched), scaled.links(sched))
             scaled.add_reserve(sched, trace)
             summary = summarize(trace)
+            checks = scaled.links(sched).memory_checks([device.peak_memory_mb * MIB for device in summary.devices],
+                                                       scaled.memory_limits(sched))
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))
             continue
         results.append(Result(replace(config, prediction=sched.params.get("prediction")), Metrics(**{
-            f.name: COLUMNS[f.name](getattr(summary, f.name)) for f in fields(Metrics)}),  # plain Python numbers
+            f.name: COLUMNS[f.name](getattr(summary, f.name)) for f in fields(Metrics)  # plain Python numbers
+            if f.name != "out_of_memory"}, out_of_memory=any(check.out_of_memory for check in checks)),
             run_key=run_key(trace)))
     return results
 

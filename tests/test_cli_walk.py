@@ -1,13 +1,14 @@
 """A new user's bad input, as a walk through the README's commands met it: each refusal is one line naming the
 flag and what it takes, exit 2, before any work and with nothing written."""
 
+import csv
 from types import SimpleNamespace
 
 import pytest
 
 from pipesim.commands import tune
 from pipesim.units import GIB
-from tests.conftest import pipesim
+from tests.conftest import pipesim, simulate_json
 from tests.helpers import GPT_CPU
 
 # about 7e9 parameters: 13 GiB of weights in bfloat16
@@ -75,3 +76,26 @@ def test_a_profile_or_a_trace_given_as_cluster_is_named_for_what_it_is(tmp_path,
     assert (code, out) == (2, "")
     assert err == (f"error: --cluster: cluster file {path}: a pipesim {kind}, not a cluster file ({reader}); give a "
                    "JSON file of devices and links (docs/simulate.md)\n")
+
+
+def test_sweep_marks_the_configurations_whose_peak_passes_the_gpus_memory(tmp_path):
+    """A sweep on a catalogue GPU put a 1F1B at p = 2 peaking at 108 GiB on the front of an 80 GiB A100 as if it ran
+    (simulate says OOM): its results file and its table now say so, as simulate's check has it."""
+    pytest.importorskip("torch")
+    out = tmp_path / "results.csv"
+    huge = ("--model", "gpt", "--layers", 4, "--width", 16384, "--heads", 16, "--seq-len", 64, "--vocab", 128)
+    code, table, err = pipesim("sweep", "--gpu", "a100-sxm-80gb", *huge, "-p", "2,4", "-s", "1f1b", "--out", out)
+    assert code == 0, err
+    rows = {row["stages"]: row for row in csv.DictReader(out.open())}
+    assert (rows["2"]["out_of_memory"], rows["4"]["out_of_memory"]) == ("True", "False")
+    assert [line.split()[-1] for line in table.splitlines() if line.startswith(" 1f1b")] == ["OOM", "fits"]
+    for p in (2, 4):
+        simulated = simulate_json("--gpu", "a100-sxm-80gb", *huge, "-p", p, "-s", "1f1b")[0]
+        assert any(device["out_of_memory"] for device in simulated["devices"]) == (p == 2)
+
+
+def test_sweep_without_a_known_memory_shows_no_memory_column():
+    code, table, err = pipesim("sweep", "-s", "1f1b", "-p", "2,4")
+    assert code == 0, err
+    header = next(line for line in table.splitlines() if line.lstrip().startswith("schedule"))
+    assert header.split()[-1] == "staleness" and "OOM" not in table
