@@ -21,7 +21,10 @@ def _percent(value: float | None) -> str:
 
 
 def _mib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:,.1f}"
+    """As the page writes MiB (`mib_text`): a run of a few KiB read "0.0 / 0.0", as if it held nothing."""
+    from ..traces.metrics import mib_text
+
+    return "n/a" if value is None else mib_text(value)
 
 
 def _versions(c) -> str:

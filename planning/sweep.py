@@ -430,8 +430,8 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     import plotly.graph_objects as go
     from plotly.colors import qualitative
 
-    from ..traces.metrics import rate_text
-    from ..traces.view import TICK_FORMAT, mib_text, ms_text, percent_text
+    from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
+    from ..traces.view import TICK_FORMAT
 
     on_front = set(front)
     ran = [i for i, r in enumerate(results) if r.metrics is not None]
@@ -532,8 +532,7 @@ def fronts_table(best: Sequence[Result]):
     (plotly's cell formats have no rule of three significant digits, nor "<0.01")."""
     import plotly.graph_objects as go
 
-    from ..traces.metrics import rate_text
-    from ..traces.view import mib_text, ms_text, percent_text
+    from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
 
     def axis(name: str, text: Callable[[float], str] = str) -> list[str]:
         return [text(getattr(r.metrics, name)) for r in best]

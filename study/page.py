@@ -12,8 +12,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from ..traces.metrics import rate_text
-from ..traces.view import TICK_FORMAT, log_ticks, percent_text, write_html
+from ..traces.metrics import percent_text, rate_text
+from ..traces.view import TICK_FORMAT, log_ticks, write_html
 from .results import ArmSummary
 
 _PALETTE = qualitative.D3 + qualitative.Set2

@@ -414,3 +414,19 @@ def test_an_estimate_predicts_a_gpu_run_over_the_links_that_run_was_calibrated_o
     assert np.array_equal(forward[2], forward[1]) and not np.array_equal(forward[1], forward[0])
     busy_ms = float(traces[2].ops.dur_us[np.isin(kinds[2], ("F", "B"))].sum()) / 1e3  # both ranks' compute
     assert compare(traces[2], measured).predicted_ms >= busy_ms / measured.meta.minibatches
+
+
+def test_the_commands_peak_memory_is_written_as_the_pages(tmp_path):
+    """A prediction of a few KiB against a run of 2,432 MiB: its devices' table read "0.0 / 2,432.0" (",.1f"),
+    the few KiB as nothing, where the page writes "<0.01" and "2,432" (`mib_text`)."""
+    from tests.conftest import pipesim
+
+    predicted, measured = tmp_path / "p.json", tmp_path / "m.json"
+    shape = ("-s", "1f1b", "-p", 2, "-m", 4, "-n", 2)
+    assert pipesim("simulate", *shape, "--param-mb", 0.001, "--activation-mb", 0.0005, "--output-mb", 0.0005,
+                   "--trace", predicted).code == 0
+    assert pipesim("simulate", *shape, "--activation-mb", 700, "--trace", measured).code == 0
+    code, out, err = pipesim("compare", measured, predicted)
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+[01]\s", line)]
+    assert [row[-4:-1] for row in rows] == [["<0.01", "/", "2,432"], ["<0.01", "/", "1,732"]], out

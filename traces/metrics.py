@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from decimal import ROUND_HALF_UP, Decimal
 
 import numpy as np
 
@@ -17,6 +18,34 @@ def rate_text(per_s: float) -> str:
     holds the rate, so that the commands' tables and the pages' summary bars (traces/view.py) write it alike."""
     decimals = 1 if not 0 < per_s < 1 else 1 - math.floor(math.log10(per_s))
     return f"{per_s:,.{decimals}f}"
+
+
+# The pages' units, each written one way (traces/view.py's figures and, in its script, its hovers), beside rate_text.
+MIB_SHOWN = 0.01  # the least the pages write in MiB (two decimals): under it, "<0.01"
+
+
+def ms_text(ms: float) -> str:
+    """ms as the pages write them: to the microsecond, a trace's resolution, as `pipesim simulate`'s table does (the
+    summary's bars wrote two decimals, the title's mini-batch three and its makespan two)."""
+    return f"{ms:,.3f}"
+
+
+def mib_text(mib: float) -> str:
+    """MiB as the pages and compare's table write them: whole from 100 up, else to three significant digits (at most
+    two decimals): a measured CPU run's 14.11 MiB peak read "14 MiB" on the page, beside run's 14.11. Under
+    MIB_SHOWN, "<0.01": a 4 KiB peak read "0.00" (compare's "0.0"), as if nothing were held. A tie rounds up, as
+    the script's toLocaleString does: MiB are binary fractions, so 1.125 MiB is one, and read 1.12 in the title,
+    1.13 hovered."""
+    if 0 < mib < MIB_SHOWN:
+        return f"<{MIB_SHOWN}"
+    decimals = 0 if not 0 < mib < 100 else min(2, 2 - math.floor(math.log10(mib)))
+    return f"{Decimal(mib).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP):,f}"
+
+
+def percent_text(fraction: float) -> str:
+    """A share as the pages write it: to a tenth of a percent, whole from 100 % up ("7.3%", "1,328%"): an error bar's
+    "1,327.8%" was shrunk to fit it."""
+    return f"{fraction:,.0%}" if abs(fraction) >= 1 else f"{fraction:.1%}"
 
 
 @dataclass(frozen=True)

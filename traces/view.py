@@ -23,7 +23,6 @@ import math
 import os
 import zlib
 from collections.abc import Iterable, Sequence
-from decimal import ROUND_HALF_UP, Decimal
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,7 +33,7 @@ from ..files import PAGE_HEALTH
 from ..memory_parts import MEMORY_PARTS, SAVERS
 from ..units import MIB
 from .compare import Comparison
-from .metrics import Summary, rate_text, summarize
+from .metrics import MIB_SHOWN, Summary, mib_text, ms_text, percent_text, rate_text, summarize
 from .trace import STREAMS, Trace, TraceMeta, write_atomic
 
 
@@ -265,35 +264,12 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
     return out
 
 
-# The pages' numbers, one rule per unit, written alike by Python (figures' text, tables' cells) and by the timeline's
-# script (its hovers and title: msText, mibText, percentText), with thousands separators throughout: an axis tick
-# read "1000" and "20k" where every other figure read "1,288".
-MIB_SHOWN = 0.01  # the least the page writes in MiB (two decimals): under it, "<0.01"
+# The pages' numbers, one rule per unit (metrics.py's ms_text, mib_text, percent_text, rate_text), written alike by
+# Python (figures' text, tables' cells) and by the timeline's script (its hovers and title: msText, mibText,
+# percentText), with thousands separators throughout: an axis tick read "1000" and "20k" where every figure read
+# "1,288".
 MS_FORMAT = ",.3f"  # ms in plotly's hover templates, as `ms_text` writes them
 TICK_FORMAT = ","  # the axes' ticks of ms, MiB, samples and samples/s: "1,000", "20,000" (plotly's own: "20k")
-
-
-def ms_text(ms: float) -> str:
-    """ms as the pages write them: to the microsecond, a trace's resolution, as `pipesim simulate`'s table does (the
-    summary's bars wrote two decimals, the title's mini-batch three and its makespan two)."""
-    return f"{ms:,.3f}"
-
-
-def mib_text(mib: float) -> str:
-    """MiB as the page writes them: whole from 100 up, else to three significant digits (at most two decimals): a
-    measured CPU run's 14.11 MiB peak read "14 MiB" on the page, beside compare's 14.1 and run's 14.11. Under
-    MIB_SHOWN, "<0.01": a 4 KiB peak read "0.00", as if nothing were held. A tie rounds up, as the script's
-    toLocaleString does: MiB are binary fractions, so 1.125 MiB is one, and read 1.12 in the title, 1.13 hovered."""
-    if 0 < mib < MIB_SHOWN:
-        return f"<{MIB_SHOWN}"
-    decimals = 0 if not 0 < mib < 100 else min(2, 2 - math.floor(math.log10(mib)))
-    return f"{Decimal(mib).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP):,f}"
-
-
-def percent_text(fraction: float) -> str:
-    """A share as the pages write it: to a tenth of a percent, whole from 100 % up ("7.3%", "1,328%"): an error bar's
-    "1,327.8%" was shrunk to fit it."""
-    return f"{fraction:,.0%}" if abs(fraction) >= 1 else f"{fraction:.1%}"
 
 
 # The summary chart's panels: (title, Summary field, bar text); samples/s first, the one measure that a mini-batch
