@@ -34,9 +34,10 @@ TransformerEngine's weight-gradient products (`--grad-accumulation fused`: every
 
 A second source, benchmarks/published/nemo-perf-summary-h100.csv (NeMo's performance summary, NeMo 24.07 on
 DGX-H100, FP8, in tokens/s per GPU), is run the same way and printed as its own table: its columns say where a
-row's launcher config or the launcher's H100 FP8 example command departs from the settings above (`tp_overlap`,
-`fp8_params`, `rope_fusion`, `grad_sync_dtype`, `p2p_overlap`; benchmarks/published/README.md), the published step
-its tokens a step over the row's GPUs at the printed rate. Its three tables print the same 12 configurations
+row's settings depart from those above (`tp_overlap`, `fp8_params`, `rope_fusion`, `grad_sync_dtype`, `p2p_overlap`),
+read from the launcher's config and H100 FP8 example command for its model or, where their layout is not the table's,
+from the nearest source that has it (`settings_source`; benchmarks/published/README.md); the published step is its
+tokens a step over the row's GPUs at the printed rate. Its three tables print the same 12 configurations
 re-measured (each table a row set): the median is printed over all 36 rows and over the latest table's 12 alone.
 
     python benchmarks/published_h100.py                 # the tables, then each row's command

@@ -39,14 +39,14 @@ def test_every_summary_row_is_recorded_with_its_figure_and_layout():
         assert (_flag(args, "--chunks") if "--chunks" in args else "1") == str(v)
         assert _flag(args, "--context-parallel") == str(c) if c > 1 else "--context-parallel" not in args
         assert _flag(args, "--tensor-parallel") == str(t) if t > 1 else "--tensor-parallel" not in args
-        # the launcher configs' ub_tp_comm_overlap, fp8_params (none sets it), apply_rope_fusion, grad_sync_dtype
+        # the source's ub_tp_comm_overlap, fp8_params, apply_rope_fusion, grad_sync_dtype (settings_source)
         assert ("--tp-overlap" in args) == (published["tp_overlap"] == "true")
         assert ("--tp-overlap-fp8-buf" in args) == (published["tp_overlap_fp8_buf"] == "true")
         assert (published["tp_overlap"] == "") == (t == 1)
         # the configs' overlap_p2p_comm: where false (340B's batch_p2p_comm), Megatron-core waits each exchange
         assert ("--blocking-comm" in args) == (published["p2p_overlap"] == "false")
         assert (published["p2p_overlap"] == "") == (p == 1)
-        assert "--fp8-param-gather" not in args and published["fp8_params"] == "false"
+        assert ("--fp8-param-gather" in args) == (published["fp8_params"] == "true")
         rope = _flag(args, "--rope-kernel") if "--rope-kernel" in args else ""
         assert rope == {"true": "fused", "false": "eager", "": ""}[published["rope_fusion"]]
         held = _flag(args, "--precision") if "--precision" in args else "megatron"
@@ -91,3 +91,17 @@ def test_the_launcher_examples_gradient_sync_is_each_rows():
             assert example == "" and published["optimizer_state"] == "bf16"
             expected = "bf16"
         assert published["grad_sync_dtype"] == expected, published["model"]
+
+
+def test_nemotron_340b_is_read_where_its_layout_is():
+    # p8 v12 at GBS 2 a node (nemotron_340b.yaml at 24.07: p12 v8, GBS 2,304): DGX Cloud's recipe, which overlaps
+    # its exchanges and its TP collectives, fuses RoPE and keeps FP8 weights (nemotron/configure.sh at 35a9aecc8d)
+    for published in (r for r in PUBLISHED if r["model"] == "Nemotron-340B"):
+        assert published["settings_source"].startswith("dgxc-benchmarking v24.11.1 ")
+        assert (published["pipeline_parallel"], published["virtual_pipeline"]) == ("8", "12")
+        assert int(published["global_batch"]) == 2 * int(published["gpus"]) // 8
+        assert [published[k] for k in ("p2p_overlap", "tp_overlap", "rope_fusion", "fp8_params")] == ["true"] * 4
+    assert {r["settings_source"] for r in PUBLISHED if r["model"] != "Nemotron-340B"} == {"launcher 24.07 (8325688d83)"}
+    # so its step is priced as DGX Cloud's FP8 row of the same layout (published 3.16 s)
+    (dgxc,) = [r["command"] for r in RECORDED["rows"] if r["run"] == "Nemotron-4 340B FP8 128 GPUs"]
+    assert {r["command"] for r in RECORDED["nemo_summary_rows"] if r["model"] == "Nemotron-340B"} == {dgxc}
