@@ -99,3 +99,12 @@ def test_sweep_without_a_known_memory_shows_no_memory_column():
     assert code == 0, err
     header = next(line for line in table.splitlines() if line.lstrip().startswith("schedule"))
     assert header.split()[-1] == "staleness" and "OOM" not in table
+
+
+def test_a_profile_given_for_a_studys_results_is_named_a_profile(tmp_path):
+    """It said "format_version: Field required", as a trace did before it was named one."""
+    html = tmp_path / "study.html"
+    code, _, err = pipesim("study", "--plot-only", "--results", GPT_CPU, "--html", html)
+    assert (code, err) == (2, f"error: --results: {GPT_CPU} is a pipesim profile, not a study's results: give the "
+                              "--results file `pipesim study` wrote\n")
+    assert not html.exists()
