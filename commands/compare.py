@@ -12,18 +12,17 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from ..traces.metrics import mib_text, percent_text
 from .common import InputError, check_outputs, fail, stderr, stdout, writing
 from .tables import print_tables
 
 
 def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{value:+.1%}"
+    return "-" if value is None else percent_text(value, signed=True)
 
 
 def _mib(value: float | None) -> str:
     """As the page writes MiB (`mib_text`): a run of a few KiB read "0.0 / 0.0", as if it held nothing."""
-    from ..traces.metrics import mib_text
-
     return "n/a" if value is None else mib_text(value)
 
 
@@ -76,7 +75,7 @@ def _print_item(markup: str, indent: int = 2) -> None:
 
 def _render(c) -> None:
     stdout.print(f"[bold]{c.schedule}[/]: predicted {c.predicted_ms:,.3f} ms per mini-batch, measured "
-                 f"{c.measured_ms:,.3f} ms: error [bold]{c.iteration_time_error:+.1%}[/] (predicted − measured) / "
+                 f"{c.measured_ms:,.3f} ms: error [bold]{_percent(c.iteration_time_error)}[/] (predicted − measured) / "
                  f"measured; bubble {c.predicted_bubble:.1%} predicted, {c.measured_bubble:.1%} measured")
     if c.conditions is not None:
         stdout.print("conditions:", highlight=False)

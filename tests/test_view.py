@@ -273,7 +273,10 @@ def test_the_pages_write_each_unit_one_way():
     from pipesim.traces.view import mib_text, ms_text, percent_text
 
     assert [ms_text(ms) for ms in (33.6, 12345.6789, 0.0004)] == ["33.600", "12,345.679", "0.000"]
-    assert [percent_text(f) for f in (0.073, 0, 0.9994, 1, 13.278)] == ["7.3%", "0.0%", "99.9%", "100%", "1,328%"]
+    assert [percent_text(f) for f in (0.073, 0, 0.9994, 0.9996, 1, 13.278)] == ["7.3%", "0.0%", "99.9%", "100%",
+                                                                               "100%", "1,328%"]
+    assert [percent_text(f, signed=True) for f in (0.367, -0.032, 15, -0.99999)] == ["+36.7%", "-3.2%", "+1,500%",
+                                                                                    "-100%"]
     assert [mib_text(mib) for mib in (1.125, 10.25, 0.375, 1288.5, 81920)] == ["1.13", "10.3", "0.38", "1,289",
                                                                                  "81,920"]
 

@@ -42,10 +42,12 @@ def mib_text(mib: float) -> str:
     return f"{Decimal(mib).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP):,f}"
 
 
-def percent_text(fraction: float) -> str:
+def percent_text(fraction: float, signed: bool = False) -> str:
     """A share as the pages write it: to a tenth of a percent, whole from 100 % up ("7.3%", "1,328%"): an error bar's
-    "1,327.8%" was shrunk to fit it."""
-    return f"{fraction:,.0%}" if abs(fraction) >= 1 else f"{fraction:.1%}"
+    "1,327.8%" was shrunk to fit it. `signed`: an error's sign too ("+36.7%", "+1,500%", where it read "+1500.0%")."""
+    percent = 100 * fraction
+    decimals = 0 if abs(round(percent, 1)) >= 100 else 1  # 0.9996 read "100.0%"
+    return f"{percent:{'+' if signed else ''},.{decimals}f}%"
 
 
 @dataclass(frozen=True)

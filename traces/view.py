@@ -444,7 +444,8 @@ def error_figure(comparison: Comparison) -> go.Figure:
                       yaxis=dict(type="log", range=span, title="|duration error| (%, log scale)",
                                  tickvals=ticks, ticktext=[f"{t:,g}%" for t in ticks]),
                       template="plotly_white",
-                      title=f"iteration time error {comparison.iteration_time_error:+.1%}; bars: median, pale: p90")
+                      title=f"iteration time error {percent_text(comparison.iteration_time_error, signed=True)}; bars: "
+                            "median, pale: p90")
     return fig
 
 
@@ -809,7 +810,10 @@ _TIMELINE_JS = r"""
     if (mib > 0 && mib < MIB_SHOWN) return "<" + MIB_SHOWN;
     return fmt(mib, !(mib > 0 && mib < 100) ? 0 : Math.min(2, 2 - Math.floor(Math.log10(mib))));
   }
-  function percentText(fraction) { return fmt(100 * fraction, Math.abs(fraction) >= 1 ? 0 : 1) + "%"; }
+  function percentText(fraction) {
+    const percent = 100 * fraction;
+    return fmt(percent, Math.abs(percent.toFixed(1)) >= 100 ? 0 : 1) + "%";
+  }
   // Each trace's lines of the title: its name, its figures, then in grey its shape, wrapped between them where a
   // line would run under the mode bar, `width` px less MODEBAR_PX (a long shape at 1000 px ran under it and off the
   // page; at 800 px the figures alone did, and a view of three traces' long names with its first figure).
@@ -862,7 +866,7 @@ _TIMELINE_JS = r"""
       const who = names.length === rows.length ? (rows.length > 1 ? "each device's" : esc(names[0]) + "'s")
         : esc(names.slice(0, 3).join(", ") + (names.length > 3 ? " and " + (names.length - 3) + " more" : "")) + ":";
       const what = shared ? " room beside its GPU's other ranks' peaks " : " memory ";
-      const span = fmt(low, 0) === fmt(high, 0) ? fmt(low, 0) : fmt(low, 0) + "\u2013" + fmt(high, 0);
+      const span = mibText(low) === mibText(high) ? mibText(low) : mibText(low) + "\u2013" + mibText(high);
       return who + what + span + " MiB";
     };
     const lines = bands(known.filter(near)).flatMap(({low, high, shared, entries}) => {
@@ -917,7 +921,7 @@ _TIMELINE_JS = r"""
     }
     if (most < LIMIT_DRAWN_SHARE * capacity) {
       return {colorscale: "Viridis", zmax: most, capacity: null, ticks: {},
-              far: "each device's memory " + fmt(capacity, 0) + " MiB" + peakShare(most / capacity)};
+              far: "each device's memory " + mibText(capacity) + " MiB" + peakShare(most / capacity)};
     }
     const zmax = Math.max(most, capacity), top = capacity / zmax;
     const colorscale = VIRIDIS.map((colour, k) => [top * k / (VIRIDIS.length - 1), colour]);
