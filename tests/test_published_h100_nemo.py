@@ -52,7 +52,9 @@ def test_every_summary_row_is_recorded_with_its_figure_and_layout():
         held = _flag(args, "--precision") if "--precision" in args else "megatron"
         assert held == {("bf16", "bf16"): "nemo-bf16-adam", ("fp32", "bf16"): "megatron-16bit-grads",
                         ("fp32", "fp32"): "megatron"}[published["optimizer_state"], published["grad_sync_dtype"]]
-        assert _flag(args, "--dtype") == "fp8" and _flag(args, "--attention-kernel") == "flash2"  # NVTE_FUSED_ATTN 0
+        assert _flag(args, "--dtype") == "fp8" and _flag(args, "--attention-kernel") == published["attention_kernel"]
+        # NVTE_FUSED_ATTN 0 in the launcher's conf/config.yaml at 24.07 (and in DGX Cloud's 340B recipe), unset at 24.09
+        assert (published["attention_kernel"] == "cudnn") == published["settings_source"].startswith("launcher 24.09 ")
 
 
 def test_a_summary_row_is_reproduced_by_its_printed_command():
@@ -101,7 +103,22 @@ def test_nemotron_340b_is_read_where_its_layout_is():
         assert (published["pipeline_parallel"], published["virtual_pipeline"]) == ("8", "12")
         assert int(published["global_batch"]) == 2 * int(published["gpus"]) // 8
         assert [published[k] for k in ("p2p_overlap", "tp_overlap", "rope_fusion", "fp8_params")] == ["true"] * 4
-    assert {r["settings_source"] for r in PUBLISHED if r["model"] != "Nemotron-340B"} == {"launcher 24.07 (8325688d83)"}
     # so its step is priced as DGX Cloud's FP8 row of the same layout (published 3.16 s)
     (dgxc,) = [r["command"] for r in RECORDED["rows"] if r["run"] == "Nemotron-4 340B FP8 128 GPUs"]
     assert {r["command"] for r in RECORDED["nemo_summary_rows"] if r["model"] == "Nemotron-340B"} == {dgxc}
+
+
+# each model's (t, p, v, C) in NeMo-Framework-Launcher 24.07's config and H100 FP8 example (8325688d83): 175b.yaml
+# and 175b_fp8_16node.sh v 12, llama3_70b.yaml v 10, nemotron_340b.yaml p 12 v 8 (lines 60-62)
+LAUNCHER_2407 = {"GPT3-5B": (1, 1, 1, 1), "GPT3-20B": (2, 1, 1, 1), "GPT3-175B": (4, 8, 12, 1),
+                 "LLAMA2-7B": (1, 1, 1, 1), "LLAMA2-13B": (1, 4, 10, 1), "LLAMA2-70B": (4, 4, 20, 1),
+                 "Nemotron-8B": (2, 1, 1, 1), "Nemotron-22B": (2, 4, 10, 1), "Nemotron-340B": (8, 12, 8, 1),
+                 "LLAMA3-8B": (1, 1, 1, 2), "LLAMA3-70B": (4, 4, 10, 2)}
+
+
+def test_a_row_is_read_at_24_07_iff_its_layout_is_its_24_07_configs():
+    for published in PUBLISHED:
+        layout = tuple(int(published[k]) for k in (
+            "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel"))
+        read_at_2407 = published["settings_source"] == "launcher 24.07 (8325688d83)"
+        assert read_at_2407 == (layout == LAUNCHER_2407[published["model"]]), published["model"]
