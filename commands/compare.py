@@ -76,14 +76,15 @@ def _print_item(markup: str, indent: int = 2) -> None:
 def _render(c) -> None:
     stdout.print(f"[bold]{c.schedule}[/]: predicted {c.predicted_ms:,.3f} ms per mini-batch, measured "
                  f"{c.measured_ms:,.3f} ms: error [bold]{_percent(c.iteration_time_error)}[/] (predicted − measured) / "
-                 f"measured; bubble {c.predicted_bubble:.1%} predicted, {c.measured_bubble:.1%} measured")
+                 f"measured; bubble {percent_text(c.predicted_bubble)} predicted, "
+                 f"{percent_text(c.measured_bubble)} measured")
     if c.conditions is not None:
         stdout.print("conditions:", highlight=False)
         for line in _conditions(c.conditions):
             _print_item(line)
     if c.compute_duration_median is not None:
-        stdout.print(f"compute ops: median duration error {c.compute_duration_median:.1%} (bias "
-                     f"{c.compute_duration_bias:+.1%})", highlight=False)
+        stdout.print(f"compute ops: median duration error {percent_text(c.compute_duration_median)} (bias "
+                     f"{_percent(c.compute_duration_bias)})", highlight=False)
     durations = Table(box=box.SIMPLE_HEAD, title="duration error by kind, relative (worst: op@device)",
                       title_justify="left")
     starts = Table(box=box.SIMPLE_HEAD, title="start error by kind, ms from each run's first op", title_justify="left")
@@ -94,10 +95,11 @@ def _render(c) -> None:
             table.add_column(header, justify="left" if header in ("kind", "worst") else "right", no_wrap=True)
     for k in c.kinds:
         worst = "-" if k.duration_worst is None else \
-            f"{k.duration_worst.op}@{k.duration_worst.device} {k.duration_worst.error:+.0%}"
+            f"{k.duration_worst.op}@{k.duration_worst.device} {k.duration_worst.error:+,.0%}"
         durations.add_row(k.kind, f"{k.ops:,}", f"{k.predicted_ms:,.2f}", f"{k.measured_ms:,.2f}",
-                          "-" if k.duration_median is None else f"{k.duration_median:.1%}",
-                          "-" if k.duration_p90 is None else f"{k.duration_p90:.1%}", _percent(k.duration_bias), worst)
+                          "-" if k.duration_median is None else percent_text(k.duration_median),
+                          "-" if k.duration_p90 is None else percent_text(k.duration_p90), _percent(k.duration_bias),
+                          worst)
         start_worst = "-" if k.start_worst is None else \
             f"{k.start_worst.op}@{k.start_worst.device} {k.start_worst.error:+,.2f}"
         starts.add_row(k.kind, f"{k.ops:,}", f"{k.start_median_ms:,.2f}", f"{k.start_p90_ms:,.2f}", start_worst)

@@ -431,3 +431,19 @@ def test_the_commands_peak_memory_is_written_as_the_pages(tmp_path):
     assert code == 0, err
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+[01]\s", line)]
     assert [row[-4:] for row in rows] == [["<0.01", "/", "2,432", "-100%"], ["<0.01", "/", "1,732", "-100%"]], out
+
+
+def test_the_commands_shares_are_written_as_the_pages(tmp_path):
+    """Transfers predicted 16 times too long: the kinds' table read "1500.0% 1500.0% +1500.0%", its worst op
+    "+1500%", where the error chart writes "1,500%" (`percent_text`, whole from 100 % up)."""
+    from tests.conftest import pipesim
+
+    predicted, measured = tmp_path / "p.json", tmp_path / "m.json"
+    shape = ("-s", "1f1b", "-p", 2, "-m", 4, "-n", 2)
+    assert pipesim("simulate", *shape, "--comm", 1.6, "--trace", predicted).code == 0
+    assert pipesim("simulate", *shape, "--fwd", 1.05, "--comm", 0.1, "--trace", measured).code == 0
+    code, out, err = pipesim("compare", measured, predicted)
+    assert code == 0, err
+    send = next(line.split() for line in out.splitlines() if line.split()[:1] == ["SEND_F"])  # the kinds' table
+    assert send[4:] == ["1,500%", "1,500%", "+1,500%", "SEND_F0@0", "+1,500%"], send
+    assert "error +36.7%" in out and "median duration error 2.4% (bias -2.4%)" in out
