@@ -152,6 +152,11 @@ def _left_range(samples: np.ndarray, smooth: np.ndarray, top: float) -> tuple[fl
     return float(samples[at]), float(smooth[finite[-1]])
 
 
+# The accuracy axis within 0 to 100 %: plotly pads one arm's accuracy (or every arm's alike) by ±1, and one seed's 50 %
+# was drawn between -50 % and 150 %. A marker at 100 % is drawn whole over the axis' end.
+ACCURACY_RANGE = {"minallowed": 0, "maxallowed": 1}
+
+
 def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> go.Figure:
     """Held-out accuracy (mean ± std over seeds) against measured samples/s (the prediction in the hover), one
     marker symbol per optimizer. Where nothing was timed there is no throughput to place an arm by: accuracy
@@ -176,7 +181,7 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
                                                             "color": colours[s.arm.label]}
             over = f"± {percent_text(acc.std)} over {acc.n} seeds" if acc.std is not None else "(one seed)"
             fig.add_trace(go.Scatter(
-                **place, mode="markers", name=s.arm.label, legendgroup=s.arm.label,
+                **place, mode="markers", name=s.arm.label, legendgroup=s.arm.label, cliponaxis=False,
                 showlegend=s.arm.label not in shown,
                 marker={"color": colours[s.arm.label], "size": 11, "symbol": symbols[i % len(symbols)],
                         "line": {"width": 1, "color": "white"}},
@@ -188,9 +193,10 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
     spread = ("mean ± std over seeds" if any(s.heldout_accuracy.n > 1 for s in summaries) else "one seed")
     if timed:
         fig.update_xaxes(title_text=f"samples/s measured on spawned ranks ({marks})", tickformat=TICK_FORMAT)
-        fig.update_yaxes(title_text=f"held-out accuracy ({spread})", tickformat=".0%")
+        fig.update_yaxes(title_text=f"held-out accuracy ({spread})", tickformat=".0%", autorangeoptions=ACCURACY_RANGE)
     else:  # the marker key goes under the long axis: the height of a few arms cannot hold it
-        fig.update_xaxes(title_text=f"held-out accuracy ({spread}; {marks})", tickformat=".0%")
+        fig.update_xaxes(title_text=f"held-out accuracy ({spread}; {marks})", tickformat=".0%",
+                         autorangeoptions=ACCURACY_RANGE)
         fig.update_yaxes(title_text="arm", autorange="reversed", type="category", categoryorder="array",
                          categoryarray=list(colours))
     # An arm whose every seed diverged has no accuracy: named over the chart, where its marker went missing unsaid.

@@ -217,3 +217,5 @@ def test_the_study_page_writes_rates_and_samples_as_the_other_pages_do(blown_up)
     assert timed.layout.xaxis.tickformat == ","
     loss = loss_figure(summaries, list(optimizers))
     assert [loss.layout[name].tickformat for name in ("xaxis", "xaxis2")] == [",", ","]  # a panel per optimizer
+    # one seed's 50 % each: plotly padded it to an axis from -50 % to 150 %
+    assert timed.layout.yaxis.autorangeoptions.minallowed == 0 and timed.layout.yaxis.autorangeoptions.maxallowed == 1
