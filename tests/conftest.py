@@ -18,8 +18,7 @@
   ranks), each priced at 0 ms.
 - `script_module(name)`: benchmarks/NAME.py imported as a module while the context lasts.
 - `needs_transformers`: the mark that skips a test without transformers (an optional extra: `pipesim[hf]`).
-- A module that says `RUN_EARLY = True` runs its selected tests in a pytest of their own, started as the session
-  starts, beside the others; they are reported last (`pytest_collection_finish`).
+- A module that says `RUN_EARLY = True` runs first (`pytest_collection_modifyitems`).
 
 Tests marked `slow` (real transports, Ray, calibration that measures links) are left out by `-m "not slow"`.
 """
@@ -27,18 +26,13 @@ Tests marked `slow` (real transports, Ray, calibration that measures links) are 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import io
 import json
 import math
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -105,139 +99,12 @@ def steady_host_load():
         yield
 
 
-# Where the early pytest (`pytest_collection_finish`) writes its tests' reports, one JSON line each, and the pipe whose
-# end closes as the session that started it ends (`_ended_with`); set in its environment only.
-EARLY_REPORTS = "PIPESIM_TEST_EARLY_REPORTS"
-EARLY_PARENT_FD = "PIPESIM_TEST_EARLY_PARENT_FD"
-
-
-@dataclasses.dataclass
-class EarlyRun:
-    process: subprocess.Popen
-    folder: Path  # its reports and its output
-    parent_end: int  # the pipe's end this session holds (-1 once closed): closed, the early pytest ends itself
-    reports: dict[str, list[dict]] | None = None  # each test's, once the process has ended
-
-    def close_parent_end(self) -> None:
-        """This process's end of the pipe closed: at the session's end, and in each fork of this process (which
-        would hold it open after this one ended)."""
-        if self.parent_end >= 0:
-            os.close(self.parent_end)
-            self.parent_end = -1
-
-    def reports_of(self, nodeid: str) -> list[dict]:
-        """The reports the early pytest made for test `nodeid`, read from its file once, after it ended."""
-        if self.reports is None:
-            self.process.wait()
-            path = self.folder / "reports.jsonl"
-            self.reports = {}
-            for line in path.read_text().splitlines() if path.exists() else []:
-                report = json.loads(line)
-                self.reports.setdefault(report["nodeid"], []).append(report)
-        return self.reports.get(nodeid, [])
-
-
-EARLY_RUN = pytest.StashKey[EarlyRun]()
-
-
-def runs_early(item: pytest.Item) -> bool:
-    """A test of a module that says `RUN_EARLY = True` (one that waits mostly on processes of its own: the README's
-    commands, a bare install's, Chromium), where this is not the early pytest itself, nor a pytest-xdist worker (which
-    runs beside the others already: each worker started one, every early test ran once a worker)."""
-    return (bool(getattr(getattr(item, "module", None), "RUN_EARLY", False)) and EARLY_REPORTS not in os.environ
-            and not os.environ.get("PYTEST_XDIST_WORKER"))
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that run early are reported last, once the early pytest has run them beside the others."""
-    items.sort(key=runs_early)  # stable: each part keeps its order
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """The selected tests that run early, started now in a pytest of their own, in a session of its own: on a
-    2-core machine the other tests, most of them one process, leave a core idle that it takes. Each is reported
-    here, in its place, as that pytest ran it (`pytest_runtest_protocol`). It watches a pipe whose other end only
-    this process holds (its forks close theirs), so that however this session ends (a SIGTERM, a SIGKILL, not only
-    Ctrl-C) the early pytest ends with all it started (`_ended_with`)."""
-    early = [item.nodeid for item in session.items if runs_early(item)]
-    if not early or session.config.option.collectonly:
-        return
-    folder = Path(tempfile.mkdtemp(prefix="pipesim-early-"))
-    early_end, parent_end = os.pipe()  # neither inheritable: the early pytest gets its end through pass_fds
-    with open(folder / "output.txt", "w") as output:
-        process = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *early],
-                                   cwd=session.config.rootpath, stdout=output, stderr=subprocess.STDOUT,
-                                   env=dict(os.environ, **{EARLY_REPORTS: str(folder / "reports.jsonl"),
-                                                           EARLY_PARENT_FD: str(early_end)}),
-                                   pass_fds=(early_end,), start_new_session=True)
-    os.close(early_end)
-    run = EarlyRun(process, folder, parent_end)
-    os.register_at_fork(after_in_child=run.close_parent_end)
-    session.stash[EARLY_RUN] = run
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """The early pytest ended, with all it started, where the session ends first; its folder removed."""
-    run = session.stash.get(EARLY_RUN, None)
-    if run is not None:
-        if run.process.poll() is None:
-            os.killpg(run.process.pid, signal.SIGKILL)
-        run.process.wait()
-        run.close_parent_end()
-        shutil.rmtree(run.folder, ignore_errors=True)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item) -> bool | None:
-    """A test that ran early: its reports as the early pytest made them (once it has ended), and one failure saying
-    what that pytest printed where it ended before the test's teardown (a crash, a kill), whose reports end early."""
-    if not runs_early(item):
-        return None
-    run = item.session.stash[EARLY_RUN]
-    made = run.reports_of(item.nodeid)
-    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    for data in made:
-        if isinstance(data["longrepr"], list):  # a skip's (path, line, reason), a list in JSON
-            data["longrepr"] = tuple(data["longrepr"])
-        item.ihook.pytest_runtest_logreport(report=item.config.hook.pytest_report_from_serializable(
-            config=item.config, data=data))
-    if not any(report["when"] == "teardown" for report in made):  # a setup's pass alone would count as nothing
-        output = (run.folder / "output.txt").read_text()[-5000:]
-        item.ihook.pytest_runtest_logreport(report=pytest.TestReport(
-            item.nodeid, item.location, {}, "failed", f"the early pytest (exit code {run.process.returncode}) ended "
-            f"before this test's teardown:\n{output}", "call"))
-    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-    return True
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """In the early pytest, each report written where the session that started it reads them, and its end tied to
-    that session's (`_ended_with`)."""
-    path = os.environ.get(EARLY_REPORTS)
-    if path is None:
-        return
-    if EARLY_PARENT_FD in os.environ:
-        threading.Thread(target=_ended_with, args=(int(os.environ.pop(EARLY_PARENT_FD)), Path(path).parent),
-                         daemon=True).start()
-
-    class Reports:
-        @staticmethod
-        def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-            with open(path, "a") as reports:
-                reports.write(json.dumps(config.hook.pytest_report_to_serializable(config=config, report=report))
-                              + "\n")
-
-    config.pluginmanager.register(Reports(), "pipesim-early-reports")
-
-
-def _ended_with(early_end: int, folder: Path) -> None:
-    """The early pytest's process group killed (itself and all it started), and its `folder` removed, once the
-    session that started it has ended, however it ended: the kernel closes that session's end of the pipe, and
-    reading `early_end` stops waiting (end of file). A session that ends in order waits for this one first."""
-    os.set_inheritable(early_end, False)  # the processes the early tests start do not hold it
-    os.read(early_end, 1)  # nothing is written: it returns at the end of file
-    shutil.rmtree(folder, ignore_errors=True)
-    os.killpg(0, signal.SIGKILL)
+    """The modules that say `RUN_EARLY = True` (their tests wait mostly on processes of their own: the README's
+    commands, a bare install's, Chromium) run first: pytest-xdist's first worker starts on them while the other takes
+    the rest, and the README's sections, which its module fixture runs together, stay on one worker (a worker that
+    runs out of tests takes the others' last ones, never their first)."""
+    items.sort(key=lambda item: not getattr(getattr(item, "module", None), "RUN_EARLY", False))  # stable
 
 
 class Cli(NamedTuple):

@@ -35,7 +35,7 @@ import pytest
 
 from pipesim.traces.hostload import tree_cpu_s
 
-RUN_EARLY = True  # in a pytest of its own beside the others (conftest.py): it waits mostly on Chromium
+RUN_EARLY = True  # first (conftest.py): it waits mostly on Chromium
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (.ci/run installs it)")
 

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_HINT = "pip install 'pipesim[torch]'"
-RUN_EARLY = True  # in a pytest of its own beside the others (conftest.py): a venv and commands, each a process
+RUN_EARLY = True  # first (conftest.py): a venv and commands, each a process
 
 
 @pytest.fixture(scope="module")

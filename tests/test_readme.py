@@ -61,7 +61,7 @@ def test_the_readme_is_short_and_shows_commands():
     assert sum(map(len, sections.values())) >= 10
 
 
-RUN_EARLY = True  # in a pytest of its own beside the others (conftest.py): its commands are processes of their own
+RUN_EARLY = True  # first, on one worker (conftest.py): `section_runs` runs every selected section at once
 MEASURING = ("pipesim calibrate", "pipesim run", "pipesim study")  # they time this machine and share its host cache
 
 
