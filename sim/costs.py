@@ -54,7 +54,7 @@ def product_delay(kernel: float, product: float, slower: float = HELD_PRODUCT_SL
 
 
 def held_compute(kernels: Sequence[tuple[Time, Time]], start: Time, work: Time, product: Time | None,
-                 slower: Time = HELD_PRODUCT_SLOWDOWN, hold_tag: int = 0) -> tuple[Time, list[Time]]:
+                 slower: float = HELD_PRODUCT_SLOWDOWN, hold_tag: int = 0) -> tuple[Time, list[Time]]:
     """When `work` of compute begun at `start` ends beside `kernels` (begin, end: any order, overlapping, several
     streams'), in one unit (the engine's integer ps, planning/experts.py's ms), and its holds, three numbers each:
     `hold_tag` (the engine's clock index), how far into the work it began, and how much later it made the work end.
