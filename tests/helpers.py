@@ -1,12 +1,15 @@
 """What several test modules build alike, built once here: the profiles calibrated in the repository, the parts they
 price on (as a device, on an attention kernel, and an H100 node's placement), a small GPT's count, a hand-written
-two-stage schedule, the lowered schedule's rows as they read them, a flag's value in a printed command and tune's
-JSON as two runs share it. Each part is frozen: the tests share it safely."""
+two-stage schedule, the lowered schedule's rows as they read them, a flag's value in a printed command, tune's
+JSON as two runs share it, and the executor tests' device threads and weight comparison. Each part is frozen: the
+tests share it safely."""
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,6 +19,11 @@ from pipesim.profiles.workload import WorkloadCount
 from pipesim.schedules import SYNCHRONOUS, Schedule, StageGraph
 from pipesim.schedules.lowering import Lowered
 from pipesim.schedules.table import KINDS
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipesim.executor import DeviceLoop
 
 PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
 GPT_CPU, CNN_CPU = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"  # the calibrated small gpt, cnn
@@ -27,6 +35,7 @@ H100_PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
 A100 = CATALOGUE.find("a100-sxm-80gb")
 A100_FP16 = Device.of(A100, "fp16")
 H200 = CATALOGUE.find("h200")
+TIGHT = dict(rtol=1e-10, atol=1e-12)  # float64 runs that train like one process: all but rounding alike
 
 
 def h100_bf16_on(kernel: str) -> Device:
@@ -66,3 +75,34 @@ def tune_document(out: str) -> dict:
     document = json.loads(out)
     del document["search"]["seconds"]
     return document
+
+
+def run_loops(loops: list[DeviceLoop]) -> list:
+    """Every device's DeviceResult (what the loops measured), each device a thread over the in-process
+    transport."""
+    results, errors = [None] * len(loops), []
+
+    def work(d: int) -> None:
+        try:
+            results[d] = loops[d].run()
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(d,)) for d in range(len(loops))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], **tol) -> None:
+    """Each tensor of `got` close to its own of `want`, within `tol` (torch.testing.assert_close's) or TIGHT;
+    torch is imported here so that the modules without it import this file alike."""
+    import torch
+
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **(tol or TIGHT))

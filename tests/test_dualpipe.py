@@ -32,11 +32,12 @@ from pipesim.schedules.ir import order_tokens, parse_token
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import InProcessTransport
+from tests.helpers import assert_same, run_loops
 from tests.reference import initial_model
 from tests.reference import single_process as reference_single_process
-from tests.test_executor import assert_same, pipeline_weights, single_process, spec_for
+from tests.test_executor import pipeline_weights, single_process, spec_for
 from tests.test_executor_dp import dp_spec, whole
-from tests.test_executor_methods import device_loops, run_loops
+from tests.test_executor_methods import device_loops
 
 
 def pair_parts(trace) -> tuple[np.ndarray, np.ndarray]:

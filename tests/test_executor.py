@@ -36,8 +36,7 @@ from pipesim.schedules import ScheduleParams, build_schedule, lower
 from pipesim.traces.trace import Stream, read_trace, write_trace
 from pipesim.workload.models import Model, gpt, mlp
 from pipesim.workload.optim import make_optimizer
-
-TIGHT = dict(rtol=1e-10, atol=1e-12)
+from tests.helpers import assert_same
 
 
 def spec_for(method: str, *, stages: int = 2, chunks: int = 1, m: int = 4, n: int = 3, optimizer: str = "sgd",
@@ -103,12 +102,6 @@ def versioned_reference(spec: RunSpec, read) -> list[torch.Tensor]:
             optimizers[k].step()
             history[k].append([w.detach().clone() for w in newest[k]])
     return [w for ws in newest for w in ws]
-
-
-def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], **tol) -> None:
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **(tol or TIGHT))
 
 
 SYNCHRONOUS = [("gpipe", 2, 1), ("1f1b", 2, 1), ("interleaved-1f1b", 2, 2), ("zb-h1", 2, 1), ("zb-h2", 2, 1),

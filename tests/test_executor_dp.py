@@ -23,11 +23,9 @@ from pipesim.traces.compare import compare
 from pipesim.traces.trace import Stream
 from pipesim.workload.transport import InProcessTransport
 from tests.conftest import build, pipesim
+from tests.helpers import TIGHT, assert_same, run_loops
 from tests.reference import Reference, draw, forward_version, initial_model, single_process
-from tests.test_executor import assert_same
-from tests.test_executor_methods import run_loops
 
-TIGHT = dict(rtol=1e-10, atol=1e-12)
 D = 2
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -35,9 +34,10 @@ from pipesim.sim import Cluster, Costs
 from pipesim.traces.trace import Stream
 from pipesim.workload.transport import InProcessTransport
 from tests.conftest import build
+from tests.helpers import assert_same, run_loops
 from tests.reference import STAGE_LAYERS, Reference, Snapshot, forward_version, single_process
 
-TIGHT = dict(rtol=1e-9, atol=1e-11)
+REFERENCE_TOL = dict(rtol=1e-9, atol=1e-11)  # against the hand-written references (tests/reference.py)
 
 
 def make_spec(method: str, *, stages: int = 2, m: int = 2, n: int = 3, optimizer: str = "sgd", lr: float = 0.05,
@@ -60,27 +60,6 @@ def device_loops(spec: RunSpec, loop: type[DeviceLoop] = DeviceLoop, **loop_opti
             for d in range(devices)]
 
 
-def run_loops(loops: list[DeviceLoop]) -> list:
-    """Every device's DeviceResult (what the loops measured), each device a thread over the in-process
-    transport."""
-    results, errors = [None] * len(loops), []
-
-    def work(d: int) -> None:
-        try:
-            results[d] = loops[d].run()
-        except Exception as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(d,)) for d in range(len(loops))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 def run_devices(spec: RunSpec, **loop_options) -> list:
     return run_loops(device_loops(spec, **loop_options))
 
@@ -88,12 +67,6 @@ def run_devices(spec: RunSpec, **loop_options) -> list:
 def final_weights(results, spec: RunSpec, pipeline: int = 0) -> list[torch.Tensor]:
     by_key = {key: ws for r in results for key, ws in r.weights.items()}
     return [torch.from_numpy(w) for k in range(spec.schedule.num_stages) for w in by_key[(k, pipeline)]]
-
-
-def assert_same(got, want, **tol) -> None:
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **(tol or TIGHT))
 
 
 # ------------------------------------------------------------------------------------- every method runs
@@ -148,7 +121,7 @@ def recorded(spec: RunSpec) -> tuple[list, list[Ran]]:
     results = run_loops(loops)
     ran = [op for loop in loops for op in loop.ran]
     for op in ran:
-        assert_same(op.used, op.expected)
+        assert_same(op.used, op.expected, **REFERENCE_TOL)
     return results, ran
 
 
@@ -294,7 +267,7 @@ def assert_trains_like_reference(spec: RunSpec, reads, other_reads=None) -> None
     reference = Reference(spec)
     reference.train(reads)
     got = final_weights(run_devices(spec), spec)
-    assert_same(got, reference.flat())
+    assert_same(got, reference.flat(), **REFERENCE_TOL)
     other = Reference(spec)
     other.train(other_reads or (lambda k, b, j: tuple((version, 0) for version, _ in reads(k, b, j))))
     assert any(not torch.allclose(a, w) for a, w in zip(got, other.flat()))
@@ -388,7 +361,7 @@ def test_avgpipe_averages_its_pipelines_elastically(pipelines, dtype):
                 replica.history[k][-1] = replica.snapshot(k)
     results = run_devices(spec)
     for r, replica in enumerate(replicas):
-        assert_same(final_weights(results, spec, r), replica.flat())
+        assert_same(final_weights(results, spec, r), replica.flat(), **REFERENCE_TOL)
 
 
 @pytest.mark.parametrize("method,m", [("pipedream", 1), ("pipedream-2bw", 2)])
