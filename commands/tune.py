@@ -241,8 +241,9 @@ def tune(
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
-            _check_weights_fit(counts[sizes[0]], devices, int(memory_gb * GIB) if memory_gb is not None else
-                               int(what.gpu.memory_gib * GIB))
+            cap_gib, capped_by = ((memory_gb, None) if memory_gb is not None else
+                                  (what.gpu.memory_gib, ctx.params["gpu"]))  # the part's name: its own memory
+            _check_weights_fit(counts[sizes[0]], devices, int(cap_gib * GIB), capped_by)
             if context > 1:
                 with refused_with_flags():  # C must split the sequence: said before the note too
                     check_context(counts[sizes[0]], context)
@@ -376,21 +377,25 @@ def _check_max_pipelines(ctx: typer.Context, max_pipelines: int, batch: int, mic
                          f"to {most:,}")
 
 
-def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: int) -> None:
+def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: int, part: str | None) -> None:
     """The model's weights alone, spread evenly over all D devices, within the cap: each parameter is held at least
     once at the count's precision however t, p, d, C and E shard it, so no configuration fits where they are not.
     Said before the estimates, which for Llama 3.1 405B on 8 H100s took a minute to find the same, and for a model
-    thousands of times too large filled the host's memory first."""
+    thousands of times too large filled the host's memory first. `part`: the --gpu whose own memory is the cap,
+    None where --memory-gb gave it; the refusal names the flag the user gave."""
     from ..planning.tune import memory_text
 
     weight_bytes = counted.total("param_bytes")
     if weight_bytes <= devices * memory_cap_bytes:
         return
-    each = memory_text(weight_bytes / devices)
-    raise InputError(f"--memory-gb: no configuration fits in {memory_text(memory_cap_bytes)}; the model's weights "
-                     f"alone ({memory_text(weight_bytes)} in {counted.dtype}) need {each} per device over --devices "
-                     f"{devices:,}: give at least {math.ceil(weight_bytes / memory_cap_bytes):,} devices, or more "
-                     "memory each")
+    cap, fewest = memory_text(memory_cap_bytes), math.ceil(weight_bytes / memory_cap_bytes)
+    weights = (f"the model's weights alone ({memory_text(weight_bytes)} in {counted.dtype}) need "
+               f"{memory_text(weight_bytes / devices)} per device")
+    if part is None:
+        raise InputError(f"--memory-gb: no configuration fits in {cap}; {weights} over --devices {devices:,}: give at "
+                         f"least {fewest:,} devices, or more memory each")
+    raise InputError(f"--devices {devices:,}: no configuration fits on {devices:,} {part} of {cap}; {weights}: give "
+                     f"at least {fewest:,} devices, or a --gpu with more memory")
 
 
 def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int) -> None:

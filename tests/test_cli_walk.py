@@ -27,11 +27,22 @@ def test_tune_refuses_a_model_whose_weights_alone_overfill_the_devices_before_es
         "6.49 GiB per device over --devices 2: give at least 4 devices, or more memory each"]
 
 
+def test_the_weights_refusal_names_devices_where_the_cap_is_the_parts_own_memory():
+    """Without --memory-gb the cap is the --gpu part's own memory: the refusal names --devices, the flag given,
+    not --memory-gb."""
+    pytest.importorskip("torch")
+    code, out, err = pipesim("tune", "--gpu", "a100-sxm-40gb", *SEVEN_B[:2], "--layers", 28, *SEVEN_B[4:], "-D", 1)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        "error: --devices 1: no configuration fits on 1 a100-sxm-40gb of 40 GiB; the model's weights alone (43 GiB "
+        "in bfloat16) need 43 GiB per device: give at least 2 devices, or a --gpu with more memory"]
+
+
 def test_the_weights_floor_refuses_only_past_the_devices_whole_memory():
     counted = SimpleNamespace(total=lambda name: {"param_bytes": 8 * GIB}[name], dtype="bfloat16")
-    tune._check_weights_fit(counted, 4, 2 * GIB)  # exactly full: some configuration may still fit
+    tune._check_weights_fit(counted, 4, 2 * GIB, None)  # exactly full: some configuration may still fit
     with pytest.raises(tune.InputError, match="give at least 5 devices"):
-        tune._check_weights_fit(counted, 4, 2 * GIB - 1)
+        tune._check_weights_fit(counted, 4, 2 * GIB - 1, None)
 
 
 @pytest.mark.parametrize("given, nearest", [("h10-sxm", "h100-sxm"), ("H100_SXM", "h100-sxm"),
