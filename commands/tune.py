@@ -559,7 +559,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
     choice's cut and the `command` that simulates it; `alone`: what a peak read from an estimate's profile leaves
     out (`tensors_alone_text`)."""
-    from ..planning.tune import memory_text, ms_text
+    from ..planning.tune import memory_text, significant_ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
     tensor, context, expert = _estimated_degrees(measured)  # with --gpu, t and E are each row's
@@ -628,7 +628,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     stdout.print("partition (layers per model stage): " + " | ".join(
         f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; "
         f"{'reduce-scatter and all-gather' if tuning.choice.result.config.zero else 'all-reduce'} "
-        f"{ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step", highlight=False)
+        f"{significant_ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step", highlight=False)
     stdout.print("the choice, as simulate gives it:\n" + _shell_lines(command, available_width(stdout)),
                  highlight=False, soft_wrap=True)
     stdout.print(search_summary(stats), highlight=False)

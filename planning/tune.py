@@ -2991,11 +2991,15 @@ def memory_text(nbytes: float, more_digits: int = 0) -> str:
                                       trim="-") + " GiB"
 
 
-def ms_text(value: float, more_digits: int = 0) -> str:
+def significant_ms_text(value: float, more_digits: int = 0) -> str:
+    """ms to three significant digits under 100 ms, whole from 100 up (each with `more_digits` more): tune's
+    explanations and lines set configurations' figures side by side, which `_apart` widens digit by digit until two
+    read apart. Not traces/metrics.py's `ms_text`, which writes every figure of a page to the microsecond, a trace's
+    resolution."""
     return f"{value:,.{more_digits}f}" if value >= 100 else f"{value:.{3 + more_digits}g}"
 
 
-def _apart(figure: float, against: float, text: Callable[[float, int], str] = ms_text) -> str:
+def _apart(figure: float, against: float, text: Callable[[float, int], str] = significant_ms_text) -> str:
     """"figure vs against" as `text` writes them, with the fewest more digits (up to 3) at which they read apart:
     the figures that explain why a result lost must show the difference ("busiest device 6,742 vs 6,742")."""
     for more_digits in range(4):
