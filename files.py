@@ -79,6 +79,12 @@ def is_profile_document(doc: Any) -> bool:
     return isinstance(doc, dict) and {"schema_version", "layers"} <= doc.keys() and not is_trace_document(doc)
 
 
+def document_kind(doc: Any) -> str | None:
+    """"trace" or "profile" where a JSON document is a pipesim trace or profile, else None: what a reader of another
+    file (a cluster, a study's results) names when given one in the wrong place, not the first field it lacks."""
+    return "trace" if is_trace_document(doc) else "profile" if is_profile_document(doc) else None
+
+
 # `is_trace_document`'s keys as a file's bytes hold them: the "traceEvents" list and the "pipesim" header
 _TRACE_KEYS = (re.compile(rb'"traceEvents"\s*:\s*\['), re.compile(rb'"pipesim"\s*:\s*\{'))
 # a profile's (profiles/schema.py `Profile`'s) as they are told from other JSON (traces/trace.py `read_trace`'s)

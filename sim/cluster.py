@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import numpy as np
 
-from ..files import first_error, is_profile_document, is_trace_document, read_json
+from ..files import document_kind, first_error, read_json
 from ..profiles.linkfit import piecewise_ms
 from ..schedules.methods import MAX_ROWS
 from ..units import GIB, MAX_MS, MIB, checked_memory_gib
@@ -316,11 +316,11 @@ def load_cluster(path: str | Path) -> Cluster:
             return self
 
     raw = read_json(path, ClusterError, "cluster file")
-    for kind, is_kind, reader in (("trace", is_trace_document, "`pipesim view` draws it"),
-                                  ("profile", is_profile_document, "--profile reads it")):
-        if is_kind(raw):  # not "devices: Field required", the first field it lacks
-            raise ClusterError(f"cluster file {path}: a pipesim {kind}, not a cluster file ({reader}); give a JSON "
-                               "file of devices and links (docs/simulate.md)")
+    kind = document_kind(raw)
+    if kind is not None:  # not "devices: Field required", the first field it lacks
+        reader = {"trace": "`pipesim view` draws it", "profile": "--profile reads it"}[kind]
+        raise ClusterError(f"cluster file {path}: a pipesim {kind}, not a cluster file ({reader}); give a JSON "
+                           "file of devices and links (docs/simulate.md)")
     try:
         spec = ClusterSpec.model_validate(raw)
     except ValidationError as exc:

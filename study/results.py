@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..files import first_error, is_profile_document, is_trace_document, read_json
+from ..files import document_kind, first_error, read_json
 from ..traces.trace import write_atomic
 from .plan import Arm, RunKey, Setting
 
@@ -137,10 +137,10 @@ def open_results(path: Path, setting: Setting) -> StudyFile:
 
 def load_results(path: Path) -> StudyFile:
     document = read_json(path, ResultsError, "study results file")
-    for kind, is_kind in (("trace", is_trace_document), ("profile", is_profile_document)):
-        if is_kind(document):  # refused as "format_version: Field required"
-            raise ResultsError(f"{path} is a pipesim {kind}, not a study's results: give the --results file "
-                               "`pipesim study` wrote")
+    kind = document_kind(document)
+    if kind is not None:  # refused as "format_version: Field required"
+        raise ResultsError(f"{path} is a pipesim {kind}, not a study's results: give the --results file "
+                           "`pipesim study` wrote")
     try:
         study = StudyFile.model_validate(document)
     except ValidationError as exc:
