@@ -5,6 +5,7 @@ nothing of pipesim, nor torch), so any of them may use it, `pipesim simulate` in
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 
@@ -14,7 +15,18 @@ def choose_from(flag: str, choices: Iterable[object], value: object) -> str:
     return f"{flag}: choose from {', '.join(map(str, choices))} (got {value!r})"
 
 
+def nearest_text(name: object, known: Iterable[object]) -> str:
+    """" (did you mean '1f1b'?)" for the known name closest to a misspelt one (its case and underscores aside:
+    "H100_SXM", "1FB1"), else nothing: the one meant is easy to miss in the list of every name that follows."""
+    if not isinstance(name, str):
+        return ""
+    nearest = difflib.get_close_matches(name.lower().replace("_", "-"), list(map(str, known)), n=1)
+    return f" (did you mean {nearest[0]!r}?)" if nearest else ""
+
+
 def unknown_names(flag: str, unknown: Iterable[object], choices: Iterable[object]) -> str:
-    """The refusal "flag: unknown 'x', 'y'; choose from a, b, c" of a list of names (a comma list of schedules, a
-    grid's axis) or one name, each unknown one as given (its repr)."""
-    return f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(map(str, choices))}"
+    """The refusal "flag: unknown 'x' (did you mean 'y'?), 'z'; choose from a, b, c" of a list of names (a comma list
+    of schedules, a grid's axis) or one name, each unknown one as given (its repr) with the nearest choice, if any."""
+    choices = list(choices)
+    named = ", ".join(f"{name!r}{nearest_text(name, choices)}" for name in unknown)
+    return f"{flag}: unknown {named}; choose from {', '.join(map(str, choices))}"

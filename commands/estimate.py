@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..choices import choose_from
+from ..choices import choose_from, nearest_text
 from ..planning.host import HOST_KERNEL_US
 from ..profiles.workload import too_few_layers
 from .common import (
@@ -307,7 +307,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         name = cluster.gpu
     elif name not in catalogue.gpu:
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
-        raise InputError(f"--gpu: unknown {name!r}{_nearest_text(name, [*catalogue.gpu, *catalogue.cluster])}; known "
+        raise InputError(f"--gpu: unknown {name!r}{nearest_text(name, [*catalogue.gpu, *catalogue.cluster])}; known "
                          f"GPUs: {', '.join(catalogue.gpu)}{clusters}")
     fp8 = _fp8_recipe(params, name, catalogue.gpu)
     dispatcher, routing = params.get("token_dispatcher"), _or_default(params, "routing", "balanced")
@@ -393,15 +393,6 @@ def _or_default(params: dict[str, Any], key: str, default: str) -> str:
     (`params.get(key) or default` read it as not given, and ran the default)."""
     value = params.get(key)
     return default if value is None else value
-
-
-def _nearest_text(name: str, known: list[str]) -> str:
-    """" (did you mean 'h100-sxm'?)" for the known name closest to a misspelt one (its case and underscores
-    aside: "H100_SXM"), else nothing: the one meant is easy to miss in the list of every part that follows."""
-    import difflib
-
-    nearest = difflib.get_close_matches(name.lower().replace("_", "-"), known, n=1)
-    return f" (did you mean {nearest[0]!r}?)" if nearest else ""
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:

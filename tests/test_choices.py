@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pipesim.choices import choose_from, unknown_names
+from pipesim.choices import choose_from, nearest_text, unknown_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,6 +19,17 @@ def test_the_refusal_names_the_flag_each_choice_and_the_value_as_given():
 def test_unknown_names_are_each_named_as_given_before_the_choices():
     assert unknown_names("--schedule", ["nope", "x"], ("gpipe", "1f1b")) == (
         "--schedule: unknown 'nope', 'x'; choose from gpipe, 1f1b")
+
+
+def test_a_misspelt_name_is_answered_with_the_nearest_choice_case_and_underscores_aside():
+    """A misspelt schedule was answered with all 16 names alone, the one meant easy to miss among them: each
+    unknown name now says the choice nearest it, where one is near (the rule --gpu's refusal uses too)."""
+    schedules = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+    assert unknown_names("--schedule", ["1fb1", "nope", "ZB_H1"], schedules) == (
+        "--schedule: unknown '1fb1' (did you mean '1f1b'?), 'nope', 'ZB_H1' (did you mean 'zb-h1'?); choose from "
+        "gpipe, 1f1b, interleaved-1f1b, zb-h1")
+    assert nearest_text("h10-sxm", ["h100-sxm", "h200"]) == " (did you mean 'h100-sxm'?)"
+    assert nearest_text(4, ["4", "8"]) == ""  # a number in a grid's axis of names: no name is near it
 
 
 def test_no_module_writes_either_sentence_by_hand():

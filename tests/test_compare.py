@@ -339,8 +339,8 @@ def test_a_measured_trace_of_an_unknown_schedule_is_refused_naming_the_trace_not
     from pipesim.profiles.schema import load_profile
 
     measured, profile = read_trace(FIDELITY_RUNS / "1f1b.json"), load_profile(FIDELITY_RUNS / "mlp-profile.json")
-    with pytest.raises(TraceError, match=r"^cannot predict the recorded run: its schedule: unknown '1f1bx'; choose "
-                                         r"from gpipe, 1f1b,") as refused:
+    with pytest.raises(TraceError, match=r"^cannot predict the recorded run: its schedule: unknown '1f1bx' \(did you "
+                                         r"mean '1f1b'\?\); choose from gpipe, 1f1b,") as refused:
         predict_measured(replace(measured.meta, schedule="1f1bx"), profile)
     assert "--schedule" not in str(refused.value)
 
