@@ -452,9 +452,10 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     def hover(r: Result, best: bool) -> str:
         m = r.metrics
         others = [label for label in at_point[point(r)] if label != r.config.label]
+        over = " (OOM: past a device's memory)" if m.out_of_memory else ""  # as sweep's table marks it
         return (f"<b>{r.config.label}</b>{' (on its front)' if best else ''}<br>{ms_text(m.time_per_minibatch_ms)} "
-                f"ms per mini-batch, {rate_text(m.samples_per_s)} samples/s<br>peak {mib_text(m.peak_memory_mb)} MiB, "
-                f"staleness {m.max_staleness}, bubble {percent_text(m.bubble_fraction)}" + _also(r, "<br>")
+                f"ms per mini-batch, {rate_text(m.samples_per_s)} samples/s<br>peak {mib_text(m.peak_memory_mb)} MiB"
+                f"{over}, staleness {m.max_staleness}, bubble {percent_text(m.bubble_fraction)}" + _also(r, "<br>")
                 + (f"<br>same point as {', '.join(others)}" if others else ""))
 
     fig = go.Figure()
@@ -543,10 +544,12 @@ def fronts_table(best: Sequence[Result]):
                "ms/step": axis("time_per_minibatch_ms", ms_text), "peak MiB": axis("peak_memory_mb", mib_text),
                "staleness": axis("max_staleness"), "samples/s": axis("samples_per_s", rate_text),
                "bubble": axis("bubble_fraction", percent_text)}
+    if any(r.metrics.out_of_memory for r in best):  # as sweep's table: a column only where one is over
+        columns["memory"] = ["OOM" if r.metrics.out_of_memory else "fits" for r in best]
     # The page's whole width, the configuration's column a third of it: with plotly's 80 px margins, at 800 px
     # "staleness" and "samples/s" were cut in columns 56 px wide.
     table = go.Figure(go.Table(
-        columnwidth=[3, 1.2, 1, 1, 1, 1, 1], header={"values": list(columns), "align": "left"},
+        columnwidth=[3, 1.2] + [1] * (len(columns) - 2), header={"values": list(columns), "align": "left"},
         cells={"values": list(columns.values()), "align": "left", "height": 26}))
     top_px = MODEBAR_PX + 5
     table.update_layout(height=top_px + 70 + 26 * (len(best) + 1), margin={"t": top_px, "b": 10, "l": 0, "r": 0})

@@ -377,3 +377,23 @@ def test_the_trade_offs_hover_and_the_fronts_table_write_each_figure_alike():
     cells = fronts_table([result]).data[0].cells
     assert [column[0] for column in cells.values[2:]] == ["12,345.679", "<0.01", "0", "0.18", "7.3%"]
     assert cells.format is None
+
+
+def test_the_trade_offs_hover_and_the_fronts_table_mark_a_configuration_over_its_devices_memory():
+    """The results carried out_of_memory and sweep's table a memory column, but the page's hover and fronts table
+    showed an OOM configuration as if it ran: both now mark it, the table's column only where one is over."""
+    from pipesim.planning.sweep import fronts_table, tradeoff_figure
+
+    def result(p: int, out_of_memory: bool) -> Result:
+        return Result(Config("1f1b", p, 8, 1, 1, 1, 1.0), Metrics(
+            time_per_minibatch_ms=100.0 / p, samples_per_s=1.0, bubble_fraction=0.1, peak_memory_mb=1000.0 / p,
+            max_staleness=0, makespan_ms=100.0 / p, exposed_comm_ms=0.0, out_of_memory=out_of_memory))
+
+    over, fits = result(2, True), result(4, False)
+    fig = tradeoff_figure([over, fits], [0, 1])
+    hovers = {x: text for trace in fig.data for x, text in zip(trace.x, trace.text)}  # a front per p
+    assert "peak 500 MiB (OOM: past a device's memory), staleness 0" in hovers[50.0]
+    assert "OOM" not in hovers[25.0]
+    table = fronts_table([over, fits]).data[0]
+    assert (table.header.values[-1], list(table.cells.values[-1])) == ("memory", ["OOM", "fits"])
+    assert "memory" not in fronts_table([fits]).data[0].header.values
