@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
+from ..choices import nearest_text
 from ..files import first_error, read_toml
 from ..units import checked_memory_gib
 
@@ -233,13 +234,14 @@ class Catalogue(_Strict):
                 raise ValueError(f"{table}.{bad[0]}: name with lower-case letters, digits, '.' and '-' only")
         for name, cluster in self.cluster.items():
             if cluster.gpu not in self.gpu:
-                raise ValueError(f"cluster.{name}.gpu: unknown {cluster.gpu!r}; known: {', '.join(self.gpu)}")
+                raise ValueError(f"cluster.{name}.gpu: unknown {cluster.gpu!r}{nearest_text(cluster.gpu, self.gpu)}; "
+                                 f"known: {', '.join(self.gpu)}")
         return self
 
     def find(self, name: str) -> Gpu:
         """The part `name`, or a CatalogueError listing the known ones."""
         if name not in self.gpu:
-            raise CatalogueError(f"unknown GPU {name!r}; known: {', '.join(self.gpu)}")
+            raise CatalogueError(f"unknown GPU {name!r}{nearest_text(name, self.gpu)}; known: {', '.join(self.gpu)}")
         return self.gpu[name]
 
 

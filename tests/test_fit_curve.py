@@ -289,7 +289,7 @@ def test_fit_curve_holds_the_attention_as_curve_from_does_and_refuses_an_outrun_
 
 @pytest.mark.parametrize("flags,message", [
     (["/nonexistent/profile.json"], "error: cannot read profile /nonexistent/profile.json"),
-    ([str(TRACES / "gpt-cpu-w256.json"), "--gpu", "h300"], "error: --gpu: unknown GPU 'h300'; known: "),
+    ([str(TRACES / "gpt-cpu-w256.json"), "--gpu", "h300"], "error: --gpu: unknown GPU 'h300' (did you mean "),
 ])
 def test_fit_curve_refuses_a_file_that_is_no_profile_and_an_unknown_part_in_one_line(monkeypatch, capsys, flags,
                                                                                       message):

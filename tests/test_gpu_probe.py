@@ -440,5 +440,5 @@ def test_the_check_refuses_an_unknown_part_before_it_runs_anything(tmp_path, mon
         with pytest.raises(SystemExit) as exited:
             check.main()
     err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.startswith("error: --gpu: unknown GPU 'h300'; known: ")
+    assert exited.value.code == 2 and err.startswith("error: --gpu: unknown GPU 'h300' (did you mean ")
     assert err.count("\n") == 1 and not out.exists()

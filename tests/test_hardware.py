@@ -59,6 +59,8 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
     (PART.format(name="x") + "speed = 3\n", "gpu.x.speed: Extra inputs are not permitted"),
     (PART.format(name='"Big GPU"'), "gpu.Big GPU: name with lower-case letters"),
     ('[cluster.c]\ngpu = "nope"\nnodes = 1\n', "cluster.c.gpu: unknown 'nope'; known: a100-sxm-40gb"),
+    ('[cluster.c]\ngpu = "h100_sxm"\nnodes = 1\n',
+     "cluster.c.gpu: unknown 'h100_sxm' (did you mean 'h100-sxm'?); known: a100-sxm-40gb"),
     ("gpu = 3\n", "gpu: a table of parts"),
     ("[gpu.x\n", "is not valid TOML"),
 ])
@@ -70,6 +72,14 @@ def test_a_bad_file_names_the_field_and_what_is_allowed(tmp_path, text, fragment
     assert fragment in str(caught.value) and str(own) in str(caught.value)
     code, out, err = pipesim("gpus", "--gpus", own)
     assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_misspelt_part_is_answered_with_the_nearest_known_one():
+    """The commands that find a --gpu part by name (fit-curve, the probes) answered a misspelt one with the list
+    alone, where simulate's --gpu suggested the nearest: one rule for both (choices.py nearest_text)."""
+    with pytest.raises(CatalogueError) as caught:
+        load_catalogue().find("h10-sxm")
+    assert str(caught.value).startswith("unknown GPU 'h10-sxm' (did you mean 'h100-sxm'?); known: a100-sxm-40gb, ")
 
 
 def test_gpus_lists_the_catalogue_as_a_table_and_as_json(tmp_path):

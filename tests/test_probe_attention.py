@@ -86,7 +86,7 @@ def test_the_blocks_transfer_from_the_h200_to_the_h100_and_the_passes_go_at_its_
 
 @pytest.mark.parametrize("flags,message", [
     (["--probe", "/nonexistent/probe.json"], "--probe: /nonexistent/probe.json is not a gpu_probe.py JSON"),
-    (["--gpu", "h300"], "--gpu: unknown GPU 'h300'; known: "),
+    (["--gpu", "h300"], "--gpu: unknown GPU 'h300' (did you mean "),
     (["--gpu", "a100-sxm-80gb"], "--gpu: a100-sxm-80gb cannot price gpu-probe-h200-day9.json's attention: "),
 ])
 def test_bad_input_is_one_line_and_exit_2(replay, capsys, flags, message):

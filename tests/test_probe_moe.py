@@ -111,7 +111,7 @@ def test_the_benchmark_prints_both_parts_and_refuses_a_file_that_is_no_probe(ben
     assert bench.main(["--host-kernel-us", "-1"]) == 2
     assert "--host-kernel-us" in capsys.readouterr().err
     assert bench.main(["--gpu", "h300"]) == 2
-    assert capsys.readouterr().err.startswith("--gpu: unknown GPU 'h300'; known: ")
+    assert capsys.readouterr().err.startswith("--gpu: unknown GPU 'h300' (did you mean ")
     assert bench.main(["--gpu", "a100-sxm-80gb"]) == 2  # (c) timed float8 GEMMs; an A100 has no float8 peak
     err = capsys.readouterr().err
     assert err.startswith("--gpu: a100-sxm-80gb cannot price") and "no FP8 peak" in err and err.count("\n") == 1
