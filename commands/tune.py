@@ -241,8 +241,8 @@ def tune(
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
-            cap_gib, capped_by = ((memory_gb, None) if memory_gb is not None else
-                                  (what.gpu.memory_gib, ctx.params["gpu"]))  # the part's name: its own memory
+            part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
+            cap_gib, capped_by = (memory_gb, None) if memory_gb is not None else (what.gpu.memory_gib, part)
             _check_weights_fit(counts[sizes[0]], devices, int(cap_gib * GIB), capped_by)
             if context > 1:
                 with refused_with_flags():  # C must split the sequence: said before the note too

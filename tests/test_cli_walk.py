@@ -38,6 +38,16 @@ def test_the_weights_refusal_names_devices_where_the_cap_is_the_parts_own_memory
         "in bfloat16) need 43 GiB per device: give at least 2 devices, or a --gpu with more memory"]
 
 
+def test_the_weights_refusal_names_a_clusters_part_not_the_cluster(tmp_path):
+    pytest.importorskip("torch")
+    catalogue = tmp_path / "mine.toml"
+    catalogue.write_text('[cluster.mine]\ngpu = "a100-sxm-40gb"\nnodes = 1\ngpus_per_node = 2\n')
+    code, out, err = pipesim("tune", "--gpu", "mine", "--gpus", catalogue, *SEVEN_B[:2], "--layers", 28,
+                             *SEVEN_B[4:], "-D", 1)
+    assert code == 2 and out == ""
+    assert err.startswith("error: --devices 1: no configuration fits on 1 a100-sxm-40gb of 40 GiB;"), err
+
+
 def test_the_weights_floor_refuses_only_past_the_devices_whole_memory():
     counted = SimpleNamespace(total=lambda name: {"param_bytes": 8 * GIB}[name], dtype="bfloat16")
     tune._check_weights_fit(counted, 4, 2 * GIB, None)  # exactly full: some configuration may still fit
