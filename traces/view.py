@@ -803,7 +803,7 @@ _TIMELINE_JS = r"""
   function fmt(v, digits) {
     return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
   }
-  // The units as traces/view.py's ms_text, mib_text and percent_text write them, and plotly's formats for them.
+  // The units as traces/metrics.py's ms_text, mib_text and percent_text write them, and plotly's formats for them.
   const {mib_shown: MIB_SHOWN, ms_format: MS_FORMAT, tick_format: TICK_FORMAT} = DATA.numbers;
   function msText(ms) { return fmt(ms, 3); }
   function mibText(mib) {
