@@ -381,8 +381,9 @@ def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: i
     """The model's weights alone, spread evenly over all D devices, within the cap: each parameter is held at least
     once at the count's precision however t, p, d, C and E shard it, so no configuration fits where they are not.
     Said before the estimates, which for Llama 3.1 405B on 8 H100s took a minute to find the same, and for a model
-    thousands of times too large filled the host's memory first. `part`: the --gpu whose own memory is the cap,
-    None where --memory-gb gave it; the refusal names the flag the user gave."""
+    thousands of times too large filled the host's memory first. `part`: the catalogue part (--gpu's, or its
+    cluster's) whose own memory is the cap, None where --memory-gb gave it; the refusal names the flag the user
+    gave."""
     from ..planning.tune import memory_text
 
     weight_bytes = counted.total("param_bytes")
