@@ -260,6 +260,7 @@ def load_catalogue(extra: Path | None = None) -> Catalogue:
     own = read_toml(extra, CatalogueError)
     if not isinstance(own.get("gpu", {}), dict):
         raise CatalogueError(f"{extra}: gpu: a table of parts ([gpu.NAME])")
-    if not own.get("gpu") and not own.get("cluster"):  # an empty file listed the built-in parts alone, exit 0
+    # an empty file listed the built-in parts alone, exit 0; a misspelt table ([gpus.x]) is named by the validation
+    if not own.get("gpu") and not own.get("cluster") and own.keys() <= {"gpu", "cluster"}:
         raise CatalogueError(f"{extra}: gives no part ([gpu.NAME]) and no cluster ([cluster.NAME])")
     return _validated(extra, {**own, "gpu": {**built_in["gpu"], **own.get("gpu", {})}})

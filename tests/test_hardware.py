@@ -62,6 +62,7 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
     ('[cluster.c]\ngpu = "h100_sxm"\nnodes = 1\n',
      "cluster.c.gpu: unknown 'h100_sxm' (did you mean 'h100-sxm'?); known: a100-sxm-40gb"),
     ("gpu = 3\n", "gpu: a table of parts"),
+    ("[gpus.x]\nmemory_gib = 24\n", "gpus: Extra inputs are not permitted"),  # not "gives no part"
     ("[gpu.x\n", "is not valid TOML"),
 ])
 def test_a_bad_file_names_the_field_and_what_is_allowed(tmp_path, text, fragment):
