@@ -22,12 +22,13 @@ def rate_text(per_s: float) -> str:
 
 # The pages' units, each written one way (traces/view.py's figures and, in its script, its hovers), beside rate_text.
 MIB_SHOWN = 0.01  # the least the pages write in MiB (two decimals): under it, "<0.01"
+MS_FORMAT = ",.3f"  # ms to the microsecond: `ms_text`'s, and plotly's in the pages' hover templates
 
 
 def ms_text(ms: float) -> str:
     """ms as the pages write them: to the microsecond, a trace's resolution, as `pipesim simulate`'s table does (the
     summary's bars wrote two decimals, the title's mini-batch three and its makespan two)."""
-    return f"{ms:,.3f}"
+    return format(ms, MS_FORMAT)
 
 
 def mib_text(mib: float) -> str:

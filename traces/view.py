@@ -33,7 +33,7 @@ from ..files import PAGE_HEALTH
 from ..memory_parts import MEMORY_PARTS, SAVERS
 from ..units import MIB
 from .compare import Comparison
-from .metrics import MIB_SHOWN, Summary, mib_text, ms_text, percent_text, rate_text, summarize
+from .metrics import MIB_SHOWN, MS_FORMAT, Summary, mib_text, ms_text, percent_text, rate_text, summarize
 from .trace import STREAMS, Trace, TraceMeta, write_atomic
 
 
@@ -268,7 +268,6 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
 # Python (figures' text, tables' cells) and by the timeline's script (its hovers and title: msText, mibText,
 # percentText), with thousands separators throughout: an axis tick read "1000" and "20k" where every figure read
 # "1,288".
-MS_FORMAT = ",.3f"  # ms in plotly's hover templates, as `ms_text` writes them
 TICK_FORMAT = ","  # the axes' ticks of ms, MiB, samples and samples/s: "1,000", "20,000" (plotly's own: "20k")
 
 
