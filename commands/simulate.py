@@ -334,8 +334,7 @@ def simulate(
             scenario.add_reserve(sched, result, cuts[name])
             traces.append(result)
             summaries.append(summarize(result))
-            memory.append(scenario.links(sched).memory_checks(
-                [device.peak_memory_mb * MIB for device in summaries[-1].devices], scenario.memory_limits(sched)))
+            memory.append(scenario.memory_checks(sched, summaries[-1]))
         names = [name for name in requested if name not in skipped]  # the methods that ran, in order
         skipped = {name: skipped[name] for name in requested if name in skipped}
         if not names:

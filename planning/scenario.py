@@ -60,12 +60,14 @@ from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserv
 from ..sim.costs import RowOverhead, held_as_runtime, keeps_saved_until_weights, merges_outputs, wgrad_held
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
-from ..units import whole_number
+from ..units import MIB, whole_number
 from .fp8 import FP8_RECIPES
 from .te import AMAX_UPDATE_KERNELS
 
 if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile, StageProfile
+    from ..sim.cluster import MemoryCheck
+    from ..traces.metrics import Summary
     from .estimate import PlacementLinks
 
 # How a profile's layers are cut into model stages: balanced for time (PipeDream's planner, `partition`), balanced
@@ -663,6 +665,12 @@ class Scenario:
             env = self.measured.environment
             return (env.memory_cap_bytes or env.device_memory_bytes or None,) * sched.num_devices
         return (None,) * sched.num_devices
+
+    def memory_checks(self, sched: Schedule, summary: Summary) -> list[MemoryCheck]:
+        """Each device's simulated peak (`summary`'s, of `sched`'s run) against its memory (`memory_limits`), as
+        simulate and sweep mark a run out of memory."""
+        return self.links(sched).memory_checks([device.peak_memory_mb * MIB for device in summary.devices],
+                                               self.memory_limits(sched))
 
     def links(self, sched: Schedule) -> Cluster:
         if self.topology is not None:

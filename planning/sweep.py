@@ -32,7 +32,7 @@ from ..sim.cluster import ClusterError
 from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
 from ..traces import Trace, summarize, write_atomic
-from ..units import MIB, count_text
+from ..units import count_text
 from .auto import ActivationLimitError
 from .scenario import Scenario
 
@@ -238,8 +238,7 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
             trace = simulate(sched, scaled.costs(sched), scaled.links(sched))
             scaled.add_reserve(sched, trace)
             summary = summarize(trace)
-            checks = scaled.links(sched).memory_checks([device.peak_memory_mb * MIB for device in summary.devices],
-                                                       scaled.memory_limits(sched))
+            checks = scaled.memory_checks(sched, summary)
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))
             continue
