@@ -32,6 +32,7 @@ from ..sim.cluster import ClusterError
 from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
 from ..traces import Trace, summarize, write_atomic
+from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
 from ..units import count_text
 from .auto import ActivationLimitError
 from .scenario import Scenario
@@ -429,7 +430,6 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     import plotly.graph_objects as go
     from plotly.colors import qualitative
 
-    from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
     from ..traces.view import TICK_FORMAT
 
     on_front = set(front)
@@ -531,8 +531,6 @@ def fronts_table(best: Sequence[Result]):
     """The Pareto fronts' configurations as a table, its figures written as the trade-off's hover writes them
     (plotly's cell formats have no rule of three significant digits, nor "<0.01")."""
     import plotly.graph_objects as go
-
-    from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
 
     def axis(name: str, text: Callable[[float], str] = str) -> list[str]:
         return [text(getattr(r.metrics, name)) for r in best]
