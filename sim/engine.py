@@ -187,7 +187,7 @@ class _Program:
     spans: _GradientSpans
     channel_bytes: list[int]  # per channel: the size of each of its transfers
     static_parts: dict[str, list[int]]  # `static_parts`
-    product_ps: list[int]  # per device: how long one of its products runs (`device_product_ms`; 0: not known)
+    product_ps: list[int | None]  # per device: how long one of its products runs (`device_product_ms`; None: not known)
 
 
 def device_product_ms(stages_on: Sequence[Sequence[int]], costs: Costs) -> list[float]:
@@ -413,7 +413,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     cluster.contention, cluster.collective_contention, clock_before, since_ps, duration,
                     channel_ps.tolist(), routes,
                     len(resources), spans, channel_bytes, static_parts(schedule, costs),
-                    [round(ms * _PS_PER_MS) for ms in device_product_ms(schedule.stages_by_device, costs)]
+                    [round(ms * _PS_PER_MS) or None for ms in device_product_ms(schedule.stages_by_device, costs)]
                     if costs.transfers_hold_products else [])
 
 
@@ -1154,8 +1154,7 @@ class _Model:
         send, recv, compute = int(Stream.SEND), int(Stream.RECV), int(Stream.COMPUTE)  # plain ints: this loop runs
         queued = cores is not None or unit is not None  # once per step
         kernels = self.kernels[d] if self.kernels is not None and d < len(self.kernels) and not queued else None
-        # its products' time (`held_compute`'s; None: not known)
-        product_ps = (program.product_ps[d] or None) if kernels is not None else None
+        product_ps = program.product_ps[d] if kernels is not None else None
         start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
         for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
@@ -1239,8 +1238,7 @@ class _Model:
         clocks, waiters, resume, arrival = self.clocks, self.waiters, self.ready.extend, self.arrival
         due, frontier, senders, sends_after = self.due, self.frontier, tuple(self.senders[d]), self._sends_after
         kernels = None if self.kernels is None else self.kernels[d]
-        # its products' time (`held_compute`'s; None: not known)
-        product_ps = (program.product_ps[d] or None) if kernels is not None else None
+        product_ps = program.product_ps[d] if kernels is not None else None
         awaited, sender_of, units = self.awaited, self.sender_of, program.lowered.units
         overlap = self.overlap_comm
         me = self.running
