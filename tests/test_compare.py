@@ -11,6 +11,7 @@ import pytest
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Ops, Trace, TraceError, read_trace
 from tests.conftest import build, run, simulated
+from tests.helpers import GPT_CPU
 
 
 def as_measured(trace: Trace, keep: np.ndarray | None = None, **meta) -> Trace:
@@ -118,7 +119,7 @@ def test_a_prediction_calibrated_or_priced_for_another_setting_than_the_run_trai
 def test_a_prediction_from_a_profile_records_the_optimizer_and_dtype_it_was_priced_for(tmp_path):
     from tests.conftest import pipesim
 
-    trace, profile = tmp_path / "p.json", Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    trace, profile = tmp_path / "p.json", GPT_CPU
     code, _, err = pipesim("simulate", "--profile", profile, "-s", "1f1b", "--optimizer", "sgd",
                            "--trace", trace)
     assert code == 0, err

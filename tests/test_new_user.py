@@ -11,6 +11,7 @@ from pipesim import cli  # noqa: F401
 from pipesim.commands import common, count, estimate, simulate  # noqa: F401
 
 from .conftest import pipesim
+from .helpers import GPT_CPU
 
 
 def _terminal(monkeypatch) -> StringIO:
@@ -118,13 +119,11 @@ def test_a_sweep_axis_given_again_adds_its_values(tmp_path):
 def test_a_link_segment_whose_times_did_not_grow_reads_so_not_as_a_bandwidth(capsys):
     """calibrate printed "from 0 B: 562.1 us + 1e+06 GB/s" for a first segment fitted at the ceiling (its times
     flat or falling with size on a busy host), which reads as a measured bandwidth."""
-    from pathlib import Path
-
     from pipesim.commands.calibrate import _print_profile
     from pipesim.profiles.linkfit import MAX_BYTES_PER_MS
     from pipesim.profiles.schema import load_profile
 
-    profile = load_profile(Path(__file__).parents[1] / "traces" / "profiles" / "gpt-cpu.json")
+    profile = load_profile(GPT_CPU)
     first, *rest = profile.link.segments
     flat = first.model_copy(update={"bytes_per_ms": MAX_BYTES_PER_MS})
     _print_profile(profile.model_copy(update={"link": profile.link.model_copy(update={"segments": [flat, *rest]})}))
