@@ -319,8 +319,8 @@ def test_a_persistent_product_beside_the_dispatcher_is_held_its_own_time():
         assert op_ms(product, device) == pytest.approx(alone_ms, abs=1e-4)
         assert op_ms(product, beside) == pytest.approx(beside_ms, abs=1e-4)
         assert op_ms(copy, beside) == op_ms(copy, device)
-    h100 = Device.of(H100, "bf16")  # DeepSeek's framework gives its GEMMs the multiprocessors the kernels leave
-    assert op_ms(product, sharing_dispatcher(h100, Parallelism(data=8, expert=8, fp8="deepseek"))) == pytest.approx(
+    # DeepSeek's framework gives its GEMMs the multiprocessors the kernels leave
+    assert op_ms(product, sharing_dispatcher(DEVICE, Parallelism(data=8, expert=8, fp8="deepseek"))) == pytest.approx(
         0.2052, abs=1e-4)
 
 
