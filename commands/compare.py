@@ -12,7 +12,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from ..traces.metrics import mib_text, percent_text
+from ..traces.metrics import mib_text, ms_text, percent_text
 from .common import InputError, check_outputs, fail, stderr, stdout, writing
 from .tables import print_tables
 
@@ -74,9 +74,9 @@ def _print_item(markup: str, indent: int = 2) -> None:
 
 
 def _render(c) -> None:
-    stdout.print(f"[bold]{c.schedule}[/]: predicted {c.predicted_ms:,.3f} ms per mini-batch, measured "
-                 f"{c.measured_ms:,.3f} ms: error [bold]{_percent(c.iteration_time_error)}[/] (predicted − measured) / "
-                 f"measured; bubble {percent_text(c.predicted_bubble)} predicted, "
+    stdout.print(f"[bold]{c.schedule}[/]: predicted {ms_text(c.predicted_ms)} ms per mini-batch, measured "
+                 f"{ms_text(c.measured_ms)} ms: error [bold]{_percent(c.iteration_time_error)}[/] (predicted − "
+                 f"measured) / measured; bubble {percent_text(c.predicted_bubble)} predicted, "
                  f"{percent_text(c.measured_bubble)} measured")
     if c.conditions is not None:
         stdout.print("conditions:", highlight=False)

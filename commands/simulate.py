@@ -15,7 +15,7 @@ from rich.table import Table
 
 from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
-from ..traces.metrics import rate_text
+from ..traces.metrics import ms_text, rate_text
 from ..units import MAX_MS, count_text
 from .common import (
     TORCH_CSV,
@@ -608,7 +608,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
         oom = out_of_memory(checks)
         table.add_row(
             _label(s, sched),
-            f"{s.time_per_minibatch_ms:,.3f}" + ("" if is_steady else "*"),
+            ms_text(s.time_per_minibatch_ms) + ("" if is_steady else "*"),
             rate_text(s.samples_per_s) + ("" if is_steady else "*"),
             *([f"{share:.1%}"] if share is not None else []),
             f"{s.bubble_fraction:.1%}",
@@ -616,7 +616,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
             str(max((d.peak_activations for d in s.devices), default=0)),
             str(max((d.peak_weight_versions for d in s.devices), default=0)),
             str(s.max_staleness) + ("" if is_steady else "*"),
-            *([] if estimated else [f"{s.makespan_ms:,.3f}"]),
+            *([] if estimated else [ms_text(s.makespan_ms)]),
             *([oom[0] if oom else "fits"] if limited else []),
             style="red" if oom else None,
         )
