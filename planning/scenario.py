@@ -549,21 +549,24 @@ class Scenario:
         n, p = sched.num_stages, sched.num_devices
         return [flag for flag, given in self.per_stage.items() if flag != "--output-mb" and len(given) == n != p]
 
-    def add_reserve(self, sched: Schedule, trace: Trace, bounds: Sequence[int] | None = None) -> None:
+    def add_reserve(self, sched: Schedule, trace: Trace, bounds: Sequence[int] | None = None,
+                    links: Cluster | None = None) -> None:
         """With `allocations`, each device's caching-allocator reserve in the trace's memory (sim/caching_allocator.py
         `device_reserves`, `add_reserve`): each model stage's layers cut as its costs are (at `bounds`, default
-        `cut`), each device bounded by its memory. Then the parts' curves of the device whose peak that makes highest
-        only (`keep_fullest_parts`)."""
+        `cut`), each device bounded by its memory (`memory_limits`, read off `links`). Then the parts' curves of the
+        device whose peak that makes highest only (`keep_fullest_parts`)."""
         if self.allocations is not None:
-            add_reserve(trace, self._reserves(sched, trace, list(bounds) if bounds is not None else self.cut(sched)))
+            add_reserve(trace, self._reserves(sched, trace, list(bounds) if bounds is not None else self.cut(sched),
+                                              self.memory_limits(sched, links)))
         keep_fullest_parts(trace)
 
-    def _reserves(self, sched: Schedule, trace: Trace, cut: list[int]) -> list[int]:
-        """Each device's caching-allocator reserve in `trace`, run with `sched`'s stages cut at `cut`, the model
-        outputs a stage keeps concatenated after its device's last backward of a mini-batch where `pp_runtime`'s
-        runtime does (`merges_outputs`), and what a split backward keeps from I until W as the runtime keeps it, as
-        the costs do (`held_as_runtime`): torch's every saved tensor (`LayerAllocations.wgrad_kept` None); each
-        stage's backward passes running its layers' as its costs do (`stage_passes`)."""
+    def _reserves(self, sched: Schedule, trace: Trace, cut: list[int], limits: Sequence[int | None]) -> list[int]:
+        """Each device's caching-allocator reserve in `trace` within its memory (`limits`, `memory_limits`), run with
+        `sched`'s stages cut at `cut`, the model outputs a stage keeps concatenated after its device's last backward
+        of a mini-batch where `pp_runtime`'s runtime does (`merges_outputs`), and what a split backward keeps from I
+        until W as the runtime keeps it, as the costs do (`held_as_runtime`): torch's every saved tensor
+        (`LayerAllocations.wgrad_kept` None); each stage's backward passes running its layers' as its costs do
+        (`stage_passes`)."""
         from ..profiles.schema import stage_passes
 
         per_copy = sched.graph.stages_per_copy
@@ -576,7 +579,7 @@ class Scenario:
         runs = ({stage: {name: run and run[0] for name, run in
                          stage_passes(self.measured.layers[start:stop], start).items()}
                  for stage, (start, stop) in bounds.items()} if self.measured is not None else None)
-        return device_reserves(trace, layers, self.memory_limits(sched), self.expandable_segments,
+        return device_reserves(trace, layers, limits, self.expandable_segments,
                                adam=self.optimizer in ("adam", "adamw"), merged_bytes=merged, runs=runs)
 
     def cut(self, sched: Schedule) -> list[int]:
@@ -615,7 +618,8 @@ class Scenario:
                 cut = fitted_cut(sched, memory, bounds, balanced, layers, stage_time)
                 if self.allocations is None:
                     return cut
-                reserves = self._reserves(sched, simulate(sched, self.costs(sched, cut), self.links(sched)), cut)
+                trace = simulate(sched, self.costs(sched, cut), self.links(sched))
+                reserves = self._reserves(sched, trace, cut, limits)
                 if all(memory.device(sched, d, cut) + reserve <= limit
                        for d, (reserve, limit) in enumerate(zip(reserves, limits))):
                     return cut
@@ -653,12 +657,13 @@ class Scenario:
                            transient, activations=activations, held_until_w=np.add(*held_until_w),
                            together=_held_together(sched))
 
-    def memory_limits(self, sched: Schedule) -> tuple[int | None, ...]:
+    def memory_limits(self, sched: Schedule, links: Cluster | None = None) -> tuple[int | None, ...]:
         """Each device's memory in bytes (None: not known): `memory_bytes`, the cluster file's `memory_gib`, or the
-        profiled device's memory (or the calibration's cap)."""
+        profiled device's memory (or the calibration's cap). `links`: `links(sched)` where the caller holds it, not
+        built again."""
         if self.memory_bytes is not None:
             return (self.memory_bytes,) * sched.num_devices
-        links = self.links(sched)
+        links = links if links is not None else self.links(sched)
         if links.memory_bytes:
             return tuple(links.memory_bytes[:sched.num_devices])
         if self.measured is not None:
@@ -666,11 +671,12 @@ class Scenario:
             return (env.memory_cap_bytes or env.device_memory_bytes or None,) * sched.num_devices
         return (None,) * sched.num_devices
 
-    def memory_checks(self, sched: Schedule, summary: Summary) -> list[MemoryCheck]:
+    def memory_checks(self, sched: Schedule, summary: Summary, links: Cluster | None = None) -> list[MemoryCheck]:
         """Each device's simulated peak (`summary`'s, of `sched`'s run) against its memory (`memory_limits`), as
-        simulate and sweep mark a run out of memory."""
-        return self.links(sched).memory_checks([device.peak_memory_mb * MIB for device in summary.devices],
-                                               self.memory_limits(sched))
+        simulate and sweep mark a run out of memory; `links` as `memory_limits` takes it."""
+        links = links if links is not None else self.links(sched)
+        return links.memory_checks([device.peak_memory_mb * MIB for device in summary.devices],
+                                   self.memory_limits(sched, links))
 
     def links(self, sched: Schedule) -> Cluster:
         if self.topology is not None:

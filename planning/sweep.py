@@ -236,10 +236,11 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
                 prediction=config.prediction, activation_limit=config.activation_limit,
                 search_seconds=config.search_seconds, data_parallel=config.data_parallel,
                 reduce_after_flush=config.reduce_after_flush, zero=config.zero))
-            trace = simulate(sched, scaled.costs(sched), scaled.links(sched))
-            scaled.add_reserve(sched, trace)
+            links = scaled.links(sched)  # built once: the simulation, the reserve and the memory checks read it
+            trace = simulate(sched, scaled.costs(sched), links)
+            scaled.add_reserve(sched, trace, links=links)
             summary = summarize(trace)
-            checks = scaled.memory_checks(sched, summary)
+            checks = scaled.memory_checks(sched, summary, links)
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))
             continue
