@@ -1215,7 +1215,8 @@ def bulk_exposed_ms(collective_ms: float, product_ms: float, device: Device) -> 
     when it ends and still run their whole share: the product ends the collective's time late, all of it exposed
     (on an H100, a GEMM of 132 CTAs beside NCCL's 24-CTA all-gather nearly doubled: NVIDIA developer forums, topic
     337991). Elsewhere the product's waves take up the held multiprocessors' work and only what outlasts the
-    product is exposed."""
+    product is exposed; the waves' share of the SMs the collective holds meanwhile is not charged (docs/hardware.md,
+    "Beside a transfer before Hopper")."""
     if device.curve.persistent_products:
         return collective_ms
     return max(collective_ms - product_ms, 0.0)

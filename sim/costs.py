@@ -463,7 +463,9 @@ class Costs:
     time, as the collectives beside products are charged, `StageCosts.collective_delay_ms`). What a receive
     posted ahead holds before its data
     moves (Megatron-core's `overlap_p2p_comm` posts each with the send before it) is not counted: the simulator
-    knows when data moves, not when a runtime posts a receive.
+    knows when data moves, not when a runtime posts a receive. False (products in waves, an A100's): the compute
+    runs on the SMs the kernel leaves, 1-2 fewer (NCCL's channels to a peer), which is not charged: under 0.1 % of
+    a step (docs/hardware.md, "Beside a transfer before Hopper").
 
     `pairs_by_node`: an overlapped pair runs its layers' nodes side by side, as Megatron-core's expert-parallel
     overlap does (`overlap_moe_expert_parallel_comm`): each part's all-to-alls under the one node beside them, so
