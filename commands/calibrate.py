@@ -13,6 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..profiles.workload import too_few_layers
+from ..traces.metrics import mib_text, percent_text
 from ..units import GIB, KIB, MIB, bytes_text, count_text
 from .common import DTYPES as DTYPE_NAMES  # --dtype's names -> torch's (calibrate.measure's DTYPES: torch's dtypes)
 from .common import (
@@ -408,8 +409,8 @@ def _print_profile(profile) -> None:
         table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:,.3f}",
                       f"{stage.bwd_ms:,.3f}", "/".join(f"{r:.2f}" for r in ratios) or "-",
                       f"{stage.igrad_ms:,.3f}/{stage.wgrad_ms:,.3f}",
-                      f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
-                      f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
+                      percent_text(stage.wgrad_fraction), mib_text(stage.activation_bytes / MIB),
+                      mib_text(stage.param_bytes / MIB), mib_text(stage.memory_bytes / MIB))
     print_table(table)
     idle = [(k, stage.passes.idle) for k, stage in enumerate(profile.stages)
             if stage.passes is not None and stage.passes.idle]

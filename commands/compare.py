@@ -95,7 +95,7 @@ def _render(c) -> None:
             table.add_column(header, justify="left" if header in ("kind", "worst") else "right", no_wrap=True)
     for k in c.kinds:
         worst = "-" if k.duration_worst is None else \
-            f"{k.duration_worst.op}@{k.duration_worst.device} {k.duration_worst.error:+,.0%}"
+            f"{k.duration_worst.op}@{k.duration_worst.device} {percent_text(k.duration_worst.error, signed=True)}"
         durations.add_row(k.kind, f"{k.ops:,}", f"{k.predicted_ms:,.2f}", f"{k.measured_ms:,.2f}",
                           "-" if k.duration_median is None else percent_text(k.duration_median),
                           "-" if k.duration_p90 is None else percent_text(k.duration_p90), _percent(k.duration_bias),

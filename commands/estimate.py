@@ -847,6 +847,7 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
     from rich.table import Table
 
     from ..hardware.catalogue import Curve
+    from ..traces.metrics import mib_text
     from ..units import MIB
 
     env, estimate = profile.environment, profile.estimate
@@ -865,8 +866,8 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
         first, stop = stage.layers
         table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:,.3f}",
                       f"{stage.bwd_ms:,.3f}", f"{stage.igrad_ms:,.3f}/{stage.wgrad_ms:,.3f}",
-                      f"{stage.activation_bytes / MIB:,.1f}", f"{stage.param_bytes / MIB:,.1f}",
-                      f"{stage.memory_bytes / MIB:,.0f}")
+                      mib_text(stage.activation_bytes / MIB), mib_text(stage.param_bytes / MIB),
+                      mib_text(stage.memory_bytes / MIB))
     print_table(table)
     from ..sim.cluster import Cluster  # each stage on a GPU of its own, checked as simulate checks its devices
 

@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..profiles.workload import too_few_layers
-from ..traces.metrics import rate_text
+from ..traces.metrics import mib_text, percent_text, rate_text
 from ..units import count_text
 from .common import (
     DTYPES,
@@ -530,10 +530,10 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
                   caption_justify="left")
     heldout = meta.extra.get("heldout") or {}
     held = "-" if not heldout else f"{heldout['loss']:.4g}" + (
-        f" / {heldout['accuracy']:.1%}" if "accuracy" in heldout else "")
+        f" / {percent_text(heldout['accuracy'])}" if "accuracy" in heldout else "")
     for header in ("ms/step", "samples/s", "loss first -> last", "held-out loss / acc", "peak MiB per device"):
         table.add_column(header, justify="right", no_wrap=True)
-    peaks = [f"{d.peak_memory_mb:,.2f}" for d in summary.devices]
+    peaks = [mib_text(d.peak_memory_mb) for d in summary.devices]
     if replicas > 1:  # rank = replica·p + device, as the ranks are placed
         p = len(peaks) // replicas
         peaks = [f"replica {r}: " + ", ".join(peaks[r * p:(r + 1) * p]) for r in range(replicas)]

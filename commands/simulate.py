@@ -15,7 +15,7 @@ from rich.table import Table
 
 from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
-from ..traces.metrics import ms_text, rate_text
+from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, count_text
 from .common import (
     TORCH_CSV,
@@ -610,9 +610,9 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
             _label(s, sched),
             ms_text(s.time_per_minibatch_ms) + ("" if is_steady else "*"),
             rate_text(s.samples_per_s) + ("" if is_steady else "*"),
-            *([f"{share:.1%}"] if share is not None else []),
-            f"{s.bubble_fraction:.1%}",
-            f"{s.peak_memory_mb:,.0f}",
+            *([percent_text(share)] if share is not None else []),
+            percent_text(s.bubble_fraction),
+            mib_text(s.peak_memory_mb),
             str(max((d.peak_activations for d in s.devices), default=0)),
             str(max((d.peak_weight_versions for d in s.devices), default=0)),
             str(s.max_staleness) + ("" if is_steady else "*"),

@@ -12,7 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from ..traces.metrics import ms_text, rate_text
+from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, whole_number
 from .common import (
     SWEEP_RESULTS,
@@ -340,8 +340,8 @@ def _print_front(results: list, front: list[int], alone: str) -> None:
         table.add_row(c.schedule, str(c.stages), str(c.microbatches), str(c.chunks), str(c.pipelines),
                       f"{c.cost_scale:g}", c.prediction or "-",
                       "-" if c.activation_limit is None else f"{c.activation_limit:g}",
-                      ms_text(m.time_per_minibatch_ms), rate_text(m.samples_per_s), f"{m.bubble_fraction:.1%}",
-                      f"{m.peak_memory_mb:,.0f}", str(m.max_staleness),
+                      ms_text(m.time_per_minibatch_ms), rate_text(m.samples_per_s), percent_text(m.bubble_fraction),
+                      mib_text(m.peak_memory_mb), str(m.max_staleness),
                       *(["OOM" if m.out_of_memory else "fits"] * over),
                       *([", ".join(s.variant for s in results[i].same_as) or "-"] if folds else []))
     print_table(table)

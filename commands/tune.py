@@ -22,7 +22,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import unknown_names
-from ..traces.metrics import rate_text
+from ..traces.metrics import percent_text, rate_text
 from ..units import GIB, count_text
 from .common import (
     Allocator,
@@ -607,14 +607,14 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         c, result = row.result.config, row.result
         same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
         ratio = result.candidate.activation_limit
-        mfu = [f"{work[c.microbatch_size].metrics(result.samples_per_s, gpus)['mfu']:.1%}"] if work else []
+        mfu = [percent_text(work[c.microbatch_size].metrics(result.samples_per_s, gpus)['mfu'])] if work else []
         table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), *[str(c.pipelines)] * shared,
                       *([str(c.tensor), *[_split_text(c)] * split, str(c.replicas), *[str(c.expert)] * experts,
                          str(c.microbatch_size),
                          {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),
                       str(c.microbatches), *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),
-                      *mfu, f"{result.bubble_fraction:.0%}", memory_text(result.peak_memory_bytes),
+                      *mfu, percent_text(result.bubble_fraction), memory_text(result.peak_memory_bytes),
                       str(result.staleness), "; ".join(filter(None, (row.why, same))), style=style)
 
     add("best", tuning.choice, style="bold")
