@@ -1681,8 +1681,9 @@ def _reserved_peak_bytes(candidate: Candidate, long_run: Trace) -> int:
 def _add_reserve(candidate: Candidate, trace: Trace) -> None:
     """The caching allocator's reserve in the candidate's run, its stages' layers cut where its costs and memory
     are (`candidate.bounds`, the partition searched under the memory cap), not at the scenario's own cut (the
-    profile's time-balanced one, `Scenario.cut`), which can differ (ZB-H2 at p = 32 on the 70B)."""
-    candidate.setting.scenario.add_reserve(candidate.schedule, trace, candidate.bounds)
+    profile's time-balanced one, `Scenario.cut`), which can differ (ZB-H2 at p = 32 on the 70B); each device's memory
+    read off the candidate's links, not built again."""
+    candidate.setting.scenario.add_reserve(candidate.schedule, trace, candidate.bounds, candidate.links)
 
 
 def _peak_bytes(run: Summary) -> int:

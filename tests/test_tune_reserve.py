@@ -108,9 +108,9 @@ def counting_replays(patch) -> list[int]:
     replays = []
     real = scenario.Scenario.add_reserve
 
-    def add_reserve(self, schedule, trace, bounds=None):
+    def add_reserve(self, schedule, trace, *given):
         replays.append(self.allocations is not None)
-        real(self, schedule, trace, bounds)
+        real(self, schedule, trace, *given)
 
     patch.setattr(scenario.Scenario, "add_reserve", add_reserve)
     return replays
