@@ -190,6 +190,8 @@ def tune(
         given_precision(ctx.params)
         zero = zero_stage(ctx.params)
         work: dict[int, ModelWork] = {}  # by b, with --gpu
+        memory_cap_bytes = int(memory_gb * GIB) if memory_gb is not None else None  # None: the device's own memory
+        capped_by = None  # the catalogue part whose own memory is the cap (--gpu's, or its cluster's)
         if what is None:
             if zero:
                 raise InputError(f"--zero {zero}: tune shards --gpu's estimates; give --gpu NAME and --model in place "
@@ -242,8 +244,9 @@ def tune(
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
             part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
-            cap_gib, capped_by = (memory_gb, None) if memory_gb is not None else (what.gpu.memory_gib, part)
-            _check_weights_fit(counts[sizes[0]], devices, int(cap_gib * GIB), capped_by)
+            if memory_cap_bytes is None:  # the part's own memory, as its estimates record it (device_memory_bytes)
+                memory_cap_bytes, capped_by = int(what.gpu.memory_gib * GIB), part
+            _check_weights_fit(counts[sizes[0]], devices, memory_cap_bytes, capped_by)
             if context > 1:
                 with refused_with_flags():  # C must split the sequence: said before the note too
                     check_context(counts[sizes[0]], context)
@@ -256,10 +259,12 @@ def tune(
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
-        if memory_gb is None and not (env.memory_cap_bytes or env.device_memory_bytes):
-            raise InputError(f"--memory-gb: the profile {profile} does not record its device's memory; give the cap")
-        problem = Problem(devices // context, int(memory_gb * GIB) if memory_gb is not None else
-                          env.memory_cap_bytes or env.device_memory_bytes, batch,
+        if memory_cap_bytes is None:
+            memory_cap_bytes = env.memory_cap_bytes or env.device_memory_bytes
+            if not memory_cap_bytes:
+                raise InputError(f"--memory-gb: the profile {profile} does not record its device's memory; "
+                                 "give the cap")
+        problem = Problem(devices // context, memory_cap_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget, zero)
         searching = f"searching the configurations of {count_text(len(settings), 'profile')}, best bound first"
