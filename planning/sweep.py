@@ -28,10 +28,10 @@ from ..choices import unknown_names
 from ..files import read_toml
 from ..schedules import METHODS, ScheduleError, ScheduleParams
 from ..schedules.ir import PREDICTION_SOURCES
-from ..sim.cluster import ClusterError
+from ..sim.cluster import ClusterError, MemoryCheck
 from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
-from ..traces import Trace, summarize, write_atomic
+from ..traces import Summary, Trace, summarize, write_atomic
 from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
 from ..units import count_text
 from .auto import ActivationLimitError
@@ -98,6 +98,16 @@ class Metrics:
     makespan_ms: float
     exposed_comm_ms: float
     out_of_memory: bool = False  # a device's peak past its memory, as simulate checks it (none known: False)
+
+    @classmethod
+    def of(cls, summary: Summary, checks: Sequence[MemoryCheck]) -> Metrics:
+        """A run's figures as plain Python numbers, the results file's types (`COLUMNS`), and whether a device's
+        peak is past its memory (`checks`, `Scenario.memory_checks`)."""
+        return cls(time_per_minibatch_ms=float(summary.time_per_minibatch_ms),
+                   samples_per_s=float(summary.samples_per_s), bubble_fraction=float(summary.bubble_fraction),
+                   peak_memory_mb=float(summary.peak_memory_mb), max_staleness=int(summary.max_staleness),
+                   makespan_ms=float(summary.makespan_ms), exposed_comm_ms=float(summary.exposed_comm_ms),
+                   out_of_memory=any(check.out_of_memory for check in checks))
 
 
 @dataclass(frozen=True)
@@ -244,10 +254,8 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))
             continue
-        results.append(Result(replace(config, prediction=sched.params.get("prediction")), Metrics(**{
-            f.name: COLUMNS[f.name](getattr(summary, f.name)) for f in fields(Metrics)  # plain Python numbers
-            if f.name != "out_of_memory"}, out_of_memory=any(check.out_of_memory for check in checks)),
-            run_key=run_key(trace)))
+        results.append(Result(replace(config, prediction=sched.params.get("prediction")), Metrics.of(summary, checks),
+                              run_key=run_key(trace)))
     return results
 
 
