@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import json
 import threading
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, kernel_curve, node_placement
+from pipesim.planning.estimate import Device, Parallelism, estimate_layer, kernel_curve, node_placement
 from pipesim.profiles.workload import WorkloadCount
 from pipesim.schedules import SYNCHRONOUS, Schedule, StageGraph
 from pipesim.schedules.lowering import Lowered
 from pipesim.schedules.table import KINDS
+from tests.conftest import estimate_json
 
 if TYPE_CHECKING:
     import torch
@@ -106,3 +108,87 @@ def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], **tol) -> Non
     assert len(got) == len(want)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **(tol or TIGHT))
+
+
+# The tiny Hugging Face models' shape: micro-batch, sequence, hidden, heads, kv heads, MLP, vocabulary, layers; the
+# MoEs' experts, top-k and expert MLP
+B, S, H, A, KV, FFN, V, L = 2, 32, 64, 4, 2, 176, 512, 2
+HEAD = H // A
+EXPERTS, TOP_K, EXPERT_FFN = 8, 2, 96
+# Llama's config, with the biases pipesim's gpt has (attention_bias, mlp_bias) so that its products match the gpt's,
+# and that gpt
+LLAMA = {"model_type": "llama", "hidden_size": H, "intermediate_size": FFN, "num_hidden_layers": L,
+         "num_attention_heads": A, "num_key_value_heads": KV, "vocab_size": V, "max_position_embeddings": 256,
+         "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False, "rope_theta": 10000.0}
+LLAMA_GPT = dict(layers=L, width=H, heads=A, kv_heads=KV, ffn=FFN, gated=True, vocab=V, seq_len=S)
+# Mixtral's config as a one-layer Llama's (MOE_LLAMA) with the MLP replaced by E experts of the same products
+MOE_LLAMA = {"model_type": "llama", "hidden_size": H, "intermediate_size": TOP_K * EXPERT_FFN, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 256,
+             "tie_word_embeddings": False}
+MIXTRAL = {**MOE_LLAMA, "model_type": "mixtral", "intermediate_size": EXPERT_FFN, "num_local_experts": EXPERTS,
+           "num_experts_per_tok": TOP_K}
+# Qwen3's config of MOE_LLAMA's sizes (its head size given: its default is 128), and Qwen3-MoE's of the same
+QWEN3 = {**MOE_LLAMA, "model_type": "qwen3", "head_dim": H // 4}
+QWEN3_MOE = {**QWEN3, "model_type": "qwen3_moe", "num_experts_per_tok": TOP_K, "moe_intermediate_size": EXPERT_FFN}
+# gpt-oss's layout on Mixtral's sizes: biases on every product (attention, router, experts), attention sinks, gate
+# and up interleaved, one sliding-window layer
+GPT_OSS = {**MIXTRAL, "model_type": "gpt_oss", "attention_bias": True, "head_dim": H // 4, "sliding_window": 8,
+           "layer_types": ["sliding_attention"]}
+# DeepSeek-V3's layout, tiny: MLA (queries and keys of 16 + 8 RoPE, values of 16), one dense layer, then experts
+TINY_DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": H, "intermediate_size": 128, "moe_intermediate_size": 32,
+                 "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "n_routed_experts": EXPERTS, "n_shared_experts": 1,
+                 "num_experts_per_tok": TOP_K, "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 24,
+                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 100,
+                 "max_position_embeddings": 256, "tie_word_embeddings": False}
+# A Llama config.json as torchtitan's tensor-parallel runs read it (its architecture named), as text
+TP_LLAMA_JSON = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                            "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 256,
+                            "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                            "attention_bias": False, "mlp_bias": False})
+# A MoE gpt of 16 experts on H100s, 4 data-parallel replicas in expert-parallel groups of 4: `estimate`'s flags
+MOE_GPT_FLAGS = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
+                 "--gated", "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm",
+                 "--data-parallel", 4, "--expert-parallel", 4)
+
+
+def write_config(folder: Path, fields: dict) -> Path:
+    """A Hugging Face config.json of `fields` in `folder` (made): the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(fields))
+    return folder
+
+
+def count_config(folder: Path, fields: dict, *args, **kwargs) -> WorkloadCount:
+    """A Hugging Face config of `fields`, written in `folder`, counted at S tokens a sequence, B sequences, in
+    bfloat16 (count_built's further arguments, `args` and `kwargs`, as given)."""
+    import torch
+
+    from pipesim.workload.count import count_built
+
+    return count_built(f"hf:{write_config(folder, fields)}", {"seq_len": S}, B, torch.bfloat16, *args, **kwargs)
+
+
+@cache
+def tiny_deepseek_count() -> WorkloadCount:
+    """TINY_DEEPSEEK (MLA, a dense layer, then routed experts) counted at S tokens, B sequences, in bfloat16, flash."""
+    import tempfile
+
+    import torch
+
+    from pipesim.workload.count import count_built
+
+    config = write_config(Path(tempfile.mkdtemp()) / "deepseek", TINY_DEEPSEEK)
+    return count_built(f"hf:{config}", {"seq_len": S}, B, torch.bfloat16, "flash")
+
+
+def priced_recomputing(layer, *modules: str, recompute: str = "none"):
+    """`layer` priced on the H100 in bf16 at micro-batch 2, recomputing `modules` under `recompute`."""
+    parallel = Parallelism(recompute=recompute, recompute_modules=modules)
+    return estimate_layer(layer, H100_BF16, parallel, None, 2)
+
+
+def estimated_layers(tmp_path: Path, *args) -> list[dict]:
+    """`pipesim estimate ARGS`'s layers (conftest's `estimate_json`)."""
+    return estimate_json(tmp_path, *args)["layers"]

@@ -151,7 +151,7 @@ def test_a_sliding_window_under_a_context_parallel_ring_is_one_line(tmp_path):
     only its last w: not what pipesim's ring runs, so refused in one line. A window of every key (Mistral's 4,096
     at a shorter sequence) is the causal kernel, and runs as one (it was refused)."""
     from tests.conftest import pipesim, simulate_json
-    from tests.test_hf import LLAMA, write_config
+    from tests.helpers import LLAMA, write_config
 
     folder = write_config(tmp_path / "mistral", {**LLAMA, "model_type": "mistral", "sliding_window": 8})
     code, out, err = pipesim("simulate", "--model", f"hf:{folder}", "--seq-len", 32, "--gpu", "h100-sxm",

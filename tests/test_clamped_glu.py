@@ -16,9 +16,8 @@ from pipesim.planning.host import pass_kernels, synchronises, waited_ms
 from pipesim.workload.count import count_built
 from pipesim.workload.hf import _quick_geglu_limit
 from tests.conftest import needs_transformers
-from tests.helpers import H100
-from tests.test_hf import write_config
-from tests.test_moe import FFN, GPT_OSS, MIXTRAL, B, S, count_config
+from tests.helpers import EXPERT_FFN as FFN
+from tests.helpers import GPT_OSS, H100, MIXTRAL, B, S, count_config, write_config
 
 
 def _moe_layer(tmp_path, name: str, fields: dict):

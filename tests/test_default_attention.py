@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.conftest import needs_transformers, pipesim, simulate_json
-from tests.test_hf import LLAMA, write_config
+from tests.helpers import LLAMA, write_config
 from tests.test_tune_reserve import searched_settings
 
 ON_GPU = ("--gpu", "h100-sxm", "-b", 1, "-p", 2, "-m", 4, "-s", "1f1b")

@@ -156,7 +156,7 @@ def test_megatron_cores_bias_ops_marked_a_local_experts_run_once_a_local_expert(
 
 def _issued(tmp_path, model: str, how: str) -> dict[str, int]:
     """The MoE layer's kernels a pass under `--expert-gemm how`: its time at 2 ms a kernel less at 1 ms."""
-    from tests.test_host_bound import layers
+    from tests.helpers import estimated_layers as layers
 
     slow, slower = (layers(tmp_path, "--model", model, "--seq-len", 32, "-b", 2, "--gpu", "h100-sxm",
                            "--data-parallel", 2, "--expert-parallel", 2, "--dtype", "bf16", "--expert-gemm", how,
@@ -173,8 +173,7 @@ def test_megatron_core_adds_gpt_oss_down_bias_one_local_expert_at_a_time(tmp_pat
     and the weights' shapes (4 a local expert; 2 in each of a split backward's passes), the add passing its gradient
     on. At 8 experts over 2 ranks, 4 local experts: 3 more each than the count's batched one, beyond what the
     per-expert GEMMs add to Mixtral's experts, which have no bias."""
-    from tests.test_hf import write_config
-    from tests.test_moe import GPT_OSS, MIXTRAL
+    from tests.helpers import GPT_OSS, MIXTRAL, write_config
 
     oss, mixtral = (f"hf:{write_config(tmp_path / name, fields)}" for name, fields in (("oss", GPT_OSS),
                                                                                         ("mixtral", MIXTRAL)))

@@ -10,7 +10,8 @@ from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 from tests.conftest import needs_transformers
-from tests.test_recompute_modules import B, S, deepseek
+from tests.helpers import B, S
+from tests.helpers import tiny_deepseek_count as deepseek
 
 
 @needs_transformers

@@ -16,24 +16,12 @@ import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import help_records, needs_transformers, pipesim, pipesim_fresh, simulate_json
-from tests.helpers import H100, H100_BF16
+from tests.helpers import FFN, H100, H100_BF16, HEAD, KV, LLAMA, A, B, H, L, S, V, write_config
+from tests.helpers import LLAMA_GPT as GPT
 
 ROOT = Path(__file__).resolve().parents[1]
 
-B, S, H, A, KV, FFN, V, L = 2, 32, 64, 4, 2, 176, 512, 2  # micro-batch, sequence, hidden, heads, kv heads, ...
-HEAD = H // A
 E = 2  # bytes per bf16 element
-# Llama's config, with the biases pipesim's gpt has (attention_bias, mlp_bias) so that its products match the gpt's
-LLAMA = {"model_type": "llama", "hidden_size": H, "intermediate_size": FFN, "num_hidden_layers": L,
-         "num_attention_heads": A, "num_key_value_heads": KV, "vocab_size": V, "max_position_embeddings": 256,
-         "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False, "rope_theta": 10000.0}
-GPT = dict(layers=L, width=H, heads=A, kv_heads=KV, ffn=FFN, gated=True, vocab=V, seq_len=S)
-
-
-def write_config(folder: Path, fields: dict) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(fields))
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pipesim.planning.estimate import kernel_flops, window_tile_pairs
 from pipesim.workload.count import count_built
 from pipesim.workload.hf import hf_model
 from tests.conftest import needs_transformers, pipesim
-from tests.test_hf import write_config
+from tests.helpers import write_config
 
 pytestmark = needs_transformers
 

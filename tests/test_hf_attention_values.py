@@ -14,8 +14,8 @@ import torch
 from pipesim.executor import RunSpec
 from pipesim.workload.hf import hf_model
 from tests.conftest import build, needs_transformers, pipesim
+from tests.helpers import write_config
 from tests.reference import single_process
-from tests.test_hf import write_config
 
 pytestmark = needs_transformers
 

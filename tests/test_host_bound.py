@@ -7,17 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import estimate_json, needs_transformers, pipesim
-from tests.test_hf import write_config
-from tests.test_moe import GPT_OSS, MIXTRAL
-
-MOE = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000, "--gated",
-       "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "--data-parallel", 4,
-       "--expert-parallel", 4)
-
-
-def layers(tmp_path, *args) -> list[dict]:
-    return estimate_json(tmp_path, *args)["layers"]
+from tests.conftest import needs_transformers, pipesim
+from tests.helpers import GPT_OSS, MIXTRAL, write_config
+from tests.helpers import MOE_GPT_FLAGS as MOE
+from tests.helpers import estimated_layers as layers
 
 
 def own_times(tmp_path, *args) -> list[dict]:

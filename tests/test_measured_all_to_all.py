@@ -24,7 +24,7 @@ from pipesim.traces import read_trace
 from pipesim.traces.trace import Stream
 from pipesim.workload.models import build_model, gpt, routed_parameters
 from tests.conftest import needs_transformers, pipesim
-from tests.test_hf import write_config
+from tests.helpers import write_config
 
 MOE = {"layers": 2, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32, "experts": 4, "top_k": 2, "expert_ffn": 8}
 SETTINGS = Settings(torch.device("cpu"), torch.float32, microbatch_size=2, warmup=0, repeats=1)

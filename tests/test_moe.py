@@ -15,10 +15,24 @@ from pipesim.planning.estimate import unfused_weight_share
 from pipesim.workload.count import WorkloadCount, count_built
 from pipesim.workload.moe import expected_tokens, routed_experts
 from tests.conftest import needs_transformers, pipesim, reductions, simulate_json
-from tests.test_hf import write_config
+from tests.helpers import EXPERT_FFN as FFN
+from tests.helpers import (
+    EXPERTS,
+    GPT_OSS,
+    MIXTRAL,
+    QWEN3,
+    QWEN3_MOE,
+    TINY_DEEPSEEK,
+    TOP_K,
+    B,
+    H,
+    S,
+    count_config,
+    write_config,
+)
+from tests.helpers import MOE_LLAMA as LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
-B, S, H, EXPERTS, TOP_K, FFN = 2, 32, 64, 8, 2, 96  # micro-batch, sequence, width, experts, top-k, expert MLP
 TOKENS = B * S
 GPT = dict(layers=1, width=H, heads=4, seq_len=S, vocab=100, gated=True)
 MLP_FLOPS = 3 * 2 * H * FFN  # a SwiGLU expert's three products, per token
@@ -32,12 +46,6 @@ def gpt_count(swiglu_fusion: bool = True, **options) -> WorkloadCount:
 
 def block(counted: WorkloadCount):
     return counted.layers[1]
-
-
-def count_config(folder: Path, fields: dict, *args, **kwargs) -> WorkloadCount:
-    """A Hugging Face config of `fields`, written in `folder`, counted at S tokens a sequence, B sequences, in
-    bfloat16 (count_built's further arguments, `args` and `kwargs`, as given)."""
-    return count_built(f"hf:{write_config(folder, fields)}", {"seq_len": S}, B, torch.bfloat16, *args, **kwargs)
 
 
 def test_expected_tokens_are_k_over_e_of_them_or_the_capacity():
@@ -235,14 +243,6 @@ def test_a_bad_mixture_of_experts_is_one_line(args, fragment):
     assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1, err
 
 
-# Mixtral's config as Llama's with the MLP replaced by E experts of the same products: tiny, for the test
-LLAMA = {"model_type": "llama", "hidden_size": H, "intermediate_size": TOP_K * FFN, "num_hidden_layers": 1,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 256,
-         "tie_word_embeddings": False}
-MIXTRAL = {**LLAMA, "model_type": "mixtral", "intermediate_size": FFN, "num_local_experts": EXPERTS,
-           "num_experts_per_tok": TOP_K}
-
-
 @needs_transformers
 def test_a_mixtral_config_does_a_llamas_products_with_a_k_times_wider_mlp_plus_the_router(tmp_path):
     """transformers runs Mixtral's experts as grouped products, which torch's FLOP counter counts as nothing;
@@ -254,11 +254,6 @@ def test_a_mixtral_config_does_a_llamas_products_with_a_k_times_wider_mlp_plus_t
             moe.wgrad_flops - dense.wgrad_flops) == (ROUTER_FLOPS,) * 3
     assert (moe.param_bytes - dense.param_bytes) // 2 == (EXPERTS - TOP_K) * 3 * H * FFN + H * EXPERTS
     assert mixtral.options["experts"] == EXPERTS and mixtral.options["top_k"] == TOP_K
-
-
-# Qwen3's config of LLAMA's sizes (its head size given: its default is 128), and Qwen3-MoE's of the same
-QWEN3 = {**LLAMA, "model_type": "qwen3", "head_dim": H // 4}
-QWEN3_MOE = {**QWEN3, "model_type": "qwen3_moe", "num_experts_per_tok": TOP_K, "moe_intermediate_size": FFN}
 
 
 @needs_transformers
@@ -350,12 +345,6 @@ def test_the_moe_examples_have_their_published_parameter_counts(example, billion
     assert round(sum(layer.param_bytes for layer in counted.layers) / 2e9, 1) == billions
 
 
-# gpt-oss's layout on Mixtral's sizes: biases on every product (attention, router, experts), attention sinks, gate
-# and up interleaved, one sliding-window layer
-GPT_OSS = {**MIXTRAL, "model_type": "gpt_oss", "attention_bias": True, "head_dim": H // 4, "sliding_window": 8,
-           "layer_types": ["sliding_attention"]}
-
-
 @needs_transformers
 def test_a_gpt_oss_config_does_a_mixtrals_products_and_holds_its_biases_and_sinks(tmp_path):
     """gpt-oss's experts, with their biases and clamped SwiGLU, do Mixtral's products (a bias adds no FLOPs); its
@@ -422,15 +411,6 @@ def test_gpt_oss_120b_has_its_published_total_and_active_parameters():
     expert = sum(layer.expert_param_bytes for layer in counted.layers) // 2 // (36 * 128)
     active = total - 36 * (128 - 4) * expert - counted.layers[0].param_bytes // 2
     assert (round(total / 1e7), round(active / 1e7)) == (11683, 513)
-
-
-# DeepSeek-V3's layout, tiny: MLA (queries and keys of 16 + 8 RoPE, values of 16), one dense layer, then experts
-TINY_DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": H, "intermediate_size": 128, "moe_intermediate_size": 32,
-                 "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 2,
-                 "num_key_value_heads": 2, "n_routed_experts": EXPERTS, "n_shared_experts": 1,
-                 "num_experts_per_tok": TOP_K, "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 24,
-                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 100,
-                 "max_position_embeddings": 256, "tie_word_embeddings": False}
 
 
 @needs_transformers

@@ -13,9 +13,8 @@ from pipesim.planning.estimate import Regions
 from pipesim.planning.fp8 import FP8_RECIPES, float8_weight_bytes
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import needs_transformers, pipesim
-from tests.test_hf import write_config
-from tests.test_moe import TINY_DEEPSEEK
-from tests.test_recompute_modules import B, S, priced
+from tests.helpers import TINY_DEEPSEEK, B, S, write_config
+from tests.helpers import priced_recomputing as priced
 
 H, VOCAB = TINY_DEEPSEEK["hidden_size"], TINY_DEEPSEEK["vocab_size"]
 TOKENS = B * S

@@ -18,7 +18,7 @@ from pipesim.workload.count import WorkloadCount, count_built
 from pipesim.workload.hf import hf_model
 from tests.conftest import needs_transformers, pipesim
 from tests.helpers import H100_PLACEMENT as PLACEMENT
-from tests.test_hf import write_config
+from tests.helpers import write_config
 
 EXPERTS, TOP_K, S, H = 8, 2, 64, 64
 MIXTRAL = {"model_type": "mixtral", "hidden_size": H, "intermediate_size": 128, "num_attention_heads": 4,

@@ -11,7 +11,8 @@ from pipesim.workload.count import count_built
 from pipesim.workload.models import ModelError
 from pipesim.workload.norms import NO_RMSNORM_TO_FUSE
 from tests.conftest import needs_transformers, pipesim, refused
-from tests.test_hf import GPT, LLAMA, B, H, S, write_config
+from tests.helpers import LLAMA, B, H, S, write_config
+from tests.helpers import LLAMA_GPT as GPT
 
 E = 2  # bytes per bf16 element
 

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from pipesim.profiles.partition import PartitionError, equal_blocks, layout_blocks, megatron_layout
 from tests.conftest import needs_transformers, pipesim, simulate_json
-from tests.test_hf import write_config
-from tests.test_moe import TINY_DEEPSEEK
+from tests.helpers import TINY_DEEPSEEK, write_config
 from tests.test_published_runs import GPT
 
 MTP = "MultiTokenPrediction"

@@ -14,7 +14,6 @@ from torch import nn
 from pipesim.planning.estimate import (
     EstimateError,
     Parallelism,
-    estimate_layer,
     estimate_profile,
     layer_allocations,
     op_ms,
@@ -22,34 +21,17 @@ from pipesim.planning.estimate import (
 from pipesim.workload.count import WorkloadCount, count_built, count_model
 from pipesim.workload.models import Model
 from tests.conftest import needs_transformers, pipesim
-from tests.helpers import H100
+from tests.helpers import H100, B, H, S
 from tests.helpers import H100_BF16 as DEVICE
-from tests.test_hf import write_config
+from tests.helpers import priced_recomputing as priced
+from tests.helpers import tiny_deepseek_count as deepseek
 
-B, S, H = 2, 32, 64
 TOKENS = B * S
 
 
 @cache
 def gpt() -> WorkloadCount:
     return count_built("gpt", dict(layers=1, width=H, heads=4, seq_len=S, vocab=100), B, torch.bfloat16, "flash")
-
-
-@cache
-def deepseek() -> WorkloadCount:
-    """The tiny DeepSeek-V3 of tests/test_moe.py (MLA, a dense layer, then routed experts)."""
-    import tempfile
-    from pathlib import Path
-
-    from tests.test_moe import TINY_DEEPSEEK
-
-    config = write_config(Path(tempfile.mkdtemp()) / "deepseek", TINY_DEEPSEEK)
-    return count_built(f"hf:{config}", {"seq_len": S}, B, torch.bfloat16, "flash")
-
-
-def priced(layer, *modules: str, recompute: str = "none"):
-    parallel = Parallelism(recompute=recompute, recompute_modules=modules)
-    return estimate_layer(layer, DEVICE, parallel, None, 2)
 
 
 def test_recomputing_the_norms_drops_exactly_their_outputs_and_statistics_and_reruns_them():

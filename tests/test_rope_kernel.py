@@ -12,9 +12,8 @@ from pipesim.workload.count import count_built
 from pipesim.workload.models import ModelError
 from pipesim.workload.rope import NO_ROPE_TO_FUSE
 from tests.conftest import needs_transformers, pipesim, simulate_json
-from tests.helpers import H100, H100_BF16
-from tests.test_hf import GPT, HEAD, KV, LLAMA, A, B, S, write_config
-from tests.test_moe import TINY_DEEPSEEK
+from tests.helpers import H100, H100_BF16, HEAD, KV, LLAMA, TINY_DEEPSEEK, A, B, S, write_config
+from tests.helpers import LLAMA_GPT as GPT
 
 E = 2  # bytes per bf16 element
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import needs_transformers, pipesim, simulate_json
-from tests.test_hf import write_config
-from tests.test_moe import QWEN3_MOE, B, S, count_config
+from tests.helpers import QWEN3_MOE, B, S, count_config, write_config
 
 CONFIG = {**QWEN3_MOE, "num_experts": 8}
 RECORDED = json.loads((Path(__file__).parents[1] / "benchmarks" / "published_moe.json").read_text())["rows"]

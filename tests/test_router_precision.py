@@ -10,14 +10,14 @@ import pytest
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 from pipesim.profiles.workload import LayerCount
 from tests.conftest import needs_transformers
-from tests.test_moe import EXPERTS
+from tests.helpers import EXPERTS
 
 B, S, H = 2, 32, 64  # tests/test_recompute_modules.py's, whose tiny DeepSeek-V3 this is
 
 
 @cache
 def moe_layer() -> LayerCount:
-    from tests.test_recompute_modules import deepseek
+    from tests.helpers import tiny_deepseek_count as deepseek
 
     return deepseek().layers[2]  # the embedding, a dense layer, then routed experts
 

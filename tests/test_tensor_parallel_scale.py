@@ -12,6 +12,7 @@ from pipesim.units import GIB
 from tests.conftest import needs_transformers, pipesim
 from tests.helpers import A100
 from tests.helpers import A100_FP16 as DEVICE
+from tests.helpers import TP_LLAMA_JSON as LLAMA
 
 NIC_BYTES_PER_MS = A100.network.gbit_s / 8 * A100.curve.network_efficiency * 1e6  # NCCL's 24 of HDR's 25 GB/s
 NVLINK_BYTES_PER_MS = A100.intra_node.gb_s_per_direction * A100.curve.link_efficiency * 1e6
@@ -396,12 +397,6 @@ def test_the_allocator_replays_the_gathered_inputs_whole(gpt16):
             forward = dict(made[runtime][index].passes["fwd"])
             gathered = [forward[number] for _, number in gpt16.layers[index].sequence_inputs]
             assert gathered == [each] * (2 if index == 1 else 1)
-
-
-LLAMA = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                    "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
-                    "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 256,
-                    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
 
 
 @needs_transformers

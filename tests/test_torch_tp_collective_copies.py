@@ -151,7 +151,7 @@ def test_a_llamas_summed_input_gradients_are_copied_eager_only(tmp_path, tp_over
     torch = pytest.importorskip("torch")
     from pipesim.planning.estimate import layer_allocations
     from pipesim.workload.count import count_built
-    from tests.test_tensor_parallel_scale import LLAMA
+    from tests.helpers import TP_LLAMA_JSON as LLAMA
 
     (tmp_path / "config.json").write_text(LLAMA)
     counted = count_built(f"hf:{tmp_path}", {"seq_len": 32}, 2, torch.bfloat16, "flash")
