@@ -740,6 +740,32 @@ def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page
     assert {"<0.01", "1,724"} <= shown
 
 
+# Values where two rules could part: zero and its sign, under MIB_SHOWN, a tie in binary (0.0625, 1.125) and one
+# only in decimal (2.675: 2.67499... in binary), 99.995 (rounds up to 100), thousands, millions, and not finite.
+NUMBERS = [0.0, -0.0, 0.0004, 0.004, 0.01, -0.0001, -1.5, -250.25, 0.0625, 1.0625, 1.125, 0.0725, 2.675, 14.11,
+           99.995, 100.0, 999.5, 1234.5678, 1e6, 0.9996, 13.278, float("nan"), float("inf"), float("-inf")]
+
+
+@needs_chromium
+def test_the_page_scripts_numbers_are_pythons(tmp_path):
+    """The timeline's script writes ms, MiB and shares in its hovers and title with copies of metrics.py's ms_text,
+    mib_text and percent_text (msText, mibText, percentText): each, run in Chromium on NUMBERS, writes what
+    Python's writes (0.0625 ms read "0.062" in a table and "0.063" hovered)."""
+    from pipesim.traces.metrics import mib_text, ms_text, percent_text
+    from tests.conftest import pipesim
+
+    page = tmp_path / "t.html"
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "-n", 1, "--html", page).code == 0
+    values = "[" + ", ".join({"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}.get(repr(v), repr(v))
+                             for v in NUMBERS) + "]"
+    v = visit(page, "#test", probe=f"(() => {{ const n = window.pipesimNumbers, values = {values}; return "
+                                   "[n.msText, n.mibText, n.percentText].map(f => values.map(f)); })()")
+    assert_healthy(v)
+    python = [[text(value) for value in NUMBERS] for text in (ms_text, mib_text, percent_text)]
+    assert v.probed == python
+    assert python[0][NUMBERS.index(0.0625)] == "0.063" and python[1][NUMBERS.index(2.675)] == "2.68"
+
+
 if __name__ == "__main__":
     target, out = Path(sys.argv[1]), Path(sys.argv[2])
     size = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (1400, 1000)

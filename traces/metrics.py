@@ -22,25 +22,35 @@ def rate_text(per_s: float) -> str:
 
 # The pages' units, each written one way (traces/view.py's figures and, in its script, its hovers), beside rate_text.
 MIB_SHOWN = 0.01  # the least the pages write in MiB (two decimals): under it, "<0.01"
-MS_FORMAT = ",.3f"  # ms to the microsecond: `ms_text`'s, and plotly's in the pages' hover templates
+MS_DECIMALS = 3  # ms to the microsecond, a trace's resolution
+MS_FORMAT = f",.{MS_DECIMALS}f"  # plotly's (d3's) format for ms in the pages' hover templates
+
+
+def _decimal_text(value: float, decimals: int, sign: str = "") -> str:
+    """`value` to `decimals` places, thousands separated, as the pages' script writes it (toLocaleString): the
+    shortest decimal that reads back as the float, a tie rounded away from zero, so that a figure reads alike in a
+    table and hovered: 0.0625 ms, a tie in binary too, read "0.062" here (format's tie to even) and "0.063" there,
+    and 2.675 MiB (2.67499... in binary) "2.67" and "2.68". NaN reads "NaN", an infinity "∞", as there. `sign`:
+    "+" writes a positive value's sign too."""
+    if not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("-" if value < 0 else sign) + "∞"
+    return f"{Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP):{sign},f}"
 
 
 def ms_text(ms: float) -> str:
     """ms as the pages write them: to the microsecond, a trace's resolution, as `pipesim simulate`'s table does (the
     summary's bars wrote two decimals, the title's mini-batch three and its makespan two)."""
-    return format(ms, MS_FORMAT)
+    return _decimal_text(ms, MS_DECIMALS)
 
 
 def mib_text(mib: float) -> str:
-    """MiB as the pages and compare's table write them: whole from 100 up, else to three significant digits (at most
-    two decimals): a measured CPU run's 14.11 MiB peak read "14 MiB" on the page, beside run's 14.11. Under
-    MIB_SHOWN, "<0.01": a 4 KiB peak read "0.00" (compare's "0.0"), as if nothing were held. A tie rounds up, as
-    the script's toLocaleString does: MiB are binary fractions, so 1.125 MiB is one, and read 1.12 in the title,
-    1.13 hovered."""
+    """MiB as the pages and the commands' tables write them: whole from 100 up, else to three significant digits (at
+    most two decimals): a measured CPU run's 14.11 MiB peak read "14 MiB" on the page, beside run's 14.11. Under
+    MIB_SHOWN, "<0.01": a 4 KiB peak read "0.00" (compare's "0.0"), as if nothing were held. A tie rounds away
+    from zero (`_decimal_text`): 1.125 MiB read 1.12 in the title, 1.13 hovered."""
     if 0 < mib < MIB_SHOWN:
         return f"<{MIB_SHOWN}"
-    decimals = 0 if not 0 < mib < 100 else min(2, 2 - math.floor(math.log10(mib)))
-    return f"{Decimal(mib).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP):,f}"
+    return _decimal_text(mib, 0 if not 0 < mib < 100 else min(2, 2 - math.floor(math.log10(mib))))
 
 
 def percent_text(fraction: float, signed: bool = False) -> str:
@@ -48,7 +58,7 @@ def percent_text(fraction: float, signed: bool = False) -> str:
     "1,327.8%" was shrunk to fit it. `signed`: an error's sign too ("+36.7%", "+1,500%", where it read "+1500.0%")."""
     percent = 100 * fraction
     decimals = 0 if abs(round(percent, 1)) >= 100 else 1  # 0.9996 read "100.0%"
-    return f"{percent:{'+' if signed else ''},.{decimals}f}%"
+    return _decimal_text(percent, decimals, "+" if signed else "") + "%"
 
 
 @dataclass(frozen=True)

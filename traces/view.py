@@ -33,7 +33,7 @@ from ..files import PAGE_HEALTH
 from ..memory_parts import MEMORY_PARTS, SAVERS
 from ..units import MIB
 from .compare import Comparison
-from .metrics import MIB_SHOWN, MS_FORMAT, Summary, mib_text, ms_text, percent_text, rate_text, summarize
+from .metrics import MIB_SHOWN, MS_DECIMALS, MS_FORMAT, Summary, mib_text, ms_text, percent_text, rate_text, summarize
 from .trace import STREAMS, Trace, TraceMeta, write_atomic
 
 
@@ -372,7 +372,8 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
         "traces": [trace_data(t, label, s, check) for t, label, s, check in zip(traces, labels, summaries, checks)],
         "views": [{"name": name, "traces": list(members)} for name, members in views],
         "summary": summary_figure(traces, labels, summaries, views[0][1], checks) if len(traces) > 1 else None,
-        "numbers": {"mib_shown": MIB_SHOWN, "ms_format": MS_FORMAT, "tick_format": TICK_FORMAT},
+        "numbers": {"mib_shown": MIB_SHOWN, "ms_decimals": MS_DECIMALS, "ms_format": MS_FORMAT,
+                    "tick_format": TICK_FORMAT},
     }
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     from plotly.offline import get_plotlyjs
@@ -803,8 +804,9 @@ _TIMELINE_JS = r"""
     return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
   }
   // The units as traces/metrics.py's ms_text, mib_text and percent_text write them, and plotly's formats for them.
-  const {mib_shown: MIB_SHOWN, ms_format: MS_FORMAT, tick_format: TICK_FORMAT} = DATA.numbers;
-  function msText(ms) { return fmt(ms, 3); }
+  const {mib_shown: MIB_SHOWN, ms_decimals: MS_DECIMALS, ms_format: MS_FORMAT, tick_format: TICK_FORMAT} =
+    DATA.numbers;
+  function msText(ms) { return fmt(ms, MS_DECIMALS); }
   function mibText(mib) {
     if (mib > 0 && mib < MIB_SHOWN) return "<" + MIB_SHOWN;
     return fmt(mib, !(mib > 0 && mib < 100) ? 0 : Math.min(2, 2 - Math.floor(Math.log10(mib))));
@@ -813,6 +815,7 @@ _TIMELINE_JS = r"""
     const percent = 100 * fraction;
     return fmt(percent, Math.abs(percent.toFixed(1)) >= 100 ? 0 : 1) + "%";
   }
+  if (TEST) window.pipesimNumbers = {msText, mibText, percentText};  // tests/test_browser.py holds them to Python's
   // Each trace's lines of the title: its name, its figures, then in grey its shape, wrapped between them where a
   // line would run under the mode bar, `width` px less MODEBAR_PX (a long shape at 1000 px ran under it and off the
   // page; at 800 px the figures alone did, and a view of three traces' long names with its first figure).
