@@ -418,6 +418,9 @@ def _also(r: Result, separator: str) -> str:
 
 
 STALENESS_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "star")  # staleness 0, 1, 2, 3, 4 or more
+# A configuration past a device's memory, ringed over its point (its schedule's colour and its symbol kept): the
+# hover alone said so, and an OOM configuration led its front's time axis looking like any other.
+OOM_NAME, OOM_RING = "OOM: past a device's memory", "#000000"  # black: D3's red is a schedule's
 # Where plotly's mode bar ends under a figure's top (23 px high, 2 px down): the trade-off's title starts under
 # it, as does the fronts' table (at 800 px the title ran under its icons, and at the page's width the table's ran
 # over the "bubble" header). A title's text starts 15 px above its top pad: 20 px more leaves it 5 px clear.
@@ -432,10 +435,10 @@ def _group_name(key: tuple[int, float, int]) -> str:
 
 def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     """Time per mini-batch against peak memory: a colour per schedule (the legend), a symbol per staleness,
-    filled where a configuration is on its Pareto front and hollow where another dominates it, the configuration
-    in the hover (with those it stands for too, and any other drawn on the same spot, which it hides). Fronts
-    compare only their own group (p, cost scale, mini-batch), so a dropdown shows one group at a time, or every
-    group at once."""
+    filled where a configuration is on its Pareto front and hollow where another dominates it, ringed in black where
+    it is past a device's memory, the configuration in the hover (with those it stands for too, and any other drawn
+    on the same spot, which it hides). Fronts compare only their own group (p, cost scale, mini-batch), so a
+    dropdown shows one group at a time, or every group at once."""
     import plotly.graph_objects as go
     from plotly.colors import qualitative
 
@@ -484,6 +487,14 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
                 marker={"color": colours[name], "opacity": 1, "symbol": symbols, "size": [13 if b else 9 for b in best],
                         "line": {"width": [1.5 if b else 2 for b in best],
                                  "color": ["#222" if b else colours[name] for b in best]}}))
+            trace_group.append(g)
+        over = [i for i in ran if front_group(results[i].config) == key and results[i].metrics.out_of_memory]
+        if over:  # last in its group: drawn over the points it rings, and last in the legend
+            fig.add_trace(go.Scattergl(
+                x=[results[i].metrics.time_per_minibatch_ms for i in over],
+                y=[results[i].metrics.peak_memory_mb for i in over], mode="markers", name=OOM_NAME,
+                legendgroup=OOM_NAME, hoverinfo="skip",
+                marker={"symbol": "circle-open", "size": 24, "color": OOM_RING, "line": {"width": 2.5}}))
             trace_group.append(g)
 
     def shown(chosen: set[int]) -> dict:

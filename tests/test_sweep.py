@@ -382,7 +382,7 @@ def test_the_trade_offs_hover_and_the_fronts_table_write_each_figure_alike():
 def test_the_trade_offs_hover_and_the_fronts_table_mark_a_configuration_over_its_devices_memory():
     """The results carried out_of_memory and sweep's table a memory column, but the page's hover and fronts table
     showed an OOM configuration as if it ran: both now mark it, the table's column only where one is over."""
-    from pipesim.planning.sweep import fronts_table, tradeoff_figure
+    from pipesim.planning.sweep import OOM_NAME, fronts_table, tradeoff_figure
 
     def result(p: int, out_of_memory: bool) -> Result:
         return Result(Config("1f1b", p, 8, 1, 1, 1, 1.0), Metrics(
@@ -391,9 +391,35 @@ def test_the_trade_offs_hover_and_the_fronts_table_mark_a_configuration_over_its
 
     over, fits = result(2, True), result(4, False)
     fig = tradeoff_figure([over, fits], [0, 1])
-    hovers = {x: text for trace in fig.data for x, text in zip(trace.x, trace.text)}  # a front per p
+    hovers = {x: text for trace in fig.data if trace.name != OOM_NAME  # a front per p; the OOM ring has none
+              for x, text in zip(trace.x, trace.text)}
     assert "peak 500 MiB (OOM: past a device's memory), staleness 0" in hovers[50.0]
     assert "OOM" not in hovers[25.0]
     table = fronts_table([over, fits]).data[0]
     assert (table.header.values[-1], list(table.cells.values[-1])) == ("memory", ["OOM", "fits"])
     assert "memory" not in fronts_table([fits]).data[0].header.values
+
+
+def test_the_trade_off_rings_each_configuration_over_its_devices_memory_in_its_group():
+    """An OOM configuration was marked in its hover alone, drawn as one that fits: each group's are ringed now, by a
+    trace of their points (in the legend, no hover of its own) shown with its group's points and with no other."""
+    from pipesim.planning.sweep import OOM_NAME, tradeoff_figure
+
+    def result(p: int, m: int, out_of_memory: bool) -> Result:
+        return Result(Config("1f1b", p, m, 1, 1, 1, 1.0), Metrics(
+            time_per_minibatch_ms=100.0 / p + m, samples_per_s=1.0, bubble_fraction=0.1,
+            peak_memory_mb=1000.0 / p + m, max_staleness=0, makespan_ms=100.0, exposed_comm_ms=0.0,
+            out_of_memory=out_of_memory))
+
+    results = [result(2, 8, True), result(2, 16, False), result(4, 8, False), result(2, 32, True)]
+    fig = tradeoff_figure(results, [0, 1, 2, 3]).to_plotly_json()  # groups p=2 m=8, p=2 m=16, p=2 m=32, p=4 m=8
+    rings = [t for t in fig["data"] if t["name"] == OOM_NAME]
+    assert [(list(t["x"]), list(t["y"])) for t in rings] == [([58.0], [508.0]), ([82.0], [532.0])]
+    assert all(t["hoverinfo"] == "skip" and t["marker"]["symbol"] == "circle-open" for t in rings)
+    assert [t["visible"] for t in rings] == [True, False]  # the first group's view: its ring alone
+    views = fig["layout"]["updatemenus"][0]["buttons"]
+    for view in views:
+        shown = [(t["name"], x) for t, visible in zip(fig["data"], view["args"][0]["visible"]) if visible
+                 for x in t["x"]]
+        ringed = {x for name, x in shown if name == OOM_NAME}
+        assert ringed == {x for name, x in shown if name != OOM_NAME and x in (58.0, 82.0)}, view["label"]
