@@ -266,7 +266,7 @@ def tune(
                                  "give the cap")
         problem = Problem(devices // context, memory_cap_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
-                          max_pipelines, budget, zero)
+                          max_pipelines, budget, zero, memory_part=capped_by)
         searching = f"searching the configurations of {count_text(len(settings), 'profile')}, best bound first"
         with _working(searching) as report:
             tuning = search(settings, problem, report, workers, pool)
@@ -388,20 +388,17 @@ def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: i
     Said before the estimates, which for Llama 3.1 405B on 8 H100s took a minute to find the same, and for a model
     thousands of times too large filled the host's memory first. `part`: the catalogue part (--gpu's, or its
     cluster's) whose own memory is the cap, None where --memory-gb gave it; the refusal names the flag the user
-    gave."""
-    from ..planning.tune import memory_text
+    gave (`nothing_fits_text`)."""
+    from ..planning.tune import memory_text, nothing_fits_text
 
     weight_bytes = counted.total("param_bytes")
     if weight_bytes <= devices * memory_cap_bytes:
         return
-    cap, fewest = memory_text(memory_cap_bytes), math.ceil(weight_bytes / memory_cap_bytes)
-    weights = (f"the model's weights alone ({memory_text(weight_bytes)} in {counted.dtype}) need "
-               f"{memory_text(weight_bytes / devices)} per device")
-    if part is None:
-        raise InputError(f"--memory-gb: no configuration fits in {cap}; {weights} over --devices {devices:,}: give at "
-                         f"least {fewest:,} devices, or more memory each")
-    raise InputError(f"--devices {devices:,}: no configuration fits on {devices:,} {part} of {cap}; {weights}: give "
-                     f"at least {fewest:,} devices, or a --gpu with more memory")
+    over = f" over --devices {devices:,}" if part is None else ""  # else the refusal's start names --devices
+    more = "more memory each" if part is None else "a --gpu with more memory"
+    raise InputError(f"{nothing_fits_text(memory_cap_bytes, devices, part)}; the model's weights alone "
+                     f"({memory_text(weight_bytes)} in {counted.dtype}) need {memory_text(weight_bytes / devices)} per "
+                     f"device{over}: give at least {math.ceil(weight_bytes / memory_cap_bytes):,} devices, or {more}")
 
 
 def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int) -> None:

@@ -161,6 +161,7 @@ class Problem:
     max_pipelines: int = 4
     search_seconds: float | None = None  # auto's search budget (None: its default)
     zero: int = 0  # ZeRO's stage over each candidate's d·C gradient ranks (`Config.zero`)
+    memory_part: str | None = None  # the catalogue part whose own memory is the cap (`nothing_fits_text`)
 
 
 @dataclass(frozen=True)
@@ -2958,9 +2959,20 @@ def _least_memory(lean: Problem, candidates: list[Candidate], simulated: dict[in
 
 
 def _nothing_fits(least: Result, problem: Problem) -> str:
-    return (f"--memory-gb: no configuration fits in {memory_text(problem.memory_cap_bytes)}; the least memory any "
-            f"needs is {memory_text(least.peak_memory_bytes)} per device ({least.config.label()}, "
+    context = int(least.candidate.setting.scenario.measured.estimated_parallelism.get("context", 1))
+    return (f"{nothing_fits_text(problem.memory_cap_bytes, problem.devices * context, problem.memory_part)}; the "
+            f"least memory any needs is {memory_text(least.peak_memory_bytes)} per device ({least.config.label()}, "
             f"m={least.config.microbatches})")
+
+
+def nothing_fits_text(memory_cap_bytes: int, gpus: int, part: str | None) -> str:
+    """A refusal's start where no configuration fits the cap, naming the flag that set it: --memory-gb (`part` None),
+    else --devices, the `gpus` of the catalogue `part` whose own memory is the cap (tune --gpu without --memory-gb),
+    as the user gave no --memory-gb to change."""
+    cap = memory_text(memory_cap_bytes)
+    if part is None:
+        return f"--memory-gb: no configuration fits in {cap}"
+    return f"--devices {gpus:,}: no configuration fits on {gpus:,} {part} of {cap}"
 
 
 def _notes(settings: list[Setting], problem: Problem) -> list[str]:

@@ -46,6 +46,16 @@ def test_where_no_cut_for_time_fits_the_leanest_cut_that_fits_is_the_answer():
         "error: --memory-gb: no configuration fits in 10 GiB; the least memory any needs is 11.4 GiB per device"), err
 
 
+def test_where_nothing_fits_the_parts_own_memory_the_refusal_names_devices_not_memory_gb():
+    """Without --memory-gb the cap is the --gpu part's own memory: the refusal names --devices and the part, as the
+    weights' refusal does (commands/tune.py `_check_weights_fit`), where it named --memory-gb, which was not given."""
+    long_on_a100 = ("--gpu", "a100-sxm-40gb", *GPT_16K[2:10], "--seq-len", 131072, *GPT_16K[12:])
+    code, out, err = pipesim("tune", *long_on_a100, "-D", 2)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith(
+        "error: --devices 2: no configuration fits on 2 a100-sxm-40gb of 40 GiB; the least memory any needs is "), err
+
+
 def test_where_no_cut_for_time_fits_the_fastest_leanest_cut_that_fits_is_the_answer():
     """On 4 devices DualPipeV's leanest cuts peak at 9.0 GiB (p = 4, 37.4 samples/s) and 11.4 (p = 2, d = 2, 46.0),
     and neither cut for time fits 12 GiB: the answer there is p = 2, where tune took the configuration of least
