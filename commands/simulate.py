@@ -335,6 +335,7 @@ def simulate(
             traces.append(result)
             summaries.append(summarize(result))
             memory.append(scenario.memory_checks(sched, summaries[-1]))
+            result.meta.memory_checks = [check.record() for check in memory[-1]]  # for view's page of the trace
         names = [name for name in requested if name not in skipped]  # the methods that ran, in order
         skipped = {name: skipped[name] for name in requested if name in skipped}
         if not names:

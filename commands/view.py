@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .common import InputError, check_outputs, fail, stdout, writing
+from .common import InputError, check_outputs, fail, out_of_memory_line, stdout, writing
 
 
 def _labels(paths: list[Path], traces: list) -> list[str]:
@@ -26,7 +26,9 @@ def view(
                                        "name with .html.")] = None,
 ) -> None:
     """Draw traces on one self-contained page (works offline). One view per trace and, for several traces, one
-    with their lanes interleaved device by device, predicted beside measured; memory under the timelines."""
+    with their lanes interleaved device by device, predicted beside measured; memory under the timelines, with each
+    device's memory and the warning simulate's page gave where the trace records its memory checks."""
+    from ..sim.cluster import MemoryCheck
     from ..traces.trace import TraceError, read_trace
     from ..traces.view import shape_text, write_timeline_page
 
@@ -42,8 +44,13 @@ def view(
         if len(loaded) > 1:
             views.insert(0, ("all, device by device", list(range(len(loaded)))))
         title = "pipesim: " + (f"{labels[0]}, {shape_text(loaded[0])}" if len(loaded) == 1 else "; ".join(labels))
+        checks = [None if t.meta.memory_checks is None else [MemoryCheck.of_record(c) for c in t.meta.memory_checks]
+                  for t in loaded]
+        notes = [line for label, device_checks in zip(labels, checks) if device_checks is not None
+                 and (line := out_of_memory_line(label, device_checks)) is not None]
         with writing("--html"):
-            write_timeline_page(loaded, out, labels=labels, views=views, title=title)
+            write_timeline_page(loaded, out, labels=labels, views=views, title=title, notes=notes,
+                                memory_checks=checks)
     except (InputError, TraceError) as exc:
         fail(str(exc))
     stdout.print(f"wrote {out}" + (" (replaced the file that was there)" if replaced else ""), highlight=False)

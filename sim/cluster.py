@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -69,6 +69,14 @@ class MemoryCheck:
     @property
     def out_of_memory(self) -> bool:
         return self.limit_bytes is not None and self.used_bytes > self.limit_bytes
+
+    def record(self) -> dict:
+        """As a trace records it (traces/trace.py's RecordedMemoryCheck), for a page drawn from the saved trace."""
+        return {**asdict(self), "sharers": list(self.sharers)}
+
+    @classmethod
+    def of_record(cls, record: dict) -> MemoryCheck:
+        return cls(**{**record, "sharers": tuple(record["sharers"])})
 
     def reason(self) -> str:
         """In words, how the peak compares with the memory (for the out-of-memory warning)."""

@@ -52,9 +52,36 @@ def test_a_measured_incomplete_trace_round_trips(predicted, tmp_path):
     # counts out of range: `view` drew such a trace, `compare` called it another run
     (lambda meta: meta.update(microbatches=-4), "meta.microbatches must be a whole number >= 1 (got -4)"),
     (lambda meta: meta.update(microbatch_size=0), "meta.microbatch_size must be a whole number >= 1 (got 0)"),
+    (lambda meta: meta.update(memory_checks=[{"device": 0}]), "meta.memory_checks.0.limit_bytes: Field required"),
+    (lambda meta: meta.update(memory_checks=[_check(1), _check(0), _check(2)]),
+     "meta.memory_checks must hold one check for each of the 3 devices, in order"),
 ])
 def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
     assert fragment in _refusal_once_edited(predicted, tmp_path, lambda doc: edit(doc["pipesim"]["meta"]))
+
+
+def _check(device: int) -> dict:
+    from pipesim.sim.cluster import MemoryCheck
+
+    return MemoryCheck(device, 2**30, 2.0**29, (device,), None, 2.0**29).record()
+
+
+def test_memory_checks_round_trip_and_a_trace_written_before_them_reads_without(predicted, tmp_path):
+    """simulate records each device's memory check, which `view` draws from: it reads back as written, the
+    MemoryCheck it came from; a trace without them (written before) reads with None."""
+    from pipesim.sim.cluster import MemoryCheck
+
+    checked = dataclasses.replace(predicted, meta=dataclasses.replace(predicted.meta,
+                                                                      memory_checks=[_check(d) for d in range(3)]))
+    path = tmp_path / "t.json"
+    write_trace(checked, path)
+    again = read_trace(path)
+    assert again == checked
+    assert MemoryCheck.of_record(again.meta.memory_checks[1]) == MemoryCheck(1, 2**30, 2.0**29, (1,), None, 2.0**29)
+    doc = json.loads(path.read_text())
+    del doc["pipesim"]["meta"]["memory_checks"]
+    path.write_text(json.dumps(doc))
+    assert read_trace(path).meta.memory_checks is None
 
 
 def _refusal_once_edited(trace, tmp_path, edit) -> str:

@@ -528,3 +528,31 @@ def test_simulate_gpu_page_carries_the_gpus_memory_for_each_device(tmp_path):
                            "--heads", 4, "--seq-len", 128, "-p", 2, "-m", 4, "-s", "1f1b", "--html", page)
     assert code == 0, err
     assert _page_data(page.read_text())["traces"][0]["memory"]["limits_mib"] == [81920, 81920]
+
+
+def test_view_of_a_saved_trace_draws_each_devices_memory_as_simulates_page_did(tmp_path):
+    """`pipesim view` of simulate's --trace drew no device's memory: no dashed line, no OOM on the bar, no warning,
+    the trace not recording what simulate checked. It records it now: two ranks on one GPU, out of memory together,
+    get from the saved trace the lines simulate's page drew (each at the GPU less the other's peak) and the
+    warning; the same trace without its checks (written before) still draws, without them."""
+    from tests.conftest import pipesim
+
+    cluster, trace, live, viewed = (tmp_path / name for name in ("c.json", "t.json", "live.html", "viewed.html"))
+    cluster.write_text(json.dumps({"devices": [{"name": "r0", "compute": "gpu0", "memory_gib": 1.5},
+                                               {"name": "r1", "compute": "gpu0"}]}))
+    code, _, err = pipesim("simulate", "-p", 2, "-m", 4, "-s", "1f1b", "--cluster", cluster, "--activation-mb", 3,
+                           "--html", live, "--trace", trace)
+    assert code == 0, err
+    assert pipesim("view", trace, "--html", viewed).code == 0
+    drawn, shown = (_page_data(page.read_text()) for page in (live, viewed))
+    assert shown["traces"][0]["memory"]["limits_mib"] == drawn["traces"][0]["memory"]["limits_mib"]
+    assert shown["traces"][0]["memory"]["limits_shared"] == [True, True]
+    assert all(limit is not None for limit in shown["traces"][0]["memory"]["limits_mib"])
+    assert [note.replace(", predicted", "") for note in shown["notes"]] == drawn["notes"]
+    assert "runs out of memory: devices 0 and 1 share compute gpu0" in shown["notes"][0]
+    doc = json.loads(trace.read_text())
+    del doc["pipesim"]["meta"]["memory_checks"]
+    trace.write_text(json.dumps(doc))
+    assert pipesim("view", trace, "--html", viewed).code == 0
+    old = _page_data(viewed.read_text())
+    assert old["traces"][0]["memory"]["limits_mib"] == [None, None] and old["notes"] == []

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
 
 from ..files import first_error, read_json
 from ..memory_parts import MEMORY_PARTS
@@ -133,6 +134,19 @@ class Counter:
         )
 
 
+class RecordedMemoryCheck(TypedDict):
+    """One device's peak checked against its memory as the simulation checked it (sim/cluster.py's MemoryCheck,
+    field by field: `MemoryCheck.record`), so that a page drawn from the saved trace (`pipesim view`) draws the
+    memory line, the OOM marks and the warning that simulate's own page drew."""
+
+    device: int
+    limit_bytes: int | None  # None: not known
+    used_bytes: float
+    sharers: list[int]
+    memory: str | None
+    peak_bytes: float
+
+
 @dataclass
 class TraceMeta:
     """What a trace describes, the same for predicted and measured runs, so either can be compared with
@@ -146,8 +160,9 @@ class TraceMeta:
     early, `failed_rank` then names the rank that failed, if one did. `peak_memory_parts`: per device, the bytes
     of each of `MEMORY_PARTS` at the moment of its `memory_bytes` peak, which they sum to (None: the source does
     not break memory down, as a measurement); `peak_activation_parts` splits its activations likewise by what saves
-    them (attention, mlp, norms, dropout, other: all other where the costs do not say). `extra` holds what a
-    source adds (a measured run's losses, say).
+    them (attention, mlp, norms, dropout, other: all other where the costs do not say). `memory_checks`: per
+    device, its peak against its memory as simulate checked it (None: not checked, as a measurement, or a trace
+    written before they were recorded). `extra` holds what a source adds (a measured run's losses, say).
     """
 
     source: Literal["predicted", "measured"]
@@ -171,6 +186,7 @@ class TraceMeta:
     calibration: dict[str, Any] | None = None
     peak_memory_parts: list[dict[str, int]] | None = None
     peak_activation_parts: list[dict[str, int]] | None = None
+    memory_checks: list[RecordedMemoryCheck] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -384,6 +400,10 @@ def from_chrome(doc: Any) -> Trace:
             sum(held.values()) != whole["activations"] for held, whole in zip(savers, parts))):
         raise TraceError("pipesim header: meta.peak_activation_parts must hold, for each device, bytes that sum to "
                          "its peak_memory_parts' activations")
+    checks = meta.memory_checks
+    if checks is not None and [check["device"] for check in checks] != list(range(num_devices)):
+        raise TraceError(f"pipesim header: meta.memory_checks must hold one check for each of the {num_devices} "
+                         "devices, in order")
     return Trace(kinds, num_devices, ops, meta, counters)
 
 
