@@ -14,7 +14,7 @@ import numpy as np
 
 from .analysis import _action, check_complete, local_order_ok, validate, weight_versions
 from .ir import COLLECTIVE_KINDS, PASS_COLLECTIVE_KINDS, RECV_KINDS, Kind, Schedule, ScheduleError
-from .passes import communication_rows, gathered_passes
+from .passes import communication_rows, exchange_order, gathered_passes
 from .table import FIELD_DTYPE, KIND_CODE, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 
@@ -73,6 +73,7 @@ class Lowered:
     row after a run of a pass's collectives (its all-to-alls, then its ring), a receive aside, for the whole run
     (the pass they follow is done only when all of them are, and a ring may run on a link of its own beside the
     all-to-alls: `Costs.collective_links`). A collective itself holds its device no longer than issuing it.
+    `blocking`: the rows are in the order of a runtime whose exchanges block (`exchange_order`).
     """
 
     schedule: Schedule
@@ -88,6 +89,7 @@ class Lowered:
     units: int
     awaits_first: np.ndarray
     awaits: np.ndarray
+    blocking: bool = False
 
     @property
     def is_compute(self) -> np.ndarray:
@@ -104,9 +106,14 @@ class Lowered:
         return np.asarray(transfer) // self.units
 
 
-def lower(schedule: Schedule) -> Lowered:
-    """The schedule's rows for a runtime (see `Lowered`); assumes `preflight` passed."""
+def lower(schedule: Schedule, exchange_ps: np.ndarray | None = None) -> Lowered:
+    """The schedule's rows for a runtime (see `Lowered`); assumes `preflight` passed. `exchange_ps`: for a runtime
+    whose exchanges block, per row of `lower(schedule)` the time it holds its device, after which each SEND sits at
+    the exchange its receiver posts the RECV at (`exchange_order`)."""
     t, origin, transfer = communication_rows(schedule)
+    if exchange_ps is not None:
+        order = exchange_order(schedule, t, transfer, exchange_ps)
+        t, origin, transfer = t.select(order), origin[order], transfer[order]
     versions = weight_versions(schedule)
     own = np.flatnonzero(origin >= 0)  # the schedule's actions, in order
 
@@ -136,7 +143,8 @@ def lower(schedule: Schedule) -> Lowered:
     units = schedule.microbatches * schedule.minibatches * schedule.pipelines
     bounds = np.searchsorted(t.device, np.arange(schedule.num_devices + 1))
     return Lowered(schedule, t, origin, bounds, scatter(versions.read, -1), scatter(versions.prediction, -1),
-                   scatter(versions.copies_delta, 0), held, transfer, channels, units, *_awaits(schedule, t))
+                   scatter(versions.copies_delta, 0), held, transfer, channels, units, *_awaits(schedule, t),
+                   exchange_ps is not None)
 
 
 def _awaits(schedule: Schedule, t: ActionTable) -> tuple[np.ndarray, np.ndarray]:

@@ -344,3 +344,144 @@ def overlap_expert_communication(schedule: Schedule) -> Schedule:
     table = ActionTable(t.device[taken], t.kind[taken], t.stage[taken], t.microbatch[taken], t.minibatch[taken],
                         t.pipeline[taken], peer[taken])
     return schedule.with_orders(OrderView(table, schedule.num_devices))
+
+
+
+
+
+# The methods whose runtime posts one exchange for each forward and the backward it runs next, where it has virtual
+# stages: Megatron-core's interleaved schedule (megatron/core/pipeline_parallel/schedules.py at NVIDIA/Megatron-LM
+# d98e8a64dd, `forward_backward_pipelining_with_interleaving`: in its steady state a forward, a backward, then
+# `send_forward_backward_recv_forward_backward`, line 1935), where its 1F1B exchanges between them
+# (`send_forward_recv_backward`, line 2416).
+STEP_EXCHANGE_METHODS = ("interleaved-1f1b",)
+
+
+def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row_ps: np.ndarray) -> np.ndarray:
+    """The order (a permutation of `t`'s rows, each device's kept together) in which a runtime whose exchanges block
+    walks `schedule`'s lowered rows `t` (`communication_rows`; `transfer` pairs a SEND with its RECV): its exchanges
+    are the SENDs and RECVs between two other rows of a device, which it posts together and waits for whole, as
+    Megatron-core posts the sends and receives between two passes in one batch and waits for them all
+    (megatron/core/pipeline_parallel/p2p_communication.py at NVIDIA/Megatron-LM d98e8a64dd: `_batched_p2p_ops`'
+    `batch_isend_irecv`, then `_communicate`'s `req.wait()` on each), and a SEND moves only once its receiver has
+    posted the RECV (NCCL's send and receive meet). Never between an overlapped pair's parts,
+    nor between a pass and its collectives, nor between a forward and the backward after it where the runtime
+    exchanges once for both (`STEP_EXCHANGE_METHODS`).
+
+    Each SEND at its device's first exchange after the row that made its data and each RECV at the last before the
+    row that needs it, as Megatron-core posts them, unless that order waits forever (two devices each sending to
+    the other at an exchange the other reaches only after its own send: `_waits_forever`). Then each SEND goes to
+    the exchange at which its receiver posts the RECV in the run the rows make when no transfer takes time (each
+    other row holds its device `row_ps`, at least 1, a RECV waits for its SEND): its device's last exchange posted
+    at or before the row that needs the data starts, never before the row that made it. There each exchange's SENDs
+    meet RECVs posted before its device's next exchange and its RECVs SENDs posted before theirs, so times grow
+    along all a blocking exchange waits for (a device's next exchange waits for this one, which waits for its peers'
+    posts): no exchange waits for itself. Within an exchange: its SENDs, then its RECVs, each in lowered order."""
+    n = len(t.kind)
+    sending = kind_mask(t.kind, Kind.SEND_F, Kind.SEND_B)
+    receiving = kind_mask(t.kind, Kind.RECV_F, Kind.RECV_B)
+    ticking = ~(sending | receiving)
+    device = t.device.astype(np.int64)
+    index = np.arange(n)
+    starts = np.flatnonzero(np.r_[True, device[1:] != device[:-1]]) if n else np.zeros(0, dtype=np.int64)
+    own_start = np.repeat(starts, np.diff(np.r_[starts, n]))  # per row, its device's first row
+    made = np.maximum.accumulate(np.where(ticking, index, -1))  # per row, the ticking row at or before it
+    made = np.where(made >= own_start, made, -1)  # (-1: none of its device)
+    recvs, sends = np.flatnonzero(receiving), np.flatnonzero(sending)
+    # The rows an exchange may follow: a ticking row but an overlapped pair's forward part, a pass its collectives
+    # follow, or where the runtime exchanges once for a forward and the backward after it, such a forward.
+    follows_collective = np.r_[kind_mask(t.kind[1:], *PASS_COLLECTIVE_KINDS), False]
+    pair_forward = (t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0)
+    anchors = ticking & ~pair_forward & ~follows_collective
+    stepped = anchors.copy()
+    if schedule.method in STEP_EXCHANGE_METHODS and schedule.num_stages > schedule.num_devices:
+        following = np.append(np.minimum.accumulate(np.where(ticking, index, n)[::-1])[::-1][1:], n)
+        forward = np.flatnonzero((t.kind == KIND_CODE[Kind.F]) & (following < n))
+        stepped[forward[(t.kind[following[forward]] == KIND_CODE[Kind.B])
+                        & (device[following[forward]] == device[forward])]] = False
+    points = np.flatnonzero(stepped)
+    key = np.where(ticking, 2 * index, 0)
+    at = np.searchsorted(points, made[sends])  # a SEND's first exchange at or after the row that made its data
+    key[sends] = 2 * points[np.minimum(at, len(points) - 1)] + 1
+    before = np.searchsorted(points, made[recvs], side="right") - 1  # a RECV's last at or before its natural one
+    found = np.where(before >= 0, points[np.maximum(before, 0)], -1)
+    key[recvs] = 2 * np.where(found >= own_start[recvs], found, -1) + 1
+    order = np.lexsort((index, receiving, key, device))
+    if not _waits_forever(t.kind[order], device[order], transfer[order]):
+        return order
+    # The run without transfer times: a device's clock after row r is the latest, over its rows j <= r, of when j
+    # could begin (a RECV when its SEND's clock, its first row at 0) less the time held before j, plus the time
+    # held up to r (a running maximum per device, repeated until the RECVs' SENDs' clocks hold), in units small
+    # enough that every device's clocks, offset apart, fit in 62 bits.
+    held = np.maximum(np.asarray(row_ps, dtype=np.int64), 1) * ticking
+    total = int(held.sum(dtype=np.int64)) + 1
+    unit = -(-2 * total * (int(device.max(initial=0)) + 1) // 2**61)
+    if unit > 1:
+        held = np.maximum(held // unit, 1) * ticking
+    up_to = np.cumsum(held)
+    up_to -= (up_to - held)[own_start]
+    row_of = np.zeros(int(transfer.max(initial=-1)) + 1, dtype=np.int64)
+    row_of[transfer[sends]] = sends
+    sender = row_of[transfer[recvs]]
+    span = 2 * total + 2  # more than any clock's range: keeps each device's running maximum to itself
+    offset = device * span
+    begins = np.full(n, -span, dtype=np.int64)
+    begins[starts] = 0
+    clock = up_to.copy()
+    for _ in range(n + 1):
+        begins[recvs] = clock[sender] - up_to[recvs]
+        latest = np.maximum.accumulate(begins + offset) - offset + up_to
+        if np.array_equal(latest, clock):
+            break
+        clock = latest
+    points = np.flatnonzero(anchors)
+    after_run = np.minimum.accumulate(np.where(ticking, index, n)[::-1])[::-1]  # a RECV's row that needs it
+    needed_at = np.zeros(len(row_of), dtype=np.int64)
+    needed_at[transfer[recvs]] = clock[after_run[recvs]] - held[after_run[recvs]]
+    found = np.searchsorted(offset[points] + clock[points], offset[sends] + needed_at[transfer[sends]], side="right")
+    key = np.where(ticking, 2 * index, 2 * made + 1)
+    key[sends] = 2 * np.maximum(points[np.maximum(found - 1, 0)], made[sends]) + 1
+    return np.lexsort((index, receiving, key, device))
+
+
+def _waits_forever(kind: np.ndarray, device: np.ndarray, transfer: np.ndarray) -> bool:
+    """Whether lowered rows (`kind`, `device`, `transfer` per row, each device's together) whose exchanges block
+    (`exchange_order`) wait for each other forever: a device posts an exchange once its exchange before has ended,
+    which is once each of its transfers' other ends has posted, so each exchange's post waits for the device's
+    exchange before it and for that one's peers' exchanges; a cycle of such waits never ends."""
+    exchanging = kind_mask(kind, Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B)
+    rows = np.flatnonzero(exchanging)
+    if not len(rows):
+        return False
+    begins = np.r_[True, (np.diff(rows) > 1) | (device[rows][1:] != device[rows][:-1])]
+    exchange = np.cumsum(begins) - 1  # per transfer row, its exchange
+    count = int(exchange[-1]) + 1
+    first = np.flatnonzero(begins)
+    owner = device[rows][first]
+    following = np.append(np.where(owner[1:] == owner[:-1], np.arange(1, count), -1), -1)  # its device's next
+    peer = np.zeros(int(transfer.max()) + 1, dtype=np.int64)
+    sending = kind_mask(kind[rows], Kind.SEND_F, Kind.SEND_B)
+    peer[transfer[rows][sending]] = exchange[sending]
+    other = np.where(sending, 0, peer[transfer[rows]])  # a RECV's SEND's exchange; a SEND's RECV's below
+    receiver = np.zeros(len(peer), dtype=np.int64)
+    receiver[transfer[rows][~sending]] = exchange[~sending]
+    other[sending] = receiver[transfer[rows][sending]]
+    # Edges: an exchange to its device's next; each transfer's other end's exchange to this end's next.
+    sources = np.r_[np.arange(count), other]
+    targets = np.r_[following, following[exchange]]
+    kept = targets >= 0
+    sources, targets = sources[kept], targets[kept]
+    by_source = np.argsort(sources, kind="stable")
+    bounds = np.searchsorted(sources[by_source], np.arange(count + 1)).tolist()
+    out = targets[by_source].tolist()
+    waiting = np.bincount(targets, minlength=count).tolist()
+    ready = [e for e in range(count) if waiting[e] == 0]
+    done = 0
+    while ready:
+        e = ready.pop()
+        done += 1
+        for f in out[bounds[e]:bounds[e + 1]]:
+            waiting[f] -= 1
+            if waiting[f] == 0:
+                ready.append(f)
+    return done < count

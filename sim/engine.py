@@ -3,7 +3,9 @@ resource is shared, the same processes run as plain coroutines: see `_Model`).
 
 `schedules.lower` makes every transfer explicit, so the runtime interprets three things: compute (busy for
 the op's cost), SEND (the transfer is queued on the link's resources and the compute stream goes on, unless
-the cluster says sends block), RECV (the compute stream waits until the data has arrived). Transfers are
+the cluster says exchanges block: then a device posts the SENDs and RECVs between two of its other rows together,
+each SEND moves once its receiver has posted the RECV, and the device waits for them all, the rows lowered in such
+a runtime's order, `exchange_order`), RECV (the compute stream waits until the data has arrived). Transfers are
 reserved on their link when issued, which, since SimPy advances in time order, is first come first served
 on shared links. A collective (REDUCE, GATHER: data-parallel replicas synchronising; a pass's all-to-alls or
 context ring) runs on the device's network stream, beside its compute and after the collectives issued before it
@@ -75,6 +77,9 @@ _SWEEP_WINDOW = 256
 _NEVER = 2**63 - 1
 # `_Model.awaited` of a device waiting for nothing.
 _AWAITS_NONE = (-1, -1)
+# `_Program.steps`' stream of a blocking SEND after the first of its exchange: issued at the exchange's post, beside
+# the SENDs before it (`_price`).
+_BESIDE = 4
 # A byte per row: the stream column is compared over millions of rows, and the trace widens it once.
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS)).astype(np.int8)
 
@@ -169,6 +174,10 @@ class _Program:
     # it arrives (-1: its SEND step finds that out when it runs).
     send_clock: np.ndarray | None
     send_to_arrival_ps: np.ndarray | None
+    # Per transfer id, where nothing is timed and exchanges block: the index in `_Model.clocks` of the clock before
+    # its receiver's exchange and how long after that clock it arrives from there (None: it arrives from its send).
+    receiver_clock: np.ndarray | None
+    receiver_to_arrival_ps: np.ndarray | None
     compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
     host_unit: list[int | None]  # per device: the host whose cores its compute rows share, if any
     contention: tuple[float, ...]  # the hosts' slowdown with 1, 2, ... devices computing at once
@@ -199,15 +208,26 @@ def device_product_ms(stages_on: Sequence[Sequence[int]], costs: Costs) -> list[
             for mine in stages_on]
 
 
-def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed: int) -> _Program:
-    """Durations, transfer times and routes, and memory and counter deltas of the lowered rows."""
+@dataclass(frozen=True)
+class _RowTimes:
+    """What each lowered row takes (`_row_times`): its duration and all it holds its device for (with the
+    runtime's host time after it), ps; the stages' op times (ms, `Costs.op_ms_table`), the gradient spans, and the
+    overlapped pairs' forward parts whose all-to-alls follow them (`_with_all_to_alls`)."""
+
+    op_ms: np.ndarray
+    spans: _GradientSpans
+    duration: np.ndarray
+    held: np.ndarray
+    paired: np.ndarray
+
+
+def _row_times(lowered: Lowered, costs: Costs, jitter: float, seed: int) -> _RowTimes:
+    """The lowered rows' times (`_RowTimes`)."""
     schedule, t = lowered.schedule, lowered.table
     n = len(t.kind)
     stages = costs.stages
     kind, stage = t.kind, t.stage
-    stream = _STREAM_OF_KIND[kind]
-    compute = stream == Stream.COMPUTE
-
+    compute = _STREAM_OF_KIND[kind] == Stream.COMPUTE
     op_ms = costs.op_ms_table(schedule.pipelines)
     overhead = costs.overhead
     computing = np.flatnonzero(compute)
@@ -254,6 +274,21 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                                                   op_ms[stage[paired + 2], a2a_f] * ~by_node[stage[paired + 1]])
         duration[paired], duration[paired + 1] = _picoseconds(forward_ms), _picoseconds(backward_ms)
     held = duration if host_ps is None else duration + host_ps  # what each row keeps its device from its next row
+    return _RowTimes(op_ms, spans, duration, held, paired)
+
+
+def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed: int) -> _Program:
+    """Durations, transfer times and routes, and memory and counter deltas of the lowered rows (lowered again where
+    the cluster's exchanges block and they are not in a blocking runtime's order: `Lowered.blocking`)."""
+    if not (cluster.overlap_comm or lowered.blocking):  # in the order the run's own times give (`exchange_order`)
+        lowered = lower(lowered.schedule, exchange_ps=_row_times(lowered, costs, jitter, seed).held)
+    schedule, t = lowered.schedule, lowered.table
+    stages = costs.stages
+    kind, stage = t.kind, t.stage
+    stream = _STREAM_OF_KIND[kind]
+    compute = stream == Stream.COMPUTE
+    times = _row_times(lowered, costs, jitter, seed)
+    op_ms, spans, duration, held, paired = times.op_ms, times.spans, times.duration, times.held, times.paired
 
     # A channel's transfers share their size, time and route.
     resources: dict[tuple[str, str], int] = {}
@@ -314,12 +349,25 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     send_clock[xids] = clock_before[send_rows] + own_step
     # (a step of its own: found when it runs where timed; else its clock is its arrival where it blocks, its issue
     # where it waited for a collective, the output of a pass whose all-to-alls or ring must end first)
-    send_to_arrival[xids] = np.where(own_step, -1 if timed else np.where(waiter[send_rows], transfer_ps[xids], 0),
+    send_to_arrival[xids] = np.where(own_step, -1 if timed else np.where(waiter[send_rows] & cluster.overlap_comm,
+                                                                         transfer_ps[xids], 0),
                                      since_ps[send_rows] + transfer_ps[xids])
+    meeting = np.zeros(0, dtype=np.int64)  # blocking: the SENDs that wait for their receiver's exchange (below)
+    if not cluster.overlap_comm:
+        meeting, post_row = _exchanges(lowered, stream, waiter)
+        met = lowered.transfer[meeting]
+        receiver_post = post_row[_receive_rows(lowered, stream, len(transfer_ps))[met]]
+        receiver_clock = np.zeros(len(transfer_ps), dtype=np.int64)
+        receiver_ps = np.zeros(len(transfer_ps), dtype=np.int64)
+        receiver_clock[met] = clock_before[receiver_post]
+        receiver_ps[met] = since_ps[receiver_post] + (0 if timed else transfer_ps[met])
+        if not timed:
+            send_clock[met] = clock_before[post_row[meeting]]
+            send_to_arrival[met] = since_ps[post_row[meeting]] + transfer_ps[met]
 
-    # Per step: the clock it waits for and how long after it. A RECV waits for its SEND's clock; a blocking SEND
-    # where nothing is timed waits for its own device's clock before it plus its compute and transfer time;
-    # anything else for its device's start (nothing).
+    # Per step: the clock it waits for and how long after it. A RECV waits for its SEND's clock (blocking, where
+    # nothing is timed, the SEND's post: `_exchanges`); a blocking SEND for its receiver's post; anything else for
+    # its device's start (nothing).
     step_stream = stream[step_rows]
     step_device = device[step_rows]
     operand = lowered.transfer[step_rows].astype(np.int64)  # a compute step's holds its duration in ps
@@ -330,10 +378,25 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     receiving = np.flatnonzero(step_stream == Stream.RECV)
     waits_for[receiving] = send_clock[operand[receiving]]
     after[receiving] = send_to_arrival[operand[receiving]]
-    if not timed:
-        blocking = np.flatnonzero(step_stream == Stream.SEND)
-        waits_for[blocking] = blocking + step_device[blocking]
-        after[blocking] = pre[blocking] + transfer_ps[operand[blocking]]
+    if len(meeting):
+        # A blocking exchange (Megatron-core's batched point-to-point, waited whole): a device posts the SENDs and
+        # RECVs between two of its other rows together and goes on once all have ended, each transfer moving once
+        # both its ends have posted (an NCCL send waits for its receive), from the later post. Where nothing is
+        # timed, each end works that out from its own post and the other's: a step waits for the other's post plus
+        # the transfer, and the exchange's first step adds its longest transfer to its own post. Where timed, a
+        # SEND is issued at the later post (`_Model`), one after the first of its exchange (`_BESIDE`) at its
+        # exchange's post too, not after the SEND before it.
+        sending = np.searchsorted(step_rows, meeting)
+        waits_for[sending] = receiver_clock[operand[sending]]
+        after[sending] = receiver_ps[operand[sending]]
+        if timed:
+            step_stream[sending[post_row[meeting] != meeting]] = _BESIDE
+        else:
+            exchanging = np.flatnonzero((step_stream == Stream.SEND) | (step_stream == Stream.RECV))
+            posts = post_row[step_rows[exchanging]]
+            begins = np.flatnonzero(np.r_[True, posts[1:] != posts[:-1]])
+            longest = np.maximum.reduceat(transfer_ps[operand[exchanging]], begins) if len(begins) else begins
+            pre[exchanging[begins]] += longest
     # A collective's lane: step j begins when its row has issued it and the lane's step before has ended.
     collective_rows = np.flatnonzero(stream == Stream.NETWORK)
     # Of a collective's network time, the part its pass's compute covers (a ring's exchanges, each under the
@@ -381,6 +444,9 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     awaited = np.searchsorted(collective_rows, lowered.awaits[step_rows[waiting]])
     waits_for[waiting] = collective_clock[awaited]
     after[waiting] = collective_ps[awaited]
+    if not (timed or cluster.overlap_comm):  # a blocking SEND that waited for a collective: its transfer after it
+        waiting_sends = waiting[step_stream[waiting] == Stream.SEND]
+        after[waiting_sends] += transfer_ps[operand[waiting_sends]]
     first_join_clock = first_clock + len(lane) + len(lane_keys)  # the joins' clocks follow the lanes'
     joined, joins = _joins(np.searchsorted(collective_rows, lowered.awaits_first[step_rows[waiting]]), awaited,
                            row_lane, step_device[waiting], collective_clock, collective_ps, first_join_clock)
@@ -409,12 +475,35 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     no_unit = [None] * (len(lane_keys) + len(joins.bounds) - 1 + len(meetings.bounds) - 1)
     return _Program(lowered, stream, steps, columns, step_offsets, step_rows, step_bounds, start_clock,
                     collective_rows, collective_clock, collective_ps, first_meeting_clock + meetings.num_clocks,
-                    timed, send_clock, send_to_arrival, compute_unit + no_unit, host_unit + no_unit,
+                    timed, send_clock, send_to_arrival,
+                    *((None, None) if timed or not len(meeting) else (receiver_clock, receiver_ps)),
+                    compute_unit + no_unit, host_unit + no_unit,
                     cluster.contention, cluster.collective_contention, clock_before, since_ps, duration,
                     channel_ps.tolist(), routes,
                     len(resources), spans, channel_bytes, static_parts(schedule, costs),
                     [round(ms * _PS_PER_MS) or None for ms in device_product_ms(schedule.stages_by_device, costs)]
                     if costs.transfers_hold_products else [])
+
+
+def _exchanges(lowered: Lowered, stream: np.ndarray, waiter: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A blocking runtime's exchanges (`Lowered.blocking`: each a device's run of SENDs and RECVs between two of its
+    other rows, posted together): the SEND rows that meet their receiver's exchange (all but those waiting for a
+    collective, issued once it has ended), and per row the first row of its run (its exchange's post)."""
+    exchanging = (stream == Stream.SEND) | (stream == Stream.RECV)
+    n = len(stream)
+    begins = exchanging & ~np.r_[False, exchanging[:-1]]
+    firsts = lowered.bounds[:-1][lowered.bounds[:-1] < n]
+    begins[firsts] = exchanging[firsts]
+    post_row = np.maximum.accumulate(np.where(begins, np.arange(n), 0))
+    return np.flatnonzero((stream == Stream.SEND) & ~waiter), post_row
+
+
+def _receive_rows(lowered: Lowered, stream: np.ndarray, transfers: int) -> np.ndarray:
+    """Per transfer id, its RECV row."""
+    receives = np.flatnonzero(stream == Stream.RECV)
+    rows = np.zeros(transfers, dtype=np.int64)
+    rows[lowered.transfer[receives]] = receives
+    return rows
 
 
 @dataclass(frozen=True)
@@ -1157,9 +1246,24 @@ class _Model:
         product_ps = program.product_ps[d] if kernels is not None else None
         start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
+        post = 0  # blocking: the clock its exchange was posted at, plus the host time of its SENDs since
         for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
                 itertools.count(start + 1), *map(memoryview, program.steps[d]),
                 rows.tolist() if cores else itertools.repeat(-1)):
+            if stream == _BESIDE:  # a SEND of the exchange the one before began: from its post, once its receiver's
+                post += busy_ps
+                if clocks[other] < 0:
+                    waiter = env.event()
+                    waiters.setdefault(other, []).append(waiter)
+                    yield waiter
+                issued = max(post, clocks[other] + after_ps)
+                if routes[xid // units] and issued > env.now:
+                    yield env.timeout(issued - env.now)
+                clock = clocks[mine] = max(clock, self._issue(xid, issued, kernels))
+                woken = waiters.pop(mine, None)
+                if woken:
+                    self._succeed(woken)
+                continue
             if kernels is not None and busy_ps:  # the compute since the last step, held by the transfer kernels
                 computing_from = clock  # beside it: once simulated time reaches its end, every kernel that began
                 while True:  # under it is known (a sender announces its transfer when it issues it)
@@ -1179,6 +1283,7 @@ class _Model:
                 self.host_stretch_ps[row] = end - clock
                 clock = end
             computed_ps = 0
+            post = clock
             if stream == recv or other != start:  # a RECV waits for its data, a row that needs a collective (or a
                 if clocks[other] < 0:  # lane step its row) for that clock: wait until the sender (or lane) has it
                     waiter = env.event()
@@ -1244,9 +1349,22 @@ class _Model:
         me = self.running
         start = int(program.start_clock[d])
         send, recv = int(Stream.SEND), int(Stream.RECV)
-        clock = 0
+        clock = post = 0  # post: as `process`'s
         for mine, busy_ps, stream, xid, other, after_ps in zip(  # memoryviews: Python ints, one at a time
                 itertools.count(start + 1), *map(memoryview, program.steps[d])):
+            if stream == _BESIDE:  # as `process`
+                post += busy_ps
+                if clocks[other] < 0:
+                    frontier[d] = post
+                    awaited[d] = (other, -1)
+                    waiters.setdefault(other, []).append(me)
+                    yield
+                    awaited[d] = _AWAITS_NONE
+                clock = clocks[mine] = max(clock, self._issue(xid, max(post, clocks[other] + after_ps), kernels))
+                woken = waiters.pop(mine, None)
+                if woken:
+                    resume(woken)
+                continue
             if kernels is None:
                 clock += busy_ps
             elif busy_ps:
@@ -1270,6 +1388,7 @@ class _Model:
                 if holds or kernels:
                     self._hold(kernels, end, holds)
                 clock = end
+            post = clock
             if stream == recv or other != start:  # as `process`
                 if clocks[other] < 0:
                     frontier[d] = clock
@@ -1460,6 +1579,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     # counters below reuse their memory (three columns of a million rows, and the transfers' and steps').
     program.clock_before = program.since_ps = program.duration_ps = model.duration_ps = None
     program.send_clock = program.send_to_arrival_ps = program.step_rows = model.arrival = None
+    program.receiver_clock = program.receiver_to_arrival_ps = None
     # Counter events: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival,
     # or where the runtime posts it ahead. Their times stay picoseconds here (the issue times' column becomes the
     # first events'): each device's become milliseconds as its counters are made, which spares two columns of
@@ -1563,8 +1683,10 @@ def _issue_and_end_times(program: _Program, model: _Model, transfers: np.ndarray
     if len(transfers):
         if program.timed:  # every SEND was a step and found its arrival
             arrival = np.frombuffer(model.arrival, dtype=np.int64)
-        else:  # every SEND arrives a fixed time after a clock of its device
+        else:  # every SEND arrives a fixed time after a clock of its device (blocking: or of its receiver's, later)
             arrival = clocks[program.send_clock] + program.send_to_arrival_ps
+            if program.receiver_clock is not None:
+                np.maximum(arrival, clocks[program.receiver_clock] + program.receiver_to_arrival_ps, out=arrival)
         end_ps[transfers] = arrival[transfer_ids]
     end_ps[program.collective_rows] = clocks[program.collective_clock] + program.collective_ps
     return issued_ps, end_ps

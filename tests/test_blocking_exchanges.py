@@ -1,0 +1,83 @@
+"""Blocking exchanges (`--blocking-comm`): a device posts the SENDs and RECVs between two of its other rows together
+and waits for them whole, and a SEND moves once its receiver has posted the RECV (schedules/passes.py
+`exchange_order`, sim/engine.py `_exchanges`)."""
+
+import numpy as np
+import pytest
+
+from pipesim.schedules import METHODS, Kind
+from pipesim.schedules.lowering import check_transfer_order, lower
+from pipesim.schedules.passes import _waits_forever, exchange_order
+from pipesim.schedules.table import KINDS
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.traces import summarize
+from tests.conftest import build
+
+
+def _schedule(name, p):
+    """`name` at p devices (graphpipe's 4 at least), 4p micro-batches, 2 mini-batches, interleaved with v = 2."""
+    chunks = 2 if name == "interleaved-1f1b" else None
+    return build(name, max(p, 4) if name == "graphpipe" else p, 4 * p, 2, chunks=chunks)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_method_finishes_blocking_and_waiting_costs_no_less_than_overlapping(name, p):
+    schedule = _schedule(name, p)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, output_mb=1.0)
+    for comm_ms in (0.0, 0.5):
+        overlapped, blocking = (summarize(simulate(schedule, costs, Cluster.uniform(
+            schedule.num_devices, comm_ms, overlap_comm=overlap))).makespan_ms for overlap in (True, False))
+        assert blocking >= overlapped
+
+
+def _exchanges(lowered, device):
+    """Device `device`'s rows as text, its exchanges in brackets."""
+    t, out, inside = lowered.table, [], False
+    for row in lowered.rows(device):
+        kind = KINDS[t.kind[row]]
+        transfer = kind.value.startswith(("SEND", "RECV"))
+        if transfer != inside:
+            out.append("[" if transfer else "]")
+            inside = transfer
+        out.append(f"{kind.value}{t.stage[row]}.{t.microbatch[row]}")
+    return " ".join(out + ["]"] * inside)
+
+
+def _blocking(schedule):
+    natural = lower(schedule)
+    return natural, lower(schedule, exchange_ps=np.ones(len(natural.table.kind), dtype=np.int64))
+
+
+def test_one_f_one_b_exchanges_are_megatrons_as_lowered():
+    """1F1B's exchanges as lowered (a SEND after its pass, a RECV before the pass that needs it) are those
+    Megatron-core's 1F1B posts (send_forward_recv_backward after a forward, send_backward_recv_forward after a
+    backward): the order stays."""
+    natural, blocking = _blocking(build("1f1b", 4, 8))
+    assert np.array_equal(blocking.origin, natural.origin)
+    assert "F1.3 [ SEND_F1.3 RECV_B1.1 ] B1.1 [ SEND_B1.1 RECV_F1.4 ] F1.4" in _exchanges(blocking, 1)
+
+
+def test_interleaved_exchanges_once_for_a_forward_and_the_backward_after_it():
+    """Megatron-core's interleaved steady state: a forward, a backward, then one exchange sending both outputs and
+    receiving both next inputs (send_forward_backward_recv_forward_backward)."""
+    _, blocking = _blocking(build("interleaved-1f1b", 4, 8, chunks=2))
+    check_transfer_order(blocking)
+    assert "F1.4 B5.0 [ SEND_F1.4 SEND_B5.0 RECV_F1.5 RECV_B5.1 ] F1.5 B5.1" in _exchanges(blocking, 1)
+
+
+@pytest.mark.parametrize("name", ["zb-h2", "zb-v", "dualpipev", "dualpipe", "spectrain", "avgpipe"])
+def test_orders_whose_exchanges_as_lowered_wait_forever_move_sends_to_their_receivers_exchange(name):
+    schedule = _schedule(name, 4)
+    natural, blocking = _blocking(schedule)
+    t = natural.table
+    assert _waits_forever(t.kind, t.device, natural.transfer)  # each SEND at the exchange after its pass
+    b = blocking.table
+    assert not _waits_forever(b.kind, b.device, blocking.transfer)
+    check_transfer_order(blocking)
+    assert sorted(blocking.origin.tolist()) == sorted(natural.origin.tolist())
+    moved = exchange_order(schedule, t, natural.transfer, np.ones(len(t.kind), dtype=np.int64))
+    assert np.array_equal(t.device[moved], t.device)  # each device's rows stay its own
+    sends = np.flatnonzero(np.isin(b.kind, [KINDS.index(Kind.SEND_F), KINDS.index(Kind.SEND_B)]))
+    made = np.maximum.accumulate(np.where(blocking.origin >= 0, np.arange(len(b.kind)), -1))
+    assert np.all(b.device[made[sends]] == b.device[sends])  # each after a row of its own device
