@@ -34,7 +34,12 @@ def _decimal_text(value: float, decimals: int, sign: str = "") -> str:
     "+" writes a positive value's sign too."""
     if not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("-" if value < 0 else sign) + "∞"
-    return f"{Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP):{sign},f}"
+    return f"{_rounded(value, decimals):{sign},f}"
+
+
+def _rounded(value: float, decimals: int) -> Decimal:
+    """A finite `value` to `decimals` places as `_decimal_text` writes it."""
+    return Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP)
 
 
 def ms_text(ms: float) -> str:
@@ -47,10 +52,17 @@ def mib_text(mib: float) -> str:
     """MiB as the pages and the commands' tables write them: whole from 100 up, else to three significant digits (at
     most two decimals): a measured CPU run's 14.11 MiB peak read "14 MiB" on the page, beside run's 14.11. Under
     MIB_SHOWN, "<0.01": a 4 KiB peak read "0.00" (compare's "0.0"), as if nothing were held. A tie rounds away
-    from zero (`_decimal_text`): 1.125 MiB read 1.12 in the title, 1.13 hovered."""
+    from zero (`_decimal_text`): 1.125 MiB read 1.12 in the title, 1.13 hovered. The digits are those of what
+    it rounds to: 99.996 MiB reads "100", not "100.0", and 9.996 "10.0", not "10.00"."""
     if 0 < mib < MIB_SHOWN:
         return f"<{MIB_SHOWN}"
-    return _decimal_text(mib, 0 if not 0 < mib < 100 else min(2, 2 - math.floor(math.log10(mib))))
+    if not 0 < mib < 100:
+        return _decimal_text(mib, 0)
+    magnitude = math.floor(math.log10(mib))
+    decimals = min(2, 2 - magnitude)
+    if _rounded(mib, decimals) >= Decimal(10) ** (magnitude + 1):  # rounded up into the next decade
+        decimals = min(2, 1 - magnitude)
+    return _decimal_text(mib, decimals)
 
 
 def percent_text(fraction: float, signed: bool = False) -> str:

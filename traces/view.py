@@ -809,7 +809,10 @@ _TIMELINE_JS = r"""
   function msText(ms) { return fmt(ms, MS_DECIMALS); }
   function mibText(mib) {
     if (mib > 0 && mib < MIB_SHOWN) return "<" + MIB_SHOWN;
-    return fmt(mib, !(mib > 0 && mib < 100) ? 0 : Math.min(2, 2 - Math.floor(Math.log10(mib))));
+    if (!(mib > 0 && mib < 100)) return fmt(mib, 0);
+    const magnitude = Math.floor(Math.log10(mib)), decimals = Math.min(2, 2 - magnitude);
+    const upped = Number(fmt(mib, decimals).replace(/,/g, "")) >= 10 ** (magnitude + 1);  // into the next decade
+    return fmt(mib, upped ? Math.min(2, 1 - magnitude) : decimals);
   }
   function percentText(fraction) {
     const percent = 100 * fraction;
