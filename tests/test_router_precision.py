@@ -10,9 +10,7 @@ import pytest
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 from pipesim.profiles.workload import LayerCount
 from tests.conftest import needs_transformers
-from tests.helpers import EXPERTS
-
-B, S, H = 2, 32, 64  # tests/test_recompute_modules.py's, whose tiny DeepSeek-V3 this is
+from tests.helpers import EXPERTS, B, H, S  # the tiny DeepSeek-V3's shape (`tiny_deepseek_count`)
 
 
 @cache
