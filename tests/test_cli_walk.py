@@ -2,6 +2,8 @@
 flag and what it takes, exit 2, before any work and with nothing written."""
 
 import csv
+import re
+import shlex
 from types import SimpleNamespace
 
 import pytest
@@ -129,3 +131,47 @@ def test_a_profile_given_for_a_studys_results_is_named_a_profile(tmp_path):
     assert (code, err) == (2, f"error: --results: {GPT_CPU} is a pipesim profile, not a study's results: give the "
                               "--results file `pipesim study` wrote\n")
     assert not html.exists()
+
+
+# the repository, where the docs' paths (examples/, traces/) lead
+REPO = GPT_CPU.parents[2]
+
+
+class _Checked(Exception):
+    """Raised where sweep's checks of its options end: what follows estimates and simulates."""
+
+
+def _documented_sweeps() -> list[list[str]]:
+    """The arguments of each `pipesim sweep` line of a ```bash block in README.md and docs/*.md (continuations
+    joined, comments dropped)."""
+    sweeps = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for block in re.findall(r"^```bash\n(.*?)^```", doc.read_text(), flags=re.S | re.M):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words[:2] == ["pipesim", "sweep"]:
+                    sweeps.append(words[1:])
+    return sweeps
+
+
+def test_every_sweep_the_docs_show_passes_its_checks(monkeypatch):
+    """docs/sweep-and-tune.md's first sweep gave `--pipelines 1,2` with no AvgPipe among its methods, refused since
+    e1842f5 (`--pipelines applies to avgpipe only`): parsing it (test_docs_commands.py) did not tell. Each sweep the
+    docs show runs here through its checks, up to its estimates and simulations."""
+    from pipesim.commands import sweep
+
+    def checked(ctx):
+        raise _Checked
+
+    monkeypatch.setattr(sweep, "what_if", checked)
+    monkeypatch.chdir(REPO)
+    sweeps = _documented_sweeps()
+    assert len(sweeps) >= 3
+    refused = []
+    for args in sweeps:
+        try:
+            code, _, err = pipesim(*args)
+        except _Checked:
+            continue
+        refused.append(f"pipesim {shlex.join(args)}: exit {code}: {err.strip()}")
+    assert refused == []
