@@ -2,6 +2,8 @@
 and waits for them whole, and a SEND moves once its receiver has posted the RECV (schedules/passes.py
 `exchange_order`, sim/engine.py `_exchanges`)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from pipesim.schedules import METHODS, Kind
 from pipesim.schedules.lowering import check_transfer_order, lower
 from pipesim.schedules.passes import _waits_forever, exchange_order
 from pipesim.schedules.table import KINDS
-from pipesim.sim import Cluster, Costs, simulate
+from pipesim.sim import Cluster, Costs, Link, simulate
 from pipesim.traces import summarize
 from tests.conftest import build
 
@@ -81,3 +83,21 @@ def test_orders_whose_exchanges_as_lowered_wait_forever_move_sends_to_their_rece
     sends = np.flatnonzero(np.isin(b.kind, [KINDS.index(Kind.SEND_F), KINDS.index(Kind.SEND_B)]))
     made = np.maximum.accumulate(np.where(blocking.origin >= 0, np.arange(len(b.kind)), -1))
     assert np.all(b.device[made[sends]] == b.device[sends])  # each after a row of its own device
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-v", "avgpipe"])
+def test_the_timed_run_waits_as_the_untimed_one(name):
+    """Where transfers hold the compute or links queue, the run is timed (`_Model.timed_coroutine`), and an exchange's
+    SENDs after its first (`_BESIDE`) are issued at its post as the untimed run prices them, not after the SEND before
+    them: with no link taken by two transfers at once, both give one timeline."""
+    schedule = _schedule(name, 4)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, output_mb=1.0)
+    devices = range(schedule.num_devices)
+    plain = {(a, b): Link(latency_ms=0.5) for a in devices for b in devices if a != b}
+    queued = {(a, b): Link(latency_ms=0.5, resource=f"{a}->{b}") for a in devices for b in devices if a != b}
+    untimed = simulate(schedule, costs, Cluster(len(devices), links=plain, overlap_comm=False))
+    for timed in (simulate(schedule, costs, Cluster(len(devices), links=queued, overlap_comm=False)),
+                  simulate(schedule, replace(costs, transfers_hold_products=True),
+                           Cluster(len(devices), links=plain, overlap_comm=False))):
+        assert np.array_equal(timed.ops.start_us, untimed.ops.start_us)
+        assert np.array_equal(timed.ops.end_us, untimed.ops.end_us)
