@@ -730,7 +730,7 @@ class _Built:
                                             _cut_accumulates_ms(scenario.measured, bounds) * scenario.cost_scale)
             else:  # cut into the model's own DAG, which only its build knows
                 return self.candidate(shape)
-            bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3  # shaded as `_candidate`'s
+            bound = _bound_samples_per_s(self.problem.batch_size, step_ms)
             self.partitioned[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
                                                     partitioned=True)
         return self.partitioned[shape.index]
@@ -830,7 +830,7 @@ class _Built:
                                                     self._expert_group(setting, config), chain.first_param_bytes,
                                                     chain.first_expert_bytes, config.zero, chain.first_grad_bytes,
                                                     first=True))
-            bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3 if step_ms > 0 else math.inf
+            bound = _bound_samples_per_s(self.problem.batch_size, step_ms)
             self._cut[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
                                              cut_bounded=True)
         return self._cut[shape.index]
@@ -1355,8 +1355,8 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch,
         c, runs_input_halves = m * sketch.chain[0], sketch.chain[1]
         passes_ms = cost_scale * (work.fwd_ms + (0.0 if runs_input_halves else work.bwd_ms))
         step_ms = max(step_ms, mean_ms + reduce_ms, passes_ms / (1 - (1 - 1 / c) ** config.stages))
-    step_ms *= 1 - 2e-9  # twice a candidate's shading: its bound, the same sums in another order, stays below
-    return problem.batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
+    # twice a candidate's shading: its bound, the same sums in another order, stays below
+    return _bound_samples_per_s(problem.batch_size, step_ms, shade=2e-9)
 
 
 def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple[list[Shape], int, int]:
@@ -1973,8 +1973,8 @@ def _costed(scenario: Scenario, problem: Problem, config: Config, order: _Order,
                                       _hops_ms(links, costs, p), _send_holds_ms(
                                           schedule, per_step, costs.transfers_hold_products, links,
                                           [c.output_bytes for c in costs.stages], costs),
-                                      _accumulates_ms(costs)) * (1 - 1e-9)  # shaded: sums in another order
-    return costs, staleness, busy_ms, floor, allreduce_ms, problem.batch_size / least_step_ms * 1e3
+                                      _accumulates_ms(costs))
+    return costs, staleness, busy_ms, floor, allreduce_ms, _bound_samples_per_s(problem.batch_size, least_step_ms)
 
 
 def _with_critical_path(problem: Problem, candidate: Candidate, bound: float | None = None) -> Candidate:
@@ -1996,8 +1996,15 @@ def _path_bound(batch_size: int, schedule: Schedule, costs: Costs, links: Cluste
     path reads, so that a worker is sent a quarter of the bytes of the candidate (its setting is most of the
     rest)."""
     steps = 1 if flushes(schedule) else CRITICAL_STEPS
-    step_ms = _critical_path_ms(schedule, costs.op_ms_table(pipelines), costs, links,
-                                schedule.minibatches - 1 - steps, steps) * (1 - 1e-9)
+    return _bound_samples_per_s(batch_size, _critical_path_ms(schedule, costs.op_ms_table(pipelines), costs, links,
+                                                              schedule.minibatches - 1 - steps, steps))
+
+
+def _bound_samples_per_s(batch_size: int, step_ms: float, shade: float = 1e-9) -> float:
+    """The samples/s a lower bound of the step (ms) allows, the step shaded by `shade` (a billionth: its sums run in
+    another order than the simulation's, and must stay below it), as every bound of the search is (`_candidate`'s,
+    its shape's, its critical path's); unbounded where the step takes no time."""
+    step_ms *= 1 - shade
     return batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
 
 
