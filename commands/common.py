@@ -753,9 +753,16 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def parse_numbers(flag: str, text: str, most: float = math.inf, most_why: str = "") -> list[float]:
-    """One number or a comma-separated list of them, each finite, >= 0 and at most `most` (a cost's range,
-    units.py `MAX_MS` or `MAX_BYTES`, in the flag's unit; `most_why` says why, where not plain)."""
+# The shortest time above 0 a cost flag takes (--fwd, --bwd, --comm), a nanosecond: the simulator's clock ticks in
+# picoseconds, and rounded a shorter time to none (`--fwd 1e-12 --bwd 1e-12` printed a 0 ms step at 0.0 samples/s);
+# a thousand ticks leave sweep's whole-model times whole ticks when split over its stages.
+LEAST_MS = 1e-6
+
+
+def parse_numbers(flag: str, text: str, most: float = math.inf, most_why: str = "", least: float = 0.0) -> list[float]:
+    """One number or a comma-separated list of them, each finite, 0 or at least `least` (`LEAST_MS` for a time), and
+    at most `most` (a cost's range, units.py `MAX_MS` or `MAX_BYTES`, in the flag's unit; `most_why` says why, where
+    not plain)."""
     values = []
     for part in text.split(","):
         try:
@@ -764,6 +771,9 @@ def parse_numbers(flag: str, text: str, most: float = math.inf, most_why: str = 
             raise InputError(f"{flag}: expected a number or comma-separated numbers, got {text!r}") from None
         if not value >= 0 or value == float("inf"):
             raise InputError(f"{flag}: values must be finite and >= 0, got {part.strip()!r}")
+        if 0 < value < least:
+            raise InputError(f"{flag}: values must be 0 or at least {least:g} ms (a nanosecond: the simulator "
+                             f"counts picoseconds), got {part.strip()!r}")
         if value > most:
             raise InputError(f"{flag}: values must be at most {math.floor(most):,}{most_why}, got {part.strip()!r}")
         values.append(value)
@@ -1220,8 +1230,9 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     most = {"--fwd": (MAX_MS, ""), "--bwd": (MAX_MS, ""),
             "--param-mb": _param_mb_most(flags["optimizer"], precision or "fp32"),
             "--activation-mb": (MAX_BYTES / MIB, ""), "--output-mb": (MAX_BYTES / MIB, "")}
-    per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")], *most[flag]) for flag in most}
-    comm_ms = parse_numbers("--comm", flags["comm"], MAX_MS)
+    per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")], *most[flag],
+                                     least=LEAST_MS if flag in ("--fwd", "--bwd") else 0.0) for flag in most}
+    comm_ms = parse_numbers("--comm", flags["comm"], MAX_MS, least=LEAST_MS)
     if len(comm_ms) != 1:
         raise InputError("--comm: give one number of milliseconds")
     network = flags.get("network_gb_s")

@@ -175,3 +175,17 @@ def test_every_sweep_the_docs_show_passes_its_checks(monkeypatch):
             continue
         refused.append(f"pipesim {shlex.join(args)}: exit {code}: {err.strip()}")
     assert refused == []
+
+
+@pytest.mark.parametrize(("command", "flag", "given"), [
+    ("simulate", "--fwd", "1e-12"), ("simulate", "--bwd", "0.0000005"), ("simulate", "--comm", "1e-9"),
+    ("sweep", "--fwd", "1e-12")])
+def test_a_time_under_a_nanosecond_is_refused_not_rounded_to_none(tmp_path, command, flag, given):
+    """The simulator counts whole picoseconds: `--fwd 1e-12 --bwd 1e-12` rounded every op to none and printed a
+    0 ms step at 0.0 samples/s, exit 0. A time is 0 or at least a nanosecond, and nothing is written."""
+    html = tmp_path / "t.html"
+    code, out, err = pipesim(command, "-s", "1f1b", flag, given, "--html", html)
+    assert (code, out) == (2, "")
+    assert err == (f"error: {flag}: values must be 0 or at least 1e-06 ms (a nanosecond: the simulator counts "
+                   f"picoseconds), got '{given}'\n")
+    assert not html.exists()
