@@ -136,6 +136,7 @@ COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds 
                     for kind in KINDS[:NUM_COMPUTE_KINDS]])
 # the replicas' collectives (REDUCE, GATHER): a candidate's all-reduce, not its passes' all-to-alls
 DATA_PARALLEL = np.array([kind in COLLECTIVE_KINDS - PASS_COLLECTIVE_KINDS for kind in KINDS[:NUM_COMPUTE_KINDS]])
+PASSES = tuple(KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))  # the passes' columns of an op table
 _UNBOUNDED_BYTES = 1 << 62  # a peak no cap admits
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
 LONGEST_STEADY_STEPS = 8 * STEADY_STEPS  # the longest run `_periodic_step_ms` looks for a periodic regime in
@@ -1159,7 +1160,7 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     steps = tuple(math.fsum(pick(stage).median_ms for stage in profile.stages) for pick in (
         lambda s: s.steps[optimizer].step, lambda s: s.steps[optimizer].predict, lambda s: s.average))
     layers = _own_times(profile, least=True).layers
-    if all(stage.passes is not None for stage in profile.stages):
+    if _passes_measured(profile):
         table = profile_costs(profile, optimizer, range(len(layers) + 1)).op_ms_table(1)
         return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0, *held,
                      np.zeros(len(layers) + 1), steps, _least_accumulate_ms(profile))
@@ -1169,6 +1170,12 @@ def _work(profile: Profile, optimizer: str) -> _Work:
                  tail * math.fsum(layer.bwd.median_ms for layer in layers), tail * math.fsum(least_bwd), *held,
                  tail * _least_slowest(tuple(layer.fwd.median_ms + b for layer, b in zip(layers, least_bwd))), steps,
                  _least_accumulate_ms(profile))
+
+
+def _passes_measured(profile: Profile) -> bool:
+    """Whether the calibration measured each stage's passes over its layers (`StageProfile.passes`): no sum of the
+    layers' times bounds those (`_work`)."""
+    return all(stage.passes is not None for stage in profile.stages)
 
 
 def _least_accumulate_ms(profile: Profile) -> float:
@@ -1249,7 +1256,7 @@ class _ChainWork:
         least (`_own_times`), as `_work`'s: its own carry the host waits from the model's start, which a stage that
         never synchronises undercuts (under --p2p-sync, a host-bound first stage's forward: 0.0096 ms below its
         layers' own on a 4-layer GPT at 400 us a kernel)."""
-        if all(stage.passes is not None for stage in profile.stages):
+        if _passes_measured(profile):
             return None
         tail = profile.contention.tail if profile.contention is not None else 1.0
         layers = _own_times(profile, least=True).layers
@@ -2280,9 +2287,7 @@ def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray, sen
     backward and holds up its update, with no backward after it (every I's W follows it), or plus the time its
     sends hold its compute where they do (`sends_ms`: `_send_holds_ms` of any such order, each sending the same
     m outputs each way), another bound of that wait (as in `_candidate`)."""
-    op_ms = costs.op_ms_table(1)
-    f, b, i, w, opt, reduce = (op_ms[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
-                                                                       Kind.REDUCE))
+    f, b, i, w, opt, reduce = _searched_columns_ms(costs)
     passes_ms = f + np.minimum(b, i)
     accumulate_ms = _accumulates_ms(costs)
     busy_ms = (microbatches * (f + np.minimum(b, i + w)) + (microbatches - 1) * accumulate_ms + opt
@@ -2290,6 +2295,13 @@ def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray, sen
     before_ms = np.concatenate([[0.0], np.cumsum(passes_ms[:-1] + hops_ms)])  # [d]: stages 0..d-1 and their links
     chains_ms = before_ms + microbatches * passes_ms + reduce[0] + opt[0]
     return float(max(busy_ms.max(), chains_ms.max()))
+
+
+def _searched_columns_ms(costs: Costs) -> tuple[np.ndarray, ...]:
+    """Each stage's F, B, I, W, OPT and REDUCE ms in one pipeline (`Costs.op_ms_table`): what a searched order's
+    bounds read (`_searched_bound_ms`, `_searched_device_bound_ms`)."""
+    op_ms = costs.op_ms_table(1)
+    return tuple(op_ms[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.REDUCE))
 
 
 def _searched_device_bound_ms(costs: Costs, microbatches: int, links: Cluster, holds: bool) -> float:
@@ -2325,9 +2337,7 @@ def _searched_device_bound_ms(costs: Costs, microbatches: int, links: Cluster, h
     Waits, contention, receives' holds and overheads only add; steps repeat from the second on, so S' - S is
     the step. A hypothesis test holds it to the simulated step of auto's own order on random chains."""
     p, m = len(costs.stages), microbatches
-    op_ms = costs.op_ms_table(1)
-    f, b, i, w, opt, reduce = (op_ms[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
-                                                                       Kind.REDUCE))
+    f, b, i, w, opt, reduce = _searched_columns_ms(costs)
     accumulate_ms = _accumulates_ms(costs)
     input_ms = np.minimum(b, i)
     rest_ms = np.minimum(b, i + w) - input_ms
@@ -2754,11 +2764,10 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
         those costs at the layers' least times. The rest count for nothing (a stage's updates share out its measured
         ones by bytes: their total is the layers', not each stage's)."""
         table = np.zeros((len(bounds) - 1, NUM_COMPUTE_KINDS))
-        passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
         if list(bounds) == profile.partition.bounds:
-            table[:, passes] = profile_costs(least, optimizer, bounds).op_ms_table(pipelines)[:, passes]
+            table[:, PASSES] = profile_costs(least, optimizer, bounds).op_ms_table(pipelines)[:, PASSES]
             return table
-        table[:, passes] = least_ms(pipelines)[bounds[:-1], bounds[1:]][:, passes]
+        table[:, PASSES] = least_ms(pipelines)[bounds[:-1], bounds[1:]][:, PASSES]
         _fed_by_the_batch(table[0])
         return table
 
@@ -2783,14 +2792,13 @@ def _each_layer_op_ms(profile: Profile, optimizer: str) -> Callable[[int], np.nd
     layers, cut = profile.layers, list(range(len(profile.layers) + 1))
     if (cut == profile.partition.bounds or fused_accumulation(profile) or any(layer.host_issue is not None
                                                                               for layer in layers)
-            or all(stage.passes is not None for stage in profile.stages)):
+            or _passes_measured(profile)):
         return profile_costs(profile, optimizer, cut).op_ms_table
     tail = profile.contention.tail if profile.contention is not None else 1.0
     steps, average, _, _ = step_totals(profile, (optimizer,))
     (step, predict), share = steps[optimizer], np.array(step_shares(profile, cut))
     table = np.zeros((len(layers), NUM_COMPUTE_KINDS))
-    passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
-    table[:, passes] = [[getattr(layer, name).median_ms * tail for name in ("fwd", "bwd", "igrad", "wgrad")]
+    table[:, PASSES] = [[getattr(layer, name).median_ms * tail for name in ("fwd", "bwd", "igrad", "wgrad")]
                         for layer in layers]
     for i, layer in enumerate(layers):
         if not any(0 <= s < i for s in layer.inputs):
