@@ -1563,7 +1563,10 @@ def simulate(
     model.run()
     if model.finished < len(program.start_clock):  # a device or lane whose steps never ended
         validate(schedule)
-        raise SimulationError(f"{schedule.method}: {schedule.num_devices - model.finished} devices never finished")
+        waiting = "" if cluster.overlap_comm else (": their blocking exchanges wait for each other (leave out "
+                                                   "--blocking-comm)")
+        raise SimulationError(f"{schedule.method}: {schedule.num_devices - model.finished} devices never "
+                              f"finished{waiting}")
     return _trace(costs, cluster, program, model, jitter, seed, memory)
 
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pipesim.schedules import METHODS, Kind
+from pipesim.schedules import METHODS, Kind, lowering
 from pipesim.schedules.lowering import check_transfer_order, lower
 from pipesim.schedules.passes import _waits_forever, exchange_order
 from pipesim.schedules.table import KINDS
-from pipesim.sim import Cluster, Costs, Link, simulate
+from pipesim.sim import Cluster, Costs, Link, SimulationError, simulate
 from pipesim.traces import summarize
 from tests.conftest import build
 
@@ -101,3 +101,14 @@ def test_the_timed_run_waits_as_the_untimed_one(name):
                            Cluster(len(devices), links=plain, overlap_comm=False))):
         assert np.array_equal(timed.ops.start_us, untimed.ops.start_us)
         assert np.array_equal(timed.ops.end_us, untimed.ops.end_us)
+
+
+def test_exchanges_that_wait_for_each_other_are_refused_in_one_line(monkeypatch):
+    """zb-v's exchanges as lowered (each SEND after its pass) wait forever where they block: were they run so, the
+    run stops and says why, in one line."""
+    monkeypatch.setattr(lowering, "exchange_order", lambda schedule, t, transfer, row_ps: np.arange(len(t.kind)))
+    schedule = _schedule("zb-v", 2)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0)
+    with pytest.raises(SimulationError, match=r"^zb-v: \d+ devices never finished: their blocking exchanges wait for "
+                                              r"each other \(leave out --blocking-comm\)$"):
+        simulate(schedule, costs, Cluster.uniform(2, 0.5, overlap_comm=False))
