@@ -525,8 +525,8 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     host cache, keyed by everything it depends on (see `_count_cache`), so that only the first what-if of a shape
     pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import). The rules
     that need the count are refused here, once for every command (tune would take a refusal from each estimate for
-    its t's, after its progress note): --expert-gemm per-expert and --expert-parallel on a model without routed
-    experts, and E not dividing them."""
+    its t's, after its progress note): --expert-gemm per-expert, --expert-parallel and the routing's options on a
+    model without routed experts, and E not dividing them."""
     from ..planning.experts import check_expert_ranks
 
     counted = count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
@@ -536,6 +536,13 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     if what.expert_gemm != "grouped" and not counted.options.get("experts"):
         raise InputError(f"--expert-gemm {what.expert_gemm} runs a mixture of experts' routed products, and the "
                          "model has none (gpt --experts, or a Hugging Face MoE config); give grouped")
+    # refused here, not by the expert group's "give --expert-parallel above 1", which a dense model then refuses
+    routed_only = [flag for flag, given in (("--hot-expert-share", what.hot_expert_share is not None),
+                                            ("--token-dispatcher", what.token_dispatcher is not None),
+                                            ("--routing random", what.routing == "random")) if given]
+    if routed_only and not counted.options.get("experts"):
+        raise InputError(f"{routed_only[0]} applies to a mixture of experts' routing, and the model has no routed "
+                         "experts (gpt --experts, or a Hugging Face MoE config); leave it out")
     with refused_with_flags():
         check_expert_ranks(what.expert, counted.options.get("experts"))
     return counted

@@ -189,3 +189,19 @@ def test_a_time_under_a_nanosecond_is_refused_not_rounded_to_none(tmp_path, comm
     assert err == (f"error: {flag}: values must be 0 or at least 1e-06 ms (a nanosecond: the simulator counts "
                    f"picoseconds), got '{given}'\n")
     assert not html.exists()
+
+
+@pytest.mark.parametrize(("flag", "given"), [("--routing", "random"), ("--hot-expert-share", "0.5"),
+                                             ("--token-dispatcher", "deepep")])
+def test_a_routing_option_on_a_dense_model_is_refused_for_the_model(tmp_path, flag, given):
+    """On a model without routed experts these said "give --expert-parallel above 1", which that model then
+    refuses ("the model has no routed experts"): the user was sent round in a circle. The model is named now."""
+    pytest.importorskip("torch")
+    out = tmp_path / "profile.json"
+    code, stdout, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64,
+                                "--heads", 4, "--seq-len", 32, "--vocab", 100, flag, given, "--out", out)
+    named = f"{flag} {given}" if flag == "--routing" else flag
+    assert (code, stdout) == (2, "")
+    assert err == (f"error: {named} applies to a mixture of experts' routing, and the model has no routed experts "
+                   "(gpt --experts, or a Hugging Face MoE config); leave it out\n")
+    assert not out.exists()
