@@ -75,6 +75,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache, cached_property, partial
+from typing import TypeVar
 
 import numpy as np
 
@@ -144,6 +145,7 @@ UNPROVEN_STEADY_STEPS = 4 * LONGEST_STEADY_STEPS  # its longest where the engine
 _PERIOD_TOLERANCE_PS = 2  # rows' ends read back from the trace's microseconds: within 2 ps of the engine's
 _ORDINAL_VALUES = 1 << 62  # the most values `_ordinal` packs into one int64
 CRITICAL_STEPS = 4  # steps of those a critical path follows (`_with_critical_path`), fewer than STEADY_STEPS
+Found = TypeVar("Found")  # what `_per_pipeline` keeps
 AHEAD_READ = 15  # the heap's first four levels, which idle workers read for work ahead (`_Built.ahead`)
 
 
@@ -761,10 +763,7 @@ class _Built:
 
     def _expert_group(self, setting: Setting, config: Config) -> int | None:
         """`_expert_ranks` for the setting's p and d, found once."""
-        key = (id(setting), config.stages, config.replicas)
-        if key not in self._expert_groups:
-            self._expert_groups[key] = _expert_ranks(setting.scenario, config.stages, config.replicas)
-        return self._expert_groups[key]
+        return _per_pipeline(self._expert_groups, setting, config, _expert_ranks)
 
     def _layer_bytes(self, setting: Setting) -> tuple[np.ndarray, bool, np.ndarray, np.ndarray]:
         """The setting's layers' weights' bytes as prefix sums, whether they form a chain (`_chain_of_layers`), and
@@ -780,18 +779,12 @@ class _Built:
     def _frame_links(self, setting: Setting, config: Config) -> Cluster:
         """The links between a pipeline's devices, which depend on p and d alone (`Scenario.links`): looked up once
         per setting, p and d."""
-        key = (id(setting), config.stages, config.replicas)
-        if key not in self._links:
-            self._links[key] = setting.scenario.links(_frame(config.stages, config.replicas))
-        return self._links[key]
+        return _per_pipeline(self._links, setting, config, lambda scenario, p, d: scenario.links(_frame(p, d)))
 
     def _data_link(self, setting: Setting, config: Config) -> CollectiveLink | None:
         """The replicas' all-reduce link (`_data_link`; None for one replica), looked up once per setting, p and d:
         the bounds of shapes whose devices' links are never looked up want it too."""
-        key = (id(setting), config.stages, config.replicas)
-        if key not in self._data_links:
-            self._data_links[key] = _data_link(setting.scenario, config.stages, config.replicas)
-        return self._data_links[key]
+        return _per_pipeline(self._data_links, setting, config, _data_link)
 
     def _layer_hops_ms(self, setting: Setting, config: Config, bounds: list[int]) -> np.ndarray:
         """`_hops_ms` for these stages, each sending its last layer's output (a chain of layers; 0 where the
@@ -1035,6 +1028,16 @@ class _Built:
         if self._report is not None:
             self._report(f"searching {count_text(self._shapes, 'configuration')}, best bound first: "
                          f"{len(self.candidates):,} built, {len(self.floors):,} simulated")
+
+
+def _per_pipeline(found: dict[tuple[int, int, int], Found], setting: Setting, config: Config,
+                  find: Callable[[Scenario, int, int], Found]) -> Found:
+    """`find(scenario, p, d)` of the setting's scenario and the configuration's p and d, kept in `found` (by
+    setting, p and d: what depends on the pipeline's devices and replicas alone), so found once."""
+    key = (id(setting), config.stages, config.replicas)
+    if key not in found:
+        found[key] = find(setting.scenario, config.stages, config.replicas)
+    return found[key]
 
 
 def _if_done(ahead: Future | None):
