@@ -799,8 +799,8 @@ def export(
         scenario = searched_scenario(ctx, method, measured)
         if measured is not None and not is_given(ctx, "stages"):
             stages = measured.partition.stages
-        # torch's CSV is one pipeline: AvgPipe is refused for its averaging, not its default of two pipelines.
-        params = method.params(stages, microbatches, chunks=chunks, pipelines=1, **method.read_options(search))
+        # at the method's own P: a CSV is one pipeline, and AvgPipe's two are refused (at one it averages nothing)
+        params = method.params(stages, microbatches, chunks=chunks, **method.read_options(search))
         if scenario is not None:
             check_estimate_experts(measured, stages, 1, one_replica="export")
         built = built_schedule(method, params, scenario, False)

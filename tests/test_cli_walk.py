@@ -205,3 +205,14 @@ def test_a_routing_option_on_a_dense_model_is_refused_for_the_model(tmp_path, fl
     assert err == (f"error: {named} applies to a mixture of experts' routing, and the model has no routed experts "
                    "(gpt --experts, or a Hugging Face MoE config); leave it out\n")
     assert not out.exists()
+
+
+def test_export_refuses_avgpipe_which_trains_several_pipelines(tmp_path):
+    """A torch schedule CSV is one pipeline. Export built every method at P = 1, meaning AvgPipe to be refused for its
+    averaging, but at one pipeline AvgPipe averages nothing: it wrote a synchronous order that is not AvgPipe's,
+    exit 0. Built at its own P (2), it is refused, and nothing is written."""
+    out = tmp_path / "avgpipe.csv"
+    code, stdout, err = pipesim("export", "-s", "avgpipe", "--format", "torch-csv", "--out", out)
+    assert (code, stdout) == (2, "")
+    assert err == "error: avgpipe: a torch schedule CSV is one pipeline; this schedule has 2\n"
+    assert not out.exists()
