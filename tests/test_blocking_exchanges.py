@@ -25,6 +25,11 @@ def _schedule(name, p):
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("name", list(METHODS))
 def test_every_method_finishes_blocking_and_waiting_costs_no_less_than_overlapping(name, p):
+    """Every method runs to its end with blocking exchanges, and waiting for them costs no less than overlapping
+    them, where transfers hold no compute (`Costs.transfers_hold_products` False, the default). Where they do, a
+    held product loses the transfer's time whether it overlaps or waits, and a blocking exchange moves a device's
+    sends and receives at once, each once its receiver has posted: blocking may price cheaper there, which
+    docs/hardware.md says ("Blocking priced below overlapping where transfers hold the products")."""
     schedule = _schedule(name, p)
     costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, output_mb=1.0)
     for comm_ms in (0.0, 0.5):
