@@ -346,9 +346,6 @@ def overlap_expert_communication(schedule: Schedule) -> Schedule:
     return schedule.with_orders(OrderView(table, schedule.num_devices))
 
 
-
-
-
 # The methods whose runtime posts one exchange for each forward and the backward it runs next, where it has virtual
 # stages: Megatron-core's interleaved schedule (megatron/core/pipeline_parallel/schedules.py at NVIDIA/Megatron-LM
 # d98e8a64dd, `forward_backward_pipelining_with_interleaving`: in its steady state a forward, a backward, then
