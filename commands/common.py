@@ -81,7 +81,8 @@ MicrobatchSize = Annotated[int, typer.Option(
     "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch (for samples/s; with --gpu, what the "
                                                         "model is counted at).")]
 BlockingComm = Annotated[bool, typer.Option(
-    "--blocking-comm", help="Sends block the compute stream until they finish.")]
+    "--blocking-comm", help="Exchanges block: a device posts the sends and receives between two passes together and "
+                            "waits for all of them; a send moves once its receiver has posted.")]
 ShardedOptimizer = Annotated[bool, typer.Option(
     "--sharded-optimizer", help="The same as --zero 1.")]
 Zero = Annotated[int | None, typer.Option(

@@ -106,7 +106,8 @@ def _slowdowns_problem(name: str, factors: Sequence[float]) -> str | None:
 class Cluster:
     """`links[(src, dst)]` overrides `default_link` for transfers from device src to dst.
 
-    `overlap_comm=False` models runtimes whose sends block the compute stream until they finish.
+    `overlap_comm=False` models runtimes whose exchanges block: a device posts the sends and receives between two
+    passes together and waits for all of them; a send moves once its receiver has posted.
     `compute[d]` names the compute resource device d runs on (None: one of its own): devices naming the
     same one are ranks on one GPU, which run their compute rows one at a time and share its one memory.
     `hosts[d]` names the host whose cores device d computes on (CPU ranks; None: cores of its own): while k
