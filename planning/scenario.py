@@ -550,17 +550,25 @@ class Scenario:
         return [flag for flag, given in self.per_stage.items() if flag != "--output-mb" and len(given) == n != p]
 
     def add_reserve(self, sched: Schedule, trace: Trace, bounds: Sequence[int] | None = None,
-                    links: Cluster | None = None) -> None:
+                    links: Cluster | None = None, reserves: Sequence[int] | None = None) -> None:
         """With `allocations`, each device's caching-allocator reserve in the trace's memory (sim/caching_allocator.py
         `device_reserves`, `add_reserve`): each model stage's layers cut as its costs are (at `bounds`, default
-        `cut`), each device bounded by its memory (`memory_limits`, read off `links`). Then the parts' curves of the
-        device whose peak that makes highest only (`keep_fullest_parts`)."""
+        `cut`), each device bounded by its memory (`memory_limits`, read off `links`); `reserves`, where given, are
+        those found already (`reserves`). Then the parts' curves of the device whose peak that makes highest only
+        (`keep_fullest_parts`)."""
         if self.allocations is not None:
-            add_reserve(trace, self._reserves(sched, trace, list(bounds) if bounds is not None else self.cut(sched),
-                                              self.memory_limits(sched, links)))
+            add_reserve(trace, self.reserves(sched, trace, bounds, links) if reserves is None else reserves)
         keep_fullest_parts(trace)
 
-    def _reserves(self, sched: Schedule, trace: Trace, cut: list[int], limits: Sequence[int | None]) -> list[int]:
+    def reserves(self, sched: Schedule, trace: Trace, bounds: Sequence[int] | None = None,
+                 links: Cluster | None = None, devices: Sequence[int] | None = None) -> list[int]:
+        """`add_reserve`'s reserves, without adding them: of `devices` alone where given (a device's replay is its
+        own: tune replays a trace's devices in several processes), in their order."""
+        return self._reserves(sched, trace, list(bounds) if bounds is not None else self.cut(sched),
+                              self.memory_limits(sched, links), devices)
+
+    def _reserves(self, sched: Schedule, trace: Trace, cut: list[int], limits: Sequence[int | None],
+                  devices: Sequence[int] | None = None) -> list[int]:
         """Each device's caching-allocator reserve in `trace` within its memory (`limits`, `memory_limits`), run with
         `sched`'s stages cut at `cut`, the model outputs a stage keeps concatenated after its device's last backward
         of a mini-batch where `pp_runtime`'s runtime does (`merges_outputs`), and what a split backward keeps from I
@@ -580,7 +588,8 @@ class Scenario:
                          stage_passes(self.measured.layers[start:stop], start).items()}
                  for stage, (start, stop) in bounds.items()} if self.measured is not None else None)
         return device_reserves(trace, layers, limits, self.expandable_segments,
-                               adam=self.optimizer in ("adam", "adamw"), merged_bytes=merged, runs=runs)
+                               adam=self.optimizer in ("adam", "adamw"), merged_bytes=merged, runs=runs,
+                               devices=devices)
 
     def cut(self, sched: Schedule) -> list[int]:
         """The profile's layers cut into one copy's model stages of `sched` as `stage_cut` says (`profile_bounds`).

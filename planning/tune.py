@@ -666,7 +666,7 @@ class _Built:
         self._pool = pool if pool is not None else start_workers(workers)
         self._simulating: dict[int, Future] = {}
         self._searching: dict[int, Future] = {}
-        self._replaying: dict[int, Future] = {}
+        self._replaying: dict[int, list[Future]] = {}  # a share of the devices each (`replay`)
         self._tightening: dict[int, Future] = {}  # critical paths found ahead (`ahead`, `ahead_of_staler`)
         self._costing: dict[int, Future] = {}  # fixed chains' partitions costed ahead (`ahead`)
         self._running: set[Future] = set()  # handed to the workers and not finished
@@ -997,24 +997,32 @@ class _Built:
         return key > self._beaten[index] or key <= beaten
 
     def replay(self, candidate: Candidate) -> None:
-        """Start replaying the candidate's caching allocator (`result`) in a worker, if there are workers, it is
-        simulated (its simulation read, `floor`, or back unread, `_replay_ahead`), has allocations to replay, and
-        is not replayed yet."""
+        """Start replaying the candidate's caching allocator (`result`) in the workers, a share of its devices each
+        (each device's replay is its own: a p = 32 candidate's 32 took 1.1-1.3 CPU s on the 70B, which one worker
+        took alone while the search waited), if there are workers, it is simulated (its simulation read, `floor`,
+        or back unread, `_replay_ahead`), has allocations to replay, and is not replayed yet."""
         index = candidate.index
         if self._pool is None or index in self.results or index in self._replaying:
             return
         simulated = self._simulating.get(index)
         long_run = self._long_runs[index] if simulated is None else simulated.result()[1]
         if long_run is not None:
-            self._replaying[index] = self._submit(_reserved_peak_bytes, candidate, long_run)
+            devices = range(candidate.schedule.num_devices)
+            shares = min(self.window, len(devices))
+            self._replaying[index] = [self._submit(_device_reserves, candidate, long_run, devices[k::shares])
+                                      for k in range(shares)]
 
     def result(self, candidate: Candidate) -> Result:
         """The candidate simulated with the caching allocator's reserve: the peak simulate and sweep give."""
         index, floor = candidate.index, self.floor(candidate)  # the result itself where nothing is replayed
         if index not in self.results:
             replaying, long_run = self._replaying.pop(index, None), self._long_runs.pop(index)
-            peak_bytes = replaying.result() if replaying is not None else _reserved_peak_bytes(candidate, long_run)
-            self.results[index] = replace(floor, peak_memory_bytes=peak_bytes)
+            reserves = None
+            if replaying is not None:  # the workers' shares, dealt out device by device
+                reserves = [0] * candidate.schedule.num_devices
+                for share, found in enumerate(replaying):
+                    reserves[share::len(replaying)] = found.result()
+            self.results[index] = replace(floor, peak_memory_bytes=_reserved_peak_bytes(candidate, long_run, reserves))
         return self.results[index]
 
     def __enter__(self) -> _Built:
@@ -1682,19 +1690,27 @@ def _steady_busiest_ms(schedule: Schedule, costs: Costs, busy_ms: np.ndarray, sh
     return float((busy_ms + accumulations.ms(_accumulates_ms(costs))).max())
 
 
-def _reserved_peak_bytes(candidate: Candidate, long_run: Trace) -> int:
+def _reserved_peak_bytes(candidate: Candidate, long_run: Trace, reserves: Sequence[int] | None = None) -> int:
     """The long run's peak with the caching allocator's reserve: `_measured`'s, for a result first simulated
-    without it, from what `_floor` kept of that run's trace (which it adds the reserve to)."""
-    _add_reserve(candidate, long_run)
+    without it, from what `_floor` kept of that run's trace (which it adds the reserve to: `reserves`, each
+    device's, where the workers found them, `_device_reserves`)."""
+    _add_reserve(candidate, long_run, reserves)
     return _peak_bytes(summarize(long_run))
 
 
-def _add_reserve(candidate: Candidate, trace: Trace) -> None:
-    """The caching allocator's reserve in the candidate's run, its stages' layers cut where its costs and memory
-    are (`candidate.bounds`, the partition searched under the memory cap), not at the scenario's own cut (the
-    profile's time-balanced one, `Scenario.cut`), which can differ (ZB-H2 at p = 32 on the 70B); each device's memory
-    read off the candidate's links, not built again."""
-    candidate.setting.scenario.add_reserve(candidate.schedule, trace, candidate.bounds, candidate.links)
+def _device_reserves(candidate: Candidate, long_run: Trace, devices: Sequence[int]) -> list[int]:
+    """The caching allocator's reserve on each of `devices` in the candidate's run (`_add_reserve`'s), in a worker:
+    `_Built.replay` deals a candidate's devices out to the workers."""
+    return candidate.setting.scenario.reserves(candidate.schedule, long_run, candidate.bounds, candidate.links,
+                                               devices)
+
+
+def _add_reserve(candidate: Candidate, trace: Trace, reserves: Sequence[int] | None = None) -> None:
+    """The caching allocator's reserve in the candidate's run (`reserves` where found already, else found here),
+    its stages' layers cut where its costs and memory are (`candidate.bounds`, the partition searched under the
+    memory cap), not at the scenario's own cut (the profile's time-balanced one, `Scenario.cut`), which can differ
+    (ZB-H2 at p = 32 on the 70B); each device's memory read off the candidate's links, not built again."""
+    candidate.setting.scenario.add_reserve(candidate.schedule, trace, candidate.bounds, candidate.links, reserves)
 
 
 def _peak_bytes(run: Summary) -> int:

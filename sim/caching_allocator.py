@@ -1148,7 +1148,8 @@ class _Replay:
 def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations]],
                     capacity_bytes: Sequence[int | None], expandable: bool = False,
                     adam: bool = False, merged_bytes: Mapping[int, int] | None = None,
-                    runs: Mapping[int, Mapping[str, str | None]] | None = None) -> list[int]:
+                    runs: Mapping[int, Mapping[str, str | None]] | None = None,
+                    devices: Sequence[int] | None = None) -> list[int]:
     """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed (`replay_device`:
     its parameters, gradients, optimizer state and runtime buffer at the prediction's peak as a block each, then its
     rows in the order they start, `layers[stage]` each stage's), the most it reserves less the most it allocates:
@@ -1174,11 +1175,13 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     model output a micro-batch that its runtime keeps and concatenates once the device's last full or weight
     backward of a mini-batch ends (sim/costs.py `merges_outputs`): a tensor of all its forwards' outputs of the
     mini-batch made and freed there (MERGE); none: {}. `runs`: per stage, the layers' pass each of its backward
-    passes runs where another (`stage_program`); none: {}."""
+    passes runs where another (`stage_program`); none: {}. `devices`: of those devices alone, in that order (default
+    every device): each device replays apart, so a trace's devices can replay in several processes."""
     programs: dict[tuple[int, int], StageProgram] = {}  # by stage and its place among its device's
     reserves = []
-    for device, held in enumerate(trace.meta.peak_memory_parts or ()):
-        rows = device_rows(trace, device)
+    parts = trace.meta.peak_memory_parts or ()
+    for device in range(len(parts)) if devices is None else devices:
+        held, rows = parts[device], device_rows(trace, device)
         # the rows with their stages and micro-batches numbered as they come: the same wherever the content is
         stages: dict[int, int] = {}
         for _, stage, _ in rows:

@@ -153,7 +153,7 @@ def test_a_simulation_back_and_worth_replaying_is_replayed_ahead_as_the_search_w
     alone_orders, ahead_orders = planning._Orders(), planning._Orders()
     alone = planning._Built(prob, alone_orders)
     own = [c for c in map(alone.candidate, planning._shapes(settings, prob, alone_orders)[0]) if c is not None]
-    reserved = planning._reserved_peak_bytes
+    reserved = planning.Scenario.reserves
     with planning._Built(prob, ahead_orders, workers=2) as ahead:
         found = [c for c in map(ahead.candidate, planning._shapes(settings, prob, ahead_orders)[0]) if c is not None]
         assert len(found) == len(own) >= 2
@@ -162,11 +162,15 @@ def test_a_simulation_back_and_worth_replaying_is_replayed_ahead_as_the_search_w
             ahead._simulating[candidate.index].result()
         ahead._replay_ahead(found[0], lambda result: False)
         assert found[0].index not in ahead._replaying
+        shares = []
         for candidate in found[1:]:
             ahead._replay_ahead(candidate, lambda result: True)
-            ahead._replaying[candidate.index].result()
-        monkeypatch.setattr(planning, "_reserved_peak_bytes", _broken)
+            shares.append(len(ahead._replaying[candidate.index]))  # each worker replays a share of the devices
+            for share in ahead._replaying[candidate.index]:
+                share.result()
+        assert shares == [min(2, candidate.schedule.num_devices) for candidate in found[1:]] and 2 in shares
+        monkeypatch.setattr(planning.Scenario, "reserves", _broken)
         replayed = [ahead.result(candidate).peak_memory_bytes for candidate in found[1:]]
-        monkeypatch.setattr(planning, "_reserved_peak_bytes", reserved)
+        monkeypatch.setattr(planning.Scenario, "reserves", reserved)
         assert replayed == [alone.result(candidate).peak_memory_bytes for candidate in own[1:]]
         assert ahead.result(found[0]).peak_memory_bytes == alone.result(own[0]).peak_memory_bytes
