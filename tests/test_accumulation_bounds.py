@@ -10,74 +10,21 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, reject, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipesim.planning import tune as tuning
 from pipesim.planning.auto import search_schedule
-from pipesim.schedules import Schedule, ScheduleError, ScheduleParams, build_schedule, flushes
-from pipesim.schedules.analysis import warmup_minibatches
+from pipesim.schedules import Schedule, ScheduleParams, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.cluster import Link
-from pipesim.traces import Trace, summarize
-from tests.test_searched_bound import ROUNDING_MS, chains
-from tests.test_tune_digests import MODEL
-from tests.test_tune_reserve import searched_settings
-
-FIXED = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipedream", "pipedream-2bw")
-
-
-def _runs(schedule_of) -> tuple[int, int]:
-    """The mini-batches of tune's short and long runs of an order (`_plan`'s)."""
-    probe = schedule_of(2)
-    flushing = flushes(probe)
-    short = warmup_minibatches(flushing, probe.num_stages, probe.microbatches)
-    return short, short + (1 if flushing else tuning.STEADY_STEPS)
-
-
-def _step_ms(schedule_of, costs, links) -> float:
-    """The step as tune measures it (`_measured`), short of the busiest device's compute: the makespan's growth
-    from its warm-up's mini-batches to the long run's, per mini-batch, or for an order that never flushes the
-    step of the periodic regime its rows reach (`_periodic_step_ms`)."""
-    short, long = _runs(schedule_of)
-    growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
-    if flushes(schedule_of(long)):
-        return growth_ms
-    return tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms)
-
-
-def _growth_ms(schedule_of, costs, links) -> tuple[float, Trace]:
-    """The makespan's growth from tune's short run to its long one, per mini-batch, and the long run's trace."""
-    short, long = _runs(schedule_of)
-    long_trace = simulate(schedule_of(long), costs, links)
-    short_run = summarize(simulate(schedule_of(short), costs, links))
-    return (summarize(long_trace).makespan_ms - short_run.makespan_ms) / (long - short), long_trace
-
-
-def _costed_step_ms(schedule_of, costs, links) -> tuple[float, float]:
-    """`_costed`'s least step (from its samples/s bound) for the long run of `schedule_of`, as `_plan` sets it, and
-    its busiest device's compute per step, which `_measured` takes as the step where the growth is less."""
-    short, long = _runs(schedule_of)
-    schedule = schedule_of(long)
-    scenario = SimpleNamespace(costs=lambda built, bounds: costs)
-    config = SimpleNamespace(stages=schedule.num_devices, pipelines=schedule.pipelines)
-    problem = tuning.Problem(schedule.num_devices, 0, 1000, (), 8)
-    costed = tuning._costed(scenario, problem, config, tuning._Order.of(schedule), None, short, links)
-    return problem.batch_size / costed[-1] * 1e3, tuning._steady_busiest_ms(schedule, costs, costed[2], short)
-
-
-def fixed_order(name: str, stages: int, microbatches: int, after_flush: bool) -> Callable[[int], Schedule]:
-    """`name`'s order of a random chain by its mini-batches (two replicas, REDUCEs after the flush or not); the
-    example is rejected where the method refuses the shape."""
-    def schedule_of(minibatches: int) -> Schedule:
-        return build_schedule(name, ScheduleParams(stages, microbatches, minibatches, data_parallel=2,
-                                                   reduce_after_flush=after_flush))
-
-    try:
-        schedule_of(2)
-    except ScheduleError:
-        reject()
-    return schedule_of
+from tests.helpers import A100_GPT12 as MODEL
+from tests.helpers import FIXED_ORDERS as FIXED
+from tests.helpers import ROUNDING_MS, chains, fixed_order, searched_settings
+from tests.helpers import costed_step_ms as _costed_step_ms
+from tests.helpers import makespan_growth_ms as _growth_ms
+from tests.helpers import measured_step_ms as _step_ms
+from tests.helpers import tune_runs as _runs
 
 
 @settings(max_examples=150, deadline=None)
@@ -142,7 +89,7 @@ def test_a_partitions_accumulations_before_costing_are_its_costs_own():
     each chain's partition, the accumulations `_cut_accumulates_ms` reads off the profile before costing are the
     ones its costs price, on the calibrated cut and off it; so the partitioned bound, which counts them, stays at
     or above the candidate's, and lowers some below what it gives without them."""
-    from tests.test_tune_digests import searched_shapes
+    from tests.helpers import searched_shapes
 
     problem, orders, shapes = searched_shapes()
     built = tuning._Built(problem, orders)

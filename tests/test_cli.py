@@ -13,7 +13,7 @@ import pytest
 from pipesim.schedules import METHODS
 from tests.conftest import help_records, pipesim, pipesim_fresh, simulate_json
 from tests.helpers import GPT_CPU
-from tests.test_view import _page_data
+from tests.helpers import page_data as _page_data
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -23,9 +23,8 @@ from pipesim.planning.estimate import (
 from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount
 from tests.conftest import pipesim, simulate_json
-from tests.helpers import H100
+from tests.helpers import H100, searched_settings
 from tests.helpers import H100_BF16 as DEVICE
-from tests.test_tune_reserve import searched_settings
 
 SLOW = EstimateLink(kind="infiniband", latency_ms=0.01, bytes_per_ms=1e6)  # every transfer outlasts its block
 FORWARD = OpCount("_flash_attention_forward", "attention", (16, 64, 256, 32), 1, 1, 1)

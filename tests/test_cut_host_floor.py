@@ -11,8 +11,8 @@ import pytest
 from pipesim.profiles.partition import partition, with_range_ms
 from pipesim.profiles.schema import Profile, layer_costs, stage_host_waits_ms, stage_time, stage_waits_ms
 from tests.conftest import estimate_json, simulate_json
+from tests.helpers import HEAVY_HEAD_GPT_FLAGS as GPT
 from tests.helpers import MOE_GPT_FLAGS as MOE
-from tests.test_published_runs import GPT
 
 # eight samples a micro-batch: at the default 31.9 us a kernel the embedding's stage of one sample of 2,048 tokens is
 # its issue (its GPU time 0.06 ms a forward)

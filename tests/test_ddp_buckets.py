@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from pipesim.planning import buckets
+from tests.helpers import interleaved_gpt as _interleaved
 
 
 def test_the_bucket_size_is_megatron_cores_default():
@@ -98,31 +99,6 @@ def test_beside_persistent_products_every_buckets_collective_costs_its_whole_tim
         whole_ms = collective_ms(head, of=of) + collective_ms(*blocks, of=of) + collective_ms(embed, of=of)
         assert priced_ms == pytest.approx(whole_ms, rel=1e-9)
         assert whole_ms > collective_ms(*profile.layers, of=of)  # three latencies, not one
-
-
-
-def _interleaved(gpu: str, method: str = "interleaved-1f1b", chunks: int = 2, zero: int = 1,
-                 reduce_after_flush: bool = False, **model: int):
-    """A gpt of an embedding, six blocks (`model`: more of the gpt's options, experts) and a head estimated on
-    `gpu` and cut into 2·`chunks` model stages, run as `method` (p = 2, m = 4, two mini-batches as `simulate` runs
-    them) under `zero` over 8 replicas: its schedule, its costs, and the step of costs on its links in ms."""
-    torch = pytest.importorskip("torch")
-    from pipesim.hardware.catalogue import load_catalogue
-    from pipesim.planning.estimate import Parallelism, estimate_profile
-    from pipesim.planning.scenario import profile_scenario
-    from pipesim.schedules import ScheduleParams
-    from pipesim.sim.engine import simulate
-    from pipesim.traces.metrics import summarize
-    from pipesim.workload.count import count_built
-
-    count = count_built("gpt", dict(layers=6, width=2048, ffn=8192, heads=16, seq_len=2048, vocab=32768, **model),
-                        1, torch.bfloat16)
-    profile = estimate_profile(count, load_catalogue().find(gpu), Parallelism(data=8, sharded_optimizer=zero > 0))
-    scenario = profile_scenario(profile, "adam")
-    sched = scenario.build(method, ScheduleParams(2, 4, minibatches=2, chunks=chunks, data_parallel=8, zero=zero,
-                                                  reduce_after_flush=reduce_after_flush))
-    return sched, scenario.costs(sched), lambda costs: summarize(
-        simulate(sched, costs, scenario.links(sched))).makespan_ms
 
 
 def test_beside_persistent_products_a_stage_after_its_devices_first_pays_its_collectives_whole():

@@ -10,8 +10,7 @@ import json
 import pytest
 
 from tests.conftest import needs_transformers, pipesim, simulate_json
-from tests.helpers import LLAMA, write_config
-from tests.test_tune_reserve import searched_settings
+from tests.helpers import LLAMA, searched_settings, write_config
 
 ON_GPU = ("--gpu", "h100-sxm", "-b", 1, "-p", 2, "-m", 4, "-s", "1f1b")
 GPT = ("--model", "gpt", "--layers", 4, "--width", 64, "--heads", 4, "--seq-len", 256, "--vocab", 512)

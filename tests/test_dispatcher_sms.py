@@ -10,13 +10,9 @@ import pytest
 from pipesim.planning.estimate import Parallelism, sharing_dispatcher
 from pipesim.sim.costs import Costs, StageCosts
 from tests.conftest import pipesim, simulate_json
-from tests.test_expert_parallel import DEVICE
-
-ANY_DISPATCHER = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
-                  "--gated", "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "-p", 1, "-m", 4,
-                  "-s", "1f1b", "--data-parallel", 16, "--expert-parallel", 16)
-GPU_ALONE = ("--host-kernel-us", 0)  # the GPU's pricing alone: a layer this small waits on the host (planning/host.py)
-GPT = (*ANY_DISPATCHER, "--token-dispatcher", "deepep", *GPU_ALONE)
+from tests.helpers import ANY_DISPATCHER, GPU_ALONE
+from tests.helpers import DEEPEP_GPT_FLAGS as GPT
+from tests.helpers import H100_BF16 as DEVICE
 
 
 def test_a_part_computes_slower_only_while_the_other_parts_all_to_alls_run_beside_it():

@@ -24,7 +24,7 @@ import pytest
 import typer
 
 from pipesim.cli import make_app
-from tests.test_readme import _commands
+from tests.helpers import bash_commands as _commands
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted((REPO / "docs").glob("*.md"))

@@ -32,20 +32,11 @@ from pipesim.schedules.ir import order_tokens, parse_token
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import InProcessTransport
-from tests.helpers import assert_same, run_loops
+from tests.helpers import assert_same, device_loops, dp_spec, pair_parts, pipeline_weights, run_loops, spec_for
+from tests.helpers import in_one_process as whole
+from tests.helpers import plain_training as single_process
 from tests.reference import initial_model
 from tests.reference import single_process as reference_single_process
-from tests.test_executor import pipeline_weights, single_process, spec_for
-from tests.test_executor_dp import dp_spec, whole
-from tests.test_executor_methods import device_loops
-
-
-def pair_parts(trace) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of a trace's overlapped pairs: their forward parts, and their backward parts."""
-    ops, kinds = trace.ops, list(trace.kinds)
-    forward = np.flatnonzero((ops.kind == kinds.index("F")) & (ops.peer >= 0))
-    backward = np.flatnonzero((ops.kind == kinds.index("B")) & (ops.peer >= 0))
-    return forward, backward
 
 
 @pytest.mark.slow

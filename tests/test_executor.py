@@ -36,37 +36,8 @@ from pipesim.schedules import ScheduleParams, build_schedule, lower
 from pipesim.traces.trace import Stream, read_trace, write_trace
 from pipesim.workload.models import Model, gpt, mlp
 from pipesim.workload.optim import make_optimizer
-from tests.helpers import assert_same
-
-
-def spec_for(method: str, *, stages: int = 2, chunks: int = 1, m: int = 4, n: int = 3, optimizer: str = "sgd",
-             dtype: str = "float64", layers: int = 7, lr: float = 0.05) -> RunSpec:
-    schedule = build_schedule(method, ScheduleParams(stages=stages, microbatches=m, minibatches=n, chunks=chunks))
-    return RunSpec(schedule, "mlp", {"layers": layers, "width": 16}, microbatch_size=4, optimizer=optimizer,
-                   lr=lr, seed=3, dtype=dtype)
-
-
-def pipeline_weights(result, stages: int) -> list[torch.Tensor]:
-    return [w for k in range(stages) for w in result.weights[(k, 0)]]
-
-
-def single_process(spec: RunSpec) -> tuple[list[torch.Tensor], list[float]]:
-    """Plain training: per mini-batch, m micro-batches' gradients accumulated (loss / m), one optimizer step."""
-    model = spec.build_model()
-    net = nn.Sequential(*model.layers)
-    optimizer = make_optimizer(spec.optimizer, net.parameters(), spec.lr)
-    m, losses = spec.schedule.microbatches, []
-    for b in range(spec.schedule.minibatches):
-        total = 0.0
-        for j in range(m):
-            x, target = microbatch_data(spec, model, b, j)
-            loss = model.loss(net(x), target) / m
-            loss.backward()
-            total += float(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
-    return [p.detach() for p in net.parameters()], losses
+from tests.helpers import assert_same, pipeline_weights, spec_for
+from tests.helpers import plain_training as single_process
 
 
 def versioned_reference(spec: RunSpec, read) -> list[torch.Tensor]:

@@ -23,23 +23,10 @@ from pipesim.traces.compare import compare
 from pipesim.traces.trace import Stream
 from pipesim.workload.transport import InProcessTransport
 from tests.conftest import build, pipesim
-from tests.helpers import TIGHT, assert_same, run_loops
+from tests.helpers import DP_REPLICAS as D
+from tests.helpers import TIGHT, assert_same, dp_spec, run_loops
+from tests.helpers import in_one_process as whole
 from tests.reference import Reference, draw, forward_version, initial_model, single_process
-
-D = 2
-
-
-def dp_spec(method: str, m: int, *, stages: int = 2, n: int = 2, optimizer: str = "sgd", d: int = D) -> RunSpec:
-    """The mlp's 5 Linear layers over `stages` stages, float64, d replicas."""
-    return RunSpec(build(method, stages, m, n, data_parallel=d), "mlp", {"layers": 4, "width": 12},
-                   microbatch_size=4, optimizer=optimizer, lr=0.05, seed=5, dtype="float64")
-
-
-def whole(spec: RunSpec) -> RunSpec:
-    """The same training in one process: one pipeline's mini-batch of d x m micro-batches."""
-    schedule = spec.schedule
-    return replace(spec, schedule=build("gpipe", 2, schedule.data_parallel * schedule.microbatches,
-                                        schedule.minibatches))
 
 
 def replica_weights(result, spec: RunSpec, replica: int) -> list[torch.Tensor]:

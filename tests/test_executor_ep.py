@@ -16,27 +16,18 @@ import numpy as np
 import pytest
 import torch
 
-from pipesim.executor import ExecutorError, RunSpec, run_in_process, run_multiprocess
+from pipesim.executor import ExecutorError, run_in_process, run_multiprocess
 from pipesim.executor.experts import ExpertLayout
 from pipesim.executor.replicas import Layout
 from pipesim.executor.runtime import AllToAllRows
 from pipesim.schedules import KINDS, Kind, lower
 from pipesim.traces import read_trace
 from tests.conftest import build, pipesim
+from tests.helpers import TIGHT, ep_spec
 from tests.reference import single_process
 
-# float64 throughout: an expert's product over the tokens of both replicas' micro-batches at once, and its
-# gradient summed over them in one product, round differently from one process's product per micro-batch
-TIGHT = dict(rtol=1e-10, atol=1e-12)
-MOE = {"layers": 2, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32, "experts": 4, "top_k": 2,
-       "shared_experts": 1, "expert_ffn": 8}
-
-
-def ep_spec(method: str, m: int, optimizer: str, stages: int = 2, replicas: int = 2, **options: float) -> RunSpec:
-    """The gpt with 4 routed experts and a shared one in each of its 2 blocks, over `stages` stages and `replicas`
-    data-parallel replicas, E = 2 of them in each expert-parallel group."""
-    return RunSpec(build(method, stages, m, 2, data_parallel=replicas, expert_parallel=2), "gpt", {**MOE, **options},
-                   microbatch_size=2, optimizer=optimizer, lr=0.05, seed=3, dtype="float64", heldout=False)
+# TIGHT: float64 throughout, where an expert's product over the tokens of both replicas' micro-batches at once, and
+# its gradient summed over them in one product, round differently from one process's product per micro-batch
 
 
 @pytest.mark.parametrize("method, m, optimizer, shape, options", [

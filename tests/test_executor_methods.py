@@ -25,16 +25,14 @@ import pytest
 import torch
 
 from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, Weights, cut, run_in_process, run_multiprocess
-from pipesim.executor.replicas import Layout, thread_replicas
 from pipesim.executor.runners import _merge
 from pipesim.planning.auto import search_schedule
 from pipesim.schedules import KINDS, METHODS, Kind, ScheduleParams, StageGraph, lower
 from pipesim.schedules.graph import graph_schedule, two_branch_graph
 from pipesim.sim import Cluster, Costs
 from pipesim.traces.trace import Stream
-from pipesim.workload.transport import InProcessTransport
 from tests.conftest import build
-from tests.helpers import assert_same, run_loops
+from tests.helpers import assert_same, device_loops, run_loops
 from tests.reference import STAGE_LAYERS, Reference, Snapshot, forward_version, single_process
 
 REFERENCE_TOL = dict(rtol=1e-9, atol=1e-11)  # against the hand-written references (tests/reference.py)
@@ -47,17 +45,6 @@ def make_spec(method: str, *, stages: int = 2, m: int = 2, n: int = 3, optimizer
     schedule = build(method, stages, m, n, **params)
     return RunSpec(schedule, model, options or {"layers": 4, "width": 12}, microbatch_size=4, optimizer=optimizer,
                    lr=lr, seed=5, dtype=dtype)
-
-
-def device_loops(spec: RunSpec, loop: type[DeviceLoop] = DeviceLoop, **loop_options) -> list[DeviceLoop]:
-    """A loop per device, over the in-process transport; the devices that hold a model copy's same stages (DualPipe)
-    average their gradients in a room."""
-    lowered = lower(spec.schedule)
-    devices = spec.schedule.num_devices
-    transports = InProcessTransport.connected(devices, timeout_s=60)
-    _, replicas = thread_replicas(Layout.of(spec.schedule), 60)
-    return [loop(spec, lowered, cut(spec), d, transports[d], replicas=replicas[d], **loop_options)
-            for d in range(devices)]
 
 
 def run_devices(spec: RunSpec, **loop_options) -> list:

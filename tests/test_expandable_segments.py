@@ -179,7 +179,7 @@ def test_simulate_sweep_and_tune_replay_each_device_with_expandable_segments(tmp
     assert code == 0, err
     (row,) = csv.DictReader(out.open())
     assert float(row["peak_memory_mb"]) == pytest.approx(peak, rel=1e-9)
-    from tests.test_tune_reserve import simulated_peak_mib, tuned_peak_mib
+    from tests.helpers import simulated_peak_mib, tuned_peak_mib
 
     tuned = tuned_peak_mib("--allocator", "expandable")
     assert tuned == pytest.approx(simulated_peak_mib("--allocator", "expandable"))

@@ -22,9 +22,8 @@ from pipesim.sim.costs import Costs, StageCosts
 from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
 from tests.conftest import build, pipesim, simulate_json
+from tests.helpers import TIGHT, ep_spec, pair_parts
 from tests.reference import single_process
-from tests.test_dualpipe import pair_parts
-from tests.test_executor_ep import TIGHT, ep_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

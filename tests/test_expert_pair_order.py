@@ -6,10 +6,8 @@ order, so each all-to-all hides only under the one node beside it; what that lea
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import cache
 
 import pytest
-import torch
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
@@ -33,9 +31,9 @@ from pipesim.sim.cluster import Cluster, Link
 from pipesim.sim.costs import Costs, StageCosts, held_compute
 from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
-from pipesim.workload.count import WorkloadCount, count_built
 from tests.helpers import H100
 from tests.helpers import H100_BF16 as DEVICE
+from tests.helpers import lean_experts_count as counted
 
 
 def test_an_all_to_all_hides_only_under_the_node_beside_it():
@@ -186,13 +184,6 @@ def test_a_pair_takes_at_least_its_hosts_issue_and_waits_out_the_dispatch_where_
                          MoePass(1.0, 1.0, 0.0, 0.0, attention_issue_ms=2.0, experts_issue_ms=1.0))
     assert paired_exposed_ms(forward, backward) == pytest.approx(1.0)
     assert paired_exposed_ms(forward, backward, experts_wait=True) == pytest.approx(3.0)
-
-
-@cache
-def counted() -> WorkloadCount:
-    """A small MoE whose experts compute little beside what they exchange (f = 128, 2,048 tokens)."""
-    return count_built("gpt", dict(layers=4, width=256, heads=4, seq_len=2048, vocab=1000, gated=True, experts=8,
-                                   top_k=2, expert_ffn=128), 1, torch.bfloat16, "flash")
 
 
 def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():

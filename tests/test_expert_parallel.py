@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from functools import cache
 
 import numpy as np
 import pytest
@@ -27,20 +26,15 @@ from pipesim.planning.experts import (
     expert_group,
     random_routing_load,
 )
-from pipesim.workload.count import WorkloadCount, count_built
+from pipesim.workload.count import count_built
 from tests.conftest import pipesim, tune_rows
-from tests.helpers import H100
+from tests.helpers import EP_GPT as GPT
+from tests.helpers import EP_H as H
+from tests.helpers import EP_S as S
+from tests.helpers import EXPERTS, H100, TOP_K
 from tests.helpers import H100_BF16 as DEVICE
-
-PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
-EXPERTS, TOP_K, S, H, FFN = 8, 2, 512, 256, 512
-GPT = dict(layers=4, width=H, heads=4, seq_len=S, vocab=1000, gated=True, experts=EXPERTS, top_k=TOP_K,
-           expert_ffn=FFN)
-
-
-@cache
-def counted() -> WorkloadCount:
-    return count_built("gpt", GPT, 1, torch.bfloat16, "flash")
+from tests.helpers import H100_PLACEMENT as PLACEMENT
+from tests.helpers import ep_gpt_count as counted
 
 
 def profile(**parallel):

@@ -22,7 +22,6 @@ from pipesim.profiles.schema import (
     LinkProfile,
     Profile,
     RuntimeProfile,
-    StagePasses,
     Timing,
     load_profile,
     stages_for,
@@ -33,9 +32,9 @@ from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.costs import CostError, RowOverhead, StageCosts
 from pipesim.traces import summarize
 from pipesim.traces.compare import compare
-from pipesim.traces.trace import Counter, Ops, Stream, Trace, TraceError, TraceMeta, write_trace
+from pipesim.traces.trace import Ops, Stream, Trace, TraceError, write_trace
 from tests.conftest import build
-from tests.helpers import CNN_CPU
+from tests.helpers import CNN_CPU, probe_trace, with_passes
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = CNN_CPU  # a version 1 profile, calibrated with 2 threads
@@ -170,80 +169,6 @@ def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
 
 
 # ------------------------------------------------------------------------------------- the runtime probe
-
-
-def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float,
-                window: int = 2, warmup_ms: tuple[float, ...] = (), send_cpu_ms: float | None = None,
-                turn_ms: float | None = None, beyond_bytes: int = 0, in_flight_bytes: int = 0) -> Trace:
-    """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
-    the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms` of which
-    `send_cpu_ms` (default: all) its thread's CPU time, a RECV
-    waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows, each of the rows but a RECV
-    and each gap `warmup_ms[j]` longer after j·WARMUP_ROWS compute rows of its device; before an update a device
-    holds its weights, the mini-batch's gradient and the `kept` gradients an earlier update left, after it those
-    copies, each time with the buffers of its next `window` receives, posted ahead, and throughout `beyond_bytes`
-    its allocator holds beyond the books (a GPU's cuBLAS workspaces); before the first update, `in_flight_bytes`
-    of sends not yet complete too (the executor's `sending_bytes`). With `turn_ms`,
-    the two ranks shared a GPU over the host-staged transport: each compute row first waited that long for its turn
-    (its `wait_us`), and the receives were posted in host memory."""
-    own = {"F": "fwd_ms", "B": "bwd_ms", "I": "igrad_ms", "W": "wgrad_ms"}
-    programs = {d: [(kind, d, j, b) for b in range(3) for kind, j in order] for d, order in (
-        (0, [("F", 0), ("SEND_F", 0), ("F", 1), ("SEND_F", 1), ("RECV_B", 0), ("B", 0), ("RECV_B", 1), ("I", 1),
-             ("W", 1), ("OPT", -1)]),
-        (1, [("RECV_F", 0), ("F", 0), ("B", 0), ("SEND_B", 0), ("RECV_F", 1), ("F", 1), ("I", 1), ("W", 1),
-             ("SEND_B", 1), ("OPT", -1)]))}
-    rows, memory, sent, waits, sending = [], {0: [], 1: []}, {}, [], {0: [], 1: []}
-    clock, at, computed = {0: 0.0, 1: 0.0}, {0: 0, 1: 0}, {0: 0, 1: 0}
-    while any(at[d] < len(programs[d]) for d in programs):
-        for d, program in programs.items():
-            while at[d] < len(program):
-                kind, stage, j, b = program[at[d]]
-                s = probe.stages[stage]
-                if kind.startswith("RECV"):
-                    arrival = sent.get((kind[-1], j, b))
-                    if arrival is None:
-                        break  # not sent yet: let the other device run
-                    ms = max(arrival - clock[d], 0.0) + recv_ms
-                elif kind.startswith("SEND"):
-                    ms = send_ms
-                    sent[(kind[-1], j, b)] = clock[d] + ms
-                elif kind == "OPT":
-                    ms = s.steps["sgd"].step.median_ms + extra[kind]
-                else:
-                    ms = getattr(s, own[kind]) + extra[kind]
-                step = computed[d] // WARMUP_ROWS
-                cold = warmup_ms[step] if step < len(warmup_ms) else 0.0
-                computed[d] += kind in COMPUTE_KINDS
-                ms, gap = (ms, gap_ms + cold) if kind.startswith("RECV") else (ms + cold, gap_ms + cold)
-                waits.append(turn_ms if turn_ms is not None and kind in COMPUTE_KINDS else -1.0)
-                clock[d] += max(waits[-1], 0.0)
-                rows.append((d, kind, stage, j, b, 1 - d if "_" in kind else -1, clock[d] * 1e3, ms * 1e3))
-                # around an update: weights, gradients and the next `window` receives (2 a mini-batch) posted
-                posted = min(window, 2 * (2 - b)) * probe.stages[0].output_bytes * (turn_ms is None)
-                updates = at[d] + 1 < len(program) and program[at[d] + 1][0] == "OPT"
-                gradients = kept * (b > 0) + 1 if updates else kept if kind == "OPT" else None
-                held = 10 * s.param_bytes if gradients is None else s.param_bytes + gradients * s.grad_bytes + posted
-                flying = in_flight_bytes * (updates and b == 0)
-                memory[d].append(((clock[d] + ms) * 1e3, held + beyond_bytes + flying))
-                sending[d].append(((clock[d] + ms) * 1e3, flying))
-                clock[d] += ms + gap
-                at[d] += 1
-    kinds = tuple(k.value for k in KINDS)
-    table = list(zip(*rows))
-    kind = np.array([kinds.index(k) for k in table[1]])
-    stream = Stream.of_kinds(kinds)[kind]
-    cpu_us = np.where(stream == Stream.SEND, (send_ms if send_cpu_ms is None else send_cpu_ms) * 1e3, -1.0)
-    ops = Ops(device=table[0], stream=stream, kind=kind, stage=table[2], microbatch=table[3],
-              minibatch=table[4], pipeline=np.zeros(len(rows)), peer=table[5], version=np.zeros(len(rows)),
-              prediction=np.full(len(rows), -1), start_us=table[6], dur_us=table[7], cpu_us=cpu_us,
-              wait_us=np.where(np.array(waits) >= 0, np.array(waits) * 1e3, -1.0))
-    meta = TraceMeta(source="measured", schedule="probe", params={}, microbatches=2, minibatches=3, pipelines=1,
-                     microbatch_size=1, placement=[0, 1], stage_edges=[[0, 1]], policy={}, tool="test",
-                     hardware=None if turn_ms is None else {"device": "cuda", "host_staged": True},
-                     extra={"recv_window": window})
-    counters = {name: [Counter(*map(np.array, zip((0.0, 0), *samples[d]))) for d in (0, 1)]
-                for name, samples in (("memory_bytes", memory), ("sending_bytes", sending))}
-    return Trace(kinds, 2, ops, meta, counters)
 
 
 def test_runtime_terms_recover_what_the_probe_trace_holds():
@@ -384,17 +309,6 @@ def test_a_stage_fed_by_the_batch_alone_has_an_empty_input_half():
             assert stage.igrad_ms > 0
     costs = profile_scenario(profile, "sgd").costs(build("zb-h1", 2, 4))
     assert costs.op_ms_table(1)[0][KINDS.index(Kind.I)] == 0.0
-
-
-def with_passes(profile, fwd_ratio, bwd_ratio):
-    """`profile` as if its stages' passes had measured its layers' sums times these ratios (one per stage)."""
-    def timing(ms):
-        return Timing(median_ms=ms, spread_ms=0.0, repeats=5)
-
-    stages = [stage.model_copy(update={"passes": StagePasses(
-        fwd=timing(stage.fwd_ms * f), bwd=timing(stage.bwd_ms * b), igrad=timing(stage.igrad_ms * b),
-        wgrad=timing(stage.wgrad_ms * b))}) for stage, f, b in zip(profile.stages, fwd_ratio, bwd_ratio)]
-    return profile.model_copy(update={"stages": stages})
 
 
 def test_stages_are_priced_at_their_passes_and_another_cut_scales_each_layer_by_its_stage():

@@ -12,7 +12,12 @@ import pytest
 
 from pipesim.planning.estimate import Parallelism, estimate_profile
 from pipesim.planning.experts import FLOAT8_PADDING_ROWS, ExpertGroup, expert_group
-from tests.test_expert_parallel import DEVICE, EXPERTS, H100, PLACEMENT, TOP_K, H, S, counted
+from tests.helpers import EP_H as H
+from tests.helpers import EP_S as S
+from tests.helpers import EXPERTS, H100, TOP_K
+from tests.helpers import H100_BF16 as DEVICE
+from tests.helpers import H100_PLACEMENT as PLACEMENT
+from tests.helpers import ep_gpt_count as counted
 
 
 def _added(group: ExpertGroup, dropless: bool = True, rows: int | None = None) -> dict[str, list]:

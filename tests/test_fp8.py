@@ -14,33 +14,16 @@ from pipesim.planning.estimate import (
     Parallelism,
     estimate_layer,
     op_ms,
-    placement_links,
 )
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
-from pipesim.profiles.workload import LayerCount, OpCount
+from pipesim.profiles.workload import LayerCount
 from tests.conftest import pipesim
 from tests.helpers import A100, H100
 from tests.helpers import H100_FP8 as DEVICE
-
-LINK = placement_links(H100, Parallelism()).tensor
-HEADS, SEQ = 8, 256
-
-
-def _product(m: int, n: int, k: int) -> OpCount:
-    return OpCount("addmm", "matmul", (1, m, n, k), 2 * m * n * k, 2 * (m * k + k * n + m * n), 1)
-
-
-def _layer(tokens: int, width: int) -> LayerCount:
-    """A transformer layer of one width x width linear product and a small fused attention kernel, its input
-    saved by the product alone and the attention's output by the kernel and the product."""
-    product = _product(tokens, width, width)
-    attention = OpCount("flash", "attention", (HEADS, SEQ, SEQ, 64), 4 * HEADS * SEQ * SEQ * 64, 0, 1)
-    ops = {"fwd": (product, attention), "igrad": (_product(tokens, width, width),),
-           "wgrad": (_product(width, width, tokens),)}
-    ops["bwd"] = ops["igrad"] + ops["wgrad"]
-    saved = (((tokens, width), 2 * tokens * width), ((tokens, width), 2 * tokens * width))
-    return LayerCount("1:block", 0, 0, 0, 0, 0, 0, 4 * tokens * width, 0, 0, {}, {}, (1, tokens, width),
-                      2 * tokens * width, (0,), saved, ops, ("mlp", "attention"), ("only", "also"))
+from tests.helpers import H100_TENSOR_LINK as LINK
+from tests.helpers import SMALL_FLASH_GPT_FLAGS as SMALL
+from tests.helpers import matmul_count as _product
+from tests.helpers import product_attention_layer as _layer
 
 
 def _priced(layer: LayerCount, fp8: str | None):
@@ -107,10 +90,6 @@ def test_a_recipe_is_one_of_the_known_and_a_part_without_fp8_cannot_price_a_floa
     no_fp8 = Device(A100.dense_tflops.bf16 * 1e9, 1e9, A100.curve)
     with pytest.raises(EstimateError, match="fp8: the part has no float8 peak"):
         estimate_layer(_layer(256, 256), no_fp8, Parallelism(fp8="te"), LINK, 2)
-
-
-SMALL = ("--model", "gpt", "--layers", "2", "--width", "256", "--heads", "4", "--seq-len", "64", "--vocab", "128",
-         "--attention", "flash")
 
 
 @pytest.mark.parametrize("command", ["estimate", "simulate", "sweep", "tune"])

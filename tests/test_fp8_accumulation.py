@@ -10,7 +10,10 @@ from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import Device, Parallelism, estimate_layer, op_ms
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 from tests.conftest import pipesim
-from tests.test_fp8 import DEVICE, H100, LINK, _layer
+from tests.helpers import H100
+from tests.helpers import H100_FP8 as DEVICE
+from tests.helpers import H100_TENSOR_LINK as LINK
+from tests.helpers import product_attention_layer as _layer
 
 MAMF_TFLOPS = 1402.6  # stas00/ml-engineering's float8_e4m3fn MAMF of the H100 SXM, torch._scaled_mm's default
 

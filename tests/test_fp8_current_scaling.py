@@ -11,7 +11,9 @@ from pathlib import Path
 from pipesim.planning.estimate import Parallelism, estimate_layer
 from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 from tests.conftest import pipesim, simulate_json
-from tests.test_fp8 import DEVICE, LINK, _layer
+from tests.helpers import H100_FP8 as DEVICE
+from tests.helpers import H100_TENSOR_LINK as LINK
+from tests.helpers import product_attention_layer as _layer
 
 REPO = Path(__file__).resolve().parents[1]
 

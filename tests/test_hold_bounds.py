@@ -17,7 +17,10 @@ from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.engine import _search_right
 from pipesim.traces import summarize
-from tests.test_tune import GPT, bounds_over_random_costs, differences, exhaustive, problem, scenario
+from tests.helpers import GPT_CPU as GPT
+from tests.helpers import adam_settings as scenario
+from tests.helpers import bounds_over_random_costs, differences, exhaustive
+from tests.helpers import tune_problem as problem
 
 
 @pytest.fixture

@@ -22,7 +22,11 @@ from pipesim.planning.host import (
     waited_ms,
 )
 from pipesim.profiles.schema import PASSES, LayerProfile, stage_host_waits_ms
-from tests.test_expert_pair_order import DEVICE, H100, counted
+from tests.helpers import H100
+from tests.helpers import H100_BF16 as DEVICE
+from tests.helpers import host_floor_ms as floor_ms
+from tests.helpers import lean_experts_count as counted
+from tests.helpers import random_pass as _random_pass
 
 HOST_HEAVY = Kernels(10, 1.0, 0.1)  # ten kernels the host takes 1 ms each to issue and the GPU runs in 0.1 ms
 GPU_HEAVY = Kernels(10, 0.1, 1.0)
@@ -31,11 +35,6 @@ GPU_HEAVY = Kernels(10, 0.1, 1.0)
 def end_ms(kernels: list[Kernels], lead_ms: float = 0.0) -> float:
     """When the GPU ends the last of `kernels` past its queue at the start: their GPU time and its wait."""
     return sum(run.count * run.gpu_ms for run in kernels) + waited_ms(kernels, lead_ms)[0]
-
-
-def floor_ms(passes: list[list[Kernels]]) -> float:
-    """What a stage's pass none of whose layers synchronises waits for its host: its issue beyond its GPU time."""
-    return max(0.0, sum(issued_ms(kernels) - sum(run.count * run.gpu_ms for run in kernels) for kernels in passes))
 
 
 def one_by_one(kernels: list[Kernels]) -> list[Kernels]:
@@ -162,16 +161,6 @@ def test_each_stage_starts_its_passes_with_its_host_not_ahead():
             total_ms = sum(getattr(layer, name).median_ms for layer in whole.layers)
             assert getattr(whole.stages[0], f"{name}_ms") == pytest.approx(total_ms, rel=1e-12)
     assert profile.stages[1].fwd_ms > sum(layer.fwd.median_ms for layer in profile.layers[1:3]) + 1e-6
-
-
-def _random_pass(rng, waits: bool) -> list[Kernels]:
-    """A pass of 1-6 runs of random sizes and costs, an all-to-all's GPU time the host issues under among them (one
-    that waits first where `waits`, as `pass_kernels` places a dropless dispatch)."""
-    runs = [Kernels(rng.randint(1, 5), rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0),
-                    rng.choice((0.0, rng.uniform(0.0, 2.0)))) for _ in range(rng.randint(1, 6))]
-    if waits or rng.random() < 0.5:
-        runs.insert(rng.randint(0, len(runs) - 1), Kernels(1, 0.0, rng.uniform(0.0, 3.0), waits=waits))
-    return runs
 
 
 def test_random_passes_keep_the_floor_the_ceiling_and_their_map_of_the_lead():

@@ -16,7 +16,7 @@ from pipesim.schedules import METHODS, ScheduleError, ScheduleParams, flushes
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.cluster import Link
 from pipesim.traces import summarize
-from tests.test_searched_bound import ROUNDING_MS, chains
+from tests.helpers import ROUNDING_MS, chains
 
 PAIRED = ("interleaved-1f1b", "zb-v", "dualpipev", "dualpipe")  # v = 2 model stages per device
 FLUSHING = ("gpipe", "1f1b", "zb-h1", "zb-h2", "auto", *PAIRED)

@@ -17,8 +17,9 @@ from pipesim.planning.host import carried_waits_ms, pass_issue
 from pipesim.profiles.schema import LayerProfile, stage_host_waits_ms
 from pipesim.schedules import METHODS
 from tests.conftest import estimate_json, pipesim, simulate_json
-from tests.test_dispatcher_sms import GPT as MOE
-from tests.test_host_order import _random_pass, floor_ms
+from tests.helpers import DEEPEP_GPT_FLAGS as MOE
+from tests.helpers import host_floor_ms as floor_ms
+from tests.helpers import random_pass as _random_pass
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 512, "--gpu", "h100-sxm",

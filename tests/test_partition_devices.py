@@ -179,7 +179,7 @@ def test_the_scenarios_cut_of_an_interleaved_schedule_levels_its_devices():
     from pipesim.planning.scenario import device_stages, profile_scenario
     from pipesim.profiles.schema import layer_costs, load_profile, profile_stage_time
     from pipesim.schedules import ScheduleParams
-    from tests.test_tune import CNN
+    from tests.helpers import CNN_CPU as CNN
 
     measured = load_profile(CNN)
     scenario = profile_scenario(measured, "adam")

@@ -25,7 +25,7 @@ from pipesim.profiles.schema import PASSES, PassTimes, Profile, StagePasses, Tim
 from pipesim.schedules import ScheduleParams
 from pipesim.traces.trace import read_trace
 from tests.conftest import script_module
-from tests.test_fidelity_terms import probe_trace
+from tests.helpers import probe_trace
 
 CHECK = Path(__file__).resolve().parents[1] / "traces" / "measured" / "gpu-check-h200-day9-masters"
 CPU_RUNS = CHECK.parent / "fidelity-cpu2-day3-runs"  # a CPU calibration's, its passes timed once

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from pipesim.profiles.partition import PartitionError, equal_blocks, layout_blocks, megatron_layout
 from tests.conftest import needs_transformers, pipesim, simulate_json
+from tests.helpers import HEAVY_HEAD_GPT_FLAGS as GPT
 from tests.helpers import TINY_DEEPSEEK, write_config
-from tests.test_published_runs import GPT
 
 MTP = "MultiTokenPrediction"
 HF = ["Embedding", *["DecoderLayer"] * 4, "Norm", "Linear"]  # workload/hf.py's cut: embedding, blocks, norm, head

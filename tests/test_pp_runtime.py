@@ -153,7 +153,7 @@ def test_torchs_stage_refuses_a_stage_graph_it_cannot_run(name, why):
 def test_tune_prices_the_chosen_configuration_as_simulate_does_under_torchs_runtime():
     """tune --pp-runtime torch holds the tensors between stages as simulate --pp-runtime torch does: its choice's
     peak is simulate's, above the one pipesim's runtime holds (torch's stage keeps its buffers to the update)."""
-    from tests.test_tune_reserve import simulated_peak_mib, tuned_peak_mib
+    from tests.helpers import simulated_peak_mib, tuned_peak_mib
 
     torch = tuned_peak_mib("--pp-runtime", "torch")
     assert torch == pytest.approx(simulated_peak_mib("--pp-runtime", "torch"))
@@ -161,7 +161,7 @@ def test_tune_prices_the_chosen_configuration_as_simulate_does_under_torchs_runt
 
 
 def tuned(*flags) -> dict:
-    from tests.test_tune_reserve import MODEL
+    from tests.helpers import A100_GPT4 as MODEL
 
     code, out, err = pipesim("tune", *MODEL, "-D", 2, "-B", 8, "-b", 1, "--tensor-parallel", 1, "--recompute",
                              "none", *flags, "--json")
@@ -188,7 +188,7 @@ def test_tune_refuses_per_shape_the_methods_torchs_stage_cannot_run():
 
 
 def test_tune_with_only_methods_torchs_stage_cannot_run_is_one_line():
-    from tests.test_tune_reserve import MODEL
+    from tests.helpers import A100_GPT4 as MODEL
 
     flags = (*MODEL, "-D", 2, "-B", 8, "-b", 1, "-s", "pipedream", "--max-staleness", 1)
     assert pipesim("tune", *flags)[0] == 0
@@ -204,7 +204,7 @@ def test_tunes_memory_floor_stays_below_the_peak_under_torchs_runtime():
     torch's stage the input a forward computes on is its receive buffer, counted once."""
     from pipesim.planning import tune as tuning
     from pipesim.schedules import METHODS
-    from tests.test_tune_reserve import searched_settings
+    from tests.helpers import searched_settings
 
     settings = searched_settings("-D", 2, "-B", 8, "-b", 1, "--tensor-parallel", 1, "--recompute", "none",
                                  "--pp-runtime", "torch")

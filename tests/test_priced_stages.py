@@ -10,8 +10,7 @@ import pytest
 from pipesim.planning import scenario, tune
 from pipesim.planning.scenario import profile_costs
 from pipesim.profiles.schema import ContentionProfile, load_profile, stages_for
-from tests.helpers import GPT_CPU
-from tests.test_fidelity_terms import with_passes
+from tests.helpers import GPT_CPU, with_passes
 
 
 def _skipping(profile):

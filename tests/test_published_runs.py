@@ -15,11 +15,10 @@ import pytest
 from pipesim.profiles.partition import PartitionError, equal_blocks, first_last_blocks, padded_blocks
 from pipesim.units import whole_number
 from tests.conftest import pipesim, simulate_json
+from tests.helpers import HEAVY_HEAD_GPT_FLAGS as GPT
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = json.loads((REPO / "benchmarks" / "published_runs.json").read_text())["rows"]
-GPT = ("--model", "gpt", "--layers", 4, "--width", 64, "--heads", 2, "--seq-len", 32, "--vocab", 32768,
-       "--gpu", "a100-sxm-80gb")  # a head as heavy as several blocks: a cut balanced for time gives it fewer
 
 
 def test_equal_blocks_gives_every_stage_as_many_blocks_the_ends_with_the_first_and_last():

@@ -18,27 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import H100
+from tests.helpers import H100, README
+from tests.helpers import bash_commands as _commands
+from tests.helpers import readme_prose as prose
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
 SHARED_PATHS = ("examples", "traces", "benchmarks")
-INSTALL_STEPS = ("python3 -m venv", ". .venv/bin/activate", "pip install", "python -m pytest")
 README_MAX_LINES = 250
-
-
-def _commands(block: str) -> list[str]:
-    """The commands of one bash block: continuations joined, comments and install steps dropped."""
-    commands = []
-    for line in block.replace("\\\n", " ").splitlines():
-        line = re.sub(r"\s+#.*$", "", line).strip()
-        if not line or line.startswith("#"):
-            continue
-        steps = [step.strip() for step in line.split("&&")]
-        kept = [step for step in steps if not step.startswith(INSTALL_STEPS)]
-        if kept:
-            commands.append(" && ".join(kept))
-    return commands
 
 
 def readme_sections() -> dict[str, list[str]]:
@@ -111,16 +97,6 @@ def section_runs(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
 def test_every_readme_command_runs_as_written(section, section_runs):
     failure = section_runs[section].result()
     assert failure is None, failure
-
-
-def section(title: str) -> str:
-    """The README's `## title` section."""
-    return README.read_text().split(f"\n## {title}\n")[1].split("\n## ")[0]
-
-
-def prose(title: str) -> str:
-    """The README's `## title` section as one line of words: a sentence quoted across its lines reads as one."""
-    return " ".join(section(title).split())
 
 
 def test_the_models_sections_figures_are_what_its_commands_print():

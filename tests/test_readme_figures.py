@@ -20,7 +20,8 @@ import pytest
 from benchmarks.bench_auto import bubble
 from pipesim.schedules import METHODS
 from tests.conftest import pipesim, simulate_json
-from tests.test_readme import prose, section
+from tests.helpers import readme_prose as prose
+from tests.helpers import readme_section as section
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()

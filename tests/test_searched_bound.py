@@ -5,44 +5,14 @@ auto finds, and prunes searches `_searched_bound_ms` alone leaves to run."""
 from dataclasses import replace
 
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from pipesim.planning import tune as tuning
 from pipesim.planning.auto import search_schedule
 from pipesim.schedules import ScheduleParams
 from pipesim.sim import Cluster, Costs, simulate
-from pipesim.sim.cluster import Link
 from pipesim.traces import summarize
-from tests.test_tune_digests import MODEL
-from tests.test_tune_reserve import searched_settings
-
-# The engine times each row in whole picoseconds (sim/engine.py `_PS_PER_MS`): a step read from its runs can sit up
-# to half a picosecond a row from the same costs summed in floats, so the bounds are held to it that far.
-ROUNDING_MS = 1e-7
-
-times = st.floats(0.0, 5.0, allow_nan=False)
-PRODUCT_MS = (0.05, 0.3, 1.0)  # a product's time, which a transfer's kernel delays it at most (0: its whole time)
-
-
-@st.composite
-def chains(draw):
-    """Random costs of a chain of 1-4 stages, with 1-6 micro-batches, each stage's F, I, W (B no more than both, as
-    it saves the second walk), update, REDUCE over two replicas, accumulation and output size; a link's latency and
-    bandwidth; whether transfers hold the compute beside them, and each product's time, by which they hold it at
-    most (or their whole time)."""
-    p, m = draw(st.integers(1, 4)), draw(st.integers(1, 6))
-    stages = []
-    for _ in range(p):
-        f, i, w = draw(times), draw(times), draw(times)
-        stages.append(dict(fwd_ms=f, bwd_ms=i + w - draw(st.floats(0.0, 1.0)) * min(i, w), igrad_ms=i, wgrad_ms=w,
-                           opt_ms=draw(times), reduce_ms=draw(times), accumulate_ms=draw(st.floats(0.0, 1.0)),
-                           output_bytes=draw(st.integers(0, 4000)),
-                           product_ms=draw(st.sampled_from((0.0, *PRODUCT_MS)))))
-    costs = Costs.per_stage(p, fwd_ms=1.0, bwd_ms=2.0)
-    costs = replace(costs, stages=tuple(replace(stage, **given) for stage, given in zip(costs.stages, stages)),
-                    transfers_hold_products=draw(st.booleans()))
-    links = Cluster(p, Link(latency_ms=draw(st.floats(0.0, 2.0)), bandwidth_bytes_per_ms=draw(st.floats(500, 1e4))))
-    return costs, links, m
+from tests.helpers import A100_GPT12 as MODEL
+from tests.helpers import ROUNDING_MS, chains, searched_settings
 
 
 @settings(max_examples=120, deadline=None)

@@ -14,10 +14,11 @@ from pipesim.planning import tune as tuning
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Costs
 from pipesim.sim.costs import KIND_CODE, Kind
-from tests.test_accumulation_bounds import FIXED, ROUNDING_MS, _costed_step_ms, _step_ms, fixed_order
-from tests.test_searched_bound import chains
-from tests.test_tune_digests import MODEL
-from tests.test_tune_reserve import searched_settings
+from tests.helpers import A100_GPT12 as MODEL
+from tests.helpers import FIXED_ORDERS as FIXED
+from tests.helpers import ROUNDING_MS, chains, fixed_order, searched_settings
+from tests.helpers import costed_step_ms as _costed_step_ms
+from tests.helpers import measured_step_ms as _step_ms
 
 
 def _work_of(costs: Costs) -> tuning._Work:

@@ -131,7 +131,7 @@ def test_a_stages_least_reduce_is_priced_once_per_size_and_frame(monkeypatch):
     gradients of the bf16 weights: twice theirs): stages of like bytes (a model of like layers cut many ways) are
     priced once per setting, p and d, each as priced alone."""
     from pipesim.planning.scenario import CollectiveLink
-    from tests.test_tune_reserve import searched_settings
+    from tests.helpers import searched_settings
 
     setting = next(s for s in searched_settings("-D", 8, "-B", 32, "-b", 2, "--tensor-parallel", 1, "--recompute",
                                                 "none", model=("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers",

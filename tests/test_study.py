@@ -14,8 +14,8 @@ from pipesim.schedules import ScheduleError
 from pipesim.study.plan import Arm, Setting, arms, build
 from pipesim.study.results import ResultsError, Spread, StudyFile, load_results, open_results
 from tests.conftest import pipesim
+from tests.helpers import TINY_SETTING as TINY
 
-TINY = Setting("mlp", {"layers": 2, "width": 16}, stages=2, microbatches=2, microbatch_size=4, minibatches=4)
 TINY_FLAGS = ("--layers", 2, "--width", 16, "-p", 2, "-m", 2, "-b", 4, "-n", 4, "--seeds", 2, "--no-timing")
 
 

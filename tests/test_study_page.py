@@ -10,7 +10,7 @@ import pytest
 
 from pipesim.study.results import StudyFile, load_results
 from tests.conftest import pipesim
-from tests.test_study import TINY
+from tests.helpers import TINY_SETTING as TINY
 
 
 def _record(method, optimizer, seed, losses, status="ok", source=None):

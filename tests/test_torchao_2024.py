@@ -12,7 +12,10 @@ import pytest
 from pipesim.planning.estimate import Parallelism, estimate_layer
 from pipesim.planning.fp8 import FP8_RECIPES, gathered_in_float8, in_float8
 from tests.conftest import pipesim
-from tests.test_fp8 import DEVICE, LINK, SMALL, _layer
+from tests.helpers import H100_FP8 as DEVICE
+from tests.helpers import H100_TENSOR_LINK as LINK
+from tests.helpers import SMALL_FLASH_GPT_FLAGS as SMALL
+from tests.helpers import product_attention_layer as _layer
 
 TOKENS, WIDTH = 4096, 1024
 WEIGHT_BYTES = WIDTH * WIDTH + 4  # the layer's one width x width product: its float8 weight and float32 scale

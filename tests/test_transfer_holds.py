@@ -83,7 +83,7 @@ def test_the_engines_hold_and_a_held_pass_take_a_product_beside_a_long_kernel_al
 def test_only_hoppers_estimates_hold_their_compute_beside_transfers():
     """An interleaved gpt estimated on an H100 (persistent products) is slower for the hold; on an A100 (products
     in waves) its costs leave it off."""
-    from tests.test_ddp_buckets import _interleaved
+    from tests.helpers import interleaved_gpt as _interleaved
 
     _, costs, step_ms = _interleaved("h100-sxm")
     assert costs.transfers_hold_products
@@ -95,7 +95,7 @@ def test_only_hoppers_estimates_hold_their_compute_beside_transfers():
 def test_an_estimate_knows_its_products_time_where_they_run_persistent_ctas():
     """The interleaved gpt above: on an H100 every stage's products run a known time, shorter than its forward,
     and its step is no longer for them than with every hold whole; on an A100 (products in waves) none is given."""
-    from tests.test_ddp_buckets import _interleaved
+    from tests.helpers import interleaved_gpt as _interleaved
 
     _, costs, step_ms = _interleaved("h100-sxm")
     assert all(0 < c.product_ms < c.fwd_ms for c in costs.stages)

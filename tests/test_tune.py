@@ -17,14 +17,16 @@ from pipesim.hardware.collectives import all_reduce_ms
 from pipesim.planning import tune as tuning
 from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.partition import least_slowest
-from pipesim.profiles.schema import Timing, load_profile
+from pipesim.profiles.schema import load_profile
 from pipesim.schedules import METHODS, flushes
 from pipesim.sim import simulate
 from pipesim.traces import summarize
 from tests.conftest import Cli, at_columns, pipesim, pipesim_fresh, tune_rows
 from tests.helpers import CNN_CPU as CNN
 from tests.helpers import GPT_CPU as GPT
-from tests.helpers import PROFILES
+from tests.helpers import PROFILES, accumulating, bounds_over_random_costs, differences, exhaustive, gpt_on_8, jittered
+from tests.helpers import adam_settings as scenario
+from tests.helpers import tune_problem as problem
 
 GIB = tuning.GIB
 GPT_UNDER_03 = ("--profile", GPT, "-D", 8, "--memory-gb", 0.3)  # the tune several tests read (`tuned`)
@@ -36,80 +38,10 @@ def tuned(*args) -> Cli:
     return pipesim("tune", *args)
 
 
-def scenario(profile) -> list[tuning.Setting]:
-    return [tuning.Setting(profile_scenario(profile, "adam"))]
-
-
-def problem(profile, devices, cap_gib, **kw) -> tuning.Problem:
-    batch = 4 * devices * profile.environment.microbatch_size
-    return tuning.Problem(devices, int(cap_gib * GIB), batch, kw.pop("schedules", tuple(METHODS)), **kw)
-
-
-def gpt_on_8(cap_gib: float) -> tuple[list[tuning.Setting], tuning.Problem]:
-    """The calibrated small GPT's setting and its problem on 8 devices of `cap_gib` each, every method."""
-    profile = load_profile(GPT)
-    return scenario(profile), problem(profile, 8, cap_gib)
-
-
 def slow_allreduce(profile, factor=1000.0):
     """The same model on a network whose all-reduce is `factor` times slower: data parallelism gets dear."""
     points = [point.model_copy(update={"ms": point.ms * factor}) for point in profile.allreduce.points]
     return profile.model_copy(update={"allreduce": profile.allreduce.model_copy(update={"points": points})})
-
-
-def exhaustive(source, prob):
-    """Every candidate simulated: the groups of twins in rank order, allowed ones, those faster than the
-    best allowed one by more than OVER_MARGIN but over a limit (whose memory floor fits: one over it is never
-    simulated), and those as fast over the staleness limit alone, as `tune` defines them (the search is what is
-    under test)."""
-    candidates, _, _ = tuning.prepare(source, prob)
-    results = [tuning.evaluate(prob, c) for c in candidates]
-
-    def grouped(chosen):
-        groups = []
-        for result in sorted(chosen, key=tuning.rank_key):
-            group = next((g for g in groups if tuning.twins(g[0], result)), None)
-            group.append(result) if group else groups.append([result])
-        return groups
-
-    best = grouped([r for r in results if tuning.allowed(r, prob)])
-    top = tuning.speed_key(best[0][0].samples_per_s * (1 + tuning.OVER_MARGIN)) if best else float("-inf")
-    faster = grouped([r for r in results if not tuning.allowed(r, prob) and tuning.speed_key(r.samples_per_s) > top
-                      and r.candidate.memory_floor_bytes <= prob.memory_cap_bytes])
-    staler = [g for g in faster if g[0].peak_memory_bytes <= prob.memory_cap_bytes]  # every one, fastest first
-    return best[:tuning.RUNNERS_UP + 1], faster[:tuning.RUNNERS_UP], staler, results
-
-
-def differences(found, best, faster, staler) -> list[str]:
-    """Where the pruned search's answer differs from the exhaustive one: configurations, scores, twins."""
-    def rows(row_list):
-        return [(r.result.config, r.result.samples_per_s, r.result.peak_memory_bytes, r.twins) for r in row_list]
-
-    def groups(group_list):
-        return [(g[0].config, g[0].samples_per_s, g[0].peak_memory_bytes, [t.config for t in g[1:]])
-                for g in group_list]
-
-    def noted():
-        """The staler winner as the exhaustive search has it: the fastest group where the note is exact, else the
-        group the configuration named heads, if the bound is no lower than the fastest's speed; with the twins the
-        note lists of that group (those simulated)."""
-        if found.staler is None or not staler:
-            return groups(staler[:1])
-        bound = found.staler_bound
-        group = staler[0] if bound is None else next((g for g in staler if g[0].config == found.staler.result.config),
-                                                     None)
-        if group is None or (bound is not None and bound.max_samples_per_s < staler[0][0].samples_per_s):
-            return ["a stale configuration faster than the choice, whose bound is no lower than the fastest's"]
-        return [(group[0].config, group[0].samples_per_s, group[0].peak_memory_bytes,
-                 [twin.config for twin in group[1:] if twin.config in found.staler.twins])]
-
-    wrong = []
-    for what, got, want in (("choice and runners-up", rows([found.choice, *found.runners_up]), groups(best)),
-                            ("excluded", rows(found.excluded), groups(faster)),
-                            ("staler winner", rows([found.staler] if found.staler else []), noted())):
-        if got != want:
-            wrong.append(f"{what}: search {got} != exhaustive {want}")
-    return wrong
 
 
 CASES = [
@@ -120,16 +52,6 @@ CASES = [
     pytest.param(CNN, 4, 0.05, {"schedules": ("1f1b", "zb-h1", "pipedream-2bw", "avgpipe"), "max_pipelines": 3},
                  id="cnn-D4-four-schedules"),
 ]
-
-
-def accumulating(profile, fraction=0.5):
-    """The same model with a gradient accumulation into the buffer timed on every stage (`fraction` of its
-    backward), as an estimate has: every B or W but a span's first takes that much longer."""
-    def timed(stage):
-        ms = fraction * sum(profile.layers[i].bwd.median_ms for i in range(*stage.layers))
-        return stage.model_copy(update={"accumulate": Timing(median_ms=ms, spread_ms=0.0, repeats=1)})
-
-    return profile.model_copy(update={"stages": [timed(stage) for stage in profile.stages]})
 
 
 def _profile(which):
@@ -458,19 +380,6 @@ def test_tune_never_imports_torch():
     assert done.code == 0 and "torch" not in imported, done.err
 
 
-def jittered(profile, seed):
-    """The profile with every layer's passes scaled at random (x0.2 to x5, each pass on its own): other costs,
-    other balances, other winners."""
-    rng = np.random.default_rng(seed)
-
-    def scaled(timing):
-        return timing.model_copy(update={"median_ms": timing.median_ms * float(rng.uniform(0.2, 5.0))})
-
-    layers = [layer.model_copy(update={kind: scaled(getattr(layer, kind)) for kind in ("fwd", "bwd", "igrad", "wgrad")})
-              for layer in profile.layers]
-    return profile.model_copy(update={"layers": layers})
-
-
 @pytest.mark.parametrize("which,devices,cap_gib,seed", [(GPT, 8, 1.0, 1), (GPT, 4, 0.2, 2), (CNN, 8, 0.05, 3),
                                                        (CNN, 4, 0.02, 4)])
 def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
@@ -480,50 +389,6 @@ def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
     counts = bounds_over_random_costs(which, devices, cap_gib, seed)
     assert counts["checked"] > 0
     assert all(counts[k] for k in ("bubbles", "shape_bubbles", "cut", "planned")) or which == CNN
-
-
-def bounds_over_random_costs(which, devices, cap_gib, seed) -> dict[str, int]:
-    """Checks every bound of every configuration of `which` at random costs against its simulation, and counts
-    the configurations checked, those held (their transfers holding the products beside them), and those where
-    each bound bit: below the busiest device's compute (bubbles), the shape's below its plain bound, a cut or a
-    partition tightening the shape's."""
-    profile = jittered(load_profile(which), seed)
-    source, prob = scenario(profile), problem(profile, devices, cap_gib, search_seconds=0.02)
-    orders = tuning._Orders()
-    shapes, _, _ = tuning._shapes(source, prob, orders)
-    built = tuning._Built(prob, orders)
-    work = tuning._work(profile, "adam")
-    bubbles = shape_bubbles = 0
-    cut = planned = checked = held = 0
-    for shape in shapes:
-        partitioned = built.advance(shape)  # auto's shape on its partition, a chain's over its best cut, else built
-        candidate = built.candidate(shape)
-        if candidate is None:
-            continue
-        result = built.result(candidate)
-        label = candidate.config.label()
-        checked, held = checked + 1, held + candidate.costs.transfers_hold_products
-        assert result.samples_per_s <= candidate.max_samples_per_s <= shape.max_samples_per_s, label
-        assert result.samples_per_s <= built.tighten(candidate).max_samples_per_s, label
-        assert result.samples_per_s <= partitioned.max_samples_per_s <= shape.max_samples_per_s, label
-        if isinstance(partitioned, tuning.Shape) and partitioned.cut_bounded:  # no cut beats it, so neither this one
-            assert candidate.max_samples_per_s <= partitioned.max_samples_per_s * (1 + 1e-9), label
-            cut += partitioned.max_samples_per_s < shape.max_samples_per_s
-            partitioned = built.advance(partitioned)
-        if isinstance(partitioned, tuning.Shape) and not METHODS[shape.config.schedule].needs_costs:
-            # on its partition before it is costed: its own costs are no less than its layers'
-            assert partitioned.partitioned, label
-            assert result.samples_per_s <= partitioned.max_samples_per_s <= shape.max_samples_per_s, label
-            assert candidate.max_samples_per_s <= partitioned.max_samples_per_s * (1 + 1e-9), label
-            planned += partitioned.max_samples_per_s < shape.max_samples_per_s
-        assert shape.memory_floor_bytes <= candidate.memory_floor_bytes, label
-        assert shape.staleness in (None, candidate.staleness), label
-        bubbles += candidate.max_samples_per_s < prob.batch_size / candidate.busiest_ms * 1e3
-        if shape.staleness is not None:  # a fixed order: the bound without its fill and drain
-            sketch = orders.sketch(source[0].scenario, shape.config.schedule, candidate.params)
-            plain = tuning._shape_bound(prob, shape.config, work, sketch, 1.0, chain=False)
-            shape_bubbles += shape.max_samples_per_s < plain
-    return dict(checked=checked, held=held, bubbles=bubbles, shape_bubbles=shape_bubbles, cut=cut, planned=planned)
 
 
 @pytest.mark.parametrize("seed", [5, 6])

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,10 +20,19 @@ from hypothesis import strategies as st
 from pipesim.planning import tune as tuning
 from pipesim.planning.scenario import profile_costs
 from pipesim.profiles.schema import load_profile
-from pipesim.schedules import KIND_CODE, METHODS, Kind
+from pipesim.schedules import METHODS
 from tests.conftest import pipesim
-from tests.test_tune import CNN, GPT, accumulating, differences, exhaustive, scenario
-from tests.test_tune_reserve import searched_settings
+from tests.helpers import CNN_CPU as CNN
+from tests.helpers import GPT_CPU as GPT
+from tests.helpers import (
+    accumulating,
+    bound_excesses,
+    differences,
+    exhaustive,
+    searched_settings,
+    stage_excesses,
+)
+from tests.helpers import adam_settings as scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = ROOT / "traces" / "measured" / "fidelity-cpu2-day3-runs"
@@ -115,73 +123,6 @@ def settings_of(kind: str, folder: Path) -> tuple[tuple[tuple[int, ...], ...], t
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("kinds")
-
-
-def _ms(problem: tuning.Problem, samples_per_s: float) -> float:
-    return problem.batch_size / samples_per_s * 1e3
-
-
-def bound_excesses(settings_: list[tuning.Setting], problem: tuning.Problem) -> list[str]:
-    """Every bound the search computes for each candidate it builds (each shape walked as `top_groups` walks it:
-    `_Built.advance` until it is a candidate, then `_Built.tighten`) against the candidate's simulated step, with
-    the stage sums the bounds read against the candidate's own costs: what exceeds them, in words."""
-    orders = tuning._Orders()
-    shapes, _, _ = tuning._shapes(settings_, problem, orders)
-    built = tuning._Built(problem, orders)
-    wrong = []
-    for shape in shapes:
-        bounds, item = [("shape", shape.max_samples_per_s)], shape
-        while isinstance(item, tuning.Shape):
-            item = built.advance(item)
-            if isinstance(item, tuning.Shape):
-                bounds.append(("partitioned" if item.partitioned else "best cut", item.max_samples_per_s))
-        if item is None:
-            continue
-        bounds += [("candidate", item.max_samples_per_s), ("critical path", built.tighten(item).max_samples_per_s)]
-        result = built.result(item)
-        label = f"{item.config.label()} m={item.config.microbatches} {item.bounds}"
-        wrong += [f"{label}: {what} bound {_ms(problem, bound):.6f} ms > step {result.step_ms:.6f} ms"
-                  for what, bound in bounds if result.samples_per_s > bound * (1 + 1e-9)]
-        wrong += stage_excesses(item.setting, item.bounds, item.config.pipelines, item.costs, label)
-        wrong += link_excesses(built, item, label)
-    return wrong
-
-
-def link_excesses(built: tuning._Built, candidate: tuning.Candidate, label: str) -> list[str]:
-    """What the pre-costing bound reads of a candidate's cut beside its layers' times: each stage's least REDUCE
-    (`_layer_reduces_ms`) against its costed one, and, one stage a device, its transfers there and back
-    (`_layer_hops_ms`) against the costed stages' (`_hops_ms`)."""
-    setting, config, bounds = candidate.setting, candidate.config, list(candidate.bounds)
-    pairs = [("REDUCE", built._layer_reduces_ms(setting, config, bounds),
-              candidate.costs.op_ms_table(config.pipelines)[:, KIND_CODE[Kind.REDUCE]])]
-    if config.chunks == 1:
-        pairs.append(("hops", built._layer_hops_ms(setting, config, bounds),
-                      tuning._hops_ms(candidate.links, candidate.costs, config.stages)))
-    return [f"{label}: stage {k} least {what} {least[k]:.6f} ms > its cost {own[k]:.6f} ms"
-            for what, least, own in pairs for k in np.flatnonzero(least > own * (1 + 1e-9) + 1e-12)]
-
-
-def stage_excesses(setting: tuning.Setting, bounds: list[int], pipelines: int, costs, label: str) -> list[str]:
-    """`_splitter`'s `stage_ms` (each stage's F, B, I, W from its layers' least times) and `_cut_accumulates_ms`
-    (its accumulation), scaled as `_Built.advance` scales them, against the stage's own costs at that cut."""
-    scenario_ = setting.scenario
-    passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
-    summed = tuning._split_for(setting).stage_ms(list(bounds), pipelines)[:, passes] * scenario_.cost_scale
-    own = costs.op_ms_table(pipelines)[:, passes]
-    accumulated = tuning._cut_accumulates_ms(scenario_.measured, list(bounds)) * scenario_.cost_scale
-    wrong = [f"{label}: stage {k} {'FBIW'[j]} sum {summed[k, j]:.6f} ms > its cost {own[k, j]:.6f} ms"
-             for k, j in zip(*np.nonzero(summed > own * (1 + 1e-9) + 1e-12))]
-    chain = tuning._ChainWork.of(scenario_.measured)
-    if chain is not None:  # `_best_cut_ms`'s X: F, F + B and F + min(B, I) of each stage, its layers' sums
-        f, b, i = own[:, 0], own[:, 1], own[:, 2]
-        for name, prefix, cost in (("F", chain.forward, f), ("F + B", chain.whole, f + b),
-                                   ("F + min(B, I)", chain.least, f + np.minimum(b, i))):
-            layers_ms = scenario_.cost_scale * np.diff(np.array(prefix)[list(bounds)])
-            over = np.flatnonzero(layers_ms > cost * (1 + 1e-9) + 1e-12)
-            wrong += [f"{label}: stage {k} {name} of its layers {layers_ms[k]:.6f} ms > its cost {cost[k]:.6f} ms"
-                      for k in over if k > 0 or name != "F + min(B, I)"]  # stage 0's input pass: none when split
-    return wrong + [f"{label}: stage {k} accumulation {accumulated[k]:.6f} ms > its cost {c.accumulate_ms:.6f} ms"
-                    for k, c in enumerate(costs.stages) if accumulated[k] > c.accumulate_ms * (1 + 1e-9) + 1e-12]
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))

@@ -10,14 +10,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from tests.test_tune_reserve import searched_settings
+from tests.helpers import searched_shapes
 
 RECORDED = Path(__file__).with_name("tune_digests.json")
-# A 12-layer GPT on 8 A100s, at t = 1 and 2, b = 1 and 2, each recomputation and every depth p: 48 settings
-MODEL = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 12, "--width", 512, "--heads", 8, "--seq-len", 512,
-         "--vocab", 1000)
-# sequence parallelism off, as recorded before tune searched it (tests/test_default_attention.py holds the search)
-FLAGS = ("-D", 8, "-B", 32, "-b", 2, "--recompute", "selective", "--no-sequence-parallel")
 
 
 def _given(costs) -> tuple:
@@ -33,18 +28,6 @@ def _given(costs) -> tuple:
                      if getattr(value, field.name) != default(field))
 
     return given(dataclasses.replace(costs, stages=(), calibration=None)), tuple(given(stage) for stage in costs.stages)
-
-
-def searched_shapes() -> tuple:
-    """The 48 settings' search as `digests` runs it: its problem (every method but auto), the orders it builds
-    and its shapes (`_shapes`)."""
-    from pipesim.planning import tune as tuning
-    from pipesim.schedules import METHODS
-
-    problem = tuning.Problem(8, 80 * tuning.GIB, 32, tuple(name for name in METHODS if name != "auto"), 8)
-    orders = tuning._Orders()
-    shapes, _, _ = tuning._shapes(searched_settings(*FLAGS, model=MODEL), problem, orders)
-    return problem, orders, shapes
 
 
 def digests() -> dict[str, str]:

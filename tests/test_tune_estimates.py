@@ -216,7 +216,7 @@ def test_recompute_op_leaves_out_the_searched_t_it_refuses_and_refuses_a_given_o
     """torchtitan's op policy is modelled at t = 1 only (planning/estimate.py): tune's t search keeps t = 1 and leaves
     the rest out, as it does beside selective recomputation, where it searches them; a given t = 2 is that refusal
     in one line, in the flags' names."""
-    from tests.test_tune_reserve import searched_settings
+    from tests.helpers import searched_settings
 
     model = ("--gpu", "h100-sxm", "--model", "gpt", *itertools.chain(*(
         (f"--{name.replace('_', '-')}", value) for name, value in GPT.items())))

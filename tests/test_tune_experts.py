@@ -12,8 +12,7 @@ import pytest
 from pipesim.planning import tune as tuning
 from pipesim.schedules import KIND_CODE, Kind
 from tests.conftest import pipesim, tune_rows
-from tests.test_tune import differences, exhaustive
-from tests.test_tune_reserve import searched_settings
+from tests.helpers import differences, exhaustive, searched_settings
 
 # A 4-block GPT whose MLPs are 8 routed experts (2 a token), on 8 A100s
 MOE = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256,

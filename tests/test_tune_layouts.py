@@ -5,27 +5,19 @@ context-parallel C, whose schedules run with them, are the plan's (its rows, lab
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from pipesim.planning import tune as tuning
 from tests.conftest import at_columns, pipesim, refused, tune_rows
-from tests.test_tune import differences, exhaustive
-from tests.test_tune_bounds import bound_excesses
-from tests.test_tune_reserve import searched
+from tests.helpers import H100_GPU as GPU
+from tests.helpers import SMALL_GPT_FLAGS as SMALL_GPT
+from tests.helpers import exactly_searched
+from tests.helpers import small_gpt_estimated as _estimated
+from tests.helpers import small_gpt_searched as _searched
 
-GPU = ("--gpu", "h100-sxm")
-SMALL_GPT = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256, "--vocab", 1000)
 CONTEXT = ("--context-parallel", 2, "--attention", "flash")
 FLAGS = ("-D", 8, "-B", 16, "-b", 1, "--recompute", "none")
-
-
-def _estimated(folder: Path, *flags) -> Path:
-    path = folder / "profile.json"
-    code, _, err = pipesim("estimate", *GPU, *SMALL_GPT, "-b", 1, "--recompute", "none", *flags, "-o", path)
-    assert code == 0, err
-    return path
 
 
 def test_a_profile_estimated_over_2_expert_ranks_is_planned_at_e_2(tmp_path):
@@ -56,11 +48,6 @@ def test_a_profile_estimated_over_2_context_ranks_plans_d_over_d_divided_by_c(tm
         "a multiple of 2\n")
 
 
-def _searched(*flags) -> tuple[list[tuning.Setting], tuning.Problem]:
-    """The settings and problem `tune --gpu` searches for the small GPT (the search itself not run)."""
-    return searched(*flags, model=(*GPU, *SMALL_GPT))
-
-
 def test_a_given_c_is_a_fixed_factor_and_the_search_equals_the_exhaustive_one():
     """--context-parallel 2 on 8 GPUs: t·p·d = 4 searched, every schedule's device 2 context-parallel ranks whose
     gradients reduce with the d replicas; under a cap only the deeper pipelines fit, the pruned search's answer is the
@@ -73,18 +60,6 @@ def test_a_given_c_is_a_fixed_factor_and_the_search_equals_the_exhaustive_one():
         schedule, config = result.candidate.schedule, result.config
         assert schedule.context_parallel == 2 and schedule.gradient_ranks == 2 * config.replicas, config.label()
         assert config.stages * config.tensor * config.replicas == 4, config.label()
-
-
-def exactly_searched(settings: list[tuning.Setting], capped: tuning.Problem) -> list[tuning.Result]:
-    """Every candidate simulated, once the pruned search's answer under `capped` (whose cap some break) is found to be
-    the exhaustive one's, simulating fewer, and every bound it prunes by to hold."""
-    found = tuning.tune(settings, capped)
-    best, faster, staler, results = exhaustive(settings, capped)
-    assert differences(found, best, faster, staler) == []
-    assert found.stats.simulated < len(results)
-    assert any(not tuning.allowed(result, capped) for result in results)
-    assert bound_excesses(settings, capped) == []
-    return results
 
 
 def test_a_given_c_is_refused_where_it_does_not_divide_the_gpus_or_the_sequence(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@ choice by no more than the margin is not simulated to show what the limits cost;
 the JSON's `over_within_margin`, and neither a row nor the staleness note names it."""
 
 from pipesim.planning import tune as tuning
-from tests.test_tune import differences, exhaustive, gpt_on_8
+from tests.helpers import differences, exhaustive, gpt_on_8
 
 
 def _stale_simulations(monkeypatch, limit: int) -> list[str]:

@@ -3,34 +3,13 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import pytest
 
 from pipesim.units import MIB
 from tests.conftest import pipesim
-from tests.helpers import tune_document
-
-MODEL = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 512, "--heads", 8, "--seq-len", 512,
-         "--vocab", 1000)
-# One configuration open to the search: 1F1B, p = 2 over the 2 GPUs, b = 1, m = 8, no recomputation.
-ONE = ("-D", 2, "-B", 8, "-s", "1f1b", "--tensor-parallel", 1, "--data-parallel", 1, "-b", 1, "--recompute", "none")
-
-
-def tuned_peak_mib(*flags) -> float:
-    code, out, err = pipesim("tune", *MODEL, *ONE, *flags, "--json")
-    assert code == 0, err
-    choice = json.loads(out)["choice"]
-    assert (choice["schedule"], choice["stages"], choice["microbatches"]) == ("1f1b", 2, 8)
-    return choice["peak_memory_gib"] * 1024
-
-
-def simulated_peak_mib(*flags) -> float:
-    code, out, err = pipesim("simulate", *MODEL, "-p", 2, "-m", 8, "-s", "1f1b", "-b", 1, "--recompute", "none",
-                             *flags, "--json")
-    assert code == 0, err
-    return max(device["peak_memory_mb"] for device in json.loads(out)["results"][0]["devices"])
+from tests.helpers import A100_GPT4 as MODEL
+from tests.helpers import ONE_CONFIGURATION as ONE
+from tests.helpers import searched_settings, simulated_peak_mib, tune_document, tuned_peak_mib
 
 
 def test_tunes_peak_is_simulates_with_and_without_the_reserve():
@@ -52,32 +31,6 @@ def test_allocator_without_gpu_is_refused_in_one_line():
     code, _, err = pipesim("tune", "--profile", "traces/profiles/gpt-cpu.json", "--devices", 8, "--memory-gb", 0.3,
                            "--allocator", "none")
     assert code == 2 and "--allocator" in err and len(err.strip().splitlines()) == 1
-
-
-class _Captured(Exception):
-    """Raised in place of the search: the settings and problem the command line built are all a test wants."""
-
-
-def searched(*flags, model: tuple = MODEL) -> tuple[list, Any]:
-    """The profiles `tune --gpu` searches for `model` under `flags`, and its problem (the search itself not run)."""
-    from pipesim.planning import tune as tuning
-
-    captured = []
-
-    def capture(settings, problem, *_):
-        captured.append((list(settings), problem))
-        raise _Captured
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tuning, "tune", capture)
-        with pytest.raises(_Captured):
-            pipesim("tune", *model, *flags)
-    return captured[0]
-
-
-def searched_settings(*flags, model: tuple = MODEL) -> list:
-    """The profiles `tune --gpu` searches for `model` under `flags` (`searched`'s, without its problem)."""
-    return searched(*flags, model=model)[0]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from pipesim.planning import tune as tuning
-from tests.test_tune import differences, exhaustive, gpt_on_8
+from tests.helpers import differences, exhaustive, gpt_on_8
 
 LOOSE = 1e6  # samples/s: a bound no candidate reaches, so still a bound
 

@@ -13,8 +13,7 @@ from pipesim.commands import tune as command
 from pipesim.planning import tune as planning
 from pipesim.units import GIB
 from tests.conftest import pipesim
-from tests.helpers import tune_document
-from tests.test_tune import gpt_on_8
+from tests.helpers import gpt_on_8, tune_document
 
 SMALL = ("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 64, "--heads", 4, "--seq-len", 32,
          "--vocab", 1000, "-D", 8, "-b", 1, "--json")
@@ -146,7 +145,7 @@ def test_a_simulation_back_and_worth_replaying_is_replayed_ahead_as_the_search_w
     """Once a candidate's simulation has come back, an idle worker replays its caching allocator (`_Built.ahead`)
     if the result is worth replaying as things stand, and the search takes that peak as its own replay's; one not
     worth replaying is left to the search."""
-    from tests.test_tune_reserve import searched_settings
+    from tests.helpers import searched_settings
 
     settings = searched_settings("-D", 4, "-B", 32, "-b", 2, "--tensor-parallel", 1, "--recompute", "none")
     prob = planning.Problem(4, int(80 * GIB), 32, ("1f1b", "gpipe"))

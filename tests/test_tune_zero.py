@@ -12,9 +12,11 @@ import pytest
 
 from pipesim.planning import tune as tuning
 from tests.conftest import at_columns, flags_with, pipesim, refused, tune_rows
-from tests.test_tune import differences, exhaustive
-from tests.test_tune_layouts import GPU, SMALL_GPT, _estimated, _searched, exactly_searched
-from tests.test_tune_reserve import searched
+from tests.helpers import H100_GPU as GPU
+from tests.helpers import SMALL_GPT_FLAGS as SMALL_GPT
+from tests.helpers import differences, exactly_searched, exhaustive, searched
+from tests.helpers import small_gpt_estimated as _estimated
+from tests.helpers import small_gpt_searched as _searched
 
 FLAGS = ("-D", 8, "-B", 16, "-b", 1, "--recompute", "none")
 SCHEDULES = ("-s", "1f1b,gpipe,zb-h1,interleaved-1f1b")

@@ -27,6 +27,7 @@ from pipesim.traces.view import (
 )
 from pipesim.units import MIB
 from tests.conftest import build, run, simulated
+from tests.helpers import page_data as _page_data
 
 
 def _trace(name, p, m, n=1, comm=0.1, **options):
@@ -36,11 +37,6 @@ def _trace(name, p, m, n=1, comm=0.1, **options):
 @pytest.fixture(scope="module")
 def trace():
     return _trace("1f1b", 4, 8, 2)
-
-
-def _page_data(text: str) -> dict:
-    payload = re.search(r'<script type="application/json" id="pipesim-data">(.*?)</script>', text, re.S).group(1)
-    return json.loads(payload.replace("<\\/", "</"))
 
 
 @pytest.mark.parametrize("values,dtype", [
