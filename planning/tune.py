@@ -534,11 +534,18 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     `above` and whether its group would rank above the last group kept; `keep` compares the peak with the cap
     (at most or over it), so if it refuses both that bound and an unbounded peak it refuses the peak between.
     Only a result that passes all three is replayed (`_Built.replay`), for its peak: whether `keep` takes it,
-    its twins and its rank among equally fast ones. The replay is handed out as a search is, and the result
-    taken again, replayed, after what is out before it: the groups kept meanwhile are fewer, so a later
-    result is cut no sooner than it would be, and the groups kept in the end are the ones every result
-    replayed gives. With `staler_ahead` (the first pass, within the limits), idle workers also take the steps the
-    later passes will want of the stale candidates built meanwhile (`_Built.ahead_of_staler`)."""
+    its twins and its rank among equally fast ones. It is taken again after what is out before it: the groups
+    kept meanwhile are fewer, so a later result is cut no sooner than it would be, and the groups kept in the end
+    are the ones every result replayed gives. Taken again it is pending, replayed only where a decision depends
+    on it (`settle`, the fastest first; with `first`, each as it comes): the bar lies between the one the
+    results replayed set and the one they would set with every pending result kept as a group of its own; where
+    a bound or a result's speed falls between the two, the fastest pending are replayed until it does not, and
+    all of them before an order that never flushes is simulated against the bar (`_measured` stops by it). So
+    every decision is the one replaying each result as it came gives, and a result put out of the groups by
+    faster ones before any decision needed it is never replayed (the 70B's first pass: three of its nine
+    replays, 4 CPU s); idle workers replay none ahead (`settle` hands the next fastest out). With `staler_ahead`
+    (the first pass, within the limits), idle workers also take the steps the later passes will want of the stale
+    candidates built meanwhile (`_Built.ahead_of_staler`)."""
     heap = []
     for shape in shapes:
         item = built.known(shape)
@@ -547,17 +554,28 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     heapq.heapify(heap)
     kept: list[list[Result]] = []
     out: deque[Shape | Candidate | Result] = deque()  # handed to a worker (searched, simulated or replayed), in order
+    pending: list[Result] = []  # taken again for their replay, not replayed yet (unless `first`): `settle`
 
-    def beaten() -> float:
+    def bar(unreplayed: Sequence[Result]) -> float:
         """The speed key a result must beat to matter: `above`, and once the groups are full, all under the last
-        kept (a tie with it ranks by the rest of `rank_key`)."""
-        if len(kept) < groups:
-            return above
-        return max(above, math.nextafter(speed_key(kept[-1][0].samples_per_s), -math.inf))
+        kept (a tie with it ranks by the rest of `rank_key`), were each of `unreplayed` kept as a group of its own."""
+        speeds = sorted([speed_key(g[0].samples_per_s) for g in kept]
+                        + [speed_key(result.samples_per_s) for result in unreplayed], reverse=True)
+        return above if len(speeds) < groups else max(above, math.nextafter(speeds[groups - 1], -math.inf))
+
+    def beaten(exact: bool = False) -> float:
+        """The bar as the results replayed set it (`bar`), the least it can be; `exact`: the pending settled until
+        they set it."""
+        while exact and pending and bar(()) < bar(pending):
+            settle()
+        return bar(())
 
     def could_win(speed: float) -> bool:
-        """Whether a result this fast beats `above` and its group would rank no lower than the last kept."""
-        return speed > beaten()
+        """Whether a result this fast beats `above` and its group would rank no lower than the last kept: the
+        pending settled only where that depends on them."""
+        while pending and bar(()) < speed <= bar(pending):
+            settle()
+        return speed > bar(())
 
     def worth_replaying(result: Result) -> bool:
         """Whether a result known by its peak less the reserve could be kept at some peak: its speed could win
@@ -565,23 +583,8 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
         return could_win(speed_key(result.samples_per_s)) and (
             keep(result) or keep(replace(result, peak_memory_bytes=_UNBOUNDED_BYTES)))
 
-    def take() -> None:
+    def keep_replayed(result: Result) -> None:
         nonlocal kept
-        item = out.popleft()
-        if isinstance(item, Shape):  # searched: its candidate goes back
-            candidate = built.candidate(item)
-            if candidate is not None and eligible(candidate):
-                heapq.heappush(heap, (-candidate.max_samples_per_s, item.index, candidate))
-            return
-        if isinstance(item, Candidate):
-            result = built.floor(item, beaten())  # its peak without the caching allocator's reserve, a lower bound
-            if not worth_replaying(result):
-                return  # cut by its speed whatever its peak, or refused at its least peak and at any larger one
-            if item.index not in built.results:  # replayed meanwhile, and taken again after what is out
-                built.replay(item)
-                out.append(result)
-                return
-        result = built.result(item.candidate if isinstance(item, Result) else item)
         if not keep(result):
             return
         group = next((g for g in kept if twins(g[0], result)), None)
@@ -590,10 +593,43 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
         else:
             kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
 
+    def settle() -> None:
+        """The fastest pending result replayed and kept or not (the next fastest handed to the workers meanwhile),
+        where it can still rank among the groups kept; a slower one is dropped unreplayed, as keeping it would cut
+        it."""
+        pending[:] = sorted((result for result in pending if speed_key(result.samples_per_s) > bar(())),
+                            key=lambda result: -speed_key(result.samples_per_s))
+        for result in pending[:built.window]:
+            built.replay(result.candidate)
+        if pending:
+            keep_replayed(built.result(pending.pop(0).candidate))
+
+    def take() -> None:
+        item = out.popleft()
+        if isinstance(item, Shape):  # searched: its candidate goes back
+            candidate = built.candidate(item)
+            if candidate is not None and eligible(candidate):
+                heapq.heappush(heap, (-candidate.max_samples_per_s, item.index, candidate))
+            return
+        if isinstance(item, Candidate):
+            # its peak without the caching allocator's reserve, a lower bound; the bar exact where it bounds the run
+            result = built.floor(item, beaten(not flushes(item.schedule)))
+            if not worth_replaying(result):
+                return  # cut by its speed whatever its peak, or refused at its least peak and at any larger one
+            if item.index not in built.results:  # replayed meanwhile (or once its bar needs it), taken again after
+                if first:                        # what is out
+                    built.replay(item)
+                out.append(result)
+                return
+        elif not first:
+            pending.append(item)
+            return
+        keep_replayed(built.result(item.candidate if isinstance(item, Result) else item))
+
     while (heap or out) and not (first and kept):
-        built.ahead(heap, out, beaten(), worth_replaying)
-        if staler_ahead and kept:
-            built.ahead_of_staler(speed_key(kept[0][0].samples_per_s))
+        built.ahead(heap, out, bar(pending), worth_replaying if first else lambda result: False)
+        if staler_ahead and (kept or pending):
+            built.ahead_of_staler(max(speed_key(result.samples_per_s) for result in [*pending, *(g[0] for g in kept)]))
         if not could_win(speed_key(-heap[0][0]) if heap else above):
             if not any(isinstance(item, Shape) for item in out):
                 while out:  # what is out can only raise the bar: nothing left on the heap can beat it
@@ -616,8 +652,10 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             if searched:
                 built.submit_search(item)
             else:
-                built.submit(item, beaten())
+                built.submit(item, beaten(not flushes(item.schedule)))
             out.append(item)
+    while pending:
+        settle()
     last = speed_key(kept[-1][0].samples_per_s) if kept else above
     return kept, [item for item in [*(item for _, _, item in heap), *out] if speed_key(_bound(item)) > last]
 
