@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .analysis import _action, check_complete, local_order_ok, validate, weight_versions
+from .catalogue import METHODS
 from .ir import COLLECTIVE_KINDS, PASS_COLLECTIVE_KINDS, RECV_KINDS, Kind, Schedule, ScheduleError
 from .passes import communication_rows, exchange_order, gathered_passes
 from .table import FIELD_DTYPE, KIND_CODE, NUM_COMPUTE_KINDS, ActionTable, kind_mask
@@ -112,7 +113,8 @@ def lower(schedule: Schedule, exchange_ps: np.ndarray | None = None) -> Lowered:
     the exchange its receiver posts the RECV at (`exchange_order`)."""
     t, origin, transfer = communication_rows(schedule)
     if exchange_ps is not None:
-        order = exchange_order(schedule, t, transfer, exchange_ps)
+        method = METHODS.get(schedule.method)  # None: a schedule of no catalogue method's (read from a file)
+        order = exchange_order(schedule, t, transfer, exchange_ps, method is not None and method.exchanges_per_step)
         t, origin, transfer = t.select(order), origin[order], transfer[order]
     versions = weight_versions(schedule)
     own = np.flatnonzero(origin >= 0)  # the schedule's actions, in order

@@ -162,8 +162,14 @@ class Method:
     whose order and activations its search always admits). `p2p_sync`: Megatron-core runs the method with its
     batched point-to-point, which synchronises the device after each exchange, so that a pass whose input its
     stage receives starts with the host not ahead, what `--p2p-sync` prices (profiles/schema.py
-    `stage_host_waits_ms`; docs/hardware.md, "Host-bound execution"). Callers ask `reads` and `shape` rather than
-    these fields, so the rules live here."""
+    `stage_host_waits_ms`; docs/hardware.md, "Host-bound execution"). `exchanges_per_step`: where it has virtual
+    stages, its runtime posts one exchange for each forward and the backward it runs next, not one after each
+    (`--blocking-comm`, schedules/passes.py `exchange_order`): Megatron-core's interleaved schedule
+    (megatron/core/pipeline_parallel/schedules.py at NVIDIA/Megatron-LM d98e8a64dd,
+    `forward_backward_pipelining_with_interleaving`: in its steady state a forward, a backward, then
+    `send_forward_backward_recv_forward_backward`, line 1935), where its 1F1B exchanges between them
+    (`send_forward_recv_backward`, line 2416). Callers ask `reads` and `shape` rather than these fields, so the
+    rules live here."""
 
     name: str
     summary: str
@@ -174,6 +180,7 @@ class Method:
     needs_costs: bool = False
     partitioned_as: str | None = None  # with needs_costs; None: its own order
     p2p_sync: bool = False
+    exchanges_per_step: bool = False
 
     def reads(self, option: str) -> bool:
         """Whether this method reads `option`, an input only some methods read (chunks, pipelines, AvgPipe's

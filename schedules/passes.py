@@ -346,15 +346,8 @@ def overlap_expert_communication(schedule: Schedule) -> Schedule:
     return schedule.with_orders(OrderView(table, schedule.num_devices))
 
 
-# The methods whose runtime posts one exchange for each forward and the backward it runs next, where it has virtual
-# stages: Megatron-core's interleaved schedule (megatron/core/pipeline_parallel/schedules.py at NVIDIA/Megatron-LM
-# d98e8a64dd, `forward_backward_pipelining_with_interleaving`: in its steady state a forward, a backward, then
-# `send_forward_backward_recv_forward_backward`, line 1935), where its 1F1B exchanges between them
-# (`send_forward_recv_backward`, line 2416).
-STEP_EXCHANGE_METHODS = ("interleaved-1f1b",)
-
-
-def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row_ps: np.ndarray) -> np.ndarray:
+def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row_ps: np.ndarray,
+                   per_step: bool = False) -> np.ndarray:
     """The order (a permutation of `t`'s rows, each device's kept together) in which a runtime whose exchanges block
     walks `schedule`'s lowered rows `t` (`communication_rows`; `transfer` pairs a SEND with its RECV): its exchanges
     are the SENDs and RECVs between two other rows of a device, which it posts together and waits for whole, as
@@ -363,7 +356,7 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     `batch_isend_irecv`, then `_communicate`'s `req.wait()` on each), and a SEND moves only once its receiver has
     posted the RECV (NCCL's send and receive meet). Never between an overlapped pair's parts,
     nor between a pass and its collectives, nor between a forward and the backward after it where the runtime
-    exchanges once for both (`STEP_EXCHANGE_METHODS`).
+    exchanges once for both (`per_step`: the method's `Method.exchanges_per_step`, where it has virtual stages).
 
     Each SEND at its device's first exchange after the row that made its data and each RECV at the last before the
     row that needs it, as Megatron-core posts them, unless that order waits forever (two devices each sending to
@@ -391,7 +384,7 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     pair_forward = (t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0)
     anchors = ticking & ~pair_forward & ~follows_collective
     stepped = anchors.copy()
-    if schedule.method in STEP_EXCHANGE_METHODS and schedule.num_stages > schedule.num_devices:
+    if per_step and schedule.num_stages > schedule.num_devices:
         following = np.append(np.minimum.accumulate(np.where(ticking, index, n)[::-1])[::-1][1:], n)
         forward = np.flatnonzero((t.kind == KIND_CODE[Kind.F]) & (following < n))
         stepped[forward[(t.kind[following[forward]] == KIND_CODE[Kind.B])

@@ -304,7 +304,7 @@ def dualpipe(params: ScheduleParams) -> Schedule:
 
 RIVALS = (
     Method("interleaved-1f1b", "Interleaved 1F1B (Megatron): v chunks per device, bubble divided by v; m multiple "
-           "of p", interleaved_1f1b, defaults={"chunks": 2}),
+           "of p", interleaved_1f1b, defaults={"chunks": 2}, exchanges_per_step=True),
     Method("zb-h1", "Zero bubble H1: backward split into I and W, W's fill the bubble; 1F1B's peak memory", zb_h1),
     Method("zb-h2", "Zero bubble H2: 2(p-k)-1 forwards before the first I; no bubble after warm-up, 2p-1 "
            "activations", zb_h2),
