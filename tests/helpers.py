@@ -107,6 +107,26 @@ def kind_stage_microbatch(lowered: Lowered) -> list[tuple[str, int, int]]:
     return [(str(KINDS[k]), int(s), int(m)) for k, s, m in zip(table.kind, table.stage, table.microbatch)]
 
 
+def around_first(lowered: Lowered, kind: str) -> tuple[list[tuple[str, int, int]], bool]:
+    """The rows before, at and after stage 0's first `kind` row (micro-batch 0), as `kind_stage_microbatch`'s, and
+    whether the row after it waits for it."""
+    rows = kind_stage_microbatch(lowered)
+    first = rows.index((kind, 0, 0))
+    return rows[first - 1:first + 2], lowered.awaits[first + 1] == first
+
+
+def stream_rows(trace: Trace) -> list[tuple[str, int, float, float]]:
+    """Each row of `trace` as (its kind's name, its stream, its start and its duration in ms), in row order."""
+    ops = trace.ops
+    return [(trace.kinds[k], int(s), start / 1e3, dur / 1e3)
+            for k, s, start, dur in zip(ops.kind, ops.stream, ops.start_us, ops.dur_us)]
+
+
+def without(schedule: Schedule, token: str) -> Schedule:
+    """`schedule` with its orders' `token` dropped (an action it must have)."""
+    return schedule.with_orders(Schedule.orders_from_text(schedule.to_text().replace(f" {token}", "")))
+
+
 def flag_value(args: list[str], flag: str) -> str | None:
     """The value after `flag` in a command's arguments (`shlex.split` of a printed command); None where not given."""
     return args[args.index(flag) + 1] if flag in args else None
