@@ -203,10 +203,10 @@ def sweep(
     from ..sim import ClusterError
 
     try:
+        if out is not None and out.suffix not in (".csv", ".parquet"):  # first: no other file would be taken
+            raise InputError(f"--out: give a .csv or .parquet file (got {out})")
         check_outputs([("--out", out, SWEEP_RESULTS), ("--html", html)],
                       [("--grid", grid), ("--profile", profile), ("--cluster", cluster), *model_reads(ctx.params)])
-        if out is not None and out.suffix not in (".csv", ".parquet"):
-            raise InputError(f"--out: give a .csv or .parquet file (got {out})")
         if out is not None and out.suffix == ".parquet":
             require(f"--out {out} (Parquet; a .csv file needs nothing more)", "pyarrow")
         if ray is not None:

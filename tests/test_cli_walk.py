@@ -216,3 +216,15 @@ def test_export_refuses_avgpipe_which_trains_several_pipelines(tmp_path):
     assert (code, stdout) == (2, "")
     assert err == "error: avgpipe: a torch schedule CSV is one pipeline; this schedule has 2\n"
     assert not out.exists()
+
+
+def test_sweep_names_the_kind_of_out_file_before_the_file_there(tmp_path):
+    """`sweep --out notes.json` over a file of the user's said "exists and is not a pipesim sweep results file;
+    remove it or give --out another path", and once removed, that a .json is no results file at all: the kind of
+    file it takes comes first, and the file is left as it was."""
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    code, out, err = pipesim("sweep", "-s", "1f1b", "--out", notes)
+    assert (code, out) == (2, "")
+    assert err == f"error: --out: give a .csv or .parquet file (got {notes})\n"
+    assert notes.read_text() == '{"mine": 1}\n'
