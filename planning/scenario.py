@@ -1114,7 +1114,7 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
     """One stage of the profile's (`stages_for`) priced for `optimizer` (`profile_costs`)."""
     from ..profiles.schema import fused_accumulation
 
-    tail = measured.contention.tail if measured.contention is not None else 1.0
+    tail = measured.contention_tail
     master_bytes, stored_bytes = held_weights(measured, *s.layers, s.param_bytes)
     accumulate_ms = s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0
     # Under fused accumulation the pass is the runtime's hook adding the gradients no product accumulates into the

@@ -1213,7 +1213,7 @@ def _work(profile: Profile, optimizer: str) -> _Work:
         table = profile_costs(profile, optimizer, range(len(layers) + 1)).op_ms_table(1)
         return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0, *held,
                      np.zeros(len(layers) + 1), steps, _least_accumulate_ms(profile))
-    tail = profile.contention.tail if profile.contention is not None else 1.0
+    tail = profile.contention_tail
     least_bwd = [min(layer.bwd.median_ms, layer.igrad.median_ms + layer.wgrad.median_ms) for layer in layers]
     return _Work(tail * math.fsum(layer.fwd.median_ms for layer in layers),
                  tail * math.fsum(layer.bwd.median_ms for layer in layers), tail * math.fsum(least_bwd), *held,
@@ -1307,7 +1307,7 @@ class _ChainWork:
         layers' own on a 4-layer GPT at 400 us a kernel)."""
         if _passes_measured(profile):
             return None
-        tail = profile.contention.tail if profile.contention is not None else 1.0
+        tail = profile.contention_tail
         layers = _own_times(profile, least=True).layers
 
         def prefix(values) -> list[float]:
@@ -2851,7 +2851,7 @@ def _each_layer_op_ms(profile: Profile, optimizer: str) -> Callable[[int], np.nd
                                                                               for layer in layers)
             or _passes_measured(profile)):
         return profile_costs(profile, optimizer, cut).op_ms_table
-    tail = profile.contention.tail if profile.contention is not None else 1.0
+    tail = profile.contention_tail
     steps, average, _, _ = step_totals(profile, (optimizer,))
     (step, predict), share = steps[optimizer], np.array(step_shares(profile, cut))
     table = np.zeros((len(layers), NUM_COMPUTE_KINDS))

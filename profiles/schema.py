@@ -659,6 +659,12 @@ class Profile(_Strict):
         return self
 
     @property
+    def contention_tail(self) -> float:
+        """The factor on every pass's median time as priced (`ContentionProfile.tail`: a rank's mean iteration over
+        its median); 1 where contention was not measured."""
+        return self.contention.tail if self.contention is not None else 1.0
+
+    @property
     def estimated_parallelism(self) -> dict[str, Any]:
         """The parallelism an estimate was made at; {} for a measured profile, each degree then read as 1."""
         return self.estimate.parallelism if self.estimate is not None else {}
