@@ -90,7 +90,7 @@ def test_every_bound_stays_above_the_simulation_with_the_holds(holding):
 def test_every_bound_stays_above_the_simulation_with_products_held_at_most_their_own_time(holding, monkeypatch):
     """As above, each layer's products an eighth of its forward (`LayerProfile.product_ms`), which a transfer's
     kernel delays at most: the bounds count the least such a hold can be (`tuning._least_hold`)."""
-    import tests.test_tune as with_profiles
+    import tests.helpers as with_profiles  # bounds_over_random_costs loads its profile there
 
     loaded = with_profiles.load_profile
     monkeypatch.setattr(with_profiles, "load_profile", lambda path: _with_products(loaded(path)))
