@@ -594,13 +594,15 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
 
     def settle() -> None:
-        """The fastest pending result replayed and kept or not (the next fastest handed to the workers meanwhile),
-        where it can still rank among the groups kept; a slower one is dropped unreplayed, as keeping it would cut
-        it."""
+        """The fastest pending result replayed and kept or not, where it can still rank among the groups kept; a
+        slower one is dropped unreplayed, as keeping it would cut it. The next fastest are handed to the workers
+        meanwhile where they would rank among the groups even with every faster one kept (none put out of them by
+        the 70B's sixth)."""
         pending[:] = sorted((result for result in pending if speed_key(result.samples_per_s) > bar(())),
                             key=lambda result: -speed_key(result.samples_per_s))
-        for result in pending[:built.window]:
-            built.replay(result.candidate)
+        for faster, result in enumerate(pending[:built.window]):
+            if speed_key(result.samples_per_s) > bar(pending[:faster]):
+                built.replay(result.candidate)
         if pending:
             keep_replayed(built.result(pending.pop(0).candidate))
 
