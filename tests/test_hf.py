@@ -236,6 +236,7 @@ UNREADABLE = [
      "config.json: num_experts_per_tok must be >= 1 (got 0)"),
 ]
 NO_KV_HEADS = {name: value for name, value in LLAMA.items() if name != "num_key_value_heads"}
+NO_LONGEST = {name: value for name, value in LLAMA.items() if name != "max_position_embeddings"}
 
 
 def estimate_refusal(model: Path, out: Path) -> str:
@@ -326,6 +327,14 @@ SEQ = ("--seq-len", 16)
      f"ValueError: The hidden size ({H}) is not a multiple of the number of attention heads ({A + 1})"),
     (LLAMA, (), "--seq-len: give the tokens a sample of"),
     (LLAMA, ("--seq-len", 512), "--seq-len 512: hf:"),
+    (LLAMA, ("--seq-len", 512), "takes at most its max_position_embeddings, 256"),
+    # none given: the figure is the class's, not the config's
+    (NO_LONGEST, ("--seq-len", 4096), "takes at most transformers' LlamaConfig default for a config without "
+                                      "max_position_embeddings, 2048"),
+    (NO_LONGEST, (), "(up to transformers' LlamaConfig default for a config without max_position_embeddings, 2048)"),
+    # transformers' ACT2FN lookup, a bare KeyError: 'nosuch' where the field went unnamed
+    ({**LLAMA, "hidden_act": "nosuch"}, SEQ, "{folder}/config.json gives hidden_act 'nosuch', an activation "
+                                             "transformers does not know; give one of gelu, "),
     (LLAMA, ("--seq-len", 0), "--seq-len must be >= 1 (got 0)"),
     (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),
 ])

@@ -67,6 +67,7 @@ from .models import (
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
 
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
+ACTIVATION_FIELDS = ("hidden_act", "hidden_activation")  # the MLP's activation, by its name in ACT2FN (Gemma's 2nd)
 # transformers runs a mixture's experts (`_routed_experts`) as grouped products, which torch's FLOP counter counts
 # as nothing, so pipesim runs them as its own (`balanced_experts`).
 EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is not intermediate_size's (Mixtral's)
@@ -232,13 +233,15 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
                              f"experts (none of {', '.join(EXPERT_FIELDS)} above 0)")
         check_capacity_factor(capacity_factor, experts, options["top_k"])
         options["capacity_factor"] = capacity_factor
-    longest = getattr(settings, "max_position_embeddings", None)
+    longest = _read(config, settings, "max_position_embeddings")
+    whose = (f"its {longest[0]}" if longest and longest[0] in config.fields else
+             f"transformers' {type(settings).__name__} default for a config without max_position_embeddings")
     if seq_len is None:
         raise ModelError(f"--seq-len: give the tokens a sample of {spec} holds"
-                         + (f" (its config allows up to {longest})" if longest else ""))
+                         + (f" (up to {whose}, {longest[1]})" if longest and longest[1] else ""))
     check_positive(seq_len=seq_len)
-    if longest and seq_len > longest:
-        raise ModelError(f"--seq-len {seq_len}: {spec} takes at most its max_position_embeddings, {longest}")
+    if longest and longest[1] and seq_len > longest[1]:
+        raise ModelError(f"--seq-len {seq_len}: {spec} takes at most {whose}, {longest[1]}")
     check_size("mtp_layers", mtp_layers, least=0)
     built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(settings), None)
     if built is None:
@@ -252,7 +255,8 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         model = AutoModelForCausalLM.from_config(settings, attn_implementation=ATTENTION_IMPLEMENTATION,
                                                  **_experts_implementation(experts))
     except Exception as exc:  # transformers' own code on the config's values: whatever it raised, in one line
-        raise ModelError(f"{where}: transformers cannot build it: {_in_one_line(exc)}") from None
+        raise _activation_refusal(config, exc) or ModelError(
+            f"{where}: transformers cannot build it: {_in_one_line(exc)}") from None
     if experts:
         _check_experts(model, where, experts)
     else:
@@ -419,6 +423,20 @@ def _kv_heads(config: HfConfig, settings: Any) -> int | None:
         raise ModelError(f"--model {config.spec}: {config.path} {gives}, which does not divide its {heads[0]} "
                          f"{heads[1]}; give a divisor of {heads[1]}")
     return kv_heads[1] if kv_heads else None
+
+
+def _activation_refusal(config: HfConfig, exc: Exception) -> ModelError | None:
+    """The refusal naming `config`'s activation field where building its model failed on that field's name, which
+    transformers' ACT2FN does not hold (a bare KeyError of the name otherwise); None where it failed on another."""
+    from transformers.activations import ACT2FN
+
+    if not isinstance(exc, KeyError) or not exc.args:
+        return None
+    field = next((name for name in ACTIVATION_FIELDS if config.fields.get(name) == exc.args[0]), None)
+    if field is None:
+        return None
+    return ModelError(f"--model {config.spec}: {config.path} gives {field} {exc.args[0]!r}, an activation "
+                      f"transformers does not know; give one of {', '.join(sorted(ACT2FN))}")
 
 
 def _in_one_line(exc: Exception) -> str:
