@@ -18,7 +18,8 @@ from .methods import MAX_STAGES, Method, ScheduleParams, flushed_1f1b, make_sche
 def two_branch_graph(stages: int) -> StageGraph:
     """A stem, two parallel branches of (stages-2)/2 stages (the first one longer when odd), a merging head."""
     if stages < 4:
-        raise ScheduleError(f"graphpipe's built-in two-branch model needs stages >= 4 (got {stages})")
+        raise ScheduleError(f"--stages: graphpipe's built-in graph (a stem, two branches and a head) needs 4 or more "
+                            f"(got {stages}); pipesim simulate --graph takes a stage graph of your own")
     long = (stages - 1) // 2
     first = list(range(1, 1 + long))
     second = list(range(1 + long, stages - 1))

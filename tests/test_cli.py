@@ -309,6 +309,15 @@ def test_graph_file(tmp_path):
                                  "the model stages pipesim simulates (got 1000000000000)\n")
 
 
+@pytest.mark.parametrize("command", [("simulate", "-s", "graphpipe", "-p", "2"),
+                                     ("run", "-s", "graphpipe", "--model", "mlp", "--stages", "2")])
+def test_graphpipes_built_in_graph_at_too_few_stages_names_the_flag(command):
+    code, out, err = pipesim(*command)
+    assert (code, out) == (2, "") and err == ("error: --stages: graphpipe's built-in graph (a stem, two branches and a "
+                                              "head) needs 4 or more (got 2); pipesim simulate --graph takes a stage "
+                                              "graph of your own\n")
+
+
 def devices_busy(result: dict) -> list[float]:
     return [d["busy_ms"] for d in result["devices"]]
 
