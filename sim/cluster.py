@@ -76,6 +76,7 @@ class MemoryCheck:
 
     @classmethod
     def of_record(cls, record: dict) -> MemoryCheck:
+        """The check a trace recorded (`record`'s inverse: JSON holds the sharers as a list), for `pipesim view`."""
         return cls(**{**record, "sharers": tuple(record["sharers"])})
 
     def reason(self) -> str:
