@@ -14,11 +14,13 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import json
 import math
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
+from datetime import date, time
 from itertools import product
 from pathlib import Path
 
@@ -150,22 +152,42 @@ def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
         raise GridError(f"{label}: give at least one value")
     if key in ("schedule", "prediction"):
         known = METHODS if key == "schedule" else PREDICTION_SOURCES
-        unknown = [v for v in values if not isinstance(v, str) or v not in known]
+        not_names = [v for v in values if not isinstance(v, str)]  # a grid file's `true`, 4 or [...]
+        if not_names:
+            raise GridError(f"{label}: values must be names in quotes (got {toml_text(not_names[0])}); choose from "
+                            f"{', '.join(known)}")
+        unknown = [v for v in values if v not in known]
         if unknown:
             raise GridError(unknown_names(label, unknown, known))
     elif key in POSITIVE_AXES:
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
         if bad:
-            raise GridError(f"{label}: values must be finite numbers > 0 (got {bad[0]!r})")
+            raise GridError(f"{label}: values must be finite numbers > 0 (got {toml_text(bad[0])})")
         values = [float(v) for v in values]
     else:
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
-            raise GridError(f"{label}: values must be whole numbers >= 1 (got {bad[0]!r})")
+            raise GridError(f"{label}: values must be whole numbers >= 1 (got {toml_text(bad[0])})")
     twice = [v for i, v in enumerate(values) if v in values[:i]]
     if twice:
         raise GridError(f"{label}: {twice[0]!r} is given twice")
     return tuple(values)
+
+
+def toml_text(value: object) -> str:
+    """`value`, read from a --grid file, as TOML writes it (`true`, `"4"`, `[4]`, `{ a = 1 }`), where Python's repr
+    wrote True, '4' and {'a': 1} back to a reader who wrote none of them; a flag's numbers read the same either way."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string escapes as JSON does
+    if isinstance(value, list):
+        return f"[{', '.join(map(toml_text, value))}]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(key)} = {toml_text(item)}" for key, item in value.items()) + " }"
+    if isinstance(value, (date, time)):  # datetime is a date
+        return value.isoformat()
+    return repr(value)  # int and float: TOML's own spelling, nan and inf among them
 
 
 def parse_axis(key: str, text: str) -> tuple:

@@ -171,6 +171,19 @@ def test_grid_file(tmp_path):
     assert {r["cost_scale"] for r in rows} == {0.5, 1.0} and {r["minibatches"] for r in rows} == {2}
 
 
+@pytest.mark.parametrize("line, refusal", [
+    ("stages = [true]", "stages: values must be whole numbers >= 1 (got true)"),
+    ("cost-scale = [{ a = [false] }]", 'cost-scale: values must be finite numbers > 0 (got { "a" = [false] })'),
+    ("schedule = [true]", "schedule: values must be names in quotes (got true); choose from gpipe, 1f1b, "),
+])
+def test_a_grid_files_wrong_value_is_shown_as_toml_writes_it(tmp_path, line, refusal):
+    grid, out = tmp_path / "grid.toml", tmp_path / "r.csv"
+    grid.write_text(line + "\n")
+    code, stdout, err = pipesim("sweep", "--grid", grid, "--out", out)
+    assert (code, stdout) == (2, "") and err.startswith(f"error: --grid: {grid}: {refusal}"), err
+    assert err.count("\n") == 1 and not out.exists()
+
+
 def test_html_trade_off_view(tmp_path):
     page = tmp_path / "t.html"
     code, _, _ = pipesim("sweep", "-s", "1f1b,pipedream,zb-h1", "-p", "2,4", "-j", "1", "--html", page)
@@ -295,7 +308,7 @@ def without(module, monkeypatch):
     (["--grid", "/no/such/grid.toml"], "--grid: cannot read /no/such/grid.toml"),
     (["--grid", "GRID:stages = [4"], "is not valid TOML"),
     (["--grid", "GRID:stages = [4]\nlayers = 2"], "unknown key 'layers'; allowed: schedule, stages"),
-    (["--grid", 'GRID:stages = ["4"]'], "stages: values must be whole numbers >= 1 (got '4')"),
+    (["--grid", 'GRID:stages = ["4"]'], 'stages: values must be whole numbers >= 1 (got "4")'),
     (["--grid", "GRID:stages = [4]", "-p", "8"], "--stages and --grid both give stages"),
     (["--out", "/no/such/dir/r.csv"], "--out: cannot write /no/such/dir/r.csv: folder /no/such/dir does not exist"),
     (["--out", "OUT/r.txt"], "--out: give a .csv or .parquet file"),
