@@ -229,7 +229,7 @@ def tune(
                 raise InputError(f"--devices {devices}: the cluster --gpu {ctx.params['gpu']} has "
                                  f"{what.cluster_gpus} GPUs")
             context = what.context
-            _check_degrees(devices, tensor_parallel, data_parallel, context)
+            _check_degrees(devices, tensor_parallel, data_parallel, context, what.options.get("seq_len"))
             if zero and devices == (tensor_parallel or 1):  # D = t: every d·C = D/(t·p) is 1, nothing shards
                 given = f" at --tensor-parallel {tensor_parallel}" * bool(tensor_parallel)
                 sharding = ("--precision fsdp2 shards the weights" if what.precision == "fsdp2" else
@@ -401,10 +401,11 @@ def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: i
                      f"device{over}: give at least {math.ceil(weight_bytes / memory_cap_bytes):,} devices, or {more}")
 
 
-def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int) -> None:
+def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int, seq_len: int | None) -> None:
     """D must be p x d x t x C for some p: the degrees given must divide it. A refusal names the degree that
     does not (or their product, where no one alone is to blame), and what would: the nearest multiples of the
-    product for --devices, and the nearest degrees that divide D with the others kept."""
+    product for --devices, and the nearest degrees that divide D with the others kept, a C among them only where it
+    also splits `seq_len` tokens into 2C equal chunks, as `check_context` asks next (seq_len None: not given)."""
     given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data),
                                                ("--context-parallel", context if context > 1 else None)) if value]
     product = math.prod(value for _, value in given)
@@ -418,7 +419,8 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None, context: 
     if len(failing) == 1 and not devices % (product // failing[0][1]):  # the others kept divide D: this one fails
         flag, value = failing[0]
         room = devices // (product // value)  # what the degree may divide, the others kept
-        divisors = [n for n in range(1, room + 1) if not room % n]
+        divisors = [n for n in range(1, room + 1) if not room % n and (
+            flag != "--context-parallel" or n == 1 or not seq_len or not seq_len % (2 * n))]
         nearest = [max(n for n in divisors if n < value), *(n for n in divisors if n > value)][:2]
         instead.append(f"{flag} {' or '.join(map(str, nearest))}")
         named = f"{flag} {value}"

@@ -66,7 +66,7 @@ def test_a_given_c_is_refused_where_it_does_not_divide_the_gpus_or_the_sequence(
     monkeypatch.chdir(tmp_path)
     assert refused("tune", *GPU, *SMALL_GPT, *CONTEXT[2:], "-D", 6, "--context-parallel", 4, "-s", "1f1b") == (
         "error: --devices 6 must be p stages x d replicas x t GPUs per stage x C context-parallel ranks, and "
-        "--context-parallel 4 does not divide 6; give --devices 4 or 8, or --context-parallel 3 or 6\n")
+        "--context-parallel 4 does not divide 6; give --devices 4 or 8, or --context-parallel 2\n")  # 3, 6: not 256's
     assert refused("tune", *GPU, *SMALL_GPT, *CONTEXT, "-D", 8, "--tensor-parallel", 2, "--data-parallel", 4) == (
         "error: --devices 8 must be p stages x d replicas x t GPUs per stage x C context-parallel ranks, and "
         "--tensor-parallel 2 x --data-parallel 4 x --context-parallel 2 = 16 does not divide 8; give --devices 16\n")
