@@ -79,10 +79,18 @@ def is_profile_document(doc: Any) -> bool:
     return isinstance(doc, dict) and {"schema_version", "layers"} <= doc.keys() and not is_trace_document(doc)
 
 
+STUDY_RESULTS = "study's results"  # `document_kind`'s name for study/results.py's StudyFile
+
+
 def document_kind(doc: Any) -> str | None:
-    """"trace" or "profile" where a JSON document is a pipesim trace or profile, else None: what a reader of another
-    file (a cluster, a study's results) names when given one in the wrong place, not the first field it lacks."""
-    return "trace" if is_trace_document(doc) else "profile" if is_profile_document(doc) else None
+    """"trace", "profile" or `STUDY_RESULTS` where a JSON document is a pipesim trace, profile or study's results
+    (its format_version and setting), else None: what a reader of another file (a cluster, a trace) names when given
+    one in the wrong place, not the first field it lacks."""
+    if is_trace_document(doc):
+        return "trace"
+    if is_profile_document(doc):
+        return "profile"
+    return STUDY_RESULTS if isinstance(doc, dict) and {"format_version", "setting"} <= doc.keys() else None
 
 
 # `is_trace_document`'s keys as a file's bytes hold them: the "traceEvents" list and the "pipesim" header

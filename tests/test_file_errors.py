@@ -60,6 +60,24 @@ def test_a_profile_given_for_a_trace_is_named_a_profile(command):
     assert code == 2 and err.startswith(f"error: {ROOT / profile} is a pipesim profile, not a trace: "), err
 
 
+def test_a_studys_results_given_for_a_trace_or_a_cluster_is_named_one_and_study_still_reads_it(tmp_path, monkeypatch):
+    """`view study.json` (beside study.html) was "not a Chrome trace: expected an object with a 'traceEvents' list"."""
+    monkeypatch.chdir(tmp_path)
+    Path("study.json").write_text('{"format_version": 1, "setting": {}, "runs": []}')
+    for command in ("view", "compare"):
+        code, out, err = pipesim(command, "study.json", *["study.json"] * (command == "compare"))
+        assert (code, out, err) == (2, "", "error: study.json is a pipesim study's results, not a trace: `pipesim "
+                                           "study --plot-only --results study.json` draws it; give a trace that "
+                                           "`pipesim run --trace` or `pipesim simulate --trace` wrote\n")
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--cluster", "study.json")
+    assert (code, err) == (2, "error: --cluster: cluster file study.json: a pipesim study's results, not a cluster "
+                              "file (`pipesim study --plot-only --results` draws it); give a JSON file of devices and "
+                              "links (docs/simulate.md)\n")
+    code, _, err = pipesim("study", "--plot-only", "--results", "study.json")  # past the kind: its own
+    assert (code, err) == (2, "error: --plot-only: study.json holds no finished run yet\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["study.json"]
+
+
 def test_a_trace_given_for_a_profile_is_named_a_trace(tmp_path, monkeypatch):
     """The other way round (was "schema_version: missing (is this a pipesim calibrate profile?)")."""
     monkeypatch.chdir(tmp_path)

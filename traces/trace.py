@@ -23,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
 
-from ..files import first_error, read_json
+from ..files import STUDY_RESULTS, document_kind, first_error, read_json
 from ..memory_parts import MEMORY_PARTS
 
 SCHEMA_VERSION = 2
@@ -529,9 +529,12 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     doc = read_json(path, TraceError, "trace")
     if isinstance(doc, dict) and "schemaVersion" in doc and "pipesim" not in doc:  # Kineto's key, torch.profiler's
         raise TraceError(f"{path} is a torch.profiler trace, not pipesim's: {TORCH_PROFILER_READER}")
-    if isinstance(doc, dict) and {"schema_version", "layers"} <= doc.keys():  # profiles/schema.py's Profile
-        raise TraceError(f"{path} is a pipesim profile, not a trace: `pipesim simulate --profile` reads it; give a "
-                         "trace that `pipesim run --trace` or `pipesim simulate --trace` wrote")
+    readers = {"profile": "`pipesim simulate --profile` reads it",
+               STUDY_RESULTS: f"`pipesim study --plot-only --results {path}` draws it"}
+    kind = document_kind(doc)
+    if kind in readers:  # else "not a Chrome trace: expected an object with a 'traceEvents' list"
+        raise TraceError(f"{path} is a pipesim {kind}, not a trace: {readers[kind]}; give a trace that `pipesim run "
+                         "--trace` or `pipesim simulate --trace` wrote")
     try:
         return from_chrome(doc)
     except TraceError as exc:
