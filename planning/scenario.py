@@ -613,7 +613,8 @@ class Scenario:
         pass its memory, its memory less that reserve bounds the next search, until the cut found fits as
         simulated (`FIT_ROUNDS` searches at most: a device's bound falls each round, or the cut fits)."""
         check_stage_cut(self.stage_cut, self.pp_runtime)
-        limits = self.memory_limits(sched)
+        links = self.links(sched)  # built once: the limits and each round's simulation read it
+        limits = self.memory_limits(sched, links)
         if None in limits:
             raise CostError(f"--stage-cut {FIT} cuts for each device's memory, which is not known here: give --gpu, "
                             "a profile of a device with its memory, or a --cluster with memory_gib")
@@ -627,7 +628,7 @@ class Scenario:
                 cut = fitted_cut(sched, memory, bounds, balanced, layers, stage_time)
                 if self.allocations is None:
                     return cut
-                trace = simulate(sched, self.costs(sched, cut), self.links(sched))
+                trace = simulate(sched, self.costs(sched, cut), links)
                 reserves = self._reserves(sched, trace, cut, limits)
                 if all(memory.device(sched, d, cut) + reserve <= limit
                        for d, (reserve, limit) in enumerate(zip(reserves, limits))):
