@@ -109,8 +109,8 @@ class Lowered:
 
 def lower(schedule: Schedule, exchange_ps: np.ndarray | None = None) -> Lowered:
     """The schedule's rows for a runtime (see `Lowered`); assumes `preflight` passed. `exchange_ps`: for a runtime
-    whose exchanges block, per row of `lower(schedule)` the time it holds its device, after which each SEND sits at
-    the exchange its receiver posts the RECV at (`exchange_order`)."""
+    whose exchanges block, the rows in its order (`exchange_order`), given per row of `lower(schedule)` the time it
+    holds its device, which places each SEND at its receiver's exchange where Megatron-core's order waits forever."""
     t, origin, transfer = communication_rows(schedule)
     if exchange_ps is not None:
         method = METHODS.get(schedule.method)  # None: a schedule of no catalogue method's (read from a file)
