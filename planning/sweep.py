@@ -170,7 +170,7 @@ def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
             raise GridError(f"{label}: values must be whole numbers >= 1 (got {toml_text(bad[0])})")
     twice = [v for i, v in enumerate(values) if v in values[:i]]
     if twice:
-        raise GridError(f"{label}: {twice[0]!r} is given twice")
+        raise GridError(f"{label}: {toml_text(twice[0])} is given twice")
     return tuple(values)
 
 
