@@ -168,8 +168,8 @@ class Method:
     (megatron/core/pipeline_parallel/schedules.py at NVIDIA/Megatron-LM d98e8a64dd,
     `forward_backward_pipelining_with_interleaving`: in its steady state a forward, a backward, then
     `send_forward_backward_recv_forward_backward`, line 1935), where its 1F1B exchanges between them
-    (`send_forward_recv_backward`, line 2416). Callers ask `reads` and `shape` rather than these fields, so the
-    rules live here."""
+    (`send_forward_recv_backward`, line 2416). Callers ask `reads` and `shape` rather than `defaults` and
+    `options`, so the rules live here."""
 
     name: str
     summary: str
