@@ -395,8 +395,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
             exchanging = np.flatnonzero((step_stream == Stream.SEND) | (step_stream == Stream.RECV))
             posts = post_row[step_rows[exchanging]]
             begins = np.flatnonzero(np.r_[True, posts[1:] != posts[:-1]])
-            longest = np.maximum.reduceat(transfer_ps[operand[exchanging]], begins) if len(begins) else begins
-            pre[exchanging[begins]] += longest
+            longest_ps = np.maximum.reduceat(transfer_ps[operand[exchanging]], begins) if len(begins) else begins
+            pre[exchanging[begins]] += longest_ps
     # A collective's lane: step j begins when its row has issued it and the lane's step before has ended.
     collective_rows = np.flatnonzero(stream == Stream.NETWORK)
     # Of a collective's network time, the part its pass's compute covers (a ring's exchanges, each under the
