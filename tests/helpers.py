@@ -298,6 +298,17 @@ def lean_experts_count() -> WorkloadCount:
                                    top_k=2, expert_ffn=128), 1, torch.bfloat16, "flash")
 
 
+@cache
+def ring_gpt_count() -> WorkloadCount:
+    """A 2-layer GPT of 256 tokens, 8 heads, counted at micro-batch 2 in bfloat16 with flash attention: the context
+    rings' model (test_context_ring, test_cp_rotate)."""
+    import torch
+
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", dict(layers=2, width=192, heads=8, seq_len=256, vocab=512), 2, torch.bfloat16, "flash")
+
+
 def matmul_count(m: int, n: int, k: int) -> OpCount:
     """An (m x k) @ (k x n) product with a bias, as counted."""
     return OpCount("addmm", "matmul", (1, m, n, k), 2 * m * n * k, 2 * (m * k + k * n + m * n), 1)

@@ -21,7 +21,7 @@ from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
 from pipesim.traces.trace import Stream
 from tests.conftest import simulate_json
-from tests.helpers import H100, H100_BF16, around_first, stream_rows, without
+from tests.helpers import H100, H100_BF16, around_first, ring_gpt_count, stream_rows, without
 
 
 def cp(method: str, stages: int = 2, microbatches: int = 2, chunks: int = 1, **params) -> Schedule:
@@ -98,10 +98,8 @@ def test_an_estimates_ring_runs_on_its_own_link_where_the_data_parallel_group_ha
 
 @pytest.fixture(scope="module")
 def flash_gpt() -> WorkloadCount:
-    torch = pytest.importorskip("torch")
-    from pipesim.workload.count import count_built
-
-    return count_built("gpt", dict(layers=2, width=192, heads=8, seq_len=256, vocab=512), 2, torch.bfloat16, "flash")
+    pytest.importorskip("torch")
+    return ring_gpt_count()
 
 
 def _closed_form_ms(counted: WorkloadCount, parallel: Parallelism, pass_name: str, bounds: list[int]) -> list[float]:

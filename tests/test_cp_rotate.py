@@ -23,7 +23,7 @@ from pipesim.planning.estimate import (
 from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount
 from tests.conftest import pipesim, simulate_json
-from tests.helpers import H100, searched_settings
+from tests.helpers import H100, ring_gpt_count, searched_settings
 from tests.helpers import H100_BF16 as DEVICE
 
 SLOW = EstimateLink(kind="infiniband", latency_ms=0.01, bytes_per_ms=1e6)  # every transfer outlasts its block
@@ -101,10 +101,8 @@ def test_the_estimate_prices_and_holds_the_named_rotation(flash_gpt):
 
 @pytest.fixture(scope="module")
 def flash_gpt():
-    torch = pytest.importorskip("torch")
-    from pipesim.workload.count import count_built
-
-    return count_built("gpt", dict(layers=2, width=192, heads=8, seq_len=256, vocab=512), 2, torch.bfloat16, "flash")
+    pytest.importorskip("torch")
+    return ring_gpt_count()
 
 
 WHAT_IF = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 4096,
