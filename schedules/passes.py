@@ -377,6 +377,7 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     own_start = np.repeat(starts, np.diff(np.r_[starts, n]))  # per row, its device's first row
     made = np.maximum.accumulate(np.where(ticking, index, -1))  # per row, the ticking row at or before it
     made = np.where(made >= own_start, made, -1)  # (-1: none of its device)
+    needs = np.minimum.accumulate(np.where(ticking, index, n)[::-1])[::-1]  # the ticking row at or after it (n: none)
     recvs, sends = np.flatnonzero(receiving), np.flatnonzero(sending)
     # The rows an exchange may follow: a ticking row but an overlapped pair's forward part, a pass its collectives
     # follow, or where the runtime exchanges once for a forward and the backward after it, such a forward.
@@ -385,7 +386,7 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     anchors = ticking & ~pair_forward & ~follows_collective
     stepped = anchors.copy()
     if per_step and schedule.num_stages > schedule.num_devices:
-        following = np.append(np.minimum.accumulate(np.where(ticking, index, n)[::-1])[::-1][1:], n)
+        following = np.append(needs[1:], n)
         forward = np.flatnonzero((t.kind == KIND_CODE[Kind.F]) & (following < n))
         stepped[forward[(t.kind[following[forward]] == KIND_CODE[Kind.B])
                         & (device[following[forward]] == device[forward])]] = False
@@ -425,9 +426,8 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
             break
         clock = latest
     points = np.flatnonzero(anchors)
-    after_run = np.minimum.accumulate(np.where(ticking, index, n)[::-1])[::-1]  # a RECV's row that needs it
     needed_at = np.zeros(len(row_of), dtype=np.int64)
-    needed_at[transfer[recvs]] = clock[after_run[recvs]] - held[after_run[recvs]]
+    needed_at[transfer[recvs]] = clock[needs[recvs]] - held[needs[recvs]]
     found = np.searchsorted(offset[points] + clock[points], offset[sends] + needed_at[transfer[sends]], side="right")
     key = np.where(ticking, 2 * index, 2 * made + 1)
     key[sends] = 2 * np.maximum(points[np.maximum(found - 1, 0)], made[sends]) + 1
