@@ -55,6 +55,10 @@ def test_a_measured_incomplete_trace_round_trips(predicted, tmp_path):
     (lambda meta: meta.update(memory_checks=[{"device": 0}]), "meta.memory_checks.0.limit_bytes: Field required"),
     (lambda meta: meta.update(memory_checks=[_check(1), _check(0), _check(2)]),
      "meta.memory_checks must hold one check for each of the 3 devices, in order"),
+    (lambda meta: meta.update(memory_checks=[{**_check(0), "memory": "gpu0", "sharers": []}, _check(1), _check(2)]),
+     "each sharers list naming its device among the trace's"),  # view's warning named them: an IndexError
+    (lambda meta: meta.update(memory_checks=[{**_check(0), "sharers": [0, 3]}, _check(1), _check(2)]),
+     "each sharers list naming its device among the trace's"),
 ])
 def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
     assert fragment in _refusal_once_edited(predicted, tmp_path, lambda doc: edit(doc["pipesim"]["meta"]))

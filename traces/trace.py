@@ -401,9 +401,11 @@ def from_chrome(doc: Any) -> Trace:
         raise TraceError("pipesim header: meta.peak_activation_parts must hold, for each device, bytes that sum to "
                          "its peak_memory_parts' activations")
     checks = meta.memory_checks
-    if checks is not None and [check["device"] for check in checks] != list(range(num_devices)):
+    if checks is not None and ([check["device"] for check in checks] != list(range(num_devices)) or any(
+            check["device"] not in check["sharers"] or not set(check["sharers"]) <= set(range(num_devices))
+            for check in checks)):  # the warning names the sharers (MemoryCheck.reason)
         raise TraceError(f"pipesim header: meta.memory_checks must hold one check for each of the {num_devices} "
-                         "devices, in order")
+                         "devices, in order, each sharers list naming its device among the trace's")
     return Trace(kinds, num_devices, ops, meta, counters)
 
 
