@@ -105,10 +105,8 @@ class Metrics:
     def of(cls, summary: Summary, checks: Sequence[MemoryCheck]) -> Metrics:
         """A run's figures as plain Python numbers, the results file's types (`COLUMNS`), and whether a device's
         peak is past its memory (`checks`, `Scenario.memory_checks`)."""
-        return cls(time_per_minibatch_ms=float(summary.time_per_minibatch_ms),
-                   samples_per_s=float(summary.samples_per_s), bubble_fraction=float(summary.bubble_fraction),
-                   peak_memory_mb=float(summary.peak_memory_mb), max_staleness=int(summary.max_staleness),
-                   makespan_ms=float(summary.makespan_ms), exposed_comm_ms=float(summary.exposed_comm_ms),
+        figures = [f.name for f in fields(cls) if f.name != "out_of_memory"]
+        return cls(**{name: COLUMNS[name](getattr(summary, name)) for name in figures},
                    out_of_memory=any(check.out_of_memory for check in checks))
 
 
