@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.hardware.collectives import all_reduce_ms
-from tests.conftest import pipesim
+from tests.conftest import pipesim, simulate_json
 from tests.helpers import GPT_CPU
 
 pytest.importorskip("torch")
@@ -17,12 +17,6 @@ pytest.importorskip("torch")
 SMALL = ("--model", "gpt", "--layers", "3", "--width", "64", "--heads", "4", "--seq-len", "32", "--vocab", "128")
 GPU = ("--gpu", "a100-sxm-80gb")
 HUGE = ("--model", "gpt", "--layers", "4", "--width", "16384", "--heads", "16", "--seq-len", "64", "--vocab", "128")
-
-
-def simulate_json(*args) -> list[dict]:
-    code, out, err = pipesim("simulate", *args, "--json")
-    assert code == 0, err
-    return json.loads(out)["results"]
 
 
 @pytest.mark.parametrize("args, fragment", [
