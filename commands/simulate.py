@@ -326,15 +326,16 @@ def simulate(
         for name, sched in progress(list(schedules.items()), as_json):
             try:
                 cuts[name] = scenario.cut(sched) if scenario.measured is not None else None
-                result = run_simulation(sched, scenario.costs(sched, cuts[name]), scenario.links(sched),
-                                        jitter=jitter, seed=seed)
+                costs = scenario.costs(sched, cuts[name])
+                links = scenario.links(sched)  # built once: the simulation, the reserve and the memory checks read it
+                result = run_simulation(sched, costs, links, jitter=jitter, seed=seed)
             except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
                 skipped[name] = str(exc)
                 continue
-            scenario.add_reserve(sched, result, cuts[name])
+            scenario.add_reserve(sched, result, cuts[name], links)
             traces.append(result)
             summaries.append(summarize(result))
-            memory.append(scenario.memory_checks(sched, summaries[-1]))
+            memory.append(scenario.memory_checks(sched, summaries[-1], links))
             result.meta.memory_checks = [check.record() for check in memory[-1]]  # for view's page of the trace
         names = [name for name in requested if name not in skipped]  # the methods that ran, in order
         skipped = {name: skipped[name] for name in requested if name in skipped}
