@@ -33,7 +33,7 @@ from ..files import PAGE_HEALTH
 from ..memory_parts import MEMORY_PARTS, SAVERS
 from ..units import MIB
 from .compare import Comparison
-from .metrics import MIB_SHOWN, MS_DECIMALS, MS_FORMAT, Summary, mib_text, ms_text, percent_text, rate_text, summarize
+from .metrics import MIB_SHOWN, MS_DECIMALS, Summary, mib_text, ms_text, percent_text, rate_text, summarize
 from .trace import STREAMS, Trace, TraceMeta, write_atomic
 
 
@@ -372,8 +372,7 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
         "traces": [trace_data(t, label, s, check) for t, label, s, check in zip(traces, labels, summaries, checks)],
         "views": [{"name": name, "traces": list(members)} for name, members in views],
         "summary": summary_figure(traces, labels, summaries, views[0][1], checks) if len(traces) > 1 else None,
-        "numbers": {"mib_shown": MIB_SHOWN, "ms_decimals": MS_DECIMALS, "ms_format": MS_FORMAT,
-                    "tick_format": TICK_FORMAT},
+        "numbers": {"mib_shown": MIB_SHOWN, "ms_decimals": MS_DECIMALS, "tick_format": TICK_FORMAT},
     }
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     from plotly.offline import get_plotlyjs
@@ -804,8 +803,8 @@ _TIMELINE_JS = r"""
     return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
   }
   // The units as traces/metrics.py's ms_text, mib_text and percent_text write them, and plotly's formats for them.
-  const {mib_shown: MIB_SHOWN, ms_decimals: MS_DECIMALS, ms_format: MS_FORMAT, tick_format: TICK_FORMAT} =
-    DATA.numbers;
+  const {mib_shown: MIB_SHOWN, ms_decimals: MS_DECIMALS, tick_format: TICK_FORMAT} = DATA.numbers;
+  const MS_FORMAT = ",." + MS_DECIMALS + "f";  // plotly's (d3's) format of msText's decimals, for the hovers
   function msText(ms) { return fmt(ms, MS_DECIMALS); }
   function mibText(mib) {
     if (mib > 0 && mib < MIB_SHOWN) return "<" + MIB_SHOWN;
