@@ -59,6 +59,10 @@ def test_a_measured_incomplete_trace_round_trips(predicted, tmp_path):
      "each sharers list naming its device among the trace's"),  # view's warning named them: an IndexError
     (lambda meta: meta.update(memory_checks=[{**_check(0), "sharers": [0, 3]}, _check(1), _check(2)]),
      "each sharers list naming its device among the trace's"),
+    (lambda meta: meta.update(memory_checks=[{**_check(0), "used_bytes": float("nan")}, _check(1), _check(2)]),
+     "and bytes finite and >= 0"),  # view's page data held a NaN, which its script's JSON.parse refused: a blank page
+    (lambda meta: meta.update(memory_checks=[_check(0), {**_check(1), "limit_bytes": -5}, _check(2)]),
+     "and bytes finite and >= 0"),
 ])
 def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
     assert fragment in _refusal_once_edited(predicted, tmp_path, lambda doc: edit(doc["pipesim"]["meta"]))

@@ -9,6 +9,7 @@ Perfetto and chrome://tracing open unchanged; pipesim's own metadata sits under 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -401,11 +402,14 @@ def from_chrome(doc: Any) -> Trace:
         raise TraceError("pipesim header: meta.peak_activation_parts must hold, for each device, bytes that sum to "
                          "its peak_memory_parts' activations")
     checks = meta.memory_checks
+    devices = set(range(num_devices))
     if checks is not None and ([check["device"] for check in checks] != list(range(num_devices)) or any(
-            check["device"] not in check["sharers"] or not set(check["sharers"]) <= set(range(num_devices))
-            for check in checks)):  # the warning names the sharers (MemoryCheck.reason)
+            check["device"] not in check["sharers"] or not set(check["sharers"]) <= devices  # the warning names them
+            or not 0 <= check["used_bytes"] < math.inf or not 0 <= check["peak_bytes"] < math.inf  # a NaN: no page
+            or (check["limit_bytes"] or 0) < 0 for check in checks)):
         raise TraceError(f"pipesim header: meta.memory_checks must hold one check for each of the {num_devices} "
-                         "devices, in order, each sharers list naming its device among the trace's")
+                         "devices, in order, each sharers list naming its device among the trace's, and bytes "
+                         "finite and >= 0")
     return Trace(kinds, num_devices, ops, meta, counters)
 
 
