@@ -201,8 +201,8 @@ class Scenario:
             from .auto import schedule_frame, search_schedule
 
             frame = schedule_frame(params)
-            return search_schedule(params, self.costs(frame, bounds), self.links(frame), self.memory_limits(frame),
-                                   progress)
+            costs, links = self.costs(frame, bounds), self.links(frame)  # links built once: the limits read it too
+            return search_schedule(params, costs, links, self.memory_limits(frame, links), progress)
         if method.on_graph is None or not (self.dag or self.measured):
             return method.build(params)
         if self.dag:
