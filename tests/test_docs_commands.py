@@ -1,11 +1,11 @@
 """Every pipesim command docs/*.md shows parses with the command line's own parser, as written.
 
-A command is a line of a ```bash block (continuations joined and comments dropped as test_readme.py's `_commands`
-does) or a `$ ` line of any fenced block (a transcript: the lines up to the next `$ ` line are what it prints). Each
-`pipesim` step of it is parsed by click (`make_context` on the command, nothing invoked), so a renamed or removed
-flag or command and a value of the wrong type fail here, naming the doc and line, in seconds and without a
-simulation. A `pipesim ...` code span in the prose is a mention: it is parsed too, but may leave out what the
-command requires. benchmarks/docs_commands.py runs the fenced commands for real and compares transcripts.
+A command is a line of a ```bash block (continuations joined and comments dropped as tests/helpers.py's
+`bash_commands` does) or a `$ ` line of any fenced block (a transcript: the lines up to the next `$ ` line are what
+it prints). Each `pipesim` step of it is parsed by click (`make_context` on the command, nothing invoked), so a
+renamed or removed flag or command and a value of the wrong type fail here, naming the doc and line, in seconds and
+without a simulation. A `pipesim ...` code span in the prose is a mention: it is parsed too, but may leave out what
+the command requires. benchmarks/docs_commands.py runs the fenced commands for real and compares transcripts.
 
 A placeholder is not a command: a step with an argument written as a metavar is (capitals, as PATH, R, TRACE...),
 or holding `...` or `<...>`, is left out, by that rule alone.
