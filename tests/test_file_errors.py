@@ -73,6 +73,10 @@ def test_a_studys_results_given_for_a_trace_or_a_cluster_is_named_one_and_study_
     assert (code, err) == (2, "error: --cluster: cluster file study.json: a pipesim study's results, not a cluster "
                               "file (`pipesim study --plot-only --results` draws it); give a JSON file of devices and "
                               "links (docs/simulate.md)\n")
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--profile", "study.json")  # was "schema_version: missing"
+    assert (code, err) == (2, "error: --profile: study.json is a pipesim study's results, not a profile: `pipesim "
+                              "study --plot-only --results` draws it; give a profile that `pipesim calibrate --out` "
+                              "or `pipesim estimate --out` wrote\n")
     code, _, err = pipesim("study", "--plot-only", "--results", "study.json")  # past the kind: its own
     assert (code, err) == (2, "error: --plot-only: study.json holds no finished run yet\n")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["study.json"]
