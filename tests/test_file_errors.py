@@ -69,6 +69,9 @@ def test_a_studys_results_given_for_a_trace_or_a_cluster_is_named_one_and_study_
         assert (code, out, err) == (2, "", "error: study.json is a pipesim study's results, not a trace: `pipesim "
                                            "study --plot-only --results study.json` draws it; give a trace that "
                                            "`pipesim run --trace` or `pipesim simulate --trace` wrote\n")
+    Path("my study.json").write_text(Path("study.json").read_text())  # the command it names, as pasted
+    assert "`pipesim study --plot-only --results 'my study.json'` draws it" in pipesim("view", "my study.json").err
+    Path("my study.json").unlink()
     code, _, err = pipesim("simulate", "-s", "1f1b", "--cluster", "study.json")
     assert (code, err) == (2, "error: --cluster: cluster file study.json: a pipesim study's results, not a cluster "
                               "file (`pipesim study --plot-only --results` draws it); give a JSON file of devices and "

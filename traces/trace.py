@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shlex
 import stat
 import sys
 import tempfile
@@ -536,7 +537,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     if isinstance(doc, dict) and "schemaVersion" in doc and "pipesim" not in doc:  # Kineto's key, torch.profiler's
         raise TraceError(f"{path} is a torch.profiler trace, not pipesim's: {TORCH_PROFILER_READER}")
     readers = {"profile": "`pipesim simulate --profile` reads it",
-               STUDY_RESULTS: f"`pipesim study --plot-only --results {path}` draws it"}
+               STUDY_RESULTS: f"`pipesim study --plot-only --results {shlex.quote(str(path))}` draws it"}
     kind = document_kind(doc)
     if kind in readers:  # else "not a Chrome trace: expected an object with a 'traceEvents' list"
         raise TraceError(f"{path} is a pipesim {kind}, not a trace: {readers[kind]}; give a trace that `pipesim run "
