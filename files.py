@@ -84,8 +84,8 @@ STUDY_RESULTS = "study's results"  # `document_kind`'s name for study/results.py
 
 def document_kind(doc: Any) -> str | None:
     """"trace", "profile" or `STUDY_RESULTS` where a JSON document is a pipesim trace, profile or study's results
-    (its format_version and setting), else None: what a reader of another file (a cluster, a trace) names when given
-    one in the wrong place, not the first field it lacks."""
+    (its format_version and setting), else None: what a reader of another file (a cluster, a trace, a profile, a
+    study's results) names when given one in the wrong place, not the first field it lacks."""
     if is_trace_document(doc):
         return "trace"
     if is_profile_document(doc):
