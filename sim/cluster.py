@@ -13,6 +13,7 @@ import numpy as np
 from ..files import STUDY_RESULTS, document_kind, first_error, read_json
 from ..profiles.linkfit import piecewise_ms
 from ..schedules.methods import MAX_ROWS
+from ..traces.metrics import mib_text
 from ..units import GIB, MAX_MS, MIB, checked_memory_gib
 
 
@@ -80,10 +81,11 @@ class MemoryCheck:
         return cls(**{**record, "sharers": tuple(record["sharers"])})
 
     def reason(self) -> str:
-        """In words, how the peak compares with the memory (for the out-of-memory warning)."""
-        used = f"{self.used_bytes / MIB:,.0f} MiB"
+        """In words, how the peak compares with the memory (for the out-of-memory warning), MiB as the tables and
+        pages write them (`mib_text`: a 4 KiB peak read "0 MiB")."""
+        used = f"{mib_text(self.used_bytes / MIB)} MiB"
         verdict = "its memory not known" if self.limit_bytes is None else \
-            f"{'more than' if self.out_of_memory else 'within'} its {self.limit_bytes / MIB:,.0f} MiB"
+            f"{'more than' if self.out_of_memory else 'within'} its {mib_text(self.limit_bytes / MIB)} MiB"
         if self.memory is None:
             return f"device {self.device} peaks at {used}, {verdict}"
         sharers = ", ".join(map(str, self.sharers[:-1])) + f" and {self.sharers[-1]}"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.schedules import METHODS
+from pipesim.traces.metrics import mib_text
 from tests.conftest import help_records, pipesim, pipesim_fresh, simulate_json
 from tests.helpers import GPT_CPU
 from tests.helpers import page_data as _page_data
@@ -392,8 +393,8 @@ def test_memory_is_checked_against_the_clusters_devices(tmp_path):
     devices = json.loads(out)["results"][0]["devices"]
     assert [d["memory_limit_mb"] for d in devices] == [80 * 1024, 512, 80 * 1024, 80 * 1024]
     assert [d["out_of_memory"] for d in devices] == [False, True, False, False]
-    assert f"warning: 1f1b runs out of memory: device 1 peaks at {devices[1]['peak_memory_mb']:,.0f} MiB, more than " \
-           "its 512 MiB" in err
+    assert f"warning: 1f1b runs out of memory: device 1 peaks at {mib_text(devices[1]['peak_memory_mb'])} MiB, more " \
+           "than its 512 MiB" in err
     code, out, _ = pipesim("simulate", "-s", "1f1b", "--cluster", small)
     assert code == 0 and "OOM on device 1" in out
     code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", cluster_file(tmp_path, [80] * 4))

@@ -10,6 +10,7 @@ import pytest
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Cluster, ClusterError, Costs, load_cluster, simulate
 from pipesim.traces import Stream, read_trace, summarize, write_trace
+from pipesim.traces.metrics import mib_text
 from pipesim.units import GIB, MIB
 from tests.conftest import build, pipesim
 
@@ -135,6 +136,9 @@ def test_memory_of_ranks_on_one_gpu_is_checked_with_the_sum_of_their_peaks(tmp_p
     unknown = Cluster.uniform(2, 0).memory_checks([600 * MIB, 500 * MIB], [None, None])
     assert not any(c.out_of_memory for c in unknown)
     assert unknown[1].reason() == "device 1 peaks at 500 MiB, its memory not known"
+    small = Cluster.uniform(2, 0).memory_checks([4096, int(14.11 * MIB)], [MIB, 14 * MIB])
+    assert [c.reason() for c in small] == [  # MiB as the tables write them (mib_text), where both read "0" and "14"
+        "device 0 peaks at <0.01 MiB, within its 1.00 MiB", "device 1 peaks at 14.1 MiB, more than its 14.0 MiB"]
 
 
 @pytest.mark.parametrize("devices,fragment", [
@@ -164,7 +168,7 @@ def test_ranks_on_one_gpu_are_checked_against_its_memory_together(tmp_path):
     assert all(peak < 1024 for peak in peaks) and peaks[0] + peaks[1] > 1024  # each fits alone, not together
     assert [d["out_of_memory"] for d in devices] == [True, True, False]
     assert [d["memory_shared_with"] for d in devices] == [[1], [0], []]
-    assert (f"devices 0 and 1 share compute gpu0 and its memory: their peaks add up to {peaks[0] + peaks[1]:,.0f} "
+    assert (f"devices 0 and 1 share compute gpu0 and its memory: their peaks add up to {mib_text(peaks[0] + peaks[1])} "
             "MiB, more than its 1,024 MiB") in err
     code, out, _ = pipesim(*args)
     assert code == 0 and "OOM on devices 0, 1" in out
