@@ -28,15 +28,15 @@ def test_a_degree_that_does_not_divide_the_devices_is_named_with_what_would():
     """The refusal says how the devices are split, which degree fails (their product where none alone does) and
     the nearest --devices and degree that would do."""
     with pytest.raises(InputError) as one:
-        _check_degrees(7, 2, None, 1)
+        _check_degrees(7, 2, None, 1, None)
     assert str(one.value) == ("--devices 7 must be p stages x d replicas x t GPUs per stage, and --tensor-parallel 2 "
                               "does not divide 7; give --devices 6 or 8, or --tensor-parallel 1 or 7")
     with pytest.raises(InputError) as two:
-        _check_degrees(8, 3, 2, 1)
+        _check_degrees(8, 3, 2, 1, None)
     assert str(two.value).endswith("and --tensor-parallel 3 does not divide 8; give --devices 6 or 12, or "
                                    "--tensor-parallel 2 or 4")
     with pytest.raises(InputError) as context:
-        _check_degrees(8, 2, 4, 2)
+        _check_degrees(8, 2, 4, 2, None)
     assert str(context.value) == ("--devices 8 must be p stages x d replicas x t GPUs per stage x C context-parallel "
                                   "ranks, and --tensor-parallel 2 x --data-parallel 4 x --context-parallel 2 = 16 "
                                   "does not divide 8; give --devices 16")
@@ -44,7 +44,7 @@ def test_a_degree_that_does_not_divide_the_devices_is_named_with_what_would():
     # "--tensor-parallel 1", which 1 x 4 x 2 = 8 refuses too, and with C = 6 a traceback: no divisor of 12 // 24)
     for context, product in ((2, 40), (6, 120)):
         with pytest.raises(InputError) as others:
-            _check_degrees(12, 5, 4, context)
+            _check_degrees(12, 5, 4, context, None)
         assert str(others.value).endswith(f"--tensor-parallel 5 x --data-parallel 4 x --context-parallel {context} = "
                                           f"{product} does not divide 12; give --devices {product}")
 
