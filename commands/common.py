@@ -38,13 +38,17 @@ stdout = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") 
 stderr = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS") else 120)
 
 
-def finite_from(low: float, high: float) -> Callable[[float | None], float | None]:
+def finite_from(low: float, high: float, least: float = 0.0) -> Callable[[float | None], float | None]:
     """A float flag's typer callback refusing nan, inf and what is outside low to high, in one line naming the
     flag and its range (typer's min= read nan as "should be >= 0" and took inf, which a cost far downstream then
-    refused without naming the flag)."""
+    refused without naming the flag); a time flag's `least` (LEAST_MS) refuses what lies between 0 and it, as
+    parse_numbers does for --fwd, --bwd and --comm."""
     def check(value: float | None) -> float | None:
         if value is not None and not low <= value <= high:
             raise typer.BadParameter(f"give a finite number from {low:,.10g} to {high:,.10g} (got {value:g})")
+        if value is not None and 0 < value < least:
+            raise typer.BadParameter(f"give 0 or at least {least:g} ms (a nanosecond: the simulator counts "
+                                     f"picoseconds), got {value:g}")
         return value
     return check
 
@@ -754,9 +758,9 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-# The shortest time above 0 a cost flag takes (--fwd, --bwd, --comm), a nanosecond: the simulator's clock ticks in
-# picoseconds, and rounded a shorter time to none (`--fwd 1e-12 --bwd 1e-12` printed a 0 ms step at 0.0 samples/s);
-# a thousand ticks leave sweep's whole-model times whole ticks when split over its stages.
+# The shortest time above 0 a cost flag takes (--fwd, --bwd, --comm, --opt, --pred, --avg), a nanosecond: the
+# simulator's clock ticks in picoseconds, and rounded a shorter time to none (`--fwd 1e-12 --bwd 1e-12` printed a 0 ms
+# step at 0.0 samples/s); a thousand ticks leave sweep's whole-model times whole ticks when split over its stages.
 LEAST_MS = 1e-6
 
 

@@ -18,6 +18,7 @@ from ..choices import unknown_names
 from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, count_text
 from .common import (
+    LEAST_MS,
     TORCH_CSV,
     ActivationLimit,
     Advance,
@@ -159,13 +160,13 @@ def simulate(
              "takes F + B - H x min(F, B). Default 0: without expert parallelism's all-to-all there is nothing to "
              "hide.")] = 0.0,
     opt: Annotated[float, typer.Option(
-        "--opt", callback=finite_from(0, MAX_MS), metavar="MS",
+        "--opt", callback=finite_from(0, MAX_MS, least=LEAST_MS), metavar="MS",
         help="Optimizer step ms per device (split over its chunks).")] = 0.0,
     pred: Annotated[float | None, typer.Option(
-        "--pred", callback=finite_from(0, MAX_MS), metavar="MS",
+        "--pred", callback=finite_from(0, MAX_MS, least=LEAST_MS), metavar="MS",
         help="Weight prediction (PRED) ms per device (default: --opt).")] = None,
     avg: Annotated[float | None, typer.Option(
-        "--avg", callback=finite_from(0, MAX_MS), metavar="MS",
+        "--avg", callback=finite_from(0, MAX_MS, least=LEAST_MS), metavar="MS",
         help="Elastic averaging (AVG) ms per device and pipeline: averaging P pipelines' replicas takes P times it "
              "(default: --opt).")] = None,
     comm: Annotated[str, typer.Option(

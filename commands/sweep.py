@@ -15,6 +15,7 @@ from rich.table import Table
 from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, whole_number
 from .common import (
+    LEAST_MS,
     SWEEP_RESULTS,
     Allocator,
     BlockingComm,
@@ -125,13 +126,13 @@ def sweep(
         "--bwd", metavar="MS", help="Full backward ms per micro-batch of the whole model (split likewise).")] = "8",
     wgrad_fraction: WgradFraction = 0.5,
     opt: Annotated[float, typer.Option(
-        "--opt", metavar="MS", callback=finite_from(0, MAX_MS),
+        "--opt", metavar="MS", callback=finite_from(0, MAX_MS, least=LEAST_MS),
         help="Optimizer step ms of the whole model (split likewise).")] = 0.4,
     pred: Annotated[float | None, typer.Option(
-        "--pred", metavar="MS", callback=finite_from(0, MAX_MS),
+        "--pred", metavar="MS", callback=finite_from(0, MAX_MS, least=LEAST_MS),
         help="Weight prediction (PRED) ms of the whole model (split likewise; default: --opt).")] = None,
     avg: Annotated[float | None, typer.Option(
-        "--avg", metavar="MS", callback=finite_from(0, MAX_MS),
+        "--avg", metavar="MS", callback=finite_from(0, MAX_MS, least=LEAST_MS),
         help="Elastic averaging (AVG) ms of the whole model per pipeline (split likewise; averaging P pipelines' "
              "replicas takes P times it; default: --opt).")] = None,
     comm: Annotated[str, typer.Option(

@@ -191,6 +191,18 @@ def test_a_time_under_a_nanosecond_is_refused_not_rounded_to_none(tmp_path, comm
     assert not html.exists()
 
 
+@pytest.mark.parametrize(("command", "flag"), [("simulate", "--opt"), ("simulate", "--pred"), ("simulate", "--avg"),
+                                             ("sweep", "--opt")])
+def test_an_optimizer_time_under_a_nanosecond_is_refused_as_the_cost_flags_are(tmp_path, command, flag):
+    """--opt, --pred and --avg took 1e-12, which rounds to no picosecond, where --fwd, --bwd and --comm refuse it."""
+    html = tmp_path / "t.html"
+    code, out, err = pipesim(command, "-s", "avgpipe", flag, "1e-12", "--html", html)
+    assert (code, out) == (2, "")
+    assert err == (f"error: Invalid value for '{flag}': give 0 or at least 1e-06 ms (a nanosecond: the simulator "
+                   f"counts picoseconds), got 1e-12\n")
+    assert not html.exists()
+
+
 @pytest.mark.parametrize(("flag", "given"), [("--routing", "random"), ("--hot-expert-share", "0.5"),
                                              ("--token-dispatcher", "deepep")])
 def test_a_routing_option_on_a_dense_model_is_refused_for_the_model(tmp_path, flag, given):
