@@ -99,6 +99,19 @@ def steady_host_load():
         yield
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tests (its `pytestmark = pytest.mark.usefixtures("one_torch_thread")`): on
+    a shared 2-core machine two OpenMP threads wait on each other's time slices, which makes small timings jump by
+    scheduler ticks."""
+    import torch  # not at import: most test modules never load it
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules that say `RUN_EARLY = True` (their tests wait mostly on processes of their own: the README's
     commands, a bare install's, Chromium) run first: pytest-xdist's first worker starts on them while the other takes

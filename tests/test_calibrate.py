@@ -26,14 +26,7 @@ FLOAT = 4
 LAYERS_ONLY = ("--no-links", "--no-runtime", "--no-contention")  # the layers alone: the other probes take seconds
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two OpenMP threads wait on each other's time slices,
-    which makes small timings jump by scheduler ticks."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

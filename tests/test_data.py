@@ -13,13 +13,7 @@ pytest.importorskip("sklearn")
 from pipesim.workload import data  # noqa: E402
 from pipesim.workload.models import build_model  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_digits_split_is_fixed_disjoint_and_stratified():
