@@ -434,6 +434,13 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     return np.lexsort((index, receiving, key, device))
 
 
+def exchange_begins(exchanging: np.ndarray, device: np.ndarray) -> np.ndarray:
+    """Per lowered row (`exchanging`: a SEND or RECV; `device`: each device's rows together), whether it begins an
+    exchange of a runtime whose exchanges block (`exchange_order`): a device's run of SENDs and RECVs between two of
+    its other rows, which it posts together; the simulator's blocking runtime reads the same (sim/engine.py)."""
+    return exchanging & ~np.r_[False, exchanging[:-1] & (device[1:] == device[:-1])]
+
+
 def _waits_forever(kind: np.ndarray, device: np.ndarray, transfer: np.ndarray) -> bool:
     """Whether lowered rows (`kind`, `device`, `transfer` per row, each device's together) whose exchanges block
     (`exchange_order`) wait for each other forever: a device posts an exchange once its exchange before has ended,
@@ -443,7 +450,7 @@ def _waits_forever(kind: np.ndarray, device: np.ndarray, transfer: np.ndarray) -
     rows = np.flatnonzero(exchanging)
     if not len(rows):
         return False
-    begins = np.r_[True, (np.diff(rows) > 1) | (device[rows][1:] != device[rows][:-1])]
+    begins = exchange_begins(exchanging, device)[rows]
     exchange = np.cumsum(begins) - 1  # per transfer row, its exchange
     count = int(exchange[-1]) + 1
     first = np.flatnonzero(begins)

@@ -53,6 +53,7 @@ from ..schedules import (
     validate,
 )
 from ..schedules.lowering import Lowered, lower, preflight
+from ..schedules.passes import exchange_begins
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
 from .costs import (
@@ -489,12 +490,8 @@ def _exchanges(lowered: Lowered, stream: np.ndarray, waiter: np.ndarray) -> tupl
     """A blocking runtime's exchanges (`Lowered.blocking`: each a device's run of SENDs and RECVs between two of its
     other rows, posted together): the SEND rows that meet their receiver's exchange (all but those waiting for a
     collective, issued once it has ended), and per row the first row of its run (its exchange's post)."""
-    exchanging = (stream == Stream.SEND) | (stream == Stream.RECV)
-    n = len(stream)
-    begins = exchanging & ~np.r_[False, exchanging[:-1]]
-    firsts = lowered.bounds[:-1][lowered.bounds[:-1] < n]
-    begins[firsts] = exchanging[firsts]
-    post_row = np.maximum.accumulate(np.where(begins, np.arange(n), 0))
+    begins = exchange_begins((stream == Stream.SEND) | (stream == Stream.RECV), lowered.table.device)
+    post_row = np.maximum.accumulate(np.where(begins, np.arange(len(stream)), 0))
     return np.flatnonzero((stream == Stream.SEND) & ~waiter), post_row
 
 
