@@ -11,11 +11,17 @@ import typer
 from .common import InputError, check_outputs, fail, out_of_memory_line, stdout, writing
 
 
-def _labels(paths: list[Path], traces: list) -> list[str]:
-    """Each trace named by its method and source ("1f1b, measured"), with its file's name where that alone tells
-    two apart (a file's name says nothing of the run: measured.json of 1F1B was titled "measured (measured)")."""
-    labels = [f"{trace.meta.schedule}, {trace.meta.source}" for trace in traces]
-    return [f"{label} ({path.name})" if labels.count(label) > 1 else label for path, label in zip(paths, labels)]
+def _names(paths: list[Path], traces: list) -> list[tuple[str, str]]:
+    """Each trace's label, its method and source ("1f1b, measured"), and the same as a sentence's subject ("the
+    measured 1f1b": the out-of-memory warning read "1f1b, predicted runs out of memory"), each with its file's name
+    where that alone tells two apart (a file's name says nothing of the run: measured.json of 1F1B was titled
+    "measured (measured)")."""
+    named = [(trace.meta.schedule, trace.meta.source) for trace in traces]
+    out = []
+    for path, (schedule, source) in zip(paths, named):
+        file = f" ({path.name})" if named.count((schedule, source)) > 1 else ""
+        out.append((f"{schedule}, {source}{file}", f"the {source} {schedule}{file}"))
+    return out
 
 
 def view(
@@ -39,15 +45,15 @@ def view(
         check_outputs([("--html", out)], [("TRACE", path) for path in traces])  # a file there: a pipesim page
         replaced = out.is_file()
         loaded = [read_trace(path) for path in traces]
-        labels = _labels(traces, loaded)
+        labels, subjects = zip(*_names(traces, loaded))
         views = [(label, [i]) for i, label in enumerate(labels)]
         if len(loaded) > 1:
             views.insert(0, ("all, device by device", list(range(len(loaded)))))
         title = "pipesim: " + (f"{labels[0]}, {shape_text(loaded[0])}" if len(loaded) == 1 else "; ".join(labels))
         checks = [None if t.meta.memory_checks is None else [MemoryCheck.of_record(c) for c in t.meta.memory_checks]
                   for t in loaded]
-        notes = [line for label, device_checks in zip(labels, checks) if device_checks is not None
-                 and (line := out_of_memory_line(label, device_checks)) is not None]
+        notes = [line for subject, device_checks in zip(subjects, checks) if device_checks is not None
+                 and (line := out_of_memory_line(subject, device_checks)) is not None]
         with writing("--html"):
             write_timeline_page(loaded, out, labels=labels, views=views, title=title, notes=notes,
                                 memory_checks=checks)

@@ -544,8 +544,8 @@ def test_view_of_a_saved_trace_draws_each_devices_memory_as_simulates_page_did(t
     assert shown["traces"][0]["memory"]["limits_mib"] == drawn["traces"][0]["memory"]["limits_mib"]
     assert shown["traces"][0]["memory"]["limits_shared"] == [True, True]
     assert all(limit is not None for limit in shown["traces"][0]["memory"]["limits_mib"])
-    assert [note.replace(", predicted", "") for note in shown["notes"]] == drawn["notes"]
-    assert "runs out of memory: devices 0 and 1 share compute gpu0" in shown["notes"][0]
+    assert shown["notes"] == ["the predicted " + note for note in drawn["notes"]]
+    assert shown["notes"][0].startswith("the predicted 1f1b runs out of memory: devices 0 and 1 share compute gpu0")
     doc = json.loads(trace.read_text())
     del doc["pipesim"]["meta"]["memory_checks"]
     trace.write_text(json.dumps(doc))
