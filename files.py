@@ -10,8 +10,10 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import shlex
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +81,51 @@ def is_profile_document(doc: Any) -> bool:
     return isinstance(doc, dict) and {"schema_version", "layers"} <= doc.keys() and not is_trace_document(doc)
 
 
-STUDY_RESULTS = "study's results"  # `document_kind`'s name for study/results.py's StudyFile
+# `document_kind`'s names: the JSON files pipesim writes (a trace, a profile, a study's results) or reads (a
+# cluster file), each as a refusal names one given in another's place
+TRACE, PROFILE, STUDY_RESULTS, CLUSTER = "trace", "profile", "study's results", "cluster file"
+
+
+@dataclass(frozen=True)
+class DocumentKind:
+    """How a refusal (`check_kind`) tells a user what the file given is and what to give instead."""
+
+    reader: str  # the command that reads a file of this kind, {path} where its path goes, and what it does with it
+    wanted: str  # what to give where this kind is wanted
+
+
+DOCUMENT_KINDS = {
+    TRACE: DocumentKind("`pipesim view {path}` draws it",
+                        "a trace that `pipesim run --trace` or `pipesim simulate --trace` wrote"),
+    PROFILE: DocumentKind("`pipesim simulate --profile {path}` reads it",
+                          "a profile that `pipesim calibrate --out` or `pipesim estimate --out` wrote"),
+    STUDY_RESULTS: DocumentKind("`pipesim study --plot-only --results {path}` draws it",
+                                "the --results file `pipesim study` wrote"),
+    CLUSTER: DocumentKind("`pipesim simulate --cluster {path}` reads it",
+                          "a JSON file of devices and links (docs/simulate.md)"),
+}
 
 
 def document_kind(doc: Any) -> str | None:
-    """"trace", "profile" or `STUDY_RESULTS` where a JSON document is a pipesim trace, profile or study's results
-    (its format_version and setting), else None: what a reader of another file (a cluster, a trace, a profile, a
-    study's results) names when given one in the wrong place, not the first field it lacks."""
+    """Which of `DOCUMENT_KINDS` a JSON document is, by its top-level keys, else None: a trace (`is_trace_document`),
+    a profile (`is_profile_document`), a study's results (format_version and setting) or a cluster file (devices)."""
     if is_trace_document(doc):
-        return "trace"
+        return TRACE
     if is_profile_document(doc):
-        return "profile"
-    return STUDY_RESULTS if isinstance(doc, dict) and {"format_version", "setting"} <= doc.keys() else None
+        return PROFILE
+    if isinstance(doc, dict) and {"format_version", "setting"} <= doc.keys():
+        return STUDY_RESULTS
+    return CLUSTER if isinstance(doc, dict) and "devices" in doc else None
+
+
+def check_kind(doc: Any, path: str | Path, wanted: str, error: type[Exception]) -> None:
+    """Raise `error` where the JSON document at `path`, read as a `wanted` (one of `DOCUMENT_KINDS`), is a file of
+    another kind: one line naming what it is, the command that reads it (its path as pasted into a shell) and what
+    to give, not the first field it lacks."""
+    kind = document_kind(doc)
+    if kind is not None and kind != wanted:
+        reader = DOCUMENT_KINDS[kind].reader.format(path=shlex.quote(str(path)))
+        raise error(f"{path} is a pipesim {kind}, not a {wanted}: {reader}; give {DOCUMENT_KINDS[wanted].wanted}")
 
 
 # `is_trace_document`'s keys as a file's bytes hold them: the "traceEvents" list and the "pipesim" header

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from ..choices import choose_from
-from ..files import STUDY_RESULTS, document_kind, first_error, read_json
+from ..files import PROFILE, check_kind, first_error, read_json
 from ..memory_parts import SAVED_PARTS
 from ..units import MAX_BYTES, MAX_MS, MIB, count_text
 from .partition import (
@@ -1191,11 +1191,7 @@ def _shared_steps(profile: Profile, shares: Sequence[float], optimizers: Sequenc
 def load_profile(path: str | Path) -> Profile:
     """Read and check a profile; ProfileError names the file and the first field that is wrong."""
     raw = read_json(path, ProfileError, "profile")
-    kind = document_kind(raw)
-    if kind in ("trace", STUDY_RESULTS):  # else "schema_version: missing (is this a pipesim calibrate profile?)"
-        reader = "`pipesim view` draws it" if kind == "trace" else "`pipesim study --plot-only --results` draws it"
-        raise ProfileError(f"{path} is a pipesim {kind}, not a profile: {reader}; give a profile that "
-                           "`pipesim calibrate --out` or `pipesim estimate --out` wrote")
+    check_kind(raw, path, PROFILE, ProfileError)  # not "schema_version: missing", the first field it lacks
     if isinstance(raw, dict) and "model_type" in raw and "schema_version" not in raw:  # transformers' config.json
         raise ProfileError(f"profile {path}: a Hugging Face model config (model_type {raw['model_type']!r}), not a "
                            f"profile: give it as --model hf:{path} (with --gpu NAME to estimate its costs)")

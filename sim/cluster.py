@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import numpy as np
 
-from ..files import STUDY_RESULTS, document_kind, first_error, read_json
+from ..files import CLUSTER, check_kind, first_error, read_json
 from ..profiles.linkfit import piecewise_ms
 from ..schedules.methods import MAX_ROWS
 from ..traces.metrics import mib_text
@@ -328,12 +328,7 @@ def load_cluster(path: str | Path) -> Cluster:
             return self
 
     raw = read_json(path, ClusterError, "cluster file")
-    kind = document_kind(raw)
-    if kind is not None:  # not "devices: Field required", the first field it lacks
-        reader = {"trace": "`pipesim view` draws it", "profile": "--profile reads it",
-                  STUDY_RESULTS: "`pipesim study --plot-only --results` draws it"}[kind]
-        raise ClusterError(f"cluster file {path}: a pipesim {kind}, not a cluster file ({reader}); give a JSON "
-                           "file of devices and links (docs/simulate.md)")
+    check_kind(raw, path, CLUSTER, ClusterError)  # not "devices: Field required", the first field it lacks
     try:
         spec = ClusterSpec.model_validate(raw)
     except ValidationError as exc:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..files import STUDY_RESULTS, document_kind, first_error, read_json
+from ..files import STUDY_RESULTS, check_kind, first_error, read_json
 from ..traces.trace import write_atomic
 from .plan import Arm, RunKey, Setting
 
@@ -137,10 +137,7 @@ def open_results(path: Path, setting: Setting) -> StudyFile:
 
 def load_results(path: Path) -> StudyFile:
     document = read_json(path, ResultsError, "study results file")
-    kind = document_kind(document)
-    if kind not in (None, STUDY_RESULTS):  # refused as "format_version: Field required"
-        raise ResultsError(f"{path} is a pipesim {kind}, not a study's results: give the --results file "
-                           "`pipesim study` wrote")
+    check_kind(document, path, STUDY_RESULTS, ResultsError)  # not "format_version: Field required"
     try:
         study = StudyFile.model_validate(document)
     except ValidationError as exc:

@@ -86,21 +86,6 @@ def test_gpus_refuses_a_file_that_gives_no_part(tmp_path):
     assert err == f"error: --gpus: {empty}: gives no part ([gpu.NAME]) and no cluster ([cluster.NAME])\n"
 
 
-@pytest.mark.parametrize("kind", ["profile", "trace"])
-def test_a_profile_or_a_trace_given_as_cluster_is_named_for_what_it_is(tmp_path, kind):
-    """Both are JSON beside a cluster file; either was "devices: Field required", the first field it lacks."""
-    if kind == "trace":
-        path = tmp_path / "t.json"
-        assert pipesim("simulate", "-s", "1f1b", "--trace", path)[0] == 0
-    else:
-        path = GPT_CPU
-    code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", path)
-    reader = "`pipesim view` draws it" if kind == "trace" else "--profile reads it"
-    assert (code, out) == (2, "")
-    assert err == (f"error: --cluster: cluster file {path}: a pipesim {kind}, not a cluster file ({reader}); give a "
-                   "JSON file of devices and links (docs/simulate.md)\n")
-
-
 def test_sweep_marks_the_configurations_whose_peak_passes_the_gpus_memory(tmp_path):
     """A sweep on a catalogue GPU put a 1F1B at p = 2 peaking at 108 GiB on the front of an 80 GiB A100 as if it ran
     (simulate says OOM): its results file and its table now say so, as simulate's check has it."""
@@ -122,15 +107,6 @@ def test_sweep_without_a_known_memory_shows_no_memory_column():
     assert code == 0, err
     header = next(line for line in table.splitlines() if line.lstrip().startswith("schedule"))
     assert header.split()[-1] == "staleness" and "OOM" not in table
-
-
-def test_a_profile_given_for_a_studys_results_is_named_a_profile(tmp_path):
-    """It said "format_version: Field required", as a trace did before it was named one."""
-    html = tmp_path / "study.html"
-    code, _, err = pipesim("study", "--plot-only", "--results", GPT_CPU, "--html", html)
-    assert (code, err) == (2, f"error: --results: {GPT_CPU} is a pipesim profile, not a study's results: give the "
-                              "--results file `pipesim study` wrote\n")
-    assert not html.exists()
 
 
 # the repository, where the docs' paths (examples/, traces/) lead

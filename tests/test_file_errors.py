@@ -4,6 +4,7 @@ that named it; never "cannot write" for a file only read, never a traceback."""
 import codecs
 import json
 import re
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -16,6 +17,7 @@ from pipesim.commands.common import InputError, read_error, write_json, writing
 from pipesim.study import results
 from pipesim.traces import trace
 from tests.conftest import pipesim
+from tests.helpers import GPT_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
 TOO_LONG = "a" * 300  # past any file system's 255-byte name: even looking at the path fails (ENAMETOOLONG)
@@ -53,46 +55,57 @@ def test_an_output_under_a_file_says_it_is_a_file_not_a_missing_folder(tmp_path)
     assert (code, err) == (2, f"error: --out: cannot write {out}: {tmp_path / 'notes'} is a file, not a folder\n")
 
 
-@pytest.mark.parametrize("command", ["view", "compare"])
-def test_a_profile_given_for_a_trace_is_named_a_profile(command):
-    profile = "traces/profiles/gpt-cpu.json"  # was "not a Chrome trace: expected an object with a 'traceEvents' list"
-    code, _, err = pipesim(command, ROOT / profile)
-    assert code == 2 and err.startswith(f"error: {ROOT / profile} is a pipesim profile, not a trace: "), err
+# A file of each kind pipesim reads, named as `kind_files` writes it, and what a refusal says of one given in another
+# kind's place: the command that reads it, and what to give instead
+KIND_FILES = {"trace": "t.json", "profile": "p.json", "study's results": "study.json", "cluster file": "cluster.json"}
+READ_BY = {"trace": "`pipesim view t.json` draws it", "profile": "`pipesim simulate --profile p.json` reads it",
+           "study's results": "`pipesim study --plot-only --results study.json` draws it",
+           "cluster file": "`pipesim simulate --cluster cluster.json` reads it"}
+GIVE = {"trace": "a trace that `pipesim run --trace` or `pipesim simulate --trace` wrote",
+        "profile": "a profile that `pipesim calibrate --out` or `pipesim estimate --out` wrote",
+        "study's results": "the --results file `pipesim study` wrote",
+        "cluster file": "a JSON file of devices and links (docs/simulate.md)"}
+# each command reading one of the kinds: its arguments ({} the file) and the flag its errors lead with
+READERS = [(("view", "{}"), "", "trace"), (("compare", "{}", "{}"), "", "trace"),
+           (("simulate", "-s", "1f1b", "--profile", "{}"), "--profile: ", "profile"),
+           (("simulate", "-s", "1f1b", "--cluster", "{}"), "--cluster: ", "cluster file"),
+           (("study", "--plot-only", "--results", "{}"), "--results: ", "study's results")]
 
 
-def test_a_studys_results_given_for_a_trace_or_a_cluster_is_named_one_and_study_still_reads_it(tmp_path, monkeypatch):
-    """`view study.json` (beside study.html) was "not a Chrome trace: expected an object with a 'traceEvents' list"."""
+@pytest.fixture(scope="module")
+def kind_files(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("kinds")
+    assert pipesim("simulate", "-s", "1f1b", "--trace", folder / KIND_FILES["trace"])[0] == 0
+    shutil.copy(GPT_CPU, folder / KIND_FILES["profile"])
+    (folder / KIND_FILES["study's results"]).write_text('{"format_version": 1, "setting": {}, "runs": []}')
+    shutil.copy(ROOT / "examples" / "cluster.json", folder / KIND_FILES["cluster file"])
+    return folder
+
+
+@pytest.mark.parametrize(("args", "flag", "wanted", "kind"), [
+    pytest.param(args, flag, wanted, kind, id=f"{args[0]} {flag}{kind}")
+    for args, flag, wanted in READERS for kind in KIND_FILES if kind != wanted])
+def test_a_file_of_another_kind_is_named_with_the_command_that_reads_it(kind_files, monkeypatch, args, flag, wanted,
+                                                                        kind):
+    """Each reader refuses each other kind in one line, not by the first field it lacks ("not a Chrome trace",
+    "schema_version: missing", "devices: Field required", "format_version: Field required"), and writes nothing."""
+    monkeypatch.chdir(kind_files)
+    name = KIND_FILES[kind]
+    code, out, err = pipesim(*(arg.format(name) for arg in args))
+    assert (code, out, err) == (2, "", f"error: {flag}{name} is a pipesim {kind}, not a {wanted}: {READ_BY[kind]}; "
+                                       f"give {GIVE[wanted]}\n")
+    assert sorted(path.name for path in kind_files.iterdir()) == sorted(KIND_FILES.values())
+
+
+def test_a_studys_results_named_in_a_refusal_is_shell_quoted_and_study_still_reads_it(tmp_path, monkeypatch):
+    """The command a refusal names pastes as one argument ('my study.json' gave two); study reads the file past
+    its kind and says what is wrong with it."""
     monkeypatch.chdir(tmp_path)
-    Path("study.json").write_text('{"format_version": 1, "setting": {}, "runs": []}')
-    for command in ("view", "compare"):
-        code, out, err = pipesim(command, "study.json", *["study.json"] * (command == "compare"))
-        assert (code, out, err) == (2, "", "error: study.json is a pipesim study's results, not a trace: `pipesim "
-                                           "study --plot-only --results study.json` draws it; give a trace that "
-                                           "`pipesim run --trace` or `pipesim simulate --trace` wrote\n")
-    Path("my study.json").write_text(Path("study.json").read_text())  # the command it names, as pasted
+    Path("my study.json").write_text('{"format_version": 1, "setting": {}, "runs": []}')
     assert "`pipesim study --plot-only --results 'my study.json'` draws it" in pipesim("view", "my study.json").err
-    Path("my study.json").unlink()
-    code, _, err = pipesim("simulate", "-s", "1f1b", "--cluster", "study.json")
-    assert (code, err) == (2, "error: --cluster: cluster file study.json: a pipesim study's results, not a cluster "
-                              "file (`pipesim study --plot-only --results` draws it); give a JSON file of devices and "
-                              "links (docs/simulate.md)\n")
-    code, _, err = pipesim("simulate", "-s", "1f1b", "--profile", "study.json")  # was "schema_version: missing"
-    assert (code, err) == (2, "error: --profile: study.json is a pipesim study's results, not a profile: `pipesim "
-                              "study --plot-only --results` draws it; give a profile that `pipesim calibrate --out` "
-                              "or `pipesim estimate --out` wrote\n")
-    code, _, err = pipesim("study", "--plot-only", "--results", "study.json")  # past the kind: its own
-    assert (code, err) == (2, "error: --plot-only: study.json holds no finished run yet\n")
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["study.json"]
-
-
-def test_a_trace_given_for_a_profile_is_named_a_trace(tmp_path, monkeypatch):
-    """The other way round (was "schema_version: missing (is this a pipesim calibrate profile?)")."""
-    monkeypatch.chdir(tmp_path)
-    assert pipesim("simulate", "-s", "1f1b", "--trace", "t.json")[0] == 0
-    code, _, err = pipesim("simulate", "--profile", "t.json", "-s", "1f1b")
-    assert (code, err) == (2, "error: --profile: t.json is a pipesim trace, not a profile: `pipesim view` draws it; "
-                              "give a profile that `pipesim calibrate --out` or `pipesim estimate --out` wrote\n")
-    assert [path.name for path in tmp_path.iterdir()] == ["t.json"]
+    code, _, err = pipesim("study", "--plot-only", "--results", "my study.json")
+    assert (code, err) == (2, "error: --plot-only: my study.json holds no finished run yet\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["my study.json"]
 
 
 def test_a_hugging_face_config_given_for_a_profile_is_named_one_with_the_flag_that_reads_it(tmp_path, monkeypatch):
@@ -103,15 +116,6 @@ def test_a_hugging_face_config_given_for_a_profile_is_named_one_with_the_flag_th
     assert (code, err) == (2, "error: --profile: profile config.json: a Hugging Face model config (model_type "
                               "'llama'), not a profile: give it as --model hf:config.json (with --gpu NAME to "
                               "estimate its costs)\n")
-
-
-def test_a_trace_given_for_a_studys_results_is_named_a_trace(tmp_path, monkeypatch):
-    """`study --plot-only --results run.json` said "format_version: Field required"."""
-    monkeypatch.chdir(tmp_path)
-    assert pipesim("simulate", "-s", "1f1b", "--trace", "t.json")[0] == 0
-    code, _, err = pipesim("study", "--plot-only", "--results", "t.json")
-    assert (code, err) == (2, "error: --results: t.json is a pipesim trace, not a study's results: give the "
-                              "--results file `pipesim study` wrote\n")
 
 
 def test_a_failed_read_the_command_makes_for_itself_is_not_called_a_write(tmp_path, monkeypatch):

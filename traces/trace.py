@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import shlex
 import stat
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
 
-from ..files import STUDY_RESULTS, document_kind, first_error, read_json
+from ..files import TRACE, check_kind, first_error, read_json
 from ..memory_parts import MEMORY_PARTS
 
 SCHEMA_VERSION = 2
@@ -536,12 +535,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     doc = read_json(path, TraceError, "trace")
     if isinstance(doc, dict) and "schemaVersion" in doc and "pipesim" not in doc:  # Kineto's key, torch.profiler's
         raise TraceError(f"{path} is a torch.profiler trace, not pipesim's: {TORCH_PROFILER_READER}")
-    readers = {"profile": "`pipesim simulate --profile` reads it",
-               STUDY_RESULTS: f"`pipesim study --plot-only --results {shlex.quote(str(path))}` draws it"}
-    kind = document_kind(doc)
-    if kind in readers:  # else "not a Chrome trace: expected an object with a 'traceEvents' list"
-        raise TraceError(f"{path} is a pipesim {kind}, not a trace: {readers[kind]}; give a trace that `pipesim run "
-                         "--trace` or `pipesim simulate --trace` wrote")
+    check_kind(doc, path, TRACE, TraceError)  # not "not a Chrome trace: expected an object with a 'traceEvents' list"
     try:
         return from_chrome(doc)
     except TraceError as exc:
