@@ -266,7 +266,7 @@ def tune(
                                  "give the cap")
         problem = Problem(devices // context, memory_cap_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
-                          max_pipelines, budget, zero, memory_part=capped_by)
+                          max_pipelines, budget, zero, memory_part=capped_by, context=context)
         searching = f"searching the configurations of {count_text(len(settings), 'profile')}, best bound first"
         with _working(searching) as report:
             tuning = search(settings, problem, report, workers, pool)
@@ -568,7 +568,6 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
     tensor, context, expert = _estimated_degrees(measured)  # with --gpu, t and E are each row's
-    gpus = problem.devices * context  # a device of the search stands for C context-parallel ranks
     rows = [tuning.choice, *tuning.runners_up, *tuning.excluded]
     # Columns that would hold one value on every row are left out: R (no searched order), P (one pipeline).
     searched = any(row.result.candidate.activation_limit is not None for row in rows)
@@ -578,7 +577,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     estimated = (f"estimated, t, {'sequence parallelism (sp), ' * split}{'E, ' * experts}b and recomputation "
                  f"(recomp; sel: selective) searched where not given; "
                  f"{'E: ranks the routed experts are placed over; ' * experts}MFU: model FLOPs per second over "
-                 f"the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
+                 f"the {problem.gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
     read = (f"{alone}; " if alone else "") + ("MFU: the simulate command below gives the choice's; " if (
         measured.estimate is not None and not work) else "")
     per_stage = f"·{context}" * (context > 1)
@@ -592,7 +591,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                 f"D/(p·{tensor * context}) replicas, {tensor * context} GPUs per stage" if tensor * context > 1 else
                 "D/p replicas") + f", C = {context} context-parallel ranks" * (context > 1) + (
                 f", routed experts over E = {expert} ranks" if expert > 1 and not work else "")
-    table = Table(title=f"{measured.model.name} on {gpus} x {env.device_name} ({env.device}), "
+    table = Table(title=f"{measured.model.name} on {problem.gpus} x {env.device_name} ({env.device}), "
                         f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples"
                         + ("" if work else f" (micro-batch {env.microbatch_size})")
                         + f", staleness <= {problem.max_staleness}",
@@ -611,7 +610,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         c, result = row.result.config, row.result
         same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
         ratio = result.candidate.activation_limit
-        mfu = [percent_text(work[c.microbatch_size].metrics(result.samples_per_s, gpus)['mfu'])] if work else []
+        mfu = [percent_text(work[c.microbatch_size].metrics(result.samples_per_s, problem.gpus)['mfu'])] if work else []
         table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), *[str(c.pipelines)] * shared,
                       *([str(c.tensor), *[_split_text(c)] * split, str(c.replicas), *[str(c.expert)] * experts,
                          str(c.microbatch_size),

@@ -165,6 +165,12 @@ class Problem:
     search_seconds: float | None = None  # auto's search budget (None: its default)
     zero: int = 0  # ZeRO's stage over each candidate's d·C gradient ranks (`Config.zero`)
     memory_part: str | None = None  # the catalogue part whose own memory is the cap (`nothing_fits_text`)
+    context: int = 1  # C: the context-parallel GPUs each of the devices stands for, as the settings' profiles say
+
+    @property
+    def gpus(self) -> int:
+        """D: the GPUs the devices stand for, as --devices gave them."""
+        return self.devices * self.context
 
 
 @dataclass(frozen=True)
@@ -3033,8 +3039,7 @@ def _least_memory(lean: Problem, candidates: list[Candidate], simulated: dict[in
 
 
 def _nothing_fits(least: Result, problem: Problem) -> str:
-    context = int(least.candidate.setting.scenario.measured.estimated_parallelism.get("context", 1))
-    return (f"{nothing_fits_text(problem.memory_cap_bytes, problem.devices * context, problem.memory_part)}; the "
+    return (f"{nothing_fits_text(problem.memory_cap_bytes, problem.gpus, problem.memory_part)}; the "
             f"least memory any needs is {memory_text(least.peak_memory_bytes)} per device ({least.config.label()}, "
             f"m={least.config.microbatches})")
 
