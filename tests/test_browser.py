@@ -694,24 +694,38 @@ def test_a_small_runs_heatmap_runs_its_colours_to_its_own_peak_and_notes_the_mem
         {"axis": "y2", "text": "each device's memory 81,920 MiB (peak 2.8% of it), off this panel's scale"}]
 
 
-# The timeline's drawn figure: each trace's hover template, legend group, hovered figures (customdata, a heatmap's
-# text) and y (z) values, the tick labels of every axis and colour bar, and the title.
-HOVERS_JS = """(() => {
+# The timeline's drawn figure as drawn and once zoomed into the middle third of its time (the page then redraws each
+# device's memory for the range shown): each trace's hover template, legend group, hovered MiB and ms (a line's
+# customdata pairs, a heatmap's text and customdata) beside its y (z) and x values, the tick labels of every axis and
+# colour bar, and the title.
+HOVERS_JS = """(async () => {
   const gd = document.getElementById("timeline"), list = values => (values ? Array.from(values) : null);
   const heatmap = d => d.type === "heatmap";
-  return {traces: gd.data.filter(d => d.hovertemplate).map(d => ({
+  const read = () => ({traces: gd.data.filter(d => d.hovertemplate).map(d => ({
             type: d.type, template: d.hovertemplate, group: d.legendgroup || "",
-            shown: heatmap(d) ? d.text.flat() : list(d.customdata), values: heatmap(d) ? d.z.flat() : list(d.y)})),
-          ticks: [...gd.querySelectorAll("[class$=tick] text")].map(t => t.textContent), title: gd.layout.title.text};
+            mib: heatmap(d) ? d.text.flat() : list(d.customdata).map(pair => pair[0]),
+            ms: heatmap(d) ? d.customdata.flat() : list(d.customdata).map(pair => pair[1]),
+            values: heatmap(d) ? d.z.flat() : list(d.y),
+            times: heatmap(d) ? d.z.flatMap(() => list(d.x)) : list(d.x)})),
+          ticks: [...gd.querySelectorAll("[class$=tick] text")].map(t => t.textContent), title: gd.layout.title.text});
+  const drawn = read(), before = gd.data.map(d => d.x), [x0, x1] = gd._fullLayout.xaxis.range;
+  await Plotly.relayout(gd, {"xaxis.range": [x0 + (x1 - x0) / 3, x1 - (x1 - x0) / 3]});
+  for (let k = 0; k < 600 && gd.data.every((d, j) => d.x === before[j]); k++) {
+    await new Promise(resolve => requestAnimationFrame(() => setTimeout(resolve, 0)));
+  }
+  return {drawn, zoomed: Object.assign(read(), {redrawn: gd.data.some((d, j) => d.x !== before[j])})};
 })()"""
 
 
 @needs_chromium
 def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page(tmp_path):
     """A run of a few KiB: its memory hovered "0.0 MiB" (",.1f") where its bars say "<0.01"; a 2 GiB run's memory
-    axis read "2000" where every figure reads "1,288"; times hovered without separators. Every MiB hovered is
-    `mib_text`'s (a device's line, a part of its stack, a heatmap's cell), every time ",.3f", every tick separated."""
-    from pipesim.traces.view import mib_text
+    axis read "2000" where every figure reads "1,288"; times hovered without separators, then by plotly's ",.3f",
+    which rounds the binary value (1.0005 ms, 1.000499... in binary, "1.000" where the title and the tables write
+    "1.001"); once zoomed, the memory redrawn for the range shown hovered the figures of the points drawn before.
+    Every MiB hovered is `mib_text`'s (a device's line, a part of its stack, a heatmap's cell) and every time
+    `ms_text`'s, as drawn and zoomed; every tick separated."""
+    from pipesim.traces.metrics import mib_text, ms_text
     from tests.conftest import pipesim
 
     big, small, page, heatmap = tmp_path / "big.json", tmp_path / "small.json", tmp_path / "v.html", tmp_path / "h.html"
@@ -725,18 +739,21 @@ def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page
     for path, kind in ((page, "scatter"), (heatmap, "heatmap")):
         v = visit(path, "#test", height=1400, probe=HOVERS_JS)
         assert_healthy(v)
-        below = None  # the top of the stacked part under this one: a part's MiB is its top less that
-        for t in v.probed["traces"]:
-            assert t["type"] == kind and "%{x:,.3f} ms" in t["template"], t
-            values, stacked = t["values"], t["group"].startswith("part ")
-            if stacked and below is not None:
-                values = [top - low for top, low in zip(values, below)]
-            below = t["values"] if stacked else None
-            assert t["shown"] == ["" if mib is None else mib_text(mib) for mib in values], t["template"]
-            shown.update(t["shown"])
-        ticks = [tick.replace("memory ", "") for tick in v.probed["ticks"] if tick[:1].isdigit() or "memory" in tick]
-        assert any("," in tick for tick in ticks) and not any(re.fullmatch(r"\d{4,}|.*k", t) for t in ticks), ticks
-        assert re.search(r"makespan [\d,]+\.\d{3} ms, bubble \d+\.\d%, [\d,]+\.\d{3} ms/step", v.probed["title"])
+        assert v.probed["zoomed"]["redrawn"]
+        for figure in (v.probed["drawn"], v.probed["zoomed"]):
+            below = None  # the top of the stacked part under this one: a part's MiB is its top less that
+            for t in figure["traces"]:
+                assert t["type"] == kind and " ms<extra>" in t["template"] and ":," not in t["template"], t
+                values, stacked = t["values"], t["group"].startswith("part ")
+                if stacked and below is not None:
+                    values = [top - low for top, low in zip(values, below)]
+                below = t["values"] if stacked else None
+                assert t["mib"] == ["" if mib is None else mib_text(mib) for mib in values], t["template"]
+                assert t["ms"] == [ms_text(ms) for ms in t["times"]], t["template"]
+                shown.update(t["mib"])
+            ticks = [tick.replace("memory ", "") for tick in figure["ticks"] if tick[:1].isdigit() or "memory" in tick]
+            assert any("," in tick for tick in ticks) and not any(re.fullmatch(r"\d{4,}|.*k", t) for t in ticks), ticks
+            assert re.search(r"makespan [\d,]+\.\d{3} ms, bubble \d+\.\d%, [\d,]+\.\d{3} ms/step", figure["title"])
     assert {"<0.01", "1,724"} <= shown
 
 

@@ -22,7 +22,7 @@ def rate_text(per_s: float) -> str:
 
 # The pages' units, each written one way (traces/view.py's figures and, in its script, its hovers), beside rate_text.
 MIB_SHOWN = 0.01  # the least the pages write in MiB (two decimals): under it, "<0.01"
-MS_DECIMALS = 3  # ms to the microsecond, a trace's resolution (the script's hover templates' format from it)
+MS_DECIMALS = 3  # ms to the microsecond, a trace's resolution (the script's msText too)
 
 
 def _decimal_text(value: float, decimals: int, sign: str = "") -> str:

@@ -778,10 +778,17 @@ _TIMELINE_JS = r"""
       }
       return row;
     });
-    return {x, y: panel.rows.map(r => r.label), z,
+    const times = x.map(msText);  // each column's time, as every row hovers it
+    return {x, y: panel.rows.map(r => r.label), z, customdata: z.map(() => times),
+            text: z.map(row => row.map(mib => (mib === null ? "" : mibText(mib)))),
             zmax: panel.rows.reduce((most, {member, device}) =>
               b.members[member].memory[device].v.reduce((m, v) => Math.max(m, v), most), 1)};
   }
+  // A memory curve's hovered figures per point, [MiB, ms], written by mibText and msText as the title and the tables
+  // write them: plotly's ",.3f" for the time rounded a tie as toFixed does, the binary value (0.0625 ms "0.062",
+  // where msText and the tables write "0.063"). Rebuilt with the points after a zoom: kept, they named the MiB and
+  // time of the points the curve had before it.
+  function curveHover(t, mib) { return Array.from(mib, (v, k) => [mibText(v), msText(t[k])]); }
 
   // ---- the figure ---------------------------------------------------------------------------------------
   const measure = document.createElement("canvas").getContext("2d");
@@ -804,7 +811,6 @@ _TIMELINE_JS = r"""
   }
   // The units as traces/metrics.py's ms_text, mib_text and percent_text write them, and plotly's formats for them.
   const {mib_shown: MIB_SHOWN, ms_decimals: MS_DECIMALS, tick_format: TICK_FORMAT} = DATA.numbers;
-  const MS_FORMAT = ",." + MS_DECIMALS + "f";  // plotly's (d3's) format of msText's decimals, for the hovers
   function msText(ms) { return fmt(ms, MS_DECIMALS); }
   function mibText(mib) {
     if (mib > 0 && mib < MIB_SHOWN) return "<" + MIB_SHOWN;
@@ -1009,11 +1015,11 @@ _TIMELINE_JS = r"""
         data.push({type: "heatmap", x: grid.x, y: grid.y, z: grid.z, xaxis: "x", yaxis: axis,
                    colorscale: scale.colorscale, zmin: 0, zmax: scale.zmax, name: "memory \u00b7 " + T.label,
                    showscale: true, hoverongaps: false,
-                   text: grid.z.map(row => row.map(mib => (mib === null ? "" : mibText(mib)))),
+                   text: grid.text, customdata: grid.customdata,
                    colorbar: {title: {text: "MiB"}, len: panelPx / plotPx, y: domain[0], yanchor: "bottom",
                               thickness: 12, tickformat: TICK_FORMAT, ...scale.ticks},
                    hovertemplate: "%{y}" + (many ? " \u00b7 " + esc(T.label) : "") +
-                                  ": up to %{text} MiB around %{x:" + MS_FORMAT + "} ms<extra></extra>"});
+                                  ": up to %{text} MiB around %{customdata} ms<extra></extra>"});
         axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "device" : "memory"}, type: "category",
                                    autorange: "reversed", showgrid: false, ticks: "", tickfont: {size: 10}};
       } else {
@@ -1022,13 +1028,13 @@ _TIMELINE_JS = r"""
           const who = T.device_names[parts.device] + (many ? " \u00b7 " + esc(T.label) : "");
           parts.stack.forEach((top, i) => {
             const own = Array.from(top, (v, k) => (i ? v - parts.stack[i - 1][k] : v));
-            data.push({type: "scatter", mode: "lines", x: parts.t, y: top, customdata: own.map(mibText),
+            data.push({type: "scatter", mode: "lines", x: parts.t, y: top, customdata: curveHover(parts.t, own),
                        xaxis: "x", yaxis: axis,
                        name: parts.names[i], legend: "legend2", legendgroup: "part " + parts.names[i],
                        showlegend: !inLegend.has("part " + i), fill: i ? "tonexty" : "tozeroy",
                        fillcolor: parts.colors[i] + "99", line: {color: parts.colors[i], width: 0.5, shape: "hv"},
-                       hovertemplate: parts.names[i] + " of " + who + ": %{customdata} MiB at %{x:" + MS_FORMAT +
-                                      "} ms<extra></extra>"});
+                       hovertemplate: parts.names[i] + " of " + who +
+                                      ": %{customdata[0]} MiB at %{customdata[1]} ms<extra></extra>"});
             inLegend.add("part " + i);
           });
         }
@@ -1038,13 +1044,13 @@ _TIMELINE_JS = r"""
           const mem = T.memory[device];
           const pts = decimate(mem.t, mem.v, 0, xEnd, plotColumns);
           built.memoryTraces.push({member, device, index: data.length, panel: j});
-          data.push({type: "scatter", mode: "lines", x: pts.x, y: pts.y, customdata: Array.from(pts.y, mibText),
+          data.push({type: "scatter", mode: "lines", x: pts.x, y: pts.y, customdata: curveHover(pts.x, pts.y),
                      xaxis: "x", yaxis: axis, name: label,
                      legend: "legend2", legendgroup: "memory " + device, showlegend: !inLegend.has(device),
                      visible: drawnDevices.has(device) ? true : "legendonly",
                      line: {color: palette[device], width: 1.5, shape: "hv"},
                      hovertemplate: label + (many ? " \u00b7 " + esc(T.label) : "") +
-                                    ": %{customdata} MiB at %{x:" + MS_FORMAT + "} ms<extra></extra>"});
+                                    ": %{customdata[0]} MiB at %{customdata[1]} ms<extra></extra>"});
           inLegend.add(device);
         });
         axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "MiB" : "memory (MiB)"},
@@ -1116,20 +1122,20 @@ _TIMELINE_JS = r"""
     const xa = gd._fullLayout && gd._fullLayout.xaxis;
     if (!xa || !xa._length || built !== shownView) return;
     const span = xa.range[1] - xa.range[0], x0 = xa.range[0] - span, x1 = xa.range[1] + span;
-    const columns = 3 * Math.max(100, Math.round(xa._length)), xs = [], ys = [], traces = [];
+    const columns = 3 * Math.max(100, Math.round(xa._length)), xs = [], ys = [], hovers = [], traces = [];
     if (built.drawable > LOD_OPS) {
       const bars = segments(built, x0, x1, columns);
-      built.series.forEach((_, j) => { xs.push(bars.x[j]); ys.push(bars.y[j]); traces.push(j); });
+      built.series.forEach((_, j) => { xs.push(bars.x[j]); ys.push(bars.y[j]); hovers.push(null); traces.push(j); });
     }
     built.memoryTraces.forEach(({member, device, index}) => {
       const mem = built.members[member].memory[device];
       const pts = decimate(mem.t, mem.v, x0, x1, columns);
-      xs.push(pts.x); ys.push(pts.y); traces.push(index);
+      xs.push(pts.x); ys.push(pts.y); hovers.push(curveHover(pts.x, pts.y)); traces.push(index);
     });
-    if (traces.length) await Plotly.restyle(gd, {x: xs, y: ys}, traces);
+    if (traces.length) await Plotly.restyle(gd, {x: xs, y: ys, customdata: hovers}, traces);
     for (const {panel, index} of built.heatmaps) {
       const grid = memoryGrid(built, panel, x0, x1, columns);
-      await Plotly.restyle(gd, {x: [grid.x], z: [grid.z]}, [index]);
+      await Plotly.restyle(gd, {x: [grid.x], z: [grid.z], text: [grid.text], customdata: [grid.customdata]}, [index]);
     }
   }
 
