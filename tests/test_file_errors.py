@@ -97,6 +97,15 @@ def test_a_file_of_another_kind_is_named_with_the_command_that_reads_it(kind_fil
     assert sorted(path.name for path in kind_files.iterdir()) == sorted(KIND_FILES.values())
 
 
+def test_a_compare_report_is_no_cluster_file():
+    """`pipesim compare --json` writes a "devices" list as a cluster file has one; view and --profile called the
+    report a cluster file and sent the user to `simulate --cluster`, which refuses it."""
+    report = ROOT / "traces" / "measured" / "gpu-check-h200-day9" / "compare-1f1b.json"
+    for args in (("view", report), ("simulate", "-s", "1f1b", "--profile", report)):
+        code, out, err = pipesim(*args)
+        assert (code, out) == (2, "") and "cluster" not in err, err
+
+
 def test_a_studys_results_named_in_a_refusal_is_shell_quoted_and_study_still_reads_it(tmp_path, monkeypatch):
     """The command a refusal names pastes as one argument ('my study.json' gave two); study reads the file past
     its kind and says what is wrong with it."""
