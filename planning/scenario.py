@@ -520,11 +520,13 @@ class Scenario:
             for k, c in enumerate(costs.stages)))
 
     def _shares_gpu(self, sched: Schedule) -> bool:
-        """Whether the schedule's ranks share GPUs on this scenario's cluster (its compute resources: `--cluster`,
-        or a measured run's placement, planning/replay.py), which picks the timing of the profile's passes
-        (`StagePasses.issued`); asked only where the profile timed them both ways."""
-        return (any(stage.passes is not None and stage.passes.idle is not None for stage in self.measured.stages)
-                and self.links(sched).shares_compute(sched.num_devices))
+        """Whether the schedule's ranks share GPUs on this scenario's cluster, which picks the timing of the
+        profile's passes (`StagePasses.issued`). Only a topology (`--cluster`'s compute resources, or a measured
+        run's placement, planning/replay.py) puts two ranks on one GPU; the clusters `links` builds from a profile's
+        link or --comm give each rank its own, so none is built here, once for each of a search's costings."""
+        return (self.topology is not None
+                and any(stage.passes is not None and stage.passes.idle is not None for stage in self.measured.stages)
+                and self.topology.shares_compute(sched.num_devices))
 
     def _per_stage(self, flag: str, given: list[float], sched: Schedule, share: list[float]) -> list[float]:
         """One flag's values, one per model stage; CostError names the flag and the lengths allowed."""
