@@ -45,6 +45,7 @@ from ..schedules import (
     KIND_CODE,
     KINDS,
     NUM_COMPUTE_KINDS,
+    PASS_COLLECTIVE_KINDS,
     ActionTable,
     Kind,
     Schedule,
@@ -162,7 +163,8 @@ class _Program:
     # begins, after the one before it on the lane has ended (its busy ps) and once its row has issued it (the
     # clock it waits for), or, a collective whose members are rows of several devices, once the last of them has
     # (its meeting's clock); after the lanes, a join per device whose rows wait for collectives on more than one
-    # lane, then a meeting per lane whose collectives have members on other devices (`_Joins`, `_meetings`).
+    # lane, then a meeting per lane whose collectives have members on other devices (`_Joins`, `_meetings`), then
+    # where exchanges block the posts of those after a pass's collectives and their steps' waits (`_exchange_posts`).
     collective_rows: np.ndarray  # the collective rows, in program order
     # Per collective row: the index in `_Model.clocks` of its lane's clock at its begin, moved on by how much longer
     # than alone it took on its host's shared cores (`_Model.network_stretch_ps`), so that it ends its network time
@@ -175,8 +177,9 @@ class _Program:
     # it arrives (-1: its SEND step finds that out when it runs).
     send_clock: np.ndarray | None
     send_to_arrival_ps: np.ndarray | None
-    # Per transfer id, where nothing is timed and exchanges block: the index in `_Model.clocks` of the clock before
-    # its receiver's exchange and how long after that clock it arrives from there (None: it arrives from its send).
+    # Per transfer id, where nothing is timed and exchanges block: the index in `_Model.clocks` of the clock its
+    # receiver's exchange is posted from and how long after that clock it arrives from there (None: it arrives from
+    # its send).
     receiver_clock: np.ndarray | None
     receiver_to_arrival_ps: np.ndarray | None
     compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
@@ -353,22 +356,10 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     send_to_arrival[xids] = np.where(own_step, -1 if timed else np.where(waiter[send_rows] & cluster.overlap_comm,
                                                                          transfer_ps[xids], 0),
                                      since_ps[send_rows] + transfer_ps[xids])
-    meeting = np.zeros(0, dtype=np.int64)  # blocking: the SENDs that wait for their receiver's exchange (below)
-    if not cluster.overlap_comm:
-        meeting, post_row = _exchanges(lowered, stream, waiter)
-        met = lowered.transfer[meeting]
-        receiver_post = post_row[_receive_rows(lowered, stream, len(transfer_ps))[met]]
-        receiver_clock = np.zeros(len(transfer_ps), dtype=np.int64)
-        receiver_ps = np.zeros(len(transfer_ps), dtype=np.int64)
-        receiver_clock[met] = clock_before[receiver_post]
-        receiver_ps[met] = since_ps[receiver_post] + (0 if timed else transfer_ps[met])
-        if not timed:
-            send_clock[met] = clock_before[post_row[meeting]]
-            send_to_arrival[met] = since_ps[post_row[meeting]] + transfer_ps[met]
 
-    # Per step: the clock it waits for and how long after it. A RECV waits for its SEND's clock (blocking, where
-    # nothing is timed, the SEND's post: `_exchanges`); a blocking SEND for its receiver's post; anything else for
-    # its device's start (nothing).
+    # Per step: the clock it waits for and how long after it. A RECV waits for its SEND's clock; a row that needs
+    # collectives for them; a blocking exchange's steps for its posts (below); anything else for its device's start
+    # (nothing).
     step_stream = stream[step_rows]
     step_device = device[step_rows]
     operand = lowered.transfer[step_rows].astype(np.int64)  # a compute step's holds its duration in ps
@@ -379,25 +370,6 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     receiving = np.flatnonzero(step_stream == Stream.RECV)
     waits_for[receiving] = send_clock[operand[receiving]]
     after[receiving] = send_to_arrival[operand[receiving]]
-    if len(meeting):
-        # A blocking exchange (Megatron-core's batched point-to-point, waited whole): a device posts the SENDs and
-        # RECVs between two of its other rows together and goes on once all have ended, each transfer moving once
-        # both its ends have posted (an NCCL send waits for its receive), from the later post. Where nothing is
-        # timed, each end works that out from its own post and the other's: a step waits for the other's post plus
-        # the transfer, and the exchange's first step adds its longest transfer to its own post. Where timed, a
-        # SEND is issued at the later post (`_Model`), one after the first of its exchange (`_BESIDE`) at its
-        # exchange's post too, not after the SEND before it.
-        sending = np.searchsorted(step_rows, meeting)
-        waits_for[sending] = receiver_clock[operand[sending]]
-        after[sending] = receiver_ps[operand[sending]]
-        if timed:
-            step_stream[sending[post_row[meeting] != meeting]] = _BESIDE
-        else:
-            exchanging = np.flatnonzero((step_stream == Stream.SEND) | (step_stream == Stream.RECV))
-            posts = post_row[step_rows[exchanging]]
-            begins = np.flatnonzero(np.r_[True, posts[1:] != posts[:-1]])
-            longest_ps = np.maximum.reduceat(transfer_ps[operand[exchanging]], begins) if len(begins) else begins
-            pre[exchanging[begins]] += longest_ps
     # A collective's lane: step j begins when its row has issued it and the lane's step before has ended.
     collective_rows = np.flatnonzero(stream == Stream.NETWORK)
     # Of a collective's network time, the part its pass's compute covers (a ring's exchanges, each under the
@@ -441,13 +413,11 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     lane_waits_for = clock_before[collective_rows[by_lane]] + 1  # the clock after the collective row's own step
     # A row that needs collectives' results waits for each one's lane clock at its begin plus its network time: for
     # the last where they run on one lane (which runs them in order), else for its join's clock (`_joins`).
-    waiting = np.flatnonzero(waiter[step_rows])
+    waiting = np.flatnonzero(waiter[step_rows] & (cluster.overlap_comm | (step_stream != Stream.SEND)))  # blocking:
+    # a SEND's exchange is posted once they have ended (`_exchange_posts`)
     awaited = np.searchsorted(collective_rows, lowered.awaits[step_rows[waiting]])
     waits_for[waiting] = collective_clock[awaited]
     after[waiting] = collective_ps[awaited]
-    if not (timed or cluster.overlap_comm):  # a blocking SEND that waited for a collective: its transfer after it
-        waiting_sends = waiting[step_stream[waiting] == Stream.SEND]
-        after[waiting_sends] += transfer_ps[operand[waiting_sends]]
     first_join_clock = first_clock + len(lane) + len(lane_keys)  # the joins' clocks follow the lanes'
     joined, joins = _joins(np.searchsorted(collective_rows, lowered.awaits_first[step_rows[waiting]]), awaited,
                            row_lane, step_device[waiting], collective_clock, collective_ps, first_join_clock)
@@ -460,24 +430,79 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     met, meetings = _meeting_lists(_meetings(lowered, collective_rows)[by_lane], lane, lane_waits_for,
                                    first_meeting_clock)
     lane_waits_for[met] = meetings.clock
+    lists = [(joins, first_join_clock), (meetings, first_meeting_clock)]  # clock lists: each with its first clock
+    receiver_clock = receiver_ps = None
+    if not cluster.overlap_comm:
+        # A blocking exchange (Megatron-core's batched point-to-point, waited whole): a device posts the SENDs and
+        # RECVs between two of its other rows together and goes on once all have ended, each transfer moving once
+        # both its ends have posted (an NCCL send waits for its receive), from the later post (`_exchange_posts`).
+        # Where nothing is timed, each end works that out from its own post and the other's: a step waits for the
+        # other's post plus the transfer, and the exchange's first step adds its longest transfer to its own post.
+        # Where timed, a SEND is issued at the later post (`_Model`), one after the first of its exchange
+        # (`_BESIDE`) at its exchange's post too, not after the SEND before it. A step of an exchange posted once a
+        # pass's collectives have ended, which its device's clock may not have reached, waits for both posts (where
+        # timed, its SENDs: a RECV waits for the arrival its SEND found), a clock list of two steps.
+        first_post_clock = first_meeting_clock + meetings.num_clocks
+        posts = _exchange_posts(lowered, stream, clock_before, since_ps, collective_rows, collective_clock,
+                                collective_ps, first_post_clock)
+        receives = _receive_rows(lowered, stream, len(transfer_ps))[xids]
+        receiver_clock, receiver_ps = (np.zeros(len(transfer_ps), dtype=np.int64) for _ in range(2))
+        receiver_clock[xids], receiver_ps[xids] = posts.at(receives)
+        if not timed:
+            receiver_ps[xids] += transfer_ps[xids]
+            send_clock[xids], send_to_arrival[xids] = posts.at(send_rows)
+            send_to_arrival[xids] += transfer_ps[xids]
+            waits_for[receiving] = send_clock[operand[receiving]]
+            after[receiving] = send_to_arrival[operand[receiving]]
+        exchanging = np.flatnonzero((step_stream == Stream.SEND) | (step_stream == Stream.RECV))
+        exchange = posts.exchange[step_rows[exchanging]]
+        sending = exchanging[step_stream[exchanging] == Stream.SEND]
+        waits_for[sending] = receiver_clock[operand[sending]]
+        after[sending] = receiver_ps[operand[sending]]
+        begins = np.flatnonzero(np.r_[True, exchange[1:] != exchange[:-1]])
+        if timed:
+            step_stream[sending[posts.first[posts.exchange[step_rows[sending]]] != step_rows[sending]]] = _BESIDE
+        else:
+            longest_ps = np.maximum.reduceat(transfer_ps[operand[exchanging]], begins) if len(begins) else begins
+            pre[exchanging[begins]] += longest_ps
+        # (a list per device and place in an exchange: its clock after a step is the latest of the list's steps so
+        # far, which an earlier exchange's, ended before this one was posted, leaves as it is)
+        joins_at = np.flatnonzero(posts.after_collectives[exchange] & ((step_stream[exchanging] != Stream.RECV)
+                                                                       | (not timed)))
+        place = joins_at - np.repeat(begins, np.diff(np.r_[begins, len(exchanging)]))[joins_at]
+        joining = exchanging[joins_at]
+        by_list = np.lexsort((joining, place, step_device[joining]))
+        joining = joining[by_list]
+        own_clock, _ = posts.at(step_rows[joining])
+        own_ps = np.zeros(len(joining), dtype=np.int64) if timed else transfer_ps[operand[joining]]
+        waits = _clock_lists(np.repeat(np.arange(len(joining)), 2), np.c_[own_clock, waits_for[joining]].ravel(),
+                             np.c_[own_ps, after[joining]].ravel(),
+                             step_device[joining] * (int(place.max(initial=0)) + 1) + place[by_list],
+                             first_post_clock + posts.lists.num_clocks)
+        waits_for[joining], after[joining] = waits.clock, 0
+        lists += [(posts.lists, first_post_clock), (waits, first_post_clock + posts.lists.num_clocks)]
     lane_columns = (lane_busy, np.full(len(lane), int(Stream.NETWORK)), np.zeros(len(lane), dtype=np.int64),
                     lane_waits_for, np.zeros(len(lane), dtype=np.int64))
     columns = (pre, step_stream, operand, waits_for, after)
-    if len(lane):  # the lanes', joins' and meetings' steps after the devices', in the same columns
-        columns = tuple(np.concatenate(parts) for parts in zip(columns, lane_columns, joins.columns(),
-                                                                meetings.columns()))
+    if len(lane) or any(len(joined.waits_for) for joined, _ in lists):  # the lanes' and lists' steps after the
+        columns = tuple(np.concatenate(parts) for parts in zip(  # devices', in the same columns
+            columns, lane_columns, *(joined.columns() for joined, _ in lists)))
     lane_bounds = np.r_[lane_starts, len(lane)]
-    joins_from = len(step_rows) + len(lane)
-    step_offsets = np.r_[step_bounds, len(step_rows) + lane_bounds[1:], joins_from + joins.bounds[1:],
-                         joins_from + len(joins.waits_for) + meetings.bounds[1:]]
+    step_offsets, start_clocks = [step_bounds, len(step_rows) + lane_bounds[1:]], [start_clock]
+    start_clocks.append(first_clock + lane_bounds[:-1] + np.arange(len(lane_keys)))
+    list_from = len(step_rows) + len(lane)
+    for joined, first_list_clock in lists:
+        step_offsets.append(list_from + joined.bounds[1:])
+        list_from += len(joined.waits_for)
+        start_clocks.append(joined.start_clocks(first_list_clock))
+    step_offsets, start_clock = np.concatenate(step_offsets), np.concatenate(start_clocks)
     steps = [tuple(c[lo:hi] for c in columns) for lo, hi in itertools.pairwise(step_offsets.tolist())]
-    start_clock = np.r_[start_clock, first_clock + lane_bounds[:-1] + np.arange(len(lane_keys)),
-                        joins.start_clocks(first_join_clock), meetings.start_clocks(first_meeting_clock)]
-    no_unit = [None] * (len(lane_keys) + len(joins.bounds) - 1 + len(meetings.bounds) - 1)
+    no_unit = [None] * (len(start_clock) - num_devices)
+    last_list, last_list_clock = lists[-1]
     return _Program(lowered, stream, steps, columns, step_offsets, step_rows, step_bounds, start_clock,
-                    collective_rows, collective_clock, collective_ps, first_meeting_clock + meetings.num_clocks,
+                    collective_rows, collective_clock, collective_ps, last_list_clock + last_list.num_clocks,
                     timed, send_clock, send_to_arrival,
-                    *((None, None) if timed or not len(meeting) else (receiver_clock, receiver_ps)),
+                    *((None, None) if timed else (receiver_clock, receiver_ps)),
                     compute_unit + no_unit, host_unit + no_unit,
                     cluster.contention, cluster.collective_contention, clock_before, since_ps, duration,
                     channel_ps.tolist(), routes,
@@ -486,13 +511,58 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     if costs.transfers_hold_products else [])
 
 
-def _exchanges(lowered: Lowered, stream: np.ndarray, waiter: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class _Posts:
+    """A blocking runtime's exchanges (`_exchange_posts`): per row, `exchange`, the index of its exchange (on its
+    SENDs and RECVs); per exchange, its `first` row, the clock it is posted at (`clock`, an index in
+    `_Model.clocks`) and how long after that clock (`after_ps`), and whether it is posted once a pass's collectives
+    have ended (`after_collectives`); the clock lists those posts are (`lists`)."""
+
+    exchange: np.ndarray
+    first: np.ndarray
+    clock: np.ndarray
+    after_ps: np.ndarray
+    after_collectives: np.ndarray
+    lists: _Joins
+
+    def at(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The post clock and the ps after it of the exchange of each of `rows`."""
+        exchange = self.exchange[rows]
+        return self.clock[exchange], self.after_ps[exchange]
+
+
+def _exchange_posts(lowered: Lowered, stream: np.ndarray, clock_before: np.ndarray, since_ps: np.ndarray,
+                    collective_rows: np.ndarray, collective_clock: np.ndarray, collective_ps: np.ndarray,
+                    first_clock: int) -> _Posts:
     """A blocking runtime's exchanges (`Lowered.blocking`: each a device's run of SENDs and RECVs between two of its
-    other rows, posted together): the SEND rows that meet their receiver's exchange (all but those waiting for a
-    collective, issued once it has ended), and per row the first row of its run (its exchange's post)."""
-    begins = exchange_begins((stream == Stream.SEND) | (stream == Stream.RECV), lowered.table.device)
-    post_row = np.maximum.accumulate(np.where(begins, np.arange(len(stream)), 0))
-    return np.flatnonzero((stream == Stream.SEND) & ~waiter), post_row
+    other rows, posted together) and when each is posted (`_Posts`): at its first row, or, right after a pass's
+    collectives (its all-to-alls, its ring: the rows `Lowered.awaits` names), once they have all ended too, as the
+    runtime posts it once the pass, its collectives with it, has returned and its SENDs' data is there
+    (Megatron-core's schedules call `_communicate` once `forward_step` or `backward_step` has returned, its MoE layers'
+    all-to-alls and TransformerEngine's context-parallel ring inside it): a clock list per device, each such
+    exchange's steps the clock at its first row and each collective's end (their clocks from `first_clock` on)."""
+    t = lowered.table
+    n = len(stream)
+    begins = exchange_begins((stream == Stream.SEND) | (stream == Stream.RECV), t.device)
+    exchange = np.cumsum(begins) - 1
+    first = np.flatnonzero(begins)
+    run = kind_mask(t.kind, *PASS_COLLECTIVE_KINDS)
+    run_first = np.maximum.accumulate(np.where(run & ~np.r_[False, run[:-1]], np.arange(n), 0))
+    before = np.maximum(first - 1, 0)
+    after_collectives = (first > 0) & run[before] & (t.device[before] == t.device[first])
+    following = first[after_collectives]
+    lo = np.searchsorted(collective_rows, run_first[following - 1])
+    size = np.searchsorted(collective_rows, following) - lo + 1  # its first row's clock, then its collectives'
+    owner = np.repeat(np.arange(len(following)), size)
+    member = np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size)
+    collective = np.maximum(lo[owner] + member - 1, 0)
+    own = member == 0
+    lists = _clock_lists(owner, np.where(own, clock_before[following[owner]], collective_clock[collective]),
+                         np.where(own, since_ps[following[owner]], collective_ps[collective]),
+                         t.device[following], first_clock)
+    clock, after_ps = clock_before[first], since_ps[first]
+    clock[after_collectives], after_ps[after_collectives] = lists.clock, 0
+    return _Posts(exchange, first, clock, after_ps, after_collectives, lists)
 
 
 def _receive_rows(lowered: Lowered, stream: np.ndarray, transfers: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Blocking exchanges (`--blocking-comm`): a device posts the SENDs and RECVs between two of its other rows together
 and waits for them whole, and a SEND moves once its receiver has posted the RECV (schedules/passes.py
-`exchange_order`, sim/engine.py `_exchanges`)."""
+`exchange_order`, sim/engine.py `_exchange_posts`)."""
 
 from dataclasses import replace
 
@@ -16,10 +16,23 @@ from pipesim.traces import summarize
 from tests.conftest import build
 
 
-def _schedule(name, p):
+def _schedule(name, p, **params):
     """`name` at p devices (graphpipe's 4 at least), 4p micro-batches, 2 mini-batches, interleaved with v = 2."""
     chunks = 2 if name == "interleaved-1f1b" else None
-    return build(name, max(p, 4) if name == "graphpipe" else p, 4 * p, 2, chunks=chunks)
+    return build(name, max(p, 4) if name == "graphpipe" else p, 4 * p, 2, chunks=chunks, **params)
+
+
+def _collective_costs(schedule, **costs):
+    """F 1 ms, B 2, 1 MB outputs; each all-to-all and ring 0.3 ms on the network (what the schedule has of them)."""
+    per_stage = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, output_mb=1.0, **costs)
+    return replace(per_stage, stages=tuple(replace(c, all_to_all_fwd_ms=0.3, all_to_all_bwd_ms=0.3, ring_fwd_ms=0.3,
+                                                   ring_bwd_ms=0.3) for c in per_stage.stages))
+
+
+# A pass's collectives (all-to-alls of expert parallelism, the ring of context parallelism) right before its sends
+COLLECTIVE_CASES = [("1f1b", 2, {"expert_parallel": 2}), ("1f1b", 4, {"context_parallel": 2}),
+                    ("interleaved-1f1b", 2, {"expert_parallel": 2}), ("interleaved-1f1b", 4, {"context_parallel": 2}),
+                    ("zb-v", 2, {"expert_parallel": 2, "context_parallel": 2})]
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -90,13 +103,15 @@ def test_orders_whose_exchanges_as_lowered_wait_forever_move_sends_to_their_rece
     assert np.all(b.device[made[sends]] == b.device[sends])  # each after a row of its own device
 
 
+@pytest.mark.parametrize("params", [{}, {"expert_parallel": 2, "context_parallel": 2}])
 @pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-v", "avgpipe"])
-def test_the_timed_run_waits_as_the_untimed_one(name):
+def test_the_timed_run_waits_as_the_untimed_one(name, params):
     """Where transfers hold the compute or links queue, the run is timed (`_Model.timed_coroutine`), and an exchange's
     SENDs after its first (`_BESIDE`) are issued at its post as the untimed run prices them, not after the SEND before
-    them: with no link taken by two transfers at once, both give one timeline."""
-    schedule = _schedule(name, 4)
-    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, output_mb=1.0)
+    them, an exchange after a pass's collectives once they have ended: with no link taken by two transfers at once,
+    both give one timeline."""
+    schedule = _schedule(name, 4, **params)
+    costs = _collective_costs(schedule)
     devices = range(schedule.num_devices)
     plain = {(a, b): Link(latency_ms=0.5) for a in devices for b in devices if a != b}
     queued = {(a, b): Link(latency_ms=0.5, resource=f"{a}->{b}") for a in devices for b in devices if a != b}
@@ -106,6 +121,55 @@ def test_the_timed_run_waits_as_the_untimed_one(name):
                            Cluster(len(devices), links=plain, overlap_comm=False))):
         assert np.array_equal(timed.ops.start_us, untimed.ops.start_us)
         assert np.array_equal(timed.ops.end_us, untimed.ops.end_us)
+
+
+def _posts_ms(ops):
+    """Per row of a trace's ops (each device's rows together, in its order), where a SEND or RECV: when its
+    exchange was posted, the end of its device's last other row before it (0: none)."""
+    transfer = np.isin(ops.kind, [KINDS.index(k) for k in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B)])
+    ended = np.where(transfer, 0.0, ops.end_us)
+    first = np.r_[True, ops.device[1:] != ops.device[:-1]]
+    posts = np.zeros(len(ended))
+    for lo, hi in zip(np.flatnonzero(first), np.r_[np.flatnonzero(first)[1:], len(ended)]):
+        posts[lo:hi] = np.maximum.accumulate(np.r_[0.0, ended[lo:hi - 1]])
+    return posts
+
+
+@pytest.mark.parametrize(("name", "p", "params"), COLLECTIVE_CASES)
+def test_a_send_after_its_passs_collectives_moves_once_its_receiver_has_posted(name, p, params):
+    """A pass's outputs are sent once its collectives have ended, and a blocking SEND moves once its receiver has
+    posted too: the receiver's exchange is posted once the device's rows before it have ended (a pass's
+    collectives among them), and a transfer starts at neither end's post before it."""
+    schedule = _schedule(name, p, **params)
+    ops = simulate(schedule, _collective_costs(schedule), Cluster.uniform(schedule.num_devices, 0.5,
+                                                                          overlap_comm=False)).ops
+    kind = np.array([KINDS[k].value for k in ops.kind])
+    after_collective = np.r_[False, np.char.startswith(kind[:-1], "A2A") | np.char.startswith(kind[:-1], "RING")]
+    sends = np.flatnonzero(np.char.startswith(kind, "SEND"))
+    assert after_collective[sends].any()
+    receive_of = {(k[5:], s, q, mb, n, pp): i for i, (k, s, q, mb, n, pp) in enumerate(zip(
+        kind, ops.stage, ops.peer, ops.microbatch, ops.minibatch, ops.pipeline)) if k.startswith("RECV")}
+    receives = [receive_of[kind[i][5:], ops.peer[i], ops.stage[i], ops.microbatch[i], ops.minibatch[i],
+                           ops.pipeline[i]] for i in sends]
+    posts = _posts_ms(ops)
+    assert np.all(ops.start_us[sends] >= np.maximum(posts[sends], posts[receives]) - 1e-6)  # (µs of whole ps)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h2", "zb-v", "dualpipev", "spectrain"])
+@pytest.mark.parametrize("params", [{"expert_parallel": 2}, {"context_parallel": 2}])
+def test_the_run_waits_forever_where_the_exchanges_order_does_beside_collectives(monkeypatch, name, params):
+    """Run in the order as lowered (each SEND after its pass and its collectives), blocking exchanges wait forever
+    exactly where `_waits_forever` says: the run refuses those orders and runs the others to their end."""
+    monkeypatch.setattr(lowering, "exchange_order", lambda schedule, t, *_: np.arange(len(t.kind)))
+    schedule = _schedule(name, 2, **params)
+    natural = lower(schedule)
+    forever = _waits_forever(natural.table.kind, natural.table.device, natural.transfer)
+    try:
+        simulate(schedule, _collective_costs(schedule), Cluster.uniform(2, 0.5, overlap_comm=False))
+    except SimulationError:
+        assert forever
+    else:
+        assert not forever
 
 
 def test_exchanges_that_wait_for_each_other_are_refused_in_one_line(monkeypatch):
