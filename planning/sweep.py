@@ -441,11 +441,9 @@ STALENESS_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "star")  # st
 # A configuration past a device's memory, ringed over its point (its schedule's colour and its symbol kept): the
 # hover alone said so, and an OOM configuration led its front's time axis looking like any other.
 OOM_NAME, OOM_RING = "OOM: past a device's memory", "#000000"  # black: D3's red is a schedule's
-# Where plotly's mode bar ends under a figure's top (23 px high, 2 px down): the trade-off's title starts under
-# it, as does the fronts' table (at 800 px the title ran under its icons, and at the page's width the table's ran
-# over the "bubble" header). A title's text starts 15 px above its top pad: 20 px more leaves it 5 px clear.
-MODEBAR_PX = 25
-TITLE_PAD_PX = MODEBAR_PX + 20
+# A title's text starts 15 px above its top pad: the mode bar's bottom and 20 px more leave the trade-off's title
+# 5 px under it (at 800 px it ran under its icons).
+TITLE_UNDER_MODEBAR_PX = 20
 
 
 def _group_name(key: tuple[int, float, int]) -> str:
@@ -462,7 +460,7 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     import plotly.graph_objects as go
     from plotly.colors import qualitative
 
-    from ..traces.view import TICK_FORMAT
+    from ..traces.view import MODEBAR_BOTTOM_PX, TICK_FORMAT
 
     on_front = set(front)
     ran = [i for i, r in enumerate(results) if r.metrics is not None]
@@ -548,7 +546,7 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
         xaxis_title="time per mini-batch (ms)", yaxis_title="peak memory per device (MiB)", template="plotly_white",
         xaxis_tickformat=TICK_FORMAT, yaxis_tickformat=TICK_FORMAT,
         height=650, margin={"t": 130}, legend={"title": {"text": "schedule"}},
-        title={"y": 1, "yanchor": "top", "pad": {"t": TITLE_PAD_PX}})
+        title={"y": 1, "yanchor": "top", "pad": {"t": MODEBAR_BOTTOM_PX + TITLE_UNDER_MODEBAR_PX}})
     if views:  # the first group, as its button would show it
         _, traces, layout = views[0]
         fig.update(data=[{"visible": v, "showlegend": legend} for v, legend in zip(*traces.values())])
@@ -572,6 +570,8 @@ def fronts_table(best: Sequence[Result]):
     (plotly's cell formats have no rule of three significant digits, nor "<0.01")."""
     import plotly.graph_objects as go
 
+    from ..traces.view import MODEBAR_BOTTOM_PX
+
     def axis(name: str, text: Callable[[float], str] = str) -> list[str]:
         return [text(getattr(r.metrics, name)) for r in best]
 
@@ -588,7 +588,7 @@ def fronts_table(best: Sequence[Result]):
     table = go.Figure(go.Table(
         columnwidth=[3, 1.2] + [1] * (len(columns) - 2), header={"values": list(columns), "align": "left"},
         cells={"values": list(columns.values()), "align": "left", "height": 26}))
-    top_px = MODEBAR_PX + 5
+    top_px = MODEBAR_BOTTOM_PX + 5  # (at the page's width, the mode bar ran over the "bubble" header)
     table.update_layout(height=top_px + 70 + 26 * (len(best) + 1), margin={"t": top_px, "b": 10, "l": 0, "r": 0})
     return table
 

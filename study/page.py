@@ -13,7 +13,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from ..traces.metrics import percent_text, rate_text
-from ..traces.view import TICK_FORMAT, log_ticks, write_html
+from ..traces.view import MODEBAR_BOTTOM_PX, TICK_FORMAT, log_ticks, write_html
 from .results import ArmSummary
 
 _PALETTE = qualitative.D3 + qualitative.Set2
@@ -27,6 +27,10 @@ def _colours(summaries: Sequence[ArmSummary]) -> dict[str, str]:
 
 LEGEND_ROW_PX, LEGEND_ROW_ARMS = 24, 4  # a row of the legend under a chart, and the arms it holds at 1000 px or so
 AXIS_TITLE_PX = 56  # from a chart's plot down past its x axis' labels and title, where a legend under it starts
+# A chart's plot starts this far under the mode bar, or LINE_OVER_PX where a line of text stands over it (the loss
+# panels' titles, the accuracy's note): at 20 px from the top, the mode bar lay over the accuracy chart's top markers,
+# and at 800 px it touched the Adam panel's title.
+UNDER_MODEBAR_PX, LINE_OVER_PX = 5, 20
 
 
 def _legend_below(fig: go.Figure, arms: int, plot_px: int, margin: dict[str, int]) -> None:
@@ -137,7 +141,7 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
         entry = next((t for t in drawn if t.mode == "lines"), drawn[0] if drawn else None)
         if entry is not None:
             entry.update(showlegend=True, legendrank=rank)
-    _legend_below(fig, len(colours), 390, {"t": 40, "l": 70, "r": 20})
+    _legend_below(fig, len(colours), 390, {"t": MODEBAR_BOTTOM_PX + LINE_OVER_PX, "l": 70, "r": 20})
     return fig
 
 
@@ -205,11 +209,11 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
         fig.add_annotation(text="no accuracy, every seed diverged: " + ", ".join(lost), xref="paper", yref="paper",
                            x=0, y=1, xanchor="left", yanchor="bottom", yshift=4, showarrow=False,
                            font={"size": 11, "color": "#c0392b"})
-    margin = {"t": 40 if lost else 20, "l": 70, "r": 20}
+    margin = {"t": MODEBAR_BOTTOM_PX + (LINE_OVER_PX if lost else UNDER_MODEBAR_PX), "l": 70, "r": 20}
     if timed:
         _legend_below(fig, len(shown), 390, margin)
     else:  # the arms are named down the side: no legend
-        fig.update_layout(height=120 + 28 * len(shown) + (20 if lost else 0), margin={**margin, "b": 50},
+        fig.update_layout(height=100 + margin["t"] + 28 * len(shown), margin={**margin, "b": 50},
                           showlegend=False)
     return fig
 
@@ -242,7 +246,8 @@ def stages_figure(summaries: Sequence[ArmSummary]) -> go.Figure:
                                     "fill_color": [fills] * len(header)}))
     # the top margin clears the mode bar, which lay over the header's last column; the header may wrap to two lines
     # (at 800 px), which the height leaves room for
-    fig.update_layout(height=100 + 24 * max(len(rows), 1), margin={"t": 30, "b": 10, "l": 10, "r": 10})
+    fig.update_layout(height=100 + 24 * max(len(rows), 1),
+                      margin={"t": MODEBAR_BOTTOM_PX + UNDER_MODEBAR_PX, "b": 10, "l": 10, "r": 10})
     return fig
 
 

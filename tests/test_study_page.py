@@ -219,3 +219,26 @@ def test_the_study_page_writes_rates_and_samples_as_the_other_pages_do(blown_up)
     assert [loss.layout[name].tickformat for name in ("xaxis", "xaxis2")] == [",", ","]  # a panel per optimizer
     # one seed's 50 % each: plotly padded it to an axis from -50 % to 150 %
     assert timed.layout.yaxis.autorangeoptions.minallowed == 0 and timed.layout.yaxis.autorangeoptions.maxallowed == 1
+
+
+def test_every_chart_of_the_study_page_starts_under_its_mode_bar(blown_up):
+    """The accuracy chart's plot began 20 px under its top, where plotly's mode bar (25 px) lay over its markers at
+    100 %; at 800 px the bar touched the loss panels' titles. Each plot or table starts under the bar, and a line of
+    text over a plot (a panel's title, the accuracy's note of diverged arms) under the bar too."""
+    from pipesim.study.page import LINE_OVER_PX, accuracy_figure, loss_figure, stages_figure
+    from pipesim.study.results import TimingRecord, recorded_arms, summarize
+    from pipesim.traces.view import MODEBAR_BOTTOM_PX
+
+    saved = load_results(blown_up)
+    arms, optimizers, seeds = recorded_arms(saved)
+    untimed = summarize(saved, arms, optimizers, seeds)
+    saved.timings = [TimingRecord(method=m, source=None, optimizer="adam", lr=0.002, seed=0, repeats=1,
+                                  measured_samples_per_s=s, measured_spread=0, predicted_samples_per_s=s, ranks=2)
+                     for m, s in (("gpipe", 1500.0), ("pipedream", 1800.0))]
+    timed = summarize(saved, arms, optimizers, seeds)
+    figures = [loss_figure(timed, list(optimizers)), accuracy_figure(timed, list(optimizers)),
+               accuracy_figure(untimed, list(optimizers)), stages_figure(timed)]
+    for fig in figures:
+        over = [a for a in fig.layout.annotations if a.yref == "paper" and a.y == 1 and a.yanchor == "bottom"]
+        assert fig.layout.margin.t >= MODEBAR_BOTTOM_PX + (LINE_OVER_PX if over else 0), fig.layout.margin
+    assert any(a.text.startswith("no accuracy") for a in figures[1].layout.annotations)  # a line over the plot

@@ -269,6 +269,9 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
 # percentText), with thousands separators throughout: an axis tick read "1000" and "20k" where every figure read
 # "1,288".
 TICK_FORMAT = ","  # the axes' ticks of ms, MiB, samples and samples/s: "1,000", "20,000" (plotly's own: "20k")
+# Where plotly's mode bar ends under a figure's top (23 px high, 2 px down): a small figure's title, plot or table
+# starts under it (at 800 px the sweep's title ran under its icons, the study's accuracy chart's top markers too).
+MODEBAR_BOTTOM_PX = 25
 
 
 # The summary chart's panels: (title, Summary field, bar text); samples/s first, the one measure that a mini-batch
