@@ -7,11 +7,11 @@ from __future__ import annotations
 import gc
 import importlib
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated
 
 import typer
-
-from .commands.common import fail, stderr, stdout
 
 
 def _wrap_between_words() -> None:
@@ -35,24 +35,38 @@ def _wrap_between_words() -> None:
 
 _wrap_between_words()
 
-# Each command's module under commands/ and its function, in the order `pipesim --help` lists them. A run
-# imports its own command's module only: typer builds every registered command's parameters (and the modules
-# import what they need): all thirteen cost `pipesim simulate` about 40 ms more to start. Each function's
-# docstring opens with its line in that list, a sentence that fits it at 80 columns (click cuts a longer one).
+
+@dataclass(frozen=True)
+class Command:
+    """A command: the module under commands/ that holds it, its function there, and its line in `pipesim --help`'s
+    list, the function's docstring's first sentence, which fits at 80 columns (click cuts a longer one). The list
+    is written here so that `pipesim --help` and `--version` import no command's module: building all thirteen
+    imported numpy, pydantic and rich, about 0.3 of their 0.4 CPU seconds."""
+
+    module: str
+    function: str
+    summary: str
+
+    def load(self) -> Callable[..., None]:
+        return getattr(importlib.import_module(f".commands.{self.module}", __package__), self.function)
+
+
+# The commands in the order `pipesim --help` lists them.
 COMMANDS = {
-    "simulate": ("simulate", "simulate"),
-    "calibrate": ("calibrate", "calibrate"),
-    "run": ("run", "run"),
-    "export": ("simulate", "export"),
-    "sweep": ("sweep", "sweep"),
-    "schedules": ("simulate", "list_schedules"),
-    "tune": ("tune", "tune"),
-    "compare": ("compare", "compare"),
-    "view": ("view", "view"),
-    "study": ("study", "study"),
-    "count": ("count", "count"),
-    "gpus": ("gpus", "gpus"),
-    "estimate": ("estimate", "estimate"),
+    "simulate": Command("simulate", "simulate", "Predict schedules' timelines, bubbles, memory and staleness."),
+    "calibrate": Command("calibrate", "calibrate", "Measure a model on this machine into a profile."),
+    "run": Command("run", "run", "Run a schedule for real with torch, and trace it."),
+    "export": Command("simulate", "export", "Write a method's training step for another runtime."),
+    "sweep": Command("sweep", "sweep", "Simulate a grid of configurations; find their Pareto fronts."),
+    "schedules": Command("simulate", "list_schedules",
+                         "List the methods, what each does and the weights its ops read."),
+    "tune": Command("tune", "tune", "Pick the fastest schedule and shape under a memory cap."),
+    "compare": Command("compare", "compare", "Compare a measured run with its prediction op by op."),
+    "view": Command("view", "view", "Draw traces on one self-contained page (works offline)."),
+    "study": Command("study", "study", "Train every method alike: accuracy, throughput and staleness."),
+    "count": Command("count", "count", "Count a model's work per layer on torch's meta device."),
+    "gpus": Command("gpus", "gpus", "List the GPUs pipesim knows and their figures."),
+    "estimate": Command("estimate", "estimate", "Estimate a model's profile on a catalogue GPU, without the GPU."),
 }
 
 
@@ -61,7 +75,7 @@ def _print_version(asked: bool) -> None:
     if asked:
         from importlib import metadata
 
-        stdout.print(f"pipesim {metadata.version('pipesim')}", highlight=False)
+        print(f"pipesim {metadata.version('pipesim')}")
         raise typer.Exit()
 
 
@@ -108,6 +122,8 @@ class _Command(typer.core.TyperCommand):
             if times == 1 or not isinstance(param, typer.core.TyperOption) or param.multiple or param.is_flag \
                     or param.count:
                 continue
+            from .commands.common import fail
+
             if "--schedule" in param.opts:
                 fail(f"--schedule: given {times} times, and `pipesim {ctx.info_name}` runs one method; give one "
                      "(`pipesim simulate` compares several)")
@@ -117,8 +133,28 @@ class _Command(typer.core.TyperCommand):
         return super().parse_args(ctx, args)
 
 
+class _Listed(typer.core.TyperCommand):
+    """A command as `pipesim --help` lists it, by its name and its line, its module not imported."""
+
+
+class _Group(typer.core.TyperGroup):
+    """`pipesim` itself: lists every command, and builds only the one it runs (typer builds a command's
+    parameters, and its module imports what the command needs)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.commands = {name: self.commands.get(name) or _Listed(name=name, help=command.summary)
+                         for name, command in COMMANDS.items()}
+
+    def resolve_command(self, ctx, args: list[str]):
+        name, command, rest = super().resolve_command(ctx, args)
+        if isinstance(command, _Listed):
+            command = self.commands[name] = typer.main.get_command(make_app((name,))).commands[name]
+        return name, command, rest
+
+
 def make_app(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
-    """The typer app with the commands `names` (all by default)."""
+    """The typer app with the commands `names` built (all by default); the others are listed, and built when run."""
     app = typer.Typer(
         name="pipesim",
         help="Simulate, run and compare pipeline-parallel training schedules.",
@@ -126,16 +162,17 @@ def make_app(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
         add_completion=False,
         pretty_exceptions_enable=False,
         rich_markup_mode=None,  # plain help: wraps cleanly at 80 columns, and "[[a, b], ...]" is text, not markup
+        cls=_Group,
     )
     app.callback()(_options)
     for name in names:
-        module, function = COMMANDS[name]
-        app.command(name, cls=_Command)(getattr(importlib.import_module(f".commands.{module}", __package__), function))
+        app.command(name, cls=_Command)(COMMANDS[name].load())
     return app
 
 
 def __getattr__(name: str) -> typer.Typer:
-    """`app`: the whole command line, for code that inspects it (`main` builds only the command it runs)."""
+    """`app`: the whole command line, every command built, for code that inspects it (`main` builds only the
+    command it runs)."""
     if name == "app":
         return make_app()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -159,9 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     line, "interrupted", and exit code 130 (outputs are written whole or not at all)."""
     args = (sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `pipesim`: its help, on stdout, exit 0
     try:
-        named = args[0] if args and args[0] in COMMANDS else None  # else --help, no command or a misspelt one:
-        command = typer.main.get_command(make_app((named,) if named else tuple(COMMANDS)))  # all of them
-        code = command.main(args=args, prog_name="pipesim", standalone_mode=False)
+        code = typer.main.get_command(make_app(())).main(args=args, prog_name="pipesim", standalone_mode=False)
     except KeyboardInterrupt:
         code = INTERRUPTED
     except typer.Abort as exc:  # older typer: click's Abort, from a KeyboardInterrupt among others
@@ -169,9 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if not callable(getattr(exc, "format_message", None)):
             raise
+        from .commands.common import fail
+
         fail(_missing(exc) or exc.format_message())  # click's usage and parameter errors
     if code == INTERRUPTED:  # typer turns a KeyboardInterrupt in a command into this exit code
-        stderr.print("interrupted", highlight=False)
+        print("interrupted", file=sys.stderr)
     if argv is None:  # the process ends here: the interpreter's last collections over what torch and sympy made
         gc.freeze()  # took `pipesim calibrate` 0.5-1.4 s on the 2-core host; frozen, they are not scanned
     raise SystemExit(code if isinstance(code, int) else 0)
