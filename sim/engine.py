@@ -459,7 +459,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         sending = exchanging[step_stream[exchanging] == Stream.SEND]
         waits_for[sending] = receiver_clock[operand[sending]]
         after[sending] = receiver_ps[operand[sending]]
-        begins = np.flatnonzero(np.r_[True, exchange[1:] != exchange[:-1]])
+        begins = np.flatnonzero(np.diff(exchange, prepend=-1))  # (exchanges are numbered from 0)
         if timed:
             step_stream[sending[posts.first[posts.exchange[step_rows[sending]]] != step_rows[sending]]] = _BESIDE
         else:

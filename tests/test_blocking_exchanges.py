@@ -51,6 +51,15 @@ def test_every_method_finishes_blocking_and_waiting_costs_no_less_than_overlappi
         assert blocking >= overlapped
 
 
+@pytest.mark.parametrize("params", [{}, {"expert_parallel": 2}])
+def test_one_device_exchanges_nothing_and_blocks_as_it_overlaps(params):
+    schedule = build("1f1b", 1, 4, 2, **params)
+    costs = _collective_costs(schedule)
+    overlapped, blocking = (simulate(schedule, costs, Cluster.uniform(1, 0.5, overlap_comm=overlap))
+                            for overlap in (True, False))
+    assert np.array_equal(blocking.ops.end_us, overlapped.ops.end_us)
+
+
 def _exchanges(lowered, device):
     """Device `device`'s rows as text, its exchanges in brackets."""
     t, out, inside = lowered.table, [], False
