@@ -548,7 +548,8 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
     """"1.6% slower: bubble 11% vs 11%" explained nothing, and its bubbles were 10.8% against the choice's 10.9%:
     a reason names the busiest device's work or idle ms that decided it, with the digits at which they differ; where
     one grew past the whole loss and the other shrank, the step and both (DeepSeek-V3's "2.6% slower: busiest device
-    17,571 vs 12,953 ms/step" told no reader why it lost)."""
+    17,571 vs 12,953 ms/step" told no reader why it lost). The loss is a share as every table writes one ("1.0%",
+    where "1%" stood beside "1.7%")."""
     from types import SimpleNamespace
 
     def result(samples_per_s: float, step_ms: float, busiest_ms: float, bubble: float, gib: float = 1.0):
@@ -562,10 +563,12 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
             == "1.7% slower: busiest device idle 1.27 vs 1.1 ms/step")
     assert (tuning.explain(result(99.9, 10.0004, 8.9, 0.11), choice, problem)
             == "0.1% slower: busiest device idle 1.1004 vs 1.1 ms/step")
+    assert (tuning.explain(result(99.996, 10.0004, 8.9, 0.11), choice, problem)  # not "0.0% slower"
+            == "under 0.1% slower: busiest device idle 1.1004 vs 1.1 ms/step")
     assert (tuning.explain(result(99.0, 10.0004, 8.9004, 0.11), choice, problem)
-            == "1% slower: busiest device 8.9004 vs 8.9 ms/step")
+            == "1.0% slower: busiest device 8.9004 vs 8.9 ms/step")
     assert (tuning.explain(result(99.0, 10.03, 8.93, 0.11), choice, problem)
-            == "1% slower: busiest device 8.93 vs 8.9 ms/step")
+            == "1.0% slower: busiest device 8.93 vs 8.9 ms/step")
     lean = result(100.0, 10.0, 6.0, 0.3)  # where one part grew past the whole loss, the other shrinking: the step, both
     assert (tuning.explain(result(97.4, 10.27, 8.0, 0.2), lean, problem)
             == "2.6% slower: step 10.3 vs 10 ms: busiest device computing 8 vs 6 ms, idle 2.27 vs 4 ms")
