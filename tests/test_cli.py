@@ -726,6 +726,17 @@ def test_version_and_help_import_no_commands_module():
     assert imported & {"torch", "plotly", "simpy"} == set()
 
 
+def test_simulate_without_a_profile_builds_no_profile_model():
+    """The profile schema's pydantic models built their validators when simulate imported them, in a run that reads
+    no profile: each builds it at its first profile now."""
+    probe = ("from pipesim.cli import main\nfrom pipesim.profiles import schema\n"
+             "try:\n    main(['simulate', '-s', '1f1b', '-p', '2', '-m', '4', '--json'])\nexcept SystemExit as exc:\n"
+             "    print(exc.code, sorted(name for name, model in vars(schema).items() if isinstance(model, type)\n"
+             "          and issubclass(model, schema.BaseModel) and model.__pydantic_complete__))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == "0 []"
+
+
 def test_help_never_abbreviates_milliseconds_as_ms_capitalised():
     """--comm's help opened "Ms per activation or gradient transfer": Ms is megaseconds; ms is written out where it
     opens a sentence."""
