@@ -599,7 +599,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                   caption=f"{estimated}{read}p: devices per pipeline ({replicas}), {held}v: chunks per device, "
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
-                          + "bubble: 1 - mean compute / step time; ms/step: the busiest device's compute per step")
+                          + "bubble: 1 - mean compute / step time")
     estimate_columns = ("t", *("sp",) * split, "d", *("E",) * experts, "b", "recomp") if work else ()
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
                    *("MFU",) * bool(work), "bubble", "peak", "stale", "why not"):

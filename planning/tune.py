@@ -1797,7 +1797,7 @@ def _slower_part(result: Result, choice: Result) -> str:
                 f"ms, idle {_apart(*idle_ms)} ms")
     if more_idle >= more_work:
         return f"busiest device idle {_apart(*idle_ms)} ms/step"
-    return f"busiest device {_apart(*work_ms)} ms/step"
+    return f"busiest device computing {_apart(*work_ms)} ms/step"
 
 
 def build(scenario: Scenario, problem: Problem, name: str, params: ScheduleParams,

@@ -566,9 +566,9 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
     assert (tuning.explain(result(99.996, 10.0004, 8.9, 0.11), choice, problem)  # not "0.0% slower"
             == "under 0.1% slower: busiest device idle 1.1004 vs 1.1 ms/step")
     assert (tuning.explain(result(99.0, 10.0004, 8.9004, 0.11), choice, problem)
-            == "1.0% slower: busiest device 8.9004 vs 8.9 ms/step")
+            == "1.0% slower: busiest device computing 8.9004 vs 8.9 ms/step")
     assert (tuning.explain(result(99.0, 10.03, 8.93, 0.11), choice, problem)
-            == "1.0% slower: busiest device 8.93 vs 8.9 ms/step")
+            == "1.0% slower: busiest device computing 8.93 vs 8.9 ms/step")
     lean = result(100.0, 10.0, 6.0, 0.3)  # where one part grew past the whole loss, the other shrinking: the step, both
     assert (tuning.explain(result(97.4, 10.27, 8.0, 0.2), lean, problem)
             == "2.6% slower: step 10.3 vs 10 ms: busiest device computing 8 vs 6 ms, idle 2.27 vs 4 ms")
