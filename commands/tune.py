@@ -617,7 +617,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                          {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),
                       str(c.microbatches), *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),
-                      *mfu, percent_text(result.bubble_fraction), memory_text(result.peak_memory_bytes),
+                      *mfu, percent_text(result.bubble_fraction), memory_text(result.peak_memory_bytes, zeros=True),
                       str(result.staleness), "; ".join(filter(None, (row.why, same))), style=style)
 
     add("best", tuning.choice, style="bold")

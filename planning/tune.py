@@ -3078,8 +3078,14 @@ def _staler_note(staler: Row, choice: Result, unsimulated: StalerBound | None = 
             f"{choice.config.label()}{most}; it trains on stale weights: --max-staleness {result.staleness} allows it")
 
 
-def memory_text(nbytes: float, more_digits: int = 0) -> str:
-    """GiB, the unit of --memory-gb, to three significant digits (and `more_digits`) and never in e-notation."""
+def memory_text(nbytes: float, more_digits: int = 0, zeros: bool = False) -> str:
+    """GiB, the unit of --memory-gb, to three significant digits (and `more_digits`) and never in e-notation;
+    `zeros` keeps the zeros among them, as a column writes its figures one under another: tune's peak read "19 GiB"
+    under "19.4 GiB", as if cut."""
+    if zeros and nbytes > 0:
+        gib = nbytes / GIB
+        exponent = int(f"{gib:.{2 + more_digits}e}".split("e")[1])  # of the figure rounded: 99.96 is 100
+        return f"{gib:,.{max(0, 2 + more_digits - exponent)}f} GiB"
     return np.format_float_positional(nbytes / GIB, precision=3 + more_digits, unique=False, fractional=False,
                                       trim="-") + " GiB"
 

@@ -578,6 +578,14 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
             == "as fast, more memory: 1.0004 GiB vs 1 GiB")
 
 
+def test_the_peak_column_keeps_its_figures_zeros():
+    """tune's peak column sets figures one under another: the context-parallel run in docs/sweep-and-tune.md read
+    "19 GiB" and "20 GiB" under "19.4 GiB", as if cut. Three significant digits, the zeros kept, whole GiB never
+    rounded away (1,234, not 1230), and 99.96 rounded to 100, not 100.0."""
+    cells = [tuning.memory_text(gib * GIB, zeros=True) for gib in (19.4, 19.0, 20.0, 0.3, 0.0105, 1234.0, 99.96)]
+    assert cells == ["19.4 GiB", "19.0 GiB", "20.0 GiB", "0.300 GiB", "0.0105 GiB", "1,234 GiB", "100 GiB"]
+
+
 @pytest.mark.parametrize("flags", [
     GPT_UNDER_03,
     ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 1024, "--heads", 8, "--seq-len", 1024,
