@@ -82,11 +82,12 @@ def is_profile_document(doc: Any) -> bool:
 
 
 # `document_kind`'s names: the JSON files pipesim writes (a trace, a profile, a study's results) or reads (a
-# cluster file), each as a refusal names one given in another's place
-TRACE, PROFILE, STUDY_RESULTS, CLUSTER = "trace", "profile", "study's results", "cluster file"
+# cluster file, a stage graph), each as a refusal names one given in another's place
+TRACE, PROFILE, STUDY_RESULTS, CLUSTER, GRAPH_FILE = "trace", "profile", "study's results", "cluster file", "graph file"
 # a cluster file's top-level keys (sim/cluster.py's ClusterSpec, which allows no other): "devices" alone is no cluster
 # file, `pipesim compare --json` writes a "devices" list too
 CLUSTER_KEYS = frozenset({"devices", "link", "links", "overlap_comm", "contention", "collective_contention"})
+GRAPH_KEYS = frozenset({"stages", "edges", "placement"})  # a stage graph's (schedules/graph.py `load_graph`'s)
 
 
 @dataclass(frozen=True)
@@ -106,20 +107,24 @@ DOCUMENT_KINDS = {
                                 "the --results file `pipesim study` wrote"),
     CLUSTER: DocumentKind("`pipesim simulate --cluster {path}` reads it",
                           "a JSON file of devices and links (docs/simulate.md)"),
+    GRAPH_FILE: DocumentKind("`pipesim simulate -s graphpipe --graph {path}` reads it",
+                             'a JSON file of "stages", "edges" and "placement" (docs/simulate.md)'),
 }
 
 
 def document_kind(doc: Any) -> str | None:
     """Which of `DOCUMENT_KINDS` a JSON document is, by its top-level keys, else None: a trace (`is_trace_document`),
-    a profile (`is_profile_document`), a study's results (format_version and setting) or a cluster file (devices,
-    and no key outside `CLUSTER_KEYS`)."""
+    a profile (`is_profile_document`), a study's results (format_version and setting), a cluster file (devices,
+    and no key outside `CLUSTER_KEYS`) or a stage graph (stages and edges, and no key outside `GRAPH_KEYS`)."""
     if is_trace_document(doc):
         return TRACE
     if is_profile_document(doc):
         return PROFILE
     if isinstance(doc, dict) and {"format_version", "setting"} <= doc.keys():
         return STUDY_RESULTS
-    return CLUSTER if isinstance(doc, dict) and "devices" in doc and doc.keys() <= CLUSTER_KEYS else None
+    if isinstance(doc, dict) and "devices" in doc and doc.keys() <= CLUSTER_KEYS:
+        return CLUSTER
+    return GRAPH_FILE if isinstance(doc, dict) and {"stages", "edges"} <= doc.keys() <= GRAPH_KEYS else None
 
 
 def check_kind(doc: Any, path: str | Path, wanted: str, error: type[Exception]) -> None:

@@ -57,19 +57,23 @@ def test_an_output_under_a_file_says_it_is_a_file_not_a_missing_folder(tmp_path)
 
 # A file of each kind pipesim reads, named as `kind_files` writes it, and what a refusal says of one given in another
 # kind's place: the command that reads it, and what to give instead
-KIND_FILES = {"trace": "t.json", "profile": "p.json", "study's results": "study.json", "cluster file": "cluster.json"}
+KIND_FILES = {"trace": "t.json", "profile": "p.json", "study's results": "study.json", "cluster file": "cluster.json",
+              "graph file": "dag.json"}
 READ_BY = {"trace": "`pipesim view t.json` draws it", "profile": "`pipesim simulate --profile p.json` reads it",
            "study's results": "`pipesim study --plot-only --results study.json` draws it",
-           "cluster file": "`pipesim simulate --cluster cluster.json` reads it"}
+           "cluster file": "`pipesim simulate --cluster cluster.json` reads it",
+           "graph file": "`pipesim simulate -s graphpipe --graph dag.json` reads it"}
 GIVE = {"trace": "a trace that `pipesim run --trace` or `pipesim simulate --trace` wrote",
         "profile": "a profile that `pipesim calibrate --out` or `pipesim estimate --out` wrote",
         "study's results": "the --results file `pipesim study` wrote",
-        "cluster file": "a JSON file of devices and links (docs/simulate.md)"}
+        "cluster file": "a JSON file of devices and links (docs/simulate.md)",
+        "graph file": 'a JSON file of "stages", "edges" and "placement" (docs/simulate.md)'}
 # each command reading one of the kinds: its arguments ({} the file) and the flag its errors lead with
 READERS = [(("view", "{}"), "", "trace"), (("compare", "{}", "{}"), "", "trace"),
            (("simulate", "-s", "1f1b", "--profile", "{}"), "--profile: ", "profile"),
            (("simulate", "-s", "1f1b", "--cluster", "{}"), "--cluster: ", "cluster file"),
-           (("study", "--plot-only", "--results", "{}"), "--results: ", "study's results")]
+           (("study", "--plot-only", "--results", "{}"), "--results: ", "study's results"),
+           (("simulate", "-s", "graphpipe", "--graph", "{}"), "--graph: ", "graph file")]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +83,7 @@ def kind_files(tmp_path_factory) -> Path:
     shutil.copy(GPT_CPU, folder / KIND_FILES["profile"])
     (folder / KIND_FILES["study's results"]).write_text('{"format_version": 1, "setting": {}, "runs": []}')
     shutil.copy(ROOT / "examples" / "cluster.json", folder / KIND_FILES["cluster file"])
+    shutil.copy(ROOT / "examples" / "dag.json", folder / KIND_FILES["graph file"])
     return folder
 
 
