@@ -529,7 +529,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
                           f"{trained_in(meta.extra.get('dtype'))} (--optimizer, --lr, --dtype)",
                   caption_justify="left")
     heldout = meta.extra.get("heldout") or {}
-    held = "-" if not heldout else f"{heldout['loss']:.4g}" + (
+    held = "-" if not heldout else f"{heldout['loss']:#.4g}" + (
         f" / {percent_text(heldout['accuracy'])}" if "accuracy" in heldout else "")
     for header in ("ms/step", "samples/s", "loss first -> last", "held-out loss / acc", "peak MiB per device"):
         table.add_column(header, justify="right", no_wrap=True)
@@ -540,7 +540,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     else:
         peaks = [f"{device}: {peak}" for device, peak in enumerate(peaks)]
     table.add_row(f"{summary.time_per_minibatch_ms:,.2f}", rate_text(summary.samples_per_s),
-                  f"{first:.4g} -> {last:.4g}", held, "; ".join(peaks) if replicas > 1 else ", ".join(peaks))
+                  f"{first:#.4g} -> {last:#.4g}", held, "; ".join(peaks) if replicas > 1 else ", ".join(peaks))
     print_table(table)
     for path in (path for path in (trace, html) if path is not None):
         stdout.print(f"wrote {path}", highlight=False)

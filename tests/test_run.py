@@ -680,3 +680,21 @@ def test_nccl_on_cpu_ranks_is_refused_before_any_rank_starts(tmp_path, monkeypat
     assert code == 2 and out == "" and err == ("error: --backend nccl sends GPU tensors only: with --device cpu use "
                                                "--backend gloo or auto; on a GPU, --device cuda\n"), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_run_table_writes_each_loss_to_four_significant_digits(capsys):
+    """The table's losses are four significant digits, their zeros kept: a held-out loss of 0.45903 read "0.459"
+    beside "0.6893", as if cut (the README's xpipe run on this project's AMD host)."""
+    from types import SimpleNamespace
+
+    from pipesim.commands.run import _print_table
+
+    meta = SimpleNamespace(hardware={"ranks": 2, "transport": "gloo", "device": "cpu"}, params={}, schedule="xpipe",
+                           minibatches=50, microbatches=4, microbatch_size=8,
+                           extra={"optimizer": "sgd", "lr": 0.05, "dtype": "float32",
+                                  "heldout": {"loss": 0.45903468, "accuracy": 0.8333}})
+    summary = SimpleNamespace(devices=[SimpleNamespace(peak_memory_mb=21.1), SimpleNamespace(peak_memory_mb=15.4)],
+                              time_per_minibatch_ms=17.95, samples_per_s=1783.0)
+    _print_table(SimpleNamespace(trace=SimpleNamespace(meta=meta), losses=[[2.443, 0.68904]]), summary, None, None)
+    row = capsys.readouterr().out.splitlines()[3].split()
+    assert row[2:8] == ["2.443", "->", "0.6890", "0.4590", "/", "83.3%"]
