@@ -378,6 +378,18 @@ def test_built_in_example_renders_every_schedule(example_page):
         assert end <= start, titles
     for panel in v.summary["figures"]:
         assert panel["left"] >= panel["axis_left"] - 0.5, v.summary["figures"]
+    assert_ticks_apart(v.summary["ticks"])
+
+
+TICK_GAP_PX = 8  # between a summary panel's tick labels at the least: "1,000 2,000 3,000" stood 4 px apart
+
+
+def assert_ticks_apart(axes: list[list[list[float]]]) -> None:
+    """Each summary panel's tick labels (left, right, top, bottom) level and TICK_GAP_PX apart, left to right."""
+    assert len(axes) == 4 and all(len(ticks) >= 2 for ticks in axes), axes
+    for ticks in axes:
+        assert max(bottom - top for _, _, top, bottom in ticks) <= 16, ticks  # one 12 px line high: level, not on end
+        assert all(b[0] - a[1] >= TICK_GAP_PX for a, b in zip(ticks, ticks[1:])), ticks
 
 
 @needs_chromium
@@ -932,8 +944,4 @@ def test_a_view_of_two_traces_keeps_its_title_and_memory_labels_apart_at_800_px(
     for label, panel in zip(labels, panels):
         _, label_top, _, label_height = label["box"]
         assert label_top + label_height <= panel["plot"][1] - 14, (label, panel["plot"])  # over a 12 px heading
-    axes = v.summary["ticks"]
-    assert len(axes) == 4 and all(len(ticks) >= 2 for ticks in axes), axes
-    for ticks in axes:
-        assert max(bottom - top for _, _, top, bottom in ticks) <= 16, ticks  # one 12 px line high: level, not on end
-        assert all(a[1] <= b[0] for a, b in zip(ticks, ticks[1:])), ticks  # apart, left to right
+    assert_ticks_apart(v.summary["ticks"])

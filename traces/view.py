@@ -571,8 +571,8 @@ _TIMELINE_JS = r"""
   // The summary chart's titles: bold 12 px, their notes 10 px, the height each line takes, and at least this gap to
   // the next panel's title.
   const SUMMARY_TITLE_PX = 12, SUMMARY_NOTE_PX = 10, SUMMARY_LINE_PX = 14, SUMMARY_TITLE_GAP_PX = 8;
-  // An axis tick's room in a summary panel ("3000", "40%" and space), and the most ticks a wide one has.
-  const SUMMARY_TICK_PX = 35, SUMMARY_MOST_TICKS = 6;
+  // At least this between a summary panel's tick labels, and the most ticks a wide one has.
+  const SUMMARY_TICK_GAP_PX = 12, SUMMARY_MOST_TICKS = 6;
   const BAR_TEXT_PAD_PX = 3;  // plotly's space between a bar's end and its figure
   const gd = document.getElementById("timeline");
   const tip = document.getElementById("tip");
@@ -1220,17 +1220,21 @@ _TIMELINE_JS = r"""
     return Object.assign({}, layout, {annotations, height: layout.height + grown,
                                       margin: Object.assign({}, margin, {t: margin.t + grown})});
   }
-  // Each panel's axis with no more ticks than its width holds level: at 800 px, the bubble's 0 % to 40 % every 10 %
-  // stood on end, plotly's way out of labels that touch.
+  // Each panel's axis with no more ticks than its width holds level and SUMMARY_TICK_GAP_PX apart, by the width of
+  // its widest label (its bars' most and a tenth, as the axis runs past it): at 800 px, the bubble's 0 % to 40 % every
+  // 10 % stood on end, plotly's way out of labels that touch, and a room of 35 px a tick set the time's "1,000",
+  // "2,000" and "3,000" 4 px apart.
   function fitSummaryTicks(layout) {
-    const margin = layout.margin, panels = DATA.summary.titles.length;
-    const nticks = Math.min(SUMMARY_MOST_TICKS, Math.max(3, Math.floor(
-      (summaryDiv.clientWidth - margin.l - margin.r) / panels / SUMMARY_TICK_PX)));
+    const margin = layout.margin, width = summaryDiv.clientWidth - margin.l - margin.r, fontPx = layout.font.size;
     const axes = {};
-    for (let j = 0; j < panels; j++) {
-      const name = "xaxis" + (j ? j + 1 : "");
-      axes[name] = Object.assign({}, layout[name], {nticks, tickangle: 0});
-    }
+    DATA.summary.data.forEach((bars, j) => {
+      const name = "xaxis" + (j ? j + 1 : ""), axis = layout[name];
+      const most = 1.1 * Math.max(0, ...bars.x.filter(value => value !== null));
+      const widest = textPx(axis.tickformat === TICK_FORMAT ? fmt(most, 0) : fmt(100 * most, 0) + "%", fontPx);
+      const nticks = Math.min(SUMMARY_MOST_TICKS, Math.max(3, Math.floor(
+        width * (axis.domain[1] - axis.domain[0]) / (widest + SUMMARY_TICK_GAP_PX))));
+      axes[name] = Object.assign({}, axis, {nticks, tickangle: 0});
+    });
     return Object.assign({}, layout, axes);
   }
   // Each figure inside its bar where it fits there unshrunk, at the chart's font size, else just past the bar's
