@@ -682,9 +682,11 @@ def test_nccl_on_cpu_ranks_is_refused_before_any_rank_starts(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_run_table_writes_each_loss_to_four_significant_digits(capsys):
+@pytest.mark.parametrize(("first", "shown"), [(2.443, "2.443"), (2469.0, "2469")])
+def test_the_run_table_writes_each_loss_to_four_significant_digits(capsys, first, shown):
     """The table's losses are four significant digits, their zeros kept: a held-out loss of 0.45903 read "0.459"
-    beside "0.6893", as if cut (the README's xpipe run on this project's AMD host)."""
+    beside "0.6893", as if cut (the README's xpipe run on this project's AMD host); a diverging run's 2469
+    reads "2469", not "2469." with its point bare."""
     from types import SimpleNamespace
 
     from pipesim.commands.run import _print_table
@@ -695,6 +697,6 @@ def test_the_run_table_writes_each_loss_to_four_significant_digits(capsys):
                                   "heldout": {"loss": 0.45903468, "accuracy": 0.8333}})
     summary = SimpleNamespace(devices=[SimpleNamespace(peak_memory_mb=21.1), SimpleNamespace(peak_memory_mb=15.4)],
                               time_per_minibatch_ms=17.95, samples_per_s=1783.0)
-    _print_table(SimpleNamespace(trace=SimpleNamespace(meta=meta), losses=[[2.443, 0.68904]]), summary, None, None)
+    _print_table(SimpleNamespace(trace=SimpleNamespace(meta=meta), losses=[[first, 0.68904]]), summary, None, None)
     row = capsys.readouterr().out.splitlines()[3].split()
-    assert row[2:8] == ["2.443", "->", "0.6890", "0.4590", "/", "83.3%"]
+    assert row[2:8] == [shown, "->", "0.6890", "0.4590", "/", "83.3%"]
