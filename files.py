@@ -83,7 +83,8 @@ def is_profile_document(doc: Any) -> bool:
 
 # `document_kind`'s names: the JSON files pipesim writes (a trace, a profile, a study's results) or reads (a
 # cluster file, a stage graph), each as a refusal names one given in another's place
-TRACE, PROFILE, STUDY_RESULTS, CLUSTER, GRAPH_FILE = "trace", "profile", "study's results", "cluster file", "graph file"
+TRACE, PROFILE, STUDY_RESULTS = "trace", "profile", "study results file"
+CLUSTER, GRAPH_FILE = "cluster file", "graph file"
 # a cluster file's top-level keys (sim/cluster.py's ClusterSpec, which allows no other): "devices" alone is no cluster
 # file, `pipesim compare --json` writes a "devices" list too
 CLUSTER_KEYS = frozenset({"devices", "link", "links", "overlap_comm", "contention", "collective_contention"})
@@ -135,6 +136,25 @@ def check_kind(doc: Any, path: str | Path, wanted: str, error: type[Exception]) 
     if kind is not None and kind != wanted:
         reader = DOCUMENT_KINDS[kind].reader.format(path=shlex.quote(str(path)))
         raise error(f"{path} is a pipesim {kind}, not a {wanted}: {reader}; give {DOCUMENT_KINDS[wanted].wanted}")
+
+
+def read_document(path: str | Path, kind: str, error: type[Exception]) -> Any:
+    """The JSON document at `path`, read as a `kind` (one of `DOCUMENT_KINDS`): one that cannot be read, is not
+    JSON (`read_json`) or is a file of another kind (`check_kind`) raises `error` naming it as that kind."""
+    doc = read_json(path, error, kind)
+    check_kind(doc, path, kind, error)
+    return doc
+
+
+def validated(model: Any, doc: Any, path: str | Path, kind: str, error: type[Exception]) -> Any:
+    """The pydantic `model` validated from the document at `path` (`read_document`'s); where it is not one, `error`
+    naming the file as its `kind` and the first field that is wrong (`first_error`)."""
+    from pydantic import ValidationError  # here, not at import: this leaf's readers of text files never need it
+
+    try:
+        return model.model_validate(doc)
+    except ValidationError as exc:
+        raise error(f"{kind} {path}: {first_error(exc)}") from None
 
 
 # `is_trace_document`'s keys as a file's bytes hold them: the "traceEvents" list and the "pipesim" header

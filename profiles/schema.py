@@ -22,13 +22,12 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
-    ValidationError,
     model_serializer,
     model_validator,
 )
 
 from ..choices import choose_from
-from ..files import PROFILE, check_kind, first_error, read_json
+from ..files import PROFILE, read_document, validated
 from ..memory_parts import SAVED_PARTS
 from ..units import MAX_BYTES, MAX_MS, MIB, count_text
 from .partition import (
@@ -1192,8 +1191,7 @@ def _shared_steps(profile: Profile, shares: Sequence[float], optimizers: Sequenc
 
 def load_profile(path: str | Path) -> Profile:
     """Read and check a profile; ProfileError names the file and the first field that is wrong."""
-    raw = read_json(path, ProfileError, "profile")
-    check_kind(raw, path, PROFILE, ProfileError)  # not "schema_version: missing", the first field it lacks
+    raw = read_document(path, PROFILE, ProfileError)  # another kind is named, not by the schema_version it lacks
     if isinstance(raw, dict) and "model_type" in raw and "schema_version" not in raw:  # transformers' config.json
         raise ProfileError(f"profile {path}: a Hugging Face model config (model_type {raw['model_type']!r}), not a "
                            f"profile: give it as --model hf:{path} (with --gpu NAME to estimate its costs)")
@@ -1203,10 +1201,7 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"profile {path}: schema_version {raw['schema_version']!r} is not supported (this "
                            f"pipesim reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}); re-run pipesim "
                            "calibrate")
-    try:
-        profile = Profile.model_validate(raw)
-    except ValidationError as exc:
-        raise ProfileError(f"profile {path}: {first_error(exc)}") from None
+    profile = validated(Profile, raw, path, PROFILE, ProfileError)
     if (past := past_limits(profile)) is not None:
         raise ProfileError(f"profile {path}: {past}")
     return profile

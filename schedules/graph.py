@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from ..files import GRAPH_FILE, GRAPH_KEYS, check_kind, read_json
+from ..files import GRAPH_FILE, GRAPH_KEYS, read_document
 from .ir import Schedule, ScheduleError, StageGraph
 from .methods import MAX_STAGES, Method, ScheduleParams, flushed_1f1b, make_schedule
 
@@ -56,8 +56,7 @@ def graphpipe(params: ScheduleParams) -> Schedule:
 def load_graph(path: Path) -> tuple[StageGraph, tuple[int, ...]]:
     """A stage DAG and its placement from JSON: {"stages": n, "edges": [[from, to], ...], "placement":
     [device of stage 0, ...]} (placement optional: stage s on device s; one stage per device)."""
-    doc = read_json(path, ScheduleError, "graph file")
-    check_kind(doc, path, GRAPH_FILE, ScheduleError)  # not "expected an object with ...", the first thing it lacks
+    doc = read_document(path, GRAPH_FILE, ScheduleError)  # another kind is named, not by the keys it lacks
     if not isinstance(doc, dict) or "stages" not in doc or set(doc) - GRAPH_KEYS:
         raise ScheduleError(f'graph file {path}: expected an object with "stages", "edges" and optionally '
                             '"placement"')

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import numpy as np
 
-from ..files import CLUSTER, check_kind, first_error, read_json
+from ..files import CLUSTER, read_document, validated
 from ..profiles.linkfit import piecewise_ms
 from ..schedules.methods import MAX_ROWS
 from ..traces.metrics import mib_text
@@ -242,7 +242,6 @@ def load_cluster(path: str | Path) -> Cluster:
         ConfigDict,
         Field,
         StrictBool,
-        ValidationError,
         ValidationInfo,
         field_validator,
         model_validator,
@@ -327,12 +326,8 @@ def load_cluster(path: str | Path) -> Cluster:
                                      f"{device.memory_gib:g}; give the same, or give it on one of them")
             return self
 
-    raw = read_json(path, ClusterError, "cluster file")
-    check_kind(raw, path, CLUSTER, ClusterError)  # not "devices: Field required", the first field it lacks
-    try:
-        spec = ClusterSpec.model_validate(raw)
-    except ValidationError as exc:
-        raise ClusterError(f"cluster file {path}: {first_error(exc)}") from None
+    raw = read_document(path, CLUSTER, ClusterError)  # another kind is named, not by the devices it lacks
+    spec = validated(ClusterSpec, raw, path, CLUSTER, ClusterError)
 
     def to_link(s: LinkSpec, resource: str | None) -> Link:
         bandwidth = s.bandwidth_gb_per_s * 1e9 / 1e3 if s.bandwidth_gb_per_s else math.inf

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from ..files import STUDY_RESULTS, check_kind, first_error, read_json
+from ..files import STUDY_RESULTS, read_document, validated
 from ..traces.trace import write_atomic
 from .plan import Arm, RunKey, Setting
 
@@ -136,12 +136,8 @@ def open_results(path: Path, setting: Setting) -> StudyFile:
 
 
 def load_results(path: Path) -> StudyFile:
-    document = read_json(path, ResultsError, "study results file")
-    check_kind(document, path, STUDY_RESULTS, ResultsError)  # not "format_version: Field required"
-    try:
-        study = StudyFile.model_validate(document)
-    except ValidationError as exc:
-        raise ResultsError(f"{path} is not a pipesim study results file: {first_error(exc)}") from None
+    document = read_document(path, STUDY_RESULTS, ResultsError)  # another kind is named, not by its missing fields
+    study = validated(StudyFile, document, path, STUDY_RESULTS, ResultsError)
     try:
         Setting(**study.setting)
     except TypeError as exc:

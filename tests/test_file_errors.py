@@ -57,22 +57,22 @@ def test_an_output_under_a_file_says_it_is_a_file_not_a_missing_folder(tmp_path)
 
 # A file of each kind pipesim reads, named as `kind_files` writes it, and what a refusal says of one given in another
 # kind's place: the command that reads it, and what to give instead
-KIND_FILES = {"trace": "t.json", "profile": "p.json", "study's results": "study.json", "cluster file": "cluster.json",
-              "graph file": "dag.json"}
+KIND_FILES = {"trace": "t.json", "profile": "p.json", "study results file": "study.json",
+              "cluster file": "cluster.json", "graph file": "dag.json"}
 READ_BY = {"trace": "`pipesim view t.json` draws it", "profile": "`pipesim simulate --profile p.json` reads it",
-           "study's results": "`pipesim study --plot-only --results study.json` draws it",
+           "study results file": "`pipesim study --plot-only --results study.json` draws it",
            "cluster file": "`pipesim simulate --cluster cluster.json` reads it",
            "graph file": "`pipesim simulate -s graphpipe --graph dag.json` reads it"}
 GIVE = {"trace": "a trace that `pipesim run --trace` or `pipesim simulate --trace` wrote",
         "profile": "a profile that `pipesim calibrate --out` or `pipesim estimate --out` wrote",
-        "study's results": "the --results file `pipesim study` wrote",
+        "study results file": "the --results file `pipesim study` wrote",
         "cluster file": "a JSON file of devices and links (docs/simulate.md)",
         "graph file": 'a JSON file of "stages", "edges" and "placement" (docs/simulate.md)'}
 # each command reading one of the kinds: its arguments ({} the file) and the flag its errors lead with
 READERS = [(("view", "{}"), "", "trace"), (("compare", "{}", "{}"), "", "trace"),
            (("simulate", "-s", "1f1b", "--profile", "{}"), "--profile: ", "profile"),
            (("simulate", "-s", "1f1b", "--cluster", "{}"), "--cluster: ", "cluster file"),
-           (("study", "--plot-only", "--results", "{}"), "--results: ", "study's results"),
+           (("study", "--plot-only", "--results", "{}"), "--results: ", "study results file"),
            (("simulate", "-s", "graphpipe", "--graph", "{}"), "--graph: ", "graph file")]
 
 
@@ -81,7 +81,7 @@ def kind_files(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("kinds")
     assert pipesim("simulate", "-s", "1f1b", "--trace", folder / KIND_FILES["trace"])[0] == 0
     shutil.copy(GPT_CPU, folder / KIND_FILES["profile"])
-    (folder / KIND_FILES["study's results"]).write_text('{"format_version": 1, "setting": {}, "runs": []}')
+    (folder / KIND_FILES["study results file"]).write_text('{"format_version": 1, "setting": {}, "runs": []}')
     shutil.copy(ROOT / "examples" / "cluster.json", folder / KIND_FILES["cluster file"])
     shutil.copy(ROOT / "examples" / "dag.json", folder / KIND_FILES["graph file"])
     return folder
@@ -120,6 +120,21 @@ def test_a_studys_results_named_in_a_refusal_is_shell_quoted_and_study_still_rea
     code, _, err = pipesim("study", "--plot-only", "--results", "my study.json")
     assert (code, err) == (2, "error: --plot-only: my study.json holds no finished run yet\n")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["my study.json"]
+
+
+def test_a_file_of_its_kind_with_a_field_wrong_is_named_as_its_kind_then_the_field(tmp_path, monkeypatch):
+    """Every reader names the file as the kind it reads, then the first field that is wrong (files.py `validated`):
+    the study's said "study.json is not a pipesim study results file: runs: ..." where the others name the kind."""
+    monkeypatch.chdir(tmp_path)
+    Path("study.json").write_text('{"format_version": 1, "setting": {}, "runs": 3}')
+    Path("cluster.json").write_text('{"devices": 2, "link": {"latency_us": -1}}')
+    code, out, err = pipesim("study", "--plot-only", "--results", "study.json")
+    assert (code, out, err) == (2, "", "error: --results: study results file study.json: runs: Input should be a "
+                                       "valid list\n")
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", "cluster.json")
+    assert (code, out, err) == (2, "", "error: --cluster: cluster file cluster.json: link.latency_us: Input should "
+                                       "be greater than or equal to 0\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cluster.json", "study.json"]
 
 
 def test_a_hugging_face_config_given_for_a_profile_is_named_one_with_the_flag_that_reads_it(tmp_path, monkeypatch):

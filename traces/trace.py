@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
 
-from ..files import TRACE, check_kind, first_error, read_json
+from ..files import TRACE, first_error, read_document
 from ..memory_parts import MEMORY_PARTS
 
 SCHEMA_VERSION = 2
@@ -532,10 +532,9 @@ TORCH_PROFILER_READER = ("`pipesim compare FOLDER PREDICTED` reads torch.profile
 def read_trace(path: str | os.PathLike[str]) -> Trace:
     if os.path.isdir(path):  # False where the path cannot be looked at: read_json says why
         raise TraceError(f"{path} is a folder; give a pipesim trace file ({TORCH_PROFILER_READER})")
-    doc = read_json(path, TraceError, "trace")
+    doc = read_document(path, TRACE, TraceError)  # another kind is named, not "not a Chrome trace: expected ..."
     if isinstance(doc, dict) and "schemaVersion" in doc and "pipesim" not in doc:  # Kineto's key, torch.profiler's
         raise TraceError(f"{path} is a torch.profiler trace, not pipesim's: {TORCH_PROFILER_READER}")
-    check_kind(doc, path, TRACE, TraceError)  # not "not a Chrome trace: expected an object with a 'traceEvents' list"
     try:
         return from_chrome(doc)
     except TraceError as exc:
