@@ -823,7 +823,9 @@ if __name__ == "__main__":
 @needs_chromium
 def test_compare_page_aligns_predicted_and_measured_and_shows_the_error_panel(tmp_path):
     """`compare --html` on a committed torch.distributed.pipelining recording: every view draws, nothing is
-    fetched, each device has its predicted and measured lanes, and the error panel's bars sit under the timeline."""
+    fetched, each device has its predicted and measured lanes, and the error panel's bars sit under the timeline.
+    The measurement records no memory: the one memory panel is named the prediction's (unnamed, it read as the
+    measurement's)."""
     from tests.conftest import pipesim
 
     predicted, page = tmp_path / "p.json", tmp_path / "c.html"
@@ -831,10 +833,12 @@ def test_compare_page_aligns_predicted_and_measured_and_shows_the_error_panel(tm
     run_dir = Path(__file__).parent.parent / "traces" / "measured" / "torch-1f1b-2cpu"
     code, _, err = pipesim("compare", run_dir, predicted, "--html", page)
     assert code == 0, err
-    v = visit(page, "#test", height=1800)
+    v = visit(page, "#test", height=1800, probe="[...document.querySelectorAll('#timeline .annotation')]"
+                                                 ".map(a => a.textContent)")
     assert_healthy(v)
     check_timeline(v)
     assert len(v.geometry["lanes"]) == 2 * 3 * 2  # per device, compute, send and receive, predicted and measured
+    assert [panel["trace"] for panel in v.geometry["memory"]] == ["predicted"] and "memory of predicted" in v.probed
     bottom = round(v.geometry["plot"][1] + v.geometry["plot"][3])
     assert kind_pixels(v.screenshot[bottom:], (0x4C, 0x78, 0xA8)).sum() > 200, "no error panel under the timeline"
 

@@ -1007,7 +1007,9 @@ _TIMELINE_JS = r"""
       const T = members[panel.member], axis = "y" + (j + 2);
       const bottom = (built.panels.length - 1 - j) * (panelPx + panelGapPx);
       const domain = [bottom / plotPx, (bottom + panelPx) / plotPx];
-      const many = built.panels.length > 1;
+      // A view of several traces names each panel's (compare's one panel, a measurement recording no memory, read
+      // as the measurement's); "its own scale" where there are several.
+      const many = members.length > 1;
       if (panel.heatmap) {
         // Too many curves to tell apart (and to draw): one row per device, coloured by the most memory it
         // holds in each pixel column, on this trace's own colour scale.
@@ -1065,7 +1067,8 @@ _TIMELINE_JS = r"""
         if (capacity.note) notes.push(overHeading(capacity.note, many));
       }
       if (many) {
-        headings.push({text: "<b>memory of " + esc(T.label) + "</b> (its own scale)", x: 0, xref: "paper",
+        const own = built.panels.length > 1 ? " (its own scale)" : "";
+        headings.push({text: "<b>memory of " + esc(T.label) + "</b>" + own, x: 0, xref: "paper",
                        xanchor: "left", y: domain[1], yref: "paper", yanchor: "bottom", showarrow: false,
                        font: {size: 12}});
       }
