@@ -5,7 +5,11 @@ faster than ZB-V (the pair's two computes still run back to back, and its bubble
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import simulate_json
 
@@ -30,3 +34,22 @@ def test_dualpipev_does_not_gain_over_zb_v_without_expert_parallelism(monkeypatc
     monkeypatch.chdir(REPO)
     step = _steps_ms()
     assert step["dualpipev"] >= step["zb-v"]
+
+
+@pytest.mark.slow
+def test_the_methods_pages_tables_are_what_their_commands_print(monkeypatch):
+    """docs/methods.md's two DeepSeek-V3 tables on H800s, each row's ms/step and bubble as its command prints them:
+    they held DualPipeV's 19,450.2 ms after eae8706 and d7a4d56 had moved it to 20,770.2 (22.0 % under ZB-V read
+    where it is 16.7 %)."""
+    monkeypatch.chdir(REPO)
+    text = (REPO / "docs" / "methods.md").read_text()
+    command = re.search(r"```bash\n(pipesim simulate --model hf:examples/deepseek-v3 .*?)\n```", text, re.S).group(1)
+    args = shlex.split(command.replace("\\\n", " "))[2:]
+    without = [a for a in args if a not in ("--expert-parallel", "64", "--token-dispatcher", "deepep")]
+    for title, flags in (("DualPipeV gains: EP 64 over 8 nodes", args), ("DualPipeV does not gain", without)):
+        table = re.search(rf"\| {re.escape(title)}[^\n]*\n\|---\|---\|---\|\n((?:\|[^\n]*\n)+)", text).group(1)
+        shown = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                                  for line in table.splitlines())}
+        printed = {r["schedule"]: [f"{r['time_per_minibatch_ms']:,.1f}", f"{100 * r['bubble_fraction']:.1f} %"]
+                   for r in simulate_json(*flags)}
+        assert shown == printed, title
