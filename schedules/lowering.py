@@ -107,11 +107,13 @@ class Lowered:
         return np.asarray(transfer) // self.units
 
 
-def lower(schedule: Schedule, exchange_ps: np.ndarray | None = None) -> Lowered:
+def lower(schedule: Schedule, exchange_ps: np.ndarray | None = None, natural: Lowered | None = None) -> Lowered:
     """The schedule's rows for a runtime (see `Lowered`); assumes `preflight` passed. `exchange_ps`: for a runtime
     whose exchanges block, the rows in its order (`exchange_order`), given per row of `lower(schedule)` the time it
-    holds its device, which places each SEND at its receiver's exchange where Megatron-core's order waits forever."""
-    t, origin, transfer = communication_rows(schedule)
+    holds its device, which places each SEND at its receiver's exchange where Megatron-core's order waits forever;
+    `natural`: `lower(schedule)` where the caller has it, whose rows are reordered rather than made again."""
+    t, origin, transfer = ((natural.table, natural.origin, natural.transfer) if natural is not None
+                           else communication_rows(schedule))
     if exchange_ps is not None:
         method = METHODS.get(schedule.method)  # None: a schedule of no catalogue method's (read from a file)
         order = exchange_order(schedule, t, transfer, exchange_ps, method is not None and method.exchanges_per_step)

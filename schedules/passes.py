@@ -397,7 +397,7 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     before = np.searchsorted(points, made[recvs], side="right") - 1  # a RECV's last at or before its natural one
     found = np.where(before >= 0, points[np.maximum(before, 0)], -1)
     key[recvs] = 2 * np.where(found >= own_start[recvs], found, -1) + 1
-    order = np.lexsort((index, receiving, key, device))
+    order = _by_device_and_key(device, key, receiving)
     if not _waits_forever(t.kind[order], device[order], transfer[order]):
         return order
     # The run without transfer times: a device's clock after row r is the latest, over its rows j <= r, of when j
@@ -418,20 +418,51 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     offset = device * span
     begins = np.full(n, -span, dtype=np.int64)
     begins[starts] = 0
-    clock = up_to.copy()
-    for _ in range(n + 1):
-        begins[recvs] = clock[sender] - up_to[recvs]
-        latest = np.maximum.accumulate(begins + offset) - offset + up_to
-        if np.array_equal(latest, clock):
-            break
-        clock = latest
+    begins[recvs] = _receive_begins(recvs, sender, device, up_to, span)
+    clock = np.maximum.accumulate(begins + offset) - offset + up_to
     points = np.flatnonzero(anchors)
     needed_at = np.zeros(len(row_of), dtype=np.int64)
     needed_at[transfer[recvs]] = clock[needs[recvs]] - held[needs[recvs]]
     found = np.searchsorted(offset[points] + clock[points], offset[sends] + needed_at[transfer[sends]], side="right")
     key = np.where(ticking, 2 * index, 2 * made + 1)
     key[sends] = 2 * np.maximum(points[np.maximum(found - 1, 0)], made[sends]) + 1
-    return np.lexsort((index, receiving, key, device))
+    return _by_device_and_key(device, key, receiving)
+
+
+def _by_device_and_key(device: np.ndarray, key: np.ndarray, receiving: np.ndarray) -> np.ndarray:
+    """The rows by device, then `key` (-1 to twice the rows), SENDs before RECVs, then row: one stable sort of one
+    integer, several times faster than sorting by each column in turn."""
+    width = 2 * len(key) + 2
+    return np.argsort((device * width + key + 1) * 2 + receiving, kind="stable")
+
+
+def _receive_begins(recvs: np.ndarray, sender: np.ndarray, device: np.ndarray, up_to: np.ndarray,
+                    span: int) -> np.ndarray:
+    """`exchange_order`'s run without transfer times: per RECV row of `recvs` (ascending, each device's together),
+    when it could begin less the time its device held before it (`up_to`: per row, the time its device held up to
+    it, every clock under `span`), where a RECV begins once its SEND row of `sender` is issued, at its device's clock
+    there: the time held up to it plus the latest such value of its device's RECVs before it (0 at least, its
+    device's start). Repeated until it holds, over the RECVs alone: each pass carries the waits one device further
+    down a chain of devices each waiting for the one before, and the rows between two RECVs only add their time."""
+    recv_device = device[recvs]
+    bounds = np.searchsorted(recv_device, np.arange(int(device.max(initial=0)) + 2))
+    before = np.searchsorted(recvs, sender) - 1  # the last RECV before the SEND on its device (-1: none)
+    before = np.where(before >= bounds[device[sender]], before, -1)
+    own = up_to[sender] - up_to[recvs]
+    offset = recv_device * span
+    value = own
+    latest = np.zeros(len(recvs) + 1, dtype=np.int64)  # per RECV, its device's latest up to it; last: none's, 0
+    running = latest[:-1]
+    for _ in range(len(recvs) + 1):
+        np.maximum(value, 0, out=running)
+        running += offset
+        np.maximum.accumulate(running, out=running)
+        running -= offset
+        later = own + latest[before]
+        if np.array_equal(later, value):
+            break
+        value = later
+    return value
 
 
 def exchange_begins(exchanging: np.ndarray, device: np.ndarray) -> np.ndarray:

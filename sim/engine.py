@@ -285,7 +285,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     """Durations, transfer times and routes, and memory and counter deltas of the lowered rows (lowered again where
     the cluster's exchanges block and they are not in a blocking runtime's order: `Lowered.blocking`)."""
     if not (cluster.overlap_comm or lowered.blocking):  # in the order the run's own times give (`exchange_order`)
-        lowered = lower(lowered.schedule, exchange_ps=_row_times(lowered, costs, jitter, seed).held)
+        lowered = lower(lowered.schedule, _row_times(lowered, costs, jitter, seed).held, lowered)
     schedule, t = lowered.schedule, lowered.table
     stages = costs.stages
     kind, stage = t.kind, t.stage
