@@ -297,6 +297,8 @@ def test_a_micro_batch_past_what_torch_addresses_is_refused_naming_its_size(size
     (("--heads", 4, "--kv-heads", 3), "--heads (4) must be a multiple of --kv-heads (3)"),
     (("--model", "mlp", "--heads", 2), "--heads does not apply to mlp"),
     (("--model", "nowhere:thing"), "cannot import nowhere"),
+    # a model file beside the user's folder, not in it: say where the import looked
+    (("--model", "nowhere.model:thing"), "No module named 'nowhere' (looked in the current folder, "),
 ])
 def test_count_refuses_bad_input_in_one_line(args, fragment):
     code, out, err = pipesim("count", *args)

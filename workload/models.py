@@ -542,8 +542,10 @@ def load_model(spec: str) -> Model:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # an import runs arbitrary code: report whatever it raised, in one line
+        where = (f" (looked in the current folder, {cwd}, and the installed packages)"
+                 if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0] else "")
         raise ModelError(f"--model {spec}: cannot import {module_name}: {type(exc).__name__}: "
-                         f"{(str(exc).splitlines() or [''])[0]}") from None
+                         f"{(str(exc).splitlines() or [''])[0]}{where}") from None
     finally:
         sys.path.remove(cwd)
     try:
