@@ -737,13 +737,25 @@ def out_of_memory(checks) -> tuple[str, str] | None:
     over = [check for check in checks if check.out_of_memory]
     if not over:
         return None
-    devices = [str(check.device) for check in over]
+    devices = _device_runs([check.device for check in over])
     listed = ", ".join(devices[:3]) + (", …" if len(devices) > 3 else "")
-    short = f"OOM on device{'s' if len(devices) > 1 else ''} {listed}"
+    short = f"OOM on device{'s' if len(over) > 1 else ''} {listed}"
     memories = {check.sharers: check for check in over}
     worst = max(memories.values(), key=lambda check: check.used_bytes / check.limit_bytes)
     more = len(memories) - 1
     return short, worst.reason() + (f" (and {more} more out of memory)" if more else "")
+
+
+def _device_runs(devices: list[int]) -> list[str]:
+    """The devices in ascending runs, three or more in a row as "first-last": the table's memory column lists three
+    entries, which read "10, 11, 12, …" for DeepSeek-V3's ZB-V out of memory on devices 10 to 15 ("10-15")."""
+    runs: list[list[int]] = []
+    for device in sorted(devices):
+        if runs and device == runs[-1][-1] + 1:
+            runs[-1].append(device)
+        else:
+            runs.append([device])
+    return [entry for run in runs for entry in ([f"{run[0]}-{run[-1]}"] if len(run) > 2 else map(str, run))]
 
 
 def out_of_memory_line(subject: str, checks) -> str | None:

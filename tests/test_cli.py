@@ -403,6 +403,14 @@ def test_memory_is_checked_against_the_clusters_devices(tmp_path):
     assert {(d["memory_limit_mb"], d["out_of_memory"]) for d in unknown["devices"]} == {(None, False)}
 
 
+def test_the_memory_column_writes_runs_of_devices_out_of_memory_as_ranges(tmp_path):
+    """The column lists three entries: devices 1 to 5 and 7 out of memory read "OOM on devices 1, 2, 3, …", hiding
+    how many and which (DeepSeek-V3's ZB-V in the README, out of memory on devices 10 to 15: "10, 11, 12, …")."""
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-p", 8, "--cluster",
+                             cluster_file(tmp_path, [80, 0.5, 0.5, 0.5, 0.5, 0.5, 80, 0.5]))
+    assert code == 0 and "OOM on devices 1-5, 7" in out, out
+
+
 def test_the_page_says_which_methods_run_out_of_memory(tmp_path):
     """Its bars and memory curves show no device's memory: the warning is a note under the title."""
     page, small = tmp_path / "t.html", cluster_file(tmp_path, [80, 0.5, 80, 80])
