@@ -85,8 +85,8 @@ def _render(c) -> None:
     if c.compute_duration_median is not None:
         stdout.print(f"compute ops: median duration error {percent_text(c.compute_duration_median)} (bias "
                      f"{_percent(c.compute_duration_bias)})", highlight=False)
-    durations = Table(box=box.SIMPLE_HEAD, title="duration error by kind, relative (worst: op@device)",
-                      title_justify="left")
+    durations = Table(box=box.SIMPLE_HEAD, title_justify="left",
+                      title="duration by kind, ms summed over its ops; error relative (worst: op@device)")
     starts = Table(box=box.SIMPLE_HEAD, title="start error by kind, ms from each run's first op", title_justify="left")
     for table, headers in ((durations, ("kind", "ops", "predicted ms", "measured ms", "|median|", "|p90|", "bias",
                                         "worst")),

@@ -224,6 +224,22 @@ TORCH_RUNS = Path(__file__).parent.parent / "traces" / "measured"
 MLP_PROFILE = TORCH_RUNS / "fidelity-cpu2-day3-runs" / "mlp-profile.json"
 
 
+def test_the_duration_table_says_its_ms_are_the_kinds_ops_summed(tmp_path):
+    """Its predicted and measured ms are each kind's ops summed (64 forwards of 1 ms against 1.1: 4 devices, 8
+    micro-batches, 2 mini-batches), which the table did not say: "predicted ms 64.00" under "duration error by kind,
+    relative" read as one op's time."""
+    from tests.conftest import pipesim
+
+    predicted, measured = tmp_path / "p.json", tmp_path / "m.json"
+    assert pipesim("simulate", "-s", "gpipe", "-p", "4", "-m", "8", "--trace", predicted).code == 0
+    assert pipesim("simulate", "-s", "gpipe", "-p", "4", "-m", "8", "--fwd", "1.1", "--trace", measured).code == 0
+    code, out, err = pipesim("compare", measured, predicted)
+    assert code == 0, err
+    assert "duration by kind, ms summed over its ops; error relative (worst: op@device)" in out
+    forwards = next(line.split() for line in out.splitlines() if line.split()[:1] == ["F"])
+    assert forwards[1:4] == ["64", "64.00", "70.40"]
+
+
 def test_view_says_that_compare_reads_a_torch_profiler_trace(tmp_path):
     """It said only "not a pipesim trace: the top-level 'pipesim' key is missing", naming no file."""
     from tests.conftest import pipesim
