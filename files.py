@@ -85,8 +85,8 @@ def is_profile_document(doc: Any) -> bool:
 # cluster file, a stage graph), each as a refusal names one given in another's place
 TRACE, PROFILE, STUDY_RESULTS = "trace", "profile", "study results file"
 CLUSTER, GRAPH_FILE = "cluster file", "graph file"
-# a cluster file's top-level keys (sim/cluster.py's ClusterSpec, which allows no other): "devices" alone is no cluster
-# file, `pipesim compare --json` writes a "devices" list too
+# a cluster file's top-level keys, sim/cluster.py ClusterSpec's fields (it allows no other; this leaf may not import
+# it, tests/test_file_errors.py holds the two equal): "devices" alone is no cluster file, `compare --json` writes one
 CLUSTER_KEYS = frozenset({"devices", "link", "links", "overlap_comm", "contention", "collective_contention"})
 GRAPH_KEYS = frozenset({"stages", "edges", "placement"})  # a stage graph's (schedules/graph.py `load_graph`'s)
 

@@ -9,6 +9,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ..files import CLUSTER, read_document, validated
 from ..profiles.linkfit import piecewise_ms
@@ -215,6 +225,93 @@ def _describe_link(link: Link) -> dict[str, Any]:
     return out
 
 
+class _Strict(BaseModel):
+    """A cluster file's part (`load_cluster`): no key outside its fields. Each validator is built at the first
+    cluster file read (defer_build), not when the simulator is imported."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True)
+
+
+class DeviceSpec(_Strict):
+    name: str
+    memory_gib: Annotated[float, AfterValidator(checked_memory_gib)] | None = None  # held as int(gib * GIB)
+    compute: str | None = Field(default=None, min_length=1)
+    host: str | None = Field(default=None, min_length=1)
+
+
+class LinkSpec(_Strict):
+    latency_us: float = Field(default=0.0, ge=0, le=MAX_MS * 1e3)  # past it, no clock holds one transfer
+    bandwidth_gb_per_s: float | None = Field(default=None, gt=0)
+    table: list[tuple[float, float]] | None = None
+
+    @field_validator("table")
+    @classmethod
+    def _increasing(cls, table: list[tuple[float, float]] | None) -> list[tuple[float, float]] | None:
+        if table is not None:
+            if len(table) < 2:
+                raise ValueError("a size table needs at least two [bytes, ms] points")
+            sizes = [size for size, _ in table]
+            if any(b <= a for a, b in zip(sizes, sizes[1:])) or any(not 0 <= ms <= MAX_MS for _, ms in table):
+                raise ValueError(f"sizes must increase and times must be from 0 to {MAX_MS:g} ms")
+        return table
+
+
+class PairSpec(LinkSpec):
+    src: int = Field(ge=0)
+    dst: int = Field(ge=0)
+    shared: str | None = None
+
+
+class ClusterSpec(_Strict):
+    devices: list[DeviceSpec]
+    link: LinkSpec = Field(default_factory=LinkSpec)  # an instance here builds its validator at import
+    links: list[PairSpec] = []
+    overlap_comm: StrictBool = True  # not "yes", which pydantic would read as true
+    contention: list[float] = []
+    collective_contention: list[float] = []
+
+    @field_validator("contention", "collective_contention")
+    @classmethod
+    def _slowdowns(cls, factors: list[float], info: ValidationInfo) -> list[float]:
+        problem = _slowdowns_problem(info.field_name, factors)
+        if problem:
+            raise ValueError(problem)
+        return factors
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, raw: Any) -> Any:
+        """`"devices": n` is n devices with nothing said about them (one validation path for both forms,
+        so an error inside the list names its own field)."""
+        if not isinstance(raw, dict) or "devices" not in raw or isinstance(raw["devices"], list):
+            return raw
+        count = raw["devices"]
+        if not isinstance(count, int) or isinstance(count, bool) or count > MAX_ROWS // 2:
+            # 10**12 ran out of memory listing them: no schedule runs on more (each device runs 2 rows at least)
+            raise ValueError(f"devices: a whole number of devices, at most {MAX_ROWS // 2:,} (the most any "
+                             f"schedule pipesim simulates runs on), or a list of devices (got {count!r})")
+        return {**raw, "devices": [{"name": f"device {d}"} for d in range(count)]}
+
+    @model_validator(mode="after")
+    def _in_range(self) -> ClusterSpec:
+        n = len(self.devices)
+        if n < 1:
+            raise ValueError("devices: at least one device")
+        for pair in self.links:
+            if pair.src >= n or pair.dst >= n or pair.src == pair.dst:
+                raise ValueError(f"links: {pair.src}->{pair.dst} must join two distinct devices in 0..{n - 1}")
+        sharing: dict[str, DeviceSpec] = {}
+        for device in self.devices:
+            if device.compute is None or device.memory_gib is None:
+                continue
+            first = sharing.setdefault(device.compute, device)
+            if first.memory_gib != device.memory_gib:
+                raise ValueError(f"devices: {first.name} and {device.name} share compute {device.compute!r}, "
+                                 f"so they share its memory, but give memory_gib {first.memory_gib:g} and "
+                                 f"{device.memory_gib:g}; give the same, or give it on one of them")
+        return self
+
+
 def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster JSON file; ClusterError names the first field that is wrong.
 
@@ -236,96 +333,6 @@ def load_cluster(path: str | Path) -> Cluster:
     `collective_contention[k]` times slower than alone while k of them compute (a calibration's
     `allreduce.beside_compute`; the first factor, none computing, is 1).
     """
-    from pydantic import (
-        AfterValidator,
-        BaseModel,
-        ConfigDict,
-        Field,
-        StrictBool,
-        ValidationInfo,
-        field_validator,
-        model_validator,
-    )
-
-    class _Strict(BaseModel):
-        model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    class DeviceSpec(_Strict):
-        name: str
-        memory_gib: Annotated[float, AfterValidator(checked_memory_gib)] | None = None  # held as int(gib * GIB)
-        compute: str | None = Field(default=None, min_length=1)
-        host: str | None = Field(default=None, min_length=1)
-
-    class LinkSpec(_Strict):
-        latency_us: float = Field(default=0.0, ge=0, le=MAX_MS * 1e3)  # past it, no clock holds one transfer
-        bandwidth_gb_per_s: float | None = Field(default=None, gt=0)
-        table: list[tuple[float, float]] | None = None
-
-        @field_validator("table")
-        @classmethod
-        def _increasing(cls, table: list[tuple[float, float]] | None) -> list[tuple[float, float]] | None:
-            if table is not None:
-                if len(table) < 2:
-                    raise ValueError("a size table needs at least two [bytes, ms] points")
-                sizes = [size for size, _ in table]
-                if any(b <= a for a, b in zip(sizes, sizes[1:])) or any(not 0 <= ms <= MAX_MS for _, ms in table):
-                    raise ValueError(f"sizes must increase and times must be from 0 to {MAX_MS:g} ms")
-            return table
-
-    class PairSpec(LinkSpec):
-        src: int = Field(ge=0)
-        dst: int = Field(ge=0)
-        shared: str | None = None
-
-    class ClusterSpec(_Strict):
-        devices: list[DeviceSpec]
-        link: LinkSpec = LinkSpec()
-        links: list[PairSpec] = []
-        overlap_comm: StrictBool = True  # not "yes", which pydantic would read as true
-        contention: list[float] = []
-        collective_contention: list[float] = []
-
-        @field_validator("contention", "collective_contention")
-        @classmethod
-        def _slowdowns(cls, factors: list[float], info: ValidationInfo) -> list[float]:
-            problem = _slowdowns_problem(info.field_name, factors)
-            if problem:
-                raise ValueError(problem)
-            return factors
-
-        @model_validator(mode="before")
-        @classmethod
-        def _counted(cls, raw: Any) -> Any:
-            """`"devices": n` is n devices with nothing said about them (one validation path for both forms,
-            so an error inside the list names its own field)."""
-            if not isinstance(raw, dict) or "devices" not in raw or isinstance(raw["devices"], list):
-                return raw
-            count = raw["devices"]
-            if not isinstance(count, int) or isinstance(count, bool) or count > MAX_ROWS // 2:
-                # 10**12 ran out of memory listing them: no schedule runs on more (each device runs 2 rows at least)
-                raise ValueError(f"devices: a whole number of devices, at most {MAX_ROWS // 2:,} (the most any "
-                                 f"schedule pipesim simulates runs on), or a list of devices (got {count!r})")
-            return {**raw, "devices": [{"name": f"device {d}"} for d in range(count)]}
-
-        @model_validator(mode="after")
-        def _in_range(self) -> ClusterSpec:
-            n = len(self.devices)
-            if n < 1:
-                raise ValueError("devices: at least one device")
-            for pair in self.links:
-                if pair.src >= n or pair.dst >= n or pair.src == pair.dst:
-                    raise ValueError(f"links: {pair.src}->{pair.dst} must join two distinct devices in 0..{n - 1}")
-            sharing: dict[str, DeviceSpec] = {}
-            for device in self.devices:
-                if device.compute is None or device.memory_gib is None:
-                    continue
-                first = sharing.setdefault(device.compute, device)
-                if first.memory_gib != device.memory_gib:
-                    raise ValueError(f"devices: {first.name} and {device.name} share compute {device.compute!r}, "
-                                     f"so they share its memory, but give memory_gib {first.memory_gib:g} and "
-                                     f"{device.memory_gib:g}; give the same, or give it on one of them")
-            return self
-
     raw = read_document(path, CLUSTER, ClusterError)  # another kind is named, not by the devices it lacks
     spec = validated(ClusterSpec, raw, path, CLUSTER, ClusterError)
 

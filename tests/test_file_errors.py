@@ -111,6 +111,18 @@ def test_a_compare_report_is_no_cluster_file():
         assert (code, out) == (2, "") and "cluster" not in err, err
 
 
+def test_a_cluster_file_using_every_field_its_reader_allows_is_named_a_cluster_file(tmp_path):
+    """files.py, a leaf that may not import the simulator, tells a cluster file by CLUSTER_KEYS: they are
+    sim/cluster.py ClusterSpec's fields, so a field added to the reader is a key of the kind too."""
+    from pipesim.files import CLUSTER, CLUSTER_KEYS, document_kind
+    from pipesim.sim.cluster import ClusterSpec, load_cluster
+
+    every_field = ClusterSpec.model_validate({"devices": 2}).model_dump(mode="json")
+    (tmp_path / "cluster.json").write_text(json.dumps(every_field))
+    assert load_cluster(tmp_path / "cluster.json").num_devices == 2
+    assert (document_kind(every_field), CLUSTER_KEYS) == (CLUSTER, every_field.keys())
+
+
 def test_a_studys_results_named_in_a_refusal_is_shell_quoted_and_study_still_reads_it(tmp_path, monkeypatch):
     """The command a refusal names pastes as one argument ('my study.json' gave two); study reads the file past
     its kind and says what is wrong with it."""
