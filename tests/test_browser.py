@@ -379,6 +379,7 @@ def test_built_in_example_renders_every_schedule(example_page):
     for panel in v.summary["figures"]:
         assert panel["left"] >= panel["axis_left"] - 0.5, v.summary["figures"]
     assert_ticks_apart(v.summary["ticks"])
+    assert len(v.summary["ticks"][0]) == 4  # samples/s: 0, 100, 200, 300, as dense as they read apart (not 0, 200)
 
 
 TICK_GAP_PX = 8  # between a summary panel's tick labels at the least: "1,000 2,000 3,000" stood 4 px apart

@@ -272,6 +272,11 @@ TICK_FORMAT = ","  # the axes' ticks of ms, MiB, samples and samples/s: "1,000",
 # Where plotly's mode bar ends under a figure's top (23 px high, 2 px down): a small figure's title, plot or table
 # starts under it (at 800 px the sweep's title ran under its icons, the study's accuracy chart's top markers too).
 MODEBAR_BOTTOM_PX = 25
+# A small figure's plot or table starts UNDER_MODEBAR_PX under the mode bar, or LINE_OVER_PX where a line of text
+# stands over it (a title, whose text plotly writes 15 px above its top pad; a note): at 20 px from the top the mode
+# bar lay over the study's accuracy chart's top markers, and at 800 px it touched the Adam panel's title and ran
+# over the sweep's title and its table's "bubble" header.
+UNDER_MODEBAR_PX, LINE_OVER_PX = 5, 20
 
 
 # The summary chart's panels: (title, Summary field, bar text); samples/s first, the one measure that a mini-batch
@@ -1223,22 +1228,39 @@ _TIMELINE_JS = r"""
     return Object.assign({}, layout, {annotations, height: layout.height + grown,
                                       margin: Object.assign({}, margin, {t: margin.t + grown})});
   }
-  // Each panel's axis with no more ticks than its width holds level and SUMMARY_TICK_GAP_PX apart, by the width of
-  // its widest label (its bars' most and a tenth, as the axis runs past it): at 800 px, the bubble's 0 % to 40 % every
-  // 10 % stood on end, plotly's way out of labels that touch, and a room of 35 px a tick set the time's "1,000",
-  // "2,000" and "3,000" 4 px apart.
+  // Each panel's axis ticked every 1, 2 or 5 × 10^k, the densest step whose labels stand level and SUMMARY_TICK_GAP_PX
+  // apart over its bars' most and a tenth (the axis runs past it), each label as wide as the widest it writes: at
+  // 800 px, the bubble's 0 % to 40 % every 10 % stood on end, plotly's way out of labels that touch, and a room of
+  // 35 px a tick set the time's "1,000", "2,000" and "3,000" 4 px apart.
   function fitSummaryTicks(layout) {
-    const margin = layout.margin, width = summaryDiv.clientWidth - margin.l - margin.r, fontPx = layout.font.size;
-    const axes = {};
+    const margin = layout.margin, width = summaryDiv.clientWidth - margin.l - margin.r, axes = {};
     DATA.summary.data.forEach((bars, j) => {
       const name = "xaxis" + (j ? j + 1 : ""), axis = layout[name];
       const most = 1.1 * Math.max(0, ...bars.x.filter(value => value !== null));
-      const widest = textPx(axis.tickformat === TICK_FORMAT ? fmt(most, 0) : fmt(100 * most, 0) + "%", fontPx);
-      const nticks = Math.min(SUMMARY_MOST_TICKS, Math.max(3, Math.floor(
-        width * (axis.domain[1] - axis.domain[0]) / (widest + SUMMARY_TICK_GAP_PX))));
-      axes[name] = Object.assign({}, axis, {nticks, tickangle: 0});
+      const percent = axis.tickformat !== TICK_FORMAT;  // (".0%": whole percents, a step of 1 % at the least)
+      const label = (value, step) => {
+        const scale = percent ? 100 : 1, decimals = Math.max(0, -Math.floor(Math.log10(scale * step)));
+        return fmt(scale * value, decimals) + (percent ? "%" : "");
+      };
+      const length = width * (axis.domain[1] - axis.domain[0]);
+      const step = most > 0 ? tickStep(most, length, label, layout.font.size, percent ? 0.01 : 0) : null;
+      axes[name] = Object.assign({}, axis, step ? {tickmode: "linear", tick0: 0, dtick: step} : {nticks: 3},
+                                 {tickangle: 0});
     });
     return Object.assign({}, layout, axes);
+  }
+  // The least of 1, 2 and 5 × 10^k, and `least` at the least, that ticks [0, most] SUMMARY_MOST_TICKS times at most,
+  // its labels `label` in `px` px text SUMMARY_TICK_GAP_PX apart on an axis `length` px long (null: none, as on an
+  // axis of no width).
+  function tickStep(most, length, label, px, least) {
+    const first = Math.max(least, 10 ** Math.floor(Math.log10(most / SUMMARY_MOST_TICKS)));
+    for (let decade = first; length > 0 && decade <= 10 * most; decade *= 10) {
+      for (const step of [decade, 2 * decade, 5 * decade]) {
+        const ticks = Math.floor(most / step) + 1, widest = textPx(label((ticks - 1) * step, step), px);
+        if (ticks <= SUMMARY_MOST_TICKS && length * step / most >= widest + SUMMARY_TICK_GAP_PX) return step;
+      }
+    }
+    return null;
   }
   // Each figure inside its bar where it fits there unshrunk, at the chart's font size, else just past the bar's
   // end: plotly's "auto" keeps a figure inside a bar it fits only shrunk, which uniformtext then draws larger all
