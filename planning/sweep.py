@@ -441,9 +441,6 @@ STALENESS_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "star")  # st
 # A configuration past a device's memory, ringed over its point (its schedule's colour and its symbol kept): the
 # hover alone said so, and an OOM configuration led its front's time axis looking like any other.
 OOM_NAME, OOM_RING = "OOM: past a device's memory", "#000000"  # black: D3's red is a schedule's
-# A title's text starts 15 px above its top pad: the mode bar's bottom and 20 px more leave the trade-off's title
-# 5 px under it (at 800 px it ran under its icons).
-TITLE_UNDER_MODEBAR_PX = 20
 
 
 def _group_name(key: tuple[int, float, int]) -> str:
@@ -460,7 +457,7 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     import plotly.graph_objects as go
     from plotly.colors import qualitative
 
-    from ..traces.view import MODEBAR_BOTTOM_PX, TICK_FORMAT
+    from ..traces.view import LINE_OVER_PX, MODEBAR_BOTTOM_PX, TICK_FORMAT
 
     on_front = set(front)
     ran = [i for i, r in enumerate(results) if r.metrics is not None]
@@ -546,7 +543,7 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
         xaxis_title="time per mini-batch (ms)", yaxis_title="peak memory per device (MiB)", template="plotly_white",
         xaxis_tickformat=TICK_FORMAT, yaxis_tickformat=TICK_FORMAT,
         height=650, margin={"t": 130}, legend={"title": {"text": "schedule"}},
-        title={"y": 1, "yanchor": "top", "pad": {"t": MODEBAR_BOTTOM_PX + TITLE_UNDER_MODEBAR_PX}})
+        title={"y": 1, "yanchor": "top", "pad": {"t": MODEBAR_BOTTOM_PX + LINE_OVER_PX}})
     if views:  # the first group, as its button would show it
         _, traces, layout = views[0]
         fig.update(data=[{"visible": v, "showlegend": legend} for v, legend in zip(*traces.values())])
@@ -570,7 +567,7 @@ def fronts_table(best: Sequence[Result]):
     (plotly's cell formats have no rule of three significant digits, nor "<0.01")."""
     import plotly.graph_objects as go
 
-    from ..traces.view import MODEBAR_BOTTOM_PX
+    from ..traces.view import MODEBAR_BOTTOM_PX, UNDER_MODEBAR_PX
 
     def axis(name: str, text: Callable[[float], str] = str) -> list[str]:
         return [text(getattr(r.metrics, name)) for r in best]
@@ -588,7 +585,7 @@ def fronts_table(best: Sequence[Result]):
     table = go.Figure(go.Table(
         columnwidth=[3, 1.2] + [1] * (len(columns) - 2), header={"values": list(columns), "align": "left"},
         cells={"values": list(columns.values()), "align": "left", "height": 26}))
-    top_px = MODEBAR_BOTTOM_PX + 5  # (at the page's width, the mode bar ran over the "bubble" header)
+    top_px = MODEBAR_BOTTOM_PX + UNDER_MODEBAR_PX  # (at the page's width, the mode bar ran over the "bubble" header)
     table.update_layout(height=top_px + 70 + 26 * (len(best) + 1), margin={"t": top_px, "b": 10, "l": 0, "r": 0})
     return table
 

@@ -13,7 +13,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from ..traces.metrics import percent_text, rate_text
-from ..traces.view import MODEBAR_BOTTOM_PX, TICK_FORMAT, log_ticks, write_html
+from ..traces.view import LINE_OVER_PX, MODEBAR_BOTTOM_PX, TICK_FORMAT, UNDER_MODEBAR_PX, log_ticks, write_html
 from .results import ArmSummary
 
 _PALETTE = qualitative.D3 + qualitative.Set2
@@ -27,10 +27,6 @@ def _colours(summaries: Sequence[ArmSummary]) -> dict[str, str]:
 
 LEGEND_ROW_PX, LEGEND_ROW_ARMS = 24, 4  # a row of the legend under a chart, and the arms it holds at 1000 px or so
 AXIS_TITLE_PX = 56  # from a chart's plot down past its x axis' labels and title, where a legend under it starts
-# A chart's plot starts this far under the mode bar, or LINE_OVER_PX where a line of text stands over it (the loss
-# panels' titles, the accuracy's note): at 20 px from the top, the mode bar lay over the accuracy chart's top markers,
-# and at 800 px it touched the Adam panel's title.
-UNDER_MODEBAR_PX, LINE_OVER_PX = 5, 20
 
 
 def _legend_below(fig: go.Figure, arms: int, plot_px: int, margin: dict[str, int]) -> None:
