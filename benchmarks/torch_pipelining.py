@@ -184,6 +184,20 @@ def _next_steps(args: argparse.Namespace) -> str:
             f"--threads {args.threads_per_rank} --device cpu --no-runtime --out PROFILE.json\n  " + predict)
 
 
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from `least` (a count of stages, mini-batches or threads), refused on the
+    command line rather than in the ranks."""
+    def parsed(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"give a whole number from {least} (got {text!r})")
+        return value
+    return parsed
+
+
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with what --profile fixes filled in (or the defaults)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -193,17 +207,17 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                              "and Schedule1F1B (1f1b records no per-action ranges)")
     parser.add_argument("--profile", help="a CPU profile from `pipesim calibrate`: run the model, options, "
                                           "micro-batch size, threads, stages and cut it measured")
-    parser.add_argument("--stages", type=int, help="default 2")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5, help="profiled mini-batches")
-    parser.add_argument("--warmup", type=int, default=2, help="mini-batches run before profiling")
+    parser.add_argument("--stages", type=_count(1), help="default 2")
+    parser.add_argument("--microbatches", type=_count(1), default=8)
+    parser.add_argument("--steps", type=_count(1), default=5, help="profiled mini-batches")
+    parser.add_argument("--warmup", type=_count(0), default=2, help="mini-batches run before profiling")
     parser.add_argument("--model", help="default mlp")
     parser.add_argument("--model-options", help='JSON (default {"layers": 8, "width": 1024})')
-    parser.add_argument("--microbatch-size", type=int, help="default 32")
+    parser.add_argument("--microbatch-size", type=_count(1), help="default 32")
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads-per-rank", type=int, help="default 1")
+    parser.add_argument("--threads-per-rank", type=_count(1), help="default 1")
     parser.add_argument("--out", required=True, help="folder for rank<r>.json")
     args = parser.parse_args(argv)
     _settle(parser, args)

@@ -45,7 +45,11 @@ def test_a_flag_that_contradicts_the_profile_is_refused(script, capsys, flags, m
 
 def test_bad_input_is_one_line_before_any_rank_starts(script, capsys, tmp_path):
     for argv, message in ((["--model-options", "{layers"], "--model-options: not JSON"),
-                          (["--profile", str(tmp_path / "none.json")], "cannot read profile")):
+                          (["--profile", str(tmp_path / "none.json")], "cannot read profile"),
+                          # it ran, profiled no mini-batch and wrote empty traces
+                          (["--steps", "0"], "argument --steps: give a whole number from 1 (got '0')"),
+                          (["--warmup", "-1"], "argument --warmup: give a whole number from 0 (got '-1')"),
+                          (["--stages", "two"], "argument --stages: give a whole number from 1 (got 'two')")):
         with pytest.raises(SystemExit) as exc:
             script.arguments([*argv, "--out", "run/"])
         assert exc.value.code == 2 and message in capsys.readouterr().err
