@@ -105,7 +105,7 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
                 fig.add_trace(go.Scatter(
                     x=samples[shown], y=mean[shown], mode="lines", name=names[s.arm.label], legendgroup=s.arm.label,
                     showlegend=False, line={"color": colour, "dash": dash, "width": 2},
-                    hovertemplate=f"{s.arm.label} ({optimizer}{note})<br>%{{x:,}} samples<br>loss %{{y:.4f}}"
+                    hovertemplate=f"{s.arm.label} ({optimizer}{note})<br>%{{x:,}} samples<br>loss %{{y:.3f}}"
                                   "<extra></extra>"), row=1, col=col)
             left = [_left_range(samples, c, 10 ** y_range[1]) for r, c in zip(s.runs, smooth) if r.diverged]
             left = [point for point in left if point is not None]

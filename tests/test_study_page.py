@@ -242,3 +242,16 @@ def test_every_chart_of_the_study_page_starts_under_its_mode_bar(blown_up):
         over = [a for a in fig.layout.annotations if a.yref == "paper" and a.y == 1 and a.yanchor == "bottom"]
         assert fig.layout.margin.t >= MODEBAR_BOTTOM_PX + (LINE_OVER_PX if over else 0), fig.layout.margin
     assert any(a.text.startswith("no accuracy") for a in figures[1].layout.annotations)  # a line over the plot
+
+
+def test_the_loss_hovers_write_a_loss_as_the_studys_table_does(blown_up):
+    """The study's table writes a loss to three decimals (0.614); its page hovered four (0.6140)."""
+    from pipesim.study.page import loss_figure
+    from pipesim.study.results import recorded_arms, summarize
+
+    saved = load_results(blown_up)
+    arms, optimizers, seeds = recorded_arms(saved)
+    summaries = summarize(saved, arms, optimizers, seeds)
+    assert f"{summaries[0].final_loss.mean:.3f}" in summaries[0].final_loss.text()  # the table's figure
+    lines = [t for t in loss_figure(summaries, list(optimizers)).data if t.mode == "lines"]
+    assert lines and all(t.hovertemplate.split("<br>")[-1].startswith("loss %{y:.3f}") for t in lines)
