@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -25,6 +26,9 @@ SHORT_CELL = 12  # characters: a cell this short is a value ("2,875.9 ms", "8.6%
 READABLE_TEXT = 20  # characters: a text cell wraps no narrower where splitting the table into parts can keep it so
 UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
 WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357 ± 0.244"): one value, never wrapped
+# The space between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), where a line never wraps.
+FIGURE_AND_UNIT = re.compile(r"(?<=\d) (?=(?:s|ms|us|B|KiB|MiB|GiB|GB/s|Gb/s|samples/s)(?![\w/]))")
+NO_BREAK = "\u00a0"
 
 
 def available_width(console: Console) -> int | None:
@@ -186,3 +190,14 @@ def print_table(table: Table, console: Console = stdout, keys: int = 1, compact:
             first = "the first column" if keys == 1 else f"the first {keys} columns"
             console.print(f"(wider than {width} columns: printed in {len(tables)} parts, {first} repeated in each; "
                           "a wider terminal, or COLUMNS, shows it whole)", style="dim", width=width, highlight=False)
+
+
+def print_paragraph(text: str, console: Console = stdout) -> None:
+    """`text` wrapped at the console's width between words, but never between a figure and its unit: rich wraps
+    at any space, and tune's search summary ended "...; 23.62" / "s" at 80 columns. Printed as written (no
+    markup, no highlighting)."""
+    glued = FIGURE_AND_UNIT.sub(NO_BREAK, text)  # textwrap breaks at ASCII whitespace alone
+    lines = [line for paragraph in glued.split("\n")
+             for line in textwrap.wrap(paragraph, console.width, break_on_hyphens=False) or [""]]
+    console.print("\n".join(lines).replace(NO_BREAK, " "), markup=False, highlight=False, soft_wrap=True)
+

@@ -145,6 +145,22 @@ def test_tunes_summary_counts_the_configurations_its_progress_line_counted():
                               "built, 16 too stale"), summary
 
 
+def test_tunes_summary_at_80_columns_keeps_its_seconds_with_their_unit():
+    """At 80 columns the summary's last line read "...; 23.62" and the next "s": rich wraps at any space, the one
+    between a figure and its unit too."""
+    from pipesim.commands.tables import print_paragraph
+    from pipesim.commands.tune import search_summary
+    from pipesim.planning.tune import Stats
+
+    stats = Stats(shapes=528, refused=456, stale=1, over_memory_floor=1, pruned=1, simulated=16_000,
+                  simulated_over_limits=6, simulated_leanest=1, seconds=23.62, refused_built=1)
+    console = Console(width=80, file=StringIO())
+    print_paragraph(search_summary(stats), console)
+    lines = console.file.getvalue().splitlines()
+    assert lines[-1].endswith("fits; 23.62 s") or lines[-1] == "23.62 s", lines
+    assert " ".join(lines) == search_summary(stats) and max(map(len, lines)) <= 80, lines
+
+
 def test_simulates_tables_separate_thousands_of_ms_and_label_a_method_by_its_shape_in_each():
     """`ms/step 330000000.000` beside memory's "1,288", and --memory's table labelled interleaved-1f1b without
     its "(v=2)", which the main table gives."""
