@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..launch import TORCHRUN_ENV, under_torchrun
-from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight
+from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight, resting_copies
 from ..schedules.ir import Action, ScheduleError
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from ..workload.processes import rank_context, rank_process, start_processes
@@ -781,7 +781,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
               version=version, prediction=prediction,
               start_us=(start_ns - t0) / 1e3, dur_us=(end_ns - start_ns) / 1e3,
               cpu_us=_measured_us(send_cpu_ns), wait_us=_measured_us(wait_ns))
-    base = 1 + schedule.policy.extra_copies
+    base = resting_copies(schedule)
     counters: dict[str, list[Counter]] = {"weight_versions": [], "memory_bytes": [], "sending_bytes": []}
     for d, r in enumerate(results):
         times_us = np.concatenate([[0.0], (r.end_ns - t0) / 1e3]) if r is not None else np.zeros(1)

@@ -229,9 +229,10 @@ class DeviceResult:
     """What a device reports, per row (its rows in order): start and end on the monotonic clock (ns); a SEND
     row's CPU time on the loop's thread (ns, -1 for other rows: its own cost, without what the rank waited or
     was descheduled for meanwhile); a compute row's wait for its turn on a GPU shared with other ranks (ns, -1 where
-    the GPU is its own or on CPU: the host time before the row holds it); the weight copies its fullest stage
-    replica held after the row (versions, prediction buffers, reference); the weight version and prediction
-    distance the row's op used (-1: none); memory after the row (bytes: all, and saved activations alone) and its
+    the GPU is its own or on CPU: the host time before the row holds it); the weight copies of its fullest stage
+    held after the row (each pipeline's replica of it, with versions and prediction buffers, and its reference);
+    the weight version and prediction distance the row's op used (-1: none); memory after the row (bytes: all, and
+    saved activations alone) and its
     peak (at its end, before it let go of what it used last), and of the memory after it the bytes only sends still
     in flight hold (CPU; 0 on CUDA: when those complete is up to the transport's threads, so that part varies with
     the host's load). Also the loss per (pipeline, mini-batch) when it
@@ -545,9 +546,12 @@ class DeviceLoop:
     # ---------------------------------------------------------------------------------------- measuring
 
     def _held(self) -> int:
-        """Weight copies of the fullest stage replica: its versions, prediction buffers and the stage's
-        reference model."""
-        return max((state.held() + (k in self.references) for (k, _), state in self.weights.items()), default=0)
+        """Weight copies of the fullest stage: every pipeline's replica of it (versions, prediction buffers) and
+        the stage's reference model."""
+        per_stage: dict[int, int] = {}
+        for (k, _), state in self.weights.items():
+            per_stage[k] = per_stage.get(k, int(k in self.references)) + state.held()
+        return max(per_stage.values(), default=0)
 
     def _weight_storage(self) -> dict[int, int]:
         tensors = [t for state in self.weights.values() for t in state.tensors()]

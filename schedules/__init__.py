@@ -10,6 +10,7 @@ from .analysis import (
     flushes,
     local_order_ok,
     peak_per_stage,
+    resting_copies,
     steady_minibatches,
     validate,
     version_reads,
@@ -57,5 +58,5 @@ __all__ = [
     "METHODS", "NUM_COMPUTE_KINDS", "PASS_COLLECTIVE_KINDS", "peak_per_stage", "Prediction", "preflight",
     "Read", "RECV_KINDS", "RING_KINDS",
     "Schedule", "ScheduleError", "ScheduleParams", "SEND_KINDS", "StageGraph", "steady_minibatches", "SYNCHRONOUS",
-    "validate", "version_reads", "Versions", "warmup_minibatches", "weight_versions", "WeightPolicy",
+    "resting_copies", "validate", "version_reads", "Versions", "warmup_minibatches", "weight_versions", "WeightPolicy",
 ]

@@ -346,23 +346,30 @@ def warmup_minibatches(flushing: bool, stages: int, microbatches: int) -> int:
     return 2 * -(-stages // microbatches) + 2
 
 
+def resting_copies(schedule: Schedule) -> int:
+    """The weight copies of one stage a device holds when no older version lingers: each pipeline's replica
+    of it (AvgPipe's P) plus the policy's extra copies (a prediction buffer, AvgPipe's reference model)."""
+    return schedule.pipelines + schedule.policy.extra_copies
+
+
 def weight_versions(schedule: Schedule) -> Versions:
     """Compute the version every action reads, and the weight copies each device must hold, from the order.
 
     A stage's version counts its OPT actions (per pipeline replica). A version stays held, besides the
-    current one, from the update that supersedes it until the last action that reads it.
+    current one, from the update that supersedes it until the last action that reads it. The copies of one
+    stage count every pipeline's replica of it.
     """
-    read, prediction, copies_delta, replica = _version_reads(schedule)
+    read, prediction, copies_delta = _version_reads(schedule)
     t, n = schedule.table, len(read)
-    held_after = np.full(n, 1 + schedule.policy.extra_copies, dtype=np.int64)
+    held_after = np.full(n, resting_copies(schedule), dtype=np.int64)
     lingering = copies_delta != 0
     for d in np.unique(t.device[lingering]) if lingering.any() else ():  # (np.unique imports numpy.ma: 10 ms)
         lo, hi = np.searchsorted(t.device, [d, d + 1])
-        mine, delta = replica[lo:hi], copies_delta[lo:hi]
-        if np.all(mine == mine[0]):  # the device's one replica (PipeDream's orders)
+        stage, delta = t.stage[lo:hi], copies_delta[lo:hi]
+        if np.all(stage == stage[0]):  # the device's one stage (PipeDream's orders)
             held_after[lo:hi] += np.cumsum(delta)
         else:
-            held_after[lo:hi] += np.max([np.cumsum(np.where(mine == q, delta, 0)) for q in np.unique(mine)], axis=0)
+            held_after[lo:hi] += np.max([np.cumsum(np.where(stage == s, delta, 0)) for s in np.unique(stage)], axis=0)
     return Versions(read, prediction, copies_delta, held_after)
 
 
@@ -370,13 +377,12 @@ def version_reads(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     """`weight_versions`' `read` and `copies_delta` alone, without the copies each device holds after each action:
     what tune reads off hundreds of orders (planning/tune.py `_held`) and a stage's memory of every range of layers
     (planning/scenario.py `Scenario.stage_memory`)."""
-    read, _, copies_delta, _ = _version_reads(schedule)
+    read, _, copies_delta = _version_reads(schedule)
     return read, copies_delta
 
 
-def _version_reads(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`weight_versions`' read, prediction and copies_delta, and each row's replica (its stage and pipeline; 0
-    for a transfer)."""
+def _version_reads(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`weight_versions`' read, prediction and copies_delta."""
     t, policy = schedule.table, schedule.policy
     n = len(t.kind)
     rows = np.arange(n)
@@ -459,7 +465,7 @@ def _version_reads(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarr
     # (one of the policy's extra copies), not v itself. An op that reads the latest version reads it before
     # the update that supersedes it, so where every op does, none is held beside the current one.
     if policy.forward is Read.LATEST and policy.backward is Read.LATEST:
-        return read, prediction, np.zeros(n, dtype=np.int64), replica
+        return read, prediction, np.zeros(n, dtype=np.int64)
     versions = int(current.max()) + 2 if n else 1
     reads = (read >= 0) & (prediction < 0)
     last_read = np.full(p * r * versions, -1, dtype=np.int64)
@@ -470,7 +476,7 @@ def _version_reads(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarr
     copies_delta = np.zeros(n, dtype=np.int64)
     np.add.at(copies_delta, superseded[lingers], 1)
     np.add.at(copies_delta, last_read[lingers], -1)
-    return read, prediction, copies_delta, replica
+    return read, prediction, copies_delta
 
 
 def peak_per_stage(t: ActionTable, at_start: np.ndarray, at_end: np.ndarray, num_stages: int) -> np.ndarray:

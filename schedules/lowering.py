@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .analysis import _action, check_complete, local_order_ok, validate, weight_versions
+from .analysis import _action, check_complete, local_order_ok, resting_copies, validate, weight_versions
 from .catalogue import METHODS
 from .ir import COLLECTIVE_KINDS, PASS_COLLECTIVE_KINDS, RECV_KINDS, Kind, Schedule, ScheduleError
 from .passes import communication_rows, exchange_order, gathered_passes
@@ -133,7 +133,7 @@ def lower(schedule: Schedule, exchange_ps: np.ndarray | None = None, natural: Lo
 
     # A transfer keeps the weight-copy level of the compute row before it on its device (the base level
     # before any).
-    base = 1 + schedule.policy.extra_copies
+    base = resting_copies(schedule)
     held = scatter(versions.held_after, base)
     if np.any(versions.held_after != base):
         last_compute = np.maximum.accumulate(np.where(origin >= 0, np.arange(len(origin)), 0))

@@ -51,6 +51,7 @@ from ..schedules import (
     Schedule,
     ScheduleError,
     kind_mask,
+    resting_copies,
     validate,
 )
 from ..schedules.lowering import Lowered, lower, preflight
@@ -1719,7 +1720,7 @@ def _counters(program: _Program, costs: Costs, transfers: np.ndarray, transfer_i
     counters = {
         "memory_bytes": memory,
         "activations": _step_counters(bounds, first_ps, end_ps, (act_at_start, act_at_end), [0] * devices)[0],
-        "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, 1 + schedule.policy.extra_copies),
+        "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, resting_copies(schedule)),
         **part_counters,
     }
     return counters, parts_at_peak, savers_at_peak

@@ -290,8 +290,9 @@ def test_console_script_starts_without_torch():
 def test_method_defaults_and_avgpipe_options():
     zbv, avg, plain = simulate_json("-s", "zb-v", "-s", "avgpipe", "-s", "1f1b")
     assert len(zbv["stages"]) == 8  # two chunks per device by default
-    assert max(d["peak_weight_versions"] for d in avg["devices"]) == 2  # the reference model
+    assert [d["peak_weight_versions"] for d in avg["devices"]] == [3] * 4  # two pipelines' replicas, the reference
     (three,) = simulate_json("-s", "avgpipe", "--pipelines", "3", "--advance", "0")
+    assert [d["peak_weight_versions"] for d in three["devices"]] == [4] * 4
     assert three["peak_memory_mb"] > avg["peak_memory_mb"]
     assert three["time_per_minibatch_ms"] > avg["time_per_minibatch_ms"]  # three pipelines share the devices
 
