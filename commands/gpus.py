@@ -10,6 +10,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..traces.metrics import figure_text
 from .common import GpusFile, fail
 from .tables import print_table
 
@@ -37,11 +38,11 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
     for name, part in catalogue.gpu.items():
         peak = part.dense_tflops
         link = part.intra_node
-        table.add_row(name, f"{part.memory_gib:g}", f"{part.memory_bandwidth_gb_s:g}",
-                      *(f"{value:g}" if value is not None else "-" for value in
+        table.add_row(name, figure_text(part.memory_gib), figure_text(part.memory_bandwidth_gb_s),
+                      *(figure_text(value) if value is not None else "-" for value in
                         (peak.fp32, peak.tf32, peak.bf16, peak.fp16, peak.fp8)),
-                      f"{link.link} {link.gb_s_per_direction:g} x{link.gpus_per_node}",
-                      f"{part.network.gbit_s:g} {part.network.kind}")
+                      f"{link.link} {figure_text(link.gb_s_per_direction)} x{link.gpus_per_node}",
+                      f"{figure_text(part.network.gbit_s)} {part.network.kind}")
     print_table(table)
     if catalogue.cluster:
         clusters = Table(title="clusters", box=box.SIMPLE_HEAD)
@@ -52,5 +53,5 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
             network = cluster.network or part.network
             clusters.add_row(name, cluster.gpu, str(cluster.nodes),
                              str(cluster.gpus_per_node or (cluster.intra_node or part.intra_node).gpus_per_node),
-                             f"{network.kind} {network.gbit_s:g} Gb/s")
+                             f"{network.kind} {figure_text(network.gbit_s)} Gb/s")
         print_table(clusters)

@@ -200,4 +200,3 @@ def print_paragraph(text: str, console: Console = stdout) -> None:
     lines = [line for paragraph in glued.split("\n")
              for line in textwrap.wrap(paragraph, console.width, break_on_hyphens=False) or [""]]
     console.print("\n".join(lines).replace(NO_BREAK, " "), markup=False, highlight=False, soft_wrap=True)
-

@@ -41,6 +41,14 @@ def _rounded(value: float, decimals: int) -> Decimal:
     return Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP)
 
 
+def figure_text(value: float) -> str:
+    """A figure to the digits it was given with (the shortest decimal that reads back as the float), thousands
+    separated as every table writes them: the catalogue's 1,978.9 TFLOP/s and 362.05, where `pipesim gpus` wrote
+    "1978.9" beside the other tables' "1,978.9"; 80.0 reads "80"."""
+    digits = Decimal(repr(float(value))).normalize().as_tuple().exponent if math.isfinite(value) else 0
+    return _decimal_text(value, max(0, -digits))
+
+
 def ms_text(ms: float) -> str:
     """ms as the pages write them: to the microsecond, a trace's resolution, as `pipesim simulate`'s table does (the
     summary's bars wrote two decimals, the title's mini-batch three and its makespan two)."""
