@@ -206,8 +206,9 @@ def tune(
                 each = f"t={tensor} GPUs per stage" + f" and C={context} context-parallel ranks" * (context > 1)
                 raise InputError(f"--devices {devices}: the profile was estimated for {each}; give a multiple of "
                                  f"{tensor * context}")
+            schedule_devices = devices // context  # the search's devices, each C GPUs (`Problem.devices`)
             b = env.microbatch_size
-            batch = batch_size if batch_size is not None else 4 * devices // context * b
+            batch = batch_size if batch_size is not None else 4 * schedule_devices * b
             if batch % b:
                 raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
                                  "(its times were measured at that size)")
@@ -230,6 +231,7 @@ def tune(
                                  f"{what.cluster_gpus} GPUs")
             context = what.context
             _check_degrees(devices, tensor_parallel, data_parallel, context, what.options.get("seq_len"))
+            schedule_devices = devices // context  # (C divides D: checked)
             if zero and devices == (tensor_parallel or 1):  # D = t: every d·C = D/(t·p) is 1, nothing shards
                 given = f" at --tensor-parallel {tensor_parallel}" * bool(tensor_parallel)
                 sharding = ("--precision fsdp2 shards the weights" if what.precision == "fsdp2" else
@@ -237,7 +239,7 @@ def tune(
                 raise InputError(f"{sharding} over d·C ranks: --devices {devices}{given} leaves one replica; give more "
                                  "devices")
             sizes = (microbatch_size,) if microbatch_size is not None else MICROBATCH_SIZES
-            batch = batch_size if batch_size is not None else 4 * devices // context * sizes[0]
+            batch = batch_size if batch_size is not None else 4 * schedule_devices * sizes[0]
             sizes = tuple(b for b in sizes if batch % b == 0)
             if not sizes:
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
@@ -253,7 +255,7 @@ def tune(
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
             expert_given = is_given(ctx, "expert_parallel")
             with _working(_estimating_text(_expert_degrees(what, counts[sizes[0]], expert_given))) as report:
-                settings = _estimated_settings(what, devices // context, tensor_parallel, data_parallel, recompute,
+                settings = _estimated_settings(what, schedule_devices, tensor_parallel, data_parallel, recompute,
                                                sizes, optimizer, allocator, optimizer_step, pp_runtime, counts,
                                                expert_given, ctx.params["sequence_parallel"], report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
@@ -264,7 +266,7 @@ def tune(
             if not memory_cap_bytes:
                 raise InputError(f"--memory-gb: the profile {profile} does not record its device's memory; "
                                  "give the cap")
-        problem = Problem(devices // context, memory_cap_bytes, batch,
+        problem = Problem(schedule_devices, memory_cap_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget, zero, memory_part=capped_by, context=context)
         searching = f"searching the configurations of {count_text(len(settings), 'profile')}, best bound first"

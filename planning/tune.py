@@ -1442,8 +1442,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
         work = _work(profile, scenario.optimizer)
         depths = [p for p in _placed_depths(setting, problem.devices)
                   if setting.depths is None or p in setting.depths]
-        context = scenario.order_params(ScheduleParams(1, 1)).context_parallel  # the C ranks that shard with d
-        zero = {p: problem.zero if problem.devices // (p * t) * context > 1 else 0 for p in depths}
+        zero = {p: problem.zero if problem.devices // (p * t) * problem.context > 1 else 0 for p in depths}  # d·C
         held = {p: work.static_bytes - work.grad_bytes * (zero[p] >= 2) - work.param_bytes * (zero[p] >= 3)
                 for p in depths}  # what of them every device holds throughout (the floor's)
         reduce_ms = {p: _mean_reduce_ms(_data_link(scenario, p, d), p, d, work.param_bytes,
