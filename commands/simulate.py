@@ -536,7 +536,7 @@ def _cut_text(scenario, cuts: dict[str, list[int]]) -> str:
 def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> str:
     """For the caption: which methods overlap F&B pairs, how many per mini-batch (every device's together), and
     what each costs."""
-    overlapping = [f"{sched.method} {pairs[sched.method] // sched.minibatches}" for sched in schedules
+    overlapping = [f"{sched.method} {pairs[sched.method] // sched.minibatches:,}" for sched in schedules
                    if pairs[sched.method]]
     if not overlapping:
         return ""

@@ -132,6 +132,13 @@ def test_simulate_says_how_many_pairs_each_method_overlaps_and_prices_them_by_th
     assert "F&B pairs per mini-batch over all devices: dualpipev 25, each F + B, nothing hidden" in caption
 
 
+def test_the_pairs_caption_writes_thousands_separated():
+    """DeepSeek-V3's DualPipe on 16 ranks, 120 micro-batches (docs/hardware.md) read "dualpipe 1606" beside the
+    table's "19,483.322"; DualPipeV on 8 ranks, 160 micro-batches overlaps 2,403 pairs a mini-batch."""
+    code, out, err = pipesim("simulate", "-s", "dualpipev", "-p", 8, "-m", 160, "-n", 1)
+    assert code == 0 and "over all devices: dualpipev 2,403, each" in " ".join(out.split()), err
+
+
 @pytest.mark.parametrize("args,fragment", [
     (("-s", "1f1b", "--fb-hidden-fraction", "0.3"), "--fb-hidden-fraction prices overlapped F&B pairs, and none of"),
     (("-s", "dualpipev", "--fb-hidden-fraction", "1.5"), "--fb-hidden-fraction"),
