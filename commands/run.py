@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..profiles.workload import too_few_layers
-from ..traces.metrics import mib_text, percent_text, rate_text
+from ..traces.metrics import loss_text, mib_text, percent_text, rate_text
 from ..units import count_text
 from .common import (
     DTYPES,
@@ -508,12 +508,6 @@ def _document(result, summary, trace: Path | None, html: Path | None) -> dict:
             "trace": None if trace is None else str(trace), "html": None if html is None else str(html)}
 
 
-def _loss_text(loss: float) -> str:
-    """Four significant digits, their zeros kept ("0.4590" beside "0.6893", not "0.459" as if cut), and no decimal
-    point left bare: a diverging run's 2469 read "2469." in format's alternate form."""
-    return f"{loss:#.4g}".removesuffix(".")
-
-
 def _print_table(result, summary, trace: Path | None, html: Path | None) -> None:
     from ..executor.weights import trained_in
 
@@ -535,7 +529,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
                           f"{trained_in(meta.extra.get('dtype'))} (--optimizer, --lr, --dtype)",
                   caption_justify="left")
     heldout = meta.extra.get("heldout") or {}
-    held = "-" if not heldout else _loss_text(heldout['loss']) + (
+    held = "-" if not heldout else loss_text(heldout['loss']) + (
         f" / {percent_text(heldout['accuracy'])}" if "accuracy" in heldout else "")
     for header in ("ms/step", "samples/s", "loss first -> last", "held-out loss / acc", "peak MiB per device"):
         table.add_column(header, justify="right", no_wrap=True)
@@ -546,7 +540,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     else:
         peaks = [f"{device}: {peak}" for device, peak in enumerate(peaks)]
     table.add_row(f"{summary.time_per_minibatch_ms:,.2f}", rate_text(summary.samples_per_s),
-                  f"{_loss_text(first)} -> {_loss_text(last)}", held,
+                  f"{loss_text(first)} -> {loss_text(last)}", held,
                   "; ".join(peaks) if replicas > 1 else ", ".join(peaks))
     print_table(table)
     for path in (path for path in (trace, html) if path is not None):

@@ -281,7 +281,7 @@ def _print_table(setting, summaries) -> None:
                 table.add_section()
             table.add_row(f"[bold]{s.optimizer}, lr {s.lr:g}[/]")
         previous = s.optimizer
-        row = [s.arm.label, s.heldout_accuracy.text(".1f", 100), s.final_loss.text(),
+        row = [s.arm.label, s.heldout_accuracy.text(lambda share: f"{100 * share:.1f}"), s.final_loss.text(),
                f"{s.diverged}/{len(s.runs)}" if s.diverged else ""]
         if timed:
             row += ["-", "-"] if s.timing is None else [f"{s.timing.measured_samples_per_s:,.0f}",

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from ..traces.metrics import percent_text, rate_text
+from ..traces.metrics import loss_text, percent_text, rate_text
 from ..traces.view import LINE_OVER_PX, MODEBAR_BOTTOM_PX, TICK_FORMAT, UNDER_MODEBAR_PX, log_ticks, write_html
 from .results import ArmSummary
 
@@ -105,7 +105,8 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
                 fig.add_trace(go.Scatter(
                     x=samples[shown], y=mean[shown], mode="lines", name=names[s.arm.label], legendgroup=s.arm.label,
                     showlegend=False, line={"color": colour, "dash": dash, "width": 2},
-                    hovertemplate=f"{s.arm.label} ({optimizer}{note})<br>%{{x:,}} samples<br>loss %{{y:.3f}}"
+                    customdata=[loss_text(loss) for loss in mean[shown]],
+                    hovertemplate=f"{s.arm.label} ({optimizer}{note})<br>%{{x:,}} samples<br>loss %{{customdata}}"
                                   "<extra></extra>"), row=1, col=col)
             left = [_left_range(samples, c, 10 ** y_range[1]) for r, c in zip(s.runs, smooth) if r.diverged]
             left = [point for point in left if point is not None]
@@ -115,9 +116,9 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
                     mode="markers", name=names[s.arm.label], legendgroup=s.arm.label, showlegend=False,
                     cliponaxis=False,
                     marker={"symbol": "x", "size": 13, "color": colour, "line": {"width": 1, "color": "white"}},
-                    customdata=[loss for _, loss in left],
+                    customdata=[loss_text(loss) for _, loss in left],
                     hovertemplate=f"{s.arm.label} ({optimizer}) diverged: its loss (running mean) left the plot "
-                                  "at %{x:,} samples and ended at %{customdata:.3g}<extra></extra>"), row=1, col=col)
+                                  "at %{x:,} samples and ended at %{customdata}<extra></extra>"), row=1, col=col)
         diverged = [f"{s.arm.label} {s.diverged}/{len(s.runs)}" for s in panel if s.diverged]
         if diverged:
             fig.add_annotation(text="diverged (seeds): " + ", ".join(diverged), xref="x domain", yref="y domain",

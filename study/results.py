@@ -5,7 +5,7 @@ table and the page show. No torch."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..files import STUDY_RESULTS, read_document, validated
+from ..traces.metrics import loss_text
 from ..traces.trace import write_atomic
 from .plan import Arm, RunKey, Setting
 
@@ -163,12 +164,11 @@ class Spread:
         return cls(float(finite.mean()), float(finite.std(ddof=1)) if len(finite) > 1 else None, len(finite),
                    missing)
 
-    def text(self, fmt: str = ".3f", scale: float = 1.0) -> str:
-        """"mean ± std", the mean alone from one seed."""
+    def text(self, write: Callable[[float], str] = loss_text) -> str:
+        """"mean ± std", each written by `write`, the mean alone from one seed."""
         if not self.n:
             return self.missing
-        mean = f"{self.mean * scale:{fmt}}"
-        return mean if self.std is None else f"{mean} ± {self.std * scale:{fmt}}"
+        return write(self.mean) if self.std is None else f"{write(self.mean)} ± {write(self.std)}"
 
 
 @dataclass(frozen=True)

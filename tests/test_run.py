@@ -683,11 +683,11 @@ def test_nccl_on_cpu_ranks_is_refused_before_any_rank_starts(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(("first", "shown"), [(2.443, "2.443"), (2469.0, "2469")])
-def test_the_run_table_writes_each_loss_to_four_significant_digits(capsys, first, shown):
-    """The table's losses are four significant digits, their zeros kept: a held-out loss of 0.45903 read "0.459"
-    beside "0.6893", as if cut (the README's xpipe run on this project's AMD host); a diverging run's 2469
-    reads "2469", not "2469." with its point bare."""
+@pytest.mark.parametrize(("first", "shown"), [(2.443, "2.443"), (2469.0, "2,469"), (2.47e8, "2.47e+08")])
+def test_the_run_table_writes_each_loss_to_a_thousandth_as_the_study_does(capsys, first, shown):
+    """The table's losses are written as the study's table and page write them (metrics.loss_text), to a
+    thousandth: four significant digits wrote "0.6890" and "0.4590" here, "0.614" there; a diverging run's 2469
+    is whole, its 2.47e8 in powers of ten."""
     from types import SimpleNamespace
 
     from pipesim.commands.run import _print_table
@@ -700,4 +700,4 @@ def test_the_run_table_writes_each_loss_to_four_significant_digits(capsys, first
                               time_per_minibatch_ms=17.95, samples_per_s=1783.0)
     _print_table(SimpleNamespace(trace=SimpleNamespace(meta=meta), losses=[[first, 0.68904]]), summary, None, None)
     row = capsys.readouterr().out.splitlines()[3].split()
-    assert row[2:8] == [shown, "->", "0.6890", "0.4590", "/", "83.3%"]
+    assert row[2:8] == [shown, "->", "0.689", "0.459", "/", "83.3%"]

@@ -74,7 +74,7 @@ def test_the_loss_panels_each_have_a_labelled_log_axis_clipped_to_the_runs_that_
                       "pipedream": "pipedream (diverged: momentum 1 of 1)"}
     # the blown-up seed is an × at the top of its panel, where it left the range
     (cross,) = [t for t in fig.data if t.mode == "markers"]
-    assert cross.marker.symbol == "x" and cross.xaxis == "x" and cross.customdata[0] == pytest.approx(3.4e16)
+    assert cross.marker.symbol == "x" and cross.xaxis == "x" and cross.customdata[0] == "3.4e+16"
     assert math.log10(cross.y[0]) <= layout.yaxis.range[1]
     assert any("pipedream 1/1" in a.text for a in layout.annotations)
     # the legend in rows under the panels (beside them at 800 px, 12 arms' names left each panel 110 px), the
@@ -244,14 +244,22 @@ def test_every_chart_of_the_study_page_starts_under_its_mode_bar(blown_up):
     assert any(a.text.startswith("no accuracy") for a in figures[1].layout.annotations)  # a line over the plot
 
 
-def test_the_loss_hovers_write_a_loss_as_the_studys_table_does(blown_up):
-    """The study's table writes a loss to three decimals (0.614); its page hovered four (0.6140)."""
+def test_the_loss_hovers_write_a_loss_as_the_studys_table_and_runs_table_do(blown_up):
+    """A loss is written one way (metrics.loss_text, as `run`'s table writes it): the page hovered its curves
+    with plotly's ".3f" and a diverged seed's last loss with ".3g" ("3.40e+16"), where the table wrote ".3f"
+    and `run` four significant digits."""
     from pipesim.study.page import loss_figure
     from pipesim.study.results import recorded_arms, summarize
+    from pipesim.traces.metrics import loss_text
 
     saved = load_results(blown_up)
     arms, optimizers, seeds = recorded_arms(saved)
     summaries = summarize(saved, arms, optimizers, seeds)
-    assert f"{summaries[0].final_loss.mean:.3f}" in summaries[0].final_loss.text()  # the table's figure
-    lines = [t for t in loss_figure(summaries, list(optimizers)).data if t.mode == "lines"]
-    assert lines and all(t.hovertemplate.split("<br>")[-1].startswith("loss %{y:.3f}") for t in lines)
+    assert summaries[0].final_loss.text() == loss_text(summaries[0].final_loss.mean)  # the table's figure
+    traces = loss_figure(summaries, list(optimizers)).data
+    lines = [t for t in traces if t.mode == "lines"]
+    assert lines and all(t.hovertemplate.split("<br>")[-1].startswith("loss %{customdata}") for t in lines)
+    assert all(list(t.customdata) == [loss_text(y) for y in t.y] for t in lines)
+    (left,) = [t for t in traces if t.mode == "markers"]
+    assert "ended at %{customdata}<" in left.hovertemplate and left.customdata[0].endswith("e+16")
+    assert left.customdata[0] == loss_text(float(left.customdata[0]))

@@ -23,6 +23,7 @@ def rate_text(per_s: float) -> str:
 # The pages' units, each written one way (traces/view.py's figures and, in its script, its hovers), beside rate_text.
 MIB_SHOWN = 0.01  # the least the pages write in MiB (two decimals): under it, "<0.01"
 MS_DECIMALS = 3  # ms to the microsecond, a trace's resolution (the script's msText too)
+LOSS_WHOLE, LOSS_EXPONENT = 1e3, 1e6  # a diverging run's loss, whole from here, in powers of ten from there
 
 
 def _decimal_text(value: float, decimals: int, sign: str = "") -> str:
@@ -70,6 +71,17 @@ def mib_text(mib: float) -> str:
     if _rounded(mib, decimals) >= Decimal(10) ** (magnitude + 1):  # rounded up into the next decade
         decimals = min(2, 1 - magnitude)
     return _decimal_text(mib, decimals)
+
+
+def loss_text(loss: float) -> str:
+    """A loss as every table and page writes it: to a thousandth, as a loss is compared across methods and seeds in
+    absolute terms (0.459 beside 0.052 and "0.614 ± 0.012": `run` wrote four significant digits, "0.4590" beside
+    "0.05200", the study three decimals, its diverged seeds' hover three significant digits). A diverging run's
+    loss from LOSS_WHOLE up is whole ("2,469"), from LOSS_EXPONENT up in powers of ten ("2.47e+08")."""
+    if math.isfinite(loss) and abs(loss) >= LOSS_EXPONENT:
+        return f"{loss:.3g}"
+    whole = math.isfinite(loss) and abs(_rounded(loss, 3)) >= LOSS_WHOLE  # 999.9996 reads "1,000"
+    return _decimal_text(loss, 0 if whole else 3)
 
 
 def percent_text(fraction: float, signed: bool = False) -> str:
