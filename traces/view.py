@@ -1026,11 +1026,12 @@ _TIMELINE_JS = r"""
                    colorscale: scale.colorscale, zmin: 0, zmax: scale.zmax, name: "memory \u00b7 " + T.label,
                    showscale: true, hoverongaps: false,
                    text: grid.text, customdata: grid.customdata,
-                   colorbar: {title: {text: "MiB"}, len: panelPx / plotPx, y: domain[0], yanchor: "bottom",
-                              thickness: 12, tickformat: TICK_FORMAT, ...scale.ticks},
+                   // the axis says what its rows are, the bar what it colours (a panel of several names it)
+                   colorbar: {title: {text: many ? "MiB" : "memory<br>(MiB)"}, len: panelPx / plotPx, y: domain[0],
+                              yanchor: "bottom", thickness: 12, tickformat: TICK_FORMAT, ...scale.ticks},
                    hovertemplate: "%{y}" + (many ? " \u00b7 " + esc(T.label) : "") +
                                   ": up to %{text} MiB around %{customdata} ms<extra></extra>"});
-        axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "device" : "memory"}, type: "category",
+        axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: "device"}, type: "category",
                                    autorange: "reversed", showgrid: false, ticks: "", tickfont: {size: 10}};
       } else {
         const parts = T.memoryParts;
@@ -1399,9 +1400,10 @@ _TIMELINE_JS = r"""
         .filter(a => Number(a.dataset.index) >= fl.annotations.length - b.capacityLabels)
         .map(a => ({text: a.textContent, box: onPage(a)})),
       capacity_notes: b.capacityNotes,
-      heatmaps: b.heatmaps.map(({index, capacity}) => ({capacity, zmax: gd.data[index].zmax,
-                                                         colorscale: gd.data[index].colorscale,
-                                                         ticks: gd.data[index].colorbar.ticktext || null})),
+      heatmaps: b.heatmaps.map(({index, capacity}, k) => ({
+        capacity, zmax: gd.data[index].zmax, colorscale: gd.data[index].colorscale,
+        ticks: gd.data[index].colorbar.ticktext || null, rows: fl["yaxis" + gd.data[index].yaxis.slice(1)].title.text,
+        bar: gd.data[index].colorbar.title.text, bar_box: onPage(gd.querySelectorAll(".cbtitle")[k])})),
       memory: b.panels.map((panel, j) => {
         const axis = fl["yaxis" + (j + 2)];
         const T = b.members[panel.member], parts = T.memoryParts;
