@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipesim.executor import RunSpec, cut, microbatch_data
+from pipesim.executor import RunSpec, Stages, cut, microbatch_data
 from pipesim.schedules import build_schedule
 from pipesim.schedules.catalogue import method_named
 from pipesim.schedules.torch_csv import to_torch_csv
@@ -57,6 +57,16 @@ def _prune(path: Path) -> None:
 RUNTIMES = ("csv", "gpipe", "1f1b")  # pipesim's order via torch's CSV runtime, or torch's own single-stage classes
 
 
+def stage_example(spec: RunSpec, stages: Stages, rank: int) -> torch.Tensor:
+    """The input rank `rank`'s stage is built with, laid out as the micro-batches torch's runtime hands it (views of
+    one contiguous mini-batch), since the stage checks their strides against it: a gpt's token ids are a slice of
+    seq_len + 1 tokens, which failed every run ("stride mismatch: (129, 1) vs (128, 1)")."""
+    if rank == 0:
+        return microbatch_data(spec, stages.model, 0, 0)[0].contiguous()
+    edge = (rank - 1, rank)
+    return torch.zeros(stages.edge_shapes[edge], dtype=stages.edge_dtypes[edge])
+
+
 def torch_steps(spec: RunSpec, rank: int, world: int, runtime: str) -> Callable[[int], None]:
     """Rank `rank`'s stage of `spec`'s model under torch's runtime (the process group must be up): returns
     step(b), which trains mini-batch b (`schedule.step`) and steps the optimizer inside a `PP:<rank>OPT` range.
@@ -68,10 +78,7 @@ def torch_steps(spec: RunSpec, rank: int, world: int, runtime: str) -> Callable[
 
     stages = cut(spec)
     module = stages.modules[rank]
-    edge = (rank - 1, rank)
-    example = (microbatch_data(spec, stages.model, 0, 0)[0] if rank == 0
-               else torch.zeros(stages.edge_shapes[edge], dtype=stages.edge_dtypes[edge]))
-    stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=example)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=stage_example(spec, stages, rank))
     m, loss_fn = spec.schedule.microbatches, stages.model.loss
     if runtime == "csv":
         runner = _PipelineScheduleRuntime([stage], m, loss_fn=loss_fn)

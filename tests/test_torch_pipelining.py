@@ -67,3 +67,22 @@ def test_without_a_profile_it_prints_the_calibrate_command_that_matches_its_run(
     params = command.make_context("calibrate", argv).params  # pipesim calibrate parses it as written
     assert (params["model"], params["layers"], params["width"], params["microbatch_size"], params["stages"],
             params["threads"], params["device"], params["runtime"]) == ("mlp", 4, 256, 16, 2, 1, "cpu", False)
+
+
+def test_the_first_stages_example_is_laid_out_as_the_micro_batches_torch_hands_it(script):
+    """torch's stage checks each micro-batch's strides against the input it was built with: a gpt's token ids, a
+    slice of seq_len + 1 tokens, stopped every gpt run in its first step ("stride mismatch: (9, 1) vs (8, 1)")."""
+    import torch
+
+    from pipesim.executor import RunSpec, cut, microbatch_data
+    from pipesim.schedules import build_schedule
+    from pipesim.schedules.catalogue import method_named
+
+    m = 2
+    spec = RunSpec(schedule=build_schedule("1f1b", method_named("1f1b").params(2, m)), model="gpt",
+                   model_options={"layers": 2, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32}, microbatch_size=2)
+    stages = cut(spec)
+    minibatch = torch.cat([microbatch_data(spec, stages.model, 0, j)[0] for j in range(m)])
+    handed = minibatch.tensor_split(m)[0]  # as torch's schedule splits the mini-batch rank 0 is given
+    example = script.stage_example(spec, stages, 0)
+    assert (example.shape, example.stride()) == (handed.shape, handed.stride()) == ((2, 8), (8, 1))
