@@ -683,11 +683,12 @@ def test_nccl_on_cpu_ranks_is_refused_before_any_rank_starts(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(("first", "shown"), [(2.443, "2.443"), (2469.0, "2,469"), (2.47e8, "2.47e+08")])
+@pytest.mark.parametrize(("first", "shown"), [(2.443, "2.443"), (2469.0, "2,469"), (2.47e8, "2.47e+08"),
+                                               (0.0004, "<0.001")])
 def test_the_run_table_writes_each_loss_to_a_thousandth_as_the_study_does(capsys, first, shown):
     """The table's losses are written as the study's table and page write them (metrics.loss_text), to a
     thousandth: four significant digits wrote "0.6890" and "0.4590" here, "0.614" there; a diverging run's 2469
-    is whole, its 2.47e8 in powers of ten."""
+    is whole, its 2.47e8 in powers of ten, and a loss trained near zero "<0.001", not "0.000"."""
     from types import SimpleNamespace
 
     from pipesim.commands.run import _print_table

@@ -77,7 +77,10 @@ def loss_text(loss: float) -> str:
     """A loss as every table and page writes it: to a thousandth, as a loss is compared across methods and seeds in
     absolute terms (0.459 beside 0.052 and "0.614 ± 0.012": `run` wrote four significant digits, "0.4590" beside
     "0.05200", the study three decimals, its diverged seeds' hover three significant digits). A diverging run's
-    loss from LOSS_WHOLE up is whole ("2,469"), from LOSS_EXPONENT up in powers of ten ("2.47e+08")."""
+    loss from LOSS_WHOLE up is whole ("2,469"), from LOSS_EXPONENT up in powers of ten ("2.47e+08"). One that
+    would read "0.000" reads "<0.001", as `mib_text`'s "<0.01": a loss trained near zero is not none."""
+    if 0 < loss < 0.001 and _rounded(loss, 3) == 0:
+        return "<0.001"
     if math.isfinite(loss) and abs(loss) >= LOSS_EXPONENT:
         return f"{loss:.3g}"
     whole = math.isfinite(loss) and abs(_rounded(loss, 3)) >= LOSS_WHOLE  # 999.9996 reads "1,000"
