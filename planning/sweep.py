@@ -457,7 +457,7 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     import plotly.graph_objects as go
     from plotly.colors import qualitative
 
-    from ..traces.view import LINE_OVER_PX, MODEBAR_BOTTOM_PX, TICK_FORMAT
+    from ..traces.view import LINE_OVER_PX, MODEBAR_BOTTOM_PX, TICK_FORMAT_STOPS
 
     on_front = set(front)
     ran = [i for i, r in enumerate(results) if r.metrics is not None]
@@ -541,7 +541,7 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
                       "direction": "down", "x": 0, "xanchor": "left", "y": 1.0, "yanchor": "bottom",
                       "pad": {"b": 8}, "active": 0}] if views else [],
         xaxis_title="time per mini-batch (ms)", yaxis_title="peak memory per device (MiB)", template="plotly_white",
-        xaxis_tickformat=TICK_FORMAT, yaxis_tickformat=TICK_FORMAT,
+        xaxis_tickformatstops=TICK_FORMAT_STOPS, yaxis_tickformatstops=TICK_FORMAT_STOPS,
         height=650, margin={"t": 130}, legend={"title": {"text": "schedule"}},
         title={"y": 1, "yanchor": "top", "pad": {"t": MODEBAR_BOTTOM_PX + LINE_OVER_PX}})
     if views:  # the first group, as its button would show it

@@ -557,6 +557,24 @@ def test_sweep_page_draws_each_schedule_in_its_own_colour(tmp_path):
 
 
 @needs_chromium
+def test_the_sweep_pages_axes_write_each_tick_to_one_number_of_decimals(tmp_path):
+    """At 800 px 0.1 of the costs put the trade-off's times 0.2 ms apart: each tick reads to a tenth ("5.8, 6.0,
+    6.2", where "," wrote "5.8 6 6.2"), the memory axis's, 1 MiB apart, whole and thousands separated."""
+    from tests.conftest import pipesim
+
+    page = tmp_path / "t.html"
+    code, _, err = pipesim("sweep", "-s", "1f1b,zb-h1,zb-v", "-p", "2", "--cost-scale", "0.1", "-j", "1",
+                           "--html", page)
+    assert code == 0, err
+    v = visit(page, width=800, probe="""[".xtick text", ".ytick text"].map(ticks =>
+      [...document.querySelectorAll(".js-plotly-plot")[0].querySelectorAll(ticks)].map(tick => tick.textContent))""")
+    assert_healthy(v)
+    times, mib = v.probed
+    assert len(times) >= 3 and {len(tick.partition(".")[2]) for tick in times} == {1}, times
+    assert len(mib) >= 3 and all(re.fullmatch(r"\d,\d{3}", tick) for tick in mib), mib
+
+
+@needs_chromium
 def test_sixteen_devices_lanes_stay_apart_and_the_memory_legend_shows_every_device(tmp_path):
     """16 devices with send and receive lanes on a 1000 x 800 window: the memory legend (5 parts, 16 devices) lies
     in rows under the memory panel, whole and unscrolled, and takes no height from the lanes, which stay at

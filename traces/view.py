@@ -269,6 +269,10 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
 # percentText), with thousands separators throughout: an axis tick read "1000" and "20k" where every figure read
 # "1,288".
 TICK_FORMAT = ","  # the axes' ticks of ms, MiB, samples and samples/s: "1,000", "20,000" (plotly's own: "20k")
+# An axis whose ticks plotly places: every tick to the decimals its step has ("24.5, 25.0, 25.5", where "," wrote
+# "24.5 25 25.5"); a step's bounds are inclusive and the first stop that holds it counts.
+TICK_FORMAT_STOPS = [{"dtickrange": [1, None], "value": TICK_FORMAT}, {"dtickrange": [0.1, 1], "value": ",.1f"},
+                     {"dtickrange": [0.01, 0.1], "value": ",.2f"}, {"dtickrange": [None, 0.01], "value": ",.3f"}]
 # Where plotly's mode bar ends under a figure's top (23 px high, 2 px down): a small figure's title, plot or table
 # starts under it (at 800 px the sweep's title ran under its icons, the study's accuracy chart's top markers too).
 MODEBAR_BOTTOM_PX = 25
