@@ -30,3 +30,14 @@ def unknown_names(flag: str, unknown: Iterable[object], choices: Iterable[object
     choices = list(choices)
     named = ", ".join(f"{name!r}{nearest_text(name, choices)}" for name in unknown)
     return f"{flag}: unknown {named}; choose from {', '.join(map(str, choices))}"
+
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the simulator's --optimizer names; momentum is SGD-momentum
+
+
+def optimizer_refusal(name: str, flag: str = "optimizer") -> str | None:
+    """The one line refusing an optimizer that is not one of `OPTIMIZERS`, naming it as its reader does (`flag`: the
+    commands' --optimizer); None for one that is. Every reader of an optimizer's name, from the commands to the
+    estimate and the executor's optimizers, refuses with it. Here, not in the profile schema (which re-exports
+    both), so that a run from cost flags checks --optimizer without importing the schema."""
+    return None if name in OPTIMIZERS else choose_from(flag, OPTIMIZERS, name)

@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..choices import choose_from
+from ..choices import choose_from, optimizer_refusal
 from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes, without_bom
 from ..units import MAX_BYTES, MAX_MS, MIB, count_text, memory_gib_refusal
 from ..workload.sizes import DEFAULT_SIZES
@@ -1203,14 +1203,14 @@ def check_pp_runtime(pp_runtime: str, p2p_sync: str | None = None) -> str:
 
 def p2p_synced(ctx: typer.Context, measured: Profile | None = None) -> str | None:
     """What prices the costs with Megatron-core's synchronising exchange between stages: --p2p-sync, or `measured`
-    (a --profile) estimated with it (profiles/schema.py `p2p_synced`); None: neither."""
-    from ..profiles.schema import p2p_synced as estimated_synced
-
+    (a --profile) estimated with it (profiles/schema.py `p2p_synced`, imported only then); None: neither."""
     if ctx.params.get("p2p_sync"):
         return "--p2p-sync"
-    if measured is not None and estimated_synced(measured):
-        return "--profile (estimated with --p2p-sync)"
-    return None
+    if measured is None:
+        return None
+    from ..profiles.schema import p2p_synced as estimated_synced
+
+    return "--profile (estimated with --p2p-sync)" if estimated_synced(measured) else None
 
 
 def check_p2p_sync(ctx: typer.Context, methods: Iterable[str], measured: Profile | None = None) -> None:
@@ -1238,7 +1238,6 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     --profile's."""
     from ..planning.buckets import OPTIMIZER_BUCKETS
     from ..planning.scenario import Scenario, check_stage_cut, first_last
-    from ..profiles.schema import optimizer_refusal
     from ..sim import ClusterError, CostError, load_cluster
 
     flags = {**ctx.params, **overrides}

@@ -72,10 +72,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..profiles.schema import PassIssue
 from ..profiles.workload import LayerCount, OpCount
+
+if TYPE_CHECKING:  # the schema only where a pass's issue is made: a run from cost flags never imports it
+    from ..profiles.schema import PassIssue
 
 HOST_KERNEL_US = 31.9  # the host's issue of one kernel in eager PyTorch: the GPU probe's, pooled (above)
 # a TransformerEngine module call's Python beyond its kernels' issue, in BF16 (sources above): PR 1191's 115 us a
@@ -246,6 +248,8 @@ def pass_issue(kernels: Sequence[Kernels], carried_ms: float) -> PassIssue:
     stage composes): before its first wait the GPU's end is max(lead + their GPU time, their end from an empty
     queue), a max-plus map, so it waits max(0, idle - lead) and ends max(lead, idle) + GPU time - host time ahead;
     from a wait on, the same whatever the lead. `carried_ms`: the wait the layer's times hold."""
+    from ..profiles.schema import PassIssue
+
     first = next((i for i, run in enumerate(kernels) if run.waits), len(kernels))
     before, after = kernels[:first], kernels[first:]
     slack_ms = sum(run.count * (run.gpu_ms - run.host_ms) - run.call_ms for run in before)

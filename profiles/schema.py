@@ -26,7 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from ..choices import choose_from
+from ..choices import OPTIMIZERS
+from ..choices import optimizer_refusal as optimizer_refusal  # re-exported: the profile's readers take it here
 from ..files import PROFILE, read_document, validated
 from ..memory_parts import SAVED_PARTS
 from ..units import MAX_BYTES, MAX_MS, MIB, count_text
@@ -44,15 +45,7 @@ from .partition import (
 
 SCHEMA_VERSION = 2  # 2 added the executor's runtime costs and gradient accumulation; version 1 still reads
 SUPPORTED_VERSIONS = (1, 2)
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the simulator's --optimizer names; momentum is SGD-momentum
 MASTER_ONLY = "sgd"  # the optimizer whose state is a mixed-precision master copy alone (`Profile.master_bytes`)
-
-
-def optimizer_refusal(name: str, flag: str = "optimizer") -> str | None:
-    """The one line refusing an optimizer that is not one of `OPTIMIZERS`, naming it as its reader does (`flag`: the
-    commands' --optimizer); None for one that is. Every reader of an optimizer's name, from the commands to the
-    estimate and the executor's optimizers, refuses with it."""
-    return None if name in OPTIMIZERS else choose_from(flag, OPTIMIZERS, name)
 
 
 class ProfileError(ValueError):

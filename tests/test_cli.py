@@ -746,6 +746,16 @@ def test_simulate_without_a_profile_builds_no_profile_model():
     assert done.stdout.splitlines()[-1] == "0 []"
 
 
+def test_simulate_without_a_profile_imports_no_profile_schema():
+    """A run from cost flags imported profiles/schema.py, 0.05 of its 0.8 CPU s, and read no profile: it took the
+    schema for a pass issue's type (planning/host.py) and the --optimizer names alone (choices.py now)."""
+    probe = ("import sys\nfrom pipesim.cli import main\n"
+             "try:\n    main(['simulate', '-s', '1f1b', '-p', '2', '-m', '4', '--optimizer', 'adam'])\n"
+             "except SystemExit as exc:\n    print(exc.code, 'pipesim.profiles.schema' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == "0 False"
+
+
 def test_help_never_abbreviates_milliseconds_as_ms_capitalised():
     """--comm's help opened "Ms per activation or gradient transfer": Ms is megaseconds; ms is written out where it
     opens a sentence."""
