@@ -19,7 +19,9 @@ def _names(paths: list[Path], traces: list) -> list[tuple[str, str]]:
     named = [(trace.meta.schedule, trace.meta.source) for trace in traces]
     out = []
     for path, (schedule, source) in zip(paths, named):
-        file = f" ({path.name})" if named.count((schedule, source)) > 1 else ""
+        alike = [other for other, key in zip(paths, named) if key == (schedule, source)]
+        # two folders' a.json are told apart by their paths: by name alone their summary bars were drawn as one
+        file = "" if len(alike) == 1 else f" ({path.name if [p.name for p in alike].count(path.name) == 1 else path})"
         out.append((f"{schedule}, {source}{file}", f"the {source} {schedule}{file}"))
     return out
 
@@ -43,6 +45,9 @@ def view(
         if html is None and not os.path.isfile(traces[0]):  # the page is named after it: say why it cannot be read
             read_trace(traces[0])
         check_outputs([("--html", out)], [("TRACE", path) for path in traces])  # a file there: a pipesim page
+        if len({path.resolve() for path in traces}) < len(traces):  # drawn twice under one name, its bars as one
+            again = next(path for i, path in enumerate(traces) if path.resolve() in {p.resolve() for p in traces[:i]})
+            raise InputError(f"TRACE: {again} is given twice; give each trace once")
         replaced = out.is_file()
         loaded = [read_trace(path) for path in traces]
         labels, subjects = zip(*_names(traces, loaded))
