@@ -38,7 +38,7 @@ def view(
     device's memory and the warning simulate's page gave where the trace records its memory checks."""
     from ..sim.cluster import MemoryCheck
     from ..traces.trace import TraceError, read_trace
-    from ..traces.view import shape_text, write_timeline_page
+    from ..traces.view import write_timeline_page
 
     out = html if html is not None else traces[0].with_suffix(".html")
     try:
@@ -54,7 +54,7 @@ def view(
         views = [(label, [i]) for i, label in enumerate(labels)]
         if len(loaded) > 1:
             views.insert(0, ("all, device by device", list(range(len(loaded)))))
-        title = "pipesim: " + (f"{labels[0]}, {shape_text(loaded[0])}" if len(loaded) == 1 else "; ".join(labels))
+        title = "pipesim: " + "; ".join(labels)  # a run's shape is its view line's (p=2, m=4, N=8, 272 ops)
         checks = [None if t.meta.memory_checks is None else [MemoryCheck.of_record(c) for c in t.meta.memory_checks]
                   for t in loaded]
         notes = [line for subject, device_checks in zip(subjects, checks) if device_checks is not None

@@ -190,8 +190,9 @@ def test_view_draws_several_traces_on_one_page_and_refuses_a_bad_file(tmp_path):
     assert code == 2 and "cannot read trace" in err and not (tmp_path / "missing.html").exists()
 
 
-def test_view_titles_a_trace_by_its_method_and_shape_not_its_file_name(tmp_path):
-    """A run saved as measured.json was titled "measured (measured)": the page names the method and the shape."""
+def test_view_titles_a_trace_by_its_method_and_source_not_its_file_name(tmp_path):
+    """A run saved as measured.json was titled "measured (measured)": the page names the method and source, and
+    leaves the shape to its view line ("(p=2, m=4, N=3, ... ops, measured)"), where the title gave it too."""
     from pipesim.traces.trace import write_trace
     from tests.conftest import pipesim
 
@@ -199,7 +200,8 @@ def test_view_titles_a_trace_by_its_method_and_shape_not_its_file_name(tmp_path)
     write_trace(as_measured(run("1f1b", 2, 4, 3).trace), measured)
     code, _, _ = pipesim("view", measured)
     page = (tmp_path / "measured.html").read_text()
-    assert code == 0 and "<title>pipesim: 1f1b, measured, p=2, m=4, N=3</title>" in page
+    assert code == 0 and "<title>pipesim: 1f1b, measured</title>" in page and "<h1>pipesim: 1f1b, measured</h1>" in page
+    assert page.count("p=2, m=4, N=3") == 1  # the view line's shape (the page's data)
     assert "measured (measured)" not in page
 
 
