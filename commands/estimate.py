@@ -786,17 +786,18 @@ def estimate(
     stdout.print(f"wrote {out}", highlight=False)
 
 
-def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
+def parallelism_text(parallelism: dict[str, Any], attention: str | None, shape: bool = True) -> str:
     """An estimate's parallelism in the flags' terms: t (and with `shape` p and d, which a simulation may change),
     and what else is not the default (`SETTING_DEFAULTS`; a setting on by default is named when off); the context
-    ring's rotation only where there is a ring."""
+    ring's rotation only where there is a ring, the attention kernel only where the count's `attention` is fused
+    (a gpt's default math attention runs none)."""
     context, expert = int(parallelism.get("context", 1)), int(parallelism.get("expert", 1))
     flags = [(key.replace("_", " ") if value else f"no {key.replace('_', ' ')}") if isinstance(value, bool)
              else f"{SETTING_UNITS[key][0]} {value:g} {SETTING_UNITS[key][1]}" if key in SETTING_UNITS
              else f"{key.replace('_', ' ')} {','.join(value) if isinstance(value, (list, tuple)) else value}"
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data", "context", "expert")
              and value not in ("none", None, (), []) and value != SETTING_DEFAULTS.get(key, False)
-             and (key != "cp_rotate" or context > 1)]
+             and (key != "cp_rotate" or context > 1) and (key != "attention_kernel" or attention == "flash")]
     degrees = (f"t={parallelism['tensor']}" + (f" C={context}" if context > 1 else "")
                + (f" p={parallelism['pipeline']} d={parallelism['data']}" if shape else "")
                + (f" E={expert}" if expert > 1 else ""))
@@ -835,10 +836,11 @@ def _expert_group_text(profile: Profile, expert: int) -> str:
             f"{expert} over {nic}")
 
 
-def _curve_text(read, attention_kernel: str, sources: bool) -> str:
-    """The efficiency curve the estimate priced with (a `Curve`): its fractions of the datasheet, then where its
-    sources are: printed after the table (`sources`, --sources: about 25 lines at 80 columns), or how to ask."""
-    attention = read.attention_kernel_efficiency(attention_kernel)
+def _curve_text(read, attention_kernel: str | None, sources: bool) -> str:
+    """The efficiency curve the estimate priced with (a `Curve`): its fractions of the datasheet (the attention
+    kernel's only where one runs: `attention_kernel` None where the attention is not fused), then where its sources
+    are: printed after the table (`sources`, --sources: about 25 lines at 80 columns), or how to ask."""
+    attention = read.attention_kernel_efficiency(attention_kernel) if attention_kernel else None
     fractions = ", ".join([f"products {read.matmul_efficiency:.3g}",
                            *([f"attention ({attention_kernel}) {attention:.3g}"] if attention else []),
                            f"memory {read.memory_efficiency:.3g}", f"link {read.link_efficiency:.3g}",
@@ -859,14 +861,16 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
 
     env, estimate = profile.environment, profile.estimate
     curve = Curve.model_validate(estimate.curve)
+    kernel = estimate.parallelism.get("attention_kernel", "flash2") if estimate.attention == "flash" else None
     table = Table(title=f"{profile.model.name} estimated on {env.device_name} ({env.dtype}, micro-batch "
-                        f"{env.microbatch_size}, {parallelism_text(estimate.parallelism)}), per GPU",
+                        f"{env.microbatch_size}, {parallelism_text(estimate.parallelism, estimate.attention)}), "
+                        "per GPU",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="per micro-batch; I/W: the split backward's input- and weight-gradient passes; alloc: "
                           "the peak of the tensors alone (max allocated) in a 1F1B estimate; simulate --gpu's peak "
                           "adds the segments torch's caching allocator keeps cached beside them (max reserved, "
                           "--allocator caching); "
-                          + _curve_text(curve, estimate.parallelism.get("attention_kernel", "flash2"), sources))
+                          + _curve_text(curve, kernel, sources))
     for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "act MiB", "params MiB", "alloc MiB"):
         table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)
     for k, stage in enumerate(profile.stages):

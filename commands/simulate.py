@@ -495,7 +495,7 @@ def _cost_basis(scenario, schedules: list, alone: str) -> str:
         placed = any((sched.num_devices, sched.data_parallel) != (p, d) for sched in schedules)
         elsewhere = f" at p={p} d={d}, links priced for this run's p and d" if placed else ""
         span = tensor_span_text(estimate)
-        degrees = parallelism_text(estimate.parallelism, shape=False) + (
+        degrees = parallelism_text(estimate.parallelism, estimate.attention, shape=False) + (
             f", the tensor-parallel group{span}" if span else "")
         return (f"costs: estimated on {estimate.gpu} ({degrees}) from "
                 f"the model counted on the meta device{elsewhere}; MFU: model FLOPs (no recomputation) per second "

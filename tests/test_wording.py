@@ -75,9 +75,10 @@ def test_estimate_names_its_curve_and_prints_the_sources_on_asking(tmp_path):
     from pipesim.profiles.schema import load_profile
 
     args = ("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
-            "--seq-len", 32, "--vocab", 100, "-o", tmp_path / "p.json")
+            "--seq-len", 32, "--vocab", 100, "--attention", "flash", "-o", tmp_path / "p.json")
     code, out, err = pipesim(*args)
     assert code == 0, err
+    assert "attention kernel flash2), per GPU" in " ".join(out.split())
     curve = load_profile(tmp_path / "p.json").estimate.curve
     source = curve["source"]
     said = " ".join(out.split())
@@ -89,6 +90,23 @@ def test_estimate_names_its_curve_and_prints_the_sources_on_asking(tmp_path):
     # one line the terminal wraps, not folded at the table's width: each address stays whole to open
     assert code == 0 and f"efficiency curve's sources: {source}" in out.splitlines(), err
     assert "its sources at the end" in " ".join(out.split()) and "https://" in source
+
+
+def test_an_unfused_attention_names_no_attention_kernel(tmp_path):
+    """A gpt counted with its default math attention (the scores materialised, as --dropout's Megatron-LM runs)
+    runs no fused attention kernel: neither estimate's title and curve nor simulate's caption name one, where they
+    said "attention kernel flash2" and gave FlashAttention-2's efficiency."""
+    pytest.importorskip("torch")
+    shape = ("--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4, "--seq-len", 32, "--vocab", 100,
+             "--dropout", 0.1)
+    code, out, err = pipesim("estimate", "--gpu", "h100-sxm", *shape, "-o", tmp_path / "p.json")
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert "(bfloat16, micro-batch 1, t=1 p=1 d=1), per GPU" in said and "efficiency curve: products " in said
+    assert "attention kernel" not in said and "attention (" not in said
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", *shape, "-s", "1f1b", "-p", 2, "-m", 2)
+    assert code == 0, err
+    assert "costs: estimated on NVIDIA H100 SXM5 80GB (t=1) from the model" in " ".join(out.split())
 
 
 def test_sweeps_group_of_one_micro_batch_reads_in_the_singular():
