@@ -3078,15 +3078,16 @@ def _staler_note(staler: Row, choice: Result, unsimulated: StalerBound | None = 
 
 
 def memory_text(nbytes: float, more_digits: int = 0, zeros: bool = False) -> str:
-    """GiB, the unit of --memory-gb, to three significant digits (and `more_digits`) and never in e-notation;
-    `zeros` keeps the zeros among them, as a column writes its figures one under another: tune's peak read "19 GiB"
-    under "19.4 GiB", as if cut."""
-    if zeros and nbytes > 0:
-        gib = nbytes / GIB
-        exponent = int(f"{gib:.{2 + more_digits}e}".split("e")[1])  # of the figure rounded: 99.96 is 100
-        return f"{gib:,.{max(0, 2 + more_digits - exponent)}f} GiB"
-    return np.format_float_positional(nbytes / GIB, precision=3 + more_digits, unique=False, fractional=False,
-                                      trim="-") + " GiB"
+    """GiB, the unit of --memory-gb, to three significant digits (and `more_digits`), whole GiB never rounded away
+    and thousands separated ("1,234 GiB", in the peak column and the cap alike), never in e-notation; `zeros` keeps
+    the zeros after the point, as a column writes its figures one under another: tune's peak read "19 GiB" under
+    "19.4 GiB", as if cut."""
+    gib = nbytes / GIB
+    if gib <= 0:
+        return "0 GiB"
+    exponent = int(f"{gib:.{2 + more_digits}e}".split("e")[1])  # of the figure rounded: 99.96 is 100
+    text = f"{gib:,.{max(0, 2 + more_digits - exponent)}f}"
+    return (text if zeros or "." not in text else text.rstrip("0").rstrip(".")) + " GiB"
 
 
 def significant_ms_text(value: float, more_digits: int = 0) -> str:

@@ -586,6 +586,13 @@ def test_the_peak_column_keeps_its_figures_zeros():
     assert cells == ["19.4 GiB", "19.0 GiB", "20.0 GiB", "0.300 GiB", "0.0105 GiB", "1,234 GiB", "100 GiB"]
 
 
+def test_the_cap_and_the_peak_column_write_a_thousand_gib_alike():
+    """The cap, the why-not texts and the peak column write GiB by one rule: the cap read "1230 GiB" over a peak
+    column's "1,234 GiB" (no separator, whole GiB rounded away); only the column keeps zeros after the point."""
+    texts = [tuning.memory_text(gib * GIB) for gib in (1234.0, 19.0, 1.0004, 0.0105)]
+    assert texts == ["1,234 GiB", "19 GiB", "1 GiB", "0.0105 GiB"]
+
+
 @pytest.mark.parametrize("flags", [
     GPT_UNDER_03,
     ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 1024, "--heads", 8, "--seq-len", 1024,
