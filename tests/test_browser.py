@@ -575,6 +575,26 @@ def test_the_sweep_pages_axes_write_each_tick_to_one_number_of_decimals(tmp_path
 
 
 @needs_chromium
+def test_a_view_line_gives_the_source_once(tmp_path):
+    """A view's line read "1f1b, predicted: makespan ... (p=2, m=2, N=1, 18 ops, predicted)": its label names the
+    source, so its shape does not; simulate's page, whose label is the method alone, keeps it there."""
+    from tests.conftest import pipesim
+
+    trace, page, simulated = tmp_path / "t.json", tmp_path / "v.html", tmp_path / "s.html"
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "-n", 1, "--trace", trace, "--html", simulated)
+    assert code == 0, err
+    assert pipesim("view", trace, "--html", page).code == 0
+    lines = []
+    for path in (page, simulated):
+        v = visit(path, "#test", probe="document.querySelector('#timeline .gtitle').textContent")
+        assert_healthy(v)
+        lines.append(v.probed)
+    assert lines[0].startswith("1f1b, predicted: ") and lines[0].count("predicted") == 1, lines[0]
+    assert lines[0].endswith("(p=2, m=2, N=1, 18 ops)"), lines[0]
+    assert lines[1].startswith("1f1b: ") and lines[1].endswith("(p=2, m=2, N=1, 18 ops, predicted)"), lines[1]
+
+
+@needs_chromium
 def test_sixteen_devices_lanes_stay_apart_and_the_memory_legend_shows_every_device(tmp_path):
     """16 devices with send and receive lanes on a 1000 x 800 window: the memory legend (5 parts, 16 devices) lies
     in rows under the memory panel, whole and unscrolled, and takes no height from the lanes, which stay at
