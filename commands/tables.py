@@ -27,7 +27,7 @@ READABLE_TEXT = 20  # characters: a text cell wraps no narrower where splitting 
 UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
 WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357 ± 0.244"): one value, never wrapped
 # The space between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), where a line never wraps.
-FIGURE_AND_UNIT = re.compile(r"(?<=\d) (?=(?:s|ms|us|B|KiB|MiB|GiB|GB/s|Gb/s|samples/s)(?![\w/]))")
+FIGURE_AND_UNIT = re.compile(r"(?<=\d) (?=(?:s|ms|ms/step|us|B|KiB|MiB|GiB|GB/s|Gb/s|samples/s|TFLOP/s)(?![\w/]))")
 NO_BREAK = "\u00a0"
 
 

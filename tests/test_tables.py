@@ -14,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.tables import SHORT_CELL, print_table, print_tables
+from pipesim.commands.tables import SHORT_CELL, print_paragraph, print_table, print_tables
 from pipesim.traces.metrics import rate_text
 from tests.conftest import at_columns, pipesim
 
@@ -274,3 +274,12 @@ def test_simulate_tells_slow_methods_apart_by_their_samples_per_second():
                            "--bwd", "2000")
     rows = {cells[0]: cells[2] for cells in map(str.split, out.splitlines()) if cells[:1] in (["zb-h1"], ["pipedream"])}
     assert code == 0 and rows == {"zb-h1": "0.30", "pipedream": "0.33"}, out
+
+
+@pytest.mark.parametrize("unit", ["ms/step", "TFLOP/s"])
+def test_a_paragraph_never_wraps_between_a_figure_and_a_unit_with_a_slash(unit):
+    """tune's explanations end "... 331 ms/step" and estimate's figures read "TFLOP/s": at 80 columns a paragraph
+    broke "331" from "ms/step", the unit list stopping "ms" before a slash and lacking the longer units."""
+    console = Console(width=80, file=io.StringIO())
+    print_paragraph("a " * 38 + f"331 {unit} more", console)
+    assert console.file.getvalue().splitlines()[-1] == f"331 {unit} more"
