@@ -2,8 +2,9 @@
 
 The two shared vocabularies (schedules/, traces/) import nothing of ours; profiles are pure data; nothing
 on the simulator's side imports torch; the torch side (workload/, calibrate/, executor/) never imports
-the simulator or the planners. `units` (constants), `files` (reading user files) and `choices` (the refusal of a
-value outside a fixed few) are leaves anyone may import.
+the simulator or the planners. `units` (constants), `files` (reading user files), `choices` (the refusal of a
+value outside a fixed few), `launch` (how this process was started) and `memory_parts` (the names of a device's
+memory parts) are leaves anyone may import.
 """
 
 import ast

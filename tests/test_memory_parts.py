@@ -61,7 +61,8 @@ def test_1f1b_parts_are_what_each_part_holds():
 
 
 def test_a_stashing_methods_weight_copies_are_parameters():
-    """PipeDream stashes a weight version per micro-batch in flight: device 0 of 4 holds 4 copies at its peak."""
+    """PipeDream stashes a weight version per micro-batch in flight, and the memory breakdown must count each as
+    parameters, not once: device 0 of 4 holds 2 versions at its peak at -m 4."""
     result, = simulate_json("--schedule", "pipedream", "-p", "4", "-m", "4", "-n", "4", "--param-mb", "10",
                             "--activation-mb", "1")
     device = result["devices"][0]
