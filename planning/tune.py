@@ -1769,7 +1769,7 @@ def explain(result: Result, choice: Result, problem: Problem) -> str:
     if result.staleness > problem.max_staleness:
         limits.append(f"staleness {result.staleness} > {problem.max_staleness}")
     if result.peak_memory_bytes > problem.memory_cap_bytes:
-        limits.append(f"over memory: {memory_text(result.peak_memory_bytes)} > {memory_text(problem.memory_cap_bytes)}")
+        limits.append(f"over memory: {_apart(result.peak_memory_bytes, problem.memory_cap_bytes, memory_text, '>')}")
     if limits:
         return f"{'; '.join(limits)} ({_percent(result.samples_per_s / choice.samples_per_s - 1)} faster)"
     if result is choice:
@@ -3098,14 +3098,16 @@ def significant_ms_text(value: float, more_digits: int = 0) -> str:
     return f"{value:,.{more_digits}f}" if value >= 100 else f"{value:.{3 + more_digits}g}"
 
 
-def _apart(figure: float, against: float, text: Callable[[float, int], str] = significant_ms_text) -> str:
-    """"figure vs against" as `text` writes them, with the fewest more digits (up to 3) at which they read apart:
-    the figures that explain why a result lost must show the difference ("busiest device 6,742 vs 6,742")."""
+def _apart(figure: float, against: float, text: Callable[[float, int], str] = significant_ms_text,
+           between: str = "vs") -> str:
+    """"figure vs against" (or `between` them) as `text` writes them, with the fewest more digits (up to 3) at which
+    they read apart: the figures that explain why a result lost must show the difference ("busiest device 6,742 vs
+    6,742", "over memory: 0.3 GiB > 0.3 GiB")."""
     for more_digits in range(4):
         shown = text(figure, more_digits), text(against, more_digits)
         if shown[0] != shown[1]:
             break
-    return f"{shown[0]} vs {shown[1]}"
+    return f"{shown[0]} {between} {shown[1]}"
 
 
 def _percent(fraction: float) -> str:

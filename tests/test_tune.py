@@ -549,7 +549,7 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
     a reason names the busiest device's work or idle ms that decided it, with the digits at which they differ; where
     one grew past the whole loss and the other shrank, the step and both (DeepSeek-V3's "2.6% slower: busiest device
     17,571 vs 12,953 ms/step" told no reader why it lost). The loss is a share as every table writes one ("1.0%",
-    where "1%" stood beside "1.7%")."""
+    where "1%" stood beside "1.7%"). A peak over the cap reads over it ("0.3 GiB > 0.3 GiB" said nothing)."""
     from types import SimpleNamespace
 
     def result(samples_per_s: float, step_ms: float, busiest_ms: float, bubble: float, gib: float = 1.0):
@@ -576,6 +576,9 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
             == "2.6% slower: step 10.3 vs 10 ms: busiest device computing 5.5 vs 6 ms, idle 4.77 vs 4 ms")
     assert (tuning.explain(result(100.0, 10.0, 8.9, 0.11, gib=1.0004), choice, problem)
             == "as fast, more memory: 1.0004 GiB vs 1 GiB")
+    capped = SimpleNamespace(max_staleness=0, memory_cap_bytes=0.3 * GIB)  # over it by less than its last digit
+    assert (tuning.explain(result(110.0, 9.0, 8.0, 0.1, gib=0.3004), choice, capped)
+            == "over memory: 0.3004 GiB > 0.3 GiB (10.0% faster)")
 
 
 def test_the_peak_column_keeps_its_figures_zeros():
