@@ -569,6 +569,25 @@ def chains(draw):
     return costs, links, m
 
 
+def method_shape(name: str, draw, most_devices: int = 16, most_microbatches: int = 64) -> tuple[int, int, int]:
+    """A (p, m, N) for method `name`, p in 2..most_devices (8 for the methods of two chunks, 4 at least for
+    graphpipe) and m in 1..most_microbatches, leaving out only the shapes each method refuses (and says so:
+    tests/test_rivals.py, test_pipedream_2bw_rejects_too_few_microbatches): every one drawn must build."""
+    p = draw(st.integers(2, most_devices if name not in ("zb-v", "dualpipev", "dualpipe", "interleaved-1f1b")
+                         else min(most_devices, 8)))
+    low = {"zb-h2": 2 * p - 1, "dualpipev": 2 * p, "pipedream-2bw": max(p - 1, 1)}.get(name, 1)
+    m = draw(st.integers(low, max(low, most_microbatches)))
+    if name == "interleaved-1f1b":
+        m = p * draw(st.integers(1, max(1, most_microbatches // p)))
+    if name == "dualpipe":  # p and m even, m >= 2p
+        p -= p % 2
+        m = 2 * draw(st.integers(p, max(p, most_microbatches // 2)))
+    if name == "graphpipe":
+        p = max(p, 4)
+    n = draw(st.integers(1, 3))
+    return p, m, n
+
+
 # The methods of a fixed order
 FIXED_ORDERS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipedream", "pipedream-2bw")
 

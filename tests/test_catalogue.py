@@ -20,6 +20,7 @@ from pipesim.schedules import (
 )
 from pipesim.schedules.graph import graph_schedule, load_graph, two_branch_graph
 from tests.conftest import build, simulated
+from tests.helpers import method_shape
 
 SYNCHRONOUS = {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe", "auto",
                "avgpipe", "graphpipe"}
@@ -76,28 +77,11 @@ def _check_rule(name, schedule, versions, summary):
         assert not predicted.any()
 
 
-def _configuration(name, draw):
-    """A (p, m, N) within p in 2..16 and m in 1..64, leaving out only the shapes each method refuses (and says
-    so: tests/test_rivals.py, test_pipedream_2bw_rejects_too_few_microbatches): every one drawn must build."""
-    p = draw(st.integers(2, 16 if name not in ("zb-v", "dualpipev", "dualpipe", "interleaved-1f1b") else 8))
-    low = {"zb-h2": 2 * p - 1, "dualpipev": 2 * p, "pipedream-2bw": max(p - 1, 1)}.get(name, 1)
-    m = draw(st.integers(low, 64))
-    if name == "interleaved-1f1b":
-        m = p * draw(st.integers(1, 64 // p))
-    if name == "dualpipe":  # p and m even, m >= 2p
-        p -= p % 2
-        m = 2 * draw(st.integers(p, 32))
-    if name == "graphpipe":
-        p = max(p, 4)
-    n = draw(st.integers(1, 3))
-    return p, m, n
-
-
 @pytest.mark.parametrize("name", list(METHODS))
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_property_every_method_is_complete_deadlock_free_and_follows_its_rule(name, data):
-    p, m, n = _configuration(name, data.draw)
+    p, m, n = method_shape(name, data.draw)
     schedule = build(name, p, m, n)
     check_complete(schedule)
     assert find_deadlock(schedule) == {}
