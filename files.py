@@ -32,10 +32,11 @@ def read_toml(path: Path, error: type[Exception], prefix: str = "") -> dict:
     return _read(path, error, tomllib.loads, tomllib.TOMLDecodeError, "TOML", prefix, str(path))
 
 
-def read_json(path: str | Path, error: type[Exception], what: str, prefix: str = "") -> Any:
+def read_json(path: str | Path, error: type[Exception], what: str, prefix: str = "", give: str = "") -> Any:
     """The JSON document at `path`; an unreadable, non-UTF-8 or invalid file raises `error` naming it as `what`
-    (e.g. "cluster file"), its message led by `prefix` (e.g. the flag that named the file)."""
-    return _read(path, error, json.loads, json.JSONDecodeError, "JSON", prefix, f"{what} {path}")
+    (e.g. "cluster file"), its message led by `prefix` (e.g. the flag that named the file); one that is no JSON at
+    all but another of pipesim's outputs is named as such, followed by `give` (what to give instead)."""
+    return _read(path, error, json.loads, json.JSONDecodeError, "JSON", prefix, f"{what} {path}", give)
 
 
 def read_text(path: str | Path, error: type[Exception], prefix: str = "", named: str | None = None) -> str:
@@ -52,14 +53,30 @@ def read_text(path: str | Path, error: type[Exception], prefix: str = "", named:
 
 
 def _read(path: str | Path, error: type[Exception], loads: Callable[[str], Any], invalid: type[Exception],
-          language: str, prefix: str, named: str) -> Any:
+          language: str, prefix: str, named: str, give: str = "") -> Any:
     """The text at `path` (`read_text`) parsed by `loads`; where `loads` raises `invalid`, `error` led by `prefix`
-    and naming the file as `named`."""
+    and naming the file as `named` (and what it looks like, then `give`, where `_looks_like` tells)."""
     text = read_text(path, error, prefix, named)
     try:
         return loads(text)
     except invalid as exc:
-        raise error(f"{prefix}{named} is not valid {language}: {exc}") from None
+        looks = _looks_like(text) if language == "JSON" else None
+        raise error(f"{prefix}{named} is not {language} but {looks}{'; give ' * bool(give)}{give}" if looks
+                    else f"{prefix}{named} is not valid {language}: {exc}") from None
+
+
+def _looks_like(text: str) -> str | None:
+    """What a file that is no JSON at all looks like, where it is one of pipesim's other outputs (a page, a sweep's
+    .csv) given in a JSON file's place: the parser's "Expecting value: line 1 column 1" says only where it stopped."""
+    head = text.lstrip()
+    first_line = head.split("\n", 1)[0].strip()
+    if PAGE_HEALTH in text:
+        return "a pipesim page (HTML), which a browser opens"
+    if head.startswith("<"):
+        return "HTML or XML"
+    if "," in first_line and not first_line.startswith(("{", "[", '"')):
+        return f"a CSV table (its first line: {first_line[:60]}{'...' * (len(first_line) > 60)})"
+    return None
 
 
 def first_error(exc: Any) -> str:
@@ -141,7 +158,7 @@ def check_kind(doc: Any, path: str | Path, wanted: str, error: type[Exception]) 
 def read_document(path: str | Path, kind: str, error: type[Exception]) -> Any:
     """The JSON document at `path`, read as a `kind` (one of `DOCUMENT_KINDS`): one that cannot be read, is not
     JSON (`read_json`) or is a file of another kind (`check_kind`) raises `error` naming it as that kind."""
-    doc = read_json(path, error, kind)
+    doc = read_json(path, error, kind, give=DOCUMENT_KINDS[kind].wanted)
     check_kind(doc, path, kind, error)
     return doc
 
