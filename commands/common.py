@@ -952,8 +952,8 @@ def check_outputs(outputs: Sequence[tuple[str, Path | None] | tuple[str, Path | 
     that names the file of another output, or of a file the command reads: the later write replaced the earlier
     (`simulate --trace t.json --html t.json` kept the page, not the trace) or the input (`view t.json --html t.json`
     wrote the page over its trace). Outputs written in place (a FIFO, /dev/stdout) may be shared. Each (flag, path)
-    pair names its flag, or the argument, as the user gave it; a third, the `Output` the flag writes where
-    `OUTPUTS` has none for it."""
+    pair names its flag as the user gave it, or a read argument by what it is ("trace": "the trace it reads", where
+    its metavar read "is also TRACE"); a third, the `Output` the flag writes where `OUTPUTS` has none for it."""
     from ..traces.trace import writes_in_place
 
     for flag, path, *_ in outputs:
@@ -965,7 +965,8 @@ def check_outputs(outputs: Sequence[tuple[str, Path | None] | tuple[str, Path | 
         where, written = os.path.realpath(path), k >= len(reads)
         if written and where in seen and not writes_in_place(path):
             raise InputError(f"{flag}: {path} is also {seen[where]}; give {flag} a file of its own")
-        seen.setdefault(where, f"{flag}'s output" if written else f"{flag}, which it reads")
+        seen.setdefault(where, f"{flag}'s output" if written
+                        else f"{flag}, which it reads" if flag.startswith("-") else f"the {flag} it reads")
     for flag, path, *output in outputs:
         if path is not None and (output or flag in OUTPUTS) and not writes_in_place(path):
             check_replaceable(flag, path, output[0] if output else OUTPUTS[flag])

@@ -139,7 +139,7 @@ def compare(
     from ..traces.trace import TraceError, read_trace
 
     try:
-        check_outputs([("--html", html)], [("MEASURED", measured), ("PREDICTED", predicted)])
+        check_outputs([("--html", html)], [("measured trace", measured), ("predicted trace", predicted)])
         if os.path.isdir(measured):  # False for a path that cannot be looked at, which read_trace names
             from ..planning.torch_profile import read_torch_profile
 

@@ -44,7 +44,7 @@ def view(
     try:
         if html is None and not os.path.isfile(traces[0]):  # the page is named after it: say why it cannot be read
             read_trace(traces[0])
-        check_outputs([("--html", out)], [("TRACE", path) for path in traces])  # a file there: a pipesim page
+        check_outputs([("--html", out)], [("trace", path) for path in traces])  # a file there: a pipesim page
         if len({path.resolve() for path in traces}) < len(traces):  # drawn twice under one name, its bars as one
             again = next(path for i, path in enumerate(traces) if path.resolve() in {p.resolve() for p in traces[:i]})
             raise InputError(f"TRACE: {again} is given twice; give each trace once")
