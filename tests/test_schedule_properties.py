@@ -44,7 +44,7 @@ def problems(draw, name: str):
     link = Link(latency_ms=draw(st.integers(0, 2)), bandwidth_bytes_per_ms=MIB)
     # Blocking exchanges (overlap_comm False) only where transfers hold no compute: with holds, the engine issues an
     # exchange's SENDs one after another, each once its receiver has posted, and waits forever where a later SEND's
-    # receiver waits for it (zb-v p 2 m 4, last stage's B 6 ms: the report of session 25's item H).
+    # receiver waits for it (zb-v p 2 m 4, F 1 ms, B 2 ms but 6 on the last stage: SimulationError, never finished).
     overlap = costs.transfers_hold_products or draw(st.booleans())
     return schedule, costs, Cluster(schedule.num_devices, link, overlap_comm=overlap)
 
@@ -62,7 +62,7 @@ def _critical_path_ms(schedule: Schedule, costs: Costs) -> float:
     return max(backward_ms.values())
 
 
-def _spans(trace, *kinds: str, by_peer: bool = False) -> dict[tuple[int, ...], tuple[float, float]]:
+def _spans(trace, *kinds: str, by_peer: bool = False) -> dict[tuple[int, ...], tuple[int, int]]:
     """(stage, micro-batch, mini-batch, pipeline) -> (start, end) in the engine's whole picoseconds of the ops of
     `kinds`, each key once; `by_peer`: (stage, peer, ...) for transfers."""
     ops = trace.ops
