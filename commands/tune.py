@@ -391,15 +391,17 @@ def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: i
     thousands of times too large filled the host's memory first. `part`: the catalogue part (--gpu's, or its
     cluster's) whose own memory is the cap, None where --memory-gb gave it; the refusal names the flag the user
     gave (`nothing_fits_text`)."""
-    from ..planning.tune import memory_text, nothing_fits_text
+    from ..planning.tune import digits_apart, memory_text, nothing_fits_text
 
     weight_bytes = counted.total("param_bytes")
     if weight_bytes <= devices * memory_cap_bytes:
         return
     over = f" over --devices {devices:,}" if part is None else ""  # else the refusal's start names --devices
     more = "more memory each" if part is None else "a --gpu with more memory"
-    raise InputError(f"{nothing_fits_text(memory_cap_bytes, devices, part)}; the model's weights alone "
-                     f"({memory_text(weight_bytes)} in {counted.dtype}) need {memory_text(weight_bytes / devices)} per "
+    share = weight_bytes / devices
+    apart = digits_apart(share, memory_cap_bytes, memory_text)  # the share reads over the cap
+    raise InputError(f"{nothing_fits_text(memory_cap_bytes, devices, part, apart)}; the model's weights alone "
+                     f"({memory_text(weight_bytes)} in {counted.dtype}) need {memory_text(share, apart)} per "
                      f"device{over}: give at least {math.ceil(weight_bytes / memory_cap_bytes):,} devices, or {more}")
 
 

@@ -3039,16 +3039,18 @@ def _least_memory(lean: Problem, candidates: list[Candidate], simulated: dict[in
 
 
 def _nothing_fits(least: Result, problem: Problem) -> str:
-    return (f"{nothing_fits_text(problem.memory_cap_bytes, problem.gpus, problem.memory_part)}; the "
-            f"least memory any needs is {memory_text(least.peak_memory_bytes)} per device ({least.config.label()}, "
-            f"m={least.config.microbatches})")
+    more_digits = digits_apart(least.peak_memory_bytes, problem.memory_cap_bytes, memory_text)
+    return (f"{nothing_fits_text(problem.memory_cap_bytes, problem.gpus, problem.memory_part, more_digits)}; the "
+            f"least memory any needs is {memory_text(least.peak_memory_bytes, more_digits)} per device "
+            f"({least.config.label()}, m={least.config.microbatches})")
 
 
-def nothing_fits_text(memory_cap_bytes: int, gpus: int, part: str | None) -> str:
+def nothing_fits_text(memory_cap_bytes: int, gpus: int, part: str | None, more_digits: int = 0) -> str:
     """A refusal's start where no configuration fits the cap, naming the flag that set it: --memory-gb (`part` None),
     else --devices, the `gpus` of the catalogue `part` whose own memory is the cap (tune --gpu without --memory-gb),
-    as the user gave no --memory-gb to change."""
-    cap = memory_text(memory_cap_bytes)
+    as the user gave no --memory-gb to change; the cap to the digits (`more_digits`) at which the memory the refusal
+    goes on to give reads over it."""
+    cap = memory_text(memory_cap_bytes, more_digits)
     if part is None:
         return f"--memory-gb: no configuration fits in {cap}"
     return f"--devices {gpus:,}: no configuration fits on {gpus:,} {part} of {cap}"
@@ -3098,16 +3100,18 @@ def significant_ms_text(value: float, more_digits: int = 0) -> str:
     return f"{value:,.{more_digits}f}" if value >= 100 else f"{value:.{3 + more_digits}g}"
 
 
+def digits_apart(figure: float, against: float, text: Callable[[float, int], str]) -> int:
+    """The fewest more digits (up to 3) at which `text` writes the two figures apart: figures that explain why a
+    result lost, or why nothing fits, must show the difference ("busiest device 6,742 vs 6,742", "over memory:
+    0.3 GiB > 0.3 GiB")."""
+    return next((more for more in range(3) if text(figure, more) != text(against, more)), 3)
+
+
 def _apart(figure: float, against: float, text: Callable[[float, int], str] = significant_ms_text,
            between: str = "vs") -> str:
-    """"figure vs against" (or `between` them) as `text` writes them, with the fewest more digits (up to 3) at which
-    they read apart: the figures that explain why a result lost must show the difference ("busiest device 6,742 vs
-    6,742", "over memory: 0.3 GiB > 0.3 GiB")."""
-    for more_digits in range(4):
-        shown = text(figure, more_digits), text(against, more_digits)
-        if shown[0] != shown[1]:
-            break
-    return f"{shown[0]} {between} {shown[1]}"
+    """"figure vs against" (or `between` them) as `text` writes them, apart (`digits_apart`)."""
+    more_digits = digits_apart(figure, against, text)
+    return f"{text(figure, more_digits)} {between} {text(against, more_digits)}"
 
 
 def _percent(fraction: float) -> str:

@@ -29,6 +29,16 @@ def test_tune_refuses_a_model_whose_weights_alone_overfill_the_devices_before_es
         "6.49 GiB per device over --devices 2: give at least 4 devices, or more memory each"]
 
 
+def test_the_weights_refusal_writes_their_share_over_the_cap():
+    """A cap under the weights' share by less than its third significant digit read "no configuration fits in 6.49
+    GiB; ... need 6.49 GiB per device": the cap and the share are written to the digits at which they differ."""
+    pytest.importorskip("torch")
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", *SEVEN_B, "-D", 2, "--memory-gb", 6.489)
+    assert code == 2 and out == ""
+    assert err.startswith("error: --memory-gb: no configuration fits in 6.489 GiB; the model's weights alone (13 GiB "
+                          "in bfloat16) need 6.49 GiB per device over --devices 2"), err
+
+
 def test_the_weights_refusal_names_devices_where_the_cap_is_the_parts_own_memory():
     """Without --memory-gb the cap is the --gpu part's own memory: the refusal names --devices, the flag given,
     not --memory-gb."""
