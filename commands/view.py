@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .common import InputError, check_outputs, fail, out_of_memory_line, stdout, writing
+from .common import InputError, check_outputs, fail, out_of_memory_line, stderr, stdout, writing
 
 
 def _names(paths: list[Path], traces: list) -> list[tuple[str, str]]:
@@ -35,7 +35,8 @@ def view(
 ) -> None:
     """Draw traces on one self-contained page (works offline). One view per trace and, for several traces, one
     with their lanes interleaved device by device, predicted beside measured; memory under the timelines, with each
-    device's memory and the warning simulate's page gave where the trace records its memory checks."""
+    device's memory and the warning simulate's page gave (on stderr too, as simulate gives it) where the trace
+    records its memory checks."""
     from ..sim.cluster import MemoryCheck
     from ..traces.trace import TraceError, read_trace
     from ..traces.view import write_timeline_page
@@ -64,4 +65,6 @@ def view(
                                 memory_checks=checks)
     except (InputError, TraceError) as exc:
         fail(str(exc))
+    for note in notes:  # as simulate warns: the page's note alone went unseen by a user who did not open it
+        stderr.print(f"warning: {note}", highlight=False, soft_wrap=True)
     stdout.print(f"wrote {out}" + (" (replaced the file that was there)" if replaced else ""), highlight=False)

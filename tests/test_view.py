@@ -526,6 +526,22 @@ def test_simulate_gpu_page_carries_the_gpus_memory_for_each_device(tmp_path):
     assert _page_data(page.read_text())["traces"][0]["memory"]["limits_mib"] == [81920, 81920]
 
 
+def test_view_warns_on_stderr_of_a_trace_out_of_memory_as_simulate_does(tmp_path):
+    """simulate warns on stderr where a method runs out of memory; `view` of its trace said so only in a note on
+    the page, nothing in the terminal: one warning line per trace out of memory, none for one that fits."""
+    from tests.conftest import pipesim
+
+    cluster, tight, fits = (tmp_path / name for name in ("c.json", "tight.json", "fits.json"))
+    cluster.write_text(json.dumps({"devices": [{"name": "r0", "compute": "gpu0", "memory_gib": 1.5},
+                                               {"name": "r1", "compute": "gpu0"}]}))
+    code, _, warned = pipesim("simulate", "-p", 2, "-m", 4, "-s", "1f1b", "--cluster", cluster, "--activation-mb", 3,
+                              "--trace", tight)
+    assert code == 0 and warned.startswith("warning: 1f1b runs out of memory: "), warned
+    assert pipesim("simulate", "-p", 2, "-m", 4, "-s", "1f1b", "--trace", fits).code == 0
+    code, _, err = pipesim("view", fits, tight, "--html", tmp_path / "page.html")
+    assert (code, err) == (0, warned.replace("1f1b", "the predicted 1f1b (tight.json)", 1))
+
+
 def test_view_of_a_saved_trace_draws_each_devices_memory_as_simulates_page_did(tmp_path):
     """`pipesim view` of simulate's --trace drew no device's memory: no dashed line, no OOM on the bar, no warning,
     the trace not recording what simulate checked. It records it now: two ranks on one GPU, out of memory together,
