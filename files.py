@@ -61,7 +61,7 @@ def _read(path: str | Path, error: type[Exception], loads: Callable[[str], Any],
         return loads(text)
     except invalid as exc:
         looks = _looks_like(text) if language == "JSON" else None
-        raise error(f"{prefix}{named} is not {language} but {looks}{'; give ' * bool(give)}{give}" if looks
+        raise error(f"{prefix}{named} is {looks}, not {language}{'; give ' * bool(give)}{give}" if looks
                     else f"{prefix}{named} is not valid {language}: {exc}") from None
 
 
@@ -69,11 +69,13 @@ def _looks_like(text: str) -> str | None:
     """What a file that is no JSON at all looks like, where it is one of pipesim's other outputs (a page, a sweep's
     .csv) given in a JSON file's place: the parser's "Expecting value: line 1 column 1" says only where it stopped."""
     head = text.lstrip()
+    if not head:
+        return "an empty file"
     first_line = head.split("\n", 1)[0].strip()
     if PAGE_HEALTH in text:
         return "a pipesim page (HTML), which a browser opens"
     if head.startswith("<"):
-        return "HTML or XML"
+        return "an HTML or XML file"
     if "," in first_line and not first_line.startswith(("{", "[", '"')):
         return f"a CSV table (its first line: {first_line[:60]}{'...' * (len(first_line) > 60)})"
     return None

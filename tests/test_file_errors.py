@@ -112,20 +112,23 @@ def test_a_compare_report_is_no_cluster_file():
 
 
 def test_a_page_or_a_table_given_for_a_json_file_is_named_as_what_it_is(tmp_path, monkeypatch):
-    """A pipesim page or a sweep's .csv given to view, compare or --profile read only "not valid JSON: Expecting
-    value: line 1 column 1 (char 0)": it is named as what it is, then what to give, as a file of another kind is."""
+    """A pipesim page, a sweep's .csv or an empty file given to view, compare or --profile read only "not valid
+    JSON: Expecting value: line 1 column 1 (char 0)": it is named as what it is, then what to give, as a file of
+    another kind is."""
     monkeypatch.chdir(tmp_path)
     assert pipesim("simulate", "-s", "1f1b", "--trace", "t.json")[0] == 0
     assert pipesim("view", "t.json", "--html", "page.html")[0] == 0
     Path("grid.csv").write_text("schedule,stages,microbatches,samples_per_s\n1f1b,2,4,10.0\n")
-    page = "is not JSON but a pipesim page (HTML), which a browser opens; give "
-    table = "is not JSON but a CSV table (its first line: schedule,stages,microbatches,samples_per_s); give "
+    Path("empty.json").write_text("\n")
+    page = "is a pipesim page (HTML), which a browser opens, not JSON; give "
+    table = "is a CSV table (its first line: schedule,stages,microbatches,samples_per_s), not JSON; give "
     for args, line in ((("compare", "page.html", "t.json"), f"trace page.html {page}{GIVE['trace']}"),
                        (("view", "grid.csv"), f"trace grid.csv {table}{GIVE['trace']}"),
+                       (("view", "empty.json"), f"trace empty.json is an empty file, not JSON; give {GIVE['trace']}"),
                        (("simulate", "--profile", "grid.csv"),
                         f"--profile: profile grid.csv {table}{GIVE['profile']}")):
         assert pipesim(*args) == (2, "", f"error: {line}\n")
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["grid.csv", "page.html", "t.json"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["empty.json", "grid.csv", "page.html", "t.json"]
 
 
 def test_a_cluster_file_using_every_field_its_reader_allows_is_named_a_cluster_file(tmp_path):
