@@ -283,3 +283,17 @@ def test_a_paragraph_never_wraps_between_a_figure_and_a_unit_with_a_slash(unit):
     console = Console(width=80, file=io.StringIO())
     print_paragraph("a " * 38 + f"331 {unit} more", console)
     assert console.file.getvalue().splitlines()[-1] == f"331 {unit} more"
+
+
+def test_a_wrapped_cell_never_breaks_between_a_figure_and_its_unit(monkeypatch):
+    """tune's why-not column at 80 columns ended a line "device idle 21.9 vs 0" over "ms/step", and "computing 143
+    vs 157" over "ms": rich wraps a cell at any space, the no-break space too."""
+    table = Table("schedule", "samples/s", "why not", box=box.SIMPLE_HEAD)
+    table.add_row("zb-h2", "715.2", "12.2% slower: busiest device idle 21.9 vs 0 ms/step")
+    table.add_row("1f1b", "694.1", "14.8% slower: step 184 vs 157 ms: busiest device computing 143 vs 157 ms")
+    monkeypatch.setenv("COLUMNS", "40")
+    console = Console(width=40, file=io.StringIO())
+    print_table(table, console)
+    lines = [line.rstrip() for line in console.file.getvalue().splitlines()]
+    assert not [line for line in lines if re.search(r"\d$", line)], lines
+    assert max(map(len, lines)) <= 40 and "0 ms/step" in "\n".join(lines), lines
