@@ -8,6 +8,7 @@ would be replaced."""
 from __future__ import annotations
 
 import codecs
+import csv
 import json
 import re
 import shlex
@@ -76,9 +77,20 @@ def _looks_like(text: str) -> str | None:
         return "a pipesim page (HTML), which a browser opens"
     if head.startswith("<"):
         return "an HTML or XML file"
-    if "," in first_line and not first_line.startswith(("{", "[", '"')):
+    if _is_table(head):
         return f"a CSV table (its first line: {first_line[:60]}{'...' * (len(first_line) > 60)})"
     return None
+
+
+def _is_table(head: str) -> bool:
+    """Whether a text reads as a CSV table (a sweep's --out): its first two lines split into as many fields, two or
+    more, and the first is no comment or TOML assignment. A comma alone does not make one: a TOML grid's comment, or
+    JSON after a comment line, keeps the parser's own message."""
+    lines = [line for line in head.splitlines()[:2] if line.strip()]
+    if len(lines) < 2 or lines[0].lstrip().startswith(("#", "//", "{", "[", '"')) or "=" in lines[0]:
+        return False
+    counts = {len(row) for row in csv.reader(lines)}
+    return len(counts) == 1 and counts.pop() >= 2
 
 
 def first_error(exc: Any) -> str:

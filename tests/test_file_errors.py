@@ -131,6 +131,19 @@ def test_a_page_or_a_table_given_for_a_json_file_is_named_as_what_it_is(tmp_path
     assert sorted(path.name for path in tmp_path.iterdir()) == ["empty.json", "grid.csv", "page.html", "t.json"]
 
 
+@pytest.mark.parametrize("text", ["# a sweep grid: each key a flag, each value a list\nschedule = [\"1f1b\"]\n",
+                                  "// written by hand, then pasted\n{\"devices\": [1, 2]}\n",
+                                  "1f1b, zb-h1\n"])
+def test_a_text_with_a_comma_is_no_csv_table_unless_its_lines_split_alike(tmp_path, text):
+    """A TOML grid whose comment holds a comma, JSON after a comment line, or one line of words are no CSV table:
+    each keeps the parser's own message rather than being named a table it is not."""
+    path = tmp_path / "given.json"
+    path.write_text(text)
+    code, out, err = pipesim("view", str(path))
+    assert (code, out) == (2, "")
+    assert "is not valid JSON: " in err and "CSV" not in err, err
+
+
 def test_a_cluster_file_using_every_field_its_reader_allows_is_named_a_cluster_file(tmp_path):
     """files.py, a leaf that may not import the simulator, tells a cluster file by CLUSTER_KEYS: they are
     sim/cluster.py ClusterSpec's fields, so a field added to the reader is a key of the kind too."""
