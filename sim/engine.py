@@ -516,7 +516,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
 def _exchange_sends(columns: tuple, first: int, mine: int, post_ps: int) -> list[tuple[int, int]]:
     """A blocking exchange's SEND steps, `mine` (its first, posted at `post_ps`) and the `_BESIDE` ones after it, each
     with when it is posted: the exchange's post plus the host time of its SENDs up to it. (`columns`: its device's
-    steps' (`_Program.steps`), the first's clock `first`.)"""
+    steps' (`_Program.steps`); `first`: the clock index of its device's first step, so step `mine` is row
+    `mine - first` of the columns.)"""
     busy, stream = columns[0], columns[1]
     sends = [(mine, post_ps)]
     at = mine - first + 1
