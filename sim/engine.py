@@ -80,8 +80,8 @@ _SWEEP_WINDOW = 256
 _NEVER = 2**63 - 1
 # `_Model.awaited` of a device waiting for nothing.
 _AWAITS_NONE = (-1, -1)
-# `_Program.steps`' stream of a blocking SEND after the first of its exchange: issued with it, each once its own
-# receiver has posted (`_exchange_sends`).
+# `_Program.steps`' stream of a blocking SEND after the first of its exchange: issued at the exchange's post, beside
+# the SENDs before it (`_price`).
 _BESIDE = 4
 # A byte per row: the stream column is compared over millions of rows, and the trace widens it once.
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS)).astype(np.int8)
@@ -439,11 +439,10 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         # both its ends have posted (an NCCL send waits for its receive), from the later post (`_exchange_posts`).
         # Where nothing is timed, each end works that out from its own post and the other's: a step waits for the
         # other's post plus the transfer, and the exchange's first step adds its longest transfer to its own post.
-        # Where timed, a device issues its exchange's SENDs together (`_BESIDE`: those after the first), each at the
-        # later post, whatever the others wait for (`_ready_sends`), and a RECV waits for its SEND's issue. A step
-        # of an exchange posted once a pass's collectives have ended, which its device's clock may not have
-        # reached, waits for both posts (where timed, its SENDs: a RECV waits for the arrival its SEND found), a
-        # clock list of two steps.
+        # Where timed, a SEND is issued at the later post (`_Model`), one after the first of its exchange
+        # (`_BESIDE`) at its exchange's post too, not after the SEND before it. A step of an exchange posted once a
+        # pass's collectives have ended, which its device's clock may not have reached, waits for both posts (where
+        # timed, its SENDs: a RECV waits for the arrival its SEND found), a clock list of two steps.
         first_post_clock = first_meeting_clock + meetings.num_clocks
         posts = _exchange_posts(lowered, stream, clock_before, since_ps, collective_rows, collective_clock,
                                 collective_ps, first_post_clock)
@@ -511,38 +510,6 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     len(resources), spans, channel_bytes, static_parts(schedule, costs),
                     [round(ms * _PS_PER_MS) or None for ms in device_product_ms(schedule.stages_by_device, costs)]
                     if costs.transfers_hold_products else [])
-
-
-def _exchange_sends(columns: tuple, first: int, mine: int, post_ps: int) -> list[tuple[int, int]]:
-    """A blocking exchange's SEND steps, `mine` (its first, posted at `post_ps`) and the `_BESIDE` ones after it, each
-    with when it is posted: the exchange's post plus the host time of its SENDs up to it. (`columns`: its device's
-    steps' (`_Program.steps`); `first`: the clock index of its device's first step, so step `mine` is row
-    `mine - first` of the columns.)"""
-    busy, stream = columns[0], columns[1]
-    sends = [(mine, post_ps)]
-    at = mine - first + 1
-    while at < len(stream) and stream[at] == _BESIDE:
-        post_ps += busy[at]
-        sends.append((first + at, post_ps))
-        at += 1
-    return sends
-
-
-def _ready_sends(pending: list[tuple[int, int]], columns: tuple, first: int, clocks) -> list[tuple[int, int, int]]:
-    """Of a blocking exchange's `pending` SENDs (`_exchange_sends`), those whose receivers have posted, each as its
-    step, transfer id and issue time (the later of its post and its receiver's), in the exchange's order; taken out
-    of `pending`: an exchange's SENDs are posted together, each moving once its own receiver has posted, whatever
-    the others wait for (NCCL's batched sends, each meeting its receive)."""
-    ready, waiting = [], []
-    for step, post_ps in pending:
-        at = step - first
-        posted = clocks[columns[3][at]]
-        if posted < 0:
-            waiting.append((step, post_ps))
-        else:
-            ready.append((step, columns[2][at], max(post_ps, posted + columns[4][at])))
-    pending[:] = waiting
-    return ready
 
 
 @dataclass(frozen=True)
@@ -1347,13 +1314,20 @@ class _Model:
         product_ps = program.product_ps[d] if kernels is not None else None
         start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
-        columns = tuple(map(memoryview, program.steps[d]))  # Python ints, one at a time
-        ends: dict[int, int] = {}  # blocking: per SEND step of the exchange under way, its arrival
-        for mine, busy_ps, stream, xid, other, after_ps, row in zip(
-                itertools.count(start + 1), *columns,
+        post = 0  # blocking: the clock its exchange was posted at, plus the host time of its SENDs since
+        for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
+                itertools.count(start + 1), *map(memoryview, program.steps[d]),
                 rows.tolist() if cores else itertools.repeat(-1)):
-            if stream == _BESIDE:  # a SEND of the exchange the one before began, issued with it (`_exchange_sends`)
-                clock = clocks[mine] = max(clock, ends.pop(mine))
+            if stream == _BESIDE:  # a SEND of the exchange the one before began: from its post, once its receiver's
+                post += busy_ps
+                if clocks[other] < 0:
+                    waiter = env.event()
+                    waiters.setdefault(other, []).append(waiter)
+                    yield waiter
+                issued = max(post, clocks[other] + after_ps)
+                if routes[xid // units] and issued > env.now:
+                    yield env.timeout(issued - env.now)
+                clock = clocks[mine] = max(clock, self._issue(xid, issued, kernels))
                 woken = waiters.pop(mine, None)
                 if woken:
                     self._succeed(woken)
@@ -1377,39 +1351,7 @@ class _Model:
                 self.host_stretch_ps[row] = end - clock
                 clock = end
             computed_ps = 0
-            if stream == send and not overlap:  # a blocking exchange's SENDs, each once its receiver has posted
-                pending = _exchange_sends(columns, start + 1, mine, clock)
-                while True:
-                    for step, sent, issued in _ready_sends(pending, columns, start + 1, clocks):
-                        if routes[sent // units] and issued > env.now:
-                            yield env.timeout(issued - env.now)
-                        ends[step] = self._issue(sent, issued, kernels)
-                        woken = waiters.pop(~sent, None)
-                        if woken:
-                            self._succeed(woken)
-                    if not pending:
-                        break
-                    awaiting = [columns[3][step - start - 1] for step, _ in pending]
-                    if max(clocks[key] for key in awaiting) >= 0:  # posted while it waited to send on a link
-                        continue
-                    events = [env.event() for _ in pending]  # the first of their receivers to post
-                    for key, event in zip(awaiting, events):
-                        waiters.setdefault(key, []).append(event)
-                    yield env.any_of(events)
-                    for key, event in zip(awaiting, events):
-                        if not event.triggered:
-                            waiters[key].remove(event)
-                clock = clocks[mine] = ends.pop(mine)
-                woken = waiters.pop(mine, None)
-                if woken:
-                    self._succeed(woken)
-                continue
-            if stream == recv and after_ps < 0 and not overlap:  # its data, once its SEND has been issued
-                if arrival[xid] < 0:
-                    waiter = env.event()
-                    waiters.setdefault(~xid, []).append(waiter)
-                    yield waiter
-                other = start  # (nothing more to wait for)
+            post = clock
             if stream == recv or other != start:  # a RECV waits for its data, a row that needs a collective (or a
                 if clocks[other] < 0:  # lane step its row) for that clock: wait until the sender (or lane) has it
                     waiter = env.event()
@@ -1466,8 +1408,7 @@ class _Model:
         simulated time to reach the end (every device then has issued what it sends before then, as under SimPy)
         and works it out again with the kernels announced meanwhile."""
         program = self.program
-        clocks, waiters, runnable, arrival = self.clocks, self.waiters, self.ready, self.arrival
-        resume = runnable.extend
+        clocks, waiters, resume, arrival = self.clocks, self.waiters, self.ready.extend, self.arrival
         due, frontier, senders, sends_after = self.due, self.frontier, tuple(self.senders[d]), self._sends_after
         kernels = None if self.kernels is None else self.kernels[d]
         product_ps = program.product_ps[d] if kernels is not None else None
@@ -1476,12 +1417,18 @@ class _Model:
         me = self.running
         start = int(program.start_clock[d])
         send, recv = int(Stream.SEND), int(Stream.RECV)
-        clock = 0
-        columns = tuple(map(memoryview, program.steps[d]))  # Python ints, one at a time
-        ends: dict[int, int] = {}  # as `process`'s
-        for mine, busy_ps, stream, xid, other, after_ps in zip(itertools.count(start + 1), *columns):
+        clock = post = 0  # post: as `process`'s
+        for mine, busy_ps, stream, xid, other, after_ps in zip(  # memoryviews: Python ints, one at a time
+                itertools.count(start + 1), *map(memoryview, program.steps[d])):
             if stream == _BESIDE:  # as `process`
-                clock = clocks[mine] = max(clock, ends.pop(mine))
+                post += busy_ps
+                if clocks[other] < 0:
+                    frontier[d] = post
+                    awaited[d] = (other, -1)
+                    waiters.setdefault(other, []).append(me)
+                    yield
+                    awaited[d] = _AWAITS_NONE
+                clock = clocks[mine] = max(clock, self._issue(xid, max(post, clocks[other] + after_ps), kernels))
                 woken = waiters.pop(mine, None)
                 if woken:
                     resume(woken)
@@ -1509,41 +1456,7 @@ class _Model:
                 if holds or kernels:
                     self._hold(kernels, end, holds)
                 clock = end
-            if stream == send and not overlap:  # as `process`
-                pending = _exchange_sends(columns, start + 1, mine, clock)
-                while True:
-                    for step, sent, issued in _ready_sends(pending, columns, start + 1, clocks):
-                        ends[step] = self._issue(sent, issued, kernels)
-                        woken = waiters.pop(~sent, None)
-                        if woken:
-                            resume(woken)
-                    if not pending:
-                        break
-                    awaiting = [columns[3][step - start - 1] for step, _ in pending]
-                    frontier[d] = clock
-                    awaited[d] = (awaiting[0], -1)
-                    for key in awaiting:  # the first of their receivers to post
-                        waiters.setdefault(key, []).append(me)
-                    yield
-                    awaited[d] = _AWAITS_NONE
-                    for key in awaiting:  # (and once only: another may have posted since)
-                        if me in waiters.get(key, ()):
-                            waiters[key].remove(me)
-                    while me in runnable:
-                        runnable.remove(me)
-                clock = clocks[mine] = ends.pop(mine)
-                woken = waiters.pop(mine, None)
-                if woken:
-                    resume(woken)
-                continue
-            if stream == recv and after_ps < 0 and not overlap:  # as `process`
-                if arrival[xid] < 0:
-                    frontier[d] = clock
-                    awaited[d] = (other, sender_of[xid // units])
-                    waiters.setdefault(~xid, []).append(me)
-                    yield
-                    awaited[d] = _AWAITS_NONE
-                other = start
+            post = clock
             if stream == recv or other != start:  # as `process`
                 if clocks[other] < 0:
                     frontier[d] = clock

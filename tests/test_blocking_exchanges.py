@@ -190,20 +190,3 @@ def test_exchanges_that_wait_for_each_other_are_refused_in_one_line(monkeypatch)
     with pytest.raises(SimulationError, match=r"^zb-v: \d+ devices never finished: their blocking exchanges wait for "
                                               r"each other \(leave out --blocking-comm\)$"):
         simulate(schedule, costs, Cluster.uniform(2, 0.5, overlap_comm=False))
-
-
-@pytest.mark.parametrize("shared", [False, True])
-def test_an_exchanges_send_moves_once_its_own_receiver_has_posted_while_another_waits(shared):
-    """zb-v p 2 m 4, B 6 ms on the last stage: device 0's exchange sends F to device 1's later exchange and B to its
-    exchange posted now, whose end that later one waits for. Posted together (NCCL's batched sends), the B send moves
-    at once: where transfers hold the compute (a timed run, `shared`: a link both devices send on, SimPy's) the run
-    ends as where they hold none, where the B send once waited for the F send's receiver, which waited for it."""
-    schedule = build("zb-v", 2, 4, 1)
-    n = schedule.num_stages
-    costs = Costs.per_stage(n, fwd_ms=1.0, bwd_ms=[2.0] * (n - 1) + [6.0])
-    link = Link(latency_ms=0, resource="bus" if shared else None)
-    cluster = Cluster(2, links={(0, 1): link, (1, 0): link}, overlap_comm=False)
-    free = simulate(schedule, costs, cluster)
-    held = simulate(schedule, replace(costs, transfers_hold_products=True), cluster)
-    assert summarize(held).makespan_ms == summarize(free).makespan_ms == 42.0
-    assert np.array_equal(held.ops.start_us, free.ops.start_us)
