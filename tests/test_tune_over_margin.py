@@ -44,7 +44,7 @@ def test_what_could_beat_the_choice_by_no_more_than_the_margin_is_counted_not_si
     assert found.excluded == [] and found.staler is None
     counted = found.over_within_margin
     assert counted >= len(over)
-    assert f"{counted} more configurations over the limits might beat the choice by at most 10000% (by their " \
+    assert f"{counted} more configurations over the limits might beat the choice by at most 10,000% (by their " \
            "bounds; not shown)" in found.notes
     assert not any("--max-staleness" in note for note in found.notes)
     assert found.to_dict()["over_within_margin"] == counted

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from pipesim.planning import tune as tuning
+from pipesim.traces.metrics import percent_text
 from tests.helpers import differences, exhaustive, gpt_on_8
 
 LOOSE = 1e6  # samples/s: a bound no candidate reaches, so still a bound
@@ -51,8 +52,8 @@ def test_the_note_stops_at_the_first_stale_configuration_that_beats_the_choice_a
     gain, most = slowest.samples_per_s / choice - 1, bound.max_samples_per_s / choice - 1
     note = next(n for n in found.notes if "--max-staleness" in n)
     assert note.startswith(f"at staleness 1, spectrain p=8 fits and gives {slowest.samples_per_s:,.1f} samples/s, "
-                           f"{100 * gain:.2g}% ") and most > gain
-    assert f"more than 1f1b p=4, up to {100 * most:.2g}% more by the bounds of the {bound.configurations} stale " \
+                           f"{percent_text(gain)} ") and most > gain
+    assert f"more than 1f1b p=4, up to {percent_text(most)} more by the bounds of the {bound.configurations} stale " \
            "configurations not simulated; it trains on stale weights" in note, note
     document = found.to_dict()["staler_winner"]
     assert document["bound_samples_per_s"] == bound.max_samples_per_s >= document["samples_per_s"]
