@@ -5,6 +5,7 @@ describe. Imports only typer and rich at start-up, so every command starts fast.
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import importlib.util
 import inspect
@@ -926,10 +927,12 @@ def check_replaceable(flag: str, path: Path, output: Output) -> None:
 def check_writable(flag: str, path: Path | None) -> None:
     """Refuse an output path before any work is done, so nothing is half-written later. As `write_atomic`
     writes: a FIFO, a device or /dev/stdout in place, anything else by replacing the file a symlink points
-    to from a temporary file in that file's folder."""
+    to from a temporary file in that file's folder, which is made and removed here (`check_stageable`): a
+    permission check says yes to root where the file system refuses (/proc, /sys), and `--html /sys/t.html`
+    was refused only once the simulation had run."""
     if path is None:
         return
-    from ..traces.trace import writes_in_place
+    from ..traces.trace import check_stageable, writes_in_place
 
     with writing(flag):  # a name too long, a folder that cannot be searched: the path cannot even be looked at
         if path.is_dir():
@@ -942,8 +945,12 @@ def check_writable(flag: str, path: Path | None) -> None:
         if not folder.is_dir():
             why = f"{folder} is a file, not a folder" if folder.exists() else f"folder {folder} does not exist"
             raise InputError(f"{flag}: cannot write {path}: {why}")
-        if not os.access(folder, os.W_OK):
-            raise InputError(f"{flag}: cannot write {path}: folder {folder} is not writable")
+        try:
+            check_stageable(path)
+        except OSError as exc:
+            why = "is not writable" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) \
+                else f"takes no new files ({_reason(exc)})"
+            raise InputError(f"{flag}: cannot write {path}: folder {folder} {why}") from None
 
 
 def check_outputs(outputs: Sequence[tuple[str, Path | None] | tuple[str, Path | None, Output]],

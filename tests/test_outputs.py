@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from pipesim.traces import write_atomic
 from tests.conftest import pipesim
 
 EXPORT = ["export", "-s", "1f1b", "-p", "2", "-m", "2", "--format", "torch-csv"]
+GRID = Path(__file__).resolve().parents[1] / "examples" / "grid.toml"
 CSV = "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
 
 
@@ -105,3 +107,17 @@ def test_output_checks_before_any_work(tmp_path):
     assert code == 2 and f"--trace: cannot write {link}: folder {tmp_path / 'missing'} does not exist" in err
     code, _, err = pipesim("simulate", "-s", "1f1b", "--html", tmp_path)
     assert code == 2 and "is a directory" in err
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("args", [["simulate", "-s", "1f1b", "--html", "/proc/t.html"],
+                                  ["simulate", "-s", "1f1b", "--trace", "/proc/t.html"],
+                                  [*EXPORT, "--out", "/proc/t.html"],
+                                  ["sweep", "--grid", GRID, "--html", "/proc/t.html"]])
+def test_a_folder_that_takes_no_new_file_is_refused_before_any_work_even_for_root(args):
+    """/proc takes no new file, root or not, though a permission check says yes to root: the output was refused
+    by the write, once the work was done ("cannot write /proc/t.html: No such file or directory")."""
+    flag = args[-2]
+    code, out, err = pipesim(*args)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"error: {flag}: cannot write /proc/t.html: folder /proc "), err

@@ -503,7 +503,7 @@ def _stage(target: Path, data: bytes) -> str:
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask  # what open() would give a new file
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    fd, tmp = _temporary_beside(target)
     try:
         os.chmod(tmp, mode)  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as handle:
@@ -512,6 +512,20 @@ def _stage(target: Path, data: bytes) -> str:
         Path(tmp).unlink(missing_ok=True)
         raise
     return tmp
+
+
+def _temporary_beside(target: Path) -> tuple[int, str]:
+    """A new temporary file in `target`'s folder, hidden and named after it: (its descriptor, its path)."""
+    return tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+
+
+def check_stageable(path: str | os.PathLike[str]) -> None:
+    """Make and remove the temporary file `write_atomic` would write `path`'s text to, so that a folder that takes
+    no new file is found before the work, not at the write: a file system's refusal (/proc, /sys, a read-only
+    mount) that a permission check passes for root. An OSError says why."""
+    fd, tmp = _temporary_beside(Path(os.path.realpath(path)))
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
