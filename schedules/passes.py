@@ -399,7 +399,7 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     key[recvs] = 2 * np.where(found >= own_start[recvs], found, -1) + 1
     order = _by_device_and_key(device, key, receiving)
     if not _waits_forever(t.kind[order], device[order], transfer[order]):
-        return order
+        return _in_pair_order(order, t.kind, device, transfer)
     # The run without transfer times: a device's clock after row r is the latest, over its rows j <= r, of when j
     # could begin (a RECV when its SEND's clock, its first row at 0) less the time held before j, plus the time
     # held up to r (a running maximum per device, repeated until the RECVs' SENDs' clocks hold), in units small
@@ -426,7 +426,7 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     found = np.searchsorted(offset[points] + clock[points], offset[sends] + needed_at[transfer[sends]], side="right")
     key = np.where(ticking, 2 * index, 2 * made + 1)
     key[sends] = 2 * np.maximum(points[np.maximum(found - 1, 0)], made[sends]) + 1
-    return _by_device_and_key(device, key, receiving)
+    return _in_pair_order(_by_device_and_key(device, key, receiving), t.kind, device, transfer)
 
 
 def _by_device_and_key(device: np.ndarray, key: np.ndarray, receiving: np.ndarray) -> np.ndarray:
@@ -434,6 +434,34 @@ def _by_device_and_key(device: np.ndarray, key: np.ndarray, receiving: np.ndarra
     integer, several times faster than sorting by each column in turn."""
     width = 2 * len(key) + 2
     return np.argsort((device * width + key + 1) * 2 + receiving, kind="stable")
+
+
+def _in_pair_order(order: np.ndarray, kind: np.ndarray, device: np.ndarray, transfer: np.ndarray) -> np.ndarray:
+    """`order` (of rows with `kind`, `device` and `transfer` per row; exchanges that wait forever none) with each
+    exchange's SENDs to one peer in the order that peer posts their RECVs, and its RECVs from one peer in the order
+    that peer posts their SENDs; each row keeps its exchange, and a peer's rows the places in it they held. NCCL runs
+    a pair's sends and receives in the order each end posts them ("point-to-point calls within a group targeting
+    the same peer ... are executed in order", https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/p2p.html),
+    so a send whose receive its peer posts later would wait for the send after it. Across exchanges the orders already
+    agree: a pair's send in an earlier exchange received in a later one than a send after it waits forever."""
+    kind, device, transfer = kind[order], device[order], transfer[order]
+    sending, receiving = kind_mask(kind, Kind.SEND_F, Kind.SEND_B), kind_mask(kind, Kind.RECV_F, Kind.RECV_B)
+    exchange = np.cumsum(exchange_begins(sending | receiving, device)) - 1  # per row, its exchange (a transfer's)
+    sends, recvs = np.flatnonzero(sending), np.flatnonzero(receiving)
+    if not len(sends):
+        return order
+    send_at, recv_at = (np.zeros(int(transfer.max()) + 1, dtype=np.int64) for _ in range(2))
+    send_at[transfer[sends]], recv_at[transfer[recvs]] = sends, recvs
+    peers = int(device.max()) + 1
+    exchanges = int(exchange[-1]) + 2
+    placed = order.copy()
+    for rows, other, key in ((sends, recv_at[transfer[sends]], exchange[recv_at[transfer[sends]]]),
+                             (recvs, send_at[transfer[recvs]], send_at[transfer[recvs]])):
+        group = exchange[rows].astype(np.int64) * peers + device[other]  # an exchange's rows with one peer
+        slots = rows[np.argsort(group, kind="stable")]
+        taken = rows[np.argsort(group * (len(kind) + exchanges) + key, kind="stable")]
+        placed[slots] = order[taken]
+    return placed
 
 
 def _receive_begins(recvs: np.ndarray, sender: np.ndarray, device: np.ndarray, up_to: np.ndarray,

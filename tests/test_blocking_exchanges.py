@@ -112,6 +112,48 @@ def test_orders_whose_exchanges_as_lowered_wait_forever_move_sends_to_their_rece
     assert np.all(b.device[made[sends]] == b.device[sends])  # each after a row of its own device
 
 
+def _pair_orders(ops, placement):
+    """Per ordered pair of devices (sender, receiver), the transfers the sender sends in its order and those the
+    receiver receives in its, each (direction, sending stage, micro-batch, mini-batch, pipeline)."""
+    sent, received = {}, {}
+    for i, kind in enumerate(KINDS[k].value for k in ops.kind):
+        unit = (int(ops.microbatch[i]), int(ops.minibatch[i]), int(ops.pipeline[i]))
+        if kind.startswith("SEND"):
+            sent.setdefault((int(ops.device[i]), placement[ops.peer[i]]), []).append((kind[5:], ops.stage[i], *unit))
+        elif kind.startswith("RECV"):
+            received.setdefault((placement[ops.peer[i]], int(ops.device[i])), []).append((kind[5:], ops.peer[i], *unit))
+    return sent, received
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_each_device_sends_to_a_peer_in_the_order_the_peer_receives(name):
+    """NCCL runs a pair's sends and receives in the order each end posts them ("point-to-point calls within a
+    group targeting the same peer ... are executed in order", its user guide's point-to-point page): a blocking
+    runtime's order sends to each peer what the peer receives next (dualpipe once received two of an exchange the
+    other way round)."""
+    schedule = _schedule(name, 4)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, output_mb=1.0)
+    ops = simulate(schedule, costs, Cluster.uniform(schedule.num_devices, 0.5, overlap_comm=False)).ops
+    sent, received = _pair_orders(ops, schedule.placement)
+    assert sent == received
+
+
+@pytest.mark.parametrize(("resource", "holds"), [(None, True), ("bus", False), ("bus", True)])
+def test_a_send_whose_receive_its_peer_posts_first_goes_first(resource, holds):
+    """zb-v p 2 m 4, the last stage's B 6 ms: device 0 once sent F0.2 and then B3.0 in one exchange, which device 1
+    receives the other way round, an exchange apart, so a timed run (transfers holding the compute, or one bus both
+    devices send on) waited forever for F0.2's receiver. The exchange sends B3.0 first, and the run ends as the
+    untimed one does."""
+    schedule = build("zb-v", 2, 4, 1)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=[2.0, 2.0, 2.0, 6.0])
+    untimed = simulate(schedule, costs, Cluster(2, Link(latency_ms=0), overlap_comm=False))
+    timed = simulate(schedule, replace(costs, transfers_hold_products=holds),
+                     Cluster(2, Link(latency_ms=0, resource=resource), overlap_comm=False))
+    sent, received = _pair_orders(timed.ops, schedule.placement)
+    assert sent == received
+    assert summarize(timed).makespan_ms == summarize(untimed).makespan_ms == 42
+
+
 @pytest.mark.parametrize("params", [{}, {"expert_parallel": 2, "context_parallel": 2}])
 @pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-v", "avgpipe"])
 def test_the_timed_run_waits_as_the_untimed_one(name, params):

@@ -42,11 +42,7 @@ def problems(draw, name: str):
                                                 ring_bwd_ms=draw(collective), product_ms=draw(collective))
                                         for c in costs.stages), transfers_hold_products=draw(st.booleans()))
     link = Link(latency_ms=draw(st.integers(0, 2)), bandwidth_bytes_per_ms=MIB)
-    # Blocking exchanges (overlap_comm False) only where transfers hold no compute: with holds, the engine issues an
-    # exchange's SENDs one after another, each once its receiver has posted, and waits forever where a later SEND's
-    # receiver waits for it (zb-v p 2 m 4, F 1 ms, B 2 ms but 6 on the last stage: SimulationError, never finished).
-    overlap = costs.transfers_hold_products or draw(st.booleans())
-    return schedule, costs, Cluster(schedule.num_devices, link, overlap_comm=overlap)
+    return schedule, costs, Cluster(schedule.num_devices, link, overlap_comm=draw(st.booleans()))
 
 
 def _critical_path_ms(schedule: Schedule, costs: Costs) -> float:
