@@ -366,7 +366,8 @@ def exchange_order(schedule: Schedule, t: ActionTable, transfer: np.ndarray, row
     at or before the row that needs the data starts, never before the row that made it. There each exchange's SENDs
     meet RECVs posted before its device's next exchange and its RECVs SENDs posted before theirs, so times grow
     along all a blocking exchange waits for (a device's next exchange waits for this one, which waits for its peers'
-    posts): no exchange waits for itself. Within an exchange: its SENDs, then its RECVs, each in lowered order."""
+    posts): no exchange waits for itself. Within an exchange: its SENDs, then its RECVs, each in lowered order but
+    those of one peer, which go in the order that peer posts them (`_in_pair_order`)."""
     n = len(t.kind)
     sending = kind_mask(t.kind, Kind.SEND_F, Kind.SEND_B)
     receiving = kind_mask(t.kind, Kind.RECV_F, Kind.RECV_B)

@@ -548,7 +548,8 @@ def _exchange_posts(lowered: Lowered, stream: np.ndarray, clock_before: np.ndarr
     exchange = np.cumsum(begins) - 1
     first = np.flatnonzero(begins)
     run = kind_mask(t.kind, *PASS_COLLECTIVE_KINDS)
-    run_first = np.maximum.accumulate(np.where(run & ~np.r_[False, run[:-1]], np.arange(n), 0))
+    run_first = np.maximum.accumulate(np.where(run & ~np.r_[False, run[:-1] & (t.device[1:] == t.device[:-1])],
+                                               np.arange(n), 0))  # a device's run of a pass's collectives
     before = np.maximum(first - 1, 0)
     after_collectives = (first > 0) & run[before] & (t.device[before] == t.device[first])
     following = first[after_collectives]
