@@ -765,8 +765,9 @@ def test_help_never_abbreviates_milliseconds_as_ms_capitalised():
 
 
 def test_simulate_writes_every_methods_trace_or_none(tmp_path, monkeypatch):
-    """--trace with several methods writes one file each: a later one that cannot be written (a full disk, which no
-    check beforehand foresees) leaves no earlier one, the error names the flag and the file."""
+    """--trace with several methods writes one file each: a later one that cannot be written (a disk that fills
+    after the check beforehand made and removed each file's temporary) leaves no earlier one, the error names the
+    flag and the file."""
     import errno
     import tempfile
 
@@ -774,9 +775,9 @@ def test_simulate_writes_every_methods_trace_or_none(tmp_path, monkeypatch):
 
     made, real = [], tempfile.mkstemp
 
-    def mkstemp(*args, **kwargs):  # the second file's
+    def mkstemp(*args, **kwargs):  # the second file's, at its write (its first is the check's)
         made.append(kwargs.get("prefix"))
-        if made[-1] == ".t-zb-h1.json.":
+        if made.count(".t-zb-h1.json.") == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
