@@ -737,13 +737,15 @@ def test_a_memory_heatmap_turns_red_above_the_devices_shared_memory(tmp_path):
 @needs_chromium
 def test_a_small_runs_heatmap_runs_its_colours_to_its_own_peak_and_notes_the_memory(tmp_path):
     """20 devices peaking at 2,312 MiB on 80 GiB each: coloured up to 81,920 MiB the heatmap was one dark purple;
-    its colours run to the peak, and the note over it names the memory and the peak's share of it. Its axis is
-    titled by its rows, its colour bar by what it colours and in which unit (the axis read "memory" beside device
-    rows, the bar "MiB"), the bar's title inside the figure."""
+    its colours run to the peak, and the note over it names the memory and the peak's share of it. Each row is
+    named once, by its label, the axis untitled as the timeline's (titled "device" beside "device 0", it said so
+    twice); the colour bar by what it colours and in which unit (it read "MiB"), its title inside the figure."""
     v = twenty_devices_page(tmp_path, 80)
     (heatmap,) = v.geometry["heatmaps"]
     assert heatmap["capacity"] is None and heatmap["zmax"] == 2312 and heatmap["colorscale"] == "Viridis"
-    assert heatmap["rows"] == "device" and heatmap["bar"] == "memory<br>(MiB)"
+    assert heatmap["rows"] == "" and heatmap["bar"] == "memory<br>(MiB)"
+    labels = heatmap["row_labels"]
+    assert labels and len(set(labels)) == len(labels) and set(labels) <= {f"device {d}" for d in range(20)}
     left, _, width, _ = v.geometry["figure"]
     assert heatmap["bar_box"][2] > 0 and heatmap["bar_box"][0] + heatmap["bar_box"][2] <= left + width
     assert v.geometry["capacity_notes"] == [

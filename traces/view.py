@@ -1035,12 +1035,14 @@ _TIMELINE_JS = r"""
                    colorscale: scale.colorscale, zmin: 0, zmax: scale.zmax, name: "memory \u00b7 " + T.label,
                    showscale: true, hoverongaps: false,
                    text: grid.text, customdata: grid.customdata,
-                   // the axis says what its rows are, the bar what it colours (a panel of several names it)
+                   // the bar says what it colours (a panel of several names it)
                    colorbar: {title: {text: many ? "MiB" : "memory<br>(MiB)"}, len: panelPx / plotPx, y: domain[0],
                               yanchor: "bottom", thickness: 12, tickformat: TICK_FORMAT, ...scale.ticks},
                    hovertemplate: "%{y}" + (many ? " \u00b7 " + esc(T.label) : "") +
                                   ": up to %{text} MiB around %{customdata} ms<extra></extra>"});
-        axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: "device"}, type: "category",
+        // each row's label names it ("device 3"), the axis untitled as the timeline's: titled "device", it said so
+        // twice
+        axes["yaxis" + (j + 2)] = {domain, anchor: "x", type: "category",
                                    autorange: "reversed", showgrid: false, ticks: "", tickfont: {size: 10}};
       } else {
         const parts = T.memoryParts;
@@ -1411,7 +1413,10 @@ _TIMELINE_JS = r"""
       capacity_notes: b.capacityNotes,
       heatmaps: b.heatmaps.map(({index, capacity}, k) => ({
         capacity, zmax: gd.data[index].zmax, colorscale: gd.data[index].colorscale,
-        ticks: gd.data[index].colorbar.ticktext || null, rows: fl["yaxis" + gd.data[index].yaxis.slice(1)].title.text,
+        ticks: gd.data[index].colorbar.ticktext || null,
+        // the axis' title and its rows' labels as drawn
+        rows: [...gd.querySelectorAll(".g-" + gd.data[index].yaxis + "title")].map(title => title.textContent).join(""),
+        row_labels: [...gd.querySelectorAll("." + gd.data[index].yaxis + "tick")].map(tick => tick.textContent),
         bar: gd.data[index].colorbar.title.text, bar_box: onPage(gd.querySelectorAll(".cbtitle")[k])})),
       memory: b.panels.map((panel, j) => {
         const axis = fl["yaxis" + (j + 2)];
