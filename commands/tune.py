@@ -206,7 +206,7 @@ def tune(
                 each = f"t={tensor} GPUs per stage" + f" and C={context} context-parallel ranks" * (context > 1)
                 raise InputError(f"--devices {devices}: the profile was estimated for {each}; give a multiple of "
                                  f"{tensor * context}")
-            schedule_devices = devices // context  # the search's devices, each C GPUs (`Problem.devices`)
+            schedule_devices = Problem.devices_of(devices, context)
             b = env.microbatch_size
             batch = batch_size if batch_size is not None else 4 * schedule_devices * b
             if batch % b:
@@ -231,7 +231,7 @@ def tune(
                                  f"{what.cluster_gpus} GPUs")
             context = what.context
             _check_degrees(devices, tensor_parallel, data_parallel, context, what.options.get("seq_len"))
-            schedule_devices = devices // context  # (C divides D: checked)
+            schedule_devices = Problem.devices_of(devices, context)  # (C divides D: checked)
             if zero and devices == (tensor_parallel or 1):  # D = t: every d·C = D/(t·p) is 1, nothing shards
                 given = f" at --tensor-parallel {tensor_parallel}" * bool(tensor_parallel)
                 sharding = ("--precision fsdp2 shards the weights" if what.precision == "fsdp2" else
@@ -281,7 +281,6 @@ def tune(
     if as_json:
         document = tuning.to_dict()
         document["simulate_command"] = " ".join(map(shlex.join, command))
-        document["problem"]["devices"] = devices  # the search's devices are C-rank groups
         document["problem"]["precision"] = _held_as(measured)
         for row in (document["choice"], *document["runners_up"], *document["excluded"],
                     *filter(None, [document["staler_winner"]])):

@@ -173,6 +173,11 @@ class Problem:
         """D: the GPUs the devices stand for, as --devices gave them."""
         return self.devices * self.context
 
+    @staticmethod
+    def devices_of(gpus: int, context: int) -> int:
+        """The search's devices on D GPUs, each device C context-parallel GPUs (`gpus`' inverse; C divides D)."""
+        return gpus // context
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -333,7 +338,7 @@ class Tuning:
         problem = self.problem
         return {
             # the cap in GiB to a byte's precision (9.3e-10 GiB): --memory-gb 0.1, held as whole bytes, is 0.1 again
-            "problem": {"devices": problem.devices, "memory_cap_gib": round(problem.memory_cap_bytes / GIB, 9),
+            "problem": {"devices": problem.gpus, "memory_cap_gib": round(problem.memory_cap_bytes / GIB, 9),
                         "batch_size": problem.batch_size, "schedules": list(problem.schedules),
                         "max_staleness": problem.max_staleness, "max_chunks": problem.max_chunks,
                         "max_pipelines": problem.max_pipelines, "search_seconds": problem.search_seconds,
@@ -1442,7 +1447,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
         work = _work(profile, scenario.optimizer)
         depths = [p for p in _placed_depths(setting, problem.devices)
                   if setting.depths is None or p in setting.depths]
-        zero = {p: problem.zero if problem.devices // (p * t) * problem.context > 1 else 0 for p in depths}  # d·C
+        zero = {p: problem.zero if problem.gpus // (p * t) > 1 else 0 for p in depths}  # d·C
         held = {p: work.static_bytes - work.grad_bytes * (zero[p] >= 2) - work.param_bytes * (zero[p] >= 3)
                 for p in depths}  # what of them every device holds throughout (the floor's)
         reduce_ms = {p: _mean_reduce_ms(_data_link(scenario, p, d), p, d, work.param_bytes,

@@ -62,6 +62,15 @@ def test_a_given_c_is_a_fixed_factor_and_the_search_equals_the_exhaustive_one():
         assert config.stages * config.tensor * config.replicas == 4, config.label()
 
 
+def test_a_searchs_document_counts_the_gpus_as_given_whoever_writes_it():
+    """On 8 GPUs at C = 2 the search's devices are 4, each 2 GPUs (`Problem.devices_of`); the search's own document
+    names the 8 GPUs --devices gave, as `tune --json` does (it named the 4 devices, which only the command wrote
+    over)."""
+    settings, problem = _searched(*FLAGS, *CONTEXT, "-s", "1f1b")
+    assert tuning.tune(settings, problem).to_dict()["problem"]["devices"] == 8
+    assert (problem.devices, problem.gpus) == (4, 8) == (tuning.Problem.devices_of(8, 2), 8)
+
+
 def test_a_given_c_is_refused_where_it_does_not_divide_the_gpus_or_the_sequence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert refused("tune", *GPU, *SMALL_GPT, *CONTEXT[2:], "-D", 6, "--context-parallel", 4, "-s", "1f1b") == (
