@@ -36,6 +36,7 @@ from .common import (
     check_memory_gb,
     check_outputs,
     check_threads,
+    description_column,
     fail,
     flag_of,
     is_given,
@@ -360,9 +361,9 @@ def _phases(title: str):
     """Yields (advance, phase): `phase(name)` wraps one phase of the calibration and prints "name ... 3.1 s"
     (with the notes its body adds) on stderr when it ends, also when stderr is not a terminal; on a terminal a
     transient bar under those lines names the unit of work running (`advance(what)`, called as each starts)."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress, SpinnerColumn, TimeElapsedColumn
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    columns = (SpinnerColumn(), description_column(), TimeElapsedColumn())
     with Progress(*columns, console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
         task = bar.add_task(title)
 

@@ -27,6 +27,7 @@ from .common import (
     check_method_options,
     check_outputs,
     check_prediction,
+    description_column,
     fail,
     is_given,
     out_of_host_memory,
@@ -198,7 +199,7 @@ def _title(setting) -> str:
 
 def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int, path: Path, quiet: bool) -> None:
     """Every run and timing the results file lacks, saving it after each, behind one progress bar."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from ..profiles.schema import Profile
     from ..study.plan import RunKey, build
@@ -216,7 +217,7 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
         if timing and saved.timing(arm) is None and all(t.method != arm.method for t in timings):
             timings.append(arm)
     calibrating = bool(timings) and saved.profile is None
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=stderr, transient=True, disable=quiet or not stderr.is_terminal) as bar:
         task = bar.add_task("study", total=len(runs) + len(timings) + calibrating)
         if calibrating:

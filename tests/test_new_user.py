@@ -8,7 +8,7 @@ from rich.console import Console
 # imported before any test stands a terminal in for common.stderr: a module first imported under the stand-in
 # would keep it as its `stderr` for every later test
 from pipesim import cli  # noqa: F401
-from pipesim.commands import common, count, estimate, simulate  # noqa: F401
+from pipesim.commands import calibrate, common, count, estimate, simulate  # noqa: F401
 
 from .conftest import pipesim
 from .helpers import GPT_CPU
@@ -27,6 +27,17 @@ def test_one_simulation_alone_shows_a_progress_bar_on_a_terminal(monkeypatch):
     screen = _terminal(monkeypatch)
     assert list(common.progress(["1f1b"], quiet=False)) == ["1f1b"]
     assert "simulating" in screen.getvalue()
+
+
+def test_a_long_phase_wraps_its_words_and_keeps_the_bars_figures_whole_at_80_columns(monkeypatch):
+    """calibrate's transient bar at 80 columns beside a long phase cut its elapsed time to "0:0…"; its
+    description wraps between words instead (common.description_column, run's and study's bars' too)."""
+    screen = _terminal(monkeypatch)
+    monkeypatch.setattr(calibrate, "stderr", common.stderr)
+    with calibrate._phases("calibrating mlp") as (advance, _):
+        advance("timing the all-reduce beside computing ranks (4.135 MiB)")
+    drawn = screen.getvalue()
+    assert "0:00:0" in drawn and "(4.135" in drawn and "…" not in drawn, drawn
 
 
 def test_progress_stays_off_when_quiet(monkeypatch):
