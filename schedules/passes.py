@@ -438,13 +438,15 @@ def _by_device_and_key(device: np.ndarray, key: np.ndarray, receiving: np.ndarra
 
 
 def _in_pair_order(order: np.ndarray, kind: np.ndarray, device: np.ndarray, transfer: np.ndarray) -> np.ndarray:
-    """`order` (of rows with `kind`, `device` and `transfer` per row; exchanges that wait forever none) with each
-    exchange's SENDs to one peer in the order that peer posts their RECVs, and its RECVs from one peer in the order
-    that peer posts their SENDs; each row keeps its exchange, and a peer's rows the places in it they held. NCCL runs
-    a pair's sends and receives in the order each end posts them ("point-to-point calls within a group targeting
-    the same peer ... are executed in order", https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/p2p.html),
-    so a send whose receive its peer posts later would wait for the send after it. Across exchanges the orders already
-    agree: a pair's send in an earlier exchange received in a later one than a send after it waits forever."""
+    """`order` (a permutation of the rows `kind`, `device` and `transfer` describe, none of its exchanges waiting
+    forever) with each exchange's SENDs to one peer in the order that peer posts their RECVs, and its RECVs from one
+    peer in the order that peer posts their SENDs (at one exchange each end, the SENDs' order); every row keeps its
+    exchange, and one peer's rows the places they held in it. NCCL runs a pair's sends and receives in the order each
+    end posts them ("point-to-point calls within a group targeting the same peer ... are executed in order",
+    https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/p2p.html): out of that order a send meets another
+    receive, and a send whose receive its peer posts only after the next one's waits forever. Across exchanges the
+    orders agree already: a pair's send in an earlier exchange received in a later one than the next is an exchange
+    waiting forever (`_waits_forever`)."""
     kind, device, transfer = kind[order], device[order], transfer[order]
     sending, receiving = kind_mask(kind, Kind.SEND_F, Kind.SEND_B), kind_mask(kind, Kind.RECV_F, Kind.RECV_B)
     exchange = np.cumsum(exchange_begins(sending | receiving, device)) - 1  # per row, its exchange (a transfer's)
@@ -454,13 +456,14 @@ def _in_pair_order(order: np.ndarray, kind: np.ndarray, device: np.ndarray, tran
     send_at, recv_at = (np.zeros(int(transfer.max()) + 1, dtype=np.int64) for _ in range(2))
     send_at[transfer[sends]], recv_at[transfer[recvs]] = sends, recvs
     peers = int(device.max()) + 1
-    exchanges = int(exchange[-1]) + 2
     placed = order.copy()
+    # SENDs by their RECV's exchange, RECVs by their SEND's place (which grows with its exchange); a stable sort of
+    # rows ascending keeps the SENDs' order where the RECVs share an exchange too
     for rows, other, key in ((sends, recv_at[transfer[sends]], exchange[recv_at[transfer[sends]]]),
                              (recvs, send_at[transfer[recvs]], send_at[transfer[recvs]])):
         group = exchange[rows].astype(np.int64) * peers + device[other]  # an exchange's rows with one peer
         slots = rows[np.argsort(group, kind="stable")]
-        taken = rows[np.argsort(group * (len(kind) + exchanges) + key, kind="stable")]
+        taken = rows[np.lexsort((key, group))]
         placed[slots] = order[taken]
     return placed
 
