@@ -57,7 +57,7 @@ from .common import (
     check_outputs,
     check_prediction,
     check_threads,
-    description_column,
+    counted_bar_columns,
     fail,
     flag_of,
     is_given,
@@ -474,10 +474,10 @@ def _listed(numbers: list[int]) -> str:
 def _progress_bar(minibatches: int, disable: bool):
     """A progress bar on an interactive terminal: mini-batches every device has finished, and the last loss.
     Yields the runner's `on_progress`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import Progress
 
-    columns = (description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=stderr, transient=True, disable=disable or not stderr.is_terminal) as bar:
+    with Progress(*counted_bar_columns(), console=stderr, transient=True,
+                  disable=disable or not stderr.is_terminal) as bar:
         task = bar.add_task("training", total=minibatches)
 
         def show(progress) -> None:

@@ -27,7 +27,7 @@ from .common import (
     check_method_options,
     check_outputs,
     check_prediction,
-    description_column,
+    counted_bar_columns,
     fail,
     is_given,
     out_of_host_memory,
@@ -199,7 +199,7 @@ def _title(setting) -> str:
 
 def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int, path: Path, quiet: bool) -> None:
     """Every run and timing the results file lacks, saving it after each, behind one progress bar."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import Progress
 
     from ..profiles.schema import Profile
     from ..study.plan import RunKey, build
@@ -217,8 +217,8 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
         if timing and saved.timing(arm) is None and all(t.method != arm.method for t in timings):
             timings.append(arm)
     calibrating = bool(timings) and saved.profile is None
-    columns = (description_column(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=stderr, transient=True, disable=quiet or not stderr.is_terminal) as bar:
+    with Progress(*counted_bar_columns(), console=stderr, transient=True,
+                  disable=quiet or not stderr.is_terminal) as bar:
         task = bar.add_task("study", total=len(runs) + len(timings) + calibrating)
         if calibrating:
             ranks = max(build(setting, arm.method, arm.source).num_devices for arm in timings)

@@ -40,6 +40,23 @@ def test_a_long_phase_wraps_its_words_and_keeps_the_bars_figures_whole_at_80_col
     assert "0:00:0" in drawn and "(4.135" in drawn and "…" not in drawn, drawn
 
 
+def test_a_counted_bar_at_80_columns_keeps_a_studys_description_on_one_line():
+    """run's and study's bars: rich's bar of 40 characters left study's "training pipedream, momentum, seed 0" 23
+    at 80 columns, and it wrapped after "seed"; a description too long for the line still wraps, its figures whole."""
+    from rich.progress import Progress
+
+    screen = StringIO()
+    bar = Progress(*common.counted_bar_columns(), console=Console(file=screen, width=80))
+    for description in ("training pipedream, momentum, seed 0",
+                        "calibrating the setting: timing the all-reduce beside computing ranks (4.135 MiB)"):
+        bar.add_task(description, total=8, completed=3)
+    bar.console.print(bar.make_tasks_table(bar.tasks))
+    lines = [line.rstrip() for line in screen.getvalue().splitlines()]
+    assert lines[0].startswith("training pipedream, momentum, seed 0 ") and lines[0].endswith(" 3/8 0:00:00")
+    assert lines[1].startswith("calibrating the setting:") and lines[1].endswith(" 3/8 0:00:00")
+    assert "(4.135 MiB)" in lines[2] and "…" not in screen.getvalue()
+
+
 def test_progress_stays_off_when_quiet(monkeypatch):
     screen = _terminal(monkeypatch)
     assert list(common.progress(["1f1b", "zb-h1"], quiet=True)) == ["1f1b", "zb-h1"]
