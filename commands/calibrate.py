@@ -155,10 +155,10 @@ def calibrate(
     if starts_processes:  # first: their server imports torch while this process does
         prepare()
     try:
+        check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))  # first: require_model imports torch
         require_model("pipesim calibrate", model)
         if runtime:  # its probe times the executor on a small mlp, which draws the digits
             require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
-        check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))
         if dtype not in DTYPE_NAMES:
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
         dtype = DTYPE_NAMES[dtype]

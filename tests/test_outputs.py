@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.traces import write_atomic
-from tests.conftest import pipesim
+from tests.conftest import pipesim, pipesim_fresh
 
 EXPORT = ["export", "-s", "1f1b", "-p", "2", "-m", "2", "--format", "torch-csv"]
 GRID = Path(__file__).resolve().parents[1] / "examples" / "grid.toml"
@@ -121,3 +121,17 @@ def test_a_folder_that_takes_no_new_file_is_refused_before_any_work_even_for_roo
     code, out, err = pipesim(*args)
     assert (code, out) == (2, "")
     assert err.startswith(f"error: {flag}: cannot write /proc/t.html: folder /proc "), err
+
+
+@pytest.mark.parametrize("command", [("calibrate", "--model", "mlp", "--stages", 2, "--out", "p.json"),
+                                     ("run", "-s", "1f1b", "--model", "mlp", "--trace", "t.json"),
+                                     ("study", "--seeds", 1, "-s", "1f1b", "--no-timing", "--results", "s.json")],
+                         ids=lambda command: command[0])
+def test_an_output_in_a_missing_folder_is_refused_before_torch_is_imported(command, tmp_path):
+    """calibrate checked --model's torch (its import, 4-20 s on a busy host) before its --out: a path it could
+    not write was refused only then."""
+    missing = tmp_path / "missing"
+    *flags, flag, name = command
+    (done,), imported = pipesim_fresh((*flags, flag, missing / name), cwd=tmp_path)
+    assert done == (2, "", f"error: {flag}: cannot write {missing / name}: folder {missing} does not exist\n")
+    assert "torch" not in imported and not list(tmp_path.iterdir())
