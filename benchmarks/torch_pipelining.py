@@ -8,10 +8,11 @@ the two runtimes train the same thing. A synchronous pipesim schedule is handed 
 step is wrapped in `PP:<stage>OPT`. Gloo on CPU, one process per rank.
 
 A prediction holds for the model, cut, micro-batch size and threads its profile measured, so calibrate first
-and hand the profile to this script too: it then runs exactly what the profile describes. pipesim's own
-runtime's per-row costs (`--no-runtime`) describe pipesim's executor, not torch's, so leave them out:
+and hand the profile to this script too: it then runs exactly what the profile describes. Calibrate the stages'
+passes as torch's stage computes them (`--passes-as torch`, which leaves out pipesim's own runtime's per-row
+costs too: they describe pipesim's executor, not torch's):
 
-    pipesim calibrate --model mlp --layers 8 --width 1024 -b 32 -p 2 --threads 1 --device cpu --no-runtime \
+    pipesim calibrate --model mlp --layers 8 --width 1024 -b 32 -p 2 --threads 1 --device cpu --passes-as torch \
         --out torch-mlp.json
     python benchmarks/torch_pipelining.py --profile torch-mlp.json --schedule 1f1b --microbatches 8 --steps 3 \
         --out torch-run/
@@ -165,6 +166,7 @@ def _settle(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         setattr(args, name, value)
     _parsed(parser, "--model-options", args.model_options)  # fails here, not in the ranks
     args.bounds = tuple(profile.partition.bounds) if profile is not None else None
+    args.passes_as = profile.environment.passes_as if profile is not None else None
 
 
 def _parsed(parser: argparse.ArgumentParser, flag: str, value):
@@ -183,12 +185,16 @@ def _next_steps(args: argparse.Namespace) -> str:
                f"{args.profile or 'PROFILE.json'} --optimizer {args.optimizer} --trace predicted.json\n"
                f"  pipesim compare {args.out} predicted.json")
     if args.profile is not None:
-        return "predict it and compare:\n  " + predict
+        note = "" if args.passes_as == "torch" else (
+            f"\nnote: {args.profile} timed its stages' passes as pipesim's executor runs them; calibrate with "
+            "--passes-as torch to time them as torch's stage runs them")
+        return "predict it and compare:\n  " + predict + note
     options = "".join(f" --{key.replace('_', '-')} {value}" for key, value in json.loads(args.model_options).items())
-    return ("to predict it, calibrate what it ran (pipesim's own runtime costs left out: they are not torch's), run "
-            "this again with --profile PROFILE.json (the profile's cut), then predict and compare:\n"
+    return ("to predict it, calibrate what it ran (its stages' passes as torch's stage computes them, pipesim's own "
+            "runtime costs left out), run this again with --profile PROFILE.json (the profile's cut), then predict "
+            "and compare:\n"
             f"  pipesim calibrate --model {args.model}{options} -b {args.microbatch_size} -p {args.stages} "
-            f"--threads {args.threads_per_rank} --device cpu --no-runtime --out PROFILE.json\n  " + predict)
+            f"--threads {args.threads_per_rank} --device cpu --passes-as torch --out PROFILE.json\n  " + predict)
 
 
 def _count(least: int) -> Callable[[str], int]:

@@ -68,7 +68,7 @@ from .links import (
     measure_allreduce_beside_compute,
     measure_p2p_and_allreduce,
 )
-from .passes import StageRun, stage_runs
+from .passes import StageRun, TorchStageRun, stage_runs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LEARNING_RATE = 1e-3  # any value: step and prediction times do not depend on it
@@ -742,7 +742,8 @@ def _accumulate(buffer: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         total.add_(grad)
 
 
-def environment(settings: Settings, dtype_name: str, memory_cap_bytes: int | None) -> Environment:
+def environment(settings: Settings, dtype_name: str, memory_cap_bytes: int | None,
+                passes_as: str = "executor") -> Environment:
     if settings.cuda:
         props = torch.cuda.get_device_properties(settings.device)
         name, memory = props.name, props.total_memory
@@ -754,7 +755,7 @@ def environment(settings: Settings, dtype_name: str, memory_cap_bytes: int | Non
         threads=settings.threads, torch_version=torch.__version__, cuda_version=torch.version.cuda,
         driver_version=_nvidia_driver() if settings.cuda else None, python_version=platform.python_version(),
         pipesim_version=__version__, host=socket.gethostname(),
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"), passes_as=passes_as)
 
 
 def _cpu_name() -> str:
@@ -780,13 +781,15 @@ def _nvidia_driver() -> str | None:
 
 def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, memory_cap_bytes: int | None,
               link_sizes: list[int], dtype_name: str, advance: Advance, cache: HostCache | None = None,
-              phase: PhaseLine = lambda title: nullcontext([]), expert_parallel: int = 2) -> Profile:
+              phase: PhaseLine = lambda title: nullcontext([]), expert_parallel: int = 2,
+              passes_as: str = "executor") -> Profile:
     """Everything `pipesim calibrate` measures in process, as a Profile: layers, the partition into `stages`
     (under the cap, for `optimizer`'s state), the stages' passes and steps, and, given sizes, the p2p link and
     all-reduce (`measure_links`; on a CPU the all-reduce past them too, up to the largest stage's gradients:
     `with_sizes_covering`, and beside computing ranks: `with_beside_compute`), and for a mixture of experts the
     all-to-all over `expert_parallel` ranks at the sizes its layers exchange (`measure_all_to_alls`), each from
-    `cache` where it holds them for this host. Each of these runs inside `phase(title)`."""
+    `cache` where it holds them for this host. Each of these runs inside `phase(title)`. `passes_as`: the code the
+    stages' passes are timed with, the executor's (`StageRun`) or torch.distributed.pipelining's (`TorchStageRun`)."""
     with threads(settings.threads):  # the bytes too: every core's threads wait on each other on a busy host
         with phase(f"timing layers ({len(model.layers)})"):
             recording, layers = measure_bytes(model, settings)
@@ -796,10 +799,15 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
             layers = measure_wgrad_held(model, recording, layers)
         bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
         runs = stage_runs(model, bounds, dtype_name, settings.microbatch_size)
-        with phase(f"timing stages as one pass ({stages}{', queued and from an idle GPU' if settings.cuda else ''})"):
-            passes = measure_passes(runs, settings, advance, [sum(layer.fwd.median_ms + layer.bwd.median_ms
-                                                                  for layer in layers[first:stop])
-                                                              for first, stop in zip(bounds, bounds[1:])])
+        ways = ", queued and from an idle GPU" if settings.cuda else ""
+        timed = [TorchStageRun(run) for run in runs] if passes_as == "torch" else runs
+        with phase(f"timing stages as one pass ({stages}{ways}{', as torch runs them' if timed is not runs else ''})"):
+            passes = measure_passes(timed, settings, advance, [sum(layer.fwd.median_ms + layer.bwd.median_ms
+                                                                   for layer in layers[first:stop])
+                                                               for first, stop in zip(bounds, bounds[1:])])
+        if timed is not runs:  # torch's passes added into the modules' own gradients, which nothing after reads
+            for parameter in (p for run in runs for p in run.module.parameters()):
+                parameter.grad = None
         with phase(f"timing updates, predictions, averaging ({stages} stages, {len(OPTIMIZERS)} optimizers)"):
             steps = measure_steps(runs, settings, advance, passes)
     link = allreduce = None
@@ -840,7 +848,7 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
                 all_to_all = all_to_all.model_copy(update={"meta": {**all_to_all.meta,
                                                                     "host_cache": measured.meta()}})
     return Profile(
-        schema_version=SCHEMA_VERSION, environment=environment(settings, dtype_name, memory_cap_bytes),
+        schema_version=SCHEMA_VERSION, environment=environment(settings, dtype_name, memory_cap_bytes, passes_as),
         model=ModelInfo(name=model.name, options=model.options), layers=layers,
         partition=Partition(bounds=bounds, optimizer=optimizer),
         stages=aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), steps,

@@ -6,7 +6,8 @@ per layer), and a backward over several layers no longer finds each layer's weig
 as a layer timed alone does (a four-layer MLP stage's backward 1.2-1.4x its layers' sum on the 2-core CPUs
 here). So `stage_runs` gives each stage's F, B, I and W with the executor's own code (`cut`'s StageModule,
 `stage_forward` and its `Tape`, `full_backward`, `backward_input`, `backward_weight`) on the inputs the stages
-before it compute, and the profile records their times (`StagePasses`). The same runs are the pass a step is
+before it compute, and the profile records their times (`StagePasses`); `calibrate --passes-as torch` times them
+as torch.distributed.pipelining's stage computes them instead (`TorchStageRun`). The same runs are the pass a step is
 timed after, or whose memory traffic it replays (measure.py), and a rank's work in the contention probe
 (contention.py).
 """
@@ -66,9 +67,13 @@ class StageRun:
             self.into = [None] * len(self.weights)
         return self.into
 
+    def leaves(self) -> list[torch.Tensor]:
+        """A forward's arguments: the received ones as fresh leaves (a gradient for each floating-point one)."""
+        return [a.detach().requires_grad_(a.is_floating_point()) if edge else a
+                for a, edge in zip(self.args, self.received)]
+
     def forward(self, _: Any = None) -> Saved:
-        inputs = [a.detach().requires_grad_(a.is_floating_point()) if edge else a
-                  for a, edge in zip(self.args, self.received)]
+        inputs = self.leaves()
         ledger = Ledger()
         tape = Tape(Weights(self.weights, 0), ledger)
         parameters = {**dict(zip(self.names, self.weights)), **self.buffers}
@@ -88,6 +93,65 @@ class StageRun:
 
     def backward_weight(self, saved: Saved) -> Saved:
         backward_weight(saved[2], self.weights, self._buffer(), self.main)
+        return saved
+
+
+@dataclass
+class TorchStageRun:
+    """One stage's rows as torch.distributed.pipelining's `PipelineStage` computes them, for a profile that
+    predicts torch's runtime (`calibrate --passes-as torch`): the stage module called as it is (`forward_one_chunk`,
+    the last stage's loss in its forward, as `_maybe_compute_loss` runs it inside the F action), its backward
+    torch's own `stage_backward` (or `stage_backward_input` then `stage_backward_weight`; a first stage's I does
+    nothing and its W is the whole backward, as `backward_weight_one_chunk` runs stage 0), adding into the
+    parameters' `.grad` (torch/distributed/pipelining/stage.py, _backward.py). The executor's functional_call
+    and saved-tensor hooks cost 0.3-0.5 ms a pass more on the 2-core CPUs here: a width-16 MLP stage's F + B
+    1.65-1.78x torch's CPU time, a width-1024 one's F 1.01-1.08x and B 1.00-1.16x (interleaved rounds). Same
+    `_time` phases as `StageRun`'s."""
+
+    run: StageRun
+
+    @property
+    def input_gradients(self) -> bool:
+        return self.run.input_gradients
+
+    @property
+    def differentiable(self) -> bool:
+        return self.run.differentiable
+
+    def forward(self, _: Any = None) -> Saved:
+        inputs = self.run.leaves()
+        out = self.run.module(*inputs)
+        return inputs, [self.run.loss(out)] if self.run.loss is not None else list(out), None
+
+    def _ends(self, outputs: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor | None] | None]:
+        """What torch's backward starts from: the last stage's loss with no gradient, else the outputs with theirs."""
+        return (outputs[0], None) if self.run.loss is not None else (outputs, self.run.grad_outputs)
+
+    def backward(self, saved: Saved) -> Saved:
+        from torch.distributed.pipelining._backward import stage_backward
+
+        inputs, outputs, _ = saved
+        stage_backward(*self._ends(outputs), inputs)
+        return saved
+
+    def backward_input(self, saved: Saved) -> Saved:
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        if not self.input_gradients:
+            return saved
+        inputs, outputs, _ = saved
+        ends, grads = self._ends(outputs)
+        # torch detaches the ends in place, which a view refuses: a stage's outputs are flat views of its layers'
+        ends = [ends] if grads is None else [end.clone() if end._is_view() else end for end in ends]
+        _, groups = stage_backward_input(ends, grads, inputs, self.run.module.parameters())
+        return inputs, outputs, groups
+
+    def backward_weight(self, saved: Saved) -> Saved:
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        if saved[2] is None:
+            return self.backward(saved)
+        stage_backward_weight(self.run.module.parameters(), saved[2])
         return saved
 
 

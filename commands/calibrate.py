@@ -53,6 +53,10 @@ from .common import (
 from .estimate import fit_device_curve, print_fitted_curve
 from .tables import print_table
 
+# --passes-as: the code a stage's passes are timed with -> what the summary says runs them
+RUNS_PASSES = {"executor": "the executor", "torch": "torch.distributed.pipelining"}
+PASSES_AS = tuple(RUNS_PASSES)
+
 
 def calibrate(
     ctx: typer.Context,
@@ -115,6 +119,13 @@ def calibrate(
         "--runtime/--no-runtime", help="Measure the executor's own cost per row: two ranks running a tiny model "
                                        "(kept in the host cache), then the calibrated model where the host "
                                        "time between its rows can change a prediction.")] = True,
+    passes_as: Annotated[str, typer.Option(
+        "--passes-as", metavar="RUNTIME", help="Time each stage's passes as this runtime computes them: executor "
+                                               "(pipesim run's: functional_call under saved-tensor hooks) or torch "
+                                               "(torch.distributed.pipelining's stage: the module called plainly, "
+                                               "torch's stage_backward into .grad), to predict a torch run; torch "
+                                               "leaves out the runtime probe, which times pipesim's executor.")
+    ] = "executor",
     contention: Annotated[bool, typer.Option(
         "--contention/--no-contention", help="Measure how much ranks computing at once on this CPU host slow each "
                                              "other: the stages' forward and backward in one process per stage "
@@ -149,6 +160,7 @@ def calibrate(
     from ..workload.processes import prepare, ready
 
     began = mark()  # the host's load before this calibration starts anything
+    runtime = runtime and passes_as != "torch"  # its per-row costs are the executor's, not torch's runtime's
     starts_processes = runtime or contention or links
     # what a cached host term is reused under: the others' load with nothing of this calibration running yet
     load_now = HostLoad.now(began) if starts_processes else None
@@ -157,6 +169,11 @@ def calibrate(
     try:
         check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))  # first: require_model imports torch
         require_model("pipesim calibrate", model)
+        if passes_as not in PASSES_AS:
+            raise InputError(f"--passes-as: choose {' or '.join(PASSES_AS)} (got {passes_as!r})")
+        if passes_as == "torch" and is_given(ctx, "runtime") and ctx.params["runtime"]:
+            raise InputError("--runtime times pipesim's executor's per-row costs, which a torch run has not: "
+                             "leave it out with --passes-as torch")
         if runtime:  # its probe times the executor on a small mlp, which draws the digits
             require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
         if dtype not in DTYPE_NAMES:
@@ -205,7 +222,7 @@ def calibrate(
                 profile = run_calibration(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
                     memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance,
-                    cache=cache, phase=phase, expert_parallel=expert_parallel)
+                    cache=cache, phase=phase, expert_parallel=expert_parallel, passes_as=passes_as)
                 probe = ContentionProbe(profile, model, options, advance, ranks) if contention else None
                 kept = cache.find("contention", probe.cache_key()) if probe is not None else None
                 if runtime:
@@ -393,7 +410,8 @@ def _print_profile(profile) -> None:
                         f"{env.microbatch_size}, {count_text(env.threads, 'thread')}), partitioned for "
                         f"{profile.partition.optimizer}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption="per micro-batch, each stage timed as one pass as the executor runs it; x layers: that "
+                  caption=f"per micro-batch, each stage timed as one pass as {RUNS_PASSES[env.passes_as]} runs it; "
+                          "x layers: that "
                           "over the sum of its layers timed alone (F/B); I/W: input- and weight-gradient passes of "
                           "the split backward; peak: 1F1B estimate (weights, grads, optimizer state, activations "
                           "in flight)",

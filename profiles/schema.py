@@ -88,6 +88,17 @@ class Environment(_Strict):
     # when it began); None: not recorded (a profile from before)
     load: dict[str, Any] | None = None
     ranks: int | None = Field(None, ge=1)  # the most ranks computing at once it was calibrated for (contention)
+    # the code its stages' passes were timed with (`calibrate --passes-as`): pipesim's executor, or
+    # torch.distributed.pipelining's stage (calibrate/passes.py `TorchStageRun`), for predicting torch's runtime
+    passes_as: Literal["executor", "torch"] = "executor"
+
+    @model_serializer(mode="wrap")
+    def _written(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without `passes_as` where the executor's code timed the passes: such a profile is written as before."""
+        written = write(self)
+        if self.passes_as == "executor":
+            del written["passes_as"]
+        return written
 
 
 class ModelInfo(_Strict):
@@ -265,7 +276,8 @@ class PassTimes(_Strict):
 
 class StagePasses(PassTimes):
     """A stage's rows timed as the executor computes them (calibrate/passes.py): the stage as one module
-    through functional_call under the executor's saved-tensor hooks. They exceed the sums of the
+    through functional_call under the executor's saved-tensor hooks (or, where `Environment.passes_as` says torch,
+    as torch.distributed.pipelining's stage computes them: `TorchStageRun`). They exceed the sums of the
     layers timed alone by the per-layer cost of the executor's calls and by the caches a stage's several
     layers no longer fit.
 

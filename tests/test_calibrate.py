@@ -338,6 +338,8 @@ CUDA = torch.cuda.is_available()
     (["--model", "mlp", "--no-links", "--link-max-mb", "1"], "--no-links skips"),
     (["--model", "mlp", "--no-contention", "--ranks", "3"], "--no-contention skips"),
     (["--model", "mlp", "--threads", str(10**12)], "--threads: give 1"),  # torch overflowed; "to N" past 1 core
+    (["--model", "mlp", "--passes-as", "pipe"], "--passes-as: choose executor or torch (got 'pipe')"),
+    (["--model", "mlp", "--passes-as", "torch", "--runtime"], "leave it out with --passes-as torch"),
 ])
 def test_bad_calibrate_input_is_one_line_exit_2_nothing_written(tmp_path, args, fragment):
     code, _, err = pipesim("calibrate", *args, "--out", tmp_path / "p.json")
@@ -477,6 +479,74 @@ def test_stage_runs_compute_each_stages_rows_on_the_weights_put_in_place(model_n
         assert saved[:2] == ([], [])  # I let go of the graph's ends; W starts from what it recorded
         for buffer, full in zip(run.into, split):
             torch.testing.assert_close(buffer, full)
+
+
+def test_torch_stage_runs_compute_what_the_executor_does_into_grad_as_torchs_stage_does():
+    """`calibrate --passes-as torch` times each stage as torch.distributed.pipelining's stage computes it: the
+    same gradients as the executor's rows (B, and I then W), added into the module's own `.grad`; a first stage's
+    I computes nothing (torch skips it: its W is the whole backward)."""
+    from pipesim.calibrate.measure import Settings, measure_bytes
+    from pipesim.calibrate.passes import TorchStageRun, stage_runs
+    from pipesim.workload.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("mlp", layers=3, width=8)
+    measure_bytes(model, Settings(torch.device("cpu"), torch.float64, 3, warmup=0, repeats=1))
+    for run in stage_runs(model, [0, 1, 3, 4], "float64", 3):
+        theirs, own = TorchStageRun(run), list(run.module.parameters())
+        run.backward(run.forward())
+        run.backward(run.forward())
+        theirs.backward(theirs.forward())
+        theirs.backward(theirs.forward())
+        for buffer, p, w in zip(run.into, own, run.weights):
+            torch.testing.assert_close(p.grad, buffer)
+            assert w.grad is None
+        full = [p.grad.clone() for p in own]
+        saved = theirs.backward_input(theirs.forward())
+        assert [torch.equal(p.grad, g) for p, g in zip(own, full)] == [True] * len(own)  # I adds to no weight
+        assert (saved[2] is None) == (not run.input_gradients)  # the first stage's I leaves nothing for W
+        theirs.backward_weight(saved)
+        for p, g in zip(own, full):
+            torch.testing.assert_close(p.grad, 1.5 * g)  # a third micro-batch's gradient, as one B adds
+
+
+def test_passes_as_torch_is_recorded_said_and_leaves_out_the_runtime_probe(tmp_path, mlp_profile):
+    """`--passes-as torch` times the stages through `TorchStageRun` and says so, in the profile and the summary;
+    the runtime probe, which times pipesim's executor, is left out without --no-runtime."""
+    out = tmp_path / "torch.json"
+    code, printed, err = pipesim("calibrate", *MLP, "--stages", "2", "--passes-as", "torch", "--no-links",
+                                 "--no-contention", "--out", out)
+    assert code == 0, err
+    profile = load_profile(out)
+    assert (profile.environment.passes_as, profile.runtime) == ("torch", None)
+    assert all(stage.passes is not None for stage in profile.stages)
+    assert "each stage timed as one pass as torch.distributed.pipelining runs it" in " ".join(printed.split())
+    assert "as torch runs them" in err  # its phase line
+    assert load_profile(mlp_profile).environment.passes_as == "executor"
+
+
+def test_torch_stage_runs_leave_out_the_executors_functional_call_and_hooks():
+    """The executor's rows cost more than torch's stage computing the same: functional_call swaps the weights in
+    and its saved-tensor hooks pack every saved tensor, 0.3-0.5 ms a pass on the 2-core CPUs here, so a width-16 MLP
+    stage's F + B takes 1.65-1.78x its CPU time under torch's code (medians of interleaved rounds, this thread's
+    CPU time: another process's load does not count in it); a profile timing the executor's predicted torch
+    runs of small models that much slow."""
+    import statistics
+    import time
+
+    from pipesim.calibrate.passes import TorchStageRun, stage_runs
+    from pipesim.workload.models import build_model
+
+    torch.manual_seed(0)
+    runs = stage_runs(build_model("mlp", layers=8, width=16), [0, 4, 9], "float32", 32)
+
+    def cpu_ns(run) -> int:
+        start = time.thread_time_ns()
+        run.backward(run.forward())
+        return time.thread_time_ns() - start
+
+    ratios = [[cpu_ns(run) / cpu_ns(TorchStageRun(run)) for _ in range(25)][3:] for run in runs]
+    assert [statistics.median(r) > 1.3 for r in ratios] == [True, True], ratios
 
 
 def test_a_stage_without_input_gradients_times_its_backward_once_for_b_and_w():

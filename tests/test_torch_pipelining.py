@@ -30,6 +30,8 @@ def test_a_profile_fixes_the_model_its_cut_micro_batch_size_threads_and_stages(s
     steps = script._next_steps(args)
     assert f"pipesim simulate -s 1f1b -m 8 -n 5 --profile {PROFILE} --optimizer sgd" in steps
     assert "pipesim calibrate" not in steps
+    # its passes were timed as pipesim's executor runs them (before --passes-as): the note says how to time torch's
+    assert f"note: {PROFILE} timed its stages' passes as pipesim's executor runs them" in steps
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -66,7 +68,7 @@ def test_without_a_profile_it_prints_the_calibrate_command_that_matches_its_run(
     command = typer.main.get_command(app).commands["calibrate"]
     params = command.make_context("calibrate", argv).params  # pipesim calibrate parses it as written
     assert (params["model"], params["layers"], params["width"], params["microbatch_size"], params["stages"],
-            params["threads"], params["device"], params["runtime"]) == ("mlp", 4, 256, 16, 2, 1, "cpu", False)
+            params["threads"], params["device"], params["passes_as"]) == ("mlp", 4, 256, 16, 2, 1, "cpu", "torch")
 
 
 def test_the_first_stages_example_is_laid_out_as_the_micro_batches_torch_hands_it(script):
