@@ -2,8 +2,8 @@
 here a table is fitted instead: text wraps between words, a short cell (a number with its unit) or a number with
 its spread ("0.357 ± 0.244") never wraps, a table that would wrap gives its padding to the wrapped cells first, and
 a table that cannot fit even so is printed in parts of whole columns, the first column (or the first few, which
-name a row) repeated in each, with a line that says so. Piped output without $COLUMNS takes the width the table
-needs."""
+name a row, on one line where a part can keep them so) repeated in each, with a line that says so. Piped output
+without $COLUMNS takes the width the table needs."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ from .common import stdout
 
 SHORT_CELL = 12  # characters: a cell this short is a value ("2,875.9 ms", "8.6%"), never wrapped
 READABLE_TEXT = 20  # characters: a text cell wraps no narrower where splitting the table into parts can keep it so
+# characters: a row's name (a column of the first `keys`) this long stays on one line where splitting the table
+# into parts can keep it so: "interleaved-1f1b (v=2)" broke after its method at 80 columns, "xpipe (s:" over "paper)"
+ROW_NAME = 32
 UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
 WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357 ± 0.244"): one value, never wrapped
 # The space between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), where a line never wraps.
@@ -54,15 +57,15 @@ def _content_ranges(console: Console, table: Table, keys: int) -> list[tuple[int
     """Each column's (narrowest, readable, widest) content width: the narrowest keeps the header's longest word
     and every value whole, and wraps longer cells between words; the readable also keeps a text cell of a column
     after the first `keys` at least `READABLE_TEXT` wide (at its longest word, tune's "why not" at 80 columns was
-    7 characters wide, a reason on 7 lines)."""
+    7 characters wide, a reason on 7 lines), and a row's name in the first `keys` whole up to `ROW_NAME`."""
     options = console.options.update_width(UNLIMITED)
     ranges = []
     for index, column in enumerate(table.columns):
         header = Measurement.get(console, options, column.header)
         cells = [(cell, Measurement.get(console, options, cell)) for cell in column.cells]
         narrowest = max([header.minimum, *(c.maximum if _is_value(cell, c) else c.minimum for cell, c in cells)])
-        readable = narrowest if index < keys else max([narrowest, *(
-            min(c.maximum, READABLE_TEXT) for cell, c in cells if not _is_value(cell, c))])
+        readable = max([narrowest, *(min(c.maximum, ROW_NAME) for _, c in cells)]) if index < keys else max(
+            [narrowest, *(min(c.maximum, READABLE_TEXT) for cell, c in cells if not _is_value(cell, c))])
         widest = max([header.maximum, *(c.maximum for _, c in cells)])
         ranges.append((narrowest, readable, widest))
     return ranges
@@ -160,7 +163,8 @@ def print_table(table: Table, console: Console = stdout, keys: int = 1, compact:
     """Print `table` so that no cell is cut: whole where it fits, else with one space between columns (the
     padding saved goes to the cells that wrap: tune's "why not" at 100 columns), else in parts of whole columns,
     each led by the first `keys` columns, which name a row (simulate --memory's schedule and device) and wrap only
-    where the other columns cannot; its title and caption wrap at the width available, not at the table's.
+    where no part beside them can keep them whole (`ROW_NAME`); its title and caption wrap at the width available,
+    not at the table's.
     `compact`: with one space between columns even where it fits (`print_tables`: beside one that does not)."""
     width = available_width(console)
     table = _edgeless(table)

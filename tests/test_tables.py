@@ -169,6 +169,29 @@ def test_a_rows_name_stays_whole_where_headers_can_wrap_instead():
         "\n".join(lines))
 
 
+def test_a_rows_name_stays_whole_where_the_numbers_leave_it_too_little_and_the_table_is_split_instead():
+    """simulate --profile's table, with its memory column, at 80 columns: with every header wrapped its numbers
+    leave the column naming the rows 10 characters, and "xpipe (s: paper)" broke over "xpipe (s:" and "paper)";
+    the 175B what-if's, already in two parts, broke "interleaved-1f1b" over "(v=3)". Each part now leads with the
+    name whole."""
+    headers = ("schedule", "ms/step", "samples/s", "bubble", "peak MiB", "peak act", "weights", "staleness",
+               "makespan", "memory")
+    rows = [("1f1b", "460.256", "139.1", "12.4%", "21.1", "2", "1", "0", "1,909.839", "fits"),
+            ("xpipe (s: paper)", "538.493", "118.9", "8.3%", "29.4", "2", "3", "1", "2,347.775", "fits"),
+            ("interleaved-1f1b (v=3)", "13,147.553", "4.9", "6.0%", "56,621", "31", "1", "0", "1,209.110", "fits")]
+    for shown in (rows[:2], rows):
+        table = Table(box=box.SIMPLE_HEAD)
+        for header in headers:
+            table.add_column(header, justify="left" if header in ("schedule", "memory") else "right")
+        for row in shown:
+            table.add_row(*row)
+        lines = rendered(table, 80)
+        assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+        for name, *numbers in shown:
+            assert sum(line.startswith(name + " ") for line in lines) == 2, "\n".join(lines)  # one in each part
+            assert all(any(number in line.split() for line in lines) for number in numbers), "\n".join(lines)
+
+
 def test_a_split_table_repeats_the_columns_that_name_a_row():
     """simulate --memory's rows are a schedule's devices: split at 80 columns, each part leads with both, so a row
     of the second part still says which device it is."""
@@ -235,6 +258,16 @@ def test_every_commands_table_keeps_its_numbers_at_80_and_120_columns(name, tmp_
         assert "…" not in out, (columns, out)
         assert max(map(len, out.splitlines())) <= columns, (columns, out)
         assert numbers <= _numbers(out), (columns, numbers - _numbers(out), out)
+
+
+def test_the_built_in_examples_rows_are_each_named_on_one_line_at_80_columns(tmp_path, monkeypatch):
+    """The README's first command, `pipesim simulate`, at 80 columns broke "interleaved-1f1b" over "(v=2)" and
+    "spectrain (s:" over "paper)"."""
+    monkeypatch.chdir(tmp_path)  # it writes its page here
+    lines = _output(["simulate"], 80, tmp_path, monkeypatch).splitlines()
+    for name in ("interleaved-1f1b (v=2)", "dualpipe (v=2)", "spectrain (s: paper)", "pipeoptim (s: paper)",
+                 "xpipe (s: paper)", "avgpipe (P=2)"):
+        assert any(line.startswith(name + " ") for line in lines), (name, "\n".join(lines))
 
 
 def test_schedules_writes_each_closed_form_of_s_on_one_line_at_80_columns(tmp_path, monkeypatch):
