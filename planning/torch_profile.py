@@ -8,6 +8,13 @@ named `PP:<stage>OPT` (the user's `record_function` around `optimizer.step()`) i
 repeats its schedule every `step()`, so the n-th time a rank runs an action it belongs to mini-batch n.
 The profiler writes one file per rank (`tensorboard_trace_handler`), which names its rank in
 `distributedInfo`.
+
+torch's runtime waits for a received activation inside the F action that reads it (`_wait_batch_p2p` before
+`forward_one_chunk`), and for a received gradient inside the B, its RECV action only posting the receive
+(torch/distributed/pipelining/schedules.py `_PipelineScheduleRuntime._step_microbatches`); gloo's wait records no
+event. pipesim's RECV row is that wait and its F or B the compute after it, so where the trace holds the op events
+inside the range (a full trace; benchmarks/torch_pipelining.py keeps the first), an F or B with a RECV of its own is
+read as the RECV from the range's start to its first op and the F or B from there.
 """
 
 from __future__ import annotations
@@ -28,15 +35,16 @@ _SINGLE_STAGE = re.compile(r"(Forward|Backward) (\d+)")
 _OPT = re.compile(r"PP:(\d+)OPT")
 
 
-def _actions(path: Path, fallback_rank: int) -> tuple[int, list[tuple[Kind, int, int, float, float]]]:
-    """The rank a profiler file belongs to and its actions: (kind, stage, micro-batch, start µs, duration µs)."""
+def _actions(path: Path, fallback_rank: int) -> tuple[int, list[tuple[Kind, int, int, float, float, float]]]:
+    """The rank a profiler file belongs to and its actions: (kind, stage, micro-batch, start µs, duration µs, µs from
+    its start to the first other event inside it, 0 where none is)."""
     doc = read_json(path, TraceError, "torch profiler trace")
     events = doc.get("traceEvents") if isinstance(doc, dict) else None
     if not isinstance(events, list):
         raise TraceError(f"{path}: not a Chrome trace (no traceEvents list)")
     info = doc.get("distributedInfo") or {}
     rank = int(info.get("rank", fallback_rank))
-    found = []
+    found, threads, others = [], [], {}
     for event in events:
         if not isinstance(event, dict) or event.get("ph") != "X" or not isinstance(event.get("name"), str):
             continue
@@ -49,7 +57,18 @@ def _actions(path: Path, fallback_rank: int) -> tuple[int, list[tuple[Kind, int,
             action = (Kind.F if single[1] == "Forward" else Kind.B, rank, int(single[2])) if single else None
         if action is not None:
             found.append((*action, float(event["ts"]), float(event.get("dur", 0.0))))
-    return rank, found
+            threads.append(event.get("tid"))
+        else:
+            others.setdefault(event.get("tid"), []).append(float(event["ts"]))
+    starts = {tid: np.sort(np.array(ts, dtype=np.float64)) for tid, ts in others.items()}
+    return rank, [(*a, _first_after(starts.get(tid), a[3], a[4])) for a, tid in zip(found, threads)]
+
+
+def _first_after(starts: np.ndarray | None, start_us: float, dur_us: float) -> float:
+    """µs from `start_us` to the first of its thread's other events (sorted `starts`) inside the range; 0: none."""
+    i = np.searchsorted(starts, start_us) if starts is not None else 0
+    return float(starts[i] - start_us) if starts is not None and i < len(starts) and starts[i] <= start_us + dur_us \
+        else 0.0
 
 
 def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
@@ -73,12 +92,20 @@ def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
     rows = []
     for rank in ranks:
         seen: dict[tuple[Kind, int, int], int] = {}
-        for kind, stage, microbatch, start_us, dur_us in sorted(per_rank[rank], key=lambda a: a[3]):
+        mine: dict[tuple[Kind, int, int, int], list] = {}
+        for kind, stage, microbatch, start_us, dur_us, wait_us in sorted(per_rank[rank], key=lambda a: a[3]):
             minibatch = seen.get((kind, stage, microbatch), 0)
             seen[(kind, stage, microbatch)] = minibatch + 1
             peer = {Kind.SEND_F: stage + 1, Kind.RECV_F: stage - 1, Kind.SEND_B: stage - 1,
                     Kind.RECV_B: stage + 1}.get(kind, -1)  # torch runs chains
-            rows.append((rank, like.kind_code(kind.value), stage, microbatch, minibatch, peer, start_us, dur_us))
+            mine[(kind, stage, microbatch, minibatch)] = [rank, like.kind_code(kind.value), stage, microbatch,
+                                                          minibatch, peer, start_us, dur_us, wait_us]
+        for (kind, *key), row in mine.items():
+            received = mine.get(({Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}.get(kind), *key))
+            if received is not None and row[8] > 0:  # the wait before its first op is the RECV's
+                received[6:8] = row[6], row[8]
+                row[6:8] = row[6] + row[8], row[7] - row[8]
+        rows += [row[:8] for row in mine.values()]
     if any(code < 0 for _, code, *_ in rows):
         raise TraceError("the torch run has actions the prediction does not (e.g. split backward I/W against a "
                          "full-backward schedule): predict the schedule torch ran")

@@ -1,6 +1,7 @@
 """Predicted against measured, op by op (traces/compare.py): errors worked out by hand from the schedules'
 closed forms, identical traces, incomplete runs and traces of different runs."""
 
+import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -254,6 +255,38 @@ def test_view_says_that_compare_reads_a_torch_profiler_trace(tmp_path):
     code, out, err = pipesim("view", TORCH_RUNS / "torch-1f1b-2cpu", "--html", page)  # their folder
     assert code == 2 and out == "" and err.count("\n") == 1 and not page.exists(), err
     assert "torch-1f1b-2cpu is a folder; give a pipesim trace file (`pipesim compare FOLDER PREDICTED` reads" in err
+
+
+def test_a_torch_f_or_b_that_waits_for_its_receive_is_read_as_the_recv_then_its_compute(tmp_path):
+    """torch's runtime waits for a received activation inside the F that reads it, and for a gradient inside the B
+    (its RECV only posts the receive), where pipesim's RECV row is the wait and its F or B the compute after it: such
+    a range is read as the RECV up to its first op on the range's thread and the F or B from there. An F with no
+    RECV of its own (the first stage's) and a range with no op inside it (a trace pruned before) are read whole."""
+    from pipesim.planning.torch_profile import read_torch_profile
+    from pipesim.traces.trace import read_trace
+    from tests.conftest import pipesim
+
+    predicted = tmp_path / "p.json"
+    assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "1", "-n", "1", "--trace", predicted).code == 0
+
+    def event(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0}
+
+    ranks = [[event("PP:0F0", 0, 1000), event("aten::linear", 50, 900), event("PP:0SEND_F0", 1000, 10),
+              event("PP:0RECV_B0", 1010, 10), event("PP:0B0", 2000, 3000), event("aten::mm", 4000, 900)],
+             [event("PP:1RECV_F0", 0, 20), event("PP:1F0", 30, 2000), event("gloo:recv", 100, 10, tid=2),
+              event("aten::linear", 1030, 900), event("PP:1B0", 2100, 800), event("PP:1SEND_B0", 2900, 10)]]
+    paths = []
+    for rank, events in enumerate(ranks):
+        paths.append(tmp_path / f"rank{rank}.json")
+        paths[-1].write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": rank}}))
+    like = read_trace(predicted)
+    ops = read_torch_profile(paths, like).ops
+    read = {(like.kinds[k], int(d)): (float(start), float(dur))
+            for k, d, start, dur in zip(ops.kind, ops.device, ops.start_us, ops.dur_us)}
+    assert read[("RECV_F", 1)] == (30, 1000) and read[("F", 1)] == (1030, 1000)  # tid 2's event is not its op
+    assert read[("RECV_B", 0)] == (2000, 2000) and read[("B", 0)] == (4000, 1000)
+    assert read[("F", 0)] == (0, 1000) and read[("B", 1)] == (2100, 800)  # no RECV of their own; no op inside
 
 
 @pytest.mark.parametrize("run_dir, schedule, recorded", [

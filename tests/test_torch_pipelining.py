@@ -88,3 +88,23 @@ def test_the_first_stages_example_is_laid_out_as_the_micro_batches_torch_hands_i
     handed = minibatch.tensor_split(m)[0]  # as torch's schedule splits the mini-batch rank 0 is given
     example = script.stage_example(spec, stages, 0)
     assert (example.shape, example.stride()) == (handed.shape, handed.stride()) == ((2, 8), (8, 1))
+
+
+def test_the_pruned_trace_keeps_where_each_actions_wait_for_its_receive_ends(script, tmp_path):
+    """The profiler records every aten op; the script keeps the pipelining ranges and the first op inside each, which
+    tells an F's or B's wait for its receive from its compute (planning/torch_profile.py), and nothing else."""
+    from pipesim.planning.torch_profile import _actions
+
+    def event(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0}
+
+    events = [event("PP:1RECV_F0", 0, 20), event("PP:1F0", 30, 2000), event("gloo:recv", 100, 10, tid=2),
+              event("aten::linear", 1030, 900), event("aten::addmm", 1040, 800), event("aten::relu", 1900, 20),
+              event("PP:1B0", 2100, 800), event("aten::mm", 2150, 300), event("aten::mm", 2500, 300)]
+    path = tmp_path / "rank1.json"
+    path.write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": 1}}))
+    whole = _actions(path, 1)
+    script._prune(path)
+    kept = json.loads(path.read_text())
+    assert [e["name"] for e in kept["traceEvents"]] == ["PP:1RECV_F0", "PP:1F0", "PP:1B0", "aten::linear", "aten::mm"]
+    assert _actions(path, 1) == whole and whole[1][1][5] == 1000  # F0 waited 1 ms for its receive
