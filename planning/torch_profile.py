@@ -29,6 +29,7 @@ import numpy as np
 from ..files import read_json
 from ..schedules.ir import Kind
 from ..schedules.torch_csv import parse_torch_action
+from ..traces.compare import TORCH_RUNTIME
 from ..traces.trace import Ops, Stream, Trace, TraceError
 
 _SINGLE_STAGE = re.compile(r"(Forward|Backward) (\d+)")
@@ -116,5 +117,5 @@ def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
               version=np.full(len(rows), -1), prediction=np.full(len(rows), -1),
               start_us=table[:, 6] - table[:, 6].min(), dur_us=table[:, 7])
     meta = replace(like.meta, source="measured", costs=None, cluster=None, jitter=0.0, calibration=None,
-                   hardware={"runtime": "torch.distributed.pipelining", "ranks": len(ranks)}, extra={})
+                   hardware={"runtime": TORCH_RUNTIME, "ranks": len(ranks)}, extra={})
     return Trace(like.kinds, like.num_devices, ops, meta)

@@ -692,6 +692,7 @@ class Profile(_Strict):
         return {"model": self.model.name, "options": dict(self.model.options), "microbatch_size": env.microbatch_size,
                 "dtype": env.dtype, "device": env.device, "device_name": env.device_name, "threads": env.threads,
                 "torch_version": env.torch_version,
+                **({"passes_as": env.passes_as} if env.passes_as != "executor" else {}),
                 **({"estimate": self.estimate.model_dump(mode="json")} if self.estimate is not None else {}),
                 **({"date": env.date, "load": env.load, "ranks": env.ranks, "host_terms": self.host_terms()}
                    if env.load is not None else {})}

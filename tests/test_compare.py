@@ -321,14 +321,22 @@ def test_a_torch_pipelining_run_compares_with_its_prediction(tmp_path, run_dir, 
     assert code == 0 and "weight versions: not compared (the measurement records none)" in out
     assert "agree" not in out and re.search(r"/ n/a +- *$", out, re.M)
     assert not re.findall(r"(?<![\d,.])\d{4,}", out), out  # start errors of 1,536.34 ms wrote "1536.34"
-    # From a calibration profile: no warning, and the profile is named.
+    # From a calibration profile the profile is named, and one whose passes pipesim's executor timed is warned of
+    # (`calibrate --passes-as torch` times them as torch's stage computes them).
     assert pipesim("simulate", "-s", schedule, "-p", "2", "-m", "8", "-n", "3", "--profile", MLP_PROFILE,
                    "--optimizer", "sgd", "--trace", predicted).code == 0
     code, out, err = pipesim("compare", TORCH_RUNS / run_dir, predicted, "--json")
-    assert code == 0 and err == ""
+    assert code == 0 and err.count("\n") == 1 and err.endswith("calibrate with --passes-as torch\n"), err
     c = json.loads(out)
-    assert c["warnings"] == [] and c["predicted_calibration"]["model"] == "mlp"
+    assert c["warnings"] == [err.removeprefix("warning: ").strip()] and c["predicted_calibration"]["model"] == "mlp"
     assert c["predicted_calibration"]["microbatch_size"] == 32
+    profile = json.loads(MLP_PROFILE.read_text())
+    profile["environment"]["passes_as"] = "torch"  # as `calibrate --passes-as torch` writes it
+    (tmp_path / "torch.json").write_text(json.dumps(profile))
+    assert pipesim("simulate", "-s", schedule, "-p", "2", "-m", "8", "-n", "3", "--profile", tmp_path / "torch.json",
+                   "--optimizer", "sgd", "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", TORCH_RUNS / run_dir, predicted, "--json")
+    assert code == 0 and err == "" and json.loads(out)["warnings"] == []
     # Without the prediction nothing says what torch ran.
     code, _, err = pipesim("compare", TORCH_RUNS / run_dir)
     assert code == 2 and "give the predicted trace too" in err

@@ -284,14 +284,28 @@ def _device_errors(p: Summary, m: Summary) -> list[DeviceErrors]:
     return out
 
 
-def _warnings(predicted: Trace) -> list[str]:
+TORCH_RUNTIME = "torch.distributed.pipelining"  # a measured torch run's `hardware.runtime` (planning/torch_profile.py)
+
+
+def _warnings(predicted: Trace, measured: Trace) -> list[str]:
     """A prediction from typed what-if costs describes no machine: its error against a run measures the
-    numbers typed, not pipesim."""
-    if predicted.meta.source != "predicted" or predicted.meta.calibration is not None:
+    numbers typed, not pipesim. One whose profile timed its stages' passes with another runtime's code than the
+    run's (`calibrate --passes-as`) prices each pass at that runtime's cost."""
+    if predicted.meta.source != "predicted":
         return []
-    return ["the prediction's costs are what-if numbers (--fwd, --bwd, ... or their defaults), not a calibration "
-            "profile, so this error says nothing about pipesim's accuracy: calibrate the model (`pipesim calibrate`) "
-            "and predict with `pipesim simulate --profile PROFILE`"]
+    calibration = predicted.meta.calibration
+    if calibration is None:
+        return ["the prediction's costs are what-if numbers (--fwd, --bwd, ... or their defaults), not a calibration "
+                "profile, so this error says nothing about pipesim's accuracy: calibrate the model (`pipesim "
+                "calibrate`) and predict with `pipesim simulate --profile PROFILE`"]
+    torch_run = (measured.meta.hardware or {}).get("runtime") == TORCH_RUNTIME
+    if torch_run == (calibration.get("passes_as") == "torch"):
+        return []
+    return ["the prediction's profile timed its stages' passes as pipesim's executor runs them (functional_call under "
+            "saved-tensor hooks), and this is a torch.distributed.pipelining run: calibrate with --passes-as torch"
+            if torch_run else
+            "the prediction's profile timed its stages' passes as torch.distributed.pipelining runs them, and this "
+            "is pipesim's run: calibrate without --passes-as torch"]
 
 
 def conditions(predicted: Trace, measured: Trace) -> Conditions | None:
@@ -383,5 +397,5 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
         compute_duration_bias=float(np.median(rel)) if len(rel) else None,
         devices=_device_errors(sp, sm), versions_compared=int(recorded.sum()), version_mismatches=len(wrong),
         version_examples=version_examples, measured_complete=measured.meta.complete,
-        predicted_calibration=predicted.meta.calibration, warnings=_warnings(predicted) + _condition_warnings(found),
-        notes=notes, conditions=found)
+        predicted_calibration=predicted.meta.calibration,
+        warnings=_warnings(predicted, measured) + _condition_warnings(found), notes=notes, conditions=found)
