@@ -482,12 +482,15 @@ def _offsets_rank(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_ranks_on_other_hosts_get_their_clock_offset_by_ping_pong(tmp_path):
     """Two ranks that say they are on different hosts, rank 1's clock 5 s ahead: rank 0 measures that offset
-    to within its shortest round trip (loopback: well under a millisecond)."""
+    to within its shortest round trip (loopback: well under a millisecond). The ranks start as a run's do (forked
+    from the server that imported torch once, workload/processes.py)."""
     import torch.multiprocessing
+
+    from pipesim.workload.processes import rank_context
 
     out = tmp_path / "offsets.json"
     torch.multiprocessing.start_processes(_offsets_rank, args=(free_port(), str(out)), nprocs=2,
-                                          start_method="spawn")
+                                          start_method=rank_context().get_start_method())
     first, second = json.loads(out.read_text())
     assert first == 0 and abs(second - AHEAD_NS) < 1_000_000
 

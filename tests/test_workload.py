@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from pipesim.profiles import schema
 from pipesim.workload.models import BATCH, ModelError, build_model
 from pipesim.workload.optim import OPTIMIZERS, elastic_average, make_optimizer, predict_weights
+from pipesim.workload.processes import rank_context
 from pipesim.workload.transport import (
     GlooTransport,
     HostStagedTransport,
@@ -522,10 +522,11 @@ def _channels(rank: int, port: int, results) -> None:
 
 
 def _on_two_ranks(monkeypatch, target, *args) -> tuple[list, list[int | None]]:
-    """What `target(rank, *args, port, results)` puts on `results` in each of two spawned ranks, in the order they
-    put it, and the ranks' exit codes."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # spawned ranks import this module
-    ctx = mp.get_context("spawn")
+    """What `target(rank, *args, port, results)` puts on `results` in each of two rank processes, in the order they
+    put it, and the ranks' exit codes. They start as a run's ranks do (workload/processes.py: forked from the server
+    that imported torch once, where a spawned interpreter imports it again for each)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # the ranks import this module
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(rank, *args, port, results), daemon=True) for rank in range(2)]
