@@ -72,7 +72,8 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache, cached_property, partial
 from typing import TypeVar
@@ -640,10 +641,16 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             return
         keep_replayed(built.result(item.candidate if isinstance(item, Result) else item))
 
-    while (heap or out) and not (first and kept):
+    def hand_ahead() -> None:
+        """Idle workers handed the steps the search will want next (`_Built.ahead`, `ahead_of_staler`); also while
+        `take` waits for a result (`_Built._awaited`)."""
         built.ahead(heap, out, bar(pending), worth_replaying if first else lambda result: False)
         if staler_ahead and (kept or pending):
             built.ahead_of_staler(max(speed_key(result.samples_per_s) for result in [*pending, *(g[0] for g in kept)]))
+
+    built.idle = hand_ahead
+    while (heap or out) and not (first and kept):
+        hand_ahead()
         if not could_win(speed_key(-heap[0][0]) if heap else above):
             if not any(isinstance(item, Shape) for item in out):
                 while out:  # what is out can only raise the bar: nothing left on the heap can beat it
@@ -670,6 +677,7 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             out.append(item)
     while pending:
         settle()
+    built.idle = None
     last = speed_key(kept[-1][0].samples_per_s) if kept else above
     return kept, [item for item in [*(item for _, _, item in heap), *out] if speed_key(_bound(item)) > last]
 
@@ -722,6 +730,9 @@ class _Built:
         self._tightening: dict[int, Future] = {}  # critical paths found ahead (`ahead`, `ahead_of_staler`)
         self._costing: dict[int, Future] = {}  # fixed chains' partitions costed ahead (`ahead`)
         self._running: set[Future] = set()  # handed to the workers and not finished
+        # what the search hands the workers ahead (`top_groups`' `ahead`), asked again each time a worker finishes
+        # while the search waits for another's result (`_awaited`); None: outside a search
+        self.idle: Callable[[], None] | None = None
         self._shipped: dict[int, tuple[object, _Shipped]] = {}  # by id of what is shipped, which it keeps alive
         self.orders = orders  # the shapes' own: a fixed order is built once
         self.candidates: dict[int, Candidate | None] = {}
@@ -885,7 +896,7 @@ class _Built:
         if shape.index not in self.candidates:
             searching = self._searching.pop(shape.index, None)
             if searching is not None:
-                found = searching.result()  # a copy of the setting came back with it: this one prices the rest
+                found = self._awaited(searching)  # a copy of the setting came back with it: this one prices the rest
                 self.candidates[shape.index] = found and replace(found, setting=shape.setting)
             else:
                 costed = _if_done(self._costing.pop(shape.index, None))
@@ -917,6 +928,18 @@ class _Built:
         self._running.add(running)
         running.add_done_callback(self._running.discard)
         return running
+
+    def _awaited(self, future: Future):
+        """`future`'s result, the workers handed what the search would hand them ahead (`idle`) as it begins to wait
+        and each time one finishes meanwhile: the search takes results in the order it handed them out, and waited
+        on the oldest while a worker that had finished sat idle (the 70B's stale p = 32 orders: at a load of 10, one
+        worker idle 8 s and then 17 s while the other ran PipeDream-2BW's simulation, then XPipe's, which it was
+        handed only once the search had taken the first)."""
+        while self.idle is not None and not future.done():
+            self.idle()
+            wait_for_futures([future, *(running for running in tuple(self._running) if not running.done())],
+                             return_when=FIRST_COMPLETED)
+        return future.result()
 
     def _ship(self, value: object) -> _Shipped:
         """`value` pickled once for the workers, which unpickle it once each (`_received`): a setting's scenario
@@ -1027,8 +1050,9 @@ class _Built:
         if index in self.floors and not self._settles(index, self.floors[index].samples_per_s, beaten):
             del self.floors[index]
         if index not in self.floors:
-            running = self._simulating.pop(index, None)
-            found = running.result() if running is not None else None
+            running = self._simulating.get(index)  # left there while awaited: no worker is handed it again
+            found = self._awaited(running) if running is not None else None
+            self._simulating.pop(index, None)
             if found is None or not self._settles(index, found[0][0], beaten):
                 found = _floor(self.problem, candidate, beaten)
                 self._beaten[index] = beaten
@@ -1073,7 +1097,7 @@ class _Built:
             if replaying is not None:  # the workers' shares, dealt out device by device
                 reserves = [0] * candidate.schedule.num_devices
                 for share, found in enumerate(replaying):
-                    reserves[share::len(replaying)] = found.result()
+                    reserves[share::len(replaying)] = self._awaited(found)
             self.results[index] = replace(floor, peak_memory_bytes=_reserved_peak_bytes(candidate, long_run, reserves))
         return self.results[index]
 
