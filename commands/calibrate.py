@@ -158,24 +158,20 @@ def calibrate(
     from ..traces import write_atomic
     from ..traces.hostload import HostLoad, mark
     from ..workload.processes import prepare, ready
+    from ..workload.sizes import model_name_refusal
 
-    began = mark()  # the host's load before this calibration starts anything
     runtime = runtime and passes_as != "torch"  # its per-row costs are the executor's, not torch's runtime's
     starts_processes = runtime or contention or links
-    # what a cached host term is reused under: the others' load with nothing of this calibration running yet
-    load_now = HostLoad.now(began) if starts_processes else None
-    if starts_processes:  # first: their server imports torch while this process does
-        prepare()
     try:
-        check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))  # first: require_model imports torch
-        require_model("pipesim calibrate", model)
+        # first the flags, which need nothing started: a bad one is refused before the load window and the
+        # processes' server (whose imports take a core for seconds)
+        check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))
+        refuse(model_name_refusal(model))
         if passes_as not in PASSES_AS:
             raise InputError(f"--passes-as: choose {' or '.join(PASSES_AS)} (got {passes_as!r})")
         if passes_as == "torch" and is_given(ctx, "runtime") and ctx.params["runtime"]:
             raise InputError("--runtime times pipesim's executor's per-row costs, which a torch run has not: "
                              "leave it out with --passes-as torch")
-        if runtime:  # its probe times the executor on a small mlp, which draws the digits
-            require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
         if dtype not in DTYPE_NAMES:
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
         dtype = DTYPE_NAMES[dtype]
@@ -191,6 +187,14 @@ def calibrate(
         if links and not 8 * KIB <= link_max_mb * MIB <= 4 * GIB:
             raise InputError(f"--link-max-mb: give from 8 KiB ({8 * KIB / MIB:g} MiB: two sizes to fit a line) to "
                              f"4096 MiB (got {link_max_mb})")
+        began = mark()  # the host's load before this calibration starts anything
+        # what a cached host term is reused under: the others' load with nothing of this calibration running yet
+        load_now = HostLoad.now(began) if starts_processes else None
+        if starts_processes:  # before torch's import: their server imports it while this process does
+            prepare()
+        require_model("pipesim calibrate", model)
+        if runtime:  # its probe times the executor on a small mlp, which draws the digits
+            require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
         from ..calibrate.cache import HostCache
         from ..calibrate.contention import ContentionError, ContentionProbe
         from ..calibrate.links import LinkError

@@ -151,13 +151,13 @@ for args in json.loads(sys.argv[1]):
         except SystemExit as exc:
             code = exc.code
     runs.append([code, out.getvalue(), err.getvalue()])
-print(json.dumps([runs, sorted({name.partition(".")[0] for name in sys.modules})]))
+print(json.dumps([runs, sorted(sys.modules)]))
 """
 
 
 class Fresh(NamedTuple):
     runs: list[Cli]
-    imported: set[str]  # the top-level packages the process imported by its end
+    imported: set[str]  # the modules the process imported by its end: "torch", "multiprocessing.forkserver"
 
 
 def pipesim_fresh(*commands: Iterable[Any], cwd: Path | None = None) -> Fresh:
