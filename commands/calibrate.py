@@ -12,6 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..choices import choose_from
 from ..profiles.workload import too_few_layers
 from ..traces.metrics import mib_text, percent_text
 from ..units import GIB, KIB, MIB, bytes_text, count_text
@@ -55,7 +56,6 @@ from .tables import print_table
 
 # --passes-as: the code a stage's passes are timed with -> what the summary says runs them
 RUNS_PASSES = {"executor": "the executor", "torch": "torch.distributed.pipelining"}
-PASSES_AS = tuple(RUNS_PASSES)
 
 
 def calibrate(
@@ -167,8 +167,8 @@ def calibrate(
         # processes' server (whose imports take a core for seconds)
         check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))
         refuse(model_name_refusal(model))
-        if passes_as not in PASSES_AS:
-            raise InputError(f"--passes-as: choose {' or '.join(PASSES_AS)} (got {passes_as!r})")
+        if passes_as not in RUNS_PASSES:
+            raise InputError(choose_from("--passes-as", RUNS_PASSES, passes_as))
         if passes_as == "torch" and is_given(ctx, "runtime") and ctx.params["runtime"]:
             raise InputError("--runtime times pipesim's executor's per-row costs, which a torch run has not: "
                              "leave it out with --passes-as torch")

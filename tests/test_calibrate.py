@@ -338,7 +338,7 @@ CUDA = torch.cuda.is_available()
     (["--model", "mlp", "--no-links", "--link-max-mb", "1"], "--no-links skips"),
     (["--model", "mlp", "--no-contention", "--ranks", "3"], "--no-contention skips"),
     (["--model", "mlp", "--threads", str(10**12)], "--threads: give 1"),  # torch overflowed; "to N" past 1 core
-    (["--model", "mlp", "--passes-as", "pipe"], "--passes-as: choose executor or torch (got 'pipe')"),
+    (["--model", "mlp", "--passes-as", "pipe"], "--passes-as: choose from executor, torch (got 'pipe')"),
     (["--model", "mlp", "--passes-as", "torch", "--runtime"], "leave it out with --passes-as torch"),
 ])
 def test_bad_calibrate_input_is_one_line_exit_2_nothing_written(tmp_path, args, fragment):
