@@ -11,7 +11,7 @@ import pytest
 
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Ops, Trace, TraceError, read_trace
-from tests.conftest import build, run, simulated
+from tests.conftest import build, pipesim, run, simulated
 from tests.helpers import GPT_CPU
 
 
@@ -345,6 +345,19 @@ def test_a_torch_pipelining_run_compares_with_its_prediction(tmp_path, run_dir, 
     assert pipesim("simulate", "-s", schedule, "-p", "4", "-m", "8", "-n", "3", "--trace", other).code == 0
     code, _, err = pipesim("compare", TORCH_RUNS / run_dir, other)
     assert code == 2 and "ranks [0, 1]" in err
+
+
+def test_two_predictions_from_a_torch_timed_profile_compare_without_a_runtime_warning(tmp_path):
+    """Neither is a run, so no runtime differs from the profile's: a `--passes-as torch` profile's prediction held
+    against another prediction was warned of as "this is pipesim's run"."""
+    profile = json.loads(MLP_PROFILE.read_text())
+    profile["environment"]["passes_as"] = "torch"
+    (tmp_path / "torch.json").write_text(json.dumps(profile))
+    for name, jitter in (("a.json", "0"), ("b.json", "0.1")):
+        assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "8", "-n", "3", "--profile", tmp_path / "torch.json",
+                       "--optimizer", "sgd", "--jitter", jitter, "--trace", tmp_path / name).code == 0
+    code, out, err = pipesim("compare", tmp_path / "b.json", tmp_path / "a.json", "--json")
+    assert code == 0 and err == "" and json.loads(out)["warnings"] == []
 
 
 def test_the_replay_places_ranks_where_they_computed():

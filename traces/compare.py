@@ -299,8 +299,8 @@ def _warnings(predicted: Trace, measured: Trace) -> list[str]:
                 "profile, so this error says nothing about pipesim's accuracy: calibrate the model (`pipesim "
                 "calibrate`) and predict with `pipesim simulate --profile PROFILE`"]
     torch_run = (measured.meta.hardware or {}).get("runtime") == TORCH_RUNTIME
-    if torch_run == (calibration.get("passes_as") == "torch"):
-        return []
+    if measured.meta.source != "measured" or torch_run == (calibration.get("passes_as") == "torch"):
+        return []  # (two predictions: no run's runtime to hold the profile's against)
     return ["the prediction's profile timed its stages' passes as pipesim's executor runs them (functional_call under "
             "saved-tensor hooks), and this is a torch.distributed.pipelining run: calibrate with --passes-as torch"
             if torch_run else
