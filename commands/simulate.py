@@ -96,7 +96,7 @@ from .estimate import (
     tensors_alone_text,
     what_if,
 )
-from .tables import print_table
+from .tables import STALENESS_HEADER, print_table
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 # --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger
@@ -601,7 +601,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                   caption_justify="left")
     table.add_column("schedule", no_wrap=True)
     headers = ["ms/step", "samples/s", *(["MFU"] if estimated else []), "bubble", "peak MiB", "peak act", "weights",
-               "staleness", *([] if estimated else ["makespan"])]
+               STALENESS_HEADER, *([] if estimated else ["makespan"])]
     limited = any(check.limit_bytes is not None for checks in memory for check in checks)
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)

@@ -37,7 +37,7 @@ from .common import (
     stdout,
     writing,
 )
-from .tables import print_table
+from .tables import STALENESS_HEADER, print_table
 
 
 def _optimizers(specs: list[str]) -> dict[str, float]:
@@ -265,14 +265,14 @@ def _print_table(setting, summaries) -> None:
     spread = f"mean ± std over {seeds} seeds" if seeds > 1 else "of one seed (no spread: give --seeds 2 or more)"
     table = Table(title=_title(setting).removeprefix("pipesim study: "), title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False, caption=f"held-out accuracy and final training loss (the last 10% of mini-batches), "
-                                          f"{spread}; div.: seeds that diverged; staleness and "
-                                          "prediction distance s per stage, as the executor measured them"
+                                          f"{spread}; div.: seeds that diverged; {STALENESS_HEADER} and s: "
+                                          "staleness and prediction distance per stage, as the executor measured them"
                                           + ("; samples/s on spawned ranks, median of repeats, and the simulator's "
                                              "prediction" if timed else ""),
                   caption_justify="left")
     headers = ["arm", "acc %", "loss", "div."]
     headers += ["samples/s", "predicted"] if timed else []
-    headers += ["staleness", "s (F)", "s (B)"]
+    headers += [STALENESS_HEADER, "s (F)", "s (B)"]
     for header in headers:
         table.add_column(header, justify="left" if header == "arm" else "right", no_wrap=True)
     previous = None

@@ -56,7 +56,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import count_what_if, estimated_profile, tensors_alone_text, what_if
-from .tables import print_table
+from .tables import STALENESS_HEADER, print_table
 
 MAX_PORT = 65_535  # a TCP port's largest
 
@@ -322,7 +322,8 @@ def _print_front(results: list, front: list[int], alone: str) -> None:
                   + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
                      if len(front) > FRONT_ROWS else ""))
     table.add_column("schedule", no_wrap=True)
-    for header in ("p", "m", "v", "P", "cost×", "s", "R", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
+    for header in ("p", "m", "v", "P", "cost×", "s", "R", "ms/step", "samples/s", "bubble", "peak MiB",
+                   STALENESS_HEADER):
         table.add_column(header, justify="right", no_wrap=True)
     shown = front[:FRONT_ROWS]
     over = any(results[i].metrics.out_of_memory for i in shown)  # a front of a model the devices cannot hold

@@ -54,7 +54,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, tensors_alone_text, what_if
-from .tables import available_width, print_paragraph, print_table
+from .tables import STALENESS_HEADER, available_width, print_paragraph, print_table
 
 if TYPE_CHECKING:
     from ..profiles.workload import WorkloadCount
@@ -605,7 +605,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                           + "bubble: 1 - mean compute / step time")
     estimate_columns = ("t", *("sp",) * split, "d", *("E",) * experts, "b", "recomp") if work else ()
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
-                   *("MFU",) * bool(work), "bubble", "peak", "stale", "why not"):
+                   *("MFU",) * bool(work), "bubble", "peak", STALENESS_HEADER, "why not"):
         table.add_column(header, justify="left" if header in ("schedule", "recomp", "why not") else "right",
                          no_wrap=header != "why not", min_width=20 if header == "why not" else None)
 

@@ -116,7 +116,7 @@ def test_sweep_without_a_known_memory_shows_no_memory_column():
     code, table, err = pipesim("sweep", "-s", "1f1b", "-p", "2,4")
     assert code == 0, err
     header = next(line for line in table.splitlines() if line.lstrip().startswith("schedule"))
-    assert header.split()[-1] == "staleness" and "OOM" not in table
+    assert header.split()[-1] == "stale" and "OOM" not in table
 
 
 # the repository, where the docs' paths (examples/, traces/) lead

@@ -47,8 +47,10 @@ def words_agree(shown: list[str], printed: str, first_words: tuple[str, ...]) ->
 
 
 @pytest.mark.parametrize("title, command_start, first_words", [
-    ("Simulate: what-if, side by side", "pipesim simulate -s 1f1b", ("p=4", "1f1b", "zb-h1", "pipedream", "xpipe")),
-    ("auto: the schedule searched for your costs", "pipesim simulate -s auto", ("auto", "zb-h1", "zb-h2", "1f1b")),
+    ("Simulate: what-if, side by side", "pipesim simulate -s 1f1b",
+     ("p=4", "schedule", "1f1b", "zb-h1", "pipedream", "xpipe")),
+    ("auto: the schedule searched for your costs", "pipesim simulate -s auto",
+     ("schedule", "auto", "zb-h1", "zb-h2", "1f1b")),
     ("Sweep and tune: many configurations at once", "pipesim tune", ("best", "over", "note:")),
 ])
 def test_a_readme_table_is_what_its_command_prints(title, command_start, first_words, tmp_path, monkeypatch):
