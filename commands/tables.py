@@ -33,8 +33,9 @@ WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357
 # The space between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), where a line never wraps.
 FIGURE_AND_UNIT = re.compile(r"(?<=\d) (?=(?:s|ms|ms/step|us|B|KiB|MiB|GiB|GB/s|Gb/s|samples/s|TFLOP/s)(?![\w/]))")
 NO_BREAK = "\u00a0"
-# The staleness column's header in every table (simulate, sweep, tune, study): "staleness" left the README's first
-# `pipesim simulate` 3 characters past 80 columns, in two parts, and tune's said "stale" already.
+# The staleness column's header in every table (simulate, sweep, tune, study), as tune's said it: its values are a
+# digit or two, and "staleness" took 4 more characters of an 80-column terminal (the README's first `pipesim
+# simulate` needs 81 with it so, 85 with "staleness").
 STALENESS_HEADER = "stale"
 
 
