@@ -4,8 +4,9 @@ one per rank, that `pipesim compare DIR PREDICTED.json` holds against pipesim's 
 The model, its partition and every micro-batch are pipesim's (`executor.cut`, `executor.microbatch_data`), so
 the two runtimes train the same thing. A synchronous pipesim schedule is handed to torch as its schedule CSV
 (`pipesim export --format torch-csv`) and run by `_PipelineScheduleRuntime`, which wraps every action in a
-`PP:<action>` profiler range; `--torch-schedule gpipe` uses torch's own `ScheduleGPipe` instead. The optimizer
-step is wrapped in `PP:<stage>OPT`. Gloo on CPU, one process per rank.
+`PP:<action>` profiler range; `--torch-schedule gpipe` (1f1b, interleaved-zb, zbv, dualpipev) uses torch's own
+`ScheduleGPipe` (and so on) instead, on the stages the pipesim schedule places on each rank (zbv: `--schedule zb-v`).
+Each stage's optimizer step is wrapped in `PP:<stage>OPT`. Gloo on CPU, one process per rank.
 
 A prediction holds for the model, cut, micro-batch size and threads its profile measured, so calibrate first
 and hand the profile to this script too: it then runs exactly what the profile describes. Calibrate the stages'
@@ -43,6 +44,7 @@ import torch.multiprocessing as mp
 from pipesim.executor import RunSpec, Stages, cut, microbatch_data
 from pipesim.schedules import build_schedule
 from pipesim.schedules.catalogue import method_named
+from pipesim.schedules.ir import Schedule, ScheduleError
 from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.workload.optim import make_optimizer
 from pipesim.workload.transport import free_port
@@ -69,55 +71,90 @@ def _prune(path: Path) -> None:
     path.write_text(json.dumps(doc))
 
 
-RUNTIMES = ("csv", "gpipe", "1f1b")  # pipesim's order via torch's CSV runtime, or torch's own single-stage classes
+# pipesim's order via torch's CSV runtime, or one of torch's own schedule classes (with the stages pipesim's
+# --schedule places on each rank: one for gpipe and 1f1b, two or more for the rest, which split B into I and W)
+RUNTIMES = {"csv": "_PipelineScheduleRuntime", "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+            "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+            "dualpipev": "ScheduleDualPipeV"}
 
 
-def stage_example(spec: RunSpec, stages: Stages, rank: int) -> torch.Tensor:
-    """The input rank `rank`'s stage is built with, laid out as the micro-batches torch's runtime hands it (views of
+def stage_example(spec: RunSpec, stages: Stages, stage: int) -> torch.Tensor:
+    """The input stage `stage` is built with, laid out as the micro-batches torch's runtime hands it (views of
     one contiguous mini-batch), since the stage checks their strides against it: a gpt's token ids are a slice of
     seq_len + 1 tokens, which failed every run ("stride mismatch: (129, 1) vs (128, 1)")."""
-    if rank == 0:
+    if stage == 0:
         return microbatch_data(spec, stages.model, 0, 0)[0].contiguous()
-    edge = (rank - 1, rank)
+    edge = (stage - 1, stage)
     return torch.zeros(stages.edge_shapes[edge], dtype=stages.edge_dtypes[edge])
 
 
-def torch_steps(spec: RunSpec, rank: int, world: int, runtime: str) -> Callable[[int], None]:
-    """Rank `rank`'s stage of `spec`'s model under torch's runtime (the process group must be up): returns
-    step(b), which trains mini-batch b (`schedule.step`) and steps the optimizer inside a `PP:<rank>OPT` range.
-    `runtime`: "csv" runs `spec`'s schedule through `_PipelineScheduleRuntime`; "gpipe" and "1f1b" torch's
-    `ScheduleGPipe` and `Schedule1F1B`."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def torch_steps(spec: RunSpec, rank: int, runtime: str) -> Callable[[int], None]:
+    """Rank `rank`'s stages of `spec`'s model (those `spec`'s schedule places on it) under torch's runtime (the
+    process group must be up): returns step(b), which trains mini-batch b (`schedule.step`) and steps each stage's
+    optimizer inside a `PP:<stage>OPT` range. `runtime`: "csv" runs `spec`'s schedule through
+    `_PipelineScheduleRuntime`; the others torch's own schedule class of that name (`RUNTIMES`)."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
     from torch.profiler import record_function
 
     stages = cut(spec)
-    module = stages.modules[rank]
-    stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=stage_example(spec, stages, rank))
+    mine = [k for k, device in enumerate(spec.schedule.placement) if device == rank]
+    count = len(stages.modules)
+    built = [PipelineStage(stages.modules[k], k, count, torch.device("cpu"),
+                           input_args=stage_example(spec, stages, k)) for k in mine]
     m, loss_fn = spec.schedule.microbatches, stages.model.loss
     if runtime == "csv":
-        runner = _PipelineScheduleRuntime([stage], m, loss_fn=loss_fn)
+        runner = _PipelineScheduleRuntime(built, m, loss_fn=loss_fn)
         with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as f:
             f.write(to_torch_csv(spec.schedule))
         runner._load_csv(f.name, format="compute_only")
         os.unlink(f.name)
+    elif runtime in ("gpipe", "1f1b"):
+        runner = getattr(pipelining, RUNTIMES[runtime])(built[0], m, loss_fn=loss_fn)
     else:
-        runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[runtime](stage, m, loss_fn=loss_fn)
-    optimizer = make_optimizer(spec.optimizer, module.parameters(), spec.lr)
+        runner = getattr(pipelining.schedules, RUNTIMES[runtime])(built, m, loss_fn=loss_fn)
+    optimizers = {k: make_optimizer(spec.optimizer, stages.modules[k].parameters(), spec.lr) for k in mine}
 
     def step(b: int) -> None:
         batches = [microbatch_data(spec, stages.model, b, j) for j in range(m)]
-        optimizer.zero_grad()
-        if rank == 0:
-            runner.step(torch.cat([x for x, _ in batches]))
-        elif rank == world - 1:
-            runner.step(target=torch.cat([t for _, t in batches]))
-        else:
-            runner.step()
-        with record_function(f"PP:{rank}OPT"):
-            optimizer.step()
+        for optimizer in optimizers.values():
+            optimizer.zero_grad()
+        given = [torch.cat([x for x, _ in batches])] if 0 in mine else []
+        target = {"target": torch.cat([t for _, t in batches])} if count - 1 in mine else {}
+        runner.step(*given, **target)
+        for k, optimizer in optimizers.items():
+            with record_function(f"PP:{k}OPT"):
+                optimizer.step()
 
     return step
+
+
+def _schedule(args: argparse.Namespace) -> Schedule:
+    """pipesim's --schedule on --stages ranks, for --microbatches."""
+    return build_schedule(args.schedule, method_named(args.schedule).params(args.stages, args.microbatches))
+
+
+def placement_refusal(schedule: Schedule, runtime: str) -> str | None:
+    """Why torch's `runtime` cannot run `schedule`'s stages where pipesim places them (None: it can): torch's
+    classes place their own, one stage per rank (gpipe, 1f1b), looped (interleaved-zb: rank r holds r, r + p, ...)
+    or in a V (zbv, dualpipev: rank r holds r and 2p - 1 - r); the CSV runs any order it can say."""
+    if runtime == "csv":
+        try:
+            to_torch_csv(schedule)
+        except ScheduleError as exc:
+            return str(exc)
+        return None
+    p, count = len(schedule.orders), len(schedule.placement)
+    looped = tuple(k % p for k in range(count))
+    wanted = {"gpipe": tuple(range(p)), "1f1b": tuple(range(p)), "interleaved-zb": looped,
+              "zbv": tuple(k if k < p else 2 * p - 1 - k for k in range(2 * p))}
+    wanted["dualpipev"] = wanted["zbv"]
+    if schedule.placement == wanted[runtime]:
+        return None
+    return (f"--torch-schedule {runtime}: torch's {RUNTIMES[runtime]} places stages {list(wanted[runtime])} on the "
+            f"ranks, {schedule.method} places them {list(schedule.placement)}: choose a --schedule that places them "
+            "as torch does")
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -125,11 +162,10 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
     torch.set_num_threads(args.threads_per_rank)
     dist.init_process_group("gloo", rank=rank, world_size=args.stages, init_method=f"tcp://127.0.0.1:{port}")
-    schedule = build_schedule(args.schedule, method_named(args.schedule).params(args.stages, args.microbatches))
-    spec = RunSpec(schedule=schedule, model=args.model, model_options=json.loads(args.model_options),
+    spec = RunSpec(schedule=_schedule(args), model=args.model, model_options=json.loads(args.model_options),
                    microbatch_size=args.microbatch_size, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                    bounds=args.bounds)
-    step = torch_steps(spec, rank, args.stages, args.torch_schedule)
+    step = torch_steps(spec, rank, args.torch_schedule)
     for b in range(args.warmup):
         step(b)
     dist.barrier()
@@ -228,10 +264,13 @@ def _count(least: int) -> Callable[[str], int]:
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with what --profile fixes filled in (or the defaults)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedule", default="1f1b", help="a synchronous pipesim method with one stage per rank")
+    parser.add_argument("--schedule", default="1f1b",
+                        help="a synchronous pipesim method: the stages it places on each rank (and with csv its order)")
     parser.add_argument("--torch-schedule", choices=RUNTIMES, default="csv",
-                        help="csv: pipesim's order through torch's runtime; gpipe, 1f1b: torch's own ScheduleGPipe "
-                             "and Schedule1F1B (1f1b records no per-action ranges)")
+                        help="csv: pipesim's order through torch's runtime; the others torch's own schedule class "
+                             "(gpipe, 1f1b: ScheduleGPipe, Schedule1F1B, which records no per-action ranges; "
+                             "interleaved-zb, zbv, dualpipev: ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
+                             "ScheduleDualPipeV, which split B into I and W) on the stages --schedule places")
     parser.add_argument("--profile", help="a CPU profile from `pipesim calibrate`: run the model, options, "
                                           "micro-batch size, threads, stages and cut it measured")
     parser.add_argument("--stages", type=_count(1), help="default 2")
@@ -248,6 +287,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="folder for rank<r>.json")
     args = parser.parse_args(argv)
     _settle(parser, args)
+    why = placement_refusal(_schedule(args), args.torch_schedule)
+    if why:
+        parser.error(why)
     return args
 
 

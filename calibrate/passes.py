@@ -141,9 +141,8 @@ class TorchStageRun:
             return saved
         inputs, outputs, _ = saved
         ends, grads = self._ends(outputs)
-        # torch detaches the ends in place, which a view refuses: a stage's outputs are flat views of its layers'
-        ends = [ends] if grads is None else [end.clone() if end._is_view() else end for end in ends]
-        _, groups = stage_backward_input(ends, grads, inputs, self.run.module.parameters())
+        _, groups = stage_backward_input([ends] if grads is None else list(ends), grads, inputs,
+                                         self.run.module.parameters())
         return inputs, outputs, groups
 
     def backward_weight(self, saved: Saved) -> Saved:

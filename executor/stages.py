@@ -124,8 +124,15 @@ Carried = list[tuple[int, tuple[int, ...]]]  # the layer outputs one stage edge 
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """What goes over an edge: its layer outputs as one flat tensor (a view when it is one)."""
-    return tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+    """What goes over an edge: its layer outputs as one flat tensor, sharing a lone contiguous output's memory yet
+    not an autograd view of it (aten's `_unsafe_view`, as torch's matmul returns its reshaped result), since
+    torch.distributed.pipelining's `stage_backward_input` detaches a middle stage's outputs in place, which a view
+    refuses ("Can't detach views in-place"): every zero-bubble schedule of torch's failed on a stage that is
+    neither first nor last."""
+    if len(tensors) > 1:
+        return torch.cat([t.reshape(-1) for t in tensors])
+    out = tensors[0]
+    return torch.ops.aten._unsafe_view(out, (-1,)) if out.is_contiguous() else out.reshape(-1)
 
 
 class StageModule(nn.Module):

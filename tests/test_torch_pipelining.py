@@ -51,7 +51,15 @@ def test_bad_input_is_one_line_before_any_rank_starts(script, capsys, tmp_path):
                           # it ran, profiled no mini-batch and wrote empty traces
                           (["--steps", "0"], "argument --steps: give a whole number from 1 (got '0')"),
                           (["--warmup", "-1"], "argument --warmup: give a whole number from 0 (got '-1')"),
-                          (["--stages", "two"], "argument --stages: give a whole number from 1 (got 'two')")):
+                          (["--stages", "two"], "argument --stages: give a whole number from 1 (got 'two')"),
+                          # torch's classes place their own stages; the CSV says synchronous orders only
+                          (["--schedule", "1f1b", "--torch-schedule", "zbv"],
+                           "--torch-schedule zbv: torch's ScheduleZBVZeroBubble places stages [0, 1, 1, 0] on the "
+                           "ranks, 1f1b places them [0, 1]"),
+                          (["--schedule", "zb-v", "--torch-schedule", "interleaved-zb"],
+                           "ScheduleInterleavedZeroBubble places stages [0, 1, 0, 1] on the ranks, zb-v places them "
+                           "[0, 1, 1, 0]"),
+                          (["--schedule", "pipedream"], "runs synchronous schedules only")):
         with pytest.raises(SystemExit) as exc:
             script.arguments([*argv, "--out", "run/"])
         assert exc.value.code == 2 and message in capsys.readouterr().err
@@ -108,3 +116,48 @@ def test_the_pruned_trace_keeps_where_each_actions_wait_for_its_receive_ends(scr
     kept = json.loads(path.read_text())
     assert [e["name"] for e in kept["traceEvents"]] == ["PP:1RECV_F0", "PP:1F0", "PP:1B0", "aten::linear", "aten::mm"]
     assert _actions(path, 1) == whole and whole[1][1][5] == 1000  # F0 waited 1 ms for its receive
+
+
+def test_torchs_input_backward_takes_a_middle_stages_outputs():
+    """torch's zero-bubble schedules compute a stage's I with `stage_backward_input`, which detaches the stage's
+    outputs in place: a middle stage's, flat views of its last layer's output, refused it ("Can't detach views
+    in-place"). Its I then W give autograd's gradients, and the outputs let go of their graph."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from pipesim.executor import RunSpec, cut
+    from pipesim.schedules import build_schedule
+    from pipesim.schedules.catalogue import method_named
+
+    spec = RunSpec(schedule=build_schedule("gpipe", method_named("gpipe").params(3, 1)), model="mlp",
+                   model_options={"layers": 3, "width": 8}, microbatch_size=2)
+    stages = cut(spec)
+    middle, weights = stages.modules[1], list(stages.modules[1].parameters())
+    torch.manual_seed(0)
+    received = torch.randn(stages.edge_shapes[(0, 1)])
+    grad = torch.randn(stages.edge_shapes[(1, 2)])
+    leaf = received.clone().requires_grad_(True)
+    expected = torch.autograd.grad(middle(leaf), [leaf, *weights], [grad])
+    leaf = received.clone().requires_grad_(True)
+    outputs = list(middle(leaf))
+    _, groups = stage_backward_input(outputs, [grad], [leaf], middle.parameters())
+    stage_backward_weight(middle.parameters(), groups)
+    assert [out.grad_fn for out in outputs] == [None]
+    for got, want in zip([leaf.grad, *(w.grad for w in weights)], expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_torchs_zero_bubble_schedule_runs_pipesims_stages_on_two_gloo_ranks(tmp_path):
+    """torch's ScheduleZBVZeroBubble on pipesim's zb-v stages (two a rank, stages 1 and 2 in the middle) runs
+    and records each stage's I and W; it stopped at the first middle stage's I."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, ROOT / "benchmarks" / "torch_pipelining.py", "--schedule", "zb-v",
+                          "--torch-schedule", "zbv", "--model-options", '{"layers": 4, "width": 8}',
+                          "--microbatch-size", "2", "--microbatches", "2", "--steps", "1", "--warmup", "0",
+                          "--out", tmp_path], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for rank, (first, second) in enumerate(((0, 3), (1, 2))):
+        names = {e["name"] for e in json.loads((tmp_path / f"rank{rank}.json").read_text())["traceEvents"]}
+        assert {f"PP:{k}{kind}{j}" for k in (first, second) for kind in "FIW" for j in (0, 1)} <= names, names
