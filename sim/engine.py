@@ -80,9 +80,12 @@ _SWEEP_WINDOW = 256
 _NEVER = 2**63 - 1
 # `_Model.awaited` of a device waiting for nothing.
 _AWAITS_NONE = (-1, -1)
-# `_Program.steps`' stream of a blocking SEND after the first of its exchange: issued at the exchange's post, beside
-# the SENDs before it (`_price`).
-_BESIDE = 4
+# `_Program.steps`' streams of a blocking exchange's SENDs where it has several: its first, and those after it, issued
+# with it, each once its own receiver has posted (`_Model._exchange_sends`).
+_FIRST, _BESIDE = 5, 4
+# SimPy's priority of an event processed after every other of its time (theirs: NORMAL, 1): a device that waits so
+# knows every post made up to then (`_Model._exchange_sends`).
+_SETTLED = 2
 # A byte per row: the stream column is compared over millions of rows, and the trace widens it once.
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS)).astype(np.int8)
 
@@ -439,10 +442,10 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         # both its ends have posted (an NCCL send waits for its receive), from the later post (`_exchange_posts`).
         # Where nothing is timed, each end works that out from its own post and the other's: a step waits for the
         # other's post plus the transfer, and the exchange's first step adds its longest transfer to its own post.
-        # Where timed, a SEND is issued at the later post (`_Model`), one after the first of its exchange
-        # (`_BESIDE`) at its exchange's post too, not after the SEND before it. A step of an exchange posted once a
-        # pass's collectives have ended, which its device's clock may not have reached, waits for both posts (where
-        # timed, its SENDs: a RECV waits for the arrival its SEND found), a clock list of two steps.
+        # Where timed, a SEND is issued at the later post (`_Model`), an exchange's several (`_FIRST`, then `_BESIDE`)
+        # together, each whatever the others wait for (`_Model._exchange_sends`), and a RECV waits for its arrival. A
+        # step of an exchange posted once a pass's collectives have ended, which its device's clock may not have
+        # reached, waits for both posts (where timed, its SENDs), a clock list of two steps.
         first_post_clock = first_meeting_clock + meetings.num_clocks
         posts = _exchange_posts(lowered, stream, clock_before, since_ps, collective_rows, collective_clock,
                                 collective_ps, first_post_clock)
@@ -462,7 +465,9 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         after[sending] = receiver_ps[operand[sending]]
         begins = np.flatnonzero(np.diff(exchange, prepend=-1))  # (exchanges are numbered from 0)
         if timed:
-            step_stream[sending[posts.first[posts.exchange[step_rows[sending]]] != step_rows[sending]]] = _BESIDE
+            beside = sending[posts.first[posts.exchange[step_rows[sending]]] != step_rows[sending]]
+            step_stream[beside - 1] = _FIRST  # (an exchange's SENDs are steps in a row)
+            step_stream[beside] = _BESIDE
         else:
             longest_ps = np.maximum.reduceat(transfer_ps[operand[exchanging]], begins) if len(begins) else begins
             pre[exchanging[begins]] += longest_ps
@@ -1262,6 +1267,8 @@ class _Model:
         # for (-1: a collective); per channel, its sender.
         self.awaited = [_AWAITS_NONE] * devices
         self.sender_of = [channel.src_device for channel in program.lowered.channels]
+        # Per device whose blocking SENDs wait for simulated time to pass a time (`_exchange_sends`): that time.
+        self.timers: list[int | None] = [None] * devices
         self.finished = 0
 
     def _succeed(self, events: list[simpy.Event]) -> None:
@@ -1315,20 +1322,12 @@ class _Model:
         product_ps = program.product_ps[d] if kernels is not None else None
         start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
-        post = 0  # blocking: the clock its exchange was posted at, plus the host time of its SENDs since
-        for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
-                itertools.count(start + 1), *map(memoryview, program.steps[d]),
-                rows.tolist() if cores else itertools.repeat(-1)):
-            if stream == _BESIDE:  # a SEND of the exchange the one before began: from its post, once its receiver's
-                post += busy_ps
-                if clocks[other] < 0:
-                    waiter = env.event()
-                    waiters.setdefault(other, []).append(waiter)
-                    yield waiter
-                issued = max(post, clocks[other] + after_ps)
-                if routes[xid // units] and issued > env.now:
-                    yield env.timeout(issued - env.now)
-                clock = clocks[mine] = max(clock, self._issue(xid, issued, kernels))
+        columns = tuple(map(memoryview, program.steps[d]))  # Python ints, one at a time
+        ends: dict[int, int] = {}  # blocking: per SEND step of the exchange under way, its arrival
+        for mine, busy_ps, stream, xid, other, after_ps, row in zip(
+                itertools.count(start + 1), *columns, rows.tolist() if cores else itertools.repeat(-1)):
+            if stream == _BESIDE:  # a SEND of the exchange the one before began, issued with it (`_exchange_sends`)
+                clock = clocks[mine] = max(clock, ends.pop(mine))
                 woken = waiters.pop(mine, None)
                 if woken:
                     self._succeed(woken)
@@ -1352,8 +1351,16 @@ class _Model:
                 self.host_stretch_ps[row] = end - clock
                 clock = end
             computed_ps = 0
-            post = clock
-            if stream == recv or other != start:  # a RECV waits for its data, a row that needs a collective (or a
+            if stream == _FIRST:  # a blocking exchange's SENDs: this one and the `_BESIDE` after it
+                ends = yield from self._exchange_sends(d, columns, start + 1, mine, clock, kernels)
+                clock = ends.pop(mine)
+            elif stream == recv and after_ps < 0 and not overlap:  # blocking: its data, once its SEND is issued
+                if arrival[xid] < 0:
+                    waiter = env.event()
+                    waiters.setdefault(~xid, []).append(waiter)
+                    yield waiter
+                clock = max(clock, arrival[xid])
+            elif stream == recv or other != start:  # a RECV waits for its data, a row that needs a collective (or a
                 if clocks[other] < 0:  # lane step its row) for that clock: wait until the sender (or lane) has it
                     waiter = env.event()
                     waiters.setdefault(other, []).append(waiter)
@@ -1368,8 +1375,11 @@ class _Model:
                 if routes[xid // units] and clock > env.now:  # a shared link: wait until simulated time reaches
                     yield env.timeout(clock - env.now)  # the send, then queue on it
                 end = self._issue(xid, clock, kernels)
-                if not overlap:
+                if not overlap:  # its blocking exchange's one SEND, whose arrival its RECV waits for
                     clock = end
+                    woken = waiters.pop(~xid, None)
+                    if woken:
+                        self._succeed(woken)
                 clocks[mine] = clock
             elif stream == compute and queued:  # on the shared resource `unit` or shared `cores`; `xid`: its duration
                 if clock > env.now:
@@ -1418,18 +1428,12 @@ class _Model:
         me = self.running
         start = int(program.start_clock[d])
         send, recv = int(Stream.SEND), int(Stream.RECV)
-        clock = post = 0  # post: as `process`'s
-        for mine, busy_ps, stream, xid, other, after_ps in zip(  # memoryviews: Python ints, one at a time
-                itertools.count(start + 1), *map(memoryview, program.steps[d])):
+        clock = 0
+        columns = tuple(map(memoryview, program.steps[d]))  # Python ints, one at a time
+        ends: dict[int, int] = {}  # as `process`'s
+        for mine, busy_ps, stream, xid, other, after_ps in zip(itertools.count(start + 1), *columns):
             if stream == _BESIDE:  # as `process`
-                post += busy_ps
-                if clocks[other] < 0:
-                    frontier[d] = post
-                    awaited[d] = (other, -1)
-                    waiters.setdefault(other, []).append(me)
-                    yield
-                    awaited[d] = _AWAITS_NONE
-                clock = clocks[mine] = max(clock, self._issue(xid, max(post, clocks[other] + after_ps), kernels))
+                clock = clocks[mine] = max(clock, ends.pop(mine))
                 woken = waiters.pop(mine, None)
                 if woken:
                     resume(woken)
@@ -1457,8 +1461,19 @@ class _Model:
                 if holds or kernels:
                     self._hold(kernels, end, holds)
                 clock = end
-            post = clock
-            if stream == recv or other != start:  # as `process`
+            if stream == _FIRST:  # as `process`
+                ends = yield from self._exchange_sends(d, columns, start + 1, mine, clock, kernels, me)
+                clock = ends.pop(mine)
+            elif stream == recv and after_ps < 0 and not overlap:  # as `process`
+                if arrival[xid] < 0:
+                    frontier[d] = clock
+                    awaited[d] = (~xid, sender_of[xid // units])
+                    waiters.setdefault(~xid, []).append(me)
+                    yield
+                    awaited[d] = _AWAITS_NONE
+                if arrival[xid] > clock:
+                    clock = arrival[xid]
+            elif stream == recv or other != start:  # as `process`
                 if clocks[other] < 0:
                     frontier[d] = clock
                     awaited[d] = (other, sender_of[xid // units] if stream == recv else -1)
@@ -1470,8 +1485,11 @@ class _Model:
                     clock = ready
             if stream == send:
                 end = self._issue(xid, clock, kernels)
-                if not overlap:
+                if not overlap:  # as `process`
                     clock = end
+                    woken = waiters.pop(~xid, None)
+                    if woken:
+                        resume(woken)
             clocks[mine] = clock
             woken = waiters.pop(mine, None)
             if woken:
@@ -1484,12 +1502,12 @@ class _Model:
         `end`: its `frontier` says so, or it waits for a transfer not sent yet from a device that sends nothing more
         before then (its sends come after that transfer's arrival), or from d (d sends nothing before its compute
         ends)."""
-        frontier, awaited, clocks = self.frontier, self.awaited, self.clocks
+        frontier, awaited, clocks, arrival = self.frontier, self.awaited, self.clocks, self.arrival
         for _ in range(len(frontier)):  # a chain of devices, each waiting for the next (a cycle: deadlocked)
             if frontier[s] >= end:
                 return True
-            other, s = awaited[s]
-            if s < 0 or clocks[other] >= 0:  # waits for a collective, or for nothing now
+            other, s = awaited[s]  # (a blocking RECV waits for its transfer's arrival: `~xid`)
+            if s < 0 or (clocks[other] if other >= 0 else arrival[~other]) >= 0:  # for a collective, or nothing now
                 return False
             if s == d:
                 return True
@@ -1521,6 +1539,101 @@ class _Model:
             self.kernels[receiver].append((begin, end))
         return end
 
+    def _exchange_sends(self, d: int, columns: tuple, first: int, mine: int, post_ps: int,
+                        kernels: list[tuple[int, int]] | None, me=None):
+        """Device d's blocking exchange's SENDs, `mine` (its `_FIRST` step, posted at `post_ps`) and the `_BESIDE` ones
+        after it (`columns`: d's steps', from clock index `first`), as NCCL runs a group's sends: independently but
+        for those to one peer, in order (its user guide's point-to-point page). Each is issued once its own receiver
+        has posted, at the later of that post and its own (the exchange's plus its SENDs' host time up to it),
+        whatever the others wait for; those on a link reach it in the order of those times, then the exchange's (one
+        peer's keep theirs: `exchange_order` has their receives posted in order, so their times never fall). So one
+        waits while a SEND on its link whose receiver has not posted could come first: until simulated time has
+        passed its time (SimPy's other events of that time, or the compute ends `_run_timed` pops, have run), after
+        which none is as early. Returns per SEND step its arrival, which its RECV waits for (`~xid` in `waiters`), not
+        for the SEND's step. (`me`: d's `timed_coroutine`, where there is no SimPy.)"""
+        busy, stream, operand, waits_for, after = columns
+        clocks, waiters, routes, units, env = self.clocks, self.waiters, self.program.routes, self.units, self.env
+        pending = []  # per SEND not issued: its place, step, transfer id, the clock its receiver posts at, the ps
+        at = mine - first  # after that clock, and when it is posted
+        while True:
+            pending.append((at, first + at, operand[at], waits_for[at], after[at], post_ps))
+            at += 1
+            if at == len(stream) or stream[at] != _BESIDE:
+                break
+            post_ps += busy[at]
+        ends: dict[int, int] = {}
+        settled = -1  # the time up to which simulated time has passed: every post up to it is made
+        while True:
+            now = self.now if env is None else env.now
+            floor = max(now, settled + 1)  # no post not made yet is earlier
+            known, unknown = [], []
+            for send in pending:
+                posted = clocks[send[3]]
+                if posted < 0:
+                    unknown.append(send)
+                else:
+                    known.append((max(send[5], posted + send[4]), send))
+            if len(known) > 1:
+                known.sort()
+            timer, held = None, set()  # the time the first SEND on a link waits for; the links it and those after hold
+            for issue_ps, send in known:
+                route = routes[send[2] // units]
+                if route and ((env is not None and issue_ps > now) or (held and not held.isdisjoint(route)) or any(
+                        (max(other[5], floor), other[0]) < (issue_ps, send[0])
+                        and not set(route).isdisjoint(routes[other[2] // units]) for other in unknown)):
+                    held.update(route)
+                    timer = issue_ps if timer is None else timer
+                    continue
+                ends[send[1]] = self._issue(send[2], issue_ps, kernels)
+                pending.remove(send)
+                woken = waiters.pop(~send[2], None)
+                if woken:
+                    if env is None:
+                        self.ready.extend(woken)
+                    else:
+                        self._succeed(woken)
+            if not pending:
+                return ends
+            keys = list({send[3]: None for send in unknown})
+            if env is not None:
+                events = [env.event() for _ in keys]
+                for key, event in zip(keys, events):
+                    waiters.setdefault(key, []).append(event)
+                settling = None
+                if timer is not None:
+                    if timer > now:
+                        events.append(env.timeout(timer - now))
+                    else:  # only a post still to come at this time could go first: after all of them (an event
+                        settling = simpy.Event(env)  # succeeded as SimPy's Timeout is, at a later priority)
+                        settling._ok, settling._value = True, None
+                        env.schedule(settling, _SETTLED)
+                        events.append(settling)
+                yield events[0] if len(events) == 1 else env.any_of(events)
+                for key, event in zip(keys, events):
+                    if not event.triggered:
+                        waiters[key].remove(event)
+                if settling is not None and settling.processed:
+                    settled = now
+                continue
+            self.frontier[d] = min([issue_ps for issue_ps, send in known if send in pending]
+                                   + [send[5] for send in unknown])
+            self.awaited[d] = (keys[0], -1) if keys else _AWAITS_NONE
+            for key in keys:
+                waiters.setdefault(key, []).append(me)
+            if timer is not None:
+                self.timers[d] = timer
+                heapq.heappush(self.due, (timer, len(self.frontier) + d, me))
+            yield
+            self.awaited[d] = _AWAITS_NONE
+            if timer is not None and self.timers[d] is None:
+                settled = timer
+            self.timers[d] = None
+            for key in keys:
+                if me in waiters.get(key, ()):
+                    waiters[key].remove(me)
+            while me in self.ready:
+                self.ready.remove(me)
+
     def _run_timed(self) -> None:
         """The devices' `timed_coroutine`s and the lanes' `coroutine`s, each run until it waits for a clock not
         reached or for simulated time to reach the end of its compute; once none can go on, simulated time moves to
@@ -1534,7 +1647,11 @@ class _Model:
                 next(ready.pop(), None)
             if not due:
                 return
-            self.now, _, waiting = heapq.heappop(due)
+            self.now, rank, waiting = heapq.heappop(due)
+            if rank >= devices:  # a device's SENDs waiting for simulated time to pass theirs (`_exchange_sends`)
+                if self.timers[rank - devices] != self.now:  # it went on since
+                    continue
+                self.timers[rank - devices] = None
             next(waiting, None)
 
     def run(self) -> None:

@@ -11,6 +11,7 @@ from pipesim.schedules import METHODS, Kind, lowering
 from pipesim.schedules.lowering import check_transfer_order, lower
 from pipesim.schedules.passes import _waits_forever, exchange_order
 from pipesim.schedules.table import KINDS
+from pipesim.schedules.torch_csv import from_torch_csv
 from pipesim.sim import Cluster, Costs, Link, SimulationError, simulate
 from pipesim.traces import summarize
 from tests.conftest import build
@@ -152,6 +153,26 @@ def test_a_send_whose_receive_its_peer_posts_first_goes_first(resource, holds):
     sent, received = _pair_orders(timed.ops, schedule.placement)
     assert sent == received
     assert summarize(timed).makespan_ms == summarize(untimed).makespan_ms == 42
+
+
+# A torch CSV a user could give: 6 stages on 3 ranks, as interleaved.
+RING_ORDER = "0F0,0F1,3F1,3B1,3F0,0B1,3B0,0B0\n1F0,1F1,4F1,4B1,1B1,4F0,4B0,1B0\n2F1,2F0,5F1,5B1,2B1,5F0,5B0,2B0"
+
+
+@pytest.mark.parametrize(("resource", "holds"), [(None, True), ("bus", False), ("pair", False)])
+def test_an_exchanges_send_moves_while_its_send_to_another_peer_waits(resource, holds):
+    """NCCL runs a group's sends to different peers independently: device 2's exchange sends F2.0 to device 0 and
+    B5.1 to device 1, and device 0 posts F2.0's receive only after B3.1, which needs B4.1 from device 1, which needs
+    B5.1. A timed run (transfers holding the compute, one bus, or a link per pair) once issued B5.1 only after F2.0
+    and waited forever; it ends as the untimed run does."""
+    schedule = from_torch_csv(RING_ORDER, "order.csv")
+    costs = Costs.per_stage(6, fwd_ms=[4.0, 3.0, 1.0, 1.0, 1.0, 4.0], bwd_ms=[4.0, 8.0, 6.0, 8.0, 2.0, 4.0])
+    untimed = simulate(schedule, costs, Cluster(3, Link(latency_ms=0), overlap_comm=False))
+    links = {(a, b): Link(latency_ms=0, resource=f"{a}->{b}" if resource == "pair" else resource)
+             for a in range(3) for b in range(3) if a != b}
+    timed = simulate(schedule, replace(costs, transfers_hold_products=holds), Cluster(3, links=links,
+                                                                                     overlap_comm=False))
+    assert summarize(timed).makespan_ms == summarize(untimed).makespan_ms == 83
 
 
 @pytest.mark.parametrize("params", [{}, {"expert_parallel": 2, "context_parallel": 2}])
