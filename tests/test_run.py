@@ -214,6 +214,42 @@ def test_a_run_of_a_profile_runs_its_model_and_without_either_says_which_to_give
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_run_of_a_torch_timed_profile_warns_as_compare_does(tmp_path, profile, monkeypatch):
+    """A `calibrate --passes-as torch` profile prices each pass short of pipesim's executor (its functional_call
+    and saved-tensor hooks), so a run predicted from it, as compare predicts a run from its profile, is warned of
+    on stderr in one line, compare's own; a profile timed the executor's way is not."""
+    from pipesim.executor import runners
+
+    monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: run_in_process(spec))
+    document = json.loads(profile.read_text())
+    document["environment"]["passes_as"] = "torch"  # as `calibrate --passes-as torch` writes it
+    timed = tmp_path / "torch.json"
+    timed.write_text(json.dumps(document))
+    run = ["run", "-s", "1f1b", "--microbatches", 2, "--minibatches", 1]
+    code, _, err = pipesim(*run, "--profile", profile, "--trace", tmp_path / "executor-run.json")
+    assert code == 0 and "warning" not in err, err
+    code, _, err = pipesim(*run, "--profile", timed, "--trace", tmp_path / "run.json")
+    assert code == 0 and err.count("\n") == 1, err
+    assert err.startswith("warning: the profile timed its stages' passes as torch.distributed.pipelining runs them")
+    assert err.endswith("calibrate without --passes-as torch\n")
+    code, _, compared = pipesim("compare", tmp_path / "run.json")
+    assert code == 0 and err in compared, compared
+
+
+def test_a_bad_flag_is_refused_before_the_processes_server_starts_or_torch_is_imported(tmp_path):
+    """run started its ranks' server (its own process, importing torch) before it read a flag, and imported torch
+    before a misspelt --model, --device or a Hugging Face model without its profile was refused: a mistyped flag
+    took seconds to refuse on a busy host. Every flag that needs nothing started is read first."""
+    bad = [["--model", "mpl"], ["--device", "gpu"], ["--optimizer", "lion"], ["--backend", "mpi"], ["--lr", "0"],
+           ["--dtype", "float64"], ["--model", "hf:examples/llama3.1-70b"],
+           ["--trace", tmp_path / "missing" / "t.json"], ["--stages", "3", "--profile", tmp_path / "absent.json"]]
+    runs, imported = pipesim_fresh(*(("run", "-s", "1f1b", *([] if "--model" in flags else ["--model", "mlp"]),
+                                      *([] if "--trace" in flags else ["--trace", tmp_path / "t.json"]), *flags)
+                                     for flags in bad), cwd=tmp_path)
+    assert [(done.code, done.err.count("\n")) for done in runs] == [(2, 1)] * len(bad), runs
+    assert not {"torch", "multiprocessing.forkserver"} & imported and not list(tmp_path.iterdir())
+
+
 def test_an_estimate_of_another_depth_is_refused_naming_estimate_not_calibrate(tmp_path):
     estimate = tmp_path / "e.json"
     assert pipesim("estimate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,

@@ -301,11 +301,20 @@ def _warnings(predicted: Trace, measured: Trace) -> list[str]:
     torch_run = (measured.meta.hardware or {}).get("runtime") == TORCH_RUNTIME
     if measured.meta.source != "measured" or torch_run == (calibration.get("passes_as") == "torch"):
         return []  # (two predictions: no run's runtime to hold the profile's against)
-    return ["the prediction's profile timed its stages' passes as pipesim's executor runs them (functional_call under "
-            "saved-tensor hooks), and this is a torch.distributed.pipelining run: calibrate with --passes-as torch"
-            if torch_run else
-            "the prediction's profile timed its stages' passes as torch.distributed.pipelining runs them, and this "
-            "is pipesim's run: calibrate without --passes-as torch"]
+    return [passes_warning(torch_run)]
+
+
+def passes_warning(torch_run: bool) -> str:
+    """What compare and `pipesim run --profile` say of a profile whose stages' passes were timed with the other
+    runtime's code than the run's (`calibrate --passes-as`; `torch_run`: the run is torch's, else pipesim's): a
+    prediction from it prices each pass at that runtime's cost."""
+    if torch_run:
+        return ("the profile timed its stages' passes as pipesim's executor runs them (functional_call "
+                "under saved-tensor hooks), and this is a torch.distributed.pipelining run: calibrate with "
+                "--passes-as torch")
+    return ("the profile timed its stages' passes as torch.distributed.pipelining runs them, short of "
+            "pipesim's executor (functional_call under saved-tensor hooks), and this is pipesim's run: calibrate "
+            "without --passes-as torch")
 
 
 def conditions(predicted: Trace, measured: Trace) -> Conditions | None:
