@@ -32,6 +32,15 @@ def unknown_names(flag: str, unknown: Iterable[object], choices: Iterable[object
     return f"{flag}: unknown {named}; choose from {', '.join(map(str, choices))}"
 
 
+DEVICES = ("cpu", "cuda")  # --device's names (calibrate, run): torch's device types pipesim runs on
+
+
+def device_refusal(name: str) -> str | None:
+    """The one line refusing a --device that is not one of `DEVICES` (None for one that is), read before torch is
+    imported: whether torch sees a GPU is asked only of a name that is."""
+    return None if name in DEVICES else choose_from("--device", DEVICES, name)
+
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the simulator's --optimizer names; momentum is SGD-momentum
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..choices import device_refusal
 from ..executor.backward import backward_input, backward_weight, full_backward
 from ..executor.runtime import Ledger, Tape, bytes_by_storage
 from ..executor.weights import StageWeights, Weights, average_replicas, main_dtype
@@ -119,8 +120,8 @@ def resolve_device(name: str | None) -> torch.device:
     """`cuda` only where torch sees a GPU; None picks it when there is one."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise DeviceError(f"--device: choose cpu or cuda (got {name!r})")
+    if (why := device_refusal(name)) is not None:
+        raise DeviceError(why)
     if name == "cuda" and not torch.cuda.is_available():
         built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise DeviceError(f"no CUDA device: torch {torch.__version__} ({built}) sees no GPU; use --device cpu")

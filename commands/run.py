@@ -167,6 +167,7 @@ def run(
     Spawns one process per device (per device and replica with --data-parallel), or, started by torchrun, runs
     this rank and rank 0 writes the trace.
     """
+    from ..choices import device_refusal
     from ..launch import under_torchrun
     from ..planning.scenario import all_to_all_refusal
     from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
@@ -178,10 +179,8 @@ def run(
     from ..traces.compare import passes_warning
     from ..traces.hostload import HostLoad, mark, ranks_per_host
     from ..workload.processes import prepare
+    from ..workload.sizes import model_name_refusal
 
-    began = mark()  # the host's load before this run starts anything
-    if not under_torchrun():  # first: this command starts the ranks, and their server imports while it does
-        prepare()
     try:
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
@@ -191,6 +190,7 @@ def run(
         if backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend: choose auto, gloo or nccl (got {backend!r})")
         refuse(optimizer_refusal(optimizer, "--optimizer"))
+        refuse(device_refusal(device))
         for flag, value, most in (("--lr", lr, math.inf), ("--timeout", timeout, MAX_WAIT_S),
                                   ("--stall-timeout", stall_timeout, MAX_WAIT_S)):
             if not 0 < value < math.inf or value > most:
@@ -235,6 +235,10 @@ def run(
             dtype = profiled_dtype
         elif model is None:
             raise InputError("--model: give the model to run, or --profile, whose model it runs")
+        elif is_hf(model):  # run has no --seq-len: a profile carries it
+            raise InputError(f"--model {model}: run builds a Hugging Face model at the sequence length it was "
+                             "calibrated at: give --profile, from `pipesim calibrate --model hf:PATH --seq-len N`")
+        refuse(model_name_refusal(model))  # require_model's first check, here before the server starts
         check_outputs([("--trace", trace), ("--html", html)],
                       [("--profile", profile), *model_reads({**ctx.params, "model": model})])
         if expert_parallel > 1:
@@ -254,6 +258,10 @@ def run(
                              f"{stages} devices has {built.num_stages}; "
                              f"{_made(measured).command} with --stages {built.num_stages} or "
                              "drop --profile")
+        # every flag that needs nothing started is read: a refusal starts no server and imports no torch
+        began = mark()  # the host's load before this run starts anything
+        if not under_torchrun():  # this command starts the ranks: their server's imports overlap this one's
+            prepare()
         require_model("pipesim run", model)
         from ..calibrate.measure import DeviceError, resolve_device
         from ..executor import ExecutorError, RunSpec, carried_bounds
@@ -269,9 +277,6 @@ def run(
             raise InputError(str(exc)) from None
         if measured is not None:
             options = rebuilt_options(model, measured.model.options)
-        if is_hf(model) and "seq_len" not in options:  # run has no --seq-len: a profile carries it
-            raise InputError(f"--model {model}: run builds a Hugging Face model at the sequence length it was "
-                             "calibrated at: give --profile, from `pipesim calibrate --model hf:PATH --seq-len N`")
         try:
             net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
         except ModelError as exc:

@@ -236,6 +236,20 @@ def test_a_run_of_a_torch_timed_profile_warns_as_compare_does(tmp_path, profile,
     assert code == 0 and err in compared, compared
 
 
+def test_a_bad_flag_is_refused_before_the_processes_server_starts_or_torch_is_imported(tmp_path):
+    """run started its ranks' server (its own process, importing torch) before it read a flag, and imported torch
+    before a misspelt --model, --device or a Hugging Face model without its profile was refused: a mistyped flag
+    took seconds to refuse on a busy host. Every flag that needs nothing started is read first."""
+    bad = [["--model", "mpl"], ["--device", "gpu"], ["--optimizer", "lion"], ["--backend", "mpi"], ["--lr", "0"],
+           ["--dtype", "float64"], ["--model", "hf:examples/llama3.1-70b"],
+           ["--trace", tmp_path / "missing" / "t.json"], ["--stages", "3", "--profile", tmp_path / "absent.json"]]
+    runs, imported = pipesim_fresh(*(("run", "-s", "1f1b", *([] if "--model" in flags else ["--model", "mlp"]),
+                                      *([] if "--trace" in flags else ["--trace", tmp_path / "t.json"]), *flags)
+                                     for flags in bad), cwd=tmp_path)
+    assert [(done.code, done.err.count("\n")) for done in runs] == [(2, 1)] * len(bad), runs
+    assert not {"torch", "multiprocessing.forkserver"} & imported and not list(tmp_path.iterdir())
+
+
 def test_an_estimate_of_another_depth_is_refused_naming_estimate_not_calibrate(tmp_path):
     estimate = tmp_path / "e.json"
     assert pipesim("estimate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
