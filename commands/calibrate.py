@@ -12,7 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from ..choices import choose_from
+from ..choices import choose_from, device_refusal
 from ..profiles.workload import too_few_layers
 from ..traces.metrics import mib_text, percent_text
 from ..units import GIB, KIB, MIB, bytes_text, count_text
@@ -176,6 +176,8 @@ def calibrate(
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
         dtype = DTYPE_NAMES[dtype]
         refuse(optimizer_refusal(optimizer, "--optimizer"))
+        if device is not None:  # None: cuda where torch sees a GPU, asked of torch later
+            refuse(device_refusal(device))
         check_memory_gb(memory_gb)
         check_threads("--threads", threads)
         for flag in ("link_max_mb", "expert_parallel"):

@@ -351,11 +351,11 @@ def test_bad_calibrate_input_is_one_line_exit_2_nothing_written(tmp_path, args, 
 
 def test_a_bad_flag_is_refused_before_the_processes_server_starts_or_torch_is_imported(tmp_path):
     """calibrate started its processes' server (its own process, importing torch) and waited out its load window
-    before it read a flag, and imported torch before --dtype, --optimizer or a probe's flags: a mistyped flag took
-    seconds to refuse on a busy host. Every flag that needs nothing started is read first."""
+    before it read a flag, and imported torch before --dtype, --optimizer, --device or a probe's flags: a mistyped
+    flag took seconds to refuse on a busy host. Every flag that needs nothing started is read first."""
     bad = [["--model", "mpl"], ["--dtype", "float64"], ["--optimizer", "lion"], ["--memory-gb", "1e-300"],
            ["--threads", "0"], ["--link-max-mb", "0.001"], ["--no-contention", "--ranks", "3"],
-           ["--passes-as", "pipe"], ["--passes-as", "torch", "--runtime"]]
+           ["--passes-as", "pipe"], ["--passes-as", "torch", "--runtime"], ["--device", "gpu"]]
     runs, imported = pipesim_fresh(*(("calibrate", *([] if "--model" in flags else ["--model", "mlp"]), *flags,
                                       "--out", tmp_path / "p.json") for flags in bad), cwd=tmp_path)
     assert [(done.code, done.err.count("\n")) for done in runs] == [(2, 1)] * len(bad), runs
