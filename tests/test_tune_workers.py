@@ -176,24 +176,31 @@ def test_a_simulation_back_and_worth_replaying_is_replayed_ahead_as_the_search_w
         assert ahead.result(found[0]).peak_memory_bytes == alone.result(own[0]).peak_memory_bytes
 
 
-def _released(path: str) -> str:
-    """In a worker: waits (a minute at most) for `path` to exist; whether it came."""
+def _released(path: str) -> None:
+    """In a worker: waits (a minute at most) for `path` to exist."""
     for _ in range(600):
         if os.path.exists(path):
-            return "released"
+            return None
         time.sleep(0.1)
-    return "never released"
+    raise AssertionError(f"{path} never came: the search handed nothing out while it waited")
 
 
 def test_a_search_waiting_for_one_result_hands_the_idle_workers_their_work_ahead(tmp_path):
     """The search takes its results in the order it handed them out; while it waits for one, the workers that have
     finished theirs are handed what it would hand them ahead (`_Built.idle`, `top_groups`' `ahead`), not left idle
-    until that result comes (the 70B's stale p = 32 orders: a worker idle 25 s of 90 at a load of 10). Here what is
-    handed out is what lets the awaited work finish: waiting on it alone, the search would wait the minute out."""
+    until that result comes (the 70B's stale p = 32 orders: a worker idle 25 s of 90 at a load of 10). Here the
+    search waits for a shape's candidate searched by a worker (`_Built.candidate`), and what is handed out is what
+    lets that search finish: waiting on it alone, the search would wait the minute out."""
+    from tests.helpers import searched_settings
+
+    settings = searched_settings("-D", 4, "-B", 32, "-b", 2, "--tensor-parallel", 1, "--recompute", "none")
+    prob = planning.Problem(4, int(80 * GIB), 32, ("1f1b",))
+    orders = planning._Orders()
+    shape = planning._shapes(settings, prob, orders)[0][0]
     release = tmp_path / "released"
-    with planning._Built(None, planning._Orders(), workers=2) as built:
-        awaited = built._submit(_released, str(release))
-        built._submit(len, ())
+    with planning._Built(prob, orders, workers=2) as built:
+        built._searching[shape.index] = built._submit(_released, str(release))  # its search, as `ahead` hands it
+        built._submit(len, ())  # the other worker's, finished first
         handed = []
         built.idle = lambda: handed.append(release.touch())
-        assert built._awaited(awaited) == "released" and handed
+        assert built.candidate(shape) is None and handed
