@@ -287,7 +287,10 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="folder for rank<r>.json")
     args = parser.parse_args(argv)
     _settle(parser, args)
-    why = placement_refusal(_schedule(args), args.torch_schedule)
+    try:
+        why = placement_refusal(_schedule(args), args.torch_schedule)
+    except ScheduleError as exc:  # an unknown method, or one these stages and micro-batches cannot build
+        why = str(exc)
     if why:
         parser.error(why)
     return args

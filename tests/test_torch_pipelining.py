@@ -59,7 +59,11 @@ def test_bad_input_is_one_line_before_any_rank_starts(script, capsys, tmp_path):
                           (["--schedule", "zb-v", "--torch-schedule", "interleaved-zb"],
                            "ScheduleInterleavedZeroBubble places stages [0, 1, 0, 1] on the ranks, zb-v places them "
                            "[0, 1, 1, 0]"),
-                          (["--schedule", "pipedream"], "runs synchronous schedules only")):
+                          (["--schedule", "pipedream"], "runs synchronous schedules only"),
+                          # built in the parent too: a traceback there, where each rank's was before
+                          (["--schedule", "1f1b-x"], "--schedule: unknown '1f1b-x'"),
+                          (["--schedule", "interleaved-1f1b", "--microbatches", "3"],
+                           "needs micro-batches to be a multiple of stages")):
         with pytest.raises(SystemExit) as exc:
             script.arguments([*argv, "--out", "run/"])
         assert exc.value.code == 2 and message in capsys.readouterr().err
