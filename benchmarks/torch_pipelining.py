@@ -288,9 +288,14 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     _settle(parser, args)
     try:
-        why = placement_refusal(_schedule(args), args.torch_schedule)
+        schedule = _schedule(args)
     except ScheduleError as exc:  # an unknown method, or one these stages and micro-batches cannot build
-        why = str(exc)
+        parser.error(str(exc))
+    if args.bounds is not None and len(args.bounds) - 1 != len(schedule.placement):  # each rank failed to cut it
+        parser.error(f"--profile {args.profile}: its cut has {len(args.bounds) - 1} stages, one a rank here, and "
+                     f"{args.schedule} on {args.stages} ranks runs {len(schedule.placement)}: give a --schedule of "
+                     "one stage a rank")
+    why = placement_refusal(schedule, args.torch_schedule)
     if why:
         parser.error(why)
     return args

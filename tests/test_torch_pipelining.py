@@ -38,6 +38,9 @@ def test_a_profile_fixes_the_model_its_cut_micro_batch_size_threads_and_stages(s
     (["--microbatch-size", "16"], "--microbatch-size 16: the profile"),
     (["--model-options", '{"layers": 8, "width": 1024}'], "--model-options"),
     (["--stages", "4"], "--stages 4"),
+    # the profile sets the ranks to its stages: a V places two a rank, which no rank could cut from it
+    (["--schedule", "zb-v", "--torch-schedule", "zbv"], "its cut has 2 stages, one a rank here, and zb-v on 2 ranks "
+                                                         "runs 4"),
 ])
 def test_a_flag_that_contradicts_the_profile_is_refused(script, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:
