@@ -359,6 +359,9 @@ def test_a_bad_flag_is_refused_before_the_processes_server_starts_or_torch_is_im
     runs, imported = pipesim_fresh(*(("calibrate", *([] if "--model" in flags else ["--model", "mlp"]), *flags,
                                       "--out", tmp_path / "p.json") for flags in bad), cwd=tmp_path)
     assert [(done.code, done.err.count("\n")) for done in runs] == [(2, 1)] * len(bad), runs
+    # each for its own flag, not another refusal's (the --trace or --out check, a missing --profile)
+    assert all(any(str(flag) in done.err for flag in flags if str(flag).startswith("--"))
+               for flags, done in zip(bad, runs)), runs
     assert not {"torch", "multiprocessing.forkserver"} & imported and not list(tmp_path.iterdir())
 
 
