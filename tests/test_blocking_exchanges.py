@@ -175,6 +175,25 @@ def test_an_exchanges_send_moves_while_its_send_to_another_peer_waits(resource, 
     assert summarize(timed).makespan_ms == summarize(untimed).makespan_ms == 83
 
 
+def test_an_exchanges_sends_on_one_link_take_it_in_the_order_their_receivers_posted():
+    """Each device's sends on one egress link of its own: device 2's exchange after B6.0 (44 ms) sends F6.2 to
+    device 3, which posts its receive at 45 ms, and B6.0 to device 1, which has posted: B6.0 takes the link at 44 ms,
+    as a link serves what reaches it in time order, where issued in the exchange's order it waited behind F6.2 until
+    45.5 ms (the run 215.5 ms, not 213)."""
+    schedule = build("interleaved-1f1b", 4, 8, 1)
+    costs = Costs.per_stage(8, fwd_ms=[2, 1, 4, 2, 3, 3, 1, 2], bwd_ms=[8, 6, 6, 4, 2, 8, 8, 8], output_mb=1.0)
+    egress = {(a, b): Link(latency_ms=0.5, resource=f"out{a}") for a in range(4) for b in range(4) if a != b}
+    ops = simulate(schedule, costs, Cluster(4, links=egress, overlap_comm=False)).ops
+
+    def start_ms(kind: Kind, microbatch: int) -> float:
+        """When device 2's send of stage 6's `kind` for `microbatch` took the link."""
+        return ops.start_us[(ops.device == 2) & (ops.kind == KINDS.index(kind)) & (ops.stage == 6)
+                            & (ops.microbatch == microbatch)].item() / 1000
+
+    assert (start_ms(Kind.SEND_B, 0), start_ms(Kind.SEND_F, 2)) == (44.0, 45.0)
+    assert ops.end_us.max() == 213_000.0
+
+
 @pytest.mark.parametrize("params", [{}, {"expert_parallel": 2, "context_parallel": 2}])
 @pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-v", "avgpipe"])
 def test_the_timed_run_waits_as_the_untimed_one(name, params):
