@@ -179,19 +179,35 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.destroy_process_group()
 
 
-# What a profile fixes about a run: flag -> (built-in default, the profile's value).
+def stages_a_rank(method: str) -> int:
+    """How many stages pipesim's `method` places on each rank: its chunks (two for a V or interleaved one)."""
+    return method_named(method).shape()[0]
+
+
+def profile_ranks(stages: int, method: str) -> int:
+    """The ranks that run a profile's `stages` under `method`: its stages over the method's stages a rank (zb-v
+    on a 4-stage profile: 2). ScheduleError: a count `method` cannot place on whole ranks."""
+    per_rank = stages_a_rank(method)
+    if stages % per_rank:
+        raise ScheduleError(f"--profile: its cut has {stages} stages, and {method} places {per_rank} a rank: "
+                            f"calibrate with -p a multiple of {per_rank}, or choose another --schedule")
+    return stages // per_rank
+
+
+# What a profile fixes about a run: flag -> (built-in default, the profile's value under --schedule).
 PROFILED = {
-    "--model": ("mlp", lambda p: p.model.name),
-    "--model-options": ('{"layers": 8, "width": 1024}', lambda p: json.dumps(p.model.options)),
-    "--microbatch-size": (32, lambda p: p.environment.microbatch_size),
-    "--threads-per-rank": (1, lambda p: p.environment.threads),
-    "--stages": (2, lambda p: p.partition.stages),
+    "--model": ("mlp", lambda p, method: p.model.name),
+    "--model-options": ('{"layers": 8, "width": 1024}', lambda p, method: json.dumps(p.model.options)),
+    "--microbatch-size": (32, lambda p, method: p.environment.microbatch_size),
+    "--threads-per-rank": (1, lambda p, method: p.environment.threads),
+    "--stages": (2, lambda p, method: profile_ranks(p.partition.stages, method)),
 }
 
 
 def _settle(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill the flags a profile fixes from --profile (a flag given as well must agree with it), else from their
-    defaults; the profile's cut becomes the run's (`args.bounds`; None: the even cut)."""
+    defaults; the profile's cut becomes the run's (`args.bounds`; None: the even cut), on the ranks that
+    --schedule places its stages on."""
     from pipesim.profiles.schema import ProfileError, load_profile
 
     profile = None
@@ -209,7 +225,10 @@ def _settle(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if profile is None:
             setattr(args, name, default if given is None else given)
             continue
-        value = measured(profile)
+        try:
+            value = measured(profile, args.schedule)
+        except ScheduleError as exc:  # an unknown --schedule, or a cut it cannot place on whole ranks
+            parser.error(str(exc))
         if given is not None and _parsed(parser, flag, given) != _parsed(parser, flag, value):
             parser.error(f"{flag} {given}: the profile {args.profile} measured {value}; drop {flag} (--profile "
                          "sets it)")
@@ -231,7 +250,7 @@ def _parsed(parser: argparse.ArgumentParser, flag: str, value):
 
 def _next_steps(args: argparse.Namespace) -> str:
     """The commands that predict this run and compare it: calibrate first if no profile was given."""
-    predict = (f"pipesim simulate -s {args.schedule} -m {args.microbatches} -n {args.steps} --profile "
+    predict = (f"pipesim simulate -s {args.schedule} -p {args.stages} -m {args.microbatches} -n {args.steps} --profile "
                f"{args.profile or 'PROFILE.json'} --optimizer {args.optimizer} --trace predicted.json\n"
                f"  pipesim compare {args.out} predicted.json")
     if args.profile is not None:
@@ -243,7 +262,8 @@ def _next_steps(args: argparse.Namespace) -> str:
     return ("to predict it, calibrate what it ran (its stages' passes as torch's stage computes them, pipesim's own "
             "runtime costs left out), run this again with --profile PROFILE.json (the profile's cut), then predict "
             "and compare:\n"
-            f"  pipesim calibrate --model {args.model}{options} -b {args.microbatch_size} -p {args.stages} "
+            f"  pipesim calibrate --model {args.model}{options} -b {args.microbatch_size} "
+            f"-p {args.stages * stages_a_rank(args.schedule)} "
             f"--threads {args.threads_per_rank} --device cpu --passes-as torch --out PROFILE.json\n  " + predict)
 
 
@@ -273,7 +293,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                              "ScheduleDualPipeV, which split B into I and W) on the stages --schedule places")
     parser.add_argument("--profile", help="a CPU profile from `pipesim calibrate`: run the model, options, "
                                           "micro-batch size, threads, stages and cut it measured")
-    parser.add_argument("--stages", type=_count(1), help="default 2")
+    parser.add_argument("--stages", type=_count(1), help="ranks (default 2; with --profile its stages over the "
+                                                          "stages --schedule places a rank)")
     parser.add_argument("--microbatches", type=_count(1), default=8)
     parser.add_argument("--steps", type=_count(1), default=5, help="profiled mini-batches")
     parser.add_argument("--warmup", type=_count(0), default=2, help="mini-batches run before profiling")
@@ -291,10 +312,6 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
         schedule = _schedule(args)
     except ScheduleError as exc:  # an unknown method, or one these stages and micro-batches cannot build
         parser.error(str(exc))
-    if args.bounds is not None and len(args.bounds) - 1 != len(schedule.placement):  # each rank failed to cut it
-        parser.error(f"--profile {args.profile}: its cut has {len(args.bounds) - 1} stages, one a rank here, and "
-                     f"{args.schedule} on {args.stages} ranks runs {len(schedule.placement)}: give a --schedule of "
-                     "one stage a rank")
     why = placement_refusal(schedule, args.torch_schedule)
     if why:
         parser.error(why)

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import typer
 
+from pipesim.schedules.ir import ScheduleError
 from tests.conftest import script_module
+from tests.helpers import CNN_CPU
 
 ROOT = Path(__file__).parent.parent
 PROFILE = ROOT / "traces" / "measured" / "fidelity-cpu2-day3-runs" / "mlp-profile.json"
@@ -28,7 +30,7 @@ def test_a_profile_fixes_the_model_its_cut_micro_batch_size_threads_and_stages(s
     assert (args.microbatch_size, args.threads_per_rank, args.stages) == (
         measured["environment"]["microbatch_size"], measured["environment"]["threads"], 2)
     steps = script._next_steps(args)
-    assert f"pipesim simulate -s 1f1b -m 8 -n 5 --profile {PROFILE} --optimizer sgd" in steps
+    assert f"pipesim simulate -s 1f1b -p 2 -m 8 -n 5 --profile {PROFILE} --optimizer sgd" in steps
     assert "pipesim calibrate" not in steps
     # its passes were timed as pipesim's executor runs them (before --passes-as): the note says how to time torch's
     assert f"note: {PROFILE} timed its stages' passes as pipesim's executor runs them" in steps
@@ -38,14 +40,27 @@ def test_a_profile_fixes_the_model_its_cut_micro_batch_size_threads_and_stages(s
     (["--microbatch-size", "16"], "--microbatch-size 16: the profile"),
     (["--model-options", '{"layers": 8, "width": 1024}'], "--model-options"),
     (["--stages", "4"], "--stages 4"),
-    # the profile sets the ranks to its stages: a V places two a rank, which no rank could cut from it
-    (["--schedule", "zb-v", "--torch-schedule", "zbv"], "its cut has 2 stages, one a rank here, and zb-v on 2 ranks "
-                                                         "runs 4"),
 ])
 def test_a_flag_that_contradicts_the_profile_is_refused(script, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:
         script.arguments(["--profile", str(PROFILE), *flags, "--out", "run/"])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule,runtime", [("zb-v", "zbv"), ("interleaved-1f1b", "interleaved-zb")])
+def test_a_v_or_interleaved_schedule_runs_a_profiles_stages_two_a_rank(script, schedule, runtime):
+    """A schedule of two stages a rank runs a 4-stage profile on 2 ranks, and without a profile its calibrate
+    command asks for the 4 stages it runs. Before, the ranks were the profile's 4 (zb-v on them: 8 stages,
+    refused), and the command asked for -p 2, a profile refused in turn."""
+    args = script.arguments(["--profile", str(CNN_CPU), "--schedule", schedule, "--torch-schedule", runtime,
+                             "--out", "run/"])
+    assert (args.stages, args.bounds) == (2, (0, 2, 4, 6, 9))  # the profile's cut, two stages a rank
+    assert f"pipesim simulate -s {schedule} -p 2 -m 8 -n 5 --profile {CNN_CPU}" in script._next_steps(args)
+    args = script.arguments(["--schedule", schedule, "--torch-schedule", runtime, "--out", "run/"])
+    assert " -p 4 " in next(line for line in script._next_steps(args).splitlines() if "pipesim calibrate" in line)
+    with pytest.raises(ScheduleError, match="its cut has 3 stages, and zb-v places 2 a rank: calibrate with -p a "
+                                            "multiple of 2"):
+        script.profile_ranks(3, "zb-v")
 
 
 def test_bad_input_is_one_line_before_any_rank_starts(script, capsys, tmp_path):
@@ -155,15 +170,15 @@ def test_torchs_input_backward_takes_a_middle_stages_outputs():
 
 
 def test_torchs_zero_bubble_schedule_runs_pipesims_stages_on_two_gloo_ranks(tmp_path):
-    """torch's ScheduleZBVZeroBubble on pipesim's zb-v stages (two a rank, stages 1 and 2 in the middle) runs
-    and records each stage's I and W; it stopped at the first middle stage's I."""
+    """torch's ScheduleZBVZeroBubble on pipesim's zb-v stages (two a rank, stages 1 and 2 in the middle) of a
+    4-stage profile runs and records each stage's I and W; it stopped at the first middle stage's I, and a profile
+    of a V's stages was refused."""
     import subprocess
     import sys
 
     run = subprocess.run([sys.executable, ROOT / "benchmarks" / "torch_pipelining.py", "--schedule", "zb-v",
-                          "--torch-schedule", "zbv", "--model-options", '{"layers": 4, "width": 8}',
-                          "--microbatch-size", "2", "--microbatches", "2", "--steps", "1", "--warmup", "0",
-                          "--out", tmp_path], capture_output=True, text=True, timeout=600)
+                          "--torch-schedule", "zbv", "--profile", CNN_CPU, "--microbatches", "2", "--steps", "1",
+                          "--warmup", "0", "--out", tmp_path], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     for rank, (first, second) in enumerate(((0, 3), (1, 2))):
         names = {e["name"] for e in json.loads((tmp_path / f"rank{rank}.json").read_text())["traceEvents"]}
