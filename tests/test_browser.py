@@ -88,9 +88,10 @@ class Wait:
 # --- a minimal DevTools client over the pipe -------------------------------------------------------------
 
 class Browser:
-    """Headless Chromium with the DevTools protocol on file descriptors 3 (commands) and 4 (replies)."""
+    """Headless Chromium with the DevTools protocol on file descriptors 3 (commands) and 4 (replies). Each page
+    opens in a browser context of its own (`open`): no renderer, storage or cache shared with an earlier one."""
 
-    def __init__(self, width: int = 1400, height: int = 1000) -> None:
+    def __init__(self) -> None:
         self.profile = tempfile.mkdtemp(prefix="pipesim-chromium-")
         self.log = open(os.path.join(self.profile, "stderr.log"), "w+b")
         ends = [*os.pipe(), *os.pipe()]
@@ -105,23 +106,34 @@ class Browser:
             os.dup2(from_browser, 4)
 
         self.proc = subprocess.Popen(
-            [CHROMIUM, *FLAGS, f"--user-data-dir={self.profile}", f"--window-size={width},{height}",
-             "--remote-debugging-pipe", "about:blank"],
+            [CHROMIUM, *FLAGS, f"--user-data-dir={self.profile}", "--remote-debugging-pipe", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log, preexec_fn=wire, close_fds=False,
         )
         os.close(to_browser)
         os.close(from_browser)
         self._buffer = b""
         self._next_id = 0
-        self.events: list[dict[str, Any]] = []
-        self.size = (width, height)
-        targets = self.call("Target.getTargets")["targetInfos"]
-        page = next(t for t in targets if t["type"] == "page")
-        self.session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+        self.context: str | None = None  # the open page's browser context
+        self.session: str | None = None  # the open page's DevTools session
+        self.events: list[dict[str, Any]] = []  # the open page's, as they came
+
+    def open(self, width: int, height: int) -> None:
+        """A blank page, its viewport `width` x `height`, in a new browser context: the page `session=True` calls
+        address, whose events alone `events` keeps."""
+        self.context = self.call("Target.createBrowserContext")["browserContextId"]
+        target = self.call("Target.createTarget", url="about:blank", browserContextId=self.context, width=width,
+                           height=height)["targetId"]
+        self.events = []
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         for domain in ("Page", "Runtime", "Network", "Log"):
             self.call(f"{domain}.enable", session=True)
         self.call("Emulation.setDeviceMetricsOverride", session=True, width=width, height=height,
                   deviceScaleFactor=1, mobile=False)
+
+    def close_page(self) -> None:
+        """Closes the open page with its browser context (and the context's renderer)."""
+        context, self.context, self.session = self.context, None, None
+        self.call("Target.disposeBrowserContext", browserContextId=context)
 
     def _read(self, method: str, wait: Wait) -> dict[str, Any]:
         """The next message; TimeoutError once `wait` is over, read each STATUS_POLL_S whether messages come or not
@@ -152,7 +164,7 @@ class Browser:
                 if "error" in reply:
                     raise RuntimeError(f"{method}: {reply['error']}")
                 return reply.get("result", {})
-            if "method" in reply:
+            if "method" in reply and self.session and reply.get("sessionId") == self.session:
                 self.events.append(reply)
 
     def evaluate(self, expression: str, wait: Wait | None = None) -> Any:
@@ -205,15 +217,60 @@ class Visit:
     problems: list[str] = field(default_factory=list)  # exceptions and errors the browser reported
     probed: Any = None  # the value of visit's `probe`
 
+    @property
+    def clean(self) -> bool:
+        """What assert_healthy passes: status "ok", nothing requested or reported."""
+        return self.status == "ok" and not self.requests and not self.problems
+
+
+class SharedBrowser:
+    """The one Browser that serves the visits in turn, where each visit started its own (about 0.75 CPU-s and
+    seconds of wall time under load, 28 times a module): started at the first visit, kept after a clean one and
+    thrown away after any other (or one that raised), so that no page's trouble reaches a later page, whose visit
+    then starts a new browser."""
+
+    def __init__(self) -> None:
+        self.browser: Browser | None = None
+
+    def get(self) -> Browser:
+        if self.browser is None:
+            self.browser = Browser()
+        return self.browser
+
+    def release(self, clean: bool) -> None:
+        if clean and self.browser is not None:
+            try:
+                self.browser.close_page()
+                return
+            except (RuntimeError, TimeoutError, OSError):
+                pass
+        self.discard()
+
+    def discard(self) -> None:
+        if self.browser is not None:
+            self.browser, browser = None, self.browser
+            browser.close()
+
+
+SHARED = SharedBrowser()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def closes_the_shared_browser():
+    yield
+    SHARED.discard()
+
 
 def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000, settle: float = 0.0,
           cpu_s: float = WAIT_CPU_S, wall_s: float = WAIT_WALL_S, probe: str = "") -> Visit:
-    """Open `path` in headless Chromium, wait until its body's data-status leaves "loading" (and `settle`
-    seconds more; a `Wait` of `cpu_s` and `wall_s`, else TimeoutError), and collect what the page recorded, what
-    the browser saw, a screenshot of the viewport (make it tall enough), and the value of the JavaScript
-    expression `probe` (a page that records nothing of its own: the sweep's)."""
+    """Open `path` in headless Chromium (a new page of SHARED's browser), wait until its body's data-status leaves
+    "loading" (and `settle` seconds more; a `Wait` of `cpu_s` and `wall_s`, else TimeoutError), and collect what
+    the page recorded, what the browser saw, a screenshot of the viewport (make it tall enough), and the value of
+    the JavaScript expression `probe` (a page that records nothing of its own: the sweep's)."""
     url = path.resolve().as_uri() + fragment
-    with Browser(width, height) as browser:
+    browser, seen = SHARED.get(), None
+    try:
+        browser.open(width, height)
         wait = Wait(browser.proc.pid, cpu_s, wall_s)
         browser.call("Page.navigate", session=True, url=url)
         status = browser.poll("document.body ? document.body.dataset.status || '' : ''",
@@ -240,8 +297,12 @@ def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000,
                 problems.append("log: " + params["entry"]["text"])
             elif method == "Runtime.consoleAPICalled" and params["type"] == "error":
                 problems.append("console: " + json.dumps(params["args"])[:500])
-        return Visit(status, body, json.loads(geometry) if geometry else None, json.loads(summary) if summary else None,
-                     decode_png(base64.b64decode(shot["data"])), seconds, requests, problems, probed)
+        seen = Visit(status, body, json.loads(geometry) if geometry else None,
+                     json.loads(summary) if summary else None, decode_png(base64.b64decode(shot["data"])), seconds,
+                     requests, problems, probed)
+        return seen
+    finally:
+        SHARED.release(clean=seen is not None and seen.clean)
 
 
 # --- pixels ----------------------------------------------------------------------------------------------
@@ -429,7 +490,8 @@ def test_a_call_never_answered_is_a_timeout_while_events_stream_in(tmp_path):
     """A page logging every 10 ms sends chromium's events faster than a wait polls: the wait still ends."""
     page = tmp_path / "chatty.html"
     page.write_text("<html><body><script>setInterval(() => console.log('tick'), 10)</script></body></html>")
-    with Browser(200, 200) as browser:
+    with Browser() as browser:
+        browser.open(200, 200)
         browser.call("Page.navigate", session=True, url=page.resolve().as_uri())
         browser.poll("location.protocol + document.readyState", lambda state: state == "file:complete",
                      Wait(browser.proc.pid), f"{page.name} still loading")
@@ -848,6 +910,7 @@ if __name__ == "__main__":
     target, out = Path(sys.argv[1]), Path(sys.argv[2])
     size = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (1400, 1000)
     result = visit(target, sys.argv[5] if len(sys.argv) > 5 else "", *size)
+    SHARED.discard()
     print(f"status {result.status} in {result.seconds:.1f} s; body {result.body}; requests {result.requests}; "
           f"problems {result.problems}")
     shot = result.screenshot
