@@ -15,7 +15,7 @@ from rich.table import Table
 
 from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
-from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
+from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, count_text
 from .common import (
     LEAST_MS,
@@ -96,7 +96,7 @@ from .estimate import (
     tensors_alone_text,
     what_if,
 )
-from .tables import STALENESS_HEADER, print_table
+from .tables import print_table
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 # --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger

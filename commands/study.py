@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..choices import choose_from
+from ..traces.metrics import STALENESS_HEADER
 from ..units import count_text
 from .common import (
     InputError,
@@ -37,7 +38,7 @@ from .common import (
     stdout,
     writing,
 )
-from .tables import STALENESS_HEADER, print_table
+from .tables import print_table
 
 
 def _optimizers(specs: list[str]) -> dict[str, float]:

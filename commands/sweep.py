@@ -12,7 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
+from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, whole_number
 from .common import (
     LEAST_MS,
@@ -56,7 +56,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import count_what_if, estimated_profile, tensors_alone_text, what_if
-from .tables import STALENESS_HEADER, print_table
+from .tables import print_table
 
 MAX_PORT = 65_535  # a TCP port's largest
 

@@ -33,10 +33,6 @@ WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357
 # The space between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), where a line never wraps.
 FIGURE_AND_UNIT = re.compile(r"(?<=\d) (?=(?:s|ms|ms/step|us|B|KiB|MiB|GiB|GB/s|Gb/s|samples/s|TFLOP/s)(?![\w/]))")
 NO_BREAK = "\u00a0"
-# The staleness column's header in every table (simulate, sweep, tune, study), as tune's said it: its values are a
-# digit or two, and "staleness" took 4 more characters of an 80-column terminal (the README's first `pipesim
-# simulate` needs 81 with it so, 85 with "staleness").
-STALENESS_HEADER = "stale"
 
 
 def available_width(console: Console) -> int | None:

@@ -22,7 +22,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import unknown_names
-from ..traces.metrics import percent_text, rate_text
+from ..traces.metrics import STALENESS_HEADER, percent_text, rate_text
 from ..units import GIB, count_text
 from .common import (
     Allocator,
@@ -54,7 +54,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, tensors_alone_text, what_if
-from .tables import STALENESS_HEADER, available_width, print_paragraph, print_table
+from .tables import available_width, print_paragraph, print_table
 
 if TYPE_CHECKING:
     from ..profiles.workload import WorkloadCount

@@ -34,7 +34,7 @@ from ..sim.cluster import ClusterError, MemoryCheck
 from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
 from ..traces import Summary, Trace, summarize, write_atomic
-from ..traces.metrics import mib_text, ms_text, percent_text, rate_text
+from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
 from ..units import count_text
 from .auto import ActivationLimitError
 from .scenario import Scenario
@@ -576,7 +576,7 @@ def fronts_table(best: Sequence[Result]):
                "cost×, m·P": [f"{r.config.cost_scale:g}, {r.config.microbatches * r.config.pipelines}"
                               for r in best],
                "ms/step": axis("time_per_minibatch_ms", ms_text), "peak MiB": axis("peak_memory_mb", mib_text),
-               "staleness": axis("max_staleness"), "samples/s": axis("samples_per_s", rate_text),
+               STALENESS_HEADER: axis("max_staleness"), "samples/s": axis("samples_per_s", rate_text),
                "bubble": axis("bubble_fraction", percent_text)}
     if any(r.metrics.out_of_memory for r in best):  # as sweep's table: a column only where one is over
         columns["memory"] = ["OOM" if r.metrics.out_of_memory else "fits" for r in best]

@@ -20,6 +20,11 @@ def rate_text(per_s: float) -> str:
     return f"{per_s:,.{decimals}f}"
 
 
+# The staleness column's header in every table (simulate, sweep, tune, study, and the sweep page's fronts), as tune's
+# said it: its values are a digit or two, and "staleness" took 4 more characters of an 80-column terminal (the
+# README's first `pipesim simulate` needs 81 with it so, 85 with "staleness").
+STALENESS_HEADER = "stale"
+
 # The pages' units, each written one way (traces/view.py's figures and, in its script, its hovers), beside rate_text.
 MIB_SHOWN = 0.01  # the least the pages write in MiB (two decimals): under it, "<0.01"
 MS_DECIMALS = 3  # ms to the microsecond, a trace's resolution (the script's msText too)
