@@ -41,6 +41,9 @@ def device_refusal(name: str) -> str | None:
     return None if name in DEVICES else choose_from("--device", DEVICES, name)
 
 
+BACKENDS = ("auto", "gloo", "nccl")  # run's --backend: the ranks' torch.distributed backend (auto: by the device)
+
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the simulator's --optimizer names; momentum is SGD-momentum
 
 

@@ -33,6 +33,7 @@ from .common import (
     TopK,
     Vocab,
     Width,
+    check_dtype,
     check_expert_parallel,
     check_memory_gb,
     check_outputs,
@@ -172,8 +173,7 @@ def calibrate(
         if passes_as == "torch" and is_given(ctx, "runtime") and ctx.params["runtime"]:
             raise InputError("--runtime times pipesim's executor's per-row costs, which a torch run has not: "
                              "leave it out with --passes-as torch")
-        if dtype not in DTYPE_NAMES:
-            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
+        check_dtype(dtype)
         dtype = DTYPE_NAMES[dtype]
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         if device is not None:  # None: cuda where torch sees a GPU, asked of torch later

@@ -223,6 +223,15 @@ ModelName = Annotated[str | None, typer.Option(
                                     "with --seq-len).")]
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype's names -> torch's
 DTYPES.update({name: name for name in list(DTYPES.values())})  # calibrate's names too
+
+
+def check_dtype(dtype: str, *more: str) -> None:
+    """Refuse a --dtype that is none of `DTYPES`' names (nor of `more`: the what-if estimate's fp8) in choose_from's
+    one line, whose list holds the short names and torch's alike, since count, estimate, run and calibrate take both."""
+    if dtype not in (*DTYPES, *more):
+        raise InputError(choose_from("--dtype", (*DTYPES, *more), dtype))
+
+
 ModelDtype = Annotated[str, typer.Option(
     "--dtype", metavar="DTYPE", help="fp32, bf16 or fp16 (or float32, bfloat16, float16, as calibrate names them); a "
                                      "what-if estimate also takes fp8: bf16 with the transformer layers' linear "

@@ -19,6 +19,7 @@ from .common import (
     MODEL_SIZES,
     InputError,
     ModelName,
+    check_dtype,
     fail,
     model_shape_options,
     require_model,
@@ -45,8 +46,7 @@ def count(
     dtype, attention = ctx.params["dtype"], attention_of(ctx.params["attention"], model)
     try:
         require_model("pipesim count", model)
-        if dtype not in DTYPES:
-            raise InputError(choose_from("--dtype", DTYPES, dtype))
+        check_dtype(dtype)
         with transient_status("counting the model on torch's meta device", as_json):
             import torch
 

@@ -33,6 +33,7 @@ from .common import (
     Stages,
     TensorParallel,
     Zero,
+    check_dtype,
     check_outputs,
     fail,
     flag_line,
@@ -284,8 +285,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         raise InputError("--gpu: give the model to estimate: --model gpt with its size flags (--layers, --width, "
                          "--heads, --seq-len, ...), --model hf:PATH (a Hugging Face config.json) with --seq-len, or "
                          "--model package.module:attribute")
-    if params["dtype"] not in (*DTYPES, FP8):
-        raise InputError(choose_from("--dtype", (*DTYPES, FP8), params["dtype"]))
+    check_dtype(params["dtype"], FP8)
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")

@@ -51,6 +51,7 @@ from .common import (
     TopK,
     Width,
     built_schedule,
+    check_dtype,
     check_estimate_experts,
     check_expert_parallel,
     check_method_options,
@@ -167,7 +168,7 @@ def run(
     Spawns one process per device (per device and replica with --data-parallel), or, started by torchrun, runs
     this rank and rank 0 writes the trace.
     """
-    from ..choices import device_refusal
+    from ..choices import BACKENDS, choose_from, device_refusal
     from ..launch import under_torchrun
     from ..planning.scenario import all_to_all_refusal
     from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
@@ -187,8 +188,8 @@ def run(
                                                   "--pipelines", "--prediction", "--activation-limit",
                                                   "--search-seconds"))
         search = search_options(activation_limit, search_seconds)
-        if backend not in ("auto", "gloo", "nccl"):
-            raise InputError(f"--backend: choose auto, gloo or nccl (got {backend!r})")
+        if backend not in BACKENDS:
+            raise InputError(choose_from("--backend", BACKENDS, backend))
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         refuse(device_refusal(device))
         for flag, value, most in (("--lr", lr, math.inf), ("--timeout", timeout, MAX_WAIT_S),
@@ -198,8 +199,8 @@ def run(
                                                                         else "") + f" (got {value})")
         check_prediction(prediction)
         check_threads("--threads-per-rank", threads_per_rank)
-        if dtype is not None and dtype not in DTYPES:
-            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got {dtype!r})")
+        if dtype is not None:  # None: the profile's, else float32
+            check_dtype(dtype)
         options = {key: value for key, value in (("layers", layers), ("width", width), ("ffn", ffn),
                                                  ("experts", experts), ("top_k", top_k),
                                                  ("shared_experts", shared_experts), ("expert_ffn", expert_ffn),

@@ -331,7 +331,8 @@ CUDA = torch.cuda.is_available()
     ([*MLP, "--memory-gb", "1e-300"], "--memory-gb: give GiB per device, at least one byte (9.31e-10)"),  # not 0 GiB
     (["--model", "mlp", "--heads", "2"], "--heads does not apply to mlp"),
     (["--model", "gpt", "--width", "30", "--heads", "4"], "--width (30) must be a multiple of --heads (4)"),
-    (["--model", "mlp", "--dtype", "float64"], "--dtype: choose float32, bfloat16 or float16"),
+    (["--model", "mlp", "--dtype", "float64"],
+     "--dtype: choose from fp32, bf16, fp16, float32, bfloat16, float16 (got 'float64')"),
     (["--model", "mlp", "--link-max-mb", "0.001"], "--link-max-mb: give from 8 KiB"),
     (["--model", "mlp", "--link-max-mb", "0.005"], "two sizes to fit a line"),
     (["--model", "mlp", "--width", "600000", "--no-links"], "mlp does not fit in memory"),

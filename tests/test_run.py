@@ -102,7 +102,9 @@ BAD = {
     "seed past 32 bits": (["--schedule", "1f1b", *SMALL_MLP, "--seed", 2**32],  # its data seeds passed torch's 64
                           "Invalid value for '--seed': Input should be less than or equal to 4294967295"),
     "unknown dtype": (["--schedule", "1f1b", *SMALL_MLP, "--dtype", "int8"],
-                      "--dtype: choose float32, bfloat16 or float16 (or fp32, bf16, fp16; got 'int8')"),
+                      "--dtype: choose from fp32, bf16, fp16, float32, bfloat16, float16 (got 'int8')"),
+    "unknown backend": (["--schedule", "1f1b", *SMALL_MLP, "--backend", "mpi"],
+                        "--backend: choose from auto, gloo, nccl (got 'mpi')"),
     "option of another method": (["--schedule", "1f1b", *SMALL_MLP, "--elastic-alpha", 0.5], "--elastic-alpha"),
     "unknown model option": (["--schedule", "1f1b", "--model", "mlp", "--layers", 0], "--layers"),
     "auto without costs": (["--schedule", "auto", *SMALL_MLP],

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
+from ..choices import BACKENDS, choose_from
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -48,7 +50,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 KINDS = ("gloo", "nccl", "host-staged")
-BACKENDS = ("auto", "gloo", "nccl")
 
 Edge = tuple[int, int]  # (src, dst) ranks
 Link = tuple[int, int, int]  # (src, dst, channel): one FIFO
@@ -552,7 +553,7 @@ def choose_transport(device: str, world_size: int, *, backend: str = "auto",
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (got {device!r})")
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
+        raise ValueError(choose_from("backend", BACKENDS, backend))
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1 (got {world_size})")
     if device == "cpu":
