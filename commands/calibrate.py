@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..choices import choose_from, device_refusal
 from ..profiles.workload import too_few_layers
+from ..traces.compare import TORCH_RUNTIME
 from ..traces.metrics import mib_text, percent_text
 from ..units import GIB, KIB, MIB, bytes_text, count_text
 from .common import DTYPES as DTYPE_NAMES  # --dtype's names -> torch's (calibrate.measure's DTYPES: torch's dtypes)
@@ -56,7 +57,7 @@ from .estimate import fit_device_curve, print_fitted_curve
 from .tables import print_table
 
 # --passes-as: the code a stage's passes are timed with -> what the summary says runs them
-RUNS_PASSES = {"executor": "the executor", "torch": "torch.distributed.pipelining"}
+RUNS_PASSES = {"executor": "the executor", "torch": TORCH_RUNTIME}
 
 
 def calibrate(

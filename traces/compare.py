@@ -310,9 +310,8 @@ def passes_warning(torch_run: bool) -> str:
     prediction from it prices each pass at that runtime's cost."""
     if torch_run:
         return ("the profile timed its stages' passes as pipesim's executor runs them (functional_call "
-                "under saved-tensor hooks), and this is a torch.distributed.pipelining run: calibrate with "
-                "--passes-as torch")
-    return ("the profile timed its stages' passes as torch.distributed.pipelining runs them, short of "
+                f"under saved-tensor hooks), and this is a {TORCH_RUNTIME} run: calibrate with --passes-as torch")
+    return (f"the profile timed its stages' passes as {TORCH_RUNTIME} runs them, short of "
             "pipesim's executor (functional_call under saved-tensor hooks), and this is pipesim's run: calibrate "
             "without --passes-as torch")
 
