@@ -30,7 +30,6 @@ on_trace_ready=torch.profiler.tensorboard_trace_handler(DIR))` on every rank (ad
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import os
 import tempfile
@@ -42,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipesim.executor import RunSpec, Stages, cut, microbatch_data
+from pipesim.planning.torch_profile import events_read
 from pipesim.schedules import build_schedule
 from pipesim.schedules.catalogue import method_named
 from pipesim.schedules.ir import Schedule, ScheduleError
@@ -51,23 +51,11 @@ from pipesim.workload.transport import free_port
 
 
 def _prune(path: Path) -> None:
-    """Keep only what pipesim reads: the pipelining ranges, the rank, and the first op inside each range, where an
-    F's or B's wait for its receive ends (planning/torch_profile.py); the full trace records every aten op."""
+    """Keep only what pipesim reads (planning/torch_profile.py's `events_read`): the pipelining ranges, the rank,
+    and inside each range the events that tell an F's or B's wait for its receive and an overlapped pair's forward
+    from its backward; the full trace records every aten op."""
     doc = json.loads(path.read_text())
-    events = [e for e in doc.get("traceEvents", []) if isinstance(e.get("name"), str)]
-    ranges = [e for e in events if e["name"].startswith("PP:") or e["name"].split(" ")[0] in ("Forward", "Backward")]
-    named = {id(e) for e in ranges}
-    threads: dict[object, list[dict]] = {}
-    for event in sorted((e for e in events if e.get("ph") == "X" and id(e) not in named), key=lambda e: e["ts"]):
-        threads.setdefault(event.get("tid"), []).append(event)
-    starts = {tid: [e["ts"] for e in mine] for tid, mine in threads.items()}
-    firsts = []
-    for event in ranges:
-        mine = threads.get(event.get("tid"), [])
-        i = bisect.bisect_left(starts.get(event.get("tid"), []), event["ts"])
-        if i < len(mine) and mine[i]["ts"] <= event["ts"] + event.get("dur", 0):
-            firsts.append(mine[i])
-    doc["traceEvents"] = ranges + list({id(e): e for e in firsts}.values())
+    doc["traceEvents"] = events_read(doc.get("traceEvents", []))
     path.write_text(json.dumps(doc))
 
 

@@ -15,10 +15,15 @@ torch's runtime waits for a received activation inside the F action that reads i
 event. pipesim's RECV row is that wait and its F or B the compute after it, so where the trace holds the op events
 inside the range (a full trace; benchmarks/torch_pipelining.py keeps the first), an F or B with a RECV of its own is
 read as the RECV from the range's start to its first op and the F or B from there.
+
+dualpipev's overlapped pair is one `PP:(0F3;3B1)OVERLAP_F_B` range, in which torch runs the forward and then the
+full backward (`_perform_action` on each sub-action), so it is split where the backward's first autograd node begins
+(the forward's side ending with the last event before it), and each part is read as a range of its own.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,48 +33,102 @@ import numpy as np
 
 from ..files import read_json
 from ..schedules.ir import Kind
-from ..schedules.torch_csv import parse_torch_action
+from ..schedules.torch_csv import parse_torch_actions
 from ..traces.compare import TORCH_RUNTIME
 from ..traces.trace import Ops, Stream, Trace, TraceError
 
 _SINGLE_STAGE = re.compile(r"(Forward|Backward) (\d+)")
 _OPT = re.compile(r"PP:(\d+)OPT")
+# the autograd engine's range around each node it runs: an overlapped pair's backward has begun at its first
+_BACKWARD_NODE = "autograd::engine::evaluate_function"
 
 
-def _actions(path: Path, fallback_rank: int) -> tuple[int, list[tuple[Kind, int, int, float, float, float]]]:
-    """The rank a profiler file belongs to and its actions: (kind, stage, micro-batch, start µs, duration µs, µs from
-    its start to the first other event inside it, 0 where none is)."""
+def _named(name: str, rank: int) -> tuple[tuple[Kind, int, int], ...]:
+    """The (kind, stage, micro-batch) of each action a range named `name` times on `rank` (none: no pipelining
+    range, or one pipesim has no row for)."""
+    if name.startswith("PP:"):
+        opt = _OPT.fullmatch(name)
+        return ((Kind.OPT, int(opt[1]), -1),) if opt else parse_torch_actions(name[3:])
+    single = _SINGLE_STAGE.fullmatch(name)
+    return ((Kind.F if single[1] == "Forward" else Kind.B, rank, int(single[2])),) if single else ()
+
+
+def _end(event: dict) -> float:
+    return float(event["ts"]) + float(event.get("dur", 0.0))
+
+
+def _first_inside(mine: list[dict], starts: list[float], start_us: float, end_us: float) -> dict | None:
+    """The first of a thread's other events (`mine`, sorted by their `starts`) that starts inside [start, end]."""
+    i = bisect.bisect_left(starts, start_us)
+    return mine[i] if i < len(mine) and starts[i] <= end_us else None
+
+
+def _read(events: list, rank: int) -> tuple[list[tuple[Kind, int, int, int, float, float, float]], list[dict]]:
+    """The actions `events` (one rank's profiler events) time: (kind, stage, micro-batch, peer stage (-1: the
+    kind's own), start µs, duration µs, µs from its start to the first other event inside it on its thread, 0 where
+    none is); and the other events that reading used, which a pruned trace keeps.
+
+    An overlapped pair's range (`(0F3;3B1)OVERLAP_F_B`) is read as its forward's range, up to the end of the last
+    event on its thread that began before the backward's first autograd node, then its backward's range, whose
+    first op is that node (on any thread: CUDA's backward runs on the device's autograd thread); each part names
+    the other's stage as its peer, as the prediction's do. A pair's range without an autograd node inside it (a
+    trace pruned before pairs were read) cannot be split, and is left out."""
+    found, threads = [], {}
+    for event in events:
+        if not isinstance(event, dict) or event.get("ph") != "X" or not isinstance(event.get("name"), str):
+            continue
+        actions = _named(event["name"], rank)
+        if actions:
+            found.append((actions, event))
+        else:
+            threads.setdefault(event.get("tid"), []).append(event)
+    for mine in threads.values():
+        mine.sort(key=lambda e: float(e["ts"]))
+    starts = {tid: [float(e["ts"]) for e in mine] for tid, mine in threads.items()}
+    nodes = sorted((e for mine in threads.values() for e in mine if e["name"].startswith(_BACKWARD_NODE)),
+                   key=lambda e: float(e["ts"]))
+    node_starts = [float(e["ts"]) for e in nodes]
+    read, used = [], []
+
+    def part(action: tuple[Kind, int, int], peer: int, start_us: float, end_us: float, first: dict | None) -> None:
+        read.append((*action, peer, start_us, end_us - start_us, float(first["ts"]) - start_us if first else 0.0))
+        used.extend([first] if first else [])
+
+    for actions, event in found:
+        start_us, end_us = float(event["ts"]), _end(event)
+        mine, at = threads.get(event.get("tid"), []), starts.get(event.get("tid"), [])
+        if len(actions) == 1:
+            part(actions[0], -1, start_us, end_us, _first_inside(mine, at, start_us, end_us))
+            continue
+        node = _first_inside(nodes, node_starts, start_us, end_us)
+        if node is None:
+            continue
+        before = mine[bisect.bisect_left(at, start_us):bisect.bisect_left(at, float(node["ts"]))]
+        last = max(before, key=_end, default=None)
+        split_us = min(_end(last), float(node["ts"])) if last else float(node["ts"])
+        f_stage, b_stage = actions[0][1], actions[1][1]
+        part(actions[0], b_stage, start_us, split_us, _first_inside(mine, at, start_us, split_us))
+        part(actions[1], f_stage, split_us, end_us, node)
+        used.extend([last] if last else [])
+    return read, used
+
+
+def _actions(path: Path, fallback_rank: int) -> tuple[int, list[tuple[Kind, int, int, int, float, float, float]]]:
+    """The rank a profiler file belongs to (`distributedInfo`) and the actions it times (`_read`)."""
     doc = read_json(path, TraceError, "torch profiler trace")
     events = doc.get("traceEvents") if isinstance(doc, dict) else None
     if not isinstance(events, list):
         raise TraceError(f"{path}: not a Chrome trace (no traceEvents list)")
-    info = doc.get("distributedInfo") or {}
-    rank = int(info.get("rank", fallback_rank))
-    found, threads, others = [], [], {}
-    for event in events:
-        if not isinstance(event, dict) or event.get("ph") != "X" or not isinstance(event.get("name"), str):
-            continue
-        name = event["name"]
-        if name.startswith("PP:"):
-            opt = _OPT.fullmatch(name)
-            action = (Kind.OPT, int(opt[1]), -1) if opt else parse_torch_action(name[3:])
-        else:
-            single = _SINGLE_STAGE.fullmatch(name)
-            action = (Kind.F if single[1] == "Forward" else Kind.B, rank, int(single[2])) if single else None
-        if action is not None:
-            found.append((*action, float(event["ts"]), float(event.get("dur", 0.0))))
-            threads.append(event.get("tid"))
-        else:
-            others.setdefault(event.get("tid"), []).append(float(event["ts"]))
-    starts = {tid: np.sort(np.array(ts, dtype=np.float64)) for tid, ts in others.items()}
-    return rank, [(*a, _first_after(starts.get(tid), a[3], a[4])) for a, tid in zip(found, threads)]
+    rank = int((doc.get("distributedInfo") or {}).get("rank", fallback_rank))
+    return rank, _read(events, rank)[0]
 
 
-def _first_after(starts: np.ndarray | None, start_us: float, dur_us: float) -> float:
-    """µs from `start_us` to the first of its thread's other events (sorted `starts`) inside the range; 0: none."""
-    i = np.searchsorted(starts, start_us) if starts is not None else 0
-    return float(starts[i] - start_us) if starts is not None and i < len(starts) and starts[i] <= start_us + dur_us \
-        else 0.0
+def events_read(events: list) -> list[dict]:
+    """What pipesim reads of one rank's profiler events, which a pruned trace keeps (benchmarks/torch_pipelining.py;
+    the full trace records every aten op): the pipelining ranges, and the events `_read` uses inside them."""
+    ranges = [e for e in events if isinstance(e, dict) and isinstance(e.get("name"), str)
+              and (e["name"].startswith("PP:") or e["name"].split(" ")[0] in ("Forward", "Backward"))]
+    return ranges + list({id(e): e for e in _read(events, 0)[1]}.values())
 
 
 def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
@@ -94,11 +153,11 @@ def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
     for rank in ranks:
         seen: dict[tuple[Kind, int, int], int] = {}
         mine: dict[tuple[Kind, int, int, int], list] = {}
-        for kind, stage, microbatch, start_us, dur_us, wait_us in sorted(per_rank[rank], key=lambda a: a[3]):
+        for kind, stage, microbatch, peer, start_us, dur_us, wait_us in sorted(per_rank[rank], key=lambda a: a[4]):
             minibatch = seen.get((kind, stage, microbatch), 0)
             seen[(kind, stage, microbatch)] = minibatch + 1
             peer = {Kind.SEND_F: stage + 1, Kind.RECV_F: stage - 1, Kind.SEND_B: stage - 1,
-                    Kind.RECV_B: stage + 1}.get(kind, -1)  # torch runs chains
+                    Kind.RECV_B: stage + 1}.get(kind, peer)  # torch runs chains
             mine[(kind, stage, microbatch, minibatch)] = [rank, like.kind_code(kind.value), stage, microbatch,
                                                           minibatch, peer, start_us, dur_us, wait_us]
         for (kind, *key), row in mine.items():

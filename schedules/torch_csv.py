@@ -88,15 +88,20 @@ def to_torch_csv(schedule: Schedule) -> str:
     return buffer.getvalue()
 
 
-def parse_torch_action(text: str) -> tuple[Kind, int, int] | None:
-    """(kind, stage, micro-batch) of one torch action name, such as `1F0`, `0SEND_F3` or `2B1`, as torch's
-    runtime names its profiler ranges; None for one pipesim has no row for (UNSHARD, RESHARD, REDUCE_GRAD, an
-    OVERLAP_F_B group, which torch times as one range so its parts cannot be told apart) or for text that is no
-    action."""
+def parse_torch_actions(text: str) -> tuple[tuple[Kind, int, int], ...]:
+    """The (kind, stage, micro-batch) of each action one torch action name holds, as torch's runtime names its
+    profiler ranges: one for `1F0`, `0SEND_F3` or `2B1`, an overlapped pair's forward and full backward for
+    `(0F3;3B1)OVERLAP_F_B` (torch runs them one after the other inside the one range), none for one pipesim has no
+    row for (UNSHARD, RESHARD, REDUCE_GRAD, an OVERLAP_F_B of other parts) or for text that is no action."""
+    overlap = _OVERLAP.fullmatch(text.strip())
+    if overlap is not None:
+        parts = [parse_torch_actions(part) for part in overlap[1].split(";")]
+        pair = tuple(action for found in parts for action in found)
+        return pair if len(parts) == 2 and [kind for kind, *_ in pair] == [Kind.F, Kind.B] else ()
     match = _CELL.fullmatch(text.strip())
     if match is None or match[2] in ("UNSHARD", "RESHARD", "REDUCE_GRAD") or not match[3]:
-        return None
-    return Kind(match[2]), int(match[1]), int(match[3])
+        return ()
+    return ((Kind(match[2]), int(match[1]), int(match[3])),)
 
 
 def from_torch_csv(text: str, name: str, minibatches: int = 1) -> Schedule:

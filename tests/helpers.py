@@ -4,8 +4,8 @@ placement), a small GPT's count, a hand-written two-stage schedule, the lowered 
 flag's value in a printed command, tune's JSON as two runs share it, and the executor tests' device threads and
 weight comparison; then, by theme, the tiny Hugging Face models and their counts, the expert-parallel and float8
 tests' models and layers, the README's sections, the host's passes, the executor tests' runs, the tune tests'
-models, searches and bounds, a measured-looking probe run and an estimated gpt's interleaved run. Each part is
-frozen (or cached and not changed): the tests share it safely."""
+models, searches and bounds, a measured-looking probe run, an estimated gpt's interleaved run and torch.profiler
+traces written by hand. Each part is frozen (or cached and not changed): the tests share it safely."""
 
 from __future__ import annotations
 
@@ -991,3 +991,17 @@ def interleaved_gpt(gpu: str, method: str = "interleaved-1f1b", chunks: int = 2,
                                                   reduce_after_flush=reduce_after_flush))
     return sched, scenario.costs(sched), lambda costs: summarize(
         simulate(sched, costs, scenario.links(sched))).makespan_ms
+
+
+def profiler_event(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+    """One complete event of a torch.profiler Chrome trace (a `PP:<action>` range or an op inside it)."""
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0}
+
+
+def profiler_ranks(folder: Path, ranks: list[list[dict]]) -> list[Path]:
+    """A torch run's profiler traces, `rank<r>.json` in `folder` with rank r's events, each naming its rank."""
+    paths = []
+    for rank, events in enumerate(ranks):
+        paths.append(folder / f"rank{rank}.json")
+        paths[-1].write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": rank}}))
+    return paths

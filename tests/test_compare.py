@@ -12,7 +12,7 @@ import pytest
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Ops, Trace, TraceError, read_trace
 from tests.conftest import build, pipesim, run, simulated
-from tests.helpers import GPT_CPU
+from tests.helpers import GPT_CPU, profiler_event, profiler_ranks
 
 
 def as_measured(trace: Trace, keep: np.ndarray | None = None, **meta) -> Trace:
@@ -269,24 +269,62 @@ def test_a_torch_f_or_b_that_waits_for_its_receive_is_read_as_the_recv_then_its_
     predicted = tmp_path / "p.json"
     assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "1", "-n", "1", "--trace", predicted).code == 0
 
-    def event(name: str, ts: float, dur: float, tid: int = 1) -> dict:
-        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0}
-
+    event = profiler_event
     ranks = [[event("PP:0F0", 0, 1000), event("aten::linear", 50, 900), event("PP:0SEND_F0", 1000, 10),
               event("PP:0RECV_B0", 1010, 10), event("PP:0B0", 2000, 3000), event("aten::mm", 4000, 900)],
              [event("PP:1RECV_F0", 0, 20), event("PP:1F0", 30, 2000), event("gloo:recv", 100, 10, tid=2),
               event("aten::linear", 1030, 900), event("PP:1B0", 2100, 800), event("PP:1SEND_B0", 2900, 10)]]
-    paths = []
-    for rank, events in enumerate(ranks):
-        paths.append(tmp_path / f"rank{rank}.json")
-        paths[-1].write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": rank}}))
     like = read_trace(predicted)
-    ops = read_torch_profile(paths, like).ops
+    ops = read_torch_profile(profiler_ranks(tmp_path, ranks), like).ops
     read = {(like.kinds[k], int(d)): (float(start), float(dur))
             for k, d, start, dur in zip(ops.kind, ops.device, ops.start_us, ops.dur_us)}
     assert read[("RECV_F", 1)] == (30, 1000) and read[("F", 1)] == (1030, 1000)  # tid 2's event is not its op
     assert read[("RECV_B", 0)] == (2000, 2000) and read[("B", 0)] == (4000, 1000)
     assert read[("F", 0)] == (0, 1000) and read[("B", 1)] == (2100, 800)  # no RECV of their own; no op inside
+
+
+def test_a_torch_overlapped_pair_is_read_as_its_forward_then_its_backward(tmp_path):
+    """torch's dualpipev runs an overlapped pair as one `(3F2;0B0)OVERLAP_F_B` range, its forward then its full
+    backward: it is split where the backward's first autograd node begins, the forward ending with the last op
+    before it, and each part read as a range of its own (a wait before its first op is its RECV's), naming the
+    other's stage as the prediction's parts do. The node may run on another thread (CUDA's autograd thread). Before,
+    the range was no action: the pairs' forwards and backwards were missing from the measurement."""
+    from pipesim.planning.torch_profile import read_torch_profile
+
+    predicted = tmp_path / "p.json"
+    assert pipesim("simulate", "-s", "dualpipev", "-p", "2", "-m", "4", "-n", "1", "--trace", predicted).code == 0
+
+    event, node = profiler_event, "autograd::engine::evaluate_function: AddmmBackward0"
+    ranks = [[event("PP:3RECV_F2", 0, 10), event("PP:0RECV_B0", 10, 10), event("PP:(3F2;0B0)OVERLAP_F_B", 20, 3000),
+              event("aten::linear", 120, 800), event("aten::relu", 950, 50), event("aten::clamp_min", 960, 30),
+              event(node, 1400, 500), event("aten::mm", 1450, 400)],
+             [event("PP:(1F3;2B1)OVERLAP_F_B", 0, 2000), event("aten::linear", 0, 600), event(node, 900, 900, tid=2)]]
+    like = read_trace(predicted)
+    ops = read_torch_profile(profiler_ranks(tmp_path, ranks), like).ops
+    read = {(like.kinds[k], int(s), int(m), int(p)): (float(start), float(dur)) for k, s, m, p, start, dur in
+            zip(ops.kind, ops.stage, ops.microbatch, ops.peer, ops.start_us, ops.dur_us) if like.kinds[k] in "FB"}
+    assert read == {("F", 3, 2, 0): (120, 880), ("B", 0, 0, 3): (1400, 1620),  # their RECVs' waits before them
+                    ("F", 1, 3, 2): (0, 600), ("B", 2, 1, 1): (600, 1400)}  # no RECV of their own
+    received = {like.kinds[k]: (float(start), float(dur)) for k, d, start, dur in
+                zip(ops.kind, ops.device, ops.start_us, ops.dur_us) if d == 0 and like.kinds[k].startswith("RECV")}
+    assert received == {"RECV_F": (20, 100), "RECV_B": (1000, 400)}
+
+
+def test_a_torch_dualpipev_run_matches_every_op_of_its_prediction(tmp_path):
+    """A committed torch.profiler recording of torch's runtime running pipesim's dualpipev order (2 gloo ranks, 4
+    stages, m = 8, 2 profiled steps: benchmarks/torch_pipelining.py --schedule dualpipev --model-options
+    '{"layers": 8, "width": 256}' --microbatches 8 --steps 2 --warmup 1) matches every op of the prediction, each
+    overlapped pair's forward and backward with its own error: the 88 parts of its 44 pairs were missing before."""
+    predicted = tmp_path / "p.json"
+    assert pipesim("simulate", "-s", "dualpipev", "-p", "2", "-m", "8", "-n", "2", "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", TORCH_RUNS / "torch-dualpipev-2cpu", predicted, "--json")
+    assert code == 0, err
+    c = json.loads(out)
+    assert c["missing_in_measured"] == c["missing_in_predicted"] == 0 and c["matched_ops"] == len(read_trace(
+        predicted).ops)
+    by_kind = {k["kind"]: k for k in c["kinds"]}
+    assert by_kind["F"]["ops"] == by_kind["B"]["ops"] + by_kind["I"]["ops"] == 4 * 8 * 2
+    assert all(by_kind[kind]["duration_median"] is not None for kind in ("F", "B"))
 
 
 @pytest.mark.parametrize("run_dir, schedule, recorded", [

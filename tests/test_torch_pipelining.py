@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import typer
 
-from pipesim.schedules.ir import ScheduleError
+from pipesim.schedules.ir import Kind, ScheduleError
 from tests.conftest import script_module
-from tests.helpers import CNN_CPU
+from tests.helpers import CNN_CPU, profiler_event
 
 ROOT = Path(__file__).parent.parent
 PROFILE = ROOT / "traces" / "measured" / "fidelity-cpu2-day3-runs" / "mlp-profile.json"
@@ -122,22 +122,28 @@ def test_the_first_stages_example_is_laid_out_as_the_micro_batches_torch_hands_i
 
 def test_the_pruned_trace_keeps_where_each_actions_wait_for_its_receive_ends(script, tmp_path):
     """The profiler records every aten op; the script keeps the pipelining ranges and the first op inside each, which
-    tells an F's or B's wait for its receive from its compute (planning/torch_profile.py), and nothing else."""
+    tells an F's or B's wait for its receive from its compute (planning/torch_profile.py), and in an overlapped
+    pair's range the forward's last op and the backward's first autograd node, where it splits it, and nothing
+    else."""
     from pipesim.planning.torch_profile import _actions
 
-    def event(name: str, ts: float, dur: float, tid: int = 1) -> dict:
-        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0}
-
+    event = profiler_event
     events = [event("PP:1RECV_F0", 0, 20), event("PP:1F0", 30, 2000), event("gloo:recv", 100, 10, tid=2),
               event("aten::linear", 1030, 900), event("aten::addmm", 1040, 800), event("aten::relu", 1900, 20),
-              event("PP:1B0", 2100, 800), event("aten::mm", 2150, 300), event("aten::mm", 2500, 300)]
+              event("PP:1B0", 2100, 800), event("aten::mm", 2150, 300), event("aten::mm", 2500, 300),
+              event("PP:(1F1;2B0)OVERLAP_F_B", 3000, 2000), event("aten::linear", 3100, 400),
+              event("aten::relu", 3550, 50), event("aten::clamp_min", 3560, 30),
+              event("autograd::engine::evaluate_function: AddmmBackward0", 3900, 600), event("aten::mm", 3950, 500)]
     path = tmp_path / "rank1.json"
     path.write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": 1}}))
     whole = _actions(path, 1)
     script._prune(path)
     kept = json.loads(path.read_text())
-    assert [e["name"] for e in kept["traceEvents"]] == ["PP:1RECV_F0", "PP:1F0", "PP:1B0", "aten::linear", "aten::mm"]
-    assert _actions(path, 1) == whole and whole[1][1][5] == 1000  # F0 waited 1 ms for its receive
+    assert [e["name"] for e in kept["traceEvents"]] == [
+        "PP:1RECV_F0", "PP:1F0", "PP:1B0", "PP:(1F1;2B0)OVERLAP_F_B", "aten::linear", "aten::mm", "aten::linear",
+        "autograd::engine::evaluate_function: AddmmBackward0", "aten::relu"]
+    assert _actions(path, 1) == whole and whole[1][1][6] == 1000  # F0 waited 1 ms for its receive
+    assert whole[1][3:] == [(Kind.F, 1, 1, 2, 3000, 600, 100), (Kind.B, 2, 0, 1, 3600, 1400, 300)]  # split at 3.6 ms
 
 
 def test_torchs_input_backward_takes_a_middle_stages_outputs():
