@@ -24,6 +24,7 @@ full backward (`_perform_action` on each sub-action), so it is split where the b
 from __future__ import annotations
 
 import bisect
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import replace
@@ -57,6 +58,14 @@ def _end(event: dict) -> float:
     return float(event["ts"]) + float(event.get("dur", 0.0))
 
 
+def _check_times(event: dict) -> None:
+    """TraceError naming an event whose start (`ts`) or duration (`dur`, 0 if absent) is not a finite number of µs
+    (a hand-edited or truncated file), which the reading would otherwise fail on with a traceback."""
+    for field, value in (("ts", event.get("ts")), ("dur", event.get("dur", 0.0))):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TraceError(f"event {event['name']!r}: {field} must be a number of µs (got {value!r})")
+
+
 def _first_inside(mine: list[dict], starts: list[float], start_us: float, end_us: float) -> dict | None:
     """The first of a thread's other events (`mine`, sorted by their `starts`) that starts inside [start, end]."""
     i = bisect.bisect_left(starts, start_us)
@@ -77,6 +86,7 @@ def _read(events: list, rank: int) -> tuple[list[tuple[Kind, int, int, int, floa
     for event in events:
         if not isinstance(event, dict) or event.get("ph") != "X" or not isinstance(event.get("name"), str):
             continue
+        _check_times(event)
         actions = _named(event["name"], rank)
         if actions:
             found.append((actions, event))
@@ -119,8 +129,14 @@ def _actions(path: Path, fallback_rank: int) -> tuple[int, list[tuple[Kind, int,
     events = doc.get("traceEvents") if isinstance(doc, dict) else None
     if not isinstance(events, list):
         raise TraceError(f"{path}: not a Chrome trace (no traceEvents list)")
-    rank = int((doc.get("distributedInfo") or {}).get("rank", fallback_rank))
-    return rank, _read(events, rank)[0]
+    info = doc.get("distributedInfo") or {}
+    rank = info.get("rank", fallback_rank) if isinstance(info, dict) else None
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise TraceError(f"{path}: distributedInfo.rank must be a whole number from 0 (got {rank!r})")
+    try:
+        return rank, _read(events, rank)[0]
+    except TraceError as exc:
+        raise TraceError(f"{path}: {exc}") from None
 
 
 def events_read(events: list) -> list[dict]:

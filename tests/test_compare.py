@@ -310,6 +310,25 @@ def test_a_torch_overlapped_pair_is_read_as_its_forward_then_its_backward(tmp_pa
     assert received == {"RECV_F": (20, 100), "RECV_B": (1000, 400)}
 
 
+@pytest.mark.parametrize("event, info, message", [
+    (profiler_event("PP:0F0", "x", 10), {"rank": 0}, "event 'PP:0F0': ts must be a number of µs (got 'x')"),
+    (profiler_event("PP:0F0", 0, "ten"), {"rank": 0}, "event 'PP:0F0': dur must be a number of µs (got 'ten')"),
+    (profiler_event("PP:0F0", 0, 10), {"rank": "one"},
+     "distributedInfo.rank must be a whole number from 0 (got 'one')"),
+])
+def test_a_torch_profiler_trace_with_a_wrong_field_is_one_line_naming_it(tmp_path, event, info, message):
+    """A hand-edited or truncated torch.profiler file: its field named in one line, nothing written, where a time
+    that is no number or a rank that is no whole number raised a traceback."""
+    predicted, html = tmp_path / "p.json", tmp_path / "c.html"
+    assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "1", "-n", "1", "--trace", predicted).code == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    paths = profiler_ranks(run, [[event], [profiler_event("PP:1F0", 0, 10)]])
+    paths[0].write_text(json.dumps({"traceEvents": [event], "distributedInfo": info}))
+    code, out, err = pipesim("compare", run, predicted, "--html", html)
+    assert (code, out, err) == (2, "", f"error: {paths[0]}: {message}\n") and not html.exists()
+
+
 def test_a_torch_dualpipev_run_matches_every_op_of_its_prediction(tmp_path):
     """A committed torch.profiler recording of torch's runtime running pipesim's dualpipev order (2 gloo ranks, 4
     stages, m = 8, 2 profiled steps: benchmarks/torch_pipelining.py --schedule dualpipev --model-options
