@@ -54,7 +54,7 @@ from .common import (
     writing,
 )
 from .estimate import fit_device_curve, print_fitted_curve
-from .tables import print_table
+from .tables import print_message, print_table
 
 # --passes-as: the code a stage's passes are timed with -> what the summary says runs them
 RUNS_PASSES = {"executor": "the executor", "torch": TORCH_RUNTIME}
@@ -246,8 +246,8 @@ def calibrate(
                 "load": HostLoad.since(began, busy).to_dict(),
                 "ranks": probe.count if probe is not None else stages})})
             if cache.unwritable:
-                stderr.print(f"note: the host cache could not be written ({cache.unwritable}); the next "
-                             "calibration measures its terms again", highlight=False)
+                print_message(f"note: the host cache could not be written ({cache.unwritable}); the next "
+                              "calibration measures its terms again", stderr)
         except (ModelError, DeviceError, PartitionError, LinkError, RuntimeProbeError, ContentionError) as exc:
             raise InputError(str(exc)) from None
         except (MemoryError, RuntimeError) as exc:  # the model or its batch does not fit in memory
@@ -337,7 +337,7 @@ def _contention(probe, kept, cache, phase):
             with phase(f"measuring contention ({probe.count} processes)"):
                 probe.run()
         kept = cache.keep("contention", probe.cache_key(), probe.result().model_dump(mode="json"), probe.load)
-        stderr.print(f"contention ({probe.count} processes): {kept.describe()}", highlight=False, soft_wrap=True)
+        print_message(f"contention ({probe.count} processes): {kept.describe()}", stderr)
     else:
         with phase(f"contention ({probe.count} processes)") as notes:
             notes.append(kept.describe())
@@ -401,7 +401,7 @@ def _phases(title: str):
             started = time.perf_counter()
             yield notes
             said = f" ({'; '.join(notes)})" if notes else ""
-            stderr.print(f"{name} ... {time.perf_counter() - started:.1f} s{said}", highlight=False, soft_wrap=True)
+            print_message(f"{name} ... {time.perf_counter() - started:.1f} s{said}", stderr)
 
         yield advance, phase
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, get_args
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from ..choices import choose_from, optimizer_refusal
 from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes, without_bom
@@ -775,8 +774,9 @@ def out_of_memory_line(subject: str, checks) -> str | None:
 
 
 def fail(message: str) -> NoReturn:
-    stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True,
-                 emoji=False)  # keep [..] text, and :x: in hf:x: as written
+    from .tables import print_message  # tables imports this module
+
+    print_message(message, stderr, "error: ", "bold red")  # as written: [..] text, and :x: in hf:x:
     raise SystemExit(2)
 
 

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from ..traces.metrics import mib_text, ms_text, percent_text
 from .common import InputError, check_outputs, fail, stderr, stdout, writing
-from .tables import print_tables
+from .tables import print_message, print_tables
 
 
 def _percent(value: float | None) -> str:
@@ -179,7 +179,7 @@ def compare(
     except (InputError, TraceError) as exc:
         fail(str(exc))
     for warning in result.warnings:
-        stderr.print(f"warning: {warning}", highlight=False, soft_wrap=True)
+        print_message(f"warning: {warning}", stderr)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

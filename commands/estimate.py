@@ -54,7 +54,7 @@ from .common import (
     writing,
     zero_stage,
 )
-from .tables import print_table
+from .tables import print_message, print_table
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
@@ -496,8 +496,7 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
                 update={"kernel_overhead_on_device": True})})
         except (InputError, EstimateError, RuntimeError, NotImplementedError) as exc:  # the meta device's too
             first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-            stderr.print(f"note: no efficiency curve stored in the profile: {first_line}", highlight=False,
-                         soft_wrap=True)
+            print_message(f"note: no efficiency curve stored in the profile: {first_line}", stderr)
             return profile
 
 
@@ -886,7 +885,7 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
     checks = Cluster(len(profile.stages)).memory_checks([stage.memory_bytes for stage in profile.stages],
                                                         [limit] * len(profile.stages))
     if (line := out_of_memory_line("the 1F1B estimate", checks)) is not None:
-        stderr.print(f"warning: {line}", highlight=False, soft_wrap=True)
+        print_message(f"warning: {line}", stderr)
     links = [(what, link) for what, link in (("tensor-parallel group" + tensor_span_text(estimate),
                                                 estimate.tensor_link),
                                                ("between stages", estimate.stage_link),

@@ -14,7 +14,6 @@ from typing import Annotated, NamedTuple
 
 import typer
 from rich import box
-from rich.markup import escape
 from rich.table import Table
 
 from ..profiles.workload import too_few_layers
@@ -75,7 +74,7 @@ from .common import (
     with_help,
     writing,
 )
-from .tables import print_table
+from .tables import print_message, print_table
 
 DataParallel = Annotated[int, typer.Option(
     "--data-parallel", metavar="D", min=1, help="Data-parallel replicas of the pipeline: p x D ranks (rank = replica "
@@ -312,7 +311,7 @@ def run(
         except TransportError as exc:
             raise InputError(str(exc)) from None
         if measured is not None and measured.environment.passes_as == "torch":  # what compare would predict from
-            stderr.print(f"warning: {passes_warning(torch_run=False)}", highlight=False, soft_wrap=True)
+            print_message(f"warning: {passes_warning(torch_run=False)}", stderr)
         failure = None
         with _progress_bar(minibatches, disable=as_json or (job is not None and job.rank != 0)) as show:
             try:
@@ -342,7 +341,7 @@ def run(
                 raise KeyboardInterrupt  # cli.main's one line, "interrupted", and exit code 130
             if failure.diverged:
                 raise InputError(str(failure))
-            stderr.print(f"[bold red]error:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
+            print_message(str(failure), stderr, "error: ", "bold red")
             raise SystemExit(1)  # not bad input: the run itself failed
         summary = summarize(result.trace)
         if html is not None:

@@ -96,7 +96,7 @@ from .estimate import (
     tensors_alone_text,
     what_if,
 )
-from .tables import print_table
+from .tables import print_message, print_table
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 # --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger
@@ -555,9 +555,9 @@ def _zero_text(schedule) -> str:
 def _warn(skipped: dict[str, str], summaries: list, memory: list) -> None:
     """On stderr: the methods that could not run and why, and the devices that run out of memory."""
     for name, reason in skipped.items():
-        stderr.print(f"skipped: {_skip_text(name, reason)}", highlight=False, soft_wrap=True)
+        print_message(f"skipped: {_skip_text(name, reason)}", stderr)
     for line in _out_of_memory_lines(summaries, memory):
-        stderr.print(f"warning: {line}", highlight=False, soft_wrap=True)
+        print_message(f"warning: {line}", stderr)
 
 
 def _out_of_memory_lines(summaries: list, memory: list) -> list[str]:

@@ -12,7 +12,6 @@ from typing import Annotated
 
 import typer
 from rich import box
-from rich.markup import escape
 from rich.table import Table
 
 from ..choices import choose_from
@@ -38,7 +37,7 @@ from .common import (
     stdout,
     writing,
 )
-from .tables import print_table
+from .tables import print_message, print_table
 
 
 def _optimizers(specs: list[str]) -> dict[str, float]:
@@ -154,8 +153,7 @@ def study(
                 _train(saved, setting, chosen, rates, seed_list, timing, timing_repeats, results, quiet=as_json)
             # a run or a probe failed, not the input: earlier runs are kept
             except (ExecutorError, RuntimeProbeError, ContentionError) as exc:
-                stderr.print(f"[bold red]error:[/] {escape(str(exc))}; the finished runs are in {results}",
-                             highlight=False, soft_wrap=True)
+                print_message(f"{exc}; the finished runs are in {results}", stderr, "error: ", "bold red")
                 raise SystemExit(1) from None
         summaries = summarize(saved, chosen, rates, seed_list)
         from ..study.page import write_study_page

@@ -214,3 +214,15 @@ def print_paragraph(text: str, console: Console = stdout) -> None:
     """`text` wrapped at the console's width (`_wrapped`): tune's search summary ended "...; 23.62" / "s" at 80
     columns. Printed as written (no markup, no highlighting)."""
     console.print(_wrapped(text, console.width), markup=False, highlight=False, soft_wrap=True)
+
+
+def print_message(text: str, console: Console, lead: str = "", lead_style: str | None = None) -> None:
+    """`lead` + `text` (a refusal, warning, note or a calibration phase's line), printed as written: one line where
+    `console` is piped or logged, as refusals are grepped and tested; on a terminal wrapped between words at its
+    width (`_wrapped`), where the terminal broke it mid-word at 80 columns ("--de" / "vice cpu", "1.3" / "s") and a
+    transient bar redrawn under it overwrote the rows it had not counted. `lead` ("error: ") takes `lead_style`."""
+    whole = lead + text
+    shown = Text(_wrapped(whole, console.width) if console.is_terminal else whole)
+    if lead_style:
+        shown.stylize(lead_style, 0, len(lead))
+    console.print(shown, highlight=False, soft_wrap=True)

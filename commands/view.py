@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from .common import InputError, check_outputs, fail, out_of_memory_line, stderr, stdout, writing
+from .tables import print_message
 
 
 def _names(paths: list[Path], traces: list) -> list[tuple[str, str]]:
@@ -66,5 +67,5 @@ def view(
     except (InputError, TraceError) as exc:
         fail(str(exc))
     for note in notes:  # as simulate warns: the page's note alone went unseen by a user who did not open it
-        stderr.print(f"warning: {note}", highlight=False, soft_wrap=True)
+        print_message(f"warning: {note}", stderr)
     stdout.print(f"wrote {out}" + (" (replaced the file that was there)" if replaced else ""), highlight=False)

@@ -41,6 +41,32 @@ def test_a_long_phase_wraps_its_words_and_keeps_the_bars_figures_whole_at_80_col
     assert "0:00:0" in drawn and "(4.135" in drawn and "…" not in drawn, drawn
 
 
+def _rows(screen: StringIO) -> list[str]:
+    """The rows an 80-column terminal shows of what was written: the escape codes and a redrawn bar's returns out."""
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
+    return [row for line in plain.split("\n") for row in line.split("\r")]
+
+
+def test_a_refusal_and_a_calibration_phase_wrap_between_words_on_an_80_column_terminal(monkeypatch):
+    """At 80 columns the terminal broke calibrate's refusal "use --de" / "vice cpu" and its phase line "... 1.3" /
+    "s", and the transient bar redrawn under a phase line wider than the terminal overwrote the rows it did not
+    count (one of "timing the all-reduce beside computing ranks"' lost its "U time); --fresh measures again)").
+    Each is wrapped between words at the terminal's width; piped, it stays one line (the refusal tests)."""
+    screen = _terminal(monkeypatch)
+    monkeypatch.setattr(calibrate, "stderr", common.stderr)
+    refusal = "no CUDA device: torch 2.13.0+cpu (a CPU-only build) sees no GPU; use --device cpu"
+    with pytest.raises(SystemExit):
+        common.fail(refusal)
+    with calibrate._phases("calibrating mlp") as (_, phase), phase(
+            "running the calibrated model (2 ranks, 8 micro-batches, 5 mini-batches)"):
+        pass
+    rows = [row.rstrip() for row in _rows(screen) if row.strip()]
+    assert max(map(len, rows)) <= 80, rows
+    assert " ".join(rows[:2]) == f"error: {refusal}", rows
+    ran = next(k for k, row in enumerate(rows) if row.startswith("running the calibrated model"))
+    assert re.fullmatch(r"\d+\.\d s", rows[ran + 1]), rows
+
+
 def test_a_counted_bar_at_80_columns_keeps_a_studys_description_on_one_line():
     """run's and study's bars: rich's bar of 40 characters left study's "training pipedream, momentum, seed 0" 23
     at 80 columns, and it wrapped after "seed"; a description too long for the line still wraps, its figures whole."""
