@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -128,11 +129,32 @@ def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     not an autograd view of it (aten's `_unsafe_view`, as torch's matmul returns its reshaped result), since
     torch.distributed.pipelining's `stage_backward_input` detaches a middle stage's outputs in place, which a view
     refuses ("Can't detach views in-place"): every zero-bubble schedule of torch's failed on a stage that is
-    neither first nor last."""
+    neither first nor last. Not being a view, it has a version counter of its own, which autograd's check on the
+    layer's saved output does not read: `_refuse_writes` reads it."""
     if len(tensors) > 1:
         return torch.cat([t.reshape(-1) for t in tensors])
     out = tensors[0]
-    return torch.ops.aten._unsafe_view(out, (-1,)) if out.is_contiguous() else out.reshape(-1)
+    if not out.is_contiguous():
+        return out.reshape(-1)
+    flat = torch.ops.aten._unsafe_view(out, (-1,))
+    if flat.grad_fn is not None:
+        _refuse_writes(flat)
+    return flat
+
+
+def _refuse_writes(flat: torch.Tensor) -> None:
+    """Refuse `flat`'s backward if it, or what was sent of it (a `detach()`, a slice: they share its version
+    counter), was written in place since the forward: the layer's saved output, its memory, would have changed
+    unseen, and the gradient with it. Held by weak reference: a backward from `flat` has it alive."""
+    version, held = flat._version, weakref.ref(flat)
+
+    def check(grad: torch.Tensor) -> None:
+        now = held()
+        if now is not None and now._version != version:
+            raise ExecutorError("a stage's output was written in place after its forward: its backward would give "
+                                "a wrong gradient (write to a copy of it)")
+
+    flat.register_hook(check)
 
 
 class StageModule(nn.Module):

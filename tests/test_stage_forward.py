@@ -2,12 +2,13 @@
 functional_call without torch's per-call search for tied tensors: the stage finds them once
 (`StageModule.aliases`) and hands each further name its weight."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pipesim.executor.runtime import Ledger, Tape, stage_forward
-from pipesim.executor.stages import StageModule
+from pipesim.executor.stages import ExecutorError, StageModule
 from pipesim.executor.weights import Weights
 from pipesim.workload.models import Model
 
@@ -32,3 +33,18 @@ def test_a_tied_weight_is_the_rows_leaf_under_each_of_its_names():
     got = torch.autograd.grad(loss, weights)
     want = torch.autograd.grad(expected, weights)
     assert all(torch.allclose(g, w) for g, w in zip(got, want))  # the shared weight's gradient from both layers
+
+
+def test_a_write_in_place_to_a_stages_output_before_its_backward_is_refused():
+    """A stage's lone contiguous output goes over its edge as the layer's output's own memory (`_flat`), not an
+    autograd view of it, so autograd's version check on the layer's saved output (tanh keeps its result) missed a
+    write through what was sent: the backward gave a wrong gradient, silently. Now it is refused."""
+    torch.manual_seed(0)
+    model = Model("tanh", [nn.Linear(4, 4), nn.Tanh()], lambda b, gen: (torch.randn(b, 4, generator=gen), None),
+                  lambda out, target: out.sum())
+    module = StageModule(model, 0, 2, True, [], [[(1, (3, 4))]])
+    x, grad = torch.randn(3, 4), torch.randn(12)
+    sent, = module(x)
+    sent.detach().mul_(2)  # through what the runtime keeps to send: the output's detach()
+    with pytest.raises(ExecutorError, match="written in place"):
+        torch.autograd.backward(sent, grad)
