@@ -1,7 +1,8 @@
 """Properties every method's schedule holds whatever its shape and costs: each micro-batch's passes run in its
 data's order (F on a stage before F on the stages it feeds, B there before B here, W after its B), the step at
 least the busiest device's compute and the bubble in [0, 1), every time scaled by c when every cost is, blocking
-exchanges ending no device's step earlier than overlapped ones, and every order's text read back as written."""
+exchanges ending no device's step earlier than overlapped ones and sending to each peer in the order it receives,
+and every order's text read back as written."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipesim.schedules import METHODS, Schedule
+from pipesim.schedules import METHODS, Kind, Schedule, kind_mask
+from pipesim.schedules.lowering import Lowered, lower
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.cluster import Link
 from pipesim.traces import summarize
@@ -146,3 +148,33 @@ def test_blocking_exchanges_end_no_devices_step_earlier(name, data):
 def test_every_order_reads_back_from_its_text(name, data):
     schedule, _, _ = data.draw(problems(name))
     assert Schedule.orders_from_text(schedule.to_text()) == tuple(map(tuple, schedule.orders))
+
+
+def _pair_transfers(lowered: Lowered) -> tuple[dict[tuple[int, int], list[int]], dict[tuple[int, int], list[int]]]:
+    """Per ordered pair of devices (sender, receiver): the transfer ids the sender's SENDs carry in its row order,
+    and those the receiver's RECVs carry in its."""
+    t, transfer = lowered.table, lowered.transfer
+    sending, receiving = kind_mask(t.kind, Kind.SEND_F, Kind.SEND_B), kind_mask(t.kind, Kind.RECV_F, Kind.RECV_B)
+    sender, receiver = (np.zeros(int(transfer.max(initial=-1)) + 1, dtype=np.int64) for _ in range(2))
+    sender[transfer[sending]], receiver[transfer[receiving]] = t.device[sending], t.device[receiving]
+    sent, received = {}, {}
+    for row in np.flatnonzero(sending | receiving).tolist():  # each device's rows together, in its order
+        xid = int(transfer[row])
+        orders = sent if sending[row] else received
+        orders.setdefault((int(sender[xid]), int(receiver[xid])), []).append(xid)
+    return sent, received
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@SETTINGS
+@given(data=st.data())
+def test_blocking_exchanges_send_to_each_peer_in_the_order_it_receives_over_the_whole_run(name, data):
+    """NCCL matches a pair's sends and receives in the order each end posts them (its user guide's point-to-point
+    page): a blocking runtime's order (`exchange_order`), whatever each row's time, sends to each peer over the
+    whole run in the order that peer posts the receives, within an exchange (`_in_pair_order`) and across them."""
+    schedule, _, _ = data.draw(problems(name))
+    natural = lower(schedule)
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    row_ps = np.random.default_rng(seed).integers(1, 9, len(natural.table.kind))  # per row, the time it holds
+    sent, received = _pair_transfers(lower(schedule, row_ps, natural))
+    assert sent == received
