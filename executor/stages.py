@@ -407,7 +407,7 @@ def _scores(spec: RunSpec, weights: dict[tuple[int, int], list[torch.Tensor]], p
     for k, module in enumerate(stages.modules):
         for parameter, trained in zip(module.parameters(), weights[(k, pipeline)]):
             parameter.copy_(trained)
-    x, target = model.heldout
+    x, target = model.heldout()
     x = x.to(device, spec.torch_dtype if x.is_floating_point() else x.dtype)
     target = target.to(device) if torch.is_tensor(target) else target
     # a chunk's samples from the last layer's output on micro-batch 0, which the cut's forward already found

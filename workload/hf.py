@@ -277,7 +277,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return data.token_batch(b, seq_len, vocab, gen)
     return Model(spec, layers, make, classification_loss, inputs=inputs, options=options,
-                 heldout=data.token_heldout(seq_len, vocab), classifier=True)
+                 heldout=functools.partial(data.token_heldout, seq_len, vocab), classifier=True)
 
 
 class _WithLoss(torch.autograd.Function):
