@@ -586,45 +586,51 @@ def _steady_text(schedules: list, steady: list[bool]) -> str:
 
 def _print_table(summaries: list, schedules: list, steady: list[bool], example: bool, skipped: dict[str, str],
                  memory: list, basis: str, mfu: list[float | None], per_device: str) -> None:
-    """The results side by side; with an estimate, MFU instead of the makespan (in --json), which N sets."""
+    """The results side by side; with an estimate, MFU instead of the makespan (in --json), which N sets. The
+    columns of `SAID_ONCE` whose rows all agree are said once in the caption instead (`_said_once`)."""
     first, estimated = schedules[0], any(share is not None for share in mfu)
     title = (f"p={count_text(first.num_devices, 'device')} per pipeline, "
              f"m={count_text(first.microbatches, 'micro-batch')}, N={count_text(first.minibatches, 'mini-batch')}"
              + (f", d={first.data_parallel} replicas" if first.data_parallel > 1 else "") + _zero_text(first)
              + (f", {per_device}" if per_device else ""))
+    limited = any(check.limit_bytes is not None for checks in memory for check in checks)
+    overs = [out_of_memory(checks) for checks in memory]
+    marks = ["" if is_steady else "*" for is_steady in steady]
+    columns = {
+        "ms/step": [ms_text(s.time_per_minibatch_ms) + mark for s, mark in zip(summaries, marks)],
+        "samples/s": [rate_text(s.samples_per_s) + mark for s, mark in zip(summaries, marks)],
+        **({"MFU": [percent_text(share) for share in mfu]} if estimated else {}),
+        "bubble": [percent_text(s.bubble_fraction) for s in summaries],
+        "peak MiB": [mib_text(s.peak_memory_mb) for s in summaries],
+        "peak act": [str(max((d.peak_activations for d in s.devices), default=0)) for s in summaries],
+        "copies": [str(max((d.peak_weight_versions for d in s.devices), default=0)) for s in summaries],
+        STALENESS_HEADER: [str(s.max_staleness) + mark for s, mark in zip(summaries, marks)],
+        **({} if estimated else {"makespan": [ms_text(s.makespan_ms) for s in summaries]}),
+        **({"memory": ["OOM" if over else "fits" for over in overs]} if limited else {}),
+    }
+    said = _said_once(columns)
+    ooms = [f"{_label(s, sched)} {over[0]}" for s, sched, over in zip(summaries, schedules, overs) if over]
+    memory_text = ("" if not limited else "; memory: every device fits" if not ooms
+                   else f"; memory: {' and '.join(ooms)}" + (", the others fit" if len(ooms) < len(summaries) else ""))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"{basis}; {_steady_text(schedules, steady)}; peak act: micro-batches of activations "
-                          "held; weights: copies of one stage's weights held"
+                          "held; copies: versions of one stage's weights held"
+                          + (f", {said['copies']} in every row" if "copies" in said else "")
+                          + (f"; {STALENESS_HEADER}: {said[STALENESS_HEADER]} in every row"
+                             if STALENESS_HEADER in said else "")
                           + ("" if estimated else "; makespan: ms from the first op to the last")
+                          + memory_text
                           + ("; s: the source of prediction distances" if any(_source(s) for s in schedules) else "")
                           + ("; skipped: why on stderr" if skipped else ""),
                   caption_justify="left")
     table.add_column("schedule", no_wrap=True)
-    headers = ["ms/step", "samples/s", *(["MFU"] if estimated else []), "bubble", "peak MiB", "peak act", "weights",
-               STALENESS_HEADER, *([] if estimated else ["makespan"])]
-    limited = any(check.limit_bytes is not None for checks in memory for check in checks)
-    for header in headers:
-        table.add_column(header, justify="right", no_wrap=True)
-    if limited:
-        table.add_column("memory", no_wrap=True)
-    for s, sched, is_steady, checks, share in zip(summaries, schedules, steady, memory, mfu):
-        oom = out_of_memory(checks)
-        table.add_row(
-            _label(s, sched),
-            ms_text(s.time_per_minibatch_ms) + ("" if is_steady else "*"),
-            rate_text(s.samples_per_s) + ("" if is_steady else "*"),
-            *([percent_text(share)] if share is not None else []),
-            percent_text(s.bubble_fraction),
-            mib_text(s.peak_memory_mb),
-            str(max((d.peak_activations for d in s.devices), default=0)),
-            str(max((d.peak_weight_versions for d in s.devices), default=0)),
-            str(s.max_staleness) + ("" if is_steady else "*"),
-            *([] if estimated else [ms_text(s.makespan_ms)]),
-            *([oom[0] if oom else "fits"] if limited else []),
-            style="red" if oom else None,
-        )
+    shown = [header for header in columns if header not in said]
+    for header in shown:
+        table.add_column(header, justify="left" if header == "memory" else "right", no_wrap=True)
+    for row, (s, sched, over) in enumerate(zip(summaries, schedules, overs)):
+        table.add_row(_label(s, sched), *[columns[header][row] for header in shown], style="red" if over else None)
     for name in skipped:
-        table.add_row(name, "skipped", *[""] * (len(headers) - 1 + limited), style="dim")
+        table.add_row(name, "skipped", *[""] * (len(shown) - 1), style="dim")
     print_table(table)
     if example:
         stdout.print("Built-in example: one model (per device: forward 1 ms, backward 2 ms, 256 MiB of weights; "
@@ -633,6 +639,17 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
         # on a line of its own, short enough not to wrap: run on after the sentence, it broke at 80 columns, and
         # the half a user copied ran without --stages and --microbatches
         stdout.print(f"Try: {EXAMPLE_TRY}", highlight=False)
+
+
+# simulate's columns said once in the caption where every row agrees: what a method keeps (its weights' copies,
+# their staleness) and whether it fits, alike for most sets of methods: the README's 175B what-if, one row, needed
+# 82 columns with them and was printed in two parts at 80.
+SAID_ONCE = ("copies", STALENESS_HEADER, "memory")
+
+
+def _said_once(columns: dict[str, list[str]]) -> dict[str, str]:
+    """Of `columns` (header: cells), those in `SAID_ONCE` whose cells are all the same, with that value."""
+    return {header: cells[0] for header, cells in columns.items() if header in SAID_ONCE and len(set(cells)) == 1}
 
 
 EXAMPLE_TRY = "pipesim simulate -s 1f1b -s xpipe -p 8 -m 32 --html t.html"  # the built-in example's next step

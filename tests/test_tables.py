@@ -262,12 +262,28 @@ def test_every_commands_table_keeps_its_numbers_at_80_and_120_columns(name, tmp_
 
 def test_the_built_in_examples_rows_are_each_named_on_one_line_at_80_columns(tmp_path, monkeypatch):
     """The README's first command, `pipesim simulate`, at 80 columns broke "interleaved-1f1b" over "(v=2)" and
-    "spectrain (s:" over "paper)"."""
+    "spectrain (s:" over "paper)"; then, each name whole, it printed its makespans in a second part, 81 columns
+    wide with the copies' column headed "weights"."""
     monkeypatch.chdir(tmp_path)  # it writes its page here
     lines = _output(["simulate"], 80, tmp_path, monkeypatch).splitlines()
     for name in ("interleaved-1f1b (v=2)", "dualpipe (v=2)", "spectrain (s: paper)", "pipeoptim (s: paper)",
                  "xpipe (s: paper)", "avgpipe (P=2)"):
         assert any(line.startswith(name + " ") for line in lines), (name, "\n".join(lines))
+    assert not [line for line in lines if "printed in" in line] and max(map(len, lines)) <= 80, "\n".join(lines)
+
+
+def test_simulate_says_once_under_its_table_what_every_row_agrees_on(tmp_path, monkeypatch):
+    """A row named as the README's 175B what-if's, "interleaved-1f1b (v=3)", printed its copies, staleness and
+    memory (1, 0, fits) in a second part at 80 columns: each is said once under the table instead, and the table
+    is whole."""
+    monkeypatch.chdir(REPO)
+    out = _output(["simulate", "-s", "interleaved-1f1b", "--chunks", "3", "--cluster", "examples/cluster.json"], 80,
+                  tmp_path, monkeypatch)
+    header = next(line for line in out.splitlines() if line.startswith("schedule"))
+    caption = " ".join(out.split())
+    assert header.split()[-1] == "makespan" and "printed in" not in caption, out
+    assert ("copies: versions of one stage's weights held, 1 in every row; stale: 0 in every row; makespan: ms from "
+            "the first op to the last; memory: every device fits") in caption, out
 
 
 def test_schedules_writes_each_closed_form_of_s_on_one_line_at_80_columns(tmp_path, monkeypatch):
