@@ -39,10 +39,13 @@ RUN_EARLY = True  # first (conftest.py): it waits mostly on Chromium
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (.ci/run installs it)")
 
+# WebGL runs in SwiftShader, the software GPU; the page's layers are composited by Chromium's software compositor
+# (--disable-gpu-compositing), not through SwiftShader as well, where the GPU process spent 3-6 CPU-s a page on
+# compositing alone, more than the page's renderer (about 3), and about 1 without it.
 FLAGS = ["--headless", "--no-sandbox", "--use-angle=swiftshader", "--enable-unsafe-swiftshader",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-         "--no-default-browser-check", "--hide-scrollbars", "--mute-audio", "--disable-extensions",
-         "--disable-dev-shm-usage"]
+         "--disable-gpu-compositing", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", "--no-first-run", "--no-default-browser-check", "--hide-scrollbars", "--mute-audio",
+         "--disable-extensions", "--disable-dev-shm-usage"]
 KIND_RGB = {"F": (0x4C, 0x78, 0xA8), "B": (0x54, 0xA2, 0x4B)}
 # How long to wait on chromium. A page draws in software (SwiftShader): the built-in example's 16 views take
 # chromium about 17 CPU-seconds, 47 s of wall time at a load of 5.5 per core, and once 7 minutes in a full run on
