@@ -137,6 +137,19 @@ def _index_dtype(size: int) -> type:
     return np.int32 if size < 2**31 else np.int64
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _PendingSend:
+    """A SEND of a blocking exchange not issued yet (`_Model._exchange_sends`): each one object, compared by identity
+    (found in the pending list by it)."""
+
+    place: int  # its index in the device's steps from the exchange's first SEND: the exchange's order
+    step: int  # its step's index in `_Model.clocks`, which its arrival is returned under
+    xid: int  # its transfer id
+    receiver_clock: int  # the clock (an index in `_Model.clocks`) its receiver's exchange posts the RECV after
+    receiver_ps: int  # how long after that clock it posts
+    own_ps: int  # the earliest it may be issued on its own side: the exchange's post plus its SENDs' host time
+
+
 class SimulationError(RuntimeError):
     """The model could not finish (a lowered order that waits for a transfer nobody sends)."""
 
@@ -1553,10 +1566,10 @@ class _Model:
         for the SEND's step. (`me`: d's `timed_coroutine`, where there is no SimPy.)"""
         busy, stream, operand, waits_for, after = columns
         clocks, waiters, routes, units, env = self.clocks, self.waiters, self.program.routes, self.units, self.env
-        pending = []  # per SEND not issued: its place, step, transfer id, the clock its receiver posts at, the ps
-        at = mine - first  # after that clock, and when it is posted
+        pending: list[_PendingSend] = []
+        at = mine - first
         while True:
-            pending.append((at, first + at, operand[at], waits_for[at], after[at], post_ps))
+            pending.append(_PendingSend(at, first + at, operand[at], waits_for[at], after[at], post_ps))
             at += 1
             if at == len(stream) or stream[at] != _BESIDE:
                 break
@@ -1568,25 +1581,25 @@ class _Model:
             floor = max(now, settled + 1)  # no post not made yet is earlier
             known, unknown = [], []
             for send in pending:
-                posted = clocks[send[3]]
+                posted = clocks[send.receiver_clock]
                 if posted < 0:
                     unknown.append(send)
                 else:
-                    known.append((max(send[5], posted + send[4]), send))
+                    known.append((max(send.own_ps, posted + send.receiver_ps), send.place, send))  # ties: by place
             if len(known) > 1:
                 known.sort()
             timer, held = None, set()  # the time the first SEND on a link waits for; the links it and those after hold
-            for issue_ps, send in known:
-                route = routes[send[2] // units]
+            for issue_ps, _, send in known:
+                route = routes[send.xid // units]
                 if route and ((env is not None and issue_ps > now) or (held and not held.isdisjoint(route)) or any(
-                        (max(other[5], floor), other[0]) < (issue_ps, send[0])
-                        and not set(route).isdisjoint(routes[other[2] // units]) for other in unknown)):
+                        (max(other.own_ps, floor), other.place) < (issue_ps, send.place)
+                        and not set(route).isdisjoint(routes[other.xid // units]) for other in unknown)):
                     held.update(route)
                     timer = issue_ps if timer is None else timer
                     continue
-                ends[send[1]] = self._issue(send[2], issue_ps, kernels)
+                ends[send.step] = self._issue(send.xid, issue_ps, kernels)
                 pending.remove(send)
-                woken = waiters.pop(~send[2], None)
+                woken = waiters.pop(~send.xid, None)
                 if woken:
                     if env is None:
                         self.ready.extend(woken)
@@ -1594,7 +1607,7 @@ class _Model:
                         self._succeed(woken)
             if not pending:
                 return ends
-            keys = list({send[3]: None for send in unknown})
+            keys = list({send.receiver_clock: None for send in unknown})
             if env is not None:
                 events = [env.event() for _ in keys]
                 for key, event in zip(keys, events):
@@ -1615,8 +1628,8 @@ class _Model:
                 if settling is not None and settling.processed:
                     settled = now
                 continue
-            self.frontier[d] = min([issue_ps for issue_ps, send in known if send in pending]
-                                   + [send[5] for send in unknown])
+            self.frontier[d] = min([issue_ps for issue_ps, _, send in known if send in pending]
+                                   + [send.own_ps for send in unknown])
             self.awaited[d] = (keys[0], -1) if keys else _AWAITS_NONE
             for key in keys:
                 waiters.setdefault(key, []).append(me)
