@@ -699,7 +699,7 @@ def test_the_memory_panel_draws_each_devices_capacity_as_a_labelled_dashed_line(
         {"name": "r2", "compute": "g", "memory_gib": 2.5}, {"name": "r3", "compute": "g"}]}))
     code, out, err = pipesim("simulate", "-s", "1f1b", "-p", 4, "-m", 8, "--cluster", cluster, "--html", page)
     assert code == 0, err
-    assert "OOM on device 0 " in out
+    assert "memory: 1f1b OOM on device 0 " in " ".join(out.split())  # device 0 alone: the caption names it
     v = visit(page, "#test", height=1100)
     assert_healthy(v)
     assert v.geometry["capacity"] == [
