@@ -17,11 +17,18 @@ def choose_from(flag: str, choices: Iterable[object], value: object) -> str:
 
 def nearest_text(name: object, known: Iterable[object]) -> str:
     """" (did you mean '1f1b'?)" for the known name closest to a misspelt one (its case and underscores aside:
-    "H100_SXM", "1FB1"), else nothing: the one meant is easy to miss in the list of every name that follows."""
+    "H100_SXM", "1FB1"), else nothing: the one meant is easy to miss in the list of every name that follows. A name
+    that begins known ones is answered with them (" (did you mean 'h100-sxm' or 'h100-pcie'?)"), where the closest
+    spelling of "h100" was 'h800'."""
     if not isinstance(name, str):
         return ""
-    nearest = difflib.get_close_matches(name.lower().replace("_", "-"), list(map(str, known)), n=1)
-    return f" (did you mean {nearest[0]!r}?)" if nearest else ""
+    given, names = name.lower().replace("_", "-"), list(map(str, known))
+    nearest = [known_name for known_name in names if given and known_name.startswith(given)] or (
+        difflib.get_close_matches(given, names, n=1))
+    if not nearest:
+        return ""
+    *others, last = map(repr, nearest)
+    return f" (did you mean {', '.join(others) + ' or ' if others else ''}{last}?)"
 
 
 def unknown_names(flag: str, unknown: Iterable[object], choices: Iterable[object]) -> str:

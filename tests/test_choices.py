@@ -32,6 +32,17 @@ def test_a_misspelt_name_is_answered_with_the_nearest_choice_case_and_underscore
     assert nearest_text(4, ["4", "8"]) == ""  # a number in a grid's axis of names: no name is near it
 
 
+def test_a_name_that_begins_known_ones_is_answered_with_them():
+    """A new user's `--gpu h100` was answered "did you mean 'h800'?" (the closest spelling), where the parts meant are
+    h100-sxm and h100-pcie; `-s interleaved` likewise names interleaved-1f1b."""
+    gpus = ("a100-sxm-40gb", "a100-sxm-80gb", "h100-sxm", "h100-pcie", "h200", "h800")
+    assert nearest_text("h100", gpus) == " (did you mean 'h100-sxm' or 'h100-pcie'?)"
+    assert nearest_text("A100", gpus) == " (did you mean 'a100-sxm-40gb' or 'a100-sxm-80gb'?)"
+    assert nearest_text("zb", ("zb-h1", "zb-h2", "zb-v")) == " (did you mean 'zb-h1', 'zb-h2' or 'zb-v'?)"
+    assert nearest_text("interleaved", ("1f1b", "interleaved-1f1b")) == " (did you mean 'interleaved-1f1b'?)"
+    assert nearest_text("", gpus) == ""  # an empty name begins every one: none is meant
+
+
 def test_no_module_writes_either_sentence_by_hand():
     folders = [folder for folder in ROOT.iterdir() if folder.is_dir() and folder.name != "tests"
                and not folder.name.startswith(".")]  # the package's own, not the virtual environment's
