@@ -196,8 +196,9 @@ def test_tune_tries_full_recomputation_beside_recompute_modules(monkeypatch):
     estimate = tune.estimated_profile
     monkeypatch.setattr(tune, "estimated_profile", lambda what, counted, parallel, *args: estimated.add(
         (parallel.recompute, parallel.recompute_modules)) or estimate(what, counted, parallel, *args))
+    # One method: tune estimates every setting before its search, whatever the methods.
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "4", "--devices", "4",
-                             "--recompute-modules", "layernorm")
+                             "--recompute-modules", "layernorm", "-s", "1f1b")
     assert code == 0, err
     assert estimated == {("none", ("layernorm",)), ("selective", ("layernorm",)), ("full", ())}
 
