@@ -69,6 +69,9 @@ STUDY_MODELS = ("mlp", "cnn")
 # MemoryError's traceback as its list was made.
 MAX_SEEDS = 1000
 
+# The default study as measured (docs/study.md), which `--plot-only` shows without training, from the repository's root.
+COMMITTED_STUDY = "traces/study/digits-mlp-p4.json"
+
 
 def study(
     ctx: typer.Context,
@@ -123,7 +126,12 @@ def study(
             if trained:  # ignored, where the table and page showed --results' own setting
                 raise InputError(f"{', '.join(trained)}: --plot-only trains nothing and shows --results as it was "
                                  "recorded; leave it out")
-            saved = load_results(results)
+            try:
+                saved = load_results(results)
+            except ResultsError as exc:  # a new user's first `--plot-only`, before any study ran here
+                raise exc if results.exists() else ResultsError(f"{exc}; `pipesim study` writes it (about 8 minutes "
+                                                                f"on 2 cores), or show the committed study: "
+                                                                f"--results {COMMITTED_STUDY}") from None
             setting = Setting(**saved.setting)
             chosen, rates, seed_list = recorded_arms(saved)
             if not chosen:

@@ -164,6 +164,18 @@ def test_plot_only_needs_a_readable_results_file(tmp_path, content, message):
     assert code == 2 and err.startswith("error: --results: ") and message in err
 
 
+def test_plot_only_without_a_study_here_says_how_to_get_one(tmp_path, monkeypatch):
+    """docs/study.md's second line, `pipesim study --plot-only`, in a folder where no study ran said only that
+    study.json could not be read: it names the command that writes it and the committed study it can show."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim("study", "--plot-only")
+    assert code == 2 and out == "" and not list(tmp_path.iterdir())
+    assert err == ("error: --results: cannot read study results file study.json: No such file or directory; "
+                   "`pipesim study` writes it (about 8 minutes on 2 cores), or show the committed study: --results "
+                   "traces/study/digits-mlp-p4.json\n"), err
+    assert (Path(__file__).resolve().parents[1] / "traces" / "study" / "digits-mlp-p4.json").exists()
+
+
 @pytest.mark.parametrize("args,flags", [
     (("-p", 2), "--stages"), (("-s", "1f1b", "--model", "cnn"), "--schedule, --model"),
     (("--no-timing",), "--timing/--no-timing"),
