@@ -33,6 +33,8 @@ OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 HELD_PRODUCT_SLOWDOWN = 2
 # A time in one unit throughout: the engine's integer picoseconds, or ms (`held_compute`)
 Time = TypeVar("Time", int, float)
+# A span after every kernel's (`held_compute`)
+_NO_KERNEL = (math.inf, math.inf)
 
 
 def product_delay(kernel: float, product: float, slower: float = HELD_PRODUCT_SLOWDOWN) -> float:
@@ -50,7 +52,8 @@ def product_delay(kernel: float, product: float, slower: float = HELD_PRODUCT_SL
     if not product:
         return kernel * (1 - 1 / slower)
     spans, left = divmod(kernel, slower * product)
-    return spans * (slower - 1) * product + min(left, (slower - 1) * product)
+    most = (slower - 1) * product  # in the product the kernel ends in
+    return spans * (slower - 1) * product + (left if left <= most else most)
 
 
 def held_compute(kernels: Sequence[tuple[Time, Time]], start: Time, work: Time, product: Time | None,
@@ -71,31 +74,31 @@ def held_compute(kernels: Sequence[tuple[Time, Time]], start: Time, work: Time, 
     else:  # none runs beside the work (about half the engine's calls): spare the spans, which would hold nothing
         return stop, []
     clock, done, holds = start, 0, []
-    for begin, end in _joined(sorted(kernels)):
-        if end <= clock:
+    spans = sorted(kernels)
+    spans.append(_NO_KERNEL)  # after the last: the spans joined up to it are held
+    spans = iter(spans)
+    begin, end = next(spans)
+    for later_begin, later_end in spans:
+        if later_begin <= end:  # overlaps or touches the kernels joined so far: one span
+            if later_end > end:
+                end = later_end
             continue
-        if begin >= clock + work - done:
-            break
-        if begin > clock:
-            done += begin - clock
-            clock = begin
-        held = (end - clock if product is None
-                else min(product_delay(end - clock, product, slower), (work - done) * (slower - 1)))
-        holds += hold_tag, done, held
-        clock += held
+        if end > clock:
+            if begin >= clock + work - done:
+                break
+            if begin > clock:
+                done += begin - clock
+                clock = begin
+            if product is None:
+                held = end - clock
+            else:
+                held, most = product_delay(end - clock, product, slower), (work - done) * (slower - 1)
+                if held > most:
+                    held = most
+            holds += hold_tag, done, held
+            clock += held
+        begin, end = later_begin, later_end
     return clock + work - done, holds
-
-
-def _joined(kernels: list[tuple[Time, Time]]) -> list[tuple[Time, Time]]:
-    """Sorted (begin, end) spans joined where they overlap or touch: the times some kernel runs."""
-    joined: list[tuple[Time, Time]] = []
-    for begin, end in kernels:
-        if joined and begin <= joined[-1][1]:
-            if end > joined[-1][1]:
-                joined[-1] = (joined[-1][0], end)
-        else:
-            joined.append((begin, end))
-    return joined
 
 
 @dataclass(frozen=True)
