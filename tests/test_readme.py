@@ -74,15 +74,20 @@ def _run_section(commands: list[str], folder: Path, host_cache: Path) -> str | N
 
 
 @pytest.fixture(scope="module")
-def section_runs(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
+def host_cache(tmp_path_factory) -> Path:
+    """The host cache the README's sections share, as one user's machine does."""
+    return tmp_path_factory.mktemp("pipesim-cache")
+
+
+@pytest.fixture(scope="module")
+def section_runs(request, tmp_path_factory, host_cache) -> Iterator[dict[str, Future]]:
     """The selected sections, started at once in two chains, as two users on a 2-core machine would: the sections
-    that measure (calibrate, run, study) one after another in one, sharing one host cache as one user's machine
-    does, every other section in the other. Each section still runs its commands in order in a folder of its own:
-    section -> its outcome (`_run_section`)."""
+    that measure (calibrate, run, study) one after another in one, every other section in the other, all sharing
+    `host_cache`. Each section still runs its commands in order in a folder of its own: section -> its outcome
+    (`_run_section`)."""
     selected = {item.callspec.params["section"] for item in request.session.items
                 if item.originalname == "test_every_readme_command_runs_as_written"}
     sections = {title: commands for title, commands in readme_sections().items() if title in selected}
-    host_cache = tmp_path_factory.mktemp("pipesim-cache")
     chains = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
     runs = {title: chains[any(c.startswith(MEASURING) for c in commands)].submit(
                 _run_section, commands, tmp_path_factory.mktemp("section"), host_cache)
@@ -99,13 +104,18 @@ def test_every_readme_command_runs_as_written(section, section_runs):
     assert failure is None, failure
 
 
-def test_the_models_sections_figures_are_what_its_commands_print():
+def test_the_models_sections_figures_are_what_its_commands_print(section_runs, host_cache, monkeypatch):
     """The prose under "Models and parallelism of now" quotes DeepSeek-V3's step and peak per schedule (and
     DualPipeV's peak in BF16, the same command) and Llama 3.1 405B's GPUs and step: each is what its command prints, to
-    the digit quoted, and DualPipeV fits an H100 where ZB-V and BF16 do not."""
+    the digit quoted, and DualPipeV fits an H100 where ZB-V and BF16 do not. Where the section ran here, its commands
+    (`--json` added) read the counts it kept, as they would on the user's machine after it."""
     from tests.conftest import simulate_json
 
-    commands = readme_sections()["Models and parallelism of now"]
+    title = "Models and parallelism of now"
+    if title in section_runs:
+        section_runs[title].result()
+        monkeypatch.setenv("PIPESIM_CACHE_DIR", str(host_cache))
+    commands = readme_sections()[title]
     (deepseek,) = [" ".join(c.split()) for c in commands if "deepseek-v3" in c]
     (llama,) = [c for c in commands if "llama3.1-405b" in c]
     in_bf16 = deepseek.replace("--dtype fp8 --fp8-recipe deepseek", "--dtype bf16")
@@ -117,7 +127,7 @@ def test_the_models_sections_figures_are_what_its_commands_print():
 
     fp8, bf16 = results(deepseek), results(in_bf16)
     llama_1f1b = results(llama)["1f1b"]
-    text = prose("Models and parallelism of now")
+    text = prose(title)
     quoted = {f"DualPipeV {fp8['dualpipev']['time_per_minibatch_ms'] / 1e3:.1f} s a step in "
               f"{fp8['dualpipev']['peak_memory_mb'] / 1024:.1f} GiB against 1F1B's "
               f"{fp8['1f1b']['time_per_minibatch_ms'] / 1e3:.1f}",
