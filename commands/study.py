@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -69,8 +70,20 @@ STUDY_MODELS = ("mlp", "cnn")
 # MemoryError's traceback as its list was made.
 MAX_SEEDS = 1000
 
-# The default study as measured (docs/study.md), which `--plot-only` shows without training, from the repository's root.
-COMMITTED_STUDY = "traces/study/digits-mlp-p4.json"
+# The default study as measured (docs/study.md), which `--plot-only` shows without training: in the repository this
+# package is (an editable install's), absent from a wheel's.
+COMMITTED_STUDY = Path(__file__).resolve().parents[1] / "traces" / "study" / "digits-mlp-p4.json"
+
+
+def _committed_study_text() -> str:
+    """How to show the committed study from the current folder: its path as given here, relative where it lies under
+    this folder (the repository's root: "traces/study/digits-mlp-p4.json"), else whole, as a relative path named from
+    another folder is not there; nothing where this install holds none."""
+    if not COMMITTED_STUDY.is_file():
+        return ""
+    here = Path.cwd().resolve()
+    shown = COMMITTED_STUDY.relative_to(here) if COMMITTED_STUDY.is_relative_to(here) else COMMITTED_STUDY
+    return f", or show the committed study: --results {shlex.quote(str(shown))}"
 
 
 def study(
@@ -130,8 +143,7 @@ def study(
                 saved = load_results(results)
             except ResultsError as exc:  # a new user's first `--plot-only`, before any study ran here
                 raise exc if results.exists() else ResultsError(f"{exc}; `pipesim study` writes it (about 8 minutes "
-                                                                f"on 2 cores), or show the committed study: "
-                                                                f"--results {COMMITTED_STUDY}") from None
+                                                                f"on 2 cores){_committed_study_text()}") from None
             setting = Setting(**saved.setting)
             chosen, rates, seed_list = recorded_arms(saved)
             if not chosen:

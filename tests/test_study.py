@@ -166,14 +166,20 @@ def test_plot_only_needs_a_readable_results_file(tmp_path, content, message):
 
 def test_plot_only_without_a_study_here_says_how_to_get_one(tmp_path, monkeypatch):
     """docs/study.md's second line, `pipesim study --plot-only`, in a folder where no study ran said only that
-    study.json could not be read: it names the command that writes it and the committed study it can show."""
+    study.json could not be read: it names the command that writes it and the committed study it can show, by a path
+    that is there from the user's folder: relative from the repository's root, whole from any other folder, where
+    "traces/study/digits-mlp-p4.json" was missing too and, given, was refused with the same advice."""
     monkeypatch.chdir(tmp_path)
     code, out, err = pipesim("study", "--plot-only")
     assert code == 2 and out == "" and not list(tmp_path.iterdir())
     assert err == ("error: --results: cannot read study results file study.json: No such file or directory; "
                    "`pipesim study` writes it (about 8 minutes on 2 cores), or show the committed study: --results "
-                   "traces/study/digits-mlp-p4.json\n"), err
-    assert (Path(__file__).resolve().parents[1] / "traces" / "study" / "digits-mlp-p4.json").exists()
+                   f"{COMMITTED}\n"), err
+    code, out, err = pipesim("study", "--plot-only", "--results", err.split()[-1], "--html", tmp_path / "s.html")
+    assert code == 0 and (tmp_path / "s.html").exists(), err  # the advice, followed, shows it
+    monkeypatch.chdir(COMMITTED.parents[2])
+    code, out, err = pipesim("study", "--plot-only", "--results", tmp_path / "none.json")
+    assert code == 2 and err.endswith("show the committed study: --results traces/study/digits-mlp-p4.json\n"), err
 
 
 @pytest.mark.parametrize("args,flags", [
