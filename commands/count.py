@@ -26,7 +26,7 @@ from .common import (
     stderr,
     transient_status,
 )
-from .tables import print_table
+from .tables import print_message, print_table
 
 if TYPE_CHECKING:
     from ..workload.count import LayerCount, WorkloadCount
@@ -68,8 +68,8 @@ def count(
         return
     print_table(_table(counted))
     if counted.options.get("experts"):
-        stderr.print(_routing_note(counted), highlight=False)
-    stderr.print(f"counted on the meta device in {time.perf_counter() - started:.1f} s", highlight=False)
+        print_message(_routing_note(counted), stderr)
+    print_message(f"counted on the meta device in {time.perf_counter() - started:.1f} s", stderr)
 
 
 def _routing_note(counted: WorkloadCount) -> str:

@@ -266,6 +266,16 @@ def test_count_prints_a_table_and_json_whose_totals_are_the_layers_sums():
     assert code == 0 and "1:_Block..3" in out and "total" in out  # alike blocks fold into one row
 
 
+def test_counts_notes_are_each_one_line_where_piped():
+    """The note on how routed experts are counted, piped or logged, is one line as every other note and warning
+    (commands/tables.py print_message): it wrapped at 120 columns, breaking "... of a" / "micro-batch's 16 tokens"."""
+    code, out, err = pipesim("count", "--layers", 1, "--width", 32, "--heads", 4, "--seq-len", 16, "--vocab", 64,
+                             "--experts", 4, "--capacity-factor", 1.25)
+    assert code == 0 and err.splitlines()[0] == (
+        "routed experts counted at balanced routing: each of the 4 computes 10 of a micro-batch's 16 tokens (top 2, "
+        "padded to its capacity)"), err
+
+
 def test_a_micro_batch_past_the_hosts_memory_is_counted_on_the_meta_device_alone():
     """The count made the batch on the host first: `-b 10**12` of the gpt's tokens was torch's allocation traceback
     (simulate, estimate and tune --gpu too); one sample is made there now, the micro-batch on the meta device."""
