@@ -33,8 +33,9 @@ OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 HELD_PRODUCT_SLOWDOWN = 2
 # A time in one unit throughout: the engine's integer picoseconds, or ms (`held_compute`)
 Time = TypeVar("Time", int, float)
-# A span after every kernel's (`held_compute`)
-_NO_KERNEL = (math.inf, math.inf)
+# A span that joins none before it (`held_compute`): NaN compares false with every end, even a kernel's that never
+# ends (inf), which an (inf, inf) span would join and so leave unheld
+_NO_KERNEL = (math.nan, math.nan)
 
 
 def product_delay(kernel: float, product: float, slower: float = HELD_PRODUCT_SLOWDOWN) -> float:

@@ -204,3 +204,11 @@ def test_held_compute_steps_the_rule_a_picosecond_at_a_time_would(data, start_ps
         assert isinstance(whole_end, int) and all(isinstance(held, int) for held in whole_holds)
     float_end, _ = held_compute(kernels, start_ps, work_ps, product_ps, float(slower))
     assert float_end == pytest.approx(end, rel=1e-9)
+
+
+def test_a_kernel_that_never_ends_holds_the_work_it_meets_for_good():
+    """A kernel ending at inf (ms beside compute whose products' time is not known) holds the work for good, alone
+    or joined to one before it; the one pass over the sorted kernels once joined it to its end-of-list span and
+    held nothing, ending the work at its own speed (4.0)."""
+    for kernels in ([(0.0, math.inf)], [(0.0, 2.0), (2.0, math.inf)]):
+        assert held_compute(kernels, 1.0, 3.0, None, hold_tag=7) == (math.inf, [7, 0, math.inf])
