@@ -22,10 +22,10 @@ import pstats
 import resource
 import time
 
-from rich.console import Console
 from rich.table import Table
 
 from pipesim.allocator import keep_freed_memory, no_huge_pages
+from pipesim.commands.tables import print_table
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.schedules.lowering import lower, preflight
 from pipesim.sim import Cluster, Costs, engine
@@ -104,7 +104,7 @@ def main() -> None:
             f"{r['rows'] / simulate_s:,.0f}",
             f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] * MIB / r['rows']:,.0f}",
         )
-    Console(width=200).print(table)
+    print_table(table)
 
 
 if __name__ == "__main__":

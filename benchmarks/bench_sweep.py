@@ -17,8 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
+
+from pipesim.commands.tables import print_table
 
 
 def sweep(args: argparse.Namespace, workers: int, out: Path) -> float:
@@ -54,7 +55,7 @@ def main() -> None:
                 statuses = [row["status"] for row in csv.DictReader(handle)]
             table.add_row(str(workers), f"{len(statuses):,}", f"{statuses.count('ok'):,}",
                           f"{statuses.count('skipped'):,}", f"{seconds:.1f}", f"{len(statuses) / seconds:,.0f}")
-    Console(width=200).print(table)
+    print_table(table)
 
 
 if __name__ == "__main__":

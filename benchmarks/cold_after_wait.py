@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from pipesim.calibrate.measure import DTYPES, Settings, measure_bytes
 from pipesim.calibrate.passes import StageRun, stage_runs
+from pipesim.commands.tables import print_table
 from pipesim.workload.models import build_model
 
 WAITS_MS = (0.2, 1.0, 5.0)
@@ -93,7 +93,7 @@ def main() -> None:
         table.add_row(str(k), context, f"{np.median(fwd):.3f}", f"{np.median(bwd):.3f}",
                       f"{np.median(fwd / hot_f):.3f}", f"{np.median(bwd / hot_b):.3f}",
                       f"{np.ptp(fwd / hot_f):.3f}, {np.ptp(bwd / hot_b):.3f}")
-    Console(width=120).print(table)
+    print_table(table, keys=2)  # a row: its stage and context
 
 
 if __name__ == "__main__":

@@ -17,10 +17,10 @@ import argparse
 import time
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from pipesim.calibrate import contention
+from pipesim.commands.tables import print_table
 from pipesim.profiles.schema import load_profile
 
 
@@ -83,7 +83,7 @@ def main() -> None:
         median = float(np.median(factors))
         table.add_row(f"{name} {values}", f"{median:.3f}", f"{np.ptp(factors) / median:.1%}",
                       " ".join(f"{f:.2f}" for f in factors), f"{np.median(rounds):g}", f"{np.median(seconds):.2f}")
-    Console(width=150).print(table)
+    print_table(table)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_json
+from pipesim.commands.common import refuse_unwritable, stdout, write_json
+from pipesim.commands.tables import print_paragraph, print_table
 from pipesim.executor import RunSpec, carried_bounds, even_bounds, run_multiprocess
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_scenario
@@ -442,20 +443,21 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
     header = (f"{chain.model} {chain.options}, b={chain.microbatch_size}, p={chain.stages}, m={chain.microbatches}, "
               f"{chain.steps} timed mini-batches after {chain.warmup}; gloo CPU, 1 thread/rank; {repeats} "
               f"repeats (graphpipe: {dag.model} {dag.options}, p={dag.stages}); {all_cores.environment.device_name}")
-    console.print(method_table(rows, f"fidelity: predicted (profile only) vs measured (pipesim's executor)\n{header}"))
+    print_table(method_table(rows, f"fidelity: predicted (profile only) vs measured (pipesim's executor)\n{header}"),
+                console)
     noise = float(np.median([r.spread for r in rows]))
     op_noise = [r.per_op_noise for r in rows if r.per_op_noise is not None]
     op_noise = float(np.median(op_noise)) if op_noise else None
-    console.print(f"noise floor: the same run repeated varies by {noise:.1%} (median over methods of (max - min) / "
-                  f"median of its repeats), and op by op by {_pct(op_noise, signed=False)} (median per-op noise); "
-                  "errors below them are not resolved", highlight=False)
+    print_paragraph(f"noise floor: the same run repeated varies by {noise:.1%} (median over methods of (max - min) / "
+                    f"median of its repeats), and op by op by {_pct(op_noise, signed=False)} (median per-op noise); "
+                    "errors below them are not resolved", console)
 
     chain_cases = [c for c in cases if c.workload == chain]
     variants = [term_variants(profile, all_cores) for profile in profiles[chain.model]]  # per repeat
     lines = [(label, [row(c.method, comparisons(c, [terms[i][1] for terms in variants])) for c in chain_cases])
              for i, (label, _) in enumerate(variants[0])]
     focus = "1f1b" if "1f1b" in {c.method for c in chain_cases} else chain_cases[0].method
-    console.print(terms_table(lines, focus))
+    print_table(terms_table(lines, focus), console)
     at_means = {c.method: [compare(with_measured_ops(run, profile), run) for run, profile in
                            zip(c.runs, profiles[chain.model])] for c in chain_cases}
     structure = {method: float(np.median([c.iteration_time_error for c in found]))
@@ -465,17 +467,17 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
     op_floor = float(np.median([np.median(errors) for found in at_means.values()
                                 if (errors := [c.compute_duration_median for c in found
                                                if c.compute_duration_median is not None])]))
-    console.print(f"with every compute op at its measured mean (the schedule, links and row gaps alone): median "
-                  f"|iteration error| {float(np.median(np.abs(list(structure.values())))):.1%}, {focus} "
-                  f"{structure[focus]:+.1%}; the rest of each method's error is in the op times. Per op "
-                  f"{op_floor:.1%}: how far a run's ops scatter about their own (stage, kind) mean, which pricing "
-                  "each stage and kind at its mean leaves", highlight=False)
+    print_paragraph(f"with every compute op at its measured mean (the schedule, links and row gaps alone): median "
+                    f"|iteration error| {float(np.median(np.abs(list(structure.values())))):.1%}, {focus} "
+                    f"{structure[focus]:+.1%}; the rest of each method's error is in the op times. Per op "
+                    f"{op_floor:.1%}: how far a run's ops scatter about their own (stage, kind) mean, which pricing "
+                    "each stage and kind at its mean leaves", console)
     contexts = op_contexts([run for c in chain_cases for run in c.runs])
-    console.print("in the runs, F, B, I and W against their own (stage, kind) median: " + "; ".join(
+    print_paragraph("in the runs, F, B, I and W against their own (stage, kind) median: " + "; ".join(
         f"{context} {ratio:.3f}x ({count} ops)" for context, (ratio, count) in contexts.items()) +
         f" (a wait: the rank idle {WAIT_MS:g} ms or more before the op; others idle or computing: another rank "
         "computing during under a fifth or over four fifths of it). Cold caches after a wait and contention are both "
-        "in these ratios, and an op with the others idle more often follows a wait", highlight=False)
+        "in these ratios, and an op with the others idle more often follows a wait", console)
 
     torch_rows = []
     # torch's ranks are processes on the same cores: the host's terms apply, pipesim's runtime's do not; its
@@ -505,13 +507,13 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
                               float((max(samples) - min(samples)) / measured), (predicted - measured) / measured,
                               None, None))
     if torch_rows:
-        console.print(method_table(torch_rows, "torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B), same "
-                                               "model and even cut: predicted from the profile's stage passes, "
-                                               "threads and contention, and torch's cost per forward and backward "
-                                               "action measured on a one-block probe (pipesim's runtime terms "
-                                               "left out)"))
-        console.print("torch's cost per action (median over repeats): " + ", ".join(
-            f"{method} {ms:.3f} ms" for method, ms in action_ms.items()), highlight=False)
+        print_table(method_table(torch_rows, "torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B), same "
+                                             "model and even cut: predicted from the profile's stage passes, "
+                                             "threads and contention, and torch's cost per forward and backward "
+                                             "action measured on a one-block probe (pipesim's runtime terms "
+                                             "left out)"), console)
+        print_paragraph("torch's cost per action (median over repeats): " + ", ".join(
+            f"{method} {ms:.3f} ms" for method, ms in action_ms.items()), console)
     write_json(out, {
         "workload": header, "noise_floor": noise, "per_op_noise_floor": op_noise,
         "methods": [vars(r) for r in rows], "structure_only": structure, "per_op_floor": op_floor,
@@ -561,7 +563,7 @@ def main() -> None:
                            methods="default: every method (--quick: three)",
                            quick="mlp 4x256, 1+3 mini-batches, 2 repeats, no torch")
     methods = args.methods or (["gpipe", "1f1b", "zb-h1"] if args.quick else list(METHODS))
-    console = Console(width=160)
+    console = stdout  # the terminal's width, its tables fitted there (commands/tables.py); piped, whole rows
     measure_then_report(args, lambda folder: measure(args, methods, folder, lambda text: console.print(
         text, style="dim", highlight=False)), lambda folder: report(args.quick, folder, console, args.json))
 

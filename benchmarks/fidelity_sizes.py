@@ -52,7 +52,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pipesim.calibrate.runtime import warmup_ms
-from pipesim.commands.common import write_json
+from pipesim.commands.common import stdout, write_json
+from pipesim.commands.tables import print_paragraph, print_table
 from pipesim.planning.replay import predict_measured
 from pipesim.profiles.schema import Profile, load_profile
 from pipesim.traces.trace import Stream, Trace, read_trace, write_trace
@@ -228,21 +229,21 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
     load = json.loads((folder / "load.json").read_text()) if (folder / "load.json").exists() else None
     busy = (f"the host's load average ran {min(load['load_average']):.1f}-{max(load['load_average']):.1f} on "
             f"{load['cpus']} cores while it measured" if load else "the host's load was not recorded")
-    console.print(size_table(cells, f"Green: within the 5 % target; {busy}."))
+    print_table(size_table(cells, f"Green: within the 5 % target; {busy}."), console)
     for size in sizes:
         s = summary[size.key]
-        console.print(f"{size.label} ({size.key}): median |iteration error| {s['median_abs_error']:.1%} over its "
-                      f"lengths and methods; noise floor: the run repeated {s['median_noise']:.1%}, the calibration "
-                      f"repeated ({s['calibrations']}) {s['median_calibration_noise']:.1%}; warm-up, us per row, 8 "
-                      f"compute rows at a time: calibrated {_extra(s['warmup_ms_calibrated'])}, in its "
-                      f"{max(lengths)}-mini-batch runs {_extra(s['warmup_ms_in_runs'])}", highlight=False)
+        print_paragraph(f"{size.label} ({size.key}): median |iteration error| {s['median_abs_error']:.1%} over its "
+                        f"lengths and methods; noise floor: the run repeated {s['median_noise']:.1%}, the calibration "
+                        f"repeated ({s['calibrations']}) {s['median_calibration_noise']:.1%}; warm-up, us per row, 8 "
+                        f"compute rows at a time: calibrated {_extra(s['warmup_ms_calibrated'])}, in its "
+                        f"{max(lengths)}-mini-batch runs {_extra(s['warmup_ms_in_runs'])}", console)
     width = max(r.shape[1] for r in pooled)
     ratios = np.vstack([np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=np.nan) for r in pooled])
     by_minibatch = np.nanmedian(ratios, axis=0)
     later = f"; from 9 on {np.nanmedian(ratios[:, 8:]):.2f}" if width > 8 else ""
-    console.print(f"mini-batch j's measured time over its steady-pace prediction, median over the {max(lengths)}"
-                  "-mini-batch runs of every size and method: " + ", ".join(
-                      f"{j + 1}: {ratio:.2f}" for j, ratio in enumerate(by_minibatch[:8])) + later, highlight=False)
+    print_paragraph(f"mini-batch j's measured time over its steady-pace prediction, median over the {max(lengths)}"
+                    "-mini-batch runs of every size and method: " + ", ".join(
+                        f"{j + 1}: {ratio:.2f}" for j, ratio in enumerate(by_minibatch[:8])) + later, console)
     write_json(out, {
         "cells": [{"size": c.size.key, "label": c.size.label, "fwd_ms": c.fwd_ms, "minibatches": c.minibatches,
                    "warmup_ms": c.warmup_ms, "iteration_error_at_steady_pace": c.error_steady,
@@ -262,7 +263,7 @@ def main() -> None:
     if args.sizes:
         sizes = tuple(size for size in SIZES if size.key in args.sizes)
     methods = args.methods or (["1f1b"] if args.quick else ["gpipe", "1f1b"])
-    console = Console(width=160)
+    console = stdout  # the terminal's width, its table fitted there (commands/tables.py); piped, whole rows
     measure_then_report(args, lambda folder: measure(sizes, lengths, methods, args.repeats, args.quick, folder, (
         lambda text: console.print(text, style="dim", highlight=False))), lambda folder: report(folder, console,
                                                                                                  args.json))

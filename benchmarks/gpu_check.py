@@ -36,9 +36,10 @@ from pathlib import Path
 
 import numpy as np
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
+from pipesim.commands.common import stdout
+from pipesim.commands.tables import print_paragraph, print_table
 from pipesim.hardware.catalogue import CatalogueError, load_catalogue
 from pipesim.planning.replay import predict_measured
 from pipesim.profiles.schema import PASSES, Profile, load_profile, stages_for
@@ -51,7 +52,7 @@ SHAPES = {  # a GPT whose layers take about a millisecond on an H100, and a smal
              "-b", "4"],
     "quick": ["--layers", "4", "--width", "128", "--heads", "4", "--seq-len", "64", "--vocab", "512", "-b", "2"],
 }
-console = Console()
+console = stdout  # the terminal's width, its table fitted there (commands/tables.py); piped, whole rows
 
 
 def pipesim(*args: str, log: Path, failed: dict[str, str] | None = None) -> str | None:
@@ -233,20 +234,20 @@ def main() -> None:
             measured = [check["steps"][method]["ops"].get(f"{k}{kind}") for method in METHODS]
             table.add_row(str(k), kind, *guesses, f"{passes_ms[name]:.3f}",
                           *("-" if ms is None else f"{ms:.3f}" for ms in measured))
-    console.print(table)
+    print_table(table, console, keys=2)  # a row: its stage and op
     for k, (queued, idle) in enumerate(zip(*check["pass_issue_ms"].values())):
-        console.print(f"stage {k} passes queued / from an idle GPU, ms: " + ", ".join(
-            f"{name} {queued[name]:.3f} / {idle[name]:.3f}" for name in queued), highlight=False)
+        print_paragraph(f"stage {k} passes queued / from an idle GPU, ms: " + ", ".join(
+            f"{name} {queued[name]:.3f} / {idle[name]:.3f}" for name in queued), console)
     if estimated:
-        console.print(f"estimated: on two {part}s over the catalogue's NVLink, as `pipesim simulate` prices the "
-                      "estimate; as run: the estimate's compute where the run's ranks computed (one GPU for "
-                      "both), over the calibration's links, with its runtime terms", highlight=False)
+        print_paragraph(f"estimated: on two {part}s over the catalogue's NVLink, as `pipesim simulate` prices the "
+                        "estimate; as run: the estimate's compute where the run's ranks computed (one GPU for "
+                        "both), over the calibration's links, with its runtime terms", console)
     for step, found in check["steps"].items():
         guess = "".join(f"estimated ({source} curve) {found[f'estimated_{source}_ms']:.2f} ms, as run "
                         f"{found[f'estimated_{source}_as_run_ms']:.2f} ms, " for source in estimated
                         if f"estimated_{source}_ms" in found)
-        console.print(f"{step} per mini-batch: {guess}calibrated {found['calibrated_ms']:.2f} ms, measured "
-                      f"{found['measured_ms']:.2f} ms (calibrated's error {found['error']:+.1%})", highlight=False)
+        print_paragraph(f"{step} per mini-batch: {guess}calibrated {found['calibrated_ms']:.2f} ms, measured "
+                        f"{found['measured_ms']:.2f} ms (calibrated's error {found['error']:+.1%})", console)
         if step.endswith("-again"):
             first = check["steps"][step.removesuffix("-again")]["measured_ms"]
             console.print(f"  noise floor: the two {step.removesuffix('-again')} runs measured "

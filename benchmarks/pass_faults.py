@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 from fidelity_sizes import SIZES  # this folder's
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 FAULTED = 50  # minor faults in one pass that mark it as faulting (a faulting backward has hundreds)
@@ -157,12 +156,14 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*args.child, args.neighbours, args.kept)))
         return
-    from pipesim.commands.common import refuse_unwritable, write_json  # not in a child: its allocator's history
+    # not in a child: its allocator's history
+    from pipesim.commands.common import refuse_unwritable, stdout, write_json
+    from pipesim.commands.tables import print_paragraph, print_table
 
     refuse_unwritable(("--json", args.json))
     if args.processes < 1 or args.passes < 10:
         parser.error("--processes must be >= 1 and --passes >= 10")
-    console = Console(width=160)
+    console = stdout  # the terminal's width, its tables fitted there (commands/tables.py); piped, whole rows
     faults = Table(title="stage 0's passes as calibration times them, per fresh process: ms without / with page "
                    "faults, share of passes faulting", title_justify="left", box=box.SIMPLE_HEAD)
     for header in ("size", "allocator", "pass", "without faults ms", "faulting ms", "pages", "share faulting"):
@@ -198,10 +199,10 @@ def main() -> None:
                          *(f"{cpu[mode][kind] / idle:.3f}x" for mode in (*NEIGHBOURS[1:], *FLUSHES)))
         out["sizes"][size.key] = {"passes": record, "neighbour_cpu_ms": cpu}
     out["load_average"].append(os.getloadavg()[0])
-    console.print(faults)
-    console.print(busy)
-    console.print(f"the host's load average ran {min(out['load_average']):.1f}-{max(out['load_average']):.1f} on "
-                  f"{out['cpus']} cores", highlight=False)
+    print_table(faults, console, keys=3)  # a row: its size, allocator and pass
+    print_table(busy, console, keys=2)  # a row: its size and pass
+    print_paragraph(f"the host's load average ran {min(out['load_average']):.1f}-{max(out['load_average']):.1f} on "
+                    f"{out['cpus']} cores", console)
     write_json(args.json, out)
 
 
