@@ -12,8 +12,12 @@ from rich.table import Table
 
 from ..traces.metrics import figure_text
 from .common import GpusFile, fail
-from .tables import print_table
+from .tables import print_table, said_once
 
+# a network's kind as the table writes it and in words: "400 infiniband" took the 6 columns that printed the
+# catalogue's table in two parts at 80
+NETWORK_SHORT = {"infiniband": "IB", "roce": "RoCE", "ethernet": "Eth"}
+NETWORK_NAMES = {"infiniband": "InfiniBand", "roce": "RDMA over Converged Ethernet", "ethernet": "Ethernet"}
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")]
 
 
@@ -30,19 +34,29 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
     if as_json:
         sys.stdout.write(json.dumps(catalogue.model_dump(mode="json"), indent=2) + "\n")
         return
+    parts = catalogue.gpu.values()
+    columns = {
+        "GiB": [figure_text(part.memory_gib) for part in parts],
+        "GB/s": [figure_text(part.memory_bandwidth_gb_s) for part in parts],
+        **{dtype: [figure_text(value) if (value := getattr(part.dense_tflops, dtype)) is not None else "-"
+                   for part in parts] for dtype in ("fp32", "tf32", "bf16", "fp16", "fp8")},
+        "in node": [f"{part.intra_node.link} {figure_text(part.intra_node.gb_s_per_direction)}" for part in parts],
+        "per node": [str(part.intra_node.gpus_per_node) for part in parts],
+        "network Gb/s": [f"{figure_text(part.network.gbit_s)} {NETWORK_SHORT[part.network.kind]}" for part in parts],
+    }
+    said = said_once(columns, ("per node",))
+    kinds = dict.fromkeys(part.network.kind for part in parts)
     table = Table(title="GPUs: dense peak TFLOP/s; memory bandwidth and links in GB/s, per direction, per GPU",
-                  box=box.SIMPLE_HEAD)
-    for column in ("gpu", "GiB", "GB/s", "fp32", "tf32", "bf16", "fp16", "fp8", "in node", "network Gb/s"):
-        table.add_column(column, justify="left" if column in ("gpu", "in node", "network Gb/s") else "right",
+                  box=box.SIMPLE_HEAD, caption_justify="left",
+                  caption="per node: GPUs a node holds" + (f", {said['per node']} in every row" if said else "")
+                  + "; " + ", ".join(f"{NETWORK_SHORT[kind]}: {NETWORK_NAMES[kind]}" for kind in kinds))
+    table.add_column("gpu", no_wrap=True)
+    shown = [header for header in columns if header not in said]
+    for header in shown:
+        table.add_column(header, justify="left" if header in ("in node", "network Gb/s") else "right",
                          no_wrap=True)
-    for name, part in catalogue.gpu.items():
-        peak = part.dense_tflops
-        link = part.intra_node
-        table.add_row(name, figure_text(part.memory_gib), figure_text(part.memory_bandwidth_gb_s),
-                      *(figure_text(value) if value is not None else "-" for value in
-                        (peak.fp32, peak.tf32, peak.bf16, peak.fp16, peak.fp8)),
-                      f"{link.link} {figure_text(link.gb_s_per_direction)} x{link.gpus_per_node}",
-                      f"{figure_text(part.network.gbit_s)} {part.network.kind}")
+    for row, name in enumerate(catalogue.gpu):
+        table.add_row(name, *[columns[header][row] for header in shown])
     print_table(table)
     if catalogue.cluster:
         clusters = Table(title="clusters", box=box.SIMPLE_HEAD)

@@ -96,7 +96,7 @@ from .estimate import (
     tensors_alone_text,
     what_if,
 )
-from .tables import print_message, print_table
+from .tables import print_message, print_table, said_once
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 # --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger
@@ -587,7 +587,7 @@ def _steady_text(schedules: list, steady: list[bool]) -> str:
 def _print_table(summaries: list, schedules: list, steady: list[bool], example: bool, skipped: dict[str, str],
                  memory: list, basis: str, mfu: list[float | None], per_device: str) -> None:
     """The results side by side; with an estimate, MFU instead of the makespan (in --json), which N sets. The
-    columns of `SAID_ONCE` whose rows all agree are said once in the caption instead (`_said_once`)."""
+    columns of `SAID_ONCE` whose rows all agree are said once in the caption instead (`said_once`)."""
     first, estimated = schedules[0], any(share is not None for share in mfu)
     title = (f"p={count_text(first.num_devices, 'device')} per pipeline, "
              f"m={count_text(first.microbatches, 'micro-batch')}, N={count_text(first.minibatches, 'mini-batch')}"
@@ -608,7 +608,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
         **({} if estimated else {"makespan": [ms_text(s.makespan_ms) for s in summaries]}),
         **({"memory": ["OOM" if over else "fits" for over in overs]} if limited else {}),
     }
-    said = _said_once(columns)
+    said = said_once(columns, SAID_ONCE)
     ooms = [f"{_label(s, sched)} {over[0]}" for s, sched, over in zip(summaries, schedules, overs) if over]
     memory_text = ("" if not limited else "; memory: every device fits" if not ooms
                    else f"; memory: {' and '.join(ooms)}" + (", the others fit" if len(ooms) < len(summaries) else ""))
@@ -645,11 +645,6 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
 # their staleness) and whether it fits, alike for most sets of methods: the README's 175B what-if, one row, needed
 # 82 columns with them and was printed in two parts at 80.
 SAID_ONCE = ("copies", STALENESS_HEADER, "memory")
-
-
-def _said_once(columns: dict[str, list[str]]) -> dict[str, str]:
-    """Of `columns` (header: cells), those in `SAID_ONCE` whose cells are all the same, with that value."""
-    return {header: cells[0] for header, cells in columns.items() if header in SAID_ONCE and len(set(cells)) == 1}
 
 
 EXAMPLE_TRY = "pipesim simulate -s 1f1b -s xpipe -p 8 -m 32 --html t.html"  # the built-in example's next step

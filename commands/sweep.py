@@ -56,7 +56,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import count_what_if, estimated_profile, tensors_alone_text, what_if
-from .tables import print_table
+from .tables import print_table, said_once
 
 MAX_PORT = 65_535  # a TCP port's largest
 
@@ -305,9 +305,11 @@ def _limit_refused(results: list) -> str | None:
 
 
 FRONT_ROWS = 20  # the terminal's share of the Pareto fronts; --out and --html have them all
-# the fronts' short headers in words, under the table: a header must stay narrow for the table to fit 80 columns
-FRONT_HEADERS = ("v: chunks per device; P: pipelines; cost×: the costs' scale; s: the source of prediction "
-                 "distances (--prediction); R: auto's activation limit, in 1F1B's peak; -: not the method's")
+# the fronts' short headers in words, under the table: a header must stay narrow for the table to fit 80 columns;
+# each column every row agrees on is said there once instead (`said_once`: the grid sweep's s and R, all "-")
+FRONT_HEADERS = {"v": "chunks per device", "P": "pipelines", "cost×": "the costs' scale",
+                 "s": "the source of prediction distances (--prediction)",
+                 "R": "auto's activation limit, in 1F1B's peak"}
 
 
 def _print_front(results: list, front: list[int], alone: str) -> None:
@@ -315,36 +317,45 @@ def _print_front(results: list, front: list[int], alone: str) -> None:
     read from an estimate's profile leaves out (`tensors_alone_text`)."""
     from ..planning.sweep import front_group, ran_text
 
+    shown = front[:FRONT_ROWS]
+    over = any(results[i].metrics.out_of_memory for i in shown)  # a front of a model the devices cannot hold
+    folds = any(results[i].same_as for i in shown)
+    configs, metrics = [results[i].config for i in shown], [results[i].metrics for i in shown]
+    columns = {
+        "p": [str(c.stages) for c in configs], "m": [str(c.microbatches) for c in configs],
+        "v": [str(c.chunks) for c in configs], "P": [str(c.pipelines) for c in configs],
+        "cost×": [f"{c.cost_scale:g}" for c in configs], "s": [c.prediction or "-" for c in configs],
+        "R": ["-" if c.activation_limit is None else f"{c.activation_limit:g}" for c in configs],
+        "ms/step": [ms_text(m.time_per_minibatch_ms) for m in metrics],
+        "samples/s": [rate_text(m.samples_per_s) for m in metrics],
+        "bubble": [percent_text(m.bubble_fraction) for m in metrics],
+        "peak MiB": [mib_text(m.peak_memory_mb) for m in metrics],
+        STALENESS_HEADER: [str(m.max_staleness) for m in metrics],
+        **({"memory": ["OOM" if m.out_of_memory else "fits" for m in metrics]} if over else {}),
+        **({"same schedule as": [", ".join(s.variant for s in results[i].same_as) or "-" for i in shown]}
+           if folds else {}),
+    }
+    said = said_once(columns, tuple(FRONT_HEADERS))
     table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
                         f"mini-batch size: {len(front):,} of the {ran_text(results)}", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
-                  caption=FRONT_HEADERS + (f"; {alone}" if alone else "")
+                  caption="; ".join(f"{header}: {text}" + (f", {said[header]} in every row" if header in said else "")
+                                    for header, text in FRONT_HEADERS.items()) + "; -: not the method's"
+                  + (f"; {alone}" if alone else "")
                   + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
-                     if len(front) > FRONT_ROWS else ""))
+                     if len(front) > FRONT_ROWS else "")
+                  + ("; memory: OOM where a device's peak is past its memory (simulate names the devices)"
+                     if over else ""))
     table.add_column("schedule", no_wrap=True)
-    for header in ("p", "m", "v", "P", "cost×", "s", "R", "ms/step", "samples/s", "bubble", "peak MiB",
-                   STALENESS_HEADER):
-        table.add_column(header, justify="right", no_wrap=True)
-    shown = front[:FRONT_ROWS]
-    over = any(results[i].metrics.out_of_memory for i in shown)  # a front of a model the devices cannot hold
-    if over:
-        table.add_column("memory", no_wrap=True)
-        table.caption += "; memory: OOM where a device's peak is past its memory (simulate names the devices)"
-    folds = any(results[i].same_as for i in shown)
-    if folds:
-        table.add_column("same schedule as", no_wrap=True)
+    shown_headers = [header for header in columns if header not in said]
+    for header in shown_headers:
+        table.add_column(header, justify="left" if header in ("memory", "same schedule as") else "right",
+                         no_wrap=True)
     group = None
-    for i in shown:
-        c, m = results[i].config, results[i].metrics
+    for row, c in enumerate(configs):
         if group is not None and group != front_group(c):
             table.add_section()
         group = front_group(c)
-        table.add_row(c.schedule, str(c.stages), str(c.microbatches), str(c.chunks), str(c.pipelines),
-                      f"{c.cost_scale:g}", c.prediction or "-",
-                      "-" if c.activation_limit is None else f"{c.activation_limit:g}",
-                      ms_text(m.time_per_minibatch_ms), rate_text(m.samples_per_s), percent_text(m.bubble_fraction),
-                      mib_text(m.peak_memory_mb), str(m.max_staleness),
-                      *(["OOM" if m.out_of_memory else "fits"] * over),
-                      *([", ".join(s.variant for s in results[i].same_as) or "-"] if folds else []))
+        table.add_row(c.schedule, *[columns[header][row] for header in shown_headers])
     print_table(table)
 

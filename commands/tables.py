@@ -151,6 +151,13 @@ def _too_wide(table: Table, ranges: list[tuple[int, int, int]], width: int | Non
     return width is not None and _whole_width(table, [widest for *_, widest in ranges]) > width
 
 
+def said_once(columns: dict[str, list[str]], headers: tuple[str, ...]) -> dict[str, str]:
+    """Of `columns` (header: cells), those of `headers` whose cells are all the same, with that value: a column
+    every row agrees on is said once in the caption instead, so that the table fits (simulate's copies, staleness
+    and memory, sweep's s and R: the README's 175B what-if needed 82 columns with them and printed in two parts)."""
+    return {header: cells[0] for header, cells in columns.items() if header in headers and len(set(cells)) == 1}
+
+
 def print_tables(tables: list[Table], console: Console = stdout, keys: int = 1) -> None:
     """Print the tables of one output (`print_table` each) in one style: all compact where one must be."""
     width = available_width(console)

@@ -346,3 +346,27 @@ def test_a_wrapped_cell_never_breaks_between_a_figure_and_its_unit(monkeypatch):
     lines = [line.rstrip() for line in console.file.getvalue().splitlines()]
     assert not [line for line in lines if re.search(r"\d$", line)], lines
     assert max(map(len, lines)) <= 40 and "0 ms/step" in "\n".join(lines), lines
+
+
+def test_sweep_says_once_under_its_fronts_what_every_row_agrees_on(tmp_path, monkeypatch):
+    """The README's grid sweep printed its s and R columns all "-" (no prediction, no auto): a column every row
+    agrees on is said once in the caption, as simulate's are (`said_once`)."""
+    out = _output(["sweep", "-s", "1f1b,zb-h1", "-p", "2", "-m", "4,8", "-j", "1"], 80, tmp_path, monkeypatch)
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["schedule"])
+    assert header.split()[1:4] == ["p", "m", "ms/step"] and not {"v", "P", "cost×", "s", "R"} & set(header.split()), out
+    caption = " ".join(out.split())
+    assert "P: pipelines, 1 in every row" in caption, out
+    assert "s: the source of prediction distances (--prediction), - in every row" in caption, out
+    assert "R: auto's activation limit, in 1F1B's peak, - in every row" in caption, out
+
+
+def test_gpus_prints_the_catalogue_whole_at_80_columns(tmp_path, monkeypatch):
+    """`pipesim gpus` printed its network column as a second part at 80 columns: the GPUs per node, 8 in every
+    row, are said once under the table, and a network's kind is written short ("400 IB"), in words under it."""
+    out = _output(["gpus"], 80, tmp_path, monkeypatch)
+    lines = out.splitlines()
+    h100 = next(line.split() for line in lines if line.split()[:1] == ["h100-sxm"])
+    assert "printed in" not in out and max(map(len, lines)) <= 80, out
+    assert h100[-4:] == ["nvlink", "450", "400", "IB"], h100
+    caption = " ".join(out.split())
+    assert "per node: GPUs a node holds, 8 in every row; IB: InfiniBand, RoCE: RDMA over Converged Ethernet" in caption
