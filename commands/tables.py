@@ -28,6 +28,9 @@ READABLE_TEXT = 20  # characters: a text cell wraps no narrower where splitting 
 # characters: a row's name (a column of the first `keys`) this long stays on one line where splitting the table
 # into parts can keep it so: "interleaved-1f1b (v=2)" broke after its method at 80 columns, "xpipe (s:" over "paper)"
 ROW_NAME = 32
+# characters: a table's last column of text (tune's "why not") narrower than this beside the others is printed under
+# the table instead (`print_table_last_below`): at 80 columns tune's was 22 wide, a reason on 5 lines
+TEXT_BESIDE = 40
 UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
 WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357 ± 0.244"): one value, never wrapped
 # The space between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), where a line never wraps.
@@ -206,6 +209,27 @@ def print_table(table: Table, console: Console = stdout, keys: int = 1, compact:
             first = "the first column" if keys == 1 else f"the first {keys} columns"
             console.print(f"(wider than {width} columns: printed in {len(tables)} parts, {first} repeated in each; "
                           "a wider terminal, or COLUMNS, shows it whole)", style="dim", width=width, highlight=False)
+
+
+def print_table_last_below(table: Table, labels: list[str], console: Console = stdout) -> None:
+    """Print `table` (`print_table`), but where its last column, a text, would be narrower than `TEXT_BESIDE` beside
+    the others, without it, and under the table that column's cells, each after its row's label in `labels`
+    (rows with an empty cell left out), wrapped at the width between words."""
+    width = available_width(console)
+    whole = _edgeless(table)
+    ranges = _content_ranges(console, whole, 1)
+    beside = None if width is None or not _too_wide(whole, ranges, width) else width - _whole_width(
+        _compact(whole), [widest for *_, widest in ranges[:-1]] + [0])
+    if beside is None or beside >= TEXT_BESIDE:
+        print_table(table, console)
+        return
+    shorter = copy.copy(table)
+    last, shorter.columns = table.columns[-1], table.columns[:-1]
+    print_table(shorter, console)
+    console.print(f"{last.header}:", highlight=False)
+    for label, cell in zip(labels, last._cells):
+        if cell:
+            print_paragraph(f"{label}: {cell}", console)
 
 
 def _wrapped(text: str, width: int) -> str:

@@ -54,7 +54,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, tensors_alone_text, what_if
-from .tables import available_width, print_paragraph, print_table
+from .tables import available_width, print_paragraph, print_table_last_below
 
 if TYPE_CHECKING:
     from ..profiles.workload import WorkloadCount
@@ -623,14 +623,13 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                       *mfu, percent_text(result.bubble_fraction), memory_text(result.peak_memory_bytes, zeros=True),
                       str(result.staleness), "; ".join(filter(None, (row.why, same))), style=style)
 
-    add("best", tuning.choice, style="bold")
-    for rank, row in enumerate(tuning.runners_up, 2):
-        add(str(rank), row)
-    if tuning.excluded:
-        table.add_section()
-        for row in tuning.excluded:
-            add("over", row, style="dim")
-    print_table(table)
+    marked = [("best", tuning.choice), *((str(rank), row) for rank, row in enumerate(tuning.runners_up, 2)),
+              *(("over", row) for row in tuning.excluded)]
+    for mark, row in marked:
+        if mark == "over" and row is tuning.excluded[0]:
+            table.add_section()
+        add(mark, row, style={"best": "bold", "over": "dim"}.get(mark))
+    print_table_last_below(table, [f"{mark} {row.result.config.label()}" for mark, row in marked])
     bounds = tuning.choice.result.candidate.bounds
     print_paragraph("partition (layers per model stage): " + " | ".join(
         f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; "

@@ -14,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.tables import SHORT_CELL, print_paragraph, print_table, print_tables
+from pipesim.commands.tables import SHORT_CELL, print_paragraph, print_table, print_table_last_below, print_tables
 from pipesim.traces.metrics import rate_text
 from tests.conftest import at_columns, pipesim
 
@@ -346,6 +346,31 @@ def test_a_wrapped_cell_never_breaks_between_a_figure_and_its_unit(monkeypatch):
     lines = [line.rstrip() for line in console.file.getvalue().splitlines()]
     assert not [line for line in lines if re.search(r"\d$", line)], lines
     assert max(map(len, lines)) <= 40 and "0 ms/step" in "\n".join(lines), lines
+
+
+def test_tunes_why_not_is_printed_under_its_table_where_beside_it_would_be_narrow(tmp_path, monkeypatch):
+    """The README's tune at 80 columns squeezed its "why not" to 22 columns beside the figures, a reason on 5 lines:
+    the reasons are printed under the table instead, each after its row's mark and configuration."""
+    monkeypatch.chdir(REPO)
+    out = _output(["tune", "--profile", "traces/profiles/gpt-cpu.json", "--devices", "8", "--memory-gb", "0.3",
+                   "-s", "1f1b", "-s", "avgpipe", "-s", "dualpipev"], 80, tmp_path, monkeypatch)
+    lines = out.splitlines()
+    header = next(line for line in lines if line.split()[:1] == ["schedule"])
+    assert "why not" not in header and "why not:" in lines and max(map(len, lines)) <= 80, out
+    assert re.search(r"^2 \S+ p=\d[^:]*: [\d.]+% slower: ", out, re.MULTILINE), out
+
+
+def test_a_last_text_column_stays_beside_where_it_is_wide_enough():
+    """`print_table_last_below` moves the last column under the table only where beside it would be narrower than
+    `TEXT_BESIDE`: at 160 columns a reason stays in its row."""
+    table = Table("schedule", "samples/s", "why not", box=box.SIMPLE_HEAD)
+    table.add_row("1f1b", "694.1", "14.8% slower: step 184 vs 157 ms: busiest device computing 143 vs 157 ms " * 2)
+    for width, below in ((160, False), (50, True)):
+        console = Console(width=width, file=io.StringIO(), force_terminal=True, color_system=None)
+        print_table_last_below(table, ["2 1f1b p=4"], console)
+        text = console.file.getvalue()
+        assert ("why not:" in text.splitlines()) == below and ("2 1f1b p=4: 14.8% slower" in text) == below, text
+        assert max(map(len, text.splitlines())) <= width, text
 
 
 def test_sweep_says_once_under_its_fronts_what_every_row_agrees_on(tmp_path, monkeypatch):
