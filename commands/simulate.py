@@ -4,10 +4,13 @@ listed, or written for torch's runtime."""
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import sys
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -97,6 +100,9 @@ from .estimate import (
     what_if,
 )
 from .tables import print_message, print_table, said_once
+
+if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 # --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger
@@ -324,20 +330,27 @@ def simulate(
             raise InputError(f"--fb-hidden-fraction prices overlapped F&B pairs, and none of {', '.join(schedules)} "
                              "runs one (dualpipev does): leave it out")
         summaries, traces, memory, cuts = [], [], [], {}
-        for name, sched in progress(list(schedules.items()), as_json):
-            try:
-                cuts[name] = scenario.cut(sched) if scenario.measured is not None else None
-                costs = scenario.costs(sched, cuts[name])
-                links = scenario.links(sched)  # built once: the simulation, the reserve and the memory checks read it
-                result = run_simulation(sched, costs, links, jitter=jitter, seed=seed)
-            except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
-                skipped[name] = str(exc)
-                continue
-            scenario.add_reserve(sched, result, cuts[name], links)
-            traces.append(result)
-            summaries.append(summarize(result))
-            memory.append(scenario.memory_checks(sched, summaries[-1], links))
-            result.meta.memory_checks = [check.record() for check in memory[-1]]  # for view's page of the trace
+        replays = _Replays.started(scenario, schedules.values())
+        try:
+            ran = []  # each method's schedule, trace and links, and its reserves as the workers find them
+            for name, sched in progress(list(schedules.items()), as_json):
+                try:
+                    cuts[name] = scenario.cut(sched) if scenario.measured is not None else None
+                    costs = scenario.costs(sched, cuts[name])
+                    links = scenario.links(sched)  # built once: the simulation, reserve and memory checks read it
+                    result = run_simulation(sched, costs, links, jitter=jitter, seed=seed)
+                except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
+                    skipped[name] = str(exc)
+                    continue
+                ran.append((name, sched, result, links, replays.start(scenario, sched, result, cuts[name], links)))
+            for name, sched, result, links, reserves in ran:
+                scenario.add_reserve(sched, result, cuts[name], links, reserves())
+                traces.append(result)
+                summaries.append(summarize(result))
+                memory.append(scenario.memory_checks(sched, summaries[-1], links))
+                result.meta.memory_checks = [check.record() for check in memory[-1]]  # for view's page of the trace
+        finally:
+            replays.close()
         names = [name for name in requested if name not in skipped]  # the methods that ran, in order
         skipped = {name: skipped[name] for name in requested if name in skipped}
         if not names:
@@ -400,6 +413,62 @@ def simulate(
         for path in [*trace_paths, *([html] if html else [])]:  # --memory's too: it wrote them without a word
             stdout.print(f"wrote {path}", highlight=False)
     _warn(skipped, summaries, memory)
+
+
+# where `_Replays` starts workers: a replay steps through a row's layers in some 20-36 us each (the 70B's 1F1B at
+# p = 8, m = 64: 21,000 in 0.42 CPU s; its ZB-V: 32,000 in 1.17 s), and workers take about 0.1-0.2 CPU s to fork
+# and 0.05 s a schedule to ship its trace: that 1F1B alone, at this floor, costs as many CPU seconds either way
+REPLAY_LAYER_ROWS_FOR_WORKERS = 20_000
+
+
+@dataclass
+class _Replays:
+    """The caching allocator's replays of the schedules' devices (`Scenario.reserves`), in tune's worker processes
+    (planning/tune.py `start_workers`, a share of each trace's devices a worker, `device_shares`) while this one
+    simulates the next schedule, where there is enough to replay to pay for them; here otherwise (`pool` None)."""
+
+    workers: int
+    pool: ProcessPoolExecutor | None
+
+    @classmethod
+    def started(cls, scenario, schedules: Iterable) -> _Replays:
+        """Workers as many as this process may use cores (`os.sched_getaffinity`), no more than the devices to
+        replay, where the schedules' actions times their stages' layers (what a replay steps through: each row
+        runs its stage's layers) come to REPLAY_LAYER_ROWS_FOR_WORKERS or more; else none."""
+        schedules = list(schedules)
+        if scenario.allocations is None:
+            return cls(1, None)
+        layers = len(scenario.allocations)
+        work = sum(sum(map(len, sched.orders)) * layers // sched.graph.stages_per_copy for sched in schedules)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = min(cores, sum(sched.num_devices for sched in schedules))
+        if work < REPLAY_LAYER_ROWS_FOR_WORKERS or workers < 2:
+            return cls(1, None)
+        from ..planning.tune import start_workers
+
+        return cls(workers, start_workers(workers))
+
+    def start(self, scenario, sched, trace, cut: list[int] | None, links) -> Callable[[], list[int] | None]:
+        """The trace's devices' reserves started in the workers: a call that waits for them (None: `add_reserve`
+        finds them here)."""
+        if self.pool is None:
+            return lambda: None
+        from ..planning.tune import dealt_back, device_shares
+
+        shipped = pickle.dumps((scenario, sched, trace, cut, links), pickle.HIGHEST_PROTOCOL)  # once, not a share each
+        found = [self.pool.submit(_shipped_reserves, shipped, share)
+                 for share in device_shares(sched.num_devices, self.workers)]
+        return lambda: dealt_back([share.result() for share in found])
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
+def _shipped_reserves(shipped: bytes, devices: Sequence[int]) -> list[int]:
+    """In a worker: the reserves of `devices` (`Scenario.reserves`) in the trace `_Replays.start` shipped."""
+    scenario, sched, trace, cut, links = pickle.loads(shipped)
+    return scenario.reserves(sched, trace, cut, links, devices)
 
 
 def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:

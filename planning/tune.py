@@ -397,6 +397,20 @@ def start_workers(workers: int) -> ProcessPoolExecutor | None:
     return pool
 
 
+def device_shares(devices: int, workers: int) -> list[range]:
+    """A trace's `devices` dealt out device by device to at most `workers` tasks, one share each (each device's
+    caching allocator replays apart: `Scenario.reserves`' devices), as even as they deal."""
+    return [range(devices)[k::workers] for k in range(min(workers, devices))]
+
+
+def dealt_back(found: Sequence[Sequence[int]]) -> list[int]:
+    """Each device's value in device order, from what the tasks of `device_shares`' shares found, in their order."""
+    values = [0] * sum(map(len, found))
+    for share, share_values in enumerate(found):
+        values[share::len(found)] = share_values
+    return values
+
+
 def _started() -> None:
     """Each worker's initializer, and the tasks that spawn them: unpickling it imports this module, all that a
     worker needs before its first task. The worker's cycle collector is held off, as tune's own is (commands/
@@ -1083,21 +1097,15 @@ class _Built:
         simulated = self._simulating.get(index)
         long_run = self._long_runs[index] if simulated is None else simulated.result()[1]
         if long_run is not None:
-            devices = range(candidate.schedule.num_devices)
-            shares = min(self.window, len(devices))
-            self._replaying[index] = [self._submit(_device_reserves, candidate, long_run, devices[k::shares])
-                                      for k in range(shares)]
+            self._replaying[index] = [self._submit(_device_reserves, candidate, long_run, share)
+                                      for share in device_shares(candidate.schedule.num_devices, self.window)]
 
     def result(self, candidate: Candidate) -> Result:
         """The candidate simulated with the caching allocator's reserve: the peak simulate and sweep give."""
         index, floor = candidate.index, self.floor(candidate)  # the result itself where nothing is replayed
         if index not in self.results:
             replaying, long_run = self._replaying.pop(index, None), self._long_runs.pop(index)
-            reserves = None
-            if replaying is not None:  # the workers' shares, dealt out device by device
-                reserves = [0] * candidate.schedule.num_devices
-                for share, found in enumerate(replaying):
-                    reserves[share::len(replaying)] = self._awaited(found)
+            reserves = None if replaying is None else dealt_back([self._awaited(found) for found in replaying])
             self.results[index] = replace(floor, peak_memory_bytes=_reserved_peak_bytes(candidate, long_run, reserves))
         return self.results[index]
 
