@@ -54,7 +54,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, tensors_alone_text, what_if
-from .tables import available_width, print_paragraph, print_table_last_below
+from .tables import available_width, print_paragraph, print_table_last_below, said_once
 
 if TYPE_CHECKING:
     from ..profiles.workload import WorkloadCount
@@ -594,6 +594,11 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                 f"D/(p·{tensor * context}) replicas, {tensor * context} GPUs per stage" if tensor * context > 1 else
                 "D/p replicas") + f", C = {context} context-parallel ranks" * (context > 1) + (
                 f", routed experts over E = {expert} ranks" if expert > 1 and not work else "")
+    marked = [("best", tuning.choice), *((str(rank), row) for rank, row in enumerate(tuning.runners_up, 2)),
+              *(("over", row) for row in tuning.excluded)]
+    # staleness said once where every row agrees (`said_once`): the --gpu tunes' "stale", all 0, printed alone in a
+    # second part at 80 columns
+    said = said_once({STALENESS_HEADER: [str(row.result.staleness) for _, row in marked]}, (STALENESS_HEADER,))
     table = Table(title=f"{measured.model.name} on {problem.gpus} x {env.device_name} ({env.device}), "
                         f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples"
                         + ("" if work else f" (micro-batch {env.microbatch_size})")
@@ -602,10 +607,12 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                   caption=f"{estimated}{read}p: devices per pipeline ({replicas}), {held}v: chunks per device, "
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
-                          + "bubble: 1 - mean compute / step time")
+                          + "bubble: 1 - mean compute / step time"
+                          + "".join(f"; {header}: {value} in every row" for header, value in said.items()))
     estimate_columns = ("t", *("sp",) * split, "d", *("E",) * experts, "b", "recomp") if work else ()
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
-                   *("MFU",) * bool(work), "bubble", "peak", STALENESS_HEADER, "why not"):
+                   *("MFU",) * bool(work), "bubble", "peak",
+                   *(STALENESS_HEADER,) * (STALENESS_HEADER not in said), "why not"):
         table.add_column(header, justify="left" if header in ("schedule", "recomp", "why not") else "right",
                          no_wrap=header != "why not", min_width=20 if header == "why not" else None)
 
@@ -621,10 +628,9 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                       str(c.microbatches), *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),
                       *mfu, percent_text(result.bubble_fraction), memory_text(result.peak_memory_bytes, zeros=True),
-                      str(result.staleness), "; ".join(filter(None, (row.why, same))), style=style)
+                      *[str(result.staleness)] * (STALENESS_HEADER not in said),
+                      "; ".join(filter(None, (row.why, same))), style=style)
 
-    marked = [("best", tuning.choice), *((str(rank), row) for rank, row in enumerate(tuning.runners_up, 2)),
-              *(("over", row) for row in tuning.excluded)]
     for mark, row in marked:
         if mark == "over" and row is tuning.excluded[0]:
             table.add_section()

@@ -395,3 +395,16 @@ def test_gpus_prints_the_catalogue_whole_at_80_columns(tmp_path, monkeypatch):
     assert h100[-4:] == ["nvlink", "450", "400", "IB"], h100
     caption = " ".join(out.split())
     assert "per node: GPUs a node holds, 8 in every row; IB: InfiniBand, RoCE: RDMA over Converged Ethernet" in caption
+
+
+def test_tune_says_once_under_its_table_a_staleness_every_row_agrees_on(tmp_path, monkeypatch):
+    """docs/sweep-and-tune.md's context-parallel tune at 80 columns printed its "stale" column, 0 in every row,
+    alone in a second part: it is said once under the table, by simulate's rule (`said_once`)."""
+    out = _output(["tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "16", "--width", "2048", "--heads", "16",
+                   "--seq-len", "32768", "--vocab", "32000", "--attention", "flash", "-D", "16",
+                   "--context-parallel", "4", "-b", "1", "-s", "1f1b", "-s", "interleaved-1f1b"], 80, tmp_path,
+                  monkeypatch)
+    lines = out.splitlines()
+    header = next(line for line in lines if line.split()[:1] == ["schedule"])
+    assert "stale" not in header and "printed in" not in out and max(map(len, lines)) <= 80, out
+    assert "bubble: 1 - mean compute / step time; stale: 0 in every row" in " ".join(out.split()), out
