@@ -1146,16 +1146,17 @@ def counted_bar_columns() -> tuple:
     return description_column(), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn()
 
 
-def progress(items: Iterable, quiet: bool, total: int | None = None):
+def progress(items: Iterable, quiet: bool, total: int | None = None, doing: str = "simulating"):
     """Iterate with a transient progress bar on an interactive terminal (simulations can take seconds, one alone
-    too: its spinner and elapsed time say it is working); `total` counts the items of an iterator."""
+    too: its spinner and elapsed time say it is working); `total` counts the items of an iterator, `doing` names
+    the work."""
     total = len(items) if total is None else total
     if quiet or not stderr.is_terminal or not total:
         yield from items
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (SpinnerColumn(), TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (SpinnerColumn(), TextColumn(doing), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=stderr, transient=True) as bar:
         yield from bar.track(items, total=total)
 

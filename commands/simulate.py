@@ -343,7 +343,8 @@ def simulate(
                     skipped[name] = str(exc)
                     continue
                 ran.append((name, sched, result, links, replays.start(scenario, sched, result, cuts[name], links)))
-            for name, sched, result, links, reserves in ran:
+            for name, sched, result, links, reserves in progress(ran, as_json or scenario.allocations is None,
+                                                                 doing=REPLAYING):
                 scenario.add_reserve(sched, result, cuts[name], links, reserves())
                 traces.append(result)
                 summaries.append(summarize(result))
@@ -419,6 +420,9 @@ def simulate(
 # p = 8, m = 64: 21,000 in 0.42 CPU s; its ZB-V: 32,000 in 1.17 s), and workers take about 0.1-0.2 CPU s to fork
 # and 0.05 s a schedule to ship its trace: that 1F1B alone, at this floor, costs as many CPU seconds either way
 REPLAY_LAYER_ROWS_FOR_WORKERS = 20_000
+# what the bar says while each schedule's devices replay (in the workers, or here): seconds on a large what-if, where
+# the simulations' bar had ended and nothing showed
+REPLAYING = "replaying memory"
 
 
 @dataclass

@@ -237,7 +237,7 @@ def _wrapped(text: str, width: int) -> str:
     any space (a cell's or a paragraph's, its no-break space too)."""
     glued = FIGURE_AND_UNIT.sub(NO_BREAK, text)  # textwrap breaks at ASCII whitespace alone
     lines = [line for paragraph in glued.split("\n")
-             for line in textwrap.wrap(paragraph, width, break_on_hyphens=False) or [""]]
+             for line in textwrap.wrap(paragraph, width, break_on_hyphens=False, break_long_words=False) or [""]]
     return "\n".join(lines).replace(NO_BREAK, " ")
 
 

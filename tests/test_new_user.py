@@ -225,3 +225,24 @@ def test_simulates_tables_separate_thousands_of_ms_and_label_a_method_by_its_sha
     assert code == 0 and memory_code == 0, err
     assert "550,000,011.000*" in out and "550000011" not in out, out
     assert "interleaved-1f1b (v=2)" in " ".join(out.split()) and "interleaved-1f1b (v=2)" in memory, memory
+
+
+def test_a_what_ifs_memory_replay_shows_a_bar_on_a_terminal(monkeypatch):
+    """After the simulations' bar ended, the caching allocator's replay of every device (seconds on the README's 70B,
+    in workers or here) left the terminal blank: a bar names it while it runs."""
+    screen = _terminal(monkeypatch)
+    code, _, err = pipesim("simulate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 64,
+                           "--heads", 4, "--seq-len", 32, "--vocab", 128, "-p", 2, "-m", 4, "-s", "1f1b")
+    assert code == 0, err
+    assert "replaying memory" in screen.getvalue()
+
+
+def test_a_path_longer_than_the_terminal_stays_whole_in_a_refusal(monkeypatch):
+    """A refusal naming a path wider than 80 columns cut it with a newline, so the path copied off the screen was
+    two; the terminal wraps such a word itself, and every other word still wraps between words."""
+    screen = _terminal(monkeypatch)
+    path = "/tmp/a_rather_long_folder_name_for_the_demo/another_long_folder_name_of_a_project_x/trace.json"
+    with pytest.raises(SystemExit):
+        common.fail(f"cannot read trace file {path}: No such file or directory")
+    rows = [row.rstrip() for row in _rows(screen) if row.strip()]
+    assert any(path in row for row in rows), rows
