@@ -16,9 +16,8 @@ import hashlib
 import io
 import json
 import math
-import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import date, time
 from itertools import product
@@ -38,6 +37,7 @@ from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, 
 from ..units import count_text
 from .auto import ActivationLimitError
 from .scenario import Scenario
+from .tune import start_workers
 
 AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale", "prediction",
         "activation-limit")  # flags, TOML keys
@@ -342,8 +342,8 @@ def run(scenario: Scenario, configs: list[Config], workers: int = 1,
 def _in_processes(scenario: Scenario, parts: list[tuple[int, list[Config]]],
                   workers: int) -> Iterator[tuple[int, list[Result]]]:
     # Spawned, not forked: a fresh interpreter imports only what the tasks need (never torch), and forking a
-    # parent whose progress bar runs a thread is unsafe.
-    pool = ProcessPoolExecutor(min(workers, len(parts)), mp_context=multiprocessing.get_context("spawn"))
+    # parent whose progress bar runs a thread is unsafe. Started as tune's are, quiet on Ctrl-C.
+    pool = start_workers(min(workers, len(parts)), forked=False)
     try:
         futures = {pool.submit(run_chunk, scenario, part): start for start, part in parts}
         for future in as_completed(futures):

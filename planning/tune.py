@@ -66,14 +66,16 @@ import heapq
 import math
 import multiprocessing
 import pickle
+import signal
 import sys
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor
 from concurrent.futures import wait as wait_for_futures
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache, cached_property, partial
 from typing import TypeVar
@@ -377,24 +379,44 @@ def twins(a: Result, b: Result) -> bool:
         speed_key(b.samples_per_s), b.peak_memory_bytes, b.staleness)
 
 
-def start_workers(workers: int) -> ProcessPoolExecutor | None:
+def start_workers(workers: int, forked: bool = True) -> ProcessPoolExecutor | None:
     """The search's `workers` processes (None for 1: it runs here), started now, so that a caller with work of
     its own before the search (tune --gpu's estimates) has them ready on the cores that work leaves idle. The
     caller shuts them down. Forked where this process runs no other thread (tune --gpu starts them before its
-    progress line): a copy of it has the simulator imported already, where a spawned interpreter imports it
-    again (`_started`), about a CPU second a worker on cores the estimates want. Spawned otherwise: a fork
-    copies the locks other threads hold (a progress bar's), and a worker could wait on one forever."""
+    progress line) and `forked` allows it (sweep's workers are fresh interpreters): a copy of it has the simulator
+    imported already, where a spawned interpreter imports it again (`_started`), about a CPU second a worker on
+    cores the estimates want. Spawned otherwise: a fork copies the locks other threads hold (a progress bar's),
+    and a worker could wait on one forever. Ctrl-C, which reaches the workers too, is this process's to report
+    ("interrupted"): a worker ends without a word (`_started`), and ignores it while it starts (`_ignoring_ctrl_c`)."""
     if workers <= 1:
         return None
-    alone = threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
+    alone = forked and threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
     if alone:
         sys.stdout.flush()  # a forked worker writes out its copy of what is buffered as it ends
         sys.stderr.flush()
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork" if alone else "spawn"),
-                               initializer=_started)
-    for _ in range(workers):  # now: a fork starts all at the first task, a spawn one per task while none is idle
-        pool.submit(_started)
+    with _ignoring_ctrl_c():
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork" if alone else "spawn"),
+                                   initializer=_started)
+        for _ in range(workers):  # now: a fork starts all at the first task, a spawn one per task while none is idle
+            pool.submit(_started)
     return pool
+
+
+@contextmanager
+def _ignoring_ctrl_c() -> Iterator[None]:
+    """SIGINT ignored here while workers start: a worker inherits that, forked or spawned, until `_started` sets
+    its own handler, where a spawned interpreter would raise KeyboardInterrupt, with a traceback, in the middle of
+    its imports. A Ctrl-C in those milliseconds is lost. Only the main thread may set a handler (elsewhere this
+    does nothing), and one not set from Python cannot be put back (then neither)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def device_shares(devices: int, workers: int) -> list[range]:
@@ -415,8 +437,16 @@ def _started() -> None:
     """Each worker's initializer, and the tasks that spawn them: unpickling it imports this module, all that a
     worker needs before its first task. The worker's cycle collector is held off, as tune's own is (commands/
     tune.py `_collector_paused`): on the 70B that takes its two workers' CPU from 22.1 to 19.6 s, and a
-    collection as a worker ends (it lives one search) finds some 650 objects unreachable."""
+    collection as a worker ends (it lives one search) finds some 650 objects unreachable. Ctrl-C ends the worker
+    quietly (`_quit_quietly`)."""
+    signal.signal(signal.SIGINT, _quit_quietly)
     gc.disable()
+
+
+def _quit_quietly(signum: int, frame: object) -> None:
+    """A worker's SIGINT: it exits with the shell's code for the signal (130) and no traceback of its own, idle
+    or mid-task (the task's future then holds the SystemExit); the process that started it, told too, says it."""
+    raise SystemExit(128 + signum)
 
 
 def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None] | None = None,

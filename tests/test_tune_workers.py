@@ -6,6 +6,8 @@ import gc
 import math
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -204,3 +206,36 @@ def test_a_search_waiting_for_one_result_hands_the_idle_workers_their_work_ahead
         handed = []
         built.idle = lambda: handed.append(release.touch())
         assert built.candidate(shape) is None and handed
+
+
+_CTRL_C_IN_WORKERS = '''
+import contextlib, multiprocessing.connection, os, signal, sys, threading
+if __name__ == "__mp_main__":  # a spawned worker starting: this file is imported before its initializer runs
+    os.kill(os.getpid(), signal.SIGINT)
+if __name__ == "__main__":
+    from pipesim.planning.tune import start_workers
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whatever started this
+    if sys.argv[1] == "spawn":  # another thread runs: the workers are spawned
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+    pool = start_workers(2)
+    pid = pool.submit(os.getpid).result()  # a worker that has started
+    worker = pool._processes[pid]
+    while True:  # a SIGINT as it hands a result back ends that, not the worker (concurrent.futures): again, idle
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
+        if multiprocessing.connection.wait([worker.sentinel], timeout=1):
+            break
+    pool.shutdown()
+    print(worker.exitcode)
+'''
+
+
+def test_ctrl_c_ends_the_workers_without_a_traceback_while_they_start_or_idle(tmp_path):
+    """Ctrl-C reaches the whole foreground group; the command says "interrupted" once (cli.py), so a worker says
+    nothing: an idle one exits 130 quietly, forked or spawned, and a spawned one starting (here: signalled as
+    this script is imported in it, before its initializer) goes on starting."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C_IN_WORKERS)
+    for method in ("fork", "spawn"):
+        ran = subprocess.run([sys.executable, script, method], capture_output=True, text=True, timeout=120)
+        assert (ran.returncode, ran.stdout, ran.stderr) == (0, "130\n", ""), method
