@@ -342,8 +342,9 @@ def run(scenario: Scenario, configs: list[Config], workers: int = 1,
 def _in_processes(scenario: Scenario, parts: list[tuple[int, list[Config]]],
                   workers: int) -> Iterator[tuple[int, list[Result]]]:
     # Spawned, not forked: a fresh interpreter imports only what the tasks need (never torch), and forking a
-    # parent whose progress bar runs a thread is unsafe. Started as tune's are, quiet on Ctrl-C.
-    pool = start_workers(min(workers, len(parts)), forked=False)
+    # parent whose progress bar runs a thread is unsafe. Started as tune's are, quiet on Ctrl-C, but collecting
+    # cycles: a worker lives the whole grid.
+    pool = start_workers(min(workers, len(parts)), forked=False, collect=True)
     try:
         futures = {pool.submit(run_chunk, scenario, part): start for start, part in parts}
         for future in as_completed(futures):

@@ -379,15 +379,17 @@ def twins(a: Result, b: Result) -> bool:
         speed_key(b.samples_per_s), b.peak_memory_bytes, b.staleness)
 
 
-def start_workers(workers: int, forked: bool = True) -> ProcessPoolExecutor | None:
+def start_workers(workers: int, forked: bool = True, collect: bool = False) -> ProcessPoolExecutor | None:
     """The search's `workers` processes (None for 1: it runs here), started now, so that a caller with work of
     its own before the search (tune --gpu's estimates) has them ready on the cores that work leaves idle. The
     caller shuts them down. Forked where this process runs no other thread (tune --gpu starts them before its
     progress line) and `forked` allows it (sweep's workers are fresh interpreters): a copy of it has the simulator
     imported already, where a spawned interpreter imports it again (`_started`), about a CPU second a worker on
-    cores the estimates want. Spawned otherwise: a fork copies the locks other threads hold (a progress bar's),
-    and a worker could wait on one forever. Ctrl-C, which reaches the workers too, is this process's to report
-    ("interrupted"): a worker ends without a word (`_started`), and ignores it while it starts (`_ignoring_ctrl_c`)."""
+    cores the estimates want. `collect`: the workers keep their cycle collector (sweep's live the whole grid,
+    where tune's live one search: `_started`). Spawned otherwise: a fork copies the locks other threads hold (a
+    progress bar's), and a worker could wait on one forever. Ctrl-C, which reaches the workers too, is this
+    process's to report ("interrupted"): a worker ends without a word (`_started`), and ignores it while it starts
+    (`_ignoring_ctrl_c`)."""
     if workers <= 1:
         return None
     alone = forked and threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
@@ -396,9 +398,9 @@ def start_workers(workers: int, forked: bool = True) -> ProcessPoolExecutor | No
         sys.stderr.flush()
     with _ignoring_ctrl_c():
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork" if alone else "spawn"),
-                                   initializer=_started)
+                                   initializer=_started, initargs=(collect,))
         for _ in range(workers):  # now: a fork starts all at the first task, a spawn one per task while none is idle
-            pool.submit(_started)
+            pool.submit(_started, collect)
     return pool
 
 
@@ -433,14 +435,15 @@ def dealt_back(found: Sequence[Sequence[int]]) -> list[int]:
     return values
 
 
-def _started() -> None:
+def _started(collect: bool = False) -> None:
     """Each worker's initializer, and the tasks that spawn them: unpickling it imports this module, all that a
     worker needs before its first task. The worker's cycle collector is held off, as tune's own is (commands/
     tune.py `_collector_paused`): on the 70B that takes its two workers' CPU from 22.1 to 19.6 s, and a
     collection as a worker ends (it lives one search) finds some 650 objects unreachable. Ctrl-C ends the worker
-    quietly (`_quit_quietly`)."""
+    quietly (`_quit_quietly`). With `collect` (sweep's workers, which live the whole grid) the collector stays on."""
     signal.signal(signal.SIGINT, _quit_quietly)
-    gc.disable()
+    if not collect:
+        gc.disable()
 
 
 def _quit_quietly(signum: int, frame: object) -> None:

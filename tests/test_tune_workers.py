@@ -239,3 +239,14 @@ def test_ctrl_c_ends_the_workers_without_a_traceback_while_they_start_or_idle(tm
     for method in ("fork", "spawn"):
         ran = subprocess.run([sys.executable, script, method], capture_output=True, text=True, timeout=120)
         assert (ran.returncode, ran.stdout, ran.stderr) == (0, "130\n", ""), method
+
+
+def test_sweeps_workers_keep_their_cycle_collector_where_tunes_hold_it_off():
+    """sweep's workers, started as tune's are since they share Ctrl-C's handling, live the whole grid: holding
+    their cycle collector off as tune's (one search) would let a long grid's cycles pile up."""
+    for collect in (True, False):
+        pool = planning.start_workers(2, forked=False, collect=collect)
+        try:
+            assert pool.submit(gc.isenabled).result(timeout=120) is collect
+        finally:
+            pool.shutdown()
