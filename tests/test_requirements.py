@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from pipesim.workload import data
 from pipesim.workload.models import DIGITS_MODELS, MODELS, build_model
@@ -48,8 +49,11 @@ def test_the_models_that_need_scikit_learn_are_the_ones_that_draw_the_digits(mon
     needs = set()
     try:
         for name in MODELS:
-            try:
-                build_model(name, layers=1, width=4)
+            try:  # what a run does with it: build it, draw a batch, score it on its held-out set
+                model = build_model(name, layers=1, width=4)
+                model.make_batch(2, torch.Generator().manual_seed(0))
+                if model.heldout is not None:
+                    model.heldout()
             except ModuleNotFoundError as exc:
                 assert exc.name.split(".")[0] == "sklearn"
                 needs.add(name)
