@@ -4,7 +4,6 @@ listed, or written for torch's runtime."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -18,6 +17,7 @@ from rich.table import Table
 
 from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
+from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, count_text
 from .common import (
@@ -436,7 +436,7 @@ class _Replays:
 
     @classmethod
     def started(cls, scenario, schedules: Iterable) -> _Replays:
-        """Workers as many as this process may use cores (`os.sched_getaffinity`), no more than the devices to
+        """Workers as many as this process may use cores (`usable_cpus`), no more than the devices to
         replay, where the schedules' actions times their stages' layers (what a replay steps through: each row
         runs its stage's layers) come to REPLAY_LAYER_ROWS_FOR_WORKERS or more; else none."""
         schedules = list(schedules)
@@ -444,8 +444,7 @@ class _Replays:
             return cls(1, None)
         layers = len(scenario.allocations)
         work = sum(sum(map(len, sched.orders)) * layers // sched.graph.stages_per_copy for sched in schedules)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        workers = min(cores, sum(sched.num_devices for sched in schedules))
+        workers = min(usable_cpus(), sum(sched.num_devices for sched in schedules))
         if work < REPLAY_LAYER_ROWS_FOR_WORKERS or workers < 2:
             return cls(1, None)
         from ..planning.tune import start_workers
