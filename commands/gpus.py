@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..traces.metrics import figure_text
 from .common import GpusFile, fail
-from .tables import print_table, said_once
+from .tables import print_table, said_as, said_once
 
 # a network's kind as the table writes it and in words: "400 infiniband" took the 6 columns that printed the
 # catalogue's table in two parts at 80
@@ -25,7 +25,7 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
     """List the GPUs pipesim knows and their figures. Dense peak TFLOP/s per dtype, memory and its bandwidth, the
     link inside a node and the network between nodes per GPU; each figure's source is in --json and in the
     catalogue file."""
-    from ..hardware.catalogue import CatalogueError, load_catalogue
+    from ..hardware.catalogue import DTYPES, CatalogueError, load_catalogue
 
     try:
         catalogue = load_catalogue(extra)
@@ -39,19 +39,23 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
         "GiB": [figure_text(part.memory_gib) for part in parts],
         "GB/s": [figure_text(part.memory_bandwidth_gb_s) for part in parts],
         **{dtype: [figure_text(value) if (value := getattr(part.dense_tflops, dtype)) is not None else "-"
-                   for part in parts] for dtype in ("fp32", "tf32", "bf16", "fp16", "fp8")},
+                   for part in parts] for dtype in DTYPES},
         "in node": [f"{part.intra_node.link} {figure_text(part.intra_node.gb_s_per_direction)}" for part in parts],
         "per node": [str(part.intra_node.gpus_per_node) for part in parts],
         "network Gb/s": [f"{figure_text(part.network.gbit_s)} {NETWORK_SHORT[part.network.kind]}" for part in parts],
     }
     said = said_once(columns, ("per node",))
+    # a dtype's peaks equal to another's on every part (fp16 as bf16) said once: a 15-letter part of the user's
+    # file printed the table in two parts at 80 columns
+    repeated = said_as(columns, DTYPES)
     kinds = dict.fromkeys(part.network.kind for part in parts)
     table = Table(title="GPUs: dense peak TFLOP/s; memory bandwidth and links in GB/s, per direction, per GPU",
                   box=box.SIMPLE_HEAD, caption_justify="left",
-                  caption="per node: GPUs a node holds" + (f", {said['per node']} in every row" if said else "")
+                  caption="".join(f"{header}: as {other} in every row; " for header, other in repeated.items())
+                  + "per node: GPUs a node holds" + (f", {said['per node']} in every row" if said else "")
                   + "; " + ", ".join(f"{NETWORK_SHORT[kind]}: {NETWORK_NAMES[kind]}" for kind in kinds))
     table.add_column("gpu", no_wrap=True)
-    shown = [header for header in columns if header not in said]
+    shown = [header for header in columns if header not in said and header not in repeated]
     for header in shown:
         table.add_column(header, justify="left" if header in ("in node", "network Gb/s") else "right",
                          no_wrap=True)

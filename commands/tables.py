@@ -161,6 +161,19 @@ def said_once(columns: dict[str, list[str]], headers: tuple[str, ...]) -> dict[s
     return {header: cells[0] for header, cells in columns.items() if header in headers and len(set(cells)) == 1}
 
 
+def said_as(columns: dict[str, list[str]], headers: tuple[str, ...]) -> dict[str, str]:
+    """Of `columns` (header: cells), those of `headers` whose cells equal an earlier one's of `headers` in every row,
+    with that one's header: a column that repeats another is said once in the caption instead, so that the table
+    fits (`pipesim gpus`' fp16, as bf16 on every part, printed a user's part in two parts at 80 columns). A column
+    that differs from the others in any row stays."""
+    said: dict[str, str] = {}
+    for index, header in enumerate(headers):
+        same = [other for other in headers[:index] if other not in said and columns[other] == columns[header]]
+        if same:
+            said[header] = same[0]
+    return said
+
+
 def print_tables(tables: list[Table], console: Console = stdout, keys: int = 1) -> None:
     """Print the tables of one output (`print_table` each) in one style: all compact where one must be."""
     width = available_width(console)

@@ -397,6 +397,24 @@ def test_gpus_prints_the_catalogue_whole_at_80_columns(tmp_path, monkeypatch):
     assert "per node: GPUs a node holds, 8 in every row; IB: InfiniBand, RoCE: RDMA over Converged Ethernet" in caption
 
 
+def test_gpus_prints_a_users_part_whole_at_80_columns_saying_once_a_dtype_as_another(tmp_path, monkeypatch):
+    """`pipesim gpus --gpus examples/h100-hbm2e-96gb.toml` printed in two parts at 80 columns (the part's name is 15
+    letters): fp16's peaks, bf16's on every part, are said once under the table; a part whose fp16 differs keeps
+    the column."""
+    example = REPO / "examples" / "h100-hbm2e-96gb.toml"
+    out = _output(["gpus", "--gpus", str(example)], 80, tmp_path, monkeypatch)
+    lines = out.splitlines()
+    header = next(line.split() for line in lines if line.split()[:1] == ["gpu"])
+    part = next(line.split() for line in lines if line.split()[:1] == ["h100-hbm2e-96gb"])
+    assert "printed in" not in out and max(map(len, lines)) <= 80, out
+    assert "fp16" not in header and part[1:7] == ["96", "2,400", "67", "494.7", "989.4", "1,978.9"], out
+    assert "fp16: as bf16 in every row" in " ".join(out.split()), out
+    own = tmp_path / "own.toml"
+    own.write_text(example.read_text().replace("fp16 = 989.4", "fp16 = 900.5"))
+    out = _output(["gpus", "--gpus", str(own)], 80, tmp_path, monkeypatch)
+    assert "fp16: as" not in out and "900.5" in out and "fp16" in out.split(), out
+
+
 def test_tune_says_once_under_its_table_a_staleness_every_row_agrees_on(tmp_path, monkeypatch):
     """docs/sweep-and-tune.md's context-parallel tune at 80 columns printed its "stale" column, 0 in every row,
     alone in a second part: it is said once under the table, by simulate's rule (`said_once`)."""
