@@ -99,11 +99,26 @@ def _fitted_widths(ranges: list[tuple[int, int, int]], width: int, keys: int) ->
 
 
 def _part(table: Table, indices: list[int]) -> Table:
-    """The table with only the columns `indices`, without its title and caption (printed apart)."""
+    """The table with only the columns `indices` and no rows yet (`print_table` adds them, fitted), without its
+    title and caption (printed apart)."""
     part = copy.copy(table)
-    part.columns = [replace(table.columns[i], _index=k) for k, i in enumerate(indices)]
+    part.columns = [replace(table.columns[i].copy(), _index=k) for k, i in enumerate(indices)]
+    part.rows = []
     part.title = part.caption = None
     return part
+
+
+def _rows(table: Table) -> list[list]:
+    """The cells handed to `table`, row by row, read through rich's public `Column.cells`: a part is filled from
+    these, where it rewrote rich's private `Column._cells`, a name rich may change in any release."""
+    return [list(cells) for cells in zip(*(column.cells for column in table.columns))]
+
+
+def _fitted_cell(cell: object, width: int) -> object:
+    """`cell` wrapped at `width` between words (`_wrapped`): rich wraps a cell at any space (tune's why-not ended a
+    line "idle 21.9 vs 0" over "ms/step"); a cell of markup ("[bold]") is left to rich, whose tags a wrap must not
+    split."""
+    return _wrapped(cell, width) if isinstance(cell, str) and "[" not in cell and cell_len(cell) > width else cell
 
 
 def _split(table: Table, ranges: list[tuple[int, int, int]], width: int, keys: int) -> list[list[int]]:
@@ -197,20 +212,20 @@ def print_table(table: Table, console: Console = stdout, keys: int = 1, compact:
         table = _compact(table)
         if width is not None and _readable_width(table, ranges) > width and len(ranges) > keys + 1:
             parts = _split(table, ranges, width, keys)
-    tables = [_part(table, group) for group in parts]
+    tables, rows = [_part(table, group) for group in parts], _rows(table)
     if width is None:
         width = max(console.width, sum(w for *_, w in ranges) + sum(
             table._get_padding_width(k) for k in range(len(ranges))) + table._extra_width)
     for part, group in zip(tables, parts):
         padding = sum(part._get_padding_width(k) for k in range(len(group))) + part._extra_width
-        for column, fitted in zip(part.columns, _fitted_widths([ranges[i] for i in group], width - padding, keys)):
+        widths = _fitted_widths([ranges[i] for i in group], width - padding, keys)
+        for column, fitted in zip(part.columns, widths):
             column.width = fitted
             column.no_wrap = False
             column.overflow = "fold"  # a word wider than the column (only where nothing else fits) keeps its letters
-            # rich wraps a cell at any space (tune's why-not ended a line "idle 21.9 vs 0" over "ms/step"); a
-            # cell of markup ("[bold]") is left to rich, whose tags a wrap must not split
-            column._cells = [_wrapped(cell, fitted) if isinstance(cell, str) and "[" not in cell
-                             and cell_len(cell) > fitted else cell for cell in column._cells]
+        for row, cells in zip(table.rows, rows):
+            part.add_row(*(_fitted_cell(cells[i], fitted) for i, fitted in zip(group, widths)), style=row.style,
+                         end_section=row.end_section)
     with _at_least(console, width):
         if table.title:
             console.print(table.title, style=table.title_style or "table.title", width=width, highlight=False)
@@ -240,7 +255,7 @@ def print_table_last_below(table: Table, labels: list[str], console: Console = s
     last, shorter.columns = table.columns[-1], table.columns[:-1]
     print_table(shorter, console)
     console.print(f"{last.header}:", highlight=False)
-    for label, cell in zip(labels, last._cells):
+    for label, cell in zip(labels, last.cells):
         if cell:
             print_paragraph(f"{label}: {cell}", console)
 
