@@ -102,7 +102,7 @@ from .estimate import (
 from .tables import print_message, print_table, said_once
 
 if TYPE_CHECKING:
-    from concurrent.futures import ProcessPoolExecutor
+    from ..planning.tune import Workers
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 # --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger
@@ -330,8 +330,7 @@ def simulate(
             raise InputError(f"--fb-hidden-fraction prices overlapped F&B pairs, and none of {', '.join(schedules)} "
                              "runs one (dualpipev does): leave it out")
         summaries, traces, memory, cuts = [], [], [], {}
-        replays = _Replays.started(scenario, schedules.values())
-        try:
+        with _Replays.started(scenario, schedules.values()) as replays:
             ran = []  # each method's schedule, trace and links, and its reserves as the workers find them
             for name, sched in progress(list(schedules.items()), as_json):
                 try:
@@ -350,8 +349,6 @@ def simulate(
                 summaries.append(summarize(result))
                 memory.append(scenario.memory_checks(sched, summaries[-1], links))
                 result.meta.memory_checks = [check.record() for check in memory[-1]]  # for view's page of the trace
-        finally:
-            replays.close()
         names = [name for name in requested if name not in skipped]  # the methods that ran, in order
         skipped = {name: skipped[name] for name in requested if name in skipped}
         if not names:
@@ -432,7 +429,7 @@ class _Replays:
     simulates the next schedule, where there is enough to replay to pay for them; here otherwise (`pool` None)."""
 
     workers: int
-    pool: ProcessPoolExecutor | None
+    pool: Workers | None
 
     @classmethod
     def started(cls, scenario, schedules: Iterable) -> _Replays:
@@ -463,9 +460,13 @@ class _Replays:
                  for share in device_shares(sched.num_devices, self.workers)]
         return lambda: dealt_back([share.result() for share in found])
 
-    def close(self) -> None:
+    def __enter__(self) -> _Replays:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        """The workers stopped: at once after an error or Ctrl-C (`Workers.stop`)."""
         if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
+            self.pool.stop(at_once=kind is not None)
 
 
 def _shipped_reserves(shipped: bytes, devices: Sequence[int]) -> list[int]:

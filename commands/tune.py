@@ -274,9 +274,9 @@ def tune(
             tuning = search(settings, problem, report, workers, pool)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
         fail(str(exc))
-    finally:
+    finally:  # the search stopped them as it ended: they are left here after an error or Ctrl-C before it
         if pool is not None:
-            pool.shutdown(cancel_futures=True)
+            pool.stop(at_once=True)
     command = _simulate_command(ctx, tuning.choice.result)
     if as_json:
         document = tuning.to_dict()
@@ -446,6 +446,7 @@ def _working(what: str) -> Iterator[Callable[[str], None] | None]:
         yield None
     finally:
         note.cancel()
+        note.join()  # a line begun as the step ended is out before what follows (Ctrl-C's "interrupted")
 
 
 def _estimating_text(expert_degrees: list[int]) -> str:

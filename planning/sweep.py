@@ -344,13 +344,10 @@ def _in_processes(scenario: Scenario, parts: list[tuple[int, list[Config]]],
     # Spawned, not forked: a fresh interpreter imports only what the tasks need (never torch), and forking a
     # parent whose progress bar runs a thread is unsafe. Started as tune's are, quiet on Ctrl-C, but collecting
     # cycles: a worker lives the whole grid.
-    pool = start_workers(min(workers, len(parts)), forked=False, collect=True)
-    try:
+    with start_workers(min(workers, len(parts)), forked=False, collect=True) as pool:  # ended at once on Ctrl-C
         futures = {pool.submit(run_chunk, scenario, part): start for start, part in parts}
         for future in as_completed(futures):
             yield futures[future], future.result()
-    finally:
-        pool.shutdown(cancel_futures=True)
 
 
 def _on_ray(scenario: Scenario, configs: list[Config], address: str) -> Iterator[tuple[int, list[Result]]]:

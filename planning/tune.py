@@ -379,7 +379,7 @@ def twins(a: Result, b: Result) -> bool:
         speed_key(b.samples_per_s), b.peak_memory_bytes, b.staleness)
 
 
-def start_workers(workers: int, forked: bool = True, collect: bool = False) -> ProcessPoolExecutor | None:
+def start_workers(workers: int, forked: bool = True, collect: bool = False) -> Workers | None:
     """The search's `workers` processes (None for 1: it runs here), started now, so that a caller with work of
     its own before the search (tune --gpu's estimates) has them ready on the cores that work leaves idle. The
     caller shuts them down. Forked where this process runs no other thread (tune --gpu starts them before its
@@ -397,11 +397,41 @@ def start_workers(workers: int, forked: bool = True, collect: bool = False) -> P
         sys.stdout.flush()  # a forked worker writes out its copy of what is buffered as it ends
         sys.stderr.flush()
     with _ignoring_ctrl_c():
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork" if alone else "spawn"),
-                                   initializer=_started, initargs=(collect,))
+        pool = Workers(workers, "fork" if alone else "spawn", collect)
         for _ in range(workers):  # now: a fork starts all at the first task, a spawn one per task while none is idle
             pool.submit(_started, collect)
     return pool
+
+
+class Workers(ProcessPoolExecutor):
+    """`start_workers`' pool, which keeps its processes as the context it is given (`mp_context`, what the executor
+    launches its workers with) launches them, so that Ctrl-C can end them at once (`stop`)."""
+
+    def __init__(self, workers: int, method: str, collect: bool) -> None:
+        self._launched: list[multiprocessing.process.BaseProcess] = []
+        own = multiprocessing.get_context(method)
+        self._process = own.Process
+        context = type(own)()
+        context.Process = self._launch  # the method's own context otherwise
+        super().__init__(workers, mp_context=context, initializer=_started, initargs=(collect,))
+
+    def _launch(self, *args, **kwargs) -> multiprocessing.process.BaseProcess:
+        process = self._process(*args, **kwargs)
+        self._launched.append(process)
+        return process
+
+    def stop(self, at_once: bool) -> None:
+        """The workers shut down, what runs finished and what waits dropped; `at_once` (Ctrl-C, an error): ended
+        first, where shutting down would wait for one still starting (a spawned worker's imports, seconds on a busy
+        host, with Ctrl-C ignored: `_ignoring_ctrl_c`) before it gave the prompt back."""
+        if at_once:
+            for process in self._launched:
+                process.terminate()
+        self.shutdown(cancel_futures=True)
+
+    def __exit__(self, kind, value, traceback) -> bool:
+        self.stop(at_once=kind is not None)
+        return False
 
 
 @contextmanager
@@ -453,7 +483,7 @@ def _quit_quietly(signum: int, frame: object) -> None:
 
 
 def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None] | None = None,
-         workers: int = 1, pool: ProcessPoolExecutor | None = None) -> Tuning:
+         workers: int = 1, pool: Workers | None = None) -> Tuning:
     """The best configuration, its runners-up and what the limits cost (see the module docstring), over every
     profile of `settings`. A candidate is built (partitioned, costed) only when its shape's bound comes up in
     the search, and simulated only when its own does, in `workers` processes (1: here; `pool`: those
@@ -766,7 +796,7 @@ class _Built:
     up to `window` at once. A context manager: leaving it stops the workers."""
 
     def __init__(self, problem: Problem, orders: _Orders, report: Callable[[str], None] | None = None,
-                 shapes: int = 0, workers: int = 1, pool: ProcessPoolExecutor | None = None) -> None:
+                 shapes: int = 0, workers: int = 1, pool: Workers | None = None) -> None:
         self.problem = problem
         self._report, self._shapes = report, shapes
         self.window = workers
@@ -1147,7 +1177,7 @@ class _Built:
 
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
+            self._pool.stop(at_once=exc[0] is not None)
 
     def _progress(self) -> None:
         if self._report is not None:

@@ -6,17 +6,21 @@ import gc
 import math
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
+
+import pytest
 
 from pipesim.commands import tune as command
 from pipesim.planning import tune as planning
 from pipesim.units import GIB
 from tests.conftest import pipesim
-from tests.helpers import gpt_on_8, tune_document
+from tests.helpers import GPT_CPU, gpt_on_8, tune_document
 
 SMALL = ("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 64, "--heads", 4, "--seq-len", 32,
          "--vocab", 1000, "-D", 8, "-b", 1, "--json")
@@ -239,6 +243,56 @@ def test_ctrl_c_ends_the_workers_without_a_traceback_while_they_start_or_idle(tm
     for method in ("fork", "spawn"):
         ran = subprocess.run([sys.executable, script, method], capture_output=True, text=True, timeout=120)
         assert (ran.returncode, ran.stdout, ran.stderr) == (0, "130\n", ""), method
+
+
+_STARTING_HELD = '''
+import os, pathlib, time
+here = pathlib.Path(__file__).parent
+if __name__ == "__mp_main__":  # a spawned worker starting (its imports, seconds on a busy host), held until released
+    (here / f"starting-{os.getpid()}").touch()
+    held_until = time.monotonic() + 30
+    while not (here / "released").exists() and time.monotonic() < held_until:
+        time.sleep(0.05)
+    (here / f"started-{os.getpid()}").touch()
+if __name__ == "__main__":
+    from pipesim.cli import main
+    main()
+'''
+
+
+@pytest.mark.parametrize("command", [
+    ("tune", "--profile", GPT_CPU, "--devices", 8, "--memory-gb", 0.3),
+    ("sweep", "--grid", Path(__file__).resolve().parents[1] / "examples" / "grid.toml", "-j", 2, "--out", "out.csv")])
+def test_ctrl_c_ends_workers_still_starting_rather_than_wait_for_them(tmp_path, command):
+    """Ctrl-C while tune's (or sweep's) spawned workers still start, Ctrl-C ignored (`_ignoring_ctrl_c`): the
+    command ends them and says "interrupted", where it waited for them to start before it gave the prompt back."""
+    script = tmp_path / "pipesim_held.py"
+    script.write_text(_STARTING_HELD)
+    workers = 2 if command[0] == "sweep" else os.cpu_count()  # tune's: one per core
+    proc = subprocess.Popen([sys.executable, script, *map(str, command)], cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as at a terminal
+    try:
+        while len(list(tmp_path.glob("starting-*"))) < workers and proc.poll() is None:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C: the whole foreground group
+        _, err = proc.communicate(timeout=120)
+        starting = [int(path.name.split("-")[1]) for path in tmp_path.glob("starting-*")]
+        assert (proc.returncode, err.splitlines()[-1:], len(starting)) == (130, ["interrupted"], workers), err
+        assert not list(tmp_path.glob("started-*"))
+        assert not [pid for pid in starting if _alive(pid)]
+    finally:
+        (tmp_path / "released").touch()
+        proc.kill()
+        proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_sweeps_workers_keep_their_cycle_collector_where_tunes_hold_it_off():
