@@ -36,8 +36,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich import box
+from rich.table import Table
+
 from pipesim.cli import main as pipesim
-from pipesim.commands.common import refuse_unwritable, write_json
+from pipesim.commands.common import refuse_unwritable, stdout, write_json
+from pipesim.commands.tables import print_message, print_table
 from pipesim.schedules import METHODS
 
 PUBLISHED = Path(__file__).resolve().parent / "published"  # the papers' tables; README.md there says how to read them
@@ -200,23 +204,33 @@ def _row(name: str, unit: str, predicted: float, published: float, args: list[st
             "error": predicted / published - 1, "command": command_text(args), "command_ms": command_ms}
 
 
+def print_rows(rows: list[dict]) -> None:
+    """The compared rows as a table (commands/tables.py: at the terminal's width nothing cut, piped whole rows), then
+    each row's command, one line piped, on a terminal wrapped between words (it printed 114-column rows and
+    commands that a terminal broke inside a flag)."""
+    errors = [abs(r["error"]) for r in rows]
+    table = Table(box=box.SIMPLE_HEAD, caption_justify="left",
+                  caption=f"|error|: median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(rows)} "
+                          f"rows (within 10 %: {sum(e <= 0.10 for e in errors)})")
+    for header in ("run", "unit", "predicted", "published", "error"):
+        table.add_column(header, justify="left" if header in ("run", "unit") else "right")
+    for r in rows:
+        table.add_row(r["run"], r["unit"], f"{r['predicted']:.2f}", f"{r['published']:.2f}", f"{r['error']:+.1%}")
+    print_table(table)
+    print_message("\nEach row's command (s: its ms/step; layer rows: the profile's layers[1]; TFLOP/s: Eq. 3 of "
+                  "ms/step):", stdout)
+    for command in dict.fromkeys(r["command"] for r in rows):
+        print_message(f"{', '.join(r['run'] for r in rows if r['command'] == command)}:", stdout)
+        print_message(f"  {command}", stdout)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     refuse_unwritable(("--json", args.json))
     rows = korthikanti() + korthikanti_layer() + megatron()
-    width = max(len(r["run"]) for r in rows)
-    print(f"{'run':<{width}}  {'unit':<11} {'predicted':>10} {'published':>10} {'error':>8}")
-    for r in rows:
-        print(f"{r['run']:<{width}}  {r['unit']:<11} {r['predicted']:>10.2f} {r['published']:>10.2f} "
-              f"{r['error']:>+8.1%}")
-    errors = [abs(r["error"]) for r in rows]
-    print(f"|error|: median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(rows)} rows "
-          f"(within 10 %: {sum(e <= 0.10 for e in errors)})")
-    print("\nEach row's command (s: its ms/step; layer rows: the profile's layers[1]; TFLOP/s: Eq. 3 of ms/step):")
-    for command in dict.fromkeys(r["command"] for r in rows):
-        print(f"{', '.join(r['run'] for r in rows if r['command'] == command)}:\n  {command}")
+    print_rows(rows)
     write_json(args.json, {"gpu": GPU, "rows": rows})
 
 

@@ -4,11 +4,15 @@ across lines, numbers split between two."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.published_runs import print_rows
+from tests.conftest import at_columns
 
 REPO = Path(__file__).resolve().parents[1]
 VALUE = re.compile(r"[\d,.]+")
@@ -40,3 +44,24 @@ def test_a_benchmarks_table_at_80_columns_keeps_every_number_whole_and_piped_its
     figures = [cell for part in parts for cell in part[1:]]
     assert len(figures) == 15 and all(VALUE.fullmatch(cell) for cell in figures), parts
     assert figures[:2] == ["128", "328"]
+
+
+def test_published_runs_prints_its_rows_with_every_figure_whole_at_80_columns_and_piped_one_line_a_row(
+        monkeypatch, capsys):
+    """published_runs.py printed its rows 114 columns wide, which a terminal of 80 wrapped, a row's figures on the
+    line under its name; through print_table at 80 columns every line fits and a row's three figures stay on one
+    line, and piped each row and each command is one line, as docs/hardware.md quotes them."""
+    rows = json.loads((REPO / "benchmarks" / "published_runs.json").read_text())["rows"]
+    figures = [[f"{r['predicted']:.2f}", f"{r['published']:.2f}", f"{r['error']:+.1%}"] for r in rows]
+    at_columns(monkeypatch, 80)
+    print_rows(rows)
+    out = capsys.readouterr().out
+    lines = out[:out.index("Each row's command")].splitlines()  # the commands stay whole: a terminal wraps them
+    assert max(map(len, lines)) <= 80, "\n".join(lines)
+    assert all(any(line.split()[-3:] == row for line in lines) for row in figures), "\n".join(lines)
+    at_columns(monkeypatch, None)
+    print_rows(rows)
+    lines = capsys.readouterr().out.splitlines()
+    for r, row in zip(rows, figures):
+        assert [*r["run"].split(), r["unit"], *row] in [line.split() for line in lines], r["run"]
+        assert f"  {r['command']}" in lines
