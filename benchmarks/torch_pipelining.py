@@ -39,7 +39,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rich.console import Console
 
+from pipesim.commands.common import stdout
+from pipesim.commands.tables import print_message
 from pipesim.executor import RunSpec, Stages, cut, microbatch_data
 from pipesim.planning.torch_profile import events_read
 from pipesim.schedules import build_schedule
@@ -255,6 +258,13 @@ def _next_steps(args: argparse.Namespace) -> str:
             f"--threads {args.threads_per_rank} --device cpu --passes-as torch --out PROFILE.json\n  " + predict)
 
 
+def print_written(args: argparse.Namespace, console: Console = stdout) -> None:
+    """What the run wrote and the commands that predict and compare it, as the command line prints a message
+    (`print_message`): on a terminal wrapped between words, where one of 80 columns broke a command inside a flag
+    ("--optimizer s" over "gd"); piped, each command on one line, to copy."""
+    print_message(f"wrote {args.stages} profiler traces to {args.out}; {_next_steps(args)}", console)
+
+
 def _count(least: int) -> Callable[[str], int]:
     """An argparse type: a whole number from `least` (a count of stages, mini-batches or threads), refused on the
     command line rather than in the ranks."""
@@ -310,8 +320,10 @@ def main() -> None:
     args = arguments()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
+    # the ranks write to the terminal's stderr themselves, torch 2.13's kineto two lines a rank ("USDT: ...
+    # SyncActivityProfilerHandler.cpp:52] profiler_start", "...:59] profiler_stop"): nothing passes through here
     mp.start_processes(_rank, args=(args, free_port()), nprocs=args.stages, start_method="spawn")
-    print(f"wrote {args.stages} profiler traces to {args.out}; {_next_steps(args)}")
+    print_written(args)
 
 
 if __name__ == "__main__":

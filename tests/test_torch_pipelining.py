@@ -1,12 +1,14 @@
 """benchmarks/torch_pipelining.py runs what a calibration profile measured, so that a prediction from that
 profile describes the torch run; without one it prints the calibrate command that matches its flags."""
 
+import io
 import json
 import shlex
 from pathlib import Path
 
 import pytest
 import typer
+from rich.console import Console
 
 from pipesim.schedules.ir import Kind, ScheduleError
 from tests.conftest import script_module
@@ -99,6 +101,22 @@ def test_without_a_profile_it_prints_the_calibrate_command_that_matches_its_run(
     params = command.make_context("calibrate", argv).params  # pipesim calibrate parses it as written
     assert (params["model"], params["layers"], params["width"], params["microbatch_size"], params["stages"],
             params["threads"], params["device"], params["passes_as"]) == ("mlp", 4, 256, 16, 2, 1, "cpu", "torch")
+
+
+def test_the_commands_it_prints_wrap_between_words_on_a_terminal_and_stay_whole_piped(script):
+    """Its closing hint printed with print(), so a terminal of 80 columns broke the calibrate command inside a flag
+    ("--optimizer s" over "gd"): on a terminal it wraps between words at the width, piped each command is one
+    line."""
+    args = script.arguments(["--out", "run/"])
+    text = f"wrote 2 profiler traces to run/; {script._next_steps(args)}"
+    for terminal in (True, False):
+        console = Console(width=80, file=io.StringIO(), force_terminal=terminal, color_system=None)
+        script.print_written(args, console)
+        out = console.file.getvalue()
+        if terminal:
+            assert max(map(len, out.splitlines())) <= 80 and out.split() == text.split(), out
+        else:
+            assert out == text + "\n"
 
 
 def test_the_first_stages_example_is_laid_out_as_the_micro_batches_torch_hands_it(script):
