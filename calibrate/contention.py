@@ -22,9 +22,15 @@ least).
 A rank's time is its mean iteration, not the median: with more processes than cores, an iteration shorter than
 the scheduler's time slice mostly runs undisturbed and a few absorb the whole wait (3 one-thread processes on 2
 cores: median 1.07x alone, mean 1.7x), and the mean is the rate a rank advances at, which the simulator's
-processor sharing prices. For the same reason `tail` is a rank's mean iteration alone over its median (the
+processor sharing prices. `tail` is a rank's mean iteration alone over its median in the process's CPU time (the
 median over its solo windows, each taken within its round): the stage passes calibration times are medians, and
-the simulator prices them at their mean.
+the simulator prices them at their mean, so the tail is what the pass itself costs now and then beyond its median
+(a cold cache, a first allocation, a page fault). Not its wall time: a rank alone on a host whose other work keeps
+the cores busy spends most of its wall time waiting for a core, and a busy loop's few long waits set that mean
+(docs/auto.md's --width 16 mlp at others' load 0.81-0.92 per core: 3.2-7.5x the median over four calibrations; CPU
+time 1.12): a share of the cores that moves with the others' load from minute to minute, which the others' CPU time
+cannot tell apart once they fill the cores, that a run's rank, which sleeps in its receives, waits for less
+than a busy loop does, and that no other calibrated term holds (compare says when the host was busy).
 `slowdown[k - 1]` is the median over rounds of the median over the k processes of their mean with k over their
 mean alone in the same round; `spread[k - 1]` the interquartile range of the same ratio taken over each fifth of
 every window (BLOCKS runs of consecutive iterations), pooled over the k and the rounds.
@@ -67,6 +73,7 @@ START_TIMEOUT_S = 120.0  # spawning, importing torch and building the model, on 
 ANSWER_SLACK_S = 30.0  # beyond a window's end (and one more window for an iteration running past it)
 STOP_GRACE_S = 3.0
 WINDOW_TRIES = 4  # a window no iteration of some rank fitted in is taken again, twice as long each time
+TAIL_FROM = "process CPU time"  # what `pass_tail` reads (the cache key holds it: a tail kept from wall time differs)
 
 
 class ContentionError(RuntimeError):
@@ -149,6 +156,7 @@ class ContentionProbe:
         self.window_s = [self.windows.length_s(k) for k in range(1, self.count + 1)]
         self.advance = advance
         self.rounds: list[Round] = []
+        self.solo_cpu_ms: list[list[list[float]]] = []  # per round, per rank alone: its kept iterations' CPU time
         self.retaken: list[float] = []  # the lengths of the windows taken again
         self.processes = "its own"  # or "the ranks of the run it preceded" (`prelude`)
         self.load: HostLoad | None = None  # the host's load over `measure`
@@ -179,7 +187,7 @@ class ContentionProbe:
         runs, down to its layers' names and weights, the processes, and how the windows are taken."""
         return {"workload": asdict(self.job), "layers": self.layers, "processes": self.count,
                 "windows": {"min_s": WINDOW_S, "warmup_s": WARMUP_S, "warmup_iterations": WARMUP_ITERATIONS,
-                            "min_iterations": MIN_ITERATIONS, "slowed_by": "oversubscription",
+                            "min_iterations": MIN_ITERATIONS, "slowed_by": "oversubscription", "tail_from": TAIL_FROM,
                             "rounds": [MIN_ROUNDS, ROUNDS], "agreement": AGREEMENT, "blocks": BLOCKS}}
 
     def prelude(self, phase: PhaseLine = lambda title: nullcontext([])) -> Prelude:
@@ -195,20 +203,20 @@ class ContentionProbe:
         """The windows, round by round, with the started processes `procs` (each running `_worker`) over their
         pipes `conns`: once each has answered ready, each alone, then 2, 3, ... at once, until the rounds agree
         or ROUNDS are taken; then each process is told to stop measuring."""
-        def window(ranks: range) -> list[list[float]]:
-            """Per rank, its kept iteration times (ms) in one window where `ranks` compute at once; a window in
-            which a rank finished no iteration (a host so loaded that it hardly ran) is taken again, twice as
-            long, up to WINDOW_TRIES times."""
+        def window(ranks: range) -> list[Kept]:
+            """Per rank, its kept iterations in one window where `ranks` compute at once; a window in which a
+            rank finished no iteration (a host so loaded that it hardly ran) is taken again, twice as long, up to
+            WINDOW_TRIES times."""
             for attempt in range(WINDOW_TRIES):
                 length_s = self.window_s[len(ranks) - 1] * 2 ** attempt
                 start_s = time.monotonic() + LEAD_S
                 for rank in ranks:
                     conns[rank].send((start_s, start_s + self.windows.warmup_s(len(ranks)), start_s + length_s))
-                times = [_answer(conns[rank], procs[rank], rank,
-                                 start_s + 2 * length_s + ANSWER_SLACK_S - time.monotonic()) for rank in ranks]
-                idle = [rank for rank, ms in zip(ranks, times) if not ms]
+                kept = [Kept(*_answer(conns[rank], procs[rank], rank,
+                                      start_s + 2 * length_s + ANSWER_SLACK_S - time.monotonic())) for rank in ranks]
+                idle = [rank for rank, iterations in zip(ranks, kept) if not iterations.wall_ms]
                 if not idle:
-                    return times
+                    return kept
                 self.retaken.append(length_s)
             raise ContentionError(f"contention measurement: process {idle[0]} finished no iteration in a "
                                   f"{length_s:g} s window (is the host overloaded?)")
@@ -225,8 +233,9 @@ class ContentionProbe:
             together = []
             for k in range(2, self.count + 1):
                 self.advance(f"contention: round {number}/{ROUNDS}, {k} processes at once")
-                together.append(window(range(k)))
-            self.rounds.append((alone, together))
+                together.append([kept.wall_ms for kept in window(range(k))])
+            self.rounds.append(([kept.wall_ms for kept in alone], together))
+            self.solo_cpu_ms.append([kept.cpu_ms for kept in alone])
             if rounds_agree(self.rounds):
                 break
         for conn in conns:
@@ -240,10 +249,8 @@ class ContentionProbe:
         pooled = [np.concatenate([alone[rank] for alone, _ in rounds]) for rank in range(count)]
         solo_ms = [float(np.mean(ms)) for ms in pooled]
         solo_median_ms = [float(np.median(ms)) for ms in pooled]
-        # The simulator prices the calibrated passes, medians; a rank advances at its mean, and its passes alone
-        # have a right tail (a preempted or cold iteration now and then): the tail is that mean over the median,
-        # window by window (pooled over rounds, the host's drift between them would pass for a tail).
-        solo_tails = [[float(np.mean(ms) / np.median(ms)) for ms in alone] for alone, _ in rounds]
+        # window by window (pooled over rounds, the host's drift between them would pass for a tail)
+        solo_tails = [[pass_tail(ms) for ms in alone] for alone in self.solo_cpu_ms]
         tail = float(np.median(solo_tails))
         measured, by_round = measured_slowdowns(rounds)
         slowdown = slowdowns(measured)
@@ -267,6 +274,7 @@ class ContentionProbe:
                 "solo_ms": [round(ms, 4) for ms in solo_ms],
                 "solo_median_ms": [round(ms, 4) for ms in solo_median_ms],
                 "solo_tail_by_round": [[round(t, 4) for t in tails] for tails in solo_tails],
+                "tail_from": TAIL_FROM,
                 "measured_slowdown": [round(r, 4) for r in measured], "rounds": len(rounds),
                 "windows_retaken": self.retaken,
                 "measured_slowdown_by_round": [[round(r, 4) for r in ratios] for ratios in by_round],
@@ -297,6 +305,22 @@ class Windows:
     def length_s(self, k: int) -> float:
         """The warm-up, MIN_ITERATIONS kept iterations and one running past the end; WINDOW_S at least."""
         return max(WINDOW_S, self.warmup_s(k) + (MIN_ITERATIONS + 1) * self.slowed_s(k))
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One rank's kept iterations in one window: each one's wall time (ms, the monotonic clock), which the
+    slowdowns read, and its process's CPU time over it (ms), which `pass_tail` reads."""
+
+    wall_ms: list[float]
+    cpu_ms: list[float]
+
+
+def pass_tail(cpu_ms: list[float]) -> float:
+    """A rank's mean iteration over its median in one solo window, in its process's CPU time: what its pass costs
+    now and then beyond the median calibration prices (a cold cache, a first allocation). A wait for a core costs
+    no CPU time, so the others' load, which sets a busy loop's wall-time mean (module docstring), sets none of it."""
+    return float(np.mean(cpu_ms) / np.median(cpu_ms))
 
 
 def _block_means(ms: list[float]) -> np.ndarray:
@@ -353,7 +377,8 @@ def _worker(job: _Job, conn: Any, rank: int) -> None:
             iteration()
         conn.send(("ready", None))
         while (window := conn.recv()) is not None:
-            conn.send(("times", _run_window(iteration, *window)))
+            kept = _run_window(iteration, *window)
+            conn.send(("times", (kept.wall_ms, kept.cpu_ms)))
     except EOFError:  # the parent is gone
         return
     except BaseException as exc:
@@ -361,16 +386,18 @@ def _worker(job: _Job, conn: Any, rank: int) -> None:
             conn.send(("error", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"))
 
 
-def _run_window(iteration: Callable[[], None], start_s: float, warm_s: float, end_s: float) -> list[float]:
-    """Iterate from `start_s` until `end_s` (monotonic clock); the ms of those that began after the warm-up
-    (at `warm_s`) and ended within the window."""
+def _run_window(iteration: Callable[[], None], start_s: float, warm_s: float, end_s: float) -> Kept:
+    """Iterate from `start_s` until `end_s` (monotonic clock); the wall and CPU ms of those that began after the
+    warm-up (at `warm_s`) and ended within the window."""
     time.sleep(max(0.0, start_s - time.monotonic()))
-    kept = []
+    kept = Kept([], [])
     while (began := time.monotonic()) < end_s:
+        cpu_began = time.process_time()
         iteration()
-        ended = time.monotonic()
+        ended, cpu_ended = time.monotonic(), time.process_time()
         if began >= warm_s and ended <= end_s:
-            kept.append((ended - began) * 1e3)
+            kept.wall_ms.append((ended - began) * 1e3)
+            kept.cpu_ms.append((cpu_ended - cpu_began) * 1e3)
     return kept
 
 

@@ -470,7 +470,7 @@ def _print_profile(profile) -> None:
         threads = meta.get("threads_per_process")
         stdout.print(f"contention: {at_once} ({count_text(threads, 'thread')} per rank, "
                      f"{meta.get('cpus_usable')} cores); a rank alone: mean {profile.contention.tail:.3f}x its "
-                     "median iteration (the passes are priced at their mean)"
+                     "median iteration in CPU time (the passes are priced at their mean)"
                      + _cached(meta, "the factors"), highlight=False)
         solo_ms, of = meta.get("solo_median_ms", meta.get("solo_ms")), meta.get("workload", {}).get("stages")
         if solo_ms and of and all(stage.passes is not None for stage in profile.stages):

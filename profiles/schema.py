@@ -501,8 +501,9 @@ class ContentionProfile(_Strict):
     computing over its mean alone (so `slowdown[0]` is 1), `spread[k - 1]` the interquartile range of that
     ratio over fifths of each window. The simulator shares a host's compute among the ranks computing on it:
     each advances at 1 / slowdown[k - 1] of its own speed. `tail`: a rank's mean iteration alone over its
-    median (1: a profile from before it was measured); the stages' passes, timed as medians, are priced at
-    their mean, since an iteration adds its ops' times up."""
+    median in CPU time (1: a profile from before it was measured; one without `meta.tail_from` took wall time,
+    which held the host's load); the stages' passes, timed as medians, are priced at their mean, since an
+    iteration adds its ops' times up."""
 
     slowdown: list[Annotated[float, Field(gt=0)]] = Field(min_length=1)
     spread: list[Annotated[float, Field(ge=0)]]
