@@ -17,7 +17,10 @@ doubled a quiet hour's predictions). Both are taken with nothing of the calibrat
 term is measured is only the others' share of the cores its ranks leave them, so it is compared one way only:
 a term measured while the others kept the host busy even beside its ranks (a busy moment that can come after
 a quiet start) is measured again where the host is quiet now, for the others would have had more of the cores
-with the ranks gone.
+with the ranks gone. Where the others fill the cores, their CPU time reads the same however many wait, so a term
+kept from a busy host is reused on one busy now only where the load averages at the two starts are within
+BUSY_LOAD_PER_CORE a core (`queues_differ`: five calibrations of docs/auto.md's mlp began at 0.81-0.86 per core from
+CPU time and load averages of 6.6 to 14.0 on 2 cores, and a busy loop alone took 3.2x to 7.5x its median iteration).
 
 The directory is `$PIPESIM_CACHE_DIR`, else `$XDG_CACHE_HOME/pipesim`, else `~/.cache/pipesim`. One JSON file
 per entry, written atomically; a file that cannot be read or does not match its key is measured again.
@@ -38,7 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from ..traces import write_atomic
-from ..traces.hostload import LOAD_TOLERANCE_PER_CORE, HostLoad, format_age, loads_differ, mark, utc_now
+from ..traces.hostload import (
+    BUSY_LOAD_PER_CORE,
+    LOAD_TOLERANCE_PER_CORE,
+    HostLoad,
+    format_age,
+    loads_differ,
+    mark,
+    queues_differ,
+    utc_now,
+)
 from ..workload.cachedir import cache_dir
 
 CACHE_VERSION = 6  # raised when what a cached entry holds, or how it is measured, changes (6: the kept gradients)
@@ -98,8 +110,9 @@ class HostCache:
     the new value). A kept term is measured again, not reused, when it is older than MAX_AGE_S or when the
     host's load per core when the calibration that measured it began differs from `load_now` (the load when
     this calibration began, `HostLoad.now`; default: taken when first needed) by more than
-    LOAD_TOLERANCE_PER_CORE (traces/hostload.py), or when it does not say, or when the host was busy while it
-    was measured and is quiet now. A directory that cannot be written only loses the reuse: the measurement
+    LOAD_TOLERANCE_PER_CORE (traces/hostload.py), or when it does not say, or when both are busy and their load
+    averages differ by more than BUSY_LOAD_PER_CORE a core, or when the host was busy while it was measured and is
+    quiet now. A directory that cannot be written only loses the reuse: the measurement
     still counts."""
 
     def __init__(self, directory: Path | None = None, fresh: bool = False, load_now: HostLoad | None = None) -> None:
@@ -151,6 +164,10 @@ class HostCache:
         if loads_differ(then, now):
             return (f"the cached one's calibration began at {then.describe()}, this one at "
                     f"{now.per_core:.2f} per core, more than {LOAD_TOLERANCE_PER_CORE} apart")
+        if queues_differ(then, now):
+            return (f"the cached one's calibration began at {then.describe()} and a load average of {then.before:.1f}, "
+                    f"this one at {now.per_core:.2f} per core and {now.before:.1f}: the others fill the cores, and "
+                    f"their load averages are more than {BUSY_LOAD_PER_CORE:g} a core apart")
         if entry.load is not None and entry.load.busy and not now.busy:
             return (f"the cached one was measured on a busy host ({entry.load.describe()} beside its own ranks), "
                     f"and the host is quiet now ({now.per_core:.2f} per core)")

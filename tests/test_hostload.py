@@ -212,6 +212,37 @@ def test_a_term_measured_in_a_busy_moment_after_a_quiet_start_is_not_reused_on_a
     assert kept is not None and kept.value == {"ms": 21.0}
 
 
+def test_a_term_kept_from_a_full_host_is_measured_again_where_more_or_fewer_now_wait_for_its_cores(tmp_path,
+                                                                                                   monkeypatch):
+    """Once the others fill the cores their CPU time reads the same however many wait (docs/auto.md's mlp: 0.81-0.86
+    per core at load averages of 6.6 to 14.0 on 2 cores): a term kept from a full host is reused on one full now
+    only where the load averages at the two calibrations' starts are within one task a core, and where they are not it
+    is measured again, naming both. The load is the cache file's own recorded figure, rewritten here."""
+    from pipesim.calibrate.cache import HostCache
+
+    def get():
+        return HostCache(tmp_path).get("contention", {"model": "mlp"}, lambda: {"tail": 7.45}, 2)
+
+    host_is(monkeypatch, others_cores=1.64, load_1min=14.0)  # 0.82 per core: the cores are full
+    kept = get()
+    assert kept.fresh and kept.load_before.before == 14.0
+    (entry,) = tmp_path.glob("contention-*.json")
+    doc = json.loads(entry.read_text())
+    doc["load_before"]["before"] = doc["load_before"]["after"] = 6.6  # kept at a start as full, fewer waiting
+    doc["value"] = {"tail": 3.3}
+    entry.write_text(json.dumps(doc))
+    again = get()
+    assert again.fresh and again.value == {"tail": 7.45}
+    assert ("the cached one's calibration began at others' load 1.64 on 2 cores (0.82 per core, from CPU time) and a "
+            "load average of 6.6, this one at 0.82 per core and 14.0: the others fill the cores, and their load "
+            "averages are more than 1 a core apart") in again.describe()
+    doc["load_before"]["before"] = doc["load_before"]["after"] = 12.5  # within one task a core: reused
+    entry.write_text(json.dumps(doc))
+    assert not get().fresh and get().value == {"tail": 3.3}
+    host_is(monkeypatch, others_cores=0.6, load_1min=3.0)  # not full (0.3 per core): CPU time tells, 0.25 apart
+    assert "more than 0.25 apart" in get().describe()
+
+
 def test_back_to_back_calibrations_on_an_idle_host_reuse_the_cache(tmp_path, monkeypatch):
     """The first calibration's own ranks leave the load average at 1.6 for the next; its CPU time is its own, so
     the second, at once after, finds the host as idle as the first did and reuses the term."""

@@ -352,6 +352,19 @@ def loads_differ(first: HostLoad | None, second: HostLoad | None) -> bool:
     return abs(first.per_core - second.per_core) > LOAD_TOLERANCE_PER_CORE
 
 
+def queues_differ(first: HostLoad | None, second: HostLoad | None) -> bool:
+    """Whether two loads that both read busy from CPU time had 1-minute load averages at their start more than
+    BUSY_LOAD_PER_CORE apart per usable core (another runnable task on every core). The others' CPU time cannot
+    exceed the cores they are left, so once they fill them it reads the same however many of them wait: five
+    calibrations of one model began at 0.81-0.86 per core and load averages of 6.6 to 14.0 on 2 cores, and a busy
+    loop alone took 3.2x to 7.5x its median iteration. The load average counts the waiting ones (and the tail of
+    this command's own previous one, at most 0.8 per core on the idle 2-core host: within the margin)."""
+    if first is None or second is None or not (first.busy and second.busy) or first.measure != "CPU time" \
+            or second.measure != "CPU time" or first.before is None or second.before is None:
+        return False
+    return abs(first.before / first.cpus - second.before / second.cpus) > BUSY_LOAD_PER_CORE
+
+
 def format_age(seconds: float) -> str:
     """E.g. "12 s", "5 min", "3 h", "2 d"."""
     for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
