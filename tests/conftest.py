@@ -3,6 +3,8 @@
 - `pipesim(*args)`: the command line run in-process, its output captured: (code, out, err).
 - `pipesim_fresh(*commands)`: commands run one after another in a new Python process: each one's (code, out, err)
   and the packages the process imported (torch?).
+- `fresh_process(commands, cwd, env, timeout_s)`: `pipesim_fresh` in an environment of the caller's, with what its
+  process wrote to stderr beside the commands (their ranks').
 - `at_columns(monkeypatch, columns)`: the terminal width the command line prints for, as a process would see it.
 - `simulate_json(*args)`: `pipesim simulate ... --json`, which must succeed: its results.
 - `build(name, p, m, n)`: a method's schedule in its default shape (the V schedules' two chunks, AvgPipe's two
@@ -163,10 +165,19 @@ class Fresh(NamedTuple):
 def pipesim_fresh(*commands: Iterable[Any], cwd: Path | None = None) -> Fresh:
     """Each of `commands` (the command line's arguments) run as `pipesim` runs it, one after another in one new
     Python process, which imported nothing before: what a command imports (torch) shows in `imported`."""
+    return fresh_process(commands, cwd)[0]
+
+
+def fresh_process(commands: Iterable[Iterable[Any]], cwd: Path | None = None, env: dict[str, str] | None = None,
+                  timeout_s: float | None = None) -> tuple[Fresh, str]:
+    """`pipesim_fresh`'s process, in `env` (else this one's), ended after `timeout_s`: its Fresh, and what the process
+    wrote to stderr besides the commands' own output (their child processes', such as a run's ranks)."""
     argv = json.dumps([[str(arg) for arg in command] for command in commands])
-    done = subprocess.run([sys.executable, "-c", FRESH, argv], capture_output=True, text=True, check=True, cwd=cwd)
+    done = subprocess.run([sys.executable, "-c", FRESH, argv], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout_s)
+    assert done.returncode == 0, done.stderr  # a command raised past the command line's handling
     runs, imported = json.loads(done.stdout.splitlines()[-1])
-    return Fresh([Cli(*run) for run in runs], set(imported))
+    return Fresh([Cli(*run) for run in runs], set(imported)), done.stderr
 
 
 def at_columns(monkeypatch: pytest.MonkeyPatch, columns: int | None) -> None:

@@ -2,14 +2,16 @@
 
 The README is what a new user copies. Each `## ` section's ```bash blocks run in order in a fresh folder that
 holds the repository's `examples/`, `traces/` and `benchmarks/` (the paths the commands name), so a section's
-later commands read what its earlier ones wrote. The install-and-run lines of the Quick start run their pipesim
-part here; CI runs their install part on a fresh machine.
+later commands read what its earlier ones wrote; its `pipesim` commands run one after another in one new Python
+process, as the command line runs each. The install-and-run lines of the Quick start run their pipesim part here,
+through the shell (the `pipesim` console script); CI runs their install part on a fresh machine.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import fresh_process
 from tests.helpers import H100, README
 from tests.helpers import bash_commands as _commands
 from tests.helpers import readme_prose as prose
@@ -60,16 +63,46 @@ def user_folder(folder: Path, host_cache: Path) -> dict[str, str]:
                 PIPESIM_CACHE_DIR=str(host_cache))
 
 
-def _run_section(commands: list[str], folder: Path, host_cache: Path) -> str | None:
-    """Run one section's commands in order in `folder`: None, or what the first one that failed printed."""
+COMMAND_TIMEOUT_S = 600
+SHELL_SECTIONS = ("Quick start",)  # the install line's pipesim step: as the user's shell runs it, the console script
+
+
+def pipesim_arguments(command: str) -> list[str] | None:
+    """The arguments of a command that is `pipesim` and its arguments alone; None for a line with any other word
+    the shell reads (an operator, a redirection, a variable, a pattern)."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    words = list(lexer)
+    if words[:1] != ["pipesim"] or re.search(r"[$`*?~]", command) or any(
+            set(word) <= set(lexer.punctuation_chars) for word in words):
+        return None
+    return words[1:]
+
+
+def _run_section(title: str, commands: list[str], folder: Path, host_cache: Path) -> str | None:
+    """Run one section's commands in order in `folder`: None, or what the first one that failed printed. A section
+    of `pipesim` commands alone runs them in one new Python process, one after another as the command line runs
+    each (a process's start and imports, torch's and transformers' 3-8 CPU-s, once a section); any other, and the
+    Quick start's, through the shell, as typed."""
     env = user_folder(folder, host_cache)
-    for command in commands:
-        done = subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True,
-                              timeout=600)
-        if done.returncode != 0:
-            return f"{command!r} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
-        if "Traceback" in done.stderr:
-            return f"{command!r}:\n{done.stderr}"
+    arguments = [pipesim_arguments(command) for command in commands]
+    if title in SHELL_SECTIONS or None in arguments:
+        for command in commands:
+            done = subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True,
+                                  timeout=COMMAND_TIMEOUT_S)
+            if done.returncode != 0:
+                return f"{command!r} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+            if "Traceback" in done.stderr:
+                return f"{command!r}:\n{done.stderr}"
+        return None
+    (runs, _), children_err = fresh_process(arguments, folder, env, COMMAND_TIMEOUT_S * len(commands))
+    for command, (code, out, err) in zip(commands, runs):
+        if code not in (None, 0):
+            return f"{command!r} exited {code}:\n{out}\n{err}"
+        if "Traceback" in err:
+            return f"{command!r}:\n{err}"
+    if "Traceback" in children_err:
+        return f"the section's commands' processes:\n{children_err}"
     return None
 
 
@@ -90,7 +123,7 @@ def section_runs(request, tmp_path_factory, host_cache) -> Iterator[dict[str, Fu
     sections = {title: commands for title, commands in readme_sections().items() if title in selected}
     chains = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
     runs = {title: chains[any(c.startswith(MEASURING) for c in commands)].submit(
-                _run_section, commands, tmp_path_factory.mktemp("section"), host_cache)
+                _run_section, title, commands, tmp_path_factory.mktemp("section"), host_cache)
             for title, commands in sections.items()}
     yield runs
     for chain in chains:
