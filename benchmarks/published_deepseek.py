@@ -46,10 +46,11 @@ from pathlib import Path
 
 from published_memory import fullest
 from published_runs import _rows, command_text, iteration_ms
+from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_json
-from pipesim.commands.tables import print_table
+from pipesim.commands.common import refuse_unwritable, stdout, write_json
+from pipesim.commands.tables import print_message, print_table
 
 SOURCE = "deepseek-v3-2024.csv"  # benchmarks/published/README.md: its source and the report's sentences
 GPUS = {"H800": "h800"}  # the row's GPU -> the catalogue's (hardware/gpus.toml, with its sources)
@@ -140,27 +141,33 @@ def compared() -> dict:
             "memory": fullest(args)}
 
 
+def print_row(row: dict, console: Console = stdout) -> None:
+    """The row as a table (commands/tables.py), what is not modelled, and its command with its step and memory,
+    every line whole piped and on a terminal wrapped between words (`print_message`), where a terminal of 80
+    columns broke the command inside a flag. `row`: `compared`'s, as benchmarks/published_deepseek.json holds it."""
+    table = Table(title="Tokens/s per GPU on h800: predicted against DeepSeek-V3's report")
+    for name, justify in (("run", "left"), ("predicted", "right"), ("published", "right"), ("error", "right")):
+        table.add_column(name, justify=justify)
+    table.add_row(row["run"], f"{row['predicted_tokens_per_s_per_gpu']:,.0f}",
+                  f"{row['published_tokens_per_s_per_gpu']:,.0f}", f"{row['error']:+.1%}")
+    print_table(table, console)
+    memory = row["memory"]
+    fits = "out of memory" if memory["out_of_memory"] else "fits"
+    print_message("\n".join(("\nNot modelled:", *(f"{what}: {why}" for what, why in NOT_MODELLED.items()),
+                             "\nThe command (tokens/s per GPU: global batch x sequence over its ms/step x GPUs):",
+                             f"  {row['command']}", f"  {row['command_ms']:,.1f} ms/step; peak "
+                             f"{memory['peak_mib']:,.0f} MiB of {memory['limit_mib']:,.0f} on device "
+                             f"{memory['device']}: {fits}")), console)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the row as JSON here")
     args = parser.parse_args()
     refuse_unwritable(("--json", args.json))
     row = compared()
-    table = Table(title="Tokens/s per GPU on h800: predicted against DeepSeek-V3's report")
-    for name, justify in (("run", "left"), ("predicted", "right"), ("published", "right"), ("error", "right")):
-        table.add_column(name, justify=justify)
-    table.add_row(row["run"], f"{row['predicted_tokens_per_s_per_gpu']:,.0f}",
-                  f"{row['published_tokens_per_s_per_gpu']:,.0f}", f"{row['error']:+.1%}")
-    print_table(table)
+    print_row(row)
     write_json(args.json, row)
-    print("\nNot modelled:")
-    for what, why in NOT_MODELLED.items():
-        print(f"{what}: {why}")
-    memory = row["memory"]
-    fits = "out of memory" if memory["out_of_memory"] else "fits"
-    print(f"\nThe command (tokens/s per GPU: global batch x sequence over its ms/step x GPUs):\n  {row['command']}\n"
-          f"  {row['command_ms']:,.1f} ms/step; peak {memory['peak_mib']:,.0f} MiB of {memory['limit_mib']:,.0f} on "
-          f"device {memory['device']}: {fits}")
 
 
 if __name__ == "__main__":

@@ -52,10 +52,11 @@ import statistics
 from pathlib import Path
 
 from published_runs import _rows, command_text, iteration_ms
+from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_json
-from pipesim.commands.tables import print_table
+from pipesim.commands.common import refuse_unwritable, stdout, write_json
+from pipesim.commands.tables import print_message, print_table
 
 SOURCE = "nvidia-dgxc-h100.csv"
 NEMO_SUMMARY = "nemo-perf-summary-h100.csv"
@@ -174,14 +175,36 @@ def summary(compared: list[dict]) -> str:
     return f"median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} rows"
 
 
-def print_step_table(title: str, compared: list[dict]) -> None:
+def print_step_table(title: str, compared: list[dict], console: Console = stdout) -> None:
     """The rows' predicted and published step (s) and error as one table (`main` prints one a source)."""
     table = Table(title=title)
     for name, justify in (("run", "left"), ("predicted s", "right"), ("published s", "right"), ("error", "right")):
         table.add_column(name, justify=justify)
     for r in compared:
         table.add_row(r["run"], f"{r['predicted_s']:.3f}", f"{r['published_s']:.3f}", f"{r['error']:+.1%}")
-    print_table(table)
+    print_table(table, console)
+
+
+def print_rows(compared: list[dict], summary_rows: list[dict], console: Console = stdout) -> None:
+    """DGX Cloud's rows and NeMo's summary's, each as a table (`print_step_table`) with its |error|, the steps' rise
+    and each row's command, every line whole piped and on a terminal wrapped between words (`print_message`), where
+    a terminal of 80 columns broke a command inside a flag. The rows as `rows` gives them (their `layout` for
+    `scaling`)."""
+    print_step_table(f"Step time on {GPU}: predicted against NVIDIA's published (s)", compared, console)
+    lines = [f"{precision.upper()} |error|: {summary([r for r in compared if r['precision'] == precision])}"
+             for precision in dict.fromkeys(r["precision"] for r in compared)]
+    lines += [f"all |error|: {summary(compared)}",
+              "\nThe step from the fewest GPUs to the most (the data-parallel degree alone grows):", *scaling(compared),
+              "\nEach row's command (its ms/step / 1000 is the predicted s):"]
+    print_message("\n".join(lines + [f"{r['run']}:\n  {r['command']}" for r in compared]), console)
+    console.print()
+    print_step_table(f"Step time on {GPU}: predicted against NeMo 24.07's performance summary (s, from tokens/s)",
+                     summary_rows, console)
+    latest = [r for r in summary_rows if r["run"].endswith(f"({NEMO_SUMMARY_LATEST[:7]})")]
+    lines = [f"NeMo performance summary |error|: {summary(summary_rows)} (3 tables, the same 12 configurations)",
+             f"NeMo performance summary, latest table ({NEMO_SUMMARY_LATEST}) |error|: {summary(latest)}",
+             "\nEach row's command (its ms/step / 1000 is the predicted s):"]
+    print_message("\n".join(lines + [f"{r['run']}:\n  {r['command']}" for r in summary_rows]), console)
 
 
 def main() -> None:
@@ -189,26 +212,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
     refuse_unwritable(("--json", args.json))
-    compared = rows()
-    print_step_table(f"Step time on {GPU}: predicted against NVIDIA's published (s)", compared)
-    for precision in dict.fromkeys(r["precision"] for r in compared):
-        print(f"{precision.upper()} |error|: {summary([r for r in compared if r['precision'] == precision])}")
-    print(f"all |error|: {summary(compared)}")
-    print("\nThe step from the fewest GPUs to the most (the data-parallel degree alone grows):")
-    print("\n".join(scaling(compared)))
-    print("\nEach row's command (its ms/step / 1000 is the predicted s):")
-    for r in compared:
-        print(f"{r['run']}:\n  {r['command']}")
-    summary_rows = rows(NEMO_SUMMARY)
-    print()
-    print_step_table(f"Step time on {GPU}: predicted against NeMo 24.07's performance summary (s, from tokens/s)",
-                     summary_rows)
-    latest = [r for r in summary_rows if r["run"].endswith(f"({NEMO_SUMMARY_LATEST[:7]})")]
-    print(f"NeMo performance summary |error|: {summary(summary_rows)} (3 tables, the same 12 configurations)")
-    print(f"NeMo performance summary, latest table ({NEMO_SUMMARY_LATEST}) |error|: {summary(latest)}")
-    print("\nEach row's command (its ms/step / 1000 is the predicted s):")
-    for r in summary_rows:
-        print(f"{r['run']}:\n  {r['command']}")
+    compared, summary_rows = rows(), rows(NEMO_SUMMARY)
+    print_rows(compared, summary_rows)
     write_json(args.json, {"gpu": GPU, "rows": [{k: v for k, v in r.items() if k != "layout"} for r in compared],
                            "nemo_summary_rows": [{k: v for k, v in r.items() if k != "layout"} for r in summary_rows]})
 

@@ -30,10 +30,11 @@ import tempfile
 from pathlib import Path
 
 from published_runs import KORTHIKANTI_SETTINGS, SEQ, Run, _rows, command_text, korthikanti_runs, megatron_runs, run_cli
+from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_json
-from pipesim.commands.tables import print_table
+from pipesim.commands.common import refuse_unwritable, stdout, write_json
+from pipesim.commands.tables import print_message, print_table, print_table_last_below
 from pipesim.schedules.zb_heuristic import ForkCosts, fork_csv
 from pipesim.units import GIB, MIB
 
@@ -322,24 +323,35 @@ def zero_bubble() -> list[dict]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args()
-    refuse_unwritable(("--json", args.json))
-    compared, ran, (titan, listed), bubble = table2(), measured_runs(), torchtitan(), zero_bubble()
-    width = max(len(r["run"]) for r in compared)
-    print(f"{'Korthikanti 2022 Table 2':<{width}}  {'pipesim':>9} {'paper':>9} {'error':>7}   (MiB per layer)")
+def print_rows(found: dict[str, list[dict]], console: Console = stdout) -> None:
+    """Each source's rows as a table (commands/tables.py: at the terminal's width nothing cut, piped one line a row),
+    each with its |error|, then each row's command, one line piped, on a terminal wrapped between words, where the
+    first two tables were fixed-width rows (120 and 220 columns) that a terminal of 80 wrapped, figures under their
+    row's name and a flag split in two. `found`: the rows as benchmarks/published_memory.json holds them."""
+    compared, ran, titan, listed, bubble = (found[key] for key in (
+        "table2", "measured_running", "torchtitan", "torchtitan_not_modelled", "zero_bubble"))
+
+    def say(text: str) -> None:
+        print_message(text, console)
+
+    table = Table(title="Korthikanti 2022 Table 2 (MiB per layer)", caption=f"|error|: {error_summary(compared)}")
+    for name, justify in (("run", "left"), ("pipesim", "right"), ("paper", "right"), ("error", "right")):
+        table.add_column(name, justify=justify)
     for r in compared:
-        print(f"{r['run']:<{width}}  {r['predicted']:>9.1f} {r['published']:>9.1f} {r['error']:>+7.1%}")
-    print(f"|error|: {error_summary(compared)}\n")
-    width = max(len(r["run"]) for r in ran)
-    print(f"{'measured running':<{width}}  {'peak MiB':>9} {'of MiB':>7}  fits  parts at the peak (MiB)")
+        table.add_row(r["run"], f"{r['predicted']:.1f}", f"{r['published']:.1f}", f"{r['error']:+.1%}")
+    print_table(table, console)
+    console.print()
+    table = Table(title="Measured running (MiB)",
+                  caption=f"marked out of memory: {sum(r['out_of_memory'] for r in ran)} of {len(ran)}")
+    for name, justify in (("run", "left"), ("peak", "right"), ("of", "right"), ("fits", "left"),
+                          ("parts at the peak", "left")):
+        table.add_column(name, justify=justify)
     for r in ran:
         parts = ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items())
-        print(f"{r['run']:<{width}}  {r['peak_mib']:>9,.0f} {r['limit_mib']:>7,.0f}  "
-              f"{'OOM ' if r['out_of_memory'] else 'yes '}  device {r['device']}: {parts}")
-    print(f"marked out of memory: {sum(r['out_of_memory'] for r in ran)} of {len(ran)}\n")
+        table.add_row(r["run"], f"{r['peak_mib']:,.0f}", f"{r['limit_mib']:,.0f}",
+                      "OOM" if r["out_of_memory"] else "yes", f"device {r['device']}: {parts}")
+    print_table_last_below(table, [r["run"] for r in ran], console)
+    console.print()
     table = Table(title="torchtitan (pipesim's max reserved against the page's, GiB)")
     for name, justify in (("run", "left"), ("pipesim", "right"), ("page", "right"), ("error", "right"),
                           ("not modelled", "left")):
@@ -347,25 +359,25 @@ def main() -> None:
     for r in titan:
         table.add_row(r["run"], f"{r['predicted_gib']:.1f}", f"{r['published_gib']:.1f}", f"{r['error']:+.1%}",
                       ", ".join(r["not_modelled"]))
-    print_table(table)
+    print_table(table, console)
     eager = ", ".join(f"{r['error']:+.1%}" for r in titan if not r["not_modelled"])
-    print(f"|error|: {error_summary(titan)} (the rows without torch.compile: {eager})")
+    say(f"|error|: {error_summary(titan)} (the rows without torch.compile: {eager})")
     worst = max(titan, key=lambda r: abs(r["allocated_error"]))
     under = sum(r["allocated_error"] < 0 for r in titan)
-    print(f"|error| as max allocated (the tensors alone, each command's peak with --allocator none): "
-          f"{error_summary(titan, 'allocated_error')}, {under} of {len(titan)} under the page; the worst "
-          f"{worst['run']}: {worst['allocated_gib']:.1f} GiB against {worst['published_gib']:.1f} "
-          f"({worst['allocated_error']:+.1%})")
-    print("Like with like: the page's memory is torch.cuda.max_memory_reserved (torchtitan's DeviceMemoryMonitor), "
-          "pipesim's the tensors at the peak, the running pass's transient ones included, and the caching "
-          "allocator's reserve (its replay's max reserved less max allocated). Parts at each row's peak (MiB):")
+    say(f"|error| as max allocated (the tensors alone, each command's peak with --allocator none): "
+         f"{error_summary(titan, 'allocated_error')}, {under} of {len(titan)} under the page; the worst "
+         f"{worst['run']}: {worst['allocated_gib']:.1f} GiB against {worst['published_gib']:.1f} "
+         f"({worst['allocated_error']:+.1%})")
+    say("Like with like: the page's memory is torch.cuda.max_memory_reserved (torchtitan's DeviceMemoryMonitor), "
+         "pipesim's the tensors at the peak, the running pass's transient ones included, and the caching "
+         "allocator's reserve (its replay's max reserved less max allocated). Parts at each row's peak (MiB):")
     for r in titan:
-        print(f"  {r['run']}: " + ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items()))
+        say(f"  {r['run']}: " + ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items()))
     over = [r["run"] for r in titan if r["out_of_memory"]]
-    print(f"marked out of memory on the page's 96 GB HBM2e H100s (examples/h100-hbm2e-96gb.toml), though each ran: "
-          f"{len(over)} of {len(titan)} rows{': ' if over else ''}{'; '.join(over)}")
+    say(f"marked out of memory on the page's 96 GB HBM2e H100s (examples/h100-hbm2e-96gb.toml), though each ran: "
+         f"{len(over)} of {len(titan)} rows{': ' if over else ''}{'; '.join(over)}")
     for r in listed:
-        print(f"  not simulated: {r['run']}: {r['published_gib']} GiB; {r['why_not']}")
+        say(f"  not simulated: {r['run']}: {r['published_gib']} GiB; {r['why_not']}")
     table = Table(title="zero-bubble (Qi et al. 2024) Table 4: peak memory on A100 80GB (GiB), pipesim's max "
                         "reserved and max allocated")
     for name, justify in (("run", "left"), ("reserved", "right"), ("allocated", "right"), ("paper", "right"),
@@ -374,16 +386,27 @@ def main() -> None:
     for r in bubble:
         table.add_row(r["run"], f"{r['predicted_gib']:.1f}", f"{r['allocated_gib']:.1f}", f"{r['published_gib']:.0f}",
                       f"{r['error']:+.1%}", f"{r['allocated_error']:+.1%}")
-    print_table(table)
+    print_table(table, console)
     for name, key in (("max reserved", "error"), ("max allocated", "allocated_error")):
-        print(f"|error| as {name}: {error_summary(bubble, key)}")
-    print("the fork's report_memory prints max allocated and max reserved alike; the paper does not say which its "
-          "column is")
-    print("\nEach row's command:")
+        say(f"|error| as {name}: {error_summary(bubble, key)}")
+    say("the fork's report_memory prints max allocated and max reserved alike; the paper does not say which its "
+         "column is")
+    say("\nEach row's command:")
     for r in compared + ran + titan + bubble:
-        print(f"{r['run']}:\n  {r['command']}")
-    write_json(args.json, {"table2": compared, "measured_running": ran, "torchtitan": titan,
-                           "torchtitan_not_modelled": listed, "zero_bubble": bubble})
+        say(f"{r['run']}:")
+        say(f"  {r['command']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    refuse_unwritable(("--json", args.json))
+    compared, ran, (titan, listed), bubble = table2(), measured_runs(), torchtitan(), zero_bubble()
+    found = {"table2": compared, "measured_running": ran, "torchtitan": titan, "torchtitan_not_modelled": listed,
+             "zero_bubble": bubble}
+    print_rows(found)
+    write_json(args.json, found)
 
 
 if __name__ == "__main__":

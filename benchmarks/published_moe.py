@@ -157,10 +157,11 @@ from pathlib import Path
 from published_h100 import summary
 from published_memory import fullest
 from published_runs import _rows, command_text, megatron_schedule, p2p_sync, run_cli
+from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.common import refuse_unwritable, write_json
-from pipesim.commands.tables import print_table
+from pipesim.commands.common import refuse_unwritable, stdout, write_json
+from pipesim.commands.tables import print_message, print_table
 from pipesim.workload.sizes import ROUTER_AUX_LOSSES
 
 SOURCE = "nemo-megatron-bridge-moe-h100.csv"  # benchmarks/published/README.md: its source and how to read it
@@ -717,46 +718,52 @@ def rows(root: Path) -> list[dict]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    args = parser.parse_args()
-    refuse_unwritable(("--json", args.json))
-    compared = rows(Path.cwd())
+def print_rows(compared: list[dict], console: Console = stdout) -> None:
+    """The rows as a table (commands/tables.py: at the terminal's width nothing cut, piped one line a row), the
+    |error| per source, what is not expressible or modelled, then each command with its rows, memory and step, each
+    line whole piped and on a terminal wrapped between words (`print_message`), where a terminal of 80 columns broke
+    a command inside a flag. `compared`: `rows`, as benchmarks/published_moe.json holds them."""
     table = Table(title=f"Tokens/s per GPU on {GPU}: predicted against NVIDIA's published")
     for name, justify in (("run", "left"), ("predicted", "right"), ("published", "right"), ("error", "right")):
         table.add_column(name, justify=justify)
     for r in compared:
         table.add_row(r["run"], f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
                       f"{r['published_tokens_per_s_per_gpu']:,.0f}", f"{r['error']:+.1%}")
-    print_table(table)
-    write_json(args.json, {"gpu": GPU, "rows": compared})
-    print(f"|error|: {summary(compared)}")
-    for source in (SOURCE, MODELZOO, DGXC, CARDS, AUTOMODEL):
-        print(f"  {source}: {summary([r for r in compared if r['source'] == source])}")
-    print("\nNot expressible:")
-    for name, why in runs()[1]:
-        print(f"{name}: {why}")
-    print("\nRun without what their recipe sets and pipesim does not model:")
-    for model, what in RECIPE_NOT_MODELLED.items():
-        print(f"{model}: {what}")
-    print("\nRun with what their run does otherwise:")
-    for model, what in AUTOMODEL_NOT_MODELLED.items():
-        print(f"AutoModel {model}: {what}")
-    print("\nRun as their release's recipe ran them, not as printed:")
-    for (container, model), (_, why) in RELEASE_LAYOUTS.items():
-        print(f"{container} {model}: {why}")
-    print("\nThe commands, each with its rows (tokens/s per GPU: global batch x sequence over its ms/step x GPUs):")
+    print_table(table, console)
+    lines = [f"|error|: {summary(compared)}"]
+    lines += [f"  {source}: {summary([r for r in compared if r['source'] == source])}"
+              for source in (SOURCE, MODELZOO, DGXC, CARDS, AUTOMODEL)]
+    lines += ["\nNot expressible:", *(f"{name}: {why}" for name, why in runs()[1])]
+    lines += ["\nRun without what their recipe sets and pipesim does not model:",
+              *(f"{model}: {what}" for model, what in RECIPE_NOT_MODELLED.items())]
+    lines += ["\nRun with what their run does otherwise:",
+              *(f"AutoModel {model}: {what}" for model, what in AUTOMODEL_NOT_MODELLED.items())]
+    lines += ["\nRun as their release's recipe ran them, not as printed:",
+              *(f"{container} {model}: {why}" for (container, model), (_, why) in RELEASE_LAYOUTS.items())]
+    lines.append("\nThe commands, each with its rows (tokens/s per GPU: global batch x sequence over its ms/step x "
+                 "GPUs):")
     for command in dict.fromkeys(r["command"] for r in compared):
         ran = [r for r in compared if r["command"] == command]
         fullest_device, parts = ran[0]["memory"], ran[0]["parts"]
         fits = "out of memory" if fullest_device["out_of_memory"] else "fits"
         published_ms = ran[0]["command_ms"] * (1 + ran[0]["error"])  # the first row's, from its tokens/s
-        print(f"{', '.join(r['run'] for r in ran)}:\n  {command}\n  peak {fullest_device['peak_mib']:,.0f} MiB of "
-              f"{fullest_device['limit_mib']:,.0f} on device {fullest_device['device']}: {fits}\n"
-              f"  step {ran[0]['command_ms'] / 1e3:,.2f} s (the first row published {published_ms / 1e3:,.2f} s) on "
-              f"device {parts['device']}: compute {parts['compute_ms'] / 1e3:,.2f} s, exposed communication "
-              f"{parts['exposed_comm_ms'] / 1e3:,.2f} s, idle {parts['idle_ms'] / 1e3:,.2f} s")
+        lines += [f"{', '.join(r['run'] for r in ran)}:", f"  {command}",
+                  f"  peak {fullest_device['peak_mib']:,.0f} MiB of {fullest_device['limit_mib']:,.0f} on device "
+                  f"{fullest_device['device']}: {fits}",
+                  f"  step {ran[0]['command_ms'] / 1e3:,.2f} s (the first row published {published_ms / 1e3:,.2f} s) "
+                  f"on device {parts['device']}: compute {parts['compute_ms'] / 1e3:,.2f} s, exposed communication "
+                  f"{parts['exposed_comm_ms'] / 1e3:,.2f} s, idle {parts['idle_ms'] / 1e3:,.2f} s"]
+    print_message("\n".join(lines), console)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    refuse_unwritable(("--json", args.json))
+    compared = rows(Path.cwd())
+    print_rows(compared)
+    write_json(args.json, {"gpu": GPU, "rows": compared})
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ across lines, numbers split between two."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -11,8 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from rich.console import Console
+
 from benchmarks.published_runs import print_rows
-from tests.conftest import at_columns
+from tests.conftest import at_columns, script_module
 
 REPO = Path(__file__).resolve().parents[1]
 VALUE = re.compile(r"[\d,.]+")
@@ -65,3 +69,47 @@ def test_published_runs_prints_its_rows_with_every_figure_whole_at_80_columns_an
     for r, row in zip(rows, figures):
         assert [*r["run"].split(), r["unit"], *row] in [line.split() for line in lines], r["run"]
         assert f"  {r['command']}" in lines
+
+
+# Each published_*.py script's printer and its arguments from the rows it recorded (benchmarks/NAME.json).
+PRINTERS = {
+    "published_memory": ("print_rows", lambda recorded: (recorded,)),
+    "published_moe": ("print_rows", lambda recorded: (recorded["rows"],)),
+    "published_h100": ("print_rows", lambda recorded: ([{**r, "layout": r["run"]} for r in recorded["rows"]],
+                                                       recorded["nemo_summary_rows"])),
+    "published_deepseek": ("print_row", lambda recorded: (recorded,)),
+}
+
+
+def _commands(recorded: object) -> list[str]:
+    """Every "command" a recorded JSON holds, however deep."""
+    if isinstance(recorded, list):
+        return [c for value in recorded for c in _commands(value)]
+    if not isinstance(recorded, dict):
+        return []
+    own = [recorded["command"]] if "command" in recorded else []
+    return own + [c for value in recorded.values() for c in _commands(value)]
+
+
+@pytest.mark.parametrize("name", PRINTERS)
+def test_a_published_scripts_lines_fit_80_columns_between_words_and_piped_each_command_is_one_line(name):
+    """published_memory.py printed its first two tables as fixed-width rows (up to 220 columns), and it and
+    published_moe, published_h100 and published_deepseek printed their commands and notes with print(), which a
+    terminal of 80 columns broke inside a flag or a figure: on a terminal every line fits (a word wider than it, a
+    --layout, alone on its line) and each command's words are all there in order; piped each command is one line."""
+    recorded = json.loads((REPO / "benchmarks" / f"{name}.json").read_text())
+    printer, arguments = PRINTERS[name]
+    commands = _commands(recorded)
+    assert commands
+    with script_module(name) as script:
+        for terminal in (True, False):
+            console = Console(width=80, file=io.StringIO(), force_terminal=terminal, color_system=None)
+            getattr(script, printer)(*arguments(recorded), console)
+            out = console.file.getvalue()
+            assert "…" not in out
+            if terminal:
+                assert all(len(line) <= 80 or " " not in line.strip() for line in out.splitlines()), out
+                words = " ".join(out.split())
+                assert all(" ".join(command.split()) in words for command in commands)
+            else:
+                assert set(f"  {command}" for command in commands) <= set(out.splitlines())
