@@ -106,7 +106,8 @@ def test_simulate_and_tune_take_them_as_the_other_shape_flags():
     assert bare["time_per_minibatch_ms"] < plain["time_per_minibatch_ms"]
     chosen = []
     for flags in ((), shaped):
-        code, out, err = pipesim("tune", *shape, *flags, "--devices", "2", "--batch-size", "4", "--json")
+        code, out, err = pipesim("tune", *shape, *flags, "--devices", "2", "--batch-size", "4", "-s", "1f1b",
+                                 "--json")
         assert code == 0, err
         chosen.append(json.loads(out)["choice"]["samples_per_s"])
     assert chosen[1] > chosen[0]

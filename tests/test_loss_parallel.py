@@ -152,7 +152,7 @@ def test_tune_prices_a_searched_t_of_1_with_atens_loss():
     """torchtitan runs loss_parallel at t > 1 only: on one device tune's rows are those without the flag, where
     they priced the loss's dozen more kernels."""
     args = ["tune", "--model", "gpt", *(f"--{k.replace('_', '-')}={v}" for k, v in TINY_GPT.items()), "--gpu",
-            "a100-sxm-80gb", "-D", "1", "-b", "4", "--json"]
+            "a100-sxm-80gb", "-D", "1", "-b", "4", "-s", "1f1b", "--json"]
     rates = []
     for flags in ((), ("--loss-parallel",)):
         code, out, err = pipesim(*args, *flags)

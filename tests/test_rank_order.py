@@ -147,7 +147,7 @@ def test_tune_folds_the_experts_over_tensor_and_data_parallel_ranks_in_megatrons
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256,
                              "--heads", 4, "--seq-len", 128, "--vocab", 1000, "--gated", "--experts", 8,
                              "--expert-parallel", 8, "-D", 8, "--json", "--rank-order", "megatron",
-                             "--expert-tensor-parallel", 1, "--tensor-parallel", 2)
+                             "--expert-tensor-parallel", 1, "--tensor-parallel", 2, "-s", "1f1b")
     assert code == 0, err
     tuned = json.loads(out)
     rows = tune_rows(tuned)
