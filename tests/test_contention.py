@@ -303,6 +303,27 @@ def test_a_window_keeps_the_iterations_that_began_after_its_warm_up_and_ended_wi
     assert len(kept.cpu_ms) == len(kept.wall_ms)
 
 
+def test_a_wait_for_a_core_at_the_cpu_clocks_reading_is_in_the_iterations_wall_time(monkeypatch):
+    """Reading the process's CPU clock brings the kernel's accounting up to date, and a rank past its share of a
+    core waits right there: both readings lie inside the iteration's wall span, so such a wait is the iteration's
+    (its slowdown) and not its CPU time's. Here each reading is followed by a 5 ms wait off the CPU."""
+    import time
+
+    from pipesim.calibrate.contention import _run_window
+
+    reading = time.process_time
+
+    def read_then_wait() -> float:
+        now = reading()
+        time.sleep(0.005)
+        return now
+
+    monkeypatch.setattr(time, "process_time", read_then_wait)
+    start_s = time.monotonic() + 0.01
+    kept = _run_window(lambda: None, start_s, start_s, start_s + 0.2)
+    assert kept.wall_ms and all(wall - cpu >= 10 for wall, cpu in zip(kept.wall_ms, kept.cpu_ms))
+
+
 def test_a_ranks_tail_is_its_passes_own_not_its_waits_for_a_core():
     """`contention.tail` prices every pass at its mean over its median: what the pass itself costs now and then
     beyond it, not the waits for a core that the host's other work sets (docs/auto.md's --width 16 mlp at others'
