@@ -28,9 +28,9 @@ the simulator prices them at their mean, so the tail is what the pass itself cos
 (a cold cache, a first allocation, a page fault). Not its wall time: a rank alone on a host whose other work keeps
 the cores busy spends most of its wall time waiting for a core, and a busy loop's few long waits set that mean
 (docs/auto.md's --width 16 mlp at others' load 0.81-0.92 per core: 3.2-7.5x the median over four calibrations; CPU
-time 1.12): a share of the cores that moves with the others' load from minute to minute, which the others' CPU time
-cannot tell apart once they fill the cores, that a run's rank, which sleeps in its receives, waits for less
-than a busy loop does, and that no other calibrated term holds (compare says when the host was busy).
+time 1.06-1.07 over three): a share of the cores that moves with the others' load from minute to minute, which the
+others' CPU time cannot tell apart once they fill the cores, that a run's rank, which sleeps in its receives, waits
+for less than a busy loop does, and that no other calibrated term holds (compare says when the host was busy).
 `slowdown[k - 1]` is the median over rounds of the median over the k processes of their mean with k over their
 mean alone in the same round; `spread[k - 1]` the interquartile range of the same ratio taken over each fifth of
 every window (BLOCKS runs of consecutive iterations), pooled over the k and the rounds.
