@@ -101,9 +101,12 @@ def measured_ms(trace_path: Path) -> dict[tuple[int, str], float]:
 def as_run_ms(estimate: Profile, calibrated: Profile, trace_path: Path) -> float:
     """The estimate's compute as the measured run placed it (its ranks on the GPU they shared, the simulator
     serialising their compute as the executor's lock does), over the calibration's links, with its runtime terms
-    (the executor's own costs per row): per mini-batch, as `pipesim compare` measures the calibrated prediction."""
+    (the executor's own costs per row): per mini-batch, as `pipesim compare` measures the calibrated prediction.
+    It carries the run's device as its own, the same on a GPU: a CPU dry run's estimate (a GPU's) would be refused
+    as another device's (`check_comparable`)."""
     measured = read_trace(trace_path)
-    as_run = estimate.model_copy(update={"runtime": calibrated.runtime})
+    on_the_run = estimate.environment.model_copy(update={"device": calibrated.environment.device})
+    as_run = estimate.model_copy(update={"runtime": calibrated.runtime, "environment": on_the_run})
     return compare(predict_measured(measured.meta, as_run, links_from=calibrated), measured).predicted_ms
 
 

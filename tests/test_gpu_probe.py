@@ -442,3 +442,21 @@ def test_the_check_refuses_an_unknown_part_before_it_runs_anything(tmp_path, mon
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.startswith("error: --gpu: unknown GPU 'h300' (did you mean ")
     assert err.count("\n") == 1 and not out.exists()
+
+
+@pytest.mark.slow
+def test_the_checks_cpu_dry_run_runs_every_step(tmp_path):
+    """`gpu_check.py --device cpu --quick --gpu PART` is the dry run of what a GPU session runs first: every step
+    runs, the estimates' "as run" figures included, where the CPU run refused the part's estimate as another
+    device's (TraceError). --quick is its smallest shape; it still starts 13 pipesim commands, a calibration, two
+    2-rank torch runs and the passes' timings, about 47 CPU seconds (156 s at load 7 on a 2-core host)."""
+    out = tmp_path / "check"
+    ran = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+                          "--gpu", "h100-sxm", "--out", str(out)], capture_output=True, text=True, timeout=1200)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    check = json.loads((out / "check.json").read_text())
+    assert check["failed"] == {} and set(check["steps"]) == {"1f1b", "zb-h1"}
+    for found in check["steps"].values():
+        assert all(found[f"estimated_{source}_{way}"] > 0 for source in ("catalogue", "fitted")
+                   for way in ("ms", "as_run_ms"))
+    assert "zb-h1 per mini-batch: estimated (catalogue curve)" in ran.stdout
