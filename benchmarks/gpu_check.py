@@ -26,7 +26,6 @@ this script then runs with `PYTHONPATH` set to them and to a folder holding this
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from one_line_parser import OneLineParser  # this folder's
 from rich import box
 from rich.table import Table
 
@@ -149,7 +149,7 @@ def pass_issue(calibrated: Profile, device: str, dtype: str) -> dict[str, list[d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="Folder for profiles, traces and check.json.")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="A small GPT (for a CPU smoke run of the steps).")
@@ -164,8 +164,16 @@ def main() -> None:
         try:
             load_catalogue().find(args.gpu)
         except CatalogueError as exc:  # it names the parts the catalogue knows
-            parser.exit(2, f"error: --gpu: {exc}\n")
-    args.out.mkdir(parents=True, exist_ok=True)
+            parser.error(f"--gpu: {exc}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA GPU here; --device cpu --quick runs the same steps small")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, or no right to write
+        parser.error(f"--out {args.out}: cannot make a folder there ({exc.strerror}); give a folder")
     shape = ["--model", "gpt", *SHAPES["quick" if args.quick else "full"]]
     dtype = ["--dtype", args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     minibatches = ["-m", "8", "-n", "4" if args.quick else "8"]

@@ -54,7 +54,6 @@ counts, FP8, compiled passes, the second stream) say why they skip.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import re
@@ -66,10 +65,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
+from one_line_parser import OneLineParser  # this folder's
 
 # --- timing ------------------------------------------------------------------------------------------------------
 
@@ -1530,14 +1529,6 @@ def to_json(value: object) -> object:
     if isinstance(value, list):
         return [to_json(item) for item in value]
     return value
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's refusals in one line (the flag and what it allows), exit 2, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        print(message, file=sys.stderr)
-        raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -440,7 +440,7 @@ def test_the_check_refuses_an_unknown_part_before_it_runs_anything(tmp_path, mon
         with pytest.raises(SystemExit) as exited:
             check.main()
     err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.startswith("error: --gpu: unknown GPU 'h300' (did you mean ")
+    assert exited.value.code == 2 and err.startswith("--gpu: unknown GPU 'h300' (did you mean ")
     assert err.count("\n") == 1 and not out.exists()
 
 
@@ -460,3 +460,31 @@ def test_the_checks_cpu_dry_run_runs_every_step(tmp_path):
         assert all(found[f"estimated_{source}_{way}"] > 0 for source in ("catalogue", "fitted")
                    for way in ("ms", "as_run_ms"))
     assert "zb-h1 per mini-batch: estimated (catalogue curve)" in ran.stdout
+
+
+@pytest.mark.parametrize("args, refusal", [
+    ([], "the following arguments are required: --out"),
+    (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from "),  # quoted or not by version
+    (["--device", "cpu", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["--device", "cpu", "--again", "1f1"], "argument --again: invalid choice: '1f1'"),
+    (["--device", "cpu", "--quick", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--device", "cpu", "--out", "FILE"], "--out FILE: cannot make a folder there (File exists); give a folder"),
+    pytest.param(["--device", "cuda"], "--device cuda: torch sees no CUDA GPU here; --device cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here")),
+])
+def test_the_check_refuses_a_bad_flag_in_one_line_before_it_runs_anything(tmp_path, monkeypatch, capsys, args,
+                                                                            refusal):
+    """Each of gpu_check.py's flags: a bad value is one line naming the flag and what it allows, exit 2, nothing
+    written (argparse's usage block left out: benchmarks/one_line_parser.py)."""
+    out, file = tmp_path / "check", tmp_path / "file"
+    file.write_text("")
+    given = [str(file) if arg == "FILE" else arg for arg in args]
+    if args and "--out" not in args:
+        given += ["--out", str(out)]
+    with script_module("gpu_check") as check:
+        monkeypatch.setattr("sys.argv", ["gpu_check.py", *given])
+        with pytest.raises(SystemExit) as exited:
+            check.main()
+    err = capsys.readouterr().err
+    assert (exited.value.code, err.count("\n")) == (2, 1), err
+    assert err.startswith(refusal.replace("FILE", str(file))) and not out.exists()
