@@ -8,17 +8,18 @@ without $COLUMNS takes the width the table needs."""
 from __future__ import annotations
 
 import copy
+import io
 import os
 import re
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import fields
 
 from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from .common import stdout
@@ -36,6 +37,8 @@ WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357
 # The space between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), where a line never wraps.
 FIGURE_AND_UNIT = re.compile(r"(?<=\d) (?=(?:s|ms|ms/step|us|B|KiB|MiB|GiB|GB/s|Gb/s|samples/s|TFLOP/s)(?![\w/]))")
 NO_BREAK = "\u00a0"
+# A console that only measures (`_whole_width`): a table's columns at fixed widths measure the same on any console.
+_MEASURING = Console(file=io.StringIO(), width=UNLIMITED)
 
 
 def available_width(console: Console) -> int | None:
@@ -74,9 +77,26 @@ def _content_ranges(console: Console, table: Table, keys: int) -> list[tuple[int
     return ranges
 
 
+def _with_columns(table: Table, columns: list[Column]) -> Table:
+    """`table`'s settings (box, padding, styles) with copies of `columns` and no rows, each column added through
+    rich's public `Table.add_column` with its public settings (which number it, as rich's private `_index`)."""
+    shaped = copy.copy(table)
+    shaped.columns, shaped.rows = [], []
+    for column in columns:
+        shaped.add_column(**{field.name: getattr(column, field.name) for field in fields(Column)
+                             if not field.name.startswith("_")})
+    return shaped
+
+
 def _whole_width(part: Table, content_widths: list[int]) -> int:
-    """The part's whole width with its columns' contents this wide: contents, padding and borders."""
-    return sum(width + part._get_padding_width(k) for k, width in enumerate(content_widths)) + part._extra_width
+    """The part's whole width with its columns' contents this wide: contents, padding and borders, as rich measures
+    the part with its columns fixed at those widths (`Measurement.get`, public, where this read rich's private
+    `Table._get_padding_width` and `_extra_width`)."""
+    sized = _with_columns(part, part.columns)
+    sized.width = sized.min_width = None
+    for column, width in zip(sized.columns, content_widths):
+        column.width = width
+    return Measurement.get(_MEASURING, _MEASURING.options, sized).maximum
 
 
 def _readable_width(part: Table, ranges: list[tuple[int, int, int]]) -> int:
@@ -101,9 +121,7 @@ def _fitted_widths(ranges: list[tuple[int, int, int]], width: int, keys: int) ->
 def _part(table: Table, indices: list[int]) -> Table:
     """The table with only the columns `indices` and no rows yet (`print_table` adds them, fitted), without its
     title and caption (printed apart)."""
-    part = copy.copy(table)
-    part.columns = [replace(table.columns[i].copy(), _index=k) for k, i in enumerate(indices)]
-    part.rows = []
+    part = _with_columns(table, [table.columns[i] for i in indices])
     part.title = part.caption = None
     return part
 
@@ -214,10 +232,9 @@ def print_table(table: Table, console: Console = stdout, keys: int = 1, compact:
             parts = _split(table, ranges, width, keys)
     tables, rows = [_part(table, group) for group in parts], _rows(table)
     if width is None:
-        width = max(console.width, sum(w for *_, w in ranges) + sum(
-            table._get_padding_width(k) for k in range(len(ranges))) + table._extra_width)
+        width = max(console.width, _whole_width(table, [widest for *_, widest in ranges]))
     for part, group in zip(tables, parts):
-        padding = sum(part._get_padding_width(k) for k in range(len(group))) + part._extra_width
+        padding = _whole_width(part, [0] * len(group))
         widths = _fitted_widths([ranges[i] for i in group], width - padding, keys)
         for column, fitted in zip(part.columns, widths):
             column.width = fitted
