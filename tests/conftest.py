@@ -3,8 +3,8 @@
 - `pipesim(*args)`: the command line run in-process, its output captured: (code, out, err).
 - `pipesim_fresh(*commands)`: commands run one after another in a new Python process: each one's (code, out, err)
   and the packages the process imported (torch?).
-- `fresh_process(commands, cwd, env, timeout_s)`: `pipesim_fresh` in an environment of the caller's, with what its
-  process wrote to stderr beside the commands (their ranks').
+- `fresh_process(commands, cwd, env, timeout_s, python)`: `pipesim_fresh` in an environment or interpreter of the
+  caller's, with what its process wrote to stderr beside the commands (their ranks').
 - `at_columns(monkeypatch, columns)`: the terminal width the command line prints for, as a process would see it.
 - `simulate_json(*args)`: `pipesim simulate ... --json`, which must succeed: its results.
 - `build(name, p, m, n)`: a method's schedule in its default shape (the V schedules' two chunks, AvgPipe's two
@@ -169,11 +169,12 @@ def pipesim_fresh(*commands: Iterable[Any], cwd: Path | None = None) -> Fresh:
 
 
 def fresh_process(commands: Iterable[Iterable[Any]], cwd: Path | None = None, env: dict[str, str] | None = None,
-                  timeout_s: float | None = None) -> tuple[Fresh, str]:
-    """`pipesim_fresh`'s process, in `env` (else this one's), ended after `timeout_s`: its Fresh, and what the process
-    wrote to stderr besides the commands' own output (their child processes', such as a run's ranks)."""
+                  timeout_s: float | None = None, python: Path | str = sys.executable) -> tuple[Fresh, str]:
+    """`pipesim_fresh`'s process, in `env` (else this one's), ended after `timeout_s`, of interpreter `python` (another
+    venv's): its Fresh, and what the process wrote to stderr besides the commands' own output (their child
+    processes', such as a run's ranks)."""
     argv = json.dumps([[str(arg) for arg in command] for command in commands])
-    done = subprocess.run([sys.executable, "-c", FRESH, argv], capture_output=True, text=True, cwd=cwd, env=env,
+    done = subprocess.run([python, "-c", FRESH, argv], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=timeout_s)
     assert done.returncode == 0, done.stderr  # a command raised past the command line's handling
     runs, imported = json.loads(done.stdout.splitlines()[-1])

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import fresh_process
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_HINT = "pip install 'pipesim[torch]'"
-RUN_EARLY = True  # first (conftest.py): a venv and commands, each a process
+RUN_EARLY = True  # first (conftest.py): a venv and its processes
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +40,7 @@ def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
                              capture_output=True, text=True, check=True)
     assert missing.stdout.strip() == "[]"  # the venv sees none of the extras
 
-    def started(*args) -> subprocess.Popen:
-        return subprocess.Popen([bare / "pipesim", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=tmp_path)
-
-    def pipesim(*args) -> subprocess.CompletedProcess:
-        return finished(started(*args))
-
-    def finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
-        out, err = process.communicate(timeout=300)
-        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
-
-    help_text = pipesim("--help")
+    help_text = subprocess.run([bare / "pipesim", "--help"], capture_output=True, text=True, cwd=tmp_path)
     assert help_text.returncode == 0, help_text.stderr
     listed = set(re.findall(r"^  (\w+)  ", help_text.stdout, re.MULTILINE))
     trace, profile = tmp_path / "t.json", ROOT / "traces" / "profiles" / "gpt-cpu.json"
@@ -59,7 +50,7 @@ def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
         "export": ("export", "-s", "1f1b", "-p", 2, "-m", 2, "--format", "torch-csv", "-o", "o.csv"),
         "sweep": ("sweep", "-s", "1f1b,gpipe", "-p", 2, "-m", 2, "-j", 1, "--out", "r.csv", "--html", "s.html"),
         "tune": ("tune", "--profile", profile, "--devices", 2, "--memory-gb", 1),
-        "view": ("view", trace, "--html", "v.html"),
+        "view": ("view", trace, "--html", "v.html"),  # view and compare read simulate's trace
         "compare": ("compare", trace, trace, "--json"),
         "gpus": ("gpus", "--json"),
     }
@@ -75,18 +66,13 @@ def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
         "sweep --ray": (("sweep", "-s", "1f1b", "--ray", "local"), "pip install 'pipesim[ray]'"),
     }
     assert listed == set(works) | {name.split()[0] for name in needs}  # every command is tried
-    # The commands run side by side, each its own process; view and compare, which read simulate's trace, start
-    # once simulate is done, and the refusals write and read nothing.
-    readers = ("view", "compare")
-    running = {name: started(*args) for name, args in works.items() if name not in readers}
-    refusals = {name: started(*args) for name, (args, _) in needs.items()}
-    for name in works:  # simulate first
-        done = finished(running.pop(name))
-        assert done.returncode == 0, f"{name}: {done.stderr}"
-        if name == "simulate":
-            running |= {reader: started(*works[reader]) for reader in readers}
-    for name, (_, hint) in needs.items():
-        done = finished(refusals[name])
-        assert done.returncode == 2 and "Traceback" not in done.stderr, f"{name}: {done.stderr}"
-        assert len(done.stderr.strip().splitlines()) == 1 and hint in done.stderr, f"{name}: {done.stderr}"
+    # One process of the bare venv's runs the commands one after another as its `pipesim` runs each (the console
+    # script's start is --help's above): a process's start and imports, compiled where this venv's are not, once.
+    (runs, _), _ = fresh_process([*works.values(), *(args for args, _ in needs.values())], tmp_path,
+                                 python=bare / "python", timeout_s=600)
+    for name, (code, _, err) in zip(works, runs):
+        assert code in (None, 0), f"{name}: {err}"
+    for (name, (_, hint)), (code, _, err) in zip(needs.items(), runs[len(works):]):
+        assert code == 2 and "Traceback" not in err, f"{name}: {err}"
+        assert len(err.strip().splitlines()) == 1 and hint in err, f"{name}: {err}"
     assert not any((tmp_path / name).exists() for name in ("g.json", "m.json", "s.json", "e.json", "r.parquet"))
