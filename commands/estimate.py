@@ -35,6 +35,7 @@ from .common import (
     Zero,
     check_dtype,
     check_outputs,
+    collector_paused,
     fail,
     flag_line,
     flag_of,
@@ -547,13 +548,14 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     return counted
 
 
+@collector_paused()  # torch and transformers imported, the model and its count: all stay alive
 def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
                    needer: str, loss_parallel: bool = False, swiglu_fusion: bool = True,
                    cross_entropy: str = "torch", norm_kernel: str = "eager",
                    rope_kernel: str = "eager", router_aux_loss: str = "none") -> WorkloadCount:
     """`model` counted on the meta device, from the host cache where a built-in model's or a Hugging Face config's
     count is kept. `swiglu_fusion`: gated MLPs' SwiGLU as one fused kernel; a calibrated model ran its own torch
-    ops, unfused."""
+    ops, unfused. The cyclic collector is held off meanwhile (`collector_paused`)."""
     from dataclasses import replace
 
     cache = _count_cache(model, options, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion,

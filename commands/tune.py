@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import math
@@ -40,6 +39,7 @@ from .common import (
     check_memory_gb,
     check_method_options,
     check_p2p_sync,
+    collector_paused,
     fail,
     given_precision,
     is_given,
@@ -68,29 +68,8 @@ SearchedZero = with_help(Zero, "With --gpu, d searched: a layout of one replica 
                                "estimate; under --precision fsdp2 it is not searched.")
 
 
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off while tune runs, as it was after: the estimates make a few million
-    objects that all stay alive (the counts and the profiles the search reads), and the search's shapes,
-    candidates and results live until it answers, so every full collection walks all made so far and frees
-    nothing: 40 % of the 70B problem's estimation, and 2.5 of its search's 14 CPU s (8 full collections, 2.1 s;
-    a collection after its answer finds nothing unreachable, the 70B's and the 1.3B's alike, at the same peak
-    memory). Objects are still freed as their references go; cycles wait for the next collection. What it made
-    joins the oldest generation as it ends (frozen, then unfrozen), as if it had survived a collection: left in the
-    youngest, the first allocation after would scan all of them (0.5 of the 70B's 12.6 CPU s in one process)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.freeze()
-            gc.enable()
-            gc.unfreeze()
-
-
 @tune_what_if_options
-@_collector_paused()
+@collector_paused()
 def tune(
     ctx: typer.Context,
     devices: Annotated[int, typer.Option(

@@ -468,7 +468,7 @@ def dealt_back(found: Sequence[Sequence[int]]) -> list[int]:
 def _started(collect: bool = False) -> None:
     """Each worker's initializer, and the tasks that spawn them: unpickling it imports this module, all that a
     worker needs before its first task. The worker's cycle collector is held off, as tune's own is (commands/
-    tune.py `_collector_paused`): on the 70B that takes its two workers' CPU from 22.1 to 19.6 s, and a
+    common.py `collector_paused`): on the 70B that takes its two workers' CPU from 22.1 to 19.6 s, and a
     collection as a worker ends (it lives one search) finds some 650 objects unreachable. Ctrl-C ends the worker
     quietly (`_quit_quietly`). With `collect` (sweep's workers, which live the whole grid) the collector stays on."""
     signal.signal(signal.SIGINT, _quit_quietly)

@@ -138,13 +138,36 @@ def test_tune_estimates_and_searches_with_the_cycle_collector_held_off_and_resto
 def test_what_the_paused_collector_made_joins_the_oldest_generation():
     """Made after a full collection, an object reaches generation 2 by the freeze alone: no young collection could
     carry it there before the check (the command's run above may collect on the way)."""
-    from pipesim.commands.tune import _collector_paused
+    from pipesim.commands.common import collector_paused
 
     assert gc.isenabled()
     gc.collect()
-    with _collector_paused():
+    with collector_paused():
         made = []
     assert any(held is made for held in gc.get_objects(generation=2)) and gc.isenabled()
+
+
+def test_a_first_count_runs_no_cyclic_collection(tmp_path, monkeypatch):
+    """A what-if's first count (torch's imports, and transformers' for a Hugging Face config, the model built and
+    counted on the meta device) makes objects that stay alive: its collections walked them all and freed little, a
+    CPU second of each README what-if's first run. The collector runs again after."""
+    from pipesim.commands.estimate import count_model_of
+
+    monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path))  # counted here, not read back
+    collected = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        counted = count_model_of("gpt", {"layers": 2, "width": 64, "heads": 4, "seq_len": 32, "vocab": 1000}, 1,
+                                 "float32", "flash", "--gpu")
+    finally:
+        gc.callbacks.remove(seen)
+    assert counted.layers and collected == [] and gc.isenabled()
+
 
 def _reference_split(n: int, p: int, table) -> tuple[float, list[int]]:
     """The least slowest stage over the first j items in k + 1 parts, by recursion over the last cut, ties to the
