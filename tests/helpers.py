@@ -220,14 +220,23 @@ def write_config(folder: Path, fields: dict) -> Path:
     return folder
 
 
+_CONFIG_COUNTS: dict[tuple, WorkloadCount] = {}  # count_config's, by config and arguments
+
+
 def count_config(folder: Path, fields: dict, *args, **kwargs) -> WorkloadCount:
     """A Hugging Face config of `fields`, written in `folder`, counted at S tokens a sequence, B sequences, in
-    bfloat16 (count_built's further arguments, `args` and `kwargs`, as given)."""
+    bfloat16 (count_built's further arguments, `args` and `kwargs`, as given). A count reads the config alone, so
+    each config is counted once with the same arguments in a session (its name: the folder it was first written
+    in), as a session fixture would: the tiny configs' counts are most of their modules' time."""
     import torch
 
     from pipesim.workload.count import count_built
 
-    return count_built(f"hf:{write_config(folder, fields)}", {"seq_len": S}, B, torch.bfloat16, *args, **kwargs)
+    spec = f"hf:{write_config(folder, fields)}"
+    key = (json.dumps(fields, sort_keys=True), args, tuple(sorted(kwargs.items())))
+    if key not in _CONFIG_COUNTS:
+        _CONFIG_COUNTS[key] = count_built(spec, {"seq_len": S}, B, torch.bfloat16, *args, **kwargs)
+    return _CONFIG_COUNTS[key]
 
 
 @cache

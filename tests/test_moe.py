@@ -28,6 +28,7 @@ from tests.helpers import (
     H,
     S,
     count_config,
+    tiny_deepseek_count,
     write_config,
 )
 from tests.helpers import MOE_LLAMA as LLAMA
@@ -414,10 +415,10 @@ def test_gpt_oss_120b_has_its_published_total_and_active_parameters():
 
 
 @needs_transformers
-def test_mla_under_flash_pads_the_values_to_the_queries_head_size(tmp_path):
+def test_mla_under_flash_pads_the_values_to_the_queries_head_size():
     """torch's flash kernel takes one head size: MLA's values (16) are padded to the queries' and keys' (16 + 8),
     so both of its products run at 24 (4·b·heads·s²·24 FLOPs, every score counted as torch counts them)."""
-    counted = count_config(tmp_path / "deepseek", TINY_DEEPSEEK, "flash")
+    counted = tiny_deepseek_count()
     attention = [op for op in counted.layers[2].ops["fwd"] if op.kind == "attention"]
     assert [(op.shape, op.flops) for op in attention] == [((B * 2, S, S, 24), 4 * B * 2 * S * S * 24)]
     assert counted.layers[1].expert_param_bytes == 0 and counted.layers[2].expert_param_bytes > 0
@@ -426,7 +427,7 @@ def test_mla_under_flash_pads_the_values_to_the_queries_head_size(tmp_path):
 @needs_transformers
 @pytest.mark.parametrize("runtime, down", [("megatron", {(1, TOKENS, H, 12): 2.0}),
                                            ("torch", {(1, TOKENS, H, 24): 1.0})])
-def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_splits_them(tmp_path, runtime, down):
+def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_splits_them(runtime, down):
     """t = 2: MLA's q and kv down-projections (24 outputs each, both column-parallel on the attention's input) reduce
     their input gradients each under Megatron-core, a TEColumnParallelLinear each whose output the norm and the
     up-projection read (planning/estimate.py `_input_groups`), two reductions over their 12 features a rank; under
@@ -435,8 +436,7 @@ def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_split
     none (tests/test_router_tensor_parallel.py)."""
     from pipesim.planning.estimate import Parallelism, _Split
 
-    counted = count_config(tmp_path / "deepseek", TINY_DEEPSEEK, "flash")
-    layer = counted.layers[2]
+    layer = tiny_deepseek_count().layers[2]
     split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime))
     reduced = reductions(split, [op for op in layer.ops["igrad"] if op.kind == "matmul"], "igrad")
     # the attention's or the MLP's input, 64 wide
