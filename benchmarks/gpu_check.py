@@ -122,24 +122,27 @@ def pass_issue(calibrated: Profile, device: str, dtype: str) -> dict[str, list[d
     """Each stage's F, B, I and W as calibration times them, queued behind the pass before and from an idle GPU
     (profiles/schema.py `StagePasses`: the run's rows on a GPU its ranks share start idle), twice in one
     process: per way, per stage, the medians (ms) of its two timings. Where the idle times exceed the queued
-    ones, the pass's host issue outlasts its kernels (on CPU the two ways are the same timing)."""
+    ones, the pass's host issue outlasts its kernels (on CPU the two ways are the same timing). Timed with the
+    calibration's torch threads, as `calibrate` times them: torch's default, every core, on a busy CPU host made
+    each pass wait on its own threads' time slices (a CPU dry run's forward passes 3-18x their calibrated time)."""
     import torch
 
-    from pipesim.calibrate.measure import DTYPES, Settings, measure_passes, place
+    from pipesim.calibrate.measure import DTYPES, Settings, measure_passes, place, threads
     from pipesim.calibrate.passes import stage_runs
     from pipesim.workload.models import build_model
 
     model = build_model(calibrated.model.name, **calibrated.model.options)
     settings = Settings(torch.device(device), DTYPES[dtype], calibrated.environment.microbatch_size, warmup=1,
-                        repeats=10)
+                        repeats=10, threads=calibrated.environment.threads)
     place(model, settings.device, settings.dtype)
     runs = stage_runs(model, list(calibrated.partition.bounds), dtype, settings.microbatch_size)
     stage_ms = [stage.fwd_ms + stage.bwd_ms for stage in calibrated.stages]
     timed = {way: [] for way in ("queued", "idle")}
-    for _ in range(2):
-        passes = measure_passes(runs, settings, lambda what: None, stage_ms)
-        for way, found in timed.items():
-            found.append([stage.issued(shared_gpu=way == "idle") for stage in passes])
+    with threads(settings.threads):
+        for _ in range(2):
+            passes = measure_passes(runs, settings, lambda what: None, stage_ms)
+            for way, found in timed.items():
+                found.append([stage.issued(shared_gpu=way == "idle") for stage in passes])
     del runs, model
     if settings.cuda:
         torch.cuda.empty_cache()
