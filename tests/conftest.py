@@ -141,7 +141,7 @@ def pipesim(*args: Any) -> Cli:
 
 
 FRESH = """
-import contextlib, io, json, sys
+import contextlib, io, json, sys, traceback
 from pipesim.cli import main
 runs = []
 for args in json.loads(sys.argv[1]):
@@ -152,6 +152,9 @@ for args in json.loads(sys.argv[1]):
             code = None
         except SystemExit as exc:
             code = exc.code
+        except Exception:  # past the command line's handling: as Python ends its process, the traceback and 1
+            traceback.print_exc()
+            code = 1
     runs.append([code, out.getvalue(), err.getvalue()])
 print(json.dumps([runs, sorted(sys.modules)]))
 """
@@ -176,7 +179,7 @@ def fresh_process(commands: Iterable[Iterable[Any]], cwd: Path | None = None, en
     argv = json.dumps([[str(arg) for arg in command] for command in commands])
     done = subprocess.run([python, "-c", FRESH, argv], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=timeout_s)
-    assert done.returncode == 0, done.stderr  # a command raised past the command line's handling
+    assert done.returncode == 0, done.stderr  # the process itself failed (its start, its last line)
     runs, imported = json.loads(done.stdout.splitlines()[-1])
     return Fresh([Cli(*run) for run in runs], set(imported)), done.stderr
 
