@@ -166,8 +166,8 @@ class HostCache:
                     f"{now.per_core:.2f} per core, more than {LOAD_TOLERANCE_PER_CORE} apart")
         if queues_differ(then, now):
             return (f"the cached one's calibration began at {then.describe()} and a load average of {then.before:.1f}, "
-                    f"this one at {now.per_core:.2f} per core and {now.before:.1f}: the others fill the cores, and "
-                    f"their load averages are more than {BUSY_LOAD_PER_CORE:g} a core apart")
+                    f"this one at {now.per_core:.2f} per core and a load average of {now.before:.1f}: the others fill "
+                    f"the cores, and their load averages are more than {BUSY_LOAD_PER_CORE:g} a core apart")
         if entry.load is not None and entry.load.busy and not now.busy:
             return (f"the cached one was measured on a busy host ({entry.load.describe()} beside its own ranks), "
                     f"and the host is quiet now ({now.per_core:.2f} per core)")

@@ -234,8 +234,8 @@ def test_a_term_kept_from_a_full_host_is_measured_again_where_more_or_fewer_now_
     again = get()
     assert again.fresh and again.value == {"tail": 7.45}
     assert ("the cached one's calibration began at others' load 1.64 on 2 cores (0.82 per core, from CPU time) and a "
-            "load average of 6.6, this one at 0.82 per core and 14.0: the others fill the cores, and their load "
-            "averages are more than 1 a core apart") in again.describe()
+            "load average of 6.6, this one at 0.82 per core and a load average of 14.0: the others fill the cores, and "
+            "their load averages are more than 1 a core apart") in again.describe()
     doc["load_before"]["before"] = doc["load_before"]["after"] = 12.5  # within one task a core: reused
     entry.write_text(json.dumps(doc))
     assert not get().fresh and get().value == {"tail": 3.3}
