@@ -382,8 +382,9 @@ def twins(a: Result, b: Result) -> bool:
 def start_workers(workers: int, forked: bool = True, collect: bool = False) -> Workers | None:
     """The search's `workers` processes (None for 1: it runs here), started now, so that a caller with work of
     its own before the search (tune --gpu's estimates) has them ready on the cores that work leaves idle. The
-    caller shuts them down. Forked where this process runs no other thread (tune --gpu starts them before its
-    progress line) and `forked` allows it (sweep's workers are fresh interpreters): a copy of it has the simulator
+    caller stops them (`Workers.stop`, or leaving a `with` over them), not `shutdown`, which waits for one still
+    starting. Forked where this process runs no other thread (tune --gpu starts them before its progress line)
+    and `forked` allows it (sweep's workers are fresh interpreters): a copy of it has the simulator
     imported already, where a spawned interpreter imports it again (`_started`), about a CPU second a worker on
     cores the estimates want. `collect`: the workers keep their cycle collector (sweep's live the whole grid,
     where tune's live one search: `_started`). Spawned otherwise: a fork copies the locks other threads hold (a
@@ -404,8 +405,9 @@ def start_workers(workers: int, forked: bool = True, collect: bool = False) -> W
 
 
 class Workers(ProcessPoolExecutor):
-    """`start_workers`' pool, which keeps its processes as the context it is given (`mp_context`, what the executor
-    launches its workers with) launches them, so that Ctrl-C can end them at once (`stop`)."""
+    """`start_workers`' pool, which records each process its context (`mp_context`, what the executor launches its
+    workers with) launches, so that Ctrl-C can end them at once (`stop`): before Python 3.14 the executor has no
+    public way to."""
 
     def __init__(self, workers: int, method: str, collect: bool) -> None:
         self._launched: list[multiprocessing.process.BaseProcess] = []
