@@ -311,7 +311,7 @@ def test_tune_searches_only_the_shapes_whose_replicas_expert_parallelism_can_dra
     """With --expert-parallel 4 on 8 GPUs, d = 8/(t·p) must be a multiple of 4: t·p of 1 or 2 only."""
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256,
                              "--heads", 4, "--seq-len", 128, "--vocab", 1000, "--gated", "--experts", 8,
-                             "--expert-parallel", 4, "-D", 8, "-s", "1f1b", "--json")
+                             "--expert-parallel", 4, "-D", 8, "--json")
     assert code == 0, err
     tuned = json.loads(out)
     rows = tune_rows(tuned)
