@@ -1436,7 +1436,20 @@ def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
         raise InputError(f"{', '.join(clash)}: the profile {path} gives the costs, sizes, stage graph"
                          f"{' and links' if measured.link else ''}; drop these flags")
     check_pp_runtime(ctx.params.get("pp_runtime", "pipesim"), p2p_synced(ctx, measured))
+    contention = measured.contention
+    if contention is not None and "tail_from" not in contention.meta and contention.tail > WALL_TAIL_WARNING:
+        from .tables import print_message  # tables imports this module
+
+        print_message(f"warning: --profile {path}: its contention tail, {contention.tail:.2f}x on every pass, was "
+                      "taken in wall time, which held the host's load while it was calibrated; `pipesim calibrate` "
+                      "now takes it in CPU time", stderr)
     return measured
+
+
+# A calibrated contention tail from before it was taken in CPU time (no `tail_from` in its meta) above this is
+# warned of: in CPU time a rank's windows gave 0.89-1.12 at others' load 0.8-0.9 per core (calibrate/contention.py),
+# in wall time 3.2-7.5x, so a wall-time tail above it priced the host's busy moment into every pass.
+WALL_TAIL_WARNING = 1.2
 
 
 def _load_graph(path: Path):

@@ -71,6 +71,19 @@ def test_the_passes_are_priced_at_their_mean_where_the_tail_was_measured(tmp_pat
         assert (b.opt_ms, b.activation_bytes) == (a.opt_ms, a.activation_bytes)
 
 
+def test_a_profile_whose_tail_was_taken_in_wall_time_is_warned_of_where_it_held_the_hosts_load(tmp_path):
+    """A profile calibrated before the tail was taken in CPU time (no `tail_from`) priced every pass at a wall-time
+    tail that held the host's busy moment (3.2-7.5x on a full host): simulate says so, once, and still answers; a
+    CPU-time tail, or a wall-time one within what CPU time gives, is not warned of."""
+    warned = "was taken in wall time"
+    args = ("-s", "gpipe", "-m", "4")
+    for tail, meta, warns in ((5.579, {}, True), (1.05, {}, False), (5.579, {"tail_from": "process CPU time"}, False)):
+        path = _with_contention(tmp_path, {**MEASURED, "tail": tail, "meta": {**MEASURED["meta"], **meta}})
+        code, out, err = pipesim("simulate", "--profile", path, *args, "--json")
+        assert code == 0 and json.loads(out)["results"]
+        assert err.count(warned) == warns, err
+
+
 @pytest.mark.parametrize("edit,fragment", [
     ({"slowdown": [1.2, 1.6]}, "contention: slowdown[0] is one rank computing alone and must be 1.0, got 1.2"),
     ({"slowdown": [1.0, -1.0]}, "contention.slowdown.1: Input should be greater than 0"),
