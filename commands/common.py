@@ -1436,13 +1436,7 @@ def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
         raise InputError(f"{', '.join(clash)}: the profile {path} gives the costs, sizes, stage graph"
                          f"{' and links' if measured.link else ''}; drop these flags")
     check_pp_runtime(ctx.params.get("pp_runtime", "pipesim"), p2p_synced(ctx, measured))
-    contention = measured.contention
-    if contention is not None and "tail_from" not in contention.meta and contention.tail > WALL_TAIL_WARNING:
-        from .tables import print_message  # tables imports this module
-
-        print_message(f"warning: --profile {path}: its contention tail, {contention.tail:.2f}x on every pass, was "
-                      "taken in wall time, which held the host's load while it was calibrated; `pipesim calibrate` "
-                      "now takes it in CPU time", stderr)
+    warn_of_wall_time_tail(measured, f"--profile {path}")
     return measured
 
 
@@ -1450,6 +1444,19 @@ def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
 # warned of: in CPU time a rank's windows gave 0.89-1.12 at others' load 0.8-0.9 per core (calibrate/contention.py),
 # in wall time 3.2-7.5x, so a wall-time tail above it priced the host's busy moment into every pass.
 WALL_TAIL_WARNING = 1.2
+
+
+def warn_of_wall_time_tail(profile: Profile, whose: str) -> None:
+    """One line on stderr where `whose` profile, which prices every pass at its contention tail, took that tail in
+    wall time (calibrated before it was taken in CPU time) and above WALL_TAIL_WARNING: the answer stands."""
+    contention = profile.contention
+    if contention is None or "tail_from" in contention.meta or contention.tail <= WALL_TAIL_WARNING:
+        return
+    from .tables import print_message  # tables imports this module
+
+    print_message(f"warning: {whose}: its contention tail, {contention.tail:.2f}x on every pass, was taken in wall "
+                  "time, which held the host's load while it was calibrated; `pipesim calibrate` now takes it in CPU "
+                  "time", stderr)
 
 
 def _load_graph(path: Path):

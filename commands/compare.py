@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..traces.metrics import mib_text, ms_text, percent_text
-from .common import InputError, check_outputs, fail, stderr, stdout, writing
+from .common import InputError, check_outputs, fail, stderr, stdout, warn_of_wall_time_tail, writing
 from .tables import print_message, print_tables
 
 
@@ -155,12 +155,13 @@ def compare(
         else:
             measured_trace = read_trace(measured)
             if predicted is None:
-                from ..planning.replay import predict_measured
+                from ..planning.replay import predict_measured, recorded_profile
 
                 try:
                     predicted_trace = predict_measured(measured_trace.meta)
                 except TraceError as exc:  # said "a predicted trace: ...", no file named
                     raise TraceError(f"MEASURED {measured}: {exc}") from None
+                warn_of_wall_time_tail(recorded_profile(measured_trace.meta), f"MEASURED {measured}'s recorded profile")
             else:
                 predicted_trace = read_trace(predicted)
                 if (measured_trace.meta.source, predicted_trace.meta.source) == ("predicted", "measured"):

@@ -34,7 +34,7 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None, links_from
         raise TraceError(f"a {meta.source} trace, not a measured one: give a trace `pipesim run --trace` wrote to "
                          "predict it, or a predicted trace beside it to compare")
     if profile is None:
-        profile = _recorded_profile(meta)
+        profile = recorded_profile(meta)
         if profile.environment.microbatch_size != meta.microbatch_size:
             raise TraceError(f"the run used {meta.microbatch_size} samples per micro-batch, its profile was measured "
                              f"at {profile.environment.microbatch_size}: its times do not hold for this run")
@@ -57,7 +57,8 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None, links_from
     return trace
 
 
-def _recorded_profile(meta: TraceMeta) -> Profile:
+def recorded_profile(meta: TraceMeta) -> Profile:
+    """The profile the run `meta` describes recorded (TraceError where none, or one that fails its checks)."""
     from pydantic import ValidationError
 
     from ..files import first_error

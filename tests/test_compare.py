@@ -491,6 +491,25 @@ def test_a_runs_recorded_profile_edited_wrong_is_refused_naming_its_field():
             predict_measured(meta)
 
 
+def test_a_runs_recorded_profile_whose_tail_was_taken_in_wall_time_is_warned_of(tmp_path):
+    """compare MEASURED predicts from the profile the run recorded, every pass at its contention tail: one taken in
+    wall time (calibrated before it was taken in CPU time) above 1.2x is warned of, in one line, as simulate's
+    --profile is, and the comparison still runs; the run's own profile (1.03x) is not."""
+    import json
+
+    from tests.conftest import pipesim
+
+    document = json.loads((FIDELITY_RUNS / "1f1b.json").read_text())
+    profile = json.loads((FIDELITY_RUNS / "mlp-profile.json").read_text())
+    for tail, warns in ((profile["contention"]["tail"], False), (5.579, True)):
+        profile["contention"]["tail"] = tail
+        document["pipesim"]["meta"]["extra"]["profile"] = profile
+        (tmp_path / "run.json").write_text(json.dumps(document))
+        code, out, err = pipesim("compare", tmp_path / "run.json", "--json")
+        assert code == 0 and json.loads(out)
+        assert err.count("recorded profile: its contention tail, 5.58x on every pass, was taken in wall time") == warns
+
+
 @pytest.mark.parametrize("window", ["many", 2.5, -3])
 def test_a_runs_malformed_receive_window_is_one_line(tmp_path, window):
     """compare predicts a run with the receive window its trace records: one that is not a whole number >= 0 is
