@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +11,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, whole_number
 from .common import (
@@ -166,7 +166,8 @@ def sweep(
     pp_runtime: PpRuntime = "pipesim",
     stage_cut: StageCut = "balanced",
     workers: Annotated[int | None, typer.Option(
-        "--workers", "-j", metavar="N", min=1, help="Worker processes (default: one per CPU core).")] = None,
+        "--workers", "-j", metavar="N", min=1,
+        help="Worker processes (default: one per CPU core this process may use).")] = None,
     ray: Annotated[str | None, typer.Option(
         "--ray", metavar="ADDRESS", help="Run the tasks on the Ray cluster at this address instead (auto, "
                                          "ray://host:10001, or local to start one); needs pipesim[ray] (ray:// "
@@ -263,7 +264,7 @@ def sweep(
                      [i for i, config in enumerate(configs) if config.stages == p]) for p in depths]
         results = [None] * len(configs)
         finished = ((indices[i], result) for shared, indices in jobs
-                    for i, result in run(shared, [configs[i] for i in indices], workers or os.cpu_count() or 1, ray))
+                    for i, result in run(shared, [configs[i] for i in indices], workers or usable_cpus(), ray))
         for i, result in progress(finished, False, len(configs)):
             results[i] = result
         refused = _limit_refused(results)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import shlex
 import sys
 import threading
@@ -21,6 +20,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import unknown_names
+from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, percent_text, rate_text
 from ..units import GIB, count_text
 from .common import (
@@ -153,7 +153,7 @@ def tune(
     from ..schedules import METHODS, ScheduleError
     from ..sim import CostError, SimulationError
 
-    workers, pool = os.cpu_count() or 1, None
+    workers, pool = usable_cpus(), None  # the cores this process may run on, not the host's (a container's share)
     try:
         schedule = [name.strip() for given in schedule or () for name in given.split(",")]  # as sweep takes them
         unknown = [name for name in schedule if name not in METHODS]

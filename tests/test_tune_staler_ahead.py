@@ -14,7 +14,7 @@ NOTED = ("tune", "--profile", str(GPT), "--devices", 8, "--memory-gb", 0.3, "--j
 
 
 def test_the_later_passes_read_the_stale_candidates_simulated_ahead_and_answer_as_without(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
     floor, ahead_of_staler = planning._Built.floor, planning._Built.ahead_of_staler
     taken = []
 

@@ -44,7 +44,7 @@ def test_tune_starts_its_workers_before_its_estimates_and_answers_as_without_the
         return estimated(*args, **kwargs)
 
     monkeypatch.setattr(command, "_estimated_settings", estimating)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
     monkeypatch.setattr(planning, "start_workers", started)
     code, early, err = pipesim(*SMALL)
     assert code == 0, err
@@ -62,11 +62,23 @@ def test_tune_starts_its_workers_before_its_estimates_and_answers_as_without_the
     assert code == 0, err
     assert events == [("workers", 2), ("estimates",), ("workers", 2)]
     assert tune_document(early) == tune_document(late)
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(1)))
     code, alone, err = pipesim(*SMALL)
     assert code == 0, err
     # What the search built depends on how many candidates its workers take at once; its answer does not.
     assert {**tune_document(early), "search": None} == {**tune_document(alone), "search": None}
+
+
+def test_tune_starts_a_worker_per_core_this_process_may_use_not_per_core_of_the_host(monkeypatch):
+    """A container's or taskset's share of a larger host: tune on one usable core of 64 searches here, where it
+    started 64 workers on that one core (os.cpu_count); simulate's replays already counted usable cores."""
+    asked = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(planning, "start_workers", lambda workers, *args, **kwargs: asked.append(workers))
+    code, _, err = pipesim(*SMALL)
+    assert code == 0, err
+    assert asked and set(asked) == {1}  # before the estimates, and again after (`start_workers`: None for 1)
 
 
 def _collecting_in_two_workers() -> list[bool]:
@@ -268,7 +280,7 @@ def test_ctrl_c_ends_workers_still_starting_rather_than_wait_for_them(tmp_path, 
     command ends them and says "interrupted", where it waited for them to start before it gave the prompt back."""
     script = tmp_path / "pipesim_held.py"
     script.write_text(_STARTING_HELD)
-    workers = 2 if command[0] == "sweep" else os.cpu_count()  # tune's: one per core
+    workers = 2 if command[0] == "sweep" else len(os.sched_getaffinity(0))  # tune's: one per core it may use
     proc = subprocess.Popen([sys.executable, script, *map(str, command)], cwd=tmp_path, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as at a terminal

@@ -147,7 +147,7 @@ def test_the_4_gpu_gpts_zb_h1_replays_its_last_stage_within_what_the_simulation_
 
     monkeypatch.setattr(allocator, "replay_device", replay)
     monkeypatch.setattr(scenario, "device_reserves", reserves)
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # the search in this process, where the spies are
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # the search in this process, where the spies are
     allocator._reserve.cache_clear()
     code, out, err = pipesim("tune", *GPT, "--json")
     assert code == 0, err
