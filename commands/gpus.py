@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..traces.metrics import figure_text
 from .common import GpusFile, fail
-from .tables import print_table, said_as, said_once
+from .tables import add_columns, print_table, said_as, said_once
 
 # a network's kind as the table writes it and in words: "400 infiniband" took the 6 columns that printed the
 # catalogue's table in two parts at 80
@@ -55,10 +55,7 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
                   + "per node: GPUs a node holds" + (f", {said['per node']} in every row" if said else "")
                   + "; " + ", ".join(f"{NETWORK_SHORT[kind]}: {NETWORK_NAMES[kind]}" for kind in kinds))
     table.add_column("gpu", no_wrap=True)
-    shown = [header for header in columns if header not in said and header not in repeated]
-    for header in shown:
-        table.add_column(header, justify="left" if header in ("in node", "network Gb/s") else "right",
-                         no_wrap=True)
+    shown = add_columns(table, columns, {**said, **repeated}, left=("in node", "network Gb/s"))
     for row, name in enumerate(catalogue.gpu):
         table.add_row(name, *[columns[header][row] for header in shown])
     print_table(table)

@@ -99,7 +99,7 @@ from .estimate import (
     tensors_alone_text,
     what_if,
 )
-from .tables import print_message, print_table, said_once
+from .tables import add_columns, print_message, print_table, said_once
 
 if TYPE_CHECKING:
     from ..planning.tune import Workers
@@ -697,9 +697,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                           + ("; skipped: why on stderr" if skipped else ""),
                   caption_justify="left")
     table.add_column("schedule", no_wrap=True)
-    shown = [header for header in columns if header not in said]
-    for header in shown:
-        table.add_column(header, justify="left" if header == "memory" else "right", no_wrap=True)
+    shown = add_columns(table, columns, said, left=("memory",))
     for row, (s, sched, over) in enumerate(zip(summaries, schedules, overs)):
         table.add_row(_label(s, sched), *[columns[header][row] for header in shown], style="red" if over else None)
     for name in skipped:

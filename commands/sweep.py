@@ -56,7 +56,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import count_what_if, estimated_profile, tensors_alone_text, what_if
-from .tables import print_table, said_once
+from .tables import add_columns, print_table, said_once
 
 MAX_PORT = 65_535  # a TCP port's largest
 
@@ -348,10 +348,7 @@ def _print_front(results: list, front: list[int], alone: str) -> None:
                   + ("; memory: OOM where a device's peak is past its memory (simulate names the devices)"
                      if over else ""))
     table.add_column("schedule", no_wrap=True)
-    shown_headers = [header for header in columns if header not in said]
-    for header in shown_headers:
-        table.add_column(header, justify="left" if header in ("memory", "same schedule as") else "right",
-                         no_wrap=True)
+    shown_headers = add_columns(table, columns, said, left=("memory", "same schedule as"))
     group = None
     for row, c in enumerate(configs):
         if group is not None and group != front_group(c):

@@ -12,7 +12,7 @@ import io
 import os
 import re
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 
@@ -205,6 +205,17 @@ def said_as(columns: dict[str, list[str]], headers: tuple[str, ...]) -> dict[str
         if same:
             said[header] = same[0]
     return said
+
+
+def add_columns(table: Table, columns: dict[str, list[str]], said: Iterable[str], left: tuple[str, ...] = ()
+                ) -> list[str]:
+    """`columns` (header: cells) added to `table` but those `said` in its caption (`said_once`, `said_as`), figures
+    right-aligned and `left` ones not, none wrapped: their headers in order, whose cells make each row
+    (`columns[header][row]`)."""
+    shown = [header for header in columns if header not in said]
+    for header in shown:
+        table.add_column(header, justify="left" if header in left else "right", no_wrap=True)
+    return shown
 
 
 def print_tables(tables: list[Table], console: Console = stdout, keys: int = 1) -> None:
