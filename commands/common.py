@@ -1440,7 +1440,7 @@ def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
     return measured
 
 
-# A calibrated contention tail from before it was taken in CPU time (no `tail_from` in its meta) above this is
+# A calibrated contention tail taken in wall time (`ContentionProfile.tail_in_wall_time`) above this is
 # warned of: in CPU time a rank's windows gave 0.89-1.12 at others' load 0.8-0.9 per core (calibrate/contention.py),
 # in wall time 3.2-7.5x, so a wall-time tail above it priced the host's busy moment into every pass.
 WALL_TAIL_WARNING = 1.2
@@ -1450,7 +1450,7 @@ def warn_of_wall_time_tail(profile: Profile, whose: str) -> None:
     """One line on stderr where `whose` profile, which prices every pass at its contention tail, took that tail in
     wall time (calibrated before it was taken in CPU time) and above WALL_TAIL_WARNING: the answer stands."""
     contention = profile.contention
-    if contention is None or "tail_from" in contention.meta or contention.tail <= WALL_TAIL_WARNING:
+    if contention is None or not contention.tail_in_wall_time or contention.tail <= WALL_TAIL_WARNING:
         return
     from .tables import print_message  # tables imports this module
 

@@ -519,6 +519,12 @@ class ContentionProfile(_Strict):
                              f"{len(self.spread)}")
         return self
 
+    @property
+    def tail_in_wall_time(self) -> bool:
+        """Whether `tail` was taken in wall time, as before calibrate/contention.py took it in CPU time (its meta
+        says `tail_from` since), holding the calibrating host's load."""
+        return "tail_from" not in self.meta
+
 
 class EstimateLink(_Strict):
     """A link an estimate prices on: its kind (nvlink, infiniband, ...), NCCL's latency per step, and the bytes
