@@ -511,8 +511,11 @@ def _offsets_rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         if rank == 0:
-            offsets = _clock_offsets(dist.group.WORLD, TorchrunEnv(0, 2, 0, 1), host="here")
-            Path(out).write_text(json.dumps(offsets))
+            readings: list[int] = []
+            offsets = _clock_offsets(dist.group.WORLD, TorchrunEnv(0, 2, 0, 1), host="here",
+                                     clock_ns=lambda: readings.append(time.perf_counter_ns()) or readings[-1])
+            shortest_round_trip_ns = min(back - sent for sent, back in zip(readings[::2], readings[1::2]))
+            Path(out).write_text(json.dumps({"offsets": offsets, "shortest_round_trip_ns": shortest_round_trip_ns}))
         else:
             _clock_offsets(dist.group.WORLD, TorchrunEnv(1, 2, 0, 1), host="elsewhere",
                            clock_ns=lambda: time.perf_counter_ns() + AHEAD_NS)
@@ -523,8 +526,9 @@ def _offsets_rank(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_ranks_on_other_hosts_get_their_clock_offset_by_ping_pong(tmp_path):
     """Two ranks that say they are on different hosts, rank 1's clock 5 s ahead: rank 0 measures that offset
-    to within its shortest round trip (loopback: well under a millisecond). The ranks start as a run's do (forked
-    from the server that imported torch once, workload/processes.py)."""
+    to within half its shortest round trip (rank 1 reads its clock inside that trip, and the offset is taken from
+    the trip's midpoint), a bound that holds however busy the host. The ranks start as a run's do (forked from the
+    server that imported torch once, workload/processes.py)."""
     import torch.multiprocessing
 
     from pipesim.workload.processes import rank_context
@@ -532,8 +536,9 @@ def test_ranks_on_other_hosts_get_their_clock_offset_by_ping_pong(tmp_path):
     out = tmp_path / "offsets.json"
     torch.multiprocessing.start_processes(_offsets_rank, args=(free_port(), str(out)), nprocs=2,
                                           start_method=rank_context().get_start_method())
-    first, second = json.loads(out.read_text())
-    assert first == 0 and abs(second - AHEAD_NS) < 1_000_000
+    measured = json.loads(out.read_text())
+    first, second = measured["offsets"]
+    assert first == 0 and abs(second - AHEAD_NS) <= (measured["shortest_round_trip_ns"] + 1) // 2
 
 
 @pytest.mark.slow
