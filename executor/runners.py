@@ -805,6 +805,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
                "bounds": next((r.bounds for r in results if r is not None), None if spec.bounds is None
                               else list(spec.bounds)),
                "model_options": dict(spec.model_options), "recv_window": spec.recv_window,
+               "score_heldout": spec.heldout,
                "model": spec.model if isinstance(spec.model, str) else getattr(spec.model, "__name__", "custom")})
     weights: list[dict[tuple[int, int], list[torch.Tensor]]] = [{} for _ in range(layout.replicas)]
     for rank, r in enumerate(results):

@@ -161,6 +161,27 @@ def test_a_run_without_trace_prints_its_table_and_writes_nothing(tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_run_with_no_heldout_is_not_scored_and_its_table_and_trace_say_so(tmp_path, monkeypatch):
+    """--no-heldout skips the held-out score (the default gpt's 11 CPU s): the table's column says "not scored",
+    not "-" (a model with no held-out set), and the trace records that it was not asked, which a trace written
+    before the flag does not."""
+    from pipesim.executor import runners
+
+    monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: run_in_process(spec))  # no spawning
+    trace = tmp_path / "t.json"
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--microbatches", 2, "--minibatches", 2,
+                             "--no-heldout", "--trace", trace)
+    assert code == 0, err
+    assert out.splitlines()[3].split()[5:7] == ["not", "scored"], out  # loss first -> last, then the column
+    extra = read_trace(trace).meta.extra
+    assert extra["score_heldout"] is False and "heldout" not in extra
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--microbatches", 2, "--minibatches", 2,
+                             "--no-heldout", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert (document["heldout"], document["heldout_scored"]) == (None, False)
+
+
 @pytest.mark.parametrize("method, p, m, n", [("1f1b", 2, 4, 5), ("pipedream", 3, 2, 7), ("avgpipe", 2, 4, 4),
                                              ("interleaved-1f1b", 2, 4, 3)])
 def test_progress_counts_a_minibatch_done_at_each_devices_last_row_of_it(method, p, m, n):
