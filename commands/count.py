@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import choose_from
-from ..workload.sizes import attention_of
+from ..workload.sizes import attention_of, flag_sizes_refusal
 from .common import (
     DTYPES,
     MODEL_SIZES,
@@ -22,6 +22,7 @@ from .common import (
     check_dtype,
     fail,
     model_shape_options,
+    refuse,
     require_model,
     stderr,
     transient_status,
@@ -45,6 +46,7 @@ def count(
     backward, weight and Adam-state bytes, and the tensor each layer outputs (what a stage ending there sends)."""
     dtype, attention = ctx.params["dtype"], attention_of(ctx.params["attention"], model)
     try:
+        refuse(flag_sizes_refusal(ctx.params))  # before require_model's torch import
         require_model("pipesim count", model)
         check_dtype(dtype)
         with transient_status("counting the model on torch's meta device", as_json):

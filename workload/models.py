@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import os
 import sys
 from collections import OrderedDict
@@ -38,7 +37,7 @@ from pipesim.workload.moe import (
     with_aux_loss,
 )
 from pipesim.workload.rope import rotated
-from pipesim.workload.sizes import DEFAULT_SIZES, model_name_refusal, size_refusal
+from pipesim.workload.sizes import DEFAULT_SIZES, capacity_factor_refusal, model_name_refusal, size_refusal
 
 MAX_CNN_CHANNELS = 512
 BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
@@ -445,8 +444,8 @@ def check_capacity_factor(capacity_factor: float | None, experts: int, top_k: in
     `apply_router_token_dropping` then routes every token to every expert, T each, while the alltoall
     dispatcher's `preprocess` sizes each expert's buffer and its grouped products at `get_capacity`'s ⌈C·k·T/E⌉,
     uncapped: the buffers do not match the tokens). `top_k` None: a config without one, checked for C only."""
-    if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
-        raise ModelError(f"--capacity-factor must be a finite number above 0 (got {capacity_factor})")
+    if (refusal := capacity_factor_refusal(capacity_factor)) is not None:
+        raise ModelError(refusal)
     if capacity_factor is not None and top_k and capacity_factor * top_k > experts:
         raise ModelError(f"--capacity-factor {capacity_factor:g} pads each expert past the micro-batch's tokens "
                          f"(C·k/E = {capacity_factor:g}·{top_k}/{experts} > 1), which Megatron-core cannot run: give "

@@ -2,7 +2,9 @@
 (workload/models.py builds with them, workload/count.py counts with them), so that the command line can show and
 check them without importing torch."""
 
+import math
 from pathlib import Path
+from typing import Any
 
 from ..choices import choose_from, unknown_names
 from ..profiles.workload import is_hf
@@ -75,6 +77,31 @@ def kernels_refusal(cross_entropy: str, norm_kernel: str, rope_kernel: str, loss
 MAX_SIZES = {"layers": 10_000, "width": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16, "seq_len": 1 << 20,
              "vocab": 1 << 24, "ffn": 1 << 22, "expert_ffn": 1 << 22, "experts": 1 << 14, "top_k": 1 << 14,
              "shared_experts": 1 << 14, "mtp_layers": 10_000}
+
+
+# The sizes every model that takes them reads as flags, a Hugging Face config's among them (workload/models.py
+# HF_OPTIONS), with the least each allows
+FLAG_SIZES_LEAST = {"seq_len": 1, "mtp_layers": 0}
+
+
+def flag_sizes_refusal(options: dict[str, Any]) -> str | None:
+    """The one line refusing --seq-len or --mtp-layers outside their bounds, or a --capacity-factor not a finite
+    number above 0 (None: all within them), which the command line says before torch is imported (--seq-len 0 of an
+    hf: config was refused after torch's and transformers' imports, 11 s) and the model's build says again for its
+    other callers."""
+    for size, least in FLAG_SIZES_LEAST.items():
+        if options.get(size) is not None and (
+                refusal := size_refusal(f"--{size.replace('_', '-')}", size, options[size], least)):
+            return refusal
+    return capacity_factor_refusal(options.get("capacity_factor"))
+
+
+def capacity_factor_refusal(capacity_factor: float | None) -> str | None:
+    """A capacity factor that gives an expert no capacity, one line (None: it is a finite number above 0, or not
+    given)."""
+    if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        return f"--capacity-factor must be a finite number above 0 (got {capacity_factor})"
+    return None
 
 
 def size_refusal(flag: str, size: str, value: int, least: int = 1) -> str | None:
