@@ -173,7 +173,8 @@ Width = Annotated[int | None, typer.Option(
 Heads = Annotated[int | None, typer.Option(
     "--heads", metavar="N", help=f"gpt: attention heads (default {DEFAULT_SIZES['gpt']['heads']}).")]
 SeqLen = Annotated[int | None, typer.Option(
-    "--seq-len", metavar="N", help=f"gpt: sequence length (default {DEFAULT_SIZES['gpt']['seq_len']}).")]
+    "--seq-len", metavar="N", help=f"gpt: sequence length (default {DEFAULT_SIZES['gpt']['seq_len']}); hf:PATH: the "
+                                   "tokens a sample holds, which it needs (its config gives the other sizes).")]
 Vocab = Annotated[int | None, typer.Option(
     "--vocab", metavar="N", help=f"gpt: vocabulary size (default {DEFAULT_SIZES['gpt']['vocab']}).")]
 Ffn = Annotated[int | None, typer.Option("--ffn", metavar="N", help="gpt: MLP hidden size (default 4 x width).")]
@@ -330,7 +331,8 @@ GpusFile = Annotated[Path | None, typer.Option(
                                    "name) and clusters ([cluster.NAME]), in the schema of the built-in catalogue.")]
 TensorParallel = Annotated[int | None, typer.Option(
     "--tensor-parallel", metavar="T", min=1, help="With --gpu: tensor-parallel degree t, Megatron's split of every "
-                                                  "block over t GPUs of a node (simulated only).")]
+                                                  "block over t GPUs of a node; a t above a node's GPUs fills whole "
+                                                  "nodes and crosses them on their NICs (simulated only).")]
 DataParallel = Annotated[int | None, typer.Option(
     "--data-parallel", metavar="D", min=1, help="Data-parallel degree d: replicas of the pipeline, each stage's "
                                                 "gradients all-reduced over them before its update.")]

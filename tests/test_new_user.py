@@ -246,3 +246,15 @@ def test_a_path_longer_than_the_terminal_stays_whole_in_a_refusal(monkeypatch):
         common.fail(f"cannot read trace file {path}: No such file or directory")
     rows = [row.rstrip() for row in _rows(screen) if row.strip()]
     assert any(path in row for row in rows), rows
+
+
+def test_the_size_and_parallel_flags_help_says_what_an_hf_config_and_a_t_past_a_node_do():
+    """simulate --help said --seq-len is the gpt's alone ("gpt: sequence length (default 128)"), where an hf: config
+    needs it, and that --tensor-parallel splits over "t GPUs of a node", where t = 16 on 8-GPU nodes runs across 2
+    nodes on their NICs (docs/hardware.md's placement; the costs line says "the tensor-parallel group across 2
+    nodes")."""
+    code, out, err = pipesim("simulate", "--help")
+    words = " ".join(out.split())
+    assert code == 0, err
+    assert "hf:PATH: the tokens a sample holds, which it needs" in words
+    assert "a t above a node's GPUs fills whole nodes and crosses them on their NICs" in words
