@@ -144,7 +144,10 @@ GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "64", 
 
 @pytest.mark.parametrize(("args", "message"), [
     (("estimate", *GPT, "--attention", "flash", "--context-parallel", "5", "-o", "cp.json"),
-     "--context-parallel 5 does not split the sequence of 96 tokens into 2 x 5 equal chunks"),
+     "--context-parallel 5 does not split the sequence of 96 tokens into 2 x 5 equal chunks (the causal load "
+     "balance); give --context-parallel 4 or 6 (C must divide --seq-len / 2 = 48)"),  # "a C that divides seq_len / 2"
+    (("estimate", *GPT[:-1], "95", "--attention", "flash", "--context-parallel", "2", "-o", "cp.json"),
+     "tokens into 2 x 2 equal chunks (the causal load balance); give an even --seq-len (C must divide --seq-len / 2)"),
     (("estimate", *GPT, "--context-parallel", "2", "-o", "cp.json"),
      "--context-parallel: ring attention runs on a fused attention kernel"),
     (("simulate", "--context-parallel", "2"), "--context-parallel: only --gpu's estimate reads it"),

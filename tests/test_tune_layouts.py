@@ -81,7 +81,7 @@ def test_a_given_c_is_refused_where_it_does_not_divide_the_gpus_or_the_sequence(
         "--tensor-parallel 2 x --data-parallel 4 x --context-parallel 2 = 16 does not divide 8; give --devices 16\n")
     assert refused("tune", *GPU, *SMALL_GPT[:-4], "--seq-len", 250, "--vocab", 1000, *CONTEXT, "-D", 8) == (
         "error: --context-parallel 2 does not split the sequence of 250 tokens into 2 x 2 equal chunks (the causal "
-        "load balance); give a C that divides seq_len / 2\n")
+        "load balance); give --context-parallel 5 (C must divide --seq-len / 2 = 125)\n")
 
 
 def test_the_table_and_json_show_c_and_count_every_gpu(monkeypatch):
