@@ -75,7 +75,7 @@ def pipesim_steps(config: Config) -> list[float]:
 def _torch_rank(rank: int, config: Config, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=config.ranks, init_method=f"tcp://127.0.0.1:{port}")
-    step = torch_steps(config.spec(), rank, config.ranks, config.method)
+    step = torch_steps(config.spec(), rank, config.method)
     finished_ns = []
     dist.barrier()
     for b in range(config.warmup + config.steps):
