@@ -32,7 +32,7 @@ from torch_pipelining import torch_steps  # this folder's: torch's runtime on pi
 
 from pipesim.executor import RunSpec, run_multiprocess
 from pipesim.schedules import ScheduleParams, build_schedule
-from pipesim.workload.transport import free_port
+from pipesim.workload.transport import Rendezvous, served_rendezvous
 
 METHODS = ("gpipe", "1f1b")  # run by torch's own ScheduleGPipe and Schedule1F1B
 
@@ -72,9 +72,9 @@ def pipesim_steps(config: Config) -> list[float]:
 
 
 
-def _torch_rank(rank: int, config: Config, port: int, out: str) -> None:
+def _torch_rank(rank: int, config: Config, rendezvous: Rendezvous, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=config.ranks, init_method=f"tcp://127.0.0.1:{port}")
+    rendezvous.join("gloo", rank, config.ranks)
     step = torch_steps(config.spec(), rank, config.method)
     finished_ns = []
     dist.barrier()
@@ -92,8 +92,9 @@ def torch_run(config: Config) -> list[float]:
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            mp.start_processes(_torch_rank, args=(config, free_port(), out), nprocs=config.ranks,
-                               start_method="spawn")
+            with served_rendezvous() as rendezvous:
+                mp.start_processes(_torch_rank, args=(config, rendezvous, out), nprocs=config.ranks,
+                                   start_method="spawn")
         finally:
             if saved is None:
                 os.environ.pop("OMP_NUM_THREADS")

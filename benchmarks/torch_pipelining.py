@@ -50,7 +50,7 @@ from pipesim.schedules.catalogue import method_named
 from pipesim.schedules.ir import Schedule, ScheduleError
 from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.workload.optim import make_optimizer
-from pipesim.workload.transport import free_port
+from pipesim.workload.transport import Rendezvous, served_rendezvous
 
 
 def _prune(path: Path) -> None:
@@ -148,11 +148,11 @@ def placement_refusal(schedule: Schedule, runtime: str) -> str | None:
             "as torch does")
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
+def _rank(rank: int, args: argparse.Namespace, rendezvous: Rendezvous) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(args.threads_per_rank)
-    dist.init_process_group("gloo", rank=rank, world_size=args.stages, init_method=f"tcp://127.0.0.1:{port}")
+    rendezvous.join("gloo", rank, args.stages)
     spec = RunSpec(schedule=_schedule(args), model=args.model, model_options=json.loads(args.model_options),
                    microbatch_size=args.microbatch_size, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
                    bounds=args.bounds)
@@ -322,7 +322,8 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
     # the ranks write to the terminal's stderr themselves, torch 2.13's kineto two lines a rank ("USDT: ...
     # SyncActivityProfilerHandler.cpp:52] profiler_start", "...:59] profiler_stop"): nothing passes through here
-    mp.start_processes(_rank, args=(args, free_port()), nprocs=args.stages, start_method="spawn")
+    with served_rendezvous() as rendezvous:
+        mp.start_processes(_rank, args=(args, rendezvous), nprocs=args.stages, start_method="spawn")
     print_written(args)
 
 

@@ -23,7 +23,14 @@ import torch.distributed as dist
 
 from ..profiles.linkfit import LinkPoint, LinkPoints
 from ..workload.processes import rank_context, rank_process, start_processes
-from ..workload.transport import TransportChoice, TransportError, choose_transport, connect, free_port
+from ..workload.transport import (
+    Rendezvous,
+    TransportChoice,
+    TransportError,
+    choose_transport,
+    connect,
+    served_rendezvous,
+)
 
 Progress = Callable[[int, int], Any]
 LINK_THREADS = 1  # ranks share the machine's cores with each other and the transport's threads
@@ -133,44 +140,44 @@ def _measure(jobs: list[Job], world_size: int, device: str, timeout_s: float) ->
         raise LinkError(str(exc)) from None
     ctx = rank_context()
     results = ctx.Queue()
-    port = free_port()
-    procs = [rank_process(ctx, _worker, (rank, world_size, port, plans, choice, timeout_s, results),
-                          f"pipesim-link-{rank}", LINK_THREADS) for rank in range(world_size)]
-    what = f"{' and '.join(op for op, _, _ in plans)} link measurement ({choice.kind}, {world_size} ranks)"
-    deadline = time.monotonic() + timeout_s
-    samples: dict[int, list[list[float]]] = {}
-    try:
-        start_processes(procs, LINK_THREADS)
-        while len(samples) < len(plans):
-            if time.monotonic() > deadline:  # before reading: a rank's own timeout error queued late is this one
-                raise LinkError(f"{what} timed out after {timeout_s:g} s")
-            try:
-                msg = results.get(timeout=0.2)
-            except queue_mod.Empty:
-                failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed:
-                    raise LinkError(f"{what}: rank {failed[0][0]} exited with code {failed[0][1]}") from None
-                if all(p.exitcode == 0 for p in procs):
-                    raise LinkError(f"{what}: ranks exited without a result") from None
-                continue
-            if msg[0] == "progress":
-                progress = jobs[msg[1]][3]
-                if progress is not None:
-                    progress(msg[2], msg[3])
-            elif msg[0] == "error":
-                raise LinkError(f"{what}: rank {msg[1]}: {msg[2]}")
-            else:
-                samples[msg[1]] = msg[2]
-    finally:
-        finished = len(samples) == len(plans)
-        for p in procs:  # ranks that finished get a moment to leave the group; stuck ones are killed at once
-            if p.pid is None:  # never started
-                continue
-            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if finished else 0.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
+    with served_rendezvous() as rendezvous:  # held from the port's choice until the ranks are gone
+        procs = [rank_process(ctx, _worker, (rank, world_size, rendezvous, plans, choice, timeout_s, results),
+                              f"pipesim-link-{rank}", LINK_THREADS) for rank in range(world_size)]
+        what = f"{' and '.join(op for op, _, _ in plans)} link measurement ({choice.kind}, {world_size} ranks)"
+        deadline = time.monotonic() + timeout_s
+        samples: dict[int, list[list[float]]] = {}
+        try:
+            start_processes(procs, LINK_THREADS)
+            while len(samples) < len(plans):
+                if time.monotonic() > deadline:  # before reading: a rank's own timeout error queued late is this one
+                    raise LinkError(f"{what} timed out after {timeout_s:g} s")
+                try:
+                    msg = results.get(timeout=0.2)
+                except queue_mod.Empty:
+                    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if failed:
+                        raise LinkError(f"{what}: rank {failed[0][0]} exited with code {failed[0][1]}") from None
+                    if all(p.exitcode == 0 for p in procs):
+                        raise LinkError(f"{what}: ranks exited without a result") from None
+                    continue
+                if msg[0] == "progress":
+                    progress = jobs[msg[1]][3]
+                    if progress is not None:
+                        progress(msg[2], msg[3])
+                elif msg[0] == "error":
+                    raise LinkError(f"{what}: rank {msg[1]}: {msg[2]}")
+                else:
+                    samples[msg[1]] = msg[2]
+        finally:
+            finished = len(samples) == len(plans)
+            for p in procs:  # ranks that finished get a moment to leave the group; stuck ones are killed at once
+                if p.pid is None:  # never started
+                    continue
+                p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if finished else 0.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            results.close()
 
     measured = []
     for index, (op, sizes, (repeats, warmup, min_time_s)) in enumerate(plans):
@@ -186,7 +193,7 @@ def _measure(jobs: list[Job], world_size: int, device: str, timeout_s: float) ->
     return measured
 
 
-def _worker(rank: int, world_size: int, port: int, plans: list[tuple[str, list[int], Plan]],
+def _worker(rank: int, world_size: int, rendezvous: Rendezvous, plans: list[tuple[str, list[int], Plan]],
             choice: TransportChoice, timeout_s: float, results: Any) -> None:
     """One rank: join the group, then per op time every size, and (rank 0) report progress and per-repeat times
     in ms."""
@@ -194,7 +201,7 @@ def _worker(rank: int, world_size: int, port: int, plans: list[tuple[str, list[i
     try:
         torch.set_num_threads(LINK_THREADS)
         # The all-reduce needs only the default group: no point-to-point edges for it.
-        transport = connect(choice, rank, world_size, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
+        transport = connect(choice, rank, world_size, rendezvous=rendezvous, timeout_s=timeout_s,
                             edges=None if any(op == "p2p" for op, _, _ in plans) else ())
         for index, (op, sizes, plan) in enumerate(plans):
             if rank == 0:

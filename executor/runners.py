@@ -33,11 +33,12 @@ from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from ..workload.processes import rank_context, rank_process, start_processes
 from ..workload.transport import (
     InProcessTransport,
+    Rendezvous,
     TransportChoice,
     TransportError,
     choose_transport,
     connect,
-    free_port,
+    served_rendezvous,
 )
 from .experts import dist_experts, thread_experts
 from .replicas import Layout, dist_replicas, thread_replicas
@@ -252,7 +253,7 @@ class _Reporter:
         self.beat()
 
 
-def _rank_main(setup: Any, rank: int, init_method: str, choice: TransportChoice, messages: Any,
+def _rank_main(setup: Any, rank: int, rendezvous: Rendezvous, choice: TransportChoice, messages: Any,
                compute_lock: Any, prelude: tuple[Callable[[Any, int], None], Any] | None = None) -> None:
     """One rank of `run_multiprocess` (a spawned process): run the caller's `prelude` (its work and its pipe end)
     if any, receive the RunSpec and its layers' outputs (`cut`) from `setup`, run the device, reporting
@@ -268,7 +269,7 @@ def _rank_main(setup: Any, rank: int, init_method: str, choice: TransportChoice,
         lowered = _lowered(spec)
         stages = cut(spec, outputs=outputs)
         reporter = _Reporter(rank, lowered, messages)
-        with _joined(spec, lowered, choice, rank, init_method=init_method) as placed:
+        with _joined(spec, lowered, choice, rank, rendezvous=rendezvous) as placed:
             loop = DeviceLoop(spec, lowered, stages, **placed, on_row=reporter.on_row, compute_lock=compute_lock)
             reporter.loop = loop
             reporter.start()
@@ -438,51 +439,52 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
     context = rank_context()
     messages = context.Queue()
     compute_lock = context.Lock() if choice.host_staged else None
-    init_method = f"tcp://127.0.0.1:{free_port()}"
     hardware = {**choice.meta(), "ranks": world, "threads_per_rank": spec.threads_per_rank}
-    setups = [context.Pipe(duplex=False) for _ in range(world)]
-    pipes = [context.Pipe() for _ in range(world)] if prelude is not None else []
-    procs = [rank_process(context, _rank_main, (setups[rank][0], rank, init_method, choice, messages, compute_lock,
-                                                (prelude.rank, pipes[rank][1]) if prelude is not None else None),
-                          f"pipesim-rank-{rank}", spec.threads_per_rank)
-             for rank in range(world)]
-    supervisor = None
-    try:
-        start_processes(procs, spec.threads_per_rank)
-        if prelude is not None:
-            for _, theirs in pipes:
-                theirs.close()  # the parent keeps only its own ends, so a rank that dies reads as EOF
-            prelude.parent([ours for ours, _ in pipes], procs)
-            for ours, _ in pipes:
-                ours.close()
-        supervisor = _Supervisor(spec, lowered, procs, stall_timeout_s)
-        started = time.monotonic()
-        for _, writer in setups:
-            writer.send((spec, outputs))
-        while any(r is None for r in supervisor.results):
-            try:
-                supervisor.take(messages.get(timeout=HEARTBEAT_S))
-            except queue.Empty:
-                pass
-            if supervisor.errors or supervisor.dead():
-                # the other ranks' last heartbeats, and a peer's death behind a rank's failed transfer
-                _drain(messages, supervisor)
-            fault = supervisor.fault()
-            if fault is not None:
-                rank, text, diverged = fault
-                raise RunFailed(text, supervisor.partial(hardware, rank), rank, diverged)
-            if timeout_s is not None and time.monotonic() - started > timeout_s:
-                raise RunFailed(f"the run did not finish within {timeout_s:g} s", supervisor.partial(hardware, None),
-                                None)
-            if on_progress is not None:
-                on_progress(supervisor.progress())
-    except KeyboardInterrupt:
-        if supervisor is None:
-            raise
-        _drain(messages, supervisor, within_s=2 * HEARTBEAT_S)  # the rows done before Ctrl-C, reported meanwhile
-        raise RunInterrupted("interrupted", supervisor.partial(hardware, None), None) from None
-    finally:
-        _stop(procs)
+    with served_rendezvous() as rendezvous:  # held from the port's choice until the ranks are gone
+        setups = [context.Pipe(duplex=False) for _ in range(world)]
+        pipes = [context.Pipe() for _ in range(world)] if prelude is not None else []
+        procs = [rank_process(context, _rank_main,
+                              (setups[rank][0], rank, rendezvous, choice, messages, compute_lock,
+                               (prelude.rank, pipes[rank][1]) if prelude is not None else None),
+                              f"pipesim-rank-{rank}", spec.threads_per_rank)
+                 for rank in range(world)]
+        supervisor = None
+        try:
+            start_processes(procs, spec.threads_per_rank)
+            if prelude is not None:
+                for _, theirs in pipes:
+                    theirs.close()  # the parent keeps only its own ends, so a rank that dies reads as EOF
+                prelude.parent([ours for ours, _ in pipes], procs)
+                for ours, _ in pipes:
+                    ours.close()
+            supervisor = _Supervisor(spec, lowered, procs, stall_timeout_s)
+            started = time.monotonic()
+            for _, writer in setups:
+                writer.send((spec, outputs))
+            while any(r is None for r in supervisor.results):
+                try:
+                    supervisor.take(messages.get(timeout=HEARTBEAT_S))
+                except queue.Empty:
+                    pass
+                if supervisor.errors or supervisor.dead():
+                    # the other ranks' last heartbeats, and a peer's death behind a rank's failed transfer
+                    _drain(messages, supervisor)
+                fault = supervisor.fault()
+                if fault is not None:
+                    rank, text, diverged = fault
+                    raise RunFailed(text, supervisor.partial(hardware, rank), rank, diverged)
+                if timeout_s is not None and time.monotonic() - started > timeout_s:
+                    raise RunFailed(f"the run did not finish within {timeout_s:g} s",
+                                    supervisor.partial(hardware, None), None)
+                if on_progress is not None:
+                    on_progress(supervisor.progress())
+        except KeyboardInterrupt:
+            if supervisor is None:
+                raise
+            _drain(messages, supervisor, within_s=2 * HEARTBEAT_S)  # the rows done before Ctrl-C, reported meanwhile
+            raise RunInterrupted("interrupted", supervisor.partial(hardware, None), None) from None
+        finally:
+            _stop(procs)
     return _merge(spec, lowered, supervisor.results, hardware)
 
 

@@ -24,7 +24,7 @@ from pipesim.profiles.schema import load_profile, stages_for
 from pipesim.schedules import ScheduleParams, lower
 from pipesim.traces import read_trace
 from pipesim.traces.compare import compare
-from pipesim.workload.transport import free_port
+from pipesim.workload.transport import served_rendezvous
 from tests.conftest import build, pipesim, pipesim_fresh
 
 # A task a few steps of SGD learn (the class is where the first four features peak), so "the loss falls" does
@@ -464,10 +464,9 @@ def test_a_diverging_learning_rate_stops_at_its_minibatch_and_keeps_the_trace(tm
 
 @pytest.mark.slow
 def test_under_torchrun_rank_0_gathers_and_writes_the_trace(learnable, tmp_path):
-    port = free_port()
     trace = tmp_path / "t.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(port), "-m", "pipesim.cli", "run", "--schedule", "1f1b", "--model", learnable,
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           "-m", "pipesim.cli", "run", "--schedule", "1f1b", "--model", learnable,
                            "--stages", "2", "--microbatches", "2", "--minibatches", "3", "--trace", str(trace),
                            "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -524,12 +523,12 @@ def test_auto_runs_the_order_searched_for_its_profile_and_compare_searches_it_ag
 AHEAD_NS = 5_000_000_000  # rank 1's clock in the test below: 5 s ahead of rank 0's
 
 
-def _offsets_rank(rank: int, port: int, out: str) -> None:
+def _offsets_rank(rank: int, rendezvous, out: str) -> None:
     import torch.distributed as dist
 
     from pipesim.executor.runners import TorchrunEnv, _clock_offsets
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rendezvous.join("gloo", rank, 2)
     try:
         if rank == 0:
             readings: list[int] = []
@@ -555,8 +554,9 @@ def test_ranks_on_other_hosts_get_their_clock_offset_by_ping_pong(tmp_path):
     from pipesim.workload.processes import rank_context
 
     out = tmp_path / "offsets.json"
-    torch.multiprocessing.start_processes(_offsets_rank, args=(free_port(), str(out)), nprocs=2,
-                                          start_method=rank_context().get_start_method())
+    with served_rendezvous() as rendezvous:
+        torch.multiprocessing.start_processes(_offsets_rank, args=(rendezvous, str(out)), nprocs=2,
+                                              start_method=rank_context().get_start_method())
     measured = json.loads(out.read_text())
     first, second = measured["offsets"]
     assert first == 0 and abs(second - AHEAD_NS) <= (measured["shortest_round_trip_ns"] + 1) // 2
@@ -569,8 +569,8 @@ def test_under_torchrun_a_dead_rank_leaves_rank_0s_rows_as_an_incomplete_trace(l
     from pipesim.executor.runners import FAULT_ENV
 
     trace = tmp_path / "t.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), "-m", "pipesim.cli", "run", "--schedule", "1f1b", "--model", learnable,
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           "-m", "pipesim.cli", "run", "--schedule", "1f1b", "--model", learnable,
                            "--stages", "2", "--microbatches", "2", "--minibatches", "50", "--timeout", "20",
                            "--trace", str(trace)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, FAULT_ENV: "1:6:KILL"})

@@ -3,8 +3,10 @@ and the point-to-point transports (in-process, and real gloo ranks)."""
 
 from __future__ import annotations
 
+import errno
 import math
 import random
+import socket
 import threading
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from pipesim.workload.transport import (
     TransportError,
     TransportTimeout,
     choose_transport,
-    free_port,
+    served_rendezvous,
 )
 from tests.conftest import pipesim
 
@@ -461,13 +463,13 @@ def test_a_send_that_fails_is_raised_by_its_ranks_wait_and_a_waiter_thread_stops
     Hanging.release.set()
 
 
-def _exchange(rank: int, kind: str, port: int, results) -> None:
+def _exchange(rank: int, kind: str, rendezvous, results) -> None:
     """One of two real ranks: pre-post receives, send tensors of several shapes and dtypes both ways, then
     let rank 1 wait on a receive nothing answers."""
     try:
         torch.set_num_threads(1)
         cls = GlooTransport if kind == "gloo" else HostStagedTransport
-        with cls(rank, 2, "cpu", init_method=f"tcp://127.0.0.1:{port}", timeout_s=30) as transport:
+        with cls(rank, 2, "cpu", rendezvous=rendezvous, timeout_s=30) as transport:
             peer = 1 - rank
             shapes = [((3,), torch.float32), ((2, 4), torch.float64), ((5,), torch.int64)]
             posted = [transport.recv(shape, dtype, peer) for shape, dtype in shapes]
@@ -497,12 +499,12 @@ def _exchange(rank: int, kind: str, port: int, results) -> None:
         results.put((rank, f"{type(exc).__name__}: {exc}", None, None))
 
 
-def _channels(rank: int, port: int, results) -> None:
+def _channels(rank: int, rendezvous, results) -> None:
     """One of two gloo ranks with two channels 0 -> 1: rank 1 posts channel 2's receives before channel 1's,
     rank 0 sends channel 1's first; each channel delivers in its own order."""
     try:
         torch.set_num_threads(1)
-        with GlooTransport(rank, 2, "cpu", init_method=f"tcp://127.0.0.1:{port}", timeout_s=30,
+        with GlooTransport(rank, 2, "cpu", rendezvous=rendezvous, timeout_s=30,
                            edges=[(0, 1, 1), (0, 1, 2)]) as transport:
             if rank == 0:
                 sends = [transport.send(torch.tensor([10.0 * c + k]), 1, channel=c) for c in (1, 2) for k in range(3)]
@@ -521,25 +523,43 @@ def _channels(rank: int, port: int, results) -> None:
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
-def _on_two_ranks(monkeypatch, target, *args) -> tuple[list, list[int | None]]:
-    """What `target(rank, *args, port, results)` puts on `results` in each of two rank processes, in the order they
-    put it, and the ranks' exit codes. They start as a run's ranks do (workload/processes.py: forked from the server
-    that imported torch once, where a spawned interpreter imports it again for each)."""
+def _on_two_ranks(monkeypatch, target, *args) -> tuple[list, list[int | None], OSError | None]:
+    """What `target(rank, *args, rendezvous, results)` puts on `results` in each of two rank processes, in the
+    order they put it, the ranks' exit codes, and what another socket got binding the port they meet on right after
+    its choice (None: it took the port, and holds it until the ranks are done). They start as a run's ranks do
+    (workload/processes.py: forked from the server that imported torch once, where a spawned interpreter imports
+    it again for each)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # the ranks import this module
     ctx = rank_context()
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, *args, port, results), daemon=True) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        put = [results.get(timeout=120) for _ in procs]
-    finally:
+    with served_rendezvous() as rendezvous, socket.socket() as intruder:
+        try:
+            intruder.bind((rendezvous.host, rendezvous.port))
+            intruder.listen()
+            refused = None
+        except OSError as exc:
+            refused = exc
+        procs = [ctx.Process(target=target, args=(rank, *args, rendezvous, results), daemon=True) for rank in range(2)]
         for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return put, [p.exitcode for p in procs]
+            p.start()
+        try:
+            put = [results.get(timeout=120) for _ in procs]
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    return put, [p.exitcode for p in procs], refused
+
+
+@pytest.mark.slow
+def test_no_socket_can_take_the_port_the_ranks_meet_on_between_its_choice_and_their_joining(monkeypatch):
+    """The port a job's ranks meet on is held from the moment the OS chose it (workload/transport.py Rendezvous):
+    another socket binding it before the ranks join is refused, and the ranks join and exchange. A port chosen,
+    released, then bound by rank 0 (374442dc's free_port) went to that socket, and the ranks never joined."""
+    put, exit_codes, refused = _on_two_ranks(monkeypatch, _channels)
+    assert refused is not None and refused.errno == errno.EADDRINUSE
+    assert dict(put)[1][1] == [10.0, 11.0, 12.0] and exit_codes == [0, 0]
 
 
 @pytest.mark.slow
@@ -553,7 +573,7 @@ def test_gloo_channels_are_separate_fifos(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gloo", "host-staged"])
 def test_two_real_ranks_exchange_tensors_with_pre_posted_receives(kind, monkeypatch):
-    put, exit_codes = _on_two_ranks(monkeypatch, _exchange, kind)
+    put, exit_codes, _ = _on_two_ranks(monkeypatch, _exchange, kind)
     got = {rank: rest for rank, *rest in put}
     for rank in (0, 1):
         values, timeout, released = got[rank]

@@ -23,12 +23,12 @@ stream.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
-import socket
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -42,13 +42,39 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 DEFAULT_TIMEOUT_S = 120.0  # a receive may wait for several stages' compute upstream; gloo's own default is 30 min
+LOCALHOST = "127.0.0.1"  # where a job's ranks on this host meet
 
 
-def free_port() -> int:
-    """A TCP port free on this host now, for a job's rendezvous (`tcp://127.0.0.1:<port>`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of a job on this host meet: the store (a TCPStore) that the process starting them serves
+    (`served_rendezvous`) on a port it has held since the OS chose it. Every rank joins it as a client, as
+    torchrun's workers join their agent's store (torch 2.13, torch/distributed/rendezvous.py
+    `_create_c10d_store`): a port chosen, released and bound later by rank 0 could be taken in between by
+    another process, failing the job (EADDRINUSE) or joining its ranks to another job's store."""
+
+    port: int
+    host: str = LOCALHOST
+
+    def join(self, backend: str, rank: int, world_size: int, timeout_s: float | None = None) -> None:
+        """Create this rank's default process group in the job's store; `timeout_s` bounds its collectives
+        (None: torch's default)."""
+        timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        store = dist.TCPStore(self.host, self.port, world_size, is_master=False, **timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **timeout)
+
+
+@contextlib.contextmanager
+def served_rendezvous() -> Iterator[Rendezvous]:
+    """A job's rendezvous, served by this process until the block ends: start the ranks and wait for them inside
+    it (a rank's groups meet in the store after it joined too)."""
+    store = dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False)
+    try:
+        yield Rendezvous(store.port)
+    finally:
+        del store  # the server stops with its last reference
+
+
 KINDS = ("gloo", "nccl", "host-staged")
 
 Edge = tuple[int, int]  # (src, dst) ranks
@@ -346,15 +372,16 @@ class _Reaper:
 class _DistTransport(Transport):
     """A transport over torch.distributed, one process group per directed edge and channel.
 
-    Joins the job (creates the default process group at `init_method` unless one is up, and then destroys it
-    at close) with an explicit timeout. Every rank must construct it with the same `edges` (default: every
-    ordered pair), since creating a group is collective. An edge is (src, dst), channel 0, or
-    (src, dst, channel)."""
+    Joins the job (creates the default process group, at `rendezvous` or else where torchrun's environment says,
+    unless one is up, and then destroys it at close) with an explicit timeout. Every rank must construct it with
+    the same `edges` (default: every ordered pair), since creating a group is collective. An edge is (src, dst),
+    channel 0, or (src, dst, channel)."""
 
     backend: ClassVar[str]
 
-    def __init__(self, rank: int, world_size: int, device: torch.device | str, *, init_method: str = "env://",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, edges: Iterable[Edge | Link] | None = None) -> None:
+    def __init__(self, rank: int, world_size: int, device: torch.device | str, *,
+                 rendezvous: Rendezvous | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 edges: Iterable[Edge | Link] | None = None) -> None:
         super().__init__(rank, world_size, device, timeout_s)
         if edges is None:
             edges = [(s, d) for s in range(world_size) for d in range(world_size) if s != d]
@@ -366,8 +393,10 @@ class _DistTransport(Transport):
             raise ValueError("channels must be whole numbers >= 0")
         timeout = timedelta(seconds=timeout_s)
         self._owns_default = not dist.is_initialized()
-        if self._owns_default:
-            dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
+        if self._owns_default and rendezvous is not None:
+            rendezvous.join(self.backend, rank, world_size, timeout_s)
+        elif self._owns_default:
+            dist.init_process_group(self.backend, init_method="env://", rank=rank, world_size=world_size,
                                     timeout=timeout)
         elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
             raise ValueError(f"the process group is up as rank {dist.get_rank()} of {dist.get_world_size()}, "
@@ -573,13 +602,13 @@ def choose_transport(device: str, world_size: int, *, backend: str = "auto",
 
 
 def connect(choice: TransportChoice, rank: int, world_size: int, *, local_rank: int | None = None,
-            init_method: str = "env://", timeout_s: float = DEFAULT_TIMEOUT_S,
+            rendezvous: Rendezvous | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
             edges: Iterable[Edge | Link] | None = None) -> Transport:
     """Open `choice`'s transport for `rank`: on its device (`local_rank`, default `rank`, picks the GPU), in a
-    default process group (created at `init_method` unless one is up) with one group per edge in `edges`
-    ((src, dst) for channel 0 or (src, dst, channel); default: every ordered pair). Every rank calls it with
-    the same arguments but its rank."""
+    default process group (created at `rendezvous`, or where torchrun's environment says, unless one is up) with
+    one group per edge in `edges` ((src, dst) for channel 0 or (src, dst, channel); default: every ordered pair).
+    Every rank calls it with the same arguments but its rank."""
     classes: dict[str, type[_DistTransport]] = {"gloo": GlooTransport, "nccl": NcclTransport,
                                                 "host-staged": HostStagedTransport}
     device = choice.device_for(rank if local_rank is None else local_rank)
-    return classes[choice.kind](rank, world_size, device, init_method=init_method, timeout_s=timeout_s, edges=edges)
+    return classes[choice.kind](rank, world_size, device, rendezvous=rendezvous, timeout_s=timeout_s, edges=edges)
