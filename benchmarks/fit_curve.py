@@ -26,12 +26,13 @@ way to the weights again: it is predicted as the count's full backward (`CALIBRA
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
 from functools import partial
 from pathlib import Path
+
+from one_line_parser import OneLineParser  # this folder's
 
 from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.estimate import fit_count, timed_overhead_ms
@@ -111,7 +112,7 @@ def summary(found: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("profiles", type=Path, nargs="*", help="calibrations of two sizes or more")
     parser.add_argument("--calibrate", type=Path, metavar="DIR", help="calibrate SIZES into DIR first")
     parser.add_argument("--rounds", type=int, default=6, help="with --calibrate: calibrations of each size")
@@ -128,7 +129,7 @@ def main() -> None:
         try:
             profile = load_profile(path)
         except ProfileError as exc:  # it names the file and what is wrong with it
-            parser.exit(2, f"error: {exc}\n")
+            parser.error(str(exc))
         halves = sizes.setdefault(size_of(profile), [[], []])
         names.setdefault(size_of(profile), path.stem.rsplit("-", 1)[0])
         halves[len(halves[0]) > len(halves[1])].append(profile)
@@ -136,7 +137,7 @@ def main() -> None:
         try:
             gpu = load_catalogue().find(args.gpu)
         except CatalogueError as exc:  # it names the parts the catalogue knows
-            parser.exit(2, f"error: --gpu: {exc}\n")
+            parser.error(f"--gpu: {exc}")
         dtype = next(iter(sizes.values()))[0][0].environment.dtype
         peak, bandwidth, shape = getattr(gpu.dense_tflops, PEAK_DTYPE[dtype]) * 1e9, gpu.memory_bandwidth_gb_s * 1e6, \
             gpu.curve
@@ -162,7 +163,7 @@ def main() -> None:
             fitted, held = separated_fit(refit(), refit, peak, bandwidth, shape)
             curve = curve_for(fitted, peak, bandwidth, shape, f"fitted to {names[key]}{held}")
         except EstimateError as exc:
-            parser.exit(2, f"error: {names[key]}: {exc}\n")
+            parser.error(f"{names[key]}: {exc}")
         device = Device(peak, bandwidth * curve.memory_efficiency, curve)
         print(f"  {names[key]} ({len(first)} calibrations): products {fitted.matmul_flops_per_ms / 1e6:.1f} GFLOP/s, "
               f"memory-bound {(fitted.memory_bytes_per_ms or 0) / 1e6:.1f} GB/s, "

@@ -1547,21 +1547,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in chosen if name not in TABLES]
     if unknown or not chosen:
         named = ", ".join(map(repr, unknown))
-        print(f"--parts: {named} {'is no part' if len(unknown) == 1 else 'are no parts'}; give some of "
-              f"{', '.join(TABLES)}, comma-separated", file=sys.stderr)
-        return 2
+        parser.error(f"--parts: {named} {'is no part' if len(unknown) == 1 else 'are no parts'}; give some of "
+                     f"{', '.join(TABLES)}, comma-separated")
     for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
         if value is not None and value < (1 if flag == "--repeats" else 0):
-            print(f"{flag}: {value} is not allowed; give a whole number of at least "
-                  f"{1 if flag == '--repeats' else 0}", file=sys.stderr)
-            return 2
+            parser.error(f"{flag}: {value} is not allowed; give a whole number of at least "
+                         f"{1 if flag == '--repeats' else 0}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: torch sees no CUDA GPU here; --device cpu --quick runs the same code tiny on a CPU",
-              file=sys.stderr)
-        return 2
+        parser.error("--device cuda: torch sees no CUDA GPU here; --device cpu --quick runs the same code tiny on a "
+                     "CPU")
     if not args.out.parent.is_dir():
-        print(f"--out: the folder {args.out.parent} does not exist", file=sys.stderr)
-        return 2
+        parser.error(f"--out: the folder {args.out.parent} does not exist")
     device = torch.device(args.device)
     budget = Budget(warmup=args.warmup if args.warmup is not None else 1 if args.quick else 3,
                     repeats=args.repeats or (3 if args.quick else 20))

@@ -1,5 +1,5 @@
-"""The benchmark scripts' argument parser: a bad flag or value is one line on stderr, exit 2, before anything runs
-(no usage block, no torch imported for it)."""
+"""The benchmark scripts' argument parser: a bad flag or value is one line on stderr, "error: " and what is wrong,
+exit 2, before anything runs (no usage block, no torch imported for it), as pipesim's own commands refuse."""
 
 from __future__ import annotations
 
@@ -8,9 +8,15 @@ import sys
 from typing import NoReturn
 
 
+def refuse(message: str) -> None:
+    """Say why the script stops, in one line on stderr, as pipesim's own commands do ("error: " first)."""
+    print(f"error: {message}", file=sys.stderr)
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse's refusals in one line (the flag and what it allows), exit 2, without the usage block."""
+    """argparse's refusals, and the script's own (`parser.error`), in one line: "error: " and the flag and what it
+    allows, exit 2, without the usage block."""
 
     def error(self, message: str) -> NoReturn:
-        print(message, file=sys.stderr)
+        refuse(message)
         raise SystemExit(2)

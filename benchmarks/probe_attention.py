@@ -28,10 +28,10 @@ second stream, as TransformerEngine runs it, is priced as the rank's forward: pi
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from one_line_parser import OneLineParser  # this folder's
 from probe_replay import replayed
 from rich.table import Table
 
@@ -158,7 +158,7 @@ def rows(probe: dict, gpu_name: str, rows_gpu: str = "h100-sxm") -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe", type=Path, default=PROBE, help="the probe's JSON (gpu_probe.py --out)")
     parser.add_argument("--gpu", default="h200", help="the catalogue's name of the GPU the probe ran on")
     args = parser.parse_args(argv)

@@ -21,13 +21,13 @@ many layers (`dense.sustained`), as a step keeps the GPU busy, which a span of o
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_probe import RECIPES
+from one_line_parser import OneLineParser  # this folder's
 from probe_moe import probe_product, summary
 from probe_replay import replayed
 from rich.table import Table
@@ -139,7 +139,7 @@ def layer_sums(table: list[Row], tensor: dict[str, int], sustained: list[dict] =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe", type=Path, default=PROBE, help="the probe's JSON with part (e) (gpu_probe.py --out)")
     parser.add_argument("--gpu", default=GPU, help=f"the catalogue's part the probe ran on (default {GPU})")
     args = parser.parse_args(argv)

@@ -33,7 +33,6 @@ FLOPs against the probe's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -41,6 +40,7 @@ from functools import cache, partial
 from pathlib import Path
 
 import torch
+from one_line_parser import OneLineParser, refuse  # this folder's
 from probe_replay import replayed
 from rich.table import Table
 
@@ -297,7 +297,7 @@ def summary(errors: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe", type=Path, default=PROBE, help="the probe's JSON (default: the day-9 H200's)")
     parser.add_argument("--gpu", default=GPU, help=f"the catalogue's part the probe ran on (default {GPU})")
     parser.add_argument("--host-kernel-us", type=float, default=HOST_KERNEL_US,
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     refuse_unwritable(("--json", args.json))
     if args.host_kernel_us < 0:
-        print(f"--host-kernel-us: {args.host_kernel_us:g} is negative; give 0 or more microseconds", file=sys.stderr)
+        refuse(f"--host-kernel-us: {args.host_kernel_us:g} is negative; give 0 or more microseconds")
         return 2
 
     def price(probe: dict) -> tuple:

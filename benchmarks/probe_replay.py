@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from one_line_parser import refuse  # this folder's
 
 from pipesim.hardware.catalogue import CatalogueError, load_catalogue
 from pipesim.planning.estimate import EstimateError
@@ -21,7 +22,7 @@ def refused_gpu(name: str) -> bool:
     try:
         load_catalogue().find(name)
     except CatalogueError as exc:
-        print(f"--gpu: {exc}", file=sys.stderr)
+        refuse(f"--gpu: {exc}")
         return True
     return False
 
@@ -37,8 +38,8 @@ def replayed(args: argparse.Namespace, part: str, priced_what: str,
     try:
         return price(json.loads(args.probe.read_text()))
     except EstimateError as error:  # a ValueError: the part publishes no rate for a kind the probe timed
-        print(f"--gpu: {args.gpu} cannot price {args.probe.name}'s {priced_what}: {error}", file=sys.stderr)
+        refuse(f"--gpu: {args.gpu} cannot price {args.probe.name}'s {priced_what}: {error}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
-        print(f"--probe: {args.probe} is not a gpu_probe.py JSON with its {part} "
-              f"({type(error).__name__}: {error})", file=sys.stderr)
+        refuse(f"--probe: {args.probe} is not a gpu_probe.py JSON with its {part} "
+               f"({type(error).__name__}: {error})")
     return None

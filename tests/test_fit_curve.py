@@ -296,11 +296,12 @@ def test_fit_curve_holds_the_attention_as_curve_from_does_and_refuses_an_outrun_
 
 
 @pytest.mark.parametrize("flags,message", [
+    ([], "error: give calibrations, or --calibrate DIR"),
     (["/nonexistent/profile.json"], "error: cannot read profile /nonexistent/profile.json"),
     ([str(TRACES / "gpt-cpu-w256.json"), "--gpu", "h300"], "error: --gpu: unknown GPU 'h300' (did you mean "),
 ])
-def test_fit_curve_refuses_a_file_that_is_no_profile_and_an_unknown_part_in_one_line(monkeypatch, capsys, flags,
-                                                                                      message):
+def test_fit_curve_refuses_no_calibrations_a_file_that_is_no_profile_and_an_unknown_part_in_one_line(
+        monkeypatch, capsys, flags, message):
     from tests.conftest import script_module
 
     with script_module("fit_curve") as fit_curve:

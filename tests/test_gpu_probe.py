@@ -185,7 +185,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(probe, tmp_path, capsy
         raise SystemExit(probe.main([*(["--out", str(out)] if "--out" not in flags else []), *flags]))
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(message) and err.count("\n") == 1
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
 
 
@@ -440,7 +440,7 @@ def test_the_check_refuses_an_unknown_part_before_it_runs_anything(tmp_path, mon
         with pytest.raises(SystemExit) as exited:
             check.main()
     err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.startswith("--gpu: unknown GPU 'h300' (did you mean ")
+    assert exited.value.code == 2 and err.startswith("error: --gpu: unknown GPU 'h300' (did you mean ")
     assert err.count("\n") == 1 and not out.exists()
 
 
@@ -475,7 +475,8 @@ def test_the_checks_cpu_dry_run_runs_every_step(tmp_path):
 def test_the_check_refuses_a_bad_flag_in_one_line_before_it_runs_anything(tmp_path, monkeypatch, capsys, args,
                                                                             refusal):
     """Each of gpu_check.py's flags: a bad value is one line naming the flag and what it allows, exit 2, nothing
-    written (argparse's usage block left out: benchmarks/one_line_parser.py)."""
+    written, as pipesim's own refusals read ("error: ..."; argparse's usage block left out:
+    benchmarks/one_line_parser.py)."""
     out, file = tmp_path / "check", tmp_path / "file"
     file.write_text("")
     given = [str(file) if arg == "FILE" else arg for arg in args]
@@ -487,4 +488,4 @@ def test_the_check_refuses_a_bad_flag_in_one_line_before_it_runs_anything(tmp_pa
             check.main()
     err = capsys.readouterr().err
     assert (exited.value.code, err.count("\n")) == (2, 1), err
-    assert err.startswith(refusal.replace("FILE", str(file))) and not out.exists()
+    assert err.startswith("error: " + refusal.replace("FILE", str(file))) and not out.exists()

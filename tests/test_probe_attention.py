@@ -92,7 +92,7 @@ def test_the_blocks_transfer_from_the_h200_to_the_h100_and_the_passes_go_at_its_
 def test_bad_input_is_one_line_and_exit_2(replay, capsys, flags, message):
     assert replay.main(flags) == 2
     err = capsys.readouterr().err
-    assert err.startswith(message) and err.count("\n") == 1
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
 
 
 def test_a_probe_without_the_attentions_whole_shape_is_one_line_and_exit_2(replay, tmp_path, capsys):

@@ -136,7 +136,7 @@ def test_a_part_without_float8_refuses_a_probes_float8_products_in_one_line(modu
     path.write_text(json.dumps(synthetic_probe(probe)))
     assert replay.main(["--probe", str(path), "--gpu", "a100-sxm-80gb"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("--gpu: a100-sxm-80gb cannot price probe.json's products: ") and "float8" in err
+    assert err.startswith("error: --gpu: a100-sxm-80gb cannot price probe.json's products: ") and "float8" in err
     assert err.count("\n") == 1
 
 

@@ -107,14 +107,14 @@ def test_the_benchmark_prints_both_parts_and_refuses_a_file_that_is_no_probe(ben
     (tmp_path / "bad.json").write_text("{}")
     assert bench.main(["--probe", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("--probe: ") and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: --probe: ") and len(err.strip().splitlines()) == 1
     assert bench.main(["--host-kernel-us", "-1"]) == 2
-    assert "--host-kernel-us" in capsys.readouterr().err
+    assert capsys.readouterr().err == "error: --host-kernel-us: -1 is negative; give 0 or more microseconds\n"
     assert bench.main(["--gpu", "h300"]) == 2
-    assert capsys.readouterr().err.startswith("--gpu: unknown GPU 'h300' (did you mean ")
+    assert capsys.readouterr().err.startswith("error: --gpu: unknown GPU 'h300' (did you mean ")
     assert bench.main(["--gpu", "a100-sxm-80gb"]) == 2  # (c) timed float8 GEMMs; an A100 has no float8 peak
     err = capsys.readouterr().err
-    assert err.startswith("--gpu: a100-sxm-80gb cannot price") and "no FP8 peak" in err and err.count("\n") == 1
+    assert err.startswith("error: --gpu: a100-sxm-80gb cannot price") and "no FP8 peak" in err and err.count("\n") == 1
 
 
 def _span(ops: dict[str, tuple[int, float]], kernels: list[tuple[str, str, int, float]]) -> dict:
