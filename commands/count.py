@@ -46,7 +46,7 @@ def count(
     backward, weight and Adam-state bytes, and the tensor each layer outputs (what a stage ending there sends)."""
     dtype, attention = ctx.params["dtype"], attention_of(ctx.params["attention"], model)
     try:
-        refuse(flag_sizes_refusal(ctx.params))  # before require_model's torch import
+        refuse(flag_sizes_refusal(model, {name: ctx.params[name] for name in MODEL_SIZES}))  # before torch's import
         require_model("pipesim count", model)
         check_dtype(dtype)
         with transient_status("counting the model on torch's meta device", as_json):

@@ -295,7 +295,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     rope_kernel, loss_parallel = params.get("rope_kernel", "eager"), params.get("loss_parallel", False)
     router_aux_loss = _or_default(params, "router_aux_loss", "none")
     refuse(kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel, router_aux_loss))
-    refuse(flag_sizes_refusal(params))
+    refuse(flag_sizes_refusal(params["model"], {key: params.get(key) for key in MODEL_SIZES}))
     if loss_parallel and params.get("tensor_parallel") == 1:  # torchtitan's at t > 1 only
         raise InputError("--loss-parallel splits the logits by vocabulary over a tensor-parallel group (torchtitan's "
                          "with t > 1): give --tensor-parallel 2 or more")

@@ -66,13 +66,16 @@ def test_a_folder_of_configs_names_the_configs_it_holds(model, folders, monkeypa
     (("--seq-len", 0), "--seq-len must be >= 1 (got 0)"),
     (("--seq-len", 512, "--mtp-layers", -1), "--mtp-layers must be >= 0 (got -1)"),
     (("--seq-len", 512, "--capacity-factor", "inf"), "--capacity-factor must be a finite number above 0 (got inf)"),
+    (("--seq-len", 512, "--layers", 2), "--layers does not apply to {model}: its config gives its sizes (--seq-len, "
+                                        "--mtp-layers and --capacity-factor are the ones it takes)"),
 ])
 @pytest.mark.parametrize("command", [("count",), ("simulate", "--gpu", "h100-sxm", "-p", 2, "-s", "1f1b")],
                          ids=["count", "simulate"])
 def test_an_hf_configs_flag_sizes_out_of_bounds_are_refused_before_torch_is_imported(command, flags, refusal):
     """--seq-len 0 of hf:examples/mixtral-8x7b (docs/hardware.md: "refused in one line before torch is imported")
-    was refused once torch and transformers had read the config, 11 s; --capacity-factor 0 or inf, 16 s."""
-    (done,), imported = pipesim_fresh((command[0], "--model", f"hf:{ROOT / 'examples' / 'mixtral-8x7b'}",
-                                       *command[1:], *flags))
-    assert done == (2, "", f"error: {refusal}\n")
+    was refused once torch and transformers had read the config, 11 s; --capacity-factor 0 or inf, 16 s; --layers,
+    which its config gives, 17 s."""
+    model = f"hf:{ROOT / 'examples' / 'mixtral-8x7b'}"
+    (done,), imported = pipesim_fresh((command[0], "--model", model, *command[1:], *flags))
+    assert done == (2, "", f"error: {refusal.format(model=model)}\n")
     assert "torch" not in imported

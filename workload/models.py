@@ -37,12 +37,17 @@ from pipesim.workload.moe import (
     with_aux_loss,
 )
 from pipesim.workload.rope import rotated
-from pipesim.workload.sizes import DEFAULT_SIZES, capacity_factor_refusal, model_name_refusal, size_refusal
+from pipesim.workload.sizes import (
+    DEFAULT_SIZES,
+    HF_OPTIONS,
+    capacity_factor_refusal,
+    hf_options_refusal,
+    model_name_refusal,
+    size_refusal,
+)
 
 MAX_CNN_CHANNELS = 512
 BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
-# the options a Hugging Face config takes (workload/hf.py `hf_model`)
-HF_OPTIONS = ("seq_len", "mtp_layers", "capacity_factor")
 
 
 class ModelError(ValueError):
@@ -504,10 +509,8 @@ def build_model(name: str, **options: int) -> Model:
     model's defaults)."""
     given = {key: value for key, value in options.items() if value is not None}
     if is_hf(name):
-        wrong = [key for key in given if key not in HF_OPTIONS]
-        if wrong:
-            raise ModelError(f"--{wrong[0].replace('_', '-')} does not apply to {name}: its config gives its sizes "
-                             "(--seq-len, --mtp-layers and --capacity-factor are the ones it takes)")
+        if (refusal := hf_options_refusal(name, given)) is not None:
+            raise ModelError(refusal)
         from .hf import hf_model
 
         return hf_model(name, given.get("seq_len"), given.get("mtp_layers", 0), given.get("capacity_factor"))

@@ -3,6 +3,7 @@
 check them without importing torch."""
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -79,21 +80,35 @@ MAX_SIZES = {"layers": 10_000, "width": 1 << 20, "heads": 1 << 16, "kv_heads": 1
              "shared_experts": 1 << 14, "mtp_layers": 10_000}
 
 
-# The sizes every model that takes them reads as flags, a Hugging Face config's among them (workload/models.py
-# HF_OPTIONS), with the least each allows
+# The options a Hugging Face config takes (workload/hf.py `hf_model`); its config gives the other sizes
+HF_OPTIONS = ("seq_len", "mtp_layers", "capacity_factor")
+# The sizes every model that takes them reads as flags, a Hugging Face config's among them, with the least each allows
 FLAG_SIZES_LEAST = {"seq_len": 1, "mtp_layers": 0}
 
 
-def flag_sizes_refusal(options: dict[str, Any]) -> str | None:
-    """The one line refusing --seq-len or --mtp-layers outside their bounds, or a --capacity-factor not a finite
-    number above 0 (None: all within them), which the command line says before torch is imported (--seq-len 0 of an
-    hf: config was refused after torch's and transformers' imports, 11 s) and the model's build says again for its
+def hf_options_refusal(model: str, given: Iterable[str]) -> str | None:
+    """The one line refusing a size flag `given` to an hf: `model`, whose config gives its sizes (None: every one
+    given is one it takes, or the model is not hf:)."""
+    wrong = [name for name in given if name not in HF_OPTIONS]
+    if is_hf(model) and wrong:
+        return (f"--{wrong[0].replace('_', '-')} does not apply to {model}: its config gives its sizes (--seq-len, "
+                "--mtp-layers and --capacity-factor are the ones it takes)")
+    return None
+
+
+def flag_sizes_refusal(model: str, sizes: dict[str, Any]) -> str | None:
+    """The one line refusing the model's size flags `sizes` (None: not given): a flag an hf: config does not take,
+    --seq-len or --mtp-layers outside their bounds, a --capacity-factor not a finite number above 0 (None: all
+    within them). The command line says it before torch is imported (--seq-len 0 of an hf: config was refused after
+    torch's and transformers' imports, 11 s; --layers given to one, 17 s) and the model's build says it again for its
     other callers."""
+    given = {name: value for name, value in sizes.items() if value is not None}
+    if (refusal := hf_options_refusal(model, given)) is not None:
+        return refusal
     for size, least in FLAG_SIZES_LEAST.items():
-        if options.get(size) is not None and (
-                refusal := size_refusal(f"--{size.replace('_', '-')}", size, options[size], least)):
+        if size in given and (refusal := size_refusal(f"--{size.replace('_', '-')}", size, given[size], least)):
             return refusal
-    return capacity_factor_refusal(options.get("capacity_factor"))
+    return capacity_factor_refusal(given.get("capacity_factor"))
 
 
 def capacity_factor_refusal(capacity_factor: float | None) -> str | None:
