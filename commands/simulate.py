@@ -103,6 +103,7 @@ from .tables import add_columns, print_message, print_table, said_once
 
 if TYPE_CHECKING:
     from ..planning.tune import Workers
+    from ..sim.caching_allocator import LayerAllocations
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 # --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger
@@ -413,10 +414,10 @@ def simulate(
     _warn(skipped, summaries, memory)
 
 
-# where `_Replays` starts workers: a replay steps through a row's layers in some 20-36 us each (the 70B's 1F1B at
-# p = 8, m = 64: 21,000 in 0.42 CPU s; its ZB-V: 32,000 in 1.17 s), and workers take about 0.1-0.2 CPU s to fork
-# and 0.05 s a schedule to ship its trace: that 1F1B alone, at this floor, costs as many CPU seconds either way
-REPLAY_LAYER_ROWS_FOR_WORKERS = 20_000
+# where `_Replays` starts workers: a replay runs some 1.5-1.8 us an allocator op (the 70B's four schedules at p = 8,
+# m = 64: 2.2 M ops in 3.6 CPU s), and two workers take about 0.1-0.2 CPU s to fork and 0.05 s a schedule to ship its
+# trace: at this floor (some 0.3 CPU s) half the replay on another core pays for them
+REPLAY_OPS_FOR_WORKERS = 200_000
 # what the bar says while each schedule's devices replay (in the workers, or here): seconds on a large what-if, where
 # the simulations' bar had ended and nothing showed
 REPLAYING = "replaying memory"
@@ -434,15 +435,13 @@ class _Replays:
     @classmethod
     def started(cls, scenario, schedules: Iterable) -> _Replays:
         """Workers as many as this process may use cores (`usable_cpus`), no more than the devices to
-        replay, where the schedules' actions times their stages' layers (what a replay steps through: each row
-        runs its stage's layers) come to REPLAY_LAYER_ROWS_FOR_WORKERS or more; else none."""
+        replay, where the allocator ops the replays run (`replay_ops`) come to REPLAY_OPS_FOR_WORKERS or more; else
+        none."""
         schedules = list(schedules)
         if scenario.allocations is None:
             return cls(1, None)
-        layers = len(scenario.allocations)
-        work = sum(sum(map(len, sched.orders)) * layers // sched.graph.stages_per_copy for sched in schedules)
         workers = min(usable_cpus(), sum(sched.num_devices for sched in schedules))
-        if work < REPLAY_LAYER_ROWS_FOR_WORKERS or workers < 2:
+        if workers < 2 or replay_ops(scenario.allocations, schedules) < REPLAY_OPS_FOR_WORKERS:
             return cls(1, None)
         from ..planning.tune import start_workers
 
@@ -467,6 +466,28 @@ class _Replays:
         """The workers stopped: at once after an error or Ctrl-C (`Workers.stop`)."""
         if self.pool is not None:
             self.pool.stop(at_once=kind is not None)
+
+
+def replay_ops(layers: Sequence[LayerAllocations], schedules: Iterable) -> int:
+    """About how many allocator ops the replays of `schedules`' devices run (`Scenario.reserves`), before they are
+    simulated: each device's forward and backward rows in its order, as many as the replay's skip leaves
+    (`replayed_rows`), each its stage's share of the model's `layers`' allocations and frees for its pass."""
+    from ..sim.caching_allocator import replayed_rows
+    from ..sim.costs import TRANSIENT_KINDS
+
+    passes = {kind: name for name, kind in TRANSIENT_KINDS.items()}
+    events = {name: sum(len(layer.passes.get(name, ())) for layer in layers) for name in TRANSIENT_KINDS}
+    for name in ("bwd", "igrad"):  # a recomputation makes its forward again first
+        events[name] += sum(len(layer.passes.get("fwd", ())) for layer in layers if layer.rerun is not None)
+    ops = 0
+    for sched in schedules:
+        for order in sched.orders:
+            rows = [(passes[action.kind], action.stage, (action.pipeline, action.minibatch, action.microbatch))
+                    for action in order if action.kind in passes]
+            if rows:
+                ops += (replayed_rows(rows) * sum(events[name] for name, _, _ in rows)
+                        // (len(rows) * sched.graph.stages_per_copy))
+    return ops
 
 
 def _shipped_reserves(shipped: bytes, devices: Sequence[int]) -> list[int]:

@@ -1038,6 +1038,41 @@ def left_live(allocations: PassAllocations) -> dict[int, int]:
     return live
 
 
+def _numbered(rows: Sequence[tuple[str, int, Hashable]]
+              ) -> tuple[list[int], list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """`rows`' micro-batches numbered in the order the rows begin them: how many are begun by each row, the rows
+    with their micro-batches' numbers, and what each row does (its shape: its micro-batch named by its place among
+    those begun before it), which `_Replay.skip` compares."""
+    number: dict[Hashable, int] = {}
+    begun: list[int] = []
+    for _, _, microbatch in rows:
+        number.setdefault(microbatch, len(number))
+        begun.append(len(number))
+    numbered = [(name, stage, number[microbatch]) for name, stage, microbatch in rows]
+    shapes = [(name, stage, microbatch - (begun[at - 1] if at else 0))
+              for at, (name, stage, microbatch) in enumerate(numbered)]
+    return begun, numbered, shapes
+
+
+def replayed_rows(rows: Sequence[tuple[str, int, Hashable]]) -> int:
+    """About how many of a device's `rows` (`device_rows`) `replay_device` runs, without running them: all but the
+    whole repetitions its skip passes over (`_Replay.skip`), taking the state to come back after the first run of
+    one micro-batch's rows (their number over the micro-batches begun) wherever the rows repeat that run. A
+    pipeline's steady state is what it skips: p = 8 and m = 64 leave some 1 in 5 rows to run, m = p every row."""
+    if not rows:
+        return 0
+    _, _, shapes = _numbered(rows)
+    period = max(len(rows) // len({microbatch for _, _, microbatch in rows}), 1)
+    skipped = repeated = 0
+    for at in range(period, len(rows) + 1):
+        if at < len(rows) and shapes[at] == shapes[at - period]:
+            repeated += 1
+            continue
+        skipped += max(repeated - period, 0) // period * period  # the first period run, then whole ones skipped
+        repeated = 0
+    return len(rows) - skipped
+
+
 @dataclass
 class _Replay:
     """`replay_device`'s step in progress: the allocator, each stage's program, and each micro-batch's frame of
@@ -1056,15 +1091,7 @@ class _Replay:
     zeros: int = 0  # the mini-batches begun (ZERO rows run)
 
     def __post_init__(self) -> None:
-        number: dict[Hashable, int] = {}
-        self.begun: list[int] = []
-        for _, _, microbatch in self.rows:
-            number.setdefault(microbatch, len(number))
-            self.begun.append(len(number))
-        self.numbered = [(name, stage, number[microbatch]) for name, stage, microbatch in self.rows]
-        # what a row does, its micro-batch named by its place among those begun before it
-        self.shapes = [(name, stage, microbatch - (self.begun[at - 1] if at else 0))
-                       for at, (name, stage, microbatch) in enumerate(self.numbered)]
+        self.begun, self.numbered, self.shapes = _numbered(self.rows)
 
     def run(self, at: int) -> None:
         """Row `at`: its pass (with ZERO, every stage's ZERO_GRAD before it, after the optimizer's step where
