@@ -17,7 +17,6 @@ state), beside the paper's published rates, as a markdown table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -27,6 +26,11 @@ from pipesim.planning import auto
 from pipesim.schedules import METHODS
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces import summarize
+
+try:  # the tests import this file as benchmarks.bench_auto; run as a script, this folder is on sys.path
+    from .one_line_parser import OneLineParser
+except ImportError:
+    from one_line_parser import OneLineParser
 
 PAPER = Path(__file__).with_name("zero_bubble_paper.json")
 
@@ -83,13 +87,13 @@ def paper_table(budget: float | None) -> None:
               + f" | {published['zb-1p']:.4f} | {ours[1.0]:.4f} | {published['zb-2p']:.4f} | {ours[2.0]:.4f} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=("time", "paper"))
     parser.add_argument("--sizes", default="32x256,8x32", help="p x m, comma-separated (time)")
     parser.add_argument("--repeats", type=int, default=7, help="builds per size and limit (time)")
     parser.add_argument("--search-seconds", type=float, default=None, help="the search's budget (default: auto's)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.mode == "time":
         sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",")]
         time_search(sizes, args.repeats, args.search_seconds)

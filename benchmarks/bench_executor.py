@@ -15,7 +15,6 @@ The noise floor is pipesim run twice on the same configuration: the ratio of the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from one_line_parser import OneLineParser  # this folder's
 from torch_pipelining import torch_steps  # this folder's: torch's runtime on pipesim's stages
 
 from pipesim.executor import RunSpec, run_multiprocess
@@ -109,8 +109,8 @@ def _summary(samples: list[float]) -> str:
     return f"{statistics.median(samples):8.2f} [{q1:.2f}, {q3:.2f}]"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="mini-batches timed per run")
     parser.add_argument("--repeats", type=int, default=5, help="fresh runs per side")
     parser.add_argument("--quick", action="store_true", help="width 256, 1 warm-up, 4 steps, 2 repeats")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.width, args.warmup, args.steps, args.repeats = 256, 1, 4, 2
     for name in ("ranks", "microbatches", "microbatch_size", "layers", "width", "steps", "repeats"):

@@ -22,6 +22,7 @@ import pstats
 import resource
 import time
 
+from one_line_parser import OneLineParser  # this folder's
 from rich.table import Table
 
 from pipesim.allocator import keep_freed_memory, no_huge_pages
@@ -73,13 +74,13 @@ def _child(args: tuple[int, int, int, float]) -> dict[str, float]:
     return measure(*args)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="16x256,32x1024,64x1024,128x2048,128x4096", help="comma-separated PxM")
     parser.add_argument("--minibatches", type=int, default=2, help="N, mini-batches simulated")
     parser.add_argument("--comm", type=float, default=0.05, help="ms per transfer")
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile of the first size")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes.split(",")]
     if args.profile:
         p, m = sizes[0]

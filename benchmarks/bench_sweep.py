@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from one_line_parser import OneLineParser  # this folder's
 from rich.table import Table
 
 from pipesim.commands.tables import print_table
@@ -32,15 +33,15 @@ def sweep(args: argparse.Namespace, workers: int, out: Path) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts to time")
     parser.add_argument("--stages", default="2,4,6,8")
     parser.add_argument("--microbatches", default="4,8,16")
     parser.add_argument("--chunks", default="1,2,4")
     parser.add_argument("--pipelines", default="1,2,3")
     parser.add_argument("--cost-scale", default="0.5,1,1.5,2")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     table = Table(title=f"pipesim sweep, all methods × p {args.stages} × m {args.microbatches} × v {args.chunks} "
                         f"× P {args.pipelines} × cost {args.cost_scale}, N = 4 (target: 1,000 in < 60 s on 2 cores)",

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from one_line_parser import OneLineParser  # this folder's
+
 PROBLEMS = {
     "70b": ["--model", "gpt", "--layers", "80", "--width", "8192", "--heads", "64", "--kv-heads", "8", "--ffn",
             "28672", "--gated", "--attention", "flash", "--devices", "256", "--batch-size", "1024"],
@@ -43,12 +45,12 @@ def run(flags: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     return wall, cpu, found.group(0) if found else ""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="first time a run with an empty count cache")
     parser.add_argument("--only", choices=sorted(PROBLEMS), help="one problem only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "PIPESIM_CACHE_DIR": cache} if args.cold else dict(os.environ)
         for name, flags in PROBLEMS.items():

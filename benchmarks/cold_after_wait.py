@@ -14,11 +14,11 @@ that ratio over the repeats (max - min: the noise floor). No assertion: the figu
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 import torch
+from one_line_parser import OneLineParser  # this folder's
 from rich.table import Table
 
 from pipesim.calibrate.measure import DTYPES, Settings, measure_bytes
@@ -62,15 +62,15 @@ def one_repeat(runs: list[StageRun], rounds: int) -> dict[tuple[int, str], tuple
     return {key: (float(np.median(f)), float(np.median(b))) for key, (f, b) in samples.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--microbatch-size", type=int, default=32)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model("mlp", layers=args.layers, width=args.width)

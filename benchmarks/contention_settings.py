@@ -17,6 +17,7 @@ import argparse
 import time
 
 import numpy as np
+from one_line_parser import OneLineParser  # this folder's
 from rich.table import Table
 
 from pipesim.calibrate import contention
@@ -58,12 +59,12 @@ def probe_once(profile, values: dict[str, float]) -> tuple[float, int, float]:
     return result.meta["measured_slowdown"][1], result.meta["rounds"], seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("profile")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--setting", action="append", required=True, help="name:CONSTANT=value,...")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     profile = load_profile(args.profile)
     settings = [parse_setting(text) for text in args.setting]
     measured: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _ in settings}

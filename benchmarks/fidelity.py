@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_executor import Config, torch_run  # this folder's: torch's runtime on pipesim's stages
+from one_line_parser import OneLineParser  # this folder's
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -523,10 +524,11 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
 
 
 def parse_arguments(description: str, *, runs: str, methods: str, quick: str,
-                    more: Callable[[argparse.ArgumentParser], None] = lambda parser: None) -> argparse.Namespace:
+                    more: Callable[[argparse.ArgumentParser], None] = lambda parser: None,
+                    argv: list[str] | None = None) -> argparse.Namespace:
     """The options every fidelity benchmark takes (`runs`, `methods`, `quick`: what its own mean), and those
     `more` adds; --quick caps the repeats at 2."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = OneLineParser(description=description)
     more(parser)
     parser.add_argument("--repeats", type=int, default=3, help=f"fresh runs {runs}")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), help=methods)
@@ -534,7 +536,7 @@ def parse_arguments(description: str, *, runs: str, methods: str, quick: str,
     parser.add_argument("--keep", type=Path, help="keep the profiles and measured traces in this folder")
     parser.add_argument("--from", dest="source", type=Path, help="report on a folder --keep filled; run nothing")
     parser.add_argument("--json", type=Path, help="also write the tables as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     refuse_unwritable(("--json", args.json))
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1 (got {args.repeats})")
@@ -558,8 +560,8 @@ def measure_then_report(args: argparse.Namespace, measuring: Callable[[Path], No
         reporting(folder)
 
 
-def main() -> None:
-    args = parse_arguments(__doc__.split("\n\n")[0], runs="per method",
+def main(argv: list[str] | None = None) -> None:
+    args = parse_arguments(__doc__.split("\n\n")[0], runs="per method", argv=argv,
                            methods="default: every method (--quick: three)",
                            quick="mlp 4x256, 1+3 mini-batches, 2 repeats, no torch")
     methods = args.methods or (["gpipe", "1f1b", "zb-h1"] if args.quick else list(METHODS))

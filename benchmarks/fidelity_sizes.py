@@ -252,9 +252,9 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
         "summary": summary, "minibatch_ratio": [float(r) for r in by_minibatch], "load": load})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_arguments(__doc__.split("\n\n")[0], runs="per size (each calibrated afresh), method and length",
-                           methods="default: gpipe and 1f1b (--quick: 1f1b)",
+                           argv=argv, methods="default: gpipe and 1f1b (--quick: 1f1b)",
                            quick="3 sizes, 2 and 8 mini-batches, 1f1b, 2 repeats",
                            more=lambda parser: parser.add_argument(
                                "--sizes", nargs="+", choices=[size.key for size in SIZES],

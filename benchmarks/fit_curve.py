@@ -111,14 +111,14 @@ def summary(found: dict[str, list[float]]) -> dict[str, dict[str, float]]:
                    "signed_median": statistics.median(values)} for name, values in found.items() if values}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("profiles", type=Path, nargs="*", help="calibrations of two sizes or more")
     parser.add_argument("--calibrate", type=Path, metavar="DIR", help="calibrate SIZES into DIR first")
     parser.add_argument("--rounds", type=int, default=6, help="with --calibrate: calibrations of each size")
     parser.add_argument("--gpu", help="the catalogue part they were calibrated on (default: a nominal CPU)")
     parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     refuse_unwritable(("--json", args.json))
     paths, loads = calibrate_sizes(args.calibrate, args.rounds) if args.calibrate else (args.profiles, {})
     if not paths:

@@ -151,7 +151,7 @@ def pass_issue(calibrated: Profile, device: str, dtype: str) -> dict[str, list[d
             for way, found in timed.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="Folder for profiles, traces and check.json.")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -162,7 +162,7 @@ def main() -> None:
                              "bfloat16 goes through the GPU's 16-bit paths).")
     parser.add_argument("--again", action="append", choices=METHODS, default=[],
                         help="Run this method once more after the others (repeatable): the noise floor.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.gpu:  # refused now, not after the runs it would have spent the GPU's time on
         try:
             load_catalogue().find(args.gpu)

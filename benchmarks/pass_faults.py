@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from fidelity_sizes import SIZES  # this folder's
+from one_line_parser import OneLineParser  # this folder's
 from rich import box
 from rich.table import Table
 
@@ -144,15 +145,15 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=2, help="fresh processes per size and allocator setting")
     parser.add_argument("--passes", type=int, default=60, help="timed passes per process")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--child", nargs=3, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--neighbours", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kept", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child, args.neighbours, args.kept)))
         return

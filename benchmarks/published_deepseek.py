@@ -40,10 +40,10 @@ against can only be as fast or faster. Predicted: the global batch's tokens over
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from one_line_parser import OneLineParser  # this folder's
 from published_memory import fullest
 from published_runs import _rows, command_text, iteration_ms
 from rich.console import Console
@@ -160,10 +160,10 @@ def print_row(row: dict, console: Console = stdout) -> None:
                              f"{memory['device']}: {fits}")), console)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the row as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     refuse_unwritable(("--json", args.json))
     row = compared()
     print_row(row)

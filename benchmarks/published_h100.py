@@ -46,11 +46,11 @@ re-measured (each table a row set): the median is printed over all 36 rows and o
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from pathlib import Path
 
+from one_line_parser import OneLineParser  # this folder's
 from published_runs import _rows, command_text, iteration_ms
 from rich.console import Console
 from rich.table import Table
@@ -207,10 +207,10 @@ def print_rows(compared: list[dict], summary_rows: list[dict], console: Console 
     print_message("\n".join(lines + [f"{r['run']}:\n  {r['command']}" for r in summary_rows]), console)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     refuse_unwritable(("--json", args.json))
     compared, summary_rows = rows(), rows(NEMO_SUMMARY)
     print_rows(compared, summary_rows)

@@ -22,13 +22,13 @@ and run as written (in-process, --json or --out added to read its figure).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
+from one_line_parser import OneLineParser  # this folder's
 from published_runs import KORTHIKANTI_SETTINGS, SEQ, Run, _rows, command_text, korthikanti_runs, megatron_runs, run_cli
 from rich.console import Console
 from rich.table import Table
@@ -397,10 +397,10 @@ def print_rows(found: dict[str, list[dict]], console: Console = stdout) -> None:
         say(f"  {r['command']}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     refuse_unwritable(("--json", args.json))
     compared, ran, (titan, listed), bubble = table2(), measured_runs(), torchtitan(), zero_bubble()
     found = {"table2": compared, "measured_running": ran, "torchtitan": titan, "torchtitan_not_modelled": listed,

@@ -148,12 +148,12 @@ at 1e057005); DGX Cloud's by NeMo's DeepSeekConfig, get_gpt_decoder_block_spec w
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from one_line_parser import OneLineParser  # this folder's
 from published_h100 import summary
 from published_memory import fullest
 from published_runs import _rows, command_text, megatron_schedule, p2p_sync, run_cli
@@ -756,10 +756,10 @@ def print_rows(compared: list[dict], console: Console = stdout) -> None:
     print_message("\n".join(lines), console)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     refuse_unwritable(("--json", args.json))
     compared = rows(Path.cwd())
     print_rows(compared)

@@ -25,7 +25,6 @@ and compared:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import io
@@ -43,6 +42,11 @@ from pipesim.cli import main as pipesim
 from pipesim.commands.common import refuse_unwritable, stdout, write_json
 from pipesim.commands.tables import print_message, print_table
 from pipesim.schedules import METHODS
+
+try:  # the tests import this file as benchmarks.published_runs; run as a script, this folder is on sys.path
+    from .one_line_parser import OneLineParser
+except ImportError:
+    from one_line_parser import OneLineParser
 
 PUBLISHED = Path(__file__).resolve().parent / "published"  # the papers' tables; README.md there says how to read them
 SEQ, VOCAB = 2048, 51200
@@ -224,10 +228,10 @@ def print_rows(rows: list[dict]) -> None:
         print_message(f"  {command}", stdout)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     refuse_unwritable(("--json", args.json))
     rows = korthikanti() + korthikanti_layer() + megatron()
     print_rows(rows)

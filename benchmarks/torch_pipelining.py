@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from one_line_parser import OneLineParser  # this folder's
 from rich.console import Console
 
 from pipesim.commands.common import stdout
@@ -281,7 +282,7 @@ def _count(least: int) -> Callable[[str], int]:
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with what --profile fixes filled in (or the defaults)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", default="1f1b",
                         help="a synchronous pipesim method: the stages it places on each rank (and with csv its order)")
     parser.add_argument("--torch-schedule", choices=RUNTIMES, default="csv",
@@ -316,8 +317,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = arguments()
+def main(argv: list[str] | None = None) -> None:
+    args = arguments(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
     # the ranks write to the terminal's stderr themselves, torch 2.13's kineto two lines a rank ("USDT: ...
