@@ -367,6 +367,17 @@ def readme_prose(title: str) -> str:
     return " ".join(readme_section(title).split())
 
 
+def shown_after(text: str, command_start: str) -> tuple[str, list[str]]:
+    """The command in `text` that starts with `command_start` and the lines of the first output block after it."""
+    command = next(line.split("  #")[0].strip() for line in text.splitlines()
+                   if line.startswith(command_start))
+    after = text.split(command, 1)[1].split("```", 1)[1]  # past the end of the command's block
+    return command, re.search(r"```\n(.*?)```", after, flags=re.S).group(1).splitlines()
+
+
+NUMBER_WORDS = {2: "two", 3: "three", 8: "eight", 16: "sixteen"}  # as the README writes counts
+
+
 def host_floor_ms(passes: list[list[Kernels]]) -> float:
     """What a stage's pass none of whose layers synchronises waits for its host: its issue beyond its GPU time."""
     return max(0.0, sum(issued_ms(kernels) - sum(run.count * run.gpu_ms for run in kernels) for kernels in passes))
