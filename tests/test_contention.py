@@ -420,7 +420,7 @@ def test_contention_is_measured_in_the_ranks_of_the_calibrated_models_run_before
         prelude.parent(conns, procs)
 
     spec = RunSpec(probe_schedule(2, 4, 1), "mlp", options, microbatch_size=2, optimizer="sgd",
-                   bounds=tuple(profile.partition.bounds))
+                   bounds=tuple(profile.partition.bounds), heldout=False)
     trace = run_multiprocess(spec, prelude=Prelude(prelude.rank, parent)).trace
     assert measured_in == ["pipesim-rank-0", "pipesim-rank-1"] and probe.done
     assert sum(trace.ops.stream == Stream.COMPUTE) == sum(map(len, spec.schedule.orders))  # every row ran

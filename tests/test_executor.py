@@ -468,7 +468,7 @@ def test_the_held_out_set_is_scored_in_chunks_that_bound_its_outputs(monkeypatch
     scoring took the run's parent minutes on a CPU: it now scores on the run's device)."""
     from pipesim.executor import stages
 
-    spec = spec_for("1f1b", n=1, layers=2)
+    spec = replace(spec_for("1f1b", n=1, layers=2), heldout=True)
     trained = run_in_process(spec)
     whole = trained.trace.meta.extra["heldout"]
     assert whole == stages.heldout_scores(spec, trained.weights, device="cpu")

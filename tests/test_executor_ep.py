@@ -158,7 +158,7 @@ def test_a_calibrated_mixture_of_experts_runs_over_e_replicas_and_compares_row_b
                            "--out", profile)
     assert code == 0, err
     run = ("run", "-s", "1f1b", "--model", "gpt", "--profile", profile, "--expert-parallel", 2, "--data-parallel", 2,
-           "-m", 2, "-n", 2)
+           "-m", 2, "-n", 2, "--no-heldout")
     code, out, err = pipesim(*run, "--json")
     assert code == 0, err
     document = json.loads(out)

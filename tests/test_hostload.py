@@ -261,7 +261,7 @@ def test_a_run_records_its_load_and_ranks(tmp_path, monkeypatch):
     host_is(monkeypatch, others_cores=0.4, own_cores=1.6, load_1min=1.5)
     trace = tmp_path / "run.json"
     code, _, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--layers", 2, "--width", 16, "-b", 2, "-m", 2,
-                           "-n", 2, "--trace", trace)
+                           "-n", 2, "--trace", trace, "--no-heldout")
     assert code == 0, err
     meta = read_trace(trace).meta
     load = HostLoad.from_dict(meta.extra["host_load"])
@@ -358,7 +358,7 @@ def test_calibrate_then_run_at_once_is_judged_by_the_others_load_alone(tmp_path,
                            "--out", profile)
     assert code == 0, err
     code, _, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--profile", profile, "-m", 2, "-n", 2,
-                           "--trace", trace)
+                           "--trace", trace, "--no-heldout")
     assert code == 0, err
     code, out, err = pipesim("compare", trace)
     assert code == 0, err

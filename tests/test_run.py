@@ -62,7 +62,7 @@ def test_two_gloo_ranks_train_and_the_trace_reads_back(learnable, tmp_path):
     trace, html = tmp_path / "t.json", tmp_path / "t.html"
     code, out, err = pipesim("run", "--schedule", "1f1b", "--model", learnable, "--stages", 2, "--microbatches", 4,
                              "--minibatches", 30, "--microbatch-size", 16, "--optimizer", "adam", "--lr", 0.01,
-                             "--trace", trace, "--html", html, "--json")
+                             "--trace", trace, "--html", html, "--json", "--no-heldout")
     assert code == 0, err
     document = json.loads(out)
     losses = document["losses"][0]
@@ -145,7 +145,7 @@ def test_a_data_parallel_runs_table_names_p_d_and_each_replicas_devices(monkeypa
 
     monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: run_in_process(spec))
     code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--microbatches", 2, "--minibatches", 2,
-                             "--data-parallel", 2)
+                             "--data-parallel", 2, "--no-heldout")
     assert code == 0, err
     assert "4 ranks (p=2, d=2)" in out and "replica 0: " in out and "replica 1: " in out and "3: " not in out
 
@@ -155,7 +155,8 @@ def test_a_run_without_trace_prints_its_table_and_writes_nothing(tmp_path, monke
 
     monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: run_in_process(spec))  # no spawning
     monkeypatch.chdir(tmp_path)
-    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--microbatches", 2, "--minibatches", 2)
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--microbatches", 2, "--minibatches", 2,
+                             "--no-heldout")
     assert code == 0, err
     assert "1f1b measured: 2 mini-batches" in out and "ms/step" in out and "wrote" not in out
     assert list(tmp_path.iterdir()) == []
@@ -229,7 +230,7 @@ def test_a_run_of_a_profile_runs_its_model_and_without_either_says_which_to_give
     ran = []
     monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: ran.append(spec) or run_in_process(spec))
     code, _, err = pipesim("run", "-s", "1f1b", "--microbatches", 2, "--minibatches", 1, "--profile", profile,
-                           "--trace", tmp_path / "t.json")
+                           "--trace", tmp_path / "t.json", "--no-heldout")
     assert code == 0, err
     assert ran[0].model == "mlp" and ran[0].model_options == {"layers": 3, "width": 16}
     code, _, err = pipesim("run", "-s", "1f1b", "--trace", tmp_path / "x.json")
@@ -248,7 +249,7 @@ def test_a_run_of_a_torch_timed_profile_warns_as_compare_does(tmp_path, profile,
     document["environment"]["passes_as"] = "torch"  # as `calibrate --passes-as torch` writes it
     timed = tmp_path / "torch.json"
     timed.write_text(json.dumps(document))
-    run = ["run", "-s", "1f1b", "--microbatches", 2, "--minibatches", 1]
+    run = ["run", "-s", "1f1b", "--microbatches", 2, "--minibatches", 1, "--no-heldout"]
     code, _, err = pipesim(*run, "--profile", profile, "--trace", tmp_path / "executor-run.json")
     assert code == 0 and "warning" not in err, err
     code, _, err = pipesim(*run, "--profile", timed, "--trace", tmp_path / "run.json")
@@ -300,7 +301,7 @@ def test_a_run_trains_in_its_profiles_dtype_and_refuses_another(tmp_path, profil
     monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: ran.append(spec) or run_in_process(spec))
     trace = tmp_path / "t.json"
     code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatches", 2, "--minibatches", 2,
-                             "--profile", in_bf16, "--trace", trace)
+                             "--profile", in_bf16, "--trace", trace, "--no-heldout")
     assert code == 0, err
     assert ran[0].dtype == "bfloat16" and read_trace(trace).meta.extra["dtype"] == "bfloat16"
     # the table says what it trained in
@@ -385,7 +386,7 @@ def test_a_model_no_cut_of_which_the_stage_graph_carries_is_one_line_naming_the_
 def test_graphpipe_runs_the_two_branch_model_at_its_default_layers_and_tables_the_run(tmp_path):
     trace = tmp_path / "g.json"
     code, out, err = pipesim("run", "-s", "graphpipe", "--model", "two-branch", "--stages", 4, "--microbatches", 4,
-                             "--minibatches", 2, "--trace", trace)
+                             "--minibatches", 2, "--trace", trace, "--no-heldout")
     assert code == 0, err
     assert read_trace(trace).meta.extra["bounds"] not in (None, [0, 2, 4, 5, 6])  # the even cut, which it cannot carry
     for text in ("ms/step", "samples/s", "loss first -> last", "peak MiB per device", f"wrote {trace}",
@@ -410,7 +411,8 @@ def test_a_profiles_chain_cut_that_graphpipes_diamond_cannot_carry_runs_on_the_b
     path.write_text(chained.model_dump_json())
     trace = tmp_path / "t.json"
     code, out, err = pipesim("run", "--schedule", "graphpipe", "--model", "two-branch", "--stages", 4,
-                             "--microbatches", 2, "--minibatches", 2, "--profile", path, "--trace", trace)
+                             "--microbatches", 2, "--minibatches", 2, "--profile", path, "--trace", trace,
+                             "--no-heldout")
     assert code == 0, err
     assert "graphpipe's stage graph cannot carry the profile's partition (layers [0, 1, 2, 4, 6]" in " ".join(
         out.split())
@@ -484,7 +486,7 @@ def test_a_run_with_a_profile_is_predicted_again_from_it_and_compared_op_by_op(t
     trace = tmp_path / "m.json"
     code, _, err = pipesim("run", "--schedule", "xpipe", *SMALL_MLP, "--stages", 2, "--microbatches", 2,
                            "--minibatches", 4, "--optimizer", "adam", "--prediction", "counted", "--profile", profile,
-                           "--trace", trace)
+                           "--trace", trace, "--no-heldout")
     assert code == 0, err
     measured = read_trace(trace)
     assert measured.meta.params["prediction"] == "counted" and measured.meta.extra["profile"]["model"]["name"] == "mlp"
@@ -506,7 +508,8 @@ def test_auto_runs_the_order_searched_for_its_profile_and_compare_searches_it_ag
     ops, on the same weight versions."""
     trace = tmp_path / "m.json"
     code, _, err = pipesim("run", "--schedule", "auto", *SMALL_MLP, "--stages", 2, "--microbatches", 4,
-                           "--minibatches", 2, "--activation-limit", 1.5, "--profile", profile, "--trace", trace)
+                           "--minibatches", 2, "--activation-limit", 1.5, "--profile", profile, "--trace", trace,
+                           "--no-heldout")
     assert code == 0, err
     measured = read_trace(trace)
     assert measured.meta.schedule == "auto" and measured.meta.params["activation_limit"] == 1.5
@@ -604,7 +607,7 @@ def test_stashed_and_predicted_weights_cost_what_the_simulator_counts(weighty_pr
     before it lets go of what it read last (a stashed version while the next mini-batch's gradient builds)."""
     schedule = build(method, 2, 4, 4)
     spec = RunSpec(schedule, "mlp", {"layers": 3, "width": 96}, microbatch_size=2, optimizer="momentum",
-                   bounds=tuple(weighty_profile.partition.bounds))
+                   bounds=tuple(weighty_profile.partition.bounds), heldout=False)  # memory alone: no score
     measured = run_in_process(spec).trace
     predicted = predict_measured(measured.meta, weighty_profile)
     for device in compare(predicted, measured).devices:
@@ -634,7 +637,7 @@ def test_mixed_precision_weights_cost_what_the_simulator_counts(weighty_bf16_pro
                and layer.optimizer_state_bytes["momentum"] == 4 * layer.param_bytes for layer in layers)
     spec = RunSpec(build(method, 2, 4, 4, pipelines=pipelines), "mlp", {"layers": 3, "width": 96},
                    microbatch_size=2, optimizer="momentum", dtype="bfloat16",
-                   bounds=tuple(weighty_bf16_profile.partition.bounds))
+                   bounds=tuple(weighty_bf16_profile.partition.bounds), heldout=False)  # memory alone: no score
     measured = run_in_process(spec).trace
     predicted = predict_measured(measured.meta, weighty_bf16_profile)
     for device in compare(predicted, measured).devices:
@@ -720,7 +723,7 @@ def test_posted_receives_hold_their_buffers_as_the_simulator_counts(dag_profile)
 
 def test_the_trace_records_the_stage_bounds_the_run_cut_at():
     """A run without explicit bounds is cut evenly; the trace says where, so its prediction cuts the same."""
-    measured = run_in_process(RunSpec(build("1f1b", 2, 2, 1), "mlp", {"layers": 3, "width": 8})).trace
+    measured = run_in_process(RunSpec(build("1f1b", 2, 2, 1), "mlp", {"layers": 3, "width": 8}, heldout=False)).trace
     assert measured.meta.extra["bounds"] == [0, 2, 4]  # 3 blocks and the classifier
 
 
