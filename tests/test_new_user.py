@@ -258,3 +258,25 @@ def test_the_size_and_parallel_flags_help_says_what_an_hf_config_and_a_t_past_a_
     assert code == 0, err
     assert "hf:PATH: the tokens a sample holds, which it needs" in words
     assert "a t above a node's GPUs fills whole nodes and crosses them on their NICs" in words
+
+
+def test_calibrate_refuses_a_model_whose_weights_outgrow_the_hosts_memory_before_building_it(tmp_path):
+    """calibrate builds the model in float32 on the host before moving it: `calibrate --model hf:examples/
+    llama3.1-8b` (32 GB of weights) on a 23 GB host ran until the kernel's OOM killer ended it. One decoder layer
+    of width 65,536 and a 262,144 MLP holds 77 billion weights, 287 GiB, which no host it runs on has."""
+    import json
+    from pathlib import Path
+
+    from .helpers import write_config
+
+    llama = json.loads((Path(__file__).parents[1] / "examples" / "llama3.1-8b" / "config.json").read_text())
+    wide = write_config(tmp_path / "wide", {**llama, "num_hidden_layers": 1, "hidden_size": 65536,
+                                            "intermediate_size": 262144, "num_attention_heads": 512})
+    out = tmp_path / "profile.json"
+    code, stdout, err = pipesim("calibrate", "--model", f"hf:{wide}", "--seq-len", 64, "--out", out)
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert re.fullmatch(rf"error: hf:{re.escape(str(wide))} does not fit in memory: its 77,074,726,912 weights take "
+                        r"287.1 GiB in float32 as it is built on this host, which has [\d.]+ [GMK]iB available; "
+                        r"calibrate a smaller config of it \(fewer layers, a narrower width\), or price it without "
+                        r"building it: `pipesim estimate --gpu NAME`\n", err), err
+    assert not out.exists()

@@ -76,6 +76,19 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def available_memory_bytes() -> int | None:
+    """The memory this process may still take without swapping or the kernel's OOM killer: Linux's MemAvailable,
+    under a cgroup v2 limit (a container's) what is left of it where less; None where the platform says neither."""
+    readings: list[int] = []
+    with suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as meminfo:
+            readings.append(1024 * int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1]))
+    with suppress(OSError, ValueError):
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
+            readings.append(int(limit.read()) - int(used.read()))  # "max": no limit, a ValueError
+    return min(readings, default=None)
+
+
 def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
