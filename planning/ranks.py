@@ -98,6 +98,7 @@ def expert_grid(order: str, t: int, c: int, p: int, d: int, e: int, etp: int | N
     "pipesim" E of the d replicas (etp must be t); under "megatron" Megatron-core's folded grid (module docstring).
     A grid the order cannot number is `RankOrderError`."""
     _check(order)
+    named = "{expert_tensor} " + (f"{t} (t, its default)" if etp is None else f"{etp}")
     etp = t if etp is None else etp
     if order == "pipesim":
         if etp != t:
@@ -106,8 +107,8 @@ def expert_grid(order: str, t: int, c: int, p: int, d: int, e: int, etp: int | N
         check_expert_replicas(e, d)
         return RankGrid(_EXPERT[order], (t, c, p, e, d // e))
     if (t * c * d) % (etp * e):
-        raise RankOrderError(f"expert: {e} x expert_tensor {etp} = {e * etp} must divide the t·C·d = {t * c * d} "
-                             "ranks of a stage, which Megatron-core folds the experts over")
+        raise RankOrderError(f"expert: {e} x {named} = {e * etp} must divide the t·C·d = {t * c * d} ranks of a "
+                             "stage, which Megatron-core folds the experts over")
     return RankGrid(_EXPERT[order], (etp, e, t * c * d // (etp * e), p))
 
 

@@ -119,9 +119,14 @@ def test_simulate_takes_the_rank_order_and_refuses_bad_values_in_one_line():
     for flags, line in ((("--rank-order", "zigzag"), "--rank-order: choose from pipesim, megatron (got 'zigzag')"),
                         (("--expert-tensor-parallel", "1"), "give --rank-order megatron"),
                         (("--rank-order", "megatron", "--expert-tensor-parallel", "3"),
-                         "--expert-parallel 8 x expert_tensor 3 = 24 must divide")):
+                         "--expert-parallel 8 x --expert-tensor-parallel 3 = 24 must divide")):  # "x expert_tensor 3"
         code, out, err = pipesim("simulate", *MOE, *flags)
         assert code == 2 and line in err and len(err.strip().splitlines()) == 1, err
+    folded = ("--data-parallel", "4", "--tensor-parallel", "2", "--expert-parallel", "16", "--rank-order", "megatron")
+    code, out, err = pipesim("simulate", *MOE[:MOE.index("--data-parallel")], *folded, "-s", "1f1b")
+    assert (code, out, err) == (2, "", "error: --expert-parallel 16 x --expert-tensor-parallel 2 (t, its default) = 32 "
+                                       "must divide the t·C·d = 8 ranks of a stage, which Megatron-core folds the "
+                                       "experts over\n")
 
 
 def test_experts_folded_past_the_replicas_reduce_their_gradients_over_the_ranks_holding_the_same_ones():
