@@ -268,8 +268,8 @@ def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000,
           cpu_s: float = WAIT_CPU_S, wall_s: float = WAIT_WALL_S, probe: str = "") -> Visit:
     """Open `path` in headless Chromium (a new page of SHARED's browser), wait until its body's data-status leaves
     "loading" (and `settle` seconds more; a `Wait` of `cpu_s` and `wall_s`, else TimeoutError), and collect what
-    the page recorded, what the browser saw, a screenshot of the viewport (make it tall enough), and the value of
-    the JavaScript expression `probe` (a page that records nothing of its own: the sweep's)."""
+    the page recorded, what the browser saw, the value of the JavaScript expression `probe` (a page that records
+    nothing of its own: the sweep's) and then a screenshot of the viewport (make it tall enough)."""
     url = path.resolve().as_uri() + fragment
     browser, seen = SHARED.get(), None
     try:
@@ -283,9 +283,9 @@ def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000,
             time.sleep(settle)
             status = browser.evaluate("document.body.dataset.status")
         body = browser.evaluate("document.body ? Object.assign({}, document.body.dataset) : {}") or {}
-        probed = browser.evaluate(probe) if probe else None
         geometry, summary = (browser.evaluate(f"(d => d && d.dataset.geometry)(document.getElementById('{name}'))")
                              for name in ("timeline", "summary"))
+        probed = browser.evaluate(probe) if probe else None  # after the page's records: a probe may zoom (redraw)
         # The viewport only: capturing beyond it resizes the page, which redraws every plot (slow in software).
         shot = browser.call("Page.captureScreenshot", session=True, format="png")
         requests, problems = [], []
@@ -640,21 +640,22 @@ def test_the_sweep_pages_axes_write_each_tick_to_one_number_of_decimals(tmp_path
     assert len(mib) >= 3 and all(re.fullmatch(r"\d,\d{3}", tick) for tick in mib), mib
 
 
+TIMELINE_LINE_JS = "document.querySelector('#timeline .gtitle').textContent"
+
+
 @needs_chromium
-def test_a_view_line_gives_the_source_once(tmp_path):
+def test_a_view_line_gives_the_source_once(two_device_page, tmp_path):
     """A view's line read "1f1b, predicted: makespan ... (p=2, m=2, N=1, 18 ops, predicted)": its label names the
     source, so its shape does not; simulate's page, whose label is the method alone, keeps it there."""
     from tests.conftest import pipesim
 
-    trace, page, simulated = tmp_path / "t.json", tmp_path / "v.html", tmp_path / "s.html"
-    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "-n", 1, "--trace", trace, "--html", simulated)
-    assert code == 0, err
+    trace, simulated = two_device_page
+    page = tmp_path / "v.html"
     assert pipesim("view", trace, "--html", page).code == 0
-    lines = []
-    for path in (page, simulated):
-        v = visit(path, "#test", probe="document.querySelector('#timeline .gtitle').textContent")
+    viewed = visit(page, "#test", probe=TIMELINE_LINE_JS)
+    for v in (viewed, simulated):
         assert_healthy(v)
-        lines.append(v.probed)
+    lines = [viewed.probed, simulated.probed["line"]]
     assert lines[0].startswith("1f1b, predicted: ") and lines[0].count("predicted") == 1, lines[0]
     assert lines[0].endswith("(p=2, m=2, N=1, 18 ops)"), lines[0]
     assert lines[1].startswith("1f1b: ") and lines[1].endswith("(p=2, m=2, N=1, 18 ops, predicted)"), lines[1]
@@ -775,17 +776,25 @@ def test_compare_draws_each_devices_memory_alike_in_the_predicted_and_measured_p
     assert [panel["lines_drawn"] for panel in panels] == [["device 0", "device 1"]] * 2
 
 
-def twenty_devices_page(tmp_path: Path, memory_gib: float) -> Visit:
-    """1F1B on 20 devices of `memory_gib` each (a heatmap of memory, no lines): its peak is device 0's 2,312 MiB."""
+def twenty_devices_page(folder: Path, memory_gib: float, probe: str = "") -> Visit:
+    """1F1B on 20 devices of `memory_gib` each (a heatmap of memory, no lines), its page visited (with `probe`): its
+    peak is device 0's 2,312 MiB."""
     from tests.conftest import pipesim
 
-    cluster, page = tmp_path / "c.json", tmp_path / "h.html"
+    cluster, page = folder / "c.json", folder / "h.html"
     cluster.write_text(json.dumps({"devices": [{"name": f"gpu{d}", "memory_gib": memory_gib} for d in range(20)]}))
     code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 20, "-m", 20, "--cluster", cluster, "--html", page)
     assert code == 0, err
-    v = visit(page, "#test", height=1300)
+    v = visit(page, "#test", height=1300, probe=probe)
     assert_healthy(v)
     return v
+
+
+@pytest.fixture(scope="module")
+def small_runs_heatmap(tmp_path_factory) -> Visit:
+    """`twenty_devices_page` on 80 GiB each, its hovers and ticks read as drawn and zoomed (HOVERS_JS): the page of
+    the tests of either."""
+    return twenty_devices_page(tmp_path_factory.mktemp("heatmap"), 80, HOVERS_JS)
 
 
 @needs_chromium
@@ -801,12 +810,12 @@ def test_a_memory_heatmap_turns_red_above_the_devices_shared_memory(tmp_path):
 
 
 @needs_chromium
-def test_a_small_runs_heatmap_runs_its_colours_to_its_own_peak_and_notes_the_memory(tmp_path):
+def test_a_small_runs_heatmap_runs_its_colours_to_its_own_peak_and_notes_the_memory(small_runs_heatmap):
     """20 devices peaking at 2,312 MiB on 80 GiB each: coloured up to 81,920 MiB the heatmap was one dark purple;
     its colours run to the peak, and the note over it names the memory and the peak's share of it. Each row is
     named once, by its label, the axis untitled as the timeline's (titled "device" beside "device 0", it said so
     twice); the colour bar by what it colours and in which unit (it read "MiB"), its title inside the figure."""
-    v = twenty_devices_page(tmp_path, 80)
+    v = small_runs_heatmap
     (heatmap,) = v.geometry["heatmaps"]
     assert heatmap["capacity"] is None and heatmap["zmax"] == 2312 and heatmap["colorscale"] == "Viridis"
     assert heatmap["rows"] == "" and heatmap["bar"] == "memory<br>(MiB)"
@@ -842,26 +851,24 @@ HOVERS_JS = """(async () => {
 
 
 @needs_chromium
-def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page(tmp_path):
+def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page(small_runs_heatmap, tmp_path):
     """A run of a few KiB: its memory hovered "0.0 MiB" (",.1f") where its bars say "<0.01"; a 2 GiB run's memory
     axis read "2000" where every figure reads "1,288"; times hovered without separators, then by plotly's ",.3f",
     which rounds the binary value (1.0005 ms, 1.000499... in binary, "1.000" where the title and the tables write
     "1.001"); once zoomed, the memory redrawn for the range shown hovered the figures of the points drawn before.
     Every MiB hovered is `mib_text`'s (a device's line, a part of its stack, a heatmap's cell) and every time
-    `ms_text`'s, as drawn and zoomed; every tick separated."""
+    `ms_text`'s, as drawn and zoomed; every tick separated (20 devices' heatmap: `small_runs_heatmap`)."""
     from pipesim.traces.metrics import mib_text, ms_text
     from tests.conftest import pipesim
 
-    big, small, page, heatmap = tmp_path / "big.json", tmp_path / "small.json", tmp_path / "v.html", tmp_path / "h.html"
+    big, small, page = tmp_path / "big.json", tmp_path / "small.json", tmp_path / "v.html"
     shape = ("-s", "1f1b", "-p", 2, "-m", 4, "-n", 2)
     assert pipesim("simulate", *shape, "--activation-mb", 700, "--trace", big).code == 0
     assert pipesim("simulate", *shape, "--param-mb", 0.002, "--activation-mb", 0.001, "--output-mb", 0.001,
                    "--trace", small).code == 0
     assert pipesim("view", big, small, "--html", page).code == 0
-    assert pipesim("simulate", "-s", "1f1b", "-p", 20, "-m", 20, "--html", heatmap).code == 0  # 20 devices' heatmap
     shown = set()
-    for path, kind in ((page, "scatter"), (heatmap, "heatmap")):
-        v = visit(path, "#test", height=1400, probe=HOVERS_JS)
+    for v, kind in ((visit(page, "#test", height=1400, probe=HOVERS_JS), "scatter"), (small_runs_heatmap, "heatmap")):
         assert_healthy(v)
         assert v.probed["zoomed"]["redrawn"]
         for figure in (v.probed["drawn"], v.probed["zoomed"]):
@@ -889,23 +896,34 @@ NUMBERS = [0.0, -0.0, 0.0004, 0.004, 0.01, -0.0001, -1.5, -250.25, 0.0625, 1.062
            float("-inf")]
 
 
+@pytest.fixture(scope="module")
+def two_device_page(tmp_path_factory) -> tuple[Path, Visit]:
+    """`simulate -s 1f1b -p 2 -m 2 -n 1`'s trace and one visit of its page, which read its timeline's line and its
+    script's numbers (NUMBERS written by msText, mibText and percentText): the page the tests of either read."""
+    from tests.conftest import pipesim
+
+    folder = tmp_path_factory.mktemp("two-devices")
+    trace, page = folder / "t.json", folder / "s.html"
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "-n", 1, "--trace", trace, "--html", page)
+    assert code == 0, err
+    values = "[" + ", ".join({"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}.get(repr(v), repr(v))
+                             for v in NUMBERS) + "]"
+    return trace, visit(page, "#test", probe=f"(() => {{ const n = window.pipesimNumbers, values = {values}; return "
+                                             "{line: " + TIMELINE_LINE_JS + ", numbers: [n.msText, n.mibText, "
+                                             "n.percentText].map(f => values.map(f))}; })()")
+
+
 @needs_chromium
-def test_the_page_scripts_numbers_are_pythons(tmp_path):
+def test_the_page_scripts_numbers_are_pythons(two_device_page):
     """The timeline's script writes ms, MiB and shares in its hovers and title with copies of metrics.py's ms_text,
     mib_text and percent_text (msText, mibText, percentText): each, run in Chromium on NUMBERS, writes what
     Python's writes (0.0625 ms read "0.062" in a table and "0.063" hovered)."""
     from pipesim.traces.metrics import mib_text, ms_text, percent_text
-    from tests.conftest import pipesim
 
-    page = tmp_path / "t.html"
-    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "-n", 1, "--html", page).code == 0
-    values = "[" + ", ".join({"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}.get(repr(v), repr(v))
-                             for v in NUMBERS) + "]"
-    v = visit(page, "#test", probe=f"(() => {{ const n = window.pipesimNumbers, values = {values}; return "
-                                   "[n.msText, n.mibText, n.percentText].map(f => values.map(f)); })()")
+    _, v = two_device_page
     assert_healthy(v)
     python = [[text(value) for value in NUMBERS] for text in (ms_text, mib_text, percent_text)]
-    assert v.probed == python
+    assert v.probed["numbers"] == python
     assert python[0][NUMBERS.index(0.0625)] == "0.063" and python[1][NUMBERS.index(2.675)] == "2.68"
     assert [python[1][NUMBERS.index(mib)] for mib in (9.995, 99.995, 0.9996)] == ["10.0", "100", "1.00"]
 
@@ -956,16 +974,23 @@ def test_compare_page_aligns_predicted_and_measured_and_shows_the_error_panel(tm
     assert kind_pixels(v.screenshot[bottom:], (0x4C, 0x78, 0xA8)).sum() > 200, "no error panel under the timeline"
 
 
-@needs_chromium
-def test_the_memory_panel_stacks_the_fullest_devices_parts(tmp_path):
-    """Under its line, the fullest device's memory fills the panel by part: the optimizer state's band
-    (Adam: twice the weights) lies above the weights' and gradients', each in its colour, blended as drawn."""
+@pytest.fixture(scope="module")
+def eight_devices_page(tmp_path_factory) -> tuple[Path, Visit]:
+    """`simulate -s 1f1b -p 8 -m 16`'s trace and one visit of its page: the page the memory panel's tests read."""
     from tests.conftest import pipesim
 
-    page = tmp_path / "m.html"
-    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 4, "-m", 8, "--html", page)
+    folder = tmp_path_factory.mktemp("eight-devices")
+    page, trace = folder / "m8.html", folder / "m8.json"
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 8, "-m", 16, "--html", page, "--trace", trace)
     assert code == 0, err
-    v = visit(page, "#test", height=1100)
+    return trace, visit(page, "#test", height=1300)
+
+
+@needs_chromium
+def test_the_memory_panel_stacks_the_fullest_devices_parts(eight_devices_page):
+    """Under its line, the fullest device's memory fills the panel by part: the optimizer state's band
+    (Adam: twice the weights) lies above the weights' and gradients', each in its colour, blended as drawn."""
+    _, v = eight_devices_page
     assert_healthy(v)
     panel = v.geometry["memory"][0]
     left, top, width, height = (round(c) for c in panel["plot"])
@@ -982,17 +1007,13 @@ def test_the_memory_panel_stacks_the_fullest_devices_parts(tmp_path):
 
 
 @needs_chromium
-def test_over_the_stack_only_the_stacked_devices_line_is_drawn_and_the_parts_sum_to_its_peak(tmp_path):
+def test_over_the_stack_only_the_stacked_devices_line_is_drawn_and_the_parts_sum_to_its_peak(eight_devices_page):
     """Eight devices' lines over the fullest device's parts read as clutter: only that device's line is drawn, the
     others are listed in the legend to be drawn on a click, and the stack still reaches the device's peak."""
     from pipesim.traces.trace import read_trace
     from pipesim.units import MIB
-    from tests.conftest import pipesim
 
-    page, trace = tmp_path / "m8.html", tmp_path / "m8.json"
-    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 8, "-m", 16, "--html", page, "--trace", trace)
-    assert code == 0, err
-    v = visit(page, "#test", height=1300)
+    trace, v = eight_devices_page
     assert_healthy(v)
     peaks = [curve.values.max() / MIB for curve in read_trace(trace).counters["memory_bytes"]]
     fullest = int(np.argmax(peaks))
