@@ -621,22 +621,25 @@ def tune_runs(schedule_of) -> tuple[int, int]:
     return short, short + (1 if flushing else tuning.STEADY_STEPS)
 
 
-def measured_step_ms(schedule_of, costs, links) -> float:
+def measured_step_ms(schedule_of, costs, links, growth: tuple[float, Trace] | None = None) -> float:
     """The step as tune measures it (`_measured`), short of the busiest device's compute: the makespan's growth
     from its warm-up's mini-batches to the long run's, per mini-batch, or for an order that never flushes the
-    step of the periodic regime its rows reach (`_periodic_step_ms`)."""
+    step of the periodic regime its rows reach (`_periodic_step_ms`). `growth`: `makespan_growth_ms`'s answer for
+    the same order, costs and links where the caller has it (the simulation is deterministic: its two runs are
+    not simulated again)."""
     short, long = tune_runs(schedule_of)
-    growth_ms, long_trace = makespan_growth_ms(schedule_of, costs, links)
+    growth_ms, long_trace = growth or makespan_growth_ms(schedule_of, costs, links)
     if flushes(schedule_of(long)):
         return growth_ms
     return tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms)
 
 
 def makespan_growth_ms(schedule_of, costs, links) -> tuple[float, Trace]:
-    """The makespan's growth from tune's short run to its long one, per mini-batch, and the long run's trace."""
+    """The makespan's growth from tune's short run to its long one, per mini-batch, and the long run's trace: its
+    rows alone (`memory=False`, as tune's longer runs: the same rows, tests/test_engine_rows.py)."""
     short, long = tune_runs(schedule_of)
-    long_trace = simulate(schedule_of(long), costs, links)
-    short_run = summarize(simulate(schedule_of(short), costs, links))
+    long_trace = simulate(schedule_of(long), costs, links, memory=False)
+    short_run = summarize(simulate(schedule_of(short), costs, links, memory=False))
     return (summarize(long_trace).makespan_ms - short_run.makespan_ms) / (long - short), long_trace
 
 

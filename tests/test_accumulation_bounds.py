@@ -48,9 +48,9 @@ def test_the_partition_bound_with_its_accumulations_stays_at_or_below_the_step_a
     p = len(costs.stages)
     params = ScheduleParams(p, m, 3, data_parallel=2, search_seconds=0.01)
     step_ms = _step_ms(lambda n: search_schedule(replace(params, minibatches=n), costs, links), costs, links)
-    sends_ms = tuning._send_holds_ms(search_schedule(params, costs, links), tuning._ops_per_step(
-        search_schedule(params, costs, links)), costs.transfers_hold_products, links,
-        [c.output_bytes for c in costs.stages], costs)
+    searched = search_schedule(params, costs, links)
+    sends_ms = tuning._send_holds_ms(searched, tuning._ops_per_step(searched), costs.transfers_hold_products, links,
+                                     [c.output_bytes for c in costs.stages], costs)
     assert tuning._searched_bound_ms(costs, m, tuning._hops_ms(links, costs, p), sends_ms) <= step_ms * (
         1 + 1e-9) + ROUNDING_MS
 
@@ -228,10 +228,10 @@ def test_the_lower_bound_of_a_never_flushing_orders_step_stays_at_or_below_its_s
     costs, links, m = chain
     schedule_of = fixed_order(name, len(costs.stages), m, after_flush)
     short, long = _runs(schedule_of)
-    growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
+    growth = growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
     lower_ms = tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms,
                                         0.0)
-    assert lower_ms <= _step_ms(schedule_of, costs, links) * (1 + 1e-9) + ROUNDING_MS
+    assert lower_ms <= _step_ms(schedule_of, costs, links, growth) * (1 + 1e-9) + ROUNDING_MS
 
 
 def test_where_transfers_hold_the_compute_the_windows_lower_bound_gives_way_to_the_hold_free_orders():
@@ -251,8 +251,8 @@ def test_where_transfers_hold_the_compute_the_windows_lower_bound_gives_way_to_t
     links = Cluster(3, Link(latency_ms=1.34, bandwidth_bytes_per_ms=7214.0))
     schedule_of = fixed_order("xpipe", 3, 1, True)
     short, long = _runs(schedule_of)
-    growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
-    step_ms = _step_ms(schedule_of, costs, links)
+    growth = growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
+    step_ms = _step_ms(schedule_of, costs, links, growth)
     assert step_ms == pytest.approx(16.2)
     _, _, held_lower_ms = tuning._window_steps(tuning._row_ends_ps(long_trace), long - 3, short)
     assert held_lower_ms == pytest.approx(16.4919, abs=1e-4)
