@@ -22,18 +22,22 @@ from rich.table import Table
 
 from pipesim.calibrate import contention
 from pipesim.commands.tables import print_table
-from pipesim.profiles.schema import load_profile
+from pipesim.profiles.schema import ProfileError, load_profile
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, float]]:
-    """`name:CONSTANT=value,...` -> (name, {CONSTANT: value}); the constants are contention.py's parent-side ones."""
+    """`name:CONSTANT=value,...` -> (name, {CONSTANT: value}); the constants are contention.py's parent-side ones.
+    An argparse type: a constant it lacks or a value not a number is refused on the command line."""
     name, _, assignments = text.partition(":")
     values = {}
     for assignment in filter(None, assignments.split(",")):
         constant, _, value = assignment.partition("=")
         if not hasattr(contention, constant):
-            raise SystemExit(f"--setting {text!r}: calibrate/contention.py has no {constant}")
-        values[constant] = type(getattr(contention, constant))(float(value))
+            raise argparse.ArgumentTypeError(f"calibrate/contention.py has no {constant} (in {text!r})")
+        try:
+            values[constant] = type(getattr(contention, constant))(float(value))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{constant}: give a number (got {value!r} in {text!r})") from None
     return name, values
 
 
@@ -63,10 +67,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("profile")
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--setting", action="append", required=True, help="name:CONSTANT=value,...")
+    parser.add_argument("--setting", action="append", required=True, type=parse_setting,
+                        help="name:CONSTANT=value,...")
     args = parser.parse_args(argv)
-    profile = load_profile(args.profile)
-    settings = [parse_setting(text) for text in args.setting]
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as exc:
+        parser.error(str(exc))
+    settings = args.setting
     measured: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _ in settings}
     for repeat in range(args.repeats):
         order = settings if repeat % 2 == 0 else settings[::-1]

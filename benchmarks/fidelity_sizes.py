@@ -47,6 +47,7 @@ from fidelity import (  # this folder's
     row,
     run_once,
 )
+from one_line_parser import refuse  # this folder's
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -191,7 +192,7 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
     """The tables, from what `measure` kept in `folder` (the sizes and lengths it holds)."""
     sizes = [size for size in SIZES if profile_path(folder, size, 0).exists()]
     if not sizes:
-        console.print(f"{folder}: no size's profile there (a folder --keep filled holds w64-b8.0.profile.json, ...)")
+        refuse(f"--from {folder}: no size's profile there (a folder --keep filled holds w64-b8.0.profile.json, ...)")
         raise SystemExit(2)
     lengths = sorted({int(path.name.split(".")[2]) for path in folder.glob("*.*.*.*.json")})
     cells: list[Cell] = []

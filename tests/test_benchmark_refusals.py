@@ -26,3 +26,24 @@ def test_a_benchmarks_unknown_flag_is_one_line_exit_2_and_writes_nothing(name, t
     assert (exited.value.code, out, len(err.splitlines())) == (2, "", 1), err
     assert err.startswith("error: ")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name,argv,line", [
+    ("contention_settings", ["p.json", "--setting", "a:NO_SUCH=1"],
+     "error: argument --setting: calibrate/contention.py has no NO_SUCH (in 'a:NO_SUCH=1')"),
+    ("contention_settings", ["p.json", "--setting", "a:WINDOW_S=x"],
+     "error: argument --setting: WINDOW_S: give a number (got 'x' in 'a:WINDOW_S=x')"),
+    ("contention_settings", ["p.json", "--setting", "a:WINDOW_S=1"],
+     "error: cannot read profile p.json: No such file or directory"),
+    ("fidelity_sizes", ["--from", "."],
+     "error: --from .: no size's profile there (a folder --keep filled holds w64-b8.0.profile.json, ...)"),
+])
+def test_a_benchmarks_bad_value_is_one_line_naming_it(name, argv, line, tmp_path, monkeypatch, capsys):
+    """contention_settings exited 1 with no "error: " for a constant calibrate/contention.py lacks, and a traceback
+    for a value not a number or a profile it cannot read; fidelity_sizes --from a folder with no profile printed
+    its line on stdout."""
+    monkeypatch.chdir(tmp_path)
+    with script_module(name) as script, pytest.raises(SystemExit) as exited:
+        script.main(argv)
+    assert (exited.value.code, capsys.readouterr()) == (2, ("", line + "\n"))
+    assert list(tmp_path.iterdir()) == []
