@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from pipesim.planning import tune as tuning
 from pipesim.planning.auto import search_schedule
 from pipesim.schedules import METHODS, ScheduleError, ScheduleParams, flushes
-from pipesim.sim import Cluster, Costs, simulate
+from pipesim.sim import Cluster, Costs
 from pipesim.sim.cluster import Link
-from pipesim.traces import summarize
-from tests.helpers import ROUNDING_MS, chains
+from tests.helpers import ROUNDING_MS, chains, makespan_ms
 
 PAIRED = ("interleaved-1f1b", "zb-v", "dualpipev", "dualpipe")  # v = 2 model stages per device
 FLUSHING = ("gpipe", "1f1b", "zb-h1", "zb-h2", "auto", *PAIRED)
@@ -28,8 +27,7 @@ def _step_and_path_ms(name: str, params: ScheduleParams, costs: Costs, links: Cl
     long_order, short_order = (search_schedule(replace(params, minibatches=n), costs, links) if name == "auto" else
                                METHODS[name].build(replace(params, minibatches=n)) for n in (3, 2))
     assert flushes(long_order)
-    long_run, short_run = (summarize(simulate(order, costs, links)) for order in (long_order, short_order))
-    return (long_run.makespan_ms - short_run.makespan_ms,
+    return (makespan_ms(long_order, costs, links) - makespan_ms(short_order, costs, links),
             tuning._critical_path_ms(long_order, costs.op_ms_table(1), costs, links, 1, 1))
 
 
