@@ -32,6 +32,7 @@ from .common import (
     PpRuntime,
     Recompute,
     SearchSeconds,
+    ShardedOptimizer,
     TensorParallel,
     Zero,
     allocator_fields,
@@ -110,6 +111,7 @@ def tune(
     data_parallel: SearchedDataParallel = None,
     recompute: SearchedRecompute = None,
     zero: SearchedZero = None,
+    sharded_optimizer: ShardedOptimizer = False,
     precision: HeldPrecision = None,
     allocator: Allocator = "caching",
     optimizer_step: OptimizerStep = "held",
@@ -168,12 +170,13 @@ def tune(
         check_allocator(ctx, what)
         given_precision(ctx.params)
         zero = zero_stage(ctx.params)
+        zero_flag = "--sharded-optimizer" if sharded_optimizer else f"--zero {zero}"  # as the user gave it
         work: dict[int, ModelWork] = {}  # by b, with --gpu
         memory_cap_bytes = int(memory_gb * GIB) if memory_gb is not None else None  # None: the device's own memory
         capped_by = None  # the catalogue part whose own memory is the cap (--gpu's, or its cluster's)
         if what is None:
             if zero:
-                raise InputError(f"--zero {zero}: tune shards --gpu's estimates; give --gpu NAME and --model in place "
+                raise InputError(f"{zero_flag}: tune shards --gpu's estimates; give --gpu NAME and --model in place "
                                  "of --profile")
             if profile is None:
                 raise InputError("--profile or --gpu: give the model's profile, or a GPU and --model to estimate it on")
@@ -214,7 +217,7 @@ def tune(
             if zero and devices == (tensor_parallel or 1):  # D = t: every d·C = D/(t·p) is 1, nothing shards
                 given = f" at --tensor-parallel {tensor_parallel}" * bool(tensor_parallel)
                 sharding = ("--precision fsdp2 shards the weights" if what.precision == "fsdp2" else
-                            f"--zero {zero} shards")
+                            f"{zero_flag} shards")
                 raise InputError(f"{sharding} over d·C ranks: --devices {devices}{given} leaves one replica; give more "
                                  "devices")
             sizes = (microbatch_size,) if microbatch_size is not None else MICROBATCH_SIZES

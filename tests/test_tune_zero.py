@@ -12,9 +12,9 @@ import pytest
 
 from pipesim.planning import tune as tuning
 from tests.conftest import at_columns, flags_with, pipesim, refused, tune_rows
+from tests.helpers import GPT_CPU, differences, exactly_searched, exhaustive, searched
 from tests.helpers import H100_GPU as GPU
 from tests.helpers import SMALL_GPT_FLAGS as SMALL_GPT
-from tests.helpers import differences, exactly_searched, exhaustive, searched
 from tests.helpers import small_gpt_estimated as _estimated
 from tests.helpers import small_gpt_searched as _searched
 
@@ -132,3 +132,18 @@ def test_a_layout_the_cap_holds_is_not_left_out_by_its_floor(flags, cap_gib):
     assert differences(found, best, faster, staler) == []
     choice = best[0][0].config
     assert (choice.stages, choice.replicas) == (1, 8), choice.label()
+
+
+def test_the_sharded_optimizer_flag_is_zero_1_as_simulate_takes_it():
+    """simulate, sweep and estimate take --sharded-optimizer (the same as --zero 1); tune said "No such option:
+    --sharded-optimizer" to a user who copied simulate's flags."""
+    plans = []
+    for flags in (("--zero", 1), ("--sharded-optimizer",)):
+        code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, "-s", "1f1b", *flags, "--json")
+        assert code == 0, err
+        plans.append(json.loads(out))
+    assert plans[0]["problem"]["zero"] == plans[1]["problem"]["zero"] == 1
+    assert tune_rows(plans[1]) == tune_rows(plans[0]) and {row["zero"] for row in tune_rows(plans[1])} == {1}
+    assert pipesim("tune", "--profile", GPT_CPU, "-D", 8, "--sharded-optimizer") == (
+        2, "", "error: --sharded-optimizer: tune shards --gpu's estimates; give --gpu NAME and --model in place of "
+               "--profile\n")  # the flag given, not the --zero 1 it stands for
