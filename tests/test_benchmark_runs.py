@@ -1,7 +1,7 @@
 """A small run of each benchmark that no other test runs and that a test can run for a few CPU seconds, in this
 process through its main(argv) or the function its ranks run: a benchmark no test ran broke unnoticed
 (bench_executor's torch side called torch_steps with an argument torch_steps had dropped, so every torch run failed
-with a TypeError; e511b60d). The others cost too much to run here; the report of session 29's Q2 lists them."""
+with a TypeError; e511b60d). The others' smallest runs cost more than about 5 CPU s each and are left out."""
 
 import json
 import re
