@@ -420,3 +420,42 @@ def test_the_forkserver_exits_without_tearing_torch_down():
     done = subprocess.run([sys.executable, "-c", "import atexit; atexit.register(print, 'torn down'); "
                            "import pipesim.workload.server_exit"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "torn down" not in done.stdout
+
+
+def _host_files(root: Path, files: dict[str, str]) -> Path:
+    """A file system under `root` holding `files` (paths under it: their text)."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_containers_memory_left_counts_its_reclaimable_page_cache_and_its_cgroups_ancestors(tmp_path):
+    """calibrate refuses a model whose weights outgrow the memory left (`available_memory_bytes`). A container's
+    cgroup charge counts its page cache, which reading files fills up to its limit and the kernel reclaims before
+    an OOM kill: the limit less the charge read about nothing left, where the working set (the charge less the
+    inactive file cache, as cAdvisor counts it) leaves most of it. A cgroup v1 limit, and one set on an ancestor
+    (a systemd slice's), were not read at all."""
+    gib = 2 ** 30
+    meminfo = f"MemTotal: {64 * gib // 1024} kB\nMemAvailable: {48 * gib // 1024} kB\n"
+    v2 = _host_files(tmp_path / "v2", {
+        "proc/meminfo": meminfo, "proc/self/cgroup": "0::/\n", "sys/fs/cgroup/memory.max": f"{8 * gib}\n",
+        "sys/fs/cgroup/memory.current": f"{8 * gib}\n",
+        "sys/fs/cgroup/memory.stat": f"anon {gib}\nfile {7 * gib}\ninactive_file {6 * gib}\n"})
+    assert hostload.available_memory_bytes(v2) == 6 * gib
+    v1 = _host_files(tmp_path / "v1", {  # docker on cgroup v1: the mount is the container's cgroup, not its path
+        "proc/meminfo": meminfo, "proc/self/cgroup": "5:memory:/docker/0a1b\n1:cpu,cpuacct:/docker/0a1b\n",
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": f"{4 * gib}\n",
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": f"{3 * gib}\n",
+        "sys/fs/cgroup/memory/memory.stat": f"cache {2 * gib}\ntotal_inactive_file {gib}\n"})
+    assert hostload.available_memory_bytes(v1) == 2 * gib
+    slice_ = _host_files(tmp_path / "slice", {  # the limit on the slice, none on the process's own cgroup
+        "proc/meminfo": meminfo, "proc/self/cgroup": "0::/user.slice/session-3.scope\n",
+        "sys/fs/cgroup/user.slice/memory.max": f"{10 * gib}\n", "sys/fs/cgroup/user.slice/memory.current": f"{gib}\n",
+        "sys/fs/cgroup/user.slice/memory.stat": "inactive_file 0\n",
+        "sys/fs/cgroup/user.slice/session-3.scope/memory.max": "max\n"})
+    assert hostload.available_memory_bytes(slice_) == 9 * gib
+    unlimited = _host_files(tmp_path / "unlimited", {"proc/meminfo": meminfo, "proc/self/cgroup": "0::/\n",
+                                                     "sys/fs/cgroup/memory.max": "max\n"})
+    assert hostload.available_memory_bytes(unlimited) == 48 * gib
+    assert hostload.available_memory_bytes(tmp_path / "bare") is None

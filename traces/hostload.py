@@ -47,6 +47,7 @@ from contextlib import suppress
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from ..launch import under_torchrun
@@ -76,17 +77,49 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def available_memory_bytes() -> int | None:
+# how each memory cgroup hierarchy names its mount, limit, charge (page cache included) and the statistic of the
+# page cache the kernel reclaims first, by /proc/self/cgroup's controllers field: v2's is empty, v1's names memory.
+# Its working set, the charge less that cache, is what cAdvisor reports and Kubernetes evicts on
+# (google/cadvisor container/libcontainer/handler.go setMemoryStats)
+MEMORY_CGROUPS = {"": ("sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
+                  "memory": ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                             "total_inactive_file")}
+
+
+def available_memory_bytes(root: Path = Path("/")) -> int | None:
     """The memory this process may still take without swapping or the kernel's OOM killer: Linux's MemAvailable,
-    under a cgroup v2 limit (a container's) what is left of it where less; None where the platform says neither."""
+    under a memory cgroup's limit (a container's or a systemd slice's, v2 or v1, on its cgroup or an ancestor's)
+    what the cgroup's working set leaves of it where less; None where the platform says neither. A cgroup's charge
+    counts its page cache, which a container that read files fills up to its limit and the kernel reclaims before
+    any OOM kill: less the inactive part, as MemAvailable counts it. `root`: the file system these are read on."""
     readings: list[int] = []
     with suppress(OSError, ValueError, StopIteration):
-        with open("/proc/meminfo") as meminfo:
+        with open(root / "proc/meminfo") as meminfo:
             readings.append(1024 * int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1]))
-    with suppress(OSError, ValueError):
-        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
-            readings.append(int(limit.read()) - int(used.read()))  # "max": no limit, a ValueError
+    with suppress(OSError):
+        membership = (root / "proc/self/cgroup").read_text().splitlines()
+        for _, controllers, path in (line.split(":", 2) for line in membership if line.count(":") >= 2):
+            hierarchy = "" if controllers == "" else "memory" if "memory" in controllers.split(",") else None
+            if hierarchy is None:
+                continue
+            mount, *files = MEMORY_CGROUPS[hierarchy]
+            folder = root / mount / path.strip("/")
+            # its ancestors' limits bind it too; under cgroup v1 a container's mount is its own cgroup, not `path`
+            for cgroup in (folder, *folder.parents[:len(folder.parts) - len((root / mount).parts)]):
+                readings.extend(_memory_left(cgroup, *files))
     return min(readings, default=None)
+
+
+def _memory_left(cgroup: Path, limit_file: str, charge_file: str, cache: str) -> list[int]:
+    """What `cgroup`'s memory limit leaves beside its working set: one reading, or none where it sets no limit or
+    does not exist here."""
+    with suppress(OSError, ValueError, StopIteration):
+        limit = int((cgroup / limit_file).read_text())  # v2's "max": no limit, a ValueError
+        charge = int((cgroup / charge_file).read_text())
+        with open(cgroup / "memory.stat") as stat:
+            inactive = int(next(line for line in stat if line.startswith(f"{cache} ")).split()[1])
+        return [max(limit - (charge - inactive), 0)]
+    return []
 
 
 def utc_now() -> str:
