@@ -2644,7 +2644,8 @@ def check_context(counted: WorkloadCount, c: int) -> None:
         fitting = [n for n in range(2, seq // 2 + 1) if not seq % (2 * n)]
         nearest = [n for n in fitting if n < c][-1:] + [n for n in fitting if n > c][:1]
         instead = (f"{{context}} {' or '.join(map(str, nearest))} (C must divide {{seq_len}} / 2 = {seq // 2:,})"
-                   if nearest else "an even {seq_len} (C must divide {seq_len} / 2)")
+                   if nearest else "an even {seq_len} (C must divide {seq_len} / 2)" if seq % 2
+                   else f"a {{seq_len}} that {2 * c} divides (2 x C tokens, a chunk each)")
         raise EstimateError(f"context: {c} does not split the sequence of {seq:,} tokens into 2 x {c} equal chunks "
                             f"(the causal load balance); give {instead}")
     check_ring_attention(c, counted.attention)

@@ -148,6 +148,8 @@ GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "64", 
      "balance); give --context-parallel 4 or 6 (C must divide --seq-len / 2 = 48)"),  # "a C that divides seq_len / 2"
     (("estimate", *GPT[:-1], "95", "--attention", "flash", "--context-parallel", "2", "-o", "cp.json"),
      "tokens into 2 x 2 equal chunks (the causal load balance); give an even --seq-len (C must divide --seq-len / 2)"),
+    (("estimate", *GPT[:-1], "2", "--attention", "flash", "--context-parallel", "3", "-o", "cp.json"),
+     "give a --seq-len that 6 divides (2 x C tokens, a chunk each)"),  # an even one: only C = 1 splits 2 tokens
     (("estimate", *GPT, "--context-parallel", "2", "-o", "cp.json"),
      "--context-parallel: ring attention runs on a fused attention kernel"),
     (("simulate", "--context-parallel", "2"), "--context-parallel: only --gpu's estimate reads it"),
