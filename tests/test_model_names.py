@@ -79,3 +79,16 @@ def test_an_hf_configs_flag_sizes_out_of_bounds_are_refused_before_torch_is_impo
     (done,), imported = pipesim_fresh((command[0], "--model", model, *command[1:], *flags))
     assert done == (2, "", f"error: {refusal.format(model=model)}\n")
     assert "torch" not in imported
+
+
+@pytest.mark.parametrize("model, flags, refusal", [
+    ("mlp", ("--seq-len", 0), "--seq-len does not apply to mlp (it takes --layers, --width)"),
+    ("mlp", ("--capacity-factor", 0), "--capacity-factor does not apply to mlp (it takes --layers, --width)"),
+    ("mine.models:net", ("--mtp-layers", -1), "--mtp-layers applies to the built-in models only; mine.models:net is "
+                                              "built by its own code"),
+])
+def test_a_size_flag_a_model_does_not_take_is_refused_as_such_whatever_its_value(model, flags, refusal):
+    """The bounds an hf: config's flags are checked against before torch's import (workload/sizes.py
+    `flag_sizes_refusal`) are not another model's: `count --model mlp --seq-len 0` was told "--seq-len must be >=
+    1", and given 1, that --seq-len does not apply to mlp."""
+    assert pipesim("count", "--model", model, *flags) == (2, "", f"error: {refusal}\n")

@@ -82,7 +82,7 @@ MAX_SIZES = {"layers": 10_000, "width": 1 << 20, "heads": 1 << 16, "kv_heads": 1
 
 # The options a Hugging Face config takes (workload/hf.py `hf_model`); its config gives the other sizes
 HF_OPTIONS = ("seq_len", "mtp_layers", "capacity_factor")
-# The sizes every model that takes them reads as flags, a Hugging Face config's among them, with the least each allows
+# The sizes a Hugging Face config takes as flags (HF_OPTIONS) with the least each allows
 FLAG_SIZES_LEAST = {"seq_len": 1, "mtp_layers": 0}
 
 
@@ -97,11 +97,14 @@ def hf_options_refusal(model: str, given: Iterable[str]) -> str | None:
 
 
 def flag_sizes_refusal(model: str, sizes: dict[str, Any]) -> str | None:
-    """The one line refusing the model's size flags `sizes` (None: not given): a flag an hf: config does not take,
+    """The one line refusing an hf: `model`'s size flags `sizes` (None: not given): a flag its config does not take,
     --seq-len or --mtp-layers outside their bounds, a --capacity-factor not a finite number above 0 (None: all
-    within them). The command line says it before torch is imported (--seq-len 0 of an hf: config was refused after
-    torch's and transformers' imports, 11 s; --layers given to one, 17 s) and the model's build says it again for its
-    other callers."""
+    within them, or another model, whose build refuses a flag it does not take before the flag's value, so that
+    `--model mlp --seq-len 0` is not told to give a --seq-len it cannot take). The command line says it before torch
+    is imported (--seq-len 0 of an hf: config was refused after torch's and transformers' imports, 11 s; --layers
+    given to one, 17 s) and the model's build says it again for its other callers."""
+    if not is_hf(model):
+        return None
     given = {name: value for name, value in sizes.items() if value is not None}
     if (refusal := hf_options_refusal(model, given)) is not None:
         return refusal
