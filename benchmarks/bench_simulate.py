@@ -22,7 +22,7 @@ import pstats
 import resource
 import time
 
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, pipeline_sizes, positive_int  # this folder's
 from rich.table import Table
 
 from pipesim.allocator import keep_freed_memory, no_huge_pages
@@ -76,14 +76,14 @@ def _child(args: tuple[int, int, int, float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="16x256,32x1024,64x1024,128x2048,128x4096", help="comma-separated PxM")
-    parser.add_argument("--minibatches", type=int, default=2, help="N, mini-batches simulated")
+    parser.add_argument("--sizes", type=pipeline_sizes, default="16x256,32x1024,64x1024,128x2048,128x4096",
+                        help="comma-separated PxM")
+    parser.add_argument("--minibatches", type=positive_int, default=2, help="N, mini-batches simulated")
     parser.add_argument("--comm", type=float, default=0.05, help="ms per transfer")
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile of the first size")
     args = parser.parse_args(argv)
-    sizes = [tuple(map(int, s.split("x"))) for s in args.sizes.split(",")]
     if args.profile:
-        p, m = sizes[0]
+        p, m = args.sizes[0]
         cProfile.runctx("measure(p, m, args.minibatches, args.comm)", globals(), locals(), "/tmp/pipesim.prof")
         pstats.Stats("/tmp/pipesim.prof").sort_stats("cumulative").print_stats(25)
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                    "bytes/row"):
         table.add_column(header, justify="right")
     context = multiprocessing.get_context("spawn")
-    for p, m in sizes:
+    for p, m in args.sizes:
         with context.Pool(1) as pool:  # a fresh process per size: its peak memory is this size's
             r = pool.apply(_child, ((p, m, args.minibatches, args.comm),))
         simulate_s = r["check"] + r["lower"] + r["price"] + r["run"] + r["trace"]

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, positive_ints  # this folder's
 from rich.table import Table
 
 from pipesim.commands.tables import print_table
@@ -35,7 +35,7 @@ def sweep(args: argparse.Namespace, workers: int, out: Path) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts to time")
+    parser.add_argument("--workers", type=positive_ints, default="1,2", help="comma-separated worker counts to time")
     parser.add_argument("--stages", default="2,4,6,8")
     parser.add_argument("--microbatches", default="4,8,16")
     parser.add_argument("--chunks", default="1,2,4")
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         table.add_column(header, justify="right")
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "results.csv"
-        for workers in map(int, args.workers.split(",")):
+        for workers in args.workers:
             seconds = sweep(args, workers, out)
             with out.open(newline="") as handle:
                 statuses = [row["status"] for row in csv.DictReader(handle)]

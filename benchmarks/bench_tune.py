@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, positive_int  # this folder's
 
 PROBLEMS = {
     "70b": ["--model", "gpt", "--layers", "80", "--width", "8192", "--heads", "64", "--kv-heads", "8", "--ffn",
@@ -47,7 +47,7 @@ def run(flags: list[str], env: dict[str, str]) -> tuple[float, float, str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--cold", action="store_true", help="first time a run with an empty count cache")
     parser.add_argument("--only", choices=sorted(PROBLEMS), help="one problem only")
     args = parser.parse_args(argv)

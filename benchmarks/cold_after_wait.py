@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import torch
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, positive_int  # this folder's
 from rich.table import Table
 
 from pipesim.calibrate.measure import DTYPES, Settings, measure_bytes
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--microbatch-size", type=int, default=32)
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=100)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import argparse
 import time
 
 import numpy as np
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, positive_int  # this folder's
 from rich.table import Table
 
 from pipesim.calibrate import contention
@@ -66,7 +66,7 @@ def probe_once(profile, values: dict[str, float]) -> tuple[float, int, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("profile")
-    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--repeats", type=positive_int, default=6)
     parser.add_argument("--setting", action="append", required=True, type=parse_setting,
                         help="name:CONSTANT=value,...")
     args = parser.parse_args(argv)

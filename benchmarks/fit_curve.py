@@ -32,7 +32,7 @@ import subprocess
 from functools import partial
 from pathlib import Path
 
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, positive_int  # this folder's
 
 from pipesim.commands.common import refuse_unwritable, write_json
 from pipesim.commands.estimate import fit_count, timed_overhead_ms
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("profiles", type=Path, nargs="*", help="calibrations of two sizes or more")
     parser.add_argument("--calibrate", type=Path, metavar="DIR", help="calibrate SIZES into DIR first")
-    parser.add_argument("--rounds", type=int, default=6, help="with --calibrate: calibrations of each size")
+    parser.add_argument("--rounds", type=positive_int, default=6, help="with --calibrate: calibrations of each size")
     parser.add_argument("--gpu", help="the catalogue part they were calibrated on (default: a nominal CPU)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)

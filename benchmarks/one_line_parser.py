@@ -20,3 +20,28 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         refuse(message)
         raise SystemExit(2)
+
+
+def positive_int(text: str) -> int:
+    """A flag's count: a whole number of 1 or more (repeats, rounds, mini-batches), where 0 ended in a traceback
+    on an empty median or an empty table."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"give a whole number of 1 or more (got {text!r})")
+    return int(text)
+
+
+def positive_ints(text: str) -> list[int]:
+    """A flag's comma-separated counts ("1,2")."""
+    if not all(part.strip().isdigit() and int(part) >= 1 for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"give whole numbers of 1 or more, comma-separated, such as 1,2 "
+                                         f"(got {text!r})")
+    return [int(part) for part in text.split(",")]
+
+
+def pipeline_sizes(text: str) -> list[tuple[int, int]]:
+    """A flag's comma-separated pipeline sizes, each stages x micro-batches ("8x32,32x256")."""
+    sizes = [part.split("x") for part in text.split(",")]
+    if not all(len(size) == 2 and all(n.strip().isdigit() and int(n) >= 1 for n in size) for size in sizes):
+        raise argparse.ArgumentTypeError(f"give sizes PxM (stages x micro-batches, each 1 or more), comma-separated, "
+                                         f"such as 8x32,32x256 (got {text!r})")
+    return [(int(p), int(m)) for p, m in sizes]

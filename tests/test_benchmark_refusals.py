@@ -37,11 +37,22 @@ def test_a_benchmarks_unknown_flag_is_one_line_exit_2_and_writes_nothing(name, t
      "error: cannot read profile p.json: No such file or directory"),
     ("fidelity_sizes", ["--from", "."],
      "error: --from .: no size's profile there (a folder --keep filled holds w64-b8.0.profile.json, ...)"),
+    ("bench_auto", ["time", "--sizes", "8x32,4"],
+     "error: argument --sizes: give sizes PxM (stages x micro-batches, each 1 or more), comma-separated, such as "
+     "8x32,32x256 (got '8x32,4')"),
+    ("bench_auto", ["time", "--repeats", "0"], "error: argument --repeats: give a whole number of 1 or more (got '0')"),
+    ("bench_simulate", ["--sizes", "4xa"],
+     "error: argument --sizes: give sizes PxM (stages x micro-batches, each 1 or more), comma-separated, such as "
+     "8x32,32x256 (got '4xa')"),
+    ("bench_sweep", ["--workers", "1,two"],
+     "error: argument --workers: give whole numbers of 1 or more, comma-separated, such as 1,2 (got '1,two')"),
+    ("cold_after_wait", ["--rounds", "0"], "error: argument --rounds: give a whole number of 1 or more (got '0')"),
 ])
 def test_a_benchmarks_bad_value_is_one_line_naming_it(name, argv, line, tmp_path, monkeypatch, capsys):
     """contention_settings exited 1 with no "error: " for a constant calibrate/contention.py lacks, and a traceback
     for a value not a number or a profile it cannot read; fidelity_sizes --from a folder with no profile printed
-    its line on stdout."""
+    its line on stdout. bench_auto's and bench_simulate's sizes not PxM, bench_sweep's workers not numbers and a
+    count of 0 (repeats, rounds: an empty median) ended in a traceback."""
     monkeypatch.chdir(tmp_path)
     with script_module(name) as script, pytest.raises(SystemExit) as exited:
         script.main(argv)
