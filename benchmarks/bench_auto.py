@@ -28,9 +28,9 @@ from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces import summarize
 
 try:  # the tests import this file as benchmarks.bench_auto; run as a script, this folder is on sys.path
-    from .one_line_parser import OneLineParser, pipeline_sizes, positive_int
+    from .one_line_parser import OneLineParser, pipeline_sizes, positive_int, positive_number
 except ImportError:
-    from one_line_parser import OneLineParser, pipeline_sizes, positive_int
+    from one_line_parser import OneLineParser, pipeline_sizes, positive_int, positive_number
 
 PAPER = Path(__file__).with_name("zero_bubble_paper.json")
 
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("mode", choices=("time", "paper"))
     parser.add_argument("--sizes", type=pipeline_sizes, default="32x256,8x32", help="p x m, comma-separated (time)")
     parser.add_argument("--repeats", type=positive_int, default=7, help="builds per size and limit (time)")
-    parser.add_argument("--search-seconds", type=float, default=None, help="the search's budget (default: auto's)")
+    parser.add_argument("--search-seconds", type=positive_number, default=None,
+                        help="the search's budget (default: auto's)")
     args = parser.parse_args(argv)
     if args.mode == "time":
         time_search(args.sizes, args.repeats, args.search_seconds)

@@ -24,12 +24,15 @@ from pipesim.commands.tables import print_table
 
 
 def sweep(args: argparse.Namespace, workers: int, out: Path) -> float:
-    """Wall seconds of one `pipesim sweep` in a fresh process."""
+    """Wall seconds of one `pipesim sweep` in a fresh process; its exit code where it failed (a grid it refuses:
+    its own line on stderr)."""
     command = [sys.executable, "-m", "pipesim.cli", "sweep", "--stages", args.stages, "--microbatches",
                args.microbatches, "--chunks", args.chunks, "--pipelines", args.pipelines, "--cost-scale",
                args.cost_scale, "--minibatches", "4", "--workers", str(workers), "--out", str(out)]
     start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    code = subprocess.run(command, stdout=subprocess.DEVNULL).returncode
+    if code:
+        raise SystemExit(code)
     return time.perf_counter() - start
 
 

@@ -30,6 +30,17 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def positive_number(text: str) -> float:
+    """A flag's finite number above 0 (seconds, a budget)."""
+    try:
+        number = float(text)
+    except ValueError:
+        number = float("nan")
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"give a finite number above 0 (got {text!r})")
+    return number
+
+
 def positive_ints(text: str) -> list[int]:
     """A flag's comma-separated counts ("1,2")."""
     if not all(part.strip().isdigit() and int(part) >= 1 for part in text.split(",")):
