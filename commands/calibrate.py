@@ -42,6 +42,7 @@ from .common import (
     description_column,
     fail,
     flag_of,
+    host_memory_refusal,
     is_given,
     model_reads,
     out_of_host_memory,
@@ -212,7 +213,7 @@ def calibrate(
             options = dict(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
                            kv_heads=kv_heads, gated=gated, experts=experts, top_k=top_k,
                            shared_experts=shared_experts, expert_ffn=expert_ffn, capacity_factor=capacity_factor)
-            refuse(_host_memory_refusal(model, options))
+            refuse(host_memory_refusal("calibrate", model, options))
             net = build_model(model, **options)
             if stages > len(net.layers):
                 raise InputError(too_few_layers(f"--stages {stages}", net.name, net.options, len(net.layers)))
@@ -263,34 +264,6 @@ def calibrate(
         fail(str(exc))
     _print_profile(profile)
     stdout.print(f"wrote {out}", highlight=False)
-
-
-def _host_memory_refusal(model: str, options: dict) -> str | None:
-    """The line refusing a model whose weights, built in float32 on the host before calibration moves them to the
-    device and dtype (calibrate/measure.py `place`), outgrow the memory this host has available, counted on the meta
-    device first; where the kernel overcommits, building it ran until its OOM killer ended the process
-    (hf:examples/llama3.1-8b, 32 GB of weights, on a 23 GB host). None where they fit, the platform does not say
-    what is available, or the model is the user's own code, which may build anywhere."""
-    from ..profiles.workload import is_hf
-    from ..traces.hostload import available_memory_bytes
-
-    available = available_memory_bytes()
-    if available is None or (":" in model and not is_hf(model)):
-        return None
-    import torch
-
-    from ..workload.models import build_model
-
-    with torch.device("meta"):
-        built = build_model(model, **options)
-    weights = sum({id(w): w.numel() for layer in built.layers for w in layer.parameters()}.values())
-    if weights * 4 <= available:
-        return None
-    smaller = ("calibrate a smaller config of it (fewer layers, a narrower width)" if is_hf(model) else
-               "make it smaller (--layers, --width)")
-    return (f"{model} does not fit in memory: its {count_text(weights, 'weight')} take {bytes_text(weights * 4)} in "
-            f"float32 as it is built on this host, which has {bytes_text(available)} available; {smaller}, or price "
-            "it without building it: `pipesim estimate --gpu NAME`")
 
 
 def measure_runtime(profile, settings, advance, model: str, options: dict, cache=None,

@@ -25,7 +25,7 @@ from rich.console import Console
 
 from ..choices import choose_from, optimizer_refusal
 from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes, without_bom
-from ..units import MAX_BYTES, MAX_MS, MIB, count_text, memory_gib_refusal
+from ..units import MAX_BYTES, MAX_MS, MIB, bytes_text, count_text, memory_gib_refusal
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -653,6 +653,35 @@ def refuse(refusal: str | None) -> None:
     `InputError`."""
     if refusal is not None:
         raise InputError(refusal)
+
+
+def host_memory_refusal(command: str, model: str, options: dict) -> str | None:
+    """The line refusing a model whose weights, built in float32 on the host (calibrate builds them there before
+    moving them to the device and dtype, calibrate/measure.py `place`; run before its ranks start, and each rank its
+    own), outgrow the memory this host has available, counted on the meta device first; where the kernel
+    overcommits, building it ran until its OOM killer ended the process (hf:examples/llama3.1-8b, 32 GB of weights,
+    on a 23 GB host). None where they fit, the platform does not say what is available, or the model is the user's
+    own code, which may build anywhere. `command`: the pipesim command the line tells to take a smaller config."""
+    from ..profiles.workload import is_hf
+    from ..traces.hostload import available_memory_bytes
+
+    available = available_memory_bytes()
+    if available is None or (":" in model and not is_hf(model)):
+        return None
+    import torch
+
+    from ..workload.models import build_model
+
+    with torch.device("meta"):
+        built = build_model(model, **options)
+    weights = sum({id(w): w.numel() for layer in built.layers for w in layer.parameters()}.values())
+    if weights * 4 <= available:
+        return None
+    smaller = (f"{command} a smaller config of it (fewer layers, a narrower width)" if is_hf(model) else
+               "make it smaller (--layers, --width)")
+    return (f"{model} does not fit in memory: its {count_text(weights, 'weight')} take {bytes_text(weights * 4)} in "
+            f"float32 as it is built on this host, which has {bytes_text(available)} available; {smaller}, or price "
+            "it without building it: `pipesim estimate --gpu NAME`")
 
 
 # The estimate's settings whose flags are not their names spelled as flags (`flag_of` spells the rest).

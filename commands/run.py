@@ -60,6 +60,7 @@ from .common import (
     counted_bar_columns,
     fail,
     flag_of,
+    host_memory_refusal,
     is_given,
     model_reads,
     out_of_host_memory,
@@ -284,6 +285,7 @@ def run(
         if measured is not None:
             options = rebuilt_options(model, measured.model.options)
         try:
+            refuse(host_memory_refusal("run", model, options))  # built on the meta device: the same refusals
             net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
         except ModelError as exc:
             raise InputError(str(exc)) from None

@@ -280,3 +280,18 @@ def test_calibrate_refuses_a_model_whose_weights_outgrow_the_hosts_memory_before
                         r"calibrate a smaller config of it \(fewer layers, a narrower width\), or price it without "
                         r"building it: `pipesim estimate --gpu NAME`\n", err), err
     assert not out.exists()
+
+
+def test_run_refuses_a_model_whose_weights_outgrow_the_hosts_memory_before_building_it(tmp_path):
+    """run builds the whole model on the host before its ranks start (and each rank its stages): calibrate's
+    refusal held for calibrate alone, and `run --model gpt --layers 64 --width 8192` (192 GiB of weights) built on
+    until the host's memory ran out (under an 8 GB cap, 30 CPU s later, "gpt does not fit in memory at micro-batch
+    size 8 (--microbatch-size)", which no micro-batch size mends)."""
+    trace = tmp_path / "t.json"
+    code, stdout, err = pipesim("run", "-s", "1f1b", "--model", "gpt", "--layers", 64, "--width", 8192,
+                                "--trace", trace)
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert re.fullmatch(r"error: gpt does not fit in memory: its 51,581,042,688 weights take 192.2 GiB in float32 as "
+                        r"it is built on this host, which has [\d.]+ [GMK]iB available; make it smaller \(--layers, "
+                        r"--width\), or price it without building it: `pipesim estimate --gpu NAME`\n", err), err
+    assert not trace.exists()
