@@ -64,10 +64,10 @@ def one_repeat(runs: list[StageRun], rounds: int) -> dict[tuple[int, str], tuple
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--microbatch-size", type=int, default=32)
-    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--width", type=positive_int, default=512)
+    parser.add_argument("--microbatch-size", type=positive_int, default=32)
+    parser.add_argument("--stages", type=positive_int, default=2)
     parser.add_argument("--rounds", type=positive_int, default=100)
     parser.add_argument("--repeats", type=positive_int, default=3)
     args = parser.parse_args(argv)

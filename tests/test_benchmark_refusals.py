@@ -47,14 +47,16 @@ def test_a_benchmarks_unknown_flag_is_one_line_exit_2_and_writes_nothing(name, t
     ("bench_sweep", ["--workers", "1,two"],
      "error: argument --workers: give whole numbers of 1 or more, comma-separated, such as 1,2 (got '1,two')"),
     ("cold_after_wait", ["--rounds", "0"], "error: argument --rounds: give a whole number of 1 or more (got '0')"),
+    ("cold_after_wait", ["--stages", "0"], "error: argument --stages: give a whole number of 1 or more (got '0')"),
     ("bench_auto", ["time", "--search-seconds", "-1"],
      "error: argument --search-seconds: give a finite number above 0 (got '-1')"),
 ])
 def test_a_benchmarks_bad_value_is_one_line_naming_it(name, argv, line, tmp_path, monkeypatch, capsys):
     """contention_settings exited 1 with no "error: " for a constant calibrate/contention.py lacks, and a traceback
     for a value not a number or a profile it cannot read; fidelity_sizes --from a folder with no profile printed
-    its line on stdout. bench_auto's and bench_simulate's sizes not PxM, bench_sweep's workers not numbers and a
-    count of 0 (repeats, rounds: an empty median) or a search budget of no time ended in a traceback."""
+    its line on stdout. bench_auto's and bench_simulate's sizes not PxM, bench_sweep's workers not numbers, a count
+    of 0 (repeats, rounds: an empty median; cold_after_wait's stages: a division by zero) and a search budget of no
+    time ended in a traceback."""
     monkeypatch.chdir(tmp_path)
     with script_module(name) as script, pytest.raises(SystemExit) as exited:
         script.main(argv)
