@@ -188,6 +188,9 @@ def run(
     from ..workload.processes import prepare
     from ..workload.sizes import model_name_refusal
 
+    # the executor's class, imported below after torch: bound before, so a Ctrl-C while torch imports reaches
+    # cli.main's "interrupted" through the except clauses, not an UnboundLocalError
+    ExecutorError: type[Exception] = InputError
     try:
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",

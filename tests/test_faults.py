@@ -153,6 +153,32 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
     assert _none_left(ranks)
 
 
+# The terminal's Ctrl-C, sent the moment the command first imports torch (its ranks not started yet)
+CTRL_C_AT_TORCH = """
+import os, signal, sys
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, CtrlC())
+from pipesim.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_while_run_imports_torch_is_one_line(tmp_path):
+    """Ctrl-C in a run's first seconds, while it imports torch, ended in an UnboundLocalError traceback (the
+    executor's error class, imported after torch, named by an except clause)."""
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_AT_TORCH, "run", *RUN, "--trace", str(tmp_path / "t.json")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=BOUND_S,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in proc.stderr
+    assert not (tmp_path / "t.json").exists()
+
+
 def _cmdline(pid: int) -> str:
     try:
         return (Path("/proc") / str(pid) / "cmdline").read_text()
