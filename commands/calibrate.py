@@ -19,6 +19,7 @@ from ..traces.metrics import mib_text, percent_text
 from ..units import GIB, KIB, MIB, bytes_text, count_text
 from .common import DTYPES as DTYPE_NAMES  # --dtype's names -> torch's (calibrate.measure's DTYPES: torch's dtypes)
 from .common import (
+    MODEL_SIZES,
     PROFILE,
     CapacityFactor,
     ExpertFfn,
@@ -161,7 +162,7 @@ def calibrate(
     from ..traces import write_atomic
     from ..traces.hostload import HostLoad, mark
     from ..workload.processes import prepare, ready
-    from ..workload.sizes import model_name_refusal
+    from ..workload.sizes import flag_sizes_refusal, model_name_refusal
 
     runtime = runtime and passes_as != "torch"  # its per-row costs are the executor's, not torch's runtime's
     starts_processes = runtime or contention or links
@@ -170,6 +171,7 @@ def calibrate(
         # processes' server (whose imports take a core for seconds)
         check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))
         refuse(model_name_refusal(model))
+        refuse(flag_sizes_refusal(model, {name: ctx.params.get(name) for name in MODEL_SIZES}))
         if passes_as not in RUNS_PASSES:
             raise InputError(choose_from("--passes-as", RUNS_PASSES, passes_as))
         if passes_as == "torch" and is_given(ctx, "runtime") and ctx.params["runtime"]:

@@ -330,8 +330,9 @@ SEQ = ("--seq-len", 16)
     (LLAMA, ("--seq-len", 512), "takes at most its max_position_embeddings, 256"),
     # none given: the figure is the class's, not the config's
     (NO_LONGEST, ("--seq-len", 4096), "takes at most transformers' LlamaConfig default for a config without "
-                                      "max_position_embeddings, 2048"),
-    (NO_LONGEST, (), "(up to transformers' LlamaConfig default for a config without max_position_embeddings, 2048)"),
+                                      "max_position_embeddings, 2,048"),
+    (NO_LONGEST, (), "(its config gives no max_position_embeddings: transformers' default for model_type 'llama' "
+                     "bounds it)"),
     # transformers' ACT2FN lookup, a bare KeyError: 'nosuch' where the field went unnamed
     ({**LLAMA, "hidden_act": "nosuch"}, SEQ, "{folder}/config.json gives hidden_act 'nosuch', an activation "
                                              "transformers does not know; give one of gelu, "),

@@ -92,3 +92,22 @@ def test_a_size_flag_a_model_does_not_take_is_refused_as_such_whatever_its_value
     `flag_sizes_refusal`) are not another model's: `count --model mlp --seq-len 0` was told "--seq-len must be >=
     1", and given 1, that --seq-len does not apply to mlp."""
     assert pipesim("count", "--model", model, *flags) == (2, "", f"error: {refusal}\n")
+
+
+HF_COMMANDS = [("simulate", "--gpu", "h100-sxm", "-p", 2, "-s", "1f1b"), ("tune", "--gpu", "h100-sxm", "--devices", 8),
+               ("sweep", "--gpu", "h100-sxm"), ("estimate", "--gpu", "h100-sxm", "--out", "p.json"), ("count",),
+               ("calibrate", "--out", "p.json")]
+
+
+def test_an_hf_config_without_seq_len_is_refused_before_torch_is_imported(tmp_path):
+    """Every command that builds an hf: model refuses a missing --seq-len, or one past the config's
+    max_position_embeddings, from the config itself: it was refused once torch and transformers had built the model,
+    10-14 s (`simulate --gpu h100-sxm --model hf:examples/llama3.1-70b`), and calibrate read no size flag before."""
+    model = f"hf:{ROOT / 'examples' / 'llama3.1-70b'}"
+    runs, imported = pipesim_fresh(*((command[0], "--model", model, *command[1:]) for command in HF_COMMANDS),
+                                   ("count", "--model", model, "--seq-len", 999_999), cwd=tmp_path)
+    missing = (f"error: --seq-len: give the tokens a sample of {model} holds (up to its max_position_embeddings, "
+               "131,072)\n")
+    assert [tuple(done) for done in runs] == [(2, "", missing)] * len(HF_COMMANDS) + [
+        (2, "", f"error: --seq-len 999,999: {model} takes at most its max_position_embeddings, 131,072\n")]
+    assert not {"torch", "transformers"} & imported and not list(tmp_path.iterdir())

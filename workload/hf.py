@@ -48,11 +48,13 @@ from .count import attention_window, fused_attention
 from .hfconfig import (
     EXPERT_FIELDS,
     FIGURES,
+    LONGEST_FIELD,
     SIZES,
     TOP_K_FIELD,
     HfConfig,
     HfConfigError,
     read_hf_config,
+    seq_len_refusal,
     size_field_refusal,
 )
 from .models import (
@@ -233,15 +235,14 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
                              f"experts (none of {', '.join(EXPERT_FIELDS)} above 0)")
         check_capacity_factor(capacity_factor, experts, options["top_k"])
         options["capacity_factor"] = capacity_factor
-    longest = _read(config, settings, "max_position_embeddings")
-    whose = (f"its {longest[0]}" if longest and longest[0] in config.fields else
-             f"transformers' {type(settings).__name__} default for a config without max_position_embeddings")
-    if seq_len is None:
-        raise ModelError(f"--seq-len: give the tokens a sample of {spec} holds"
-                         + (f" (up to {whose}, {longest[1]})" if longest and longest[1] else ""))
-    check_positive(seq_len=seq_len)
-    if longest and longest[1] and seq_len > longest[1]:
-        raise ModelError(f"--seq-len {seq_len}: {spec} takes at most {whose}, {longest[1]}")
+    longest = _read(config, settings, LONGEST_FIELD)
+    bound = (longest[1], f"its {longest[0]}" if longest[0] in config.fields else
+             f"transformers' {type(settings).__name__} default for a config without {LONGEST_FIELD}"
+             ) if longest and longest[1] else (None, "")
+    if seq_len is not None:
+        check_positive(seq_len=seq_len)
+    if refusal := seq_len_refusal(spec, seq_len, *bound):
+        raise ModelError(refusal)
     check_size("mtp_layers", mtp_layers, least=0)
     built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(settings), None)
     if built is None:

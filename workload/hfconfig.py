@@ -37,6 +37,7 @@ SIZES = {**{field: size for size, field in FIGURES.items()}, "num_key_value_head
 # one (Qwen-MoE's `num_experts > 0` in modeling_qwen3_moe.py, GraniteMoeHybrid's) and a mixture of no experts
 # where it does not (Mixtral's, which workload/hf.py refuses once built)
 LEAST = dict.fromkeys(EXPERT_FIELDS, 0)
+LONGEST_FIELD = "max_position_embeddings"  # the most tokens a sample of the model holds
 
 
 class HfConfigError(ValueError):
@@ -134,6 +135,36 @@ def read_hf_config(spec: str) -> HfConfig:
         if refusal is not None:
             raise HfConfigError(refusal)
     return HfConfig(spec, path, fields)
+
+
+def seq_len_refusal(spec: str, seq_len: int | None, longest: int | None, whose: str) -> str | None:
+    """--seq-len's one line for `spec`, whose samples hold at most `longest` tokens, the bound `whose` names (None:
+    none known, `whose` then what is known of it, or ""): none given, or more than the bound; None where `seq_len`
+    is within it. The command line says it from the config's own field before torch is imported
+    (`config_seq_len_refusal`), workload/hf.py again from transformers' reading of the config."""
+    if seq_len is None:
+        hint = f"up to {whose}, {longest:,}" if longest else whose
+        return f"--seq-len: give the tokens a sample of {spec} holds" + (f" ({hint})" if hint else "")
+    if longest and seq_len > longest:
+        return f"--seq-len {seq_len:,}: {spec} takes at most {whose}, {longest:,}"
+    return None
+
+
+def config_seq_len_refusal(spec: str, seq_len: int | None) -> str | None:
+    """`seq_len_refusal` from the config `spec` names, read without torch: a config that cannot be read, no
+    --seq-len, or one past the config's own max_position_embeddings (where it gives none, transformers' default
+    for its model_type bounds it, which workload/hf.py reads once transformers is imported). `hf:` without
+    --seq-len was refused once torch and transformers had built the model, 10-14 s."""
+    try:
+        config = read_hf_config(spec)
+    except HfConfigError as exc:
+        return str(exc)
+    longest = config.fields.get(LONGEST_FIELD)
+    if isinstance(longest, bool) or not isinstance(longest, int) or longest < 1:
+        return None if seq_len is not None else seq_len_refusal(
+            spec, None, None, f"its config gives no {LONGEST_FIELD}: transformers' default for model_type "
+                              f"{config.model_type!r} bounds it")
+    return seq_len_refusal(spec, seq_len, longest, f"its {LONGEST_FIELD}")
 
 
 def size_field_refusal(spec: str, path: Path, given: str, field: str, value: Any) -> str | None:

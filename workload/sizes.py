@@ -98,11 +98,12 @@ def hf_options_refusal(model: str, given: Iterable[str]) -> str | None:
 
 def flag_sizes_refusal(model: str, sizes: dict[str, Any]) -> str | None:
     """The one line refusing an hf: `model`'s size flags `sizes` (None: not given): a flag its config does not take,
-    --seq-len or --mtp-layers outside their bounds, a --capacity-factor not a finite number above 0 (None: all
-    within them, or another model, whose build refuses a flag it does not take before the flag's value, so that
-    `--model mlp --seq-len 0` is not told to give a --seq-len it cannot take). The command line says it before torch
-    is imported (--seq-len 0 of an hf: config was refused after torch's and transformers' imports, 11 s; --layers
-    given to one, 17 s) and the model's build says it again for its other callers."""
+    --seq-len or --mtp-layers outside their bounds, a --capacity-factor not a finite number above 0, a config that
+    cannot be read, no --seq-len or one past the config's max_position_embeddings (None: all within them, or
+    another model, whose build refuses a flag it does not take before the flag's value, so that `--model mlp
+    --seq-len 0` is not told to give a --seq-len it cannot take). The command line says it before torch is imported
+    (--seq-len 0 of an hf: config was refused after torch's and transformers' imports, 11 s; --layers given to one,
+    17 s; no --seq-len, 10-14 s) and the model's build says it again for its other callers."""
     if not is_hf(model):
         return None
     given = {name: value for name, value in sizes.items() if value is not None}
@@ -111,7 +112,9 @@ def flag_sizes_refusal(model: str, sizes: dict[str, Any]) -> str | None:
     for size, least in FLAG_SIZES_LEAST.items():
         if size in given and (refusal := size_refusal(f"--{size.replace('_', '-')}", size, given[size], least)):
             return refusal
-    return capacity_factor_refusal(given.get("capacity_factor"))
+    from .hfconfig import config_seq_len_refusal  # here: it reads this module's sizes
+
+    return capacity_factor_refusal(given.get("capacity_factor")) or config_seq_len_refusal(model, given.get("seq_len"))
 
 
 def capacity_factor_refusal(capacity_factor: float | None) -> str | None:
