@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import choose_from, device_refusal
-from ..profiles.workload import too_few_layers
+from ..profiles.workload import is_hf, too_few_layers
 from ..traces.compare import TORCH_RUNTIME
 from ..traces.metrics import mib_text, percent_text
 from ..units import GIB, KIB, MIB, bytes_text, count_text
@@ -37,6 +37,7 @@ from .common import (
     Width,
     check_dtype,
     check_expert_parallel,
+    check_expert_parallel_unbuilt,
     check_memory_gb,
     check_outputs,
     check_threads,
@@ -188,6 +189,8 @@ def calibrate(
             if not links and is_given(ctx, flag):
                 raise InputError(f"{flag_of(flag)} sizes the link measurement, which --no-links skips: "
                                  "give one")
+        if is_given(ctx, "expert_parallel") and not is_hf(model):  # a config's experts: once transformers reads it
+            check_expert_parallel_unbuilt(expert_parallel, model, {"experts": experts})
         if ranks is not None and not contention:
             raise InputError("--ranks sizes the contention probe, which --no-contention skips: give one")
         if links and not 8 * KIB <= link_max_mb * MIB <= 4 * GIB:

@@ -53,6 +53,7 @@ from .common import (
     check_dtype,
     check_estimate_experts,
     check_expert_parallel,
+    check_expert_parallel_unbuilt,
     check_method_options,
     check_outputs,
     check_prediction,
@@ -251,7 +252,9 @@ def run(
         refuse(model_name_refusal(model))  # require_model's first check, here before the server starts
         check_outputs([("--trace", trace), ("--html", html)],
                       [("--profile", profile), *model_reads({**ctx.params, "model": model})])
-        if expert_parallel > 1:
+        if expert_parallel > 1:  # its experts first: a dense model's --data-parallel would be the wrong fix
+            check_expert_parallel_unbuilt(expert_parallel, model, measured.model.options if measured else options,
+                                          placed=True)
             _check_expert_replicas(expert_parallel, data_parallel, device)
         scenario = searched_scenario(ctx, method, measured)
         if scenario is not None:  # the order searched runs the estimate's E (a built one runs --expert-parallel's)

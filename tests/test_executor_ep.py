@@ -22,7 +22,7 @@ from pipesim.executor.replicas import Layout
 from pipesim.executor.runtime import AllToAllRows
 from pipesim.schedules import KINDS, Kind, lower
 from pipesim.traces import read_trace
-from tests.conftest import build, pipesim
+from tests.conftest import build, pipesim, pipesim_fresh
 from tests.helpers import TIGHT, ep_spec
 from tests.reference import single_process
 
@@ -139,6 +139,22 @@ def test_run_refuses_experts_it_cannot_place_in_one_line(tmp_path, flags, says):
     code, out, err = pipesim("run", "-s", "1f1b", "--expert-parallel", 2, *flags, "--trace", tmp_path / "t.json")
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err + out
     assert not (tmp_path / "t.json").exists()
+
+
+def test_expert_parallel_of_a_dense_model_is_refused_before_torch_is_imported(tmp_path):
+    """A built-in model's routed experts are its flags': `run --expert-parallel 2` of a dense mlp was refused once
+    torch was imported and the model built, 26 s (4.4 CPU s), after a first refusal asking for --data-parallel 2,
+    which it could not use; calibrate's, 24 s."""
+    dense = "--expert-parallel 2, but the model has no routed experts to place"
+    run = ("run", "-s", "1f1b", "--expert-parallel", 2, "--model")
+    runs, imported = pipesim_fresh((*run, "mlp"), (*run, "gpt", "--data-parallel", 2),
+                                   (*run, "gpt", "--experts", 3, "--data-parallel", 2),
+                                   ("calibrate", "--model", "mlp", "--expert-parallel", 2, "--out", "p.json"),
+                                   cwd=tmp_path)
+    assert [(code, out, err.startswith(f"error: {dense} ")) for code, out, err in runs] == \
+        [(2, "", True)] * 2 + [(2, "", False), (2, "", True)]
+    assert runs[2].err == "error: --expert-parallel 2 does not divide the model's 3 routed experts\n"
+    assert "torch" not in imported and not list(tmp_path.iterdir())
 
 
 def test_run_takes_the_gpts_mlp_size():
