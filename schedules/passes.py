@@ -312,11 +312,18 @@ def overlap_expert_communication(schedule: Schedule) -> Schedule:
     alone. With no pipeline (`combined_1f1b_schedule_for_no_pipelining`) that is the first forward alone, then each
     forward with the previous micro-batch's backward, then the last backward alone. Megatron-core refuses the
     overlap without expert parallelism, and under pipeline parallelism without virtual stages (transformer_config.py
-    `__post_init__`; a virtual size of 1 is none, training/arguments.py), so this pass refuses them too. Applied
-    before the other passes (`methods.make_schedule`), to the flushed F and B rows only."""
+    `__post_init__`; a virtual size of 1 is none, training/arguments.py), so this pass refuses them too, and an
+    order that pairs its F and B already (DualPipe's F&B, which hides the all-to-alls so) as such. Applied before
+    the other passes (`methods.make_schedule`), to the flushed F and B rows only."""
     if not schedule.params.get("overlap_expert_comm", False):
         return schedule
+    t = schedule.table
+    forward, backward = t.kind == KIND_CODE[Kind.F], t.kind == KIND_CODE[Kind.B]
     if schedule.method not in EXPERT_OVERLAP_METHODS:
+        if (forward & (t.peer >= 0)).any():  # an order paired already: DualPipe's, DualPipeV's
+            raise ScheduleError(f"{schedule.method}: its F&B pairs already hide each part's expert-parallel "
+                                "all-to-alls under the other's compute, as --overlap-expert-comm pairs 1f1b's and "
+                                "interleaved-1f1b's F and B (Megatron-core's overlap); leave it out")
         raise ScheduleError(f"{schedule.method}: Megatron-core overlaps the expert-parallel all-to-alls only in "
                             f"{' and '.join(EXPERT_OVERLAP_METHODS)}'s order; leave out --overlap-expert-comm")
     if schedule.expert_parallel == 1:
@@ -326,8 +333,6 @@ def overlap_expert_communication(schedule: Schedule) -> Schedule:
         raise ScheduleError(f"{schedule.method}: Megatron-core overlaps the expert-parallel all-to-alls under "
                             "pipeline parallelism only with virtual stages: use interleaved-1f1b with --chunks 2 "
                             "or more, or --stages 1")
-    t = schedule.table
-    forward, backward = t.kind == KIND_CODE[Kind.F], t.kind == KIND_CODE[Kind.B]
     segment = (t.device.astype(np.int64) * schedule.minibatches + t.minibatch) * schedule.pipelines + t.pipeline
     starts = np.flatnonzero(np.r_[True, segment[1:] != segment[:-1]])  # a device's mini-batch: its pattern, its OPTs
     order, peer = [], t.peer.copy()
