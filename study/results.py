@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..files import STUDY_RESULTS, read_document, validated
+from ..files import DOCUMENT_KINDS, STUDY_RESULTS, read_document, validated
 from ..traces.metrics import loss_text
 from ..traces.trace import write_atomic
 from .plan import Arm, RunKey, Setting
@@ -137,7 +137,14 @@ def open_results(path: Path, setting: Setting) -> StudyFile:
 
 
 def load_results(path: Path) -> StudyFile:
+    """The study in `path`. Another pipesim kind is named as such (`read_document`); any other JSON, one without the
+    format_version a study's results begin with (another command's --json: simulate's, tune's), is not a study at
+    all, said so, where it was refused by its first field, "format_version: Field required"."""
     document = read_document(path, STUDY_RESULTS, ResultsError)  # another kind is named, not by its missing fields
+    if not isinstance(document, dict) or "format_version" not in document:
+        lacks = "it has no format_version" if isinstance(document, dict) else "it is not a JSON object"
+        raise ResultsError(f"{path} is not a {STUDY_RESULTS}: {lacks} (a study's results are an object of "
+                           f"format_version, setting, runs and timings); give {DOCUMENT_KINDS[STUDY_RESULTS].wanted}")
     study = validated(StudyFile, document, path, STUDY_RESULTS, ResultsError)
     try:
         Setting(**study.setting)

@@ -164,6 +164,24 @@ def test_plot_only_needs_a_readable_results_file(tmp_path, content, message):
     assert code == 2 and err.startswith("error: --results: ") and message in err
 
 
+def test_plot_only_says_another_commands_json_is_no_study(tmp_path):
+    """`simulate --json`'s document, or a JSON array, given as --results was refused by its first field,
+    "format_version: Field required" or "Input should be a valid dictionary or instance of StudyFile": the line
+    names the file, the field a study's results begin with, and what writes them."""
+    code, printed, _ = pipesim("simulate", "-s", "1f1b", "--json")
+    assert code == 0
+    (tmp_path / "simulated.json").write_text(printed)
+    (tmp_path / "array.json").write_text("[1, 2]")
+    said = [pipesim("study", "--plot-only", "--results", tmp_path / name, "--html", tmp_path / "p.html")
+            for name in ("simulated.json", "array.json")]
+    study = ("(a study's results are an object of format_version, setting, runs and timings); give the --results "
+             "file `pipesim study` wrote\n")
+    assert said == [(2, "", f"error: --results: {tmp_path / name} is not a study results file: {lacks} {study}")
+                    for name, lacks in (("simulated.json", "it has no format_version"),
+                                        ("array.json", "it is not a JSON object"))]
+    assert not (tmp_path / "p.html").exists()
+
+
 def test_plot_only_without_a_study_here_says_how_to_get_one(tmp_path, monkeypatch):
     """docs/study.md's second line, `pipesim study --plot-only`, in a folder where no study ran said only that
     study.json could not be read: it names the command that writes it and the committed study it can show, by a path
