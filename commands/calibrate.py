@@ -218,7 +218,8 @@ def calibrate(
             options = dict(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
                            kv_heads=kv_heads, gated=gated, experts=experts, top_k=top_k,
                            shared_experts=shared_experts, expert_ffn=expert_ffn, capacity_factor=capacity_factor)
-            refuse(host_memory_refusal("calibrate", model, options))
+            refuse(host_memory_refusal("calibrate", model, options, microbatch_size if settings.device.type == "cpu"
+                                       else None, dtype))  # a GPU's forward holds its micro-batch there
             net = build_model(model, **options)
             if stages > len(net.layers):
                 raise InputError(too_few_layers(f"--stages {stages}", net.name, net.options, len(net.layers)))

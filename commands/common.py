@@ -655,13 +655,16 @@ def refuse(refusal: str | None) -> None:
         raise InputError(refusal)
 
 
-def host_memory_refusal(command: str, model: str, options: dict) -> str | None:
+def host_memory_refusal(command: str, model: str, options: dict, microbatch_size: int | None = None,
+                        dtype: str = "float32") -> str | None:
     """The line refusing a model whose weights, built in float32 on the host (calibrate builds them there before
     moving them to the device and dtype, calibrate/measure.py `place`; run before its ranks start, and each rank its
     own), outgrow the memory this host has available, counted on the meta device first; where the kernel
     overcommits, building it ran until its OOM killer ended the process (hf:examples/llama3.1-8b, 32 GB of weights,
-    on a 23 GB host). None where they fit, the platform does not say what is available, or the model is the user's
-    own code, which may build anywhere. `command`: the pipesim command the line tells to take a smaller config."""
+    on a 23 GB host). With `microbatch_size` (a forward run on the host in `dtype`), the micro-batch too
+    (`_forward_bytes_per_sample`): `run --model mlp -b 100000000` allocated 25.6 GB before torch refused it. None
+    where they fit, the platform does not say what is available, or the model is the user's own code, which may
+    build anywhere. `command`: the pipesim command the line tells to take a smaller config."""
     from ..profiles.workload import is_hf
     from ..traces.hostload import available_memory_bytes
 
@@ -675,13 +678,42 @@ def host_memory_refusal(command: str, model: str, options: dict) -> str | None:
     with torch.device("meta"):
         built = build_model(model, **options)
     weights = sum({id(w): w.numel() for layer in built.layers for w in layer.parameters()}.values())
-    if weights * 4 <= available:
+    if weights * 4 > available:
+        smaller = (f"{command} a smaller config of it (fewer layers, a narrower width)" if is_hf(model) else
+                   "make it smaller (--layers, --width)")
+        return (f"{model} does not fit in memory: its {count_text(weights, 'weight')} take {bytes_text(weights * 4)} "
+                f"in float32 as it is built on this host, which has {bytes_text(available)} available; {smaller}, or "
+                "price it without building it: `pipesim estimate --gpu NAME`")
+    if microbatch_size is None:
         return None
-    smaller = (f"{command} a smaller config of it (fewer layers, a narrower width)" if is_hf(model) else
-               "make it smaller (--layers, --width)")
-    return (f"{model} does not fit in memory: its {count_text(weights, 'weight')} take {bytes_text(weights * 4)} in "
-            f"float32 as it is built on this host, which has {bytes_text(available)} available; {smaller}, or price "
-            "it without building it: `pipesim estimate --gpu NAME`")
+    per_sample = _forward_bytes_per_sample(built, getattr(torch, dtype))
+    if weights * 4 + microbatch_size * per_sample <= available:
+        return None
+    most = (available - weights * 4) // per_sample
+    smaller = (f"give a smaller --microbatch-size (past {most:,} this alone outgrows it)" if most else
+               "make the model smaller (--layers, --width)")
+    return (f"{model} does not fit in memory at micro-batch size {microbatch_size:,} (--microbatch-size): the "
+            f"micro-batch and its layers' outputs take {bytes_text(microbatch_size * per_sample)} in {dtype} as "
+            f"{command} runs its forward on this host, beside {bytes_text(weights * 4)} of weights, and the host has "
+            f"{bytes_text(available)} available; {smaller}")
+
+
+def _forward_bytes_per_sample(built, dtype) -> int:
+    """The bytes a sample of the input and of every layer's output take, `built` (on the meta device) run forward on
+    it there in `dtype` (integer inputs, tokens, in their own): what run's first forward, which finds the outputs'
+    shapes (executor/stages.py `layer_outputs`), and calibrate's, which measures them (calibrate/measure.py
+    `measure_bytes`), hold at once b times over for a micro-batch of b, at the least."""
+    import torch
+
+    from ..workload.models import BATCH
+
+    sample, _ = built.make_batch(1, torch.Generator().manual_seed(0))
+    outputs = {BATCH: torch.empty_like(sample, device="meta",
+                                       dtype=dtype if sample.is_floating_point() else sample.dtype)}
+    with torch.no_grad():
+        for i, layer in enumerate(built.layers):
+            outputs[i] = layer.to(dtype)(*(outputs[source] for source in built.inputs[i]))
+    return sum(output.nbytes for output in outputs.values())
 
 
 # The estimate's settings whose flags are not their names spelled as flags (`flag_of` spells the rest).
@@ -1178,8 +1210,12 @@ def out_of_host_memory(exc: BaseException, model: str, microbatch_size: int) -> 
     first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
     if not isinstance(exc, MemoryError) and not any(word in first_line.lower() for word in ("alloc", "memory")):
         return None
+    # torch's allocator says what it tried ("[enforce fail at alloc_cpu.cpp:127] ... you tried to allocate N
+    # bytes. Error code 12 ..."): the size, in the units the other refusals use, without its source lines
+    tried = re.search(r"tried to allocate (\d+) bytes", str(exc))
+    failed = f"an allocation of {bytes_text(int(tried[1]))} failed" if tried else "the host ran out of memory"
     return InputError(f"{model} does not fit in memory at micro-batch size {microbatch_size:,} (--microbatch-size): "
-                      f"{first_line}; make it smaller (--width, --layers, --microbatch-size)")
+                      f"{failed}; make it smaller (--width, --layers, --microbatch-size)")
 
 
 def description_column():

@@ -291,7 +291,8 @@ def run(
         if measured is not None:
             options = rebuilt_options(model, measured.model.options)
         try:
-            refuse(host_memory_refusal("run", model, options))  # built on the meta device: the same refusals
+            # built on the meta device: the same refusals; its first forward runs here, on the host
+            refuse(host_memory_refusal("run", model, options, microbatch_size, DTYPES[dtype or "float32"]))
             net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
         except ModelError as exc:
             raise InputError(str(exc)) from None

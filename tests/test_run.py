@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -137,6 +138,36 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [("run", "-s", "1f1b", "--stages", 2, "-m", 4), ("calibrate", "--out", "p.json")])
+def test_a_micro_batch_past_the_hosts_memory_is_refused_before_it_is_made(tmp_path, monkeypatch, command):
+    """`run --model mlp -b 100000000` made its 25.6 GB micro-batch, and the line quoted torch's allocator ("[enforce
+    fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ..."); calibrate's too. The micro-batch and its
+    layers' outputs are sized on the meta device first: 16,680 bytes a sample of the mlp (its input's 64 features,
+    its 8 layers' 512 and its head's 10, in float32)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*command, "--model", "mlp", "-b", 10**10)
+    assert (code, out) == (2, ""), err
+    assert re.fullmatch(r"error: mlp does not fit in memory at micro-batch size 10,000,000,000 \(--microbatch-size\): "
+                        rf"the micro-batch and its layers' outputs take 1\.553e\+05 GiB in float32 as {command[0]} "
+                        r"runs its forward on this host, beside 7\.16 MiB of weights, and the host has [\d.]+ [GMK]iB "
+                        r"available; give a smaller --microbatch-size \(past [\d,]+ this alone outgrows it\)\n", err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_allocation_torch_refuses_is_one_line_without_its_allocators_text():
+    """A micro-batch that passed the estimate and still failed to be made: torch's multi-line allocator message
+    (its source file, "enforce fail", the error code) as the size that failed, in the units the other lines use."""
+    import torch
+
+    from pipesim.commands.common import out_of_host_memory
+
+    with pytest.raises(RuntimeError) as failed:
+        torch.empty(2**62, dtype=torch.uint8)  # past any host's address space: refused at once, nothing touched
+    assert str(out_of_host_memory(failed.value, "mlp", 10**6)) == (
+        "mlp does not fit in memory at micro-batch size 1,000,000 (--microbatch-size): an allocation of 4.295e+09 GiB "
+        "failed; make it smaller (--width, --layers, --microbatch-size)")
 
 
 def test_a_data_parallel_runs_table_names_p_d_and_each_replicas_devices(monkeypatch):
