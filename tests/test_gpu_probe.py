@@ -448,8 +448,9 @@ def test_the_check_refuses_an_unknown_part_before_it_runs_anything(tmp_path, mon
 def test_the_checks_cpu_dry_run_runs_every_step(tmp_path):
     """`gpu_check.py --device cpu --quick --gpu PART` is the dry run of what a GPU session runs first: every step
     runs, the estimates' "as run" figures included, where the CPU run refused the part's estimate as another
-    device's (TraceError). --quick is its smallest shape; it still starts 13 pipesim commands, a calibration, two
-    2-rank torch runs and the passes' timings, about 44 CPU seconds (125 s at load 6-7 on a 2-core host)."""
+    device's (TraceError). --quick is its smallest shape; it still starts 9 pipesim commands (a calibration, two
+    2-rank torch runs, each estimate simulated once for both methods) and times the passes, about 28 CPU seconds
+    (80-150 s at load 7-11 on a 2-core host)."""
     out = tmp_path / "check"
     ran = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
                           "--gpu", "h100-sxm", "--out", str(out)], capture_output=True, text=True, timeout=1200)
