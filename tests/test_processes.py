@@ -92,3 +92,27 @@ def test_without_a_working_forkserver_ranks_are_spawned_with_one_line_why(monkey
 
 def _exit_3() -> None:
     os._exit(3)
+
+
+def test_ctrl_c_while_the_forkserver_imports_interrupts_the_wait():
+    """Ctrl-C while `ready` waits for the forkserver's imports (seconds of torch's) raises KeyboardInterrupt: it
+    was ignored there, so the signal was lost and `pipesim study`, interrupted while it calibrated, went on to
+    train and exited 0. A fresh process, for a server still importing; the SIGINT comes 0.2 s into the wait."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, signal, threading
+        from pipesim.workload import processes
+        processes.prepare()
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            processes.ready()
+        except KeyboardInterrupt:
+            print("interrupted")
+        else:
+            print("ready")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.stdout.strip() == "interrupted", (done.stdout, done.stderr)

@@ -80,7 +80,9 @@ class _Starter:
 
     def ready(self) -> str:
         """The start method, once the forkserver (started here if `prepare` was not called) has finished its
-        imports: one process is forked from it and joined."""
+        imports: one process is forked from it and joined. Ctrl-C meanwhile raises KeyboardInterrupt here: the
+        probe is forked by the server, whose SIGINT is ignored, so nothing here need ignore it (ignored, a Ctrl-C
+        during the server's seconds of imports was lost, and the command went on)."""
         self.prepare()
         with self.lock:
             if self.method is not None:
@@ -88,8 +90,7 @@ class _Starter:
             context = multiprocessing.get_context("forkserver")
             probe = context.Process(target=_server_ready, name="pipesim-forkserver-ready", daemon=True)
             try:
-                with _sigint_ignored():
-                    probe.start()
+                probe.start()
                 probe.join(READY_TIMEOUT_S)
             except OSError as exc:
                 self._fall_back(f"the forkserver did not answer ({exc})")
