@@ -171,7 +171,9 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     one micro-batch; selective activation checkpointing is its "op" policy (`--recompute op`), else full; context
     parallelism rotates the keys and values by torch's all-gather (`--cp-rotate allgather`: the page sets no
     rotation, and torchtitan's option, config_manager.py's --experimental.context_parallel_rotate_method, later
-    job_config.py's parallelism.context_parallel_rotate_method, defaults to allgather); its MLP's SwiGLU as eager
+    job_config.py's parallelism.context_parallel_rotate_method, defaults to allgather); its grouped keys and values
+    copied to every query head before torch's attention (`--repeat-kv`: models/llama/model.py's `repeat_kv`, which
+    the flash kernel saves and the context ring gathers so); its MLP's SwiGLU as eager
     ops (`--no-swiglu-fusion`: models/llama3/model.py FeedForward, `w2(F.silu(w1(x)) * w3(x))`, keeps silu's output
     beside the products' outputs; Inductor's fusion is not modelled); a row with torch.compile, its blocks compiled
     inside their checkpoints (`--torch-compile`: what AOTAutograd's partitioner saves); with a pipeline, torch's
@@ -187,7 +189,8 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     local_batch = int(row["local_batch_size"])
     float8 = "Float8" in row["techniques"]
     args = ["simulate", "--model", TORCHTITAN_MODELS[row["model"]], "--seq-len", str(seq),
-            "--dtype", "fp8" if float8 else "bf16", *(["--fp8-recipe", "torchao-2024"] if float8 else []),
+            "--repeat-kv", "--dtype", "fp8" if float8 else "bf16",
+            *(["--fp8-recipe", "torchao-2024"] if float8 else []),
             *(["--fsdp-float8-all-gather"] if float8 and row["model"] in TORCHTITAN_FLOAT8_ALL_GATHER else []),
             "--attention", "flash", "-b", str(local_batch // microbatches), *TORCHTITAN_GPU,
             *(["--tensor-parallel", str(t), "--sequence-parallel", "--tp-runtime", "torch", "--loss-parallel",

@@ -479,6 +479,12 @@ RopeKernel = Annotated[str, typer.Option(
                                             "kernel, Megatron-core's apply_rope_fusion: one kernel for q and one "
                                             "for k each way). Both keep only the angles.",
     show_default=False)]
+RepeatKv = Annotated[bool, typer.Option(
+    "--repeat-kv", help="With --gpu: grouped-query attention's keys and values copied to every query head before "
+                        "the attention kernel, as torchtitan's Llama does (its `repeat_kv`), so the kernel saves and "
+                        "a context-parallel ring passes them repeated; by default the kernel takes the fewer "
+                        "key/value heads (enable_gqa).",
+    show_default=False)]
 RouterAuxLoss = Annotated[str | None, typer.Option(
     "--router-aux-loss", metavar="HOW", help="With --gpu: a mixture of experts' load-balancing loss in every MoE "
                                              "layer, as Megatron-core computes it under "
@@ -574,7 +580,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("swiglu_fusion", SwigluFusion, True), ("cross_entropy", CrossEntropy, "torch"),
                 ("norm_kernel", NormKernel, "eager"), ("rope_kernel", RopeKernel, "eager"),
-                ("router_aux_loss", RouterAuxLoss, None),
+                ("repeat_kv", RepeatKv, False), ("router_aux_loss", RouterAuxLoss, None),
                 ("linear_kernel", LinearKernel, None),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),

@@ -71,7 +71,7 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "expert_gemm", "expert_tensor_parallel",
                  "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
-                 "rope_kernel", "recompute_modules", "torch_compile",
+                 "rope_kernel", "repeat_kv", "recompute_modules", "torch_compile",
                  "ema", "scores_buffer", "tp_overlap_no_margin", "tp_overlap_fp8_buf", "attention_kernel",
                  "grad_accumulation", "linear_kernel", "router_aux_loss")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
@@ -80,6 +80,7 @@ ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "p
 # The count's kernels (workload/count.py) and their defaults: recorded beside an estimate's parallelism, so that a
 # profile says what it priced and the costs line names what is not the default.
 KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager", "rope_kernel": "eager",
+                   "repeat_kv": False,
                    "router_aux_loss": "none"}
 # Settings named in an estimate's parallelism text only when they are not these (a bool not listed: when set).
 SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_accumulation": "separate",
@@ -121,6 +122,7 @@ class WhatIf:
     cross_entropy: str = "torch"  # --cross-entropy, of workload/sizes.py's CROSS_ENTROPY
     norm_kernel: str = "eager"  # --norm-kernel, of workload/sizes.py's NORM_KERNELS
     rope_kernel: str = "eager"  # --rope-kernel, of workload/sizes.py's ROPE_KERNELS
+    repeat_kv: bool = False  # --repeat-kv (workload/count.py `_GpuKernels`)
     router_aux_loss: str = "none"  # --router-aux-loss, of workload/moe.py's ROUTER_AUX_LOSSES
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: the flex dispatcher backend's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
@@ -339,6 +341,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   _or_default(params, "tp_runtime", "megatron"), _or_default(params, "cp_rotate", "alltoall"),
                   swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=cross_entropy,
                   norm_kernel=norm_kernel, rope_kernel=rope_kernel, router_aux_loss=router_aux_loss,
+                  repeat_kv=params.get("repeat_kv", False),
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
                   fp8_param_gather=params.get("fp8_param_gather", False),
                   dispatcher_sms=params.get("dispatcher_sms"),
@@ -533,7 +536,7 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     counted = count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
                              "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
                              what.swiglu_fusion, what.cross_entropy, what.norm_kernel, what.rope_kernel,
-                             what.router_aux_loss)
+                             what.router_aux_loss, what.repeat_kv)
     if what.expert_gemm != "grouped" and not counted.options.get("experts"):
         raise InputError(f"--expert-gemm {what.expert_gemm} runs a mixture of experts' routed products, and the "
                          "model has none (gpt --experts, or a Hugging Face MoE config); give grouped")
@@ -553,14 +556,15 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
 def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
                    needer: str, loss_parallel: bool = False, swiglu_fusion: bool = True,
                    cross_entropy: str = "torch", norm_kernel: str = "eager",
-                   rope_kernel: str = "eager", router_aux_loss: str = "none") -> WorkloadCount:
+                   rope_kernel: str = "eager", router_aux_loss: str = "none",
+                   repeat_kv: bool = False) -> WorkloadCount:
     """`model` counted on the meta device, from the host cache where a built-in model's or a Hugging Face config's
     count is kept. `swiglu_fusion`: gated MLPs' SwiGLU as one fused kernel; a calibrated model ran its own torch
     ops, unfused. The cyclic collector is held off meanwhile (`collector_paused`)."""
     from dataclasses import replace
 
     cache = _count_cache(model, options, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion,
-                         cross_entropy, norm_kernel, rope_kernel, router_aux_loss)
+                         cross_entropy, norm_kernel, rope_kernel, router_aux_loss, repeat_kv)
     if cache is not None:
         counted = _read_count(cache)
         if counted is not None:
@@ -575,7 +579,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
         raise InputError(choose_from("--attention", ATTENTION, attention))
     try:
         counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention, loss_parallel,
-                              swiglu_fusion, cross_entropy, norm_kernel, rope_kernel, router_aux_loss)
+                              swiglu_fusion, cross_entropy, norm_kernel, rope_kernel, router_aux_loss, repeat_kv)
     except ModelError as exc:
         raise InputError(str(exc)) from None
     if cache is not None:
@@ -585,7 +589,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
 
 def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
                  loss_parallel: bool, swiglu_fusion: bool, cross_entropy: str, norm_kernel: str,
-                 rope_kernel: str, router_aux_loss: str) -> Path | None:
+                 rope_kernel: str, router_aux_loss: str, repeat_kv: bool) -> Path | None:
     """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype,
     attention and loss, the installed torch's version and the source of the code that builds and counts it (so that a
     change to either counts again); a Hugging Face config's by its content (`HfConfig.digest`) and transformers'
@@ -613,6 +617,7 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
         return None
     key = hashlib.sha256(json.dumps([*described, options, microbatch_size, dtype, attention, loss_parallel,
                                      swiglu_fusion, cross_entropy, norm_kernel, rope_kernel, router_aux_loss,
+                                     repeat_kv,
                                      *versions],
                                     sort_keys=True).encode())
     for source in count_sources():
@@ -666,7 +671,7 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     from ..planning.estimate import estimate_profile
 
     if parallel.pipeline > len(counted.layers):
-        raise InputError(too_few_layers(f"--stages {parallel.pipeline}", counted.model, counted.options,
+        raise InputError(too_few_layers(f"--stages {parallel.pipeline:,}", counted.model, counted.options,
                                         len(counted.layers)))
     with refused_with_flags():
         profile = estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,

@@ -95,6 +95,8 @@ def test_every_torchtitan_row_pipesim_expresses_is_compared_from_its_command(mon
         context = "CP" in r["run"] and ", CP 1" not in r["run"]
         assert ("--cp-rotate allgather" in pairs) == context  # and its context parallel, torch's all-gather
         assert ("--pp-runtime torch" in pairs) == ("PP 8" in r["run"])  # and its pipeline, torch's pipelining
+        # its Llama copies the grouped keys and values to every query head before attention (model.py `repeat_kv`)
+        assert "--repeat-kv" in r["command"]
         # its blocks compiled inside their checkpoints: what AOTAutograd's partitioner saves of them
         assert ("--torch-compile" in r["command"]) == ("torch.compile" in r["run"])
         # run_llama_train.sh's PYTORCH_CUDA_ALLOC_CONF on one host (Tables 1 and 2: 8 GPUs), multinode_trainer.slurm

@@ -536,11 +536,15 @@ class _GpuKernels(TorchFunctionMode):
     kernel (torch's native_dropout, as CUDA runs it: the output and a mask written in one pass); with
     `flash`, scaled_dot_product_attention as torch's flash kernel; without, an attention with dropout as
     Megatron-LM's unfused attention (scores, masked softmax, fused dropout, product), since torch's math path
-    would decompose its dropout."""
+    would decompose its dropout. With `repeat_kv`, grouped-query attention's keys and values are first copied to
+    every query head, as torchtitan's Llama does before torch's attention (torchtitan/models/llama/model.py at
+    9dec370, `repeat_kv`: unsqueeze, expand, reshape), so the kernel saves them, and a context-parallel ring passes
+    them, at the queries' heads (`OpCount.kv_group` 1)."""
 
-    def __init__(self, flash: bool) -> None:
+    def __init__(self, flash: bool, repeat_kv: bool = False) -> None:
         super().__init__()
         self.flash = flash
+        self.repeat_kv = repeat_kv
         self.attended = False  # whether the model computed attention (an MLP's count names no kernel for it)
         self.scores_bytes = 0  # the largest s x s scores an unfused attention made (`LayerCount.scores_bytes`)
 
@@ -557,6 +561,11 @@ class _GpuKernels(TorchFunctionMode):
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
         given = {**dict(zip(names, args)), **kwargs}
+        repeats = given["query"].shape[-3] // given["key"].shape[-3]
+        if self.repeat_kv and repeats > 1:
+            given |= {"key": _repeated_heads(given["key"], repeats), "value": _repeated_heads(given["value"], repeats),
+                      "enable_gqa": False}
+            args, kwargs = (), given
         if not self.flash:  # its scores: batch x query heads x query length x key length, in the queries' dtype
             scores = given["query"].shape[:-1].numel() * given["key"].shape[-2] * given["query"].element_size()
             self.scores_bytes = max(self.scores_bytes, scores)
@@ -591,15 +600,22 @@ def fused_attention() -> bool:
     return bool(_fused) and _fused[-1]
 
 
+def _repeated_heads(part: torch.Tensor, repeats: int) -> torch.Tensor:
+    """`part` (..., heads, tokens, head size) with each head `repeats` times in a row, a copy (torchtitan's
+    `repeat_kv`: a reshape of the expanded view, which no strides can hold)."""
+    shape = part.shape
+    return part.unsqueeze(-3).expand(*shape[:-2], repeats, *shape[-2:]).reshape(*shape[:-3], -1, *shape[-2:])
+
+
 @contextmanager
-def _attention(kind: str) -> Iterator[_GpuKernels]:
+def _attention(kind: str, repeat_kv: bool = False) -> Iterator[_GpuKernels]:
     if kind not in ATTENTION:
         raise ValueError(choose_from("attention", ATTENTION, kind))
     allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     _fused.append(kind == "flash")
     try:
-        with _GpuKernels(kind == "flash") as kernels:
+        with _GpuKernels(kind == "flash", repeat_kv) as kernels:
             yield kernels
     finally:
         _fused.pop()
@@ -805,7 +821,7 @@ def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype]
 def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attention: str = "math",
                 loss_parallel: bool = False, swiglu_fusion: bool = True,
                 cross_entropy: str = "torch", norm_kernel: str = "eager", rope_kernel: str = "eager",
-                router_aux_loss: str = "none") -> WorkloadCount:
+                router_aux_loss: str = "none", repeat_kv: bool = False) -> WorkloadCount:
     """Count `model` for a micro-batch of `microbatch_size` samples in `dtype`. Its layers are moved to the meta
     device (their values are lost): build it there (`with torch.device("meta")`, as `count_built` does). Layers
     alike (`_signature`) are counted once: a 175B GPT's 96 blocks cost one. `loss_parallel`: its cross entropy
@@ -815,7 +831,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     `norm_kernel`: how its RMSNorms run, of `NORM_KERNELS` (fused: workload/norms.py's TransformerEngine kernel).
     `rope_kernel`: how its RoPE runs, of `ROPE_KERNELS` (fused: workload/rope.py's TransformerEngine kernel). A model
     with no RMSNorm or RoPE a fused kernel replaces is refused it, so that the flag never silently changes nothing.
-    `router_aux_loss`: its routed experts' load-balancing loss, of ROUTER_AUX_LOSSES (`workload.moe.with_aux_loss`)."""
+    `router_aux_loss`: its routed experts' load-balancing loss, of ROUTER_AUX_LOSSES (`workload.moe.with_aux_loss`).
+    `repeat_kv`: grouped keys and values copied to every query head before the attention kernel (`_GpuKernels`)."""
     if (refused := kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel, router_aux_loss)):
         raise ModelError(refused)
     flag = "--loss-parallel" if loss_parallel else "--cross-entropy megatron"
@@ -844,8 +861,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     counted = []
     for layer in model.layers:  # all before any is counted: a layer may read another's weights (`shared_weights`)
         layer.to(device=META, dtype=dtype).train()
-    with _attention(attention) as kernels, fused_swiglu(swiglu_fusion), moe_router_aux_loss(router_aux_loss), \
-            _addressable(microbatch_size):
+    with _attention(attention, repeat_kv) as kernels, fused_swiglu(swiglu_fusion), \
+            moe_router_aux_loss(router_aux_loss), _addressable(microbatch_size):
         for i, layer in enumerate(model.layers):
             inputs = [outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point())
                       for s in model.inputs[i]]
@@ -1058,11 +1075,11 @@ def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch
 def count_built(name: str, options: dict[str, Any], microbatch_size: int, dtype: torch.dtype,
                 attention: str = "math", loss_parallel: bool = False, swiglu_fusion: bool = True,
                 cross_entropy: str = "torch", norm_kernel: str = "eager", rope_kernel: str = "eager",
-                router_aux_loss: str = "none") -> WorkloadCount:
+                router_aux_loss: str = "none", repeat_kv: bool = False) -> WorkloadCount:
     """Build model `name` (built-in or package.module:attribute, with `options`) on the meta device and count it."""
     from .models import build_model
 
     with META:
         model = build_model(name, **options)
     return count_model(model, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion, cross_entropy,
-                       norm_kernel, rope_kernel, router_aux_loss)
+                       norm_kernel, rope_kernel, router_aux_loss, repeat_kv)
