@@ -561,8 +561,9 @@ class _GpuKernels(TorchFunctionMode):
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
         given = {**dict(zip(names, args)), **kwargs}
-        repeats = given["query"].shape[-3] // given["key"].shape[-3]
-        if self.repeat_kv and repeats > 1:
+        query, key = given["query"], given["key"]
+        repeats = query.shape[-3] // key.shape[-3] if self.repeat_kv and query.dim() > 2 else 1
+        if repeats > 1:
             given |= {"key": _repeated_heads(given["key"], repeats), "value": _repeated_heads(given["value"], repeats),
                       "enable_gqa": False}
             args, kwargs = (), given
