@@ -1,0 +1,51 @@
+"""--repeat-kv: grouped-query attention's keys and values copied to every query head before the attention kernel, as
+torchtitan's Llama does (torchtitan/models/llama/model.py at 9dec370, `repeat_kv`), so the kernel saves them and a
+context-parallel ring passes them at the queries' heads."""
+import torch
+import torch.nn.functional as F
+
+from pipesim.planning.estimate import ContextRing
+from pipesim.workload.count import _GpuKernels, count_built
+
+from .helpers import estimated_layers
+
+HEADS, KV_HEADS, SEQ, HEAD_SIZE, BATCH = 8, 2, 256, 32, 2
+GQA_GPT = {"layers": 1, "width": HEADS * HEAD_SIZE, "heads": HEADS, "kv_heads": KV_HEADS, "seq_len": SEQ,
+           "vocab": 128, "gated": True}
+GQA_GPT_FLAGS = ("--model", "gpt", "--layers", 1, "--width", HEADS * HEAD_SIZE, "--heads", HEADS,
+                 "--kv-heads", KV_HEADS, "--seq-len", SEQ, "--vocab", 128, "--gated", "--attention", "flash",
+                 "--gpu", "h100-sxm")
+
+
+def _block(repeat_kv: bool):
+    return count_built("gpt", GQA_GPT, BATCH, torch.bfloat16, "flash", repeat_kv=repeat_kv).layers[1]
+
+
+def _kernel(block):
+    return next(op for op in block.ops["fwd"] if op.op == "_scaled_dot_product_flash_attention")
+
+
+def test_the_kernel_takes_and_saves_every_query_heads_keys_and_values():
+    grouped, repeated = _block(False), _block(True)
+    assert (_kernel(grouped).kv_group, _kernel(repeated).kv_group) == (HEADS // KV_HEADS, 1)
+    assert ContextRing.keys_values(_kernel(repeated)) == HEADS // KV_HEADS * ContextRing.keys_values(_kernel(grouped))
+    # the kernel saves the copies (bf16 keys and values at every head); the grouped ones stay in the qkv product's
+    # output, which the kernel's query, a view of it, holds
+    assert repeated.saved_bytes - grouped.saved_bytes == 2 * BATCH * HEADS * SEQ * HEAD_SIZE * 2
+
+
+def test_a_context_ring_gathers_the_repeated_keys_and_values(tmp_path):
+    ring = ("--context-parallel", 2, "--cp-rotate", "allgather")
+    grouped = estimated_layers(tmp_path, *GQA_GPT_FLAGS, *ring)[1]["ring_buffer_bytes"]
+    repeated = estimated_layers(tmp_path, *GQA_GPT_FLAGS, *ring, "--repeat-kv")[1]["ring_buffer_bytes"]
+    # the forward's all-gather holds C + 1 = 3 bf16 key-and-value buffers of the rank's SEQ / 2 tokens
+    # (`ContextRing.buffer_bytes`), each (HEADS - KV_HEADS) heads larger; its float32 merges are the queries'
+    assert repeated["fwd"] - grouped["fwd"] == 3 * 2 * (HEADS - KV_HEADS) * (SEQ // 2) * HEAD_SIZE * 2
+
+
+def test_an_attention_of_unbatched_tensors_is_counted_with_or_without_the_repeat():
+    """torch's attention takes a 2-D query, key and value (tokens x head size), which have no heads to repeat."""
+    for repeat_kv in (False, True):
+        with _GpuKernels(False, repeat_kv):
+            out = F.scaled_dot_product_attention(*(torch.ones(4, HEAD_SIZE) for _ in range(3)))
+        assert out.shape == (4, HEAD_SIZE)
