@@ -93,11 +93,17 @@ def _is_table(head: str) -> bool:
     return len(counts) == 1 and counts.pop() >= 2
 
 
+# pydantic's errors for a value that should have been an object, whose messages name its classes ("a valid
+# dictionary or instance of LinkSpec"): said as its JSON mode says them, in the file's terms
+_NOT_AN_OBJECT = frozenset({"model_type", "dict_type", "model_attributes_type"})
+
+
 def first_error(exc: Any) -> str:
     """A pydantic ValidationError's first error as `field.path: message` (just the message at the top level)."""
     err = exc.errors()[0]
     where = ".".join(map(str, err["loc"]))
-    return f"{where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}"
+    message = "Input should be an object" if err["type"] in _NOT_AN_OBJECT else err["msg"]
+    return f"{where + ': ' if where else ''}{message.removeprefix('Value error, ')}"
 
 
 def is_trace_document(doc: Any) -> bool:

@@ -92,7 +92,7 @@ def test_a_profile_whose_tail_was_taken_in_wall_time_is_warned_of_where_it_held_
     ({"slowdown": []}, "contention.slowdown: List should have at least 1 item"),
     ({"spread": [0.1]}, "contention: spread must have one entry per slowdown entry (2), got 1"),
     ({"spread": [0.1, -0.1]}, "contention.spread.1: Input should be greater than or equal to 0"),
-    ({"meta": None}, "contention.meta: Input should be a valid dictionary"),
+    ({"meta": None}, "contention.meta: Input should be an object"),
 ])
 def test_a_bad_contention_term_names_its_field(tmp_path, edit, fragment):
     with pytest.raises(ProfileError) as caught:

@@ -182,6 +182,18 @@ def test_a_file_of_its_kind_with_a_field_wrong_is_named_as_its_kind_then_the_fie
     assert sorted(path.name for path in tmp_path.iterdir()) == ["cluster.json", "study.json"]
 
 
+@pytest.mark.parametrize(("document", "field"), [('[1]', ""), ('{"devices": 2, "link": [1]}', "link: "),
+                                               ('{"devices": [[1]]}', "devices.0: ")])
+def test_a_cluster_files_list_where_an_object_goes_is_said_in_the_files_terms(tmp_path, monkeypatch, document, field):
+    """A list given for the cluster file or one of its objects was "Input should be a valid dictionary or instance
+    of LinkSpec": the reader's class, which no user wrote; said as a trace's header says it."""
+    monkeypatch.chdir(tmp_path)
+    Path("cluster.json").write_text(document)
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", "cluster.json")
+    assert (code, out, err) == (2, "", f"error: --cluster: cluster file cluster.json: {field}Input should be an "
+                                       "object\n")
+
+
 def test_a_hugging_face_config_given_for_a_profile_is_named_one_with_the_flag_that_reads_it(tmp_path, monkeypatch):
     """A config.json given as --profile was "schema_version: missing (is this a pipesim calibrate profile?)"."""
     monkeypatch.chdir(tmp_path)
