@@ -222,7 +222,7 @@ def calibrate(
                                        else None, dtype))  # a GPU's forward holds its micro-batch there
             net = build_model(model, **options)
             if stages > len(net.layers):
-                raise InputError(too_few_layers(f"--stages {stages}", net.name, net.options, len(net.layers)))
+                raise InputError(too_few_layers(f"--stages {stages:,}", net.name, net.options, len(net.layers)))
             if is_given(ctx, "expert_parallel"):
                 check_expert_parallel(expert_parallel, net)
             sizes = default_sizes(int(link_max_mb * MIB)) if links else []

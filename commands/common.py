@@ -758,7 +758,11 @@ def flag_line(refusal: ValueError) -> str:
     said = getattr(refusal, "said", None)
     text = str(refusal) if said is None else said(setting_flag)
     field, _, rest = text.partition(": ")
-    return f"{setting_flag(field)} {rest}" if field in Parallelism.__dataclass_fields__ and rest else text
+    if field not in Parallelism.__dataclass_fields__ or not rest:
+        return text
+    # the setting's value, planning's "expert: 99999999999, but ...", grouped in thousands as the other lines' are
+    grouped = re.sub(r"^\d+", lambda value: f"{int(value[0]):,}", rest)
+    return f"{setting_flag(field)} {grouped}"
 
 
 @contextmanager
@@ -788,7 +792,7 @@ def check_estimate_experts(measured, stages: int, data_parallel: int, *, one_rep
         return
     estimated = f"the profile was estimated with --expert-parallel {parallelism['expert']}"
     if one_replica is None:
-        raise InputError(f"--data-parallel {data_parallel}: {estimated}, and {flag_line(refusal)}")
+        raise InputError(f"--data-parallel {data_parallel:,}: {estimated}, and {flag_line(refusal)}")
     raise InputError(f"--profile: {one_replica} writes one replica (d = 1), and {estimated}, whose ranks its rank "
                      f"order cannot place in one replica: give a profile estimated with --expert-parallel 1")
 
@@ -827,7 +831,7 @@ def check_expert_parallel_unbuilt(expert_parallel: int, model: str, options: dic
 
 def _unplaced_experts(expert_parallel: int) -> str:
     """The line refusing run's --expert-parallel of a Hugging Face mixture, whose experts run does not place."""
-    return (f"--expert-parallel {expert_parallel}: run places the built-in gpt's routed experts on its ranks, not a "
+    return (f"--expert-parallel {expert_parallel:,}: run places the built-in gpt's routed experts on its ranks, not a "
             "Hugging Face model's; simulate its calibrated profile (pipesim calibrate --expert-parallel "
             f"{expert_parallel}) with --expert-parallel {expert_parallel}")
 

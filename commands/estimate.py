@@ -671,7 +671,7 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     from ..planning.estimate import estimate_profile
 
     if parallel.pipeline > len(counted.layers):
-        raise InputError(too_few_layers(f"--stages {parallel.pipeline}", counted.model, counted.options,
+        raise InputError(too_few_layers(f"--stages {parallel.pipeline:,}", counted.model, counted.options,
                                         len(counted.layers)))
     with refused_with_flags():
         profile = estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,

@@ -235,7 +235,7 @@ def run(
             profiled_b = measured.environment.microbatch_size
             made, again, _ = _made(measured)
             if is_given(ctx, "microbatch_size") and microbatch_size != profiled_b:
-                raise InputError(f"--microbatch-size {microbatch_size}: the profile {profile} was {made} at "
+                raise InputError(f"--microbatch-size {microbatch_size:,}: the profile {profile} was {made} at "
                                  f"{count_text(profiled_b, 'sample')} per micro-batch, and its times hold there "
                                  f"only; drop the flag or {again}")
             microbatch_size = profiled_b
@@ -302,7 +302,7 @@ def run(
                        seed=seed, dtype=DTYPES[dtype or "float32"], bounds=bounds,
                        threads_per_rank=threads_per_rank, timeout_s=timeout, heldout=heldout)
         if len(net.layers) < built.num_stages:
-            asked = f"--stages {stages}" + (f" x --chunks {params.chunks}" if params.chunks > 1 else "")
+            asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
             raise InputError(too_few_layers(asked, model, net.options, len(net.layers)))
         if bounds is None and carried_bounds(spec, model=net) is None:
             raise InputError(_no_cut(spec, len(net.layers)))
@@ -403,7 +403,7 @@ def _check_expert_replicas(expert_parallel: int, data_parallel: int, device: str
     divide: simulate's rule, so the flags that run a layout are the flags that simulate it (run took d = E where
     --data-parallel was not given, and started twice the ranks the same flags simulate)."""
     if device != "cpu":
-        raise InputError(f"--expert-parallel {expert_parallel}: runs on CPU ranks (gloo) only; drop --device "
+        raise InputError(f"--expert-parallel {expert_parallel:,}: runs on CPU ranks (gloo) only; drop --device "
                          f"{device}")
     from ..planning.ranks import check_expert_replicas
 

@@ -286,7 +286,7 @@ def simulate(
         check_p2p_sync(ctx, compared, scenario.measured)
         if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:
             placed = scenario.dag[0].num_stages  # graphpipe ran at the file's p whatever --stages said
-            raise InputError(f"--stages {stages}: the --graph file's {placed} stages are graphpipe's p; give "
+            raise InputError(f"--stages {stages:,}: the --graph file's {placed} stages are graphpipe's p; give "
                              f"--stages {placed} or leave it out")
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
@@ -503,7 +503,7 @@ def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
     from ..planning.scenario import all_to_all_refusal
 
     if measured.estimate is not None:
-        raise InputError(f"--expert-parallel {experts}: the profile is an estimate, made for the expert parallelism "
+        raise InputError(f"--expert-parallel {experts:,}: the profile is an estimate, made for the expert parallelism "
                          f"it was estimated with (E={measured.estimate.parallelism.get('expert', 1)}); drop "
                          "--expert-parallel, or estimate again with it")
     with refused_with_flags():

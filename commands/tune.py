@@ -186,30 +186,30 @@ def tune(
             tensor, context, expert = _estimated_degrees(measured)
             if devices % (tensor * context):
                 each = f"t={tensor} GPUs per stage" + f" and C={context} context-parallel ranks" * (context > 1)
-                raise InputError(f"--devices {devices}: the profile was estimated for {each}; give a multiple of "
+                raise InputError(f"--devices {devices:,}: the profile was estimated for {each}; give a multiple of "
                                  f"{tensor * context}")
             schedule_devices = Problem.devices_of(devices, context)
             b = env.microbatch_size
             batch = batch_size if batch_size is not None else 4 * schedule_devices * b
             if batch % b:
-                raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
+                raise InputError(f"--batch-size {batch:,}: must be a multiple of the profile's micro-batch size {b:,} "
                                  "(its times were measured at that size)")
             _check_max_pipelines(ctx, max_pipelines, batch, b)
             depths = None  # a given d: the one p = D/(t·C·d)
             if data_parallel is not None:
                 per_stage = f" x {tensor * context} (the profile's GPUs per stage)" * (tensor * context > 1)
                 if devices % (tensor * context * data_parallel):
-                    raise InputError(f"--devices {devices}: p x d{per_stage} must give it, and --data-parallel "
-                                     f"{data_parallel} does not divide {devices // (tensor * context)}")
+                    raise InputError(f"--devices {devices:,}: p x d{per_stage} must give it, and --data-parallel "
+                                     f"{data_parallel:,} does not divide {devices // (tensor * context):,}")
                 depths = (devices // (tensor * context * data_parallel),)
                 if depths[0] > len(measured.layers):
-                    raise InputError(f"--data-parallel {data_parallel}: p = {depths[0]} devices per pipeline, more "
+                    raise InputError(f"--data-parallel {data_parallel:,}: p = {depths[0]:,} devices per pipeline, more "
                                      f"than the profile's {len(measured.layers)} layers; give a larger d")
             settings = [Setting(profile_scenario(measured, optimizer, pp_runtime), tensor, depths=depths,
                                 expert=expert)]
         else:
             if what.cluster_gpus is not None and devices > what.cluster_gpus:
-                raise InputError(f"--devices {devices}: the cluster --gpu {ctx.params['gpu']} has "
+                raise InputError(f"--devices {devices:,}: the cluster --gpu {ctx.params['gpu']} has "
                                  f"{what.cluster_gpus} GPUs")
             context = what.context
             _check_degrees(devices, tensor_parallel, data_parallel, context, what.options.get("seq_len"))
@@ -224,7 +224,7 @@ def tune(
             batch = batch_size if batch_size is not None else 4 * schedule_devices * sizes[0]
             sizes = tuple(b for b in sizes if batch % b == 0)
             if not sizes:
-                raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
+                raise InputError(f"--batch-size {batch:,}: must be a multiple of --microbatch-size {microbatch_size:,}")
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
             part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
@@ -397,19 +397,19 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None, context: 
     if not devices % product:
         return
     failing = [(flag, value) for flag, value in given if devices % value]
-    named = " x ".join(f"{flag} {value}" for flag, value in given) + (f" = {product}" if len(given) > 1 else "")
+    named = " x ".join(f"{flag} {value:,}" for flag, value in given) + (f" = {product:,}" if len(given) > 1 else "")
     split = "p stages x d replicas x t GPUs per stage" + " x C context-parallel ranks" * (context > 1)
     below = devices - devices % product
-    instead = [f"--devices {' or '.join(str(n) for n in (below, below + product) if n)}"]
+    instead = [f"--devices {' or '.join(f'{n:,}' for n in (below, below + product) if n)}"]
     if len(failing) == 1 and not devices % (product // failing[0][1]):  # the others kept divide D: this one fails
         flag, value = failing[0]
         room = devices // (product // value)  # what the degree may divide, the others kept
         divisors = [n for n in range(1, room + 1) if not room % n and (
             flag != "--context-parallel" or n == 1 or not seq_len or not seq_len % (2 * n))]
         nearest = [max(n for n in divisors if n < value), *(n for n in divisors if n > value)][:2]
-        instead.append(f"{flag} {' or '.join(map(str, nearest))}")
-        named = f"{flag} {value}"
-    raise InputError(f"--devices {devices} must be {split}, and {named} does not divide {devices}; give "
+        instead.append(f"{flag} {' or '.join(f'{n:,}' for n in nearest)}")
+        named = f"{flag} {value:,}"
+    raise InputError(f"--devices {devices:,} must be {split}, and {named} does not divide {devices:,}; give "
                      + ", or ".join(instead))
 
 

@@ -1026,7 +1026,7 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     from ..profiles.schema import layer_costs, profile_stage_time
 
     if num_stages > len(measured.layers):
-        raise CostError(too_few_layers(f"the schedule's {num_stages} model stages (--stages x --chunks)",
+        raise CostError(too_few_layers(f"the schedule's {num_stages:,} model stages (--stages x --chunks)",
                                        measured.model.name, measured.model.options, len(measured.layers)))
     counts = layer_counts(stage_cut)  # each form read once, by its prefix: first_last would read the others again
     if counts is not None:

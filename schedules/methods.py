@@ -129,7 +129,7 @@ class ScheduleParams:
         factors = {"p": p, "v": v, "m": self.microbatches, "N": self.minibatches, "P": self.pipelines}
 
         def shape(*names: str) -> str:  # the factors that count, those that are 1 left out
-            return " × ".join(f"{name}={factors[name]}" for name in names if factors[name] > 1 or name in "pm")
+            return " × ".join(f"{name}={factors[name]:,}" for name in names if factors[name] > 1 or name in "pm")
 
         if stages > MAX_STAGES:
             name = "p" if p >= v else "v"

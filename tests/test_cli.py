@@ -842,3 +842,22 @@ def test_a_required_flag_or_argument_left_out_is_named_with_what_it_takes(comman
     words, for every command's first required option or argument."""
     code, out, err = pipesim(command)
     assert code == 2 and out == "" and err.startswith(f"error: {line}") and err.count("\n") == 1, err
+
+
+HUGE = 99_999_999_999
+HUGE_VALUES = [("simulate", "-s", "1f1b", "-m", HUGE), ("run", "-s", "1f1b", "--model", "mlp", "--stages", HUGE),
+               ("simulate", "--gpu", "h100-sxm", "--model", "gpt", "-s", "1f1b", "--tensor-parallel", HUGE),
+               ("simulate", "--gpu", "h100-sxm", "--model", "gpt", "-s", "1f1b", "--stages", HUGE),
+               ("tune", "--gpu", "h100-sxm", "--model", "gpt", "--devices", 6, "--tensor-parallel", HUGE),
+               ("calibrate", "--model", "mlp", "--stages", HUGE, "--out", "p.json")]
+
+
+@pytest.mark.parametrize("args", HUGE_VALUES, ids=[f"{args[0]} {args[args.index(HUGE) - 1]}" for args in HUGE_VALUES])
+def test_a_huge_value_is_refused_with_its_thousands_grouped(tmp_path, monkeypatch, args):
+    """The lines that repeat a huge value grouped it as the others do: "p=4 × m=99999999999 × N=2" (the schedule's
+    size), "--tensor-parallel 99999999999 does not divide" (planning's refusals, through `flag_line`), "--stages
+    99999999999: mlp ... has 9 layers" (calibrate's and the estimate's)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*args)
+    assert (code, out) == (2, "") and "99,999,999,999" in err, err
+    assert re.findall(r"\d{5,}", err) == [], err
