@@ -619,8 +619,9 @@ ActivationLimit = Annotated[str | None, typer.Option(
                                             "which always admits 1F1B's own order; 2: twice). Where device memory "
                                             "is known, also what fits in it.")]
 SearchSeconds = Annotated[str | None, typer.Option(
-    "--search-seconds", metavar="S", help="auto: the search's budget in seconds (default 0.3), counted in ops at "
-                                          "a fixed rate, so the same inputs give the same schedule anywhere.")]
+    "--search-seconds", metavar="S", help="auto: the search's budget in seconds (default 0.3; at most 86,400, a "
+                                          "day), counted in ops at a fixed rate, so the same inputs give the same "
+                                          "schedule anywhere.")]
 
 # What-if costs for the commands that search auto but simulate nothing (export, run); with no defaults, so that auto
 # is never searched for costs nobody gave (`searched_scenario`).
@@ -971,18 +972,20 @@ def check_prediction(source: str | None) -> None:
 
 def search_options(activation_limit: str | None, search_seconds: str | None) -> dict[str, float | None]:
     """--activation-limit and --search-seconds as `ScheduleParams` fields: each, where given, one finite number
-    above 0. (A limit below one micro-batch's activations is refused when the costs are known.)"""
-    from ..schedules.methods import above_zero_refusal
+    above 0, the budget at most a day. (A limit below one micro-batch's activations is refused when the costs are
+    known.)"""
+    from ..schedules.methods import MAX_SEARCH_SECONDS, above_zero_refusal
 
     values: dict[str, float | None] = {}
-    for flag, text in (("--activation-limit", activation_limit), ("--search-seconds", search_seconds)):
+    for flag, text, most in (("--activation-limit", activation_limit, math.inf),
+                             ("--search-seconds", search_seconds, MAX_SEARCH_SECONDS)):
         value = None
         if text is not None:
             try:
                 value = float(text)
             except ValueError:
                 value = math.nan
-            refuse(above_zero_refusal(value, flag, text))
+            refuse(above_zero_refusal(value, flag, text, most))
         values[flag[2:].replace("-", "_")] = value
     return values
 

@@ -47,12 +47,19 @@ def elastic_alpha_refusal(alpha: float | None, flag: str = "elastic_alpha") -> s
     return None if alpha is None or 0 < alpha <= 1 else f"{flag}: must be in (0, 1] (got {alpha!r})"
 
 
-def above_zero_refusal(value: float | None, flag: str, given: str | None = None) -> str | None:
-    """A searched schedule's knob (`activation_limit`, `search_seconds`): a finite number above 0 (None: its
-    default); `given`, the value as the reader wrote it."""
-    if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf):
+# auto's search budget at most, a day (as run's --timeout): past it the search over one-op moves of p >= 4 stages,
+# which ends only when its budget does, ran on unseen (`export -s auto --search-seconds 1e12` past 2 minutes)
+MAX_SEARCH_SECONDS = 86_400
+
+
+def above_zero_refusal(value: float | None, flag: str, given: str | None = None, most: float = math.inf) -> str | None:
+    """A searched schedule's knob (`activation_limit`, `search_seconds`): a finite number above 0 and at most
+    `most` (None: its default); `given`, the value as the reader wrote it."""
+    if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+                         and value <= most):
         return None
-    return f"{flag}: give one finite number above 0 (got {value if given is None else given!r})"
+    limit = f" and at most {most:,}" if most < math.inf else ""
+    return f"{flag}: give one finite number above 0{limit} (got {value if given is None else given!r})"
 
 
 _FLAGS = {"m": "--microbatches", "N": "--minibatches", "p": "--stages", "v": "--chunks", "P": "--pipelines"}
@@ -102,7 +109,7 @@ class ScheduleParams:
             raise ScheduleError(f"advance must be a whole number >= 0 (got {self.advance!r})")
         refused = (elastic_alpha_refusal(self.elastic_alpha) or prediction_refusal(self.prediction)
                    or above_zero_refusal(self.activation_limit, "activation_limit")
-                   or above_zero_refusal(self.search_seconds, "search_seconds"))
+                   or above_zero_refusal(self.search_seconds, "search_seconds", most=MAX_SEARCH_SECONDS))
         if refused:
             raise ScheduleError(refused)
         for name in ("reduce_after_flush", "overlap_expert_comm"):
