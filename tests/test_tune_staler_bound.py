@@ -28,16 +28,24 @@ def _loosened(monkeypatch, label: str) -> None:
     monkeypatch.setattr(tuning._Built, "tighten", lambda built, made: loose(built, tighten(built, made)))
 
 
+@pytest.fixture(scope="module")
+def searched_exhaustively() -> tuple:
+    """The small GPT on 8 devices of 0.2 GiB, its settings and problem, and its exhaustive search (`exhaustive`:
+    every candidate simulated, the answer held at the unpatched RUNNERS_UP), made once for the module's tests,
+    where each simulated every candidate again."""
+    settings, problem = gpt_on_8(0.2)
+    return settings, problem, exhaustive(settings, problem)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_the_note_stops_at_the_first_stale_configuration_that_beats_the_choice_and_gives_the_bound_left(
-        monkeypatch, workers):
+        monkeypatch, workers, searched_exhaustively):
     """The small GPT on 8 devices of 0.2 GiB: five stale configurations at p = 4 and five at p = 8 beat 1F1B p = 4,
     and the fastest rows over a limit are interleaved ones over the cap. One row over a limit shown (not five),
     SpecTrain p = 8, the slowest stale one that beats the choice, bounded loosely, comes first: the note names it
     at its simulated speed, and says the limit may cost up to the bound of PipeDream p = 4 and the rest; the same
     with two worker processes, whose results are taken in the order popped."""
-    settings, problem = gpt_on_8(0.2)
-    best, faster, staler, results = exhaustive(settings, problem)
+    settings, problem, (best, faster, staler, _) = searched_exhaustively
     slowest = staler[-1][0]
     assert slowest.config.label() == "spectrain p=8" and staler[0][0].config.label() == "pipedream p=4"
     monkeypatch.setattr(tuning, "RUNNERS_UP", 1)
@@ -60,12 +68,12 @@ def test_the_note_stops_at_the_first_stale_configuration_that_beats_the_choice_a
     assert document["bound_configurations"] == bound.configurations > 0
 
 
-def test_the_note_is_exact_where_nothing_unsimulated_could_beat_the_configuration_it_names(monkeypatch):
+def test_the_note_is_exact_where_nothing_unsimulated_could_beat_the_configuration_it_names(monkeypatch,
+                                                                                          searched_exhaustively):
     """The same problem with one row over a limit shown and the bounds as they are: the note's search stops at
     PipeDream p = 4, the fastest; its twin PipeDream-2BW p = 4, bounded a billionth over it, is a tie, not a
     higher bound: no "up to", and the JSON's bound is null. The twin is not simulated, so not listed."""
-    settings, problem = gpt_on_8(0.2)
-    best, faster, staler, _ = exhaustive(settings, problem)
+    settings, problem, (best, faster, staler, _) = searched_exhaustively
     monkeypatch.setattr(tuning, "RUNNERS_UP", 1)
     found = tuning.tune(settings, problem)
     assert differences(found, best, faster[:1], staler) == []
