@@ -85,9 +85,11 @@ RUN_TITLE = "Run: the same schedules, for real"
 # predicted weights carry a kernel's rounding to another loss (last loss 0.7765 on a Sapphire Rapids host's AVX-512
 # kernels; held-out 0.4590 on an AMD EPYC host, where MKL takes its own path whatever MKL_ENABLE_INSTRUCTIONS says).
 # MKL's conditional numerical reproducibility (MKL_CBWR=COMPATIBLE: the same results on Intel and AMD processors,
-# Intel's oneMKL developer guide) and oneDNN's AVX2 kernels (ONEDNN_MAX_CPU_ISA), both read when each rank's library
-# first runs. That section alone: the sections that time this machine keep its fastest kernels.
-SECTION_ENV = {RUN_TITLE: {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+# Intel's oneMKL developer guide), oneDNN's AVX2 kernels (ONEDNN_MAX_CPU_ISA), both read when each rank's library
+# first runs, and ATen's own vectorized kernels at AVX2 (ATEN_CPU_CAPABILITY, read at torch's first dispatch): on an
+# AVX-512 AMD EPYC host the first two alone left the last loss 0.777 (ATen's AVX-512 kernels), 0.689 with the third.
+# That section alone: the sections that time this machine keep its fastest kernels.
+SECTION_ENV = {RUN_TITLE: {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 
 
 class SectionRun(NamedTuple):
