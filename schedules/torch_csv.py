@@ -193,9 +193,10 @@ def from_torch_csv(text: str, name: str, minibatches: int = 1) -> Schedule:
     if problems:
         count = num_stages - len(rank_of) + len(problems) - len(set(problems) - set(rank_of))
         shown = "; ".join(problems[stage] for stage in sorted(problems)[:6]) + (
-            f"; and {count - 6} more stages" if count > 6 else "")
-        raise ScheduleError(f"{name}: incomplete schedule of {num_stages} stages x {microbatches} micro-batches "
-                            f"(the largest micro-batch index, {top[0]}, is at {top[1]}): {shown}")
+            f"; and {count - 6:,} more stages" if count > 6 else "")
+        raise ScheduleError(f"{name}: incomplete schedule of {num_stages:,} stage{'s' * (num_stages != 1)} x "
+                            f"{microbatches:,} micro-batch{'es' * (microbatches != 1)} (the largest micro-batch "
+                            f"index, {top[0]:,}, is at {top[1]}): {shown}")
 
     placement = tuple(rank_of[stage][0] for stage in range(num_stages))
     idle = sorted(set(range(len(rows))) - set(placement))
@@ -226,4 +227,4 @@ def _absent(present: set[int], count: int, first: int = 4) -> tuple[list[int], i
 
 def _some(head: list[int], count: int) -> str:
     """The numbers `head` of `count` (`_absent`'s), the rest as how many more."""
-    return ", ".join(map(str, head)) + (f" and {count - len(head)} more" if count > len(head) else "")
+    return ", ".join(map(str, head)) + (f" and {count - len(head):,} more" if count > len(head) else "")

@@ -344,11 +344,14 @@ def test_a_bad_schedule_file_is_refused_naming_the_flag(tmp_path):
     ('0F0,"0B0\n', "not CSV"),
     ("", "empty schedule file"),
     ("0F0,0B0\n1B0,1F0\n", "the order deadlocks"),
-    # indices far past the actions written: the check walked every stage and micro-batch they imply, for ever
-    ("0F99999999999999999999,0B0\n", "stage 0 (rank 0) lacks F for micro-batches 0, 1, 2, 3 and "
-                                     "99999999999999999995 more and one B, or one I and one W, for micro-batches 1, "
-                                     "2, 3, 4 and 99999999999999999995 more"),
-    ("99999999999999F0,0F0,0B0\n", "incomplete schedule of 100000000000000 stages x 1 micro-batches (the largest "
+    # indices far past the actions written: the check walked every stage and micro-batch they imply, for ever;
+    # their counts grouped in thousands (they read "100000000000000 stages x 1 micro-batches")
+    ("0F99999999999999999999,0B0\n", "incomplete schedule of 1 stage x 100,000,000,000,000,000,000 micro-batches "
+                                     "(the largest micro-batch index, 99,999,999,999,999,999,999, is at rank 0 (row "
+                                     "1), cell 1 '0F99999999999999999999'): stage 0 (rank 0) lacks F for micro-batches "
+                                     "0, 1, 2, 3 and 99,999,999,999,999,999,995 more and one B, or one I and one W, "
+                                     "for micro-batches 1, 2, 3, 4 and 99,999,999,999,999,999,995 more"),
+    ("99999999999999F0,0F0,0B0\n", "incomplete schedule of 100,000,000,000,000 stages x 1 micro-batch (the largest "
                                    "micro-batch index, 0, is at rank 0 (row 1), cell 1 '99999999999999F0'): stage 1 "
                                    "appears on no rank; stage 2"),
 ])
