@@ -597,25 +597,40 @@ SWEEP_BOXES_JS = """(() => {
 })()"""
 
 
+# The sweep page's axes' tick labels, as written: the trade-off's times and its memory.
+SWEEP_TICKS_JS = """[".xtick text", ".ytick text"].map(ticks =>
+  [...document.querySelectorAll(".js-plotly-plot")[0].querySelectorAll(ticks)].map(tick => tick.textContent))"""
+
+
+@pytest.fixture(scope="module")
+def sweep_page(tmp_path_factory) -> Visit:
+    """One visit at 800 px of the sweep page of 1F1B, ZB-H1 and ZB-V at p = 2 and 0.1 of the costs, which the sweep
+    page's tests read (its boxes, SWEEP_BOXES_JS, and its ticks, SWEEP_TICKS_JS): one plotly.js start, not one a
+    test."""
+    from tests.conftest import pipesim
+
+    page = tmp_path_factory.mktemp("sweep") / "t.html"
+    code, _, err = pipesim("sweep", "-s", "1f1b,zb-h1,zb-v", "-p", "2", "--cost-scale", "0.1", "-j", "1",
+                           "--html", page)
+    assert code == 0, err
+    return visit(page, width=800, probe=f"({{boxes: {SWEEP_BOXES_JS}, ticks: {SWEEP_TICKS_JS}}})")
+
+
 @needs_chromium
-def test_sweep_page_draws_each_schedule_in_its_own_colour(tmp_path):
+def test_sweep_page_draws_each_schedule_in_its_own_colour(sweep_page):
     """The trade-off page opens on one front: its dots are there, in one colour per schedule. At 800 px its title
     starts under the plot's mode bar, and no header or figure of the fronts' table runs past its cell (the title
     ran under the icons; "staleness" and "samples/s" were cut)."""
     from plotly.colors import qualitative
 
     from pipesim.traces.metrics import STALENESS_HEADER
-    from tests.conftest import pipesim
 
-    page = tmp_path / "t.html"
-    code, _, err = pipesim("sweep", "-s", "1f1b,pipedream,zb-h1", "-p", "2,4", "-j", "1", "--html", page)
-    assert code == 0, err
-    v = visit(page, width=800, probe=SWEEP_BOXES_JS)
+    v = sweep_page
     assert_healthy(v)
     for colour in qualitative.D3[:3]:
         rgb = tuple(int(colour[k:k + 2], 16) for k in (1, 3, 5))
         assert kind_pixels(v.screenshot, rgb, tolerance=8).sum() > 40, f"no dot of colour {colour} on the page"
-    boxes = v.probed
+    boxes = v.probed["boxes"]
     assert boxes["title"][1] >= boxes["modebar"][3], boxes
     assert {STALENESS_HEADER, "samples/s"} <= {c["text"] for c in boxes["cells"]}  # headed as the tables
     for c in boxes["cells"]:
@@ -623,19 +638,12 @@ def test_sweep_page_draws_each_schedule_in_its_own_colour(tmp_path):
 
 
 @needs_chromium
-def test_the_sweep_pages_axes_write_each_tick_to_one_number_of_decimals(tmp_path):
+def test_the_sweep_pages_axes_write_each_tick_to_one_number_of_decimals(sweep_page):
     """At 800 px 0.1 of the costs put the trade-off's times 0.2 ms apart: each tick reads to a tenth ("5.8, 6.0,
     6.2", where "," wrote "5.8 6 6.2"), the memory axis's, 1 MiB apart, whole and thousands separated."""
-    from tests.conftest import pipesim
-
-    page = tmp_path / "t.html"
-    code, _, err = pipesim("sweep", "-s", "1f1b,zb-h1,zb-v", "-p", "2", "--cost-scale", "0.1", "-j", "1",
-                           "--html", page)
-    assert code == 0, err
-    v = visit(page, width=800, probe="""[".xtick text", ".ytick text"].map(ticks =>
-      [...document.querySelectorAll(".js-plotly-plot")[0].querySelectorAll(ticks)].map(tick => tick.textContent))""")
+    v = sweep_page
     assert_healthy(v)
-    times, mib = v.probed
+    times, mib = v.probed["ticks"]
     assert len(times) >= 3 and {len(tick.partition(".")[2]) for tick in times} == {1}, times
     assert len(mib) >= 3 and all(re.fullmatch(r"\d,\d{3}", tick) for tick in mib), mib
 
