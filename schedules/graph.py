@@ -67,7 +67,7 @@ def load_graph(path: Path) -> tuple[StageGraph, tuple[int, ...]]:
 
     if not whole(stages) or not 1 <= stages <= MAX_STAGES:  # 10**12 stages: a MemoryError making the placement
         raise ScheduleError(f'graph file {path}: "stages" must be a whole number from 1 to {MAX_STAGES:,}, the '
-                            f"model stages pipesim simulates (got {stages!r})")
+                            f"model stages pipesim simulates (got {f'{stages:,}' if whole(stages) else repr(stages)})")
     placement = doc.get("placement", list(range(stages)))
     if not isinstance(edges, list) or not all(isinstance(e, list) and len(e) == 2 and all(map(whole, e))
                                               for e in edges):

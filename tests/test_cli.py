@@ -252,10 +252,10 @@ def test_malformed_cluster_file(tmp_path):
                              "devices.0.memory_gib: give GiB per device, at least one byte (9.31e-10) and at most "
                              "1,048,576 (got 1e-300)"),
                             ({"link": {"latency_us": 1e15}},  # the engine's clock check, naming no field
-                             "link.latency_us: Input should be less than or equal to 1000000000000"),
+                             "link.latency_us: Input should be less than or equal to 1,000,000,000,000"),
                             ({"devices": 10**12},  # a MemoryError's traceback, listing them
                              "devices: a whole number of devices, at most 15,000,000 (the most any schedule pipesim "
-                             "simulates runs on), or a list of devices (got 1000000000000)")):
+                             "simulates runs on), or a list of devices (got 1,000,000,000,000)")):
         path.write_text(json.dumps({"devices": 4, **field}))
         code, _, err = pipesim("simulate", "--cluster", str(path))
         assert code == 2 and err == f"error: --cluster: cluster file {path}: {fragment}\n", err
@@ -319,7 +319,7 @@ def test_graph_file(tmp_path):
     path.write_text(json.dumps({"stages": 10**12, "edges": [[0, 1]]}))  # a MemoryError's traceback
     code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", str(path))
     assert code == 2 and err == (f'error: --graph: graph file {path}: "stages" must be a whole number from 1 to 4,096, '
-                                 "the model stages pipesim simulates (got 1000000000000)\n")
+                                 "the model stages pipesim simulates (got 1,000,000,000,000)\n")
 
 
 @pytest.mark.parametrize("command", [("simulate", "-s", "graphpipe", "-p", "2"),

@@ -194,6 +194,15 @@ def test_a_cluster_files_list_where_an_object_goes_is_said_in_the_files_terms(tm
                                        "object\n")
 
 
+def test_a_files_bound_is_grouped_in_thousands_as_pipesims_own_refusals_are(tmp_path, monkeypatch):
+    """pydantic writes a field's bound as it is held: "Input should be less than or equal to 1000000000000"."""
+    monkeypatch.chdir(tmp_path)
+    Path("cluster.json").write_text('{"devices": 4, "link": {"latency_us": 1e300, "bandwidth_gb_per_s": 1}}')
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", "cluster.json")
+    assert (code, out, err) == (2, "", "error: --cluster: cluster file cluster.json: link.latency_us: Input should "
+                                       "be less than or equal to 1,000,000,000,000\n")
+
+
 def test_a_hugging_face_config_given_for_a_profile_is_named_one_with_the_flag_that_reads_it(tmp_path, monkeypatch):
     """A config.json given as --profile was "schema_version: missing (is this a pipesim calibrate profile?)"."""
     monkeypatch.chdir(tmp_path)
