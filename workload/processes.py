@@ -106,6 +106,29 @@ class _Starter:
             self.method = "forkserver"
             return self.method
 
+    def stop(self) -> None:
+        """End the forkserver now, whatever it is doing, and the resource tracker started with it, and reap both: a
+        command interrupted while the server still imported (Ctrl-C in `calibrate`'s or `run`'s first seconds)
+        left it importing on after the command had exited, 1.7-8 s, holding the terminal's output open. Killed,
+        not asked: asked (its "alive" pipe closed, as exiting closes it) it answers only once its imports are done.
+        First what multiprocessing does as a process exits (its rank processes ended, its semaphores unlinked,
+        which the tracker would otherwise clean and warn of); it offers no public stop: `_stop` is how its own tests
+        stop the server and the tracker."""
+        with self.lock:
+            if not self.started:
+                return
+            from multiprocessing import forkserver, resource_tracker, util
+
+            util._exit_function()  # again at exit, with nothing left to do
+            server = forkserver._forkserver
+            if server._forkserver_pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server._forkserver_pid, signal.SIGKILL)
+                with contextlib.suppress(FileNotFoundError):  # its socket, gone with the finalizers' temporary folder
+                    server._stop()
+            resource_tracker._resource_tracker._stop()
+            self.started, self.method = False, None
+
     def _fall_back(self, why: str) -> None:
         self.method = "spawn"
         print(f"note: rank processes are spawned (slower to start): {why}", file=sys.stderr)
@@ -121,6 +144,11 @@ def prepare() -> None:
 def ready() -> None:
     """Wait until ranks can be forked (call it before timing anything: the server's imports take a core)."""
     _STARTER.ready()
+
+
+def stop() -> None:
+    """End the forkserver, if this process started one, before this process ends (`_Starter.stop`)."""
+    _STARTER.stop()
 
 
 def rank_context() -> Any:
