@@ -102,7 +102,8 @@ def test_sweep_marks_the_configurations_whose_peak_passes_the_gpus_memory(tmp_pa
     pytest.importorskip("torch")
     out = tmp_path / "results.csv"
     huge = ("--model", "gpt", "--layers", 4, "--width", 16384, "--heads", 16, "--seq-len", 64, "--vocab", 128)
-    code, table, err = pipesim("sweep", "--gpu", "a100-sxm-80gb", *huge, "-p", "2,4", "-s", "1f1b", "--out", out)
+    code, table, err = pipesim("sweep", "--gpu", "a100-sxm-80gb", *huge, "-p", "2,4", "-s", "1f1b", "-j", 1, "--out",
+                               out)  # -j 1: two configurations, in this process (a pool costs two fresh interpreters)
     assert code == 0, err
     rows = {row["stages"]: row for row in csv.DictReader(out.open())}
     assert (rows["2"]["out_of_memory"], rows["4"]["out_of_memory"]) == ("True", "False")
@@ -113,7 +114,7 @@ def test_sweep_marks_the_configurations_whose_peak_passes_the_gpus_memory(tmp_pa
 
 
 def test_sweep_without_a_known_memory_shows_no_memory_column():
-    code, table, err = pipesim("sweep", "-s", "1f1b", "-p", "2,4")
+    code, table, err = pipesim("sweep", "-s", "1f1b", "-p", "2,4", "-j", 1)  # two configurations: in this process
     assert code == 0, err
     header = next(line for line in table.splitlines() if line.lstrip().startswith("schedule"))
     assert header.split()[-1] == "stale" and "OOM" not in table
