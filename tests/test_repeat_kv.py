@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from pipesim.planning.estimate import ContextRing
 from pipesim.workload.count import _GpuKernels, count_built
 
+from .conftest import pipesim
 from .helpers import estimated_layers
 
 HEADS, KV_HEADS, SEQ, HEAD_SIZE, BATCH = 8, 2, 256, 32, 2
@@ -49,3 +50,16 @@ def test_an_attention_of_unbatched_tensors_is_counted_with_or_without_the_repeat
         with _GpuKernels(False, repeat_kv):
             out = F.scaled_dot_product_attention(*(torch.ones(4, HEAD_SIZE) for _ in range(3)))
         assert out.shape == (4, HEAD_SIZE)
+
+
+def test_a_model_without_grouped_keys_and_values_is_refused_the_repeat(tmp_path, monkeypatch):
+    """--repeat-kv of a model whose every query head has its own key/value head (the gpt's default), or of one with
+    no attention (mlp), changed nothing and was taken silently: refused, as --rope-kernel fused is without a RoPE."""
+    monkeypatch.chdir(tmp_path)
+    dense = ("gpt", "--layers", 1, "--width", HEADS * HEAD_SIZE, "--heads", HEADS, "--seq-len", SEQ, "--vocab", 128)
+    said = [pipesim("estimate", "--gpu", "h100-sxm", "--model", *model, "--repeat-kv", "--out", "p.json")
+            for model in (dense, ("mlp",))]
+    assert said == [(2, "", "error: --repeat-kv: this model's attention takes as many key/value heads as query heads "
+                             "(no grouped-query attention, or one whose code copies them already): there is nothing "
+                             "to copy; leave it out\n")] * 2
+    assert list(tmp_path.iterdir()) == []

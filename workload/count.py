@@ -545,6 +545,7 @@ class _GpuKernels(TorchFunctionMode):
         super().__init__()
         self.flash = flash
         self.repeat_kv = repeat_kv
+        self.repeated = False  # whether `repeat_kv` copied any attention's keys and values (none: it changes nothing)
         self.attended = False  # whether the model computed attention (an MLP's count names no kernel for it)
         self.scores_bytes = 0  # the largest s x s scores an unfused attention made (`LayerCount.scores_bytes`)
 
@@ -564,6 +565,7 @@ class _GpuKernels(TorchFunctionMode):
         query, key = given["query"], given["key"]
         repeats = query.shape[-3] // key.shape[-3] if self.repeat_kv and query.dim() > 2 else 1
         if repeats > 1:
+            self.repeated = True
             given |= {"key": _repeated_heads(given["key"], repeats), "value": _repeated_heads(given["value"], repeats),
                       "enable_gqa": False}
             args, kwargs = (), given
@@ -833,7 +835,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     `rope_kernel`: how its RoPE runs, of `ROPE_KERNELS` (fused: workload/rope.py's TransformerEngine kernel). A model
     with no RMSNorm or RoPE a fused kernel replaces is refused it, so that the flag never silently changes nothing.
     `router_aux_loss`: its routed experts' load-balancing loss, of ROUTER_AUX_LOSSES (`workload.moe.with_aux_loss`).
-    `repeat_kv`: grouped keys and values copied to every query head before the attention kernel (`_GpuKernels`)."""
+    `repeat_kv`: grouped keys and values copied to every query head before the attention kernel (`_GpuKernels`); a
+    model with none to copy is refused it, as one with no RMSNorm or RoPE is a fused kernel."""
     if (refused := kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel, router_aux_loss)):
         raise ModelError(refused)
     flag = "--loss-parallel" if loss_parallel else "--cross-entropy megatron"
@@ -884,6 +887,10 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     if router_aux_loss != "none" and not any(op.routed for count in counted for op in count.ops["fwd"]):
         raise ModelError(f"--router-aux-loss {router_aux_loss}: this model routes no tokens to experts: leave it out "
                          "or pass none")
+    if repeat_kv and not kernels.repeated:
+        raise ModelError("--repeat-kv: this model's attention takes as many key/value heads as query heads (no "
+                         "grouped-query attention, or one whose code copies them already): there is nothing to copy; "
+                         "leave it out")
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention if kernels.attended else None, counted)
 
