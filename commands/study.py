@@ -30,9 +30,11 @@ from .common import (
     check_prediction,
     counted_bar_columns,
     fail,
+    host_memory_refusal,
     is_given,
     out_of_host_memory,
     read_error,
+    refuse,
     require_model,
     stderr,
     stdout,
@@ -201,7 +203,8 @@ def study(
 def _check_model(setting) -> None:
     from ..workload.models import ModelError, build_model
 
-    try:
+    try:  # a micro-batch past the host's memory before any is made (`-b 100000000`, 23.8 GiB, was torch's failure)
+        refuse(host_memory_refusal("study", setting.model, setting.model_options, setting.microbatch_size))
         built = build_model(setting.model, **setting.model_options)
     except ModelError as exc:
         raise InputError(str(exc)) from None

@@ -140,19 +140,25 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("command", [("run", "-s", "1f1b", "--stages", 2, "-m", 4), ("calibrate", "--out", "p.json")])
-def test_a_micro_batch_past_the_hosts_memory_is_refused_before_it_is_made(tmp_path, monkeypatch, command):
+@pytest.mark.parametrize("command, taken", [
+    (("run", "-s", "1f1b", "--stages", 2, "-m", 4), r"1\.553e\+05 GiB in float32 as run runs its forward on this host, "
+                                                    r"beside 7\.16 MiB"),
+    (("calibrate", "--out", "p.json"), r"1\.553e\+05 GiB in float32 as calibrate runs its forward on this host, beside "
+                                       r"7\.16 MiB"),
+    (("study", "--no-timing"), r"4\.09e\+04 GiB in float32 as study runs its forward on this host, beside 489 KiB"),
+], ids=["run", "calibrate", "study"])
+def test_a_micro_batch_past_the_hosts_memory_is_refused_before_it_is_made(tmp_path, monkeypatch, command, taken):
     """`run --model mlp -b 100000000` made its 25.6 GB micro-batch, and the line quoted torch's allocator ("[enforce
-    fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ..."); calibrate's too. The micro-batch and its
-    layers' outputs are sized on the meta device first: 16,680 bytes a sample of the mlp (its input's 64 features,
-    its 8 layers' 512 and its head's 10, in float32)."""
+    fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ..."); calibrate's and study's too. The micro-batch
+    and its layers' outputs are sized on the meta device first: 16,680 bytes a sample of the mlp (its input's 64
+    features, its 8 layers' 512 and its head's 10, in float32; study's mlp, 128 wide, 4,392)."""
     monkeypatch.chdir(tmp_path)
     code, out, err = pipesim(*command, "--model", "mlp", "-b", 10**10)
     assert (code, out) == (2, ""), err
     assert re.fullmatch(r"error: mlp does not fit in memory at micro-batch size 10,000,000,000 \(--microbatch-size\): "
-                        rf"the micro-batch and its layers' outputs take 1\.553e\+05 GiB in float32 as {command[0]} "
-                        r"runs its forward on this host, beside 7\.16 MiB of weights, and the host has [\d.]+ [GMK]iB "
-                        r"available; give a smaller --microbatch-size \(past [\d,]+ this alone outgrows it\)\n", err)
+                        rf"the micro-batch and its layers' outputs take {taken} of weights, and the host has "
+                        r"[\d.]+ [GMK]iB available; give a smaller --microbatch-size \(past [\d,]+ this alone "
+                        r"outgrows it\)\n", err)
     assert list(tmp_path.iterdir()) == []
 
 
