@@ -187,7 +187,7 @@ def run(
     from ..traces.compare import passes_warning
     from ..traces.hostload import HostLoad, mark, ranks_per_host
     from ..workload.processes import prepare
-    from ..workload.sizes import model_name_refusal
+    from ..workload.sizes import flag_sizes_refusal, model_name_refusal
 
     # the executor's class, imported below after torch: bound before, so a Ctrl-C while torch imports reaches
     # cli.main's "interrupted" through the except clauses, not an UnboundLocalError
@@ -249,7 +249,8 @@ def run(
         elif is_hf(model):  # run has no --seq-len: a profile carries it
             raise InputError(f"--model {model}: run builds a Hugging Face model at the sequence length it was "
                              "calibrated at: give --profile, from `pipesim calibrate --model hf:PATH --seq-len N`")
-        refuse(model_name_refusal(model))  # require_model's first check, here before the server starts
+        refuse(model_name_refusal(model) or flag_sizes_refusal(model, options))  # require_model's first check and
+        # the sizes' bounds, here before the server starts
         check_outputs([("--trace", trace), ("--html", html)],
                       [("--profile", profile), *model_reads({**ctx.params, "model": model})])
         if expert_parallel > 1:  # its experts first: a dense model's --data-parallel would be the wrong fix

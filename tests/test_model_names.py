@@ -111,3 +111,14 @@ def test_an_hf_config_without_seq_len_is_refused_before_torch_is_imported(tmp_pa
     assert [tuple(done) for done in runs] == [(2, "", missing)] * len(HF_COMMANDS) + [
         (2, "", f"error: --seq-len 999,999: {model} takes at most its max_position_embeddings, 131,072\n")]
     assert not {"torch", "transformers"} & imported and not list(tmp_path.iterdir())
+
+
+def test_a_built_in_models_size_out_of_bounds_is_refused_before_torch_is_imported(tmp_path):
+    """`run --model mlp --layers 0` was refused by the model's build, after torch's import and the ranks' server,
+    12 s; calibrate's and the others' likewise: a built-in's own sizes are checked from the flags first."""
+    runs, imported = pipesim_fresh(("run", "-s", "1f1b", "--model", "mlp", "--layers", 0),
+                                   ("calibrate", "--model", "gpt", "--width", 2**30, "--out", "p.json"), cwd=tmp_path)
+    assert [tuple(done) for done in runs] == [
+        (2, "", "error: --layers must be >= 1 (got 0)\n"),
+        (2, "", "error: --width 1,073,741,824 is more than the count builds and holds: give 1 to 1,048,576\n")]
+    assert "torch" not in imported and not list(tmp_path.iterdir())

@@ -101,12 +101,17 @@ def flag_sizes_refusal(model: str, sizes: dict[str, Any]) -> str | None:
     --seq-len or --mtp-layers outside their bounds, a --capacity-factor not a finite number above 0, a config that
     cannot be read, no --seq-len or one past the config's max_position_embeddings (None: all within them, or
     another model, whose build refuses a flag it does not take before the flag's value, so that `--model mlp
-    --seq-len 0` is not told to give a --seq-len it cannot take). The command line says it before torch is imported
-    (--seq-len 0 of an hf: config was refused after torch's and transformers' imports, 11 s; --layers given to one,
-    17 s; no --seq-len, 10-14 s) and the model's build says it again for its other callers."""
+    --seq-len 0` is not told to give a --seq-len it cannot take). A built-in model's own sizes (`DEFAULT_SIZES`'s,
+    which its builder takes) out of their bounds, likewise (`run --model mlp --layers 0` was refused after torch's
+    import, 12 s). The command line says it before torch is imported (--seq-len 0 of an hf: config was refused after
+    torch's and transformers' imports, 11 s; --layers given to one, 17 s; no --seq-len, 10-14 s) and the model's
+    build says it again for its other callers."""
+    given = {name: value for name, value in sizes.items() if value is not None}
+    if model in DEFAULT_SIZES:
+        return next((refusal for size in DEFAULT_SIZES[model] if size in given
+                     and (refusal := size_refusal(f"--{size.replace('_', '-')}", size, given[size]))), None)
     if not is_hf(model):
         return None
-    given = {name: value for name, value in sizes.items() if value is not None}
     if (refusal := hf_options_refusal(model, given)) is not None:
         return refusal
     for size, least in FLAG_SIZES_LEAST.items():
