@@ -462,10 +462,10 @@ def test_a_stage_graph_that_is_not_connected_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["-s", "1f1b", "-p", "100000"], "p=100000: 100,000 model stages, more than the 4,096 pipesim simulates: "
+    (["-s", "1f1b", "-p", "100000"], "p=100,000: 100,000 model stages, more than the 4,096 pipesim simulates: "
                                      "lower p (--stages)"),
     (["-s", "interleaved-1f1b", "-p", "4", "-v", "2000", "-m", "4"], "lower v (--chunks)"),
-    (["-s", "1f1b", "-p", "64", "-m", "100000", "-n", "1"], "p=64 × m=100000: about 38,000,000 ops and transfers to "
+    (["-s", "1f1b", "-p", "64", "-m", "100000", "-n", "1"], "p=64 × m=100,000: about 38,000,000 ops and transfers to "
                                                              "simulate, more than the 30,000,000 pipesim simulates"),
     (["-s", "1f1b", "-p", "2048", "-m", "8", "-n", "1000"], "lower p (--stages)"),
     (["-s", "avgpipe", "-p", "8", "-m", "8", "-P", "100000"], "lower P (--pipelines)"),
