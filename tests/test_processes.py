@@ -158,3 +158,18 @@ def test_ctrl_c_while_the_forkserver_imports_leaves_no_process_behind(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert (proc.returncode, left) == (130, []), (tmp_path / "err.txt").read_text()
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="signal masks are POSIX's")
+def test_a_ctrl_c_while_processes_start_is_raised_after_not_lost():
+    """The forkserver and the ranks start with SIGINT held off (`_sigint_deferred`); a Ctrl-C meanwhile is raised
+    once they have started. Ignored there instead, it was dropped: `pipesim calibrate` interrupted as its
+    forkserver started went on to exit 0 (3 of 8 tries on the 2-core host)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal's Python handler runs in the main thread")
+    with pytest.raises(KeyboardInterrupt):
+        with processes._sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)  # held off here: nothing is raised inside
+            assert signal.SIGINT in signal.sigpending()

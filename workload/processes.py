@@ -34,11 +34,22 @@ READY_TIMEOUT_S = 120.0  # the server's imports on a loaded machine
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored in this process meanwhile (only the main thread may set handlers): a process started now,
-    spawned or the forkserver, keeps it ignored through its imports. Ctrl-C reaches the whole terminal group, and
-    the parent alone answers it, by ending them all."""
-    main = threading.current_thread() is threading.main_thread()
+def _sigint_deferred() -> Iterator[None]:
+    """SIGINT blocked in this thread meanwhile: a process started now, spawned or the forkserver, starts with it
+    blocked, so that a Ctrl-C (it reaches the whole terminal group) cannot end it through its imports (the server
+    ignores it once they are done, which drops one pending), and the parent alone answers it, by ending them all.
+    One that comes meanwhile waits, and is raised here once this ends; ignored instead, it was dropped (another
+    thread of this process takes a signal this one blocks, and ignored it there too): a Ctrl-C as the forkserver
+    started was lost, and `pipesim calibrate` went on to exit 0 (3 of 8 tries). Where there are no signal masks
+    (Windows, which spawns its ranks), ignored as before."""
+    if hasattr(signal, "pthread_sigmask"):
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         yield
@@ -67,11 +78,12 @@ class _Starter:
             if "forkserver" not in multiprocessing.get_all_start_methods():
                 self._fall_back("this platform has no forkserver")
                 return
-            from multiprocessing import forkserver
+            from multiprocessing import forkserver, resource_tracker
 
             forkserver.set_forkserver_preload(PRELOAD)
             try:
-                with _sigint_ignored():
+                resource_tracker.ensure_running()  # first: its start unblocks SIGINT, which the server's must not
+                with _sigint_deferred():
                     forkserver.ensure_running()
             except (OSError, ValueError) as exc:
                 self._fall_back(f"the forkserver did not start ({exc})")
@@ -188,13 +200,13 @@ def rank_process(context: Any, target: Callable[..., None], args: tuple, name: s
 
 
 def start_processes(procs: list[Any], threads_per_process: int) -> None:
-    """Start `procs` (made by `rank_process`) with SIGINT ignored meanwhile, and OMP_NUM_THREADS set to
+    """Start `procs` (made by `rank_process`) with SIGINT deferred meanwhile, and OMP_NUM_THREADS set to
     `threads_per_process` in this process's environment meanwhile: a spawned interpreter reads it as it imports
     torch, before its entry runs."""
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_process)
     try:
-        with _sigint_ignored():
+        with _sigint_deferred():
             for proc in procs:
                 proc.start()
     finally:
