@@ -11,7 +11,6 @@ import typer
 from rich import box
 from rich.table import Table
 
-from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, whole_number
 from .common import (
@@ -167,7 +166,8 @@ def sweep(
     stage_cut: StageCut = "balanced",
     workers: Annotated[int | None, typer.Option(
         "--workers", "-j", metavar="N", min=1,
-        help="Worker processes (default: one per CPU core this process may use).")] = None,
+        help="Worker processes (default: one per CPU core this process may use, where the grid's work pays for "
+             "starting them).")] = None,
     ray: Annotated[str | None, typer.Option(
         "--ray", metavar="ADDRESS", help="Run the tasks on the Ray cluster at this address instead (auto, "
                                          "ray://host:10001, or local to start one); needs pipesim[ray] (ray:// "
@@ -199,6 +199,7 @@ def sweep(
         pareto_front,
         parse_axis,
         run,
+        where_text,
         write_results,
     )
     from ..schedules import METHODS
@@ -263,8 +264,8 @@ def sweep(
                 **allocator_fields(allocator, counted, parallel[p], optimizer_step)),
                      [i for i, config in enumerate(configs) if config.stages == p]) for p in depths]
         results = [None] * len(configs)
-        finished = ((indices[i], result) for shared, indices in jobs
-                    for i, result in run(shared, [configs[i] for i in indices], workers or usable_cpus(), ray))
+        sweeps = [(indices, run(shared, [configs[i] for i in indices], workers, ray)) for shared, indices in jobs]
+        finished = ((indices[i], result) for indices, sweep in sweeps for i, result in sweep)
         for i, result in progress(finished, False, len(configs)):
             results[i] = result
         refused = _limit_refused(results)
@@ -290,6 +291,7 @@ def sweep(
     except OSError as exc:
         fail(read_error(exc))
     _print_front(results, front, tensors_alone_text(scenario.measured, what))
+    stdout.print(where_text([sweep for _, sweep in sweeps]), highlight=False)
     for path in (out, html):
         if path is not None:
             stdout.print(f"wrote {path}", highlight=False)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from datetime import date, time
 from itertools import product
 from pathlib import Path
+from time import process_time
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from ..sim.cluster import ClusterError, MemoryCheck
 from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
 from ..traces import Summary, Trace, summarize, write_atomic
+from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
 from ..units import count_text
 from .auto import ActivationLimitError
@@ -44,6 +46,10 @@ AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale
 POSITIVE_AXES = ("cost-scale", "activation-limit")  # finite numbers > 0
 OBJECTIVES = ("time_per_minibatch_ms", "peak_memory_mb", "max_staleness")  # all minimised
 MAX_CHUNK = 32  # configurations per task: ~0.1 s of work at the example's scale, so a task's overhead is noise
+# CPU s a spawned worker takes before its first task: its interpreter and imports (numpy, the simulator). Measured on
+# the 2-core host, two workers started at once (load 4-6): 0.64-0.74 s each, 1.3-1.9 s of wall time for both. A
+# sweep of the README's grid runs its 56 configurations here in less.
+WORKER_START_S = 0.7
 
 
 class GridError(ValueError):
@@ -318,39 +324,85 @@ def one_row_per_schedule(results: Sequence[Result]) -> list[Result]:
     return kept
 
 
-def _chunks(configs: list[Config], workers: int) -> list[tuple[int, list[Config]]]:
-    """(first index, configurations) slices: about four per worker so the load evens out, at most MAX_CHUNK."""
-    size = max(1, min(MAX_CHUNK, math.ceil(len(configs) / (4 * workers))))
-    return [(start, configs[start:start + size]) for start in range(0, len(configs), size)]
+def _chunks(indices: Sequence[int], workers: int) -> list[list[int]]:
+    """Slices of the configurations' `indices`, a task each: about four per worker so the load evens out, at most
+    MAX_CHUNK."""
+    size = max(1, min(MAX_CHUNK, math.ceil(len(indices) / (4 * workers))))
+    return [list(indices[start:start + size]) for start in range(0, len(indices), size)]
 
 
-def run(scenario: Scenario, configs: list[Config], workers: int = 1,
-        ray_address: str | None = None) -> Iterator[tuple[int, Result]]:
-    """(index into `configs`, result) pairs as the tasks finish: on a Ray cluster, in `workers` processes, or
-    here when one process (or one task) is enough."""
-    if ray_address is not None:
-        finished = _on_ray(scenario, configs, ray_address)
-    else:
-        parts = _chunks(configs, workers)
-        finished = (_in_processes(scenario, parts, workers) if min(workers, len(parts)) > 1
-                    else ((start, run_chunk(scenario, part)) for start, part in parts))
-    for start, results in finished:
-        for offset, result in enumerate(results):
-            yield start + offset, result
+class Sweep:
+    """`run`'s (index into `configs`, result) pairs as the tasks finish, and where they ran: `on_ray`, as Ray tasks;
+    `workers`, the processes started (0: none); `here`, the configurations simulated in this process."""
+
+    def __init__(self, scenario: Scenario, configs: list[Config], workers: int | None,
+                 ray_address: str | None) -> None:
+        self._scenario, self._configs, self._given, self._ray_address = scenario, configs, workers, ray_address
+        self.on_ray = ray_address is not None
+        self.workers = 0
+        self.here = 0
+
+    def __iter__(self) -> Iterator[tuple[int, Result]]:
+        finished = _on_ray(self._scenario, self._configs, self._ray_address) if self.on_ray else self._local()
+        for part, results in finished:
+            yield from zip(part, results)
+
+    def _local(self) -> Iterator[tuple[list[int], list[Result]]]:
+        """The chunks in `workers` processes, or here where one process (or one chunk) is enough. Without a count
+        given, a first chunk's worth of configurations spread over the grid (every k-th: its methods differ in
+        cost, auto's search most) runs here, timed, and the rest go to one process a core only where they save
+        more time than the processes take to start (`workers_pay`)."""
+        workers = self._given or usable_cpus()
+        indices = range(len(self._configs))
+        parts = _chunks(indices, workers)
+        if self._given is None and len(parts) > 1:
+            sample = indices[::len(parts)]
+            began_s = process_time()
+            results = self._run_here(sample)
+            per_config_s = (process_time() - began_s) / len(sample)
+            yield list(sample), results
+            rest = [i for i in indices if i % len(parts)]
+            parts = _chunks(rest, workers)
+            if not workers_pay(per_config_s * len(rest), min(workers, len(parts))):
+                workers = 1
+        if min(workers, len(parts)) > 1:
+            self.workers = min(workers, len(parts))
+            yield from _in_processes(self._scenario, self._configs, parts, self.workers)
+            return
+        for part in parts:
+            yield part, self._run_here(part)
+
+    def _run_here(self, part: Sequence[int]) -> list[Result]:
+        self.here += len(part)
+        return run_chunk(self._scenario, [self._configs[i] for i in part])
 
 
-def _in_processes(scenario: Scenario, parts: list[tuple[int, list[Config]]],
-                  workers: int) -> Iterator[tuple[int, list[Result]]]:
+def run(scenario: Scenario, configs: list[Config], workers: int | None = None,
+        ray_address: str | None = None) -> Sweep:
+    """(index into `configs`, result) pairs as the tasks finish: on a Ray cluster, in `workers` processes (None: one
+    a usable core where they pay for their start, `workers_pay`), or here when one process (or one task) is
+    enough."""
+    return Sweep(scenario, configs, workers, ray_address)
+
+
+def workers_pay(remaining_s: float, workers: int) -> bool:
+    """Whether `workers` processes would finish `remaining_s` of this process's work (CPU s) sooner than it would
+    alone: each takes 1/workers of it once started, all at once, each on a core of its own (WORKER_START_S)."""
+    return workers > 1 and remaining_s - remaining_s / workers > WORKER_START_S
+
+
+def _in_processes(scenario: Scenario, configs: list[Config], parts: list[list[int]],
+                  workers: int) -> Iterator[tuple[list[int], list[Result]]]:
     # Spawned, not forked: a fresh interpreter imports only what the tasks need (never torch), and forking a
     # parent whose progress bar runs a thread is unsafe. Started as tune's are, quiet on Ctrl-C, but collecting
     # cycles: a worker lives the whole grid.
-    with start_workers(min(workers, len(parts)), forked=False, collect=True) as pool:  # ended at once on Ctrl-C
-        futures = {pool.submit(run_chunk, scenario, part): start for start, part in parts}
+    with start_workers(workers, forked=False, collect=True) as pool:  # ended at once on Ctrl-C
+        futures = {pool.submit(run_chunk, scenario, [configs[i] for i in part]): part for part in parts}
         for future in as_completed(futures):
             yield futures[future], future.result()
 
 
-def _on_ray(scenario: Scenario, configs: list[Config], address: str) -> Iterator[tuple[int, list[Result]]]:
+def _on_ray(scenario: Scenario, configs: list[Config], address: str) -> Iterator[tuple[list[int], list[Result]]]:
     """The same chunks as Ray tasks; the scenario goes to the object store once. Connects to `address`
     ("auto", "ray://host:10001", "local" for a new local cluster) unless Ray is already initialised."""
     import ray
@@ -362,7 +414,8 @@ def _on_ray(scenario: Scenario, configs: list[Config], address: str) -> Iterator
         task = ray.remote(run_chunk)
         shared = ray.put(scenario)
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        pending = {task.remote(shared, part): start for start, part in _chunks(configs, cpus)}
+        pending = {task.remote(shared, [configs[i] for i in part]): part
+                   for part in _chunks(range(len(configs)), cpus)}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             yield pending.pop(done[0]), ray.get(done[0])
@@ -558,6 +611,18 @@ def ran_text(results: Sequence[Result]) -> str:
     more = [text for count, text in ((skipped, f"{skipped:,} more skipped"),
                                      (folded, f"{folded:,} more the same schedule as one of them")) if count]
     return f"{count_text(len(results) - skipped, 'configuration')} that ran" + (f" ({', '.join(more)})" if more else "")
+
+
+def where_text(sweeps: Sequence[Sweep]) -> str:
+    """Where the sweeps' configurations were simulated: in this process, in how many worker processes (the most
+    one sweep started) and how many here beside them, or as Ray tasks."""
+    if any(sweep.on_ray for sweep in sweeps):
+        return "simulated as Ray tasks"
+    workers, here = max(sweep.workers for sweep in sweeps), sum(sweep.here for sweep in sweeps)
+    if not workers:
+        return "simulated in this process"
+    return f"simulated in {workers} worker processes" + (f" ({count_text(here, 'configuration')} in this one)"
+                                                         if here else "")
 
 
 def fronts_table(best: Sequence[Result]):
