@@ -252,6 +252,8 @@ def tune(
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget, zero, memory_part=capped_by, context=context)
         searching = f"searching the configurations of {count_text(len(settings), 'profile')}, best bound first"
+        if pool is None:  # forked, before _working's thread: spawned in the search, each imported the simulator again
+            pool = start_workers(workers)
         with _working(searching) as report:
             tuning = search(settings, problem, report, workers, pool)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
