@@ -107,7 +107,7 @@ def test_a_grid_whose_sample_takes_long_enough_starts_workers_and_gives_the_rows
         code, text, err = pipesim("sweep", *LED_BY_A_SEARCH, *(("-j", workers) if workers else ()), "--out", out)
         assert code == 0, err
         where[workers], rows[workers] = text.splitlines()[-2], read_csv(out)
-    started = re.fullmatch(r"simulated in (\d+) worker processes \((\d+) configurations in this one\)", where[None])
+    started = re.fullmatch(r"simulated in (\d+) worker processes \((\d+) configurations? in this one\)", where[None])
     assert started and int(started[1]) >= 2 and int(started[2]) >= 1, where[None]
     assert where[1] == "simulated in this process" and where[2] == "simulated in 2 worker processes"
     assert len(rows[None]) > 8 and rows[None] == rows[1] == rows[2]
