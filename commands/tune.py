@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from ..profiles.workload import WorkloadCount
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
+MAX_DEVICES = 1_000_000  # a tenfold margin over the largest GPU clusters built (about 100,000): a plan's own bound
 SEARCHED = "Default: searched."  # what tune does with these where simulate and sweep take one value
 SearchedTensorParallel = with_help(TensorParallel, SEARCHED)
 SearchedDataParallel = with_help(DataParallel, SEARCHED)
@@ -76,7 +77,7 @@ def tune(
     devices: Annotated[int, typer.Option(
         "--devices", "-D", metavar="D", min=1, help="Devices D: d = D/(p·t) data-parallel replicas of a p-deep "
                                                     "pipeline of t-way tensor-parallel stages (p·t divides D; t = 1 "
-                                                    "without --gpu).")],
+                                                    "without --gpu). At most 1,000,000.")],
     profile: Annotated[Path | None, typer.Option(
         "--profile", metavar="JSON", help="Profile from `pipesim calibrate` (or `pipesim estimate`): the model's "
                                           "layers, link and all-reduce, measured at its micro-batch size b. "
@@ -157,6 +158,9 @@ def tune(
 
     workers, pool = usable_cpus(), None  # the cores this process may run on, not the host's (a container's share)
     try:
+        if devices > MAX_DEVICES:  # a refusal's nearest divisors are searched up to D
+            raise InputError(f"--devices: give at most {MAX_DEVICES:,}, ten times the largest GPU clusters built "
+                             f"(got {devices:,})")
         schedule = [name.strip() for given in schedule or () for name in given.split(",")]  # as sweep takes them
         unknown = [name for name in schedule if name not in METHODS]
         if unknown:

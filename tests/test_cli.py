@@ -871,3 +871,12 @@ def test_a_huge_value_is_refused_with_its_thousands_grouped(tmp_path, monkeypatc
     code, out, err = pipesim(*args)
     assert (code, out) == (2, "") and "99,999,999,999" in err, err
     assert re.findall(r"\d{5,}", err) == [], err
+
+
+def test_tunes_devices_past_the_largest_cluster_planned_are_refused_before_any_search():
+    """`tune --devices 99999999999 --tensor-parallel 7` searched the divisors of D for its suggestions, past 60 s:
+    D is bounded as the largest cluster one plans, so every search over it stays short."""
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--devices", 1_000_001,
+                             "--tensor-parallel", 7)
+    assert (code, out) == (2, "") and err.startswith("error: --devices: give at most 1,000,000,"), err
+    assert "(got 1,000,001)" in err and err.count("\n") == 1, err
