@@ -59,6 +59,7 @@ from .common import (
 from .estimate import fit_device_curve, print_fitted_curve
 from .tables import print_message, print_table
 
+MAX_RUNS = 1_000  # --repeats' and --warmup's bound: every measurement runs them, a calibration's time grows with them
 # --passes-as: the code a stage's passes are timed with -> what the summary says runs them
 RUNS_PASSES = {"executor": "the executor", "torch": TORCH_RUNTIME}
 
@@ -103,10 +104,10 @@ def calibrate(
         "--repeats", metavar="N", min=1, help="Timed runs per measurement at most (the median is kept; a measurement "
                                               "stops after 5 once its median's 90 % interval is within 10 %, or 3 % of "
                                               "its stage's F + B for a stage's passes, 1 % for a step), and rounds "
-                                              "over the link sizes.")] = 10,
+                                              "over the link sizes. At most 1,000.")] = 10,
     warmup: Annotated[int, typer.Option(
         "--warmup", metavar="N", min=0, help="Untimed runs before them (one at most for the layers, passes and steps: "
-                                             "what ran just before warmed them).")] = 2,
+                                             "what ran just before warmed them). At most 1,000.")] = 2,
     links: Annotated[bool, typer.Option(
         "--links/--no-links", help="Measure the point-to-point link and the all-reduce between two local "
                                    "ranks.")] = True,
@@ -185,6 +186,10 @@ def calibrate(
             refuse(device_refusal(device))
         check_memory_gb(memory_gb)
         check_threads("--threads", threads)
+        for flag, runs in (("--repeats", repeats), ("--warmup", warmup)):
+            if runs > MAX_RUNS:
+                raise InputError(f"{flag}: give at most {MAX_RUNS:,} runs a measurement, a hundred times the default "
+                                 f"--repeats (got {runs:,})")
         for flag in ("link_max_mb", "expert_parallel"):
             if not links and is_given(ctx, flag):
                 raise InputError(f"{flag_of(flag)} sizes the link measurement, which --no-links skips: "

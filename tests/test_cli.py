@@ -880,3 +880,14 @@ def test_tunes_devices_past_the_largest_cluster_planned_are_refused_before_any_s
                              "--tensor-parallel", 7)
     assert (code, out) == (2, "") and err.startswith("error: --devices: give at most 1,000,000,"), err
     assert "(got 1,000,001)" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flag", ["--repeats", "--warmup"])
+def test_calibrates_runs_a_measurement_are_bounded_with_the_other_flags(tmp_path, flag):
+    """`calibrate --repeats 99999999999` started timing with no end in sight: the runs are bounded and refused with
+    the other flags, before anything starts (--link-max-mb 0, refused next, shows that it is checked first)."""
+    out_path = tmp_path / "p.json"
+    code, out, err = pipesim("calibrate", "--model", "mlp", flag, 1_001, "--link-max-mb", 0, "--out", out_path)
+    assert (code, out) == (2, "") and err == f"error: {flag}: give at most 1,000 runs a measurement, a hundred " \
+                                            "times the default --repeats (got 1,001)\n", err
+    assert not out_path.exists()
