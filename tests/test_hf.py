@@ -223,10 +223,10 @@ UNREADABLE = [
     (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": True}), "gives num_key_value_heads true;"),
     # a count that grew past the host's memory for hours, and torch's randperm of the vocabulary's 8 TB
     (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 10 ** 9}),
-     "{folder}/config.json: num_hidden_layers 1,000,000,000 is more than the count builds and holds: give 1 to "
+     "{folder}/config.json: num_hidden_layers 1,000,000,000 is more than pipesim builds and holds: give 1 to "
      "10,000"),
     (lambda folder: write_config(folder, {**LLAMA, "vocab_size": 10 ** 12}),
-     "config.json: vocab_size 1,000,000,000,000 is more than the count builds and holds: give 1 to 16,777,216"),
+     "config.json: vocab_size 1,000,000,000,000 is more than pipesim builds and holds: give 1 to 16,777,216"),
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mistral", "sliding_window": -4}),
      "config.json: sliding_window must be >= 1 (got -4)"),  # its windowed kernels were priced at negative FLOPs
     # each a traceback deep in the count: top-k of no experts, a division by no experts a token
@@ -282,7 +282,7 @@ def test_an_unreadable_config_is_one_line_before_torch_is_imported(tmp_path):
      "num_attention_heads 12; give a divisor of 12"),
     # GPT-2's layers by its own name, n_layer: 10,001 layers built before its layout was refused
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 10_001, "n_head": 4, "vocab_size": 100, "intermediate_size": 256},
-     "{folder}/config.json: n_layer 10,001 is more than the count builds and holds: give 1 to 10,000"),
+     "{folder}/config.json: n_layer 10,001 is more than pipesim builds and holds: give 1 to 10,000"),
     # the router's top-k of fewer experts: torch's "k not in range"; which field gives them, transformers tells
     ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5},
      "{folder}/config.json sends a token to num_experts_per_tok 5 experts, more than its 4 routed experts "

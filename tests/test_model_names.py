@@ -120,5 +120,5 @@ def test_a_built_in_models_size_out_of_bounds_is_refused_before_torch_is_importe
                                    ("calibrate", "--model", "gpt", "--width", 2**30, "--out", "p.json"), cwd=tmp_path)
     assert [tuple(done) for done in runs] == [
         (2, "", "error: --layers must be >= 1 (got 0)\n"),
-        (2, "", "error: --width 1,073,741,824 is more than the count builds and holds: give 1 to 1,048,576\n")]
+        (2, "", "error: --width 1,073,741,824 is more than pipesim builds and holds: give 1 to 1,048,576\n")]
     assert "torch" not in imported and not list(tmp_path.iterdir())

@@ -91,12 +91,12 @@ def test_gpt_defaults_are_a_4x_gelu_mlp_and_full_heads_and_bad_shapes_name_the_f
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("--layers", 10 ** 9), "--layers 1,000,000,000 is more than the count builds and holds: give 1 to 10,000"),
-    (("--vocab", 10 ** 12), "--vocab 1,000,000,000,000 is more than the count builds and holds: give 1 to "
+    (("--layers", 10 ** 9), "--layers 1,000,000,000 is more than pipesim builds and holds: give 1 to 10,000"),
+    (("--vocab", 10 ** 12), "--vocab 1,000,000,000,000 is more than pipesim builds and holds: give 1 to "
                             "16,777,216"),
     (("--width", 10 ** 9, "--heads", 1), "--width 1,000,000,000 is more than"),
     (("--seq-len", 10 ** 9), "--seq-len 1,000,000,000 is more than"),
-    (("--experts", 4, "--shared-experts", 10 ** 9), "--shared-experts 1,000,000,000 is more than the count builds "
+    (("--experts", 4, "--shared-experts", 10 ** 9), "--shared-experts 1,000,000,000 is more than pipesim builds "
                                                     "and holds: give 0 to 16,384"),
 ])
 def test_a_size_past_what_the_count_holds_is_refused_in_one_line_and_nothing_is_written(tmp_path, args, fragment):

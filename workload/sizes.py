@@ -136,6 +136,6 @@ def size_refusal(flag: str, size: str, value: int, least: int = 1) -> str | None
     if value < least:
         return f"{flag} must be >= {least} (got {value})"
     if value > MAX_SIZES[size]:
-        return (f"{flag} {value:,} is more than the count builds and holds: give {least} to "
+        return (f"{flag} {value:,} is more than pipesim builds and holds: give {least} to "
                 f"{MAX_SIZES[size]:,}")
     return None
