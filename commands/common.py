@@ -1136,6 +1136,12 @@ def writing(flag: str) -> Iterator[None]:
         raise InputError(f"{flag}: cannot write {path}: {_reason(exc)}") from None
 
 
+def wrote_text(path: Path, replaced: bool) -> str:
+    """The line that names a page written, and whether a file was there before: a page replaced without a word
+    looked as if it were the first."""
+    return f"wrote {path}" + (" (replaced the file that was there)" if replaced else "")
+
+
 def read_error(exc: OSError) -> str:
     """The line for an OSError that reaches a command's last handler. Every output's write is inside `writing`,
     which names its flag, and the files the flags name are read through pipesim.files, which names the flag too:

@@ -39,6 +39,7 @@ from .common import (
     stderr,
     stdout,
     writing,
+    wrote_text,
 )
 from .tables import print_message, print_table
 
@@ -180,6 +181,7 @@ def study(
         summaries = summarize(saved, chosen, rates, seed_list)
         from ..study.page import write_study_page
 
+        replaced = html.is_file()
         with writing("--html"):
             write_study_page(summaries, list(rates), html, title=_title(setting))
     except (InputError, ScheduleError) as exc:
@@ -197,7 +199,7 @@ def study(
                           "html": str(html), "arms": [s.as_dict() for s in summaries]}, indent=2))
     else:
         _print_table(setting, summaries)
-        stdout.print(f"wrote {html}" + ("" if plot_only else f" and {results}"), highlight=False)
+        stdout.print(wrote_text(html, replaced) + ("" if plot_only else f" and {results}"), highlight=False)
 
 
 def _check_model(setting) -> None:

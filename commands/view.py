@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .common import InputError, check_outputs, fail, out_of_memory_line, stderr, stdout, writing
+from .common import InputError, check_outputs, fail, out_of_memory_line, stderr, stdout, writing, wrote_text
 from .tables import print_message
 
 
@@ -68,4 +68,4 @@ def view(
         fail(str(exc))
     for note in notes:  # as simulate warns: the page's note alone went unseen by a user who did not open it
         print_message(f"warning: {note}", stderr)
-    stdout.print(f"wrote {out}" + (" (replaced the file that was there)" if replaced else ""), highlight=False)
+    stdout.print(wrote_text(out, replaced), highlight=False)

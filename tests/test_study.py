@@ -119,6 +119,9 @@ def test_study_trains_writes_its_results_and_page_then_resumes_without_training_
     code, out, err = pipesim("study", "--plot-only", "--results", results, "--html", page)
     assert code == 0, err
     assert page.exists() and load_results(results).runs == resumed.runs
+    assert " ".join(out.split()).endswith(f"wrote {page}"), out
+    code, out, err = pipesim("study", "--plot-only", "--results", results, "--html", page)  # as view says it
+    assert code == 0 and " ".join(out.split()).endswith(f"wrote {page} (replaced the file that was there)"), out
 
 
 def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_path):
