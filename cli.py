@@ -191,6 +191,17 @@ def _missing(exc: Exception) -> str | None:
     return f"{name} is required: {param.help}"
 
 
+def _bad_value(exc: Exception) -> str | None:
+    """An option's value click refused (a range, a type), led by the flag as pipesim's own refusals are ("--seed:
+    Input should be ..."), its bound grouped in thousands; None for any other usage error."""
+    param = getattr(exc, "param", None)
+    if param is None or param.param_type_name != "option" or not hasattr(exc, "message"):
+        return None
+    from .files import grouped
+
+    return f"{param.opts[0]}: {grouped(exc.message)}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: usage errors become one line and exit code 2, never a traceback; Ctrl-C is one
     line, "interrupted", and exit code 130 (outputs are written whole or not at all)."""
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         from .commands.common import fail
 
-        fail(_missing(exc) or exc.format_message())  # click's usage and parameter errors
+        fail(_missing(exc) or _bad_value(exc) or exc.format_message())  # click's usage and parameter errors
     if code == INTERRUPTED:  # typer turns a KeyboardInterrupt in a command into this exit code
         print("interrupted", file=sys.stderr)
     if argv is None:  # the process ends here: the interpreter's last collections over what torch and sympy made

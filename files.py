@@ -99,13 +99,18 @@ _NOT_AN_OBJECT = frozenset({"model_type", "dict_type", "model_attributes_type"})
 _LONG_WHOLE = re.compile(r"(?<![\d.])\d{5,}(?![\d.])")  # a bound as pydantic writes it, "1000000000000"
 
 
+def grouped(message: str) -> str:
+    """`message` with its long whole numbers grouped in thousands, as pipesim's own refusals write theirs."""
+    return _LONG_WHOLE.sub(lambda number: f"{int(number[0]):,}", message)
+
+
 def first_error(exc: Any) -> str:
     """A pydantic ValidationError's first error as `field.path: message` (just the message at the top level), its
     whole numbers grouped in thousands as pipesim's own refusals group theirs."""
     err = exc.errors()[0]
     where = ".".join(map(str, err["loc"]))
     message = "Input should be an object" if err["type"] in _NOT_AN_OBJECT else err["msg"]
-    message = _LONG_WHOLE.sub(lambda number: f"{int(number[0]):,}", message.removeprefix("Value error, "))
+    message = grouped(message.removeprefix("Value error, "))
     return f"{where + ': ' if where else ''}{message}"
 
 

@@ -129,7 +129,7 @@ def test_schedules_lists_methods():
     (["--chunks", "2", "-s", "gpipe"], "gpipe places one model stage per device"),
     (["--cluster", "/no/such/cluster.json"], "--cluster: cannot read cluster file"),
     (["-s", "1f1b", "--jitter", "0.1", "--seed", "-3"], "--seed"),  # numpy's traceback: a seed is not negative
-    (["-s", "1f1b", "--seed", str(2**32)], "Input should be less than or equal to 4294967295"),  # run's rule too
+    (["-s", "1f1b", "--seed", str(2**32)], "Input should be less than or equal to 4,294,967,295"),  # run's rule too
     (["--html", "/no/such/dir/x.html"], "--html: cannot write"),
     (["--trace", "/no/such/dir/x.json"], "--trace: cannot write"),
     (["--frobnicate"], "No such option"),
@@ -159,14 +159,14 @@ def test_schedules_lists_methods():
      "error: device 0's rows add and free more bytes than the simulator's counters hold (4.61e+18)"),
     # each float flag names itself and its range: nan read "should be >= 0", inf and 1e30 a cost unnamed
     # ("opt_ms must be a finite number ..."), --jitter inf the simulator's clock summing to nan ms
-    *(([flag, value, "-s", "avgpipe"], f"error: Invalid value for '{flag}': give a finite number from 0 to "
+    *(([flag, value, "-s", "avgpipe"], f"error: {flag}: give a finite number from 0 to "
                                        f"1,000,000,000 (got {got})")
       for flag in ("--opt", "--pred", "--avg") for value, got in (("nan", "nan"), ("inf", "inf"), ("1e30", "1e+30"))),
-    (["-s", "1f1b", "--jitter", "inf"], "error: Invalid value for '--jitter': give a finite number from 0 to 3 "
+    (["-s", "1f1b", "--jitter", "inf"], "error: --jitter: give a finite number from 0 to 3 "
                                         "(got inf)"),
-    (["-s", "zb-h1", "--wgrad-fraction", "nan"], "error: Invalid value for '--wgrad-fraction': give a finite "
+    (["-s", "zb-h1", "--wgrad-fraction", "nan"], "error: --wgrad-fraction: give a finite "
                                                  "number from 0 to 1 (got nan)"),
-    (["-s", "dualpipev", "--fb-hidden-fraction", "nan"], "error: Invalid value for '--fb-hidden-fraction': give a "
+    (["-s", "dualpipev", "--fb-hidden-fraction", "nan"], "error: --fb-hidden-fraction: give a "
                                                          "finite number from 0 to 1 (got nan)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
@@ -191,7 +191,7 @@ def test_a_host_time_past_its_range_is_refused_at_its_flag_and_nothing_is_writte
 
 
 @pytest.mark.parametrize("command, args, fragment", [
-    ("sweep", ["--opt", "1e30"], "error: Invalid value for '--opt': give a finite number from 0 to 1,000,000,000"),
+    ("sweep", ["--opt", "1e30"], "error: --opt: give a finite number from 0 to 1,000,000,000"),
     ("run", ["-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--timeout", "1e30"],
      "error: --timeout: give a finite number > 0 and at most 86,400 (got 1e+30)"),
 ])

@@ -185,7 +185,7 @@ def test_an_optimizer_time_under_a_nanosecond_is_refused_as_the_cost_flags_are(t
     html = tmp_path / "t.html"
     code, out, err = pipesim(command, "-s", "avgpipe", flag, "1e-12", "--html", html)
     assert (code, out) == (2, "")
-    assert err == (f"error: Invalid value for '{flag}': give 0 or at least 1e-06 ms (a nanosecond: the simulator "
+    assert err == (f"error: {flag}: give 0 or at least 1e-06 ms (a nanosecond: the simulator "
                    f"counts picoseconds), got 1e-12\n")
     assert not html.exists()
 
