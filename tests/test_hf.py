@@ -333,6 +333,11 @@ SEQ = ("--seq-len", 16)
                                       "max_position_embeddings, 2,048"),
     (NO_LONGEST, (), "(its config gives no max_position_embeddings: transformers' default for model_type 'llama' "
                      "bounds it)"),
+    # said to give none, or (with --seq-len) refused by transformers once torch was imported, 10.8 s
+    *(({**LLAMA, "max_position_embeddings": given}, args, f"{{folder}}/config.json gives max_position_embeddings "
+       f"{json.dumps(given)}; it must be a whole number, 1 or more") for given, args in ((4096.0, ()),
+                                                                                        ("4096", SEQ), (True, SEQ))),
+    ({**LLAMA, "max_position_embeddings": 0}, (), "{folder}/config.json: max_position_embeddings must be >= 1 (got 0)"),
     # transformers' ACT2FN lookup, a bare KeyError: 'nosuch' where the field went unnamed
     ({**LLAMA, "hidden_act": "nosuch"}, SEQ, "{folder}/config.json gives hidden_act 'nosuch', an activation "
                                              "transformers does not know; give one of gelu, "),

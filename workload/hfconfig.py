@@ -160,10 +160,15 @@ def config_seq_len_refusal(spec: str, seq_len: int | None) -> str | None:
     except HfConfigError as exc:
         return str(exc)
     longest = config.fields.get(LONGEST_FIELD)
-    if isinstance(longest, bool) or not isinstance(longest, int) or longest < 1:
+    if longest is None:
         return None if seq_len is not None else seq_len_refusal(
             spec, None, None, f"its config gives no {LONGEST_FIELD}: transformers' default for model_type "
                               f"{config.model_type!r} bounds it")
+    # 4096.0 or "4096" was said to give none, and transformers refused it once torch was imported, 10.8 s
+    if (refusal := whole_number_refusal(spec, config.path, LONGEST_FIELD, longest, 1)) is not None:
+        return refusal
+    if longest < 1:
+        return f"--model {spec}: {config.path}: {LONGEST_FIELD} must be >= 1 (got {longest})"
     return seq_len_refusal(spec, seq_len, longest, f"its {LONGEST_FIELD}")
 
 
@@ -172,7 +177,16 @@ def size_field_refusal(spec: str, path: Path, given: str, field: str, value: Any
     that transformers reads: workload/hf.py `_read`), where it is not a whole number from its `LEAST` to its
     bound; None where it is one."""
     least = LEAST.get(field, 1)
-    if isinstance(value, bool) or not isinstance(value, int):
-        return f"--model {spec}: {path} gives {given} {json.dumps(value)}; it must be a whole number, {least} or more"
+    if (refusal := whole_number_refusal(spec, path, given, value, least)) is not None:
+        return refusal
     refusal = size_refusal(given, SIZES[field], value, least)
     return None if refusal is None else f"--model {spec}: {path}: {refusal}"
+
+
+def whole_number_refusal(spec: str, path: Path, given: str, value: Any, least: int) -> str | None:
+    """The one line refusing `value`, which `path` gives as `given`, where it is no whole number (JSON's true, 4.0
+    and "4" are none: transformers' strict configs refuse them, but only once torch is imported); None where it is
+    one. `least` is the least it may be, which the line states."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"--model {spec}: {path} gives {given} {json.dumps(value)}; it must be a whole number, {least} or more"
+    return None
