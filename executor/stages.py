@@ -324,12 +324,17 @@ LayerOutputs = dict[int, tuple[tuple[int, ...], torch.dtype]]  # layer -> the sh
 
 @torch.no_grad()
 def layer_outputs(spec: RunSpec, model: Model) -> LayerOutputs:
-    """The shape and dtype of every layer's output on micro-batch 0, from a forward of the model on its device."""
+    """The shape and dtype of every layer's output on micro-batch 0, from a forward of the model on its device in
+    torch's fake tensors, which carry shapes and allocate nothing: a real forward held every layer's output at the
+    full micro-batch in the parent before its ranks started (`run --model mlp -b 200000`: 3.3 GiB)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     x, _ = microbatch_data(spec, model, 0, 0)
     outputs: dict[int, torch.Tensor] = {
         BATCH: x.to(next((p.device for layer in model.layers for p in layer.parameters()), torch.device("cpu")))}
-    for i, layer in enumerate(model.layers):
-        outputs[i] = layer(*(outputs[s] for s in model.inputs[i]))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for i, layer in enumerate(model.layers):
+            outputs[i] = layer(*(outputs[s] for s in model.inputs[i]))
     return {i: (tuple(out.shape), out.dtype) for i, out in outputs.items() if i != BATCH}
 
 
