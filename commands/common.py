@@ -693,14 +693,14 @@ def host_memory_refusal(command: str, model: str, options: dict, microbatch_size
                 "price it without building it: `pipesim estimate --gpu NAME`")
     if microbatch_size is None:
         return None
-    per_sample = _forward_bytes_per_sample(built, getattr(torch, dtype))
-    if weights * 4 + microbatch_size * per_sample <= available:
+    bytes_per_sample = _forward_bytes_per_sample(built, getattr(torch, dtype))
+    if weights * 4 + microbatch_size * bytes_per_sample <= available:
         return None
-    most = (available - weights * 4) // per_sample
+    most = (available - weights * 4) // bytes_per_sample
     smaller = (f"give a smaller --microbatch-size (past {most:,} this alone outgrows it)" if most else
                "make the model smaller (--layers, --width)")
     return (f"{model} does not fit in memory at micro-batch size {microbatch_size:,} (--microbatch-size): the "
-            f"micro-batch and its layers' outputs take {bytes_text(microbatch_size * per_sample)} in {dtype} as "
+            f"micro-batch and its layers' outputs take {bytes_text(microbatch_size * bytes_per_sample)} in {dtype} as "
             f"{command} runs its forward on this host, beside {bytes_text(weights * 4)} of weights, and the host has "
             f"{bytes_text(available)} available; {smaller}")
 
