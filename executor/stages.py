@@ -326,7 +326,7 @@ LayerOutputs = dict[int, tuple[tuple[int, ...], torch.dtype]]  # layer -> the sh
 def layer_outputs(spec: RunSpec, model: Model) -> LayerOutputs:
     """The shape and dtype of every layer's output on micro-batch 0, from a forward of the model on its device in
     torch's fake tensors, which carry shapes and allocate nothing: a real forward held every layer's output at the
-    full micro-batch in the parent before its ranks started (`run --model mlp -b 200000`: 3.3 GiB)."""
+    full micro-batch in the parent before its ranks started."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x, _ = microbatch_data(spec, model, 0, 0)
