@@ -324,17 +324,12 @@ LayerOutputs = dict[int, tuple[tuple[int, ...], torch.dtype]]  # layer -> the sh
 
 @torch.no_grad()
 def layer_outputs(spec: RunSpec, model: Model) -> LayerOutputs:
-    """The shape and dtype of every layer's output on micro-batch 0, from a forward of the model on its device in
-    torch's fake tensors, which carry shapes and allocate nothing: a real forward held every layer's output at the
-    full micro-batch in the parent before its ranks started."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    """The shape and dtype of every layer's output on micro-batch 0, from a forward of the model on its device."""
     x, _ = microbatch_data(spec, model, 0, 0)
     outputs: dict[int, torch.Tensor] = {
         BATCH: x.to(next((p.device for layer in model.layers for p in layer.parameters()), torch.device("cpu")))}
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        for i, layer in enumerate(model.layers):
-            outputs[i] = layer(*(outputs[s] for s in model.inputs[i]))
+    for i, layer in enumerate(model.layers):
+        outputs[i] = layer(*(outputs[s] for s in model.inputs[i]))
     return {i: (tuple(out.shape), out.dtype) for i, out in outputs.items() if i != BATCH}
 
 
