@@ -249,8 +249,9 @@ def run(
         elif is_hf(model):  # run has no --seq-len: a profile carries it
             raise InputError(f"--model {model}: run builds a Hugging Face model at the sequence length it was "
                              "calibrated at: give --profile, from `pipesim calibrate --model hf:PATH --seq-len N`")
-        refuse(model_name_refusal(model) or flag_sizes_refusal(model, options))  # require_model's first check and
-        # the sizes' bounds, here before the server starts
+        sized = {**options, "seq_len": measured.model.options.get("seq_len")} if measured else options
+        refuse(model_name_refusal(model) or flag_sizes_refusal(model, sized))  # require_model's first check and the
+        # sizes' bounds, before the server starts (a config is built at its profile's sequence length)
         check_outputs([("--trace", trace), ("--html", html)],
                       [("--profile", profile), *model_reads({**ctx.params, "model": model})])
         if expert_parallel > 1:  # its experts first: a dense model's --data-parallel would be the wrong fix

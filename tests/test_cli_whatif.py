@@ -264,7 +264,7 @@ def test_a_change_to_any_code_the_count_is_made_by_counts_again(tmp_path, monkey
     from pipesim.commands.estimate import _count_cache
 
     monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path))
-    shape = ("gpt", {"layers": 2}, 1, "bfloat16", "math", False, True, "torch", "eager", "eager", "none")
+    shape = ("gpt", {"layers": 2}, 1, "bfloat16", "math", False, True, "torch", "eager", "eager", "none", False)
     kept = _count_cache(*shape)
     read_bytes = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda path: read_bytes(path) + b"#" * (path.name == "optim.py"))

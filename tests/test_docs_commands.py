@@ -193,7 +193,7 @@ def test_the_parser_refuses_what_the_command_line_refuses(args):
     (["compare", "--html"], None),
     (["estimate"], None),
     (["run", "--no-such-flag"], "No such option: --no-such-flag"),
-    (["simulate", "--stages", "four"], "--stages: "),
+    (["simulate", "--stages", "four"], "Invalid value for '--stages' / '-p'"),
 ])
 def test_a_mention_may_leave_out_values_not_name_wrong_flags(args, wrong):
     error = parse(args, mention=True)

@@ -145,7 +145,10 @@ def test_ctrl_c_while_the_forkserver_imports_leaves_no_process_behind(tmp_path):
     command = [sys.executable, "-c", "from pipesim.cli import main; main()", "calibrate", "--model", "mlp", "--out",
                str(tmp_path / "p.json")]
     with open(tmp_path / "err.txt", "w") as err:  # a file, not a pipe: a pipe's end would wait for the server too
-        proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
+        # a terminal's command starts with SIGINT's default, whatever this test process started with (a shell's
+        # background job, as CI's, has SIGINT ignored; that is inherited through exec, and Python keeps it ignored)
+        proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not any("forkserver" in line for line in _group(proc.pid)) and time.monotonic() < deadline:
@@ -169,7 +172,11 @@ def test_a_ctrl_c_while_processes_start_is_raised_after_not_lost():
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("a signal's Python handler runs in the main thread")
-    with pytest.raises(KeyboardInterrupt):
-        with processes._sigint_deferred():
-            os.kill(os.getpid(), signal.SIGINT)  # held off here: nothing is raised inside
-            assert signal.SIGINT in signal.sigpending()
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a command's, even as a background job
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with processes._sigint_deferred():
+                os.kill(os.getpid(), signal.SIGINT)  # held off here: nothing is raised inside
+                assert signal.SIGINT in signal.sigpending()
+    finally:
+        signal.signal(signal.SIGINT, handler)
