@@ -162,7 +162,8 @@ def test_a_layer_of_two_mixture_of_experts_blocks_pays_each_blocks_exchanges_and
 def test_a_profile_from_before_the_blocks_were_recorded_prices_each_layer_as_one_block(moe_profile, tmp_path):
     """A profile calibrated before `dispatched_block_bytes` (no such key) loads, each MoE layer one block of its
     `dispatched_bytes`, priced as the profile that records them; blocks that do not sum to it are refused."""
-    _, priced, bounds = moe_profile
+    _, priced, _ = moe_profile
+    bounds = (0, 2, 4)  # a block a stage, not the calibration's cut: timed, it may put both blocks on one stage
     doc = json.loads(priced.read_text())
     for layer in doc["layers"]:
         del layer["dispatched_block_bytes"]
