@@ -147,6 +147,9 @@ def run_in_process(spec: RunSpec) -> RunResult:
 
 FAULT_ENV = "PIPESIM_TEST_FAULT"  # test-only: "RANK:ROWS:SIGNAL" makes RANK send itself SIGNAL after ROWS rows
 HEARTBEAT_S = 0.2  # a rank reports to the parent at most this often
+# a rank whose process used at least this share of one core over a heartbeat period is working (a long compute
+# row, a large send), not waiting: a rank blocked in a receive or a collective uses well under 1% of a core
+WORKING_CPU_SHARE = 0.05
 STOP_GRACE_S = 3.0  # after SIGTERM, how long ranks get before SIGKILL
 
 
@@ -154,13 +157,16 @@ STOP_GRACE_S = 3.0  # after SIGTERM, how long ranks get before SIGKILL
 class Heartbeat:
     """What a rank tells the parent as it runs: rows done, its last action's text (`1B3.0`), the losses so
     far, and (row, start ns, end ns) of each row finished since its previous heartbeat. A row's start is the
-    end of the one before it (the loop's own bookkeeping included): enough for an incomplete trace."""
+    end of the one before it (the loop's own bookkeeping included): enough for an incomplete trace. `working`:
+    the process used WORKING_CPU_SHARE of a core or more over the heartbeat period before it (progress within
+    a row, which can outlast the stall limit on a large micro-batch)."""
 
     rank: int
     rows_done: int
     last_action: str
     losses: dict[tuple[int, int], float]
     rows: list[tuple[int, int, int]]
+    working: bool = False
 
 
 @dataclass
@@ -201,8 +207,9 @@ def _test_fault(rank: int) -> tuple[int, int] | None:
 
 class _Reporter:
     """A rank's `on_row` and its heartbeat thread: each row is timed as it finishes, and the thread sends what
-    is new every HEARTBEAT_S, so the parent hears of rows done just before a rank blocks or stops. In tests,
-    raises the fault FAULT_ENV asks for."""
+    is new every HEARTBEAT_S, so the parent hears of rows done just before a rank blocks or stops, and, when no
+    row finished, whether the rank is working (its process's CPU time). In tests, raises the fault FAULT_ENV
+    asks for."""
 
     def __init__(self, rank: int, lowered: Lowered, messages: Any) -> None:
         self.rank, self.lowered, self.messages = rank, lowered, messages
@@ -236,14 +243,18 @@ class _Reporter:
             os.kill(os.getpid(), self.fault[1])
 
     def _beating(self) -> None:
+        cpu_ns, wall_ns = time.process_time_ns(), time.monotonic_ns()
         while not self.stopped.wait(HEARTBEAT_S):
-            if self.rows:
-                self.beat()
+            cpu_then_ns, wall_then_ns = cpu_ns, wall_ns
+            cpu_ns, wall_ns = time.process_time_ns(), time.monotonic_ns()
+            working = cpu_ns - cpu_then_ns >= WORKING_CPU_SHARE * (wall_ns - wall_then_ns)
+            if self.rows or working:
+                self.beat(working)
 
-    def beat(self) -> None:
+    def beat(self, working: bool = False) -> None:
         losses = dict(self.loop.losses) if self.loop is not None else {}
         with self.lock:
-            beat = Heartbeat(self.rank, self.done, self.last_action, losses, self.rows)
+            beat = Heartbeat(self.rank, self.done, self.last_action, losses, self.rows, working)
             self.rows = []
         self.messages.put(("beat", beat))
 
@@ -356,7 +367,7 @@ class _Supervisor:
         if what == "beat":
             beat: Heartbeat = message[1]
             rank = beat.rank
-            if self.beats[rank] is None or beat.rows_done > self.beats[rank].rows_done:
+            if self.beats[rank] is None or beat.rows_done > self.beats[rank].rows_done or beat.working:
                 self.moved[rank] = time.monotonic()
             self.beats[rank] = beat
             self.rows[rank].extend(beat.rows)
@@ -388,7 +399,9 @@ class _Supervisor:
     def fault(self) -> tuple[int, str, bool] | None:
         """What stops the run, if anything: (rank, what happened, whether its loss diverged). A rank that died
         comes first: its peers' failed transfers are its consequence; then a diverged loss, then the first
-        error reported; then a rank that stalled."""
+        error reported; then a stalled run: a stopped rank past the stall limit, or every running rank past it (a
+        rank blocked in a receive while its peer computes a long row is waiting, not stalled, as long as some rank
+        moves: a 1F1B last stage waits through the first stage's last backward, its update and the next forward)."""
         dead = self.dead()
         if dead:
             code = self.procs[dead[0]].exitcode
@@ -403,11 +416,11 @@ class _Supervisor:
         # timeout of its own): it gets that timeout
         limits = [self.stall_timeout_s if beat is not None else max(self.stall_timeout_s, self.spec.timeout_s)
                   for beat in self.beats]
-        stalled = [rank for rank in range(len(self.procs))
-                   if self.results[rank] is None and now - self.moved[rank] > limits[rank]]
-        if not stalled:
-            return None
+        running = [rank for rank in range(len(self.procs)) if self.results[rank] is None]
+        stalled = [rank for rank in running if now - self.moved[rank] > limits[rank]]
         stopped = [rank for rank in stalled if _stopped(self.procs[rank].pid)]
+        if not stalled or (not stopped and len(stalled) < len(running)):
+            return None
         rank = stopped[0] if stopped else min(stalled, key=lambda r: self.moved[r])
         return rank, (f"{self.named(rank)} made no progress for {limits[rank]:g} s (last action "
                       f"{self.last_action(rank)}{'; the process is stopped' if stopped else ''})"), False

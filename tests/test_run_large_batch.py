@@ -1,0 +1,111 @@
+"""The stall watchdog of `run_multiprocess` on rows that outlast it. At `run -s 1f1b --model mlp -m 4 -b 200000`
+on 2 cores a row takes 8-20 s, and after its update the last stage waits in a receive through the first stage's
+last backward, its update and the next forward: more than the 20 s stall limit, so the run was stopped with
+"rank 1 made no progress for 20 s (last action 1OPT.1)" while both ranks were sound. A rank waiting on a
+working peer is not stalled, nor is a rank working through a long row."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from pipesim.executor import run_multiprocess
+from pipesim.executor.runners import HEARTBEAT_S, Heartbeat, _Reporter, _Supervisor
+from pipesim.schedules import lower
+from pipesim.workload import data
+from pipesim.workload.models import Model, classification_loss
+from tests.helpers import spec_for
+
+BURN_CPU_S = 2.5  # CPU seconds the first stage's backward takes: more than STALL_S of wall time on any host
+STALL_S = 1.0
+
+
+def _burn(cpu_s: float) -> None:
+    """Keep this thread busy until the process has used `cpu_s` more CPU seconds."""
+    until = time.process_time() + cpu_s
+    while time.process_time() < until:
+        pass
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward computes for BURN_CPU_S: a long backward row, as a large micro-batch's is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        _burn(BURN_CPU_S)
+        return grad
+
+
+class _SlowBackwardLayer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(x)
+
+
+def slow_backward_mlp() -> Model:
+    """Two layers on the digits: the first (stage 0 of two) with a backward of BURN_CPU_S."""
+    return Model("slow-backward", [nn.Sequential(nn.Linear(data.DIGIT_SIDE ** 2, 16), _SlowBackwardLayer()),
+                                   nn.Linear(16, data.DIGIT_CLASSES)], data.digit_batch, classification_loss)
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_on_a_peers_long_backward_is_not_stalled():
+    """Rank 1 ends mini-batch 0 with its update, then waits in a receive for BURN_CPU_S and more while rank 0
+    runs its backward: before, the run stopped there, "rank 1 made no progress for 1 s (last action 1OPT.0)"."""
+    spec = replace(spec_for("1f1b", stages=2, m=1, n=2), model=slow_backward_mlp, model_options={})
+    result = run_multiprocess(spec, stall_timeout_s=STALL_S, timeout_s=60)
+    assert len(result.losses[0]) == 2 and result.trace.meta.complete
+
+
+class _Messages:
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def put(self, message: tuple) -> None:
+        self.sent.append(message)
+
+
+def test_a_rank_computing_within_a_row_beats_as_working_and_a_waiting_one_stays_silent():
+    lowered = lower(spec_for("1f1b", stages=2, m=1, n=1).schedule)
+    messages = _Messages()
+    reporter = _Reporter(0, lowered, messages)
+    reporter.start()
+    _burn(5 * HEARTBEAT_S)
+    computing = len(messages.sent)
+    time.sleep(5 * HEARTBEAT_S)
+    reporter.stop()
+    beats = [beat for _, beat in messages.sent]
+    assert computing >= 3 and all(beat.working and beat.rows_done == 0 for beat in beats[1:computing])
+    assert len(beats) <= computing + 2  # waiting: the beat that closes the computing period at most, and stop's
+
+
+class _Process:
+    pid, exitcode = os.getpid(), None
+
+
+def _beat(rank: int, rows_done: int, working: bool = False) -> tuple:
+    return "beat", Heartbeat(rank, rows_done, "1OPT.0" if rank else "0B0.0", {}, [], working)
+
+
+def test_the_run_stalls_when_no_rank_moves_not_while_one_works():
+    spec = spec_for("1f1b", stages=2, m=1, n=2)
+    supervisor = _Supervisor(spec, lower(spec.schedule), [_Process(), _Process()], stall_timeout_s=0.2)
+    supervisor.take(_beat(0, 3))
+    supervisor.take(_beat(1, 5))
+    time.sleep(0.3)
+    supervisor.take(_beat(0, 4))  # rank 0 finished a row; rank 1 waits on it
+    assert supervisor.fault() is None
+    time.sleep(0.3)
+    supervisor.take(_beat(0, 4, working=True))  # rank 0 within a long row
+    assert supervisor.fault() is None
+    time.sleep(0.3)  # now neither moves
+    rank, text, diverged = supervisor.fault()
+    assert (rank, diverged) == (1, False) and text == "rank 1 made no progress for 0.2 s (last action 1OPT.0)"
