@@ -7,7 +7,9 @@ A leaf module (it imports nothing), so both shared vocabularies may use it.
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
-MAX_BYTES = 1 << 50  # a PiB: any size pipesim reads larger is a typo, and would overflow the int64 memory counters
+TIB = 1 << 40
+PIB = 1 << 50
+MAX_BYTES = PIB  # any size pipesim reads larger is a typo, and would overflow the int64 memory counters
 MAX_MEMORY_GIB = MAX_BYTES // GIB  # a device's memory (a cluster's, a GPU's, --memory-gb) at most: the same PiB
 MIN_MEMORY_GIB = 1 / GIB  # a device's memory at least: one byte, as pipesim holds it in whole bytes (int(gib * GIB))
 MAX_MS = 1e9  # about 11.6 days per op: any time pipesim reads larger is a typo, and would overflow its clock
@@ -23,12 +25,14 @@ def count_text(number: int, noun: str) -> str:
 
 
 def bytes_text(nbytes: int) -> str:
-    """A size in the largest of GiB, MiB and KiB it reaches, to four significant figures, else in bytes ("4.135 MiB",
-    "512 B"): calibrate's progress and its summary's link lines alike, where "4335616 bytes" was left to count. GiB
-    too: a stage's gradients past 10,000 MiB read "1.234e+04 MiB" at four figures."""
-    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+    """A size in the largest of PiB, TiB, GiB, MiB and KiB it reaches, to four significant figures, else in bytes
+    ("4.135 MiB", "512 B"): calibrate's progress and its summary's link lines alike, where "4335616 bytes" was left
+    to count. Up to PiB, so a sum past 10,000 GiB reads "151.7 TiB", not "1.553e+05 GiB"; a figure still past 999
+    (1,023 GiB, or past 1,000 PiB) is grouped in thousands, never written with an exponent."""
+    for unit, scale in (("PiB", PIB), ("TiB", TIB), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if nbytes >= scale:
-            return f"{nbytes / scale:.4g} {unit}"
+            figure = float(f"{nbytes / scale:.4g}")
+            return f"{figure:,.0f} {unit}" if figure >= 1000 else f"{figure:g} {unit}"
     return f"{nbytes} B"
 
 
