@@ -789,7 +789,7 @@ def _label(summary, sched) -> str:
     """A method's row label in simulate's tables, with the shape that tells its runs apart: "interleaved-1f1b
     (v=2)" (--memory's table said "interleaved-1f1b" alone)."""
     shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
-    shape += [f"P={sched.pipelines}"] if sched.pipelines > 1 else []
+    shape += [f"P={sched.pipelines:,}"] if sched.pipelines > 1 else []
     shape += [f"s: {_source(sched)}"] if _source(sched) else []
     return summary.schedule + (f" ({', '.join(shape)})" if shape else "")
 

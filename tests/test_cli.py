@@ -84,12 +84,12 @@ def test_by_default_every_method_compared_reaches_its_steady_state():
 
 
 def test_the_tables_counts_of_activations_and_copies_are_grouped_in_thousands():
-    """Peak act and copies printed "2000" and "1001 in every row" beside "1,160,248" MiB (avgpipe of 1,000
-    pipelines): every other count in pipesim's tables is grouped in thousands."""
+    """Peak act and copies printed "2000" and "1001 in every row", and the row's label "avgpipe (P=1000)", beside
+    "1,160,248" MiB (avgpipe of 1,000 pipelines): every other count in pipesim's tables is grouped in thousands."""
     code, out, _ = pipesim("simulate", "-s", "avgpipe", "--pipelines", 1000, "-p", 2, "-m", 2, "-n", 1, "--fwd",
                            0.001, "--bwd", 0.001)
     assert code == 0
-    assert re.search(r"^ avgpipe \(P=1000\) .* 2,000 +4\.002 *$", out, re.M), out
+    assert re.search(r"^ avgpipe \(P=1,000\) .* 2,000 +4\.002 *$", out, re.M), out
     assert "copies: versions of one stage's weights held, 1,001 in every row" in " ".join(out.split())
 
 
