@@ -18,6 +18,7 @@ from pipesim.profiles import schema
 from pipesim.workload.models import BATCH, ModelError, build_model
 from pipesim.workload.optim import OPTIMIZERS, elastic_average, make_optimizer, predict_weights
 from pipesim.workload.processes import rank_context
+from pipesim.workload.sizes import size_refusal
 from pipesim.workload.transport import (
     GlooTransport,
     HostStagedTransport,
@@ -88,6 +89,13 @@ def test_gpt_defaults_are_a_4x_gelu_mlp_and_full_heads_and_bad_shapes_name_the_f
         build_model("gpt", ffn=0)
     with pytest.raises(ModelError, match=r"--kv-heads does not apply to mlp"):
         build_model("mlp", kv_heads=2)
+
+
+def test_a_size_without_a_bound_of_pipesims_is_refused_below_its_least_alone():
+    """A config's max_position_embeddings bounds --seq-len and has no MAX_SIZES bound: hfconfig worded its own
+    "must be >= 1 (got 0)" line for it, beside size_refusal's for every other size."""
+    assert size_refusal("max_position_embeddings", None, 0) == "max_position_embeddings must be >= 1 (got 0)"
+    assert size_refusal("max_position_embeddings", None, 10_485_760) is None  # Llama 4 Scout's 10M context
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -167,8 +167,8 @@ def config_seq_len_refusal(spec: str, seq_len: int | None) -> str | None:
     # 4096.0 or "4096" was said to give none, and transformers refused it once torch was imported, 10.8 s
     if (refusal := whole_number_refusal(spec, config.path, LONGEST_FIELD, longest, 1)) is not None:
         return refusal
-    if longest < 1:
-        return f"--model {spec}: {config.path}: {LONGEST_FIELD} must be >= 1 (got {longest})"
+    if (refusal := size_refusal(LONGEST_FIELD, None, longest)) is not None:
+        return f"--model {spec}: {config.path}: {refusal}"
     return seq_len_refusal(spec, seq_len, longest, f"its {LONGEST_FIELD}")
 
 

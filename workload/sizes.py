@@ -130,12 +130,13 @@ def capacity_factor_refusal(capacity_factor: float | None) -> str | None:
     return None
 
 
-def size_refusal(flag: str, size: str, value: int, least: int = 1) -> str | None:
-    """The one line refusing `value` of `size` (a `MAX_SIZES` key) where `flag` gave it (None: it is from `least`
-    to its bound)."""
+def size_refusal(flag: str, size: str | None, value: int, least: int = 1) -> str | None:
+    """The one line refusing `value` of `size` (a `MAX_SIZES` key; None: a size pipesim sets no bound to, a
+    config's max_position_embeddings, which bounds --seq-len) where `flag` gave it (None: it is from `least` to its
+    bound)."""
     if value < least:
         return f"{flag} must be >= {least} (got {value})"
-    if value > MAX_SIZES[size]:
+    if size is not None and value > MAX_SIZES[size]:
         return (f"{flag} {value:,} is more than pipesim builds and holds: give {least} to "
                 f"{MAX_SIZES[size]:,}")
     return None
