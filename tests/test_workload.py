@@ -107,7 +107,7 @@ def test_a_size_without_a_bound_of_pipesims_is_refused_below_its_least_alone():
     (("--experts", 4, "--shared-experts", 10 ** 9), "--shared-experts 1,000,000,000 is more than pipesim builds "
                                                     "and holds: give 0 to 16,384"),
 ])
-def test_a_size_past_what_the_count_holds_is_refused_in_one_line_and_nothing_is_written(tmp_path, args, fragment):
+def test_a_model_size_past_its_bound_is_refused_in_one_line_and_no_profile_is_written(tmp_path, args, fragment):
     """--layers 1e9 grew the host's memory past 12 GB, silently; --vocab 1e12 was torch's traceback from the token
     task's randperm of the vocabulary, and --width and --seq-len 1e9 others from the storages."""
     out = tmp_path / "profile.json"
