@@ -380,6 +380,7 @@ def test_a_window_no_iteration_fits_in_is_taken_again_longer(tmp_path, monkeypat
     from pipesim.calibrate import contention
 
     monkeypatch.setattr(contention, "WINDOW_S", 0.5)  # its first retake holds an iteration: one retake per window
+    monkeypatch.setattr(contention, "MIN_ROUNDS", 1)  # a round's windows are retaken as any round's: one is enough
     (code, _, err), out = _calibrate_own_model(tmp_path, monkeypatch, "slow_in_child",
                                                "import multiprocessing, time\nfrom torch import nn\n"
                                                "class Slow(nn.Linear):\n"
