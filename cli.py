@@ -191,15 +191,63 @@ def _missing(exc: Exception) -> str | None:
     return f"{name} is required: {param.help}"
 
 
-def _bad_value(exc: Exception) -> str | None:
-    """An option's value click refused (a range, a type), led by the flag as pipesim's own refusals are ("--seed:
-    Input should be ..."), its bound grouped in thousands; None for any other usage error."""
+def _bad_value(exc: Exception, args: list[str]) -> str | None:
+    """An option's value click refused (a range, a type) as pipesim's own refusals say one: the flag as typed (`-j
+    (--workers)`, where click named `--workers` alone), what a number option allows with its bounds grouped in
+    thousands, and the value given, which typer's line left out ("Input should be greater than or equal to 1").
+    A callback's own line (pipesim's "give a finite number ... (got nan)") keeps its words, as does an older typer's
+    click, whose line names the value. None for any other usage error."""
     param = getattr(exc, "param", None)
     if param is None or param.param_type_name != "option" or not hasattr(exc, "message"):
         return None
     from .files import grouped
 
-    return f"{param.opts[0]}: {grouped(exc.message)}"
+    flag = _typed(param, args)
+    errors = getattr(exc.__cause__, "errors", None)  # typer 0.2x converts with pydantic, which keeps the input
+    if not callable(errors):
+        return f"{flag}: {grouped(exc.message)}"
+    said = f"{flag}: {_allowed(param) or grouped(exc.message)}"
+    given = errors()[0].get("input")
+    return said if given is None else f"{said} (got {_given_text(str(given))})"
+
+
+def _typed(param, args: list[str]) -> str:
+    """The option `param` as the command line `args` named it: "-j (--workers)" where its short flag was typed (the
+    long one is what help and pipesim's refusals say), else its long flag."""
+    long = next((name for name in param.opts if name.startswith("--")), param.opts[0])
+    shorts = [name for name in param.opts if not name.startswith("--")]
+    for arg in args:
+        if arg == "--":
+            break
+        if arg == long or arg.startswith(f"{long}="):
+            return long
+        if short := next((name for name in shorts if not arg.startswith("--") and arg.startswith(name)), None):
+            return f"{short} ({long})"  # "-j 0" or "-j0"
+    return long
+
+
+def _given_text(given: str) -> str:
+    """A value as a refusal quotes it: a whole number grouped in thousands ("got 5,000", as pipesim's own refusals
+    write one), another number as typed ("got 1.5"), a word quoted ("got 'x'")."""
+    if given.lstrip("-").isdecimal():
+        return f"{int(given):,}"
+    try:
+        float(given)
+    except ValueError:
+        return repr(given)
+    return given
+
+
+def _allowed(param) -> str | None:
+    """What a whole-number or number option takes with its bounds, "give a whole number from 1 to 1,000"; None for
+    options of other types."""
+    kind = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if kind not in (int, float):
+        return None
+    least, most = getattr(param, "min", None), getattr(param, "max", None)
+    bounds = (f" from {least:,} to {most:,}" if least is not None and most is not None else
+              f" of at least {least:,}" if least is not None else f" of at most {most:,}" if most is not None else "")
+    return f"give {'a whole number' if kind is int else 'a number'}{bounds}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -217,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         from .commands.common import fail
 
-        fail(_missing(exc) or _bad_value(exc) or exc.format_message())  # click's usage and parameter errors
+        fail(_missing(exc) or _bad_value(exc, args) or exc.format_message())  # click's usage and parameter errors
     if code == INTERRUPTED:  # typer turns a KeyboardInterrupt in a command into this exit code
         print("interrupted", file=sys.stderr)
     if argv is None:  # the process ends here: the interpreter's last collections over what torch and sympy made

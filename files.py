@@ -96,11 +96,13 @@ def _is_table(head: str) -> bool:
 # pydantic's errors for a value that should have been an object, whose messages name its classes ("a valid
 # dictionary or instance of LinkSpec"): said as its JSON mode says them, in the file's terms
 _NOT_AN_OBJECT = frozenset({"model_type", "dict_type", "model_attributes_type"})
-_LONG_WHOLE = re.compile(r"(?<![\d.])\d{5,}(?![\d.])")  # a bound as pydantic writes it, "1000000000000"
+# a bound as pydantic writes it, "1000" or "1000000000000", as a word of its own: not a path's or a name's digits
+_LONG_WHOLE = re.compile(r"(?<![\w./])\d{4,}(?![\w./])")
 
 
 def grouped(message: str) -> str:
-    """`message` with its long whole numbers grouped in thousands, as pipesim's own refusals write theirs."""
+    """`message` with its whole numbers of four digits or more grouped in thousands, as pipesim's own refusals
+    write theirs ("1,000": five digits and more alone left "less than or equal to 1000")."""
     return _LONG_WHOLE.sub(lambda number: f"{int(number[0]):,}", message)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pipesim.files import grouped
 from pipesim.schedules import METHODS
 from pipesim.traces.metrics import mib_text
 from tests.conftest import help_records, pipesim, pipesim_fresh, simulate_json
@@ -129,7 +130,7 @@ def test_schedules_lists_methods():
     (["--chunks", "2", "-s", "gpipe"], "gpipe places one model stage per device"),
     (["--cluster", "/no/such/cluster.json"], "--cluster: cannot read cluster file"),
     (["-s", "1f1b", "--jitter", "0.1", "--seed", "-3"], "--seed"),  # numpy's traceback: a seed is not negative
-    (["-s", "1f1b", "--seed", str(2**32)], "Input should be less than or equal to 4,294,967,295"),  # run's rule too
+    (["-s", "1f1b", "--seed", str(2**32)], "--seed: give a whole number from 0 to 4,294,967,295 (got 4,294,967,296)"),
     (["--html", "/no/such/dir/x.html"], "--html: cannot write"),
     (["--trace", "/no/such/dir/x.json"], "--trace: cannot write"),
     (["--frobnicate"], "No such option"),
@@ -174,6 +175,29 @@ def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert code == 2
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("args, line", [
+    (["sweep", "-j", "0"], "-j (--workers): give a whole number of at least 1 (got 0)"),  # said "--workers" alone
+    (["sweep", "--workers=0"], "--workers: give a whole number of at least 1 (got 0)"),
+    (["simulate", "-p0"], "-p (--stages): give a whole number of at least 1 (got 0)"),
+    (["simulate", "-p", "1.5"], "-p (--stages): give a whole number of at least 1 (got 1.5)"),
+    (["simulate", "-m", "abc"], "-m (--microbatches): give a whole number of at least 1 (got 'abc')"),
+    (["study", "--seeds", "5000"], "--seeds: give a whole number from 1 to 1,000 (got 5,000)"),  # "to 1000"
+    (["simulate", "--seed", "-1"], "--seed: give a whole number from 0 to 4,294,967,295 (got -1)"),
+    (["simulate", "--opt", "x"], "--opt: give a number (got 'x')"),
+])
+def test_a_value_the_option_parser_refuses_names_the_flag_typed_the_value_and_what_is_allowed(args, line):
+    """click's refusals ("--workers: Input should be greater than or equal to 1") named the long flag where `-j`
+    was typed, never the value given, and grouped a bound of five digits or more alone ("1000")."""
+    code, out, err = pipesim(*args)
+    assert (code, out, err) == (2, "", f"error: {line}\n")
+
+
+def test_a_messages_whole_numbers_of_four_digits_and_more_are_grouped_and_a_paths_are_not():
+    """pydantic's "less than or equal to 1000" was left as it came, where pipesim's own refusals say "1,000"."""
+    assert grouped("at most 1000 or 1000000 (run_12345/tmp2024.json, 86400.5 s)") == \
+        "at most 1,000 or 1,000,000 (run_12345/tmp2024.json, 86400.5 s)"
 
 
 @pytest.mark.parametrize("flag, value", [("--host-kernel-us", "nan"), ("--host-kernel-us", "1e30"),

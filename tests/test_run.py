@@ -99,9 +99,9 @@ BAD = {
     "unknown optimizer": (["--schedule", "1f1b", *SMALL_MLP, "--optimizer", "lion"], "--optimizer"),
     "learning rate not positive": (["--schedule", "1f1b", *SMALL_MLP, "--lr", 0], "--lr"),
     "negative seed": (["--schedule", "1f1b", *SMALL_MLP, "--seed", -1],  # simulate's rule (commands/common.py Seed)
-                      "--seed: Input should be greater than or equal to 0"),
+                      "--seed: give a whole number from 0 to 4,294,967,295 (got -1)"),
     "seed past 32 bits": (["--schedule", "1f1b", *SMALL_MLP, "--seed", 2**32],  # its data seeds passed torch's 64
-                          "--seed: Input should be less than or equal to 4,294,967,295"),
+                          "--seed: give a whole number from 0 to 4,294,967,295 (got 4,294,967,296)"),
     "unknown dtype": (["--schedule", "1f1b", *SMALL_MLP, "--dtype", "int8"],
                       "--dtype: choose from fp32, bf16, fp16, float32, bfloat16, float16 (got 'int8')"),
     "unknown backend": (["--schedule", "1f1b", *SMALL_MLP, "--backend", "mpi"],

@@ -143,7 +143,7 @@ def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_pa
     (("-p", 4, "--layers", 2), "--stages 4"),
     (("--prediction", "guess"), "--prediction: choose from"),
     (("--model", "gpt"), "--model: choose from mlp, cnn (got 'gpt')"),  # it trained for minutes instead
-    (("--seeds", 10**12), "--seeds: Input should be less than or equal to 1000"),  # MemoryError
+    (("--seeds", 10**12), "--seeds: give a whole number from 1 to 1,000 (got 1,000,000,000,000)"),  # MemoryError
     (("-b", 10**12), "mlp does not fit in memory at micro-batch size 1,000,000,000,000 (--microbatch-size)"),  # torch's
     (("-s", "1f1b", "--pipelines", 3), "--pipelines applies to avgpipe only, not 1f1b"),  # dropped: 1f1b trained
     (("-s", "bogus", "--pipelines", 3), "--schedule: unknown 'bogus'; choose from"),  # was "not bogus"
