@@ -191,6 +191,33 @@ def _missing(exc: Exception) -> str | None:
     return f"{name} is required: {param.help}"
 
 
+def _extra(exc: Exception, args: list[str]) -> str | None:
+    """Words the command has no place for, as one line saying what it takes: a value given to a flag ("--memory is a
+    flag and takes no value (got '0')"), else the command's arguments, or that it takes none. click said "Got
+    unexpected extra argument(s) (0)". None for any other usage error."""
+    ctx = getattr(exc, "ctx", None)
+    command = getattr(ctx, "command", None)
+    if command is None or not str(getattr(exc, "message", "")).startswith("Got unexpected extra argument") \
+            or ctx.info_name not in args:
+        return None
+    rest = args[args.index(ctx.info_name) + 1:]
+    try:
+        _, extra, _ = command.make_parser(ctx).parse_args(args=list(rest))
+    except Exception:  # noqa: BLE001 - click's own line then
+        return None
+    if not extra or extra[0] not in rest:
+        return None
+    before = rest[rest.index(extra[0]) - 1] if rest.index(extra[0]) else None
+    flags = [param for param in command.params if getattr(param, "is_flag", False)]
+    if any(before in (*param.opts, *param.secondary_opts) for param in flags):
+        return f"{before} is a flag and takes no value (got {extra[0]!r}): give {before} alone"
+    takes = " ".join(piece for param in command.params if param.param_type_name == "argument"
+                     for piece in param.get_usage_pieces(ctx))
+    got = ", ".join(map(repr, extra))
+    what = f"takes {takes} (got {got} too)" if takes else f"takes no arguments, only options (got {got})"
+    return f"`pipesim {ctx.info_name}` {what}; see `pipesim {ctx.info_name} --help`"
+
+
 def _bad_value(exc: Exception, args: list[str]) -> str | None:
     """An option's value click refused (a range, a type) as pipesim's own refusals say one: the flag as typed (`-j
     (--workers)`, where click named `--workers` alone), what a number option allows with its bounds grouped in
@@ -265,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
             raise
         from .commands.common import fail
 
-        fail(_missing(exc) or _bad_value(exc, args) or exc.format_message())  # click's usage and parameter errors
+        # click's usage and parameter errors
+        fail(_missing(exc) or _bad_value(exc, args) or _extra(exc, args) or exc.format_message())
     if code == INTERRUPTED:  # typer turns a KeyboardInterrupt in a command into this exit code
         print("interrupted", file=sys.stderr)
     if argv is None:  # the process ends here: the interpreter's last collections over what torch and sympy made

@@ -194,6 +194,19 @@ def test_a_value_the_option_parser_refuses_names_the_flag_typed_the_value_and_wh
     assert (code, out, err) == (2, "", f"error: {line}\n")
 
 
+@pytest.mark.parametrize("args, line", [
+    (["simulate", "--memory", "0"], "--memory is a flag and takes no value (got '0'): give --memory alone"),
+    (["gpus", "h100"], "`pipesim gpus` takes no arguments, only options (got 'h100'); see `pipesim gpus --help`"),
+    (["compare", "a.json", "b.json", "c.json"], "`pipesim compare` takes MEASURED [PREDICTED] (got 'c.json' too); "
+                                                "see `pipesim compare --help`"),
+])
+def test_a_word_the_command_has_no_place_for_is_named_with_what_it_takes(args, line):
+    """click said "Got unexpected extra argument(s) (0)" for `--memory 0`, where --memory is a flag, and for a GPU
+    named to `pipesim gpus`, which lists them all."""
+    code, out, err = pipesim(*args)
+    assert (code, out, err) == (2, "", f"error: {line}\n")
+
+
 def test_a_messages_whole_numbers_of_four_digits_and_more_are_grouped_and_a_paths_are_not():
     """pydantic's "less than or equal to 1000" was left as it came, where pipesim's own refusals say "1,000"."""
     assert grouped("at most 1000 or 1000000 (run_12345/tmp2024.json, 86400.5 s)") == \
