@@ -435,8 +435,9 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
                      prelude: Prelude | None = None) -> RunResult:
     """One spawned process per rank (a device of a data-parallel replica) on this machine: gloo on CPU; on CUDA,
     NCCL with one GPU per rank, or, when ranks share a GPU, host-staged gloo with a cross-process lock around
-    compute. The parent supervises: a rank that dies, fails or makes no progress for `stall_timeout_s` stops
-    every rank and raises RunFailed naming it, with the incomplete trace; so does a run longer than `timeout_s`
+    compute. The parent supervises: a rank that dies or fails stops every rank and raises RunFailed naming it,
+    with the incomplete trace; so does a stall, `stall_timeout_s` with no rank making progress (finishing a row
+    or computing) or with one rank stopped (SIGSTOP), and a run longer than `timeout_s`
     (default: none). Ctrl-C (KeyboardInterrupt) ends every rank and raises RunInterrupted with the rows they
     reported, or, before any rank was sent its work, propagates. `on_progress` is called
     after each message from a rank, and every HEARTBEAT_S when none comes. A `prelude` runs in the ranks first
