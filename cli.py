@@ -153,6 +153,10 @@ class _Group(typer.core.TyperGroup):
         return name, command, rest
 
 
+# -h as well as --help, for pipesim and each command: many command lines take it for help, and no option here is -h
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+
+
 def make_app(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
     """The typer app with the commands `names` built (all by default); the others are listed, and built when run."""
     app = typer.Typer(
@@ -163,10 +167,11 @@ def make_app(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
         pretty_exceptions_enable=False,
         rich_markup_mode=None,  # plain help: wraps cleanly at 80 columns, and "[[a, b], ...]" is text, not markup
         cls=_Group,
+        context_settings=HELP_OPTIONS,
     )
     app.callback()(_options)
     for name in names:
-        app.command(name, cls=_Command)(COMMANDS[name].load())
+        app.command(name, cls=_Command, context_settings=HELP_OPTIONS)(COMMANDS[name].load())
     return app
 
 

@@ -207,6 +207,13 @@ def test_a_word_the_command_has_no_place_for_is_named_with_what_it_takes(args, l
     assert (code, out, err) == (2, "", f"error: {line}\n")
 
 
+@pytest.mark.parametrize("args", [["-h"], ["simulate", "-h"], ["gpus", "-h"]])
+def test_h_is_help_as_help_is(args):
+    """`pipesim simulate -h` said "No such option: -h", exit 2: -h is what many command lines take for help."""
+    code, out, err = pipesim(*args)
+    assert (code, err) == (0, "") and out == pipesim(*args[:-1], "--help").out
+
+
 def test_a_messages_whole_numbers_of_four_digits_and_more_are_grouped_and_a_paths_are_not():
     """pydantic's "less than or equal to 1000" was left as it came, where pipesim's own refusals say "1,000"."""
     assert grouped("at most 1000 or 1000000 (run_12345/tmp2024.json, 86400.5 s)") == \
