@@ -141,11 +141,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
 
 
 @pytest.mark.parametrize("command, taken", [
-    (("run", "-s", "1f1b", "--stages", 2, "-m", 4), r"1\.553e\+05 GiB in float32 as run runs its forward on this host, "
+    (("run", "-s", "1f1b", "--stages", 2, "-m", 4), r"151\.7 TiB in float32 as run runs its forward on this host, "
                                                     r"beside 7\.16 MiB"),
-    (("calibrate", "--out", "p.json"), r"1\.553e\+05 GiB in float32 as calibrate runs its forward on this host, beside "
+    (("calibrate", "--out", "p.json"), r"151\.7 TiB in float32 as calibrate runs its forward on this host, beside "
                                        r"7\.16 MiB"),
-    (("study", "--no-timing"), r"4\.09e\+04 GiB in float32 as study runs its forward on this host, beside 489 KiB"),
+    (("study", "--no-timing"), r"39\.95 TiB in float32 as study runs its forward on this host, beside 489 KiB"),
 ], ids=["run", "calibrate", "study"])
 def test_a_micro_batch_past_the_hosts_memory_is_refused_before_it_is_made(tmp_path, monkeypatch, command, taken):
     """`run --model mlp -b 100000000` made its 25.6 GB micro-batch, and the line quoted torch's allocator ("[enforce
