@@ -707,19 +707,18 @@ def host_memory_refusal(command: str, model: str, options: dict, microbatch_size
 
 def _forward_bytes_per_sample(built, dtype) -> int:
     """The bytes a sample of the input and of every layer's output take, `built` (on the meta device) run forward on
-    it there in `dtype` (integer inputs, tokens, in their own): what run's first forward, which finds the outputs'
-    shapes (executor/stages.py `layer_outputs`), and calibrate's, which measures them (calibrate/measure.py
-    `measure_bytes`), hold at once b times over for a micro-batch of b, at the least."""
+    it there in `dtype` (integer inputs, tokens, in their own; `Model.outputs`, the walk run's first forward takes
+    too): what that forward, which finds the outputs' shapes (executor/stages.py `layer_outputs`), and calibrate's,
+    which measures them (calibrate/measure.py `measure_bytes`), hold at once b times over for a micro-batch of b, at
+    the least."""
     import torch
 
-    from ..workload.models import BATCH
-
     sample, _ = built.make_batch(1, torch.Generator().manual_seed(0))
-    outputs = {BATCH: torch.empty_like(sample, device="meta",
-                                       dtype=dtype if sample.is_floating_point() else sample.dtype)}
+    for layer in built.layers:
+        layer.to(dtype)
     with torch.no_grad():
-        for i, layer in enumerate(built.layers):
-            outputs[i] = layer.to(dtype)(*(outputs[source] for source in built.inputs[i]))
+        outputs = built.outputs(torch.empty_like(sample, device="meta",
+                                                 dtype=dtype if sample.is_floating_point() else sample.dtype))
     return sum(output.nbytes for output in outputs.values())
 
 

@@ -326,11 +326,8 @@ LayerOutputs = dict[int, tuple[tuple[int, ...], torch.dtype]]  # layer -> the sh
 def layer_outputs(spec: RunSpec, model: Model) -> LayerOutputs:
     """The shape and dtype of every layer's output on micro-batch 0, from a forward of the model on its device."""
     x, _ = microbatch_data(spec, model, 0, 0)
-    outputs: dict[int, torch.Tensor] = {
-        BATCH: x.to(next((p.device for layer in model.layers for p in layer.parameters()), torch.device("cpu")))}
-    for i, layer in enumerate(model.layers):
-        outputs[i] = layer(*(outputs[s] for s in model.inputs[i]))
-    return {i: (tuple(out.shape), out.dtype) for i, out in outputs.items() if i != BATCH}
+    device = next((p.device for layer in model.layers for p in layer.parameters()), torch.device("cpu"))
+    return {i: (tuple(out.shape), out.dtype) for i, out in model.outputs(x.to(device)).items() if i != BATCH}
 
 
 def cut(spec: RunSpec, model: Model | None = None, outputs: LayerOutputs | None = None) -> Stages:

@@ -88,10 +88,16 @@ class Model:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The whole model on a batch, its layers wired as `inputs` says."""
+        return self.outputs(x)[len(self.layers) - 1]
+
+    def outputs(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every layer's output on batch `x`, by layer (`BATCH`: `x`), its layers wired as `inputs` says: the one
+        walk of the model that its forward, the executor's output shapes (executor/stages.py `layer_outputs`) and
+        the host's memory check (commands/common.py `host_memory_refusal`) take."""
         outputs = {BATCH: x}
         for i, (layer, reads) in enumerate(zip(self.layers, self.inputs)):
             outputs[i] = layer(*(outputs[s] for s in reads))
-        return outputs[len(self.layers) - 1]
+        return outputs
 
     def score(self, output: torch.Tensor, target: Any) -> dict[str, float]:
         """The loss and, for a classifier, the fraction of positions whose top class is the target."""
