@@ -172,7 +172,7 @@ def test_an_allocation_torch_refuses_is_one_line_without_its_allocators_text():
     with pytest.raises(RuntimeError) as failed:
         torch.empty(2**62, dtype=torch.uint8)  # past any host's address space: refused at once, nothing touched
     assert str(out_of_host_memory(failed.value, "mlp", 10**6)) == (
-        "mlp does not fit in memory at micro-batch size 1,000,000 (--microbatch-size): an allocation of 4.295e+09 GiB "
+        "mlp does not fit in memory at micro-batch size 1,000,000 (--microbatch-size): an allocation of 4,096 PiB "
         "failed; make it smaller (--width, --layers, --microbatch-size)")
 
 
