@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: usage errors become one line and exit code 2, never a traceback; Ctrl-C is one
     line, "interrupted", and exit code 130 (outputs are written whole or not at all)."""
     args = (sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `pipesim`: its help, on stdout, exit 0
+    if args[0] == "help":  # `pipesim help [COMMAND]`, as git and pip take it: that one's --help
+        args = [*args[1:2], "--help"]
     try:
         code = typer.main.get_command(make_app(())).main(args=args, prog_name="pipesim", standalone_mode=False)
     except KeyboardInterrupt:

@@ -214,6 +214,13 @@ def test_h_is_help_as_help_is(args):
     assert (code, err) == (0, "") and out == pipesim(*args[:-1], "--help").out
 
 
+@pytest.mark.parametrize("args", [["help"], ["help", "simulate"]])
+def test_help_as_a_command_is_the_help_of_what_follows_it(args):
+    """`pipesim help` said "No such command 'help'", exit 2: git's and pip's users type it."""
+    code, out, err = pipesim(*args)
+    assert (code, err) == (0, "") and out == pipesim(*args[1:], "--help").out
+
+
 def test_a_messages_whole_numbers_of_four_digits_and_more_are_grouped_and_a_paths_are_not():
     """pydantic's "less than or equal to 1000" was left as it came, where pipesim's own refusals say "1,000"."""
     assert grouped("at most 1000 or 1000000 (run_12345/tmp2024.json, 86400.5 s)") == \
