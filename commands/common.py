@@ -1536,15 +1536,20 @@ PROFILE_COSTS = ("fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb
                  "microbatch_size", "graph", "network_gb_s")
 
 
-def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
-    """The --profile file. It fixes the costs, sizes and (when it measured them) links, so flags that set
-    those would be silently ignored: refuse them instead."""
+def read_profile(path: Path, flag: str = "--profile") -> Profile:
+    """The profile file `flag` names, refused in one line naming the flag where the profile's checks fail."""
     from ..profiles.schema import ProfileError, load_profile
 
     try:
-        measured = load_profile(path)
+        return load_profile(path)
     except ProfileError as exc:
-        raise InputError(f"--profile: {exc}") from None
+        raise InputError(f"{flag}: {exc}") from None
+
+
+def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
+    """The --profile file. It fixes the costs, sizes and (when it measured them) links, so flags that set
+    those would be silently ignored: refuse them instead."""
+    measured = read_profile(path)
     fixed = [*PROFILE_COSTS, *(("comm", "cluster") if measured.link else ())]
     clash = [flag_of(name) for name in fixed if is_given(ctx, name)]
     if clash:

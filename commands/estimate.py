@@ -45,6 +45,7 @@ from .common import (
     option_of,
     out_of_memory_line,
     read_error,
+    read_profile,
     refuse,
     refused_with_flags,
     require_model,
@@ -229,16 +230,6 @@ class WhatIf:
                            p2p_sync=self.p2p_sync)
 
 
-def _read_profile(path: Path, flag: str) -> Profile:
-    """The profile file `flag` names, refused in one line naming the flag where the profile's checks fail."""
-    from ..profiles.schema import ProfileError, load_profile
-
-    try:
-        return load_profile(path)
-    except ProfileError as exc:
-        raise InputError(f"{flag}: {exc}") from None
-
-
 def _calibrated_refusal(names: list[str], given: list[str]) -> str:
     """The one line for estimate's flags beside a calibrated --profile: its costs were measured, so the way to
     other settings is calibrate's flags, where it takes them, or --gpu; not `pipesim estimate`."""
@@ -263,7 +254,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         given = [given_flag(ctx, name) for name in names]
         if given and params.get("profile") is not None:
             # read here on the way to a refusal only: a profile the command goes on with is read after
-            if _read_profile(params["profile"], "--profile").estimate is None:
+            if read_profile(params["profile"]).estimate is None:
                 raise InputError(_calibrated_refusal(names, given))
             # estimate's flags for them: a switch that tune searches where not given (its default None), turned off,
             # is estimate's default, which has no off side
@@ -329,7 +320,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                          "capacity however they are routed; give one of them")
     calibrated = None
     if params.get("curve_from") is not None:
-        calibrated = _read_profile(params["curve_from"], "--curve-from")
+        calibrated = read_profile(params["curve_from"], "--curve-from")
     modules, zero = params.get("recompute_modules"), zero_stage(params)
     what = WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES.get(params["dtype"], "bfloat16"), attention_of(params["attention"], params["model"]),

@@ -66,6 +66,7 @@ from .common import (
     model_reads,
     out_of_host_memory,
     read_error,
+    read_profile,
     refuse,
     refused_with_flags,
     require_model,
@@ -417,12 +418,7 @@ def _partition(path: Path, model: str | None, options: dict[str, int]):
     """The profile and the stage bounds its partition gives; the model (`model`: --model's, None where not given)
     and the model options given on the command line must be those it was calibrated or estimated with. A profile of
     another model is refused, naming both."""
-    from ..profiles.schema import ProfileError, load_profile
-
-    try:
-        measured = load_profile(path)
-    except ProfileError as exc:
-        raise InputError(f"--profile: {exc}") from None
+    measured = read_profile(path)
     if model is not None and measured.model.name != model:
         raise InputError(f"--profile {path}: it profiles model {measured.model.name!r}, not {model!r}; give "
                          f"--model {measured.model.name} or a profile of {model}")
