@@ -1237,20 +1237,13 @@ def out_of_host_memory(exc: BaseException, model: str, microbatch_size: int) -> 
 
 
 def description_column():
-    """A transient bar's description, as the column that takes the width its figures leave, cut there with an
-    ellipsis: rich cut the figures instead, at 80 columns calibrate's elapsed time to "0:0…" and study's description
-    to "(4.135 M…" with its bar, count and time dropped; wrapped between words, calibrate's "timing updates,
-    predictions, averaging (2 stages, 4 optimizers)" took a second line of the terminal."""
+    """A transient bar's description, as the column that takes the width its figures leave and wraps between words:
+    rich cut the figures instead, at 80 columns calibrate's elapsed time to "0:0…" and study's description to
+    "(4.135 M…" with its bar, count and time dropped."""
     from rich.progress import TextColumn
     from rich.table import Column
 
-    class CutColumn(TextColumn):  # the cell's text, not its column: a no_wrap column claims its whole text's width
-        def render(self, task):
-            text = super().render(task)
-            text.no_wrap, text.overflow = True, "ellipsis"
-            return text
-
-    return CutColumn("{task.description}", table_column=Column(ratio=1))
+    return TextColumn("{task.description}", table_column=Column(ratio=1))
 
 
 def counted_bar_columns() -> tuple:

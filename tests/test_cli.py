@@ -227,24 +227,6 @@ def test_a_messages_whole_numbers_of_four_digits_and_more_are_grouped_and_a_path
         "at most 1,000 or 1,000,000 (run_12345/tmp2024.json, 86400.5 s)"
 
 
-def test_a_transient_bars_description_fits_one_line_of_the_terminal():
-    """calibrate's "calibrating mlp: timing updates, predictions, averaging (2 stages, 4 optimizers)" wrapped to a
-    second line at 80 columns: the description is cut with an ellipsis, its elapsed time kept whole."""
-    import io
-
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TimeElapsedColumn
-
-    from pipesim.commands.common import description_column
-
-    console = Console(file=io.StringIO(), width=80, color_system=None)
-    bar = Progress(SpinnerColumn(), description_column(), TimeElapsedColumn(), console=console, auto_refresh=False)
-    bar.add_task("calibrating mlp: timing updates, predictions, averaging (2 stages, 4 optimizers)")
-    console.print(bar.make_tasks_table(bar.tasks))
-    lines = console.file.getvalue().splitlines()
-    assert len(lines) == 1 and len(lines[0]) <= 80 and lines[0].rstrip().endswith("… 0:00:00"), lines
-
-
 @pytest.mark.parametrize("flag, value", [("--host-kernel-us", "nan"), ("--host-kernel-us", "1e30"),
                                          ("--host-kernel-us", "1e15"), ("--host-module-us", "inf")])
 def test_a_host_time_past_its_range_is_refused_at_its_flag_and_nothing_is_written(tmp_path, flag, value):

@@ -30,17 +30,15 @@ def test_one_simulation_alone_shows_a_progress_bar_on_a_terminal(monkeypatch):
     assert "simulating" in screen.getvalue()
 
 
-def test_a_long_phase_is_cut_to_one_line_and_keeps_the_bars_figures_whole_at_80_columns(monkeypatch):
-    """calibrate's transient bar at 80 columns beside a long phase cut its elapsed time to "0:0…"; wrapped between
-    words, it took a second row. Its description is cut with an ellipsis instead (common.description_column, run's
-    and study's bars' too), the elapsed time whole."""
+def test_a_long_phase_wraps_its_words_and_keeps_the_bars_figures_whole_at_80_columns(monkeypatch):
+    """calibrate's transient bar at 80 columns beside a long phase cut its elapsed time to "0:0…"; its
+    description wraps between words instead (common.description_column, run's and study's bars' too)."""
     screen = _terminal(monkeypatch)
     monkeypatch.setattr(calibrate, "stderr", common.stderr)
     with calibrate._phases("calibrating mlp") as (advance, _):
         advance("timing the all-reduce beside computing ranks (4.135 MiB)")
-    drawn = [row.rstrip() for row in _rows(screen) if row.strip()]
-    assert drawn[-1].startswith("⠋ calibrating mlp: timing the all-reduce") and drawn[-1].endswith("… 0:00:00"), drawn
-    assert all(row.startswith("⠋ calibrating mlp") and len(row) <= 80 for row in drawn), drawn  # no wrapped "MiB)"
+    drawn = screen.getvalue()
+    assert "0:00:0" in drawn and "(4.135" in drawn and "…" not in drawn, drawn
 
 
 def _rows(screen: StringIO) -> list[str]:
@@ -71,7 +69,7 @@ def test_a_refusal_and_a_calibration_phase_wrap_between_words_on_an_80_column_te
 
 def test_a_counted_bar_at_80_columns_keeps_a_studys_description_on_one_line():
     """run's and study's bars: rich's bar of 40 characters left study's "training pipedream, momentum, seed 0" 23
-    at 80 columns, and it wrapped after "seed"; a description too long for the line is cut, its figures whole."""
+    at 80 columns, and it wrapped after "seed"; a description too long for the line still wraps, its figures whole."""
     from rich.progress import Progress
 
     screen = StringIO()
@@ -83,8 +81,8 @@ def test_a_counted_bar_at_80_columns_keeps_a_studys_description_on_one_line():
     lines = [line.rstrip() for line in screen.getvalue().splitlines()]
     counted = re.compile(r".* 3/8 \d+:\d\d:\d\d")  # the count and the elapsed time, whole
     assert lines[0].startswith("training pipedream, momentum, seed 0 ") and counted.fullmatch(lines[0])
-    assert lines[1].startswith("calibrating the setting:") and "…" in lines[1] and counted.fullmatch(lines[1])
-    assert len(lines) == 2, lines  # wrapped, "(4.135 MiB)" took a third
+    assert lines[1].startswith("calibrating the setting:") and counted.fullmatch(lines[1])
+    assert "(4.135 MiB)" in lines[2] and "…" not in screen.getvalue()
 
 
 def test_progress_stays_off_when_quiet(monkeypatch):
