@@ -158,7 +158,8 @@ def run(
     timeout: Annotated[float, typer.Option(
         "--timeout", metavar="S", help="Seconds a rank waits for a transfer or a process-group operation.")] = 120.0,
     stall_timeout: Annotated[float, typer.Option(
-        "--stall-timeout", metavar="S", help="Seconds a rank may make no progress before the run is stopped.")] = 20.0,
+        "--stall-timeout", metavar="S", help="Seconds the run may go with no rank finishing a row or computing, or "
+        "with a rank's process suspended, before every rank is stopped.")] = 20.0,
     heldout: Annotated[bool, typer.Option(
         "--heldout/--no-heldout", help="Score the trained model on its held-out set after the run (the table's "
                                        "held-out loss / acc: how well it learned beyond its training data): one "
