@@ -276,10 +276,9 @@ def _allowed(param) -> str | None:
     kind = getattr(getattr(param, "type_descriptor", None), "annotation", None)
     if kind not in (int, float):
         return None
-    least, most = getattr(param, "min", None), getattr(param, "max", None)
-    bounds = (f" from {least:,} to {most:,}" if least is not None and most is not None else
-              f" of at least {least:,}" if least is not None else f" of at most {most:,}" if most is not None else "")
-    return f"give {'a whole number' if kind is int else 'a number'}{bounds}"
+    from .units import number_allowed
+
+    return number_allowed(getattr(param, "min", None), getattr(param, "max", None), whole=kind is int)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,6 +36,15 @@ def bytes_text(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def number_allowed(least: float | None, most: float | None, whole: bool = True) -> str:
+    """What a number takes with its bounds grouped in thousands, "give a whole number from 1 to 1,000" ("of at least
+    1" where it has no upper bound): the one wording of the command line's range refusals (cli.py `_allowed`) and of
+    pipesim's own (workload/sizes.py `size_refusal`), which said "--layers must be >= 1" beside the parser's."""
+    bounds = (f" from {least:,} to {most:,}" if least is not None and most is not None else
+              f" of at least {least:,}" if least is not None else f" of at most {most:,}" if most is not None else "")
+    return f"give {'a whole number' if whole else 'a number'}{bounds}"
+
+
 def memory_gib_refusal(memory_gib: float) -> str | None:
     """What a device's memory in GiB (--memory-gb, a cluster file's or a catalogue part's memory_gib) must be, where
     `memory_gib` is not it (None where it is): pipesim holds it as whole bytes, so less than one byte was a 0-byte cap

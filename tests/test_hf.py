@@ -217,23 +217,24 @@ UNREADABLE = [
     *((lambda folder, text=text: (folder / "c.json").write_text(text) and folder / "c.json",
        "{folder}/c.json is not a JSON object; give a Hugging Face config.json") for text in ("[]", "[1]", "7", '"x"')),
     (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 0}),
-     "{folder}/config.json: num_hidden_layers must be >= 1 (got 0)"),
-    (lambda folder: write_config(folder, {**LLAMA, "vocab_size": -1}), "config.json: vocab_size must be >= 1 (got -1)"),
+     "{folder}/config.json: num_hidden_layers: give a whole number from 1 to 10,000 (got 0)"),
+    (lambda folder: write_config(folder, {**LLAMA, "vocab_size": -1}),
+     "config.json: vocab_size: give a whole number from 1 to 16,777,216 (got -1)"),
     (lambda folder: write_config(folder, {**LLAMA, "hidden_size": 64.0}), "gives hidden_size 64.0; it must be a whole"),
     (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": True}), "gives num_key_value_heads true;"),
     # a count that grew past the host's memory for hours, and torch's randperm of the vocabulary's 8 TB
     (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 10 ** 9}),
-     "{folder}/config.json: num_hidden_layers 1,000,000,000 is more than pipesim builds and holds: give 1 to "
-     "10,000"),
+     "{folder}/config.json: num_hidden_layers: give a whole number from 1 to 10,000 (got 1,000,000,000)"),
     (lambda folder: write_config(folder, {**LLAMA, "vocab_size": 10 ** 12}),
-     "config.json: vocab_size 1,000,000,000,000 is more than pipesim builds and holds: give 1 to 16,777,216"),
+     "config.json: vocab_size: give a whole number from 1 to 16,777,216 (got 1,000,000,000,000)"),
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mistral", "sliding_window": -4}),
-     "config.json: sliding_window must be >= 1 (got -4)"),  # its windowed kernels were priced at negative FLOPs
+     # its windowed kernels were priced at negative FLOPs
+     "config.json: sliding_window: give a whole number from 1 to 1,048,576 (got -4)"),
     # each a traceback deep in the count: top-k of no experts, a division by no experts a token
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_local_experts": -1}),
-     "config.json: num_local_experts must be >= 0 (got -1)"),  # 0: see test_moe's Qwen3-MoE and Mixtral
+     "config.json: num_local_experts: give a whole number from 0 to 16,384 (got -1)"),  # 0: see test_moe's Qwen3-MoE
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 0}),
-     "config.json: num_experts_per_tok must be >= 1 (got 0)"),
+     "config.json: num_experts_per_tok: give a whole number from 1 to 16,384 (got 0)"),
 ]
 NO_KV_HEADS = {name: value for name, value in LLAMA.items() if name != "num_key_value_heads"}
 NO_LONGEST = {name: value for name, value in LLAMA.items() if name != "max_position_embeddings"}
@@ -275,14 +276,14 @@ def test_an_unreadable_config_is_one_line_before_torch_is_imported(tmp_path):
     ({**NO_KV_HEADS, "model_type": "step3p5", "num_attention_groups": 3},
      "{folder}/config.json gives num_attention_groups 3, which does not divide its num_attention_heads 4"),
     ({**NO_KV_HEADS, "model_type": "step3p5", "num_attention_groups": 0},
-     "{folder}/config.json: num_attention_groups must be >= 1 (got 0)"),
+     "{folder}/config.json: num_attention_groups: give a whole number from 1 to 65,536 (got 0)"),
     # none given: Step3p7TextConfig's default, 8
     ({**NO_KV_HEADS, "model_type": "step3p5", "hidden_size": 96, "num_attention_heads": 12},
      "{folder}/config.json leaves num_key_value_heads at Step3p7TextConfig's 8, which does not divide its "
      "num_attention_heads 12; give a divisor of 12"),
     # GPT-2's layers by its own name, n_layer: 10,001 layers built before its layout was refused
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 10_001, "n_head": 4, "vocab_size": 100, "intermediate_size": 256},
-     "{folder}/config.json: n_layer 10,001 is more than pipesim builds and holds: give 1 to 10,000"),
+     "{folder}/config.json: n_layer: give a whole number from 1 to 10,000 (got 10,001)"),
     # the router's top-k of fewer experts: torch's "k not in range"; which field gives them, transformers tells
     ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5},
      "{folder}/config.json sends a token to num_experts_per_tok 5 experts, more than its 4 routed experts "
@@ -337,11 +338,12 @@ SEQ = ("--seq-len", 16)
     *(({**LLAMA, "max_position_embeddings": given}, args, f"{{folder}}/config.json gives max_position_embeddings "
        f"{json.dumps(given)}; it must be a whole number, 1 or more") for given, args in ((4096.0, ()),
                                                                                         ("4096", SEQ), (True, SEQ))),
-    ({**LLAMA, "max_position_embeddings": 0}, (), "{folder}/config.json: max_position_embeddings must be >= 1 (got 0)"),
+    ({**LLAMA, "max_position_embeddings": 0}, (),
+     "{folder}/config.json: max_position_embeddings: give a whole number of at least 1 (got 0)"),
     # transformers' ACT2FN lookup, a bare KeyError: 'nosuch' where the field went unnamed
     ({**LLAMA, "hidden_act": "nosuch"}, SEQ, "{folder}/config.json gives hidden_act 'nosuch', an activation "
                                              "transformers does not know; give one of gelu, "),
-    (LLAMA, ("--seq-len", 0), "--seq-len must be >= 1 (got 0)"),
+    (LLAMA, ("--seq-len", 0), "--seq-len: give a whole number from 1 to 1,048,576 (got 0)"),
     (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),
 ])
 def test_a_config_transformers_cannot_build_as_a_decoder_is_one_line(tmp_path, fields, args, fragment):

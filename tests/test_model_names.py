@@ -63,8 +63,8 @@ def test_a_folder_of_configs_names_the_configs_it_holds(model, folders, monkeypa
 
 
 @pytest.mark.parametrize("flags, refusal", [
-    (("--seq-len", 0), "--seq-len must be >= 1 (got 0)"),
-    (("--seq-len", 512, "--mtp-layers", -1), "--mtp-layers must be >= 0 (got -1)"),
+    (("--seq-len", 0), "--seq-len: give a whole number from 1 to 1,048,576 (got 0)"),
+    (("--seq-len", 512, "--mtp-layers", -1), "--mtp-layers: give a whole number from 0 to 10,000 (got -1)"),
     (("--seq-len", 512, "--capacity-factor", "inf"), "--capacity-factor must be a finite number above 0 (got inf)"),
     (("--seq-len", 512, "--layers", 2), "--layers does not apply to {model}: its config gives its sizes (--seq-len, "
                                         "--mtp-layers and --capacity-factor are the ones it takes)"),
@@ -119,6 +119,6 @@ def test_a_built_in_models_size_out_of_bounds_is_refused_before_torch_is_importe
     runs, imported = pipesim_fresh(("run", "-s", "1f1b", "--model", "mlp", "--layers", 0),
                                    ("calibrate", "--model", "gpt", "--width", 2**30, "--out", "p.json"), cwd=tmp_path)
     assert [tuple(done) for done in runs] == [
-        (2, "", "error: --layers must be >= 1 (got 0)\n"),
-        (2, "", "error: --width 1,073,741,824 is more than pipesim builds and holds: give 1 to 1,048,576\n")]
+        (2, "", "error: --layers: give a whole number from 1 to 10,000 (got 0)\n"),
+        (2, "", "error: --width: give a whole number from 1 to 1,048,576 (got 1,073,741,824)\n")]
     assert "torch" not in imported and not list(tmp_path.iterdir())

@@ -229,15 +229,16 @@ def test_a_moe_gpt_trains_off_the_meta_device():
 @pytest.mark.parametrize("args, fragment", [
     (("--top-k", 2), "--top-k applies to a mixture of experts: give --experts too"),
     (("--experts", 4, "--top-k", 5), "--top-k (5) must be at most --experts (4)"),
-    (("--experts", 0), "--experts must be >= 1 (got 0)"),
-    (("--experts", 4, "--width", 0), "--width must be >= 1 (got 0)"),  # not the --expert-ffn it defaults from
-    (("--experts", 4, "--ffn", 0), "--ffn must be >= 1 (got 0)"),
+    (("--experts", 0), "--experts: give a whole number from 1 to 16,384 (got 0)"),
+    # not the --expert-ffn it defaults from
+    (("--experts", 4, "--width", 0), "--width: give a whole number from 1 to 1,048,576 (got 0)"),
+    (("--experts", 4, "--ffn", 0), "--ffn: give a whole number from 1 to 4,194,304 (got 0)"),
     (("--experts", 4, "--capacity-factor", 0), "--capacity-factor must be a finite number above 0 (got 0.0)"),
     (("--experts", 4, "--capacity-factor", "inf"), "--capacity-factor must be a finite number above 0 (got inf)"),
     (("--experts", 8, "--top-k", 2, "--capacity-factor", 4.5),
      "--capacity-factor 4.5 pads each expert past the micro-batch's tokens (C·k/E = 4.5·2/8 > 1), which "
      "Megatron-core cannot run: give at most E/k = 4"),
-    (("--experts", 4, "--shared-experts", -1), "--shared-experts must be >= 0 (got -1)"),
+    (("--experts", 4, "--shared-experts", -1), "--shared-experts: give a whole number from 0 to 16,384 (got -1)"),
 ])
 def test_a_bad_mixture_of_experts_is_one_line(args, fragment):
     code, out, err = pipesim("count", "--model", "gpt", *args)

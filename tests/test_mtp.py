@@ -109,7 +109,7 @@ def test_its_blocks_recomputed_regions_are_made_again_after_its_cross_entropys_b
 @pytest.mark.parametrize(("flags", "message"), [
     (("--model", "gpt", "--mtp-layers", "1"), "--mtp-layers does not apply to gpt"),
     (("--model", "hf:examples/deepseek-v3", "--seq-len", "64", "--mtp-layers", "-1"),
-     "--mtp-layers must be >= 0 (got -1)"),
+     "--mtp-layers: give a whole number from 0 to 10,000 (got -1)"),
 ])
 def test_a_bad_depth_or_model_is_refused_in_one_line(flags, message):
     code, out, err = pipesim("simulate", *flags, "--gpu", "h100-sxm", "-p", "1", "-m", "1", "-s", "gpipe")

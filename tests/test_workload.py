@@ -85,7 +85,7 @@ def test_gpt_defaults_are_a_4x_gelu_mlp_and_full_heads_and_bad_shapes_name_the_f
     assert gated.mlp.gate_up.out_features == 80 and gated.mlp.down.in_features == 40
     with pytest.raises(ModelError, match=r"--heads \(4\) must be a multiple of --kv-heads \(3\)"):
         build_model("gpt", width=16, heads=4, kv_heads=3)
-    with pytest.raises(ModelError, match=r"--ffn must be >= 1 \(got 0\)"):
+    with pytest.raises(ModelError, match=r"--ffn: give a whole number from 1 to 4,194,304 \(got 0\)"):
         build_model("gpt", ffn=0)
     with pytest.raises(ModelError, match=r"--kv-heads does not apply to mlp"):
         build_model("mlp", kv_heads=2)
@@ -93,19 +93,20 @@ def test_gpt_defaults_are_a_4x_gelu_mlp_and_full_heads_and_bad_shapes_name_the_f
 
 def test_a_size_without_a_bound_of_pipesims_is_refused_below_its_least_alone():
     """A config's max_position_embeddings bounds --seq-len and has no MAX_SIZES bound: hfconfig worded its own
-    "must be >= 1 (got 0)" line for it, beside size_refusal's for every other size."""
-    assert size_refusal("max_position_embeddings", None, 0) == "max_position_embeddings must be >= 1 (got 0)"
+    "must be >= 1 (got 0)" line for it, beside size_refusal's for every other size; with no bound it says "of at
+    least 1", as the command line says for an option with no upper bound."""
+    assert size_refusal("max_position_embeddings", None, 0) == ("max_position_embeddings: give a whole number of at "
+                                                                 "least 1 (got 0)")
     assert size_refusal("max_position_embeddings", None, 10_485_760) is None  # Llama 4 Scout's 10M context
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("--layers", 10 ** 9), "--layers 1,000,000,000 is more than pipesim builds and holds: give 1 to 10,000"),
-    (("--vocab", 10 ** 12), "--vocab 1,000,000,000,000 is more than pipesim builds and holds: give 1 to "
-                            "16,777,216"),
-    (("--width", 10 ** 9, "--heads", 1), "--width 1,000,000,000 is more than"),
-    (("--seq-len", 10 ** 9), "--seq-len 1,000,000,000 is more than"),
-    (("--experts", 4, "--shared-experts", 10 ** 9), "--shared-experts 1,000,000,000 is more than pipesim builds "
-                                                    "and holds: give 0 to 16,384"),
+    (("--layers", 10 ** 9), "--layers: give a whole number from 1 to 10,000 (got 1,000,000,000)"),
+    (("--vocab", 10 ** 12), "--vocab: give a whole number from 1 to 16,777,216 (got 1,000,000,000,000)"),
+    (("--width", 10 ** 9, "--heads", 1), "--width: give a whole number from 1 to 1,048,576 (got 1,000,000,000)"),
+    (("--seq-len", 10 ** 9), "--seq-len: give a whole number from 1 to"),
+    (("--experts", 4, "--shared-experts", 10 ** 9), "--shared-experts: give a whole number from 0 to 16,384 (got "
+                                                    "1,000,000,000)"),
 ])
 def test_a_model_size_past_its_bound_is_refused_in_one_line_and_no_profile_is_written(tmp_path, args, fragment):
     """--layers 1e9 grew the host's memory past 12 GB, silently; --vocab 1e12 was torch's traceback from the token

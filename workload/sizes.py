@@ -9,6 +9,7 @@ from typing import Any
 
 from ..choices import choose_from, unknown_names
 from ..profiles.workload import is_hf
+from ..units import number_allowed
 
 DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "mlp": {"layers": 8, "width": 512},
@@ -133,10 +134,8 @@ def capacity_factor_refusal(capacity_factor: float | None) -> str | None:
 def size_refusal(flag: str, size: str | None, value: int, least: int = 1) -> str | None:
     """The one line refusing `value` of `size` (a `MAX_SIZES` key; None: a size pipesim sets no bound to, a
     config's max_position_embeddings, which bounds --seq-len) where `flag` gave it (None: it is from `least` to its
-    bound)."""
-    if value < least:
-        return f"{flag} must be >= {least} (got {value})"
-    if size is not None and value > MAX_SIZES[size]:
-        return (f"{flag} {value:,} is more than pipesim builds and holds: give {least} to "
-                f"{MAX_SIZES[size]:,}")
-    return None
+    bound), worded as the command line refuses a number option's value (units.py `number_allowed`)."""
+    most = None if size is None else MAX_SIZES[size]
+    if least <= value and (most is None or value <= most):
+        return None
+    return f"{flag}: {number_allowed(least, most)} (got {value:,})"
