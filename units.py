@@ -48,11 +48,10 @@ def number_allowed(least: float | None, most: float | None, whole: bool = True) 
 def memory_gib_refusal(memory_gib: float) -> str | None:
     """What a device's memory in GiB (--memory-gb, a cluster file's or a catalogue part's memory_gib) must be, where
     `memory_gib` is not it (None where it is): pipesim holds it as whole bytes, so less than one byte was a 0-byte cap
-    that nothing fits."""
+    that nothing fits. The least is said in bytes: in GiB it is 9.31e-10, which read as a figure with no unit."""
     if MIN_MEMORY_GIB <= memory_gib <= MAX_MEMORY_GIB:
         return None
-    return (f"give GiB per device, at least one byte ({MIN_MEMORY_GIB:.3g}) and at most {MAX_MEMORY_GIB:,} "
-            f"(got {memory_gib:g})")
+    return f"give GiB per device, from 1 byte to {MAX_MEMORY_GIB:,} GiB (got {memory_gib:g})"
 
 
 def checked_memory_gib(memory_gib: float) -> float:

@@ -328,7 +328,8 @@ CUDA = torch.cuda.is_available()
     (["--model", "mlp", "--layers", "2", "--stages", "5"],
      "--stages 5: mlp of 2 blocks (--layers) has 3 layers in all; give at most 3 stages"),
     ([*MLP, "--memory-gb", "1e-6"], "no split of 4 layers into 2 stages fits"),
-    ([*MLP, "--memory-gb", "1e-300"], "--memory-gb: give GiB per device, at least one byte (9.31e-10)"),  # not 0 GiB
+    # not 0 GiB
+    ([*MLP, "--memory-gb", "1e-300"], "--memory-gb: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e-300)"),
     (["--model", "mlp", "--heads", "2"], "--heads does not apply to mlp"),
     (["--model", "gpt", "--width", "30", "--heads", "4"], "--width (30) must be a multiple of --heads (4)"),
     (["--model", "mlp", "--dtype", "float64"],

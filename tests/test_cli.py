@@ -120,9 +120,9 @@ def test_schedules_lists_methods():
     (["--microbatches", "0"], "--microbatches"),
     (["--stages", "four"], "--stages"),
     (["--fwd", "1,2,3"], "--fwd: 3 values given"),
-    (["--bwd", "fast"], "--bwd: expected a number"),
-    (["--fwd", "-1"], "--fwd: values must be finite and >= 0"),
-    (["--comm", "nan"], "--comm: values must be finite"),
+    (["--bwd", "fast"], "--bwd: give a number or comma-separated numbers (got 'fast')"),
+    (["--fwd", "-1"], "--fwd: give a finite number from 0 to 1,000,000,000 (got -1)"),
+    (["--comm", "nan"], "--comm: give a finite number from 0 to 1,000,000,000 (got nan)"),
     (["--fwd", "0", "--bwd", "0,0,0,0"], "--fwd, --bwd: every forward and backward takes 0 ms"),  # read 0.0 samples/s
     (["--param-mb", "1,2"], "--param-mb"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
@@ -147,15 +147,15 @@ def test_schedules_lists_methods():
     # the picosecond clock: a run whose times overflow it showed a traceback, a link's time past it a wrong answer
     (["-s", "1f1b", "--fwd", "1e8", "-m", "100"], "error: the run's times add up to 8e+10 ms, more than the "
                                                   "simulator's picosecond clock holds (4.61e+09 ms, about 53 days)"),
-    (["-s", "1f1b", "--comm", "1e10"], "error: --comm: values must be at most 1,000,000,000, got '1e10'"),
+    (["-s", "1f1b", "--comm", "1e10"], "error: --comm: give a finite number from 0 to 1,000,000,000 (got 1e10)"),
     (["-s", "1f1b", "--comm", "1e9"], "error: the run's times add up to 9.6e+10 ms, more than the simulator's"),
     # sizes: one past MAX_BYTES overflowed numpy's int64 (a traceback), many micro-batches' the counter (wrong peaks)
     (["-s", "1f1b", "--param-mb", "1e30", "--optimizer", "sgd"],
-     "error: --param-mb: values must be at most 1,073,741,824, got '1e30'"),
+     "error: --param-mb: give a finite number from 0 to 1,073,741,824 (got 1e30)"),
     # adam's state, twice the weights, past MAX_BYTES: refused as "optimizer_state_bytes must be ...", no flag named
-    (["-s", "1f1b", "--param-mb", "600000000"], "error: --param-mb: values must be at most 536,870,912 (MiB of "
-                                                "weights, whose gradients and adam state under --precision fp32 "
-                                                "take up to 2 times their bytes"),
+    (["-s", "1f1b", "--param-mb", "600000000"], "error: --param-mb: give a finite number from 0 to 536,870,912 "
+                                                "(got 600,000,000): MiB of weights, whose gradients and adam "
+                                                "state under --precision fp32 take up to 2 times their bytes"),
     (["-s", "gpipe", "--activation-mb", "1e9", "-m", "10000", "-n", "1"],
      "error: device 0's rows add and free more bytes than the simulator's counters hold (4.61e+18)"),
     # each float flag names itself and its range: nan read "should be >= 0", inf and 1e30 a cost unnamed
@@ -297,11 +297,9 @@ def test_malformed_cluster_file(tmp_path):
     assert code == 2 and err == f"error: --cluster: cluster file {path} is not a text (UTF-8) file\n"
     for field, fragment in (({"overlap_comm": "yes"}, "overlap_comm: Input should be a valid boolean"),  # read true
                             ({"devices": [{"name": "g", "memory_gib": 1e30}] * 4},  # a memory no counter holds
-                             "devices.0.memory_gib: give GiB per device, at least one byte (9.31e-10) and at most "
-                             "1,048,576 (got 1e+30)"),
+                             "devices.0.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e+30)"),
                             ({"devices": [{"name": "g", "memory_gib": 1e-300}] * 4},  # held as 0 bytes: nothing fits
-                             "devices.0.memory_gib: give GiB per device, at least one byte (9.31e-10) and at most "
-                             "1,048,576 (got 1e-300)"),
+                             "devices.0.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e-300)"),
                             ({"link": {"latency_us": 1e15}},  # the engine's clock check, naming no field
                              "link.latency_us: Input should be less than or equal to 1,000,000,000,000"),
                             ({"devices": 10**12},  # a MemoryError's traceback, listing them
