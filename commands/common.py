@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 
 from ..choices import choose_from, optimizer_refusal
-from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes, without_bom
+from ..files import PAGE_HEALTH, grouped, is_profile_bytes, is_trace_bytes, without_bom
 from ..units import MAX_BYTES, MAX_MS, MIB, bytes_text, count_text, memory_gib_refusal
 from ..workload.sizes import DEFAULT_SIZES
 
@@ -46,12 +46,24 @@ def finite_from(low: float, high: float, least: float = 0.0) -> Callable[[float 
     parse_numbers does for --fwd, --bwd and --comm."""
     def check(value: float | None) -> float | None:
         if value is not None and not low <= value <= high:
-            raise typer.BadParameter(f"give a finite number from {low:,.10g} to {high:,.10g} (got {value:g})")
+            raise typer.BadParameter(f"{finite_allowed(low, high)} (got {value:g})")
         if value is not None and 0 < value < least:
-            raise typer.BadParameter(f"give 0 or at least {least:g} ms (a nanosecond: the simulator counts "
-                                     f"picoseconds), got {value:g}")
+            raise typer.BadParameter(f"{least_ms_allowed(least)} (got {value:g})")
         return value
     return check
+
+
+def finite_allowed(low: float, high: float) -> str:
+    """What a finite number flag takes, "give a finite number from 0 to 1,000,000,000", in the parser's form (cli.py
+    `_allowed`), for finite_from's flags and parse_numbers' alike."""
+    bounds = f"from {low:,.10g} to {high:,.10g}" if high < math.inf else f"of at least {low:,.10g}"
+    return f"give a finite number {bounds}"
+
+
+def least_ms_allowed(least: float) -> str:
+    """What a time flag takes at its low end (`least`, LEAST_MS), and why: the simulator's clock ticks in
+    picoseconds, so a shorter time would round to none."""
+    return f"give 0 or at least {least:g} ms, a nanosecond, as the simulator counts picoseconds"
 
 
 # The schedule's shape and the method options, as `simulate` and `run` declare them (each with its defaults).
@@ -885,21 +897,20 @@ LEAST_MS = 1e-6
 
 def parse_numbers(flag: str, text: str, most: float = math.inf, most_why: str = "", least: float = 0.0) -> list[float]:
     """One number or a comma-separated list of them, each finite, 0 or at least `least` (`LEAST_MS` for a time), and
-    at most `most` (a cost's range, units.py `MAX_MS` or `MAX_BYTES`, in the flag's unit; `most_why` says why, where
-    not plain)."""
+    at most `most` (a cost's range, units.py `MAX_MS` or `MAX_BYTES`, in the flag's unit; `most_why`, ": ..." after
+    the value refused, says why where not plain)."""
     values = []
     for part in text.split(","):
         try:
             value = float(part)
         except ValueError:
-            raise InputError(f"{flag}: expected a number or comma-separated numbers, got {text!r}") from None
-        if not value >= 0 or value == float("inf"):
-            raise InputError(f"{flag}: values must be finite and >= 0, got {part.strip()!r}")
+            raise InputError(f"{flag}: give a number or comma-separated numbers (got {text!r})") from None
+        typed = grouped(part.strip())  # as typed, "1e10" or "600,000,000", as cli.py's refusals quote a number
+        if not (math.isfinite(value) and 0 <= value <= most):
+            raise InputError(f"{flag}: {finite_allowed(0, math.floor(most) if most < math.inf else most)} "
+                             f"(got {typed}){most_why}")
         if 0 < value < least:
-            raise InputError(f"{flag}: values must be 0 or at least {least:g} ms (a nanosecond: the simulator "
-                             f"counts picoseconds), got {part.strip()!r}")
-        if value > most:
-            raise InputError(f"{flag}: values must be at most {math.floor(most):,}{most_why}, got {part.strip()!r}")
+            raise InputError(f"{flag}: {least_ms_allowed(least)} (got {typed})")
         values.append(value)
     return values
 
@@ -1420,7 +1431,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
                                      least=LEAST_MS if flag in ("--fwd", "--bwd") else 0.0) for flag in most}
     comm_ms = parse_numbers("--comm", flags["comm"], MAX_MS, least=LEAST_MS)
     if len(comm_ms) != 1:
-        raise InputError("--comm: give one number of milliseconds")
+        raise InputError(f"--comm: give one number of milliseconds (got {flags['comm']!r})")
     network = flags.get("network_gb_s")
     if network is not None and not 0 < network < math.inf:
         raise InputError(f"--network-gb-s: give GB/s above 0 (got {network})")
@@ -1484,8 +1495,8 @@ def _param_mb_most(optimizer: str, precision: str) -> tuple[float, str]:
     held = PRECISIONS[precision]
     state_bytes = held.optimizer_state_bytes(held.weight_bytes, optimizer)
     largest = max(held.weight_bytes, held.grad_bytes, held.stored_bytes or 0, state_bytes)
-    why = (f" (MiB of weights, whose gradients and {optimizer} state under --precision {precision} take up to "
-           f"{largest / held.weight_bytes:g} times their bytes, and a size is at most {MAX_BYTES / MIB:,.0f} MiB)"
+    why = (f": MiB of weights, whose gradients and {optimizer} state under --precision {precision} take up to "
+           f"{largest / held.weight_bytes:g} times their bytes, and a size is at most {MAX_BYTES / MIB:,.0f} MiB"
            if largest > held.weight_bytes else "")
     return MAX_BYTES / MIB * held.weight_bytes / largest, why
 

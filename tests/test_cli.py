@@ -120,9 +120,9 @@ def test_schedules_lists_methods():
     (["--microbatches", "0"], "--microbatches"),
     (["--stages", "four"], "--stages"),
     (["--fwd", "1,2,3"], "--fwd: 3 values given"),
-    (["--bwd", "fast"], "--bwd: expected a number"),
-    (["--fwd", "-1"], "--fwd: values must be finite and >= 0"),
-    (["--comm", "nan"], "--comm: values must be finite"),
+    (["--bwd", "fast"], "--bwd: give a number or comma-separated numbers (got 'fast')"),
+    (["--fwd", "-1"], "--fwd: give a finite number from 0 to 1,000,000,000 (got -1)"),
+    (["--comm", "nan"], "--comm: give a finite number from 0 to 1,000,000,000 (got nan)"),
     (["--fwd", "0", "--bwd", "0,0,0,0"], "--fwd, --bwd: every forward and backward takes 0 ms"),  # read 0.0 samples/s
     (["--param-mb", "1,2"], "--param-mb"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
@@ -147,15 +147,15 @@ def test_schedules_lists_methods():
     # the picosecond clock: a run whose times overflow it showed a traceback, a link's time past it a wrong answer
     (["-s", "1f1b", "--fwd", "1e8", "-m", "100"], "error: the run's times add up to 8e+10 ms, more than the "
                                                   "simulator's picosecond clock holds (4.61e+09 ms, about 53 days)"),
-    (["-s", "1f1b", "--comm", "1e10"], "error: --comm: values must be at most 1,000,000,000, got '1e10'"),
+    (["-s", "1f1b", "--comm", "1e10"], "error: --comm: give a finite number from 0 to 1,000,000,000 (got 1e10)"),
     (["-s", "1f1b", "--comm", "1e9"], "error: the run's times add up to 9.6e+10 ms, more than the simulator's"),
     # sizes: one past MAX_BYTES overflowed numpy's int64 (a traceback), many micro-batches' the counter (wrong peaks)
     (["-s", "1f1b", "--param-mb", "1e30", "--optimizer", "sgd"],
-     "error: --param-mb: values must be at most 1,073,741,824, got '1e30'"),
+     "error: --param-mb: give a finite number from 0 to 1,073,741,824 (got 1e30)"),
     # adam's state, twice the weights, past MAX_BYTES: refused as "optimizer_state_bytes must be ...", no flag named
-    (["-s", "1f1b", "--param-mb", "600000000"], "error: --param-mb: values must be at most 536,870,912 (MiB of "
-                                                "weights, whose gradients and adam state under --precision fp32 "
-                                                "take up to 2 times their bytes"),
+    (["-s", "1f1b", "--param-mb", "600000000"], "error: --param-mb: give a finite number from 0 to 536,870,912 "
+                                                "(got 600,000,000): MiB of weights, whose gradients and adam "
+                                                "state under --precision fp32 take up to 2 times their bytes"),
     (["-s", "gpipe", "--activation-mb", "1e9", "-m", "10000", "-n", "1"],
      "error: device 0's rows add and free more bytes than the simulator's counters hold (4.61e+18)"),
     # each float flag names itself and its range: nan read "should be >= 0", inf and 1e30 a cost unnamed

@@ -173,8 +173,8 @@ def test_a_time_under_a_nanosecond_is_refused_not_rounded_to_none(tmp_path, comm
     html = tmp_path / "t.html"
     code, out, err = pipesim(command, "-s", "1f1b", flag, given, "--html", html)
     assert (code, out) == (2, "")
-    assert err == (f"error: {flag}: values must be 0 or at least 1e-06 ms (a nanosecond: the simulator counts "
-                   f"picoseconds), got '{given}'\n")
+    assert err == (f"error: {flag}: give 0 or at least 1e-06 ms, a nanosecond, as the simulator counts "
+                   f"picoseconds (got {given})\n")
     assert not html.exists()
 
 
@@ -185,8 +185,8 @@ def test_an_optimizer_time_under_a_nanosecond_is_refused_as_the_cost_flags_are(t
     html = tmp_path / "t.html"
     code, out, err = pipesim(command, "-s", "avgpipe", flag, "1e-12", "--html", html)
     assert (code, out) == (2, "")
-    assert err == (f"error: {flag}: give 0 or at least 1e-06 ms (a nanosecond: the simulator "
-                   f"counts picoseconds), got 1e-12\n")
+    assert err == (f"error: {flag}: give 0 or at least 1e-06 ms, a nanosecond, as the simulator "
+                   f"counts picoseconds (got 1e-12)\n")
     assert not html.exists()
 
 

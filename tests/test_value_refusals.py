@@ -1,0 +1,26 @@
+"""pipesim's own per-flag value refusals read as the option parser's do since 9b4e6eed: "FLAG: give WHAT IS
+ALLOWED (got VALUE)", the value as typed with whole numbers grouped in thousands, any advice after it."""
+import pytest
+
+from tests.conftest import pipesim
+
+NANOSECOND = "give 0 or at least 1e-06 ms, a nanosecond, as the simulator counts picoseconds"
+
+
+@pytest.mark.parametrize(("args", "refusal"), [
+    (["--bwd", "fast"], "--bwd: give a number or comma-separated numbers (got 'fast')"),
+    (["--fwd", "1,-1"], "--fwd: give a finite number from 0 to 1,000,000,000 (got -1)"),
+    (["--comm", "inf"], "--comm: give a finite number from 0 to 1,000,000,000 (got inf)"),
+    (["--comm", "2000000000"], "--comm: give a finite number from 0 to 1,000,000,000 (got 2,000,000,000)"),
+    (["--comm", "1,2"], "--comm: give one number of milliseconds (got '1,2')"),
+    (["--fwd", "1e-9"], f"--fwd: {NANOSECOND} (got 1e-9)"),
+    (["--activation-mb", "-5"], "--activation-mb: give a finite number from 0 to 1,073,741,824 (got -5)"),
+    (["--param-mb", "600000000"], "--param-mb: give a finite number from 0 to 536,870,912 (got 600,000,000): MiB "
+                                  "of weights, whose gradients and adam state under --precision fp32 take up to 2 "
+                                  "times their bytes, and a size is at most 1,073,741,824 MiB"),
+    (["-s", "avgpipe", "--opt", "1e-12"], f"--opt: {NANOSECOND} (got 1e-12)"),
+])
+def test_a_value_refusal_reads_as_the_parsers(args, refusal):
+    code, out, err = pipesim("simulate", *(args if "-s" in args else ["-s", "1f1b", *args]))
+    assert (code, out) == (2, "")
+    assert err == f"error: {refusal}\n"
