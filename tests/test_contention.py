@@ -162,6 +162,7 @@ def test_a_calibration_of_the_same_workload_reuses_its_factors_until_fresh(tmp_p
     from pipesim.traces.hostload import HostLoad
 
     monkeypatch.setattr(probe, "WINDOW_S", 0.1)  # the parent sets the windows: shorter ones for a test
+    monkeypatch.setattr(probe, "MIN_ROUNDS", 1)  # what is kept and reused is one factor however many rounds gave it
     monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(hostload, "usable_cpus", lambda: 2)
     at = TINY.index("--layers")  # the command line refuses an option given twice
