@@ -233,6 +233,7 @@ def _bad_value(exc: Exception, args: list[str]) -> str | None:
     if param is None or param.param_type_name != "option" or not hasattr(exc, "message"):
         return None
     from .files import grouped
+    from .units import given_text
 
     flag = _typed(param, args)
     errors = getattr(exc.__cause__, "errors", None)  # typer 0.2x converts with pydantic, which keeps the input
@@ -240,7 +241,7 @@ def _bad_value(exc: Exception, args: list[str]) -> str | None:
         return f"{flag}: {grouped(exc.message)}"
     said = f"{flag}: {_allowed(param) or grouped(exc.message)}"
     given = errors()[0].get("input")
-    return said if given is None else f"{said} (got {_given_text(str(given))})"
+    return said if given is None else f"{said} (got {given_text(str(given))})"
 
 
 def _typed(param, args: list[str]) -> str:
@@ -256,18 +257,6 @@ def _typed(param, args: list[str]) -> str:
         if short := next((name for name in shorts if not arg.startswith("--") and arg.startswith(name)), None):
             return f"{short} ({long})"  # "-j 0" or "-j0"
     return long
-
-
-def _given_text(given: str) -> str:
-    """A value as a refusal quotes it: a whole number grouped in thousands ("got 5,000", as pipesim's own refusals
-    write one), another number as typed ("got 1.5"), a word quoted ("got 'x'")."""
-    if given.lstrip("-").isdecimal():
-        return f"{int(given):,}"
-    try:
-        float(given)
-    except ValueError:
-        return repr(given)
-    return given
 
 
 def _allowed(param) -> str | None:

@@ -45,6 +45,19 @@ def number_allowed(least: float | None, most: float | None, whole: bool = True) 
     return f"give {'a whole number' if whole else 'a number'}{bounds}"
 
 
+def given_text(given: str) -> str:
+    """A value as a refusal quotes it: a whole number grouped in thousands ("got 5,000", as pipesim's own refusals
+    write one), another number as typed ("got 1.5"), a word quoted ("got 'x'"). Here, not in cli.py, so that the
+    benchmarks' parsers (benchmarks/one_line_parser.py) quote a value as the command line does, without typer."""
+    if given.lstrip("-").isdecimal():
+        return f"{int(given):,}"
+    try:
+        float(given)
+    except ValueError:
+        return repr(given)
+    return given
+
+
 def memory_gib_refusal(memory_gib: float) -> str | None:
     """What a device's memory in GiB (--memory-gb, a cluster file's or a catalogue part's memory_gib) must be, where
     `memory_gib` is not it (None where it is): pipesim holds it as whole bytes, so less than one byte was a 0-byte cap

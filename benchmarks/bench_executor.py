@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, positive_int  # this folder's
 from torch_pipelining import torch_steps  # this folder's: torch's runtime on pipesim's stages
 
 from pipesim.executor import RunSpec, run_multiprocess
@@ -112,23 +112,19 @@ def _summary(samples: list[float]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--microbatch-size", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--warmup", type=int, default=2, help="mini-batches dropped at the start of each run")
-    parser.add_argument("--steps", type=int, default=10, help="mini-batches timed per run")
-    parser.add_argument("--repeats", type=int, default=5, help="fresh runs per side")
+    parser.add_argument("--ranks", type=positive_int, default=2)
+    parser.add_argument("--microbatches", type=positive_int, default=8)
+    parser.add_argument("--microbatch-size", type=positive_int, default=32)
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--width", type=positive_int, default=1024)
+    parser.add_argument("--warmup", type=positive_int, default=2, help="mini-batches dropped at the start of each "
+                        "run, at least 1: the first has no earlier finish to measure from")
+    parser.add_argument("--steps", type=positive_int, default=10, help="mini-batches timed per run")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="fresh runs per side")
     parser.add_argument("--quick", action="store_true", help="width 256, 1 warm-up, 4 steps, 2 repeats")
     args = parser.parse_args(argv)
     if args.quick:
         args.width, args.warmup, args.steps, args.repeats = 256, 1, 4, 2
-    for name in ("ranks", "microbatches", "microbatch_size", "layers", "width", "steps", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
-    if args.warmup < 1:
-        parser.error("--warmup must be >= 1: the first mini-batch has no earlier finish to measure from")
 
     print(f"mlp {args.layers}x{args.width}, b={args.microbatch_size}, m={args.microbatches}, {args.ranks} ranks, "
           f"gloo CPU, 1 thread/rank; {args.repeats} runs x {args.steps} mini-batches after {args.warmup} warm-up")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_executor import Config, torch_run  # this folder's: torch's runtime on pipesim's stages
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, positive_int  # this folder's
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -530,7 +530,7 @@ def parse_arguments(description: str, *, runs: str, methods: str, quick: str,
     `more` adds; --quick caps the repeats at 2."""
     parser = OneLineParser(description=description)
     more(parser)
-    parser.add_argument("--repeats", type=int, default=3, help=f"fresh runs {runs}")
+    parser.add_argument("--repeats", type=positive_int, default=3, help=f"fresh runs {runs}")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), help=methods)
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--keep", type=Path, help="keep the profiles and measured traces in this folder")
@@ -538,8 +538,6 @@ def parse_arguments(description: str, *, runs: str, methods: str, quick: str,
     parser.add_argument("--json", type=Path, help="also write the tables as JSON here")
     args = parser.parse_args(argv)
     refuse_unwritable(("--json", args.json))
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1 (got {args.repeats})")
     if args.source is not None and not args.source.is_dir():
         parser.error(f"--from {args.source}: give the folder a run's --keep filled, not a file or a missing path")
     if args.quick:

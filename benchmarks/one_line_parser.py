@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import NoReturn
+
+from pipesim.units import given_text, number_allowed
 
 
 def refuse(message: str) -> None:
@@ -22,12 +25,18 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def positive_int(text: str) -> int:
-    """A flag's count: a whole number of 1 or more (repeats, rounds, mini-batches), where 0 ended in a traceback
-    on an empty median or an empty table."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"give a whole number of 1 or more (got {text!r})")
-    return int(text)
+def whole_number_of(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `least`, refused in the command line's words ("give a whole
+    number of at least 1 (got 0)", units.py `number_allowed`) before anything runs."""
+    def parsed(text: str) -> int:
+        if not text.strip().lstrip("-").isdecimal() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"{number_allowed(least, None)} (got {given_text(text.strip())})")
+        return int(text)
+    return parsed
+
+
+# A flag's count (repeats, rounds, mini-batches), where 0 ended in a traceback on an empty median or an empty table
+positive_int = whole_number_of(1)
 
 
 def positive_number(text: str) -> float:
@@ -44,7 +53,7 @@ def positive_number(text: str) -> float:
 def positive_ints(text: str) -> list[int]:
     """A flag's comma-separated counts ("1,2")."""
     if not all(part.strip().isdigit() and int(part) >= 1 for part in text.split(",")):
-        raise argparse.ArgumentTypeError(f"give whole numbers of 1 or more, comma-separated, such as 1,2 "
+        raise argparse.ArgumentTypeError(f"give whole numbers of at least 1, comma-separated, such as 1,2 "
                                          f"(got {text!r})")
     return [int(part) for part in text.split(",")]
 
@@ -53,6 +62,6 @@ def pipeline_sizes(text: str) -> list[tuple[int, int]]:
     """A flag's comma-separated pipeline sizes, each stages x micro-batches ("8x32,32x256")."""
     sizes = [part.split("x") for part in text.split(",")]
     if not all(len(size) == 2 and all(n.strip().isdigit() and int(n) >= 1 for n in size) for size in sizes):
-        raise argparse.ArgumentTypeError(f"give sizes PxM (stages x micro-batches, each 1 or more), comma-separated, "
-                                         f"such as 8x32,32x256 (got {text!r})")
+        raise argparse.ArgumentTypeError(f"give sizes PxM (stages x micro-batches, each at least 1), "
+                                         f"comma-separated, such as 8x32,32x256 (got {text!r})")
     return [(int(p), int(m)) for p, m in sizes]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from fidelity_sizes import SIZES  # this folder's
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, positive_int, whole_number_of  # this folder's
 from rich import box
 from rich.table import Table
 
@@ -147,8 +147,9 @@ def _ms(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--processes", type=int, default=2, help="fresh processes per size and allocator setting")
-    parser.add_argument("--passes", type=int, default=60, help="timed passes per process")
+    parser.add_argument("--processes", type=positive_int, default=2,
+                        help="fresh processes per size and allocator setting")
+    parser.add_argument("--passes", type=whole_number_of(10), default=60, help="timed passes per process")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--child", nargs=3, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--neighbours", action="store_true", help=argparse.SUPPRESS)
@@ -162,8 +163,6 @@ def main(argv: list[str] | None = None) -> None:
     from pipesim.commands.tables import print_paragraph, print_table
 
     refuse_unwritable(("--json", args.json))
-    if args.processes < 1 or args.passes < 10:
-        parser.error("--processes must be >= 1 and --passes >= 10")
     console = stdout  # the terminal's width, its tables fitted there (commands/tables.py); piped, whole rows
     faults = Table(title="stage 0's passes as calibration times them, per fresh process: ms without / with page "
                    "faults, share of passes faulting", title_justify="left", box=box.SIMPLE_HEAD)

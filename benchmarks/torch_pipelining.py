@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from one_line_parser import OneLineParser  # this folder's
+from one_line_parser import OneLineParser, whole_number_of  # this folder's
 from rich.console import Console
 
 from pipesim.commands.common import stdout
@@ -266,20 +266,6 @@ def print_written(args: argparse.Namespace, console: Console = stdout) -> None:
     print_message(f"wrote {args.stages} profiler traces to {args.out}; {_next_steps(args)}", console)
 
 
-def _count(least: int) -> Callable[[str], int]:
-    """An argparse type: a whole number from `least` (a count of stages, mini-batches or threads), refused on the
-    command line rather than in the ranks."""
-    def parsed(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < least:
-            raise argparse.ArgumentTypeError(f"give a whole number from {least} (got {text!r})")
-        return value
-    return parsed
-
-
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with what --profile fixes filled in (or the defaults)."""
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
@@ -292,18 +278,18 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                              "ScheduleDualPipeV, which split B into I and W) on the stages --schedule places")
     parser.add_argument("--profile", help="a CPU profile from `pipesim calibrate`: run the model, options, "
                                           "micro-batch size, threads, stages and cut it measured")
-    parser.add_argument("--stages", type=_count(1), help="ranks (default 2; with --profile its stages over the "
-                                                          "stages --schedule places a rank)")
-    parser.add_argument("--microbatches", type=_count(1), default=8)
-    parser.add_argument("--steps", type=_count(1), default=5, help="profiled mini-batches")
-    parser.add_argument("--warmup", type=_count(0), default=2, help="mini-batches run before profiling")
+    parser.add_argument("--stages", type=whole_number_of(1), help="ranks (default 2; with --profile its stages over "
+                                                                  "the stages --schedule places a rank)")
+    parser.add_argument("--microbatches", type=whole_number_of(1), default=8)
+    parser.add_argument("--steps", type=whole_number_of(1), default=5, help="profiled mini-batches")
+    parser.add_argument("--warmup", type=whole_number_of(0), default=2, help="mini-batches run before profiling")
     parser.add_argument("--model", help="default mlp")
     parser.add_argument("--model-options", help='JSON (default {"layers": 8, "width": 1024})')
-    parser.add_argument("--microbatch-size", type=_count(1), help="default 32")
+    parser.add_argument("--microbatch-size", type=whole_number_of(1), help="default 32")
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads-per-rank", type=_count(1), help="default 1")
+    parser.add_argument("--threads-per-rank", type=whole_number_of(1), help="default 1")
     parser.add_argument("--out", required=True, help="folder for rank<r>.json")
     args = parser.parse_args(argv)
     _settle(parser, args)

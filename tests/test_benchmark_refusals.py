@@ -38,16 +38,22 @@ def test_a_benchmarks_unknown_flag_is_one_line_exit_2_and_writes_nothing(name, t
     ("fidelity_sizes", ["--from", "."],
      "error: --from .: no size's profile there (a folder --keep filled holds w64-b8.0.profile.json, ...)"),
     ("bench_auto", ["time", "--sizes", "8x32,4"],
-     "error: argument --sizes: give sizes PxM (stages x micro-batches, each 1 or more), comma-separated, such as "
+     "error: argument --sizes: give sizes PxM (stages x micro-batches, each at least 1), comma-separated, such as "
      "8x32,32x256 (got '8x32,4')"),
-    ("bench_auto", ["time", "--repeats", "0"], "error: argument --repeats: give a whole number of 1 or more (got '0')"),
+    ("bench_auto", ["time", "--repeats", "0"], "error: argument --repeats: give a whole number of at least 1 (got 0)"),
+    ("bench_auto", ["time", "--repeats", "x"],
+     "error: argument --repeats: give a whole number of at least 1 (got 'x')"),
+    # each said "--ranks must be >= 1 (got 0)" after parsing, in words of its own
+    ("bench_executor", ["--ranks", "0"], "error: argument --ranks: give a whole number of at least 1 (got 0)"),
+    ("fidelity", ["--repeats", "-1"], "error: argument --repeats: give a whole number of at least 1 (got -1)"),
+    ("pass_faults", ["--passes", "9"], "error: argument --passes: give a whole number of at least 10 (got 9)"),
     ("bench_simulate", ["--sizes", "4xa"],
-     "error: argument --sizes: give sizes PxM (stages x micro-batches, each 1 or more), comma-separated, such as "
+     "error: argument --sizes: give sizes PxM (stages x micro-batches, each at least 1), comma-separated, such as "
      "8x32,32x256 (got '4xa')"),
     ("bench_sweep", ["--workers", "1,two"],
-     "error: argument --workers: give whole numbers of 1 or more, comma-separated, such as 1,2 (got '1,two')"),
-    ("cold_after_wait", ["--rounds", "0"], "error: argument --rounds: give a whole number of 1 or more (got '0')"),
-    ("cold_after_wait", ["--stages", "0"], "error: argument --stages: give a whole number of 1 or more (got '0')"),
+     "error: argument --workers: give whole numbers of at least 1, comma-separated, such as 1,2 (got '1,two')"),
+    ("cold_after_wait", ["--rounds", "0"], "error: argument --rounds: give a whole number of at least 1 (got 0)"),
+    ("cold_after_wait", ["--stages", "0"], "error: argument --stages: give a whole number of at least 1 (got 0)"),
     ("bench_auto", ["time", "--search-seconds", "-1"],
      "error: argument --search-seconds: give a finite number above 0 (got '-1')"),
 ])

@@ -69,9 +69,9 @@ def test_bad_input_is_one_line_before_any_rank_starts(script, capsys, tmp_path):
     for argv, message in ((["--model-options", "{layers"], "--model-options: not JSON"),
                           (["--profile", str(tmp_path / "none.json")], "cannot read profile"),
                           # it ran, profiled no mini-batch and wrote empty traces
-                          (["--steps", "0"], "argument --steps: give a whole number from 1 (got '0')"),
-                          (["--warmup", "-1"], "argument --warmup: give a whole number from 0 (got '-1')"),
-                          (["--stages", "two"], "argument --stages: give a whole number from 1 (got 'two')"),
+                          (["--steps", "0"], "argument --steps: give a whole number of at least 1 (got 0)"),
+                          (["--warmup", "-1"], "argument --warmup: give a whole number of at least 0 (got -1)"),
+                          (["--stages", "two"], "argument --stages: give a whole number of at least 1 (got 'two')"),
                           # torch's classes place their own stages; the CSV says synchronous orders only
                           (["--schedule", "1f1b", "--torch-schedule", "zbv"],
                            "--torch-schedule zbv: torch's ScheduleZBVZeroBubble places stages [0, 1, 1, 0] on the "
