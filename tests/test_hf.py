@@ -220,8 +220,10 @@ UNREADABLE = [
      "{folder}/config.json: num_hidden_layers: give a whole number from 1 to 10,000 (got 0)"),
     (lambda folder: write_config(folder, {**LLAMA, "vocab_size": -1}),
      "config.json: vocab_size: give a whole number from 1 to 16,777,216 (got -1)"),
-    (lambda folder: write_config(folder, {**LLAMA, "hidden_size": 64.0}), "gives hidden_size 64.0; it must be a whole"),
-    (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": True}), "gives num_key_value_heads true;"),
+    (lambda folder: write_config(folder, {**LLAMA, "hidden_size": 64.0}),
+     "config.json: hidden_size: give a whole number from 1 to 1,048,576 (got 64.0)"),
+    (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": True}),
+     "config.json: num_key_value_heads: give a whole number from 1 to 65,536 (got true)"),
     # a count that grew past the host's memory for hours, and torch's randperm of the vocabulary's 8 TB
     (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 10 ** 9}),
      "{folder}/config.json: num_hidden_layers: give a whole number from 1 to 10,000 (got 1,000,000,000)"),
@@ -335,8 +337,8 @@ SEQ = ("--seq-len", 16)
     (NO_LONGEST, (), "(its config gives no max_position_embeddings: transformers' default for model_type 'llama' "
                      "bounds it)"),
     # said to give none, or (with --seq-len) refused by transformers once torch was imported, 10.8 s
-    *(({**LLAMA, "max_position_embeddings": given}, args, f"{{folder}}/config.json gives max_position_embeddings "
-       f"{json.dumps(given)}; it must be a whole number, 1 or more") for given, args in ((4096.0, ()),
+    *(({**LLAMA, "max_position_embeddings": given}, args, f"{{folder}}/config.json: max_position_embeddings: give a "
+       f"whole number of at least 1 (got {json.dumps(given)})") for given, args in ((4096.0, ()),
                                                                                         ("4096", SEQ), (True, SEQ))),
     ({**LLAMA, "max_position_embeddings": 0}, (),
      "{folder}/config.json: max_position_embeddings: give a whole number of at least 1 (got 0)"),

@@ -13,7 +13,8 @@ from typing import Any
 
 from ..files import read_json
 from ..profiles.workload import HF_PREFIX
-from .sizes import size_refusal
+from ..units import number_allowed
+from .sizes import MAX_SIZES, size_refusal
 
 CONFIG_NAME = "config.json"
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"  # the configs pipesim comes with (examples/README.md)
@@ -165,7 +166,7 @@ def config_seq_len_refusal(spec: str, seq_len: int | None) -> str | None:
             spec, None, None, f"its config gives no {LONGEST_FIELD}: transformers' default for model_type "
                               f"{config.model_type!r} bounds it")
     # 4096.0 or "4096" was said to give none, and transformers refused it once torch was imported, 10.8 s
-    if (refusal := whole_number_refusal(spec, config.path, LONGEST_FIELD, longest, 1)) is not None:
+    if (refusal := whole_number_refusal(spec, config.path, LONGEST_FIELD, longest, 1, None)) is not None:
         return refusal
     if (refusal := size_refusal(LONGEST_FIELD, None, longest)) is not None:
         return f"--model {spec}: {config.path}: {refusal}"
@@ -177,16 +178,17 @@ def size_field_refusal(spec: str, path: Path, given: str, field: str, value: Any
     that transformers reads: workload/hf.py `_read`), where it is not a whole number from its `LEAST` to its
     bound; None where it is one."""
     least = LEAST.get(field, 1)
-    if (refusal := whole_number_refusal(spec, path, given, value, least)) is not None:
+    if (refusal := whole_number_refusal(spec, path, given, value, least, MAX_SIZES[SIZES[field]])) is not None:
         return refusal
     refusal = size_refusal(given, SIZES[field], value, least)
     return None if refusal is None else f"--model {spec}: {path}: {refusal}"
 
 
-def whole_number_refusal(spec: str, path: Path, given: str, value: Any, least: int) -> str | None:
+def whole_number_refusal(spec: str, path: Path, given: str, value: Any, least: int, most: int | None) -> str | None:
     """The one line refusing `value`, which `path` gives as `given`, where it is no whole number (JSON's true, 4.0
     and "4" are none: transformers' strict configs refuse them, but only once torch is imported); None where it is
-    one. `least` is the least it may be, which the line states."""
+    one. It states what is allowed, from `least` to `most` (None: no bound), as `size_refusal` does for a whole
+    number out of them, so that 4.0 and 0 are told the same thing."""
     if isinstance(value, bool) or not isinstance(value, int):
-        return f"--model {spec}: {path} gives {given} {json.dumps(value)}; it must be a whole number, {least} or more"
+        return f"--model {spec}: {path}: {given}: {number_allowed(least, most)} (got {json.dumps(value)})"
     return None
