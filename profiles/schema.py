@@ -30,7 +30,7 @@ from ..choices import OPTIMIZERS
 from ..choices import optimizer_refusal as optimizer_refusal  # re-exported: the profile's readers take it here
 from ..files import PROFILE, read_document, validated
 from ..memory_parts import SAVED_PARTS
-from ..units import MAX_BYTES, MAX_MS, MIB, count_text
+from ..units import MAX_BYTES, MAX_MS, MIB, count_text, number_allowed
 from .partition import (
     LayerCost,
     StageCosts,
@@ -575,12 +575,13 @@ class Estimate(_Strict):
     @model_validator(mode="after")
     def _whole_degrees(self) -> Estimate:
         """The ranks its parallelism gives are whole numbers, 1 or more (a profile edited by hand: the commands
-        read them as int, an expert_parallel of 'x' or 0 was a traceback); an expert_tensor of None is t."""
+        read them as int, an expert_parallel of 'x' or 0 was a traceback); an expert_tensor of None is t. Refused in
+        the command line's words for a number out of range (units.py `number_allowed`)."""
         for name in ESTIMATE_DEGREES:
             value = self.parallelism.get(name, 1)
             if not (value is None and name == "expert_tensor") and (
                     isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"parallelism.{name} must be a whole number, 1 or more (got {json.dumps(value)})")
+                raise ValueError(f"parallelism.{name}: {number_allowed(1, None)} (got {json.dumps(value)})")
         return self
 
     @property

@@ -115,7 +115,7 @@ def test_an_estimates_ranks_edited_to_no_whole_number_are_refused_naming_the_fie
     (tmp_path / "run").mkdir()
     monkeypatch.chdir(tmp_path / "run")
     assert refused("simulate", "--profile", path, "-s", "1f1b", "-m", 4, "--data-parallel", 8) == (
-        f"error: --profile: profile {path}: estimate: parallelism.{name} must be a whole number, 1 or more (got "
+        f"error: --profile: profile {path}: estimate: parallelism.{name}: give a whole number of at least 1 (got "
         f"{json.dumps(value)})\n")
 
 
