@@ -207,8 +207,8 @@ def run(
         for flag, value, most in (("--lr", lr, math.inf), ("--timeout", timeout, MAX_WAIT_S),
                                   ("--stall-timeout", stall_timeout, MAX_WAIT_S)):
             if not 0 < value < math.inf or value > most:
-                raise InputError(f"{flag}: give a finite number > 0" + (f" and at most {most:,}" if most < math.inf
-                                                                        else "") + f" (got {value})")
+                raise InputError(f"{flag}: give a finite number above 0" + (f" and at most {most:,}" if most < math.inf
+                                                                        else "") + f" (got {value:g})")
         check_prediction(prediction)
         check_threads("--threads-per-rank", threads_per_rank)
         if dtype is not None:  # None: the profile's, else float32

@@ -52,15 +52,15 @@ def _optimizers(specs: list[str]) -> dict[str, float]:
     for spec in specs:
         name, given, rate = spec.partition("=")
         if name not in DEFAULT_LR:
-            raise InputError(f"--optimizer {spec}: choose from {', '.join(DEFAULT_LR)}, optionally as NAME=LR")
+            raise InputError(f"--optimizer: choose from {', '.join(DEFAULT_LR)}, optionally as NAME=LR (got {spec!r})")
         try:
             lr = float(rate) if given else DEFAULT_LR[name]  # `adam=` names no rate: refused, not the default
         except ValueError:
             lr = math.nan
         if not 0 < lr < math.inf:
-            raise InputError(f"--optimizer {spec}: the learning rate must be a finite number > 0")
+            raise InputError(f"--optimizer: give NAME=LR with a finite learning rate above 0 (got {spec!r})")
         if name in out:
-            raise InputError(f"--optimizer {name}: given twice; give each optimizer once")
+            raise InputError(f"--optimizer: give each optimizer once (got {name!r} twice)")
         out[name] = lr
     return out
 

@@ -190,14 +190,14 @@ def tune(
             tensor, context, expert = _estimated_degrees(measured)
             if devices % (tensor * context):
                 each = f"t={tensor} GPUs per stage" + f" and C={context} context-parallel ranks" * (context > 1)
-                raise InputError(f"--devices {devices:,}: the profile was estimated for {each}; give a multiple of "
-                                 f"{tensor * context}")
+                raise InputError(f"--devices: give a multiple of {tensor * context}, as the profile was estimated for "
+                                 f"{each} (got {devices:,})")
             schedule_devices = Problem.devices_of(devices, context)
             b = env.microbatch_size
             batch = batch_size if batch_size is not None else 4 * schedule_devices * b
             if batch % b:
-                raise InputError(f"--batch-size {batch:,}: must be a multiple of the profile's micro-batch size {b:,} "
-                                 "(its times were measured at that size)")
+                raise InputError(f"--batch-size: give a multiple of the profile's micro-batch size {b:,}, at which "
+                                 f"its times were measured (got {batch:,})")
             _check_max_pipelines(ctx, max_pipelines, batch, b)
             depths = None  # a given d: the one p = D/(t·C·d)
             if data_parallel is not None:
@@ -228,7 +228,8 @@ def tune(
             batch = batch_size if batch_size is not None else 4 * schedule_devices * sizes[0]
             sizes = tuple(b for b in sizes if batch % b == 0)
             if not sizes:
-                raise InputError(f"--batch-size {batch:,}: must be a multiple of --microbatch-size {microbatch_size:,}")
+                raise InputError(f"--batch-size: give a multiple of --microbatch-size {microbatch_size:,} "
+                                 f"(got {batch:,})")
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
             part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's

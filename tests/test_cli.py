@@ -244,7 +244,7 @@ def test_a_host_time_past_its_range_is_refused_at_its_flag_and_nothing_is_writte
 @pytest.mark.parametrize("command, args, fragment", [
     ("sweep", ["--opt", "1e30"], "error: --opt: give a finite number from 0 to 1,000,000,000"),
     ("run", ["-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--timeout", "1e30"],
-     "error: --timeout: give a finite number > 0 and at most 86,400 (got 1e+30)"),
+     "error: --timeout: give a finite number above 0 and at most 86,400 (got 1e+30)"),
 ])
 def test_other_commands_name_a_float_flag_past_its_range(command, args, fragment):
     """run's --timeout 1e30 was a rank's OverflowError in torch's wait."""

@@ -307,7 +307,8 @@ def test_tune_reads_an_estimates_t_as_gpus_per_stage(small_gpt, tmp_path):
     rows = [doc["choice"], *doc["runners_up"]]
     assert {r["tensor_parallel"] for r in rows} == {2} and {r["stages"] * r["replicas"] for r in rows} == {4}
     code, _, err = pipesim("tune", "--profile", tmp_path / "t2.json", "-D", 7, "-s", "1f1b")
-    assert code == 2 and "--devices 7: the profile was estimated for t=2 GPUs per stage" in err
+    assert code == 2 and ("--devices: give a multiple of 2, as the profile was estimated for t=2 "
+                          "GPUs per stage (got 7)" in err)
 
 
 def test_repeated_blocks_are_priced_once_and_alike(small_gpt, monkeypatch):

@@ -134,10 +134,10 @@ def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_pa
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--optimizer", "rmsprop"), "--optimizer rmsprop: choose from"),
-    (("--optimizer", "adam=-1"), "finite number > 0"),
-    (("--optimizer", "adam="), "--optimizer adam=: the learning rate must be a finite number > 0"),  # trained at 0.002
-    (("--optimizer", "adam", "--optimizer", "adam=0.01"), "given twice"),
+    (("--optimizer", "rmsprop"), "--optimizer: choose from"),
+    (("--optimizer", "adam=-1"), "finite learning rate above 0 (got 'adam=-1')"),
+    (("--optimizer", "adam="), "--optimizer: give NAME=LR with a finite learning rate above 0 (got 'adam=')"),  # 0.002
+    (("--optimizer", "adam", "--optimizer", "adam=0.01"), "--optimizer: give each optimizer once (got 'adam' twice)"),
     (("-s", "nosuch"), "--schedule: unknown 'nosuch'"),
     (("-s", "pipedream-2bw", "-p", 4, "-m", 2, "--layers", 8), "m >= p-1"),
     (("-p", 4, "--layers", 2), "--stages 4"),

@@ -332,7 +332,7 @@ def test_cli_json_is_the_search_result():
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "0.01"],
      "--memory-gb: no configuration fits in 0.01 GiB; the least memory any needs is 0.178 GiB per device (1f1b p=4"),
     (["--profile", str(GPT), "--devices", "4", "-s", "nope"], "--schedule: unknown 'nope'; choose from gpipe"),
-    (["--profile", str(GPT), "--devices", "4", "--batch-size", "12"], "must be a multiple of the profile's micro"),
+    (["--profile", str(GPT), "--devices", "4", "--batch-size", "12"], "--batch-size: give a multiple of the profile's"),
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "-1"],
      "--memory-gb: give GiB per device, from 1 byte to 1,048,576 GiB (got -1)"),
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "1e-300"],  # held as 0 bytes: "fits in 0 GiB"

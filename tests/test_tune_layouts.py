@@ -44,8 +44,8 @@ def test_a_profile_estimated_over_2_context_ranks_plans_d_over_d_divided_by_c(tm
     (tmp_path / "run").mkdir()
     monkeypatch.chdir(tmp_path / "run")
     assert refused("tune", "--profile", path, "-D", 3, "-s", "1f1b") == (
-        "error: --devices 3: the profile was estimated for t=1 GPUs per stage and C=2 context-parallel ranks; give "
-        "a multiple of 2\n")
+        "error: --devices: give a multiple of 2, as the profile was estimated for t=1 GPUs per stage and C=2 "
+        "context-parallel ranks (got 3)\n")
 
 
 def test_a_given_c_is_a_fixed_factor_and_the_search_equals_the_exhaustive_one():

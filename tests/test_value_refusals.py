@@ -3,6 +3,7 @@ ALLOWED (got VALUE)", the value as typed with whole numbers grouped in thousands
 import pytest
 
 from tests.conftest import pipesim
+from tests.helpers import GPT_CPU
 
 NANOSECOND = "give 0 or at least 1e-06 ms, a nanosecond, as the simulator counts picoseconds"
 
@@ -22,5 +23,25 @@ NANOSECOND = "give 0 or at least 1e-06 ms, a nanosecond, as the simulator counts
 ])
 def test_a_value_refusal_reads_as_the_parsers(args, refusal):
     code, out, err = pipesim("simulate", *(args if "-s" in args else ["-s", "1f1b", *args]))
+    assert (code, out) == (2, "")
+    assert err == f"error: {refusal}\n"
+
+
+@pytest.mark.parametrize(("args", "refusal"), [
+    (["study", "--optimizer", "lion"], "--optimizer: choose from sgd, momentum, adam, adamw, optionally as NAME=LR "
+                                       "(got 'lion')"),
+    (["study", "--optimizer", "adam=x"], "--optimizer: give NAME=LR with a finite learning rate above 0 (got "
+                                         "'adam=x')"),
+    (["study", "--optimizer", "sgd", "--optimizer", "sgd=0.1"], "--optimizer: give each optimizer once (got 'sgd' "
+                                                                "twice)"),
+    (["tune", "--profile", GPT_CPU, "--devices", "4", "--batch-size", "12"],
+     "--batch-size: give a multiple of the profile's micro-batch size 8, at which its times were measured (got 12)"),
+    (["tune", "--gpu", "h100-sxm", "--model", "gpt", "--devices", "4", "--microbatch-size", "4", "--batch-size",
+      "10"], "--batch-size: give a multiple of --microbatch-size 4 (got 10)"),
+    (["run", "-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--stall-timeout", "0"],
+     "--stall-timeout: give a finite number above 0 and at most 86,400 (got 0)"),
+])
+def test_a_commands_own_refusal_reads_as_the_parsers(args, refusal):
+    code, out, err = pipesim(*args)
     assert (code, out) == (2, "")
     assert err == f"error: {refusal}\n"
