@@ -203,8 +203,9 @@ def tune(
             if data_parallel is not None:
                 per_stage = f" x {tensor * context} (the profile's GPUs per stage)" * (tensor * context > 1)
                 if devices % (tensor * context * data_parallel):
-                    raise InputError(f"--devices {devices:,}: p x d{per_stage} must give it, and --data-parallel "
-                                     f"{data_parallel:,} does not divide {devices // (tensor * context):,}")
+                    raise InputError(f"--devices: give p x d{per_stage}, a multiple of "
+                                     f"{tensor * context * data_parallel:,} at --data-parallel {data_parallel:,} "
+                                     f"(got {devices:,})")
                 depths = (devices // (tensor * context * data_parallel),)
                 if depths[0] > len(measured.layers):
                     raise InputError(f"--data-parallel {data_parallel:,}: p = {depths[0]:,} devices per pipeline, more "
@@ -394,8 +395,8 @@ def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: i
 
 
 def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int, seq_len: int | None) -> None:
-    """D must be p x d x t x C for some p: the degrees given must divide it. A refusal names the degree that
-    does not (or their product, where no one alone is to blame), and what would: the nearest multiples of the
+    """D must be p x d x t x C for some p: the degrees given must divide it. A refusal names their product, the
+    degree that does not divide D where one alone is to blame, and what would: the nearest multiples of the
     product for --devices, and the nearest degrees that divide D with the others kept, a C among them only where it
     also splits `seq_len` tokens into 2C equal chunks, as `check_context` asks next (seq_len None: not given)."""
     given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data),
@@ -406,6 +407,7 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None, context: 
     failing = [(flag, value) for flag, value in given if devices % value]
     named = " x ".join(f"{flag} {value:,}" for flag, value in given) + (f" = {product:,}" if len(given) > 1 else "")
     split = "p stages x d replicas x t GPUs per stage" + " x C context-parallel ranks" * (context > 1)
+    refusal = f"--devices: give {split}, a multiple of {named} (got {devices:,})"
     below = devices - devices % product
     instead = [f"--devices {' or '.join(f'{n:,}' for n in (below, below + product) if n)}"]
     if len(failing) == 1 and not devices % (product // failing[0][1]):  # the others kept divide D: this one fails
@@ -415,9 +417,9 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None, context: 
             flag != "--context-parallel" or n == 1 or not seq_len or not seq_len % (2 * n))]
         nearest = [max(n for n in divisors if n < value), *(n for n in divisors if n > value)][:2]
         instead.append(f"{flag} {' or '.join(f'{n:,}' for n in nearest)}")
-        named = f"{flag} {value:,}"
-    raise InputError(f"--devices {devices:,} must be {split}, and {named} does not divide {devices:,}; give "
-                     + ", or ".join(instead))
+        if len(given) > 1:
+            refusal += f": {flag} {value:,} does not divide {devices:,}"
+    raise InputError(f"{refusal}; give " + ", or ".join(instead))
 
 
 @contextmanager

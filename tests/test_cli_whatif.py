@@ -42,7 +42,7 @@ HUGE = ("--model", "gpt", "--layers", "4", "--width", "16384", "--heads", "16", 
     (("simulate", *GPU, *SMALL[:3], "1", *SMALL[4:], "-p", "2", "-s", "interleaved-1f1b", "--chunks", "2"),
      "stages (--stages x --chunks): gpt of 1 block (--layers) has 3 layers in all"),  # embedding, block, head
     (("tune", *GPU, *SMALL, "-D", "6", "--tensor-parallel", "4"),
-     "--tensor-parallel 4 does not divide 6; give --devices 4 or 8, or --tensor-parallel 3 or 6"),
+     "a multiple of --tensor-parallel 4 (got 6); give --devices 4 or 8, or --tensor-parallel 3 or 6"),
     (("tune", *GPU, *SMALL, "-D", "8", "--tensor-parallel", "2", "--data-parallel", "3"),
      "--data-parallel 3 does not divide 8; give --devices 6 or 12, or --data-parallel 2 or 4"),
     (("tune", "-D", "4"), "--profile or --gpu"),

@@ -155,7 +155,7 @@ GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "64", 
     (("simulate", "--context-parallel", "2"), "--context-parallel: only --gpu's estimate reads it"),
     (("simulate", *GPT[:2], "--model", "gpt", "--attention", "flash", "--context-parallel", "0"), "--context-parallel"),
     (("tune", *GPT, "--attention", "flash", "--context-parallel", "4", "--devices", "6"),
-     "--context-parallel 4 does not divide 6; give --devices 4 or 8, or --context-parallel 3 or 6"),
+     "a multiple of --context-parallel 4 (got 6); give --devices 4 or 8, or --context-parallel 3 or 6"),
 ])
 def test_bad_context_parallelism_is_one_line_and_writes_nothing(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -343,7 +343,7 @@ def test_cli_json_is_the_search_result():
      "dualpipe refuses every shape with a batch of 128 samples on 4 devices (dualpipe: the search cuts the model "
      "into one chain of stages, and this method runs 2 copies of it; not searched yet)"),
     (["--profile", str(GPT), "--devices", "4", "--data-parallel", "3"],
-     "--devices 4: p x d must give it, and --data-parallel 3 does not divide 4"),
+     "--devices: give p x d, a multiple of 3 at --data-parallel 3 (got 4)"),
     (["--profile", str(GPT), "--devices", "64", "--data-parallel", "1"],
      "--data-parallel 1: p = 64 devices per pipeline, more than the profile's 16 layers; give a larger d"),
     (["--profile", str(GPT), "--devices", "4", "--max-pipelines", "17"],  # every P was tried: 10**12 ran for hours

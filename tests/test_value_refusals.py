@@ -38,6 +38,11 @@ def test_a_value_refusal_reads_as_the_parsers(args, refusal):
      "--batch-size: give a multiple of the profile's micro-batch size 8, at which its times were measured (got 12)"),
     (["tune", "--gpu", "h100-sxm", "--model", "gpt", "--devices", "4", "--microbatch-size", "4", "--batch-size",
       "10"], "--batch-size: give a multiple of --microbatch-size 4 (got 10)"),
+    (["tune", "--gpu", "h100-sxm", "--model", "gpt", "--devices", "6", "--tensor-parallel", "4"],
+     "--devices: give p stages x d replicas x t GPUs per stage, a multiple of --tensor-parallel 4 (got 6); give "
+     "--devices 4 or 8, or --tensor-parallel 3 or 6"),
+    (["tune", "--profile", GPT_CPU, "--devices", "4", "--data-parallel", "3"],
+     "--devices: give p x d, a multiple of 3 at --data-parallel 3 (got 4)"),
     (["run", "-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--stall-timeout", "0"],
      "--stall-timeout: give a finite number above 0 and at most 86,400 (got 0)"),
 ])

@@ -29,24 +29,25 @@ def test_a_degree_that_does_not_divide_the_devices_is_named_with_what_would():
     the nearest --devices and degree that would do."""
     with pytest.raises(InputError) as one:
         _check_degrees(7, 2, None, 1, None)
-    assert str(one.value) == ("--devices 7 must be p stages x d replicas x t GPUs per stage, and --tensor-parallel 2 "
-                              "does not divide 7; give --devices 6 or 8, or --tensor-parallel 1 or 7")
+    assert str(one.value) == ("--devices: give p stages x d replicas x t GPUs per stage, a multiple of "
+                              "--tensor-parallel 2 (got 7); give --devices 6 or 8, or --tensor-parallel 1 or 7")
     with pytest.raises(InputError) as two:
         _check_degrees(8, 3, 2, 1, None)
-    assert str(two.value).endswith("and --tensor-parallel 3 does not divide 8; give --devices 6 or 12, or "
+    assert str(two.value).endswith("a multiple of --tensor-parallel 3 x --data-parallel 2 = 6 (got 8): "
+                                   "--tensor-parallel 3 does not divide 8; give --devices 6 or 12, or "
                                    "--tensor-parallel 2 or 4")
     with pytest.raises(InputError) as context:
         _check_degrees(8, 2, 4, 2, None)
-    assert str(context.value) == ("--devices 8 must be p stages x d replicas x t GPUs per stage x C context-parallel "
-                                  "ranks, and --tensor-parallel 2 x --data-parallel 4 x --context-parallel 2 = 16 "
-                                  "does not divide 8; give --devices 16")
+    assert str(context.value) == ("--devices: give p stages x d replicas x t GPUs per stage x C context-parallel "
+                                  "ranks, a multiple of --tensor-parallel 2 x --data-parallel 4 x --context-parallel "
+                                  "2 = 16 (got 8); give --devices 16")
     # one degree fails alone, but the others' product does not divide D either: their product is named (it was
     # "--tensor-parallel 1", which 1 x 4 x 2 = 8 refuses too, and with C = 6 a traceback: no divisor of 12 // 24)
     for context, product in ((2, 40), (6, 120)):
         with pytest.raises(InputError) as others:
             _check_degrees(12, 5, 4, context, None)
         assert str(others.value).endswith(f"--tensor-parallel 5 x --data-parallel 4 x --context-parallel {context} = "
-                                          f"{product} does not divide 12; give --devices {product}")
+                                          f"{product} (got 12); give --devices {product}")
 
 
 @pytest.mark.parametrize(("experts", "searched"), [((), "t, b, recomputation and p"),
