@@ -200,7 +200,7 @@ def calibrate(
             raise InputError("--ranks sizes the contention probe, which --no-contention skips: give one")
         if links and not 8 * KIB <= link_max_mb * MIB <= 4 * GIB:
             raise InputError(f"--link-max-mb: give from 8 KiB ({8 * KIB / MIB:g} MiB: two sizes to fit a line) to "
-                             f"4096 MiB (got {link_max_mb})")
+                             f"{4 * GIB // MIB:,} MiB (got {link_max_mb:g})")
         began = mark()  # the host's load before this calibration starts anything
         # what a cached host term is reused under: the others' load with nothing of this calibration running yet
         load_now = HostLoad.now(began) if starts_processes else None

@@ -1434,7 +1434,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         raise InputError(f"--comm: give one number of milliseconds (got {flags['comm']!r})")
     network = flags.get("network_gb_s")
     if network is not None and not 0 < network < math.inf:
-        raise InputError(f"--network-gb-s: give GB/s above 0 (got {network})")
+        raise InputError(f"--network-gb-s: give a finite number of GB/s above 0 (got {network:g})")
     zero = zero_stage(flags)
     if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "

@@ -43,6 +43,10 @@ def test_a_value_refusal_reads_as_the_parsers(args, refusal):
      "--devices 4 or 8, or --tensor-parallel 3 or 6"),
     (["tune", "--profile", GPT_CPU, "--devices", "4", "--data-parallel", "3"],
      "--devices: give p x d, a multiple of 3 at --data-parallel 3 (got 4)"),
+    (["simulate", "-s", "1f1b", "--data-parallel", "2", "--network-gb-s", "0"],
+     "--network-gb-s: give a finite number of GB/s above 0 (got 0)"),
+    (["calibrate", "--model", "mlp", "--link-max-mb", "0", "-o", "never.json"],
+     "--link-max-mb: give from 8 KiB (0.0078125 MiB: two sizes to fit a line) to 4,096 MiB (got 0)"),
     (["run", "-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--stall-timeout", "0"],
      "--stall-timeout: give a finite number above 0 and at most 86,400 (got 0)"),
 ])
