@@ -286,8 +286,8 @@ def simulate(
         check_p2p_sync(ctx, compared, scenario.measured)
         if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:
             placed = scenario.dag[0].num_stages  # graphpipe ran at the file's p whatever --stages said
-            raise InputError(f"--stages {stages:,}: the --graph file's {placed} stages are graphpipe's p; give "
-                             f"--stages {placed} or leave it out")
+            raise InputError(f"--stages: give {placed:,}, the --graph file's stages (graphpipe's p), or leave it out "
+                             f"(got {stages:,})")
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages

@@ -211,8 +211,8 @@ def _check_model(setting) -> None:
     except ModelError as exc:
         raise InputError(str(exc)) from None
     if len(built.layers) < setting.stages:
-        raise InputError(f"--stages {setting.stages}: the {setting.model} has {len(built.layers)} layers, and each "
-                         "stage needs at least one; give more --layers or fewer stages")
+        raise InputError(f"--stages: give at most {len(built.layers):,}, the {setting.model}'s layers, as each stage "
+                         f"needs one (got {setting.stages:,}); or give more --layers")
 
 
 def _title(setting) -> str:

@@ -72,7 +72,7 @@ def _check_answers(address: str) -> None:
         return
     number = whole_number(port, MAX_PORT)  # isdigit passes '²', which int() refuses
     if number is None:
-        raise InputError(f"--ray {address}: {port} is not a port; give HOST:PORT with a port from 0 to {MAX_PORT}")
+        raise InputError(f"--ray: give HOST:PORT with a port from 0 to {MAX_PORT:,} (got {address!r})")
     try:
         socket.create_connection((host.strip("[]"), number), timeout=5).close()
     except OSError as exc:

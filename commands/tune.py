@@ -368,9 +368,9 @@ def _check_max_pipelines(ctx: typer.Context, max_pipelines: int, batch: int, mic
     under a --batch-size of fewer micro-batches: the search skips the P that cannot run."""
     most = batch // microbatch_size
     if max_pipelines > most and is_given(ctx, "max_pipelines"):
-        raise InputError(f"--max-pipelines {max_pipelines:,}: each pipeline takes at least one of the step's "
-                         f"{most:,} micro-batches ({batch} samples, --batch-size, of {microbatch_size} each); give 1 "
-                         f"to {most:,}")
+        raise InputError(f"--max-pipelines: give a whole number from 1 to {most:,} (got {max_pipelines:,}): each "
+                         f"pipeline takes at least one of the step's {most:,} micro-batches ({batch:,} samples, "
+                         f"--batch-size, of {microbatch_size:,} each)")
 
 
 def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: int, part: str | None) -> None:

@@ -141,7 +141,7 @@ def test_schedules_lists_methods():
     (["-s", "avgpipe", "--elastic-alpha", "0"], "--elastic-alpha"),
     (["-s", "graphpipe", "--graph", "/no/such/graph.json"], "--graph: cannot read graph file /no/such/graph.json"),
     (["-s", "graphpipe", "--graph", EXAMPLES / "dag.json", "-p", "3"],  # graphpipe ran at p = 6 with no word
-     "--stages 3: the --graph file's 6 stages are graphpipe's p; give --stages 6 or leave it out"),
+     "--stages: give 6, the --graph file's stages (graphpipe's p), or leave it out (got 3)"),
     (["-s", "pipedream-2bw", "-p", "8", "-m", "4"], "m >= p-1"),
     (["-s", "1f1b", "-p", "64", "-m", "100000"], "lower m (--microbatches)"),
     # the picosecond clock: a run whose times overflow it showed a traceback, a link's time past it a wrong answer

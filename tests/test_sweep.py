@@ -350,9 +350,9 @@ def without(module, monkeypatch):
      "--ray ray://127.0.0.1:1: a ray:// address is Ray Client's, which needs grpcio: pip install 'ray[client]'"),
     (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: nothing answers at 127.0.0.1:1 (Connection refused)"),  # Ray
     # retried it for minutes, writing its own log lines
-    (["--ray", "127.0.0.1:²"], "--ray 127.0.0.1:²: ² is not a port; give HOST:PORT with a port from 0 to 65535"),
-    (["--ray", "127.0.0.1:65536"], "--ray 127.0.0.1:65536: 65536 is not a port"),  # socket
-    # dialled another port, 65536 mod 2**16
+    (["--ray", "127.0.0.1:²"], "--ray: give HOST:PORT with a port from 0 to 65,535 (got '127.0.0.1:²')"),
+    (["--ray", "127.0.0.1:65536"], "--ray: give HOST:PORT with a port from 0 to 65,535 (got '127.0.0.1:65536')"),
+    # socket dialled another port, 65536 mod 2**16
     (["--workers", "0"], "--workers"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
     (["-s", "auto", "--activation-limit", "1,x"], "--activation-limit: give one finite number above 0 (got 'x')"),

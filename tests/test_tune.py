@@ -347,8 +347,8 @@ def test_cli_json_is_the_search_result():
     (["--profile", str(GPT), "--devices", "64", "--data-parallel", "1"],
      "--data-parallel 1: p = 64 devices per pipeline, more than the profile's 16 layers; give a larger d"),
     (["--profile", str(GPT), "--devices", "4", "--max-pipelines", "17"],  # every P was tried: 10**12 ran for hours
-     "--max-pipelines 17: each pipeline takes at least one of the step's 16 micro-batches (128 samples, --batch-size, "
-     "of 8 each); give 1 to 16"),
+     "--max-pipelines: give a whole number from 1 to 16 (got 17): each pipeline takes at least one of the step's 16 "
+     "micro-batches (128 samples, --batch-size, of 8 each)"),
 ])
 def test_bad_input_is_one_line_exit_2(args, fragment):
     """One line of error; on a slow host a search may first say, after a second, what it is doing."""

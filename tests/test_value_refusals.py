@@ -1,10 +1,13 @@
 """pipesim's own per-flag value refusals read as the option parser's do since 9b4e6eed: "FLAG: give WHAT IS
 ALLOWED (got VALUE)", the value as typed with whole numbers grouped in thousands, any advice after it."""
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import pipesim
 from tests.helpers import GPT_CPU
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NANOSECOND = "give 0 or at least 1e-06 ms, a nanosecond, as the simulator counts picoseconds"
 
 
@@ -47,6 +50,15 @@ def test_a_value_refusal_reads_as_the_parsers(args, refusal):
      "--network-gb-s: give a finite number of GB/s above 0 (got 0)"),
     (["calibrate", "--model", "mlp", "--link-max-mb", "0", "-o", "never.json"],
      "--link-max-mb: give from 8 KiB (0.0078125 MiB: two sizes to fit a line) to 4,096 MiB (got 0)"),
+    (["study", "--layers", "2", "--stages", "4", "-m", "8"],
+     "--stages: give at most 3, the mlp's layers, as each stage needs one (got 4); or give more --layers"),
+    (["sweep", "--ray", "127.0.0.1:99999"], "--ray: give HOST:PORT with a port from 0 to 65,535 (got "
+                                            "'127.0.0.1:99999')"),
+    (["tune", "--profile", GPT_CPU, "--devices", "4", "--max-pipelines", "17"],
+     "--max-pipelines: give a whole number from 1 to 16 (got 17): each pipeline takes at least one of the step's 16 "
+     "micro-batches (128 samples, --batch-size, of 8 each)"),
+    (["simulate", "-s", "graphpipe", "--graph", EXAMPLES / "dag.json", "-p", "3"],
+     "--stages: give 6, the --graph file's stages (graphpipe's p), or leave it out (got 3)"),
     (["run", "-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--stall-timeout", "0"],
      "--stall-timeout: give a finite number above 0 and at most 86,400 (got 0)"),
 ])
