@@ -24,8 +24,8 @@ import typer
 from rich.console import Console
 
 from ..choices import choose_from, optimizer_refusal
-from ..files import PAGE_HEALTH, grouped, is_profile_bytes, is_trace_bytes, without_bom
-from ..units import MAX_BYTES, MAX_MS, MIB, bytes_text, count_text, memory_gib_refusal
+from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes, without_bom
+from ..units import MAX_BYTES, MAX_MS, MIB, bytes_text, count_text, given_text, memory_gib_refusal
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -904,8 +904,8 @@ def parse_numbers(flag: str, text: str, most: float = math.inf, most_why: str = 
         try:
             value = float(part)
         except ValueError:
-            raise InputError(f"{flag}: give a number or comma-separated numbers (got {text!r})") from None
-        typed = grouped(part.strip())  # as typed, "1e10" or "600,000,000", as cli.py's refusals quote a number
+            raise InputError(f"{flag}: give a number or comma-separated numbers (got {given_text(text)})") from None
+        typed = given_text(part.strip())  # as typed, "1e10" or "600,000,000", as the parser's refusals quote one
         if not (math.isfinite(value) and 0 <= value <= most):
             raise InputError(f"{flag}: {finite_allowed(0, math.floor(most) if most < math.inf else most)} "
                              f"(got {typed}){most_why}")
