@@ -214,8 +214,8 @@ def tune(
                                 expert=expert)]
         else:
             if what.cluster_gpus is not None and devices > what.cluster_gpus:
-                raise InputError(f"--devices {devices:,}: the cluster --gpu {ctx.params['gpu']} has "
-                                 f"{what.cluster_gpus} GPUs")
+                raise InputError(f"--devices: give at most {what.cluster_gpus:,}, the GPUs of the cluster --gpu "
+                                 f"{ctx.params['gpu']} (got {devices:,})")
             context = what.context
             _check_degrees(devices, tensor_parallel, data_parallel, context, what.options.get("seq_len"))
             schedule_devices = Problem.devices_of(devices, context)  # (C divides D: checked)

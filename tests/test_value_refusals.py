@@ -66,3 +66,11 @@ def test_a_commands_own_refusal_reads_as_the_parsers(args, refusal):
     code, out, err = pipesim(*args)
     assert (code, out) == (2, "")
     assert err == f"error: {refusal}\n"
+
+
+def test_tune_refuses_more_devices_than_a_catalogue_cluster_has_as_the_parser_would(tmp_path):
+    catalogue = tmp_path / "mine.toml"
+    catalogue.write_text('[cluster.mine]\ngpu = "a100-sxm-80gb"\nnodes = 2\ngpus_per_node = 4\n')
+    code, out, err = pipesim("tune", "--gpu", "mine", "--gpus", catalogue, "--model", "gpt", "--devices", "16")
+    assert (code, out) == (2, "")
+    assert err == "error: --devices: give at most 8, the GPUs of the cluster --gpu mine (got 16)\n"
