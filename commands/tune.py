@@ -208,8 +208,11 @@ def tune(
                                      f"(got {devices:,})")
                 depths = (devices // (tensor * context * data_parallel),)
                 if depths[0] > len(measured.layers):
-                    raise InputError(f"--data-parallel {data_parallel:,}: p = {depths[0]:,} devices per pipeline, more "
-                                     f"than the profile's {len(measured.layers)} layers; give a larger d")
+                    room = devices // (tensor * context)  # p x d
+                    least = min(d for d in range(1, room + 1) if not room % d and room // d <= len(measured.layers))
+                    raise InputError(f"--data-parallel: give at least {least:,}, so that p = {room:,}/d devices a "
+                                     f"pipeline is at most the profile's {len(measured.layers)} layers (got "
+                                     f"{data_parallel:,})")
             settings = [Setting(profile_scenario(measured, optimizer, pp_runtime), tensor, depths=depths,
                                 expert=expert)]
         else:

@@ -345,7 +345,8 @@ def test_cli_json_is_the_search_result():
     (["--profile", str(GPT), "--devices", "4", "--data-parallel", "3"],
      "--devices: give p x d, a multiple of 3 at --data-parallel 3 (got 4)"),
     (["--profile", str(GPT), "--devices", "64", "--data-parallel", "1"],
-     "--data-parallel 1: p = 64 devices per pipeline, more than the profile's 16 layers; give a larger d"),
+     "--data-parallel: give at least 4, so that p = 64/d devices a pipeline is at most the profile's 16 layers "
+     "(got 1)"),
     (["--profile", str(GPT), "--devices", "4", "--max-pipelines", "17"],  # every P was tried: 10**12 ran for hours
      "--max-pipelines: give a whole number from 1 to 16 (got 17): each pipeline takes at least one of the step's 16 "
      "micro-batches (128 samples, --batch-size, of 8 each)"),

@@ -59,6 +59,9 @@ def test_a_value_refusal_reads_as_the_parsers(args, refusal):
      "micro-batches (128 samples, --batch-size, of 8 each)"),
     (["simulate", "-s", "graphpipe", "--graph", EXAMPLES / "dag.json", "-p", "3"],
      "--stages: give 6, the --graph file's stages (graphpipe's p), or leave it out (got 3)"),
+    (["tune", "--profile", GPT_CPU, "--devices", "64", "--data-parallel", "2"],
+     "--data-parallel: give at least 4, so that p = 64/d devices a pipeline is at most the profile's 16 layers "
+     "(got 2)"),
     (["run", "-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--stall-timeout", "0"],
      "--stall-timeout: give a finite number above 0 and at most 86,400 (got 0)"),
 ])
