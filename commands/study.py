@@ -52,7 +52,7 @@ def _optimizers(specs: list[str]) -> dict[str, float]:
     for spec in specs:
         name, given, rate = spec.partition("=")
         if name not in DEFAULT_LR:
-            raise InputError(f"--optimizer: choose from {', '.join(DEFAULT_LR)}, optionally as NAME=LR (got {spec!r})")
+            raise InputError(f"{choose_from('--optimizer', DEFAULT_LR, spec)}; each optionally as NAME=LR")
         try:
             lr = float(rate) if given else DEFAULT_LR[name]  # `adam=` names no rate: refused, not the default
         except ValueError:

@@ -178,7 +178,7 @@ def test_a_profile_from_before_the_blocks_were_recorded_prices_each_layer_as_one
     assert all(c.all_to_all_fwd_ms > 0 for c in priced_before.stages)
     doc["layers"][1]["dispatched_block_bytes"] = [1, 2]
     older.write_text(json.dumps(doc))
-    with pytest.raises(ProfileError, match="dispatched_block_bytes sum to 3, not dispatched_bytes 2048"):
+    with pytest.raises(ProfileError, match="dispatched_block_bytes sum to 3, not dispatched_bytes 2,048"):
         load_profile(older)
 
 

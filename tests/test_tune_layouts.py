@@ -74,11 +74,11 @@ def test_a_searchs_document_counts_the_gpus_as_given_whoever_writes_it():
 def test_a_given_c_is_refused_where_it_does_not_divide_the_gpus_or_the_sequence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert refused("tune", *GPU, *SMALL_GPT, *CONTEXT[2:], "-D", 6, "--context-parallel", 4, "-s", "1f1b") == (
-        "error: --devices 6 must be p stages x d replicas x t GPUs per stage x C context-parallel ranks, and "
-        "--context-parallel 4 does not divide 6; give --devices 4 or 8, or --context-parallel 2\n")  # 3, 6: not 256's
+        "error: --devices: give p stages x d replicas x t GPUs per stage x C context-parallel ranks, a multiple of "
+        "--context-parallel 4 (got 6); give --devices 4 or 8, or --context-parallel 2\n")  # 3, 6: not 256's
     assert refused("tune", *GPU, *SMALL_GPT, *CONTEXT, "-D", 8, "--tensor-parallel", 2, "--data-parallel", 4) == (
-        "error: --devices 8 must be p stages x d replicas x t GPUs per stage x C context-parallel ranks, and "
-        "--tensor-parallel 2 x --data-parallel 4 x --context-parallel 2 = 16 does not divide 8; give --devices 16\n")
+        "error: --devices: give p stages x d replicas x t GPUs per stage x C context-parallel ranks, a multiple of "
+        "--tensor-parallel 2 x --data-parallel 4 x --context-parallel 2 = 16 (got 8); give --devices 16\n")
     assert refused("tune", *GPU, *SMALL_GPT[:-4], "--seq-len", 250, "--vocab", 1000, *CONTEXT, "-D", 8) == (
         "error: --context-parallel 2 does not split the sequence of 250 tokens into 2 x 2 equal chunks (the causal "
         "load balance); give --context-parallel 5 (C must divide --seq-len / 2 = 125)\n")

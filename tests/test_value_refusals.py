@@ -31,8 +31,8 @@ def test_a_value_refusal_reads_as_the_parsers(args, refusal):
 
 
 @pytest.mark.parametrize(("args", "refusal"), [
-    (["study", "--optimizer", "lion"], "--optimizer: choose from sgd, momentum, adam, adamw, optionally as NAME=LR "
-                                       "(got 'lion')"),
+    (["study", "--optimizer", "lion"], "--optimizer: choose from sgd, momentum, adam, adamw (got 'lion'); "
+                                       "each optionally as NAME=LR"),
     (["study", "--optimizer", "adam=x"], "--optimizer: give NAME=LR with a finite learning rate above 0 (got "
                                          "'adam=x')"),
     (["study", "--optimizer", "sgd", "--optimizer", "sgd=0.1"], "--optimizer: give each optimizer once (got 'sgd' "
