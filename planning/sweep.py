@@ -36,7 +36,7 @@ from ..sim.engine import SimulationError, simulate
 from ..traces import Summary, Trace, summarize, write_atomic
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import count_text
+from ..units import count_text, number_allowed
 from .auto import ActivationLimitError
 from .scenario import Scenario
 from .tune import start_workers
@@ -150,7 +150,7 @@ COLUMNS: dict[str, type] = {
 
 
 def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
-    """Axis `key`, checked: known method names or sources of s, whole numbers >= 1, or cost scales and
+    """Axis `key`, checked: known method names or sources of s, whole numbers of at least 1, or cost scales and
     activation limits > 0; each value once. `label` names where the values came from in errors."""
     if not values:
         raise GridError(f"{label}: give at least one value")
@@ -158,7 +158,7 @@ def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
         known = METHODS if key == "schedule" else PREDICTION_SOURCES
         not_names = [v for v in values if not isinstance(v, str)]  # a grid file's `true`, 4 or [...]
         if not_names:
-            raise GridError(f"{label}: values must be names in quotes (got {toml_text(not_names[0])}); choose from "
+            raise GridError(f"{label}: give names in quotes (got {toml_text(not_names[0])}); choose from "
                             f"{', '.join(known)}")
         unknown = [v for v in values if v not in known]
         if unknown:
@@ -166,12 +166,12 @@ def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
     elif key in POSITIVE_AXES:
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
         if bad:
-            raise GridError(f"{label}: values must be finite numbers > 0 (got {toml_text(bad[0])})")
+            raise GridError(f"{label}: give a finite number above 0 each (got {toml_text(bad[0])})")
         values = [float(v) for v in values]
     else:
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
-            raise GridError(f"{label}: values must be whole numbers >= 1 (got {toml_text(bad[0])})")
+            raise GridError(f"{label}: {number_allowed(1, None)} each (got {toml_text(bad[0])})")
     twice = [v for i, v in enumerate(values) if v in values[:i]]
     if twice:
         raise GridError(f"{label}: {toml_text(twice[0])} is given twice")

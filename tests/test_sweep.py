@@ -202,9 +202,9 @@ def test_grid_file(tmp_path):
 
 
 @pytest.mark.parametrize("line, refusal", [
-    ("stages = [true]", "stages: values must be whole numbers >= 1 (got true)"),
-    ("cost-scale = [{ a = [false] }]", 'cost-scale: values must be finite numbers > 0 (got { "a" = [false] })'),
-    ("schedule = [true]", "schedule: values must be names in quotes (got true); choose from gpipe, 1f1b, "),
+    ("stages = [true]", "stages: give a whole number of at least 1 each (got true)"),
+    ("cost-scale = [{ a = [false] }]", 'cost-scale: give a finite number above 0 each (got { "a" = [false] })'),
+    ("schedule = [true]", "schedule: give names in quotes (got true); choose from gpipe, 1f1b, "),
 ])
 def test_a_grid_files_wrong_value_is_shown_as_toml_writes_it(tmp_path, line, refusal):
     grid, out = tmp_path / "grid.toml", tmp_path / "r.csv"
@@ -332,14 +332,14 @@ def without(module, monkeypatch):
 @pytest.mark.parametrize("args,fragment", [
     (["-s", "1f1b,nope"], "--schedule: unknown 'nope'; choose from gpipe, 1f1b"),
     (["--stages", "4,x"], "--stages: expected whole numbers separated by commas, got '4,x'"),
-    (["--microbatches", "0"], "--microbatches: values must be whole numbers >= 1 (got 0)"),
-    (["--cost-scale", "1,-2"], "--cost-scale: values must be finite numbers > 0 (got -2.0)"),
+    (["--microbatches", "0"], "--microbatches: give a whole number of at least 1 each (got 0)"),
+    (["--cost-scale", "1,-2"], "--cost-scale: give a finite number above 0 each (got -2.0)"),
     (["--chunks", "1,1"], "--chunks: 1 is given twice"),
     (["--fwd", "1,2"], "--fwd: give one number, the whole model's"),
     (["--grid", "/no/such/grid.toml"], "--grid: cannot read /no/such/grid.toml"),
     (["--grid", "GRID:stages = [4"], "is not valid TOML"),
     (["--grid", "GRID:stages = [4]\nlayers = 2"], "unknown key 'layers'; allowed: schedule, stages"),
-    (["--grid", 'GRID:stages = ["4"]'], 'stages: values must be whole numbers >= 1 (got "4")'),
+    (["--grid", 'GRID:stages = ["4"]'], 'stages: give a whole number of at least 1 each (got "4")'),
     (["--grid", "GRID:stages = [4]", "-p", "8"], "--stages and --grid both give stages"),
     (["--out", "/no/such/dir/r.csv"], "--out: cannot write /no/such/dir/r.csv: folder /no/such/dir does not exist"),
     (["--out", "OUT/r.txt"], "--out: give a .csv or .parquet file"),
@@ -359,7 +359,7 @@ def without(module, monkeypatch):
     (["-s", "auto", "--activation-limit", "0.01"], "--activation-limit: R = 0.01 lets a device hold"),
     (["-s", "auto", "--search-seconds", "0"], "--search-seconds: give one finite number above 0 and at most 86,400 "
                                                "(got '0')"),
-    (["--grid", "GRID:activation-limit = [-1]"], "activation-limit: values must be finite numbers > 0 (got -1)"),
+    (["--grid", "GRID:activation-limit = [-1]"], "activation-limit: give a finite number above 0 each (got -1)"),
     # an axis no method in the grid reads was dropped, exit 0: 1f1b swept alone
     (["-s", "1f1b", "--chunks", "2"], "--chunks applies to interleaved-1f1b, zb-v, dualpipev, dualpipe only, not 1f1b"),
     (["-s", "1f1b,zb-h1", "--prediction", "paper"],
