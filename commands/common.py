@@ -25,7 +25,7 @@ from rich.console import Console
 
 from ..choices import choose_from, optimizer_refusal
 from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes, without_bom
-from ..units import MAX_BYTES, MAX_MS, MIB, bytes_text, count_text, given_text, memory_gib_refusal
+from ..units import MAX_BYTES, MAX_MS, MIB, bytes_text, count_text, given_text, memory_gib_refusal, number_allowed
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -46,18 +46,16 @@ def finite_from(low: float, high: float, least: float = 0.0) -> Callable[[float 
     parse_numbers does for --fwd, --bwd and --comm."""
     def check(value: float | None) -> float | None:
         if value is not None and not low <= value <= high:
-            raise typer.BadParameter(f"{finite_allowed(low, high)} (got {value:g})")
+            raise typer.BadParameter(f"{finite_number_allowed(low, high)} (got {value:g})")
         if value is not None and 0 < value < least:
             raise typer.BadParameter(f"{least_ms_allowed(least)} (got {value:g})")
         return value
     return check
 
 
-def finite_allowed(low: float, high: float) -> str:
-    """What a finite number flag takes, "give a finite number from 0 to 1,000,000,000", in the parser's form (cli.py
-    `_allowed`), for finite_from's flags and parse_numbers' alike."""
-    bounds = f"from {low:,.10g} to {high:,.10g}" if high < math.inf else f"of at least {low:,.10g}"
-    return f"give a finite number {bounds}"
+def finite_number_allowed(low: float, high: float) -> str:
+    """What a finite number flag from `low` to `high` (inf: no upper bound) takes, in the parser's words."""
+    return number_allowed(low, high if high < math.inf else None, whole=False, finite=True)
 
 
 def least_ms_allowed(least: float) -> str:
@@ -907,7 +905,7 @@ def parse_numbers(flag: str, text: str, most: float = math.inf, most_why: str = 
             raise InputError(f"{flag}: give a number or comma-separated numbers (got {given_text(text)})") from None
         typed = given_text(part.strip())  # as typed, "1e10" or "600,000,000", as the parser's refusals quote one
         if not (math.isfinite(value) and 0 <= value <= most):
-            raise InputError(f"{flag}: {finite_allowed(0, math.floor(most) if most < math.inf else most)} "
+            raise InputError(f"{flag}: {finite_number_allowed(0, math.floor(most) if most < math.inf else most)} "
                              f"(got {typed}){most_why}")
         if 0 < value < least:
             raise InputError(f"{flag}: {least_ms_allowed(least)} (got {typed})")
