@@ -89,3 +89,10 @@ def whole_number(text: str, most: int) -> int | None:
         return None
     number = int(digits or 0)
     return number if number <= most else None
+
+
+def degree_text(letter: str, degree: int) -> str:
+    """One degree of a run's shape as every label writes it, "p=1,024", "P=1,000": grouped in thousands as a count is
+    (count_text), so a view's, tune's, a sweep's, simulate's and an estimate's labels read a large figure alike (the
+    table's "avgpipe (P=1,000)" grouped, while the others, each written by hand, read "p=1024")."""
+    return f"{letter}={degree:,}"

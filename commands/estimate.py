@@ -17,6 +17,7 @@ import typer
 from ..choices import choose_from, nearest_text
 from ..planning.host import HOST_KERNEL_US
 from ..profiles.workload import too_few_layers
+from ..units import degree_text
 from .common import (
     DTYPES,
     MODEL_SIZES,
@@ -717,7 +718,7 @@ class ModelWork:
         """The GPUs a schedule's device stands for, as a table's title says them ("" for one)."""
         if self.context > 1:
             return f"t x C = {self.tensor} x {self.context} GPUs per device"
-        return f"t={self.tensor} GPUs per device" if self.tensor > 1 else ""
+        return f"{degree_text('t', self.tensor)} GPUs per device" if self.tensor > 1 else ""
 
     @classmethod
     def of(cls, profile: Profile | None) -> ModelWork | None:
@@ -796,10 +797,9 @@ def parallelism_text(parallelism: dict[str, Any], attention: str | None, shape: 
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data", "context", "expert")
              and value not in ("none", None, (), []) and value != SETTING_DEFAULTS.get(key, False)
              and (key != "cp_rotate" or context > 1) and (key != "attention_kernel" or attention == "flash")]
-    degrees = (f"t={parallelism['tensor']}" + (f" C={context}" if context > 1 else "")
-               + (f" p={parallelism['pipeline']} d={parallelism['data']}" if shape else "")
-               + (f" E={expert}" if expert > 1 else ""))
-    return ", ".join([degrees, *flags])
+    degrees = [("t", parallelism["tensor"])] + [("C", context)] * (context > 1)
+    degrees += [("p", parallelism["pipeline"]), ("d", parallelism["data"])] * shape + [("E", expert)] * (expert > 1)
+    return ", ".join([" ".join(degree_text(*degree) for degree in degrees), *flags])
 
 
 def tensor_span_text(estimate: Estimate) -> str:

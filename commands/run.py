@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ..profiles.workload import too_few_layers
 from ..traces.metrics import loss_text, mib_text, percent_text, rate_text
-from ..units import count_text
+from ..units import count_text, degree_text
 from .common import (
     DTYPES,
     SEARCH_COSTS,
@@ -557,7 +557,8 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     replicas = int(meta.params.get("data_parallel", 1))
     experts = int(meta.params.get("expert_parallel", 1))
     shares = f"{replicas} replicas x " if replicas > 1 else ""
-    degrees = f"p={len(summary.devices) // replicas}, d={replicas}" + (f", E={experts}" if experts > 1 else "")
+    degrees = ", ".join(degree_text(*degree) for degree in [("p", len(summary.devices) // replicas), ("d", replicas)]
+                        + [("E", experts)] * (experts > 1))
     table = Table(title=f"{meta.schedule} measured: {count_text(meta.minibatches, 'mini-batch')} of "
                         f"{shares}{meta.microbatches} x "
                         f"{meta.microbatch_size} samples, {hardware.get('ranks')} ranks"

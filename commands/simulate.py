@@ -19,7 +19,7 @@ from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import MAX_MS, count_text
+from ..units import MAX_MS, count_text, degree_text
 from .common import (
     LEAST_MS,
     TORCH_CSV,
@@ -685,7 +685,8 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
     first, estimated = schedules[0], any(share is not None for share in mfu)
     title = (f"p={count_text(first.num_devices, 'device')} per pipeline, "
              f"m={count_text(first.microbatches, 'micro-batch')}, N={count_text(first.minibatches, 'mini-batch')}"
-             + (f", d={first.data_parallel} replicas" if first.data_parallel > 1 else "") + _zero_text(first)
+             + (f", {degree_text('d', first.data_parallel)} replicas" if first.data_parallel > 1 else "")
+             + _zero_text(first)
              + (f", {per_device}" if per_device else ""))
     limited = any(check.limit_bytes is not None for checks in memory for check in checks)
     overs = [out_of_memory(checks) for checks in memory]
@@ -752,8 +753,10 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
     from ..units import MIB
 
     first = schedules[0]
-    table = Table(title=f"memory at each device's peak (MiB), p={first.num_devices}, m={first.microbatches}"
-                        + (f", d={first.data_parallel}" if first.data_parallel > 1 else "") + _zero_text(first),
+    degrees = [("p", first.num_devices), ("m", first.microbatches)] + [("d", first.data_parallel)] * (
+        first.data_parallel > 1)
+    table = Table(title="memory at each device's peak (MiB), " + ", ".join(degree_text(*d) for d in degrees)
+                        + _zero_text(first),
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="the parts sum to the peak: weights with the copies a method keeps, gradients as "
                           "accumulated, optimizer state with its master weights, activations saved for the "
@@ -788,8 +791,8 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
 def _label(summary, sched) -> str:
     """A method's row label in simulate's tables, with the shape that tells its runs apart: "interleaved-1f1b
     (v=2)" (--memory's table said "interleaved-1f1b" alone)."""
-    shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
-    shape += [f"P={sched.pipelines:,}"] if sched.pipelines > 1 else []
+    shape = [degree_text("v", sched.num_stages // sched.num_devices)] if sched.num_stages > sched.num_devices else []
+    shape += [degree_text("P", sched.pipelines)] if sched.pipelines > 1 else []
     shape += [f"s: {_source(sched)}"] if _source(sched) else []
     return summary.schedule + (f" ({', '.join(shape)})" if shape else "")
 

@@ -22,7 +22,7 @@ from rich.table import Table
 from ..choices import unknown_names
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, percent_text, rate_text
-from ..units import GIB, count_text
+from ..units import GIB, count_text, degree_text
 from .common import (
     Allocator,
     DataParallel,
@@ -189,7 +189,8 @@ def tune(
             env = measured.environment
             tensor, context, expert = _estimated_degrees(measured)
             if devices % (tensor * context):
-                each = f"t={tensor} GPUs per stage" + f" and C={context} context-parallel ranks" * (context > 1)
+                each = (f"{degree_text('t', tensor)} GPUs per stage"
+                        + f" and {degree_text('C', context)} context-parallel ranks" * (context > 1))
                 raise InputError(f"--devices: give a multiple of {tensor * context}, as the profile was estimated for "
                                  f"{each} (got {devices:,})")
             schedule_devices = Problem.devices_of(devices, context)

@@ -36,7 +36,7 @@ from ..sim.engine import SimulationError, simulate
 from ..traces import Summary, Trace, summarize, write_atomic
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import count_text, number_allowed
+from ..units import count_text, degree_text, number_allowed
 from .auto import ActivationLimitError
 from .scenario import Scenario
 from .tune import start_workers
@@ -81,17 +81,18 @@ class Config:
 
     @property
     def label(self) -> str:
-        return (f"{self.schedule} p={self.stages} m={self.microbatches} v={self.chunks} P={self.pipelines} "
-                f"cost×{self.cost_scale:g}" + (f" s: {self.prediction}" if self.prediction else "")
+        degrees = [("p", self.stages), ("m", self.microbatches), ("v", self.chunks), ("P", self.pipelines)]
+        return (" ".join([self.schedule, *(degree_text(*degree) for degree in degrees)])
+                + f" cost×{self.cost_scale:g}" + (f" s: {self.prediction}" if self.prediction else "")
                 + (f" R={self.activation_limit:g}" if self.activation_limit is not None else "")
-                + (f" d={self.data_parallel}" if self.data_parallel > 1 else "")
+                + (f" {degree_text('d', self.data_parallel)}" if self.data_parallel > 1 else "")
                 + (f" ZeRO-{self.zero}" if self.zero else ""))
 
     @property
     def variant(self) -> str:
         """What tells this configuration from another of the same shape (p, m, N, P, d) and cost scale: the method
         and the axes only some methods read (v, the source of s, R)."""
-        return (self.schedule + (f" v={self.chunks}" if METHODS[self.schedule].reads("chunks") else "")
+        return (self.schedule + (f" {degree_text('v', self.chunks)}" if METHODS[self.schedule].reads("chunks") else "")
                 + (f" s: {self.prediction}" if self.prediction else "")
                 + (f" R={self.activation_limit:g}" if self.activation_limit is not None else ""))
 
@@ -496,7 +497,7 @@ OOM_NAME, OOM_RING = "OOM: past a device's memory", "#000000"  # black: D3's red
 
 def _group_name(key: tuple[int, float, int]) -> str:
     p, scale, microbatches = key
-    return f"p={p}, cost×{scale:g}, mini-batch of {count_text(microbatches, 'micro-batch')}"
+    return f"{degree_text('p', p)}, cost×{scale:g}, mini-batch of {count_text(microbatches, 'micro-batch')}"
 
 
 def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):

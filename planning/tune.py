@@ -125,7 +125,7 @@ from ..sim.costs import Costs, owned_bytes, product_delay, runtime_refusal
 from ..sim.engine import device_product_ms, simulate, static_bytes, takes_time
 from ..traces import Summary, Trace, summarize
 from ..traces.metrics import percent_text
-from ..units import GIB, MIB, count_text
+from ..units import GIB, MIB, count_text, degree_text
 from .auto import activation_ratio, check_shape, schedule_frame
 from .ranks import estimated_experts_refusal
 from .scenario import CollectiveLink, Scenario, device_stages, held_weights, over_expert_groups, profile_costs
@@ -216,13 +216,14 @@ class Config:
     sequence_parallel: bool = False  # an estimate's
 
     def label(self) -> str:
-        extra = [f"v={self.chunks}"] * (self.chunks > 1) + [f"P={self.pipelines}"] * (self.pipelines > 1)
-        extra += [f"t={self.tensor}"] * (self.tensor > 1) + ["sp"] * self.sequence_parallel
-        extra += [f"d={self.replicas}"] * (self.recompute is not None)
-        extra += [f"E={self.expert}"] * (self.expert > 1)
-        extra += [f"b={self.microbatch_size}"] * (self.recompute is not None)
+        extra = [degree_text("v", self.chunks)] * (self.chunks > 1)
+        extra += [degree_text("P", self.pipelines)] * (self.pipelines > 1)
+        extra += [degree_text("t", self.tensor)] * (self.tensor > 1) + ["sp"] * self.sequence_parallel
+        extra += [degree_text("d", self.replicas)] * (self.recompute is not None)
+        extra += [degree_text("E", self.expert)] * (self.expert > 1)
+        extra += [degree_text("b", self.microbatch_size)] * (self.recompute is not None)
         extra += [f"recompute {self.recompute}"] * (self.recompute not in (None, "none"))
-        return f"{self.schedule} p={self.stages}" + "".join(f" {e}" for e in extra)
+        return f"{self.schedule} {degree_text('p', self.stages)}" + "".join(f" {e}" for e in extra)
 
 
 @dataclass(frozen=True)
@@ -3144,7 +3145,7 @@ def _nothing_fits(least: Result, problem: Problem) -> str:
     more_digits = digits_apart(least.peak_memory_bytes, problem.memory_cap_bytes, memory_text)
     return (f"{nothing_fits_text(problem.memory_cap_bytes, problem.gpus, problem.memory_part, more_digits)}; the "
             f"least memory any needs is {memory_text(least.peak_memory_bytes, more_digits)} per device "
-            f"({least.config.label()}, m={least.config.microbatches})")
+            f"({least.config.label()}, {degree_text('m', least.config.microbatches)})")
 
 
 def nothing_fits_text(memory_cap_bytes: int, gpus: int, part: str | None, more_digits: int = 0) -> str:

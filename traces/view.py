@@ -32,7 +32,7 @@ from plotly.colors import qualitative, sample_colorscale
 
 from ..files import PAGE_HEALTH
 from ..memory_parts import MEMORY_PARTS, SAVERS
-from ..units import MIB
+from ..units import MIB, degree_text
 from .compare import Comparison
 from .metrics import MIB_SHOWN, MS_DECIMALS, Summary, mib_text, ms_text, percent_text, rate_text, summarize
 from .trace import STREAMS, Trace, TraceMeta, write_atomic
@@ -245,14 +245,14 @@ def shape_text(trace: Trace) -> str:
     meta = trace.meta
     p, d = _devices_per_pipeline(meta), int(meta.params.get("data_parallel", 1))
     chunks = int(meta.params.get("chunks", 1))
-    parts = [f"p={p}"]
+    parts = [degree_text("p", p)]
     if d > 1:
-        parts.append(f"d={d}" + ("" if trace.num_devices > p else " (one replica drawn)"))
+        parts.append(degree_text("d", d) + ("" if trace.num_devices > p else " (one replica drawn)"))
     if chunks > 1:
-        parts.append(f"v={chunks}")
+        parts.append(degree_text("v", chunks))
     if meta.pipelines > 1:
-        parts.append(f"P={meta.pipelines}")
-    return ", ".join(parts + [f"m={meta.microbatches}", f"N={meta.minibatches}"])
+        parts.append(degree_text("P", meta.pipelines))
+    return ", ".join(parts + [degree_text("m", meta.microbatches), degree_text("N", meta.minibatches)])
 
 
 def _labels(traces: Sequence[Trace]) -> list[str]:

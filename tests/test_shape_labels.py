@@ -1,0 +1,46 @@
+"""Every label of a run's shape groups a large degree in thousands, "p=1,024", as units.degree_text writes it: the
+table's "avgpipe (P=1,000)" grouped while a view's, tune's, a sweep's and an estimate's labels, each written by
+hand, read "p=1024"."""
+import dataclasses
+from types import SimpleNamespace
+
+from pipesim.commands.estimate import ModelWork, parallelism_text
+from pipesim.commands.simulate import _label
+from pipesim.planning import sweep, tune
+from pipesim.traces.view import shape_text
+from pipesim.units import degree_text
+from tests.conftest import run
+
+
+def test_degree_text_groups_thousands():
+    assert degree_text("p", 1024) == "p=1,024"
+    assert degree_text("v", 2) == "v=2"
+
+
+def test_view_shape_groups_each_degree():
+    trace = run("1f1b", 2, 2, 1, comm=0.1).trace
+    meta = dataclasses.replace(trace.meta, microbatches=4096, minibatches=2048, pipelines=1000,
+                               params={**trace.meta.params, "data_parallel": 1500, "chunks": 1200})
+    assert shape_text(dataclasses.replace(trace, meta=meta)) == (
+        "p=2, d=1,500 (one replica drawn), v=1,200, P=1,000, m=4,096, N=2,048")
+
+
+def test_tune_label_groups_each_degree():
+    config = tune.Config("1f1b", 1024, 2000, 3000, 4096, 1500, tensor=1100, microbatch_size=1300, recompute="none",
+                         expert=1700)
+    assert config.label() == "1f1b p=1,024 v=2,000 P=3,000 t=1,100 d=1,500 E=1,700 b=1,300"
+
+
+def test_sweep_labels_group_each_degree():
+    config = sweep.Config("interleaved-1f1b", 1024, 4096, 1, 2000, 3000, 1.0, data_parallel=1500)
+    assert config.label == "interleaved-1f1b p=1,024 m=4,096 v=2,000 P=3,000 cost×1 d=1,500"
+    assert config.variant == "interleaved-1f1b v=2,000"
+    assert sweep._group_name((1024, 1.0, 4096)) == "p=1,024, cost×1, mini-batch of 4,096 micro-batches"
+
+
+def test_simulate_and_estimate_labels_group_each_degree():
+    sched = SimpleNamespace(num_stages=2048 * 1024, num_devices=1024, pipelines=1000, params={})
+    assert _label(SimpleNamespace(schedule="avgpipe"), sched) == "avgpipe (v=2,048, P=1,000)"
+    parallelism = {"tensor": 1024, "pipeline": 2048, "data": 4096, "context": 1500, "expert": 1200}
+    assert parallelism_text(parallelism, None) == "t=1,024 C=1,500 p=2,048 d=4,096 E=1,200"
+    assert ModelWork.per_device_text(SimpleNamespace(tensor=1024, context=1)) == "t=1,024 GPUs per device"
