@@ -25,7 +25,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import __version__
 from ..launch import TORCHRUN_ENV, under_torchrun
 from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight, resting_copies
 from ..schedules.ir import Action, ScheduleError
@@ -811,12 +810,9 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
               for p in range(schedule.pipelines)]
     if all(r is not None for r in results):
         hardware = {**hardware, "compute": [r.compute for r in results]}
-    meta = TraceMeta(
-        source="measured", schedule=schedule.method, params=dict(schedule.params),
-        microbatches=schedule.microbatches, minibatches=schedule.minibatches, pipelines=schedule.pipelines,
-        microbatch_size=spec.microbatch_size, placement=list(schedule.placement),
-        stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
-        tool=f"pipesim {__version__}", hardware=hardware, seed=spec.seed, complete=complete, failed_rank=failed_rank,
+    meta = TraceMeta.of_schedule(
+        "measured", schedule, spec.microbatch_size, hardware=hardware, seed=spec.seed, complete=complete,
+        failed_rank=failed_rank,
         extra={"losses": losses, "optimizer": spec.optimizer, "lr": spec.lr, "dtype": spec.dtype,
                "bounds": next((r.bounds for r in results if r is not None), None if spec.bounds is None
                               else list(spec.bounds)),

@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import simpy
 
-from .. import __version__
 from ..memory_parts import MEMORY_PARTS, SAVERS
 from ..profiles.partition import product_mean_ms
 from ..schedules import (
@@ -1805,15 +1804,10 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     ops = Ops(device=t.device, stream=program.stream, kind=t.kind, stage=t.stage, microbatch=t.microbatch,
               minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=lowered.version,
               prediction=lowered.prediction, start_us=start_us, dur_us=dur_us)
-    meta = TraceMeta(
-        source="predicted", schedule=schedule.method, params=dict(schedule.params),
-        microbatches=schedule.microbatches, minibatches=schedule.minibatches, pipelines=schedule.pipelines,
-        microbatch_size=costs.microbatch_size, placement=list(schedule.placement),
-        stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
-        tool=f"pipesim {__version__}", costs=[dict(vars(c)) for c in costs.stages], cluster=cluster.describe(),
-        jitter=jitter, seed=seed, calibration=costs.calibration, peak_memory_parts=parts_at_peak,
-        peak_activation_parts=savers_at_peak,
-        extra=_runtime_terms(costs))
+    meta = TraceMeta.of_schedule(
+        "predicted", schedule, costs.microbatch_size, costs=[dict(vars(c)) for c in costs.stages],
+        cluster=cluster.describe(), jitter=jitter, seed=seed, calibration=costs.calibration,
+        peak_memory_parts=parts_at_peak, peak_activation_parts=savers_at_peak, extra=_runtime_terms(costs))
     return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
 
 

@@ -19,13 +19,17 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
 
+from .. import __version__
 from ..files import TRACE, first_error, read_document
 from ..memory_parts import MEMORY_PARTS
+
+if TYPE_CHECKING:
+    from ..schedules.ir import Schedule
 
 SCHEMA_VERSION = 2
 
@@ -208,6 +212,18 @@ class TraceMeta:
         """Whether the memory a run measured holds the buffers of its receives posted ahead: not where a
         host-staged GPU run posts them in host memory (`shares_gpu`)."""
         return not self.shares_gpu
+
+    @classmethod
+    def of_schedule(cls, source: Literal["predicted", "measured"], schedule: Schedule, microbatch_size: int,
+                    **recorded: Any) -> TraceMeta:
+        """The meta of a trace of `schedule`: its shape, placement, stage graph and weight policy, which simulate
+        (sim/engine.py) and run (executor/runners.py) record alike, so that either trace re-simulates or compares
+        as the other; `recorded`: the fields one source adds (a prediction's costs, a run's hardware)."""
+        return cls(source=source, schedule=schedule.method, params=dict(schedule.params),
+                   microbatches=schedule.microbatches, minibatches=schedule.minibatches, pipelines=schedule.pipelines,
+                   microbatch_size=microbatch_size, placement=list(schedule.placement),
+                   stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
+                   tool=f"pipesim {__version__}", **recorded)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
