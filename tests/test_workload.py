@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipesim.profiles import schema
-from pipesim.workload.models import BATCH, ModelError, build_model
+from pipesim.workload.models import ModelError, build_model
 from pipesim.workload.optim import OPTIMIZERS, elastic_average, make_optimizer, predict_weights
 from pipesim.workload.processes import rank_context
 from pipesim.workload.sizes import size_refusal
@@ -48,10 +48,7 @@ DISTANCES = [0, 1, 3]
 def test_each_built_in_model_runs_forward_and_loss_and_backward(name, options):
     model = build_model(name, **options)
     batch, target = model.make_batch(3, torch.Generator().manual_seed(0))
-    outputs = {BATCH: batch}
-    for i, layer in enumerate(model.layers):
-        outputs[i] = layer(*[outputs[source] for source in model.inputs[i]])
-    loss = model.loss(outputs[len(model.layers) - 1], target)
+    loss = model.loss(model.forward(batch), target)
     assert loss.dim() == 0 and math.isfinite(loss.item())
     loss.backward()
     params = [p for layer in model.layers for p in layer.parameters()]
