@@ -876,10 +876,14 @@ class _Built:
                                             _cut_accumulates_ms(scenario.measured, bounds) * scenario.cost_scale)
             else:  # cut into the model's own DAG, which only its build knows
                 return self.candidate(shape)
-            bound = _bound_samples_per_s(self.problem.batch_size, step_ms)
-            self.partitioned[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
-                                                    partitioned=True)
+            self.partitioned[shape.index] = self._bounded(shape, step_ms, partitioned=True)
         return self.partitioned[shape.index]
+
+    def _bounded(self, shape: Shape, step_ms: float, **marked: bool) -> Shape:
+        """`shape` with its bound lowered to what a step of at least `step_ms` allows, and `marked` as bounded so
+        (`partitioned`, `cut_bounded`): a bound only ever tightens."""
+        bound = _bound_samples_per_s(self.problem.batch_size, step_ms)
+        return replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound), **marked)
 
     def _chain_work(self, setting: Setting) -> _ChainWork | None:
         if id(setting) not in self._chains:
@@ -967,9 +971,7 @@ class _Built:
                                                     self._expert_group(setting, config), chain.first_param_bytes,
                                                     chain.first_expert_bytes, config.zero, chain.first_grad_bytes,
                                                     first=True))
-            bound = _bound_samples_per_s(self.problem.batch_size, step_ms)
-            self._cut[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
-                                             cut_bounded=True)
+            self._cut[shape.index] = self._bounded(shape, step_ms, cut_bounded=True)
         return self._cut[shape.index]
 
     def candidate(self, shape: Shape) -> Candidate | None:
