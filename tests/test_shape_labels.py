@@ -44,3 +44,18 @@ def test_simulate_and_estimate_labels_group_each_degree():
     parallelism = {"tensor": 1024, "pipeline": 2048, "data": 4096, "context": 1500, "expert": 1200}
     assert parallelism_text(parallelism, None) == "t=1,024 C=1,500 p=2,048 d=4,096 E=1,200"
     assert ModelWork.per_device_text(SimpleNamespace(tensor=1024, context=1)) == "t=1,024 GPUs per device"
+
+
+def test_run_table_title_groups_each_degree(capsys):
+    """`pipesim run`'s table names its ranks' shape as the other labels do: "(p=2, d=1,500, E=1,200)"."""
+    from pipesim.commands.run import _print_table
+
+    trace = run("1f1b", 2, 2, 1, comm=0.1).trace
+    meta = dataclasses.replace(trace.meta, params={**trace.meta.params, "data_parallel": 1500, "expert_parallel": 1200},
+                               hardware={"ranks": 3000, "transport": "gloo", "device": "cpu"},
+                               extra={"optimizer": "sgd", "lr": 0.1, "dtype": "float32"})
+    result = SimpleNamespace(trace=dataclasses.replace(trace, meta=meta), losses=[[2.0, 1.0]])
+    summary = SimpleNamespace(devices=[SimpleNamespace(peak_memory_mb=1.0)] * 3000, time_per_minibatch_ms=1.0,
+                              samples_per_s=1.0)
+    _print_table(result, summary, None, None)
+    assert "(p=2, d=1,500, E=1,200)" in " ".join(capsys.readouterr().out.split())
