@@ -46,7 +46,8 @@ def positive_number(text: str) -> float:
     except ValueError:
         number = float("nan")
     if not 0 < number < float("inf"):
-        raise argparse.ArgumentTypeError(f"give a finite number above 0 (got {text!r})")
+        raise argparse.ArgumentTypeError(f"{number_allowed(0, None, whole=False, finite=True, above=True)} "
+                                         f"(got {given_text(text.strip())})")
     return number
 
 

@@ -55,7 +55,11 @@ def test_a_benchmarks_unknown_flag_is_one_line_exit_2_and_writes_nothing(name, t
     ("cold_after_wait", ["--rounds", "0"], "error: argument --rounds: give a whole number of at least 1 (got 0)"),
     ("cold_after_wait", ["--stages", "0"], "error: argument --stages: give a whole number of at least 1 (got 0)"),
     ("bench_auto", ["time", "--search-seconds", "-1"],
-     "error: argument --search-seconds: give a finite number above 0 (got '-1')"),
+     "error: argument --search-seconds: give a finite number above 0 (got -1)"),
+    ("bench_auto", ["time", "--search-seconds", "1e400"],
+     "error: argument --search-seconds: give a finite number above 0 (got 1e400)"),
+    ("bench_auto", ["time", "--search-seconds", "soon"],
+     "error: argument --search-seconds: give a finite number above 0 (got 'soon')"),
 ])
 def test_a_benchmarks_bad_value_is_one_line_naming_it(name, argv, line, tmp_path, monkeypatch, capsys):
     """contention_settings exited 1 with no "error: " for a constant calibrate/contention.py lacks, and a traceback
