@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ..profiles.workload import too_few_layers
 from ..traces.metrics import loss_text, mib_text, percent_text, rate_text
-from ..units import count_text, degree_text
+from ..units import count_text, degree_text, number_allowed
 from .common import (
     DTYPES,
     SEARCH_COSTS,
@@ -204,11 +204,11 @@ def run(
             raise InputError(choose_from("--backend", BACKENDS, backend))
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         refuse(device_refusal(device))
-        for flag, value, most in (("--lr", lr, math.inf), ("--timeout", timeout, MAX_WAIT_S),
+        for flag, value, most in (("--lr", lr, None), ("--timeout", timeout, MAX_WAIT_S),
                                   ("--stall-timeout", stall_timeout, MAX_WAIT_S)):
-            if not 0 < value < math.inf or value > most:
-                raise InputError(f"{flag}: give a finite number above 0" + (f" and at most {most:,}" if most < math.inf
-                                                                        else "") + f" (got {value:g})")
+            if not 0 < value < math.inf or (most is not None and value > most):
+                allowed = number_allowed(0, most, whole=False, finite=True, above=True)
+                raise InputError(f"{flag}: {allowed} (got {value:g})")
         check_prediction(prediction)
         check_threads("--threads-per-rank", threads_per_rank)
         if dtype is not None:  # None: the profile's, else float32

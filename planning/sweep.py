@@ -167,7 +167,8 @@ def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
     elif key in POSITIVE_AXES:
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
         if bad:
-            raise GridError(f"{label}: give a finite number above 0 each (got {toml_text(bad[0])})")
+            raise GridError(f"{label}: {number_allowed(0, None, whole=False, finite=True, above=True)} each "
+                            f"(got {toml_text(bad[0])})")
         values = [float(v) for v in values]
     else:
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
