@@ -24,6 +24,7 @@ full backward (`_perform_action` on each sub-action), so it is split where the b
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from ..schedules.ir import Kind
 from ..schedules.torch_csv import parse_torch_actions
 from ..traces.compare import TORCH_RUNTIME
 from ..traces.trace import Ops, Stream, Trace, TraceError
+from ..units import number_allowed
 
 _SINGLE_STAGE = re.compile(r"(Forward|Backward) (\d+)")
 _OPT = re.compile(r"PP:(\d+)OPT")
@@ -63,7 +65,7 @@ def _check_times(event: dict) -> None:
     (a hand-edited or truncated file), which the reading would otherwise fail on with a traceback."""
     for field, value in (("ts", event.get("ts")), ("dur", event.get("dur", 0.0))):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise TraceError(f"event {event['name']!r}: {field} must be a number of µs (got {value!r})")
+            raise TraceError(f"event {event['name']!r}: {field}: give a finite number of µs (got {json.dumps(value)})")
 
 
 def _first_inside(mine: list[dict], starts: list[float], start_us: float, end_us: float) -> dict | None:
@@ -132,7 +134,7 @@ def _actions(path: Path, fallback_rank: int) -> tuple[int, list[tuple[Kind, int,
     info = doc.get("distributedInfo") or {}
     rank = info.get("rank", fallback_rank) if isinstance(info, dict) else None
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise TraceError(f"{path}: distributedInfo.rank must be a whole number from 0 (got {rank!r})")
+        raise TraceError(f"{path}: distributedInfo.rank: {number_allowed(0, None)} (got {json.dumps(rank)})")
     try:
         return rank, _read(events, rank)[0]
     except TraceError as exc:

@@ -311,10 +311,10 @@ def test_a_torch_overlapped_pair_is_read_as_its_forward_then_its_backward(tmp_pa
 
 
 @pytest.mark.parametrize("event, info, message", [
-    (profiler_event("PP:0F0", "x", 10), {"rank": 0}, "event 'PP:0F0': ts must be a number of µs (got 'x')"),
-    (profiler_event("PP:0F0", 0, "ten"), {"rank": 0}, "event 'PP:0F0': dur must be a number of µs (got 'ten')"),
+    (profiler_event("PP:0F0", "x", 10), {"rank": 0}, "event 'PP:0F0': ts: give a finite number of µs (got \"x\")"),
+    (profiler_event("PP:0F0", 0, "ten"), {"rank": 0}, "event 'PP:0F0': dur: give a finite number of µs (got \"ten\")"),
     (profiler_event("PP:0F0", 0, 10), {"rank": "one"},
-     "distributedInfo.rank must be a whole number from 0 (got 'one')"),
+     "distributedInfo.rank: give a whole number of at least 0 (got \"one\")"),
 ])
 def test_a_torch_profiler_trace_with_a_wrong_field_is_one_line_naming_it(tmp_path, event, info, message):
     """A hand-edited or truncated torch.profiler file: its field named in one line, nothing written, where a time

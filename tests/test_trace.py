@@ -50,8 +50,8 @@ def test_a_measured_incomplete_trace_round_trips(predicted, tmp_path):
     (lambda meta: meta.update(flavour=1), "meta: unknown field 'flavour'"),
     (lambda meta: meta.update(complete="yes"), "meta.complete: Input should be a valid boolean"),
     # counts out of range: `view` drew such a trace, `compare` called it another run
-    (lambda meta: meta.update(microbatches=-4), "meta.microbatches must be a whole number >= 1 (got -4)"),
-    (lambda meta: meta.update(microbatch_size=0), "meta.microbatch_size must be a whole number >= 1 (got 0)"),
+    (lambda meta: meta.update(microbatches=-4), "meta.microbatches: give a whole number of at least 1 (got -4)"),
+    (lambda meta: meta.update(microbatch_size=0), "meta.microbatch_size: give a whole number of at least 1 (got 0)"),
     (lambda meta: meta.update(memory_checks=[{"device": 0}]), "meta.memory_checks.0.limit_bytes: Field required"),
     (lambda meta: meta.update(memory_checks=[_check(1), _check(0), _check(2)]),
      "meta.memory_checks must hold one check for each of the 3 devices, in order"),
@@ -105,9 +105,9 @@ def _refusal_once_edited(trace, tmp_path, edit) -> str:
 
 
 @pytest.mark.parametrize("edit,fragment", [
-    (lambda doc: doc["pipesim"].update(num_devices=-1), "num_devices must be a whole number from 1 to "),
+    (lambda doc: doc["pipesim"].update(num_devices=-1), "num_devices: give a whole number from 1 to "),
     # 10**12 took minutes, infinity showed int()'s OverflowError, 2.5 read as 2 and "3" as 3
-    *((lambda doc, bad=bad: doc["pipesim"].update(num_devices=bad), f"the trace's events (got {bad!r})")
+    *((lambda doc, bad=bad: doc["pipesim"].update(num_devices=bad), f"the trace's events (got {json.dumps(bad)})")
       for bad in (10**12, float("inf"), 2.5, "3", True)),
     (lambda doc: next(e for e in doc["traceEvents"] if e.get("ph") == "X").update(pid=3),
      "trace event 0 (F): pid 3 is not one of the trace's 3 devices (0..2)"),
@@ -117,9 +117,22 @@ def test_devices_out_of_range_are_refused(predicted, tmp_path, edit, fragment):
     assert fragment in _refusal_once_edited(predicted, tmp_path, edit)
 
 
+@pytest.mark.parametrize("edit,line", [
+    (lambda doc: doc["pipesim"].update(meta=[1]), "pipesim header: meta: give an object of fields (got [1])"),
+    (lambda doc: doc["pipesim"].update(streams=["compute", "send"]),
+     'pipesim header: streams: give ["compute", "send", "recv", "network"] (got ["compute", "send"])'),
+    (lambda doc: doc["pipesim"]["meta"].update(minibatches=-1200),
+     "pipesim header: meta.minibatches: give a whole number of at least 1 (got -1,200)"),
+])
+def test_a_header_field_is_refused_in_the_one_wording(predicted, tmp_path, edit, line):
+    """A trace file's header field is refused as a flag is, "FIELD: give WHAT IS ALLOWED (got VALUE)", where it read
+    "meta must be an object" or "streams must be [...]" (which did not say what the file held)."""
+    assert _refusal_once_edited(predicted, tmp_path, edit) == f"trace {tmp_path / 't.json'}: {line}"
+
+
 @pytest.mark.parametrize("field,value,fragment", [
-    ("dur", -1.0, "dur a finite number >= 0 (got ts="),
-    ("ts", float("nan"), "ts must be finite"),
+    ("dur", -1.0, "dur of at least 0 (got ts="),
+    ("ts", float("nan"), "ts, dur: give finite numbers of µs, dur of at least 0 (got ts=nan, dur="),
     ("dur", "long", "a field is not a number"),
 ])
 def test_an_op_that_ends_before_it_starts_or_is_not_a_time_is_refused(predicted, tmp_path, field, value, fragment):

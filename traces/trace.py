@@ -27,6 +27,7 @@ from typing_extensions import TypedDict  # pydantic validates typing.TypedDict o
 from .. import __version__
 from ..files import TRACE, first_error, read_document
 from ..memory_parts import MEMORY_PARTS
+from ..units import number_allowed
 
 if TYPE_CHECKING:
     from ..schedules.ir import Schedule
@@ -234,7 +235,7 @@ class TraceMeta:
         from pydantic import TypeAdapter, ValidationError
 
         if not isinstance(doc, dict):
-            raise TraceError("pipesim header: meta must be an object")
+            raise TraceError(f"pipesim header: meta: give an object of fields (got {json.dumps(doc)[:40]})")
         unknown = sorted(set(doc) - {f.name for f in fields(cls)})
         if unknown:
             raise TraceError(f"pipesim header: meta: unknown field {unknown[0]!r}")
@@ -244,7 +245,8 @@ class TraceMeta:
             raise TraceError(f"pipesim header: meta.{first_error(exc)}") from None
         for name in ("microbatches", "minibatches", "pipelines", "microbatch_size"):  # a count, which view drew
             if getattr(meta, name) < 1:  # from whatever it was
-                raise TraceError(f"pipesim header: meta.{name} must be a whole number >= 1 (got {getattr(meta, name)})")
+                given = getattr(meta, name)
+                raise TraceError(f"pipesim header: meta.{name}: {number_allowed(1, None)} (got {given:,})")
         return meta
 
 
@@ -354,11 +356,11 @@ def from_chrome(doc: Any) -> Trace:
         raise TraceError(f"pipesim header: missing or malformed field {exc}") from None
     events = len(doc["traceEvents"])  # each device runs one at least: 10**12 devices took minutes to read
     if not isinstance(num_devices, int) or isinstance(num_devices, bool) or not 1 <= num_devices <= max(events, 1):
-        raise TraceError(f"pipesim header: num_devices must be a whole number from 1 to {max(events, 1):,}, the "
-                         f"trace's events (got {num_devices!r})")
+        raise TraceError(f"pipesim header: num_devices: {number_allowed(1, max(events, 1))}, the trace's events "
+                         f"(got {json.dumps(num_devices)})")
     streams = tuple(head.get("streams", ()))
     if streams != STREAMS[:max(len(streams), 3)]:  # a trace written before the network stream names three
-        raise TraceError(f"pipesim header: streams must be {list(STREAMS)}")
+        raise TraceError(f"pipesim header: streams: give {json.dumps(list(STREAMS))} (got {json.dumps(list(streams))})")
     kind_codes = {k: i for i, k in enumerate(kinds)}
     columns: dict[str, list] = {name: [] for name in _INT_COLUMNS + _FLOAT_COLUMNS}
     samples: dict[tuple[str, int], tuple[list, list]] = {}
@@ -390,8 +392,9 @@ def from_chrome(doc: Any) -> Trace:
     bad = np.flatnonzero(~np.isfinite(ops.start_us) | ~np.isfinite(ops.dur_us) | (ops.dur_us < 0))
     if len(bad):
         i = int(bad[0])
-        raise TraceError(f"trace event {i} ({kinds[ops.kind[i]]} on device {ops.device[i]}): ts must be finite and "
-                         f"dur a finite number >= 0 (got ts={float(ops.start_us[i]):g}, dur={float(ops.dur_us[i]):g})")
+        raise TraceError(f"trace event {i} ({kinds[ops.kind[i]]} on device {ops.device[i]}): ts, dur: give finite "
+                         f"numbers of µs, dur of at least 0 (got ts={float(ops.start_us[i]):g}, "
+                         f"dur={float(ops.dur_us[i]):g})")
     outside = np.flatnonzero((ops.device < 0) | (ops.device >= num_devices))
     if len(outside):
         i = int(outside[0])
