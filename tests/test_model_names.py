@@ -65,7 +65,7 @@ def test_a_folder_of_configs_names_the_configs_it_holds(model, folders, monkeypa
 @pytest.mark.parametrize("flags, refusal", [
     (("--seq-len", 0), "--seq-len: give a whole number from 1 to 1,048,576 (got 0)"),
     (("--seq-len", 512, "--mtp-layers", -1), "--mtp-layers: give a whole number from 0 to 10,000 (got -1)"),
-    (("--seq-len", 512, "--capacity-factor", "inf"), "--capacity-factor must be a finite number above 0 (got inf)"),
+    (("--seq-len", 512, "--capacity-factor", "inf"), "--capacity-factor: give a finite number above 0 (got inf)"),
     (("--seq-len", 512, "--layers", 2), "--layers does not apply to {model}: its config gives its sizes (--seq-len, "
                                         "--mtp-layers and --capacity-factor are the ones it takes)"),
 ])

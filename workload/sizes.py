@@ -127,7 +127,8 @@ def capacity_factor_refusal(capacity_factor: float | None) -> str | None:
     """A capacity factor that gives an expert no capacity, one line (None: it is a finite number above 0, or not
     given)."""
     if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
-        return f"--capacity-factor must be a finite number above 0 (got {capacity_factor})"
+        allowed = number_allowed(0, None, whole=False, finite=True, above=True)
+        return f"--capacity-factor: {allowed} (got {capacity_factor:g})"
     return None
 
 
