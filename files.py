@@ -96,13 +96,15 @@ def _is_table(head: str) -> bool:
 # pydantic's errors for a value that should have been an object, whose messages name its classes ("a valid
 # dictionary or instance of LinkSpec"): said as its JSON mode says them, in the file's terms
 _NOT_AN_OBJECT = frozenset({"model_type", "dict_type", "model_attributes_type"})
-# a bound as pydantic writes it, "1000" or "1000000000000", as a word of its own: not a path's or a name's digits
-_LONG_WHOLE = re.compile(r"(?<![\w./])\d{4,}(?![\w./])")
+# a bound as pydantic writes it, "1000" or "1000000000000", as a word of its own: not a path's or a name's digits,
+# nor a value quoted as the user typed it ("'2024'", click's "'1234,5678' is not a valid integer")
+_LONG_WHOLE = re.compile(r"(?<![\w./'\"])(?<!\d,)\d{4,}(?![\w./'\"]|,\d)")
 
 
 def grouped(message: str) -> str:
     """`message` with its whole numbers of four digits or more grouped in thousands, as pipesim's own refusals
-    write theirs ("1,000": five digits and more alone left "less than or equal to 1000")."""
+    write theirs ("1,000": five digits and more alone left "less than or equal to 1000"); a number in quotes or in
+    a comma-separated run of digits is what the user typed and is kept as typed."""
     return _LONG_WHOLE.sub(lambda number: f"{int(number[0]):,}", message)
 
 

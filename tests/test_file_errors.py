@@ -14,6 +14,7 @@ import pytest
 
 from pipesim import traces
 from pipesim.commands.common import InputError, read_error, write_json, writing
+from pipesim.files import grouped
 from pipesim.study import results
 from pipesim.traces import trace
 from tests.conftest import pipesim
@@ -201,6 +202,19 @@ def test_a_files_bound_is_grouped_in_thousands_as_pipesims_own_refusals_are(tmp_
     code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", "cluster.json")
     assert (code, out, err) == (2, "", "error: --cluster: cluster file cluster.json: link.latency_us: Input should "
                                        "be less than or equal to 1,000,000,000,000\n")
+
+
+@pytest.mark.parametrize("message, said", [
+    ("Input should be less than or equal to 1000000000000", "Input should be less than or equal to 1,000,000,000,000"),
+    ("give at most 4096, the trace's events (got -1200)", "give at most 4,096, the trace's events (got -1,200)"),
+    ("'1234,5678' is not a valid integer.", "'1234,5678' is not a valid integer."),
+    ("unknown name '2024' in \"20240101\"", "unknown name '2024' in \"20240101\""),
+    ("file runs/2024/x.json, model gpt2048", "file runs/2024/x.json, model gpt2048"),
+])
+def test_only_a_bound_or_a_value_of_pipesims_is_grouped_not_what_the_user_typed(message, said):
+    """files.grouped groups a bound in click's and pydantic's lines; a value quoted as typed ("'2024'" read "'2,024'",
+    "'1234,5678'" read "'1,234,5,678'") or a path's or a name's digits are left as they were written."""
+    assert grouped(message) == said
 
 
 def test_a_hugging_face_config_given_for_a_profile_is_named_one_with_the_flag_that_reads_it(tmp_path, monkeypatch):
