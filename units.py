@@ -69,13 +69,24 @@ def given_text(given: str) -> str:
     return given
 
 
+def float_text(value: float) -> str:
+    """A float a parser has read, quoted as it was most likely typed, where the text typed is gone (typer hands a
+    float option's callback the float, not the text): "1e30", not f"{value:g}"'s "1e+30", which no user typed;
+    "0.1234567891" in full, not "0.123457"; a whole number grouped as given_text groups one ("86,401"), up to where a
+    float holds every whole number (2**53), past which int() would show digits nobody typed."""
+    if value.is_integer() and abs(value) <= 2 ** 53:
+        return given_text(str(int(value)))
+    mantissa, _, exponent = repr(value).partition("e")  # repr: the shortest text that reads back as `value`
+    return f"{mantissa}e{int(exponent)}" if exponent else mantissa
+
+
 def memory_gib_refusal(memory_gib: float) -> str | None:
     """What a device's memory in GiB (--memory-gb, a cluster file's or a catalogue part's memory_gib) must be, where
     `memory_gib` is not it (None where it is): pipesim holds it as whole bytes, so less than one byte was a 0-byte cap
     that nothing fits. The least is said in bytes: in GiB it is 9.31e-10, which read as a figure with no unit."""
     if MIN_MEMORY_GIB <= memory_gib <= MAX_MEMORY_GIB:
         return None
-    return f"give GiB per device, from 1 byte to {MAX_MEMORY_GIB:,} GiB (got {memory_gib:g})"
+    return f"give GiB per device, from 1 byte to {MAX_MEMORY_GIB:,} GiB (got {float_text(memory_gib)})"
 
 
 def checked_memory_gib(memory_gib: float) -> float:

@@ -25,7 +25,17 @@ from rich.console import Console
 
 from ..choices import choose_from, optimizer_refusal
 from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes, without_bom
-from ..units import MAX_BYTES, MAX_MS, MIB, bytes_text, count_text, given_text, memory_gib_refusal, number_allowed
+from ..units import (
+    MAX_BYTES,
+    MAX_MS,
+    MIB,
+    bytes_text,
+    count_text,
+    float_text,
+    given_text,
+    memory_gib_refusal,
+    number_allowed,
+)
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -46,9 +56,9 @@ def finite_from(low: float, high: float, least: float = 0.0) -> Callable[[float 
     parse_numbers does for --fwd, --bwd and --comm."""
     def check(value: float | None) -> float | None:
         if value is not None and not low <= value <= high:
-            raise typer.BadParameter(f"{finite_number_allowed(low, high)} (got {value:g})")
+            raise typer.BadParameter(f"{finite_number_allowed(low, high)} (got {float_text(value)})")
         if value is not None and 0 < value < least:
-            raise typer.BadParameter(f"{least_ms_allowed(least)} (got {value:g})")
+            raise typer.BadParameter(f"{least_ms_allowed(least)} (got {float_text(value)})")
         return value
     return check
 

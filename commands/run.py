@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ..profiles.workload import too_few_layers
 from ..traces.metrics import loss_text, mib_text, percent_text, rate_text
-from ..units import count_text, degree_text, number_allowed
+from ..units import count_text, degree_text, float_text, number_allowed
 from .common import (
     DTYPES,
     SEARCH_COSTS,
@@ -208,7 +208,7 @@ def run(
                                   ("--stall-timeout", stall_timeout, MAX_WAIT_S)):
             if not 0 < value < math.inf or (most is not None and value > most):
                 allowed = number_allowed(0, most, whole=False, finite=True, above=True)
-                raise InputError(f"{flag}: {allowed} (got {value:g})")
+                raise InputError(f"{flag}: {allowed} (got {float_text(value)})")
         check_prediction(prediction)
         check_threads("--threads-per-rank", threads_per_rank)
         if dtype is not None:  # None: the profile's, else float32

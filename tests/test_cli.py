@@ -162,7 +162,7 @@ def test_schedules_lists_methods():
     # ("opt_ms must be a finite number ..."), --jitter inf the simulator's clock summing to nan ms
     *(([flag, value, "-s", "avgpipe"], f"error: {flag}: give a finite number from 0 to "
                                        f"1,000,000,000 (got {got})")
-      for flag in ("--opt", "--pred", "--avg") for value, got in (("nan", "nan"), ("inf", "inf"), ("1e30", "1e+30"))),
+      for flag in ("--opt", "--pred", "--avg") for value, got in (("nan", "nan"), ("inf", "inf"), ("1e30", "1e30"))),
     (["-s", "1f1b", "--jitter", "inf"], "error: --jitter: give a finite number from 0 to 3 "
                                         "(got inf)"),
     (["-s", "zb-h1", "--wgrad-fraction", "nan"], "error: --wgrad-fraction: give a finite "
@@ -244,7 +244,7 @@ def test_a_host_time_past_its_range_is_refused_at_its_flag_and_nothing_is_writte
 @pytest.mark.parametrize("command, args, fragment", [
     ("sweep", ["--opt", "1e30"], "error: --opt: give a finite number from 0 to 1,000,000,000"),
     ("run", ["-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--timeout", "1e30"],
-     "error: --timeout: give a finite number above 0 and at most 86,400 (got 1e+30)"),
+     "error: --timeout: give a finite number above 0 and at most 86,400 (got 1e30)"),
 ])
 def test_other_commands_name_a_float_flag_past_its_range(command, args, fragment):
     """run's --timeout 1e30 was a rank's OverflowError in torch's wait."""
@@ -297,7 +297,7 @@ def test_malformed_cluster_file(tmp_path):
     assert code == 2 and err == f"error: --cluster: cluster file {path} is not a text (UTF-8) file\n"
     for field, fragment in (({"overlap_comm": "yes"}, "overlap_comm: Input should be a valid boolean"),  # read true
                             ({"devices": [{"name": "g", "memory_gib": 1e30}] * 4},  # a memory no counter holds
-                             "devices.0.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e+30)"),
+                             "devices.0.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e30)"),
                             ({"devices": [{"name": "g", "memory_gib": 1e-300}] * 4},  # held as 0 bytes: nothing fits
                              "devices.0.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e-300)"),
                             ({"link": {"latency_us": 1e15}},  # the engine's clock check, naming no field

@@ -52,7 +52,7 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
     (PART.format(name="x").replace("memory_gib = 24\n", ""), "gpu.x.memory_gib: Field required"),
     (PART.format(name="x").replace("bf16 = 100", "bf16 = -1"), "gpu.x.dense_tflops.bf16: Input should be greater"),
     (PART.format(name="x").replace("memory_gib = 24", "memory_gib = 1e30"),  # read as 1e30 GiB
-     "gpu.x.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e+30)"),
+     "gpu.x.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e30)"),
     (PART.format(name="x").replace("memory_gib = 24", "memory_gib = 1e-300"),  # held as 0 bytes: nothing fits
      "gpu.x.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e-300)"),
     (PART.format(name="x").replace('"pcie"', '"usb"'), "gpu.x.intra_node.link: Input should be 'nvlink', 'xgmi'"),

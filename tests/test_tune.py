@@ -337,7 +337,7 @@ def test_cli_json_is_the_search_result():
      "--memory-gb: give GiB per device, from 1 byte to 1,048,576 GiB (got -1)"),
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "1e-300"],  # held as 0 bytes: "fits in 0 GiB"
      "--memory-gb: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e-300)"),
-    (["--profile", str(GPT), "--devices", "4", "--memory-gb", "1e300"], "to 1,048,576 GiB (got 1e+300)"),
+    (["--profile", str(GPT), "--devices", "4", "--memory-gb", "1e300"], "to 1,048,576 GiB (got 1e300)"),
     (["--profile", "missing.json", "--devices", "4"], "cannot read profile missing.json"),
     (["--profile", str(GPT), "--devices", "4", "-s", "dualpipe"],
      "dualpipe refuses every shape with a batch of 128 samples on 4 devices (dualpipe: the search cuts the model "

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipesim.units import GIB, MIB, bytes_text, given_text, number_allowed
+from pipesim.units import GIB, MIB, bytes_text, float_text, given_text, number_allowed
 
 
 def test_a_size_reads_in_the_largest_unit_it_reaches_at_four_figures():
@@ -48,3 +48,18 @@ def test_a_value_is_quoted_grouped_as_typed_or_as_a_word(typed, said):
 def test_a_whole_number_typed_reads_back_as_the_same_number(number):
     """Grouping loses nothing: the commas taken out, the quoted value is the number typed."""
     assert int(given_text(str(number)).replace(",", "")) == number
+
+
+@pytest.mark.parametrize("value, said", [(1e30, "1e30"), (1e-05, "1e-5"), (-2.5e-300, "-2.5e-300"), (0.0, "0"),
+                                         (86401.0, "86,401"), (0.1234567891, "0.1234567891"), (float("inf"), "inf"),
+                                         (float("nan"), "nan"), (2.0 ** 60, "1.152921504606847e18")])
+def test_a_parsed_float_is_quoted_as_it_was_typed(value, said):
+    """typer hands a float flag's check the float: f"{value:g}" quoted a typed 1e30 as "1e+30", 0.1234567891 as
+    "0.123457"."""
+    assert float_text(value) == said
+
+
+@given(st.floats(allow_nan=False))
+def test_a_quoted_float_reads_back_as_the_same_float(value):
+    """The quote loses nothing: read back (commas out), it is the float the parser read."""
+    assert float(float_text(value).replace(",", "")) == value

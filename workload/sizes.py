@@ -9,7 +9,7 @@ from typing import Any
 
 from ..choices import choose_from, unknown_names
 from ..profiles.workload import is_hf
-from ..units import number_allowed
+from ..units import float_text, number_allowed
 
 DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "mlp": {"layers": 8, "width": 512},
@@ -128,7 +128,7 @@ def capacity_factor_refusal(capacity_factor: float | None) -> str | None:
     given)."""
     if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
         allowed = number_allowed(0, None, whole=False, finite=True, above=True)
-        return f"--capacity-factor: {allowed} (got {capacity_factor:g})"
+        return f"--capacity-factor: {allowed} (got {float_text(capacity_factor)})"
     return None
 
 
