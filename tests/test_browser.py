@@ -473,8 +473,8 @@ def test_large_page_is_small_and_draws_bars_on_lanes(tmp_path):
 
 @needs_chromium
 @pytest.mark.parametrize("script, cpu_s, wall_s, ended_by", [
-    ("while (true) {}", 2, WAIT_WALL_S, "cpu"),  # spins: its CPU budget runs out, however loaded the machine
-    ("", WAIT_CPU_S, 3, "wall"),  # never says it is done and spends nothing: the wall bound ends the wait
+    ("while (true) {}", 1, WAIT_WALL_S, "cpu"),  # spins: its CPU budget runs out, however loaded the machine
+    ("", WAIT_CPU_S, 1, "wall"),  # never says it is done and spends nothing: the wall bound ends the wait
 ])
 def test_a_page_that_never_finishes_is_a_timeout(tmp_path, script, cpu_s, wall_s, ended_by):
     """The wait ends on the bound it should: what it spent, as the error says, is past that bound alone (both bounds
@@ -499,7 +499,7 @@ def test_a_call_never_answered_is_a_timeout_while_events_stream_in(tmp_path):
         browser.poll("location.protocol + document.readyState", lambda state: state == "file:complete",
                      Wait(browser.proc.pid), f"{page.name} still loading")
         with pytest.raises(TimeoutError, match="did not answer Runtime.evaluate"):
-            browser.evaluate("new Promise(resolve => { window.kept = resolve })", Wait(browser.proc.pid, wall_s=3))
+            browser.evaluate("new Promise(resolve => { window.kept = resolve })", Wait(browser.proc.pid, wall_s=1))
 
 
 @needs_chromium
