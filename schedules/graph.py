@@ -11,6 +11,7 @@ from functools import cache
 from pathlib import Path
 
 from ..files import GRAPH_FILE, GRAPH_KEYS, read_document
+from ..units import number_allowed
 from .ir import Schedule, ScheduleError, StageGraph
 from .methods import MAX_STAGES, Method, ScheduleParams, flushed_1f1b, make_schedule
 
@@ -66,16 +67,16 @@ def load_graph(path: Path) -> tuple[StageGraph, tuple[int, ...]]:
         return isinstance(v, int) and not isinstance(v, bool)
 
     if not whole(stages) or not 1 <= stages <= MAX_STAGES:  # 10**12 stages: a MemoryError making the placement
-        raise ScheduleError(f'graph file {path}: "stages" must be a whole number from 1 to {MAX_STAGES:,}, the '
+        raise ScheduleError(f'graph file {path}: "stages": {number_allowed(1, MAX_STAGES)}, the '
                             f"model stages pipesim simulates (got {f'{stages:,}' if whole(stages) else repr(stages)})")
     placement = doc.get("placement", list(range(stages)))
     if not isinstance(edges, list) or not all(isinstance(e, list) and len(e) == 2 and all(map(whole, e))
                                               for e in edges):
-        raise ScheduleError(f'graph file {path}: "edges" must be a list of [from, to] stage pairs')
+        raise ScheduleError(f'graph file {path}: "edges": give a list of [from, to] stage pairs')
     if not isinstance(placement, list) or len(placement) != stages or not all(map(whole, placement)):
-        raise ScheduleError(f'graph file {path}: "placement" must list a device for each of the {stages} stages')
+        raise ScheduleError(f'graph file {path}: "placement": give a device for each of the {stages:,} stages')
     if sorted(placement) != list(range(stages)):
-        raise ScheduleError(f'graph file {path}: "placement" must put each stage on its own device '
+        raise ScheduleError(f'graph file {path}: "placement": give each stage its own device '
                             f"0..{stages - 1} (got {placement})")
     try:
         graph = StageGraph(stages, tuple((a, b) for a, b in edges))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..choices import choose_from
+from ..units import float_text, number_allowed
 from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
 from .passes import add_context_parallel, add_data_parallel, add_expert_parallel, overlap_expert_communication
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView
@@ -44,7 +45,9 @@ def zero_refusal(zero: int, flag: str = "zero") -> str | None:
 
 def elastic_alpha_refusal(alpha: float | None, flag: str = "elastic_alpha") -> str | None:
     """AvgPipe's elastic averaging coefficient: in (0, 1] (None: its default, 0.9 / P)."""
-    return None if alpha is None or 0 < alpha <= 1 else f"{flag}: must be in (0, 1] (got {alpha!r})"
+    if alpha is None or 0 < alpha <= 1:
+        return None
+    return f"{flag}: {number_allowed(0, 1, whole=False, finite=True, above=True)} (got {float_text(float(alpha))})"
 
 
 # auto's search budget at most, a day (as run's --timeout): past it the search over one-op moves of p >= 4 stages,

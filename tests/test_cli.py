@@ -367,8 +367,22 @@ def test_graph_file(tmp_path):
     assert code == 2 and "cycle" in err
     path.write_text(json.dumps({"stages": 10**12, "edges": [[0, 1]]}))  # a MemoryError's traceback
     code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", str(path))
-    assert code == 2 and err == (f'error: --graph: graph file {path}: "stages" must be a whole number from 1 to 4,096, '
+    assert code == 2 and err == (f'error: --graph: graph file {path}: "stages": give a whole number from 1 to 4,096, '
                                  "the model stages pipesim simulates (got 1,000,000,000,000)\n")
+
+
+@pytest.mark.parametrize("graph, said", [
+    ({"stages": 2, "edges": [0, 1]}, '"edges": give a list of [from, to] stage pairs'),
+    ({"stages": 2, "edges": [[0, 1]], "placement": [0]}, '"placement": give a device for each of the 2 stages'),
+    ({"stages": 2, "edges": [[0, 1]], "placement": [0, 0]}, '"placement": give each stage its own device 0..1 '
+                                                            "(got [0, 0])"),
+])
+def test_a_graph_files_field_is_refused_as_any_files_field(tmp_path, graph, said):
+    """A graph file's field read '"edges" must be ...' where every other file's field reads "FIELD: give ..."."""
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(graph))
+    code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", str(path))
+    assert (code, err) == (2, f"error: --graph: graph file {path}: {said}\n")
 
 
 @pytest.mark.parametrize("command", [("simulate", "-s", "graphpipe", "-p", "2"),

@@ -141,7 +141,7 @@ def test_typed_and_estimated_costs_refuse_an_unknown_precision_with_the_one_line
     (("--data-parallel", "2", "--zero", "4"), lambda name: zero_refusal(4, name), dict(zero=4),
      "--zero: choose from 0, 1, 2, 3 (got 4)"),
     (("-s", "avgpipe", "--elastic-alpha", "2"), lambda name: elastic_alpha_refusal(2.0, name),
-     dict(elastic_alpha=2.0), "--elastic-alpha: must be in (0, 1] (got 2.0)"),
+     dict(elastic_alpha=2.0), "--elastic-alpha: give a finite number above 0 and at most 1 (got 2)"),
     (("-s", "auto", "--fwd", "1", "--bwd", "2", "--search-seconds", "0"),
      lambda name: above_zero_refusal(0.0, name, None if name == "search_seconds" else "0", MAX_SEARCH_SECONDS),
      dict(search_seconds=0.0), "--search-seconds: give one finite number above 0 and at most 86,400 (got '0')"),
