@@ -171,7 +171,11 @@ def test_the_gpts_angles_leave_the_first_position_and_every_norm_as_they_are():
     assert torch.allclose(q_turned.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
 
 
-@pytest.mark.parametrize("share, words", [("0", "above 0 and at most 1"), ("1.5", "above 0 and at most 1"),
+SHARE_ALLOWED = "--rotary-percent: give a finite number above 0 and at most 1"
+
+
+@pytest.mark.parametrize("share, words", [("0", f"{SHARE_ALLOWED} (got 0)"), ("1.5", f"{SHARE_ALLOWED} (got 1.5)"),
+                                          ("nan", f"{SHARE_ALLOWED} (got nan)"),
                                           ("0.3", "rotates 19 of a head's 64 features")])
 def test_the_cli_refuses_a_rotary_share_that_turns_no_pairs_in_one_line(tmp_path, share, words):
     page = tmp_path / "timeline.html"

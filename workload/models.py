@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from pipesim.choices import choose_from
 from pipesim.profiles.workload import is_hf
+from pipesim.units import float_text, number_allowed
 from pipesim.workload import data
 from pipesim.workload.moe import (
     DEFAULT_TOP_K,
@@ -421,7 +422,8 @@ def _rotary_features(head: int, share: float) -> int:
     """The features of a `head`-wide head that RoPE rotates at `share` (Megatron-core's int(kv_channels x
     rotary_percent)), refused unless a positive even number."""
     if not 0 < share <= 1:
-        raise ModelError(f"--rotary-percent must be above 0 and at most 1 (got {share})")
+        allowed = number_allowed(0, 1, whole=False, finite=True, above=True)
+        raise ModelError(f"--rotary-percent: {allowed} (got {float_text(float(share))})")
     rotary = int(head * share)
     if rotary < 2 or rotary % 2:
         raise ModelError(f"--rotary-percent {share} rotates {rotary} of a head's {head} features: RoPE turns pairs, "
