@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
 MAX_DEVICES = 1_000_000  # a tenfold margin over the largest GPU clusters built (about 100,000): a plan's own bound
 SEARCHED = "Default: searched."  # what tune does with these where simulate and sweep take one value
+NOTE_AFTER_S = 1.0  # a step piped to a file that takes longer says what it does, one line: it must not look hung
 SearchedTensorParallel = with_help(TensorParallel, SEARCHED)
 SearchedDataParallel = with_help(DataParallel, SEARCHED)
 SearchedRecompute = with_help(Recompute, SEARCHED)
@@ -429,13 +430,12 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None, context: 
 @contextmanager
 def _working(what: str) -> Iterator[Callable[[str], None] | None]:
     """What a step that may take seconds is doing, on stderr: a transient status on an interactive terminal,
-    kept up to date by the callback yielded; else, if it takes over a second, one line (output piped to a file
-    must not look hung)."""
+    kept up to date by the callback yielded; else, if it takes over NOTE_AFTER_S, one line."""
     if stderr.is_terminal:
         with stderr.status(what) as status:
             yield status.update
         return
-    note = threading.Timer(1.0, lambda: stderr.print(f"tune: {what} ...", highlight=False, soft_wrap=True))
+    note = threading.Timer(NOTE_AFTER_S, lambda: stderr.print(f"tune: {what} ...", highlight=False, soft_wrap=True))
     note.start()
     try:
         yield None

@@ -403,19 +403,22 @@ def test_search_equals_exhaustive_search_over_random_costs(seed):
     assert built < len(results)
 
 
-def test_a_step_over_a_second_says_what_it_does_on_stderr_when_piped():
-    """Piped, a long search must not look hung: one line once a step passes a second; a quick one says nothing."""
+def test_a_step_over_a_second_says_what_it_does_on_stderr_when_piped(monkeypatch):
+    """Piped, a long search must not look hung: one line once a step passes NOTE_AFTER_S (a second; 0.2 s here, the
+    same rule, a second sooner); a quick one says nothing."""
     import contextlib
     import io
     import time
 
+    from pipesim.commands import tune
     from pipesim.commands.tune import _working
 
+    monkeypatch.setattr(tune, "NOTE_AFTER_S", 0.2)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         with _working("estimating") as report:
             assert report is None  # no terminal: no status to update
-            time.sleep(1.5)
+            time.sleep(0.5)
         with _working("searching"):
             pass
     assert err.getvalue() == "tune: estimating ...\n"
