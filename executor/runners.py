@@ -32,6 +32,7 @@ from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from ..workload.processes import rank_context, rank_process, start_processes
 from ..workload.transport import (
     InProcessTransport,
+    PeerWait,
     Rendezvous,
     TransportChoice,
     TransportError,
@@ -144,7 +145,9 @@ def run_in_process(spec: RunSpec) -> RunResult:
 
 # ------------------------------------------------------------------------------------- one process per rank
 
-FAULT_ENV = "PIPESIM_TEST_FAULT"  # test-only: "RANK:ROWS:SIGNAL" makes RANK send itself SIGNAL after ROWS rows
+# test-only: "RANK:ROWS:SIGNAL" makes RANK send itself SIGNAL after ROWS rows; "RANK:ROWS:SPIN" makes it busy-wait
+# forever inside a wait on a peer (a host spinning on a message that never comes)
+FAULT_ENV = "PIPESIM_TEST_FAULT"
 HEARTBEAT_S = 0.2  # a rank reports to the parent at most this often
 # a rank whose process used at least this share of one core over a heartbeat period is working (a long compute
 # row, a large send), not waiting: a rank blocked in a receive or a collective uses well under 1% of a core
@@ -158,7 +161,9 @@ class Heartbeat:
     far, and (row, start ns, end ns) of each row finished since its previous heartbeat. A row's start is the
     end of the one before it (the loop's own bookkeeping included): enough for an incomplete trace. `working`:
     the process used WORKING_CPU_SHARE of a core or more over the heartbeat period before it (progress within
-    a row, which can outlast the stall limit on a large micro-batch)."""
+    a row, which can outlast the stall limit on a large micro-batch) and was not inside one wait on a peer all
+    that period (a host waiting on gloo or a CUDA event can spin: CPU used there is not progress).
+    `waiting_on`: that wait (`rank 1: receive #3 from rank 0`), "" when none."""
 
     rank: int
     rows_done: int
@@ -166,6 +171,7 @@ class Heartbeat:
     losses: dict[tuple[int, int], float]
     rows: list[tuple[int, int, int]]
     working: bool = False
+    waiting_on: str = ""
 
 
 @dataclass
@@ -196,12 +202,12 @@ def _action_text(lowered: Lowered, row: int) -> str:
                       int(t.pipeline[row]), int(t.peer[row])))
 
 
-def _test_fault(rank: int) -> tuple[int, int] | None:
-    """(rows, signal) where FAULT_ENV asks this rank to send itself a signal after that many rows, else None."""
+def _test_fault(rank: int) -> tuple[int, str] | None:
+    """(rows, SIGNAL or SPIN) where FAULT_ENV asks this rank for a fault after that many rows, else None."""
     fault = os.environ.get(FAULT_ENV, "")
     rank_text, _, rest = fault.partition(":")
-    rows_text, _, signal_name = rest.partition(":")
-    return (int(rows_text), getattr(signal, f"SIG{signal_name}")) if fault and int(rank_text) == rank else None
+    rows_text, _, what = rest.partition(":")
+    return (int(rows_text), what) if fault and int(rank_text) == rank else None
 
 
 class _Reporter:
@@ -234,26 +240,34 @@ class _Reporter:
             self.done += 1
             self.last_action = _action_text(self.lowered, row)
         self.previous_ns = now
+        if self.fault is not None and self.done == self.fault[0] and self.fault[1] == "SPIN":
+            with PeerWait.inside(f"rank {self.rank}: a test receive that never comes"):
+                while True:
+                    pass
         if self.fault is not None and self.done == self.fault[0]:
             self.stop()
             self.thread.join()
             self.messages.close()
             self.messages.join_thread()  # the heartbeat reaches the parent before the signal lands
-            os.kill(os.getpid(), self.fault[1])
+            os.kill(os.getpid(), getattr(signal, f"SIG{self.fault[1]}"))
 
     def _beating(self) -> None:
         cpu_ns, wall_ns = time.process_time_ns(), time.monotonic_ns()
+        told_waiting_on = ""
         while not self.stopped.wait(HEARTBEAT_S):
             cpu_then_ns, wall_then_ns = cpu_ns, wall_ns
             cpu_ns, wall_ns = time.process_time_ns(), time.monotonic_ns()
-            working = cpu_ns - cpu_then_ns >= WORKING_CPU_SHARE * (wall_ns - wall_then_ns)
-            if self.rows or working:
-                self.beat(working)
+            waiting_on, waiting_since_ns = PeerWait.what, PeerWait.since_ns
+            waited_throughout = bool(waiting_on) and waiting_since_ns <= wall_then_ns
+            working = not waited_throughout and cpu_ns - cpu_then_ns >= WORKING_CPU_SHARE * (wall_ns - wall_then_ns)
+            if self.rows or working or waiting_on != told_waiting_on:
+                self.beat(working, waiting_on)
+                told_waiting_on = waiting_on
 
-    def beat(self, working: bool = False) -> None:
+    def beat(self, working: bool = False, waiting_on: str = "") -> None:
         losses = dict(self.loop.losses) if self.loop is not None else {}
         with self.lock:
-            beat = Heartbeat(self.rank, self.done, self.last_action, losses, self.rows, working)
+            beat = Heartbeat(self.rank, self.done, self.last_action, losses, self.rows, working, waiting_on)
             self.rows = []
         self.messages.put(("beat", beat))
 
@@ -421,8 +435,10 @@ class _Supervisor:
         if not stalled or (not stopped and len(stalled) < len(running)):
             return None
         rank = stopped[0] if stopped else min(stalled, key=lambda r: self.moved[r])
+        beat = self.beats[rank]
+        waiting = f"; waiting on {beat.waiting_on}" if beat is not None and beat.waiting_on else ""
         return rank, (f"{self.named(rank)} made no progress for {limits[rank]:g} s (last action "
-                      f"{self.last_action(rank)}{'; the process is stopped' if stopped else ''})"), False
+                      f"{self.last_action(rank)}{'; the process is stopped' if stopped else waiting})"), False
 
     def partial(self, hardware: dict[str, Any], failed_rank: int | None) -> RunResult:
         timed = {rank: rows for rank, rows in enumerate(self.rows) if self.results[rank] is None}

@@ -8,6 +8,7 @@ wrapper in executor/runners.py): rank RANK sends itself SIGNAL after its ROWS-th
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,6 +122,19 @@ def test_a_rank_that_dies_or_stops_ends_the_run(tmp_path, fault, message):
     assert not trace.meta.complete and trace.meta.failed_rank == 1
     all_rows = len(lower(build("1f1b", 2, 4, MINIBATCHES)).table.kind)
     assert 0 < (trace.ops.device == 1).sum() and len(trace.ops) < all_rows  # what ran before the fault
+
+
+def test_a_rank_spinning_in_a_wait_on_a_peer_is_stalled_not_working(tmp_path):
+    """A host spinning in a receive (gloo, a CUDA event) burns a core without progress: the run is stalled
+    after --stall-timeout, not left to the transfer timeout (120 s, past BOUND_S)."""
+    proc = _launch(tmp_path, "1:12:SPIN")
+    seen = _watch(proc)
+    out, err = proc.communicate(timeout=BOUND_S)
+    assert proc.returncode == 1, err
+    # the rank that stalled first, named with the wait it is in (rank 0's receive from the spinning rank 1)
+    assert re.search(r"rank (\d) made no progress for 3 s \(last action \S+; waiting on rank \1: ", err), err
+    assert "Traceback" not in err
+    assert len(seen) >= 2 and _none_left(seen)
 
 
 def test_ctrl_c_ends_every_rank(tmp_path):

@@ -27,6 +27,7 @@ import contextlib
 import queue
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -93,6 +94,27 @@ def _link(edge: Edge | Link) -> Link:
 def _on(channel: int) -> str:
     """How an error names a channel (nothing for the default one)."""
     return f" on channel {channel}" if channel else ""
+
+
+class PeerWait:
+    """The wait on a peer this process's main thread (a rank's compute) is inside, if any, and since when
+    (time.monotonic_ns): CPU it uses there is not progress, since a host waiting on gloo or on a CUDA
+    event can spin. The rank's heartbeat reads it."""
+
+    what: ClassVar[str] = ""
+    since_ns: ClassVar[int] = 0
+
+    @classmethod
+    @contextlib.contextmanager
+    def inside(cls, what: str) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread() or cls.what:
+            yield
+            return
+        cls.what, cls.since_ns = what, time.monotonic_ns()
+        try:
+            yield
+        finally:
+            cls.what = ""
 
 
 class TransportError(RuntimeError):
@@ -298,7 +320,8 @@ class _WorkHandle:
             return self.result
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            completed = self.work.wait(timedelta(seconds=timeout_s))
+            with PeerWait.inside(self.what):
+                completed = self.work.wait(timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             message = (str(exc).splitlines() or ["?"])[0]
             if _TIMED_OUT.search(message):
@@ -325,7 +348,9 @@ class _ReapedHandle:
 
     def wait(self, timeout_s: float | None = None) -> torch.Tensor | None:
         timeout_s = self.handle.timeout_s if timeout_s is None else timeout_s
-        if not self.settled.wait(timeout_s):
+        with PeerWait.inside(self.handle.what):
+            settled = self.settled.wait(timeout_s)
+        if not settled:
             raise TransportTimeout(f"{self.handle.what} timed out after {timeout_s:g} s")
         if self.error is not None:
             raise self.error
