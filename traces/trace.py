@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
@@ -28,9 +28,6 @@ from .. import __version__
 from ..files import TRACE, first_error, read_document
 from ..memory_parts import MEMORY_PARTS
 from ..units import number_allowed
-
-if TYPE_CHECKING:
-    from ..schedules.ir import Schedule
 
 SCHEMA_VERSION = 2
 
@@ -153,6 +150,28 @@ class RecordedMemoryCheck(TypedDict):
     peak_bytes: float
 
 
+class _ScheduleShape(Protocol):
+    """What a trace's meta reads off a schedule (schedules/ir.py `Schedule`), named by shape alone: a shared
+    vocabulary imports nothing of ours, a type included."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def params(self) -> dict[str, Any]: ...
+    @property
+    def microbatches(self) -> int: ...
+    @property
+    def minibatches(self) -> int: ...
+    @property
+    def pipelines(self) -> int: ...
+    @property
+    def placement(self) -> Any: ...
+    @property
+    def graph(self) -> Any: ...
+    @property
+    def policy(self) -> Any: ...
+
+
 @dataclass
 class TraceMeta:
     """What a trace describes, the same for predicted and measured runs, so either can be compared with
@@ -215,7 +234,7 @@ class TraceMeta:
         return not self.shares_gpu
 
     @classmethod
-    def of_schedule(cls, source: Literal["predicted", "measured"], schedule: Schedule, microbatch_size: int,
+    def of_schedule(cls, source: Literal["predicted", "measured"], schedule: _ScheduleShape, microbatch_size: int,
                     **recorded: Any) -> TraceMeta:
         """The meta of a trace of `schedule`: its shape, placement, stage graph and weight policy, which simulate
         (sim/engine.py) and run (executor/runners.py) record alike, so that either trace re-simulates or compares
