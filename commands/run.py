@@ -556,12 +556,12 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     first, last = _loss_ends(result)
     replicas = int(meta.params.get("data_parallel", 1))
     experts = int(meta.params.get("expert_parallel", 1))
-    shares = f"{replicas} replicas x " if replicas > 1 else ""
+    shares = f"{count_text(replicas, 'replica')} x " if replicas > 1 else ""
     degrees = ", ".join(degree_text(*degree) for degree in [("p", len(summary.devices) // replicas), ("d", replicas)]
                         + [("E", experts)] * (experts > 1))
     table = Table(title=f"{meta.schedule} measured: {count_text(meta.minibatches, 'mini-batch')} of "
-                        f"{shares}{meta.microbatches} x "
-                        f"{meta.microbatch_size} samples, {hardware.get('ranks')} ranks"
+                        f"{shares}{meta.microbatches:,} x "
+                        f"{meta.microbatch_size:,} samples, {count_text(hardware['ranks'], 'rank')}"
                         f"{f' ({degrees})' if replicas > 1 else ''} over "
                         f"{hardware.get('transport')} ({hardware.get('device')})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
@@ -575,9 +575,9 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     peaks = [mib_text(d.peak_memory_mb) for d in summary.devices]
     if replicas > 1:  # rank = replica·p + device, as the ranks are placed
         p = len(peaks) // replicas
-        peaks = [f"replica {r}: " + ", ".join(peaks[r * p:(r + 1) * p]) for r in range(replicas)]
+        peaks = [f"replica {r:,}: " + ", ".join(peaks[r * p:(r + 1) * p]) for r in range(replicas)]
     else:
-        peaks = [f"{device}: {peak}" for device, peak in enumerate(peaks)]
+        peaks = [f"{device:,}: {peak}" for device, peak in enumerate(peaks)]
     table.add_row(f"{summary.time_per_minibatch_ms:,.2f}", rate_text(summary.samples_per_s),
                   f"{loss_text(first)} -> {loss_text(last)}", held,
                   "; ".join(peaks) if replicas > 1 else ", ".join(peaks))

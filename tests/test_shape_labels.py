@@ -47,15 +47,21 @@ def test_simulate_and_estimate_labels_group_each_degree():
 
 
 def test_run_table_title_groups_each_degree(capsys):
-    """`pipesim run`'s table names its ranks' shape as the other labels do: "(p=2, d=1,500, E=1,200)"."""
+    """`pipesim run`'s table names its ranks' shape as the other labels do: "(p=2, d=1,500, E=1,200)", and its counts
+    with them: "1,500 replicas x 4,096 x 1,300 samples, 3,000 ranks" (was "1500 replicas x 4096 x 1300 samples, 3000
+    ranks"), each replica's peaks "replica 1,499: ..."."""
     from pipesim.commands.run import _print_table
 
     trace = run("1f1b", 2, 2, 1, comm=0.1).trace
-    meta = dataclasses.replace(trace.meta, params={**trace.meta.params, "data_parallel": 1500, "expert_parallel": 1200},
+    meta = dataclasses.replace(trace.meta, microbatches=4096, microbatch_size=1300,
+                               params={**trace.meta.params, "data_parallel": 1500, "expert_parallel": 1200},
                                hardware={"ranks": 3000, "transport": "gloo", "device": "cpu"},
                                extra={"optimizer": "sgd", "lr": 0.1, "dtype": "float32"})
     result = SimpleNamespace(trace=dataclasses.replace(trace, meta=meta), losses=[[2.0, 1.0]])
     summary = SimpleNamespace(devices=[SimpleNamespace(peak_memory_mb=1.0)] * 3000, time_per_minibatch_ms=1.0,
                               samples_per_s=1.0)
     _print_table(result, summary, None, None)
-    assert "(p=2, d=1,500, E=1,200)" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("1f1b measured: 1 mini-batch of 1,500 replicas x 4,096 x 1,300 samples, 3,000 ranks (p=2, d=1,500, "
+            "E=1,200) over gloo (cpu)") in out
+    assert "; replica 1,499: 1.00, 1.00 " in out
