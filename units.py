@@ -37,18 +37,21 @@ def bytes_text(nbytes: int) -> str:
 
 
 def number_allowed(least: float | None, most: float | None, whole: bool = True, finite: bool = False,
-                   above: bool = False) -> str:
+                   above: bool = False, below: bool = False) -> str:
     """What a number takes with its bounds grouped in thousands, "give a whole number from 1 to 1,000" ("of at least
     1" where it has no upper bound; `finite`: "give a finite number from 0 to 1,000,000,000", where nan and inf are
     refused too; `above`: `least` itself is refused, "give a finite number above 0 and at most 86,400", a time or a
-    rate that 0 makes no sense of): the one wording of the command line's range refusals (cli.py `_allowed`), of
-    pipesim's own (workload/sizes.py `size_refusal`, commands/common.py `finite_from` and `parse_numbers`) and of the
-    benchmarks'."""
+    rate that 0 makes no sense of; `below`: `most` itself is refused, "give a finite number at least 0 and below 1",
+    a probability that 1 makes no sense of): the one wording of the command line's range refusals (cli.py
+    `_allowed`), of pipesim's own (workload/sizes.py `size_refusal`, commands/common.py `finite_from` and
+    `parse_numbers`) and of the benchmarks'."""
     def bound(value: float) -> str:
         return f"{int(value):,}" if float(value).is_integer() else f"{value:,.10g}"
 
-    if above and least is not None:
-        bounds = f" above {bound(least)}" + (f" and at most {bound(most)}" if most is not None else "")
+    if (above and least is not None) or (below and most is not None):
+        lower = f"{'above' if above else 'at least'} {bound(least)}" if least is not None else ""
+        upper = f"{'below' if below else 'at most'} {bound(most)}" if most is not None else ""
+        bounds = " " + " and ".join(filter(None, (lower, upper)))
     else:
         bounds = (f" from {bound(least)} to {bound(most)}" if least is not None and most is not None else
                   f" of at least {bound(least)}" if least is not None else

@@ -331,7 +331,7 @@ CUDA = torch.cuda.is_available()
     # not 0 GiB
     ([*MLP, "--memory-gb", "1e-300"], "--memory-gb: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e-300)"),
     (["--model", "mlp", "--heads", "2"], "--heads does not apply to mlp"),
-    (["--model", "gpt", "--width", "30", "--heads", "4"], "--width (30) must be a multiple of --heads (4)"),
+    (["--model", "gpt", "--width", "30", "--heads", "4"], "--width: give a multiple of --heads 4 (got 30)"),
     (["--model", "mlp", "--dtype", "float64"],
      "--dtype: choose from fp32, bf16, fp16, float32, bfloat16, float16 (got 'float64')"),
     (["--model", "mlp", "--link-max-mb", "0.001"], "--link-max-mb: give from 8 KiB"),

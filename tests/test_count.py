@@ -304,7 +304,6 @@ def test_a_micro_batch_past_what_torch_addresses_is_refused_naming_its_size(size
 @pytest.mark.parametrize("args, fragment", [
     (("--dtype", "fp64"), "--dtype: choose from fp32, bf16, fp16"),
     (("--attention", "sparse"), "--attention: choose from math, flash"),
-    (("--heads", 4, "--kv-heads", 3), "--heads (4) must be a multiple of --kv-heads (3)"),
     (("--model", "mlp", "--heads", 2), "--heads does not apply to mlp"),
     (("--model", "nowhere:thing"), "cannot import nowhere"),
     # a model file beside the user's folder, not in it: say where the import looked
@@ -313,6 +312,25 @@ def test_a_micro_batch_past_what_torch_addresses_is_refused_naming_its_size(size
 def test_count_refuses_bad_input_in_one_line(args, fragment):
     code, out, err = pipesim("count", *args)
     assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1
+
+
+DROPOUT_ALLOWED = "--dropout: give a finite number at least 0 and below 1"
+
+
+@pytest.mark.parametrize("args, line", [
+    (("--dropout", "1"), f"{DROPOUT_ALLOWED} (got 1)"),
+    (("--dropout", "-0.5"), f"{DROPOUT_ALLOWED} (got -0.5)"),
+    (("--dropout", "nan"), f"{DROPOUT_ALLOWED} (got nan)"),
+    (("--width", 100, "--heads", 12), "--width: give a multiple of --heads 12 (got 100)"),
+    (("--width", 16, "--heads", 4, "--kv-heads", 3), "--heads: give a multiple of --kv-heads 3 (got 4)"),
+    (("--experts", 4, "--top-k", 5), "--top-k: give at most --experts 4 (got 5)"),
+])
+def test_a_gpts_shape_is_refused_in_the_one_wording(args, line):
+    """--dropout read "--dropout (1.0) must be at least 0 and below 1", and a rule between two flags "--width (100)
+    must be a multiple of --heads (12)": now "FLAG: give WHAT IS ALLOWED (got VALUE)", the other flag named with its
+    value as it is typed."""
+    code, out, err = pipesim("count", "--model", "gpt", *args)
+    assert (code, out, err) == (2, "", f"error: {line}\n")
 
 
 @pytest.mark.parametrize("attention", ["math", "flash"])

@@ -228,7 +228,7 @@ def test_a_moe_gpt_trains_off_the_meta_device():
 
 @pytest.mark.parametrize("args, fragment", [
     (("--top-k", 2), "--top-k applies to a mixture of experts: give --experts too"),
-    (("--experts", 4, "--top-k", 5), "--top-k (5) must be at most --experts (4)"),
+    (("--experts", 4, "--top-k", 5), "--top-k: give at most --experts 4 (got 5)"),
     (("--experts", 0), "--experts: give a whole number from 1 to 16,384 (got 0)"),
     # not the --expert-ffn it defaults from
     (("--experts", 4, "--width", 0), "--width: give a whole number from 1 to 1,048,576 (got 0)"),

@@ -29,10 +29,15 @@ def test_a_size_past_ten_thousand_gib_reads_as_a_plain_number_in_tib_or_pib():
     (0, 86_400, dict(whole=False, finite=True, above=True), "give a finite number above 0 and at most 86,400"),
     (0, None, dict(whole=False, finite=True, above=True), "give a finite number above 0"),
     (None, 7, dict(above=True), "give a whole number of at most 7"),  # `above` bounds `least`; none here
+    (0, 1, dict(whole=False, finite=True, below=True), "give a finite number at least 0 and below 1"),
+    (0, 1, dict(whole=False, finite=True, above=True, below=True), "give a finite number above 0 and below 1"),
+    (None, 1_000, dict(below=True), "give a whole number below 1,000"),
+    (3, None, dict(below=True), "give a whole number of at least 3"),  # `below` bounds `most`; none here
 ])
 def test_a_range_reads_in_one_sentence_form_with_its_bounds_grouped(least, most, kind, said):
     """Every bound pipesim refuses a number by: "of at most" had no test, and an exclusive least had no form (run's
-    --lr/--timeout and the benchmarks' seconds wrote "above 0" by hand)."""
+    --lr/--timeout and the benchmarks' seconds wrote "above 0" by hand), nor an exclusive most (--dropout wrote
+    "below 1" by hand)."""
     assert number_allowed(least, most, **kind) == said
 
 

@@ -394,11 +394,12 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
     check_positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn, kv_heads=kv_heads)
     moe = _expert_shape(ffn, experts, top_k, shared_experts, expert_ffn, capacity_factor)  # its ffn checked first
     if dropout is not None and not 0 <= dropout < 1:
-        raise ModelError(f"--dropout ({dropout}) must be at least 0 and below 1")
+        allowed = number_allowed(0, 1, whole=False, finite=True, below=True)
+        raise ModelError(f"--dropout: {allowed} (got {float_text(float(dropout))})")
     if width % heads:
-        raise ModelError(f"--width ({width}) must be a multiple of --heads ({heads})")
+        raise ModelError(f"--width: give a multiple of --heads {heads:,} (got {width:,})")
     if heads % kv_heads:
-        raise ModelError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+        raise ModelError(f"--heads: give a multiple of --kv-heads {kv_heads:,} (got {heads:,})")
     norm = "layernorm" if norm is None else norm
     if norm not in NORMS:
         raise ModelError(choose_from("--norm", NORMS, norm))
@@ -444,7 +445,7 @@ def _expert_shape(ffn: int, experts: int | None, top_k: int | None, shared: int 
                         shared or 0, capacity_factor)
     check_positive(experts=experts, top_k=shape.top_k, expert_ffn=shape.ffn)
     if shape.top_k > experts:
-        raise ModelError(f"--top-k ({shape.top_k}) must be at most --experts ({experts})")
+        raise ModelError(f"--top-k: give at most --experts {experts:,} (got {shape.top_k:,})")
     check_size("shared_experts", shape.shared, least=0)
     check_capacity_factor(capacity_factor, experts, shape.top_k)
     return shape
