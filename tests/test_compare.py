@@ -131,13 +131,26 @@ def test_a_prediction_from_a_profile_records_the_optimizer_and_dtype_it_was_pric
 def test_model_options_that_are_not_an_object_are_refused_naming_the_field():
     plain = run("1f1b", 2, 4).trace
     predicted = replace(plain, meta=replace(plain.meta, calibration={"model": "gpt", "options": {"layers": 2}}))
-    for calibration, options, field in (({"model": "gpt", "options": 5}, {"layers": 2}, "calibration.options"),
-                                        ({"model": "gpt", "options": {"layers": 2}}, ["layers"],
-                                         "extra.model_options")):
+    for calibration, options, field, got in (({"model": "gpt", "options": 5}, {"layers": 2},
+                                              "calibration.options", "5"),
+                                             ({"model": "gpt", "options": {"layers": 2}}, ["layers"],
+                                              "extra.model_options", '["layers"]')):
         bad = replace(predicted, meta=replace(predicted.meta, calibration=calibration))
         with pytest.raises(TraceError) as refused:  # a TypeError's traceback before
             compare(bad, as_measured(predicted, extra={"model": "gpt", "model_options": options}, calibration=None))
-        assert str(refused.value).startswith(f"pipesim header: meta.{field} must be an object of the model's options")
+        assert str(refused.value) == f"pipesim header: meta.{field}: give an object of the model's options (got {got})"
+
+
+def test_the_command_refuses_a_traces_model_options_that_are_not_an_object_in_the_one_wording(tmp_path):
+    """A hand-edited trace's meta.calibration.options read "... must be an object of the model's options (got [2,
+    64])": now "FIELD: give WHAT IS ALLOWED (got VALUE)", the value as the file writes it."""
+    predicted, measured = tmp_path / "p.json", tmp_path / "m.json"
+    assert pipesim("simulate", "-s", "gpipe", "-p", "2", "-m", "4", "--trace", measured).code == 0
+    doc = json.loads(measured.read_text())
+    doc["pipesim"]["meta"]["calibration"] = {"model": "gpt", "options": [2, 64]}
+    predicted.write_text(json.dumps(doc))
+    assert pipesim("compare", measured, predicted) == (
+        2, "", "error: pipesim header: meta.calibration.options: give an object of the model's options (got [2, 64])\n")
 
 
 def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_cannot_compare(tmp_path):

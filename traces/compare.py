@@ -10,6 +10,7 @@ duration, a start error in ms from each trace's own first op, the iteration time
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
@@ -179,7 +180,8 @@ def _options(options: object, where: str) -> dict:
     """The model's size options a trace records at meta.`where` ({} where it records none); TraceError where they
     are not an object (a hand-edited file), which `check_comparable` would index."""
     if options is not None and not isinstance(options, dict):
-        raise TraceError(f"pipesim header: meta.{where} must be an object of the model's options (got {options!r})")
+        raise TraceError(f"pipesim header: meta.{where}: give an object of the model's options (got "
+                         f"{json.dumps(options)})")
     return options or {}
 
 
