@@ -1427,6 +1427,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     --profile's."""
     from ..planning.buckets import OPTIMIZER_BUCKETS
     from ..planning.scenario import Scenario, check_stage_cut, first_last
+    from ..schedules.methods import above_zero_refusal
     from ..sim import ClusterError, CostError, load_cluster
 
     flags = {**ctx.params, **overrides}
@@ -1441,8 +1442,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if len(comm_ms) != 1:
         raise InputError(f"--comm: give one number of milliseconds (got {flags['comm']!r})")
     network = flags.get("network_gb_s")
-    if network is not None and not 0 < network < math.inf:
-        raise InputError(f"--network-gb-s: give a finite number of GB/s above 0 (got {network:g})")
+    refuse(above_zero_refusal(network, "--network-gb-s"))
     zero = zero_stage(flags)
     if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "

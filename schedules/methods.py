@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..choices import choose_from
-from ..units import float_text, number_allowed
+from ..units import float_text, given_text, number_allowed
 from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
 from .passes import add_context_parallel, add_data_parallel, add_expert_parallel, overlap_expert_communication
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView
@@ -56,13 +56,15 @@ MAX_SEARCH_SECONDS = 86_400
 
 
 def above_zero_refusal(value: float | None, flag: str, given: str | None = None, most: float = math.inf) -> str | None:
-    """A searched schedule's knob (`activation_limit`, `search_seconds`): a finite number above 0 and at most
-    `most` (None: its default); `given`, the value as the reader wrote it."""
+    """A number above 0 (a searched schedule's knob, `activation_limit`, `search_seconds`; --network-gb-s): a finite
+    number above 0 and at most `most` (None: its default); `given`, the value as the reader wrote it."""
     if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
                          and value <= most):
         return None
-    limit = f" and at most {most:,}" if most < math.inf else ""
-    return f"{flag}: give one finite number above 0{limit} (got {value if given is None else given!r})"
+    allowed = number_allowed(0, most if most < math.inf else None, whole=False, finite=True, above=True)
+    shown = (given_text(given) if given is not None else
+             float_text(value) if isinstance(value, float) else given_text(str(value)))
+    return f"{flag}: {allowed} (got {shown})"
 
 
 _FLAGS = {"m": "--microbatches", "N": "--minibatches", "p": "--stages", "v": "--chunks", "P": "--pipelines"}

@@ -129,9 +129,9 @@ def test_simulate_shows_auto_beside_the_fixed_schedules_and_refuses_bad_limits()
     step = {r["schedule"]: r["time_per_minibatch_ms"] for r in results}
     assert list(step) == ["auto", "1f1b", "zb-h1"] and step["auto"] <= min(step.values())
     for args, fragment in ((["--activation-limit", "0.1"], "--activation-limit: R = 0.1 lets a device hold"),
-                           (["--activation-limit", "x"], "give one finite number above 0 (got 'x')"),
-                           (["--search-seconds", "-1"], "--search-seconds: give one finite number above 0"),
-                           (["--activation-limit", "inf"], "--activation-limit: give one finite number above 0")):
+                           (["--activation-limit", "x"], "give a finite number above 0 (got 'x')"),
+                           (["--search-seconds", "-1"], "--search-seconds: give a finite number above 0"),
+                           (["--activation-limit", "inf"], "--activation-limit: give a finite number above 0")):
         code, _, err = pipesim("simulate", "-s", "auto", *args)
         assert code == 2 and fragment in err and err.count("\n") == 1, err
     code, _, err = pipesim("simulate", "-s", "1f1b", "--activation-limit", "2")

@@ -144,10 +144,10 @@ def test_typed_and_estimated_costs_refuse_an_unknown_precision_with_the_one_line
      dict(elastic_alpha=2.0), "--elastic-alpha: give a finite number above 0 and at most 1 (got 2)"),
     (("-s", "auto", "--fwd", "1", "--bwd", "2", "--search-seconds", "0"),
      lambda name: above_zero_refusal(0.0, name, None if name == "search_seconds" else "0", MAX_SEARCH_SECONDS),
-     dict(search_seconds=0.0), "--search-seconds: give one finite number above 0 and at most 86,400 (got '0')"),
+     dict(search_seconds=0.0), "--search-seconds: give a finite number above 0 and at most 86,400 (got 0)"),
     (("-s", "auto", "--fwd", "1", "--bwd", "2", "--search-seconds", "1e12"),  # searched on past 2 minutes, unrefused
      lambda name: above_zero_refusal(1e12, name, None if name == "search_seconds" else "1e12", MAX_SEARCH_SECONDS),
-     dict(search_seconds=1e12), "--search-seconds: give one finite number above 0 and at most 86,400 (got '1e12')"),
+     dict(search_seconds=1e12), "--search-seconds: give a finite number above 0 and at most 86,400 (got 1e12)"),
 ])
 def test_simulate_refuses_schedule_parameters_with_the_schedules_own_rule(flags, line, params, says):
     with pytest.raises(ScheduleError) as rule:

@@ -113,7 +113,7 @@ BAD = {
     "auto's limit below a micro-batch": (["--schedule", "auto", *SMALL_MLP, "--fwd", 1, "--bwd", 2,
                                           "--activation-limit", 0.1], "R must be at least 0.5"),
     "auto's limit not a number": (["--schedule", "auto", *SMALL_MLP, "--fwd", 1, "--bwd", 2, "--activation-limit",
-                                   "lots"], "--activation-limit: give one finite number above 0 (got 'lots')"),
+                                   "lots"], "--activation-limit: give a finite number above 0 (got 'lots')"),
     "costs for a fixed order": (["--schedule", "1f1b", *SMALL_MLP, "--fwd", 1],
                                 "--fwd: only a schedule searched from the costs (auto) reads it, not 1f1b"),
     "auto's limit for a fixed order": (["--schedule", "1f1b", *SMALL_MLP, "--activation-limit", 2],

@@ -355,10 +355,10 @@ def without(module, monkeypatch):
     # socket dialled another port, 65536 mod 2**16
     (["--workers", "0"], "--workers"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
-    (["-s", "auto", "--activation-limit", "1,x"], "--activation-limit: give one finite number above 0 (got 'x')"),
+    (["-s", "auto", "--activation-limit", "1,x"], "--activation-limit: give a finite number above 0 (got 'x')"),
     (["-s", "auto", "--activation-limit", "0.01"], "--activation-limit: R = 0.01 lets a device hold"),
-    (["-s", "auto", "--search-seconds", "0"], "--search-seconds: give one finite number above 0 and at most 86,400 "
-                                               "(got '0')"),
+    (["-s", "auto", "--search-seconds", "0"], "--search-seconds: give a finite number above 0 and at most 86,400 "
+                                               "(got 0)"),
     (["--grid", "GRID:activation-limit = [-1]"], "activation-limit: give a finite number above 0 each (got -1)"),
     # an axis no method in the grid reads was dropped, exit 0: 1f1b swept alone
     (["-s", "1f1b", "--chunks", "2"], "--chunks applies to interleaved-1f1b, zb-v, dualpipev, dualpipe only, not 1f1b"),

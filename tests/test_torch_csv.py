@@ -313,7 +313,7 @@ def csv_file(tmp_path):
     (lambda f, d: ["export", "-s", "auto", "--fwd", "1", "--bwd", "2", "--activation-limit", "0.1", "--format",
                    "torch-csv", "--out", f"{d}/x"], "--activation-limit: R = 0.1 lets a device hold"),
     (lambda f, d: ["export", "-s", "auto", "--fwd", "1", "--bwd", "2", "--activation-limit", "x", "--format",
-                   "torch-csv", "--out", f"{d}/x"], "--activation-limit: give one finite number above 0 (got 'x')"),
+                   "torch-csv", "--out", f"{d}/x"], "--activation-limit: give a finite number above 0 (got 'x')"),
     (lambda f, d: ["export", "-s", "1f1b", "--fwd", "1", "--format", "torch-csv", "--out", f"{d}/x"],
      "--fwd: only a schedule searched from the costs (auto) reads it, not 1f1b"),
     (lambda f, d: ["simulate", "--schedule-file", f, "-s", "1f1b"], "--schedule and --schedule-file"),
