@@ -17,7 +17,7 @@ from rich.table import Table
 
 from ..choices import choose_from
 from ..traces.metrics import STALENESS_HEADER
-from ..units import count_text
+from ..units import count_text, degree_text
 from .common import (
     InputError,
     Microbatches,
@@ -216,9 +216,10 @@ def _check_model(setting) -> None:
 
 
 def _title(setting) -> str:
-    options = ", ".join(f"{k} {v}" for k, v in setting.model_options.items())
-    return (f"pipesim study: {setting.model} ({options}), p={setting.stages}, m={setting.microbatches}, "
-            f"b={setting.microbatch_size}, {setting.samples:,} samples")
+    options = ", ".join(f"{k} {v:,}" for k, v in setting.model_options.items())
+    degrees = ", ".join(degree_text(*degree) for degree in [("p", setting.stages), ("m", setting.microbatches),
+                                                            ("b", setting.microbatch_size)])
+    return f"pipesim study: {setting.model} ({options}), {degrees}, {setting.samples:,} samples"
 
 
 def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int, path: Path, quiet: bool) -> None:

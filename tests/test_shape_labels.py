@@ -6,7 +6,9 @@ from types import SimpleNamespace
 
 from pipesim.commands.estimate import ModelWork, parallelism_text
 from pipesim.commands.simulate import _label
+from pipesim.commands.study import _title
 from pipesim.planning import sweep, tune
+from pipesim.study.plan import Setting
 from pipesim.traces.view import shape_text
 from pipesim.units import degree_text
 from tests.conftest import run
@@ -65,3 +67,11 @@ def test_run_table_title_groups_each_degree(capsys):
     assert ("1f1b measured: 1 mini-batch of 1,500 replicas x 4,096 x 1,300 samples, 3,000 ranks (p=2, d=1,500, "
             "E=1,200) over gloo (cpu)") in out
     assert "; replica 1,499: 1.00, 1.00 " in out
+
+
+def test_study_title_groups_each_degree():
+    """study's table and page title its setting as the other labels do: "p=1,024, m=4,096, b=1,300" (was written by
+    hand, "p=1024, m=4096, b=1300"), its model's options with them ("width 2,048")."""
+    setting = Setting("mlp", {"layers": 8, "width": 2048}, 1024, 4096, 1300, 2, 1)
+    assert _title(setting) == ("pipesim study: mlp (layers 8, width 2,048), p=1,024, m=4,096, b=1,300, "
+                               "10,649,600 samples")
