@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from .ir import SYNCHRONOUS, Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
-from .methods import Method, ScheduleParams, interleave_1f1b_rows, make_schedule, pipedream_order
+from .methods import Method, ScheduleParams, interleave_1f1b_rows, make_schedule, pipedream_order, require_degree
 from .table import KIND_CODE, ActionTable
 
 _F, _B, _OPT, _AVG = (KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.OPT, Kind.AVG))
@@ -90,8 +90,7 @@ def avgpipe(params: ScheduleParams) -> Schedule:
     pipeline's update of an averaged mini-batch, one AVG per stage pulls the replicas and the reference
     model together.
     """
-    if params.chunks != 1:
-        raise ScheduleError(f"avgpipe places one model stage per device: chunks must be 1 (got {params.chunks})")
+    require_degree(params, "chunks", 1, "avgpipe places one model stage per device")
     p, m, n, copies = params.stages, params.microbatches, params.minibatches, params.pipelines
     # One pipeline has nothing to average with: no AVG and no reference model, plain 1F1B with advance forwards.
     averaged = [b for b in range(n) if (b + 1) % params.average_every == 0 or b == n - 1] if copies > 1 else []

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..files import GRAPH_FILE, GRAPH_KEYS, read_document
 from ..units import number_allowed
 from .ir import Schedule, ScheduleError, StageGraph
-from .methods import MAX_STAGES, Method, ScheduleParams, flushed_1f1b, make_schedule
+from .methods import MAX_STAGES, Method, ScheduleParams, flushed_1f1b, make_schedule, require_degree
 
 
 def two_branch_graph(stages: int) -> StageGraph:
@@ -37,8 +37,8 @@ def graph_schedule(
 ) -> Schedule:
     """1F1B per stage with warm-up = the longest downstream path; one stage per device (stage s on
     device s unless `placement` says otherwise)."""
-    if params.chunks != 1 or params.pipelines != 1:
-        raise ScheduleError(f"{name} places one stage per device in one pipeline: chunks and pipelines must be 1")
+    for field in ("chunks", "pipelines"):
+        require_degree(params, field, 1, f"{name} places one stage per device in one pipeline")
     if graph.num_stages != params.stages:
         raise ScheduleError(f"{name}: the stage graph has {graph.num_stages} stages, stages is {params.stages}")
 

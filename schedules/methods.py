@@ -222,11 +222,21 @@ class Method:
         return ScheduleParams(stages, microbatches, minibatches, *self.shape(chunks, pipelines), **options)
 
 
+def require_degree(params: ScheduleParams, field: str, allowed: int, why: str) -> None:
+    """Refuse `params`' `field` (chunks, pipelines) other than `allowed`, naming its flag and `why` the method takes
+    only that: "--chunks: give 1, as gpipe places one model stage per device (got 2)"."""
+    given = getattr(params, field)
+    if given != allowed:
+        raise ScheduleError(f"--{field}: give {allowed}, as {why} (got {given:,})")
+
+
+def require_single_pipeline(method: str, params: ScheduleParams) -> None:
+    require_degree(params, "pipelines", 1, f"{method} runs a single pipeline")
+
+
 def require_plain(method: str, params: ScheduleParams) -> None:
-    if params.chunks != 1:
-        raise ScheduleError(f"{method} places one model stage per device: chunks must be 1 (got {params.chunks})")
-    if params.pipelines != 1:
-        raise ScheduleError(f"{method} runs a single pipeline: pipelines must be 1 (got {params.pipelines})")
+    require_degree(params, "chunks", 1, f"{method} places one model stage per device")
+    require_single_pipeline(method, params)
 
 
 def make_schedule(

@@ -12,7 +12,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .ir import Kind, Schedule, ScheduleError, StageGraph
-from .methods import Method, ScheduleParams, interleave_1f1b_rows, make_schedule, require_plain
+from .methods import (
+    Method,
+    ScheduleParams,
+    interleave_1f1b_rows,
+    make_schedule,
+    require_degree,
+    require_plain,
+    require_single_pipeline,
+)
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable
 
 _F, _B, _I, _W, _OPT = (KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT))
@@ -45,11 +53,6 @@ def _each_device(devices: int, device_order: Callable[[int], _VOrder]) -> Action
                        np.zeros(rows, dtype=FIELD_DTYPE), np.zeros(rows, dtype=FIELD_DTYPE), peer.astype(FIELD_DTYPE))
 
 
-def _require_single_pipeline(method: str, params: ScheduleParams) -> None:
-    if params.pipelines != 1:
-        raise ScheduleError(f"{method} runs a single pipeline: pipelines must be 1 (got {params.pipelines})")
-
-
 def interleaved_1f1b(params: ScheduleParams) -> Schedule:
     """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): v chunks per device, model stage s on device
     s mod p, so a micro-batch crosses every device v times and the fill/drain bubble shrinks by v.
@@ -60,7 +63,7 @@ def interleaved_1f1b(params: ScheduleParams) -> Schedule:
     non-interleaved 1F1B when v = 1, so that case is plain 1F1B (warm-up p−k−1).
     """
     method = "interleaved-1f1b"
-    _require_single_pipeline(method, params)
+    require_single_pipeline(method, params)
     p, m, v = params.stages, params.microbatches, params.chunks
     if v > 1 and m % p:
         raise ScheduleError(
@@ -132,11 +135,8 @@ def _v_placement(p: int) -> list[int]:
 
 def _require_v(method: str, params: ScheduleParams,
                holds: str = "folds the model into a V of two chunks per device") -> None:
-    _require_single_pipeline(method, params)
-    if params.chunks != 2:
-        raise ScheduleError(
-            f"{method} {holds} (device i holds stages i and 2p-1-i): chunks must be 2 (got {params.chunks})"
-        )
+    require_single_pipeline(method, params)
+    require_degree(params, "chunks", 2, f"{method} {holds} (device i holds stages i and 2p-1-i)")
 
 
 # A V order's passes (`_VOrder`), each its parts' (kind, chunk): F, B, I or W of chunk 0 or 1; W of the oldest I of

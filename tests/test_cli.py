@@ -127,7 +127,6 @@ def test_schedules_lists_methods():
     (["--param-mb", "1,2"], "--param-mb"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
     (["--wgrad-fraction", "2"], "--wgrad-fraction"),
-    (["--chunks", "2", "-s", "gpipe"], "gpipe places one model stage per device"),
     (["--cluster", "/no/such/cluster.json"], "--cluster: cannot read cluster file"),
     (["-s", "1f1b", "--jitter", "0.1", "--seed", "-3"], "--seed"),  # numpy's traceback: a seed is not negative
     (["-s", "1f1b", "--seed", str(2**32)], "--seed: give a whole number from 0 to 4,294,967,295 (got 4,294,967,296)"),
@@ -135,8 +134,6 @@ def test_schedules_lists_methods():
     (["--trace", "/no/such/dir/x.json"], "--trace: cannot write"),
     (["--frobnicate"], "No such option"),
     (["-s", "interleaved-1f1b", "-m", "6"], "multiple of stages"),
-    (["-s", "zb-v", "--chunks", "3"], "chunks must be 2"),
-    (["-s", "1f1b", "--pipelines", "2"], "pipelines must be 1"),
     (["-s", "1f1b", "--advance", "2"], "--advance applies to avgpipe only"),
     (["-s", "avgpipe", "--elastic-alpha", "0"], "--elastic-alpha"),
     (["-s", "graphpipe", "--graph", "/no/such/graph.json"], "--graph: cannot read graph file /no/such/graph.json"),
@@ -175,6 +172,22 @@ def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert code == 2
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("args, line", [
+    (["-s", "gpipe", "--chunks", "2"], "--chunks: give 1, as gpipe places one model stage per device (got 2)"),
+    (["-s", "avgpipe", "--chunks", "2"], "--chunks: give 1, as avgpipe places one model stage per device (got 2)"),
+    (["-s", "1f1b", "--pipelines", "2"], "--pipelines: give 1, as 1f1b runs a single pipeline (got 2)"),
+    (["-s", "zb-v", "--chunks", "3"], "--chunks: give 2, as zb-v folds the model into a V of two chunks per device "
+                                      "(device i holds stages i and 2p-1-i) (got 3)"),
+    (["-s", "graphpipe", "--pipelines", "2"], "--pipelines: give 1, as graphpipe places one stage per device in one "
+                                              "pipeline (got 2)"),
+])
+def test_a_methods_shape_is_refused_naming_the_flag_in_the_one_wording(args, line):
+    """A method's v or P read "zb-v ...: chunks must be 2 (got 3)", naming no flag (graphpipe's not the value):
+    now "FLAG: give WHAT IS ALLOWED, as WHY (got VALUE)"."""
+    code, out, err = pipesim("simulate", *args)
+    assert (code, out, err) == (2, "", f"error: {line}\n")
 
 
 @pytest.mark.parametrize("args, line", [

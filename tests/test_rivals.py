@@ -191,14 +191,14 @@ def test_rivals_are_synchronous_and_flush_per_minibatch(name):
 
 @pytest.mark.parametrize("name,params,fragment", [
     ("interleaved-1f1b", ScheduleParams(4, 6, chunks=2), "multiple of stages"),
-    ("interleaved-1f1b", ScheduleParams(4, 8, pipelines=2), "pipelines must be 1"),
-    ("zb-h1", ScheduleParams(4, 8, chunks=2), "chunks must be 1"),
-    ("zb-h2", ScheduleParams(4, 8, chunks=2), "chunks must be 1"),
+    ("interleaved-1f1b", ScheduleParams(4, 8, pipelines=2), "--pipelines: give 1, as "),
+    ("zb-h1", ScheduleParams(4, 8, chunks=2), "--chunks: give 1, as "),
+    ("zb-h2", ScheduleParams(4, 8, chunks=2), "--chunks: give 1, as "),
     ("zb-h2", ScheduleParams(4, 6), "at least 2p-1 = 7 micro-batches"),
-    ("zb-v", ScheduleParams(4, 8), "chunks must be 2"),
-    ("zb-v", ScheduleParams(4, 8, chunks=3), "chunks must be 2"),
-    ("zb-v", ScheduleParams(4, 8, chunks=2, pipelines=2), "pipelines must be 1"),
-    ("dualpipev", ScheduleParams(4, 8, chunks=1), "chunks must be 2"),
+    ("zb-v", ScheduleParams(4, 8), "--chunks: give 2, as "),
+    ("zb-v", ScheduleParams(4, 8, chunks=3), "--chunks: give 2, as "),
+    ("zb-v", ScheduleParams(4, 8, chunks=2, pipelines=2), "--pipelines: give 1, as "),
+    ("dualpipev", ScheduleParams(4, 8, chunks=1), "--chunks: give 2, as "),
     ("dualpipev", ScheduleParams(4, 7, chunks=2), "at least 2p micro-batches"),
 ])
 def test_bad_configurations_say_what_is_wrong(name, params, fragment):
