@@ -22,7 +22,6 @@ Prints a table per doc and, below it, each command that did not run as shown, wi
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 import shlex
@@ -42,7 +41,7 @@ from pipesim.commands.tables import print_table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))  # the repository's tests/, whose readers of the docs this runs
 
-from benchmarks.one_line_parser import OneLineParser  # noqa: E402
+from benchmarks.one_line_parser import OneLineParser, positive_number  # noqa: E402
 from tests.test_docs_commands import DOCS, DocCommand, doc_commands, is_placeholder, pipesim_steps  # noqa: E402
 from tests.test_readme import SHARED_PATHS, user_folder  # noqa: E402
 
@@ -197,12 +196,11 @@ def report(outcomes: dict[str, list[Outcome]], console: Console) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("docs", nargs="*", help="docs to run, by file name (default: every docs/*.md)")
-    parser.add_argument("--timeout", type=float, default=120, help="seconds one command may take (default 120)")
+    parser.add_argument("--timeout", type=positive_number, default=120,  # 0 or less times every command out
+                        help="seconds one command may take (default 120)")
     parser.add_argument("--gpu", action="store_true", help="also run the commands that need a GPU")
     parser.add_argument("--ranks", action="store_true", help="also run the commands started under torchrun")
     args = parser.parse_args(argv)
-    if not math.isfinite(args.timeout) or args.timeout <= 0:  # 0 or less times every command out before it runs
-        parser.error(f"--timeout must be a finite number of seconds above 0 (got {args.timeout:g})")
     known = {doc.name: doc for doc in DOCS}
     unknown = [name for name in args.docs if name not in known]
     if unknown:
