@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..units import degree_text
 from .ir import SYNCHRONOUS, Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
 from .methods import Method, ScheduleParams, interleave_1f1b_rows, make_schedule, pipedream_order, require_degree
 from .table import KIND_CODE, ActionTable
@@ -53,8 +54,8 @@ def pipedream_2bw(params: ScheduleParams) -> Schedule:
     """PipeDream's order with two weight buffers: staleness 1 everywhere, two versions held."""
     if params.microbatches < params.stages - 1:
         raise ScheduleError(
-            f"pipedream-2bw needs m >= p-1 micro-batches per mini-batch (got m={params.microbatches}, "
-            f"p={params.stages}): otherwise the input stage starts mini-batch b before W(b-1) exists"
+            f"pipedream-2bw needs m >= p-1 micro-batches per mini-batch (got {degree_text('m', params.microbatches)}, "
+            f"{degree_text('p', params.stages)}): otherwise the input stage starts mini-batch b before W(b-1) exists"
         )
     return pipedream_order("pipedream-2bw", params, TWO_BW_POLICY)
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..units import degree_text
 from .ir import Kind, Schedule, ScheduleError, StageGraph
 from .methods import (
     Method,
@@ -68,7 +69,8 @@ def interleaved_1f1b(params: ScheduleParams) -> Schedule:
     if v > 1 and m % p:
         raise ScheduleError(
             f"{method} with {v} chunks per device needs micro-batches to be a multiple of stages "
-            f"(Megatron sends p micro-batches through each chunk in turn): got m={m}, p={p}"
+            f"(Megatron sends p micro-batches through each chunk in turn): got {degree_text('m', m)}, "
+            f"{degree_text('p', p)}"
         )
     k = np.arange(p)  # the device
     warmup = (p - k - 1) * 2 + (v - 1) * p if v > 1 else p - k - 1
@@ -123,7 +125,7 @@ def zb_h2(params: ScheduleParams) -> Schedule:
     if m < 2 * p - 1:
         raise ScheduleError(
             f"zb-h2 runs 2p-1 forwards on stage 0 before its first backward, so it needs at least 2p-1 = "
-            f"{2 * p - 1} micro-batches (got m={m}); with fewer, use zb-h1, which is then faster"
+            f"{2 * p - 1:,} micro-batches (got {degree_text('m', m)}); with fewer, use zb-h1, which is then faster"
         )
     return _zero_bubble_handcrafted("zb-h2", params, 2)
 
@@ -264,7 +266,7 @@ def dualpipev(params: ScheduleParams) -> Schedule:
     if m < 2 * p:
         raise ScheduleError(
             f"{method} needs at least 2p micro-batches, one per model stage of the V (DualPipeV asserts "
-            f"num_chunks >= 2 * num_ranks): got m={m}, p={p}"
+            f"num_chunks >= 2 * num_ranks): got {degree_text('m', m)}, {degree_text('p', p)}"
         )
 
     def device_order(r: int) -> _VOrder:
@@ -288,7 +290,8 @@ def dualpipe(params: ScheduleParams) -> Schedule:
     if p % 2 or m % 2 or m < 2 * p:
         raise ScheduleError(
             f"{method} needs an even number of devices and an even number of micro-batches, at least 2p (DualPipe "
-            f"asserts num_ranks % 2 == 0, num_chunks % 2 == 0 and num_chunks >= num_ranks * 2): got p={p}, m={m}"
+            f"asserts num_ranks % 2 == 0, num_chunks % 2 == 0 and num_chunks >= num_ranks * 2): "
+            f"got {degree_text('p', p)}, {degree_text('m', m)}"
         )
     half = m // 2
 

@@ -25,6 +25,7 @@ import io
 import itertools
 from dataclasses import dataclass, field
 
+from ..units import degree_text
 from .ir import ScheduleError
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "I", "W"  # torch's schedule CSV's letters; the fork calls the input gradient B
@@ -226,7 +227,8 @@ def fork_orders(stages: int, microbatches: int, costs: ForkCosts, max_pending: i
     `max_pending` micro-batches (--zero-bubble-max-pending-backward: p for ZB-1p, 2p for ZB-2p)."""
     if stages < 2 or microbatches < 1 or max_pending < 1:
         raise ScheduleError(f"the zero-bubble fork's scheduler needs at least 2 stages, 1 micro-batch and a memory "
-                            f"limit of at least 1 (got p={stages}, m={microbatches}, limit {max_pending})")
+                            f"limit of at least 1 (got {degree_text('p', stages)}, {degree_text('m', microbatches)}, "
+                            f"limit {max_pending:,})")
     placements = (_Placement(stages, microbatches, costs, 2 * max_pending, variant).run() for variant in VARIANTS)
     best = min(placements, key=_Placement.longest_stage_us)  # the first of the shortest, as initial_solution keeps
     return [stage.ops for stage in best.stages]

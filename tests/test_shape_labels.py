@@ -4,10 +4,15 @@ hand, read "p=1024"."""
 import dataclasses
 from types import SimpleNamespace
 
+import pytest
+
 from pipesim.commands.estimate import ModelWork, parallelism_text
 from pipesim.commands.simulate import _label
 from pipesim.commands.study import _title
 from pipesim.planning import sweep, tune
+from pipesim.schedules import ScheduleError, ScheduleParams
+from pipesim.schedules.catalogue import build_schedule
+from pipesim.schedules.zb_heuristic import fork_orders
 from pipesim.study.plan import Setting
 from pipesim.traces.view import shape_text
 from pipesim.units import degree_text
@@ -75,3 +80,23 @@ def test_study_title_groups_each_degree():
     setting = Setting("mlp", {"layers": 8, "width": 2048}, 1024, 4096, 1300, 2, 1)
     assert _title(setting) == ("pipesim study: mlp (layers 8, width 2,048), p=1,024, m=4,096, b=1,300, "
                                "10,649,600 samples")
+
+
+@pytest.mark.parametrize("method, stages, microbatches, chunks, said", [
+    ("interleaved-1f1b", 1024, 1500, 2, "got m=1,500, p=1,024"),
+    ("zb-h2", 1024, 1000, 1, "2p-1 = 2,047 micro-batches (got m=1,000)"),
+    ("dualpipev", 1024, 1000, 2, "got m=1,000, p=1,024"),
+    ("dualpipe", 1024, 1000, 2, "got p=1,024, m=1,000"),
+    ("pipedream-2bw", 2048, 1000, 1, "(got m=1,000, p=2,048)"),
+])
+def test_a_methods_refusal_groups_the_degrees_it_quotes(method, stages, microbatches, chunks, said):
+    """The methods' refusals quote m and p as the labels write them (units.degree_text), "got m=1,000, p=1,024", not
+    by hand, "got m=1000, p=1024"."""
+    with pytest.raises(ScheduleError) as refused:
+        build_schedule(method, ScheduleParams(stages, microbatches, chunks=chunks))
+    assert said in str(refused.value)
+
+
+def test_the_zero_bubble_forks_refusal_groups_its_figures():
+    with pytest.raises(ScheduleError, match=r"\(got p=1, m=1,000, limit 1,500\)$"):
+        fork_orders(1, 1000, None, 1500)
