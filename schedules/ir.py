@@ -201,9 +201,8 @@ class StageGraph:
         succs: list[list[int]] = [[] for _ in range(self.num_stages)]
         for src, dst in self.edges:
             if not (0 <= src < self.num_stages and 0 <= dst < self.num_stages) or src == dst:
-                raise ScheduleError(
-                    f"stage graph edge {src}->{dst}: both ends must be distinct stages in 0..{self.num_stages - 1}"
-                )
+                raise ScheduleError(f'"edges": give [from, to] pairs of distinct stages 0..{self.num_stages - 1} '
+                                    f"(got [{src}, {dst}])")
             succs[src].append(dst)
             preds[dst].append(src)
         object.__setattr__(self, "preds", tuple(tuple(p) for p in preds))

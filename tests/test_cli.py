@@ -387,11 +387,14 @@ def test_graph_file(tmp_path):
 @pytest.mark.parametrize("graph, said", [
     ({"stages": 2, "edges": [0, 1]}, '"edges": give a list of [from, to] stage pairs'),
     ({"stages": 2, "edges": [[0, 1]], "placement": [0]}, '"placement": give a device for each of the 2 stages'),
+    ({"stages": 2, "edges": [[0, 5]]}, '"edges": give [from, to] pairs of distinct stages 0..1 (got [0, 5])'),
+    ({"stages": 2, "edges": [[1, 1]]}, '"edges": give [from, to] pairs of distinct stages 0..1 (got [1, 1])'),
     ({"stages": 2, "edges": [[0, 1]], "placement": [0, 0]}, '"placement": give each stage its own device 0..1 '
                                                             "(got [0, 0])"),
 ])
 def test_a_graph_files_field_is_refused_as_any_files_field(tmp_path, graph, said):
-    """A graph file's field read '"edges" must be ...' where every other file's field reads "FIELD: give ..."."""
+    """A graph file's field read '"edges" must be ...' (an edge out of range "stage graph edge 0->5: both ends must be
+    distinct stages in 0..1") where every other file's field reads "FIELD: give ..."."""
     path = tmp_path / "g.json"
     path.write_text(json.dumps(graph))
     code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", str(path))
