@@ -32,6 +32,7 @@ from torch_pipelining import torch_steps  # this folder's: torch's runtime on pi
 
 from pipesim.executor import RunSpec, run_multiprocess
 from pipesim.schedules import ScheduleParams, build_schedule
+from pipesim.units import count_text, degree_text
 from pipesim.workload.transport import Rendezvous, served_rendezvous
 
 METHODS = ("gpipe", "1f1b")  # run by torch's own ScheduleGPipe and Schedule1F1B
@@ -126,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.width, args.warmup, args.steps, args.repeats = 256, 1, 4, 2
 
-    print(f"mlp {args.layers}x{args.width}, b={args.microbatch_size}, m={args.microbatches}, {args.ranks} ranks, "
-          f"gloo CPU, 1 thread/rank; {args.repeats} runs x {args.steps} mini-batches after {args.warmup} warm-up")
+    print(f"mlp {args.layers}x{args.width}, {degree_text('b', args.microbatch_size)}, "
+          f"{degree_text('m', args.microbatches)}, {count_text(args.ranks, 'rank')}, gloo CPU, 1 thread/rank; "
+          f"{count_text(args.repeats, 'run')} x {count_text(args.steps, 'mini-batch')} after {args.warmup:,} warm-up")
     print(f"{'method':7} {'pipesim ms [IQR]':>24} {'torch ms [IQR]':>24} {'pipesim/torch':>14} {'noise':>7}")
     for method in args.methods:
         config = Config(method, args.ranks, args.microbatches, args.microbatch_size, args.layers, args.width,

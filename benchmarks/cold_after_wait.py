@@ -24,6 +24,7 @@ from rich.table import Table
 from pipesim.calibrate.measure import DTYPES, Settings, measure_bytes
 from pipesim.calibrate.passes import StageRun, stage_runs
 from pipesim.commands.tables import print_table
+from pipesim.units import degree_text
 from pipesim.workload.models import build_model
 
 WAITS_MS = (0.2, 1.0, 5.0)
@@ -80,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     bounds = [round(k * layers / args.stages) for k in range(args.stages + 1)]
     runs = stage_runs(model, bounds, "float32", args.microbatch_size)
     repeats = [one_repeat(runs, args.rounds) for _ in range(args.repeats)]
-    table = Table(title=f"mlp {args.layers}x{args.width}, b={args.microbatch_size}, stages {bounds}, one thread: "
-                        f"median of {args.repeats} repeats of {args.rounds} rounds")
+    table = Table(title=f"mlp {args.layers}x{args.width}, {degree_text('b', args.microbatch_size)}, stages {bounds}, "
+                        f"one thread: median of {args.repeats:,} repeats of {args.rounds:,} rounds")
     for column in ("stage", "right after", "F ms", "B ms", "F / back to back", "B / back to back",
                    "spread over repeats (F, B)"):
         table.add_column(column, justify="left" if column == "right after" else "right")

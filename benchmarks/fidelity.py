@@ -61,6 +61,7 @@ from pipesim.traces import summarize
 from pipesim.traces.compare import Comparison, compare
 from pipesim.traces.metrics import merged_intervals
 from pipesim.traces.trace import Stream, Trace, read_trace, write_trace
+from pipesim.units import count_text, degree_text
 
 TARGETS = {"iteration": 0.02, "per_op": 0.05, "memory": 0.05}
 WAIT_MS = 0.5  # a rank idle this long before an op: on the 2-core VMs here it has lost part of its caches
@@ -427,6 +428,16 @@ def measure(args: argparse.Namespace, methods: list[str], folder: Path, say: Cal
         (folder / "torch-probe.json").write_text(json.dumps(probe_ms))
 
 
+def workload_text(chain: Workload, dag: Workload, repeats: int, device_name: str) -> str:
+    """The table's second title line and the JSON's "workload": the workloads, their shape as every label writes it
+    ("b=32, p=2, m=4"), and the host."""
+    shape = ", ".join(degree_text(*degree) for degree in [("b", chain.microbatch_size), ("p", chain.stages),
+                                                          ("m", chain.microbatches)])
+    return (f"{chain.model} {chain.options}, {shape}, {count_text(chain.steps, 'timed mini-batch')} after "
+            f"{chain.warmup:,}; gloo CPU, 1 thread/rank; {count_text(repeats, 'repeat')} (graphpipe: {dag.model} "
+            f"{dag.options}, {degree_text('p', dag.stages)}); {device_name}")
+
+
 def report(quick: bool, folder: Path, console: Console, out: Path | None) -> None:
     """The tables, from what `measure` kept in `folder`."""
     chain, dag = workloads(quick)
@@ -441,10 +452,8 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
     profiles = {w.model: [load_profile(profile_path(folder, w.model, r)) for r in range(repeats)] for w in (chain, dag)
                 if profile_path(folder, w.model, 0).exists()}
     rows = [row(c.method, comparisons(c, profiles[c.workload.model]), c.runs) for c in cases]
-    header = (f"{chain.model} {chain.options}, b={chain.microbatch_size}, p={chain.stages}, m={chain.microbatches}, "
-              f"{chain.steps} timed mini-batches after {chain.warmup}; gloo CPU, 1 thread/rank; {repeats} "
-              f"repeats (graphpipe: {dag.model} {dag.options}, p={dag.stages}); {all_cores.environment.device_name}")
-    print_table(method_table(rows, f"fidelity: predicted (profile only) vs measured (pipesim's executor)\n{header}"),
+    workload = workload_text(chain, dag, repeats, all_cores.environment.device_name)
+    print_table(method_table(rows, f"fidelity: predicted (profile only) vs measured (pipesim's executor)\n{workload}"),
                 console)
     noise = float(np.median([r.spread for r in rows]))
     op_noise = [r.per_op_noise for r in rows if r.per_op_noise is not None]
@@ -516,7 +525,7 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
         print_paragraph("torch's cost per action (median over repeats): " + ", ".join(
             f"{method} {ms:.3f} ms" for method, ms in action_ms.items()), console)
     write_json(out, {
-        "workload": header, "noise_floor": noise, "per_op_noise_floor": op_noise,
+        "workload": workload, "noise_floor": noise, "per_op_noise_floor": op_noise,
         "methods": [vars(r) for r in rows], "structure_only": structure, "per_op_floor": op_floor,
         "op_contexts": {context: {"mean_ratio": r, "ops": n} for context, (r, n) in contexts.items()},
         "terms": [{"prediction_from": label, "methods": [vars(r) for r in found]} for label, found in lines],

@@ -61,11 +61,13 @@ def test_cold_after_wait_times_each_stages_passes_after_each_wait(capsys):
     threads = torch.get_num_threads()  # the benchmark times one intra-op thread
     try:
         with script_module("cold_after_wait") as bench:
-            bench.main(["--layers", "2", "--width", "16", "--microbatch-size", "4", "--rounds", "2", "--repeats",
+            bench.main(["--layers", "2", "--width", "16", "--microbatch-size", "1500", "--rounds", "2", "--repeats",
                         "1"])
     finally:
         torch.set_num_threads(threads)
-    rows = _table_rows(capsys.readouterr().out)[1:]
+    out = capsys.readouterr().out
+    assert "mlp 2x16, b=1,500, stages" in " ".join(out.split())  # b grouped as every label writes it
+    rows = _table_rows(out)[1:]
     contexts = ["back to back", "0.2 ms asleep", "1 ms asleep", "5 ms asleep"]
     assert [(row[0], row[1]) for row in rows] == [(k, context) for k in "01" for context in contexts]
     assert [row[4:6] for row in rows if row[1] == "back to back"] == [["1.000", "1.000"]] * 2

@@ -16,7 +16,7 @@ from pipesim.schedules.zb_heuristic import fork_orders
 from pipesim.study.plan import Setting
 from pipesim.traces.view import shape_text
 from pipesim.units import degree_text
-from tests.conftest import run
+from tests.conftest import run, script_module
 
 
 def test_degree_text_groups_thousands():
@@ -100,3 +100,22 @@ def test_a_methods_refusal_groups_the_degrees_it_quotes(method, stages, microbat
 def test_the_zero_bubble_forks_refusal_groups_its_figures():
     with pytest.raises(ScheduleError, match=r"\(got p=1, m=1,000, limit 1,500\)$"):
         fork_orders(1, 1000, None, 1500)
+
+
+def test_the_benchmarks_headers_group_each_degree(capsys, monkeypatch):
+    """bench_executor's and fidelity's headers write b, p and m as the labels do, "b=1,500, m=4,096" (by hand they
+    read "b=1500, m=4096"), and their counts grouped beside them."""
+    with script_module("bench_executor") as bench:
+        monkeypatch.setattr(bench, "pipesim_steps", lambda config: [1.0, 2.0])
+        monkeypatch.setattr(bench, "torch_run", lambda config: [1.0, 2.0])
+        bench.main(["--methods", "1f1b", "--ranks", "1200", "--microbatches", "4096", "--microbatch-size", "1500",
+                    "--steps", "1000", "--repeats", "1"])
+    assert capsys.readouterr().out.startswith(
+        "mlp 8x1024, b=1,500, m=4,096, 1,200 ranks, gloo CPU, 1 thread/rank; 1 run x 1,000 mini-batches after 2 "
+        "warm-up\n")
+    with script_module("fidelity") as fidelity:
+        chain = fidelity.Workload("mlp", {"layers": 8}, 1500, 1024, 4096, 2000, 6000)
+        dag = fidelity.Workload("two-branch", {"layers": 2}, 32, 1100, 4, 2, 6)
+        assert fidelity.workload_text(chain, dag, 3, "cpu") == (
+            "mlp {'layers': 8}, b=1,500, p=1,024, m=4,096, 6,000 timed mini-batches after 2,000; gloo CPU, 1 "
+            "thread/rank; 3 repeats (graphpipe: two-branch {'layers': 2}, p=1,100); cpu")
