@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,7 @@ from ..files import CLUSTER, read_document, validated
 from ..profiles.linkfit import piecewise_ms
 from ..schedules.methods import MAX_ROWS
 from ..traces.metrics import mib_text
-from ..units import GIB, MAX_MS, MIB, checked_memory_gib
+from ..units import GIB, MAX_MS, MIB, checked_memory_gib, float_text, number_allowed
 
 
 class ClusterError(ValueError):
@@ -110,8 +111,8 @@ def _slowdowns_problem(name: str, factors: Sequence[float]) -> str | None:
     """Why `factors` are not the slowdowns Cluster's field `name` holds (None: they are), for its checks and the
     cluster file's alike."""
     if factors and (factors[0] != 1.0 or any(not math.isfinite(f) or f <= 0 for f in factors)):
-        return (f"slowdowns with {_SLOWDOWNS_COUNT[name]}, ... devices computing at once, the first 1 and every one "
-                f"a finite number > 0 (got {list(factors)})")
+        return (f"give slowdowns with {_SLOWDOWNS_COUNT[name]}, ... devices computing at once, the first 1 and each "
+                f"a finite number above 0 (got {json.dumps(list(factors))})")
     return None
 
 
@@ -249,10 +250,15 @@ class LinkSpec(_Strict):
     def _increasing(cls, table: list[tuple[float, float]] | None) -> list[tuple[float, float]] | None:
         if table is not None:
             if len(table) < 2:
-                raise ValueError("a size table needs at least two [bytes, ms] points")
-            sizes = [size for size, _ in table]
-            if any(b <= a for a, b in zip(sizes, sizes[1:])) or any(not 0 <= ms <= MAX_MS for _, ms in table):
-                raise ValueError(f"sizes must increase and times must be from 0 to {MAX_MS:g} ms")
+                raise ValueError(f"give at least two [bytes, ms] points (got {len(table)})")
+            for before, (size, ms) in zip([None, *table], table):
+                if before is not None and size <= before[0]:
+                    raise ValueError(f"give [bytes, ms] points, their bytes increasing (got {float_text(size)} bytes "
+                                     f"after {float_text(before[0])})")
+                if not 0 <= ms <= MAX_MS:
+                    each = number_allowed(0, MAX_MS, whole=False, finite=True).removeprefix("give ")
+                    raise ValueError(f"give [bytes, ms] points, each ms {each} (got {float_text(ms)} at "
+                                     f"{float_text(size)} bytes)")
         return table
 
 
@@ -286,20 +292,22 @@ class ClusterSpec(_Strict):
         if not isinstance(raw, dict) or "devices" not in raw or isinstance(raw["devices"], list):
             return raw
         count = raw["devices"]
-        if not isinstance(count, int) or isinstance(count, bool) or count > MAX_ROWS // 2:
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_ROWS // 2:
             # 10**12 ran out of memory listing them: no schedule runs on more (each device runs 2 rows at least)
-            raise ValueError(f"devices: a whole number of devices, at most {MAX_ROWS // 2:,} (the most any "
-                             f"schedule pipesim simulates runs on), or a list of devices (got {count!r})")
+            got = f"{count:,}" if isinstance(count, int) and not isinstance(count, bool) else json.dumps(count)
+            raise ValueError(f"devices: {number_allowed(1, MAX_ROWS // 2)} (the most any schedule pipesim simulates "
+                             f"runs on), or a list of devices (got {got})")
         return {**raw, "devices": [{"name": f"device {d}"} for d in range(count)]}
 
     @model_validator(mode="after")
     def _in_range(self) -> ClusterSpec:
         n = len(self.devices)
         if n < 1:
-            raise ValueError("devices: at least one device")
+            raise ValueError("devices: give at least one device (got [])")
         for pair in self.links:
             if pair.src >= n or pair.dst >= n or pair.src == pair.dst:
-                raise ValueError(f"links: {pair.src}->{pair.dst} must join two distinct devices in 0..{n - 1}")
+                raise ValueError(f"links: give src and dst two distinct devices 0..{n - 1} "
+                                 f"(got {pair.src}->{pair.dst})")
         sharing: dict[str, DeviceSpec] = {}
         for device in self.devices:
             if device.compute is None or device.memory_gib is None:

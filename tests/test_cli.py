@@ -316,8 +316,24 @@ def test_malformed_cluster_file(tmp_path):
                             ({"link": {"latency_us": 1e15}},  # the engine's clock check, naming no field
                              "link.latency_us: Input should be less than or equal to 1,000,000,000,000"),
                             ({"devices": 10**12},  # a MemoryError's traceback, listing them
-                             "devices: a whole number of devices, at most 15,000,000 (the most any schedule pipesim "
-                             "simulates runs on), or a list of devices (got 1,000,000,000,000)")):
+                             "devices: give a whole number from 1 to 15,000,000 (the most any schedule pipesim "
+                             "simulates runs on), or a list of devices (got 1,000,000,000,000)"),
+                            # each read "X must be ..." or said no value: "sizes must increase and times must be ..."
+                            ({"devices": 0}, "devices: give a whole number from 1 to 15,000,000 (the most any "
+                                             "schedule pipesim simulates runs on), or a list of devices (got 0)"),
+                            ({"devices": []}, "devices: give at least one device (got [])"),
+                            ({"links": [{"src": 0, "dst": 5}]},
+                             "links: give src and dst two distinct devices 0..3 (got 0->5)"),
+                            ({"link": {"table": [[10, 1]]}},
+                             "link.table: give at least two [bytes, ms] points (got 1)"),
+                            ({"link": {"table": [[10, 1], [5, 2]]}},
+                             "link.table: give [bytes, ms] points, their bytes increasing (got 5 bytes after 10)"),
+                            ({"link": {"table": [[10, 1], [20, 2e9]]}},
+                             "link.table: give [bytes, ms] points, each ms a finite number from 0 to 1,000,000,000 "
+                             "(got 2,000,000,000 at 20 bytes)"),
+                            ({"contention": [1.5, 2.5]},
+                             "contention: give slowdowns with 1, 2, ... devices computing at once, the first 1 and "
+                             "each a finite number above 0 (got [1.5, 2.5])")):
         path.write_text(json.dumps({"devices": 4, **field}))
         code, _, err = pipesim("simulate", "--cluster", str(path))
         assert code == 2 and err == f"error: --cluster: cluster file {path}: {fragment}\n", err

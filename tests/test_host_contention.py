@@ -183,5 +183,5 @@ def test_collectives_on_cores_of_their_own_are_not_slowed():
                                               collective_contention=(1.0, 2.0, 3.0)))
     assert np.array_equal(trace.ops.start_us, plain.ops.start_us)
     assert np.array_equal(trace.ops.dur_us, plain.ops.dur_us)
-    with pytest.raises(ClusterError, match="collective_contention: slowdowns with 0, 1"):
+    with pytest.raises(ClusterError, match="collective_contention: give slowdowns with 0, 1"):
         Cluster(2, collective_contention=(1.0, -2.0))

@@ -243,9 +243,9 @@ def test_cluster_file(tmp_path):
 @pytest.mark.parametrize("content,fragment", [
     ("{", "not valid JSON"),
     ("{}", "devices"),
-    ('{"devices": 2, "links": [{"src": 0, "dst": 5}]}', "two distinct devices"),
+    ('{"devices": 2, "links": [{"src": 0, "dst": 5}]}', "links: give src and dst two distinct devices 0..1"),
     ('{"devices": 2, "link": {"latency_us": -1}}', "link.latency_us"),
-    ('{"devices": 2, "link": {"table": [[10, 1], [5, 2]]}}', "sizes must increase"),
+    ('{"devices": 2, "link": {"table": [[10, 1], [5, 2]]}}', "their bytes increasing"),
     ('{"devices": 2, "colour": "red"}', "colour"),
 ])
 def test_bad_cluster_files(tmp_path, content, fragment):
