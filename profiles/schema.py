@@ -30,7 +30,7 @@ from ..choices import OPTIMIZERS
 from ..choices import optimizer_refusal as optimizer_refusal  # re-exported: the profile's readers take it here
 from ..files import PROFILE, read_document, validated
 from ..memory_parts import SAVED_PARTS
-from ..units import MAX_BYTES, MAX_MS, MIB, count_text, number_allowed
+from ..units import MAX_BYTES, MAX_MS, MIB, count_text, float_text, number_allowed
 from .partition import (
     LayerCost,
     StageCosts,
@@ -513,10 +513,10 @@ class ContentionProfile(_Strict):
     @model_validator(mode="after")
     def _alone_first(self) -> ContentionProfile:
         if self.slowdown[0] != 1.0:
-            raise ValueError(f"slowdown[0] is one rank computing alone and must be 1.0, got {self.slowdown[0]}")
+            raise ValueError(f"slowdown.0: give 1, one rank computing alone (got {float_text(self.slowdown[0])})")
         if len(self.spread) != len(self.slowdown):
-            raise ValueError(f"spread must have one entry per slowdown entry ({len(self.slowdown)}), got "
-                             f"{len(self.spread)}")
+            raise ValueError(f"spread: give one entry per slowdown entry, {len(self.slowdown):,} (got "
+                             f"{len(self.spread):,})")
         return self
 
     @property

@@ -85,12 +85,12 @@ def test_a_profile_whose_tail_was_taken_in_wall_time_is_warned_of_where_it_held_
 
 
 @pytest.mark.parametrize("edit,fragment", [
-    ({"slowdown": [1.2, 1.6]}, "contention: slowdown[0] is one rank computing alone and must be 1.0, got 1.2"),
+    ({"slowdown": [1.2, 1.6]}, "contention: slowdown.0: give 1, one rank computing alone (got 1.2)"),
     ({"slowdown": [1.0, -1.0]}, "contention.slowdown.1: Input should be greater than 0"),
     ({"slowdown": [1.0, 0.0]}, "contention.slowdown.1: Input should be greater than 0"),
     ({"slowdown": [1.0, math.inf]}, "contention.slowdown.1: Input should be a finite number"),
     ({"slowdown": []}, "contention.slowdown: List should have at least 1 item"),
-    ({"spread": [0.1]}, "contention: spread must have one entry per slowdown entry (2), got 1"),
+    ({"spread": [0.1]}, "contention: spread: give one entry per slowdown entry, 2 (got 1)"),
     ({"spread": [0.1, -0.1]}, "contention.spread.1: Input should be greater than or equal to 0"),
     ({"meta": None}, "contention.meta: Input should be an object"),
 ])
@@ -98,6 +98,18 @@ def test_a_bad_contention_term_names_its_field(tmp_path, edit, fragment):
     with pytest.raises(ProfileError) as caught:
         load_profile(_with_contention(tmp_path, {**MEASURED, **edit}))
     assert fragment in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("edit,line", [
+    ({"slowdown": [1.2, 1.6]}, "contention: slowdown.0: give 1, one rank computing alone (got 1.2)"),
+    ({"spread": [0.1]}, "contention: spread: give one entry per slowdown entry, 2 (got 1)"),
+])
+def test_the_command_refuses_a_contention_term_in_the_one_wording(tmp_path, edit, line):
+    """They read "slowdown[0] is one rank computing alone and must be 1.0, got 1.2" and "spread must have one entry
+    per slowdown entry (2), got 1": now "FIELD: give WHAT IS ALLOWED (got VALUE)"."""
+    path = _with_contention(tmp_path, {**MEASURED, **edit})
+    code, out, err = pipesim("simulate", "--profile", path, "-s", "gpipe", "-m", "4")
+    assert (code, out, err) == (2, "", f"error: --profile: profile {path}: {line}\n")
 
 
 @pytest.mark.parametrize("ranks", [None, 3])
