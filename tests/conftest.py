@@ -101,6 +101,22 @@ def steady_host_load():
         yield
 
 
+@contextlib.contextmanager
+def compiling_checkpointed_hf() -> Iterator[None]:
+    """Inside: torch.compile traces a transformers layer under torch's checkpoint whole. With the `kernels` package
+    installed (transformers 5.25 requires it) an attention class's forward (kernels' `use_kernelized_func`) sets a
+    context variable and resets it before it returns, which dynamo refuses under a checkpoint as a side effect the
+    backward's recomputation would not replay; set and reset cancel, so skipping the replay loses nothing. After:
+    dynamo's caches reset, so one test's compiled graphs do not serve another's."""
+    import torch._dynamo
+
+    try:
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module's tests (its `pytestmark = pytest.mark.usefixtures("one_torch_thread")`): on

@@ -13,7 +13,7 @@ import torch
 
 from pipesim.executor import RunSpec
 from pipesim.workload.hf import hf_model
-from tests.conftest import build, needs_transformers, pipesim
+from tests.conftest import build, compiling_checkpointed_hf, needs_transformers, pipesim
 from tests.helpers import write_config
 from tests.reference import single_process
 
@@ -76,10 +76,8 @@ def test_a_windowed_layer_compiles_whole_and_computes_as_it_runs(tmp_path, model
     backend = aot_autograd(fw_compiler=lambda graph, _: graph.forward, bw_compiler=lambda graph, _: graph.forward)
     compiled = torch.compile(lambda x: checkpoint(layer, x, use_reentrant=False), backend=backend, fullgraph=True,
                              dynamic=False)
-    try:
+    with compiling_checkpointed_hf():
         torch.testing.assert_close(compiled(hidden), layer(hidden))
-    finally:
-        torch._dynamo.reset()
 
 
 def _estimated(tmp_path) -> tuple[str, object]:

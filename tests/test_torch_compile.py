@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.conftest import needs_transformers, pipesim, simulate_json
+from tests.conftest import compiling_checkpointed_hf, needs_transformers, pipesim, simulate_json
 
 torch = pytest.importorskip("torch")
 pytestmark = needs_transformers
@@ -84,8 +84,8 @@ def _compiled_saves(llama: str, context_fn=None) -> list[tuple[str, tuple[int, .
     compiled = torch.compile(lambda x: checkpoint(block, x, use_reentrant=False, preserve_rng_state=False,
                                                   **options),  # as torchtitan's ptd_checkpoint_wrapper runs it
                              backend=backend, fullgraph=True, dynamic=False)
-    compiled(torch.randn(BATCH, SEQ, 64, requires_grad=True)).sum().backward()
-    torch._dynamo.reset()
+    with compiling_checkpointed_hf():
+        compiled(torch.randn(BATCH, SEQ, 64, requires_grad=True)).sum().backward()
     return saved
 
 

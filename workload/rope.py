@@ -110,6 +110,15 @@ NO_ROPE_TO_FUSE = ("--rope-kernel fused: this model calls no RoPE pipesim can ru
                    "its positions unless given --rotary-percent): leave it out or pass eager")
 
 
+def _takes_q_k_cos_sin(function: object) -> bool:
+    """Whether `function` is RoPE in transformers' form, taking (q, k, cos, sin) first. Where the `kernels` package is
+    installed (transformers 5.25 requires it) transformers decorates it with `use_kernel_forward_from_hub`,
+    which makes it a module whose `forward` carries the function's signature; attention still calls it by name."""
+    if isinstance(function, torch.nn.Module):
+        function = function.forward
+    return callable(function) and list(inspect.signature(function).parameters)[:4] == ["q", "k", "cos", "sin"]
+
+
 @contextmanager
 def fused_rope(layer: torch.nn.Module, on: bool) -> Iterator[None]:
     """Run `layer`'s RoPE as `_STAND_INS` inside (`on`), else as it is: the functions of `_STAND_INS` that the
@@ -117,8 +126,7 @@ def fused_rope(layer: torch.nn.Module, on: bool) -> Iterator[None]:
     calls by name)."""
     modelings = {sys.modules[type(module).__module__] for module in layer.modules()} if on else set()
     eager = {(modeling, name): getattr(modeling, name) for modeling in modelings for name in _STAND_INS
-             if callable(getattr(modeling, name, None))
-             and list(inspect.signature(getattr(modeling, name)).parameters)[:4] == ["q", "k", "cos", "sin"]}
+             if _takes_q_k_cos_sin(getattr(modeling, name, None))}
     for (modeling, name) in eager:
         setattr(modeling, name, _STAND_INS[name])
     try:
