@@ -83,6 +83,13 @@ def float_text(value: float) -> str:
     return f"{mantissa}e{int(exponent)}" if exponent else mantissa
 
 
+def value_text(value: object) -> str:
+    """A value as a refusal quotes it where no text typed is at hand (a parameter read from a file, a trace's
+    recorded params): a float as float_text quotes it, anything else as given_text quotes its text ("1,000",
+    "'two'")."""
+    return float_text(value) if isinstance(value, float) else given_text(str(value))
+
+
 def memory_gib_refusal(memory_gib: float) -> str | None:
     """What a device's memory in GiB (--memory-gb, a cluster file's or a catalogue part's memory_gib) must be, where
     `memory_gib` is not it (None where it is): pipesim holds it as whole bytes, so less than one byte was a 0-byte cap

@@ -47,9 +47,9 @@ from .common import (
     host_memory_refusal,
     is_given,
     model_reads,
-    out_of_host_memory,
     read_error,
     refuse,
+    refuse_out_of_host_memory,
     require,
     require_model,
     stderr,
@@ -264,9 +264,7 @@ def calibrate(
         except (ModelError, DeviceError, PartitionError, LinkError, RuntimeProbeError, ContentionError) as exc:
             raise InputError(str(exc)) from None
         except (MemoryError, RuntimeError) as exc:  # the model or its batch does not fit in memory
-            if (refusal := out_of_host_memory(exc, model, microbatch_size)) is None:
-                raise
-            raise refusal from None
+            refuse_out_of_host_memory(exc, model, microbatch_size)
         except OSError as exc:
             raise InputError(f"calibration failed: {read_error(exc)}") from None
         with writing("--out"):

@@ -1255,6 +1255,14 @@ def out_of_host_memory(exc: BaseException, model: str, microbatch_size: int) -> 
                       f"{failed}; make it smaller (--width, --layers, --microbatch-size)")
 
 
+def refuse_out_of_host_memory(exc: BaseException, model: str, microbatch_size: int) -> NoReturn:
+    """`exc`, caught where a command makes its real batches (`calibrate`, `run`, `study`), as `out_of_host_memory`'s
+    one line and exit 2 where it is a failed allocation; any other error raised again, a bug's, with its traceback."""
+    if (refusal := out_of_host_memory(exc, model, microbatch_size)) is None:
+        raise exc
+    fail(str(refusal))
+
+
 def description_column():
     """A transient bar's description, as the column that takes the width its figures leave and wraps between words:
     rich cut the figures instead, at 80 columns calibrate's elapsed time to "0:0…" and study's description to

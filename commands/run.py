@@ -64,10 +64,10 @@ from .common import (
     host_memory_refusal,
     is_given,
     model_reads,
-    out_of_host_memory,
     read_error,
     read_profile,
     refuse,
+    refuse_out_of_host_memory,
     refused_with_flags,
     require_model,
     search_options,
@@ -376,9 +376,7 @@ def run(
     except OSError as exc:
         fail(read_error(exc))
     except (MemoryError, RuntimeError) as exc:  # the micro-batch the ranks are sent, made here first
-        if (refusal := out_of_host_memory(exc, model, microbatch_size)) is None:
-            raise
-        fail(str(refusal))
+        refuse_out_of_host_memory(exc, model, microbatch_size)
     if as_json:
         sys.stdout.write(json.dumps(_document(result, summary, trace, html), indent=2) + "\n")
     else:

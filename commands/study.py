@@ -32,9 +32,9 @@ from .common import (
     fail,
     host_memory_refusal,
     is_given,
-    out_of_host_memory,
     read_error,
     refuse,
+    refuse_out_of_host_memory,
     require_model,
     stderr,
     stdout,
@@ -191,9 +191,7 @@ def study(
     except OSError as exc:
         fail(read_error(exc))
     except (MemoryError, RuntimeError) as exc:  # a micro-batch this host cannot hold, made as a run starts
-        if (refusal := out_of_host_memory(exc, model, microbatch_size)) is None:
-            raise
-        fail(str(refusal))
+        refuse_out_of_host_memory(exc, model, microbatch_size)
     if as_json:
         print(json.dumps({"setting": setting.as_dict(), "samples": setting.samples, "results": str(results),
                           "html": str(html), "arms": [s.as_dict() for s in summaries]}, indent=2))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..choices import choose_from
-from ..units import float_text, given_text, number_allowed
+from ..units import float_text, given_text, number_allowed, value_text
 from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
 from .passes import add_context_parallel, add_data_parallel, add_expert_parallel, overlap_expert_communication
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView
@@ -62,9 +62,7 @@ def above_zero_refusal(value: float | None, flag: str, given: str | None = None,
                          and value <= most):
         return None
     allowed = number_allowed(0, most if most < math.inf else None, whole=False, finite=True, above=True)
-    shown = (given_text(given) if given is not None else
-             float_text(value) if isinstance(value, float) else given_text(str(value)))
-    return f"{flag}: {allowed} (got {shown})"
+    return f"{flag}: {allowed} (got {given_text(given) if given is not None else value_text(value)})"
 
 
 _FLAGS = {"m": "--microbatches", "N": "--minibatches", "p": "--stages", "v": "--chunks", "P": "--pipelines"}
@@ -109,9 +107,9 @@ class ScheduleParams:
                      "context_parallel", "expert_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ScheduleError(f"{name} must be a whole number >= 1 (got {value!r})")
+                raise ScheduleError(f"{name}: {number_allowed(1, None)} (got {value_text(value)})")
         if self.advance is not None and (not isinstance(self.advance, int) or self.advance < 0):
-            raise ScheduleError(f"advance must be a whole number >= 0 (got {self.advance!r})")
+            raise ScheduleError(f"advance: {number_allowed(0, None)} (got {value_text(self.advance)})")
         refused = (elastic_alpha_refusal(self.elastic_alpha) or prediction_refusal(self.prediction)
                    or above_zero_refusal(self.activation_limit, "activation_limit")
                    or above_zero_refusal(self.search_seconds, "search_seconds", most=MAX_SEARCH_SECONDS))
@@ -119,7 +117,7 @@ class ScheduleParams:
             raise ScheduleError(refused)
         for name in ("reduce_after_flush", "overlap_expert_comm"):
             if not isinstance(getattr(self, name), bool):
-                raise ScheduleError(f"{name} must be true or false (got {getattr(self, name)!r})")
+                raise ScheduleError(f"{name}: give true or false (got {value_text(getattr(self, name))})")
         if (refused := zero_refusal(self.zero)) is not None:
             raise ScheduleError(refused)
         self._check_size()

@@ -21,7 +21,7 @@ from ..schedules import (
     ScheduleError,
     StageGraph,
 )
-from ..units import MAX_BYTES, MAX_MS, MIB
+from ..units import MAX_BYTES, MAX_MS, MIB, number_allowed, value_text
 
 # The passes a stage's `transient_bytes` name, and the row each is (`KINDS`)
 TRANSIENT_KINDS = {"fwd": Kind.F, "bwd": Kind.B, "igrad": Kind.I, "wgrad": Kind.W}
@@ -393,7 +393,7 @@ class RowOverhead:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= MAX_MS:
                 raise CostError(f"row overhead times must be finite numbers from 0 to {MAX_MS:g} (got {value!r})")
         if not isinstance(self.warmup_rows, int) or self.warmup_rows < 1:
-            raise CostError(f"warmup_rows must be a whole number >= 1 (got {self.warmup_rows!r})")
+            raise CostError(f"warmup_rows: {number_allowed(1, None)} (got {value_text(self.warmup_rows)})")
 
     def warmup_extra_ms(self, computed_before: np.ndarray) -> np.ndarray:
         """Per row, given the compute rows its device ran before it, what it costs beyond its steady time (0
@@ -495,7 +495,7 @@ class Costs:
 
     def __post_init__(self) -> None:
         if not isinstance(self.recv_window, int) or self.recv_window < 0:
-            raise CostError(f"recv_window must be a whole number >= 0 (got {self.recv_window!r})")
+            raise CostError(f"recv_window: {number_allowed(0, None)} (got {value_text(self.recv_window)})")
         if any(kind not in COLLECTIVE_KIND_NAMES or not isinstance(link, str) or not link
                for kind, link in self.collective_links.items()):
             raise CostError(f"collective_links must name a link for some of {', '.join(COLLECTIVE_KIND_NAMES)} "
@@ -580,7 +580,7 @@ class Costs:
             raise CostError(f"precision must be one of {', '.join(PRECISIONS)} (got {precision!r})")
         held = PRECISIONS[precision]
         if not isinstance(microbatch_size, int) or microbatch_size < 1:
-            raise CostError(f"microbatch_size must be a whole number >= 1 (got {microbatch_size!r})")
+            raise CostError(f"microbatch_size: {number_allowed(1, None)} (got {value_text(microbatch_size)})")
         values = {
             name: _expand(name, value, num_stages)
             for name, value in {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "param_mb": param_mb,

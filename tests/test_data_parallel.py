@@ -87,7 +87,7 @@ def test_checks_refuse_a_misplaced_or_missing_reduce():
 
 
 def test_d_must_be_a_whole_number():
-    with pytest.raises(ScheduleError, match="data_parallel must be a whole number >= 1"):
+    with pytest.raises(ScheduleError, match=r"data_parallel: give a whole number of at least 1 \(got 0\)"):
         ScheduleParams(2, 2, data_parallel=0)
     for zero in (True, 4, "1"):
         with pytest.raises(ScheduleError, match="zero: choose from 0, 1, 2, 3"):
@@ -179,7 +179,7 @@ def test_after_the_flush_no_reduce_overlaps_a_backward_and_the_hidden_all_reduce
     hidden, shown = (summarize(simulate(s, costs, Cluster.uniform(2, 0.0))) for s in (overlapped, flushed))
     assert (hidden.makespan_ms, hidden.devices[0].exposed_collective_ms) == (26.0, 0.0)
     assert (shown.makespan_ms, shown.devices[0].exposed_collective_ms) == (27.5, 2.5)
-    with pytest.raises(ScheduleError, match="reduce_after_flush must be true or false"):
+    with pytest.raises(ScheduleError, match=r"reduce_after_flush: give true or false \(got 1\)"):
         replace(params, reduce_after_flush=1)
 
 

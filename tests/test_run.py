@@ -176,6 +176,33 @@ def test_an_allocation_torch_refuses_is_one_line_without_its_allocators_text():
         "failed; make it smaller (--width, --layers, --microbatch-size)")
 
 
+@pytest.mark.parametrize("command, module, name", [
+    (("run", "-s", "1f1b", "--stages", 2, "-m", 2, "--no-heldout"), "pipesim.executor.runners", "run_multiprocess"),
+    (("calibrate", "--stages", 2, "--no-links", "--no-runtime", "--no-contention", "--out", "p.json"),
+     "pipesim.calibrate.measure", "calibrate"),
+    (("study", "--no-timing", "-p", 2, "-s", "1f1b", "--seeds", 1), "pipesim.study.train", "train"),
+], ids=["run", "calibrate", "study"])
+def test_a_failed_allocation_past_the_estimate_is_one_line_in_each_command(tmp_path, monkeypatch, command, module,
+                                                                          name):
+    """A micro-batch that passed the estimate and still failed to be made (MemoryError, raised where the command makes
+    its real batches): one line and exit 2, the same in run, calibrate and study (commands/common.py
+    refuse_out_of_host_memory); an error of another kind keeps its traceback."""
+    import importlib
+
+    def fails(*args, **kwargs):
+        raise failure
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(importlib.import_module(module), name, fails)
+    small = ("--model", "mlp", "--layers", 3, "--width", 16, "-b", 4)
+    failure = MemoryError()
+    assert pipesim(*command, *small) == (2, "", "error: mlp does not fit in memory at micro-batch size 4 "
+                                                "(--microbatch-size): the host ran out of memory; make it smaller "
+                                                "(--width, --layers, --microbatch-size)\n")
+    failure = RuntimeError("a bug's")
+    with pytest.raises(RuntimeError, match="a bug's"):
+        pipesim(*command, *small)
+
 def test_a_data_parallel_runs_table_names_p_d_and_each_replicas_devices(monkeypatch):
     """4 ranks of p = 2 and d = 2: the title says both, the peaks are grouped by replica (not 'device 2/3')."""
     from pipesim.executor import runners
