@@ -338,7 +338,8 @@ def simulate(
                     cuts[name] = scenario.cut(sched) if scenario.measured is not None else None
                     costs = scenario.costs(sched, cuts[name])
                     links = scenario.links(sched)  # built once: the simulation, reserve and memory checks read it
-                    result = run_simulation(sched, costs, links, jitter=jitter, seed=seed)
+                    result = run_simulation(sched, costs, links, jitter=jitter, seed=seed,  # parts' curves: drawn
+                                            part_curves=html is not None or trace is not None)  # or written only
                 except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
                     skipped[name] = str(exc)
                     continue

@@ -1327,7 +1327,7 @@ def add_reserve(trace: Trace, reserve_bytes: Sequence[int]) -> None:
         curve = trace.counters["memory_bytes"][device]
         curve.values = curve.values + reserve
         trace.meta.peak_memory_parts[device]["reserve"] = reserve
-    drawn = trace.counters["memory_bytes.reserve"]
+    drawn = trace.counters.get("memory_bytes.reserve", [])  # none where the parts' curves were not made
     for device, curve in enumerate(drawn):
         if len(curve.times_us):
             drawn[device] = Counter(curve.times_us, curve.values + reserve_bytes[device])

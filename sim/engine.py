@@ -1739,13 +1739,16 @@ class _Model:
 
 
 def simulate(
-    schedule: Schedule, costs: Costs, cluster: Cluster, *, jitter: float = 0.0, seed: int = 0, memory: bool = True
+    schedule: Schedule, costs: Costs, cluster: Cluster, *, jitter: float = 0.0, seed: int = 0, memory: bool = True,
+    part_curves: bool = True,
 ) -> Trace:
     """Predict the timeline of `schedule` on `cluster` with `costs`; the same inputs give the same trace.
 
     `jitter` > 0 multiplies every compute time by a log-normal factor with that sigma, drawn from `seed`.
     `memory` False: the rows alone, no counters nor memory at the peak (about 70 % of the trace's making), for a
     caller that reads only when rows run (tune's longer runs for a steady step); the rows are the same.
+    `part_curves` False: no curve per memory part (`memory_bytes.PART`), which only a page draws, for a run no page
+    or trace file shows (a fifth of `simulate -p 128 -m 4096`); the total's curve and its parts at the peak stay.
     """
     preflight(schedule)
     if len(costs.stages) != schedule.num_stages:
@@ -1765,11 +1768,11 @@ def simulate(
                                                    "--blocking-comm)")
         raise SimulationError(f"{schedule.method}: {schedule.num_devices - model.finished} devices never "
                               f"finished{waiting}")
-    return _trace(costs, cluster, program, model, jitter, seed, memory)
+    return _trace(costs, cluster, program, model, jitter, seed, memory, part_curves)
 
 
 def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jitter: float, seed: int,
-           memory: bool = True) -> Trace:
+           memory: bool = True, part_curves: bool = True) -> Trace:
     lowered = program.lowered
     schedule, t, bounds = lowered.schedule, lowered.table, lowered.bounds
     # The point-to-point transfers' rows and ids, which the times and the memory counters below all read.
@@ -1792,8 +1795,9 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     np.copyto(first_ps, end_ps, where=program.stream == Stream.RECV)
     if costs.recv_window:
         first_ps[receives] = posted_ps
-    counters, parts_at_peak, savers_at_peak = (_counters(program, costs, transfers, transfer_ids, first_ps, end_ps)
-                                               if memory else ({}, None, None))
+    counters, parts_at_peak, savers_at_peak = (
+        _counters(program, costs, transfers, transfer_ids, first_ps, end_ps, part_curves) if memory
+        else ({}, None, None))
     start_ps = _start_times(program, model, first_ps, end_ps, transfers, transfer_ids)
     del transfers, transfer_ids
     devices = schedule.num_devices
@@ -1812,9 +1816,10 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
 
 
 def _counters(program: _Program, costs: Costs, transfers: np.ndarray, transfer_ids: np.ndarray, first_ps: np.ndarray,
-              end_ps: np.ndarray) -> tuple[dict[str, list[Counter]], list[dict[str, int]], list[dict[str, int]]]:
-    """The trace's counters (each row's events at `first_ps` and `end_ps`), and per device each memory part and each
-    saver of activations at its peak."""
+              end_ps: np.ndarray, part_curves: bool = True
+              ) -> tuple[dict[str, list[Counter]], list[dict[str, int]], list[dict[str, int]]]:
+    """The trace's counters (each row's events at `first_ps` and `end_ps`; each part's curve where `part_curves`),
+    and per device each memory part and each saver of activations at its peak."""
     lowered = program.lowered
     schedule, t, bounds = lowered.schedule, lowered.table, lowered.bounds
     devices = schedule.num_devices
@@ -1835,7 +1840,7 @@ def _counters(program: _Program, costs: Costs, transfers: np.ndarray, transfer_i
     # caching allocator's reserve, added after the step (sim/caching_allocator.py `add_reserve`), can change;
     # `keep_fullest_parts` then drops the others'.
     part_counters = {}
-    for part in (*MEMORY_PARTS, *SAVERS):
+    for part in (*MEMORY_PARTS, *SAVERS) if part_curves else ():
         part_counters[f"memory_bytes.{part}"], _ = _step_counters(
             bounds, first_ps, end_ps, memory_tables.row_deltas((part,), 0, len(t.kind)),
             static[part] if part in static else [0] * devices)

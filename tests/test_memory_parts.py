@@ -6,6 +6,7 @@ import pytest
 
 from pipesim.schedules import METHODS
 from pipesim.sim import Costs, simulate
+from pipesim.sim.caching_allocator import add_reserve
 from pipesim.sim.cluster import Cluster
 from pipesim.traces import summarize
 from pipesim.traces.trace import MEMORY_PARTS
@@ -45,6 +46,31 @@ def test_parts_are_the_counters_bytes_at_the_peak_exactly(name):
         assert sum(parts.values()) == int(trace.counters["memory_bytes"][d].values.max())
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb-h2", "pipedream", "avgpipe", "dualpipev"])
+def test_a_run_without_the_parts_curves_is_the_same_run(name):
+    """`part_curves=False` (simulate with no page or trace file to show them) leaves out the parts' curves alone:
+    the rows, the total and activation curves, the parts at the peak and the reserve added after are the ones the
+    full run gives, to the byte."""
+    schedule = build(name, 4, 8, 2)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, param_mb=7.3, activation_mb=1.1,
+                            output_mb=0.7)
+    full, lean = (simulate(schedule, costs, Cluster.uniform(schedule.num_devices, 0.3), part_curves=parts)
+                  for parts in (True, False))
+    assert {name for name in full.counters if name.startswith("memory_bytes.")} >= {
+        f"memory_bytes.{part}" for part in MEMORY_PARTS}
+    assert set(lean.counters) == {"memory_bytes", "activations", "weight_versions"}
+    for trace in (full, lean):
+        add_reserve(trace, [3 * MIB, 0, 5 * MIB, 1])
+    assert lean.ops.start_us.tobytes() == full.ops.start_us.tobytes()
+    assert lean.ops.dur_us.tobytes() == full.ops.dur_us.tobytes()
+    for counter in lean.counters:
+        for mine, theirs in zip(lean.counters[counter], full.counters[counter], strict=True):
+            assert mine.times_us.tobytes() == theirs.times_us.tobytes()
+            assert mine.values.tobytes() == theirs.values.tobytes()
+    assert lean.meta.peak_memory_parts == full.meta.peak_memory_parts
+    assert lean.meta.peak_activation_parts == full.meta.peak_activation_parts
+
+
 def test_1f1b_parts_are_what_each_part_holds():
     """1F1B on 4 devices: device k holds 4 - k micro-batches' activations at its peak, Adam's two moments, and
     ZeRO-1 over d = 2 halves the state and nothing else."""
@@ -79,6 +105,7 @@ def test_a_trace_keeps_its_breakdown(tmp_path):
     assert [sum(parts.values()) for parts in trace.meta.peak_memory_parts] == [
         round(d.peak_memory_mb * MIB) for d in summarize(trace).devices]
     assert "peak_memory_parts" in json.loads(path.read_text())["pipesim"]["meta"]
+    assert all(len(trace.counters[f"memory_bytes.{part}"]) == trace.num_devices for part in MEMORY_PARTS)
 
 
 def test_megatron_precision_holds_float32_gradients_master_weights_and_moments():
