@@ -630,7 +630,7 @@ class Scenario:
                 cut = fitted_cut(sched, memory, bounds, balanced, layers, stage_time)
                 if self.allocations is None:
                     return cut
-                trace = simulate(sched, self.costs(sched, cut), links)
+                trace = simulate(sched, self.costs(sched, cut), links, part_curves=False)  # for its reserves
                 reserves = self._reserves(sched, trace, cut, limits)
                 if all(memory.device(sched, d, cut) + reserve <= limit
                        for d, (reserve, limit) in enumerate(zip(reserves, limits))):

@@ -1647,7 +1647,7 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True, beat
     config, scenario, links = candidate.config, candidate.setting.scenario, candidate.links
     short = candidate.short_schedule or build(scenario, problem, config.schedule, replace(
         candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
-    long_trace = simulate(candidate.schedule, candidate.costs, links)
+    long_trace = simulate(candidate.schedule, candidate.costs, links, part_curves=False)  # tune draws no page
     if reserve:
         _add_reserve(candidate, long_trace)
     long_run = summarize(long_trace)
