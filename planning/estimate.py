@@ -2722,6 +2722,10 @@ class LayerMemo:
     gpu: Gpu
     curve: Curve | None = None
     layers: dict[tuple, list[LayerProfile]] = field(default_factory=dict)
+    # the same layers by their key but the ranks sharding the optimizer's state, which alone they differ by: under
+    # ZeRO those ranks are d's, so each p of a t would price every layer again (576 layer estimates against 252 in
+    # a tune of 8 GPUs)
+    priced: dict[tuple, list[LayerProfile]] = field(default_factory=dict)
     found: dict[tuple, Any] = field(default_factory=dict)  # what `kept` found of each key's layers
 
     def kept(self, key: tuple, make: Callable[[], Any]) -> Any:
@@ -2829,8 +2833,19 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     # the logits split over t under torch's loss_parallel, else whole on every rank (torchtitan's head:
     # ColwiseParallel, output_layouts Replicate unless loss_parallel); only torch's pipelining keeps them
     vocabulary_ranks = t if parallel.loss_parallel else 1
-    key = (replace(parallel, pipeline=1, data=1), shards, experts, links.tensor, links.context)
+    priced_key = (replace(parallel, pipeline=1, data=1), experts, links.tensor, links.context)
+    key = (*priced_key, shards)
+
+    def state_bytes(layer: LayerCount) -> dict[str, int]:
+        """The layer's optimizer state on the rank, over the `shards` ranks it is split over."""
+        held_state = state_share(layer, parallel, experts.weight_shards, element)  # of them t x its optimizer's
+        return {name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)
+                             * layer.param_bytes // element) * held_state) // shards for name in OPTIMIZERS}
+
     made = None if memo is None else memo.layers.get(key)  # by an estimate at another p or d
+    if made is None and memo is not None and priced_key in memo.priced:  # at another d sharding the state
+        made = [profile.model_copy(update={"optimizer_state_bytes": state_bytes(layer)})
+                for profile, layer in zip(memo.priced[priced_key], counted.layers, strict=True)]
     layers = [] if made is None else made
     sharing = sharing_dispatcher(device, parallel)
     float8 = parallel.float8_forms(element)  # each layer's form built once for all that price it
@@ -2857,7 +2872,6 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                             for part in (_routed_part, _combine_part))
         share = rank_share(layer, held_share(layer, experts.weight_shards), t, element)  # t x the rank's
         params = round(layer.param_bytes * share) // t
-        held_state = state_share(layer, parallel, experts.weight_shards, element)  # of them t x its optimizer's
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
         tokens_wait = waits_for_tokens(busiest, counted.options)  # before the dispatch, of `synced`
@@ -2914,15 +2928,14 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             product_ms=persistent_product_ms(busiest, device, parallel, element, float8),
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
-            optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)
-                                                * layer.param_bytes // element) * held_state) // shards
-                                   for name in OPTIMIZERS}))
+            optimizer_state_bytes=state_bytes(layer)))
     if made is None:
         # the host, in some layer or at each exchange between stages
         waits = parallel.p2p_sync or any(synchronises(layer, counted.options) for layer in counted.layers)
         layers = _with_host_waits(layers, issues, waits)
     if memo is not None:
         memo.layers[key] = layers
+        memo.priced.setdefault(priced_key, layers)
 
     def kept(what: tuple, make: Callable[[], Any]) -> Any:
         return make() if memo is None else memo.kept((key, *what), make)

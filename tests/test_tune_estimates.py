@@ -221,6 +221,16 @@ def test_estimates_at_other_depths_take_the_layers_made_and_equal_estimates_made
     assert 0 < len(memo.layers) < len(settings) and len(priced) < priced_alone
     with pytest.raises(ValueError, match="memo"):
         estimate_profile(replace(counted), H100, settings[0], memo=memo)
+    # ZeRO shards the optimizer's state over the d replicas, which differ by p: the layers are priced no more often
+    # than unsharded (they were priced again at each d before LayerMemo.priced)
+    def priced_with_one_memo(sharded: bool) -> int:
+        priced[:], memo = [], estimate.LayerMemo(counted, H100)
+        for parallel in settings:
+            if parallel.sharded_optimizer == sharded:
+                estimate_profile(counted, H100, parallel, memo=memo)
+        return len(priced)
+
+    assert priced_with_one_memo(True) == priced_with_one_memo(False) > 0
 
 
 def test_a_refusal_every_t_gets_is_the_estimates_own_not_a_t_problem():
