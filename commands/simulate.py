@@ -338,8 +338,9 @@ def simulate(
                     cuts[name] = scenario.cut(sched) if scenario.measured is not None else None
                     costs = scenario.costs(sched, cuts[name])
                     links = scenario.links(sched)  # built once: the simulation, reserve and memory checks read it
-                    result = run_simulation(sched, costs, links, jitter=jitter, seed=seed,  # parts' curves: drawn
-                                            part_curves=html is not None or trace is not None)  # or written only
+                    # each memory part's curve is drawn by the page and kept in a trace file, read by nothing else
+                    result = run_simulation(sched, costs, links, jitter=jitter, seed=seed,
+                                            part_curves=html is not None or trace is not None)
                 except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
                     skipped[name] = str(exc)
                     continue

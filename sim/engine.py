@@ -1816,7 +1816,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
 
 
 def _counters(program: _Program, costs: Costs, transfers: np.ndarray, transfer_ids: np.ndarray, first_ps: np.ndarray,
-              end_ps: np.ndarray, part_curves: bool = True
+              end_ps: np.ndarray, part_curves: bool
               ) -> tuple[dict[str, list[Counter]], list[dict[str, int]], list[dict[str, int]]]:
     """The trace's counters (each row's events at `first_ps` and `end_ps`; each part's curve where `part_curves`),
     and per device each memory part and each saver of activations at its peak."""
