@@ -2722,9 +2722,9 @@ class LayerMemo:
     gpu: Gpu
     curve: Curve | None = None
     layers: dict[tuple, list[LayerProfile]] = field(default_factory=dict)
-    # the same layers by their key but the ranks sharding the optimizer's state, which alone they differ by: under
-    # ZeRO those ranks are d's, so each p of a t would price every layer again (576 layer estimates against 252 in
-    # a tune of 8 GPUs)
+    # the same layers by their key but the optimizer state's sharding (on or off, and over which ranks), which alone
+    # they differ by: under ZeRO those ranks are d's, so each p of a t would price every layer again (576 layer
+    # estimates against 252 in a tune of 8 GPUs), and once more at d = 1, which shards nothing
     priced: dict[tuple, list[LayerProfile]] = field(default_factory=dict)
     found: dict[tuple, Any] = field(default_factory=dict)  # what `kept` found of each key's layers
 
@@ -2833,8 +2833,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     # the logits split over t under torch's loss_parallel, else whole on every rank (torchtitan's head:
     # ColwiseParallel, output_layouts Replicate unless loss_parallel); only torch's pipelining keeps them
     vocabulary_ranks = t if parallel.loss_parallel else 1
-    priced_key = (replace(parallel, pipeline=1, data=1), experts, links.tensor, links.context)
-    key = (*priced_key, shards)
+    # the layers but their optimizer state depend on neither p, d nor whether that state is sharded
+    priced_key = (replace(parallel, pipeline=1, data=1, sharded_optimizer=False), experts, links.tensor, links.context)
+    key = (*priced_key, parallel.sharded_optimizer, shards)
 
     def state_bytes(layer: LayerCount) -> dict[str, int]:
         """The layer's optimizer state on the rank, over the `shards` ranks it is split over."""

@@ -221,16 +221,23 @@ def test_estimates_at_other_depths_take_the_layers_made_and_equal_estimates_made
     assert 0 < len(memo.layers) < len(settings) and len(priced) < priced_alone
     with pytest.raises(ValueError, match="memo"):
         estimate_profile(replace(counted), H100, settings[0], memo=memo)
-    # ZeRO shards the optimizer's state over the d replicas, which differ by p: the layers are priced no more often
-    # than unsharded (they were priced again at each d before LayerMemo.priced)
-    def priced_with_one_memo(sharded: bool) -> int:
-        priced[:], memo = [], estimate.LayerMemo(counted, H100)
-        for parallel in settings:
-            if parallel.sharded_optimizer == sharded:
-                estimate_profile(counted, H100, parallel, memo=memo)
-        return len(priced)
+    # ZeRO shards the optimizer's state over the d replicas, which differ by p, and a layout at d = 1 shards nothing:
+    # the layers are priced no more often than unsharded (they were priced again at each d before
+    # LayerMemo.priced, and again at d = 1 while its key held the sharding) and come out as estimated alone
+    at_one_replica = [replace(parallel, data=1, expert=1, sharded_optimizer=False) for parallel in settings
+                       if parallel.sharded_optimizer and parallel.pipeline == 2]
 
-    assert priced_with_one_memo(True) == priced_with_one_memo(False) > 0
+    def priced_with_one_memo(settings: list[Parallelism]) -> int:
+        priced[:], memo = [], estimate.LayerMemo(counted, H100)
+        profiles = [estimate_profile(counted, H100, parallel, memo=memo) for parallel in settings]
+        layers_priced = len(priced)
+        for profile, parallel in zip(profiles, settings, strict=True):
+            assert profile.model_dump(exclude={"environment": {"date"}}) == estimate_profile(
+                counted, H100, parallel).model_dump(exclude={"environment": {"date"}}), parallel
+        return layers_priced
+
+    unsharded = [parallel for parallel in settings if not parallel.sharded_optimizer]
+    assert priced_with_one_memo(settings + at_one_replica) == priced_with_one_memo(unsharded) > 0
 
 
 def test_a_refusal_every_t_gets_is_the_estimates_own_not_a_t_problem():
