@@ -48,6 +48,7 @@ from ..schedules import (
     NUM_COMPUTE_KINDS,
     Kind,
     Schedule,
+    ScheduleError,
     ScheduleParams,
     StageGraph,
     kind_mask,
@@ -57,7 +58,14 @@ from ..schedules import (
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
-from ..sim.costs import RowOverhead, held_as_runtime, keeps_saved_until_weights, merges_outputs, wgrad_held
+from ..sim.costs import (
+    RowOverhead,
+    held_as_runtime,
+    keeps_saved_until_weights,
+    merges_outputs,
+    runtime_refusal,
+    wgrad_held,
+)
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
 from ..units import MIB, whole_number
@@ -209,6 +217,25 @@ class Scenario:
             return method.on_graph(replace(params, stages=self.dag[0].num_stages), *self.dag)
         return method.on_graph(params, profile_graph(self.measured, params.stages, bounds, self.stage_cut))
 
+    def fsdp2_refusal(self, sched: Schedule) -> str | None:
+        """Why FSDP2 cannot run `sched`'s order (`interleaved_minibatches`), where the stages run under it
+        (`--precision fsdp2`: typed costs' precision, or the estimate's), whether or not its allocations are
+        replayed; else None."""
+        estimate = self._estimate
+        precision = self.precision if self.measured is None else estimate and estimate.parallelism.get("precision")
+        interleaved = interleaved_minibatches(sched) if precision == "fsdp2" else None
+        if interleaved is None:
+            return None
+        return (f"{sched.method}: device {interleaved} starts a mini-batch before its last one's backwards are done, "
+                "and FSDP2 (--precision fsdp2) gathers a stage's weights at a step's first forward and reshards them "
+                "after its last backward: give a method that flushes each mini-batch (gpipe, 1f1b, "
+                "interleaved-1f1b, zb-h1, zb-v, ...)")
+
+    def order_refusal(self, sched: Schedule) -> str | None:
+        """Why this scenario's runtimes cannot run `sched` (None: they can), asked of the order alone, as tune
+        refuses shapes: its pipeline runtime's (`runtime_refusal`), or FSDP2's (`fsdp2_refusal`)."""
+        return runtime_refusal(sched, self.pp_runtime) or self.fsdp2_refusal(sched)
+
     @property
     def transfers_hold_products(self) -> bool:
         """Whether NCCL's pipeline transfers hold the compute beside them (`Costs.transfers_hold_products`): beside
@@ -234,13 +261,9 @@ class Scenario:
         With d > 1 data-parallel replicas (`sched.data_parallel`) or C > 1 context-parallel ranks, each stage's
         REDUCE (and GATHER) is priced over their `gradient_ranks` on `data_parallel_link` (`collective_costs`).
         """
-        if self.allocations is not None and any(layer.unsharded for layer in self.allocations):
-            interleaved = interleaved_minibatches(sched)
-            if interleaved is not None:
-                raise CostError(f"{sched.method}: device {interleaved} starts a mini-batch before its last one's "
-                                "backwards are done, and FSDP2 (--precision fsdp2) gathers a stage's weights at a "
-                                "step's first forward and reshards them after its last backward: give a method that "
-                                "flushes each mini-batch (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, ...)")
+        refused = self.fsdp2_refusal(sched)
+        if refused is not None:  # the order cannot run so: refused as a schedule, a candidate of tune's alone
+            raise ScheduleError(refused)
         costs = scaled(self._sharded_for(self._costs(sched, bounds), sched), self.cost_scale)
         estimate = self._estimate
         ring = estimate.context_link if estimate is not None else None

@@ -121,7 +121,7 @@ from ..schedules import (
     warmup_minibatches,
 )
 from ..sim.cluster import Cluster
-from ..sim.costs import Costs, owned_bytes, product_delay, runtime_refusal
+from ..sim.costs import Costs, owned_bytes, product_delay
 from ..sim.engine import device_product_ms, simulate, static_bytes, takes_time
 from ..traces import Summary, Trace, summarize
 from ..traces.metrics import percent_text
@@ -2037,11 +2037,12 @@ class _Orders:
 
     def _read(self, scenario: Scenario, name: str, params: ScheduleParams) -> _Sketch | ScheduleError:
         """The sketch of `name`'s order, or why it is refused: by the method, or by the scenario's pipeline runtime
-        (`runtime_refusal`: one search's settings share their runtime, so the sketches they share hold for all)."""
+        and FSDP2 (`Scenario.order_refusal`: one search's settings share their runtimes, so the sketches they share
+        hold for all)."""
         try:
             order = self(scenario, name, params)
             sketch = _Sketch.of(order)
-            refusal = runtime_refusal(order.schedule, scenario.pp_runtime)
+            refusal = scenario.order_refusal(order.schedule)
             return sketch if refusal is None else ScheduleError(refusal)
         except _CopiesRefused as exc:
             self._refused_methods[name] = exc

@@ -59,6 +59,24 @@ def test_zero_makes_the_widest_layout_fit():
     assert document["problem"]["zero"] == 1 and document["problem"]["precision"] is None
 
 
+def test_under_fsdp2_tune_leaves_out_the_orders_it_cannot_run_and_answers():
+    """FSDP2 gathers a stage's weights at a step's first forward and reshards them after its last backward, so an
+    order that returns to a mini-batch it left cannot run under it (planning/scenario.py `fsdp2_refusal`): tune
+    refuses those shapes by their method, as simulate skips them; a PipeDream shape stopped the whole search with
+    simulate's refusal, under the default methods too. Every layout it lists runs under FSDP2."""
+    from pipesim.planning.scenario import interleaved_minibatches
+    from pipesim.schedules import METHODS, ScheduleParams
+
+    code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, "-s", "1f1b,pipedream,avgpipe", "--max-staleness", 1,
+                             "--zero", 3, "--precision", "fsdp2", "--json")
+    assert code == 0, err
+    rows = tune_rows(json.loads(out))
+    assert "1f1b" in {row["schedule"] for row in rows}
+    for row in rows:
+        params = ScheduleParams(row["stages"], row["microbatches"], 2, row["chunks"], row["pipelines"])
+        assert interleaved_minibatches(METHODS[row["schedule"]].build(params)) is None, row
+
+
 def test_the_table_and_json_say_the_sharding(monkeypatch):
     code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *SCHEDULES, "--zero", 3, "--precision", "fsdp2",
                              "--json")
