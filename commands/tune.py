@@ -149,7 +149,7 @@ def tune(
     size b and recomputation the flags leave open, and every p those allow: all compete in one search, under the
     GPU's memory (or --memory-gb).
     """
-    from ..planning.estimate import check_context
+    from ..planning.estimate import check_context, tensor_split_refusal
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Problem, Setting, TuneError, start_workers
     from ..planning.tune import tune as search
@@ -222,7 +222,9 @@ def tune(
                 raise InputError(f"--devices: give at most {what.cluster_gpus:,}, the GPUs of the cluster --gpu "
                                  f"{ctx.params['gpu']} (got {devices:,})")
             context = what.context
-            _check_degrees(devices, tensor_parallel, data_parallel, context, what.options.get("seq_len"))
+            _check_degrees(devices, tensor_parallel, data_parallel, context, what.options.get("seq_len"),
+                           lambda t: tensor_split_refusal(count_what_if(what, microbatch_size or MICROBATCH_SIZES[0])
+                                                          .options, t, what.expert_tensor) is None)
             schedule_devices = Problem.devices_of(devices, context)  # (C divides D: checked)
             if zero and devices == (tensor_parallel or 1):  # D = t: every d·C = D/(t·p) is 1, nothing shards
                 given = f" at --tensor-parallel {tensor_parallel}" * bool(tensor_parallel)
@@ -399,11 +401,14 @@ def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: i
                      f"device{over}: give at least {math.ceil(weight_bytes / memory_cap_bytes):,} devices, or {more}")
 
 
-def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int, seq_len: int | None) -> None:
+def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int, seq_len: int | None,
+                   splits_model: Callable[[int], bool]) -> None:
     """D must be p x d x t x C for some p: the degrees given must divide it. A refusal names their product, the
     degree that does not divide D where one alone is to blame, and what would: the nearest multiples of the
     product for --devices, and the nearest degrees that divide D with the others kept, a C among them only where it
-    also splits `seq_len` tokens into 2C equal chunks, as `check_context` asks next (seq_len None: not given)."""
+    also splits `seq_len` tokens into 2C equal chunks, as `check_context` asks next (seq_len None: not given), a t
+    only where it splits the model (`splits_model`, asked of such a t alone: it counts the model), as the estimate
+    asks next."""
     given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data),
                                                ("--context-parallel", context if context > 1 else None)) if value]
     product = math.prod(value for _, value in given)
@@ -419,9 +424,12 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None, context: 
         flag, value = failing[0]
         room = devices // (product // value)  # what the degree may divide, the others kept
         divisors = [n for n in range(1, room + 1) if not room % n and (
-            flag != "--context-parallel" or n == 1 or not seq_len or not seq_len % (2 * n))]
-        nearest = [max(n for n in divisors if n < value), *(n for n in divisors if n > value)][:2]
-        instead.append(f"{flag} {' or '.join(f'{n:,}' for n in nearest)}")
+            flag != "--context-parallel" or n == 1 or not seq_len or not seq_len % (2 * n)) and (
+            flag != "--tensor-parallel" or splits_model(n))]
+        below_value = [n for n in divisors if n < value]  # a t of 1 splits every model: one is there unless t is 1
+        nearest = [*below_value[-1:], *(n for n in divisors if n > value)][:2]
+        if nearest:
+            instead.append(f"{flag} {' or '.join(f'{n:,}' for n in nearest)}")
         if len(given) > 1:
             refusal += f": {flag} {value:,} does not divide {devices:,}"
     raise InputError(f"{refusal}; give " + ", or ".join(instead))

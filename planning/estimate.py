@@ -2760,6 +2760,21 @@ def _per_block(counted: WorkloadCount, of: Callable[[LayerCount], Any]) -> list:
     return found
 
 
+def tensor_split_refusal(options: dict[str, Any], tensor: int, expert_tensor: int | None) -> str | None:
+    """Why `tensor` ranks cannot split the model counted with `options` (None: they can): Megatron splits its heads,
+    key/value heads and MLP width over the t ranks, an expert's MLP width over `expert_tensor` (ETP) where given,
+    else over t. The line starts with the Parallelism field to blame, as the estimate's refusals do."""
+    expert_split = ("tensor", tensor) if expert_tensor is None else ("expert_tensor", expert_tensor)
+    for name, what, (field_name, ranks) in (("heads", "heads", ("tensor", tensor)),
+                                            ("kv_heads", "key/value heads", ("tensor", tensor)),
+                                            ("ffn", "MLP width", ("tensor", tensor)),
+                                            ("expert_ffn", "experts' MLP width", expert_split)):
+        size = options.get(name)
+        if size and size % ranks:
+            return f"{field_name}: {ranks} does not divide the model's {size} {what}"
+    return None
+
+
 def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *, optimizer: str = "adam",
                      cluster: Cluster | None = None, curve: Curve | None = None,
                      bounds: list[int] | None = None, memo: LayerMemo | None = None) -> Profile:
@@ -2784,15 +2799,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                             "count it with --attention math")
     if (refused := optimizer_refusal(optimizer, "{optimizer}")) is not None:
         raise EstimateError(refused)
-    expert_split = ("tensor", parallel.tensor) if parallel.expert_tensor is None else (
-        "expert_tensor", parallel.expert_tensor)
-    for name, what, (flag, ranks) in (("heads", "heads", ("tensor", parallel.tensor)),
-                                      ("kv_heads", "key/value heads", ("tensor", parallel.tensor)),
-                                      ("ffn", "MLP width", ("tensor", parallel.tensor)),
-                                      ("expert_ffn", "experts' MLP width", expert_split)):
-        size = counted.options.get(name)  # Megatron splits each over the t ranks (an expert's over ETP)
-        if size and size % ranks:
-            raise EstimateError(f"{flag}: {ranks} does not divide the model's {size} {what}")
+    if (refused := tensor_split_refusal(counted.options, parallel.tensor, parallel.expert_tensor)) is not None:
+        raise EstimateError(refused)
     if parallel.pipeline > len(counted.layers):
         raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
     if parallel.scores_buffer and counted.attention != "math":

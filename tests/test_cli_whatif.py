@@ -41,8 +41,12 @@ HUGE = ("--model", "gpt", "--layers", "4", "--width", "16384", "--heads", "16", 
      "stages (--stages x --chunks): cnn of 3 blocks (--layers) has 4 layers in all; give at most 4 stages"),
     (("simulate", *GPU, *SMALL[:3], "1", *SMALL[4:], "-p", "2", "-s", "interleaved-1f1b", "--chunks", "2"),
      "stages (--stages x --chunks): gpt of 1 block (--layers) has 3 layers in all"),  # embedding, block, head
-    (("tune", *GPU, *SMALL, "-D", "6", "--tensor-parallel", "4"),
+    (("tune", *GPU, *SMALL, "-D", "6", "--tensor-parallel", "4"),  # 3 and 6 divide 6, not the model's 4 heads
+     "a multiple of --tensor-parallel 4 (got 6); give --devices 4 or 8, or --tensor-parallel 2"),
+    (("tune", *GPU, *SMALL[:5], "96", "--heads", "6", *SMALL[8:], "-D", "6", "--tensor-parallel", "4"),
      "a multiple of --tensor-parallel 4 (got 6); give --devices 4 or 8, or --tensor-parallel 3 or 6"),
+    (("tune", *GPU, *SMALL, "-D", "12", "--tensor-parallel", "8"),  # none above 8 both divides 12 and splits it
+     "a multiple of --tensor-parallel 8 (got 12); give --devices 8 or 16, or --tensor-parallel 4"),
     (("tune", *GPU, *SMALL, "-D", "8", "--tensor-parallel", "2", "--data-parallel", "3"),
      "--data-parallel 3 does not divide 8; give --devices 6 or 12, or --data-parallel 2 or 4"),
     (("tune", "-D", "4"), "--profile or --gpu"),

@@ -43,7 +43,7 @@ def test_a_value_refusal_reads_as_the_parsers(args, refusal):
       "10"], "--batch-size: give a multiple of --microbatch-size 4 (got 10)"),
     (["tune", "--gpu", "h100-sxm", "--model", "gpt", "--devices", "6", "--tensor-parallel", "4"],
      "--devices: give p stages x d replicas x t GPUs per stage, a multiple of --tensor-parallel 4 (got 6); give "
-     "--devices 4 or 8, or --tensor-parallel 3 or 6"),
+     "--devices 4 or 8, or --tensor-parallel 2"),  # 3 and 6 divide 6 but not the gpt's 4 heads
     (["tune", "--profile", GPT_CPU, "--devices", "4", "--data-parallel", "3"],
      "--devices: give p x d, a multiple of 3 at --data-parallel 3 (got 4)"),
     (["simulate", "-s", "1f1b", "--data-parallel", "2", "--network-gb-s", "0"],

@@ -24,20 +24,28 @@ def test_simulate_header_counts_one_in_the_singular():
     assert out.splitlines()[0] == "p=1 device per pipeline, m=1 micro-batch, N=1 mini-batch"
 
 
+def _splits_any(tensor: int) -> bool:
+    """A model every t splits."""
+    return True
+
+
 def test_a_degree_that_does_not_divide_the_devices_is_named_with_what_would():
     """The refusal says how the devices are split, which degree fails (their product where none alone does) and
-    the nearest --devices and degree that would do."""
+    the nearest --devices and degree that would do: a t among them only where it splits the model."""
     with pytest.raises(InputError) as one:
-        _check_degrees(7, 2, None, 1, None)
+        _check_degrees(7, 2, None, 1, None, _splits_any)
     assert str(one.value) == ("--devices: give p stages x d replicas x t GPUs per stage, a multiple of "
                               "--tensor-parallel 2 (got 7); give --devices 6 or 8, or --tensor-parallel 1 or 7")
+    with pytest.raises(InputError) as unsplit:  # the model's heads take no 7
+        _check_degrees(7, 2, None, 1, None, lambda tensor: tensor != 7)
+    assert str(unsplit.value).endswith("give --devices 6 or 8, or --tensor-parallel 1")
     with pytest.raises(InputError) as two:
-        _check_degrees(8, 3, 2, 1, None)
+        _check_degrees(8, 3, 2, 1, None, _splits_any)
     assert str(two.value).endswith("a multiple of --tensor-parallel 3 x --data-parallel 2 = 6 (got 8): "
                                    "--tensor-parallel 3 does not divide 8; give --devices 6 or 12, or "
                                    "--tensor-parallel 2 or 4")
     with pytest.raises(InputError) as context:
-        _check_degrees(8, 2, 4, 2, None)
+        _check_degrees(8, 2, 4, 2, None, _splits_any)
     assert str(context.value) == ("--devices: give p stages x d replicas x t GPUs per stage x C context-parallel "
                                   "ranks, a multiple of --tensor-parallel 2 x --data-parallel 4 x --context-parallel "
                                   "2 = 16 (got 8); give --devices 16")
@@ -45,7 +53,7 @@ def test_a_degree_that_does_not_divide_the_devices_is_named_with_what_would():
     # "--tensor-parallel 1", which 1 x 4 x 2 = 8 refuses too, and with C = 6 a traceback: no divisor of 12 // 24)
     for context, product in ((2, 40), (6, 120)):
         with pytest.raises(InputError) as others:
-            _check_degrees(12, 5, 4, context, None)
+            _check_degrees(12, 5, 4, context, None, _splits_any)
         assert str(others.value).endswith(f"--tensor-parallel 5 x --data-parallel 4 x --context-parallel {context} = "
                                           f"{product} (got 12); give --devices {product}")
 
