@@ -176,6 +176,7 @@ def compare(
                 write_timeline_page([predicted_trace, measured_trace], html, labels=["predicted", "measured"],
                                     title=f"pipesim: {result.schedule}, predicted and measured",
                                     views=[("predicted and measured", [0, 1]), ("predicted", [0]), ("measured", [1])],
+                                    notes=result.notes,
                                     figures=[("per-op duration error by kind", error_figure(result))])
     except (InputError, TraceError) as exc:
         fail(str(exc))

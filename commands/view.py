@@ -59,8 +59,11 @@ def view(
         title = "pipesim: " + "; ".join(labels)  # a run's shape is its view line's (p=2, m=4, N=8, 272 ops)
         checks = [None if t.meta.memory_checks is None else [MemoryCheck.of_record(c) for c in t.meta.memory_checks]
                   for t in loaded]
-        notes = [line for subject, device_checks in zip(subjects, checks) if device_checks is not None
-                 and (line := out_of_memory_line(subject, device_checks)) is not None]
+        # a run that stopped part-way: its ms/step, bubble and peaks are those of what ran, not of the run
+        notes = [f"{subject} is {trace.meta.incomplete_text}: its figures cover only the ops that ran"
+                 for subject, trace in zip(subjects, loaded) if not trace.meta.complete]
+        notes += [line for subject, device_checks in zip(subjects, checks) if device_checks is not None
+                  and (line := out_of_memory_line(subject, device_checks)) is not None]
         with writing("--html"):
             write_timeline_page(loaded, out, labels=labels, views=views, title=title, notes=notes,
                                 memory_checks=checks)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -155,11 +155,33 @@ WORKING_CPU_SHARE = 0.05
 STOP_GRACE_S = 3.0  # after SIGTERM, how long ranks get before SIGKILL
 
 
+class ReportedRow(NamedTuple):
+    """A row a rank finished, as the parent hears of it before (or instead of) the rank's result: its global
+    index, start and end (ns), and its DeviceResult figures after it (weight copies held, memory, its peak, what
+    only sends in flight hold), so that the incomplete trace of a rank that fails, dies or stalls keeps its memory
+    up to then, not its timeline alone."""
+
+    row: int
+    start_ns: int
+    end_ns: int
+    held: int
+    memory_bytes: int
+    peak_bytes: int
+    sending_bytes: int
+
+    @classmethod
+    def of(cls, result: DeviceResult, first: int, row: int, start_ns: int, end_ns: int) -> ReportedRow:
+        """Row `row` of `result`, whose device's rows begin at global row `first`."""
+        k = row - first
+        return cls(row, start_ns, end_ns, int(result.held[k]), int(result.memory_bytes[k]), int(result.peak_bytes[k]),
+                   int(result.sending_bytes[k]))
+
+
 @dataclass
 class Heartbeat:
     """What a rank tells the parent as it runs: rows done, its last action's text (`1B3.0`), the losses so
-    far, and (row, start ns, end ns) of each row finished since its previous heartbeat. A row's start is the
-    end of the one before it (the loop's own bookkeeping included): enough for an incomplete trace. `working`:
+    far, and each row finished since its previous heartbeat (`ReportedRow`). A row's start is the end of the
+    one before it (the loop's own bookkeeping included): enough for an incomplete trace. `working`:
     the process used WORKING_CPU_SHARE of a core or more over the heartbeat period before it (progress within
     a row, which can outlast the stall limit on a large micro-batch) and was not inside one wait on a peer all
     that period (a host waiting on gloo or a CUDA event can spin: CPU used there is not progress).
@@ -169,7 +191,7 @@ class Heartbeat:
     rows_done: int
     last_action: str
     losses: dict[tuple[int, int], float]
-    rows: list[tuple[int, int, int]]
+    rows: list[ReportedRow]
     working: bool = False
     waiting_on: str = ""
 
@@ -221,13 +243,15 @@ class _Reporter:
         self.loop: DeviceLoop | None = None
         self.done = 0
         self.last_action = "setup"
-        self.rows: list[tuple[int, int, int]] = []
+        self.rows: list[ReportedRow] = []
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.previous_ns = time.perf_counter_ns()
         self.fault = _test_fault(rank)
 
     def start(self) -> None:
+        """Once `loop` is set, before it runs."""
+        self.first = self.lowered.rows(self.loop.device).start
         self.previous_ns = time.perf_counter_ns()
         self.beat()
         self.thread = threading.Thread(target=self._beating, name="pipesim-heartbeat", daemon=True)
@@ -236,7 +260,7 @@ class _Reporter:
     def on_row(self, row: int) -> None:
         now = time.perf_counter_ns()
         with self.lock:
-            self.rows.append((row, self.previous_ns, now))
+            self.rows.append(ReportedRow.of(self.loop.result, self.first, row, self.previous_ns, now))
             self.done += 1
             self.last_action = _action_text(self.lowered, row)
         self.previous_ns = now
@@ -370,7 +394,7 @@ class _Supervisor:
         self.results: list[DeviceResult | None] = [None] * world
         self.beats: list[Heartbeat | None] = [None] * world
         self.errors: dict[int, tuple[str, bool]] = {}  # rank -> its error, in the order they came
-        self.rows: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        self.rows: list[list[ReportedRow]] = [[] for _ in range(world)]
         self.moved = [time.monotonic()] * world  # when each rank last made progress (or started)
         self.finished_after = [_finished_after(lowered, _layout(spec).place(rank)[0]) for rank in range(world)]
 
@@ -656,8 +680,8 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
         except Exception as exc:
             if job.rank != 0:
                 raise
-            mine = loop.result
-            rows = [(lowered.rows(0).start + i, int(mine.start_ns[i]), int(mine.end_ns[i]))
+            mine, first = loop.result, lowered.rows(0).start
+            rows = [ReportedRow.of(mine, first, first + i, int(mine.start_ns[i]), int(mine.end_ns[i]))
                     for i in range(mine.rows_done)]
             text = mine.error or f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
             raise RunFailed(text, _merge(spec, lowered, [None] * world, hardware, timed={0: rows}), None,
@@ -720,15 +744,16 @@ def _measured_us(ns: np.ndarray) -> np.ndarray:
     return np.where(ns >= 0, ns / 1e3, -1.0)
 
 
-def _memory_counter(result: DeviceResult | None, t0_ns: int) -> Counter:
-    """A device's memory over time: before its first row as after it, then at each row's end its peak (before
-    it freed the weights it read last, where it did) and what it holds after."""
-    if result is None or not len(result.memory_bytes):
-        return Counter(np.zeros(1), np.zeros(1))
-    end_us = (result.end_ns - t0_ns) / 1e3
-    peaked = result.peak_bytes > result.memory_bytes
+def _memory_counter(end_us: np.ndarray, memory_bytes: np.ndarray, peak_bytes: np.ndarray) -> Counter:
+    """A device's memory over time from the rows it ran (their ends, memory after and peaks): before its first
+    row as after it, then at each row's end its peak (before it freed the weights it read last, where it did) and
+    what it holds after. No sample where no row's memory reached us (a rank that failed before its first
+    heartbeat): its memory is unknown, which a sample of 0 would call nothing held."""
+    if not len(memory_bytes):
+        return Counter(np.zeros(0), np.zeros(0))
+    peaked = peak_bytes > memory_bytes
     times_us = np.concatenate([[0.0], np.repeat(end_us, np.where(peaked, 2, 1))])
-    values = np.concatenate([[result.memory_bytes[0]], np.stack([result.peak_bytes, result.memory_bytes], axis=1)
+    values = np.concatenate([[memory_bytes[0]], np.stack([peak_bytes, memory_bytes], axis=1)
                              [np.stack([peaked, np.ones_like(peaked)], axis=1)]])
     return Counter(times_us, values)
 
@@ -772,11 +797,11 @@ def _whole_experts(weights: list[dict[tuple[int, int], list[torch.Tensor]]], rou
 
 
 def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], hardware: dict[str, Any], *,
-           timed: dict[int, list[tuple[int, int, int]]] | None = None, failed_rank: int | None = None) -> RunResult:
+           timed: dict[int, list[ReportedRow]] | None = None, failed_rank: int | None = None) -> RunResult:
     """One measured trace from every rank's rows (ranks on one host share the monotonic clock): its device is
     the rank, replica * devices + device, so replica 0's ops are those a run without data parallelism has. A
-    run that stopped part-way passes `timed`, the (row, start ns, end ns) heartbeats reported for the ranks with
-    no result: its trace holds the rows that ran, is marked incomplete and names `failed_rank`."""
+    run that stopped part-way passes `timed`, the rows reported for the ranks with no result: its trace holds
+    the rows that ran, their memory included, is marked incomplete and names `failed_rank`."""
     schedule = lowered.schedule
     layout = _layout(spec)
     complete = timed is None
@@ -784,6 +809,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         raise ExecutorError("a device reported nothing")
     t = lowered.table
     parts = []  # per rank: its rows, and their device, start, end, version and prediction columns
+    ends_and_levels = []  # per rank, of the rows that ran: end ns, weight copies held, memory, peak, sending bytes
     for rank, r in enumerate(results):
         rows = lowered.rows(layout.place(rank)[0])
         start_ns = np.full(len(rows), -1, dtype=np.int64)
@@ -794,16 +820,20 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         prediction = np.array(lowered.prediction[rows.start:rows.stop])
         send_cpu_ns = np.full(len(rows), -1, dtype=np.int64)
         wait_ns = np.full(len(rows), -1, dtype=np.int64)
+        levels = np.zeros((4, len(rows)), dtype=np.int64)
         if r is not None:
             start_ns[:], end_ns[:], version[:], prediction[:] = r.start_ns, r.end_ns, r.version, r.prediction
             send_cpu_ns[:], wait_ns[:] = r.send_cpu_ns, r.wait_ns
+            levels[:] = r.held, r.memory_bytes, r.peak_bytes, r.sending_bytes
         beats = (timed or {}).get(rank)
         if beats:
-            index, starts, ends = np.array(beats, dtype=np.int64).T
+            index, starts, ends, *reported = np.array(beats, dtype=np.int64).T
             start_ns[index - rows.start], end_ns[index - rows.start] = starts, ends
+            levels[:, index - rows.start] = reported
         ran = end_ns >= 0
         parts.append((np.arange(rows.start, rows.stop)[ran], np.full(int(ran.sum()), rank), start_ns[ran],
                       end_ns[ran], version[ran], prediction[ran], send_cpu_ns[ran], wait_ns[ran]))
+        ends_and_levels.append((end_ns[ran], *levels[:, ran]))
     row, device, start_ns, end_ns, version, prediction, send_cpu_ns, wait_ns = (np.concatenate(column)
                                                                                 for column in zip(*parts))
     t0 = int(start_ns.min()) if len(start_ns) else 0
@@ -814,13 +844,12 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
               cpu_us=_measured_us(send_cpu_ns), wait_us=_measured_us(wait_ns))
     base = resting_copies(schedule)
     counters: dict[str, list[Counter]] = {"weight_versions": [], "memory_bytes": [], "sending_bytes": []}
-    for d, r in enumerate(results):
-        times_us = np.concatenate([[0.0], (r.end_ns - t0) / 1e3]) if r is not None else np.zeros(1)
-        counters["weight_versions"].append(Counter(times_us, np.concatenate([[base], r.held]) if r is not None
-                                                   else np.array([base])))
-        counters["memory_bytes"].append(_memory_counter(r, t0))
-        counters["sending_bytes"].append(Counter(times_us, np.concatenate([[0], r.sending_bytes]) if r is not None
-                                                 else np.zeros(1)))
+    for ends_ns, held, memory_bytes, peak_bytes, sending_bytes in ends_and_levels:
+        end_us = (ends_ns - t0) / 1e3
+        times_us = np.concatenate([[0.0], end_us])
+        counters["weight_versions"].append(Counter(times_us, np.concatenate([[base], held])))
+        counters["memory_bytes"].append(_memory_counter(end_us, memory_bytes, peak_bytes))
+        counters["sending_bytes"].append(Counter(times_us, np.concatenate([[0], sending_bytes])))
     losses_by = _mean_losses([r.losses for r in results if r is not None])
     losses = [[losses_by.get((p, b), float("nan")) for b in range(schedule.minibatches)]
               for p in range(schedule.pipelines)]

@@ -61,6 +61,58 @@ def test_an_incomplete_run_compares_what_ran_and_counts_the_rest():
     assert any("incomplete (rank 1 failed)" in note for note in c.notes)
 
 
+def test_an_incomplete_runs_figures_are_held_against_the_prediction_of_the_ops_that_ran():
+    """A run cut after 2 of its 8 mini-batches, measured exactly as predicted: its busy time and exposed
+    communication were held against the whole run's prediction (each device's busy 96 ms predicted against 24 ms
+    measured, exposed communication 4 ms against 1); the prediction of the ops that ran agrees with every figure."""
+    predicted = run("1f1b", 2, 4, 8, comm=0.1, param_mb=100, activation_mb=10).trace
+    ran = predicted.ops.minibatch < 2
+    c = compare(predicted, as_measured(predicted, keep=ran, complete=False, failed_rank=1))
+    assert c.missing_in_measured == (~ran).sum()
+    assert c.iteration_time_error == 0 and c.predicted_bubble == pytest.approx(c.measured_bubble)
+    for d in c.devices:
+        assert d.predicted_busy_ms == pytest.approx(d.measured_busy_ms) and d.measured_busy_ms > 0
+        assert d.predicted_exposed_comm_ms == pytest.approx(d.measured_exposed_comm_ms)
+        assert d.peak_memory_error == 0
+    assert any("every predicted figure, cover the ops that ran" in note for note in c.notes)
+
+
+def test_a_devices_memory_the_trace_does_not_hold_is_unknown_not_zero(tmp_path):
+    """A rank that failed before it reported a row leaves no memory sample: its peak is unknown ("n/a", no error),
+    where a lone sample of 0 read as a measured peak of 0 MiB ("13.8 / 0")."""
+    from pipesim.traces.metrics import summarize
+    from pipesim.traces.trace import Counter, write_trace
+
+    predicted = run("1f1b", 2, 4, 2, param_mb=100, activation_mb=10).trace
+    counters = {**predicted.counters, "memory_bytes": [predicted.counters["memory_bytes"][0],
+                                                       Counter(np.zeros(0), np.zeros(0))]}
+    measured = replace(as_measured(predicted, complete=False, failed_rank=1), counters=counters)
+    devices = summarize(measured).devices
+    assert devices[0].peak_memory_mb > 0 and devices[1].peak_memory_mb is None
+    assert summarize(measured).peak_memory_mb == devices[0].peak_memory_mb  # the peak of those known
+    c = compare(predicted, measured)
+    assert c.devices[1].measured_peak_memory_mb is None and c.devices[1].peak_memory_error is None
+    write_trace(measured, tmp_path / "m.json")
+    write_trace(predicted, tmp_path / "p.json")
+    code, out, err = pipesim("compare", tmp_path / "m.json", tmp_path / "p.json")
+    assert code == 0, err
+    row = next(line.split() for line in out.splitlines() if re.match(r"\s+1\s", line))
+    assert row[-3:] == ["/", "n/a", "-"], out
+
+
+def test_view_says_a_trace_is_incomplete_and_which_rank_failed(tmp_path):
+    """`view` drew a run that stopped part-way as if it had finished: its page and the terminal say it stopped,
+    and the rank that failed."""
+    from pipesim.traces.trace import write_trace
+
+    trace = tmp_path / "t.json"
+    write_trace(as_measured(run("1f1b", 2, 4, 3).trace, complete=False, failed_rank=0), trace)
+    code, out, err = pipesim("view", trace)
+    line = "the measured 1f1b is incomplete (rank 0 failed): its figures cover only the ops that ran"
+    assert code == 0 and err.strip() == f"warning: {line}", err
+    assert json.dumps(line) in (tmp_path / "t.html").read_text()
+
+
 def test_weight_versions_must_agree():
     predicted = run("pipedream", 2, 2, 3).trace
     measured = as_measured(predicted)

@@ -20,6 +20,7 @@ import pytest
 from pipesim.executor.runners import FAULT_ENV
 from pipesim.schedules import lower
 from pipesim.traces import read_trace
+from pipesim.traces.metrics import summarize
 from tests.conftest import build
 
 pytestmark = pytest.mark.slow
@@ -122,6 +123,9 @@ def test_a_rank_that_dies_or_stops_ends_the_run(tmp_path, fault, message):
     assert not trace.meta.complete and trace.meta.failed_rank == 1
     all_rows = len(lower(build("1f1b", 2, 4, MINIBATCHES)).table.kind)
     assert 0 < (trace.ops.device == 1).sum() and len(trace.ops) < all_rows  # what ran before the fault
+    # and its memory until then, a sample at each of its rows' ends at least (it was one sample of 0: "13.8 / 0")
+    memory = trace.counters["memory_bytes"][1]
+    assert len(memory.values) > (trace.ops.device == 1).sum() and summarize(trace).devices[1].peak_memory_mb > 0
 
 
 def test_a_rank_spinning_in_a_wait_on_a_peer_is_stalled_not_working(tmp_path):

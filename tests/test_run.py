@@ -647,6 +647,8 @@ def test_under_torchrun_a_dead_rank_leaves_rank_0s_rows_as_an_incomplete_trace(l
     assert not measured.meta.complete and measured.meta.failed_rank is None
     rank_0_rows = len(lower(build("1f1b", 2, 2, 50)).rows(0))
     assert set(measured.ops.device.tolist()) == {0} and 0 < len(measured.ops) < rank_0_rows
+    memory = measured.counters["memory_bytes"][0]  # and their memory (it was one sample of 0)
+    assert len(memory.values) > len(measured.ops) and memory.values.max() > 0
 
 
 WEIGHTY_MLP = ["--model", "mlp", "--layers", "3", "--width", "96", "--microbatch-size", "2"]

@@ -2,10 +2,10 @@
 
 An op's identity is what it does, not when or where: (kind, stage, micro-batch, mini-batch, pipeline, and the
 peer stage of a transfer; ops alike in all of these are numbered in time order). Both sources name ops that
-way, so matching needs no timing and works on an incomplete run (what exists is compared, what is missing is
-counted). Errors are signed, prediction minus measurement: a duration error relative to the measured
-duration, a start error in ms from each trace's own first op, the iteration time relative (the headline:
-(predicted - measured) / measured).
+way, so matching needs no timing and works on an incomplete run (what exists is compared, against the
+prediction of the same ops, and what is missing is counted). Errors are signed, prediction minus measurement: a
+duration error relative to the measured duration, a start error in ms from each trace's own first op, the
+iteration time relative (the headline: (predicted - measured) / measured).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from .hostload import LOAD_TOLERANCE_PER_CORE, HostLoad, loads_differ, ranks_per_host, seconds_between
 from .metrics import Summary, summarize
-from .trace import Ops, Stream, Trace, TraceError
+from .trace import Counter, Ops, Stream, Trace, TraceError
 
 _IDENTITY = ("stage", "microbatch", "minibatch", "pipeline", "peer")
 _SHAPE = ("schedule", "microbatches", "minibatches", "pipelines", "placement", "stage_edges")
@@ -192,12 +192,35 @@ def _replica_zero(predicted: Trace, measured: Trace) -> tuple[Trace, list[str]]:
     replicas, devices = int(measured.meta.params.get("data_parallel", 1)), predicted.num_devices
     if replicas == 1 or measured.num_devices != replicas * devices:
         return measured, []
-    mine = measured.ops.device < devices
-    ops = Ops(**{f.name: getattr(measured.ops, f.name)[mine] for f in fields(Ops)})
     counters = {name: series[:devices] for name, series in measured.counters.items()}
-    return (replace(measured, num_devices=devices, ops=ops, counters=counters),
+    return (replace(measured, num_devices=devices, ops=_taken(measured.ops, measured.ops.device < devices),
+                    counters=counters),
             [f"measured on {replicas} data-parallel replicas: replica 0 (ranks 0-{devices - 1}) is compared; the "
              "others ran the same rows"])
+
+
+def _taken(ops: Ops, keep: np.ndarray) -> Ops:
+    """The ops `keep` selects (a mask, or indices in order)."""
+    return Ops(**{f.name: getattr(ops, f.name)[keep] for f in fields(Ops)})
+
+
+def _ran_part(predicted: Trace, at_p: np.ndarray) -> Trace:
+    """The prediction of the part of an incomplete run that ran: the predicted ops it matched (`at_p`), and each
+    device's counters up to the end of its last of them (its first sample at least: a device none of whose ops ran
+    keeps a peak), so that the predicted time per mini-batch, bubble, busy time, exposed communication and peak
+    memory are those of the ops measured: a run cut after 2 of its 8 mini-batches had device 0's 150 ms busy held
+    against the whole run's 479 predicted."""
+    ops = _taken(predicted.ops, np.sort(at_p))
+    last_us = np.full(predicted.num_devices, -np.inf)
+    np.maximum.at(last_us, ops.device, ops.end_us)
+
+    def cut(counter: Counter, end_us: float) -> Counter:
+        kept = max(1, int(np.searchsorted(counter.times_us, end_us, side="right")))
+        return Counter(counter.times_us[:kept], counter.values[:kept])
+
+    counters = {name: [cut(counter, end_us) for counter, end_us in zip(curves, last_us)]
+                for name, curves in predicted.counters.items()}
+    return replace(predicted, ops=ops, counters=counters)
 
 
 def _identities(predicted: Trace, measured: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -377,7 +400,8 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
     measured, notes = _replica_zero(predicted, measured)
     check_comparable(predicted, measured)
     at_p, at_m, only_p, only_m, examples = _match(predicted, measured)
-    sp, sm = summarize(predicted), summarize(measured)
+    sp = summarize(predicted if measured.meta.complete else _ran_part(predicted, at_p))
+    sm = summarize(measured)
     compute = predicted.ops.stream[at_p] == Stream.COMPUTE
     recorded = compute & (measured.ops.version[at_m] >= 0)  # torch's runtime records no versions
     v_p, v_m = predicted.ops.version[at_p][recorded], measured.ops.version[at_m][recorded]
@@ -386,9 +410,8 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
                         f"{measured.ops.device[at_m[recorded][i]]}: predicted version {v_p[i]}, measured {v_m[i]}"
                         for i in wrong[:3]]
     if not measured.meta.complete:
-        who = f" (rank {measured.meta.failed_rank} failed)" if measured.meta.failed_rank is not None else ""
-        notes.append(f"the measured run is incomplete{who}: {len(only_p):,} predicted ops were never run; the "
-                     "errors cover the ops that ran")
+        notes.append(f"the measured run is {measured.meta.incomplete_text}: {len(only_p):,} predicted ops were never "
+                     "run; the errors, and every predicted figure, cover the ops that ran")
     if sm.time_per_minibatch_ms <= 0:
         raise TraceError("the measured trace has no time per mini-batch to compare with (no op took time)")
     error = (sp.time_per_minibatch_ms - sm.time_per_minibatch_ms) / sm.time_per_minibatch_ms

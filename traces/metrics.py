@@ -106,7 +106,9 @@ class DeviceMetrics:
     busy_ms: float
     exposed_comm_ms: float  # point-to-point transfers and collectives under way while the device computes nothing
     exposed_collective_ms: float  # of that, the data-parallel collectives' (REDUCE, GATHER on the network stream)
-    peak_memory_mb: float | None  # None: the trace records no memory (torch profiler traces): unknown, not zero
+    # None: the trace records no memory for the device (torch profiler traces; a rank of an incomplete run that
+    # failed before it reported a row): unknown, not zero
+    peak_memory_mb: float | None
     peak_activations: int
     peak_weight_versions: int
     # At the peak's moment, MiB per part (`MEMORY_PARTS`), which sum to `peak_memory_mb`; None: not broken down
@@ -221,7 +223,8 @@ def summarize(trace: Trace) -> Summary:
             busy_ms=busy_us / 1e3,
             exposed_comm_ms=exposed_us / 1e3,
             exposed_collective_ms=collective_us / 1e3,
-            peak_memory_mb=float(_peak(trace, "memory_bytes", d)) / MIB if has_memory else None,
+            peak_memory_mb=(float(_peak(trace, "memory_bytes", d)) / MIB
+                            if has_memory and len(trace.counters["memory_bytes"][d].values) else None),
             peak_activations=int(_peak(trace, "activations", d)),
             peak_weight_versions=int(_peak(trace, "weight_versions", d)),
             peak_memory_parts_mb=({part: held / MIB for part, held in parts[d].items()} if parts is not None
@@ -275,7 +278,7 @@ def summarize(trace: Trace) -> Summary:
         samples_per_s=samples / (per_minibatch_us / 1e6) if per_minibatch_us > 0 else 0.0,
         bubble_fraction=1.0 - busy_total_us / (trace.num_devices * makespan_us) if makespan_us > 0 else 0.0,
         exposed_comm_ms=exposed_total_us / 1e3,
-        peak_memory_mb=max((dm.peak_memory_mb for dm in devices), default=0.0) if has_memory else None,
+        peak_memory_mb=max((dm.peak_memory_mb for dm in devices if dm.peak_memory_mb is not None), default=None),
         max_staleness=max((max(s.forward_staleness, s.backward_staleness) for s in stages), default=0),
         devices=devices,
         stages=stages,

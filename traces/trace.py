@@ -220,6 +220,14 @@ class TraceMeta:
         return self.microbatches * self.microbatch_size * self.pipelines * int(self.params.get("data_parallel", 1))
 
     @property
+    def incomplete_text(self) -> str:
+        """A run that stopped part-way as compare's and view's notes name it: "incomplete (rank 1 failed)", or
+        "incomplete" where no rank was at fault (Ctrl-C, a time limit); "" for a complete trace."""
+        if self.complete:
+            return ""
+        return "incomplete" + (f" (rank {self.failed_rank} failed)" if self.failed_rank is not None else "")
+
+    @property
     def shares_gpu(self) -> bool:
         """Whether the run's ranks shared GPUs: the host-staged transport on CUDA (workload/transport.py
         `HostStagedTransport`), under which the executor holds a GPU until a row's kernels finish, so each row
