@@ -45,6 +45,9 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None, links_from
         raise TraceError(f"cannot predict the recorded run: {unknown_names('its schedule', [meta.schedule], METHODS)}")
     scenario = profile_scenario(profile, str(meta.extra.get("optimizer", "sgd")))
     bounds = meta.extra.get("bounds")
+    if bounds is not None and bounds[-1] != len(profile.layers):  # a cut rising from 0 (TraceMeta's check)
+        raise TraceError(f"cannot predict the recorded run: meta.extra.bounds {bounds} cut {bounds[-1]} layers, its "
+                         f"profile has {len(profile.layers)}")
     try:
         schedule = scenario.build(meta.schedule, ScheduleParams.recorded(meta.params), bounds)
         linked = scenario if links_from is None else profile_scenario(links_from, scenario.optimizer)

@@ -180,17 +180,59 @@ def test_a_prediction_from_a_profile_records_the_optimizer_and_dtype_it_was_pric
     assert (calibration["optimizer"], calibration["dtype"], calibration["model"]) == ("sgd", "float32", "gpt")
 
 
-def test_model_options_that_are_not_an_object_are_refused_naming_the_field():
-    plain = run("1f1b", 2, 4).trace
-    predicted = replace(plain, meta=replace(plain.meta, calibration={"model": "gpt", "options": {"layers": 2}}))
-    for calibration, options, field, got in (({"model": "gpt", "options": 5}, {"layers": 2},
-                                              "calibration.options", "5"),
-                                             ({"model": "gpt", "options": {"layers": 2}}, ["layers"],
-                                              "extra.model_options", '["layers"]')):
-        bad = replace(predicted, meta=replace(predicted.meta, calibration=calibration))
-        with pytest.raises(TraceError) as refused:  # a TypeError's traceback before
-            compare(bad, as_measured(predicted, extra={"model": "gpt", "model_options": options}, calibration=None))
-        assert str(refused.value) == f"pipesim header: meta.{field}: give an object of the model's options (got {got})"
+@pytest.mark.parametrize("field, value, says", [
+    ("calibration.options", 5, "give an object of the model's options (got 5)"),
+    ("extra.model_options", ["layers"], 'give an object of the model\'s options (got ["layers"])'),
+    ("extra.optimizer", "lion", "choose from sgd, momentum, adam, adamw (got 'lion')"),
+    ("calibration.optimizer", 5, "choose from sgd, momentum, adam, adamw (got 5)"),
+    ("extra.bounds", [0, 5, 5, 9], "give the stages' first layers and the layer count, whole numbers rising from 0 "
+                                   "(got [0, 5, 5, 9])"),
+    ("extra.model", 5, "give a name (a string) (got 5)"),
+    ("hardware.compute", [0, 1], 'give a list of each rank\'s "host/device" (got [0, 1])'),
+    ("hardware.threads_per_rank", "x", 'give a whole number of at least 1 (got "x")'),
+    ("params.data_parallel", "2", 'give a whole number of at least 1 (got "2")'),
+    ("calibration.host_terms", "x", 'give an object of the host terms, each an object (got "x")')])
+def test_a_header_field_compare_reads_is_checked_as_the_trace_is_read(field, value, says):
+    """Each header field compare and its prediction of a run read is checked as the trace is read, in one line
+    naming it: an unknown optimizer was a KeyError's traceback from the costs, options a TypeError's, a compute
+    list of numbers an AttributeError's, a data_parallel of "2" a ValueError's from compare's replica 0."""
+    from pipesim.traces.trace import TraceMeta
+
+    doc = run("1f1b", 2, 4).trace.meta.to_dict()
+    section, name = field.split(".")
+    doc[section] = (doc[section] or {}) | {name: value}
+    with pytest.raises(TraceError) as refused:
+        TraceMeta.from_dict(doc)
+    assert str(refused.value) == f"pipesim header: meta.{field}: {says}"
+
+
+def test_a_run_of_an_unknown_optimizer_is_one_line_with_or_without_its_prediction(tmp_path):
+    """A run hand-edited to an optimizer pipesim does not price ("lion"): `compare RUN` showed a KeyError's traceback
+    from the costs, and `compare RUN PREDICTED` told the user to "simulate with --optimizer lion", which simulate
+    refuses; both now refuse the field as the trace is read, writing no page."""
+    document = json.loads((FIDELITY_RUNS / "1f1b.json").read_text())
+    document["pipesim"]["meta"]["extra"] |= {"optimizer": "lion",
+                                             "profile": json.loads((FIDELITY_RUNS / "mlp-profile.json").read_text())}
+    measured, predicted, page = tmp_path / "run.json", tmp_path / "p.json", tmp_path / "c.html"
+    measured.write_text(json.dumps(document))
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 4, "-n", 8, "--trace", predicted).code == 0
+    for given in ([measured], [measured, predicted]):
+        assert pipesim("compare", *given, "--html", page) == (
+            2, "", f"error: trace {measured}: pipesim header: meta.extra.optimizer: choose from sgd, momentum, adam, "
+                   "adamw (got 'lion')\n")
+        assert not page.exists()
+
+
+def test_a_runs_cut_past_its_profiles_layers_is_refused_naming_both():
+    """A run's recorded cut that ends past its profile's layers was an IndexError's traceback from the costs."""
+    from pipesim.planning.replay import predict_measured
+
+    measured = read_trace(FIDELITY_RUNS / "1f1b.json")
+    extra = measured.meta.extra | {"profile": json.loads((FIDELITY_RUNS / "mlp-profile.json").read_text()),
+                                   "bounds": [0, 5, 99]}
+    with pytest.raises(TraceError, match=r"^cannot predict the recorded run: meta.extra.bounds \[0, 5, 99\] cut 99 "
+                                         r"layers, its profile has \d+$"):
+        predict_measured(replace(measured.meta, extra=extra))
 
 
 def test_the_command_refuses_a_traces_model_options_that_are_not_an_object_in_the_one_wording(tmp_path):
@@ -202,7 +244,8 @@ def test_the_command_refuses_a_traces_model_options_that_are_not_an_object_in_th
     doc["pipesim"]["meta"]["calibration"] = {"model": "gpt", "options": [2, 64]}
     predicted.write_text(json.dumps(doc))
     assert pipesim("compare", measured, predicted) == (
-        2, "", "error: pipesim header: meta.calibration.options: give an object of the model's options (got [2, 64])\n")
+        2, "", f"error: trace {predicted}: pipesim header: meta.calibration.options: give an object of the model's "
+               "options (got [2, 64])\n")
 
 
 def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_cannot_compare(tmp_path):

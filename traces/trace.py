@@ -15,7 +15,7 @@ import re
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
@@ -25,6 +25,7 @@ import numpy as np
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
 
 from .. import __version__
+from ..choices import optimizer_refusal
 from ..files import TRACE, first_error, read_document
 from ..memory_parts import MEMORY_PARTS
 from ..units import number_allowed
@@ -274,7 +275,60 @@ class TraceMeta:
             if getattr(meta, name) < 1:  # from whatever it was
                 given = getattr(meta, name)
                 raise TraceError(f"pipesim header: meta.{name}: {number_allowed(1, None)} (got {given:,})")
+        if (refusal := _recorded_refusal(meta)) is not None:
+            raise TraceError(f"pipesim header: meta.{refusal}")
         return meta
+
+
+def _whole(least: int) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _rising(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) >= 2 and value[0] == 0 and all(map(_whole(0), value))
+            and all(a < b for a, b in zip(value, value[1:])))
+
+
+def _is(kind: type) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, kind)
+
+
+_NAME, _OBJECT = (_is(str), "a name (a string)"), (_is(dict), "an object of the model's options")
+_COUNT = (_whole(1), number_allowed(1, None).removeprefix("give "))
+# The fields of the meta's open objects (`params`, `extra`, `hardware`, `calibration`) that pipesim reads back
+# (compare, its prediction of a run from what the run recorded, view), each with what it allows: checked as the
+# trace is read, so that a hand-edited value is one line naming it, not the KeyError or TypeError of a reader. Any
+# may be absent (a file from before it was recorded, a torch.distributed.pipelining run, a prediction's own fields);
+# the optimizers are `optimizer_refusal`'s, and a host's load is read where it is whole (traces/hostload.py).
+_RECORDED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "params.data_parallel": _COUNT,
+    "extra.model": _NAME, "extra.dtype": _NAME, "extra.model_options": _OBJECT,
+    "extra.bounds": (_rising, "the stages' first layers and the layer count, whole numbers rising from 0"),
+    "hardware.device": _NAME, "hardware.runtime": _NAME, "hardware.host_staged": (_is(bool), "true or false"),
+    "hardware.compute": (lambda value: isinstance(value, list) and all(map(_is(str), value)),
+                         'a list of each rank\'s "host/device"'),
+    "hardware.ranks": _COUNT, "hardware.threads_per_rank": _COUNT,
+    "calibration.model": _NAME, "calibration.dtype": _NAME, "calibration.device": _NAME,
+    "calibration.passes_as": _NAME, "calibration.options": _OBJECT,
+    "calibration.ranks": _COUNT,
+    "calibration.host_terms": (lambda value: isinstance(value, dict) and all(map(_is(dict), value.values())),
+                               "an object of the host terms, each an object"),
+}
+
+
+def _recorded_refusal(meta: TraceMeta) -> str | None:
+    """The first of `_RECORDED`'s fields and recorded optimizers that `meta` holds a value outside what it allows,
+    as "FIELD: give WHAT (got VALUE)" (the field under meta, the value as the file writes it); None where all hold."""
+    for section in ("extra", "calibration"):
+        name = (getattr(meta, section) or {}).get("optimizer")
+        if name is not None and (refusal := optimizer_refusal(name, f"{section}.optimizer")) is not None:
+            return refusal
+    for where, (allows, allowed) in _RECORDED.items():
+        section, name = where.split(".")
+        value = (getattr(meta, section) or {}).get(name)
+        if value is not None and not allows(value):
+            return f"{where}: give {allowed} (got {json.dumps(value)[:60]})"
+    return None
 
 
 @dataclass(eq=False)
