@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..traces.metrics import mib_text, ms_text, percent_text
-from .common import InputError, check_outputs, fail, stderr, stdout, warn_of_wall_time_tail, writing
+from .common import InputError, check_outputs, fail, refuse, stderr, stdout, warn_of_wall_time_tail, writing
 from .tables import print_message, print_tables
 
 
@@ -121,6 +122,31 @@ def _render(c) -> None:
         stdout.print(f"note: {note}", highlight=False)
 
 
+def _pipesim_traces_refusal(folder: Path, files: list[Path], predicted: Path | None) -> str | None:
+    """Where a folder given as MEASURED holds pipesim traces, which the torch.profiler reader took for rank 0's
+    ("holds torch profiler traces", "profiler traces of ranks [0]"): the file to give, as a command where it holds
+    that one alone. Refused, not taken from the folder: a folder means torch.profiler traces, and the page and --json
+    would report a file the user never named (the swapped traces' refusal, too, gives the command, not the answer)."""
+    from ..files import is_trace_bytes
+
+    def is_trace(path: Path) -> bool:
+        try:
+            return is_trace_bytes(path.read_bytes())
+        except OSError:  # the profiler reader names a file it cannot read
+            return False
+
+    traces = [path for path in files if is_trace(path)]
+    if not traces:
+        return None
+    if traces == files and len(traces) == 1:
+        again = " ".join(shlex.quote(str(path)) for path in (traces[0], predicted) if path is not None)
+        return (f"MEASURED: {folder} holds a pipesim trace, not torch.profiler traces: give the file itself: "
+                f"pipesim compare {again}")
+    held = "a pipesim trace" if len(traces) == 1 else "pipesim traces"
+    return (f"MEASURED: {folder} holds {held} ({', '.join(path.name for path in traces)}), not torch.profiler traces "
+            "alone: give the measured trace file itself, or a folder of torch.profiler traces, one per rank")
+
+
 def compare(
     measured: Annotated[Path, typer.Argument(
         help="Measured trace (from `pipesim run --trace`), or a folder of torch.profiler traces of a "
@@ -147,6 +173,7 @@ def compare(
             if not ranks:  # before PREDICTED is asked for: the folder itself is what is wrong
                 raise InputError(f"MEASURED: {measured} is a folder with no .json files; give a trace from "
                                  "`pipesim run --trace`, or a folder of torch.profiler traces, one per rank")
+            refuse(_pipesim_traces_refusal(measured, ranks, predicted))
             if predicted is None:
                 raise InputError(f"{measured} holds torch profiler traces, which say nothing about the run's "
                                  "schedule or costs: give the predicted trace too")

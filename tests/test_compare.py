@@ -652,6 +652,26 @@ def test_compare_names_a_folder_without_traces(tmp_path, predicted):
     assert f"MEASURED: {folder} is a folder with no .json files" in err
 
 
+@pytest.mark.parametrize("predicted", [False, True])
+def test_compare_names_a_pipesim_trace_in_a_folder_and_the_file_to_give(tmp_path, predicted):
+    """A folder holding the trace `pipesim run --trace` wrote was said to "hold torch profiler traces, which say
+    nothing about the run's schedule" (without PREDICTED), or to be "profiler traces of ranks [0]" (with it): now
+    the file, and the command that compares it; where it holds more than one, their names."""
+    folder, page, trace = tmp_path / "ranks", tmp_path / "c.html", tmp_path / "p.json"
+    folder.mkdir()
+    (folder / "measured.json").write_bytes((FIDELITY_RUNS / "1f1b.json").read_bytes())
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 4, "-n", 8, "--trace", trace).code == 0
+    given = [trace] if predicted else []
+    assert pipesim("compare", folder, *given, "--html", page) == (
+        2, "", f"error: MEASURED: {folder} holds a pipesim trace, not torch.profiler traces: give the file itself: "
+               f"pipesim compare {' '.join(map(str, [folder / 'measured.json', *given]))}\n")
+    (folder / "rank1.json").write_text(json.dumps({"traceEvents": []}))  # a profiler trace beside it
+    assert pipesim("compare", folder, *given, "--html", page) == (
+        2, "", f"error: MEASURED: {folder} holds a pipesim trace (measured.json), not torch.profiler traces alone: "
+               "give the measured trace file itself, or a folder of torch.profiler traces, one per rank\n")
+    assert not page.exists()
+
+
 def test_an_estimate_predicts_a_gpu_run_over_the_links_that_run_was_calibrated_on():
     """benchmarks/gpu_check.py prices its estimate as the run ran: `links_from` gives the transfers the
     calibration's host-staged links (an estimate's own are its catalogue placement's NVLink), the compute stays
