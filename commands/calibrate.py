@@ -15,7 +15,7 @@ from rich.table import Table
 from ..choices import choose_from, device_refusal
 from ..profiles.workload import is_hf, too_few_layers
 from ..traces.compare import TORCH_RUNTIME
-from ..traces.metrics import mib_text, percent_text
+from ..traces.metrics import mib_text, percent_text, signed_text
 from ..units import GIB, KIB, MIB, bytes_text, count_text
 from .common import DTYPES as DTYPE_NAMES  # --dtype's names -> torch's (calibrate.measure's DTYPES: torch's dtypes)
 from .common import (
@@ -487,7 +487,8 @@ def _print_profile(profile) -> None:
         if solo_ms and of and all(stage.passes is not None for stage in profile.stages):
             drift = [ms / (profile.stages[k].fwd_ms + profile.stages[k].bwd_ms) - 1 for ms, k in zip(solo_ms, of)]
             stdout.print("contention probe, each rank alone, against its stage's calibrated F + B: "
-                         + ", ".join(f"{d:+.0%}" for d in drift) + " (the same code: the host's drift in between)",
+                         + ", ".join(signed_text(100 * d, 0) + "%" for d in drift)
+                         + " (the same code: the host's drift in between)",
                          highlight=False)
     if profile.link is None:
         stdout.print("links: not measured (--no-links)", highlight=False)

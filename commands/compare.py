@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from ..traces.metrics import mib_text, ms_text, percent_text
+from ..traces.metrics import mib_text, ms_text, percent_text, signed_text
 from .common import InputError, check_outputs, fail, refuse, stderr, stdout, warn_of_wall_time_tail, writing
 from .tables import print_message, print_tables
 
@@ -102,7 +102,7 @@ def _render(c) -> None:
                           "-" if k.duration_p90 is None else percent_text(k.duration_p90), _percent(k.duration_bias),
                           worst)
         start_worst = "-" if k.start_worst is None else \
-            f"{k.start_worst.op}@{k.start_worst.device} {k.start_worst.error:+,.2f}"
+            f"{k.start_worst.op}@{k.start_worst.device} {signed_text(k.start_worst.error, 2)}"
         starts.add_row(k.kind, f"{k.ops:,}", f"{k.start_median_ms:,.2f}", f"{k.start_p90_ms:,.2f}", start_worst)
     devices = Table(box=box.SIMPLE_HEAD, title="per device (predicted / measured)", title_justify="left")
     for header in ("device", "busy ms", "exposed comm ms", "peak MiB", "peak error"):

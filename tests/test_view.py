@@ -277,6 +277,18 @@ def test_the_pages_write_each_unit_one_way():
                                                                                  "81,920"]
 
 
+def test_a_figure_that_rounds_to_zero_has_no_sign():
+    """compare's peak error of -3.7e-9 read "-0.0%", a zero error "+0.0%", a worst start error of none "+0.00":
+    a figure that rounds to zero is written without a sign, signed or not, in every unit (the page's script
+    alike: tests/test_browser.py's NUMBERS hold -0.0 and -0.0001)."""
+    from pipesim.traces.metrics import mib_text, ms_text, percent_text, signed_text
+
+    assert [percent_text(f, signed) for f in (-3.7e-9, -0.0, 0.0, 4e-4) for signed in (False, True)] == ["0.0%"] * 8
+    assert [percent_text(-5e-4), percent_text(5e-4, signed=True)] == ["-0.1%", "+0.1%"]
+    assert [ms_text(-1e-4), mib_text(-0.4), signed_text(-0.004, 2), signed_text(0.0, 2), signed_text(0.005, 2)] == [
+        "0.000", "0", "0.00", "0.00", "+0.01"]
+
+
 def test_the_summary_charts_figures_and_axes_follow_the_units_rules(trace):
     """Its bars write ms and shares as the title and hovers do, and its axes separate thousands ("3,000" where
     plotly wrote "3000", and "20k" past 10,000); the bubble's axis in percent."""

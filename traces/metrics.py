@@ -36,10 +36,12 @@ def _decimal_text(value: float, decimals: int, sign: str = "") -> str:
     shortest decimal that reads back as the float, a tie rounded away from zero, so that a figure reads alike in a
     table and hovered: 0.0625 ms, a tie in binary too, read "0.062" here (format's tie to even) and "0.063" there,
     and 2.675 MiB (2.67499... in binary) "2.67" and "2.68". NaN reads "NaN", an infinity "∞", as there. `sign`:
-    "+" writes a positive value's sign too."""
+    "+" writes a positive value's sign too. A figure that rounds to zero has none: an error of -3.7e-9 read
+    "-0.0%", a zero one "+0.0%"."""
     if not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("-" if value < 0 else sign) + "∞"
-    return f"{_rounded(value, decimals):{sign},f}"
+    rounded = _rounded(value, decimals)
+    return f"{abs(rounded):,f}" if rounded.is_zero() else f"{rounded:{sign},f}"
 
 
 def _rounded(value: float, decimals: int) -> Decimal:
@@ -53,6 +55,12 @@ def figure_text(value: float) -> str:
     "1978.9" beside the other tables' "1,978.9"; 80.0 reads "80"."""
     digits = Decimal(repr(float(value))).normalize().as_tuple().exponent if math.isfinite(value) else 0
     return _decimal_text(value, max(0, -digits))
+
+
+def signed_text(value: float, decimals: int) -> str:
+    """A signed figure (an error in ms, a drift in percent) to `decimals` places, thousands separated, its sign
+    written where it does not round to zero (`_decimal_text`): a worst start error of none read "+0.00"."""
+    return _decimal_text(value, decimals, "+")
 
 
 def ms_text(ms: float) -> str:

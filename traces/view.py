@@ -823,7 +823,8 @@ _TIMELINE_JS = r"""
     return lines;
   }
   function fmt(v, digits) {
-    return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
+    return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits,
+                                              signDisplay: "negative"});  // -0.0001 as "0.0", as _decimal_text
   }
   // The units as traces/metrics.py's ms_text, mib_text and percent_text write them, and plotly's formats for them.
   const {mib_shown: MIB_SHOWN, ms_decimals: MS_DECIMALS, tick_format: TICK_FORMAT} = DATA.numbers;
