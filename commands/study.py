@@ -283,13 +283,18 @@ def _calibrate(setting, optimizer: str, ranks: int, advance: Callable[[str], Non
 
 
 def _print_table(setting, summaries) -> None:
+    from ..study.results import DIVERGED_RISE
+
     timed = any(s.timing for s in summaries)
     seeds = max((len(s.runs) for s in summaries), default=0)
-    spread = f"mean ± std over {seeds} seeds" if seeds > 1 else "of one seed (no spread: give --seeds 2 or more)"
+    spread = (f"mean ± std over {seeds} seeds less those that diverged" if seeds > 1
+              else "of one seed (no spread: give --seeds 2 or more)")
     table = Table(title=_title(setting).removeprefix("pipesim study: "), title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False, caption=f"held-out accuracy and final training loss (the last 10% of mini-batches), "
-                                          f"{spread}; div.: seeds that diverged; {STALENESS_HEADER} and s: "
-                                          "staleness and prediction distance per stage, as the executor measured them"
+                                          f"{spread}; div.: seeds that diverged (the loss went non-finite, or ended "
+                                          f"{DIVERGED_RISE:g}x its first), left out of every figure; "
+                                          f"{STALENESS_HEADER} and s: staleness and prediction distance per stage, as "
+                                          "the executor measured them"
                                           + ("; samples/s on spawned ranks, median of repeats, and the simulator's "
                                              "prediction" if timed else ""),
                   caption_justify="left")

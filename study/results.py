@@ -192,19 +192,24 @@ class ArmSummary:
     def diverged(self) -> int:
         return sum(r.diverged for r in self.runs)
 
-    @property
-    def final_loss(self) -> Spread:
-        """Over the seeds that did not diverge; "diverged" where every seed did."""
-        return Spread.of([r.final_loss for r in self.runs],
+    def _over_trained(self, value: Callable[[RunRecord], float | None]) -> Spread:
+        """`value` over the seeds that did not diverge (`RunRecord.diverged`), one rule for every figure: a seed
+        whose loss ended 10x its first kept its held-out scores (status "ok"), which pulled pipeoptim (code)'s
+        accuracy to 53.9 ± 37.8 over 3 seeds beside a loss over 2; "diverged" where every seed did."""
+        return Spread.of([value(r) for r in self.runs if not r.diverged],
                          missing="diverged" if self.runs and self.diverged == len(self.runs) else "-")
 
     @property
+    def final_loss(self) -> Spread:
+        return self._over_trained(lambda r: r.final_loss)
+
+    @property
     def heldout_loss(self) -> Spread:
-        return Spread.of([r.heldout_loss for r in self.runs])
+        return self._over_trained(lambda r: r.heldout_loss)
 
     @property
     def heldout_accuracy(self) -> Spread:
-        return Spread.of([r.heldout_accuracy for r in self.runs])
+        return self._over_trained(lambda r: r.heldout_accuracy)
 
     @property
     def stages(self) -> list[StageRecord]:
