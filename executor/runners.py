@@ -29,7 +29,7 @@ from ..launch import TORCHRUN_ENV, under_torchrun
 from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight, resting_copies
 from ..schedules.ir import Action, ScheduleError
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
-from ..workload.processes import rank_context, rank_process, start_processes
+from ..workload.processes import HEARTBEAT_S, rank_context, rank_process, start_processes
 from ..workload.transport import (
     InProcessTransport,
     PeerWait,
@@ -148,7 +148,6 @@ def run_in_process(spec: RunSpec) -> RunResult:
 # test-only: "RANK:ROWS:SIGNAL" makes RANK send itself SIGNAL after ROWS rows; "RANK:ROWS:SPIN" makes it busy-wait
 # forever inside a wait on a peer (a host spinning on a message that never comes)
 FAULT_ENV = "PIPESIM_TEST_FAULT"
-HEARTBEAT_S = 0.2  # a rank reports to the parent at most this often
 # a rank whose process used at least this share of one core over a heartbeat period is working (a long compute
 # row, a large send), not waiting: a rank blocked in a receive or a collective uses well under 1% of a core
 WORKING_CPU_SHARE = 0.05
@@ -250,8 +249,6 @@ class _Reporter:
         self.fault = _test_fault(rank)
 
     def start(self) -> None:
-        """Once `loop` is set, before it runs."""
-        self.first = self.lowered.rows(self.loop.device).start
         self.previous_ns = time.perf_counter_ns()
         self.beat()
         self.thread = threading.Thread(target=self._beating, name="pipesim-heartbeat", daemon=True)
@@ -260,7 +257,8 @@ class _Reporter:
     def on_row(self, row: int) -> None:
         now = time.perf_counter_ns()
         with self.lock:
-            self.rows.append(ReportedRow.of(self.loop.result, self.first, row, self.previous_ns, now))
+            first = self.lowered.rows(self.loop.device).start  # the device's rows' global index
+            self.rows.append(ReportedRow.of(self.loop.result, first, row, self.previous_ns, now))
             self.done += 1
             self.last_action = _action_text(self.lowered, row)
         self.previous_ns = now
