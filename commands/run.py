@@ -19,6 +19,7 @@ from rich.table import Table
 from ..profiles.workload import too_few_layers
 from ..traces.metrics import loss_text, mib_text, percent_text, rate_text
 from ..units import count_text, degree_text, float_text, number_allowed
+from ..workload.processes import HEARTBEAT_S, STALL_LEAST_S
 from .common import (
     DTYPES,
     SEARCH_COSTS,
@@ -159,7 +160,8 @@ def run(
         "--timeout", metavar="S", help="Seconds a rank waits for a transfer or a process-group operation.")] = 120.0,
     stall_timeout: Annotated[float, typer.Option(
         "--stall-timeout", metavar="S", help="Seconds the run may go with no rank finishing a row or computing, or "
-        "with a rank's process suspended, before every rank is stopped.")] = 20.0,
+        f"with a rank's process suspended, before every rank is stopped; at least {STALL_LEAST_S:g} (ranks report "
+        f"every {HEARTBEAT_S:g} s).")] = 20.0,
     heldout: Annotated[bool, typer.Option(
         "--heldout/--no-heldout", help="Score the trained model on its held-out set after the run (the table's "
                                        "held-out loss / acc: how well it learned beyond its training data): one "
@@ -204,10 +206,11 @@ def run(
             raise InputError(choose_from("--backend", BACKENDS, backend))
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         refuse(device_refusal(device))
-        for flag, value, most in (("--lr", lr, None), ("--timeout", timeout, MAX_WAIT_S),
-                                  ("--stall-timeout", stall_timeout, MAX_WAIT_S)):
-            if not 0 < value < math.inf or (most is not None and value > most):
-                allowed = number_allowed(0, most, whole=False, finite=True, above=True)
+        for flag, value, least, most in (("--lr", lr, 0, None), ("--timeout", timeout, 0, MAX_WAIT_S),
+                                         ("--stall-timeout", stall_timeout, STALL_LEAST_S, MAX_WAIT_S)):
+            if not (least < value if least == 0 else least <= value) or not value < math.inf or (
+                    most is not None and value > most):
+                allowed = number_allowed(least, most, whole=False, finite=True, above=least == 0)
                 raise InputError(f"{flag}: {allowed} (got {float_text(value)})")
         check_prediction(prediction)
         check_threads("--threads-per-rank", threads_per_rank)

@@ -67,7 +67,11 @@ def test_a_value_refusal_reads_as_the_parsers(args, refusal):
      "--data-parallel: give at least 4, so that p = 64/d devices a pipeline is at most the profile's 16 layers "
      "(got 2)"),
     (["run", "-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--stall-timeout", "0"],
-     "--stall-timeout: give a finite number above 0 and at most 86,400 (got 0)"),
+     "--stall-timeout: give a finite number from 1 to 86,400 (got 0)"),
+    # the parent hears of progress at the ranks' heartbeats (0.2 s): a run at 0.03 s was stopped as stalled after
+    # it had run every row
+    (["run", "-s", "1f1b", "-p", "2", "-m", "2", "--model", "gpt", "--stall-timeout", "0.03"],
+     "--stall-timeout: give a finite number from 1 to 86,400 (got 0.03)"),
 ])
 def test_a_commands_own_refusal_reads_as_the_parsers(args, refusal):
     code, out, err = pipesim(*args)

@@ -31,6 +31,10 @@ FIRST_BACKWARD = "torch.fx.experimental.symbolic_shapes"
 PRELOAD = ["torch", FIRST_BACKWARD, f"{_PACKAGE}.executor.runners", f"{_PACKAGE}.calibrate.contention",
            f"{_PACKAGE}.calibrate.links", f"{_PACKAGE}.workload.server_exit"]  # the last: it exits first
 READY_TIMEOUT_S = 120.0  # the server's imports on a loaded machine
+HEARTBEAT_S = 0.2  # a rank reports to the parent at most this often (executor/runners.py)
+# The least --stall-timeout: the parent hears of a rank's progress at its heartbeats alone, so a limit of a few of
+# them would call a rank stalled between two (one run at 0.03 s was stopped as stalled after it had run every row)
+STALL_LEAST_S = 5 * HEARTBEAT_S
 
 
 @contextlib.contextmanager
