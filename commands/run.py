@@ -557,7 +557,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     first, last = _loss_ends(result)
     replicas = int(meta.params.get("data_parallel", 1))
     experts = int(meta.params.get("expert_parallel", 1))
-    shares = f"{count_text(replicas, 'replica')} x " if replicas > 1 else ""
+    shares = "".join(f"{count_text(count, noun)} x " for count, noun in meta.batch_copies if count > 1)
     degrees = ", ".join(degree_text(*degree) for degree in [("p", len(summary.devices) // replicas), ("d", replicas)]
                         + [("E", experts)] * (experts > 1))
     table = Table(title=f"{meta.schedule} measured: {count_text(meta.minibatches, 'mini-batch')} of "

@@ -26,7 +26,7 @@ from pipesim.schedules import ScheduleParams, lower
 from pipesim.traces import read_trace
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import served_rendezvous
-from tests.conftest import build, pipesim, pipesim_fresh
+from tests.conftest import build, pipesim, pipesim_fresh, run
 
 # A task a few steps of SGD learn (the class is where the first four features peak), so "the loss falls" does
 # not depend on the built-in models' data. Ranks import it from the working folder, as `--model` allows.
@@ -822,6 +822,32 @@ def test_nccl_on_cpu_ranks_is_refused_before_any_rank_starts(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("replicas", "pipelines", "shown"), [
+    (1, 2, "4 mini-batches of 2 pipelines x 4 x 8 samples, 2 ranks over"),
+    (2, 1, "4 mini-batches of 2 replicas x 4 x 8 samples, 4 ranks (p=2, d=2) over"),
+    (2, 3, "4 mini-batches of 2 replicas x 3 pipelines x 4 x 8 samples, 4 ranks (p=2, d=2) over")])
+def test_the_run_tables_title_names_every_copy_of_the_micro_batches_its_samples_per_s_counts(capsys, replicas,
+                                                                                             pipelines, shown):
+    """samples/s counts every pipeline's and every replica's micro-batches (`TraceMeta.samples_per_minibatch`), and
+    the title names both by one rule (`TraceMeta.batch_copies`): AvgPipe's "4 mini-batches of 4 x 8 samples" at
+    923.5 samples/s and 69.30 ms/step was 64 samples a step, P = 2 pipelines of 4 x 8, the pipelines left out."""
+    from types import SimpleNamespace
+
+    from pipesim.commands.run import _print_table
+
+    trace = run("avgpipe", 2, 4, 4, comm=0.1).trace
+    meta = replace(trace.meta, microbatch_size=8, pipelines=pipelines,
+                               params={**trace.meta.params, "data_parallel": replicas},
+                               hardware={"ranks": 2 * replicas, "transport": "gloo", "device": "cpu"},
+                               extra={"optimizer": "sgd", "lr": 0.05, "dtype": "float32"})
+    assert meta.samples_per_minibatch == replicas * pipelines * 4 * 8
+    summary = SimpleNamespace(devices=[SimpleNamespace(peak_memory_mb=1.0)] * (2 * replicas),
+                              time_per_minibatch_ms=69.3, samples_per_s=923.5)
+    _print_table(SimpleNamespace(trace=replace(trace, meta=meta), losses=[[2.0, 1.0]]), summary, None,
+                 None)
+    assert f"avgpipe measured: {shown} gloo (cpu)" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize(("first", "shown"), [(2.443, "2.443"), (2469.0, "2,469"), (2.47e8, "2.47e+08"),
                                                (0.0004, "<0.001")])
 def test_the_run_table_writes_each_loss_to_a_thousandth_as_the_study_does(capsys, first, shown):
@@ -831,11 +857,13 @@ def test_the_run_table_writes_each_loss_to_a_thousandth_as_the_study_does(capsys
     from types import SimpleNamespace
 
     from pipesim.commands.run import _print_table
+    from pipesim.traces.trace import TraceMeta
 
-    meta = SimpleNamespace(hardware={"ranks": 2, "transport": "gloo", "device": "cpu"}, params={}, schedule="xpipe",
-                           minibatches=50, microbatches=4, microbatch_size=8,
-                           extra={"optimizer": "sgd", "lr": 0.05, "dtype": "float32",
-                                  "heldout": {"loss": 0.45903468, "accuracy": 0.8333}})
+    meta = TraceMeta("measured", "xpipe", {}, microbatches=4, minibatches=50, pipelines=1, microbatch_size=8,
+                     placement=[0, 1], stage_edges=[[0, 1]], policy={}, tool="pipesim",
+                     hardware={"ranks": 2, "transport": "gloo", "device": "cpu"},
+                     extra={"optimizer": "sgd", "lr": 0.05, "dtype": "float32",
+                            "heldout": {"loss": 0.45903468, "accuracy": 0.8333}})
     summary = SimpleNamespace(devices=[SimpleNamespace(peak_memory_mb=21.1), SimpleNamespace(peak_memory_mb=15.4)],
                               time_per_minibatch_ms=17.95, samples_per_s=1783.0)
     _print_table(SimpleNamespace(trace=SimpleNamespace(meta=meta), losses=[[first, 0.68904]]), summary, None, None)

@@ -216,9 +216,16 @@ class TraceMeta:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def batch_copies(self) -> tuple[tuple[int, str], ...]:
+        """The copies of m micro-batches one update trains on, as (count, noun): one on each of the d data-parallel
+        replicas and of the P pipelines (AvgPipe's), so that a caption names every factor of `samples_per_minibatch`,
+        which samples/s counts (run's "4 x 8 samples" under P = 2 left half of them out)."""
+        return (int(self.params.get("data_parallel", 1)), "replica"), (self.pipelines, "pipeline")
+
+    @property
     def samples_per_minibatch(self) -> int:
-        """Samples one update trains on: every pipeline's micro-batches, on each of its d data-parallel replicas."""
-        return self.microbatches * self.microbatch_size * self.pipelines * int(self.params.get("data_parallel", 1))
+        """Samples one update trains on: m micro-batches of b on each of its `batch_copies`."""
+        return self.microbatches * self.microbatch_size * math.prod(count for count, _ in self.batch_copies)
 
     @property
     def incomplete_text(self) -> str:
