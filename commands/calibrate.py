@@ -164,7 +164,7 @@ def calibrate(
     from ..traces import write_atomic
     from ..traces.hostload import HostLoad, mark
     from ..workload.processes import prepare, ready
-    from ..workload.sizes import flag_sizes_refusal, model_name_refusal
+    from ..workload.sizes import flag_sizes_refusal, model_name_refusal, stages_refusal
 
     runtime = runtime and passes_as != "torch"  # its per-row costs are the executor's, not torch's runtime's
     starts_processes = runtime or contention or links
@@ -173,7 +173,9 @@ def calibrate(
         # processes' server (whose imports take a core for seconds)
         check_outputs([("--out", out, PROFILE)], model_reads(ctx.params))
         refuse(model_name_refusal(model))
-        refuse(flag_sizes_refusal(model, {name: ctx.params.get(name) for name in MODEL_SIZES}))
+        model_sizes = {name: ctx.params.get(name) for name in MODEL_SIZES}
+        refuse(flag_sizes_refusal(model, model_sizes)
+               or stages_refusal(f"--stages {stages:,}", stages, model, model_sizes))
         if passes_as not in RUNS_PASSES:
             raise InputError(choose_from("--passes-as", RUNS_PASSES, passes_as))
         if passes_as == "torch" and is_given(ctx, "runtime") and ctx.params["runtime"]:
@@ -226,7 +228,7 @@ def calibrate(
             refuse(host_memory_refusal("calibrate", model, options, microbatch_size if settings.device.type == "cpu"
                                        else None, dtype))  # a GPU's forward holds its micro-batch there
             net = build_model(model, **options)
-            if stages > len(net.layers):
+            if stages > len(net.layers):  # a model that is no built-in, once built
                 raise InputError(too_few_layers(f"--stages {stages:,}", net.name, net.options, len(net.layers)))
             if is_given(ctx, "expert_parallel"):
                 check_expert_parallel(expert_parallel, net)

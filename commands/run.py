@@ -191,7 +191,7 @@ def run(
     from ..traces.compare import passes_warning
     from ..traces.hostload import HostLoad, mark, ranks_per_host
     from ..workload.processes import prepare
-    from ..workload.sizes import flag_sizes_refusal, model_name_refusal
+    from ..workload.sizes import flag_sizes_refusal, model_name_refusal, stages_refusal
 
     # the executor's class, imported below after torch: bound before, so a Ctrl-C while torch imports reaches
     # cli.main's "interrupted" through the except clauses, not an UnboundLocalError
@@ -278,6 +278,8 @@ def run(
                              f"{stages} devices has {built.num_stages}; "
                              f"{_made(measured).command} with --stages {built.num_stages} or "
                              "drop --profile")
+        asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
+        refuse(stages_refusal(asked, built.num_stages, model, measured.model.options if measured else options))
         # every flag that needs nothing started is read: a refusal starts no server and imports no torch
         began = mark()  # the host's load before this run starts anything
         if not under_torchrun():  # this command starts the ranks: their server's imports overlap this one's
@@ -308,8 +310,7 @@ def run(
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, dtype=DTYPES[dtype or "float32"], bounds=bounds,
                        threads_per_rank=threads_per_rank, timeout_s=timeout, heldout=heldout)
-        if len(net.layers) < built.num_stages:
-            asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
+        if len(net.layers) < built.num_stages:  # a model that is no built-in, once built
             raise InputError(too_few_layers(asked, model, net.options, len(net.layers)))
         if bounds is None and carried_bounds(spec, model=net) is None:
             raise InputError(_no_cut(spec, len(net.layers)))

@@ -131,6 +131,7 @@ def study(
     from ..schedules import ScheduleError
     from ..study.plan import DEFAULT_METHODS, DEFAULT_OPTIMIZERS, Setting, arms
     from ..study.results import ResultsError, load_results, open_results, recorded_arms, summarize
+    from ..workload.sizes import stages_refusal
 
     try:
         check_outputs([("--results", None if plot_only else results), ("--html", html)],
@@ -165,6 +166,7 @@ def study(
             # after `arms`, which names a method that is none (`-s bogus --pipelines 3` was "not bogus")
             check_method_options(ctx, schedules or DEFAULT_METHODS, ("--pipelines", "--prediction"))
             seed_list = list(range(seeds))
+            refuse(stages_refusal(f"--stages {stages:,}", stages, model, setting.model_options))
             require_model("pipesim study", model)
             _check_model(setting)
             saved = open_results(results, setting)
@@ -205,12 +207,9 @@ def _check_model(setting) -> None:
 
     try:  # a micro-batch past the host's memory before any is made (`-b 100000000`, 23.8 GiB, was torch's failure)
         refuse(host_memory_refusal("study", setting.model, setting.model_options, setting.microbatch_size))
-        built = build_model(setting.model, **setting.model_options)
+        build_model(setting.model, **setting.model_options)
     except ModelError as exc:
         raise InputError(str(exc)) from None
-    if len(built.layers) < setting.stages:
-        raise InputError(f"--stages: give at most {len(built.layers):,}, the {setting.model}'s layers, as each stage "
-                         f"needs one (got {setting.stages:,}); or give more --layers")
 
 
 def _title(setting) -> str:

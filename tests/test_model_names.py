@@ -122,3 +122,26 @@ def test_a_built_in_models_size_out_of_bounds_is_refused_before_torch_is_importe
         (2, "", "error: --layers: give a whole number from 1 to 10,000 (got 0)\n"),
         (2, "", "error: --width: give a whole number from 1 to 1,048,576 (got 1,073,741,824)\n")]
     assert "torch" not in imported and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", [("calibrate", "--out", "p.json"), ("run", "-s", "1f1b"),
+                                     ("study", "-s", "1f1b", "--no-timing")], ids=["calibrate", "run", "study"])
+def test_more_stages_than_a_built_in_models_layers_are_refused_before_torch_is_imported(command, tmp_path):
+    """A built-in model's layers follow from its --layers (workload/sizes.py `built_in_layers`): `calibrate --model
+    mlp --stages 20` was refused after torch's import and the processes' server (8.8 s), run's and study's likewise;
+    study in words of its own."""
+    (done,), imported = pipesim_fresh((*command, "--model", "mlp", "--layers", 3, "--stages", 20), cwd=tmp_path)
+    assert done == (2, "", "error: --stages 20: mlp of 3 blocks (--layers) has 4 layers in all; give at most 4 stages "
+                           "(each needs at least one layer)\n")
+    assert "torch" not in imported and "multiprocessing.forkserver" not in imported
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_a_built_in_models_layers_are_known_before_it_is_built(blocks):
+    """`built_in_layers`, which refuses stages before torch is imported, counts the layers `build_model` makes."""
+    from pipesim.workload.models import MODELS, build_model
+    from pipesim.workload.sizes import built_in_layers
+
+    assert {name: built_in_layers(name, blocks) for name in MODELS} == {
+        name: len(build_model(name, layers=blocks).layers) for name in MODELS}

@@ -140,7 +140,7 @@ def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_pa
     (("--optimizer", "adam", "--optimizer", "adam=0.01"), "--optimizer: give each optimizer once (got 'adam' twice)"),
     (("-s", "nosuch"), "--schedule: unknown 'nosuch'"),
     (("-s", "pipedream-2bw", "-p", 4, "-m", 2, "--layers", 8), "m >= p-1"),
-    (("-p", 4, "--layers", 2), "--stages: give at most 3, the mlp's layers, as each stage needs one (got 4)"),
+    (("-p", 4, "--layers", 2), "--stages 4: mlp of 2 blocks (--layers) has 3 layers in all; give at most 3 stages"),
     (("--prediction", "guess"), "--prediction: choose from"),
     (("--model", "gpt"), "--model: choose from mlp, cnn (got 'gpt')"),  # it trained for minutes instead
     (("--seeds", 10**12), "--seeds: give a whole number from 1 to 1,000 (got 1,000,000,000,000)"),  # MemoryError

@@ -55,7 +55,8 @@ def test_a_value_refusal_reads_as_the_parsers(args, refusal):
     (["calibrate", "--model", "mlp", "--link-max-mb", "0", "-o", "never.json"],
      "--link-max-mb: give from 8 KiB (0.0078125 MiB: two sizes to fit a line) to 4,096 MiB (got 0)"),
     (["study", "--layers", "2", "--stages", "4", "-m", "8"],
-     "--stages: give at most 3, the mlp's layers, as each stage needs one (got 4); or give more --layers"),
+     "--stages 4: mlp of 2 blocks (--layers) has 3 layers in all; give at most 3 stages (each needs at least one "
+     "layer)"),
     (["sweep", "--ray", "127.0.0.1:99999"], "--ray: give HOST:PORT with a port from 0 to 65,535 (got "
                                             "'127.0.0.1:99999')"),
     (["tune", "--profile", GPT_CPU, "--devices", "4", "--max-pipelines", "17"],

@@ -3,12 +3,12 @@
 check them without importing torch."""
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..choices import choose_from, unknown_names
-from ..profiles.workload import is_hf
+from ..profiles.workload import is_hf, too_few_layers
 from ..units import float_text, number_allowed
 
 DEFAULT_SIZES: dict[str, dict[str, int]] = {
@@ -29,6 +29,25 @@ def model_name_refusal(name: str) -> str | None:
         return None
     return (f"{unknown_names('--model', [name], DEFAULT_SIZES)}, or give package.module:attribute or hf:PATH (a "
             "Hugging Face config.json)" + nearest_config_hint(Path(name)))  # an example named without hf:
+
+
+def built_in_layers(model: str, blocks: int) -> int:
+    """The layers a built-in `model` of `blocks` (--layers) is cut between, as workload/models.py builds it: the
+    blocks and the classifier after them, the gpt's embedding before them too, two-branch's stem, its two branches of
+    `blocks` each and the head that merges them."""
+    return {"mlp": blocks + 1, "cnn": blocks + 1, "gpt": blocks + 2, "two-branch": 2 * blocks + 2}[model]
+
+
+def stages_refusal(stages: str, count: int, model: str, sizes: Mapping[str, Any]) -> str | None:
+    """The one line refusing `count` stages (asked for by the flags `stages`) of a built-in `model` of `sizes` (its
+    size flags; None: not given) with fewer layers (profiles/workload.py `too_few_layers`), said before torch is
+    imported: `calibrate --model mlp --stages 20` was refused after torch's import and the processes' server, 8.8 s.
+    None where each stage has a layer, or for another model, whose layers are known once it is built."""
+    if model not in DEFAULT_SIZES:
+        return None
+    options = {**DEFAULT_SIZES[model], **{name: value for name, value in sizes.items() if value is not None}}
+    layers = built_in_layers(model, options["layers"])
+    return too_few_layers(stages, model, options, layers) if count > layers else None
 
 
 def attention_of(given: str | None, model: str) -> str:
