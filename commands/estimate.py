@@ -701,12 +701,15 @@ def tensors_alone_text(measured: Profile | None, what: WhatIf | None) -> str:
 class ModelWork:
     """What MFU and tokens/s need of an estimated model: its FLOPs per sample without recomputation (forward
     and both halves of the backward), the tokens a sample holds (None: not a sequence model), the part's dense
-    peak FLOP/s in the model's dtype, and the GPUs t x C each of a schedule's devices stands for (its tensor- and
-    context-parallel ranks, which run one micro-batch together)."""
+    peak FLOP/s in the model's dtype (`peak_dtype`: bfloat16 under --dtype fp8, `float8`, whose linear products run
+    in float8), and the GPUs t x C each of a schedule's devices stands for (its tensor- and context-parallel ranks,
+    which run one micro-batch together)."""
 
     flops_per_sample: float
     tokens_per_sample: int | None
     peak_flops_per_s: float
+    peak_dtype: str
+    float8: bool
     tensor: int
     context: int
 
@@ -727,7 +730,16 @@ class ModelWork:
         if estimate is None or estimate.model_flops_per_sample is None or estimate.peak_flops_per_s is None:
             return None
         return cls(estimate.model_flops_per_sample, profile.model.options.get("seq_len"), estimate.peak_flops_per_s,
+                   profile.environment.dtype, estimate.parallelism.get("fp8") is not None,
                    int(estimate.parallelism.get("tensor", 1)), int(estimate.parallelism.get("context", 1)))
+
+    def mfu_text(self, gpus: int | None = None) -> str:
+        """What MFU is over, as simulate's and tune's captions say it: the peak in its dtype, bfloat16's under --dtype
+        fp8 too, as torchtitan reports it (docs/hardware.md), where simulate's said "the GPUs' dense peak" and the
+        docs "in the model's dtype" of a model given as fp8; `gpus`: how many (None: each row's own)."""
+        whose = "the GPUs'" if gpus is None else f"the {gpus:,} GPUs'"
+        return (f"MFU: model FLOPs (no recomputation) per second over {whose} dense peak in {self.peak_dtype}"
+                + " (under fp8 too)" * self.float8)
 
     def metrics(self, samples_per_s: float, gpus: int) -> dict[str, float | None]:
         """tokens/s and MFU (model FLOPs over the `gpus`' dense peak) at `samples_per_s` over all replicas."""

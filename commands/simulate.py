@@ -407,7 +407,7 @@ def simulate(
             _print_memory_table(summaries, built, memory, skipped)
         else:
             _print_table(summaries, built, steady, example, skipped, memory,
-                         _cost_basis(scenario, built, tensors_alone_text(scenario.measured, what))
+                         _cost_basis(scenario, built, work, tensors_alone_text(scenario.measured, what))
                          + _overlap_text(built, pairs, fb_hidden_fraction)
                          + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names}),
                          [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
@@ -582,9 +582,10 @@ def _nothing_runs(requested: list[str], skipped: dict[str, str]) -> str:
     return f"none of the {len(requested)} methods can run: " + "; ".join(texts)
 
 
-def _cost_basis(scenario, schedules: list, alone: str) -> str:
-    """What the cost flags' numbers describe, for the table's caption; for an estimate, `alone`: where its peaks are
-    the tensors alone (`tensors_alone_text`)."""
+def _cost_basis(scenario, schedules: list, work: ModelWork | None, alone: str) -> str:
+    """What the cost flags' numbers describe, for the table's caption; for an estimate, what its MFU is over (`work`;
+    None: an estimate that recorded no MFU's figures) and `alone`: where its peaks are the tensors alone
+    (`tensors_alone_text`)."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
         estimate = scenario.measured.estimate
         _, p, d = estimate.degrees
@@ -593,9 +594,8 @@ def _cost_basis(scenario, schedules: list, alone: str) -> str:
         span = tensor_span_text(estimate)
         degrees = parallelism_text(estimate.parallelism, estimate.attention, shape=False) + (
             f", the tensor-parallel group{span}" if span else "")
-        return (f"costs: estimated on {estimate.gpu} ({degrees}) from "
-                f"the model counted on the meta device{elsewhere}; MFU: model FLOPs (no recomputation) per second "
-                "over the GPUs' dense peak" + (f"; {alone}" if alone else ""))
+        return (f"costs: estimated on {estimate.gpu} ({degrees}) from the model counted on the meta device{elsewhere}"
+                + "".join(f"; {text}" for text in (work.mfu_text() if work else "", alone) if text))
     if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose
         return f"costs: measured (--profile), {scenario.optimizer}'s updates and state (--optimizer)"
     stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})

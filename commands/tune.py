@@ -583,8 +583,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     split = bool(work) and any(row.result.config.tensor > 1 for row in rows)  # sp: on or off at t > 1
     estimated = (f"estimated, t, {'sequence parallelism (sp), ' * split}{'E, ' * experts}b and recomputation "
                  f"(recomp; sel: selective) searched where not given; "
-                 f"{'E: ranks the routed experts are placed over; ' * experts}MFU: model FLOPs per second over "
-                 f"the {problem.gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
+                 f"{'E: ranks the routed experts are placed over; ' * experts}"
+                 f"{next(iter(work.values())).mfu_text(problem.gpus)}; ") if work else ""
     read = (f"{alone}; " if alone else "") + ("MFU: the simulate command below gives the choice's; " if (
         measured.estimate is not None and not work) else "")
     per_stage = f"·{context}" * (context > 1)

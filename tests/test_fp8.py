@@ -136,6 +136,23 @@ def test_simulate_sweep_tune_and_estimate_take_fp8_and_the_estimate_records_its_
     assert code == 0 and 0 < json.loads(out)["choice"]["mfu"] < 1, err
 
 
+@pytest.mark.parametrize("dtype, peak", [("fp8", "dense peak in bfloat16 (under fp8 too)"),
+                                         ("fp32", "dense peak in float32")])
+def test_simulate_and_tune_name_the_peak_mfu_is_over_alike(dtype, peak):
+    """MFU under --dtype fp8 stays over the bfloat16 peak (docs/hardware.md): simulate's caption said "over the GPUs'
+    dense peak", tune's "in bfloat16", docs/simulate.md "in the model's dtype"; both captions name it, in words of
+    one function (`ModelWork.mfu_text`)."""
+    pytest.importorskip("torch")
+    captions = []
+    for command in (("simulate", "-p", 2, "-m", 4, "-s", "1f1b"), ("tune", "-D", 4, "-s", "1f1b")):
+        code, out, err = pipesim(*command, "--gpu", "h100-sxm", *SMALL, "--dtype", dtype)
+        assert code == 0, err
+        captions.append(" ".join(out.split()))
+    simulated, tuned = captions
+    assert f"MFU: model FLOPs (no recomputation) per second over the GPUs' {peak}" in simulated, simulated
+    assert f"MFU: model FLOPs (no recomputation) per second over the 4 GPUs' {peak}" in tuned, tuned
+
+
 def test_te_casts_the_weights_once_a_step_with_the_update_and_torchao_in_the_passes():
     torch = pytest.importorskip("torch")
     from pipesim.planning.estimate import estimate_profile
