@@ -246,17 +246,24 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype's
 DTYPES.update({name: name for name in list(DTYPES.values())})  # calibrate's names too
 
 
+FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
+FP8_TAKERS = "estimate, simulate --gpu, sweep --gpu or tune --gpu"  # the what-if estimates, which alone take it
+
+
 def check_dtype(dtype: str, *more: str) -> None:
     """Refuse a --dtype that is none of `DTYPES`' names (nor of `more`: the what-if estimate's fp8) in choose_from's
-    one line, whose list holds the short names and torch's alike, since count, estimate, run and calibrate take both."""
+    one line, whose list holds the short names and torch's alike, since count, estimate, run and calibrate take both;
+    fp8 where it is not taken, saying where it is (`count --help` says a what-if estimate takes it, and count's
+    refusal listed the others alone)."""
     if dtype not in (*DTYPES, *more):
-        raise InputError(choose_from("--dtype", (*DTYPES, *more), dtype))
+        where = f"; fp8 prices a what-if GPU: give it to {FP8_TAKERS}" if dtype == FP8 else ""
+        raise InputError(choose_from("--dtype", (*DTYPES, *more), dtype) + where)
 
 
 ModelDtype = Annotated[str, typer.Option(
     "--dtype", metavar="DTYPE", help="fp32, bf16 or fp16 (or float32, bfloat16, float16, as calibrate names them); a "
-                                     "what-if estimate also takes fp8: bf16 with the transformer layers' linear "
-                                     "products in float8 at the part's FP8 peak.")]
+                                     f"what-if estimate ({FP8_TAKERS}) also takes fp8: bf16 with the transformer "
+                                     "layers' linear products in float8 at the part's FP8 peak.")]
 Fp8Recipe = Annotated[str | None, typer.Option(
     "--fp8-recipe", metavar="RECIPE", help="With --dtype fp8: te (TransformerEngine's delayed scaling as Megatron-LM "
                                            "runs it: float8 copies of the products' inputs saved, weights cast once "

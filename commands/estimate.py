@@ -20,6 +20,7 @@ from ..profiles.workload import too_few_layers
 from ..units import degree_text
 from .common import (
     DTYPES,
+    FP8,
     MODEL_SIZES,
     PROFILE,
     DataParallel,
@@ -91,7 +92,6 @@ SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_acc
                     **KERNEL_DEFAULTS}
 # Settings whose name ends in their unit, said as "name value unit" in an estimate's parallelism text.
 SETTING_UNITS = {"host_kernel_us": ("host kernel", "us"), "host_module_us": ("host module", "us")}
-FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
 @dataclass(frozen=True)
 class WhatIf:
     """The what-if flags' values, checked: a catalogue part (or cluster), the model to count and how."""

@@ -314,6 +314,18 @@ def test_count_refuses_bad_input_in_one_line(args, fragment):
     assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("command", [("count",), ("run", "-s", "1f1b", "--model", "mlp"),
+                                     ("calibrate", "--model", "mlp", "--out", "p.json")])
+def test_fp8_where_it_is_not_taken_is_refused_saying_where_it_is(command, tmp_path, monkeypatch):
+    """`count --help` says a what-if estimate also takes fp8, and `count --dtype fp8` listed the other dtypes alone:
+    the refusal names the commands that take it (test_fp8.py runs each of them with it)."""
+    monkeypatch.chdir(tmp_path)
+    assert pipesim(*command, "--dtype", "fp8") == (
+        2, "", "error: --dtype: choose from fp32, bf16, fp16, float32, bfloat16, float16 (got 'fp8'); fp8 prices a "
+               "what-if GPU: give it to estimate, simulate --gpu, sweep --gpu or tune --gpu\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 DROPOUT_ALLOWED = "--dropout: give a finite number at least 0 and below 1"
 
 
