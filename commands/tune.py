@@ -227,11 +227,11 @@ def tune(
                                                           .options, t, what.expert_tensor) is None)
             schedule_devices = Problem.devices_of(devices, context)  # (C divides D: checked)
             if zero and devices == (tensor_parallel or 1):  # D = t: every d·C = D/(t·p) is 1, nothing shards
-                given = f" at --tensor-parallel {tensor_parallel}" * bool(tensor_parallel)
+                given = f" at --tensor-parallel {tensor_parallel:,}" if tensor_parallel else ""
                 sharding = ("--precision fsdp2 shards the weights" if what.precision == "fsdp2" else
                             f"{zero_flag} shards")
-                raise InputError(f"{sharding} over d·C ranks: --devices {devices}{given} leaves one replica; give more "
-                                 "devices")
+                raise InputError(f"{sharding} over d·C ranks: --devices {devices:,}{given} leaves one replica; give "
+                                 "more devices")
             sizes = (microbatch_size,) if microbatch_size is not None else MICROBATCH_SIZES
             batch = batch_size if batch_size is not None else 4 * schedule_devices * sizes[0]
             sizes = tuple(b for b in sizes if batch % b == 0)
@@ -543,12 +543,12 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
         raise InputError(next(iter(refusals)))
     if not settings:
         replicas = ("" if what.expert == 1 else
-                    f"; the replicas d = D/(t·C·p) must be a multiple of --expert-parallel {what.expert}"
+                    f"; the replicas d = D/(t·C·p) must be a multiple of --expert-parallel {what.expert:,}"
                     if what.rank_order == "pipesim" else
-                    f"; --expert-parallel {what.expert} times --expert-tensor-parallel (default t) must divide t·C·d")
-        reasons = "".join(f"; at t = {', '.join(map(str, sorted(ts)))}: {why}" for why, ts in refusals.items())
-        raise InputError(f"--devices {devices * what.context}: no tensor-parallel degree t of "
-                         f"{', '.join(map(str, tensors))} suits the model (t must divide its heads and MLP "
+                    f"; --expert-parallel {what.expert:,} times --expert-tensor-parallel (default t) must divide t·C·d")
+        reasons = "".join(f"; at t = {', '.join(f'{t:,}' for t in sorted(ts))}: {why}" for why, ts in refusals.items())
+        raise InputError(f"--devices {devices * what.context:,}: no tensor-parallel degree t of "
+                         f"{', '.join(f'{t:,}' for t in tensors)} suits the model (t must divide its heads and MLP "
                          f"width{replicas}){reasons}; give --tensor-parallel")
     return settings
 
@@ -587,7 +587,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                  f"{next(iter(work.values())).mfu_text(problem.gpus)}; ") if work else ""
     read = (f"{alone}; " if alone else "") + ("MFU: the simulate command below gives the choice's; " if (
         measured.estimate is not None and not work) else "")
-    per_stage = f"·{context}" * (context > 1)
+    per_stage = f"·{context:,}" * (context > 1)
     precision = _held_as(measured)
     # at C > 1 no layout's d·C is 1, nor where d is given (--zero refuses --data-parallel 1)
     one = f" (d = 1 {'not searched' if precision == 'fsdp2' else 'shards nothing'})" * (
@@ -595,18 +595,19 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     held = (f"ZeRO-{problem.zero} over the d{per_stage} replicas{one}, " * bool(problem.zero)
             + f"precision {precision}, " * (precision is not None))
     replicas = (f"d = D/(p·t{per_stage}) replicas, t{per_stage} GPUs per stage" if work else
-                f"D/(p·{tensor * context}) replicas, {tensor * context} GPUs per stage" if tensor * context > 1 else
-                "D/p replicas") + f", C = {context} context-parallel ranks" * (context > 1) + (
-                f", routed experts over E = {expert} ranks" if expert > 1 and not work else "")
+                f"D/(p·{tensor * context:,}) replicas, {tensor * context:,} GPUs per stage" if tensor * context > 1
+                else "D/p replicas") + f", C = {context:,} context-parallel ranks" * (context > 1) + (
+                f", routed experts over E = {expert:,} ranks" if expert > 1 and not work else "")
     marked = [("best", tuning.choice), *((str(rank), row) for rank, row in enumerate(tuning.runners_up, 2)),
               *(("over", row) for row in tuning.excluded)]
     # staleness said once where every row agrees (`said_once`): the --gpu tunes' "stale", all 0, printed alone in a
     # second part at 80 columns
-    said = said_once({STALENESS_HEADER: [str(row.result.staleness) for _, row in marked]}, (STALENESS_HEADER,))
-    table = Table(title=f"{measured.model.name} on {problem.gpus} x {env.device_name} ({env.device}), "
-                        f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples"
-                        + ("" if work else f" (micro-batch {env.microbatch_size})")
-                        + f", staleness <= {problem.max_staleness}",
+    said = said_once({STALENESS_HEADER: [f"{row.result.staleness:,}" for _, row in marked]}, (STALENESS_HEADER,))
+    table = Table(title=f"{measured.model.name} on {problem.gpus:,} x {env.device_name} ({env.device}), "
+                        f"{memory_text(problem.memory_cap_bytes)} each; "
+                        f"batch {count_text(problem.batch_size, 'sample')}"
+                        + ("" if work else f" (micro-batch {env.microbatch_size:,})")
+                        + f", staleness <= {problem.max_staleness:,}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption=f"{estimated}{read}p: devices per pipeline ({replicas}), {held}v: chunks per device, "
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
@@ -625,14 +626,14 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
         ratio = result.candidate.activation_limit
         mfu = [percent_text(work[c.microbatch_size].metrics(result.samples_per_s, problem.gpus)['mfu'])] if work else []
-        table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), *[str(c.pipelines)] * shared,
-                      *([str(c.tensor), *[_split_text(c)] * split, str(c.replicas), *[str(c.expert)] * experts,
-                         str(c.microbatch_size),
+        table.add_row(mark, c.schedule, f"{c.stages:,}", f"{c.chunks:,}", *[f"{c.pipelines:,}"] * shared,
+                      *([f"{c.tensor:,}", *[_split_text(c)] * split, f"{c.replicas:,}", *[f"{c.expert:,}"] * experts,
+                         f"{c.microbatch_size:,}",
                          {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),
-                      str(c.microbatches), *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
+                      f"{c.microbatches:,}", *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),
                       *mfu, percent_text(result.bubble_fraction), memory_text(result.peak_memory_bytes, zeros=True),
-                      *[str(result.staleness)] * (STALENESS_HEADER not in said),
+                      *[f"{result.staleness:,}"] * (STALENESS_HEADER not in said),
                       "; ".join(filter(None, (row.why, same))), style=style)
 
     for mark, row in marked:
@@ -642,7 +643,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     print_table_last_below(table, [f"{mark} {row.result.config.label()}" for mark, row in marked])
     bounds = tuning.choice.result.candidate.bounds
     print_paragraph("partition (layers per model stage): " + " | ".join(
-        f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; "
+        f"{a:,}-{b - 1:,}" if b - a > 1 else f"{a:,}" for a, b in pairwise(bounds)) + "; "
         f"{'reduce-scatter and all-gather' if tuning.choice.result.config.zero else 'all-reduce'} "
         f"{significant_ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step")
     stdout.print("the choice, as simulate gives it:\n" + _shell_lines(command, available_width(stdout)),

@@ -3080,22 +3080,23 @@ def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int, r
     """Why there is nothing to search, in one line: no depth, no whole micro-batches, or each method's first
     refusal (`_Orders.refusals`)."""
     profile = settings[0].scenario.measured  # the model's layers are the same in every setting
-    sizes = " or ".join(map(str, sorted({setting.microbatch_size for setting in settings})))
+    sizes = " or ".join(f"{b:,}" for b in sorted({setting.microbatch_size for setting in settings}))
     if not any(_placed_depths(s, problem.devices) for s in settings):
         experts = profile.estimated_parallelism.get("expert", 1)
         placed = (", as the profile has no all-reduce times, equal D" if experts == 1 else
                   " leave d = D/(p·t) replicas over which the profile's rank order places the "
-                  f"E = {experts} expert-parallel ranks it was estimated with")
-        return (f"no pipeline depth p: p must divide --devices {problem.devices}, be at most the model's "
-                f"{len(profile.layers)} layers and{placed}")
+                  f"E = {experts:,} expert-parallel ranks it was estimated with")
+        return (f"no pipeline depth p: p must divide --devices {problem.devices:,}, be at most the model's "
+                f"{len(profile.layers):,} layers and{placed}")
     if not shapes:
-        return (f"no configuration: the batch of {problem.batch_size} samples must split into whole micro-batches "
-                f"of {sizes} over r = D/p replicas and P pipelines for some pipeline depth p dividing "
-                f"{problem.devices} (p <= {len(profile.layers)} layers); change --batch-size or --devices")
+        return (f"no configuration: the batch of {problem.batch_size:,} samples must split into whole "
+                f"micro-batches of {sizes} over r = D/p replicas and P pipelines for some pipeline depth p dividing "
+                f"{problem.devices:,} (p <= {len(profile.layers):,} layers); change --batch-size or --devices")
     why = "; ".join(text if text.startswith(f"{name}:") else f"{name}: {text}" for name, text in refusals.items())
     verb = "refuses" if len(problem.schedules) == 1 else "refuse"
     return (f"no configuration: {', '.join(problem.schedules)} {verb} every shape with a batch of "
-            f"{problem.batch_size} samples on {problem.devices} devices ({why}); try other schedules or --batch-size")
+            f"{problem.batch_size:,} samples on {problem.devices:,} devices ({why}); try other schedules or "
+            "--batch-size")
 
 
 # The choice's note where no cut for time fits the cap (`_search`) and a leanest cut does (`_fastest_leanest`)
@@ -3115,7 +3116,7 @@ def _fastest_leanest(settings: list[Setting], problem: Problem) -> tuple[Result,
     lean = replace(problem, memory_cap_bytes=0)
     candidates = [c for c in prepare(settings, lean)[0] if c.staleness <= problem.max_staleness]
     if not candidates:
-        raise TuneError(f"no configuration has staleness <= {problem.max_staleness}; raise --max-staleness or add "
+        raise TuneError(f"no configuration has staleness <= {problem.max_staleness:,}; raise --max-staleness or add "
                         "synchronous schedules")
     fastest, simulated = None, {}  # the results by id(candidate), which `_least_memory` reads again
     for candidate in sorted(candidates, key=lambda c: -c.max_samples_per_s):

@@ -23,8 +23,8 @@ from pipesim.planning.estimate import (
 )
 from pipesim.profiles import partition as partitioning
 from pipesim.profiles.schema import OPTIMIZERS, LayerProfile, Timing, layer_costs, stage_transient_bytes
-from tests.conftest import pipesim
-from tests.helpers import H100
+from tests.conftest import at_columns, pipesim
+from tests.helpers import H100, SMALL_GPT_FLAGS
 
 torch = pytest.importorskip("torch")
 from pipesim.workload.count import count_built  # noqa: E402  (counting needs torch)
@@ -267,6 +267,27 @@ def test_recompute_op_leaves_out_the_searched_t_it_refuses_and_refuses_a_given_o
     assert code == 2 and out == "", err
     assert err.strip() == ("error: --recompute op (torchtitan's selective op policy) is modelled for "
                            "--tensor-parallel 1 only (got --tensor-parallel 2)")
+
+
+def test_tunes_table_writes_every_whole_number_with_thousands_separators(monkeypatch):
+    """A million H100s: the title read "gpt on 1000000 x ...; batch 4000000 samples", the d column "1000000" and
+    the caption "the 1000000 GPUs'", beside the samples/s column's "140,937,316.3" and the why-not lines'
+    "d=1,000,000". The command to paste is left as the shell reads it ("--data-parallel 1000000")."""
+    at_columns(monkeypatch, 80)
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", *SMALL_GPT_FLAGS, "-D", 10**6, "-s", "1f1b", "-b", 1,
+                             "--recompute", "none", "--tensor-parallel", 1)
+    assert code == 0, err
+    shown = re.sub(r"^the choice, as simulate gives it:\n.*?^(?=searched )", "", out, flags=re.M | re.S)
+    assert "--data-parallel" not in shown and "--data-parallel 1000000" in out
+    words = " ".join(shown.split())
+    assert words.startswith("gpt on 1,000,000 x NVIDIA H100") and "batch 4,000,000 samples" in words, words
+    assert " 1,000,000 1 none " in words and "over the 1,000,000 GPUs' dense peak" in words, words
+    assert not re.findall(r"(?<![\w,.])\d{5,}", shown), shown
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", *SMALL_GPT_FLAGS, "-D", 10**6, "-s", "1f1b", "-b", 3,
+                             "-B", 30_000, "--recompute", "none", "--tensor-parallel", 1)
+    assert code == 2, out
+    assert ("the batch of 30,000 samples must split into whole micro-batches of 3 over r = D/p replicas and P "
+            "pipelines for some pipeline depth p dividing 1,000,000 (p <= 6 layers)") in err, err
 
 
 def test_tunes_search_summary_writes_every_count_with_thousands_separators():
