@@ -415,9 +415,14 @@ class _Supervisor:
         done = min(int(np.searchsorted(after, beat.rows_done, side="right")) if beat else 0
                    for after, beat in zip(self.finished_after, self.beats))
         done = self.lowered.schedule.minibatches if all(r is not None for r in self.results) else done
+        return Progress(done, self.finished_losses(done).get((0, done - 1)) if done else None)
+
+    def finished_losses(self, done: int) -> dict[tuple[int, int], float]:
+        """The loss of each pipeline's first `done` mini-batches, which every device has finished: each rank's as
+        its result or its last heartbeat holds them (a heartbeat's later mini-batches may be partial sums)."""
         losses = _mean_losses([r.losses if r is not None else beat.losses if beat else {}
                                for r, beat in zip(self.results, self.beats)])
-        return Progress(done, losses.get((0, done - 1)) if done else None)
+        return {key: loss for key, loss in losses.items() if key[1] < done}
 
     def named(self, rank: int) -> str:
         return f"rank {rank}{_layout(self.spec).where(rank)}"
@@ -464,7 +469,8 @@ class _Supervisor:
 
     def partial(self, hardware: dict[str, Any], failed_rank: int | None) -> RunResult:
         timed = {rank: rows for rank, rows in enumerate(self.rows) if self.results[rank] is None}
-        return _merge(self.spec, self.lowered, self.results, hardware, timed=timed, failed_rank=failed_rank)
+        return _merge(self.spec, self.lowered, self.results, hardware, timed=timed, failed_rank=failed_rank,
+                      losses=self.finished_losses(self.progress().minibatches_done))
 
 
 def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto", timeout_s: float | None = None,
@@ -795,11 +801,13 @@ def _whole_experts(weights: list[dict[tuple[int, int], list[torch.Tensor]]], rou
 
 
 def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], hardware: dict[str, Any], *,
-           timed: dict[int, list[ReportedRow]] | None = None, failed_rank: int | None = None) -> RunResult:
+           timed: dict[int, list[ReportedRow]] | None = None, failed_rank: int | None = None,
+           losses: dict[tuple[int, int], float] | None = None) -> RunResult:
     """One measured trace from every rank's rows (ranks on one host share the monotonic clock): its device is
     the rank, replica * devices + device, so replica 0's ops are those a run without data parallelism has. A
     run that stopped part-way passes `timed`, the rows reported for the ranks with no result: its trace holds
-    the rows that ran, their memory included, is marked incomplete and names `failed_rank`."""
+    the rows that ran, their memory included, is marked incomplete and names `failed_rank`; and `losses`, those
+    of the mini-batches every rank finished (else the results' alone: a failed last stage's were lost)."""
     schedule = lowered.schedule
     layout = _layout(spec)
     complete = timed is None
@@ -848,7 +856,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         counters["weight_versions"].append(Counter(times_us, np.concatenate([[base], held])))
         counters["memory_bytes"].append(_memory_counter(end_us, memory_bytes, peak_bytes))
         counters["sending_bytes"].append(Counter(times_us, np.concatenate([[0], sending_bytes])))
-    losses_by = _mean_losses([r.losses for r in results if r is not None])
+    losses_by = _mean_losses([r.losses for r in results if r is not None]) if losses is None else losses
     losses = [[losses_by.get((p, b), float("nan")) for b in range(schedule.minibatches)]
               for p in range(schedule.pipelines)]
     if all(r is not None for r in results):

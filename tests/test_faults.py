@@ -7,6 +7,7 @@ wrapper in executor/runners.py): rank RANK sends itself SIGNAL after its ROWS-th
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipesim.executor.runners import FAULT_ENV
@@ -109,7 +111,7 @@ def _none_left(pids: set[int]) -> bool:
 
 
 @pytest.mark.parametrize("fault, message", [
-    ("1:12:KILL", "rank 1 was killed by signal 9 (last action 1"),
+    ("1:60:KILL", "rank 1 was killed by signal 9 (last action 1"),
     ("1:12:STOP", "rank 1 made no progress for 3 s (last action 1"),
 ])
 def test_a_rank_that_dies_or_stops_ends_the_run(tmp_path, fault, message):
@@ -126,6 +128,12 @@ def test_a_rank_that_dies_or_stops_ends_the_run(tmp_path, fault, message):
     # and its memory until then, a sample at each of its rows' ends at least (it was one sample of 0: "13.8 / 0")
     memory = trace.counters["memory_bytes"][1]
     assert len(memory.values) > (trace.ops.device == 1).sum() and summarize(trace).devices[1].peak_memory_mb > 0
+    # and the loss of each mini-batch both ranks finished, which rank 1, the last stage, computed (all were lost)
+    finished = [loss for loss in trace.meta.extra["losses"][0] if not math.isnan(loss)]
+    opts = trace.ops.kind == trace.kinds.index("OPT")
+    assert len(finished) == min(np.bincount(trace.ops.device[opts], minlength=2)) and all(map(math.isfinite, finished))
+    if fault.endswith("KILL"):  # after 60 of its rows: its first mini-batches done
+        assert len(finished) >= 2
 
 
 def test_a_rank_spinning_in_a_wait_on_a_peer_is_stalled_not_working(tmp_path):
