@@ -237,9 +237,16 @@ class LayerCount:
     def model_flops(self) -> int:
         """The forward's and backward's FLOPs without recomputation, the routed experts' products at their model
         share (`routed_model_share`): MFU's numerator, which counts each token's k experts whatever the capacity,
-        as Megatron-LM's `num_floating_point_operations` (training.py: `moe_router_topk`, no capacity factor)."""
-        routed = sum(op.flops * op.count for name in ("fwd", "bwd") for op in self.ops.get(name, ()) if op.routed)
-        return round(self.fwd_flops + self.igrad_flops + self.wgrad_flops - (1 - self.routed_model_share) * routed)
+        as Megatron-LM's `num_floating_point_operations` (training.py: `moe_router_topk`, no capacity factor). An
+        attention under a sliding window of w keys counts w of them a query where torch counts every key (its
+        count, as a full attention's, ignores the causal mask): a 128-key window at 131,072 tokens was counted as
+        the whole square, and a Mistral-like model's MFU read 121 % (19 % counted so)."""
+        ops = [op for name in ("fwd", "bwd") for op in self.ops.get(name, ())]
+        routed = sum(op.flops * op.count for op in ops if op.routed)
+        outside_window = sum(op.flops * op.count * (1 - op.window / op.shape[2]) for op in ops
+                             if op.kind == "attention" and 0 < op.window < op.shape[2])
+        return round(self.fwd_flops + self.igrad_flops + self.wgrad_flops - (1 - self.routed_model_share) * routed
+                     - outside_window)
 
 
 def weighted_products(layer: LayerCount, weights: dict[int, str], name: str) -> dict[int, tuple[int, str, str]]:

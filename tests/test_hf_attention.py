@@ -51,6 +51,22 @@ def test_a_layer_past_its_window_records_it_and_within_it_the_causal_kernel(tmp_
         assert kernel.causal and kernel_flops(kernel) == pytest.approx(4 * HEADS * HEAD * WINDOW * WINDOW / 2)
 
 
+def test_mfus_numerator_counts_a_windowed_attention_at_its_window(tmp_path):
+    """MFU's numerator (`LayerCount.model_flops`) counts a full attention's every key, as torch's count does; under a
+    sliding window of w keys it counts w a query: a Mistral-like model of a 128-key window at 131,072 tokens was
+    counted at the whole square and its MFU read 121 %. Mistral's two windowed layers at s = 4w take a quarter of
+    their attention kernels' FLOPs, forward and backward; the rest is as counted."""
+    s = 4 * WINDOW
+    folder = write_config(tmp_path / "mistral", {**SMALL, "model_type": "mistral"})
+    counted = count_built(f"hf:{folder}", {"seq_len": s}, 1, torch.bfloat16, "flash")
+    for layer in counted.layers[1:3]:
+        kernels = [op for name in ("fwd", "bwd") for op in layer.ops[name] if op.kind == "attention"]
+        assert len(kernels) == 2 and all(op.window == WINDOW for op in kernels)
+        whole = sum(op.flops * op.count for op in kernels)
+        counted_flops = layer.fwd_flops + layer.igrad_flops + layer.wgrad_flops
+        assert layer.model_flops == round(counted_flops - whole * (1 - WINDOW / s)) < counted_flops
+
+
 def test_gemma2s_unfused_attention_computes_the_whole_square_and_caps_it(tmp_path):
     """Counted unfused ("math"), Gemma 2's attention is its own eager code, as Megatron-Bridge runs it: both
     products over the whole s x s square, whatever the window, and the capping's tanh on the scores."""
