@@ -322,8 +322,9 @@ def overlap_expert_communication(schedule: Schedule) -> Schedule:
     if schedule.method not in EXPERT_OVERLAP_METHODS:
         if (forward & (t.peer >= 0)).any():  # an order paired already: DualPipe's, DualPipeV's
             raise ScheduleError(f"{schedule.method}: its F&B pairs already hide each part's expert-parallel "
-                                "all-to-alls under the other's compute, as --overlap-expert-comm pairs 1f1b's and "
-                                "interleaved-1f1b's F and B (Megatron-core's overlap); leave it out")
+                                "all-to-alls under the other's compute, as --overlap-expert-comm pairs "
+                                "interleaved-1f1b's F and B, and 1f1b's on one stage (Megatron-core's overlap); "
+                                "leave it out")
         raise ScheduleError(f"{schedule.method}: Megatron-core overlaps the expert-parallel all-to-alls only in "
                             f"{' and '.join(EXPERT_OVERLAP_METHODS)}'s order; leave out --overlap-expert-comm")
     if schedule.expert_parallel == 1:

@@ -79,7 +79,8 @@ def test_the_warm_up_is_megatrons_plus_one_and_every_later_forward_is_paired(sta
     ("zb-h1", 2, 1, 2, "only in 1f1b and interleaved-1f1b's order"),
     # DualPipe's pairs hide them already: the line said it could not overlap them
     ("dualpipe", 2, 2, 2, "^dualpipe: its F&B pairs already hide each part's expert-parallel all-to-alls under the "
-                          "other's compute, as --overlap-expert-comm pairs 1f1b's and interleaved-1f1b's F and B"),
+                          "other's compute, as --overlap-expert-comm pairs interleaved-1f1b's F and B, and 1f1b's "
+                          "on one stage"),
     ("dualpipev", 2, 2, 2, "^dualpipev: its F&B pairs already hide"),
     ("1f1b", 2, 1, 2, "only with virtual stages: use interleaved-1f1b with --chunks 2 or more, or --stages 1"),
     ("interleaved-1f1b", 2, 1, 2, "only with virtual stages"),
