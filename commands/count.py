@@ -131,8 +131,11 @@ def _figures(*counts: int) -> list[str]:
 
 
 def _si(n: int) -> str:
-    """Three digits and an SI prefix (decimal: 1 G = 10^9)."""
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {prefix}"
+    """Three digits and an SI prefix (decimal: 1 G = 10^9), up to yotta, past which the digits grow, grouped (a
+    24-trillion-parameter config's totals read "8.22e+03 P" when the prefixes ended at peta)."""
+    for prefix, scale in (("Y", 1e24), ("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6),
+                          ("k", 1e3)):
+        value = n / scale
+        if float(f"{value:.3g}") >= 1:  # as it reads: 999.6 T is 1 P
+            return f"{value:.3g} {prefix}" if value < 999.5 else f"{value:,.0f} {prefix}"
     return f"{n:g}"

@@ -391,3 +391,12 @@ def test_a_count_names_the_attention_kernel_only_for_a_model_that_attends():
     assert "mlp layers=2 width=8, b=1, bfloat16: per layer" in out and "attention" not in out
     code, out, err = pipesim("count", "--layers", 2, "--width", 32, "--heads", 4, "--seq-len", 16, "--vocab", 64)
     assert code == 0 and "bfloat16, math attention: per layer" in " ".join(out.split())
+
+
+def test_counts_take_an_si_prefix_up_to_yotta_and_never_an_exponent():
+    """A 24-trillion-parameter config's totals read "8.22e+03 P" where the prefixes ended at peta; 999.6 T read
+    "1e+03 T" at three digits."""
+    from pipesim.commands.count import _si
+
+    assert [_si(int(n)) for n in (999, 1234, 999_600, 8.22e18, 999.6e15, 3e27)] == [
+        "999", "1.23 k", "1 M", "8.22 E", "1 E", "3,000 Y"]
