@@ -420,11 +420,12 @@ P2pSync = Annotated[bool, typer.Option(
                        "(docs/hardware.md, \"Host-bound execution\").")]
 HostKernelUs = Annotated[float | None, typer.Option(
     "--host-kernel-us", metavar="US", help="With --gpu: the host's microseconds to issue one kernel (eager "
-                                           "PyTorch's Python, dispatcher, autograd and CUDA launch), which a "
-                                           "MoE layer's forward waits for after its dropless dispatcher "
-                                           "synchronises with the host; 0: never. Default: 31.9, "
-                                           "measured on an H200's host (docs/hardware.md, \"Host-bound "
-                                           "execution\").")]
+                                           "PyTorch's Python, dispatcher, autograd and CUDA launch): every pass "
+                                           "takes at least its kernels' issue (a small layer split over many "
+                                           "ranks is host-bound), and a MoE layer's forward waits for them "
+                                           "after its dropless dispatcher synchronises with the host; 0: never. "
+                                           "Default: 31.9, measured on an H200's host (docs/hardware.md, "
+                                           "\"Host-bound execution\").")]
 HostModuleUs = Annotated[float | None, typer.Option(
     "--host-module-us", metavar="US", help="With --gpu: the host's microseconds a TransformerEngine module "
                                            "call (a linear, grouped linear or attention module) spends beyond "
