@@ -384,13 +384,15 @@ ExpertParallel = Annotated[int, typer.Option(
 HotExpertShare = Annotated[float | None, typer.Option(
     "--hot-expert-share", metavar="S", help="With --expert-parallel: the busiest expert's share of a micro-batch's "
                                             "routed tokens (balanced: 1/experts); its rank computes and receives "
-                                            "that much more, and the others wait for it. Default: balanced.")]
+                                            "that much more, and the others wait for it (its time: the memory is "
+                                            "priced at balanced routing). Default: balanced.")]
 Routing = Annotated[str | None, typer.Option(
     "--routing", metavar="HOW", help="With --expert-parallel: how the router spreads a micro-batch's token copies, "
                                      "balanced (each expert its even share; the default) or random (each token's "
                                      "experts drawn alike, as Megatron-core's moe_router_force_load_balancing "
                                      "draws them: even on average, the busiest expert-parallel rank, which every "
-                                     "rank waits for, holding more).")]
+                                     "rank waits for, holding more; its time: the memory is priced at balanced "
+                                     "routing).")]
 TokenDispatcher = Annotated[str | None, typer.Option(
     "--token-dispatcher", metavar="HOW", help="With --expert-parallel: how tokens reach their experts, alltoall "
                                               "(NCCL's all-to-all: every routed copy sent; the default), deepep or "
