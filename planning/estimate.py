@@ -637,7 +637,11 @@ class _Split:
         return bool(shape) and shape[-1] == self.width and math.prod(shape) == self.tokens * self.width
 
     def core(self, shape: tuple[int, ...]) -> bool:
-        return self.seq is not None and len(shape) >= 2 and shape[-2:] == (self.seq, self.seq)
+        """An attention core's s x s tensor (its scores, their softmax), which t splits by heads; not a tensor of the
+        residual stream's shape, which at s tokens as wide as the model (a 70B's 8,192 at --seq-len 8192) ends in
+        (s, s) too: a norm's output was taken for a core tensor, split by t and dropped by selective recomputation."""
+        return (self.seq is not None and len(shape) >= 2 and shape[-2:] == (self.seq, self.seq)
+                and not self.residual(shape))
 
     def products(self, op: OpCount, name: str) -> tuple[tuple[OpCount, _Reduction | None, float], ...]:
         """Pass `name`'s product `op` on one of the t·C ranks, as (its share, the reduction it takes part in where

@@ -416,3 +416,23 @@ def test_tune_and_sweep_of_an_estimate_read_back_say_their_peaks_are_the_tensors
         if command[0] == "tune" and said:
             assert "MFU: the simulate command below gives the choice's" in " ".join(out.split())
             assert "MFU" not in next(line for line in out.splitlines() if "samples/s" in line)  # no column
+
+
+@pytest.mark.parametrize("seq_len", [32, 64])
+def test_a_norms_output_as_wide_as_the_sequence_is_no_attention_core(seq_len):
+    """At s tokens as wide as the model (a 70B's 8,192 at --seq-len 8192) the residual stream's tensors end in (s, s)
+    as an attention core's do: its norms' outputs were split by t as core tensors, so torch's runtime, which keeps
+    the products' inputs whole (`gathered_saves`), held what Megatron's does (332 MiB a 70B layer under both; at
+    4,096 tokens 166 against 278). At 64 = the width, as at 32, it holds more."""
+    import torch
+
+    from pipesim.planning.estimate import Parallelism, estimate_profile
+    from pipesim.workload.count import count_built
+    from tests.helpers import H100
+
+    counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 4, "seq_len": seq_len, "vocab": 128}, 1,
+                          torch.bfloat16)
+    held = {runtime: estimate_profile(counted, H100, Parallelism(tensor=2, sequence_parallel=True,
+                                                                 tp_runtime=runtime)).layers[1].activation_bytes
+            for runtime in ("megatron", "torch")}
+    assert held["torch"] > held["megatron"], held
