@@ -629,6 +629,35 @@ def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, in
             for row in mine[np.argsort(ops.start_us[mine], kind="stable")]]
 
 
+# How many steps past the trace's `steady_rows` replays at most: the cache grows where a step takes a segment the
+# one before did not, which the steps seen so far (Llama 3.1 8B's zb-h1 at t = 2 grew at its third) did by the third.
+STEADY_STEPS = 4
+
+
+def steady_rows(rows: Sequence[tuple[str, int, tuple[int, int, int]]], steps: int = STEADY_STEPS
+                ) -> list[tuple[str, int, tuple[int, int, int]]]:
+    """`device_rows`' rows, then the last mini-batch's `steps` times more, numbered as the mini-batches after it,
+    where the device runs its mini-batches one after another, each alike (a flushing order): torch's max reserved
+    is read after many steps, the cache each step leaves carried into the next, and a step can take a segment the
+    one before did not (Llama 3.1 8B's zb-h1 p = 2 at t = 2: 1.6 GiB more from its third step, so simulate's
+    default two steps read less than tune's three). The replay skips the further steps once one brings back what
+    the step before left (`_Replay.skip`), so a cache already steady costs nothing more. An order whose mini-batches
+    interleave on the device (the asynchronous methods') repeats within the trace and is left as it is."""
+    minibatches = [minibatch for _, _, (_, minibatch, _) in rows]
+    if not rows or any(later < earlier for earlier, later in zip(minibatches, minibatches[1:])):
+        return list(rows)
+    last = minibatches[-1]
+    tail = [(name, stage, (pipeline, micro)) for name, stage, (pipeline, minibatch, micro) in rows
+            if minibatch == last]
+    if last > minibatches[0]:  # each alike: the mini-batch before runs the same rows
+        before = [(name, stage, (pipeline, micro)) for name, stage, (pipeline, minibatch, micro) in rows
+                  if minibatch == last - 1]
+        if before != tail:
+            return list(rows)
+    return [*rows, *((name, stage, (pipeline, last + step, micro))
+                     for step in range(1, steps + 1) for name, stage, (pipeline, micro) in tail)]
+
+
 def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Hashable]],
                   programs: Mapping[int, StageProgram], capacity_bytes: int | None = None,
                   expandable: bool = False, adam_at_first_step: bool = False,
@@ -651,8 +680,8 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     fit takes the lowest address among equal sizes), and a later repetition can then split a block the first
     did not and take a segment more (docs/benchmarks.md: the zero-bubble 1.5B's 1F1B middle stages reserve 322
     MiB where every row replayed reserves 610). `expandable`: with expandable segments (`ExpandableSegments`).
-    `adam_at_first_step`: FSDP2's rows (ZERO) over two mini-batches or more, the optimizer state not among
-    `static_bytes`: the first mini-batch's rows run before the optimizer made its moments (its FSDP2 shards and
+    `adam_at_first_step`: FSDP2's rows (ZERO) over two mini-batches or more (`steady_rows`), the optimizer state not
+    among `static_bytes`: the first mini-batch's rows run before the optimizer made its moments (its FSDP2 shards and
     last all-gather output as any step before leaves them, LEFT), and each later one after the optimizer's step
     (ADAM_STATE the first time, ADAM_STEP each time). `merged_bytes`: what the runtime concatenates after each row
     named MERGE (`device_reserves`)."""
@@ -1149,11 +1178,12 @@ class _Replay:
     def state(self, at: int) -> tuple:
         """After row `at`, what `replay_device` compares to see the rows repeat: the allocated, reserved and peak
         bytes, and the stages' micro-batches held, each counted back from the last begun: `held`'s bits shifted
-        by the micro-batches begun after row `at` (one int a stage, not a pair a micro-batch)."""
+        by the micro-batches begun after row `at` (one int a stage, not a pair a micro-batch); where Adam's moments
+        are made at the first step's end, whether no step, one or more ran before (`run` tells no others apart)."""
         allocator, back = self.allocator, self.begun[-1] - self.begun[at]
         held = tuple((stage, bits << back) for stage, bits in self.held.items() if bits)
         return (allocator.allocated_bytes, allocator.reserved_bytes, allocator.peak_allocated_bytes,
-                allocator.peak_reserved_bytes, held, self.adam_at_first_step and self.zeros)
+                allocator.peak_reserved_bytes, held, self.adam_at_first_step and min(self.zeros, 2))
 
     def skip(self, before: int, at: int) -> int:
         """After row `at`, the state as after row `before`: skip each further whole repetition of the rows
@@ -1191,13 +1221,13 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     pipeline, FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
     (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block;
     without one, gathered, resharded and reduce-scattered block by block in each pass (`unpipelined_events`).
-    Under FSDP2 over two mini-batches or more with `adam` (the optimizer torch's Adam or AdamW), its moments are made
-    at the first step's end (AdamW makes them at its first `step()`), not held as a block from the start
-    (`replay_device`'s adam_at_first_step); another optimizer's state stays the block it is. Likewise under
-    Megatron-LM's 16-bit optimizer (`LayerAllocations.stepped`): its float32 master weights a block from the start
-    (made as it is built), Apex's FusedAdam's moments made at the first step's end (its `step` makes a parameter's
-    state when it has none; megatron/optimizer/__init__.py at the zero-bubble fork's 425b42e5 builds it), after
-    each step's float32 main gradients, which the next step's zero_grad frees.
+    Under FSDP2 over two mini-batches or more (a flushing order's one, repeated: `steady_rows`) with `adam` (the
+    optimizer torch's Adam or AdamW), its moments are made at the first step's end (AdamW makes them at its first
+    `step()`), not held as a block from the start (`replay_device`'s adam_at_first_step); another optimizer's state
+    stays the block it is. Likewise under Megatron-LM's 16-bit optimizer (`LayerAllocations.stepped`): its float32
+    master weights a block from the start (made as it is built), Apex's FusedAdam's moments made at the first step's end
+    (its `step` makes a parameter's state when it has none; megatron/optimizer/__init__.py at the zero-bubble fork's
+    425b42e5 builds it), after each step's float32 main gradients, which the next step's zero_grad frees.
     `expandable`: the allocator with expandable segments (`ExpandableSegments`). `merged_bytes`: per stage, the
     model output a micro-batch that its runtime keeps and concatenates once the device's last full or weight
     backward of a mini-batch ends (sim/costs.py `merges_outputs`): a tensor of all its forwards' outputs of the
@@ -1208,7 +1238,7 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     reserves = []
     parts = trace.meta.peak_memory_parts or ()
     for device in range(len(parts)) if devices is None else devices:
-        held, rows = parts[device], device_rows(trace, device)
+        held, rows = parts[device], steady_rows(device_rows(trace, device))
         # the rows with their stages and micro-batches numbered as they come: the same wherever the content is
         stages: dict[int, int] = {}
         for _, stage, _ in rows:
@@ -1233,7 +1263,8 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
         moments = 2 * sum(moment for stage in stages for layer in layers[stage] for _, moment in layer.stepped)
         if adam and moments:
             rows = minibatch_events(rows)
-        # over two mini-batches or more: Adam's moments made at the first step's end, not held from the start
+        # over two mini-batches or more (`steady_rows`): Adam's moments made at the first step's end, not held from
+        # the start
         adam_at_first_step = adam and sum(ZERO in name for name, _, _ in rows) > 1
         if adam_at_first_step:
             static = (*static[:-1], *([max(static[-1] - moments, 0)] if moments else ()))

@@ -18,6 +18,7 @@ from pipesim.sim.caching_allocator import (
     round_request,
     segment_bytes,
     stage_program,
+    steady_rows,
 )
 from pipesim.units import KIB, MIB
 from tests.helpers import H100, small_gpt_count
@@ -676,17 +677,17 @@ def _synthetic_layer(seed: int, recompute: str) -> LayerAllocations:
     return LayerAllocations(passes, saved, frozenset(made) - kept, kept)
 
 
-def _pipeline(method: str, p: int, m: int, chunks: int | None, recompute: str):
-    """`method`'s rows per device over 2 mini-batches (v = `chunks`) and two synthetic layers a stage: the first and
-    last stages' their own, the middle ones' alike."""
+def _pipeline(method: str, p: int, m: int, chunks: int | None, recompute: str, seed: int = 0, minibatches: int = 2):
+    """`method`'s rows per device over `minibatches` (v = `chunks`) and two synthetic layers a stage: the first and
+    last stages' their own, the middle ones' alike (`seed` draws others)."""
     from pipesim.sim.caching_allocator import device_rows
     from tests.conftest import build, simulated
 
-    schedule = build(method, p, m, 2, **({"chunks": chunks} if chunks else {}))
+    schedule = build(method, p, m, minibatches, **({"chunks": chunks} if chunks else {}))
     trace = simulated(schedule).trace
     last = schedule.num_stages - 1
-    layers = {stage: [_synthetic_layer(min(stage, 1) + 2 * (stage == last) + 10 * k, recompute) for k in range(2)]
-              for stage in range(last + 1)}
+    layers = {stage: [_synthetic_layer(100 * seed + min(stage, 1) + 2 * (stage == last) + 10 * k, recompute)
+                      for k in range(2)] for stage in range(last + 1)}
     return trace, [device_rows(trace, device) for device in range(schedule.num_devices)], layers
 
 
@@ -758,3 +759,38 @@ def test_layers_differing_in_any_field_get_programs_of_their_own():
     programs = [stage_program([base]), *(stage_program([replace(base, **{name: value})])
                                          for name, value in changed.items())]
     assert len({id(program) for program in programs}) == len(programs)
+
+
+@pytest.mark.parametrize("case", [("gpipe", 3, 4, None, "full", 27), ("zb-h2", 3, 6, None, "policy", 3)])
+def test_a_flushing_orders_reserve_is_its_steady_steps_whatever_the_steps_simulated(case):
+    """The cache each step leaves carries into the next, and these layers' steps take a segment more from their
+    third on: two mini-batches' rows replayed as they are reserve less than eight's on a device (so the case holds
+    what it tests); `device_reserves`, which repeats the last mini-batch (`steady_rows`), reads the same reserves
+    from two mini-batches as from eight."""
+    from pipesim.sim.caching_allocator import device_reserves
+
+    (two, two_rows, layers), (eight, eight_rows, _) = (_pipeline(*case, minibatches=n) for n in (2, 8))
+    assert ([replay(STATIC_BYTES, rows, layers).peak_reserved_bytes for rows in two_rows]
+            != [replay(STATIC_BYTES, rows, layers).peak_reserved_bytes for rows in eight_rows])
+    limits = [None] * len(two_rows)
+    assert device_reserves(two, layers, limits) == device_reserves(eight, layers, limits)
+
+
+def test_only_a_device_running_its_minibatches_alike_one_after_another_is_repeated():
+    """An order whose mini-batches interleave on a device (PipeDream's) repeats within its rows, and one whose last
+    two mini-batches run other rows is no repetition: both are replayed as they are; a flushing order's last
+    mini-batch is repeated `STEADY_STEPS` times, numbered after it."""
+    from pipesim.sim.caching_allocator import STEADY_STEPS
+
+    _, async_rows, _ = _pipeline("pipedream", 3, 6, None, "none")
+    interleaved = [rows for rows in async_rows if sorted(rows, key=lambda row: row[2][1]) != list(rows)]
+    assert interleaved and all(steady_rows(rows) == list(rows) for rows in interleaved)
+    _, flushed, _ = _pipeline("1f1b", 3, 6, None, "none")
+    rows = flushed[0]
+    steady = steady_rows(rows)
+    last = [row for row in rows if row[2][1] == 1]
+    assert steady[:len(rows)] == rows and len(steady) == len(rows) + STEADY_STEPS * len(last)
+    assert steady[-len(last):] == [(name, stage, (pipeline, 1 + STEADY_STEPS, micro))
+                                   for name, stage, (pipeline, _, micro) in last]
+    unlike = [*rows[:-1], ("fwd", *rows[-1][1:])]
+    assert steady_rows(unlike) == unlike

@@ -256,9 +256,9 @@ def test_every_method_replays_its_rows_and_each_mini_batch_gives_back_what_it_ta
     """Every method the command line offers (one simulate comparing them all) at m = 2 and 3, three mini-batches,
     under ZeRO-2 and FSDP2: each device's replay runs (GPipe's forwards in a row without a pipeline gathered the
     root's and last block's weights again and freed them twice: a KeyError's traceback) and leaks nothing. With
-    FSDP2's events, the third mini-batch ends holding what the second did and allocates no more at its most;
+    FSDP2's events, the last mini-batch replayed ends holding what the second did and allocates no more at its most;
     without, the rows end holding the state's blocks alone."""
-    from pipesim.sim.caching_allocator import AGAIN, ZERO
+    from pipesim.sim.caching_allocator import AGAIN, STEADY_STEPS, ZERO
     from tests.conftest import spy_reserves
 
     seen = spy_reserves(monkeypatch)
@@ -276,9 +276,10 @@ def test_every_method_replays_its_rows_and_each_mini_batch_gives_back_what_it_ta
 
         starts = [at for at, (name, _, _) in enumerate(rows) if ZERO in name]
         if starts:
-            assert len(starts) == 3
-            second, third = replayed(starts[2]), replayed(len(rows))
-            assert (third.allocated_bytes, third.peak_allocated_bytes) == (
+            # the steps simulated, and where a device runs them one after another their steady repetition
+            assert len(starts) in (3, 3 + STEADY_STEPS)
+            second, last = replayed(starts[2]), replayed(len(rows))
+            assert (last.allocated_bytes, last.peak_allocated_bytes) == (
                 second.allocated_bytes, second.peak_allocated_bytes), rows
         else:
             assert replayed(len(rows)).allocated_bytes == replayed(0).allocated_bytes, rows

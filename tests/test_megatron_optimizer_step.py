@@ -91,10 +91,11 @@ SMALL_GPT = [*GPT, "--dtype", "fp16"]
 
 
 @pytest.mark.parametrize("flags,made", [(("--optimizer-step", "megatron"), True), ((), False),
-                                        (("--optimizer-step", "megatron", "-n", "1"), False)])
+                                        (("--optimizer-step", "megatron", "-n", "1"), True)])
 def test_simulate_replays_megatrons_step_under_its_flag(monkeypatch, flags, made):
-    """--optimizer-step megatron over two mini-batches: the optimizer state's block is the master weights alone,
-    the moments made at the first step; by default, or over one mini-batch, the state one block as before."""
+    """--optimizer-step megatron: the optimizer state's block is the master weights alone, the moments made at the
+    first step, over one mini-batch too (its step replayed again as the steps after it run, `steady_rows`); by
+    default the state one block as before."""
     from tests.conftest import simulate_json, spy_reserves
 
     seen = spy_reserves(monkeypatch)
