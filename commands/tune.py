@@ -292,18 +292,12 @@ def tune(
 def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
     """The choice's schedule, shape, degrees and cut as simulate's flags: (simulate's parameter name, the flag, its
     value), the value None where the flag is left out (simulate's default, or a --profile's own), True for a switch
-    given alone. Tune searches these (or takes them as given), so its command gives the choice's, not the user's.
-    Where the caching allocator is replayed, a flushing order's mini-batches as tune ran them: the allocator's cache
-    carries from one step into the next, and at simulate's default N (2, the step's steady state) the Llama 3.1 8B's
-    choice peaked 1,602 MiB under tune's N = 3, which further steps keep."""
+    given alone. Tune searches these (or takes them as given), so its command gives the choice's, not the user's."""
     from ..planning.scenario import LAYERS
-    from ..schedules.analysis import flushes
 
     estimated = c.recompute is not None  # with --gpu: the degrees and b searched
-    replayed = candidate.setting.scenario.allocations is not None and flushes(candidate.schedule)
     return [("schedule", "-s", c.schedule), ("stages", "-p", c.stages), ("chunks", "-v", c.chunks),
             ("pipelines", "-P", c.pipelines if c.pipelines > 1 else None), ("microbatches", "-m", c.microbatches),
-            ("minibatches", "-n", candidate.schedule.minibatches if replayed else None),
             ("data_parallel", "--data-parallel", c.replicas),
             ("tensor_parallel", "--tensor-parallel", c.tensor if estimated else None),
             ("microbatch_size", "-b", c.microbatch_size if estimated else None),
