@@ -17,7 +17,7 @@ import typer
 from ..choices import choose_from, nearest_text
 from ..planning.host import HOST_KERNEL_US
 from ..profiles.workload import too_few_layers
-from ..units import degree_text
+from ..units import MIB, degree_text
 from .common import (
     DTYPES,
     FP8,
@@ -789,7 +789,7 @@ def estimate(
         fail(str(exc))
     except OSError as exc:
         fail(read_error(exc))
-    _print_estimate(profile, sources)
+    _print_estimate(profile, optimizer, sources)
     if zero >= 2:
         stdout.print(f"ZeRO-{zero}: the profile holds each GPU's whole {'weights and ' if zero == 3 else ''}"
                      f"gradients, the peak above counts them whole; `pipesim simulate --profile {out} --zero {zero}` "
@@ -859,17 +859,38 @@ def _curve_text(read, attention_kernel: str | None, sources: bool) -> str:
             + ("its sources at the end" if sources else "--sources says where each comes from"))
 
 
-def _print_estimate(profile: Profile, sources: bool) -> None:
+def one_f_one_b_peaks_bytes(profile: Profile, optimizer: str) -> list[int]:
+    """Each stage's peak of the tensors alone (max allocated) under 1F1B, as `simulate --profile` gives it with the
+    estimate's d and its optimizer sharded where it was (ZeRO-1; ZeRO-2's and 3's gradients and weights whole, as
+    the profile holds them): its weights, gradients and optimizer state, p - k micro-batches' activations, the
+    transfer buffers and the running pass's transient tensors, simulated at m = 2p, past which a stage holds no
+    more. The profile's own `memory_bytes` (static plus activations, the partitioner's model) leaves the buffers
+    and the transient out: it read a Llama 3.1 8B's last stage on an L40S as fitting (48,444 MiB of 49,152) where
+    1F1B peaks at 52,484."""
+    from ..planning.scenario import profile_scenario
+    from ..schedules import ScheduleParams
+    from ..sim import simulate
+    from ..traces.metrics import summarize
+
+    scenario = profile_scenario(profile, optimizer)
+    stages, parallelism = len(profile.stages), profile.estimate.parallelism
+    sched = scenario.build("1f1b", ScheduleParams(stages, 2 * stages, 1, data_parallel=int(parallelism["data"]),
+                                                  zero=int(bool(parallelism.get("sharded_optimizer")))))
+    summary = summarize(simulate(sched, scenario.costs(sched), scenario.links(sched)))
+    return [round(device.peak_memory_mb * MIB) for device in summary.devices]
+
+
+def _print_estimate(profile: Profile, optimizer: str, sources: bool) -> None:
     """Per stage: its layers, times and memory on one GPU (its peak named as allocated, so that it is not read as
-    simulate --gpu's max reserved); then the placement's links."""
+    simulate --gpu's max reserved: `one_f_one_b_peaks_bytes`); then the placement's links."""
     from rich import box
     from rich.table import Table
 
     from ..hardware.catalogue import Curve
     from ..traces.metrics import mib_text
-    from ..units import MIB
 
     env, estimate = profile.environment, profile.estimate
+    peaks = one_f_one_b_peaks_bytes(profile, optimizer)
     curve = Curve.model_validate(estimate.curve)
     kernel = estimate.parallelism.get("attention_kernel", "flash2") if estimate.attention == "flash" else None
     table = Table(title=f"{profile.model.name} estimated on {env.device_name} ({env.dtype}, micro-batch "
@@ -877,7 +898,9 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
                         "per GPU",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="per micro-batch; I/W: the split backward's input- and weight-gradient passes; alloc: "
-                          "the peak of the tensors alone (max allocated) in a 1F1B estimate; simulate --gpu's peak "
+                          "the peak of the tensors alone (max allocated) under 1F1B, as simulate --profile "
+                          "gives it (the transfer buffers and a pass's transient tensors included); simulate --gpu's "
+                          "peak "
                           "adds the segments torch's caching allocator keeps cached beside them (max reserved, "
                           "--allocator caching); "
                           + _curve_text(curve, kernel, sources))
@@ -888,13 +911,12 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
         table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:,.3f}",
                       f"{stage.bwd_ms:,.3f}", f"{stage.igrad_ms:,.3f}/{stage.wgrad_ms:,.3f}",
                       mib_text(stage.activation_bytes / MIB), mib_text(stage.param_bytes / MIB),
-                      mib_text(stage.memory_bytes / MIB))
+                      mib_text(peaks[k] / MIB))
     print_table(table)
     from ..sim.cluster import Cluster  # each stage on a GPU of its own, checked as simulate checks its devices
 
     limit = env.memory_cap_bytes or env.device_memory_bytes or None
-    checks = Cluster(len(profile.stages)).memory_checks([stage.memory_bytes for stage in profile.stages],
-                                                        [limit] * len(profile.stages))
+    checks = Cluster(len(profile.stages)).memory_checks(peaks, [limit] * len(profile.stages))
     if (line := out_of_memory_line("the 1F1B estimate", checks)) is not None:
         print_message(f"warning: {line}", stderr)
     links = [(what, link) for what, link in (("tensor-parallel group" + tensor_span_text(estimate),
