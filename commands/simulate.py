@@ -750,7 +750,10 @@ MEMORY_COLUMNS = {"parameters": "weights", "gradients": "gradients", "optimizer_
 
 
 def _print_memory_table(summaries: list, schedules: list, memory: list, skipped: dict[str, str]) -> None:
-    """`--memory`: per method and device, the MiB each part holds at the device's peak, which they sum to."""
+    """`--memory`: per method and device, the MiB each part holds at the device's peak, which they sum to, and the
+    most it may hold (`MemoryCheck.room_bytes`: where ranks share a GPU, its memory less the others' peaks, as the
+    page's line is drawn), so that a red row's peak is over its limit (it read 2,216 against 3,072 in red: two
+    ranks' peaks on one 3 GiB GPU)."""
     from ..traces.trace import MEMORY_PARTS
     from ..units import MIB
 
@@ -765,7 +768,9 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
                           "backward, buffers of transfers in flight (--pp-runtime torch: its stages' kept ones), the "
                           "runtime's own buffers (--scores-buffer), what the running pass creates and frees "
                           "within itself, the segments torch's caching allocator keeps cached beside them (--gpu's "
-                          "--allocator caching; not replayed for a mixture of experts); --json: peak_memory_parts_mb")
+                          "--allocator caching; not replayed for a mixture of experts); --json: peak_memory_parts_mb"
+                          + ("; limit: a GPU's memory, less the peaks of the other ranks on it where ranks share one"
+                             if any(len(check.sharers) > 1 for checks in memory for check in checks) else ""))
     table.add_column("schedule", no_wrap=True)
     table.add_column("device", justify="right", no_wrap=True)
     # the runtime's buffers and the reserve only where any device holds some (none kept, not replayed: all 0)
@@ -783,7 +788,7 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
             table.add_row(
                 _label(s, sched) if d == 0 else "", str(device.device), *[f"{mib:,}" for mib in whole],
                 f"{sum(whole):,}",
-                *([f"{check.limit_bytes / MIB:,.0f}" if check.limit_bytes is not None else ""] if limited else []),
+                *([f"{check.room_bytes / MIB:,.0f}" if check.room_bytes is not None else ""] if limited else []),
                 style="red" if check.out_of_memory else None, end_section=d == len(s.devices) - 1)
     for name in skipped:
         table.add_row(name, "skipped", style="dim")

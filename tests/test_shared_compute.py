@@ -2,6 +2,7 @@
 first come first served, and share its memory."""
 
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -172,3 +173,11 @@ def test_ranks_on_one_gpu_are_checked_against_its_memory_together(tmp_path):
             "MiB, more than its 1,024 MiB") in err
     code, out, _ = pipesim(*args)
     assert code == 0 and "OOM on devices 0, 1" in out
+    # --memory's limit is what each may hold beside the others on its GPU, so its red rows' peaks are over it
+    code, out, _ = pipesim(*args, "--memory")
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if re.match(r" (gpipe)? +[0-2] +[\d,]+ ", line)]
+    limits = [float(row[-1].replace(",", "")) for row in rows]
+    assert limits == [round(1024 - peaks[1]), round(1024 - peaks[0]), 1024]
+    assert [peak > limit for peak, limit in zip(peaks, limits)] == [True, True, False]
+    assert "less the peaks of the other ranks on it" in " ".join(out.split())
