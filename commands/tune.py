@@ -396,9 +396,12 @@ def _check_weights_fit(counted: WorkloadCount, devices: int, memory_cap_bytes: i
     more = "more memory each" if part is None else "a --gpu with more memory"
     share = weight_bytes / devices
     apart = digits_apart(share, memory_cap_bytes, memory_text)  # the share reads over the cap
+    least = math.ceil(weight_bytes / memory_cap_bytes)
+    instead = f"give at least {least:,} devices, or {more}" if least <= MAX_DEVICES else (
+        f"no --devices up to {MAX_DEVICES:,} holds them: give {more}")  # (1,981,584 devices were suggested)
     raise InputError(f"{nothing_fits_text(memory_cap_bytes, devices, part, apart)}; the model's weights alone "
                      f"({memory_text(weight_bytes)} in {counted.dtype}) need {memory_text(share, apart)} per "
-                     f"device{over}: give at least {math.ceil(weight_bytes / memory_cap_bytes):,} devices, or {more}")
+                     f"device{over}: {instead}")
 
 
 def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int, seq_len: int | None,

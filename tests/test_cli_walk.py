@@ -29,6 +29,16 @@ def test_tune_refuses_a_model_whose_weights_alone_overfill_the_devices_before_es
         "6.49 GiB per device over --devices 2: give at least 4 devices, or more memory each"]
 
 
+def test_the_weights_refusal_suggests_no_more_devices_than_tune_takes():
+    """A cap so small that the weights need more devices than --devices allows (1,000,000) suggested "give at least
+    1,981,584 devices", which tune then refused: it says that no count does, and what would."""
+    pytest.importorskip("torch")
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", *SEVEN_B, "-D", 2, "--memory-gb", 0.00001)
+    assert code == 2 and out == ""
+    assert err.rstrip().endswith("need 6.49 GiB per device over --devices 2: no --devices up to 1,000,000 holds "
+                                 "them: give more memory each"), err
+
+
 def test_the_weights_refusal_writes_their_share_over_the_cap():
     """A cap under the weights' share by less than its third significant digit read "no configuration fits in 6.49
     GiB; ... need 6.49 GiB per device": the cap and the share are written to the digits at which they differ."""
