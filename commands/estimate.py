@@ -684,14 +684,22 @@ def check_estimate_limits(profile: Profile) -> None:
                          f"(--microbatch-size): {past}; give a smaller micro-batch or model")
 
 
-def tensors_alone_text(measured: Profile | None, what: WhatIf | None) -> str:
-    """For a caption: an estimate read from --profile (`what` None: no --gpu) holds no allocations for the caching
-    allocator to replay, so its peaks are the tensors alone, below --gpu's of the same model and flags (max
-    reserved), which this says so that the two are not read as one figure; "" for --gpu's own estimate, a calibration
-    or a mixture of experts, whose peaks are the tensors alone under --gpu too (commands/common.py
-    `allocator_fields`)."""
-    if (what is not None or measured is None or measured.estimate is None
-            or any(layer.dispatched_bytes for layer in measured.layers)):
+def peak_text(measured: Profile | None, what: WhatIf | None, scenario=None) -> str:
+    """For a caption, what the peak column is, so that it is not read as another figure: under --gpu (`what`), max
+    reserved where `scenario` replays the caching allocator (its `allocations`), else the tensors alone (max
+    allocated: --allocator none, or a mixture of experts, whose step is not replayed); an estimate read from
+    --profile holds no allocations to replay, so its peaks are the tensors alone, below --gpu's of the same model
+    and flags; "" for a calibration or typed costs. The --gpu captions had said neither, so `--allocator none`'s
+    table read as the caching one's."""
+    experts = measured is not None and (bool(measured.model.options.get("experts"))
+                                        or any(layer.dispatched_bytes for layer in measured.layers))
+    if what is not None:
+        if scenario is not None and scenario.allocations is not None:
+            return ("peak: max reserved, the tensors and the segments torch's caching allocator keeps cached (its "
+                    "step replayed" + (", with expandable segments" if scenario.expandable_segments else "") + ")")
+        return ("peak: the tensors alone (max allocated: " + ("a mixture of experts' step is not replayed through "
+                "the caching allocator)" if experts else "--allocator none)"))
+    if measured is None or measured.estimate is None or experts:
         return ""
     return ("peak: the tensors alone (max allocated): a profile holds no allocations to replay through the caching "
             "allocator, as simulate --gpu does (max reserved)")

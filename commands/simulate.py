@@ -95,8 +95,8 @@ from .estimate import (
     count_what_if,
     estimated_profile,
     parallelism_text,
+    peak_text,
     tensor_span_text,
-    tensors_alone_text,
     what_if,
 )
 from .tables import add_columns, print_message, print_table, said_once
@@ -407,7 +407,7 @@ def simulate(
             _print_memory_table(summaries, built, memory, skipped)
         else:
             _print_table(summaries, built, steady, example, skipped, memory,
-                         _cost_basis(scenario, built, work, tensors_alone_text(scenario.measured, what))
+                         _cost_basis(scenario, built, work, peak_text(scenario.measured, what, scenario))
                          + _overlap_text(built, pairs, fb_hidden_fraction)
                          + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names}),
                          [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
@@ -585,7 +585,7 @@ def _nothing_runs(requested: list[str], skipped: dict[str, str]) -> str:
 def _cost_basis(scenario, schedules: list, work: ModelWork | None, alone: str) -> str:
     """What the cost flags' numbers describe, for the table's caption; for an estimate, what its MFU is over (`work`;
     None: an estimate that recorded no MFU's figures) and `alone`: where its peaks are the tensors alone
-    (`tensors_alone_text`)."""
+    (`peak_text`)."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
         estimate = scenario.measured.estimate
         _, p, d = estimate.degrees

@@ -54,7 +54,7 @@ from .common import (
     writing,
     zero_stage,
 )
-from .estimate import count_what_if, estimated_profile, tensors_alone_text, what_if
+from .estimate import count_what_if, estimated_profile, peak_text, what_if
 from .tables import add_columns, print_table, said_once
 
 MAX_PORT = 65_535  # a TCP port's largest
@@ -290,7 +290,7 @@ def sweep(
         fail(f"--ray {ray}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
     except OSError as exc:
         fail(read_error(exc))
-    _print_front(results, front, tensors_alone_text(scenario.measured, what))
+    _print_front(results, front, peak_text(scenario.measured, what, scenario))
     stdout.print(where_text([sweep for _, sweep in sweeps]), highlight=False)
     for path in (out, html):
         if path is not None:
@@ -317,7 +317,7 @@ FRONT_HEADERS = {"v": "chunks per device", "P": "pipelines", "cost×": "the cost
 
 def _print_front(results: list, front: list[int], alone: str) -> None:
     """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first; `alone`: what a peak
-    read from an estimate's profile leaves out (`tensors_alone_text`)."""
+    read from an estimate's profile leaves out (`peak_text`)."""
     from ..planning.sweep import front_group, ran_text
 
     shown = front[:FRONT_ROWS]

@@ -54,7 +54,7 @@ from .common import (
     with_help,
     zero_stage,
 )
-from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, tensors_alone_text, what_if
+from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, peak_text, what_if
 from .tables import available_width, print_paragraph, print_table_last_below, said_once
 
 if TYPE_CHECKING:
@@ -286,7 +286,8 @@ def tune(
                 row.update(work[row["microbatch_size"]].metrics(row["samples_per_s"], devices))
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return
-    _print_tuning(tuning, measured, work, data_parallel is not None, command, tensors_alone_text(measured, what))
+    _print_tuning(tuning, measured, work, data_parallel is not None, command,
+                  peak_text(measured, what, tuning.choice.result.candidate.setting.scenario))
 
 
 def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
@@ -573,7 +574,7 @@ def search_summary(stats) -> str:
 def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], alone: str) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
     choice's cut and the `command` that simulates it; `alone`: what a peak read from an estimate's profile leaves
-    out (`tensors_alone_text`)."""
+    out (`peak_text`)."""
     from ..planning.tune import memory_text, significant_ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats

@@ -458,3 +458,26 @@ def test_an_estimates_alloc_column_is_the_1f1b_peak_simulate_gives_its_profile(d
     simulated = json.loads(read)["results"][0]["devices"]
     assert len(printed) == 2 and printed == [round(device["peak_memory_mb"]) for device in simulated]  # > 100 MiB
     assert all(device["peak_memory_parts_mb"]["transient"] > 0 for device in simulated)
+
+
+def test_a_gpu_what_ifs_caption_says_which_peak_it_shows():
+    """simulate --gpu's caption says whether its peak is max reserved (the caching allocator replayed, with
+    expandable segments where asked) or the tensors alone (--allocator none, or a mixture of experts, whose step
+    is not replayed): the captions were the same, so --allocator none's table read as the caching one's."""
+    from tests.conftest import pipesim
+
+    shape = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 256,
+             "-p", 2, "-m", 4, "-s", "1f1b")
+    said = {}
+    for case, flags in (("caching", ()), ("expandable", ("--allocator", "expandable")),
+                        ("none", ("--allocator", "none")),
+                        ("experts", ("--experts", 4, "--expert-parallel", 2, "--data-parallel", 2))):
+        code, out, err = pipesim("simulate", *shape, *flags)
+        assert code == 0, err
+        said[case] = " ".join(out.split())
+    replayed = ("peak: max reserved, the tensors and the segments torch's caching allocator keeps cached (its step "
+                "replayed")
+    assert f"{replayed});" in said["caching"] and f"{replayed}, with expandable segments);" in said["expandable"]
+    assert "peak: the tensors alone (max allocated: --allocator none);" in said["none"]
+    assert ("peak: the tensors alone (max allocated: a mixture of experts' step is not replayed through the caching "
+            "allocator);") in said["experts"]
