@@ -161,6 +161,7 @@ def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
         return None  # (a trace that holds no memory, as one simulated without sizes)
     parts, curves = zip(*kept)
     held = np.array([curve.values[np.searchsorted(curve.times_us, times, side="right") - 1] for curve in curves])
+    times, held = _with_instant_peaks(times, held, curves, totals[device])
     if len(times) > STACK_COLUMNS:
         column = np.minimum((times / max(end_us, float(times[-1]), 1e-9) * STACK_COLUMNS).astype(np.int64),
                             STACK_COLUMNS - 1)
@@ -174,6 +175,32 @@ def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
     return {"device": device, "names": [PART_WORDS[part] for part in parts],
             "colors": [PART_COLORS[part] for part in parts], "t_us": encode_column(times.astype(np.float64)),
             "stack": [encode_column(level.astype(np.float64)) for level in stack]}
+
+
+def _most_at(curve, times: np.ndarray) -> np.ndarray:
+    """A counter's most at each of `times` (sorted, unique): of the values it takes at that moment, several where
+    it rises and falls within it (a send's buffer made and freed at once); where it takes none, what it holds."""
+    first = np.searchsorted(curve.times_us, times, side="left")
+    last = np.searchsorted(curve.times_us, times, side="right")
+    most = np.where(last > 0, curve.values[np.maximum(last - 1, 0)], 0).astype(np.float64)
+    for at in np.flatnonzero(last - first > 1):
+        most[at] = curve.values[first[at]:last[at]].max()
+    return most
+
+
+def _with_instant_peaks(times: np.ndarray, held: np.ndarray, curves, total) -> tuple[np.ndarray, np.ndarray]:
+    """The stack's samples (`held`, per part, as each stands after `times`) with a sample before each moment at
+    which the device's memory rose and fell within that moment, holding each part's most there, where those add up
+    to no more than the device's most then (one part rose alone): such a peak lasts no time, and the stack, which
+    kept what came after it, topped out under the peak the table gives (1,288 MiB under 1,296: two transfer
+    buffers at one moment)."""
+    most = np.array([_most_at(curve, times) for curve in curves])
+    total_most = _most_at(total, times)
+    instant = (most.sum(axis=0) > held.sum(axis=0)) & (most.sum(axis=0) <= total_most)
+    if not instant.any():
+        return times, held
+    at = np.flatnonzero(instant)
+    return np.insert(times, at, times[at]), np.insert(held, at, most[:, at], axis=1)
 
 
 def trace_data(trace: Trace, label: str | None = None, summary: Summary | None = None,
