@@ -764,11 +764,13 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
                         + _zero_text(first),
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="the parts sum to the peak: weights with the copies a method keeps, gradients as "
-                          "accumulated, optimizer state with its master weights, activations saved for the "
+                          "accumulated, optimizer state with the master weights a precision keeps, activations saved "
+                          "for the "
                           "backward, buffers of transfers in flight (--pp-runtime torch: its stages' kept ones), the "
                           "runtime's own buffers (--scores-buffer), what the running pass creates and frees "
                           "within itself, the segments torch's caching allocator keeps cached beside them (--gpu's "
-                          "--allocator caching; not replayed for a mixture of experts); --json: peak_memory_parts_mb"
+                          "--allocator caching or expandable; not replayed for a mixture of experts); --json: "
+                          "peak_memory_parts_mb"
                           + ("; limit: a GPU's memory, less the peaks of the other ranks on it where ranks share one"
                              if any(len(check.sharers) > 1 for checks in memory for check in checks) else ""))
     table.add_column("schedule", no_wrap=True)
