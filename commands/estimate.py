@@ -908,8 +908,7 @@ def _print_estimate(profile: Profile, optimizer: str, sources: bool) -> None:
                   caption="per micro-batch; I/W: the split backward's input- and weight-gradient passes; alloc: "
                           "the peak of the tensors alone (max allocated) under 1F1B, as simulate --profile "
                           "gives it (the transfer buffers and a pass's transient tensors included); simulate --gpu's "
-                          "peak "
-                          "adds the segments torch's caching allocator keeps cached beside them (max reserved, "
+                          "peak adds the segments torch's caching allocator keeps cached beside them (max reserved, "
                           "--allocator caching); "
                           + _curve_text(curve, kernel, sources))
     for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "act MiB", "params MiB", "alloc MiB"):

@@ -582,10 +582,9 @@ def _nothing_runs(requested: list[str], skipped: dict[str, str]) -> str:
     return f"none of the {len(requested)} methods can run: " + "; ".join(texts)
 
 
-def _cost_basis(scenario, schedules: list, work: ModelWork | None, alone: str) -> str:
+def _cost_basis(scenario, schedules: list, work: ModelWork | None, peak: str) -> str:
     """What the cost flags' numbers describe, for the table's caption; for an estimate, what its MFU is over (`work`;
-    None: an estimate that recorded no MFU's figures) and `alone`: where its peaks are the tensors alone
-    (`peak_text`)."""
+    None: an estimate that recorded no MFU's figures) and `peak`: what its peak column is (`peak_text`)."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
         estimate = scenario.measured.estimate
         _, p, d = estimate.degrees
@@ -595,7 +594,7 @@ def _cost_basis(scenario, schedules: list, work: ModelWork | None, alone: str) -
         degrees = parallelism_text(estimate.parallelism, estimate.attention, shape=False) + (
             f", the tensor-parallel group{span}" if span else "")
         return (f"costs: estimated on {estimate.gpu} ({degrees}) from the model counted on the meta device{elsewhere}"
-                + "".join(f"; {text}" for text in (work.mfu_text() if work else "", alone) if text))
+                + "".join(f"; {text}" for text in (work.mfu_text() if work else "", peak) if text))
     if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose
         return f"costs: measured (--profile), {scenario.optimizer}'s updates and state (--optimizer)"
     stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})
@@ -765,8 +764,8 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="the parts sum to the peak: weights with the copies a method keeps, gradients as "
                           "accumulated, optimizer state with the master weights a precision keeps, activations saved "
-                          "for the "
-                          "backward, buffers of transfers in flight (--pp-runtime torch: its stages' kept ones), the "
+                          "for the backward, buffers of transfers in flight (--pp-runtime torch: its stages' kept "
+                          "ones), the "
                           "runtime's own buffers (--scores-buffer), what the running pass creates and frees "
                           "within itself, the segments torch's caching allocator keeps cached beside them (--gpu's "
                           "--allocator caching or expandable; not replayed for a mixture of experts); --json: "

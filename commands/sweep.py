@@ -315,9 +315,9 @@ FRONT_HEADERS = {"v": "chunks per device", "P": "pipelines", "cost×": "the cost
                  "R": "auto's activation limit, in 1F1B's peak"}
 
 
-def _print_front(results: list, front: list[int], alone: str) -> None:
-    """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first; `alone`: what a peak
-    read from an estimate's profile leaves out (`peak_text`)."""
+def _print_front(results: list, front: list[int], peak: str) -> None:
+    """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first; `peak`: what the peak
+    column is (`peak_text`)."""
     from ..planning.sweep import front_group, ran_text
 
     shown = front[:FRONT_ROWS]
@@ -344,7 +344,7 @@ def _print_front(results: list, front: list[int], alone: str) -> None:
                   box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="; ".join(f"{header}: {text}" + (f", {said[header]} in every row" if header in said else "")
                                     for header, text in FRONT_HEADERS.items()) + "; -: not the method's"
-                  + (f"; {alone}" if alone else "")
+                  + (f"; {peak}" if peak else "")
                   + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
                      if len(front) > FRONT_ROWS else "")
                   + ("; memory: OOM where a device's peak is past its memory (simulate names the devices)"

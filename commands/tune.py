@@ -571,10 +571,9 @@ def search_summary(stats) -> str:
                if stats.simulated_leanest else "") + f"; {stats.seconds:.2f} s")
 
 
-def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], alone: str) -> None:
+def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], peak: str) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
-    choice's cut and the `command` that simulates it; `alone`: what a peak read from an estimate's profile leaves
-    out (`peak_text`)."""
+    choice's cut and the `command` that simulates it; `peak`: what the peak column is (`peak_text`)."""
     from ..planning.tune import memory_text, significant_ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
@@ -589,7 +588,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                  f"(recomp; sel: selective) searched where not given; "
                  f"{'E: ranks the routed experts are placed over; ' * experts}"
                  f"{next(iter(work.values())).mfu_text(problem.gpus)}; ") if work else ""
-    read = (f"{alone}; " if alone else "") + ("MFU: the simulate command below gives the choice's; " if (
+    read = (f"{peak}; " if peak else "") + ("MFU: the simulate command below gives the choice's; " if (
         measured.estimate is not None and not work) else "")
     per_stage = f"·{context:,}" * (context > 1)
     precision = _held_as(measured)
