@@ -684,7 +684,7 @@ def check_estimate_limits(profile: Profile) -> None:
                          f"(--microbatch-size): {past}; give a smaller micro-batch or model")
 
 
-def peak_text(measured: Profile | None, what: WhatIf | None, scenario=None) -> str:
+def peak_text(measured: Profile | None, what: WhatIf | None, scenario) -> str:
     """For a caption, what the peak column is, so that it is not read as another figure: under --gpu (`what`), max
     reserved where `scenario` replays the caching allocator (its `allocations`), else the tensors alone (max
     allocated: --allocator none, or a mixture of experts, whose step is not replayed); an estimate read from
@@ -694,7 +694,7 @@ def peak_text(measured: Profile | None, what: WhatIf | None, scenario=None) -> s
     experts = measured is not None and (bool(measured.model.options.get("experts"))
                                         or any(layer.dispatched_bytes for layer in measured.layers))
     if what is not None:
-        if scenario is not None and scenario.allocations is not None:
+        if scenario.allocations is not None:
             return ("peak: max reserved, the tensors and the segments torch's caching allocator keeps cached (its "
                     "step replayed" + (", with expandable segments" if scenario.expandable_segments else "") + ")")
         return ("peak: the tensors alone (max allocated: " + ("a mixture of experts' step is not replayed through "

@@ -646,14 +646,13 @@ def steady_rows(rows: Sequence[tuple[str, int, tuple[int, int, int]]], steps: in
     minibatches = [minibatch for _, _, (_, minibatch, _) in rows]
     if not rows or any(later < earlier for earlier, later in zip(minibatches, minibatches[1:])):
         return list(rows)
+    def runs(minibatch: int) -> list[tuple[str, int, tuple[int, int]]]:  # its rows, the mini-batch left out
+        return [(name, stage, (pipeline, micro)) for name, stage, (pipeline, of, micro) in rows if of == minibatch]
+
     last = minibatches[-1]
-    tail = [(name, stage, (pipeline, micro)) for name, stage, (pipeline, minibatch, micro) in rows
-            if minibatch == last]
-    if last > minibatches[0]:  # each alike: the mini-batch before runs the same rows
-        before = [(name, stage, (pipeline, micro)) for name, stage, (pipeline, minibatch, micro) in rows
-                  if minibatch == last - 1]
-        if before != tail:
-            return list(rows)
+    tail = runs(last)
+    if last > minibatches[0] and runs(last - 1) != tail:  # each alike: the mini-batch before runs the same rows
+        return list(rows)
     return [*rows, *((name, stage, (pipeline, last + step, micro))
                      for step in range(1, steps + 1) for name, stage, (pipeline, micro) in tail)]
 
