@@ -48,7 +48,8 @@ speed and its peak less the reserve (`top_groups`). Excluded
 candidates whose floor fits are simulated, best bound first, only while their bound beats the choice by more
 than OVER_MARGIN and, once five rows that do are kept (the five shown), the fifth: what the limits cost (one
 whose floor is over the cap holds more than the device before any schedule runs), shown where the simulation
-beats the margin too, so that what is shown does not depend on what was simulated. Those that could beat the
+beats the margin too, so that what is shown does not depend on what was simulated; the fastest over the cap alone
+keeps a row among them where one beats the margin (`_with_heavier`). Those that could beat the
 choice by no more than the margin, by their bounds, are not simulated for it: while fewer than five rows are
 shown, a note counts them (`_within_margin`).
 The limit that changes what a run trains is staleness (synchronous by default): so that it is not a hidden
@@ -518,6 +519,7 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
     margin = speed_key(choice.samples_per_s * (1 + OVER_MARGIN))
     faster, _ = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem), margin,
                            groups=RUNNERS_UP)  # the rows shown, and no more
+    faster = _with_heavier(faster, shapes, built, problem, margin)
     staler, bounds = _staler(shapes, built, problem, margin, faster)
     within = _within_margin(shapes, built, problem, choice, margin) if len(faster) < RUNNERS_UP else 0
 
@@ -533,6 +535,28 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
                   _notes(settings, problem) + leanest + ([_within_margin_note(within)] if within else [])
                   + ([_staler_note(staler_row, choice, unsimulated)] if staler_row else []),
                   staler_row, unsimulated, within)
+
+
+def _heavier(result: Result, problem: Problem) -> bool:
+    """Over the memory cap and within the staleness limit: what more memory alone would allow."""
+    return result.peak_memory_bytes > problem.memory_cap_bytes and result.staleness <= problem.max_staleness
+
+
+def _with_heavier(faster: list[list[Result]], shapes: list[Shape], built: _Built, problem: Problem,
+                  margin: float) -> list[list[Result]]:
+    """The rows over the limits, with the fastest configuration over the memory cap alone among them where one
+    beats the choice by more than the margin: five faster rows over the staleness limit (named in a note anyway)
+    would otherwise hide what a little more memory buys (a config 10 KiB over the cap and 67 % faster), so it
+    takes the last row's place, in rank order. Its search is short: a result within the staleness limit that beats
+    the choice has been simulated and replayed by the choice's search already."""
+    if len(faster) < RUNNERS_UP or any(_heavier(group[0], problem) for group in faster):
+        return faster  # fewer rows: every one over a limit that beats the margin is among them
+    heavier, _ = top_groups(shapes, built, lambda item: item.memory_floor_bytes <= problem.memory_cap_bytes and (
+        item.staleness is None or item.staleness <= problem.max_staleness),
+        lambda result: _heavier(result, problem), margin, groups=1)
+    if not heavier:
+        return faster
+    return sorted([*faster[:RUNNERS_UP - 1], *heavier], key=lambda group: rank_key(group[0]))
 
 
 def _within_margin(shapes: list[Shape], built: _Built, problem: Problem, choice: Result, margin: float) -> int:

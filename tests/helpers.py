@@ -695,7 +695,7 @@ def gpt_on_8(cap_gib: float) -> tuple[list[tuning.Setting], tuning.Problem]:
 def exhaustive(source, prob):
     """Every candidate simulated: the groups of twins in rank order, allowed ones, those faster than the
     best allowed one by more than OVER_MARGIN but over a limit (whose memory floor fits: one over it is never
-    simulated), and those as fast over the staleness limit alone, as `tune` defines them (the search is what is
+    simulated; the fastest over the cap alone among the rows shown), and those as fast over the staleness limit alone, as `tune` defines them (the search is what is
     under test)."""
     candidates, _, _ = tuning.prepare(source, prob)
     results = [tuning.evaluate(prob, c) for c in candidates]
@@ -712,7 +712,12 @@ def exhaustive(source, prob):
     faster = grouped([r for r in results if not tuning.allowed(r, prob) and tuning.speed_key(r.samples_per_s) > top
                       and r.candidate.memory_floor_bytes <= prob.memory_cap_bytes])
     staler = [g for g in faster if g[0].peak_memory_bytes <= prob.memory_cap_bytes]  # every one, fastest first
-    return best[:tuning.RUNNERS_UP + 1], faster[:tuning.RUNNERS_UP], staler, results
+    heavier = [g for g in faster if g[0].peak_memory_bytes > prob.memory_cap_bytes
+               and g[0].staleness <= prob.max_staleness]  # over the cap alone: the fastest keeps a row
+    shown = faster[:tuning.RUNNERS_UP]
+    if heavier and heavier[0] not in shown:
+        shown = shown[:-1] + heavier[:1]
+    return best[:tuning.RUNNERS_UP + 1], shown, staler, results
 
 
 def differences(found, best, faster, staler) -> list[str]:

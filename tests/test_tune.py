@@ -249,6 +249,22 @@ def test_staleness_limit():
     assert any(row.why.startswith("staleness 1 > 0") for row in synchronous.excluded)
 
 
+def test_the_fastest_config_over_the_memory_cap_alone_keeps_a_row_over_the_limits(monkeypatch):
+    """At 0.3 GiB the rows over the limits rank three stale p = 2 orders above DualPipeV p = 2, 8.2 % faster than
+    the choice at 0.352 GiB: with two rows shown, the stale ones filled both and hid what more memory buys."""
+    settings, problem = gpt_on_8(0.3)
+    shown = [row.result.config.schedule for row in tuning.tune(settings, problem).excluded]
+    assert shown[3] == "dualpipev" and all(tuning._heavier(row.result, problem) == (row.result.staleness == 0)
+                                           for row in tuning.tune(settings, problem).excluded)
+    monkeypatch.setattr(tuning, "RUNNERS_UP", 2)
+    rows = tuning.tune(settings, problem).excluded
+    assert [row.result.config.schedule for row in rows] == ["pipedream", "dualpipev"]
+    assert rows[1].why.startswith("over memory: 0.352 GiB > 0.3 GiB")
+    monkeypatch.setattr(tuning, "RUNNERS_UP", 3)  # DualPipeV's is the fourth: the first two stale rows stay
+    assert [row.result.config.schedule for row in tuning.tune(settings, problem).excluded] == [
+        "pipedream", "pipeoptim", "dualpipev"]
+
+
 def test_cli_table_explains_each_runner_up():
     code, out, err = tuned(*GPT_UNDER_03)
     assert code == 0, err
