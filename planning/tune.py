@@ -64,6 +64,7 @@ from __future__ import annotations
 import bisect
 import gc
 import heapq
+import itertools
 import math
 import multiprocessing
 import pickle
@@ -1244,6 +1245,18 @@ class _Shipped:
 
 
 _RECEIVED: dict[int, object] = {}  # in a worker: what the search shipped, by key
+_OWN_KEYS = itertools.count(-1, -1)  # `shipped`'s, apart from a search's ids, which a value freed since could share
+
+
+def shipped(value: object) -> _Shipped:
+    """`value` pickled once for tasks handed to the workers before a search (`submit`: tune's estimates), each
+    worker unpickling it once."""
+    return _Shipped(next(_OWN_KEYS), pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+
+
+def submit(pool: Workers, task: Callable, *args) -> Future:
+    """`task(*args)` in one of `pool`'s workers, each `shipped` argument as the value shipped."""
+    return pool.submit(_run, task, *args)
 
 
 def _run(task: Callable, *args):

@@ -695,8 +695,8 @@ def gpt_on_8(cap_gib: float) -> tuple[list[tuning.Setting], tuning.Problem]:
 def exhaustive(source, prob):
     """Every candidate simulated: the groups of twins in rank order, allowed ones, those faster than the
     best allowed one by more than OVER_MARGIN but over a limit (whose memory floor fits: one over it is never
-    simulated; the fastest over the cap alone among the rows shown), and those as fast over the staleness limit alone, as `tune` defines them (the search is what is
-    under test)."""
+    simulated; the fastest over the cap alone among the rows shown), and those as fast over the staleness limit
+    alone, as `tune` defines them (the search is what is under test)."""
     candidates, _, _ = tuning.prepare(source, prob)
     results = [tuning.evaluate(prob, c) for c in candidates]
 

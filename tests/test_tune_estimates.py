@@ -300,3 +300,27 @@ def test_tunes_search_summary_writes_every_count_with_thousands_separators():
     counts = re.findall(r"\d[\d,]*", summary)
     assert max(int(n.replace(",", "")) for n in counts) >= 1000, summary
     assert not [n for n in counts if len(n) > 3 and "," not in n], summary
+
+
+def test_the_estimates_made_in_the_search_workers_are_those_one_process_makes(monkeypatch):
+    """tune hands each (b, t, E)'s estimates to the search's workers, idle until it starts (commands/tune.py
+    `_estimate_groups`): the settings and their order are the ones made in one process, where the estimates share
+    one memo of their layers (an 8-expert GPT, E searched, on 8 H100s: 3 b, 4 t, 4 E)."""
+    from pipesim.commands import tune as tune_command
+    from tests.helpers import searched_settings
+
+    flags = ("--devices", 8, "--batch-size", 16, "--experts", 8, "--top-k", 2)
+    model = ("--gpu", "h100-sxm", "--model", "gpt", *itertools.chain(*(
+        (f"--{name.replace('_', '-')}", value) for name, value in GPT.items())))
+    monkeypatch.setattr(tune_command, "usable_cpus", lambda: 2)
+    pooled = searched_settings(*flags, model=model)
+    monkeypatch.setattr(tune_command, "usable_cpus", lambda: 1)
+    here = searched_settings(*flags, model=model)
+
+    def described(settings):
+        return [(s.microbatch_size, s.tensor, s.expert, s.depths, s.recompute, s.sequence_parallel,
+                 s.scenario.measured.model_dump(exclude={"environment": {"date"}}), s.scenario.allocations,
+                 s.scenario.expandable_segments) for s in settings]
+
+    assert len({(s.microbatch_size, s.tensor, s.expert) for s in here}) > 12
+    assert described(pooled) == described(here)
