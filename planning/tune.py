@@ -2325,17 +2325,28 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
         device, columns, anchor = _with_send_holds(device, columns, held_forward[stage] * (forward & (stage < n - 1))
                                                    + held_backward[stage - 1] * (passing & (stage > 0)),
                                                    ~reducing & ~kind_mask(kind, *ALL_TO_ALL_KINDS))
-    splits = np.searchsorted(device, np.arange(1, schedule.num_devices))
-    programs = [list(zip(*parts)) for parts in zip(*(
-        (part.tolist() for part in np.split(column, splits)) for column in columns))]
+    # each device's program, its columns cut from lists made once (each column split into arrays per device, each
+    # converted, and zipped into a tuple a row, took a third of the path's time on DeepSeek-V3's 256 devices)
+    bounds = [0, *np.searchsorted(device, np.arange(1, schedule.num_devices)).tolist(), len(device)]
+    lists = [column.tolist() for column in columns]
+    programs = [tuple(values[a:b] for values in lists) for a, b in itertools.pairwise(bounds)]
     step_ms = max(0.0, (_earliest_end_ms(programs, anchor, target) - float(duration[target])) / steps)
     if steps == 1 and minibatch + 1 == schedule.minibatches - 1 and schedule.num_devices > 1 and flushes(schedule):
         last = np.flatnonzero(t.minibatch[rows] == minibatch + 1)
         _, firsts = np.unique(t.device[rows][last], return_index=True)
-        starts = last[firsts].tolist()  # each device's first row of the last mini-batch, and its rows from it on
-        longest_ms = _longest_from_ms([program[[row for row, *_ in program].index(start):]
-                                       for program, start in zip(programs, starts)])
-        step_ms = max(step_ms, min(longest_ms.get(start, 0.0) for start in starts))  # none: rows wait on one another
+        starts = last[firsts]  # each device's first row of the last mini-batch, and its rows from it on
+        # where each row is in the columns (the rows added are numbered past the others: `_with_send_holds`)
+        at = np.empty(len(columns[0]), dtype=np.int64)
+        at[columns[0]] = np.arange(len(columns[0]))
+        begins = at[starts]
+        kept = np.zeros(len(device), dtype=bool)
+        for begin, end in zip(begins.tolist(), bounds[1:]):
+            kept[begin:end] = True
+        longest_ms = _longest_from_ms(
+            [tuple(values[begin - first:] for values in program) for program, begin, first in zip(
+                programs, begins.tolist(), bounds)], _namers(*columns[:3], kept))
+        # a start with none: its rows wait on one another
+        step_ms = max(step_ms, min(longest_ms.get(start, 0.0) for start in starts.tolist()))
     return step_ms
 
 
@@ -2366,44 +2377,41 @@ def _with_send_holds(device: np.ndarray, columns: tuple[np.ndarray, ...], sent_m
 
 
 _ON_NETWORK = -2  # `_earliest_end_ms`: a network row's wait (none: it runs on its device's network stream)
+_Program = tuple[list[int], list[int], list[float], list[float]]  # a device's rows: numbers, waits, lags, durations
+_Namers = tuple[list[int], list[int], list[float]]  # `_namers`
 
 
-def _longest_from_ms(programs: list[list[tuple[int, int, float, float]]]) -> dict[int, float]:
+def _longest_from_ms(programs: list[_Program], namers: _Namers) -> dict[int, float]:
     """Per row of each device's program (`_earliest_end_ms`'s, or the ends of them), the longest chain of waits
     from its start to the end of a row among them that waits on it, directly or not, or its own: its time plus
-    the most, over the rows that wait on it, of the lag and that row's own longest. As `_earliest_end_ms` starts
-    them, a compute row waits for the compute row before it on its device and the row it names, and a network
-    row for the compute row before it and the network row before it; waits on rows not among them count for
-    nothing. Each device's program is taken from its end back, a row once every row that names it is known."""
-    named: dict[int, list[tuple[int, float]]] = {}  # per row: the rows that name it, and their lags
-    for program in programs:
-        for row, wait, lag_ms, _ in program:
-            if wait >= 0:
-                named.setdefault(wait, []).append((row, lag_ms))
+    the most, over the rows that wait on it (`namers`: those among the programs), of the lag and that row's own
+    longest. As `_earliest_end_ms` starts them, a compute row waits for the compute row before it on its device
+    and the row it names, and a network row for the compute row before it and the network row before it. Each
+    device's program is taken from its end back, a row once every row that names it is known."""
+    first, laters, lags_ms = namers
     longest_ms: dict[int, float] = {}
-    rows = {row for program in programs for row, *_ in program}
-    left = [len(program) for program in programs]  # per device: its rows not taken yet
+    left = [len(ids) for ids, *_ in programs]  # per device: its rows not taken yet
     ahead_ms = [0.0] * len(programs)  # per device: the longest of its next compute row and the network rows before it
     lane_ms = [0.0] * len(programs)  # per device: its next network row's longest
     progressed = True
     while progressed:
         progressed = False
-        for d, program in enumerate(programs):
+        for d, (ids, waits, _, durations_ms) in enumerate(programs):
             i, most_ms, next_ms = left[d], ahead_ms[d], lane_ms[d]
             while i:
-                row, wait, _, duration_ms = program[i - 1]
+                row = ids[i - 1]
                 waited_ms = 0.0
-                for later, lag_ms in named.get(row, ()):
-                    if later in rows:
-                        if later not in longest_ms:
-                            break
-                        waited_ms = max(waited_ms, lag_ms + longest_ms[later])
+                for k in range(first[row], first[row + 1]):
+                    later_ms = longest_ms.get(laters[k])
+                    if later_ms is None:
+                        break
+                    waited_ms = max(waited_ms, lags_ms[k] + later_ms)
                 else:
-                    if wait == _ON_NETWORK:
-                        next_ms = longest_ms[row] = duration_ms + max(waited_ms, next_ms)
+                    if waits[i - 1] == _ON_NETWORK:
+                        next_ms = longest_ms[row] = durations_ms[i - 1] + max(waited_ms, next_ms)
                         most_ms = max(most_ms, next_ms)
                     else:
-                        most_ms = longest_ms[row] = duration_ms + max(waited_ms, most_ms)
+                        most_ms = longest_ms[row] = durations_ms[i - 1] + max(waited_ms, most_ms)
                     i -= 1
                     continue
                 break
@@ -2413,14 +2421,26 @@ def _longest_from_ms(programs: list[list[tuple[int, int, float, float]]]) -> dic
     return longest_ms
 
 
-def _earliest_end_ms(programs: list[list[tuple[int, int, float, float]]], rows: int, target: int) -> float:
+def _namers(ids: np.ndarray, waits: np.ndarray, lags_ms: np.ndarray, kept: np.ndarray) -> _Namers:
+    """`_longest_from_ms`'s rows that wait on each row, of those `kept`: by row, the range [first[row],
+    first[row + 1]) of the waiting rows and their lags, found at once (a dict of lists built row by row took a
+    fifth of a critical path's time)."""
+    naming = kept & (waits >= 0)
+    order = np.argsort(waits[naming], kind="stable")
+    named = waits[naming][order]
+    first = np.searchsorted(named, np.arange(len(ids) + 1))
+    return first.tolist(), ids[naming][order].tolist(), lags_ms[naming][order].tolist()
+
+
+def _earliest_end_ms(programs: list[_Program], rows: int, target: int) -> float:
     """When row `target` of `rows` rows ends at the earliest (-inf: nothing it waits on has a time), given each
-    device's program of (row, the row it waits for, lag, duration): a row starts as soon as the row before it on
-    its device (a network row, waiting for `_ON_NETWORK`: as soon as it is reached, after the network rows before
-    it) and the row it waits for (-1: none) plus the lag have ended; a wait may name the row past the last, which
-    ends at 0 (`_critical_path_ms`). Rows that wait on one another end at nan. Each row's end depends on the rows
-    before it alone, so the devices' programs are run only until the target's is known; the maxima are taken by
-    comparison (as `max` takes them), not by calls: this loop is most of a critical path's time."""
+    device's program (`_Program`: per row, its number, the row it waits for, lag and duration): a row starts as
+    soon as the row before it on its device (a network row, waiting for `_ON_NETWORK`: as soon as it is reached,
+    after the network rows before it) and the row it waits for (-1: none) plus the lag have ended; a wait may name
+    the row past the last, which ends at 0 (`_critical_path_ms`). Rows that wait on one another end at nan. Each
+    row's end depends on the rows before it alone, so the devices' programs are run only until the target's is
+    known; the maxima are taken by comparison (as `max` takes them), not by calls: this loop is most of a critical
+    path's time."""
     end = [math.nan] * rows + [0.0]
     clock = [-math.inf] * len(programs)
     lane = [-math.inf] * len(programs)
@@ -2428,24 +2448,24 @@ def _earliest_end_ms(programs: list[list[tuple[int, int, float, float]]], rows: 
     progressed = True
     while progressed:
         progressed = False
-        for d, program in enumerate(programs):
+        for d, (ids, waits, lags_ms, durations_ms) in enumerate(programs):
             i, now, free = next_row[d], clock[d], lane[d]
-            count = len(program)
+            count = len(ids)
             while i < count:
-                row, wait, lag_ms, duration_ms = program[i]
+                wait = waits[i]
                 if wait == _ON_NETWORK:
-                    free = (free if free > now else now) + duration_ms
-                    end[row] = free
+                    free = (free if free > now else now) + durations_ms[i]
+                    end[ids[i]] = free
                 else:
                     if wait >= 0:
                         ready = end[wait]
                         if ready != ready:  # nan: not ended yet
                             break
-                        ready += lag_ms
+                        ready += lags_ms[i]
                         if ready > now:
                             now = ready
-                    now += duration_ms
-                    end[row] = now
+                    now += durations_ms[i]
+                    end[ids[i]] = now
                 i += 1
             if i > next_row[d]:
                 progressed = True
