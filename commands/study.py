@@ -167,6 +167,7 @@ def study(
             check_method_options(ctx, schedules or DEFAULT_METHODS, ("--pipelines", "--prediction"))
             seed_list = list(range(seeds))
             refuse(stages_refusal(f"--stages {stages:,}", stages, model, setting.model_options))
+            _check_cuts(setting, chosen)
             require_model("pipesim study", model)
             _check_model(setting)
             saved = open_results(results, setting)
@@ -200,6 +201,27 @@ def study(
     else:
         _print_table(setting, summaries)
         stdout.print(wrote_text(html, replaced) + ("" if plot_only else f" and {results}"), highlight=False)
+
+
+def _check_cuts(setting, chosen) -> None:
+    """Each method's model stages cut from the study's chain of layers (study/train.py `_spec`): p·v of them for
+    a V schedule, refused where the model has fewer layers; a graph of stages (graphpipe's) carries no cut of a
+    chain. Said before the calibration and the first run, which each method had failed at, leaving a results file
+    of no run."""
+    from ..schedules.ir import StageGraph
+    from ..study.plan import build
+    from ..workload.sizes import stages_refusal
+
+    for method in dict.fromkeys(arm.method for arm in chosen):
+        schedule = build(setting, method)
+        if schedule.graph != StageGraph.chain(schedule.num_stages):
+            raise InputError(f"--schedule {method}: its stage graph {sorted(schedule.graph.edges)} branches, and "
+                             f"study's models ({', '.join(STUDY_MODELS)}) are chains of layers: train it with "
+                             "`pipesim run --model two-branch`")
+        chunks = schedule.num_stages // setting.stages
+        if chunks > 1:
+            refuse(stages_refusal(f"--stages {setting.stages:,} x {method}'s {chunks} chunks", schedule.num_stages,
+                                  setting.model, setting.model_options))
 
 
 def _check_model(setting) -> None:

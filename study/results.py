@@ -8,10 +8,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..files import DOCUMENT_KINDS, STUDY_RESULTS, read_document, validated
 from ..traces.metrics import loss_text
@@ -31,6 +31,18 @@ class ResultsError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _known_method(name: str) -> str:
+    """A run's or timing's method, one of the catalogue's: an unknown one was a row of the table and the page."""
+    from ..schedules import METHODS
+
+    if name not in METHODS:
+        raise ValueError(f"one of {', '.join(METHODS)} (got {name!r})")
+    return name
+
+
+_Share = Annotated[float, Field(ge=0, le=1)]
 
 
 class StageRecord(_Strict):
@@ -55,11 +67,13 @@ class RunRecord(_Strict):
     seed: int
     status: Literal["ok", "diverged"]
     samples_per_minibatch: int = Field(ge=1)  # over all pipelines: the x axis of the loss curves
-    losses: list[float | None]  # None: not reached (diverged before)
-    heldout_loss: float | None
-    heldout_accuracy: float | None
+    losses: list[float | None] = Field(min_length=1)  # None: not reached (diverged before)
+    heldout_loss: Annotated[float, Field(ge=0)] | None
+    heldout_accuracy: _Share | None
     stages: list[StageRecord]
     wall_s: float = Field(ge=0)
+
+    _method = field_validator("method")(_known_method)
 
     @property
     def key(self) -> RunKey:
@@ -90,10 +104,12 @@ class TimingRecord(_Strict):
     lr: float
     seed: int
     repeats: int = Field(ge=1)
-    measured_samples_per_s: float
-    measured_spread: float
-    predicted_samples_per_s: float
-    ranks: int
+    measured_samples_per_s: float = Field(gt=0)
+    measured_spread: float = Field(ge=0)
+    predicted_samples_per_s: float = Field(gt=0)
+    ranks: int = Field(ge=1)
+
+    _method = field_validator("method")(_known_method)
 
     def matches(self, arm: Arm) -> bool:
         """Timed once per method: another source of s changes the weights, not the order or the work."""

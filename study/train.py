@@ -28,10 +28,12 @@ TIMEOUT_S = 120.0
 
 
 def _spec(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int) -> RunSpec:
+    """The arm's run: its model cut evenly into the schedule's stages (p·v for a V schedule)."""
     layers = len(build_model(setting.model, **setting.model_options).layers)
-    return RunSpec(build(setting, arm.method, arm.source), setting.model, dict(setting.model_options),
+    schedule = build(setting, arm.method, arm.source)
+    return RunSpec(schedule, setting.model, dict(setting.model_options),
                    microbatch_size=setting.microbatch_size, optimizer=optimizer, lr=lr, seed=seed,
-                   bounds=tuple(even_bounds(layers, setting.stages)), threads_per_rank=1, timeout_s=TIMEOUT_S)
+                   bounds=tuple(even_bounds(layers, schedule.num_stages)), threads_per_rank=1, timeout_s=TIMEOUT_S)
 
 
 def _stages(trace: Trace) -> list[StageRecord]:

@@ -14,6 +14,7 @@ from pipesim.schedules import ScheduleError
 from pipesim.study.plan import Arm, Setting, arms, build
 from pipesim.study.results import ResultsError, Spread, StudyFile, load_results, open_results
 from tests.conftest import pipesim
+from tests.helpers import PROFILES
 from tests.helpers import TINY_SETTING as TINY
 
 TINY_FLAGS = ("--layers", 2, "--width", 16, "-p", 2, "-m", 2, "-b", 4, "-n", 4, "--seeds", 2, "--no-timing")
@@ -74,6 +75,21 @@ def test_a_run_is_deterministic_per_seed_and_the_same_for_one_synchronous_schedu
     assert trained["1f1b", 0].losses == pytest.approx(trained["gpipe", 0].losses, rel=1e-5)
     assert trained["gpipe", 1].losses != trained["gpipe", 0].losses
     assert trained["pipedream", 0].losses != pytest.approx(trained["gpipe", 0].losses, rel=1e-3)  # stale weights
+
+
+def test_a_v_schedule_trains_its_p_v_stages_as_a_chain_of_p_does():
+    """zb-v, interleaved-1f1b and dualpipev at p = 2 run 4 model stages: the study cut the model into p, and each
+    failed at its first run (after the calibration, leaving a results file of no run)."""
+    from dataclasses import replace as replaced_setting
+
+    from pipesim.study.train import train
+
+    setting = replaced_setting(TINY, model_options={"layers": 4, "width": 16}, microbatches=4)  # dualpipev: m >= 2p
+    chain = train(setting, Arm("1f1b"), "momentum", 0.05, 0)
+    for method in ("zb-v", "interleaved-1f1b", "dualpipev"):
+        record = train(setting, Arm(method), "momentum", 0.05, 0)
+        assert record.status == "ok" and len(record.stages) == 4, method
+        assert record.losses == pytest.approx(chain.losses, rel=1e-5), method
 
 
 def test_a_run_records_what_each_stage_ran_on_and_its_heldout_scores(trained):
@@ -141,6 +157,9 @@ def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_pa
     (("-s", "nosuch"), "--schedule: unknown 'nosuch'"),
     (("-s", "pipedream-2bw", "-p", 4, "-m", 2, "--layers", 8), "m >= p-1"),
     (("-p", 4, "--layers", 2), "--stages 4: mlp of 2 blocks (--layers) has 3 layers in all; give at most 3 stages"),
+    (("-s", "zb-v", "-p", 2, "--layers", 2), "--stages 2 x zb-v's 2 chunks: mlp of 2 blocks (--layers) has 3 layers"),
+    (("-s", "graphpipe", "-p", 4, "--layers", 8), "--schedule graphpipe: its stage graph [(0, 1), (0, 2), (1, 3), "
+                                                  "(2, 3)] branches, and study's models (mlp, cnn) are chains"),
     (("--prediction", "guess"), "--prediction: choose from"),
     (("--model", "gpt"), "--model: choose from mlp, cnn (got 'gpt')"),  # it trained for minutes instead
     (("--seeds", 10**12), "--seeds: give a whole number from 1 to 1,000 (got 1,000,000,000,000)"),  # MemoryError
@@ -165,6 +184,23 @@ def test_plot_only_needs_a_readable_results_file(tmp_path, content, message):
         results.write_text(content)
     code, _, err = pipesim("study", "--plot-only", "--results", results, "--html", tmp_path / "p.html")
     assert code == 2 and err.startswith("error: --results: ") and message in err
+
+
+@pytest.mark.parametrize("field,value,message", [
+    (("runs", "losses"), [], "runs.0.losses: List should have at least 1 item"),  # was an IndexError's traceback
+    (("runs", "heldout_accuracy"), 5.0, "runs.0.heldout_accuracy: Input should be less than or equal to 1"),
+    (("runs", "method"), "foo", "runs.0.method: one of gpipe, 1f1b, "),  # was a row of the table
+    (("timings", "measured_samples_per_s"), -1, "timings.0.measured_samples_per_s: Input should be greater than 0"),
+])
+def test_plot_only_refuses_a_results_file_whose_values_cannot_be(tmp_path, field, value, message):
+    """The committed study with one value no run can give: one line naming it, exit 2, no page."""
+    document = json.loads((PROFILES.parent / "study" / "digits-mlp-p4.json").read_text())
+    document[field[0]][0][field[1]] = value
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps(document))
+    code, _, err = pipesim("study", "--plot-only", "--results", results, "--html", tmp_path / "p.html")
+    assert code == 2 and err.startswith("error: --results: ") and message in err, err
+    assert not (tmp_path / "p.html").exists()
 
 
 def test_plot_only_says_another_commands_json_is_no_study(tmp_path):
