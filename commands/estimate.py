@@ -691,8 +691,7 @@ def peak_text(measured: Profile | None, what: WhatIf | None, scenario) -> str:
     --profile holds no allocations to replay, so its peaks are the tensors alone, below --gpu's of the same model
     and flags; "" for a calibration or typed costs. The --gpu captions had said neither, so `--allocator none`'s
     table read as the caching one's."""
-    experts = measured is not None and (bool(measured.model.options.get("experts"))
-                                        or any(layer.dispatched_bytes for layer in measured.layers))
+    experts = measured is not None and _routes_experts(measured)
     if what is not None:
         if scenario.allocations is not None:
             return ("peak: max reserved, the tensors and the segments torch's caching allocator keeps cached (its "
@@ -703,6 +702,11 @@ def peak_text(measured: Profile | None, what: WhatIf | None, scenario) -> str:
         return ""
     return ("peak: the tensors alone (max allocated): a profile holds no allocations to replay through the caching "
             "allocator, as simulate --gpu does (max reserved)")
+
+
+def _routes_experts(profile: Profile) -> bool:
+    """A mixture of experts: simulate --gpu does not replay its step through the caching allocator."""
+    return bool(profile.model.options.get("experts")) or any(layer.dispatched_bytes for layer in profile.layers)
 
 
 @dataclass(frozen=True)
@@ -907,9 +911,11 @@ def _print_estimate(profile: Profile, optimizer: str, sources: bool) -> None:
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="per micro-batch; I/W: the split backward's input- and weight-gradient passes; alloc: "
                           "the peak of the tensors alone (max allocated) under 1F1B, as simulate --profile "
-                          "gives it (the transfer buffers and a pass's transient tensors included); simulate --gpu's "
-                          "peak adds the segments torch's caching allocator keeps cached beside them (max reserved, "
-                          "--allocator caching); "
+                          "gives it (the transfer buffers and a pass's transient tensors included); "
+                          + ("simulate --gpu's peak is the tensors alone too (a mixture of experts' step is not "
+                             "replayed through the caching allocator); " if _routes_experts(profile) else
+                             "simulate --gpu's peak adds the segments torch's caching allocator keeps cached beside "
+                             "them (max reserved, --allocator caching); ")
                           + _curve_text(curve, kernel, sources))
     for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "act MiB", "params MiB", "alloc MiB"):
         table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)

@@ -290,7 +290,8 @@ def sweep(
         fail(f"--ray {ray}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
     except OSError as exc:
         fail(read_error(exc))
-    _print_front(results, front, peak_text(scenario.measured, what, scenario))
+    shown = jobs[0][0]  # under --gpu an estimate's, its allocations replayed or not as every p's are
+    _print_front(results, front, peak_text(shown.measured, what, shown))
     stdout.print(where_text([sweep for _, sweep in sweeps]), highlight=False)
     for path in (out, html):
         if path is not None:

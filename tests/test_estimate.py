@@ -460,10 +460,12 @@ def test_an_estimates_alloc_column_is_the_1f1b_peak_simulate_gives_its_profile(d
     assert all(device["peak_memory_parts_mb"]["transient"] > 0 for device in simulated)
 
 
-def test_a_gpu_what_ifs_caption_says_which_peak_it_shows():
-    """simulate --gpu's caption says whether its peak is max reserved (the caching allocator replayed, with
-    expandable segments where asked) or the tensors alone (--allocator none, or a mixture of experts, whose step
-    is not replayed): the captions were the same, so --allocator none's table read as the caching one's."""
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_a_gpu_what_ifs_caption_says_which_peak_it_shows(command):
+    """simulate's and sweep's --gpu caption says whether its peak is max reserved (the caching allocator replayed,
+    with expandable segments where asked) or the tensors alone (--allocator none, or a mixture of experts, whose
+    step is not replayed): the captions were the same, so --allocator none's table read as the caching one's, and
+    sweep's said --allocator none whatever the allocator (it read the flags' scenario, not the estimate's)."""
     from tests.conftest import pipesim
 
     shape = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 256,
@@ -472,12 +474,30 @@ def test_a_gpu_what_ifs_caption_says_which_peak_it_shows():
     for case, flags in (("caching", ()), ("expandable", ("--allocator", "expandable")),
                         ("none", ("--allocator", "none")),
                         ("experts", ("--experts", 4, "--expert-parallel", 2, "--data-parallel", 2))):
-        code, out, err = pipesim("simulate", *shape, *flags)
+        code, out, err = pipesim(command, *shape, *flags)
         assert code == 0, err
         said[case] = " ".join(out.split())
     replayed = ("peak: max reserved, the tensors and the segments torch's caching allocator keeps cached (its step "
                 "replayed")
-    assert f"{replayed});" in said["caching"] and f"{replayed}, with expandable segments);" in said["expandable"]
-    assert "peak: the tensors alone (max allocated: --allocator none);" in said["none"]
+    assert f"{replayed})" in said["caching"] and f"{replayed}, with expandable segments)" in said["expandable"]
+    assert "peak: the tensors alone (max allocated: --allocator none)" in said["none"]
     assert ("peak: the tensors alone (max allocated: a mixture of experts' step is not replayed through the caching "
-            "allocator);") in said["experts"]
+            "allocator)") in said["experts"]
+    assert sum("peak: " in text for text in said.values()) == 4 and "--allocator none" not in said["caching"]
+
+
+def test_estimates_caption_says_simulate_gpu_replays_no_mixture_of_experts(tmp_path):
+    """estimate's caption said simulate --gpu's peak adds the caching allocator's reserve for every model; of a
+    mixture of experts it is the tensors alone too (its step is not replayed), as simulate's caption says."""
+    from tests.conftest import pipesim
+
+    shape = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 256,
+             "-p", 2)
+    said = {}
+    for case, flags in (("dense", ()), ("experts", ("--experts", 4, "--expert-parallel", 2, "--data-parallel", 2))):
+        code, out, err = pipesim("estimate", *shape, *flags, "-o", tmp_path / f"{case}.json")
+        assert code == 0, err
+        said[case] = " ".join(out.split())
+    assert "simulate --gpu's peak adds the segments torch's caching allocator keeps cached" in said["dense"]
+    assert ("simulate --gpu's peak is the tensors alone too (a mixture of experts' step is not replayed through the "
+            "caching allocator)") in said["experts"] and "keeps cached" not in said["experts"]
