@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -194,6 +195,7 @@ def sweep(
         AXES,
         Grid,
         GridError,
+        Result,
         load_grid,
         one_row_per_schedule,
         pareto_front,
@@ -255,17 +257,25 @@ def sweep(
             check_estimate_experts(scenario.measured, p, data_parallel)
         # (scenario, the configurations it runs): an estimate depends on p (which links a stage boundary crosses)
         jobs = [(scenario, list(range(len(configs))))]
+        too_deep = []  # (index, result) of each configuration whose p has more stages than the model has layers
         if what is not None:
             counted = count_what_if(what, microbatch_size)
-            depths = sorted({config.stages for config in configs})
-            parallel = {p: what.parallelism(p, tensor_parallel, data_parallel, recompute) for p in depths}
-            jobs = [(replace(scenario_from_flags(ctx, "model", estimated=estimated_profile(
-                what, counted, parallel[p], optimizer)),
-                **allocator_fields(allocator, counted, parallel[p], optimizer_step)),
-                     [i for i, config in enumerate(configs) if config.stages == p]) for p in depths]
+            jobs = []
+            for p in sorted({config.stages for config in configs}):
+                indices = [i for i, config in enumerate(configs) if config.stages == p]
+                parallel = what.parallelism(p, tensor_parallel, data_parallel, recompute)
+                try:
+                    estimated = estimated_profile(what, counted, parallel, optimizer)
+                except InputError as exc:  # skipped, as --profile skips it (the whole grid had stopped); another
+                    if p <= len(counted.layers):  # refusal holds at every p: its one line
+                        raise
+                    too_deep += [(i, Result(configs[i], reason=str(exc))) for i in indices]
+                    continue
+                jobs.append((replace(scenario_from_flags(ctx, "model", estimated=estimated),
+                                     **allocator_fields(allocator, counted, parallel, optimizer_step)), indices))
         results = [None] * len(configs)
         sweeps = [(indices, run(shared, [configs[i] for i in indices], workers, ray)) for shared, indices in jobs]
-        finished = ((indices[i], result) for indices, sweep in sweeps for i, result in sweep)
+        finished = itertools.chain(too_deep, ((indices[i], result) for indices, sweep in sweeps for i, result in sweep))
         for i, result in progress(finished, False, len(configs)):
             results[i] = result
         refused = _limit_refused(results)

@@ -65,6 +65,20 @@ def test_unrunnable_configurations_are_skipped_rows_with_reasons(tmp_path):
         assert (row["time_per_minibatch_ms"] is None) == (row["status"] == "skipped")
 
 
+def test_a_gpu_sweeps_p_deeper_than_the_model_is_a_skipped_row_as_a_profiles_is(tmp_path):
+    """--gpu estimated every p before any ran, and one deeper than the model's layers stopped the whole grid with
+    the estimate's refusal, where --profile skips that p's rows with the reason; every p too deep is that line."""
+    model = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 256)
+    out = tmp_path / "r.csv"
+    code, text, err = pipesim("sweep", *model, "-s", "1f1b", "-p", "2,8", "-m", 8, "-j", 1, "--out", out)
+    assert code == 0 and "(1 more skipped)" in text, err
+    rows = {row["stages"]: row for row in read_csv(out)}
+    assert rows[2]["status"] == "ok" and rows[8]["status"] == "skipped"
+    assert rows[8]["reason"].startswith("--stages 8: gpt of 2 blocks (--layers) has 4 layers in all; give at most 4")
+    code, _, err = pipesim("sweep", *model, "-s", "1f1b", "-p", 8, "-m", 8, "-j", 1)
+    assert code == 2 and err.startswith("error: no configuration runs: --stages 8: gpt of 2 blocks"), err
+
+
 def test_rows_equal_single_simulate_runs(tmp_path):
     out = tmp_path / "r.csv"
     code, _, _ = pipesim("sweep", "-s", "1f1b,interleaved-1f1b,avgpipe,pipedream", "-p", "4", "-m", "8",
