@@ -44,7 +44,9 @@ def view(
 
     out = html if html is not None else traces[0].with_suffix(".html")
     try:
-        if html is None and not os.path.isfile(traces[0]):  # the page is named after it: say why it cannot be read
+        # the page is named after it: say why it cannot be read, or what it is where it is the page's own name (a
+        # page given as the trace was refused as --html, a flag not given)
+        if html is None and (not os.path.isfile(traces[0]) or out.resolve() == traces[0].resolve()):
             read_trace(traces[0])
         check_outputs([("--html", out)], [("trace", path) for path in traces])  # a file there: a pipesim page
         if len({path.resolve() for path in traces}) < len(traces):  # drawn twice under one name, its bars as one

@@ -124,6 +124,7 @@ def test_a_page_or_a_table_given_for_a_json_file_is_named_as_what_it_is(tmp_path
     page = "is a pipesim page (HTML), which a browser opens, not JSON; give "
     table = "is a CSV table (its first line: schedule,stages,microbatches,samples_per_s), not JSON; give "
     for args, line in ((("compare", "page.html", "t.json"), f"trace page.html {page}{GIVE['trace']}"),
+                       (("view", "page.html"), f"trace page.html {page}{GIVE['trace']}"),  # was "--html: ... also"
                        (("view", "grid.csv"), f"trace grid.csv {table}{GIVE['trace']}"),
                        (("view", "empty.json"), f"trace empty.json is an empty file, not JSON; give {GIVE['trace']}"),
                        (("simulate", "--profile", "grid.csv"),
