@@ -19,7 +19,7 @@ from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import MAX_MS, count_text, degree_text
+from ..units import MAX_MS, MIB, count_text, degree_text
 from .common import (
     LEAST_MS,
     TORCH_CSV,
@@ -243,7 +243,6 @@ def simulate(
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
     from ..traces import summarize, write_traces
-    from ..units import MIB
 
     names = schedule or list(METHODS)
     loaded = None
@@ -297,14 +296,18 @@ def simulate(
         if what is None:
             check_estimate_experts(scenario.measured, stages, data_parallel)
 
-        def build(name: str, count: int):
+        def build(name: str, count: int, at=None):
             method = METHODS[name]
             options = method.read_options({"prediction": prediction, **search})
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
                                    average_every=average_every, elastic_alpha=elastic_alpha,
                                    data_parallel=data_parallel, zero=zero_stage(ctx.params),
                                    reduce_after_flush=reduce_after_flush, expert_parallel=experts, **options)
-            return built_schedule(method, params, scenario, as_json)
+            return built_schedule(method, params, scenario if at is None else at, as_json)
+
+        # per method searched again within the caching allocator's reserve (`Scenario.within_reserve`): its first
+        # order's peak and the most a device left free
+        searched_again = {}
 
         requested, skipped = names, {}  # skipped: method -> why it cannot run here
         schedules = {loaded.method: loaded} if loaded else {}
@@ -348,9 +351,18 @@ def simulate(
             for name, sched, result, links, reserves in progress(ran, as_json or scenario.allocations is None,
                                                                  doing=REPLAYING):
                 scenario.add_reserve(sched, result, cuts[name], links, reserves())
+                first_peak_bytes = max(device.peak_memory_mb for device in summarize(result).devices) * MIB
+                sched, result, checks, held = scenario.within_reserve(
+                    sched, result, links, lambda at: build(name, sched.minibatches, at),
+                    lambda again, links: run_simulation(
+                        again, scenario.costs(again, cuts[name]), links, jitter=jitter, seed=seed,
+                        part_curves=html is not None or trace is not None))
+                if held:
+                    searched_again[name] = (first_peak_bytes, held)
+                schedules[name] = sched
                 traces.append(result)
                 summaries.append(summarize(result))
-                memory.append(scenario.memory_checks(sched, summaries[-1], links))
+                memory.append(checks)
                 result.meta.memory_checks = [check.record() for check in memory[-1]]  # for view's page of the trace
         names = [name for name in requested if name not in skipped]  # the methods that ran, in order
         skipped = {name: skipped[name] for name in requested if name in skipped}
@@ -409,7 +421,8 @@ def simulate(
             _print_table(summaries, built, steady, example, skipped, memory,
                          _cost_basis(scenario, built, work, peak_text(scenario.measured, what, scenario))
                          + _overlap_text(built, pairs, fb_hidden_fraction)
-                         + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names}),
+                         + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names})
+                         + _searched_again_text(searched_again),
                          [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
         for path in [*trace_paths, *([html] if html else [])]:  # --memory's too: it wrote them without a word
             stdout.print(f"wrote {path}", highlight=False)
@@ -607,6 +620,14 @@ def _cost_basis(scenario, schedules: list, work: ModelWork | None, peak: str) ->
     return basis
 
 
+def _searched_again_text(searched_again: dict[str, tuple[float, int]]) -> str:
+    """For the caption: each searched order searched again within the caching allocator's reserve
+    (`Scenario.within_reserve`), so that its row is not read as the first search's."""
+    return "".join(f"; {name} searched again leaving up to {mib_text(held / MIB)} MiB a device for the caching "
+                   f"allocator's reserve (its first order peaked at {mib_text(peak / MIB)} MiB)"
+                   for name, (peak, held) in searched_again.items())
+
+
 def _runtime_text(scenario) -> str:
     """For the caption: whose pipeline runtime holds the tensors passed between stages, where not pipesim's (the
     peaks differ by it)."""
@@ -754,7 +775,6 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
     page's line is drawn), so that a red row's peak is over its limit (it read 2,216 against 3,072 in red: two
     ranks' peaks on one 3 GiB GPU)."""
     from ..traces.trace import MEMORY_PARTS
-    from ..units import MIB
 
     first = schedules[0]
     degrees = [("p", first.num_devices), ("m", first.microbatches)] + [("d", first.data_parallel)] * (

@@ -67,6 +67,7 @@ from ..sim.costs import (
     wgrad_held,
 )
 from ..sim.engine import held_static_parts, keep_fullest_parts
+from ..traces import summarize
 from ..traces.trace import Trace
 from ..units import MIB, whole_number
 from .fp8 import FP8_RECIPES
@@ -139,6 +140,8 @@ def layout_of(stage_cut: str) -> list[str] | None:
         raise CostError(f"--stage-cut {stage_cut}: {exc}") from None
 
 
+SEARCHES_WITHIN_RESERVE = 3  # a searched order's searches again, each within the reserve its last overran by
+
 @dataclass(frozen=True)
 class Scenario:
     """What the cost flags, --cluster, --profile and --graph describe, apart from the schedule's shape: one
@@ -172,6 +175,9 @@ class Scenario:
     # (`layer_allocations`), which `add_reserve` replays; None: the tensors alone
     allocations: tuple[LayerAllocations, ...] | None = None
     expandable_segments: bool = False  # `--allocator expandable`: `allocations` replayed with expandable segments
+    # per device, the bytes a searched order (auto) leaves free beside its tensors: the caching allocator's reserve
+    # past the memory at the order searched before (`within_reserve`); (): none
+    search_held_bytes: tuple[int, ...] = ()
 
     @property
     def _estimate(self) -> Estimate | None:
@@ -210,7 +216,9 @@ class Scenario:
 
             frame = schedule_frame(params)
             costs, links = self.costs(frame, bounds), self.links(frame)  # links built once: the limits read it too
-            return search_schedule(params, costs, links, self.memory_limits(frame, links), progress)
+            limits = [None if limit is None else limit - held for limit, held in itertools.zip_longest(
+                self.memory_limits(frame, links), self.search_held_bytes[:frame.num_devices], fillvalue=0)]
+            return search_schedule(params, costs, links, limits, progress)
         if method.on_graph is None or not (self.dag or self.measured):
             return method.build(params)
         if self.dag:
@@ -691,6 +699,34 @@ class Scenario:
         return StageMemory([static + received[:, None] + received[None, :] + kept * weights for kept in versions],
                            transient, activations=activations, held_until_w=np.add(*held_until_w),
                            together=_held_together(sched))
+
+    def within_reserve(self, sched: Schedule, trace: Trace, links: Cluster, rebuild: Callable[[Scenario], Schedule],
+                       rerun: Callable[[Schedule, Cluster], Trace]) -> tuple[Schedule, Trace, list[MemoryCheck], int]:
+        """A searched order (auto's) and its run (`trace`, its reserve added), searched again where the caching
+        allocator's reserve took a device past its memory: the search caps each device's tensors at its memory,
+        and the reserve comes on top (Llama 3.1 8B at p = 8, R = 2: 82,806 MiB of 81,920, the tensors 80,931). Each
+        search leaves each device what the order before overran it by (`search_held_bytes`), up to
+        SEARCHES_WITHIN_RESERVE times, until one fits, else the last is kept; `rebuild` builds the order for a
+        scenario and `rerun` runs it on its links. Returns the order, its run with its reserve, its memory checks
+        and the most a device left free (0: not searched again)."""
+        checks = self.memory_checks(sched, summarize(trace), links)
+        held = [0] * sched.num_devices
+        if not (method_named(sched.method).needs_costs and self.allocations is not None):
+            return sched, trace, checks, 0
+        for _ in range(SEARCHES_WITHIN_RESERVE):
+            over = [math.ceil(check.used_bytes - check.limit_bytes) if check.out_of_memory else 0 for check in checks]
+            if not any(over):
+                break
+            held = [before + more for before, more in zip(held, over)]
+            try:
+                again = rebuild(replace(self, search_held_bytes=tuple(held)))
+            except ScheduleError:  # no order fits in what is left
+                break
+            links = self.links(again)
+            trace = rerun(again, links)
+            self.add_reserve(again, trace, links=links)
+            sched, checks = again, self.memory_checks(again, summarize(trace), links)
+        return sched, trace, checks, max(held)
 
     def memory_limits(self, sched: Schedule, links: Cluster | None = None) -> tuple[int | None, ...]:
         """Each device's memory in bytes (None: not known): `memory_bytes`, the cluster file's `memory_gib`, or the

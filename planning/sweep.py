@@ -269,16 +269,19 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
     for config in configs:
         try:
             scaled = replace(scenario, cost_scale=config.cost_scale)
-            sched = scaled.build(config.schedule, ScheduleParams(
+            params = ScheduleParams(
                 config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines,
                 prediction=config.prediction, activation_limit=config.activation_limit,
                 search_seconds=config.search_seconds, data_parallel=config.data_parallel,
-                reduce_after_flush=config.reduce_after_flush, zero=config.zero))
+                reduce_after_flush=config.reduce_after_flush, zero=config.zero)
+            sched = scaled.build(config.schedule, params)
             links = scaled.links(sched)  # built once: the simulation, the reserve and the memory checks read it
             trace = simulate(sched, scaled.costs(sched), links)
             scaled.add_reserve(sched, trace, links=links)
+            sched, trace, checks, _ = scaled.within_reserve(  # a searched order, within the reserve as simulate's
+                sched, trace, links, lambda at: at.build(config.schedule, params),
+                lambda again, links: simulate(again, scaled.costs(again), links))
             summary = summarize(trace)
-            checks = scaled.memory_checks(sched, summary, links)
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))
             continue

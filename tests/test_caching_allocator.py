@@ -21,6 +21,7 @@ from pipesim.sim.caching_allocator import (
     steady_rows,
 )
 from pipesim.units import KIB, MIB
+from tests.conftest import needs_transformers
 from tests.helpers import H100, small_gpt_count
 
 
@@ -794,3 +795,36 @@ def test_only_a_device_running_its_minibatches_alike_one_after_another_is_repeat
                                    for name, stage, (pipeline, _, micro) in last]
     unlike = [*rows[:-1], ("fwd", *rows[-1][1:])]
     assert steady_rows(unlike) == unlike
+
+
+@needs_transformers
+def test_auto_is_searched_again_within_the_reserve_the_caching_allocator_adds(monkeypatch, tmp_path):
+    """auto's search caps each device's tensors at its memory, and the caching allocator's reserve on top took Llama
+    3.1 8B's device 2 past it at p = 8, R = 2 (82,806 MiB of 81,920; the tensors 80,931): it is searched again
+    leaving each device what it overran by, and fits, at the same step; the caption says so; sweep's row too."""
+    import csv
+    import json
+
+    from pipesim.planning import scenario as scenario_module
+    from tests.conftest import pipesim
+
+    flags = ("simulate", "--gpu", "h100-sxm", "--model", "hf:examples/llama3.1-8b", "--seq-len", 8192, "-s", "auto",
+             "--activation-limit", 2, "-p", 8, "-m", 32)
+    code, out, err = pipesim(*flags, "--json")
+    assert code == 0, err
+    fitted = json.loads(out)["results"][0]
+    assert not any(device["out_of_memory"] for device in fitted["devices"])
+    code, out, err = pipesim(*flags)
+    assert code == 0 and "auto searched again leaving up to " in " ".join(out.split()), err
+    monkeypatch.setattr(scenario_module, "SEARCHES_WITHIN_RESERVE", 0)  # the first search's order, as it ran
+    code, out, err = pipesim(*flags, "--json")
+    first = json.loads(out)["results"][0]
+    assert any(device["out_of_memory"] for device in first["devices"]) and "runs out of memory" in err
+    assert fitted["time_per_minibatch_ms"] <= first["time_per_minibatch_ms"] * 1.01
+    monkeypatch.undo()
+    table = tmp_path / "sweep.csv"  # sweep's row is simulate's
+    code, _, err = pipesim("sweep", *flags[1:9], "-p", 8, "-m", 32, "--activation-limit", 2, "-j", 1, "--out", table)
+    assert code == 0, err
+    (row,) = csv.DictReader(table.open())
+    assert row["out_of_memory"] == "False" and float(row["peak_memory_mb"]) == pytest.approx(
+        max(device["peak_memory_mb"] for device in fitted["devices"]))
