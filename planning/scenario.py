@@ -55,7 +55,7 @@ from ..schedules import (
     peak_per_stage,
     version_reads,
 )
-from ..schedules.catalogue import method_named
+from ..schedules.catalogue import METHODS, method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
 from ..sim.costs import (
@@ -711,7 +711,8 @@ class Scenario:
         and the most a device left free (0: not searched again)."""
         checks = self.memory_checks(sched, summarize(trace), links)
         held = [0] * sched.num_devices
-        if not (method_named(sched.method).needs_costs and self.allocations is not None):
+        method = METHODS.get(sched.method)  # none for a schedule file's order
+        if not (method is not None and method.needs_costs and self.allocations is not None):
             return sched, trace, checks, 0
         for _ in range(SEARCHES_WITHIN_RESERVE):
             over = [math.ceil(check.used_bytes - check.limit_bytes) if check.out_of_memory else 0 for check in checks]
