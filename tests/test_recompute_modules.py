@@ -196,6 +196,7 @@ def test_tune_tries_full_recomputation_beside_recompute_modules(monkeypatch):
     estimate = tune.estimated_profile
     monkeypatch.setattr(tune, "estimated_profile", lambda what, counted, parallel, *args: estimated.add(
         (parallel.recompute, parallel.recompute_modules)) or estimate(what, counted, parallel, *args))
+    monkeypatch.setattr(tune, "usable_cpus", lambda: 1)  # estimated here, where the set is, not in the workers
     # One method: tune estimates every setting before its search, whatever the methods.
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "4", "--devices", "4",
                              "--recompute-modules", "layernorm", "-s", "1f1b")
