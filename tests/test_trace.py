@@ -107,8 +107,11 @@ def _refusal_once_edited(trace, tmp_path, edit) -> str:
 @pytest.mark.parametrize("edit,fragment", [
     (lambda doc: doc["pipesim"].update(num_devices=-1), "num_devices: give a whole number from 1 to "),
     # 10**12 took minutes, infinity showed int()'s OverflowError, 2.5 read as 2 and "3" as 3
-    *((lambda doc, bad=bad: doc["pipesim"].update(num_devices=bad), f"the trace's events (got {json.dumps(bad)})")
-      for bad in (10**12, float("inf"), 2.5, "3", True)),
+    *((lambda doc, bad=bad: doc["pipesim"].update(num_devices=bad),
+       f"(no more than the trace's events: each device runs one at least; got {json.dumps(bad)})")
+      for bad in (10**12, float("inf"), 2.5, "3", True, 0)),
+    # said as "num_devices: give a whole number from 1 to 1, the trace's events (got 3)"
+    (lambda doc: doc.update(traceEvents=[]), "traceEvents: empty, where a pipesim trace holds every op its devices"),
     (lambda doc: next(e for e in doc["traceEvents"] if e.get("ph") == "X").update(pid=3),
      "trace event 0 (F): pid 3 is not one of the trace's 3 devices (0..2)"),
 ])

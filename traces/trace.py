@@ -443,9 +443,11 @@ def from_chrome(doc: Any) -> Trace:
     except (KeyError, TypeError, ValueError) as exc:
         raise TraceError(f"pipesim header: missing or malformed field {exc}") from None
     events = len(doc["traceEvents"])  # each device runs one at least: 10**12 devices took minutes to read
-    if not isinstance(num_devices, int) or isinstance(num_devices, bool) or not 1 <= num_devices <= max(events, 1):
-        raise TraceError(f"pipesim header: num_devices: {number_allowed(1, max(events, 1))}, the trace's events "
-                         f"(got {json.dumps(num_devices)})")
+    if not events:  # said as the devices' count "from 1 to 1" before
+        raise TraceError("traceEvents: empty, where a pipesim trace holds every op its devices ran")
+    if not isinstance(num_devices, int) or isinstance(num_devices, bool) or not 1 <= num_devices <= events:
+        raise TraceError(f"pipesim header: num_devices: {number_allowed(1, events)} (no more than the trace's "
+                         f"events: each device runs one at least; got {json.dumps(num_devices)})")
     streams = tuple(head.get("streams", ()))
     if streams != STREAMS[:max(len(streams), 3)]:  # a trace written before the network stream names three
         raise TraceError(f"pipesim header: streams: give {json.dumps(list(STREAMS))} (got {json.dumps(list(streams))})")
