@@ -303,10 +303,19 @@ def _calibrate(setting, optimizer: str, ranks: int, advance: Callable[[str], Non
     return profile.model_copy(update={"runtime": runtime, "contention": contention})
 
 
+def _repeats_text(repeats: list[int]) -> str:
+    """How the measured samples/s were taken: one run said as such (it read "median of repeats" at
+    --timing-repeats 1), else the median of how many."""
+    if repeats == [1]:
+        return "one run each (--timing-repeats 1)"
+    return f"median of {' or '.join(f'{n:,}' for n in repeats)} runs"
+
+
 def _print_table(setting, summaries) -> None:
     from ..study.results import DIVERGED_RISE
 
     timed = any(s.timing for s in summaries)
+    repeats = sorted({s.timing.repeats for s in summaries if s.timing})
     seeds = max((len(s.runs) for s in summaries), default=0)
     spread = (f"mean ± std over {seeds} seeds less those that diverged" if seeds > 1
               else "of one seed (no spread: give --seeds 2 or more)")
@@ -316,8 +325,8 @@ def _print_table(setting, summaries) -> None:
                                           f"{DIVERGED_RISE:g}x its first), left out of every figure; "
                                           f"{STALENESS_HEADER} and s: staleness and prediction distance per stage, as "
                                           "the executor measured them"
-                                          + ("; samples/s on spawned ranks, median of repeats, and the simulator's "
-                                             "prediction" if timed else ""),
+                                          + (f"; samples/s on spawned ranks, {_repeats_text(repeats)}, and the "
+                                             "simulator's prediction" if timed else ""),
                   caption_justify="left")
     headers = ["arm", "acc %", "loss", "div."]
     headers += ["samples/s", "predicted"] if timed else []

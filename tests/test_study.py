@@ -297,3 +297,11 @@ def test_the_committed_study_replays_and_is_consistent_with_the_semantics(tmp_pa
                 assert ours.losses == pytest.approx(theirs.losses, rel=1e-5)
     accuracy = {key: a["heldout_accuracy"]["mean"] for key, a in arms.items()}
     assert accuracy["pipedream", "momentum"] < accuracy["gpipe", "momentum"]  # the staleness the study is about
+
+
+def test_the_tables_caption_says_how_many_runs_each_measured_rate_is_the_median_of():
+    """At --timing-repeats 1 it read "median of repeats" of one run."""
+    from pipesim.commands.study import _repeats_text
+
+    assert _repeats_text([1]) == "one run each (--timing-repeats 1)"
+    assert _repeats_text([3]) == "median of 3 runs" and _repeats_text([1, 3]) == "median of 1 or 3 runs"
