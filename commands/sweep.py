@@ -335,13 +335,14 @@ def _print_front(results: list, front: list[int], peak: str) -> None:
     over = any(results[i].metrics.out_of_memory for i in shown)  # a front of a model the devices cannot hold
     folds = any(results[i].same_as for i in shown)
     configs, metrics = [results[i].config for i in shown], [results[i].metrics for i in shown]
+    marks = ["" if m.steady_state else "*" for m in metrics]
     columns = {
         "p": [str(c.stages) for c in configs], "m": [str(c.microbatches) for c in configs],
         "v": [str(c.chunks) for c in configs], "P": [str(c.pipelines) for c in configs],
         "cost×": [f"{c.cost_scale:g}" for c in configs], "s": [c.prediction or "-" for c in configs],
         "R": ["-" if c.activation_limit is None else f"{c.activation_limit:g}" for c in configs],
-        "ms/step": [ms_text(m.time_per_minibatch_ms) for m in metrics],
-        "samples/s": [rate_text(m.samples_per_s) for m in metrics],
+        "ms/step": [ms_text(m.time_per_minibatch_ms) + mark for m, mark in zip(metrics, marks)],
+        "samples/s": [rate_text(m.samples_per_s) + mark for m, mark in zip(metrics, marks)],
         "bubble": [percent_text(m.bubble_fraction) for m in metrics],
         "peak MiB": [mib_text(m.peak_memory_mb) for m in metrics],
         STALENESS_HEADER: [str(m.max_staleness) for m in metrics],
@@ -359,7 +360,9 @@ def _print_front(results: list, front: list[int], peak: str) -> None:
                   + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
                      if len(front) > FRONT_ROWS else "")
                   + ("; memory: OOM where a device's peak is past its memory (simulate names the devices)"
-                     if over else ""))
+                     if over else "")
+                  + ("; * marks no steady state: -n is short of the order's, so step and samples/s include the "
+                     "warm-up (leave out -n for enough)" if any(marks) else ""))
     table.add_column("schedule", no_wrap=True)
     shown_headers = add_columns(table, columns, said, left=("memory", "same schedule as"))
     group = None

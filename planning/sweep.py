@@ -28,7 +28,7 @@ import numpy as np
 
 from ..choices import unknown_names
 from ..files import read_toml
-from ..schedules import METHODS, ScheduleError, ScheduleParams
+from ..schedules import METHODS, ScheduleError, ScheduleParams, steady_minibatches
 from ..schedules.ir import PREDICTION_SOURCES
 from ..sim.cluster import ClusterError, MemoryCheck
 from ..sim.costs import CostError
@@ -107,14 +107,16 @@ class Metrics:
     makespan_ms: float
     exposed_comm_ms: float
     out_of_memory: bool = False  # a device's peak past its memory, as simulate checks it (none known: False)
+    steady_state: bool = True  # false: -n is short of the order's steady state, its figures include the warm-up
 
     @classmethod
-    def of(cls, summary: Summary, checks: Sequence[MemoryCheck]) -> Metrics:
-        """A run's figures as plain Python numbers, the results file's types (`COLUMNS`), and whether a device's
-        peak is past its memory (`checks`, `Scenario.memory_checks`)."""
-        figures = [f.name for f in fields(cls) if f.name != "out_of_memory"]
+    def of(cls, summary: Summary, checks: Sequence[MemoryCheck], steady_state: bool = True) -> Metrics:
+        """A run's figures as plain Python numbers, the results file's types (`COLUMNS`), whether a device's
+        peak is past its memory (`checks`, `Scenario.memory_checks`) and whether its mini-batches reach the steady
+        state (`steady_minibatches`, as simulate marks a row)."""
+        figures = [f.name for f in fields(cls) if f.name not in ("out_of_memory", "steady_state")]
         return cls(**{name: COLUMNS[name](getattr(summary, name)) for name in figures},
-                   out_of_memory=any(check.out_of_memory for check in checks))
+                   out_of_memory=any(check.out_of_memory for check in checks), steady_state=steady_state)
 
 
 @dataclass(frozen=True)
@@ -285,7 +287,8 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))
             continue
-        results.append(Result(replace(config, prediction=sched.params.get("prediction")), Metrics.of(summary, checks),
+        results.append(Result(replace(config, prediction=sched.params.get("prediction")),
+                              Metrics.of(summary, checks, sched.minibatches >= steady_minibatches(sched)),
                               run_key=run_key(trace)))
     return results
 
@@ -535,8 +538,10 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
         m = r.metrics
         others = [label for label in at_point[point(r)] if label != r.config.label]
         over = " (OOM: past a device's memory)" if m.out_of_memory else ""  # as sweep's table marks it
+        warm = "" if m.steady_state else " (no steady state: the warm-up included, -n short of it)"
         return (f"<b>{r.config.label}</b>{' (on its front)' if best else ''}<br>{ms_text(m.time_per_minibatch_ms)} "
-                f"ms per mini-batch, {rate_text(m.samples_per_s)} samples/s<br>peak {mib_text(m.peak_memory_mb)} MiB"
+                f"ms per mini-batch, {rate_text(m.samples_per_s)} samples/s{warm}<br>"
+                f"peak {mib_text(m.peak_memory_mb)} MiB"
                 f"{over}, staleness {m.max_staleness}, bubble {percent_text(m.bubble_fraction)}" + _also(r, "<br>")
                 + (f"<br>same point as {', '.join(others)}" if others else ""))
 
@@ -640,11 +645,13 @@ def fronts_table(best: Sequence[Result]):
     def axis(name: str, text: Callable[[float], str] = str) -> list[str]:
         return [text(getattr(r.metrics, name)) for r in best]
 
+    marks = ["" if r.metrics.steady_state else "*" for r in best]  # no steady state, as sweep's table marks it
     columns = {"configuration": [r.config.label + _also(r, ": ") for r in best],
                "cost×, m·P": [f"{r.config.cost_scale:g}, {r.config.microbatches * r.config.pipelines}"
                               for r in best],
-               "ms/step": axis("time_per_minibatch_ms", ms_text), "peak MiB": axis("peak_memory_mb", mib_text),
-               STALENESS_HEADER: axis("max_staleness"), "samples/s": axis("samples_per_s", rate_text),
+               "ms/step": [text + mark for text, mark in zip(axis("time_per_minibatch_ms", ms_text), marks)],
+               "peak MiB": axis("peak_memory_mb", mib_text), STALENESS_HEADER: axis("max_staleness"),
+               "samples/s": [text + mark for text, mark in zip(axis("samples_per_s", rate_text), marks)],
                "bubble": axis("bubble_fraction", percent_text)}
     if any(r.metrics.out_of_memory for r in best):  # as sweep's table: a column only where one is over
         columns["memory"] = ["OOM" if r.metrics.out_of_memory else "fits" for r in best]
@@ -666,5 +673,7 @@ def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: P
     best = [results[i] for i in front]
     write_html([(f"Trade-off: time per mini-batch vs peak memory, {ran_text(results)}, one Pareto front per p, cost "
                  "scale and mini-batch size", tradeoff_figure(results, front)),
-                (f"Pareto fronts: {count_text(len(best), 'configuration')}", fronts_table(best))], path,
+                (f"Pareto fronts: {count_text(len(best), 'configuration')}"
+                 + ("; *: no steady state, the warm-up included (-n is short of it)"
+                    if any(not r.metrics.steady_state for r in best) else ""), fronts_table(best))], path,
                title="pipesim sweep")

@@ -79,6 +79,25 @@ def test_a_gpu_sweeps_p_deeper_than_the_model_is_a_skipped_row_as_a_profiles_is(
     assert code == 2 and err.startswith("error: no configuration runs: --stages 8: gpt of 2 blocks"), err
 
 
+def test_rows_short_of_the_steady_state_are_marked_as_simulate_marks_them(tmp_path):
+    """At -n 2 PipeDream (steady from its fourth mini-batch) was a row like any other, its warm-up in its step;
+    simulate marked it. 1F1B reaches its steady state at N = 2."""
+    out = tmp_path / "r.csv"
+    page = tmp_path / "p.html"
+    code, text, err = pipesim("sweep", "-s", "1f1b,pipedream", "-p", 4, "-m", 8, "-n", 2, "-j", 1, "--out", out,
+                              "--html", page)
+    assert code == 0, err
+    assert {row["schedule"]: row["steady_state"] for row in read_csv(out)} == {"1f1b": True, "pipedream": False}
+    drawn = page.read_text()
+    assert "*: no steady state, the warm-up included" in drawn and "samples\\u002fs (no steady state: " in drawn
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["1f1b"],
+                                                                                               ["pipedream"])}
+    assert rows["pipedream"][3].endswith("*") and not rows["1f1b"][3].endswith("*")
+    assert "* marks no steady state: -n is short of the order's" in " ".join(text.split())
+    code, text, err = pipesim("sweep", "-s", "1f1b,pipedream", "-p", 4, "-m", 8, "-j", 1)
+    assert code == 0 and "*" not in text, err
+
+
 def test_rows_equal_single_simulate_runs(tmp_path):
     out = tmp_path / "r.csv"
     code, _, _ = pipesim("sweep", "-s", "1f1b,interleaved-1f1b,avgpipe,pipedream", "-p", "4", "-m", "8",
