@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import as_completed
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import pairwise
@@ -56,7 +57,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, peak_text, what_if
-from .tables import available_width, print_paragraph, print_table_last_below, said_once
+from .tables import available_width, print_message, print_paragraph, print_table_last_below, said_once
 
 if TYPE_CHECKING:
     from ..planning.tune import Workers
@@ -273,6 +274,10 @@ def tune(
             tuning = search(settings, problem, report, workers, pool)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
         fail(str(exc))
+    except BrokenProcessPool:  # killed (the host's memory?) mid-task: a traceback before, now a line, not input's code
+        print_message("a worker process of the search ended abruptly (killed, or out of the host's memory): run it "
+                      "again", stderr, "error: ", "bold red")
+        raise SystemExit(1) from None
     finally:  # the search stopped them as it ended: they are left here after an error or Ctrl-C before it
         if pool is not None:
             pool.stop(at_once=True)
@@ -571,7 +576,8 @@ class _EstimateGroup:
 def _estimate_groups(groups: list, fixed: tuple, pool: Workers | None, report: Callable[[int], None]
                      ) -> list[tuple[list, str | None]]:
     """Each group's settings and refusal (`_estimate_group`), in order: made here, or in `pool`'s workers, each
-    count and what-if pickled once for them; `report` is told how many settings are made so far."""
+    count and what-if pickled once (`shipped`), unpickled once a worker; `report` is told how many settings are made
+    so far."""
     from ..planning.tune import shipped, submit
 
     made, count = [], 0
@@ -589,9 +595,10 @@ def _estimate_groups(groups: list, fixed: tuple, pool: Workers | None, report: C
     futures = [submit(pool, _estimate_group_in_worker, sent[id(what)], sent[id(counted)], group, *fixed)
                for what, (counted, _, _), group in groups]
     for future in as_completed(futures):
-        count += len(future.result()[0])
-        report(count)
-    return [future.result() for future in futures]
+        if future.exception() is None:
+            count += len(future.result()[0])
+            report(count)
+    return [future.result() for future in futures]  # the first error in the groups' order, as made here
 
 
 _WORKER_MEMOS: dict[int, tuple] = {}  # in a worker: each count's LayerMemo and replays, by the count's id there

@@ -432,6 +432,14 @@ class Workers(ProcessPoolExecutor):
         if at_once:
             for process in self._launched:
                 process.terminate()
+            for process in self._launched:
+                if process.pid is not None:  # started
+                    process.join()
+            # one ended mid-send leaves half a result in the pipe, which the pool's manager thread would wait for
+            # forever (this process holds the pipe's write end too, tune --gpu's estimates send hundreds of KB):
+            # closed, the thread reads its end, marks the pool broken and ends, and shutting down returns
+            if self._result_queue is not None:
+                self._result_queue._writer.close()
         self.shutdown(cancel_futures=True)
 
     def __exit__(self, kind, value, traceback) -> bool:
@@ -549,7 +557,7 @@ def _with_heavier(faster: list[list[Result]], shapes: list[Shape], built: _Built
     beats the choice by more than the margin: five faster rows over the staleness limit (named in a note anyway)
     would otherwise hide what a little more memory buys (a config 10 KiB over the cap and 67 % faster), so it
     takes the last row's place, in rank order. Its search is short: a result within the staleness limit that beats
-    the choice has been simulated and replayed by the choice's search already."""
+    the choice has been simulated by the choice's search already."""
     if len(faster) < RUNNERS_UP or any(_heavier(group[0], problem) for group in faster):
         return faster  # fewer rows: every one over a limit that beats the margin is among them
     heavier, _ = top_groups(shapes, built, lambda item: item.memory_floor_bytes <= problem.memory_cap_bytes and (
@@ -1249,8 +1257,8 @@ _OWN_KEYS = itertools.count(-1, -1)  # `shipped`'s, apart from a search's ids, w
 
 
 def shipped(value: object) -> _Shipped:
-    """`value` pickled once for tasks handed to the workers before a search (`submit`: tune's estimates), each
-    worker unpickling it once."""
+    """`value` pickled once for tasks handed to the workers before a search (`submit`: tune's estimates): each
+    task carries the bytes, each worker unpickles them once."""
     return _Shipped(next(_OWN_KEYS), pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
 
 
@@ -1261,9 +1269,9 @@ def submit(pool: Workers, task: Callable, *args) -> Future:
 
 def _run(task: Callable, *args):
     """In a worker: `task(*args)`, each `_Shipped` argument unpickled the first time it comes and kept."""
-    for shipped in args:
-        if isinstance(shipped, _Shipped) and shipped.key not in _RECEIVED:
-            _RECEIVED[shipped.key] = pickle.loads(shipped.blob)
+    for arg in args:
+        if isinstance(arg, _Shipped) and arg.key not in _RECEIVED:
+            _RECEIVED[arg.key] = pickle.loads(arg.blob)
     return task(*(_RECEIVED[a.key] if isinstance(a, _Shipped) else a for a in args))
 
 

@@ -338,3 +338,58 @@ def test_sweeps_workers_keep_their_cycle_collector_where_tunes_hold_it_off():
             assert pool.submit(gc.isenabled).result(timeout=120) is collect
         finally:
             pool.shutdown()
+
+
+STOP_WHILE_SENDING = """
+import os, threading
+from concurrent.futures import as_completed
+from pipesim.planning.tune import start_workers, submit
+
+def sent(i):
+    return bytes(400_000)  # one (b, t, E) group of tune --gpu's estimates is 150-490 KB
+
+if __name__ == "__main__":
+    for _ in range(4):
+        pool = start_workers(2)
+        futures = [submit(pool, sent, i) for i in range(200)]
+        next(as_completed(futures)).result()
+        watchdog = threading.Timer(20, lambda: (print("hung", flush=True), os._exit(99)))
+        watchdog.start()
+        pool.stop(at_once=True)  # as tune's `finally` after an error or Ctrl-C
+        watchdog.cancel()
+    print("stopped")
+"""
+
+
+def test_stopping_at_once_while_workers_send_large_results_never_hangs(tmp_path):
+    """A worker ended mid-send left half a result in the pipe, and the pool's manager thread waited for the rest
+    forever (the parent holds the write end): tune --gpu hung after Ctrl-C or an error during its estimates, 5 of 6
+    times in this script before `Workers.stop` closed the write end."""
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_WHILE_SENDING)
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr
+
+
+class _EndsTheWorker:
+    """Unpickled in a worker, it ends it at once, as the kernel's OOM killer would."""
+
+    def __reduce__(self):
+        return os._exit, (1,)
+
+
+def test_a_worker_killed_during_the_estimates_is_one_line_not_a_traceback(monkeypatch):
+    """The estimates run in the search's workers (commands/tune.py `_estimate_groups`): one killed mid-task raised
+    BrokenProcessPool's traceback, where the estimates had run in this process before."""
+    from pipesim.commands import tune as command
+    from tests.conftest import pipesim
+
+    made_here = command._estimate_groups
+    monkeypatch.setattr(command, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(command, "_estimate_groups", lambda groups, *rest: made_here(
+        [(_EndsTheWorker(), made, group) for _, made, group in groups], *rest))
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 128, "--heads", 4,
+                             "--seq-len", 64, "--devices", 4, "--batch-size", 8)
+    assert (code, out) == (1, "") and err.strip().splitlines()[-1] == (  # after the progress line, if it came
+        "error: a worker process of the search ended abruptly (killed, or out of the host's memory): run it again")
+    assert "Traceback" not in err
