@@ -102,6 +102,7 @@ from .estimate import (
 from .tables import add_columns, print_message, print_table, said_once
 
 if TYPE_CHECKING:
+    from ..planning.scenario import SearchedAgain
     from ..planning.tune import Workers
     from ..sim.caching_allocator import LayerAllocations
 
@@ -242,7 +243,7 @@ def simulate(
     from ..schedules.analysis import overlapped_pairs
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
-    from ..traces import summarize, write_traces
+    from ..traces import write_traces
 
     names = schedule or list(METHODS)
     loaded = None
@@ -305,9 +306,7 @@ def simulate(
                                    reduce_after_flush=reduce_after_flush, expert_parallel=experts, **options)
             return built_schedule(method, params, scenario if at is None else at, as_json)
 
-        # per method searched again within the caching allocator's reserve (`Scenario.within_reserve`): its first
-        # order's peak and the most a device left free
-        searched_again = {}
+        searched_again = {}  # per method searched again within the caching allocator's reserve
 
         requested, skipped = names, {}  # skipped: method -> why it cannot run here
         schedules = {loaded.method: loaded} if loaded else {}
@@ -351,17 +350,16 @@ def simulate(
             for name, sched, result, links, reserves in progress(ran, as_json or scenario.allocations is None,
                                                                  doing=REPLAYING):
                 scenario.add_reserve(sched, result, cuts[name], links, reserves())
-                first_peak_bytes = max(device.peak_memory_mb for device in summarize(result).devices) * MIB
-                sched, result, checks, held = scenario.within_reserve(
+                sched, result, summary, checks, again = scenario.within_reserve(
                     sched, result, links, lambda at: build(name, sched.minibatches, at),
                     lambda again, links: run_simulation(
                         again, scenario.costs(again, cuts[name]), links, jitter=jitter, seed=seed,
                         part_curves=html is not None or trace is not None))
-                if held:
-                    searched_again[name] = (first_peak_bytes, held)
+                if again is not None:
+                    searched_again[name] = again
                 schedules[name] = sched
                 traces.append(result)
-                summaries.append(summarize(result))
+                summaries.append(summary)
                 memory.append(checks)
                 result.meta.memory_checks = [check.record() for check in memory[-1]]  # for view's page of the trace
         names = [name for name in requested if name not in skipped]  # the methods that ran, in order
@@ -620,12 +618,12 @@ def _cost_basis(scenario, schedules: list, work: ModelWork | None, peak: str) ->
     return basis
 
 
-def _searched_again_text(searched_again: dict[str, tuple[float, int]]) -> str:
+def _searched_again_text(searched_again: dict[str, SearchedAgain]) -> str:
     """For the caption: each searched order searched again within the caching allocator's reserve
     (`Scenario.within_reserve`), so that its row is not read as the first search's."""
-    return "".join(f"; {name} searched again leaving up to {mib_text(held / MIB)} MiB a device for the caching "
-                   f"allocator's reserve (its first order peaked at {mib_text(peak / MIB)} MiB)"
-                   for name, (peak, held) in searched_again.items())
+    return "".join(f"; {name} searched again leaving up to {mib_text(again.held_bytes / MIB)} MiB a device for the "
+                   f"caching allocator's reserve (its first order peaked at {mib_text(again.first_peak_bytes / MIB)} "
+                   "MiB)" for name, again in searched_again.items())
 
 
 def _runtime_text(scenario) -> str:

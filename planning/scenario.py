@@ -142,6 +142,7 @@ def layout_of(stage_cut: str) -> list[str] | None:
 
 SEARCHES_WITHIN_RESERVE = 3  # a searched order's searches again, each within the reserve its last overran by
 
+
 @dataclass(frozen=True)
 class Scenario:
     """What the cost flags, --cluster, --profile and --graph describe, apart from the schedule's shape: one
@@ -701,19 +702,21 @@ class Scenario:
                            together=_held_together(sched))
 
     def within_reserve(self, sched: Schedule, trace: Trace, links: Cluster, rebuild: Callable[[Scenario], Schedule],
-                       rerun: Callable[[Schedule, Cluster], Trace]) -> tuple[Schedule, Trace, list[MemoryCheck], int]:
+                       rerun: Callable[[Schedule, Cluster], Trace]) -> tuple[Schedule, Trace, Summary,
+                                                                             list[MemoryCheck], SearchedAgain | None]:
         """A searched order (auto's) and its run (`trace`, its reserve added), searched again where the caching
         allocator's reserve took a device past its memory: the search caps each device's tensors at its memory,
         and the reserve comes on top (Llama 3.1 8B at p = 8, R = 2: 82,806 MiB of 81,920, the tensors 80,931). Each
         search leaves each device what the order before overran it by (`search_held_bytes`), up to
         SEARCHES_WITHIN_RESERVE times, until one fits, else the last is kept; `rebuild` builds the order for a
-        scenario and `rerun` runs it on its links. Returns the order, its run with its reserve, its memory checks
-        and the most a device left free (0: not searched again)."""
-        checks = self.memory_checks(sched, summarize(trace), links)
-        held = [0] * sched.num_devices
+        scenario and `rerun` runs it on its links. Returns the order, its run with its reserve, the run's summary
+        and memory checks, and what the searches again left (None: none ran)."""
+        summary = summarize(trace)
+        checks = self.memory_checks(sched, summary, links)
         method = METHODS.get(sched.method)  # none for a schedule file's order
         if not (method is not None and method.needs_costs and self.allocations is not None):
-            return sched, trace, checks, 0
+            return sched, trace, summary, checks, None
+        first_peak_bytes, held = max(check.used_bytes for check in checks), [0] * sched.num_devices
         for _ in range(SEARCHES_WITHIN_RESERVE):
             over = [math.ceil(check.used_bytes - check.limit_bytes) if check.out_of_memory else 0 for check in checks]
             if not any(over):
@@ -726,8 +729,9 @@ class Scenario:
             links = self.links(again)
             trace = rerun(again, links)
             self.add_reserve(again, trace, links=links)
-            sched, checks = again, self.memory_checks(again, summarize(trace), links)
-        return sched, trace, checks, max(held)
+            sched, summary = again, summarize(trace)
+            checks = self.memory_checks(sched, summary, links)
+        return sched, trace, summary, checks, SearchedAgain(first_peak_bytes, max(held)) if any(held) else None
 
     def memory_limits(self, sched: Schedule, links: Cluster | None = None) -> tuple[int | None, ...]:
         """Each device's memory in bytes (None: not known): `memory_bytes`, the cluster file's `memory_gib`, or the
@@ -760,6 +764,15 @@ class Scenario:
         if self.measured is not None and self.measured.link:
             return profile_cluster(self.measured, sched.num_devices, self.overlap_comm)
         return Cluster.uniform(sched.num_devices, self.comm_ms, overlap_comm=self.overlap_comm)
+
+
+@dataclass(frozen=True)
+class SearchedAgain:
+    """`Scenario.within_reserve`'s searches again: the first order's peak (the most a device's memory held) and
+    the most a device was left free for the reserve."""
+
+    first_peak_bytes: float
+    held_bytes: int
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..schedules.ir import PREDICTION_SOURCES
 from ..sim.cluster import ClusterError, MemoryCheck
 from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
-from ..traces import Summary, Trace, summarize, write_atomic
+from ..traces import Summary, Trace, write_atomic
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
 from ..units import count_text, degree_text, number_allowed
@@ -280,10 +280,10 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
             links = scaled.links(sched)  # built once: the simulation, the reserve and the memory checks read it
             trace = simulate(sched, scaled.costs(sched), links)
             scaled.add_reserve(sched, trace, links=links)
-            sched, trace, checks, _ = scaled.within_reserve(  # a searched order, within the reserve as simulate's
+            # a searched order within the caching allocator's reserve, as simulate's
+            sched, trace, summary, checks, _ = scaled.within_reserve(
                 sched, trace, links, lambda at: at.build(config.schedule, params),
                 lambda again, links: simulate(again, scaled.costs(again), links))
-            summary = summarize(trace)
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))
             continue

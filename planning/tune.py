@@ -517,8 +517,10 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
     def fits_floor(item: Shape | Candidate) -> bool:
         return item.memory_floor_bytes <= cap
 
-    best, _ = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness <= limit)
-                         and fits_floor(item), lambda result: allowed(result, problem), float("-inf"),
+    def fresh(item: Shape | Candidate) -> bool:  # within the staleness limit (unknown before it is built) and floor
+        return (item.staleness is None or item.staleness <= limit) and fits_floor(item)
+
+    best, _ = top_groups(shapes, built, fresh, lambda result: allowed(result, problem), float("-inf"),
                          staler_ahead=True)
     leanest, simulated_leanest = [], 0
     if not best:  # every cut for time over the cap, with the reserve the partitioner does not count: the leanest?
@@ -528,7 +530,7 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
     margin = speed_key(choice.samples_per_s * (1 + OVER_MARGIN))
     faster, _ = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem), margin,
                            groups=RUNNERS_UP)  # the rows shown, and no more
-    faster = _with_heavier(faster, shapes, built, problem, margin)
+    faster = _with_heavier(faster, shapes, built, problem, margin, fresh)
     staler, bounds = _staler(shapes, built, problem, margin, faster)
     within = _within_margin(shapes, built, problem, choice, margin) if len(faster) < RUNNERS_UP else 0
 
@@ -552,17 +554,15 @@ def _heavier(result: Result, problem: Problem) -> bool:
 
 
 def _with_heavier(faster: list[list[Result]], shapes: list[Shape], built: _Built, problem: Problem,
-                  margin: float) -> list[list[Result]]:
+                  margin: float, fresh: Callable[[Shape | Candidate], bool]) -> list[list[Result]]:
     """The rows over the limits, with the fastest configuration over the memory cap alone among them where one
     beats the choice by more than the margin: five faster rows over the staleness limit (named in a note anyway)
     would otherwise hide what a little more memory buys (a config 10 KiB over the cap and 67 % faster), so it
-    takes the last row's place, in rank order. Its search is short: a result within the staleness limit that beats
-    the choice has been simulated by the choice's search already."""
+    takes the last row's place, in rank order. Its search, over the candidates the choice's was (`fresh`), is
+    short: a result among them that beats the choice has been simulated by the choice's search already."""
     if len(faster) < RUNNERS_UP or any(_heavier(group[0], problem) for group in faster):
         return faster  # fewer rows: every one over a limit that beats the margin is among them
-    heavier, _ = top_groups(shapes, built, lambda item: item.memory_floor_bytes <= problem.memory_cap_bytes and (
-        item.staleness is None or item.staleness <= problem.max_staleness),
-        lambda result: _heavier(result, problem), margin, groups=1)
+    heavier, _ = top_groups(shapes, built, fresh, lambda result: _heavier(result, problem), margin, groups=1)
     if not heavier:
         return faster
     return sorted([*faster[:RUNNERS_UP - 1], *heavier], key=lambda group: rank_key(group[0]))
