@@ -67,7 +67,6 @@ from ..sim.costs import (
     wgrad_held,
 )
 from ..sim.engine import held_static_parts, keep_fullest_parts
-from ..traces import summarize
 from ..traces.trace import Trace
 from ..units import MIB, whole_number
 from .fp8 import FP8_RECIPES
@@ -711,6 +710,9 @@ class Scenario:
         SEARCHES_WITHIN_RESERVE times, until one fits, else the last is kept; `rebuild` builds the order for a
         scenario and `rerun` runs it on its links. Returns the order, its run with its reserve, the run's summary
         and memory checks, and what the searches again left (None: none ran)."""
+        from .. import traces  # looked up when called, as simulate looked it up before this moved here
+
+        summarize = traces.summarize
         summary = summarize(trace)
         checks = self.memory_checks(sched, summary, links)
         method = METHODS.get(sched.method)  # none for a schedule file's order
