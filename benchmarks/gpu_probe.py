@@ -41,6 +41,13 @@
     Megatron-core runs TransformerEngine (`WEIGHT_PATHS`: the weight-gradient GEMM adding into `main_grad`, a dummy
     `torch.empty` gradient a weight, DDP's post-hook on each AccumulateGrad node), and the same without the products
     (the host's work a weight alone): forward host, backward host and device apart, ops and kernels.
+(g) *A collective's kernel beside products* (docs/hardware.md, "The pair's contention"): a copy on 24 or 32 CTAs,
+    the shape of NCCL's, DeepEP's and HybridEP's kernels (benchmarks/sm_copy.py, Triton), on one stream beside BF16
+    products back to back on another (4096^3, and the 30B's fc1 at E16): each alone, the copy issued first, and the
+    copy launched by the host while the products run, each launch with what was left of the product it met. Does
+    the copy wait for that product's end (the persistent products' rule pipesim prices) and does it run slower
+    once started? (A copy through HBM, not a network's: its own slowing is memory's and multiprocessors', not a
+    NIC's.)
 
 Device times are CUDA events; host times time.perf_counter; every figure is the median of `--repeats` after
 `--warmup` runs, with its spread. One JSON lands at `--out`. On a CPU (`--device cpu --quick`) the same code runs
@@ -1308,6 +1315,142 @@ def weights_derived(runs: list[dict]) -> dict:
             for path in WEIGHT_PATHS}
 
 
+# --- (g) a collective's kernel beside products ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairShape:
+    """Part (g)'s products (m x k by k x n, BF16, back to back on one stream) and the copy on `ctas` CTAs that stands
+    for a collective's kernel on another (`benchmarks/sm_copy.py`)."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    copy_bytes: int
+    ctas: int
+
+
+PAIR_SHAPES = (PairShape("4096^3, 24 CTAs", 4096, 4096, 4096, 64 << 20, 24),  # a product of about 0.2 ms
+               PairShape("4096^3, 32 CTAs", 4096, 4096, 4096, 64 << 20, 32),
+               # the 30B's fc1 at 8 local experts (E16): 4,096 rows of 2,048 into 2 x 768, HybridEP's 24-32 SMs
+               PairShape("30B fc1 at E16, 24 CTAs", 4096, 2048, 1536, 64 << 20, 24))
+QUICK_PAIR = (PairShape("quick", 64, 64, 64, 1 << 16, 2),)
+PAIR_SPAN_MS = 8.0  # the products' span: the copy is launched inside it
+PAIR_LAUNCH_SHARES = (0.2, 0.4, 0.6, 0.8)  # when the host launches the copy, as shares of that span
+PAIR_HEAD_CYCLES = 2 * 10**4  # products wait about 10 us after the hold, so that the copy issued first starts first
+
+
+def pair_running_left_ms(ready_ms: float, product_ends_ms: list[float]) -> float:
+    """What is left of the product running when a kernel is launched at `ready_ms` (0 once the products are done):
+    how long it waits where a product launched on every multiprocessor holds them to its end (planning/experts.py
+    `paired_exposed_ms`'s rule, whose mean over a random moment is half the product)."""
+    return next((end - ready_ms for end in product_ends_ms if end > ready_ms), 0.0)
+
+
+def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
+    """(g): per shape, one product, the copy and the products' span each alone behind a held device; the two side by
+    side with the copy issued first (`copy_first`); and the copy launched by the host at `PAIR_LAUNCH_SHARES` of the
+    products' span while they run (`inside`): per launch, when its stream reached it, what was left of the product
+    then running, the copy's time from there to its end and the products' span."""
+    if device.type != "cuda":
+        return skipped(RuntimeError("needs a CUDA GPU: two streams beside each other, and Triton's copy"))
+    from sm_copy import copy_on_ctas  # this folder's; Triton, on a GPU only
+
+    clock = Clock(cuda=True)
+    products_stream, copy_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    runs = []
+    for shape in shapes:
+        a = torch.randn(shape.m, shape.k, device=device, dtype=dtype)
+        b = torch.randn(shape.n, shape.k, device=device, dtype=dtype).t()
+        source = torch.randn(shape.copy_bytes // 2, device=device, dtype=torch.bfloat16)
+        target = torch.empty_like(source)
+        copy_on_ctas(source, target, shape.ctas)
+        if not torch.equal(source, target):
+            raise RuntimeError(f"the copy on {shape.ctas} CTAs did not copy")
+        product = repeat(lambda: {"ms": clock.held_ms(lambda: torch.mm(a, b))}, budget)["ms"]
+        count = max(8, round(PAIR_SPAN_MS / product.median_ms))
+
+        def issue_products(head_cycles: int = 0) -> list[torch.cuda.Event]:
+            ends = []
+            with torch.cuda.stream(products_stream):
+                if head_cycles:
+                    torch.cuda._sleep(head_cycles)
+                for _ in range(count):
+                    torch.mm(a, b)
+                    ends.append(torch.cuda.Event(enable_timing=True))
+                    ends[-1].record()
+            return ends
+
+        def issue_copy() -> torch.cuda.Event:
+            with torch.cuda.stream(copy_stream):
+                copy_on_ctas(source, target, shape.ctas)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+            return end
+
+        def alone() -> dict[str, float]:
+            start = clock.held_start()
+            products_stream.wait_event(start.event)
+            products_end = issue_products(PAIR_HEAD_CYCLES)[-1]
+            copy_start = clock.held_start()
+            copy_stream.wait_event(copy_start.event)
+            copy_end = issue_copy()
+            clock.synchronize()
+            return {"products_ms": start.event.elapsed_time(products_end),
+                    "copy_ms": copy_start.event.elapsed_time(copy_end)}
+
+        def copy_first() -> dict[str, float]:
+            start = clock.held_start()
+            for stream in (copy_stream, products_stream):
+                stream.wait_event(start.event)
+            copy_end = issue_copy()
+            products_end = issue_products(PAIR_HEAD_CYCLES)[-1]
+            clock.synchronize()
+            return {"copy_ms": start.event.elapsed_time(copy_end),
+                    "products_ms": start.event.elapsed_time(products_end)}
+
+        timings = {"product_ms": product, **{f"alone_{key}": value for key, value in repeat(alone, budget).items()},
+                   **{f"copy_first_{key}": value for key, value in repeat(copy_first, budget).items()}}
+        span_s = timings["alone_products_ms"].median_ms / 1e3
+        inside = []
+        for share in PAIR_LAUNCH_SHARES:
+            for index in range(budget.warmup + budget.repeats):
+                clock.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(products_stream)
+                launched_s = time.perf_counter()
+                ends = issue_products()
+                while time.perf_counter() < launched_s + share * span_s:
+                    pass
+                ready = torch.cuda.Event(enable_timing=True)
+                ready.record(copy_stream)
+                copy_end = issue_copy()
+                clock.synchronize()
+                if index < budget.warmup:
+                    continue
+                ready_ms = start.elapsed_time(ready)
+                product_ends_ms = [start.elapsed_time(end) for end in ends]
+                inside.append({"launch_share": share, "ready_ms": ready_ms,
+                               "running_left_ms": pair_running_left_ms(ready_ms, product_ends_ms),
+                               "copy_ms": ready.elapsed_time(copy_end), "products_ms": product_ends_ms[-1]})
+        runs.append({"shape": asdict(shape), "products": count, "timings": timings, "inside": inside,
+                     "derived": pair_derived(timings, inside)})
+    return {"dtype": str(dtype), "launch_shares": list(PAIR_LAUNCH_SHARES), "runs": runs}
+
+
+def pair_derived(timings: dict[str, Timing], inside: list[dict]) -> dict[str, float]:
+    """What the pair costs each side against each alone (medians, ms): the copy issued first, and launched inside
+    the products, its time past its own beside what was left of the product it met (the persistent rule's wait)
+    and the products' span past theirs."""
+    copy_ms, products_ms = timings["alone_copy_ms"].median_ms, timings["alone_products_ms"].median_ms
+    return {"copy_first_copy_over_alone_ms": timings["copy_first_copy_ms"].median_ms - copy_ms,
+            "copy_first_products_over_alone_ms": timings["copy_first_products_ms"].median_ms - products_ms,
+            "inside_copy_over_alone_ms": statistics.median(row["copy_ms"] - copy_ms for row in inside),
+            "inside_running_left_ms": statistics.median(row["running_left_ms"] for row in inside),
+            "inside_products_over_alone_ms": statistics.median(row["products_ms"] - products_ms for row in inside)}
+
+
 # --- the report --------------------------------------------------------------------------------------------------
 
 
@@ -1444,8 +1587,27 @@ def weights_tables(weights_result: dict) -> list[Table]:
     return [table]
 
 
+def pair_tables(pair_result: dict) -> list[Table]:
+    """Part (g): each side's time alone and what the pair adds to it, with the copy first and launched inside."""
+    table = Table("(g) a copy on a collective's CTAs beside BF16 products: medians, ms (+: over each alone)",
+                  ["shape", "product", "products", "products alone", "copy alone", "copy first: copy +",
+                   "products +", "inside: copy +", "product left", "products +"], keys=1)
+    if "skipped" in pair_result:
+        table.notes.append(f"skipped: {pair_result['skipped']}")
+        return [table]
+    for run in pair_result["runs"]:
+        t, d = run["timings"], run["derived"]
+        table.rows.append([run["shape"]["name"], f"{t['product_ms'].median_ms:.3f}", str(run["products"]),
+                           f"{t['alone_products_ms'].median_ms:.3f}", f"{t['alone_copy_ms'].median_ms:.3f}",
+                           *(f"{d[key]:.3f}" for key in ("copy_first_copy_over_alone_ms",
+                                                         "copy_first_products_over_alone_ms",
+                                                         "inside_copy_over_alone_ms", "inside_running_left_ms",
+                                                         "inside_products_over_alone_ms"))])
+    return [table]
+
+
 TABLES = {"moe": moe_tables, "attention": attention_tables, "gemm": gemm_tables, "combine": combine_tables,
-          "dense": dense_tables, "weights": weights_tables}
+          "dense": dense_tables, "weights": weights_tables, "pair": pair_tables}
 
 
 def tables(result: dict) -> list[Table]:
@@ -1572,7 +1734,8 @@ def main(argv: list[str] | None = None) -> int:
              "gemm": partial(probe_gemms, moe_shape, device, dtype, budget),
              "combine": partial(probe_combine, moe_shape, device, budget),
              "dense": partial(probe_dense, dense_shapes, device, dtype, budget),
-             "weights": partial(probe_weights, moe_shape, device, dtype, budget)}
+             "weights": partial(probe_weights, moe_shape, device, dtype, budget),
+             "pair": partial(probe_pair, QUICK_PAIR if args.quick else PAIR_SHAPES, device, dtype, budget)}
     for name in (name for name in parts if name in chosen):
         probe = parts[name]
         started = time.perf_counter()

@@ -29,7 +29,8 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     result = json.loads(out.read_text())
     assert result["environment"]["device"] == "cpu" and result["environment"]["torch"] == torch.__version__
     assert result["budget"] == {"warmup": 0, "repeats": 2}
-    assert set(result["seconds"]) == {"moe", "attention", "gemm", "combine", "dense", "weights"}
+    assert set(result["seconds"]) == {"moe", "attention", "gemm", "combine", "dense", "weights", "pair"}
+    assert "CUDA" in result["pair"]["skipped"]  # part (g): two streams and Triton, on a GPU only
 
     layers = result["moe"]["layers"]
     assert [layer["local_experts"] for layer in layers] == [4, 8, 16]
@@ -173,7 +174,7 @@ def test_a_plain_kind_multiplies_its_operands_and_adds_into_its_accumulator(prob
 @pytest.mark.parametrize("flags,message", [
     (["--repeats", "0"], "--repeats: 0 is not allowed"),
     (["--parts", "dense,moes"],
-     "--parts: 'moes' is no part; give some of moe, attention, gemm, combine, dense, weights"),
+     "--parts: 'moes' is no part; give some of moe, attention, gemm, combine, dense, weights, pair"),
     (["--parts", "gemms,dense,moes"], "--parts: 'gemms', 'moes' are no parts; give some of moe, attention, "),
     (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from "),  # quoted or not by version
     (["--device", "cpu", "--out", "/nonexistent-folder/probe.json"], "--out: the folder /nonexistent-folder"),
@@ -501,3 +502,21 @@ def test_the_check_refuses_a_bad_flag_in_one_line_before_it_runs_anything(tmp_pa
     err = capsys.readouterr().err
     assert (exited.value.code, err.count("\n")) == (2, 1), err
     assert err.startswith("error: " + refusal.replace("FILE", str(file))) and not out.exists()
+
+
+def test_a_copy_launched_inside_the_products_meets_what_is_left_of_the_one_running(probe):
+    """Part (g)'s wait under the persistent rule: the rest of the product running at the launch, none after them."""
+    ends = [1.0, 2.0, 3.0]
+    assert [probe.pair_running_left_ms(ready, ends) for ready in (0.25, 1.5, 2.0, 3.5)] == [0.75, 0.5, 1.0, 0.0]
+
+
+def test_the_copy_on_a_collectives_ctas_copies_every_element_whatever_its_ctas(monkeypatch):
+    """benchmarks/sm_copy.py, part (g)'s stand-in for a collective's kernel, in Triton's interpreter on a CPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    with script_module("sm_copy") as sm_copy:
+        for elements, ctas in ((100_000, 3), (8192 * 5, 2), (17, 4)):
+            source = torch.randn(elements, dtype=torch.bfloat16)
+            target = torch.zeros_like(source)
+            sm_copy.copy_on_ctas(source, target, ctas)
+            assert torch.equal(source, target)
