@@ -1351,14 +1351,19 @@ def pair_running_left_ms(ready_ms: float, product_ends_ms: list[float]) -> float
 def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
     """(g): per shape, one product, the copy and the products' span each alone behind a held device; the two side by
     side with the copy issued first (`copy_first`); and the copy launched by the host at `PAIR_LAUNCH_SHARES` of the
-    products' span while they run (`inside`): per launch, when its stream reached it, what was left of the product
-    then running, the copy's time from there to its end and the products' span."""
+    products' span while they run (`inside`, the copy's stream at the default priority and at the highest): per
+    launch, when its stream reached it, what was left of the product then running, the next products' ends, the
+    copy's time from there to its end and the products' span. The products run behind a held device, their events
+    made beforehand, so that the host's issue stays ahead of them; the host launches the copy once the device has
+    reached them."""
     if device.type != "cuda":
         return skipped(RuntimeError("needs a CUDA GPU: two streams beside each other, and Triton's copy"))
     from sm_copy import copy_on_ctas  # this folder's; Triton, on a GPU only
 
     clock = Clock(cuda=True)
-    products_stream, copy_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    products_stream = torch.cuda.Stream(device)
+    copy_streams = {"default": torch.cuda.Stream(device),
+                    "high": torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])}
     runs = []
     for shape in shapes:
         a = torch.randn(shape.m, shape.k, device=device, dtype=dtype)
@@ -1371,83 +1376,88 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
         product = repeat(lambda: {"ms": clock.held_ms(lambda: torch.mm(a, b))}, budget)["ms"]
         count = max(8, round(PAIR_SPAN_MS / product.median_ms))
 
-        def issue_products(head_cycles: int = 0) -> list[torch.cuda.Event]:
-            ends = []
+        def events(how_many: int) -> list[torch.cuda.Event]:
+            return [torch.cuda.Event(enable_timing=True) for _ in range(how_many)]
+
+        def issue_products(start: Mark, ends: list[torch.cuda.Event], head_cycles: int = 0) -> None:
+            """The products behind `start` on their stream, each end recorded in `ends` (the first: their start)."""
+            products_stream.wait_event(start.event)
             with torch.cuda.stream(products_stream):
                 if head_cycles:
                     torch.cuda._sleep(head_cycles)
-                for _ in range(count):
+                ends[0].record()
+                for end in ends[1:]:
                     torch.mm(a, b)
-                    ends.append(torch.cuda.Event(enable_timing=True))
-                    ends[-1].record()
-            return ends
+                    end.record()
 
-        def issue_copy() -> torch.cuda.Event:
-            with torch.cuda.stream(copy_stream):
+        def issue_copy(stream: torch.cuda.Stream, marks: list[torch.cuda.Event]) -> None:
+            with torch.cuda.stream(stream):
+                marks[0].record()
                 copy_on_ctas(source, target, shape.ctas)
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-            return end
+                marks[1].record()
 
         def alone() -> dict[str, float]:
-            start = clock.held_start()
-            products_stream.wait_event(start.event)
-            products_end = issue_products(PAIR_HEAD_CYCLES)[-1]
-            copy_start = clock.held_start()
-            copy_stream.wait_event(copy_start.event)
-            copy_end = issue_copy()
+            ends, marks = events(count + 1), events(2)
+            issue_products(clock.held_start(MOE_HOLD_CYCLES), ends)
             clock.synchronize()
-            return {"products_ms": start.event.elapsed_time(products_end),
-                    "copy_ms": copy_start.event.elapsed_time(copy_end)}
+            copy_stream = copy_streams["default"]
+            copy_stream.wait_event(clock.held_start().event)
+            issue_copy(copy_stream, marks)
+            clock.synchronize()
+            return {"products_ms": ends[0].elapsed_time(ends[-1]), "copy_ms": marks[0].elapsed_time(marks[1])}
 
         def copy_first() -> dict[str, float]:
-            start = clock.held_start()
-            for stream in (copy_stream, products_stream):
-                stream.wait_event(start.event)
-            copy_end = issue_copy()
-            products_end = issue_products(PAIR_HEAD_CYCLES)[-1]
+            ends, marks = events(count + 1), events(2)
+            start = clock.held_start(MOE_HOLD_CYCLES)
+            copy_stream = copy_streams["default"]
+            copy_stream.wait_event(start.event)
+            issue_copy(copy_stream, marks)
+            issue_products(start, ends, PAIR_HEAD_CYCLES)
             clock.synchronize()
-            return {"copy_ms": start.event.elapsed_time(copy_end),
-                    "products_ms": start.event.elapsed_time(products_end)}
+            return {"copy_ms": marks[0].elapsed_time(marks[1]), "products_ms": ends[0].elapsed_time(ends[-1])}
 
         timings = {"product_ms": product, **{f"alone_{key}": value for key, value in repeat(alone, budget).items()},
                    **{f"copy_first_{key}": value for key, value in repeat(copy_first, budget).items()}}
         span_s = timings["alone_products_ms"].median_ms / 1e3
         inside = []
-        for share in PAIR_LAUNCH_SHARES:
-            for index in range(budget.warmup + budget.repeats):
-                clock.synchronize()
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(products_stream)
-                launched_s = time.perf_counter()
-                ends = issue_products()
-                while time.perf_counter() < launched_s + share * span_s:
-                    pass
-                ready = torch.cuda.Event(enable_timing=True)
-                ready.record(copy_stream)
-                copy_end = issue_copy()
-                clock.synchronize()
-                if index < budget.warmup:
-                    continue
-                ready_ms = start.elapsed_time(ready)
-                product_ends_ms = [start.elapsed_time(end) for end in ends]
-                inside.append({"launch_share": share, "ready_ms": ready_ms,
-                               "running_left_ms": pair_running_left_ms(ready_ms, product_ends_ms),
-                               "copy_ms": ready.elapsed_time(copy_end), "products_ms": product_ends_ms[-1]})
+        for priority, copy_stream in copy_streams.items():
+            for share in PAIR_LAUNCH_SHARES:
+                for index in range(budget.warmup + budget.repeats):
+                    ends, marks = events(count + 1), events(2)
+                    issue_products(clock.held_start(MOE_HOLD_CYCLES), ends)
+                    while not ends[0].query():
+                        pass
+                    reached_s = time.perf_counter()
+                    while time.perf_counter() < reached_s + share * span_s:
+                        pass
+                    issue_copy(copy_stream, marks)
+                    clock.synchronize()
+                    if index < budget.warmup:
+                        continue
+                    ready_ms = ends[0].elapsed_time(marks[0])
+                    product_ends_ms = [ends[0].elapsed_time(end) for end in ends[1:]]
+                    inside.append({"priority": priority, "launch_share": share, "ready_ms": ready_ms,
+                                   "running_left_ms": pair_running_left_ms(ready_ms, product_ends_ms),
+                                   "next_ends_ms": [end - ready_ms for end in product_ends_ms if end > ready_ms][:8],
+                                   "copy_ms": marks[0].elapsed_time(marks[1]), "products_ms": product_ends_ms[-1]})
         runs.append({"shape": asdict(shape), "products": count, "timings": timings, "inside": inside,
-                     "derived": pair_derived(timings, inside)})
+                     "derived": {priority: pair_derived(timings, [row for row in inside if row["priority"] == priority])
+                                 for priority in copy_streams}})
     return {"dtype": str(dtype), "launch_shares": list(PAIR_LAUNCH_SHARES), "runs": runs}
 
 
 def pair_derived(timings: dict[str, Timing], inside: list[dict]) -> dict[str, float]:
     """What the pair costs each side against each alone (medians, ms): the copy issued first, and launched inside
-    the products, its time past its own beside what was left of the product it met (the persistent rule's wait)
-    and the products' span past theirs."""
+    the products, its time past its own beside what was left of the product it met (the persistent rule's wait),
+    how many products ended between its launch and its start (its end less its time alone), and the products' span
+    past theirs."""
     copy_ms, products_ms = timings["alone_copy_ms"].median_ms, timings["alone_products_ms"].median_ms
     return {"copy_first_copy_over_alone_ms": timings["copy_first_copy_ms"].median_ms - copy_ms,
             "copy_first_products_over_alone_ms": timings["copy_first_products_ms"].median_ms - products_ms,
             "inside_copy_over_alone_ms": statistics.median(row["copy_ms"] - copy_ms for row in inside),
             "inside_running_left_ms": statistics.median(row["running_left_ms"] for row in inside),
+            "inside_products_waited": statistics.median(
+                sum(end <= row["copy_ms"] - copy_ms for end in row["next_ends_ms"]) for row in inside),
             "inside_products_over_alone_ms": statistics.median(row["products_ms"] - products_ms for row in inside)}
 
 
@@ -1590,19 +1600,21 @@ def weights_tables(weights_result: dict) -> list[Table]:
 def pair_tables(pair_result: dict) -> list[Table]:
     """Part (g): each side's time alone and what the pair adds to it, with the copy first and launched inside."""
     table = Table("(g) a copy on a collective's CTAs beside BF16 products: medians, ms (+: over each alone)",
-                  ["shape", "product", "products", "products alone", "copy alone", "copy first: copy +",
-                   "products +", "inside: copy +", "product left", "products +"], keys=1)
+                  ["shape", "copy stream", "product", "products", "products alone", "copy alone",
+                   "copy first: copy +", "products +", "inside: copy +", "product left", "products waited",
+                   "products +"], keys=2)
     if "skipped" in pair_result:
         table.notes.append(f"skipped: {pair_result['skipped']}")
         return [table]
     for run in pair_result["runs"]:
-        t, d = run["timings"], run["derived"]
-        table.rows.append([run["shape"]["name"], f"{t['product_ms'].median_ms:.3f}", str(run["products"]),
-                           f"{t['alone_products_ms'].median_ms:.3f}", f"{t['alone_copy_ms'].median_ms:.3f}",
-                           *(f"{d[key]:.3f}" for key in ("copy_first_copy_over_alone_ms",
-                                                         "copy_first_products_over_alone_ms",
-                                                         "inside_copy_over_alone_ms", "inside_running_left_ms",
-                                                         "inside_products_over_alone_ms"))])
+        t = run["timings"]
+        for priority, d in run["derived"].items():
+            table.rows.append([run["shape"]["name"], priority, f"{t['product_ms'].median_ms:.3f}", str(run["products"]),
+                               f"{t['alone_products_ms'].median_ms:.3f}", f"{t['alone_copy_ms'].median_ms:.3f}",
+                               *(f"{d[key]:.3f}" for key in ("copy_first_copy_over_alone_ms",
+                                                             "copy_first_products_over_alone_ms",
+                                                             "inside_copy_over_alone_ms", "inside_running_left_ms")),
+                               f"{d['inside_products_waited']:g}", f"{d['inside_products_over_alone_ms']:.3f}"])
     return [table]
 
 
