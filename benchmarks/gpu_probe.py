@@ -1404,7 +1404,11 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
             copy_stream.wait_event(clock.held_start().event)
             issue_copy(copy_stream, marks)
             clock.synchronize()
-            return {"products_ms": ends[0].elapsed_time(ends[-1]), "copy_ms": marks[0].elapsed_time(marks[1])}
+            unheld = events(2)
+            issue_copy(copy_stream, unheld)  # from an idle device, as a copy launched inside runs: its launch shows
+            clock.synchronize()
+            return {"products_ms": ends[0].elapsed_time(ends[-1]), "copy_ms": marks[0].elapsed_time(marks[1]),
+                    "copy_unheld_ms": unheld[0].elapsed_time(unheld[1])}
 
         def copy_first() -> dict[str, float]:
             ends, marks = events(count + 1), events(2)
@@ -1430,7 +1434,9 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
                     reached_s = time.perf_counter()
                     while time.perf_counter() < reached_s + share * span_s:
                         pass
+                    launching_s = time.perf_counter()
                     issue_copy(copy_stream, marks)
+                    launch_ms = (time.perf_counter() - launching_s) * 1e3
                     clock.synchronize()
                     if index < budget.warmup:
                         continue
@@ -1439,7 +1445,8 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
                     inside.append({"priority": priority, "launch_share": share, "ready_ms": ready_ms,
                                    "running_left_ms": pair_running_left_ms(ready_ms, product_ends_ms),
                                    "next_ends_ms": [end - ready_ms for end in product_ends_ms if end > ready_ms][:8],
-                                   "copy_ms": marks[0].elapsed_time(marks[1]), "products_ms": product_ends_ms[-1]})
+                                   "copy_ms": marks[0].elapsed_time(marks[1]), "launch_host_ms": launch_ms,
+                                   "products_ms": product_ends_ms[-1]})
         runs.append({"shape": asdict(shape), "products": count, "timings": timings, "inside": inside,
                      "derived": {priority: pair_derived(timings, [row for row in inside if row["priority"] == priority])
                                  for priority in copy_streams}})
@@ -1450,9 +1457,14 @@ def pair_derived(timings: dict[str, Timing], inside: list[dict]) -> dict[str, fl
     """What the pair costs each side against each alone (medians, ms): the copy issued first, and launched inside
     the products, its time past its own beside what was left of the product it met (the persistent rule's wait),
     how many products ended between its launch and its start (its end less its time alone), and the products' span
-    past theirs."""
+    past theirs. A copy launched inside is timed from its stream's mark before the launch, so its time holds the
+    host's launch (Triton's launcher), as the copy timed from an idle device does (`copy_unheld`): the inside copy's
+    time past that one's is the pair's alone."""
     copy_ms, products_ms = timings["alone_copy_ms"].median_ms, timings["alone_products_ms"].median_ms
-    return {"copy_first_copy_over_alone_ms": timings["copy_first_copy_ms"].median_ms - copy_ms,
+    unheld_ms = timings["alone_copy_unheld_ms"].median_ms
+    return {"copy_unheld_over_alone_ms": unheld_ms - copy_ms,
+            "inside_copy_over_unheld_ms": statistics.median(row["copy_ms"] - unheld_ms for row in inside),
+            "copy_first_copy_over_alone_ms": timings["copy_first_copy_ms"].median_ms - copy_ms,
             "copy_first_products_over_alone_ms": timings["copy_first_products_ms"].median_ms - products_ms,
             "inside_copy_over_alone_ms": statistics.median(row["copy_ms"] - copy_ms for row in inside),
             "inside_running_left_ms": statistics.median(row["running_left_ms"] for row in inside),
@@ -1601,8 +1613,8 @@ def pair_tables(pair_result: dict) -> list[Table]:
     """Part (g): each side's time alone and what the pair adds to it, with the copy first and launched inside."""
     table = Table("(g) a copy on a collective's CTAs beside BF16 products: medians, ms (+: over each alone)",
                   ["shape", "copy stream", "product", "products", "products alone", "copy alone",
-                   "copy first: copy +", "products +", "inside: copy +", "product left", "products waited",
-                   "products +"], keys=2)
+                   "copy from idle", "copy first: copy +", "products +", "inside: copy +", "over idle's",
+                   "product left", "products waited", "products +"], keys=2)
     if "skipped" in pair_result:
         table.notes.append(f"skipped: {pair_result['skipped']}")
         return [table]
@@ -1610,10 +1622,12 @@ def pair_tables(pair_result: dict) -> list[Table]:
         t = run["timings"]
         for priority, d in run["derived"].items():
             table.rows.append([run["shape"]["name"], priority, f"{t['product_ms'].median_ms:.3f}", str(run["products"]),
-                               f"{t['alone_products_ms'].median_ms:.3f}", f"{t['alone_copy_ms'].median_ms:.3f}",
+                               *(f"{t[key].median_ms:.3f}" for key in ("alone_products_ms", "alone_copy_ms",
+                                                                        "alone_copy_unheld_ms")),
                                *(f"{d[key]:.3f}" for key in ("copy_first_copy_over_alone_ms",
                                                              "copy_first_products_over_alone_ms",
-                                                             "inside_copy_over_alone_ms", "inside_running_left_ms")),
+                                                             "inside_copy_over_alone_ms",
+                                                             "inside_copy_over_unheld_ms", "inside_running_left_ms")),
                                f"{d['inside_products_waited']:g}", f"{d['inside_products_over_alone_ms']:.3f}"])
     return [table]
 
