@@ -1456,7 +1456,7 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
 def pair_derived(timings: dict[str, Timing], inside: list[dict]) -> dict[str, float]:
     """What the pair costs each side against each alone (medians, ms): the copy issued first, and launched inside
     the products, its time past its own beside what was left of the product it met (the persistent rule's wait),
-    how many products ended between its launch and its start (its end less its time alone), and the products' span
+    how many products ended between its launch and its start (its end less its time from idle), and the products' span
     past theirs. A copy launched inside is timed from its stream's mark before the launch, so its time holds the
     host's launch (Triton's launcher), as the copy timed from an idle device does (`copy_unheld`): the inside copy's
     time past that one's is the pair's alone."""
@@ -1469,7 +1469,7 @@ def pair_derived(timings: dict[str, Timing], inside: list[dict]) -> dict[str, fl
             "inside_copy_over_alone_ms": statistics.median(row["copy_ms"] - copy_ms for row in inside),
             "inside_running_left_ms": statistics.median(row["running_left_ms"] for row in inside),
             "inside_products_waited": statistics.median(
-                sum(end <= row["copy_ms"] - copy_ms for end in row["next_ends_ms"]) for row in inside),
+                sum(end <= row["copy_ms"] - unheld_ms for end in row["next_ends_ms"]) for row in inside),
             "inside_products_over_alone_ms": statistics.median(row["products_ms"] - products_ms for row in inside)}
 
 
