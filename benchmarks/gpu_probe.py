@@ -61,8 +61,10 @@ counts, FP8, compiled passes, the second stream) say why they skip.
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -1337,7 +1339,11 @@ PAIR_SHAPES = (PairShape("4096^3, 24 CTAs", 4096, 4096, 4096, 64 << 20, 24),  # 
                PairShape("30B fc1 at E16, 24 CTAs", 4096, 2048, 1536, 64 << 20, 24))
 QUICK_PAIR = (PairShape("quick", 64, 64, 64, 1 << 16, 2),)
 PAIR_SPAN_MS = 8.0  # the products' span: the copy is launched inside it
-PAIR_LAUNCH_SHARES = (0.2, 0.4, 0.6, 0.8)  # when the host launches the copy, as shares of that span
+PAIR_LAUNCH_SHARES = (0.2, 0.4, 0.6, 0.8)  # when the copy is launched, as shares of that span
+# How the copy is launched inside: by the host, at a random moment of a product (its stream's mark, before Triton's
+# launch, so its time holds the launch), or queued behind the end of the product at that share (`wait_event`), so
+# that it is ready on the device the moment that product ends, beside the next one queued, with no host between
+PAIR_LAUNCHES = ("host", "boundary")
 PAIR_HEAD_CYCLES = 2 * 10**4  # products wait about 10 us after the hold, so that the copy issued first starts first
 
 
@@ -1350,11 +1356,12 @@ def pair_running_left_ms(ready_ms: float, product_ends_ms: list[float]) -> float
 
 def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
     """(g): per shape, one product, the copy and the products' span each alone behind a held device; the two side by
-    side with the copy issued first (`copy_first`); and the copy launched by the host at `PAIR_LAUNCH_SHARES` of the
-    products' span while they run (`inside`, the copy's stream at the default priority and at the highest): per
-    launch, when its stream reached it, what was left of the product then running, the next products' ends, the
-    copy's time from there to its end and the products' span. The products run behind a held device, their events
-    made beforehand, so that the host's issue stays ahead of them; the host launches the copy once the device has
+    side with the copy issued first (`copy_first`); and the copy launched at `PAIR_LAUNCH_SHARES` of the products'
+    span while they run (`inside`; `PAIR_LAUNCHES`: by the host at a random moment of a product, or queued behind a
+    product's end; the copy's stream at the default priority and at the highest): per launch, when its stream
+    reached it, what was left of the product then running, the next products' ends, the copy's time from there to
+    its end, the host's launch and the products' span. The products run behind a held device, their events made
+    beforehand, so that the host's issue stays ahead of them; the host launches the copy once the device has
     reached them."""
     if device.type != "cuda":
         return skipped(RuntimeError("needs a CUDA GPU: two streams beside each other, and Triton's copy"))
@@ -1424,32 +1431,40 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
                    **{f"copy_first_{key}": value for key, value in repeat(copy_first, budget).items()}}
         span_s = timings["alone_products_ms"].median_ms / 1e3
         inside = []
+        jitter = random.Random(0)
         for priority, copy_stream in copy_streams.items():
-            for share in PAIR_LAUNCH_SHARES:
+            for launch, share in itertools.product(PAIR_LAUNCHES, PAIR_LAUNCH_SHARES):
                 for index in range(budget.warmup + budget.repeats):
                     ends, marks = events(count + 1), events(2)
                     issue_products(clock.held_start(MOE_HOLD_CYCLES), ends)
-                    while not ends[0].query():
-                        pass
-                    reached_s = time.perf_counter()
-                    while time.perf_counter() < reached_s + share * span_s:
-                        pass
-                    launching_s = time.perf_counter()
-                    issue_copy(copy_stream, marks)
-                    launch_ms = (time.perf_counter() - launching_s) * 1e3
+                    launch_ms = None
+                    if launch == "boundary":
+                        copy_stream.wait_event(ends[round(share * count)])
+                        issue_copy(copy_stream, marks)
+                    else:
+                        while not ends[0].query():
+                            pass
+                        reached_s = time.perf_counter()
+                        at_s = reached_s + share * span_s + jitter.random() * product.median_ms / 1e3
+                        while time.perf_counter() < at_s:
+                            pass
+                        issue_copy(copy_stream, marks)
+                        launch_ms = (time.perf_counter() - at_s) * 1e3
                     clock.synchronize()
                     if index < budget.warmup:
                         continue
                     ready_ms = ends[0].elapsed_time(marks[0])
                     product_ends_ms = [ends[0].elapsed_time(end) for end in ends[1:]]
-                    inside.append({"priority": priority, "launch_share": share, "ready_ms": ready_ms,
+                    inside.append({"priority": priority, "launch": launch, "launch_share": share,
+                                   "ready_ms": ready_ms,
                                    "running_left_ms": pair_running_left_ms(ready_ms, product_ends_ms),
                                    "next_ends_ms": [end - ready_ms for end in product_ends_ms if end > ready_ms][:8],
                                    "copy_ms": marks[0].elapsed_time(marks[1]), "launch_host_ms": launch_ms,
                                    "products_ms": product_ends_ms[-1]})
         runs.append({"shape": asdict(shape), "products": count, "timings": timings, "inside": inside,
-                     "derived": {priority: pair_derived(timings, [row for row in inside if row["priority"] == priority])
-                                 for priority in copy_streams}})
+                     "derived": {f"{priority}, {launch}": pair_derived(timings, [
+                         row for row in inside if (row["priority"], row["launch"]) == (priority, launch)])
+                         for priority in copy_streams for launch in PAIR_LAUNCHES}})
     return {"dtype": str(dtype), "launch_shares": list(PAIR_LAUNCH_SHARES), "runs": runs}
 
 
@@ -1612,7 +1627,7 @@ def weights_tables(weights_result: dict) -> list[Table]:
 def pair_tables(pair_result: dict) -> list[Table]:
     """Part (g): each side's time alone and what the pair adds to it, with the copy first and launched inside."""
     table = Table("(g) a copy on a collective's CTAs beside BF16 products: medians, ms (+: over each alone)",
-                  ["shape", "copy stream", "product", "products", "products alone", "copy alone",
+                  ["shape", "copy stream, launch", "product", "products", "products alone", "copy alone",
                    "copy from idle", "copy first: copy +", "products +", "inside: copy +", "over idle's",
                    "product left", "products waited", "products +"], keys=2)
     if "skipped" in pair_result:
