@@ -61,7 +61,6 @@ counts, FP8, compiled passes, the second stream) say why they skip.
 
 from __future__ import annotations
 
-import itertools
 import json
 import platform
 import random
@@ -1333,10 +1332,15 @@ class PairShape:
     ctas: int
 
 
-PAIR_SHAPES = (PairShape("4096^3, 24 CTAs", 4096, 4096, 4096, 64 << 20, 24),  # a product of about 0.2 ms
+PAIR_SHAPES = (PairShape("4096^3, 24 CTAs", 4096, 4096, 4096, 64 << 20, 24),  # a product of about 0.18 ms
+               PairShape("4096^3, 24 CTAs, 4x the copy", 4096, 4096, 4096, 256 << 20, 24),
+               PairShape("4096^3, 8 CTAs", 4096, 4096, 4096, 64 << 20, 8),
                PairShape("4096^3, 32 CTAs", 4096, 4096, 4096, 64 << 20, 32),
-               # the 30B's fc1 at 8 local experts (E16): 4,096 rows of 2,048 into 2 x 768, HybridEP's 24-32 SMs
-               PairShape("30B fc1 at E16, 24 CTAs", 4096, 2048, 1536, 64 << 20, 24))
+               PairShape("8192^3, 24 CTAs", 8192, 8192, 8192, 64 << 20, 24),  # about 1.4 ms
+               PairShape("4096x4096x14336, 24 CTAs", 4096, 4096, 14336, 64 << 20, 24),  # about 0.6 ms
+               # the 30B's fc1 and fc2 at E16 (8 local experts: 4,096 rows), and at 16 local experts (2,048 rows)
+               PairShape("30B fc1 at E16, 24 CTAs", 4096, 2048, 1536, 64 << 20, 24),
+               PairShape("30B fc2 at 16 local experts, 24 CTAs", 2048, 768, 2048, 64 << 20, 24))
 QUICK_PAIR = (PairShape("quick", 64, 64, 64, 1 << 16, 2),)
 PAIR_SPAN_MS = 8.0  # the products' span: the copy is launched inside it
 PAIR_LAUNCH_SHARES = (0.2, 0.4, 0.6, 0.8)  # when the copy is launched, as shares of that span
@@ -1358,7 +1362,7 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
     """(g): per shape, one product, the copy and the products' span each alone behind a held device; the two side by
     side with the copy issued first (`copy_first`); and the copy launched at `PAIR_LAUNCH_SHARES` of the products'
     span while they run (`inside`; `PAIR_LAUNCHES`: by the host at a random moment of a product, or queued behind a
-    product's end; the copy's stream at the default priority and at the highest): per launch, when its stream
+    product's end): per launch, when its stream
     reached it, what was left of the product then running, the next products' ends, the copy's time from there to
     its end, the host's launch and the products' span. The products run behind a held device, their events made
     beforehand, so that the host's issue stays ahead of them; the host launches the copy once the device has
@@ -1368,9 +1372,7 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
     from sm_copy import copy_on_ctas  # this folder's; Triton, on a GPU only
 
     clock = Clock(cuda=True)
-    products_stream = torch.cuda.Stream(device)
-    copy_streams = {"default": torch.cuda.Stream(device),
-                    "high": torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])}
+    products_stream, copy_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
     runs = []
     for shape in shapes:
         a = torch.randn(shape.m, shape.k, device=device, dtype=dtype)
@@ -1407,7 +1409,6 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
             ends, marks = events(count + 1), events(2)
             issue_products(clock.held_start(MOE_HOLD_CYCLES), ends)
             clock.synchronize()
-            copy_stream = copy_streams["default"]
             copy_stream.wait_event(clock.held_start().event)
             issue_copy(copy_stream, marks)
             clock.synchronize()
@@ -1420,7 +1421,6 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
         def copy_first() -> dict[str, float]:
             ends, marks = events(count + 1), events(2)
             start = clock.held_start(MOE_HOLD_CYCLES)
-            copy_stream = copy_streams["default"]
             copy_stream.wait_event(start.event)
             issue_copy(copy_stream, marks)
             issue_products(start, ends, PAIR_HEAD_CYCLES)
@@ -1432,8 +1432,8 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
         span_s = timings["alone_products_ms"].median_ms / 1e3
         inside = []
         jitter = random.Random(0)
-        for priority, copy_stream in copy_streams.items():
-            for launch, share in itertools.product(PAIR_LAUNCHES, PAIR_LAUNCH_SHARES):
+        for launch in PAIR_LAUNCHES:
+            for share in PAIR_LAUNCH_SHARES:
                 for index in range(budget.warmup + budget.repeats):
                     ends, marks = events(count + 1), events(2)
                     issue_products(clock.held_start(MOE_HOLD_CYCLES), ends)
@@ -1455,28 +1455,29 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
                         continue
                     ready_ms = ends[0].elapsed_time(marks[0])
                     product_ends_ms = [ends[0].elapsed_time(end) for end in ends[1:]]
-                    inside.append({"priority": priority, "launch": launch, "launch_share": share,
+                    inside.append({"launch": launch, "launch_share": share,
                                    "ready_ms": ready_ms,
                                    "running_left_ms": pair_running_left_ms(ready_ms, product_ends_ms),
                                    "next_ends_ms": [end - ready_ms for end in product_ends_ms if end > ready_ms][:8],
                                    "copy_ms": marks[0].elapsed_time(marks[1]), "launch_host_ms": launch_ms,
                                    "products_ms": product_ends_ms[-1]})
         runs.append({"shape": asdict(shape), "products": count, "timings": timings, "inside": inside,
-                     "derived": {f"{priority}, {launch}": pair_derived(timings, [
-                         row for row in inside if (row["priority"], row["launch"]) == (priority, launch)])
-                         for priority in copy_streams for launch in PAIR_LAUNCHES}})
+                     "derived": {launch: pair_derived(timings, [row for row in inside if row["launch"] == launch],
+                                                      launch) for launch in PAIR_LAUNCHES}})
     return {"dtype": str(dtype), "launch_shares": list(PAIR_LAUNCH_SHARES), "runs": runs}
 
 
-def pair_derived(timings: dict[str, Timing], inside: list[dict]) -> dict[str, float]:
+def pair_derived(timings: dict[str, Timing], inside: list[dict], launch: str) -> dict[str, float]:
     """What the pair costs each side against each alone (medians, ms): the copy issued first, and launched inside
     the products, its time past its own beside what was left of the product it met (the persistent rule's wait),
-    how many products ended between its launch and its start (its end less its time from idle), and the products' span
-    past theirs. A copy launched inside is timed from its stream's mark before the launch, so its time holds the
-    host's launch (Triton's launcher), as the copy timed from an idle device does (`copy_unheld`): the inside copy's
-    time past that one's is the pair's alone."""
+    how many products ended between its launch and its start (its end less its time without the pair), and the
+    products' span past theirs. A copy the host launches inside is timed from its stream's mark before the launch,
+    so its time holds the host's launch (Triton's launcher), as the copy timed from an idle device does
+    (`copy_unheld`): its time past that one's is the pair's alone; one queued behind a product's end holds none, its
+    time past the held copy's is."""
     copy_ms, products_ms = timings["alone_copy_ms"].median_ms, timings["alone_products_ms"].median_ms
     unheld_ms = timings["alone_copy_unheld_ms"].median_ms
+    own_ms = unheld_ms if launch == "host" else copy_ms
     return {"copy_unheld_over_alone_ms": unheld_ms - copy_ms,
             "inside_copy_over_unheld_ms": statistics.median(row["copy_ms"] - unheld_ms for row in inside),
             "copy_first_copy_over_alone_ms": timings["copy_first_copy_ms"].median_ms - copy_ms,
@@ -1484,7 +1485,7 @@ def pair_derived(timings: dict[str, Timing], inside: list[dict]) -> dict[str, fl
             "inside_copy_over_alone_ms": statistics.median(row["copy_ms"] - copy_ms for row in inside),
             "inside_running_left_ms": statistics.median(row["running_left_ms"] for row in inside),
             "inside_products_waited": statistics.median(
-                sum(end <= row["copy_ms"] - unheld_ms for end in row["next_ends_ms"]) for row in inside),
+                sum(end <= row["copy_ms"] - own_ms for end in row["next_ends_ms"]) for row in inside),
             "inside_products_over_alone_ms": statistics.median(row["products_ms"] - products_ms for row in inside)}
 
 
@@ -1627,7 +1628,7 @@ def weights_tables(weights_result: dict) -> list[Table]:
 def pair_tables(pair_result: dict) -> list[Table]:
     """Part (g): each side's time alone and what the pair adds to it, with the copy first and launched inside."""
     table = Table("(g) a copy on a collective's CTAs beside BF16 products: medians, ms (+: over each alone)",
-                  ["shape", "copy stream, launch", "product", "products", "products alone", "copy alone",
+                  ["shape", "launch", "product", "products", "products alone", "copy alone",
                    "copy from idle", "copy first: copy +", "products +", "inside: copy +", "over idle's",
                    "product left", "products waited", "products +"], keys=2)
     if "skipped" in pair_result:
@@ -1635,8 +1636,8 @@ def pair_tables(pair_result: dict) -> list[Table]:
         return [table]
     for run in pair_result["runs"]:
         t = run["timings"]
-        for priority, d in run["derived"].items():
-            table.rows.append([run["shape"]["name"], priority, f"{t['product_ms'].median_ms:.3f}", str(run["products"]),
+        for launch, d in run["derived"].items():
+            table.rows.append([run["shape"]["name"], launch, f"{t['product_ms'].median_ms:.3f}", str(run["products"]),
                                *(f"{t[key].median_ms:.3f}" for key in ("alone_products_ms", "alone_copy_ms",
                                                                         "alone_copy_unheld_ms")),
                                *(f"{d[key]:.3f}" for key in ("copy_first_copy_over_alone_ms",
