@@ -1343,6 +1343,7 @@ PAIR_SHAPES = (PairShape("4096^3, 24 CTAs", 4096, 4096, 4096, 64 << 20, 24),  # 
                PairShape("30B fc2 at 16 local experts, 24 CTAs", 2048, 768, 2048, 64 << 20, 24))
 QUICK_PAIR = (PairShape("quick", 64, 64, 64, 1 << 16, 2),)
 PAIR_SPAN_MS = 8.0  # the products' span: the copy is launched inside it
+PAIR_MOST_PRODUCTS = 400  # at most, so that the host issues them within the hold (`MOE_HOLD_CYCLES`)
 PAIR_LAUNCH_SHARES = (0.2, 0.4, 0.6, 0.8)  # when the copy is launched, as shares of that span
 # How the copy is launched inside: by the host, at a random moment of a product (its stream's mark, before Triton's
 # launch, so its time holds the launch), or queued behind the end of the product at that share (`wait_event`), so
@@ -1383,7 +1384,7 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
         if not torch.equal(source, target):
             raise RuntimeError(f"the copy on {shape.ctas} CTAs did not copy")
         product = repeat(lambda: {"ms": clock.held_ms(lambda: torch.mm(a, b))}, budget)["ms"]
-        count = max(8, round(PAIR_SPAN_MS / product.median_ms))
+        count = min(PAIR_MOST_PRODUCTS, max(8, round(PAIR_SPAN_MS / product.median_ms)))
 
         def events(how_many: int) -> list[torch.cuda.Event]:
             return [torch.cuda.Event(enable_timing=True) for _ in range(how_many)]
