@@ -460,6 +460,32 @@ def test_an_estimates_alloc_column_is_the_1f1b_peak_simulate_gives_its_profile(d
     assert all(device["peak_memory_parts_mb"]["transient"] > 0 for device in simulated)
 
 
+def test_simulating_an_estimate_takes_its_data_parallel_replicas_and_sharding_unless_told_otherwise(tmp_path):
+    """`simulate --profile E.json` of an estimate at d = 2 with ZeRO-1 runs its d and ZeRO by default, as the
+    estimate counted its memory and as `estimate`'s own check runs it: it ran one replica, whose unsharded optimizer
+    read a Llama 3.1 8B at p = 4, d = 8 as out of memory (83,101 MiB) where the estimate fits (60,368). Given flags
+    still say what runs."""
+    import json
+
+    from tests.conftest import pipesim
+
+    degrees = ("--data-parallel", 2, "--zero", 1)
+    code, _, err = pipesim("estimate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 512,
+                           "--heads", 8, "--seq-len", 512, "-b", 2, "-p", 2, *degrees, "--out", tmp_path / "e.json")
+    assert code == 0, err
+    runs = {}
+    for case, flags in (("default", ()), ("given", degrees), ("unsharded", ("--zero", 0)),
+                        ("one replica", ("--data-parallel", 1))):
+        code, out, err = pipesim("simulate", "--profile", tmp_path / "e.json", "-s", "1f1b", "-m", 8, *flags, "--json")
+        assert code == 0, (case, err)
+        runs[case] = json.loads(out)["results"][0]
+    assert runs["default"] == runs["given"]
+    assert runs["default"]["samples_per_s"] > 1.5 * runs["one replica"]["samples_per_s"]  # two replicas' samples
+    parts = [run["devices"][0]["peak_memory_parts_mb"]["optimizer_state"] for run in (runs["default"],
+                                                                                        runs["unsharded"])]
+    assert parts[1] == pytest.approx(2 * parts[0])  # the optimizer state over d = 2, or whole
+
+
 @pytest.mark.parametrize("command", ["simulate", "sweep"])
 def test_a_gpu_what_ifs_caption_says_which_peak_it_shows(command):
     """simulate's and sweep's --gpu caption says whether its peak is max reserved (the caching allocator replayed,
