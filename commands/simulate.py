@@ -94,6 +94,7 @@ from .estimate import (
     check_estimate_limits,
     count_what_if,
     estimated_profile,
+    estimates_replicas,
     parallelism_text,
     peak_text,
     tensor_span_text,
@@ -291,14 +292,8 @@ def simulate(
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
-        estimate = scenario.measured.estimate if what is None and scenario.measured is not None else None
-        if estimate is not None and not is_given(ctx, "data_parallel"):
-            # as the estimate counted its memory (its optimizer sharded over its d): its own check's d and ZeRO
-            # (commands/estimate.py `one_f_one_b_peaks_bytes`), not one replica
-            data_parallel = ctx.params["data_parallel"] = int(estimate.parallelism.get("data", 1))
-            if estimate.parallelism.get("sharded_optimizer") and not (is_given(ctx, "zero")
-                                                                      or is_given(ctx, "sharded_optimizer")):
-                ctx.params["zero"] = 1
+        if what is None:
+            data_parallel = estimates_replicas(ctx, scenario.measured, data_parallel)
         experts = ctx.params.get("expert_parallel", 1)
         if what is None and experts > 1:
             _check_profile_experts(scenario.measured, experts, data_parallel)

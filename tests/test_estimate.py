@@ -461,7 +461,7 @@ def test_an_estimates_alloc_column_is_the_1f1b_peak_simulate_gives_its_profile(d
 
 
 def test_simulating_an_estimate_takes_its_data_parallel_replicas_and_sharding_unless_told_otherwise(tmp_path):
-    """`simulate --profile E.json` of an estimate at d = 2 with ZeRO-1 runs its d and ZeRO by default, as the
+    """`simulate --profile E.json` (and `sweep`'s) of an estimate at d = 2 with ZeRO-1 runs its d and ZeRO by default, as the
     estimate counted its memory and as `estimate`'s own check runs it: it ran one replica, whose unsharded optimizer
     read a Llama 3.1 8B at p = 4, d = 8 as out of memory (83,101 MiB) where the estimate fits (60,368). Given flags
     still say what runs."""
@@ -484,6 +484,13 @@ def test_simulating_an_estimate_takes_its_data_parallel_replicas_and_sharding_un
     parts = [run["devices"][0]["peak_memory_parts_mb"]["optimizer_state"] for run in (runs["default"],
                                                                                         runs["unsharded"])]
     assert parts[1] == pytest.approx(2 * parts[0])  # the optimizer state over d = 2, or whole
+    rows = []
+    for flags in ((), degrees):  # sweep alike
+        code, out, err = pipesim("sweep", "--profile", tmp_path / "e.json", "-s", "1f1b", "-p", 2, "-m", 8, *flags)
+        assert code == 0, err
+        rows.append(next(line.split() for line in out.splitlines() if line.split()[:1] == ["1f1b"]))
+    assert rows[0] == rows[1]
+    assert float(rows[0][4].replace(",", "")) == pytest.approx(runs["default"]["samples_per_s"], rel=0.01)
 
 
 @pytest.mark.parametrize("command", ["simulate", "sweep"])
