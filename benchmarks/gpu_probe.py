@@ -1363,11 +1363,10 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
     """(g): per shape, one product, the copy and the products' span each alone behind a held device; the two side by
     side with the copy issued first (`copy_first`); and the copy launched at `PAIR_LAUNCH_SHARES` of the products'
     span while they run (`inside`; `PAIR_LAUNCHES`: by the host at a random moment of a product, or queued behind a
-    product's end): per launch, when its stream
-    reached it, what was left of the product then running, the next products' ends, the copy's time from there to
-    its end, the host's launch and the products' span. The products run behind a held device, their events made
-    beforehand, so that the host's issue stays ahead of them; the host launches the copy once the device has
-    reached them."""
+    product's end): per launch, when its stream reached it, what was left of the product then running, the next
+    products' ends, the copy's time from there to its end, the host's launch and the products' span. The products
+    run behind a held device, their events made beforehand, so that the host's issue stays ahead of them; the host
+    launches the copy once the device has reached them."""
     if device.type != "cuda":
         return skipped(RuntimeError("needs a CUDA GPU: two streams beside each other, and Triton's copy"))
     from sm_copy import copy_on_ctas  # this folder's; Triton, on a GPU only
@@ -1470,7 +1469,9 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
 
 def pair_derived(timings: dict[str, Timing], inside: list[dict], launch: str) -> dict[str, float]:
     """What the pair costs each side against each alone (medians, ms): the copy issued first, and launched inside
-    the products, its time past its own beside what was left of the product it met (the persistent rule's wait),
+    the products, when it ends after its launch (its stream's mark, less the host's launch), what was left of the
+    product it met (the persistent rule's wait) and its time past that over its own (how much slower it runs beside
+    the products), its time past its own,
     how many products ended between its launch and its start (its end less its time without the pair), and the
     products' span past theirs. A copy the host launches inside is timed from its stream's mark before the launch,
     so its time holds the host's launch (Triton's launcher), as the copy timed from an idle device does
@@ -1479,7 +1480,15 @@ def pair_derived(timings: dict[str, Timing], inside: list[dict], launch: str) ->
     copy_ms, products_ms = timings["alone_copy_ms"].median_ms, timings["alone_products_ms"].median_ms
     unheld_ms = timings["alone_copy_unheld_ms"].median_ms
     own_ms = unheld_ms if launch == "host" else copy_ms
-    return {"copy_unheld_over_alone_ms": unheld_ms - copy_ms,
+    launch_ms = own_ms - copy_ms  # the host's launch a copy timed from its mark holds
+
+    def ends_ms(row: dict) -> float:
+        return row["copy_ms"] - launch_ms
+
+    return {"inside_copy_ends_ms": statistics.median(map(ends_ms, inside)),
+            "inside_run_over_own": statistics.median((ends_ms(row) - row["running_left_ms"]) / copy_ms
+                                                     for row in inside),
+            "copy_unheld_over_alone_ms": unheld_ms - copy_ms,
             "inside_copy_over_unheld_ms": statistics.median(row["copy_ms"] - unheld_ms for row in inside),
             "copy_first_copy_over_alone_ms": timings["copy_first_copy_ms"].median_ms - copy_ms,
             "copy_first_products_over_alone_ms": timings["copy_first_products_ms"].median_ms - products_ms,
@@ -1629,9 +1638,8 @@ def weights_tables(weights_result: dict) -> list[Table]:
 def pair_tables(pair_result: dict) -> list[Table]:
     """Part (g): each side's time alone and what the pair adds to it, with the copy first and launched inside."""
     table = Table("(g) a copy on a collective's CTAs beside BF16 products: medians, ms (+: over each alone)",
-                  ["shape", "launch", "product", "products", "products alone", "copy alone",
-                   "copy from idle", "copy first: copy +", "products +", "inside: copy +", "over idle's",
-                   "product left", "products waited", "products +"], keys=2)
+                  ["shape", "launch", "product", "products", "copy alone", "copy first: copy +", "products +",
+                   "inside: copy ends", "product left", "its run over its own", "products +"], keys=2)
     if "skipped" in pair_result:
         table.notes.append(f"skipped: {pair_result['skipped']}")
         return [table]
@@ -1639,13 +1647,11 @@ def pair_tables(pair_result: dict) -> list[Table]:
         t = run["timings"]
         for launch, d in run["derived"].items():
             table.rows.append([run["shape"]["name"], launch, f"{t['product_ms'].median_ms:.3f}", str(run["products"]),
-                               *(f"{t[key].median_ms:.3f}" for key in ("alone_products_ms", "alone_copy_ms",
-                                                                        "alone_copy_unheld_ms")),
+                               f"{t['alone_copy_ms'].median_ms:.3f}",
                                *(f"{d[key]:.3f}" for key in ("copy_first_copy_over_alone_ms",
                                                              "copy_first_products_over_alone_ms",
-                                                             "inside_copy_over_alone_ms",
-                                                             "inside_copy_over_unheld_ms", "inside_running_left_ms")),
-                               f"{d['inside_products_waited']:g}", f"{d['inside_products_over_alone_ms']:.3f}"])
+                                                             "inside_copy_ends_ms", "inside_running_left_ms")),
+                               f"{d['inside_run_over_own']:.2f}", f"{d['inside_products_over_alone_ms']:.3f}"])
     return [table]
 
 

@@ -520,3 +520,43 @@ def test_the_copy_on_a_collectives_ctas_copies_every_element_whatever_its_ctas(m
             target = torch.zeros_like(source)
             sm_copy.copy_on_ctas(source, target, ctas)
             assert torch.equal(source, target)
+
+
+def test_the_pairs_figures_are_each_copys_end_what_it_met_and_its_run_over_its_own(probe):
+    """Part (g)'s derived figures on made-up samples: a copy of 0.1 ms alone (0.15 from an idle device, the host's
+    launch 0.05), launched by the host and ending 0.45 ms after its mark, having met 0.1 ms of a product, ends 0.4
+    after its launch and ran 3 times its own time past that product; one queued at a product's end meets all of the
+    next and, ending 0.4 after, ran 2 times its own."""
+    def timing(ms):
+        return probe.Timing.of([ms])
+
+    timings = {"alone_copy_ms": timing(0.1), "alone_copy_unheld_ms": timing(0.15), "alone_products_ms": timing(8.0),
+               "copy_first_copy_ms": timing(0.12), "copy_first_products_ms": timing(8.05)}
+    row = {"running_left_ms": 0.1, "next_ends_ms": [0.1, 0.3, 0.5], "products_ms": 8.1}
+    host = probe.pair_derived(timings, [{**row, "copy_ms": 0.45}], "host")
+    assert host["inside_copy_ends_ms"] == pytest.approx(0.4) and host["inside_run_over_own"] == pytest.approx(3.0)
+    assert host["inside_products_waited"] == 2 and host["inside_products_over_alone_ms"] == pytest.approx(0.1)
+    boundary = probe.pair_derived(timings, [{**row, "running_left_ms": 0.2, "copy_ms": 0.4}], "boundary")
+    assert boundary["inside_copy_ends_ms"] == pytest.approx(0.4) and boundary["inside_run_over_own"] == pytest.approx(2)
+    assert boundary["copy_first_products_over_alone_ms"] == pytest.approx(0.05)
+
+
+def test_the_committed_h200_pair_run_gives_the_figures_docs_hardware_quotes(probe):
+    """traces/measured/gpu-probe-h200-pair.json (an H200, session 40), derived again from its samples: the copy runs
+    1.5 to 4.0 times its own time past the product it met, median 2.6 over the 16 cells, and the 4096^3 copy queued
+    at a product's end ends 0.470 ms after, having met 0.171 of the next product (docs/hardware.md, *Measured
+    here*)."""
+    record = json.loads((REPO / "traces" / "measured" / "gpu-probe-h200-pair.json").read_text())
+    over = []
+    for run in record["pair"]["runs"]:
+        timings = {key: probe.Timing(**value) for key, value in run["timings"].items()}
+        derived = {launch: probe.pair_derived(timings, [row for row in run["inside"] if row["launch"] == launch],
+                                              launch) for launch in probe.PAIR_LAUNCHES}
+        assert derived == run["derived"]
+        over += [figures["inside_run_over_own"] for figures in derived.values()]
+    assert len(over) == 16 and 1.5 < min(over) and max(over) < 4.1
+    assert round(sorted(over)[7] / 2 + sorted(over)[8] / 2, 1) == 2.6
+    first = record["pair"]["runs"][0]
+    assert first["shape"]["name"] == "4096^3, 24 CTAs"
+    assert round(first["derived"]["boundary"]["inside_copy_ends_ms"], 3) == 0.470
+    assert round(first["derived"]["boundary"]["inside_running_left_ms"], 3) == 0.171
