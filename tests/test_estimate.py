@@ -461,10 +461,10 @@ def test_an_estimates_alloc_column_is_the_1f1b_peak_simulate_gives_its_profile(d
 
 
 def test_simulating_an_estimate_takes_its_data_parallel_replicas_and_sharding_unless_told_otherwise(tmp_path):
-    """`simulate --profile E.json` (and `sweep`'s) of an estimate at d = 2 with ZeRO-1 runs its d and ZeRO by default, as the
-    estimate counted its memory and as `estimate`'s own check runs it: it ran one replica, whose unsharded optimizer
-    read a Llama 3.1 8B at p = 4, d = 8 as out of memory (83,101 MiB) where the estimate fits (60,368). Given flags
-    still say what runs."""
+    """`simulate --profile E.json` (and `sweep`'s) of an estimate at d = 2 with ZeRO-1 runs its d and ZeRO by
+    default, as the estimate counted its memory and as `estimate`'s own check runs it: it ran one replica, whose
+    unsharded optimizer read a Llama 3.1 8B at p = 4, d = 8 as out of memory (83,101 MiB) where the estimate fits
+    (60,368). Given flags still say what runs."""
     import json
 
     from tests.conftest import pipesim
