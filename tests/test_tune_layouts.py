@@ -136,8 +136,10 @@ def test_a_profile_estimated_over_4_expert_ranks_runs_where_the_replicas_hold_th
     assert refused("simulate", "--profile", path, "-s", "1f1b", "-m", 4, "--data-parallel", 2).startswith(
         "error: --data-parallel 2: the profile was estimated with --expert-parallel 4, and --expert-parallel 4 must "
         "divide the data-parallel degree, 2: give --data-parallel a multiple of 4")
-    assert refused("sweep", "--profile", path, "-s", "1f1b", "--stages", 2, "--microbatches", 4).startswith(
-        "error: --data-parallel 1: the profile was estimated with --expert-parallel 4")
+    assert refused("sweep", "--profile", path, "-s", "1f1b", "--stages", 2, "--microbatches", 4, "--data-parallel",
+                   1).startswith("error: --data-parallel 1: the profile was estimated with --expert-parallel 4")
+    code, _, err = pipesim("sweep", "--profile", path, "-s", "1f1b", "--stages", 2, "--microbatches", 4)
+    assert code == 0, err  # at the estimate's d = 4 (`estimates_replicas`)
     assert refused("run", "--profile", path, "-s", "auto", "--model", "gpt", "--stages", 2, "--data-parallel",
                    2).startswith("error: --data-parallel 2: the profile was estimated with --expert-parallel 4, and "
                                  "--expert-parallel 4 must divide")  # run's searched order: the same traceback
