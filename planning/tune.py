@@ -3235,6 +3235,12 @@ def _notes(settings: list[Setting], problem: Problem) -> list[str]:
         notes.append("the profile has no all-reduce times: data parallelism can't be costed, so p = D only")
     if profile.link is None:
         notes.append("the profile has no link times: transfers between devices are free")
+    estimated = profile.estimate.parallelism if profile.estimate is not None else {}
+    if estimated.get("sharded_optimizer") and not problem.zero:
+        notes.append(f"the profile was estimated with its optimizer sharded over d = {estimated.get('data', 1):,} "
+                     "(ZeRO-1), which tune --profile does not shard: each replica here holds the whole optimizer "
+                     "state, as the choice's simulate command runs it; --gpu with --model and --zero 1 searches it "
+                     "sharded")
     return notes
 
 

@@ -493,6 +493,30 @@ def test_simulating_an_estimate_takes_its_data_parallel_replicas_and_sharding_un
     assert float(rows[0][4].replace(",", "")) == pytest.approx(runs["default"]["samples_per_s"], rel=0.01)
 
 
+def test_tune_says_it_does_not_shard_the_optimizer_an_estimate_sharded(tmp_path):
+    """`tune --profile` refuses --zero (it shards --gpu's estimates alone), so an estimate made with ZeRO-1 is
+    planned with each replica holding the whole optimizer state: the note says so, and how to search it sharded.
+    An estimate without a sharded optimizer gets no such note."""
+    import json
+
+    from tests.conftest import pipesim
+
+    shape = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 512, "--heads", 8, "--seq-len", 512,
+             "-b", 2, "-p", 2)
+    notes = []
+    for name, degrees in (("sharded", ("--data-parallel", 2, "--zero", 1)), ("whole", ("--data-parallel", 2))):
+        code, _, err = pipesim("estimate", *shape, *degrees, "--out", tmp_path / f"{name}.json")
+        assert code == 0, err
+        code, out, err = pipesim("tune", "--profile", tmp_path / f"{name}.json", "-D", 4, "-B", 8, "-s", "1f1b",
+                                 "--json")
+        assert code == 0, err
+        notes.append(json.loads(out)["notes"])
+    assert ["the profile was estimated with its optimizer sharded over d = 2 (ZeRO-1), which tune --profile does not "
+            "shard: each replica here holds the whole optimizer state, as the choice's simulate command runs it; "
+            "--gpu with --model and --zero 1 searches it sharded"] == [note for note in notes[0] if "sharded" in note]
+    assert not any("sharded" in note for note in notes[1])
+
+
 @pytest.mark.parametrize("command", ["simulate", "sweep"])
 def test_a_gpu_what_ifs_caption_says_which_peak_it_shows(command):
     """simulate's and sweep's --gpu caption says whether its peak is max reserved (the caching allocator replayed,
