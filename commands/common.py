@@ -1448,6 +1448,10 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     from ..schedules.methods import above_zero_refusal
     from ..sim import ClusterError, CostError, load_cluster
 
+    measured = estimated or (load_profile_flag(ctx, ctx.params["profile"]) if ctx.params.get("profile") is not None
+                             else None)
+    if estimated is None and source is None:
+        _estimates_replicas(ctx, measured)
     flags = {**ctx.params, **overrides}
     refuse(optimizer_refusal(flags["optimizer"], "--optimizer"))
     precision = given_precision(flags)
@@ -1480,7 +1484,6 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         check_stage_cut(stage_cut, pp_runtime)
     except CostError as exc:
         raise InputError(str(exc)) from None
-    measured = estimated or (load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None)
     if measured is None and not any(per_stage["--fwd"] + per_stage["--bwd"]):  # 0.0 samples/s, a 0 ms step
         raise InputError("--fwd, --bwd: every forward and backward takes 0 ms, so a step has no compute to time; "
                          "give one of them above 0")
@@ -1574,6 +1577,23 @@ def read_profile(path: Path, flag: str = "--profile") -> Profile:
         return load_profile(path)
     except ProfileError as exc:
         raise InputError(f"{flag}: {exc}") from None
+
+
+def _estimates_replicas(ctx: typer.Context, measured: Profile | None) -> None:
+    """A --profile estimate runs at its own d, and sharded as it was over its d > 1 replicas (ZeRO-3 under
+    --precision fsdp2, else ZeRO-1 where it sharded the optimizer), unless --data-parallel (or --zero,
+    --sharded-optimizer) says otherwise: as the estimate counted its memory and as its own check runs it
+    (commands/estimate.py `one_f_one_b_peaks_bytes`), set in `ctx.params` before the flags that need replicas are
+    checked. One replica's unsharded optimizer had read Llama 3.1 8B at p = 4, d = 8 as out of memory (83,101 MiB)
+    where the estimate fits (60,368)."""
+    estimate = measured.estimate if measured is not None else None
+    if estimate is None or is_given(ctx, "data_parallel"):
+        return
+    parallelism = estimate.parallelism
+    replicas = ctx.params["data_parallel"] = int(parallelism.get("data", 1))
+    if replicas > 1 and parallelism.get("sharded_optimizer") and not (is_given(ctx, "zero")
+                                                                      or is_given(ctx, "sharded_optimizer")):
+        ctx.params["zero"] = 3 if parallelism.get("precision") == "fsdp2" else 1
 
 
 def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:

@@ -654,22 +654,6 @@ def _write_count(path: Path, counted: WorkloadCount) -> None:
         write_atomic(path, TypeAdapter(WorkloadCount).dump_json(counted))
 
 
-def estimates_replicas(ctx: typer.Context, measured: Profile | None, data_parallel: int) -> int:
-    """The d a command runs a --profile at: an estimate's own d, and ZeRO-1 where it sharded the optimizer, unless
-    --data-parallel (or --zero, --sharded-optimizer) is given, as the estimate counted its memory and as its own
-    check runs it (commands/estimate.py `one_f_one_b_peaks_bytes`); one replica's unsharded optimizer had read Llama
-    3.1 8B at p = 4, d = 8 as out of memory (83,101 MiB) where the estimate fits (60,368). They are set in
-    `ctx.params` too, where `zero_stage` reads them. Else `data_parallel` as given."""
-    estimate = measured.estimate if measured is not None else None
-    if estimate is None or is_given(ctx, "data_parallel"):
-        return data_parallel
-    ctx.params["data_parallel"] = int(estimate.parallelism.get("data", 1))
-    if estimate.parallelism.get("sharded_optimizer") and not (is_given(ctx, "zero")
-                                                              or is_given(ctx, "sharded_optimizer")):
-        ctx.params["zero"] = 1
-    return ctx.params["data_parallel"]
-
-
 def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelism, optimizer: str,
                       memo: LayerMemo | None = None) -> Profile:
     """The profile of `counted` on the what-if part, parallelised as `parallel` says, with the kernels it was

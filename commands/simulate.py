@@ -94,7 +94,6 @@ from .estimate import (
     check_estimate_limits,
     count_what_if,
     estimated_profile,
-    estimates_replicas,
     parallelism_text,
     peak_text,
     tensor_span_text,
@@ -292,8 +291,7 @@ def simulate(
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
-        if what is None:
-            data_parallel = estimates_replicas(ctx, scenario.measured, data_parallel)
+        data_parallel = ctx.params["data_parallel"]  # a --profile estimate's own d where none was given
         experts = ctx.params.get("expert_parallel", 1)
         if what is None and experts > 1:
             _check_profile_experts(scenario.measured, experts, data_parallel)
@@ -423,7 +421,7 @@ def simulate(
                          _cost_basis(scenario, built, work, peak_text(scenario.measured, what, scenario))
                          + _overlap_text(built, pairs, fb_hidden_fraction)
                          + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names})
-                         + _searched_again_text(searched_again) + _held_back_text(built, summaries, costed),
+                         + _searched_again_text(searched_again) + _held_back_text(built, summaries, memory, costed),
                          [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
         for path in [*trace_paths, *([html] if html else [])]:  # --memory's too: it wrote them without a word
             stdout.print(f"wrote {path}", highlight=False)
@@ -629,12 +627,12 @@ def _searched_again_text(searched_again: dict[str, SearchedAgain]) -> str:
                    "MiB)" for name, again in searched_again.items())
 
 
-def _held_back_text(built: list, summaries: list, costed: dict) -> str:
+def _held_back_text(built: list, summaries: list, memory: list, costed: dict) -> str:
     """For the caption: a searched order (auto) that steps slower than a one-stage-a-device order beside it which
-    holds more activations than the searched one's limit R allows (its own R, `activation_ratio`, over R), with the
-    least R that lets the search hold as much: so that the row is read as the limit's, not the search's (ZB-H1 on
-    Llama 3.1 8B at p = 8, whose two heavier last stages hold 1.1 times 1F1B's peak, ran 0.7 % ahead of auto at
-    R = 1)."""
+    fits its devices' memory and holds more activations than the searched one's limit R allows (its own R,
+    `activation_ratio`, over R), with the least R that lets the search hold as much: so that the row is read as the
+    limit's, not the search's (ZB-H1 on Llama 3.1 8B at p = 8, whose two heavier last stages hold 1.1 times 1F1B's
+    peak, ran 0.7 % ahead of auto at R = 1). One out of memory is no order to hold as much as (ZB-H2 there)."""
     from ..planning.auto import activation_ratio, least_limit
 
     texts = []
@@ -642,18 +640,18 @@ def _held_back_text(built: list, summaries: list, costed: dict) -> str:
         limit = sched.params.get("activation_limit")  # a searched order's alone
         if limit is None:
             continue
-        for other, other_summary in zip(built, summaries):
+        for other, other_summary, checks in zip(built, summaries, memory):
+            faster = 1 - other_summary.time_per_minibatch_ms / summary.time_per_minibatch_ms
             if (other.params.get("activation_limit") is not None or other.num_stages != other.num_devices
-                    or other.pipelines != 1
-                    or other_summary.max_staleness or other_summary.time_per_minibatch_ms
-                    >= summary.time_per_minibatch_ms):
+                    or other.pipelines != 1 or other_summary.max_staleness or percent_text(faster) == "0.0%"
+                    or faster < 0 or any(check.out_of_memory for check in checks)):
                 continue
             held = activation_ratio(other, costed[other.method])
             if held > limit + 1e-9:
-                faster = 1 - other_summary.time_per_minibatch_ms / summary.time_per_minibatch_ms
-                texts.append(f"; {other.method} steps {percent_text(faster)} faster than {sched.method} holding "
-                             f"{held:.3g} times 1F1B's peak activations, over {sched.method}'s --activation-limit "
-                             f"R = {limit:g} ({least_limit(held, 1.0)} lets it hold as much)")
+                texts.append(f"; {other.method}, holding {held:.3g} times 1F1B's peak activations where "
+                             f"{sched.method}'s --activation-limit R = {limit:g} holds less, steps "
+                             f"{percent_text(faster)} faster ({least_limit(held, 1.0)} lets {sched.method} hold as "
+                             "much)")
     return "".join(texts)
 
 

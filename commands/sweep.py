@@ -55,7 +55,7 @@ from .common import (
     writing,
     zero_stage,
 )
-from .estimate import count_what_if, estimated_profile, estimates_replicas, peak_text, what_if
+from .estimate import count_what_if, estimated_profile, peak_text, what_if
 from .tables import add_columns, print_table, said_once
 
 MAX_PORT = 65_535  # a TCP port's largest
@@ -242,8 +242,7 @@ def sweep(
         what = what_if(ctx)
         check_allocator(ctx, what)
         scenario = scenario_from_flags(ctx, "model")
-        if what is None:
-            data_parallel = estimates_replicas(ctx, scenario.measured, data_parallel)
+        data_parallel = ctx.params["data_parallel"]  # a --profile estimate's own d where none was given
         check_p2p_sync(ctx, axes.get("schedule", METHODS), scenario.measured)
         lists = [flag for flag, values in scenario.per_stage.items() if len(values) > 1]
         if lists:

@@ -3237,10 +3237,11 @@ def _notes(settings: list[Setting], problem: Problem) -> list[str]:
         notes.append("the profile has no link times: transfers between devices are free")
     estimated = profile.estimate.parallelism if profile.estimate is not None else {}
     if estimated.get("sharded_optimizer") and not problem.zero:
-        notes.append(f"the profile was estimated with its optimizer sharded over d = {estimated.get('data', 1):,} "
-                     "(ZeRO-1), which tune --profile does not shard: each replica here holds the whole optimizer "
-                     "state, as the choice's simulate command runs it; --gpu with --model and --zero 1 searches it "
-                     "sharded")
+        ranks = estimated.get("data", 1) * estimated.get("context", 1)  # C ranks shard as d do
+        zero = "--zero 3 --precision fsdp2" if estimated.get("precision") == "fsdp2" else "--zero 1"
+        notes.append(f"the profile was estimated sharded over {ranks:,} ranks ({zero}), which tune --profile does "
+                     f"not shard: each replica here holds the whole optimizer state; --gpu with --model and {zero} "
+                     "searches it sharded")
     return notes
 
 

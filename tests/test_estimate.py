@@ -4,10 +4,13 @@ tensor parallelism's split and collectives, Korthikanti et al.'s activation memo
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from pipesim.hardware import collectives
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 8, 64])
@@ -493,6 +496,40 @@ def test_simulating_an_estimate_takes_its_data_parallel_replicas_and_sharding_un
     assert float(rows[0][4].replace(",", "")) == pytest.approx(runs["default"]["samples_per_s"], rel=0.01)
 
 
+@pytest.mark.parametrize("estimated,simulated,said", [
+    # the optimizer sharded over C = 2 context-parallel ranks at d = 1: one replica, nothing to refuse
+    (("--context-parallel", 2, "--attention", "flash", "--zero", 1), (), "t x C = 1 x 2 GPUs per device"),
+    (("--data-parallel", 2, "--zero", 3, "--precision", "fsdp2"), (), "d=2 replicas, ZeRO-3"),  # as estimated
+    (("--data-parallel", 2, "--zero", 1), ("--reduce-after-flush",), "d=2 replicas, ZeRO-1"),  # checked at d = 2
+])
+def test_an_estimates_replicas_are_taken_before_the_flags_that_need_them_are_checked(tmp_path, estimated, simulated,
+                                                                                     said):
+    """The review's cases: an estimate sharded over context-parallel ranks at d = 1 was refused a --zero 1 nobody
+    gave; FSDP2's needs its ZeRO-3; --reduce-after-flush was refused at d = 1 before the estimate's d was taken."""
+    from tests.conftest import pipesim
+
+    code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 512,
+                           "--heads", 8, "--seq-len", 512, "-b", 2, "-p", 2, *estimated, "--out", tmp_path / "e.json")
+    assert code == 0, err
+    code, out, err = pipesim("simulate", "--profile", tmp_path / "e.json", "-s", "1f1b", "-m", 8, *simulated)
+    assert code == 0, err
+    assert said in out.splitlines()[0]
+
+
+def test_a_schedule_file_beside_an_expert_parallel_estimate_stays_one_replica(tmp_path):
+    """A schedule file is one pipeline's ranks: an estimate's d is not taken for it, so an estimate whose E = 4
+    expert ranks need four replicas is refused, as before (taken, it ran all-to-alls over 4 ranks in one)."""
+    from tests.conftest import pipesim
+
+    code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 512,
+                           "--heads", 8, "--seq-len", 512, "-b", 2, "-p", 2, "--experts", 4, "--top-k", 2,
+                           "--data-parallel", 4, "--expert-parallel", 4, "--out", tmp_path / "e.json")
+    assert code == 0, err
+    code, out, err = pipesim("simulate", "--profile", tmp_path / "e.json", "--schedule-file",
+                             REPO / "examples" / "order.csv")
+    assert code == 2 and err.startswith("error: --data-parallel 1: the profile was estimated with --expert-parallel 4")
+
+
 def test_tune_says_it_does_not_shard_the_optimizer_an_estimate_sharded(tmp_path):
     """`tune --profile` refuses --zero (it shards --gpu's estimates alone), so an estimate made with ZeRO-1 is
     planned with each replica holding the whole optimizer state: the note says so, and how to search it sharded.
@@ -511,9 +548,9 @@ def test_tune_says_it_does_not_shard_the_optimizer_an_estimate_sharded(tmp_path)
                                  "--json")
         assert code == 0, err
         notes.append(json.loads(out)["notes"])
-    assert ["the profile was estimated with its optimizer sharded over d = 2 (ZeRO-1), which tune --profile does not "
-            "shard: each replica here holds the whole optimizer state, as the choice's simulate command runs it; "
-            "--gpu with --model and --zero 1 searches it sharded"] == [note for note in notes[0] if "sharded" in note]
+    assert ["the profile was estimated sharded over 2 ranks (--zero 1), which tune --profile does not shard: each "
+            "replica here holds the whole optimizer state; --gpu with --model and --zero 1 searches it sharded"] == [
+        note for note in notes[0] if "sharded" in note]
     assert not any("sharded" in note for note in notes[1])
 
 
