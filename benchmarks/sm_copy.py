@@ -1,6 +1,7 @@
 """A copy on a fixed number of CTAs, the shape of a collective's kernel (NCCL's channels, DeepEP's and HybridEP's
-SMs): each CTA strides over the buffer in blocks, so the copy holds exactly `ctas` multiprocessors' worth of blocks
-while it runs. Triton; imported by benchmarks/gpu_probe.py's part (g) on a GPU only."""
+SMs): each CTA strides over the buffer in blocks, so the copy runs as `ctas` CTAs from its start to its end
+(several may share a multiprocessor where nothing else holds it). Triton; imported by benchmarks/gpu_probe.py's
+part (g) on a GPU only."""
 
 from __future__ import annotations
 
