@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import MAX_MS, whole_number
+from ..units import MAX_MS, degree_text, whole_number
 from .common import (
     LEAST_MS,
     SWEEP_RESULTS,
@@ -327,6 +327,16 @@ FRONT_HEADERS = {"v": "chunks per device", "P": "pipelines", "cost×": "the cost
                  "R": "auto's activation limit, in 1F1B's peak"}
 
 
+def _replicas_text(config) -> str:
+    """For the caption: the data-parallel replicas every configuration runs (one --data-parallel, or a --profile
+    estimate's own d) and how they shard and reduce, where there are more than one: no column shows them."""
+    if config.data_parallel == 1:
+        return ""
+    zero = f", ZeRO-{config.zero}" if config.zero else ""
+    flush = ", each reduced after its flush" if config.reduce_after_flush else ""
+    return f"; {degree_text('d', config.data_parallel)} replicas in every row{zero}{flush}"
+
+
 def _print_front(results: list, front: list[int], peak: str) -> None:
     """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first; `peak`: what the peak
     column is (`peak_text`)."""
@@ -357,7 +367,7 @@ def _print_front(results: list, front: list[int], peak: str) -> None:
                   box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="; ".join(f"{header}: {text}" + (f", {said[header]} in every row" if header in said else "")
                                     for header, text in FRONT_HEADERS.items()) + "; -: not the method's"
-                  + (f"; {peak}" if peak else "")
+                  + (f"; {peak}" if peak else "") + _replicas_text(configs[0])
                   + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
                      if len(front) > FRONT_ROWS else "")
                   + ("; memory: OOM where a device's peak is past its memory (simulate names the devices)"

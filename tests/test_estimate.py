@@ -494,6 +494,7 @@ def test_simulating_an_estimate_takes_its_data_parallel_replicas_and_sharding_un
         rows.append(next(line.split() for line in out.splitlines() if line.split()[:1] == ["1f1b"]))
     assert rows[0] == rows[1]
     assert float(rows[0][4].replace(",", "")) == pytest.approx(runs["default"]["samples_per_s"], rel=0.01)
+    assert "d=2 replicas in every row, ZeRO-1" in " ".join(out.split())  # no column shows them
 
 
 @pytest.mark.parametrize("estimated,simulated,said", [
