@@ -1473,27 +1473,20 @@ def pair_derived(timings: dict[str, Timing], inside: list[dict], launch: str) ->
     """What the pair costs each side against each alone (medians, ms): the copy issued first, and launched inside
     the products, when it ends after its launch (its stream's mark, less the host's launch), what was left of the
     product it met (the persistent rule's wait) and its time past that over its own (how much slower it runs beside
-    the products), its time past its own, and the products' span past theirs. A copy queued behind a product's end
+    the products), and the products' span past theirs. A copy queued behind a product's end
     holds no host: its mark is that product's end, its time past the held copy's the pair's. One the host launches
     is timed from its stream's mark before the launch (Triton's launcher), taken off as the copy timed so from an
     idle device holds it (`copy_unheld`), which is no constant (0.02 to 0.14 ms over the H200 run's shapes), and
     the product it met is read at the mark, before the copy reached the device: its figures are the less sure."""
     copy_ms, products_ms = timings["alone_copy_ms"].median_ms, timings["alone_products_ms"].median_ms
-    unheld_ms = timings["alone_copy_unheld_ms"].median_ms
-    own_ms = unheld_ms if launch == "host" else copy_ms
-    launch_ms = own_ms - copy_ms  # the host's launch a copy timed from its mark holds
-
-    def ends_ms(row: dict) -> float:
-        return row["copy_ms"] - launch_ms
-
-    return {"inside_copy_ends_ms": statistics.median(map(ends_ms, inside)),
-            "inside_run_over_own": statistics.median((ends_ms(row) - row["running_left_ms"]) / copy_ms
-                                                     for row in inside),
-            "copy_unheld_over_alone_ms": unheld_ms - copy_ms,
-            "inside_copy_over_unheld_ms": statistics.median(row["copy_ms"] - unheld_ms for row in inside),
+    # the host's launch a copy timed from its mark holds: none where it was queued on the device
+    launch_ms = timings["alone_copy_unheld_ms"].median_ms - copy_ms if launch == "host" else 0.0
+    ends_ms = [row["copy_ms"] - launch_ms for row in inside]
+    return {"inside_copy_ends_ms": statistics.median(ends_ms),
+            "inside_run_over_own": statistics.median((end - row["running_left_ms"]) / copy_ms
+                                                     for end, row in zip(ends_ms, inside)),
             "copy_first_copy_over_alone_ms": timings["copy_first_copy_ms"].median_ms - copy_ms,
             "copy_first_products_over_alone_ms": timings["copy_first_products_ms"].median_ms - products_ms,
-            "inside_copy_over_alone_ms": statistics.median(row["copy_ms"] - copy_ms for row in inside),
             "inside_running_left_ms": statistics.median(row["running_left_ms"] for row in inside),
             "inside_products_over_alone_ms": statistics.median(row["products_ms"] - products_ms for row in inside)}
 
