@@ -128,8 +128,9 @@ Its 256-GPU DeepSeek-V3 row runs so as deepseek_v3_te_deepep.yaml at 89e3a9fdd (
 torch.distributed.pipelining: interleaved 1F1B over AutoPipeline's 32 stages (`autopipeline_stages`,
 `autopipeline_layout`: layers_per_stage 2, the embedding with the first and the head with the last; no MTP layer in
 AutoModel's model), `--pp-runtime torch`, and `--zero 3`, the pipeline stage keeping FSDP2's gathered weights to the
-step's last backward. The 1,024-GPU row prints v 8 where its config cuts 16 stages (v 4), and the rest are listed with
-why (`AUTOMODEL_NOT_EXPRESSIBLE`).
+step's last backward. Its Kimi K2 row runs so too: kimi_k2_te_deepep.yaml there is that config but for p 8, EP 32
+and the model (moonshotai/Kimi-K2-Base, AutoModel's DeepseekV3ForCausalLM; examples/kimi-k2). The 1,024-GPU row prints
+v 8 where its config cuts 16 stages (v 4), and the rest are listed with why (`AUTOMODEL_NOT_EXPRESSIBLE`).
 
 Every source's run built its layers from TransformerEngine's modules (`--linear-kernel te`, planning/te.py; in
 BF16 it moves the rows whose attention's input projection has a bias, gpt-oss-120b's): Megatron-Bridge's
@@ -387,14 +388,13 @@ CARDS_WITHOUT_LAYOUT = [
 
 AUTOMODEL = "nemo-automodel-moe-h100.csv"  # NeMo AutoModel's H100 pre-training table, README.md there too
 # AutoModel's model -> its examples/ config, for the rows run
-AUTOMODEL_PRESETS = {"Qwen3 MoE 30B": "qwen3-30b-a3b", "DeepSeek V3 671B": "deepseek-v3"}
+AUTOMODEL_PRESETS = {"Qwen3 MoE 30B": "qwen3-30b-a3b", "DeepSeek V3 671B": "deepseek-v3", "Kimi K2": "kimi-k2"}
 # AutoModel's model (or the prefix of its name) -> why its rows are not run
 AUTOMODEL_NOT_EXPRESSIBLE = {
     "Nemotron V3": NOT_EXPRESSIBLE["Nemotron_3_Nano"],
-    "Kimi K2": "no config of Kimi K2 in examples/",
-    "GPT-OSS 20B": "no config of gpt-oss-20b in examples/",
-    "GPT-OSS 120B": "FlexAttention (its config's backend attn: flex, for the sinks: gptoss_120b_te_deepep.yaml at "
-                    "89e3a9fdd), which --attention-kernel does not price (flash2, cudnn, flash3)",
+    **{f"GPT-OSS {size}": f"FlexAttention (its config's backend attn: flex, for the sinks: gptoss_{size.lower()}_te_"
+                          "deepep.yaml at 89e3a9fdd), which --attention-kernel does not price (flash2, cudnn, flash3)"
+       for size in ("20B", "120B")},
 }
 
 

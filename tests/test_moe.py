@@ -404,15 +404,31 @@ def test_a_sliding_window_layers_flash_kernels_carry_its_window_forward_and_back
 
 
 @needs_transformers
-def test_gpt_oss_120b_has_its_published_total_and_active_parameters():
-    """gpt-oss-120b's model card (OpenAI, arXiv 2508.10925, Table 1): 116.83B parameters, 5.13B active per token:
-    the total less the 124 of 128 experts a token does not go to in each of the 36 layers and the input
-    embedding."""
-    counted = count_built(f"hf:{ROOT / 'examples' / 'gpt-oss-120b'}", {"seq_len": 64}, 1, torch.bfloat16)
+@pytest.mark.parametrize("example, layers, experts, published", [("gpt-oss-120b", 36, 128, (11683, 513)),
+                                                                  ("gpt-oss-20b", 24, 32, (2091, 361))])
+def test_gpt_oss_has_its_published_total_and_active_parameters(example, layers, experts, published):
+    """gpt-oss's model card (OpenAI, arXiv 2508.10925, Table 1): gpt-oss-120b 116.83B parameters, 5.13B active per
+    token, gpt-oss-20b 20.91B and 3.61B: the total less the experts a token does not go to (all but 4) in each
+    layer and the input embedding."""
+    counted = count_built(f"hf:{ROOT / 'examples' / example}", {"seq_len": 64}, 1, torch.bfloat16)
     total = sum(layer.param_bytes for layer in counted.layers) // 2
-    expert = sum(layer.expert_param_bytes for layer in counted.layers) // 2 // (36 * 128)
-    active = total - 36 * (128 - 4) * expert - counted.layers[0].param_bytes // 2
-    assert (round(total / 1e7), round(active / 1e7)) == (11683, 513)
+    expert = sum(layer.expert_param_bytes for layer in counted.layers) // 2 // (layers * experts)
+    active = total - layers * (experts - 4) * expert - counted.layers[0].param_bytes // 2
+    assert (round(total / 1e7), round(active / 1e7)) == published
+
+
+@needs_transformers
+def test_kimi_k2_has_its_published_total_and_activated_parameters():
+    """Kimi K2's model card (moonshotai/Kimi-K2-Base): 1T parameters, 32B activated, 61 layers of which 1 dense,
+    384 experts of 2,048 and 1 shared, top 8. Counted from its config: 1,026.4B, and 31.7B activated (the total less
+    the 376 routed experts a token does not go to in each of the 60 MoE layers and the input embedding)."""
+    counted = count_built(f"hf:{ROOT / 'examples' / 'kimi-k2'}", {"seq_len": 64}, 1, torch.bfloat16)
+    total = sum(layer.param_bytes for layer in counted.layers) // 2
+    expert = 3 * 7168 * 2048
+    assert [layer.expert_param_bytes // 2 for layer in counted.layers[1:-2]] == [0] + [384 * expert] * 60
+    activated = total - 60 * (384 - 8) * expert - counted.layers[0].param_bytes // 2
+    assert (round(total / 1e12), round(activated / 1e9)) == (1, 32)
+    assert (round(total / 1e8), round(activated / 1e8)) == (10264, 317)
 
 
 @needs_transformers

@@ -65,6 +65,25 @@ def test_the_256_gpu_deepseek_row_runs_autopipelines_cut_under_torchs_pipelining
     assert row["published_tokens_per_s_per_gpu"] == 1002.0
 
 
+def test_the_kimi_k2_row_runs_the_deepseek_rows_config_at_its_own_p_and_e():
+    """kimi_k2_te_deepep.yaml at 89e3a9fdd is deepseek_v3_te_deepep.yaml there but for pp_size 8, ep_size 32 and the
+    model (moonshotai/Kimi-K2-Base, AutoModel's DeepseekV3ForCausalLM): 61 blocks at layers_per_stage 2 make the
+    same 32 stages, v 4 at p 8 (the table's); local batch 8, GA 2, so 16 micro-batches of 1 over d = 32."""
+    (row,) = [row for row in RECORDED if row["run"] == "AutoModel Kimi K2 256 GPUs t1 p8 v4 E32"]
+    (deepseek,) = [row for row in RECORDED if row["run"] == "AutoModel DeepSeek V3 671B 256 GPUs t1 p4 v8 E64"]
+    args, theirs = shlex.split(row["command"]), shlex.split(deepseek["command"])
+    assert (_flag(args, "--model"), _flag(args, "-p"), _flag(args, "--chunks"), _flag(args, "-m"),
+            _flag(args, "--data-parallel"), _flag(args, "--expert-parallel")) == ("hf:examples/kimi-k2", "8", "4",
+                                                                                  "16", "32", "32")
+    differing = {"--model", "-p", "--chunks", "-m", "--data-parallel", "--expert-parallel"}
+
+    def rest(words: list[str]) -> list[str]:
+        return [word for i, word in enumerate(words) if not {word, words[i - 1]} & differing]
+
+    assert rest(args) == rest(theirs) and "--stage-cut" in rest(args)
+    assert row["published_tokens_per_s_per_gpu"] == 924.0
+
+
 def test_autopipelines_stage_count_is_its_rule(monkeypatch):
     """functional.py calculate_virtual_stages: ⌈L / n⌉ + 1 rounded down to a multiple of p: 32 at n = 2 and 16 at
     n = 4 (the 1,024-GPU config, whose v 4 the table prints as 8)."""
@@ -83,7 +102,10 @@ def test_the_other_rows_are_listed_with_why(monkeypatch, tmp_path):
     expressible, left_out = automodel_runs()
     assert [run.name for run, _ in expressible] == [row["run"] for row in RECORDED]
     reasons = dict(left_out)
-    assert len(left_out) == 7 and len(reasons) == 7
+    assert len(left_out) == 6 and len(reasons) == 6
     assert "Mamba" in reasons["AutoModel Nemotron V3 Nano 30B (26.02) 8 GPUs t1 p1 v1 E8"]
-    assert "FlexAttention" in reasons["AutoModel GPT-OSS 120B 64 GPUs t1 p1 v1 E-"]
+    assert "gptoss_120b_te_deepep.yaml" in reasons["AutoModel GPT-OSS 120B 64 GPUs t1 p1 v1 E-"]
+    assert "gptoss_20b_te_deepep.yaml" in reasons["AutoModel GPT-OSS 20B 8 GPUs t1 p1 v1 E-"]
+    assert all("FlexAttention" in reasons[f"AutoModel GPT-OSS {size}"] for size in ("120B 64 GPUs t1 p1 v1 E-",
+                                                                                 "20B 8 GPUs t1 p1 v1 E-"))
     assert "cuts 16 stages, v 4" in reasons["AutoModel DeepSeek V3 671B 1024 GPUs t1 p4 v8 E64"]
