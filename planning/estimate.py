@@ -2233,8 +2233,8 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
     layer its root's (`LayerAllocations.fsdp_root`), what a deferred weight pass keeps (`_wgrad_kept_storages`), and
     with `megatron_step`, what Megatron-LM's 16-bit optimizer makes of each parameter each step (`_stepped`),
     refused where the precision keeps no float32 master weights or the optimizer is sharded (its distributed
-    optimizer, not replayed so). A run of layers alike but for their names and inputs (a model's repeated blocks)
-    shares the first one's, made once (`_per_block`)."""
+    optimizer, not replayed so). A layer alike one before it but for its name and inputs (a model's repeated
+    blocks, or blocks of a few kinds in turn) shares that one's, made once (`_per_block`)."""
     held = parallel.held(counted.dtype)
     if megatron_step and not held.master_bytes:
         raise EstimateError(f"megatron is Megatron-LM's 16-bit optimizer, whose float32 master weights {{precision}} "
@@ -2499,7 +2499,7 @@ def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits
     maps: dict[int, PassIssue] = {}
 
     def mapped(kernels: list[Kernels], carried_ms: float) -> PassIssue:
-        """`pass_issue` found once per list of kernels: a repeated block's layers share the block before's lists
+        """`pass_issue` found once per list of kernels: a layer alike one before it shares that one's lists
         (`estimate_profile`), and only the wait each carries differs between them."""
         if id(kernels) not in maps:
             maps[id(kernels)] = pass_issue(kernels, 0.0)
@@ -2744,8 +2744,8 @@ def _step_casts_ms(counted: WorkloadCount, parallel: Parallelism, device: Device
                    weight_shards: int) -> list[tuple[float, ...]]:
     """Per layer of `counted`, the time of each of its float8 recipe's weight casts once per step (TransformerEngine's;
     none without a recipe), each weight 1/t of itself; of float8 weights gathered over the d·C ranks, each rank's
-    shard cast and the whole transposed (`step_cast_ops`). Found once a layer, a repeated block taking the one
-    before's, so that each stage sums its layers' in their order without building them again."""
+    shard cast and the whole transposed (`step_cast_ops`). Found once a layer, one alike a layer before it taking
+    that one's, so that each stage sums its layers' in their order without building them again."""
     if parallel.fp8 is None:
         return [()] * len(counted.layers)
     float8_shards = parallel.data * parallel.context if parallel.fp8_param_gather else None
@@ -2755,12 +2755,12 @@ def _step_casts_ms(counted: WorkloadCount, parallel: Parallelism, device: Device
 
 
 def _per_block(counted: WorkloadCount, of: Callable[[LayerCount], Any]) -> list:
-    """`of` each layer of `counted`, found once a block: a repeated one (`WorkloadCount.repeats`) takes the one
-    before's, for an `of` that reads neither a layer's name nor its inputs (tune estimates a count hundreds of
-    times)."""
+    """`of` each layer of `counted`, found once a kind of block: one the same as a layer before it
+    (`WorkloadCount.same_as`) takes that one's, for an `of` that reads neither a layer's name nor its inputs (tune
+    estimates a count hundreds of times)."""
     found: list = []
-    for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
-        found.append(found[-1] if repeated else of(layer))
+    for layer, same in zip(counted.layers, counted.same_as, strict=True):
+        found.append(of(layer) if same is None else found[same])
     return found
 
 
@@ -2866,11 +2866,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     modules_us = module_us(parallel.fp8, parallel.host_module_us)
 
     issues: list[_HostIssue] = []
-    for layer, repeated in () if made is not None else zip(counted.layers, counted.repeats, strict=True):
-        if repeated:
-            layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
-            issues.append(issues[-1])
-            continue  # the block before it renamed: every figure is its layer's, which equals the one before
+    for layer, same in () if made is not None else zip(counted.layers, counted.same_as, strict=True):
+        if same is not None:
+            layers.append(layers[same].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
+            issues.append(issues[same])
+            continue  # the block it is renamed: every figure is its layer's, which equals that one's
         busiest = experts.local(layer)
         if parallel.fp8 in TE_RECIPES:
             busiest = experts.float8_padded(busiest, dropless=counted.options.get("capacity_factor") is None)

@@ -229,7 +229,7 @@ def carried_waits_ms(passes: Sequence[Sequence[Kernels]], backward: bool) -> lis
     kernels issued from the queue the one before it left, each synchronisation emptying it again: a forward's
     segment runs from one layer's dispatch to the next's (the rest of the one, the next up to its dispatch); a
     backward pass (`backward`), which waits for nothing itself, runs whole from the queue the forward's last
-    synchronisation emptied, the last layer first. A repeated block's layers share their lists of kernels
+    synchronisation emptied, the last layer first. Layers alike share their lists of kernels
     (planning/estimate.py `estimate_profile`) and mostly start from the same queue, so each list's pass is priced
     once per lead it starts with."""
     waits = [0.0] * len(passes)

@@ -333,10 +333,21 @@ class WorkloadCount:
         return sum(getattr(layer, name) for layer in self.layers)
 
     @cached_property
-    def repeats(self) -> tuple[bool, ...]:
-        """Per layer, whether it is the layer before it but for its name and inputs (a model's repeated blocks,
-        which an estimate prices once); found once a count, since comparing two whole layers costs about what
-        pricing one does and tune estimates a count hundreds of times."""
+    def same_as(self) -> tuple[int | None, ...]:
+        """Per layer, the first layer before it that it is but for its name and inputs (None: none is), which an
+        estimate prices once: a model's repeated blocks, and blocks of a few kinds in turn (gpt-oss's sliding and
+        full attention, a dense layer among MoE ones); found once a count, since comparing two whole layers costs
+        about what pricing one does and tune estimates a count hundreds of times. Each layer is compared with the
+        first of each kind before it, the kind of the layer before it first."""
         layers = self.layers
-        return tuple(i > 0 and replace(layer, name=layers[i - 1].name, inputs=layers[i - 1].inputs) == layers[i - 1]
-                     for i, layer in enumerate(layers))
+        firsts: list[int] = []  # the first layer of each kind, in the order found
+        found: list[int | None] = []
+        for i, layer in enumerate(layers):
+            before = None if i == 0 else i - 1 if found[-1] is None else found[-1]  # the kind of the layer before
+            same = next((first for first in sorted(firsts, key=lambda first: first != before)
+                         if replace(layer, name=layers[first].name, inputs=layers[first].inputs) == layers[first]),
+                        None)
+            found.append(same)
+            if same is None:
+                firsts.append(i)
+        return tuple(found)
