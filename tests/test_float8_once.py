@@ -60,5 +60,5 @@ def test_each_layers_step_casts_are_found_once(counted, parallel, monkeypatch):
     find = estimate.step_cast_ops
     monkeypatch.setattr(estimate, "step_cast_ops", recorded)
     profile = estimate_profile(counted, H100, parallel)
-    assert cast == [layer for layer, repeated in zip(counted.layers, counted.repeats) if not repeated]
-    assert sum(counted.repeats) >= 2 and len(profile.stages) == parallel.pipeline
+    assert cast == [layer for layer, same in zip(counted.layers, counted.same_as) if same is None]
+    assert sum(same is not None for same in counted.same_as) >= 2 and len(profile.stages) == parallel.pipeline
