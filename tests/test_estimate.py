@@ -315,7 +315,7 @@ def test_tune_reads_an_estimates_t_as_gpus_per_stage(small_gpt, tmp_path):
 
 
 def test_repeated_blocks_are_priced_once_and_alike(small_gpt, monkeypatch):
-    """A model's blocks repeat: each run of alike blocks is priced once (tune prices hundreds of profiles of an
+    """A model's blocks repeat: each kind of alike blocks is priced once (tune prices hundreds of profiles of an
     80-block model), and every block of it gets the same times and bytes."""
     from dataclasses import replace
 

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,29 @@ def test_workers_ahead_of_the_search_find_what_the_search_would_find_itself(monk
                 break
     assert costed == tightened == 6
     assert len(shapes) > costed
+
+
+def test_the_search_awaits_a_critical_path_a_worker_is_finding(monkeypatch):
+    """A path handed out and not done is under way or queued, and cannot be taken back: the search takes the
+    worker's bound when it comes (`_Built.tighten`), not one found again here; one not yet handed out, or taken
+    back, it finds here."""
+    settings, prob = gpt_on_8(0.3)
+    orders = planning._Orders()
+    built = planning._Built(prob, orders)
+    shape = next(shape for shape in planning._shapes(settings, prob, orders)[0]
+                 if isinstance(built.advance(shape), planning.Shape) and shape.index in built._plans)
+    candidate = built.candidate(built.advance(shape))
+    own = planning._Built(prob, orders).tighten(candidate).max_samples_per_s
+    running = Future()
+    assert running.set_running_or_notify_cancel()  # as the pool marks a task it has queued for a worker
+    built._tightening[shape.index] = running
+    threading.Timer(0.2, running.set_result, (own,)).start()
+    monkeypatch.setattr(planning, "_path_bound", _broken)
+    assert built.tighten(candidate).max_samples_per_s == own and shape.index not in built._tightening
+    monkeypatch.undo()
+    queued = Future()  # still pending: taken back, and found here
+    built._tightening[shape.index] = queued
+    assert built.tighten(candidate).max_samples_per_s == own and queued.cancelled()
 
 
 _EVERYTHING = (-math.inf, lambda result: True)  # `ahead`'s bar (none) and worth_replaying
