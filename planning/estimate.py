@@ -2870,7 +2870,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         if same is not None:
             layers.append(layers[same].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
             issues.append(issues[same])
-            continue  # the block it is renamed: every figure is its layer's, which equals that one's
+            continue  # that layer renamed: every figure is its layer's, which equals that one's
         busiest = experts.local(layer)
         if parallel.fp8 in TE_RECIPES:
             busiest = experts.float8_padded(busiest, dropless=counted.options.get("capacity_factor") is None)

@@ -1142,12 +1142,10 @@ class _Built:
 
     def tighten(self, candidate: Candidate) -> Candidate:
         """The candidate bounded by its critical path too (`_with_critical_path`), from now on: the bound a worker
-        found ahead (`ahead`), or is finding or is about to (awaited, the workers handed more meanwhile: the pool
-        queues a task for a worker before one is free, and a queued task cannot be taken back, so it may wait
-        behind a simulation), else found here. Found here whenever not done, as before, DeepSeek-V3's tune of
-        256 GPUs found again 88 paths a worker was finding, 14 of the command's 91 s wall; awaited, it took 78 s;
-        awaited only as long as a path takes here, 85-87 s (on 2 cores the search's process and its 2 workers
-        share them)."""
+        found ahead (`ahead`) or has under way, awaited while the workers are handed more (a task the pool has
+        queued for a worker cannot be taken back, so the wait may include a simulation queued before it), else found
+        here. Finding again here a path a worker had under way cost DeepSeek-V3's tune of 256 GPUs 14 of its 91 s
+        on 2 cores; awaiting it, 78 s; awaiting only as long as finding it here takes, 85-87 s."""
         ahead = self._tightening.get(candidate.index)  # kept while awaited, so that it is not handed out again
         bound = None if ahead is None or ahead.cancel() else self._awaited(ahead)
         self._tightening.pop(candidate.index, None)
