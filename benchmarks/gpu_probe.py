@@ -1464,9 +1464,14 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
                                    "copy_ms": marks[0].elapsed_time(marks[1]), "launch_host_ms": launch_ms,
                                    "products_ms": product_ends_ms[-1]})
         runs.append({"shape": asdict(shape), "products": count, "timings": timings, "inside": inside,
-                     "derived": {launch: pair_derived(timings, [row for row in inside if row["launch"] == launch],
-                                                      launch) for launch in PAIR_LAUNCHES}})
+                     "derived": pair_derived_by_launch(timings, inside)})
     return {"dtype": str(dtype), "launch_shares": list(PAIR_LAUNCH_SHARES), "runs": runs}
+
+
+def pair_derived_by_launch(timings: dict[str, Timing], inside: list[dict]) -> dict[str, dict[str, float]]:
+    """`pair_derived` of each way the copy was launched inside (`PAIR_LAUNCHES`), from its rows of `inside`."""
+    return {launch: pair_derived(timings, [row for row in inside if row["launch"] == launch], launch)
+            for launch in PAIR_LAUNCHES}
 
 
 def pair_derived(timings: dict[str, Timing], inside: list[dict], launch: str) -> dict[str, float]:

@@ -421,7 +421,8 @@ def simulate(
                          _cost_basis(scenario, built, work, peak_text(scenario.measured, what, scenario))
                          + _overlap_text(built, pairs, fb_hidden_fraction)
                          + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names})
-                         + _searched_again_text(searched_again) + _held_back_text(built, summaries, memory, costed),
+                         + _searched_again_text(searched_again)
+                         + _held_back_text(built, summaries, memory, [costed[name] for name in names]),
                          [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
         for path in [*trace_paths, *([html] if html else [])]:  # --memory's too: it wrote them without a word
             stdout.print(f"wrote {path}", highlight=False)
@@ -627,7 +628,7 @@ def _searched_again_text(searched_again: dict[str, SearchedAgain]) -> str:
                    "MiB)" for name, again in searched_again.items())
 
 
-def _held_back_text(built: list, summaries: list, memory: list, costed: dict) -> str:
+def _held_back_text(built: list, summaries: list, memory: list, costs: list) -> str:
     """For the caption: a searched order (auto) that steps slower than a one-stage-a-device order beside it which
     fits its devices' memory and holds more activations than the searched one's limit R allows (its own R,
     `activation_ratio`, over R), with the least R that lets the search hold as much: so that the row is read as the
@@ -640,13 +641,13 @@ def _held_back_text(built: list, summaries: list, memory: list, costed: dict) ->
         limit = sched.params.get("activation_limit")  # a searched order's alone
         if limit is None:
             continue
-        for other, other_summary, checks in zip(built, summaries, memory):
+        for other, other_summary, checks, other_costs in zip(built, summaries, memory, costs):
             faster = 1 - other_summary.time_per_minibatch_ms / summary.time_per_minibatch_ms
             if (other.params.get("activation_limit") is not None or other.num_stages != other.num_devices
                     or other.pipelines != 1 or other_summary.max_staleness or percent_text(faster) == "0.0%"
                     or faster < 0 or any(check.out_of_memory for check in checks)):
                 continue
-            held = activation_ratio(other, costed[other.method])
+            held = activation_ratio(other, other_costs)
             if held > limit + 1e-9:
                 texts.append(f"; {other.method}, holding {held:.3g} times 1F1B's peak activations where "
                              f"{sched.method}'s --activation-limit R = {limit:g} holds less, steps "

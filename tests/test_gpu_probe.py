@@ -547,13 +547,8 @@ def test_the_committed_h200_pair_run_gives_the_figures_docs_hardware_quotes(prob
     shapes (the host's launches, less sure, 1.5 to 4.0), and the 4096^3 one ends 0.470 ms after, having met 0.171 of
     the next product (docs/hardware.md, *Measured here*)."""
     record = json.loads((REPO / "traces" / "measured" / "gpu-probe-h200-pair.json").read_text())
-    over = []
-    for run in record["pair"]["runs"]:
-        timings = {key: probe.Timing(**value) for key, value in run["timings"].items()}
-        derived = {launch: probe.pair_derived(timings, [row for row in run["inside"] if row["launch"] == launch],
-                                              launch) for launch in probe.PAIR_LAUNCHES}
-        assert derived == run["derived"]
-        over.append((derived["boundary"]["inside_run_over_own"], derived["host"]["inside_run_over_own"]))
+    over = [(derived["boundary"]["inside_run_over_own"], derived["host"]["inside_run_over_own"])
+            for _, derived in _pair_derived_again(probe, record)]
     queued, launched = (sorted(column) for column in zip(*over))
     assert len(queued) == 8 and 1.8 < queued[0] and queued[-1] < 3.52 and 1.5 < launched[0] and launched[-1] < 4.1
     assert round(queued[3] / 2 + queued[4] / 2, 1) == 2.7
@@ -571,12 +566,8 @@ def test_the_h200_pair_run_again_repeats_the_queued_figures(probe):
     runs = {}
     for name in ("gpu-probe-h200-pair.json", "gpu-probe-h200-pair-again.json"):
         record = json.loads((REPO / "traces" / "measured" / name).read_text())
-        for run in record["pair"]["runs"]:
-            timings = {key: probe.Timing(**value) for key, value in run["timings"].items()}
-            derived = {launch: probe.pair_derived(timings, [row for row in run["inside"] if row["launch"] == launch],
-                                                  launch) for launch in probe.PAIR_LAUNCHES}
-            assert derived == run["derived"]
-            runs.setdefault(run["shape"]["name"], []).append(derived)
+        for shape, derived in _pair_derived_again(probe, record):
+            runs.setdefault(shape, []).append(derived)
     assert len(runs) == 8 and all(len(pair) == 2 for pair in runs.values())
     queued = sorted(again["boundary"]["inside_run_over_own"] for _, again in runs.values())
     launched = sorted(again["host"]["inside_run_over_own"] for _, again in runs.values())
@@ -586,3 +577,15 @@ def test_the_h200_pair_run_again_repeats_the_queued_figures(probe):
     apart = sorted(abs(first["boundary"]["inside_run_over_own"] - again["boundary"]["inside_run_over_own"])
                    for first, again in runs.values())
     assert apart[-1] < 0.43 and apart[5] < 0.09 < apart[6]
+
+
+def _pair_derived_again(probe, record: dict) -> list[tuple[str, dict]]:
+    """Per run of a committed part (g) record, its shape's name and its figures derived again from its samples,
+    which must be the ones it recorded."""
+    found = []
+    for run in record["pair"]["runs"]:
+        derived = probe.pair_derived_by_launch({key: probe.Timing(**value) for key, value in run["timings"].items()},
+                                               run["inside"])
+        assert derived == run["derived"]
+        found.append((run["shape"]["name"], derived))
+    return found
