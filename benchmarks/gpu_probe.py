@@ -48,6 +48,9 @@
     the copy wait for that product's end (the persistent products' rule pipesim prices) and does it run slower
     once started? (A copy through HBM, not a network's: its own slowing is memory's and multiprocessors', not a
     NIC's.)
+(h) *A link-bound kernel beside products* (`link`): (g) with the copy writing into pinned host memory, its CTAs'
+    stores across PCIe, so that a link bounds it as NVLink or the NIC bounds a collective's kernel: is what (g)
+    measured the multiprocessors' (it stays) or HBM's (it goes)?
 
 Device times are CUDA events; host times time.perf_counter; every figure is the median of `--repeats` after
 `--warmup` runs, with its spread. One JSON lands at `--out`. On a CPU (`--device cpu --quick`) the same code runs
@@ -1330,6 +1333,7 @@ class PairShape:
     n: int
     copy_bytes: int
     ctas: int
+    target: str = "device"  # where the copy writes: "device" (HBM) or "host" (pinned host memory, across PCIe)
 
 
 PAIR_SHAPES = (PairShape("4096^3, 24 CTAs", 4096, 4096, 4096, 64 << 20, 24),  # a product of about 0.18 ms
@@ -1342,6 +1346,17 @@ PAIR_SHAPES = (PairShape("4096^3, 24 CTAs", 4096, 4096, 4096, 64 << 20, 24),  # 
                PairShape("30B fc1 at E16, 24 CTAs", 4096, 2048, 1536, 64 << 20, 24),
                PairShape("30B fc2 at 16 local experts, 24 CTAs", 2048, 768, 2048, 64 << 20, 24))
 QUICK_PAIR = (PairShape("quick", 64, 64, 64, 1 << 16, 2),)
+# (h): the same copy writing into pinned host memory, so that its CTAs' stores cross PCIe and the link, not HBM, bounds
+# it, as a collective's kernel is bound by NVLink or the NIC; 16 MiB takes about 0.3 ms at PCIe 5's rate
+LINK_SHAPES = (PairShape("4096^3, 24 CTAs", 4096, 4096, 4096, 16 << 20, 24, "host"),
+               PairShape("4096^3, 24 CTAs, 4x the copy", 4096, 4096, 4096, 64 << 20, 24, "host"),
+               PairShape("4096^3, 8 CTAs", 4096, 4096, 4096, 16 << 20, 8, "host"),
+               PairShape("4096^3, 32 CTAs", 4096, 4096, 4096, 16 << 20, 32, "host"),
+               PairShape("8192^3, 24 CTAs", 8192, 8192, 8192, 16 << 20, 24, "host"),
+               PairShape("4096x4096x14336, 24 CTAs", 4096, 4096, 14336, 16 << 20, 24, "host"),
+               PairShape("30B fc1 at E16, 24 CTAs", 4096, 2048, 1536, 16 << 20, 24, "host"),
+               PairShape("30B fc2 at 16 local experts, 24 CTAs", 2048, 768, 2048, 16 << 20, 24, "host"))
+QUICK_LINK = (PairShape("quick", 64, 64, 64, 1 << 16, 2, "host"),)
 PAIR_SPAN_MS = 8.0  # the products' span: the copy is launched inside it
 PAIR_MOST_PRODUCTS = 400  # at most, so that the host issues them within the hold (`MOE_HOLD_CYCLES`)
 PAIR_LAUNCH_SHARES = (0.2, 0.4, 0.6, 0.8)  # when the copy is launched, as shares of that span
@@ -1378,10 +1393,12 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
         a = torch.randn(shape.m, shape.k, device=device, dtype=dtype)
         b = torch.randn(shape.n, shape.k, device=device, dtype=dtype).t()
         source = torch.randn(shape.copy_bytes // 2, device=device, dtype=torch.bfloat16)
-        target = torch.empty_like(source)
+        target = (torch.empty_like(source) if shape.target == "device" else
+                  torch.empty(source.shape, dtype=source.dtype, pin_memory=True))  # mapped: the device stores into it
         copy_on_ctas(source, target, shape.ctas)
-        if not torch.equal(source, target):
-            raise RuntimeError(f"the copy on {shape.ctas} CTAs did not copy")
+        torch.cuda.synchronize(device)
+        if not torch.equal(source.cpu(), target.cpu()):
+            raise RuntimeError(f"the copy on {shape.ctas} CTAs into {shape.target} memory did not copy")
         product = repeat(lambda: {"ms": clock.held_ms(lambda: torch.mm(a, b))}, budget)["ms"]
         count = min(PAIR_MOST_PRODUCTS, max(8, round(PAIR_SPAN_MS / product.median_ms)))
 
@@ -1632,9 +1649,10 @@ def weights_tables(weights_result: dict) -> list[Table]:
     return [table]
 
 
-def pair_tables(pair_result: dict) -> list[Table]:
-    """Part (g): each side's time alone and what the pair adds to it, with the copy first and launched inside."""
-    table = Table("(g) a copy on a collective's CTAs beside BF16 products: medians, ms (+: over each alone)",
+def pair_tables(pair_result: dict, title: str = "(g) a copy on a collective's CTAs") -> list[Table]:
+    """Parts (g) and (h): each side's time alone and what the pair adds to it, with the copy first and launched
+    inside."""
+    table = Table(f"{title} beside BF16 products: medians, ms (+: over each alone)",
                   ["shape", "launch", "product", "products", "copy alone", "copy first: copy +", "products +",
                    "inside: copy ends", "product left", "its run over its own", "products +"], keys=2)
     if "skipped" in pair_result:
@@ -1653,7 +1671,8 @@ def pair_tables(pair_result: dict) -> list[Table]:
 
 
 TABLES = {"moe": moe_tables, "attention": attention_tables, "gemm": gemm_tables, "combine": combine_tables,
-          "dense": dense_tables, "weights": weights_tables, "pair": pair_tables}
+          "dense": dense_tables, "weights": weights_tables, "pair": pair_tables,
+          "link": partial(pair_tables, title="(h) the copy into host memory, bound by PCIe")}
 
 
 def tables(result: dict) -> list[Table]:
@@ -1781,7 +1800,8 @@ def main(argv: list[str] | None = None) -> int:
              "combine": partial(probe_combine, moe_shape, device, budget),
              "dense": partial(probe_dense, dense_shapes, device, dtype, budget),
              "weights": partial(probe_weights, moe_shape, device, dtype, budget),
-             "pair": partial(probe_pair, QUICK_PAIR if args.quick else PAIR_SHAPES, device, dtype, budget)}
+             "pair": partial(probe_pair, QUICK_PAIR if args.quick else PAIR_SHAPES, device, dtype, budget),
+             "link": partial(probe_pair, QUICK_LINK if args.quick else LINK_SHAPES, device, dtype, budget)}
     for name in (name for name in parts if name in chosen):
         probe = parts[name]
         started = time.perf_counter()

@@ -29,8 +29,8 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     result = json.loads(out.read_text())
     assert result["environment"]["device"] == "cpu" and result["environment"]["torch"] == torch.__version__
     assert result["budget"] == {"warmup": 0, "repeats": 2}
-    assert set(result["seconds"]) == {"moe", "attention", "gemm", "combine", "dense", "weights", "pair"}
-    assert "CUDA" in result["pair"]["skipped"]  # part (g): two streams and Triton, on a GPU only
+    assert set(result["seconds"]) == {"moe", "attention", "gemm", "combine", "dense", "weights", "pair", "link"}
+    assert "CUDA" in result["pair"]["skipped"] and "CUDA" in result["link"]["skipped"]  # (g), (h): on a GPU only
 
     layers = result["moe"]["layers"]
     assert [layer["local_experts"] for layer in layers] == [4, 8, 16]
@@ -174,7 +174,7 @@ def test_a_plain_kind_multiplies_its_operands_and_adds_into_its_accumulator(prob
 @pytest.mark.parametrize("flags,message", [
     (["--repeats", "0"], "--repeats: 0 is not allowed"),
     (["--parts", "dense,moes"],
-     "--parts: 'moes' is no part; give some of moe, attention, gemm, combine, dense, weights, pair"),
+     "--parts: 'moes' is no part; give some of moe, attention, gemm, combine, dense, weights, pair, link"),
     (["--parts", "gemms,dense,moes"], "--parts: 'gemms', 'moes' are no parts; give some of moe, attention, "),
     (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from "),  # quoted or not by version
     (["--device", "cpu", "--out", "/nonexistent-folder/probe.json"], "--out: the folder /nonexistent-folder"),
