@@ -1362,8 +1362,10 @@ PAIR_MOST_PRODUCTS = 400  # at most, so that the host issues them within the hol
 PAIR_LAUNCH_SHARES = (0.2, 0.4, 0.6, 0.8)  # when the copy is launched, as shares of that span
 # How the copy is launched inside: by the host, at a random moment of a product (its stream's mark, before Triton's
 # launch, so its time holds the launch), or queued behind the end of the product at that share (`wait_event`), so
-# that it is ready on the device the moment that product ends, beside the next one queued, with no host between
-PAIR_LAUNCHES = ("host", "boundary")
+# that it is ready on the device the moment that product ends, beside the next one queued, with no host between:
+# issued after every product ("boundary") or before the next one ("boundary-first", as Megatron-core's pair issues a
+# pass's all-to-all before the other pass's compute node that becomes ready with it)
+PAIR_LAUNCHES = ("host", "boundary", "boundary-first")
 PAIR_HEAD_CYCLES = 2 * 10**4  # products wait about 10 us after the hold, so that the copy issued first starts first
 
 
@@ -1405,14 +1407,18 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
         def events(how_many: int) -> list[torch.cuda.Event]:
             return [torch.cuda.Event(enable_timing=True) for _ in range(how_many)]
 
-        def issue_products(start: Mark, ends: list[torch.cuda.Event], head_cycles: int = 0) -> None:
-            """The products behind `start` on their stream, each end recorded in `ends` (the first: their start)."""
+        def issue_products(start: Mark, ends: list[torch.cuda.Event], head_cycles: int = 0,
+                           before: tuple[int, Callable[[], None]] | None = None) -> None:
+            """The products behind `start` on their stream, each end recorded in `ends` (the first: their start);
+            `before` (i, issue): `issue()` is called before the host issues product i + 1."""
             products_stream.wait_event(start.event)
             with torch.cuda.stream(products_stream):
                 if head_cycles:
                     torch.cuda._sleep(head_cycles)
                 ends[0].record()
-                for end in ends[1:]:
+                for index, end in enumerate(ends[1:]):
+                    if before is not None and index == before[0]:
+                        before[1]()
                     torch.mm(a, b)
                     end.record()
 
@@ -1454,13 +1460,18 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
                 for index in range(budget.warmup + budget.repeats):
                     ends, marks = events(count + 1), events(2)
                     start = clock.held_start(MOE_HOLD_CYCLES)
-                    issue_products(start, ends)
+                    met = round(share * count)
+
+                    def queue_copy() -> None:
+                        copy_stream.wait_event(ends[met])
+                        issue_copy(copy_stream, marks)
+
+                    issue_products(start, ends, before=(met, queue_copy) if launch == "boundary-first" else None)
                     held = clock.still_held(start)  # the products all issued before the device reached them
                     launch_ms = None
                     if launch == "boundary":
-                        copy_stream.wait_event(ends[round(share * count)])
-                        issue_copy(copy_stream, marks)
-                    else:
+                        queue_copy()
+                    elif launch == "host":
                         while not ends[0].query():
                             pass
                         reached_s = time.perf_counter()
@@ -1486,9 +1497,10 @@ def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch
 
 
 def pair_derived_by_launch(timings: dict[str, Timing], inside: list[dict]) -> dict[str, dict[str, float]]:
-    """`pair_derived` of each way the copy was launched inside (`PAIR_LAUNCHES`), from its rows of `inside`."""
+    """`pair_derived` of each way the copy was launched inside (`PAIR_LAUNCHES`, those the run has), from its rows of
+    `inside`."""
     return {launch: pair_derived(timings, [row for row in inside if row["launch"] == launch], launch)
-            for launch in PAIR_LAUNCHES}
+            for launch in dict.fromkeys(row["launch"] for row in inside)}
 
 
 def pair_derived(timings: dict[str, Timing], inside: list[dict], launch: str) -> dict[str, float]:
