@@ -362,9 +362,6 @@ def expected_normal_maximum(draws: int) -> float:
 # Layers of one pair run back to back in `paired_exposed_ms`, enough for its two streams to settle into their
 # steady state, and the last of them it averages over
 PAIRED_LAYERS, PAIRED_STEADY_LAYERS = 8, 4
-# An all-to-all released within this of a compute node's start is released with it: both ready as the node before
-# ends, the node's first product (on its own stream, no event to cross) takes the multiprocessors first
-NODE_START_TOLERANCE_MS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -465,10 +462,8 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
     first on Hopper for it, comm_gemm_overlap.cpp), so it starts later by half the mean product of the running
     node's pass (`MoePass.product_ms`, the product met at a random moment; no later than the node's end), and that
     product, begun before it, runs at its own speed. One released as a node starts (on the event the node before
-    recorded, as most are) waits for that node's first product, the node's mean product, whether the host issued
-    it before the node or after: the node's stream reaches its first kernel with no event to cross
-    (benchmarks/gpu_probe.py parts (g) and (h) on an H200: a copy queued behind a product's end, on its CTAs into
-    HBM or across PCIe, ended at or past the next product's end; part (h)'s alike issued before that product).
+    recorded, as most are) is taken to start first: no source says whether the node's first product takes the SMs
+    first.
 
     Layers run back to back (`PAIRED_LAYERS`), each carrying the streams, events and host the one before left; the
     steady state's time a layer (`PAIRED_STEADY_LAYERS`) less what its parts are charged is what it leaves
@@ -476,7 +471,6 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
     comp = comm = forward_done = backward_done = host = 0.0  # each stream free, each pass's event, the host's time
     kernels: list[tuple[float, float]] = []  # the all-to-alls' (begin, end), in the communication stream's order
     pending: _ComputeNode | None = None  # the compute node started last, whose end waits for the kernels beside it
-    released = ""  # the pass whose communication node the host issued last, its all-to-all not yet waiting ("": none)
     ends: list[float] = []
 
     def node(stream: float, done: float, run_ms: float, issue_ms: float) -> tuple[float, float]:
@@ -487,44 +481,29 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         host += issue_ms
         return start, max(start + run_ms, host)
 
-    def record(name: str, at_ms: float) -> None:
-        """`name`'s pass records its event at `at_ms` ("": no pass)."""
-        nonlocal forward_done, backward_done
-        forward_done = at_ms if name == "forward" else forward_done
-        backward_done = at_ms if name == "backward" else backward_done
-
     def finish() -> float:
         """Ends the compute node started last, beside the all-to-alls issued so far, and records its event."""
-        nonlocal comp, pending
+        nonlocal comp, forward_done, backward_done, pending
         if pending is not None:
             comp = max(pending.end_ms(kernels), pending.issued_ms)
-            record(pending.records, comp)
+            forward_done = comp if pending.records == "forward" else forward_done
+            backward_done = comp if pending.records == "backward" else backward_done
             pending = None
         return comp
 
     def compute(done: float, run_ms: float, issue_ms: float, part: tuple[float, float], records: str = "") -> None:
         """Starts a compute node once the stream, its event (`done`) and its issue allow; `part`: its pass's
-        slowing beside the all-to-alls and mean product; `records`: the pass whose event it records. An all-to-all
-        the host issued before it but released as it starts waits for its first product all the same."""
-        nonlocal pending, released, comm
+        slowing beside the all-to-alls and mean product; `records`: the pass whose event it records."""
+        nonlocal pending
         start, issued = node(finish(), done, 0.0, issue_ms)
         pending = _ComputeNode(start, run_ms, part[0], issued, records, part[1])
-        if released and abs(kernels[-1][0] - start) <= NODE_START_TOLERANCE_MS:
-            waited_ms = product_left_ms(start)
-            kernels[-1] = (kernels[-1][0] + waited_ms, kernels[-1][1] + waited_ms)
-            comm += waited_ms
-            record(released, comm)
-        released = ""
 
     def product_left_ms(launched: float) -> float:
-        """How long a kernel launched at `launched` waits for the product running on every multiprocessor then: the
-        running compute node's mean product where the node starts with it, half of it later, no longer than the node
-        runs on."""
-        if pending is None or not pending.product_ms or pending.start_ms > launched + NODE_START_TOLERANCE_MS:
+        """How long a kernel launched at `launched` waits for the product running on every multiprocessor then: half
+        the running compute node's mean product, no longer than the node runs on."""
+        if pending is None or not pending.product_ms or pending.start_ms >= launched:
             return 0.0
-        with_start = launched <= pending.start_ms + NODE_START_TOLERANCE_MS
-        return min(pending.product_ms if with_start else pending.product_ms / 2,
-                   max(pending.end_ms(kernels) - launched, 0.0))
+        return min(pending.product_ms / 2, max(pending.end_ms(kernels) - launched, 0.0))
 
     def event(name: str) -> float:
         """A pass's event as a node waiting for it reads it (the compute node recording it ended first)."""
@@ -532,26 +511,23 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
             finish()
         return forward_done if name == "forward" else backward_done
 
-    def communicate(done: float, compute_ms: float, all_to_all_ms: float, issue_ms: float, first: bool,
-                    records: str) -> None:
-        """A communication node of `records`'s pass, which records its event: its compute and its all-to-all, the
-        all-to-all `first` or after it."""
-        nonlocal comm, released
+    def communicate(done: float, compute_ms: float, all_to_all_ms: float, issue_ms: float, first: bool) -> float:
+        """A communication node: its compute and its all-to-all, the all-to-all `first` or after it."""
+        nonlocal comm
         start, comm = node(comm, done, compute_ms + all_to_all_ms, issue_ms)
         begin = start if first else comm - all_to_all_ms
         waited_ms = product_left_ms(begin)
         begin += waited_ms
         comm += waited_ms
         kernels.append((begin, begin + all_to_all_ms))
-        record(records, comm)
-        released = "" if waited_ms else records
+        return comm
 
     forward_part, backward_part = (slower[0], forward.product_ms), (slower[1], backward.product_ms)
     layer_comm = 0.0
     for layer in range(PAIRED_LAYERS + 1):
         # the combine's gradients, then its all-to-all, which the host issues after them
-        communicate(event("backward"), backward.combine_compute_ms, backward.combine_ms, backward.combine_issue_ms,
-                    False, "backward")
+        backward_done = communicate(event("backward"), backward.combine_compute_ms, backward.combine_ms,
+                                    backward.combine_issue_ms, False)
         if layer:  # the layer before ends with its weight gradients, beside this combine's all-to-all
             ends.append(max(finish(), layer_comm))
         if layer == PAIRED_LAYERS:
@@ -560,14 +536,14 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
         compute(event("backward"), backward.experts_ms - backward.experts_wgrad_ms,
                 backward.experts_issue_ms - backward.experts_wgrad_issue_ms, backward_part, "backward")
         host = max(host, event("forward"))  # the dispatch's wait for the router's split sizes
-        communicate(event("forward"), 0.0, forward.dispatch_ms, 0.0, True, "forward")
+        forward_done = communicate(event("forward"), 0.0, forward.dispatch_ms, 0.0, True)
         compute(0.0, backward.experts_wgrad_ms, backward.experts_wgrad_issue_ms, backward_part)
-        communicate(event("backward"), 0.0, backward.dispatch_ms, 0.0, True, "backward")
+        backward_done = communicate(event("backward"), 0.0, backward.dispatch_ms, 0.0, True)
         if experts_wait:  # for the dispatched tokens, once the stream reaches the experts
             host = max(host, finish(), event("forward"))
         compute(event("forward"), forward.experts_ms, forward.experts_issue_ms, forward_part, "forward")
-        communicate(event("forward"), forward.combine_compute_ms, forward.combine_ms, forward.combine_issue_ms, True,
-                    "forward")
+        forward_done = communicate(event("forward"), forward.combine_compute_ms, forward.combine_ms,
+                                   forward.combine_issue_ms, True)
         compute(event("backward"), backward.attention_ms - backward.attention_wgrad_ms,
                 backward.attention_issue_ms - backward.attention_wgrad_issue_ms, backward_part, "backward")
         compute(0.0, backward.attention_wgrad_ms, backward.attention_wgrad_issue_ms, backward_part)

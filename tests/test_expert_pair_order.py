@@ -62,27 +62,22 @@ def test_a_node_beside_an_all_to_all_runs_slower_only_while_it_runs_and_only_on_
 
 
 def test_an_all_to_all_launched_beside_a_running_product_starts_when_it_ends():
-    """The forward's dispatch (1.5 ms) is released as the backward's experts start (on the attention's event, at 1):
-    with products of 0.2 ms on every multiprocessor their first takes them first, so it starts 0.2 ms later and runs
-    to 2.7. The backward's dispatch (1 ms), launched then while the experts' weight gradients run (2 to 3), waits
-    half a product (0.1) and runs to 3.8, where the backward's attention waiting for it starts: 0.3 ms exposed a layer
-    without products -> 0.6; 0.8 at 0.4 ms products (the second wait no longer than the node runs on, 0.1), 1.3 at
-    2 ms ones (the first no longer than the experts' 1 ms). The backward's combine (0.5 ms) is released as the
-    forward's attention starts, and the host issues it first: it waits for the attention's first product all the
-    same (benchmarks/gpu_probe.py part (h): a copy released at a product's end ran after the next product whichever
-    the host issued first), hidden under the attention at 0.2 and 0.5 ms products, exposed at 2 ms ones (its wait
-    the attention's 1 ms: 0.8)."""
+    """The backward's dispatch (1 ms) waits for the forward's (1.5 ms, from the attention's end at 1 to 2.5) and is
+    launched at 2.5, while the backward's experts' weight gradients run (2 to 3): with products of 0.2 ms on every
+    multiprocessor it starts 0.1 ms later, half of one, and the backward's attention waiting for it starts so, 0.3
+    ms exposed a layer -> 0.4, 0.5 at 0.4 ms products, and 0.8 at 2 ms ones, the wait no longer than the node runs
+    on (0.5). The forward's products change nothing: every all-to-all beside its nodes is launched as they start,
+    on the event the node before recorded (the dispatch as the backward's experts start, the combine as the
+    attention does)."""
     def exposed_ms(forward_product_ms: float, backward_product_ms: float) -> float:
         return paired_exposed_ms(MoePass(1.0, 0.2, 1.5, 0.0, product_ms=forward_product_ms),
                                  MoePass(1.0, 2.0, 1.0, 0.5, experts_wgrad_ms=1.0, product_ms=backward_product_ms))
 
     assert exposed_ms(0.0, 0.0) == pytest.approx(0.3)
-    assert exposed_ms(0.0, 0.2) == pytest.approx(0.6)
-    assert exposed_ms(0.0, 0.4) == pytest.approx(0.8)
-    assert exposed_ms(0.0, 2.0) == pytest.approx(1.3)
-    assert exposed_ms(0.2, 0.0) == pytest.approx(0.3)
-    assert exposed_ms(0.5, 0.0) == pytest.approx(0.3)
-    assert exposed_ms(2.0, 0.0) == pytest.approx(0.8)
+    assert exposed_ms(0.0, 0.2) == pytest.approx(0.4)
+    assert exposed_ms(0.0, 0.4) == pytest.approx(0.5)
+    assert exposed_ms(0.0, 2.0) == pytest.approx(0.8)
+    assert exposed_ms(2.0, 0.0) == pytest.approx(0.3)
 
 
 def test_a_pairs_node_is_held_by_the_engines_rule_for_compute_beside_a_kernel():
