@@ -1377,13 +1377,14 @@ def pair_running_left_ms(ready_ms: float, product_ends_ms: list[float]) -> float
 
 
 def probe_pair(shapes: tuple[PairShape, ...], device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
-    """(g): per shape, one product, the copy and the products' span each alone behind a held device; the two side by
-    side with the copy issued first (`copy_first`); and the copy launched at `PAIR_LAUNCH_SHARES` of the products'
-    span while they run (`inside`; `PAIR_LAUNCHES`: by the host at a random moment of a product, or queued behind a
-    product's end): per launch, when its stream reached it, what was left of the product then running, the next
-    products' ends, the copy's time from there to its end, the host's launch and the products' span. The products
-    run behind a held device, their events made beforehand, so that the host's issue stays ahead of them; the host
-    launches the copy once the device has reached them."""
+    """(g) and (h): per shape, one product, the copy and the products' span each alone behind a held device;
+    the two side by side with the copy issued first (`copy_first`); and the copy launched at `PAIR_LAUNCH_SHARES`
+    of the products' span while they run (`inside`; `PAIR_LAUNCHES`: by the host at a random moment of a product,
+    or queued behind a product's end, issued after every product or before the next): per launch, when its stream
+    reached it, what was left of the product then running, the next products' ends, the copy's time from there to
+    its end, the host's launch and the products' span. The products run behind a held device, their events made
+    beforehand, so that the host's issue stays ahead of them; the host launches the copy once the device has
+    reached them."""
     if device.type != "cuda":
         return skipped(RuntimeError("needs a CUDA GPU: two streams beside each other, and Triton's copy"))
     from sm_copy import copy_on_ctas  # this folder's; Triton, on a GPU only
