@@ -14,7 +14,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -1022,6 +1022,23 @@ def is_given(ctx: typer.Context, name: str) -> bool:
     """Whether the user set option `name` (rather than it taking its default)."""
     source = ctx.get_parameter_source(name)
     return source is not None and source.name != "DEFAULT"
+
+
+def given_flags(ctx: typer.Context, leave_out: Collection[str] = ()) -> list[list[str]]:
+    """The options the user gave, as given and in their order (click fills `ctx.params` so), a flag and its value a
+    piece (a switch alone, each value of a repeated option a piece of its own), but those named in `leave_out`: what
+    a `pipesim simulate` line a command prints or writes repeats of the user's own (tune's choice, sweep's rows)."""
+    options = {param.name: param for param in ctx.command.params}
+    pieces = []
+    for name, value in ctx.params.items():
+        if name in leave_out or not is_given(ctx, name):
+            continue
+        param = options[name]
+        if isinstance(value, bool):
+            pieces.append([param.opts[0] if value else param.secondary_opts[0]])
+        else:
+            pieces += [[param.opts[0], str(given)] for given in (value if param.multiple else [value])]
+    return pieces
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ from .common import (
     out_of_memory_line,
     progress,
     read_error,
+    refuse,
     refused_with_flags,
     scenario_from_flags,
     search_options,
@@ -177,6 +178,9 @@ def simulate(
         "--avg", callback=finite_from(0, MAX_MS, least=LEAST_MS), metavar="MS",
         help="Elastic averaging (AVG) ms per device and pipeline: averaging P pipelines' replicas takes P times it "
              "(default: --opt).")] = None,
+    cost_scale: Annotated[float, typer.Option(
+        "--cost-scale", metavar="X", help="Factor on every compute time: a faster or slower accelerator on the same "
+                                          "links (a sweep's --cost-scale axis).")] = 1.0,
     comm: Annotated[str, typer.Option(
         "--comm", metavar="MS", help="Milliseconds per activation or gradient transfer between devices (no "
                                      "contention).")] = "0",
@@ -241,6 +245,7 @@ def simulate(
             EXAMPLE[k] for k in ("stages", "microbatches", "comm", "opt", "html"))
     from ..schedules import METHODS, ScheduleError, steady_minibatches
     from ..schedules.analysis import overlapped_pairs
+    from ..schedules.methods import above_zero_refusal
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
     from ..traces import write_traces
@@ -264,6 +269,7 @@ def simulate(
                                               "--prediction", "--activation-limit", "--search-seconds"))
         check_p2p_sync(ctx, compared)  # the flag's refusals before the model is counted (a --profile's once read)
         search = search_options(activation_limit, search_seconds)
+        refuse(above_zero_refusal(cost_scale, "--cost-scale"))
         check_outputs([*(("--trace", path) for path in (_output_paths(trace, names) if trace else [])),
                        ("--html", html)],
                       [("--profile", profile), ("--cluster", cluster), ("--graph", graph),
@@ -282,7 +288,7 @@ def simulate(
                 check_estimate_limits(estimated)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
-                           **allocator_fields(allocator, counted, parallel, optimizer_step))
+                           cost_scale=cost_scale, **allocator_fields(allocator, counted, parallel, optimizer_step))
         check_p2p_sync(ctx, compared, scenario.measured)
         if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:
             placed = scenario.dag[0].num_stages  # graphpipe ran at the file's p whatever --stages said

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import shlex
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -44,6 +46,8 @@ from .common import (
     expert_overlap_options,
     fail,
     finite_from,
+    flag_of,
+    given_flags,
     model_reads,
     optional_what_if_options,
     progress,
@@ -57,6 +61,9 @@ from .common import (
 )
 from .estimate import count_what_if, estimated_profile, peak_text, what_if
 from .tables import add_columns, print_table, said_once
+
+if TYPE_CHECKING:
+    from ..planning.sweep import Config
 
 MAX_PORT = 65_535  # a TCP port's largest
 
@@ -285,7 +292,10 @@ def sweep(
         if all(r.metrics is None for r in results):  # an empty front, exit 0 and no reason, before: as simulate
             raise InputError(f"no configuration runs: {results[0].reason}" + (  # says when none of its methods can
                 f" (and {len(results) - 1:,} more skipped)" if len(results) > 1 else ""))
-        results = one_row_per_schedule(results)
+        line = _simulate_line(ctx, scenario.measured is None and what is None,
+                              what is None and scenario.topology is None and not (scenario.measured
+                                                                                 and scenario.measured.link))
+        results = one_row_per_schedule([replace(r, command=line(r.config)) for r in results])
         front = pareto_front(results)
         if out is not None:
             with writing("--out"):
@@ -307,6 +317,44 @@ def sweep(
     for path in (out, html):
         if path is not None:
             stdout.print(f"wrote {path}", highlight=False)
+
+
+# Sweep's built-in costs are the whole model's, split over each configuration's p·v stages; simulate's a device's,
+# split over its v: a row's line gives simulate each one over p. Sweep's --comm default is simulate's example's.
+WHOLE_MODEL_COSTS = ("fwd", "bwd", "opt", "pred", "avg", "param_mb", "activation_mb")
+# What each row's line gives of its own (its configuration), or simulate reads otherwise (--html: sweep's page)
+ROW_OWN = ("schedule", "stages", "microbatches", "minibatches", "chunks", "pipelines", "prediction",
+           "activation_limit", "search_seconds", "cost_scale", "html")
+
+
+def _simulate_line(ctx: typer.Context, built_in: bool, comm_read: bool) -> Callable[[Config], str]:
+    """Each row's `pipesim simulate` line: the flags the user gave that simulate takes alike, then the row's
+    configuration; where the costs are the built-in flags' (`built_in`), each a device's share of the whole model's,
+    and where the links are --comm's (`comm_read`), its milliseconds, whose defaults differ between the two."""
+    import inspect
+
+    from ..schedules import METHODS
+    from .simulate import simulate
+
+    takes = inspect.signature(simulate).parameters
+    fixed = given_flags(ctx, {name for name in ctx.params if name not in takes} | set(ROW_OWN)
+                        | (set(WHOLE_MODEL_COSTS) if built_in else set()) | ({"comm"} if comm_read else set()))
+    comm = [["--comm", ctx.params["comm"]]] if comm_read else []
+
+    def line(c: Config) -> str:
+        method = METHODS[c.schedule]
+        costs = [[flag_of(name), repr(float(ctx.params[name]) / c.stages)] for name in WHOLE_MODEL_COSTS
+                 if built_in and ctx.params[name] is not None]
+        own = [("-s", c.schedule), ("-p", c.stages), ("-m", c.microbatches), ("-n", c.minibatches),
+               ("-v", c.chunks if method.reads("chunks") else None),
+               ("-P", c.pipelines if method.reads("pipelines") else None), ("--prediction", c.prediction),
+               ("--activation-limit", c.activation_limit), ("--search-seconds", c.search_seconds),
+               ("--cost-scale", c.cost_scale if c.cost_scale != 1 else None)]
+        pieces = [["pipesim", "simulate"], *fixed, *comm, *costs,
+                  *([flag, repr(value) if isinstance(value, float) else str(value)] for flag, value in own
+                    if value is not None)]
+        return " ".join(map(shlex.join, pieces))
+    return line
 
 
 def _limit_refused(results: list) -> str | None:

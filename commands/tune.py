@@ -44,6 +44,7 @@ from .common import (
     check_p2p_sync,
     collector_paused,
     fail,
+    given_flags,
     given_precision,
     is_given,
     load_profile_flag,
@@ -335,18 +336,10 @@ def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
     shape, degrees and cut (layers:N,N,..., the layers of each model stage), so a planner's answer can be checked."""
     c = result.config
     chosen = _choice_flags(c, result.candidate)
-    own = _tune_own([name for name, _, _ in chosen])
-    options = {param.name: param for param in ctx.command.params}
-    pieces = [["pipesim", "simulate"]]
-    for name, value in ctx.params.items():  # click fills them in the order given
-        param = options[name]
-        if name in own or not is_given(ctx, name) or (name == "search_seconds" and c.schedule != "auto"):
-            continue  # (auto's budget shapes its order; simulate refuses it beside another method)
-        if isinstance(value, bool):
-            pieces += [[param.opts[0] if value else param.secondary_opts[0]]]
-        else:
-            pieces += [[param.opts[0], str(given)] for given in (value if param.multiple else [value])]
-    return pieces + [[flag] if value is True else [flag, str(value)] for _, flag, value in chosen if value is not None]
+    # (auto's budget shapes its order; simulate refuses it beside another method)
+    own = _tune_own([name for name, _, _ in chosen]) | ({"search_seconds"} if c.schedule != "auto" else set())
+    return [["pipesim", "simulate"], *given_flags(ctx, own),
+            *([flag] if value is True else [flag, str(value)] for _, flag, value in chosen if value is not None)]
 
 
 def _shell_lines(command: list[list[str]], width: int | None) -> str:

@@ -122,7 +122,9 @@ class Metrics:
 @dataclass(frozen=True)
 class Result:
     """`run_key`: the digest of the run simulated (`run_key()`; "" when skipped); `same_as`: the grid's other
-    configurations that simulated the very same run (one schedule under other names), folded into this row."""
+    configurations that simulated the very same run (one schedule under other names), folded into this row;
+    `command`: the `pipesim simulate` line that gives this row (its figures, or its reason), which names the model,
+    costs and hardware every row shares."""
 
     config: Config
     metrics: Metrics | None = None  # None: the configuration was skipped
@@ -130,17 +132,18 @@ class Result:
     limit_refused: bool = False  # skipped: its activation limit R leaves a device less than one micro-batch
     run_key: str = ""
     same_as: tuple[Config, ...] = ()
+    command: str = ""
 
     @property
     def status(self) -> str:
         return "skipped" if self.metrics is None else "ok"
 
     def record(self) -> dict[str, object]:
-        """One flat row: the inputs, the metrics (None when skipped), status, reason and the configurations it
-        stands for too ("; "-separated, as `Config.variant` names them)."""
+        """One flat row: the inputs, the metrics (None when skipped), status, reason, the configurations it
+        stands for too ("; "-separated, as `Config.variant` names them) and its simulate command."""
         metrics = asdict(self.metrics) if self.metrics else dict.fromkeys(f.name for f in fields(Metrics))
         return {**asdict(self.config), **metrics, "status": self.status, "reason": self.reason,
-                "same_as": "; ".join(c.variant for c in self.same_as)}
+                "same_as": "; ".join(c.variant for c in self.same_as), "command": self.command}
 
 
 # The columns of the results file and their types (for Parquet's schema and for readers of the CSV).
@@ -148,7 +151,7 @@ COLUMNS: dict[str, type] = {
     **{f.name: {"str": str, "str | None": str, "int": int, "float": float, "float | None": float,
                 "bool": bool}[f.type]
        for f in (*fields(Config), *fields(Metrics))},
-    "status": str, "reason": str, "same_as": str,
+    "status": str, "reason": str, "same_as": str, "command": str,
 }
 
 

@@ -1,0 +1,79 @@
+"""Each row of `sweep --out` carries the `pipesim simulate` line that gives it: the model, costs and hardware every
+row shares (which the file had nowhere else), and the row's configuration."""
+
+import csv
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import pipesim
+
+REPO = Path(__file__).resolve().parents[1]
+
+FIGURES = ("time_per_minibatch_ms", "samples_per_s", "bubble_fraction", "peak_memory_mb", "max_staleness",
+           "makespan_ms", "exposed_comm_ms")
+
+SWEEPS = {
+    # the built-in costs, the whole model's in sweep and a device's share in simulate, every method and every axis
+    "built-in costs": ["-p", "2,4", "-m", 8, "-v", 2, "-P", 2, "--activation-limit", 0.8, "--prediction", "paper",
+                       "--cost-scale", "0.5,1", "--data-parallel", 2, "--fwd", 6, "--pred", 0.3, "--comm", 0.2],
+    "a cluster's links": ["-s", "1f1b,zb-h1,zb-v", "-p", 2, "-m", 4, "--cluster", REPO / "examples" / "cluster.json",
+                          "--output-mb", 64],
+    "a profile": ["--profile", REPO / "traces" / "profiles" / "gpt-cpu.json", "-s", "1f1b,interleaved-1f1b,auto",
+                  "-p", "2,4", "-m", 8, "--optimizer", "sgd"],
+    "a catalogue GPU": ["--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 1024, "--heads", 16,
+                        "--seq-len", 1024, "-s", "1f1b,dualpipev", "-p", 2, "-m", 8, "--data-parallel", 2, "--zero",
+                        1, "--recompute", "selective"],
+}
+
+
+@pytest.mark.parametrize("flags", SWEEPS.values(), ids=SWEEPS.keys())
+def test_each_rows_simulate_line_gives_its_figures_or_its_reason(tmp_path, flags):
+    out = tmp_path / "rows.csv"
+    code, _, err = pipesim("sweep", *flags, "--out", out, "--workers", 1)
+    assert code == 0, err
+    with open(out, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {row["status"] for row in rows} >= {"ok"}
+    for row in rows:
+        program, command, *args = shlex.split(row["command"])
+        assert (program, command) == ("pipesim", "simulate")
+        code, printed, err = pipesim("simulate", *args, "--json")
+        if row["status"] == "skipped":
+            assert code == 2 and err.strip() == f"error: {row['reason']}", row["command"]
+            continue
+        assert code == 0, (row["command"], err)
+        [result] = json.loads(printed)["results"]
+        assert {key: float(row[key]) for key in FIGURES} == pytest.approx(
+            {key: float(result[key]) for key in FIGURES}, rel=1e-12), row["command"]
+
+
+def test_the_line_names_what_every_row_shares_and_the_rows_own_configuration(tmp_path):
+    out = tmp_path / "rows.csv"
+    code, _, err = pipesim("sweep", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--seq-len", 256,
+                           "-s", "interleaved-1f1b", "-p", 2, "-m", "4,8", "-v", 2, "--cost-scale", 2, "--out", out)
+    assert code == 0, err
+    with open(out, newline="") as handle:
+        commands = [row["command"] for row in csv.DictReader(handle)]
+    assert commands == [f"pipesim simulate --gpu h100-sxm --model gpt --layers 4 --seq-len 256 -s interleaved-1f1b "
+                        f"-p 2 -m {m} -n 4 -v 2 --cost-scale 2.0" for m in (4, 8)]
+
+
+@pytest.mark.parametrize("scale", ["0", "-1", "nan", "inf"])
+def test_simulate_refuses_a_cost_scale_that_is_not_a_finite_number_above_0(scale):
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--cost-scale", scale)
+    assert (code, out) == (2, "")
+    assert err.strip() == f"error: --cost-scale: give a finite number above 0 (got {scale})"
+
+
+def test_simulates_cost_scale_scales_the_compute_alone():
+    def step_ms(comm_ms, *flags):
+        code, printed, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 4, "--comm", comm_ms, *flags, "--json")
+        assert code == 0, err
+        return json.loads(printed)["results"][0]["time_per_minibatch_ms"]
+
+    # 1F1B's step at p = 2, m = 4: 5 forwards of 1 ms and 5 backwards of 2 on its path, and 4 transfers of --comm
+    assert [step_ms(0), step_ms(0, "--cost-scale", 3)] == [15, 45]
+    assert [step_ms(1), step_ms(1, "--cost-scale", 3)] == [15 + 4, 45 + 4]
