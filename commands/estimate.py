@@ -834,6 +834,38 @@ def tensor_span_text(estimate: Estimate) -> str:
     return f" across {t // node} nodes" if node and t > node else ""
 
 
+def expert_span_text(profile: Profile) -> str:
+    """', the expert-parallel group across k nodes (n on each)' where an estimate's expert-parallel group leaves its
+    node, so that its all-to-alls cross the network, and where Megatron-core's rank order would keep more of it on a
+    node than pipesim's (which places a replica's stages on a node and draws E from the replicas), that order's
+    count; else nothing. simulate's caption says it: the time it costs shows only as idle (the bubble)."""
+    from ..planning.experts import ExpertParallelError, expert_group
+
+    estimate = profile.estimate
+    expert = int(estimate.parallelism.get("expert", 1))
+    if expert == 1 or estimate.placement is None:
+        return ""
+    t, p, d = estimate.degrees
+    order = estimate.parallelism.get("rank_order", "pipesim")
+
+    def on_a_node(order: str) -> int:
+        return expert_group(estimate.placement, expert, profile.model.options.get("experts"), t,
+                            int(estimate.parallelism.get("context", 1)), p, d,
+                            dispatcher=estimate.parallelism.get("token_dispatcher"), order=order,
+                            expert_tensor=estimate.parallelism.get("expert_tensor")).per_node
+
+    per_node = on_a_node(order)
+    if per_node >= expert:
+        return ""
+    try:
+        megatron = on_a_node("megatron") if order == "pipesim" else per_node
+    except ExpertParallelError:  # a degree Megatron-core's order cannot fold (E·ETP must divide t·C·d)
+        megatron = per_node
+    return (f", the expert-parallel group across {expert // per_node:,} nodes ({per_node:,} on each"
+            + (f"; --rank-order megatron places {'it on one node' if megatron >= expert else f'{megatron:,} on each'}"
+               if megatron > per_node else "") + ")")
+
+
 def _expert_group_text(profile: Profile, expert: int) -> str:
     """Where an expert-parallel group's all-to-alls go (planning/experts.py): its ranks on each node, the shares of
     a rank's token copies that cross the node's link and its NIC."""

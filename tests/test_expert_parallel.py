@@ -355,3 +355,24 @@ def test_each_experts_gradients_are_reduced_over_the_replicas_that_hold_it():
     assert reduce_ms(4) == pytest.approx(link.all_reduce_ms(1_000_000, 8) + link.all_reduce_ms(3_000_000, 2))
     assert reduce_ms(8) == pytest.approx(link.all_reduce_ms(1_000_000, 8))
     assert reduce_ms(1) == pytest.approx(link.all_reduce_ms(4_000_000, 8))
+
+
+SPREAD = ("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 256, "--heads", 4, "--seq-len",
+          128, "--vocab", 512, "--experts", 4, "--top-k", 2, "-p", 8, "-m", 8, "--data-parallel", 2, "-s", "1f1b")
+
+
+@pytest.mark.parametrize("flags, said", [
+    # pipesim's order puts a replica's 8 stages on a node, so E = 2 of the 2 replicas lies on two nodes
+    (("--expert-parallel", 2), "the expert-parallel group across 2 nodes (1 on each; --rank-order megatron places it "
+                               "on one node)"),
+    (("--expert-parallel", 2, "--rank-order", "megatron"), None),  # d inside the node: no crossing to name
+    ((), None),  # no expert parallelism
+])
+def test_simulates_caption_says_where_an_expert_parallel_group_crosses_nodes(flags, said):
+    code, out, err = pipesim(*SPREAD, *flags)
+    assert code == 0, err
+    caption = " ".join(out.split())  # as one line, however the terminal wrapped it
+    if said is None:
+        assert "expert-parallel group across" not in caption
+    else:
+        assert said in caption, caption
