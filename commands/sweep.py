@@ -15,7 +15,7 @@ from rich import box
 from rich.table import Table
 
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import MAX_MS, degree_text, whole_number
+from ..units import MAX_MS, count_text, degree_text, whole_number
 from .common import (
     LEAST_MS,
     SWEEP_RESULTS,
@@ -55,6 +55,7 @@ from .common import (
     require,
     scenario_from_flags,
     search_options,
+    stderr,
     stdout,
     writing,
     zero_stage,
@@ -313,6 +314,7 @@ def sweep(
         fail(read_error(exc))
     shown = jobs[0][0]  # under --gpu an estimate's, its allocations replayed or not as every p's are
     _print_front(results, front, peak_text(shown.measured, what, shown))
+    _print_skipped(results, out)
     stdout.print(where_text([sweep for _, sweep in sweeps]), highlight=False)
     for path in (out, html):
         if path is not None:
@@ -355,6 +357,25 @@ def _simulate_line(ctx: typer.Context, built_in: bool, comm_read: bool) -> Calla
                     if value is not None)]
         return " ".join(map(shlex.join, pieces))
     return line
+
+
+SKIPPED_REASONS = 5  # the skipped rows' reasons the terminal gives; --out holds each row's
+
+
+def _print_skipped(results: list, out: Path | None) -> None:
+    """Why configurations were skipped, on stderr as simulate says it: each reason once, after the configurations
+    it holds for (`Config.label`), the first `SKIPPED_REASONS` of them."""
+    by_reason: dict[str, list[str]] = {}
+    for r in results:
+        if r.metrics is None:
+            by_reason.setdefault(r.reason, []).append(r.config.label)
+    for reason, labels in list(by_reason.items())[:SKIPPED_REASONS]:
+        named = ", ".join(labels[:3]) + (f" and {len(labels) - 3:,} more" if len(labels) > 3 else "")
+        stderr.print(f"skipped: {named}: {reason}", highlight=False, soft_wrap=True)
+    if len(by_reason) > SKIPPED_REASONS:
+        more = count_text(len(by_reason) - SKIPPED_REASONS, "more reason")
+        where = f"{out}'s reason column" if out is not None else "--out's reason column"
+        stderr.print(f"skipped: {more}: {where} gives each row's", highlight=False, soft_wrap=True)
 
 
 def _limit_refused(results: list) -> str | None:

@@ -77,3 +77,27 @@ def test_simulates_cost_scale_scales_the_compute_alone():
     # 1F1B's step at p = 2, m = 4: 5 forwards of 1 ms and 5 backwards of 2 on its path, and 4 transfers of --comm
     assert [step_ms(0), step_ms(0, "--cost-scale", 3)] == [15, 45]
     assert [step_ms(1), step_ms(1, "--cost-scale", 3)] == [15 + 4, 45 + 4]
+
+
+def test_the_terminal_says_why_each_skipped_configuration_was_skipped_each_reason_once():
+    code, out, err = pipesim("sweep", "-s", "1f1b,zb-v,graphpipe", "-p", "2,4", "-m", 8, "-v", 1, "--workers", 1)
+    assert code == 0, err
+    assert "(3 more skipped)" in " ".join(out.split())
+    assert err.splitlines() == [
+        "skipped: zb-v p=2 m=8 v=1 P=1 cost×1, zb-v p=4 m=8 v=1 P=1 cost×1: --chunks: give 2, as zb-v folds the model "
+        "into a V of two chunks per device (device i holds stages i and 2p-1-i) (got 1)",
+        "skipped: graphpipe p=2 m=8 v=1 P=1 cost×1: --stages: graphpipe's built-in graph (a stem, two branches and a "
+        "head) needs 4 or more (got 2); pipesim simulate --graph takes a stage graph of your own"]
+
+
+def test_past_five_reasons_the_terminal_points_to_the_results_file(tmp_path):
+    out = tmp_path / "rows.csv"
+    code, _, err = pipesim("sweep", "-p", "2,4,9", "-m", 8, "-v", 1, "--prediction", "code", "--workers", 1,
+                           "--out", out)
+    assert code == 0, err
+    lines = err.splitlines()
+    assert len(lines) == 6 and all(line.startswith("skipped: ") for line in lines)
+    assert lines[-1] == f"skipped: 1 more reason: {out}'s reason column gives each row's"
+    with open(out, newline="") as handle:
+        reasons = {row["reason"] for row in csv.DictReader(handle) if row["status"] == "skipped"}
+    assert len(reasons) == 6
