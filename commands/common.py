@@ -1024,14 +1024,20 @@ def is_given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
-def given_flags(ctx: typer.Context, leave_out: Collection[str] = ()) -> list[list[str]]:
-    """The options the user gave, as given and in their order (click fills `ctx.params` so), a flag and its value a
-    piece (a switch alone, each value of a repeated option a piece of its own), but those named in `leave_out`: what
-    a `pipesim simulate` line a command prints or writes repeats of the user's own (tune's choice, sweep's rows)."""
+def given_simulate_flags(ctx: typer.Context, leave_out: Collection[str] = ()) -> list[list[str]]:
+    """The options the user gave that `pipesim simulate` takes alike (by parameter name), as given and in their
+    order (click fills `ctx.params` so), a flag and its value a piece (a switch alone, each value of a repeated
+    option a piece of its own), but those named in `leave_out`: what the `pipesim simulate` line a command prints or
+    writes repeats of the user's own (tune's choice, sweep's rows)."""
+    import inspect
+
+    from .simulate import simulate
+
+    takes = inspect.signature(simulate).parameters
     options = {param.name: param for param in ctx.command.params}
     pieces = []
     for name, value in ctx.params.items():
-        if name in leave_out or not is_given(ctx, name):
+        if name not in takes or name in leave_out or not is_given(ctx, name):
             continue
         param = options[name]
         if isinstance(value, bool):

@@ -834,34 +834,31 @@ def tensor_span_text(estimate: Estimate) -> str:
     return f" across {t // node} nodes" if node and t > node else ""
 
 
-def expert_span_text(profile: Profile) -> str:
-    """', the expert-parallel group across k nodes (n on each)' where an estimate's expert-parallel group leaves its
-    node, so that its all-to-alls cross the network, and where Megatron-core's rank order would keep more of it on a
-    node than pipesim's (which places a replica's stages on a node and draws E from the replicas), that order's
-    count; else nothing. simulate's caption says it: the time it costs shows only as idle (the bubble)."""
-    from ..planning.experts import ExpertParallelError, expert_group
+def expert_span_text(profile: Profile, pipeline: int, data: int) -> str:
+    """', the expert-parallel group across k nodes (n on each)' where an estimate's expert-parallel group lies on
+    more than one node at a run's p and d (`pipeline`, `data`: a profile read at another p is placed anew), so that
+    its all-to-alls cross the network, as the pricing places it (`ExpertGroup.per_node`); where Megatron-core's rank
+    order would keep more of it on a node than pipesim's (which puts a replica's stages on a node and draws E from
+    the replicas), that order's count too. simulate's caption says it: the time it costs shows only as idle."""
+    from ..planning.experts import expert_group
 
     estimate = profile.estimate
     expert = int(estimate.parallelism.get("expert", 1))
     if expert == 1 or estimate.placement is None:
         return ""
-    t, p, d = estimate.degrees
     order = estimate.parallelism.get("rank_order", "pipesim")
 
     def on_a_node(order: str) -> int:
-        return expert_group(estimate.placement, expert, profile.model.options.get("experts"), t,
-                            int(estimate.parallelism.get("context", 1)), p, d,
+        return expert_group(estimate.placement, expert, profile.model.options.get("experts"), estimate.degrees[0],
+                            int(estimate.parallelism.get("context", 1)), pipeline, data,
                             dispatcher=estimate.parallelism.get("token_dispatcher"), order=order,
                             expert_tensor=estimate.parallelism.get("expert_tensor")).per_node
 
     per_node = on_a_node(order)
     if per_node >= expert:
         return ""
-    try:
-        megatron = on_a_node("megatron") if order == "pipesim" else per_node
-    except ExpertParallelError:  # a degree Megatron-core's order cannot fold (E·ETP must divide t·C·d)
-        megatron = per_node
-    return (f", the expert-parallel group across {expert // per_node:,} nodes ({per_node:,} on each"
+    megatron = on_a_node("megatron") if order == "pipesim" else per_node  # E | d, ETP = t: it folds too
+    return (f", the expert-parallel group across {-(-expert // per_node):,} nodes ({per_node:,} on each"
             + (f"; --rank-order megatron places {'it on one node' if megatron >= expert else f'{megatron:,} on each'}"
                if megatron > per_node else "") + ")")
 

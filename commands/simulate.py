@@ -296,6 +296,8 @@ def simulate(
             raise InputError(f"--stages: give {placed:,}, the --graph file's stages (graphpipe's p), or leave it out "
                              f"(got {stages:,})")
         work = ModelWork.of(scenario.measured)
+        if work is not None:  # a part --cost-scale times as slow peaks at 1/--cost-scale of its FLOP/s
+            work = replace(work, peak_flops_per_s=work.peak_flops_per_s / cost_scale)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
         data_parallel = ctx.params["data_parallel"]  # a --profile estimate's own d where none was given
@@ -409,6 +411,7 @@ def simulate(
             result["overlapped_pairs"] = pairs[sched.method]  # F&B pairs over every device and mini-batch
             result["fb_hidden_fraction"] = fb_hidden_fraction if pairs[sched.method] else None
             result["pp_runtime"] = scenario.pp_runtime  # whose runtime held the boundary tensors (the peaks differ)
+            result["cost_scale"] = cost_scale  # every compute time x it
             result["stage_bounds"] = cuts[sched.method]  # one copy's model stages' first layers, then the count
             if work:  # the what-if's totals: every GPU of the t x p x d
                 result.update(gpus=used, **rate)
@@ -426,7 +429,7 @@ def simulate(
         else:
             _print_table(summaries, built, steady, example, skipped, memory,
                          _cost_basis(scenario, built, work, peak_text(scenario.measured, what, scenario))
-                         + _overlap_text(built, pairs, fb_hidden_fraction)
+                         + _overlap_text(built, pairs, fb_hidden_fraction) + _scale_text(cost_scale, work)
                          + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names})
                          + _searched_again_text(searched_again)
                          + _held_back_text(built, summaries, memory, [costed[name] for name in names]),
@@ -612,7 +615,8 @@ def _cost_basis(scenario, schedules: list, work: ModelWork | None, peak: str) ->
         elsewhere = f" at p={p} d={d}, links priced for this run's p and d" if placed else ""
         span = tensor_span_text(estimate)
         degrees = parallelism_text(estimate.parallelism, estimate.attention, shape=False) + (
-            f", the tensor-parallel group{span}" if span else "") + expert_span_text(scenario.measured)
+            f", the tensor-parallel group{span}" if span else "") + expert_span_text(
+            scenario.measured, schedules[0].num_devices, schedules[0].data_parallel)
         return (f"costs: estimated on {estimate.gpu} ({degrees}) from the model counted on the meta device{elsewhere}"
                 + "".join(f"; {text}" for text in (work.mfu_text() if work else "", peak) if text))
     if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose
@@ -661,6 +665,15 @@ def _held_back_text(built: list, summaries: list, memory: list, costs: list) -> 
                              f"{percent_text(faster)} faster ({least_limit(held, 1.0)} lets {sched.method} hold as "
                              "much)")
     return "".join(texts)
+
+
+def _scale_text(cost_scale: float, work: ModelWork | None) -> str:
+    """For the caption: the factor on every compute time (--cost-scale), where not 1, and that the MFU is over the
+    peak of a part that much faster or slower (else a tenth of the time read 380 % of the part's)."""
+    if cost_scale == 1:
+        return ""
+    return (f"; every compute time x {cost_scale:g} (--cost-scale)"
+            + (", the MFU over a peak scaled alike" if work is not None else ""))
 
 
 def _runtime_text(scenario) -> str:
@@ -723,7 +736,7 @@ def _steady_text(schedules: list, steady: list[bool]) -> str:
     from ..schedules import steady_minibatches
 
     if all(steady):
-        return "step: one mini-batch in steady state; bubble: idle share of the whole run"
+        return "step: one mini-batch in steady state; bubble: idle share of that step"
     short = [sched for sched, is_steady in zip(schedules, steady) if not is_steady]
     n = short[0].minibatches
     why = "one mini-batch (N=1) is all warm-up" if n == 1 else f"N={n} is short of it (" + ", ".join(
@@ -732,7 +745,7 @@ def _steady_text(schedules: list, steady: list[bool]) -> str:
               == "torch-csv" else "leave out --minibatches for enough")
     return (f"step: one mini-batch in steady state; * marks no steady state: {why}, so step and samples/s "
             f"include the warm-up and staleness can be below a longer run's; {enough}; "
-            "bubble: idle share of the whole run")
+            "bubble: idle share of that step")
 
 
 def _print_table(summaries: list, schedules: list, steady: list[bool], example: bool, skipped: dict[str, str],

@@ -47,7 +47,7 @@ from .common import (
     fail,
     finite_from,
     flag_of,
-    given_flags,
+    given_simulate_flags,
     model_reads,
     optional_what_if_options,
     progress,
@@ -61,7 +61,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import count_what_if, estimated_profile, peak_text, what_if
-from .tables import add_columns, print_table, said_once
+from .tables import add_columns, print_message, print_table, said_once
 
 if TYPE_CHECKING:
     from ..planning.sweep import Config
@@ -333,14 +333,10 @@ def _simulate_line(ctx: typer.Context, built_in: bool, comm_read: bool) -> Calla
     """Each row's `pipesim simulate` line: the flags the user gave that simulate takes alike, then the row's
     configuration; where the costs are the built-in flags' (`built_in`), each a device's share of the whole model's,
     and where the links are --comm's (`comm_read`), its milliseconds, whose defaults differ between the two."""
-    import inspect
-
     from ..schedules import METHODS
-    from .simulate import simulate
 
-    takes = inspect.signature(simulate).parameters
-    fixed = given_flags(ctx, {name for name in ctx.params if name not in takes} | set(ROW_OWN)
-                        | (set(WHOLE_MODEL_COSTS) if built_in else set()) | ({"comm"} if comm_read else set()))
+    fixed = given_simulate_flags(ctx, {*ROW_OWN, *(WHOLE_MODEL_COSTS if built_in else ()),
+                                       *(("comm",) if comm_read else ())})
     comm = [["--comm", ctx.params["comm"]]] if comm_read else []
 
     def line(c: Config) -> str:
@@ -371,11 +367,11 @@ def _print_skipped(results: list, out: Path | None) -> None:
             by_reason.setdefault(r.reason, []).append(r.config.label)
     for reason, labels in list(by_reason.items())[:SKIPPED_REASONS]:
         named = ", ".join(labels[:3]) + (f" and {len(labels) - 3:,} more" if len(labels) > 3 else "")
-        stderr.print(f"skipped: {named}: {reason}", highlight=False, soft_wrap=True)
+        print_message(f"{named}: {reason}", stderr, "skipped: ")
     if len(by_reason) > SKIPPED_REASONS:
         more = count_text(len(by_reason) - SKIPPED_REASONS, "more reason")
         where = f"{out}'s reason column" if out is not None else "--out's reason column"
-        stderr.print(f"skipped: {more}: {where} gives each row's", highlight=False, soft_wrap=True)
+        print_message(f"{more}: {where} gives each row's", stderr, "skipped: ")
 
 
 def _limit_refused(results: list) -> str | None:

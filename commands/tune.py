@@ -44,8 +44,8 @@ from .common import (
     check_p2p_sync,
     collector_paused,
     fail,
-    given_flags,
     given_precision,
+    given_simulate_flags,
     is_given,
     load_profile_flag,
     refuse,
@@ -319,26 +319,16 @@ def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
              None if candidate.activation_limit is None else repr(candidate.activation_limit))]
 
 
-def _tune_own(chosen: list[str]) -> set[str]:
-    """Tune's flags its simulate command leaves out: those simulate does not take, read from the two commands'
-    parameters, those whose value is the choice's (`chosen`), and --json (the command prints simulate's table)."""
-    import inspect
-
-    from .simulate import simulate
-
-    takes = inspect.signature(simulate).parameters
-    return {name for name in inspect.signature(tune).parameters if name not in takes} | {*chosen, "as_json"}
-
-
 def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
     """The `pipesim simulate` command that gives the chosen `result`'s step, samples/s and peak, a flag and its value
     a piece: the flags the user gave that simulate shares, as given and in their order, and the choice's schedule,
     shape, degrees and cut (layers:N,N,..., the layers of each model stage), so a planner's answer can be checked."""
     c = result.config
     chosen = _choice_flags(c, result.candidate)
-    # (auto's budget shapes its order; simulate refuses it beside another method)
-    own = _tune_own([name for name, _, _ in chosen]) | ({"search_seconds"} if c.schedule != "auto" else set())
-    return [["pipesim", "simulate"], *given_flags(ctx, own),
+    # the choice's own, --json (the line prints simulate's table), and auto's budget beside another method (it
+    # shapes auto's order; simulate refuses it for another)
+    own = {*(name for name, _, _ in chosen), "as_json", *(("search_seconds",) if c.schedule != "auto" else ())}
+    return [["pipesim", "simulate"], *given_simulate_flags(ctx, own),
             *([flag] if value is True else [flag, str(value)] for _, flag, value in chosen if value is not None)]
 
 

@@ -2775,20 +2775,8 @@ def tensor_split_refusal(options: dict[str, Any], tensor: int, expert_tensor: in
                                             ("expert_ffn", "experts' MLP width", expert_split)):
         size = options.get(name)
         if size and size % ranks:
-            return f"{field_name}: {ranks} does not divide the model's {size:,} {what}"
+            return f"{field_name}: {ranks} does not divide the model's {size} {what}"
     return None
-
-
-def tensor_splits_text(options: dict[str, Any], field_name: str, expert_tensor: int | None) -> str:
-    """The degrees that do split the model for `tensor_split_refusal`'s `field_name` (tensor, or expert_tensor:
-    ETP), as its refusal offers them: "1, 2, 4 or 8", or the size they must divide where more than eight would."""
-    names = (("expert_ffn",) if field_name == "expert_tensor" else
-             ("heads", "kv_heads", "ffn", *(("expert_ffn",) if expert_tensor is None else ())))
-    common = math.gcd(*(options[name] for name in names if options.get(name)))
-    splits = [d for d in range(1, common + 1) if common % d == 0]
-    if len(splits) > 8:
-        return f"a divisor of {common:,}"
-    return ", ".join(f"{d:,}" for d in splits[:-1]) + (" or " if len(splits) > 1 else "") + f"{splits[-1]:,}"
 
 
 def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *, optimizer: str = "adam",
@@ -2816,8 +2804,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if (refused := optimizer_refusal(optimizer, "{optimizer}")) is not None:
         raise EstimateError(refused)
     if (refused := tensor_split_refusal(counted.options, parallel.tensor, parallel.expert_tensor)) is not None:
-        splits = tensor_splits_text(counted.options, refused.split(":", 1)[0], parallel.expert_tensor)
-        raise EstimateError(f"{refused}; give {splits}")
+        raise EstimateError(refused)
     if parallel.pipeline > len(counted.layers):
         raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
     if parallel.scores_buffer and counted.attention != "math":

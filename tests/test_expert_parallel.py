@@ -357,16 +357,21 @@ def test_each_experts_gradients_are_reduced_over_the_replicas_that_hold_it():
     assert reduce_ms(1) == pytest.approx(link.all_reduce_ms(4_000_000, 8))
 
 
-SPREAD = ("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 256, "--heads", 4, "--seq-len",
-          128, "--vocab", 512, "--experts", 4, "--top-k", 2, "-p", 8, "-m", 8, "--data-parallel", 2, "-s", "1f1b")
+SMALL_MOE = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 256, "--heads", 4, "--seq-len", 128,
+             "--vocab", 512, "--experts", 16, "--top-k", 2)
+SPREAD = ("simulate", *SMALL_MOE, "-m", 8, "-s", "1f1b")
 
 
 @pytest.mark.parametrize("flags, said", [
     # pipesim's order puts a replica's 8 stages on a node, so E = 2 of the 2 replicas lies on two nodes
-    (("--expert-parallel", 2), "the expert-parallel group across 2 nodes (1 on each; --rank-order megatron places it "
-                               "on one node)"),
-    (("--expert-parallel", 2, "--rank-order", "megatron"), None),  # d inside the node: no crossing to name
-    ((), None),  # no expert parallelism
+    (("-p", 8, "--data-parallel", 2, "--expert-parallel", 2),
+     "the expert-parallel group across 2 nodes (1 on each; --rank-order megatron places it on one node)"),
+    (("-p", 2, "--data-parallel", 8, "--expert-parallel", 8),  # 4 replicas of 2 stages a node
+     "the expert-parallel group across 2 nodes (4 on each; --rank-order megatron places it on one node)"),
+    (("-p", 1, "--data-parallel", 16, "--expert-parallel", 16, "--rank-order", "megatron"),  # larger than a node
+     "the expert-parallel group across 2 nodes (8 on each)"),
+    (("-p", 8, "--data-parallel", 2, "--expert-parallel", 2, "--rank-order", "megatron"), None),  # d inside a node
+    (("-p", 8, "--data-parallel", 2), None),  # no expert parallelism
 ])
 def test_simulates_caption_says_where_an_expert_parallel_group_crosses_nodes(flags, said):
     code, out, err = pipesim(*SPREAD, *flags)
@@ -376,3 +381,17 @@ def test_simulates_caption_says_where_an_expert_parallel_group_crosses_nodes(fla
         assert "expert-parallel group across" not in caption
     else:
         assert said in caption, caption
+
+
+def test_the_caption_places_the_group_at_the_runs_p_not_the_profiles(tmp_path):
+    """An estimate read back with --profile at another p places the group anew, as its pricing does."""
+    estimated = tmp_path / "estimate.json"
+    code, _, err = pipesim("estimate", *SMALL_MOE, "-p", 2, "--data-parallel", 8, "--expert-parallel", 8,
+                           "--out", estimated)
+    assert code == 0, err
+    for p, said in ((1, None), (8, "the expert-parallel group across 8 nodes (1 on each; --rank-order megatron "
+                                   "places it on one node)")):
+        code, out, err = pipesim("simulate", "--profile", estimated, "-s", "1f1b", "-p", p, "--data-parallel", 8)
+        assert code == 0, err
+        caption = " ".join(out.split())
+        assert (said in caption) if said else ("expert-parallel group across" not in caption), caption

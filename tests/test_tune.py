@@ -675,15 +675,15 @@ def test_autos_search_budget_without_auto_is_refused_as_simulate_refuses_it(meth
 
 
 def test_every_tune_flag_is_passed_on_to_simulate_as_it_parses_there_or_left_out_as_tunes_own():
-    """tune's simulate command gives the user's flags that are not tune's own (`_tune_own`: those simulate does not
-    take, read from both commands, and the choice's): each of the others parses in simulate as tune prints it, and
-    each of the choice's flags is one of simulate's parameter's."""
+    """tune's simulate command gives the user's flags that simulate takes alike (`given_simulate_flags`, by name) and
+    are not the choice's: each parses in simulate as tune prints it, and each of the choice's flags is one of
+    simulate's parameter's."""
     from types import SimpleNamespace
 
     import typer
 
     from pipesim.cli import make_app
-    from pipesim.commands.tune import _choice_flags, _tune_own
+    from pipesim.commands.tune import _choice_flags
 
     commands = typer.main.get_command(make_app()).commands
     takes = {param.name: param for param in commands["simulate"].params}
@@ -692,9 +692,9 @@ def test_every_tune_flag_is_passed_on_to_simulate_as_it_parses_there_or_left_out
     chosen = _choice_flags(config, SimpleNamespace(bounds=[0, 3, 5], activation_limit=2))
     assert all(value is not None for _, _, value in chosen)  # every flag the choice can give, given
     assert all(flag in takes[name].opts for name, flag, _ in chosen), chosen
-    own = _tune_own([name for name, _, _ in chosen])
-    assert {"devices", "memory_gb", "max_chunks", "schedule", "zero", "as_json"} <= own
-    passed = [param for param in commands["tune"].params if param.name not in own]
+    own = {*(name for name, _, _ in chosen), "as_json"}
+    assert {"schedule", "zero"} <= own and not {"devices", "memory_gb", "max_chunks"} & set(takes)
+    passed = [param for param in commands["tune"].params if param.name in takes and param.name not in own]
     assert passed and all(param.name in takes for param in passed), [p.name for p in passed if p.name not in takes]
     for param in passed:
         there = takes[param.name]
