@@ -360,9 +360,11 @@ TensorParallel = Annotated[int | None, typer.Option(
     "--tensor-parallel", metavar="T", min=1, help="With --gpu: tensor-parallel degree t, Megatron's split of every "
                                                   "block over t GPUs of a node; a t above a node's GPUs fills whole "
                                                   "nodes and crosses them on their NICs (simulated only).")]
+MAX_DEVICES = 1_000_000  # a tenfold margin over the largest GPU clusters built (about 100,000): a plan's own bound
 DataParallel = Annotated[int | None, typer.Option(
-    "--data-parallel", metavar="D", min=1, help="Data-parallel degree d: replicas of the pipeline, each stage's "
-                                                "gradients all-reduced over them before its update.")]
+    "--data-parallel", metavar="D", min=1, max=MAX_DEVICES,
+    help="Data-parallel degree d: replicas of the pipeline, each stage's gradients all-reduced over them before its "
+         "update.")]
 ContextParallel = Annotated[int, typer.Option(
     "--context-parallel", metavar="C", min=1, help="With --gpu: context-parallel degree C, the sequence split over C "
                                                    "GPUs (2C chunks, causal load balance) whose attention passes keys "

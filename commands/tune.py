@@ -26,6 +26,7 @@ from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, percent_text, rate_text
 from ..units import GIB, count_text, degree_text
 from .common import (
+    MAX_DEVICES,
     Allocator,
     DataParallel,
     HeldPrecision,
@@ -65,7 +66,6 @@ if TYPE_CHECKING:
     from ..profiles.workload import WorkloadCount
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
-MAX_DEVICES = 1_000_000  # a tenfold margin over the largest GPU clusters built (about 100,000): a plan's own bound
 SEARCHED = "Default: searched."  # what tune does with these where simulate and sweep take one value
 NOTE_AFTER_S = 1.0  # a step piped to a file that takes longer says what it does, one line: it must not look hung
 SearchedTensorParallel = with_help(TensorParallel, SEARCHED)

@@ -197,6 +197,9 @@ def test_a_methods_shape_is_refused_naming_the_flag_in_the_one_wording(args, lin
     (["simulate", "-p", "1.5"], "-p (--stages): give a whole number of at least 1 (got 1.5)"),
     (["simulate", "-m", "abc"], "-m (--microbatches): give a whole number of at least 1 (got 'abc')"),
     (["study", "--seeds", "5000"], "--seeds: give a whole number from 1 to 1,000 (got 5,000)"),  # "to 1000"
+    # a billion replicas ran, at 5.7 billion samples/s: tune's bound on its devices, ten times the largest clusters
+    (["simulate", "--data-parallel", "1000000001"], "--data-parallel: give a whole number from 1 to 1,000,000 (got "
+                                                    "1,000,000,001)"),
     (["simulate", "--seed", "-1"], "--seed: give a whole number from 0 to 4,294,967,295 (got -1)"),
     (["simulate", "--opt", "x"], "--opt: give a number (got 'x')"),
 ])
