@@ -8,6 +8,7 @@ import math
 import shlex
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -162,6 +163,7 @@ def tune(
     from ..sim import CostError, SimulationError
 
     workers, pool = usable_cpus(), None  # the cores this process may run on, not the host's (a container's share)
+    estimates_s = None  # --gpu's estimates' seconds, before the search's own
     try:
         if devices > MAX_DEVICES:  # a refusal's nearest divisors are searched up to D
             raise InputError(f"--devices: give at most {MAX_DEVICES:,}, ten times the largest GPU clusters built "
@@ -253,10 +255,12 @@ def tune(
                     check_context(counts[sizes[0]], context)
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
             expert_given = is_given(ctx, "expert_parallel")
+            estimating_from = time.perf_counter()
             with _working(_estimating_text(_expert_degrees(what, counts[sizes[0]], expert_given))) as report:
                 settings = _estimated_settings(what, schedule_devices, tensor_parallel, data_parallel, recompute,
                                                sizes, optimizer, allocator, optimizer_step, pp_runtime, counts,
                                                expert_given, ctx.params["sequence_parallel"], report, pool)
+            estimates_s = time.perf_counter() - estimating_from
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
@@ -295,7 +299,7 @@ def tune(
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return
     _print_tuning(tuning, measured, work, data_parallel is not None, command,
-                  peak_text(measured, what, tuning.choice.result.candidate.setting.scenario))
+                  peak_text(measured, what, tuning.choice.result.candidate.setting.scenario), estimates_s)
 
 
 def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
@@ -624,9 +628,11 @@ def _estimate_group(what: WhatIf, counted: WorkloadCount, group: _EstimateGroup,
     return settings, None
 
 
-def search_summary(stats) -> str:
-    """The search's counts, each configuration in one of them. It counts the configurations the progress line
-    counted ("searching 73 configurations"), those refused once built among them: it said "searched 72"."""
+def search_summary(stats, estimates_s: float | None = None) -> str:
+    """The search's counts, each configuration in one of them, and its seconds, after those of the estimates it
+    searched (`estimates_s`, --gpu's; None: a profile's), which the line left out (15 of a 70B tune's 40 s). It
+    counts the configurations the progress line counted ("searching 73 configurations"), those refused once built
+    among them: it said "searched 72"."""
     searched = stats.configurations + stats.refused_built
     return (f"searched {count_text(searched, 'configuration')} ({stats.refused - stats.refused_built:,} more shapes "
             f"refused by their method): "
@@ -635,10 +641,12 @@ def search_summary(stats) -> str:
             f"({stats.simulated_over_limits:,} of them simulated to show what the limits cost), {stats.pruned:,} "
             f"pruned by the throughput bound, {stats.simulated:,} simulated"
             + (f", and {count_text(stats.simulated_leanest, 'leanest cut')} simulated where no cut for time fits"
-               if stats.simulated_leanest else "") + f"; {stats.seconds:.2f} s")
+               if stats.simulated_leanest else "") + f"; {stats.seconds:.2f} s"
+            + (f" after {estimates_s:.2f} s of estimates" if estimates_s is not None else ""))
 
 
-def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], peak: str) -> None:
+def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], peak: str,
+                  estimates_s: float | None) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
     choice's cut and the `command` that simulates it; `peak`: what the peak column is (`peak_text`)."""
     from ..planning.tune import memory_text, significant_ms_text
@@ -718,6 +726,6 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         f"{significant_ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step")
     stdout.print("the choice, as simulate gives it:\n" + _shell_lines(command, available_width(stdout)),
                  highlight=False, soft_wrap=True)
-    print_paragraph(search_summary(stats))
+    print_paragraph(search_summary(stats, estimates_s))
     for note in tuning.notes:
         print_paragraph(f"note: {note}")

@@ -199,6 +199,9 @@ def test_tunes_summary_counts_the_configurations_its_progress_line_counted():
     summary = search_summary(stats)
     assert summary.startswith("searched 73 configurations (455 more shapes refused by their method): 1 refused once "
                               "built, 16 too stale"), summary
+    assert summary.endswith("30 simulated; 3.50 s")
+    # --gpu's estimates come first, and the line said only the search's seconds (15 of a 70B tune's 40 s)
+    assert search_summary(stats, 15.254).endswith("30 simulated; 3.50 s after 15.25 s of estimates")
 
 
 def test_tunes_summary_at_80_columns_keeps_its_seconds_with_their_unit():
