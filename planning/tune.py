@@ -543,7 +543,8 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
     staler_row = row(staler) if staler else None
     unsimulated = StalerBound(len(bounds), max(bounds)) if staler_row and bounds else None
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster], stats,
-                  _notes(settings, problem) + leanest + ([_within_margin_note(within)] if within else [])
+                  _notes(settings, problem) + leanest + _headroom_note(choice, problem)
+                  + ([_within_margin_note(within)] if within else [])
                   + ([_staler_note(staler_row, choice, unsimulated)] if staler_row else []),
                   staler_row, unsimulated, within)
 
@@ -580,6 +581,25 @@ def _within_margin(shapes: list[Shape], built: _Built, problem: Problem, choice:
             continue
         count += fastest < speed_key(_known_bound(built, shape.index, item)) <= margin
     return count
+
+
+# The share of a catalogue part's memory under which a choice's peak is said to leave no headroom: torch sees an
+# H200's 141 GiB as 139.80 (its total_memory, 150,109,880,320 bytes: traces/measured/gpu-check-h200-day42/
+# profile.json, driver 580.159.04), 0.85 % less, and the CUDA context and NCCL's buffers, which no count holds, take
+# their share of what is left.
+HEADROOM = 0.02
+
+
+def _headroom_note(choice: Result, problem: Problem) -> list[str]:
+    """A note where the choice peaks within `HEADROOM` of the part's own memory (the cap where --memory-gb is not
+    given): it fits the datasheet's memory, which a run does not have whole."""
+    if problem.memory_part is None or choice.peak_memory_bytes <= problem.memory_cap_bytes * (1 - HEADROOM):
+        return []
+    left = 1 - choice.peak_memory_bytes / problem.memory_cap_bytes
+    return [f"the choice peaks at {memory_text(choice.peak_memory_bytes)}, {percent_text(left)} under the "
+            f"{problem.memory_part}'s {memory_text(problem.memory_cap_bytes)}; a run has less than the datasheet's "
+            "memory (torch sees an H200's 141 GiB as 139.8, measured here) and the CUDA context and NCCL's buffers, "
+            "which pipesim does not count, take some: give --memory-gb to keep headroom"]
 
 
 def _within_margin_note(count: int) -> str:

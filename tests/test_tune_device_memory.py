@@ -76,3 +76,23 @@ def test_where_no_cut_for_time_fits_the_fastest_leanest_cut_that_fits_is_the_ans
     assert code == 0, err
     assert (f"{searches[12]['simulated']} simulated, and 1 leanest cut simulated where no cut for time fits; "
             in " ".join(out.split())), out
+
+
+def test_a_choice_within_two_percent_of_the_parts_memory_is_noted_and_one_under_a_given_cap_is_not():
+    """A choice at 79.2 of an H100's 80 GiB was printed as fitting, where a run has less than the datasheet's memory
+    (torch's total_memory of an H200, measured: 139.8 of 141 GiB) and the CUDA context and NCCL take some."""
+    from types import SimpleNamespace
+
+    from pipesim.planning.tune import HEADROOM, _headroom_note
+    from pipesim.units import GIB
+
+    def note(peak_gib, part="h100-sxm"):
+        return _headroom_note(SimpleNamespace(peak_memory_bytes=peak_gib * GIB),
+                              SimpleNamespace(memory_part=part, memory_cap_bytes=80 * GIB))
+
+    assert HEADROOM == 0.02
+    [said] = note(79.2)
+    assert said.startswith("the choice peaks at 79.2 GiB, 1.0% under the h100-sxm's 80 GiB; a run has less than the "
+                           "datasheet's memory"), said
+    assert said.endswith("give --memory-gb to keep headroom")
+    assert note(78.4) == [] and note(79.2, part=None) == []  # 2.0 % under; or --memory-gb's cap, the user's own
