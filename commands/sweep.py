@@ -322,7 +322,8 @@ def sweep(
 
 
 # Sweep's built-in costs are the whole model's, split over each configuration's p·v stages; simulate's a device's,
-# split over its v: a row's line gives simulate each one over p. Sweep's --comm default is simulate's example's.
+# split over its v: a row's line gives simulate each one over p. Sweep's --comm default (0.1 ms, the built-in
+# example's) is not simulate's (0), so a row's line gives it wherever it prices the links.
 WHOLE_MODEL_COSTS = ("fwd", "bwd", "opt", "pred", "avg", "param_mb", "activation_mb")
 # What each row's line gives of its own (its configuration), or simulate reads otherwise (--html: sweep's page)
 ROW_OWN = ("schedule", "stages", "microbatches", "minibatches", "chunks", "pipelines", "prediction",
