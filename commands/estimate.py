@@ -834,12 +834,12 @@ def tensor_span_text(estimate: Estimate) -> str:
     return f" across {t // node} nodes" if node and t > node else ""
 
 
-def expert_span_text(profile: Profile, pipeline: int, data: int) -> str:
+def expert_span_text(profile: Profile) -> str:
     """', the expert-parallel group across k nodes (n on each)' where an estimate's expert-parallel group lies on
-    more than one node at a run's p and d (`pipeline`, `data`: a profile read at another p is placed anew), so that
-    its all-to-alls cross the network, as the pricing places it (`ExpertGroup.per_node`); where Megatron-core's rank
-    order would keep more of it on a node than pipesim's (which puts a replica's stages on a node and draws E from
-    the replicas), that order's count too. simulate's caption says it: the time it costs shows only as idle."""
+    more than one node at the estimate's own p and d, at which its all-to-alls are priced (a profile read at another
+    p keeps them), so that they cross the network (`ExpertGroup.per_node`); where Megatron-core's rank order would
+    keep more of it on a node than pipesim's (which puts a replica's stages on a node and draws E from the
+    replicas), that order's count too. simulate's caption says it: the time it costs shows only as idle."""
     from ..planning.experts import expert_group
 
     estimate = profile.estimate
@@ -847,10 +847,11 @@ def expert_span_text(profile: Profile, pipeline: int, data: int) -> str:
     if expert == 1 or estimate.placement is None:
         return ""
     order = estimate.parallelism.get("rank_order", "pipesim")
+    t, p, d = estimate.degrees
 
     def on_a_node(order: str) -> int:
-        return expert_group(estimate.placement, expert, profile.model.options.get("experts"), estimate.degrees[0],
-                            int(estimate.parallelism.get("context", 1)), pipeline, data,
+        return expert_group(estimate.placement, expert, profile.model.options.get("experts"), t,
+                            int(estimate.parallelism.get("context", 1)), p, d,
                             dispatcher=estimate.parallelism.get("token_dispatcher"), order=order,
                             expert_tensor=estimate.parallelism.get("expert_tensor")).per_node
 

@@ -615,8 +615,7 @@ def _cost_basis(scenario, schedules: list, work: ModelWork | None, peak: str) ->
         elsewhere = f" at p={p} d={d}, links priced for this run's p and d" if placed else ""
         span = tensor_span_text(estimate)
         degrees = parallelism_text(estimate.parallelism, estimate.attention, shape=False) + (
-            f", the tensor-parallel group{span}" if span else "") + expert_span_text(
-            scenario.measured, schedules[0].num_devices, schedules[0].data_parallel)
+            f", the tensor-parallel group{span}" if span else "") + expert_span_text(scenario.measured)
         return (f"costs: estimated on {estimate.gpu} ({degrees}) from the model counted on the meta device{elsewhere}"
                 + "".join(f"; {text}" for text in (work.mfu_text() if work else "", peak) if text))
     if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose

@@ -648,7 +648,8 @@ def search_summary(stats, estimates_s: float | None = None) -> str:
 def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], peak: str,
                   estimates_s: float | None) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
-    choice's cut and the `command` that simulates it; `peak`: what the peak column is (`peak_text`)."""
+    choice's cut and the `command` that simulates it; `peak`: what the peak column is (`peak_text`); `estimates_s`:
+    --gpu's estimates' seconds, which the search's summary gives after its own (None: a profile's)."""
     from ..planning.tune import memory_text, significant_ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats

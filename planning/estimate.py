@@ -2775,7 +2775,7 @@ def tensor_split_refusal(options: dict[str, Any], tensor: int, expert_tensor: in
                                             ("expert_ffn", "experts' MLP width", expert_split)):
         size = options.get(name)
         if size and size % ranks:
-            return f"{field_name}: {ranks} does not divide the model's {size} {what}"
+            return f"{field_name}: {ranks} does not divide the model's {size:,} {what}"
     return None
 
 

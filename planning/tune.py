@@ -126,7 +126,7 @@ from ..sim.cluster import Cluster
 from ..sim.costs import Costs, owned_bytes, product_delay
 from ..sim.engine import device_product_ms, simulate, static_bytes, takes_time
 from ..traces import Summary, Trace, summarize
-from ..traces.metrics import percent_text, steady_bubble
+from ..traces.metrics import percent_text, steady_bubble, steady_compute_ms
 from ..units import GIB, MIB, count_text, degree_text
 from .auto import activation_ratio, check_shape, schedule_frame
 from .ranks import estimated_experts_refusal
@@ -1732,10 +1732,10 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True, beat
             problem.batch_size / beaten * 1e3 * (1 + 1e-6) if beaten > 0 else math.inf)
     step_ms = max(growth_ms, candidate.busiest_ms)
     # the bubble of the compute rows as simulated (accumulations, and transfers' holds on the compute, included), a
-    # mini-batch's share of the long run's, over the steady step, as simulate's (`steady_bubble`)
-    busy_ms = float(np.sum([device.busy_ms for device in long_run.devices])) / candidate.schedule.minibatches
+    # step's compute over the steady step, as simulate's (`steady_bubble`)
     return (problem.batch_size / step_ms * 1e3, step_ms,
-            steady_bubble(busy_ms, len(long_run.devices), step_ms), _peak_bytes(long_run)), long_trace
+            steady_bubble(steady_compute_ms(long_trace), len(long_run.devices), step_ms),
+            _peak_bytes(long_run)), long_trace
 
 
 def _floor(problem: Problem, candidate: Candidate, beaten: float = -math.inf

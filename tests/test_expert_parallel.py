@@ -383,15 +383,16 @@ def test_simulates_caption_says_where_an_expert_parallel_group_crosses_nodes(fla
         assert said in caption, caption
 
 
-def test_the_caption_places_the_group_at_the_runs_p_not_the_profiles(tmp_path):
-    """An estimate read back with --profile at another p places the group anew, as its pricing does."""
+def test_the_caption_places_the_group_where_its_all_to_alls_are_priced(tmp_path):
+    """An estimate read back with --profile at another p keeps the all-to-alls priced at its own p and d, and the
+    caption names that placement (the estimate's), as the costs' caption names the estimate's degrees."""
     estimated = tmp_path / "estimate.json"
     code, _, err = pipesim("estimate", *SMALL_MOE, "-p", 2, "--data-parallel", 8, "--expert-parallel", 8,
                            "--out", estimated)
     assert code == 0, err
-    for p, said in ((1, None), (8, "the expert-parallel group across 8 nodes (1 on each; --rank-order megatron "
-                                   "places it on one node)")):
+    for p in (1, 8):
         code, out, err = pipesim("simulate", "--profile", estimated, "-s", "1f1b", "-p", p, "--data-parallel", 8)
         assert code == 0, err
         caption = " ".join(out.split())
-        assert (said in caption) if said else ("expert-parallel group across" not in caption), caption
+        assert ("at p=2 d=8" in caption and "the expert-parallel group across 2 nodes (4 on each; --rank-order "
+                "megatron places it on one node)" in caption), caption

@@ -7,6 +7,7 @@ import json
 import math
 import shlex
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from pipesim.profiles.schema import load_profile
 from pipesim.schedules import METHODS, flushes
 from pipesim.sim import simulate
 from pipesim.traces import summarize
-from tests.conftest import Cli, at_columns, needs_transformers, pipesim, pipesim_fresh, tune_rows
+from tests.conftest import Cli, at_columns, needs_transformers, pipesim, pipesim_fresh, simulate_json, tune_rows
 from tests.helpers import CNN_CPU as CNN
 from tests.helpers import GPT_CPU as GPT
 from tests.helpers import PROFILES, accumulating, bounds_over_random_costs, differences, exhaustive, gpt_on_8, jittered
@@ -189,6 +190,19 @@ def test_the_bubble_counts_the_compute_that_transfers_hold_as_simulate_does():
     assert simulated["stage_bounds"] == choice["partition"]
     assert simulated["time_per_minibatch_ms"] == pytest.approx(choice["step_ms"], rel=1e-9)
     assert choice["bubble_fraction"] == pytest.approx(simulated["bubble_fraction"], abs=1e-3)
+
+
+def test_tunes_bubble_is_its_simulate_lines_where_the_first_mini_batch_costs_more():
+    """Both leave the first mini-batch out (`steady_compute_ms`): the H200 calibration's warm-up makes it the longest,
+    and tune's read 50.35 % where its own simulate line read 50.50 %, tune counting it in."""
+    h200 = Path(__file__).resolve().parents[1] / "traces" / "measured" / "gpu-check-h200-day42" / "profile.json"
+    code, out, err = pipesim("tune", "--profile", h200, "-D", 2, "-s", "1f1b", "-s", "zb-h1", "--json")
+    assert code == 0, err
+    tuned = json.loads(out)
+    _, _, *args = shlex.split(tuned["simulate_command"])
+    [simulated] = simulate_json(*args)
+    assert simulated["time_per_minibatch_ms"] == pytest.approx(tuned["choice"]["step_ms"], rel=1e-9)
+    assert tuned["choice"]["bubble_fraction"] == pytest.approx(simulated["bubble_fraction"], rel=1e-9)
 
 
 def test_a_fixed_order_is_built_once_for_every_number_of_replicas():
@@ -695,7 +709,7 @@ def test_every_tune_flag_is_passed_on_to_simulate_as_it_parses_there_or_left_out
     own = {*(name for name, _, _ in chosen), "as_json"}
     assert {"schedule", "zero"} <= own and not {"devices", "memory_gb", "max_chunks"} & set(takes)
     passed = [param for param in commands["tune"].params if param.name in takes and param.name not in own]
-    assert passed and all(param.name in takes for param in passed), [p.name for p in passed if p.name not in takes]
+    assert len(passed) > 40, [param.name for param in passed]  # the model's, the costs' and the runtime's flags
     for param in passed:
         there = takes[param.name]
         assert param.opts[0] in there.opts and param.multiple == there.multiple, param.name

@@ -83,14 +83,13 @@ def test_a_choice_within_two_percent_of_the_parts_memory_is_noted_and_one_under_
     (torch's total_memory of an H200, measured: 139.8 of 141 GiB) and the CUDA context and NCCL take some."""
     from types import SimpleNamespace
 
-    from pipesim.planning.tune import HEADROOM, _headroom_note
+    from pipesim.planning.tune import _headroom_note
     from pipesim.units import GIB
 
     def note(peak_gib, part="h100-sxm"):
         return _headroom_note(SimpleNamespace(peak_memory_bytes=peak_gib * GIB),
                               SimpleNamespace(memory_part=part, memory_cap_bytes=80 * GIB))
 
-    assert HEADROOM == 0.02
     [said] = note(79.2)
     assert said.startswith("the choice peaks at 79.2 GiB, 1.0% under the h100-sxm's 80 GiB; a run has less than the "
                            "datasheet's memory"), said

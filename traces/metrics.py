@@ -191,11 +191,23 @@ def _peak(trace: Trace, name: str, device: int) -> float:
     return per_device[device].values.max()
 
 
+def steady_compute_ms(trace: Trace) -> float:
+    """A step's compute, summed over the devices: that of mini-batches 2 to N over N - 1 (the first, which a measured
+    run's warm-up slows, left out, as the time per mini-batch leaves out its span); one mini-batch's whole."""
+    ops = trace.ops
+    computing = ops.stream == Stream.COMPUTE
+    minibatch, durs_us = ops.minibatch[computing], ops.dur_us[computing]
+    minibatches = int(minibatch.max()) + 1 if len(minibatch) else 0
+    if minibatches <= 1:
+        return float(durs_us.sum()) / 1e3
+    return float(durs_us[minibatch > 0].sum()) / (minibatches - 1) / 1e3
+
+
 def steady_bubble(busy_per_minibatch_ms: float, devices: int, step_ms: float) -> float:
     """The idle share of the step the time per mini-batch is: 1 - the devices' mean compute per mini-batch over it
     (0 for no step, and not below 0), as tune's and as the zero-bubble paper's bubble rate (its table 5, 1 -
     m(F + B + W) / the steady step: docs/auto.md). Of the step, not of the whole run, whose fill and drain an order
-    that never flushes pays once: the built-in example's PipeDream idles 4.8 % of its step and 12.9 % of its 4
+    that never flushes pays once: PipeDream at p = 4, m = 8, --comm 0.1 idles 4.8 % of its step and 12.9 % of its 4
     mini-batches' run. One mini-batch's step is its makespan: the whole run's share."""
     if step_ms <= 0:
         return 0.0
@@ -260,9 +272,6 @@ def summarize(trace: Trace) -> Summary:
     done_us = np.full(minibatches, -np.inf)
     np.maximum.at(done_us, minibatch, ends_us[computing])
     per_minibatch_us = (done_us[-1] - done_us[0]) / (minibatches - 1) if minibatches > 1 else makespan_us
-    # the compute of the mini-batches that step (all but the first, which a measured run's warm-up slows), a step's
-    steady_busy_us = (float(ops.dur_us[computing][minibatch > 0].sum()) / (minibatches - 1) if minibatches > 1
-                      else busy_total_us)
     samples = trace.meta.samples_per_minibatch
 
     num_stages = int(ops.stage[computing].max()) + 1 if len(computing) else 0
@@ -298,7 +307,7 @@ def summarize(trace: Trace) -> Summary:
         makespan_ms=makespan_us / 1e3,
         time_per_minibatch_ms=per_minibatch_us / 1e3,
         samples_per_s=samples / (per_minibatch_us / 1e6) if per_minibatch_us > 0 else 0.0,
-        bubble_fraction=steady_bubble(steady_busy_us / 1e3, trace.num_devices, per_minibatch_us / 1e3),
+        bubble_fraction=steady_bubble(steady_compute_ms(trace), trace.num_devices, per_minibatch_us / 1e3),
         exposed_comm_ms=exposed_total_us / 1e3,
         peak_memory_mb=max((dm.peak_memory_mb for dm in devices if dm.peak_memory_mb is not None), default=None),
         max_staleness=max((max(s.forward_staleness, s.backward_staleness) for s in stages), default=0),
