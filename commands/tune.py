@@ -290,6 +290,7 @@ def tune(
     if as_json:
         document = tuning.to_dict()
         document["simulate_command"] = " ".join(map(shlex.join, command))
+        document["search"]["estimates_seconds"] = estimates_s  # --gpu's, before the search's own (None: a profile's)
         document["problem"]["precision"] = _held_as(measured)
         for row in (document["choice"], *document["runners_up"], *document["excluded"],
                     *filter(None, [document["staler_winner"]])):

@@ -133,9 +133,9 @@ def flag_value(args: list[str], flag: str) -> str | None:
 
 
 def tune_document(out: str) -> dict:
-    """`pipesim tune --json`'s document less the search's seconds, which no two runs share."""
+    """`pipesim tune --json`'s document less the search's and the estimates' seconds, which no two runs share."""
     document = json.loads(out)
-    del document["search"]["seconds"]
+    del document["search"]["seconds"], document["search"]["estimates_seconds"]
     return document
 
 

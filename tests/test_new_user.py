@@ -1,5 +1,6 @@
 """What a new user sees on an interactive terminal: nothing that takes seconds leaves the screen blank."""
 
+import json
 import re
 from io import StringIO
 
@@ -298,3 +299,15 @@ def test_run_refuses_a_model_whose_weights_outgrow_the_hosts_memory_before_build
                         r"it is built on this host, which has [\d.]+ [GMK]iB available; make it smaller \(--layers, "
                         r"--width\), or price it without building it: `pipesim estimate --gpu NAME`\n", err), err
     assert not trace.exists()
+
+
+def test_tunes_json_gives_the_estimates_seconds_beside_the_searchs():
+    """The text summary gives --gpu's estimates' seconds after the search's own; --json gives them too (null for a
+    profile, which is estimated before)."""
+    gpu = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256)
+    for flags, estimated in ((gpu, True), (("--profile", GPT_CPU, "--memory-gb", 0.3), False)):
+        code, out, err = pipesim("tune", *flags, "-D", 4, "-s", "1f1b", "--json")
+        assert code == 0, err
+        search = json.loads(out)["search"]
+        assert (search["estimates_seconds"] > 0) if estimated else (search["estimates_seconds"] is None), search
+        assert search["seconds"] > 0
