@@ -233,7 +233,6 @@ def summarize(trace: Trace) -> Summary:
     bounds = np.searchsorted(device, np.arange(trace.num_devices + 1))
     collectives = bool(on_network.any())
     devices = []
-    busy_total_us = 0.0
     exposed_total_us = 0.0
     for d in range(trace.num_devices):
         mine = slice(bounds[d], bounds[d + 1])
@@ -247,7 +246,6 @@ def summarize(trace: Trace) -> Summary:
         exposed_us = 0.0 if busy.all() else _union_length(start_us, end_us) - busy_run_us
         network = on_network[mine] if collectives else slice(0)
         collective_us = _exposed(start_us[network], end_us[network], busy_runs, busy_run_us)
-        busy_total_us += busy_us
         exposed_total_us += exposed_us
         devices.append(DeviceMetrics(
             device=d,
