@@ -778,7 +778,9 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                    else f"; memory: {' and '.join(ooms)}" + (", the others fit" if len(ooms) < len(summaries) else ""))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"{basis}; {_steady_text(schedules, steady)}; peak act: micro-batches of activations "
-                          "held; copies: versions of one stage's weights held"
+                          "held" + (", each a chunk's where v > 1" if any(sched.num_stages > sched.num_devices
+                                                                          for sched in schedules) else "")
+                          + "; copies: versions of one stage's weights held"
                           + (f", {said['copies']} in every row" if "copies" in said else "")
                           + (f"; {STALENESS_HEADER}: {said[STALENESS_HEADER]} in every row"
                              if STALENESS_HEADER in said else "")

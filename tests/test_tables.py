@@ -427,3 +427,15 @@ def test_tune_says_once_under_its_table_a_staleness_every_row_agrees_on(tmp_path
     header = next(line for line in lines if line.split()[:1] == ["schedule"])
     assert "stale" not in header and "printed in" not in out and max(map(len, lines)) <= 80, out
     assert "bubble: 1 - mean compute / step time; stale: 0 in every row" in " ".join(out.split()), out
+
+
+def test_simulates_caption_says_peak_act_counts_a_chunks_activations_where_v_is_above_one():
+    """ZB-V's 8 beside 1F1B's 4 read as twice 1F1B's activations; each of ZB-V's is a chunk's, half a device's
+    layers."""
+    def caption(*methods):
+        code, out, err = pipesim("simulate", *(arg for method in methods for arg in ("-s", method)), "-p", 4, "-m", 8)
+        assert code == 0, err
+        return " ".join(out.split())
+
+    assert "peak act: micro-batches of activations held, each a chunk's where v > 1;" in caption("1f1b", "zb-v")
+    assert "peak act: micro-batches of activations held;" in caption("1f1b", "zb-h1")
