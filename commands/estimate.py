@@ -709,6 +709,11 @@ def _routes_experts(profile: Profile) -> bool:
     return bool(profile.model.options.get("experts")) or any(layer.dispatched_bytes for layer in profile.layers)
 
 
+# What an MFU above 100 % means: a float8 model's is over bfloat16's peak (`ModelWork.mfu_text`), which its
+# products can pass
+MFU_PAST_PEAK_TEXT = "an MFU above 100%: float8 products outrun the bfloat16 peak it is over"
+
+
 @dataclass(frozen=True)
 class ModelWork:
     """What MFU and tokens/s need of an estimated model: its FLOPs per sample without recomputation (forward

@@ -91,6 +91,7 @@ from .common import (
 )
 from .estimate import (
     COUNTING_STATUS,
+    MFU_PAST_PEAK_TEXT,
     ModelWork,
     check_estimate_limits,
     count_what_if,
@@ -778,8 +779,8 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                    else f"; memory: {' and '.join(ooms)}" + (", the others fit" if len(ooms) < len(summaries) else ""))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"{basis}"
-                          + ("; an MFU above 100%: float8 products outrun the bfloat16 peak it is over"
-                             if any(share is not None and share > 1 for share in mfu) else "")
+                          + (f"; {MFU_PAST_PEAK_TEXT}" if any(share is not None and share > 1 for share in mfu)
+                             else "")
                           + f"; {_steady_text(schedules, steady)}; peak act: micro-batches of activations "
                           "held" + (", each a chunk's where v > 1" if any(sched.num_stages > sched.num_devices
                                                                           for sched in schedules) else "")

@@ -59,7 +59,7 @@ from .common import (
     with_help,
     zero_stage,
 )
-from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, peak_text, what_if
+from .estimate import MFU_PAST_PEAK_TEXT, ModelWork, WhatIf, count_what_if, estimated_profile, peak_text, what_if
 from .tables import available_width, print_message, print_paragraph, print_table_last_below, said_once
 
 if TYPE_CHECKING:
@@ -693,6 +693,10 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
                           + "bubble: 1 - mean compute / step time"
+                          + (f"; {MFU_PAST_PEAK_TEXT}" if work and any(
+                              work[row.result.config.microbatch_size].metrics(row.result.samples_per_s,
+                                                                              problem.gpus)["mfu"] > 1
+                              for _, row in marked) else "")
                           + "".join(f"; {header}: {value} in every row" for header, value in said.items()))
     estimate_columns = ("t", *("sp",) * split, "d", *("E",) * experts, "b", "recomp") if work else ()
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
