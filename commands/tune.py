@@ -680,6 +680,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                 f", routed experts over E = {expert:,} ranks" if expert > 1 and not work else "")
     marked = [("best", tuning.choice), *((str(rank), row) for rank, row in enumerate(tuning.runners_up, 2)),
               *(("over", row) for row in tuning.excluded)]
+    mfus = {id(row): work[row.result.config.microbatch_size].metrics(row.result.samples_per_s, problem.gpus)["mfu"]
+            for _, row in marked} if work else {}
     # staleness said once where every row agrees (`said_once`): the --gpu tunes' "stale", all 0, printed alone in a
     # second part at 80 columns
     said = said_once({STALENESS_HEADER: [f"{row.result.staleness:,}" for _, row in marked]}, (STALENESS_HEADER,))
@@ -693,10 +695,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
                           + "bubble: 1 - mean compute / step time"
-                          + (f"; {MFU_PAST_PEAK_TEXT}" if work and any(
-                              work[row.result.config.microbatch_size].metrics(row.result.samples_per_s,
-                                                                              problem.gpus)["mfu"] > 1
-                              for _, row in marked) else "")
+                          + (f"; {MFU_PAST_PEAK_TEXT}" if any(share > 1 for share in mfus.values()) else "")
                           + "".join(f"; {header}: {value} in every row" for header, value in said.items()))
     estimate_columns = ("t", *("sp",) * split, "d", *("E",) * experts, "b", "recomp") if work else ()
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
@@ -709,7 +708,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         c, result = row.result.config, row.result
         same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
         ratio = result.candidate.activation_limit
-        mfu = [percent_text(work[c.microbatch_size].metrics(result.samples_per_s, problem.gpus)['mfu'])] if work else []
+        mfu = [percent_text(mfus[id(row)])] if work else []
         table.add_row(mark, c.schedule, f"{c.stages:,}", f"{c.chunks:,}", *[f"{c.pipelines:,}"] * shared,
                       *([f"{c.tensor:,}", *[_split_text(c)] * split, f"{c.replicas:,}", *[f"{c.expert:,}"] * experts,
                          f"{c.microbatch_size:,}",

@@ -194,9 +194,12 @@ def _peak(trace: Trace, name: str, device: int) -> float:
 def steady_compute_ms(trace: Trace) -> float:
     """A step's compute, summed over the devices: that of mini-batches 2 to N over N - 1 (the first, which a measured
     run's warm-up slows, left out, as the time per mini-batch leaves out its span); one mini-batch's whole."""
-    ops = trace.ops
-    computing = ops.stream == Stream.COMPUTE
-    minibatch, durs_us = ops.minibatch[computing], ops.dur_us[computing]
+    computing = trace.ops.stream == Stream.COMPUTE
+    return _steady_compute_ms(trace.ops.dur_us[computing], trace.ops.minibatch[computing])
+
+
+def _steady_compute_ms(durs_us: np.ndarray, minibatch: np.ndarray) -> float:
+    """`steady_compute_ms` of the compute rows' durations and mini-batches."""
     minibatches = int(minibatch.max()) + 1 if len(minibatch) else 0
     if minibatches <= 1:
         return float(durs_us.sum()) / 1e3
@@ -305,7 +308,8 @@ def summarize(trace: Trace) -> Summary:
         makespan_ms=makespan_us / 1e3,
         time_per_minibatch_ms=per_minibatch_us / 1e3,
         samples_per_s=samples / (per_minibatch_us / 1e6) if per_minibatch_us > 0 else 0.0,
-        bubble_fraction=steady_bubble(steady_compute_ms(trace), trace.num_devices, per_minibatch_us / 1e3),
+        bubble_fraction=steady_bubble(_steady_compute_ms(ops.dur_us[computing], minibatch), trace.num_devices,
+                                      per_minibatch_us / 1e3),
         exposed_comm_ms=exposed_total_us / 1e3,
         peak_memory_mb=max((dm.peak_memory_mb for dm in devices if dm.peak_memory_mb is not None), default=None),
         max_staleness=max((max(s.forward_staleness, s.backward_staleness) for s in stages), default=0),
