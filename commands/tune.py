@@ -23,6 +23,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import unknown_names
+from ..planning.ranks import RANK_ORDERS
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, percent_text, rate_text
 from ..units import GIB, count_text, degree_text
@@ -222,7 +223,8 @@ def tune(
                                      f"pipeline is at most the profile's {len(measured.layers)} layers (got "
                                      f"{data_parallel:,})")
             settings = [Setting(profile_scenario(measured, optimizer, pp_runtime), tensor, depths=depths,
-                                expert=expert)]
+                                expert=expert,
+                                rank_order=measured.estimated_parallelism.get("rank_order", "pipesim"))]
         else:
             if what.cluster_gpus is not None and devices > what.cluster_gpus:
                 raise InputError(f"--devices: give at most {what.cluster_gpus:,}, the GPUs of the cluster --gpu "
@@ -255,11 +257,12 @@ def tune(
                     check_context(counts[sizes[0]], context)
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
             expert_given = is_given(ctx, "expert_parallel")
+            orders = _rank_orders(what, is_given(ctx, "rank_order"), devices)
             estimating_from = time.perf_counter()
-            with _working(_estimating_text(_expert_degrees(what, counts[sizes[0]], expert_given))) as report:
+            with _working(_estimating_text(_expert_degrees(what, counts[sizes[0]], expert_given), orders)) as report:
                 settings = _estimated_settings(what, schedule_devices, tensor_parallel, data_parallel, recompute,
                                                sizes, optimizer, allocator, optimizer_step, pp_runtime, counts,
-                                               expert_given, ctx.params["sequence_parallel"], report, pool)
+                                               expert_given, ctx.params["sequence_parallel"], report, pool, orders)
             estimates_s = time.perf_counter() - estimating_from
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
@@ -300,7 +303,8 @@ def tune(
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return
     _print_tuning(tuning, measured, work, data_parallel is not None, command,
-                  peak_text(measured, what, tuning.choice.result.candidate.setting.scenario), estimates_s)
+                  peak_text(measured, what, tuning.choice.result.candidate.setting.scenario), estimates_s,
+                  len({setting.rank_order for setting in settings}) > 1)
 
 
 def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
@@ -318,6 +322,7 @@ def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
             ("recompute", "--recompute", c.recompute),
             ("expert_parallel", "--expert-parallel", c.expert if estimated and c.expert > 1 else None),
             ("sequence_parallel", "--sequence-parallel", True if estimated and c.sequence_parallel else None),
+            ("rank_order", "--rank-order", c.rank_order if estimated and c.rank_order != "pipesim" else None),
             ("zero", "--zero", c.zero or None),
             ("stage_cut", "--stage-cut", LAYERS + ",".join(str(b - a) for a, b in pairwise(candidate.bounds))),
             ("activation_limit", "--activation-limit",
@@ -330,9 +335,11 @@ def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
     shape, degrees and cut (layers:N,N,..., the layers of each model stage), so a planner's answer can be checked."""
     c = result.config
     chosen = _choice_flags(c, result.candidate)
-    # the choice's own, --json (the line prints simulate's table), and auto's budget beside another method (it
-    # shapes auto's order; simulate refuses it for another)
-    own = {*(name for name, _, _ in chosen), "as_json", *(("search_seconds",) if c.schedule != "auto" else ())}
+    # the choice's own (but pipesim's rank order, the default, as the user gave it), --json (the line prints
+    # simulate's table), and auto's budget beside another method (it shapes auto's order; simulate refuses it for
+    # another)
+    own = {*(name for name, _, value in chosen if name != "rank_order" or value is not None), "as_json",
+           *(("search_seconds",) if c.schedule != "auto" else ())}
     return [["pipesim", "simulate"], *given_simulate_flags(ctx, own),
             *([flag] if value is True else [flag, str(value)] for _, flag, value in chosen if value is not None)]
 
@@ -451,10 +458,54 @@ def _working(what: str) -> Iterator[Callable[[str], None] | None]:
         note.join()  # a line begun as the step ended is out before what follows (Ctrl-C's "interrupted")
 
 
-def _estimating_text(expert_degrees: list[int]) -> str:
+def _estimating_text(expert_degrees: list[int], orders: tuple[str, ...]) -> str:
     """What the estimates vary, for the progress line: E too where they try more than one expert-parallel degree
-    (`_expert_degrees`)."""
-    return f"estimating the model's profile for each t, b, recomputation{', E' * (len(expert_degrees) > 1)} and p"
+    (`_expert_degrees`), the rank order where they try both (`_rank_orders`)."""
+    return (f"estimating the model's profile for each t, b, recomputation{', E' * (len(expert_degrees) > 1)}"
+            f"{', rank order' * (len(orders) > 1)} and p")
+
+
+RANKS_TEXT = ("the rank order: pipesim's puts a replica's t·C·p ranks on consecutive GPUs and draws E from the "
+              "replicas, megatron's (Megatron-core's tp-cp-ep-dp-pp) a stage's t·C·d, the experts folded over them")
+
+
+def _rank_orders(what: WhatIf, given: bool, gpus: int) -> tuple[str, ...]:
+    """The rank orders the estimates try: the one given (--rank-order), or that --expert-tensor-parallel needs
+    (Megatron-core's, which simulate's check asks for by name), or the default where the `gpus` fit in one node
+    (every group within it in either order); else both, pipesim's first. Where the ranks sit decides which groups
+    cross nodes: Qwen3-235B-A22B on 64 H200s tuned under pipesim's order alone chose E = 1 at 24.6 samples/s, under
+    Megatron-core's, which keeps an expert group of 8 on a node, E = 8 at 28.2."""
+    from ..planning.estimate import node_placement
+
+    one_node = gpus <= node_placement(what.gpu, what.cluster).gpus_per_node
+    return (what.rank_order,) if given or what.expert_tensor is not None or one_node else RANK_ORDERS
+
+
+def _placed_apart(what: WhatIf, counted: WorkloadCount, degrees: tuple[int, int, int, str, int], order: str,
+                  splits: tuple[bool, ...]) -> bool:
+    """Whether `order` places the groups of `degrees` (p, t, d, recomputation, E) otherwise than the what-if's own
+    order does at any of `splits` (sequence parallelism, which the stage link reads): where they place alike, their
+    estimates are one (planning/estimate.py `placed`), and the search would only meet each configuration twice. A
+    part or layout the estimate refuses is not apart: its own order's estimate says why, once."""
+    from ..planning.estimate import EstimateError, node_placement, placed
+
+    curve = what.curve or what.gpu.curve
+    try:
+        parallel = what.parallelism(*degrees)
+    except EstimateError:
+        return False
+    if curve is None:
+        return False
+    placement = node_placement(what.gpu, what.cluster, curve)
+
+    def where(at: object) -> object:
+        try:
+            return placed(placement, counted, at, curve)
+        except EstimateError as exc:
+            return str(exc)
+
+    return any(where(replace(parallel, sequence_parallel=split)) !=
+               where(replace(parallel, sequence_parallel=split, rank_order=order)) for split in splits)
 
 
 def _expert_degrees(what: WhatIf, counted: WorkloadCount, expert_given: bool) -> list[int]:
@@ -469,13 +520,16 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                         sizes: tuple[int, ...], optimizer: str, allocator: str, optimizer_step: str,
                         pp_runtime: str,
                         counts: dict[int, WorkloadCount], expert_given: bool, sequence_parallel: bool | None,
-                        report: Callable[[str], None] | None = None, pool: Workers | None = None):
+                        report: Callable[[str], None] | None = None, pool: Workers | None = None,
+                        orders: tuple[str, ...] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node that
     divides `devices`, D/C, and the model), expert-parallel degree E (of `_expert_degrees`, those the rank order can
     place at that t and d, `expert_grid_refusal`), sequence parallelism at t > 1 (`sequence_parallel`, or off and
     on where None: it splits the norms' work and activations over t, and Megatron's backward gathers each product's
     input again), pipeline depth p (D/(t·C·d) for a given d, else each divisor of D/(t·C) up
-    to the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
+    to the layers), recomputation (given, or each) and rank order (each of `orders`, default what's: a second one
+    at the (t, E, p) it can place and places otherwise than the first, `_placed_apart`), its allocations replayed
+    under `allocator` as simulate's
     (`allocator_fields`), so tune's peaks and memory check are simulate's, the boundary tensors held as
     `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's counted already (the rest are
     counted here); `report` is told how many are done. Where no t suits, the estimates' refusal if every t tried got
@@ -491,6 +545,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
     from ..planning.ranks import expert_grid_refusal
 
+    orders = orders or (what.rank_order,)
     per_node = (what.cluster.gpus_per_node if what.cluster and what.cluster.gpus_per_node else
                 what.gpu.intra_node.gpus_per_node)
     tensors = [tensor] if tensor else [1 << k for k in range(per_node.bit_length())
@@ -511,19 +566,26 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             # off at t = 1, given or not: nothing to split over (the row's "-"; simulate refuses it there)
             splits = (False,) if t == 1 else (False, True) if sequence_parallel is None else (sequence_parallel,)
             block = []
-            for e in degrees:
+            for order, e in itertools.product(orders, degrees):
                 depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
                                                                if devices % (t * p) == 0]
-                if len(degrees) > 1 or not data:  # a given d and E: the estimate says why they do not fit
+                # a given d and E: the estimate says why they do not fit (in the first order: a second adds)
+                if len(degrees) > 1 or not data or order != orders[0]:
                     depths = [p for p in depths if expert_grid_refusal(
-                        what.rank_order, t, what.context, p, devices // (t * p), e, what.expert_tensor) is None]
+                        order, t, what.context, p, devices // (t * p), e, what.expert_tensor) is None]
                 if what.precision == "fsdp2":  # its weights sharded: over d·C >= 2 ranks only
                     depths = [p for p in depths if devices // (t * p) * what.context > 1]
+                if order != orders[0]:
+                    depths = [p for p in depths if _placed_apart(
+                        at_t, made[0], (p, t, devices // (t * p), kinds[0], e), order, splits)]
+                    if not depths:
+                        continue
                 block.append(len(groups))
-                groups.append((at_t, made, _EstimateGroup(t, e, tuple(depths), kinds, splits)))
-            blocks.append((t, block, len(degrees)))
+                groups.append((at_t, made, _EstimateGroup(t, e, tuple(depths), kinds, splits, order)))
+            blocks.append((t, block, len(block)))
     done = _estimate_groups(groups, (devices, optimizer, pp_runtime, allocator, optimizer_step), pool,
-                            lambda count: report(f"{_estimating_text(degrees)}: {count} done") if report else None)
+                            lambda count: report(f"{_estimating_text(degrees, orders)}: {count} done")
+                            if report else None)
     settings, refusals = [], {}  # each refusal: the t's that got it
     for t, block, tried in blocks:
         made, refused = len(settings), []
@@ -538,10 +600,11 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     if not settings and len(refusals) == 1:  # the same refusal for every t tried: not about t, so say it
         raise InputError(next(iter(refusals)))
     if not settings:
-        replicas = ("" if what.expert == 1 else
-                    f"; the replicas d = D/(t·C·p) must be a multiple of --expert-parallel {what.expert:,}"
-                    if what.rank_order == "pipesim" else
-                    f"; --expert-parallel {what.expert:,} times --expert-tensor-parallel (default t) must divide t·C·d")
+        rules = {"pipesim": f"the replicas d = D/(t·C·p) must be a multiple of --expert-parallel {what.expert:,}",
+                 "megatron": f"--expert-parallel {what.expert:,} times --expert-tensor-parallel (default t) must "
+                             "divide t·C·d"}
+        replicas = "" if what.expert == 1 else "; " + ", or under --rank-order megatron ".join(
+            rules[order] for order in orders)
         reasons = "".join(f"; at t = {', '.join(f'{t:,}' for t in sorted(ts))}: {why}" for why, ts in refusals.items())
         raise InputError(f"--devices {devices * what.context:,}: no tensor-parallel degree t of "
                          f"{', '.join(f'{t:,}' for t in tensors)} suits the model (t must divide its heads and MLP "
@@ -551,14 +614,16 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
 
 @dataclass(frozen=True)
 class _EstimateGroup:
-    """The estimates of one (b, t, E), made in one process: every depth p, recomputation and sequence-parallel
-    split of theirs, which share the layers `LayerMemo` keeps across p."""
+    """The estimates of one (b, t, E) in one rank order, made in one process: every depth p, recomputation and
+    sequence-parallel split of theirs, which share the layers `LayerMemo` keeps across p (and across the orders: the
+    what-if is shipped once, its order replaced here)."""
 
     tensor: int
     expert: int
     depths: tuple[int, ...]
     kinds: tuple[str, ...]
     splits: tuple[bool, ...]
+    rank_order: str
 
 
 def _estimate_groups(groups: list, fixed: tuple, pool: Workers | None, report: Callable[[int], None]
@@ -616,14 +681,15 @@ def _estimate_group(what: WhatIf, counted: WorkloadCount, group: _EstimateGroup,
     try:
         with refused_with_flags():
             for p, kind, split in itertools.product(group.depths, group.kinds, group.splits):
-                at_split = replace(what, sequence_parallel=split)
+                at_split = replace(what, sequence_parallel=split, rank_order=group.rank_order)
                 parallel = at_split.parallelism(p, t, devices // (t * p), kind, e)
                 scenario = profile_scenario(estimated_profile(at_split, counted, parallel, optimizer, memo),
                                             optimizer, pp_runtime)
                 replayed = allocations_key(parallel)
                 if replayed not in replays:
                     replays[replayed] = allocator_fields(allocator, counted, parallel, optimizer_step)
-                settings.append(Setting(replace(scenario, **replays[replayed]), t, kind, (p,), e, split))
+                settings.append(Setting(replace(scenario, **replays[replayed]), t, kind, (p,), e, split,
+                                        group.rank_order))
     except InputError as exc:
         return settings, str(exc)
     return settings, None
@@ -647,10 +713,12 @@ def search_summary(stats, estimates_s: float | None = None) -> str:
 
 
 def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], peak: str,
-                  estimates_s: float | None) -> None:
+                  estimates_s: float | None, orders_searched: bool = False) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
     choice's cut and the `command` that simulates it; `peak`: what the peak column is (`peak_text`); `estimates_s`:
-    --gpu's estimates' seconds, which the search's summary gives after its own (None: a profile's)."""
+    --gpu's estimates' seconds, which the search's summary gives after its own (None: a profile's);
+    `orders_searched`: whether the settings were estimated in both rank orders (a "ranks" column, or its one value
+    in the caption)."""
     from ..planning.tune import memory_text, significant_ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
@@ -661,9 +729,11 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     shared = any(row.result.config.pipelines > 1 for row in rows)
     experts = bool(work) and bool(measured.model.options.get("experts"))  # E searched unless given
     split = bool(work) and any(row.result.config.tensor > 1 for row in rows)  # sp: on or off at t > 1
-    estimated = (f"estimated, t, {'sequence parallelism (sp), ' * split}{'E, ' * experts}b and recomputation "
+    estimated = (f"estimated, t, {'sequence parallelism (sp), ' * split}{'E, ' * experts}"
+                 f"{'rank order (ranks), ' * orders_searched}b and recomputation "
                  f"(recomp; sel: selective) searched where not given; "
                  f"{'E: ranks the routed experts are placed over; ' * experts}"
+                 + (f"ranks: {RANKS_TEXT}; " if orders_searched else "") +
                  f"{next(iter(work.values())).mfu_text(problem.gpus)}; ") if work else ""
     read = (f"{peak}; " if peak else "") + ("MFU: the simulate command below gives the choice's; " if (
         measured.estimate is not None and not work) else "")
@@ -684,7 +754,10 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
             for _, row in marked} if work else {}
     # staleness said once where every row agrees (`said_once`): the --gpu tunes' "stale", all 0, printed alone in a
     # second part at 80 columns
-    said = said_once({STALENESS_HEADER: [f"{row.result.staleness:,}" for _, row in marked]}, (STALENESS_HEADER,))
+    said = said_once({STALENESS_HEADER: [f"{row.result.staleness:,}" for _, row in marked],
+                      "ranks": [row.result.config.rank_order for _, row in marked] if orders_searched else []},
+                     (STALENESS_HEADER, "ranks"))
+    ranks = orders_searched and "ranks" not in said  # a column where the rows' rank orders differ
     table = Table(title=f"{measured.model.name} on {problem.gpus:,} x {env.device_name} ({env.device}), "
                         f"{memory_text(problem.memory_cap_bytes)} each; "
                         f"batch {count_text(problem.batch_size, 'sample')}"
@@ -697,11 +770,12 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                           + "bubble: 1 - mean compute / step time"
                           + (f"; {MFU_PAST_PEAK_TEXT}" if any(share > 1 for share in mfus.values()) else "")
                           + "".join(f"; {header}: {value} in every row" for header, value in said.items()))
-    estimate_columns = ("t", *("sp",) * split, "d", *("E",) * experts, "b", "recomp") if work else ()
+    estimate_columns = (("t", *("sp",) * split, "d", *("E",) * experts, *("ranks",) * ranks, "b", "recomp")
+                        if work else ())
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
                    *("MFU",) * bool(work), "bubble", "peak",
                    *(STALENESS_HEADER,) * (STALENESS_HEADER not in said), "why not"):
-        table.add_column(header, justify="left" if header in ("schedule", "recomp", "why not") else "right",
+        table.add_column(header, justify="left" if header in ("schedule", "ranks", "recomp", "why not") else "right",
                          no_wrap=header != "why not", min_width=20 if header == "why not" else None)
 
     def add(mark: str, row, style: str | None = None) -> None:
@@ -711,7 +785,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         mfu = [percent_text(mfus[id(row)])] if work else []
         table.add_row(mark, c.schedule, f"{c.stages:,}", f"{c.chunks:,}", *[f"{c.pipelines:,}"] * shared,
                       *([f"{c.tensor:,}", *[_split_text(c)] * split, f"{c.replicas:,}", *[f"{c.expert:,}"] * experts,
-                         f"{c.microbatch_size:,}",
+                         *[c.rank_order] * ranks, f"{c.microbatch_size:,}",
                          {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),
                       f"{c.microbatches:,}", *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),

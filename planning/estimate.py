@@ -810,6 +810,25 @@ def links_of(placement: EstimatePlacement, t: int, p: int, d: int, c: int = 1,
                           inside if grid.within_node(("cp",), node) else outside)
 
 
+def placed(placement: EstimatePlacement, counted: WorkloadCount, parallel: Parallelism, curve: Curve
+           ) -> tuple[ExpertGroup, PlacementLinks, int]:
+    """All an estimate reads of where `parallel`'s rank order puts its ranks: the expert-parallel group, the
+    groups' links and how many of the gradient group share a node (`gradient_ranks_per_node`, which the scenario
+    prices the replicas' reduce by); two orders that place alike estimate alike (tune searches the second only where
+    they differ). A group the order cannot place is `EstimateError`."""
+    try:
+        experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
+                               parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,
+                               parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor,
+                               _routing_groups(counted.options), parallel.routing, curve.hybridep)
+    except ExpertParallelError as exc:
+        raise EstimateError(*exc.args) from None  # its {settings} as they are
+    return (experts, links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,
+                              parallel.rank_order, parallel.sequence_parallel),
+            gradient_ranks_per_node(placement.gpus_per_node, parallel.tensor, parallel.pipeline, parallel.context,
+                                    parallel.data, parallel.rank_order))
+
+
 def gradient_ranks_per_node(gpus_per_node: int, t: int, p: int, c: int, d: int, order: str = "pipesim") -> int:
     """How many of the C·d ranks that reduce the same gradients (`links_of`'s placement) share each node."""
     return dense_grid(order, t, c, p, d).per_node(GRADIENT_GROUP, gpus_per_node)
@@ -2220,9 +2239,11 @@ def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parall
 
 
 def allocations_key(parallel: Parallelism) -> Parallelism:
-    """What `layer_allocations` reads of `parallel`: all of it but the depth p, and the replicas d but under FSDP2
-    (`_unsharded`'s shards), so that tune replays one list for every p and d of a t, b, E and recomputation."""
-    return replace(parallel, pipeline=1, data=parallel.data if parallel.precision == "fsdp2" else 1)
+    """What `layer_allocations` reads of `parallel`: all of it but the depth p, the rank order (where the ranks sit
+    moves no tensor) and the replicas d but under FSDP2 (`_unsharded`'s shards), so that tune replays one list for
+    every p, d and rank order of a t, b, E and recomputation."""
+    return replace(parallel, pipeline=1, data=parallel.data if parallel.precision == "fsdp2" else 1,
+                   rank_order="pipesim")
 
 
 def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
@@ -2822,15 +2843,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                             f"memory), and a tensor-parallel group of {parallel.tensor} spans nodes of "
                             f"{placement.gpus_per_node} GPUs: give {{tensor}} {placement.gpus_per_node} or fewer, or "
                             "leave {tp_overlap} out")
-    try:
-        experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
-                               parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,
-                               parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor,
-                               _routing_groups(counted.options), parallel.routing, curve.hybridep)
-    except ExpertParallelError as exc:
-        raise EstimateError(*exc.args) from None  # its {settings} as they are
-    links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,
-                     parallel.rank_order, parallel.sequence_parallel)
+    experts, links, _ = placed(placement, counted, parallel, curve)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")

@@ -81,8 +81,10 @@ class RankGrid:
         return math.prod(min(self.size(dim), max(gpus_per_node // self.stride(dim), 1)) for dim in dims)
 
     def within_node(self, dims: Sequence[str], gpus_per_node: int) -> bool:
-        """Whether the block of consecutive ranks the group's dimensions run over fits in one node."""
-        return max(self.stride(dim) * self.size(dim) for dim in dims) <= gpus_per_node
+        """Whether the block of consecutive ranks the group's dimensions run over fits in one node; a dimension of
+        one rank runs over none (Megatron-core's p = 1 pipeline: its stride is every rank, its group one of them)."""
+        spans = [self.stride(dim) * self.size(dim) for dim in dims if self.size(dim) > 1]
+        return max(spans, default=1) <= gpus_per_node
 
 
 def dense_grid(order: str, t: int, c: int, p: int, d: int) -> RankGrid:

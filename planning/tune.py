@@ -188,7 +188,8 @@ class Problem:
 class Setting:
     """A profile the search prices candidates on, and what it was made for: a calibrated one serves every depth
     p; an estimate (--gpu) was made for one tensor-parallel degree t, recomputation, depth p (which links its
-    stage boundaries cross) and expert-parallel degree E, at its micro-batch size."""
+    stage boundaries cross), expert-parallel degree E and rank order (where its groups' ranks sit), at its
+    micro-batch size."""
 
     scenario: Scenario
     tensor: int = 1  # t: devices each layer is split over
@@ -196,6 +197,7 @@ class Setting:
     depths: tuple[int, ...] | None = None  # the p it prices (None: any)
     expert: int = 1  # E: ranks a mixture of experts' routed experts are placed over
     sequence_parallel: bool = False  # an estimate's at t > 1: norms and dropouts split over the t GPUs
+    rank_order: str = "pipesim"  # an estimate's, of planning/ranks.py's RANK_ORDERS
 
     @property
     def microbatch_size(self) -> int:
@@ -216,6 +218,7 @@ class Config:
     expert: int = 1  # E
     zero: int = 0  # ZeRO's stage: the problem's, none where d·C = 1 (as the estimate's `Parallelism` shards)
     sequence_parallel: bool = False  # an estimate's
+    rank_order: str = "pipesim"  # an estimate's
 
     def label(self) -> str:
         extra = [degree_text("v", self.chunks)] * (self.chunks > 1)
@@ -225,6 +228,7 @@ class Config:
         extra += [degree_text("E", self.expert)] * (self.expert > 1)
         extra += [degree_text("b", self.microbatch_size)] * (self.recompute is not None)
         extra += [f"recompute {self.recompute}"] * (self.recompute not in (None, "none"))
+        extra += [f"ranks {self.rank_order}"] * (self.rank_order != "pipesim")
         return f"{self.schedule} {degree_text('p', self.stages)}" + "".join(f" {e}" for e in extra)
 
 
@@ -280,7 +284,7 @@ class Result:
         return {"schedule": c.schedule, "stages": c.stages, "chunks": c.chunks, "pipelines": c.pipelines,
                 "microbatches": c.microbatches, "replicas": c.replicas, "tensor_parallel": c.tensor,
                 "microbatch_size": c.microbatch_size, "recompute": c.recompute, "expert_parallel": c.expert,
-                "zero": c.zero, "sequence_parallel": c.sequence_parallel,
+                "zero": c.zero, "sequence_parallel": c.sequence_parallel, "rank_order": c.rank_order,
                 "partition": list(self.candidate.bounds),
                 "samples_per_s": self.samples_per_s, "step_ms": self.step_ms, "bubble_fraction": self.bubble_fraction,
                 "peak_memory_gib": self.peak_memory_bytes / GIB, "staleness": self.staleness,
@@ -1640,7 +1644,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                             refused += 1
                             continue
                         config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute, setting.expert,
-                                        zero[p], setting.sequence_parallel)
+                                        zero[p], setting.sequence_parallel, setting.rank_order)
                         floor = (pipelines * held[p] + sketch.extra_copies * work.param_bytes) // p
                         bound = _shape_bound(problem, config, work, sketch, scenario.cost_scale, reduce_ms[p])
                         shapes.append(Shape(config, setting, count - 1, sketch.staleness, bound, floor))

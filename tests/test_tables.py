@@ -418,10 +418,12 @@ def test_gpus_prints_a_users_part_whole_at_80_columns_saying_once_a_dtype_as_ano
 
 def test_tune_says_once_under_its_table_a_staleness_every_row_agrees_on(tmp_path, monkeypatch):
     """docs/sweep-and-tune.md's context-parallel tune at 80 columns printed its "stale" column, 0 in every row,
-    alone in a second part: it is said once under the table, by simulate's rule (`said_once`)."""
+    alone in a second part: it is said once under the table, by simulate's rule (`said_once`). Here with
+    --rank-order given: searched, the rank order's column (its rows differ there) prints the table in two parts."""
     out = _output(["tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "16", "--width", "2048", "--heads", "16",
                    "--seq-len", "32768", "--vocab", "32000", "--attention", "flash", "-D", "16",
-                   "--context-parallel", "4", "-b", "1", "-s", "1f1b", "-s", "interleaved-1f1b"], 80, tmp_path,
+                   "--context-parallel", "4", "-b", "1", "-s", "1f1b", "-s", "interleaved-1f1b", "--rank-order",
+                   "pipesim"], 80, tmp_path,
                   monkeypatch)
     lines = out.splitlines()
     header = next(line for line in lines if line.split()[:1] == ["schedule"])

@@ -702,7 +702,8 @@ def test_every_tune_flag_is_passed_on_to_simulate_as_it_parses_there_or_left_out
     commands = typer.main.get_command(make_app()).commands
     takes = {param.name: param for param in commands["simulate"].params}
     config = SimpleNamespace(schedule="1f1b", stages=2, chunks=1, pipelines=2, microbatches=4, replicas=2, tensor=2,
-                             microbatch_size=1, recompute="full", expert=2, sequence_parallel=True, zero=1)
+                             microbatch_size=1, recompute="full", expert=2, sequence_parallel=True, zero=1,
+                             rank_order="megatron")
     chosen = _choice_flags(config, SimpleNamespace(bounds=[0, 3, 5], activation_limit=2))
     assert all(value is not None for _, _, value in chosen)  # every flag the choice can give, given
     assert all(flag in takes[name].opts for name, flag, _ in chosen), chosen

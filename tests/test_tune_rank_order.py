@@ -1,0 +1,110 @@
+"""`pipesim tune --gpu` searches the rank order (planning/ranks.py) where --rank-order is not given: pipesim's, then
+Megatron-core's at each layout whose groups it places otherwise. On one node both place every group alike, so the
+second adds nothing; across nodes it competes in the one search, whose answer is the better fixed order's."""
+
+from __future__ import annotations
+
+import json
+
+from pipesim.planning import tune as tuning
+from pipesim.planning.ranks import dense_grid
+from tests.conftest import pipesim
+from tests.helpers import differences, exhaustive, searched_settings
+from tests.test_tune_experts import MOE
+
+# two nodes of 8 A100s
+ACROSS = ("-D", 16, "-B", 32, "-b", 2, "--recompute", "none", "--tensor-parallel", 1)
+
+
+def layouts(settings) -> set[tuple[int, int, int, str]]:
+    """(t, p, E, rank order) of each setting."""
+    return {(setting.tensor, *setting.depths, setting.expert, setting.rank_order) for setting in settings}
+
+
+def test_on_one_node_the_orders_place_alike_and_only_pipesims_is_estimated():
+    searched = searched_settings("-D", 8, "-B", 32, "-b", 2, "--recompute", "none", model=MOE)
+    given = searched_settings("-D", 8, "-B", 32, "-b", 2, "--recompute", "none", "--rank-order", "pipesim",
+                              model=MOE)
+    assert {setting.rank_order for setting in searched} == {"pipesim"}
+    assert layouts(searched) == layouts(given)
+
+
+def test_across_nodes_megatrons_order_adds_the_layouts_it_places_otherwise():
+    """At p = 1 both orders number the 16 replicas first, so their groups (and E's, drawn from them) sit alike and
+    Megatron-core's adds nothing; at p = 2 and 4 pipesim's order keeps a replica's stages on a node and spreads E over
+    replicas on both nodes, Megatron's keeps a stage's 16/p replicas, and so its E, together."""
+    settings = searched_settings(*ACROSS, model=MOE)
+    pipesims = searched_settings(*ACROSS, "--rank-order", "pipesim", model=MOE)
+    megatrons = searched_settings(*ACROSS, "--rank-order", "megatron", model=MOE)
+    assert layouts(settings) == layouts(pipesims) | {layout for layout in layouts(megatrons) if layout[1] != 1}
+    assert {layout[1] for layout in layouts(megatrons)} == {1, 2, 4}
+    assert (1, 2, 8, "megatron") in layouts(settings) and (1, 2, 8, "pipesim") in layouts(settings)
+
+
+def test_orders_that_place_alike_estimate_alike():
+    """The premise of leaving the second order out (planning/estimate.py `placed`): at p = 1 each E's profile is
+    the same to the byte in either order, but for the order it records (and the minute it was made)."""
+    def profiles(order: str) -> dict:
+        chosen = {}
+        for setting in searched_settings(*ACROSS, "--rank-order", order, model=MOE):
+            if setting.depths == (1,):
+                document = setting.scenario.measured.model_dump(mode="json")
+                assert document["estimate"]["parallelism"].pop("rank_order") == order
+                del document["environment"]["date"]  # when it was made: to the minute, which the runs may straddle
+                chosen[setting.expert] = document
+        return chosen
+
+    def apart(a: object, b: object, path: str = "") -> list[str]:
+        """The paths at which two documents differ."""
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [found for key in a.keys() | b.keys() for found in apart(a.get(key), b.get(key), f"{path}.{key}")]
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            return [found for i, pair in enumerate(zip(a, b)) for found in apart(*pair, f"{path}[{i}]")]
+        return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+    pipesims, megatrons = profiles("pipesim"), profiles("megatron")
+    assert pipesims.keys() == megatrons.keys() == {1, 2, 4, 8}
+    assert apart(pipesims, megatrons) == []
+
+
+def test_the_search_over_both_orders_equals_the_exhaustive_search():
+    settings = searched_settings(*ACROSS, model=MOE)
+    prob = tuning.Problem(16, 80 * tuning.GIB, 32, ("1f1b", "zb-h1"))
+    found = tuning.tune(settings, prob)
+    best, faster, staler, results = exhaustive(settings, prob)
+    assert differences(found, best, faster, staler) == []
+    assert {result.config.rank_order for result in results} == {"pipesim", "megatron"}
+
+
+def test_tune_chooses_the_better_order_and_its_command_names_it():
+    """The searched choice is the faster of the two fixed orders' (each tuned alone), and its simulate line gives
+    --rank-order where the choice is Megatron-core's (pipesim's is simulate's default); the table says the order of
+    each row, or of every row in its caption."""
+    flags = ("tune", *MOE, *ACROSS, "-s", "1f1b", "-s", "zb-h1")
+    rates = {}
+    for order in ("pipesim", "megatron"):
+        code, out, err = pipesim(*flags, "--rank-order", order, "--json")
+        assert code == 0, err
+        rates[order] = json.loads(out)["choice"]["samples_per_s"]
+    code, out, err = pipesim(*flags, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    best = max(rates, key=rates.get)
+    assert document["choice"]["samples_per_s"] == rates[best] and document["choice"]["rank_order"] == best
+    assert ("--rank-order megatron" in document["simulate_command"]) == (best == "megatron")
+    code, out, err = pipesim(*flags)
+    assert code == 0, err
+    words = " ".join(out.split())
+    assert "rank order (ranks)" in words and ("ranks: megatron in every row" in words or " ranks " in words), words
+    code, given, err = pipesim(*flags, "--rank-order", best)
+    assert code == 0, err
+    assert "rank order (ranks)" not in " ".join(given.split())
+
+
+def test_a_dimension_of_one_rank_runs_within_a_node():
+    """Megatron-core numbers the stages outermost: at p = 1 the pipeline's stride is every rank, yet its group is the
+    one rank, and no stage boundary crosses a node (the estimate priced it on the network, where pipesim's order at
+    the same layout put it on the node's link, and the two orders' estimates differed for nothing)."""
+    assert dense_grid("megatron", 1, 1, 1, 16).within_node(("pp",), 8)
+    assert dense_grid("pipesim", 2, 1, 8, 1).within_node(("cp", "dp"), 8)
+    assert not dense_grid("megatron", 1, 1, 2, 16).within_node(("pp",), 8)
