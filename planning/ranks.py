@@ -135,6 +135,17 @@ def estimated_experts_refusal(parallelism: Mapping[str, Any], stages: int, data:
                                parallelism.get("expert_tensor"))
 
 
+def estimated_experts_per_node(parallelism: Mapping[str, Any], stages: int, data: int, gpus_per_node: int) -> int:
+    """How many of an estimate's E expert-parallel ranks (its `parallelism`, E > 1) share a node at p = `stages`,
+    d = `data` replicas, its t, C and ETP kept, as its rank order places them (`expert_grid`; a grid it cannot number
+    is `RankOrderError`): what its all-to-alls' price follows (planning/experts.py `ExpertGroup.per_node`), which a
+    profile keeps from the p and d it was estimated at."""
+    grid = expert_grid(parallelism.get("rank_order", "pipesim"), int(parallelism.get("tensor", 1)),
+                       int(parallelism.get("context", 1)), stages, data, int(parallelism["expert"]),
+                       parallelism.get("expert_tensor"))
+    return grid.per_node(("ep",), gpus_per_node)
+
+
 def expert_grid_refusal(order: str, t: int, c: int, p: int, d: int, e: int, etp: int | None = None
                         ) -> RankOrderError | None:
     """Why `order` cannot place E = `e` expert-parallel ranks over t x C x d ranks a stage (`expert_grid`), None

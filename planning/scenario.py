@@ -1353,6 +1353,27 @@ def placement_refusal(estimate: Estimate, stages: int, data: int) -> str | None:
             f"run, with --stages {stages} --data-parallel {data}")
 
 
+def experts_moved(estimate: Estimate, stages: int, data: int) -> tuple[int, int] | None:
+    """Where an estimate's expert-parallel group sits otherwise at p = `stages`, d = `data` than at its own p and d:
+    (its ranks on a node as estimated, at this p and d). Its all-to-alls' times are in the profile's layers, priced
+    as it placed them (planning/experts.py `ExpertGroup.per_node`), and cannot be priced again without the count;
+    None where the group sits alike, at E = 1, where the estimate recorded no placement (`placement_refusal` says
+    why it cannot be read elsewhere), or where the rank order cannot place E there (`estimated_experts_refusal`)."""
+    from .ranks import RankOrderError, estimated_experts_per_node
+
+    parallelism = estimate.parallelism
+    if int(parallelism.get("expert", 1)) == 1 or estimate.placement is None:
+        return None
+    _, p, d = estimate.degrees
+    node = estimate.placement.gpus_per_node
+    try:
+        placed = (estimated_experts_per_node(parallelism, p, d, node),
+                  estimated_experts_per_node(parallelism, stages, data, node))
+    except RankOrderError:
+        return None
+    return placed if placed[0] != placed[1] else None
+
+
 def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool,
                     segments: tuple[tuple[int, float, float], ...] | None = None) -> Cluster:
     """Every device pair gets the measured p2p link (or `segments`: an estimate's, priced for the placement), a

@@ -130,7 +130,15 @@ from ..traces.metrics import percent_text, steady_bubble, steady_compute_ms
 from ..units import GIB, MIB, count_text, degree_text
 from .auto import activation_ratio, check_shape, schedule_frame
 from .ranks import estimated_experts_refusal
-from .scenario import CollectiveLink, Scenario, device_stages, held_weights, over_expert_groups, profile_costs
+from .scenario import (
+    CollectiveLink,
+    Scenario,
+    device_stages,
+    experts_moved,
+    held_weights,
+    over_expert_groups,
+    profile_costs,
+)
 
 RUNNERS_UP = 5
 OVER_MARGIN = 0.005
@@ -3155,13 +3163,15 @@ def _depths(devices: int, layers: int, data_parallel: bool) -> list[int]:
 
 def _placed_depths(setting: Setting, devices: int) -> list[int]:
     """The setting's depths p (`_depths`, of D/t) whose d = D/(p·t) replicas hold the expert-parallel ranks its
-    estimate was made with (planning/ranks.py `estimated_experts_refusal`): a --profile estimated at E = 8 planned
-    at d = 4 was a traceback."""
+    estimate was made with (planning/ranks.py `estimated_experts_refusal`: a --profile estimated at E = 8 planned
+    at d = 4 was a traceback), as many on a node as the estimate priced its all-to-alls at (`experts_moved`: a
+    group that crosses nodes at one p and not at another was planned on the first's price)."""
     profile, t = setting.scenario.measured, setting.tensor
     if devices % t:
         return []
     return [p for p in _depths(devices // t, len(profile.layers), _prices_data_parallel(profile))
-            if estimated_experts_refusal(profile.estimated_parallelism, p, devices // (p * t)) is None]
+            if estimated_experts_refusal(profile.estimated_parallelism, p, devices // (p * t)) is None
+            and (profile.estimate is None or experts_moved(profile.estimate, p, devices // (p * t)) is None)]
 
 
 def _prices_data_parallel(profile: Profile) -> bool:
@@ -3178,7 +3188,9 @@ def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int, r
         experts = profile.estimated_parallelism.get("expert", 1)
         placed = (", as the profile has no all-reduce times, equal D" if experts == 1 else
                   " leave d = D/(p·t) replicas over which the profile's rank order places the "
-                  f"E = {experts:,} expert-parallel ranks it was estimated with")
+                  f"E = {experts:,} expert-parallel ranks it was estimated with, as many on a node as its "
+                  f"all-to-alls were priced at (p = {profile.estimate.degrees[1]:,}, d = "
+                  f"{profile.estimate.degrees[2]:,})")
         return (f"no pipeline depth p: p must divide --devices {problem.devices:,}, be at most the model's "
                 f"{len(profile.layers):,} layers and{placed}")
     if not shapes:

@@ -119,6 +119,30 @@ def test_an_estimates_ranks_edited_to_no_whole_number_are_refused_naming_the_fie
         f"{json.dumps(value)})\n")
 
 
+def test_a_profile_read_where_its_expert_group_sits_otherwise_says_so_and_tune_plans_where_it_sits_alike(tmp_path):
+    """An estimate's all-to-alls are in its layers' times, priced as it placed the E ranks: at p = 2, d = 8 on two
+    nodes of 8 H100s, pipesim's order puts 4 of the 8 on a node; at p = 1, d = 16 all 8 share one. simulate read it
+    there under "links priced for this run's p and d", with the all-to-alls still crossing the network, and tune
+    planned p = 1 on that price. simulate's caption says which are not priced again; tune plans only the depths
+    that place the group alike."""
+    from pipesim.planning.scenario import experts_moved
+    from pipesim.profiles.schema import load_profile
+
+    path = _estimated(tmp_path, "--experts", 8, "--top-k", 2, "-p", 2, "--data-parallel", 8, "--expert-parallel", 8)
+    estimate = load_profile(path).estimate
+    assert experts_moved(estimate, 2, 8) is None and experts_moved(estimate, 1, 16) == (4, 8)
+    code, out, err = pipesim("simulate", "--profile", path, "-s", "1f1b", "-p", 1, "-m", 4, "--data-parallel", 16)
+    assert code == 0, err
+    assert ("links priced for this run's p and d, but not the all-to-alls: priced with 4 of the expert-parallel "
+            "group's ranks a node, where p=1 d=16 places 8 (estimate at this p and d to price them there)"
+            ) in " ".join(out.split()), out
+    code, out, err = pipesim("simulate", "--profile", path, "-s", "1f1b", "-p", 2, "-m", 4, "--data-parallel", 8)
+    assert code == 0 and "not the all-to-alls" not in " ".join(out.split()), err
+    code, out, err = pipesim("tune", "--profile", path, "-D", 16, "-B", 32, "-s", "1f1b", "--json")
+    assert code == 0, err
+    assert {row["stages"] for row in tune_rows(json.loads(out))} == {2}
+
+
 def test_a_profile_estimated_over_4_expert_ranks_runs_where_the_replicas_hold_them(tmp_path, monkeypatch):
     """An estimate's E = 4 expert-parallel ranks are drawn from the replicas (pipesim's rank order): simulate and
     sweep at d = 2, run's searched order at d = 2, and tune at p·d = 8 with p = 4 priced the experts' gradients over
@@ -150,4 +174,4 @@ def test_a_profile_estimated_over_4_expert_ranks_runs_where_the_replicas_hold_th
     assert refused("tune", "--profile", path, "-D", 2, "-s", "1f1b") == (
         "error: no pipeline depth p: p must divide --devices 2, be at most the model's 6 layers and leave d = "
         "D/(p·t) replicas over which the profile's rank order places the E = 4 expert-parallel ranks it was "
-        "estimated with\n")
+        "estimated with, as many on a node as its all-to-alls were priced at (p = 2, d = 4)\n")
