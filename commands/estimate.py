@@ -5,7 +5,7 @@ once --gpu is given, so the commands start fast without it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -858,6 +858,20 @@ def expert_span_text(profile: Profile) -> str:
     return (f", the expert-parallel group across {-(-expert // per_node):,} nodes ({per_node:,} on each"
             + (f"; --rank-order megatron places {'it on one node' if megatron >= expert else f'{megatron:,} on each'}"
                if megatron > per_node else "") + ")")
+
+
+def experts_moved_text(estimate: Estimate, layouts: Iterable[tuple[int, int]]) -> str:
+    """Where the first of `layouts` (p, d) places an estimate's expert-parallel group otherwise than the estimate
+    did (planning/scenario.py `experts_moved`): how its all-to-alls are priced and where that layout puts the group,
+    for simulate's and sweep's captions (a profile's layers keep the all-to-alls' times it was estimated with); ""
+    where every layout places it alike."""
+    from ..planning.scenario import experts_moved
+
+    for stages, data in layouts:
+        if (moved := experts_moved(estimate, stages, data)) is not None:
+            return (f"priced with {moved[0]:,} of the expert-parallel group's ranks a node, where p={stages} d={data} "
+                    f"places {moved[1]:,} (estimate at that p and d to price them there)")
+    return ""
 
 
 def _estimated_expert_group(profile: Profile, expert: int, order: str):

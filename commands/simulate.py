@@ -97,6 +97,7 @@ from .estimate import (
     count_what_if,
     estimated_profile,
     expert_span_text,
+    experts_moved_text,
     parallelism_text,
     peak_text,
     tensor_span_text,
@@ -610,19 +611,12 @@ def _cost_basis(scenario, schedules: list, work: ModelWork | None, peak: str) ->
     """What the cost flags' numbers describe, for the table's caption; for an estimate, what its MFU is over (`work`;
     None: an estimate that recorded no MFU's figures) and `peak`: what its peak column is (`peak_text`)."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
-        from ..planning.scenario import experts_moved
-
         estimate = scenario.measured.estimate
         _, p, d = estimate.degrees
         placed = any((sched.num_devices, sched.data_parallel) != (p, d) for sched in schedules)
         elsewhere = f" at p={p} d={d}, links priced for this run's p and d" if placed else ""
-        moved = next(((sched, counts) for sched in schedules
-                      if (counts := experts_moved(estimate, sched.num_devices, sched.data_parallel))), None)
-        if moved:  # its all-to-alls are in the layers' times, as the estimate placed the group
-            sched, (there, here) = moved
-            elsewhere += (f", but not the all-to-alls: priced with {there:,} of the expert-parallel group's ranks a "
-                          f"node, where p={sched.num_devices} d={sched.data_parallel} places {here:,} (estimate at "
-                          "this p and d to price them there)")
+        moved = experts_moved_text(estimate, ((sched.num_devices, sched.data_parallel) for sched in schedules))
+        elsewhere += f", but not the all-to-alls: {moved}" * bool(moved)
         span = tensor_span_text(estimate)
         degrees = parallelism_text(estimate.parallelism, estimate.attention, shape=False) + (
             f", the tensor-parallel group{span}" if span else "") + expert_span_text(scenario.measured)

@@ -60,7 +60,7 @@ from .common import (
     writing,
     zero_stage,
 )
-from .estimate import count_what_if, estimated_profile, peak_text, what_if
+from .estimate import count_what_if, estimated_profile, experts_moved_text, peak_text, what_if
 from .tables import add_columns, print_message, print_table, said_once
 
 if TYPE_CHECKING:
@@ -313,7 +313,10 @@ def sweep(
     except OSError as exc:
         fail(read_error(exc))
     shown = jobs[0][0]  # under --gpu an estimate's, its allocations replayed or not as every p's are
-    _print_front(results, front, peak_text(shown.measured, what, shown))
+    estimate = shown.measured.estimate if shown.measured is not None else None
+    moved = "" if estimate is None or what is not None else experts_moved_text(
+        estimate, ((r.config.stages, r.config.data_parallel) for r in results))
+    _print_front(results, front, peak_text(shown.measured, what, shown), moved)
     _print_skipped(results, out)
     stdout.print(where_text([sweep for _, sweep in sweeps]), highlight=False)
     for path in (out, html):
@@ -403,9 +406,10 @@ def _replicas_text(config) -> str:
     return f"; {degree_text('d', config.data_parallel)} replicas in every row{zero}{flush}"
 
 
-def _print_front(results: list, front: list[int], peak: str) -> None:
+def _print_front(results: list, front: list[int], peak: str, moved: str = "") -> None:
     """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first; `peak`: what the peak
-    column is (`peak_text`)."""
+    column is (`peak_text`); `moved`: how a --profile's all-to-alls are priced where a row's p and d place its
+    expert-parallel group otherwise (`experts_moved_text`)."""
     from ..planning.sweep import front_group, ran_text
 
     shown = front[:FRONT_ROWS]
@@ -434,6 +438,7 @@ def _print_front(results: list, front: list[int], peak: str) -> None:
                   caption="; ".join(f"{header}: {text}" + (f", {said[header]} in every row" if header in said else "")
                                     for header, text in FRONT_HEADERS.items()) + "; -: not the method's"
                   + (f"; {peak}" if peak else "") + _replicas_text(configs[0])
+                  + (f"; the all-to-alls are the profile's, {moved}" if moved else "")
                   + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
                      if len(front) > FRONT_ROWS else "")
                   + ("; memory: OOM where a device's peak is past its memory (simulate names the devices)"

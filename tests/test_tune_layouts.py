@@ -122,9 +122,9 @@ def test_an_estimates_ranks_edited_to_no_whole_number_are_refused_naming_the_fie
 def test_a_profile_read_where_its_expert_group_sits_otherwise_says_so_and_tune_plans_where_it_sits_alike(tmp_path):
     """An estimate's all-to-alls are in its layers' times, priced as it placed the E ranks: at p = 2, d = 8 on two
     nodes of 8 H100s, pipesim's order puts 4 of the 8 on a node; at p = 1, d = 16 all 8 share one. simulate read it
-    there under "links priced for this run's p and d", with the all-to-alls still crossing the network, and tune
-    planned p = 1 on that price. simulate's caption says which are not priced again; tune plans only the depths
-    that place the group alike."""
+    there under "links priced for this run's p and d", with the all-to-alls still crossing the network, sweep too,
+    and tune planned p = 1 on that price. simulate's and sweep's captions say which are not priced again; tune plans
+    only the depths that place the group alike."""
     from pipesim.planning.scenario import experts_moved
     from pipesim.profiles.schema import load_profile
 
@@ -134,8 +134,12 @@ def test_a_profile_read_where_its_expert_group_sits_otherwise_says_so_and_tune_p
     code, out, err = pipesim("simulate", "--profile", path, "-s", "1f1b", "-p", 1, "-m", 4, "--data-parallel", 16)
     assert code == 0, err
     assert ("links priced for this run's p and d, but not the all-to-alls: priced with 4 of the expert-parallel "
-            "group's ranks a node, where p=1 d=16 places 8 (estimate at this p and d to price them there)"
+            "group's ranks a node, where p=1 d=16 places 8 (estimate at that p and d to price them there)"
             ) in " ".join(out.split()), out
+    code, out, err = pipesim("sweep", "--profile", path, "-s", "1f1b", "--stages", "1,2", "--microbatches", 4)
+    assert code == 0, err  # at the estimate's d = 8: p = 1 places all 8 on a node
+    assert ("the all-to-alls are the profile's, priced with 4 of the expert-parallel group's ranks a node, where p=1 "
+            "d=8 places 8") in " ".join(out.split()), out
     code, out, err = pipesim("simulate", "--profile", path, "-s", "1f1b", "-p", 2, "-m", 4, "--data-parallel", 8)
     assert code == 0 and "not the all-to-alls" not in " ".join(out.split()), err
     code, out, err = pipesim("tune", "--profile", path, "-D", 16, "-B", 32, "-s", "1f1b", "--json")
