@@ -465,8 +465,19 @@ def _estimating_text(expert_degrees: list[int], orders: tuple[str, ...]) -> str:
             f"{', rank order' * (len(orders) > 1)} and p")
 
 
-RANKS_TEXT = ("the rank order: pipesim's puts a replica's t·C·p ranks on consecutive GPUs and draws E from the "
-              "replicas, megatron's (Megatron-core's tp-cp-ep-dp-pp) a stage's t·C·d, the experts folded over them")
+def _ranks_text(experts: bool, context: int) -> str:
+    """What the rank orders place on consecutive GPUs, in the terms of the table: E only for a mixture of experts, C
+    only where there is context parallelism."""
+    c = "·C" * (context > 1)
+    return (f"the rank order: pipesim's puts a replica's t{c}·p ranks on consecutive GPUs"
+            + " and draws E from the replicas" * experts + ", megatron's (Megatron-core's "
+            + ("tp-cp-ep-dp-pp" if experts else "tp-cp-dp-pp") + f") a stage's t{c}·d"
+            + ", the experts folded over them" * experts + " (pipesim also where both place a layout alike)")
+
+
+def _recompute_text(config) -> str:
+    """A row's recomputation as its column shows it (sel: selective)."""
+    return {"selective": "sel"}.get(config.recompute, config.recompute)
 
 
 def _rank_orders(what: WhatIf, given: bool, gpus: int) -> tuple[str, ...]:
@@ -486,26 +497,23 @@ def _placed_apart(what: WhatIf, counted: WorkloadCount, degrees: tuple[int, int,
     """Whether `order` places the groups of `degrees` (p, t, d, recomputation, E) otherwise than the what-if's own
     order does at any of `splits` (sequence parallelism, which the stage link reads): where they place alike, their
     estimates are one (planning/estimate.py `placed`), and the search would only meet each configuration twice. A
-    part or layout the estimate refuses is not apart: its own order's estimate says why, once."""
+    layout both orders refuse is not apart (the first order's estimate says why, once); one only the first refuses
+    is."""
     from ..planning.estimate import EstimateError, node_placement, placed
 
     curve = what.curve or what.gpu.curve
-    try:
-        parallel = what.parallelism(*degrees)
-    except EstimateError:
-        return False
-    if curve is None:
+    if curve is None:  # the estimate refuses the part: said by the first order's
         return False
     placement = node_placement(what.gpu, what.cluster, curve)
 
-    def where(at: object) -> object:
+    def where(split: bool, rank_order: str) -> object:
         try:
-            return placed(placement, counted, at, curve)
+            parallel = replace(what, sequence_parallel=split, rank_order=rank_order).parallelism(*degrees)
+            return placed(placement, counted, parallel, curve)
         except EstimateError as exc:
             return str(exc)
 
-    return any(where(replace(parallel, sequence_parallel=split)) !=
-               where(replace(parallel, sequence_parallel=split, rank_order=order)) for split in splits)
+    return any(where(split, what.rank_order) != where(split, order) for split in splits)
 
 
 def _expert_degrees(what: WhatIf, counted: WorkloadCount, expert_given: bool) -> list[int]:
@@ -551,7 +559,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     tensors = [tensor] if tensor else [1 << k for k in range(per_node.bit_length())
                                        if devices % ((1 << k) * (data or 1)) == 0]
     kinds = (recompute,) if recompute else SEARCHED_RECOMPUTE
-    groups, blocks = [], []  # each (b, t): its E's groups' indices, and how many E it tries
+    groups, blocks = [], []  # each (b, t): its groups' indices, one per rank order and E it tries
     for b in sizes:
         counted = counts.get(b) or count_what_if(what, b)
         # its layers made for one p and its replays for one p and d, kept for the rest (`_estimate_group`)
@@ -582,29 +590,32 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                         continue
                 block.append(len(groups))
                 groups.append((at_t, made, _EstimateGroup(t, e, tuple(depths), kinds, splits, order)))
-            blocks.append((t, block, len(block)))
+            blocks.append((t, block))
     done = _estimate_groups(groups, (devices, optimizer, pp_runtime, allocator, optimizer_step), pool,
                             lambda count: report(f"{_estimating_text(degrees, orders)}: {count} done")
                             if report else None)
     settings, refusals = [], {}  # each refusal: the t's that got it
-    for t, block, tried in blocks:
+    for t, block in blocks:
         made, refused = len(settings), []
         for index in block:
             settings += done[index][0]
             if done[index][1] is not None:
-                refused.append(done[index][1])
-        if refused and (tried == 1 or len(settings) == made):  # a searched E refused: another may suit
+                refused.append((groups[index][2].rank_order, done[index][1]))
+        # a searched E or order refused: another may suit; said, the first order's last refusal (the user's order)
+        if refused and (len(block) == 1 or len(settings) == made):
+            why = next((text for order, text in reversed(refused) if order == orders[0]), refused[-1][1])
             if tensor:  # the user's t: say why it cannot be
-                raise InputError(refused[-1])
-            refusals.setdefault(refused[-1], set()).add(t)
+                raise InputError(why)
+            refusals.setdefault(why, set()).add(t)
     if not settings and len(refusals) == 1:  # the same refusal for every t tried: not about t, so say it
         raise InputError(next(iter(refusals)))
     if not settings:
         rules = {"pipesim": f"the replicas d = D/(t·C·p) must be a multiple of --expert-parallel {what.expert:,}",
                  "megatron": f"--expert-parallel {what.expert:,} times --expert-tensor-parallel (default t) must "
                              "divide t·C·d"}
-        replicas = "" if what.expert == 1 else "; " + ", or under --rank-order megatron ".join(
-            rules[order] for order in orders)
+        named = {"pipesim": "in pipesim's rank order ", "megatron": "in Megatron-core's "}
+        replicas = "" if what.expert == 1 else "; " + "; ".join(
+            named[order] * (len(orders) > 1) + rules[order] for order in orders)
         reasons = "".join(f"; at t = {', '.join(f'{t:,}' for t in sorted(ts))}: {why}" for why, ts in refusals.items())
         raise InputError(f"--devices {devices * what.context:,}: no tensor-parallel degree t of "
                          f"{', '.join(f'{t:,}' for t in tensors)} suits the model (t must divide its heads and MLP "
@@ -713,7 +724,7 @@ def search_summary(stats, estimates_s: float | None = None) -> str:
 
 
 def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: list[list[str]], peak: str,
-                  estimates_s: float | None, orders_searched: bool = False) -> None:
+                  estimates_s: float | None, orders_searched: bool) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost; the
     choice's cut and the `command` that simulates it; `peak`: what the peak column is (`peak_text`); `estimates_s`:
     --gpu's estimates' seconds, which the search's summary gives after its own (None: a profile's);
@@ -729,11 +740,26 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     shared = any(row.result.config.pipelines > 1 for row in rows)
     experts = bool(work) and bool(measured.model.options.get("experts"))  # E searched unless given
     split = bool(work) and any(row.result.config.tensor > 1 for row in rows)  # sp: on or off at t > 1
+    marked = [("best", tuning.choice), *((str(rank), row) for rank, row in enumerate(tuning.runners_up, 2)),
+              *(("over", row) for row in tuning.excluded)]
+    configs = [row.result.config for _, row in marked]
+    # a column every row agrees on said once under the table (`said_once`): the --gpu tunes' "stale", all 0,
+    # printed alone in a second part at 80 columns; b and recomp where the flags fix them, the rank order where one
+    # wins every row
+    said = said_once({STALENESS_HEADER: [f"{row.result.staleness:,}" for _, row in marked],
+                      **({"b": [f"{c.microbatch_size:,}" for c in configs],
+                          "recomp": [_recompute_text(c) for c in configs]} if work else {}),
+                      **({"ranks": [c.rank_order for c in configs]} if orders_searched else {})},
+                     (STALENESS_HEADER, "b", "recomp", "ranks"))
+    shown = {header for header in ("b", "recomp") if work and header not in said}
+    ranks = orders_searched and "ranks" not in said  # a column where the rows' rank orders differ
     estimated = (f"estimated, t, {'sequence parallelism (sp), ' * split}{'E, ' * experts}"
                  f"{'rank order (ranks), ' * orders_searched}b and recomputation "
                  f"(recomp; sel: selective) searched where not given; "
                  f"{'E: ranks the routed experts are placed over; ' * experts}"
-                 + (f"ranks: {RANKS_TEXT}; " if orders_searched else "") +
+                 + (f"ranks: {_ranks_text(experts, context)}"
+                    + (f", {said.pop('ranks')} in every row" if "ranks" in said else "") + "; "
+                    if orders_searched else "") +
                  f"{next(iter(work.values())).mfu_text(problem.gpus)}; ") if work else ""
     read = (f"{peak}; " if peak else "") + ("MFU: the simulate command below gives the choice's; " if (
         measured.estimate is not None and not work) else "")
@@ -748,16 +774,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                 f"D/(p·{tensor * context:,}) replicas, {tensor * context:,} GPUs per stage" if tensor * context > 1
                 else "D/p replicas") + f", C = {context:,} context-parallel ranks" * (context > 1) + (
                 f", routed experts over E = {expert:,} ranks" if expert > 1 and not work else "")
-    marked = [("best", tuning.choice), *((str(rank), row) for rank, row in enumerate(tuning.runners_up, 2)),
-              *(("over", row) for row in tuning.excluded)]
     mfus = {id(row): work[row.result.config.microbatch_size].metrics(row.result.samples_per_s, problem.gpus)["mfu"]
             for _, row in marked} if work else {}
-    # staleness said once where every row agrees (`said_once`): the --gpu tunes' "stale", all 0, printed alone in a
-    # second part at 80 columns
-    said = said_once({STALENESS_HEADER: [f"{row.result.staleness:,}" for _, row in marked],
-                      "ranks": [row.result.config.rank_order for _, row in marked] if orders_searched else []},
-                     (STALENESS_HEADER, "ranks"))
-    ranks = orders_searched and "ranks" not in said  # a column where the rows' rank orders differ
     table = Table(title=f"{measured.model.name} on {problem.gpus:,} x {env.device_name} ({env.device}), "
                         f"{memory_text(problem.memory_cap_bytes)} each; "
                         f"batch {count_text(problem.batch_size, 'sample')}"
@@ -770,8 +788,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                           + "bubble: 1 - mean compute / step time"
                           + (f"; {MFU_PAST_PEAK_TEXT}" if any(share > 1 for share in mfus.values()) else "")
                           + "".join(f"; {header}: {value} in every row" for header, value in said.items()))
-    estimate_columns = (("t", *("sp",) * split, "d", *("E",) * experts, *("ranks",) * ranks, "b", "recomp")
-                        if work else ())
+    estimate_columns = (("t", *("sp",) * split, "d", *("E",) * experts, *("ranks",) * ranks,
+                         *("b",) * ("b" in shown), *("recomp",) * ("recomp" in shown)) if work else ())
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
                    *("MFU",) * bool(work), "bubble", "peak",
                    *(STALENESS_HEADER,) * (STALENESS_HEADER not in said), "why not"):
@@ -785,8 +803,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         mfu = [percent_text(mfus[id(row)])] if work else []
         table.add_row(mark, c.schedule, f"{c.stages:,}", f"{c.chunks:,}", *[f"{c.pipelines:,}"] * shared,
                       *([f"{c.tensor:,}", *[_split_text(c)] * split, f"{c.replicas:,}", *[f"{c.expert:,}"] * experts,
-                         *[c.rank_order] * ranks, f"{c.microbatch_size:,}",
-                         {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),
+                         *[c.rank_order] * ranks, *[f"{c.microbatch_size:,}"] * ("b" in shown),
+                         *[_recompute_text(c)] * ("recomp" in shown)] if work else []),
                       f"{c.microbatches:,}", *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),
                       *mfu, percent_text(result.bubble_fraction), memory_text(result.peak_memory_bytes, zeros=True),

@@ -418,17 +418,18 @@ def test_gpus_prints_a_users_part_whole_at_80_columns_saying_once_a_dtype_as_ano
 
 def test_tune_says_once_under_its_table_a_staleness_every_row_agrees_on(tmp_path, monkeypatch):
     """docs/sweep-and-tune.md's context-parallel tune at 80 columns printed its "stale" column, 0 in every row,
-    alone in a second part: it is said once under the table, by simulate's rule (`said_once`). Here with
-    --rank-order given: searched, the rank order's column (its rows differ there) prints the table in two parts."""
+    alone in a second part: it is said once under the table, by simulate's rule (`said_once`), as are b and recomp
+    where every row agrees (here -b 1 and none), which makes room for the searched rank order's column."""
     out = _output(["tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "16", "--width", "2048", "--heads", "16",
                    "--seq-len", "32768", "--vocab", "32000", "--attention", "flash", "-D", "16",
-                   "--context-parallel", "4", "-b", "1", "-s", "1f1b", "-s", "interleaved-1f1b", "--rank-order",
-                   "pipesim"], 80, tmp_path,
+                   "--context-parallel", "4", "-b", "1", "-s", "1f1b", "-s", "interleaved-1f1b"], 80, tmp_path,
                   monkeypatch)
     lines = out.splitlines()
     header = next(line for line in lines if line.split()[:1] == ["schedule"])
     assert "stale" not in header and "printed in" not in out and max(map(len, lines)) <= 80, out
-    assert "bubble: 1 - mean compute / step time; stale: 0 in every row" in " ".join(out.split()), out
+    assert "bubble: 1 - mean compute / step time; stale: 0 in every row; b: 1 in every row; recomp: none in every row" \
+        in " ".join(out.split()), out
+    assert header.split()[5:8] == ["d", "ranks", "m"], header
 
 
 def test_simulates_caption_says_peak_act_counts_a_chunks_activations_where_v_is_above_one():
