@@ -448,7 +448,8 @@ RankOrder = Annotated[str | None, typer.Option(
     "--rank-order", metavar="ORDER", help="With --gpu: how the ranks are numbered onto nodes, which sets every "
                                           "group's links: pipesim (t, C, p, then d, the experts' E of the d "
                                           "replicas; the default) or megatron (Megatron-core's tp-cp-ep-dp-pp: t, "
-                                          "C, d, then p, the experts folded over t·C·d).")]
+                                          "C, d, then p, the experts folded over t·C·d); tune searches both where "
+                                          "it is not given.")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
