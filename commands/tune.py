@@ -272,6 +272,8 @@ def tune(
             if not memory_cap_bytes:
                 raise InputError(f"--memory-gb: the profile {profile} does not record its device's memory; "
                                  "give the cap")
+            if not env.memory_cap_bytes and measured.estimate is not None:  # its part's datasheet memory, as --gpu's
+                capped_by = measured.estimate.gpu
         problem = Problem(schedule_devices, memory_cap_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget, zero, memory_part=capped_by, context=context)

@@ -95,3 +95,18 @@ def test_a_choice_within_two_percent_of_the_parts_memory_is_noted_and_one_under_
                            "datasheet's memory"), said
     assert said.endswith("give --memory-gb to keep headroom")
     assert note(78.4) == [] and note(79.2, part=None) == []  # 2.0 % under; or --memory-gb's cap, the user's own
+
+
+def test_tune_of_an_estimate_takes_its_parts_own_memory_as_tune_gpu_does(tmp_path):
+    """`tune --profile` of an estimate without --memory-gb caps each device at the part's datasheet memory that the
+    estimate records, as `tune --gpu` does: it refused in --memory-gb's name, which was not given, and its choice
+    within 2 % of that memory had no note (the note's part: `Problem.memory_part`)."""
+    profile = tmp_path / "long.json"
+    long_on_a100 = ("--gpu", "a100-sxm-40gb", *GPT_16K[2:10], "--seq-len", 131072, *GPT_16K[12:14])
+    code, _, err = pipesim("estimate", *long_on_a100, "-b", 1, "--recompute", "none", "-o", profile)
+    assert code == 0, err
+    code, out, err = pipesim("tune", "--profile", profile, "-D", 2, "-s", "1f1b")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith(
+        "error: --devices 2: no configuration fits on 2 NVIDIA A100 SXM4 40GB of 40 GiB; the least memory any "
+        "needs is "), err
