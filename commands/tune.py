@@ -474,7 +474,12 @@ def _ranks_text(experts: bool, context: int) -> str:
     return (f"the rank order: pipesim's puts a replica's t{c}·p ranks on consecutive GPUs"
             + " and draws E from the replicas" * experts + ", megatron's (Megatron-core's "
             + ("tp-cp-ep-dp-pp" if experts else "tp-cp-dp-pp") + f") a stage's t{c}·d"
-            + ", the experts folded over them" * experts + " (pipesim also where both place a layout alike)")
+            + ", the experts folded over them" * experts + ", either where both place the layout alike")
+
+
+def _ranks_cell(config) -> str:
+    """A row's rank order as its column shows it: "either" where both orders searched place it alike."""
+    return "either" if config.orders_alike else config.rank_order
 
 
 def _recompute_text(config) -> str:
@@ -575,7 +580,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 made = (counted_t, LayerMemo(counted_t, what.gpu, what.curve), {})
             # off at t = 1, given or not: nothing to split over (the row's "-"; simulate refuses it there)
             splits = (False,) if t == 1 else (False, True) if sequence_parallel is None else (sequence_parallel,)
-            block = []
+            block, apart = [], {}  # apart: by (E, p), whether the second order places it otherwise
             for order, e in itertools.product(orders, degrees):
                 depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
                                                                if devices % (t * p) == 0]
@@ -585,13 +590,17 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                         order, t, what.context, p, devices // (t * p), e, what.expert_tensor) is None]
                 if what.precision == "fsdp2":  # its weights sharded: over d·C >= 2 ranks only
                     depths = [p for p in depths if devices // (t * p) * what.context > 1]
+                for p in depths if len(orders) > 1 else ():
+                    if (e, p) not in apart:
+                        apart[e, p] = _placed_apart(at_t, made[0], (p, t, devices // (t * p), kinds[0], e), orders[1],
+                                                    splits)
+                alike = tuple(p for p in depths if order == orders[0] and len(orders) > 1 and not apart[e, p])
                 if order != orders[0]:
-                    depths = [p for p in depths if _placed_apart(
-                        at_t, made[0], (p, t, devices // (t * p), kinds[0], e), order, splits)]
+                    depths = [p for p in depths if apart[e, p]]
                     if not depths:
                         continue
                 block.append(len(groups))
-                groups.append((at_t, made, _EstimateGroup(t, e, tuple(depths), kinds, splits, order)))
+                groups.append((at_t, made, _EstimateGroup(t, e, tuple(depths), kinds, splits, order, alike)))
             blocks.append((t, block))
     done = _estimate_groups(groups, (devices, optimizer, pp_runtime, allocator, optimizer_step), pool,
                             lambda count: report(f"{_estimating_text(degrees, orders)}: {count} done")
@@ -637,6 +646,7 @@ class _EstimateGroup:
     kinds: tuple[str, ...]
     splits: tuple[bool, ...]
     rank_order: str
+    alike: tuple[int, ...] = ()  # the depths p the other order searched places alike (its estimate would be this one)
 
 
 def _estimate_groups(groups: list, fixed: tuple, pool: Workers | None, report: Callable[[int], None]
@@ -702,7 +712,7 @@ def _estimate_group(what: WhatIf, counted: WorkloadCount, group: _EstimateGroup,
                 if replayed not in replays:
                     replays[replayed] = allocator_fields(allocator, counted, parallel, optimizer_step)
                 settings.append(Setting(replace(scenario, **replays[replayed]), t, kind, (p,), e, split,
-                                        group.rank_order))
+                                        group.rank_order, p in group.alike))
     except InputError as exc:
         return settings, str(exc)
     return settings, None
@@ -751,7 +761,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     said = said_once({STALENESS_HEADER: [f"{row.result.staleness:,}" for _, row in marked],
                       **({"b": [f"{c.microbatch_size:,}" for c in configs],
                           "recomp": [_recompute_text(c) for c in configs]} if work else {}),
-                      **({"ranks": [c.rank_order for c in configs]} if orders_searched else {})},
+                      **({"ranks": [_ranks_cell(c) for c in configs]} if orders_searched else {})},
                      (STALENESS_HEADER, "b", "recomp", "ranks"))
     shown = {header for header in ("b", "recomp") if work and header not in said}
     ranks = orders_searched and "ranks" not in said  # a column where the rows' rank orders differ
@@ -805,7 +815,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         mfu = [percent_text(mfus[id(row)])] if work else []
         table.add_row(mark, c.schedule, f"{c.stages:,}", f"{c.chunks:,}", *[f"{c.pipelines:,}"] * shared,
                       *([f"{c.tensor:,}", *[_split_text(c)] * split, f"{c.replicas:,}", *[f"{c.expert:,}"] * experts,
-                         *[c.rank_order] * ranks, *[f"{c.microbatch_size:,}"] * ("b" in shown),
+                         *[_ranks_cell(c)] * ranks, *[f"{c.microbatch_size:,}"] * ("b" in shown),
                          *[_recompute_text(c)] * ("recomp" in shown)] if work else []),
                       f"{c.microbatches:,}", *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),

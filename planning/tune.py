@@ -206,6 +206,7 @@ class Setting:
     expert: int = 1  # E: ranks a mixture of experts' routed experts are placed over
     sequence_parallel: bool = False  # an estimate's at t > 1: norms and dropouts split over the t GPUs
     rank_order: str = "pipesim"  # an estimate's, of planning/ranks.py's RANK_ORDERS
+    orders_alike: bool = False  # every rank order searched places it alike (the estimate is theirs too)
 
     @property
     def microbatch_size(self) -> int:
@@ -227,6 +228,7 @@ class Config:
     zero: int = 0  # ZeRO's stage: the problem's, none where d·C = 1 (as the estimate's `Parallelism` shards)
     sequence_parallel: bool = False  # an estimate's
     rank_order: str = "pipesim"  # an estimate's
+    orders_alike: bool = False  # the setting's
 
     def label(self) -> str:
         extra = [degree_text("v", self.chunks)] * (self.chunks > 1)
@@ -293,6 +295,7 @@ class Result:
                 "microbatches": c.microbatches, "replicas": c.replicas, "tensor_parallel": c.tensor,
                 "microbatch_size": c.microbatch_size, "recompute": c.recompute, "expert_parallel": c.expert,
                 "zero": c.zero, "sequence_parallel": c.sequence_parallel, "rank_order": c.rank_order,
+                "rank_orders_alike": c.orders_alike,
                 "partition": list(self.candidate.bounds),
                 "samples_per_s": self.samples_per_s, "step_ms": self.step_ms, "bubble_fraction": self.bubble_fraction,
                 "peak_memory_gib": self.peak_memory_bytes / GIB, "staleness": self.staleness,
@@ -1652,7 +1655,8 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                             refused += 1
                             continue
                         config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute, setting.expert,
-                                        zero[p], setting.sequence_parallel, setting.rank_order)
+                                        zero[p], setting.sequence_parallel, setting.rank_order,
+                                        setting.orders_alike)
                         floor = (pipelines * held[p] + sketch.extra_copies * work.param_bytes) // p
                         bound = _shape_bound(problem, config, work, sketch, scenario.cost_scale, reduce_ms[p])
                         shapes.append(Shape(config, setting, count - 1, sketch.staleness, bound, floor))

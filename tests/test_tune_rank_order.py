@@ -45,6 +45,8 @@ def test_across_nodes_megatrons_order_adds_the_layouts_it_places_otherwise():
     assert layouts(settings) == layouts(pipesims) | {layout for layout in layouts(megatrons) if layout[1] != 1}
     assert {layout[1] for layout in layouts(megatrons)} == {1, 2, 4}
     assert (1, 2, 8, "megatron") in layouts(settings) and (1, 2, 8, "pipesim") in layouts(settings)
+    # pipesim's estimate stands for both where they place alike: its row says "either"
+    assert {(*setting.depths, setting.orders_alike) for setting in settings} == {(1, True), (2, False), (4, False)}
 
 
 def test_orders_that_place_alike_estimate_alike():
