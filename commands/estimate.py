@@ -845,16 +845,21 @@ def expert_span_text(profile: Profile) -> str:
     p keeps them), so that they cross the network (`ExpertGroup.per_node`); where Megatron-core's rank order would
     keep more of it on a node than pipesim's (which puts a replica's stages on a node and draws E from the
     replicas), that order's count too. simulate's caption says it: the time it costs shows only as idle."""
+    from ..planning.ranks import estimated_experts_per_node
+
     estimate = profile.estimate
-    expert = int(estimate.parallelism.get("expert", 1))
+    parallelism = estimate.parallelism
+    expert = int(parallelism.get("expert", 1))
     if expert == 1 or estimate.placement is None:
         return ""
-    order = estimate.parallelism.get("rank_order", "pipesim")
-    per_node = _estimated_expert_group(profile, expert, order).per_node
+    _, p, d = estimate.degrees
+    node = estimate.placement.gpus_per_node
+    per_node = estimated_experts_per_node(parallelism, p, d, node)
     if per_node >= expert:
         return ""
     # E | d and ETP = t under pipesim's order, so Megatron-core's folds it too
-    megatron = _estimated_expert_group(profile, expert, "megatron").per_node if order == "pipesim" else per_node
+    megatron = (estimated_experts_per_node({**parallelism, "rank_order": "megatron"}, p, d, node)
+                if parallelism.get("rank_order", "pipesim") == "pipesim" else per_node)
     return (f", the expert-parallel group across {-(-expert // per_node):,} nodes ({per_node:,} on each"
             + (f"; --rank-order megatron places {'it on one node' if megatron >= expert else f'{megatron:,} on each'}"
                if megatron > per_node else "") + ")")
@@ -874,25 +879,18 @@ def experts_moved_text(estimate: Estimate, layouts: Iterable[tuple[int, int]]) -
     return ""
 
 
-def _estimated_expert_group(profile: Profile, expert: int, order: str):
-    """The estimate's group of `expert` expert-parallel ranks at its own degrees, placed in rank `order`
-    (planning/experts.py `expert_group`)."""
-    from ..planning.experts import expert_group
-
-    estimate = profile.estimate
-    t, p, d = estimate.degrees
-    return expert_group(estimate.placement, expert, profile.model.options.get("experts"), t,
-                        int(estimate.parallelism.get("context", 1)), p, d,
-                        dispatcher=estimate.parallelism.get("token_dispatcher"), order=order,
-                        expert_tensor=estimate.parallelism.get("expert_tensor"))
-
-
 def _expert_group_text(profile: Profile, expert: int) -> str:
     """Where an expert-parallel group's all-to-alls go (planning/experts.py): its ranks on each node, the shares of
     a rank's token copies that cross the node's link and its NIC."""
-    from ..planning.experts import FLEX_DISPATCHERS
+    from ..planning.experts import FLEX_DISPATCHERS, expert_group
 
-    group = _estimated_expert_group(profile, expert, profile.estimate.parallelism.get("rank_order", "pipesim"))
+    estimate = profile.estimate
+    t, p, d = estimate.degrees
+    group = expert_group(estimate.placement, expert, profile.model.options.get("experts"), t,
+                         int(estimate.parallelism.get("context", 1)), p, d,
+                         dispatcher=estimate.parallelism.get("token_dispatcher"),
+                         order=estimate.parallelism.get("rank_order", "pipesim"),
+                         expert_tensor=estimate.parallelism.get("expert_tensor"))
     node, network = group.node_link, group.network_link
     nic = f"its NIC ({network.kind} {network.bytes_per_ms / 1e6:.3g} GB/s)"
     if group.dispatcher in FLEX_DISPATCHERS:

@@ -557,12 +557,11 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     counted with aten's loss, which torchtitan runs there (simulate refuses the flag at a given t = 1). Each (b, t, E)'s
     estimates are made together (`_estimate_group`), in `pool`'s workers where given: the search's, idle until it
     starts (Qwen3-30B-A3B's E searched on 64 GPUs: 128 groups, 1,188 profiles, 13.8 CPU s)."""
-    from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
+    from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo, node_placement
     from ..planning.ranks import expert_grid_refusal
 
     orders = orders or (what.rank_order,)
-    per_node = (what.cluster.gpus_per_node if what.cluster and what.cluster.gpus_per_node else
-                what.gpu.intra_node.gpus_per_node)
+    per_node = node_placement(what.gpu, what.cluster).gpus_per_node
     tensors = [tensor] if tensor else [1 << k for k in range(per_node.bit_length())
                                        if devices % ((1 << k) * (data or 1)) == 0]
     kinds = (recompute,) if recompute else SEARCHED_RECOMPUTE
