@@ -22,9 +22,9 @@ Json = Annotated[bool, typer.Option("--json", help="Print one JSON document inst
 
 
 def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
-    """List the GPUs pipesim knows and their figures. Dense peak TFLOP/s per dtype, memory and its bandwidth, the
-    link inside a node and the network between nodes per GPU; each figure's source is in --json and in the
-    catalogue file."""
+    """List the GPUs pipesim knows and their figures. Dense peak TFLOP/s per dtype, memory (as torch is given it)
+    and its bandwidth, the link inside a node and the network between nodes per GPU; each figure's source is in
+    --json and in the catalogue file."""
     from ..hardware.catalogue import DTYPES, CatalogueError, load_catalogue
 
     try:
@@ -36,7 +36,8 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
         return
     parts = catalogue.gpu.values()
     columns = {
-        "GiB": [figure_text(part.memory_gib) for part in parts],
+        "GiB": [f"{round(part.device_memory.gib, 2):g}" if part.device_memory is not None
+                else f"{figure_text(part.memory_gib)}*" for part in parts],
         "GB/s": [figure_text(part.memory_bandwidth_gb_s) for part in parts],
         **{dtype: [figure_text(value) if (value := getattr(part.dense_tflops, dtype)) is not None else "-"
                    for part in parts] for dtype in DTYPES},
@@ -51,7 +52,10 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
     kinds = dict.fromkeys(part.network.kind for part in parts)
     table = Table(title="GPUs: dense peak TFLOP/s; memory bandwidth and links in GB/s, per direction, per GPU",
                   box=box.SIMPLE_HEAD, caption_justify="left",
-                  caption="".join(f"{header}: as {other} in every row; " for header, other in repeated.items())
+                  caption="GiB: the memory torch is given of the datasheet's (its total_memory)"
+                  + (", *: the datasheet's, torch's not known" if any(part.device_memory is None for part in parts)
+                     else "") + "; "
+                  + "".join(f"{header}: as {other} in every row; " for header, other in repeated.items())
                   + "per node: GPUs a node holds" + (f", {said['per node']} in every row" if said else "")
                   + "; " + ", ".join(f"{NETWORK_SHORT[kind]}: {NETWORK_NAMES[kind]}" for kind in kinds))
     table.add_column("gpu", no_wrap=True)

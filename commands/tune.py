@@ -91,7 +91,8 @@ def tune(
                                           "Or --gpu.")] = None,
     memory_gb: Annotated[float | None, typer.Option(
         "--memory-gb", metavar="GIB", help="Memory cap per device, GiB. Default: the profiled device's memory (or the "
-                                           "calibration's cap).")] = None,
+                                           "calibration's cap); with --gpu, what torch is given of the part's "
+                                           "memory (`pipesim gpus`).")] = None,
     batch_size: Annotated[int | None, typer.Option(
         "--batch-size", "-B", metavar="B", min=1, help="Samples per optimizer step over all devices, a multiple of b. "
                                                        "Default: 4·(D/C)·b, C the context-parallel degree (1 "
@@ -250,7 +251,7 @@ def tune(
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
             part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
             if memory_cap_bytes is None:  # the part's own memory, as its estimates record it (device_memory_bytes)
-                memory_cap_bytes, capped_by = int(what.gpu.memory_gib * GIB), part
+                memory_cap_bytes, capped_by = what.gpu.device_memory_bytes, part
             _check_weights_fit(counts[sizes[0]], devices, memory_cap_bytes, capped_by)
             if context > 1:
                 with refused_with_flags():  # C must split the sequence: said before the note too
@@ -272,7 +273,7 @@ def tune(
             if not memory_cap_bytes:
                 raise InputError(f"--memory-gb: the profile {profile} does not record its device's memory; "
                                  "give the cap")
-            if not env.memory_cap_bytes and measured.estimate is not None:  # its part's datasheet memory, as --gpu's
+            if not env.memory_cap_bytes and measured.estimate is not None:  # its part's memory, as --gpu's
                 capped_by = measured.estimate.gpu
         problem = Problem(schedule_devices, memory_cap_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,

@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, V
 
 from ..choices import nearest_text
 from ..files import first_error, read_toml
-from ..units import checked_memory_gib
+from ..units import GIB, checked_memory_gib
 
 BUILT_IN = Path(__file__).with_name("gpus.toml")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -196,18 +196,42 @@ class Curve(_Strict):
         return self.matmul_efficiency
 
 
+class DeviceMemory(_Strict):
+    """The memory the driver gives a process on the part, as torch reads it (`torch.cuda.get_device_properties
+    (i).total_memory`, which its out-of-memory message prints as the GPU's "total capacity"): less than the
+    datasheet's, what ECC and the driver keep. What calibrate records of a measured device
+    (`Environment.device_memory_bytes`), so an estimate holds its peak to the same figure."""
+
+    gib: Annotated[float, AfterValidator(checked_memory_gib)]
+    source: str = Field(min_length=1)
+
+
 class Gpu(_Strict):
     """One part: compute and memory from `source`; link and network each name their own; `curve` (None: no
-    published measurement known) how far below those figures it runs."""
+    published measurement known) how far below those figures it runs; `device_memory` (None: not known) the
+    memory torch is given of the datasheet's `memory_gib`."""
 
     name: str = Field(min_length=1)
-    memory_gib: Annotated[float, AfterValidator(checked_memory_gib)]  # held as int(gib * GIB) (estimate's)
+    memory_gib: Annotated[float, AfterValidator(checked_memory_gib)]
     memory_bandwidth_gb_s: float = Field(gt=0)
     source: str = Field(min_length=1)
     dense_tflops: DenseTflops
     intra_node: IntraNode
     network: Network
     curve: Curve | None = None
+    device_memory: DeviceMemory | None = None
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """What a process may hold on the part, in bytes: `device_memory` where known, else the datasheet's."""
+        return int((self.device_memory.gib if self.device_memory is not None else self.memory_gib) * GIB)
+
+    @model_validator(mode="after")
+    def _device_memory_within(self) -> Gpu:
+        if self.device_memory is not None and self.device_memory.gib > self.memory_gib:
+            raise ValueError(f"device_memory.gib: {self.device_memory.gib:g} is more than memory_gib "
+                             f"{self.memory_gib:g}: give what torch reports (total_memory), at most the datasheet's")
+        return self
 
 
 class Cluster(_Strict):

@@ -68,7 +68,6 @@ from ..profiles.schema import (
 from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak, weighted_products
 from ..sim.caching_allocator import LayerAllocations, left_live
 from ..sim.costs import HELD_PRODUCT_SLOWDOWN, PRECISIONS, Precision, precision_refusal
-from ..units import GIB
 from .experts import (
     ALL_TO_ALLS,
     DISPATCHERS,
@@ -3018,7 +3017,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                                   bytes_per_ms=links.stage.bytes_per_ms)],
                        points=[], meta={"estimated": f"{links.stage.kind} by the placement"})
     environment = Environment(
-        device="cuda", device_name=gpu.name, device_memory_bytes=int(gpu.memory_gib * GIB),
+        device="cuda", device_name=gpu.name, device_memory_bytes=gpu.device_memory_bytes,
         memory_cap_bytes=None, dtype=counted.dtype, microbatch_size=counted.microbatch_size, threads=1,
         torch_version="", cuda_version=None, driver_version=None, python_version=platform.python_version(),
         pipesim_version=_version(), host="estimate", date=datetime.now(UTC).isoformat(timespec="seconds"))

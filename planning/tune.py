@@ -598,23 +598,21 @@ def _within_margin(shapes: list[Shape], built: _Built, problem: Problem, choice:
     return count
 
 
-# The share of a catalogue part's memory under which a choice's peak is said to leave no headroom: torch sees an
-# H200's 141 GiB as 139.80 (its total_memory, 150,109,880,320 bytes: traces/measured/gpu-check-h200-day42/
-# profile.json, driver 580.159.04), 0.85 % less, and the CUDA context and NCCL's buffers, which no count holds, take
-# their share of what is left.
+# The share of a catalogue part's memory under which a choice's peak is said to leave no headroom: the CUDA context,
+# NCCL's buffers and whatever else allocates outside torch's caching allocator take their share of what the driver
+# gives torch (`Gpu.device_memory`), and no count holds them.
 HEADROOM = 0.02
 
 
 def _headroom_note(choice: Result, problem: Problem) -> list[str]:
     """A note where the choice peaks within `HEADROOM` of the part's own memory (the cap where --memory-gb is not
-    given): it fits the datasheet's memory, which a run does not have whole."""
+    given): it fits what the driver gives torch, which a run does not have whole."""
     if problem.memory_part is None or choice.peak_memory_bytes <= problem.memory_cap_bytes * (1 - HEADROOM):
         return []
     left = 1 - choice.peak_memory_bytes / problem.memory_cap_bytes
     return [f"the choice peaks at {memory_text(choice.peak_memory_bytes)}, {percent_text(left)} under the "
-            f"{problem.memory_part}'s {memory_text(problem.memory_cap_bytes)}; a run has less than the datasheet's "
-            "memory (torch sees an H200's 141 GiB as 139.8, measured here) and the CUDA context and NCCL's buffers, "
-            "which pipesim does not count, take some: give --memory-gb to keep headroom"]
+            f"{problem.memory_part}'s {memory_text(problem.memory_cap_bytes)} (`pipesim gpus`); the CUDA context and "
+            "NCCL's buffers, which pipesim does not count, take some of it: give --memory-gb to keep headroom"]
 
 
 def _within_margin_note(count: int) -> str:

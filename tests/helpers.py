@@ -1040,3 +1040,15 @@ def profiler_ranks(folder: Path, ranks: list[list[dict]]) -> list[Path]:
         paths.append(folder / f"rank{rank}.json")
         paths[-1].write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": rank}}))
     return paths
+
+
+def datasheet_part(directory: Path, name: str) -> tuple:
+    """--gpus/--gpu flags for the catalogue part `name` as its datasheet gives it: its table without
+    `device_memory`, so the cap is the datasheet's memory (a test of a mechanism found at that cap)."""
+    from pipesim.hardware.catalogue import BUILT_IN
+
+    table = BUILT_IN.read_text().split(f"[gpu.{name}]\n")[1].split("\n[gpu.")[0]
+    path = directory / f"{name}-datasheet.toml"
+    path.write_text(f"[gpu.{name}-datasheet]\n" + "".join(
+        line + "\n" for line in table.splitlines() if not line.startswith("device_memory")))
+    return "--gpus", path, "--gpu", f"{name}-datasheet"

@@ -220,7 +220,7 @@ def test_tune_searches_t_d_b_and_recomputation_under_the_gpu_memory():
     assert code == 0, err
     document = json.loads(out)
     rows = [document["choice"], *document["runners_up"]]
-    assert document["problem"]["memory_cap_gib"] == 80
+    assert document["problem"]["memory_cap_gib"] == pytest.approx(79.15)  # what torch is given of 80
     assert len({row["microbatch_size"] for row in rows}) > 1  # b searched
     assert len({row["tensor_parallel"] for row in rows}) > 1  # t searched (4 heads: 1, 2, 4)
     for row in rows:

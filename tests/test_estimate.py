@@ -369,7 +369,7 @@ def test_an_estimate_over_its_gpus_memory_warns_as_simulate_does(tmp_path):
     code, out, err = pipesim("estimate", *shape, "-b", 64, "--out", tmp_path / "over.json")
     assert code == 0 and "wrote" in out, err
     assert re.fullmatch(r"warning: the 1F1B estimate runs out of memory: device 0 peaks at [\d,.]+ MiB, more than its "
-                        r"49,152 MiB( \(and 1 more out of memory\))?\n", err), err
+                        r"45,486 MiB( \(and 1 more out of memory\))?\n", err), err  # torch's 44.42 GiB of 48
     code, out, err = pipesim("estimate", *shape, "-b", 16, "--out", tmp_path / "within.json")
     assert code == 0 and "alloc MiB" in out and err == "", err
 

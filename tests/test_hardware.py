@@ -64,6 +64,9 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
     ("gpu = 3\n", "gpu: a table of parts"),
     ("[gpus.x]\nmemory_gib = 24\n", "gpus: Extra inputs are not permitted"),  # not "gives no part"
     ("[gpu.x\n", "is not valid TOML"),
+    (PART.format(name="x") + 'device_memory = { gib = 25, source = "https://example.com/oom" }\n',
+     "gpu.x: device_memory.gib: 25 is more than memory_gib 24: give what torch reports (total_memory)"),
+    (PART.format(name="x") + "device_memory = { gib = 23.5 }\n", "gpu.x.device_memory.source: Field required"),
 ])
 def test_a_bad_file_names_the_field_and_what_is_allowed(tmp_path, text, fragment):
     own = tmp_path / "bad.toml"
@@ -96,11 +99,11 @@ def test_gpus_lists_the_catalogue_as_a_table_and_as_json(tmp_path):
 
 def test_gpus_writes_its_figures_with_thousands_separated_as_the_other_tables_do():
     """`pipesim gpus` wrote the H100's fp8 peak "1978.9" and its memory bandwidth "3350", where every other table
-    writes "1,978.9"; the catalogue's own digits stay (the L40S's 362.05, the A100's 19.5, 80 GiB)."""
+    writes "1,978.9"; the catalogue's own digits stay (the L40S's 362.05, the A100's 19.5)."""
     code, out, err = pipesim("gpus")
     h100, l40s = ([line.split() for line in out.splitlines() if line.split()[:1] == [name]][0]
                   for name in ("h100-sxm", "l40s"))
-    assert code == 0 and h100[1:7] == ["80", "3,350", "67", "494.7", "989.4", "1,978.9"], h100
+    assert code == 0 and h100[2:7] == ["3,350", "67", "494.7", "989.4", "1,978.9"], h100
     assert l40s[5] == "362.05" and "1978.9" not in out, l40s
 
 
@@ -135,3 +138,22 @@ def test_the_docs_efficiency_table_holds_the_catalogues_curves():
             for field, printed in zip(fields, table[row]):
                 digits = len(printed.partition(".")[2])
                 assert round(getattr(curve, field), digits) == float(printed), (row, part, field)
+
+
+def test_a_parts_memory_is_what_torch_is_given_where_known_and_the_datasheets_marked_where_not(tmp_path):
+    """The cap a --gpu estimate holds its peak to, and `pipesim gpus` shows, is the memory the driver gives torch
+    (`device_memory`: an H200's 139.8 GiB of the datasheet's 141, measured by this project), as calibrate records a
+    measured device's (its total_memory); where a part gives none, the datasheet's, marked."""
+    catalogue = load_catalogue()
+    assert catalogue.gpu["h200"].device_memory_bytes == 150_109_880_320 < 141 * (1 << 30)
+    own = tmp_path / "mine.toml"
+    own.write_text(PART.format(name="rtx-test"))
+    assert load_catalogue(own).gpu["rtx-test"].device_memory_bytes == 24 * (1 << 30)
+    code, out, err = pipesim("gpus", "--gpus", own)
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    assert code == 0 and rows["h200"][1] == "139.8" and rows["rtx-test"][1] == "24*", out
+    assert "*: the datasheet's, torch's not known" in " ".join(out.split())
+    code, out, err = pipesim("estimate", "--gpu", "h200", "--model", "gpt", "--layers", 2, "--width", 256,
+                             "--heads", 4, "-p", 2, "-o", tmp_path / "h200.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "h200.json").read_text())["environment"]["device_memory_bytes"] == 150_109_880_320
