@@ -102,6 +102,33 @@ def test_a_pair_costs_both_parts_less_the_hidden_share_of_the_shorter(fraction):
     assert np.allclose(ops.dur_us[backward], 1e3 * bwd_ms)  # the longer part keeps its time
 
 
+def test_a_pair_whose_parts_ran_at_once_is_counted_once():
+    """On a GPU the executor runs a pair's parts on two streams at once, each row spanning its part
+    (executor/overlap.py): a device's compute is the time its rows run, so that run's busy time and bubble are the
+    simulation's, whose pair runs its parts back to back in the same time. Summed, each pair counted its forward
+    part twice."""
+    from pipesim.traces.metrics import steady_compute_ms, summarize
+
+    schedule = build_schedule("dualpipev", ScheduleParams(2, 4, 2, chunks=2))
+    costs = replace(Costs.per_stage(4, fwd_ms=1.0, bwd_ms=3.0), overlap_hidden_fraction=0.5)
+    predicted = simulate(schedule, costs, Cluster.uniform(2, 0.0))
+    ops = predicted.ops
+    compute = np.flatnonzero(ops.stream == Stream.COMPUTE)
+    forward = compute[(ops.kind[compute] == list(Kind).index(Kind.F)) & (ops.peer[compute] >= 0)]
+    backward = compute[np.searchsorted(compute, forward) + 1]
+    start_us, dur_us = ops.start_us.copy(), ops.dur_us.copy()
+    start_us[backward] = start_us[forward]  # both streams start the pair; the backward part ends it
+    dur_us[backward] += dur_us[forward]
+    measured = replace(predicted, meta=replace(predicted.meta, source="measured"),
+                       ops=replace(ops, start_us=start_us, dur_us=dur_us))
+    assert len(forward) and np.all(ops.dur_us[forward] > 0) and np.array_equal(measured.ops.end_us, ops.end_us)
+    both = summarize(predicted), summarize(measured)
+    assert [d.busy_ms for d in both[1].devices] == pytest.approx([d.busy_ms for d in both[0].devices], rel=1e-12)
+    assert both[1].bubble_fraction == pytest.approx(both[0].bubble_fraction, abs=1e-12)
+    assert steady_compute_ms(measured) == pytest.approx(steady_compute_ms(predicted), rel=1e-12)
+    assert both[0].bubble_fraction > 0
+
+
 def test_the_trace_says_how_its_pairs_were_priced(tmp_path):
     schedule = build_schedule("dualpipev", ScheduleParams(2, 4, chunks=2))
     costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0)

@@ -193,17 +193,32 @@ def _peak(trace: Trace, name: str, device: int) -> float:
 
 def steady_compute_ms(trace: Trace) -> float:
     """A step's compute, summed over the devices: that of mini-batches 2 to N over N - 1 (the first, which a measured
-    run's warm-up slows, left out, as the time per mini-batch leaves out its span); one mini-batch's whole."""
-    computing = trace.ops.stream == Stream.COMPUTE
-    return _steady_compute_ms(trace.ops.dur_us[computing], trace.ops.minibatch[computing])
+    run's warm-up slows, left out, as the time per mini-batch leaves out its span); one mini-batch's whole. A
+    device's compute is the time its rows run, each moment once (`_computing_us`)."""
+    ops = trace.ops
+    computing = ops.stream == Stream.COMPUTE
+    return _steady_compute_ms(ops.device[computing], ops.start_us[computing], ops.end_us[computing],
+                              ops.minibatch[computing], trace.num_devices)
 
 
-def _steady_compute_ms(durs_us: np.ndarray, minibatch: np.ndarray) -> float:
-    """`steady_compute_ms` of the compute rows' durations and mini-batches."""
+def _steady_compute_ms(device: np.ndarray, starts_us: np.ndarray, ends_us: np.ndarray, minibatch: np.ndarray,
+                       devices: int) -> float:
+    """`steady_compute_ms` of the compute rows' devices, times and mini-batches."""
     minibatches = int(minibatch.max()) + 1 if len(minibatch) else 0
-    if minibatches <= 1:
-        return float(durs_us.sum()) / 1e3
-    return float(durs_us[minibatch > 0].sum()) / (minibatches - 1) / 1e3
+    steady = minibatch > 0 if minibatches > 1 else np.ones(len(minibatch), dtype=bool)
+    computing_us = _computing_us(device[steady], starts_us[steady], ends_us[steady], devices)
+    return float(computing_us.sum()) / max(minibatches - 1, 1) / 1e3
+
+
+def _computing_us(device: np.ndarray, starts_us: np.ndarray, ends_us: np.ndarray, devices: int) -> np.ndarray:
+    """Per device, how long its compute rows run: their union, not their sum, since a measured overlapped pair's
+    two parts run at once on two CUDA streams (executor/overlap.py) and each row spans the pair; summed, the pair's
+    time counted twice, a bubble under its share (none at all where the parts take as long as the step). The
+    simulator's rows on a device never overlap, so there the two are one."""
+    order = np.argsort(device, kind="stable")
+    bounds = np.searchsorted(device[order], np.arange(devices + 1))
+    starts_us, ends_us = starts_us[order], ends_us[order]
+    return np.array([_union_length(starts_us[lo:hi], ends_us[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])])
 
 
 def steady_bubble(busy_per_minibatch_ms: float, devices: int, step_ms: float) -> float:
@@ -227,12 +242,12 @@ def summarize(trace: Trace) -> Summary:
     makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
     compute = ops.stream == Stream.COMPUTE
 
-    device, starts_us, durs_us, grouped_ends_us, on_compute, on_network = (
-        ops.device, ops.start_us, ops.dur_us, ends_us, compute, ops.stream == Stream.NETWORK)
+    device, starts_us, grouped_ends_us, on_compute, on_network = (
+        ops.device, ops.start_us, ends_us, compute, ops.stream == Stream.NETWORK)
     if np.any(device[1:] < device[:-1]):  # ops by device, each in its order (simulated traces come so already)
         order = np.argsort(device, kind="stable")
-        device, starts_us, durs_us, grouped_ends_us, on_compute, on_network = (
-            column[order] for column in (device, starts_us, durs_us, grouped_ends_us, on_compute, on_network))
+        device, starts_us, grouped_ends_us, on_compute, on_network = (
+            column[order] for column in (device, starts_us, grouped_ends_us, on_compute, on_network))
     bounds = np.searchsorted(device, np.arange(trace.num_devices + 1))
     collectives = bool(on_network.any())
     devices = []
@@ -241,9 +256,8 @@ def summarize(trace: Trace) -> Summary:
         mine = slice(bounds[d], bounds[d + 1])
         busy = on_compute[mine]
         start_us, end_us = starts_us[mine], grouped_ends_us[mine]
-        busy_us = float(durs_us[mine][busy].sum())
         busy_runs = merged_intervals(start_us[busy], end_us[busy])
-        busy_run_us = float(np.sum(busy_runs[1] - busy_runs[0]))
+        busy_run_us = float(np.sum(busy_runs[1] - busy_runs[0]))  # each moment once: `_computing_us`
         # Communication under way while the compute stream is idle: |comm ∪ busy| − |busy| (as `_exposed`), where
         # comm ∪ busy is all the device's rows: one merge of them, with no column of its communication taken.
         exposed_us = 0.0 if busy.all() else _union_length(start_us, end_us) - busy_run_us
@@ -252,7 +266,7 @@ def summarize(trace: Trace) -> Summary:
         exposed_total_us += exposed_us
         devices.append(DeviceMetrics(
             device=d,
-            busy_ms=busy_us / 1e3,
+            busy_ms=busy_run_us / 1e3,
             exposed_comm_ms=exposed_us / 1e3,
             exposed_collective_ms=collective_us / 1e3,
             peak_memory_mb=(float(_peak(trace, "memory_bytes", d)) / MIB
@@ -308,8 +322,9 @@ def summarize(trace: Trace) -> Summary:
         makespan_ms=makespan_us / 1e3,
         time_per_minibatch_ms=per_minibatch_us / 1e3,
         samples_per_s=samples / (per_minibatch_us / 1e6) if per_minibatch_us > 0 else 0.0,
-        bubble_fraction=steady_bubble(_steady_compute_ms(ops.dur_us[computing], minibatch), trace.num_devices,
-                                      per_minibatch_us / 1e3),
+        bubble_fraction=steady_bubble(_steady_compute_ms(ops.device[computing], ops.start_us[computing],
+                                                         ends_us[computing], minibatch, trace.num_devices),
+                                      trace.num_devices, per_minibatch_us / 1e3),
         exposed_comm_ms=exposed_total_us / 1e3,
         peak_memory_mb=max((dm.peak_memory_mb for dm in devices if dm.peak_memory_mb is not None), default=None),
         max_staleness=max((max(s.forward_staleness, s.backward_staleness) for s in stages), default=0),
