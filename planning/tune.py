@@ -1253,8 +1253,11 @@ class _Built:
         return self
 
     def __exit__(self, *exc) -> None:
+        """The workers ended at once, an answer found or not: what they still run is work ahead (`ahead`,
+        `ahead_of_staler`) the search never came to, whose results nothing reads. Shut down the gentle way, the
+        DeepSeek-V3 tune's (docs/sweep-and-tune.md) waited 150 s after its 65 s search for simulations so begun."""
         if self._pool is not None:
-            self._pool.stop(at_once=exc[0] is not None)
+            self._pool.stop(at_once=True)
 
     def _progress(self) -> None:
         if self._report is not None:
