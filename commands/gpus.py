@@ -36,7 +36,7 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
         return
     parts = catalogue.gpu.values()
     columns = {
-        "GiB": [f"{round(part.device_memory.gib, 2):g}" if part.device_memory is not None
+        "GiB": [figure_text(round(part.device_memory.gib, 2)) if part.device_memory is not None
                 else f"{figure_text(part.memory_gib)}*" for part in parts],
         "GB/s": [figure_text(part.memory_bandwidth_gb_s) for part in parts],
         **{dtype: [figure_text(value) if (value := getattr(part.dense_tflops, dtype)) is not None else "-"

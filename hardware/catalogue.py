@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from ..choices import nearest_text
 from ..files import first_error, read_toml
@@ -29,7 +30,7 @@ class CatalogueError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 class DenseTflops(_Strict):
@@ -150,7 +151,7 @@ class Curve(_Strict):
     network_efficiency: float = Field(1.0, gt=0, le=1)
     kernel_overhead_ms: float = Field(ge=0)
     multiprocessors: int = Field(ge=1)
-    tiles: list[tuple[int, int]] = Field(min_length=1)
+    tiles: list[Annotated[tuple[int, int], Strict(False)]] = Field(min_length=1)  # TOML writes a pair as a list
     persistent_products: StrictBool = False  # not "yes", which pydantic would read as true
     fp8_split_accumulation_efficiency: float | None = Field(default=None, gt=0, le=1)
     hybridep: DispatcherRates | None = None
@@ -226,12 +227,14 @@ class Gpu(_Strict):
         """What a process may hold on the part, in bytes: `device_memory` where known, else the datasheet's."""
         return int((self.device_memory.gib if self.device_memory is not None else self.memory_gib) * GIB)
 
-    @model_validator(mode="after")
-    def _device_memory_within(self) -> Gpu:
-        if self.device_memory is not None and self.device_memory.gib > self.memory_gib:
-            raise ValueError(f"device_memory.gib: {self.device_memory.gib:g} is more than memory_gib "
-                             f"{self.memory_gib:g}: give what torch reports (total_memory), at most the datasheet's")
-        return self
+    @field_validator("device_memory")
+    @classmethod
+    def _device_memory_within(cls, device_memory: DeviceMemory | None, info: ValidationInfo) -> DeviceMemory | None:
+        datasheet_gib = info.data.get("memory_gib")  # absent where it was itself refused
+        if device_memory is not None and datasheet_gib is not None and device_memory.gib > datasheet_gib:
+            raise ValueError(f"gib {device_memory.gib:g} is more than memory_gib {datasheet_gib:g}: give what torch "
+                             "reports (total_memory), at most the datasheet's")
+        return device_memory
 
 
 class Cluster(_Strict):

@@ -1045,10 +1045,12 @@ def profiler_ranks(folder: Path, ranks: list[list[dict]]) -> list[Path]:
 def datasheet_part(directory: Path, name: str) -> tuple:
     """--gpus/--gpu flags for the catalogue part `name` as its datasheet gives it: its table without
     `device_memory`, so the cap is the datasheet's memory (a test of a mechanism found at that cap)."""
+    from pipesim.files import read_toml
     from pipesim.hardware.catalogue import BUILT_IN
+    from pipesim.planning.sweep import toml_text
 
-    table = BUILT_IN.read_text().split(f"[gpu.{name}]\n")[1].split("\n[gpu.")[0]
+    table = read_toml(BUILT_IN, RuntimeError)["gpu"][name]
     path = directory / f"{name}-datasheet.toml"
     path.write_text(f"[gpu.{name}-datasheet]\n" + "".join(
-        line + "\n" for line in table.splitlines() if not line.startswith("device_memory")))
+        f"{json.dumps(key)} = {toml_text(value)}\n" for key, value in table.items() if key != "device_memory"))
     return "--gpus", path, "--gpu", f"{name}-datasheet"

@@ -65,8 +65,12 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
     ("[gpus.x]\nmemory_gib = 24\n", "gpus: Extra inputs are not permitted"),  # not "gives no part"
     ("[gpu.x\n", "is not valid TOML"),
     (PART.format(name="x") + 'device_memory = { gib = 25, source = "https://example.com/oom" }\n',
-     "gpu.x: device_memory.gib: 25 is more than memory_gib 24: give what torch reports (total_memory)"),
+     "gpu.x.device_memory: gib 25 is more than memory_gib 24: give what torch reports (total_memory)"),
     (PART.format(name="x") + "device_memory = { gib = 23.5 }\n", "gpu.x.device_memory.source: Field required"),
+    # a string or a boolean is no number: pydantic's lax mode read "23" as 23 and true as 1 GiB
+    (PART.format(name="x") + 'device_memory = { gib = "23", source = "s" }\n',
+     "gpu.x.device_memory.gib: Input should be a valid number"),
+    (PART.format(name="x").replace("memory_gib = 24", "memory_gib = true"), "gpu.x.memory_gib: Input should be a valid"),
 ])
 def test_a_bad_file_names_the_field_and_what_is_allowed(tmp_path, text, fragment):
     own = tmp_path / "bad.toml"
@@ -103,7 +107,7 @@ def test_gpus_writes_its_figures_with_thousands_separated_as_the_other_tables_do
     code, out, err = pipesim("gpus")
     h100, l40s = ([line.split() for line in out.splitlines() if line.split()[:1] == [name]][0]
                   for name in ("h100-sxm", "l40s"))
-    assert code == 0 and h100[2:7] == ["3,350", "67", "494.7", "989.4", "1,978.9"], h100
+    assert code == 0 and h100[1:7] == ["79.11", "3,350", "67", "494.7", "989.4", "1,978.9"], h100
     assert l40s[5] == "362.05" and "1978.9" not in out, l40s
 
 
