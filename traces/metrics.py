@@ -215,10 +215,17 @@ def _computing_us(device: np.ndarray, starts_us: np.ndarray, ends_us: np.ndarray
     two parts run at once on two CUDA streams (executor/overlap.py) and each row spans the pair; summed, the pair's
     time counted twice, a bubble under its share (none at all where the parts take as long as the step). The
     simulator's rows on a device never overlap, so there the two are one."""
-    order = np.argsort(device, kind="stable")
-    bounds = np.searchsorted(device[order], np.arange(devices + 1))
-    starts_us, ends_us = starts_us[order], ends_us[order]
+    bounds, (starts_us, ends_us) = _by_device(device, devices, starts_us, ends_us)
     return np.array([_union_length(starts_us[lo:hi], ends_us[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])])
+
+
+def _by_device(device: np.ndarray, devices: int, *columns: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """`columns` grouped by device, each row's order within its device kept, and where device d's rows lie in them
+    (bounds[d]:bounds[d + 1]); a simulated trace's rows come grouped already and are not copied."""
+    if np.any(device[1:] < device[:-1]):
+        order = np.argsort(device, kind="stable")
+        device, columns = device[order], tuple(column[order] for column in columns)
+    return np.searchsorted(device, np.arange(devices + 1)), columns
 
 
 def steady_bubble(busy_per_minibatch_ms: float, devices: int, step_ms: float) -> float:
@@ -242,13 +249,8 @@ def summarize(trace: Trace) -> Summary:
     makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
     compute = ops.stream == Stream.COMPUTE
 
-    device, starts_us, grouped_ends_us, on_compute, on_network = (
-        ops.device, ops.start_us, ends_us, compute, ops.stream == Stream.NETWORK)
-    if np.any(device[1:] < device[:-1]):  # ops by device, each in its order (simulated traces come so already)
-        order = np.argsort(device, kind="stable")
-        device, starts_us, grouped_ends_us, on_compute, on_network = (
-            column[order] for column in (device, starts_us, grouped_ends_us, on_compute, on_network))
-    bounds = np.searchsorted(device, np.arange(trace.num_devices + 1))
+    bounds, (starts_us, grouped_ends_us, on_compute, on_network) = _by_device(
+        ops.device, trace.num_devices, ops.start_us, ends_us, compute, ops.stream == Stream.NETWORK)
     collectives = bool(on_network.any())
     devices = []
     exposed_total_us = 0.0
