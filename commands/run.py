@@ -81,10 +81,16 @@ from .common import (
 from .tables import print_message, print_table
 
 DataParallel = Annotated[int, typer.Option(
-    "--data-parallel", metavar="D", min=1, help="Data-parallel replicas of the pipeline: p x D ranks (rank = replica "
-                                                "x p + device); each replica trains on its own M micro-batches of a "
-                                                "D x M mini-batch, and each stage averages its gradients over its "
-                                                "replicas before its update.")]
+    "--data-parallel", metavar="D", min=1, help="Data-parallel replicas of the pipeline: p x D ranks (numbered as "
+                                                "--rank-order says); each replica trains on its own M micro-batches "
+                                                "of a D x M mini-batch, and each stage averages its gradients over "
+                                                "its replicas before its update.")]
+RunRankOrder = Annotated[str, typer.Option(
+    "--rank-order", metavar="ORDER", help="How the p x D ranks are numbered: pipesim (rank = replica x p + device, "
+                                          "a replica's stages on consecutive ranks) or megatron (Megatron-core's "
+                                          "stages outermost: rank = device x D + replica, a stage's replicas on "
+                                          "consecutive ranks), as simulate --rank-order prices them; the trace "
+                                          "names each rank by its replica and device either way.")]
 ExpertParallel = Annotated[int, typer.Option(
     "--expert-parallel", metavar="E", min=1, help="gpt with --experts: its routed experts placed over E of the D "
                                                   "data-parallel replicas (E divides --data-parallel D and "
@@ -112,6 +118,7 @@ def run(
     pipelines: Pipelines = None,
     data_parallel: DataParallel = 1,
     expert_parallel: ExpertParallel = 1,
+    rank_order: RunRankOrder = "pipesim",
     overlap_expert_comm: OverlapExpertComm = False,
     advance: Advance = None,
     average_every: AverageEvery = 1,
@@ -181,6 +188,7 @@ def run(
     """
     from ..choices import BACKENDS, choose_from, device_refusal
     from ..launch import under_torchrun
+    from ..planning.ranks import RANK_ORDERS
     from ..planning.scenario import all_to_all_refusal
     from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
     from ..profiles.workload import is_hf
@@ -204,6 +212,8 @@ def run(
         search = search_options(activation_limit, search_seconds)
         if backend not in BACKENDS:
             raise InputError(choose_from("--backend", BACKENDS, backend))
+        if rank_order not in RANK_ORDERS:
+            raise InputError(choose_from("--rank-order", RANK_ORDERS, rank_order))
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         refuse(device_refusal(device))
         for flag, value, least, most in (("--lr", lr, 0, None), ("--timeout", timeout, 0, MAX_WAIT_S),
@@ -309,7 +319,7 @@ def run(
             check_expert_parallel(expert_parallel, net, placed=True)
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, dtype=DTYPES[dtype or "float32"], bounds=bounds,
-                       threads_per_rank=threads_per_rank, timeout_s=timeout, heldout=heldout)
+                       threads_per_rank=threads_per_rank, timeout_s=timeout, heldout=heldout, rank_order=rank_order)
         if len(net.layers) < built.num_stages:  # a model that is no built-in, once built
             raise InputError(too_few_layers(asked, model, net.options, len(net.layers)))
         if bounds is None and carried_bounds(spec, model=net) is None:
@@ -575,7 +585,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     for header in ("ms/step", "samples/s", "loss first -> last", "held-out loss / acc", "peak MiB per device"):
         table.add_column(header, justify="right", no_wrap=True)
     peaks = [mib_text(d.peak_memory_mb) for d in summary.devices]
-    if replicas > 1:  # rank = replica·p + device, as the ranks are placed
+    if replicas > 1:  # a trace's device is replica·p + device, whatever the rank order
         p = len(peaks) // replicas
         peaks = [f"replica {r:,}: " + ", ".join(peaks[r * p:(r + 1) * p]) for r in range(replicas)]
     else:

@@ -1,12 +1,15 @@
 """Data parallelism: the ranks that hold the same device of the d pipeline replicas, and the REDUCE row's
 all-reduce of a stage's gradients over them.
 
-With d replicas of a p-device pipeline, rank = replica * p + device: replica 0 holds ranks 0 .. p-1, as a run
-without data parallelism does, and each replica's pipeline transfers stay among its own ranks. Device i's
-replicas (ranks i, p + i, ...) form one group; a REDUCE row of a stage on device i starts averaging the stage's
-accumulated weight gradients over that group, and the stage's update (OPT) waits for it, so the rows between
-them overlap with it, and the update applies the mean over the whole mini-batch's d x m micro-batches on every
-replica, which keeps the replicas' weights equal.
+With d replicas of a p-device pipeline, the processes' ranks are numbered in a rank order (planning/ranks.py, as
+the planner prices the links): pipesim's (the default), rank = replica * p + device, replica 0 holding ranks 0 .. p-1
+as a run without data parallelism does; Megatron-core's, the stages outermost, rank = device * d + replica, a
+stage's d replicas on consecutive ranks (so on one node, where a pipeline spans nodes). Either way each replica's
+pipeline transfers stay among its own ranks, and a trace names each rank by its place, replica * p + device, so
+that two orders' traces read alike. Device i's replicas form one group; a REDUCE row of a stage on device i
+starts averaging the stage's accumulated weight gradients over that group, and the stage's update (OPT) waits for
+it, so the rows between them overlap with it, and the update applies the mean over the whole mini-batch's d x m
+micro-batches on every replica, which keeps the replicas' weights equal.
 
 A schedule of several model copies (DualPipe's two, `StageGraph.copies`) holds each model stage on several
 devices of one pipeline too: the devices that hold the same model stages (DualPipe's i and p-1-i) are peers, and
@@ -30,33 +33,38 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ..planning.ranks import dense_grid
 from ..schedules import Kind, Schedule
 from .stages import ExecutorError
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the ranks of `replicas` pipelines of `devices` devices each sit: rank = replica * devices + device.
-    `peers[d]`: the devices whose ranks hold device d's weights too, d among them (none given: d alone)."""
+    """Where the ranks of `replicas` pipelines of `devices` devices each sit, numbered in `order` (a rank order of
+    planning/ranks.py, whose dense grid with t = C = 1 gives each rank its stage and replica). `peers[d]`: the
+    devices whose ranks hold device d's weights too, d among them (none given: d alone)."""
 
     devices: int
     replicas: int = 1
     peers: tuple[tuple[int, ...], ...] = ()
+    order: str = "pipesim"
+
 
     @classmethod
-    def of(cls, schedule: Schedule) -> Layout:
+    def of(cls, schedule: Schedule, order: str = "pipesim") -> Layout:
         """The schedule's devices in each of its d replicas; with several model copies, each device's peers hold
         the same model stages. ExecutorError where peers would reduce different model stages' gradients with
         each other: each reduces its stages in its own order, and a group pairs its members' all-reduces in
         the order they start them."""
         graph, devices = schedule.graph, schedule.num_devices
         if graph.copies == 1:
-            return cls(devices, schedule.data_parallel)
+            return cls(devices, schedule.data_parallel, order=order)
         n = graph.stages_per_copy
         held = [sorted({s % n for s in schedule.stages_on(d)}) for d in range(devices)]
         reduced = [[a.stage % n for a in order if a.kind is Kind.REDUCE] for order in schedule.orders]
@@ -67,7 +75,7 @@ class Layout:
                 raise ExecutorError(f"{schedule.method}: devices {d} and {other} hold the same model stages "
                                     f"{held[d]} but reduce their gradients in different orders ({reduced[d]} and "
                                     f"{reduced[other]}), so their all-reduces would pair different stages")
-        return cls(devices, schedule.data_parallel, peers)
+        return cls(devices, schedule.data_parallel, peers, order)
 
     @property
     def synchronised(self) -> bool:
@@ -78,13 +86,25 @@ class Layout:
     def ranks(self) -> int:
         return self.devices * self.replicas
 
+    @cached_property
+    def _strides(self) -> tuple[int, int]:
+        """The rank distance between neighbouring devices of a replica, and between a device's replicas."""
+        grid = dense_grid(self.order, 1, 1, self.devices, self.replicas)
+        return grid.stride("pp"), grid.stride("dp")
+
     def rank(self, device: int, replica: int) -> int:
-        return replica * self.devices + device
+        device_stride, replica_stride = self._strides
+        return device * device_stride + replica * replica_stride
 
     def place(self, rank: int) -> tuple[int, int]:
         """(device, replica) of `rank`."""
-        replica, device = divmod(rank, self.devices)
-        return device, replica
+        device_stride, replica_stride = self._strides
+        return rank // device_stride % self.devices, rank // replica_stride % self.replicas
+
+    def position(self, rank: int) -> int:
+        """Where a trace puts `rank`: replica * devices + device, whatever the order (pipesim's, its rank)."""
+        device, replica = self.place(rank)
+        return replica * self.devices + device
 
     def where(self, rank: int) -> str:
         """What errors add to a rank's number: its device and replica, where there are several replicas."""

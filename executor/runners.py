@@ -94,8 +94,8 @@ def _lowered(spec: RunSpec):
 
 
 def _layout(spec: RunSpec) -> Layout:
-    """The ranks of the run: the schedule's devices in each of its d data-parallel replicas."""
-    return Layout.of(spec.schedule)
+    """The ranks of the run: the schedule's devices in each of its d data-parallel replicas, in its rank order."""
+    return Layout.of(spec.schedule, spec.rank_order)
 
 
 def run_in_process(spec: RunSpec) -> RunResult:
@@ -804,7 +804,8 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
            timed: dict[int, list[ReportedRow]] | None = None, failed_rank: int | None = None,
            losses: dict[tuple[int, int], float] | None = None) -> RunResult:
     """One measured trace from every rank's rows (ranks on one host share the monotonic clock): its device is
-    the rank, replica * devices + device, so replica 0's ops are those a run without data parallelism has. A
+    the rank's place, replica * devices + device (`Layout.position`, whatever the rank order), so replica 0's ops
+    are those a run without data parallelism has. A
     run that stopped part-way passes `timed`, the rows reported for the ranks with no result: its trace holds
     the rows that ran, their memory included, is marked incomplete and names `failed_rank`; and `losses`, those
     of the mini-batches every rank finished (else the results' alone: a failed last stage's were lost)."""
@@ -816,7 +817,9 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
     t = lowered.table
     parts = []  # per rank: its rows, and their device, start, end, version and prediction columns
     ends_and_levels = []  # per rank, of the rows that ran: end ns, weight copies held, memory, peak, sending bytes
-    for rank, r in enumerate(results):
+    by_position = sorted(range(layout.ranks), key=layout.position)
+    for rank in by_position:
+        r = results[rank]
         rows = lowered.rows(layout.place(rank)[0])
         start_ns = np.full(len(rows), -1, dtype=np.int64)
         end_ns = np.full(len(rows), -1, dtype=np.int64)
@@ -837,8 +840,8 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
             start_ns[index - rows.start], end_ns[index - rows.start] = starts, ends
             levels[:, index - rows.start] = reported
         ran = end_ns >= 0
-        parts.append((np.arange(rows.start, rows.stop)[ran], np.full(int(ran.sum()), rank), start_ns[ran],
-                      end_ns[ran], version[ran], prediction[ran], send_cpu_ns[ran], wait_ns[ran]))
+        parts.append((np.arange(rows.start, rows.stop)[ran], np.full(int(ran.sum()), layout.position(rank)),
+                      start_ns[ran], end_ns[ran], version[ran], prediction[ran], send_cpu_ns[ran], wait_ns[ran]))
         ends_and_levels.append((end_ns[ran], *levels[:, ran]))
     row, device, start_ns, end_ns, version, prediction, send_cpu_ns, wait_ns = (np.concatenate(column)
                                                                                 for column in zip(*parts))
@@ -860,7 +863,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
     losses = [[losses_by.get((p, b), float("nan")) for b in range(schedule.minibatches)]
               for p in range(schedule.pipelines)]
     if all(r is not None for r in results):
-        hardware = {**hardware, "compute": [r.compute for r in results]}
+        hardware = {**hardware, "compute": [results[rank].compute for rank in by_position]}
     meta = TraceMeta.of_schedule(
         "measured", schedule, spec.microbatch_size, hardware=hardware, seed=spec.seed, complete=complete,
         failed_rank=failed_rank,
@@ -868,7 +871,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
                "bounds": next((r.bounds for r in results if r is not None), None if spec.bounds is None
                               else list(spec.bounds)),
                "model_options": dict(spec.model_options), "recv_window": spec.recv_window,
-               "score_heldout": spec.heldout,
+               "score_heldout": spec.heldout, "rank_order": spec.rank_order, "device_ranks": by_position,
                "model": spec.model if isinstance(spec.model, str) else getattr(spec.model, "__name__", "custom")})
     weights: list[dict[tuple[int, int], list[torch.Tensor]]] = [{} for _ in range(layout.replicas)]
     for rank, r in enumerate(results):

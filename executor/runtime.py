@@ -263,7 +263,7 @@ class DeviceResult:
 
 class DeviceLoop:
     """Runs device `device`'s rows of `lowered` on `stages` over `transport`, in data-parallel replica `replica`
-    (rank = replica * devices + device), whose REDUCE rows average over `replicas`; with `experts`, its stages'
+    (its rank as `spec.rank_order` numbers it), whose REDUCE rows average over `replicas`; with `experts`, its stages'
     mixture-of-experts layers keep this rank's experts and exchange tokens with its expert-parallel group.
 
     `on_row(i)` is called after each row finishes with its global index (progress, heartbeats; `losses`,
@@ -278,7 +278,7 @@ class DeviceLoop:
         self.spec, self.lowered, self.stages, self.device = spec, lowered, stages, device
         self.transport = transport
         self.replica, self.replicas, self.experts = replica, replicas, experts
-        self.layout = Layout(lowered.schedule.num_devices, lowered.schedule.data_parallel)
+        self.layout = Layout(lowered.schedule.num_devices, lowered.schedule.data_parallel, order=spec.rank_order)
         self.on_row = on_row
         self.compute_lock = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self.shares_gpu = compute_lock is not None

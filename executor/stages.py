@@ -75,7 +75,8 @@ class RunSpec:
     score the trained model on its held-out set after the run (a run timed for its rows alone needs no score: the
     default gpt's is one forward of 256 x 128 tokens, about 11 CPU s, more than a short run's training), recorded
     in the trace's meta as `score_heldout`, so that a reader tells a run not scored from one whose model has no
-    held-out set.
+    held-out set. `rank_order`: how the processes' ranks are numbered over the replicas' devices (executor/
+    replicas.py `Layout`), recorded in the trace's meta.
     """
 
     schedule: Schedule
@@ -91,6 +92,7 @@ class RunSpec:
     timeout_s: float = 120.0
     recv_window: int = RECV_WINDOW
     heldout: bool = True
+    rank_order: str = "pipesim"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -19,6 +19,7 @@ from pipesim.executor.replicas import DistReplicas, Layout, bucket, thread_repli
 from pipesim.executor.runners import TorchrunEnv, run_torchrun
 from pipesim.schedules import KINDS, Kind, lower
 from pipesim.sim import Cluster, Costs, simulate
+from pipesim.traces import read_trace
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Stream
 from pipesim.workload.transport import InProcessTransport
@@ -279,3 +280,25 @@ def test_run_refuses_a_data_parallel_degree_below_one(tmp_path):
                            tmp_path / "t.json")
     assert code == 2 and "--data-parallel" in err
     assert not (tmp_path / "t.json").exists()
+
+
+def test_run_numbers_its_ranks_in_the_order_given_and_traces_them_by_place(tmp_path):
+    """`run --rank-order megatron`: a stage's two replicas on consecutive ranks (0-1, 2-3), the pipeline's transfers
+    between the pairs; the trace names each rank by its place (replica x p + device), so the page reads it as
+    pipesim's order's, and it trains as that order does. A misspelt order is one line naming the choices."""
+    traces = {}
+    for order in ("pipesim", "megatron"):
+        traces[order] = tmp_path / f"{order}.json"
+        code, out, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "-m", 2, "-n", 2, "--data-parallel", 2,
+                                 "--rank-order", order, "--no-heldout", "--trace", traces[order])
+        assert code == 0, err
+    pipesim_order, megatron = (read_trace(traces[order]).meta.extra for order in ("pipesim", "megatron"))
+    assert pipesim_order["device_ranks"] == [0, 1, 2, 3] and megatron["device_ranks"] == [0, 2, 1, 3]
+    assert megatron["rank_order"] == "megatron" and megatron["losses"] == pipesim_order["losses"]
+    code, out, err = pipesim("view", traces["megatron"], "--html", tmp_path / "page.html")
+    assert code == 0 and "replica 1 \\u00b7 device 0" in (tmp_path / "page.html").read_text(), err  # JSON-escaped
+    code, _, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--data-parallel", 2, "--rank-order", "megatorn",
+                           "--trace", tmp_path / "bad.json")
+    assert code == 2 and err.strip().splitlines() == [
+        "error: --rank-order: choose from pipesim, megatron (got 'megatorn')"], err
+    assert not (tmp_path / "bad.json").exists()

@@ -15,11 +15,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesim.executor import ExecutorError, run_in_process, run_multiprocess
 from pipesim.executor.experts import ExpertLayout
 from pipesim.executor.replicas import Layout
 from pipesim.executor.runtime import AllToAllRows
+from pipesim.planning.ranks import RANK_ORDERS, dense_grid, expert_grid
 from pipesim.schedules import KINDS, Kind, lower
 from pipesim.traces import read_trace
 from tests.conftest import build, pipesim, pipesim_fresh
@@ -30,17 +33,22 @@ from tests.reference import single_process
 # its gradient summed over them in one product, round differently from one process's product per micro-batch
 
 
-@pytest.mark.parametrize("method, m, optimizer, shape, options", [
-    ("1f1b", 2, "sgd", {}, {}),
-    ("zb-h1", 4, "momentum", {}, {"capacity_factor": 0.75}),  # each expert drops past 6 of a micro-batch's 32 copies
-    ("dualpipev", 4, "sgd", {}, {"layers": 4}),  # overlapped F&B pairs, run part after part
-    ("dualpipe", 4, "sgd", {}, {}),  # two model copies: an expert's holders are both copies' ranks holding it
-    ("1f1b", 2, "sgd", {"stages": 1, "replicas": 4}, {}),  # two groups: each expert averaged over its 2 holders
+@pytest.mark.parametrize("method, m, optimizer, shape, options, order", [
+    ("1f1b", 2, "sgd", {}, {}, "pipesim"),
+    ("zb-h1", 4, "momentum", {}, {"capacity_factor": 0.75}, "pipesim"),  # each expert drops past 6 of 32 copies
+    ("dualpipev", 4, "sgd", {}, {"layers": 4}, "pipesim"),  # overlapped F&B pairs, run part after part
+    ("dualpipe", 4, "sgd", {}, {}, "pipesim"),  # two model copies: an expert's holders are both copies' ranks
+    ("1f1b", 2, "sgd", {"stages": 1, "replicas": 4}, {}, "pipesim"),  # two groups: each expert averaged over 2
+    # Megatron-core's numbering: a stage's replicas on ranks 0-1 and 2-3, the pipeline's transfers between the pairs
+    ("dualpipe", 4, "sgd", {}, {}, "megatron"),
 ])
-def test_pipeline_by_expert_parallel_on_four_gloo_ranks_trains_as_one_process(method, m, optimizer, shape, options):
-    spec = ep_spec(method, m, optimizer, **shape, **options)
+def test_pipeline_by_expert_parallel_on_four_gloo_ranks_trains_as_one_process(method, m, optimizer, shape, options,
+                                                                              order):
+    spec = replace(ep_spec(method, m, optimizer, **shape, **options), rank_order=order)
     replicas = spec.schedule.data_parallel
     result = run_multiprocess(spec, timeout_s=120)
+    layout = Layout(spec.schedule.num_devices, replicas, order=order)
+    assert result.trace.meta.extra["device_ranks"] == sorted(range(layout.ranks), key=layout.position)
     losses: list[float] = []
     want = single_process(replace(spec, schedule=build("gpipe", 2, replicas * m, 2)), losses)
     np.testing.assert_allclose(result.losses[0], losses, **TIGHT)
@@ -93,6 +101,24 @@ def test_a_pass_gives_its_exchanges_time_to_its_all_to_all_rows_and_keeps_its_sp
             kind, 0)
     assert sum(kind in (Kind.A2A_F, Kind.A2A_B) for kind, _ in placed.values()) == sum(
         kind in (Kind.F, Kind.B, Kind.I) for kind, _ in placed.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(RANK_ORDERS), st.integers(1, 4), st.integers(0, 2), st.integers(0, 2))
+def test_the_executor_numbers_its_ranks_as_the_planner_prices_them(order, p, e_power, more_power):
+    """Every rank's stage and replica, its replicas' group, its pipeline's ranks and its expert-parallel group in
+    the executor (`Layout`, `ExpertLayout`) are those of planning/ranks.py's grids for the same order at t = C = 1,
+    which `simulate --rank-order` prices the links of."""
+    e = 2 ** e_power
+    d = e * 2 ** more_power
+    layout, dense, experts = Layout(p, d, order=order), dense_grid(order, 1, 1, p, d), expert_grid(order, 1, 1, p, d, e)
+    assert sorted(map(layout.position, range(layout.ranks))) == list(range(p * d))
+    for device, replica in itertools.product(range(p), range(d)):
+        rank = layout.rank(device, replica)
+        assert layout.place(rank) == (device, replica)
+        assert layout.group(device) == dense.group(("dp",), rank)
+        assert sorted(layout.rank(k, replica) for k in range(p)) == dense.group(("pp",), rank)
+        assert sorted(ExpertLayout(layout, e).group(device, replica)) == experts.group(("ep",), rank)
 
 
 def test_a_device_exchanges_within_groups_of_e_replicas_and_averages_experts_over_their_holders():

@@ -258,7 +258,7 @@ def _devices_per_pipeline(meta: TraceMeta) -> int:
 
 
 def device_names(trace: Trace) -> list[str]:
-    """Each device's name on the page. A run of d data-parallel replicas has p·d ranks, rank = replica·p + device:
+    """Each device's name on the page. A run of d data-parallel replicas has p·d ranks, each at replica·p + device:
     they are named by replica and device in it ("replica 1 · device 0"), as `pipesim run` places them."""
     p = _devices_per_pipeline(trace.meta)
     if int(trace.meta.params.get("data_parallel", 1)) == 1 or trace.num_devices <= p:
