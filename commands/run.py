@@ -569,8 +569,9 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     replicas = int(meta.params.get("data_parallel", 1))
     experts = int(meta.params.get("expert_parallel", 1))
     shares = "".join(f"{count_text(count, noun)} x " for count, noun in meta.batch_copies if count > 1)
-    degrees = ", ".join(degree_text(*degree) for degree in [("p", len(summary.devices) // replicas), ("d", replicas)]
-                        + [("E", experts)] * (experts > 1))
+    degrees = ", ".join([degree_text(*degree) for degree in [("p", len(summary.devices) // replicas), ("d", replicas)]
+                         + [("E", experts)] * (experts > 1)]
+                        + ["Megatron-core's rank order"] * (meta.extra.get("rank_order") == "megatron"))
     table = Table(title=f"{meta.schedule} measured: {count_text(meta.minibatches, 'mini-batch')} of "
                         f"{shares}{meta.microbatches:,} x "
                         f"{meta.microbatch_size:,} samples, {count_text(hardware['ranks'], 'rank')}"

@@ -291,7 +291,7 @@ def test_run_numbers_its_ranks_in_the_order_given_and_traces_them_by_place(tmp_p
         traces[order] = tmp_path / f"{order}.json"
         code, out, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "-m", 2, "-n", 2, "--data-parallel", 2,
                                  "--rank-order", order, "--no-heldout", "--trace", traces[order])
-        assert code == 0, err
+        assert code == 0 and ("Megatron-core's rank order" in " ".join(out.split())) == (order == "megatron"), err
     pipesim_order, megatron = (read_trace(traces[order]).meta.extra for order in ("pipesim", "megatron"))
     assert pipesim_order["device_ranks"] == [0, 1, 2, 3] and megatron["device_ranks"] == [0, 2, 1, 3]
     assert megatron["rank_order"] == "megatron" and megatron["losses"] == pipesim_order["losses"]
