@@ -55,7 +55,6 @@ class Layout:
     peers: tuple[tuple[int, ...], ...] = ()
     order: str = "pipesim"
 
-
     @classmethod
     def of(cls, schedule: Schedule, order: str = "pipesim") -> Layout:
         """The schedule's devices in each of its d replicas; with several model copies, each device's peers hold

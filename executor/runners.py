@@ -9,6 +9,7 @@ order), build the same setup on every rank (the model from one seed, cut into th
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import signal
@@ -764,12 +765,13 @@ def _memory_counter(end_us: np.ndarray, memory_bytes: np.ndarray, peak_bytes: np
 
 def _mean_losses(reported: list[dict[tuple[int, int], float]]) -> dict[tuple[int, int], float]:
     """Per (pipeline, mini-batch), the mean of the losses the ranks reported: the d data-parallel replicas' last
-    stages each report their share's, and the whole mini-batch's is their mean."""
+    stages each report their share's, and the whole mini-batch's is their mean, summed exactly (fsum), so that it is
+    the same in whatever order the ranks are numbered."""
     by_key: dict[tuple[int, int], list[float]] = {}
     for losses in reported:
         for key, value in losses.items():
             by_key.setdefault(key, []).append(value)
-    return {key: sum(values) / len(values) for key, values in by_key.items()}
+    return {key: math.fsum(values) / len(values) for key, values in by_key.items()}
 
 
 def _finished_losses(spec: RunSpec, reported: list[dict[tuple[int, int], float]]) -> list[list[float]]:

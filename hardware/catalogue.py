@@ -9,8 +9,18 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ..choices import nearest_text
 from ..files import first_error, read_toml

@@ -109,6 +109,7 @@ def test_the_executor_numbers_its_ranks_as_the_planner_prices_them(order, p, e_p
     """Every rank's stage and replica, its replicas' group, its pipeline's ranks and its expert-parallel group in
     the executor (`Layout`, `ExpertLayout`) are those of planning/ranks.py's grids for the same order at t = C = 1,
     which `simulate --rank-order` prices the links of."""
+    assert Layout(3, 2, order="megatron").rank(1, 1) == 3 and Layout(3, 2).rank(1, 1) == 4  # strides apart
     e = 2 ** e_power
     d = e * 2 ** more_power
     layout, dense, experts = Layout(p, d, order=order), dense_grid(order, 1, 1, p, d), expert_grid(order, 1, 1, p, d, e)

@@ -70,7 +70,11 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
     # a string or a boolean is no number: pydantic's lax mode read "23" as 23 and true as 1 GiB
     (PART.format(name="x") + 'device_memory = { gib = "23", source = "s" }\n',
      "gpu.x.device_memory.gib: Input should be a valid number"),
-    (PART.format(name="x").replace("memory_gib = 24", "memory_gib = true"), "gpu.x.memory_gib: Input should be a valid"),
+    (PART.format(name="x").replace("memory_gib = 24", "memory_gib = true"),
+     "gpu.x.memory_gib: Input should be a valid"),
+    # a count is a whole number as TOML writes one: 8.0 GPUs a node is refused, not read as 8
+    (PART.format(name="x").replace("gpus_per_node = 4", "gpus_per_node = 4.0"),
+     "gpu.x.intra_node.gpus_per_node: Input should be a valid integer"),
 ])
 def test_a_bad_file_names_the_field_and_what_is_allowed(tmp_path, text, fragment):
     own = tmp_path / "bad.toml"

@@ -41,6 +41,16 @@ def test_a_measured_incomplete_trace_round_trips(predicted, tmp_path):
     write_trace(measured, path)
     again = read_trace(path)
     assert again == measured and again.meta.failed_rank == 1 and not again.meta.complete
+    assert again.meta.incomplete_text == "incomplete (rank 1 failed)"
+
+
+def test_a_failed_rank_numbered_apart_from_its_device_names_both(predicted):
+    """Under `run --rank-order megatron` (p = 2, d = 2) rank 1 runs replica 1's device 0, the trace's device 2."""
+    meta = dataclasses.replace(predicted.meta, source="measured", complete=False, failed_rank=1,
+                               extra={"device_ranks": [0, 2, 1, 3]})
+    assert meta.incomplete_text == "incomplete (rank 1, device 2, failed)"
+    assert dataclasses.replace(meta, extra={"device_ranks": [0, 1, 2, 3]}).incomplete_text == (
+        "incomplete (rank 1 failed)")
 
 
 @pytest.mark.parametrize("edit,fragment", [

@@ -177,8 +177,8 @@ def _setting_of(trace: Trace) -> dict | None:
 
 def _replica_zero(predicted: Trace, measured: Trace) -> tuple[Trace, list[str]]:
     """A run measured on d > 1 data-parallel replicas holds every rank as a device at its place (replica x p +
-    device, whatever its rank order: replica 0 is devices 0 .. p-1), a prediction one replica (the others run the same rows): the
-    measurement's replica 0, and a note saying so."""
+    device, whatever its rank order: replica 0 is devices 0 .. p-1), a prediction one replica (the others run the
+    same rows): the measurement's replica 0, and a note saying so."""
     replicas, devices = int(measured.meta.params.get("data_parallel", 1)), predicted.num_devices
     if replicas == 1 or measured.num_devices != replicas * devices:
         return measured, []

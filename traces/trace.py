@@ -230,10 +230,17 @@ class TraceMeta:
     @property
     def incomplete_text(self) -> str:
         """A run that stopped part-way as compare's and view's notes name it: "incomplete (rank 1 failed)", or
-        "incomplete" where no rank was at fault (Ctrl-C, a time limit); "" for a complete trace."""
+        "incomplete" where no rank was at fault (Ctrl-C, a time limit); "" for a complete trace. Where the ranks
+        were numbered in another order than the trace's devices (`pipesim run --rank-order megatron`), the rank's
+        device too: "rank 1, device 2, failed"."""
         if self.complete:
             return ""
-        return "incomplete" + (f" (rank {self.failed_rank} failed)" if self.failed_rank is not None else "")
+        if self.failed_rank is None:
+            return "incomplete"
+        device_ranks = self.extra.get("device_ranks") or []
+        device = device_ranks.index(self.failed_rank) if self.failed_rank in device_ranks else self.failed_rank
+        where = "" if device == self.failed_rank else f", device {device},"
+        return f"incomplete (rank {self.failed_rank}{where} failed)"
 
     @property
     def shares_gpu(self) -> bool:
