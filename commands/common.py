@@ -801,7 +801,7 @@ def flag_line(refusal: ValueError) -> str:
 @contextmanager
 def refused_with_flags() -> Iterator[None]:
     """Runs planning's rules: a refusal raised inside (`SettingsError`) is the user's one line (`flag_line`)."""
-    from ..planning.ranks import SettingsError
+    from ..schedules.ranks import SettingsError
 
     try:
         yield
@@ -811,11 +811,11 @@ def refused_with_flags() -> Iterator[None]:
 
 def check_estimate_experts(measured, stages: int, data_parallel: int, *, one_replica: str | None = None) -> None:
     """A --profile estimated with E expert-parallel ranks runs them (`Scenario.order_params`), drawn from this run's
-    replicas as its rank order draws them (planning/ranks.py `estimated_experts_refusal`), in simulate, sweep, run
+    replicas as its rank order draws them (schedules/ranks.py `estimated_experts_refusal`), in simulate, sweep, run
     and export (their searched orders'): a d they do not divide was a traceback, no ranks left to reduce the experts'
     gradients over, and at d = 1 all-to-alls over E ranks inside one replica. `one_replica`: the command, where it
     writes one replica and has no --data-parallel to give (export)."""
-    from ..planning.ranks import estimated_experts_refusal
+    from ..schedules.ranks import estimated_experts_refusal
 
     if measured is None or measured.estimate is None:
         return

@@ -845,7 +845,7 @@ def expert_span_text(profile: Profile) -> str:
     p keeps them), so that they cross the network (`ExpertGroup.per_node`); where Megatron-core's rank order would
     keep more of it on a node than pipesim's (which puts a replica's stages on a node and draws E from the
     replicas), that order's count too. simulate's caption says it: the time it costs shows only as idle."""
-    from ..planning.ranks import estimated_experts_per_node
+    from ..schedules.ranks import estimated_experts_per_node
 
     estimate = profile.estimate
     parallelism = estimate.parallelism

@@ -188,12 +188,12 @@ def run(
     """
     from ..choices import BACKENDS, choose_from, device_refusal
     from ..launch import under_torchrun
-    from ..planning.ranks import RANK_ORDERS
     from ..planning.scenario import all_to_all_refusal
     from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
     from ..profiles.workload import is_hf
     from ..schedules import ScheduleError
     from ..schedules.catalogue import method_named
+    from ..schedules.ranks import RANK_ORDERS
     from ..sim import CostError
     from ..traces import summarize, write_trace
     from ..traces.compare import passes_warning
@@ -421,7 +421,7 @@ def _check_expert_replicas(expert_parallel: int, data_parallel: int, device: str
     if device != "cpu":
         raise InputError(f"--expert-parallel {expert_parallel:,}: runs on CPU ranks (gloo) only; drop --device "
                          f"{device}")
-    from ..planning.ranks import check_expert_replicas
+    from ..schedules.ranks import check_expert_replicas
 
     with refused_with_flags():
         check_expert_replicas(expert_parallel, data_parallel)

@@ -526,8 +526,8 @@ def _shipped_reserves(shipped: bytes, devices: Sequence[int]) -> list[int]:
 def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
     """--expert-parallel E beside a calibrated --profile: its ranks drawn from the d replicas, as `pipesim run`
     draws them, and its all-to-alls priced on the profile's (planning/scenario.py `measured_all_to_alls`)."""
-    from ..planning.ranks import check_expert_replicas
     from ..planning.scenario import all_to_all_refusal
+    from ..schedules.ranks import check_expert_replicas
 
     if measured.estimate is not None:
         raise InputError(f"--expert-parallel {experts:,}: the profile is an estimate, made for the expert parallelism "

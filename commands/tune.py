@@ -23,7 +23,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import unknown_names
-from ..planning.ranks import RANK_ORDERS
+from ..schedules.ranks import RANK_ORDERS
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, percent_text, rate_text
 from ..units import GIB, count_text, degree_text
@@ -527,7 +527,7 @@ def _placed_apart(what: WhatIf, counted: WorkloadCount, degrees: tuple[int, int,
 def _expert_degrees(what: WhatIf, counted: WorkloadCount, expert_given: bool) -> list[int]:
     """The expert-parallel degrees E the estimates try: the one given (--expert-parallel; 1 by default), else, for a
     mixture of experts, each divisor of its routed experts (`_estimated_settings` keeps those the rank order can
-    place at each t and d, planning/ranks.py `expert_grid_refusal`)."""
+    place at each t and d, schedules/ranks.py `expert_grid_refusal`)."""
     experts = counted.options.get("experts")
     return [what.expert] if expert_given or not experts else [e for e in range(1, experts + 1) if experts % e == 0]
 
@@ -559,7 +559,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     estimates are made together (`_estimate_group`), in `pool`'s workers where given: the search's, idle until it
     starts (Qwen3-30B-A3B's E searched on 64 GPUs: 128 groups, 1,188 profiles, 13.8 CPU s)."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo, node_placement
-    from ..planning.ranks import expert_grid_refusal
+    from ..schedules.ranks import expert_grid_refusal
 
     orders = orders or (what.rank_order,)
     per_node = node_placement(what.gpu, what.cluster).gpus_per_node

@@ -1,7 +1,7 @@
 """Data parallelism: the ranks that hold the same device of the d pipeline replicas, and the REDUCE row's
 all-reduce of a stage's gradients over them.
 
-With d replicas of a p-device pipeline, the processes' ranks are numbered in a rank order (planning/ranks.py, as
+With d replicas of a p-device pipeline, the processes' ranks are numbered in a rank order (schedules/ranks.py, as
 the planner prices the links): pipesim's (the default), rank = replica * p + device, replica 0 holding ranks 0 .. p-1
 as a run without data parallelism does; Megatron-core's, the stages outermost, rank = device * d + replica, a
 stage's d replicas on consecutive ranks (so on one node, where a pipeline spans nodes). Either way each replica's
@@ -39,15 +39,15 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..planning.ranks import dense_grid
 from ..schedules import Kind, Schedule
+from ..schedules.ranks import dense_grid
 from .stages import ExecutorError
 
 
 @dataclass(frozen=True)
 class Layout:
     """Where the ranks of `replicas` pipelines of `devices` devices each sit, numbered in `order` (a rank order of
-    planning/ranks.py, whose dense grid with t = C = 1 gives each rank its stage and replica). `peers[d]`: the
+    schedules/ranks.py, whose dense grid with t = C = 1 gives each rank its stage and replica). `peers[d]`: the
     devices whose ranks hold device d's weights too, d among them (none given: d alone)."""
 
     devices: int

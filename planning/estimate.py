@@ -21,7 +21,7 @@ keeps the layer's input, the output of every other matrix product (the 1st, 3rd,
 attention kernel's outputs, and reruns the rest (t = 1 only). Float8 (`Parallelism.fp8`): a transformer layer's
 linear products at the part's float8 peak with the recipe's casts and saved bytes (planning/fp8.py).
 
-Placement: the ranks numbered as the rank order says (planning/ranks.py: pipesim's, t inside a node first, then
+Placement: the ranks numbered as the rank order says (schedules/ranks.py: pipesim's, t inside a node first, then
 C, p, d; or Megatron-core's, t, C, d, then p); a stage boundary or a data-parallel group that leaves a node uses
 the network (a stage boundary with t > 1: 1/t of the tensor per rank on the network, then, without sequence
 parallelism, Megatron-LM's all-gather on the node's link: `_stage_link`). Pure arithmetic on counts: no torch.
@@ -66,6 +66,7 @@ from ..profiles.schema import (
     stage_time,
 )
 from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak, weighted_products
+from ..schedules.ranks import RANK_ORDERS, SettingsError, dense_grid
 from ..sim.caching_allocator import LayerAllocations, left_live
 from ..sim.costs import HELD_PRODUCT_SLOWDOWN, PRECISIONS, Precision, precision_refusal
 from .experts import (
@@ -113,7 +114,6 @@ from .host import (
     synchronises,
     waits_for_tokens,
 )
-from .ranks import RANK_ORDERS, SettingsError, dense_grid
 from .te import LINEAR_KERNELS
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ COMPILED_RECOMPUTE = ("op", "full")
 EMA_PLACES = ("gpu", "cpu")
 EMA_BYTES = 4
 PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
-GRADIENT_GROUP = ("cp", "dp")  # the ranks that hold the same weights and reduce their gradients (planning/ranks.py)
+GRADIENT_GROUP = ("cp", "dp")  # the ranks that hold the same weights and reduce their gradients (schedules/ranks.py)
 # (how a weight splits, which of its products: `weighted_products`) for the products tensor parallelism splits on
 # their contraction, whose partial sums a reduction ends: a row-parallel weight's forward, a column-parallel one's
 # input gradient (`_Split.products`)
@@ -224,7 +224,7 @@ class Parallelism:
     """Tensor (t), pipeline (p) and data (d) parallel degrees, context parallelism (C: the sequence split over C
     ranks holding the same weights, `ContextRing`), expert parallelism (E: a mixture of experts' routed experts
     over E ranks, each expert split over ETP `expert_tensor` ranks, `planning.experts`), the order the ranks are
-    numbered in (`planning.ranks`), and how activations, gradients and optimizer state are kept:
+    numbered in (`schedules.ranks`), and how activations, gradients and optimizer state are kept:
     `precision` is one of `PRECISIONS` (None: as Megatron-LM keeps the count's dtype: float32 main gradients for
     bfloat16, which it forces, 16-bit ones for float16, its default there)."""
 
@@ -233,8 +233,8 @@ class Parallelism:
     data: int = 1
     context: int = 1
     expert: int = 1  # expert parallelism's E ranks (planning/experts.py)
-    expert_tensor: int | None = None  # ETP: the ranks each routed expert is split over (None: t; planning/ranks.py)
-    rank_order: str = "pipesim"  # how the ranks are numbered, of `RANK_ORDERS` (planning/ranks.py)
+    expert_tensor: int | None = None  # ETP: the ranks each routed expert is split over (None: t; schedules/ranks.py)
+    rank_order: str = "pipesim"  # how the ranks are numbered, of `RANK_ORDERS` (schedules/ranks.py)
     hot_expert_share: float | None = None  # the busiest expert's share of the routed tokens (None: balanced)
     routing: str = "balanced"  # how the router spreads the tokens, of planning/experts.py's `ROUTINGS`
     token_dispatcher: str | None = None  # how tokens reach the experts (planning/experts.py; None: alltoall)
@@ -789,7 +789,7 @@ def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = N
 
 def links_of(placement: EstimatePlacement, t: int, p: int, d: int, c: int = 1,
              order: str = "pipesim", sequence_parallel: bool = False) -> PlacementLinks:
-    """The links of the groups as `order` numbers the ranks (planning/ranks.py; "pipesim": t inside a node first,
+    """The links of the groups as `order` numbers the ranks (schedules/ranks.py; "pipesim": t inside a node first,
     then the C context-parallel ranks, then p, then d; "megatron": t, C, d, then p): a group within one node talks
     over the node's link, else over the network: the context ring once t·C exceeds a node (a ring step waits for its
     slowest hop, a GPU's own NIC), the stage boundaries once the pipeline's block of ranks does (`_stage_link`),

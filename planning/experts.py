@@ -1,7 +1,7 @@
 """Expert parallelism (EP) in an estimate: a mixture of experts' routed experts placed over E ranks, each holding
 1/E of them, and the token dispatch and combine as all-to-alls over those ranks.
 
-Where the E ranks of an expert-parallel group sit follows the rank order (planning/ranks.py). pipesim's draws them
+Where the E ranks of an expert-parallel group sit follows the rank order (schedules/ranks.py). pipesim's draws them
 from the data-parallel replicas (the expert layers E-way expert parallel and d/E-way data parallel, the other
 layers d-way data parallel), so E divides d and a group's ranks sit t·C·p apart: max(node / (t·C·p), 1) of them
 share a node. Megatron-core's ("megatron") folds them over the t·C·d ranks of a stage, ETP apart for an
@@ -64,8 +64,8 @@ from typing import NamedTuple
 from ..hardware.catalogue import DispatcherRates
 from ..profiles.schema import EstimateLink, EstimatePlacement
 from ..profiles.workload import LayerCount, OpCount, RoutedBlock
+from ..schedules.ranks import RankOrderError, SettingsError, expert_grid
 from ..sim.costs import held_compute
-from .ranks import RankOrderError, SettingsError, expert_grid
 
 # Per MoE layer and micro-batch: the dispatch and combine after its forward (an A2A_F row), and the gradients' way
 # back after its backward (an A2A_B after B, or after I: the weight-gradient pass routes nothing)
@@ -591,7 +591,7 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
                  groups: tuple[int, int] | None = None, routing: str = "balanced",
                  hybridep: DispatcherRates | None = None) -> ExpertGroup:
     """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
-    model), placed as the rank `order` says (planning/ranks.py) with each expert split over `expert_tensor` ranks
+    model), placed as the rank `order` says (schedules/ranks.py) with each expert split over `expert_tensor` ranks
     (None: t), its busiest expert taking `hot_share` of the routed token copies (None: balanced), its tokens
     dispatched by `dispatcher` (of `DISPATCHERS`; None: alltoall), each routed within M of G expert `groups` (None:
     any; kept only where each rank's and each node's experts lie in one group or hold whole ones), by `routing` (of

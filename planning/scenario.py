@@ -445,7 +445,7 @@ class Scenario:
     def expert_replicas(self, sched: Schedule) -> int:
         """The ranks that hold the same routed experts, over which their gradients reduce (`collective_costs`): the
         d·C gradient ranks over E, or where an estimate folds them over t·C·d with an expert-tensor-parallel size
-        ETP (planning/ranks.py), times t/(E·ETP)."""
+        ETP (schedules/ranks.py), times t/(E·ETP)."""
         estimate = self._estimate
         etp = estimate.parallelism.get("expert_tensor") if estimate is not None else None
         if etp is None:
@@ -843,7 +843,7 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert
     in its reduce dtype) all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then
     all-gathered; NCCL's faster of ring and tree for an all-reduce. Under E-way expert parallelism the routed
     experts' share (`expert_param_bytes`) goes over the `expert_replicas` ranks that hold the same experts (None:
-    d·C/E; folded over t·C·d, planning/ranks.py: t·C·d/(E·ETP)), after the rest."""
+    d·C/E; folded over t·C·d, schedules/ranks.py: t·C·d/(E·ETP)), after the rest."""
     d, sharded = sched.gradient_ranks, sched.sharded_optimizer
     expert_replicas = expert_replicas or d // sched.expert_parallel
     reduce = link.reduce_scatter_ms if sharded else link.all_reduce_ms
@@ -1359,7 +1359,7 @@ def experts_moved(estimate: Estimate, stages: int, data: int) -> tuple[int, int]
     as it placed them (planning/experts.py `ExpertGroup.per_node`), and cannot be priced again without the count;
     None where the group sits alike, at E = 1, where the estimate recorded no placement (`placement_refusal` says
     why it cannot be read elsewhere), or where the rank order cannot place E there (`estimated_experts_refusal`)."""
-    from .ranks import RankOrderError, estimated_experts_per_node
+    from ..schedules.ranks import RankOrderError, estimated_experts_per_node
 
     parallelism = estimate.parallelism
     if int(parallelism.get("expert", 1)) == 1 or estimate.placement is None:

@@ -122,6 +122,7 @@ from ..schedules import (
     version_reads,
     warmup_minibatches,
 )
+from ..schedules.ranks import estimated_experts_refusal
 from ..sim.cluster import Cluster
 from ..sim.costs import Costs, owned_bytes, product_delay
 from ..sim.engine import device_product_ms, simulate, static_bytes, takes_time
@@ -129,7 +130,6 @@ from ..traces import Summary, Trace, summarize
 from ..traces.metrics import percent_text, steady_bubble, steady_compute_ms
 from ..units import GIB, MIB, count_text, degree_text
 from .auto import activation_ratio, check_shape, schedule_frame
-from .ranks import estimated_experts_refusal
 from .scenario import (
     CollectiveLink,
     Scenario,
@@ -205,7 +205,7 @@ class Setting:
     depths: tuple[int, ...] | None = None  # the p it prices (None: any)
     expert: int = 1  # E: ranks a mixture of experts' routed experts are placed over
     sequence_parallel: bool = False  # an estimate's at t > 1: norms and dropouts split over the t GPUs
-    rank_order: str = "pipesim"  # an estimate's, of planning/ranks.py's RANK_ORDERS
+    rank_order: str = "pipesim"  # an estimate's, of schedules/ranks.py's RANK_ORDERS
     orders_alike: bool = False  # every rank order searched places it alike (the estimate is theirs too)
 
     @property
@@ -3168,7 +3168,7 @@ def _depths(devices: int, layers: int, data_parallel: bool) -> list[int]:
 
 def _placed_depths(setting: Setting, devices: int) -> list[int]:
     """The setting's depths p (`_depths`, of D/t) whose d = D/(p·t) replicas hold the expert-parallel ranks its
-    estimate was made with (planning/ranks.py `estimated_experts_refusal`: a --profile estimated at E = 8 planned
+    estimate was made with (schedules/ranks.py `estimated_experts_refusal`: a --profile estimated at E = 8 planned
     at d = 4 was a traceback), as many on a node as the estimate priced its all-to-alls at (`experts_moved`: a
     group that crosses nodes at one p and not at another was planned on the first's price)."""
     profile, t = setting.scenario.measured, setting.tensor

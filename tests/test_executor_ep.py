@@ -22,8 +22,8 @@ from pipesim.executor import ExecutorError, run_in_process, run_multiprocess
 from pipesim.executor.experts import ExpertLayout
 from pipesim.executor.replicas import Layout
 from pipesim.executor.runtime import AllToAllRows
-from pipesim.planning.ranks import RANK_ORDERS, dense_grid, expert_grid
 from pipesim.schedules import KINDS, Kind, lower
+from pipesim.schedules.ranks import RANK_ORDERS, dense_grid, expert_grid
 from pipesim.traces import read_trace
 from tests.conftest import build, pipesim, pipesim_fresh
 from tests.helpers import TIGHT, ep_spec
@@ -107,7 +107,7 @@ def test_a_pass_gives_its_exchanges_time_to_its_all_to_all_rows_and_keeps_its_sp
 @given(st.sampled_from(RANK_ORDERS), st.integers(1, 4), st.integers(0, 2), st.integers(0, 2))
 def test_the_executor_numbers_its_ranks_as_the_planner_prices_them(order, p, e_power, more_power):
     """Every rank's stage and replica, its replicas' group, its pipeline's ranks and its expert-parallel group in
-    the executor (`Layout`, `ExpertLayout`) are those of planning/ranks.py's grids for the same order at t = C = 1,
+    the executor (`Layout`, `ExpertLayout`) are those of schedules/ranks.py's grids for the same order at t = C = 1,
     which `simulate --rank-order` prices the links of."""
     assert Layout(3, 2, order="megatron").rank(1, 1) == 3 and Layout(3, 2).rank(1, 1) == 4  # strides apart
     e = 2 ** e_power

@@ -1,5 +1,5 @@
 """Each rule of the parallel layout lives once, in planning/estimate.py's `Parallelism` (and `check_ring_attention`,
-`fp8_peak_tflops`; the experts' in planning/experts.py `check_expert_ranks` and planning/ranks.py
+`fp8_peak_tflops`; the experts' in planning/experts.py `check_expert_ranks` and schedules/ranks.py
 `check_expert_replicas`): the library says its settings by name, the commands say the same refusal with their flags
 (commands/common.py `flag_line`), one line and exit 2, before the model is counted or a rank starts. So are the
 optimizer's and the precision's names, once in profiles/schema.py `optimizer_refusal` and sim/costs.py
@@ -13,7 +13,6 @@ import pytest
 from pipesim.commands.common import flag_line
 from pipesim.planning.estimate import EstimateError, Parallelism, check_ring_attention
 from pipesim.planning.experts import ExpertParallelError, check_expert_ranks
-from pipesim.planning.ranks import RankOrderError, check_expert_replicas
 from pipesim.profiles.schema import optimizer_refusal
 from pipesim.schedules import ScheduleError
 from pipesim.schedules.methods import (
@@ -24,6 +23,7 @@ from pipesim.schedules.methods import (
     prediction_refusal,
     zero_refusal,
 )
+from pipesim.schedules.ranks import RankOrderError, check_expert_replicas
 from pipesim.sim.costs import precision_refusal
 from pipesim.workload.sizes import kernels_refusal
 from tests.conftest import pipesim

@@ -12,7 +12,7 @@ import pytest
 
 from pipesim.planning.estimate import gradient_ranks_per_node, links_of
 from pipesim.planning.experts import ExpertParallelError, expert_group
-from pipesim.planning.ranks import RankOrderError, dense_grid, expert_grid
+from pipesim.schedules.ranks import RankOrderError, dense_grid, expert_grid
 from tests.conftest import pipesim, simulate_json, tune_rows
 from tests.helpers import H100
 from tests.helpers import H100_PLACEMENT as PLACEMENT

@@ -1,5 +1,5 @@
 """`pipesim tune --gpu` on a mixture of experts searches the expert-parallel degree E where --expert-parallel is not
-given: every E the rank order can place (planning/ranks.py) competes in the one search, whose bounds and memory
+given: every E the rank order can place (schedules/ranks.py) competes in the one search, whose bounds and memory
 floors each setting's own estimate prices, so the pruned search still gives what the exhaustive one gives."""
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def test_the_table_and_json_show_c_and_count_every_gpu(monkeypatch):
                                          ("expert_tensor", -1)])
 def test_an_estimates_ranks_edited_to_no_whole_number_are_refused_naming_the_field(tmp_path, monkeypatch, name,
                                                                                   value):
-    """The commands read an estimate's ranks as int (`Estimate.degrees`, planning/ranks.py
+    """The commands read an estimate's ranks as int (`Estimate.degrees`, schedules/ranks.py
     `estimated_experts_refusal`): an expert of 'x' or 0 edited into a profile was a traceback."""
     path = _estimated(tmp_path, "--experts", 4, "--top-k", 2, "-p", 2, "--data-parallel", 4, "--expert-parallel", 4)
     document = json.loads(path.read_text())

@@ -1,4 +1,4 @@
-"""`pipesim tune --gpu` searches the rank order (planning/ranks.py) where --rank-order is not given: pipesim's, then
+"""`pipesim tune --gpu` searches the rank order (schedules/ranks.py) where --rank-order is not given: pipesim's, then
 Megatron-core's at each layout whose groups it places otherwise. On one node both place every group alike, so the
 second adds nothing; across nodes it competes in the one search, whose answer is the better fixed order's."""
 
@@ -12,7 +12,7 @@ import pytest
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning import tune as tuning
 from pipesim.planning.estimate import links_of, node_placement
-from pipesim.planning.ranks import dense_grid
+from pipesim.schedules.ranks import dense_grid
 from tests.conftest import pipesim
 from tests.helpers import differences, exhaustive, searched_settings
 from tests.test_tune_experts import MOE

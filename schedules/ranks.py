@@ -1,6 +1,7 @@
 """Where each parallel group's ranks sit, numbered as the runtime numbers them, and so which of its members share
 a node: what the links of an estimate's placement follow from (planning/estimate.py's `links_of`,
-planning/experts.py's `expert_group`).
+planning/experts.py's `expert_group`), and how `pipesim run` numbers its processes (executor/replicas.py `Layout`):
+a vocabulary both sides share, so it lives beside the schedules.
 
 The ranks are numbered along an order of the parallel dimensions, the first varying fastest, as Megatron-core's
 `RankGenerator` does (megatron/core/parallel_state.py, `generate_masked_orthogonal_rank_groups`): with sizes
