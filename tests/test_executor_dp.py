@@ -116,7 +116,11 @@ def test_compare_matches_replica_0_with_the_prediction_op_by_op():
     assert result.matched_ops == len(predicted.ops) and result.missing_in_measured == result.missing_in_predicted == 0
     assert result.versions_compared > 0 and result.version_mismatches == 0
     assert [d.device for d in result.devices] == [0, 1]
-    assert any("replica 0" in note for note in result.notes)
+    assert any("replica 0 (ranks 0-1) is compared" in note for note in result.notes)
+    # in Megatron-core's order replica 0 ran on ranks 0 and 2, and the note says so; the ops match alike
+    megatron = compare(predicted, run_in_process(replace(spec, rank_order="megatron")).trace)
+    assert megatron.matched_ops == result.matched_ops and megatron.version_mismatches == 0
+    assert any("replica 0 (ranks 0, 2) is compared" in note for note in megatron.notes), megatron.notes
 
 
 def test_ranks_that_take_turns_for_compute_wait_for_their_replicas_outside_the_turn():

@@ -183,10 +183,13 @@ def _replica_zero(predicted: Trace, measured: Trace) -> tuple[Trace, list[str]]:
     if replicas == 1 or measured.num_devices != replicas * devices:
         return measured, []
     counters = {name: series[:devices] for name, series in measured.counters.items()}
+    ranks = measured.meta.extra.get("device_ranks") or list(range(measured.num_devices))
+    ranks_text = (f"ranks 0-{devices - 1}" if ranks[:devices] == list(range(devices))  # another order's: listed
+                  else f"ranks {', '.join(map(str, ranks[:devices]))}")
     return (replace(measured, num_devices=devices, ops=_taken(measured.ops, measured.ops.device < devices),
                     counters=counters),
-            [f"measured on {replicas} data-parallel replicas: replica 0 (ranks 0-{devices - 1}) is compared; the "
-             "others ran the same rows"])
+            [f"measured on {replicas} data-parallel replicas: replica 0 ({ranks_text}) is compared; the others ran "
+             "the same rows"])
 
 
 def _taken(ops: Ops, keep: np.ndarray) -> Ops:
