@@ -445,11 +445,11 @@ class Workers(ProcessPoolExecutor):
         first, where shutting down would wait for one still starting (a spawned worker's imports, seconds on a busy
         host, with Ctrl-C ignored: `_ignoring_ctrl_c`) before it gave the prompt back."""
         if at_once:
-            for process in self._launched:
+            started = [process for process in self._launched if process.pid is not None]  # one whose start failed
+            for process in started:  # has no process to end, and ending it raised over the error that stopped it
                 process.terminate()
-            for process in self._launched:
-                if process.pid is not None:  # started
-                    process.join()
+            for process in started:
+                process.join()
             # one ended mid-send leaves half a result in the pipe, which the pool's manager thread would wait for
             # forever (this process holds the pipe's write end too, tune --gpu's estimates send hundreds of KB):
             # closed, the thread reads its end, marks the pool broken and ends, and shutting down returns

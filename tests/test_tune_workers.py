@@ -417,3 +417,11 @@ def test_a_worker_killed_during_the_estimates_is_one_line_not_a_traceback(monkey
     assert (code, out) == (1, "") and err.strip().splitlines()[-1] == (  # after the progress line, if it came
         "error: a worker process of the search ended abruptly (killed, or out of the host's memory): run it again")
     assert "Traceback" not in err
+
+
+def test_ending_the_workers_at_once_passes_over_one_that_never_started():
+    """A worker whose start failed has no process: ending it raised AttributeError over the error that stopped the
+    search (`Workers.stop`)."""
+    pool = planning.Workers(1, "fork", collect=False)
+    pool._launched.append(multiprocessing.get_context("fork").Process(target=print))  # never started
+    pool.stop(at_once=True)
