@@ -423,5 +423,9 @@ def test_ending_the_workers_at_once_passes_over_one_that_never_started():
     """A worker whose start failed has no process: ending it raised AttributeError over the error that stopped the
     search (`Workers.stop`)."""
     pool = planning.Workers(1, "fork", collect=False)
-    pool._launched.append(multiprocessing.get_context("fork").Process(target=print))  # never started
+    assert pool.submit(math.sqrt, 4.0).result(timeout=60) == 2.0  # one worker started
+    unstarted = multiprocessing.get_context("fork").Process(target=print)
+    pool._launched.append(unstarted)
     pool.stop(at_once=True)
+    started = [process for process in pool._launched if process is not unstarted]
+    assert started and all(process.exitcode is not None for process in started) and unstarted.pid is None
