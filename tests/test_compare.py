@@ -441,7 +441,7 @@ def test_a_torch_dualpipev_run_matches_every_op_of_its_prediction(tmp_path):
     """A committed torch.profiler recording of torch's runtime running pipesim's dualpipev order (2 gloo ranks, 4
     stages, m = 8, 2 profiled steps: benchmarks/torch_pipelining.py --schedule dualpipev --model-options
     '{"layers": 8, "width": 256}' --microbatches 8 --steps 2 --warmup 1) matches every op of the prediction, each
-    overlapped pair's forward and backward with its own error: the 88 parts of its 44 pairs were missing before."""
+    overlapped pair's forward and backward: the 88 parts of its 44 pairs were missing before."""
     predicted = tmp_path / "p.json"
     assert pipesim("simulate", "-s", "dualpipev", "-p", "2", "-m", "8", "-n", "2", "--trace", predicted).code == 0
     code, out, err = pipesim("compare", TORCH_RUNS / "torch-dualpipev-2cpu", predicted, "--json")
@@ -450,8 +450,37 @@ def test_a_torch_dualpipev_run_matches_every_op_of_its_prediction(tmp_path):
     assert c["missing_in_measured"] == c["missing_in_predicted"] == 0 and c["matched_ops"] == len(read_trace(
         predicted).ops)
     by_kind = {k["kind"]: k for k in c["kinds"]}
-    assert by_kind["F"]["ops"] == by_kind["B"]["ops"] + by_kind["I"]["ops"] == 4 * 8 * 2
-    assert all(by_kind[kind]["duration_median"] is not None for kind in ("F", "B"))
+    assert by_kind["F&B"]["ops"] == 44  # each pair one unit (the test below)
+    assert by_kind["F"]["ops"] + 44 == by_kind["B"]["ops"] + by_kind["I"]["ops"] + 44 == 4 * 8 * 2
+    assert all(by_kind[kind]["duration_median"] is not None for kind in ("F", "B", "F&B"))
+
+
+def test_an_overlapped_pair_run_at_once_is_compared_as_one_unit_not_twice():
+    """On a GPU an overlapped pair's two parts run at once on two streams (executor/overlap.py), each row spanning
+    the pair, where the simulator runs them one after the other, the shorter part shortened by what the longer
+    hides (--fb-hidden-fraction). A run that took exactly the predicted pair time was summed twice in the duration
+    table (the forwards' and backwards' ms each holding every pair's) and each part read 17-100 % off; compared as
+    one F&B unit, the union of its parts, it has no error, and the table's ms are the device's."""
+    from pipesim.sim import Cluster, Costs, simulate
+    from pipesim.traces.compare import overlapped_pairs
+
+    costs = replace(Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0), overlap_hidden_fraction=0.5)
+    predicted = simulate(build("dualpipev", 2, 8, 2), costs, Cluster.uniform(2, 0.1))
+    forward, backward = overlapped_pairs(predicted)
+    assert len(forward) == 44 and np.all(predicted.ops.end_us[forward] == predicted.ops.start_us[backward])
+    measured = as_measured(predicted)
+    pair_us = measured.ops.dur_us[forward] + measured.ops.dur_us[backward]
+    measured.ops.start_us[backward] = measured.ops.start_us[forward]  # both parts begin with the pair
+    measured.ops.dur_us[forward] = measured.ops.dur_us[backward] = pair_us  # and span it
+    c = compare(predicted, measured)
+    by_kind = {k.kind: k for k in c.kinds}
+    assert [k.kind for k in c.kinds][:3] == ["F", "B", "F&B"] and by_kind["F&B"].ops == len(forward)
+    assert by_kind["F&B"].measured_ms == pytest.approx(by_kind["F&B"].predicted_ms) == pytest.approx(
+        pair_us.sum() / 1e3)
+    assert by_kind["F&B"].duration_median == 0 and by_kind["F&B"].start_median_ms == 0
+    assert c.compute_duration_median == 0 and c.iteration_time_error == 0
+    assert by_kind["F"].ops == 4 * 8 * 2 - 44  # the forwards that run alone keep their own row
+    assert overlapped_pairs(measured)[0].tolist() == forward.tolist()  # matched in time order either way
 
 
 @pytest.mark.parametrize("run_dir, schedule, recorded", [

@@ -109,7 +109,7 @@ class Comparison:
     missing_in_predicted: int
     missing_examples: list[str]
     kinds: list[KindErrors]
-    compute_duration_median: float | None  # |relative duration error| over every matched compute op (F, B, ...)
+    compute_duration_median: float | None  # |relative duration error| over the matched compute ops, a pair as one
     compute_duration_bias: float | None  # the median signed one (+: predicted too long)
     devices: list[DeviceErrors]
     versions_compared: int  # matched compute ops whose weight version both traces record (torch's records none)
@@ -225,12 +225,7 @@ def _identities(predicted: Trace, measured: Trace) -> tuple[np.ndarray, np.ndarr
         same = np.column_stack([kind, *(getattr(trace.ops, c) for c in _IDENTITY)])
         # Ops that share all of that (XPipe's two PREDs of one bellwether, F's then B's) are told apart by
         # their order in time.
-        group = np.unique(same, axis=0, return_inverse=True)[1].reshape(-1)
-        order = np.lexsort((trace.ops.start_us, group))
-        first = np.searchsorted(group[order], group[order])
-        occurrence = np.empty(len(group), dtype=np.int64)
-        occurrence[order] = np.arange(len(group)) - first
-        return np.column_stack([same, occurrence])
+        return np.column_stack([same, _occurrence(same, trace.ops.start_us)])
 
     both = np.concatenate([columns(predicted), columns(measured)])
     ids = np.unique(both, axis=0, return_inverse=True)[1].reshape(-1)
@@ -254,27 +249,108 @@ def _match(predicted: Trace, measured: Trace) -> tuple[np.ndarray, np.ndarray, n
     return at_p, at_m, only_p, only_m, examples
 
 
-def _worst(trace: Trace, rows: np.ndarray, errors: np.ndarray) -> OpError | None:
+PAIR_KIND = "F&B"  # an overlapped pair's two parts as compare times them: one unit
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The matched ops as compare times them, in both traces: each op alone, but an overlapped pair's two parts
+    (F&B) as one unit, timed as the union of its parts. The simulator runs a pair's parts one after the other, the
+    shorter part shortened by what the longer hides of it, while a GPU runs them at once on two streams, each part
+    spanning the pair: part by part the two say different things (the forward's share of the pair is a fiction of
+    the simulator's), and summed, the measured pair counts its time twice."""
+
+    kind: np.ndarray  # str: the op's kind, PAIR_KIND for a pair
+    device: np.ndarray
+    label: np.ndarray  # str: the measured op's label (a pair's: its parts', `F3;B1`)
+    compute: np.ndarray  # bool
+    start_p: np.ndarray  # us, the predicted unit's first start
+    dur_p: np.ndarray  # us, the predicted unit's time (a pair's: its parts' union)
+    start_m: np.ndarray
+    dur_m: np.ndarray
+
+
+def _occurrence(same: np.ndarray, start_us: np.ndarray) -> np.ndarray:
+    """Each row's place in time among the rows whose columns `same` are alike (0 for the first)."""
+    group = np.unique(same, axis=0, return_inverse=True)[1].reshape(-1)
+    order = np.lexsort((start_us, group))
+    first = np.searchsorted(group[order], group[order])
+    occurrence = np.empty(len(group), dtype=np.int64)
+    occurrence[order] = np.arange(len(group)) - first
+    return occurrence
+
+
+def overlapped_pairs(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of each overlapped pair's forward part and of its backward part: on one device, of one mini-batch
+    and pipeline, each part naming the other's stage (`schedules.ir.overlapped`); pairs alike in all of these are
+    matched in time order, the k-th forward with the k-th backward."""
+    ops = trace.ops
+    code = {name: k for k, name in enumerate(trace.kinds)}
+    forward = np.flatnonzero((ops.kind == code.get("F", -1)) & (ops.peer >= 0))
+    backward = np.flatnonzero((ops.kind == code.get("B", -1)) & (ops.peer >= 0))
+
+    def keyed(rows: np.ndarray, forward_stage: np.ndarray, backward_stage: np.ndarray) -> np.ndarray:
+        same = np.column_stack([ops.device[rows], ops.minibatch[rows], ops.pipeline[rows], forward_stage,
+                                backward_stage])
+        return np.column_stack([same, _occurrence(same, ops.start_us[rows])])
+
+    keys = np.concatenate([keyed(forward, ops.stage[forward], ops.peer[forward]),
+                           keyed(backward, ops.peer[backward], ops.stage[backward])])
+    ids = np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
+    _, at_f, at_b = np.intersect1d(ids[:len(forward)], ids[len(forward):], assume_unique=True, return_indices=True)
+    return forward[at_f], backward[at_b]
+
+
+def _units(predicted: Trace, measured: Trace, at_p: np.ndarray, at_m: np.ndarray) -> _Units:
+    slot = np.full(len(predicted.ops), -1)
+    slot[at_p] = np.arange(len(at_p))
+    forward, backward = (slot[rows] for rows in overlapped_pairs(predicted))
+    both = (forward >= 0) & (backward >= 0)  # an incomplete run may have run one part only
+    forward, backward = forward[both], backward[both]
+    alone = np.ones(len(at_p), dtype=bool)
+    alone[forward] = alone[backward] = False
+    single = np.flatnonzero(alone)
+
+    def timed(trace: Trace, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ops = trace.ops
+        start = ops.start_us - (ops.start_us.min() if len(ops) else 0.0)  # from the trace's own first op
+        f, b = rows[forward], rows[backward]
+        shared = np.maximum(np.minimum(ops.end_us[f], ops.end_us[b]) - np.maximum(ops.start_us[f], ops.start_us[b]),
+                            0.0)
+        return (np.concatenate([start[rows[single]], np.minimum(start[f], start[b])]),
+                np.concatenate([ops.dur_us[rows[single]], ops.dur_us[f] + ops.dur_us[b] - shared]))
+
+    start_p, dur_p = timed(predicted, at_p)
+    start_m, dur_m = timed(measured, at_m)
+    m_ops, names = measured.ops, np.array(measured.kinds)
+    labels = [measured.op_label(int(i)) for i in at_m[single]]
+    labels += [f"{measured.op_label(int(f))};{measured.op_label(int(b))}"
+               for f, b in zip(at_m[forward], at_m[backward])]
+    return _Units(
+        kind=np.concatenate([names[m_ops.kind[at_m[single]]], np.full(len(forward), PAIR_KIND)]),
+        device=np.concatenate([m_ops.device[at_m[single]], m_ops.device[at_m[forward]]]),
+        label=np.array(labels, dtype=object),
+        compute=np.concatenate([predicted.ops.stream[at_p[single]] == Stream.COMPUTE, np.ones(len(forward), bool)]),
+        start_p=start_p, dur_p=dur_p, start_m=start_m, dur_m=dur_m)
+
+
+def _worst(units: _Units, rows: np.ndarray, errors: np.ndarray) -> OpError | None:
     if len(rows) == 0:
         return None
     i = int(np.argmax(np.abs(errors)))
-    return OpError(trace.op_label(int(rows[i])), int(trace.ops.device[rows[i]]), float(errors[i]))
+    return OpError(str(units.label[rows[i]]), int(units.device[rows[i]]), float(errors[i]))
 
 
-def _kind_errors(predicted: Trace, measured: Trace, at_p: np.ndarray, at_m: np.ndarray,
-                 min_dur_us: float) -> list[KindErrors]:
-    p_ops, m_ops = predicted.ops, measured.ops
-    start_p = p_ops.start_us[at_p] - (p_ops.start_us.min() if len(p_ops) else 0.0)
-    start_m = m_ops.start_us[at_m] - (m_ops.start_us.min() if len(m_ops) else 0.0)
-    kinds = np.array(measured.kinds)[m_ops.kind[at_m]]
+def _kind_errors(units: _Units, kinds: list[str], min_dur_us: float) -> list[KindErrors]:
+    """Per kind (`kinds` order, an overlapped pair's F&B after B), the units' errors."""
+    order = [*kinds[:kinds.index("B") + 1], PAIR_KIND, *kinds[kinds.index("B") + 1:]] if "B" in kinds else kinds
     out = []
-    for name in [k for k in measured.kinds if k in set(kinds.tolist())]:
-        mine = kinds == name
-        dur_p, dur_m = p_ops.dur_us[at_p][mine], m_ops.dur_us[at_m][mine]
+    for name in [k for k in order if k in set(units.kind.tolist())]:
+        rows = np.flatnonzero(units.kind == name)
+        dur_p, dur_m = units.dur_p[rows], units.dur_m[rows]
         timed = dur_m >= min_dur_us
         rel = (dur_p[timed] - dur_m[timed]) / dur_m[timed]
-        start_err_ms = (start_p[mine] - start_m[mine]) / 1e3
-        rows = at_m[mine]
+        start_err_ms = (units.start_p[rows] - units.start_m[rows]) / 1e3
 
         def stats(values: np.ndarray) -> tuple[float | None, float | None]:
             if len(values) == 0:
@@ -284,11 +360,11 @@ def _kind_errors(predicted: Trace, measured: Trace, at_p: np.ndarray, at_m: np.n
         d_med, d_p90 = stats(rel)
         s_med, s_p90 = stats(start_err_ms)
         out.append(KindErrors(
-            kind=name, ops=int(mine.sum()), predicted_ms=float(dur_p.sum() / 1e3), measured_ms=float(dur_m.sum() / 1e3),
+            kind=name, ops=len(rows), predicted_ms=float(dur_p.sum() / 1e3), measured_ms=float(dur_m.sum() / 1e3),
             duration_median=d_med, duration_p90=d_p90,
             duration_bias=float(np.median(rel)) if len(rel) else None,
-            duration_worst=_worst(measured, rows[timed], rel), start_median_ms=s_med, start_p90_ms=s_p90,
-            start_worst=_worst(measured, rows, start_err_ms)))
+            duration_worst=_worst(units, rows[timed], rel), start_median_ms=s_med, start_p90_ms=s_p90,
+            start_worst=_worst(units, rows, start_err_ms)))
     return out
 
 
@@ -408,9 +484,9 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
     if sm.time_per_minibatch_ms <= 0:
         raise TraceError("the measured trace has no time per mini-batch to compare with (no op took time)")
     error = (sp.time_per_minibatch_ms - sm.time_per_minibatch_ms) / sm.time_per_minibatch_ms
-    timed = compute & (measured.ops.dur_us[at_m] >= min_dur_us)
-    dur_m = measured.ops.dur_us[at_m][timed]
-    rel = (predicted.ops.dur_us[at_p][timed] - dur_m) / dur_m
+    units = _units(predicted, measured, at_p, at_m)
+    timed = units.compute & (units.dur_m >= min_dur_us)
+    rel = (units.dur_p[timed] - units.dur_m[timed]) / units.dur_m[timed]
     found = conditions(predicted, measured)
     return Comparison(
         schedule=predicted.meta.schedule, predicted_source=predicted.meta.source,
@@ -418,7 +494,7 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
         measured_ms=sm.time_per_minibatch_ms, iteration_time_error=float(error),
         predicted_bubble=sp.bubble_fraction, measured_bubble=sm.bubble_fraction, matched_ops=len(at_p),
         missing_in_measured=len(only_p), missing_in_predicted=len(only_m), missing_examples=examples,
-        kinds=_kind_errors(predicted, measured, at_p, at_m, min_dur_us),
+        kinds=_kind_errors(units, measured.kinds, min_dur_us),
         compute_duration_median=float(np.median(np.abs(rel))) if len(rel) else None,
         compute_duration_bias=float(np.median(rel)) if len(rel) else None,
         devices=_device_errors(sp, sm), versions_compared=int(recorded.sum()), version_mismatches=len(wrong),
