@@ -113,7 +113,9 @@ def _render(c) -> None:
                         f"{_mib(d.predicted_peak_memory_mb)} / {_mib(d.measured_peak_memory_mb)}",
                         _percent(d.peak_memory_error))
     print_tables([durations, starts, devices])
-    stdout.print(f"matched {c.matched_ops:,} ops; weight versions: {_versions(c)}", highlight=False)
+    pairs = (f" ({c.overlapped_pairs:,} overlapped pairs among them, each one F&B op in the tables)"
+             if c.overlapped_pairs else "")
+    stdout.print(f"matched {c.matched_ops:,} ops{pairs}; weight versions: {_versions(c)}", highlight=False)
     if c.missing_in_measured or c.missing_in_predicted:
         stdout.print(f"missing: {c.missing_in_measured:,} predicted ops were not measured, "
                      f"{c.missing_in_predicted:,} measured ops were not predicted, e.g. "

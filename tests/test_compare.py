@@ -455,18 +455,25 @@ def test_a_torch_dualpipev_run_matches_every_op_of_its_prediction(tmp_path):
     assert all(by_kind[kind]["duration_median"] is not None for kind in ("F", "B", "F&B"))
 
 
+def paired_run(fraction: float = 0.5) -> Trace:
+    """dualpipev on 2 devices, 4 stages, m = 8, 2 mini-batches, F 1 ms and B 2 ms a stage, each overlapped pair
+    hiding `fraction` of its shorter part: 44 pairs."""
+    from pipesim.sim import Cluster, Costs, simulate
+
+    costs = replace(Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0), overlap_hidden_fraction=fraction)
+    return simulate(build("dualpipev", 2, 8, 2), costs, Cluster.uniform(2, 0.1))
+
+
 def test_an_overlapped_pair_run_at_once_is_compared_as_one_unit_not_twice():
     """On a GPU an overlapped pair's two parts run at once on two streams (executor/overlap.py), each row spanning
     the pair, where the simulator runs them one after the other, the shorter part shortened by what the longer
     hides (--fb-hidden-fraction). A run that took exactly the predicted pair time was summed twice in the duration
     table (the forwards' and backwards' ms each holding every pair's) and each part read 17-100 % off; compared as
     one F&B unit, the union of its parts, it has no error, and the table's ms are the device's."""
-    from pipesim.sim import Cluster, Costs, simulate
-    from pipesim.traces.compare import overlapped_pairs
+    from pipesim.traces.compare import pair_rows
 
-    costs = replace(Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0), overlap_hidden_fraction=0.5)
-    predicted = simulate(build("dualpipev", 2, 8, 2), costs, Cluster.uniform(2, 0.1))
-    forward, backward = overlapped_pairs(predicted)
+    predicted = paired_run()
+    forward, backward = pair_rows(predicted)
     assert len(forward) == 44 and np.all(predicted.ops.end_us[forward] == predicted.ops.start_us[backward])
     measured = as_measured(predicted)
     pair_us = measured.ops.dur_us[forward] + measured.ops.dur_us[backward]
@@ -474,13 +481,54 @@ def test_an_overlapped_pair_run_at_once_is_compared_as_one_unit_not_twice():
     measured.ops.dur_us[forward] = measured.ops.dur_us[backward] = pair_us  # and span it
     c = compare(predicted, measured)
     by_kind = {k.kind: k for k in c.kinds}
-    assert [k.kind for k in c.kinds][:3] == ["F", "B", "F&B"] and by_kind["F&B"].ops == len(forward)
+    assert [k.kind for k in c.kinds][:3] == ["F", "B", "F&B"] and by_kind["F&B"].ops == c.overlapped_pairs == 44
     assert by_kind["F&B"].measured_ms == pytest.approx(by_kind["F&B"].predicted_ms) == pytest.approx(
         pair_us.sum() / 1e3)
     assert by_kind["F&B"].duration_median == 0 and by_kind["F&B"].start_median_ms == 0
     assert c.compute_duration_median == 0 and c.iteration_time_error == 0
     assert by_kind["F"].ops == 4 * 8 * 2 - 44  # the forwards that run alone keep their own row
-    assert overlapped_pairs(measured)[0].tolist() == forward.tolist()  # matched in time order either way
+    assert sum(k.ops for k in c.kinds) == c.matched_ops - 44
+    found = pair_rows(measured)  # matched in time order either way, though each pair's parts now start together
+    assert found[0].tolist() == forward.tolist() and found[1].tolist() == backward.tolist()
+
+
+def test_a_pairs_time_is_the_union_of_its_parts_from_the_first_to_start():
+    """A pair whose backward part began 3 us before its forward part and overlapped it partly, and one whose parts
+    ran apart with 5 us between them: each is timed from its first part's start, for the time either part ran
+    (the gap left out, as the predicted pair's back-to-back parts leave none)."""
+    from pipesim.traces.compare import pair_rows
+
+    predicted = paired_run()
+    forward, backward = pair_rows(predicted)
+    measured = as_measured(predicted)
+    ops = measured.ops
+    ops.start_us[backward[::2]] = ops.start_us[forward[::2]] - 3.0
+    ops.start_us[backward[1::2]] += 5.0
+    f_us, b_us = ops.dur_us[forward], ops.dur_us[backward]
+    union_us = f_us + b_us
+    union_us[::2] -= np.minimum(f_us[::2], b_us[::2] - 3.0)  # [s - 3, s - 3 + B) over [s, s + F)
+    c = compare(predicted, measured)
+    pairs = next(k for k in c.kinds if k.kind == "F&B")
+    assert pairs.ops == 44 and pairs.measured_ms == pytest.approx(union_us.sum() / 1e3)
+    assert pairs.start_worst.error == pytest.approx(0.003) and pairs.start_worst.op.startswith("F")
+    assert pairs.start_median_ms == pytest.approx(0.0015)  # 22 pairs 3 us early, 22 on time
+
+
+def test_an_incomplete_run_compares_the_pairs_that_ran_whole_and_the_parts_alone():
+    """A run cut part-way through its pairs: a pair both of whose parts ran is one F&B op, a part whose other part
+    never ran keeps its own kind (F or B), and every matched op is in the tables once."""
+    from pipesim.traces.compare import pair_rows
+
+    predicted = paired_run(0.0)
+    forward, backward = pair_rows(predicted)
+    cut = (predicted.ops.start_us[forward[20]] + predicted.ops.end_us[forward[20]]) / 2  # in pair 20's forward
+    ran = predicted.ops.start_us < cut
+    c = compare(predicted, as_measured(predicted, keep=ran, complete=False, failed_rank=0))
+    whole = int(np.count_nonzero(ran[forward] & ran[backward]))
+    assert 0 < whole < 44 and c.overlapped_pairs == whole
+    by_kind = {k.kind: k for k in c.kinds}
+    assert by_kind["F&B"].ops == whole and sum(k.ops for k in c.kinds) == c.matched_ops - whole
+    assert by_kind["F&B"].duration_median == 0  # no part hidden (fraction 0): each pair F + B as predicted
 
 
 @pytest.mark.parametrize("run_dir, schedule, recorded", [

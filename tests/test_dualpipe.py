@@ -2,8 +2,8 @@
 
 A pair runs as its two parts: on CPU one after the other, on a GPU on two CUDA streams (executor/overlap.py). The
 measured trace records each part as its own op naming the other's stage (`peer`), as the simulated trace does, so
-`pipesim compare` matches the pair part by part. DualPipe (two model copies fed from both ends of the devices)
-runs the order of the DualPipe repository's figure and trains as one process.
+`pipesim compare` times the pair as one F&B op, the union of its parts. DualPipe (two model copies fed from both
+ends of the devices) runs the order of the DualPipe repository's figure and trains as one process.
 """
 
 from __future__ import annotations

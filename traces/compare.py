@@ -33,7 +33,8 @@ class OpError:
 
 @dataclass(frozen=True)
 class KindErrors:
-    """Per-op errors of one kind over the matched ops. Duration errors are relative to the measured duration
+    """Per-op errors of one kind over the matched ops (an overlapped pair whose two parts ran is one op, of kind
+    F&B: `_Units`). Duration errors are relative to the measured duration
     (ops measured shorter than `min_dur_us` are left out: their relative error is noise); start errors in ms.
     `median`/`p90` are of the absolute error, `bias` the median signed error (+: predicted too long/late)."""
 
@@ -109,6 +110,7 @@ class Comparison:
     missing_in_predicted: int
     missing_examples: list[str]
     kinds: list[KindErrors]
+    overlapped_pairs: int  # matched pairs whose two parts ran: each one op of kind F&B in `kinds`
     compute_duration_median: float | None  # |relative duration error| over the matched compute ops, a pair as one
     compute_duration_bias: float | None  # the median signed one (+: predicted too long)
     devices: list[DeviceErrors]
@@ -261,13 +263,19 @@ class _Units:
     the simulator's), and summed, the measured pair counts its time twice."""
 
     kind: np.ndarray  # str: the op's kind, PAIR_KIND for a pair
-    device: np.ndarray
-    label: np.ndarray  # str: the measured op's label (a pair's: its parts', `F3;B1`)
+    measured_row: np.ndarray  # the measured op's row (a pair's: its forward part's)
+    measured_partner: np.ndarray  # a pair's backward part's measured row; -1 for an op alone
     compute: np.ndarray  # bool
     start_p: np.ndarray  # us, the predicted unit's first start
     dur_p: np.ndarray  # us, the predicted unit's time (a pair's: its parts' union)
     start_m: np.ndarray
     dur_m: np.ndarray
+
+    def label(self, measured: Trace, unit: int) -> str:
+        """The unit's label: its measured op's (`F3`), a pair's its parts' (`F3;B1`)."""
+        text = measured.op_label(int(self.measured_row[unit]))
+        partner = int(self.measured_partner[unit])
+        return text if partner < 0 else f"{text};{measured.op_label(partner)}"
 
 
 def _occurrence(same: np.ndarray, start_us: np.ndarray) -> np.ndarray:
@@ -280,7 +288,7 @@ def _occurrence(same: np.ndarray, start_us: np.ndarray) -> np.ndarray:
     return occurrence
 
 
-def overlapped_pairs(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+def pair_rows(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """The rows of each overlapped pair's forward part and of its backward part: on one device, of one mini-batch
     and pipeline, each part naming the other's stage (`schedules.ir.overlapped`); pairs alike in all of these are
     matched in time order, the k-th forward with the k-th backward."""
@@ -302,10 +310,12 @@ def overlapped_pairs(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _units(predicted: Trace, measured: Trace, at_p: np.ndarray, at_m: np.ndarray) -> _Units:
+    """The units of the matched ops (`at_p`, `at_m`): a pair of the prediction whose parts both ran is one; a part
+    whose other part never ran (an incomplete run) stays an op of its own kind."""
     slot = np.full(len(predicted.ops), -1)
     slot[at_p] = np.arange(len(at_p))
-    forward, backward = (slot[rows] for rows in overlapped_pairs(predicted))
-    both = (forward >= 0) & (backward >= 0)  # an incomplete run may have run one part only
+    forward, backward = (slot[rows] for rows in pair_rows(predicted))
+    both = (forward >= 0) & (backward >= 0)
     forward, backward = forward[both], backward[both]
     alone = np.ones(len(at_p), dtype=bool)
     alone[forward] = alone[backward] = False
@@ -322,27 +332,26 @@ def _units(predicted: Trace, measured: Trace, at_p: np.ndarray, at_m: np.ndarray
 
     start_p, dur_p = timed(predicted, at_p)
     start_m, dur_m = timed(measured, at_m)
-    m_ops, names = measured.ops, np.array(measured.kinds)
-    labels = [measured.op_label(int(i)) for i in at_m[single]]
-    labels += [f"{measured.op_label(int(f))};{measured.op_label(int(b))}"
-               for f, b in zip(at_m[forward], at_m[backward])]
     return _Units(
-        kind=np.concatenate([names[m_ops.kind[at_m[single]]], np.full(len(forward), PAIR_KIND)]),
-        device=np.concatenate([m_ops.device[at_m[single]], m_ops.device[at_m[forward]]]),
-        label=np.array(labels, dtype=object),
+        kind=np.concatenate([np.array(measured.kinds)[measured.ops.kind[at_m[single]]],
+                             np.full(len(forward), PAIR_KIND)]),
+        measured_row=np.concatenate([at_m[single], at_m[forward]]),
+        measured_partner=np.concatenate([np.full(len(single), -1), at_m[backward]]),
         compute=np.concatenate([predicted.ops.stream[at_p[single]] == Stream.COMPUTE, np.ones(len(forward), bool)]),
         start_p=start_p, dur_p=dur_p, start_m=start_m, dur_m=dur_m)
 
 
-def _worst(units: _Units, rows: np.ndarray, errors: np.ndarray) -> OpError | None:
+def _worst(measured: Trace, units: _Units, rows: np.ndarray, errors: np.ndarray) -> OpError | None:
     if len(rows) == 0:
         return None
     i = int(np.argmax(np.abs(errors)))
-    return OpError(str(units.label[rows[i]]), int(units.device[rows[i]]), float(errors[i]))
+    return OpError(units.label(measured, int(rows[i])), int(measured.ops.device[units.measured_row[rows[i]]]),
+                   float(errors[i]))
 
 
-def _kind_errors(units: _Units, kinds: list[str], min_dur_us: float) -> list[KindErrors]:
-    """Per kind (`kinds` order, an overlapped pair's F&B after B), the units' errors."""
+def _kind_errors(measured: Trace, units: _Units, min_dur_us: float) -> list[KindErrors]:
+    """Per kind (the measured trace's order, an overlapped pair's F&B after B), the units' errors."""
+    kinds = measured.kinds
     order = [*kinds[:kinds.index("B") + 1], PAIR_KIND, *kinds[kinds.index("B") + 1:]] if "B" in kinds else kinds
     out = []
     for name in [k for k in order if k in set(units.kind.tolist())]:
@@ -363,8 +372,8 @@ def _kind_errors(units: _Units, kinds: list[str], min_dur_us: float) -> list[Kin
             kind=name, ops=len(rows), predicted_ms=float(dur_p.sum() / 1e3), measured_ms=float(dur_m.sum() / 1e3),
             duration_median=d_med, duration_p90=d_p90,
             duration_bias=float(np.median(rel)) if len(rel) else None,
-            duration_worst=_worst(units, rows[timed], rel), start_median_ms=s_med, start_p90_ms=s_p90,
-            start_worst=_worst(units, rows, start_err_ms)))
+            duration_worst=_worst(measured, units, rows[timed], rel), start_median_ms=s_med, start_p90_ms=s_p90,
+            start_worst=_worst(measured, units, rows, start_err_ms)))
     return out
 
 
@@ -494,7 +503,8 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
         measured_ms=sm.time_per_minibatch_ms, iteration_time_error=float(error),
         predicted_bubble=sp.bubble_fraction, measured_bubble=sm.bubble_fraction, matched_ops=len(at_p),
         missing_in_measured=len(only_p), missing_in_predicted=len(only_m), missing_examples=examples,
-        kinds=_kind_errors(units, measured.kinds, min_dur_us),
+        kinds=_kind_errors(measured, units, min_dur_us),
+        overlapped_pairs=int(np.count_nonzero(units.measured_partner >= 0)),
         compute_duration_median=float(np.median(np.abs(rel))) if len(rel) else None,
         compute_duration_bias=float(np.median(rel)) if len(rel) else None,
         devices=_device_errors(sp, sm), versions_compared=int(recorded.sum()), version_mismatches=len(wrong),

@@ -59,6 +59,7 @@ KIND_COLORS = {
     "B": "#54a24b",
     "I": "#8fd175",
     "W": "#2e6b30",
+    "F&B": "#17becf",  # compare's overlapped pair, one unit (traces/compare.py PAIR_KIND)
     "OPT": "#e45756",
     "PRED": "#9d6bc4",
     "AVG": "#f58518",
