@@ -13,10 +13,14 @@ import json
 import re
 import shlex
 import sys
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin
+
+from .choices import nearest_text
 
 # The global every page pipesim draws sets before anything else runs (traces/view.py's health script): what tells
 # its pages from any other file (commands/common.py `PAGE`, the pages an --html may replace)
@@ -96,6 +100,9 @@ def _is_table(head: str) -> bool:
 # pydantic's errors for a value that should have been an object, whose messages name its classes ("a valid
 # dictionary or instance of LinkSpec"): said as its JSON mode says them, in the file's terms
 _NOT_AN_OBJECT = frozenset({"model_type", "dict_type", "model_attributes_type"})
+_UNIONS = (typing.Union, types.UnionType)  # what `get_origin` gives for `A | B` and `Optional[A]`
+_BOOLEAN = frozenset({"bool_type", "bool_parsing"})  # pydantic's "Input should be a valid boolean", in JSON's terms
+_FIELDS_LISTED = 16  # an unknown field's refusal lists the fields allowed up to this many, or where none is near
 # a bound as pydantic writes it, "1000" or "1000000000000", as a word of its own: not a path's or a name's digits,
 # nor a value quoted as the user typed it ("'2024'", click's "'1234,5678' is not a valid integer")
 _LONG_WHOLE = re.compile(r"(?<![\w./'\"])(?<!\d,)\d{4,}(?![\w./'\"]|,\d)")
@@ -108,14 +115,72 @@ def grouped(message: str) -> str:
     return _LONG_WHOLE.sub(lambda number: f"{int(number[0]):,}", message)
 
 
-def first_error(exc: Any) -> str:
+def first_error(exc: Any, model: Any = None) -> str:
     """A pydantic ValidationError's first error as `field.path: message` (just the message at the top level), its
-    whole numbers grouped in thousands as pipesim's own refusals group theirs."""
-    err = exc.errors()[0]
+    whole numbers grouped in thousands as pipesim's own refusals group theirs, the value given where it is one
+    (`(got 'yes')`). An unknown field (a model that forbids extra ones) says the one meant where it is near one
+    of those `model` (the type validated) allows there, and lists them (of many, only where none is near); a
+    required field missing beside an unknown one is that one's error, misspelt ("memory_gb" for "memory_gib"), not
+    the missing one's."""
+    errors = exc.errors()
+    missing = {err["loc"][:-1] for err in errors if err["type"] == "missing"}
+    err = next((err for err in errors if err["type"] == "extra_forbidden" and err["loc"][:-1] in missing), errors[0])
     where = ".".join(map(str, err["loc"]))
-    message = "Input should be an object" if err["type"] in _NOT_AN_OBJECT else err["msg"]
-    message = grouped(message.removeprefix("Value error, "))
-    return f"{where + ': ' if where else ''}{message}"
+    if err["type"] == "extra_forbidden":
+        allowed = _fields_at(model, err["loc"][:-1])
+        near = nearest_text(err["loc"][-1], allowed)
+        listed = allowed and not (near and len(allowed) > _FIELDS_LISTED)  # a profile's layer has 40: the one meant
+        message = f"unknown field{near}" + (f"; allowed: {', '.join(allowed)}" if listed else "")
+    elif err["type"] in _NOT_AN_OBJECT:
+        message = "Input should be an object"
+    else:
+        message = "give true or false" if err["type"] in _BOOLEAN else err["msg"].removeprefix("Value error, ")
+        given = err.get("input")
+        if err["type"] != "missing" and isinstance(given, str | int | float) and "(got " not in message:
+            message += f" (got {_value_text(given)})"
+    return f"{where + ': ' if where else ''}{grouped(message)}"
+
+
+def _value_text(value: str | int | float) -> str:
+    """A scalar of a file as its file writes it: text quoted, true and false, a float to 15 significant digits
+    (1e15 read "1000000000000000.0")."""
+    if isinstance(value, bool):
+        return json.dumps(value)
+    return f"{value:.15g}" if isinstance(value, float) else repr(value)
+
+
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    """The field names a pydantic model at `loc` inside `model` (a model class or any type holding models: lists,
+    dicts, unions, Annotated) allows, in its order; none where no model is there."""
+    def models(annotation: Any) -> list[Any]:  # the model classes an annotation can hold at its top
+        origin = get_origin(annotation)
+        if origin is Annotated:
+            return models(get_args(annotation)[0])
+        if origin in _UNIONS:
+            return [m for arg in get_args(annotation) for m in models(arg)]
+        return [annotation] if hasattr(annotation, "model_fields") else []
+
+    def step(annotation: Any, part: Any) -> Any:
+        for found in models(annotation):
+            field = found.model_fields.get(part) or next(
+                (f for f in found.model_fields.values() if f.alias == part), None)
+            if field is not None:
+                return field.annotation
+        origin, args = get_origin(annotation), get_args(annotation)
+        if origin is Annotated:
+            return step(args[0], part)
+        if origin in _UNIONS:
+            return next((found for arg in args if (found := step(arg, part)) is not None), None)
+        if origin in (list, tuple, set, frozenset) and isinstance(part, int) and args:
+            return args[0]
+        if origin is dict and len(args) == 2:
+            return args[1]
+        return None
+
+    annotation = model
+    for part in loc:
+        annotation = step(annotation, part)
+    return [field.alias or name for found in models(annotation)[:1] for name, field in found.model_fields.items()]
 
 
 def is_trace_document(doc: Any) -> bool:
@@ -203,7 +268,7 @@ def validated(model: Any, doc: Any, path: str | Path, kind: str, error: type[Exc
     try:
         return model.model_validate(doc)
     except ValidationError as exc:
-        raise error(f"{kind} {path}: {first_error(exc)}") from None
+        raise error(f"{kind} {path}: {first_error(exc, model)}") from None
 
 
 # `is_trace_document`'s keys as a file's bytes hold them: the "traceEvents" list and the "pipesim" header

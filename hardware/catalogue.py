@@ -286,7 +286,7 @@ def _validated(path: Path, doc: dict) -> Catalogue:
     try:
         return Catalogue.model_validate(doc)
     except ValidationError as exc:
-        raise CatalogueError(f"{path}: {first_error(exc)}") from None
+        raise CatalogueError(f"{path}: {first_error(exc, Catalogue)}") from None
 
 
 def load_catalogue(extra: Path | None = None) -> Catalogue:

@@ -311,13 +311,13 @@ def test_malformed_cluster_file(tmp_path):
     path.write_bytes(b"\xab\xcd")  # a traceback (UnicodeDecodeError) before files.py's read_json read it
     code, _, err = pipesim("simulate", "--cluster", str(path))
     assert code == 2 and err == f"error: --cluster: cluster file {path} is not a text (UTF-8) file\n"
-    for field, fragment in (({"overlap_comm": "yes"}, "overlap_comm: Input should be a valid boolean"),  # read true
+    for field, fragment in (({"overlap_comm": "yes"}, "overlap_comm: give true or false (got 'yes')"),  # read true
                             ({"devices": [{"name": "g", "memory_gib": 1e30}] * 4},  # a memory no counter holds
                              "devices.0.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e30)"),
                             ({"devices": [{"name": "g", "memory_gib": 1e-300}] * 4},  # held as 0 bytes: nothing fits
                              "devices.0.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e-300)"),
                             ({"link": {"latency_us": 1e15}},  # the engine's clock check, naming no field
-                             "link.latency_us: Input should be less than or equal to 1,000,000,000,000"),
+                             "link.latency_us: Input should be less than or equal to 1,000,000,000,000 (got 1e+15)"),
                             ({"devices": 10**12},  # a MemoryError's traceback, listing them
                              "devices: give a whole number from 1 to 15,000,000 (the most any schedule pipesim "
                              "simulates runs on), or a list of devices (got 1,000,000,000,000)"),

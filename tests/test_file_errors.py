@@ -18,7 +18,7 @@ from pipesim.files import grouped
 from pipesim.study import results
 from pipesim.traces import trace
 from tests.conftest import pipesim
-from tests.helpers import GPT_CPU
+from tests.helpers import GPT_CPU, PROFILES
 
 ROOT = Path(__file__).resolve().parents[1]
 TOO_LONG = "a" * 300  # past any file system's 255-byte name: even looking at the path fails (ENAMETOOLONG)
@@ -177,10 +177,10 @@ def test_a_file_of_its_kind_with_a_field_wrong_is_named_as_its_kind_then_the_fie
     Path("cluster.json").write_text('{"devices": 2, "link": {"latency_us": -1}}')
     code, out, err = pipesim("study", "--plot-only", "--results", "study.json")
     assert (code, out, err) == (2, "", "error: --results: study results file study.json: runs: Input should be a "
-                                       "valid list\n")
+                                       "valid list (got 3)\n")
     code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", "cluster.json")
     assert (code, out, err) == (2, "", "error: --cluster: cluster file cluster.json: link.latency_us: Input should "
-                                       "be greater than or equal to 0\n")
+                                       "be greater than or equal to 0 (got -1)\n")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["cluster.json", "study.json"]
 
 
@@ -202,7 +202,7 @@ def test_a_files_bound_is_grouped_in_thousands_as_pipesims_own_refusals_are(tmp_
     Path("cluster.json").write_text('{"devices": 4, "link": {"latency_us": 1e300, "bandwidth_gb_per_s": 1}}')
     code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", "cluster.json")
     assert (code, out, err) == (2, "", "error: --cluster: cluster file cluster.json: link.latency_us: Input should "
-                                       "be less than or equal to 1,000,000,000,000\n")
+                                       "be less than or equal to 1,000,000,000,000 (got 1e+300)\n")
 
 
 @pytest.mark.parametrize("message, said", [
@@ -376,3 +376,22 @@ def test_sweep_replaces_its_own_results_and_no_other_file(tmp_path, monkeypatch)
     (tmp_path / "r.csv").write_text(PROFILE_TEXT)
     code, _, err = pipesim("sweep", "-s", "1f1b", "-j", "1", "--out", "r.csv")
     assert code == 2 and err.startswith("error: --out: r.csv exists and is not a pipesim sweep results file"), err
+
+
+def test_an_unknown_field_is_named_with_the_one_meant_and_the_fields_allowed_there(tmp_path, monkeypatch):
+    """pydantic's "Extra inputs are not permitted" named the field but not what the file may hold there: a profile's
+    misspelt layer field is said with the one meant (its layer allows 40, not listed), an unknown top-level one
+    with the fields a profile holds."""
+    monkeypatch.chdir(tmp_path)
+    profile = json.loads((PROFILES / "gpt-cpu.json").read_text())
+    profile["layers"][0]["inputsx"] = profile["layers"][0].pop("inputs")
+    Path("layer.json").write_text(json.dumps(profile))
+    code, out, err = pipesim("simulate", "--profile", "layer.json", "-s", "1f1b")
+    assert (code, out, err) == (2, "", "error: --profile: profile layer.json: layers.0.inputsx: unknown field (did "
+                                       "you mean 'inputs'?)\n")
+    profile["layers"][0]["inputs"] = profile["layers"][0].pop("inputsx")
+    profile["bogus"] = 1
+    Path("top.json").write_text(json.dumps(profile))
+    code, out, err = pipesim("simulate", "--profile", "top.json", "-s", "1f1b")
+    assert (code, out) == (2, "") and err.startswith("error: --profile: profile top.json: bogus: unknown field; "
+                                                     "allowed: schema_version, environment, model, layers, ")

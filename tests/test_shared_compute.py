@@ -143,7 +143,8 @@ def test_memory_of_ranks_on_one_gpu_is_checked_with_the_sum_of_their_peaks(tmp_p
 
 
 @pytest.mark.parametrize("devices,fragment", [
-    ([{"name": "r0", "compute": "gpu0", "colour": "red"}], "devices.0.colour: Extra inputs are not permitted"),
+    ([{"name": "r0", "compute": "gpu0", "colour": "red"}],
+     "devices.0.colour: unknown field; allowed: name, memory_gib, compute, host"),
     ([{"name": "r0", "compute": 0}], "devices.0.compute: Input should be a valid string"),
     ([{"name": "r0", "compute": ""}], "devices.0.compute: String should have at least 1 character"),
     ([{"name": "r0", "compute": "gpu0", "memory_gib": 80}, {"name": "r1", "compute": "gpu0", "memory_gib": 40}],

@@ -58,7 +58,7 @@ def test_a_failed_rank_numbered_apart_from_its_device_names_both(predicted):
     (lambda meta: meta.update(source="simulated"), "meta.source: Input should be 'predicted' or 'measured'"),
     (lambda meta: meta.pop("schedule"), "meta.schedule: Field required"),
     (lambda meta: meta.update(flavour=1), "meta: unknown field 'flavour'"),
-    (lambda meta: meta.update(complete="yes"), "meta.complete: Input should be a valid boolean"),
+    (lambda meta: meta.update(complete="yes"), "meta.complete: give true or false (got 'yes')"),
     # counts out of range: `view` drew such a trace, `compare` called it another run
     (lambda meta: meta.update(microbatches=-4), "meta.microbatches: give a whole number of at least 1 (got -4)"),
     (lambda meta: meta.update(microbatch_size=0), "meta.microbatch_size: give a whole number of at least 1 (got 0)"),
