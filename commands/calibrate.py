@@ -21,6 +21,7 @@ from .common import DTYPES as DTYPE_NAMES  # --dtype's names -> torch's (calibra
 from .common import (
     MODEL_SIZES,
     PROFILE,
+    STARTING_STATUS,
     CapacityFactor,
     ExpertFfn,
     Experts,
@@ -54,6 +55,7 @@ from .common import (
     require_model,
     stderr,
     stdout,
+    transient_status,
     writing,
 )
 from .estimate import fit_device_curve, print_fitted_curve
@@ -208,17 +210,18 @@ def calibrate(
         load_now = HostLoad.now(began) if starts_processes else None
         if starts_processes:  # before torch's import: their server imports it while this process does
             prepare()
-        require_model("pipesim calibrate", model)
-        if runtime:  # its probe times the executor on a small mlp, which draws the digits
-            require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
-        from ..calibrate.cache import HostCache
-        from ..calibrate.contention import ContentionError, ContentionProbe
-        from ..calibrate.links import LinkError
-        from ..calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
-        from ..calibrate.measure import calibrate as run_calibration
-        from ..calibrate.runtime import RuntimeProbeError
-        from ..profiles.linkfit import default_sizes
-        from ..workload.models import ModelError, build_model
+        with transient_status(STARTING_STATUS, quiet=False):  # torch's import: seconds before the phases' bar
+            require_model("pipesim calibrate", model)  # torch imported, so a broken build stops here
+            if runtime:  # its probe times the executor on a small mlp, which draws the digits
+                require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
+            from ..calibrate.cache import HostCache
+            from ..calibrate.contention import ContentionError, ContentionProbe
+            from ..calibrate.links import LinkError
+            from ..calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
+            from ..calibrate.measure import calibrate as run_calibration
+            from ..calibrate.runtime import RuntimeProbeError
+            from ..profiles.linkfit import default_sizes
+            from ..workload.models import ModelError, build_model
 
         try:
             settings = Settings(resolve_device(device), DTYPES[dtype], microbatch_size, warmup, repeats, threads)

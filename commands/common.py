@@ -1333,6 +1333,12 @@ def progress(items: Iterable, quiet: bool, total: int | None = None, doing: str 
         yield from bar.track(items, total=total)
 
 
+# what a terminal shows while a first count of a model imports torch, and while a command that trains imports it and
+# builds its model: seconds with nothing else on the screen
+COUNTING_MODEL = "counting the model on torch's meta device"
+STARTING_STATUS = "importing torch and building the model"
+
+
 @contextmanager
 def transient_status(what: str, quiet: bool) -> Iterator[None]:
     """What a step that may take seconds is doing, as a transient status on an interactive terminal (a model's

@@ -15,6 +15,7 @@ from rich.table import Table
 from ..choices import choose_from
 from ..workload.sizes import attention_of, flag_sizes_refusal
 from .common import (
+    COUNTING_MODEL,
     DTYPES,
     MODEL_SIZES,
     InputError,
@@ -49,7 +50,7 @@ def count(
         refuse(flag_sizes_refusal(model, {name: ctx.params[name] for name in MODEL_SIZES}))  # before torch's import
         require_model("pipesim count", model)
         check_dtype(dtype)
-        with transient_status("counting the model on torch's meta device", as_json):
+        with transient_status(COUNTING_MODEL, as_json):
             import torch
 
             from ..workload.count import ATTENTION, count_built

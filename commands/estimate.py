@@ -19,6 +19,7 @@ from ..planning.host import HOST_KERNEL_US
 from ..profiles.workload import too_few_layers
 from ..units import MIB, degree_text
 from .common import (
+    COUNTING_MODEL,
     DTYPES,
     FP8,
     MODEL_SIZES,
@@ -513,7 +514,7 @@ def print_fitted_curve(profile: Profile) -> None:
 
 
 # what a terminal shows while count_what_if and estimated_profile run: a first count imports torch (seconds)
-COUNTING_STATUS = "counting the model on torch's meta device, then pricing it for --gpu"
+COUNTING_STATUS = f"{COUNTING_MODEL}, then pricing it for --gpu"
 
 
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:

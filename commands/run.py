@@ -23,6 +23,7 @@ from ..workload.processes import HEARTBEAT_S, STALL_LEAST_S
 from .common import (
     DTYPES,
     SEARCH_COSTS,
+    STARTING_STATUS,
     ActivationLimit,
     Advance,
     AverageEvery,
@@ -75,6 +76,7 @@ from .common import (
     searched_scenario,
     stderr,
     stdout,
+    transient_status,
     with_help,
     writing,
 )
@@ -294,27 +296,29 @@ def run(
         began = mark()  # the host's load before this run starts anything
         if not under_torchrun():  # this command starts the ranks: their server's imports overlap this one's
             prepare()
-        require_model("pipesim run", model)
-        from ..calibrate.measure import DeviceError, resolve_device
-        from ..executor import ExecutorError, RunSpec, carried_bounds
-        from ..executor.replicas import Layout
-        from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
-        from ..workload.models import ModelError, build_model, rebuilt_options
-        from ..workload.transport import TransportError, choose_transport
+        # torch's import (begun by the ranks' server above) and the model: seconds before the ranks' bar
+        with transient_status(f"{STARTING_STATUS} ({model})", quiet=as_json or under_torchrun()):
+            require_model("pipesim run", model)  # torch imported, so a broken build stops here
+            from ..calibrate.measure import DeviceError, resolve_device
+            from ..executor import ExecutorError, RunSpec, carried_bounds
+            from ..executor.replicas import Layout
+            from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
+            from ..workload.models import ModelError, build_model, rebuilt_options
+            from ..workload.transport import TransportError, choose_transport
 
-        try:  # calibrate's rule: cuda where torch sees a GPU, said before the ranks start (after
-            # expert parallelism's refusal of any device but cpu, which holds on every machine)
-            resolve_device(device)
-        except DeviceError as exc:
-            raise InputError(str(exc)) from None
-        if measured is not None:
-            options = rebuilt_options(model, measured.model.options)
-        try:
-            # built on the meta device: the same refusals; its first forward runs here, on the host
-            refuse(host_memory_refusal("run", model, options, microbatch_size, DTYPES[dtype or "float32"]))
-            net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
-        except ModelError as exc:
-            raise InputError(str(exc)) from None
+            try:  # calibrate's rule: cuda where torch sees a GPU, said before the ranks start (after
+                # expert parallelism's refusal of any device but cpu, which holds on every machine)
+                resolve_device(device)
+            except DeviceError as exc:
+                raise InputError(str(exc)) from None
+            if measured is not None:
+                options = rebuilt_options(model, measured.model.options)
+            try:
+                # built on the meta device: the same refusals; its first forward runs here, on the host
+                refuse(host_memory_refusal("run", model, options, microbatch_size, DTYPES[dtype or "float32"]))
+                net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
+            except ModelError as exc:
+                raise InputError(str(exc)) from None
         if expert_parallel > 1:
             check_expert_parallel(expert_parallel, net, placed=True)
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,

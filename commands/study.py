@@ -19,6 +19,7 @@ from ..choices import choose_from
 from ..traces.metrics import STALENESS_HEADER
 from ..units import count_text, degree_text
 from .common import (
+    STARTING_STATUS,
     InputError,
     Microbatches,
     Minibatches,
@@ -38,6 +39,7 @@ from .common import (
     require_model,
     stderr,
     stdout,
+    transient_status,
     writing,
     wrote_text,
 )
@@ -168,8 +170,9 @@ def study(
             seed_list = list(range(seeds))
             refuse(stages_refusal(f"--stages {stages:,}", stages, model, setting.model_options))
             _check_cuts(setting, chosen)
-            require_model("pipesim study", model)
-            _check_model(setting)
+            with transient_status(f"{STARTING_STATUS} ({model})", quiet=as_json):  # torch's import: seconds
+                require_model("pipesim study", model)
+                _check_model(setting)
             saved = open_results(results, setting)
             from ..calibrate.contention import ContentionError
             from ..calibrate.runtime import RuntimeProbeError

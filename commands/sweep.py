@@ -17,6 +17,7 @@ from rich.table import Table
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
 from ..units import MAX_MS, count_text, degree_text, whole_number
 from .common import (
+    COUNTING_MODEL,
     LEAST_MS,
     SWEEP_RESULTS,
     Allocator,
@@ -57,6 +58,7 @@ from .common import (
     search_options,
     stderr,
     stdout,
+    transient_status,
     writing,
     zero_stage,
 )
@@ -268,7 +270,8 @@ def sweep(
         jobs = [(scenario, list(range(len(configs))))]
         too_deep = []  # (index, result) of each configuration whose p has more stages than the model has layers
         if what is not None:
-            counted = count_what_if(what, microbatch_size)
+            with transient_status(COUNTING_MODEL, quiet=False):  # a first count imports torch: seconds
+                counted = count_what_if(what, microbatch_size)
             jobs = []
             for p in sorted({config.stages for config in configs}):
                 indices = [i for i, config in enumerate(configs) if config.stages == p]

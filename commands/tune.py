@@ -28,6 +28,7 @@ from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, percent_text, rate_text
 from ..units import GIB, count_text, degree_text
 from .common import (
+    COUNTING_MODEL,
     MAX_DEVICES,
     Allocator,
     DataParallel,
@@ -56,6 +57,7 @@ from .common import (
     search_options,
     stderr,
     stdout,
+    transient_status,
     tune_what_if_options,
     with_help,
     zero_stage,
@@ -248,7 +250,8 @@ def tune(
                 raise InputError(f"--batch-size: give a multiple of --microbatch-size {microbatch_size:,} "
                                  f"(got {batch:,})")
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
-            counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
+            with transient_status(COUNTING_MODEL, quiet=False):  # a first count imports torch: seconds
+                counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, the only line
             part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
             if memory_cap_bytes is None:  # the part's own memory, as its estimates record it (device_memory_bytes)
                 memory_cap_bytes, capped_by = what.gpu.device_memory_bytes, part

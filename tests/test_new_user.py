@@ -10,7 +10,7 @@ from rich.console import Console
 # imported before any test stands a terminal in for common.stderr: a module first imported under the stand-in
 # would keep it as its `stderr` for every later test
 from pipesim import cli  # noqa: F401
-from pipesim.commands import calibrate, common, count, estimate, simulate  # noqa: F401
+from pipesim.commands import calibrate, common, count, estimate, run, simulate, study, sweep, tune  # noqa: F401
 
 from .conftest import pipesim
 from .helpers import GPT_CPU
@@ -102,21 +102,42 @@ def test_a_status_says_what_runs_on_a_terminal_and_nothing_when_quiet(monkeypatc
     assert "counting" in screen.getvalue()
 
 
-@pytest.mark.parametrize("command", [["simulate", "-s", "1f1b"], ["estimate", "--out", "gpt.json"]])
+@pytest.mark.parametrize("command", [["simulate", "-s", "1f1b"], ["estimate", "--out", "gpt.json"],
+                                     ["tune", "-D", "8"], ["sweep", "-s", "1f1b", "-p", "2", "--out", "x.csv"]])
 def test_counting_a_model_for_a_gpu_says_so_on_a_terminal(monkeypatch, tmp_path, command):
     """A first --gpu count imports torch and counts on the meta device, 10 s and more on a busy host, where the
-    terminal stayed blank: a status names it while it runs."""
+    terminal stayed blank (tune's and sweep's 4-5 s, a new user's pass found): a status names it while it runs."""
     screen = _terminal(monkeypatch)
 
     def stopped(*_):  # the command's last step: what the screen shows by its end was shown while it counted
         raise common.InputError("stopped at the count")
 
-    monkeypatch.setattr(simulate, "count_what_if", stopped)
-    monkeypatch.setattr(estimate, "count_what_if", stopped)
+    for module in (simulate, estimate, tune, sweep):
+        monkeypatch.setattr(module, "count_what_if", stopped)
     monkeypatch.chdir(tmp_path)
     code, _, _ = pipesim(*command, "--gpu", "h100-sxm", "--model", "gpt")
     assert code == 2 and "stopped at the count" in screen.getvalue()
-    assert estimate.COUNTING_STATUS in screen.getvalue()
+    assert common.COUNTING_MODEL in screen.getvalue()
+
+
+@pytest.mark.parametrize("command", [["calibrate", "--stages", "2", "--out", "p.json", "--no-runtime",
+                                      "--no-contention", "--no-links"],
+                                     ["run", "-s", "1f1b", "--stages", "2"],
+                                     ["study", "--seeds", "1", "-s", "1f1b", "--no-timing", "--results", "s.json"]])
+def test_a_command_that_trains_says_it_imports_torch_on_a_terminal(monkeypatch, tmp_path, command):
+    """calibrate, run and study import torch and build the model before their bars: 3-6 s of a blank terminal (a
+    new user's pass); a status says so from the start, torch's import itself included (`require_model`)."""
+    screen = _terminal(monkeypatch)
+
+    def stopped(*_):
+        raise common.InputError("stopped at torch's import")
+
+    for module in (calibrate, run, study):
+        monkeypatch.setattr(module, "require_model", stopped)
+    monkeypatch.chdir(tmp_path)
+    code, _, _ = pipesim(*command, "--model", "mlp")
+    assert code == 2 and "stopped at torch's import" in screen.getvalue()
+    assert common.STARTING_STATUS in screen.getvalue()
 
 
 def test_count_says_what_it_counts_on_a_terminal(monkeypatch):
