@@ -52,6 +52,7 @@ _GRID = ((2.0, 1.0, True, 0), (2.0, 1.0, False, 0), (2.0, 1.0, False, 1), (1.0, 
 DEFAULT_SECONDS = 0.3  # search budget unless --search-seconds says otherwise
 DEFAULT_LIMIT = 1.0  # R unless --activation-limit says otherwise: 1F1B's peak activation memory
 _EXACT_STAGES = 4  # up to this many stages, every in-order pattern is timed where the budget affords it
+_REPORTED_DEPTH = 2  # that walk reports its progress after each order of its first this many devices
 _OPS_PER_SECOND = 1_000_000  # ops scheduled or timed per CPU second (measured here: 1.0 to 1.4 million)
 
 
@@ -366,6 +367,8 @@ class _Search:
                 return
             for j in range(len(orders[0])) if k == 0 else follows[k - 1][index]:
                 walk(k + 1, (*chosen, orders[k][j]), j)
+                if k < _REPORTED_DEPTH:  # the bar moves as the walk goes: p = 4, m = 3 walked 10 s at 0 %
+                    self.report()
 
         walk(0, (), 0)
         self.report()

@@ -319,3 +319,26 @@ def test_the_caption_says_when_a_fixed_order_beside_auto_steps_faster_by_holding
     assert "faster than auto" not in " ".join(out.split())
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.split()[:1] in (["auto"], ["zb-h1"])}
     assert rows["auto"] == rows["zb-h1"]
+
+
+def test_timing_every_in_order_pattern_reports_its_progress_as_it_goes(monkeypatch):
+    """The walk over every in-order pattern (p <= 4, where the budget affords it) reported once, at its end: at p = 4,
+    m = 3 (docs/auto.md) the bar sat at 0 % for 10 s, then jumped to 100 %. It reports after each order of its first
+    devices, rising."""
+    from pipesim.planning import auto
+
+    shares, walked = [], []
+    walk = auto._Search.time_every_in_order
+
+    def counted(search):
+        before = len(shares)
+        done = walk(search)
+        walked.append((done, shares[before:]))
+        return done
+
+    monkeypatch.setattr(auto._Search, "time_every_in_order", counted)
+    costs = Costs.per_stage(4, fwd_ms=[5, 5, 1, 1], bwd_ms=[2, 8, 8, 7], wgrad_fraction=0.75)
+    search_schedule(METHODS["auto"].params(4, 2, 2, search_seconds=5), costs, Cluster.uniform(4, 0.5), (),
+                    shares.append)
+    [(done, during)] = walked
+    assert done and len(during) > 4 and during == sorted(during) and during[0] < during[-1] < 1.0
