@@ -432,7 +432,8 @@ def simulate(
             _print_table(summaries, built, steady, example, skipped, memory,
                          _cost_basis(scenario, built, work, peak_text(scenario.measured, what, scenario))
                          + _overlap_text(built, pairs, fb_hidden_fraction) + _scale_text(cost_scale, work)
-                         + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names})
+                         + _runtime_text(scenario) + _cluster_text(scenario, built)
+                         + _cut_text(scenario, {name: cuts[name] for name in names})
                          + _searched_again_text(searched_again)
                          + _held_back_text(built, summaries, memory, [costed[name] for name in names]),
                          [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
@@ -679,6 +680,9 @@ def _scale_text(cost_scale: float, work: ModelWork | None) -> str:
             + (", the MFU over a peak scaled alike" if work is not None else ""))
 
 
+CLUSTER_NAMES_SHOWN = 8  # the caption names the --cluster file's devices that ran up to this many
+
+
 def _runtime_text(scenario) -> str:
     """For the caption: whose pipeline runtime holds the tensors passed between stages, where not pipesim's (the
     peaks differ by it)."""
@@ -686,6 +690,21 @@ def _runtime_text(scenario) -> str:
         return ""
     return (f"; tensors between stages held as {scenario.pp_runtime}'s pipeline runtime holds them (--pp-runtime "
             f"{scenario.pp_runtime})")
+
+
+def _cluster_text(scenario, built: list) -> str:
+    """For the caption: which of a --cluster file's devices the schedules ran on, where they ran on fewer than it
+    lists (its first ones: a 4-device file at -p 2 ran on two without a word, and an out-of-memory device was named
+    by a number the file does not give)."""
+    cluster = scenario.topology
+    used = max((sched.num_devices for sched in built), default=0)
+    if cluster is None or not 0 < used < cluster.num_devices:
+        return ""
+    names = cluster.device_names[:used]
+    named = f" ({', '.join(names)})" if names and len(names) <= CLUSTER_NAMES_SHOWN else ""
+    return (f"; run on devices 0-{used - 1}{named}, the first {used:,} of the --cluster file's "
+            f"{cluster.num_devices:,}" if used > 1 else f"; run on device 0{named}, the first of the --cluster "
+                                                       f"file's {cluster.num_devices:,}")
 
 
 def _cut_text(scenario, cuts: dict[str, list[int]]) -> str:

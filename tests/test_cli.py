@@ -989,3 +989,13 @@ def test_calibrates_runs_a_measurement_are_bounded_with_the_other_flags(tmp_path
     assert (code, out) == (2, "") and err == f"error: {flag}: give at most 1,000 runs a measurement, a hundred " \
                                             "times the default --repeats (got 1,001)\n", err
     assert not out_path.exists()
+
+
+def test_a_cluster_file_of_more_devices_than_ran_says_which_of_them_ran():
+    """examples/cluster.json lists 4 devices; at -p 2 the schedule ran on the first two without a word, and a
+    device out of memory was named by a number the file does not give. The caption names them; at -p 4 nothing."""
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-p", "2", "--cluster", EXAMPLES / "cluster.json")
+    assert code == 0, err
+    assert "run on devices 0-1 (gpu0, gpu1), the first 2 of the --cluster file's 4" in " ".join(out.split())
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-p", "4", "--cluster", EXAMPLES / "cluster.json")
+    assert code == 0 and "--cluster file's" not in out, err
