@@ -804,8 +804,8 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                           + (f"; {MFU_PAST_PEAK_TEXT}" if any(share is not None and share > 1 for share in mfu)
                              else "")
                           + f"; {_steady_text(schedules, steady)}; peak act: micro-batches of activations "
-                          "held" + (", each a chunk's where v > 1" if any(sched.num_stages > sched.num_devices
-                                                                          for sched in schedules) else "")
+                          "held" + (", each a chunk's where a device holds several"
+                                    if any(sched.num_stages > sched.num_devices for sched in schedules) else "")
                           + "; copies: versions of one stage's weights held"
                           + (f", {said['copies']} in every row" if "copies" in said else "")
                           + (f"; {STALENESS_HEADER}: {said[STALENESS_HEADER]} in every row"
