@@ -195,4 +195,47 @@ def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
               start_us=table[:, 6] - table[:, 6].min(), dur_us=table[:, 7])
     meta = replace(like.meta, source="measured", costs=None, cluster=None, jitter=0.0, calibration=None,
                    hardware={"runtime": TORCH_RUNTIME, "ranks": len(ranks)}, extra={})
-    return Trace(like.kinds, like.num_devices, ops, meta)
+    measured = Trace(like.kinds, like.num_devices, ops, meta)
+    _check_same_run(measured, like)
+    return measured
+
+
+_PASSES = ("F", "B", "I", "W")  # the actions whose order on a rank is the schedule's (torch records each)
+
+
+def _check_same_run(measured: Trace, like: Trace) -> None:
+    """Raise TraceError where the torch run is not the run `like` predicts: its micro-batches, its steps (the
+    mini-batches profiled) and each rank's order of passes in its first step are read off the actions themselves.
+    The measured trace takes the prediction's metadata, which the profiler records none of, so compare's own
+    checks passed trivially: a GPipe prediction, or one of m = 4 over 8 steps, was held against a 1F1B run of m = 8
+    over 3 and printed an error."""
+    def passes(trace: Trace) -> np.ndarray:
+        codes = [trace.kinds.index(k) for k in _PASSES if k in trace.kinds]
+        return np.isin(trace.ops.kind, codes)
+
+    ran, predicted = passes(measured), passes(like)
+    for name, count in (("microbatches", "micro-batches"), ("minibatches", "steps (mini-batches)")):
+        column = "microbatch" if name == "microbatches" else "minibatch"
+        got = int(getattr(measured.ops, column)[ran].max()) + 1 if ran.any() else 0
+        want = getattr(like.meta, name)
+        if got != want:
+            flag = "-m" if name == "microbatches" else "-n"
+            raise TraceError(f"the torch run is not the predicted one: it ran {got:,} {count}, the prediction "
+                             f"{want:,}: predict with {flag} {got:,}")
+    for device in range(like.num_devices):
+        orders = [_first_step_order(trace, mask, device) for trace, mask in ((measured, ran), (like, predicted))]
+        if orders[0] != orders[1]:
+            at = next((i for i, (a, b) in enumerate(zip(*orders)) if a != b), min(map(len, orders)))
+            shown = [" ".join(order[max(at - 2, 0):at + 2]) or "nothing" for order in orders]
+            raise TraceError(f"the torch run is not the predicted {like.meta.schedule}: rank {device}'s first step "
+                             f"runs {shown[0]} at pass {at + 1}, the prediction {shown[1]}: predict the schedule "
+                             "torch ran")
+
+
+def _first_step_order(trace: Trace, passes: np.ndarray, device: int) -> list[str]:
+    """Device `device`'s passes of mini-batch 0 in the order they started, each as `stage kind micro-batch`
+    (`0F3`), as torch's actions write them."""
+    ops = trace.ops
+    rows = np.flatnonzero(passes & (ops.device == device) & (ops.minibatch == 0))
+    rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
+    return [f"{ops.stage[i]}{trace.kinds[ops.kind[i]]}{ops.microbatch[i]}" for i in rows]

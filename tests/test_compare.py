@@ -531,6 +531,25 @@ def test_an_incomplete_run_compares_the_pairs_that_ran_whole_and_the_parts_alone
     assert by_kind["F&B"].duration_median == 0  # no part hidden (fraction 0): each pair F + B as predicted
 
 
+@pytest.mark.parametrize("flags, refusal", [
+    (("-s", "gpipe", "-m", "8", "-n", "3"), "the torch run is not the predicted gpipe: rank 0's first step runs "
+                                             "0F0 0F1 0B0 0F2 at pass 3, the prediction 0F0 0F1 0F2 0F3"),
+    (("-s", "1f1b", "-m", "4", "-n", "3"), "it ran 8 micro-batches, the prediction 4: predict with -m 8"),
+    (("-s", "1f1b", "-m", "8", "-n", "2"), "it ran 3 steps (mini-batches), the prediction 2: predict with -n 3"),
+])
+def test_a_torch_run_held_against_the_prediction_of_another_is_refused(tmp_path, flags, refusal):
+    """A torch run's traces take the prediction's metadata, which its profiler records none of, so compare's checks
+    passed trivially: a GPipe prediction, or one of other m or N, was held against the committed 1F1B run (m = 8,
+    3 steps) and printed an error. Its micro-batches, steps and each rank's order are read off its actions."""
+    predicted = tmp_path / "p.json"
+    assert pipesim("simulate", *flags, "-p", "2", "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", TORCH_RUNS / "torch-1f1b-2cpu", predicted)
+    assert (code, out) == (2, "") and refusal in err and len(err.strip().splitlines()) == 1, err
+    assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "8", "-n", "3", "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", TORCH_RUNS / "torch-1f1b-2cpu", predicted, "--json")
+    assert code == 0 and any("record no model" in note for note in json.loads(out)["notes"]), err
+
+
 @pytest.mark.parametrize("run_dir, schedule, recorded", [
     ("torch-1f1b-2cpu", "1f1b", {"F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}),  # PP:<action> ranges
     ("torch-gpipe-2cpu", "gpipe", {"F", "B", "OPT"}),  # ScheduleGPipe's Forward i / Backward i ranges

@@ -407,6 +407,19 @@ def _warnings(predicted: Trace, measured: Trace) -> list[str]:
     return [passes_warning(torch_run)]
 
 
+def _unrecorded_notes(predicted: Trace, measured: Trace) -> list[str]:
+    """For a torch.profiler run: what its traces do not record, which compare takes as the prediction's (its
+    schedule, micro-batches and steps are read off its actions and checked: planning/torch_profile.py)."""
+    if (measured.meta.hardware or {}).get("runtime") != TORCH_RUNTIME:
+        return []
+    setting = _setting_of(predicted) or {}
+    taken = [f"{label} {setting[name]}" for name, label in (("model", "model"), ("microbatch_size", "micro-batch size"),
+                                                              ("optimizer", "optimizer"), ("dtype", "dtype"))
+             if setting.get(name) is not None]
+    return ["torch's profiler traces record no model, micro-batch size, optimizer or dtype: compare takes the "
+            f"prediction's{' (' + ', '.join(taken) + ')' if taken else ''}; predict with what torch ran"]
+
+
 def passes_warning(torch_run: bool) -> str:
     """What compare and `pipesim run --profile` say of a profile whose stages' passes were timed with the other
     runtime's code than the run's (`calibrate --passes-as`; `torch_run`: the run is torch's, else pipesim's): a
@@ -487,6 +500,7 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
     version_examples = [f"{measured.op_label(int(at_m[recorded][i]))} on device "
                         f"{measured.ops.device[at_m[recorded][i]]}: predicted version {v_p[i]}, measured {v_m[i]}"
                         for i in wrong[:3]]
+    notes += _unrecorded_notes(predicted, measured)
     if not measured.meta.complete:
         notes.append(f"the measured run is {measured.meta.incomplete_text}: {len(only_p):,} predicted ops were never "
                      "run; the errors, and every predicted figure, cover the ops that ran")
