@@ -164,6 +164,7 @@ def compare(
     kind, bubble, exposed communication, peak memory per device, and the weight versions (which must agree).
     Errors are (predicted − measured) / measured."""
     from ..traces.compare import compare as compare_traces
+    from ..traces.compare import ran_prediction
     from ..traces.trace import TraceError, read_trace
 
     try:
@@ -202,7 +203,8 @@ def compare(
             from ..traces.view import error_figure, write_timeline_page
 
             with writing("--html"):
-                write_timeline_page([predicted_trace, measured_trace], html, labels=["predicted", "measured"],
+                drawn = [ran_prediction(predicted_trace, measured_trace), measured_trace]  # the ops the figures cover
+                write_timeline_page(drawn, html, labels=["predicted", "measured"],
                                     title=f"pipesim: {result.schedule}, predicted and measured",
                                     views=[("predicted and measured", [0, 1]), ("predicted", [0]), ("measured", [1])],
                                     notes=result.notes,

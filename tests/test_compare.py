@@ -839,3 +839,25 @@ def test_the_h200_checks_runs_at_this_code_are_predicted_from_their_calibration_
     assert result.predicted_ms == pytest.approx(step["calibrated_ms"], rel=1e-9)
     assert result.measured_ms == pytest.approx(step["measured_ms"], rel=1e-9)
     assert abs(result.predicted_ms / result.measured_ms - 1) < within
+
+
+def test_an_incomplete_runs_page_draws_the_prediction_of_the_ops_that_ran(tmp_path, monkeypatch):
+    """compare's terminal held an interrupted run against the prediction of the ops that ran, but its page drew the
+    whole prediction (2,000 mini-batches beside the 60 that ran, its makespan in the title): the page draws what
+    the figures are of."""
+    from pipesim.traces import view
+    from pipesim.traces.compare import ran_prediction
+    from pipesim.traces.trace import write_trace
+
+    predicted = run("1f1b", 2, 4, 8, comm=0.1, param_mb=100, activation_mb=10).trace
+    ran = predicted.ops.minibatch < 2
+    measured = as_measured(predicted, keep=ran, complete=False, failed_rank=1)
+    assert ran_prediction(predicted, as_measured(predicted)) is predicted
+    assert len(ran_prediction(predicted, measured).ops) == ran.sum() < len(predicted.ops)
+    drawn = []
+    monkeypatch.setattr(view, "write_timeline_page", lambda traces, *_, **__: drawn.extend(traces))
+    write_trace(measured, tmp_path / "m.json")
+    write_trace(predicted, tmp_path / "p.json")
+    code, _, err = pipesim("compare", tmp_path / "m.json", tmp_path / "p.json", "--html", tmp_path / "c.html")
+    assert code == 0, err
+    assert [len(trace.ops) for trace in drawn] == [ran.sum(), ran.sum()]

@@ -218,6 +218,16 @@ def _ran_part(predicted: Trace, at_p: np.ndarray) -> Trace:
     return replace(predicted, ops=ops, counters=counters)
 
 
+def ran_prediction(predicted: Trace, measured: Trace) -> Trace:
+    """The prediction as compare holds it against `measured`: whole for a complete run, else of the ops that ran
+    (`_ran_part`), so that a page draws what the terminal's figures are of: an interrupted run's page drew all 2,000
+    predicted mini-batches beside the 60 that ran, and titled them with the whole prediction's makespan."""
+    if measured.meta.complete:
+        return predicted
+    measured, _ = _replica_zero(predicted, measured)
+    return _ran_part(predicted, _match(predicted, measured)[0])
+
+
 def _identities(predicted: Trace, measured: Trace) -> tuple[np.ndarray, np.ndarray]:
     """One dense int64 id per op identity, shared by both traces (kinds matched by name)."""
     names = sorted(set(predicted.kinds) | set(measured.kinds))
