@@ -1337,6 +1337,7 @@ def progress(items: Iterable, quiet: bool, total: int | None = None, doing: str 
 # builds its model: seconds with nothing else on the screen
 COUNTING_MODEL = "counting the model on torch's meta device"
 STARTING_STATUS = "importing torch and building the model"
+READING_STATUS = "reading the traces"  # compare's and view's: a large run's take tens of seconds to read and draw
 
 
 @contextmanager

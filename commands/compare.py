@@ -14,7 +14,18 @@ from rich.table import Table
 from rich.text import Text
 
 from ..traces.metrics import mib_text, ms_text, percent_text, signed_text
-from .common import InputError, check_outputs, fail, refuse, stderr, stdout, warn_of_wall_time_tail, writing
+from .common import (
+    READING_STATUS,
+    InputError,
+    check_outputs,
+    fail,
+    refuse,
+    stderr,
+    stdout,
+    transient_status,
+    warn_of_wall_time_tail,
+    writing,
+)
 from .tables import print_message, print_tables
 
 
@@ -168,47 +179,52 @@ def compare(
     from ..traces.trace import TraceError, read_trace
 
     try:
-        check_outputs([("--html", html)], [("measured trace", measured), ("predicted trace", predicted)])
-        if os.path.isdir(measured):  # False for a path that cannot be looked at, which read_trace names
-            from ..planning.torch_profile import read_torch_profile
+        with transient_status(READING_STATUS, quiet=as_json):  # a large run's traces: tens of seconds
+            check_outputs([("--html", html)], [("measured trace", measured), ("predicted trace", predicted)])
+            if os.path.isdir(measured):  # False for a path that cannot be looked at, which read_trace names
+                from ..planning.torch_profile import check_same_run, read_torch_profile
 
-            ranks = sorted(measured.glob("*.json"))
-            if not ranks:  # before PREDICTED is asked for: the folder itself is what is wrong
-                raise InputError(f"MEASURED: {measured} is a folder with no .json files; give a trace from "
-                                 "`pipesim run --trace`, or a folder of torch.profiler traces, one per rank")
-            refuse(_pipesim_traces_refusal(measured, ranks, predicted))
-            if predicted is None:
-                raise InputError(f"{measured} holds torch profiler traces, which say nothing about the run's "
-                                 "schedule or costs: give the predicted trace too")
-            predicted_trace = read_trace(predicted)
-            measured_trace = read_torch_profile(ranks, like=predicted_trace)
-        else:
-            measured_trace = read_trace(measured)
-            if predicted is None:
-                from ..planning.replay import predict_measured, recorded_profile
-
-                try:
-                    predicted_trace = predict_measured(measured_trace.meta)
-                except TraceError as exc:  # said "a predicted trace: ...", no file named
-                    raise TraceError(f"MEASURED {measured}: {exc}") from None
-                warn_of_wall_time_tail(recorded_profile(measured_trace.meta), f"MEASURED {measured}'s recorded profile")
-            else:
+                ranks = sorted(measured.glob("*.json"))
+                if not ranks:  # before PREDICTED is asked for: the folder itself is what is wrong
+                    raise InputError(f"MEASURED: {measured} is a folder with no .json files; give a trace from "
+                                     "`pipesim run --trace`, or a folder of torch.profiler traces, one per rank")
+                refuse(_pipesim_traces_refusal(measured, ranks, predicted))
+                if predicted is None:
+                    raise InputError(f"{measured} holds torch profiler traces, which say nothing about the run's "
+                                     "schedule or costs: give the predicted trace too")
                 predicted_trace = read_trace(predicted)
-                if (measured_trace.meta.source, predicted_trace.meta.source) == ("predicted", "measured"):
-                    # swapped, the run's error came out as its prediction's, inverted, and sign flipped
-                    raise InputError(f"MEASURED {measured} is a predicted trace and PREDICTED {predicted} a measured "
-                                     f"one: the run comes first: pipesim compare {predicted} {measured}")
-        result = compare_traces(predicted_trace, measured_trace)
-        if html is not None:
-            from ..traces.view import error_figure, write_timeline_page
+                measured_trace = read_torch_profile(ranks, like=predicted_trace)
+                check_same_run(measured_trace, predicted_trace)
+            else:
+                measured_trace = read_trace(measured)
+                if predicted is None:
+                    from ..planning.replay import predict_measured, recorded_profile
 
-            with writing("--html"):
-                drawn = [ran_prediction(predicted_trace, measured_trace), measured_trace]  # the ops the figures cover
-                write_timeline_page(drawn, html, labels=["predicted", "measured"],
-                                    title=f"pipesim: {result.schedule}, predicted and measured",
-                                    views=[("predicted and measured", [0, 1]), ("predicted", [0]), ("measured", [1])],
-                                    notes=result.notes,
-                                    figures=[("per-op duration error by kind", error_figure(result))])
+                    try:
+                        predicted_trace = predict_measured(measured_trace.meta)
+                    except TraceError as exc:  # said "a predicted trace: ...", no file named
+                        raise TraceError(f"MEASURED {measured}: {exc}") from None
+                    warn_of_wall_time_tail(recorded_profile(measured_trace.meta),
+                                           f"MEASURED {measured}'s recorded profile")
+                else:
+                    predicted_trace = read_trace(predicted)
+                    if (measured_trace.meta.source, predicted_trace.meta.source) == ("predicted", "measured"):
+                        # swapped, the run's error came out as its prediction's, inverted, and sign flipped
+                        raise InputError(f"MEASURED {measured} is a predicted trace and PREDICTED {predicted} a "
+                                         f"measured one: the run comes first: pipesim compare {predicted} {measured}")
+            result = compare_traces(predicted_trace, measured_trace)
+            if html is not None:
+                from ..traces.view import error_figure, write_timeline_page
+
+                with writing("--html"):
+                    # the ops the figures cover
+                    drawn = [ran_prediction(predicted_trace, measured_trace), measured_trace]
+                    write_timeline_page(drawn, html, labels=["predicted", "measured"],
+                                        title=f"pipesim: {result.schedule}, predicted and measured",
+                                        views=[("predicted and measured", [0, 1]), ("predicted", [0]),
+                                               ("measured", [1])],
+                                        notes=result.notes,
+                                        figures=[("per-op duration error by kind", error_figure(result))])
     except (InputError, TraceError) as exc:
         fail(str(exc))
     for warning in result.warnings:

@@ -8,7 +8,18 @@ from typing import Annotated
 
 import typer
 
-from .common import InputError, check_outputs, fail, out_of_memory_line, stderr, stdout, writing, wrote_text
+from .common import (
+    READING_STATUS,
+    InputError,
+    check_outputs,
+    fail,
+    out_of_memory_line,
+    stderr,
+    stdout,
+    transient_status,
+    writing,
+    wrote_text,
+)
 from .tables import print_message
 
 
@@ -44,31 +55,33 @@ def view(
 
     out = html if html is not None else traces[0].with_suffix(".html")
     try:
-        # the page is named after it: say why it cannot be read, or what it is where it is the page's own name (a
-        # page given as the trace was refused as --html, a flag not given)
-        if html is None and (not os.path.isfile(traces[0]) or out.resolve() == traces[0].resolve()):
-            read_trace(traces[0])
-        check_outputs([("--html", out)], [("trace", path) for path in traces])  # a file there: a pipesim page
-        if len({path.resolve() for path in traces}) < len(traces):  # drawn twice under one name, its bars as one
-            again = next(path for i, path in enumerate(traces) if path.resolve() in {p.resolve() for p in traces[:i]})
-            raise InputError(f"TRACE: {again} is given twice; give each trace once")
-        replaced = out.is_file()
-        loaded = [read_trace(path) for path in traces]
-        labels, subjects = zip(*_names(traces, loaded))
-        views = [(label, [i]) for i, label in enumerate(labels)]
-        if len(loaded) > 1:
-            views.insert(0, ("all, device by device", list(range(len(loaded)))))
-        title = "pipesim: " + "; ".join(labels)  # a run's shape is its view line's (p=2, m=4, N=8, 272 ops)
-        checks = [None if t.meta.memory_checks is None else [MemoryCheck.of_record(c) for c in t.meta.memory_checks]
-                  for t in loaded]
-        # a run that stopped part-way: its ms/step, bubble and peaks are those of what ran, not of the run
-        notes = [f"{subject} is {trace.meta.incomplete_text}: its figures cover only the ops that ran"
-                 for subject, trace in zip(subjects, loaded) if not trace.meta.complete]
-        notes += [line for subject, device_checks in zip(subjects, checks) if device_checks is not None
-                  and (line := out_of_memory_line(subject, device_checks)) is not None]
-        with writing("--html"):
-            write_timeline_page(loaded, out, labels=labels, views=views, title=title, notes=notes,
-                                memory_checks=checks)
+        with transient_status(READING_STATUS, quiet=False):  # a large run's traces: tens of seconds
+            # the page is named after it: say why it cannot be read, or what it is where it is the page's own name (a
+            # page given as the trace was refused as --html, a flag not given)
+            if html is None and (not os.path.isfile(traces[0]) or out.resolve() == traces[0].resolve()):
+                read_trace(traces[0])
+            check_outputs([("--html", out)], [("trace", path) for path in traces])  # a file there: a pipesim page
+            if len({path.resolve() for path in traces}) < len(traces):  # drawn twice under one name, its bars as one
+                again = next(path for i, path in enumerate(traces)
+                             if path.resolve() in {p.resolve() for p in traces[:i]})
+                raise InputError(f"TRACE: {again} is given twice; give each trace once")
+            replaced = out.is_file()
+            loaded = [read_trace(path) for path in traces]
+            labels, subjects = zip(*_names(traces, loaded))
+            views = [(label, [i]) for i, label in enumerate(labels)]
+            if len(loaded) > 1:
+                views.insert(0, ("all, device by device", list(range(len(loaded)))))
+            title = "pipesim: " + "; ".join(labels)  # a run's shape is its view line's (p=2, m=4, N=8, 272 ops)
+            checks = [None if t.meta.memory_checks is None else [MemoryCheck.of_record(c) for c in t.meta.memory_checks]
+                      for t in loaded]
+            # a run that stopped part-way: its ms/step, bubble and peaks are those of what ran, not of the run
+            notes = [f"{subject} is {trace.meta.incomplete_text}: its figures cover only the ops that ran"
+                     for subject, trace in zip(subjects, loaded) if not trace.meta.complete]
+            notes += [line for subject, device_checks in zip(subjects, checks) if device_checks is not None
+                      and (line := out_of_memory_line(subject, device_checks)) is not None]
+            with writing("--html"):
+                write_timeline_page(loaded, out, labels=labels, views=views, title=title, notes=notes,
+                                    memory_checks=checks)
     except (InputError, TraceError) as exc:
         fail(str(exc))
     for note in notes:  # as simulate warns: the page's note alone went unseen by a user who did not open it

@@ -195,20 +195,18 @@ def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
               start_us=table[:, 6] - table[:, 6].min(), dur_us=table[:, 7])
     meta = replace(like.meta, source="measured", costs=None, cluster=None, jitter=0.0, calibration=None,
                    hardware={"runtime": TORCH_RUNTIME, "ranks": len(ranks)}, extra={})
-    measured = Trace(like.kinds, like.num_devices, ops, meta)
-    _check_same_run(measured, like)
-    return measured
+    return Trace(like.kinds, like.num_devices, ops, meta)
 
 
 _PASSES = ("F", "B", "I", "W")  # the actions whose order on a rank is the schedule's (torch records each)
 
 
-def _check_same_run(measured: Trace, like: Trace) -> None:
-    """Raise TraceError where the torch run is not the run `like` predicts: its micro-batches, its steps (the
-    mini-batches profiled) and each rank's order of passes in its first step are read off the actions themselves.
-    The measured trace takes the prediction's metadata, which the profiler records none of, so compare's own
-    checks passed trivially: a GPipe prediction, or one of m = 4 over 8 steps, was held against a 1F1B run of m = 8
-    over 3 and printed an error."""
+def check_same_run(measured: Trace, like: Trace) -> None:
+    """Raise TraceError where the torch run `measured` (`read_torch_profile`'s) is not the run `like` predicts: its
+    micro-batches, its steps (the mini-batches profiled) and each rank's order of passes in its first step are read
+    off the actions themselves. The measured trace takes the prediction's metadata, which the profiler records none
+    of, so compare's own checks passed trivially: a GPipe prediction, or one of m = 4 over 8 steps, was held against
+    a 1F1B run of m = 8 over 3 and printed an error."""
     def passes(trace: Trace) -> np.ndarray:
         codes = [trace.kinds.index(k) for k in _PASSES if k in trace.kinds]
         return np.isin(trace.ops.kind, codes)

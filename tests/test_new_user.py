@@ -332,3 +332,16 @@ def test_tunes_json_gives_the_estimates_seconds_beside_the_searchs():
         search = json.loads(out)["search"]
         assert (search["estimates_seconds"] > 0) if estimated else (search["estimates_seconds"] is None), search
         assert search["seconds"] > 0
+
+
+def test_compare_and_view_say_they_read_the_traces_on_a_terminal(monkeypatch, tmp_path):
+    """Two traces of 16 devices x 4,096 micro-batches took compare 31 s and view 12 s with a blank terminal (a new
+    user's pass): a status says what runs until the tables or the page's line."""
+    monkeypatch.chdir(tmp_path)
+    assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--trace", "a.json").code == 0
+    screen = _terminal(monkeypatch)
+    assert pipesim("view", "a.json").code == 0
+    assert common.READING_STATUS in screen.getvalue()
+    screen = _terminal(monkeypatch)
+    assert pipesim("compare", "a.json", "a.json").code == 0  # a prediction against itself: no error
+    assert common.READING_STATUS in screen.getvalue()
