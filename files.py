@@ -131,10 +131,9 @@ def first_error(exc: Any, model: Any = None) -> str:
         near = nearest_text(err["loc"][-1], allowed)
         listed = allowed and not (near and len(allowed) > _FIELDS_LISTED)  # a profile's layer has 40: the one meant
         message = f"unknown field{near}" + (f"; allowed: {', '.join(allowed)}" if listed else "")
-    elif err["type"] in _NOT_AN_OBJECT:
-        message = "Input should be an object"
     else:
-        message = "give true or false" if err["type"] in _BOOLEAN else err["msg"].removeprefix("Value error, ")
+        message = ("Input should be an object" if err["type"] in _NOT_AN_OBJECT else "give true or false"
+                   if err["type"] in _BOOLEAN else err["msg"].removeprefix("Value error, "))
         given = err.get("input")
         if err["type"] != "missing" and isinstance(given, str | int | float) and "(got " not in message:
             message += f" (got {_value_text(given)})"

@@ -78,6 +78,23 @@ def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
     assert fragment in _refusal_once_edited(predicted, tmp_path, lambda doc: edit(doc["pipesim"]["meta"]))
 
 
+@pytest.mark.parametrize("edit,fragment", [
+    (lambda doc: doc["pipesim"]["meta"].update(microbatchez=4),
+     "meta: unknown field 'microbatchez' (did you mean 'microbatches'?)"),
+    (lambda doc: doc["pipesim"].update(num_devicez=3),  # read as no field at all
+     "pipesim header: unknown field 'num_devicez' (did you mean 'num_devices'?); allowed: schema_version, kinds, "),
+    (lambda doc: [event for event in doc["traceEvents"] if event["ph"] == "X"][0].update(args=None),
+     "malformed trace event {first}: missing or wrong field"),
+])
+def test_a_misspelt_header_field_or_a_broken_event_is_named_with_what_was_meant(predicted, tmp_path, edit, fragment):
+    """A new user's pass: a misspelt meta field was "unknown field" with nothing meant, a misspelt header field was
+    read as none, and an event without its args was not said which."""
+    from pipesim.traces.trace import to_chrome
+
+    first = next(i for i, event in enumerate(to_chrome(predicted)["traceEvents"]) if event["ph"] == "X")
+    assert fragment.format(first=first) in _refusal_once_edited(predicted, tmp_path, edit)
+
+
 def _check(device: int) -> dict:
     from pipesim.sim.cluster import MemoryCheck
 

@@ -25,7 +25,7 @@ import numpy as np
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
 
 from .. import __version__
-from ..choices import optimizer_refusal
+from ..choices import nearest_text, optimizer_refusal
 from ..files import TRACE, first_error, read_document
 from ..memory_parts import MEMORY_PARTS
 from ..units import number_allowed
@@ -280,7 +280,8 @@ class TraceMeta:
             raise TraceError(f"pipesim header: meta: give an object of fields (got {json.dumps(doc)[:40]})")
         unknown = sorted(set(doc) - {f.name for f in fields(cls)})
         if unknown:
-            raise TraceError(f"pipesim header: meta: unknown field {unknown[0]!r}")
+            known = [f.name for f in fields(cls)]
+            raise TraceError(f"pipesim header: meta: unknown field {unknown[0]!r}{nearest_text(unknown[0], known)}")
         try:
             meta = TypeAdapter(cls).validate_json(json.dumps(doc), strict=True)  # JSON types, no coercion
         except ValidationError as exc:  # a field's error: its loc names it (`doc` is an object)
@@ -430,6 +431,9 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
     }
 
 
+_HEADER_KEYS = ("schema_version", "kinds", "streams", "num_devices", "counters", "meta")  # `to_chrome`'s
+
+
 def from_chrome(doc: Any) -> Trace:
     """Read a document written by `to_chrome`; raises TraceError naming what is missing or wrong."""
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
@@ -437,6 +441,10 @@ def from_chrome(doc: Any) -> Trace:
     head = doc.get("pipesim")
     if not isinstance(head, dict):
         raise TraceError("not a pipesim trace: the top-level 'pipesim' key is missing")
+    unknown = sorted(set(head) - set(_HEADER_KEYS))
+    if unknown:  # `num_devicez` was read as no field at all, and the trace as one without it
+        raise TraceError(f"pipesim header: unknown field {unknown[0]!r}{nearest_text(unknown[0], _HEADER_KEYS)}; "
+                         f"allowed: {', '.join(_HEADER_KEYS)}")
     if head.get("schema_version") != SCHEMA_VERSION:
         raise TraceError(
             f"trace schema_version {head.get('schema_version')!r} is not supported (this pipesim reads "
@@ -461,8 +469,9 @@ def from_chrome(doc: Any) -> Trace:
     kind_codes = {k: i for i, k in enumerate(kinds)}
     columns: dict[str, list] = {name: [] for name in _INT_COLUMNS + _FLOAT_COLUMNS}
     samples: dict[tuple[str, int], tuple[list, list]] = {}
+    index = 0
     try:
-        for event in doc["traceEvents"]:
+        for index, event in enumerate(doc["traceEvents"]):
             phase = event.get("ph")
             if phase == "X":
                 args = event["args"]
@@ -480,7 +489,7 @@ def from_chrome(doc: Any) -> Trace:
                 times.append(event["ts"])
                 values.append(event["args"]["value"])
     except (KeyError, TypeError, AttributeError) as exc:
-        raise TraceError(f"malformed trace event: missing or wrong field {exc}") from None
+        raise TraceError(f"malformed trace event {index:,}: missing or wrong field {exc}") from None
     try:
         ops = Ops(**columns)
     except (TypeError, ValueError) as exc:
