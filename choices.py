@@ -15,19 +15,21 @@ def choose_from(flag: str, choices: Iterable[object], value: object) -> str:
     return f"{flag}: choose from {', '.join(map(str, choices))} (got {value!r})"
 
 
-def nearest_text(name: object, known: Iterable[object]) -> str:
+def nearest_text(name: object, known: Iterable[object], prefix: str = "") -> str:
     """" (did you mean '1f1b'?)" for the known name closest to a misspelt one (its case and underscores aside:
     "H100_SXM", "1FB1"), else nothing: the one meant is easy to miss in the list of every name that follows. A name
     that begins known ones is answered with them (" (did you mean 'h100-sxm' or 'h100-pcie'?)"), where the closest
-    spelling of "h100" was 'h800'."""
+    spelling of "h100" was 'h800'. `prefix`, which every name (given and known) begins with, is no part of the
+    likeness: "--zero" was near "--lr" by its dashes."""
     if not isinstance(name, str):
         return ""
-    given, names = name.lower().replace("_", "-"), list(map(str, known))
+    given = name.removeprefix(prefix).lower().replace("_", "-")
+    names = [str(known_name).removeprefix(prefix) for known_name in known]
     nearest = [known_name for known_name in names if given and known_name.startswith(given)] or (
         difflib.get_close_matches(given, names, n=1))
     if not nearest:
         return ""
-    *others, last = map(repr, nearest)
+    *others, last = (repr(prefix + known_name) for known_name in nearest)
     return f" (did you mean {', '.join(others) + ' or ' if others else ''}{last}?)"
 
 

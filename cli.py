@@ -223,6 +223,27 @@ def _extra(exc: Exception, args: list[str]) -> str | None:
     return f"`pipesim {ctx.info_name}` {what}; see `pipesim {ctx.info_name} --help`"
 
 
+def _unknown_option(exc: Exception) -> str | None:
+    """An option the command does not take, as one line: the command's own option nearest it where one is near, and
+    the commands that take it where others do. click suggested any option of the command, however far ("No such
+    option: --zero (Possible options: --lr)" for `pipesim run --zero 1`, a flag of simulate, sweep and tune)."""
+    ctx, name = getattr(exc, "ctx", None), getattr(exc, "option_name", None)
+    if ctx is None or not isinstance(name, str) or not name.startswith("--") or ctx.info_name not in COMMANDS:
+        return None
+    from .choices import nearest_text
+
+    def options(command) -> list[str]:
+        return [opt for param in command.params
+                for opt in (*param.opts, *getattr(param, "secondary_opts", ())) if opt.startswith("--")]
+
+    built = typer.main.get_command(make_app()).commands  # every command's options: an error's path, once
+    others = [command for command in COMMANDS if command != ctx.info_name and name in options(built[command])]
+    near = nearest_text(name, options(ctx.command), prefix="--")
+    taken = (f" ({', '.join(others[:-1])} and {others[-1]} take it)" if len(others) > 1
+             else f" ({others[0]} takes it)" if others else "")
+    return f"`pipesim {ctx.info_name}` has no option {name}{near}{taken}; see `pipesim {ctx.info_name} --help`"
+
+
 def _bad_value(exc: Exception, args: list[str]) -> str | None:
     """An option's value click refused (a range, a type) as pipesim's own refusals say one: the flag as typed (`-j
     (--workers)`, where click named `--workers` alone), what a number option allows with its bounds grouped in
@@ -288,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         from .commands.common import fail
 
         # click's usage and parameter errors
-        fail(_missing(exc) or _bad_value(exc, args) or _extra(exc, args) or exc.format_message())
+        fail(_missing(exc) or _bad_value(exc, args) or _extra(exc, args) or _unknown_option(exc)
+             or exc.format_message())
     if code == INTERRUPTED:  # typer turns a KeyboardInterrupt in a command into this exit code
         print("interrupted", file=sys.stderr)
     if argv is None:  # the process ends here: the interpreter's last collections over what torch and sympy made

@@ -132,7 +132,7 @@ def test_schedules_lists_methods():
     (["-s", "1f1b", "--seed", str(2**32)], "--seed: give a whole number from 0 to 4,294,967,295 (got 4,294,967,296)"),
     (["--html", "/no/such/dir/x.html"], "--html: cannot write"),
     (["--trace", "/no/such/dir/x.json"], "--trace: cannot write"),
-    (["--frobnicate"], "No such option"),
+    (["--frobnicate"], "`pipesim simulate` has no option --frobnicate; see `pipesim simulate --help`"),
     (["-s", "interleaved-1f1b", "-m", "6"], "multiple of stages"),
     (["-s", "1f1b", "--advance", "2"], "--advance applies to avgpipe only"),
     (["-s", "avgpipe", "--elastic-alpha", "0"], "--elastic-alpha"),
@@ -999,3 +999,13 @@ def test_a_cluster_file_of_more_devices_than_ran_says_which_of_them_ran():
     assert "run on devices 0-1 (gpu0, gpu1), the first 2 of the --cluster file's 4" in " ".join(out.split())
     code, out, err = pipesim("simulate", "-s", "1f1b", "-p", "4", "--cluster", EXAMPLES / "cluster.json")
     assert code == 0 and "--cluster file's" not in out, err
+
+
+def test_an_option_of_another_command_says_which_take_it():
+    """`pipesim run --zero 1` said "No such option: --zero (Possible options: --lr)": click's nearest option, however
+    far, and nothing of simulate, sweep, tune and estimate, which take it (a new user's pass)."""
+    code, out, err = pipesim("run", "-s", "1f1b", "--zero", "1")
+    assert (code, out, err) == (2, "", "error: `pipesim run` has no option --zero (simulate, sweep, tune and estimate "
+                                       "take it); see `pipesim run --help`\n")
+    code, _, err = pipesim("simulate", "--schedul", "1f1b")
+    assert code == 2 and "has no option --schedul (did you mean '--schedule' or '--schedule-file'?);" in err

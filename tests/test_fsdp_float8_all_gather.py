@@ -133,4 +133,5 @@ def test_tune_does_not_offer_it_since_it_takes_no_zero_or_precision():
         assert code == 0 and ("--fsdp-float8-all-gather" in out) == (command != "tune"), command
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "-D", 8, "--dtype", "fp8",
                              "--fp8-recipe", "torchao", "--fsdp-float8-all-gather")
-    assert (code, out, err) == (2, "", "error: No such option: --fsdp-float8-all-gather\n")
+    assert (code, out, err) == (2, "", "error: `pipesim tune` has no option --fsdp-float8-all-gather (simulate, "
+                                       "sweep and estimate take it); see `pipesim tune --help`\n")
