@@ -74,7 +74,8 @@ def recorded_profile(meta: TraceMeta) -> Profile:
     try:
         return Profile.model_validate(document)
     except ValidationError as exc:  # its first error names the field, as a profile file's refusal does
-        raise TraceError(f"the run's recorded profile (meta.extra.profile) is not valid: {first_error(exc, Profile)}") from None
+        raise TraceError("the run's recorded profile (meta.extra.profile) is not valid: "
+                         f"{first_error(exc, Profile)}") from None
 
 
 def _windowed(costs: Costs, meta: TraceMeta) -> Costs:

@@ -440,7 +440,8 @@ def test_simulates_caption_says_peak_act_counts_a_chunks_activations_where_v_is_
         assert code == 0, err
         return " ".join(out.split())
 
-    assert "peak act: micro-batches of activations held, each a chunk's where a device holds several;" in caption("1f1b", "zb-v")
+    assert ("peak act: micro-batches of activations held, each a chunk's where a device holds several;"
+            in caption("1f1b", "zb-v"))
     assert "peak act: micro-batches of activations held;" in caption("1f1b", "zb-h1")
 
 
