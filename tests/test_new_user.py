@@ -10,7 +10,19 @@ from rich.console import Console
 # imported before any test stands a terminal in for common.stderr: a module first imported under the stand-in
 # would keep it as its `stderr` for every later test
 from pipesim import cli  # noqa: F401
-from pipesim.commands import calibrate, common, count, estimate, run, simulate, study, sweep, tune  # noqa: F401
+from pipesim.commands import (  # noqa: F401
+    calibrate,
+    common,
+    compare,
+    count,
+    estimate,
+    run,
+    simulate,
+    study,
+    sweep,
+    tune,
+    view,
+)
 
 from .conftest import pipesim
 from .helpers import GPT_CPU
