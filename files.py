@@ -102,6 +102,7 @@ def _is_table(head: str) -> bool:
 _NOT_AN_OBJECT = frozenset({"model_type", "dict_type", "model_attributes_type"})
 _UNIONS = (typing.Union, types.UnionType)  # what `get_origin` gives for `A | B` and `Optional[A]`
 _BOOLEAN = frozenset({"bool_type", "bool_parsing"})  # pydantic's "Input should be a valid boolean", in JSON's terms
+_VALUE_SHOWN = 40  # a wrong value is shown up to this many characters (a 3,000-character string ran on)
 _FIELDS_LISTED = 16  # an unknown field's refusal lists the fields allowed up to this many, or where none is near
 # a bound as pydantic writes it, "1000" or "1000000000000", as a word of its own: not a path's or a name's digits,
 # nor a value quoted as the user typed it ("'2024'", click's "'1234,5678' is not a valid integer")
@@ -145,7 +146,8 @@ def _value_text(value: str | int | float) -> str:
     (1e15 read "1000000000000000.0")."""
     if isinstance(value, bool):
         return json.dumps(value)
-    return f"{value:.15g}" if isinstance(value, float) else repr(value)
+    text = f"{value:.15g}" if isinstance(value, float) else repr(value)
+    return text if len(text) <= _VALUE_SHOWN else f"{text[:_VALUE_SHOWN]}..."
 
 
 def _fields_at(model: Any, loc: tuple) -> list[str]:

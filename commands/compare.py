@@ -64,7 +64,7 @@ def _conditions(found) -> list[str]:
     calibrated_for = (f"calibrated for {found.calibrated_ranks} computing at once" if found.calibrated_ranks
                       else "not recorded for the calibration")
     lines = ["calibrated: " + (ago(found.calibrated_before_run_s) if found.calibrated_before_run_s is not None
-                               else "how long before the run not recorded"),
+                               else "not recorded how long before the run"),
              f"others' load on the host: {load(found.calibrated_load)} while calibrating; {load(found.run_load)} "
              "while running" + (differs if found.load_differs else ""),
              f"ranks: {calibrated_for}; "

@@ -700,8 +700,9 @@ def _cluster_text(scenario, built: list) -> str:
     used = max((sched.num_devices for sched in built), default=0)
     if cluster is None or not 0 < used < cluster.num_devices:
         return ""
-    names = cluster.device_names[:used]
-    named = f" ({', '.join(names)})" if names and len(names) <= CLUSTER_NAMES_SHOWN else ""
+    names = cluster.device_names[:used]  # a file's own, not the "device 0" of one that gives a count alone
+    named = (f" ({', '.join(names)})" if names and len(names) <= CLUSTER_NAMES_SHOWN
+             and names != tuple(f"device {d}" for d in range(used)) else "")
     return (f"; run on devices 0-{used - 1}{named}, the first {used:,} of the --cluster file's "
             f"{cluster.num_devices:,}" if used > 1 else f"; run on device 0{named}, the first of the --cluster "
                                                        f"file's {cluster.num_devices:,}")

@@ -863,3 +863,37 @@ def test_an_incomplete_runs_page_draws_the_prediction_of_the_ops_that_ran(tmp_pa
     code, _, err = pipesim("compare", tmp_path / "m.json", tmp_path / "p.json", "--html", tmp_path / "c.html")
     assert code == 0, err
     assert [len(trace.ops) for trace in drawn] == [ran.sum(), ran.sum()]
+
+
+def test_a_torch_run_whose_pairs_could_not_be_split_compares_what_was_read(tmp_path):
+    """A dualpipev run whose overlapped ranges lost their autograd node (a pruned trace) leaves the pairs out, their
+    parts counted missing, as before the run's order was checked: that check, which would read the ops left as
+    another schedule's, is skipped where the reader dropped passes (a review of 1dec9402)."""
+    run_dir = tmp_path / "pruned"
+    run_dir.mkdir()
+    for path in sorted((TORCH_RUNS / "torch-dualpipev-2cpu").glob("*.json")):
+        doc = json.loads(path.read_text())
+        doc["traceEvents"] = [event for event in doc["traceEvents"]
+                              if not str(event.get("name", "")).startswith("autograd::engine")]
+        (run_dir / path.name).write_text(json.dumps(doc))
+    predicted = tmp_path / "p.json"
+    assert pipesim("simulate", "-s", "dualpipev", "-p", "2", "-m", "8", "-n", "2", "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", run_dir, predicted, "--json")
+    assert code == 0, err
+    assert json.loads(out)["missing_in_measured"] == 88  # the 44 pairs' parts
+
+
+def test_a_torch_run_that_recorded_no_pass_is_refused_saying_so(tmp_path):
+    """torch's Schedule1F1B records no profiler range: traces of its optimizer steps alone were refused as "it ran
+    0 micro-batches ... predict with -m 0" (a review of 1dec9402)."""
+    run_dir = tmp_path / "steps"
+    run_dir.mkdir()
+    for path in sorted((TORCH_RUNS / "torch-1f1b-2cpu").glob("*.json")):
+        doc = json.loads(path.read_text())
+        doc["traceEvents"] = [event for event in doc["traceEvents"] if not str(event.get("name", "")).startswith(
+            "PP:") or str(event["name"]).endswith("OPT")]
+        (run_dir / path.name).write_text(json.dumps(doc))
+    predicted = tmp_path / "p.json"
+    assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "8", "-n", "3", "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", run_dir, predicted)
+    assert (code, out) == (2, "") and "the profiler traces hold no forward or backward pass" in err, err

@@ -401,7 +401,7 @@ def test_files_from_before_loads_were_recorded_still_compare_and_say_so(tmp_path
     code, out, err = pipesim("compare", _recorded(tmp_path, "old.json", run_load=None, calibrated_load=None))
     assert code == 0, err
     flat = " ".join(out.split())
-    assert "conditions: calibrated: how long before the run not recorded" in flat
+    assert "conditions: calibrated: not recorded how long before the run" in flat
     assert "others' load on the host: not recorded while calibrating; not recorded while running" in flat
     assert "ranks: not recorded for the calibration; ran 2 on one host" in flat
     assert "warning" not in err

@@ -441,15 +441,15 @@ def from_chrome(doc: Any) -> Trace:
     head = doc.get("pipesim")
     if not isinstance(head, dict):
         raise TraceError("not a pipesim trace: the top-level 'pipesim' key is missing")
-    unknown = sorted(set(head) - set(_HEADER_KEYS))
-    if unknown:  # `num_devicez` was read as no field at all, and the trace as one without it
-        raise TraceError(f"pipesim header: unknown field {unknown[0]!r}{nearest_text(unknown[0], _HEADER_KEYS)}; "
-                         f"allowed: {', '.join(_HEADER_KEYS)}")
     if head.get("schema_version") != SCHEMA_VERSION:
         raise TraceError(
             f"trace schema_version {head.get('schema_version')!r} is not supported (this pipesim reads "
             f"{SCHEMA_VERSION})"
         )
+    unknown = sorted(set(head) - set(_HEADER_KEYS))
+    if unknown:  # `num_devicez` was read as no field at all, and the trace as one without it
+        raise TraceError(f"pipesim header: unknown field {unknown[0]!r}{nearest_text(unknown[0], _HEADER_KEYS)}; "
+                         f"allowed: {', '.join(_HEADER_KEYS)}")
     try:
         kinds = tuple(head["kinds"])
         num_devices = head["num_devices"]
