@@ -227,10 +227,9 @@ def _unknown_option(exc: Exception) -> str | None:
     """An option the command does not take, as one line: the command's own option nearest it where one is near, and
     the commands that take it where others do. click suggested any option of the command, however far ("No such
     option: --zero (Possible options: --lr)" for `pipesim run --zero 1`, a flag of simulate, sweep and tune)."""
-    import click
-
     ctx, name = getattr(exc, "ctx", None), getattr(exc, "option_name", None)
-    if (not isinstance(exc, click.NoSuchOption) or ctx is None or not isinstance(name, str)
+    # click's NoSuchOption, by name: typer vendors click (typer._click) where older typers import it
+    if (type(exc).__name__ != "NoSuchOption" or ctx is None or not isinstance(name, str)
             or not name.startswith("--") or len(name) < 3 or ctx.info_name not in COMMANDS):
         return None
     from .choices import nearest_text
