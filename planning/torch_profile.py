@@ -218,7 +218,7 @@ def check_same_run(measured: Trace, like: Trace) -> None:
                          "that does (`benchmarks/torch_pipelining.py` without --torch-schedule, or gpipe)")
     for name, count in (("microbatches", "micro-batches"), ("minibatches", "steps (mini-batches)")):
         column = "microbatch" if name == "microbatches" else "minibatch"
-        got = int(getattr(measured.ops, column)[ran].max()) + 1 if ran.any() else 0
+        got = int(getattr(measured.ops, column)[ran].max()) + 1
         want = getattr(like.meta, name)
         if got != want:
             flag = "-m" if name == "microbatches" else "-n"
