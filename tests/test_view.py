@@ -130,6 +130,8 @@ def test_without_a_memory_counter_the_page_has_no_memory(trace):
     assert data["traces"][0]["summary"]["peak_memory_mb"] is None  # unknown, not 0: the page shows "n/a"
     bars = summary_figure([trace, trace], ["a", "b"], [summarize(trace), summarize(bare)], [0])["data"][3]
     assert bars["text"][1] == "n/a" and bars["customdata"] == [f"{bars['text'][0]} MiB", "n/a"]  # not "n/a MiB"
+    # a bar of 0 with its text outside: as None, plotly drew no bar and no "n/a" (a torch run's empty panel)
+    assert bars["x"][1] == 0 and bars["textposition"] == ["auto", "outside"]
 
 
 def test_large_trace_page_grows_by_bytes_per_op():

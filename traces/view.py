@@ -351,8 +351,12 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
             hover = [text if v is None else f"{text} MiB" + (", out of memory" if oom else "")  # "n/a", no unit
                      for text, v, oom in zip(texts, values, over)]
             texts = [text + (" OOM" if oom else "") for text, oom in zip(texts, over)]
-        data.append({"type": "bar", "orientation": "h", "y": list(labels), "x": values, "text": texts,
-                     "customdata": hover, "textposition": "auto", "textangle": 0, "cliponaxis": False,
+        # a value not recorded (a torch run's memory) is a bar of 0 whose "n/a" stands beside it: as None, plotly drew
+        # no bar, and its text with it, so the panel read as if the trace were not there
+        data.append({"type": "bar", "orientation": "h", "y": list(labels), "x": [0 if v is None else v for v in values],
+                     "text": texts, "customdata": hover,
+                     "textposition": ["outside" if v is None else "auto" for v in values], "textangle": 0,
+                     "cliponaxis": False,
                      "xaxis": "x" + (str(j + 1) if j else ""), "yaxis": "y", "showlegend": False, "name": title,
                      "marker": {"color": [SUMMARY_SHOWN if k in shown else SUMMARY_OTHER for k in range(len(labels))]},
                      "hovertemplate": "%{y}: %{customdata}<extra>" + title + "</extra>"})
