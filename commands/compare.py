@@ -160,6 +160,45 @@ def _pipesim_traces_refusal(folder: Path, files: list[Path], predicted: Path | N
             "alone: give the measured trace file itself, or a folder of torch.profiler traces, one per rank")
 
 
+def _read_traces(measured: Path, predicted: Path | None):
+    """The predicted and the measured trace: MEASURED a pipesim trace or a folder of torch.profiler traces (read in
+    the prediction's shape, and checked to be the run it predicts), PREDICTED a file, or the prediction of MEASURED
+    again from the profile it recorded."""
+    from ..traces.trace import TraceError, read_trace
+
+    if os.path.isdir(measured):  # False for a path that cannot be looked at, which read_trace names
+        from ..planning.torch_profile import check_same_run, read_torch_profile
+
+        ranks = sorted(measured.glob("*.json"))
+        if not ranks:  # before PREDICTED is asked for: the folder itself is what is wrong
+            raise InputError(f"MEASURED: {measured} is a folder with no .json files; give a trace from "
+                             "`pipesim run --trace`, or a folder of torch.profiler traces, one per rank")
+        refuse(_pipesim_traces_refusal(measured, ranks, predicted))
+        if predicted is None:
+            raise InputError(f"{measured} holds torch profiler traces, which say nothing about the run's "
+                             "schedule or costs: give the predicted trace too")
+        predicted_trace = read_trace(predicted)
+        measured_trace = read_torch_profile(ranks, like=predicted_trace)
+        check_same_run(measured_trace, predicted_trace)
+        return predicted_trace, measured_trace
+    measured_trace = read_trace(measured)
+    if predicted is None:
+        from ..planning.replay import predict_measured, recorded_profile
+
+        try:
+            predicted_trace = predict_measured(measured_trace.meta)
+        except TraceError as exc:  # said "a predicted trace: ...", no file named
+            raise TraceError(f"MEASURED {measured}: {exc}") from None
+        warn_of_wall_time_tail(recorded_profile(measured_trace.meta), f"MEASURED {measured}'s recorded profile")
+        return predicted_trace, measured_trace
+    predicted_trace = read_trace(predicted)
+    if (measured_trace.meta.source, predicted_trace.meta.source) == ("predicted", "measured"):
+        # swapped, the run's error came out as its prediction's, inverted, and sign flipped
+        raise InputError(f"MEASURED {measured} is a predicted trace and PREDICTED {predicted} a measured one: the "
+                         f"run comes first: pipesim compare {predicted} {measured}")
+    return predicted_trace, measured_trace
+
+
 def compare(
     measured: Annotated[Path, typer.Argument(
         help="Measured trace (from `pipesim run --trace`), or a folder of torch.profiler traces of a "
@@ -174,52 +213,19 @@ def compare(
     """Compare a measured run with its prediction op by op. Iteration time, per-op duration and start errors by
     kind, bubble, exposed communication, peak memory per device, and the weight versions (which must agree).
     Errors are (predicted − measured) / measured."""
-    from ..traces.compare import compare as compare_traces
-    from ..traces.compare import ran_prediction
-    from ..traces.trace import TraceError, read_trace
+    from ..traces.compare import compared
+    from ..traces.trace import TraceError
 
     try:
         with transient_status(READING_STATUS, quiet=as_json):  # a large run's traces: tens of seconds
             check_outputs([("--html", html)], [("measured trace", measured), ("predicted trace", predicted)])
-            if os.path.isdir(measured):  # False for a path that cannot be looked at, which read_trace names
-                from ..planning.torch_profile import check_same_run, read_torch_profile
-
-                ranks = sorted(measured.glob("*.json"))
-                if not ranks:  # before PREDICTED is asked for: the folder itself is what is wrong
-                    raise InputError(f"MEASURED: {measured} is a folder with no .json files; give a trace from "
-                                     "`pipesim run --trace`, or a folder of torch.profiler traces, one per rank")
-                refuse(_pipesim_traces_refusal(measured, ranks, predicted))
-                if predicted is None:
-                    raise InputError(f"{measured} holds torch profiler traces, which say nothing about the run's "
-                                     "schedule or costs: give the predicted trace too")
-                predicted_trace = read_trace(predicted)
-                measured_trace = read_torch_profile(ranks, like=predicted_trace)
-                check_same_run(measured_trace, predicted_trace)
-            else:
-                measured_trace = read_trace(measured)
-                if predicted is None:
-                    from ..planning.replay import predict_measured, recorded_profile
-
-                    try:
-                        predicted_trace = predict_measured(measured_trace.meta)
-                    except TraceError as exc:  # said "a predicted trace: ...", no file named
-                        raise TraceError(f"MEASURED {measured}: {exc}") from None
-                    warn_of_wall_time_tail(recorded_profile(measured_trace.meta),
-                                           f"MEASURED {measured}'s recorded profile")
-                else:
-                    predicted_trace = read_trace(predicted)
-                    if (measured_trace.meta.source, predicted_trace.meta.source) == ("predicted", "measured"):
-                        # swapped, the run's error came out as its prediction's, inverted, and sign flipped
-                        raise InputError(f"MEASURED {measured} is a predicted trace and PREDICTED {predicted} a "
-                                         f"measured one: the run comes first: pipesim compare {predicted} {measured}")
-            result = compare_traces(predicted_trace, measured_trace)
+            predicted_trace, measured_trace = _read_traces(measured, predicted)
+            result, held = compared(predicted_trace, measured_trace)
             if html is not None:
                 from ..traces.view import error_figure, write_timeline_page
 
-                with writing("--html"):
-                    # the ops the figures cover
-                    drawn = [ran_prediction(predicted_trace, measured_trace), measured_trace]
-                    write_timeline_page(drawn, html, labels=["predicted", "measured"],
+                with writing("--html"):  # the prediction the figures hold against the run (an incomplete one's part)
+                    write_timeline_page([held, measured_trace], html, labels=["predicted", "measured"],
                                         title=f"pipesim: {result.schedule}, predicted and measured",
                                         views=[("predicted and measured", [0, 1]), ("predicted", [0]),
                                                ("measured", [1])],

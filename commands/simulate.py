@@ -703,9 +703,8 @@ def _cluster_text(scenario, built: list) -> str:
     names = cluster.device_names[:used]  # a file's own, not the "device 0" of one that gives a count alone
     named = (f" ({', '.join(names)})" if names and len(names) <= CLUSTER_NAMES_SHOWN
              and names != tuple(f"device {d}" for d in range(used)) else "")
-    return (f"; run on devices 0-{used - 1}{named}, the first {used:,} of the --cluster file's "
-            f"{cluster.num_devices:,}" if used > 1 else f"; run on device 0{named}, the first of the --cluster "
-                                                       f"file's {cluster.num_devices:,}")
+    ran = f"devices 0-{used - 1}{named}, the first {used:,}" if used > 1 else f"device 0{named}, the first"
+    return f"; run on {ran} of the --cluster file's {cluster.num_devices:,}"
 
 
 def _cut_text(scenario, cuts: dict[str, list[int]]) -> str:

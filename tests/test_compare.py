@@ -848,14 +848,14 @@ def test_an_incomplete_runs_page_draws_the_prediction_of_the_ops_that_ran(tmp_pa
     whole prediction (2,000 mini-batches beside the 60 that ran, its makespan in the title): the page draws what
     the figures are of."""
     from pipesim.traces import view
-    from pipesim.traces.compare import ran_prediction
+    from pipesim.traces.compare import compared
     from pipesim.traces.trace import write_trace
 
     predicted = run("1f1b", 2, 4, 8, comm=0.1, param_mb=100, activation_mb=10).trace
     ran = predicted.ops.minibatch < 2
     measured = as_measured(predicted, keep=ran, complete=False, failed_rank=1)
-    assert ran_prediction(predicted, as_measured(predicted)) is predicted
-    assert len(ran_prediction(predicted, measured).ops) == ran.sum() < len(predicted.ops)
+    assert compared(predicted, as_measured(predicted))[1] is predicted
+    assert len(compared(predicted, measured)[1].ops) == ran.sum() < len(predicted.ops)
     drawn = []
     monkeypatch.setattr(view, "write_timeline_page", lambda traces, *_, **__: drawn.extend(traces))
     write_trace(measured, tmp_path / "m.json")

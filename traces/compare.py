@@ -218,16 +218,6 @@ def _ran_part(predicted: Trace, at_p: np.ndarray) -> Trace:
     return replace(predicted, ops=ops, counters=counters)
 
 
-def ran_prediction(predicted: Trace, measured: Trace) -> Trace:
-    """The prediction as compare holds it against `measured`: whole for a complete run, else of the ops that ran
-    (`_ran_part`), so that a page draws what the terminal's figures are of: an interrupted run's page drew all 2,000
-    predicted mini-batches beside the 60 that ran, and titled them with the whole prediction's makespan."""
-    if measured.meta.complete:
-        return predicted
-    measured, _ = _replica_zero(predicted, measured)
-    return _ran_part(predicted, _match(predicted, measured)[0])
-
-
 def _identities(predicted: Trace, measured: Trace) -> tuple[np.ndarray, np.ndarray]:
     """One dense int64 id per op identity, shared by both traces (kinds matched by name)."""
     names = sorted(set(predicted.kinds) | set(measured.kinds))
@@ -498,10 +488,18 @@ def _condition_warnings(found: Conditions | None) -> list[str]:
 def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Comparison:
     """Match the two traces op by op and measure how far the prediction is from the measurement (of a run on
     several data-parallel replicas, replica 0's)."""
+    return compared(predicted, measured, min_dur_us=min_dur_us)[0]
+
+
+def compared(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> tuple[Comparison, Trace]:
+    """`compare`'s comparison, and the prediction it holds against `measured`: whole for a complete run, else of
+    the ops that ran (`_ran_part`), so that a page draws what the figures are of (an interrupted run's page drew all
+    2,000 predicted mini-batches beside the 60 that ran, and titled them with the whole prediction's makespan)."""
     measured, notes = _replica_zero(predicted, measured)
     check_comparable(predicted, measured)
     at_p, at_m, only_p, only_m, examples = _match(predicted, measured)
-    sp = summarize(predicted if measured.meta.complete else _ran_part(predicted, at_p))
+    held = predicted if measured.meta.complete else _ran_part(predicted, at_p)
+    sp = summarize(held)
     sm = summarize(measured)
     compute = predicted.ops.stream[at_p] == Stream.COMPUTE
     recorded = compute & (measured.ops.version[at_m] >= 0)  # torch's runtime records no versions
@@ -534,4 +532,4 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
         devices=_device_errors(sp, sm), versions_compared=int(recorded.sum()), version_mismatches=len(wrong),
         version_examples=version_examples, measured_complete=measured.meta.complete,
         predicted_calibration=predicted.meta.calibration,
-        warnings=_warnings(predicted, measured) + _condition_warnings(found), notes=notes, conditions=found)
+        warnings=_warnings(predicted, measured) + _condition_warnings(found), notes=notes, conditions=found), held
