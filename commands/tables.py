@@ -34,8 +34,10 @@ ROW_NAME = 32
 TEXT_BESIDE = 40
 UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
 WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357 ± 0.244"): one value, never wrapped
-# The space between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), where a line never wraps.
-FIGURE_AND_UNIT = re.compile(r"(?<=\d) (?=(?:s|ms|ms/step|us|B|KiB|MiB|GiB|GB/s|Gb/s|samples/s|TFLOP/s)(?![\w/]))")
+# Spaces where a line never wraps: between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), and
+# between a label and the figure it names (run's peaks "2: 10.4", which 80 columns broke after "2:").
+GLUED_SPACE = re.compile(r"(?<=\d) (?=(?:s|ms|ms/step|us|B|KiB|MiB|GiB|GB/s|Gb/s|samples/s|TFLOP/s)(?![\w/]))"
+                         r"|(?<=\w:) (?=[-+\u2212]?\d)")
 NO_BREAK = "\u00a0"
 # A console that only measures (`_whole_width`): a table's columns at fixed widths measure the same on any console.
 _MEASURING = Console(file=io.StringIO(), width=UNLIMITED)
@@ -59,6 +61,14 @@ def _is_value(cell: object, measured: Measurement) -> bool:
     return measured.maximum <= SHORT_CELL or (isinstance(text, str) and WITH_SPREAD.fullmatch(text) is not None)
 
 
+def _longest_word(cell: object, measured: Measurement) -> int:
+    """The width of `cell`'s longest part that `_wrapped` keeps on one line (words joined at a `GLUED_SPACE`): rich
+    measures its words alone, and a column that narrow folded "2: 10.4" (a markup cell is left to rich)."""
+    if not isinstance(cell, str) or "[" in cell:
+        return measured.minimum
+    return max([measured.minimum, *map(cell_len, re.split(r"[ \n]+", GLUED_SPACE.sub(NO_BREAK, cell)))])
+
+
 def _content_ranges(console: Console, table: Table, keys: int) -> list[tuple[int, int, int]]:
     """Each column's (narrowest, readable, widest) content width: the narrowest keeps the header's longest word
     and every value whole, and wraps longer cells between words; the readable also keeps a text cell of a column
@@ -69,7 +79,8 @@ def _content_ranges(console: Console, table: Table, keys: int) -> list[tuple[int
     for index, column in enumerate(table.columns):
         header = Measurement.get(console, options, column.header)
         cells = [(cell, Measurement.get(console, options, cell)) for cell in column.cells]
-        narrowest = max([header.minimum, *(c.maximum if _is_value(cell, c) else c.minimum for cell, c in cells)])
+        narrowest = max([header.minimum, *(c.maximum if _is_value(cell, c) else _longest_word(cell, c) for cell, c in
+                                           cells)])
         readable = max([narrowest, *(min(c.maximum, ROW_NAME) for _, c in cells)]) if index < keys else max(
             [narrowest, *(min(c.maximum, READABLE_TEXT) for cell, c in cells if not _is_value(cell, c))])
         widest = max([header.maximum, *(c.maximum for _, c in cells)])
@@ -289,9 +300,9 @@ def print_table_last_below(table: Table, labels: list[str], console: Console = s
 
 
 def _wrapped(text: str, width: int) -> str:
-    """`text` wrapped at `width` columns between words, but never between a figure and its unit: rich wraps at
-    any space (a cell's or a paragraph's, its no-break space too)."""
-    glued = FIGURE_AND_UNIT.sub(NO_BREAK, text)  # textwrap breaks at ASCII whitespace alone
+    """`text` wrapped at `width` columns between words, but never at a `GLUED_SPACE`: rich wraps at any space (a
+    cell's or a paragraph's, its no-break space too)."""
+    glued = GLUED_SPACE.sub(NO_BREAK, text)  # textwrap breaks at ASCII whitespace alone
     lines = [line for paragraph in glued.split("\n")
              for line in textwrap.wrap(paragraph, width, break_on_hyphens=False, break_long_words=False) or [""]]
     return "\n".join(lines).replace(NO_BREAK, " ")

@@ -349,6 +349,18 @@ def test_a_wrapped_cell_never_breaks_between_a_figure_and_its_unit(monkeypatch):
     assert max(map(len, lines)) <= 40 and "0 ms/step" in "\n".join(lines), lines
 
 
+@pytest.mark.parametrize("width", [80, 40, 30])
+def test_a_wrapped_cell_never_breaks_between_a_label_and_its_figure(width):
+    """run's peak per device at 80 columns ended a line "3: 5.40, 2:" over "10.4"; squeezed to its narrowest, the
+    column is as wide as the widest label with its figure, not as rich's longest word, which folded "2: 10.4"."""
+    table = Table("ms/step", "samples/s", "loss first -> last", "held-out loss / acc", "peak MiB per device")
+    table.add_row("32.03", "998.9", "2.443 -> 3.094", "1.837 / 37.2%", "0: 11.1, 1: 10.4, 2: 10.4, 3: 5.40, 4: -2.5")
+    lines = [line.rstrip() for line in rendered(table, width)]
+    assert not [line for line in lines if re.search(r"\d:$", line)], lines
+    assert max(map(len, lines)) <= width and all(any(f"{pair}" in line for line in lines) for pair in
+                                                  ("0: 11.1", "2: 10.4", "3: 5.40", "4: -2.5")), lines
+
+
 def test_tunes_why_not_is_printed_under_its_table_where_beside_it_would_be_narrow(tmp_path, monkeypatch):
     """The README's tune at 80 columns squeezed its "why not" to 22 columns beside the figures, a reason on 5 lines:
     the reasons are printed under the table instead, each after its row's mark and configuration."""
