@@ -903,10 +903,14 @@ def out_of_memory_line(subject: str, checks) -> str | None:
     return None if oom is None else f"{subject} runs out of memory: {oom[1]}"
 
 
-def fail(message: str) -> NoReturn:
+def fail(message: str, every_rank: bool = False) -> NoReturn:
+    """`message` as one line and exit code 2. Bad input is said once per host under torchrun (`speaks_for_host`);
+    `every_rank`: a failure a torchrun rank may meet alone (the executor's), which each rank that meets it says."""
+    from ..launch import speaks_for_host
     from .tables import print_message  # tables imports this module
 
-    print_message(message, stderr, "error: ", "bold red")  # as written: [..] text, and :x: in hf:x:
+    if every_rank or speaks_for_host():
+        print_message(message, stderr, "error: ", "bold red")  # as written: [..] text, and :x: in hf:x:
     raise SystemExit(2)
 
 

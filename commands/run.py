@@ -340,11 +340,13 @@ def run(
                                  f"{list(bounds)}, cut as a chain); running on layers {list(carried)}, the cut it "
                                  "carries with the fastest slowest stage (`pipesim compare` re-cuts the profile "
                                  "there)", highlight=False)
-        job = TorchrunEnv.detect()
+        job, layout = TorchrunEnv.detect(), Layout.of(built)
         if job is None:
-            _check_rank_count(Layout.of(built).ranks)
+            _check_rank_count(layout.ranks)
+        else:  # refused here, as bad input: said once per host (`fail`), where the executor's error is each rank's
+            refuse(job.world_refusal(built, layout))
         try:  # the transport the ranks will open, refused before any starts
-            choose_transport(device, job.local_world_size if job else Layout.of(built).ranks, backend=backend)
+            choose_transport(device, job.local_world_size if job else layout.ranks, backend=backend)
         except TransportError as exc:
             raise InputError(str(exc)) from None
         if measured is not None and measured.environment.passes_as == "torch":  # what compare would predict from
@@ -390,7 +392,7 @@ def run(
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc))
     except ExecutorError as exc:
-        fail(str(exc))
+        fail(str(exc), every_rank=True)
     except OSError as exc:
         fail(read_error(exc))
     except (MemoryError, RuntimeError) as exc:  # the micro-batch the ranks are sent, made here first

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..launch import TORCHRUN_ENV, under_torchrun
 from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight, resting_copies
-from ..schedules.ir import Action, ScheduleError
+from ..schedules.ir import Action, Schedule, ScheduleError
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from ..workload.processes import HEARTBEAT_S, rank_context, rank_process, start_processes
 from ..workload.transport import (
@@ -582,6 +582,15 @@ class TorchrunEnv:
                                 f"(got {', '.join(os.environ[n] for n in TORCHRUN_ENV[:3])})") from None
         return cls(rank, world, local_rank, local_world)
 
+    def world_refusal(self, schedule: Schedule, layout: Layout) -> str | None:
+        """Why this job cannot run `schedule` on `layout`'s ranks (torchrun started another number), or None."""
+        if self.world_size == layout.ranks:
+            return None
+        replicas = f" x {layout.replicas} data-parallel replicas" if layout.replicas > 1 else ""
+        return (f"torchrun started {self.world_size} ranks, but {schedule.method} on {schedule.num_stages} stages "
+                f"runs on {layout.devices} devices{replicas}: start {layout.ranks} ranks (torchrun --nproc-per-node "
+                "...)")
+
 
 class _FileLock:
     """Ranks of one torchrun job on one machine that share a GPU take turns for compute: an exclusive lock on
@@ -644,11 +653,8 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
     lowered = _lowered(spec)
     layout = _layout(spec)
     world = layout.ranks
-    if job.world_size != world:
-        replicas = f" x {layout.replicas} data-parallel replicas" if layout.replicas > 1 else ""
-        raise ExecutorError(f"torchrun started {job.world_size} ranks, but {spec.schedule.method} on "
-                            f"{spec.schedule.num_stages} stages runs on {layout.devices} devices{replicas}: start "
-                            f"{world} ranks (torchrun --nproc-per-node ...)")
+    if (refusal := job.world_refusal(spec.schedule, layout)) is not None:
+        raise ExecutorError(refusal)
     stages = cut(spec)
     try:
         choice = choose_transport(device, job.local_world_size, backend=backend)

@@ -503,15 +503,35 @@ def test_a_profiles_chain_cut_that_graphpipes_diamond_cannot_carry_runs_on_the_b
     assert carried_bounds(chain, [1.0] * 4) is None
 
 
-def test_a_torchrun_world_of_another_size_is_refused(tmp_path, monkeypatch):
-    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_torchrun_world_of_another_size_is_refused_once_per_host(rank, tmp_path, monkeypatch):
+    """Every rank torchrun starts meets the refusal; the first on a host says it, the others exit as quietly: 3
+    ranks printed it 3 times."""
+    for name, value in {"RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "29999"}.items():
         monkeypatch.setenv(name, value)
     trace = tmp_path / "t.json"
-    code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--stages", 2, "--microbatches", 2,
-                           "--minibatches", 1, "--trace", trace)
-    assert code == 2 and "torchrun started 3 ranks" in err and "runs on 2 devices" in err
-    assert len(err.strip().splitlines()) == 1 and not trace.exists()
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--stages", 2, "--microbatches", 2,
+                             "--minibatches", 1, "--trace", trace)
+    assert code == 2 and not trace.exists() and not out
+    if rank == 0:
+        assert "torchrun started 3 ranks" in err and "runs on 2 devices" in err
+        assert len(err.strip().splitlines()) == 1
+    else:
+        assert not err
+
+
+def test_a_failure_a_torchrun_rank_may_meet_alone_is_said_by_that_rank(monkeypatch, capsys):
+    """The executor's errors (a device's own) are printed by every rank that meets one, bad input by the first."""
+    from pipesim.commands.common import fail
+
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    for every_rank in (False, True):
+        with pytest.raises(SystemExit) as ended:
+            fail("device 1: its own failure", every_rank=every_rank)
+        assert ended.value.code == 2
+        assert ("device 1: its own failure" in capsys.readouterr().err) is every_rank
 
 
 @pytest.mark.slow
