@@ -69,25 +69,37 @@ if TYPE_CHECKING:
     from ..planning.sweep import Config
 
 MAX_PORT = 65_535  # a TCP port's largest
+RAY_NAMED = ("auto", "local")  # --ray addresses Ray resolves itself: the cluster running here, or a new one
 
 
 def _check_answers(address: str) -> None:
     """Refuse a --ray HOST:PORT (or ray://HOST:PORT) that nothing answers at, before any work: ray.init retries one
     for minutes, writing its own log lines (`--ray nosuch:1` still had no answer after 5 minutes). "auto" and
-    "local", and an address without a port, are Ray's to resolve; digits that are no port (past 65,535, where
-    socket dialled another; '²', which int() refuses) are refused."""
+    "local" are Ray's to resolve; an address without a host or a port (`--ray foo`: ray.init's traceback), or with
+    digits that are no port (past 65,535, where socket dialled another; '²', which int() refuses), is refused."""
     import socket
 
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
+    if address in RAY_NAMED:
         return
-    number = whole_number(port, MAX_PORT)  # isdigit passes '²', which int() refuses
-    if number is None:
-        raise InputError(f"--ray: give HOST:PORT with a port from 0 to {MAX_PORT:,} (got {address!r})")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    number = whole_number(port, MAX_PORT) if port.isdigit() else None  # isdigit passes '²', which int() refuses
+    if not host.strip() or number is None:  # ray.init's traceback ("Invalid address format: foo")
+        raise InputError(f"--ray: give auto, local, HOST:PORT or ray://HOST:PORT, with a port from 0 to "
+                         f"{MAX_PORT:,} (got {address!r})")
     try:
         socket.create_connection((host.strip("[]"), number), timeout=5).close()
     except OSError as exc:
         raise InputError(f"--ray {address}: nothing answers at {host}:{port} ({exc.strerror or exc})") from None
+
+
+def _unreached(address: str, exc: ConnectionError) -> str:
+    """Ray's first line of why it reached no cluster, in pipesim's words: `--ray auto` with none running here said
+    to set "the `--address` flag", which is Ray's CLI's, not pipesim's."""
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if address == "auto" and "Could not find any running Ray instance" in said:
+        return ("--ray auto: no Ray cluster runs on this host: start one (`ray start --head`), give its HOST:PORT, "
+                "or give --ray local to start one for this sweep")
+    return f"--ray {address}: {said}"
 
 
 @optional_what_if_options
@@ -312,7 +324,7 @@ def sweep(
     except (InputError, GridError, ClusterError) as exc:
         fail(str(exc))
     except ConnectionError as exc:  # Ray could not reach the cluster
-        fail(f"--ray {ray}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+        fail(_unreached(ray, exc))
     except OSError as exc:
         fail(read_error(exc))
     shown = jobs[0][0]  # under --gpu an estimate's, its allocations replayed or not as every p's are

@@ -383,9 +383,11 @@ def without(module, monkeypatch):
      "--ray ray://127.0.0.1:1: a ray:// address is Ray Client's, which needs grpcio: pip install 'ray[client]'"),
     (["--ray", "127.0.0.1:1"], "--ray 127.0.0.1:1: nothing answers at 127.0.0.1:1 (Connection refused)"),  # Ray
     # retried it for minutes, writing its own log lines
-    (["--ray", "127.0.0.1:²"], "--ray: give HOST:PORT with a port from 0 to 65,535 (got '127.0.0.1:²')"),
-    (["--ray", "127.0.0.1:65536"], "--ray: give HOST:PORT with a port from 0 to 65,535 (got '127.0.0.1:65536')"),
-    # socket dialled another port, 65536 mod 2**16
+    (["--ray", "127.0.0.1:²"], "--ray: give auto, local, HOST:PORT or ray://HOST:PORT, with a port from 0 to "
+                               "65,535 (got '127.0.0.1:²')"),
+    (["--ray", "127.0.0.1:65536"], "(got '127.0.0.1:65536')"),  # socket dialled another port, 65536 mod 2**16
+    (["--ray", "foo"], "--ray: give auto, local, HOST:PORT or ray://HOST:PORT"),  # ray.init's traceback: "Invalid
+    (["--ray", " :6379"], "(got ' :6379')"),  # address format"
     (["--workers", "0"], "--workers"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
     (["-s", "auto", "--activation-limit", "1,x"], "--activation-limit: give a finite number above 0 (got 'x')"),
@@ -502,3 +504,16 @@ def test_the_trade_off_rings_each_configuration_over_its_devices_memory_in_its_g
                  for x in t["x"]]
         ringed = {x for name, x in shown if name == OOM_NAME}
         assert ringed == {x for name, x in shown if name != OOM_NAME and x in (58.0, 82.0)}, view["label"]
+
+
+def test_ray_finding_no_cluster_here_says_what_to_give_in_pipesims_words():
+    """Ray's own line names "the `--address` flag", its CLI's: pipesim's is --ray."""
+    from pipesim.commands.sweep import _unreached
+
+    said = _unreached("auto", ConnectionError("Could not find any running Ray instance. Please specify the one to "
+                                              "connect to by setting `--address` flag or `RAY_ADDRESS` environment "
+                                              "variable."))
+    assert said.startswith("--ray auto: no Ray cluster runs on this host") and "--address" not in said
+    assert "--ray local" in said and "ray start --head" in said
+    unreached = _unreached("10.0.0.1:6379", ConnectionError("GCS unreachable\ndetails"))
+    assert unreached == "--ray 10.0.0.1:6379: GCS unreachable"
