@@ -90,7 +90,8 @@ class RunRecord(_Strict):
 
     @property
     def diverged(self) -> bool:
-        """The executor stopped it on a non-finite loss, or its loss ended DIVERGED_RISE times its first."""
+        """The executor stopped it on a non-finite loss, its model scored a non-finite held-out loss, or its loss
+        ended DIVERGED_RISE times its first."""
         return self.status != "ok" or not self._tail_mean() <= DIVERGED_RISE * self.losses[0]
 
 

@@ -4,6 +4,7 @@ runs), calibrate the setting once, and time an arm on spawned ranks against the 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -45,7 +46,8 @@ def _stages(trace: Trace) -> list[StageRecord]:
 
 def train(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int) -> RunRecord:
     """Train one run to the end, or until its loss goes non-finite (recorded as diverged, not raised, with the
-    losses of the mini-batches finished before it)."""
+    losses of the mini-batches finished before it); a run whose trained model scores a non-finite held-out loss is
+    recorded as diverged too, with all its losses."""
     spec = _spec(setting, arm, optimizer, lr, seed)
     schedule = spec.schedule
     per_minibatch = schedule.pipelines * schedule.microbatches * setting.microbatch_size
@@ -61,9 +63,13 @@ def train(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int) -> R
         return RunRecord(**base, status="diverged", losses=finished + [None] * (schedule.minibatches - len(finished)),
                          heldout_loss=None, heldout_accuracy=None, stages=[], wall_s=time.perf_counter() - began)
     losses = [statistics.fmean(pipeline[b] for pipeline in result.losses) for b in range(schedule.minibatches)]
-    heldout = result.trace.meta.extra.get("heldout") or {}
-    return RunRecord(**base, status="ok", losses=losses, heldout_loss=heldout.get("loss"),
-                     heldout_accuracy=heldout.get("accuracy"), stages=_stages(result.trace),
+    scores = result.trace.meta.extra.get("heldout") or {}
+    # a model whose last updates blew its weights up scores a non-finite held-out loss (pipeoptim (code)'s training
+    # loss rose to 2e17 by the study's 60th mini-batch, its held-out loss NaN): it diverged, and scored nothing
+    blown_up = not math.isfinite(scores.get("loss", 0.0))
+    return RunRecord(**base, status="diverged" if blown_up else "ok", losses=losses,
+                     heldout_loss=None if blown_up else scores.get("loss"),
+                     heldout_accuracy=None if blown_up else scores.get("accuracy"), stages=_stages(result.trace),
                      wall_s=time.perf_counter() - began)
 
 

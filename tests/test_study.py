@@ -111,6 +111,26 @@ def test_a_diverged_run_is_recorded_not_raised():
     assert record.losses[finished:] == [None] * (len(record.losses) - finished)
 
 
+def test_a_run_whose_trained_model_scores_a_nan_heldout_loss_is_recorded_as_diverged(monkeypatch):
+    """The default study's pipeoptim (code), momentum, seed 0: its loss finite to the end but 2e17 there, its model
+    scored NaN, and the record refused it (a pydantic traceback 74 s into `pipesim study`). Its training losses are
+    kept."""
+    import pipesim.study.train as training
+
+    trained = training.run_in_process
+
+    def blown_up(spec):
+        result = trained(spec)
+        result.trace.meta.extra["heldout"] = {"loss": math.nan, "accuracy": 0.1}
+        return result
+
+    monkeypatch.setattr(training, "run_in_process", blown_up)
+    record = training.train(TINY, Arm("gpipe"), "momentum", 0.05, 0)
+    assert record.status == "diverged" and record.diverged and math.isnan(record.final_loss)
+    assert record.heldout_loss is None and record.heldout_accuracy is None
+    assert len(record.losses) == TINY.minibatches and all(math.isfinite(loss) for loss in record.losses)
+
+
 def test_study_trains_writes_its_results_and_page_then_resumes_without_training_again(tmp_path):
     results, page = tmp_path / "study.json", tmp_path / "study.html"
     flags = ("study", "-s", "gpipe", "-s", "pipedream", "--optimizer", "momentum=0.05")
