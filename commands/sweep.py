@@ -331,7 +331,7 @@ def sweep(
     estimate = shown.measured.estimate if shown.measured is not None else None
     moved = "" if estimate is None or what is not None else experts_moved_text(
         estimate, ((r.config.stages, r.config.data_parallel) for r in results))
-    _print_front(results, front, peak_text(shown.measured, what, shown), moved)
+    _print_front(results, front, peak_text(shown.measured, what, shown), out, html, moved)
     _print_skipped(results, out)
     stdout.print(where_text([sweep for _, sweep in sweeps]), highlight=False)
     for path in (out, html):
@@ -421,13 +421,24 @@ def _replicas_text(config) -> str:
     return f"; {degree_text('d', config.data_parallel)} replicas in every row{zero}{flush}"
 
 
-def _print_front(results: list, front: list[int], peak: str, moved: str = "") -> None:
+def _whole_fronts(results: list, front: list[int]) -> list[int]:
+    """The first fronts whose rows together are at most FRONT_ROWS (the first whole, however long): the terminal
+    cut one front after 2 of its 3 rows."""
+    from ..planning.sweep import front_group
+
+    groups = [front_group(results[i].config) for i in front]
+    ends = [k for k in range(1, len(front) + 1) if k == len(front) or groups[k] != groups[k - 1]]
+    return front[:max([end for end in ends if end <= FRONT_ROWS], default=ends[0])]
+
+
+def _print_front(results: list, front: list[int], peak: str, out: Path | None, html: Path | None,
+                 moved: str = "") -> None:
     """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first; `peak`: what the peak
     column is (`peak_text`); `moved`: how a --profile's all-to-alls are priced where a row's p and d place its
     expert-parallel group otherwise (`experts_moved_text`)."""
     from ..planning.sweep import front_group, ran_text
 
-    shown = front[:FRONT_ROWS]
+    shown = _whole_fronts(results, front)
     over = any(results[i].metrics.out_of_memory for i in shown)  # a front of a model the devices cannot hold
     folds = any(results[i].same_as for i in shown)
     configs, metrics = [results[i].config for i in shown], [results[i].metrics for i in shown]
@@ -454,8 +465,6 @@ def _print_front(results: list, front: list[int], peak: str, moved: str = "") ->
                                     for header, text in FRONT_HEADERS.items()) + "; -: not the method's"
                   + (f"; {peak}" if peak else "") + _replicas_text(configs[0])
                   + (f"; the all-to-alls are the profile's, {moved}" if moved else "")
-                  + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
-                     if len(front) > FRONT_ROWS else "")
                   + ("; memory: OOM where a device's peak is past its memory (simulate names the devices)"
                      if over else "")
                   + ("; * marks no steady state: -n is short of the order's, so step and samples/s include the "
@@ -469,4 +478,10 @@ def _print_front(results: list, front: list[int], peak: str, moved: str = "") ->
         group = front_group(c)
         table.add_row(c.schedule, *[columns[header][row] for header in shown_headers])
     print_table(table)
+    if len(front) > len(shown):
+        listed = [f"{out}'s pareto_front column marks them"] if out is not None else []
+        listed += [f"{html} draws them"] if html is not None else []
+        stdout.print(f"and {count_text(len(front) - len(shown), 'more row')} on the fronts after these: "
+                     + (" and ".join(listed) if listed else "--out lists them (its pareto_front column), --html "
+                        "draws them"), highlight=False)
 

@@ -151,7 +151,7 @@ COLUMNS: dict[str, type] = {
     **{f.name: {"str": str, "str | None": str, "int": int, "float": float, "float | None": float,
                 "bool": bool}[f.type]
        for f in (*fields(Config), *fields(Metrics))},
-    "status": str, "reason": str, "same_as": str, "command": str,
+    "status": str, "reason": str, "same_as": str, "pareto_front": bool, "command": str,
 }
 
 
@@ -475,8 +475,10 @@ def pareto_front(results: Sequence[Result]) -> list[int]:
 
 
 def write_results(results: Sequence[Result], path: Path) -> None:
-    """One row per configuration: CSV, or Parquet for a .parquet path (needs pyarrow); replaced atomically."""
-    records = [r.record() for r in results]
+    """One row per configuration, with whether it is on its Pareto front (`pareto_front`, the fronts the terminal
+    shows only the first of): CSV, or Parquet for a .parquet path (needs pyarrow); replaced atomically."""
+    fronts = set(pareto_front(results))
+    records = [{**r.record(), "pareto_front": i in fronts} for i, r in enumerate(results)]
     if Path(path).suffix != ".parquet":
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=list(COLUMNS), lineterminator="\n")

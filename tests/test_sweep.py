@@ -2,11 +2,15 @@
 
 import csv
 import importlib.util
+import itertools
 import os
 import pickle
 import re
 import subprocess
 import sys
+from collections import Counter
+from dataclasses import fields
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +21,8 @@ from pipesim.planning.scenario import Scenario
 from pipesim.planning.sweep import COLUMNS, Config, Grid, Metrics, Result, pareto_front, pareto_mask, run, write_results
 from pipesim.traces.hostload import usable_cpus
 from tests.conftest import pipesim, simulate_json
+
+REPO = Path(__file__).resolve().parents[1]
 
 # The built-in example model, whole: at p = 4 each device runs forward 1 ms and backward 2 ms.
 MODEL = Scenario({"--fwd": [4.0], "--bwd": [8.0], "--param-mb": [1024.0], "--activation-mb": [256.0],
@@ -208,7 +214,9 @@ def test_results_round_trip_through_csv(tmp_path):
     assert {r.status for r in results} == {"ok", "skipped"}
     path = tmp_path / "r.csv"
     write_results(results, path)
-    assert read_csv(path) == [r.record() for r in results]
+    fronts = set(pareto_front(results))
+    assert read_csv(path) == [{**r.record(), "pareto_front": i in fronts} for i, r in enumerate(results)]
+    assert 0 < len(fronts) < len(results)
     assert [p.name for p in tmp_path.iterdir()] == ["r.csv"]  # no temporary file left behind
 
 
@@ -218,7 +226,9 @@ def test_results_round_trip_through_parquet(tmp_path):
 
     results = [r for _, r in sorted(run(MODEL, Grid(("1f1b", "zb-v"), (4,), (8,), 2, chunks=(1, 2)).configs()))]
     write_results(results, tmp_path / "r.parquet")
-    assert pq.read_table(tmp_path / "r.parquet").to_pylist() == [r.record() for r in results]
+    fronts = set(pareto_front(results))
+    assert pq.read_table(tmp_path / "r.parquet").to_pylist() == [{**r.record(), "pareto_front": i in fronts}
+                                                                 for i, r in enumerate(results)]
 
 
 def test_grid_file(tmp_path):
@@ -517,3 +527,28 @@ def test_ray_finding_no_cluster_here_says_what_to_give_in_pipesims_words():
     assert "--ray local" in said and "ray start --head" in said
     unreached = _unreached("10.0.0.1:6379", ConnectionError("GCS unreachable\ndetails"))
     assert unreached == "--ray 10.0.0.1:6379: GCS unreachable"
+
+
+def test_the_terminal_shows_whole_fronts_and_the_results_file_marks_every_front_row(tmp_path, monkeypatch):
+    """The terminal cut the fronts at 20 rows, one front after 2 of its 3, and said "--out lists them all" though
+    nothing in the CSV told a front's rows from the rest."""
+    import pipesim.commands.sweep as sweeping
+    from pipesim.planning.sweep import front_group
+
+    monkeypatch.setattr(sweeping, "FRONT_ROWS", 5)
+    out = tmp_path / "r.csv"
+    code, text, err = pipesim("sweep", "--grid", REPO / "examples" / "grid.toml", "--out", out)
+    assert code == 0, err
+    marked = [row for row in read_csv(out) if row["pareto_front"]]
+    sizes = Counter(front_group(Config(**{f.name: row[f.name] for f in fields(Config)})) for row in marked)
+    ends = list(itertools.accumulate(size for _, size in sorted(sizes.items())))
+    shown = max(end for end in ends if end <= 5)
+    assert len(sizes) > 2 and ends[-1] == len(marked) > shown  # several fronts, not all shown
+    assert (f"and {len(marked) - shown} more rows on the fronts after these: {out}'s pareto_front column marks "
+            "them") in " ".join(text.split()), text
+    # fewer rows allowed than the first front has: that front whole
+    results = [r for _, r in sorted(run(MODEL, Grid(("1f1b", "pipedream", "xpipe"), (2, 4), (8,), 2).configs()))]
+    front = pareto_front(results)
+    first = [i for i in front if front_group(results[i].config) == front_group(results[front[0]].config)]
+    monkeypatch.setattr(sweeping, "FRONT_ROWS", 1)
+    assert len(first) > 1 and sweeping._whole_fronts(results, front) == first
