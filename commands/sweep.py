@@ -333,6 +333,7 @@ def sweep(
         estimate, ((r.config.stages, r.config.data_parallel) for r in results))
     _print_front(results, front, peak_text(shown.measured, what, shown), out, html, moved)
     _print_skipped(results, out)
+    _warn_if_none_fits(results)
     stdout.print(where_text([sweep for _, sweep in sweeps]), highlight=False)
     for path in (out, html):
         if path is not None:
@@ -389,8 +390,18 @@ def _print_skipped(results: list, out: Path | None) -> None:
         print_message(f"{named}: {reason}", stderr, "skipped: ")
     if len(by_reason) > SKIPPED_REASONS:
         more = count_text(len(by_reason) - SKIPPED_REASONS, "more reason")
-        where = f"{out}'s reason column" if out is not None else "--out's reason column"
-        print_message(f"{more}: {where} gives each row's", stderr, "skipped: ")
+        where = f"{out}'s reason column gives" if out is not None else "--out FILE.csv's reason column would give"
+        print_message(f"{more}: {where} each row's", stderr, "skipped: ")
+
+
+def _warn_if_none_fits(results: list) -> None:
+    """Where every configuration that ran is past a device's memory, say so on stderr, as simulate warns of a row
+    out of memory: the table's OOM column alone said it, row by row."""
+    ran = [r for r in results if r.metrics is not None]
+    if ran and all(r.metrics.out_of_memory for r in ran):
+        leanest = min(ran, key=lambda r: r.metrics.peak_memory_mb)
+        print_message(f"no configuration fits its devices' memory: the leanest, {leanest.config.label}, peaks at "
+                      f"{mib_text(leanest.metrics.peak_memory_mb)} MiB", stderr, "warning: ")
 
 
 def _limit_refused(results: list) -> str | None:

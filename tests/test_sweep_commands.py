@@ -120,3 +120,21 @@ def test_a_cost_scale_keeps_the_mfu_over_a_peak_scaled_alike_and_says_so():
     assert mfu[0.5] == pytest.approx(mfu[1], rel=0.1)  # the transfers are not scaled: not equal, nowhere near 2x
     code, out, err = pipesim("simulate", *model, "--cost-scale", 0.5)
     assert "every compute time x 0.5 (--cost-scale), the MFU over a peak scaled alike" in " ".join(out.split())
+
+
+def test_without_out_the_terminal_says_which_flag_would_give_each_rows_reason():
+    code, _, err = pipesim("sweep", "-p", "2,4,9", "-m", 8, "-v", 1, "--prediction", "code", "--workers", 1)
+    assert code == 0, err  # it said "--out's reason column gives each row's" with no --out given
+    assert err.splitlines()[-1] == "skipped: 1 more reason: --out FILE.csv's reason column would give each row's"
+
+
+@pytest.mark.parametrize("param_mb, warned", [(200_000, True), (20, False)])
+def test_a_sweep_none_of_whose_configurations_fits_says_so_once(param_mb, warned):
+    """Every row OOM was said only by the table's memory column, row by row; simulate warns of each."""
+    code, _, err = pipesim("sweep", "-s", "1f1b,gpipe", "-p", 2, "-m", "4,8", "--cluster",
+                           REPO / "examples" / "cluster.json", "--param-mb", param_mb, "--workers", 1)
+    assert code == 0, err
+    warning = [line for line in err.splitlines() if line.startswith("warning: no configuration fits")]
+    assert len(warning) == int(warned)
+    if warned:
+        assert "the leanest, 1f1b p=2 m=4 v=1 P=1 cost×1, peaks at 400,272 MiB" in warning[0]
