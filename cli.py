@@ -223,26 +223,50 @@ def _extra(exc: Exception, args: list[str]) -> str | None:
     return f"`pipesim {ctx.info_name}` {what}; see `pipesim {ctx.info_name} --help`"
 
 
+def _no_value(exc: Exception, args: list[str]) -> str | None:
+    """An option given last with no value, as one line saying what it takes: click said "Option '-s' requires an
+    argument." (its error carries no context: the command is the first of `args`). None for any other usage
+    error."""
+    name = getattr(exc, "option_name", None)
+    if (type(exc).__name__ != "BadOptionUsage" or not isinstance(name, str) or args[0] not in COMMANDS
+            or not str(getattr(exc, "message", "")).endswith("requires an argument.")):
+        return None
+    command = typer.main.get_command(make_app()).commands[args[0]]
+    param = next((param for param in command.params if name in param.opts), None)
+    if param is None:
+        return None
+    long = next((opt for opt in param.opts if opt.startswith("--")), name)
+    flag = name if name == long else f"{name} ({long})"
+    return f"{flag} needs a value ({param.metavar or param.type.name.upper()})" + (
+        f": {param.help}" if getattr(param, "help", None) else "")
+
+
 def _unknown_option(exc: Exception) -> str | None:
-    """An option the command does not take, as one line: the command's own option nearest it where one is near, and
-    the commands that take it where others do. click suggested any option of the command, however far ("No such
-    option: --zero (Possible options: --lr)" for `pipesim run --zero 1`, a flag of simulate, sweep and tune)."""
+    """An option the command does not take, as one line: the command's own option nearest it where one is near (a
+    long one), and the commands that take it where others do, with the long name a short one stands for there.
+    click suggested any option of the command, however far ("No such option: --zero (Possible options: --lr)" for
+    `pipesim run --zero 1`, a flag of simulate, sweep and tune), and said of a short one only "No such option: -m"."""
     ctx, name = getattr(exc, "ctx", None), getattr(exc, "option_name", None)
     # click's NoSuchOption, by name: typer vendors click (typer._click) where older typers import it
     if (type(exc).__name__ != "NoSuchOption" or ctx is None or not isinstance(name, str)
-            or not name.startswith("--") or len(name) < 3 or ctx.info_name not in COMMANDS):
+            or not name.startswith("-") or len(name) < 2 or name == "--" or ctx.info_name not in COMMANDS):
         return None
     from .choices import nearest_text
 
-    def options(command) -> list[str]:
-        return [opt for param in command.params
-                for opt in (*param.opts, *getattr(param, "secondary_opts", ())) if opt.startswith("--")]
+    def params(command) -> dict[str, str]:
+        """Each option name of `command` and the long name it stands for."""
+        return {opt: next((o for o in param.opts if o.startswith("--")), opt) for param in command.params
+                for opt in (*param.opts, *getattr(param, "secondary_opts", ())) if opt.startswith("-")}
 
     built = typer.main.get_command(make_app()).commands  # every command's options: an error's path, once
-    others = [command for command in COMMANDS if command != ctx.info_name and name in options(built[command])]
-    near = nearest_text(name, options(ctx.command), prefix="--")
-    taken = (f" ({', '.join(others[:-1])} and {others[-1]} take it)" if len(others) > 1
-             else f" ({others[0]} takes it)" if others else "")
+    others = [command for command in COMMANDS if command != ctx.info_name and name in params(built[command])]
+    longs = {params(built[command])[name] for command in others}
+    near = nearest_text(name, [opt for opt in params(ctx.command) if opt.startswith("--")], prefix="--") if (
+        name.startswith("--")) else ""
+    taken = ""
+    if others:
+        who = f"{', '.join(others[:-1])} and {others[-1]} take it" if len(others) > 1 else f"{others[0]} takes it"
+        taken = f" ({who}{f', as {next(iter(longs))}' if len(longs) == 1 and name not in longs else ''})"
     return f"`pipesim {ctx.info_name}` has no option {name}{near}{taken}; see `pipesim {ctx.info_name} --help`"
 
 
@@ -312,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
 
         # click's usage and parameter errors
         fail(_missing(exc) or _bad_value(exc, args) or _extra(exc, args) or _unknown_option(exc)
-             or exc.format_message())
+             or _no_value(exc, args) or exc.format_message())
     if code == INTERRUPTED:  # typer turns a KeyboardInterrupt in a command into this exit code
         print("interrupted", file=sys.stderr)
     if argv is None:  # the process ends here: the interpreter's last collections over what torch and sympy made

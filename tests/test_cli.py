@@ -1009,3 +1009,22 @@ def test_an_option_of_another_command_says_which_take_it():
                                        "take it); see `pipesim run --help`\n")
     code, _, err = pipesim("simulate", "--schedul", "1f1b")
     assert code == 2 and "has no option --schedul (did you mean '--schedule' or '--schedule-file'?);" in err
+
+
+def test_a_short_option_of_another_command_says_which_take_it_and_what_it_stands_for():
+    """`pipesim estimate -m 8` said "No such option: -m", as click says it (a new user's pass)."""
+    code, out, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "-m", "8")
+    assert (code, out) == (2, "") and err == ("error: `pipesim estimate` has no option -m (simulate, run, export, "
+                                              "sweep and study take it, as --microbatches); see `pipesim estimate "
+                                              "--help`\n")
+    code, _, err = pipesim("sweep", "-x")
+    assert code == 2 and err == "error: `pipesim sweep` has no option -x; see `pipesim sweep --help`\n"
+
+
+def test_an_option_given_last_without_its_value_says_what_it_takes():
+    """`pipesim sweep -s` said "Option '-s' requires an argument.", click's line (a new user's pass)."""
+    code, out, err = pipesim("sweep", "-s")
+    assert (code, out) == (2, "") and err == "error: -s (--schedule) needs a value (NAME[,NAME...]): Methods, " \
+                                            "comma-separated (default: all).\n"
+    code, _, err = pipesim("run", "--lr")
+    assert code == 2 and err == "error: --lr needs a value (LR): Learning rate.\n"
