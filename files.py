@@ -101,6 +101,9 @@ def _is_table(head: str) -> bool:
 # dictionary or instance of LinkSpec"): said as its JSON mode says them, in the file's terms
 _NOT_AN_OBJECT = frozenset({"model_type", "dict_type", "model_attributes_type"})
 _UNIONS = (typing.Union, types.UnionType)  # what `get_origin` gives for `A | B` and `Optional[A]`
+# pydantic's "Input should be a valid number" of a number given as text, and what to give instead
+_NUMBER = {"float_type": "a number", "float_parsing": "a number", "int_type": "a whole number",
+           "int_parsing": "a whole number"}
 _BOOLEAN = frozenset({"bool_type", "bool_parsing"})  # pydantic's "Input should be a valid boolean", in JSON's terms
 _VALUE_SHOWN = 40  # a wrong value is shown up to this many characters (a 3,000-character string ran on)
 _FIELDS_LISTED = 16  # an unknown field's refusal lists the fields allowed up to this many, or where none is near
@@ -132,11 +135,16 @@ def first_error(exc: Any, model: Any = None) -> str:
         near = nearest_text(err["loc"][-1], allowed)
         listed = allowed and not (near and len(allowed) > _FIELDS_LISTED)  # a profile's layer has 40: the one meant
         message = f"unknown field{near}" + (f"; allowed: {', '.join(allowed)}" if listed else "")
+    elif err["type"] == "missing":  # pydantic's "Field required", which said nothing of what to give
+        kind = _kind_text(_annotation_at(model, err["loc"])) if model is not None else None
+        message = f"missing: give {kind}" if kind else "required, and missing"
     else:
+        given = err.get("input")
         message = ("Input should be an object" if err["type"] in _NOT_AN_OBJECT else "give true or false"
                    if err["type"] in _BOOLEAN else err["msg"].removeprefix("Value error, "))
-        given = err.get("input")
-        if err["type"] != "missing" and isinstance(given, str | int | float) and "(got " not in message:
+        if err["type"] in _NUMBER and isinstance(given, str):  # memory_gib = "96"
+            message = f"give {_NUMBER[err['type']]}, without quotes"
+        if isinstance(given, str | int | float) and "(got " not in message:
             message += f" (got {_value_text(given)})"
     return f"{where + ': ' if where else ''}{grouped(message)}"
 
@@ -150,38 +158,63 @@ def _value_text(value: str | int | float) -> str:
     return text if len(text) <= _VALUE_SHOWN else f"{text[:_VALUE_SHOWN]}..."
 
 
-def _fields_at(model: Any, loc: tuple) -> list[str]:
-    """The field names a pydantic model at `loc` inside `model` (a model class or any type holding models: lists,
-    dicts, unions, Annotated) allows, in its order; none where no model is there."""
-    def models(annotation: Any) -> list[Any]:  # the model classes an annotation can hold at its top
-        origin = get_origin(annotation)
-        if origin is Annotated:
-            return models(get_args(annotation)[0])
-        if origin in _UNIONS:
-            return [m for arg in get_args(annotation) for m in models(arg)]
-        return [annotation] if hasattr(annotation, "model_fields") else []
+def _models(annotation: Any) -> list[Any]:
+    """The pydantic model classes an annotation can hold at its top (through Annotated and unions)."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _models(get_args(annotation)[0])
+    if origin in _UNIONS:
+        return [m for arg in get_args(annotation) for m in _models(arg)]
+    return [annotation] if hasattr(annotation, "model_fields") else []
 
-    def step(annotation: Any, part: Any) -> Any:
-        for found in models(annotation):
-            field = found.model_fields.get(part) or next(
-                (f for f in found.model_fields.values() if f.alias == part), None)
-            if field is not None:
-                return field.annotation
-        origin, args = get_origin(annotation), get_args(annotation)
-        if origin is Annotated:
-            return step(args[0], part)
-        if origin in _UNIONS:
-            return next((found for arg in args if (found := step(arg, part)) is not None), None)
-        if origin in (list, tuple, set, frozenset) and isinstance(part, int) and args:
-            return args[0]
-        if origin is dict and len(args) == 2:
-            return args[1]
-        return None
 
+def _step(annotation: Any, part: Any) -> Any:
+    """The annotation at `part` (a field name or alias, a list index, a dict key) inside `annotation`; None where
+    nothing is known there."""
+    for found in _models(annotation):
+        field = found.model_fields.get(part) or next((f for f in found.model_fields.values() if f.alias == part), None)
+        if field is not None:
+            return field.annotation
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _step(args[0], part)
+    if origin in _UNIONS:
+        return next((found for arg in args if (found := _step(arg, part)) is not None), None)
+    if origin in (list, tuple, set, frozenset) and isinstance(part, int) and args:
+        return args[0]
+    if origin is dict and len(args) == 2:
+        return args[1]
+    return None
+
+
+def _annotation_at(model: Any, loc: tuple) -> Any:
+    """The annotation at `loc` inside `model` (a model class or any type holding models: lists, dicts, unions,
+    Annotated); None where none is known."""
     annotation = model
     for part in loc:
-        annotation = step(annotation, part)
-    return [field.alias or name for found in models(annotation)[:1] for name, field in found.model_fields.items()]
+        annotation = _step(annotation, part)
+    return annotation
+
+
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    """The field names a pydantic model at `loc` inside `model` allows, in its order; none where no model is
+    there."""
+    return [field.alias or name for found in _models(_annotation_at(model, loc))[:1]
+            for name, field in found.model_fields.items()]
+
+
+def _kind_text(annotation: Any) -> str | None:
+    """What a value of `annotation` is, in a file's words ("a number"); None where it is no plain kind."""
+    if get_origin(annotation) is Annotated:
+        return _kind_text(get_args(annotation)[0])
+    if get_origin(annotation) in _UNIONS:
+        kinds = {_kind_text(arg) for arg in get_args(annotation) if arg is not type(None)}
+        return kinds.pop() if len(kinds) == 1 else None
+    if _models(annotation):  # its fields named where they are few (a profile's environment has 17)
+        named = _fields_at(annotation, ())
+        return "an object" + (f" with {', '.join(named)}" if len(named) <= _FIELDS_LISTED else "")
+    kinds = {bool: "true or false", int: "a whole number", float: "a number", str: "text in quotes"}
+    return kinds.get(annotation) or ("a list" if get_origin(annotation) in (list, tuple) else None)
 
 
 def is_trace_document(doc: Any) -> bool:

@@ -690,7 +690,7 @@ def test_a_runs_recorded_profile_edited_wrong_is_refused_naming_its_field():
     measured = read_trace(FIDELITY_RUNS / "1f1b.json")
     recorded = load_profile(FIDELITY_RUNS / "mlp-profile.json").model_dump(mode="json")
     del recorded["environment"]
-    for document, field in ((recorded, "environment: Field required"), ("x", "Input should be an object")):
+    for document, field in ((recorded, "environment: missing: give an object"), ("x", "Input should be an object")):
         meta = replace(measured.meta, extra=measured.meta.extra | {"profile": document})
         with pytest.raises(TraceError, match=f"^the run's recorded profile \\(meta.extra.profile\\) is not valid: "
                                              f"{field}"):

@@ -49,7 +49,7 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
 
 
 @pytest.mark.parametrize("text, fragment", [
-    (PART.format(name="x").replace("memory_gib = 24\n", ""), "gpu.x.memory_gib: Field required"),
+    (PART.format(name="x").replace("memory_gib = 24\n", ""), "gpu.x.memory_gib: missing: give a number"),
     (PART.format(name="x").replace("bf16 = 100", "bf16 = -1"), "gpu.x.dense_tflops.bf16: Input should be greater"),
     (PART.format(name="x").replace("memory_gib = 24", "memory_gib = 1e30"),  # read as 1e30 GiB
      "gpu.x.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e30)"),
@@ -71,10 +71,11 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
     ("[gpu.x\n", "is not valid TOML"),
     (PART.format(name="x") + 'device_memory = { gib = 25, source = "https://example.com/oom" }\n',
      "gpu.x.device_memory: gib 25 is more than memory_gib 24: give what torch reports (total_memory)"),
-    (PART.format(name="x") + "device_memory = { gib = 23.5 }\n", "gpu.x.device_memory.source: Field required"),
+    (PART.format(name="x") + "device_memory = { gib = 23.5 }\n",
+     "gpu.x.device_memory.source: missing: give text in quotes"),
     # a string or a boolean is no number: pydantic's lax mode read "23" as 23 and true as 1 GiB
     (PART.format(name="x") + 'device_memory = { gib = "23", source = "s" }\n',
-     "gpu.x.device_memory.gib: Input should be a valid number"),
+     "gpu.x.device_memory.gib: give a number, without quotes (got '23')"),
     (PART.format(name="x").replace("memory_gib = 24", "memory_gib = true"),
      "gpu.x.memory_gib: Input should be a valid"),
     # a count is a whole number as TOML writes one: 8.0 GPUs a node is refused, not read as 8

@@ -54,15 +54,16 @@ def test_a_failed_rank_numbered_apart_from_its_device_names_both(predicted):
 
 
 @pytest.mark.parametrize("edit,fragment", [
-    (lambda meta: meta.update(microbatches="2"), "meta.microbatches: Input should be a valid integer"),
+    (lambda meta: meta.update(microbatches="2"), "meta.microbatches: give a whole number, without quotes (got '2')"),
     (lambda meta: meta.update(source="simulated"), "meta.source: Input should be 'predicted' or 'measured'"),
-    (lambda meta: meta.pop("schedule"), "meta.schedule: Field required"),
+    (lambda meta: meta.pop("schedule"), "meta.schedule: required, and missing"),
     (lambda meta: meta.update(flavour=1), "meta: unknown field 'flavour'"),
     (lambda meta: meta.update(complete="yes"), "meta.complete: give true or false (got 'yes')"),
     # counts out of range: `view` drew such a trace, `compare` called it another run
     (lambda meta: meta.update(microbatches=-4), "meta.microbatches: give a whole number of at least 1 (got -4)"),
     (lambda meta: meta.update(microbatch_size=0), "meta.microbatch_size: give a whole number of at least 1 (got 0)"),
-    (lambda meta: meta.update(memory_checks=[{"device": 0}]), "meta.memory_checks.0.limit_bytes: Field required"),
+    (lambda meta: meta.update(memory_checks=[{"device": 0}]),
+     "meta.memory_checks.0.limit_bytes: required, and missing"),
     (lambda meta: meta.update(memory_checks=[_check(1), _check(0), _check(2)]),
      "meta.memory_checks must hold one check for each of the 3 devices, in order"),
     (lambda meta: meta.update(memory_checks=[{**_check(0), "memory": "gpu0", "sharers": []}, _check(1), _check(2)]),
