@@ -26,7 +26,7 @@ from time import process_time
 
 import numpy as np
 
-from ..choices import unknown_names
+from ..choices import nearest_text, unknown_names
 from ..files import read_toml
 from ..schedules import METHODS, ScheduleError, ScheduleParams, steady_minibatches
 from ..schedules.ir import PREDICTION_SOURCES
@@ -213,12 +213,28 @@ def parse_axis(key: str, text: str) -> tuple:
     return axis_values(key, parts, f"--{key}")
 
 
+def _number_or_name(text: str) -> int | float | str:
+    """One value of a comma list as a grid file writes it: a whole number, a number, else a name."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def load_grid(path: Path) -> dict[str, tuple]:
     """Axes from a TOML file whose keys are the axis flags' names (`stages = [4, 8]`, `cost-scale = 0.5`)."""
     doc = read_toml(path, GridError, "--grid: ")
     unknown = [key for key in doc if key not in AXES]
     if unknown:
-        raise GridError(f"--grid: {path}: unknown key {unknown[0]!r}; allowed: {', '.join(AXES)}")
+        raise GridError(f"--grid: {path}: unknown key {unknown[0]!r}{nearest_text(unknown[0], AXES)}; allowed: "
+                        f"{', '.join(AXES)}")
+    listed = next((key for key, value in doc.items() if isinstance(value, str) and "," in value), None)
+    if listed is not None:  # a flag's comma list, which the file read as one unknown name
+        values = [_number_or_name(part.strip()) for part in doc[listed].split(",")]
+        raise GridError(f"--grid: {path}: {listed}: give several values as a TOML list, {listed} = "
+                        f"{toml_text(values)} (got {toml_text(doc[listed])})")
     return {key: axis_values(key, value if isinstance(value, list) else [value], f"--grid: {path}: {key}")
             for key, value in doc.items()}
 

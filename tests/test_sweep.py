@@ -382,6 +382,11 @@ def without(module, monkeypatch):
     (["--grid", "/no/such/grid.toml"], "--grid: cannot read /no/such/grid.toml"),
     (["--grid", "GRID:stages = [4"], "is not valid TOML"),
     (["--grid", "GRID:stages = [4]\nlayers = 2"], "unknown key 'layers'; allowed: schedule, stages"),
+    (["--grid", "GRID:cost_scale = [2]"], "unknown key 'cost_scale' (did you mean 'cost-scale'?); allowed: "),
+    # a flag's comma list in a grid file: "unknown '1f1b,zb-h1' (did you mean 'zb-h1'?)"
+    (["--grid", 'GRID:schedule = "1f1b,zb-h1"'], 'schedule: give several values as a TOML list, schedule = ["1f1b", '
+                                                 '"zb-h1"] (got "1f1b,zb-h1")'),
+    (["--grid", 'GRID:stages = "2, 4"'], 'stages = [2, 4] (got "2, 4")'),
     (["--grid", 'GRID:stages = ["4"]'], 'stages: give a whole number of at least 1 each (got "4")'),
     (["--grid", "GRID:stages = [4]", "-p", "8"], "--stages and --grid both give stages"),
     (["--out", "/no/such/dir/r.csv"], "--out: cannot write /no/such/dir/r.csv: folder /no/such/dir does not exist"),
