@@ -262,14 +262,12 @@ class Grid:
 
     def configs(self) -> list[Config]:
         """Every configuration, method by method. v, P, the source of s and R multiply only the methods that
-        read them (interleaved and V schedules, AvgPipe, the predicting methods, auto); the others run their
-        default once."""
+        read them (interleaved and V schedules, AvgPipe, the predicting methods, auto), a V schedule's v only where
+        its one value is not among them (`Method.swept`); the others run their default once."""
         configs = []
         for name in self.schedules:
             method = METHODS[name]
-            own_chunks, own_pipelines = method.shape()
-            chunks = self.chunks if self.chunks and method.reads("chunks") else (own_chunks,)
-            pipelines = self.pipelines if self.pipelines and method.reads("pipelines") else (own_pipelines,)
+            chunks, pipelines = method.swept("chunks", self.chunks), method.swept("pipelines", self.pipelines)
             sources = self.predictions if self.predictions and method.reads("prediction") else (None,)
             limits = self.activation_limits if self.activation_limits and method.reads("activation_limit") else (None,)
             budget = self.search_seconds if method.reads("search_seconds") else None

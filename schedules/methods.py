@@ -191,6 +191,7 @@ class Method:
     partitioned_as: str | None = None  # with needs_costs; None: its own order
     p2p_sync: bool = False
     exchanges_per_step: bool = False
+    fixed: frozenset[str] = frozenset()  # shapes of `defaults` it runs at that value alone (a V's two chunks)
 
     def reads(self, option: str) -> bool:
         """Whether this method reads `option`, an input only some methods read (chunks, pipelines, AvgPipe's
@@ -203,6 +204,15 @@ class Method:
         `params` refuses a prediction source for a method that predicts none, and a schedule's params record only
         what shaped it. (A flag that no method the user named reads is refused before, by the command.)"""
         return {option: value for option, value in options.items() if self.reads(option)}
+
+    def swept(self, shape: str, given: tuple) -> tuple:
+        """The values of `shape` (chunks, pipelines) a sweep's `given` values give this method: each where it reads
+        the shape, its own alone where that is fixed and given (`--chunks 1,2` ran zb-v at v = 1 too, a row
+        skipped in every sweep of the example grid), its default where it does not read it."""
+        if not given or not self.reads(shape):
+            return (self.shape()[("chunks", "pipelines").index(shape)],)
+        own = self.defaults.get(shape)
+        return (own,) if shape in self.fixed and own in given else given
 
     def shape(self, chunks: int | None = None, pipelines: int | None = None) -> tuple[int, int]:
         """(v, P): the values given, else the method's defaults (1 where it has none)."""

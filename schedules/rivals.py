@@ -312,10 +312,11 @@ RIVALS = (
     Method("zb-h2", "Zero bubble H2: 2(p-k)-1 forwards before the first I; no bubble after warm-up, 2p-1 "
            "activations", zb_h2),
     Method("zb-v", "Zero bubble V: two chunks per device in a V, split backward; 1F1B's activation memory", zb_v,
-           defaults={"chunks": 2}),
+           defaults={"chunks": 2}, fixed=frozenset({"chunks"})),
     Method("dualpipev", "DualPipeV (DeepSeek): DualPipe cut in half, two chunks per device in a V; a forward and "
            "another micro-batch's backward run as one overlapped F&B pair (--fb-hidden-fraction); m >= 2p",
-           dualpipev, defaults={"chunks": 2}),
+           dualpipev, defaults={"chunks": 2}, fixed=frozenset({"chunks"})),
     Method("dualpipe", "DualPipe (DeepSeek-V3): two copies of the model fed from both ends of the devices, F&B pairs "
-           "in the steady state; twice the weights; p even, m even and >= 2p", dualpipe, defaults={"chunks": 2}),
+           "in the steady state; twice the weights; p even, m even and >= 2p", dualpipe, defaults={"chunks": 2},
+           fixed=frozenset({"chunks"})),
 )

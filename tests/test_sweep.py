@@ -47,10 +47,16 @@ def test_grid_multiplies_v_and_p_only_for_the_methods_that_read_them():
                 cost_scales=(0.5, 1.0))
     configs = grid.configs()
     count = {name: sum(c.schedule == name for c in configs) for name in grid.schedules}
-    assert count == {"1f1b": 8, "zb-v": 16, "interleaved-1f1b": 16, "avgpipe": 16}  # p·m·scale = 8, ×2 for v or P
+    # p·m·scale = 8, ×2 for v or P; a V schedule only at its one v, which the values hold (at v = 1 every sweep of
+    # the example grid printed a skipped row)
+    assert count == {"1f1b": 8, "zb-v": 8, "interleaved-1f1b": 16, "avgpipe": 16}
     assert {(c.chunks, c.pipelines) for c in configs if c.schedule == "1f1b"} == {(1, 1)}
     assert {(c.chunks, c.pipelines) for c in configs if c.schedule == "avgpipe"} == {(1, 1), (1, 2)}
-    assert {(c.chunks, c.pipelines) for c in configs if c.schedule == "zb-v"} == {(1, 1), (2, 1)}
+    assert {(c.chunks, c.pipelines) for c in configs if c.schedule == "zb-v"} == {(2, 1)}
+    v_only = Grid(("zb-v", "dualpipev", "dualpipe", "interleaved-1f1b"), (4,), (8,), 1, chunks=(1, 4)).configs()
+    assert [(c.schedule, c.chunks) for c in v_only] == [  # none holds 2: each given v, skipped with its reason
+        ("zb-v", 1), ("zb-v", 4), ("dualpipev", 1), ("dualpipev", 4), ("dualpipe", 1), ("dualpipe", 4),
+        ("interleaved-1f1b", 1), ("interleaved-1f1b", 4)]
     assert {c.minibatches for c in configs} == {3}
     defaults = Grid(("zb-v", "avgpipe", "gpipe"), (4,), (8,), 1).configs()  # no v or P axis: each method's own
     assert [(c.chunks, c.pipelines) for c in defaults] == [(2, 1), (1, 2), (1, 1)]
@@ -58,15 +64,16 @@ def test_grid_multiplies_v_and_p_only_for_the_methods_that_read_them():
 
 def test_unrunnable_configurations_are_skipped_rows_with_reasons(tmp_path):
     out = tmp_path / "r.csv"
-    code, text, _ = pipesim("sweep", "-s", "1f1b,zb-v,interleaved-1f1b", "-p", "4", "-m", "6,8", "-v", "1,2",
+    code, text, _ = pipesim("sweep", "-s", "1f1b,zb-v,interleaved-1f1b", "-p", "4", "-m", "6,8", "-v", "1,4",
                             "-j", "1", "--out", out)
     assert code == 0 and "Pareto fronts" in text
     rows = read_csv(out)
     assert len(rows) == 2 + 4 + 4 - 2  # interleaved-1f1b at v = 1 is 1f1b's row
     skipped = {(r["schedule"], r["microbatches"], r["chunks"]): r["reason"] for r in rows if r["status"] == "skipped"}
-    assert set(skipped) == {("zb-v", 6, 1), ("zb-v", 8, 1), ("interleaved-1f1b", 6, 2)}
+    # zb-v's one v, 2, is not among the values: each given one is a row skipped with its reason
+    assert set(skipped) == {("zb-v", 6, 1), ("zb-v", 8, 1), ("zb-v", 6, 4), ("zb-v", 8, 4), ("interleaved-1f1b", 6, 4)}
     assert skipped["zb-v", 6, 1].startswith("--chunks: give 2, as zb-v folds the model into a V")
-    assert "multiple of stages" in skipped["interleaved-1f1b", 6, 2]
+    assert "multiple of stages" in skipped["interleaved-1f1b", 6, 4]
     for row in rows:  # skipped rows carry no metrics, the others all of them
         assert (row["time_per_minibatch_ms"] is None) == (row["status"] == "skipped")
 
@@ -209,7 +216,7 @@ def test_one_front_per_cost_scale_and_minibatch_size():
 
 
 def test_results_round_trip_through_csv(tmp_path):
-    configs = Grid(("1f1b", "zb-v", "xpipe"), (2, 4), (4,), 2, chunks=(1, 2), cost_scales=(0.5, 1.0)).configs()
+    configs = Grid(("1f1b", "zb-v", "xpipe"), (2, 4), (4,), 2, chunks=(1, 4), cost_scales=(0.5, 1.0)).configs()
     results = [r for _, r in sorted(run(MODEL, configs))]
     assert {r.status for r in results} == {"ok", "skipped"}
     path = tmp_path / "r.csv"
@@ -321,16 +328,16 @@ def test_one_run_under_several_names_is_one_row_naming_the_others(tmp_path):
     fronts and the page; other configurations, and skipped ones, stay rows of their own."""
     out, page = tmp_path / "r.csv", tmp_path / "t.html"
     code, text, err = pipesim("sweep", "-s", "1f1b,interleaved-1f1b,spectrain,zb-v", "-p", "2", "-m", "4", "-n", "2",
-                              "-v", "1,2", "--prediction", "paper,code", "--cost-scale", "1,2", "-j", "1",
+                              "-v", "1,3", "--prediction", "paper,code", "--cost-scale", "1,2", "-j", "1",
                               "--out", out, "--html", page)
     assert code == 0, err
     rows = read_csv(out)
     shown = {(r["schedule"], r["chunks"], r["prediction"], r["cost_scale"]): r["same_as"] for r in rows}
     assert shown == {**{("1f1b", 1, None, scale): "interleaved-1f1b v=1" for scale in (1.0, 2.0)},
-                     **{("interleaved-1f1b", 2, None, scale): "" for scale in (1.0, 2.0)},
+                     **{("interleaved-1f1b", 3, None, scale): "" for scale in (1.0, 2.0)},
                      **{("spectrain", 1, "paper", scale): "spectrain s: code" for scale in (1.0, 2.0)},
-                     **{("zb-v", v, None, scale): "" for v in (1, 2) for scale in (1.0, 2.0)}}
-    assert [r["status"] for r in rows if r["schedule"] == "zb-v" and r["chunks"] == 1] == ["skipped"] * 2
+                     **{("zb-v", v, None, scale): "" for v in (1, 3) for scale in (1.0, 2.0)}}
+    assert [r["status"] for r in rows if r["schedule"] == "zb-v"] == ["skipped"] * 4
     ran, skipped = sum(r["status"] == "ok" for r in rows), sum(r["status"] == "skipped" for r in rows)
     # the counts add up to the grid's 14: "8 configurations (2 skipped, ...)" read as if 2 of the 8 were skipped
     tally = f"{ran} configurations that ran ({skipped} more skipped, 4 more the same schedule as one of them)"
