@@ -233,6 +233,7 @@ def is_profile_document(doc: Any) -> bool:
 # cluster file, a stage graph), each as a refusal names one given in another's place
 TRACE, PROFILE, STUDY_RESULTS = "trace", "profile", "study results file"
 CLUSTER, GRAPH_FILE = "cluster file", "graph file"
+SIMULATE_REPORT = "simulate report"  # what `simulate --json` prints: no command reads it back
 # a cluster file's top-level keys, sim/cluster.py ClusterSpec's fields (it allows no other; this leaf may not import
 # it, tests/test_file_errors.py holds the two equal): "devices" alone is no cluster file, `compare --json` writes one
 CLUSTER_KEYS = frozenset({"devices", "link", "links", "overlap_comm", "contention", "collective_contention"})
@@ -258,13 +259,16 @@ DOCUMENT_KINDS = {
                           "a JSON file of devices and links (docs/simulate.md)"),
     GRAPH_FILE: DocumentKind("`pipesim simulate -s graphpipe --graph {path}` reads it",
                              'a JSON file of "stages", "edges" and "placement" (docs/simulate.md)'),
+    SIMULATE_REPORT: DocumentKind("`pipesim simulate --json` printed it, and no command reads it back",
+                                  "what `pipesim simulate --json` prints"),
 }
 
 
 def document_kind(doc: Any) -> str | None:
     """Which of `DOCUMENT_KINDS` a JSON document is, by its top-level keys, else None: a trace (`is_trace_document`),
     a profile (`is_profile_document`), a study's results (format_version and setting), a cluster file (devices,
-    and no key outside `CLUSTER_KEYS`) or a stage graph (stages and edges, and no key outside `GRAPH_KEYS`)."""
+    and no key outside `CLUSTER_KEYS`), simulate's --json report (results and skipped) or a stage graph (stages and
+    edges, and no key outside `GRAPH_KEYS`)."""
     if is_trace_document(doc):
         return TRACE
     if is_profile_document(doc):
@@ -273,6 +277,8 @@ def document_kind(doc: Any) -> str | None:
         return STUDY_RESULTS
     if isinstance(doc, dict) and "devices" in doc and doc.keys() <= CLUSTER_KEYS:
         return CLUSTER
+    if isinstance(doc, dict) and doc.keys() == {"results", "skipped"} and isinstance(doc["results"], list):
+        return SIMULATE_REPORT
     return GRAPH_FILE if isinstance(doc, dict) and {"stages", "edges"} <= doc.keys() <= GRAPH_KEYS else None
 
 

@@ -59,11 +59,13 @@ def test_an_output_under_a_file_says_it_is_a_file_not_a_missing_folder(tmp_path)
 # A file of each kind pipesim reads, named as `kind_files` writes it, and what a refusal says of one given in another
 # kind's place: the command that reads it, and what to give instead
 KIND_FILES = {"trace": "t.json", "profile": "p.json", "study results file": "study.json",
-              "cluster file": "cluster.json", "graph file": "dag.json"}
+              "cluster file": "cluster.json", "graph file": "dag.json", "simulate report": "report.json"}
 READ_BY = {"trace": "`pipesim view t.json` draws it", "profile": "`pipesim simulate --profile p.json` reads it",
            "study results file": "`pipesim study --plot-only --results study.json` draws it",
            "cluster file": "`pipesim simulate --cluster cluster.json` reads it",
-           "graph file": "`pipesim simulate -s graphpipe --graph dag.json` reads it"}
+           "graph file": "`pipesim simulate -s graphpipe --graph dag.json` reads it",
+           # `view report.json` said "not a Chrome trace: expected an object with a 'traceEvents' list"
+           "simulate report": "`pipesim simulate --json` printed it, and no command reads it back"}
 GIVE = {"trace": "a trace that `pipesim run --trace` or `pipesim simulate --trace` wrote",
         "profile": "a profile that `pipesim calibrate --out` or `pipesim estimate --out` wrote",
         "study results file": "the --results file `pipesim study` wrote",
@@ -85,6 +87,9 @@ def kind_files(tmp_path_factory) -> Path:
     (folder / KIND_FILES["study results file"]).write_text('{"format_version": 1, "setting": {}, "runs": []}')
     shutil.copy(ROOT / "examples" / "cluster.json", folder / KIND_FILES["cluster file"])
     shutil.copy(ROOT / "examples" / "dag.json", folder / KIND_FILES["graph file"])
+    code, report, _ = pipesim("simulate", "-s", "1f1b", "--json")
+    assert code == 0
+    (folder / KIND_FILES["simulate report"]).write_text(report)
     return folder
 
 
