@@ -1028,3 +1028,12 @@ def test_an_option_given_last_without_its_value_says_what_it_takes():
                                             "comma-separated (default: all).\n"
     code, _, err = pipesim("run", "--lr")
     assert code == 2 and err == "error: --lr needs a value (LR): Learning rate.\n"
+
+
+@pytest.mark.parametrize("flags, ending", [(["--fwd", "3"], "--fwd: the profile"), (["--fwd", "3", "--bwd", "6"],
+                                                                                    "--fwd, --bwd: the profile")])
+def test_flags_a_profile_fixes_are_refused_in_the_number_given(flags, ending):
+    """One flag was told "drop these flags" (a new user's pass)."""
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--profile", GPT_CPU, *flags)
+    assert code == 2 and err.startswith(f"error: {ending}"), err
+    assert err.rstrip().endswith("drop it" if len(flags) == 2 else "drop these flags"), err
