@@ -1102,7 +1102,8 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
 
     if num_stages > len(measured.layers):
         raise CostError(too_few_layers(f"the schedule's {num_stages:,} model stages (--stages x --chunks)",
-                                       measured.model.name, measured.model.options, len(measured.layers)))
+                                       measured.model.name, measured.model.options, len(measured.layers),
+                                       profiled=measured.estimate is None))
     counts = layer_counts(stage_cut)  # each form read once, by its prefix: first_last would read the others again
     if counts is not None:
         if len(counts) != num_stages or sum(counts) != len(measured.layers):

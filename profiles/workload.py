@@ -21,15 +21,17 @@ def is_hf(model: str) -> bool:
     return model.startswith(HF_PREFIX)
 
 
-def too_few_layers(stages: str, model: str, options: Mapping[str, Any], layers: int) -> str:
+def too_few_layers(stages: str, model: str, options: Mapping[str, Any], layers: int, profiled: bool = False) -> str:
     """The one line for more stages than the model has layers (`stages`: the flags that ask for them), which the
-    command line says of a model it builds or counts and the planner of a profile's. --layers counts a built-in
-    model's blocks, and a pipeline cuts between all its layers, the embedding or classifier around the blocks too:
-    both counts are said, so that 4 blocks and 6 layers do not read as a contradiction."""
-    given = "" if is_hf(model) else " (--layers)"  # a Hugging Face config gives its own
+    command line says of a model it builds or counts and the planner of a profile's (`profiled`: a --profile file's,
+    whose blocks no --layers gave). --layers counts a built-in model's blocks, and a pipeline cuts between all its
+    layers, the embedding or classifier around the blocks too: both counts are said, so that 4 blocks and 6 layers
+    do not read as a contradiction."""
+    given = "" if is_hf(model) or profiled else " (--layers)"  # a Hugging Face config gives its own
     blocks = f" of {count_text(options['layers'], 'block')}{given}" if "layers" in options else ""
-    return (f"{stages}: {model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs at least "
-            "one layer)")
+    whose = "the profile's " if profiled else ""
+    return (f"{stages}: {whose}{model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs "
+            "at least one layer)")
 
 
 # forward, full backward, and the backward split into its input-gradient and weight-gradient passes: the weight

@@ -1037,3 +1037,10 @@ def test_flags_a_profile_fixes_are_refused_in_the_number_given(flags, ending):
     code, _, err = pipesim("simulate", "-s", "1f1b", "--profile", GPT_CPU, *flags)
     assert code == 2 and err.startswith(f"error: {ending}"), err
     assert err.rstrip().endswith("drop it" if len(flags) == 2 else "drop these flags"), err
+
+
+def test_a_profiles_model_too_short_for_the_stages_names_no_flag_that_was_not_given():
+    """The profile's model came from its file: "gpt of 14 blocks (--layers)" pointed at a flag no one gave."""
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--profile", GPT_CPU, "-p", "64")
+    assert code == 2 and "the profile's gpt of 14 blocks has 16 layers in all; give at most 16 stages" in err, err
+    assert "--layers" not in err
