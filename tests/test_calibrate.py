@@ -423,7 +423,7 @@ def test_bad_profile_is_one_line_naming_the_field(mlp_profile, tmp_path, edit, f
 
 @pytest.mark.parametrize("args,fragment", [
     (["--fwd", "1", "--output-mb", "2"], "--fwd, --output-mb: the profile"),
-    (["-p", "9"], "the schedule's 9 model stages (--stages x --chunks): mlp of 3 blocks (--layers) has 4 layers"),
+    (["-p", "9"], "the schedule's 9 model stages (--stages x --chunks): the profile's mlp of 3 blocks has 4 layers"),
     (["--profile-typo"], "has no option --profile-typo (did you mean '--profile'?)"),
 ])
 def test_simulate_refuses_flags_the_profile_fixes(mlp_profile, args, fragment):
