@@ -442,12 +442,21 @@ def _whole_fronts(results: list, front: list[int]) -> list[int]:
     return front[:max([end for end in ends if end <= FRONT_ROWS], default=ends[0])]
 
 
+def _on_fronts_text(results: list, front: list[int]) -> str:
+    """How many of the configurations that ran are on a front: "18 of the 40 configurations that ran", or "the 1
+    configuration that ran" where all are (it read "1 of the 1 configuration that ran")."""
+    from ..planning.sweep import ran_text
+
+    ran = sum(r.metrics is not None for r in results)
+    return f"{'the' if len(front) == ran else f'{len(front):,} of the'} {ran_text(results)}"
+
+
 def _print_front(results: list, front: list[int], peak: str, out: Path | None, html: Path | None,
                  moved: str = "") -> None:
     """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first; `peak`: what the peak
     column is (`peak_text`); `moved`: how a --profile's all-to-alls are priced where a row's p and d place its
     expert-parallel group otherwise (`experts_moved_text`)."""
-    from ..planning.sweep import front_group, ran_text
+    from ..planning.sweep import front_group
 
     shown = _whole_fronts(results, front)
     over = any(results[i].metrics.out_of_memory for i in shown)  # a front of a model the devices cannot hold
@@ -470,7 +479,7 @@ def _print_front(results: list, front: list[int], peak: str, out: Path | None, h
     }
     said = said_once(columns, tuple(FRONT_HEADERS))
     table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
-                        f"mini-batch size: {len(front):,} of the {ran_text(results)}", title_justify="left",
+                        f"mini-batch size: {_on_fronts_text(results, front)}", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="; ".join(f"{header}: {text}" + (f", {said[header]} in every row" if header in said else "")
                                     for header, text in FRONT_HEADERS.items()) + "; -: not the method's"

@@ -320,6 +320,8 @@ def test_a_sweep_that_skipped_nothing_counts_only_what_ran():
     code, text, err = pipesim("sweep", "-s", "1f1b,zb-h1", "-p", "2,4", "-j", "1")
     words = " ".join(text.split())
     assert code == 0 and "of the 4 configurations that ran" in words and "skipped" not in words, err
+    code, text, err = pipesim("sweep", "-s", "1f1b", "-j", "1")  # "1 of the 1 configuration that ran"
+    assert code == 0 and "mini-batch size: the 1 configuration that ran" in " ".join(text.split()), err
 
 
 def test_one_run_under_several_names_is_one_row_naming_the_others(tmp_path):
