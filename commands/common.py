@@ -685,7 +685,12 @@ METHOD_OPTIONS = {"--chunks": "chunks", "--pipelines": "pipelines", "--advance":
 
 
 class InputError(Exception):
-    """Bad input found by the CLI itself; reported as one line with exit code 2."""
+    """Bad input found by the CLI itself; reported as one line with exit code 2. `every_rank`: a refusal a torchrun
+    rank may meet alone (what it measured of its host), which each rank that meets it says (`fail`)."""
+
+    def __init__(self, message: str, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 def refuse(refusal: str | None) -> None:
@@ -1295,12 +1300,14 @@ def out_of_host_memory(exc: BaseException, model: str, microbatch_size: int) -> 
                       f"{failed}; make it smaller (--width, --layers, --microbatch-size)")
 
 
-def refuse_out_of_host_memory(exc: BaseException, model: str, microbatch_size: int) -> NoReturn:
+def refuse_out_of_host_memory(exc: BaseException, model: str, microbatch_size: int, every_rank: bool = False
+                              ) -> NoReturn:
     """`exc`, caught where a command makes its real batches (`calibrate`, `run`, `study`), as `out_of_host_memory`'s
-    one line and exit 2 where it is a failed allocation; any other error raised again, a bug's, with its traceback."""
+    one line and exit 2 where it is a failed allocation (`every_rank`: as `fail`); any other error raised again, a
+    bug's, with its traceback."""
     if (refusal := out_of_host_memory(exc, model, microbatch_size)) is None:
         raise exc
-    fail(str(refusal))
+    fail(str(refusal), every_rank)
 
 
 def description_column():

@@ -206,6 +206,7 @@ def run(
     # the executor's class, imported below after torch: bound before, so a Ctrl-C while torch imports reaches
     # cli.main's "interrupted" through the except clauses, not an UnboundLocalError
     ExecutorError: type[Exception] = InputError
+    started = False  # whether the ranks have started: a failure before is the same on every rank of a host
     try:
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
@@ -315,7 +316,9 @@ def run(
                 options = rebuilt_options(model, measured.model.options)
             try:
                 # built on the meta device: the same refusals; its first forward runs here, on the host
-                refuse(host_memory_refusal("run", model, options, microbatch_size, DTYPES[dtype or "float32"]))
+                refusal = host_memory_refusal("run", model, options, microbatch_size, DTYPES[dtype or "float32"])
+                if refusal is not None:  # each torchrun rank measures its host when it gets here
+                    raise InputError(refusal, every_rank=True)
                 net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
             except ModelError as exc:
                 raise InputError(str(exc)) from None
@@ -352,6 +355,7 @@ def run(
         if measured is not None and measured.environment.passes_as == "torch":  # what compare would predict from
             print_message(f"warning: {passes_warning(torch_run=False)}", stderr)
         failure = None
+        started = True  # from here on, what fails may be one rank's alone, which each such rank says
         with _progress_bar(minibatches, disable=as_json or (job is not None and job.rank != 0)) as show:
             try:
                 if job is None:
@@ -390,13 +394,13 @@ def run(
                 write_timeline_page([result.trace], html, title=f"pipesim run: {schedule} (measured)",
                                     labels=[f"{schedule} measured"], summaries=[summary])
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
-        fail(str(exc))
+        fail(str(exc), started or getattr(exc, "every_rank", False))
     except ExecutorError as exc:
         fail(str(exc), every_rank=True)
     except OSError as exc:
-        fail(read_error(exc))
+        fail(read_error(exc), started)
     except (MemoryError, RuntimeError) as exc:  # the micro-batch the ranks are sent, made here first
-        refuse_out_of_host_memory(exc, model, microbatch_size)
+        refuse_out_of_host_memory(exc, model, microbatch_size, started)
     if as_json:
         sys.stdout.write(json.dumps(_document(result, summary, trace, html), indent=2) + "\n")
     else:

@@ -521,6 +521,16 @@ def test_a_torchrun_world_of_another_size_is_refused_once_per_host(rank, tmp_pat
         assert not err
 
 
+def test_a_torchrun_rank_refused_by_what_it_measured_of_its_host_says_so_whatever_its_local_rank(monkeypatch):
+    """Each rank measures the host's available memory when it gets there, so one may be refused alone: the second
+    rank on a host exited 2 saying nothing, while its peers waited for it (review)."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = pipesim("run", "-s", "1f1b", "--model", "gpt", "--layers", 64, "--width", 8192)
+    assert code == 2 and "gpt does not fit in memory" in err, err
+
+
 def test_a_failure_a_torchrun_rank_may_meet_alone_is_said_by_that_rank(monkeypatch, capsys):
     """The executor's errors (a device's own) are printed by every rank that meets one, bad input by the first."""
     from pipesim.commands.common import fail
