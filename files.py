@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import csv
 import json
+import math
 import re
 import shlex
 import sys
@@ -142,11 +143,24 @@ def first_error(exc: Any, model: Any = None) -> str:
         given = err.get("input")
         message = ("Input should be an object" if err["type"] in _NOT_AN_OBJECT else "give true or false"
                    if err["type"] in _BOOLEAN else err["msg"].removeprefix("Value error, "))
-        if err["type"] in _NUMBER and isinstance(given, str):  # memory_gib = "96"
-            message = f"give {_NUMBER[err['type']]}, without quotes"
+        if err["type"] in _NUMBER:  # pydantic's "Input should be a valid number, unable to parse string as a number"
+            kind = _NUMBER[err["type"]]
+            message = f"give {kind}" + (", without quotes" if _reads_as(given, kind) else "")  # memory_gib = "96"
         if isinstance(given, str | int | float) and "(got " not in message:
             message += f" (got {_value_text(given)})"
     return f"{where + ': ' if where else ''}{grouped(message)}"
+
+
+def _reads_as(given: object, kind: str) -> bool:
+    """Whether `given` is text that, its quotes dropped, is a value of `kind` (`_NUMBER`'s): "96", not "80GB" or,
+    for a whole number, "1.5"."""
+    if not isinstance(given, str):
+        return False
+    try:
+        value = int(given) if kind == _NUMBER["int_type"] else float(given)
+    except ValueError:
+        return False
+    return math.isfinite(value)
 
 
 def _value_text(value: str | int | float) -> str:
@@ -209,12 +223,16 @@ def _kind_text(annotation: Any) -> str | None:
         return _kind_text(get_args(annotation)[0])
     if get_origin(annotation) in _UNIONS:
         kinds = {_kind_text(arg) for arg in get_args(annotation) if arg is not type(None)}
+        kinds = {"a number"} if kinds == {"a number", "a whole number"} else kinds  # int | float
         return kinds.pop() if len(kinds) == 1 else None
+    if get_origin(annotation) is typing.Literal:
+        return "one of " + ", ".join(json.dumps(value) for value in get_args(annotation))
     if _models(annotation):  # its fields named where they are few (a profile's environment has 17)
         named = _fields_at(annotation, ())
-        return "an object" + (f" with {', '.join(named)}" if len(named) <= _FIELDS_LISTED else "")
+        return "an object" + (f" with {', '.join(named)}" if 0 < len(named) <= _FIELDS_LISTED else "")
     kinds = {bool: "true or false", int: "a whole number", float: "a number", str: "text in quotes"}
-    return kinds.get(annotation) or ("a list" if get_origin(annotation) in (list, tuple) else None)
+    origin = get_origin(annotation)
+    return kinds.get(annotation) or ("a list" if origin in (list, tuple) else "an object" if origin is dict else None)
 
 
 def is_trace_document(doc: Any) -> bool:

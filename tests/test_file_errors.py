@@ -400,3 +400,51 @@ def test_an_unknown_field_is_named_with_the_one_meant_and_the_fields_allowed_the
     code, out, err = pipesim("simulate", "--profile", "top.json", "-s", "1f1b")
     assert (code, out) == (2, "") and err.startswith("error: --profile: profile top.json: bogus: unknown field; "
                                                      "allowed: schema_version, environment, model, layers, ")
+
+
+@pytest.mark.parametrize("strict, doc, said", [
+    (True, {"gib": "96", "n": 1}, "gib: give a number, without quotes (got '96')"),
+    (True, {"gib": 1.0, "n": "3"}, "n: give a whole number, without quotes (got '3')"),
+    (True, {"gib": "nan", "n": 1}, "gib: give a number (got 'nan')"),
+    *[(strict, {"gib": "80GB", "n": 1}, "gib: give a number (got '80GB')") for strict in (True, False)],
+    *[(strict, {"gib": 1.0, "n": "1.5"}, "n: give a whole number (got '1.5')") for strict in (True, False)],
+])
+def test_a_number_given_as_text_is_told_to_drop_its_quotes_only_where_that_mends_it(strict, doc, said):
+    """Review: "80GB" was told "give a number, without quotes", which would leave the file as wrong; a lax model
+    (a cluster file's) reads "96" as 96, and meets only text that is no number."""
+    from pydantic import BaseModel, ConfigDict, ValidationError
+
+    from pipesim.files import first_error
+
+    class Part(BaseModel):
+        model_config = ConfigDict(strict=strict)
+        gib: float
+        n: int
+
+    with pytest.raises(ValidationError) as refused:
+        Part.model_validate(doc)
+    assert first_error(refused.value, Part) == said
+
+
+@pytest.mark.parametrize("field, said", [("kind", 'kind: missing: give one of "nvlink", "pcie"'),
+                                         ("size", "size: missing: give a number"),
+                                         ("tags", "tags: missing: give an object")])
+def test_a_missing_field_says_what_kind_of_value_to_give(field, said):
+    """pydantic's "Field required" said nothing of what to give; a choice, a number that may be whole and a table
+    said nothing either (review)."""
+    from typing import Literal
+
+    from pydantic import BaseModel, ValidationError
+
+    from pipesim.files import first_error
+
+    class Link(BaseModel):
+        kind: Literal["nvlink", "pcie"]
+        size: int | float
+        tags: dict[str, int]
+
+    given = {"kind": "pcie", "size": 1, "tags": {}}
+    given.pop(field)
+    with pytest.raises(ValidationError) as refused:
+        Link.model_validate(given)
+    assert first_error(refused.value, Link) == said
