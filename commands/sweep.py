@@ -337,7 +337,7 @@ def sweep(
     stdout.print(where_text([sweep for _, sweep in sweeps]), highlight=False)
     for path in (out, html):
         if path is not None:
-            stdout.print(f"wrote {path}", highlight=False)
+            stdout.print(f"wrote {path}", highlight=False, markup=False)
 
 
 # Sweep's built-in costs are the whole model's, split over each configuration's p·v stages; simulate's a device's,
@@ -433,13 +433,13 @@ def _replicas_text(config) -> str:
 
 
 def _whole_fronts(results: list, front: list[int]) -> list[int]:
-    """The first fronts whose rows together are at most FRONT_ROWS (the first whole, however long): the terminal
-    cut one front after 2 of its 3 rows."""
+    """The first fronts whose rows together are at most FRONT_ROWS (of a first front longer than that, its fastest
+    FRONT_ROWS): the terminal cut one front after 2 of its 3 rows."""
     from ..planning.sweep import front_group
 
     groups = [front_group(results[i].config) for i in front]
     ends = [k for k in range(1, len(front) + 1) if k == len(front) or groups[k] != groups[k - 1]]
-    return front[:max([end for end in ends if end <= FRONT_ROWS], default=ends[0])]
+    return front[:max([end for end in ends if end <= FRONT_ROWS], default=FRONT_ROWS)]
 
 
 def _on_fronts_text(results: list, front: list[int]) -> str:
@@ -503,5 +503,5 @@ def _print_front(results: list, front: list[int], peak: str, out: Path | None, h
         listed += [f"{html} draws them"] if html is not None else []
         stdout.print(f"and {count_text(len(front) - len(shown), 'more row')} on the fronts after these: "
                      + (" and ".join(listed) if listed else "--out lists them (its pareto_front column), --html "
-                        "draws them"), highlight=False)
+                        "draws them"), highlight=False, markup=False)
 

@@ -48,7 +48,7 @@ OBJECTIVES = ("time_per_minibatch_ms", "peak_memory_mb", "max_staleness")  # all
 MAX_CHUNK = 32  # configurations per task: ~0.1 s of work at the example's scale, so a task's overhead is noise
 # CPU s a spawned worker takes before its first task: its interpreter and imports (numpy, the simulator). Measured on
 # the 2-core host, two workers started at once (load 4-6): 0.64-0.74 s each, 1.3-1.9 s of wall time for both. A
-# sweep of the README's grid runs its 56 configurations here in less.
+# sweep of the README's grid runs its 48 configurations here in less.
 WORKER_START_S = 0.7
 
 
@@ -232,7 +232,7 @@ def load_grid(path: Path) -> dict[str, tuple]:
                         f"{', '.join(AXES)}")
     listed = next((key for key, value in doc.items() if isinstance(value, str) and "," in value), None)
     if listed is not None:  # a flag's comma list, which the file read as one unknown name
-        values = [_number_or_name(part.strip()) for part in doc[listed].split(",")]
+        values = [_number_or_name(part.strip()) for part in doc[listed].split(",") if part.strip()]
         raise GridError(f"--grid: {path}: {listed}: give several values as a TOML list, {listed} = "
                         f"{toml_text(values)} (got {toml_text(doc[listed])})")
     return {key: axis_values(key, value if isinstance(value, list) else [value], f"--grid: {path}: {key}")
@@ -489,8 +489,9 @@ def pareto_front(results: Sequence[Result]) -> list[int]:
 
 
 def write_results(results: Sequence[Result], path: Path) -> None:
-    """One row per configuration, with whether it is on its Pareto front (`pareto_front`, the fronts the terminal
-    shows only the first of): CSV, or Parquet for a .parquet path (needs pyarrow); replaced atomically."""
+    """One row per configuration, with whether it is on its Pareto front (`pareto_front`: the terminal shows the
+    first fronts, up to `FRONT_ROWS` rows): CSV, or Parquet for a .parquet path (needs pyarrow); replaced
+    atomically."""
     fronts = set(pareto_front(results))
     records = [{**r.record(), "pareto_front": i in fronts} for i, r in enumerate(results)]
     if Path(path).suffix != ".parquet":
