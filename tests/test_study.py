@@ -235,9 +235,11 @@ def test_plot_only_says_another_commands_json_is_no_study(tmp_path):
             for name in ("simulated.json", "array.json")]
     study = ("(a study's results are an object of format_version, setting, runs and timings); give the --results "
              "file `pipesim study` wrote\n")
-    assert said == [(2, "", f"error: --results: {tmp_path / name} is not a study results file: {lacks} {study}")
-                    for name, lacks in (("simulated.json", "it has no format_version"),
-                                        ("array.json", "it is not a JSON object"))]
+    assert said == [(2, "", f"error: --results: {tmp_path / 'simulated.json'} is a pipesim simulate report, not a "
+                            "study results file: `pipesim simulate --json` printed it, and no command reads it back; "
+                            "give the --results file `pipesim study` wrote\n"),
+                    (2, "", f"error: --results: {tmp_path / 'array.json'} is not a study results file: it is not a "
+                            f"JSON object {study}")]
     assert not (tmp_path / "p.html").exists()
 
 

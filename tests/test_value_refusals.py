@@ -57,8 +57,8 @@ def test_a_value_refusal_reads_as_the_parsers(args, refusal):
     (["study", "--layers", "2", "--stages", "4", "-m", "8"],
      "--stages 4: mlp of 2 blocks (--layers) has 3 layers in all; give at most 3 stages (each needs at least one "
      "layer)"),
-    (["sweep", "--ray", "127.0.0.1:99999"], "--ray: give HOST:PORT with a port from 0 to 65,535 (got "
-                                            "'127.0.0.1:99999')"),
+    (["sweep", "--ray", "127.0.0.1:99999"], "--ray: give auto, local, HOST:PORT or ray://HOST:PORT, with a port "
+                                            "from 0 to 65,535 (got '127.0.0.1:99999')"),
     (["tune", "--profile", GPT_CPU, "--devices", "4", "--max-pipelines", "17"],
      "--max-pipelines: give a whole number from 1 to 16 (got 17): each pipeline takes at least one of the step's 16 "
      "micro-batches (128 samples, --batch-size, of 8 each)"),
