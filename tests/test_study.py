@@ -196,7 +196,7 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, args, message):
 
 
 @pytest.mark.parametrize("content,message", [
-    (None, "cannot read"), ("{", "is not valid JSON"), ('{"format_version": 1}', "setting: required, and missing"),
+    (None, "cannot read"), ("{", "is not valid JSON"), ('{"format_version": 1}', "setting: missing: give an object"),
 ])
 def test_plot_only_needs_a_readable_results_file(tmp_path, content, message):
     results = tmp_path / "r.json"
