@@ -165,10 +165,13 @@ def _reads_as(given: object, kind: str) -> bool:
 
 def _value_text(value: str | int | float) -> str:
     """A scalar of a file as its file writes it: text quoted, true and false, a float to 15 significant digits
-    (1e15 read "1000000000000000.0")."""
+    (1e15 read "1000000000000000.0"), a whole one with its ".0" (`gpus_per_node = 4.0` read "give a whole number
+    (got 4)")."""
     if isinstance(value, bool):
         return json.dumps(value)
     text = f"{value:.15g}" if isinstance(value, float) else repr(value)
+    if isinstance(value, float) and text.lstrip("-").isdigit():
+        text += ".0"
     return text if len(text) <= _VALUE_SHOWN else f"{text[:_VALUE_SHOWN]}..."
 
 

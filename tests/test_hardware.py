@@ -77,10 +77,10 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
     (PART.format(name="x") + 'device_memory = { gib = "23", source = "s" }\n',
      "gpu.x.device_memory.gib: give a number, without quotes (got '23')"),
     (PART.format(name="x").replace("memory_gib = 24", "memory_gib = true"),
-     "gpu.x.memory_gib: Input should be a valid"),
+     "gpu.x.memory_gib: give a number (got true)"),
     # a count is a whole number as TOML writes one: 8.0 GPUs a node is refused, not read as 8
     (PART.format(name="x").replace("gpus_per_node = 4", "gpus_per_node = 4.0"),
-     "gpu.x.intra_node.gpus_per_node: Input should be a valid integer"),
+     "gpu.x.intra_node.gpus_per_node: give a whole number (got 4.0)"),
 ])
 def test_a_bad_file_names_the_field_and_what_is_allowed(tmp_path, text, fragment):
     own = tmp_path / "bad.toml"
