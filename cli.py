@@ -192,7 +192,10 @@ def _missing(exc: Exception) -> str | None:
     param = getattr(exc, "param", None)
     if not hasattr(exc, "param_type") or param is None or not getattr(param, "help", None):
         return None
-    name = param.opts[0] if param.param_type_name == "option" else (param.metavar or param.name.upper()).rstrip(".")
+    if param.param_type_name == "option":  # with what to type after it: "--gpu NAME"
+        name = f"{param.opts[0]} {param.metavar}" if param.metavar else param.opts[0]
+    else:
+        name = (param.metavar or param.name.upper()).rstrip(".")
     return f"{name} is required: {param.help}"
 
 

@@ -931,13 +931,13 @@ def test_a_stream_given_to_trace_is_refused_for_several_methods(tmp_path):
 
 
 # Each command with a required option or argument, and the opening of the line that names its first one
-REQUIRED = {"estimate": "--gpu is required: A GPU of the catalogue (`pipesim gpus`): count --model on torch's meta",
+REQUIRED = {"estimate": "--gpu NAME is required: A GPU of the catalogue (`pipesim gpus`): count --model on torch's",
             "view": "TRACE is required: Trace files (from simulate --trace or run --trace).",
             "compare": "MEASURED is required: Measured trace (from `pipesim run --trace`), or a folder of",
-            "tune": "--devices is required: Devices D: d = D/(p·t) data-parallel replicas of a p-deep pipeline",
-            "export": "--schedule is required: Method to export (see `pipesim schedules`).",
-            "run": "--schedule is required: Method to run (see `pipesim schedules`).",
-            "calibrate": "--model is required: mlp, cnn, gpt, two-branch, package.module:attribute naming a"}
+            "tune": "--devices D is required: Devices D: d = D/(p·t) data-parallel replicas of a p-deep pipeline",
+            "export": "--schedule NAME is required: Method to export (see `pipesim schedules`).",
+            "run": "--schedule NAME is required: Method to run (see `pipesim schedules`).",
+            "calibrate": "--model NAME is required: mlp, cnn, gpt, two-branch, package.module:attribute naming a"}
 
 
 def test_every_command_with_a_required_flag_or_argument_is_checked_below():

@@ -307,7 +307,7 @@ def csv_file(tmp_path):
     (lambda f, d: ["export", "-s", "pipedream", "--format", "torch-csv", "--out", f"{d}/x"], "synchronous"),
     (lambda f, d: ["export", "-s", "nope", "--format", "torch-csv", "--out", f"{d}/x"], "--schedule: unknown 'nope'"),
     (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv", "--out", f"{d}/no/x"], "--out: cannot write"),
-    (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv"], "--out is required: File to write"),
+    (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv"], "--out FILE is required: File to write"),
     (lambda f, d: ["export", "-s", "auto", "--format", "torch-csv", "--out", f"{d}/x"],
      "--fwd and --bwd, or --profile: auto searches its order from the stage costs"),
     (lambda f, d: ["export", "-s", "auto", "--fwd", "1", "--bwd", "2", "--activation-limit", "0.1", "--format",
