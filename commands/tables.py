@@ -34,10 +34,11 @@ ROW_NAME = 32
 TEXT_BESIDE = 40
 UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
 WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357 ± 0.244"): one value, never wrapped
-# Spaces where a line never wraps: between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), and
-# between a label and the figure it names (run's peaks "2: 10.4", which 80 columns broke after "2:").
+# Spaces where a line never wraps: between a figure and its unit ("23.62 s", "0.3 GiB", "10.6 samples/s"), between
+# a label and the figure it names (run's peaks "2: 10.4", which 80 columns broke after "2:"), and inside a numbered
+# label ("replica 1: 6.73", broken after "replica").
 GLUED_SPACE = re.compile(r"(?<=\d) (?=(?:s|ms|ms/step|us|B|KiB|MiB|GiB|GB/s|Gb/s|samples/s|TFLOP/s)(?![\w/]))"
-                         r"|(?<=\w:) (?=[-+\u2212]?\d)")
+                         r"|(?<=\w:) (?=[-+\u2212]?\d)|(?<=[a-z]) (?=\d[\d,]*:(?:\s|$))")
 NO_BREAK = "\u00a0"
 # A console that only measures (`_whole_width`): a table's columns at fixed widths measure the same on any console.
 _MEASURING = Console(file=io.StringIO(), width=UNLIMITED)

@@ -359,6 +359,12 @@ def test_a_wrapped_cell_never_breaks_between_a_label_and_its_figure(width):
     assert not [line for line in lines if re.search(r"\d:$", line)], lines
     assert max(map(len, lines)) <= width and all(any(f"{pair}" in line for line in lines) for pair in
                                                   ("0: 11.1", "2: 10.4", "3: 5.40", "4: -2.5")), lines
+    replicas = Table("ms/step", "samples/s", "loss first -> last", "held-out loss / acc", "peak MiB per device")
+    replicas.add_row("71.87", "890.5", "2.493 -> 2.208", "1.928 / 46.7%",
+                     "replica 0: 6.73, 6.42, 6.37, 3.25; replica 1: 6.73, 6.42, 6.37, 3.27")
+    lines = [line.rstrip() for line in rendered(replicas, width)]  # 80 columns broke "replica" from "1: 6.73"
+    assert not [line for line in lines if line.endswith("replica")], lines
+    assert all(any(label in line for line in lines) for label in ("replica 0: 6.73", "replica 1: 6.73")), lines
 
 
 def test_tunes_why_not_is_printed_under_its_table_where_beside_it_would_be_narrow(tmp_path, monkeypatch):
