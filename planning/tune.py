@@ -3224,7 +3224,8 @@ def _fastest_leanest(settings: list[Setting], problem: Problem) -> tuple[Result,
     bound left can beat the fastest that fits (a tie ranks by `rank_key`); TuneError naming the least memory any
     needs (`_least_memory`) where none fits, or where no configuration is within the staleness limit."""
     lean = replace(problem, memory_cap_bytes=0)
-    candidates = [c for c in prepare(settings, lean)[0] if c.staleness <= problem.max_staleness]
+    every = prepare(settings, lean)[0]
+    candidates = [c for c in every if c.staleness <= problem.max_staleness]
     if not candidates:
         raise TuneError(f"no configuration has staleness <= {problem.max_staleness:,}; raise --max-staleness or add "
                         "synchronous schedules")
@@ -3238,7 +3239,9 @@ def _fastest_leanest(settings: list[Setting], problem: Problem) -> tuple[Result,
         if allowed(result, problem) and (fastest is None or rank_key(result) < rank_key(fastest)):
             fastest = result
     if fastest is None:
-        raise TuneError(_nothing_fits(_least_memory(lean, candidates, simulated), problem))
+        stale = [c for c in every if c.staleness > problem.max_staleness]
+        leanest_stale = _least_memory(lean, stale, {}) if stale else None
+        raise TuneError(_nothing_fits(_least_memory(lean, candidates, simulated), problem, leanest_stale))
     return fastest, len(simulated)
 
 
@@ -3255,11 +3258,20 @@ def _least_memory(lean: Problem, candidates: list[Candidate], simulated: dict[in
     return least
 
 
-def _nothing_fits(least: Result, problem: Problem) -> str:
+def _nothing_fits(least: Result, problem: Problem, leanest_stale: Result | None = None) -> str:
+    """Why nothing within the limits fits the cap: the least memory any configuration within the staleness limit
+    needs, and where the leanest staler one (`leanest_stale`) fits, that it does and what allows it (`tune -s
+    pipedream` said only that p = 1, the one shape of staleness 0, needs 0.41 GiB, where p = 2 fits in 0.287)."""
     more_digits = digits_apart(least.peak_memory_bytes, problem.memory_cap_bytes, memory_text)
-    return (f"{nothing_fits_text(problem.memory_cap_bytes, problem.gpus, problem.memory_part, more_digits)}; the "
+    said = (f"{nothing_fits_text(problem.memory_cap_bytes, problem.gpus, problem.memory_part, more_digits)}; the "
             f"least memory any needs is {memory_text(least.peak_memory_bytes, more_digits)} per device "
             f"({least.config.label()}, {degree_text('m', least.config.microbatches)})")
+    if leanest_stale is None or leanest_stale.peak_memory_bytes > problem.memory_cap_bytes:
+        return said
+    limit, staleness = problem.max_staleness, leanest_stale.staleness
+    return (f"{said} at staleness {limit:,}{' or less' if limit else ''}; {leanest_stale.config.label()} fits in "
+            f"{memory_text(leanest_stale.peak_memory_bytes)} at staleness {staleness:,}: --max-staleness "
+            f"{staleness:,} allows it")
 
 
 def nothing_fits_text(memory_cap_bytes: int, gpus: int, part: str | None, more_digits: int = 0) -> str:

@@ -361,6 +361,10 @@ def test_cli_json_is_the_search_result():
     (["--profile", str(GPT), "--devices", "0"], "--devices"),
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "0.01"],
      "--memory-gb: no configuration fits in 0.01 GiB; the least memory any needs is 0.178 GiB per device (1f1b p=4"),
+    # within the staleness limit none fits, at staleness 1 one does: it said only that pipedream's p = 1 needs more
+    (["--profile", str(GPT), "--devices", "8", "--memory-gb", "0.3", "-s", "pipedream"],
+     "no configuration fits in 0.3 GiB; the least memory any needs is 0.41 GiB per device (pipedream p=1, m=4) at "
+     "staleness 0; pipedream p=8 fits in 0.151 GiB at staleness 1: --max-staleness 1 allows it"),
     (["--profile", str(GPT), "--devices", "4", "-s", "nope"], "--schedule: unknown 'nope'; choose from gpipe"),
     (["--profile", str(GPT), "--devices", "4", "--batch-size", "12"], "--batch-size: give a multiple of the profile's"),
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "-1"],
