@@ -21,6 +21,7 @@ from pipesim.schedules import KINDS, Kind, lower
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces import read_trace
 from pipesim.traces.compare import compare
+from pipesim.traces.metrics import summarize
 from pipesim.traces.trace import Stream
 from pipesim.workload.transport import InProcessTransport
 from tests.conftest import build, pipesim
@@ -116,11 +117,15 @@ def test_compare_matches_replica_0_with_the_prediction_op_by_op():
     assert result.matched_ops == len(predicted.ops) and result.missing_in_measured == result.missing_in_predicted == 0
     assert result.versions_compared > 0 and result.version_mismatches == 0
     assert [d.device for d in result.devices] == [0, 1]
-    assert any("replica 0 (ranks 0-1) is compared" in note for note in result.notes)
+    assert any("replica 0 (ranks 0-1) is compared op by op" in note for note in result.notes)
+    # the step and bubble are the whole run's, as `run` and the page give them (replica 0's alone read 58.809 ms
+    # where they said 59.017)
+    ran = summarize(measured)
+    assert (result.measured_ms, result.measured_bubble) == (ran.time_per_minibatch_ms, ran.bubble_fraction)
     # in Megatron-core's order replica 0 ran on ranks 0 and 2, and the note says so; the ops match alike
     megatron = compare(predicted, run_in_process(replace(spec, rank_order="megatron")).trace)
     assert megatron.matched_ops == result.matched_ops and megatron.version_mismatches == 0
-    assert any("replica 0 (ranks 0, 2) is compared" in note for note in megatron.notes), megatron.notes
+    assert any("replica 0 (ranks 0, 2) is compared op by op" in note for note in megatron.notes), megatron.notes
 
 
 def test_ranks_that_take_turns_for_compute_wait_for_their_replicas_outside_the_turn():
