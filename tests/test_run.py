@@ -27,6 +27,7 @@ from pipesim.traces import read_trace
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import served_rendezvous
 from tests.conftest import build, pipesim, pipesim_fresh, run
+from tests.helpers import GPT_CPU
 
 # A task a few steps of SGD learn (the class is where the first four features peak), so "the loss falls" does
 # not depend on the built-in models' data. Ranks import it from the working folder, as `--model` allows.
@@ -899,3 +900,12 @@ def test_the_run_table_writes_each_loss_to_a_thousandth_as_the_study_does(capsys
     _print_table(SimpleNamespace(trace=SimpleNamespace(meta=meta), losses=[[first, 0.68904]]), summary, None, None)
     row = capsys.readouterr().out.splitlines()[3].split()
     assert row[2:8] == [shown, "->", "0.689", "0.459", "/", "83.3%"]
+
+
+def test_run_takes_the_gpt_sizes_calibrate_takes(tmp_path):
+    """`run --model gpt --heads 4` said "has no option --heads": the docs' small gpt ran only through a profile
+    (a new user's pass). The sizes reach the model, and a profile's are held against them."""
+    code, _, err = pipesim("run", "-s", "1f1b", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 3)
+    assert (code, err) == (2, "error: --width: give a multiple of --heads 3 (got 64)\n")
+    code, _, err = pipesim("run", "-s", "1f1b", "--profile", GPT_CPU, "--heads", 8, "-n", 1)
+    assert code == 2 and "--heads 8: the profile" in err and "was calibrated with heads 4" in err, err
