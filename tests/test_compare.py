@@ -124,10 +124,12 @@ def test_weight_versions_must_agree():
 
 
 def test_traces_of_different_runs_are_refused_naming_the_difference():
-    with pytest.raises(TraceError, match="schedule gpipe measured, 1f1b predicted"):
+    with pytest.raises(TraceError, match="schedule gpipe measured, 1f1b predicted: predict with -s gpipe$"):
         compare(run("1f1b", 2, 4).trace, as_measured(run("gpipe", 2, 4).trace))
-    with pytest.raises(TraceError, match="microbatches 8 measured, 4 predicted"):
+    with pytest.raises(TraceError, match="microbatches 8 measured, 4 predicted: predict with -m 8$"):
         compare(run("1f1b", 2, 4).trace, as_measured(run("1f1b", 2, 8).trace))
+    with pytest.raises(TraceError, match="microbatches 8 measured, 4 predicted$"):  # two runs: no flag makes either
+        compare(as_measured(run("1f1b", 2, 4).trace), as_measured(run("1f1b", 2, 8).trace))
     with pytest.raises(TraceError, match="activation_limit 2.0 measured, 1.0 predicted"):  # auto searched for other R
         compare(simulated(build("auto", 4, 8, activation_limit=1.0)).trace,
                 as_measured(simulated(build("auto", 4, 8, activation_limit=2.0)).trace))

@@ -20,6 +20,8 @@ from .trace import Counter, Ops, Stream, Trace, TraceError
 
 _IDENTITY = ("stage", "microbatch", "minibatch", "pipeline", "peer")
 _SHAPE = ("schedule", "microbatches", "minibatches", "pipelines", "placement", "stage_edges")
+# the simulate flag giving a prediction a shape a run had ("minibatches 20 measured, 8 predicted" said no more)
+_SHAPE_FLAGS = {"schedule": "-s", "microbatches": "-m", "minibatches": "-n", "pipelines": "--pipelines"}
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,9 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
         # a stage graph is its set of edges, in whatever order its builder listed them
         same = sorted(map(tuple, a)) == sorted(map(tuple, b)) if name == "stage_edges" else a == b
         if not same:
-            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted")
+            hint = _SHAPE_FLAGS.get(name) if predicted.meta.source == "predicted" else None
+            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted"
+                             + (f": predict with {hint} {b}" if hint else ""))
     for name in sorted(set(predicted.meta.params) & set(measured.meta.params)):
         a, b = predicted.meta.params[name], measured.meta.params[name]
         if a != b:
