@@ -1588,7 +1588,7 @@ def searched_scenario(ctx: typer.Context, method, measured: Profile | None = Non
     if measured is not None:
         if given:
             raise InputError(f"{', '.join(given)}: the profile gives {method.name}'s costs; drop "
-                             f"{'these flags' if len(given) > 1 else 'it'}")
+                             f"{'these flags' if len(given) > 1 else given[0]}")
         return profile_scenario(measured, ctx.params.get("optimizer") or SEARCH_DEFAULTS["optimizer"])
     if not (is_given(ctx, "fwd") and is_given(ctx, "bwd")):
         raise InputError(f"--fwd and --bwd, or --profile: {method.name} searches its order from the stage costs, so "
@@ -1649,7 +1649,8 @@ def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
     clash = [flag_of(name) for name in fixed if is_given(ctx, name)]
     if clash:
         raise InputError(f"{', '.join(clash)}: the profile {path} gives the costs, sizes, stage graph"
-                         f"{' and links' if measured.link else ''}; drop {'these flags' if len(clash) > 1 else 'it'}")
+                         f"{' and links' if measured.link else ''}; drop "
+                         f"{'these flags' if len(clash) > 1 else clash[0]}")
     check_pp_runtime(ctx.params.get("pp_runtime", "pipesim"), p2p_synced(ctx, measured))
     warn_of_wall_time_tail(measured, f"--profile {path}")
     return measured

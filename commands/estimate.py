@@ -276,7 +276,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     clash = [flag_of(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
         raise InputError(f"{', '.join(clash)}: --gpu estimates the costs, sizes and links from the model; drop "
-                         f"{'these flags' if len(clash) > 1 else 'it'}")
+                         f"{'these flags' if len(clash) > 1 else clash[0]}")
     if params.get("model") is None:
         raise InputError("--gpu: give the model to estimate: --model gpt with its size flags (--layers, --width, "
                          "--heads, --seq-len, ...), --model hf:PATH (a Hugging Face config.json) with --seq-len, or "

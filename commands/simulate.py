@@ -553,7 +553,7 @@ def _schedule_file(ctx: typer.Context, path: Path):
     fixed = [f"--{name}" for name in ("stages", "chunks", "microbatches", "pipelines") if is_given(ctx, name)]
     if fixed:
         raise InputError(f"{', '.join(fixed)}: the schedule file fixes stages, chunks and micro-batches (one "
-                         f"step, which --minibatches repeats); drop {'these flags' if len(fixed) > 1 else 'it'}")
+                         f"step, which --minibatches repeats); drop {'these flags' if len(fixed) > 1 else fixed[0]}")
     if ctx.params.get("overlap_expert_comm"):
         raise InputError("--overlap-expert-comm pairs a method's order as it is built; the schedule file runs its "
                          "order as written (a pair is written (F;B)OVERLAP_F_B): drop the flag")

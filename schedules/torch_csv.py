@@ -70,7 +70,8 @@ def to_torch_csv(schedule: Schedule) -> str:
                             f"build the schedule with one mini-batch (got {schedule.minibatches})")
     if schedule.graph != StageGraph.chain(schedule.num_stages):
         raise ScheduleError(f"{name}: torch's pipelining runs a chain of stages 0 -> 1 -> ... -> "
-                            f"{schedule.num_stages - 1}; this stage graph has edges {list(schedule.graph.edges)}")
+                            f"{schedule.num_stages - 1}; this stage graph has edges "
+                            f"{', '.join(f'{a} -> {b}' for a, b in schedule.graph.edges)}")
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     for device, order in enumerate(schedule.orders):

@@ -1036,7 +1036,7 @@ def test_flags_a_profile_fixes_are_refused_in_the_number_given(flags, ending):
     """One flag was told "drop these flags" (a new user's pass)."""
     code, _, err = pipesim("simulate", "-s", "1f1b", "--profile", GPT_CPU, *flags)
     assert code == 2 and err.startswith(f"error: {ending}"), err
-    assert err.rstrip().endswith("drop it" if len(flags) == 2 else "drop these flags"), err
+    assert err.rstrip().endswith("drop --fwd" if len(flags) == 2 else "drop these flags"), err
 
 
 def test_a_profiles_model_too_short_for_the_stages_names_no_flag_that_was_not_given():
