@@ -909,3 +909,18 @@ def test_run_takes_the_gpt_sizes_calibrate_takes(tmp_path):
     assert (code, err) == (2, "error: --width: give a multiple of --heads 3 (got 64)\n")
     code, _, err = pipesim("run", "-s", "1f1b", "--profile", GPT_CPU, "--heads", 8, "-n", 1)
     assert code == 2 and "--heads 8: the profile" in err and "was calibrated with heads 4" in err, err
+
+
+def test_a_run_piped_to_a_file_says_how_far_it_is(tmp_path, monkeypatch):
+    """Piped, run printed nothing until its table: 44 s of an empty stderr for 64 replicas (a new user's pass)."""
+    import pipesim.commands.run as running
+
+    monkeypatch.setattr(running, "PIPED_EVERY_S", 0.0)
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--stages", 2, "--microbatches", 2,
+                             "--minibatches", 3)
+    said = [line for line in err.splitlines() if line.startswith("run: ")]
+    assert code == 0 and said and all(re.fullmatch(r"run: [0-3]/3 mini-batches(, loss [\d.e+-]+)?", line)
+                                      for line in said) and said[-1].startswith("run: 3/3"), err
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--stages", 2, "--microbatches", 2,
+                             "--minibatches", 3, "--json")
+    assert code == 0 and "run: " not in err and json.loads(out)  # --json: its document alone
