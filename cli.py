@@ -226,6 +226,12 @@ def _extra(exc: Exception, args: list[str]) -> str | None:
     return f"`pipesim {ctx.info_name}` {what}; see `pipesim {ctx.info_name} --help`"
 
 
+def _commands() -> dict:
+    """Every command, built with all its options: what a usage error's line reads of the others (an error's path,
+    built once there)."""
+    return typer.main.get_command(make_app()).commands
+
+
 def _no_value(exc: Exception, args: list[str]) -> str | None:
     """An option given last with no value, as one line saying what it takes: click said "Option '-s' requires an
     argument." (its error carries no context: the command is the first of `args`). None for any other usage
@@ -234,7 +240,7 @@ def _no_value(exc: Exception, args: list[str]) -> str | None:
     if (type(exc).__name__ != "BadOptionUsage" or not isinstance(name, str) or args[0] not in COMMANDS
             or not str(getattr(exc, "message", "")).endswith("requires an argument.")):
         return None
-    command = typer.main.get_command(make_app()).commands[args[0]]
+    command = _commands()[args[0]]
     param = next((param for param in command.params if name in param.opts), None)
     if param is None:
         return None
@@ -261,7 +267,7 @@ def _unknown_option(exc: Exception) -> str | None:
         return {opt: next((o for o in param.opts if o.startswith("--")), opt) for param in command.params
                 for opt in (*param.opts, *getattr(param, "secondary_opts", ())) if opt.startswith("-")}
 
-    built = typer.main.get_command(make_app()).commands  # every command's options: an error's path, once
+    built = _commands()
     others = [command for command in COMMANDS if command != ctx.info_name and name in params(built[command])]
     longs = {params(built[command])[name] for command in others}
     near = nearest_text(name, [opt for opt in params(ctx.command) if opt.startswith("--")], prefix="--") if (

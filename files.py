@@ -102,9 +102,10 @@ def _is_table(head: str) -> bool:
 # dictionary or instance of LinkSpec"): said as its JSON mode says them, in the file's terms
 _NOT_AN_OBJECT = frozenset({"model_type", "dict_type", "model_attributes_type"})
 _UNIONS = (typing.Union, types.UnionType)  # what `get_origin` gives for `A | B` and `Optional[A]`
-# pydantic's "Input should be a valid number" of a number given as text, and what to give instead
-_NUMBER = {"float_type": "a number", "float_parsing": "a number", "int_type": "a whole number",
-           "int_parsing": "a whole number"}
+# pydantic's "Input should be a valid number" of a number given as text: what to give instead, and how text reads as
+# one
+_NUMBER = {"float_type": ("a number", float), "float_parsing": ("a number", float),
+           "int_type": ("a whole number", int), "int_parsing": ("a whole number", int)}
 _BOOLEAN = frozenset({"bool_type", "bool_parsing"})  # pydantic's "Input should be a valid boolean", in JSON's terms
 _VALUE_SHOWN = 40  # a wrong value is shown up to this many characters (a 3,000-character string ran on)
 _FIELDS_LISTED = 16  # an unknown field's refusal lists the fields allowed up to this many, or where none is near
@@ -144,20 +145,20 @@ def first_error(exc: Any, model: Any = None) -> str:
         message = ("Input should be an object" if err["type"] in _NOT_AN_OBJECT else "give true or false"
                    if err["type"] in _BOOLEAN else err["msg"].removeprefix("Value error, "))
         if err["type"] in _NUMBER:  # pydantic's "Input should be a valid number, unable to parse string as a number"
-            kind = _NUMBER[err["type"]]
-            message = f"give {kind}" + (", without quotes" if _reads_as(given, kind) else "")  # memory_gib = "96"
+            kind, convert = _NUMBER[err["type"]]
+            message = f"give {kind}" + (", without quotes" if _reads_as(given, convert) else "")  # memory_gib = "96"
         if isinstance(given, str | int | float) and "(got " not in message:
             message += f" (got {_value_text(given)})"
     return f"{where + ': ' if where else ''}{grouped(message)}"
 
 
-def _reads_as(given: object, kind: str) -> bool:
-    """Whether `given` is text that, its quotes dropped, is a value of `kind` (`_NUMBER`'s): "96", not "80GB" or,
-    for a whole number, "1.5"."""
+def _reads_as(given: object, convert: Callable[[str], float]) -> bool:
+    """Whether `given` is text that, its quotes dropped, `convert` (`_NUMBER`'s) reads as a finite number: "96", not
+    "80GB" or, for a whole number, "1.5"."""
     if not isinstance(given, str):
         return False
     try:
-        value = int(given) if kind == _NUMBER["int_type"] else float(given)
+        value = convert(given)
     except ValueError:
         return False
     return math.isfinite(value)

@@ -693,11 +693,11 @@ class InputError(Exception):
         self.every_rank = every_rank
 
 
-def refuse(refusal: str | None) -> None:
+def refuse(refusal: str | None, every_rank: bool = False) -> None:
     """A rule's refusal (its one line, or None where it allows the value: the `*_refusal` functions) as an
-    `InputError`."""
+    `InputError` (`every_rank`: as its)."""
     if refusal is not None:
-        raise InputError(refusal)
+        raise InputError(refusal, every_rank)
 
 
 def host_memory_refusal(command: str, model: str, options: dict, microbatch_size: int | None = None,

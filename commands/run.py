@@ -329,9 +329,9 @@ def run(
                 options = rebuilt_options(model, measured.model.options)
             try:
                 # built on the meta device: the same refusals; its first forward runs here, on the host
-                refusal = host_memory_refusal("run", model, options, microbatch_size, DTYPES[dtype or "float32"])
-                if refusal is not None:  # each torchrun rank measures its host when it gets here
-                    raise InputError(refusal, every_rank=True)
+                # each torchrun rank measures its host when it gets here
+                refuse(host_memory_refusal("run", model, options, microbatch_size, DTYPES[dtype or "float32"]),
+                       every_rank=True)
                 net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
             except ModelError as exc:
                 raise InputError(str(exc)) from None
@@ -537,11 +537,12 @@ def _progress_bar(minibatches: int, disable: bool):
     from rich.progress import Progress
 
     if not disable and not stderr.is_terminal:
-        said = [time.monotonic()]
+        said = time.monotonic()
 
         def say(progress) -> None:
-            if time.monotonic() - said[0] >= PIPED_EVERY_S:
-                said[0] = time.monotonic()
+            nonlocal said
+            if time.monotonic() - said >= PIPED_EVERY_S:
+                said = time.monotonic()
                 loss = "" if progress.last_loss is None else f", loss {progress.last_loss:.4g}"
                 print_message(f"run: {progress.minibatches_done:,}/{minibatches:,} mini-batches{loss}", stderr)
 

@@ -201,26 +201,23 @@ def toml_text(value: object) -> str:
     return repr(value)  # int and float: TOML's own spelling, nan and inf among them
 
 
+def _axis_parts(key: str, text: str) -> list:
+    """A comma list's values as axis `key` takes them: names as given, else numbers (ValueError where one is
+    not)."""
+    parts = [part.strip() for part in text.split(",")]
+    if key in ("schedule", "prediction"):
+        return parts
+    return [(float if key in POSITIVE_AXES else int)(part) for part in parts]
+
+
 def parse_axis(key: str, text: str) -> tuple:
     """A flag's comma-separated list, e.g. `--stages 4,8` or `--schedule 1f1b,zb-h1`."""
-    parts = [part.strip() for part in text.split(",")]
-    if key not in ("schedule", "prediction"):
-        convert, what = (float, "numbers") if key in POSITIVE_AXES else (int, "whole numbers")
-        try:
-            parts = [convert(part) for part in parts]
-        except ValueError:
-            raise GridError(f"--{key}: expected {what} separated by commas, got {text!r}") from None
+    try:
+        parts = _axis_parts(key, text)
+    except ValueError:
+        what = "numbers" if key in POSITIVE_AXES else "whole numbers"
+        raise GridError(f"--{key}: expected {what} separated by commas, got {text!r}") from None
     return axis_values(key, parts, f"--{key}")
-
-
-def _number_or_name(text: str) -> int | float | str:
-    """One value of a comma list as a grid file writes it: a whole number, a number, else a name."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def load_grid(path: Path) -> dict[str, tuple]:
@@ -232,7 +229,11 @@ def load_grid(path: Path) -> dict[str, tuple]:
                         f"{', '.join(AXES)}")
     listed = next((key for key, value in doc.items() if isinstance(value, str) and "," in value), None)
     if listed is not None:  # a flag's comma list, which the file read as one unknown name
-        values = [_number_or_name(part.strip()) for part in doc[listed].split(",") if part.strip()]
+        text = ",".join(part for part in doc[listed].split(",") if part.strip())
+        try:
+            values = _axis_parts(listed, text)
+        except ValueError:  # "2,x": the parts as written, which the list's own check then names
+            values = [part.strip() for part in text.split(",")]
         raise GridError(f"--grid: {path}: {listed}: give several values as a TOML list, {listed} = "
                         f"{toml_text(values)} (got {toml_text(doc[listed])})")
     return {key: axis_values(key, value if isinstance(value, list) else [value], f"--grid: {path}: {key}")

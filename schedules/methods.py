@@ -209,9 +209,9 @@ class Method:
         """The values of `shape` (chunks, pipelines) a sweep's `given` values give this method: each where it reads
         the shape, its own alone where that is fixed and given (`--chunks 1,2` ran zb-v at v = 1 too, a row
         skipped in every sweep of the example grid), its default where it does not read it."""
+        own = self.defaults.get(shape, 1)
         if not given or not self.reads(shape):
-            return (self.shape()[("chunks", "pipelines").index(shape)],)
-        own = self.defaults.get(shape)
+            return (own,)
         return (own,) if shape in self.fixed and own in given else given
 
     def shape(self, chunks: int | None = None, pipelines: int | None = None) -> tuple[int, int]:
