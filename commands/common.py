@@ -1556,7 +1556,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology, measured,
         _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network, stage_cut=stage_cut,
         precision=precision or "fp32", overlap_expert_comm=bool(flags.get("overlap_expert_comm")),
-        pp_runtime=pp_runtime, optimizer_buckets=optimizer_buckets)
+        pp_runtime=pp_runtime, optimizer_buckets=optimizer_buckets, sized_by_flags=estimated is not None)
 
 
 def _param_mb_most(optimizer: str, precision: str) -> tuple[float, str]:

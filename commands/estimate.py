@@ -930,7 +930,7 @@ def one_f_one_b_peaks_bytes(profile: Profile, optimizer: str) -> list[int]:
     from ..sim import simulate
     from ..traces.metrics import summarize
 
-    scenario = profile_scenario(profile, optimizer)
+    scenario = profile_scenario(profile, optimizer, sized_by_flags=True)
     stages, parallelism = len(profile.stages), profile.estimate.parallelism
     sched = scenario.build("1f1b", ScheduleParams(stages, 2 * stages, 1, data_parallel=int(parallelism["data"]),
                                                   zero=int(bool(parallelism.get("sharded_optimizer")))))

@@ -710,7 +710,7 @@ def _estimate_group(what: WhatIf, counted: WorkloadCount, group: _EstimateGroup,
                 at_split = replace(what, sequence_parallel=split, rank_order=group.rank_order)
                 parallel = at_split.parallelism(p, t, devices // (t * p), kind, e)
                 scenario = profile_scenario(estimated_profile(at_split, counted, parallel, optimizer, memo),
-                                            optimizer, pp_runtime)
+                                            optimizer, pp_runtime, sized_by_flags=True)
                 replayed = allocations_key(parallel)
                 if replayed not in replays:
                     replays[replayed] = allocator_fields(allocator, counted, parallel, optimizer_step)

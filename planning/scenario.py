@@ -178,6 +178,9 @@ class Scenario:
     # per device, the bytes a searched order (auto) leaves free beside its tensors: the caching allocator's reserve
     # past the memory at the order searched before (`within_reserve`); (): none
     search_held_bytes: tuple[int, ...] = ()
+    # `measured` is an estimate this command's own flags sized (--gpu, --model, --layers), which an error about its
+    # model then names; False: a --profile file's, or no estimate
+    sized_by_flags: bool = False
 
     @property
     def _estimate(self) -> Estimate | None:
@@ -223,7 +226,8 @@ class Scenario:
             return method.build(params)
         if self.dag:
             return method.on_graph(replace(params, stages=self.dag[0].num_stages), *self.dag)
-        return method.on_graph(params, profile_graph(self.measured, params.stages, bounds, self.stage_cut))
+        return method.on_graph(params, profile_graph(self.measured, params.stages, bounds, self.stage_cut,
+                                                     self.sized_by_flags))
 
     def fsdp2_refusal(self, sched: Schedule) -> str | None:
         """Why FSDP2 cannot run `sched`'s order (`interleaved_minibatches`), where the stages run under it
@@ -630,7 +634,8 @@ class Scenario:
         slowest stage is the fastest of those every device holds within its memory (`fitted_cut`), searched once
         a scenario and schedule (`_FITTED`): their costs, buckets, reserve and simulate's JSON all ask for it."""
         per_copy = sched.graph.stages_per_copy
-        balanced = profile_bounds(self.measured, per_copy, self.stage_cut, device_stages(sched, per_copy))
+        balanced = profile_bounds(self.measured, per_copy, self.stage_cut, device_stages(sched, per_copy),
+                                  self.sized_by_flags)
         if self.stage_cut != FIT:
             return balanced
         key = (id(self), id(sched))
@@ -888,12 +893,14 @@ def allowed_lengths(flag: str, per: str, devices: int, stages: int) -> str:
     return f"give one number, or one per model stage ({stages})"
 
 
-def profile_scenario(measured: Profile, optimizer: str, pp_runtime: str = "pipesim") -> Scenario:
+def profile_scenario(measured: Profile, optimizer: str, pp_runtime: str = "pipesim",
+                     sized_by_flags: bool = False) -> Scenario:
     """The Scenario of a profile alone: its layers give every cost and size, its link (if measured) the
-    transfers, `pp_runtime` whose pipeline runtime holds the boundary tensors; the what-if fields are unused."""
+    transfers, `pp_runtime` whose pipeline runtime holds the boundary tensors (`sized_by_flags`:
+    Scenario.sized_by_flags); the what-if fields are unused."""
     return Scenario(per_stage={}, wgrad_fraction=0.5, opt_ms=0.0, pred_ms=None, avg_ms=None, optimizer=optimizer,
                     microbatch_size=measured.environment.microbatch_size, comm_ms=0.0, overlap_comm=True,
-                    measured=measured, pp_runtime=pp_runtime)
+                    measured=measured, pp_runtime=pp_runtime, sized_by_flags=sized_by_flags)
 
 
 @dataclass(frozen=True)
@@ -1091,19 +1098,19 @@ def device_stages(sched: Schedule, stages: int) -> tuple[tuple[int, ...], ...]:
 
 
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced",
-                   devices: Sequence[Sequence[int]] | None = None) -> list[int]:
+                   devices: Sequence[Sequence[int]] | None = None, sized_by_flags: bool = False) -> list[int]:
     """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`, `layer_counts`,
     `layout_of`: a layout's m is the --mtp-layers layer, and its last-stage rule is checked where `devices` is
     given). Balanced: the profile's own partition for its stage count; other counts re-partition its layers for time
     alone (the calibration's memory cap planned for its own stage count, so it is not applied here), the busiest
     device least busy among the cuts of the least slowest stage where `devices` run several stages each
-    (`partition`)."""
+    (`partition`). `sized_by_flags`: Scenario.sized_by_flags."""
     from ..profiles.schema import layer_costs, profile_stage_time
 
     if num_stages > len(measured.layers):
         raise CostError(too_few_layers(f"the schedule's {num_stages:,} model stages (--stages x --chunks)",
                                        measured.model.name, measured.model.options, len(measured.layers),
-                                       profiled=measured.estimate is None))
+                                       profiled=not sized_by_flags))
     counts = layer_counts(stage_cut)  # each form read once, by its prefix: first_last would read the others again
     if counts is not None:
         if len(counts) != num_stages or sum(counts) != len(measured.layers):
@@ -1130,12 +1137,13 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
 
 
 def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | None = None,
-                  stage_cut: str = "balanced") -> StageGraph:
+                  stage_cut: str = "balanced", sized_by_flags: bool = False) -> StageGraph:
     """The stage DAG of the profile's model cut into `num_stages` (at `bounds`, default `profile_bounds` by
     `stage_cut`; a chain unless its layers branch)."""
     from ..profiles.schema import stage_edges
 
-    cut = list(bounds) if bounds is not None else profile_bounds(measured, num_stages, stage_cut)
+    cut = list(bounds) if bounds is not None else profile_bounds(measured, num_stages, stage_cut,
+                                                                 sized_by_flags=sized_by_flags)
     return StageGraph(num_stages, tuple(stage_edges(measured.layers, cut)))
 
 

@@ -1044,3 +1044,17 @@ def test_a_profiles_model_too_short_for_the_stages_names_no_flag_that_was_not_gi
     code, _, err = pipesim("simulate", "-s", "1f1b", "--profile", GPT_CPU, "-p", "64")
     assert code == 2 and "the profile's gpt of 14 blocks has 16 layers in all; give at most 16 stages" in err, err
     assert "--layers" not in err
+
+
+def test_an_estimated_profiles_model_too_short_names_the_profile_not_the_estimates_flag(tmp_path):
+    """A profile `estimate --out` wrote, given to simulate, was "gpt of 4 blocks (--layers)": the flag of the
+    estimate that wrote it, not of this command; the same model sized by simulate's own flags names --layers."""
+    profile = tmp_path / "e.json"
+    code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "4", "-p", "2", "-o",
+                           str(profile))
+    assert code == 0, err
+    code, _, err = pipesim("simulate", "-s", "gpipe", "--profile", str(profile), "-p", "8")
+    assert code == 2 and "the profile's gpt of 4 blocks has 6 layers in all" in err and "--layers" not in err, err
+    code, _, err = pipesim("simulate", "-s", "interleaved-1f1b", "--gpu", "h100-sxm", "--model", "gpt", "--layers",
+                           "4", "-p", "4", "-v", "2")
+    assert code == 2 and "8 model stages (--stages x --chunks): gpt of 4 blocks (--layers) has 6 layers" in err, err
