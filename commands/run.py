@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NamedTuple
@@ -218,6 +219,7 @@ def run(
     # cli.main's "interrupted" through the except clauses, not an UnboundLocalError
     ExecutorError: type[Exception] = InputError
     started = False  # whether the ranks have started: a failure before is the same on every rank of a host
+    unwritten: str | None = None  # why an output could not be written, said after the results
     try:
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
@@ -387,10 +389,14 @@ def run(
         elif scenario is not None:  # the what-if costs the order was searched for
             result.trace.meta.extra["searched_for"] = {flag_of(name): ctx.params[name]
                                                        for name in SEARCH_COSTS if is_given(ctx, name)}
+        # a write that fails (a full disk) is said after the run's results, which it would otherwise lose
         if trace is not None:
-            with writing("--trace"):
-                write_trace(result.trace, trace)
+            unwritten = _written(lambda: write_trace(result.trace, trace), "--trace")
+            if unwritten is not None:
+                trace = None
         if failure is not None:
+            if unwritten is not None:
+                print_message(unwritten, stderr, "error: ", "bold red")
             if trace is not None:
                 stdout.print(f"wrote {trace} (incomplete)", highlight=False)
             if isinstance(failure, RunInterrupted):
@@ -403,9 +409,11 @@ def run(
         if html is not None:
             from ..traces.view import write_timeline_page
 
-            with writing("--html"):
-                write_timeline_page([result.trace], html, title=f"pipesim run: {schedule} (measured)",
-                                    labels=[f"{schedule} measured"], summaries=[summary])
+            page_unwritten = _written(lambda: write_timeline_page(
+                [result.trace], html, title=f"pipesim run: {schedule} (measured)",
+                labels=[f"{schedule} measured"], summaries=[summary]), "--html")
+            if page_unwritten is not None:
+                html, unwritten = None, unwritten or page_unwritten
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc), started or getattr(exc, "every_rank", False))
     except ExecutorError as exc:
@@ -418,6 +426,18 @@ def run(
         sys.stdout.write(json.dumps(_document(result, summary, trace, html), indent=2) + "\n")
     else:
         _print_table(result, summary, trace, html)
+    if unwritten is not None:
+        fail(unwritten, every_rank=True)  # the one rank that reports
+
+
+def _written(write: Callable[[], None], flag: str) -> str | None:
+    """Run `write` (the output of `flag`); None if it wrote, else the line that says why it could not."""
+    try:
+        with writing(flag):
+            write()
+    except InputError as exc:
+        return str(exc)
+    return None
 
 
 PIPED_EVERY_S = 10.0  # seconds: how often a run piped to a file says how far it is

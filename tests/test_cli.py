@@ -300,6 +300,19 @@ def test_a_page_of_read_traces_that_fails_once_written_names_its_flag(tmp_path, 
     assert code == 2 and err.endswith("error: --html: cannot write /dev/full: No space left on device\n"), err
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_run_whose_trace_cannot_be_written_still_shows_what_it_measured(tmp_path):
+    """`run --trace /dev/full` trained, then said only that the trace could not be written: the run's results (its
+    step, losses and memory) were lost with it. They are shown, the page that could be written is written, and the
+    write's failure is said after them, exit 2."""
+    page = tmp_path / "r.html"
+    code, out, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "-p", "2", "-m", "2", "-n", "2", "--no-heldout",
+                             "--trace", "/dev/full", "--html", page)
+    assert code == 2 and err == "error: --trace: cannot write /dev/full: No space left on device\n", err
+    assert "1f1b measured: 2 mini-batches" in out and "loss first -> last" in out, out
+    assert f"wrote {page}" in out and page.exists() and "wrote /dev/full" not in out, out
+
+
 def test_malformed_cluster_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"devices": 2}')
