@@ -87,6 +87,7 @@ from .common import (
     transient_status,
     with_help,
     writing,
+    wrote_text,
     zero_stage,
 )
 from .estimate import (
@@ -393,6 +394,7 @@ def simulate(
         if html is not None:
             from ..traces.view import write_timeline_page
 
+            replaced = example and html.is_file()  # the example's page has a name of its own: say what it replaced
             heading = ", ".join(names) if len(names) <= 4 else f"{len(names)} methods side by side"
             with writing("--html"):
                 write_timeline_page(traces, html, title=f"pipesim: {heading}", labels=names, summaries=summaries,
@@ -437,8 +439,10 @@ def simulate(
                          + _searched_again_text(searched_again)
                          + _held_back_text(built, summaries, memory, [costed[name] for name in names]),
                          [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
-        for path in [*trace_paths, *([html] if html else [])]:  # --memory's too: it wrote them without a word
+        for path in trace_paths:  # --memory's too: it wrote them without a word
             stdout.print(f"wrote {path}", highlight=False)
+        if html is not None:
+            stdout.print(wrote_text(html, replaced), highlight=False)
     _warn(skipped, summaries, memory)
 
 

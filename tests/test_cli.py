@@ -51,7 +51,16 @@ def test_no_arguments_runs_the_built_in_example(tmp_path, monkeypatch):
     assert code == 0
     for name in METHODS:  # the seeds' methods and their rivals in one table
         assert f"\n {name} " in out
-    assert (tmp_path / "pipesim-example.html").exists()
+    assert (tmp_path / "pipesim-example.html").exists() and out.endswith("wrote pipesim-example.html\n"), out
+
+
+def test_the_built_in_example_says_it_replaced_the_page_of_its_last_run(tmp_path, monkeypatch):
+    """The example writes a page under a name of its own, as view and study do; they said when they replaced a
+    file there, and the example replaced it without a word."""
+    monkeypatch.chdir(tmp_path)
+    assert pipesim("simulate")[0] == 0
+    code, out, _ = pipesim("simulate")
+    assert code == 0 and out.endswith("wrote pipesim-example.html (replaced the file that was there)\n"), out
 
 
 def test_the_built_in_examples_next_command_is_one_line_at_80_columns_and_runs(tmp_path, monkeypatch):
