@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..launch import TORCHRUN_ENV, under_torchrun
 from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight, resting_copies
 from ..schedules.ir import Action, Schedule, ScheduleError
+from ..traces.hostload import oom_kills
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from ..workload.processes import HEARTBEAT_S, rank_context, rank_process, start_processes
 from ..workload.transport import (
@@ -396,6 +397,7 @@ class _Supervisor:
         self.rows: list[list[ReportedRow]] = [[] for _ in range(world)]
         self.moved = [time.monotonic()] * world  # when each rank last made progress (or started)
         self.finished_after = [_finished_after(lowered, _layout(spec).place(rank)[0]) for rank in range(world)]
+        self.oom_kills = oom_kills()  # the kernel's count before the ranks ran: a rank it kills raises it
 
     def take(self, message: tuple) -> None:
         """Record one message: a heartbeat, a result, or a rank's error (text, whether the loss diverged)."""
@@ -447,7 +449,11 @@ class _Supervisor:
         if dead:
             code = self.procs[dead[0]].exitcode
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            return dead[0], f"{self.named(dead[0])} {how} (last action {self.last_action(dead[0])})", False
+            why = ""
+            if code == -signal.SIGKILL and self.oom_kills is not None and (oom_kills() or 0) > self.oom_kills:
+                why = (": the kernel's out-of-memory killer ended it, the ranks having outgrown this host's memory; "
+                       "a smaller --microbatch-size, or fewer ranks, holds less")
+            return dead[0], f"{self.named(dead[0])} {how} (last action {self.last_action(dead[0])}){why}", False
         if self.errors:
             rank = next((r for r, (_, diverged) in self.errors.items() if diverged), next(iter(self.errors)))
             text, diverged = self.errors[rank]

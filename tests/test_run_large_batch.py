@@ -7,6 +7,7 @@ working peer is not stalled, nor is a rank working through a long row."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import replace
 
@@ -14,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipesim.executor import run_multiprocess
+from pipesim.executor import run_multiprocess, runners
 from pipesim.executor.runners import HEARTBEAT_S, Heartbeat, _Reporter, _Supervisor
 from pipesim.schedules import lower
+from pipesim.traces.hostload import oom_kills
 from pipesim.workload import data
 from pipesim.workload.models import Model, classification_loss
 from tests.helpers import spec_for
@@ -109,3 +111,30 @@ def test_the_run_stalls_when_no_rank_moves_not_while_one_works():
     time.sleep(0.3)  # now neither moves
     rank, text, diverged = supervisor.fault()
     assert (rank, diverged) == (1, False) and text == "rank 1 made no progress for 0.2 s (last action 1OPT.0)"
+
+
+class _Killed:
+    pid, exitcode = os.getpid(), -signal.SIGKILL
+
+
+@pytest.mark.parametrize("kills, said", [((3, 4), True), ((3, 3), False), ((None, None), False)])
+def test_a_rank_the_out_of_memory_killer_ended_is_said_to_have_outgrown_the_host(monkeypatch, kills, said):
+    """`run -b 1000000` ran 2 minutes, then said "rank 0 was killed by signal 9": the kernel's out-of-memory killer
+    had ended it, which its count (/proc/vmstat oom_kill) rising while the ranks ran tells; a signal 9 without that
+    (a person's kill -9), or where the platform keeps no count, is said as before."""
+    counts = iter(kills)
+    monkeypatch.setattr(runners, "oom_kills", lambda: next(counts))
+    spec = spec_for("1f1b", stages=2, m=1, n=2)
+    supervisor = _Supervisor(spec, lower(spec.schedule), [_Killed(), _Process()], stall_timeout_s=60)
+    rank, text, _ = supervisor.fault()
+    assert rank == 0 and text.startswith("rank 0 was killed by signal 9"), text
+    assert text.endswith("(last action setup)" + (": the kernel's out-of-memory killer ended it, the ranks having "
+                         "outgrown this host's memory; a smaller --microbatch-size, or fewer ranks, holds less"
+                         if said else "")), text
+
+
+def test_the_kernels_out_of_memory_kills_are_read_from_vmstat(tmp_path):
+    (tmp_path / "proc").mkdir()
+    assert oom_kills(tmp_path) is None
+    (tmp_path / "proc" / "vmstat").write_text("nr_free_pages 12\noom_kill 7\nnuma_hit 3\n")
+    assert oom_kills(tmp_path) == 7

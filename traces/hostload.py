@@ -110,6 +110,16 @@ def available_memory_bytes(root: Path = Path("/")) -> int | None:
     return min(readings, default=None)
 
 
+def oom_kills(root: Path = Path("/")) -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended since boot, its own or a memory cgroup's
+    (Linux's /proc/vmstat `oom_kill`, since 4.13); None where the platform does not say. A rank ended by signal 9
+    while it rose was ended for the host's memory, not by a person (executor/runners.py)."""
+    with suppress(OSError, ValueError, StopIteration):
+        with open(root / "proc/vmstat") as vmstat:
+            return int(next(line for line in vmstat if line.startswith("oom_kill ")).split()[1])
+    return None
+
+
 def _memory_left(cgroup: Path, limit_file: str, charge_file: str, cache: str) -> list[int]:
     """What `cgroup`'s memory limit leaves beside its working set: one reading, or none where it sets no limit or
     does not exist here."""
