@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import replace
@@ -376,20 +377,26 @@ def _simulate_line(ctx: typer.Context, built_in: bool, comm_read: bool) -> Calla
 
 
 SKIPPED_REASONS = 5  # the skipped rows' reasons the terminal gives; --out holds each row's
+FIGURE = re.compile(r"\d[\d,.]*")  # a reason's figures: its form is the reason without them
 
 
 def _print_skipped(results: list, out: Path | None) -> None:
     """Why configurations were skipped, on stderr as simulate says it: each reason once, after the configurations
-    it holds for (`Config.label`), the first `SKIPPED_REASONS` of them."""
-    by_reason: dict[str, list[str]] = {}
+    it holds for (`Config.label`), the first `SKIPPED_REASONS` of them. Reasons that differ in their figures alone
+    (zb-h2's "at least 2p-1 = 5 micro-batches (got m=4)" at each p and m) are one: the first said whole, the
+    configurations of the rest counted after it."""
+    by_form: dict[str, dict[str, list[str]]] = {}
     for r in results:
         if r.metrics is None:
-            by_reason.setdefault(r.reason, []).append(r.config.label)
-    for reason, labels in list(by_reason.items())[:SKIPPED_REASONS]:
+            by_form.setdefault(FIGURE.sub("#", r.reason), {}).setdefault(r.reason, []).append(r.config.label)
+    for by_reason in list(by_form.values())[:SKIPPED_REASONS]:
+        (reason, labels), *others = by_reason.items()
         named = ", ".join(labels[:3]) + (f" and {len(labels) - 3:,} more" if len(labels) > 3 else "")
-        print_message(f"{named}: {reason}", stderr, "skipped: ")
-    if len(by_reason) > SKIPPED_REASONS:
-        more = count_text(len(by_reason) - SKIPPED_REASONS, "more reason")
+        likewise = sum(len(other) for _, other in others)
+        alike = f" (likewise {count_text(likewise, 'more configuration')}, each with its own figures)" if likewise else ""
+        print_message(f"{named}: {reason}{alike}", stderr, "skipped: ")
+    if len(by_form) > SKIPPED_REASONS:
+        more = count_text(len(by_form) - SKIPPED_REASONS, "more reason")
         where = f"{out}'s reason column gives" if out is not None else "--out FILE.csv's reason column would give"
         print_message(f"{more}: {where} each row's", stderr, "skipped: ")
 

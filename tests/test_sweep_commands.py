@@ -92,6 +92,17 @@ def test_the_terminal_says_why_each_skipped_configuration_was_skipped_each_reaso
         "head) needs 4 or more (got 2); pipesim simulate --graph takes a stage graph of your own"]
 
 
+def test_reasons_that_differ_in_their_figures_alone_are_said_once():
+    """zb-h2's "at least 2p-1 = 5 micro-batches (got m=4)" was one line for each p and m it held for, filling the
+    terminal's five reasons with one method's: the first is said whole, the rest counted after it."""
+    code, _, err = pipesim("sweep", "-s", "zb-h2", "-s", "1f1b", "-p", "3,4", "-m", "2,4", "--workers", 1)
+    assert code == 0, err
+    assert err.splitlines() == [
+        "skipped: zb-h2 p=3 m=2 v=1 P=1 cost×1: zb-h2 runs 2p-1 forwards on stage 0 before its first backward, so it "
+        "needs at least 2p-1 = 5 micro-batches (got m=2); with fewer, use zb-h1, which is then faster (likewise 3 more "
+        "configurations, each with its own figures)"]
+
+
 def test_past_five_reasons_the_terminal_points_to_the_results_file(tmp_path):
     out = tmp_path / "rows.csv"
     code, _, err = pipesim("sweep", "-p", "2,4,9", "-m", 8, "-v", 1, "--prediction", "code", "--workers", 1,
