@@ -9,18 +9,19 @@ depends on both, and is kept too, keyed by the model's workload as well (model, 
 micro-batch, threads, processes), for a calibration of the same model again. What depends on the model alone
 (its layers, stage passes and steps, the gaps after its rows) is measured every time.
 
-A cache never changes an answer silently: an entry records when it was measured, the host's load meanwhile
-and the load when the calibration that measured it began (traces/hostload.py), and is measured again, saying
-why, when it is older than MAX_AGE_S or that load per core differs from the load when this calibration began
-(the 2-core host's contention factor went from 1.24x to 2.31x in 20 minutes, and a factor kept from a busy hour
-doubled a quiet hour's predictions). Both are taken with nothing of the calibration running: the load while a
-term is measured is only the others' share of the cores its ranks leave them, so it is compared one way only:
-a term measured while the others kept the host busy even beside its ranks (a busy moment that can come after
-a quiet start) is measured again where the host is quiet now, for the others would have had more of the cores
-with the ranks gone. Where the others fill the cores, their CPU time reads the same however many wait, so a term
-kept from a busy host is reused on one busy now only where the load averages at the two starts are within
-BUSY_LOAD_PER_CORE a core (`queues_differ`: five calibrations of docs/auto.md's mlp began at 0.81-0.86 per core from
-CPU time and load averages of 6.6 to 14.0 on 2 cores, and a busy loop alone took 3.2x to 7.5x its median iteration).
+A cache never changes an answer silently: an entry records when it was measured, the host's load meanwhile and the
+load when the calibration that measured it began (traces/hostload.py), and is measured again, saying why, when it
+is older than MAX_AGE_S or that load per core differs from the load when this calibration began (the 2-core host's
+contention factor went from 1.24x to 2.31x in 20 minutes, and a factor kept from a busy hour doubled a quiet hour's
+predictions). Both are taken with nothing of the calibration running: the load while a term is measured is only the
+others' share of the cores its ranks leave them, so it is compared one way only: a term measured while the others
+kept the host busy even beside its ranks (a busy moment that can come after a quiet start) is measured again where
+the host is quiet now, by more than LOAD_TOLERANCE_PER_CORE less (`quieter_now`), for the others would have had
+more of the cores with the ranks gone. Where the others fill the cores, their CPU time reads the same however many
+wait, so a term kept from a busy host is reused on one busy now only where the load averages at the two starts are
+within BUSY_LOAD_PER_CORE a core (`queues_differ`: five calibrations of docs/auto.md's mlp began at 0.81-0.86 per
+core from CPU time and load averages of 6.6 to 14.0 on 2 cores, and a busy loop alone took 3.2x to 7.5x its median
+iteration).
 
 The directory is `$PIPESIM_CACHE_DIR`, else `$XDG_CACHE_HOME/pipesim`, else `~/.cache/pipesim`. One JSON file
 per entry, written atomically; a file that cannot be read or does not match its key is measured again.
@@ -49,6 +50,7 @@ from ..traces.hostload import (
     loads_differ,
     mark,
     queues_differ,
+    quieter_now,
     utc_now,
 )
 from ..workload.cachedir import cache_dir
@@ -168,9 +170,10 @@ class HostCache:
             return (f"the cached one's calibration began at {then.describe()} and a load average of {then.before:.1f}, "
                     f"this one at {now.per_core:.2f} per core and a load average of {now.before:.1f}: the others fill "
                     f"the cores, and their load averages are more than {BUSY_LOAD_PER_CORE:g} a core apart")
-        if entry.load is not None and entry.load.busy and not now.busy:
+        if quieter_now(entry.load, now):
             return (f"the cached one was measured on a busy host ({entry.load.describe()} beside its own ranks), "
-                    f"and the host is quiet now ({now.per_core:.2f} per core)")
+                    f"and the host is quiet now ({now.per_core:.2f} per core, more than {LOAD_TOLERANCE_PER_CORE} "
+                    "less)")
         return None
 
     def keep(self, kind: str, settings: dict[str, Any], value: Any, load: HostLoad) -> Cached:

@@ -393,7 +393,8 @@ def _print_skipped(results: list, out: Path | None) -> None:
         (reason, labels), *others = by_reason.items()
         named = ", ".join(labels[:3]) + (f" and {len(labels) - 3:,} more" if len(labels) > 3 else "")
         likewise = sum(len(other) for _, other in others)
-        alike = f" (likewise {count_text(likewise, 'more configuration')}, each with its own figures)" if likewise else ""
+        alike = (f" (likewise {count_text(likewise, 'more configuration')}, each with its own figures)" if likewise
+                 else "")
         print_message(f"{named}: {reason}{alike}", stderr, "skipped: ")
     if len(by_form) > SKIPPED_REASONS:
         more = count_text(len(by_form) - SKIPPED_REASONS, "more reason")

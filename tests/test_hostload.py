@@ -205,11 +205,26 @@ def test_a_term_measured_in_a_busy_moment_after_a_quiet_start_is_not_reused_on_a
     again = HostCache(tmp_path).get("links", {"sizes": [4096]}, lambda: {"ms": 0.3}, 2)
     assert again.fresh and again.value == {"ms": 0.3}
     assert ("the cached one was measured on a busy host (others' load 1.60 on 2 cores (0.80 per core, from CPU "
-            "time) beside its own ranks), and the host is quiet now (0.10 per core)") in again.describe()
+            "time) beside its own ranks), and the host is quiet now (0.10 per core, more than 0.25 less)"
+            ) in again.describe()
     host_is(monkeypatch, others_cores=1.0)  # a calibration that began busy (0.5 per core) keeps it ...
     HostCache(tmp_path).keep("links", {"sizes": [4096]}, {"ms": 21.0}, busy)
     kept = HostCache(tmp_path).find("links", {"sizes": [4096]})  # ... for one on the host as busy
     assert kept is not None and kept.value == {"ms": 21.0}
+
+
+@pytest.mark.parametrize("now_cores, again", [(0.98, False), (0.5, False), (0.48, True)])
+def test_a_busy_terms_host_is_quieter_now_only_by_more_than_the_tolerance(tmp_path, monkeypatch, now_cores, again):
+    """A term measured while the others kept 0.50 per core busy beside its ranks was measured again at 0.49 per core
+    "quiet now" (a new user's calibrate, twice in a row): a line between busy and quiet read a hundredth as a change.
+    It is measured again where the host is quiet now by more than LOAD_TOLERANCE_PER_CORE less."""
+    from pipesim.calibrate.cache import HostCache
+
+    busy = HostLoad(before=None, after=None, seconds=2.0, cpus=2, own_tasks=2, began_at=BEGAN, others_cores=1.0)
+    host_is(monkeypatch, others_cores=1.0)
+    HostCache(tmp_path).keep("links", {"sizes": [4096]}, {"ms": 21.0}, busy)
+    host_is(monkeypatch, others_cores=now_cores)
+    assert (HostCache(tmp_path).find("links", {"sizes": [4096]}) is None) == again
 
 
 def test_a_term_kept_from_a_full_host_is_measured_again_where_more_or_fewer_now_wait_for_its_cores(tmp_path,

@@ -408,6 +408,16 @@ def loads_differ(first: HostLoad | None, second: HostLoad | None) -> bool:
     return abs(first.per_core - second.per_core) > LOAD_TOLERANCE_PER_CORE
 
 
+def quieter_now(measured: HostLoad | None, now: HostLoad) -> bool:
+    """Whether a term `measured` on a busy host (the others' load beside its ranks, which leave them less than they
+    take alone: compared one way only) finds the host quiet `now` (the others' load with nothing of the command
+    running), by more than LOAD_TOLERANCE_PER_CORE a core less. The busy/quiet line alone measured a term again
+    where the others kept 0.50 per core busy beside its ranks and 0.49 alone, and called 0.49 quiet."""
+    if measured is None or not measured.busy or now.busy or now.per_core is None or measured.measure != now.measure:
+        return False
+    return measured.per_core - now.per_core > LOAD_TOLERANCE_PER_CORE
+
+
 def queues_differ(first: HostLoad | None, second: HostLoad | None) -> bool:
     """Whether two loads that both read busy from CPU time had 1-minute load averages at their start more than
     BUSY_LOAD_PER_CORE apart per usable core (another runnable task on every core). The others' CPU time cannot
