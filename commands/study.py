@@ -148,7 +148,7 @@ def study(
             try:
                 saved = load_results(results)
             except ResultsError as exc:  # a new user's first `--plot-only`, before any study ran here
-                raise exc if results.exists() else ResultsError(f"{exc}; `pipesim study` writes it (about 8 minutes "
+                raise exc if results.exists() else ResultsError(f"{exc}; `pipesim study` writes it (about 3 minutes "
                                                                 f"on 2 cores){_committed_study_text()}") from None
             setting = Setting(**saved.setting)
             chosen, rates, seed_list = recorded_arms(saved)

@@ -252,7 +252,7 @@ def test_plot_only_without_a_study_here_says_how_to_get_one(tmp_path, monkeypatc
     code, out, err = pipesim("study", "--plot-only")
     assert code == 2 and out == "" and not list(tmp_path.iterdir())
     assert err == ("error: --results: cannot read study results file study.json: No such file or directory; "
-                   "`pipesim study` writes it (about 8 minutes on 2 cores), or show the committed study: --results "
+                   "`pipesim study` writes it (about 3 minutes on 2 cores), or show the committed study: --results "
                    f"{COMMITTED}\n"), err
     code, out, err = pipesim("study", "--plot-only", "--results", err.split()[-1], "--html", tmp_path / "s.html")
     assert code == 0 and (tmp_path / "s.html").exists(), err  # the advice, followed, shows it
