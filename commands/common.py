@@ -1625,19 +1625,20 @@ def read_profile(path: Path, flag: str = "--profile") -> Profile:
 
 
 def _estimates_replicas(ctx: typer.Context, measured: Profile | None) -> None:
-    """A --profile estimate runs at its own d, and sharded as it was over its d > 1 replicas (ZeRO-3 under
-    --precision fsdp2, else ZeRO-1 where it sharded the optimizer), unless --data-parallel (or --zero,
-    --sharded-optimizer) says otherwise: as the estimate counted its memory and as its own check runs it
-    (commands/estimate.py `one_f_one_b_peaks_bytes`), set in `ctx.params` before the flags that need replicas are
-    checked. One replica's unsharded optimizer had read Llama 3.1 8B at p = 4, d = 8 as out of memory (83,101 MiB)
-    where the estimate fits (60,368)."""
+    """A --profile estimate runs at its own d unless --data-parallel says otherwise, and over d > 1 replicas sharded
+    as it was (ZeRO-3 under --precision fsdp2, else ZeRO-1 where it sharded the optimizer) unless --zero or
+    --sharded-optimizer does: as the estimate counted its memory and as its own check runs it (commands/estimate.py
+    `one_f_one_b_peaks_bytes`), set in `ctx.params` before the flags that need replicas are checked. One replica's
+    unsharded optimizer had read Llama 3.1 8B at p = 4, d = 8 as out of memory (83,101 MiB) where the estimate fits
+    (60,368); and so it read again where --data-parallel restated the estimate's own d."""
     estimate = measured.estimate if measured is not None else None
-    if estimate is None or is_given(ctx, "data_parallel"):
+    if estimate is None:
         return
     parallelism = estimate.parallelism
-    replicas = ctx.params["data_parallel"] = int(parallelism.get("data", 1))
-    if replicas > 1 and parallelism.get("sharded_optimizer") and not (is_given(ctx, "zero")
-                                                                      or is_given(ctx, "sharded_optimizer")):
+    if not is_given(ctx, "data_parallel"):
+        ctx.params["data_parallel"] = int(parallelism.get("data", 1))
+    if ctx.params["data_parallel"] > 1 and parallelism.get("sharded_optimizer") and not (
+            is_given(ctx, "zero") or is_given(ctx, "sharded_optimizer")):
         ctx.params["zero"] = 3 if parallelism.get("precision") == "fsdp2" else 1
 
 

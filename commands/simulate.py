@@ -530,11 +530,14 @@ def _shipped_reserves(shipped: bytes, devices: Sequence[int]) -> list[int]:
 
 def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
     """--expert-parallel E beside a calibrated --profile: its ranks drawn from the d replicas, as `pipesim run`
-    draws them, and its all-to-alls priced on the profile's (planning/scenario.py `measured_all_to_alls`)."""
+    draws them, and its all-to-alls priced on the profile's (planning/scenario.py `measured_all_to_alls`). An
+    estimate runs the E it was estimated with, which the flag may restate."""
     from ..planning.scenario import all_to_all_refusal
     from ..schedules.ranks import check_expert_replicas
 
     if measured.estimate is not None:
+        if experts == int(measured.estimate.parallelism.get("expert", 1)):
+            return
         raise InputError(f"--expert-parallel {experts:,}: the profile is an estimate, made for the expert parallelism "
                          f"it was estimated with (E={measured.estimate.parallelism.get('expert', 1)}); drop "
                          "--expert-parallel, or estimate again with it")
@@ -622,6 +625,9 @@ def _cost_basis(scenario, schedules: list, work: ModelWork | None, peak: str) ->
         elsewhere = f" at p={p} d={d}, links priced for this run's p and d" if placed else ""
         moved = experts_moved_text(estimate, ((sched.num_devices, sched.data_parallel) for sched in schedules))
         elsewhere += f", but not the all-to-alls: {moved}" * bool(moved)
+        sharded = bool(estimate.parallelism.get("sharded_optimizer"))
+        if any(sched.sharded_optimizer != sharded for sched in schedules):  # --zero, or a d of 1: the header's
+            elsewhere += f", the optimizer state {'un' * sharded}sharded for this run"
         span = tensor_span_text(estimate)
         degrees = parallelism_text(estimate.parallelism, estimate.attention, shape=False) + (
             f", the tensor-parallel group{span}" if span else "") + expert_span_text(scenario.measured)

@@ -1,6 +1,7 @@
 """The time model of issue 29 held against closed forms: NCCL's collectives, a big GEMM at its efficiency,
 tensor parallelism's split and collectives, Korthikanti et al.'s activation memory."""
 
+import json
 import math
 import re
 from dataclasses import replace
@@ -596,3 +597,31 @@ def test_estimates_caption_says_simulate_gpu_replays_no_mixture_of_experts(tmp_p
     assert "simulate --gpu's peak adds the segments torch's caching allocator keeps cached" in said["dense"]
     assert ("simulate --gpu's peak is the tensors alone too (a mixture of experts' step is not replayed through the "
             "caching allocator)") in said["experts"] and "keeps cached" not in said["experts"]
+
+
+def test_a_mixture_of_experts_estimate_run_with_the_other_sharding_holds_what_the_estimate_made_so_holds(tmp_path):
+    """Unsharded, a rank holds the state of its own 1/E of the routed experts; sharded, its d-th of every expert's
+    (Megatron-core shards them over their own d/E ranks). Resharded by d alone, DeepSeek-V3 estimated at E = 64
+    and run with --zero 1 read 110 MiB of optimizer state a rank where the estimate made sharded holds 3,087, and
+    the other way 395,072 where it holds 14,048. Either estimate now runs either way as the other was made; and a
+    --data-parallel or --expert-parallel that restates the estimate's own keeps its sharding and runs."""
+    from tests.conftest import pipesim
+
+    model = ["--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4, "--seq-len", 32,
+             "--vocab", 100, "--experts", 8, "--expert-parallel", 4, "--data-parallel", 8, "-p", 2]
+    for name, zero in (("plain", []), ("zero1", ["--zero", 1])):
+        code, _, err = pipesim("estimate", *model, *zero, "-o", tmp_path / f"{name}.json")
+        assert code == 0, err
+
+    def held(name: str, *flags) -> tuple[list[float], float]:
+        code, out, err = pipesim("simulate", "--profile", tmp_path / f"{name}.json", "-s", "1f1b", "--json", *flags)
+        assert code == 0, err
+        [result] = json.loads(out)["results"]
+        state_mb = [device["peak_memory_parts_mb"]["optimizer_state"] for device in result["devices"]]
+        return state_mb, result["time_per_minibatch_ms"]
+
+    for zero in (0, 1):
+        (plain, plain_ms), (sharded, sharded_ms) = held("plain", "--zero", zero), held("zero1", "--zero", zero)
+        assert plain == pytest.approx(sharded, rel=1e-4) and plain_ms == pytest.approx(sharded_ms, rel=1e-6), zero
+    assert held("zero1")[0] < held("plain")[0]  # each runs as made where nothing is said
+    assert held("zero1", "--data-parallel", 8, "--expert-parallel", 4) == held("zero1")

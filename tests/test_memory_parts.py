@@ -476,9 +476,12 @@ def test_an_fsdp2_estimate_stores_float32_weights(tmp_path, monkeypatch):
                            "--precision", "fsdp2", "--out", "e.json")
     assert code == 0, err
     assert "ZeRO-3: the profile holds each GPU's whole weights and gradients" in " ".join(out.split())
-    code, out, err = pipesim("simulate", "--profile", "e.json", "-s", "1f1b", "-m", "4", "--data-parallel", "2")
+    code, out, err = pipesim("simulate", "--profile", "e.json", "-s", "1f1b", "-m", "4", "--data-parallel", "2",
+                             "--zero", "1")
     assert code == 2 and out == "" and "--profile: estimated with --precision fsdp2" in err
     result, = simulate_json("--profile", "e.json", "-s", "1f1b", "-m", "4", "--data-parallel", "2", "--zero", "3")
+    # its own d restated keeps its ZeRO-3 (it was refused, as if --zero 0 had been asked for)
+    assert simulate_json("--profile", "e.json", "-s", "1f1b", "-m", "4", "--data-parallel", "2") == [result]
     layers = json.loads((tmp_path / "e.json").read_text())["layers"]
     weights = sum(layer["param_bytes"] for layer in layers[:3]) / MIB  # stage 0's, 16-bit
     assert result["devices"][0]["peak_memory_parts_mb"]["parameters"] == pytest.approx(
