@@ -16,6 +16,7 @@ from pipesim.planning.estimate import (
     _Split,
     estimate_layer,
     estimate_profile,
+    kernel_flops,
     links_of,
     node_placement,
     op_ms,
@@ -46,6 +47,24 @@ def test_the_causal_load_balance_gives_every_rank_the_same_work_at_every_step(c)
     pairs = [ring.step_pairs(rank) for rank in range(c)]
     assert all(step == 2.0 for steps in pairs for step in steps)  # two chunk pairs a step, whoever and whenever
     assert sum(map(sum, pairs)) == (2 * c) ** 2 / 2  # together: the whole causal triangle of the 2C chunks
+
+
+def test_a_rings_blocks_are_priced_once_for_each_kind_of_step_not_once_for_each_of_its_c(flash_gpt, monkeypatch):
+    """The blocks were priced step by step over every rank's C steps' pairs: `--context-parallel 1024` took 11 s and
+    4,096 ran for minutes. Every rank computes the same pairs at every step, so a ring prices its first, causal step
+    and one other, whatever its C, and gives each step's block as before."""
+    from pipesim.planning import estimate
+
+    op = next(op for op in flash_gpt.layers[1].ops["fwd"] if op.kind == "attention")
+    small = ContextRing(4, placement_links(H100, Parallelism(context=4)).context)
+    priced = [estimate.attention_kernel_ms(kernel_flops(op, DEVICE.attention_kernel) * 2 / 8,
+                                           op.moved_bytes * 2 / 8, False, op.causal and step == 0, DEVICE,
+                                           estimate.query_tiles(op)) for step in range(4)]
+    assert small.blocks_ms(op, DEVICE) == priced  # step by step, each rank's two pairs of its 2C·2C/2 = 8
+    calls = []
+    monkeypatch.setattr(estimate, "attention_kernel_ms", lambda *args: calls.append(args) or 1.0)
+    ring = ContextRing(4096, placement_links(H100, Parallelism(context=4096)).context)
+    assert ring.blocks_ms(op, DEVICE) == [1.0] * 4096 and len(calls) == 2
 
 
 @pytest.mark.parametrize("c", [2, 4])
