@@ -306,6 +306,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
         raise InputError(f"--gpu: unknown {name!r}{nearest_text(name, [*catalogue.gpu, *catalogue.cluster])}; known "
                          f"GPUs: {', '.join(catalogue.gpu)}{clusters}")
+    if catalogue.gpu[name].curve is None:  # every built-in part has one: the --gpus file's part lacks it
+        raise InputError(f"--gpu {params['gpu']}: {params.get('gpus')}'s {name} gives no curve = {{...}}, the "
+                         "efficiencies every estimate prices a part with (examples/h100-hbm2e-96gb.toml has one); add "
+                         "one to it")
     fp8 = _fp8_recipe(params, name, catalogue.gpu)
     dispatcher, routing = params.get("token_dispatcher"), _or_default(params, "routing", "balanced")
     if routing == "random" and params.get("capacity_factor") is not None:

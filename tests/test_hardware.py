@@ -171,3 +171,15 @@ def test_a_parts_memory_is_what_torch_is_given_where_known_and_the_datasheets_ma
                              "--heads", 4, "-p", 2, "-o", tmp_path / "h200.json")
     assert code == 0, err
     assert json.loads((tmp_path / "h200.json").read_text())["environment"]["device_memory_bytes"] == 150_109_880_320
+
+
+def test_a_part_of_ones_own_without_a_curve_is_refused_before_the_count_naming_its_file(tmp_path):
+    """A --gpus part without `curve` was refused by every estimate after its count (tune: 6.4 s), as "gpu 'X3' has
+    no efficiency curve", neither the flag nor the file named."""
+    own = tmp_path / "own.toml"
+    own.write_text(PART.format(name="x3"))
+    for command in (["simulate", "-s", "1f1b"], ["estimate", "-o", tmp_path / "e.json"], ["tune", "-D", 8]):
+        code, out, err = pipesim(*command, "--gpu", "x3", "--model", "gpt", "--gpus", own)
+        assert code == 2 and out == "" and not (tmp_path / "e.json").exists(), err
+        assert err == (f"error: --gpu x3: {own}'s x3 gives no curve = {{...}}, the efficiencies every estimate prices "
+                       "a part with (examples/h100-hbm2e-96gb.toml has one); add one to it\n"), err
