@@ -1106,7 +1106,11 @@ def check_writable(flag: str, path: Path | None) -> None:
         return
     from ..traces.trace import check_stageable, writes_in_place
 
+    if str(path) == "-":  # many tools' standard output: here it was a file named "-"
+        raise InputError(f"{flag}: - names no file here; give a file path, or /dev/stdout for the standard output")
     with writing(flag):  # a name too long, a folder that cannot be searched: the path cannot even be looked at
+        if path == Path("."):  # an empty path ("") reads as the current folder
+            raise InputError(f"{flag}: give a file path (got the current folder)")
         if path.is_dir():
             raise InputError(f"{flag}: {path} is a directory; give a file path")
         if writes_in_place(path):

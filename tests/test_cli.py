@@ -940,6 +940,19 @@ def test_a_folder_given_to_trace_is_refused_for_one_method_or_several(tmp_path, 
     assert list(tmp_path.iterdir()) == [folder] and list(folder.iterdir()) == []
 
 
+@pytest.mark.parametrize("flag", ["--trace", "--html"])
+@pytest.mark.parametrize("given, said", [("-", "- names no file here; give a file path, or /dev/stdout for the "
+                                               "standard output"),
+                                         ("", "give a file path (got the current folder)")])
+def test_a_dash_or_an_empty_output_path_is_refused_as_what_it_is(tmp_path, monkeypatch, flag, given, said):
+    """`--trace -` wrote a file named "-" ("wrote -"), where many tools read - as the standard output; `--html ""`
+    said ". is a directory"."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, flag, given)
+    assert code == 2 and out == "" and err == f"error: {flag}: {said}\n", err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_stream_given_to_trace_is_refused_for_several_methods(tmp_path):
     """Several methods' traces are PATH-<method>: --trace /dev/stdout wrote /dev/stdout-1f1b, ... (exit 0), and a
     FIFO's traces went to new files beside it, not down the FIFO."""
