@@ -466,14 +466,14 @@ class Scenario:
         experts' W times over (k = 1 - f + f·W of it, f the rank's weights' routed share). Scaled by d·C alone,
         DeepSeek-V3 estimated at E = 64 unsharded read 110 MiB of optimizer state a rank under --zero 1, where the
         estimate made sharded holds 3,087."""
-        from .experts import weight_shards
-
         estimate = self._estimate
         if estimate is None:
             return costs
         sharded = bool(estimate.parallelism.get("sharded_optimizer"))
         if not (sharded or sched.sharded_optimizer):
             return costs
+        from .experts import weight_shards  # an estimate's: the cost flags' runs import no profile schema
+
         shards = estimate.degrees[2] * int(estimate.parallelism.get("context", 1))
         spread = float(weight_shards(int(estimate.parallelism.get("expert", 1)),
                                      estimate.parallelism.get("expert_tensor"), estimate.degrees[0]))
