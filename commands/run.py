@@ -219,7 +219,7 @@ def run(
     # cli.main's "interrupted" through the except clauses, not an UnboundLocalError
     ExecutorError: type[Exception] = InputError
     started = False  # whether the ranks have started: a failure before is the same on every rank of a host
-    unwritten: str | None = None  # why an output could not be written, said after the results
+    unwritten: list[str] = []  # why each output that could not be written was not, said after the results
     try:
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
@@ -391,12 +391,13 @@ def run(
                                                        for name in SEARCH_COSTS if is_given(ctx, name)}
         # a write that fails (a full disk) is said after the run's results, which it would otherwise lose
         if trace is not None:
-            unwritten = _written(lambda: write_trace(result.trace, trace), "--trace")
-            if unwritten is not None:
+            why = _written(lambda: write_trace(result.trace, trace), "--trace")
+            if why is not None:
                 trace = None
+                unwritten.append(why)
         if failure is not None:
-            if unwritten is not None:
-                print_message(unwritten, stderr, "error: ", "bold red")
+            for why in unwritten:
+                print_message(why, stderr, "error: ", "bold red")
             if trace is not None:
                 stdout.print(f"wrote {trace} (incomplete)", highlight=False)
             if isinstance(failure, RunInterrupted):
@@ -409,11 +410,12 @@ def run(
         if html is not None:
             from ..traces.view import write_timeline_page
 
-            page_unwritten = _written(lambda: write_timeline_page(
+            why = _written(lambda: write_timeline_page(
                 [result.trace], html, title=f"pipesim run: {schedule} (measured)",
                 labels=[f"{schedule} measured"], summaries=[summary]), "--html")
-            if page_unwritten is not None:
-                html, unwritten = None, unwritten or page_unwritten
+            if why is not None:
+                html = None
+                unwritten.append(why)
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc), started or getattr(exc, "every_rank", False))
     except ExecutorError as exc:
@@ -426,8 +428,10 @@ def run(
         sys.stdout.write(json.dumps(_document(result, summary, trace, html), indent=2) + "\n")
     else:
         _print_table(result, summary, trace, html)
-    if unwritten is not None:
-        fail(unwritten, every_rank=True)  # the one rank that reports
+    for why in unwritten[:-1]:
+        print_message(why, stderr, "error: ", "bold red")
+    if unwritten:
+        fail(unwritten[-1], every_rank=True)  # the one rank that reports
 
 
 def _written(write: Callable[[], None], flag: str) -> str | None:

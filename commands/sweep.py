@@ -377,7 +377,8 @@ def _simulate_line(ctx: typer.Context, built_in: bool, comm_read: bool) -> Calla
 
 
 SKIPPED_REASONS = 5  # the skipped rows' reasons the terminal gives; --out holds each row's
-FIGURE = re.compile(r"\d[\d,.]*")  # a reason's figures: its form is the reason without them
+# a reason's figures, not the digits of a name (zb-h2, 1f1b, fp8): its form is the reason without them
+FIGURE = re.compile(r"(?<![\w-])\d[\d,.]*(?!\w)")
 
 
 def _print_skipped(results: list, out: Path | None) -> None:

@@ -387,7 +387,8 @@ def _stop(procs: list[Any]) -> None:
 class _Supervisor:
     """The parent's view of the ranks: their heartbeats and results, who stalled or died."""
 
-    def __init__(self, spec: RunSpec, lowered: Lowered, procs: list[Any], stall_timeout_s: float) -> None:
+    def __init__(self, spec: RunSpec, lowered: Lowered, procs: list[Any], stall_timeout_s: float,
+                 oom_kills_before: int | None = None) -> None:
         self.spec, self.lowered, self.procs = spec, lowered, procs
         self.stall_timeout_s = stall_timeout_s
         world = len(procs)
@@ -397,7 +398,7 @@ class _Supervisor:
         self.rows: list[list[ReportedRow]] = [[] for _ in range(world)]
         self.moved = [time.monotonic()] * world  # when each rank last made progress (or started)
         self.finished_after = [_finished_after(lowered, _layout(spec).place(rank)[0]) for rank in range(world)]
-        self.oom_kills = oom_kills()  # the kernel's count before the ranks ran: a rank it kills raises it
+        self.oom_kills = oom_kills_before  # the kernel's count before the ranks started: a rank it kills raises it
 
     def take(self, message: tuple) -> None:
         """Record one message: a heartbeat, a result, or a rank's error (text, whether the loss diverged)."""
@@ -451,8 +452,9 @@ class _Supervisor:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             why = ""
             if code == -signal.SIGKILL and self.oom_kills is not None and (oom_kills() or 0) > self.oom_kills:
-                why = (": the kernel's out-of-memory killer ended it, the ranks having outgrown this host's memory; "
-                       "a smaller --microbatch-size, or fewer ranks, holds less")
+                # the count is the host's: another process the killer ended meanwhile raises it too
+                why = (": the kernel's out-of-memory killer ended a process meanwhile, most likely it, the ranks "
+                       "having outgrown this host's memory; a smaller --microbatch-size, or fewer ranks, holds less")
             return dead[0], f"{self.named(dead[0])} {how} (last action {self.last_action(dead[0])}){why}", False
         if self.errors:
             rank = next((r for r, (_, diverged) in self.errors.items() if diverged), next(iter(self.errors)))
@@ -512,7 +514,7 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
                                (prelude.rank, pipes[rank][1]) if prelude is not None else None),
                               f"pipesim-rank-{rank}", spec.threads_per_rank)
                  for rank in range(world)]
-        supervisor = None
+        supervisor, kills_before = None, oom_kills()  # the kernel's count before any rank starts
         try:
             start_processes(procs, spec.threads_per_rank)
             if prelude is not None:
@@ -521,7 +523,7 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
                 prelude.parent([ours for ours, _ in pipes], procs)
                 for ours, _ in pipes:
                     ours.close()
-            supervisor = _Supervisor(spec, lowered, procs, stall_timeout_s)
+            supervisor = _Supervisor(spec, lowered, procs, stall_timeout_s, kills_before)
             started = time.monotonic()
             for _, writer in setups:
                 writer.send((spec, outputs))

@@ -320,6 +320,10 @@ def test_a_run_whose_trace_cannot_be_written_still_shows_what_it_measured(tmp_pa
     assert code == 2 and err == "error: --trace: cannot write /dev/full: No space left on device\n", err
     assert "1f1b measured: 2 mini-batches" in out and "loss first -> last" in out, out
     assert f"wrote {page}" in out and page.exists() and "wrote /dev/full" not in out, out
+    code, out, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "-p", "2", "-m", "2", "-n", "2", "--no-heldout",
+                             "--trace", "/dev/full", "--html", "/dev/full")  # each write that fails is said
+    assert code == 2 and "loss first -> last" in out and err == "".join(
+        f"error: {flag}: cannot write /dev/full: No space left on device\n" for flag in ("--trace", "--html")), err
 
 
 def test_malformed_cluster_file(tmp_path):

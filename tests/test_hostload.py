@@ -221,10 +221,12 @@ def test_a_busy_terms_host_is_quieter_now_only_by_more_than_the_tolerance(tmp_pa
     from pipesim.calibrate.cache import HostCache
 
     busy = HostLoad(before=None, after=None, seconds=2.0, cpus=2, own_tasks=2, began_at=BEGAN, others_cores=1.0)
-    host_is(monkeypatch, others_cores=1.0)
-    HostCache(tmp_path).keep("links", {"sizes": [4096]}, {"ms": 21.0}, busy)
+    host_is(monkeypatch, others_cores=0.5)  # its calibration began at 0.25 a core: within the tolerance of each now
+    HostCache(tmp_path).keep("links", {"sizes": [4096]}, {"ms": 21.0}, busy)  # measured at 0.50 a core, busy
     host_is(monkeypatch, others_cores=now_cores)
-    assert (HostCache(tmp_path).find("links", {"sizes": [4096]}) is None) == again
+    again_said = HostCache(tmp_path).get("links", {"sizes": [4096]}, lambda: {"ms": 0.3}, 2)
+    assert again_said.fresh == again
+    assert ("and the host is quiet now" in again_said.describe()) == again
 
 
 def test_a_term_kept_from_a_full_host_is_measured_again_where_more_or_fewer_now_wait_for_its_cores(tmp_path,

@@ -122,15 +122,16 @@ def test_a_rank_the_out_of_memory_killer_ended_is_said_to_have_outgrown_the_host
     """`run -b 1000000` ran 2 minutes, then said "rank 0 was killed by signal 9": the kernel's out-of-memory killer
     had ended it, which its count (/proc/vmstat oom_kill) rising while the ranks ran tells; a signal 9 without that
     (a person's kill -9), or where the platform keeps no count, is said as before."""
-    counts = iter(kills)
-    monkeypatch.setattr(runners, "oom_kills", lambda: next(counts))
+    before, now = kills
+    monkeypatch.setattr(runners, "oom_kills", lambda: now)
     spec = spec_for("1f1b", stages=2, m=1, n=2)
-    supervisor = _Supervisor(spec, lower(spec.schedule), [_Killed(), _Process()], stall_timeout_s=60)
+    supervisor = _Supervisor(spec, lower(spec.schedule), [_Killed(), _Process()], stall_timeout_s=60,
+                             oom_kills_before=before)
     rank, text, _ = supervisor.fault()
     assert rank == 0 and text.startswith("rank 0 was killed by signal 9"), text
-    assert text.endswith("(last action setup)" + (": the kernel's out-of-memory killer ended it, the ranks having "
-                         "outgrown this host's memory; a smaller --microbatch-size, or fewer ranks, holds less"
-                         if said else "")), text
+    assert text.endswith("(last action setup)" + (": the kernel's out-of-memory killer ended a process meanwhile, "
+                         "most likely it, the ranks having outgrown this host's memory; a smaller --microbatch-size, "
+                         "or fewer ranks, holds less" if said else "")), text
 
 
 def test_the_kernels_out_of_memory_kills_are_read_from_vmstat(tmp_path):
