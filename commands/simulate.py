@@ -626,7 +626,7 @@ def _cost_basis(scenario, schedules: list, work: ModelWork | None, peak: str) ->
         moved = experts_moved_text(estimate, ((sched.num_devices, sched.data_parallel) for sched in schedules))
         elsewhere += f", but not the all-to-alls: {moved}" * bool(moved)
         sharded = bool(estimate.parallelism.get("sharded_optimizer"))
-        if any(sched.sharded_optimizer != sharded for sched in schedules):  # --zero, or a d of 1: the header's
+        if any(sched.sharded_optimizer != sharded for sched in schedules):  # by --zero, or at d = 1 (the header)
             elsewhere += f", the optimizer state {'un' * sharded}sharded for this run"
         span = tensor_span_text(estimate)
         degrees = parallelism_text(estimate.parallelism, estimate.attention, shape=False) + (
