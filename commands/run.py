@@ -391,10 +391,8 @@ def run(
                                                        for name in SEARCH_COSTS if is_given(ctx, name)}
         # a write that fails (a full disk) is said after the run's results, which it would otherwise lose
         if trace is not None:
-            why = _written(lambda: write_trace(result.trace, trace), "--trace")
-            if why is not None:
+            if not _written(lambda: write_trace(result.trace, trace), "--trace", unwritten):
                 trace = None
-                unwritten.append(why)
         if failure is not None:
             for why in unwritten:
                 print_message(why, stderr, "error: ", "bold red")
@@ -410,12 +408,10 @@ def run(
         if html is not None:
             from ..traces.view import write_timeline_page
 
-            why = _written(lambda: write_timeline_page(
-                [result.trace], html, title=f"pipesim run: {schedule} (measured)",
-                labels=[f"{schedule} measured"], summaries=[summary]), "--html")
-            if why is not None:
+            if not _written(lambda: write_timeline_page(
+                    [result.trace], html, title=f"pipesim run: {schedule} (measured)",
+                    labels=[f"{schedule} measured"], summaries=[summary]), "--html", unwritten):
                 html = None
-                unwritten.append(why)
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc), started or getattr(exc, "every_rank", False))
     except ExecutorError as exc:
@@ -434,14 +430,16 @@ def run(
         fail(unwritten[-1], every_rank=True)  # the one rank that reports
 
 
-def _written(write: Callable[[], None], flag: str) -> str | None:
-    """Run `write` (the output of `flag`); None if it wrote, else the line that says why it could not."""
+def _written(write: Callable[[], None], flag: str, unwritten: list[str]) -> bool:
+    """Run `write` (the output of `flag`): whether it wrote; where not, the line that says why is added to
+    `unwritten`."""
     try:
         with writing(flag):
             write()
     except InputError as exc:
-        return str(exc)
-    return None
+        unwritten.append(str(exc))
+        return False
+    return True
 
 
 PIPED_EVERY_S = 10.0  # seconds: how often a run piped to a file says how far it is

@@ -398,7 +398,7 @@ class _Supervisor:
         self.rows: list[list[ReportedRow]] = [[] for _ in range(world)]
         self.moved = [time.monotonic()] * world  # when each rank last made progress (or started)
         self.finished_after = [_finished_after(lowered, _layout(spec).place(rank)[0]) for rank in range(world)]
-        self.oom_kills = oom_kills_before  # the kernel's count before the ranks started: a rank it kills raises it
+        self.oom_kills_before = oom_kills_before  # the kernel's count before the ranks started: a kill raises it
 
     def take(self, message: tuple) -> None:
         """Record one message: a heartbeat, a result, or a rank's error (text, whether the loss diverged)."""
@@ -451,7 +451,8 @@ class _Supervisor:
             code = self.procs[dead[0]].exitcode
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             why = ""
-            if code == -signal.SIGKILL and self.oom_kills is not None and (oom_kills() or 0) > self.oom_kills:
+            before = self.oom_kills_before
+            if code == -signal.SIGKILL and before is not None and (oom_kills() or 0) > before:
                 # the count is the host's: another process the killer ended meanwhile raises it too
                 why = (": the kernel's out-of-memory killer ended a process meanwhile, most likely it, the ranks "
                        "having outgrown this host's memory; a smaller --microbatch-size, or fewer ranks, holds less")

@@ -249,14 +249,13 @@ class LayerCount:
         tokens read 47.9 % where 42.1 % is the model's."""
         ops = [op for name in ("fwd", "bwd") for op in self.ops.get(name, ())]
         routed = sum(op.flops * op.count for op in ops if op.routed)
-
-        def attention_flops(name: str) -> float:  # within a sliding window of w keys, w of them a query
-            return sum(op.flops * op.count * (op.window / op.shape[2] if 0 < op.window < op.shape[2] else 1)
-                       for op in self.ops.get(name, ()) if op.kind == "attention")
-
-        outside_window = sum(op.flops * op.count * (1 - op.window / op.shape[2]) for op in ops
-                             if op.kind == "attention" and 0 < op.window < op.shape[2])
-        recomputed = max(0.0, attention_flops("bwd") - 2 * attention_flops("fwd"))
+        # each pass's attention kernels as counted, and within a sliding window of w keys, w of them a query
+        counted = {name: [op.flops * op.count for op in self.ops.get(name, ()) if op.kind == "attention"]
+                   for name in ("fwd", "bwd")}
+        windowed = {name: sum(op.flops * op.count * (op.window / op.shape[2] if 0 < op.window < op.shape[2] else 1)
+                              for op in self.ops.get(name, ()) if op.kind == "attention") for name in counted}
+        outside_window = sum(map(sum, counted.values())) - sum(windowed.values())
+        recomputed = max(0.0, windowed["bwd"] - 2 * windowed["fwd"])
         return round(self.fwd_flops + self.igrad_flops + self.wgrad_flops - (1 - self.routed_model_share) * routed
                      - outside_window - recomputed)
 
