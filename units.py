@@ -118,6 +118,13 @@ def whole_number(text: str, most: int) -> int | None:
     return number if number <= most else None
 
 
+def rounds_text(params: dict) -> str:
+    """How a schedule's `params` run each mini-batch's micro-batches where in several flushes (`--rounds`), as the
+    labels write it after m: " in 2 rounds"; "" in one."""
+    rounds = int(params.get("rounds", 1))
+    return f" in {rounds:,} rounds" if rounds > 1 else ""
+
+
 def degree_text(letter: str, degree: int) -> str:
     """One degree of a run's shape as every label writes it, "p=1,024", "P=1,000": grouped in thousands as a count is
     (count_text), so a view's, tune's, a sweep's, simulate's and an estimate's labels read a large figure alike (the

@@ -460,6 +460,7 @@ class MoeRun:
     cross_entropy: str = "megatron"  # --cross-entropy: Megatron-core's, or torch's
     expert_gemm: str = "per-expert"  # --expert-gemm: TEGroupedMLP's GEMM a local expert, or one grouped kernel
     pp_runtime: str | None = None  # --pp-runtime: torch where torch.distributed.pipelining runs the stages
+    rounds: int = 1  # --rounds: the pipeline's flushes a step (torch's pipelining's gradient accumulation)
 
     @property
     def data(self) -> int:
@@ -495,6 +496,7 @@ class MoeRun:
                 *(["--overlap-expert-comm"] if self.a2a_overlap else []),
                 *(["--reduce-after-flush"] if self.reduce_after_flush else []),
                 *(["--pp-runtime", self.pp_runtime] if self.pp_runtime else []),
+                *(["--rounds", str(self.rounds)] if self.rounds > 1 else []),
                 *(["--router-aux-loss", self.router_aux_loss] if self.router_aux_loss != "none" else []),
                 *p2p_sync(schedule, self.pipeline)]
 
@@ -662,8 +664,12 @@ def automodel_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]
             # torch.distributed.pipelining's stages keep FSDP2's weights gathered from a step's first forward to its
             # last backward (stage.py `backward_maybe_with_nosync`: set_reshard_after_backward and
             # set_requires_gradient_sync False until the last; reshard_after_forward False under pipelining,
-            # parallelizer.py): ZeRO-3 as pipesim holds it in a pipeline
-            pipelined = {"zero": 3, "pp_runtime": "torch", "stage_cut": autopipeline_layout(blocks, stages)}
+            # parallelizer.py): ZeRO-3 as pipesim holds it in a pipeline. A step's local batch of
+            # local_batch_size / microbatch_size micro-batches is one schedule.step, called gradient_accumulation
+            # times before the optimizer's (train_ft.py: the step scheduler's local_batch_size batches,
+            # functional.py's n_microbatches = local_batch_size // microbatch_size): `--rounds`
+            pipelined = {"zero": 3, "pp_runtime": "torch", "stage_cut": autopipeline_layout(blocks, stages),
+                         "rounds": int(row["gradient_accumulation"])}
         # FSDP2 over the t·C·d ranks with the experts sharded E ways, bfloat16 weights and torch Adam's bfloat16
         # moments, no master copy; without a pipeline each block's weights gathered once a step and kept
         # (reshard_after_forward False, fsdp_mixin.py's reshard_after_backward and requires_gradient_sync False

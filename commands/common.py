@@ -82,6 +82,12 @@ Chunks = Annotated[int | None, typer.Option(
                                                "stages). Default: the method's (2 for V schedules, else 1).")]
 Microbatches = Annotated[int, typer.Option(
     "--microbatches", "-m", metavar="M", min=1, help="Micro-batches per mini-batch m.")]
+Rounds = Annotated[int, typer.Option(
+    "--rounds", metavar="R", min=1, help="A mini-batch's m micro-batches run as R flushes of m / R each, one update "
+                                         "after the last: gradient accumulation as torch's pipelining runs it "
+                                         "(torchtitan and NeMo AutoModel call schedule.step once per accumulation "
+                                         "step); a synchronous method's, the replicas' gradients reduced once, after "
+                                         "the last round. Default: 1.")]
 Minibatches = Annotated[int, typer.Option(
     "--minibatches", "-n", metavar="N", min=1, help="Mini-batches (optimizer steps) N.")]
 Pipelines = Annotated[int | None, typer.Option(

@@ -45,6 +45,7 @@ from .common import (
     OverlapExpertComm,
     Pipelines,
     PredictionSource,
+    Rounds,
     SearchActivationMb,
     SearchBwd,
     SearchComm,
@@ -127,6 +128,7 @@ def run(
     pipelines: Pipelines = None,
     data_parallel: DataParallel = 1,
     expert_parallel: ExpertParallel = 1,
+    rounds: Rounds = 1,
     rank_order: RunRankOrder = "pipesim",
     overlap_expert_comm: OverlapExpertComm = False,
     advance: Advance = None,
@@ -297,7 +299,7 @@ def run(
         params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
                                average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
                                data_parallel=data_parallel, expert_parallel=expert_parallel,
-                               overlap_expert_comm=overlap_expert_comm,
+                               overlap_expert_comm=overlap_expert_comm, rounds=rounds,
                                **method.read_options(search))
         # a searched order: for the costs of the stages the run cuts (the profile's partition, where it fits)
         built = built_schedule(method, params, scenario, as_json, bounds)

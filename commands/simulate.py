@@ -19,7 +19,7 @@ from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import MAX_MS, MIB, count_text, degree_text
+from ..units import MAX_MS, MIB, count_text, degree_text, rounds_text
 from .common import (
     LEAST_MS,
     TORCH_CSV,
@@ -44,6 +44,7 @@ from .common import (
     PredictionSource,
     Recompute,
     ReduceAfterFlush,
+    Rounds,
     SearchActivationMb,
     SearchBwd,
     SearchComm,
@@ -214,6 +215,7 @@ def simulate(
     zero: Zero = None,
     precision: HeldPrecision = None,
     reduce_after_flush: ReduceAfterFlush = False,
+    rounds: Rounds = 1,
     optimizer_buckets: OptimizerBuckets = "megatron",
     recompute: Recompute = "none",
     allocator: Allocator = "caching",
@@ -316,7 +318,8 @@ def simulate(
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
                                    average_every=average_every, elastic_alpha=elastic_alpha,
                                    data_parallel=data_parallel, zero=zero_stage(ctx.params),
-                                   reduce_after_flush=reduce_after_flush, expert_parallel=experts, **options)
+                                   reduce_after_flush=reduce_after_flush, expert_parallel=experts, rounds=rounds,
+                                   **options)
             return built_schedule(method, params, scenario if at is None else at, as_json)
 
         searched_again = {}  # per method searched again within the caching allocator's reserve
@@ -786,7 +789,8 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
     columns of `SAID_ONCE` whose rows all agree are said once in the caption instead (`said_once`)."""
     first, estimated = schedules[0], any(share is not None for share in mfu)
     title = (f"p={count_text(first.num_devices, 'device')} per pipeline, "
-             f"m={count_text(first.microbatches, 'micro-batch')}, N={count_text(first.minibatches, 'mini-batch')}"
+             f"m={count_text(first.microbatches, 'micro-batch')}{rounds_text(first.params)}, "
+             f"N={count_text(first.minibatches, 'mini-batch')}"
              + (f", {degree_text('d', first.data_parallel)} replicas" if first.data_parallel > 1 else "")
              + _zero_text(first)
              + (f", {per_device}" if per_device else ""))

@@ -9,15 +9,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
 from ..choices import choose_from
 from ..units import float_text, given_text, number_allowed, value_text
-from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
+from .ir import (
+    COLLECTIVE_KINDS,
+    PREDICTION_SOURCES,
+    SYNCHRONOUS,
+    Action,
+    Kind,
+    Read,
+    Schedule,
+    ScheduleError,
+    StageGraph,
+    WeightPolicy,
+)
 from .passes import add_context_parallel, add_data_parallel, add_expert_parallel, overlap_expert_communication
-from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView
+from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, kind_mask
 
 MAX_ROWS = 30_000_000  # ops and transfers (a send and a receive row each): about 430 bytes per row while simulating
 MAX_STAGES = 4_096  # model stages (p·v) of one pipeline: per-device and per-stage work grows faster than rows
@@ -82,7 +93,9 @@ class ScheduleParams:
     `expert_parallel` (E) ranks hold a mixture of experts' routed experts, whose dispatch and combine are all-to-all
     rows after every forward and backward; `reduce_after_flush`: a device starts its stages' REDUCEs only once
     its last backward of the mini-batch is done (Megatron-LM's own DDP), instead of each right after its stage's
-    last backward, overlapping the device's remaining backward work (torch DDP)."""
+    last backward, overlapping the device's remaining backward work (torch DDP). `rounds`: the m micro-batches of a
+    mini-batch run as that many flushes of m / rounds each before its one update, as torch's pipelining runs
+    gradient accumulation (torchtitan's and NeMo AutoModel's `schedule.step` once a round: `in_rounds`)."""
 
     stages: int
     microbatches: int
@@ -101,10 +114,11 @@ class ScheduleParams:
     context_parallel: int = 1
     expert_parallel: int = 1
     overlap_expert_comm: bool = False  # Megatron-core's EP overlap: `passes.overlap_expert_communication`
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every", "data_parallel",
-                     "context_parallel", "expert_parallel"):
+                     "context_parallel", "expert_parallel", "rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ScheduleError(f"{name}: {number_allowed(1, None)} (got {value_text(value)})")
@@ -120,6 +134,9 @@ class ScheduleParams:
                 raise ScheduleError(f"{name}: give true or false (got {value_text(getattr(self, name))})")
         if (refused := zero_refusal(self.zero)) is not None:
             raise ScheduleError(refused)
+        if self.microbatches % self.rounds:
+            raise ScheduleError(f"--rounds: each of the {self.rounds:,} rounds runs an equal share of the m "
+                                f"micro-batches: give a divisor of m = {self.microbatches:,} (got {self.rounds:,})")
         self._check_size()
 
     @classmethod
@@ -183,7 +200,7 @@ class Method:
 
     name: str
     summary: str
-    build: Callable[[ScheduleParams], Schedule]
+    make: Callable[[ScheduleParams], Schedule]  # its schedule for params of one round (`build`)
     defaults: Mapping[str, int] = field(default_factory=dict)
     options: frozenset[str] = frozenset()
     on_graph: Callable[..., Schedule] | None = None
@@ -192,6 +209,11 @@ class Method:
     p2p_sync: bool = False
     exchanges_per_step: bool = False
     fixed: frozenset[str] = frozenset()  # shapes of `defaults` it runs at that value alone (a V's two chunks)
+
+    def build(self, params: ScheduleParams) -> Schedule:
+        """This method's schedule for `params`, each mini-batch's micro-batches in `rounds` flushes where asked
+        (`in_rounds`)."""
+        return self.make(params) if params.rounds == 1 else in_rounds(self.make, params)
 
     def reads(self, option: str) -> bool:
         """Whether this method reads `option`, an input only some methods read (chunks, pipelines, AvgPipe's
@@ -279,6 +301,38 @@ def make_schedule(
         pipelines=params.pipelines,
         params={f.name: getattr(params, f.name) for f in fields(params)},  # its scalars: asdict would deep-copy
     )))))
+
+
+def in_rounds(make: Callable[[ScheduleParams], Schedule], params: ScheduleParams) -> Schedule:
+    """`make`'s schedule with each mini-batch's m micro-batches run as `params.rounds` flushes of m / rounds before
+    its one update, as torch's pipelining accumulates gradients over several `schedule.step` calls (torchtitan's
+    train.py and NeMo AutoModel's train_ft.py call it once per gradient-accumulation step, the optimizer after the
+    last): `make`'s order for m / rounds micro-batches and rounds times the mini-batches (its expert-parallel
+    pairs per flush), each round's micro-batches numbered after the previous round's (a model copy's, DualPipe's,
+    after its own), every update but the last round's left out, then the replicas' synchronisation once a
+    mini-batch and the passes' collectives (`make_schedule`'s passes). A method that never flushes (a weight
+    policy other than SYNCHRONOUS) has no rounds to run."""
+    rounds, share = params.rounds, params.microbatches // params.rounds
+    try:
+        one = make(replace(params, microbatches=share, minibatches=params.minibatches * rounds, rounds=1,
+                           data_parallel=1, zero=0, context_parallel=1, reduce_after_flush=False))
+    except ScheduleError as error:
+        raise ScheduleError(f"--rounds {rounds}: each round runs m / rounds = {share:,} micro-batches, and {error}") \
+            from None
+    if one.policy != SYNCHRONOUS:
+        raise ScheduleError(f"--rounds: {one.method} never flushes, and a round is a flush of a synchronous schedule: "
+                            "leave --rounds out, or give gpipe, 1f1b, interleaved-1f1b, zb-h1, ...")
+    t, copies = one.table, one.graph.copies
+    round_of, per_copy = t.minibatch.astype(np.int64) % rounds, share // copies
+    copy, place = np.divmod(t.microbatch.astype(np.int64), per_copy)
+    microbatch = np.where(t.microbatch >= 0, (copy * rounds + round_of) * per_copy + place, -1)
+    kept = ~kind_mask(t.kind, *COLLECTIVE_KINDS) & ((t.kind != KIND_CODE[Kind.OPT]) | (round_of == rounds - 1))
+    table = ActionTable(t.device[kept], t.kind[kept], t.stage[kept], microbatch[kept].astype(FIELD_DTYPE),
+                        (t.minibatch[kept] // rounds).astype(FIELD_DTYPE), t.pipeline[kept], t.peer[kept])
+    merged = Schedule(one.method, one.graph, one.placement, OrderView(table, one.num_devices), one.policy,
+                      params.microbatches, params.minibatches, one.pipelines,
+                      params={f.name: getattr(params, f.name) for f in fields(params)})
+    return add_context_parallel(add_expert_parallel(add_data_parallel(merged)))
 
 
 def interleave_1f1b(count: int, warmup: int) -> tuple[np.ndarray, np.ndarray]:

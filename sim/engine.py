@@ -874,9 +874,12 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         refusal = kept_until_update_refusal(schedule)
         if refusal is not None:
             raise ScheduleError(refusal)
-        forwards = np.bincount(t.stage[t.kind == KIND_CODE[Kind.F]], minlength=len(stages)) // schedule.minibatches
-        kept_to_update = forwards * (forward_kept + backward_kept)  # per stage, what a mini-batch leaves
-        sparse["communication"] = _merged(_events(updates, end=-kept_to_update[stage[updates]]))
+        rounds = int(schedule.params.get("rounds", 1))
+        forwards = np.bincount(t.stage[t.kind == KIND_CODE[Kind.F]], minlength=len(stages)) // (
+            schedule.minibatches * rounds)
+        kept_to_update = forwards * (forward_kept + backward_kept)  # per stage, what a mini-batch's round leaves
+        sparse["communication"] = _merged(_events(updates, end=-kept_to_update[stage[updates]]),
+                                          _next_rounds_free(t, schedule, kept_to_update))
         if costs.merges_outputs:  # the kept model outputs concatenated once a device's step has run its backwards
             merged = np.bincount(schedule.placement, forwards * per_stage([c.model_output_bytes for c in stages]),
                                  minlength=schedule.num_devices).astype(np.int64)  # per device
@@ -959,6 +962,24 @@ class _Ends:
 
     first: np.ndarray
     last: np.ndarray
+
+
+def _next_rounds_free(t: ActionTable, schedule: Schedule, kept: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Sparse rows that free, at a device's first forward of each round but a mini-batch's first (`--rounds`,
+    `methods.in_rounds`), what the round before left kept on its stages (`kept`, per stage): torch's pipelining
+    clears every stage's runtime state as a `schedule.step` begins (`_PipelineStageBase.clear_runtime_states`), a
+    round's. None in one round."""
+    rounds = int(schedule.params.get("rounds", 1))
+    if rounds == 1:
+        return _events(np.zeros(0, dtype=np.int64))
+    rows = np.flatnonzero(t.kind == KIND_CODE[Kind.F])
+    per_copy = schedule.microbatches // schedule.graph.copies
+    round_of = t.microbatch[rows].astype(np.int64) % per_copy // (per_copy // rounds)
+    key = (t.minibatch[rows].astype(np.int64) * rounds + round_of) * schedule.num_devices + t.device[rows]
+    first = _ends_by(rows, key).first
+    first = first[round_of[np.searchsorted(rows, first)] > 0]
+    on_device = np.bincount(schedule.placement, kept, minlength=schedule.num_devices).astype(np.int64)
+    return _events(first, start=-on_device[t.device[first]])
 
 
 def _per_replica_minibatch(t: ActionTable, schedule: Schedule, kinds: tuple[Kind, ...]) -> _Ends:
@@ -1116,7 +1137,8 @@ def held_static_parts(schedule: Schedule, mine: Sequence[StageCosts]) -> dict[st
     return {"parameters": (stored + float8) * schedule.pipelines + copies,
             "gradients": grads * schedule.pipelines,
             "optimizer_state": state * schedule.pipelines,
-            "communication": schedule.microbatches * sum(c.receive_buffer_bytes for c in mine),
+            "communication": schedule.microbatches // int(schedule.params.get("rounds", 1))  # a flush's
+                             * sum(c.receive_buffer_bytes for c in mine),
             "runtime_buffers": max((c.runtime_buffer_bytes for c in mine), default=0)}
 
 

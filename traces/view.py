@@ -32,7 +32,7 @@ from plotly.colors import qualitative, sample_colorscale
 
 from ..files import PAGE_HEALTH
 from ..memory_parts import MEMORY_PARTS, SAVERS
-from ..units import MIB, degree_text
+from ..units import MIB, degree_text, rounds_text
 from .compare import Comparison
 from .metrics import MIB_SHOWN, MS_DECIMALS, Summary, mib_text, ms_text, percent_text, rate_text, summarize
 from .trace import STREAMS, Trace, TraceMeta, write_atomic
@@ -280,7 +280,8 @@ def shape_text(trace: Trace) -> str:
         parts.append(degree_text("v", chunks))
     if meta.pipelines > 1:
         parts.append(degree_text("P", meta.pipelines))
-    return ", ".join(parts + [degree_text("m", meta.microbatches), degree_text("N", meta.minibatches)])
+    return ", ".join(parts + [degree_text("m", meta.microbatches) + rounds_text(meta.params),
+                              degree_text("N", meta.minibatches)])
 
 
 def _labels(traces: Sequence[Trace]) -> list[str]:
