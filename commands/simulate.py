@@ -560,7 +560,7 @@ def _schedule_file(ctx: typer.Context, path: Path):
 
     if is_given(ctx, "schedule"):
         raise InputError("--schedule and --schedule-file both say what to simulate: give one")
-    fixed = [f"--{name}" for name in ("stages", "chunks", "microbatches", "pipelines") if is_given(ctx, name)]
+    fixed = [f"--{name}" for name in ("stages", "chunks", "microbatches", "pipelines", "rounds") if is_given(ctx, name)]
     if fixed:
         raise InputError(f"{', '.join(fixed)}: the schedule file fixes stages, chunks and micro-batches (one "
                          f"step, which --minibatches repeats); drop {'these flags' if len(fixed) > 1 else fixed[0]}")

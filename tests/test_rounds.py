@@ -106,3 +106,9 @@ def test_a_run_in_rounds_trains_as_the_same_mini_batch_in_one(tmp_path):
     trace = tmp_path / "rounds.json"
     assert losses("--rounds", "2", "--trace", str(trace)) == losses()
     assert json.loads(trace.read_text())["pipesim"]["meta"]["params"]["rounds"] == 2
+
+
+def test_a_schedule_file_refuses_rounds_it_would_ignore():
+    """A torch CSV fixes its step's order, so --rounds would change nothing: refused, as --microbatches is."""
+    code, out, err = pipesim("simulate", "--schedule-file", "examples/order.csv", "--rounds", "2")
+    assert code == 2 and err.startswith("error: --rounds: the schedule file fixes stages, chunks"), err
