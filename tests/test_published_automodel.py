@@ -68,14 +68,16 @@ def test_the_256_gpu_deepseek_row_runs_autopipelines_cut_under_torchs_pipelining
 def test_the_kimi_k2_row_runs_the_deepseek_rows_config_at_its_own_p_and_e():
     """kimi_k2_te_deepep.yaml at 89e3a9fdd is deepseek_v3_te_deepep.yaml there but for pp_size 8, ep_size 32 and the
     model (moonshotai/Kimi-K2-Base, AutoModel's DeepseekV3ForCausalLM): 61 blocks at layers_per_stage 2 make the
-    same 32 stages, v 4 at p 8 (the table's); local batch 8, GA 2, so 16 micro-batches of 1 over d = 32."""
+    same 32 stages, v 4 at p 8 (the table's); local batch 8, GA 2, so 16 micro-batches of 1 over d = 32, in two
+    `schedule.step` calls of 8 each (`--rounds 2`), where the DeepSeek-V3 row's GA 1 runs one."""
     (row,) = [row for row in RECORDED if row["run"] == "AutoModel Kimi K2 256 GPUs t1 p8 v4 E32"]
     (deepseek,) = [row for row in RECORDED if row["run"] == "AutoModel DeepSeek V3 671B 256 GPUs t1 p4 v8 E64"]
     args, theirs = shlex.split(row["command"]), shlex.split(deepseek["command"])
     assert (_flag(args, "--model"), _flag(args, "-p"), _flag(args, "--chunks"), _flag(args, "-m"),
-            _flag(args, "--data-parallel"), _flag(args, "--expert-parallel")) == ("hf:examples/kimi-k2", "8", "4",
-                                                                                  "16", "32", "32")
-    differing = {"--model", "-p", "--chunks", "-m", "--data-parallel", "--expert-parallel"}
+            _flag(args, "--data-parallel"), _flag(args, "--expert-parallel"),
+            _flag(args, "--rounds")) == ("hf:examples/kimi-k2", "8", "4", "16", "32", "32", "2")
+    assert "--rounds" not in theirs
+    differing = {"--model", "-p", "--chunks", "-m", "--data-parallel", "--expert-parallel", "--rounds"}
 
     def rest(words: list[str]) -> list[str]:
         return [word for i, word in enumerate(words) if not {word, words[i - 1]} & differing]
