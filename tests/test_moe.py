@@ -339,10 +339,11 @@ def test_deepseek_v3_has_its_published_total_and_activated_parameters():
 
 
 @needs_transformers
-@pytest.mark.parametrize("example, billions", [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5)])
+@pytest.mark.parametrize("example, billions", [("mixtral-8x7b", 46.7), ("mixtral-8x22b", 140.6),
+                                               ("qwen3-30b-a3b", 30.5)])
 def test_the_moe_examples_have_their_published_parameter_counts(example, billions):
-    """Mixtral of Experts (arXiv 2401.04088): 47B parameters (46.7B on its model card); Qwen3-30B-A3B's model
-    card: 30.5B in total."""
+    """Mixtral of Experts (arXiv 2401.04088): 47B parameters (46.7B on its model card); Mixtral 8x22B's card: 141B
+    (140.6B counted); Qwen3-30B-A3B's model card: 30.5B in total."""
     counted = count_built(f"hf:{ROOT / 'examples' / example}", {"seq_len": 64}, 1, torch.bfloat16)
     assert round(sum(layer.param_bytes for layer in counted.layers) / 2e9, 1) == billions
 
