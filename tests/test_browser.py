@@ -564,22 +564,32 @@ def test_png_decoder_reads_every_filter():
     assert np.array_equal(decode_png(png), image)
 
 
-@needs_chromium
-def test_traces_of_very_different_memory_each_get_their_own_memory_axis(tmp_path):
-    """A view of a 2 GiB prediction and a run of a few MiB (as a measured CPU run is): each trace's memory
-    panel is scaled to its own peak, so neither curve is a flat line at the bottom of the other's axis."""
-    from pipesim.traces.trace import read_trace
-    from pipesim.units import MIB
+@pytest.fixture(scope="module")
+def big_and_small_view(tmp_path_factory) -> tuple[Path, Path, Visit]:
+    """A view of a 2 GiB prediction and a run of a few KiB (1F1B, p = 2, m = 4, N = 2): the two traces and one visit
+    of the page, its hovers and ticks read as drawn and zoomed (HOVERS_JS; its geometry is read before the zoom):
+    the page the memory axes' and the hovers' tests read."""
     from tests.conftest import pipesim
 
-    big, small, page = tmp_path / "big.json", tmp_path / "small.json", tmp_path / "v.html"
+    folder = tmp_path_factory.mktemp("big-and-small")
+    big, small, page = folder / "big.json", folder / "small.json", folder / "v.html"
     shape = ("-s", "1f1b", "-p", 2, "-m", 4, "-n", 2)
     assert pipesim("simulate", *shape, "--activation-mb", 700, "--trace", big).code == 0
-    assert pipesim("simulate", *shape, "--param-mb", 4, "--activation-mb", 2, "--output-mb", 1,
+    assert pipesim("simulate", *shape, "--param-mb", 0.002, "--activation-mb", 0.001, "--output-mb", 0.001,
                    "--trace", small).code == 0
     code, _, err = pipesim("view", big, small, "--html", page)
     assert code == 0, err
-    v = visit(page, "#test", height=1400)
+    return big, small, visit(page, "#test", height=1400, probe=HOVERS_JS)
+
+
+@needs_chromium
+def test_traces_of_very_different_memory_each_get_their_own_memory_axis(big_and_small_view):
+    """A view of a 2 GiB prediction and a run of a few KiB (a measured CPU run's is a few MiB): each trace's memory
+    panel is scaled to its own peak, so neither curve is a flat line at the bottom of the other's axis."""
+    from pipesim.traces.trace import read_trace
+    from pipesim.units import MIB
+
+    big, small, v = big_and_small_view
     assert_healthy(v)
     check_timeline(v)
     panels = v.geometry["memory"]
@@ -865,7 +875,8 @@ HOVERS_JS = """(async () => {
 
 
 @needs_chromium
-def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page(small_runs_heatmap, tmp_path):
+def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page(small_runs_heatmap,
+                                                                                   big_and_small_view):
     """A run of a few KiB: its memory hovered "0.0 MiB" (",.1f") where its bars say "<0.01"; a 2 GiB run's memory
     axis read "2000" where every figure reads "1,288"; times hovered without separators, then by plotly's ",.3f",
     which rounds the binary value (1.0005 ms, 1.000499... in binary, "1.000" where the title and the tables write
@@ -873,16 +884,9 @@ def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page
     Every MiB hovered is `mib_text`'s (a device's line, a part of its stack, a heatmap's cell) and every time
     `ms_text`'s, as drawn and zoomed; every tick separated (20 devices' heatmap: `small_runs_heatmap`)."""
     from pipesim.traces.metrics import mib_text, ms_text
-    from tests.conftest import pipesim
 
-    big, small, page = tmp_path / "big.json", tmp_path / "small.json", tmp_path / "v.html"
-    shape = ("-s", "1f1b", "-p", 2, "-m", 4, "-n", 2)
-    assert pipesim("simulate", *shape, "--activation-mb", 700, "--trace", big).code == 0
-    assert pipesim("simulate", *shape, "--param-mb", 0.002, "--activation-mb", 0.001, "--output-mb", 0.001,
-                   "--trace", small).code == 0
-    assert pipesim("view", big, small, "--html", page).code == 0
     shown = set()
-    for v, kind in ((visit(page, "#test", height=1400, probe=HOVERS_JS), "scatter"), (small_runs_heatmap, "heatmap")):
+    for v, kind in ((big_and_small_view[2], "scatter"), (small_runs_heatmap, "heatmap")):
         assert_healthy(v)
         assert v.probed["zoomed"]["redrawn"]
         for figure in (v.probed["drawn"], v.probed["zoomed"]):
