@@ -20,7 +20,7 @@ from rich.table import Table
 
 from ..profiles.workload import too_few_layers
 from ..traces.metrics import loss_text, mib_text, percent_text, rate_text
-from ..units import count_text, degree_text, float_text, number_allowed
+from ..units import count_text, degree_text, float_text, number_allowed, rounds_text
 from ..workload.processes import HEARTBEAT_S, STALL_LEAST_S
 from .common import (
     DTYPES,
@@ -635,7 +635,8 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
                         + ["Megatron-core's rank order"] * (meta.extra.get("rank_order") == "megatron"))
     table = Table(title=f"{meta.schedule} measured: {count_text(meta.minibatches, 'mini-batch')} of "
                         f"{shares}{meta.microbatches:,} x "
-                        f"{meta.microbatch_size:,} samples, {count_text(hardware['ranks'], 'rank')}"
+                        f"{meta.microbatch_size:,} samples{rounds_text(meta.params)}, "
+                        f"{count_text(hardware['ranks'], 'rank')}"
                         f"{f' ({degrees})' if replicas > 1 else ''} over "
                         f"{hardware.get('transport')} ({hardware.get('device')})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,

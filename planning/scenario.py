@@ -215,8 +215,9 @@ class Scenario:
                             "for the cut: use --stage-cut balanced")
         params = self.order_params(params)
         if params.rounds > 1 and (method.needs_costs or method.on_graph is not None):
-            does = "searches its order for one flush" if method.needs_costs else "runs a graph of stages"
-            raise ScheduleError(f"--rounds: {name} {does}, not several: leave --rounds out, or give gpipe, 1f1b, "
+            does = "searches its order for one flush, not several" if method.needs_costs else \
+                "runs its graph of stages in one flush a mini-batch"
+            raise ScheduleError(f"--rounds: {name} {does}: leave --rounds out, or give gpipe, 1f1b, "
                                 "interleaved-1f1b, zb-h1, ...")
         if method.needs_costs:
             from .auto import schedule_frame, search_schedule

@@ -1269,8 +1269,8 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
             static = (*static[:-1], *([max(static[-1] - moments, 0)] if moments else ()))
         merging = {stage: nbytes for stage, nbytes in (merged_bytes or {}).items() if nbytes and stage in stages}
         merged = 0
-        if merging:  # each mini-batch's merge: the outputs of its forwards (as many each mini-batch)
-            rows = merge_events(rows)
+        if merging:  # each step's merge (a mini-batch's, or a round's): the outputs of its forwards (as many each)
+            rows = merge_events(rows, trace.meta.microbatches // int(trace.meta.params.get("rounds", 1)))
             merged = (sum(merging.get(stage, 0) for name, stage, _ in rows if name.startswith("fwd"))
                       // sum(MERGE in name for name, _, _ in rows))
         place: dict[Hashable, int] = {}
@@ -1300,11 +1300,14 @@ def step_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]) -> list[t
             for at, (name, stage, (pipeline, minibatch, micro)) in enumerate(rows)]
 
 
-def merge_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]) -> list[tuple[str, int, tuple[int, int, int]]]:
+def merge_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]], per_step: int
+                 ) -> list[tuple[str, int, tuple[int, int, int]]]:
     """`device_rows`' rows (perhaps named with events already), MERGE on the device's last full or weight backward
-    of each mini-batch, once its schedule's step has run every row of its stages (torch's `step` merges then)."""
-    last = {(pipeline, minibatch): at for at, (name, _, (pipeline, minibatch, _)) in enumerate(rows)
-            if name.split(":")[0] in ("bwd", "wgrad")}
+    of each `schedule.step`, once it has run every row of its stages (torch's `step` merges then): a mini-batch's,
+    or each round's of `per_step` micro-batches where it runs in rounds (`--rounds`; torch's runtime runs one model
+    copy, so a round is micro-batches in a row)."""
+    last = {(pipeline, minibatch, micro // per_step): at for at, (name, _, (pipeline, minibatch, micro))
+            in enumerate(rows) if name.split(":")[0] in ("bwd", "wgrad")}
     ends = set(last.values())
     return [(name + (MERGE if at in ends else ""), stage, microbatch)
             for at, (name, stage, microbatch) in enumerate(rows)]

@@ -140,10 +140,12 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
             hint = _SHAPE_FLAGS.get(name) if predicted.meta.source == "predicted" else None
             raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted"
                              + (f": predict with {hint} {b}" if hint else ""))
-    for name in sorted(set(predicted.meta.params) & set(measured.meta.params)):
-        a, b = predicted.meta.params[name], measured.meta.params[name]
+    # a trace written before --rounds existed ran its micro-batches in one flush
+    for name in sorted((set(predicted.meta.params) & set(measured.meta.params)) | {"rounds"}):
+        a, b = predicted.meta.params.get(name, 1), measured.meta.params.get(name, 1)
         if a != b:
-            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted")
+            hint = f": predict with --rounds {b}" if name == "rounds" and predicted.meta.source == "predicted" else ""
+            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted{hint}")
     if predicted.num_devices != measured.num_devices:
         raise TraceError(f"the traces describe different runs: {measured.num_devices} devices measured, "
                          f"{predicted.num_devices} predicted")
