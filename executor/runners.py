@@ -410,8 +410,9 @@ class _Supervisor:
                 self.moved[rank] = time.monotonic()
             self.beats[rank] = beat
             self.rows[rank].extend(beat.rows)
-        elif what == "done":
+        elif what == "done":  # finishing is progress too: a peer that waited on its last sends moves next
             self.results[message[1]] = message[2]
+            self.moved[message[1]] = time.monotonic()
         else:
             self.errors.setdefault(message[1], (message[2], message[3]))
 
@@ -469,7 +470,10 @@ class _Supervisor:
         running = [rank for rank in range(len(self.procs)) if self.results[rank] is None]
         stalled = [rank for rank in running if now - self.moved[rank] > limits[rank]]
         stopped = [rank for rank in stalled if _stopped(self.procs[rank].pid)]
-        if not stalled or (not stopped and len(stalled) < len(running)):
+        # a rank that finished within the limit moved the run: its peers' rows after its last sends are to come
+        finished_lately = any(now - self.moved[rank] <= self.stall_timeout_s for rank in range(len(self.procs))
+                              if self.results[rank] is not None)
+        if not stalled or (not stopped and (len(stalled) < len(running) or finished_lately)):
             return None
         rank = stopped[0] if stopped else min(stalled, key=lambda r: self.moved[r])
         beat = self.beats[rank]

@@ -113,6 +113,25 @@ def test_the_run_stalls_when_no_rank_moves_not_while_one_works():
     assert (rank, diverged) == (1, False) and text == "rank 1 made no progress for 0.2 s (last action 1OPT.0)"
 
 
+def test_a_rank_left_waiting_when_its_peer_finishes_gets_the_limit_from_then():
+    """Rank 1 waits in a receive past the limit while rank 0 computes its long last rows, then rank 0 sends and
+    finishes: rank 1, alone, had not beaten since, and the run stopped with "rank 1 made no progress for 1 s (last
+    action 1OPT; waiting on rank 1: receive #1 from rank 0)" (2 of 5 runs of the slow backward's test made with only
+    its first backward slow). A peer's finish is the run moving: the stall limit counts from it."""
+    spec = spec_for("1f1b", stages=2, m=1, n=2)
+    supervisor = _Supervisor(spec, lower(spec.schedule), [_Process(), _Process()], stall_timeout_s=0.2)
+    supervisor.take(_beat(1, 5))
+    for _ in range(3):
+        time.sleep(0.1)
+        supervisor.take(_beat(0, 3, working=True))  # rank 0 within its long backward; rank 1 waits on it
+    assert supervisor.fault() is None
+    supervisor.take(("done", 0, object()))
+    assert supervisor.fault() is None
+    time.sleep(0.3)  # rank 1 neither moves nor finishes
+    rank, text, _ = supervisor.fault()
+    assert rank == 1 and text.startswith("rank 1 made no progress for 0.2 s"), text
+
+
 class _Killed:
     pid, exitcode = os.getpid(), -signal.SIGKILL
 
