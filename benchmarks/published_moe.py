@@ -128,9 +128,11 @@ Its 256-GPU DeepSeek-V3 row runs so as deepseek_v3_te_deepep.yaml at 89e3a9fdd (
 torch.distributed.pipelining: interleaved 1F1B over AutoPipeline's 32 stages (`autopipeline_stages`,
 `autopipeline_layout`: layers_per_stage 2, the embedding with the first and the head with the last; no MTP layer in
 AutoModel's model), `--pp-runtime torch`, and `--zero 3`, the pipeline stage keeping FSDP2's gathered weights to the
-step's last backward. Its Kimi K2 row runs so too: kimi_k2_te_deepep.yaml there is that config but for p 8, EP 32
-and the model (moonshotai/Kimi-K2-Base, AutoModel's DeepseekV3ForCausalLM; examples/kimi-k2). The 1,024-GPU row prints
-v 8 where its config cuts 16 stages (v 4), and the rest are listed with why (`AUTOMODEL_NOT_EXPRESSIBLE`).
+step's last backward, each of the table's gradient-accumulation steps a `schedule.step` of local_batch_size
+micro-batches (`--rounds`: the DeepSeek-V3 row's 1, Kimi K2's 2). Its Kimi K2 row runs so too: kimi_k2_te_deepep.yaml
+there is that config but for p 8, EP 32 and the model (moonshotai/Kimi-K2-Base, AutoModel's DeepseekV3ForCausalLM;
+examples/kimi-k2). The 1,024-GPU row prints v 8 where its config cuts 16 stages (v 4), and the rest are listed with why
+(`AUTOMODEL_NOT_EXPRESSIBLE`).
 
 Every source's run built its layers from TransformerEngine's modules (`--linear-kernel te`, planning/te.py; in
 BF16 it moves the rows whose attention's input projection has a bias, gpt-oss-120b's): Megatron-Bridge's
