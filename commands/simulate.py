@@ -414,7 +414,7 @@ def simulate(
         for result, sched, is_steady, used, rate in zip(results, built, steady, gpus_used, rates):
             result["prediction"] = sched.params.get("prediction")  # the source of s used; null: no prediction
             result["minibatches"] = sched.minibatches
-            result["rounds"] = int(sched.params.get("rounds", 1))  # flushes a mini-batch's micro-batches run in
+            result["rounds"] = sched.rounds  # flushes a mini-batch's micro-batches run in
             result["steady_state"] = is_steady  # false: time_per_minibatch_ms includes the warm-up
             result["overlapped_pairs"] = pairs[sched.method]  # F&B pairs over every device and mini-batch
             result["fb_hidden_fraction"] = fb_hidden_fraction if pairs[sched.method] else None

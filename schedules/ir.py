@@ -449,6 +449,17 @@ class Schedule:
         return microbatch // (self.microbatches // self.graph.copies)
 
     @property
+    def rounds(self) -> int:
+        """The flushes each mini-batch's micro-batches run in before its update (`ScheduleParams.rounds`)."""
+        return int(self.params.get("rounds", 1))
+
+    def round_of_microbatch(self, microbatch):
+        """The round (`rounds`) that runs `microbatch` (an int or an array of them): within its model copy's
+        m / copies, round r the r-th m / (copies·rounds) of them, as `methods.in_rounds` numbers them."""
+        per_copy = self.microbatches // self.graph.copies
+        return microbatch % per_copy // (per_copy // self.rounds)
+
+    @property
     def num_devices(self) -> int:
         return len(self.orders)
 

@@ -874,9 +874,8 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         refusal = kept_until_update_refusal(schedule)
         if refusal is not None:
             raise ScheduleError(refusal)
-        rounds = int(schedule.params.get("rounds", 1))
         forwards = np.bincount(t.stage[t.kind == KIND_CODE[Kind.F]], minlength=len(stages)) // (
-            schedule.minibatches * rounds)
+            schedule.minibatches * schedule.rounds)
         kept_to_update = forwards * (forward_kept + backward_kept)  # per stage, what a mini-batch's round leaves
         sparse["communication"] = _merged(_events(updates, end=-kept_to_update[stage[updates]]),
                                           _next_rounds_free(t, schedule, kept_to_update))
@@ -969,13 +968,11 @@ def _next_rounds_free(t: ActionTable, schedule: Schedule, kept: np.ndarray) -> t
     `methods.in_rounds`), what the round before left kept on its stages (`kept`, per stage): torch's pipelining
     clears every stage's runtime state as a `schedule.step` begins (`_PipelineStageBase.clear_runtime_states`), a
     round's. None in one round."""
-    rounds = int(schedule.params.get("rounds", 1))
-    if rounds == 1:
+    if schedule.rounds == 1:
         return _events(np.zeros(0, dtype=np.int64))
     rows = np.flatnonzero(t.kind == KIND_CODE[Kind.F])
-    per_copy = schedule.microbatches // schedule.graph.copies
-    round_of = t.microbatch[rows].astype(np.int64) % per_copy // (per_copy // rounds)
-    key = (t.minibatch[rows].astype(np.int64) * rounds + round_of) * schedule.num_devices + t.device[rows]
+    round_of = schedule.round_of_microbatch(t.microbatch[rows].astype(np.int64))
+    key = (t.minibatch[rows].astype(np.int64) * schedule.rounds + round_of) * schedule.num_devices + t.device[rows]
     first = _ends_by(rows, key).first
     first = first[round_of[np.searchsorted(rows, first)] > 0]
     on_device = np.bincount(schedule.placement, kept, minlength=schedule.num_devices).astype(np.int64)
@@ -1137,7 +1134,7 @@ def held_static_parts(schedule: Schedule, mine: Sequence[StageCosts]) -> dict[st
     return {"parameters": (stored + float8) * schedule.pipelines + copies,
             "gradients": grads * schedule.pipelines,
             "optimizer_state": state * schedule.pipelines,
-            "communication": schedule.microbatches // int(schedule.params.get("rounds", 1))  # a flush's
+            "communication": schedule.microbatches // schedule.rounds  # a flush's
                              * sum(c.receive_buffer_bytes for c in mine),
             "runtime_buffers": max((c.runtime_buffer_bytes for c in mine), default=0)}
 
