@@ -75,9 +75,9 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, ProcessPoolExecutor
 from concurrent.futures import wait as wait_for_futures
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache, cached_property, partial
 from typing import TypeVar
@@ -444,18 +444,37 @@ class Workers(ProcessPoolExecutor):
         """The workers shut down, what runs finished and what waits dropped; `at_once` (Ctrl-C, an error): ended
         first, where shutting down would wait for one still starting (a spawned worker's imports, seconds on a busy
         host, with Ctrl-C ignored: `_ignoring_ctrl_c`) before it gave the prompt back."""
-        if at_once:
-            started = [process for process in self._launched if process.pid is not None]  # one whose start failed
-            for process in started:  # has no process to end, and ending it raised over the error that stopped it
-                process.terminate()
-            for process in started:
-                process.join()
-            # one ended mid-send leaves half a result in the pipe, which the pool's manager thread would wait for
-            # forever (this process holds the pipe's write end too, tune --gpu's estimates send hundreds of KB):
-            # closed, the thread reads its end, marks the pool broken and ends, and shutting down returns
-            if self._result_queue is not None:
-                self._result_queue._writer.close()
-        self.shutdown(cancel_futures=True)
+        with self._quiet_on_cancelled_work() if at_once else nullcontext():
+            if at_once:
+                started = [process for process in self._launched if process.pid is not None]  # one whose start failed
+                for process in started:  # has no process to end, and ending it raised over the error that stopped it
+                    process.terminate()
+                for process in started:
+                    process.join()
+                # one ended mid-send leaves half a result in the pipe, which the pool's manager thread would wait for
+                # forever (this process holds the pipe's write end too, tune --gpu's estimates send hundreds of KB):
+                # closed, the thread reads its end, marks the pool broken and ends, and shutting down returns
+                if self._result_queue is not None:
+                    self._result_queue._writer.close()
+            self.shutdown(cancel_futures=True)  # joins the pool's manager thread
+
+    @contextmanager
+    def _quiet_on_cancelled_work(self) -> Iterator[None]:
+        """The pool's manager thread not reported for the error Python 3.11's raises when, finding a worker ended,
+        it fails a queued task the search had cancelled (`_if_done`): concurrent.futures.process `terminate_broken`
+        sets an exception on every pending future, which a cancelled one refuses (3.12 passes over it). Ending the
+        workers is this pool's own doing, and the thread's traceback was printed under tune's one-line refusal."""
+        hook = threading.excepthook
+
+        def unless_cancelled_work_failed(args: threading.ExceptHookArgs) -> None:
+            if not (args.exc_type is InvalidStateError and args.thread is self._executor_manager_thread):
+                hook(args)
+
+        threading.excepthook = unless_cancelled_work_failed
+        try:
+            yield
+        finally:
+            threading.excepthook = hook
 
     def __exit__(self, kind, value, traceback) -> bool:
         self.stop(at_once=kind is not None)

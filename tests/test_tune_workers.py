@@ -429,3 +429,18 @@ def test_ending_the_workers_at_once_passes_over_one_that_never_started():
     pool.stop(at_once=True)
     started = [process for process in pool._launched if process is not unstarted]
     assert started and all(process.exitcode is not None for process in started) and unstarted.pid is None
+
+
+def test_ending_the_workers_at_once_with_work_the_search_cancelled_reports_nothing(monkeypatch):
+    """Python 3.11's pool manager, finding a worker ended, fails every task still queued, and raised
+    InvalidStateError, printed with a traceback from its thread, on one the search had cancelled (`_if_done`): a
+    refusal of tune, which ends the workers at once, printed it under load."""
+    reported = []
+    monkeypatch.setattr(threading, "excepthook", reported.append)
+    pool = planning.Workers(1, "fork", collect=False)
+    assert pool.submit(math.sqrt, 4.0).result(timeout=60) == 2.0
+    running = [pool.submit(time.sleep, 60) for _ in range(2)]  # one running, one in the call queue
+    cancelled = pool.submit(time.sleep, 60)  # the manager has not taken it from its pending tasks: cancellable
+    assert cancelled.cancel()
+    pool.stop(at_once=True)
+    assert all(future.done() for future in running) and reported == []
