@@ -2672,6 +2672,9 @@ def check_context(counted: WorkloadCount, c: int) -> None:
     seq = counted.options.get("seq_len")
     if not seq:
         raise EstimateError(f"context: {c} splits the sequence, and {counted.model} has none")
+    if counted.options.get("mamba_heads"):
+        raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s Mamba-2 "
+                            "layers scan the whole of it, which pipesim does not split; leave {context} out")
     if seq % (2 * c):
         fitting = [n for n in range(2, seq // 2 + 1) if not seq % (2 * n)]
         nearest = [n for n in fitting if n < c][-1:] + [n for n in fitting if n > c][:1]
@@ -2800,7 +2803,9 @@ def tensor_split_refusal(options: dict[str, Any], tensor: int, expert_tensor: in
     for name, what, (field_name, ranks) in (("heads", "heads", ("tensor", tensor)),
                                             ("kv_heads", "key/value heads", ("tensor", tensor)),
                                             ("ffn", "MLP width", ("tensor", tensor)),
-                                            ("expert_ffn", "experts' MLP width", expert_split)):
+                                            ("expert_ffn", "experts' MLP width", expert_split),
+                                            ("mamba_heads", "Mamba-2 heads", ("tensor", tensor)),
+                                            ("mamba_groups", "Mamba-2 groups", ("tensor", tensor))):
         size = options.get(name)
         if size and size % ranks:
             return f"{field_name}: {ranks} does not divide the model's {size:,} {what}"

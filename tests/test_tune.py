@@ -14,6 +14,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from pipesim.commands import tune as tune_command
 from pipesim.hardware.collectives import all_reduce_ms
 from pipesim.planning import tune as tuning
 from pipesim.planning.scenario import profile_scenario
@@ -662,11 +663,20 @@ def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
     assert simulated["time_per_minibatch_ms"] == pytest.approx(choice["step_ms"], rel=1e-12)
     assert simulated["samples_per_s"] == pytest.approx(choice["samples_per_s"], rel=1e-12)
     assert simulated["peak_memory_mb"] / 1024 == pytest.approx(choice["peak_memory_gib"], rel=1e-12)
-    at_columns(monkeypatch, 80)
-    code, out, err = pipesim("tune", *flags)
-    assert code == 0, err
-    printed = out[out.index("the choice, as simulate gives it:\n"):].splitlines()[1:]
-    lines = printed[:next(k for k, line in enumerate(printed) if not line.endswith(" \\")) + 1]
+    if flags == GPT_UNDER_03:  # the table's lines, printed (the search again, so once); the others' through its wrap
+        at_columns(monkeypatch, 80)
+        code, out, err = pipesim("tune", *flags)
+        assert code == 0, err
+        printed = out[out.index("the choice, as simulate gives it:\n"):].splitlines()[1:]
+        lines = printed[:next(k for k, line in enumerate(printed) if not line.endswith(" \\")) + 1]
+    else:
+        words, pieces = shlex.split(command), []
+        for word in words[2:]:  # a flag and its values a piece, as the command is built
+            if word.startswith("-") or not pieces:
+                pieces.append([word])
+            else:
+                pieces[-1].append(word)
+        lines = tune_command._shell_lines([words[:2], *pieces], 80).splitlines()
     assert len(lines) > 1 and all(len(line) <= 80 for line in lines)
     assert shlex.split(" ".join(line.removesuffix(" \\") for line in lines)) == shlex.split(command)
 

@@ -84,6 +84,7 @@ ATTENTION_KERNELS = {str(op).removeprefix("aten.") for op in flop_registry if "a
 class _Tally:
     flops: int = 0
     moved_bytes: int = 0  # of the memory-bound ops
+    kernel_flops: int = 0  # those of the compute-bound fused kernels (`_MovedBytes._fused`), which torch does not see
     # (op, kind, shape, flops, moved bytes, routed, causal, kv group, gating, window, soft-capping, per expert,
     # host waits)
     ops: Counter = field(default_factory=Counter)
@@ -251,12 +252,18 @@ class _MovedBytes(TorchDispatchMode):
         kernel_listeners.remove(self._fused)
         super().__exit__(*exc)
 
-    def _fused(self, name: str, reads: tuple[torch.Tensor, ...], writes: tuple[torch.Tensor, ...]) -> None:
-        """A fused kernel (workload/moe.py `Fused`) recorded as the one memory-bound op it is."""
+    def _fused(self, name: str, reads: tuple[torch.Tensor, ...], writes: tuple[torch.Tensor, ...], flops: int) -> None:
+        """A fused kernel (workload/moe.py `Fused`, workload/mamba.py's) recorded as the one op it is: memory-bound
+        without products, else compute-bound at its products' `flops` (priced as the larger of its FLOPs at the
+        products' rate and its bytes at the memory's: planning/estimate.py `op_ms`)."""
         moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
         experts = self.routed is not None and self.routed.reads_experts(list(reads))
-        self.tally.moved_bytes += moved
-        self._record(_memory_key(name, tuple(max(writes, key=_nbytes).shape), moved, experts))
+        if not flops:
+            self.tally.moved_bytes += moved
+            self._record(_memory_key(name, tuple(max(writes, key=_nbytes).shape), moved, experts))
+            return
+        self.tally.kernel_flops += flops
+        self._record((name, "compute", (), flops, moved, experts, False, 1, False, *UNMARKED, False, False))
 
     def _record(self, key: tuple) -> None:
         self.tally.ops[key] += 1
@@ -524,7 +531,7 @@ def _counting(routed: Dispatched | None = None, forward: bool = False,
         yield tally
     if reading is not None:
         reading.live = None
-    tally.flops = flops.get_total_flops()
+    tally.flops = flops.get_total_flops() + tally.kernel_flops
     tally.transient = live.transient(beside_kept=forward)
     tally.allocations = live.allocations()
     tally.products = tuple(live.products.items())

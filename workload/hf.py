@@ -57,6 +57,7 @@ from .hfconfig import (
     seq_len_refusal,
     size_field_refusal,
 )
+from .mamba import counted_mixers, is_mamba2_mixer
 from .models import (
     BATCH,
     Model,
@@ -263,6 +264,9 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     else:
         _check_no_experts(model, where, config, routed)
     layers = decoder_layers(model, where)
+    mixer = next((module for module in model.modules() if is_mamba2_mixer(module)), None)
+    if mixer is not None:  # what tensor parallelism splits (Megatron-core asserts t divides both)
+        options.update(mamba_heads=mixer.num_heads, mamba_groups=mixer.n_groups)
     inputs: list[tuple[int, ...]] = []
     if mtp_layers:
         head = layers.pop()
@@ -468,25 +472,32 @@ def _settings(config: HfConfig, config_class: type) -> Any:
     return settings
 
 
+FINAL_NORMS = ("norm", "norm_f")  # a base model's final norm: Llama's and most decoders', Mamba's and Nemotron-H's
+
+
 def _not_laid_out(where: str, what: str) -> ModelError:
     """The refusal of `what`, a model or a model_type, whose decoder is not cut as pipesim cuts one."""
-    return ModelError(f"{where}: {what} is not laid out as pipesim cuts a decoder (a base model holding embed_tokens, "
-                      "layers and norm, and a head: as Llama, Mistral, Qwen, Gemma and Phi-3 are)")
+    return ModelError(f"{where}: {what} is not laid out as pipesim cuts a decoder (a base model holding its input "
+                      "embedding, layers and a final norm, norm or norm_f, and a head: as Llama, Mistral, Qwen, Gemma, "
+                      "Phi-3 and Nemotron-H are)")
 
 
 def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
-    """A transformers causal language model cut as a pipeline cuts it: its base model's token embedding, each
-    decoder layer, its final norm, then the head. Models laid out otherwise are refused, naming the layout."""
+    """A transformers causal language model cut as a pipeline cuts it: its base model's token embedding (its
+    `get_input_embeddings`: Llama's embed_tokens, Nemotron-H's embeddings), each decoder layer, its final norm
+    (`FINAL_NORMS`), then the head. Models laid out otherwise are refused, naming the layout."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else None
-    parts = [getattr(base, name, None) for name in ("embed_tokens", "layers", "norm")]
+    embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    norm = next((getattr(base, name) for name in FINAL_NORMS if isinstance(getattr(base, name, None), nn.Module)), None)
+    blocks = getattr(base, "layers", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if any(part is None for part in parts) or not isinstance(parts[1], nn.ModuleList) or head is None:
+    if embed is None or norm is None or not isinstance(blocks, nn.ModuleList) or head is None:
         raise _not_laid_out(where, type(model).__name__)
-    embed, blocks, norm = parts
     rotary = getattr(base, "rotary_emb", None)
     types = getattr(model.config, "layer_types", None) or [None] * len(blocks)
     for block in blocks:
         _as_megatron_runs(block)
+        counted_mixers(block)
     cap = getattr(model.config, "final_logit_softcapping", None)
     return [embed, *(DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)), norm,
             CappedHead(head, cap) if cap else head]

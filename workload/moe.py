@@ -225,8 +225,8 @@ class Fused(torch.autograd.Function):
 
 # The fused kernels under way, innermost last: each its name, the tensors it reads and those it writes
 _kernels: list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
-# Who hears each fused kernel once it has run, as (name, reads, writes): workload/count.py's op records
-kernel_listeners: list[Callable[[str, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], None]] = []
+# Who hears each fused kernel once it has run, as (name, reads, writes, FLOPs): workload/count.py's op records
+kernel_listeners: list[Callable[[str, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int], None]] = []
 
 
 def in_fused_kernel() -> bool:
@@ -235,14 +235,16 @@ def in_fused_kernel() -> bool:
 
 
 @contextmanager
-def _one_kernel(name: str, reads: tuple[torch.Tensor, ...]) -> Iterator[None]:
+def _one_kernel(name: str, reads: tuple[torch.Tensor, ...], flops: int = 0) -> Iterator[None]:
+    """One kernel `name` reading `reads` (and writing what `_kernel_writes` is told inside), whose products do
+    `flops` (0: memory-bound), told to `kernel_listeners` once its inside has run."""
     _kernels.append((name, reads, []))
     try:
         yield
     finally:
         name, reads, writes = _kernels.pop()
     for listener in kernel_listeners:
-        listener(name, reads, tuple(writes))
+        listener(name, reads, tuple(writes), flops)
 
 
 def _kernel_writes(*tensors: torch.Tensor) -> None:

@@ -1,0 +1,141 @@
+"""A hybrid of Mamba-2, attention, MLP and mixture-of-experts layers from its Hugging Face config (transformers'
+Nemotron-H): on the meta device each Mamba-2 mixer is counted as Megatron-core's kernels run it (workload/mamba.py),
+its products' FLOPs and what it saves as the formulas say; off it, the layers compute transformers' model and train
+on two gloo ranks as one process; Nemotron 3 Nano's config has its published parameters; and what pipesim cannot
+split (t over the Mamba-2 heads or groups, the sequence of a Mamba-2 layer) is one line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipesim.executor import RunSpec
+from pipesim.workload.count import count_built
+from pipesim.workload.hf import hf_model
+from tests.conftest import build, needs_transformers, pipesim
+from tests.helpers import B, S, count_config, write_config
+from tests.reference import single_process
+
+pytestmark = needs_transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+# T = B·S tokens; H heads of P, G groups of N, chunks of Q, a conv of K taps; width D; d = H·P
+D, H, P, G, N, Q, K = 64, 8, 16, 2, 8, 16, 4
+d, C = H * P, H * P + 2 * G * N
+W = 2 * d + 2 * G * N + H  # in_proj's width: z, x, B, C and dt
+HYBRID = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*-E", "num_hidden_layers": 4, "hidden_size": D,
+          "mamba_num_heads": H, "mamba_head_dim": P, "n_groups": G, "ssm_state_size": N, "chunk_size": Q,
+          "conv_kernel": K, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+          "intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "moe_shared_expert_intermediate_size": 32, "vocab_size": 256, "max_position_embeddings": 256,
+          "time_step_limit": [0.0, 1e9], "initializer_range": 0.2}
+SCAN_KERNELS = ("causal_conv1d_fwd", "chunk_cumsum_fwd", "chunk_state_fwd", "state_passing_fwd", "bmm_chunk_fwd")
+
+
+def _mamba_layer(tmp_path):
+    counted = count_config(tmp_path / "hybrid", HYBRID, "flash")
+    assert [layer.name for layer in counted.layers][:3] == ["0:Embedding", "1:DecoderLayer", "2:DecoderLayer"]
+    return counted.layers[1]
+
+
+def test_a_mamba2_layers_products_are_the_formulas_forward_and_backward(tmp_path):
+    """in_proj and out_proj as the products they are; the conv 2·T·C·K; the scan 2·T·(2dN + QGN + Qd) forward
+    and, its recomputation of the chunk states and C·Bᵀ included, 2·T·(5dN + 3Qd + 3QGN) in the input-gradient
+    pass with the conv's recomputation and backward (2·T·C·K and 4·T·C·K); the weight pass the projections'
+    weight gradients alone."""
+    layer, T = _mamba_layer(tmp_path), B * S
+    projections = 2 * T * D * W + 2 * T * d * D
+    assert layer.fwd_flops == projections + 2 * T * C * K + 2 * T * (2 * d * N + Q * G * N + Q * d)
+    assert layer.igrad_flops == projections + 6 * T * C * K + 2 * T * (5 * d * N + 3 * Q * d + 3 * Q * G * N)
+    assert layer.wgrad_flops == projections
+
+
+def test_a_mamba2_layer_runs_mamba_ssms_kernels_not_the_reference_scan(tmp_path):
+    """Each of the scan's kernels once a forward, each recomputed once in the backward, none of the PyTorch
+    reference's Q x Q decay masks (its cumsum, tril and segment sums) counted, and the scan's float32 chunk states and
+    C·Bᵀ made and freed within the pass, never saved."""
+    layer = _mamba_layer(tmp_path)
+    forward = [op.op for op in layer.ops["fwd"]]
+    backward = [op.op for op in layer.ops["igrad"]]
+    assert all(forward.count(name) == 1 and backward.count(name) == 1 for name in SCAN_KERNELS)
+    assert forward.count("chunk_scan_fwd") == 1 and "chunk_scan_fwd" not in backward
+    assert not {"cumsum", "tril", "bmm"} & {*forward, *backward}
+    per_chunk = {(B, S // Q, H, P, N), (B, S // Q, G, Q, Q)}
+    assert not per_chunk & {shape for shape, _ in layer.saved_tensors}
+
+
+def test_a_mamba2_layer_saves_what_megatron_cores_functions_save(tmp_path):
+    """The in_proj output zxbcdt and the scan's output before its gate (`MambaSplitConv1dScanCombinedFn`), the
+    grouped norm's input and its float32 statistics (`LayerNormFn`), out_proj's input, in bfloat16 but the
+    statistics: beside what the block's own norm and in_proj keep."""
+    saved = _mamba_layer(tmp_path).saved_tensors
+    T, two = B * S, 2
+    assert ((B, S, W), T * W * two) in saved
+    assert sum(1 for shape, nbytes in saved if math.prod(shape) == T * d and nbytes == T * d * two) == 3
+    assert ((T * G,), T * G * 4) in saved
+
+
+def test_off_the_meta_device_the_layers_compute_transformers_model(tmp_path):
+    """pipesim's layers (the embedding, each block with its Mamba-2, attention, MLP or experts mixer, norm_f, the
+    head) give the logits transformers' NemotronH model gives with the same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = write_config(tmp_path / "hybrid", HYBRID)
+    torch.manual_seed(0)
+    layers = hf_model(f"hf:{folder}", 24).layers
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), attn_implementation="eager")
+    base = theirs.get_decoder()
+    for module, ours in zip([base.embeddings, *base.layers, base.norm_f, theirs.lm_head], layers):
+        module.load_state_dict(getattr(ours, "layer", ours).state_dict())
+    tokens = torch.randint(HYBRID["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    hidden = tokens
+    with torch.no_grad():
+        for layer in layers:
+            hidden = layer(hidden)
+        torch.testing.assert_close(hidden, theirs(tokens, use_cache=False).logits)
+
+
+def test_a_hybrid_trains_on_two_gloo_ranks_as_one_process(tmp_path):
+    """`run` trains the hybrid from its profile, a Mamba-2 and an attention block on one stage, an MLP and the
+    experts on the other, to one process's losses."""
+    model = f"hf:{write_config(tmp_path / 'hybrid', HYBRID)}"
+    profile = tmp_path / "profile.json"
+    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 24, "-b", 1, "-p", 2, "--dtype",
+                   "fp32", "--out", profile).code == 0
+    code, out, err = pipesim("run", "--model", model, "--profile", profile, "-s", "1f1b", "-p", 2, "-m", 2, "-n", 2,
+                             "--json", "--no-heldout")
+    assert code == 0, err
+    ran = json.loads(out)
+    assert ran["hardware"]["ranks"] == 2
+    losses: list[float] = []
+    single_process(RunSpec(build("gpipe", 1, 2, 2), model, {"seq_len": 24}, microbatch_size=1, lr=0.05), losses)
+    np.testing.assert_allclose(ran["losses"][0], losses, rtol=1e-5)
+
+
+def test_nemotron_3_nano_has_its_published_total_and_active_parameters():
+    """Nemotron 3 Nano's report (arXiv 2512.20848) and model card: 31.6B parameters, 3.2B active a token, 3.6B with
+    the embedding table (the head, 0.35B, counted in both): 52 layers, 23 Mamba-2, 23 of 128 routed experts (top 6)
+    and a shared one, 6 attention."""
+    counted = count_built(f"hf:{ROOT / 'examples' / 'nemotron-3-nano-30b-a3b'}", {"seq_len": 64}, 1, torch.bfloat16)
+    total = sum(layer.param_bytes for layer in counted.layers) / 2
+    experts = sum(layer.expert_param_bytes for layer in counted.layers) / 2
+    embeddings = counted.layers[0].param_bytes / 2
+    active = total - experts + experts * 6 / 128
+    assert (round(total / 1e9, 1), round((active - embeddings) / 1e9, 1), round(active / 1e9, 1)) == (31.6, 3.2, 3.6)
+
+
+@pytest.mark.parametrize("flags, line", [
+    (("--tensor-parallel", 4), "error: --tensor-parallel 4 does not divide the model's 2 Mamba-2 groups"),
+    (("--context-parallel", 2), "error: --context-parallel 2 splits the sequence for attention's ring, and "),
+])
+def test_what_pipesim_cannot_split_of_a_mamba2_layer_is_one_line(tmp_path, flags, line):
+    model = f"hf:{write_config(tmp_path / 'hybrid', HYBRID)}"
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 1, "-p", 2,
+                             *flags, "--html", tmp_path / "t.html")
+    assert (code, out) == (2, "") and err.startswith(line) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "t.html").exists()
