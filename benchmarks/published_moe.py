@@ -131,8 +131,11 @@ AutoModel's model), `--pp-runtime torch`, and `--zero 3`, the pipeline stage kee
 step's last backward, each of the table's gradient-accumulation steps a `schedule.step` of local_batch_size
 micro-batches (`--rounds`: the DeepSeek-V3 row's 1, Kimi K2's 2). Its Kimi K2 row runs so too: kimi_k2_te_deepep.yaml
 there is that config but for p 8, EP 32 and the model (moonshotai/Kimi-K2-Base, AutoModel's DeepseekV3ForCausalLM;
-examples/kimi-k2). The 1,024-GPU row prints v 8 where its config cuts 16 stages (v 4), and the rest are listed with why
-(`AUTOMODEL_NOT_EXPRESSIBLE`).
+examples/kimi-k2). Its Nemotron V3 Nano row runs as nemotron_nano_v3_te_deepep.yaml at bb0c0bfb0 (the commit that
+published it; examples/nemotron-3-nano-30b-a3b) runs it, as the Qwen3 row but for its own model's kernels
+(`AUTOMODEL_KERNELS`): torch's nn.Linear for the attention's and Mamba-2 mixers' projections and torch's scaled dot
+product attention (nemotron_v3/layers.py). The 1,024-GPU row prints v 8 where its config cuts 16 stages (v 4), and the
+rest are listed with why (`AUTOMODEL_NOT_EXPRESSIBLE`).
 
 Every source's run built its layers from TransformerEngine's modules (`--linear-kernel te`, planning/te.py; in
 BF16 it moves the rows whose attention's input projection has a bias, gpt-oss-120b's): Megatron-Bridge's
@@ -365,8 +368,14 @@ RECIPE_NOT_MODELLED = {"DeepSeekV3": "recompute_modules' \"mlp\" (its 3 dense la
                                            "pipeline rank 0 only, not the slowest device), the MTP layer's copy of "
                                            "the embedding on the last stage and its gradient all-reduced with the "
                                            "first stage's after the flush, TransformerEngine's norms leaving 16 SMs"}
+# Megatron-Bridge's Nemotron 3 Nano H100 FP8-CS recipe, the same at v0.3.1 (26.02.01) to v0.5.0 (26.06):
+# scripts/performance/configs/nemotronh/nemotron_3_workload_base_configs.py at v0.4.0 lines 31-40 and 70-87
+# (nemotron_3_nano_workload_base_configs.py at v0.3.1): recompute_modules ["moe", "layernorm", "core_attn",
+# "moe_act"], cuda_graph_scope ["mamba"]
 NOT_EXPRESSIBLE = {
-    "Nemotron_3_Nano": "a hybrid of Mamba-2 and attention layers: pipesim counts no Mamba layer",
+    "Nemotron_3_Nano": "its recipe recomputes each MoE layer whole (recompute_modules \"moe\", beside \"core_attn\", "
+                       "\"layernorm\" and \"moe_act\"), which --recompute-modules does not offer (its dispatch "
+                       "and combine run again in the backward), and captures the Mamba-2 layers in CUDA graphs",
 }
 CARDS = "megatron-bridge-cards-moe-h100.csv"  # Megatron-Bridge's skill and model card runs, README.md there too
 # the card's model -> the summaries' name of it (for `RECOMPUTE_MODULES`, `RECIPE_RUNS`) and its examples/ config
@@ -390,10 +399,18 @@ CARDS_WITHOUT_LAYOUT = [
 
 AUTOMODEL = "nemo-automodel-moe-h100.csv"  # NeMo AutoModel's H100 pre-training table, README.md there too
 # AutoModel's model -> its examples/ config, for the rows run
-AUTOMODEL_PRESETS = {"Qwen3 MoE 30B": "qwen3-30b-a3b", "DeepSeek V3 671B": "deepseek-v3", "Kimi K2": "kimi-k2"}
+AUTOMODEL_PRESETS = {"Qwen3 MoE 30B": "qwen3-30b-a3b", "DeepSeek V3 671B": "deepseek-v3", "Kimi K2": "kimi-k2",
+                     "Nemotron V3 Nano 30B (26.02)": "nemotron-3-nano-30b-a3b"}
+# AutoModel's model -> the kernels its own model runs where they are not TransformerEngine's: Nemotron V3 Nano's
+# (nemo_automodel/components/models/nemotron_v3/layers.py at bb0c0bfb0: the attention's q, k, v and o and the
+# Mamba-2 mixers' in_proj and out_proj are torch's nn.Linear, its attention F.scaled_dot_product_attention with
+# enable_gqa, whose FlashAttention-2 backend takes grouped queries; TransformerEngine's only for its norms, head and
+# shared expert)
+AUTOMODEL_KERNELS = {"Nemotron V3 Nano 30B (26.02)": {"attention_kernel": "flash2", "linear_kernel": "eager"}}
 # AutoModel's model (or the prefix of its name) -> why its rows are not run
 AUTOMODEL_NOT_EXPRESSIBLE = {
-    "Nemotron V3": NOT_EXPRESSIBLE["Nemotron_3_Nano"],
+    **{f"Nemotron V3 {size}": "its Hugging Face config is not among examples/: pipesim holds no sourced copy of its "
+                              "figures" for size in ("Super", "Ultra")},
     **{f"GPT-OSS {size}": f"FlexAttention (its config's backend attn: flex, for the sinks: gptoss_{size.lower()}_te_"
                           "deepep.yaml at 89e3a9fdd), which --attention-kernel does not price (flash2, cudnn, flash3)"
        for size in ("20B", "120B")},
@@ -425,7 +442,10 @@ AUTOMODEL_NOT_MODELLED = {
            "DeepEP's received indices made each local expert's map by the fused Triton kernel (where "
            "--token-dispatcher deepep prices Megatron-core's unfused 12), FSDP2's gradients reduce-scattered in "
            "float32 (reduce_dtype) where nemo-bf16-adam reduces 16 bits"
-    for model in AUTOMODEL_PRESETS}
+           + ("; its Mamba-2 mixers' gated norm and out_proj inside mamba_ssm's scan function, whose backward "
+              "recomputes the norm's output (the count runs them apart, as Megatron-core does); its shared expert on "
+              "a stream of its own beside the dispatch" if preset.startswith("nemotron") else "")
+    for model, preset in AUTOMODEL_PRESETS.items()}
 
 
 @dataclass(frozen=True)
@@ -463,6 +483,8 @@ class MoeRun:
     expert_gemm: str = "per-expert"  # --expert-gemm: TEGroupedMLP's GEMM a local expert, or one grouped kernel
     pp_runtime: str | None = None  # --pp-runtime: torch where torch.distributed.pipelining runs the stages
     rounds: int = 1  # --rounds: the pipeline's flushes a step (torch's pipelining's gradient accumulation)
+    attention_kernel: str = ATTENTION_KERNEL  # --attention-kernel: the fused attention the run's model calls
+    linear_kernel: str = "te"  # --linear-kernel: TransformerEngine's linear layers, or torch's (eager)
 
     @property
     def data(self) -> int:
@@ -479,7 +501,8 @@ class MoeRun:
         cut = self.stage_cut or ("equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced")
         dtype = ["fp8", "--fp8-recipe", self.fp8_recipe] if self.fp8_recipe else ["bf16"]
         return ["simulate", "--model", f"hf:{EXAMPLES}/{self.preset}", "--seq-len", str(self.seq_len), "--dtype",
-                *dtype, "--linear-kernel", "te", "--attention", "flash", "--attention-kernel", ATTENTION_KERNEL,
+                *dtype, "--linear-kernel", self.linear_kernel, "--attention", "flash", "--attention-kernel",
+                self.attention_kernel,
                 "-b", str(self.microbatch_size),
                 "--gpu", GPU,
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
@@ -683,7 +706,7 @@ def automodel_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]
         run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, int(e), "deepep", 1, False, None, "balanced",
                      None, source=AUTOMODEL, precision="nemo-bf16-adam", rope_kernel="eager",
                      grad_accumulation="separate", recompute="full", cross_entropy="torch", expert_gemm="grouped",
-                     **settings)
+                     **AUTOMODEL_KERNELS.get(row["model"], {}), **settings)
         expressible.append((run, float(row["tokens_per_s_per_gpu"])))
     return expressible, left_out
 

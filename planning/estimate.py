@@ -66,7 +66,15 @@ from ..profiles.schema import (
     optimizer_refusal,
     stage_time,
 )
-from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak, weighted_products
+from ..profiles.workload import (
+    RECOMPUTE_REGIONS,
+    SCAN_KERNELS,
+    LayerCount,
+    OpCount,
+    WorkloadCount,
+    transient_peak,
+    weighted_products,
+)
 from ..schedules.ranks import RANK_ORDERS, SettingsError, dense_grid
 from ..sim.caching_allocator import LayerAllocations, left_live
 from ..sim.costs import HELD_PRODUCT_SLOWDOWN, PRECISIONS, Precision, precision_refusal
@@ -2223,9 +2231,13 @@ def _weight_gradients(layer: LayerCount, name: str) -> frozenset[int]:
 
 def _transformer(layer: LayerCount) -> bool:
     """Whether a layer is a transformer layer, as Megatron-LM and torchtitan say (what their recomputation
-    applies to): it computes attention, a batched product or a routed experts' product."""
+    applies to): it computes attention, a batched product or a routed experts' product; or a hybrid's block, which
+    Megatron-core's HybridStack recomputes as it does its attention blocks (and NeMo AutoModel checkpoints every
+    block): a Mamba-2 mixer, whose scan runs kernels of its own (`SCAN_KERNELS`), or an MLP, two products with
+    weights (the head has one)."""
+    forward = layer.ops.get("fwd", ())
     return any(op.kind == "attention" or (op.kind == "matmul" and (op.shape[0] > 1 or op.routed))
-               for op in layer.ops.get("fwd", ()))
+               or op.op in SCAN_KERNELS for op in forward) or len(layer.weight_grad_outputs) >= 2
 
 
 def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parallelism, element_bytes: int) -> int:

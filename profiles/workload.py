@@ -47,6 +47,11 @@ LINEAR_INPUT_SAVES = ("only", "also", "")
 # norm ("layernorm"; DeepSeek-V3 recomputes "all RMSNorm operations", its report's section 3.2.3, where Megatron-core
 # recomputes the input and pre-MLP norms), MLA's up-projections with the RoPE and concatenations that make the
 # attention's queries, keys and values ("mla_up_proj") and the routed experts' activation ("moe_act")
+# The kernels a Mamba-2 mixer's chunked scan runs with products of their own (workload/mamba.py), forward and
+# backward: a layer running them is a hybrid's block, which a whole layer's recomputation reruns
+SCAN_KERNELS = frozenset({"chunk_state_fwd", "bmm_chunk_fwd", "chunk_scan_fwd", "chunk_scan_bwd_dstates",
+                          "chunk_scan_chunk_state_bwd_dx", "chunk_state_bwd_db", "chunk_scan_bwd_dC",
+                          "chunk_scan_bwd_dcb", "bmm_chunk_bwd", "chunk_scan_bwd_ddAcs_stable"})
 RECOMPUTE_REGIONS = ("layernorm", "mla_up_proj", "moe_act")
 # The regions the count traces (`LayerCount.region_saves` and on): those, and the attention kernel's output with the
 # copies made of it before the next product ("attention_out"), which a float8 recipe may keep once for both the

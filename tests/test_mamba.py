@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pipesim.executor import RunSpec
+from pipesim.profiles.workload import SCAN_KERNELS
 from pipesim.workload.count import count_built
 from pipesim.workload.hf import hf_model
 from tests.conftest import build, needs_transformers, pipesim
@@ -34,7 +35,7 @@ HYBRID = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*-E", "num_hi
           "intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
           "moe_shared_expert_intermediate_size": 32, "vocab_size": 256, "max_position_embeddings": 256,
           "time_step_limit": [0.0, 1e9], "initializer_range": 0.2}
-SCAN_KERNELS = ("causal_conv1d_fwd", "chunk_cumsum_fwd", "chunk_state_fwd", "state_passing_fwd", "bmm_chunk_fwd")
+RECOMPUTED = ("causal_conv1d_fwd", "chunk_cumsum_fwd", "chunk_state_fwd", "state_passing_fwd", "bmm_chunk_fwd")
 
 
 def _mamba_layer(tmp_path):
@@ -62,9 +63,12 @@ def test_a_mamba2_layer_runs_mamba_ssms_kernels_not_the_reference_scan(tmp_path)
     layer = _mamba_layer(tmp_path)
     forward = [op.op for op in layer.ops["fwd"]]
     backward = [op.op for op in layer.ops["igrad"]]
-    assert all(forward.count(name) == 1 and backward.count(name) == 1 for name in SCAN_KERNELS)
+    assert all(forward.count(name) == 1 and backward.count(name) == 1 for name in RECOMPUTED)
     assert forward.count("chunk_scan_fwd") == 1 and "chunk_scan_fwd" not in backward
     assert not {"cumsum", "tril", "bmm"} & {*forward, *backward}
+    # the scan's kernels with products of their own mark the layer a hybrid's block (`SCAN_KERNELS`), the conv aside
+    assert {op.op for name in ("fwd", "igrad") for op in layer.ops[name] if op.kind == "compute"} == {
+        *SCAN_KERNELS, "causal_conv1d_fwd", "causal_conv1d_bwd"}
     per_chunk = {(B, S // Q, H, P, N), (B, S // Q, G, Q, Q)}
     assert not per_chunk & {shape for shape, _ in layer.saved_tensors}
 
@@ -139,3 +143,16 @@ def test_what_pipesim_cannot_split_of_a_mamba2_layer_is_one_line(tmp_path, flags
                              *flags, "--html", tmp_path / "t.html")
     assert (code, out) == (2, "") and err.startswith(line) and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "t.html").exists()
+
+
+def test_full_recomputation_keeps_only_each_blocks_input_whatever_its_mixer(tmp_path):
+    """Megatron-core's HybridStack recomputes its Mamba-2 and MLP blocks as its attention and experts blocks, and NeMo
+    AutoModel checkpoints every block: under --recompute full each keeps its input alone. The Mamba-2 block kept all
+    it saves (its products are neither batched nor routed), 875 MiB a micro-batch of Nemotron 3 Nano at 16,384
+    tokens beside the 84 MiB of its experts' blocks."""
+    model = f"hf:{write_config(tmp_path / 'hybrid', HYBRID)}"
+    profile = tmp_path / "profile.json"
+    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 2, "-p", 1,
+                   "--recompute", "full", "--out", profile).code == 0
+    layers = json.loads(profile.read_text())["layers"]
+    assert [layer["activation_bytes"] for layer in layers[1:5]] == [2 * 64 * D * 2] * 4  # M, *, -, E: b·s·D bf16

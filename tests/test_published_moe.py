@@ -150,21 +150,28 @@ def test_every_row_rotates_q_and_k_with_transformer_engines_fused_rope():
         assert _flag(shlex.split(row["command"]), "--rope-kernel") == "fused", row["run"]
 
 
+# NeMo AutoModel's own Nemotron V3 model runs torch's linears and scaled dot product attention (`AUTOMODEL_KERNELS`)
+OWN_KERNELS = "AutoModel Nemotron V3 Nano 30B (26.02) 8 GPUs t1 p1 v1 E8"
+
+
 def test_every_sources_row_runs_cudnns_fused_attention():
     """TransformerEngine prefers cuDNN's fused attention to FlashAttention on Hopper wherever both are enabled and
     cuDNN takes the shape (published_moe.py `ATTENTION_KERNEL`): every source's rows ran it, the Model Zoo's with no
     --attention-backend (Megatron-core's auto), DeepSeek-V3's because MLA's unequal head dims (q and k 192, v 128)
-    leave FlashAttention out, gpt-oss's because its sinks do, NeMo AutoModel's through its backend's attn "te"."""
+    leave FlashAttention out, gpt-oss's because its sinks do, NeMo AutoModel's through its backend's attn "te" but
+    for its Nemotron V3 model's torch attention, FlashAttention-2's."""
     assert len({row["source"] for row in EVERY_RECORDED}) == 5
     for row in EVERY_RECORDED:
-        assert _flag(shlex.split(row["command"]), "--attention-kernel") == "cudnn", row["run"]
+        kernel = "flash2" if row["run"] == OWN_KERNELS else "cudnn"
+        assert _flag(shlex.split(row["command"]), "--attention-kernel") == kernel, row["run"]
 
 
 def test_every_sources_row_runs_transformer_engines_linear_layers():
     """Every source's run built Megatron-core's layers from TransformerEngine's modules (published_moe.py's
     docstring): each row's command says so (`--linear-kernel te`, planning/te.py), so gpt-oss-120b's BF16 rows take
     their attention input projection's bias gradient from its weight-gradient product, no sum of its own; NeMo
-    AutoModel's through its backend's linear "te"."""
+    AutoModel's through its backend's linear "te", but for its Nemotron V3 model's torch nn.Linear projections."""
     assert len({row["source"] for row in EVERY_RECORDED}) == 5
     for row in EVERY_RECORDED:
-        assert _flag(shlex.split(row["command"]), "--linear-kernel") == "te", row["run"]
+        kernel = "eager" if row["run"] == OWN_KERNELS else "te"
+        assert _flag(shlex.split(row["command"]), "--linear-kernel") == kernel, row["run"]
