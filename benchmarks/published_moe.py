@@ -131,9 +131,9 @@ AutoModel's model), `--pp-runtime torch`, and `--zero 3`, the pipeline stage kee
 step's last backward, each of the table's gradient-accumulation steps a `schedule.step` of local_batch_size
 micro-batches (`--rounds`: the DeepSeek-V3 row's 1, Kimi K2's 2). Its Kimi K2 row runs so too: kimi_k2_te_deepep.yaml
 there is that config but for p 8, EP 32 and the model (moonshotai/Kimi-K2-Base, AutoModel's DeepseekV3ForCausalLM;
-examples/kimi-k2). Its Nemotron V3 Nano row runs as nemotron_nano_v3_te_deepep.yaml at bb0c0bfb0 (the commit that
-published it; examples/nemotron-3-nano-30b-a3b) runs it, as the Qwen3 row but for its own model's kernels
-(`AUTOMODEL_KERNELS`): torch's nn.Linear for the attention's and Mamba-2 mixers' projections and torch's scaled dot
+examples/kimi-k2). Its Nemotron V3 Nano row runs as nemotron_nano_v3_te_deepep.yaml at bb0c0bfb0, the commit that
+published it, ran it (examples/nemotron-3-nano-30b-a3b): as the Qwen3 row but for its own model's kernels
+(`AUTOMODEL_KERNELS`), torch's nn.Linear for the attention's and Mamba-2 mixers' projections and torch's scaled dot
 product attention (nemotron_v3/layers.py). The 1,024-GPU row prints v 8 where its config cuts 16 stages (v 4), and the
 rest are listed with why (`AUTOMODEL_NOT_EXPRESSIBLE`).
 
@@ -444,7 +444,9 @@ AUTOMODEL_NOT_MODELLED = {
            "float32 (reduce_dtype) where nemo-bf16-adam reduces 16 bits"
            + ("; its Mamba-2 mixers' gated norm and out_proj inside mamba_ssm's scan function, whose backward "
               "recomputes the norm's output (the count runs them apart, as Megatron-core does); its shared expert on "
-              "a stream of its own beside the dispatch" if preset.startswith("nemotron") else "")
+              "a stream of its own beside the dispatch; its head and shared expert TransformerEngine's linears, "
+              "which --linear-kernel eager prices as torch's, alike in BF16 without biases"
+              if preset.startswith("nemotron") else "")
     for model, preset in AUTOMODEL_PRESETS.items()}
 
 

@@ -66,15 +66,7 @@ from ..profiles.schema import (
     optimizer_refusal,
     stage_time,
 )
-from ..profiles.workload import (
-    RECOMPUTE_REGIONS,
-    SCAN_KERNELS,
-    LayerCount,
-    OpCount,
-    WorkloadCount,
-    transient_peak,
-    weighted_products,
-)
+from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak, weighted_products
 from ..schedules.ranks import RANK_ORDERS, SettingsError, dense_grid
 from ..sim.caching_allocator import LayerAllocations, left_live
 from ..sim.costs import HELD_PRODUCT_SLOWDOWN, PRECISIONS, Precision, precision_refusal
@@ -101,7 +93,6 @@ from .fp8 import (
     SHARD_CAST_KERNELS,
     Float8Forms,
     Fp8Recipe,
-    attends,
     casts_weights_per_use,
     float8_weight_bytes,
     float8_weights,
@@ -1355,7 +1346,7 @@ def gathered_gradient_element_bytes(layer: LayerCount, parallel: Parallelism, el
     casts the rank's 1/t first and the redistribute's backward gathers the float8 copy), in a float8 layer."""
     casts_first = parallel.fp8 is not None and (FP8_RECIPES[parallel.fp8].gathers_float8
                                                 or parallel.tp_runtime == "torch")
-    return FP8_BYTES if casts_first and attends(layer) else element_bytes
+    return FP8_BYTES if casts_first and layer.transformer_layer else element_bytes
 
 
 def scores_buffer_bytes(layer: LayerCount, parallel: Parallelism) -> int:
@@ -1679,7 +1670,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     # saved and gathered again in the backward, and the backward's output gradient is cast before its gather
     # (`grad_output_preprocess`): every sequence-parallel all-gather of a float8 layer moves 1 byte an element
     gathered_bytes = FP8_BYTES if parallel.fp8 is not None and FP8_RECIPES[parallel.fp8].gathers_float8 \
-        and attends(layer) else element_bytes
+        and layer.transformer_layer else element_bytes
     norm_share = gathered_norm_share(layer, FP8_RECIPES[parallel.fp8]) \
         if parallel.sequence_parallel and gathered_bytes == FP8_BYTES else 0.0
 
@@ -1740,7 +1731,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     saved_unless_rerun = sum(parts.values()) + rerun_bytes
     rerun: list[tuple[tuple[OpCount, float], ...]] = []  # what the backward reruns of the forward, timed, by part
     rerun_ops: Sequence[OpCount] = ()  # what the backward recomputes of the forward
-    transformer = _transformer(layer)
+    transformer = layer.transformer_layer
     if parallel.recompute == "op" and transformer:
         kept_parts, rerun_ops = _op_policy(layer.ops.get("fwd", ()), element_bytes)
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), **kept_parts}
@@ -2229,17 +2220,6 @@ def _weight_gradients(layer: LayerCount, name: str) -> frozenset[int]:
     return frozenset(grads)
 
 
-def _transformer(layer: LayerCount) -> bool:
-    """Whether a layer is a transformer layer, as Megatron-LM and torchtitan say (what their recomputation
-    applies to): it computes attention, a batched product or a routed experts' product; or a hybrid's block, which
-    Megatron-core's HybridStack recomputes as it does its attention blocks (and NeMo AutoModel checkpoints every
-    block): a Mamba-2 mixer, whose scan runs kernels of its own (`SCAN_KERNELS`), or an MLP, two products with
-    weights (the head has one)."""
-    forward = layer.ops.get("fwd", ())
-    return any(op.kind == "attention" or (op.kind == "matmul" and (op.shape[0] > 1 or op.routed))
-               or op.op in SCAN_KERNELS for op in forward) or len(layer.weight_grad_outputs) >= 2
-
-
 def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parallelism, element_bytes: int) -> int:
     """A layer's weights on a rank (`weight_bytes`) as they are all-gathered: with FSDP2's float8 all-gather its
     float8 linears' at 1 byte an element and a float32 scale each (torchao's fsdp_post_all_gather makes each a
@@ -2296,7 +2276,7 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
                                  gathered_gradient_element_bytes(layer, parallel, element))
         unsharded = _unsharded(layer, made, parallel, element)
         wgrad_kept, wgrad_inputs, wgrad_gradients = _wgrad_kept_storages(forms.of(layer), split, parallel)
-        return replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
+        return replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not layer.transformer_layer,
                        stepped=_stepped(tuple(_gradient_storages(made).values()), held, element) if megatron_step
                        else (), wgrad_kept=wgrad_kept, wgrad_inputs=wgrad_inputs, wgrad_gradients=wgrad_gradients)
 
@@ -2424,7 +2404,7 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules:
     first_forward: tuple[tuple[int, int], ...] | None = None
     if recompute == "selective":
         rerun = frozenset(number for number, shape in made if split.core(shape))
-    elif recompute in ("full", "op") and _transformer(layer):
+    elif recompute in ("full", "op") and layer.transformer_layer:
         kept = _op_kept(layer) if recompute == "op" else frozenset()
         unread = _unread_kept(layer, kept) if torch_compile else frozenset()
         kept -= unread
@@ -2593,7 +2573,7 @@ def _combine_part(layer: LayerCount) -> LayerCount:
         return op if op.op == ("index_put" if name == "fwd" else "index") else None
 
     ops = {name: tuple(filter(None, (mine(name, op) for op in ops))) for name, ops in layer.ops.items()}
-    return replace(layer, ops=ops, region_ops={})
+    return replace(layer, ops=ops, region_ops={}, decoder_block=False)  # a node of the block, told by its own ops
 
 
 def _op_kept(layer: LayerCount) -> frozenset[int]:

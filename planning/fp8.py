@@ -277,19 +277,11 @@ def saved_weight_bytes(layer: LayerCount, recipe: Fp8Recipe, tensor_ranks: int) 
 def float8_weights(layer: LayerCount, recipe: Fp8Recipe) -> tuple[int, int]:
     """The weights of a transformer layer's products the recipe runs in float8 (its float8 linears): their elements
     and how many tensors (none in another layer). A routed product's are its experts' all."""
-    if not attends(layer):
+    if not layer.transformer_layer:
         return 0, 0
     products = [op for op in layer.ops.get("fwd", ()) if _converted(op, recipe)]
     return (sum(op.count * op.shape[0] * op.shape[2] * op.shape[3] for op in products),
             sum(op.count * op.shape[0] for op in products))
-
-
-def attends(layer: LayerCount) -> bool:
-    """A transformer layer (it attends: a fused attention kernel, batched products or routed experts' products,
-    one a local expert under `per_expert_products`, in its forward), whose linear products a float8 recipe
-    converts; the embedding and the head do not attend."""
-    return any(op.kind == "attention" or (op.kind == "matmul" and (op.shape[0] > 1 or op.routed))
-               for op in layer.ops.get("fwd", ()))
 
 
 def _linear(op: OpCount) -> bool:
@@ -347,7 +339,7 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
     recipe's casts after them (those a recomputation reruns in float8 too), and what its forward saves (a tensor
     only the products saved as its float8 copy, one another op saves too beside its float8 copy, those the recipe
     caches in a format of its own as `cached_saves` says); any other layer unchanged."""
-    if not attends(layer):
+    if not layer.transformer_layer:
         return layer
     products = tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
     norms = float8_norm_outputs(layer) if recipe.norm_cast_kernels is not None else ()
@@ -510,7 +502,7 @@ def cache_ops(layer: LayerCount, cached: dict[int, int], element_bytes: int, for
 
 def _weighed_products(layer: LayerCount, recipe: Fp8Recipe) -> tuple[OpCount, ...]:
     """A transformer layer's forward linear products whose weights the recipe casts once a step (none else)."""
-    if not (recipe.weights_per_step and attends(layer)):
+    if not (recipe.weights_per_step and layer.transformer_layer):
         return ()
     return tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
 

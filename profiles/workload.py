@@ -47,11 +47,6 @@ LINEAR_INPUT_SAVES = ("only", "also", "")
 # norm ("layernorm"; DeepSeek-V3 recomputes "all RMSNorm operations", its report's section 3.2.3, where Megatron-core
 # recomputes the input and pre-MLP norms), MLA's up-projections with the RoPE and concatenations that make the
 # attention's queries, keys and values ("mla_up_proj") and the routed experts' activation ("moe_act")
-# The kernels a Mamba-2 mixer's chunked scan runs with products of their own (workload/mamba.py), forward and
-# backward: a layer running them is a hybrid's block, which a whole layer's recomputation reruns
-SCAN_KERNELS = frozenset({"chunk_state_fwd", "bmm_chunk_fwd", "chunk_scan_fwd", "chunk_scan_bwd_dstates",
-                          "chunk_scan_chunk_state_bwd_dx", "chunk_state_bwd_db", "chunk_scan_bwd_dC",
-                          "chunk_scan_bwd_dcb", "bmm_chunk_bwd", "chunk_scan_bwd_ddAcs_stable"})
 RECOMPUTE_REGIONS = ("layernorm", "mla_up_proj", "moe_act")
 # The regions the count traces (`LayerCount.region_saves` and on): those, and the attention kernel's output with the
 # copies made of it before the next product ("attention_out"), which a float8 recipe may keep once for both the
@@ -239,6 +234,20 @@ class LayerCount:
     # Megatron-LM's CoreAttention asks of its global memory buffer (planning/estimate.py `--scores-buffer`); 0 with
     # a fused kernel or no attention
     scores_bytes: int = 0
+    # a decoder layer of a Hugging Face model (workload/hf.py `DecoderLayer`), whatever its mixer: attention, experts,
+    # a Mamba-2 mixer or an MLP (`transformer_layer`)
+    decoder_block: bool = False
+
+    @property
+    def transformer_layer(self) -> bool:
+        """A transformer layer, as Megatron-LM and torchtitan say: what a whole layer's recomputation reruns and a
+        float8 recipe's linears run in (the embedding and the head are neither). It attends (a fused attention
+        kernel, batched products or routed experts' products in its forward), or it is a decoder block: a hybrid's
+        Mamba-2 and MLP blocks too, which Megatron-core's HybridStack recomputes and runs in float8 as its attention
+        blocks (and NeMo AutoModel checkpoints every block)."""
+        return self.decoder_block or any(
+            op.kind == "attention" or (op.kind == "matmul" and (op.shape[0] > 1 or op.routed))
+            for op in self.ops.get("fwd", ()))
 
     @property
     def model_flops(self) -> int:

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from pipesim.executor import RunSpec
-from pipesim.profiles.workload import SCAN_KERNELS
 from pipesim.workload.count import count_built
 from pipesim.workload.hf import hf_model
 from tests.conftest import build, needs_transformers, pipesim
@@ -56,6 +55,28 @@ def test_a_mamba2_layers_products_are_the_formulas_forward_and_backward(tmp_path
     assert layer.wgrad_flops == projections
 
 
+# Granite 4's hybrid: each layer a Mamba-2 mixer (or attention) beside experts, its mixer handed its input by name
+GRANITE = {"model_type": "granitemoehybrid", "layer_types": ["linear_attention", "full_attention"],
+           "num_hidden_layers": 2, "hidden_size": D, "mamba_n_heads": H, "mamba_d_head": P, "mamba_n_groups": G,
+           "mamba_d_state": N, "mamba_chunk_size": Q, "mamba_d_conv": K, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "intermediate_size": 32, "shared_intermediate_size": 32, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 256,
+           "time_step_limit": [0.0, 1e9]}
+
+
+def test_a_granite_hybrid_whose_mixer_takes_its_input_by_name_is_counted_and_computed(tmp_path):
+    """GraniteMoeHybrid calls its Mamba-2 mixer with hidden_states=: counted as the Nemotron-H mixer is (the scan's
+    forward products with the block's own), and off the meta device computed as transformers' layer computes."""
+    counted = count_config(tmp_path / "granite", GRANITE, "flash")
+    assert "chunk_scan_fwd" in {op.op for op in counted.layers[1].ops["fwd"]}
+    layers = hf_model(f"hf:{write_config(tmp_path / 'granite', GRANITE)}", 24).layers
+    hidden = torch.randint(GRANITE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for layer in layers:
+            hidden = layer(hidden)
+    assert hidden.shape == (2, 24, GRANITE["vocab_size"]) and torch.isfinite(hidden).all()
+
+
 def test_a_mamba2_layer_runs_mamba_ssms_kernels_not_the_reference_scan(tmp_path):
     """Each of the scan's kernels once a forward, each recomputed once in the backward, none of the PyTorch
     reference's Q x Q decay masks (its cumsum, tril and segment sums) counted, and the scan's float32 chunk states and
@@ -66,9 +87,10 @@ def test_a_mamba2_layer_runs_mamba_ssms_kernels_not_the_reference_scan(tmp_path)
     assert all(forward.count(name) == 1 and backward.count(name) == 1 for name in RECOMPUTED)
     assert forward.count("chunk_scan_fwd") == 1 and "chunk_scan_fwd" not in backward
     assert not {"cumsum", "tril", "bmm"} & {*forward, *backward}
-    # the scan's kernels with products of their own mark the layer a hybrid's block (`SCAN_KERNELS`), the conv aside
     assert {op.op for name in ("fwd", "igrad") for op in layer.ops[name] if op.kind == "compute"} == {
-        *SCAN_KERNELS, "causal_conv1d_fwd", "causal_conv1d_bwd"}
+        "causal_conv1d_fwd", "causal_conv1d_bwd", "chunk_state_fwd", "bmm_chunk_fwd", "chunk_scan_fwd",
+        "chunk_scan_bwd_dstates", "chunk_scan_chunk_state_bwd_dx", "chunk_state_bwd_db", "chunk_scan_bwd_dC",
+        "chunk_scan_bwd_dcb", "bmm_chunk_bwd", "chunk_scan_bwd_ddAcs_stable"}  # those with products of their own
     per_chunk = {(B, S // Q, H, P, N), (B, S // Q, G, Q, Q)}
     assert not per_chunk & {shape for shape, _ in layer.saved_tensors}
 
@@ -77,11 +99,14 @@ def test_a_mamba2_layer_saves_what_megatron_cores_functions_save(tmp_path):
     """The in_proj output zxbcdt and the scan's output before its gate (`MambaSplitConv1dScanCombinedFn`), the
     grouped norm's input and its float32 statistics (`LayerNormFn`), out_proj's input, in bfloat16 but the
     statistics: beside what the block's own norm and in_proj keep."""
-    saved = _mamba_layer(tmp_path).saved_tensors
+    layer = _mamba_layer(tmp_path)
     T, two = B * S, 2
-    assert ((B, S, W), T * W * two) in saved
-    assert sum(1 for shape, nbytes in saved if math.prod(shape) == T * d and nbytes == T * d * two) == 3
-    assert ((T * G,), T * G * 4) in saved
+    assert ((B, S, W), T * W * two) in layer.saved_tensors
+    assert sum(1 for shape, nbytes in layer.saved_tensors if math.prod(shape) == T * d and nbytes == T * d * two) == 3
+    # all but the block's own norm: in_proj's input, zxbcdt, the scan's output, the norm's input and statistics,
+    # out_proj's input, and the float32 decay rates A (H of them), which exp and the scan both keep: nothing else
+    mixer = sorted(nbytes for (_, nbytes), part in zip(layer.saved_tensors, layer.saved_parts) if part != "norms")
+    assert mixer == sorted([T * D * two, T * W * two, *[T * d * two] * 3, T * G * 4, H * 4, H * 4])
 
 
 def test_off_the_meta_device_the_layers_compute_transformers_model(tmp_path):

@@ -385,6 +385,35 @@ if __name__ == "__main__":
 """
 
 
+STOP_WITH_LARGE_TASKS_QUEUED = """
+import math, time
+from pipesim.planning.tune import Workers
+
+def held(blob):
+    time.sleep(60)
+
+if __name__ == "__main__":
+    pool = Workers(1, "fork", collect=False)
+    assert pool.submit(math.sqrt, 4.0).result(timeout=60) == 2.0
+    blob = bytes(1_000_000)  # a search's shipped problem, pickled into each task
+    running = [pool.submit(held, blob) for _ in range(3)]
+    time.sleep(1)
+    assert pool.submit(held, blob).cancel()
+    pool.stop(at_once=True)
+    print("stopped", flush=True)
+"""
+
+
+def test_stopping_at_once_with_large_tasks_queued_lets_the_process_exit(tmp_path):
+    """The tasks' pipe, whose feeder thread was blocked writing a task no worker would read, was left open where
+    Python 3.11's pool manager failed on a cancelled task before closing it: the process hung as it exited, joining
+    that thread (`Workers.stop` closes it)."""
+    script = tmp_path / "exit.py"
+    script.write_text(STOP_WITH_LARGE_TASKS_QUEUED)
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr
+
+
 def test_stopping_at_once_while_workers_send_large_results_never_hangs(tmp_path):
     """A worker ended mid-send left half a result in the pipe, and the pool's manager thread waited for the rest
     forever (the parent holds the write end): tune --gpu hung after Ctrl-C or an error during its estimates, 5 of 6

@@ -983,6 +983,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
         model_output_bytes=model_output_bytes,
+        decoder_block=bool(getattr(layer, "decoder_block", False)),
         expert_param_bytes=routed.expert_weight_bytes, expert_bias_tensors=routed.bias_tensors,
         dispatched_bytes=routed.token_bytes, routed_blocks=tuple(routed.blocks),
         routed_model_share=routed.routed_copies / routed.computed_copies if routed.computed_copies else 1.0,

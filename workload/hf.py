@@ -177,6 +177,8 @@ class DecoderLayer(nn.Module):
     has none, or makes its own), for its `layer_type` where the rotary module computes one per type (Gemma 3's
     local and global layers rotate at their own bases), and causal attention."""
 
+    decoder_block = True  # what the count records (`LayerCount.decoder_block`)
+
     def __init__(self, layer: nn.Module, rotary: nn.Module | None, layer_type: str | None = None) -> None:
         super().__init__()
         self.layer, self.rotary = layer, rotary
@@ -487,7 +489,10 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     `get_input_embeddings`: Llama's embed_tokens, Nemotron-H's embeddings), each decoder layer, its final norm
     (`FINAL_NORMS`), then the head. Models laid out otherwise are refused, naming the layout."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else None
-    embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    try:
+        embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    except NotImplementedError:  # transformers' answer for a model without one (a vision model's)
+        embed = None
     norm = next((getattr(base, name) for name in FINAL_NORMS if isinstance(getattr(base, name, None), nn.Module)), None)
     blocks = getattr(base, "layers", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -45,12 +45,12 @@ def is_mamba2_mixer(module: nn.Module) -> bool:
     return all(hasattr(module, name) for name in MIXER_FIELDS)
 
 
-def counted_mixer(mixer: nn.Module, computed: Callable[..., torch.Tensor], hidden: torch.Tensor, *args: Any,
-                  **kwargs: Any) -> torch.Tensor:
-    """`mixer`'s forward: on the meta device as Megatron-core's kernels run it (the module docstring), elsewhere
-    `computed`, transformers' own."""
+def counted_mixer(mixer: nn.Module, computed: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`mixer`'s forward, handed its hidden states first or by name (GraniteMoeHybrid's `hidden_states=`): on the
+    meta device as Megatron-core's kernels run it (the module docstring), elsewhere `computed`, transformers' own."""
+    hidden = args[0] if args else kwargs["hidden_states"]
     if hidden.device.type != "meta":
-        return computed(hidden, *args, **kwargs)
+        return computed(*args, **kwargs)
     zxbcdt = mixer.in_proj(hidden)
     A = -torch.exp(mixer.A_log.float())
     gated = _Scan.apply(_Shape.of(mixer, zxbcdt), zxbcdt, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
