@@ -456,12 +456,14 @@ class Workers(ProcessPoolExecutor):
                 # closed, the thread reads its end, marks the pool broken and ends, and shutting down returns
                 if self._result_queue is not None:
                     self._result_queue._writer.close()
-                # and the tasks' pipe, read by no worker now: its feeder thread, blocked writing a task's hundreds of
-                # KB, is joined as this process exits, which hung (Python 3.11's manager thread, failing on a
-                # cancelled task, `_quiet_on_cancelled_work`, never closes it; 3.12's does, gh-94777)
-                if self._call_queue is not None:
-                    self._call_queue._reader.close()
+            tasks = self._call_queue  # (shutting down lets go of it)
             self.shutdown(cancel_futures=True)  # joins the pool's manager thread
+            # the tasks' pipe, read by no worker now: its feeder thread, blocked writing a task's hundreds of KB, is
+            # joined as this process exits, which hung where Python 3.11's manager thread, failing on a cancelled
+            # task (`_quiet_on_cancelled_work`), left it open (3.12's closes it, gh-94777). Closed once that thread
+            # has ended: closed beside it, both closed the one descriptor
+            if at_once and tasks is not None:
+                tasks._reader.close()
 
     @contextmanager
     def _quiet_on_cancelled_work(self) -> Iterator[None]:

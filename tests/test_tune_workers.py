@@ -411,7 +411,7 @@ def test_stopping_at_once_with_large_tasks_queued_lets_the_process_exit(tmp_path
     script = tmp_path / "exit.py"
     script.write_text(STOP_WITH_LARGE_TASKS_QUEUED)
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
-    assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, "stopped", "")
 
 
 def test_stopping_at_once_while_workers_send_large_results_never_hangs(tmp_path):
