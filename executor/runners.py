@@ -154,6 +154,9 @@ FAULT_ENV = "PIPESIM_TEST_FAULT"
 # row, a large send), not waiting: a rank blocked in a receive or a collective uses well under 1% of a core
 WORKING_CPU_SHARE = 0.05
 STOP_GRACE_S = 3.0  # after SIGTERM, how long ranks get before SIGKILL
+# how long the parent reads on to the result of a rank that exited cleanly (`_Supervisor.unread_results`): the
+# heartbeats queued before it are read at the host's pace, seconds behind on a loaded one
+RESULT_DRAIN_S = 30.0
 
 
 class ReportedRow(NamedTuple):
@@ -441,6 +444,11 @@ class _Supervisor:
         return [rank for rank, proc in enumerate(self.procs)
                 if proc.exitcode is not None and self.results[rank] is None and rank not in self.errors]
 
+    def unread_results(self) -> list[int]:
+        """The dead ranks that exited cleanly: each put its result before it exited (a process's queue is flushed
+        as it ends), so the result is in the queue, behind the heartbeats not read yet."""
+        return [rank for rank in self.dead() if self.procs[rank].exitcode == 0]
+
     def fault(self) -> tuple[int, str, bool] | None:
         """What stops the run, if anything: (rank, what happened, whether its loss diverged). A rank that died
         comes first: its peers' failed transfers are its consequence; then a diverged loss, then the first
@@ -538,8 +546,7 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
                 except queue.Empty:
                     pass
                 if supervisor.errors or supervisor.dead():
-                    # the other ranks' last heartbeats, and a peer's death behind a rank's failed transfer
-                    _drain(messages, supervisor)
+                    _read_behind(messages, supervisor)
                 fault = supervisor.fault()
                 if fault is not None:
                     rank, text, diverged = fault
@@ -559,11 +566,21 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
     return _merge(spec, lowered, supervisor.results, hardware)
 
 
-def _drain(messages: Any, supervisor: _Supervisor, within_s: float = 1.0) -> None:
-    """Take the messages already sent (the heartbeats of the moments before a failure), for `within_s` at most:
-    ranks still running keep sending."""
+def _read_behind(messages: Any, supervisor: _Supervisor) -> None:
+    """The messages behind a rank's error or exit: the other ranks' last heartbeats, a peer's death behind a
+    rank's failed transfer, and the result of a rank that exited cleanly, read on to (`RESULT_DRAIN_S`): a loaded
+    host reads heartbeats slower than the ranks send them, and a runtime probe's rank that had finished was declared
+    dead ("exited with code 0") with its result still unread."""
+    _drain(messages, supervisor)
+    _drain(messages, supervisor, RESULT_DRAIN_S, until=lambda: not supervisor.unread_results())
+
+
+def _drain(messages: Any, supervisor: _Supervisor, within_s: float = 1.0,
+           until: Callable[[], bool] = lambda: False) -> None:
+    """Take the messages already sent (the heartbeats of the moments before a failure), for `within_s` at most
+    (ranks still running keep sending), or until `until` holds."""
     deadline = time.monotonic() + within_s
-    while (left := deadline - time.monotonic()) > 0:
+    while (left := deadline - time.monotonic()) > 0 and not until():
         try:
             supervisor.take(messages.get(timeout=min(left, 2 * HEARTBEAT_S)))
         except queue.Empty:

@@ -97,6 +97,29 @@ def _beat(rank: int, rows_done: int, working: bool = False) -> tuple:
     return "beat", Heartbeat(rank, rows_done, "1OPT.0" if rank else "0B0.0", {}, [], working)
 
 
+class _Exited:
+    pid, exitcode = os.getpid(), 0
+
+
+def test_a_rank_that_exited_cleanly_is_not_dead_while_its_result_waits_behind_unread_heartbeats(monkeypatch):
+    """A rank puts its result before it exits, but a loaded parent reads the heartbeats queued before it slower
+    than they came: rank 1 of calibrate's runtime probe, finished, was declared dead, "exited with code 0 (last
+    action 1OPT.11)", with 1 s of reading allowed behind a fault and 2 s of backlog."""
+    import queue
+
+    spec = spec_for("1f1b", stages=2, m=1, n=2)
+    supervisor = _Supervisor(spec, lower(spec.schedule), [_Process(), _Exited()], stall_timeout_s=60)
+    messages: queue.Queue = queue.Queue()
+    for rows in range(40):
+        messages.put(_beat(1, rows))
+    messages.put(("done", 1, "rank 1's result"))
+    take = supervisor.take
+    monkeypatch.setattr(supervisor, "take", lambda message: (time.sleep(0.05), take(message)))
+    assert supervisor.dead() == [1]
+    runners._read_behind(messages, supervisor)
+    assert supervisor.dead() == [] and supervisor.results[1] == "rank 1's result" and supervisor.fault() is None
+
+
 def test_the_run_stalls_when_no_rank_moves_not_while_one_works():
     spec = spec_for("1f1b", stages=2, m=1, n=2)
     supervisor = _Supervisor(spec, lower(spec.schedule), [_Process(), _Process()], stall_timeout_s=0.2)
