@@ -118,10 +118,9 @@ def whole_number(text: str, most: int) -> int | None:
     return number if number <= most else None
 
 
-def rounds_text(params: dict) -> str:
-    """How a schedule's `params` run each mini-batch's micro-batches where in several flushes (`--rounds`), as the
-    labels write it after m: " in 2 rounds"; "" in one."""
-    rounds = int(params.get("rounds", 1))
+def rounds_text(rounds: int) -> str:
+    """How a run's mini-batch's micro-batches run where in several flushes (`--rounds`), as the labels write it
+    after m: " in 2 rounds"; "" in one."""
     return f" in {rounds:,} rounds" if rounds > 1 else ""
 
 

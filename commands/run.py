@@ -635,7 +635,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
                         + ["Megatron-core's rank order"] * (meta.extra.get("rank_order") == "megatron"))
     table = Table(title=f"{meta.schedule} measured: {count_text(meta.minibatches, 'mini-batch')} of "
                         f"{shares}{meta.microbatches:,} x "
-                        f"{meta.microbatch_size:,} samples{rounds_text(meta.params)}, "
+                        f"{meta.microbatch_size:,} samples{rounds_text(meta.rounds)}, "
                         f"{count_text(hardware['ranks'], 'rank')}"
                         f"{f' ({degrees})' if replicas > 1 else ''} over "
                         f"{hardware.get('transport')} ({hardware.get('device')})",

@@ -790,7 +790,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
     columns of `SAID_ONCE` whose rows all agree are said once in the caption instead (`said_once`)."""
     first, estimated = schedules[0], any(share is not None for share in mfu)
     title = (f"p={count_text(first.num_devices, 'device')} per pipeline, "
-             f"m={count_text(first.microbatches, 'micro-batch')}{rounds_text(first.params)}, "
+             f"m={count_text(first.microbatches, 'micro-batch')}{rounds_text(first.rounds)}, "
              f"N={count_text(first.minibatches, 'mini-batch')}"
              + (f", {degree_text('d', first.data_parallel)} replicas" if first.data_parallel > 1 else "")
              + _zero_text(first)

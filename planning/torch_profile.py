@@ -216,7 +216,7 @@ def check_same_run(measured: Trace, like: Trace) -> None:
         raise TraceError("the profiler traces hold no forward or backward pass (PP:<action> ranges, or Forward i / "
                          "Backward i), only other actions: torch's Schedule1F1B records none; profile a schedule "
                          "that does (`benchmarks/torch_pipelining.py` without --torch-schedule, or gpipe)")
-    rounds = int(like.meta.params.get("rounds", 1))
+    rounds = like.meta.rounds
     if rounds > 1:  # each schedule.step reads as a mini-batch: the profile does not say which steps one update ends
         raise TraceError(f"the prediction runs each mini-batch in {rounds:,} rounds (--rounds), and a profiler trace "
                          "is read one schedule.step a mini-batch, whatever updates the run made between them: predict "

@@ -1270,7 +1270,7 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
         merging = {stage: nbytes for stage, nbytes in (merged_bytes or {}).items() if nbytes and stage in stages}
         merged = 0
         if merging:  # each step's merge (a mini-batch's, or a round's): the outputs of its forwards (as many each)
-            rows = merge_events(rows, trace.meta.microbatches // int(trace.meta.params.get("rounds", 1)))
+            rows = merge_events(rows, trace.meta.microbatches // trace.meta.rounds)
             merged = (sum(merging.get(stage, 0) for name, stage, _ in rows if name.startswith("fwd"))
                       // sum(MERGE in name for name, _, _ in rows))
         place: dict[Hashable, int] = {}

@@ -223,6 +223,11 @@ class TraceMeta:
         return (int(self.params.get("data_parallel", 1)), "replica"), (self.pipelines, "pipeline")
 
     @property
+    def rounds(self) -> int:
+        """The flushes each mini-batch's micro-batches ran in (`--rounds`; a trace from before it: one)."""
+        return int(self.params.get("rounds", 1))
+
+    @property
     def samples_per_minibatch(self) -> int:
         """Samples one update trains on: m micro-batches of b on each of its `batch_copies`."""
         return self.microbatches * self.microbatch_size * math.prod(count for count, _ in self.batch_copies)

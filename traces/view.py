@@ -280,7 +280,7 @@ def shape_text(trace: Trace) -> str:
         parts.append(degree_text("v", chunks))
     if meta.pipelines > 1:
         parts.append(degree_text("P", meta.pipelines))
-    return ", ".join(parts + [degree_text("m", meta.microbatches) + rounds_text(meta.params),
+    return ", ".join(parts + [degree_text("m", meta.microbatches) + rounds_text(meta.rounds),
                               degree_text("N", meta.minibatches)])
 
 

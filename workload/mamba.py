@@ -29,7 +29,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -128,8 +128,22 @@ def _kernel(name: str, reads: tuple[torch.Tensor, ...], writes: list[tuple[tuple
     return made
 
 
+class _Scanned(NamedTuple):
+    """What the conv and the scan's first four kernels make (`_forward_kernels`): the conv's output (xBC) and its
+    x, B and C, dt and the cumulative decay dA (float32), the chunk states passed along and C·Bᵀ (float32)."""
+
+    xbc: torch.Tensor
+    x: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    dt: torch.Tensor
+    dA: torch.Tensor
+    states: torch.Tensor
+    CB: torch.Tensor
+
+
 def _forward_kernels(shape: _Shape, zxbcdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-                     dt_bias: torch.Tensor, A: torch.Tensor, recompute: bool) -> dict[str, torch.Tensor]:
+                     dt_bias: torch.Tensor, A: torch.Tensor, recompute: bool) -> _Scanned:
     """The conv and the scan's first four kernels, the forward's (`recompute` False: states written in the
     inputs' dtype after the chunks are passed) or the backward's recomputation of them (float32 states)."""
     s, dtype = shape, zxbcdt.dtype
@@ -142,7 +156,7 @@ def _forward_kernels(shape: _Shape, zxbcdt: torch.Tensor, conv_weight: torch.Ten
     passed, _ = _kernel("state_passing_fwd", (states, dA[..., -1]),
                         [(s.states(), F32 if recompute else dtype), ((s.b, s.H, s.P, s.N), F32)])
     (CB,) = _kernel("bmm_chunk_fwd", (C, B), [(s.chunk_squares(), F32)], 2 * s.T * s.Q * s.G * s.N)
-    return {"x": x, "B": B, "C": C, "dt": dt_out, "dA": dA, "states": passed, "CB": CB, "xbc": xbc}
+    return _Scanned(xbc, x, B, C, dt_out, dA, passed, CB)
 
 
 class _Scan(torch.autograd.Function):
@@ -157,7 +171,7 @@ class _Scan(torch.autograd.Function):
         s, dtype = shape, zxbcdt.dtype
         z = s.parts(zxbcdt)[0]
         k = _forward_kernels(s, zxbcdt, conv_weight, conv_bias, dt_bias, A, recompute=False)
-        out, out_x = _kernel("chunk_scan_fwd", (k["CB"], k["x"], k["dt"], k["dA"], k["C"], k["states"], D, z),
+        out, out_x = _kernel("chunk_scan_fwd", (k.CB, k.x, k.dt, k.dA, k.C, k.states, D, z),
                              [((s.b, s.s, s.d), dtype)] * 2, 2 * s.T * s.d * s.N + 2 * s.T * s.Q * s.d)
         ctx.shape = shape
         ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, out_x, A, D, dt_bias)
@@ -170,7 +184,7 @@ class _Scan(torch.autograd.Function):
         dtype = zxbcdt.dtype
         z = s.parts(zxbcdt)[0]
         k = _forward_kernels(s, zxbcdt, conv_weight, conv_bias, dt_bias, A, recompute=True)
-        x, B, C, dt, dA, CB = (k[name] for name in ("x", "B", "C", "dt", "dA", "CB"))
+        x, B, C, dt, dA, CB = k.x, k.B, k.C, k.dt, k.dA, k.CB
         with _one_kernel("chunk_scan_bwd_dz", (grad, out_x, z, x, D), 0):
             dzxbcdt = zxbcdt.new_empty(zxbcdt.shape)  # the in_proj output's gradient, filled part by part
             dz, dxbc_conv_target, ddt = s.parts(dzxbcdt)
@@ -178,11 +192,11 @@ class _Scan(torch.autograd.Function):
             _kernel_writes(dz, dout)
         (dstates,) = _kernel("chunk_scan_bwd_dstates", (C, dA, dout), [(s.states(), F32)], 2 * s.T * s.d * s.N)
         dstates_in, ddA_chunk, states_in = _kernel(
-            "state_passing_bwd", (k["states"], dA[..., -1], dstates),
+            "state_passing_bwd", (k.states, dA[..., -1], dstates),
             [(s.states(), dtype), ((s.b, s.H, s.nc), F32), (s.states(), dtype)])
         with _one_kernel("chunk_scan_chunk_state_bwd_dx", (x, dt, dA, B, CB, dout, dstates_in, D),
                          2 * s.T * s.d * s.N + 2 * s.T * s.Q * s.d):
-            dxbc = k["xbc"].new_empty(k["xbc"].shape)  # the conv output's gradient, which the conv's backward reads
+            dxbc = k.xbc.new_empty(k.xbc.shape)  # the conv output's gradient, which the conv's backward reads
             dx, dB_part, dC_part = s.conv_parts(dxbc)
             ddt_scan, dD = dA.new_empty(s.per_token()), D.new_empty(D.shape)
             _kernel_writes(dx, ddt_scan, dD)
@@ -198,7 +212,7 @@ class _Scan(torch.autograd.Function):
         dA_out, ddt_bias = _kernel("chunk_cumsum_bwd", (ddA, ddA_chunk, ddt_scan, s.parts(zxbcdt)[2], A, dt_bias),
                                 [(A.shape, A.dtype), (dt_bias.shape, dt_bias.dtype)], into=(ddt,))
         conv = tuple(t for t in (conv_weight, conv_bias) if t is not None)
-        conv_grads = _kernel("causal_conv1d_bwd", (k["xbc"], *conv, dxbc), [(t.shape, t.dtype) for t in conv],
+        conv_grads = _kernel("causal_conv1d_bwd", (k.xbc, *conv, dxbc), [(t.shape, t.dtype) for t in conv],
                              4 * s.T * s.C * s.K, into=(dxbc_conv_target,))
         return None, dzxbcdt, conv_grads[0], conv_grads[1] if conv_bias is not None else None, ddt_bias, dA_out, dD
 
