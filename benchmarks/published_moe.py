@@ -52,11 +52,11 @@ recipe (scripts/performance/run_script.py lines 56-102 and 178; deepseek_v3_llm_
 Megatron-core's layout "Et|(tt|)*30mL" (`--stage-cut layout:...`: the embedding and a block, 30 stages of two, then
 the multi-token-prediction layer, `--mtp-layers 1`, deepseek_v3.py's mtp_num_layers, with the loss), DeepEP with
 forced balance (enable_deepep on H100: the flex dispatcher), the expert overlap (A2A_1F1B:
-overlap_moe_expert_parallel_comm, delay_wgrad_compute), MLA's up-projections recomputed (recompute_modules
-["mla_up_proj", "mlp"] under selective granularity), the gradients reduced after the backward (overlap_grad_reduce
-False on H100: `--reduce-after-flush`) in 16 bits (grad_reduce_in_fp32 False), in FP8 with delayed scaling as the
-other 25.09 rows (`FP8_RECIPES`). Not modelled (`RECIPE_NOT_MODELLED`): "mlp", which recomputes the 3 dense layers'
-MLPs only (megatron/core/transformer/transformer_layer.py at core_v0.14.0: not a MoELayer); the precision-aware
+overlap_moe_expert_parallel_comm, delay_wgrad_compute), MLA's up-projections and the 3 dense layers' MLPs
+recomputed (recompute_modules ["mla_up_proj", "mlp"] under selective granularity; "mlp" reruns no MoELayer:
+megatron/core/transformer/transformer_layer.py at core_v0.14.0), the gradients reduced after the backward
+(overlap_grad_reduce False on H100: `--reduce-after-flush`) in 16 bits (grad_reduce_in_fp32 False), in FP8 with
+delayed scaling as the other 25.09 rows (`FP8_RECIPES`). Not modelled (`RECIPE_NOT_MODELLED`): the precision-aware
 optimizer's bfloat16 moments (deepseek_v3.py exp_avg_dtype, exp_avg_sq_dtype), held as float32 here (the same step,
 a peak about 2.7 GB higher); fp8_param_gather (bf16_with_fp8_delayed_scaling_mixed), which pipesim does not model
 beside expert parallelism.
@@ -107,7 +107,7 @@ Llama 4 Maverick's rows are listed with why they are not run (`DGXC_NOT_EXPRESSI
 Megatron-Bridge's measured runs outside its summaries (benchmarks/published/megatron-bridge-cards-moe-h100.csv: a
 skill's and the model cards', each with its whole layout and step time) run as the summaries' rows in BF16:
 Qwen3-30B-A3B at t1 p1 E16 over HybridEP, and DeepSeek-V3 on 1,024 H100s as 25.09's row's recipe runs it
-(`RECIPE_RUNS`, its "mlp" recompute not modelled) over HybridEP without the expert overlap. The Qwen3 runs with the
+(`RECIPE_RUNS`) over HybridEP without the expert overlap. The Qwen3 runs with the
 overlap kept delay_wgrad_compute off, which pipesim's pair does not model, the cards' functional pretraining runs
 (Qwen3-30B-A3B, gpt-oss-120b) routed naturally, by an imbalance not published, and the all-to-all run gives no
 layout: all listed with why (`CARDS_NOT_EXPRESSIBLE`).
@@ -204,9 +204,9 @@ FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te", "BF16": No
 # GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V1 and _V2 in gpt_oss_workload_base_configs.py at v0.3.0 to v0.4.1,
 # gpt_oss_120b_pretrain_64gpu_h100_bf16_config in perf_recipes/gpt_oss/h100/gpt_oss.py at 067f987df0); the Qwen3
 # recipes recompute nothing
-# DeepSeek-V3's 25.09 H100 run: ["mla_up_proj", "mlp"] (run_script.py line 91 at v0.1.0rc4), "mlp" not modelled
-# (`RECIPE_NOT_MODELLED`)
-RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act"), "DeepSeekV3": ("mla_up_proj",)}
+# DeepSeek-V3's 25.09 H100 run: ["mla_up_proj", "mlp"] (run_script.py line 91 at v0.1.0rc4), "mlp" its 3 dense
+# layers' MLPs
+RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act"), "DeepSeekV3": ("mla_up_proj", "mlp")}
 # the model -> --router-aux-loss, its load-balancing loss as Megatron-core computes it (workload/moe.py
 # `with_aux_loss`): Megatron-Bridge's Qwen3 providers set aux_loss 1e-3 (qwen_provider.py at v0.1.0rc4, v0.2.1,
 # r0.3.0; qwen3_moe_bridge.py at 067f987df0), DeepSeek-V3's seq_aux_loss (deepseek_provider.py,
@@ -356,8 +356,8 @@ MODELZOO_NOT_EXPRESSIBLE = {
 # v0.1.0rc4, lines 66 and 102): its layout, deepseek_v3.py's mtp_num_layers 1, overlap_grad_reduce False
 RECIPE_RUNS = {"DeepSeekV3": {"stage_cut": "layout:Et|(tt|)*30mL", "mtp_layers": 1, "reduce_after_flush": True}}
 # the model -> what its recipe sets that pipesim does not model (the module docstring)
-RECIPE_NOT_MODELLED = {"DeepSeekV3": "recompute_modules' \"mlp\" (its 3 dense layers' MLPs), the optimizer's "
-                                     "bfloat16 moments, fp8_param_gather beside expert parallelism",
+RECIPE_NOT_MODELLED = {"DeepSeekV3": "the optimizer's bfloat16 moments, fp8_param_gather beside expert "
+                                     "parallelism",
                        # NeMo 7a8f1cc7bc's DeepSeekConfig (deepseek.py), MegatronCommOverlapCallback
                        # (megatron_comm_overlap.py lines 179-188: bucket_size 128 * 1024 * 1024 where d > 1),
                        # PerfEnvPlugin (nemo/lightning/run/plugins.py: NVTE_FWD/BWD_LAYERNORM_SM_MARGIN 16,

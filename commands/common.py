@@ -572,12 +572,14 @@ TorchCompile = Annotated[bool, typer.Option(
                             "eager.")]
 RecomputeModules = Annotated[str | None, typer.Option(
     "--recompute-modules", metavar="PARTS", help="With --gpu and --recompute none or selective: parts of every layer "
-                                                 "whose saved outputs are dropped after the forward and made again "
+                                                 "whose saved tensors are dropped after the forward and made again "
                                                  "in the backward from what they read (Megatron-core's "
-                                                 "--recompute-modules, output-discarding): a comma list of layernorm "
-                                                 "(every norm), mla_up_proj (MLA's up-projections and RoPE) and "
-                                                 "moe_act (the experts' activation); DeepSeek-V3's report (3.2.3) "
-                                                 "recomputes the first two.")]
+                                                 "--recompute-modules): a comma list of layernorm (every norm), "
+                                                 "mla_up_proj (MLA's up-projections and RoPE), moe_act (the experts' "
+                                                 "activation), mlp (a dense layer's MLP) and moe (a mixture of "
+                                                 "experts whole, its dispatch and combine run again: not with "
+                                                 "--overlap-expert-comm); DeepSeek-V3's report (3.2.3) recomputes "
+                                                 "the first two.")]
 Ema = Annotated[str | None, typer.Option(
     "--ema", metavar="WHERE", help="With --gpu: an exponential moving average of the weights kept on the gpu (a "
                                    "float32 copy sharded as the master weights, updated after each step) or the "

@@ -16,7 +16,7 @@ import typer
 
 from ..choices import choose_from, nearest_text
 from ..planning.host import HOST_KERNEL_US
-from ..profiles.workload import too_few_layers
+from ..profiles.workload import RECOMPUTED_PARTS, too_few_layers
 from ..units import MIB, degree_text
 from .common import (
     COUNTING_MODEL,
@@ -359,6 +359,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         # given (tune's search, none given, tries 1 too)
         replace(what.parallelism(1, params.get("tensor_parallel") or 1, recompute=recompute),
                 recompute_modules=what.recompute_modules)
+    if "moe" in what.recompute_modules and params.get("overlap_expert_comm"):
+        raise InputError("--recompute-modules moe reruns each mixture of experts whole, which Megatron-core's "
+                         "expert-parallel overlap does not take (transformer_config.py: \"disable moe in "
+                         "recompute_modules when enabling overlap_moe_expert_parallel_comm\"): drop one of them")
     if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
         raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
                          "too")
@@ -546,6 +550,11 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
                          "experts (gpt --experts, or a Hugging Face MoE config); leave it out")
     with refused_with_flags():
         check_expert_ranks(what.expert, counted.options.get("experts"))
+    absent = [name for name in what.recompute_modules
+              if not any(name in layer.region_ops for layer in counted.layers)]
+    if absent:
+        raise InputError(f"--recompute-modules {absent[0]}: no layer of the model has {RECOMPUTED_PARTS[absent[0]]} "
+                         "to recompute; leave it out")
     return counted
 
 

@@ -2455,13 +2455,21 @@ def _compiled_checkpoint_forward(events: Sequence[tuple[int, int]], reads: Seque
 def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Parallelism) -> tuple[float, float]:
     """The network time of `layer`'s routed experts' all-to-alls (`planning.experts`) after its forward and after
     its backward: each MoE block's own (`LayerCount.routed_blocks`), each of the t·C ranks sending its share of
-    the block's token copies, its top-k of each token, the busiest receiving `layer_load` times as many; a full
-    recomputation reruns the forward's in the backward."""
+    the block's token copies, its top-k of each token, the busiest receiving `layer_load` times as many; a
+    recomputation of the whole block (`reruns_dispatch`) reruns the forward's in the backward."""
     load, ranks = experts.layer_load(layer), parallel.tensor * parallel.context
     each = math.fsum(experts.all_to_all_ms(block.sent_bytes * load / ranks, block.top_k)
                      for block in layer.routed_blocks)
-    rerun = ALL_TO_ALLS["fwd"] * each if parallel.recompute == "full" else 0.0
+    rerun = ALL_TO_ALLS["fwd"] * each if reruns_dispatch(parallel) else 0.0
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
+
+
+def reruns_dispatch(parallel: Parallelism) -> bool:
+    """Whether the backward reruns a mixture of experts' forward whole, its dispatch and combine with it (and,
+    dropless, the dispatcher's wait for the tokens each expert receives): under full recomputation, or with the
+    block recomputed ("moe", Megatron-core's MoELayer forward under tensor_parallel.checkpoint: moe_layer.py at
+    d98e8a64dd)."""
+    return parallel.recompute == "full" or "moe" in parallel.recompute_modules
 
 
 def paired_passes(priced: LayerEstimate, routed: LayerEstimate, combined: LayerEstimate, all_to_all_fwd_ms: float,
@@ -2918,7 +2926,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             return {name: pass_kernels(
                 estimate.timed_ops[name], [op for op, _ in estimate.timed_ops["fwd"]], float8.recipe is not None,
                 parallel.host_kernel_us, name, modules_us,
-                {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms), tokens_wait and name == "fwd",
+                {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms),
+                tokens_wait and (name == "fwd" or (name != "wgrad" and reruns_dispatch(parallel))),
                 None if estimate.ring is None else estimate.ring.kernels,
                 hook_adds if name in ("bwd", "wgrad") else 0) for name in names}
 

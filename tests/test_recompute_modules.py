@@ -1,10 +1,11 @@
 """--recompute-modules (planning/estimate.py `Regions`, workload/count.py `_Regions`): the saved tensors a layer's
 norms, MLA's up-projections or the experts' activation made are dropped and made again in the backward from what
-they read, as Megatron-core's output-discarding checkpoints and DeepSeek-V3's report (3.2.3) do; traced on the
-meta device, not matched by size."""
+they read, as Megatron-core's output-discarding checkpoints and DeepSeek-V3's report (3.2.3) do; those a dense MLP
+or a mixture of experts saved, as its plain checkpoints do; traced on the meta device, not matched by size."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import pytest
@@ -20,8 +21,9 @@ from pipesim.planning.estimate import (
 )
 from pipesim.workload.count import WorkloadCount, count_built, count_model
 from pipesim.workload.models import Model
+from pipesim.workload.moe import CHECKPOINT_REGION
 from tests.conftest import needs_transformers, pipesim
-from tests.helpers import H100, B, H, S
+from tests.helpers import H100, B, H, S, ep_gpt_count
 from tests.helpers import H100_BF16 as DEVICE
 from tests.helpers import priced_recomputing as priced
 from tests.helpers import tiny_deepseek_count as deepseek
@@ -208,5 +210,108 @@ def test_the_costs_line_names_the_recomputed_modules_only_where_given():
     args = ("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "-p", "2")
     code, out, err = pipesim(*args)
     assert code == 0 and "recompute modules" not in " ".join(out.split()), err
-    code, out, err = pipesim(*args, "--recompute-modules", "layernorm,moe_act")
-    assert code == 0 and "recompute modules layernorm,moe_act" in " ".join(out.split()), err
+    code, out, err = pipesim(*args, "--recompute-modules", "layernorm,mlp")
+    assert code == 0 and "recompute modules layernorm,mlp" in " ".join(out.split()), err
+
+
+def _block_saves(layer, kind: str) -> list[tuple[tuple[int, ...], int]]:
+    return [layer.saved_tensors[i] for i in layer.region_saves[kind]]
+
+
+def test_a_recomputed_mixture_of_experts_drops_all_it_saved_keeps_its_input_and_reruns_its_forward():
+    """moe (Megatron-core's MoELayer forward under tensor_parallel.checkpoint): every tensor the block's router,
+    permutations, experts and combine saved is dropped; the pre-MLP norm's output it reads stays saved (the router
+    saved it), and the backward reruns the block's forward ops, none of the attention's."""
+    layer = ep_gpt_count().layers[1]
+    dropped = set(layer.region_saves["moe"])
+    norm_output = [i for _, _, _, made_by, i in layer.region_inputs["moe"] if made_by == ("layernorm",)]
+    assert len(norm_output) == 1 and norm_output[0] not in dropped and norm_output[0] in layer.region_saves["layernorm"]
+    assert set(layer.region_saves["moe_act"]) < dropped
+    assert not dropped & set(layer.region_saves["attention_out"])
+    assert priced(layer).activation_bytes - priced(layer, "moe").activation_bytes == \
+        sum(layer.saved_tensors[i][1] for i in dropped)
+    rerun = layer.region_ops["moe"]
+    assert {op.kind for op in rerun} == {"matmul", "memory"} and any(op.routed for op in rerun)
+    assert rerun[0].kind == "matmul" and not rerun[0].routed  # the router's product first
+    assert priced(layer, "moe").bwd_ms - priced(layer).bwd_ms == pytest.approx(
+        sum(ms for _, ms in priced(layer, "moe").timed_ops["bwd"][:len(rerun)]))
+    assert [op for op, _ in priced(layer, "moe").timed_ops["bwd"][:len(rerun)]] == list(rerun)
+
+
+def test_a_recomputed_dense_mlp_drops_its_activation_and_product_inputs_and_keeps_the_norms_output():
+    """mlp (a dense layer's MLP under a plain checkpoint): a GPT block's GELU input and output, which it and the
+    down product saved, are dropped; the norm's output, which the up product saved, is kept."""
+    layer = gpt().layers[1]
+    ffn = 4 * H
+    assert _block_saves(layer, "mlp") == [((B, S, ffn), TOKENS * ffn * 2), ((TOKENS, ffn), TOKENS * ffn * 2)]
+    [(_, _, _, made_by, saved)] = layer.region_inputs["mlp"]
+    assert made_by == ("layernorm",) and saved in layer.region_saves["layernorm"]
+    assert priced(layer).activation_bytes - priced(layer, "mlp").activation_bytes == 2 * TOKENS * ffn * 2
+    assert priced(layer, "mlp").bwd_ms > priced(layer).bwd_ms
+
+
+class _Gate(nn.Module):
+    """A module marked as a plain checkpoint's MLP whose output the product after it saves (x · mlp(x))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+        setattr(self.mlp, CHECKPOINT_REGION, "mlp")
+        self.out = nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x * self.mlp(x))
+
+
+def test_a_plain_checkpoint_keeps_its_output_where_an_op_after_it_saved_it():
+    """tensor_parallel.checkpoint saves its inputs and returns its output as any module does: a product after it
+    that saves the output keeps it, and is not rerun. Only what was saved inside the module is dropped; an
+    output-discarding checkpoint's region (a norm's) would drop its output too."""
+    with torch.device("meta"):
+        layers = [nn.Linear(H, H), _Gate()]
+    model = Model("gated-output", layers, lambda n, gen: (torch.randn(n, H, generator=gen), None),
+                  lambda out, target: out.float().square().mean())
+    layer = count_model(model, TOKENS, torch.bfloat16).layers[1]
+    assert _block_saves(layer, "mlp") == [((TOKENS, 4 * H), TOKENS * 4 * H * 2)] * 2  # GELU's input and output
+    output = max(layer.region_allocations["mlp"])  # the MLP's last made: its output, saved by the multiplication
+    assert output in layer.saved_allocations
+    assert [op.op for op in layer.region_ops["mlp"]] == ["addmm", "gelu", "addmm"]  # not the multiplication after
+
+
+def test_recomputing_the_experts_whole_reruns_their_all_to_alls_and_the_dispatchers_wait():
+    """With the block recomputed, the backward runs its dispatch and combine again before its own two exchanges
+    (planning/estimate.py `reruns_dispatch`), and a dropless dispatcher's wait for the tokens each expert receives
+    with them: the backward's issue waits for the GPU, as only the forward's did."""
+    parallel = Parallelism(expert=4, data=4)
+    plain = estimate_profile(ep_gpt_count(), H100, parallel).layers[1]
+    rerun = estimate_profile(ep_gpt_count(), H100, replace(parallel, recompute_modules=("moe",))).layers[1]
+    assert plain.all_to_all_bwd_ms > 0 and rerun.all_to_all_fwd_ms == plain.all_to_all_fwd_ms
+    assert rerun.all_to_all_bwd_ms == pytest.approx(2 * plain.all_to_all_bwd_ms)
+    assert plain.host_issue["fwd"].synchronises and rerun.host_issue["fwd"].synchronises
+    assert not plain.host_issue["bwd"].synchronises and rerun.host_issue["bwd"].synchronises
+    assert not rerun.host_issue["wgrad"].synchronises
+
+
+def test_recompute_modules_a_model_lacks_or_moe_beside_the_expert_overlap_are_refused_in_one_line():
+    moe = ("--model", "gpt", "--layers", "2", "--experts", "4", "--gpu", "h100-sxm", "-p", "2")
+    for args, message in (
+            (("--model", "gpt", "--layers", "2", "--gpu", "h100-sxm", "-p", "2", "--recompute-modules", "moe"),
+             "--recompute-modules moe: no layer of the model has a mixture of experts to recompute"),
+            ((*moe, "--recompute-modules", "layernorm,mlp"),
+             "--recompute-modules mlp: no layer of the model has a dense MLP to recompute"),
+            ((*moe, "--expert-parallel", "2", "--data-parallel", "2", "--overlap-expert-comm",
+              "--recompute-modules", "moe"), "--recompute-modules moe reruns each mixture of experts whole")):
+        code, out, err = pipesim("simulate", *args)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not out, err
+
+
+@needs_transformers
+def test_a_hugging_face_layers_dense_mlp_and_mixture_of_experts_are_their_regions():
+    """DeepSeek's first layer's dense MLP is "mlp"; its MoE layer is "moe" whole, its shared expert inside it, so
+    not an "mlp" of its own."""
+    dense, routed = deepseek().layers[1:3]
+    assert "mlp" in dense.region_ops and "moe" not in dense.region_ops
+    assert "moe" in routed.region_ops and "mlp" not in routed.region_ops
+    assert any(op.gating for op in routed.region_ops["moe"]) and any(op.routed for op in routed.region_ops["moe"])
+    assert sum(op.flops * op.count for op in routed.region_ops["moe"]) > \
+        sum(op.flops * op.count for op in routed.region_ops["moe_act"])

@@ -51,10 +51,11 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..choices import choose_from
-from ..profiles.workload import LayerCount, OpCount, WorkloadCount, transient_peak
+from ..profiles.workload import CHECKPOINTED_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, classification_loss
 from .moe import (
+    CHECKPOINT_REGION,
     OPEN_REGIONS,
     Dispatched,
     dispatches,
@@ -428,7 +429,11 @@ def _is_norm(name: str, module: torch.nn.Module) -> bool:
 
 
 def _region_kind(name: str, module: torch.nn.Module) -> str | None:
-    """The recomputation region a submodule (its qualified name, itself) is, or None: a norm by its class or name."""
+    """The recomputation region a submodule (its qualified name, itself) is, or None: the one its model marked it
+    (`CHECKPOINT_REGION`), a norm by its class or name, MLA's up-projections by name."""
+    marked = getattr(module, CHECKPOINT_REGION, None)
+    if marked is not None:
+        return marked
     word = name.rpartition(".")[2]
     if "norm" in type(module).__name__.lower() or _module_part(word) == "norms":
         return "layernorm"
@@ -457,8 +462,10 @@ class _Regions(TorchDispatchMode):
         self.live: _LiveBytes | None = None  # its storage numbers
 
     def own(self) -> dict[str, str]:
-        """The regions the ops running now are inside, each with its module's parent (where its ops go on)."""
-        mine = {self.region_of[name]: name.rpartition(".")[0] for name in self.stack if name in self.region_of}
+        """The regions the ops running now are inside, each with its module's parent (where its ops go on), a plain
+        checkpoint's with its module itself (its ops end with it)."""
+        mine = {kind: name if kind in CHECKPOINTED_REGIONS else name.rpartition(".")[0]
+                for name in self.stack if (kind := self.region_of.get(name)) is not None}
         return {**mine, **{kind: self.stack[-1] if self.stack else "" for kind in OPEN_REGIONS}}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -1054,7 +1061,10 @@ def _region_fields(regions: _Regions, live: _LiveBytes, saved: dict[int, Any]) -
     numbered = {live.known[key]: i for key, i in index.items() if key in live.known}
     made = {kind: tuple(n for n, kinds in live.region_kinds.items() if kind in kinds) for kind in regions.ops}
     outside = {-1 - i: index.get(key, -1) for i, key in enumerate(regions.outside)}
-    return {"region_saves": {kind: tuple(sorted(numbered[n] for n in numbers if n in numbered))
+    # what a plain checkpoint's module made and an op after it saved (its output, read by the residual add) is kept
+    under = [{regions.region_of.get(name) for name in save.under} for save in saved.values()]
+    return {"region_saves": {kind: tuple(sorted(i for n in numbers if (i := numbered.get(n)) is not None
+                                                and (kind not in CHECKPOINTED_REGIONS or kind in under[i])))
                              for kind, numbers in made.items()},
             "region_inputs": {kind: tuple((*read, numbered.get(read[0], outside.get(read[0], -1)))
                                           for read in regions.inputs.get(kind, {}).values())

@@ -67,7 +67,7 @@ from .models import (
     check_size,
     classification_loss,
 )
-from .moe import gated_mlp, gating_linear, gating_router, routed_experts
+from .moe import CHECKPOINT_REGION, gated_mlp, gating_linear, gating_router, routed_experts
 
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
 ACTIVATION_FIELDS = ("hidden_act", "hidden_activation")  # the MLP's activation, by its name in ACT2FN (Gemma's 2nd)
@@ -77,6 +77,8 @@ EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is 
 # DeepSeek-V3's group-limited routing: the router picks topk_group of n_group expert groups a token, then its k
 # experts among them (transformers' DeepseekV3 router; the report's node-limited routing, a group a node)
 GROUP_FIELDS = ("n_group", "topk_group")
+# transformers' names of an MLP's products that read its input, beside its `down_proj` (`_as_megatron_runs`)
+MLP_INPUT_PRODUCTS = ("up_proj", "gate_proj", "gate_up_proj")
 EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
 ATTENTION_IMPLEMENTATION = "pipesim_attention"  # and `counted_attention`
 # what a layer may hand its attention that `counted_attention` refuses: a bias added to every score (Inkling 2's
@@ -527,14 +529,23 @@ def _as_megatron_runs(block: nn.Module) -> None:
     and, gpt-oss's, a bias) and its shared expert's gate (Qwen2-MoE's `shared_expert_gate`, a Linear to one score
     a token, as Megatron-core's SharedExpertMLP `gate_weight`, a plain Parameter it multiplies by the rank's tokens:
     megatron/core/transformer/moe/shared_experts.py at core_v0.14.0) as `workload.moe.gating_router` (its product
-    in its own precision, keeping its input as it is; tensor parallelism keeps both whole on every rank)."""
-    for module in block.modules():
-        if all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+    in its own precision, keeping its input as it is; tensor parallelism keeps both whole on every rank). Marks
+    its mixture of experts (that module) and its dense MLP (one holding a `down_proj` beside an `up_proj`,
+    `gate_proj` or `gate_up_proj`, as transformers names an MLP's products, not inside a mixture of experts) as
+    their plain checkpoints' regions (`CHECKPOINT_REGION`: Megatron-core's "moe" and "mlp" recompute modules)."""
+    experts_blocks: list[str] = []
+    for name, module in block.named_modules():
+        if all(hasattr(module, part) for part in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             module.forward = functools.partial(_gated_mlp, module)
-        router = next((getattr(module, name) for name in ("gate", "router")  # gpt-oss's is its router
-                       if isinstance(getattr(module, name, None), nn.Module)), None)
+        router = next((getattr(module, part) for part in ("gate", "router")  # gpt-oss's is its router
+                       if isinstance(getattr(module, part, None), nn.Module)), None)
         if hasattr(module, "experts") and isinstance(getattr(router, "weight", None), torch.Tensor):
             gating_router(router, balanced=True)
+            setattr(module, CHECKPOINT_REGION, "moe")
+            experts_blocks.append(f"{name}.")
+        elif (hasattr(module, "down_proj") and any(hasattr(module, part) for part in MLP_INPUT_PRODUCTS)
+              and not f"{name}.".startswith(tuple(experts_blocks))):
+            setattr(module, CHECKPOINT_REGION, "mlp")
         if isinstance(getattr(module, "shared_expert_gate", None), nn.Linear):
             gating_router(module.shared_expert_gate)
 

@@ -99,6 +99,10 @@ _host_waits: list[bool] = []  # a kernel the host waits for the GPU before issui
 # The recomputation regions under way that no module marks (workload/count.py's `_Regions` reads it): the routed
 # experts' activation, Megatron-core's "moe_act" (`--recompute-modules`)
 OPEN_REGIONS: list[str] = []
+# The attribute that marks a module as a plain checkpoint's region (profiles/workload.py `CHECKPOINTED_REGIONS`, read
+# by workload/count.py's `_Regions`), set where a model is built: a decoder layer's dense MLP "mlp", its mixture of
+# experts "moe" (workload/hf.py `_as_megatron_runs`, workload/models.py `_Block`)
+CHECKPOINT_REGION = "pipesim_checkpoint_region"
 
 
 @contextmanager
