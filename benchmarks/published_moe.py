@@ -41,7 +41,9 @@ Megatron-core draws each token's router logits from a normal distribution, moe_u
 even on average and the busiest rank is waited for), and balanced where the row drops tokens at capacity 1 (25.09's
 "(tokendrop)", `TOKEN_DROP`: each expert padded to its even share, `--capacity-factor 1`, so its dispatcher never
 synchronises with the host: planning/host.py, workload/hf.py). gpt-oss-120b's rows run in BF16 (`--dtype bf16`,
-the recipes' `_perf_precision("bf16")`) with the parts its recipe recomputes (`RECOMPUTE_MODULES`). The predicted
+the recipes' `_perf_precision("bf16")`) with the parts its recipe recomputes (`RECOMPUTE_MODULES`). Nemotron 3
+Nano's rows run its recipe (`NANO_RECIPE`): its Mamba-2 layers in CUDA graphs (`--cuda-graphs mamba`), each MoE
+layer recomputed whole with its norms and experts' activation beside the core attention. The predicted
 tokens/s per GPU is the global batch's tokens over the predicted step and the row's GPUs. A row pipesim cannot express
 is listed with why; a row whose release's recipe ran another layout or micro-batch than the row prints runs that
 (`RELEASE_LAYOUTS`, each with its source), listed too. Each command's fullest device's peak memory is printed with it:
@@ -101,7 +103,9 @@ and the callback's overlap_grad_reduce and overlap_param_gather where d > 1), th
 (the callback's batch_p2p_comm at VP 1: `--p2p-sync`), the distributed optimizer (Megatron-core's, adam.py
 distributed_fused_adam_with_cosine_annealing's OptimizerConfig), NeMo 25.04.01's container. What it sets and pipesim
 does not model is printed with the rows (`RECIPE_NOT_MODELLED`). v25.08.01's H100 row (1,024 GPUs at t1 p8 v2, NeMo
-25.07.01 over DeepEP) recomputes whole MoE layers ("moe"), which pipesim cannot (`DGXC_RECOMPUTE_NOT_EXPRESSIBLE`);
+25.07.01) runs as its release ran it (`DGXC_RELEASE_RUNS`): over DeepEP with forced balance, dropless, its layout
+and MTP layer, the MLA RoPE fused, gradients reduced in 16 bits, and whole MoE layers recomputed ("moe") beside
+MLA's up-projections and the dense MLPs;
 Llama 4 Maverick's rows are listed with why they are not run (`DGXC_NOT_EXPRESSIBLE`).
 
 Megatron-Bridge's measured runs outside its summaries (benchmarks/published/megatron-bridge-cards-moe-h100.csv: a
@@ -182,7 +186,7 @@ def config_blocks(root: Path, preset: str) -> int:
 
 
 PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b",  # the table's model: its examples/
-           "GPT OSS 120B": "gpt-oss-120b", "DeepSeekV3": "deepseek-v3"}
+           "GPT OSS 120B": "gpt-oss-120b", "DeepSeekV3": "deepseek-v3", "Nemotron_3_Nano": "nemotron-3-nano-30b-a3b"}
 # the model -> --expert-tensor-parallel: Megatron-Bridge's scripts/performance/configs/qwen/
 # qwen3_workload_base_configs.py (01b2977), BASE_QWEN3_235B_A22B_CONFIG and BASE_QWEN3_30B_A3B_CONFIG:
 # expert_tensor_parallel_size=1, which every H100 preset of both keeps
@@ -191,7 +195,8 @@ PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b
 # perf recipe keeps (perf_recipes/gpt_oss/h100/gpt_oss.py at 067f987df0 on recipes/gpt_oss/h100/gpt_oss.py's
 # gpt_oss_120b_pretrain_64gpu_h100_bf16_config)
 # DeepSeek-V3's: its H100 perf_matrix's etp 1 (deepseek_v3_llm_pretrain.yaml at v0.1.0rc4)
-EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1, "GPT OSS 120B": 1, "DeepSeekV3": 1}
+# Nemotron 3 Nano's: its H100 FP8-CS preset's expert_tensor_parallel_size 1 (below, `NANO_RECIPE`)
+EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1, "GPT OSS 120B": 1, "DeepSeekV3": 1, "Nemotron_3_Nano": 1}
 # the row's precision -> --fp8-recipe: FP8-CS is TransformerEngine's current scaling, and so is the 26.x rows' FP8:
 # their recipes are the fp8cs configs (perf_recipes/qwen/h100/qwen3_moe.py at 067f987df0, e.g.
 # qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config; benchmarks/published/README.md); 25.09 states none: delayed
@@ -206,7 +211,9 @@ FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te", "BF16": No
 # recipes recompute nothing
 # DeepSeek-V3's 25.09 H100 run: ["mla_up_proj", "mlp"] (run_script.py line 91 at v0.1.0rc4), "mlp" its 3 dense
 # layers' MLPs
-RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act"), "DeepSeekV3": ("mla_up_proj", "mlp")}
+# Nemotron 3 Nano's: ["moe", "layernorm", "core_attn", "moe_act"] (`NANO_RECIPE`), core_attn `--recompute selective`
+RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act"), "DeepSeekV3": ("mla_up_proj", "mlp"),
+                     "Nemotron_3_Nano": ("moe", "layernorm", "moe_act")}
 # the model -> --router-aux-loss, its load-balancing loss as Megatron-core computes it (workload/moe.py
 # `with_aux_loss`): Megatron-Bridge's Qwen3 providers set aux_loss 1e-3 (qwen_provider.py at v0.1.0rc4, v0.2.1,
 # r0.3.0; qwen3_moe_bridge.py at 067f987df0), DeepSeek-V3's seq_aux_loss (deepseek_provider.py,
@@ -214,7 +221,9 @@ RECOMPUTE_MODULES = {"GPT OSS 120B": ("layernorm", "moe_act"), "DeepSeekV3": ("m
 # True (scripts/performance/configs/qwen3, deepseek at v0.1.0rc4 to r0.3.0; the cards' recipes: recipes/qwen/h100/
 # qwen3_moe.py's 16-GPU config, perf_recipes/deepseek/common.py at 067f987df0), which Megatron-core's router runs as
 # TransformerEngine's fused kernels (router.py at core_v0.14.0 to b0cc2706); gpt-oss's provider sets none
-BRIDGE_AUX_LOSS = {"Qwen3_30B_a3B": "fused", "Qwen3_235B_a22B": "fused", "GPT OSS 120B": "none", "DeepSeekV3": "fused"}
+# Nemotron 3 Nano's seq_aux_loss without moe_router_fusion (`NANO_RECIPE`): unfused
+BRIDGE_AUX_LOSS = {"Qwen3_30B_a3B": "fused", "Qwen3_235B_a22B": "fused", "GPT OSS 120B": "none", "DeepSeekV3": "fused",
+                   "Nemotron_3_Nano": "unfused"}
 # --attention-kernel: every source's row ran TransformerEngine's FusedAttention, cuDNN's kernel. TransformerEngine
 # enables FlashAttention and FusedAttention unless NVTE_FLASH_ATTN or NVTE_FUSED_ATTN is 0 (both read as 1 unset),
 # and where both take the shape on Hopper it drops FlashAttention ("Disabling FlashAttention to give FusedAttention
@@ -244,7 +253,8 @@ DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): ("hybridep", ("26.",)),  # the la
                # config's deepep to the library recipe, whose apply_flex_dispatcher_backend picks flex on Hopper
                ("Qwen3_30B_a3B", 1, 2, 12, 8): ("deepep", ("26.02",)),
                # run_script.py lines 56 and 78 at v0.1.0rc4: DeepEP on H100 (deepseek_v3.py's flex dispatcher)
-               ("DeepSeekV3", 2, 8, 4, 64): ("deepep", ("25.09",))}
+               ("DeepSeekV3", 2, 8, 4, 64): ("deepep", ("25.09",)),
+               ("Nemotron_3_Nano", 1, 1, 1, 8): ("hybridep", ("26.",))}  # `NANO_RECIPE`
 # (model, t, p, v, E) -> the containers whose recipe for that layout sets moe_a2a_overlap (Megatron-core's
 # overlap_moe_expert_parallel_comm: `--overlap-expert-comm`), each with its line in Megatron-Bridge. 25.09 ran
 # v0.1.0's recipe, which sets no overlap (scripts/performance/configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml and
@@ -318,14 +328,18 @@ DGXC_NOT_EXPRESSIBLE = {
               "every expert (modeling_llama4.py), where Megatron-core computes each token's top-1 only: a count of it "
               "would need pipesim to route it as the run did",
 }
-# a recomputed module of a row's launch that --recompute-modules does not take -> why: v25.08.01's DeepSeek-V3 H100 row
-# (deepseek_v3/pretrain/launch.sh at 2fc17d4: RM="mla_up_proj mlp moe" on H100; its README's 1,024-GPU example
-# 36.189 s), which NeMo's pretrain_deepseek_v3.py at 9244b1ec89 ran over DeepEP with forced balance
-DGXC_RECOMPUTE_NOT_EXPRESSIBLE = {
-    "moe": "recompute_modules' \"moe\" (deepseek_v3/pretrain/launch.sh at 2fc17d4 on H100): each MoE layer's forward, "
-           "its dispatch and combine included, run again in its backward (Megatron-core's MoELayer under "
-           "selective recomputation), which --recompute-modules does not offer",
-}
+# v25.08.01's DeepSeek-V3 H100 row (dgxc-benchmarking 2fc17d4: deepseek_v3/pretrain/launch.sh lines 102-155, RM
+# "mla_up_proj mlp moe"; its README's 1,024-GPU example, 36.189 s), as NeMo's scripts/performance/llm/
+# pretrain_deepseek_v3.py at 9244b1ec89 (metadata.yaml's pin) runs it: its layout for p8 v2 (line 105: the embedding
+# and 4 blocks, 14 chunks of 4, then a block and the loss; account_for_* and the first and last stage counts off,
+# lines 121-125), the recipe's MTP layer on the last chunk (recipes/deepseek_v3.py use_mtp, Megatron-core's
+# multi_token_prediction.py: the last virtual stage); DeepEP with forced balance, no shared-expert overlap (lines
+# 80-85), dropless (the token-drop callback only off H100, lines 86-91); the MLA RoPE fused (line 95); gradients
+# reduced in 16 bits (recipes/deepseek_v3.py lines 117 and 187, helpers.py line 229); the aux loss unfused (Megatron-
+# core ac198fc0d6 has no router fusion); overlap_p2p_comm at v > 1 (megatron_comm_overlap.py lines 154-160)
+DGXC_RELEASE_RUNS = {"2fc17d4": dict(dispatcher="deepep", routing="random", capacity_factor=None,
+                                     precision="megatron-16bit-grads", rope_kernel="fused",
+                                     stage_cut="layout:Etttt|(tttt|)*14tmL")}
 
 
 def dgxc_first_last(pipeline: int) -> str:
@@ -354,29 +368,47 @@ MODELZOO_NOT_EXPRESSIBLE = {
 }
 # the model -> what else its recipe sets (`MoeRun` fields): DeepSeek-V3's 25.09 H100 run (run_script.py at
 # v0.1.0rc4, lines 66 and 102): its layout, deepseek_v3.py's mtp_num_layers 1, overlap_grad_reduce False
-RECIPE_RUNS = {"DeepSeekV3": {"stage_cut": "layout:Et|(tt|)*30mL", "mtp_layers": 1, "reduce_after_flush": True}}
+# Megatron-Bridge's Nemotron 3 Nano H100 FP8-CS recipe, the same at v0.3.1 (26.02.01), v0.4.0 and v0.5.0 (26.06):
+# scripts/performance/configs/nemotronh/nemotron_3_workload_base_configs.py at v0.4.0 (nemotron_3_nano_workload_
+# base_configs.py at v0.3.1) lines 31-40 (flex over HybridEP, ETP 1, EP 8), 70-76 (16 GPUs, GBS 1024, MBS 1) and
+# 83-87 (cuda_graph_scope ["mamba"] under cuda_graph_impl "transformer_engine", recompute_modules ["moe",
+# "layernorm", "core_attn", "moe_act"], which overrides.py `_set_recompute_overrides` runs selective); its builder
+# (nemotron_3_llm_pretrain.py lines 249-270 at v0.4.0) sets fp8_cs precision, forced balance and 16-bit gradient
+# reduction (`set_nemotron_3_nano_common_configs`), and the library recipe (recipes/nemotronh/nemotron_3_nano.py)
+# no router fusion, no expert overlap, no shared-expert overlap, HybridEP's 16 SMs; the model has no RoPE
+NANO_RECIPE = {"recompute": "selective", "cuda_graphs": ("mamba",), "rope_kernel": "eager"}
+RECIPE_RUNS = {"DeepSeekV3": {"stage_cut": "layout:Et|(tt|)*30mL", "mtp_layers": 1, "reduce_after_flush": True},
+               "Nemotron_3_Nano": NANO_RECIPE}
+# what NeMo's DeepSeek-V3 runs on DGX Cloud set in both releases that pipesim does not model
+DGXC_SHARED_NOT_MODELLED = ("the DDP buckets of 128M parameters MegatronCommOverlapCallback sets (cut on pipeline "
+                            "rank 0 only, not the slowest device), the MTP layer's copy of the embedding on the last "
+                            "stage and its gradient all-reduced with the first stage's after the flush, "
+                            "TransformerEngine's norms leaving 16 SMs")
 # the model -> what its recipe sets that pipesim does not model (the module docstring)
 RECIPE_NOT_MODELLED = {"DeepSeekV3": "the optimizer's bfloat16 moments, fp8_param_gather beside expert "
                                      "parallelism",
+                       # `NANO_RECIPE`; Megatron-core 55ac708 to d0b3b77 (the tags' pins): mamba_layer_specs.py, the
+                       # Mamba and attention layers' norms in TELayerNormColumnParallelLinear, the MoE layers' a
+                       # TENorm; transformer_layer.py recomputes an input or pre-MLP norm that is not an IdentityOp
+                       "Nemotron_3_Nano": "fp8_param_gather beside expert parallelism; the graphs' memory pool and "
+                                          "static buffers; \"layernorm\" as every norm, where Megatron-core reruns "
+                                          "the MoE layers' pre-MLP norms only (the Mamba and attention layers' are "
+                                          "fused into TransformerEngine's LayerNormLinear): recomputing those alone, "
+                                          "the 26.06 step 0.11 s faster and its peak 2.0 GB higher",
                        # NeMo 7a8f1cc7bc's DeepSeekConfig (deepseek.py), MegatronCommOverlapCallback
                        # (megatron_comm_overlap.py lines 179-188: bucket_size 128 * 1024 * 1024 where d > 1),
                        # PerfEnvPlugin (nemo/lightning/run/plugins.py: NVTE_FWD/BWD_LAYERNORM_SM_MARGIN 16,
                        # CUDA_DEVICE_MAX_CONNECTIONS 1 at t > 1 on Hopper), Megatron-core 7094270c6f's
                        # finalize_model_grads.py (line 145: the MTP stage's embedding copy)
-                       "DGXC DeepSeek-V3": "moe_shared_expert_overlap (the shared expert beside the dispatch), the "
-                                           "DDP buckets of 128M parameters MegatronCommOverlapCallback sets (cut on "
-                                           "pipeline rank 0 only, not the slowest device), the MTP layer's copy of "
-                                           "the embedding on the last stage and its gradient all-reduced with the "
-                                           "first stage's after the flush, TransformerEngine's norms leaving 16 SMs"}
-# Megatron-Bridge's Nemotron 3 Nano H100 FP8-CS recipe, the same at v0.3.1 (26.02.01) to v0.5.0 (26.06):
-# scripts/performance/configs/nemotronh/nemotron_3_workload_base_configs.py at v0.4.0 lines 31-40 and 70-87
-# (nemotron_3_nano_workload_base_configs.py at v0.3.1): recompute_modules ["moe", "layernorm", "core_attn",
-# "moe_act"], cuda_graph_scope ["mamba"]
-NOT_EXPRESSIBLE = {
-    "Nemotron_3_Nano": "its recipe recomputes each MoE layer whole (recompute_modules \"moe\", beside \"core_attn\", "
-                       "\"layernorm\" and \"moe_act\"), which --recompute-modules does not offer (its dispatch "
-                       "and combine run again in the backward), and captures the Mamba-2 layers in CUDA graphs",
-}
+                       "DGXC DeepSeek-V3 t2": "moe_shared_expert_overlap (the shared expert beside the dispatch), "
+                                              f"{DGXC_SHARED_NOT_MODELLED}",
+                       # v25.08.01's run (`DGXC_RELEASE_RUNS`): pretrain_deepseek_v3.py line 96 at 9244b1ec89,
+                       # MegatronEnableExperimentalCallback, whose flag Megatron-core ac198fc0d6's DeepEP path reads
+                       # for the fused indices_to_multihot (token_dispatcher.py lines 1095-1099)
+                       "DGXC DeepSeek-V3 t1 p8 v2": "DeepEP's received indices made each local expert's map by the "
+                                                    "fused kernel its experimental flag turns on (where "
+                                                    "--token-dispatcher deepep prices Megatron-core's unfused 12), "
+                                                    f"{DGXC_SHARED_NOT_MODELLED}"}
 CARDS = "megatron-bridge-cards-moe-h100.csv"  # Megatron-Bridge's skill and model card runs, README.md there too
 # the card's model -> the summaries' name of it (for `RECOMPUTE_MODULES`, `RECIPE_RUNS`) and its examples/ config
 CARD_MODELS = {"Qwen3-30B-A3B": "Qwen3_30B_a3B", "DeepSeek-V3": "DeepSeekV3", "gpt-oss-120b": "GPT OSS 120B"}
@@ -487,6 +519,7 @@ class MoeRun:
     rounds: int = 1  # --rounds: the pipeline's flushes a step (torch's pipelining's gradient accumulation)
     attention_kernel: str = ATTENTION_KERNEL  # --attention-kernel: the fused attention the run's model calls
     linear_kernel: str = "te"  # --linear-kernel: TransformerEngine's linear layers, or torch's (eager)
+    cuda_graphs: tuple[str, ...] = ()  # --cuda-graphs: the layers the run captures in CUDA graphs
 
     @property
     def data(self) -> int:
@@ -525,6 +558,7 @@ class MoeRun:
                 *(["--pp-runtime", self.pp_runtime] if self.pp_runtime else []),
                 *(["--rounds", str(self.rounds)] if self.rounds > 1 else []),
                 *(["--router-aux-loss", self.router_aux_loss] if self.router_aux_loss != "none" else []),
+                *(["--cuda-graphs", ",".join(self.cuda_graphs)] if self.cuda_graphs else []),
                 *p2p_sync(schedule, self.pipeline)]
 
 
@@ -534,9 +568,6 @@ def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     expressible, left_out = [], []
     for row in _rows(SOURCE):
         model = row["model"].split(" (")[0]  # "(dropless)", "(tokendrop)": forced balance drops no token either way
-        if model in NOT_EXPRESSIBLE:
-            left_out.append((f"{row['container']} {row['model']}", NOT_EXPRESSIBLE[model]))
-            continue
         t, p, gpus, batch, b, seq, e = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "gpus",
                                                                "global_batch", "microbatch_size", "sequence_length",
                                                                "expert_parallel"))
@@ -621,15 +652,12 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
         if row["workload"] in DGXC_NOT_EXPRESSIBLE:
             left_out.append((name, DGXC_NOT_EXPRESSIBLE[row["workload"]]))
             continue
-        modules = tuple(row["recompute_modules"].split(","))
-        unexpressed = [DGXC_RECOMPUTE_NOT_EXPRESSIBLE[m] for m in modules if m in DGXC_RECOMPUTE_NOT_EXPRESSIBLE]
-        if unexpressed:
-            left_out.append((name, "; ".join(unexpressed)))
-            continue
-        run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e, None, etp, False, None, "balanced",
-                     TOKEN_DROP_CAPACITY, source=DGXC, precision="megatron",
-                     recompute_modules=modules, stage_cut=dgxc_first_last(p),
-                     rope_kernel="eager", mtp_layers=1, router_aux_loss=DGXC_AUX_LOSS)
+        settings = dict(dispatcher=None, routing="balanced", capacity_factor=TOKEN_DROP_CAPACITY,
+                        precision="megatron", rope_kernel="eager", stage_cut=dgxc_first_last(p))
+        run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e, expert_tensor=etp, a2a_overlap=False,
+                     fp8_recipe=None, source=DGXC, recompute_modules=tuple(row["recompute_modules"].split(",")),
+                     mtp_layers=1, router_aux_loss=DGXC_AUX_LOSS,
+                     **{**settings, **DGXC_RELEASE_RUNS.get(row["release"], {})})
         expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 

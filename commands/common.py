@@ -428,6 +428,13 @@ P2pSync = Annotated[bool, typer.Option(
                        "Megatron-LM, NeMo and Megatron-Bridge set without virtual stages), so each pass a stage "
                        "receives the input of starts with its host not ahead of the GPU; for the 1f1b schedule only "
                        "(docs/hardware.md, \"Host-bound execution\").")]
+CudaGraphs = Annotated[str | None, typer.Option(
+    "--cuda-graphs", metavar="SCOPES", help="With --gpu: layers whose forward and backward each replay a CUDA graph, "
+                                            "by Megatron-core's cuda_graph_modules under TransformerEngine's "
+                                            "make_graphed_callables: mamba (each Mamba-2 layer whole, its norm and "
+                                            "residual add included). The host issues a replay at one kernel's cost "
+                                            "(--host-kernel-us) instead of each kernel and module call; the GPU's "
+                                            "time and the memory are as without graphs. Default: none.")]
 HostKernelUs = Annotated[float | None, typer.Option(
     "--host-kernel-us", metavar="US", help="With --gpu: the host's microseconds to issue one kernel (eager "
                                            "PyTorch's Python, dispatcher, autograd and CUDA launch): every pass "
@@ -628,6 +635,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("routing", Routing, None), ("token_dispatcher", TokenDispatcher, None),
                 ("dispatcher_sms", DispatcherSms, None), ("host_kernel_us", HostKernelUs, None),
                 ("host_module_us", HostModuleUs, None), ("p2p_sync", P2pSync, False),
+                ("cuda_graphs", CudaGraphs, None),
                 ("expert_gemm", ExpertGemm, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),

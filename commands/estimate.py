@@ -72,6 +72,7 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "routing", "recompute",
                  "curve_from", "fsdp_float8_all_gather", "fp8_param_gather",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "host_module_us", "p2p_sync",
+                 "cuda_graphs",
                  "expert_gemm", "expert_tensor_parallel",
                  "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
@@ -142,6 +143,7 @@ class WhatIf:
     host_module_us: float | None = None  # --host-module-us (None: by the runtime, planning/host.py's module_us)
     expert_gemm: str = "grouped"  # --expert-gemm, of planning/experts.py's EXPERT_GEMMS
     p2p_sync: bool = False  # --p2p-sync (profiles/schema.py `stage_host_waits_ms`)
+    cuda_graphs: tuple[str, ...] = ()  # --cuda-graphs (planning/estimate.py `CUDA_GRAPH_SCOPES`)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -229,7 +231,7 @@ class WhatIf:
                            linear_kernel=self.linear_kernel,
                            host_kernel_us=HOST_KERNEL_US if self.host_kernel_us is None else self.host_kernel_us,
                            host_module_us=self.host_module_us, expert_gemm=self.expert_gemm,
-                           p2p_sync=self.p2p_sync)
+                           p2p_sync=self.p2p_sync, cuda_graphs=self.cuda_graphs)
 
 
 def _calibrated_refusal(names: list[str], given: list[str]) -> str:
@@ -342,7 +344,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
                   fp8_param_gather=params.get("fp8_param_gather", False),
                   dispatcher_sms=params.get("dispatcher_sms"),
-                  recompute_modules=() if modules is None else tuple(part.strip() for part in modules.split(",")),
+                  recompute_modules=_comma_list(modules),
                   torch_compile=params.get("torch_compile", False),
                   ema=params.get("ema"), scores_buffer=params.get("scores_buffer", False),
                   tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
@@ -351,7 +353,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   grad_accumulation=params.get("grad_accumulation"), linear_kernel=params.get("linear_kernel"),
                   routing=routing,
                   host_kernel_us=params.get("host_kernel_us"), host_module_us=params.get("host_module_us"),
-                  expert_gemm=_or_default(params, "expert_gemm", "grouped"), p2p_sync=params.get("p2p_sync", False))
+                  expert_gemm=_or_default(params, "expert_gemm", "grouped"), p2p_sync=params.get("p2p_sync", False),
+                  cuda_graphs=_comma_list(params.get("cuda_graphs")))
     with refused_with_flags():  # the layout's rules, before the model is counted (which takes seconds)
         check_ring_attention(what.context, what.attention)
         recompute = _or_default(params, "recompute", "none")
@@ -386,6 +389,11 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         raise InputError("--expert-tensor-parallel folds the experts over the tensor-, context- and data-parallel "
                          "ranks as Megatron-core numbers them: give --rank-order megatron")
     return what
+
+
+def _comma_list(text: str | None) -> tuple[str, ...]:
+    """A flag's comma list, each part stripped (None: none)."""
+    return () if text is None else tuple(part.strip() for part in text.split(","))
 
 
 def _searched(ctx: typer.Context, name: str) -> bool:
@@ -555,6 +563,8 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     if absent:
         raise InputError(f"--recompute-modules {absent[0]}: no layer of the model has {RECOMPUTED_PARTS[absent[0]]} "
                          "to recompute; leave it out")
+    if "mamba" in what.cuda_graphs and not any(layer.mamba_layer for layer in counted.layers):
+        raise InputError("--cuda-graphs mamba: no layer of the model is a Mamba-2 layer to capture; leave it out")
     return counted
 
 

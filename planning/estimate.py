@@ -107,6 +107,7 @@ from .host import (
     TE_RECIPES,
     Kernels,
     carried_waits_ms,
+    graph_replay,
     issued_ms,
     module_us,
     pass_issue,
@@ -217,6 +218,11 @@ _CHOICES = {"expert_gemm": EXPERT_GEMMS, "token_dispatcher": DISPATCHERS, "routi
             "grad_accumulation": GRAD_ACCUMULATIONS, "fp8": tuple(FP8_RECIPES), "tp_runtime": TP_RUNTIMES,
             "cp_rotate": CP_ROTATES, "attention_kernel": ATTENTION_KERNELS, "linear_kernel": LINEAR_KERNELS}
 _OPTIONAL = ("token_dispatcher", "ema", "grad_accumulation", "fp8", "linear_kernel")
+# The layers CUDA graphs may capture whole, by Megatron-core's cuda_graph_modules (cuda_graph_scope before
+# d0b3b775) under its TransformerEngine implementation (make_graphed_callables: a forward and a backward graph a
+# layer): "mamba", each MambaLayer (`LayerCount.mamba_layer`). A pass of a captured layer is one graph replay the
+# host issues (`graph_replay`)
+CUDA_GRAPH_SCOPES = ("mamba",)
 
 
 @dataclass(frozen=True)
@@ -265,6 +271,7 @@ class Parallelism:
     host_module_us: float | None = None  # a TransformerEngine module call's Python (None: by the runtime, host.py)
     expert_gemm: str = "grouped"  # how a rank runs its local experts' products, of planning/experts.py's EXPERT_GEMMS
     p2p_sync: bool = False  # the device synchronised after each exchange between stages (`stage_host_waits_ms`)
+    cuda_graphs: tuple[str, ...] = ()  # of `CUDA_GRAPH_SCOPES`: the layers whose passes replay a CUDA graph
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor", "dispatcher_sms"):
@@ -286,6 +293,10 @@ class Parallelism:
                 or len(set(self.recompute_modules)) < len(self.recompute_modules)):
             raise EstimateError(f"{{recompute_modules}}: a comma list of {', '.join(RECOMPUTE_REGIONS)}, each once "
                                 f"(got {','.join(self.recompute_modules)!r})")
+        if any(scope not in CUDA_GRAPH_SCOPES for scope in self.cuda_graphs) or len(set(self.cuda_graphs)) < len(
+                self.cuda_graphs):
+            raise EstimateError(f"{{cuda_graphs}}: a comma list of {', '.join(CUDA_GRAPH_SCOPES)}, each once (got "
+                                f"{','.join(self.cuda_graphs)!r})")
         if self.recompute_modules and self.recompute not in ("none", "selective"):
             raise EstimateError("{recompute_modules} reruns parts of a layer beside {recompute} none or "
                                 f"selective; {{recompute}} {self.recompute} already decides what every layer keeps")
@@ -2937,6 +2948,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             return {name: issued_ms(passes[name]) if synced else 0.0 for name in PASSES}
 
         passes = kernels(priced, PASSES)
+        if layer.mamba_layer and "mamba" in parallel.cuda_graphs:
+            passes = {name: graph_replay(kernels, parallel.host_kernel_us) for name, kernels in passes.items()}
         pair = None
         if routed is not None and combined is not None:
             parts_issued = {part: issued(kernels(estimate, PASSES, adds) if synced else {})

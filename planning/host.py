@@ -70,6 +70,7 @@ runs the stage's passes, floored by their issue as any."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -191,6 +192,16 @@ def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[
     if hook_adds:
         kernels.append(Kernels(hook_adds, host_kernel_us / 1e3, 0.0))
     return kernels
+
+
+def graph_replay(kernels: Sequence[Kernels], host_kernel_us: float) -> list[Kernels]:
+    """A layer's pass `kernels` (`pass_kernels`) captured in a CUDA graph (planning/estimate.py `CUDA_GRAPH_SCOPES`):
+    the host issues one replay, priced as one kernel's issue (TransformerEngine's graphed callable, an autograd
+    Function, then cudaGraphLaunch; its modules' Python does not run), and the GPU runs the graph's kernels back to
+    back, their GPU time together. A pass that waits for the GPU cannot be captured: kept as it is."""
+    if not kernels or any(run.waits for run in kernels):
+        return list(kernels)
+    return [Kernels(1, host_kernel_us / 1e3, math.fsum(run.count * run.gpu_ms for run in kernels))]
 
 
 def issued_ms(kernels: Iterable[Kernels]) -> float:

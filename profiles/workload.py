@@ -245,6 +245,9 @@ class LayerCount:
     # a decoder layer of a Hugging Face model (workload/hf.py `DecoderLayer`), whatever its mixer: attention, experts,
     # a Mamba-2 mixer or an MLP (`transformer_layer`)
     decoder_block: bool = False
+    # a Mamba-2 mixer and its norm alone, Megatron-core's MambaLayer: what CUDA graphs of the "mamba" scope capture
+    # whole (planning/estimate.py `CUDA_GRAPH_SCOPES`)
+    mamba_layer: bool = False
 
     @property
     def transformer_layer(self) -> bool:

@@ -17,7 +17,7 @@ import torch
 from pipesim.executor import RunSpec
 from pipesim.workload.count import count_built
 from pipesim.workload.hf import hf_model
-from tests.conftest import build, needs_transformers, pipesim
+from tests.conftest import build, needs_transformers, pipesim, simulate_json
 from tests.helpers import B, S, count_config, write_config
 from tests.reference import single_process
 
@@ -181,3 +181,50 @@ def test_full_recomputation_keeps_only_each_blocks_input_whatever_its_mixer(tmp_
                    "--recompute", "full", "--out", profile).code == 0
     layers = json.loads(profile.read_text())["layers"]
     assert [layer["activation_bytes"] for layer in layers[1:5]] == [2 * 64 * D * 2] * 4  # M, *, -, E: b·s·D bf16
+
+
+def test_only_a_layer_of_a_mamba2_mixer_alone_is_a_mamba_layer(tmp_path):
+    """Megatron-core's MambaLayer, what CUDA graphs of the "mamba" scope capture whole: Nemotron-H's M layer, not its
+    attention, MLP or experts layer, nor Granite's layer of a Mamba-2 mixer beside experts."""
+    hybrid = count_config(tmp_path / "hybrid", HYBRID, "flash")
+    assert [layer.mamba_layer for layer in hybrid.layers] == [False, True, False, False, False, False, False]
+    granite = count_config(tmp_path / "granite", GRANITE, "flash")
+    assert not any(layer.mamba_layer for layer in granite.layers)
+
+
+def test_a_graphed_mamba2_layer_costs_the_host_one_replay_a_pass(tmp_path):
+    """--cuda-graphs mamba: each pass of a Mamba-2 layer is one graph replay, issued at one kernel's cost, its GPU
+    time its kernels' together; the other layers issue their kernels as before, and where the host binds (1 ms a
+    kernel) the step is faster by the kernels the graphs replay."""
+    from pipesim.planning.estimate import Parallelism, estimate_profile
+    from tests.helpers import H100
+
+    counted = count_config(tmp_path / "hybrid", HYBRID, "flash")
+    eager, graphed = (estimate_profile(counted, H100, Parallelism(host_kernel_us=1000.0, cuda_graphs=graphs)).layers
+                      for graphs in ((), ("mamba",)))
+    for before, after, layer in zip(eager, graphed, counted.layers, strict=True):
+        for name in ("fwd", "bwd"):
+            issue = after.host_issue[name]
+            if layer.mamba_layer:
+                assert issue.idle_ms == pytest.approx(1.0)  # one replay issued from an empty queue
+                assert issue.idle_ms < before.host_issue[name].idle_ms
+                assert issue.slack_ms > before.host_issue[name].slack_ms
+            else:  # what a layer carries from the one before it may differ, not its own issue
+                assert (issue.idle_ms, issue.slack_ms) == (before.host_issue[name].idle_ms,
+                                                           before.host_issue[name].slack_ms)
+    model = f"hf:{write_config(tmp_path / 'hybrid', HYBRID)}"
+    args = ("--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 1, "-p", 1, "-m", 4, "--host-kernel-us", 1000)
+    steps = [simulate_json(*args, *graphs)[0]["time_per_minibatch_ms"] for graphs in ((), ("--cuda-graphs", "mamba"))]
+    assert steps[1] < steps[0]
+
+
+@pytest.mark.parametrize("model, graphs, line", [
+    ("hybrid", "attn", "error: --cuda-graphs: a comma list of mamba, each once (got 'attn')"),
+    ("gpt", "mamba", "error: --cuda-graphs mamba: no layer of the model is a Mamba-2 layer to capture; leave it out"),
+])
+def test_cuda_graphs_of_a_scope_not_modelled_or_absent_are_one_line(tmp_path, model, graphs, line):
+    model = "gpt" if model == "gpt" else f"hf:{write_config(tmp_path / 'hybrid', HYBRID)}"
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 1, "-p", 1,
+                             "--cuda-graphs", graphs, "--html", tmp_path / "t.html")
+    assert (code, out) == (2, "") and err.startswith(line) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "t.html").exists()

@@ -1,7 +1,7 @@
 """DGX Cloud's MoE recipes on H100 (benchmarks/published/nvidia-dgxc-moe-h100.csv, run by benchmarks/published_moe.py
 and recorded in benchmarks/published_moe.json): the CSV holds the READMEs' figures, each DeepSeek-V3 row is recorded
-with its layout and NeMo's pretrain_deepseek_v3.py settings and its command reproduces it (tests/test_published_moe.py),
-and Llama 4 Maverick's rows are listed with why they are not run."""
+with its layout and NeMo's pretrain_deepseek_v3.py settings at its release and its command reproduces it
+(tests/test_published_moe.py), and Llama 4 Maverick's rows are listed with why they are not run."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from tests.helpers import flag_value as _flag
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "nvidia-dgxc-moe-h100.csv"
 EVERY_PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
-# the rows of DGX Cloud's v25.05.04 (1f6d9f4) that pretrain_deepseek_v3.py at NeMo 7a8f1cc7bc ran; v25.08.01's
-# (2fc17d4) recomputes whole MoE layers and is listed, not run
+# the rows of DGX Cloud's v25.05.04 (1f6d9f4) that pretrain_deepseek_v3.py at NeMo 7a8f1cc7bc ran, and v25.08.01's
+# (2fc17d4), which it ran at NeMo 9244b1ec89
 PUBLISHED = [row for row in EVERY_PUBLISHED if row["workload"] == "deepseek_v3" and row["release"] == "1f6d9f4"]
+[V25_08] = [row for row in EVERY_PUBLISHED if row["workload"] == "deepseek_v3" and row["release"] == "2fc17d4"]
 RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
             if row["source"] == SOURCE]
 DEEPSEEK_V3_LAYERS = 61
@@ -48,7 +49,7 @@ def test_each_row_is_recorded_as_nemos_deepseek_v3_script_ran_it():
     """The MTP layer, 64 / p - 1 layers first and 64 / p - 2 last (the 61 in all), the recomputed MLA
     up-projections, the all-to-all dispatcher at capacity 1 padded (the token-drop callback), float32 gradients
     and RoPE unfused; the published tokens/s per GPU from the step."""
-    assert len(RECORDED) == len(PUBLISHED) == 2
+    assert len(RECORDED) == len(PUBLISHED) + 1 == 3
     for row, published in zip(RECORDED, PUBLISHED):
         args = shlex.split(row["command"])
         t, p, e, d, gpus, batch, seq = (int(published[k]) for k in (
@@ -78,11 +79,23 @@ def test_llama_4_maverick_is_listed_with_why(monkeypatch):
         "DGXC Llama 4 Maverick BF16 t4 p1 v12 E128", "DGXC Llama 4 Maverick FP8 t4 p1 v12 E128"]
 
 
-def test_the_row_recomputing_whole_moe_layers_is_listed_with_why(monkeypatch):
-    """v25.08.01's H100 launch recomputes "mla_up_proj mlp moe" (deepseek_v3/pretrain/launch.sh at 2fc17d4), and
-    --recompute-modules has no whole-MoE-layer part: listed, not run."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from published_moe import dgxc_runs
-
-    left_out = dict(dgxc_runs()[1])
-    assert '"moe"' in left_out["DGXC DeepSeek-V3 BF16 t1 p8 v2 E64"]
+def test_v25_08_runs_as_its_release_ran_it():
+    """v25.08.01's H100 launch (deepseek_v3/pretrain/launch.sh at 2fc17d4: t1 p8 v2 E64, "mla_up_proj mlp moe")
+    through pretrain_deepseek_v3.py at NeMo 9244b1ec89: the script's layout of 16 chunks (the embedding and 4
+    blocks, 14 of 4, then a block, the MTP layer and the loss), DeepEP with forced balance and no token drop on H100,
+    the MLA RoPE fused, 16-bit gradient reduction, the aux loss unfused; its exchanges overlapped (v > 1)."""
+    [row] = [row for row in RECORDED if row["run"] == "DGXC DeepSeek-V3 BF16 t1 p8 v2 E64"]
+    args = shlex.split(row["command"])
+    layout = _flag(args, "--stage-cut").removeprefix("layout:")
+    assert layout == "Etttt|(tttt|)*14tmL" and 4 + 14 * 4 + 1 == DEEPSEEK_V3_LAYERS
+    assert (_flag(args, "--tensor-parallel"), _flag(args, "-p"), _flag(args, "--chunks"), _flag(args, "-s"),
+            _flag(args, "--expert-parallel"), _flag(args, "--data-parallel"), _flag(args, "-m")) == (
+        "1", "8", "2", "interleaved-1f1b", "64", "128", "64")
+    assert (_flag(args, "--recompute-modules"), _flag(args, "--mtp-layers")) == ("mla_up_proj,mlp,moe", "1")
+    assert (_flag(args, "--token-dispatcher"), _flag(args, "--routing"), "--capacity-factor" in args) == (
+        "deepep", "random", False)
+    assert (_flag(args, "--precision"), _flag(args, "--rope-kernel"), _flag(args, "--router-aux-loss")) == (
+        "megatron-16bit-grads", "fused", "unfused")
+    assert "--p2p-sync" not in args and "--sequence-parallel" not in args
+    assert row["published_tokens_per_s_per_gpu"] == pytest.approx(
+        int(V25_08["global_batch"]) * int(V25_08["seq_len"]) / (float(V25_08["step_time_s"]) * 1024), rel=1e-12)

@@ -21,9 +21,9 @@ EVERY_RECORDED = json.loads((REPO / "benchmarks" / "published_moe.json").read_te
 # Megatron-Bridge's rows; the other sources': tests/test_published_modelzoo.py, tests/test_published_dgxc_deepseek.py
 RECORDED = [row for row in EVERY_RECORDED if row["source"] == SOURCE]
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
-EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "Qwen3_235B_a22B", "GPT OSS",
-                                                                      "DeepSeekV3"))]
+EXPRESSIBLE = PUBLISHED  # every row
 DEEPSEEK = "25.09 DeepSeekV3 (dropless) t2 p8 v4 E64"  # run as v0.1.0rc4's run_script.py ran its H100 recipe
+NANO = "Nemotron_3_Nano"  # a Mamba-2 hybrid, run as its H100 FP8-CS recipe runs it (published_moe.py `NANO_RECIPE`)
 
 
 # (container, model) -> (t, p, v, E, micro-batch): the rows run as their release's recipe ran them (published_moe.py
@@ -36,7 +36,7 @@ RELEASE_LAYOUTS = {("26.02.01", "Qwen3_30B_a3B"): (1, 1, 1, 16, 1), ("25.11", "Q
 
 def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
     """Each row's command runs the row's columns, or its release's recipe's layout where that differs."""
-    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 19
+    assert len(PUBLISHED) == len(RECORDED) == 23
     for row, published in zip(RECORDED, EXPRESSIBLE):
         args = shlex.split(row["command"])
         t, p, e, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
@@ -54,8 +54,10 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         gpt_oss = published["model"] == "GPT OSS 120B"  # BF16, recomputing its norms and experts' activation
         assert _flag(args, "--seq-len") == published["sequence_length"] and _flag(args, "--dtype") == (
             "bf16" if gpt_oss else "fp8")
+        nano = published["model"] == NANO
         assert (_flag(args, "--recompute-modules") if "--recompute-modules" in args else None) == (
-            "layernorm,moe_act" if gpt_oss else "mla_up_proj" if row["run"] == DEEPSEEK else None)
+            "layernorm,moe_act" if gpt_oss else "mla_up_proj,mlp" if row["run"] == DEEPSEEK
+            else "moe,layernorm,moe_act" if nano else None)
         assert (_flag(args, "--rank-order"), _flag(args, "--expert-tensor-parallel")) == ("megatron", "1")
         assert _flag(args, "--expert-gemm") == "per-expert"  # TEGroupedMLP: a GEMM per local expert
         # forced balance draws each token's experts (random), but the token-drop runs pad each expert to its share
@@ -65,7 +67,7 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
             "1" if "(tokendrop)" in published["model"] else None)
         assert (_flag(args, "--chunks") if "--chunks" in args else "1") == chunks
         # the recipes that ran HybridEP (t1 p1 E16) or DeepEP (26.02's p2 v12; 25.11's ran NCCL's all-to-all)
-        hybridep = (p, chunks, e) == (1, "1", 16)
+        hybridep = (p, chunks, e) == (1, "1", 16) or nano
         deepep = (published["container"], p, chunks, e) == ("26.02", 2, "12", 8) or row["run"] == DEEPSEEK
         assert (_flag(args, "--token-dispatcher") if "--token-dispatcher" in args else None) == (
             "hybridep" if hybridep else "deepep" if deepep else None)
@@ -77,7 +79,7 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
 @pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16", "26.02 Qwen3_30B_a3B t1 p2 v12 E8",
                                  "26.04.01 GPT OSS 120B t1 p4 v1 E8", DEEPSEEK,
                                  "25.11 Qwen3_235B_a22B t2 p8 v4 E32", "25.11 Qwen3_30B_a3B t1 p2 v12 E8",
-                                 "25.09 Qwen3_30B_a3B (tokendrop) t1 p2 v12 E8",
+                                 "25.09 Qwen3_30B_a3B (tokendrop) t1 p2 v12 E8", f"26.06 {NANO} t1 p1 v1 E8",
                                  *(row["run"] for row in EVERY_RECORDED if row["source"] != SOURCE)])
 def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
     """Seven of Megatron-Bridge's rows and every row of the other sources. The 235B row runs Megatron-core's
@@ -145,9 +147,25 @@ def test_every_layout_fits_as_megatron_core_holds_it():
 
 def test_every_row_rotates_q_and_k_with_transformer_engines_fused_rope():
     """Every release's Megatron-Bridge performance script sets apply_rope_fusion (published_moe.py's docstring):
-    each row's command prices RoPE as TransformerEngine's kernel (`--rope-kernel fused`, workload/rope.py)."""
+    each row's command prices RoPE as TransformerEngine's kernel (`--rope-kernel fused`, workload/rope.py), but
+    Nemotron 3 Nano's, whose model rotates nothing (position_embedding_type "none")."""
     for row in RECORDED:
-        assert _flag(shlex.split(row["command"]), "--rope-kernel") == "fused", row["run"]
+        assert _flag(shlex.split(row["command"]), "--rope-kernel") == (
+            "eager" if NANO in row["run"] else "fused"), row["run"]
+
+
+def test_nemotron_3_nano_runs_its_recipes_graphs_recomputation_and_dispatcher():
+    """Megatron-Bridge's Nemotron 3 Nano H100 FP8-CS recipe, the same from v0.3.1 to v0.5.0: its Mamba-2 layers in
+    TransformerEngine's CUDA graphs, each MoE layer recomputed whole with its norms and experts' activation beside the
+    core attention (selective), flex over HybridEP with forced balance, no expert overlap, the aux loss unfused."""
+    rows = [row for row in RECORDED if NANO in row["run"]]
+    assert [row["run"].split()[0] for row in rows] == ["26.06", "26.04.01", "26.04", "26.02.01"]
+    for row in rows:
+        args = shlex.split(row["command"])
+        assert (_flag(args, "--cuda-graphs"), _flag(args, "--recompute"), _flag(args, "--token-dispatcher"),
+                _flag(args, "--routing"), _flag(args, "--router-aux-loss"), _flag(args, "--fp8-recipe")) == (
+            "mamba", "selective", "hybridep", "random", "unfused", "te-current")
+        assert "--overlap-expert-comm" not in args and not row["memory"]["out_of_memory"]
 
 
 # NeMo AutoModel's own Nemotron V3 model runs torch's linears and scaled dot product attention (`AUTOMODEL_KERNELS`)

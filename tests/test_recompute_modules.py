@@ -281,7 +281,7 @@ def test_a_plain_checkpoint_keeps_its_output_where_an_op_after_it_saved_it():
 def test_recomputing_the_experts_whole_reruns_their_all_to_alls_and_the_dispatchers_wait():
     """With the block recomputed, the backward runs its dispatch and combine again before its own two exchanges
     (planning/estimate.py `reruns_dispatch`), and a dropless dispatcher's wait for the tokens each expert receives
-    with them: the backward's issue waits for the GPU, as only the forward's did."""
+    with them: the backward's issue waits for the GPU, as only the forward's did; as under full recomputation."""
     parallel = Parallelism(expert=4, data=4)
     plain = estimate_profile(ep_gpt_count(), H100, parallel).layers[1]
     rerun = estimate_profile(ep_gpt_count(), H100, replace(parallel, recompute_modules=("moe",))).layers[1]
@@ -290,6 +290,8 @@ def test_recomputing_the_experts_whole_reruns_their_all_to_alls_and_the_dispatch
     assert plain.host_issue["fwd"].synchronises and rerun.host_issue["fwd"].synchronises
     assert not plain.host_issue["bwd"].synchronises and rerun.host_issue["bwd"].synchronises
     assert not rerun.host_issue["wgrad"].synchronises
+    full = estimate_profile(ep_gpt_count(), H100, replace(parallel, recompute="full")).layers[1]
+    assert full.all_to_all_bwd_ms == pytest.approx(rerun.all_to_all_bwd_ms) and full.host_issue["bwd"].synchronises
 
 
 def test_recompute_modules_a_model_lacks_or_moe_beside_the_expert_overlap_are_refused_in_one_line():

@@ -53,6 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from ..choices import choose_from
 from ..profiles.workload import CHECKPOINTED_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
+from .mamba import is_mamba2_mixer
 from .models import BATCH, Model, ModelError, classification_loss
 from .moe import (
     CHECKPOINT_REGION,
@@ -991,6 +992,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
         model_output_bytes=model_output_bytes,
         decoder_block=bool(getattr(layer, "decoder_block", False)),
+        mamba_layer=_mamba_layer(layer, fwd),
         expert_param_bytes=routed.expert_weight_bytes, expert_bias_tensors=routed.bias_tensors,
         dispatched_bytes=routed.token_bytes, routed_blocks=tuple(routed.blocks),
         routed_model_share=routed.routed_copies / routed.computed_copies if routed.computed_copies else 1.0,
@@ -1008,6 +1010,14 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                               for name, reads in saved_reads.items()},
         **_region_fields(regions, fwd.live, saved))
     return count, out.detach()
+
+
+def _mamba_layer(layer: torch.nn.Module, fwd: _Tally) -> bool:
+    """Whether `layer` is a Mamba-2 mixer and its norm alone (`LayerCount.mamba_layer`): it holds a Mamba-2 mixer,
+    and its forward attends and routes nothing and runs no MLP (GraniteMoeHybrid's layers add one)."""
+    return (any(is_mamba2_mixer(module) for module in layer.modules())
+            and not any(op.kind == "attention" or op.routed for op in fwd.records())
+            and not any(getattr(module, CHECKPOINT_REGION, None) for module in layer.modules()))
 
 
 def _saved_region_entries(saved: dict[int, _Save], regions: _Regions, reads: tuple[tuple[int, int], ...]
