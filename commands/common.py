@@ -584,9 +584,9 @@ RecomputeModules = Annotated[str | None, typer.Option(
                                                  "--recompute-modules): a comma list of layernorm (every norm), "
                                                  "mla_up_proj (MLA's up-projections and RoPE), moe_act (the experts' "
                                                  "activation), mlp (a dense layer's MLP) and moe (a mixture of "
-                                                 "experts whole, its dispatch and combine run again: not with "
-                                                 "--overlap-expert-comm); DeepSeek-V3's report (3.2.3) recomputes "
-                                                 "the first two.")]
+                                                 "experts whole, its dispatch and combine run again, which "
+                                                 "Megatron-core refuses beside its expert-parallel overlap); "
+                                                 "DeepSeek-V3's report (3.2.3) recomputes the first two.")]
 Ema = Annotated[str | None, typer.Option(
     "--ema", metavar="WHERE", help="With --gpu: an exponential moving average of the weights kept on the gpu (a "
                                    "float32 copy sharded as the master weights, updated after each step) or the "
