@@ -387,14 +387,9 @@ DGXC_SHARED_NOT_MODELLED = ("the DDP buckets of 128M parameters MegatronCommOver
 # the model -> what its recipe sets that pipesim does not model (the module docstring)
 RECIPE_NOT_MODELLED = {"DeepSeekV3": "the optimizer's bfloat16 moments, fp8_param_gather beside expert "
                                      "parallelism",
-                       # `NANO_RECIPE`; Megatron-core 55ac708 to d0b3b77 (the tags' pins): mamba_layer_specs.py, the
-                       # Mamba and attention layers' norms in TELayerNormColumnParallelLinear, the MoE layers' a
-                       # TENorm; transformer_layer.py recomputes an input or pre-MLP norm that is not an IdentityOp
+                       # `NANO_RECIPE`
                        "Nemotron_3_Nano": "fp8_param_gather beside expert parallelism; the graphs' memory pool and "
-                                          "static buffers; \"layernorm\" as every norm, where Megatron-core reruns "
-                                          "the MoE layers' pre-MLP norms only (the Mamba and attention layers' are "
-                                          "fused into TransformerEngine's LayerNormLinear): recomputing those alone, "
-                                          "the 26.06 step 0.11 s faster and its peak 2.0 GB higher",
+                                          "static buffers",
                        # NeMo 7a8f1cc7bc's DeepSeekConfig (deepseek.py), MegatronCommOverlapCallback
                        # (megatron_comm_overlap.py lines 179-188: bucket_size 128 * 1024 * 1024 where d > 1),
                        # PerfEnvPlugin (nemo/lightning/run/plugins.py: NVTE_FWD/BWD_LAYERNORM_SM_MARGIN 16,

@@ -558,8 +558,8 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
                          "experts (gpt --experts, or a Hugging Face MoE config); leave it out")
     with refused_with_flags():
         check_expert_ranks(what.expert, counted.options.get("experts"))
-    absent = [name for name in what.recompute_modules
-              if not any(name in layer.region_ops for layer in counted.layers)]
+    absent = [name for name in what.recompute_modules  # a layer's own norms, whether or not its runtime fuses them
+              if not any({"layernorm": "block_norm"}.get(name, name) in layer.region_ops for layer in counted.layers)]
     if absent:
         raise InputError(f"--recompute-modules {absent[0]}: no layer of the model has {RECOMPUTED_PARTS[absent[0]]} "
                          "to recompute; leave it out")

@@ -343,12 +343,29 @@ class Parallelism:
         return gathered_in_float8(recipe) if self.fsdp_float8_all_gather else recipe
 
     @property
+    def te_layers(self) -> bool:
+        """Megatron-core's TransformerEngine layers run the linears: `linear_kernel` te, or not given under a
+        TransformerEngine recipe."""
+        return self.linear_kernel == "te" or (self.linear_kernel is None and self.fp8 in TE_RECIPES)
+
+    @property
     def bias_gradients_fused(self) -> bool:
         """The attention's input projection's bias gradient comes out of its product's backward (planning/te.py):
-        under TransformerEngine's layers (`linear_kernel` te, or not given under a TransformerEngine recipe) in
-        16 bits, or in float8 where the recipe fuses it (`Fp8Recipe.fuses_bias_gradients`)."""
-        te = self.linear_kernel == "te" or (self.linear_kernel is None and self.fp8 in TE_RECIPES)
-        return te and (self.fp8 is None or FP8_RECIPES[self.fp8].fuses_bias_gradients)
+        under TransformerEngine's layers (`te_layers`) in 16 bits, or in float8 where the recipe fuses it
+        (`Fp8Recipe.fuses_bias_gradients`)."""
+        return self.te_layers and (self.fp8 is None or FP8_RECIPES[self.fp8].fuses_bias_gradients)
+
+    @property
+    def recomputed_regions(self) -> tuple[str, ...]:
+        """The count's regions (profiles/workload.py `TRACED_REGIONS`) `recompute_modules` reruns. "layernorm" is
+        Megatron-core's: a transformer layer's input and pre-MLP norms where they are norm modules of their own
+        (transformer_layer.py at d98e8a64dd recomputes those that are not an IdentityOp), under TransformerEngine's
+        layers (`te_layers`) only those a router or MLA's down-projections read ("separate_norm": the MoE layers'
+        pre_mlp_layernorm, a TENorm, and MLA's input norm; the others fused into TELayerNormColumnParallelLinear,
+        linear_qkv, linear_fc1, a Mamba mixer's in_proj: gpt_layer_specs.py, mamba_layer_specs.py), else each one
+        ("block_norm"); never a query's, key's or mixer's norm inside the attention or mixer."""
+        norms = "separate_norm" if self.te_layers else "block_norm"
+        return tuple(norms if name == "layernorm" else name for name in self.recompute_modules)
 
     def float8_forms(self, element_bytes: int) -> Float8Forms:
         """The layers as this run's recipe and runtime run them (`Float8Forms`), each built once."""
@@ -1723,7 +1740,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     # gathered whole (`gathered_saves`) whole; the rest its share.
     parts = dict.fromkeys(SAVED_PARTS, 0.0)
     named = layer.saved_parts or ("other",) * len(layer.saved_tensors)
-    regions = Regions.of(layer, parallel.recompute_modules)
+    regions = Regions.of(layer, parallel.recomputed_regions)
     whole = {i for i, _ in gathered_saves(layer, parallel)}
     rerun_bytes = 0.0  # what the backward makes again of the saved tensors below
     region_rerun: list[tuple[int, float]] = []  # of it, a recomputed region's: (index in saved_tensors, bytes)
@@ -1785,7 +1802,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                                           gathered_gradient_element_bytes(layer, parallel, element_bytes),
                                           tuple((i, nbytes / c) for i, nbytes in region_rerun)
                                           if parallel.recompute in ("none", "selective") else (),
-                                          parallel.recompute_modules),
+                                          parallel.recomputed_regions),
                          *rings, *wgrad_kept(layer, split, rest_share), timed, ring)
 
 
@@ -2282,7 +2299,7 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
         saved = forms.of(layer).saved_tensors if gathered else ()  # a gathered input as the recipe saves it
         split = _Split.of(layer, parallel)
         made = _rank_allocations(layer, split, parallel.recompute,
-                                 parallel.recompute_modules, parallel.torch_compile,
+                                 parallel.recomputed_regions, parallel.torch_compile,
                                  tuple((number, saved[i][1]) for i, number in gathered),
                                  gathered_gradient_element_bytes(layer, parallel, element))
         unsharded = _unsharded(layer, made, parallel, element)

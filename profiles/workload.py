@@ -44,22 +44,25 @@ OpKind = Literal["matmul", "attention", "compute", "memory"]
 LINEAR_INPUT_SAVES = ("only", "also", "")
 # The parts of a layer a recomputation may drop the outputs of and rerun in the backward, by Megatron-core's names
 # (`recompute_modules`, megatron/core/transformer/transformer_config.py at d98e8a64dd): with its output-discarding
-# checkpoints, every norm ("layernorm"; DeepSeek-V3 recomputes "all RMSNorm operations", its report's section 3.2.3,
-# where Megatron-core recomputes the input and pre-MLP norms), MLA's up-projections with the RoPE and concatenations
-# that make the attention's queries, keys and values ("mla_up_proj") and the routed experts' activation ("moe_act");
+# checkpoints, a transformer layer's input and pre-MLP norms ("layernorm", those a runtime keeps as norm modules of
+# their own: planning/estimate.py `Parallelism.recomputed_regions`), MLA's up-projections with the norms before
+# them, the RoPE and concatenations that make the attention's queries, keys and values ("mla_up_proj") and the
+# routed experts' activation ("moe_act");
 # with its plain checkpoints (`CHECKPOINTED_REGIONS`), a dense layer's MLP ("mlp") and a mixture of experts whole,
 # router, dispatch, experts and combine ("moe")
-RECOMPUTED_PARTS = {"layernorm": "a norm", "mla_up_proj": "MLA's up-projections",
+RECOMPUTED_PARTS = {"layernorm": "an input or pre-MLP norm", "mla_up_proj": "MLA's up-projections",
                     "moe_act": "routed experts", "mlp": "a dense MLP", "moe": "a mixture of experts"}
 RECOMPUTE_REGIONS = tuple(RECOMPUTED_PARTS)
 # The regions a plain checkpoint runs (tensor_parallel.checkpoint, megatron/core/tensor_parallel/random.py): the
 # module's own ops alone, its inputs kept and its output too (the ops after it are not the region's, as they are
 # after an output-discarding one)
 CHECKPOINTED_REGIONS = ("mlp", "moe")
-# The regions the count traces (`LayerCount.region_saves` and on): those, and the attention kernel's output with the
-# copies made of it before the next product ("attention_out"), which a float8 recipe may keep once for both the
-# attention's backward and that product's (planning/fp8.py `Fp8Recipe.attention_output_bytes`)
-TRACED_REGIONS = (*RECOMPUTE_REGIONS, "attention_out")
+# The regions the count traces (`LayerCount.region_saves` and on): those ("layernorm" every norm), the attention
+# kernel's output with the copies made of it before the next product ("attention_out"), which a float8 recipe may
+# keep once for both the attention's backward and that product's (planning/fp8.py `Fp8Recipe.attention_output_bytes`),
+# a layer's own input and pre-MLP norms ("block_norm", workload/moe.py `BLOCK_NORM`) and of them those a router or
+# MLA's down-projections read ("separate_norm")
+TRACED_REGIONS = (*RECOMPUTE_REGIONS, "attention_out", "block_norm", "separate_norm")
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,14 @@ from torch import nn
 from pipesim.planning.estimate import (
     EstimateError,
     Parallelism,
+    estimate_layer,
     estimate_profile,
     layer_allocations,
     op_ms,
 )
 from pipesim.workload.count import WorkloadCount, count_built, count_model
 from pipesim.workload.models import Model
-from pipesim.workload.moe import CHECKPOINT_REGION
+from pipesim.workload.moe import BLOCK_NORM, CHECKPOINT_REGION
 from tests.conftest import needs_transformers, pipesim
 from tests.helpers import H100, B, H, S, ep_gpt_count
 from tests.helpers import H100_BF16 as DEVICE
@@ -78,12 +79,14 @@ def test_under_sequence_parallelism_the_norms_are_made_again_among_the_ranks_own
 
 
 class _UpProjection(nn.Module):
-    """A norm inside an up-projection (a module named as MLA's, "q_b_proj"): what the norm makes is in both
-    regions, the norm's, run in the up-projection, and the up-projection's, run in the attention above it."""
+    """A norm inside an up-projection (a module named as MLA's, "q_b_proj"), marked a layer's own norm (which
+    "layernorm" recomputes): what the norm makes is in both regions, the norm's, run in the up-projection, and the
+    up-projection's, run in the attention above it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.norm, self.proj = nn.LayerNorm(H), nn.Linear(H, H)
+        setattr(self.norm, BLOCK_NORM, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.norm(x))
@@ -141,17 +144,23 @@ def test_the_allocator_replays_the_norms_outputs_made_again_in_the_backward():
 
 @needs_transformers
 def test_mla_up_projections_drop_the_attentions_queries_keys_and_values_and_keep_the_roped_key():
-    """MLA (2 heads, queries and keys of 16 + 8 RoPE, values of 16 padded to 24 for the flash kernel): the
-    attention saved the queries, keys and values that the up-projections, the RoPE and the concatenations made;
-    they are dropped, and the RoPE'd shared key (B, 1 head, S, 8), which nothing saved, is kept."""
+    """MLA (2 heads, queries and keys of 16 + 8 RoPE, values of 16 padded to 24 for the flash kernel; a q rank of
+    24, a kv rank of 16): the attention saved the queries, keys and values that the up-projections, the RoPE and
+    the concatenations made, and the up-projections saved what the q and kv norms before them made (Megatron-core
+    fuses those norms into linear_q_up_proj and linear_kv_up_proj): all dropped. The down-projections' outputs the
+    norms read (kv's with its RoPE part) and the RoPE'd shared key (B, 1 head, S, 8), which nothing saved, are
+    kept."""
     layer = deepseek().layers[1]
     dropped = [layer.saved_tensors[i] for i in layer.region_saves["mla_up_proj"]]
-    assert dropped == [((B, 2, S, 24), B * 2 * S * 24 * 2)] * 3
+    assert dropped[-3:] == [((B, 2, S, 24), B * 2 * S * 24 * 2)] * 3
+    norms = set(layer.region_saves["layernorm"]) & set(layer.region_saves["mla_up_proj"])
+    assert len(norms) == len(dropped) - 3 == 8  # each norm's float32 input, statistics, output and its cast
     kept = [(shape, nbytes) for _, shape, nbytes, made_by, saved in layer.region_inputs["mla_up_proj"]
             if saved < 0 and not made_by]
-    assert kept == [((B, 2, S, 8), B * 1 * S * 8 * 2)]  # expanded to the heads, stored once
+    assert kept == [((B, S, 24), B * S * 24 * 2), ((B, S, 16), B * S * 24 * 2),
+                    ((B, 2, S, 8), B * 1 * S * 8 * 2)]  # the key expanded to the heads, stored once
     assert priced(layer).activation_bytes - priced(layer, "mla_up_proj").activation_bytes == \
-        3 * B * 2 * S * 24 * 2 - B * S * 8 * 2
+        sum(nbytes for _, nbytes in dropped) - sum(nbytes for _, nbytes in kept)
 
 
 @needs_transformers
@@ -224,7 +233,7 @@ def test_a_recomputed_mixture_of_experts_drops_all_it_saved_keeps_its_input_and_
     saved it), and the backward reruns the block's forward ops, none of the attention's."""
     layer = ep_gpt_count().layers[1]
     dropped = set(layer.region_saves["moe"])
-    norm_output = [i for _, _, _, made_by, i in layer.region_inputs["moe"] if made_by == ("layernorm",)]
+    norm_output = [i for _, _, _, made_by, i in layer.region_inputs["moe"] if "layernorm" in made_by]
     assert len(norm_output) == 1 and norm_output[0] not in dropped and norm_output[0] in layer.region_saves["layernorm"]
     assert set(layer.region_saves["moe_act"]) < dropped
     assert not dropped & set(layer.region_saves["attention_out"])
@@ -245,7 +254,7 @@ def test_a_recomputed_dense_mlp_drops_its_activation_and_product_inputs_and_keep
     ffn = 4 * H
     assert _block_saves(layer, "mlp") == [((B, S, ffn), TOKENS * ffn * 2), ((TOKENS, ffn), TOKENS * ffn * 2)]
     [(_, _, _, made_by, saved)] = layer.region_inputs["mlp"]
-    assert made_by == ("layernorm",) and saved in layer.region_saves["layernorm"]
+    assert "layernorm" in made_by and saved in layer.region_saves["layernorm"]
     assert priced(layer).activation_bytes - priced(layer, "mlp").activation_bytes == 2 * TOKENS * ffn * 2
     assert priced(layer, "mlp").bwd_ms > priced(layer).bwd_ms
 
@@ -317,3 +326,39 @@ def test_a_hugging_face_layers_dense_mlp_and_mixture_of_experts_are_their_region
     assert any(op.gating for op in routed.region_ops["moe"]) and any(op.routed for op in routed.region_ops["moe"])
     assert sum(op.flops * op.count for op in routed.region_ops["moe"]) > \
         sum(op.flops * op.count for op in routed.region_ops["moe_act"])
+
+
+def _norm_saves(layer, region: str) -> int:
+    return sum(layer.saved_tensors[i][1] for i in layer.region_saves.get(region, ()))
+
+
+@pytest.mark.parametrize("experts", [None, 4])
+def test_layernorm_reruns_the_norms_megatron_core_holds_as_modules_of_their_own(experts):
+    """Megatron-core recomputes a transformer layer's input and pre-MLP norms where they are not an IdentityOp:
+    under its local layers both, under TransformerEngine's only a mixture of experts' pre-MLP norm (a TENorm its
+    router reads), the others being fused into linear_qkv and linear_fc1 (TELayerNormColumnParallelLinear)."""
+    layer = count_built("gpt", dict(layers=1, width=H, heads=4, seq_len=S, vocab=100, experts=experts), B,
+                        torch.bfloat16, "flash").layers[1]
+    both, pre_mlp = set(layer.region_saves["block_norm"]), set(layer.region_saves.get("separate_norm", ()))
+    assert both == set(layer.region_saves["layernorm"]) and pre_mlp < both
+    assert len(pre_mlp) == (3 if experts else 0)  # the pre-MLP norm's output and statistics
+    plain = priced(layer).activation_bytes
+    for linear_kernel, dropped in (("eager", both), ("te", pre_mlp)):
+        parallel = Parallelism(recompute_modules=("layernorm",), linear_kernel=linear_kernel)
+        assert plain - estimate_layer(layer, DEVICE, parallel, None, 2).activation_bytes == sum(
+            layer.saved_tensors[i][1] for i in dropped), linear_kernel
+
+
+@needs_transformers
+def test_a_query_or_key_norm_is_not_a_layers_own_and_a_hybrids_moe_layer_alone_keeps_its_norm_apart(tmp_path):
+    """Qwen3's q_norm and k_norm run inside its attention: not an input or pre-MLP norm, which "layernorm" alone
+    reruns. Of Nemotron-H's layers' own norms only the MoE layer's is one of its own under TransformerEngine's
+    layers; the Mamba-2 and attention layers' are fused into in_proj and linear_qkv (mamba_layer_specs.py)."""
+    from tests.helpers import QWEN3_MOE, count_config
+    from tests.test_mamba import HYBRID
+
+    qwen = count_config(tmp_path / "qwen", QWEN3_MOE, "flash").layers[1]
+    assert _norm_saves(qwen, "layernorm") > _norm_saves(qwen, "block_norm") > _norm_saves(qwen, "separate_norm") > 0
+    hybrid = count_config(tmp_path / "hybrid", HYBRID, "flash").layers[1:5]  # M, *, -, E
+    assert all(layer.region_saves["block_norm"] for layer in hybrid)
+    assert [bool(layer.region_saves.get("separate_norm")) for layer in hybrid] == [False, False, False, True]

@@ -38,7 +38,7 @@ import contextlib
 import math
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -56,6 +56,7 @@ from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .mamba import is_mamba2_mixer
 from .models import BATCH, Model, ModelError, classification_loss
 from .moe import (
+    BLOCK_NORM,
     CHECKPOINT_REGION,
     OPEN_REGIONS,
     Dispatched,
@@ -404,6 +405,15 @@ class _LiveBytes(TorchDispatchMode):
 
 # MLA's up-projections (`RECOMPUTE_REGIONS`' "mla_up_proj"; the routed experts' activation, workload/moe.py marks)
 _MLA_UP_NAMES = {"q_b_proj", "kv_b_proj", "linear_q_up_proj", "linear_kv_up_proj"}  # transformers', Megatron-core's
+# the norms before them (transformers'), which Megatron-core fuses into linear_q_up_proj and linear_kv_up_proj
+# (TELayerNormColumnParallelLinear under qk_layernorm: gpt_layer_specs.py at d98e8a64dd), so in their region
+_MLA_NORM_NAMES = {"q_a_layernorm", "kv_a_layernorm"}
+# MLA's down-projections (transformers', Megatron-core's): TransformerEngine linears of their own in Megatron-core's
+# MLA layer spec, so the input norm they read is a norm module of its own (`_Regions.separate`)
+_MLA_DOWN_NAMES = {"q_a_proj", "kv_a_proj_with_mqa", "linear_q_down_proj", "linear_kv_down_proj"}
+# The prefix of the region a block's own norm (workload/moe.py `BLOCK_NORM`) is traced in alone, by its qualified
+# name; `_region_fields` merges them into profiles/workload.py's "block_norm" and "separate_norm"
+_OWN_NORM = "norm@"
 
 
 # The query's and key's norms (transformers' Qwen3 q_norm and k_norm, which Megatron-Bridge loads into
@@ -426,19 +436,21 @@ def _module_bytes(layer: torch.nn.Module, kept: Callable[[str, torch.nn.Module],
 
 
 def _is_norm(name: str, module: torch.nn.Module) -> bool:
-    return _region_kind(name, module) == "layernorm"
+    return "layernorm" in _region_kinds(name, module)
 
 
-def _region_kind(name: str, module: torch.nn.Module) -> str | None:
-    """The recomputation region a submodule (its qualified name, itself) is, or None: the one its model marked it
-    (`CHECKPOINT_REGION`), a norm by its class or name, MLA's up-projections by name."""
+def _region_kinds(name: str, module: torch.nn.Module) -> tuple[str, ...]:
+    """The recomputation regions a submodule (its qualified name, itself) is: the one its model marked it
+    (`CHECKPOINT_REGION`); a norm by its class or name, a block's own (`BLOCK_NORM`) also alone (`_OWN_NORM`),
+    MLA's q and kv norms also in its up-projections' region; MLA's up-projections by name."""
     marked = getattr(module, CHECKPOINT_REGION, None)
     if marked is not None:
-        return marked
+        return (marked,)
     word = name.rpartition(".")[2]
     if "norm" in type(module).__name__.lower() or _module_part(word) == "norms":
-        return "layernorm"
-    return "mla_up_proj" if word in _MLA_UP_NAMES else None
+        return ("layernorm", *((f"{_OWN_NORM}{name}",) if getattr(module, BLOCK_NORM, False) else ()),
+                *(("mla_up_proj",) if word in _MLA_NORM_NAMES else ()))
+    return ("mla_up_proj",) if word in _MLA_UP_NAMES else ()
 
 
 class _Regions(TorchDispatchMode):
@@ -454,7 +466,9 @@ class _Regions(TorchDispatchMode):
         super().__init__()
         self.params = {id(p.untyped_storage()) for p in (*layer.parameters(), *shared_weights(layer))}
         self.stack: list[str] = []  # the qualified names of the submodules under way, outermost first
-        self.region_of = {name: kind for name, module in layer.named_modules() if (kind := _region_kind(name, module))}
+        self.region_of = {name: kinds for name, module in layer.named_modules()
+                          if (kinds := _region_kinds(name, module))}
+        self.separate: set[str] = set()  # the own norms (`_OWN_NORM` regions) a router or MLA's down-projection reads
         self.kinds: dict[int, dict[str, str]] = {}  # a live storage's id -> {region: where its ops may go on}
         self.inputs: dict[str, dict[Any, tuple[int, tuple[int, ...], int, tuple[str, ...]]]] = {}
         self.outside: list[int] = []  # the storages read that the layer's ops did not create, in order
@@ -466,8 +480,19 @@ class _Regions(TorchDispatchMode):
         """The regions the ops running now are inside, each with its module's parent (where its ops go on), a plain
         checkpoint's with its module itself (its ops end with it)."""
         mine = {kind: name if kind in CHECKPOINTED_REGIONS else name.rpartition(".")[0]
-                for name in self.stack if (kind := self.region_of.get(name)) is not None}
+                for name in self.stack for kind in self.region_of.get(name, ())}
         return {**mine, **{kind: self.stack[-1] if self.stack else "" for kind in OPEN_REGIONS}}
+
+    def merged(self, kinds: Iterable[str]) -> tuple[str, ...]:
+        """`kinds` as a count records them: an own norm's (`_OWN_NORM`) as "block_norm" and, where a router or MLA's
+        down-projection read it (`separate`), "separate_norm" (profiles/workload.py `TRACED_REGIONS`)."""
+        merged = []
+        for kind in kinds:
+            own = kind.startswith(_OWN_NORM)
+            for name in ("block_norm", *(("separate_norm",) if kind in self.separate else ())) if own else (kind,):
+                if name not in merged:
+                    merged.append(name)
+        return tuple(merged)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         reads = [t for t in tree_leaves((args, kwargs))
@@ -479,6 +504,10 @@ class _Regions(TorchDispatchMode):
         kinds.update(self.own())
         if func.overloadpacket.__name__ in ATTENTION_KERNELS:
             kinds["attention_out"] = here
+        if heavy and (here.rpartition(".")[2] in _MLA_DOWN_NAMES
+                      or any("moe" in self.region_of.get(name, ()) for name in self.stack)):
+            self.separate.update(kind for t in reads for kind in self.kinds.get(id(t.untyped_storage()), {})
+                                 if kind.startswith(_OWN_NORM))
         out = func(*args, **(kwargs or {}))
         for t in reads:
             made = self.kinds.get(id(t.untyped_storage()), {})
@@ -1035,8 +1064,14 @@ def _saved_region_entries(saved: dict[int, _Save], regions: _Regions, reads: tup
     for (first, _), save in zip(reads, saved.values()):
         for name in save.under if first >= 0 else ():
             entered[name] = min(entered.get(name, first), first)
-    return tuple({kind: min(first, entered.get(where, first)) for kind, where in regions.kinds.get(key, {}).items()}
-                 if first >= 0 else {} for key, (first, _) in zip(saved, reads))
+    entries = []
+    for key, (first, _) in zip(saved, reads):
+        entry: dict[str, int] = {}
+        for kind, where in regions.kinds.get(key, {}).items() if first >= 0 else ():
+            for merged in regions.merged((kind,)):
+                entry[merged] = min(entry.get(merged, first), entered.get(where, first))
+        entries.append(entry)
+    return tuple(entries)
 
 
 def _weight_grad_outputs(products: list[_Product]
@@ -1066,20 +1101,35 @@ def _sequence_inputs(saved: dict[int, _Save], live: _LiveBytes) -> tuple[tuple[i
 
 
 def _region_fields(regions: _Regions, live: _LiveBytes, saved: dict[int, Any]) -> dict[str, dict]:
-    """`LayerCount`'s region fields (`region_saves` and on) of a forward's traced `regions`, `saved` its saves."""
+    """`LayerCount`'s region fields (`region_saves` and on) of a forward's traced `regions`, `saved` its saves, each
+    own norm's merged into the regions it is one of (`_Regions.merged`)."""
     index = {key: i for i, key in enumerate(saved)}  # saved_tensors' order
     numbered = {live.known[key]: i for key, i in index.items() if key in live.known}
-    made = {kind: tuple(n for n, kinds in live.region_kinds.items() if kind in kinds) for kind in regions.ops}
+    traced = {kind: regions.merged((kind,)) for kind in regions.ops}
+    kinds = sorted({kind for merged in traced.values() for kind in merged})
+    made = {kind: tuple(n for n, made_by in live.region_kinds.items() if kind in regions.merged(made_by))
+            for kind in kinds}
     outside = {-1 - i: index.get(key, -1) for i, key in enumerate(regions.outside)}
+    inputs: dict[str, dict[Any, tuple]] = {}
+    for source, merged in traced.items():
+        for key, (number, shape, nbytes, made_by) in regions.inputs.get(source, {}).items():
+            read = (number, shape, nbytes, regions.merged(made_by))
+            for kind in merged:
+                if kind not in read[3]:  # what one own norm made and another read is the merged region's own
+                    inputs.setdefault(kind, {}).setdefault(key, read)
+    ops: dict[str, Counter] = {}
+    for source, merged in traced.items():
+        for kind in merged:
+            ops[kind] = ops.get(kind, Counter()) + regions.ops[source]
     # what a plain checkpoint's module made and an op after it saved (its output, read by the residual add) is kept
-    under = [{regions.region_of.get(name) for name in save.under} for save in saved.values()]
+    under = [{kind for name in save.under for kind in regions.region_of.get(name, ())} for save in saved.values()]
     return {"region_saves": {kind: tuple(sorted(i for n in numbers if (i := numbered.get(n)) is not None
                                                 and (kind not in CHECKPOINTED_REGIONS or kind in under[i])))
                              for kind, numbers in made.items()},
             "region_inputs": {kind: tuple((*read, numbered.get(read[0], outside.get(read[0], -1)))
-                                          for read in regions.inputs.get(kind, {}).values())
-                              for kind in regions.ops},
-            "region_ops": {kind: _Tally(ops=ops).records() for kind, ops in regions.ops.items()},
+                                          for read in inputs.get(kind, {}).values())
+                              for kind in kinds},
+            "region_ops": {kind: _Tally(ops=counted).records() for kind, counted in ops.items()},
             "region_allocations": made}
 
 

@@ -67,7 +67,7 @@ from .models import (
     check_size,
     classification_loss,
 )
-from .moe import CHECKPOINT_REGION, gated_mlp, gating_linear, gating_router, routed_experts
+from .moe import BLOCK_NORM, CHECKPOINT_REGION, gated_mlp, gating_linear, gating_router, routed_experts
 
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
 ACTIVATION_FIELDS = ("hidden_act", "hidden_activation")  # the MLP's activation, by its name in ACT2FN (Gemma's 2nd)
@@ -532,7 +532,8 @@ def _as_megatron_runs(block: nn.Module) -> None:
     in its own precision, keeping its input as it is; tensor parallelism keeps both whole on every rank). Marks
     its mixture of experts (that module) and its dense MLP (one holding a `down_proj` beside an `up_proj`,
     `gate_proj` or `gate_up_proj`, as transformers names an MLP's products, not inside a mixture of experts) as
-    their plain checkpoints' regions (`CHECKPOINT_REGION`: Megatron-core's "moe" and "mlp" recompute modules)."""
+    their plain checkpoints' regions (`CHECKPOINT_REGION`: Megatron-core's "moe" and "mlp" recompute modules), and
+    the block's own norms, its children, as its input and pre-MLP norms (`BLOCK_NORM`)."""
     experts_blocks: list[str] = []
     for name, module in block.named_modules():
         if all(hasattr(module, part) for part in ("gate_proj", "up_proj", "down_proj", "act_fn")):
@@ -548,6 +549,9 @@ def _as_megatron_runs(block: nn.Module) -> None:
             setattr(module, CHECKPOINT_REGION, "mlp")
         if isinstance(getattr(module, "shared_expert_gate", None), nn.Linear):
             gating_router(module.shared_expert_gate)
+    for child in block.children():
+        if "norm" in type(child).__name__.lower():
+            setattr(child, BLOCK_NORM, True)
 
 
 def _gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from pipesim.profiles.workload import is_hf
 from pipesim.units import float_text, number_allowed
 from pipesim.workload import data
 from pipesim.workload.moe import (
+    BLOCK_NORM,
     CHECKPOINT_REGION,
     DEFAULT_TOP_K,
     ExpertExchange,
@@ -327,7 +328,8 @@ class _Block(nn.Module):
     the attention as they are (`enable_gqa`): a flash kernel reads each key and value head for its whole group, as
     Megatron-core's TransformerEngine attention and flash-attn do (`num_gqa_groups`), so only the fewer heads are
     saved; the math path repeats them. With `experts`, the MLP is a mixture of experts (`_ExpertsMLP`); either marked
-    as its plain checkpoint's region (`CHECKPOINT_REGION`: Megatron-core's "mlp" or "moe"). With `rotary`
+    as its plain checkpoint's region (`CHECKPOINT_REGION`: Megatron-core's "mlp" or "moe"), its norms as its own
+    (`BLOCK_NORM`). With `rotary`
     features of each head (of `seq_len` positions), q and k are rotated by their positions' angles before the
     attention (`apply_rotary_pos_emb`)."""
 
@@ -346,6 +348,8 @@ class _Block(nn.Module):
         self.proj = nn.Linear(width, width, bias=bias)
         self.mlp = _mlp(width, ffn, gated, bias) if experts is None else _ExpertsMLP(width, experts, gated, bias)
         setattr(self.mlp, CHECKPOINT_REGION, "mlp" if experts is None else "moe")
+        for own in (self.norm1, self.norm2):
+            setattr(own, BLOCK_NORM, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape

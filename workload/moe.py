@@ -103,6 +103,10 @@ OPEN_REGIONS: list[str] = []
 # by workload/count.py's `_Regions`), set where a model is built: a decoder layer's dense MLP "mlp", its mixture of
 # experts "moe" (workload/hf.py `_as_megatron_runs`, workload/models.py `_Block`)
 CHECKPOINT_REGION = "pipesim_checkpoint_region"
+# The attribute that marks a norm as its decoder layer's own (its input or pre-MLP norm, Megatron-core's
+# TransformerLayer input_layernorm and pre_mlp_layernorm: the "layernorm" recompute module's), not one inside its
+# attention or mixer (a query's or key's norm, a Mamba-2 mixer's gated norm): set where a model is built
+BLOCK_NORM = "pipesim_block_norm"
 
 
 @contextmanager
