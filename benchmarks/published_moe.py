@@ -557,10 +557,9 @@ class MoeRun:
                 *p2p_sync(schedule, self.pipeline)]
 
 
-def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
-    """Megatron-Bridge's rows as runs, each with its published tokens/s per GPU, and the rows pipesim cannot
-    express, each named with why."""
-    expressible, left_out = [], []
+def bridge_runs() -> list[tuple[MoeRun, float]]:
+    """Megatron-Bridge's rows as runs, each with its published tokens/s per GPU: every row is expressible."""
+    expressible = []
     for row in _rows(SOURCE):
         model = row["model"].split(" (")[0]  # "(dropless)", "(tokendrop)": forced balance drops no token either way
         t, p, gpus, batch, b, seq, e = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "gpus",
@@ -581,7 +580,7 @@ def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                                    recompute_modules=RECOMPUTE_MODULES.get(model, ()),
                                    router_aux_loss=BRIDGE_AUX_LOSS[model], **RECIPE_RUNS.get(model, {})),
                             float(row["tokens_per_s_per_gpu"])))
-    return expressible, left_out
+    return expressible
 
 
 # the layout columns of the tables published as a step time (the Model Zoo's and DGX Cloud's), in `_step_layout`'s order
@@ -739,9 +738,9 @@ def automodel_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]
 def runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     """Every source's rows as runs, each with its published tokens/s per GPU, and the rows pipesim cannot express,
     each named with why."""
-    (bridge, bridge_left), (zoo, zoo_left), (dgxc, dgxc_left), (cards, cards_left), (auto, auto_left) = (
-        bridge_runs(), modelzoo_runs(), dgxc_runs(), card_runs(), automodel_runs())
-    return bridge + zoo + dgxc + cards + auto, bridge_left + zoo_left + dgxc_left + cards_left + auto_left
+    (zoo, zoo_left), (dgxc, dgxc_left), (cards, cards_left), (auto, auto_left) = (
+        modelzoo_runs(), dgxc_runs(), card_runs(), automodel_runs())
+    return bridge_runs() + zoo + dgxc + cards + auto, zoo_left + dgxc_left + cards_left + auto_left
 
 
 def step_parts(result: dict) -> dict[str, float | int]:

@@ -342,10 +342,12 @@ def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
     c = result.config
     chosen = _choice_flags(c, result.candidate)
     # the choice's own (but pipesim's rank order, the default, as the user gave it), --json (the line prints
-    # simulate's table), and auto's budget beside another method (it shapes auto's order; simulate refuses it for
-    # another)
+    # simulate's table), auto's budget beside another method (it shapes auto's order; simulate refuses it for
+    # another), and the recomputed modules beside a whole layer's recomputation (which keeps what it keeps: tune
+    # tries it without them, and simulate refuses them with it)
     own = {*(name for name, _, value in chosen if name != "rank_order" or value is not None), "as_json",
-           *(("search_seconds",) if c.schedule != "auto" else ())}
+           *(("search_seconds",) if c.schedule != "auto" else ()),
+           *(("recompute_modules",) if c.recompute in ("full", "op") else ())}
     return [["pipesim", "simulate"], *given_simulate_flags(ctx, own),
             *([flag] if value is True else [flag, str(value)] for _, flag, value in chosen if value is not None)]
 

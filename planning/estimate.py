@@ -357,15 +357,19 @@ class Parallelism:
 
     @property
     def recomputed_regions(self) -> tuple[str, ...]:
-        """The count's regions (profiles/workload.py `TRACED_REGIONS`) `recompute_modules` reruns. "layernorm" is
-        Megatron-core's: a transformer layer's input and pre-MLP norms where they are norm modules of their own
-        (transformer_layer.py at d98e8a64dd recomputes those that are not an IdentityOp), under TransformerEngine's
-        layers (`te_layers`) only those a router or MLA's down-projections read ("separate_norm": the MoE layers'
-        pre_mlp_layernorm, a TENorm, and MLA's input norm; the others fused into TELayerNormColumnParallelLinear,
-        linear_qkv, linear_fc1, a Mamba mixer's in_proj: gpt_layer_specs.py, mamba_layer_specs.py), else each one
-        ("block_norm"); never a query's, key's or mixer's norm inside the attention or mixer."""
-        norms = "separate_norm" if self.te_layers else "block_norm"
-        return tuple(norms if name == "layernorm" else name for name in self.recompute_modules)
+        """The count's regions (profiles/workload.py `TRACED_REGIONS`) `recompute_modules` reruns, as Megatron-core
+        reruns its modules (transformer_layer.py at d98e8a64dd). "layernorm": a transformer layer's input and pre-MLP
+        norms where they are norm modules of their own (not an IdentityOp), under TransformerEngine's layers
+        (`te_layers`) only those a mixture of experts or MLA's down-projections read ("separate_norm": the MoE
+        layers' pre_mlp_layernorm, a TENorm, and MLA's input norm; the others fused into the
+        TELayerNormColumnParallelLinear after them, linear_qkv, linear_fc1, a Mamba mixer's in_proj:
+        gpt_layer_specs.py, mamba_layer_specs.py), else each ("block_norm"); never a query's or key's norm. "mlp":
+        a dense MLP, under TransformerEngine's layers with the pre-MLP norm fused into its linear_fc1
+        ("mlp_norm")."""
+        te = self.te_layers
+        regions = {"layernorm": ("separate_norm",) if te else ("block_norm",), "mlp": ("mlp", "mlp_norm") if te
+                   else ("mlp",)}
+        return tuple(region for name in self.recompute_modules for region in regions.get(name, (name,)))
 
     def float8_forms(self, element_bytes: int) -> Float8Forms:
         """The layers as this run's recipe and runtime run them (`Float8Forms`), each built once."""
@@ -2964,9 +2968,14 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             does: `waits`), else 0."""
             return {name: issued_ms(passes[name]) if synced else 0.0 for name in PASSES}
 
-        passes = kernels(priced, PASSES)
-        if layer.mamba_layer and "mamba" in parallel.cuda_graphs:
-            passes = {name: graph_replay(kernels, parallel.host_kernel_us) for name, kernels in passes.items()}
+        def replayed(given: dict[str, list[Kernels]]) -> dict[str, list[Kernels]]:
+            """The passes `given` as the host issues them where the layer is captured in CUDA graphs
+            (`CUDA_GRAPH_SCOPES`): each one replay (`graph_replay`)."""
+            if not (layer.mamba_layer and "mamba" in parallel.cuda_graphs):
+                return given
+            return {name: graph_replay(run, parallel.host_kernel_us) for name, run in given.items()}
+
+        passes = replayed(kernels(priced, PASSES))
         pair = None
         if routed is not None and combined is not None:
             parts_issued = {part: issued(kernels(estimate, PASSES, adds) if synced else {})
@@ -2976,7 +2985,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                  {"layer": issued(passes), **parts_issued}, tuple(
                                      persistent_product_ms(busiest, device, parallel, element, float8, (name,))
                                      if held_products else 0.0 for name in ("fwd", "bwd")))
-        issues.append(_HostIssue(passes, None if shared is None else kernels(shared, ("fwd", "bwd")), pair,
+        issues.append(_HostIssue(passes, None if shared is None else replayed(kernels(shared, ("fwd", "bwd"))), pair,
                                  tokens_wait and parallel.token_dispatcher == "deepep"))
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),

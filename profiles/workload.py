@@ -60,9 +60,10 @@ CHECKPOINTED_REGIONS = ("mlp", "moe")
 # The regions the count traces (`LayerCount.region_saves` and on): those ("layernorm" every norm), the attention
 # kernel's output with the copies made of it before the next product ("attention_out"), which a float8 recipe may
 # keep once for both the attention's backward and that product's (planning/fp8.py `Fp8Recipe.attention_output_bytes`),
-# a layer's own input and pre-MLP norms ("block_norm", workload/moe.py `BLOCK_NORM`) and of them those a router or
-# MLA's down-projections read ("separate_norm")
-TRACED_REGIONS = (*RECOMPUTE_REGIONS, "attention_out", "block_norm", "separate_norm")
+# a layer's own input and pre-MLP norms ("block_norm", workload/moe.py `BLOCK_NORM`: the `layernorm` recompute
+# module's, planning/estimate.py `Parallelism.recomputed_regions`), of them those a mixture of experts or MLA's
+# down-projections read ("separate_norm") and those a dense MLP reads ("mlp_norm")
+TRACED_REGIONS = (*RECOMPUTE_REGIONS, "attention_out", "block_norm", "separate_norm", "mlp_norm")
 
 
 @dataclass(frozen=True)

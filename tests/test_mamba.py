@@ -185,11 +185,14 @@ def test_full_recomputation_keeps_only_each_blocks_input_whatever_its_mixer(tmp_
 
 def test_only_a_layer_of_a_mamba2_mixer_alone_is_a_mamba_layer(tmp_path):
     """Megatron-core's MambaLayer, what CUDA graphs of the "mamba" scope capture whole: Nemotron-H's M layer, not its
-    attention, MLP or experts layer, nor Granite's layer of a Mamba-2 mixer beside experts."""
+    attention, MLP or experts layer, nor Granite's layer of a Mamba-2 mixer beside experts and a shared MLP, or
+    beside the MLP alone, which is then its dense MLP ("mlp")."""
     hybrid = count_config(tmp_path / "hybrid", HYBRID, "flash")
     assert [layer.mamba_layer for layer in hybrid.layers] == [False, True, False, False, False, False, False]
-    granite = count_config(tmp_path / "granite", GRANITE, "flash")
-    assert not any(layer.mamba_layer for layer in granite.layers)
+    for experts in (4, 0):
+        granite = count_config(tmp_path / f"granite{experts}", {**GRANITE, "num_local_experts": experts}, "flash")
+        assert not any(layer.mamba_layer for layer in granite.layers)
+        assert ("mlp" in granite.layers[1].region_ops) == (experts == 0)
 
 
 def test_a_graphed_mamba2_layer_costs_the_host_one_replay_a_pass(tmp_path):
@@ -216,6 +219,10 @@ def test_a_graphed_mamba2_layer_costs_the_host_one_replay_a_pass(tmp_path):
     args = ("--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 1, "-p", 1, "-m", 4, "--host-kernel-us", 1000)
     steps = [simulate_json(*args, *graphs)[0]["time_per_minibatch_ms"] for graphs in ((), ("--cuda-graphs", "mamba"))]
     assert steps[1] < steps[0]
+    # beside expert parallelism's dispatcher too, each pass beside it (DualPipe's pairs) is the graph's replay
+    beside = estimate_profile(counted, H100, Parallelism(host_kernel_us=1000.0, expert=2, data=2,
+                                                         cuda_graphs=("mamba",))).layers[1]
+    assert beside.host_issue["fwd_sharing"].idle_ms == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("model, graphs, line", [

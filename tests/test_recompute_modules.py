@@ -5,6 +5,7 @@ or a mixture of experts saved, as its plain checkpoints do; traced on the meta d
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 from functools import cache
 
@@ -362,3 +363,58 @@ def test_a_query_or_key_norm_is_not_a_layers_own_and_a_hybrids_moe_layer_alone_k
     hybrid = count_config(tmp_path / "hybrid", HYBRID, "flash").layers[1:5]  # M, *, -, E
     assert all(layer.region_saves["block_norm"] for layer in hybrid)
     assert [bool(layer.region_saves.get("separate_norm")) for layer in hybrid] == [False, False, False, True]
+
+
+def test_under_transformer_engines_layers_a_recomputed_dense_mlp_takes_its_norm_with_it():
+    """Megatron-core's TransformerEngine dense layer fuses its pre-MLP norm into linear_fc1, inside the MLP's
+    checkpoint: "mlp" drops the norm's output and statistics too. Under torch's linears the norm is a module before
+    the MLP's, whose output the checkpoint keeps."""
+    layer = gpt().layers[1]
+    pre_mlp = set(layer.region_saves["mlp_norm"])
+    assert len(pre_mlp) == 3 and pre_mlp < set(layer.region_saves["block_norm"])
+    plain = priced(layer).activation_bytes
+    for linear_kernel, dropped in (("eager", set(layer.region_saves["mlp"])),
+                                   ("te", set(layer.region_saves["mlp"]) | pre_mlp)):
+        parallel = Parallelism(recompute_modules=("mlp",), linear_kernel=linear_kernel)
+        assert plain - estimate_layer(layer, DEVICE, parallel, None, 2).activation_bytes == sum(
+            layer.saved_tensors[i][1] for i in dropped), linear_kernel
+
+
+class _PostNormBlock(nn.Module):
+    """An input norm before a product and a post-norm (Gemma's) on the product's output before the residual add, both
+    its own norms."""
+
+    def __init__(self, marked: bool) -> None:
+        super().__init__()
+        self.norm, self.proj, self.post_norm = nn.LayerNorm(H), nn.Linear(H, H), nn.LayerNorm(H)
+        for own in (self.norm, self.post_norm) if marked else ():
+            setattr(own, BLOCK_NORM, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.post_norm(self.proj(self.norm(x)))
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_post_norm_is_no_input_or_pre_mlp_norm_and_a_model_marking_none_has_each_its_own(marked):
+    """"layernorm" reruns the norms a product reads (an input or pre-MLP norm), not a post-norm the residual add
+    reads; a model that marks none of its norms a layer's own (one of the user's) has each one its own, so its input
+    norm is rerun all the same."""
+    with torch.device("meta"):
+        layers = [nn.Linear(H, H), _PostNormBlock(marked)]
+    model = Model("post-norm", layers, lambda n, gen: (torch.randn(n, H, generator=gen), None),
+                  lambda out, target: out.float().square().mean())
+    layer = count_model(model, TOKENS, torch.bfloat16).layers[1]
+    assert len(layer.region_saves["layernorm"]) > len(layer.region_saves["block_norm"]) > 0
+    assert priced(layer, "layernorm").activation_bytes < priced(layer).activation_bytes
+
+
+def test_tune_prints_no_recomputed_modules_beside_the_whole_layers_it_chose():
+    """tune tries --recompute full without --recompute-modules (full keeps each layer's input alone), so a choice of
+    full prints a simulate command without them, which simulate runs: with them it refuses the pair."""
+    args = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "4", "--experts", "4", "--recompute-modules", "moe")
+    code, out, err = pipesim("tune", *args, "--devices", "2", "--memory-gb", "0.0907")
+    assert code == 0, err
+    command = " ".join(out.split("the choice, as simulate gives it:")[1].split("searched")[0].split())
+    assert "--recompute full" in command and "--recompute-modules" not in command
+    code, _, err = pipesim(*shlex.split(command.replace("\\", ""))[1:])
+    assert code == 0, err

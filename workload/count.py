@@ -412,7 +412,7 @@ _MLA_NORM_NAMES = {"q_a_layernorm", "kv_a_layernorm"}
 # MLA layer spec, so the input norm they read is a norm module of its own (`_Regions.separate`)
 _MLA_DOWN_NAMES = {"q_a_proj", "kv_a_proj_with_mqa", "linear_q_down_proj", "linear_kv_down_proj"}
 # The prefix of the region a block's own norm (workload/moe.py `BLOCK_NORM`) is traced in alone, by its qualified
-# name; `_region_fields` merges them into profiles/workload.py's "block_norm" and "separate_norm"
+# name; `_region_fields` merges them by what reads them (`_Regions.merged`)
 _OWN_NORM = "norm@"
 
 
@@ -439,16 +439,18 @@ def _is_norm(name: str, module: torch.nn.Module) -> bool:
     return "layernorm" in _region_kinds(name, module)
 
 
-def _region_kinds(name: str, module: torch.nn.Module) -> tuple[str, ...]:
+def _region_kinds(name: str, module: torch.nn.Module, every_norm_own: bool = False) -> tuple[str, ...]:
     """The recomputation regions a submodule (its qualified name, itself) is: the one its model marked it
-    (`CHECKPOINT_REGION`); a norm by its class or name, a block's own (`BLOCK_NORM`) also alone (`_OWN_NORM`),
-    MLA's q and kv norms also in its up-projections' region; MLA's up-projections by name."""
+    (`CHECKPOINT_REGION`); a norm by its class or name, a block's own (`BLOCK_NORM`, or any under
+    `every_norm_own`) also alone (`_OWN_NORM`), MLA's q and kv norms also in its up-projections' region; MLA's
+    up-projections by name."""
     marked = getattr(module, CHECKPOINT_REGION, None)
     if marked is not None:
         return (marked,)
     word = name.rpartition(".")[2]
     if "norm" in type(module).__name__.lower() or _module_part(word) == "norms":
-        return ("layernorm", *((f"{_OWN_NORM}{name}",) if getattr(module, BLOCK_NORM, False) else ()),
+        own = every_norm_own or getattr(module, BLOCK_NORM, False)
+        return ("layernorm", *((f"{_OWN_NORM}{name}",) if own else ()),
                 *(("mla_up_proj",) if word in _MLA_NORM_NAMES else ()))
     return ("mla_up_proj",) if word in _MLA_UP_NAMES else ()
 
@@ -462,13 +464,14 @@ class _Regions(TorchDispatchMode):
     reruns its ops (planning/estimate.py `Regions`). Holds no storage: a storage's regions are forgotten when it is
     freed."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, every_norm_own: bool = False) -> None:
         super().__init__()
         self.params = {id(p.untyped_storage()) for p in (*layer.parameters(), *shared_weights(layer))}
         self.stack: list[str] = []  # the qualified names of the submodules under way, outermost first
         self.region_of = {name: kinds for name, module in layer.named_modules()
-                          if (kinds := _region_kinds(name, module))}
-        self.separate: set[str] = set()  # the own norms (`_OWN_NORM` regions) a router or MLA's down-projection reads
+                          if (kinds := _region_kinds(name, module, every_norm_own))}
+        # per own norm (its `_OWN_NORM` region), the regions what reads it with a product makes it one of (`merged`)
+        self.read_by: dict[str, set[str]] = {}
         self.kinds: dict[int, dict[str, str]] = {}  # a live storage's id -> {region: where its ops may go on}
         self.inputs: dict[str, dict[Any, tuple[int, tuple[int, ...], int, tuple[str, ...]]]] = {}
         self.outside: list[int] = []  # the storages read that the layer's ops did not create, in order
@@ -484,15 +487,26 @@ class _Regions(TorchDispatchMode):
         return {**mine, **{kind: self.stack[-1] if self.stack else "" for kind in OPEN_REGIONS}}
 
     def merged(self, kinds: Iterable[str]) -> tuple[str, ...]:
-        """`kinds` as a count records them: an own norm's (`_OWN_NORM`) as "block_norm" and, where a router or MLA's
-        down-projection read it (`separate`), "separate_norm" (profiles/workload.py `TRACED_REGIONS`)."""
+        """`kinds` as a count records them (profiles/workload.py `TRACED_REGIONS`): an own norm's (`_OWN_NORM`) by
+        what read it (`read_by`): "block_norm" where a product did (an input or pre-MLP norm; a post-norm, Gemma's,
+        feeds the residual add), "separate_norm" where a mixture of experts or MLA's down-projections did, "mlp_norm"
+        where a dense MLP did."""
         merged = []
         for kind in kinds:
-            own = kind.startswith(_OWN_NORM)
-            for name in ("block_norm", *(("separate_norm",) if kind in self.separate else ())) if own else (kind,):
+            for name in sorted(self.read_by.get(kind, ())) if kind.startswith(_OWN_NORM) else (kind,):
                 if name not in merged:
                     merged.append(name)
         return tuple(merged)
+
+    def _note_readers(self, reads: list[torch.Tensor], here: str) -> None:
+        """Note what a product running now under `here` makes each own norm it reads one of (`read_by`)."""
+        inside = {kind for name in self.stack for kind in self.region_of.get(name, ())}
+        tags = {"block_norm", *(("separate_norm",) if "moe" in inside or here.rpartition(".")[2] in _MLA_DOWN_NAMES
+                                else ()), *(("mlp_norm",) if "mlp" in inside else ())}
+        for t in reads:
+            for kind in self.kinds.get(id(t.untyped_storage()), {}):
+                if kind.startswith(_OWN_NORM):
+                    self.read_by.setdefault(kind, set()).update(tags)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         reads = [t for t in tree_leaves((args, kwargs))
@@ -504,10 +518,8 @@ class _Regions(TorchDispatchMode):
         kinds.update(self.own())
         if func.overloadpacket.__name__ in ATTENTION_KERNELS:
             kinds["attention_out"] = here
-        if heavy and (here.rpartition(".")[2] in _MLA_DOWN_NAMES
-                      or any("moe" in self.region_of.get(name, ()) for name in self.stack)):
-            self.separate.update(kind for t in reads for kind in self.kinds.get(id(t.untyped_storage()), {})
-                                 if kind.startswith(_OWN_NORM))
+        if heavy:
+            self._note_readers(reads, here)
         out = func(*args, **(kwargs or {}))
         for t in reads:
             made = self.kinds.get(id(t.untyped_storage()), {})
@@ -906,6 +918,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     names, last = model.layer_names(), len(model.layers) - 1
     alike: dict[tuple, tuple[LayerCount, torch.Tensor]] = {}
     steps: dict[tuple, tuple[int, int]] = {}  # (optimizer, weight shapes) -> (state bytes, moved bytes)
+    # a model that marks none of its norms a layer's own (one of the user's): each one its own, by what reads it
+    every_norm_own = not any(getattr(module, BLOCK_NORM, False) for layer in model.layers for module in layer.modules())
     counted = []
     for layer in model.layers:  # all before any is counted: a layer may read another's weights (`shared_weights`)
         layer.to(device=META, dtype=dtype).train()
@@ -918,7 +932,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
             if key not in alike:
                 kernels.scores_bytes = 0
                 with fused_norms(layer, norm_kernel == "fused"), fused_rope(layer, rope_kernel == "fused"):
-                    count, out = _count_layer(model, layer, inputs, target, i == last, steps)
+                    count, out = _count_layer(model, layer, inputs, target, i == last, steps, every_norm_own)
                 alike[key] = replace(count, scores_bytes=kernels.scores_bytes), out
             count, outputs[i] = alike[key]
             counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
@@ -979,10 +993,11 @@ def _signature(layer: torch.nn.Module, inputs: list[torch.Tensor], last: bool) -
 
 
 def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor], target: Any, last: bool,
-                 steps: dict[tuple, tuple[int, int]]) -> tuple[LayerCount, torch.Tensor]:
-    """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes."""
+                 steps: dict[tuple, tuple[int, int]], every_norm_own: bool) -> tuple[LayerCount, torch.Tensor]:
+    """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes;
+    `every_norm_own`: the model marks none of its norms a layer's own (`_Regions`)."""
     weights = [p for p in layer.parameters() if p.requires_grad]
-    regions, reading = _Regions(layer), _Reading()
+    regions, reading = _Regions(layer, every_norm_own), _Reading()
     with dispatches() as routed, regions.tracing(layer), _counting(routed, True, regions) as fwd, \
             _saved(layer, routed, reading) as (saved, products):
         out = layer(*inputs)
@@ -1021,7 +1036,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
         model_output_bytes=model_output_bytes,
         decoder_block=bool(getattr(layer, "decoder_block", False)),
-        mamba_layer=_mamba_layer(layer, fwd),
+        mamba_layer=_mamba_layer(layer),
         expert_param_bytes=routed.expert_weight_bytes, expert_bias_tensors=routed.bias_tensors,
         dispatched_bytes=routed.token_bytes, routed_blocks=tuple(routed.blocks),
         routed_model_share=routed.routed_copies / routed.computed_copies if routed.computed_copies else 1.0,
@@ -1041,12 +1056,13 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     return count, out.detach()
 
 
-def _mamba_layer(layer: torch.nn.Module, fwd: _Tally) -> bool:
-    """Whether `layer` is a Mamba-2 mixer and its norm alone (`LayerCount.mamba_layer`): it holds a Mamba-2 mixer,
-    and its forward attends and routes nothing and runs no MLP (GraniteMoeHybrid's layers add one)."""
-    return (any(is_mamba2_mixer(module) for module in layer.modules())
-            and not any(op.kind == "attention" or op.routed for op in fwd.records())
-            and not any(getattr(module, CHECKPOINT_REGION, None) for module in layer.modules()))
+def _mamba_layer(layer: torch.nn.Module) -> bool:
+    """Whether `layer` is a Mamba-2 mixer and its norm alone (`LayerCount.mamba_layer`): every weight it holds is a
+    Mamba-2 mixer's or a norm's (GraniteMoeHybrid's layers add an MLP, experts or both)."""
+    mixers = [module for module in layer.modules() if is_mamba2_mixer(module)]
+    held = {id(p) for module in mixers for p in module.parameters()} | {
+        id(p) for module in layer.modules() if "norm" in type(module).__name__.lower() for p in module.parameters()}
+    return bool(mixers) and all(id(p) in held for p in layer.parameters())
 
 
 def _saved_region_entries(saved: dict[int, _Save], regions: _Regions, reads: tuple[tuple[int, int], ...]

@@ -77,8 +77,9 @@ EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is 
 # DeepSeek-V3's group-limited routing: the router picks topk_group of n_group expert groups a token, then its k
 # experts among them (transformers' DeepseekV3 router; the report's node-limited routing, a group a node)
 GROUP_FIELDS = ("n_group", "topk_group")
-# transformers' names of an MLP's products that read its input, beside its `down_proj` (`_as_megatron_runs`)
-MLP_INPUT_PRODUCTS = ("up_proj", "gate_proj", "gate_up_proj")
+# transformers' names of an MLP's output product and of those that read its input beside it (`_as_megatron_runs`):
+# Llama's, Phi-3's and Nemotron-H's; GraniteMoeHybrid's shared_mlp
+MLP_PRODUCTS = (("down_proj", ("up_proj", "gate_proj", "gate_up_proj")), ("output_linear", ("input_linear",)))
 EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
 ATTENTION_IMPLEMENTATION = "pipesim_attention"  # and `counted_attention`
 # what a layer may hand its attention that `counted_attention` refuses: a bias added to every score (Inkling 2's
@@ -530,12 +531,13 @@ def _as_megatron_runs(block: nn.Module) -> None:
     a token, as Megatron-core's SharedExpertMLP `gate_weight`, a plain Parameter it multiplies by the rank's tokens:
     megatron/core/transformer/moe/shared_experts.py at core_v0.14.0) as `workload.moe.gating_router` (its product
     in its own precision, keeping its input as it is; tensor parallelism keeps both whole on every rank). Marks
-    its mixture of experts (that module) and its dense MLP (one holding a `down_proj` beside an `up_proj`,
-    `gate_proj` or `gate_up_proj`, as transformers names an MLP's products, not inside a mixture of experts) as
-    their plain checkpoints' regions (`CHECKPOINT_REGION`: Megatron-core's "moe" and "mlp" recompute modules), and
-    the block's own norms, its children, as its input and pre-MLP norms (`BLOCK_NORM`)."""
-    experts_blocks: list[str] = []
-    for name, module in block.named_modules():
+    its mixture of experts (that module), or in a block without one its MLP (`MLP_PRODUCTS`), as their plain
+    checkpoints' regions (`CHECKPOINT_REGION`: Megatron-core's "moe" and "mlp" recompute modules; "mlp" reruns no
+    MoE layer's, so a shared expert beside the experts, GraniteMoeHybrid's shared_mlp, is neither), and the block's
+    norms, its children, as its own (`BLOCK_NORM`: workload/count.py tells an input or pre-MLP norm by what reads
+    it)."""
+    experts = False
+    for module in block.modules():
         if all(hasattr(module, part) for part in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             module.forward = functools.partial(_gated_mlp, module)
         router = next((getattr(module, part) for part in ("gate", "router")  # gpt-oss's is its router
@@ -543,12 +545,12 @@ def _as_megatron_runs(block: nn.Module) -> None:
         if hasattr(module, "experts") and isinstance(getattr(router, "weight", None), torch.Tensor):
             gating_router(router, balanced=True)
             setattr(module, CHECKPOINT_REGION, "moe")
-            experts_blocks.append(f"{name}.")
-        elif (hasattr(module, "down_proj") and any(hasattr(module, part) for part in MLP_INPUT_PRODUCTS)
-              and not f"{name}.".startswith(tuple(experts_blocks))):
-            setattr(module, CHECKPOINT_REGION, "mlp")
+            experts = True
         if isinstance(getattr(module, "shared_expert_gate", None), nn.Linear):
             gating_router(module.shared_expert_gate)
+    for module in () if experts else block.modules():
+        if any(hasattr(module, down) and any(hasattr(module, up) for up in ups) for down, ups in MLP_PRODUCTS):
+            setattr(module, CHECKPOINT_REGION, "mlp")
     for child in block.children():
         if "norm" in type(child).__name__.lower():
             setattr(child, BLOCK_NORM, True)

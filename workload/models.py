@@ -329,9 +329,8 @@ class _Block(nn.Module):
     Megatron-core's TransformerEngine attention and flash-attn do (`num_gqa_groups`), so only the fewer heads are
     saved; the math path repeats them. With `experts`, the MLP is a mixture of experts (`_ExpertsMLP`); either marked
     as its plain checkpoint's region (`CHECKPOINT_REGION`: Megatron-core's "mlp" or "moe"), its norms as its own
-    (`BLOCK_NORM`). With `rotary`
-    features of each head (of `seq_len` positions), q and k are rotated by their positions' angles before the
-    attention (`apply_rotary_pos_emb`)."""
+    (`BLOCK_NORM`). With `rotary` features of each head (of `seq_len` positions), q and k are rotated by their
+    positions' angles before the attention (`apply_rotary_pos_emb`)."""
 
     def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool, dropout: float = 0.0,
                  experts: ExpertShape | None = None, rotary: int = 0, seq_len: int = 0, bias: bool = True,
