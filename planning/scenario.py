@@ -1140,7 +1140,8 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     layout = layout_of(stage_cut)
     ends = first_last(stage_cut) if layout is None else None
     if stage_cut in BLOCK_CUTS or ends is not None or layout is not None:
-        kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]
+        # a hybrid's blocks are one kind whatever their mixers (workload/models.py `MIXERS_ATTRIBUTE`)
+        kinds = [(layer.name.partition(":")[2] or layer.name).partition("[")[0] for layer in measured.layers]
         try:
             if layout is not None:
                 return layout_blocks(kinds, num_stages, layout, int(measured.model.options.get("mtp_layers", 0)),

@@ -39,7 +39,7 @@ RECOMPUTED = ("causal_conv1d_fwd", "chunk_cumsum_fwd", "chunk_state_fwd", "state
 
 def _mamba_layer(tmp_path):
     counted = count_config(tmp_path / "hybrid", HYBRID, "flash")
-    assert [layer.name for layer in counted.layers][:3] == ["0:Embedding", "1:DecoderLayer", "2:DecoderLayer"]
+    assert [layer.name for layer in counted.layers][:3] == ["0:Embedding", "1:DecoderLayer[M]", "2:DecoderLayer[*]"]
     return counted.layers[1]
 
 
@@ -235,3 +235,17 @@ def test_cuda_graphs_of_a_scope_not_modelled_or_absent_are_one_line(tmp_path, mo
                              "--cuda-graphs", graphs, "--html", tmp_path / "t.html")
     assert (code, out) == (2, "") and err.startswith(line) and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "t.html").exists()
+
+
+def test_a_hybrids_layers_say_their_mixers_and_are_cut_as_one_run_of_blocks(tmp_path):
+    """A hybrid's decoder layers carry their mixers in Megatron-core's hybrid pattern (hybrid_override_pattern's
+    symbols, "M*-E" here), as count's table prints them; cut by blocks, they are one run of the same kind whatever
+    their mixers: Megatron-core cuts a hybrid stack by its layer count."""
+    counted = count_config(tmp_path / "hybrid", HYBRID, "flash")
+    assert [layer.name for layer in counted.layers] == [
+        "0:Embedding", "1:DecoderLayer[M]", "2:DecoderLayer[*]", "3:DecoderLayer[-]", "4:DecoderLayer[E]",
+        "5:NemotronHRMSNorm", "6:Linear"]
+    model = f"hf:{write_config(tmp_path / 'hybrid', HYBRID)}"
+    (result,) = simulate_json("--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 1, "-p", 2, "-m", 4,
+                              "-s", "1f1b", "--stage-cut", "equal-blocks")
+    assert result["stage_bounds"] == [0, 3, 7]  # the embedding and 2 blocks, then 2 blocks, the norm and the head

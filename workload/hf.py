@@ -60,6 +60,7 @@ from .hfconfig import (
 from .mamba import counted_mixers, is_mamba2_mixer
 from .models import (
     BATCH,
+    MIXERS_ATTRIBUTE,
     Model,
     ModelError,
     check_capacity_factor,
@@ -507,8 +508,22 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
         _as_megatron_runs(block)
         counted_mixers(block)
     cap = getattr(model.config, "final_logit_softcapping", None)
-    return [embed, *(DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)), norm,
-            CappedHead(head, cap) if cap else head]
+    layers = [DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)]
+    if any(is_mamba2_mixer(module) for block in blocks for module in block.modules()):  # a hybrid's: each its mixers
+        for layer, block in zip(layers, blocks):
+            setattr(layer, MIXERS_ATTRIBUTE, _hybrid_mixers(block))
+    return [embed, *layers, norm, CappedHead(head, cap) if cap else head]
+
+
+def _hybrid_mixers(block: nn.Module) -> str:
+    """A hybrid's decoder block's mixers in Megatron-core's hybrid pattern (`MIXERS_ATTRIBUTE`): M its Mamba-2 mixer,
+    * its attention, E its mixture of experts, - its dense MLP (`_as_megatron_runs` marks the two)."""
+    modules = list(block.modules())
+    regions = {getattr(module, CHECKPOINT_REGION, None) for module in modules}
+    return "".join(symbol for symbol, holds in (
+        ("M", any(is_mamba2_mixer(module) for module in modules)),
+        ("*", any(type(module).__name__.endswith("Attention") for module in modules)),
+        ("E", "moe" in regions), ("-", "mlp" in regions)) if holds)
 
 
 class CappedHead(nn.Module):

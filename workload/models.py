@@ -87,7 +87,10 @@ class Model:
                                  f"got {sources}")
 
     def layer_names(self) -> list[str]:
-        return [f"{i}:{type(layer).__name__}" for i, layer in enumerate(self.layers)]
+        """Each layer's position and class, and where it says them its mixers (`MIXERS_ATTRIBUTE`: a hybrid's)."""
+        mixers = [getattr(layer, MIXERS_ATTRIBUTE, "") for layer in self.layers]
+        return [f"{i}:{type(layer).__name__}" + (f"[{said}]" if said else "")
+                for i, (layer, said) in enumerate(zip(self.layers, mixers, strict=True))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The whole model on a batch, its layers wired as `inputs` says."""
@@ -366,6 +369,10 @@ class _Block(nn.Module):
 
 
 GPT_SIZES = DEFAULT_SIZES["gpt"]
+# The attribute a hybrid model's layer says its mixers by, in Megatron-core's hybrid pattern (M a Mamba-2 mixer, * an
+# attention, - an MLP, E a mixture of experts: hybrid_override_pattern), which its name carries in brackets
+# (`Model.layer_names`: 1:DecoderLayer[M]); a pipeline cut by blocks reads the name before them (planning/scenario.py)
+MIXERS_ATTRIBUTE = "mixers"
 
 
 def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], heads: int = GPT_SIZES["heads"],
