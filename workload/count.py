@@ -409,7 +409,7 @@ _MLA_UP_NAMES = {"q_b_proj", "kv_b_proj", "linear_q_up_proj", "linear_kv_up_proj
 # (TELayerNormColumnParallelLinear under qk_layernorm: gpt_layer_specs.py at d98e8a64dd), so in their region
 _MLA_NORM_NAMES = {"q_a_layernorm", "kv_a_layernorm"}
 # MLA's down-projections (transformers', Megatron-core's): TransformerEngine linears of their own in Megatron-core's
-# MLA layer spec, so the input norm they read is a norm module of its own (`_Regions.separate`)
+# MLA layer spec, so the input norm they read is a norm module of its own (`_Regions.read_by`)
 _MLA_DOWN_NAMES = {"q_a_proj", "kv_a_proj_with_mqa", "linear_q_down_proj", "linear_kv_down_proj"}
 # The prefix of the region a block's own norm (workload/moe.py `BLOCK_NORM`) is traced in alone, by its qualified
 # name; `_region_fields` merges them by what reads them (`_Regions.merged`)
