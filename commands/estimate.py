@@ -16,7 +16,7 @@ import typer
 
 from ..choices import choose_from, nearest_text
 from ..planning.host import HOST_KERNEL_US
-from ..profiles.workload import RECOMPUTED_PARTS, too_few_layers
+from ..profiles.workload import RECOMPUTED_PARTS, module_regions, too_few_layers
 from ..units import MIB, degree_text
 from .common import (
     COUNTING_MODEL,
@@ -531,9 +531,6 @@ def print_fitted_curve(profile: Profile) -> None:
 
 # what a terminal shows while count_what_if and estimated_profile run: a first count imports torch (seconds)
 COUNTING_STATUS = f"{COUNTING_MODEL}, then pricing it for --gpu"
-# the count's region a --recompute-modules part is found by where its name is not one (a layer's own norms, whether
-# or not the runtime fuses them: planning/estimate.py `Parallelism.recomputed_regions`)
-MODULE_REGIONS = {"layernorm": "block_norm"}
 
 
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
@@ -561,8 +558,8 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
                          "experts (gpt --experts, or a Hugging Face MoE config); leave it out")
     with refused_with_flags():
         check_expert_ranks(what.expert, counted.options.get("experts"))
-    absent = [name for name in what.recompute_modules
-              if not any(MODULE_REGIONS.get(name, name) in layer.region_ops for layer in counted.layers)]
+    absent = [name for name in what.recompute_modules  # the part as the model holds it, whatever its runtime fuses
+              if not any(module_regions(name, te_layers=False)[0] in layer.region_ops for layer in counted.layers)]
     if absent:
         raise InputError(f"--recompute-modules {absent[0]}: no layer of the model has {RECOMPUTED_PARTS[absent[0]]} "
                          "to recompute; leave it out")

@@ -66,7 +66,15 @@ from ..profiles.schema import (
     optimizer_refusal,
     stage_time,
 )
-from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak, weighted_products
+from ..profiles.workload import (
+    RECOMPUTE_REGIONS,
+    LayerCount,
+    OpCount,
+    WorkloadCount,
+    module_regions,
+    transient_peak,
+    weighted_products,
+)
 from ..schedules.ranks import RANK_ORDERS, SettingsError, dense_grid
 from ..sim.caching_allocator import LayerAllocations, left_live
 from ..sim.costs import HELD_PRODUCT_SLOWDOWN, PRECISIONS, Precision, precision_refusal
@@ -357,19 +365,9 @@ class Parallelism:
 
     @property
     def recomputed_regions(self) -> tuple[str, ...]:
-        """The count's regions (profiles/workload.py `TRACED_REGIONS`) `recompute_modules` reruns, as Megatron-core
-        reruns its modules (transformer_layer.py at d98e8a64dd). "layernorm": a transformer layer's input and pre-MLP
-        norms where they are norm modules of their own (not an IdentityOp), under TransformerEngine's layers
-        (`te_layers`) only those a mixture of experts or MLA's down-projections read ("separate_norm": the MoE
-        layers' pre_mlp_layernorm, a TENorm, and MLA's input norm; the others fused into the
-        TELayerNormColumnParallelLinear after them, linear_qkv, linear_fc1, a Mamba mixer's in_proj:
-        gpt_layer_specs.py, mamba_layer_specs.py), else each ("block_norm"); never a query's or key's norm. "mlp":
-        a dense MLP, under TransformerEngine's layers with the pre-MLP norm fused into its linear_fc1
-        ("mlp_norm")."""
-        te = self.te_layers
-        regions = {"layernorm": ("separate_norm",) if te else ("block_norm",), "mlp": ("mlp", "mlp_norm") if te
-                   else ("mlp",)}
-        return tuple(region for name in self.recompute_modules for region in regions.get(name, (name,)))
+        """The count's regions (profiles/workload.py `TRACED_REGIONS`) `recompute_modules` reruns under this run's
+        linears (`module_regions`)."""
+        return tuple(region for name in self.recompute_modules for region in module_regions(name, self.te_layers))
 
     def float8_forms(self, element_bytes: int) -> Float8Forms:
         """The layers as this run's recipe and runtime run them (`Float8Forms`), each built once."""

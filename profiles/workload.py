@@ -66,6 +66,20 @@ CHECKPOINTED_REGIONS = ("mlp", "moe")
 TRACED_REGIONS = (*RECOMPUTE_REGIONS, "attention_out", "block_norm", "separate_norm", "mlp_norm")
 
 
+def module_regions(module: str, te_layers: bool) -> tuple[str, ...]:
+    """The traced regions a `--recompute-modules` part reruns, as Megatron-core reruns it (transformer_layer.py at
+    d98e8a64dd). "layernorm": a transformer
+    layer's input and pre-MLP norms where they are norm modules of their own (not an IdentityOp), under
+    TransformerEngine's layers (`te_layers`) only those a mixture of experts or MLA's down-projections read
+    ("separate_norm": the MoE layers' pre_mlp_layernorm, a TENorm, and MLA's input norm; the others fused into the
+    TELayerNormColumnParallelLinear after them, linear_qkv, linear_fc1, a Mamba mixer's in_proj: gpt_layer_specs.py,
+    mamba_layer_specs.py), else each ("block_norm"); never a query's or key's norm. "mlp": a dense MLP, under
+    TransformerEngine's layers with the pre-MLP norm fused into its linear_fc1 ("mlp_norm")."""
+    if module == "layernorm":
+        return ("separate_norm",) if te_layers else ("block_norm",)
+    return (module, "mlp_norm") if module == "mlp" and te_layers else (module,)
+
+
 @dataclass(frozen=True)
 class OpCount:
     """`count` calls of one op on the same shapes within a pass. `kind`: "matmul" (mm, addmm, bmm, baddbmm;

@@ -435,8 +435,9 @@ def _module_bytes(layer: torch.nn.Module, kept: Callable[[str, torch.nn.Module],
                and (names is None or name.rpartition(".")[2] in names) for p in module.parameters(recurse=False))
 
 
-def _is_norm(name: str, module: torch.nn.Module) -> bool:
-    return "layernorm" in _region_kinds(name, module)
+def is_norm(name: str, module: torch.nn.Module) -> bool:
+    """Whether a submodule (its qualified name, itself) is a norm, by its class or its own name."""
+    return "norm" in type(module).__name__.lower() or _module_part(name.rpartition(".")[2]) == "norms"
 
 
 def _region_kinds(name: str, module: torch.nn.Module, every_norm_own: bool = False) -> tuple[str, ...]:
@@ -448,7 +449,7 @@ def _region_kinds(name: str, module: torch.nn.Module, every_norm_own: bool = Fal
     if marked is not None:
         return (marked,)
     word = name.rpartition(".")[2]
-    if "norm" in type(module).__name__.lower() or _module_part(word) == "norms":
+    if is_norm(name, module):
         own = every_norm_own or getattr(module, BLOCK_NORM, False)
         return ("layernorm", *((f"{_OWN_NORM}{name}",) if own else ()),
                 *(("mla_up_proj",) if word in _MLA_NORM_NAMES else ()))
@@ -1027,8 +1028,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         sequence_inputs=_sequence_inputs(saved, fwd.live),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
-        norm_param_bytes=_module_bytes(layer, _is_norm),
-        qk_norm_param_bytes=_module_bytes(layer, _is_norm, _QK_NORM_NAMES),
+        norm_param_bytes=_module_bytes(layer, is_norm),
+        qk_norm_param_bytes=_module_bytes(layer, is_norm, _QK_NORM_NAMES),
         position_embedding_bytes=_module_bytes(layer, lambda _, module: isinstance(module, torch.nn.Embedding),
                                                _POSITION_EMBEDDING_NAMES),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
@@ -1061,7 +1062,7 @@ def _mamba_layer(layer: torch.nn.Module) -> bool:
     Mamba-2 mixer's or a norm's (GraniteMoeHybrid's layers add an MLP, experts or both)."""
     mixers = [module for module in layer.modules() if is_mamba2_mixer(module)]
     held = {id(p) for module in mixers for p in module.parameters()} | {
-        id(p) for module in layer.modules() if "norm" in type(module).__name__.lower() for p in module.parameters()}
+        id(p) for name, module in layer.named_modules() if is_norm(name, module) for p in module.parameters()}
     return bool(mixers) and all(id(p) in held for p in layer.parameters())
 
 
@@ -1123,8 +1124,8 @@ def _region_fields(regions: _Regions, live: _LiveBytes, saved: dict[int, Any]) -
     numbered = {live.known[key]: i for key, i in index.items() if key in live.known}
     traced = {kind: regions.merged((kind,)) for kind in regions.ops}
     kinds = sorted({kind for merged in traced.values() for kind in merged})
-    made = {kind: tuple(n for n, made_by in live.region_kinds.items() if kind in regions.merged(made_by))
-            for kind in kinds}
+    made_by = {number: regions.merged(made) for number, made in live.region_kinds.items()}
+    made = {kind: tuple(n for n, merged in made_by.items() if kind in merged) for kind in kinds}
     outside = {-1 - i: index.get(key, -1) for i, key in enumerate(regions.outside)}
     inputs: dict[str, dict[Any, tuple]] = {}
     for source, merged in traced.items():

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import data
-from .count import attention_window, fused_attention
+from .count import attention_window, fused_attention, is_norm
 from .hfconfig import (
     EXPERT_FIELDS,
     FIGURES,
@@ -566,8 +566,8 @@ def _as_megatron_runs(block: nn.Module) -> None:
     for module in () if experts else block.modules():
         if any(hasattr(module, down) and any(hasattr(module, up) for up in ups) for down, ups in MLP_PRODUCTS):
             setattr(module, CHECKPOINT_REGION, "mlp")
-    for child in block.children():
-        if "norm" in type(child).__name__.lower():
+    for name, child in block.named_children():
+        if is_norm(name, child):
             setattr(child, BLOCK_NORM, True)
 
 
