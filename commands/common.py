@@ -1255,8 +1255,11 @@ def require(needer: str, *modules: str) -> None:
         hint = f"pip install 'pipesim[{extra}]'" + (" (or your CUDA build of torch)" if module == "torch" else
                                                     f" (or pip install {package})")
         if module == "torch":
+            from ..workload.processes import sigint_held
+
             try:
-                import torch  # noqa: F401
+                with sigint_held():
+                    import torch  # noqa: F401
             except ImportError as exc:
                 if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
                     raise InputError(f"{needer} needs PyTorch, which is not installed: {hint}") from None

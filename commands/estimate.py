@@ -540,6 +540,7 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     that need the count are refused here, once for every command (tune would take a refusal from each estimate for
     its t's, after its progress note): --expert-gemm per-expert, --expert-parallel and the routing's options on a
     model without routed experts, and E not dividing them."""
+    from ..planning.estimate import runs_te_layers
     from ..planning.experts import check_expert_ranks
 
     counted = count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
@@ -558,11 +559,19 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
                          "experts (gpt --experts, or a Hugging Face MoE config); leave it out")
     with refused_with_flags():
         check_expert_ranks(what.expert, counted.options.get("experts"))
-    absent = [name for name in what.recompute_modules  # the part as the model holds it, whatever its runtime fuses
-              if not any(module_regions(name, te_layers=False)[0] in layer.region_ops for layer in counted.layers)]
-    if absent:
-        raise InputError(f"--recompute-modules {absent[0]}: no layer of the model has {RECOMPUTED_PARTS[absent[0]]} "
-                         "to recompute; leave it out")
+    te_layers = runs_te_layers(what.linear_kernel, what.fp8)
+    for name in what.recompute_modules:
+        def held(te: bool, name: str = name) -> bool:
+            return any(module_regions(name, te)[0] in layer.region_ops for layer in counted.layers)
+
+        if not held(te=False):
+            raise InputError(f"--recompute-modules {name}: no layer of the model has {RECOMPUTED_PARTS[name]} to "
+                             "recompute; leave it out")
+        if te_layers and not held(te=True):  # Megatron-core's layernorm: an IdentityOp in every layer here
+            raise InputError(f"--recompute-modules {name}: under TransformerEngine's layers (--linear-kernel te) "
+                             "no layer of the model has a norm of its own to recompute: each is fused into the "
+                             "linear after it (TELayerNormColumnParallelLinear), as Megatron-core runs it; give "
+                             "--linear-kernel eager or leave it out")
     if "mamba" in what.cuda_graphs and not any(layer.mamba_layer for layer in counted.layers):
         raise InputError("--cuda-graphs mamba: no layer of the model is a Mamba-2 layer to capture; leave it out")
     return counted

@@ -233,6 +233,12 @@ _OPTIONAL = ("token_dispatcher", "ema", "grad_accumulation", "fp8", "linear_kern
 CUDA_GRAPH_SCOPES = ("mamba",)
 
 
+def runs_te_layers(linear_kernel: str | None, fp8: str | None) -> bool:
+    """Megatron-core's TransformerEngine layers run the linears: `linear_kernel` te, or not given under a
+    TransformerEngine float8 recipe `fp8`."""
+    return linear_kernel == "te" or (linear_kernel is None and fp8 in TE_RECIPES)
+
+
 @dataclass(frozen=True)
 class Parallelism:
     """Tensor (t), pipeline (p) and data (d) parallel degrees, context parallelism (C: the sequence split over C
@@ -352,9 +358,8 @@ class Parallelism:
 
     @property
     def te_layers(self) -> bool:
-        """Megatron-core's TransformerEngine layers run the linears: `linear_kernel` te, or not given under a
-        TransformerEngine recipe."""
-        return self.linear_kernel == "te" or (self.linear_kernel is None and self.fp8 in TE_RECIPES)
+        """Megatron-core's TransformerEngine layers run the linears (`runs_te_layers`)."""
+        return runs_te_layers(self.linear_kernel, self.fp8)
 
     @property
     def bias_gradients_fused(self) -> bool:

@@ -119,6 +119,30 @@ def test_ctrl_c_while_the_forkserver_imports_interrupts_the_wait():
     assert done.stdout.strip() == "interrupted", (done.stdout, done.stderr)
 
 
+def test_ctrl_c_while_torch_imports_is_raised_once_it_has_imported():
+    """Ctrl-C during a command's import of torch (`require`) is raised after it, not inside: raised inside, where
+    torch's C++ ran Python (pybind11), it aborted the process (exit -6, "terminate called after throwing an instance
+    of 'pybind11::error_already_set'": seen once in `pipesim calibrate`'s Ctrl-C test under load) where the command
+    exits 130. A fresh process, torch not yet imported; the SIGINT comes 0.1 s into its import (seconds)."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, signal, sys, threading
+        from pipesim.commands.common import require
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            require("pipesim calibrate", "torch")
+        except KeyboardInterrupt:
+            print("interrupted after the import" if "torch" in sys.modules else "interrupted inside the import")
+        else:
+            print("not interrupted")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.stdout.strip() == "interrupted after the import", (done.stdout, done.stderr)
+
+
 def _group(pgid: int) -> list[str]:
     """The live processes of process group `pgid` (zombies left out), by /proc: each one's command line."""
     alive = []

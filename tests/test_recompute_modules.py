@@ -305,6 +305,7 @@ def test_recomputing_the_experts_whole_reruns_their_all_to_alls_and_the_dispatch
 
 
 def test_recompute_modules_a_model_lacks_or_moe_beside_the_expert_overlap_are_refused_in_one_line():
+    """Each part must rerun something: one the model has no module of, or whose modules its linears fuse away."""
     moe = ("--model", "gpt", "--layers", "2", "--experts", "4", "--gpu", "h100-sxm", "-p", "2")
     for args, message in (
             (("--model", "gpt", "--layers", "2", "--gpu", "h100-sxm", "-p", "2", "--recompute-modules", "moe"),
@@ -312,7 +313,10 @@ def test_recompute_modules_a_model_lacks_or_moe_beside_the_expert_overlap_are_re
             ((*moe, "--recompute-modules", "layernorm,mlp"),
              "--recompute-modules mlp: no layer of the model has a dense MLP to recompute"),
             ((*moe, "--expert-parallel", "2", "--data-parallel", "2", "--overlap-expert-comm",
-              "--recompute-modules", "moe"), "--recompute-modules moe reruns each mixture of experts whole")):
+              "--recompute-modules", "moe"), "--recompute-modules moe reruns each mixture of experts whole"),
+            # a dense model's norms, each fused into the linear after it: Megatron-core reruns none, silently
+            (("--model", "gpt", "--layers", "2", "--gpu", "h100-sxm", "-p", "2", "--linear-kernel", "te",
+              "--recompute-modules", "layernorm"), "--recompute-modules layernorm: under TransformerEngine's layers")):
         code, out, err = pipesim("simulate", *args)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not out, err
 

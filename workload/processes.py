@@ -62,6 +62,26 @@ def _sigint_deferred() -> Iterator[None]:
             signal.signal(signal.SIGINT, handler)
 
 
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """A Ctrl-C meanwhile is raised once this ends, not inside it. For torch's import: it runs Python from C++
+    (pybind11), where a KeyboardInterrupt aborts the process ("terminate called after throwing an instance of
+    'pybind11::error_already_set'", exit -6) where the command should exit 130. Blocking SIGINT in this thread is
+    not enough: another thread (rich's status) takes it, and Python raises it here all the same. Outside the main
+    thread, which alone may set handlers, nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if came:  # as it would have been taken: raised (Python's handler), ended (the default) or ignored
+            signal.raise_signal(signal.SIGINT)
+
+
 def _server_ready() -> None:
     """What the first process forked from the server runs: nothing (it returns once the imports are done)."""
 
