@@ -106,7 +106,10 @@ does not model is printed with the rows (`RECIPE_NOT_MODELLED`). v25.08.01's H10
 25.07.01) runs as its release ran it (`DGXC_RELEASE_RUNS`): over DeepEP with forced balance, dropless, its layout
 and MTP layer, the MLA RoPE fused, gradients reduced in 16 bits, and whole MoE layers recomputed ("moe") beside
 MLA's up-projections and the dense MLPs;
-Llama 4 Maverick's rows are listed with why they are not run (`DGXC_NOT_EXPRESSIBLE`).
+Llama 4 Maverick's BF16 row runs as NeMo's pretrain_llama4_e128.py ran it (`LLAMA4_RUN`): t4 with sequence
+parallelism and userbuffers, E128 at expert t 4, VP 1 as launch.sh set it, the all-to-all dispatcher with the
+token-drop callback's capacity 1 padded, the router's weights on the experts' input; its FP8 row, run with
+whole layers in CUDA graphs, is listed with why it is not run (`DGXC_NOT_EXPRESSIBLE`).
 
 Megatron-Bridge's measured runs outside its summaries (benchmarks/published/megatron-bridge-cards-moe-h100.csv: a
 skill's and the model cards', each with its whole layout and step time) run as the summaries' rows in BF16:
@@ -318,16 +321,35 @@ TOKEN_DROP_CAPACITY = 1.0
 # the Model Zoo table's model -> its examples/ config
 MODELZOO_PRESETS = {"235B": "qwen3-235b-a22b"}
 DGXC = "nvidia-dgxc-moe-h100.csv"  # DGX Cloud's MoE recipes on H100, README.md there too
-# the recipe (dgxc-benchmarking's folder) -> the model's name and its examples/ config; DeepSeek-V3's the only one run
-DGXC_MODELS = {"deepseek_v3": ("DeepSeek-V3", "deepseek-v3"), "llama4": ("Llama 4 Maverick", None)}
+# the recipe (dgxc-benchmarking's folder) -> the model's name and its examples/ config
+DGXC_MODELS = {"deepseek_v3": ("DeepSeek-V3", "deepseek-v3"),
+               "llama4": ("Llama 4 Maverick", "llama4-maverick-17b-128e")}
 # NeMo's DeepSeekConfig (nemo/collections/llm/gpt/model/deepseek.py at 7a8f1cc7bc): seq_aux_loss, coefficient 1e-4,
 # no moe_router_fusion: the loss's torch ops
 DGXC_AUX_LOSS = "unfused"
+# (recipe, precision) -> why the row is not run
 DGXC_NOT_EXPRESSIBLE = {
-    "llama4": "no config of Llama 4 Maverick in examples/, and transformers' Llama4TextMoe repeats every token for "
-              "every expert (modeling_llama4.py), where Megatron-core computes each token's top-1 only: a count of it "
-              "would need pipesim to route it as the run did",
+    # llama4/launch.sh at 1f6d9f4 lines 105-109 (CUDA_GRAPH true for FP8 on H100), NeMo's utils.py at 7a8f1cc7bc
+    # lines 380-381 (enable_cuda_graph), Megatron-core's cuda_graph_scope "full" by default
+    ("llama4", "FP8"): "\"run with CUDA Graphs enabled\" (its README; launch.sh sets them for FP8 on H100): each whole "
+                       "layer captured (Megatron-core's enable_cuda_graph), which --cuda-graphs prices for Mamba-2 "
+                       "layers only",
 }
+# Llama 4 Maverick's BF16 H100 row as NeMo's scripts/performance/llm/pretrain_llama4_e128.py at 7a8f1cc7bc ran it
+# (launch.sh and setup.sh at 1f6d9f4): VP 1 (launch.sh line 101, the csv's vp_size 1; the README prints the GB200
+# rows' 12), no CUDA graphs in BF16 (lines 105-109, 117-126); Llama4Config and Llama4Experts128Config (llama.py lines
+# 374-434: the all-to-all dispatcher, moe_apply_probs_on_input, the router's sigmoid top 1, moe_aux_loss_coeff 0 by
+# default, so no load-balancing loss), the script's apply_rope_fusion and TransformerEngine's cross entropy (lines
+# 96-99), the recipe's MegatronTokenDropCallback (capacity 1 padded: moe_token_drop.py lines 38-39, so no host
+# synchronisation), MegatronCommOverlapCallback with tp_comm_overlap (llama4_e128.py lines 236-239: userbuffers at
+# t4 with sequence parallelism) and gradients reduced in 16 bits (line 251, over the DDP config's float32)
+LLAMA4_RUN = dict(dispatcher=None, routing="balanced", capacity_factor=TOKEN_DROP_CAPACITY,
+                  precision="megatron-16bit-grads", rope_kernel="fused", stage_cut=None, mtp_layers=0,
+                  router_aux_loss="none", tp_overlap=True, recompute_modules=())
+# the DGX Cloud runs' model -> what its run does otherwise, which pipesim counts as the model's config has it
+DGXC_OTHERWISE = {"Llama 4 Maverick": "transformers' attention temperature tuning on its 12 layers without RoPE (the "
+                                      "config's default attn_temperature_tuning: each query scaled by a factor of "
+                                      "its position), which NeMo's Llama4SelfAttention does not run"}
 # v25.08.01's DeepSeek-V3 H100 row (dgxc-benchmarking 2fc17d4: deepseek_v3/pretrain/launch.sh lines 102-155, RM
 # "mla_up_proj mlp moe"; its README's 1,024-GPU example, 36.189 s), as NeMo's scripts/performance/llm/
 # pretrain_deepseek_v3.py at 9244b1ec89 (metadata.yaml's pin) runs it: its layout for p8 v2 (line 105: the embedding
@@ -400,6 +422,11 @@ RECIPE_NOT_MODELLED = {"DeepSeekV3": "the optimizer's bfloat16 moments, fp8_para
                        # v25.08.01's run (`DGXC_RELEASE_RUNS`): pretrain_deepseek_v3.py line 96 at 9244b1ec89,
                        # MegatronEnableExperimentalCallback, whose flag Megatron-core ac198fc0d6's DeepEP path reads
                        # for the fused indices_to_multihot (token_dispatcher.py lines 1095-1099)
+                       # `LLAMA4_RUN`: Llama4Config's moe_shared_expert_overlap (llama.py), the callback's
+                       # buckets and PerfEnvPlugin's margin as above
+                       "DGXC Llama 4 Maverick": "moe_shared_expert_overlap (the shared expert beside the dispatch), "
+                                                "the DDP buckets of 128M parameters MegatronCommOverlapCallback sets, "
+                                                "TransformerEngine's norms leaving 16 SMs",
                        "DGXC DeepSeek-V3 t1 p8 v2": "DeepEP's received indices made each local expert's map by the "
                                                     "fused kernel its experimental flag turns on (where "
                                                     "--token-dispatcher deepep prices Megatron-core's unfused 12), "
@@ -515,6 +542,7 @@ class MoeRun:
     attention_kernel: str = ATTENTION_KERNEL  # --attention-kernel: the fused attention the run's model calls
     linear_kernel: str = "te"  # --linear-kernel: TransformerEngine's linear layers, or torch's (eager)
     cuda_graphs: tuple[str, ...] = ()  # --cuda-graphs: the layers the run captures in CUDA graphs
+    tp_overlap: bool = False  # --tp-overlap: the run overlaps tensor parallelism's exchanges (userbuffers)
 
     @property
     def data(self) -> int:
@@ -536,6 +564,7 @@ class MoeRun:
                 "-b", str(self.microbatch_size),
                 "--gpu", GPU,
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
+                *(["--tp-overlap"] if self.tp_overlap else []),
                 "-p", str(self.pipeline), "-m", str(self.global_batch // (self.data * self.microbatch_size)),
                 "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", str(self.zero),
                 "--precision", self.precision, "--grad-accumulation", self.grad_accumulation,
@@ -642,16 +671,22 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     for row in _rows(DGXC):
         t, p, chunks, e, etp, gpus, batch, b, seq = _step_layout(row)
         model, preset = DGXC_MODELS[row["workload"]]
+        if row["workload"] == "llama4":
+            chunks = 1  # as launch.sh ran it (`LLAMA4_RUN`)
         name = f"DGXC {model} {row['precision']} t{t} p{p} v{chunks} E{e}"
-        if row["workload"] in DGXC_NOT_EXPRESSIBLE:
-            left_out.append((name, DGXC_NOT_EXPRESSIBLE[row["workload"]]))
+        if (why := DGXC_NOT_EXPRESSIBLE.get((row["workload"], row["precision"]))) is not None:
+            left_out.append((name, why))
             continue
-        settings = dict(dispatcher=None, routing="balanced", capacity_factor=TOKEN_DROP_CAPACITY,
-                        precision="megatron", rope_kernel="eager", stage_cut=dgxc_first_last(p))
+        if row["workload"] == "llama4":
+            settings = LLAMA4_RUN
+        else:
+            settings = {**dict(dispatcher=None, routing="balanced", capacity_factor=TOKEN_DROP_CAPACITY,
+                               precision="megatron", rope_kernel="eager", stage_cut=dgxc_first_last(p), mtp_layers=1,
+                               router_aux_loss=DGXC_AUX_LOSS,
+                               recompute_modules=tuple(row["recompute_modules"].split(","))),
+                        **DGXC_RELEASE_RUNS.get(row["release"], {})}
         run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e, expert_tensor=etp, a2a_overlap=False,
-                     fp8_recipe=None, source=DGXC, recompute_modules=tuple(row["recompute_modules"].split(",")),
-                     mtp_layers=1, router_aux_loss=DGXC_AUX_LOSS,
-                     **{**settings, **DGXC_RELEASE_RUNS.get(row["release"], {})})
+                     fp8_recipe=None, source=DGXC, **settings)
         expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 
@@ -792,7 +827,8 @@ def print_rows(compared: list[dict], console: Console = stdout) -> None:
     lines += ["\nRun without what their recipe sets and pipesim does not model:",
               *(f"{model}: {what}" for model, what in RECIPE_NOT_MODELLED.items())]
     lines += ["\nRun with what their run does otherwise:",
-              *(f"AutoModel {model}: {what}" for model, what in AUTOMODEL_NOT_MODELLED.items())]
+              *(f"AutoModel {model}: {what}" for model, what in AUTOMODEL_NOT_MODELLED.items()),
+              *(f"DGXC {model}: {what}" for model, what in DGXC_OTHERWISE.items())]
     lines += ["\nRun as their release's recipe ran them, not as printed:",
               *(f"{container} {model}: {why}" for (container, model), (_, why) in RELEASE_LAYOUTS.items())]
     lines.append("\nThe commands, each with its rows (tokens/s per GPU: global batch x sequence over its ms/step x "

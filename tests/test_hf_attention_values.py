@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipesim.executor import RunSpec
-from pipesim.workload.hf import hf_model
+from pipesim.workload.hf import _base_model, hf_model
 from tests.conftest import build, compiling_checkpointed_hf, needs_transformers, pipesim
 from tests.helpers import write_config
 from tests.reference import single_process
@@ -27,7 +27,12 @@ SMALL = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "nu
 MODELS = {"gpt_oss": {"layer_types": ["sliding_attention", "full_attention"], "attention_bias": True,
                       "num_local_experts": 4, "num_experts_per_tok": 2},
           "gemma2": {"layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 5.0},
-          "mistral": {}}
+          "mistral": {},
+          # Llama 4's layout (transformers' Llama4ForCausalLM, whose decoder is its `model`): a dense layer with RoPE,
+          # then a mixture of 4 experts, top 1, without RoPE, its queries scaled by position (temperature tuning)
+          "llama4_text": {"intermediate_size_mlp": 48, "num_local_experts": 4, "num_experts_per_tok": 1,
+                          "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": 64,
+                          "floor_scale": 4}}
 
 
 def _pipesim_and_eager(tmp_path, model_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +47,7 @@ def _pipesim_and_eager(tmp_path, model_type: str) -> tuple[torch.Tensor, torch.T
         for sinks in (module.sinks for layer in layers for module in layer.modules() if hasattr(module, "sinks")):
             sinks.copy_(torch.linspace(-2.0, 3.0, sinks.numel()))
     eager = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), attn_implementation="eager")
-    base = eager.get_decoder()
+    base = _base_model(eager)
     for theirs, ours in zip([base.embed_tokens, *base.layers, base.norm], layers):
         theirs.load_state_dict(getattr(ours, "layer", ours).state_dict())
     eager.get_output_embeddings().load_state_dict(getattr(layers[-1], "head", layers[-1]).state_dict())

@@ -90,6 +90,11 @@ UNCOUNTED_ATTENTION = {"position_bias": "a position bias added to its scores",
 # the capacity factor `balanced_experts` pads an experts module to, set on it by `_drop_past_capacity` (absent: it
 # drops nothing)
 CAPACITY_ATTRIBUTE = "pipesim_capacity_factor"
+# transformers' mixtures that run every token through every expert, by class, with their experts module's class:
+# Llama 4's Llama4TextMoe repeats the tokens for each expert and scales those not routed to it by 0 (each expert's
+# bmm over all of them), where Megatron-core computes each token's top-k only; pipesim runs them so
+# (`_input_scaled_mixture`)
+EVERY_TOKEN_MIXTURES = {"Llama4TextMoe": "Llama4TextExperts"}
 
 
 def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -110,6 +115,38 @@ def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torc
     return routed_experts(hidden, top_k_index, top_k_weights, up, down, activation,
                           getattr(experts, CAPACITY_ATTRIBUTE, None), gated=experts.has_gate, biases=biases,
                           clamp=_quick_geglu_limit(experts))
+
+
+def _sigmoid_top_k(router: nn.Linear, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Llama 4's router (transformers' Llama4Router: its product's top-k logits through a sigmoid, the scores of
+    the others none) as transformers 5's routers answer: the logits, the top-k's weights and their experts."""
+    logits = F.linear(hidden, router.weight)
+    top, experts = torch.topk(logits, router.top_k, dim=-1)
+    return logits, torch.sigmoid(top.float()).to(logits.dtype), experts
+
+
+def _input_scaled_mixture(moe: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's mixture of experts (an `EVERY_TOKEN_MIXTURES` module) as Megatron-core runs it: each token through
+    its top-k experts, their router's weight scaling its input (`moe_apply_probs_on_input`), beside the shared
+    expert, whose output the routed experts' is added to; (the output, the router's logits), as transformers'
+    forward returns them."""
+    tokens = hidden.reshape(-1, moe.hidden_dim)
+    logits, weights, chosen = moe.router(tokens)
+    experts = moe.experts
+
+    def swiglu(inner: torch.Tensor) -> torch.Tensor:  # Llama4TextExperts': gate and up halves, gate first
+        gate, up = inner.chunk(2, dim=-1)
+        return experts.act_fn(gate) * up
+
+    routed = routed_experts(tokens, chosen, weights, experts.gate_up_proj, experts.down_proj, swiglu,
+                            getattr(experts, CAPACITY_ATTRIBUTE, None), gated=True, probs_on_input=True)
+    return moe.shared_expert(tokens) + routed, logits
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """Whether `module` holds a mixture's routed experts as pipesim runs them: transformers' experts interface
+    (what @use_experts_implementation sets) or an `EVERY_TOKEN_MIXTURES` experts module."""
+    return hasattr(module, "is_concatenated") or type(module).__name__ in EVERY_TOKEN_MIXTURES.values()
 
 
 def _quick_geglu_limit(experts: nn.Module) -> float | None:
@@ -250,6 +287,11 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         check_positive(seq_len=seq_len)
     if refusal := seq_len_refusal(spec, seq_len, *bound):
         raise ModelError(refusal)
+    chunk = getattr(settings, "attention_chunk_size", None)
+    if chunk and seq_len and seq_len > chunk and "chunked_attention" in (getattr(settings, "layer_types", None) or ()):
+        raise ModelError(f"--seq-len {seq_len:,}: {config.path}'s chunked attention layers attend within chunks of "
+                         f"{chunk:,} tokens (attention_chunk_size), which pipesim does not count; give at most "
+                         f"{chunk:,}")
     check_size("mtp_layers", mtp_layers, least=0)
     built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(settings), None)
     if built is None:
@@ -318,7 +360,7 @@ class MultiTokenPrediction(nn.Module):
 
     def __init__(self, model: nn.Module, depth: int) -> None:
         super().__init__()
-        base = model.get_decoder()
+        base = _base_model(model)
         config, norm = model.config, base.norm
         self.modules_at = nn.ModuleList()
         for k in range(depth):
@@ -358,19 +400,20 @@ def _drop_past_capacity(layers: list[nn.Module], capacity_factor: float) -> None
     `capacity_factor`, dropping past it (`balanced_experts` reads `CAPACITY_ATTRIBUTE`)."""
     for layer in layers:
         for module in layer.modules():
-            if hasattr(module, "is_concatenated"):  # what @use_experts_implementation sets (`_check_experts`)
+            if _is_experts(module):
                 setattr(module, CAPACITY_ATTRIBUTE, capacity_factor)
 
 
 def _check_experts(model: nn.Module, where: str, experts: int) -> None:
     """Refuse a mixture of experts whose experts `balanced_experts` cannot run as they are: not held as 3-D weights
-    (transformers' experts interface), or with a norm after each expert. Biases are run (gpt-oss's), and gate and up
-    weights interleaved (gpt-oss's) by the module's own `_apply_gate`, which splits them."""
-    held = [m for m in model.modules() if hasattr(m, "is_concatenated")]  # what @use_experts_implementation sets
+    (transformers' experts interface, or an `EVERY_TOKEN_MIXTURES` module's), or with a norm after each expert.
+    Biases are run (gpt-oss's), and gate and up weights interleaved (gpt-oss's) by the module's own `_apply_gate`,
+    which splits them."""
+    held = [m for m in model.modules() if _is_experts(m)]
     if not held:
         raise ModelError(f"{where}: its {experts} experts are not held as transformers' experts modules (3-D weights "
                          "run by an experts implementation), which pipesim counts at their expected share")
-    odd = next((m for m in held if m.has_post_expert_norm), None)
+    odd = next((m for m in held if getattr(m, "has_post_expert_norm", False)), None)
     if odd is not None:
         raise ModelError(f"{where}: its experts ({type(odd).__name__}) have a norm after each expert; pipesim counts "
                          "experts of gate/up and down products (with their biases) only")
@@ -488,11 +531,18 @@ def _not_laid_out(where: str, what: str) -> ModelError:
                       "Phi-3 and Nemotron-H are)")
 
 
+def _base_model(model: nn.Module) -> nn.Module | None:
+    """A causal language model's decoder, its `get_decoder()`, or where that answers the model itself (its
+    base_model_prefix names no attribute of it: Llama4ForCausalLM's "language_model"), its `model`."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return getattr(model, "model", None) if base is model else base
+
+
 def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     """A transformers causal language model cut as a pipeline cuts it: its base model's token embedding (its
     `get_input_embeddings`: Llama's embed_tokens, Nemotron-H's embeddings), each decoder layer, its final norm
     (`FINAL_NORMS`), then the head. Models laid out otherwise are refused, naming the layout."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else None
+    base = _base_model(model)
     try:
         embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     except NotImplementedError:  # transformers' answer for a model without one (a vision model's)
@@ -553,8 +603,11 @@ def _as_megatron_runs(block: nn.Module) -> None:
     it)."""
     experts = False
     for module in block.modules():
-        if all(hasattr(module, part) for part in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        if all(hasattr(module, part) for part in ("gate_proj", "up_proj", "down_proj")) and _activation(module):
             module.forward = functools.partial(_gated_mlp, module)
+        if type(module).__name__ in EVERY_TOKEN_MIXTURES:  # its router first: `gating_router` wraps the one it finds
+            module.router.forward = functools.partial(_sigmoid_top_k, module.router)
+            module.forward = functools.partial(_input_scaled_mixture, module)
         router = next((getattr(module, part) for part in ("gate", "router")  # gpt-oss's is its router
                        if isinstance(getattr(module, part, None), nn.Module)), None)
         if hasattr(module, "experts") and isinstance(getattr(router, "weight", None), torch.Tensor):
@@ -571,6 +624,11 @@ def _as_megatron_runs(block: nn.Module) -> None:
             setattr(child, BLOCK_NORM, True)
 
 
+def _activation(mlp: nn.Module) -> nn.Module | None:
+    """A transformers gated MLP's activation: its `act_fn` (Llama's), or `activation_fn` (Llama 4's)."""
+    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+
+
 def _gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' gated MLP, `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, as `workload.moe.gated_mlp`."""
-    return gated_mlp(mlp.down_proj, mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x))
+    """transformers' gated MLP, `down_proj(act(gate_proj(x)) * up_proj(x))`, as `workload.moe.gated_mlp`."""
+    return gated_mlp(mlp.down_proj, _activation(mlp), mlp.gate_proj(x), mlp.up_proj(x))

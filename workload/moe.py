@@ -475,7 +475,7 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
                    up: torch.Tensor, down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                    capacity_factor: float | None = None, gated: bool = False,
                    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   clamp: float | None = None) -> torch.Tensor:
+                   clamp: float | None = None, probs_on_input: bool = False) -> torch.Tensor:
     """The experts' weighted outputs summed per token, for `hidden` (T, d) routed as `top_k_index` and
     `top_k_weights` (T, k) say. `up` (E, d, u) and `down` (E, f, d) are every expert's two products, `activation`
     what runs between them (SwiGLU's silu(gate)·up halves u = 2f, `gated`), `biases` (E, u) and (E, d) their
@@ -498,7 +498,11 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     synchronously (torch/csrc/utils/tensor_new.cpp `internal_new_from_data`: `.to(device, non_blocking=false)`;
     aten/src/ATen/native/cuda/Copy.cu `copy_kernel_cuda`: `memcpy_and_sync`, a cudaStreamSynchronize): the host
     waits for the GPU before the fused kernel, each call, the forward's and a recomputation's
-    (`host_waits_now`)."""
+    (`host_waits_now`).
+
+    `probs_on_input`: the router's weights scale each routed token before its experts' products instead of the
+    activation after (Llama 4's, Megatron-core's `moe_apply_probs_on_input`, which scales the tokens before the
+    dispatch; top-1, as it asserts)."""
     tokens, width = hidden.shape
     experts, top_k = up.shape[0], top_k_index.shape[-1]
     out = torch.zeros_like(hidden)
@@ -515,10 +519,13 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         copy = torch.empty_like(token)  # and which of the T·k routed copies each one is
         routed = hidden.index_select(0, token).view(experts, each, width)
         weights = top_k_weights.reshape(-1).index_select(0, copy).view(experts, each, 1)
+        if probs_on_input:  # the tokens scaled before the products
+            routed = routed * weights.to(hidden.dtype)
         _experts_own(routed, up, down, *(biases or ()))  # what the experts' products read: their own ops read these
         inner = torch.bmm(routed, up) if biases is None else torch.baddbmm(biases[0].unsqueeze(1), routed, up)
         _experts_own(inner)
-        scale = weights.to(hidden.dtype)  # the activation scaled before the down product, as Megatron-core
+        # else the activation, before the down product, as Megatron-core (and the down product's bias, below)
+        scale = None if probs_on_input and biases is None else weights.to(hidden.dtype)
         OPEN_REGIONS.append("moe_act")
         try:
             if gated and _fusing_now(inner):
@@ -527,11 +534,12 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
                     inner = _experts_own(torch.cat(_experts_own(glu.clamp(max=clamp), linear.clamp(-clamp, clamp)),
                                                    -1))[0]
                 with _open(_host_waits, clamp is not None):
-                    weighted = Fused.apply(lambda i, w: _experts_own(activation(i))[0] * w, False, inner, scale)
+                    weighted = Fused.apply(lambda i, *w: _experts_own(activation(i))[0] * (w[0] if w else 1), False,
+                                           inner, *(() if probs_on_input else (scale,)))
             else:
                 active = activation(inner)
                 _experts_own(active)
-                weighted = active * scale
+                weighted = active if probs_on_input else active * scale
         finally:
             OPEN_REGIONS.pop()
         _experts_own(weighted)
@@ -548,9 +556,11 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         token, slot = torch.where(top_k_index == expert)
         token, slot = token[:limit], slot[:limit]
         if token.numel():
-            inner = hidden[token] @ up[expert] + (biases[0][expert] if biases is not None else 0)
+            weight = top_k_weights[token, slot, None].to(hidden.dtype)
+            inner = (hidden[token] * weight if probs_on_input else hidden[token]) @ up[expert] + (
+                biases[0][expert] if biases is not None else 0)
             done = activation(inner) @ down[expert] + (biases[1][expert] if biases is not None else 0)
-            out = out.index_add(0, token, done * top_k_weights[token, slot, None].to(hidden.dtype))
+            out = out.index_add(0, token, done if probs_on_input else done * weight)
     return out
 
 

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .moe import _kernel_writes, _one_kernel
 
@@ -100,23 +101,41 @@ def _apply_fused_interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor
     return _FusedRope.apply(q, cos, sin, True), _FusedRope.apply(k, cos, sin, True)
 
 
-# The functions of transformers' modeling modules that attention calls by name, and their fused stand-ins.
-_STAND_INS = {"apply_rotary_pos_emb": _apply_fused, "apply_rotary_pos_emb_interleave": _apply_fused_interleaved}
+def _apply_fused_complex(xq: torch.Tensor, xk: torch.Tensor,
+                         freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's `apply_rotary_emb` (each pair of adjacent features a complex number, times `freqs_cis`, one angle a
+    pair and token) as Megatron-core's Llama 4 runs it, TransformerEngine's fused kernel with `interleaved=True`
+    (rotary_interleaved and apply_rope_fusion: NeMo's Llama4Config at 7a8f1cc7bc, its performance script): one
+    `_FusedRope` for q and one for k, of the angles' cosines and sines, made out of the count's sight as
+    TransformerEngine's are made once for all the layers."""
+    with _disable_current_modes():
+        angles = freqs_cis[:, :, None, :]
+        cos, sin = (torch.cat((part, part), dim=-1).to(xq.dtype) for part in (angles.real, angles.imag))
+    return _FusedRope.apply(xq, cos, sin, True), _FusedRope.apply(xk, cos, sin, True)
+
+
+# The functions of transformers' modeling modules that attention calls by name, with the parameters they take first,
+# and their fused stand-ins.
+_STAND_INS = {"apply_rotary_pos_emb": (("q", "k", "cos", "sin"), _apply_fused),
+              "apply_rotary_pos_emb_interleave": (("q", "k", "cos", "sin"), _apply_fused_interleaved),
+              "apply_rotary_emb": (("xq", "xk", "freqs_cis"), _apply_fused_complex)}
 
 
 # Why `--rope-kernel fused` cannot apply to a model whose count ran no `_FusedRope` (workload/count.py `count_model`).
 NO_ROPE_TO_FUSE = ("--rope-kernel fused: this model calls no RoPE pipesim can run as TransformerEngine's fused kernel "
-                   "(transformers' apply_rotary_pos_emb or apply_rotary_pos_emb_interleave; the built-in gpt learns "
-                   "its positions unless given --rotary-percent): leave it out or pass eager")
+                   "(transformers' apply_rotary_pos_emb, apply_rotary_pos_emb_interleave or Llama 4's "
+                   "apply_rotary_emb; the built-in gpt learns its positions unless given --rotary-percent): leave it "
+                   "out or pass eager")
 
 
-def _takes_q_k_cos_sin(function: object) -> bool:
-    """Whether `function` is RoPE in transformers' form, taking (q, k, cos, sin) first. Where the `kernels` package is
-    installed (transformers 5.25 requires it) transformers decorates it with `use_kernel_forward_from_hub`,
-    which makes it a module whose `forward` carries the function's signature; attention still calls it by name."""
+def _takes(function: object, parameters: tuple[str, ...]) -> bool:
+    """Whether `function` is RoPE in the form a `_STAND_INS` entry replaces, taking `parameters` first. Where the
+    `kernels` package is installed (transformers 5.25 requires it) transformers decorates it with
+    `use_kernel_forward_from_hub`, which makes it a module whose `forward` carries the function's signature;
+    attention still calls it by name."""
     if isinstance(function, torch.nn.Module):
         function = function.forward
-    return callable(function) and list(inspect.signature(function).parameters)[:4] == ["q", "k", "cos", "sin"]
+    return callable(function) and tuple(inspect.signature(function).parameters)[:len(parameters)] == parameters
 
 
 @contextmanager
@@ -125,10 +144,10 @@ def fused_rope(layer: torch.nn.Module, on: bool) -> Iterator[None]:
     modules of its submodules define in transformers' form, taking (q, k, cos, sin) first (the form their attention
     calls by name)."""
     modelings = {sys.modules[type(module).__module__] for module in layer.modules()} if on else set()
-    eager = {(modeling, name): getattr(modeling, name) for modeling in modelings for name in _STAND_INS
-             if _takes_q_k_cos_sin(getattr(modeling, name, None))}
+    eager = {(modeling, name): getattr(modeling, name) for modeling in modelings
+             for name, (parameters, _) in _STAND_INS.items() if _takes(getattr(modeling, name, None), parameters)}
     for (modeling, name) in eager:
-        setattr(modeling, name, _STAND_INS[name])
+        setattr(modeling, name, _STAND_INS[name][1])
     try:
         yield
     finally:

@@ -1,0 +1,113 @@
+"""Llama 4 (transformers' llama4_text): its mixture of experts counted and run as Megatron-core runs it, each token
+through its top-k experts with the router's weight on its input (workload/hf.py `_input_scaled_mixture`), where
+transformers' Llama4TextMoe runs every token through every expert; its complex RoPE as TransformerEngine's fused
+interleaved kernel (workload/rope.py `_apply_fused_complex`); its chunked attention refused past one chunk; and
+Llama 4 Maverick's config (examples/) counted at its card's sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import needs_transformers, pipesim
+from tests.helpers import count_config
+
+pytestmark = needs_transformers
+
+H, EXPERTS, EXPERT_FFN, DENSE_FFN, SEQ, BATCH = 64, 8, 32, 96, 32, 2
+# two layers, the second a mixture (interleave 2) of 8 experts, top 1, beside a shared expert; the first with RoPE
+# and the query and key norms, the second without RoPE (Llama 4 Scout's layout, Maverick's is without qk norm)
+TINY_LLAMA4 = {"model_type": "llama4_text", "hidden_size": H, "intermediate_size": EXPERT_FFN,
+               "intermediate_size_mlp": DENSE_FFN, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": EXPERTS, "num_experts_per_tok": 1,
+               "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "use_qk_norm": True,
+               "attention_chunk_size": 64, "vocab_size": 100, "max_position_embeddings": 256,
+               "tie_word_embeddings": False, "initializer_range": 0.2}
+
+
+def _llama4_moe():
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    config = Llama4TextConfig(**{k: v for k, v in TINY_LLAMA4.items() if k != "model_type"})
+    torch.manual_seed(0)
+    moe = Llama4TextMoe(config)
+    with torch.no_grad():  # transformers leaves them uninitialised: any values the two forwards then share
+        for weight in (moe.experts.gate_up_proj, moe.experts.down_proj):
+            weight.normal_(std=0.2)
+    return moe
+
+
+def test_a_mixture_computes_what_transformers_llama4_moe_computes_with_each_token_through_its_expert_alone():
+    """transformers' forward runs all 8 experts on every token, those not routed to scaled by 0 (silu(0) = 0: they
+    add nothing); pipesim's runs each token through its top-1 expert, its input scaled by the router's sigmoid,
+    beside the shared expert: the same output and router logits."""
+    from pipesim.workload.hf import _as_megatron_runs
+
+    moe = _llama4_moe()
+    tokens = torch.randn(BATCH, SEQ, H, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs, their_logits = moe(tokens)
+        _as_megatron_runs(torch.nn.ModuleList([moe]))
+        assert moe.forward.func.__name__ == "_input_scaled_mixture"
+        ours, our_logits = moe(tokens)
+    torch.testing.assert_close(our_logits, their_logits)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_each_expert_is_counted_at_its_top_1_share_of_the_tokens_with_the_router_weighting_its_input(tmp_path):
+    """On the meta device the mixture's experts compute T·k/E tokens each (8 of 64 at top 1), not all 64: the
+    experts' products are 1/8 of every-token's, and no op scales their activation (the input is scaled)."""
+    layer = count_config(tmp_path / "llama4", TINY_LLAMA4).layers[2]
+    routed = [op for op in layer.ops["fwd"] if op.routed and op.kind == "matmul"]
+    tokens = BATCH * SEQ // EXPERTS
+    assert sorted(op.shape for op in routed) == [(EXPERTS, tokens, H, EXPERT_FFN), (EXPERTS, tokens, 2 * EXPERT_FFN, H)]
+    assert sum(op.flops * op.count for op in routed) == 2 * BATCH * SEQ * 3 * H * EXPERT_FFN
+    dense = count_config(tmp_path / "llama4", TINY_LLAMA4).layers[1]
+    assert not any(op.routed for op in dense.ops["fwd"])
+    assert "moe" in layer.region_ops and "mlp" in dense.region_ops  # Megatron-core's recompute modules
+
+
+def test_its_complex_rope_as_transformer_engines_interleaved_kernel_gives_the_same_scores():
+    """Llama 4 rotates each pair of adjacent features as a complex number; the fused stand-in writes the pairs
+    de-interleaved (TransformerEngine's `interleaved=True`), the same permutation for q and k, so every query-key
+    score is transformers' own."""
+    from transformers.models.llama4.modeling_llama4 import apply_rotary_emb
+
+    from pipesim.workload.rope import _apply_fused_complex
+
+    generator = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(BATCH, SEQ, heads, 16, generator=generator) for heads in (4, 2))
+    angles = torch.rand(BATCH, SEQ, 8, generator=generator) * 6.0
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    theirs, ours = apply_rotary_emb(q, k, freqs), _apply_fused_complex(q, k, freqs)
+
+    def scores(qk: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.einsum("bshd,btgd->bhgst", *qk)
+
+    torch.testing.assert_close(scores(ours), scores(theirs))
+
+
+def test_a_sequence_past_one_attention_chunk_is_refused_in_one_line():
+    code, out, err = pipesim("count", "--model", "hf:examples/llama4-maverick-17b-128e", "--seq-len", 8193)
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1
+    assert "chunked attention layers attend within chunks of 8,192 tokens" in err and "give at most 8,192" in err
+
+
+def test_maverick_counts_its_cards_400b_parameters_and_17b_active(monkeypatch):
+    """meta-llama/Llama-4-Maverick-17B-128E's card: 17B active parameters, 400B in all; 24 of its 48 layers a
+    mixture of 128 experts, top 1, beside a shared one."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    code, out, err = pipesim("count", "--model", "hf:examples/llama4-maverick-17b-128e", "--seq-len", 128, "--json")
+    assert code == 0, err
+    counted = json.loads(out)
+    assert (counted["options"]["experts"], counted["options"]["top_k"]) == (128, 1)
+    blocks = counted["layers"][1:-2]
+    assert [bool(layer["expert_param_bytes"]) for layer in blocks] == [False, True] * 24
+    total = sum(layer["param_bytes"] for layer in counted["layers"]) / 2
+    experts = sum(layer["expert_param_bytes"] for layer in counted["layers"]) / 2
+    assert total == pytest.approx(400.7e9, rel=1e-3)
+    assert total - experts + experts / 128 == pytest.approx(17.2e9, rel=1e-2)
