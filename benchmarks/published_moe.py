@@ -106,10 +106,10 @@ does not model is printed with the rows (`RECIPE_NOT_MODELLED`). v25.08.01's H10
 25.07.01) runs as its release ran it (`DGXC_RELEASE_RUNS`): over DeepEP with forced balance, dropless, its layout
 and MTP layer, the MLA RoPE fused, gradients reduced in 16 bits, and whole MoE layers recomputed ("moe") beside
 MLA's up-projections and the dense MLPs;
-Llama 4 Maverick's BF16 row runs as NeMo's pretrain_llama4_e128.py ran it (`LLAMA4_RUN`): t4 with sequence
+Llama 4 Maverick's rows run as NeMo's pretrain_llama4_e128.py ran them (`LLAMA4_RUN`): t4 with sequence
 parallelism and userbuffers, E128 at expert t 4, VP 1 as launch.sh set it, the all-to-all dispatcher with the
-token-drop callback's capacity 1 padded, the router's weights on the experts' input; its FP8 row, run with
-whole layers in CUDA graphs, is listed with why it is not run (`DGXC_NOT_EXPRESSIBLE`).
+token-drop callback's capacity 1 padded, the router's weights on the experts' input; the FP8 row in delayed
+scaling with every transformer layer in CUDA graphs (`LLAMA4_FP8_RUN`, `--cuda-graphs full`).
 
 Megatron-Bridge's measured runs outside its summaries (benchmarks/published/megatron-bridge-cards-moe-h100.csv: a
 skill's and the model cards', each with its whole layout and step time) run as the summaries' rows in BF16:
@@ -327,16 +327,8 @@ DGXC_MODELS = {"deepseek_v3": ("DeepSeek-V3", "deepseek-v3"),
 # NeMo's DeepSeekConfig (nemo/collections/llm/gpt/model/deepseek.py at 7a8f1cc7bc): seq_aux_loss, coefficient 1e-4,
 # no moe_router_fusion: the loss's torch ops
 DGXC_AUX_LOSS = "unfused"
-# (recipe, precision) -> why the row is not run
-DGXC_NOT_EXPRESSIBLE = {
-    # llama4/launch.sh at 1f6d9f4 lines 105-109 (CUDA_GRAPH true for FP8 on H100), NeMo's utils.py at 7a8f1cc7bc
-    # lines 380-381 (enable_cuda_graph), Megatron-core's cuda_graph_scope "full" by default
-    ("llama4", "FP8"): "\"run with CUDA Graphs enabled\" (its README; launch.sh sets them for FP8 on H100): each whole "
-                       "layer captured (Megatron-core's enable_cuda_graph), which --cuda-graphs prices for Mamba-2 "
-                       "layers only",
-}
 # Llama 4 Maverick's BF16 H100 row as NeMo's scripts/performance/llm/pretrain_llama4_e128.py at 7a8f1cc7bc ran it
-# (launch.sh and setup.sh at 1f6d9f4): VP 1 (launch.sh line 101, the csv's vp_size 1; the README prints the GB200
+# (launch.sh and setup.sh at 1f6d9f4): VP 1 (launch.sh line 101; the README, and so the csv here, prints the GB200
 # rows' 12), no CUDA graphs in BF16 (lines 105-109, 117-126); Llama4Config and Llama4Experts128Config (llama.py lines
 # 374-434: the all-to-all dispatcher, moe_apply_probs_on_input, the router's sigmoid top 1, moe_aux_loss_coeff 0 by
 # default, so no load-balancing loss), the script's apply_rope_fusion and TransformerEngine's cross entropy (lines
@@ -346,6 +338,10 @@ DGXC_NOT_EXPRESSIBLE = {
 LLAMA4_RUN = dict(dispatcher=None, routing="balanced", capacity_factor=TOKEN_DROP_CAPACITY,
                   precision="megatron-16bit-grads", rope_kernel="fused", stage_cut=None, mtp_layers=0,
                   router_aux_loss="none", tp_overlap=True, recompute_modules=())
+# its FP8 row: the same run in NeMo's bf16_with_fp8_mixed (TransformerEngine's delayed scaling: mixed_precision.py
+# lines 64-71 at 7a8f1cc7bc) with every transformer layer in CUDA graphs (launch.sh lines 105-109: CUDA_GRAPH true
+# for FP8 on H100; utils.py lines 380-381: enable_cuda_graph, Megatron-core's TransformerLayer graphs)
+LLAMA4_FP8_RUN = dict(LLAMA4_RUN, fp8_recipe="te", cuda_graphs=("full",))
 # the DGX Cloud runs' model -> what its run does otherwise, which pipesim counts as the model's config has it
 DGXC_OTHERWISE = {"Llama 4 Maverick": "transformers' attention temperature tuning on its 12 layers without RoPE (the "
                                       "config's default attn_temperature_tuning: each query scaled by a factor of "
@@ -426,7 +422,8 @@ RECIPE_NOT_MODELLED = {"DeepSeekV3": "the optimizer's bfloat16 moments, fp8_para
                        # buckets and PerfEnvPlugin's margin as above
                        "DGXC Llama 4 Maverick": "moe_shared_expert_overlap (the shared expert beside the dispatch), "
                                                 "the DDP buckets of 128M parameters MegatronCommOverlapCallback sets, "
-                                                "TransformerEngine's norms leaving 16 SMs",
+                                                "TransformerEngine's norms leaving 16 SMs; in FP8, fp8_param_gather "
+                                                "beside expert parallelism and the graphs' memory pool",
                        "DGXC DeepSeek-V3 t1 p8 v2": "DeepEP's received indices made each local expert's map by the "
                                                     "fused kernel its experimental flag turns on (where "
                                                     "--token-dispatcher deepep prices Megatron-core's unfused 12), "
@@ -674,11 +671,8 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
         if row["workload"] == "llama4":
             chunks = 1  # as launch.sh ran it (`LLAMA4_RUN`)
         name = f"DGXC {model} {row['precision']} t{t} p{p} v{chunks} E{e}"
-        if (why := DGXC_NOT_EXPRESSIBLE.get((row["workload"], row["precision"]))) is not None:
-            left_out.append((name, why))
-            continue
         if row["workload"] == "llama4":
-            settings = LLAMA4_RUN
+            settings = LLAMA4_FP8_RUN if row["precision"] == "FP8" else LLAMA4_RUN
         else:
             settings = {**dict(dispatcher=None, routing="balanced", capacity_factor=TOKEN_DROP_CAPACITY,
                                precision="megatron", rope_kernel="eager", stage_cut=dgxc_first_last(p), mtp_layers=1,
@@ -686,7 +680,7 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                                recompute_modules=tuple(row["recompute_modules"].split(","))),
                         **DGXC_RELEASE_RUNS.get(row["release"], {})}
         run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e, expert_tensor=etp, a2a_overlap=False,
-                     fp8_recipe=None, source=DGXC, **settings)
+                     source=DGXC, **{"fp8_recipe": None, **settings})
         expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 

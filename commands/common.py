@@ -432,7 +432,9 @@ CudaGraphs = Annotated[str | None, typer.Option(
     "--cuda-graphs", metavar="SCOPES", help="With --gpu: layers whose forward and backward each replay a CUDA graph, "
                                             "by Megatron-core's cuda_graph_modules under TransformerEngine's "
                                             "make_graphed_callables: mamba (each Mamba-2 layer whole, its norm and "
-                                            "residual add included). The host issues a replay at one kernel's cost "
+                                            "residual add included); full (each transformer layer whole, as "
+                                            "Megatron-core's enable_cuda_graph: no recomputation, no dropless "
+                                            "dispatcher). The host issues a replay at one kernel's cost "
                                             "(--host-kernel-us) instead of each kernel and module call; the GPU's "
                                             "time and the memory are as without graphs. Default: none.")]
 HostKernelUs = Annotated[float | None, typer.Option(

@@ -366,6 +366,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         raise InputError("--recompute-modules moe reruns each mixture of experts whole, which Megatron-core's "
                          "expert-parallel overlap does not take (transformer_config.py: \"disable moe in "
                          "recompute_modules when enabling overlap_moe_expert_parallel_comm\"): drop one of them")
+    if "full" in what.cuda_graphs and params.get("overlap_expert_comm"):
+        raise InputError("--cuda-graphs full prices each layer's forward and backward as one replay, and "
+                         "--overlap-expert-comm pairs one micro-batch's forward with another's backward node by node: "
+                         "drop one of them")
     if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
         raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
                          "too")
@@ -540,8 +544,9 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     that need the count are refused here, once for every command (tune would take a refusal from each estimate for
     its t's, after its progress note): --expert-gemm per-expert, --expert-parallel and the routing's options on a
     model without routed experts, and E not dividing them."""
-    from ..planning.estimate import runs_te_layers
+    from ..planning.estimate import captured, runs_te_layers
     from ..planning.experts import check_expert_ranks
+    from ..planning.host import synchronises
 
     counted = count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
                              "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
@@ -568,12 +573,20 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
             raise InputError(f"--recompute-modules {name}: no layer of the model has {RECOMPUTED_PARTS[name]} to "
                              "recompute; leave it out")
         if te_layers and not held(te=True):  # Megatron-core's layernorm: an IdentityOp in every layer here
-            raise InputError(f"--recompute-modules {name}: under TransformerEngine's layers (--linear-kernel te) "
-                             "no layer of the model has a norm of its own to recompute: each is fused into the "
-                             "linear after it (TELayerNormColumnParallelLinear), as Megatron-core runs it; give "
-                             "--linear-kernel eager or leave it out")
+            why, way = (("--linear-kernel te", "give --linear-kernel eager or leave it out") if what.linear_kernel
+                        else (f"those --fp8-recipe {what.fp8} runs", "leave it out"))
+            raise InputError(f"--recompute-modules {name}: under TransformerEngine's layers ({why}) no layer of the "
+                             "model has a norm of its own to recompute: each is fused into the linear after it "
+                             f"(TELayerNormColumnParallelLinear), as Megatron-core runs it; {way}")
     if "mamba" in what.cuda_graphs and not any(layer.mamba_layer for layer in counted.layers):
         raise InputError("--cuda-graphs mamba: no layer of the model is a Mamba-2 layer to capture; leave it out")
+    waiting = next((layer for layer in counted.layers
+                    if captured(layer, what.cuda_graphs) and synchronises(layer, counted.options)), None)
+    if waiting is not None:
+        raise InputError(f"--cuda-graphs full: layer {waiting.name} makes the host wait for the GPU in its forward "
+                         "(a dropless dispatcher's copy of the tokens each expert receives, or a synchronous copy to "
+                         "the device), which a CUDA graph cannot capture; give --capacity-factor (each expert padded "
+                         "to its capacity) or leave full out")
     return counted
 
 

@@ -570,7 +570,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     per_node = node_placement(what.gpu, what.cluster).gpus_per_node
     tensors = [tensor] if tensor else [1 << k for k in range(per_node.bit_length())
                                        if devices % ((1 << k) * (data or 1)) == 0]
-    kinds = (recompute,) if recompute else SEARCHED_RECOMPUTE
+    # whole-layer graphs beside no recomputation only (Megatron-core refuses the rest: `Parallelism`)
+    kinds = (recompute,) if recompute else ("none",) if "full" in what.cuda_graphs else SEARCHED_RECOMPUTE
     groups, blocks = [], []  # each (b, t): its groups' indices, one per rank order and E it tries
     for b in sizes:
         counted = counts.get(b) or count_what_if(what, b)

@@ -226,11 +226,19 @@ _CHOICES = {"expert_gemm": EXPERT_GEMMS, "token_dispatcher": DISPATCHERS, "routi
             "grad_accumulation": GRAD_ACCUMULATIONS, "fp8": tuple(FP8_RECIPES), "tp_runtime": TP_RUNTIMES,
             "cp_rotate": CP_ROTATES, "attention_kernel": ATTENTION_KERNELS, "linear_kernel": LINEAR_KERNELS}
 _OPTIONAL = ("token_dispatcher", "ema", "grad_accumulation", "fp8", "linear_kernel")
-# The layers CUDA graphs may capture whole, by Megatron-core's cuda_graph_modules (cuda_graph_scope before
-# d0b3b775) under its TransformerEngine implementation (make_graphed_callables: a forward and a backward graph a
-# layer): "mamba", each MambaLayer (`LayerCount.mamba_layer`). A pass of a captured layer is one graph replay the
-# host issues (`graph_replay`)
-CUDA_GRAPH_SCOPES = ("mamba",)
+# The layers CUDA graphs may capture whole: "mamba", each MambaLayer (`LayerCount.mamba_layer`), by Megatron-core's
+# cuda_graph_modules (cuda_graph_scope before d0b3b775) under its TransformerEngine implementation
+# (make_graphed_callables: a forward and a backward graph a layer); "full", each transformer layer
+# (`LayerCount.transformer_layer`: its attention or mixer, MLP or mixture of experts, norms and residual adds), as
+# Megatron-core's `enable_cuda_graph` swaps every TransformerLayer for its CudaGraphManager's graphed one
+# (transformer_config.py, transformer_layer.py at 7094270c6f), the embedding and the head not. A pass of a captured
+# layer is one graph replay the host issues (`graph_replay`)
+CUDA_GRAPH_SCOPES = ("mamba", "full")
+
+
+def captured(layer: LayerCount, scopes: tuple[str, ...]) -> bool:
+    """Whether CUDA graphs of `scopes` (`CUDA_GRAPH_SCOPES`) capture `layer` whole."""
+    return ("mamba" in scopes and layer.mamba_layer) or ("full" in scopes and layer.transformer_layer)
 
 
 def runs_te_layers(linear_kernel: str | None, fp8: str | None) -> bool:
@@ -311,6 +319,11 @@ class Parallelism:
                 self.cuda_graphs):
             raise EstimateError(f"{{cuda_graphs}}: a comma list of {', '.join(CUDA_GRAPH_SCOPES)}, each once (got "
                                 f"{','.join(self.cuda_graphs)!r})")
+        if "full" in self.cuda_graphs and (self.recompute != "none" or self.recompute_modules):
+            raise EstimateError("{cuda_graphs} full captures each transformer layer whole, which Megatron-core "
+                                "refuses beside recomputation (transformer_config.py: \"CUDA graphs not supported "
+                                "with activation recomputation\"): give {recompute} none without "
+                                "{recompute_modules}, or leave full out")
         if self.recompute_modules and self.recompute not in ("none", "selective"):
             raise EstimateError("{recompute_modules} reruns parts of a layer beside {recompute} none or "
                                 f"selective; {{recompute}} {self.recompute} already decides what every layer keeps")
@@ -2974,7 +2987,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         def replayed(given: dict[str, list[Kernels]]) -> dict[str, list[Kernels]]:
             """The passes `given` as the host issues them where the layer is captured in CUDA graphs
             (`CUDA_GRAPH_SCOPES`): each one replay (`graph_replay`)."""
-            if not (layer.mamba_layer and "mamba" in parallel.cuda_graphs):
+            if not captured(layer, parallel.cuda_graphs):
                 return given
             return {name: graph_replay(run, parallel.host_kernel_us) for name, run in given.items()}
 

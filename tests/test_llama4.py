@@ -41,24 +41,34 @@ def _llama4_moe():
 def test_a_mixture_computes_what_transformers_llama4_moe_computes_with_each_token_through_its_expert_alone():
     """transformers' forward runs all 8 experts on every token, those not routed to scaled by 0 (silu(0) = 0: they
     add nothing); pipesim's runs each token through its top-1 expert, its input scaled by the router's sigmoid,
-    beside the shared expert: the same output and router logits."""
+    beside the shared expert: the same output and router logits, and the same gradients of the tokens and of every
+    weight (the router's through its top-1 logits alone, as transformers' scatter of -inf leaves it)."""
+    import copy
+
     from pipesim.workload.hf import _as_megatron_runs
 
-    moe = _llama4_moe()
+    theirs_moe = _llama4_moe()
+    ours_moe = copy.deepcopy(theirs_moe)
+    _as_megatron_runs(torch.nn.ModuleList([ours_moe]))
+    assert ours_moe.forward.func.__name__ == "_input_scaled_mixture"
     tokens = torch.randn(BATCH, SEQ, H, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        theirs, their_logits = moe(tokens)
-        _as_megatron_runs(torch.nn.ModuleList([moe]))
-        assert moe.forward.func.__name__ == "_input_scaled_mixture"
-        ours, our_logits = moe(tokens)
-    torch.testing.assert_close(our_logits, their_logits)
-    torch.testing.assert_close(ours, theirs)
+    results = []
+    for moe in (theirs_moe, ours_moe):
+        given = tokens.clone().requires_grad_()
+        out, logits = moe(given)
+        (out.square().sum() + logits.sum()).backward()
+        results.append((out, logits, given.grad, *(weight.grad for weight in moe.parameters())))
+    for ours, theirs in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(ours, theirs)
 
 
 def test_each_expert_is_counted_at_its_top_1_share_of_the_tokens_with_the_router_weighting_its_input(tmp_path):
     """On the meta device the mixture's experts compute T·k/E tokens each (8 of 64 at top 1), not all 64: the
-    experts' products are 1/8 of every-token's, and no op scales their activation (the input is scaled)."""
+    experts' products are 1/8 of every-token's, and no op scales their activation (the input is scaled: the fused
+    SwiGLU reads the activation's input alone)."""
     layer = count_config(tmp_path / "llama4", TINY_LLAMA4).layers[2]
+    swiglu = [op for op in layer.ops["fwd"] if op.op == "fused_swiglu" and op.routed]
+    assert len(swiglu) == 1 and swiglu[0].moved_bytes == 3 * BATCH * SEQ * EXPERT_FFN * 2  # reads 2f, writes f
     routed = [op for op in layer.ops["fwd"] if op.routed and op.kind == "matmul"]
     tokens = BATCH * SEQ // EXPERTS
     assert sorted(op.shape for op in routed) == [(EXPERTS, tokens, H, EXPERT_FFN), (EXPERTS, tokens, 2 * EXPERT_FFN, H)]
@@ -88,10 +98,27 @@ def test_its_complex_rope_as_transformer_engines_interleaved_kernel_gives_the_sa
     torch.testing.assert_close(scores(ours), scores(theirs))
 
 
-def test_a_sequence_past_one_attention_chunk_is_refused_in_one_line():
-    code, out, err = pipesim("count", "--model", "hf:examples/llama4-maverick-17b-128e", "--seq-len", 8193)
-    assert code == 2 and not out and len(err.strip().splitlines()) == 1
-    assert "chunked attention layers attend within chunks of 8,192 tokens" in err and "give at most 8,192" in err
+def test_a_sequence_past_one_attention_chunk_is_refused_in_one_line_before_torch_is_imported(monkeypatch):
+    """The config's attention_chunk_size bounds --seq-len as its max_position_embeddings does, read from the file
+    (workload/hfconfig.py `config_seq_len_refusal`); transformers' own reading of the layers refuses it too
+    (workload/hf.py), for a config whose chunked layers the file does not say."""
+    from pathlib import Path
+
+    from tests.conftest import pipesim_fresh
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    model = ("--model", "hf:examples/llama4-maverick-17b-128e")
+    runs, imported = pipesim_fresh(("count", *model, "--seq-len", 8193), ("count", *model))
+    for (code, out, err), wanted in zip(runs, ("--seq-len 8,193: hf:examples/llama4-maverick-17b-128e takes at most "
+                                               "its attention_chunk_size", "(up to its attention_chunk_size")):
+        assert code == 2 and not out and len(err.strip().splitlines()) == 1 and wanted in err, err
+        assert err.rstrip().endswith("8,192") or err.rstrip().endswith("8,192)")
+    assert "torch" not in imported
+    from pipesim.workload.hf import hf_model
+    from pipesim.workload.models import ModelError
+
+    with pytest.raises(ModelError, match="chunked attention layers attend within chunks of 8,192 tokens"):
+        hf_model("hf:examples/llama4-maverick-17b-128e", 8193)
 
 
 def test_maverick_counts_its_cards_400b_parameters_and_17b_active(monkeypatch):

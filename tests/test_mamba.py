@@ -226,7 +226,7 @@ def test_a_graphed_mamba2_layer_costs_the_host_one_replay_a_pass(tmp_path):
 
 
 @pytest.mark.parametrize("model, graphs, line", [
-    ("hybrid", "attn", "error: --cuda-graphs: a comma list of mamba, each once (got 'attn')"),
+    ("hybrid", "attn", "error: --cuda-graphs: a comma list of mamba, full, each once (got 'attn')"),
     ("gpt", "mamba", "error: --cuda-graphs mamba: no layer of the model is a Mamba-2 layer to capture; leave it out"),
 ])
 def test_cuda_graphs_of_a_scope_not_modelled_or_absent_are_one_line(tmp_path, model, graphs, line):

@@ -1,8 +1,7 @@
 """DGX Cloud's MoE recipes on H100 (benchmarks/published/nvidia-dgxc-moe-h100.csv, run by benchmarks/published_moe.py
 and recorded in benchmarks/published_moe.json): the CSV holds the READMEs' figures, each DeepSeek-V3 row is recorded
 with its layout and NeMo's pretrain_deepseek_v3.py settings at its release and its command reproduces it
-(tests/test_published_moe.py), Llama 4 Maverick's BF16 row as NeMo's pretrain_llama4_e128.py ran it, and its FP8
-row is listed with why it is not run."""
+(tests/test_published_moe.py), and Llama 4 Maverick's rows as NeMo's pretrain_llama4_e128.py ran them."""
 
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ def test_each_row_is_recorded_as_nemos_deepseek_v3_script_ran_it():
     """The MTP layer, 64 / p - 1 layers first and 64 / p - 2 last (the 61 in all), the recomputed MLA
     up-projections, the all-to-all dispatcher at capacity 1 padded (the token-drop callback), float32 gradients
     and RoPE unfused; the published tokens/s per GPU from the step."""
-    assert len(RECORDED) == len(PUBLISHED) + 2 == 4
+    assert len(RECORDED) == len(PUBLISHED) + 3 == 5
     for row, published in zip([row for row in RECORDED if "DeepSeek-V3 BF16 t2 " in row["run"]], PUBLISHED,
                               strict=True):
         args = shlex.split(row["command"])
@@ -70,19 +69,14 @@ def test_each_row_is_recorded_as_nemos_deepseek_v3_script_ran_it():
             batch * seq / (float(published["step_time_s"]) * gpus), rel=1e-12)
 
 
-def test_llama_4_maverick_runs_in_bf16_as_its_launch_ran_it_and_its_graphed_fp8_row_is_listed(monkeypatch):
-    """llama4/launch.sh at 1f6d9f4 runs VP 1 (the README prints 12), without CUDA graphs in BF16; NeMo's
+@pytest.mark.parametrize("precision", ["BF16", "FP8"])
+def test_llama_4_maverick_runs_as_its_launch_ran_it(precision):
+    """llama4/launch.sh at 1f6d9f4 runs VP 1 (the README prints 12), CUDA graphs in FP8 only; NeMo's
     pretrain_llama4_e128.py at 7a8f1cc7bc: t4 with sequence parallelism and userbuffers, E128 at expert t 4, the
     all-to-all dispatcher at the token-drop callback's capacity 1 padded, no load-balancing loss (coefficient 0),
-    fused RoPE, 16-bit gradient reduction. The FP8 row captured whole layers in CUDA graphs: listed with why."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from published_moe import dgxc_runs
-
-    expressible, left_out = dgxc_runs()
-    assert [run.name for run, _ in expressible] == [row["run"] for row in RECORDED]
-    assert [name for name, why in left_out if "CUDA Graphs" in why] == ["DGXC Llama 4 Maverick FP8 t4 p1 v1 E128"]
-    [row] = [row for row in RECORDED if row["run"] == "DGXC Llama 4 Maverick BF16 t4 p1 v1 E128"]
-    [published] = [row for row in EVERY_PUBLISHED if row["workload"] == "llama4" and row["precision"] == "BF16"]
+    fused RoPE, 16-bit gradient reduction; FP8 in delayed scaling (bf16_with_fp8_mixed), every layer graphed."""
+    [row] = [row for row in RECORDED if row["run"] == f"DGXC Llama 4 Maverick {precision} t4 p1 v1 E128"]
+    [published] = [row for row in EVERY_PUBLISHED if row["workload"] == "llama4" and row["precision"] == precision]
     args = shlex.split(row["command"])
     assert _flag(args, "--model") == "hf:examples/llama4-maverick-17b-128e"
     assert (_flag(args, "--tensor-parallel"), _flag(args, "-p"), _flag(args, "-s"), _flag(args, "--expert-parallel"),
@@ -91,8 +85,12 @@ def test_llama_4_maverick_runs_in_bf16_as_its_launch_ran_it_and_its_graphed_fp8_
     assert {"--sequence-parallel", "--tp-overlap"} <= set(args) and "--chunks" not in args
     assert (_flag(args, "--routing"), _flag(args, "--capacity-factor"), "--token-dispatcher" in args,
             "--router-aux-loss" in args, "--recompute-modules" in args) == ("balanced", "1", False, False, False)
-    assert (_flag(args, "--dtype"), _flag(args, "--precision"), _flag(args, "--rope-kernel")) == (
-        "bf16", "megatron-16bit-grads", "fused")
+    assert (_flag(args, "--precision"), _flag(args, "--rope-kernel")) == ("megatron-16bit-grads", "fused")
+    if precision == "FP8":
+        assert (_flag(args, "--dtype"), _flag(args, "--fp8-recipe"), _flag(args, "--cuda-graphs")) == (
+            "fp8", "te", "full")
+    else:
+        assert _flag(args, "--dtype") == "bf16" and "--cuda-graphs" not in args
     assert row["published_tokens_per_s_per_gpu"] == pytest.approx(
         int(published["global_batch"]) * int(published["seq_len"]) / (float(published["step_time_s"]) * 512),
         rel=1e-12)

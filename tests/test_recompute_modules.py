@@ -316,7 +316,12 @@ def test_recompute_modules_a_model_lacks_or_moe_beside_the_expert_overlap_are_re
               "--recompute-modules", "moe"), "--recompute-modules moe reruns each mixture of experts whole"),
             # a dense model's norms, each fused into the linear after it: Megatron-core reruns none, silently
             (("--model", "gpt", "--layers", "2", "--gpu", "h100-sxm", "-p", "2", "--linear-kernel", "te",
-              "--recompute-modules", "layernorm"), "--recompute-modules layernorm: under TransformerEngine's layers")):
+              "--recompute-modules", "layernorm"), "--recompute-modules layernorm: under TransformerEngine's layers "
+                                                   "(--linear-kernel te) no layer"),
+            # the recipe's layers, --linear-kernel not given (eager would be refused beside it): leave it out
+            (("--model", "gpt", "--layers", "2", "--gpu", "h100-sxm", "-p", "2", "--dtype", "fp8", "--fp8-recipe",
+              "te", "--recompute-modules", "layernorm"),
+             "(those --fp8-recipe te runs) no layer of the model has a norm of its own to recompute")):
         code, out, err = pipesim("simulate", *args)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not out, err
 

@@ -96,6 +96,15 @@ def test_deepseek_v3s_interleaved_rope_runs_as_the_fused_kernel(tmp_path):
     assert fused.fwd_moved_bytes < eager.fwd_moved_bytes
 
 
+def test_deepseek_v2s_complex_rope_on_its_own_layout_is_left_eager_and_fused_is_refused(tmp_path):
+    """DeepSeek-V2's `apply_rotary_emb(xq, xk, freqs_cis)` takes Llama 4's parameters on another layout (heads
+    before tokens): Llama 4's stand-in (workload/rope.py `_apply_fused_complex`) is not put in its place, which
+    broadcast its angles over the wrong axes, so --rope-kernel fused is refused as for a model without RoPE."""
+    deepseek_v2 = write_config(tmp_path / "deepseek_v2", {**TINY_DEEPSEEK, "model_type": "deepseek_v2"})
+    with pytest.raises(ModelError, match="Llama 4's apply_rotary_emb"):
+        count_built(f"hf:{deepseek_v2}", {"seq_len": S}, B, torch.bfloat16, "flash", rope_kernel="fused")
+
+
 def test_the_gpt_learns_its_positions_so_fused_rope_is_refused():
     """pipesim's gpt learns its positions (an embedding): `--rope-kernel fused` would change nothing, so it is
     refused, and eager counts as before."""

@@ -501,8 +501,8 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     (`host_waits_now`).
 
     `probs_on_input`: the router's weights scale each routed token before its experts' products instead of the
-    activation after (Llama 4's, Megatron-core's `moe_apply_probs_on_input`, which scales the tokens before the
-    dispatch; top-1, as it asserts)."""
+    activation after (Llama 4's, Megatron-core's `moe_apply_probs_on_input`, which scales each expert's tokens after
+    the dispatch: experts.py at 7094270c6f)."""
     tokens, width = hidden.shape
     experts, top_k = up.shape[0], top_k_index.shape[-1]
     out = torch.zeros_like(hidden)

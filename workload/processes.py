@@ -76,8 +76,8 @@ def sigint_held() -> Iterator[None]:
     previous = signal.signal(signal.SIGINT, lambda signum, _frame: came.append(signum))
     try:
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    finally:  # a handler set outside Python reads as None: restored as the default
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
         if came:  # as it would have been taken: raised (Python's handler), ended (the default) or ignored
             signal.raise_signal(signal.SIGINT)
 

@@ -115,10 +115,13 @@ def _apply_fused_complex(xq: torch.Tensor, xk: torch.Tensor,
 
 
 # The functions of transformers' modeling modules that attention calls by name, with the parameters they take first,
-# and their fused stand-ins.
-_STAND_INS = {"apply_rotary_pos_emb": (("q", "k", "cos", "sin"), _apply_fused),
-              "apply_rotary_pos_emb_interleave": (("q", "k", "cos", "sin"), _apply_fused_interleaved),
-              "apply_rotary_emb": (("xq", "xk", "freqs_cis"), _apply_fused_complex)}
+# the one modeling module whose function it is where the name is not transformers' common form (None: any), and
+# their fused stand-ins. DeepSeek-V2's `apply_rotary_emb` takes the same parameters on another layout (heads before
+# tokens): left as it is, so that --rope-kernel fused is refused there (`NO_ROPE_TO_FUSE`).
+_STAND_INS = {"apply_rotary_pos_emb": (("q", "k", "cos", "sin"), None, _apply_fused),
+              "apply_rotary_pos_emb_interleave": (("q", "k", "cos", "sin"), None, _apply_fused_interleaved),
+              "apply_rotary_emb": (("xq", "xk", "freqs_cis"), "transformers.models.llama4.modeling_llama4",
+                                   _apply_fused_complex)}
 
 
 # Why `--rope-kernel fused` cannot apply to a model whose count ran no `_FusedRope` (workload/count.py `count_model`).
@@ -141,13 +144,14 @@ def _takes(function: object, parameters: tuple[str, ...]) -> bool:
 @contextmanager
 def fused_rope(layer: torch.nn.Module, on: bool) -> Iterator[None]:
     """Run `layer`'s RoPE as `_STAND_INS` inside (`on`), else as it is: the functions of `_STAND_INS` that the
-    modules of its submodules define in transformers' form, taking (q, k, cos, sin) first (the form their attention
-    calls by name)."""
+    modules of its submodules define in the form an entry replaces (the parameters it takes first, in the modeling
+    module it names), which their attention calls by name."""
     modelings = {sys.modules[type(module).__module__] for module in layer.modules()} if on else set()
     eager = {(modeling, name): getattr(modeling, name) for modeling in modelings
-             for name, (parameters, _) in _STAND_INS.items() if _takes(getattr(modeling, name, None), parameters)}
+             for name, (parameters, only_in, _) in _STAND_INS.items()
+             if only_in in (None, modeling.__name__) and _takes(getattr(modeling, name, None), parameters)}
     for (modeling, name) in eager:
-        setattr(modeling, name, _STAND_INS[name][1])
+        setattr(modeling, name, _STAND_INS[name][2])
     try:
         yield
     finally:
