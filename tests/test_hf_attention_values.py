@@ -28,10 +28,11 @@ MODELS = {"gpt_oss": {"layer_types": ["sliding_attention", "full_attention"], "a
                       "num_local_experts": 4, "num_experts_per_tok": 2},
           "gemma2": {"layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 5.0},
           "mistral": {},
-          # Llama 4's layout (transformers' Llama4ForCausalLM, whose decoder is its `model`): a dense layer with RoPE,
-          # then a mixture of 4 experts, top 1, without RoPE, its queries scaled by position (temperature tuning)
+          # Llama 4's layout (transformers' Llama4ForCausalLM, whose decoder is its `model`): a dense layer with RoPE
+          # attending within chunks of 5 tokens (12 = 5 + 5 + 2), then a mixture of 4 experts, top 1, without RoPE,
+          # attending to every earlier token, its queries scaled by position (temperature tuning)
           "llama4_text": {"intermediate_size_mlp": 48, "num_local_experts": 4, "num_experts_per_tok": 1,
-                          "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": 64,
+                          "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": 5,
                           "floor_scale": 4}}
 
 

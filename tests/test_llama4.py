@@ -98,27 +98,18 @@ def test_its_complex_rope_as_transformer_engines_interleaved_kernel_gives_the_sa
     torch.testing.assert_close(scores(ours), scores(theirs))
 
 
-def test_a_sequence_past_one_attention_chunk_is_refused_in_one_line_before_torch_is_imported(monkeypatch):
-    """The config's attention_chunk_size bounds --seq-len as its max_position_embeddings does, read from the file
-    (workload/hfconfig.py `config_seq_len_refusal`); transformers' own reading of the layers refuses it too
-    (workload/hf.py), for a config whose chunked layers the file does not say."""
-    from pathlib import Path
+def test_a_chunked_layer_is_counted_as_its_chunks_causal_kernels_and_the_global_layer_whole(tmp_path):
+    """Past one chunk (32 tokens at chunks of 12: 12 + 12 + 8, the last padded), the RoPE layer's attention is one
+    causal kernel over the 3 chunks of each sequence, each its own batch entry; the layer without RoPE attends to
+    every earlier token, one causal kernel over the 32. (transformers' own chunked mask computes the same:
+    tests/test_hf_attention_values.py.)"""
+    layers = count_config(tmp_path / "chunks", {**TINY_LLAMA4, "attention_chunk_size": 12}, "flash").layers
 
-    from tests.conftest import pipesim_fresh
+    def attention(layer) -> list[tuple[int, ...]]:
+        return [op.shape for op in layer.ops["fwd"] if op.kind == "attention"]
 
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    model = ("--model", "hf:examples/llama4-maverick-17b-128e")
-    runs, imported = pipesim_fresh(("count", *model, "--seq-len", 8193), ("count", *model))
-    for (code, out, err), wanted in zip(runs, ("--seq-len 8,193: hf:examples/llama4-maverick-17b-128e takes at most "
-                                               "its attention_chunk_size", "(up to its attention_chunk_size")):
-        assert code == 2 and not out and len(err.strip().splitlines()) == 1 and wanted in err, err
-        assert err.rstrip().endswith("8,192") or err.rstrip().endswith("8,192)")
-    assert "torch" not in imported
-    from pipesim.workload.hf import hf_model
-    from pipesim.workload.models import ModelError
-
-    with pytest.raises(ModelError, match="chunked attention layers attend within chunks of 8,192 tokens"):
-        hf_model("hf:examples/llama4-maverick-17b-128e", 8193)
+    assert attention(layers[1]) == [(BATCH * 3 * 4, 12, 12, 16)]
+    assert attention(layers[2]) == [(BATCH * 4, SEQ, SEQ, 16)]
 
 
 def test_maverick_counts_its_cards_400b_parameters_and_17b_active(monkeypatch):

@@ -186,6 +186,12 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     the fused causal kernel over the window's band (with the sinks and the capping inside it)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    chunk = _attention_chunk(module)
+    if chunk is not None and chunk < query.shape[-2]:
+        tokens = query.shape[-2]
+        out, weights = counted_attention(module, *(_chunked(t, chunk) for t in (query, key, value)), attention_mask,
+                                         s_aux, softcap, **kwargs)
+        return out.reshape(query.shape[0], -1, *out.shape[2:])[:, :tokens], weights
     unknown = next((what for name, what in UNCOUNTED_ATTENTION.items() if kwargs.get(name) is not None), None)
     if unknown:
         raise ModelError(f"--model: {type(module).__name__} hands its attention {unknown}, which the fused attention "
@@ -202,6 +208,29 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                       **kwargs)
     with attention_window(window, softcap is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _attention_chunk(module: nn.Module) -> int | None:
+    """The chunks an attention module's queries attend within, each to the keys of its own up to itself (Llama 4's
+    layers of type "chunked_attention": transformers' chunked mask, `attention_chunk_size`), None for the others."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if index is None or not types or types[index] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
+
+
+def _chunked(states: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Queries, keys or values (batch, heads, tokens, features) as chunks of `chunk` tokens, each chunk a batch
+    entry of its own: a view of transformers' (batch, tokens, heads, features) layout, its last chunk padded with
+    zeros to `chunk` tokens (the padded keys lie after every query, so the causal mask hides them; the padded queries'
+    outputs are dropped). Megatron-core's Llama 4 (NeMo's Llama4SelfAttention `chunkify`) copies them so, its
+    layout sequence-first; those copies are not counted."""
+    batch, heads, tokens, features = states.shape
+    laid = states.transpose(1, 2)
+    if tokens % chunk:
+        laid = F.pad(laid, (0, 0, 0, 0, 0, chunk - tokens % chunk))
+    return laid.reshape(-1, chunk, heads, features).transpose(1, 2)
 
 
 def _causal_mask(query: torch.Tensor, key: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -287,11 +316,6 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         check_positive(seq_len=seq_len)
     if refusal := seq_len_refusal(spec, seq_len, *bound):
         raise ModelError(refusal)
-    chunk = getattr(settings, "attention_chunk_size", None)
-    if chunk and seq_len and seq_len > chunk and "chunked_attention" in (getattr(settings, "layer_types", None) or ()):
-        raise ModelError(f"--seq-len {seq_len:,}: {config.path}'s chunked attention layers attend within chunks of "
-                         f"{chunk:,} tokens (attention_chunk_size), which pipesim does not count; give at most "
-                         f"{chunk:,}")
     check_size("mtp_layers", mtp_layers, least=0)
     built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(settings), None)
     if built is None:

@@ -39,9 +39,6 @@ SIZES = {**{field: size for size, field in FIGURES.items()}, "num_key_value_head
 # where it does not (Mixtral's, which workload/hf.py refuses once built)
 LEAST = dict.fromkeys(EXPERT_FIELDS, 0)
 LONGEST_FIELD = "max_position_embeddings"  # the most tokens a sample of the model holds
-# the chunks Llama 4's chunked attention layers attend within (its layers with RoPE, transformers' layer_types
-# "chunked_attention" by default): pipesim counts no sample longer than one (workload/hf.py)
-CHUNK_FIELD, CHUNKED_MODEL_TYPES = "attention_chunk_size", ("llama4_text",)
 
 
 class HfConfigError(ValueError):
@@ -173,11 +170,6 @@ def config_seq_len_refusal(spec: str, seq_len: int | None) -> str | None:
         return refusal
     if (refusal := size_refusal(LONGEST_FIELD, None, longest)) is not None:
         return f"--model {spec}: {config.path}: {refusal}"
-    chunk, types = config.fields.get(CHUNK_FIELD), config.fields.get("layer_types")
-    if (config.model_type in CHUNKED_MODEL_TYPES and isinstance(chunk, int) and not isinstance(chunk, bool)
-            and 0 < chunk < longest and (types is None or "chunked_attention" in types)):
-        return seq_len_refusal(spec, seq_len, chunk, f"its {CHUNK_FIELD} (its chunked attention layers attend within "
-                                                     "chunks of it, which pipesim does not count across)")
     return seq_len_refusal(spec, seq_len, longest, f"its {LONGEST_FIELD}")
 
 
