@@ -429,10 +429,10 @@ P2pSync = Annotated[bool, typer.Option(
                        "receives the input of starts with its host not ahead of the GPU; for the 1f1b schedule only "
                        "(docs/hardware.md, \"Host-bound execution\").")]
 CudaGraphs = Annotated[str | None, typer.Option(
-    "--cuda-graphs", metavar="SCOPES", help="With --gpu: layers whose forward and backward each replay a CUDA graph, "
-                                            "by Megatron-core's cuda_graph_modules under TransformerEngine's "
-                                            "make_graphed_callables: mamba (each Mamba-2 layer whole, its norm and "
-                                            "residual add included); full (each transformer layer whole, as "
+    "--cuda-graphs", metavar="SCOPES", help="With --gpu: layers whose forward and backward each replay a CUDA graph: "
+                                            "mamba (each Mamba-2 layer whole, its norm and residual add included, "
+                                            "Megatron-core's cuda_graph_modules under TransformerEngine's "
+                                            "make_graphed_callables); full, alone (each transformer layer whole, "
                                             "Megatron-core's enable_cuda_graph: no recomputation, no dropless "
                                             "dispatcher). The host issues a replay at one kernel's cost "
                                             "(--host-kernel-us) instead of each kernel and module call; the GPU's "
@@ -853,6 +853,20 @@ def check_estimate_experts(measured, stages: int, data_parallel: int, *, one_rep
         raise InputError(f"--data-parallel {data_parallel:,}: {estimated}, and {flag_line(refusal)}")
     raise InputError(f"--profile: {one_replica} writes one replica (d = 1), and {estimated}, whose ranks its rank "
                      f"order cannot place in one replica: give a profile estimated with --expert-parallel 1")
+
+
+def check_estimate_overlap(measured, overlap_expert_comm: bool) -> None:
+    """--overlap-expert-comm beside a --profile estimated with what it cannot run beside (commands/estimate.py
+    `expert_overlap_refusal`): refused as the same flags given with --gpu are."""
+    from .estimate import expert_overlap_refusal
+
+    if not overlap_expert_comm or measured is None or measured.estimate is None:
+        return
+    parallelism = measured.estimate.parallelism
+    refusal = expert_overlap_refusal(tuple(parallelism.get("recompute_modules", ())),
+                                     tuple(parallelism.get("cuda_graphs", ())), " (the profile's estimate)")
+    if refusal is not None:
+        raise InputError(refusal)
 
 
 def check_expert_parallel(expert_parallel: int, net, *, placed: bool = False) -> None:

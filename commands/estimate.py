@@ -362,14 +362,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         # given (tune's search, none given, tries 1 too)
         replace(what.parallelism(1, params.get("tensor_parallel") or 1, recompute=recompute),
                 recompute_modules=what.recompute_modules)
-    if "moe" in what.recompute_modules and params.get("overlap_expert_comm"):
-        raise InputError("--recompute-modules moe reruns each mixture of experts whole, which Megatron-core's "
-                         "expert-parallel overlap does not take (transformer_config.py: \"disable moe in "
-                         "recompute_modules when enabling overlap_moe_expert_parallel_comm\"): drop one of them")
-    if "full" in what.cuda_graphs and params.get("overlap_expert_comm"):
-        raise InputError("--cuda-graphs full prices each layer's forward and backward as one replay, and "
-                         "--overlap-expert-comm pairs one micro-batch's forward with another's backward node by node: "
-                         "drop one of them")
+    if params.get("overlap_expert_comm") and (refusal := expert_overlap_refusal(what.recompute_modules,
+                                                                                what.cuda_graphs)):
+        raise InputError(refusal)
     if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
         raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
                          "too")
@@ -537,6 +532,21 @@ def print_fitted_curve(profile: Profile) -> None:
 COUNTING_STATUS = f"{COUNTING_MODEL}, then pricing it for --gpu"
 
 
+def expert_overlap_refusal(recompute_modules: tuple[str, ...], cuda_graphs: tuple[str, ...],
+                           estimated: str = "") -> str | None:
+    """Why --overlap-expert-comm cannot run beside these settings (as given, or `estimated`: the --profile's words
+    for them), or None: a mixture of experts recomputed whole, or each layer a CUDA graph's replay."""
+    if "moe" in recompute_modules:
+        return (f"--recompute-modules moe{estimated} reruns each mixture of experts whole, which Megatron-core's "
+                "expert-parallel overlap does not take (transformer_config.py: \"disable moe in recompute_modules "
+                "when enabling overlap_moe_expert_parallel_comm\"): drop one of them")
+    if "full" in cuda_graphs:
+        return (f"--cuda-graphs full{estimated} prices each layer's forward and backward as one replay, and "
+                "--overlap-expert-comm pairs one micro-batch's forward with another's backward node by node: drop "
+                "one of them")
+    return None
+
+
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     """The model counted on the meta device at `microbatch_size` samples. A built-in model's count is kept in the
     host cache, keyed by everything it depends on (see `_count_cache`), so that only the first what-if of a shape
@@ -580,6 +590,10 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
                              f"(TELayerNormColumnParallelLinear), as Megatron-core runs it; {way}")
     if "mamba" in what.cuda_graphs and not any(layer.mamba_layer for layer in counted.layers):
         raise InputError("--cuda-graphs mamba: no layer of the model is a Mamba-2 layer to capture; leave it out")
+    if "full" in what.cuda_graphs and counted.options.get("mtp_layers"):
+        raise InputError("--cuda-graphs full beside --mtp-layers: Megatron-core graphs the multi-token-prediction "
+                         "module's inner transformer layer alone, and pipesim counts the module as one layer with "
+                         "its norms, projection, head and loss; leave one out")
     waiting = next((layer for layer in counted.layers
                     if captured(layer, what.cuda_graphs) and synchronises(layer, counted.options)), None)
     if waiting is not None:

@@ -62,6 +62,7 @@ from .common import (
     built_schedule,
     check_allocator,
     check_estimate_experts,
+    check_estimate_overlap,
     check_method_options,
     check_outputs,
     check_p2p_sync,
@@ -311,6 +312,7 @@ def simulate(
             _check_profile_experts(scenario.measured, experts, data_parallel)
         if what is None:
             check_estimate_experts(scenario.measured, stages, data_parallel)
+            check_estimate_overlap(scenario.measured, ctx.params.get("overlap_expert_comm", False))
 
         def build(name: str, count: int, at=None):
             method = METHODS[name]

@@ -42,6 +42,7 @@ from .common import (
     allocator_fields,
     check_allocator,
     check_estimate_experts,
+    check_estimate_overlap,
     check_method_options,
     check_outputs,
     check_p2p_sync,
@@ -279,6 +280,8 @@ def sweep(
             search["search_seconds"], data_parallel, reduce_after_flush, zero_stage(ctx.params)).configs()
         for p in sorted({config.stages for config in configs}) if what is None else ():
             check_estimate_experts(scenario.measured, p, data_parallel)
+        if what is None:
+            check_estimate_overlap(scenario.measured, ctx.params.get("overlap_expert_comm", False))
         # (scenario, the configurations it runs): an estimate depends on p (which links a stage boundary crosses)
         jobs = [(scenario, list(range(len(configs))))]
         too_deep = []  # (index, result) of each configuration whose p has more stages than the model has layers

@@ -319,6 +319,9 @@ class Parallelism:
                 self.cuda_graphs):
             raise EstimateError(f"{{cuda_graphs}}: a comma list of {', '.join(CUDA_GRAPH_SCOPES)}, each once (got "
                                 f"{','.join(self.cuda_graphs)!r})")
+        if "full" in self.cuda_graphs and len(self.cuda_graphs) > 1:
+            raise EstimateError("{cuda_graphs} full captures every transformer layer, a Mamba-2 one too: give it "
+                                "alone (Megatron-core refuses full beside another scope)")
         if "full" in self.cuda_graphs and (self.recompute != "none" or self.recompute_modules):
             raise EstimateError("{cuda_graphs} full captures each transformer layer whole, which Megatron-core "
                                 "refuses beside recomputation (transformer_config.py: \"CUDA graphs not supported "

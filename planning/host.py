@@ -197,7 +197,8 @@ def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[
 def graph_replay(kernels: Sequence[Kernels], host_kernel_us: float) -> list[Kernels]:
     """A layer's pass `kernels` (`pass_kernels`) captured in a CUDA graph (planning/estimate.py `CUDA_GRAPH_SCOPES`):
     the host issues one replay, priced as one kernel's issue (TransformerEngine's graphed callable, an autograd
-    Function, then cudaGraphLaunch; its modules' Python does not run), and the GPU runs the graph's kernels back to
+    Function, then cudaGraphLaunch, for "mamba"; Megatron-core's CudaGraphManager's runner, whose own Python is
+    not priced, for "full"; the modules' Python does not run), and the GPU runs the graph's kernels back to
     back, their GPU time together. A pass that waits for the GPU cannot be captured: kept as it is."""
     if not kernels or any(run.waits for run in kernels):
         return list(kernels)

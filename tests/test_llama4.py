@@ -112,6 +112,24 @@ def test_a_chunked_layer_is_counted_as_its_chunks_causal_kernels_and_the_global_
     assert attention(layers[2]) == [(BATCH * 4, SEQ, SEQ, 16)]
 
 
+@pytest.mark.parametrize("flags, refusal", [
+    (("--attention", "math"), "error: --attention math: Llama4TextAttention's chunked attention past one chunk of 12 "
+                              "tokens is counted for a fused kernel only"),
+    (("--attention", "flash", "--mtp-layers", 1), "error: --mtp-layers: Llama4ForCausalLM's config gives each of its 2 "
+                                                  "layers its kind"),
+])
+def test_unfused_chunks_and_a_multi_token_prediction_layer_after_typed_layers_are_one_line(tmp_path, flags, refusal):
+    """The unfused scores of a chunked layer would be a chunk's each, which the unfused pricing does not split; an
+    MTP module's layer is the config's next, which per-layer kinds (layer_types) do not give: transformers'
+    IndexError was a traceback."""
+    from tests.helpers import write_config
+
+    model = f"hf:{write_config(tmp_path / 'llama4', {**TINY_LLAMA4, 'attention_chunk_size': 12})}"
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", SEQ, "-p", 1, "-s", "1f1b",
+                             *flags)
+    assert (code, out) == (2, "") and err.startswith(refusal) and len(err.strip().splitlines()) == 1, err
+
+
 def test_maverick_counts_its_cards_400b_parameters_and_17b_active(monkeypatch):
     """meta-llama/Llama-4-Maverick-17B-128E's card: 17B active parameters, 400B in all; 24 of its 48 layers a
     mixture of 128 experts, top 1, beside a shared one."""

@@ -69,6 +69,16 @@ def test_each_row_is_recorded_as_nemos_deepseek_v3_script_ran_it():
             batch * seq / (float(published["step_time_s"]) * gpus), rel=1e-12)
 
 
+def test_every_row_runs_as_recorded(monkeypatch):
+    """Each of the CSV's rows is run (none left out since Llama 4 could be counted and graphed), in its order."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from published_moe import dgxc_runs
+
+    expressible, left_out = dgxc_runs()
+    assert [run.name for run, _ in expressible] == [row["run"] for row in RECORDED] and left_out == []
+    assert len(expressible) == len(EVERY_PUBLISHED)
+
+
 @pytest.mark.parametrize("precision", ["BF16", "FP8"])
 def test_llama_4_maverick_runs_as_its_launch_ran_it(precision):
     """llama4/launch.sh at 1f6d9f4 runs VP 1 (the README prints 12), CUDA graphs in FP8 only; NeMo's

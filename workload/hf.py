@@ -188,6 +188,10 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
     chunk = _attention_chunk(module)
     if chunk is not None and chunk < query.shape[-2]:
+        if query.device.type == "meta" and not fused_attention():
+            raise ModelError(f"--attention math: {type(module).__name__}'s chunked attention past one chunk of "
+                             f"{chunk:,} tokens is counted for a fused kernel only (unfused, its scores a chunk "
+                             "each are not modelled); give --attention flash")
         tokens = query.shape[-2]
         out, weights = counted_attention(module, *(_chunked(t, chunk) for t in (query, key, value)), attention_mask,
                                          s_aux, softcap, **kwargs)
@@ -388,7 +392,13 @@ class MultiTokenPrediction(nn.Module):
         config, norm = model.config, base.norm
         self.modules_at = nn.ModuleList()
         for k in range(depth):
-            block = type(base.layers[-1])(config, config.num_hidden_layers + k)
+            try:  # the config's next layer
+                block = type(base.layers[-1])(config, config.num_hidden_layers + k)
+            except IndexError:  # per-layer lists (layer_types, no_rope_layers) hold none past its layers
+                raise ModelError(f"--mtp-layers: {type(model).__name__}'s config gives each of its "
+                                 f"{config.num_hidden_layers} layers its kind, none for a multi-token-prediction "
+                                 "module's layer after them (DeepSeek-V3's kind of model has one); leave it out"
+                                 ) from None
             _as_megatron_runs(block)
             self.modules_at.append(nn.ModuleDict({
                 "hnorm": copy.deepcopy(norm), "enorm": copy.deepcopy(norm),
