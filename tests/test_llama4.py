@@ -141,6 +141,8 @@ def test_maverick_counts_its_cards_400b_parameters_and_17b_active(monkeypatch):
     assert code == 0, err
     counted = json.loads(out)
     assert (counted["options"]["experts"], counted["options"]["top_k"]) == (128, 1)
+    # the dense layers' MLP (intermediate_size_mlp), the experts' (intermediate_size)
+    assert (counted["options"]["ffn"], counted["options"]["expert_ffn"]) == (16384, 8192)
     blocks = counted["layers"][1:-2]
     assert [bool(layer["expert_param_bytes"]) for layer in blocks] == [False, True] * 24
     total = sum(layer["param_bytes"] for layer in counted["layers"]) / 2

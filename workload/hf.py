@@ -75,6 +75,7 @@ ACTIVATION_FIELDS = ("hidden_act", "hidden_activation")  # the MLP's activation,
 # transformers runs a mixture's experts (`_routed_experts`) as grouped products, which torch's FLOP counter counts
 # as nothing, so pipesim runs them as its own (`balanced_experts`).
 EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is not intermediate_size's (Mixtral's)
+DENSE_FFN_FIELD = "intermediate_size_mlp"  # Llama 4's dense layers' MLP width, its intermediate_size its experts'
 # DeepSeek-V3's group-limited routing: the router picks topk_group of n_group expert groups a token, then its k
 # experts among them (transformers' DeepseekV3 router; the report's node-limited routing, a group a node)
 GROUP_FIELDS = ("n_group", "topk_group")
@@ -306,6 +307,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         groups, per_token = (getattr(settings, name, None) for name in GROUP_FIELDS)
         if groups and per_token and per_token < groups:
             options.update(expert_groups=groups, groups_per_token=per_token)
+    options["ffn"] = getattr(settings, DENSE_FFN_FIELD, None) or options["ffn"]
     if capacity_factor is not None:
         if not experts:
             raise ModelError(f"--capacity-factor applies to a mixture of experts: {spec}'s config gives no routed "
