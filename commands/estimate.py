@@ -588,6 +588,10 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
             raise InputError(f"--recompute-modules {name}: under TransformerEngine's layers ({why}) no layer of the "
                              "model has a norm of its own to recompute: each is fused into the linear after it "
                              f"(TELayerNormColumnParallelLinear), as Megatron-core runs it; {way}")
+    if what.attention == "math" and (chunk := counted.options.get("attention_chunk")):
+        raise InputError(f"--attention math: the model's chunked attention layers attend within chunks of {chunk:,} "
+                         "tokens, whose unfused scores the estimate does not split by tensor parallelism or drop "
+                         "under selective recomputation (it knows a sequence's s x s alone); give --attention flash")
     if "mamba" in what.cuda_graphs and not any(layer.mamba_layer for layer in counted.layers):
         raise InputError("--cuda-graphs mamba: no layer of the model is a Mamba-2 layer to capture; leave it out")
     if "full" in what.cuda_graphs and counted.options.get("mtp_layers"):

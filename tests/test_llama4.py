@@ -113,13 +113,14 @@ def test_a_chunked_layer_is_counted_as_its_chunks_causal_kernels_and_the_global_
 
 
 @pytest.mark.parametrize("flags, refusal", [
-    (("--attention", "math"), "error: --attention math: Llama4TextAttention's chunked attention past one chunk of 12 "
-                              "tokens is counted for a fused kernel only"),
+    (("--attention", "math"), "error: --attention math: the model's chunked attention layers attend within chunks "
+                              "of 12 tokens, whose unfused scores the estimate does not split"),
     (("--attention", "flash", "--mtp-layers", 1), "error: --mtp-layers: Llama4ForCausalLM's config gives each of its 2 "
                                                   "layers its kind"),
 ])
 def test_unfused_chunks_and_a_multi_token_prediction_layer_after_typed_layers_are_one_line(tmp_path, flags, refusal):
-    """The unfused scores of a chunked layer would be a chunk's each, which the unfused pricing does not split; an
+    """The unfused scores of a chunked layer are a chunk's each, which the estimate does not split (calibrate, which
+    measures them, counts them so: tests/test_hf_attention_values.py runs them); an
     MTP module's layer is the config's next, which per-layer kinds (layer_types) do not give: transformers'
     IndexError was a traceback."""
     from tests.helpers import write_config

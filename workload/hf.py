@@ -189,10 +189,6 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
     chunk = _attention_chunk(module)
     if chunk is not None and chunk < query.shape[-2]:
-        if query.device.type == "meta" and not fused_attention():
-            raise ModelError(f"--attention math: {type(module).__name__}'s chunked attention past one chunk of "
-                             f"{chunk:,} tokens is counted for a fused kernel only (unfused, its scores a chunk "
-                             "each are not modelled); give --attention flash")
         tokens = query.shape[-2]
         out, weights = counted_attention(module, *(_chunked(t, chunk) for t in (query, key, value)), attention_mask,
                                          s_aux, softcap, **kwargs)
@@ -308,6 +304,9 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         if groups and per_token and per_token < groups:
             options.update(expert_groups=groups, groups_per_token=per_token)
     options["ffn"] = getattr(settings, DENSE_FFN_FIELD, None) or options["ffn"]
+    chunk = getattr(settings, "attention_chunk_size", None)
+    if chunk and seq_len and seq_len > chunk and "chunked_attention" in (getattr(settings, "layer_types", None) or ()):
+        options["attention_chunk"] = chunk  # its layers of type "chunked_attention" attend within chunks of it
     if capacity_factor is not None:
         if not experts:
             raise ModelError(f"--capacity-factor applies to a mixture of experts: {spec}'s config gives no routed "
