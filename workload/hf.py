@@ -227,7 +227,7 @@ def _chunked(states: torch.Tensor, chunk: int) -> torch.Tensor:
     zeros to `chunk` tokens (the padded keys lie after every query, so the causal mask hides them; the padded queries'
     outputs are dropped). Megatron-core's Llama 4 (NeMo's Llama4SelfAttention `chunkify`) copies them so, its
     layout sequence-first; those copies are not counted."""
-    batch, heads, tokens, features = states.shape
+    _, heads, tokens, features = states.shape
     laid = states.transpose(1, 2)
     if tokens % chunk:
         laid = F.pad(laid, (0, 0, 0, 0, 0, chunk - tokens % chunk))
