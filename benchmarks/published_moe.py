@@ -670,8 +670,6 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
         model, preset = DGXC_MODELS[row["workload"]]
         if row["workload"] == "llama4":
             chunks = 1  # as launch.sh ran it (`LLAMA4_RUN`)
-        name = f"DGXC {model} {row['precision']} t{t} p{p} v{chunks} E{e}"
-        if row["workload"] == "llama4":
             settings = LLAMA4_FP8_RUN if row["precision"] == "FP8" else LLAMA4_RUN
         else:
             settings = {**dict(dispatcher=None, routing="balanced", capacity_factor=TOKEN_DROP_CAPACITY,
@@ -679,6 +677,7 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                                router_aux_loss=DGXC_AUX_LOSS,
                                recompute_modules=tuple(row["recompute_modules"].split(","))),
                         **DGXC_RELEASE_RUNS.get(row["release"], {})}
+        name = f"DGXC {model} {row['precision']} t{t} p{p} v{chunks} E{e}"
         run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e, expert_tensor=etp, a2a_overlap=False,
                      source=DGXC, **{"fp8_recipe": None, **settings})
         expressible.append((run, _tokens_per_s_per_gpu(row)))

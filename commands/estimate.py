@@ -576,13 +576,13 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
         check_expert_ranks(what.expert, counted.options.get("experts"))
     te_layers = runs_te_layers(what.linear_kernel, what.fp8)
     for name in what.recompute_modules:
-        def held(te: bool, name: str = name) -> bool:
-            return any(module_regions(name, te)[0] in layer.region_ops for layer in counted.layers)
-
-        if not held(te=False):
+        # the part as the model holds it, and as this run's linears leave it a module of its own
+        held, kept = (any(module_regions(name, te)[0] in layer.region_ops for layer in counted.layers)
+                      for te in (False, te_layers))
+        if not held:
             raise InputError(f"--recompute-modules {name}: no layer of the model has {RECOMPUTED_PARTS[name]} to "
                              "recompute; leave it out")
-        if te_layers and not held(te=True):  # Megatron-core's layernorm: an IdentityOp in every layer here
+        if not kept:  # Megatron-core's layernorm under TransformerEngine's layers: an IdentityOp in every layer
             why, way = (("--linear-kernel te", "give --linear-kernel eager or leave it out") if what.linear_kernel
                         else (f"those --fp8-recipe {what.fp8} runs", "leave it out"))
             raise InputError(f"--recompute-modules {name}: under TransformerEngine's layers ({why}) no layer of the "
