@@ -2719,13 +2719,20 @@ def check_ring_attention(c: int, attention: str | None) -> None:
 
 def check_context(counted: WorkloadCount, c: int) -> None:
     """C context-parallel ranks need a sequence of 2C equal chunks (the causal load balance) and a fused attention
-    kernel for the ring to run (`check_ring_attention`)."""
+    kernel for the ring to run (`check_ring_attention`). A model whose attention runs within chunks past one
+    (Llama 4's, workload/hf.py `_chunked`) is refused: NeMo's Llama 4 asserts each rank holds whole chunks
+    (nemo/collections/llm/gpt/model/llama4_utils.py, `cp_chunk_len % self.attention_chunk_size == 0`), whose
+    layers then need no ring, and pipesim would price the ring for them."""
     seq = counted.options.get("seq_len")
     if not seq:
         raise EstimateError(f"context: {c} splits the sequence, and {counted.model} has none")
     if counted.options.get("mamba_heads"):
         raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s Mamba-2 "
                             "layers scan the whole of it, which pipesim does not split; leave {context} out")
+    if (chunk := counted.options.get("attention_chunk")) is not None:
+        raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s chunked "
+                            f"attention layers attend within chunks of {chunk:,} tokens, which pipesim's ring does not "
+                            "run (each rank would hold whole chunks: no ring for them); leave {context} out")
     if seq % (2 * c):
         fitting = [n for n in range(2, seq // 2 + 1) if not seq % (2 * n)]
         nearest = [n for n in fitting if n < c][-1:] + [n for n in fitting if n > c][:1]

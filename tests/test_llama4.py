@@ -1,7 +1,8 @@
 """Llama 4 (transformers' llama4_text): its mixture of experts counted and run as Megatron-core runs it, each token
 through its top-k experts with the router's weight on its input (workload/hf.py `_input_scaled_mixture`), where
 transformers' Llama4TextMoe runs every token through every expert; its complex RoPE as TransformerEngine's fused
-interleaved kernel (workload/rope.py `_apply_fused_complex`); its chunked attention refused past one chunk; and
+interleaved kernel (workload/rope.py `_apply_fused_complex`); its chunked attention refused past one chunk under
+--attention math and context parallelism; and
 Llama 4 Maverick's config (examples/) counted at its card's sizes."""
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ def test_a_chunked_layer_is_counted_as_its_chunks_causal_kernels_and_the_global_
                               "of 12 tokens, whose unfused scores the estimate does not split"),
     (("--attention", "flash", "--mtp-layers", 1), "error: --mtp-layers: Llama4ForCausalLM's config gives each of its 2 "
                                                   "layers its kind"),
+    (("--attention", "flash", "--context-parallel", 2), "error: --context-parallel 2 splits the sequence for "
+                                                        "attention's ring, and "),
 ])
 def test_unfused_chunks_and_a_multi_token_prediction_layer_after_typed_layers_are_one_line(tmp_path, flags, refusal):
     """The unfused scores of a chunked layer are a chunk's each, which the estimate does not split (calibrate, which
@@ -129,6 +132,20 @@ def test_unfused_chunks_and_a_multi_token_prediction_layer_after_typed_layers_ar
     code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", SEQ, "-p", 1, "-s", "1f1b",
                              *flags)
     assert (code, out) == (2, "") and err.startswith(refusal) and len(err.strip().splitlines()) == 1, err
+    if "--context-parallel" in flags:
+        assert "chunked attention layers attend within chunks of 12 tokens" in err, err
+
+
+def test_one_chunk_under_a_context_parallel_ring_runs_as_any_causal_layer(tmp_path):
+    """Within one chunk (a sequence no longer than attention_chunk_size) every layer attends causally over the
+    whole sequence, which the ring runs: only chunks past one are refused under context parallelism."""
+    from tests.conftest import simulate_json
+    from tests.helpers import write_config
+
+    model = f"hf:{write_config(tmp_path / 'llama4', TINY_LLAMA4)}"
+    result = simulate_json("--gpu", "h100-sxm", "--model", model, "--seq-len", SEQ, "--attention", "flash",
+                           "--context-parallel", 2, "-p", 1, "-m", 2)[0]
+    assert result["time_per_minibatch_ms"] > 0
 
 
 def test_maverick_counts_its_cards_400b_parameters_and_17b_active(monkeypatch):
