@@ -327,6 +327,10 @@ class Parallelism:
                                 "refuses beside recomputation (transformer_config.py: \"CUDA graphs not supported "
                                 "with activation recomputation\"): give {recompute} none without "
                                 "{recompute_modules}, or leave full out")
+        if self.cuda_graphs and self.precision == "fsdp2":
+            raise EstimateError(f"{{cuda_graphs}} {','.join(self.cuda_graphs)}: the layers Megatron-core graphs under "
+                                "TransformerEngine, and {precision} fsdp2 is torchtitan's FSDP2, which graphs none; "
+                                "leave {cuda_graphs} out")
         if self.recompute_modules and self.recompute not in ("none", "selective"):
             raise EstimateError("{recompute_modules} reruns parts of a layer beside {recompute} none or "
                                 f"selective; {{recompute}} {self.recompute} already decides what every layer keeps")

@@ -1,8 +1,8 @@
 """--cuda-graphs full: every transformer layer captured whole, as Megatron-core's enable_cuda_graph swaps each
 TransformerLayer for its graphed one (planning/estimate.py `CUDA_GRAPH_SCOPES`, `captured`): each pass of such a
 layer is one replay the host issues, the embedding and the head issue their kernels as before; refused beside
-recomputation (Megatron-core refuses it), beside a layer whose forward makes the host wait (a dropless dispatcher)
-and beside the expert overlap's pairs; tune searches no recomputation under it."""
+recomputation (Megatron-core refuses it), beside a layer whose forward makes the host wait (a dropless dispatcher),
+beside the expert overlap's pairs and under torchtitan's FSDP2; tune searches no recomputation under it."""
 
 from __future__ import annotations
 
@@ -55,8 +55,12 @@ def test_each_transformer_layers_pass_is_one_replay_and_the_embedding_and_head_i
     (("--experts", 4, "--expert-parallel", 2, "--data-parallel", 2, "--capacity-factor", 1, "--overlap-expert-comm"),
      "error: --cuda-graphs full prices each layer's forward and backward as one replay"),
     ((), "error: --cuda-graphs full captures every transformer layer, a Mamba-2 one too: give it alone"),
+    (("--data-parallel", 2, "--zero", 3, "--precision", "fsdp2"),
+     "error: --cuda-graphs full: the layers Megatron-core graphs under TransformerEngine, and --precision fsdp2 is "
+     "torchtitan's FSDP2, which graphs none"),
 ])
-def test_full_graphs_beside_recomputation_a_waiting_layer_or_the_expert_overlap_are_one_line(tmp_path, flags, line):
+def test_full_graphs_beside_recomputation_a_waiting_layer_the_expert_overlap_or_fsdp2_are_one_line(tmp_path, flags,
+                                                                                                   line):
     graphs = "full" if flags else "mamba,full"
     code, out, err = pipesim("simulate", *GPT, "--cuda-graphs", graphs, *flags, "--html", tmp_path / "t.html")
     assert (code, out) == (2, "") and err.startswith(line) and len(err.strip().splitlines()) == 1, err
