@@ -16,7 +16,7 @@ from rich import box
 from rich.table import Table
 
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import MAX_MS, count_text, degree_text, whole_number
+from ..units import MAX_MS, count_text, degree_text, rounds_text, whole_number
 from .common import (
     COUNTING_MODEL,
     LEAST_MS,
@@ -33,6 +33,7 @@ from .common import (
     PpRuntime,
     Recompute,
     ReduceAfterFlush,
+    Rounds,
     SearchSeconds,
     ShardedOptimizer,
     StageCut,
@@ -181,6 +182,7 @@ def sweep(
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,
     reduce_after_flush: ReduceAfterFlush = False,
+    rounds: Rounds = 1,
     sharded_optimizer: ShardedOptimizer = False,
     zero: Zero = None,
     network_gb_s: NetworkGbS = None,
@@ -277,7 +279,7 @@ def sweep(
             axes.get("stages", (scenario.measured.partition.stages if scenario.measured else 4,)),
             axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
             axes.get("cost-scale", (1.0,)), axes.get("prediction"), axes.get("activation-limit"),
-            search["search_seconds"], data_parallel, reduce_after_flush, zero_stage(ctx.params)).configs()
+            search["search_seconds"], data_parallel, reduce_after_flush, zero_stage(ctx.params), rounds).configs()
         for p in sorted({config.stages for config in configs}) if what is None else ():
             check_estimate_experts(scenario.measured, p, data_parallel)
         if what is None:
@@ -436,12 +438,14 @@ FRONT_HEADERS = {"v": "chunks per device", "P": "pipelines", "cost×": "the cost
 
 def _replicas_text(config) -> str:
     """For the caption: the data-parallel replicas every configuration runs (one --data-parallel, or a --profile
-    estimate's own d) and how they shard and reduce, where there are more than one: no column shows them."""
+    estimate's own d) and how they shard and reduce, where there are more than one, and the rounds a mini-batch
+    runs in (--rounds), where more than one: no column shows them."""
+    rounds = f"; each mini-batch{rounds_text(config.rounds)} (--rounds) in every row" if config.rounds > 1 else ""
     if config.data_parallel == 1:
-        return ""
+        return rounds
     zero = f", ZeRO-{config.zero}" if config.zero else ""
     flush = ", each reduced after its flush" if config.reduce_after_flush else ""
-    return f"; {degree_text('d', config.data_parallel)} replicas in every row{zero}{flush}"
+    return f"; {degree_text('d', config.data_parallel)} replicas in every row{zero}{flush}{rounds}"
 
 
 def _whole_fronts(results: list, front: list[int]) -> list[int]:

@@ -36,7 +36,7 @@ from ..sim.engine import SimulationError, simulate
 from ..traces import Summary, Trace, write_atomic
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import count_text, degree_text, number_allowed
+from ..units import count_text, degree_text, number_allowed, rounds_text
 from .auto import ActivationLimitError
 from .scenario import Scenario
 from .tune import start_workers
@@ -63,7 +63,8 @@ class Config:
     `activation_limit` (R) and `search_seconds`: a searched method's (auto) limit and budget (None: its
     defaults, or not searched). `data_parallel`: replicas d of the pipeline, each stage's gradients all-reduced
     over them (REDUCE rows), on each device once its last backward is done where `reduce_after_flush`, and sharded
-    over them as ZeRO's stage `zero` says."""
+    over them as ZeRO's stage `zero` says. `rounds`: the flushes a mini-batch's m micro-batches run in before its
+    update (`ScheduleParams.rounds`, torch's gradient accumulation)."""
 
     schedule: str
     stages: int
@@ -78,11 +79,12 @@ class Config:
     data_parallel: int = 1
     reduce_after_flush: bool = False
     zero: int = 0
+    rounds: int = 1
 
     @property
     def label(self) -> str:
         degrees = [("p", self.stages), ("m", self.microbatches), ("v", self.chunks), ("P", self.pipelines)]
-        return (" ".join([self.schedule, *(degree_text(*degree) for degree in degrees)])
+        return (" ".join([self.schedule, *(degree_text(*degree) for degree in degrees)]) + rounds_text(self.rounds)
                 + f" cost×{self.cost_scale:g}" + (f" s: {self.prediction}" if self.prediction else "")
                 + (f" R={self.activation_limit:g}" if self.activation_limit is not None else "")
                 + (f" {degree_text('d', self.data_parallel)}" if self.data_parallel > 1 else "")
@@ -245,7 +247,7 @@ class Grid:
     """The axes of a sweep. `chunks`, `pipelines`, `predictions` (sources of s) and `activation_limits` (auto's
     R) None: each method's default; `search_seconds`: auto's search budget (None: its default); `data_parallel`:
     every configuration's replicas d, whether their all-reduce waits for the pipeline's flush, and ZeRO's stage
-    `zero` over them."""
+    `zero` over them; `rounds`: every configuration's flushes a mini-batch (`Config.rounds`)."""
 
     schedules: tuple[str, ...]
     stages: tuple[int, ...]
@@ -260,6 +262,7 @@ class Grid:
     data_parallel: int = 1
     reduce_after_flush: bool = False
     zero: int = 0
+    rounds: int = 1
 
     def configs(self) -> list[Config]:
         """Every configuration, method by method. v, P, the source of s and R multiply only the methods that
@@ -274,7 +277,7 @@ class Grid:
             budget = self.search_seconds if method.reads("search_seconds") else None
             replicas = self.data_parallel
             configs += [Config(name, p, m, self.minibatches, v, copies, scale, source, limit, budget, replicas,
-                               self.reduce_after_flush, self.zero)
+                               self.reduce_after_flush, self.zero, self.rounds)
                         for p, m, v, copies, scale, source, limit in
                         product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales, sources, limits)]
         return configs
@@ -293,7 +296,7 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
                 config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines,
                 prediction=config.prediction, activation_limit=config.activation_limit,
                 search_seconds=config.search_seconds, data_parallel=config.data_parallel,
-                reduce_after_flush=config.reduce_after_flush, zero=config.zero)
+                reduce_after_flush=config.reduce_after_flush, zero=config.zero, rounds=config.rounds)
             sched = scaled.build(config.schedule, params)
             links = scaled.links(sched)  # built once: the simulation, the reserve and the memory checks read it
             trace = simulate(sched, scaled.costs(sched), links)

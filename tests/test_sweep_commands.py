@@ -28,6 +28,8 @@ SWEEPS = {
     "a catalogue GPU": ["--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 1024, "--heads", 16,
                         "--seq-len", 1024, "-s", "1f1b,dualpipev", "-p", 2, "-m", 8, "--data-parallel", 2, "--zero",
                         1, "--recompute", "selective"],
+    # torch's gradient accumulation: an m that 2 rounds do not split and a method that never flushes are skipped
+    "rounds": ["-s", "gpipe,1f1b,pipedream", "-p", 2, "-m", "6,7", "--rounds", 2, "--data-parallel", 2],
 }
 
 
@@ -61,6 +63,21 @@ def test_the_line_names_what_every_row_shares_and_the_rows_own_configuration(tmp
         commands = [row["command"] for row in csv.DictReader(handle)]
     assert commands == [f"pipesim simulate --gpu h100-sxm --model gpt --layers 4 --seq-len 256 -s interleaved-1f1b "
                         f"-p 2 -m {m} -n 4 -v 2 --cost-scale 2.0" for m in (4, 8)]
+
+
+def test_rounds_run_every_row_in_that_many_flushes_and_the_caption_says_so(tmp_path):
+    """--rounds is every row's, as --data-parallel is: the caption says it (no column does), and GPipe's row holds
+    fewer micro-batches' activations at once and takes longer, a bubble a round."""
+    rows = {}
+    for rounds in (1, 2):
+        code, out, err = pipesim("sweep", "-s", "gpipe", "-p", 2, "-m", 8, "--rounds", rounds, "--workers", 1,
+                                 "--out", tmp_path / f"{rounds}.csv")
+        assert code == 0, err
+        assert ("each mini-batch in 2 rounds (--rounds) in every row" in " ".join(out.split())) == (rounds == 2), out
+        with open(tmp_path / f"{rounds}.csv", newline="") as handle:
+            [rows[rounds]] = csv.DictReader(handle)
+    assert float(rows[2]["peak_memory_mb"]) < float(rows[1]["peak_memory_mb"])
+    assert float(rows[2]["time_per_minibatch_ms"]) > float(rows[1]["time_per_minibatch_ms"])
 
 
 @pytest.mark.parametrize("scale", ["0", "-1", "nan", "inf"])
