@@ -436,7 +436,8 @@ CudaGraphs = Annotated[str | None, typer.Option(
                                             "Megatron-core's enable_cuda_graph: no recomputation, no dropless "
                                             "dispatcher). The host issues a replay at one kernel's cost "
                                             "(--host-kernel-us) instead of each kernel and module call; the GPU's "
-                                            "time and the memory are as without graphs. Default: none.")]
+                                            "time and the memory are as without graphs. Not under --precision "
+                                            "fsdp2. Default: none.")]
 HostKernelUs = Annotated[float | None, typer.Option(
     "--host-kernel-us", metavar="US", help="With --gpu: the host's microseconds to issue one kernel (eager "
                                            "PyTorch's Python, dispatcher, autograd and CUDA launch): every pass "

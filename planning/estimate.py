@@ -2736,7 +2736,8 @@ def check_context(counted: WorkloadCount, c: int) -> None:
     if (chunk := counted.options.get("attention_chunk")) is not None:
         raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s chunked "
                             f"attention layers attend within chunks of {chunk:,} tokens, which pipesim's ring does not "
-                            "run (each rank would hold whole chunks: no ring for them); leave {context} out")
+                            "run (each rank would hold whole chunks: no ring for them); leave {context} out, or give a "
+                            f"{{seq_len}} of {chunk:,} or less (one chunk)")
     if seq % (2 * c):
         fitting = [n for n in range(2, seq // 2 + 1) if not seq % (2 * n)]
         nearest = [n for n in fitting if n < c][-1:] + [n for n in fitting if n > c][:1]

@@ -468,8 +468,8 @@ def test_ending_the_workers_at_once_with_work_the_search_cancelled_reports_nothi
     monkeypatch.setattr(threading, "excepthook", reported.append)
     pool = planning.Workers(1, "fork", collect=False)
     assert pool.submit(math.sqrt, 4.0).result(timeout=60) == 2.0
-    # one in the worker and up to two in the call queue (max_workers + EXTRA_QUEUED_CALLS: how many the manager
-    # moves there depends on whether the worker has taken the first yet, which under load it may not have)
+    # one in the worker and up to two in the call queue (max_workers + EXTRA_QUEUED_CALLS): once the worker has
+    # taken the first, which a slow main thread lets it do, a third fits in the call queue (two sleeps left none)
     running = [pool.submit(time.sleep, 60) for _ in range(3)]
     cancelled = pool.submit(time.sleep, 60)  # the manager cannot have taken it from its pending tasks: cancellable
     assert cancelled.cancel()
