@@ -1285,6 +1285,21 @@ def require(needer: str, *modules: str) -> None:
             raise InputError(f"{needer} needs {package}, which is not installed: {hint}")
 
 
+def part_counted_note(model: str) -> str | None:
+    """Where `model` is a multimodal model's Hugging Face config, the note saying which of its parts is counted
+    (workload/hfconfig.py `HfConfig.note`); None otherwise, an unreadable config included (its refusal is the
+    count's)."""
+    from ..profiles.workload import is_hf
+    from ..workload.hfconfig import HfConfigError, read_hf_config
+
+    if not is_hf(model):
+        return None
+    try:
+        return read_hf_config(model).note
+    except HfConfigError:
+        return None
+
+
 def require_model(needer: str, model: str, torch_needer: str | None = None) -> None:
     """Before any work, for --model `model`: a name of a model (workload/sizes.py `model_name_refusal`: a misspelt
     one was refused only after torch's import, 4 s); torch (needed by `torch_needer`, default `needer`); scikit-learn

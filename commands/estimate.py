@@ -47,6 +47,7 @@ from .common import (
     model_reads,
     option_of,
     out_of_memory_line,
+    part_counted_note,
     read_error,
     read_profile,
     refuse,
@@ -558,6 +559,8 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     from ..planning.experts import check_expert_ranks
     from ..planning.host import synchronises
 
+    if (note := part_counted_note(what.model)) is not None:
+        print_message(f"note: {note}", stderr)
     counted = count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
                              "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
                              what.swiglu_fusion, what.cross_entropy, what.norm_kernel, what.rope_kernel,

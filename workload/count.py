@@ -932,7 +932,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
             key = _signature(layer, inputs, i == last)
             if key not in alike:
                 kernels.scores_bytes = 0
-                with fused_norms(layer, norm_kernel == "fused"), fused_rope(layer, rope_kernel == "fused"):
+                with fused_norms(layer, norm_kernel == "fused"), fused_rope(layer, rope_kernel == "fused"), \
+                        _runs_on_meta(model, names[i]):
                     count, out = _count_layer(model, layer, inputs, target, i == last, steps, every_norm_own)
                 alike[key] = replace(count, scores_bytes=kernels.scores_bytes), out
             count, outputs[i] = alike[key]
@@ -955,6 +956,29 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
 
 
 @contextmanager
+def _runs_on_meta(model: Model, layer: str) -> Iterator[None]:
+    """What the model's own code raised counting `layer` on the meta device, as one line naming it: a Hugging Face
+    model's modelling code on a config it was not written for (DeepSeek-V4's rotary embedding keyed by its own
+    names, not its layer types), a module of the user's own. The count's own refusals (`ModelError`) and a tensor
+    past what torch addresses (`_addressable`'s) pass as they are."""
+    try:
+        yield
+    except ModelError:
+        raise
+    except Exception as exc:
+        if _past_address(exc):
+            raise
+        raise ModelError(f"--model {model.name}: layer {layer} cannot run on torch's meta device to be counted: "
+                         f"{type(exc).__name__}: {' '.join(str(exc).split()) or 'no message'}") from None
+
+
+def _past_address(exc: BaseException) -> bool:
+    """Torch's refusal of a tensor past what it addresses (`_addressable`)."""
+    first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return isinstance(exc, (RuntimeError, TypeError, OverflowError)) and "overflow" in first_line.lower()
+
+
+@contextmanager
 def _addressable(microbatch_size: int) -> Iterator[None]:
     """Torch's refusal of a tensor past what it addresses (a size past a 64-bit integer, or its bytes past one),
     which a micro-batch large enough makes on the meta device too (`count -b 10**12` of a 4,096-token, 8,192-wide
@@ -962,9 +986,9 @@ def _addressable(microbatch_size: int) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, TypeError, OverflowError) as exc:
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-        if "overflow" not in first_line.lower():
+        if not _past_address(exc):
             raise
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ModelError(f"--microbatch-size {microbatch_size:,}: a tensor of the micro-batch is larger than torch "
                          f"can address ({first_line}); give a smaller one") from None
 

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..units import count_text
 from . import data
 from .count import attention_window, fused_attention, is_norm
 from .hfconfig import (
@@ -340,6 +341,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         _check_experts(model, where, experts)
     else:
         _check_no_experts(model, where, config, routed)
+    _check_no_linear_attention(model, where)
     layers = decoder_layers(model, where)
     mixer = next((module for module in model.modules() if is_mamba2_mixer(module)), None)
     if mixer is not None:  # what tensor parallelism splits (Megatron-core asserts t divides both)
@@ -526,6 +528,25 @@ def _activation_refusal(config: HfConfig, exc: Exception) -> ModelError | None:
         return None
     return ModelError(f"--model {config.spec}: {config.path} gives {field} {exc.args[0]!r}, an activation "
                       f"transformers does not know; give one of {', '.join(sorted(ACT2FN))}")
+
+
+# The class names' endings of transformers' linear-attention mixers (Qwen3-Next's, Qwen3.5's and OLMo Hybrid's gated
+# delta rule, Kimi Linear's and GLM-5's KDA, MiniMax-01's lightning attention, Ling's): `_check_no_linear_attention`
+LINEAR_ATTENTION = ("GatedDeltaNet", "DeltaAttention", "LightningAttention", "TextLinearAttention")
+
+
+def _check_no_linear_attention(model: nn.Module, where: str) -> None:
+    """Refuse a model with linear-attention layers: a run computes them with flash-linear-attention's (or its own)
+    fused chunk kernels, which transformers calls where they are installed (its `use_kernel_func_from_hub_with_fallback`
+    hooks), and on the meta device transformers runs its torch fallback instead, a Python loop over the sequence's
+    chunks whose hundreds of small kernels a layer pipesim would price as such."""
+    mixers = [module for module in model.modules() if type(module).__name__.endswith(LINEAR_ATTENTION)]
+    if mixers:
+        raise ModelError(f"{where}: its linear attention ({type(mixers[0]).__name__}, in "
+                         f"{count_text(len(mixers), 'layer')}) runs fused chunk kernels (flash-linear-attention's, or "
+                         "the model's own) that pipesim does not count yet; on the meta device transformers runs its "
+                         "torch fallback, a loop over the sequence's chunks, which pipesim would price as hundreds of "
+                         "small kernels a layer; give a model without it")
 
 
 def _in_one_line(exc: Exception) -> str:

@@ -39,6 +39,13 @@ SIZES = {**{field: size for size, field in FIGURES.items()}, "num_key_value_head
 # where it does not (Mixtral's, which workload/hf.py refuses once built)
 LEAST = dict.fromkeys(EXPERT_FIELDS, 0)
 LONGEST_FIELD = "max_position_embeddings"  # the most tokens a sample of the model holds
+# A multimodal model's config (Qwen3.5's, Gemma 4's, Llama 4's, Kimi K2.5's as their repositories publish them) holds
+# its language model's config under this key, beside its encoders' (vision_config, audio_config): what a pipeline's
+# stages of transformer layers are, and what pipesim counts of it
+LANGUAGE_PART = "text_config"
+# fields such a config gives at its top level that the language model's part reads too where it does not give them
+# (Qwen3-VL's and Qwen3.5's tie_word_embeddings: transformers' composite config passes it down the same way)
+SHARED_FIELDS = ("tie_word_embeddings",)
 
 
 class HfConfigError(ValueError):
@@ -47,11 +54,24 @@ class HfConfigError(ValueError):
 
 @dataclass(frozen=True)
 class HfConfig:
-    """`spec` as the user wrote it (`hf:PATH`), the config.json it names and that file's JSON object."""
+    """`spec` as the user wrote it (`hf:PATH`), the config.json it names and that file's JSON object; of a
+    multimodal model's, its language model's part (`LANGUAGE_PART`), the model it is part of named in `part_of` (its
+    model_type) and its other parts, left out, in `left_out`."""
 
     spec: str
     path: Path
     fields: dict[str, Any]
+    part_of: str | None = None
+    left_out: tuple[str, ...] = ()
+
+    @property
+    def note(self) -> str | None:
+        """What the count leaves out of a multimodal model, in one line; None for a language model's config."""
+        if self.part_of is None:
+            return None
+        others = f"; its {' and '.join(self.left_out)} not" if self.left_out else ""
+        return (f"{self.spec} is a {self.part_of} model: pipesim counts its language model, {LANGUAGE_PART} "
+                f"(model_type {self.model_type}){others}")
 
     @property
     def model_type(self) -> str:
@@ -110,7 +130,9 @@ def read_hf_config(spec: str) -> HfConfig:
     whose `SIZES`, given by their own names, are not whole numbers from their `LEAST` to their bounds
     (`size_field_refusal`), is `HfConfigError`. What transformers reads, aliases and all, only its config class
     tells, so workload/hf.py refuses the rest once it is read: a size given under an alias (`_check_aliased_sizes`),
-    key/value heads that do not divide the attention heads (`_kv_heads`), more experts a token than routed experts."""
+    key/value heads that do not divide the attention heads (`_kv_heads`), more experts a token than routed experts.
+    A multimodal model's config that gives no decoder figure of its own is read as its language model's part
+    (`LANGUAGE_PART`, with the `SHARED_FIELDS` it does not give), its other parts named in `HfConfig.left_out`."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
@@ -131,11 +153,22 @@ def read_hf_config(spec: str) -> HfConfig:
     if not isinstance(fields.get("model_type"), str):
         raise HfConfigError(f"--model {spec}: {path} has no model_type; give a Hugging Face {CONFIG_NAME} "
                             "(model_type says which transformers model it configures)")
+    language = fields.get(LANGUAGE_PART)
+    part_of, left_out = None, ()
+    if isinstance(language, dict) and not any(field in fields for field in FIGURES.values()):
+        if not isinstance(language.get("model_type"), str):
+            raise HfConfigError(f"--model {spec}: {path}'s {LANGUAGE_PART} (the language model pipesim counts of a "
+                                f"{fields['model_type']} model) has no model_type; add the one transformers knows "
+                                "it by")
+        part_of = fields["model_type"]
+        left_out = tuple(sorted(key for key, value in fields.items()
+                                if key.endswith("_config") and key != LANGUAGE_PART and isinstance(value, dict)))
+        fields = {**{key: fields[key] for key in SHARED_FIELDS if key in fields}, **language}
     for field in SIZES:
         refusal = None if fields.get(field) is None else size_field_refusal(spec, path, field, field, fields[field])
         if refusal is not None:
             raise HfConfigError(refusal)
-    return HfConfig(spec, path, fields)
+    return HfConfig(spec, path, fields, part_of, left_out)
 
 
 def seq_len_refusal(spec: str, seq_len: int | None, longest: int | None, whose: str) -> str | None:

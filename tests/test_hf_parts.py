@@ -1,0 +1,93 @@
+"""Hugging Face configs of the models of now that are not a plain decoder: a multimodal model's config (Qwen3.5's,
+Gemma 4's, Kimi K2.5's as published) counted as its language model's part, its text_config, with a note naming
+what is left out; linear-attention layers (Qwen3-Next's and Qwen3.5's gated delta rule) refused in one line, as
+their torch fallback is not what a run computes; and a model whose own code fails on the meta device refused in
+one line naming the layer, where it was a traceback."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.conftest import needs_transformers, pipesim
+from tests.helpers import LLAMA, S, count_config, write_config
+
+pytestmark = needs_transformers
+
+VISION = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2}
+
+
+def test_a_multimodal_config_is_counted_as_its_text_config_and_says_what_it_leaves_out(tmp_path):
+    """The language model's part counts exactly as the same config given alone (its tie_word_embeddings from the
+    top level where the part does not give it, as transformers' composite configs pass it down), and count says
+    which model it is part of and which parts it leaves out."""
+    text = {key: value for key, value in LLAMA.items() if key != "tie_word_embeddings"}
+    composite = {"model_type": "qwen3_vl", "tie_word_embeddings": False, "text_config": text,
+                 "vision_config": VISION, "audio_config": VISION}
+    alone, part = (count_config(tmp_path / name, fields)
+                   for name, fields in (("alone", LLAMA), ("composite", composite)))
+    assert [replace(layer, name="") for layer in part.layers] == [replace(layer, name="") for layer in alone.layers]
+    code, _, err = pipesim("count", "--model", f"hf:{tmp_path / 'composite'}", "--seq-len", S)
+    assert code == 0, err
+    assert (f"note: hf:{tmp_path / 'composite'} is a qwen3_vl model: pipesim counts its language model, text_config "
+            "(model_type llama); its audio_config and vision_config not") in " ".join(err.split()), err
+
+
+def test_a_what_if_of_a_multimodal_config_says_the_same_note(tmp_path):
+    folder = write_config(tmp_path / "vl", {"model_type": "mistral3", "text_config": LLAMA, "vision_config": VISION})
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", f"hf:{folder}", "--seq-len", S, "-p", 1,
+                             "-s", "1f1b")
+    assert code == 0 and "1f1b" in out, err
+    assert "is a mistral3 model: pipesim counts its language model" in " ".join(err.split()), err
+
+
+def test_a_language_part_without_a_model_type_is_one_line(tmp_path):
+    text = {key: value for key, value in LLAMA.items() if key != "model_type"}
+    folder = write_config(tmp_path / "vl", {"model_type": "llava", "text_config": text, "vision_config": VISION})
+    code, out, err = pipesim("count", "--model", f"hf:{folder}", "--seq-len", S)
+    assert (code, out) == (2, "") and err.strip().splitlines() == [
+        f"error: --model hf:{folder}: {folder / 'config.json'}'s text_config (the language model pipesim counts of a "
+        "llava model) has no model_type; add the one transformers knows it by"], err
+
+
+QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+              "max_position_embeddings": 256, "num_experts": 0, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+              "layer_types": ["linear_attention", "full_attention"], "tie_word_embeddings": False}
+
+
+def test_linear_attention_layers_are_refused_in_one_line(tmp_path):
+    """Qwen3-Next's gated delta rule runs flash-linear-attention's fused chunk kernels; on the meta device
+    transformers runs its torch fallback (a loop over 64-token chunks), which was counted and priced as hundreds of
+    small kernels a layer."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "qwen3_next" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Qwen3-Next")
+    folder = write_config(tmp_path / "next", QWEN3_NEXT)
+    code, out, err = pipesim("count", "--model", f"hf:{folder}", "--seq-len", S)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: --model hf:{folder}: its linear attention (Qwen3NextGatedDeltaNet, in 1 layer) "
+                          "runs fused chunk kernels"), err
+
+
+def test_a_models_own_code_failing_on_the_meta_device_is_one_line_naming_the_layer(tmp_path, monkeypatch):
+    """A user's module whose forward raises: the count says which layer and what it raised, not a traceback."""
+    (tmp_path / "broken_model.py").write_text(
+        "import torch\n"
+        "from pipesim.workload.models import build_model\n"
+        "class Broken(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.linear = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        raise KeyError('a rotary table keyed otherwise')\n"
+        "def model():\n"
+        "    built = build_model('mlp', layers=2, width=8)\n"
+        "    return type(built)(**{**built.__dict__, 'layers': [built.layers[0], Broken(), *built.layers[2:]]})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = pipesim("count", "--model", "broken_model:model")
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert "cannot run on torch's meta device to be counted: KeyError: 'a rotary table keyed otherwise'" in err, err
