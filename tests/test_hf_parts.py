@@ -1,5 +1,5 @@
-"""Hugging Face configs of the models of now that are not a plain decoder: a multimodal model's config (Qwen3.5's,
-Gemma 4's, Kimi K2.5's as published) counted as its language model's part, its text_config, with a note naming
+"""Hugging Face configs of the models of now that are not a plain decoder: a multimodal model's config (Gemma 3's,
+Mistral 3's, Llama 4's as published) counted as its language model's part, its text_config, with a note naming
 what is left out; linear-attention layers (Qwen3-Next's and Qwen3.5's gated delta rule) refused in one line, as
 their torch fallback is not what a run computes; and a model whose own code fails on the meta device refused in
 one line naming the layer, where it was a traceback."""
