@@ -48,6 +48,7 @@ from .common import (
     host_memory_refusal,
     is_given,
     model_reads,
+    part_counted_note,
     read_error,
     refuse,
     refuse_out_of_host_memory,
@@ -212,6 +213,8 @@ def calibrate(
             prepare()
         with transient_status(STARTING_STATUS, quiet=False):  # torch's import: seconds before the phases' bar
             require_model("pipesim calibrate", model)  # torch imported, so a broken build stops here
+            if (note := part_counted_note(model)) is not None:
+                print_message(f"note: {note}", stderr)
             if runtime:  # its probe times the executor on a small mlp, which draws the digits
                 require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
             from ..calibrate.cache import HostCache

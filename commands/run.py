@@ -74,6 +74,7 @@ from .common import (
     host_memory_refusal,
     is_given,
     model_reads,
+    part_counted_note,
     read_error,
     read_profile,
     refuse,
@@ -317,6 +318,8 @@ def run(
         # torch's import (begun by the ranks' server above) and the model: seconds before the ranks' bar
         with transient_status(f"{STARTING_STATUS} ({model})", quiet=as_json or under_torchrun()):
             require_model("pipesim run", model)  # torch imported, so a broken build stops here
+            if (note := part_counted_note(model)) is not None:
+                print_message(f"note: {note}", stderr)
             from ..calibrate.measure import DeviceError, resolve_device
             from ..executor import ExecutorError, RunSpec, carried_bounds
             from ..executor.replicas import Layout

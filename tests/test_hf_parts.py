@@ -30,7 +30,7 @@ def test_a_multimodal_config_is_counted_as_its_text_config_and_says_what_it_leav
     assert [replace(layer, name="") for layer in part.layers] == [replace(layer, name="") for layer in alone.layers]
     code, _, err = pipesim("count", "--model", f"hf:{tmp_path / 'composite'}", "--seq-len", S)
     assert code == 0, err
-    assert (f"note: hf:{tmp_path / 'composite'} is a qwen3_vl model: pipesim counts its language model, text_config "
+    assert (f"note: hf:{tmp_path / 'composite'} is a qwen3_vl model: pipesim takes its language model, text_config "
             "(model_type llama); its audio_config and vision_config not") in " ".join(err.split()), err
 
 
@@ -39,7 +39,7 @@ def test_a_what_if_of_a_multimodal_config_says_the_same_note(tmp_path):
     code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", f"hf:{folder}", "--seq-len", S, "-p", 1,
                              "-s", "1f1b")
     assert code == 0 and "1f1b" in out, err
-    assert "is a mistral3 model: pipesim counts its language model" in " ".join(err.split()), err
+    assert "is a mistral3 model: pipesim takes its language model" in " ".join(err.split()), err
 
 
 def test_a_language_part_without_a_model_type_is_one_line(tmp_path):

@@ -70,7 +70,7 @@ class HfConfig:
         if self.part_of is None:
             return None
         others = f"; its {' and '.join(self.left_out)} not" if self.left_out else ""
-        return (f"{self.spec} is a {self.part_of} model: pipesim counts its language model, {LANGUAGE_PART} "
+        return (f"{self.spec} is a {self.part_of} model: pipesim takes its language model, {LANGUAGE_PART} "
                 f"(model_type {self.model_type}){others}")
 
     @property
