@@ -48,12 +48,12 @@ from .common import (
     host_memory_refusal,
     is_given,
     model_reads,
-    part_counted_note,
     read_error,
     refuse,
     refuse_out_of_host_memory,
     require,
     require_model,
+    say_part_counted,
     stderr,
     stdout,
     transient_status,
@@ -213,8 +213,6 @@ def calibrate(
             prepare()
         with transient_status(STARTING_STATUS, quiet=False):  # torch's import: seconds before the phases' bar
             require_model("pipesim calibrate", model)  # torch imported, so a broken build stops here
-            if (note := part_counted_note(model)) is not None:
-                print_message(f"note: {note}", stderr)
             if runtime:  # its probe times the executor on a small mlp, which draws the digits
                 require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
             from ..calibrate.cache import HostCache
@@ -234,6 +232,7 @@ def calibrate(
             refuse(host_memory_refusal("calibrate", model, options, microbatch_size if settings.device.type == "cpu"
                                        else None, dtype))  # a GPU's forward holds its micro-batch there
             net = build_model(model, **options)
+            say_part_counted(model)
             if stages > len(net.layers):  # a model that is no built-in, once built
                 raise InputError(too_few_layers(f"--stages {stages:,}", net.name, net.options, len(net.layers)))
             if is_given(ctx, "expert_parallel"):

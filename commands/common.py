@@ -752,7 +752,7 @@ def host_memory_refusal(command: str, model: str, options: dict, microbatch_size
                 "price it without building it: `pipesim estimate --gpu NAME`")
     if microbatch_size is None:
         return None
-    bytes_per_sample = _forward_bytes_per_sample(built, getattr(torch, dtype))
+    bytes_per_sample = _forward_bytes_per_sample(model, built, getattr(torch, dtype))
     if weights * 4 + microbatch_size * bytes_per_sample <= available:
         return None
     most = (available - weights * 4) // bytes_per_sample
@@ -764,18 +764,20 @@ def host_memory_refusal(command: str, model: str, options: dict, microbatch_size
             f"{bytes_text(available)} available; {smaller}")
 
 
-def _forward_bytes_per_sample(built, dtype) -> int:
-    """The bytes a sample of the input and of every layer's output take, `built` (on the meta device) run forward on
-    it there in `dtype` (integer inputs, tokens, in their own; `Model.outputs`, the walk run's first forward takes
-    too): what that forward, which finds the outputs' shapes (executor/stages.py `layer_outputs`), and calibrate's,
-    which measures them (calibrate/measure.py `measure_bytes`), hold at once b times over for a micro-batch of b, at
-    the least."""
+def _forward_bytes_per_sample(model: str, built, dtype) -> int:
+    """The bytes a sample of the input and of every layer's output take, `built` (model `model`, on the meta device)
+    run forward on it there in `dtype` (integer inputs, tokens, in their own; `Model.outputs`, the walk run's first
+    forward takes too): what that forward, which finds the outputs' shapes (executor/stages.py `layer_outputs`), and
+    calibrate's, which measures them (calibrate/measure.py `measure_bytes`), hold at once b times over for a
+    micro-batch of b, at the least. What the model's own code raises there is one line (`runs_on_meta`)."""
     import torch
+
+    from ..workload.count import runs_on_meta
 
     sample, _ = built.make_batch(1, torch.Generator().manual_seed(0))
     for layer in built.layers:
         layer.to(dtype)
-    with torch.no_grad():
+    with torch.no_grad(), runs_on_meta(model, "its forward"):
         outputs = built.outputs(torch.empty_like(sample, device="meta",
                                                  dtype=dtype if sample.is_floating_point() else sample.dtype))
     return sum(output.nbytes for output in outputs.values())
@@ -1283,6 +1285,15 @@ def require(needer: str, *modules: str) -> None:
                 raise InputError(f"{needer}: PyTorch does not import ({exc}); reinstall it: {hint}") from None
         elif importlib.util.find_spec(module) is None:
             raise InputError(f"{needer} needs {package}, which is not installed: {hint}")
+
+
+def say_part_counted(model: str) -> None:
+    """Say on stderr which part of a multimodal model's config a command takes (`part_counted_note`), where it is
+    one: once a command has counted (or built) it, so that a model it then refuses is refused in one line."""
+    from .tables import print_message
+
+    if (note := part_counted_note(model)) is not None:
+        print_message(f"note: {note}", stderr)
 
 
 def part_counted_note(model: str) -> str | None:

@@ -47,12 +47,12 @@ from .common import (
     model_reads,
     option_of,
     out_of_memory_line,
-    part_counted_note,
     read_error,
     read_profile,
     refuse,
     refused_with_flags,
     require_model,
+    say_part_counted,
     stderr,
     stdout,
     transient_status,
@@ -559,8 +559,6 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     from ..planning.experts import check_expert_ranks
     from ..planning.host import synchronises
 
-    if (note := part_counted_note(what.model)) is not None:
-        print_message(f"note: {note}", stderr)
     counted = count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
                              "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
                              what.swiglu_fusion, what.cross_entropy, what.norm_kernel, what.rope_kernel,
@@ -867,6 +865,7 @@ def estimate(
             profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
                                                                         recompute), optimizer)
             check_estimate_limits(profile)
+        say_part_counted(what.model)
         with writing("--out"):
             write_atomic(out, profile_json(profile))
     except InputError as exc:

@@ -74,13 +74,13 @@ from .common import (
     host_memory_refusal,
     is_given,
     model_reads,
-    part_counted_note,
     read_error,
     read_profile,
     refuse,
     refuse_out_of_host_memory,
     refused_with_flags,
     require_model,
+    say_part_counted,
     search_options,
     searched_scenario,
     stderr,
@@ -318,8 +318,6 @@ def run(
         # torch's import (begun by the ranks' server above) and the model: seconds before the ranks' bar
         with transient_status(f"{STARTING_STATUS} ({model})", quiet=as_json or under_torchrun()):
             require_model("pipesim run", model)  # torch imported, so a broken build stops here
-            if (note := part_counted_note(model)) is not None:
-                print_message(f"note: {note}", stderr)
             from ..calibrate.measure import DeviceError, resolve_device
             from ..executor import ExecutorError, RunSpec, carried_bounds
             from ..executor.replicas import Layout
@@ -340,6 +338,10 @@ def run(
                 refuse(host_memory_refusal("run", model, options, microbatch_size, DTYPES[dtype or "float32"]),
                        every_rank=True)
                 net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
+                from ..launch import speaks_for_host
+
+                if speaks_for_host():
+                    say_part_counted(model)
             except ModelError as exc:
                 raise InputError(str(exc)) from None
         if expert_parallel > 1:

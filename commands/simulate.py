@@ -81,6 +81,7 @@ from .common import (
     read_error,
     refuse,
     refused_with_flags,
+    say_part_counted,
     scenario_from_flags,
     search_options,
     searched_scenario,
@@ -293,6 +294,7 @@ def simulate(
                 parallel = what.parallelism(stages, tensor_parallel, data_parallel, recompute)
                 estimated = estimated_profile(what, counted, parallel, optimizer)
                 check_estimate_limits(estimated)
+            say_part_counted(what.model)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            cost_scale=cost_scale, **allocator_fields(allocator, counted, parallel, optimizer_step))

@@ -57,6 +57,7 @@ from .common import (
     progress,
     read_error,
     require,
+    say_part_counted,
     scenario_from_flags,
     search_options,
     stderr,
@@ -303,6 +304,7 @@ def sweep(
                     continue
                 jobs.append((replace(scenario_from_flags(ctx, "model", estimated=estimated),
                                      **allocator_fields(allocator, counted, parallel, optimizer_step)), indices))
+            say_part_counted(what.model)
         results = [None] * len(configs)
         sweeps = [(indices, run(shared, [configs[i] for i in indices], workers, ray)) for shared, indices in jobs]
         finished = itertools.chain(too_deep, ((indices[i], result) for indices, sweep in sweeps for i, result in sweep))

@@ -54,6 +54,7 @@ from .common import (
     load_profile_flag,
     refuse,
     refused_with_flags,
+    say_part_counted,
     search_options,
     stderr,
     stdout,
@@ -252,6 +253,7 @@ def tune(
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
             with transient_status(COUNTING_MODEL, quiet=False):  # a first count imports torch: seconds
                 counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, the only line
+            say_part_counted(what.model)
             part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
             if memory_cap_bytes is None:  # the part's own memory, as its estimates record it (device_memory_bytes)
                 memory_cap_bytes, capped_by = what.gpu.device_memory_bytes, part

@@ -16,30 +16,61 @@ from tests.helpers import LLAMA, S, count_config, write_config
 pytestmark = needs_transformers
 
 VISION = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2}
+QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+              "max_position_embeddings": 256, "num_experts": 0, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+              "layer_types": ["linear_attention", "full_attention"], "tie_word_embeddings": False}
 
 
 def test_a_multimodal_config_is_counted_as_its_text_config_and_says_what_it_leaves_out(tmp_path):
-    """The language model's part counts exactly as the same config given alone (its tie_word_embeddings from the
-    top level where the part does not give it, as transformers' composite configs pass it down), and count says
-    which model it is part of and which parts it leaves out."""
-    text = {key: value for key, value in LLAMA.items() if key != "tie_word_embeddings"}
-    composite = {"model_type": "qwen3_vl", "tie_word_embeddings": False, "text_config": text,
-                 "vision_config": VISION, "audio_config": VISION}
+    """The language model's part counts exactly as the same config given alone, the top level's
+    tie_word_embeddings over the part's (the composite model ties its head by it), and count says which model it
+    is part of and which parts it leaves out: its encoders' configs, not its quantization_config."""
+    from pipesim.workload.hfconfig import read_hf_config
+
+    composite = {"model_type": "qwen3_vl", "tie_word_embeddings": False,
+                 "text_config": {**LLAMA, "tie_word_embeddings": True}, "vision_config": VISION,
+                 "audio_config": VISION, "quantization_config": {"quant_method": "fp8"}}
     alone, part = (count_config(tmp_path / name, fields)
                    for name, fields in (("alone", LLAMA), ("composite", composite)))
     assert [replace(layer, name="") for layer in part.layers] == [replace(layer, name="") for layer in alone.layers]
+    read = read_hf_config(f"hf:{tmp_path / 'composite'}")
+    assert read.fields["tie_word_embeddings"] is False and read.fields["model_type"] == "llama"
     code, _, err = pipesim("count", "--model", f"hf:{tmp_path / 'composite'}", "--seq-len", S)
     assert code == 0, err
     assert (f"note: hf:{tmp_path / 'composite'} is a qwen3_vl model: pipesim takes its language model, text_config "
             "(model_type llama); its audio_config and vision_config not") in " ".join(err.split()), err
 
 
-def test_a_what_if_of_a_multimodal_config_says_the_same_note(tmp_path):
+def test_a_size_refused_in_the_language_part_names_the_part(tmp_path):
+    folder = write_config(tmp_path / "vl", {"model_type": "gemma3", "vision_config": VISION,
+                                            "text_config": {**LLAMA, "num_key_value_heads": 0}})
+    code, out, err = pipesim("count", "--model", f"hf:{folder}", "--seq-len", S)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: --model hf:{folder}: {folder / 'config.json'}'s text_config: "), err
+
+
+@pytest.mark.parametrize("command", [("simulate", "-p", 1, "-s", "1f1b"), ("tune", "--devices", 2)])
+def test_a_what_if_of_a_multimodal_config_says_the_same_note_once(tmp_path, command):
+    """tune counts the model once a micro-batch size and more: the note is said once, after the first count."""
     folder = write_config(tmp_path / "vl", {"model_type": "mistral3", "text_config": LLAMA, "vision_config": VISION})
-    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", f"hf:{folder}", "--seq-len", S, "-p", 1,
-                             "-s", "1f1b")
-    assert code == 0 and "1f1b" in out, err
-    assert "is a mistral3 model: pipesim takes its language model" in " ".join(err.split()), err
+    code, out, err = pipesim(command[0], "--gpu", "h100-sxm", "--model", f"hf:{folder}", "--seq-len", S,
+                             *command[1:])
+    assert code == 0 and out, err
+    assert " ".join(err.split()).count("is a mistral3 model: pipesim takes its language model") == 1, err
+
+
+def test_a_multimodal_config_refused_once_counted_is_one_line(tmp_path):
+    """A part the count refuses is refused in one line, no note before it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "qwen3_next" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Qwen3-Next")
+    folder = write_config(tmp_path / "vl", {"model_type": "qwen3_5", "text_config": QWEN3_NEXT,
+                                            "vision_config": VISION})
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", f"hf:{folder}", "--seq-len", S, "-p", 1)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and "linear attention" in err, err
 
 
 def test_a_language_part_without_a_model_type_is_one_line(tmp_path):
@@ -49,13 +80,6 @@ def test_a_language_part_without_a_model_type_is_one_line(tmp_path):
     assert (code, out) == (2, "") and err.strip().splitlines() == [
         f"error: --model hf:{folder}: {folder / 'config.json'}'s text_config (the language model pipesim counts of a "
         "llava model) has no model_type; add the one transformers knows it by"], err
-
-
-QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
-              "max_position_embeddings": 256, "num_experts": 0, "linear_num_key_heads": 2,
-              "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-              "layer_types": ["linear_attention", "full_attention"], "tie_word_embeddings": False}
 
 
 def test_linear_attention_layers_are_refused_in_one_line(tmp_path):
@@ -91,3 +115,16 @@ def test_a_models_own_code_failing_on_the_meta_device_is_one_line_naming_the_lay
     code, out, err = pipesim("count", "--model", "broken_model:model")
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
     assert "cannot run on torch's meta device to be counted: KeyError: 'a rotary table keyed otherwise'" in err, err
+
+
+def test_an_error_raised_in_pipesims_own_counting_code_keeps_its_traceback(monkeypatch):
+    """Only the model's own code's errors are said in one line: one raised last in pipesim's own code is a bug of
+    pipesim's, not the input's, and keeps its traceback (it read as bad input, exit 2)."""
+    import pipesim.workload.count as count_module
+
+    def broken(*args, **kwargs):
+        raise IndexError("a bug of pipesim's")
+
+    monkeypatch.setattr(count_module, "_count_layer", broken)
+    with pytest.raises(IndexError, match="a bug of pipesim's"):
+        pipesim("count", "--model", "gpt", "--layers", 1)

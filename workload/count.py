@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -933,7 +934,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
             if key not in alike:
                 kernels.scores_bytes = 0
                 with fused_norms(layer, norm_kernel == "fused"), fused_rope(layer, rope_kernel == "fused"), \
-                        _runs_on_meta(model, names[i]):
+                        runs_on_meta(model.name, f"layer {names[i]}"):
                     count, out = _count_layer(model, layer, inputs, target, i == last, steps, every_norm_own)
                 alike[key] = replace(count, scores_bytes=kernels.scores_bytes), out
             count, outputs[i] = alike[key]
@@ -956,20 +957,38 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
 
 
 @contextmanager
-def _runs_on_meta(model: Model, layer: str) -> Iterator[None]:
-    """What the model's own code raised counting `layer` on the meta device, as one line naming it: a Hugging Face
+def runs_on_meta(model: str, what: str) -> Iterator[None]:
+    """What model `model`'s own code raised running `what` (a layer, its forward) on the meta device, as one line
+    naming it: a Hugging Face
     model's modelling code on a config it was not written for (DeepSeek-V4's rotary embedding keyed by its own
-    names, not its layer types), a module of the user's own. The count's own refusals (`ModelError`) and a tensor
-    past what torch addresses (`_addressable`'s) pass as they are."""
+    names, not its layer types; Gemma 4's per-layer inputs, which pipesim's cut does not pass), a module of the
+    user's own. An error raised last in pipesim's own code (`_raised_by_pipesim`) keeps its traceback: a bug of
+    pipesim's is no input's fault. The count's own refusals (`ModelError`) and a tensor past what torch addresses
+    (`_addressable`'s) pass as they are."""
     try:
         yield
     except ModelError:
         raise
     except Exception as exc:
-        if _past_address(exc):
+        if _past_address(exc) or _raised_by_pipesim(exc):
             raise
-        raise ModelError(f"--model {model.name}: layer {layer} cannot run on torch's meta device to be counted: "
+        raise ModelError(f"--model {model}: {what} cannot run on torch's meta device to be counted: "
                          f"{type(exc).__name__}: {' '.join(str(exc).split()) or 'no message'}") from None
+
+
+PIPESIM_ROOT = Path(__file__).resolve().parents[1]
+TORCH_ROOT = Path(torch.__file__).resolve().parent
+
+
+def _raised_by_pipesim(exc: BaseException) -> bool:
+    """Whether the deepest frame of `exc`'s traceback outside torch's own code is pipesim's (its stand-ins and
+    counting code), not the model's: torch's kernels raise on whoever called them wrongly."""
+    import traceback
+
+    frames = [Path(frame.filename).resolve() for frame in traceback.extract_tb(exc.__traceback__)]
+    caller = next((frame for frame in reversed(frames) if not frame.is_relative_to(TORCH_ROOT)), None)
+    # (an environment made inside the checkout, as .ci/run's .venv, holds transformers below pipesim's folder)
+    return caller is not None and caller.is_relative_to(PIPESIM_ROOT) and "site-packages" not in caller.parts
 
 
 def _past_address(exc: BaseException) -> bool:

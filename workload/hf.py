@@ -299,7 +299,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         options.update(experts=experts, top_k=top_k[1] if top_k else None,
                        expert_ffn=getattr(settings, EXPERT_FFN_FIELD, None) or options["ffn"])
         if top_k and top_k[1] is not None and top_k[1] > experts:  # the router's top-k: torch's "k not in range"
-            raise ModelError(f"{where}: {config.path} sends a token to {top_k[0]} {top_k[1]} experts, more than its "
+            raise ModelError(f"{where}: {config.where} sends a token to {top_k[0]} {top_k[1]} experts, more than its "
                              f"{experts} routed experts ({routed[0]}); give 1 to {experts}")
         groups, per_token = (getattr(settings, name, None) for name in GROUP_FIELDS)
         if groups and per_token and per_token < groups:
@@ -462,7 +462,7 @@ def _check_no_experts(model: nn.Module, where: str, config: HfConfig, routed: tu
     as a weight of no elements, which a dense layer (Qwen-MoE's, GraniteMoeHybrid's at 0) never holds."""
     empty = next((name for name, weight in model.named_parameters() if not weight.numel()), None)
     if routed is not None and routed[1] == 0 and empty is not None:
-        raise ModelError(f"{where}: {config.path} gives {routed[0]} 0, which transformers' {type(model).__name__} "
+        raise ModelError(f"{where}: {config.where} gives {routed[0]} 0, which transformers' {type(model).__name__} "
                          f"builds as a mixture of no experts ({empty} holds none); give 1 or more")
 
 
@@ -497,7 +497,7 @@ def _check_aliased_sizes(config: HfConfig, settings: Any) -> None:
     (`size_field_refusal`): read_hf_config reads the fields by their own names only."""
     for field in SIZES:
         read = _read(config, settings, field)
-        refusal = (size_field_refusal(config.spec, config.path, read[0], field, read[1])
+        refusal = (size_field_refusal(config.spec, config.where, read[0], field, read[1])
                    if read and read[0] != field and read[1] is not None else None)
         if refusal is not None:
             raise ModelError(refusal)
@@ -511,7 +511,7 @@ def _kv_heads(config: HfConfig, settings: Any) -> int | None:
     if kv_heads and kv_heads[1] and heads and heads[1] % kv_heads[1]:
         gives = (f"gives {kv_heads[0]} {kv_heads[1]}" if kv_heads[0] in config.fields else
                  f"leaves {kv_heads[0]} at {type(settings).__name__}'s {kv_heads[1]}")
-        raise ModelError(f"--model {config.spec}: {config.path} {gives}, which does not divide its {heads[0]} "
+        raise ModelError(f"--model {config.spec}: {config.where} {gives}, which does not divide its {heads[0]} "
                          f"{heads[1]}; give a divisor of {heads[1]}")
     return kv_heads[1] if kv_heads else None
 
@@ -526,7 +526,7 @@ def _activation_refusal(config: HfConfig, exc: Exception) -> ModelError | None:
     field = next((name for name in ACTIVATION_FIELDS if config.fields.get(name) == exc.args[0]), None)
     if field is None:
         return None
-    return ModelError(f"--model {config.spec}: {config.path} gives {field} {exc.args[0]!r}, an activation "
+    return ModelError(f"--model {config.spec}: {config.where} gives {field} {exc.args[0]!r}, an activation "
                       f"transformers does not know; give one of {', '.join(sorted(ACT2FN))}")
 
 
@@ -567,12 +567,12 @@ def _settings(config: HfConfig, config_class: type) -> Any:
         raise _not_laid_out(f"--model {config.spec}", f"model_type {config.model_type!r} ({config_class.__name__} "
                                                       f"has no {', '.join(unknown)})")
     if missing:
-        raise ModelError(f"--model {config.spec}: {config.path} gives no {', '.join(missing)}; a dense decoder's "
+        raise ModelError(f"--model {config.spec}: {config.where} gives no {', '.join(missing)}; a dense decoder's "
                          f"config needs {'it' if len(missing) == 1 else 'each of them'}")
     try:
         settings = config_class.from_dict(config.fields)
     except Exception as exc:  # its checks of the fields' values (rope settings, ...): whatever they raised, in one line
-        raise ModelError(f"--model {config.spec}: transformers refuses {config.path}: {_in_one_line(exc)}") from None
+        raise ModelError(f"--model {config.spec}: transformers refuses {config.where}: {_in_one_line(exc)}") from None
     settings.use_cache = False
     return settings
 

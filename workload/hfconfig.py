@@ -39,12 +39,13 @@ SIZES = {**{field: size for size, field in FIGURES.items()}, "num_key_value_head
 # where it does not (Mixtral's, which workload/hf.py refuses once built)
 LEAST = dict.fromkeys(EXPERT_FIELDS, 0)
 LONGEST_FIELD = "max_position_embeddings"  # the most tokens a sample of the model holds
-# A multimodal model's config (Qwen3.5's, Gemma 4's, Llama 4's, Kimi K2.5's as their repositories publish them) holds
-# its language model's config under this key, beside its encoders' (vision_config, audio_config): what a pipeline's
-# stages of transformer layers are, and what pipesim counts of it
+# A multimodal model's config (Gemma 3's, Mistral 3's, Llama 4's as their repositories publish them) holds its language
+# model's config under this key, beside its encoders' (vision_config, audio_config: each a config with a model_type):
+# what a pipeline's stages of transformer layers are, and what pipesim counts of it
 LANGUAGE_PART = "text_config"
-# fields such a config gives at its top level that the language model's part reads too where it does not give them
-# (Qwen3-VL's and Qwen3.5's tie_word_embeddings: transformers' composite config passes it down the same way)
+# fields such a config gives at its top level that decide its language model's too, over the part's own: the
+# composite model ties its head to its embedding by the top level's tie_word_embeddings (transformers'
+# Mistral3ForConditionalGeneration and Llama4ForConditionalGeneration read the composite config's)
 SHARED_FIELDS = ("tie_word_embeddings",)
 
 
@@ -63,6 +64,11 @@ class HfConfig:
     fields: dict[str, Any]
     part_of: str | None = None
     left_out: tuple[str, ...] = ()
+
+    @property
+    def where(self) -> str:
+        """Where its fields are, as a refusal names it: the file, or the part of it (`LANGUAGE_PART`)."""
+        return f"{self.path}'s {LANGUAGE_PART}" if self.part_of is not None else str(self.path)
 
     @property
     def note(self) -> str | None:
@@ -161,14 +167,16 @@ def read_hf_config(spec: str) -> HfConfig:
                                 f"{fields['model_type']} model) has no model_type; add the one transformers knows "
                                 "it by")
         part_of = fields["model_type"]
-        left_out = tuple(sorted(key for key, value in fields.items()
-                                if key.endswith("_config") and key != LANGUAGE_PART and isinstance(value, dict)))
-        fields = {**{key: fields[key] for key in SHARED_FIELDS if key in fields}, **language}
+        left_out = tuple(sorted(key for key, value in fields.items() if key.endswith("_config") and key != LANGUAGE_PART
+                                and isinstance(value, dict) and "model_type" in value))  # not quantization_config
+        fields = {**language, **{key: fields[key] for key in SHARED_FIELDS if key in fields}}
+    config = HfConfig(spec, path, fields, part_of, left_out)
     for field in SIZES:
-        refusal = None if fields.get(field) is None else size_field_refusal(spec, path, field, field, fields[field])
+        refusal = None if fields.get(field) is None else size_field_refusal(spec, config.where, field, field,
+                                                                              fields[field])
         if refusal is not None:
             raise HfConfigError(refusal)
-    return HfConfig(spec, path, fields, part_of, left_out)
+    return config
 
 
 def seq_len_refusal(spec: str, seq_len: int | None, longest: int | None, whose: str) -> str | None:
@@ -199,14 +207,14 @@ def config_seq_len_refusal(spec: str, seq_len: int | None) -> str | None:
             spec, None, None, f"its config gives no {LONGEST_FIELD}: transformers' default for model_type "
                               f"{config.model_type!r} bounds it")
     # 4096.0 or "4096" was said to give none, and transformers refused it once torch was imported, 10.8 s
-    if (refusal := whole_number_refusal(spec, config.path, LONGEST_FIELD, longest, 1, None)) is not None:
+    if (refusal := whole_number_refusal(spec, config.where, LONGEST_FIELD, longest, 1, None)) is not None:
         return refusal
     if (refusal := size_refusal(LONGEST_FIELD, None, longest)) is not None:
-        return f"--model {spec}: {config.path}: {refusal}"
+        return f"--model {spec}: {config.where}: {refusal}"
     return seq_len_refusal(spec, seq_len, longest, f"its {LONGEST_FIELD}")
 
 
-def size_field_refusal(spec: str, path: Path, given: str, field: str, value: Any) -> str | None:
+def size_field_refusal(spec: str, path: Path | str, given: str, field: str, value: Any) -> str | None:
     """The one line refusing `value`, which `path` gives as `given` (the `SIZES` field `field`, or an alias of it
     that transformers reads: workload/hf.py `_read`), where it is not a whole number from its `LEAST` to its
     bound; None where it is one."""
@@ -217,7 +225,8 @@ def size_field_refusal(spec: str, path: Path, given: str, field: str, value: Any
     return None if refusal is None else f"--model {spec}: {path}: {refusal}"
 
 
-def whole_number_refusal(spec: str, path: Path, given: str, value: Any, least: int, most: int | None) -> str | None:
+def whole_number_refusal(spec: str, path: Path | str, given: str, value: Any, least: int,
+                         most: int | None) -> str | None:
     """The one line refusing `value`, which `path` gives as `given`, where it is no whole number (JSON's true, 4.0
     and "4" are none: transformers' strict configs refuse them, but only once torch is imported); None where it is
     one. It states what is allowed, from `least` to `most` (None: no bound), as `size_refusal` does for a whole
