@@ -6,6 +6,7 @@ one line naming the layer, where it was a traceback."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
@@ -97,7 +98,13 @@ def test_linear_attention_layers_are_refused_in_one_line(tmp_path):
                           "runs fused chunk kernels"), err
 
 
-def test_a_models_own_code_failing_on_the_meta_device_is_one_line_naming_the_layer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("raised, said", [
+    ("raise KeyError('a rotary table keyed otherwise')", "KeyError: 'a rotary table keyed otherwise'"),
+    # torch refuses the product its code asks for, through the count's modes, which see every op
+    ("return x @ torch.ones(3, 3)", "RuntimeError: "),
+])
+def test_a_models_own_code_failing_on_the_meta_device_is_one_line_naming_the_layer(tmp_path, monkeypatch, raised,
+                                                                                  said):
     """A user's module whose forward raises: the count says which layer and what it raised, not a traceback."""
     (tmp_path / "broken_model.py").write_text(
         "import torch\n"
@@ -107,14 +114,15 @@ def test_a_models_own_code_failing_on_the_meta_device_is_one_line_naming_the_lay
         "        super().__init__()\n"
         "        self.linear = torch.nn.Linear(8, 8)\n"
         "    def forward(self, x):\n"
-        "        raise KeyError('a rotary table keyed otherwise')\n"
+        f"        {raised}\n"
         "def model():\n"
         "    built = build_model('mlp', layers=2, width=8)\n"
         "    return type(built)(**{**built.__dict__, 'layers': [built.layers[0], Broken(), *built.layers[2:]]})\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_model", raising=False)  # each case's own module
     code, out, err = pipesim("count", "--model", "broken_model:model")
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
-    assert "cannot run on torch's meta device to be counted: KeyError: 'a rotary table keyed otherwise'" in err, err
+    assert f"layer 1:Broken cannot run on torch's meta device to be counted: {said}" in err, err
 
 
 def test_an_error_raised_in_pipesims_own_counting_code_keeps_its_traceback(monkeypatch):
@@ -128,3 +136,18 @@ def test_an_error_raised_in_pipesims_own_counting_code_keeps_its_traceback(monke
     monkeypatch.setattr(count_module, "_count_layer", broken)
     with pytest.raises(IndexError, match="a bug of pipesim's"):
         pipesim("count", "--model", "gpt", "--layers", 1)
+
+
+def test_a_config_whose_layers_each_give_their_own_heads_is_one_line(tmp_path):
+    """transformers' heterogeneous configs (per_layer_config: dots.llm3's) raise on the global attribute pipesim
+    reads one of for the whole model: refused in one line, where it was that error's traceback."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "dots3_note" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no dots3_note")
+    # as transformers writes its own: the figures are read before the model is built
+    folder = write_config(tmp_path / "dots", AutoConfig.for_model("dots3_note").to_dict())
+    code, out, err = pipesim("count", "--model", f"hf:{folder}", "--seq-len", S)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert "pipesim reads one num_attention_heads for all its layers, and transformers gives none" in err, err

@@ -982,13 +982,19 @@ TORCH_ROOT = Path(torch.__file__).resolve().parent
 
 def _raised_by_pipesim(exc: BaseException) -> bool:
     """Whether the deepest frame of `exc`'s traceback outside torch's own code is pipesim's (its stand-ins and
-    counting code), not the model's: torch's kernels raise on whoever called them wrongly."""
+    counting code), not the model's: torch's kernels raise on whoever called them wrongly, and the count's modes
+    (`__torch_function__`, `__torch_dispatch__`), which see every op, only hand on one that torch then refused."""
     import traceback
 
-    frames = [Path(frame.filename).resolve() for frame in traceback.extract_tb(exc.__traceback__)]
-    caller = next((frame for frame in reversed(frames) if not frame.is_relative_to(TORCH_ROOT)), None)
-    # (an environment made inside the checkout, as .ci/run's .venv, holds transformers below pipesim's folder)
-    return caller is not None and caller.is_relative_to(PIPESIM_ROOT) and "site-packages" not in caller.parts
+    in_torch = False
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(TORCH_ROOT):
+            in_torch = True
+        elif not (in_torch and frame.name in ("__torch_function__", "__torch_dispatch__")):
+            # (an environment made inside the checkout, as .ci/run's .venv, holds transformers below pipesim's)
+            return path.is_relative_to(PIPESIM_ROOT) and "site-packages" not in path.parts
+    return False
 
 
 def _past_address(exc: BaseException) -> bool:

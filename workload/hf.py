@@ -289,7 +289,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
                          f"{config.model_type!r}; it builds {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} types of causal "
                          f"language model, {', '.join(known)} among them")
     settings = _settings(config, CONFIG_MAPPING[config.model_type])
-    options = {name: getattr(settings, field) for name, field in FIGURES.items()}
+    options = {name: _figure(settings, field, where) for name, field in FIGURES.items()}
     _check_aliased_sizes(config, settings)
     options["kv_heads"] = _kv_heads(config, settings) or options["heads"]
     routed = _routed_experts(config, settings)
@@ -547,6 +547,17 @@ def _check_no_linear_attention(model: nn.Module, where: str) -> None:
                          "the model's own) that pipesim does not count yet; on the meta device transformers runs its "
                          "torch fallback, a loop over the sequence's chunks, which pipesim would price as hundreds of "
                          "small kernels a layer; give a model without it")
+
+
+def _figure(settings: Any, field: str, where: str) -> Any:
+    """The config's one `field` for the whole model, as pipesim's options hold it: a config whose layers each give
+    their own (transformers' heterogeneous configs, `per_layer_config`, whose global attribute raises) is refused in
+    one line, where it was a traceback."""
+    try:
+        return getattr(settings, field)
+    except Exception as exc:  # transformers' own check of the attribute: whatever it raised, in one line
+        raise ModelError(f"{where}: pipesim reads one {field} for all its layers, and transformers gives none: "
+                         f"{_in_one_line(exc)}") from None
 
 
 def _in_one_line(exc: Exception) -> str:
