@@ -151,3 +151,19 @@ def test_a_config_whose_layers_each_give_their_own_heads_is_one_line(tmp_path):
     code, out, err = pipesim("count", "--model", f"hf:{folder}", "--seq-len", S)
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
     assert "pipesim reads one num_attention_heads for all its layers, and transformers gives none" in err, err
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_a_sparse_attentions_indexer_is_refused_in_one_line_before_the_model_is_built(tmp_path, model_type):
+    """DeepSeek Sparse Attention keeps index_topk keys a query (2,048 at DeepSeek-V3.2's 128k), where pipesim counts
+    every key before each query: DeepSeek-V3.2's code failed on the meta device, and a model whose code runs there
+    would have been priced dense."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    folder = write_config(tmp_path / model_type, AutoConfig.for_model(model_type).to_dict())
+    code, out, err = pipesim("count", "--model", f"hf:{folder}", "--seq-len", S)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: --model hf:{folder}: its attention is sparse, an indexer keeping "), err

@@ -290,6 +290,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
                          f"language model, {', '.join(known)} among them")
     settings = _settings(config, CONFIG_MAPPING[config.model_type])
     options = {name: _figure(settings, field, where) for name, field in FIGURES.items()}
+    _check_dense_attention(settings, where)
     _check_aliased_sizes(config, settings)
     options["kv_heads"] = _kv_heads(config, settings) or options["heads"]
     routed = _routed_experts(config, settings)
@@ -547,6 +548,27 @@ def _check_no_linear_attention(model: nn.Module, where: str) -> None:
                          "the model's own) that pipesim does not count yet; on the meta device transformers runs its "
                          "torch fallback, a loop over the sequence's chunks, which pipesim would price as hundreds of "
                          "small kernels a layer; give a model without it")
+
+
+# The keys a query attends to that a sparse attention's indexer keeps (DeepSeek Sparse Attention's: DeepSeek-V3.2's
+# `index_topk`, and the configs of GLM-5 and others that give it): `_check_dense_attention` refuses them
+SPARSE_ATTENTION_FIELD = "index_topk"
+
+
+def _check_dense_attention(settings: Any, where: str) -> None:
+    """Refuse a model whose attention an indexer makes sparse: pipesim counts each query against every key before it
+    (or a window's), where the indexer keeps `index_topk` of them (2,048 at DeepSeek-V3.2's 128k context, where a
+    causal query meets 64k keys on average), beside its own scoring pass over them all; counted dense, its core would
+    be priced about 32 times over there (or its code fails on the meta device, DeepSeek-V3.2's)."""
+    try:
+        keys = getattr(settings, SPARSE_ATTENTION_FIELD, None)
+    except Exception:  # a heterogeneous config's per-layer attribute: some of its layers index
+        keys = "its layers'"
+    if keys is not None:
+        kept = f"{keys:,}" if isinstance(keys, int) else keys
+        raise ModelError(f"{where}: its attention is sparse, an indexer keeping {kept} keys a query "
+                         f"({SPARSE_ATTENTION_FIELD}: DeepSeek Sparse Attention's), which pipesim does not count yet: "
+                         "it counts each query against every key before it; give a model without one")
 
 
 def _figure(settings: Any, field: str, where: str) -> Any:
