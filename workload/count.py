@@ -959,12 +959,11 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
 @contextmanager
 def runs_on_meta(model: str, what: str) -> Iterator[None]:
     """What model `model`'s own code raised running `what` (a layer, its forward) on the meta device, as one line
-    naming it: a Hugging Face
-    model's modelling code on a config it was not written for (DeepSeek-V4's rotary embedding keyed by its own
-    names, not its layer types; Gemma 4's per-layer inputs, which pipesim's cut does not pass), a module of the
-    user's own. An error raised last in pipesim's own code (`_raised_by_pipesim`) keeps its traceback: a bug of
-    pipesim's is no input's fault. The count's own refusals (`ModelError`) and a tensor past what torch addresses
-    (`_addressable`'s) pass as they are."""
+    naming it: a Hugging Face model's modelling code on a config it was not written for (DeepSeek-V4's rotary
+    embedding keyed by its own names, not its layer types; Gemma 4's per-layer inputs, which pipesim's cut does not
+    pass), a module of the user's own. An error raised last in pipesim's own code (`_raised_by_pipesim`) keeps its
+    traceback: a bug of pipesim's is no input's fault. The count's own refusals (`ModelError`) and a tensor past
+    what torch addresses (`_addressable`'s) pass as they are."""
     try:
         yield
     except ModelError:

@@ -138,7 +138,7 @@ def read_hf_config(spec: str) -> HfConfig:
     tells, so workload/hf.py refuses the rest once it is read: a size given under an alias (`_check_aliased_sizes`),
     key/value heads that do not divide the attention heads (`_kv_heads`), more experts a token than routed experts.
     A multimodal model's config that gives no decoder figure of its own is read as its language model's part
-    (`LANGUAGE_PART`, with the `SHARED_FIELDS` it does not give), its other parts named in `HfConfig.left_out`."""
+    (`LANGUAGE_PART`, the top level's `SHARED_FIELDS` over its own), its other parts named in `HfConfig.left_out`."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
