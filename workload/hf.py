@@ -532,7 +532,8 @@ def _activation_refusal(config: HfConfig, exc: Exception) -> ModelError | None:
 
 
 # The class names' endings of transformers' linear-attention mixers (Qwen3-Next's, Qwen3.5's and OLMo Hybrid's gated
-# delta rule, Kimi Linear's and GLM-5's KDA, MiniMax-01's lightning attention, Ling's): `_check_no_linear_attention`
+# delta rule, Kimi Linear's and GLM-5.3-Flash's KDA, MiniMax-01's lightning attention, Ling's), which
+# `_check_no_linear_attention` refuses
 LINEAR_ATTENTION = ("GatedDeltaNet", "DeltaAttention", "LightningAttention", "TextLinearAttention")
 
 
