@@ -1288,27 +1288,22 @@ def require(needer: str, *modules: str) -> None:
 
 
 def say_part_counted(model: str) -> None:
-    """Say on stderr which part of a multimodal model's config a command takes (`part_counted_note`), where it is
-    one: once a command has counted (or built) it, so that a model it then refuses is refused in one line."""
-    from .tables import print_message
-
-    if (note := part_counted_note(model)) is not None:
-        print_message(f"note: {note}", stderr)
-
-
-def part_counted_note(model: str) -> str | None:
-    """Where `model` is a multimodal model's Hugging Face config, the note saying which of its parts is counted
-    (workload/hfconfig.py `HfConfig.note`); None otherwise, an unreadable config included (its refusal is the
+    """Where `model` is a multimodal model's Hugging Face config, say on stderr which of its parts a command takes
+    (workload/hfconfig.py `HfConfig.note`): once the command has counted (or built) it, so that a model it then
+    refuses is refused in one line. Nothing for any other model, nor for an unreadable config (its refusal is the
     count's)."""
     from ..profiles.workload import is_hf
     from ..workload.hfconfig import HfConfigError, read_hf_config
+    from .tables import print_message
 
     if not is_hf(model):
-        return None
+        return
     try:
-        return read_hf_config(model).note
+        note = read_hf_config(model).note
     except HfConfigError:
-        return None
+        return
+    if note is not None:
+        print_message(f"note: {note}", stderr)
 
 
 def require_model(needer: str, model: str, torch_needer: str | None = None) -> None:

@@ -23,9 +23,9 @@ from .common import (
     check_dtype,
     fail,
     model_shape_options,
-    part_counted_note,
     refuse,
     require_model,
+    say_part_counted,
     stderr,
     transient_status,
 )
@@ -71,8 +71,7 @@ def count(
         sys.stdout.write(json.dumps(_document(counted), indent=2) + "\n")
         return
     print_table(_table(counted))
-    if (note := part_counted_note(model)) is not None:
-        print_message(f"note: {note}", stderr)
+    say_part_counted(model)
     if counted.options.get("experts"):
         print_message(_routing_note(counted), stderr)
     print_message(f"counted on the meta device in {time.perf_counter() - started:.1f} s", stderr)

@@ -204,7 +204,7 @@ def run(
     this rank and rank 0 writes the trace.
     """
     from ..choices import BACKENDS, choose_from, device_refusal
-    from ..launch import under_torchrun
+    from ..launch import speaks_for_host, under_torchrun
     from ..planning.scenario import all_to_all_refusal
     from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
     from ..profiles.workload import is_hf
@@ -338,8 +338,6 @@ def run(
                 refuse(host_memory_refusal("run", model, options, microbatch_size, DTYPES[dtype or "float32"]),
                        every_rank=True)
                 net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
-                from ..launch import speaks_for_host
-
                 if speaks_for_host():
                     say_part_counted(model)
             except ModelError as exc:

@@ -214,23 +214,22 @@ def config_seq_len_refusal(spec: str, seq_len: int | None) -> str | None:
     return seq_len_refusal(spec, seq_len, longest, f"its {LONGEST_FIELD}")
 
 
-def size_field_refusal(spec: str, path: Path | str, given: str, field: str, value: Any) -> str | None:
-    """The one line refusing `value`, which `path` gives as `given` (the `SIZES` field `field`, or an alias of it
-    that transformers reads: workload/hf.py `_read`), where it is not a whole number from its `LEAST` to its
-    bound; None where it is one."""
+def size_field_refusal(spec: str, where: str, given: str, field: str, value: Any) -> str | None:
+    """The one line refusing `value`, which `where` (the file, or its part: `HfConfig.where`) gives as `given` (the
+    `SIZES` field `field`, or an alias of it that transformers reads: workload/hf.py `_read`), where it is not a whole
+    number from its `LEAST` to its bound; None where it is one."""
     least = LEAST.get(field, 1)
-    if (refusal := whole_number_refusal(spec, path, given, value, least, MAX_SIZES[SIZES[field]])) is not None:
+    if (refusal := whole_number_refusal(spec, where, given, value, least, MAX_SIZES[SIZES[field]])) is not None:
         return refusal
     refusal = size_refusal(given, SIZES[field], value, least)
-    return None if refusal is None else f"--model {spec}: {path}: {refusal}"
+    return None if refusal is None else f"--model {spec}: {where}: {refusal}"
 
 
-def whole_number_refusal(spec: str, path: Path | str, given: str, value: Any, least: int,
-                         most: int | None) -> str | None:
-    """The one line refusing `value`, which `path` gives as `given`, where it is no whole number (JSON's true, 4.0
+def whole_number_refusal(spec: str, where: str, given: str, value: Any, least: int, most: int | None) -> str | None:
+    """The one line refusing `value`, which `where` gives as `given`, where it is no whole number (JSON's true, 4.0
     and "4" are none: transformers' strict configs refuse them, but only once torch is imported); None where it is
     one. It states what is allowed, from `least` to `most` (None: no bound), as `size_refusal` does for a whole
     number out of them, so that 4.0 and 0 are told the same thing."""
     if isinstance(value, bool) or not isinstance(value, int):
-        return f"--model {spec}: {path}: {given}: {number_allowed(least, most)} (got {json.dumps(value)})"
+        return f"--model {spec}: {where}: {given}: {number_allowed(least, most)} (got {json.dumps(value)})"
     return None
