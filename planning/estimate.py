@@ -2733,6 +2733,10 @@ def check_context(counted: WorkloadCount, c: int) -> None:
     if counted.options.get("mamba_heads"):
         raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s Mamba-2 "
                             "layers scan the whole of it, which pipesim does not split; leave {context} out")
+    if counted.options.get("linear_value_heads"):
+        raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s gated delta "
+                            "rule layers scan the whole of it (Megatron-core trades the split for one of their heads "
+                            "by all-to-alls), which pipesim does not model yet; leave {context} out")
     if (chunk := counted.options.get("attention_chunk")) is not None:
         raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s chunked "
                             f"attention layers attend within chunks of {chunk:,} tokens, which pipesim's ring does not "
@@ -2868,7 +2872,9 @@ def tensor_split_refusal(options: dict[str, Any], tensor: int, expert_tensor: in
                                             ("ffn", "MLP width", ("tensor", tensor)),
                                             ("expert_ffn", "experts' MLP width", expert_split),
                                             ("mamba_heads", "Mamba-2 heads", ("tensor", tensor)),
-                                            ("mamba_groups", "Mamba-2 groups", ("tensor", tensor))):
+                                            ("mamba_groups", "Mamba-2 groups", ("tensor", tensor)),
+                                            ("linear_key_heads", "gated delta rule key heads", ("tensor", tensor)),
+                                            ("linear_value_heads", "gated delta rule value heads", ("tensor", tensor))):
         size = options.get(name)
         if size and size % ranks:
             return f"{field_name}: {ranks} does not divide the model's {size:,} {what}"

@@ -1,6 +1,6 @@
 """Hugging Face configs of the models of now that are not a plain decoder: a multimodal model's config (Gemma 3's,
 Mistral 3's, Llama 4's as published) counted as its language model's part, its text_config, with a note naming
-what is left out; linear-attention layers (Qwen3-Next's and Qwen3.5's gated delta rule) refused in one line, as
+what is left out; linear-attention layers other than the gated delta rule (Kimi Linear's KDA) refused in one line, as
 their torch fallback is not what a run computes; and a model whose own code fails on the meta device refused in
 one line naming the layer, where it was a traceback."""
 
@@ -17,11 +17,11 @@ from tests.helpers import LLAMA, S, count_config, write_config
 pytestmark = needs_transformers
 
 VISION = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2}
-QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
-              "max_position_embeddings": 256, "num_experts": 0, "linear_num_key_heads": 2,
-              "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-              "layer_types": ["linear_attention", "full_attention"], "tie_word_embeddings": False}
+KIMI_LINEAR = {"model_type": "kimi_linear", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+               "qk_nope_head_dim": 16, "v_head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256,
+               "num_experts": 0, "linear_num_heads": 4, "linear_head_dim": 16, "pad_token_id": 0,
+               "layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "dense"]}
 
 
 def test_a_multimodal_config_is_counted_as_its_text_config_and_says_what_it_leaves_out(tmp_path):
@@ -66,9 +66,9 @@ def test_a_multimodal_config_refused_once_counted_is_one_line(tmp_path):
     """A part the count refuses is refused in one line, no note before it."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if "qwen3_next" not in CONFIG_MAPPING:
-        pytest.skip("this transformers has no Qwen3-Next")
-    folder = write_config(tmp_path / "vl", {"model_type": "qwen3_5", "text_config": QWEN3_NEXT,
+    if "kimi_linear" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Kimi Linear")
+    folder = write_config(tmp_path / "vl", {"model_type": "qwen3_5", "text_config": KIMI_LINEAR,
                                             "vision_config": VISION})
     code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", f"hf:{folder}", "--seq-len", S, "-p", 1)
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1 and "linear attention" in err, err
@@ -83,18 +83,18 @@ def test_a_language_part_without_a_model_type_is_one_line(tmp_path):
         "llava model) has no model_type; add the one transformers knows it by"], err
 
 
-def test_linear_attention_layers_are_refused_in_one_line(tmp_path):
-    """Qwen3-Next's gated delta rule runs flash-linear-attention's fused chunk kernels; on the meta device
-    transformers runs its torch fallback (a loop over 64-token chunks), which was counted and priced as hundreds of
-    small kernels a layer."""
+def test_linear_attention_but_the_gated_delta_rule_is_refused_in_one_line(tmp_path):
+    """Kimi Linear's KDA runs flash-linear-attention's fused chunk kernels, which pipesim does not count (the gated
+    delta rule's it does: tests/test_gdn.py); on the meta device transformers runs its torch fallback (a loop over
+    64-token chunks), which was counted and priced as hundreds of small kernels a layer."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if "qwen3_next" not in CONFIG_MAPPING:
-        pytest.skip("this transformers has no Qwen3-Next")
-    folder = write_config(tmp_path / "next", QWEN3_NEXT)
+    if "kimi_linear" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Kimi Linear")
+    folder = write_config(tmp_path / "kimi", KIMI_LINEAR)
     code, out, err = pipesim("count", "--model", f"hf:{folder}", "--seq-len", S)
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"error: --model hf:{folder}: its linear attention (Qwen3NextGatedDeltaNet, in 1 layer) "
+    assert err.startswith(f"error: --model hf:{folder}: its linear attention (KimiLinearDeltaAttention, in 1 layer) "
                           "runs fused chunk kernels"), err
 
 

@@ -46,6 +46,7 @@ from torch import nn
 from ..units import count_text
 from . import data
 from .count import attention_window, fused_attention, is_norm
+from .gdn import counted_delta_nets, is_gated_delta_net
 from .hfconfig import (
     EXPERT_FIELDS,
     FIGURES,
@@ -288,8 +289,9 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         raise ModelError(f"{where}: transformers {transformers.__version__} does not know model_type "
                          f"{config.model_type!r}; it builds {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} types of causal "
                          f"language model, {', '.join(known)} among them")
-    settings = _settings(config, CONFIG_MAPPING[config.model_type])
-    options = {name: _figure(settings, field, where) for name, field in FIGURES.items()}
+    figures = _figures(CONFIG_MAPPING[config.model_type])
+    settings = _settings(config, CONFIG_MAPPING[config.model_type], figures)
+    options = {name: _figure(settings, field, where) for name, field in figures.items()}
     _check_dense_attention(settings, where)
     _check_aliased_sizes(config, settings)
     options["kv_heads"] = _kv_heads(config, settings) or options["heads"]
@@ -347,6 +349,9 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     mixer = next((module for module in model.modules() if is_mamba2_mixer(module)), None)
     if mixer is not None:  # what tensor parallelism splits (Megatron-core asserts t divides both)
         options.update(mamba_heads=mixer.num_heads, mamba_groups=mixer.n_groups)
+    delta_net = next((module for module in model.modules() if is_gated_delta_net(module)), None)
+    if delta_net is not None:  # what tensor parallelism splits (Megatron-core's in_proj is column-parallel by head)
+        options.update(linear_key_heads=delta_net.num_k_heads, linear_value_heads=delta_net.num_v_heads)
     inputs: list[tuple[int, ...]] = []
     if mtp_layers:
         head = layers.pop()
@@ -532,23 +537,26 @@ def _activation_refusal(config: HfConfig, exc: Exception) -> ModelError | None:
 
 
 # The class names' endings of transformers' linear-attention mixers (Qwen3-Next's, Qwen3.5's and OLMo Hybrid's gated
-# delta rule, Kimi Linear's and GLM-5.3-Flash's KDA, MiniMax-01's lightning attention, Ling's), which
-# `_check_no_linear_attention` refuses
+# delta rule, Kimi Linear's and GLM-5.3-Flash's KDA, MiniMax-01's lightning attention, Ling's): those but the gated
+# delta rule's (workload/gdn.py counts it) `_check_no_linear_attention` refuses
 LINEAR_ATTENTION = ("GatedDeltaNet", "DeltaAttention", "LightningAttention", "TextLinearAttention")
 
 
 def _check_no_linear_attention(model: nn.Module, where: str) -> None:
-    """Refuse a model with linear-attention layers: a run computes them with flash-linear-attention's (or its own)
-    fused chunk kernels, which transformers calls where they are installed (its `use_kernel_func_from_hub_with_fallback`
+    """Refuse a model with linear-attention layers pipesim does not count as a run's kernels compute them (all but
+    the gated delta rule's, workload/gdn.py): a run computes them with flash-linear-attention's (or its own) fused
+    chunk kernels, which transformers calls where they are installed (its `use_kernel_func_from_hub_with_fallback`
     hooks), and on the meta device transformers runs its torch fallback instead, a Python loop over the sequence's
     chunks whose hundreds of small kernels a layer pipesim would price as such."""
-    mixers = [module for module in model.modules() if type(module).__name__.endswith(LINEAR_ATTENTION)]
+    mixers = [module for module in model.modules()
+              if type(module).__name__.endswith(LINEAR_ATTENTION) and not is_gated_delta_net(module)]
     if mixers:
         raise ModelError(f"{where}: its linear attention ({type(mixers[0]).__name__}, in "
                          f"{count_text(len(mixers), 'layer')}) runs fused chunk kernels (flash-linear-attention's, or "
                          "the model's own) that pipesim does not count yet; on the meta device transformers runs its "
                          "torch fallback, a loop over the sequence's chunks, which pipesim would price as hundreds of "
-                         "small kernels a layer; give a model without it")
+                         "small kernels a layer; give a model without it (Qwen3-Next's, Qwen3.5's and OLMo Hybrid's "
+                         "gated delta rule is counted)")
 
 
 # The keys a query attends to that a sparse attention's indexer keeps (DeepSeek Sparse Attention's: DeepSeek-V3.2's
@@ -589,11 +597,21 @@ def _in_one_line(exc: Exception) -> str:
     return " ".join([f"{type(exc).__name__}:", *(line.strip() for line in str(exc).splitlines() if line.strip())])
 
 
-def _settings(config: HfConfig, config_class: type) -> Any:
-    """The transformers config of `config`'s fields, each of `FIGURES` given (under its name or the class's alias
+def _figures(config_class: type) -> dict[str, str]:
+    """`FIGURES` as `config_class` gives them: a mixture of experts whose every MLP is an expert's gives its MLP width
+    as its experts' (Qwen3.5-MoE's text config has no intermediate_size, only moe_intermediate_size)."""
+    aliases = getattr(config_class, "attribute_map", {})
+    ffn = FIGURES["ffn"]
+    if not hasattr(config_class, aliases.get(ffn, ffn)) and hasattr(config_class, EXPERT_FFN_FIELD):
+        return {**FIGURES, "ffn": EXPERT_FFN_FIELD}
+    return FIGURES
+
+
+def _settings(config: HfConfig, config_class: type, figures: dict[str, str]) -> Any:
+    """The transformers config of `config`'s fields, each of `figures` given (under its name or the class's alias
     for it), with the key/value cache off (training keeps none)."""
     aliases = getattr(config_class, "attribute_map", {})
-    missing = [field for field in FIGURES.values() if field not in config.fields and
+    missing = [field for field in figures.values() if field not in config.fields and
                aliases.get(field) not in config.fields]
     # a figure the class has no field for, by its name or an alias (GPT-2's n_inner, not intermediate_size): its layout
     unknown = [field for field in missing if not hasattr(config_class, aliases.get(field, field))]
@@ -647,6 +665,7 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     for block in blocks:
         _as_megatron_runs(block)
         counted_mixers(block)
+        counted_delta_nets(block)
     cap = getattr(model.config, "final_logit_softcapping", None)
     layers = [DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)]
     if any(is_mamba2_mixer(module) for block in blocks for module in block.modules()):  # a hybrid's: each its mixers

@@ -1,0 +1,181 @@
+"""Gated DeltaNet layers (Qwen3-Next's, Qwen3.5's) from their Hugging Face configs: on the meta device each mixer is
+counted as Megatron-core runs it with flash-linear-attention's kernels (workload/gdn.py), its products' FLOPs and
+what it saves as the formulas say, in as many kernels whatever the sequence's length; off it, the layers compute
+transformers' model and train on two gloo ranks as one process; Qwen3-Next's config has its published parameters; a
+mixture of experts with no dense MLP width (Qwen3.5-MoE's) is counted; what pipesim cannot split is one line; other
+linear attentions (Kimi Linear's KDA) are still refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipesim.executor import RunSpec
+from pipesim.workload.count import count_built
+from pipesim.workload.hf import hf_model
+from tests.conftest import build, needs_transformers, pipesim
+from tests.helpers import B, S, count_config, write_config
+from tests.reference import single_process
+
+pytestmark = needs_transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+# width D, dense MLP F; the mixer's HK key heads of K, HV value heads of V, a conv of TAPS over C channels; chunks BT
+D, F, HK, K, HV, V, TAPS, BT = 64, 96, 2, 16, 4, 16, 4, 64
+C = 2 * HK * K + HV * V
+NEXT = {"model_type": "qwen3_next", "hidden_size": D, "intermediate_size": F, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+        "max_position_embeddings": 256, "num_experts": 0, "linear_num_key_heads": HK, "linear_num_value_heads": HV,
+        "linear_key_head_dim": K, "linear_value_head_dim": V, "linear_conv_kernel_dim": TAPS,
+        "layer_types": ["linear_attention", "full_attention"], "tie_word_embeddings": False}
+CHUNK_FORWARD = ("chunk_gated_delta_rule_fwd_kkt_solve", "recompute_w_u_fwd", "chunk_gated_delta_rule_fwd_h",
+                 "chunk_fwd_o")
+CHUNK_BACKWARD = ("recompute_w_u_fwd", "chunk_gated_delta_rule_fwd_h", "chunk_bwd_dv_local",
+                  "chunk_gated_delta_rule_bwd_dhu", "chunk_bwd_dqkwg", "prepare_wy_repr_bwd")
+
+
+@pytest.fixture(autouse=True)
+def _transformers_knows_qwen3_next():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "qwen3_next" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Qwen3-Next")
+
+
+def _delta_net_layer(tmp_path, seq_len=None):
+    if seq_len is None:
+        counted = count_config(tmp_path / "next", NEXT, "flash")
+    else:
+        counted = count_built(f"hf:{write_config(tmp_path / 'next', NEXT)}", {"seq_len": seq_len}, B,
+                              torch.bfloat16, "flash")
+    assert [layer.name for layer in counted.layers][1] == "1:DecoderLayer"
+    return counted.layers[1]
+
+
+def _flops(layer, passed, names):
+    return sum(op.flops * op.count for op in layer.ops[passed] if op.op in names)
+
+
+def test_a_gated_delta_net_layers_products_are_the_formulas_forward_and_backward(tmp_path):
+    """The projections (in_proj_qkvz, in_proj_ba, out_proj) and the MLP as the products they are; the conv 2·T·C·K
+    forward, 4·T·C·K backward; the chunk rule per token and value head 6KV + BT(5.25K + 4V) + BT²/2 forward and,
+    its recomputation of the chunk states included, 16KV + 18·BT·K + 10·BT·V + 4·BT² backward; the weight pass the
+    projections' weight gradients alone."""
+    layer, T = _delta_net_layer(tmp_path), B * S
+    chunk_forward = T * HV * (6 * K * V + BT * (21 * K + 16 * V) // 4 + BT * BT // 2)
+    chunk_backward = T * HV * (16 * K * V + 18 * BT * K + 10 * BT * V + 4 * BT * BT)
+    assert _flops(layer, "fwd", CHUNK_FORWARD) == chunk_forward
+    assert _flops(layer, "igrad", CHUNK_BACKWARD) == chunk_backward
+    products = 2 * T * D * (2 * HK * K + 2 * HV * V + 2 * HV) + 2 * T * HV * V * D + 3 * 2 * T * D * F
+    assert layer.fwd_flops == products + 2 * T * C * TAPS + chunk_forward
+    assert layer.igrad_flops == products + 4 * T * C * TAPS + chunk_backward
+    assert layer.wgrad_flops == products
+
+
+def test_a_gated_delta_net_runs_fla_kernels_in_as_many_whatever_the_length(tmp_path):
+    """Each chunk-rule kernel once a forward and each once in the backward (w, u and the states recomputed), none of
+    transformers' torch fallback (its loop over the chunks: cumsum, tril, batched products): the same kernels at 1
+    chunk as at 4."""
+    short, long = _delta_net_layer(tmp_path / "short", 64), _delta_net_layer(tmp_path / "long", 256)
+    for layer in (short, long):
+        forward, backward = ([op.op for op in layer.ops[name]] for name in ("fwd", "igrad"))
+        assert all(forward.count(name) == 1 for name in (*CHUNK_FORWARD, "causal_conv1d_fwd"))
+        assert all(backward.count(name) == 1 for name in (*CHUNK_BACKWARD, "causal_conv1d_bwd"))
+        assert not {"cumsum", "tril", "bmm", "triu"} & {*forward, *backward}
+    assert [(op.op, op.count) for op in short.ops["fwd"]] == [(op.op, op.count) for op in long.ops["fwd"]]
+
+
+def test_a_gated_delta_net_saves_what_its_kernels_save_and_not_the_chunk_states(tmp_path):
+    """The chunk rule keeps the query and key repeated to the value heads, the value, beta, the float32 cumulative
+    decay and each chunk's solved (I + A)⁻¹, BT values a token and head; the l2 norms their outputs and float32
+    norms; the chunk states h (K·V a chunk and head) are recomputed, never kept."""
+    layer, T, two = _delta_net_layer(tmp_path), B * S, 2
+    saved = layer.saved_tensors
+    assert ((B, S, HV, BT), T * HV * BT * two) in saved  # (I + A)⁻¹
+    assert sum(1 for shape, nbytes in saved if shape == (B, S, HV, K) and nbytes == T * HV * K * two) >= 2  # q, k
+    assert ((B, S, HV), T * HV * 4) in saved  # the cumulative decay
+    assert ((B, S, HK), T * HK * 4) in saved  # an l2 norm's reciprocal norms
+    assert not [shape for shape, _ in saved if len(shape) == 5]
+
+
+def test_off_the_meta_device_the_layers_compute_transformers_model(tmp_path):
+    """pipesim's layers give the logits transformers' Qwen3-Next gives with the same weights, and a count leaves
+    the modeling module's functions as they were."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    modeling = sys.modules[AutoModelForCausalLM._model_mapping[AutoConfig.for_model("qwen3_next").__class__]
+                           .__module__]
+    functions = modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn
+    _delta_net_layer(tmp_path / "counted")
+    assert (modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn) == functions
+    folder = write_config(tmp_path / "next", NEXT)
+    torch.manual_seed(0)
+    layers = hf_model(f"hf:{folder}", 24).layers
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), attn_implementation="eager")
+    base = theirs.get_decoder()
+    for module, ours in zip([base.embed_tokens, *base.layers, base.norm, theirs.lm_head], layers):
+        module.load_state_dict(getattr(ours, "layer", ours).state_dict())
+    tokens = torch.randint(NEXT["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    hidden = tokens
+    with torch.no_grad():
+        for layer in layers:
+            hidden = layer(hidden)
+        torch.testing.assert_close(hidden, theirs(tokens, use_cache=False).logits)
+
+
+def test_a_gated_delta_net_model_trains_on_two_gloo_ranks_as_one_process(tmp_path):
+    model = f"hf:{write_config(tmp_path / 'next', NEXT)}"
+    profile = tmp_path / "profile.json"
+    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 24, "-b", 1, "-p", 2, "--dtype",
+                   "fp32", "--out", profile).code == 0
+    code, out, err = pipesim("run", "--model", model, "--profile", profile, "-s", "1f1b", "-p", 2, "-m", 2, "-n", 2,
+                             "--json", "--no-heldout")
+    assert code == 0, err
+    losses: list[float] = []
+    single_process(RunSpec(build("gpipe", 1, 2, 2), model, {"seq_len": 24}, microbatch_size=1, lr=0.05), losses)
+    np.testing.assert_allclose(json.loads(out)["losses"][0], losses, rtol=1e-5)
+
+
+def test_qwen3_next_has_its_published_total_and_active_parameters():
+    """Qwen3-Next-80B-A3B's architecture (Qwen3-Coder-Next shares it): 79,674,391,296 parameters in its published
+    weights, 3,874,929,408 active a token (the 10 of 512 routed experts' share, the embedding and head included)."""
+    counted = count_built(f"hf:{ROOT / 'examples' / 'qwen3-next-80b-a3b'}", {"seq_len": 64}, 1, torch.bfloat16)
+    total = sum(layer.param_bytes for layer in counted.layers) // 2
+    experts = sum(layer.expert_param_bytes for layer in counted.layers) // 2
+    assert (total, total - experts + experts * 10 // 512) == (79_674_391_296, 3_874_929_408)
+
+
+def test_a_mixture_of_experts_with_no_dense_mlp_is_counted_at_its_experts_width(tmp_path):
+    """Qwen3.5-MoE's text config has no intermediate_size (every MLP is an expert's): its MLP width is its
+    experts', which tensor parallelism splits."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "qwen3_5_moe_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Qwen3.5-MoE")
+    fields = {key: value for key, value in NEXT.items() if key not in ("intermediate_size", "num_experts")}
+    folder = write_config(tmp_path / "moe", {**fields, "model_type": "qwen3_5_moe_text", "num_experts": 4,
+                                             "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                             "shared_expert_intermediate_size": 24})
+    counted = count_built(f"hf:{folder}", {"seq_len": S}, B, torch.bfloat16, "flash")
+    assert (counted.options["ffn"], counted.options["expert_ffn"]) == (24, 24)
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", f"hf:{folder}", "--seq-len", S, "-p", 1,
+                             "--tensor-parallel", 16)
+    assert (code, out) == (2, "") and err.strip() == "error: --tensor-parallel 16 does not divide the model's 4 heads"
+
+
+@pytest.mark.parametrize("flags, line", [
+    (("--tensor-parallel", 4), "error: --tensor-parallel 4 does not divide the model's 2 gated delta rule key heads"),
+    (("--context-parallel", 2), "error: --context-parallel 2 splits the sequence for attention's ring, and "),
+])
+def test_what_pipesim_cannot_split_of_a_gated_delta_net_is_one_line(tmp_path, flags, line):
+    fields = {**NEXT, "num_attention_heads": 4, "num_key_value_heads": 4}
+    model = f"hf:{write_config(tmp_path / 'next', fields)}"
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 1, "-p", 2,
+                             *flags, "--html", tmp_path / "t.html")
+    assert (code, out) == (2, "") and err.startswith(line) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "t.html").exists()
