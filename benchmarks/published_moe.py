@@ -319,7 +319,7 @@ TOKEN_DROP = "(tokendrop)"  # the row's model label of the runs that do not
 # (src/megatron/bridge/training/utils/moe_token_drop.py there)
 TOKEN_DROP_CAPACITY = 1.0
 # the Model Zoo table's model -> its examples/ config
-MODELZOO_PRESETS = {"235B": "qwen3-235b-a22b"}
+MODELZOO_PRESETS = {"235B": "qwen3-235b-a22b", "Next-80B-A3B": "qwen3-next-80b-a3b"}
 DGXC = "nvidia-dgxc-moe-h100.csv"  # DGX Cloud's MoE recipes on H100, README.md there too
 # the recipe (dgxc-benchmarking's folder) -> the model's name and its examples/ config
 DGXC_MODELS = {"deepseek_v3": ("DeepSeek-V3", "deepseek-v3"),
@@ -371,16 +371,21 @@ def dgxc_first_last(pipeline: int) -> str:
 # the table's model -> the layers Megatron-core splits over the p·v chunks: runtime_configs/benchmarking/runtime.conf at
 # b0b92ff gives Qwen3-235B-A22B 96 ("Account loss and embedding for number of layers": its 94, the embedding and the
 # loss, as the yaml's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split count them)
-MODELZOO_SPLIT_LAYERS = {"235B": 96}
+# and Qwen3-Next-80B-A3B its 48 blocks (its yaml sets neither flag: the embedding and the loss beside the first and
+# last chunks' blocks, Megatron-LM's even cut)
+MODELZOO_SPLIT_LAYERS = {"235B": 96, "Next-80B-A3B": 48}
+# the model -> what else its config and script set (`MoeRun` fields): Qwen3-Next-80B-A3B's model_configs/benchmarking/
+# Qwen3-Next-80B-A3B.yaml at b0b92ff (unchanged since 3a2d8b5) sets --mtp-num-layers 1 and neither
+# --overlap-grad-reduce nor --overlap-param-gather (Megatron-LM's default: the gradients reduced after the flush)
+MODELZOO_RUNS = {"Next-80B-A3B": dict(mtp_layers=1, reduce_after_flush=True)}
 # the table's dispatcher -> --token-dispatcher (sbatch_benchmarking.sh at b0b92ff: DISPATCHER deepep runs the flex
 # dispatcher over DeepEP, alltoall Megatron-core's all-to-all one)
 MODELZOO_DISPATCHERS = {"DeepEP": "deepep", "A2A": None}
 # the table's recompute column's parts -> --recompute-modules (the H100 command's `--recompute-modules moe_act
-# layernorm` for "norm, act")
-MODELZOO_RECOMPUTE = {"norm": "layernorm", "act": "moe_act"}
+# layernorm` for "norm, act"; best_practice/Qwen3/run_next_80b.sh's `moe_act shared_experts layernorm` for "norm, act,
+# shared_expert")
+MODELZOO_RECOMPUTE = {"norm": "layernorm", "act": "moe_act", "shared_expert": "shared_experts"}
 MODELZOO_NOT_EXPRESSIBLE = {
-    "Next-80B-A3B": "Qwen3-Next's Gated DeltaNet layers: pipesim counts no linear-attention layer, and examples/ "
-                    "holds no config of it",
     "FSDP On": "Megatron-FSDP, whose sharding (--data-parallel-sharding-strategy) the table does not give, and no "
                "command of the row's (its code column names only Megatron-LM's main at 1e057005)",
 }
@@ -647,16 +652,20 @@ def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
             left_out.append((name, why))
             continue
         modules = tuple(MODELZOO_RECOMPUTE[part.strip()] for part in row["recompute"].split(",") if part.strip())
-        # every chunk holds as many of the split's layers, the first chunk's one the embedding, the last's one the
-        # loss (Megatron-core's get_transformer_layer_offset, megatron/core/transformer/transformer_layer.py)
-        per_chunk, rest = divmod(MODELZOO_SPLIT_LAYERS[row["model"]], p * chunks)
+        # every chunk holds as many of the split's layers; where those count the embedding and the loss, the first
+        # chunk's one is the embedding, the last's one the loss (Megatron-core's get_transformer_layer_offset,
+        # megatron/core/transformer/transformer_layer.py), else each holds as many blocks (`MoeRun`'s even cut)
+        split = MODELZOO_SPLIT_LAYERS[row["model"]]
+        per_chunk, rest = divmod(split, p * chunks)
         if rest:
             raise ValueError(f"{MODELZOO}: {name}'s layers do not divide into its {p * chunks} chunks")
-        run = MoeRun(name, MODELZOO_PRESETS[row["model"]], gpus, batch, b, seq, t, p, chunks, e,
+        preset = MODELZOO_PRESETS[row["model"]]
+        accounted = split > config_blocks(Path(__file__).resolve().parents[1], preset)
+        run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e,
                      MODELZOO_DISPATCHERS[row["dispatcher"]], etp, overlap, None, "random", None, source=MODELZOO,
                      precision="megatron", recompute_modules=modules,
-                     stage_cut=f"first-last:{per_chunk - 1},{per_chunk - 1}",
-                     router_aux_loss=_modelzoo_aux_loss(row, line))
+                     stage_cut=f"first-last:{per_chunk - 1},{per_chunk - 1}" if accounted else None,
+                     router_aux_loss=_modelzoo_aux_loss(row, line), **MODELZOO_RUNS.get(row["model"], {}))
         expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 

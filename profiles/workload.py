@@ -48,15 +48,16 @@ LINEAR_INPUT_SAVES = ("only", "also", "")
 # their own: planning/estimate.py `Parallelism.recomputed_regions`), MLA's up-projections with the norms before
 # them, the RoPE and concatenations that make the attention's queries, keys and values ("mla_up_proj") and the
 # routed experts' activation ("moe_act");
-# with its plain checkpoints (`CHECKPOINTED_REGIONS`), a dense layer's MLP ("mlp") and a mixture of experts whole,
-# router, dispatch, experts and combine ("moe")
+# with its plain checkpoints (`CHECKPOINTED_REGIONS`), a dense layer's MLP ("mlp"), a mixture of experts whole,
+# router, dispatch, experts and combine ("moe"), and a mixture of experts' shared expert ("shared_experts")
 RECOMPUTED_PARTS = {"layernorm": "an input or pre-MLP norm", "mla_up_proj": "MLA's up-projections",
-                    "moe_act": "routed experts", "mlp": "a dense MLP", "moe": "a mixture of experts"}
+                    "moe_act": "routed experts", "mlp": "a dense MLP", "moe": "a mixture of experts",
+                    "shared_experts": "a shared expert"}
 RECOMPUTE_REGIONS = tuple(RECOMPUTED_PARTS)
 # The regions a plain checkpoint runs (tensor_parallel.checkpoint, megatron/core/tensor_parallel/random.py): the
 # module's own ops alone, its inputs kept and its output too (the ops after it are not the region's, as they are
 # after an output-discarding one)
-CHECKPOINTED_REGIONS = ("mlp", "moe")
+CHECKPOINTED_REGIONS = ("mlp", "moe", "shared_experts")
 # The regions the count traces (`LayerCount.region_saves` and on): those ("layernorm" every norm), the attention
 # kernel's output with the copies made of it before the next product ("attention_out"), which a float8 recipe may
 # keep once for both the attention's backward and that product's (planning/fp8.py `Fp8Recipe.attention_output_bytes`),

@@ -179,3 +179,36 @@ def test_what_pipesim_cannot_split_of_a_gated_delta_net_is_one_line(tmp_path, fl
                              *flags, "--html", tmp_path / "t.html")
     assert (code, out) == (2, "") and err.startswith(line) and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "t.html").exists()
+
+
+@pytest.mark.parametrize("last", ["full_attention", "linear_attention"])
+def test_an_mtp_layer_after_typed_layers_is_of_the_last_layers_kind(tmp_path, last):
+    """Megatron-core builds an MTP module's layer from the decoder's last layer's spec (get_gpt_mtp_block_spec):
+    Qwen3-Next's full attention, where transformers' per-layer kinds hold none past the last; after a Gated
+    DeltaNet layer, one counted as its kernels run, not transformers' fallback."""
+    kinds = ["linear_attention", "full_attention"]
+    fields = {**NEXT, "layer_types": sorted(kinds, key=lambda kind: kind == last)}
+    counted = count_built(f"hf:{write_config(tmp_path / last, fields)}", {"seq_len": S, "mtp_layers": 1}, B,
+                          torch.bfloat16, "flash")
+    mtp = counted.layers[-2]
+    assert mtp.name.endswith("MultiTokenPrediction")
+    forward = [op.op for op in mtp.ops["fwd"]]
+    attention = any(op.kind == "attention" for op in mtp.ops["fwd"])
+    if last == "full_attention":
+        assert attention and not set(CHUNK_FORWARD) & set(forward)
+    else:
+        assert not attention and all(forward.count(name) == 1 for name in CHUNK_FORWARD)
+        assert not {"cumsum", "tril", "bmm"} & set(forward)
+
+
+def test_a_zero_centred_rmsnorm_runs_as_transformer_engines_kernel_under_the_fused_norm_kernel(tmp_path):
+    """Qwen3-Next's RMSNorm scales by 1 + weight (Megatron-core's --apply-layernorm-1p, TransformerEngine's
+    zero_centered_gamma): `--norm-kernel fused` runs it as the one kernel each way, keeping the input and its float32
+    reciprocal RMS, where it was refused as no RMSNorm to fuse."""
+    eager, fused = (count_config(tmp_path / kernel, NEXT, "flash", norm_kernel=kernel).layers[1]
+                    for kernel in ("eager", "fused"))
+    def norm_kernels(layer):  # the gated norm's TransformerEngine RMSNorm is one whatever the flag
+        return sum(op.count for op in layer.ops["fwd"] if op.op == "fused_rmsnorm")
+
+    assert (norm_kernels(eager), norm_kernels(fused)) == (1, 3)  # the layer's input and pre-MLP norms
+    assert fused.saved_bytes < eager.saved_bytes

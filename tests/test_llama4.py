@@ -116,16 +116,12 @@ def test_a_chunked_layer_is_counted_as_its_chunks_causal_kernels_and_the_global_
 @pytest.mark.parametrize("flags, refusal", [
     (("--attention", "math"), "error: --attention math: the model's chunked attention layers attend within chunks "
                               "of 12 tokens, whose unfused scores the estimate does not split"),
-    (("--attention", "flash", "--mtp-layers", 1), "error: --mtp-layers: Llama4ForCausalLM's config gives each of its 2 "
-                                                  "layers its kind"),
     (("--attention", "flash", "--context-parallel", 2), "error: --context-parallel 2 splits the sequence for "
                                                         "attention's ring, and "),
 ])
-def test_unfused_chunks_ringed_chunks_and_an_mtp_layer_after_typed_layers_are_one_line(tmp_path, flags, refusal):
+def test_unfused_chunks_and_ringed_chunks_are_one_line(tmp_path, flags, refusal):
     """The unfused scores of a chunked layer are a chunk's each, which the estimate does not split (calibrate, which
-    measures them, counts them so: tests/test_hf_attention_values.py runs them); an
-    MTP module's layer is the config's next, which per-layer kinds (layer_types) do not give: transformers'
-    IndexError was a traceback."""
+    measures them, counts them so: tests/test_hf_attention_values.py runs them)."""
     from tests.helpers import write_config
 
     model = f"hf:{write_config(tmp_path / 'llama4', {**TINY_LLAMA4, 'attention_chunk_size': 12})}"

@@ -338,6 +338,27 @@ def test_a_hugging_face_layers_dense_mlp_and_mixture_of_experts_are_their_region
         sum(op.flops * op.count for op in routed.region_ops["moe_act"])
 
 
+@needs_transformers
+def test_a_recomputed_shared_expert_drops_what_it_saved_and_reruns_its_mlp_alone():
+    """shared_experts (Megatron-core's SharedExpertMLP under a plain checkpoint, the Model Zoo's Qwen3-Next run's
+    `--recompute-modules moe_act shared_experts layernorm`): what DeepSeek's shared expert saved is dropped, none
+    of what the router or the routed experts saved; the backward reruns its products and activation, none routed,
+    first; a model with no shared expert is refused it in one line."""
+    layer = deepseek().layers[2]
+    dropped = set(layer.region_saves["shared_experts"])
+    assert dropped and dropped < set(layer.region_saves["moe"]) and not dropped & set(layer.region_saves["moe_act"])
+    assert priced(layer).activation_bytes - priced(layer, "shared_experts").activation_bytes == \
+        sum(layer.saved_tensors[i][1] for i in dropped)
+    rerun = layer.region_ops["shared_experts"]
+    assert [(op.kind, op.count) for op in rerun] == [("matmul", 2), ("memory", 1), ("matmul", 1)]  # gate, up; down
+    assert not any(op.routed for op in rerun)
+    assert [op for op, _ in priced(layer, "shared_experts").timed_ops["bwd"][:len(rerun)]] == list(rerun)
+    code, out, err = pipesim("simulate", "--model", "gpt", "--layers", "2", "--experts", "4", "--gpu", "h100-sxm",
+                             "-p", "2", "--recompute-modules", "shared_experts")
+    assert (code, out) == (2, "") and err.strip() == ("error: --recompute-modules shared_experts: no layer of the "
+                                                      "model has a shared expert to recompute; leave it out"), err
+
+
 def _norm_saves(layer, region: str) -> int:
     return sum(layer.saved_tensors[i][1] for i in layer.region_saves.get(region, ()))
 

@@ -84,6 +84,9 @@ GROUP_FIELDS = ("n_group", "topk_group")
 # transformers' names of an MLP's output product and of those that read its input beside it (`_as_megatron_runs`):
 # Llama's, Phi-3's and Nemotron-H's; GraniteMoeHybrid's shared_mlp
 MLP_PRODUCTS = (("down_proj", ("up_proj", "gate_proj", "gate_up_proj")), ("output_linear", ("input_linear",)))
+# A mixture of experts' shared expert, its MLP beside the routed experts (Qwen-MoE's and Qwen3-Next's shared_expert,
+# Llama 4's; DeepSeek's, Nemotron-H's shared_experts): Megatron-core's "shared_experts" recompute module
+SHARED_EXPERTS = ("shared_expert", "shared_experts")
 EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
 ATTENTION_IMPLEMENTATION = "pipesim_attention"  # and `counted_attention`
 # what a layer may hand its attention that `counted_attention` refuses: a bias added to every score (Inkling 2's
@@ -388,7 +391,8 @@ class MultiTokenPrediction(nn.Module):
     """DeepSeek-V3's multi-token prediction modules (its report, 2.2, equations 21 to 25), read after the main
     model's final norm with the batch's tokens: module k normalises the hidden state it is given (the main model's,
     then module k-1's) and the embedding of token i+k, projects the two joined (2h -> h), runs one more decoder
-    layer of the model's own kind (its config's next layer: DeepSeek-V3's is a mixture of experts), its own final
+    layer of the kind of the model's last (as Megatron-core's get_gpt_mtp_block_spec builds it, from the decoder's
+    last layer's spec: DeepSeek-V3's a mixture of experts, Qwen3-Next's a full attention beside one), its own final
     norm and the main model's head, and adds the cross entropy against token i+k+1 to the loss. The embedding and
     the head are the main model's (`shared_weights`: the report's 3.2.3 shares their parameters and gradients, with
     DualPipe's placement, on the rank that holds both), read and given gradients here but counted with their own
@@ -400,19 +404,15 @@ class MultiTokenPrediction(nn.Module):
         base = _base_model(model)
         config, norm = model.config, base.norm
         self.modules_at = nn.ModuleList()
-        for k in range(depth):
-            try:  # the config's next layer
-                block = type(base.layers[-1])(config, config.num_hidden_layers + k)
-            except IndexError:  # per-layer lists (layer_types, no_rope_layers) hold none past its layers
-                raise ModelError(f"--mtp-layers: {type(model).__name__}'s config gives each of its "
-                                 f"{config.num_hidden_layers} layers its kind, none for a multi-token-prediction "
-                                 "module's layer after them (DeepSeek-V3's kind of model has one); leave it out"
-                                 ) from None
-            _as_megatron_runs(block)
+        last = config.num_hidden_layers - 1
+        kind = (getattr(config, "layer_types", None) or [None] * config.num_hidden_layers)[last]
+        for _ in range(depth):
+            block = type(base.layers[-1])(config, last)
+            _as_megatron_block(block)
             self.modules_at.append(nn.ModuleDict({
                 "hnorm": copy.deepcopy(norm), "enorm": copy.deepcopy(norm),
                 "eh_proj": nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False),
-                "block": DecoderLayer(block, getattr(base, "rotary_emb", None)), "norm": copy.deepcopy(norm)}))
+                "block": DecoderLayer(block, getattr(base, "rotary_emb", None), kind), "norm": copy.deepcopy(norm)}))
         self.shared_weights = (base.embed_tokens.weight, model.get_output_embeddings().weight)
         self.criterion = classification_loss  # the model's loss (workload/count.py gives it the one it counts with)
 
@@ -663,9 +663,7 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     rotary = getattr(base, "rotary_emb", None)
     types = getattr(model.config, "layer_types", None) or [None] * len(blocks)
     for block in blocks:
-        _as_megatron_runs(block)
-        counted_mixers(block)
-        counted_delta_nets(block)
+        _as_megatron_block(block)
     cap = getattr(model.config, "final_logit_softcapping", None)
     layers = [DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)]
     if any(is_mamba2_mixer(module) for block in blocks for module in block.modules()):  # a hybrid's: each its mixers
@@ -698,6 +696,14 @@ class CappedHead(nn.Module):
         return torch.tanh(self.head(hidden) / self.cap) * self.cap
 
 
+def _as_megatron_block(block: nn.Module) -> None:
+    """Run decoder block `block` as Megatron-core runs one: its MLPs, router and norms (`_as_megatron_runs`), its
+    Mamba-2 mixers (workload/mamba.py) and Gated DeltaNet mixers (workload/gdn.py) as their kernels."""
+    _as_megatron_runs(block)
+    counted_mixers(block)
+    counted_delta_nets(block)
+
+
 def _as_megatron_runs(block: nn.Module) -> None:
     """Run `block`'s gated MLPs (dense, shared experts) as `workload.moe.gated_mlp` (their activation fused under
     --swiglu-fusion) and its router (a mixture of experts' `gate` or `router` beside its `experts`, with a `weight`
@@ -707,7 +713,8 @@ def _as_megatron_runs(block: nn.Module) -> None:
     in its own precision, keeping its input as it is; tensor parallelism keeps both whole on every rank). Marks
     its mixture of experts (that module), or in a block without one its MLP (`MLP_PRODUCTS`), as their plain
     checkpoints' regions (`CHECKPOINT_REGION`: Megatron-core's "moe" and "mlp" recompute modules; "mlp" reruns no
-    MoE layer's, so a shared expert beside the experts, GraniteMoeHybrid's shared_mlp, is neither), and the block's
+    MoE layer's, so a shared expert beside the experts, GraniteMoeHybrid's shared_mlp, is neither) and its shared
+    expert (`SHARED_EXPERTS`) as the "shared_experts" one's, and the block's
     norms, its children, as its own (`BLOCK_NORM`: workload/count.py tells an input or pre-MLP norm by what reads
     it)."""
     experts = False
@@ -722,6 +729,9 @@ def _as_megatron_runs(block: nn.Module) -> None:
         if hasattr(module, "experts") and isinstance(getattr(router, "weight", None), torch.Tensor):
             gating_router(router, balanced=True)
             setattr(module, CHECKPOINT_REGION, "moe")
+            for shared in (getattr(module, name, None) for name in SHARED_EXPERTS):
+                if isinstance(shared, nn.Module):
+                    setattr(shared, CHECKPOINT_REGION, "shared_experts")
             experts = True
         if isinstance(getattr(module, "shared_expert_gate", None), nn.Linear):
             gating_router(module.shared_expert_gate)

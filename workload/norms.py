@@ -68,10 +68,21 @@ class _FusedRmsNorm(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
+def _transformers_epsilon(module: torch.nn.Module) -> float | None:
+    """transformers' eager RMSNorm's epsilon (None: `module` is not one): its class named so, with a weight and the
+    epsilon its forward reads, Llama's `variance_epsilon` or the `eps` of Qwen3-Next's, Qwen3.5's and Gemma's, whose
+    weight is zero-centred (`1 + weight`), as TransformerEngine's RMSNorm runs under zero_centered_gamma (Megatron-
+    core's --apply-layernorm-1p), the same kernel keeping the same; not torch's own RMSNorm."""
+    if (not type(module).__name__.endswith("RMSNorm") or isinstance(module, getattr(torch.nn, "RMSNorm", ()))
+            or not isinstance(getattr(module, "weight", None), torch.nn.Parameter)):
+        return None
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return eps if isinstance(eps, float) else None
+
+
 def is_transformers_rms_norm(module: torch.nn.Module) -> bool:
-    """transformers' eager RMSNorm: its class named so, with the weight and the epsilon its forward reads."""
-    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") \
-        and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+    """transformers' eager RMSNorm (`_transformers_epsilon`)."""
+    return _transformers_epsilon(module) is not None
 
 
 def _fused_epsilon(module: torch.nn.Module, on: bool) -> float | None:
@@ -79,7 +90,7 @@ def _fused_epsilon(module: torch.nn.Module, on: bool) -> float | None:
     epsilon, as aten's kernel takes it for 16- and 32-bit inputs), transformers' when `on`; None: it runs as it is."""
     if isinstance(module, getattr(torch.nn, "RMSNorm", ())) and module.weight is not None:
         return torch.finfo(torch.float32).eps if module.eps is None else module.eps
-    return module.variance_epsilon if on and is_transformers_rms_norm(module) else None
+    return _transformers_epsilon(module) if on else None
 
 
 @contextmanager
