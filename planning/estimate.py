@@ -1523,6 +1523,18 @@ def _ring_of(ops: Sequence[OpCount], split: _Split, ring: ContextRing, device: D
     return total
 
 
+def _head_exchanges(layer: LayerCount, split: _Split, ring: ContextRing, element_bytes: int) -> RingExchange:
+    """A pass's all-to-alls around `layer`'s Gated DeltaNet mixers over the C context-parallel ranks
+    (`LayerCount.context_exchanges`: Megatron-core's trade of the sequence's split for one of the heads, and back;
+    the backward's of their gradients), none hidden: they run on the compute stream, the conv waiting for the first
+    and out_proj for the second. Each sends the other C - 1 ranks their heads of the rank's tokens: (C - 1)/C of the
+    rank's 1/t of the channels (tensor parallelism splits the heads first) at 1/C of the tokens."""
+    c = ring.ranks
+    share = split.tokens / c * (c - 1) / c / split.t * element_bytes
+    return RingExchange(sum(ring.transfer_ms(round(width * share)) for widths in layer.context_exchanges
+                            for width in widths))
+
+
 def accumulating(op: OpCount, grad_bytes: int, element_bytes: int) -> OpCount:
     """A product `op`, counted writing its output at `element_bytes` an element, adding it instead into a tensor of
     `grad_bytes` an element: cuBLASLt's D = A·B + beta·C with beta 1 and C = D, whose epilogue reads each element of
@@ -1815,9 +1827,12 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     kept = sum(parts.values())
     total = round(min(kept, saved / c + weight_copies) if parallel.recompute in ("selective", "full")
                   else kept)  # op's: its own
+    exchanged = RingExchange() if ring is None else _head_exchanges(layer, split, ring, element_bytes)
+    reruns_forward = parallel.recompute in ("op", "full") and transformer  # its mixers' exchanges with the rest
     rings = (None, None) if ring is None else (
-        _ring_of(layer.ops.get("fwd", ()), split, ring, device, element_bytes),
-        _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes))
+        _ring_of(layer.ops.get("fwd", ()), split, ring, device, element_bytes) + exchanged,
+        _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes) + exchanged
+        + (exchanged if reruns_forward else RingExchange()))
     times = {name: sum(ms for _, ms in ops) for name, ops in timed.items()}
     rerun_ms = sum(sum(ms for _, ms in part) for part in (*rerun, at_experts))  # part by part, each its own sum
     rerun_timed = tuple(timed_op for part in rerun for timed_op in part)
@@ -2721,9 +2736,10 @@ def check_ring_attention(c: int, attention: str | None) -> None:
                             "TransformerEngine's context parallel): give {attention} flash")
 
 
-def check_context(counted: WorkloadCount, c: int) -> None:
+def check_context(counted: WorkloadCount, c: int, tensor: int = 1) -> None:
     """C context-parallel ranks need a sequence of 2C equal chunks (the causal load balance) and a fused attention
-    kernel for the ring to run (`check_ring_attention`). A model whose attention runs within chunks past one
+    kernel for the ring to run (`check_ring_attention`), and Gated DeltaNet layers (workload/gdn.py) heads that C
+    divides on each of the `tensor` ranks, as Megatron-core asserts. A model whose attention runs within chunks past one
     (Llama 4's, workload/hf.py `_chunked`) is refused: NeMo's Llama 4 asserts each rank holds whole chunks
     (nemo/collections/llm/gpt/model/llama4_utils.py, `cp_chunk_len % self.attention_chunk_size == 0`), whose
     layers then need no ring, and pipesim would price the ring for them."""
@@ -2733,10 +2749,14 @@ def check_context(counted: WorkloadCount, c: int) -> None:
     if counted.options.get("mamba_heads"):
         raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s Mamba-2 "
                             "layers scan the whole of it, which pipesim does not split; leave {context} out")
-    if counted.options.get("linear_value_heads"):
-        raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s gated delta "
-                            "rule layers scan the whole of it (Megatron-core trades the split for one of their heads "
-                            "by all-to-alls), which pipesim does not model yet; leave {context} out")
+    for name, what in (("linear_key_heads", "key"), ("linear_value_heads", "value")):
+        if (heads := counted.options.get(name)) and heads % (tensor * c):
+            fitting = [n for n in range(2, heads // tensor + 1) if not heads % (tensor * n)]
+            raise EstimateError(f"context: {c} does not divide the {heads // tensor:,} gated delta rule {what} heads "
+                                f"of {counted.model} a tensor-parallel rank holds (Megatron-core splits them over the "
+                                "context-parallel ranks, around its Gated DeltaNet layers); "
+                                + (f"give {{context}} {' or '.join(map(str, fitting))}" if fitting
+                                   else "leave {context} out"))
     if (chunk := counted.options.get("attention_chunk")) is not None:
         raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s chunked "
                             f"attention layers attend within chunks of {chunk:,} tokens, which pipesim's ring does not "
@@ -2916,7 +2936,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                 f"the model was counted with {counted.attention} attention: count it with "
                                 "{attention} math"))
     if parallel.context > 1:
-        check_context(counted, parallel.context)
+        check_context(counted, parallel.context, parallel.tensor)
     check_sequence_split(counted, parallel)
     placement = node_placement(gpu, cluster, curve)
     if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:

@@ -267,6 +267,10 @@ class LayerCount:
     # a Mamba-2 mixer and its norm alone, Megatron-core's MambaLayer: what CUDA graphs of the "mamba" scope capture
     # whole (planning/estimate.py `CUDA_GRAPH_SCOPES`)
     mamba_layer: bool = False
+    # per Gated DeltaNet mixer, the elements a token its two context-parallel all-to-alls exchange (its in_proj's output
+    # in, its gated norm's out: Megatron-core trades the sequence's split for one of the heads around the mixer,
+    # workload/gdn.py `context_exchanges`); (): none
+    context_exchanges: tuple[tuple[int, int], ...] = ()
 
     @property
     def transformer_layer(self) -> bool:

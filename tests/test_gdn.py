@@ -168,9 +168,30 @@ def test_a_mixture_of_experts_with_no_dense_mlp_is_counted_at_its_experts_width(
     assert (code, out) == (2, "") and err.strip() == "error: --tensor-parallel 16 does not divide the model's 4 heads"
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_under_context_parallelism_a_gated_delta_net_trades_the_sequence_for_its_heads_by_two_all_to_alls(
+        tmp_path, recompute):
+    """Megatron-core's CP around a Gated DeltaNet mixer (`a2a_cp_to_hp`, `a2a_hp_to_cp`): its in_proj's output
+    (q, k, v, z, beta, decay: 2HK·K + 2HV·V + 2HV a token) goes to the rank holding its heads, the normed value (HV·V)
+    comes back, each rank sending (C - 1)/C of its T/C tokens' channels, none hidden; the backward sends their
+    gradients, again after a full recomputation's rerun."""
+    from pipesim.planning.estimate import Parallelism, estimate_layer
+    from pipesim.profiles.schema import EstimateLink
+    from tests.helpers import H100_BF16
+
+    layer, T, c = _delta_net_layer(tmp_path), B * S, 2
+    assert layer.context_exchanges == ((2 * HK * K + 2 * HV * V + 2 * HV, HV * V),)
+    link = EstimateLink(kind="nvlink", latency_ms=0.01, bytes_per_ms=1e6)
+    priced = estimate_layer(layer, H100_BF16, Parallelism(context=c, recompute=recompute), link, 2, link)
+    sent = [link.latency_ms + T // c * width * 2 * (c - 1) / c / link.bytes_per_ms
+            for width in layer.context_exchanges[0]]
+    assert (priced.ring_fwd.link_ms, priced.ring_fwd.hidden_ms) == (pytest.approx(sum(sent)), 0)
+    assert priced.ring_bwd.link_ms == pytest.approx(sum(sent) * (2 if recompute == "full" else 1))
+
+
 @pytest.mark.parametrize("flags, line", [
     (("--tensor-parallel", 4), "error: --tensor-parallel 4 does not divide the model's 2 gated delta rule key heads"),
-    (("--context-parallel", 2), "error: --context-parallel 2 splits the sequence for attention's ring, and "),
+    (("--context-parallel", 4), "error: --context-parallel 4 does not divide the 2 gated delta rule key heads of "),
 ])
 def test_what_pipesim_cannot_split_of_a_gated_delta_net_is_one_line(tmp_path, flags, line):
     fields = {**NEXT, "num_attention_heads": 4, "num_key_value_heads": 4}

@@ -53,6 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..choices import choose_from
 from ..profiles.workload import CHECKPOINTED_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak
+from .gdn import context_exchanges, is_gated_delta_net
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .mamba import is_mamba2_mixer
 from .models import BATCH, Model, ModelError, classification_loss
@@ -1086,6 +1087,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         model_output_bytes=model_output_bytes,
         decoder_block=bool(getattr(layer, "decoder_block", False)),
         mamba_layer=_mamba_layer(layer),
+        context_exchanges=tuple(context_exchanges(module) for module in layer.modules() if is_gated_delta_net(module)),
         expert_param_bytes=routed.expert_weight_bytes, expert_bias_tensors=routed.bias_tensors,
         dispatched_bytes=routed.token_bytes, routed_blocks=tuple(routed.blocks),
         routed_model_share=routed.routed_copies / routed.computed_copies if routed.computed_copies else 1.0,

@@ -19,7 +19,8 @@ BT²/2 forward and 16·K·V + 18·BT·K + 10·BT·V + 4·BT² backward, the back
 included: 176k and 508k FLOPs at K = V = 128, where Megatron-LM's own `transformer_flops` counts 4·V² forward (66k).
 The intra-chunk products are counted whole, the causal mask's upper tiles included, as the kernels compute them. The
 forward saves the query and key (repeated), the value, the float32 cumulative decay, beta and each chunk's solved
-(I + A)⁻¹ (BT values a token and head); the chunk states h (K·V a chunk and head) are recomputed in the backward."""
+(I + A)⁻¹ (BT values a token and head); the chunk states h (K·V a chunk and head) are recomputed in the backward.
+Under context parallelism the count records what the mixer's two all-to-alls exchange (`context_exchanges`)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def is_gated_delta_net(module: nn.Module) -> bool:
     module_globals = vars(sys.modules[type(module).__module__])
     return (type(module).__name__.endswith("GatedDeltaNet") and all(hasattr(module, name) for name in MIXER_FIELDS)
             and CHUNK_RULE in module_globals and CONV in module_globals)
+
+
+def context_exchanges(mixer: nn.Module) -> tuple[int, int]:
+    """The elements a token `mixer`'s two all-to-alls exchange under context parallelism, where Megatron-core turns
+    the rank's share of the sequence into its share of the heads before the conv and back after the gated norm
+    (gated_delta_net/common.py `a2a_cp_to_hp`, `a2a_hp_to_cp`): its in_proj's output, the query, key, value, gate z,
+    beta and decay (2·key + 2·value channels and 2 a value head), then the normed value."""
+    keys, values = mixer.num_k_heads * mixer.head_k_dim, mixer.num_v_heads * mixer.head_v_dim
+    return 2 * keys + 2 * values + 2 * mixer.num_v_heads, values
 
 
 def counted_delta_nets(block: nn.Module) -> None:
