@@ -372,8 +372,8 @@ def dgxc_first_last(pipeline: int) -> str:
 # b0b92ff gives Qwen3-235B-A22B 96 ("Account loss and embedding for number of layers": its 94, the embedding and the
 # loss, as the yaml's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split count them)
 # and Qwen3-Next-80B-A3B its 48 blocks (its yaml sets neither flag: the embedding and the loss beside the first and
-# last chunks' blocks, Megatron-LM's even cut)
-MODELZOO_SPLIT_LAYERS = {"235B": 96, "Next-80B-A3B": 48}
+# last chunks' blocks, Megatron-LM's even cut); each with whether the split counts the embedding and the loss
+MODELZOO_SPLIT_LAYERS = {"235B": (96, True), "Next-80B-A3B": (48, False)}
 # the model -> what else its config and script set (`MoeRun` fields): Qwen3-Next-80B-A3B's model_configs/benchmarking/
 # Qwen3-Next-80B-A3B.yaml at b0b92ff (unchanged since 3a2d8b5) sets --mtp-num-layers 1 and neither
 # --overlap-grad-reduce nor --overlap-param-gather (Megatron-LM's default: the gradients reduced after the flush)
@@ -655,13 +655,11 @@ def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
         # every chunk holds as many of the split's layers; where those count the embedding and the loss, the first
         # chunk's one is the embedding, the last's one the loss (Megatron-core's get_transformer_layer_offset,
         # megatron/core/transformer/transformer_layer.py), else each holds as many blocks (`MoeRun`'s even cut)
-        split = MODELZOO_SPLIT_LAYERS[row["model"]]
+        split, accounted = MODELZOO_SPLIT_LAYERS[row["model"]]
         per_chunk, rest = divmod(split, p * chunks)
         if rest:
             raise ValueError(f"{MODELZOO}: {name}'s layers do not divide into its {p * chunks} chunks")
-        preset = MODELZOO_PRESETS[row["model"]]
-        accounted = split > config_blocks(Path(__file__).resolve().parents[1], preset)
-        run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e,
+        run = MoeRun(name, MODELZOO_PRESETS[row["model"]], gpus, batch, b, seq, t, p, chunks, e,
                      MODELZOO_DISPATCHERS[row["dispatcher"]], etp, overlap, None, "random", None, source=MODELZOO,
                      precision="megatron", recompute_modules=modules,
                      stage_cut=f"first-last:{per_chunk - 1},{per_chunk - 1}" if accounted else None,

@@ -47,11 +47,18 @@ def _transformers_knows_qwen3_next():
         pytest.skip("this transformers has no Qwen3-Next")
 
 
-def _delta_net_layer(tmp_path, seq_len=None):
+# Qwen3.5's (its projections apart: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) and OLMo Hybrid's (q, k, v, a, b
+# and g projections apart, its gated norm o_norm, beta doubled) mixers, counted alike
+QWEN3_5 = {**NEXT, "model_type": "qwen3_5_text"}
+OLMO_HYBRID = {key: value for key, value in NEXT.items() if key != "head_dim"} | {
+    "model_type": "olmo_hybrid", "pad_token_id": 0}
+
+
+def _delta_net_layer(tmp_path, seq_len=None, fields=NEXT):
     if seq_len is None:
-        counted = count_config(tmp_path / "next", NEXT, "flash")
+        counted = count_config(tmp_path / "next", fields, "flash")
     else:
-        counted = count_built(f"hf:{write_config(tmp_path / 'next', NEXT)}", {"seq_len": seq_len}, B,
+        counted = count_built(f"hf:{write_config(tmp_path / 'next', fields)}", {"seq_len": seq_len}, B,
                               torch.bfloat16, "flash")
     assert [layer.name for layer in counted.layers][1] == "1:DecoderLayer"
     return counted.layers[1]
@@ -63,9 +70,9 @@ def _flops(layer, passed, names):
 
 def test_a_gated_delta_net_layers_products_are_the_formulas_forward_and_backward(tmp_path):
     """The projections (in_proj_qkvz, in_proj_ba, out_proj) and the MLP as the products they are; the conv 2·T·C·K
-    forward, 4·T·C·K backward; the chunk rule per token and value head 6KV + BT(5.25K + 4V) + BT²/2 forward and,
-    its recomputation of the chunk states included, 16KV + 18·BT·K + 10·BT·V + 4·BT² backward; the weight pass the
-    projections' weight gradients alone."""
+    forward, 6·T·C·K backward (flash-linear-attention's reruns the conv before its backward kernel); the chunk rule
+    per token and value head 6KV + BT(5.25K + 4V) + BT²/2 forward and, its recomputation of the chunk states
+    included, 16KV + 18·BT·K + 10·BT·V + 4·BT² backward; the weight pass the projections' weight gradients alone."""
     layer, T = _delta_net_layer(tmp_path), B * S
     chunk_forward = T * HV * (6 * K * V + BT * (21 * K + 16 * V) // 4 + BT * BT // 2)
     chunk_backward = T * HV * (16 * K * V + 18 * BT * K + 10 * BT * V + 4 * BT * BT)
@@ -73,39 +80,53 @@ def test_a_gated_delta_net_layers_products_are_the_formulas_forward_and_backward
     assert _flops(layer, "igrad", CHUNK_BACKWARD) == chunk_backward
     products = 2 * T * D * (2 * HK * K + 2 * HV * V + 2 * HV) + 2 * T * HV * V * D + 3 * 2 * T * D * F
     assert layer.fwd_flops == products + 2 * T * C * TAPS + chunk_forward
-    assert layer.igrad_flops == products + 4 * T * C * TAPS + chunk_backward
+    assert layer.igrad_flops == products + 6 * T * C * TAPS + chunk_backward
     assert layer.wgrad_flops == products
 
 
-def test_a_gated_delta_net_runs_fla_kernels_in_as_many_whatever_the_length(tmp_path):
-    """Each chunk-rule kernel once a forward and each once in the backward (w, u and the states recomputed), none of
-    transformers' torch fallback (its loop over the chunks: cumsum, tril, batched products): the same kernels at 1
-    chunk as at 4."""
-    short, long = _delta_net_layer(tmp_path / "short", 64), _delta_net_layer(tmp_path / "long", 256)
+@pytest.mark.parametrize("fields", [NEXT, QWEN3_5, OLMO_HYBRID], ids=lambda fields: fields["model_type"])
+def test_a_gated_delta_net_runs_fla_kernels_in_as_many_whatever_the_length(tmp_path, fields):
+    """Each chunk-rule kernel once a forward and each once in the backward (w, u and the states recomputed; the conv
+    rerun before its backward kernel), none of transformers' torch fallback (its loop over the chunks: cumsum, tril,
+    batched products): the same kernels at 1 chunk as at 4, Qwen3-Next's, Qwen3.5's and OLMo Hybrid's mixers."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if fields["model_type"] not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {fields['model_type']}")
+    short, long = (_delta_net_layer(tmp_path / name, seq_len, fields) for name, seq_len in (("short", 64),
+                                                                                               ("long", 256)))
     for layer in (short, long):
         forward, backward = ([op.op for op in layer.ops[name]] for name in ("fwd", "igrad"))
-        assert all(forward.count(name) == 1 for name in (*CHUNK_FORWARD, "causal_conv1d_fwd"))
-        assert all(backward.count(name) == 1 for name in (*CHUNK_BACKWARD, "causal_conv1d_bwd"))
+        kernels = (*CHUNK_FORWARD, "causal_conv1d_fwd", "l2norm_fwd", "fused_rmsnorm", "norm_gate")
+        assert all(forward.count(name) == 1 for name in kernels)
+        assert all(backward.count(name) == 1 for name in (*CHUNK_BACKWARD, "causal_conv1d_fwd", "causal_conv1d_bwd"))
         assert not {"cumsum", "tril", "bmm", "triu"} & {*forward, *backward}
     assert [(op.op, op.count) for op in short.ops["fwd"]] == [(op.op, op.count) for op in long.ops["fwd"]]
 
 
 def test_a_gated_delta_net_saves_what_its_kernels_save_and_not_the_chunk_states(tmp_path):
     """The chunk rule keeps the query and key repeated to the value heads, the value, beta, the float32 cumulative
-    decay and each chunk's solved (I + A)⁻¹, BT values a token and head; the l2 norms their outputs and float32
-    norms; the chunk states h (K·V a chunk and head) are recomputed, never kept."""
+    decay and each chunk's solved (I + A)⁻¹, BT values a token and head; the l2 norm, of the query and key joined,
+    its output and float32 norms; the chunk states h (K·V a chunk and head) are recomputed, never kept."""
     layer, T, two = _delta_net_layer(tmp_path), B * S, 2
     saved = layer.saved_tensors
     assert ((B, S, HV, BT), T * HV * BT * two) in saved  # (I + A)⁻¹
     assert sum(1 for shape, nbytes in saved if shape == (B, S, HV, K) and nbytes == T * HV * K * two) >= 2  # q, k
     assert ((B, S, HV), T * HV * 4) in saved  # the cumulative decay
-    assert ((B, S, HK), T * HK * 4) in saved  # an l2 norm's reciprocal norms
+    assert ((B, S, 2 * HK), T * 2 * HK * 4) in saved  # the l2 norm's reciprocal norms, the query and key joined
     assert not [shape for shape, _ in saved if len(shape) == 5]
 
 
-def test_off_the_meta_device_the_layers_compute_transformers_model(tmp_path):
-    """pipesim's layers give the logits transformers' Qwen3-Next gives with the same weights, and a count leaves
-    the modeling module's functions as they were."""
+# Qwen3-Next's mixture of experts beside each mixer: routed experts and a shared one, gated
+NEXT_MOE = {**NEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48}
+
+
+@pytest.mark.parametrize("fields", [NEXT, NEXT_MOE], ids=["dense", "experts"])
+def test_off_the_meta_device_the_layers_compute_transformers_model(tmp_path, fields):
+    """pipesim's layers give the logits transformers' Qwen3-Next gives with the same weights (its experts' with the
+    shared expert's gate run inside the shared expert), and a count leaves the modeling module's functions as they
+    were."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     modeling = sys.modules[AutoModelForCausalLM._model_mapping[AutoConfig.for_model("qwen3_next").__class__]
@@ -113,14 +134,14 @@ def test_off_the_meta_device_the_layers_compute_transformers_model(tmp_path):
     functions = modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn
     _delta_net_layer(tmp_path / "counted")
     assert (modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn) == functions
-    folder = write_config(tmp_path / "next", NEXT)
+    folder = write_config(tmp_path / "next", fields)
     torch.manual_seed(0)
     layers = hf_model(f"hf:{folder}", 24).layers
     theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), attn_implementation="eager")
     base = theirs.get_decoder()
     for module, ours in zip([base.embed_tokens, *base.layers, base.norm, theirs.lm_head], layers):
         module.load_state_dict(getattr(ours, "layer", ours).state_dict())
-    tokens = torch.randint(NEXT["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(fields["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
     hidden = tokens
     with torch.no_grad():
         for layer in layers:
@@ -152,11 +173,16 @@ def test_qwen3_next_has_its_published_total_and_active_parameters():
 
 def test_a_mixture_of_experts_with_no_dense_mlp_is_counted_at_its_experts_width(tmp_path):
     """Qwen3.5-MoE's text config has no intermediate_size (every MLP is an expert's): its MLP width is its
-    experts', which tensor parallelism splits."""
+    experts', which tensor parallelism splits. One whose dense layers have a width of their own (Ergo's
+    first_dense_intermediate_size) is not so: it stays refused as a config without an MLP width."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from pipesim.workload.hf import _figures
 
     if "qwen3_5_moe_text" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no Qwen3.5-MoE")
+    if "ergo" in CONFIG_MAPPING:
+        assert _figures(CONFIG_MAPPING["ergo"])["ffn"] == "intermediate_size"
     fields = {key: value for key, value in NEXT.items() if key not in ("intermediate_size", "num_experts")}
     folder = write_config(tmp_path / "moe", {**fields, "model_type": "qwen3_5_moe_text", "num_experts": 4,
                                              "num_experts_per_tok": 2, "moe_intermediate_size": 24,
@@ -233,3 +259,14 @@ def test_a_zero_centred_rmsnorm_runs_as_transformer_engines_kernel_under_the_fus
 
     assert (norm_kernels(eager), norm_kernels(fused)) == (1, 3)  # the layer's input and pre-MLP norms
     assert fused.saved_bytes < eager.saved_bytes
+
+
+def test_recomputing_a_gated_shared_expert_drops_its_gates_scaling_too(tmp_path):
+    """Megatron-core's SharedExpertMLP runs its gate inside (moe/shared_experts.py), so its checkpoint
+    ("shared_experts") drops what the gate's sigmoid and scaling saved, not only what the MLP saved: the scaled
+    product's inputs, the MLP's output (T x D) and the gate's (T x 1), and the gate's product reruns with the MLP."""
+    layer, T = count_config(tmp_path / "moe", NEXT_MOE, "flash").layers[1], B * S
+    dropped = [layer.saved_tensors[i] for i in layer.region_saves["shared_experts"]]
+    assert ((T, D), T * D * 2) in dropped and ((T, 1), T * 2) in dropped
+    assert [op.kind for op in layer.region_ops["shared_experts"]].count("matmul") == 3  # gate; gate_proj, up; down
+

@@ -109,3 +109,19 @@ def test_the_gpts_layernorm_has_nothing_to_fuse_so_fused_norms_are_refused(tmp_p
     assert NO_RMSNORM_TO_FUSE in refused("estimate", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "2",
                                          "--seq-len", "32", "--vocab", "512", "--gpu", "a100-sxm-80gb", "-p", "1",
                                          "--norm-kernel", "fused", "--out", "profile.json")
+
+
+def test_a_zero_centred_rmsnorm_is_fused_and_a_grouped_one_is_not():
+    """transformers' RMSNorms by their epsilon's name: Llama's `variance_epsilon`, the zero-centred `eps` of
+    Qwen3-Next's and Gemma's (1 + weight: TransformerEngine's zero_centered_gamma, the same kernel); a norm of
+    groups of a row (`group_size`) keeps a group's statistics, not the row's, so it runs as it is."""
+    from pipesim.workload.norms import is_transformers_rms_norm
+
+    class ZeroCentredRMSNorm(torch.nn.Module):
+        def __init__(self, group_size: int | None = None) -> None:
+            super().__init__()
+            self.weight, self.eps, self.group_size = torch.nn.Parameter(torch.zeros(8)), 1e-6, group_size
+
+    assert is_transformers_rms_norm(ZeroCentredRMSNorm()) and not is_transformers_rms_norm(ZeroCentredRMSNorm(4))
+    assert not is_transformers_rms_norm(torch.nn.RMSNorm(8, eps=1e-6))  # torch's own: always fused, whatever asked
+

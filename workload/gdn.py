@@ -6,8 +6,9 @@ Off the meta device a mixer computes what transformers computes (`run` trains it
 PyTorch reference). On the meta device that reference is not what a GPU runs: a Python loop over the sequence's
 chunks of 64 tokens, hundreds of small kernels a layer. Megatron-core (Megatron-LM d98e8a64
 megatron/core/ssm/gated_delta_net/common.py and gdn.py) runs flash-linear-attention's causal conv (its activation
-fused), its l2norm of the query and key, repeats them to the value heads, runs its `chunk_gated_delta_rule`, then
-TransformerEngine's RMSNorm and the silu gate (compiled into one kernel). So during the count the mixer's modeling
+fused), its l2norm of a copy of the query and key joined, repeats them to the value heads, runs its
+`chunk_gated_delta_rule`, then TransformerEngine's RMSNorm and the silu gate (compiled into one kernel). So during
+the count the mixer's modeling
 module's chunk rule and conv are those kernels' counts (`_fla_kernels`), its gated norm the two kernels; the mixer's
 own projections, splits, decay and beta are transformers' torch code, counted as every model's is.
 
@@ -40,7 +41,7 @@ from .moe import _kernel_writes, _one_kernel
 from .norms import _FusedRmsNorm
 
 MIXER_FIELDS = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
-# What a mixer's modeling module calls the two functions a run hands to flash-linear-attention and causal-conv1d
+# What a mixer's modeling module calls the two functions whose kernels a run calls (flash-linear-attention's)
 CHUNK_RULE, CONV = "torch_chunk_gated_delta_rule", "causal_conv1d_fn"
 CHUNK_TOKENS = 64  # BT: flash-linear-attention's chunk (its `chunk_size` default, which transformers does not change)
 # The widest tile of a value head's channels the output kernel's autotuning tries (chunk_o.py `chunk_fwd_kernel_o`,
@@ -141,9 +142,10 @@ def _chunk_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: 
                 ) -> tuple[torch.Tensor, None]:
     """transformers' `torch_chunk_gated_delta_rule` as Megatron-core's GatedDeltaNet runs it in training (no initial
     or final state: a training step starts each sequence afresh): the query and key l2-normed by their own kernel
-    (flash-linear-attention's `l2norm`), repeated to the value heads, then the chunk rule's kernels (`_ChunkRule`)."""
-    if use_qk_l2norm_in_kernel:
-        query, key = _L2Norm.apply(query), _L2Norm.apply(key)
+    (flash-linear-attention's `l2norm`, once over the two joined), repeated to the value heads, then the chunk rule's
+    kernels (`_ChunkRule`)."""
+    if use_qk_l2norm_in_kernel:  # the two joined, one kernel, as Megatron-core norms its query_key copy
+        query, key = _L2Norm.apply(torch.cat((query, key), dim=2)).split(query.shape[2], dim=2)
     b, s, heads, width = value.shape
     repeats = heads // query.shape[2]
     if repeats > 1:
@@ -228,53 +230,66 @@ class _ChunkRule(torch.autograd.Function):
 
 def _conv(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
           activation: str | None = None, **kwargs: Any) -> torch.Tensor:
-    """transformers' `causal_conv1d_fn` as causal-conv1d's kernel runs it, its activation fused (`_Conv`)."""
+    """transformers' `causal_conv1d_fn` as flash-linear-attention's `causal_conv1d` runs it, its activation fused
+    (`_Conv`)."""
     return _Conv.apply(hidden, weight, bias)
 
 
 class _Conv(torch.autograd.Function):
-    """causal-conv1d's `CausalConv1dFn`: a depthwise causal conv of K taps over C channels, one kernel each way,
-    saving its input."""
+    """flash-linear-attention's `CausalConv1dFunction` (fla/modules/conv/triton/ops.py), Megatron-core's conv: a
+    depthwise causal conv of K taps over C channels, one kernel forward, saving its input; its backward reruns the
+    conv (its output before the activation), then one kernel writes the input's gradient and the weight's float32
+    partial sums a chunk of BT tokens, which a sum and a cast make the weight's gradient (`causal_conv1d_bwd`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        b, c, t = x.shape
-        taps = weight.shape[-1]
-        conv = tuple(t_ for t_ in (weight, bias) if t_ is not None)
-        with _one_kernel("causal_conv1d_fwd", (x, *conv), 2 * b * t * c * taps):
-            out = torch.empty_like(x)  # in x's layout: channels last, as transformers hands it (a transpose's view)
-            _kernel_writes(out)
         ctx.save_for_backward(x, weight, bias)
-        return out
+        return _conv_kernel(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, bias = ctx.saved_tensors
         b, c, t = x.shape
         conv = tuple(t_ for t_ in (weight, bias) if t_ is not None)
-        grads = _kernel("causal_conv1d_bwd", (x, *conv, grad), [(x.shape, x.dtype)] + [(t_.shape, t_.dtype)
-                                                                                       for t_ in conv],
-                        4 * b * t * c * weight.shape[-1])
-        return grads[0], grads[1], grads[2] if bias is not None else None
+        before = _conv_kernel(x, weight, bias)
+        chunks = b * math.ceil(t / CHUNK_TOKENS)
+        dx, *partials = _kernel("causal_conv1d_bwd", (x, before, grad, *conv),
+                                [(x.shape, x.dtype)] + [((chunks, *t_.shape), F32) for t_ in conv],
+                                4 * b * t * c * weight.shape[-1])
+        grads = [_kernel("_to_copy", _kernel("sum", (partial,), [(t_.shape, F32)]), [(t_.shape, t_.dtype)])[0]
+                 for partial, t_ in zip(partials, conv)]
+        return dx, grads[0], grads[1] if bias is not None else None
+
+
+def _conv_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The conv's forward kernel (`causal_conv1d_fwd`), its output in x's layout: transformers hands it channels
+    last (a transpose's view), as Megatron-core holds them."""
+    b, c, t = x.shape
+    conv = tuple(t_ for t_ in (weight, bias) if t_ is not None)
+    with _one_kernel("causal_conv1d_fwd", (x, *conv), 2 * b * t * c * weight.shape[-1]):
+        out = torch.empty_like(x)
+        _kernel_writes(out)
+    return out
 
 
 def _gated_norm(norm: nn.Module, hidden: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """A gated RMSNorm's weight·norm(hidden)·silu(gate) as Megatron-core's GatedDeltaNet runs it
     (`_apply_gated_norm`): TransformerEngine's RMSNorm, one kernel each way, then the gate, one fused kernel each way
     (its `jit_fuser`, torch.compile), keeping the norm's output and the gate."""
-    return _Gate.apply(_FusedRmsNorm.apply(hidden, norm.weight, norm.variance_epsilon), gate)
+    epsilon = getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0))  # no matter on the meta device
+    return _Gate.apply(_FusedRmsNorm.apply(hidden, norm.weight, epsilon), gate)
 
 
 class _Gate(torch.autograd.Function):
-    """y·silu(gate) as one kernel each way, saving y and the gate."""
+    """y·act(gate) (silu, or the model's gate activation) as one kernel each way, saving y and the gate."""
 
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(y, gate)
-        return _kernel("silu_gate", (y, gate), [(y.shape, y.dtype)])[0]
+        return _kernel("norm_gate", (y, gate), [(y.shape, y.dtype)])[0]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y, gate = ctx.saved_tensors
-        dy, dgate = _kernel("silu_gate_backward", (grad, y, gate), [(y.shape, y.dtype), (gate.shape, gate.dtype)])
+        dy, dgate = _kernel("norm_gate_backward", (grad, y, gate), [(y.shape, y.dtype), (gate.shape, gate.dtype)])
         return dy, dgate

@@ -37,6 +37,7 @@ import functools
 import inspect
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -599,10 +600,14 @@ def _in_one_line(exc: Exception) -> str:
 
 def _figures(config_class: type) -> dict[str, str]:
     """`FIGURES` as `config_class` gives them: a mixture of experts whose every MLP is an expert's gives its MLP width
-    as its experts' (Qwen3.5-MoE's text config has no intermediate_size, only moe_intermediate_size)."""
+    as its experts' (Qwen3.5-MoE's text config has no intermediate_size, only moe_intermediate_size). One with dense
+    layers of a width of their own (Ergo's first_dense_intermediate_size, Kolibri's mlp_only_intermediate_size) is
+    not laid out so: refused, as one without an MLP width."""
     aliases = getattr(config_class, "attribute_map", {})
     ffn = FIGURES["ffn"]
-    if not hasattr(config_class, aliases.get(ffn, ffn)) and hasattr(config_class, EXPERT_FFN_FIELD):
+    widths = [name for name in dir(config_class) if name.endswith(ffn) and name != EXPERT_FFN_FIELD
+              and "shared_expert" not in name]
+    if not hasattr(config_class, aliases.get(ffn, ffn)) and hasattr(config_class, EXPERT_FFN_FIELD) and not widths:
         return {**FIGURES, "ffn": EXPERT_FFN_FIELD}
     return FIGURES
 
@@ -710,14 +715,15 @@ def _as_megatron_runs(block: nn.Module) -> None:
     and, gpt-oss's, a bias) and its shared expert's gate (Qwen2-MoE's `shared_expert_gate`, a Linear to one score
     a token, as Megatron-core's SharedExpertMLP `gate_weight`, a plain Parameter it multiplies by the rank's tokens:
     megatron/core/transformer/moe/shared_experts.py at core_v0.14.0) as `workload.moe.gating_router` (its product
-    in its own precision, keeping its input as it is; tensor parallelism keeps both whole on every rank). Marks
+    in its own precision, keeping its input as it is; tensor parallelism keeps both whole on every rank), run with
+    its scaling inside the shared expert, as SharedExpertMLP runs them (`_gated_shared_expert`). Marks
     its mixture of experts (that module), or in a block without one its MLP (`MLP_PRODUCTS`), as their plain
     checkpoints' regions (`CHECKPOINT_REGION`: Megatron-core's "moe" and "mlp" recompute modules; "mlp" reruns no
     MoE layer's, so a shared expert beside the experts, GraniteMoeHybrid's shared_mlp, is neither) and its shared
     expert (`SHARED_EXPERTS`) as the "shared_experts" one's, and the block's
     norms, its children, as its own (`BLOCK_NORM`: workload/count.py tells an input or pre-MLP norm by what reads
     it)."""
-    experts = False
+    experts, gated_shared = False, []
     for module in block.modules():
         if all(hasattr(module, part) for part in ("gate_proj", "up_proj", "down_proj")) and _activation(module):
             module.forward = functools.partial(_gated_mlp, module)
@@ -735,12 +741,34 @@ def _as_megatron_runs(block: nn.Module) -> None:
             experts = True
         if isinstance(getattr(module, "shared_expert_gate", None), nn.Linear):
             gating_router(module.shared_expert_gate)
+            gated_shared.append(module)
+    for mixture in gated_shared:  # its shared expert's forward as set above (`_gated_mlp`), its gate put inside
+        shared = mixture.shared_expert
+        shared.forward = functools.partial(_gated_shared_expert, mixture.shared_expert_gate, shared.forward)
+        mixture.forward = functools.partial(_gate_inside_shared_expert, mixture)
     for module in () if experts else block.modules():
         if any(hasattr(module, down) and any(hasattr(module, up) for up in ups) for down, ups in MLP_PRODUCTS):
             setattr(module, CHECKPOINT_REGION, "mlp")
     for name, child in block.named_children():
         if is_norm(name, child):
             setattr(child, BLOCK_NORM, True)
+
+
+def _gated_shared_expert(gate: nn.Module, computed: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+                         ) -> torch.Tensor:
+    """A shared expert's output scaled by its gate, sigmoid(gate(x)), inside the shared expert, as Megatron-core's
+    SharedExpertMLP runs its gate (moe/shared_experts.py at core_v0.14.0): what recomputing it ("shared_experts")
+    drops and reruns holds the gate's product and scaling."""
+    return torch.sigmoid(gate(x)) * computed(x)
+
+
+def _gate_inside_shared_expert(mixture: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's, Qwen3-Next's and Qwen3.5-MoE's mixture forward (its shared expert, its routed experts, the two
+    added), the shared expert's gate inside the shared expert (`_gated_shared_expert`)."""
+    flat = hidden.view(-1, hidden.shape[-1])
+    shared = mixture.shared_expert(flat)
+    _, weights, selected = mixture.gate(flat)
+    return (mixture.experts(flat, selected, weights) + shared).reshape(hidden.shape)
 
 
 def _activation(mlp: nn.Module) -> nn.Module | None:

@@ -72,9 +72,12 @@ def _transformers_epsilon(module: torch.nn.Module) -> float | None:
     """transformers' eager RMSNorm's epsilon (None: `module` is not one): its class named so, with a weight and the
     epsilon its forward reads, Llama's `variance_epsilon` or the `eps` of Qwen3-Next's, Qwen3.5's and Gemma's, whose
     weight is zero-centred (`1 + weight`), as TransformerEngine's RMSNorm runs under zero_centered_gamma (Megatron-
-    core's --apply-layernorm-1p), the same kernel keeping the same; not torch's own RMSNorm."""
+    core's --apply-layernorm-1p), the same kernel keeping the same (the count runs it on the meta device, where its
+    arithmetic, Llama's weight·x/rms, is no matter); not torch's own RMSNorm, nor one normalising groups of a row
+    apart (a `group_size`: Qwen4-Exp's hyper-connection norms), whose statistics are a group's."""
     if (not type(module).__name__.endswith("RMSNorm") or isinstance(module, getattr(torch.nn, "RMSNorm", ()))
-            or not isinstance(getattr(module, "weight", None), torch.nn.Parameter)):
+            or not isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+            or getattr(module, "group_size", None)):
         return None
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     return eps if isinstance(eps, float) else None
