@@ -590,8 +590,9 @@ RecomputeModules = Annotated[str | None, typer.Option(
                                                  "mla_up_proj (MLA's up-projections and RoPE), moe_act (the experts' "
                                                  "activation), mlp (a dense layer's MLP), moe (a mixture of "
                                                  "experts whole, its dispatch and combine run again, which "
-                                                 "Megatron-core refuses beside its expert-parallel overlap) and "
-                                                 "shared_experts (a mixture of experts' shared expert); "
+                                                 "Megatron-core refuses beside its expert-parallel overlap), "
+                                                 "shared_experts (a mixture of experts' shared expert) and "
+                                                 "gdn_norm_out (a Gated DeltaNet's gated norm and its output); "
                                                  "DeepSeek-V3's report (3.2.3) recomputes the first two.")]
 Ema = Annotated[str | None, typer.Option(
     "--ema", metavar="WHERE", help="With --gpu: an exponential moving average of the weights kept on the gpu (a "

@@ -46,13 +46,14 @@ LINEAR_INPUT_SAVES = ("only", "also", "")
 # (`recompute_modules`, megatron/core/transformer/transformer_config.py at d98e8a64dd): with its output-discarding
 # checkpoints, a transformer layer's input and pre-MLP norms ("layernorm", those a runtime keeps as norm modules of
 # their own: planning/estimate.py `Parallelism.recomputed_regions`), MLA's up-projections with the norms before
-# them, the RoPE and concatenations that make the attention's queries, keys and values ("mla_up_proj") and the
-# routed experts' activation ("moe_act");
+# them, the RoPE and concatenations that make the attention's queries, keys and values ("mla_up_proj"), the
+# routed experts' activation ("moe_act") and a Gated DeltaNet mixer's gated norm, its output out_proj keeps
+# ("gdn_norm_out", workload/gdn.py);
 # with its plain checkpoints (`CHECKPOINTED_REGIONS`), a dense layer's MLP ("mlp"), a mixture of experts whole,
 # router, dispatch, experts and combine ("moe"), and a mixture of experts' shared expert ("shared_experts")
 RECOMPUTED_PARTS = {"layernorm": "an input or pre-MLP norm", "mla_up_proj": "MLA's up-projections",
                     "moe_act": "routed experts", "mlp": "a dense MLP", "moe": "a mixture of experts",
-                    "shared_experts": "a shared expert"}
+                    "shared_experts": "a shared expert", "gdn_norm_out": "a Gated DeltaNet's gated norm"}
 RECOMPUTE_REGIONS = tuple(RECOMPUTED_PARTS)
 # The regions a plain checkpoint runs (tensor_parallel.checkpoint, megatron/core/tensor_parallel/random.py): the
 # module's own ops alone, its inputs kept and its output too (the ops after it are not the region's, as they are

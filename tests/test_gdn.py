@@ -270,3 +270,23 @@ def test_recomputing_a_gated_shared_expert_drops_its_gates_scaling_too(tmp_path)
     assert ((T, D), T * D * 2) in dropped and ((T, 1), T * 2) in dropped
     assert [op.kind for op in layer.region_ops["shared_experts"]].count("matmul") == 3  # gate; gate_proj, up; down
 
+
+
+def test_recomputing_the_gated_norm_drops_its_output_and_statistics_and_reruns_its_two_kernels(tmp_path):
+    """gdn_norm_out (Megatron-core's output-discarding checkpoint of `_gated_norm_and_a2a`, the Qwen3.6-35B-A3B
+    verification card's recipe): the norm's float32 statistics, the normed value the gate keeps and the gated output
+    out_proj keeps are dropped and made again by the two kernels; the core's output and the gate z, which it reads,
+    stay; a model without a Gated DeltaNet is refused it in one line."""
+    from tests.helpers import priced_recomputing as priced
+
+    layer, T = _delta_net_layer(tmp_path), B * S
+    dropped = [layer.saved_tensors[i] for i in layer.region_saves["gdn_norm_out"]]
+    assert sorted(dropped) == sorted([((T * HV, 1), T * HV * 4), ((T * HV, V), T * HV * V * 2),
+                                      ((T, HV * V), T * HV * V * 2)])
+    assert [op.op for op in layer.region_ops["gdn_norm_out"]] == ["fused_rmsnorm", "norm_gate"]
+    assert priced(layer).activation_bytes - priced(layer, "gdn_norm_out").activation_bytes == sum(
+        nbytes for _, nbytes in dropped)
+    code, out, err = pipesim("simulate", "--model", "gpt", "--layers", "2", "--gpu", "h100-sxm", "-p", "2",
+                             "--recompute-modules", "gdn_norm_out")
+    assert (code, out) == (2, "") and err.strip() == ("error: --recompute-modules gdn_norm_out: no layer of the model "
+                                                      "has a Gated DeltaNet's gated norm to recompute; leave it out")

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .mamba import F32, _kernel
-from .moe import _kernel_writes, _one_kernel
+from .moe import OPEN_REGIONS, _kernel_writes, _one_kernel
 from .norms import _FusedRmsNorm
 
 MIXER_FIELDS = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
@@ -277,7 +277,11 @@ def _gated_norm(norm: nn.Module, hidden: torch.Tensor, gate: torch.Tensor) -> to
     (`_apply_gated_norm`): TransformerEngine's RMSNorm, one kernel each way, then the gate, one fused kernel each way
     (its `jit_fuser`, torch.compile), keeping the norm's output and the gate."""
     epsilon = getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0))  # no matter on the meta device
-    return _Gate.apply(_FusedRmsNorm.apply(hidden, norm.weight, epsilon), gate)
+    OPEN_REGIONS.append("gdn_norm_out")  # Megatron-core's recompute module of the norm and gate (`_gated_norm_and_a2a`)
+    try:
+        return _Gate.apply(_FusedRmsNorm.apply(hidden, norm.weight, epsilon), gate)
+    finally:
+        OPEN_REGIONS.pop()
 
 
 class _Gate(torch.autograd.Function):
