@@ -60,7 +60,7 @@ def _delta_net_layer(tmp_path, seq_len=None, fields=NEXT):
     else:
         counted = count_built(f"hf:{write_config(tmp_path / 'next', fields)}", {"seq_len": seq_len}, B,
                               torch.bfloat16, "flash")
-    assert [layer.name for layer in counted.layers][1] == "1:DecoderLayer"
+    assert [layer.name for layer in counted.layers][1:3] == ["1:DecoderLayer[G-]", "2:DecoderLayer[*-]"]
     return counted.layers[1]
 
 

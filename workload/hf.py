@@ -671,19 +671,22 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
         _as_megatron_block(block)
     cap = getattr(model.config, "final_logit_softcapping", None)
     layers = [DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)]
-    if any(is_mamba2_mixer(module) for block in blocks for module in block.modules()):  # a hybrid's: each its mixers
+    if any(is_mamba2_mixer(module) or is_gated_delta_net(module)  # a hybrid's: each its mixers
+           for block in blocks for module in block.modules()):
         for layer, block in zip(layers, blocks):
             setattr(layer, MIXERS_ATTRIBUTE, _hybrid_mixers(block))
     return [embed, *layers, norm, CappedHead(head, cap) if cap else head]
 
 
 def _hybrid_mixers(block: nn.Module) -> str:
-    """A hybrid's decoder block's mixers in Megatron-core's hybrid pattern (`MIXERS_ATTRIBUTE`): M its Mamba-2 mixer,
-    * its attention, E its mixture of experts, - its dense MLP (`_as_megatron_runs` marks the two)."""
+    """A hybrid's decoder block's mixers in Megatron-core's hybrid pattern (`MIXERS_ATTRIBUTE`; models/hybrid/
+    hybrid_layer_allocation.py `Symbols`): M its Mamba-2 mixer, G its Gated DeltaNet, * its attention, E its mixture
+    of experts, - its dense MLP (`_as_megatron_runs` marks the two)."""
     modules = list(block.modules())
     regions = {getattr(module, CHECKPOINT_REGION, None) for module in modules}
     return "".join(symbol for symbol, holds in (
         ("M", any(is_mamba2_mixer(module) for module in modules)),
+        ("G", any(is_gated_delta_net(module) for module in modules)),
         ("*", any(type(module).__name__.endswith("Attention") for module in modules)),
         ("E", "moe" in regions), ("-", "mlp" in regions)) if holds)
 
