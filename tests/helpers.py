@@ -1054,3 +1054,43 @@ def datasheet_part(directory: Path, name: str) -> tuple:
     path.write_text(f"[gpu.{name}-datasheet]\n" + "".join(
         f"{json.dumps(key)} = {toml_text(value)}\n" for key, value in table.items() if key != "device_memory"))
     return "--gpus", path, "--gpu", f"{name}-datasheet"
+
+
+def assert_computes_transformers_model(folder: Path, parts: Callable[[Any, Any], list], vocab: int) -> None:
+    """pipesim's layers of the Hugging Face config in `folder`, their weights loaded into transformers' own model
+    (`parts(model, base)`: its embedding, blocks, final norm and head, in pipesim's order), give its logits."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipesim.workload.hf import hf_model
+
+    torch.manual_seed(0)
+    layers = hf_model(f"hf:{folder}", 24).layers
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), attn_implementation="eager")
+    for module, ours in zip(parts(theirs, theirs.get_decoder()), layers, strict=True):
+        module.load_state_dict(getattr(ours, "layer", ours).state_dict())
+    tokens = torch.randint(vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+    hidden = tokens
+    with torch.no_grad():
+        for layer in layers:
+            hidden = layer(hidden)
+        torch.testing.assert_close(hidden, theirs(tokens, use_cache=False).logits)
+
+
+def assert_trains_as_one_process(tmp_path: Path, model: str) -> None:
+    """`run` trains `model` (hf:PATH, 24 tokens a sample) from its estimated profile on two gloo ranks, two stages,
+    to the losses one process gives."""
+    from pipesim.executor import RunSpec
+    from tests.reference import single_process
+
+    profile = tmp_path / "profile.json"
+    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 24, "-b", 1, "-p", 2, "--dtype",
+                   "fp32", "--out", profile).code == 0
+    code, out, err = pipesim("run", "--model", model, "--profile", profile, "-s", "1f1b", "-p", 2, "-m", 2, "-n", 2,
+                             "--json", "--no-heldout")
+    assert code == 0, err
+    ran = json.loads(out)
+    assert ran["hardware"]["ranks"] == 2
+    losses: list[float] = []
+    single_process(RunSpec(build("gpipe", 1, 2, 2), model, {"seq_len": 24}, microbatch_size=1, lr=0.05), losses)
+    np.testing.assert_allclose(ran["losses"][0], losses, rtol=1e-5)

@@ -7,20 +7,22 @@ linear attentions (Kimi Linear's KDA) are still refused."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from pipesim.executor import RunSpec
 from pipesim.workload.count import count_built
-from pipesim.workload.hf import hf_model
-from tests.conftest import build, needs_transformers, pipesim
-from tests.helpers import B, S, count_config, write_config
-from tests.reference import single_process
+from tests.conftest import needs_transformers, pipesim
+from tests.helpers import (
+    B,
+    S,
+    assert_computes_transformers_model,
+    assert_trains_as_one_process,
+    count_config,
+    write_config,
+)
 
 pytestmark = needs_transformers
 
@@ -134,32 +136,13 @@ def test_off_the_meta_device_the_layers_compute_transformers_model(tmp_path, fie
     functions = modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn
     _delta_net_layer(tmp_path / "counted")
     assert (modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn) == functions
-    folder = write_config(tmp_path / "next", fields)
-    torch.manual_seed(0)
-    layers = hf_model(f"hf:{folder}", 24).layers
-    theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), attn_implementation="eager")
-    base = theirs.get_decoder()
-    for module, ours in zip([base.embed_tokens, *base.layers, base.norm, theirs.lm_head], layers):
-        module.load_state_dict(getattr(ours, "layer", ours).state_dict())
-    tokens = torch.randint(fields["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
-    hidden = tokens
-    with torch.no_grad():
-        for layer in layers:
-            hidden = layer(hidden)
-        torch.testing.assert_close(hidden, theirs(tokens, use_cache=False).logits)
+    assert_computes_transformers_model(
+        write_config(tmp_path / "next", fields),
+        lambda model, base: [base.embed_tokens, *base.layers, base.norm, model.lm_head], fields["vocab_size"])
 
 
 def test_a_gated_delta_net_model_trains_on_two_gloo_ranks_as_one_process(tmp_path):
-    model = f"hf:{write_config(tmp_path / 'next', NEXT)}"
-    profile = tmp_path / "profile.json"
-    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 24, "-b", 1, "-p", 2, "--dtype",
-                   "fp32", "--out", profile).code == 0
-    code, out, err = pipesim("run", "--model", model, "--profile", profile, "-s", "1f1b", "-p", 2, "-m", 2, "-n", 2,
-                             "--json", "--no-heldout")
-    assert code == 0, err
-    losses: list[float] = []
-    single_process(RunSpec(build("gpipe", 1, 2, 2), model, {"seq_len": 24}, microbatch_size=1, lr=0.05), losses)
-    np.testing.assert_allclose(json.loads(out)["losses"][0], losses, rtol=1e-5)
+    assert_trains_as_one_process(tmp_path, f"hf:{write_config(tmp_path / 'next', NEXT)}")
 
 
 def test_qwen3_next_has_its_published_total_and_active_parameters():

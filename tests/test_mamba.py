@@ -10,16 +10,20 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from pipesim.executor import RunSpec
 from pipesim.workload.count import count_built
 from pipesim.workload.hf import hf_model
-from tests.conftest import build, needs_transformers, pipesim, simulate_json
-from tests.helpers import B, S, count_config, write_config
-from tests.reference import single_process
+from tests.conftest import needs_transformers, pipesim, simulate_json
+from tests.helpers import (
+    B,
+    S,
+    assert_computes_transformers_model,
+    assert_trains_as_one_process,
+    count_config,
+    write_config,
+)
 
 pytestmark = needs_transformers
 
@@ -112,38 +116,15 @@ def test_a_mamba2_layer_saves_what_megatron_cores_functions_save(tmp_path):
 def test_off_the_meta_device_the_layers_compute_transformers_model(tmp_path):
     """pipesim's layers (the embedding, each block with its Mamba-2, attention, MLP or experts mixer, norm_f, the
     head) give the logits transformers' NemotronH model gives with the same weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = write_config(tmp_path / "hybrid", HYBRID)
-    torch.manual_seed(0)
-    layers = hf_model(f"hf:{folder}", 24).layers
-    theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), attn_implementation="eager")
-    base = theirs.get_decoder()
-    for module, ours in zip([base.embeddings, *base.layers, base.norm_f, theirs.lm_head], layers):
-        module.load_state_dict(getattr(ours, "layer", ours).state_dict())
-    tokens = torch.randint(HYBRID["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
-    hidden = tokens
-    with torch.no_grad():
-        for layer in layers:
-            hidden = layer(hidden)
-        torch.testing.assert_close(hidden, theirs(tokens, use_cache=False).logits)
+    assert_computes_transformers_model(
+        write_config(tmp_path / "hybrid", HYBRID),
+        lambda model, base: [base.embeddings, *base.layers, base.norm_f, model.lm_head], HYBRID["vocab_size"])
 
 
 def test_a_hybrid_trains_on_two_gloo_ranks_as_one_process(tmp_path):
     """`run` trains the hybrid from its profile, a Mamba-2 and an attention block on one stage, an MLP and the
     experts on the other, to one process's losses."""
-    model = f"hf:{write_config(tmp_path / 'hybrid', HYBRID)}"
-    profile = tmp_path / "profile.json"
-    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 24, "-b", 1, "-p", 2, "--dtype",
-                   "fp32", "--out", profile).code == 0
-    code, out, err = pipesim("run", "--model", model, "--profile", profile, "-s", "1f1b", "-p", 2, "-m", 2, "-n", 2,
-                             "--json", "--no-heldout")
-    assert code == 0, err
-    ran = json.loads(out)
-    assert ran["hardware"]["ranks"] == 2
-    losses: list[float] = []
-    single_process(RunSpec(build("gpipe", 1, 2, 2), model, {"seq_len": 24}, microbatch_size=1, lr=0.05), losses)
-    np.testing.assert_allclose(ran["losses"][0], losses, rtol=1e-5)
+    assert_trains_as_one_process(tmp_path, f"hf:{write_config(tmp_path / 'hybrid', HYBRID)}")
 
 
 def test_nemotron_3_nano_has_its_published_total_and_active_parameters():
