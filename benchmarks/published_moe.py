@@ -116,8 +116,9 @@ skill's and the model cards', each with its whole layout and step time) run as t
 Qwen3-30B-A3B at t1 p1 E16 over HybridEP, and DeepSeek-V3 on 1,024 H100s as 25.09's row's recipe runs it
 (`RECIPE_RUNS`) over HybridEP without the expert overlap. The Qwen3 runs with the
 overlap kept delay_wgrad_compute off, which pipesim's pair does not model, the cards' functional pretraining runs
-(Qwen3-30B-A3B, gpt-oss-120b) routed naturally, by an imbalance not published, and the all-to-all run gives no
-layout: all listed with why (`CARDS_NOT_EXPRESSIBLE`).
+(Qwen3-30B-A3B, gpt-oss-120b) routed naturally, by an imbalance not published, the all-to-all run gives no
+layout, and Qwen3.6-35B-A3B's card trains its vision encoder too (`CARDS_VISION_LANGUAGE`): all listed with why
+(`CARDS_NOT_EXPRESSIBLE`).
 
 NeMo AutoModel's H100 pre-training table (benchmarks/published/nemo-automodel-moe-h100.csv: its PyTorch backend,
 FSDP2 with expert parallelism, BF16) runs its Qwen3-30B-A3B row as qwen3_moe_30b_te_deepep.yaml at 8d9bfb90e, the
@@ -447,6 +448,12 @@ CARDS_NOT_EXPRESSIBLE = {
                        "`paired_exposed_ms`)",
 }
 # runs a source prints without their layout: (name, why)
+# the cards' vision-language runs -> why: pipesim counts a multimodal config's language model alone
+CARDS_VISION_LANGUAGE = {
+    "Qwen3.6-35B-A3B": "a vision-language run (Qwen3_5MoeForConditionalGeneration): its vision encoder of 27 layers "
+                       "trained beside the language model on DataComp's image-caption samples (max_pixels 200,704), "
+                       "which pipesim does not count (it takes the text_config), routed naturally "
+                       "(moe_router_force_load_balancing false) by an imbalance not published"}
 CARDS_WITHOUT_LAYOUT = [
     ("Bridge card Qwen3-30B-A3B BF16 all-to-all eager", "docs/training/cuda-graphs.md at 067f987df0 gives its "
      "41.36 s (42.00 s graphed) with the model, H100, BF16 and the all-to-all dispatcher only: no t, p, E, batch, "
@@ -700,8 +707,8 @@ def card_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
         overlap = row["expert_overlap"] == "on"
         name = (f"Bridge card {row['model']} {row['precision']} t{t} p{p} v{chunks} E{e}{' overlap' if overlap else ''}"
                 f"{f' ({label})' if (label := row['label']) else ''}")
-        if row["routing"] == "natural":
-            left_out.append((name, CARDS_NOT_EXPRESSIBLE["natural routing"]))
+        if row["model"] in CARDS_VISION_LANGUAGE or row["routing"] == "natural":
+            left_out.append((name, CARDS_VISION_LANGUAGE.get(row["model"], CARDS_NOT_EXPRESSIBLE["natural routing"])))
             continue
         if overlap and row["delay_wgrad"] == "off":
             left_out.append((name, CARDS_NOT_EXPRESSIBLE["delay_wgrad off"]))

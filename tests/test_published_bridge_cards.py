@@ -19,7 +19,7 @@ PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / CARDS).open
 
 
 def test_each_run_without_the_overlap_is_recorded_with_its_step_and_layout():
-    runs = [row for row in PUBLISHED if row["expert_overlap"] == "off"]
+    runs = [row for row in PUBLISHED if row["expert_overlap"] == "off" and row["routing"] == "forced"]
     assert len(RECORDED) == len(runs) == 2
     for row, recorded in zip(runs, RECORDED):
         args = shlex.split(recorded["command"])
@@ -58,7 +58,10 @@ def test_the_model_cards_runs_with_natural_routing_or_without_delayed_weight_gra
     assert "delay_wgrad_compute off" in left_out["Bridge card Qwen3-30B-A3B BF16 t1 p1 v1 E16 overlap (model card)"]
     natural = [row for row in PUBLISHED if row["routing"] == "natural"]
     assert [(row["model"], row["step_time_s"]) for row in natural] == [("Qwen3-30B-A3B", "30.28955"),
-                                                                       ("gpt-oss-120b", "16.66493")]
+                                                                       ("gpt-oss-120b", "16.66493"),
+                                                                       ("Qwen3.6-35B-A3B", "22.27122")]
     for name in ("Bridge card Qwen3-30B-A3B BF16 t1 p1 v1 E16 (functional pretrain)",
                  "Bridge card gpt-oss-120b BF16 t1 p4 v1 E8 (functional pretrain)"):
         assert "natural routing" in left_out[name]
+    # Qwen3.6-35B-A3B's card trains its vision encoder too, which pipesim does not count (its text_config alone)
+    assert "vision encoder" in left_out["Bridge card Qwen3.6-35B-A3B BF16 t1 p2 v1 E8 (model card)"]
