@@ -215,7 +215,7 @@ def test_a_shared_experts_gate_is_held_as_the_router(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN2))
     layer = count_built(f"hf:{tmp_path}", {"seq_len": S}, B, torch.bfloat16, "flash").layers[1]
     marked = [shape for (shape, _, _), router in zip(layer.weight_grad_outputs, layer.weight_grad_router) if router]
-    assert marked == [ROUTER, (1, TOKENS, 1, H)]
+    assert marked == [(1, TOKENS, 1, H), ROUTER]  # the shared expert, its gate inside, before the router
     split = _Split.of(layer, Parallelism(tensor=T, sequence_parallel=True))
     assert [split.weights[j] for j, router in enumerate(layer.weight_grad_router) if router] == ["replicated"] * 2
     assert estimate.replicated_share(layer, E) * layer.param_bytes == (EXPERTS + 1) * H * E + layer.norm_param_bytes

@@ -766,8 +766,10 @@ def _gated_shared_expert(gate: nn.Module, computed: Callable[[torch.Tensor], tor
 
 
 def _gate_inside_shared_expert(mixture: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Qwen2-MoE's, Qwen3-Next's and Qwen3.5-MoE's mixture forward (its shared expert, its routed experts, the two
-    added), the shared expert's gate inside the shared expert (`_gated_shared_expert`)."""
+    """Qwen2-MoE's, Qwen3-Next's and Qwen3.5-MoE's mixture forward (its shared expert, then its router and routed
+    experts, added), the shared expert's gate inside the shared expert (`_gated_shared_expert`), as Megatron-core's
+    MoELayer runs them without its shared-expert overlap (moe_layer.py at d98e8a64: `shared_experts_compute`, then
+    `route`)."""
     flat = hidden.view(-1, hidden.shape[-1])
     shared = mixture.shared_expert(flat)
     _, weights, selected = mixture.gate(flat)
