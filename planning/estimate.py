@@ -1828,7 +1828,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     total = round(min(kept, saved / c + weight_copies) if parallel.recompute in ("selective", "full")
                   else kept)  # op's: its own
     exchanged = RingExchange() if ring is None else _head_exchanges(layer, split, ring, element_bytes)
-    reruns_forward = parallel.recompute in ("op", "full") and transformer  # its mixers' exchanges with the rest
+    reruns_forward = parallel.recompute == "full" and transformer  # its mixers' exchanges with the whole forward
     rings = (None, None) if ring is None else (
         _ring_of(layer.ops.get("fwd", ()), split, ring, device, element_bytes) + exchanged,
         _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes) + exchanged
