@@ -1523,16 +1523,18 @@ def _ring_of(ops: Sequence[OpCount], split: _Split, ring: ContextRing, device: D
     return total
 
 
-def _head_exchanges(layer: LayerCount, split: _Split, ring: ContextRing, element_bytes: int) -> RingExchange:
+def _head_exchanges(layer: LayerCount, split: _Split, ring: ContextRing, element_bytes: int,
+                    second_only: bool = False) -> RingExchange:
     """A pass's all-to-alls around `layer`'s Gated DeltaNet mixers over the C context-parallel ranks
     (`LayerCount.context_exchanges`: Megatron-core's trade of the sequence's split for one of the heads, and back;
     the backward's of their gradients), none hidden: they run on the compute stream, the conv waiting for the first
     and out_proj for the second. Each sends the other C - 1 ranks their heads of the rank's tokens: (C - 1)/C of the
-    rank's 1/t of the channels (tensor parallelism splits the heads first) at 1/C of the tokens."""
+    rank's 1/t of the channels (tensor parallelism splits the heads first) at 1/C of the tokens. `second_only`: the
+    normed value's back alone."""
     c = ring.ranks
     share = split.tokens / c * (c - 1) / c / split.t * element_bytes
     return RingExchange(sum(ring.transfer_ms(round(width * share)) for widths in layer.context_exchanges
-                            for width in widths))
+                            for width in (widths[1:] if second_only else widths)))
 
 
 def accumulating(op: OpCount, grad_bytes: int, element_bytes: int) -> OpCount:
@@ -1828,11 +1830,15 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     total = round(min(kept, saved / c + weight_copies) if parallel.recompute in ("selective", "full")
                   else kept)  # op's: its own
     exchanged = RingExchange() if ring is None else _head_exchanges(layer, split, ring, element_bytes)
-    reruns_forward = parallel.recompute == "full" and transformer  # its mixers' exchanges with the whole forward
+    # the exchanges the backward runs again: the whole forward's under full recomputation, the second's (the normed
+    # value's, inside Megatron-core's `_gated_norm_and_a2a`) where gdn_norm_out reruns the gated norm
+    rerun_exchanged = exchanged if parallel.recompute == "full" and transformer else (
+        _head_exchanges(layer, split, ring, element_bytes, second_only=True)
+        if ring is not None and "gdn_norm_out" in parallel.recompute_modules else RingExchange())
     rings = (None, None) if ring is None else (
         _ring_of(layer.ops.get("fwd", ()), split, ring, device, element_bytes) + exchanged,
         _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes) + exchanged
-        + (exchanged if reruns_forward else RingExchange()))
+        + rerun_exchanged)
     times = {name: sum(ms for _, ms in ops) for name, ops in timed.items()}
     rerun_ms = sum(sum(ms for _, ms in part) for part in (*rerun, at_experts))  # part by part, each its own sum
     rerun_timed = tuple(timed_op for part in rerun for timed_op in part)

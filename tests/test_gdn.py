@@ -196,6 +196,13 @@ def test_under_context_parallelism_a_gated_delta_net_trades_the_sequence_for_its
             for width in layer.context_exchanges[0]]
     assert (priced.ring_fwd.link_ms, priced.ring_fwd.hidden_ms) == (pytest.approx(sum(sent)), 0)
     assert priced.ring_bwd.link_ms == pytest.approx(sum(sent) * (2 if recompute == "full" else 1))
+    if recompute == "none":  # gdn_norm_out reruns the gated norm and the normed value's exchange with it
+        normed = estimate_layer(layer, H100_BF16, Parallelism(context=c, recompute_modules=("gdn_norm_out",)), link,
+                                2, link)
+        assert normed.ring_bwd.link_ms == pytest.approx(sum(sent) + sent[1])
+        split = estimate_layer(layer, H100_BF16, Parallelism(context=c, tensor=2), link, 2, link)
+        assert split.ring_fwd.link_ms == pytest.approx(sum(link.latency_ms + (ms - link.latency_ms) / 2
+                                                           for ms in sent))  # t = 2: half the channels each
 
 
 @pytest.mark.parametrize("flags, line", [
@@ -252,7 +259,6 @@ def test_recomputing_a_gated_shared_expert_drops_its_gates_scaling_too(tmp_path)
     dropped = [layer.saved_tensors[i] for i in layer.region_saves["shared_experts"]]
     assert ((T, D), T * D * 2) in dropped and ((T, 1), T * 2) in dropped
     assert [op.kind for op in layer.region_ops["shared_experts"]].count("matmul") == 3  # gate; gate_proj, up; down
-
 
 
 def test_recomputing_the_gated_norm_drops_its_output_and_statistics_and_reruns_its_two_kernels(tmp_path):

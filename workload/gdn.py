@@ -256,8 +256,9 @@ class _Conv(torch.autograd.Function):
         dx, *partials = _kernel("causal_conv1d_bwd", (x, before, grad, *conv),
                                 [(x.shape, x.dtype)] + [((chunks, *t_.shape), F32) for t_ in conv],
                                 4 * b * t * c * weight.shape[-1])
-        grads = [_kernel("_to_copy", _kernel("sum", (partial,), [(t_.shape, F32)]), [(t_.shape, t_.dtype)])[0]
-                 for partial, t_ in zip(partials, conv)]
+        summed = [_kernel("sum", (partial,), [(t_.shape, F32)])[0] for partial, t_ in zip(partials, conv)]
+        grads = [grad_ if t_.dtype == F32 else _kernel("_to_copy", (grad_,), [(t_.shape, t_.dtype)])[0]
+                 for grad_, t_ in zip(summed, conv)]  # cast to the weight's dtype where it is not float32
         return dx, grads[0], grads[1] if bias is not None else None
 
 

@@ -606,7 +606,7 @@ def _figures(config_class: type) -> dict[str, str]:
     aliases = getattr(config_class, "attribute_map", {})
     ffn = FIGURES["ffn"]
     widths = [name for name in dir(config_class) if name.endswith(ffn) and name != EXPERT_FFN_FIELD
-              and "shared_expert" not in name]
+              and "shared" not in name]
     if not hasattr(config_class, aliases.get(ffn, ffn)) and hasattr(config_class, EXPERT_FFN_FIELD) and not widths:
         return {**FIGURES, "ffn": EXPERT_FFN_FIELD}
     return FIGURES
@@ -762,7 +762,8 @@ def _gated_shared_expert(gate: nn.Module, computed: Callable[[torch.Tensor], tor
     """A shared expert's output scaled by its gate, sigmoid(gate(x)), inside the shared expert, as Megatron-core's
     SharedExpertMLP runs its gate (moe/shared_experts.py at core_v0.14.0): what recomputing it ("shared_experts")
     drops and reruns holds the gate's product and scaling."""
-    return torch.sigmoid(gate(x)) * computed(x)
+    out = computed(x)  # the MLP first, then the gate's product and scaling, as SharedExpertMLP.forward runs them
+    return out * torch.sigmoid(gate(x))
 
 
 def _gate_inside_shared_expert(mixture: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
