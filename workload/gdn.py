@@ -244,14 +244,14 @@ class _Conv(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight, bias)
-        return _conv_kernel(x, weight, bias)
+        return _conv_kernel(x, *_held(weight, bias))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, bias = ctx.saved_tensors
         b, c, t = x.shape
-        conv = tuple(t_ for t_ in (weight, bias) if t_ is not None)
-        before = _conv_kernel(x, weight, bias)
+        conv = _held(weight, bias)
+        before = _conv_kernel(x, *conv)
         chunks = b * math.ceil(t / CHUNK_TOKENS)
         dx, *partials = _kernel("causal_conv1d_bwd", (x, before, grad, *conv),
                                 [(x.shape, x.dtype)] + [((chunks, *t_.shape), F32) for t_ in conv],
@@ -262,12 +262,16 @@ class _Conv(torch.autograd.Function):
         return dx, grads[0], grads[1] if bias is not None else None
 
 
-def _conv_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The conv's forward kernel (`causal_conv1d_fwd`), its output in x's layout: transformers hands it channels
-    last (a transpose's view), as Megatron-core holds them."""
+def _held(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The conv's weight and bias it has (a conv may have no bias)."""
+    return tuple(tensor for tensor in tensors if tensor is not None)
+
+
+def _conv_kernel(x: torch.Tensor, *conv: torch.Tensor) -> torch.Tensor:
+    """The conv's forward kernel (`causal_conv1d_fwd`) of its weight (and bias: `conv`), its output in x's layout:
+    transformers hands it channels last (a transpose's view), as Megatron-core holds them."""
     b, c, t = x.shape
-    conv = tuple(t_ for t_ in (weight, bias) if t_ is not None)
-    with _one_kernel("causal_conv1d_fwd", (x, *conv), 2 * b * t * c * weight.shape[-1]):
+    with _one_kernel("causal_conv1d_fwd", (x, *conv), 2 * b * t * c * conv[0].shape[-1]):
         out = torch.empty_like(x)
         _kernel_writes(out)
     return out
