@@ -250,6 +250,7 @@ class _Reporter:
         self.rows: list[ReportedRow] = []
         self.lock = threading.Lock()
         self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
         self.previous_ns = time.perf_counter_ns()
         self.fault = _test_fault(rank)
 
@@ -273,9 +274,7 @@ class _Reporter:
                     pass
         if self.fault is not None and self.done == self.fault[0]:
             self.stop()
-            self.thread.join()
-            self.messages.close()
-            self.messages.join_thread()  # the heartbeat reaches the parent before the signal lands
+            _flushed(self.messages)  # the heartbeat reaches the parent before the signal lands
             os.kill(os.getpid(), getattr(signal, f"SIG{self.fault[1]}"))
 
     def _beating(self) -> None:
@@ -299,9 +298,21 @@ class _Reporter:
         self.messages.put(("beat", beat))
 
     def stop(self) -> None:
-        """No more heartbeats; the last rows go out now."""
+        """No more heartbeats, the thread's last one sent before this returns; the last rows go out now."""
         self.stopped.set()
+        if self.thread is not None:
+            self.thread.join()
         self.beat()
+
+
+def _flushed(messages: Any) -> None:
+    """Close this process's end of `messages` once what it put is in the pipe. Left to the process's exit, the
+    queue's feeder thread sends it as the process shuts down, where it drops an item whose sending fails without a
+    word (multiprocessing's `is_exiting`): a rank of calibrate's runtime probe that had put its result exited with
+    code 0 and the parent never read it (CI, "rank 1 exited with code 0 (last action 1OPT.4)"). Sent here, a
+    failure is printed as the rank's own, and the exit has nothing left to send."""
+    messages.close()
+    messages.join_thread()
 
 
 def _rank_main(setup: Any, rank: int, rendezvous: Rendezvous, choice: TransportChoice, messages: Any,
@@ -334,6 +345,8 @@ def _rank_main(setup: Any, rank: int, rendezvous: Rendezvous, choice: TransportC
         text = (str(exc).splitlines() or [""])[0]
         named = text if isinstance(exc, ExecutorError) else f"{type(exc).__name__}: {text}"
         messages.put(("error", rank, named, isinstance(exc, DivergedError)))
+    finally:
+        _flushed(messages)
 
 
 def _links(lowered: Lowered) -> list[tuple[int, int, int]]:

@@ -120,6 +120,66 @@ def test_a_rank_that_exited_cleanly_is_not_dead_while_its_result_waits_behind_un
     assert supervisor.dead() == [] and supervisor.results[1] == "rank 1's result" and supervisor.fault() is None
 
 
+class _SentUntilExiting:
+    """Pickles as itself until its process is shutting down, then fails, as anything a feeder thread sends may
+    where what the sending uses is being torn down."""
+
+    def __reduce__(self):
+        import multiprocessing.util
+
+        if multiprocessing.util.is_exiting():
+            raise OSError("torn down")
+        return _SentUntilExiting, ()
+
+
+def _put_and_return(messages, flushed: bool) -> None:
+    messages.put(("done", 1, _SentUntilExiting()))
+    if flushed:
+        runners._flushed(messages)
+
+
+@pytest.mark.parametrize("flushed", [True, False])
+def test_a_rank_sends_what_it_put_before_it_exits(flushed):
+    """A rank's queue is flushed in `_rank_main`, not at the process's exit, where multiprocessing's feeder thread
+    drops an item it fails to send without a word: the parent then saw a rank that had put its result exit with
+    code 0 and never read it (calibrate's runtime probe in CI, "rank 1 exited with code 0 (last action 1OPT.4)").
+    Flushed, the item arrives; left to the exit, the same item is lost (what this guards against)."""
+    import multiprocessing
+    import queue
+
+    context = multiprocessing.get_context("fork")
+    messages = context.Queue()
+    process = context.Process(target=_put_and_return, args=(messages, flushed))
+    process.start()
+    process.join(30)
+    assert process.exitcode == 0
+    try:
+        message = messages.get(timeout=2)
+    except queue.Empty:
+        message = None
+    if flushed:
+        assert message is not None and message[:2] == ("done", 1) and isinstance(message[2], _SentUntilExiting)
+    else:
+        assert message is None
+
+
+def test_the_reporter_sends_nothing_after_it_stops():
+    """`stop` joins the heartbeat thread before the last beat, so no heartbeat is put after `_rank_main` closes
+    the queue (a put on a closed queue raises in that thread)."""
+    import queue
+
+    messages: queue.Queue = queue.Queue()
+    spec = spec_for("1f1b", stages=2, m=1, n=2)
+    reporter = _Reporter(0, lower(spec.schedule), messages)
+    reporter.start()
+    time.sleep(2.5 * HEARTBEAT_S)
+    reporter.stop()
+    assert not reporter.thread.is_alive()
+    sent = messages.qsize()
+    time.sleep(2 * HEARTBEAT_S)
+    assert messages.qsize() == sent
+
+
 def test_the_run_stalls_when_no_rank_moves_not_while_one_works():
     spec = spec_for("1f1b", stages=2, m=1, n=2)
     supervisor = _Supervisor(spec, lower(spec.schedule), [_Process(), _Process()], stall_timeout_s=0.2)
