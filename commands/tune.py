@@ -260,7 +260,7 @@ def tune(
             _check_weights_fit(counts[sizes[0]], devices, memory_cap_bytes, capped_by)
             if context > 1:
                 with refused_with_flags():  # C must split the sequence: said before the note too
-                    check_context(counts[sizes[0]], context)
+                    check_context(counts[sizes[0]], context, tensor_parallel or 1, what.cp_rotate)
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
             expert_given = is_given(ctx, "expert_parallel")
             orders = _rank_orders(what, is_given(ctx, "rank_order"), devices)

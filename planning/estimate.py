@@ -2742,13 +2742,15 @@ def check_ring_attention(c: int, attention: str | None) -> None:
                             "TransformerEngine's context parallel): give {attention} flash")
 
 
-def check_context(counted: WorkloadCount, c: int, tensor: int = 1) -> None:
+def check_context(counted: WorkloadCount, c: int, tensor: int = 1, rotate: str = "p2p") -> None:
     """C context-parallel ranks need a sequence of 2C equal chunks (the causal load balance) and a fused attention
     kernel for the ring to run (`check_ring_attention`), and Gated DeltaNet layers (workload/gdn.py) heads that C
-    divides on each of the `tensor` ranks, as Megatron-core asserts. A model whose attention runs within chunks past one
-    (Llama 4's, workload/hf.py `_chunked`) is refused: NeMo's Llama 4 asserts each rank holds whole chunks
-    (nemo/collections/llm/gpt/model/llama4_utils.py, `cp_chunk_len % self.attention_chunk_size == 0`), whose
-    layers then need no ring, and pipesim would price the ring for them."""
+    divides on each of the `tensor` ranks, as Megatron-core asserts, and Megatron-core's ring (`rotate` p2p): its
+    all-to-alls around those layers are Megatron-core's own, and torch's context parallel, whose rings alltoall and
+    allgather are, shards SDPA's calls alone (torch/distributed/tensor/experimental/_attention.py). A model whose
+    attention runs within chunks past one (Llama 4's, workload/hf.py `_chunked`) is refused: NeMo's Llama 4 asserts
+    each rank holds whole chunks (nemo/collections/llm/gpt/model/llama4_utils.py, `cp_chunk_len %
+    self.attention_chunk_size == 0`), whose layers then need no ring, and pipesim would price the ring for them."""
     seq = counted.options.get("seq_len")
     if not seq:
         raise EstimateError(f"context: {c} splits the sequence, and {counted.model} has none")
@@ -2763,6 +2765,10 @@ def check_context(counted: WorkloadCount, c: int, tensor: int = 1) -> None:
                                 "context-parallel ranks, around its Gated DeltaNet layers); "
                                 + (f"give {{context}} {' or '.join(map(str, fitting))}" if fitting
                                    else "leave {context} out"))
+    if counted.options.get("linear_value_heads") and rotate != "p2p":
+        raise EstimateError(f"cp_rotate: {rotate} is a ring of torch's context parallel, which shards SDPA's calls "
+                            f"alone, and {counted.model}'s Gated DeltaNet layers run context-parallel under "
+                            "Megatron-core (an all-to-all around each): give {cp_rotate} p2p (Megatron-core's ring)")
     if (chunk := counted.options.get("attention_chunk")) is not None:
         raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s chunked "
                             f"attention layers attend within chunks of {chunk:,} tokens, which pipesim's ring does not "
@@ -2942,7 +2948,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                 f"the model was counted with {counted.attention} attention: count it with "
                                 "{attention} math"))
     if parallel.context > 1:
-        check_context(counted, parallel.context, parallel.tensor)
+        check_context(counted, parallel.context, parallel.tensor, parallel.cp_rotate)
     check_sequence_split(counted, parallel)
     placement = node_placement(gpu, cluster, curve)
     if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:

@@ -208,6 +208,8 @@ def test_under_context_parallelism_a_gated_delta_net_trades_the_sequence_for_its
 @pytest.mark.parametrize("flags, line", [
     (("--tensor-parallel", 4), "error: --tensor-parallel 4 does not divide the model's 2 gated delta rule key heads"),
     (("--context-parallel", 4), "error: --context-parallel 4 does not divide the 2 gated delta rule key heads of "),
+    (("--context-parallel", 2), "error: --cp-rotate alltoall is a ring of torch's context parallel"),  # the default
+    (("--context-parallel", 2, "--cp-rotate", "allgather"), "error: --cp-rotate allgather is a ring of torch's "),
 ])
 def test_what_pipesim_cannot_split_of_a_gated_delta_net_is_one_line(tmp_path, flags, line):
     fields = {**NEXT, "num_attention_heads": 4, "num_key_value_heads": 4}
@@ -216,6 +218,10 @@ def test_what_pipesim_cannot_split_of_a_gated_delta_net_is_one_line(tmp_path, fl
                              *flags, "--html", tmp_path / "t.html")
     assert (code, out) == (2, "") and err.startswith(line) and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "t.html").exists()
+    if "--cp-rotate" in line:  # the ring it names runs them
+        assert "give --cp-rotate p2p (Megatron-core's ring)" in err
+        assert pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 1, "-p", 2,
+                       "--context-parallel", 2, "--cp-rotate", "p2p")[0] == 0
 
 
 @pytest.mark.parametrize("last", ["full_attention", "linear_attention"])
@@ -279,3 +285,15 @@ def test_recomputing_the_gated_norm_drops_its_output_and_statistics_and_reruns_i
                              "--recompute-modules", "gdn_norm_out")
     assert (code, out) == (2, "") and err.strip() == ("error: --recompute-modules gdn_norm_out: no layer of the model "
                                                       "has a Gated DeltaNet's gated norm to recompute; leave it out")
+
+
+def test_tune_refuses_context_parallel_ranks_a_tensor_rank_s_heads_do_not_split_before_it_estimates(tmp_path):
+    """tune checks C against the heads of the t it was given as soon as the model is counted, in one line, not
+    after seconds of estimates that each refuse it."""
+    model = f"hf:{write_config(tmp_path / 'next', NEXT)}"
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "--devices", 4,
+                             "--tensor-parallel", 2, "--context-parallel", 2, "--cp-rotate", "p2p")
+    assert (code, out) == (2, "") and err.strip().splitlines() == [
+        f"error: --context-parallel 2 does not divide the 1 gated delta rule key heads of {model} a tensor-parallel "
+        "rank holds (Megatron-core splits them over the context-parallel ranks, around its Gated DeltaNet layers); "
+        "leave --context-parallel out"], err
