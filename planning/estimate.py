@@ -68,6 +68,7 @@ from ..profiles.schema import (
 )
 from ..profiles.workload import (
     RECOMPUTE_REGIONS,
+    SPARSE_ATTENTION_KERNELS,
     LayerCount,
     OpCount,
     WorkloadCount,
@@ -553,9 +554,17 @@ def window_tile_pairs(queries: int, keys: int, window: int, tile: tuple[int, int
     return blocks * block_queries * block_keys
 
 
+# The share of the 16-bit peak DeepSeek Sparse Attention's fused kernels run at (`SPARSE_ATTENTION_KERNELS`):
+# FlashMLA's token-level sparse prefill kernel, "up to 640 TFlops" on an H800 (github.com/deepseek-ai/FlashMLA,
+# README, 2025.09.29), of its 989.4 dense BF16; the others (cuDNN's indexer scores and backward, the loss's score
+# recompute, the sparse backward), whose rates no source gives, taken alike
+SPARSE_ATTENTION_FRACTION = 640 / 989.4
+
+
 def op_ms(op: OpCount, device: Device) -> float:
     """One call of `op` on `device` (a product held on it, `Device.products_held_on`, `HELD_PRODUCT_SLOWDOWN` times
-    its time there)."""
+    its time there); another kernel with products at the products' rate (`SPARSE_ATTENTION_FRACTION` of the peak
+    for DSA's)."""
     curve = device.curve
     if op.kind == "matmul":
         held_on = device.products_held_on
@@ -565,7 +574,8 @@ def op_ms(op: OpCount, device: Device) -> float:
     if op.kind == "attention":
         return attention_kernel_ms(kernel_flops(op, device.attention_kernel), op.moved_bytes,
                                    op.op.endswith("_backward"), op.causal, device, query_tiles(op))
-    return curve.kernel_overhead_ms + max(op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency),
+    efficiency = SPARSE_ATTENTION_FRACTION if op.op in SPARSE_ATTENTION_KERNELS else curve.matmul_efficiency
+    return curve.kernel_overhead_ms + max(op.flops / (device.peak_flops_per_ms * efficiency),
                                           op.moved_bytes / device.memory_bytes_per_ms)
 
 
@@ -2754,6 +2764,10 @@ def check_context(counted: WorkloadCount, c: int, tensor: int = 1, rotate: str =
     seq = counted.options.get("seq_len")
     if not seq:
         raise EstimateError(f"context: {c} splits the sequence, and {counted.model} has none")
+    if counted.options.get("sparse_attention_keys"):
+        raise EstimateError(f"context: {c} splits the sequence, and {counted.model}'s sparse attention runs context-"
+                            "parallel by gathering every key to each rank (Megatron-core's DSA takes cp_comm_type "
+                            "allgather alone), which pipesim does not price yet; leave {context} out")
     if counted.options.get("mamba_heads"):
         raise EstimateError(f"context: {c} splits the sequence for attention's ring, and {counted.model}'s Mamba-2 "
                             "layers scan the whole of it, which pipesim does not split; leave {context} out")
@@ -2910,6 +2924,10 @@ def tensor_split_refusal(options: dict[str, Any], tensor: int, expert_tensor: in
         size = options.get(name)
         if size and size % ranks:
             return f"{field_name}: {ranks} does not divide the model's {size:,} {what}"
+    if options.get("sparse_attention_keys") and tensor > 1:
+        return (f"tensor: {tensor} ranks would each run the whole indexer of the model's sparse attention, which "
+                "Megatron-core duplicates on every tensor-parallel rank over the gathered sequence, and pipesim does "
+                "not price so yet: give 1")
     return None
 
 

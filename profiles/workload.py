@@ -59,6 +59,10 @@ RECOMPUTE_REGIONS = tuple(RECOMPUTED_PARTS)
 # module's own ops alone, its inputs kept and its output too (the ops after it are not the region's, as they are
 # after an output-discarding one)
 CHECKPOINTED_REGIONS = ("mlp", "moe", "shared_experts")
+# DeepSeek Sparse Attention's fused kernels, which workload/dsa.py records with their FLOPs: the indexer's scores, the
+# sparse attention forward (FlashMLA's), the loss's recomputed scores, the indexer's backward, the sparse backward
+SPARSE_ATTENTION_KERNELS = ("dsa_indexer_forward", "flash_mla_sparse_fwd", "sparse_attn_score_recompute",
+                            "dsa_indexer_backward", "sparse_attention_backward")
 # The regions the count traces (`LayerCount.region_saves` and on): those ("layernorm" every norm), the attention
 # kernel's output with the copies made of it before the next product ("attention_out"), which a float8 recipe may
 # keep once for both the attention's backward and that product's (planning/fp8.py `Fp8Recipe.attention_output_bytes`),

@@ -153,11 +153,11 @@ def test_a_config_whose_layers_each_give_their_own_heads_is_one_line(tmp_path):
     assert "pipesim reads one num_attention_heads for all its layers, and transformers gives none" in err, err
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "hy_v4"])
 def test_a_sparse_attentions_indexer_is_refused_in_one_line_before_the_model_is_built(tmp_path, model_type):
-    """DeepSeek Sparse Attention keeps index_topk keys a query (2,048 at DeepSeek-V3.2's 128k), where pipesim counts
-    every key before each query: DeepSeek-V3.2's code failed on the meta device, and a model whose code runs there
-    would have been priced dense."""
+    """A sparse attention's indexer keeps index_topk keys a query (2,048 at DeepSeek-V3.2's 128k), where pipesim counts
+    every key before each query but in the layers workload/dsa.py counts (DeepSeek-V3.2's, GLM-5's, tests/test_dsa.py):
+    another's code may fail on the meta device, or run there and be priced dense."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

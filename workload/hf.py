@@ -47,6 +47,7 @@ from torch import nn
 from ..units import count_text
 from . import data
 from .count import attention_window, fused_attention, is_norm
+from .dsa import ROTATED_INDEXERS, counted_sparse_attentions, is_sparse_attention
 from .gdn import counted_delta_nets, is_gated_delta_net
 from .hfconfig import (
     EXPERT_FIELDS,
@@ -91,9 +92,10 @@ SHARED_EXPERTS = ("shared_expert", "shared_experts")
 EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
 ATTENTION_IMPLEMENTATION = "pipesim_attention"  # and `counted_attention`
 # what a layer may hand its attention that `counted_attention` refuses: a bias added to every score (Inkling 2's
-# position_bias) and the keys a sparse attention picks for each query (HY-V4's indices, as flash_mla takes them)
-UNCOUNTED_ATTENTION = {"position_bias": "a position bias added to its scores",
-                       "indices": "the keys its sparse attention picks for each query"}
+# position_bias) and, on the meta device, the keys a sparse attention picks for each query (HY-V4's indices, as
+# flash_mla takes them; DeepSeek-V3.2's and GLM-5's layers are counted by workload/dsa.py, and hand them off it)
+UNCOUNTED_ATTENTION = {"position_bias": "a position bias added to its scores"}
+SPARSE_KEYS = "indices"
 # the capacity factor `balanced_experts` pads an experts module to, set on it by `_drop_past_capacity` (absent: it
 # drops nothing)
 CAPACITY_ATTRIBUTE = "pipesim_capacity_factor"
@@ -204,7 +206,14 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         raise ModelError(f"--model: {type(module).__name__} hands its attention {unknown}, which the fused attention "
                          "kernels pipesim counts do not compute")
     window = kwargs.pop("sliding_window", getattr(module, "sliding_window", None))
+    kept = kwargs.pop(SPARSE_KEYS, None)
     computed = query.device.type != "meta"
+    if kept is not None:
+        if not computed:
+            raise ModelError(f"--model: {type(module).__name__} hands its attention the keys its sparse attention "
+                             "picks for each query, which the fused attention kernels pipesim counts do not compute")
+        return sdpa_attention_forward(module, query, key, value, _causal_mask(query, key, window) + _kept(kept, key),
+                                      **kwargs)
     if (computed and (s_aux is not None or softcap is not None)) or (softcap is not None and not fused_attention()):
         eager = sys.modules[type(module).__module__].eager_attention_forward  # counted: the whole square, no window
         return eager(module, query, key, value, _causal_mask(query, key, window if computed else None),
@@ -247,6 +256,14 @@ def _causal_mask(query: torch.Tensor, key: torch.Tensor, window: int | None) -> 
     blocked = torch.full((1, 1, query.shape[-2], key.shape[-2]), float("-inf"), dtype=query.dtype,
                          device=query.device)
     return blocked.triu(1) if window is None else blocked.triu(1) + blocked.tril(-window)
+
+
+def _kept(indices: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The additive mask (-inf at the keys a query's sparse attention does not keep) of each query's `indices`, as
+    transformers masks DeepSeek-V3.2's eager and sdpa attention to its indexer's top k."""
+    batch, tokens = indices.shape[:2]
+    blocked = torch.full((batch, tokens, key.shape[-2]), float("-inf"), dtype=key.dtype, device=key.device)
+    return blocked.scatter(-1, indices.long(), 0.0).unsqueeze(1)
 
 
 class DecoderLayer(nn.Module):
@@ -349,6 +366,8 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     else:
         _check_no_experts(model, where, config, routed)
     _check_no_linear_attention(model, where)
+    if (kept := _check_sparse_attention(model, where)) is not None:  # what tensor and context parallelism refuse
+        options["sparse_attention_keys"] = kept
     layers = decoder_layers(model, where)
     mixer = next((module for module in model.modules() if is_mamba2_mixer(module)), None)
     if mixer is not None:  # what tensor parallelism splits (Megatron-core asserts t divides both)
@@ -561,24 +580,42 @@ def _check_no_linear_attention(model: nn.Module, where: str) -> None:
 
 
 # The keys a query attends to that a sparse attention's indexer keeps (DeepSeek Sparse Attention's: DeepSeek-V3.2's
-# `index_topk`, and the configs of GLM-5 and others that give it): `_check_dense_attention` refuses them
+# `index_topk`, and the configs of GLM-5 and others that give it)
 SPARSE_ATTENTION_FIELD = "index_topk"
 
 
 def _check_dense_attention(settings: Any, where: str) -> None:
-    """Refuse a model whose attention an indexer makes sparse: pipesim counts each query against every key before it
-    (or a window's), where the indexer keeps `index_topk` of them (2,048 at DeepSeek-V3.2's 128k context, where a
-    causal query meets 64k keys on average), beside its own scoring pass over them all; counted dense, its core would
-    be priced about 32 times over there (or its code fails on the meta device, DeepSeek-V3.2's)."""
+    """Refuse a model whose attention an indexer makes sparse where pipesim does not count it (workload/dsa.py counts
+    DeepSeek-V3.2's and GLM-5's, `ROTATED_INDEXERS`): counted dense, its core would be priced about 32 times over at
+    DeepSeek-V3.2's 128k context (or its code fails on the meta device)."""
     try:
         keys = getattr(settings, SPARSE_ATTENTION_FIELD, None)
     except Exception:  # a heterogeneous config's per-layer attribute: some of its layers index
         keys = "its layers'"
-    if keys is not None:
+    if keys is not None and settings.model_type not in ROTATED_INDEXERS:
         kept = f"{keys:,}" if isinstance(keys, int) else keys
         raise ModelError(f"{where}: its attention is sparse, an indexer keeping {kept} keys a query "
-                         f"({SPARSE_ATTENTION_FIELD}: DeepSeek Sparse Attention's), which pipesim does not count yet: "
-                         "it counts each query against every key before it; give a model without one")
+                         f"({SPARSE_ATTENTION_FIELD}), laid out as no model pipesim counts so (DeepSeek-V3.2's and "
+                         f"GLM-5's: {', '.join(ROTATED_INDEXERS)}); give a model without one")
+
+
+def _check_sparse_attention(model: nn.Module, where: str) -> int | None:
+    """The keys a query keeps in `model`'s sparse attention layers (None: it has none), each laid out as
+    workload/dsa.py counts them; a layer that reuses an earlier layer's top k (GLM-5's `indexer_types` "shared",
+    its top-k sharing) is refused: it takes them from the layer before, across pipesim's cut between layers."""
+    attentions = [module for module in model.modules() if hasattr(module, "indexer")]
+    if not attentions:
+        return None
+    shared = [module for module in attentions if module.indexer is None]
+    if shared:
+        raise ModelError(f"{where}: {count_text(len(shared), 'layer')} of its sparse attention reuse the keys an "
+                         "earlier layer's indexer kept (indexer_types \"shared\", top-k sharing), which pipesim does "
+                         "not count yet: give a config whose layers each index (\"full\")")
+    unknown = next((module for module in attentions if not is_sparse_attention(module)), None)
+    if unknown is not None:
+        raise ModelError(f"{where}: its sparse attention ({type(unknown).__name__}) is laid out as no DSA layer "
+                         "pipesim counts (DeepSeek-V3.2's and GLM-5's MLA with their indexer)")
+    return attentions[0].indexer.index_topk
 
 
 def _figure(settings: Any, field: str, where: str) -> Any:
@@ -706,10 +743,12 @@ class CappedHead(nn.Module):
 
 def _as_megatron_block(block: nn.Module) -> None:
     """Run decoder block `block` as Megatron-core runs one: its MLPs, router and norms (`_as_megatron_runs`), its
-    Mamba-2 mixers (workload/mamba.py) and Gated DeltaNet mixers (workload/gdn.py) as their kernels."""
+    Mamba-2 mixers (workload/mamba.py), Gated DeltaNet mixers (workload/gdn.py) and sparse attention
+    (workload/dsa.py) as their kernels."""
     _as_megatron_runs(block)
     counted_mixers(block)
     counted_delta_nets(block)
+    counted_sparse_attentions(block)
 
 
 def _as_megatron_runs(block: nn.Module) -> None:

@@ -1,0 +1,170 @@
+"""DeepSeek Sparse Attention layers (DeepSeek-V3.2's, GLM-5's) from their Hugging Face configs: on the meta device
+each is counted as Megatron-core trains it absorbed, with the cuDNN path's kernels and the indexer's loss
+(workload/dsa.py), their FLOPs as the formulas say and what they save; off it, the layers compute transformers' model
+(the attention masked to the indexer's top k) and train on two gloo ranks as one process; what pipesim does not price
+yet (tensor or context parallelism, a layer reusing another's top k, a score buffer past the fused path's) is one
+line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipesim.workload.count import count_built
+from tests.conftest import needs_transformers, pipesim
+from tests.helpers import S, assert_computes_transformers_model, assert_trains_as_one_process, write_config
+
+pytestmark = needs_transformers
+
+# width D; H heads, query latent Q, key latent L, no-RoPE N and RoPE R channels a head, values V; an indexer of HI
+# heads of DI channels keeping TOP keys (fewer than the tests' 24 and S tokens: the top k is sparse)
+D, H, Q, L, N, R, V, HI, DI, TOP = 64, 4, 32, 16, 8, 8, 8, 2, 16, 8
+V32 = {"model_type": "deepseek_v32", "hidden_size": D, "intermediate_size": 96, "moe_intermediate_size": 32,
+       "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4, "n_shared_experts": 1,
+       "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "num_attention_heads": H, "num_key_value_heads": H,
+       "q_lora_rank": Q, "kv_lora_rank": L, "qk_nope_head_dim": N, "qk_rope_head_dim": R, "v_head_dim": V,
+       "index_topk": TOP, "index_n_heads": HI, "index_head_dim": DI, "vocab_size": 128,
+       "max_position_embeddings": 256, "tie_word_embeddings": False}
+GLM5 = {**V32, "model_type": "glm_moe_dsa", "mlp_layer_types": ["dense", "sparse"]}
+
+
+@pytest.fixture(autouse=True)
+def _transformers_knows_dsa():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not {"deepseek_v32", "glm_moe_dsa"} <= set(CONFIG_MAPPING):
+        pytest.skip("this transformers has no DeepSeek-V3.2 or GLM-5")
+
+
+def _layer(tmp_path, fields=V32, seq_len=S, index=1):
+    spec = f"hf:{write_config(tmp_path / fields['model_type'], fields)}"
+    return count_built(spec, {"seq_len": seq_len}, 1, torch.bfloat16, "flash").layers[index]
+
+
+def _kernels(layer, kind):
+    return {op.op: op for op in layer.ops[kind] if op.kind == "compute"}
+
+
+@pytest.mark.parametrize("seq_len", [S, TOP // 2])
+def test_a_sparse_attention_is_counted_as_megatron_cores_fused_kernels(tmp_path, seq_len):
+    """The indexer scores every causal pair (2·HI·DI a pair); FlashMLA's forward, the loss's target and the indexer's
+    backward (run inside the forward, as cuDNN's path does) each compute the kept pairs, min(k, i + 1) a query, over
+    the 576-channel absorbed query (here L + R) and the L-channel value; the sparse backward 2·H·(3(L + R) + 2L) a
+    pair. At fewer tokens than k every earlier key is kept."""
+    layer = _layer(tmp_path, seq_len=seq_len)
+    forward, backward = _kernels(layer, "fwd"), _kernels(layer, "igrad")
+    s, k = seq_len, min(TOP, seq_len)
+    causal, kept = s * (s + 1) // 2, k * (k + 1) // 2 + (s - k) * k
+    assert {name: op.flops for name, op in forward.items()} == {
+        "dsa_indexer_forward": 2 * HI * DI * causal, "flash_mla_sparse_fwd": 2 * H * (L + R + L) * kept,
+        "sparse_attn_score_recompute": 2 * H * (L + R) * kept, "dsa_indexer_backward": 6 * HI * DI * kept}
+    assert {name: op.flops for name, op in backward.items()} == {
+        "sparse_attention_backward": 2 * H * (3 * (L + R) + 2 * L) * kept}
+    assert not _kernels(layer, "wgrad")
+    names = [op.op for op in layer.ops["fwd"]]
+    assert names.count("hadamard_transform") == 2  # DeepSeek-V3.2's indexer query and key, rotated
+    assert names.index("dsa_indexer_forward") < names.index("dsa_indexer_top_k") < names.index("flash_mla_sparse_fwd")
+
+
+def test_the_fused_kernels_run_at_flashmlas_published_rate(tmp_path):
+    """Every kernel with products the fused path records is one of SPARSE_ATTENTION_KERNELS, priced at 640 of the
+    H800's 989.4 TFLOP/s (FlashMLA's sparse prefill), where another kernel with products runs at the products'."""
+    from pipesim.planning.estimate import SPARSE_ATTENTION_FRACTION, op_ms
+    from pipesim.profiles.workload import SPARSE_ATTENTION_KERNELS
+    from tests.helpers import H100_BF16
+
+    layer = _layer(tmp_path)
+    recorded = {**_kernels(layer, "fwd"), **_kernels(layer, "igrad")}
+    assert sorted(recorded) == sorted(SPARSE_ATTENTION_KERNELS)
+    op = dataclasses.replace(recorded["flash_mla_sparse_fwd"], flops=10**15)  # bound by its products, not bytes
+    assert op.flops / (op_ms(op, H100_BF16) - H100_BF16.curve.kernel_overhead_ms) == pytest.approx(
+        H100_BF16.peak_flops_per_ms * SPARSE_ATTENTION_FRACTION)
+    assert SPARSE_ATTENTION_FRACTION < H100_BF16.curve.matmul_efficiency
+
+
+def test_the_absorbed_attention_keeps_its_latent_and_the_indexer_its_gradients(tmp_path):
+    """What the fused path saves a token: the absorbed query (H x (L + R)) and key (L + R) in bf16, the kept indices
+    (int32, k), the latent output (H x L, bf16) and its log-sum-exp (H, float32), the indexer's gradients (HI x DI +
+    DI + HI, bf16); the mixer's dense parts as transformers' torch code saves them."""
+    from pipesim.workload import dsa
+
+    saved: list[list[torch.Tensor]] = []
+    forward = dsa._SparseAttention.forward
+
+    def recorded(ctx, *args):
+        save = ctx.save_for_backward
+        ctx.save_for_backward = lambda *tensors: (saved.append(list(tensors)), save(*tensors))
+        return forward(ctx, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dsa._SparseAttention, "forward", staticmethod(recorded))
+        _layer(tmp_path)
+    widths = [(tuple(t.shape[2:]), t.dtype) for t in saved[0]]
+    assert widths == [((H, L + R), torch.bfloat16), ((L + R,), torch.bfloat16), ((TOP,), torch.int32),
+                      ((H, L), torch.bfloat16), ((H,), torch.float32), ((HI, DI), torch.bfloat16),
+                      ((DI,), torch.bfloat16), ((HI,), torch.bfloat16)]
+
+
+def test_glm5s_indexer_is_not_rotated_and_its_layers_count_alike(tmp_path):
+    """Megatron-Bridge's GLM-5 bridge turns the indexer's Hadamard rotation off; the kernels are DeepSeek-V3.2's."""
+    glm, v32 = _layer(tmp_path / "glm", GLM5), _layer(tmp_path / "v32")
+    assert "hadamard_transform" not in [op.op for op in glm.ops["fwd"]]
+    assert {n: op.flops for n, op in _kernels(glm, "fwd").items()} == {
+        n: op.flops for n, op in _kernels(v32, "fwd").items()}
+
+
+@pytest.mark.parametrize("fields", [V32, GLM5], ids=["deepseek_v32", "glm_moe_dsa"])
+def test_off_the_meta_device_the_layers_compute_transformers_model(tmp_path, fields):
+    """pipesim's layers give the logits transformers' model gives with the same weights, its attention masked to
+    the indexer's top k of 24 tokens."""
+    assert_computes_transformers_model(
+        write_config(tmp_path / fields["model_type"], fields),
+        lambda model, base: [base.embed_tokens, *base.layers, base.norm, model.lm_head], fields["vocab_size"])
+
+
+def test_a_sparse_attention_model_trains_on_two_gloo_ranks_as_one_process(tmp_path):
+    assert_trains_as_one_process(tmp_path, f"hf:{write_config(tmp_path / 'v32', V32)}")
+
+
+@pytest.mark.parametrize("flags, line", [
+    (("--tensor-parallel", 2), "error: --tensor-parallel 2 ranks would each run the whole indexer of the model's "
+                               "sparse attention"),
+    (("--context-parallel", 2), "error: --context-parallel 2 splits the sequence, and hf:"),
+])
+def test_what_pipesim_does_not_price_of_a_sparse_attention_is_one_line(tmp_path, flags, line):
+    model = f"hf:{write_config(tmp_path / 'v32', V32)}"
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 1, "-p", 2,
+                             *flags, "--html", tmp_path / "t.html")
+    assert (code, out) == (2, "") and err.startswith(line) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_top_k_sharing_and_a_score_buffer_past_the_fused_paths_are_one_line(tmp_path):
+    """GLM-5.2's layers that reuse an earlier layer's top k take it across pipesim's cut between layers; a
+    micro-batch whose [b, s, s] float32 scores pass 1 GiB is scored by a PyTorch fallback in row chunks."""
+    shared = write_config(tmp_path / "shared", {**GLM5, "indexer_types": ["full", "shared"]})
+    code, out, err = pipesim("count", "--model", f"hf:{shared}", "--seq-len", S)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert "1 layer of its sparse attention reuse the keys an earlier layer's indexer kept" in err
+    longer = write_config(tmp_path / "v32", {**V32, "max_position_embeddings": 32768})
+    code, out, err = pipesim("count", "--model", f"hf:{longer}", "--seq-len", 16385)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert "give 16,384 or less, or a smaller --microbatch-size" in err, err
+
+
+def test_deepseek_v3_2_is_deepseek_v3_with_an_indexer_a_layer():
+    """examples/deepseek-v3.2: DeepSeek-V3's 671,026,404,352 parameters (tests/test_moe.py) and 61 indexers, each a
+    query projection from the 1,536-channel query latent to 64 heads of 128, a key projection from the 7,168-wide
+    hidden state to 128 with its LayerNorm, and 64 head weights: with the multi-token-prediction module (14 B, not
+    built), the published 685 B."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    total = {name: sum(layer.param_bytes for layer in count_built(f"hf:{root / name}", {"seq_len": 64}, 1,
+                                                                   torch.bfloat16).layers) // 2
+             for name in ("deepseek-v3", "deepseek-v3.2")}
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    assert (indexer, total["deepseek-v3.2"] - total["deepseek-v3"]) == (13_959_424, 61 * 13_959_424)
+    assert total["deepseek-v3.2"] == 671_877_929_216
