@@ -253,6 +253,10 @@ def tune(
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
             with transient_status(COUNTING_MODEL, quiet=False):  # a first count imports torch: seconds
                 counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, the only line
+            if counts[sizes[0]].options.get("sparse_attention_keys"):  # the sizes whose scores the fused path takes
+                from ..workload.dsa import scored_at_once
+
+                sizes = tuple(b for b in sizes if scored_at_once(b, what.options["seq_len"]))
             say_part_counted(what.model)
             part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
             if memory_cap_bytes is None:  # the part's own memory, as its estimates record it (device_memory_bytes)

@@ -151,7 +151,46 @@ def test_top_k_sharing_and_a_score_buffer_past_the_fused_paths_are_one_line(tmp_
     longer = write_config(tmp_path / "v32", {**V32, "max_position_embeddings": 32768})
     code, out, err = pipesim("count", "--model", f"hf:{longer}", "--seq-len", 16385)
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
-    assert "give 16,384 or less, or a smaller --microbatch-size" in err, err
+    assert err.rstrip().endswith("give 16,384 or less"), err
+
+
+def test_the_fused_path_scores_what_fits_its_buffer_in_rows_of_512():
+    """Megatron-core scores a micro-batch at once where the rows of s float32 scores a sequence that fit 1 GiB,
+    rounded down to 512 (`_bytes_to_chunk_rows`), are s or more."""
+    from pipesim.workload.dsa import longest_scored_at_once, scored_at_once
+
+    assert [longest_scored_at_once(b) for b in (1, 2, 3, 8)] == [16_384, 11_397, 9_216, 5_632]
+    assert scored_at_once(2, 11_397) and not scored_at_once(2, 11_398) and not scored_at_once(2, 11_585)
+
+
+def test_tune_tries_only_the_micro_batches_whose_scores_the_fused_path_takes(tmp_path):
+    """At 8,192 tokens the fused path takes micro-batches of up to 4 sequences: tune searches those, where it
+    stopped at the first larger one it counted."""
+    longer = write_config(tmp_path / "v32", {**V32, "max_position_embeddings": 32768})
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", f"hf:{longer}", "--seq-len", 8192,
+                             "--devices", 8)
+    assert code == 0, err
+    chosen = int(out.split(" -b ")[1].split()[0])
+    assert chosen <= 4
+
+
+def test_an_unfused_sparse_attention_is_one_line(tmp_path):
+    """--attention math is Megatron-core's dense float32 reference of DSA, every pair: not counted."""
+    code, out, err = pipesim("count", "--model", f"hf:{write_config(tmp_path / 'v32', V32)}", "--seq-len", S,
+                             "--attention", "math")
+    assert (code, out) == (2, "") and err.startswith("error: --attention math: Megatron-core runs an unfused sparse "
+                                                     "attention as its dense float32 reference"), err
+
+
+def test_mla_up_proj_reruns_the_absorbed_query_not_the_sparse_attention(tmp_path):
+    """Megatron-core's "mla_up_proj" checkpoint of an absorbed MLA (`qkv_up_proj_and_rope_apply`) holds the query's
+    up-projection, its absorption (a product), the RoPE and the joins; it ends where the sparse attention begins, a
+    kernel with products, as a region ends at a product."""
+    from pipesim.profiles.workload import SPARSE_ATTENTION_KERNELS
+
+    region = [op.op for op in _layer(tmp_path).region_ops["mla_up_proj"]]
+    assert not set(region) & set(SPARSE_ATTENTION_KERNELS)
+    assert region.count("bmm") == 1 and region[-2:] == ["cat", "cat"]
 
 
 def test_deepseek_v3_2_is_deepseek_v3_with_an_indexer_a_layer():
@@ -163,7 +202,7 @@ def test_deepseek_v3_2_is_deepseek_v3_with_an_indexer_a_layer():
 
     root = Path(__file__).resolve().parents[1] / "examples"
     total = {name: sum(layer.param_bytes for layer in count_built(f"hf:{root / name}", {"seq_len": 64}, 1,
-                                                                   torch.bfloat16).layers) // 2
+                                                                   torch.bfloat16, "flash").layers) // 2
              for name in ("deepseek-v3", "deepseek-v3.2")}
     indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
     assert (indexer, total["deepseek-v3.2"] - total["deepseek-v3"]) == (13_959_424, 61 * 13_959_424)

@@ -67,6 +67,7 @@ from .moe import (
     gating_now,
     host_waits_now,
     in_fused_kernel,
+    in_product_kernel,
     kernel_listeners,
     per_expert_now,
     router_now,
@@ -515,7 +516,7 @@ class _Regions(TorchDispatchMode):
         reads = [t for t in tree_leaves((args, kwargs))
                  if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.params]
         here = self.stack[-1] if self.stack else ""
-        heavy = func.overloadpacket in flop_registry
+        heavy = func.overloadpacket in flop_registry or in_product_kernel()
         kinds = {kind: where for t in reads for kind, where in self.kinds.get(id(t.untyped_storage()), {}).items()
                  if not heavy and where == here}
         kinds.update(self.own())
@@ -660,6 +661,11 @@ _fused: list[bool] = []  # whether each count under way runs attention as one fu
 def fused_attention() -> bool:
     """Whether the count under way runs attention as one fused kernel ("flash"), not as its products and softmax."""
     return bool(_fused) and _fused[-1]
+
+
+def unfused_count() -> bool:
+    """Whether a count is under way that runs attention as its products and softmax ("math")."""
+    return bool(_fused) and not _fused[-1]
 
 
 def _repeated_heads(part: torch.Tensor, repeats: int) -> torch.Tensor:

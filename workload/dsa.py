@@ -44,8 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .count import unfused_count
 from .mamba import F32, _kernel
 from .models import ModelError
+from .moe import OPEN_REGIONS
 
 I32 = torch.int32
 INDEXER_FIELDS = ("wq_b", "wk", "k_norm", "weights_proj", "n_heads", "head_dim", "index_topk", "softmax_scale")
@@ -54,10 +56,26 @@ MLA_FIELDS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv
 # True by default, transformer_config.py; Megatron-Bridge's GLM-5 bridge sets it False, glm5_bridge.py), by
 # transformers' model_type: DeepSeek-V3.2 has no bridge, so Megatron-core's default
 ROTATED_INDEXERS = {"deepseek_v32": True, "glm_moe_dsa": False}
-# The largest float32 score buffer Megatron-core's fused cuDNN path scores a micro-batch's [b, s, s] pairs in at once
-# (dsa_cudnn_kernels.py `_indexer_score_chunk_rows`: 1 GiB); past it the rows are scored in chunks by a PyTorch
-# fallback over the whole rectangle, which pipesim does not count
+# The float32 scores Megatron-core's fused cuDNN path computes a micro-batch's [b, s, s] pairs in at once: the rows
+# that fit 1 GiB, rounded down to 512 (dsa_cudnn_kernels.py `_indexer_score_chunk_rows`, `_bytes_to_chunk_rows`);
+# where that is fewer than s, the rows are scored in chunks by a PyTorch fallback over the whole rectangle, which
+# pipesim does not count
 FUSED_SCORE_BYTES = 1 << 30
+SCORE_ROW_ALIGNMENT = 512
+
+
+def scored_at_once(b: int, s: int) -> bool:
+    """Whether the fused path scores a micro-batch of b sequences of s tokens in one call (`FUSED_SCORE_BYTES`)."""
+    rows = max(1, FUSED_SCORE_BYTES // (4 * b * s))
+    return (rows // SCORE_ROW_ALIGNMENT * SCORE_ROW_ALIGNMENT if rows >= SCORE_ROW_ALIGNMENT else rows) >= s
+
+
+def longest_scored_at_once(b: int) -> int:
+    """The most tokens a sequence `scored_at_once` at micro-batch size b (16,384 at b = 1, 11,397 at 2)."""
+    s = math.isqrt(FUSED_SCORE_BYTES // (4 * b))
+    while not scored_at_once(b, s):
+        s -= 1
+    return s
 
 
 def is_sparse_attention(module: nn.Module) -> bool:
@@ -94,26 +112,37 @@ def _absorbed(attention: nn.Module, hidden: torch.Tensor, position_embeddings: t
               ) -> torch.Tensor:
     """Megatron-core's AbsorbedMLASelfAttention around DSAttention (absorbed_mla.py): the query's no-RoPE part
     times the key up-projection, with its RoPE part the 576-channel query; the normed key latent with its RoPE part
-    the one key; the sparse attention's 512-channel output times the value up-projection; then o_proj."""
+    the one key (the query's up-projection, that product, the RoPE and both joins are its "mla_up_proj"
+    recomputation region, `qkv_up_proj_and_rope_apply`); the sparse attention's 512-channel output times the value
+    up-projection; then o_proj."""
     b, s, _ = hidden.shape
-    if b * s * s * 4 > FUSED_SCORE_BYTES:
-        longest = math.isqrt(FUSED_SCORE_BYTES // (4 * b))
+    if unfused_count():
+        raise ModelError("--attention math: Megatron-core runs an unfused sparse attention as its dense float32 "
+                         "reference (dsa.py `_unfused_absorbed_dsa_fn`, every query-key pair), which pipesim does not "
+                         "count; give --attention flash")
+    if not scored_at_once(b, s):
+        smaller = " or a smaller --microbatch-size" if b > 1 else ""
         raise ModelError(f"--seq-len: a sparse attention's indexer scores a micro-batch's {b:,} x {s:,} x {s:,} "
-                         "pairs in float32 at once only up to 1 GiB (Megatron-core's fused cuDNN path; past it, in "
-                         f"row chunks by a PyTorch fallback pipesim does not count): give {longest:,} or less, or a "
-                         "smaller --microbatch-size")
+                         "pairs in float32 at once only within 1 GiB (Megatron-core's fused cuDNN path; past it, in "
+                         "row chunks by a PyTorch fallback pipesim does not count): give "
+                         f"{longest_scored_at_once(b):,} or less{smaller}")
     heads, nope, rope = attention.num_heads, attention.qk_nope_head_dim, attention.qk_rope_head_dim
     latent, value = attention.kv_lora_rank, attention.v_head_dim
     rotate = vars(sys.modules[type(attention).__module__])["apply_rotary_pos_emb_interleave"]
     q_resid = attention.q_a_layernorm(attention.q_a_proj(hidden))
-    q_nope, q_rot = attention.q_b_proj(q_resid).view(b, s, heads, nope + rope).split([nope, rope], dim=-1)
     kv_pass, k_rot = attention.kv_a_proj_with_mqa(hidden).split([latent, rope], dim=-1)
-    cos, sin = position_embeddings
-    q_rot, k_rot = rotate(q_rot, k_rot.view(b, s, 1, rope), cos, sin, unsqueeze_dim=2)
+    kv_pass = attention.kv_a_layernorm(kv_pass)
     k_up, v_up = attention.kv_b_proj.weight.view(heads, nope + value, latent).split([nope, value], dim=1)
-    query = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, k_up), q_rot], dim=-1)
-    key = torch.cat([attention.kv_a_layernorm(kv_pass), k_rot.view(b, s, rope)], dim=-1)
+    # the indexer's inputs first: the region below marks the RoPE tables its slices view as its own
     index_q, index_k, weights = _indexer_inputs(attention, hidden.detach(), q_resid.detach(), position_embeddings)
+    OPEN_REGIONS.append("mla_up_proj")  # Megatron-core's checkpoint of `qkv_up_proj_and_rope_apply`, products and all
+    try:
+        q_nope, q_rot = attention.q_b_proj(q_resid).view(b, s, heads, nope + rope).split([nope, rope], dim=-1)
+        q_rot, k_rot = rotate(q_rot, k_rot.view(b, s, 1, rope), *position_embeddings, unsqueeze_dim=2)
+        query = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, k_up), q_rot], dim=-1)
+        key = torch.cat([kv_pass, k_rot.view(b, s, rope)], dim=-1)
+    finally:
+        OPEN_REGIONS.pop()
     shape = _Shape(b, s, heads, latent, rope, attention.indexer.n_heads, attention.indexer.head_dim,
                    min(attention.indexer.index_topk, s))
     out = _SparseAttention.apply(shape, query, key, index_q, index_k, weights)

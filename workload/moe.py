@@ -232,7 +232,7 @@ class Fused(torch.autograd.Function):
 
 
 # The fused kernels under way, innermost last: each its name, the tensors it reads and those it writes
-_kernels: list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
+_kernels: list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor], int]] = []
 # Who hears each fused kernel once it has run, as (name, reads, writes, FLOPs): workload/count.py's op records
 kernel_listeners: list[Callable[[str, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int], None]] = []
 
@@ -242,15 +242,21 @@ def in_fused_kernel() -> bool:
     return bool(_kernels)
 
 
+def in_product_kernel() -> bool:
+    """Whether the op running is inside a fused kernel whose products do FLOPs (FlashMLA's, flash-linear-attention's:
+    a recomputation region ends at one, as at a product, workload/count.py `_Regions`)."""
+    return bool(_kernels) and _kernels[-1][3] > 0
+
+
 @contextmanager
 def _one_kernel(name: str, reads: tuple[torch.Tensor, ...], flops: int = 0) -> Iterator[None]:
     """One kernel `name` reading `reads` (and writing what `_kernel_writes` is told inside), whose products do
     `flops` (0: memory-bound), told to `kernel_listeners` once its inside has run."""
-    _kernels.append((name, reads, []))
+    _kernels.append((name, reads, [], flops))
     try:
         yield
     finally:
-        name, reads, writes = _kernels.pop()
+        name, reads, writes, _ = _kernels.pop()
     for listener in kernel_listeners:
         listener(name, reads, tuple(writes), flops)
 
