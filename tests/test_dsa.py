@@ -207,3 +207,15 @@ def test_deepseek_v3_2_is_deepseek_v3_with_an_indexer_a_layer():
     indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
     assert (indexer, total["deepseek-v3.2"] - total["deepseek-v3"]) == (13_959_424, 61 * 13_959_424)
     assert total["deepseek-v3.2"] == 671_877_929_216
+
+
+def test_glm_5_has_the_tensor_bytes_megatron_bridges_card_verified():
+    """examples/glm-5: Megatron-Bridge's GLM-5 card (examples/model_verification_cards/glm5/card.yaml at 067f987df0)
+    exports 1,487,822,475,264 bytes of tensors in the 78-layer graph: the parameters in bf16, and the routers'
+    expert-score biases (transformers' `e_score_correction_bias`, a buffer kept in float32: 256 in each of the 75
+    mixture-of-experts layers), which are not parameters."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "examples" / "glm-5"
+    counted = count_built(f"hf:{folder}", {"seq_len": 64}, 1, torch.bfloat16, "flash")
+    assert sum(layer.param_bytes for layer in counted.layers) + 75 * 256 * 4 == 1_487_822_475_264
