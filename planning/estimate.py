@@ -2967,6 +2967,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                 "{attention} math"))
     if parallel.context > 1:
         check_context(counted, parallel.context, parallel.tensor, parallel.cp_rotate)
+    if counted.options.get("sparse_attention_keys") and parallel.fp8 and "mla_up_proj" in parallel.recompute_modules:
+        # absorbed_mla.py: `assert not quantization, "FP8/FP4 is not supported for AbsorbedMLA"` (recompute_up_proj)
+        raise EstimateError("recompute_modules: mla_up_proj reruns the up-projections of the model's absorbed MLA "
+                            "(its sparse attention's), which Megatron-core refuses under float8; leave mla_up_proj "
+                            "out, or give {dtype} bf16")
     check_sequence_split(counted, parallel)
     placement = node_placement(gpu, cluster, curve)
     if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:

@@ -132,6 +132,8 @@ def test_a_sparse_attention_model_trains_on_two_gloo_ranks_as_one_process(tmp_pa
     (("--tensor-parallel", 2), "error: --tensor-parallel 2 ranks would each run the whole indexer of the model's "
                                "sparse attention"),
     (("--context-parallel", 2), "error: --context-parallel 2 splits the sequence, and hf:"),
+    (("--dtype", "fp8", "--recompute-modules", "mla_up_proj"),  # absorbed_mla.py asserts no float8 there
+     "error: --recompute-modules mla_up_proj reruns the up-projections of the model's absorbed MLA"),
 ])
 def test_what_pipesim_does_not_price_of_a_sparse_attention_is_one_line(tmp_path, flags, line):
     model = f"hf:{write_config(tmp_path / 'v32', V32)}"
