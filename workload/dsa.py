@@ -39,7 +39,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -52,10 +52,22 @@ from .moe import OPEN_REGIONS
 I32 = torch.int32
 INDEXER_FIELDS = ("wq_b", "wk", "k_norm", "weights_proj", "n_heads", "head_dim", "index_topk", "softmax_scale")
 MLA_FIELDS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-# Where Megatron-core rotates the indexer's query and key by a Hadamard transform (`dsa_indexer_rotate_activation`,
-# True by default, transformer_config.py; Megatron-Bridge's GLM-5 bridge sets it False, glm5_bridge.py), by
-# transformers' model_type: DeepSeek-V3.2 has no bridge, so Megatron-core's default
-ROTATED_INDEXERS = {"deepseek_v32": True, "glm_moe_dsa": False}
+
+
+class IndexerLayout(NamedTuple):
+    """How a model's indexer runs: whether Megatron-core rotates its query and key by a Hadamard transform
+    (`dsa_indexer_rotate_activation`, True by default, transformer_config.py; Megatron-Bridge's GLM-5 bridge sets it
+    False, glm5_bridge.py; DeepSeek-V3.2 has no bridge: the default), and whether its RoPE pairs channels interleaved
+    (GLM-5's, as transformers' GlmMoeDsaIndexer and the bridge's `dsa_indexer_rope_interleaved`) or as halves
+    (DeepSeek-V3.2's)."""
+
+    rotated: bool
+    interleaved_rope: bool
+
+
+# The DSA models pipesim counts, by transformers' model_type
+INDEXERS = {"deepseek_v32": IndexerLayout(rotated=True, interleaved_rope=False),
+            "glm_moe_dsa": IndexerLayout(rotated=False, interleaved_rope=True)}
 # The float32 scores Megatron-core's fused cuDNN path computes a micro-batch's [b, s, s] pairs in at once: the rows
 # that fit 1 GiB, rounded down to 512 (dsa_cudnn_kernels.py `_indexer_score_chunk_rows`, `_bytes_to_chunk_rows`);
 # where that is fewer than s, the rows are scored in chunks by a PyTorch fallback over the whole rectangle, which
@@ -154,19 +166,18 @@ def _indexer_inputs(attention: nn.Module, hidden: torch.Tensor, q_resid: torch.T
                     position_embeddings: tuple[torch.Tensor, torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The indexer's query (from the query latent), key (normed) and head weights (DSAIndexer.forward_before_topk),
-    RoPE on the first `qk_rope_head_dim` channels as the config lays them (interleaved or halves), the query and key
-    Hadamard-rotated where Megatron-core rotates them (`ROTATED_INDEXERS`)."""
-    indexer, config = attention.indexer, attention.config
+    RoPE on the first `qk_rope_head_dim` channels and the Hadamard rotation of the query and key as the model's
+    `IndexerLayout` says."""
+    indexer, layout = attention.indexer, INDEXERS[attention.config.model_type]
     b, s, _ = hidden.shape
     heads, width, rope = indexer.n_heads, indexer.head_dim, attention.qk_rope_head_dim
     module_globals = vars(sys.modules[type(attention).__module__])
-    interleaved = getattr(config, "indexer_rope_interleave", type(indexer).__name__.startswith("GlmMoeDsa"))
-    rotate = module_globals["apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb"]
+    rotate = module_globals["apply_rotary_pos_emb_interleave" if layout.interleaved_rope else "apply_rotary_pos_emb"]
     q_rot, q_pass = indexer.wq_b(q_resid).view(b, s, heads, width).split([rope, width - rope], dim=-1)
     k_rot, k_pass = indexer.k_norm(indexer.wk(hidden)).view(b, s, 1, width).split([rope, width - rope], dim=-1)
     q_rot, k_rot = rotate(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
     query, key = torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).view(b, s, width)
-    if ROTATED_INDEXERS.get(config.model_type, True):
+    if layout.rotated:
         query, key = _Hadamard.apply(query), _Hadamard.apply(key)
     return query, key, indexer.weights_proj(hidden) * (heads**-0.5 * indexer.softmax_scale)
 

@@ -47,7 +47,7 @@ from torch import nn
 from ..units import count_text
 from . import data
 from .count import attention_window, fused_attention, is_norm
-from .dsa import ROTATED_INDEXERS, counted_sparse_attentions, is_sparse_attention
+from .dsa import INDEXERS, counted_sparse_attentions, is_sparse_attention
 from .gdn import counted_delta_nets, is_gated_delta_net
 from .hfconfig import (
     EXPERT_FIELDS,
@@ -586,17 +586,17 @@ SPARSE_ATTENTION_FIELD = "index_topk"
 
 def _check_dense_attention(settings: Any, where: str) -> None:
     """Refuse a model whose attention an indexer makes sparse where pipesim does not count it (workload/dsa.py counts
-    DeepSeek-V3.2's and GLM-5's, `ROTATED_INDEXERS`): counted dense, its core would be priced about 32 times over at
+    DeepSeek-V3.2's and GLM-5's, `INDEXERS`): counted dense, its core would be priced about 32 times over at
     DeepSeek-V3.2's 128k context (or its code fails on the meta device)."""
     try:
         keys = getattr(settings, SPARSE_ATTENTION_FIELD, None)
     except Exception:  # a heterogeneous config's per-layer attribute: some of its layers index
         keys = "its layers'"
-    if keys is not None and settings.model_type not in ROTATED_INDEXERS:
+    if keys is not None and settings.model_type not in INDEXERS:
         kept = f"{keys:,}" if isinstance(keys, int) else keys
         raise ModelError(f"{where}: its attention is sparse, an indexer keeping {kept} keys a query "
                          f"({SPARSE_ATTENTION_FIELD}), laid out as no model pipesim counts so (DeepSeek-V3.2's and "
-                         f"GLM-5's: {', '.join(ROTATED_INDEXERS)}); give a model without one")
+                         f"GLM-5's: {', '.join(INDEXERS)}); give a model without one")
 
 
 def _check_sparse_attention(model: nn.Module, where: str) -> int | None:
