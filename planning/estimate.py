@@ -67,6 +67,7 @@ from ..profiles.schema import (
     stage_time,
 )
 from ..profiles.workload import (
+    GRAD_ONLY_KERNELS,
     RECOMPUTE_REGIONS,
     SPARSE_ATTENTION_KERNELS,
     LayerCount,
@@ -1828,6 +1829,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), "other": inputs / t if parallel.sequence_parallel else inputs}
         rerun_ops = layer.ops.get("fwd", ())
         rerun = [timed["fwd"]]
+        timed["fwd"] = tuple(entry for entry in timed["fwd"] if entry[0].op not in GRAD_ONLY_KERNELS)
     if regions.ops:
         rerun.append(pass_ops(regions.first, "fwd"))
         rerun_ops = (*rerun_ops, *regions.ops)

@@ -63,6 +63,11 @@ CHECKPOINTED_REGIONS = ("mlp", "moe", "shared_experts")
 # sparse attention forward (FlashMLA's), the loss's recomputed scores, the indexer's backward, the sparse backward
 SPARSE_ATTENTION_KERNELS = ("dsa_indexer_forward", "flash_mla_sparse_fwd", "sparse_attn_score_recompute",
                             "dsa_indexer_backward", "sparse_attention_backward")
+# The forward's kernels a gradient-free pass skips: DSA's indexer loss, which Megatron-core computes only where
+# torch.is_grad_enabled() (dsa.py `use_indexer_loss`), so under full recomputation in the rerun alone, not in the
+# first, checkpointed forward (tensor_parallel/random.py runs it under torch.no_grad())
+GRAD_ONLY_KERNELS = ("dsa_indexer_log_softmax", "sparse_attn_score_recompute", "dsa_indexer_target_normalize",
+                     "dsa_indexer_kl", "dsa_indexer_backward")
 # The regions the count traces (`LayerCount.region_saves` and on): those ("layernorm" every norm), the attention
 # kernel's output with the copies made of it before the next product ("attention_out"), which a float8 recipe may
 # keep once for both the attention's backward and that product's (planning/fp8.py `Fp8Recipe.attention_output_bytes`),

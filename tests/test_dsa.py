@@ -84,6 +84,23 @@ def test_the_fused_kernels_run_at_flashmlas_published_rate(tmp_path):
     assert SPARSE_ATTENTION_FRACTION < H100_BF16.curve.matmul_efficiency
 
 
+def test_under_full_recomputation_the_indexer_loss_runs_in_the_rerun_alone(tmp_path):
+    """Megatron-core computes the indexer's loss only with gradients on: under full recomputation the first,
+    checkpointed forward skips its kernels and the rerun runs them; without recomputation the one forward does."""
+    from pipesim.planning.estimate import Parallelism, estimate_layer, op_ms
+    from pipesim.profiles.schema import EstimateLink
+    from pipesim.profiles.workload import GRAD_ONLY_KERNELS
+    from tests.helpers import H100_BF16
+
+    layer = _layer(tmp_path)
+    link = EstimateLink(kind="nvlink", latency_ms=0.01, bytes_per_ms=1e6)
+    plain, full = (estimate_layer(layer, H100_BF16, Parallelism(recompute=how), link, 2) for how in ("none", "full"))
+    loss_ms = sum(op.count * op_ms(op, H100_BF16) for op in layer.ops["fwd"] if op.op in GRAD_ONLY_KERNELS)
+    assert {op.op for op in layer.ops["fwd"]} >= set(GRAD_ONLY_KERNELS) and loss_ms > 0
+    assert full.fwd_ms == pytest.approx(plain.fwd_ms - loss_ms)
+    assert full.bwd_ms == pytest.approx(plain.bwd_ms + plain.fwd_ms)
+
+
 def test_the_absorbed_attention_keeps_its_latent_and_the_indexer_its_gradients(tmp_path):
     """What the fused path saves a token: the absorbed query (H x (L + R)) and key (L + R) in bf16, the kept indices
     (int32, k), the latent output (H x L, bf16) and its log-sum-exp (H, float32), the indexer's gradients (HI x DI +

@@ -26,10 +26,10 @@ query-key pairs kept:
   its gradients saved. Its backward: the rows' compaction copies, the sparse attention's backward (2·H·(3·576 +
   2·512) a pair, out and the log-sum-exp saved), and the indexer's saved gradients scaled.
 
-Counted so: the loss's kernels in every forward, where under full recomputation Megatron-core's first, gradient-free
-forward skips them (its checkpointed pass runs them): a recomputed layer's first forward is over-counted by them.
-Off the meta device a layer computes transformers' model (its indexer untrained, as transformers runs it under
-no_grad; the attention masked to the kept keys: workload/hf.py `counted_attention`)."""
+The loss's kernels run only with gradients on: under full recomputation in the rerun, not in the first,
+checkpointed forward (profiles/workload.py `GRAD_ONLY_KERNELS`, which the estimate prices so). Off the meta device
+a layer computes transformers' model (its indexer untrained, as transformers runs it under no_grad; the attention
+masked to the kept keys: workload/hf.py `counted_attention`)."""
 
 from __future__ import annotations
 
