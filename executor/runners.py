@@ -471,7 +471,8 @@ class _Supervisor:
         dead = self.dead()
         if dead:
             code = self.procs[dead[0]].exitcode
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            how = (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}" if code else
+                   "exited (code 0) without its result reaching the parent")
             why = ""
             before = self.oom_kills_before
             if code == -signal.SIGKILL and before is not None and (oom_kills() or 0) > before:

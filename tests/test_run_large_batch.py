@@ -120,6 +120,19 @@ def test_a_rank_that_exited_cleanly_is_not_dead_while_its_result_waits_behind_un
     assert supervisor.dead() == [] and supervisor.results[1] == "rank 1's result" and supervisor.fault() is None
 
 
+def test_a_rank_that_exited_cleanly_with_no_result_says_so():
+    """Nothing behind its heartbeats: the fault names what is missing, not a bare exit code 0, which reads as
+    success."""
+    import queue
+
+    spec = spec_for("1f1b", stages=2, m=1, n=2)
+    supervisor = _Supervisor(spec, lower(spec.schedule), [_Process(), _Exited()], stall_timeout_s=60)
+    supervisor.take(_beat(1, 3))
+    runners._read_behind(queue.Queue(), supervisor)
+    assert supervisor.fault() == (1, "rank 1 exited (code 0) without its result reaching the parent (last action "
+                                     "1OPT.0)", False)
+
+
 class _SentUntilExiting:
     """Pickles as itself until its process is shutting down, then fails, as anything a feeder thread sends may
     where what the sending uses is being torn down."""
