@@ -2754,7 +2754,7 @@ def check_ring_attention(c: int, attention: str | None) -> None:
                             "TransformerEngine's context parallel): give {attention} flash")
 
 
-def check_context(counted: WorkloadCount, c: int, tensor: int = 1, rotate: str = "p2p") -> None:
+def check_context(counted: WorkloadCount, c: int, tensor: int, rotate: str) -> None:
     """C context-parallel ranks need a sequence of 2C equal chunks (the causal load balance) and a fused attention
     kernel for the ring to run (`check_ring_attention`), and Gated DeltaNet layers (workload/gdn.py) heads that C
     divides on each of the `tensor` ranks, as Megatron-core asserts, and Megatron-core's ring (`rotate` p2p): its
@@ -2969,6 +2969,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                 "{attention} math"))
     if parallel.context > 1:
         check_context(counted, parallel.context, parallel.tensor, parallel.cp_rotate)
+    if counted.options.get("sparse_attention_keys") and parallel.recompute == "selective":
+        raise EstimateError("recompute: selective reruns the attention core pipesim finds by its s x s tensors, which "
+                            "the model's sparse attention has none of (Megatron-core's core_attn checkpoint of DSA is "
+                            "not priced yet); give {recompute} full or none, or {recompute_modules}")
     if counted.options.get("sparse_attention_keys") and parallel.fp8 and "mla_up_proj" in parallel.recompute_modules:
         # absorbed_mla.py: `assert not quantization, "FP8/FP4 is not supported for AbsorbedMLA"` (recompute_up_proj)
         raise EstimateError("recompute_modules: mla_up_proj reruns the up-projections of the model's absorbed MLA "

@@ -151,6 +151,8 @@ def test_a_sparse_attention_model_trains_on_two_gloo_ranks_as_one_process(tmp_pa
     (("--context-parallel", 2), "error: --context-parallel 2 splits the sequence, and hf:"),
     (("--dtype", "fp8", "--recompute-modules", "mla_up_proj"),  # absorbed_mla.py asserts no float8 there
      "error: --recompute-modules mla_up_proj reruns the up-projections of the model's absorbed MLA"),
+    (("--recompute", "selective"), "error: --recompute selective reruns the attention core pipesim finds by its s x s "
+                                   "tensors, which the model's sparse attention has none of"),
 ])
 def test_what_pipesim_does_not_price_of_a_sparse_attention_is_one_line(tmp_path, flags, line):
     model = f"hf:{write_config(tmp_path / 'v32', V32)}"
@@ -209,7 +211,7 @@ def test_mla_up_proj_reruns_the_absorbed_query_not_the_sparse_attention(tmp_path
 
     region = [op.op for op in _layer(tmp_path).region_ops["mla_up_proj"]]
     assert not set(region) & set(SPARSE_ATTENTION_KERNELS)
-    assert region.count("bmm") == 1 and region[-2:] == ["cat", "cat"]
+    assert region[0] == "mm" and region.count("bmm") == 1 and region[-2:] == ["cat", "cat"]  # no norm: run before
 
 
 def test_deepseek_v3_2_is_deepseek_v3_with_an_indexer_a_layer():

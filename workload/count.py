@@ -60,6 +60,7 @@ from .models import BATCH, Model, ModelError, classification_loss
 from .moe import (
     BLOCK_NORM,
     CHECKPOINT_REGION,
+    NORM_APART,
     OPEN_REGIONS,
     Dispatched,
     dispatches,
@@ -446,7 +447,8 @@ def is_norm(name: str, module: torch.nn.Module) -> bool:
 def _region_kinds(name: str, module: torch.nn.Module, every_norm_own: bool = False) -> tuple[str, ...]:
     """The recomputation regions a submodule (its qualified name, itself) is: the one its model marked it
     (`CHECKPOINT_REGION`); a norm by its class or name, a block's own (`BLOCK_NORM`, or any under
-    `every_norm_own`) also alone (`_OWN_NORM`), MLA's q and kv norms also in its up-projections' region; MLA's
+    `every_norm_own`) also alone (`_OWN_NORM`), MLA's q and kv norms also in its up-projections' region (but where
+    run apart from them, `NORM_APART`); MLA's
     up-projections by name."""
     marked = getattr(module, CHECKPOINT_REGION, None)
     if marked is not None:
@@ -455,7 +457,7 @@ def _region_kinds(name: str, module: torch.nn.Module, every_norm_own: bool = Fal
     if is_norm(name, module):
         own = every_norm_own or getattr(module, BLOCK_NORM, False)
         return ("layernorm", *((f"{_OWN_NORM}{name}",) if own else ()),
-                *(("mla_up_proj",) if word in _MLA_NORM_NAMES else ()))
+                *(("mla_up_proj",) if word in _MLA_NORM_NAMES and not getattr(module, NORM_APART, False) else ()))
     return ("mla_up_proj",) if word in _MLA_UP_NAMES else ()
 
 

@@ -47,7 +47,7 @@ from torch import nn
 from .count import unfused_count
 from .mamba import F32, _kernel
 from .models import ModelError
-from .moe import OPEN_REGIONS
+from .moe import NORM_APART, OPEN_REGIONS
 
 I32 = torch.int32
 INDEXER_FIELDS = ("wq_b", "wk", "k_norm", "weights_proj", "n_heads", "head_dim", "index_topk", "softmax_scale")
@@ -99,10 +99,14 @@ def is_sparse_attention(module: nn.Module) -> bool:
 
 
 def counted_sparse_attentions(block: nn.Module) -> None:
-    """Run every DSA attention of `block` as `counted_sparse_attention`."""
+    """Run every DSA attention of `block` as `counted_sparse_attention`, its query and key norms apart from the
+    up-projection (Megatron-core's sparse attention spec keeps them unfused: its indexer reads the normed query
+    latent, experimental_attention_variant_module_specs.py), so outside the "mla_up_proj" checkpoint."""
     for module in block.modules():
         if is_sparse_attention(module):
             module.forward = functools.partial(counted_sparse_attention, module, module.forward)
+            for norm in (module.q_a_layernorm, module.kv_a_layernorm):
+                setattr(norm, NORM_APART, True)
 
 
 def counted_sparse_attention(attention: nn.Module, computed: Callable[..., Any], hidden_states: torch.Tensor,

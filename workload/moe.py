@@ -107,6 +107,9 @@ CHECKPOINT_REGION = "pipesim_checkpoint_region"
 # TransformerLayer input_layernorm and pre_mlp_layernorm: the "layernorm" recompute module's), not one inside its
 # attention or mixer (a query's or key's norm, a Mamba-2 mixer's gated norm): set where a model is built
 BLOCK_NORM = "pipesim_block_norm"
+# The attribute that marks an MLA's query or key norm as run apart from the up-projection after it, not fused into it
+# (so not in the "mla_up_proj" recompute region): an absorbed MLA's, which DSA keeps unfused (workload/dsa.py)
+NORM_APART = "pipesim_norm_apart"
 
 
 @contextmanager
