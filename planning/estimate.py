@@ -2801,6 +2801,21 @@ def check_context(counted: WorkloadCount, c: int, tensor: int, rotate: str) -> N
     check_ring_attention(c, counted.attention)
 
 
+def check_sparse_attention_recompute(parallel: Parallelism) -> None:
+    """The recomputation a sparse attention model's layers (workload/dsa.py) refuse: selective, which reruns the
+    attention core pipesim finds by its s x s tensors, which DSA has none of, and mla_up_proj under float8, which
+    Megatron-core refuses for an absorbed MLA (absorbed_mla.py, recompute_up_proj: `assert not quantization, "FP8/FP4
+    is not supported for AbsorbedMLA"`)."""
+    if parallel.recompute == "selective":
+        raise EstimateError("recompute: selective reruns the attention core pipesim finds by its s x s tensors, which "
+                            "the model's sparse attention has none of (Megatron-core's core_attn checkpoint of DSA is "
+                            "not priced yet); give {recompute} full or none, or {recompute_modules}")
+    if parallel.fp8 and "mla_up_proj" in parallel.recompute_modules:
+        raise EstimateError("recompute_modules: mla_up_proj reruns the up-projections of the model's absorbed MLA "
+                            "(its sparse attention's), which Megatron-core refuses under float8; leave mla_up_proj "
+                            "out, or give {dtype} bf16")
+
+
 def check_sequence_split(counted: WorkloadCount, parallel: Parallelism) -> None:
     """Sequence parallelism splits each rank's tokens over the t ranks, which must divide them: Megatron-core's
     reduce-scatter into the sequence-parallel region asserts "First dimension of the tensor should be divisible by
@@ -2969,15 +2984,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                 "{attention} math"))
     if parallel.context > 1:
         check_context(counted, parallel.context, parallel.tensor, parallel.cp_rotate)
-    if counted.options.get("sparse_attention_keys") and parallel.recompute == "selective":
-        raise EstimateError("recompute: selective reruns the attention core pipesim finds by its s x s tensors, which "
-                            "the model's sparse attention has none of (Megatron-core's core_attn checkpoint of DSA is "
-                            "not priced yet); give {recompute} full or none, or {recompute_modules}")
-    if counted.options.get("sparse_attention_keys") and parallel.fp8 and "mla_up_proj" in parallel.recompute_modules:
-        # absorbed_mla.py: `assert not quantization, "FP8/FP4 is not supported for AbsorbedMLA"` (recompute_up_proj)
-        raise EstimateError("recompute_modules: mla_up_proj reruns the up-projections of the model's absorbed MLA "
-                            "(its sparse attention's), which Megatron-core refuses under float8; leave mla_up_proj "
-                            "out, or give {dtype} bf16")
+    if counted.options.get("sparse_attention_keys"):
+        check_sparse_attention_recompute(parallel)
     check_sequence_split(counted, parallel)
     placement = node_placement(gpu, cluster, curve)
     if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:

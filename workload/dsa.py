@@ -104,24 +104,26 @@ def counted_sparse_attentions(block: nn.Module) -> None:
     latent, experimental_attention_variant_module_specs.py), so outside the "mla_up_proj" checkpoint."""
     for module in block.modules():
         if is_sparse_attention(module):
-            module.forward = functools.partial(counted_sparse_attention, module, module.forward)
+            # GLM-5's returns the layer's top k too, for a later layer to share
+            passes_on = "prev_topk_indices" in inspect.signature(type(module).forward).parameters
+            module.forward = functools.partial(counted_sparse_attention, module, module.forward, passes_on)
             for norm in (module.q_a_layernorm, module.kv_a_layernorm):
                 setattr(norm, NORM_APART, True)
 
 
-def counted_sparse_attention(attention: nn.Module, computed: Callable[..., Any], hidden_states: torch.Tensor,
-                             position_embeddings: tuple[torch.Tensor, torch.Tensor],
+def counted_sparse_attention(attention: nn.Module, computed: Callable[..., Any], passes_on: bool,
+                             hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                              attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[Any, ...]:
     """`attention`'s forward: transformers' (`computed`) off the meta device, handed the causal mask its indexer
-    reads; on it, Megatron-core's absorbed DSA with its kernels counted."""
+    reads; on it, Megatron-core's absorbed DSA with its kernels counted, returned as transformers' (`passes_on`: with
+    a third value, the top k, which no layer pipesim counts reads)."""
     if hidden_states.device.type != "meta":
         if attention_mask is None:
             s = hidden_states.shape[1]
             attention_mask = hidden_states.new_full((1, 1, s, s), float("-inf")).triu(1)
         return computed(hidden_states, position_embeddings, attention_mask, **kwargs)
     out = _absorbed(attention, hidden_states, position_embeddings)
-    shared = "prev_topk_indices" in inspect.signature(type(attention).forward).parameters  # GLM-5's: passes them on
-    return (out, None, None) if shared else (out, None)
+    return (out, None, None) if passes_on else (out, None)
 
 
 def _absorbed(attention: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
