@@ -58,7 +58,7 @@ from ..profiles.schema import (
     layer_costs,
 )
 from ..units import GIB, KIB, MIB, bytes_text
-from ..workload.models import BATCH, Model, ModelError, routed_experts_of
+from ..workload.models import BATCH, FOLLOWS_PREVIOUS, Model, ModelError, routed_experts_of
 from ..workload.moe import dispatches
 from ..workload.optim import make_optimizer
 from .cache import HostCache, fresh
@@ -344,7 +344,8 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
             output_saved=out.untyped_storage().data_ptr() in saved, expert_param_bytes=routed.expert_weight_bytes,
             routed_experts=(model.options.get("experts") or routed_experts_of(layer) or 0) if routed.blocks else 0,
             dispatched_bytes=routed.token_bytes,
-            dispatched_block_bytes=[block.sent_bytes for block in routed.blocks]))
+            dispatched_block_bytes=[block.sent_bytes for block in routed.blocks],
+            follows_previous=bool(getattr(layer, FOLLOWS_PREVIOUS, False))))
         previous = saved
     return Recording(inputs, target), layers
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -74,7 +75,20 @@ def count(
     say_part_counted(model)
     if counted.options.get("experts"):
         print_message(_routing_note(counted), stderr)
+    if any(layer.follows_previous for layer in counted.layers):
+        print_message(_stage_starts_note(counted), stderr)
     print_message(f"counted on the meta device in {time.perf_counter() - started:.1f} s", stderr)
+
+
+def _stage_starts_note(counted: WorkloadCount) -> str:
+    """Which layers a pipeline stage may start at, where some may not (a sparse attention sharing its top k)."""
+    from ..profiles.workload import most_stages
+
+    follows = [i for i, layer in enumerate(counted.layers) if layer.follows_previous]
+    runs = [[i for _, i in run] for _, run in itertools.groupby(enumerate(follows), lambda at: at[1] - at[0])]
+    return (f"a stage may start at {most_stages(counted.layers):,} of the {len(counted.layers):,} layers: not at "
+            f"{', '.join(f'{run[0]}' if len(run) == 1 else f'{run[0]}-{run[-1]}' for run in runs)}, which reuse the "
+            "top k the layer before them kept")
 
 
 def _routing_note(counted: WorkloadCount) -> str:

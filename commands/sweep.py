@@ -231,6 +231,7 @@ def sweep(
         where_text,
         write_results,
     )
+    from ..profiles.workload import most_stages
     from ..schedules import METHODS
     from ..sim import ClusterError
 
@@ -298,7 +299,7 @@ def sweep(
                 try:
                     estimated = estimated_profile(what, counted, parallel, optimizer)
                 except InputError as exc:  # skipped, as --profile skips it (the whole grid had stopped); another
-                    if p <= len(counted.layers):  # refusal holds at every p: its one line
+                    if p <= most_stages(counted.layers):  # refusal holds at every p: its one line
                         raise
                     too_deep += [(i, Result(configs[i], reason=str(exc))) for i in indices]
                     continue

@@ -164,6 +164,7 @@ def tune(
     from ..planning.tune import Problem, Setting, TuneError, start_workers
     from ..planning.tune import tune as search
     from ..profiles.schema import optimizer_refusal
+    from ..profiles.workload import layers_text, most_stages
     from ..schedules import METHODS, ScheduleError
     from ..sim import CostError, SimulationError
 
@@ -220,11 +221,12 @@ def tune(
                                      f"{tensor * context * data_parallel:,} at --data-parallel {data_parallel:,} "
                                      f"(got {devices:,})")
                 depths = (devices // (tensor * context * data_parallel),)
-                if depths[0] > len(measured.layers):
+                if depths[0] > most_stages(measured.layers):
                     room = devices // (tensor * context)  # p x d
-                    least = min(d for d in range(1, room + 1) if not room % d and room // d <= len(measured.layers))
+                    least = min(d for d in range(1, room + 1)
+                                if not room % d and room // d <= most_stages(measured.layers))
                     raise InputError(f"--data-parallel: give at least {least:,}, so that p = {room:,}/d devices a "
-                                     f"pipeline is at most the profile's {len(measured.layers)} layers (got "
+                                     f"pipeline is at most the profile's {layers_text(measured.layers)} (got "
                                      f"{data_parallel:,})")
             settings = [Setting(profile_scenario(measured, optimizer, pp_runtime), tensor, depths=depths,
                                 expert=expert,
@@ -570,6 +572,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     estimates are made together (`_estimate_group`), in `pool`'s workers where given: the search's, idle until it
     starts (Qwen3-30B-A3B's E searched on 64 GPUs: 128 groups, 1,188 profiles, 13.8 CPU s)."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo, node_placement
+    from ..profiles.workload import most_stages
     from ..schedules.ranks import expert_grid_refusal
 
     orders = orders or (what.rank_order,)
@@ -594,7 +597,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             splits = (False,) if t == 1 else (False, True) if sequence_parallel is None else (sequence_parallel,)
             block, apart = [], {}  # apart: by (E, p), whether the second order places it otherwise
             for order, e in itertools.product(orders, degrees):
-                depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
+                depths = [devices // (t * data)] if data else [p for p in range(1, most_stages(counted.layers) + 1)
                                                                if devices % (t * p) == 0]
                 # a given d and E: the estimate says why they do not fit (in the first order: a second adds)
                 if len(degrees) > 1 or not data or order != orders[0]:

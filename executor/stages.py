@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..profiles.partition import starts_refusal
 from ..profiles.schema import RECV_WINDOW
 from ..schedules import Schedule, StageGraph
-from ..workload.models import BATCH, Model, build_model
+from ..workload.models import BATCH, FOLLOWS_PREVIOUS, Model, build_model
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -256,10 +257,14 @@ def _one_copy(schedule: Schedule) -> StageGraph:
     return graph if graph.copies == 1 else StageGraph(n, tuple(e for e in graph.edges if e[1] < n))
 
 
-def _route(name: str, inputs: Sequence[Sequence[int]], bounds: list[int], schedule: Schedule
-           ) -> dict[tuple[int, int], set[int]]:
-    """Per edge of one model copy's stage graph, the layer outputs it carries when layers wired by `inputs` are
-    cut at `bounds`; ExecutorError where the stage graph cannot carry the cut."""
+def _route(model: Model, bounds: list[int], schedule: Schedule) -> dict[tuple[int, int], set[int]]:
+    """Per edge of one model copy's stage graph, the layer outputs it carries when `model`'s layers, wired by its
+    `inputs`, are cut at `bounds`; ExecutorError where the stage graph cannot carry the cut, or where a stage would
+    start at a layer no stage may start at (`FOLLOWS_PREVIOUS`)."""
+    name, inputs = model.name, model.inputs
+    refused = starts_refusal([bool(getattr(layer, FOLLOWS_PREVIOUS, False)) for layer in model.layers], bounds)
+    if refused is not None:
+        raise ExecutorError(f"model {name!r} cut at layers {bounds}: {refused}")
     graph = _one_copy(schedule)
     p = graph.num_stages
     stage_of = [k for k in range(p) for _ in range(bounds[k], bounds[k + 1])]
@@ -298,11 +303,11 @@ def carried_bounds(spec: RunSpec, layer_ms: Sequence[float] | None = None,
     A branching model cut as a chain (by a profile's partition, or evenly) may not fit a graph schedule's
     stages (GraphPipe's diamond): its branches must land on the graph's branches."""
     model = model if model is not None else spec.build_model()
-    inputs, layers, p = model.inputs, len(model.layers), spec.schedule.graph.stages_per_copy
+    layers, p = len(model.layers), spec.schedule.graph.stages_per_copy
 
     def carries(bounds: Sequence[int]) -> bool:
         try:
-            _route(model.name, inputs, check_bounds(bounds, layers, p), spec.schedule)
+            _route(model, check_bounds(bounds, layers, p), spec.schedule)
         except ExecutorError:
             return False
         return True
@@ -350,7 +355,7 @@ def cut(spec: RunSpec, model: Model | None = None, outputs: LayerOutputs | None 
         bounds = list(default) if default is not None else even_bounds(layers, p)  # none: _route says why not
     else:
         bounds = check_bounds(spec.bounds, layers, p)
-    carried = _route(model.name, model.inputs, bounds, schedule)
+    carried = _route(model, bounds, schedule)
     outputs = layer_outputs(spec, model) if outputs is None else outputs
     edge_dtypes = {}
     for edge, outs in carried.items():

@@ -70,10 +70,13 @@ from ..profiles.workload import (
     GRAD_ONLY_KERNELS,
     RECOMPUTE_REGIONS,
     SPARSE_ATTENTION_KERNELS,
+    TF32_PRODUCT_KERNELS,
     LayerCount,
     OpCount,
     WorkloadCount,
+    layers_text,
     module_regions,
+    most_stages,
     transient_peak,
     weighted_products,
 )
@@ -470,6 +473,9 @@ class Device:
     memory_bytes_per_ms: float
     curve: Curve
     fp8_peak_flops_per_ms: float | None = None
+    # the TF32 peak FLOP/ms a float32 product runs at where TF32 is on (`TF32_PRODUCT_KERNELS`; the part's float32 peak
+    # where the catalogue gives no TF32 one); None: no such products priced
+    tf32_peak_flops_per_ms: float | None = None
     attention_kernel: str = "flash2"  # the fused attention kernel, of `WINDOW_TILES`: the tiles a window runs
     # beside kernels that hold some of the part's multiprocessors, where its products run persistent CTAs and no SM
     # target is given them: the whole part, on which each product is launched and held (`sharing_dispatcher`)
@@ -482,7 +488,8 @@ class Device:
         part's own; a kernel's curve keeps its memory efficiency), with its float8 peak where `fp8`."""
         curve = curve or gpu.curve
         return cls(getattr(gpu.dense_tflops, dtype) * 1e9, gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency,
-                   curve, fp8_peak_tflops(gpu, repr(gpu.name)) * 1e9 if fp8 else None, attention_kernel)
+                   curve, fp8_peak_tflops(gpu, repr(gpu.name)) * 1e9 if fp8 else None,
+                   (gpu.dense_tflops.tf32 or gpu.dense_tflops.fp32) * 1e9, attention_kernel)
 
 
 def tile_fill(shape: tuple[int, ...], multiprocessors: int, tiles: list[tuple[int, int]]) -> float:
@@ -565,7 +572,7 @@ SPARSE_ATTENTION_FRACTION = 640 / 989.4
 def op_ms(op: OpCount, device: Device) -> float:
     """One call of `op` on `device` (a product held on it, `Device.products_held_on`, `HELD_PRODUCT_SLOWDOWN` times
     its time there); another kernel with products at the products' rate (`SPARSE_ATTENTION_FRACTION` of the peak
-    for DSA's)."""
+    for DSA's; of the TF32 peak for a float32 product, `TF32_PRODUCT_KERNELS`)."""
     curve = device.curve
     if op.kind == "matmul":
         held_on = device.products_held_on
@@ -576,8 +583,10 @@ def op_ms(op: OpCount, device: Device) -> float:
         return attention_kernel_ms(kernel_flops(op, device.attention_kernel), op.moved_bytes,
                                    op.op.endswith("_backward"), op.causal, device, query_tiles(op))
     efficiency = SPARSE_ATTENTION_FRACTION if op.op in SPARSE_ATTENTION_KERNELS else curve.matmul_efficiency
-    return curve.kernel_overhead_ms + max(op.flops / (device.peak_flops_per_ms * efficiency),
-                                          op.moved_bytes / device.memory_bytes_per_ms)
+    peak = device.tf32_peak_flops_per_ms if op.op in TF32_PRODUCT_KERNELS else device.peak_flops_per_ms
+    if peak is None:
+        raise EstimateError(f"{op.op}: a float32 product, and the part's float32 peak is not known")
+    return curve.kernel_overhead_ms + max(op.flops / (peak * efficiency), op.moved_bytes / device.memory_bytes_per_ms)
 
 
 def query_tiles(op: OpCount) -> int:
@@ -1247,9 +1256,10 @@ def on_multiprocessors(device: Device, multiprocessors: int) -> Device:
     """`device` running a kernel on `multiprocessors` of its own: the peaks in that share, the tiles' waves over
     that many (`tile_fill`), its products too (given that many as their target, none is held)."""
     share = multiprocessors / device.curve.multiprocessors
-    fp8 = device.fp8_peak_flops_per_ms
+    fp8, tf32 = device.fp8_peak_flops_per_ms, device.tf32_peak_flops_per_ms
     return replace(device, peak_flops_per_ms=device.peak_flops_per_ms * share,
                    fp8_peak_flops_per_ms=None if fp8 is None else fp8 * share,
+                   tf32_peak_flops_per_ms=None if tf32 is None else tf32 * share,
                    curve=device.curve.model_copy(update={"multiprocessors": multiprocessors}), products_held_on=None)
 
 
@@ -2974,8 +2984,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         raise EstimateError(refused)
     if (refused := tensor_split_refusal(counted.options, parallel.tensor, parallel.expert_tensor)) is not None:
         raise EstimateError(refused)
-    if parallel.pipeline > len(counted.layers):
-        raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
+    if parallel.pipeline > most_stages(counted.layers):
+        raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {layers_text(counted.layers)}")
     if parallel.scores_buffer and counted.attention != "math":
         raise EstimateError("{scores_buffer} keeps the buffer Megatron-LM's unfused attention ({attention} math) "
                             "computes its scores beside; " + (
@@ -3102,7 +3112,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                                      parallel.fp8_param_gather) // t if parallel.fp8 else 0),
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             model_output_bytes=layer.model_output_bytes // (vocabulary_ranks * parallel.context),
-            runtime_buffer_bytes=scores_buffer_bytes(layer, parallel),
+            runtime_buffer_bytes=scores_buffer_bytes(layer, parallel), follows_previous=layer.follows_previous,
             param_bytes=params,
             all_gather_bytes=(gathered_weight_bytes(layer, params, parallel, element)
                               if parallel.fsdp_float8_all_gather or parallel.fp8_param_gather else None),

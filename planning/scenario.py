@@ -38,9 +38,10 @@ from ..profiles.partition import (
     partition,
     range_sums,
     searched_partition,
+    starts_refusal,
 )
 from ..profiles.partition import StageCosts as RangeCosts
-from ..profiles.workload import too_few_layers
+from ..profiles.workload import most_stages, too_few_layers
 from ..schedules import (
     COLLECTIVE_KINDS,
     KIND_CODE,
@@ -1127,10 +1128,26 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     (`partition`). `sized_by_flags`: Scenario.sized_by_flags."""
     from ..profiles.schema import layer_costs, profile_stage_time
 
-    if num_stages > len(measured.layers):
+    if num_stages > most_stages(measured.layers):
         raise CostError(too_few_layers(f"the schedule's {num_stages:,} model stages (--stages x --chunks)",
                                        measured.model.name, measured.model.options, len(measured.layers),
-                                       profiled=not sized_by_flags))
+                                       profiled=not sized_by_flags, starts=most_stages(measured.layers)))
+    bounds = _given_bounds(measured, num_stages, stage_cut, devices)
+    if bounds is None:
+        if num_stages == measured.partition.stages:
+            return measured.partition.bounds
+        return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages,
+                         stage_time=profile_stage_time(measured), devices=devices)
+    refused = starts_refusal([layer.follows_previous for layer in measured.layers], bounds)
+    if refused is not None:
+        raise CostError(f"--stage-cut {stage_cut}: {refused}")
+    return bounds
+
+
+def _given_bounds(measured: Profile, num_stages: int, stage_cut: str,
+                  devices: Sequence[Sequence[int]] | None) -> list[int] | None:
+    """The bounds `stage_cut` gives in so many layers a stage, by blocks or as a layout (`profile_bounds`); None
+    for a balanced cut."""
     counts = layer_counts(stage_cut)  # each form read once, by its prefix: first_last would read the others again
     if counts is not None:
         if len(counts) != num_stages or sum(counts) != len(measured.layers):
@@ -1151,10 +1168,7 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
             return BLOCK_CUTS[stage_cut](kinds, num_stages)
         except PartitionError as exc:
             raise CostError(f"--stage-cut {stage_cut}: {exc}; use --stage-cut balanced") from None
-    if num_stages == measured.partition.stages:
-        return measured.partition.bounds
-    return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages,
-                     stage_time=profile_stage_time(measured), devices=devices)
+    return None
 
 
 def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | None = None,

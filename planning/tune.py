@@ -103,6 +103,7 @@ from ..profiles.schema import (
     step_shares,
     step_totals,
 )
+from ..profiles.workload import layers_text, most_stages
 from ..schedules import (
     ALL_TO_ALL_KINDS,
     COLLECTIVE_KINDS,
@@ -1656,7 +1657,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
     for setting in settings:
         scenario, t, b = setting.scenario, setting.tensor, setting.microbatch_size
         profile = scenario.measured
-        layers = len(profile.layers)
+        layers = most_stages(profile.layers)
         work = _work(profile, scenario.optimizer)
         depths = [p for p in _placed_depths(setting, problem.devices)
                   if setting.depths is None or p in setting.depths]
@@ -3200,7 +3201,7 @@ def _placed_depths(setting: Setting, devices: int) -> list[int]:
     profile, t = setting.scenario.measured, setting.tensor
     if devices % t:
         return []
-    return [p for p in _depths(devices // t, len(profile.layers), _prices_data_parallel(profile))
+    return [p for p in _depths(devices // t, most_stages(profile.layers), _prices_data_parallel(profile))
             if estimated_experts_refusal(profile.estimated_parallelism, p, devices // (p * t)) is None
             and (profile.estimate is None or experts_moved(profile.estimate, p, devices // (p * t)) is None)]
 
@@ -3223,11 +3224,11 @@ def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int, r
                   f"all-to-alls were priced at (p = {profile.estimate.degrees[1]:,}, d = "
                   f"{profile.estimate.degrees[2]:,})")
         return (f"no pipeline depth p: p must divide --devices {problem.devices:,}, be at most the model's "
-                f"{len(profile.layers):,} layers and{placed}")
+                f"{layers_text(profile.layers)} and{placed}")
     if not shapes:
         return (f"no configuration: the batch of {problem.batch_size:,} samples must split into whole "
                 f"micro-batches of {sizes} over r = D/p replicas and P pipelines for some pipeline depth p dividing "
-                f"{problem.devices:,} (p <= {len(profile.layers):,} layers); change --batch-size or --devices")
+                f"{problem.devices:,} (p <= {layers_text(profile.layers)}); change --batch-size or --devices")
     why = "; ".join(text if text.startswith(f"{name}:") else f"{name}: {text}" for name, text in refusals.items())
     verb = "refuses" if len(problem.schedules) == 1 else "refuse"
     return (f"no configuration: {', '.join(problem.schedules)} {verb} every shape with a batch of "

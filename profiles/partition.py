@@ -49,12 +49,13 @@ class _TooManyPrefixes(Exception):
 class LayerCost:
     """What the partitioner needs of one layer. `shared_with_previous_bytes`: part of its saved activations
     that the layer before it saves too (a ReLU output the next Linear keeps as its input), counted once
-    when both are in one stage."""
+    when both are in one stage. `follows_previous`: no stage may start at it (`starts_refusal`)."""
 
     ms: float
     static_bytes: int
     activation_bytes: int
     shared_with_previous_bytes: int = 0
+    follows_previous: bool = False
 
 
 def stage_activation_bytes(layers: Sequence[LayerCost], start: int, stop: int) -> int:
@@ -131,11 +132,11 @@ def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | 
     holds other activations or weight versions), `stage_time` the layers' forward + backward (a schedule that
     splits backwards, or counts its updates); each gives stage k's bytes or ms for every range of layers at once,
     entry [i, j] for layers i .. j-1."""
-    n = _check(layers, stages)
+    n = _check_starts(layers, stages)
     # read only under a cap (tune partitions uncapped), where no split fitting it falls back on the leanest
     memory = None if memory_cap_bytes is None else stage_bytes or _one_f_one_b_bytes(layers, stages)
     over_cap = None if memory is None else _stage_blocks(n, stages, memory, memory_cap_bytes)
-    times = _stage_blocks(n, stages, stage_time or _forward_backward_ms(layers))
+    times = _stage_blocks(n, stages, _starting(layers, stage_time or _forward_backward_ms(layers)))
     slowest_ms, bounds = _min_max_split(n, stages, times, over_cap)
     if devices is not None and slowest_ms < math.inf and any(len(held) > 1 for held in devices):
         bounds = _least_busy_devices(n, times, devices, slowest_ms, over_cap, bounds)
@@ -163,8 +164,8 @@ def mirrored_partition(layers: Sequence[LayerCost], stages: int, pair_bytes: Cal
     Solved exactly from the outside in: best[a, b] is the least slowest stage of the pairs still to cut over
     layers [a, b), each pair a choice of its front's end a' and its back's start b'; ties keep the earliest cut
     (a', then b'). PartitionError where no cut fits."""
-    n = _check(layers, stages)
-    stage_time = stage_time or _forward_backward_ms(layers)
+    n = _check_starts(layers, stages)
+    stage_time = _starting(layers, stage_time or _forward_backward_ms(layers))
     inf, middle = math.inf, stages // 2
     best = np.full((n + 1, n + 1), inf)
     if stages % 2:  # the middle stage, a pair of its own
@@ -212,8 +213,8 @@ def searched_partition(layers: Sequence[LayerCost], stages: int, fits: Callable[
     times, from the time-balanced cut's up; at each, the earliest cut within it is searched depth first, stages
     that cannot cover the layers left within it pruned. None where none fits, or where a search passes
     `max_prefixes` prefixes (then nothing is claimed of that time)."""
-    n = _check(layers, stages)
-    ms = (stage_time or _forward_backward_ms(layers))(0)
+    n = _check_starts(layers, stages)
+    ms = _starting(layers, stage_time or _forward_backward_ms(layers))(0)
     least = max(ms[i, j] for i, j in itertools.pairwise(partition(layers, stages, stage_time=stage_time)))
     limits = np.unique(ms[np.isfinite(ms) & (ms >= least)])
 
@@ -275,8 +276,10 @@ def leanest_partition(layers: Sequence[LayerCost], stages: int,
                       stage_bytes: StageCosts | None = None) -> tuple[float, list[int]]:
     """The split whose fullest stage holds the least memory (by `stage_bytes`, default 1F1B's), and those
     bytes: what to fall back on, and to report, when no split fits a cap."""
-    n = _check(layers, stages)
-    return _min_max_split(n, stages, _stage_blocks(n, stages, stage_bytes or _one_f_one_b_bytes(layers, stages)))
+    n = _check_starts(layers, stages)
+    barred = _stage_blocks(n, stages, _starting(layers, lambda k: np.zeros((n + 1, n + 1))), 0.0)
+    return _min_max_split(n, stages, _stage_blocks(n, stages, stage_bytes or _one_f_one_b_bytes(layers, stages)),
+                          barred)
 
 
 def equal_blocks(kinds: Sequence[str], stages: int) -> list[int]:
@@ -438,6 +441,51 @@ def _check(layers: Sequence, stages: int) -> int:
     if stages > n:
         raise PartitionError(f"{stages} stages but the model has {n} layers: each stage needs at least one layer")
     return n
+
+
+def starts_refusal(follows_previous: Sequence[bool], bounds: Sequence[int]) -> str | None:
+    """Why a cut at `bounds` is refused (None: it is not): a stage would start at a layer that reads what the
+    layer before it left beside the stream (`follows_previous`: a DSA layer reusing the top k an earlier layer's
+    indexer kept, GLM-5.2's), which no stage boundary passes on; Megatron-core refuses such a cut
+    (experimental_attention_variant_module_specs.py `_validate_dsa_index_share_pipeline_split`, d98e8a64)."""
+    barred = next((start for start in bounds[1:-1] if follows_previous[start]), None)
+    if barred is None:
+        return None
+    return (f"a stage would start at layer {barred}, which reads the top k an earlier layer of its stage kept (a "
+            "sparse attention sharing its indexer's keys); no stage boundary passes them on: start each stage at a "
+            f"layer that runs its own indexer ({_starts_text(follows_previous)})")
+
+
+def _starts_text(follows_previous: Sequence[bool]) -> str:
+    """How many layers a stage may start at, and the first of them."""
+    starts = [i for i, follows in enumerate(follows_previous) if not follows or i == 0]
+    shown = ", ".join(map(str, starts[:8])) + (", ..." if len(starts) > 8 else "")
+    return f"{len(starts)} of the {len(follows_previous)} layers may: {shown}"
+
+
+def _check_starts(layers: Sequence[LayerCost], stages: int) -> int:
+    """`_check`, and refused where fewer layers than stages may start one (`starts_refusal`)."""
+    n = _check(layers, stages)
+    follows = [False] + [layer.follows_previous for layer in layers[1:]]  # the first stage starts at the first
+    if follows.count(False) < stages:
+        raise PartitionError(f"{stages} stages, but a stage may start at few of the model's layers: "
+                             f"{_starts_text(follows)}")
+    return n
+
+
+def _starting(layers: Sequence[LayerCost], stage_time: StageCosts) -> StageCosts:
+    """`stage_time` with every range that starts at a layer no stage may start at (`LayerCost.follows_previous`)
+    infinitely slow, so that every search here cuts only where a stage may start; itself where every layer may."""
+    barred = [i for i, layer in enumerate(layers) if layer.follows_previous and i]  # the first stage starts at 0
+    if not barred:
+        return stage_time
+
+    def barred_time(k: int) -> np.ndarray:
+        table = np.array(stage_time(k), dtype=float)
+        table[barred, :] = math.inf
+        return table
+
+    return barred_time
 
 
 def _forward_backward_ms(layers: Sequence[LayerCost]) -> StageCosts:

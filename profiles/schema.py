@@ -187,6 +187,10 @@ class LayerProfile(_Strict):
     ring_fwd_hidden_ms: float = Field(0.0, ge=0)
     ring_bwd_hidden_ms: float = Field(0.0, ge=0)
     ring_buffer_bytes: dict[str, int] = Field(default_factory=dict)
+    # No pipeline stage may start at it: it reads what the layer before it left beside its output (a sparse attention
+    # reusing the top k an earlier layer's indexer kept), which no stage boundary passes on (profiles/partition.py
+    # `starts_refusal`)
+    follows_previous: bool = False
     # The network time of the layer's routed experts' all-to-alls over their expert-parallel group (an estimate's,
     # planning/experts.py) after its forward and after its backward, which the stage's A2A_F and A2A_B rows run
     all_to_all_fwd_ms: float = Field(0.0, ge=0)
@@ -780,7 +784,8 @@ def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
     return [LayerCost(layer.fwd.median_ms + layer.bwd.median_ms + layer.all_to_all_fwd_ms + layer.all_to_all_bwd_ms
                       + max(layer.ring_fwd_ms - layer.ring_fwd_hidden_ms, 0.0)
                       + max(layer.ring_bwd_ms - layer.ring_bwd_hidden_ms, 0.0),
-                      layer_static_bytes(layer, optimizer), layer.activation_bytes, layer.shared_with_previous_bytes)
+                      layer_static_bytes(layer, optimizer), layer.activation_bytes, layer.shared_with_previous_bytes,
+                      layer.follows_previous)
             for layer in layers]
 
 

@@ -21,15 +21,34 @@ def is_hf(model: str) -> bool:
     return model.startswith(HF_PREFIX)
 
 
-def too_few_layers(stages: str, model: str, options: Mapping[str, Any], layers: int, profiled: bool = False) -> str:
+def most_stages(layers: Sequence[Any]) -> int:
+    """The most stages `layers` (a count's or a profile's, each with `follows_previous`) can be cut into: one at each
+    layer a stage may start at, the first and every one that does not follow the layer before it."""
+    return 1 + sum(not layer.follows_previous for layer in layers[1:])
+
+
+def layers_text(layers: Sequence[Any]) -> str:
+    """`layers` counted as a bound on the stages: "81 layers", or where some may start no stage "24 layers a stage
+    may start at (of 81)"."""
+    most = most_stages(layers)
+    if most == len(layers):
+        return f"{len(layers):,} layers"
+    return f"{most:,} layers a stage may start at (of {len(layers):,})"
+
+
+def too_few_layers(stages: str, model: str, options: Mapping[str, Any], layers: int, profiled: bool = False,
+                   starts: int | None = None) -> str:
     """The one line for more stages than the model has layers (`stages`: the flags that ask for them), which the
     command line says of a model it builds or counts and the planner of a profile's (`profiled`: a --profile file's,
     whose blocks no --layers gave). --layers counts a built-in model's blocks, and a pipeline cuts between all its
     layers, the embedding or classifier around the blocks too: both counts are said, so that 4 blocks and 6 layers
-    do not read as a contradiction."""
+    do not read as a contradiction. `starts`: the layers a stage may start at, where fewer (`most_stages`)."""
     given = "" if is_hf(model) or profiled else " (--layers)"  # a Hugging Face config gives its own
     blocks = f" of {count_text(options['layers'], 'block')}{given}" if "layers" in options else ""
     whose = "the profile's " if profiled else ""
+    if starts is not None and starts < layers:
+        return (f"{stages}: {whose}{model}{blocks} has {layers} layers in all, {starts} of which may start a stage "
+                f"(the others read the top k a layer before them kept); give at most {starts} stages")
     return (f"{stages}: {whose}{model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs "
             "at least one layer)")
 
@@ -61,13 +80,19 @@ RECOMPUTE_REGIONS = tuple(RECOMPUTED_PARTS)
 CHECKPOINTED_REGIONS = ("mlp", "moe", "shared_experts")
 # DeepSeek Sparse Attention's fused kernels, which workload/dsa.py records with their FLOPs: the indexer's scores, the
 # sparse attention forward (FlashMLA's), the loss's recomputed scores, the indexer's backward, the sparse backward
-SPARSE_ATTENTION_KERNELS = ("dsa_indexer_forward", "flash_mla_sparse_fwd", "sparse_attn_score_recompute",
-                            "dsa_indexer_backward", "sparse_attention_backward")
-# The forward's kernels a gradient-free pass skips: DSA's indexer loss, which Megatron-core computes only where
-# torch.is_grad_enabled() (dsa.py `use_indexer_loss`), so under full recomputation in the rerun alone, not in the
-# first, checkpointed forward (tensor_parallel/random.py runs it under torch.no_grad())
-GRAD_ONLY_KERNELS = ("dsa_indexer_log_softmax", "sparse_attn_score_recompute", "dsa_indexer_target_normalize",
-                     "dsa_indexer_kl", "dsa_indexer_backward")
+SPARSE_ATTENTION_KERNELS = ("dsa_indexer_forward", "flash_mla_sparse_fwd", "flash_mla_sparse_fwd_lse",
+                            "sparse_attn_score_recompute", "dsa_indexer_backward", "sparse_attention_backward")
+# The forward's kernels a gradient-free pass skips: DSA's indexer loss (and, under top-k sharing, the FlashMLA forward
+# run for its log-sum-exp alone), which Megatron-core computes only where torch.is_grad_enabled() (dsa.py
+# `use_indexer_loss`), so under full recomputation in the rerun alone, not in the first, checkpointed forward
+# (tensor_parallel/random.py runs it under torch.no_grad())
+GRAD_ONLY_KERNELS = ("flash_mla_sparse_fwd_lse", "dsa_indexer_log_softmax", "sparse_attn_score_recompute",
+                     "dsa_indexer_target_normalize", "dsa_indexer_kl", "dsa_indexer_pad_heads", "dsa_indexer_backward",
+                     "dsa_indexer_slice_heads")
+# Products of float32 tensors that PyTorch runs as TF32 on the tensor cores in NVIDIA's NGC containers, where Megatron's
+# recipes run (their layer ENV TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 overrides torch's default of full float32): the
+# per-head scores of a DSA indexer under top-k sharing (workload/dsa.py `_top_k_per_head`), at the part's TF32 peak
+TF32_PRODUCT_KERNELS = ("bmm_fp32",)
 # The regions the count traces (`LayerCount.region_saves` and on): those ("layernorm" every norm), the attention
 # kernel's output with the copies made of it before the next product ("attention_out"), which a float8 recipe may
 # keep once for both the attention's backward and that product's (planning/fp8.py `Fp8Recipe.attention_output_bytes`),
@@ -274,6 +299,8 @@ class LayerCount:
     # a decoder layer of a Hugging Face model (workload/hf.py `DecoderLayer`), whatever its mixer: attention, experts,
     # a Mamba-2 mixer or an MLP (`transformer_layer`)
     decoder_block: bool = False
+    # no pipeline stage may start at it (workload/models.py `FOLLOWS_PREVIOUS`)
+    follows_previous: bool = False
     # a Mamba-2 mixer and its norm alone, Megatron-core's MambaLayer: what CUDA graphs of the "mamba" scope capture
     # whole (planning/estimate.py `CUDA_GRAPH_SCOPES`)
     mamba_layer: bool = False

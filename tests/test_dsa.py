@@ -1,9 +1,9 @@
-"""DeepSeek Sparse Attention layers (DeepSeek-V3.2's, GLM-5's) from their Hugging Face configs: on the meta device
-each is counted as Megatron-core trains it absorbed, with the cuDNN path's kernels and the indexer's loss
-(workload/dsa.py), their FLOPs as the formulas say and what they save; off it, the layers compute transformers' model
-(the attention masked to the indexer's top k) and train on two gloo ranks as one process; what pipesim does not price
-yet (tensor or context parallelism, a layer reusing another's top k, a score buffer past the fused path's) is one
-line."""
+"""DeepSeek Sparse Attention layers (DeepSeek-V3.2's, GLM-5's, GLM-5.2's top-k sharing) from their Hugging Face
+configs: on the meta device each is counted as Megatron-core trains it absorbed, with the cuDNN path's kernels and the
+indexer's loss (workload/dsa.py), their FLOPs as the formulas say and what they save; off it, the layers compute
+transformers' model (the attention masked to the indexer's top k, handed on to the layers that share it) and train on
+two gloo ranks as one process; a stage starts only at a layer that runs its indexer; what pipesim does not price yet
+(tensor or context parallelism, a score buffer past the fused path's) is one line."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ V32 = {"model_type": "deepseek_v32", "hidden_size": D, "intermediate_size": 96, 
        "index_topk": TOP, "index_n_heads": HI, "index_head_dim": DI, "vocab_size": 128,
        "max_position_embeddings": 256, "tie_word_embeddings": False}
 GLM5 = {**V32, "model_type": "glm_moe_dsa", "mlp_layer_types": ["dense", "sparse"]}
+# GLM-5.2's top-k sharing: the second and fourth layers attend to the keys the layer before them kept (pipesim's layers
+# 2 and 4, the embedding first)
+GLM52 = {**GLM5, "num_hidden_layers": 4, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+         "indexer_types": ["full", "shared", "full", "shared"]}
 
 
 @pytest.fixture(autouse=True)
@@ -49,9 +53,10 @@ def _kernels(layer, kind):
 
 @pytest.mark.parametrize("seq_len", [S, TOP // 2])
 def test_a_sparse_attention_is_counted_as_megatron_cores_fused_kernels(tmp_path, seq_len):
-    """The indexer scores every causal pair (2·HI·DI a pair); FlashMLA's forward, the loss's target and the indexer's
-    backward (run inside the forward, as cuDNN's path does) each compute the kept pairs, min(k, i + 1) a query, over
-    the 576-channel absorbed query (here L + R) and the L-channel value; the sparse backward 2·H·(3(L + R) + 2L) a
+    """The indexer scores every causal pair (2·HI·DI a pair); FlashMLA's forward and the loss's target each compute
+    the kept pairs, min(k, i + 1) a query, over the 576-channel absorbed query (here L + R) and the L-channel value;
+    the indexer's backward (run inside the forward, as cuDNN's path does) every one of the k slots of a query (it
+    takes no top-k length) over at least 64 heads (cuDNN's, padded); the sparse backward 2·H·(3(L + R) + 2L) a kept
     pair. At fewer tokens than k every earlier key is kept."""
     layer = _layer(tmp_path, seq_len=seq_len)
     forward, backward = _kernels(layer, "fwd"), _kernels(layer, "igrad")
@@ -59,7 +64,7 @@ def test_a_sparse_attention_is_counted_as_megatron_cores_fused_kernels(tmp_path,
     causal, kept = s * (s + 1) // 2, k * (k + 1) // 2 + (s - k) * k
     assert {name: op.flops for name, op in forward.items()} == {
         "dsa_indexer_forward": 2 * HI * DI * causal, "flash_mla_sparse_fwd": 2 * H * (L + R + L) * kept,
-        "sparse_attn_score_recompute": 2 * H * (L + R) * kept, "dsa_indexer_backward": 6 * HI * DI * kept}
+        "sparse_attn_score_recompute": 2 * H * (L + R) * kept, "dsa_indexer_backward": 6 * 64 * DI * s * k}
     assert {name: op.flops for name, op in backward.items()} == {
         "sparse_attention_backward": 2 * H * (3 * (L + R) + 2 * L) * kept}
     assert not _kernels(layer, "wgrad")
@@ -69,34 +74,41 @@ def test_a_sparse_attention_is_counted_as_megatron_cores_fused_kernels(tmp_path,
 
 
 def test_the_fused_kernels_run_at_flashmlas_published_rate(tmp_path):
-    """Every kernel with products the fused path records is one of SPARSE_ATTENTION_KERNELS, priced at 640 of the
-    H800's 989.4 TFLOP/s (FlashMLA's sparse prefill), where another kernel with products runs at the products'."""
+    """Every kernel with products the fused path and the sharing path record is one of SPARSE_ATTENTION_KERNELS but
+    the sharing path's per-head scores (TF32's: `test_a_float32_product_runs_at_the_parts_tf32_peak`), priced at 640
+    of the H800's 989.4 TFLOP/s (FlashMLA's sparse prefill), where another kernel with products runs at the
+    products'."""
     from pipesim.planning.estimate import SPARSE_ATTENTION_FRACTION, op_ms
     from pipesim.profiles.workload import SPARSE_ATTENTION_KERNELS
     from tests.helpers import H100_BF16
 
-    layer = _layer(tmp_path)
+    layer, sharing = _layer(tmp_path), _layer(tmp_path / "glm52", GLM52)
     recorded = {**_kernels(layer, "fwd"), **_kernels(layer, "igrad")}
-    assert sorted(recorded) == sorted(SPARSE_ATTENTION_KERNELS)
+    shared = {**_kernels(sharing, "fwd"), **_kernels(sharing, "igrad")}
+    assert sorted({*recorded, *shared} - {"bmm_fp32"}) == sorted(SPARSE_ATTENTION_KERNELS)
     op = dataclasses.replace(recorded["flash_mla_sparse_fwd"], flops=10**15)  # bound by its products, not bytes
     assert op.flops / (op_ms(op, H100_BF16) - H100_BF16.curve.kernel_overhead_ms) == pytest.approx(
         H100_BF16.peak_flops_per_ms * SPARSE_ATTENTION_FRACTION)
     assert SPARSE_ATTENTION_FRACTION < H100_BF16.curve.matmul_efficiency
 
 
-def test_under_full_recomputation_the_indexer_loss_runs_in_the_rerun_alone(tmp_path):
+@pytest.mark.parametrize("fields, lse_alone", [(V32, False), (GLM52, True)], ids=["fused", "sharing"])
+def test_under_full_recomputation_the_indexer_loss_runs_in_the_rerun_alone(tmp_path, fields, lse_alone):
     """Megatron-core computes the indexer's loss only with gradients on: under full recomputation the first,
-    checkpointed forward skips its kernels and the rerun runs them; without recomputation the one forward does."""
+    checkpointed forward skips its kernels (under top-k sharing, the FlashMLA forward run for the loss's log-sum-exp
+    too) and the rerun runs them; without recomputation the one forward does."""
     from pipesim.planning.estimate import Parallelism, estimate_layer, op_ms
     from pipesim.profiles.schema import EstimateLink
     from pipesim.profiles.workload import GRAD_ONLY_KERNELS
     from tests.helpers import H100_BF16
 
-    layer = _layer(tmp_path)
+    layer = _layer(tmp_path, fields)
     link = EstimateLink(kind="nvlink", latency_ms=0.01, bytes_per_ms=1e6)
     plain, full = (estimate_layer(layer, H100_BF16, Parallelism(recompute=how), link, 2) for how in ("none", "full"))
     loss_ms = sum(op.count * op_ms(op, H100_BF16) for op in layer.ops["fwd"] if op.op in GRAD_ONLY_KERNELS)
-    assert {op.op for op in layer.ops["fwd"]} >= set(GRAD_ONLY_KERNELS) and loss_ms > 0
+    lse = {"flash_mla_sparse_fwd_lse"}
+    assert {op.op for op in layer.ops["fwd"]} >= set(GRAD_ONLY_KERNELS) - (set() if lse_alone else lse)
+    assert loss_ms > 0
     assert full.fwd_ms == pytest.approx(plain.fwd_ms - loss_ms)
     assert full.bwd_ms == pytest.approx(plain.bwd_ms + plain.fwd_ms)
 
@@ -162,13 +174,8 @@ def test_what_pipesim_does_not_price_of_a_sparse_attention_is_one_line(tmp_path,
     assert not (tmp_path / "t.html").exists()
 
 
-def test_top_k_sharing_and_a_score_buffer_past_the_fused_paths_are_one_line(tmp_path):
-    """GLM-5.2's layers that reuse an earlier layer's top k take it across pipesim's cut between layers; a
-    micro-batch whose [b, s, s] float32 scores pass 1 GiB is scored by a PyTorch fallback in row chunks."""
-    shared = write_config(tmp_path / "shared", {**GLM5, "indexer_types": ["full", "shared"]})
-    code, out, err = pipesim("count", "--model", f"hf:{shared}", "--seq-len", S)
-    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
-    assert "1 layer of its sparse attention reuse the keys an earlier layer's indexer kept" in err
+def test_a_score_buffer_past_the_fused_paths_is_one_line(tmp_path):
+    """A micro-batch whose [b, s, s] float32 scores pass 1 GiB is scored by a PyTorch fallback in row chunks."""
     longer = write_config(tmp_path / "v32", {**V32, "max_position_embeddings": 32768})
     code, out, err = pipesim("count", "--model", f"hf:{longer}", "--seq-len", 16385)
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
@@ -240,3 +247,129 @@ def test_glm_5_has_the_tensor_bytes_megatron_bridges_card_verified():
     folder = Path(__file__).resolve().parents[1] / "examples" / "glm-5"
     counted = count_built(f"hf:{folder}", {"seq_len": 64}, 1, torch.bfloat16, "flash")
     assert sum(layer.param_bytes for layer in counted.layers) + 75 * 256 * 4 == 1_487_822_475_264
+
+
+def test_under_top_k_sharing_a_layer_scores_by_head_in_float32_and_the_next_reads_its_keys(tmp_path):
+    """Under top-k sharing Megatron-core leaves the fused path (dsa.py: `not self.index_share`). A layer that runs its
+    indexer scores the whole square a head at a time in float32 (2·DI·s² a head: `bmm_fp32`, which TF32 runs) and runs
+    FlashMLA's forward twice, once for the loss's log-sum-exp alone; a layer that shares its keys runs FlashMLA's
+    forward and the sparse backward alone, keeps its own copy of the indices, and no stage may start at it."""
+    folder = write_config(tmp_path / "glm52", GLM52)
+    counted = count_built(f"hf:{folder}", {"seq_len": S}, 1, torch.bfloat16, "flash")
+    assert [layer.follows_previous for layer in counted.layers] == [False, False, True, False, True, False, False]
+    indexing, reusing = counted.layers[3], counted.layers[4]
+    k, pairs = TOP, TOP * (TOP + 1) // 2 + (S - TOP) * TOP
+    heads = [op for op in indexing.ops["fwd"] if op.op == "bmm_fp32"]
+    assert [(op.count, op.flops) for op in heads] == [(HI, 2 * DI * S * S)]
+    assert {name: op.flops for name, op in _kernels(indexing, "fwd").items() if name != "bmm_fp32"} == {
+        "flash_mla_sparse_fwd_lse": 2 * H * (L + R + L) * pairs, "flash_mla_sparse_fwd": 2 * H * (L + R + L) * pairs,
+        "sparse_attn_score_recompute": 2 * H * (L + R) * pairs, "dsa_indexer_backward": 6 * 64 * DI * S * k}
+    assert {name: op.flops for name, op in _kernels(reusing, "fwd").items()} == {
+        "flash_mla_sparse_fwd": 2 * H * (L + R + L) * pairs}
+    assert _kernels(reusing, "igrad").keys() == _kernels(indexing, "igrad").keys() == {"sparse_attention_backward"}
+    assert not [op for op in reusing.ops["fwd"] if op.op.startswith("dsa_")]
+    indices = ((1, S, TOP), 4 * S * TOP)  # int32, the copy each layer's sparse attention keeps for its backward
+    assert indices in reusing.saved_tensors and indices in indexing.saved_tensors
+
+
+def test_a_multi_token_prediction_layer_runs_its_own_indexer_where_the_last_layer_shares(tmp_path):
+    """Megatron-core numbers a multi-token-prediction module's layer 1, which computes its own top k; GLM-5.2's last
+    layer (here the fourth) shares the one before it."""
+    folder = write_config(tmp_path / "glm52", GLM52)
+    counted = count_built(f"hf:{folder}", {"seq_len": S, "mtp_layers": 1}, 1, torch.bfloat16, "flash")
+    mtp = counted.layers[-2]
+    assert "bmm_fp32" in {op.op for op in mtp.ops["fwd"]} and not mtp.follows_previous
+
+
+def test_off_the_meta_device_a_layer_that_shares_attends_to_the_keys_the_layer_before_it_kept(tmp_path):
+    """transformers hands each layer the top k of the one before (`prev_topk_indices`), which pipesim's layers pass
+    on (`TopKHandoff`): the logits are transformers' model's (without them transformers' shared layer raises)."""
+    assert_computes_transformers_model(
+        write_config(tmp_path / "glm52", GLM52),
+        lambda model, base: [base.embed_tokens, *base.layers, base.norm, model.lm_head], GLM52["vocab_size"])
+
+
+def test_a_top_k_sharing_model_trains_on_two_gloo_ranks_as_one_process(tmp_path):
+    """The profile's two stages are cut where a stage may start (at a layer that runs its indexer)."""
+    assert_trains_as_one_process(tmp_path, f"hf:{write_config(tmp_path / 'glm52', GLM52)}")
+
+
+@pytest.mark.parametrize("layout, refused_at", [("Ett|ttL", None), ("Et|tttL", 2), ("Ettt|tL", 4)])
+def test_a_stage_starts_only_at_a_layer_that_runs_its_indexer(tmp_path, layout, refused_at):
+    """Megatron-core refuses a pipeline layout whose stage would start at a layer reusing the top k of one in the
+    stage before (`_validate_dsa_index_share_pipeline_split`); so does pipesim, in one line, writing nothing."""
+    model = f"hf:{write_config(tmp_path / 'glm52', GLM52)}"
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", S, "-b", 1, "-p", 2,
+                             "-s", "1f1b", "--stage-cut", f"layout:{layout}", "--html", tmp_path / "t.html")
+    if refused_at is None:
+        assert code == 0, err
+        return
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert f"a stage would start at layer {refused_at}, which reads the top k an earlier layer of its stage kept" in err
+    assert err.rstrip().endswith("(5 of the 7 layers may: 0, 1, 3, 5, 6)"), err
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_the_executor_refuses_a_cut_that_starts_a_stage_at_a_layer_that_shares(tmp_path):
+    from pipesim.executor import ExecutorError, RunSpec, cut
+    from tests.conftest import build
+
+    spec = RunSpec(build("1f1b", 2, 2, 1), f"hf:{write_config(tmp_path / 'glm52', GLM52)}", {"seq_len": S},
+                   microbatch_size=1, bounds=[0, 2, 7])
+    with pytest.raises(ExecutorError, match="cut at layers \\[0, 2, 7\\]: a stage would start at layer 2"):
+        cut(spec)
+
+
+def test_a_float32_product_runs_at_the_parts_tf32_peak():
+    """The per-head scores' products (`TF32_PRODUCT_KERNELS`) at the H100's 494.7 TFLOP/s of TF32, not its 989.4 of
+    BF16; a part the catalogue gives no TF32 peak at its float32 one."""
+    from pipesim.planning.estimate import op_ms
+    from pipesim.profiles.workload import OpCount
+    from tests.helpers import H100_BF16
+
+    op = OpCount("bmm_fp32", "compute", (), flops=10**12, moved_bytes=0, count=1)
+    curve = H100_BF16.curve
+    assert op_ms(op, H100_BF16) == pytest.approx(curve.kernel_overhead_ms + 1e12 / (494.7e9 * curve.matmul_efficiency))
+
+
+def test_count_says_where_a_stage_may_start_and_simulate_refuses_more_stages_than_that(tmp_path):
+    model = f"hf:{write_config(tmp_path / 'glm52', GLM52)}"
+    code, _, err = pipesim("count", "--model", model, "--seq-len", S)
+    assert code == 0 and "a stage may start at 5 of the 7 layers: not at 2, 4, which reuse the top k the layer " \
+                          "before them kept" in err, err
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", S, "-b", 1, "-p", 6,
+                             "-s", "1f1b")
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert "has 7 layers in all, 5 of which may start a stage (the others read the top k a layer before them kept); " \
+           "give at most 5 stages" in err, err
+
+
+def test_tune_cuts_a_top_k_sharing_model_only_where_a_stage_may_start(tmp_path):
+    """tune searches at most as many stages as layers a stage may start at, and its choice's cut starts none at a
+    layer that shares the top k before it; the command it prints runs."""
+    model = f"hf:{write_config(tmp_path / 'glm52', GLM52)}"
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", model, "--seq-len", S, "--devices", 6, "-b", 1)
+    assert code == 0, err
+    command = next(line.strip() for line in out.splitlines() if line.strip().startswith("pipesim simulate"))
+    counts = [int(n) for n in command.split("--stage-cut layers:")[1].split()[0].split(",")]
+    starts = {sum(counts[:k]) for k in range(1, len(counts))}
+    assert not starts & {2, 4}, command
+    code, _, err = pipesim(*command.split()[1:])
+    assert code == 0, err
+
+
+def test_glm_5_2_has_the_parameters_megatron_bridges_card_reloaded():
+    """examples/glm-5.2: transformers reloads Megatron-Bridge's export of zai-org/GLM-5.2 with 743,377,000,704
+    parameters (examples/model_verification_cards/glm5-2/card.yaml at 067f987df0): GLM-5's less the indexers of the
+    57 layers that share (each a query projection from the 2,048-channel query latent to 32 heads of 128, a key
+    projection from the 6,144-wide hidden state to 128 with its LayerNorm, and 32 head weights)."""
+    from pathlib import Path
+
+    from pipesim.workload.hf import hf_model
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    with torch.device("meta"):
+        total = {name: sum(p.numel() for layer in hf_model(f"hf:{root / name}", 64).layers
+                           for p in layer.parameters()) for name in ("glm-5", "glm-5.2")}
+    indexer = 2048 * 32 * 128 + 6144 * 128 + 2 * 128 + 6144 * 32
+    assert total["glm-5.2"] == 743_377_000_704 == total["glm-5"] - 57 * indexer

@@ -56,7 +56,7 @@ from ..profiles.workload import CHECKPOINTED_REGIONS, LayerCount, OpCount, Workl
 from .gdn import context_exchanges, is_gated_delta_net
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .mamba import is_mamba2_mixer
-from .models import BATCH, Model, ModelError, classification_loss
+from .models import BATCH, FOLLOWS_PREVIOUS, Model, ModelError, classification_loss
 from .moe import (
     BLOCK_NORM,
     CHECKPOINT_REGION,
@@ -1094,6 +1094,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
         model_output_bytes=model_output_bytes,
         decoder_block=bool(getattr(layer, "decoder_block", False)),
+        follows_previous=bool(getattr(layer, FOLLOWS_PREVIOUS, False)),
         mamba_layer=_mamba_layer(layer),
         context_exchanges=tuple(context_exchanges(module) for module in layer.modules() if is_gated_delta_net(module)),
         expert_param_bytes=routed.expert_weight_bytes, expert_bias_tensors=routed.bias_tensors,

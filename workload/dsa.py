@@ -1,5 +1,5 @@
-"""DeepSeek Sparse Attention (DSA: the attention of DeepSeek-V3.2 and GLM-5, transformers' DeepseekV32Attention and
-GlmMoeDsaAttention) counted on the meta device as Megatron-core trains it.
+"""DeepSeek Sparse Attention (DSA: the attention of DeepSeek-V3.2, GLM-5 and GLM-5.2, transformers'
+DeepseekV32Attention and GlmMoeDsaAttention) counted on the meta device as Megatron-core trains it.
 
 A DSA layer is MLA whose queries each attend to `index_topk` keys (2,048) that a lightning indexer picks: a few heads
 (64 of 128 channels at DeepSeek-V3.2) score every earlier key, sum_h w_h·relu(q_h·k), and the top k are kept.
@@ -22,9 +22,25 @@ query-key pairs kept:
   causal pairs into an [s, s] float32 buffer (2·H_I·D_I FLOPs a pair), the top k of each row, the kept indices
   compacted and sorted, FlashMLA's sparse forward (2·H·(576 + 512) FLOPs a kept pair), then the loss: the indexer's
   log-softmax, the attention's distribution over the kept keys recomputed from the saved log-sum-exp (2·H·576 a pair),
-  its normalisation and the KL, and the indexer's backward, which cuDNN runs inside the forward (6·H_I·D_I a pair),
-  its gradients saved. Its backward: the rows' compaction copies, the sparse attention's backward (2·H·(3·576 +
-  2·512) a pair, out and the log-sum-exp saved), and the indexer's saved gradients scaled.
+  its normalisation and the KL, and the indexer's backward, which cuDNN runs inside the forward (below), its
+  gradients saved. Its backward: the rows' compaction copies, the sparse attention's backward (2·H·(3·576 + 2·512) a
+  pair, out and the log-sum-exp saved), and the indexer's saved gradients scaled.
+
+The indexer's backward takes no top-k length and at least 64 heads (dsa_cudnn_kernels.py
+`_pad_indexer_heads_for_backward`: GLM-5's 32 padded, the query and weights copied), so it computes 6·max(H_I, 64)·D_I
+FLOPs for each of a query's k slots, b·s·k of them, where P are kept. The sparse backward copies its rows twice (a zero
+row appended, then the rows with keys selected) before cuDNN's kernel.
+
+Under top-k sharing (GLM-5.2: `indexer_types`, Megatron-core's `dsa_indexer_topk_freq` 4 from offset 3) Megatron-core
+leaves the fused path for every layer (dsa.py: `use_fused_kernels and not self.index_share`). A layer that runs its
+indexer keeps its rows' causal bounds, so cuDNN's indexer is not called: PyTorch scores the whole [s, s] square a
+head at a time in float32 (a product of 2·D_I a pair, which NVIDIA's containers run as TF32, then relu, the head's
+weight and the sum, each a pass over the square) and masks it twice; cuDNN's top k follows, compacted twice and
+sorted; FlashMLA's sparse forward runs once for the loss's log-sum-exp alone, its output dropped, the loss as above,
+then FlashMLA's forward again for the attention (`FusedQKTopKWithSparseLossFunc`, `FusedSparseAttentionFunc`). A
+layer that shares an earlier one's top k runs FlashMLA's forward and the sparse backward alone, keeping its own copy
+of the indices; no pipeline stage may start at it (workload/models.py `FOLLOWS_PREVIOUS`), since the top k is handed
+from layer to layer within a stage (dsa.py's holder; workload/hf.py `TopKHandoff`).
 
 The loss's kernels run only with gradients on: under full recomputation in the rerun, not in the first,
 checkpointed forward (profiles/workload.py `GRAD_ONLY_KERNELS`, which the estimate prices so). Off the meta device
@@ -47,7 +63,7 @@ from torch import nn
 from .count import unfused_count
 from .mamba import F32, _kernel
 from .models import ModelError
-from .moe import NORM_APART, OPEN_REGIONS
+from .moe import NORM_APART, OPEN_REGIONS, _kernel_writes, _one_kernel
 
 I32 = torch.int32
 INDEXER_FIELDS = ("wq_b", "wk", "k_norm", "weights_proj", "n_heads", "head_dim", "index_topk", "softmax_scale")
@@ -92,10 +108,23 @@ def longest_scored_at_once(b: int) -> int:
 
 def is_sparse_attention(module: nn.Module) -> bool:
     """Whether `module` is an MLA attention with a DSA indexer laid out as transformers' (DeepSeek-V3.2's,
-    GLM-5's)."""
+    GLM-5's), or one that reuses an earlier layer's top k in its place (`shares_top_k`)."""
     indexer = getattr(module, "indexer", None)
-    return (indexer is not None and all(hasattr(indexer, name) for name in INDEXER_FIELDS)
-            and all(hasattr(module, name) for name in MLA_FIELDS))
+    indexes = indexer is not None and all(hasattr(indexer, name) for name in INDEXER_FIELDS)
+    return (indexes or shares_top_k(module)) and all(hasattr(module, name) for name in MLA_FIELDS)
+
+
+def shares_top_k(module: nn.Module) -> bool:
+    """Whether `module` is a sparse attention without an indexer of its own, attending to the keys the last layer
+    that ran one kept (GLM-5.2's layers of `indexer_types` "shared": transformers' GlmMoeDsaAttention `skip_topk`,
+    Megatron-core's skip layers, dsa.py `is_dsa_skip_topk_layer`)."""
+    return getattr(module, "skip_topk", False) is True and getattr(module, "indexer", True) is None
+
+
+def kept_keys(attention: nn.Module) -> int:
+    """The keys a query of sparse attention `attention` attends to (`index_topk`: its indexer's, or its model's
+    where it shares an earlier layer's)."""
+    return attention.config.index_topk if shares_top_k(attention) else attention.indexer.index_topk
 
 
 def counted_sparse_attentions(block: nn.Module) -> None:
@@ -116,7 +145,7 @@ def counted_sparse_attention(attention: nn.Module, computed: Callable[..., Any],
                              attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[Any, ...]:
     """`attention`'s forward: transformers' (`computed`) off the meta device, handed the causal mask its indexer
     reads; on it, Megatron-core's absorbed DSA with its kernels counted, returned as transformers' (`passes_on`: with
-    a third value, the top k, which no layer pipesim counts reads)."""
+    a third value, the top k, None here: a layer that shares them counts its kernels without reading them)."""
     if hidden_states.device.type != "meta":
         if attention_mask is None:
             s = hidden_states.shape[1]
@@ -152,7 +181,8 @@ def _absorbed(attention: nn.Module, hidden: torch.Tensor, position_embeddings: t
     kv_pass = attention.kv_a_layernorm(kv_pass)
     k_up, v_up = attention.kv_b_proj.weight.view(heads, nope + value, latent).split([nope, value], dim=1)
     # the indexer's inputs first: the region below marks the RoPE tables its slices view as its own
-    index_q, index_k, weights = _indexer_inputs(attention, hidden.detach(), q_resid.detach(), position_embeddings)
+    reuses = shares_top_k(attention)
+    indexer = () if reuses else _indexer_inputs(attention, hidden.detach(), q_resid.detach(), position_embeddings)
     OPEN_REGIONS.append("mla_up_proj")  # Megatron-core's checkpoint of `qkv_up_proj_and_rope_apply`, products and all
     try:
         q_nope, q_rot = attention.q_b_proj(q_resid).view(b, s, heads, nope + rope).split([nope, rope], dim=-1)
@@ -161,9 +191,11 @@ def _absorbed(attention: nn.Module, hidden: torch.Tensor, position_embeddings: t
         key = torch.cat([kv_pass, k_rot.view(b, s, rope)], dim=-1)
     finally:
         OPEN_REGIONS.pop()
-    shape = _Shape(b, s, heads, latent, rope, attention.indexer.n_heads, attention.indexer.head_dim,
-                   min(attention.indexer.index_topk, s))
-    out = _SparseAttention.apply(shape, query, key, index_q, index_k, weights)
+    path = "reusing" if reuses else "sharing" if "shared" in (getattr(attention.config, "indexer_types", None)
+                                                             or ()) else "fused"
+    index_heads, index_width = (0, 0) if reuses else (attention.indexer.n_heads, attention.indexer.head_dim)
+    shape = _Shape(b, s, heads, latent, rope, index_heads, index_width, min(kept_keys(attention), s), path)
+    out = _SparseAttention.apply(shape, query, key, *indexer)
     out = torch.einsum("bshc,hdc->bshd", out, v_up).reshape(b, s, heads * value)
     return attention.o_proj(out)
 
@@ -204,7 +236,11 @@ class _Hadamard(torch.autograd.Function):
 @dataclass(frozen=True)
 class _Shape:
     """A DSA layer's sizes: b sequences of s tokens, H heads over a key latent of `latent` channels and a RoPE part of
-    `rope`, an indexer of `index_heads` heads of `index_width`, `kept` keys a query (k, at most s)."""
+    `rope`, an indexer of `index_heads` heads of `index_width` (none on a layer reusing another's top k), `kept` keys a
+    query (k, at most s); and which of Megatron-core's paths runs it (`path`): "fused", the cuDNN path of a model
+    whose every layer indexes (`FusedIndexerSparseAttnFunc`); under top-k sharing "sharing", a layer that runs its
+    indexer (`FusedQKTopKWithSparseLossFunc`, then `FusedSparseAttentionFunc`), or "reusing", one that reads the top
+    k of the last that did (`FusedSparseAttentionFunc` alone)."""
 
     b: int
     s: int
@@ -214,6 +250,7 @@ class _Shape:
     index_heads: int
     index_width: int
     kept: int
+    path: str = "fused"
 
     @property
     def key_width(self) -> int:
@@ -232,37 +269,42 @@ class _Shape:
         k, s = self.kept, self.s
         return self.b * (k * (k + 1) // 2 + (s - k) * k)
 
+    @property
+    def backward_heads(self) -> int:
+        """The indexer heads cuDNN's indexer backward runs: at least 64 (dsa_cudnn_kernels.py
+        `_pad_indexer_heads_for_backward`, "cuDNN backward kernels that require at least 64 heads")."""
+        return max(self.index_heads, BACKWARD_INDEXER_HEADS)
+
     def rows(self, *width: int) -> tuple[int, ...]:
         """A tensor of `width` a token (the indices, the kept scores: (b, s, k))."""
         return (self.b, self.s, *width)
 
 
+# The indexer heads cuDNN's indexer backward takes at least (`_Shape.backward_heads`)
+BACKWARD_INDEXER_HEADS = 64
+
+
 class _SparseAttention(torch.autograd.Function):
-    """Megatron-core's fused DSA path on the cuDNN backend with the sparse indexer loss (dsa_cudnn_kernels.py
-    `FusedIndexerSparseAttnFunc`), kernel by kernel: see the module's docstring."""
+    """Megatron-core's DSA on the cuDNN backend with the sparse indexer loss (dsa_cudnn_kernels.py at d98e8a64), kernel
+    by kernel on the path its `_Shape` names: see the module's docstring."""
 
     @staticmethod
-    def forward(ctx: Any, shape: _Shape, query: torch.Tensor, key: torch.Tensor, index_q: torch.Tensor,
-                index_k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        s, pairs = shape, shape.kept_pairs
-        (scores,) = _kernel("dsa_indexer_forward", (index_q, index_k, weights), [((s.b, s.s, s.s), F32)],
-                            flops=2 * s.index_heads * s.index_width * s.causal_pairs)
-        causal = scores.view(-1)[:s.causal_pairs]  # the top-k reads each row's causal prefix
-        indices, kept = _kernel("dsa_indexer_top_k", (causal,), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
-        indices, kept = _kernel("dsa_topk_compact", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
-        (indices,) = _kernel("dsa_topk_sort", (indices,), [(s.rows(s.kept), I32)])
-        out, lse = _kernel("flash_mla_sparse_fwd", (query, key, indices),
-                           [(s.rows(s.H, s.latent), query.dtype), (s.rows(s.H), F32)],
-                           flops=2 * s.H * (s.key_width + s.latent) * pairs)
-        (predicted,) = _kernel("dsa_indexer_log_softmax", (kept,), [(s.rows(s.kept), F32)])
-        (target,) = _kernel("sparse_attn_score_recompute", (query, key, lse, indices), [(s.rows(s.kept), F32)],
-                            flops=2 * s.H * s.key_width * pairs)
-        (target,) = _kernel("dsa_indexer_target_normalize", (target,), [(s.rows(s.kept), F32)])
-        _kernel("dsa_indexer_kl", (target, predicted), [(s.rows(), F32)])
-        gradients = _kernel("dsa_indexer_backward", (index_q, weights, index_k, target, predicted, indices),
-                            [(t.shape, t.dtype) for t in (index_q, index_k, weights)],
-                            flops=6 * s.index_heads * s.index_width * pairs)
-        (saved_indices,) = _kernel("clamp_min", (indices,), [(indices.shape, I32)])  # a copy, the loss being on
+    def forward(ctx: Any, shape: _Shape, query: torch.Tensor, key: torch.Tensor, *indexer: torch.Tensor
+                ) -> torch.Tensor:
+        s = shape
+        if s.path == "reusing":  # the top k the last indexing layer kept, held there (a view: none of its own here)
+            indices, gradients = key.new_empty((), dtype=I32).expand(s.rows(s.kept)), ()
+        elif s.path == "fused":
+            indices, kept = _fused_top_k(s, *indexer)
+            out, lse = _sparse_forward(s, query, key, indices)
+            gradients = _indexer_loss(s, query, key, lse, indices, kept, *indexer)
+        else:  # FlashMLA's forward for the loss's log-sum-exp alone, its output dropped, then the attention's own
+            indices, kept = _top_k_per_head(s, *indexer)
+            _, lse = _sparse_forward(s, query, key, indices, "flash_mla_sparse_fwd_lse")
+            gradients = _indexer_loss(s, query, key, lse, indices, kept, *indexer)
+        if s.path != "fused":
+            out, lse = _sparse_forward(s, query, key, indices)
+        (saved_indices,) = _kernel("clamp_min", (indices,), [(s.rows(s.kept), I32)])  # a copy the backward keeps
         ctx.shape = shape
         ctx.save_for_backward(query, key, saved_indices, out, lse, *gradients)
         return out
@@ -271,11 +313,98 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         s = ctx.shape
         query, key, indices, out, lse, *gradients = ctx.saved_tensors
-        rows = _kernel("index_select", (query, out, grad, lse, indices),
-                       [(t.shape, t.dtype) for t in (query, out, grad, lse, indices)])  # the rows' compaction
+        rows = (query, out, grad, lse, indices)
+        # a zero row appended to each, then the rows with keys taken (`_run_sparse_attention_backward`)
+        for copy in ("cat", "index_select"):
+            rows = _kernel(copy, rows, [(t.shape, t.dtype) for t in rows])
         dq, dkv = _kernel("sparse_attention_backward", (*rows[:2], key, *rows[2:]),
                           [(query.shape, query.dtype), (key.shape, key.dtype)],
                           flops=2 * s.H * (3 * s.key_width + 2 * s.latent) * s.kept_pairs)
         (dq,) = _kernel("index_copy", (dq,), [(query.shape, query.dtype)])
         scaled = [_kernel("mul", (g,), [(g.shape, g.dtype)])[0] for g in gradients]
         return None, dq, dkv, *scaled
+
+
+def _fused_top_k(s: _Shape, index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused path's top k (`FusedIndexerSparseAttnFunc`): cuDNN's indexer scores the causal pairs into an [s, s]
+    float32 buffer, the top k of each row's causal prefix taken, the kept indices compacted and sorted; the indices
+    and the kept scores."""
+    (scores,) = _kernel("dsa_indexer_forward", (index_q, index_k, weights), [((s.b, s.s, s.s), F32)],
+                        flops=2 * s.index_heads * s.index_width * s.causal_pairs)
+    causal = scores.view(-1)[:s.causal_pairs]  # the top-k reads each row's causal prefix
+    indices, kept = _kernel("dsa_indexer_top_k", (causal,), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
+    indices, kept = _kernel("dsa_topk_compact", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
+    (indices,) = _kernel("dsa_topk_sort", (indices,), [(s.rows(s.kept), I32)])
+    return indices, kept
+
+
+def _top_k_per_head(s: _Shape, index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k of an indexing layer under top-k sharing (`FusedQKTopKWithSparseLossFunc`), which keeps its rows'
+    causal bounds, so scores every row by PyTorch rather than cuDNN's indexer (dsa_cudnn_kernels.py
+    `_compute_indexer_scores_chunk_with_global_rows`): the key in float32, a float32 [s, s] buffer zeroed, then a
+    head at a time its query in float32, a float32 product over the whole square (2·D_I a pair; TF32's under NGC's
+    containers, `TF32_PRODUCT_KERNELS`), relu, its weight in float32 and the scores scaled and added in; the keys past
+    each row masked in place and again out of place (`apply_starts_ends_mask_to_scores`); cuDNN's top k with its
+    values, both concatenated, checked in bounds, compacted, compacted again and sorted (`_prepare_attention_topk_
+    indices`). The indices and the kept scores."""
+    square = (s.b, s.s, s.s)
+    (key,) = _kernel("copy", (index_k,), [((s.b, s.index_width, s.s), F32)])
+    with _one_kernel("zero_", ()):  # reads nothing, writes the buffer
+        scores = key.new_empty(square)
+        _kernel_writes(scores)
+    for _ in range(s.index_heads):
+        (query,) = _kernel("copy", (index_q,), [(s.rows(s.index_width), F32)])
+        (head,) = _kernel("bmm_fp32", (query, key), [(square, F32)], flops=2 * s.index_width * s.b * s.s * s.s)
+        _kernel("relu_", (head,), [], into=(head,))
+        (weight,) = _kernel("copy", (weights,), [(s.rows(), F32)])
+        _kernel("mul_", (head, weight), [], into=(head,))
+        _kernel("add_", (scores, head), [], into=(scores,))
+        del head
+    _kernel("masked_fill_", (scores,), [], into=(scores,))
+    (masked,) = _kernel("masked_fill", (scores,), [(square, F32)])
+    indices, kept = _kernel("dsa_indexer_top_k", (masked,), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
+    del scores, masked
+    indices, kept = _kernel("cat", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
+    indices, kept = _kernel("dsa_topk_in_bounds", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
+    for _ in range(2):
+        indices, kept = _kernel("dsa_topk_compact", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
+    (indices,) = _kernel("dsa_topk_sort", (indices,), [(s.rows(s.kept), I32)])
+    return indices, kept
+
+
+def _sparse_forward(s: _Shape, query: torch.Tensor, key: torch.Tensor, indices: torch.Tensor,
+                    name: str = "flash_mla_sparse_fwd") -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's sparse forward over the kept pairs (2·H·(576 + 512) FLOPs a pair): its output and log-sum-exp."""
+    return tuple(_kernel(name, (query, key, indices), [(s.rows(s.H, s.latent), query.dtype), (s.rows(s.H), F32)],
+                         flops=2 * s.H * (s.key_width + s.latent) * s.kept_pairs))
+
+
+def _indexer_loss(s: _Shape, query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, indices: torch.Tensor,
+                  kept: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor
+                  ) -> list[torch.Tensor]:
+    """The indexer's sparse loss and its gradients (`_compute_sparse_indexer_loss_and_grads`, which both paths call):
+    the log-softmax of the kept scores, the attention's distribution over the kept keys recomputed from FlashMLA's
+    log-sum-exp (2·H·576 a pair), normalised, the KL; the indexer's query and weights padded to 64 heads where it has
+    fewer, and cuDNN's indexer backward over every one of the k slots of each query (it takes no top-k length) and
+    the padded heads, 6·max(H_I, 64)·D_I·b·s·k, its gradients sliced back to the indexer's heads. The gradients of
+    the indexer's query, key and weights, which the backward scales."""
+    (predicted,) = _kernel("dsa_indexer_log_softmax", (kept,), [(s.rows(s.kept), F32)])
+    (target,) = _kernel("sparse_attn_score_recompute", (query, key, lse, indices), [(s.rows(s.kept), F32)],
+                        flops=2 * s.H * s.key_width * s.kept_pairs)
+    (target,) = _kernel("dsa_indexer_target_normalize", (target,), [(s.rows(s.kept), F32)])
+    _kernel("dsa_indexer_kl", (target, predicted), [(s.rows(), F32)])
+    padded = s.backward_heads != s.index_heads
+    read_q, read_w = index_q, weights
+    if padded:
+        read_q, read_w = _kernel("dsa_indexer_pad_heads", (index_q, weights),
+                                 [(s.rows(s.backward_heads, s.index_width), index_q.dtype),
+                                  (s.rows(s.backward_heads), weights.dtype)])
+    gradients = _kernel("dsa_indexer_backward", (read_q, read_w, index_k, target, predicted, indices),
+                        [(read_q.shape, read_q.dtype), (index_k.shape, index_k.dtype), (read_w.shape, read_w.dtype)],
+                        flops=6 * s.backward_heads * s.index_width * s.b * s.s * s.kept)
+    if padded:
+        gradients[0], gradients[2] = _kernel("dsa_indexer_slice_heads", (gradients[0], gradients[2]),
+                                             [(t.shape, t.dtype) for t in (index_q, weights)])
+    return gradients

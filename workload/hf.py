@@ -47,7 +47,7 @@ from torch import nn
 from ..units import count_text
 from . import data
 from .count import attention_window, fused_attention, is_norm
-from .dsa import INDEXERS, counted_sparse_attentions, is_sparse_attention
+from .dsa import INDEXERS, counted_sparse_attentions, is_sparse_attention, kept_keys, shares_top_k
 from .gdn import counted_delta_nets, is_gated_delta_net
 from .hfconfig import (
     EXPERT_FIELDS,
@@ -64,6 +64,7 @@ from .hfconfig import (
 from .mamba import counted_mixers, is_mamba2_mixer
 from .models import (
     BATCH,
+    FOLLOWS_PREVIOUS,
     MIXERS_ATTRIBUTE,
     Model,
     ModelError,
@@ -266,25 +267,44 @@ def _kept(indices: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return blocked.scatter(-1, indices.long(), 0.0).unsqueeze(1)
 
 
+class TopKHandoff:
+    """The top k the last sparse attention layer run returned, which transformers hands the next layer
+    (`prev_topk_indices`: GLM-5.2's layers of `indexer_types` "shared" attend to the keys the last layer that ran
+    its indexer kept), held between the decoder layers of one model as its forward passes from layer to layer; a
+    stage starts only at a layer that runs its indexer (`FOLLOWS_PREVIOUS`), which sets them before the layers
+    after it read them, so one stage's forward never reads another micro-batch's."""
+
+    def __init__(self) -> None:
+        self.indices: torch.Tensor | None = None
+
+
 class DecoderLayer(nn.Module):
     """One decoder layer of a transformers model, given its position embeddings by `rotary` (None: the layer
     has none, or makes its own), for its `layer_type` where the rotary module computes one per type (Gemma 3's
-    local and global layers rotate at their own bases), and causal attention."""
+    local and global layers rotate at their own bases), and causal attention; with a `handoff`, handed the top k
+    the layer before it kept and handing on its own (`TopKHandoff`)."""
 
     decoder_block = True  # what the count records (`LayerCount.decoder_block`)
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module | None, layer_type: str | None = None) -> None:
+    def __init__(self, layer: nn.Module, rotary: nn.Module | None, layer_type: str | None = None,
+                 handoff: TopKHandoff | None = None) -> None:
         super().__init__()
-        self.layer, self.rotary = layer, rotary
+        self.layer, self.rotary, self.handoff = layer, rotary, handoff
         typed = rotary is not None and "layer_type" in inspect.signature(type(rotary).forward).parameters
         self.rotary_options = {"layer_type": layer_type} if typed else {}
+        if handoff is not None and any(shares_top_k(module) for module in layer.modules()):
+            setattr(self, FOLLOWS_PREVIOUS, True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         given: dict[str, Any] = {"position_ids": positions}
         if self.rotary is not None:
             given["position_embeddings"] = self.rotary(hidden, positions, **self.rotary_options)
+        if self.handoff is not None:
+            given["prev_topk_indices"] = self.handoff.indices
         out = self.layer(hidden, attention_mask=None, **given)
+        if self.handoff is not None:
+            self.handoff.indices = out[1]
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -427,7 +447,7 @@ class MultiTokenPrediction(nn.Module):
         last = config.num_hidden_layers - 1
         kind = (getattr(config, "layer_types", None) or [None] * config.num_hidden_layers)[last]
         for _ in range(depth):
-            block = type(base.layers[-1])(config, last)
+            block = type(base.layers[-1])(_indexing(config, last), last)
             _as_megatron_block(block)
             self.modules_at.append(nn.ModuleDict({
                 "hnorm": copy.deepcopy(norm), "enorm": copy.deepcopy(norm),
@@ -445,6 +465,19 @@ class MultiTokenPrediction(nn.Module):
             logits = gating_linear(at["norm"](state), head, state.dtype)
             loss = loss + self.criterion(logits, tokens.roll(-k - 1, dims=1))
         return _WithLoss.apply(hidden, loss)
+
+
+def _indexing(config: Any, index: int) -> Any:
+    """`config` with its layer `index` running its own indexer: Megatron-core numbers a multi-token-prediction
+    module's layer 1 (multi_token_prediction.py `MultiTokenPredictionLayer`, d98e8a64), and under top-k sharing its
+    first layers up to the offset each compute their own (dsa.py `is_dsa_skip_topk_layer`), so the module's
+    sparse attention runs its indexer where the main model's last layer (GLM-5.2's) reuses an earlier one's."""
+    types = getattr(config, "indexer_types", None)
+    if not types or types[index] != "shared":
+        return config
+    indexing = copy.copy(config)
+    indexing.indexer_types = [*types[:index], "full", *types[index + 1:]]
+    return indexing
 
 
 def _experts_implementation(experts: int | None) -> dict[str, str]:
@@ -601,21 +634,16 @@ def _check_dense_attention(settings: Any, where: str) -> None:
 
 def _check_sparse_attention(model: nn.Module, where: str) -> int | None:
     """The keys a query keeps in `model`'s sparse attention layers (None: it has none), each laid out as
-    workload/dsa.py counts them; a layer that reuses an earlier layer's top k (GLM-5's `indexer_types` "shared",
-    its top-k sharing) is refused: it takes them from the layer before, across pipesim's cut between layers."""
+    workload/dsa.py counts them, those that reuse an earlier layer's top k (GLM-5.2's `indexer_types` "shared")
+    included."""
     attentions = [module for module in model.modules() if hasattr(module, "indexer")]
     if not attentions:
         return None
-    shared = [module for module in attentions if module.indexer is None]
-    if shared:
-        raise ModelError(f"{where}: {count_text(len(shared), 'layer')} of its sparse attention reuse the keys an "
-                         "earlier layer's indexer kept (indexer_types \"shared\", top-k sharing), which pipesim does "
-                         "not count yet: give a config whose layers each index (\"full\")")
     unknown = next((module for module in attentions if not is_sparse_attention(module)), None)
     if unknown is not None:
         raise ModelError(f"{where}: its sparse attention ({type(unknown).__name__}) is laid out as no DSA layer "
                          "pipesim counts (DeepSeek-V3.2's and GLM-5's MLA with their indexer)")
-    return attentions[0].indexer.index_topk
+    return kept_keys(attentions[0])
 
 
 def _figure(settings: Any, field: str, where: str) -> Any:
@@ -707,7 +735,8 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     for block in blocks:
         _as_megatron_block(block)
     cap = getattr(model.config, "final_logit_softcapping", None)
-    layers = [DecoderLayer(block, rotary, kind) for block, kind in zip(blocks, types)]
+    handoff = TopKHandoff() if any(shares_top_k(module) for module in base.modules()) else None
+    layers = [DecoderLayer(block, rotary, kind, handoff) for block, kind in zip(blocks, types)]
     if any(is_mamba2_mixer(module) or is_gated_delta_net(module)  # a hybrid's: each its mixers
            for block in blocks for module in block.modules()):
         for layer, block in zip(layers, blocks):

@@ -373,6 +373,10 @@ GPT_SIZES = DEFAULT_SIZES["gpt"]
 # attention, - an MLP, E a mixture of experts: hybrid_override_pattern), which its name carries in brackets
 # (`Model.layer_names`: 1:DecoderLayer[M]); a pipeline cut by blocks reads the name before them (planning/scenario.py)
 MIXERS_ATTRIBUTE = "mixers"
+# The attribute that marks a layer no pipeline stage may start at: it reads what the layer before it left beside the
+# residual stream (a sparse attention reusing the top k an earlier layer's indexer kept: workload/hf.py
+# `TopKHandoff`), which no stage boundary passes on (profiles/partition.py `starts_refusal`)
+FOLLOWS_PREVIOUS = "follows_previous"
 
 
 def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], heads: int = GPT_SIZES["heads"],
