@@ -219,11 +219,13 @@ def searched_partition(layers: Sequence[LayerCost], stages: int, fits: Callable[
     limits = np.unique(ms[np.isfinite(ms) & (ms >= least)])
 
     def cut_within(limit: float) -> list[int] | None:
-        fewest = np.full(n + 1, math.inf)  # [j]: the fewest stages within `limit` that cover layers j .. n-1
+        # [j]: the fewest stages within `limit` that cover layers j .. n-1, the least over the stops a stage from j
+        # reaches (the farthest alone is not it where a stage may not start at every layer)
+        fewest = np.full(n + 1, math.inf)
         fewest[n] = 0
         for j in range(n - 1, -1, -1):
-            reach = np.flatnonzero(ms[j, j + 1:] <= limit)
-            fewest[j] = 1 + fewest[j + 1 + reach[-1]] if len(reach) else math.inf
+            reach = ms[j, j + 1:] <= limit
+            fewest[j] = 1 + fewest[j + 1:][reach].min() if reach.any() else math.inf
         bounds, tried = [0], 0
 
         def extend(k: int) -> bool:
@@ -277,9 +279,10 @@ def leanest_partition(layers: Sequence[LayerCost], stages: int,
     """The split whose fullest stage holds the least memory (by `stage_bytes`, default 1F1B's), and those
     bytes: what to fall back on, and to report, when no split fits a cap."""
     n = _check_starts(layers, stages)
-    barred = _stage_blocks(n, stages, _starting(layers, lambda k: np.zeros((n + 1, n + 1))), 0.0)
+    none = np.zeros((n + 1, n + 1))
+    barred = _starting(layers, lambda k: none)
     return _min_max_split(n, stages, _stage_blocks(n, stages, stage_bytes or _one_f_one_b_bytes(layers, stages)),
-                          barred)
+                          None if barred(0) is none else _stage_blocks(n, stages, barred, 0.0))
 
 
 def equal_blocks(kinds: Sequence[str], stages: int) -> list[int]:
@@ -443,40 +446,48 @@ def _check(layers: Sequence, stages: int) -> int:
     return n
 
 
+# Why a layer may start no stage (`LayerCost.follows_previous`), as every refusal of such a cut says it
+FOLLOWS_WHY = "reuses the top k a sparse attention before it kept, which no stage boundary passes on"
+
+
+def stage_starts(follows_previous: Sequence[bool]) -> list[int]:
+    """The layers a stage may start at: the first, and each that does not follow the layer before it (a sparse
+    attention reusing the top k a layer before it kept, GLM-5.2's; Megatron-core refuses a cut there:
+    experimental_attention_variant_module_specs.py `_validate_dsa_index_share_pipeline_split`, d98e8a64)."""
+    return [i for i, follows in enumerate(follows_previous) if not follows or i == 0]
+
+
 def starts_refusal(follows_previous: Sequence[bool], bounds: Sequence[int]) -> str | None:
-    """Why a cut at `bounds` is refused (None: it is not): a stage would start at a layer that reads what the
-    layer before it left beside the stream (`follows_previous`: a DSA layer reusing the top k an earlier layer's
-    indexer kept, GLM-5.2's), which no stage boundary passes on; Megatron-core refuses such a cut
-    (experimental_attention_variant_module_specs.py `_validate_dsa_index_share_pipeline_split`, d98e8a64)."""
+    """Why a cut at `bounds` is refused (None: it is not): a stage would start at a layer no stage may start at."""
     barred = next((start for start in bounds[1:-1] if follows_previous[start]), None)
     if barred is None:
         return None
-    return (f"a stage would start at layer {barred}, which reads the top k an earlier layer of its stage kept (a "
-            "sparse attention sharing its indexer's keys); no stage boundary passes them on: start each stage at a "
-            f"layer that runs its own indexer ({_starts_text(follows_previous)})")
+    return (f"a stage would start at layer {barred}, which {FOLLOWS_WHY}: start each stage at one of the "
+            f"{_starts_text(follows_previous)}")
 
 
 def _starts_text(follows_previous: Sequence[bool]) -> str:
-    """How many layers a stage may start at, and the first of them."""
-    starts = [i for i, follows in enumerate(follows_previous) if not follows or i == 0]
+    """The layers a stage may start at, counted, the first of them named."""
+    starts = stage_starts(follows_previous)
     shown = ", ".join(map(str, starts[:8])) + (", ..." if len(starts) > 8 else "")
-    return f"{len(starts)} of the {len(follows_previous)} layers may: {shown}"
+    return f"{len(starts)} of the {len(follows_previous)} layers that may ({shown})"
 
 
 def _check_starts(layers: Sequence[LayerCost], stages: int) -> int:
-    """`_check`, and refused where fewer layers than stages may start one (`starts_refusal`)."""
+    """`_check`, and refused where fewer layers than stages may start one (`stage_starts`)."""
     n = _check(layers, stages)
-    follows = [False] + [layer.follows_previous for layer in layers[1:]]  # the first stage starts at the first
-    if follows.count(False) < stages:
-        raise PartitionError(f"{stages} stages, but a stage may start at few of the model's layers: "
-                             f"{_starts_text(follows)}")
+    follows = [layer.follows_previous for layer in layers]
+    if len(stage_starts(follows)) < stages:
+        raise PartitionError(f"{stages} stages, but a stage may start only at the {_starts_text(follows)}; the others "
+                             f"each {FOLLOWS_WHY}")
     return n
 
 
 def _starting(layers: Sequence[LayerCost], stage_time: StageCosts) -> StageCosts:
-    """`stage_time` with every range that starts at a layer no stage may start at (`LayerCost.follows_previous`)
-    infinitely slow, so that every search here cuts only where a stage may start; itself where every layer may."""
-    barred = [i for i, layer in enumerate(layers) if layer.follows_previous and i]  # the first stage starts at 0
+    """`stage_time` with every range that starts at a layer no stage may start at (`stage_starts`) infinitely slow,
+    so that every search here cuts only where a stage may start; itself where every layer may."""
+    starts = set(stage_starts([layer.follows_previous for layer in layers]))
+    barred = [i for i in range(len(layers)) if i not in starts]
     if not barred:
         return stage_time
 

@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import Any, Literal, NamedTuple
 
 from ..units import count_text
+from .partition import FOLLOWS_WHY, stage_starts
 
 HF_PREFIX = "hf:"  # --model hf:PATH counts a Hugging Face decoder from its config (workload/hfconfig.py)
 
@@ -22,9 +23,10 @@ def is_hf(model: str) -> bool:
 
 
 def most_stages(layers: Sequence[Any]) -> int:
-    """The most stages `layers` (a count's or a profile's, each with `follows_previous`) can be cut into: one at each
-    layer a stage may start at, the first and every one that does not follow the layer before it."""
-    return 1 + sum(not layer.follows_previous for layer in layers[1:])
+    """The most stages `layers` (a count's, a profile's or a model's, `FOLLOWS_PREVIOUS` on those that follow the
+    layer before them) can be cut into: one at each layer a stage may start at (profiles/partition.py
+    `stage_starts`)."""
+    return len(stage_starts([bool(getattr(layer, "follows_previous", False)) for layer in layers]))
 
 
 def layers_text(layers: Sequence[Any]) -> str:
@@ -48,7 +50,7 @@ def too_few_layers(stages: str, model: str, options: Mapping[str, Any], layers: 
     whose = "the profile's " if profiled else ""
     if starts is not None and starts < layers:
         return (f"{stages}: {whose}{model}{blocks} has {layers} layers in all, {starts} of which may start a stage "
-                f"(the others read the top k a layer before them kept); give at most {starts} stages")
+                f"(each other {FOLLOWS_WHY}); give at most {starts} stages")
     return (f"{stages}: {whose}{model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs "
             "at least one layer)")
 
@@ -86,9 +88,9 @@ SPARSE_ATTENTION_KERNELS = ("dsa_indexer_forward", "flash_mla_sparse_fwd", "flas
 # run for its log-sum-exp alone), which Megatron-core computes only where torch.is_grad_enabled() (dsa.py
 # `use_indexer_loss`), so under full recomputation in the rerun alone, not in the first, checkpointed forward
 # (tensor_parallel/random.py runs it under torch.no_grad())
-GRAD_ONLY_KERNELS = ("flash_mla_sparse_fwd_lse", "dsa_indexer_log_softmax", "sparse_attn_score_recompute",
-                     "dsa_indexer_target_normalize", "dsa_indexer_kl", "dsa_indexer_pad_heads", "dsa_indexer_backward",
-                     "dsa_indexer_slice_heads")
+GRAD_ONLY_KERNELS = ("dsa_topk_prepare", "flash_mla_sparse_fwd_lse", "dsa_indexer_log_softmax",
+                     "sparse_attn_score_recompute", "dsa_indexer_target_normalize", "dsa_indexer_kl",
+                     "dsa_indexer_pad_heads", "dsa_indexer_backward", "dsa_indexer_slice_heads")
 # Products of float32 tensors that PyTorch runs as TF32 on the tensor cores in NVIDIA's NGC containers, where Megatron's
 # recipes run (their layer ENV TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 overrides torch's default of full float32): the
 # per-head scores of a DSA indexer under top-k sharing (workload/dsa.py `_top_k_per_head`), at the part's TF32 peak

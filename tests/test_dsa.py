@@ -249,26 +249,29 @@ def test_glm_5_has_the_tensor_bytes_megatron_bridges_card_verified():
     assert sum(layer.param_bytes for layer in counted.layers) + 75 * 256 * 4 == 1_487_822_475_264
 
 
-def test_under_top_k_sharing_a_layer_scores_by_head_in_float32_and_the_next_reads_its_keys(tmp_path):
+@pytest.mark.parametrize("seq_len", [S, TOP // 2])
+def test_under_top_k_sharing_a_layer_scores_by_head_in_float32_and_the_next_reads_its_keys(tmp_path, seq_len):
     """Under top-k sharing Megatron-core leaves the fused path (dsa.py: `not self.index_share`). A layer that runs its
     indexer scores the whole square a head at a time in float32 (2·DI·s² a head: `bmm_fp32`, which TF32 runs) and runs
-    FlashMLA's forward twice, once for the loss's log-sum-exp alone; a layer that shares its keys runs FlashMLA's
-    forward and the sparse backward alone, keeps its own copy of the indices, and no stage may start at it."""
+    FlashMLA's forward twice, once for the loss's log-sum-exp alone; its top k padded back to k slots at fewer tokens
+    (`_pad_topk_result`), over which the indexer's backward runs; a layer that shares its keys runs FlashMLA's forward
+    and the sparse backward alone, keeps its own copy of the indices, and no stage may start at it."""
     folder = write_config(tmp_path / "glm52", GLM52)
-    counted = count_built(f"hf:{folder}", {"seq_len": S}, 1, torch.bfloat16, "flash")
+    counted = count_built(f"hf:{folder}", {"seq_len": seq_len}, 1, torch.bfloat16, "flash")
     assert [layer.follows_previous for layer in counted.layers] == [False, False, True, False, True, False, False]
     indexing, reusing = counted.layers[3], counted.layers[4]
-    k, pairs = TOP, TOP * (TOP + 1) // 2 + (S - TOP) * TOP
+    s, k = seq_len, min(TOP, seq_len)
+    pairs = k * (k + 1) // 2 + (s - k) * k
     heads = [op for op in indexing.ops["fwd"] if op.op == "bmm_fp32"]
-    assert [(op.count, op.flops) for op in heads] == [(HI, 2 * DI * S * S)]
+    assert [(op.count, op.flops) for op in heads] == [(HI, 2 * DI * s * s)]
     assert {name: op.flops for name, op in _kernels(indexing, "fwd").items() if name != "bmm_fp32"} == {
         "flash_mla_sparse_fwd_lse": 2 * H * (L + R + L) * pairs, "flash_mla_sparse_fwd": 2 * H * (L + R + L) * pairs,
-        "sparse_attn_score_recompute": 2 * H * (L + R) * pairs, "dsa_indexer_backward": 6 * 64 * DI * S * k}
+        "sparse_attn_score_recompute": 2 * H * (L + R) * pairs, "dsa_indexer_backward": 6 * 64 * DI * s * TOP}
     assert {name: op.flops for name, op in _kernels(reusing, "fwd").items()} == {
         "flash_mla_sparse_fwd": 2 * H * (L + R + L) * pairs}
     assert _kernels(reusing, "igrad").keys() == _kernels(indexing, "igrad").keys() == {"sparse_attention_backward"}
     assert not [op for op in reusing.ops["fwd"] if op.op.startswith("dsa_")]
-    indices = ((1, S, TOP), 4 * S * TOP)  # int32, the copy each layer's sparse attention keeps for its backward
+    indices = ((1, s, TOP), 4 * s * TOP)  # int32, the copy each layer's sparse attention keeps for its backward
     assert indices in reusing.saved_tensors and indices in indexing.saved_tensors
 
 
@@ -305,8 +308,9 @@ def test_a_stage_starts_only_at_a_layer_that_runs_its_indexer(tmp_path, layout, 
         assert code == 0, err
         return
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
-    assert f"a stage would start at layer {refused_at}, which reads the top k an earlier layer of its stage kept" in err
-    assert err.rstrip().endswith("(5 of the 7 layers may: 0, 1, 3, 5, 6)"), err
+    assert (f"a stage would start at layer {refused_at}, which reuses the top k a sparse attention before it kept, "
+            "which no stage boundary passes on: start each stage at one of the 5 of the 7 layers that may (0, 1, 3, 5, "
+            "6)") in err, err
     assert not (tmp_path / "t.html").exists()
 
 
@@ -316,7 +320,7 @@ def test_the_executor_refuses_a_cut_that_starts_a_stage_at_a_layer_that_shares(t
 
     spec = RunSpec(build("1f1b", 2, 2, 1), f"hf:{write_config(tmp_path / 'glm52', GLM52)}", {"seq_len": S},
                    microbatch_size=1, bounds=[0, 2, 7])
-    with pytest.raises(ExecutorError, match="cut at layers \\[0, 2, 7\\]: a stage would start at layer 2"):
+    with pytest.raises(ExecutorError, match=r"cut at layers \[0, 2, 7\]: a stage would start at layer 2, which reuses"):
         cut(spec)
 
 
@@ -335,13 +339,13 @@ def test_a_float32_product_runs_at_the_parts_tf32_peak():
 def test_count_says_where_a_stage_may_start_and_simulate_refuses_more_stages_than_that(tmp_path):
     model = f"hf:{write_config(tmp_path / 'glm52', GLM52)}"
     code, _, err = pipesim("count", "--model", model, "--seq-len", S)
-    assert code == 0 and "a stage may start at 5 of the 7 layers: not at 2, 4, which reuse the top k the layer " \
-                          "before them kept" in err, err
+    assert code == 0 and "a stage may start at 5 of the 7 layers, not at 2, 4: each reuses the top k a sparse " \
+                          "attention before it kept" in err, err
     code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", S, "-b", 1, "-p", 6,
                              "-s", "1f1b")
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
-    assert "has 7 layers in all, 5 of which may start a stage (the others read the top k a layer before them kept); " \
-           "give at most 5 stages" in err, err
+    assert "has 7 layers in all, 5 of which may start a stage (each other reuses the top k a sparse attention before " \
+           "it kept, which no stage boundary passes on); give at most 5 stages" in err, err
 
 
 def test_tune_cuts_a_top_k_sharing_model_only_where_a_stage_may_start(tmp_path):

@@ -50,7 +50,7 @@ def test_a_config_that_is_not_there_names_the_nearest_that_is(model, hint, monke
 
 
 @pytest.mark.parametrize("model, folders", [
-    ("hf:examples", "examples holds no config.json; its folders that do: deepseek-v3, deepseek-v3.2, glm-5, "
+    ("hf:examples", "examples holds no config.json; its folders that do: deepseek-v3, deepseek-v3.2, glm-5, glm-5.2, "
                     "gpt-oss-120b, gpt-oss-20b, kimi-k2, llama3.1-405b, llama3.1-70b, llama3.1-8b, "
                     "llama4-maverick-17b-128e, mixtral-8x22b, mixtral-8x7b, nemotron-3-nano-30b-a3b, qwen3-235b-a22b, "
                     "qwen3-30b-a3b, qwen3-next-80b-a3b (give hf:examples/NAME)"),

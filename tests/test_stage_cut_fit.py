@@ -59,9 +59,9 @@ def test_the_mirrored_cut_is_the_fastest_of_every_cut_that_fits():
         want = _fastest_fitting(n, stages, ms, stage_bytes, cap)
         if want == math.inf:
             with pytest.raises(PartitionError, match=f"no cut of {n} layers into {stages} stages fits"):
-                mirrored_partition([None] * n, stages, pair_bytes, lambda k: ms)
+                mirrored_partition([LayerCost(0.0, 0, 0)] * n, stages, pair_bytes, lambda k: ms)
             continue
-        cut = mirrored_partition([None] * n, stages, pair_bytes, lambda k: ms)
+        cut = mirrored_partition([LayerCost(0.0, 0, 0)] * n, stages, pair_bytes, lambda k: ms)
         assert cut[0] == 0 and cut[-1] == n and len(cut) == stages + 1 and all(np.diff(cut) > 0)
         assert max(ms[i, j] for i, j in itertools.pairwise(cut)) == want
         assert _fullest_pair(list(itertools.pairwise(cut)), stage_bytes) <= cap

@@ -1,30 +1,30 @@
-"""DeepSeek Sparse Attention (DSA: the attention of DeepSeek-V3.2, GLM-5 and GLM-5.2, transformers'
-DeepseekV32Attention and GlmMoeDsaAttention) counted on the meta device as Megatron-core trains it.
+"""DeepSeek Sparse Attention (DSA: the attention of DeepSeek-V3.2, GLM-5 and GLM-5.2, transformers' DeepseekV32Attention
+and GlmMoeDsaAttention) counted on the meta device as Megatron-core trains it.
 
 A DSA layer is MLA whose queries each attend to `index_topk` keys (2,048) that a lightning indexer picks: a few heads
 (64 of 128 channels at DeepSeek-V3.2) score every earlier key, sum_h w_h·relu(q_h·k), and the top k are kept.
 Transformers computes it as dense attention under a mask, and its indexer's [s, s] scores in float32. Megatron-core
 (Megatron-LM d98e8a64 megatron/core/transformer/experimental_attention_variant/dsa.py, dsa_cudnn_kernels.py) trains it
 absorbed (`AbsorbedMLASelfAttention`: MQA over the 576-channel latent, the value the first 512, the key up-projection
-folded into the query and the value's applied after attention), with the cuDNN backend Megatron-Bridge's GLM-5
-recipes select (`dsa_kernel_backend = "cudnn"`) and their bridge's indexer loss (glm5_bridge.py: a KL divergence of
-the indexer's distribution from the attention's over the kept keys, coefficient 0.001, the indexer's inputs
-detached, so no gradient reaches the model through it). So on the meta device a DSA layer runs, per micro-batch of
-b sequences of s tokens, H heads, an indexer of H_I heads of D_I channels, k kept keys, and P = b·sum_i min(k, i+1)
-query-key pairs kept:
+folded into the query and the value's applied after attention), with the cuDNN backend Megatron-Bridge's GLM-5 recipes
+select (`dsa_kernel_backend = "cudnn"`) and their bridge's indexer loss (glm5_bridge.py: a KL divergence of the
+indexer's distribution from the attention's over the kept keys, coefficient 0.001, the indexer's inputs detached, so no
+gradient reaches the model through it). So on the meta device a DSA layer runs, per micro-batch of b sequences of s
+tokens, H heads, an indexer of H_I heads of D_I channels, k kept keys, and P = b·sum_i min(k, i+1) query-key pairs kept:
 
-- the MLA projections and norms as transformers', the two absorptions as einsums of the key/value up-projection's
-  weight (their FLOPs those of the up-projection they replace);
+- the MLA projections and norms as transformers', the two absorptions as einsums of the key/value up-projection's weight
+  (their FLOPs those of the up-projection they replace);
 - the indexer's projections, norm and RoPE as transformers', on the detached hidden state and query latent (their
   backward computes weight gradients only), the Hadamard rotation of its query and key where Megatron-core applies it
   (`dsa_indexer_rotate_activation`, on by default, off in Megatron-Bridge's GLM-5 bridge);
 - `_SparseAttention`, the fused path (`FusedIndexerSparseAttnFunc`), kernel by kernel: the indexer's scores over the
-  causal pairs into an [s, s] float32 buffer (2·H_I·D_I FLOPs a pair), the top k of each row, the kept indices
-  compacted and sorted, FlashMLA's sparse forward (2·H·(576 + 512) FLOPs a kept pair), then the loss: the indexer's
-  log-softmax, the attention's distribution over the kept keys recomputed from the saved log-sum-exp (2·H·576 a pair),
-  its normalisation and the KL, and the indexer's backward, which cuDNN runs inside the forward (below), its
-  gradients saved. Its backward: the rows' compaction copies, the sparse attention's backward (2·H·(3·576 + 2·512) a
-  pair, out and the log-sum-exp saved), and the indexer's saved gradients scaled.
+  causal pairs into an [s, s] float32 buffer (2·H_I·D_I FLOPs a pair), the top k of each row, the kept indices compacted
+  (again where the loss is on: FlashMLA is handed no top-k length) and sorted, FlashMLA's sparse forward (2·H·(576 +
+  512) FLOPs a kept pair), then the loss: the indexer's log-softmax, the attention's distribution over the kept keys
+  recomputed from the saved log-sum-exp (2·H·576 a pair), its normalisation and the KL, and the indexer's backward,
+  which cuDNN runs inside the forward (below), its gradients saved. Its backward: the rows' compaction copies, the
+  sparse attention's backward (2·H·(3·576 + 2·512) a pair, out and the log-sum-exp saved), and the indexer's saved
+  gradients scaled.
 
 The indexer's backward takes no top-k length and at least 64 heads (dsa_cudnn_kernels.py
 `_pad_indexer_heads_for_backward`: GLM-5's 32 padded, the query and weights copied), so it computes 6·max(H_I, 64)·D_I
@@ -33,19 +33,20 @@ row appended, then the rows with keys selected) before cuDNN's kernel.
 
 Under top-k sharing (GLM-5.2: `indexer_types`, Megatron-core's `dsa_indexer_topk_freq` 4 from offset 3) Megatron-core
 leaves the fused path for every layer (dsa.py: `use_fused_kernels and not self.index_share`). A layer that runs its
-indexer keeps its rows' causal bounds, so cuDNN's indexer is not called: PyTorch scores the whole [s, s] square a
-head at a time in float32 (a product of 2·D_I a pair, which NVIDIA's containers run as TF32, then relu, the head's
-weight and the sum, each a pass over the square) and masks it twice; cuDNN's top k follows, compacted twice and
-sorted; FlashMLA's sparse forward runs once for the loss's log-sum-exp alone, its output dropped, the loss as above,
-then FlashMLA's forward again for the attention (`FusedQKTopKWithSparseLossFunc`, `FusedSparseAttentionFunc`). A
-layer that shares an earlier one's top k runs FlashMLA's forward and the sparse backward alone, keeping its own copy
-of the indices; no pipeline stage may start at it (workload/models.py `FOLLOWS_PREVIOUS`), since the top k is handed
-from layer to layer within a stage (dsa.py's holder; workload/hf.py `TopKHandoff`).
+indexer keeps its rows' causal bounds, so cuDNN's indexer is not called: PyTorch scores the whole [s, s] square a head
+at a time in float32 (a product of 2·D_I a pair, which NVIDIA's containers run as TF32, then relu, the head's weight and
+the sum, each a pass over the square) and masks it twice; cuDNN's top k follows, padded back to k slots where s is
+shorter, compacted (twice with the loss on, as on the fused path) and sorted; FlashMLA's sparse forward runs once for
+the loss's log-sum-exp alone, its output dropped, the loss as above, then FlashMLA's forward again for the attention
+(`FusedQKTopKWithSparseLossFunc`, `FusedSparseAttentionFunc`). A layer that shares an earlier one's top k runs
+FlashMLA's forward and the sparse backward alone, keeping its own copy of the indices; no pipeline stage may start at it
+(workload/models.py `FOLLOWS_PREVIOUS`), since the top k is handed from layer to layer within a stage (dsa.py's holder;
+workload/hf.py `TopKHandoff`).
 
-The loss's kernels run only with gradients on: under full recomputation in the rerun, not in the first,
-checkpointed forward (profiles/workload.py `GRAD_ONLY_KERNELS`, which the estimate prices so). Off the meta device
-a layer computes transformers' model (its indexer untrained, as transformers runs it under no_grad; the attention
-masked to the kept keys: workload/hf.py `counted_attention`)."""
+The loss's kernels run only with gradients on: under full recomputation in the rerun, not in the first, checkpointed
+forward (profiles/workload.py `GRAD_ONLY_KERNELS`, which the estimate prices so). Off the meta device a layer computes
+transformers' model (its indexer untrained, as transformers runs it under no_grad; the attention masked to the kept
+keys: workload/hf.py `counted_attention`)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -66,6 +67,8 @@ from .models import ModelError
 from .moe import NORM_APART, OPEN_REGIONS, _kernel_writes, _one_kernel
 
 I32 = torch.int32
+# The indexer heads cuDNN's indexer backward takes at least (`_Shape.backward_heads`)
+BACKWARD_INDEXER_HEADS = 64
 INDEXER_FIELDS = ("wq_b", "wk", "k_norm", "weights_proj", "n_heads", "head_dim", "index_topk", "softmax_scale")
 MLA_FIELDS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
@@ -194,7 +197,9 @@ def _absorbed(attention: nn.Module, hidden: torch.Tensor, position_embeddings: t
     path = "reusing" if reuses else "sharing" if "shared" in (getattr(attention.config, "indexer_types", None)
                                                              or ()) else "fused"
     index_heads, index_width = (0, 0) if reuses else (attention.indexer.n_heads, attention.indexer.head_dim)
-    shape = _Shape(b, s, heads, latent, rope, index_heads, index_width, min(kept_keys(attention), s), path)
+    # the fused path takes min(k, s) keys a query; the sharing path pads its top k back to k (`_pad_topk_result`)
+    kept = min(kept_keys(attention), s) if path == "fused" else kept_keys(attention)
+    shape = _Shape(b, s, heads, latent, rope, index_heads, index_width, kept, path)
     out = _SparseAttention.apply(shape, query, key, *indexer)
     out = torch.einsum("bshc,hdc->bshd", out, v_up).reshape(b, s, heads * value)
     return attention.o_proj(out)
@@ -236,11 +241,12 @@ class _Hadamard(torch.autograd.Function):
 @dataclass(frozen=True)
 class _Shape:
     """A DSA layer's sizes: b sequences of s tokens, H heads over a key latent of `latent` channels and a RoPE part of
-    `rope`, an indexer of `index_heads` heads of `index_width` (none on a layer reusing another's top k), `kept` keys a
-    query (k, at most s); and which of Megatron-core's paths runs it (`path`): "fused", the cuDNN path of a model
-    whose every layer indexes (`FusedIndexerSparseAttnFunc`); under top-k sharing "sharing", a layer that runs its
-    indexer (`FusedQKTopKWithSparseLossFunc`, then `FusedSparseAttentionFunc`), or "reusing", one that reads the top
-    k of the last that did (`FusedSparseAttentionFunc` alone)."""
+    `rope`, an indexer of `index_heads` heads of `index_width` (none on a layer reusing another's top k), `kept` top-k
+    slots a query (k; at most s on the fused path, whose top k takes min(k, s)); and which of Megatron-core's paths
+    runs it (`path`): "fused", the cuDNN path of a model whose every layer indexes (`FusedIndexerSparseAttnFunc`);
+    under top-k sharing "sharing", a layer that runs its indexer (`FusedQKTopKWithSparseLossFunc`, then
+    `FusedSparseAttentionFunc`), or "reusing", one that reads the top k of the last that did
+    (`FusedSparseAttentionFunc` alone)."""
 
     b: int
     s: int
@@ -250,7 +256,7 @@ class _Shape:
     index_heads: int
     index_width: int
     kept: int
-    path: str = "fused"
+    path: Literal["fused", "sharing", "reusing"] = "fused"
 
     @property
     def key_width(self) -> int:
@@ -266,7 +272,7 @@ class _Shape:
     def kept_pairs(self) -> int:
         """P: the pairs the sparse attention computes, each query with min(k, i + 1) keys (FlashMLA's
         `topk_length`)."""
-        k, s = self.kept, self.s
+        k, s = min(self.kept, self.s), self.s
         return self.b * (k * (k + 1) // 2 + (s - k) * k)
 
     @property
@@ -280,8 +286,9 @@ class _Shape:
         return (self.b, self.s, *width)
 
 
-# The indexer heads cuDNN's indexer backward takes at least (`_Shape.backward_heads`)
-BACKWARD_INDEXER_HEADS = 64
+# A stand-in for the top k a sharing layer reads where the layer that kept it holds them (one element, made before any
+# count, so that no layer's count makes or moves it; its expanded views read as many bytes as the indices)
+_HELD_INDICES = torch.empty((), dtype=I32, device="meta")
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -292,8 +299,8 @@ class _SparseAttention(torch.autograd.Function):
     def forward(ctx: Any, shape: _Shape, query: torch.Tensor, key: torch.Tensor, *indexer: torch.Tensor
                 ) -> torch.Tensor:
         s = shape
-        if s.path == "reusing":  # the top k the last indexing layer kept, held there (a view: none of its own here)
-            indices, gradients = key.new_empty((), dtype=I32).expand(s.rows(s.kept)), ()
+        if s.path == "reusing":  # the top k the last indexing layer kept, held there: no storage of this layer's
+            indices, gradients = _HELD_INDICES.expand(s.rows(s.kept)), ()
         elif s.path == "fused":
             indices, kept = _fused_top_k(s, *indexer)
             out, lse = _sparse_forward(s, query, key, indices)
@@ -334,9 +341,7 @@ def _fused_top_k(s: _Shape, index_q: torch.Tensor, index_k: torch.Tensor, weight
                         flops=2 * s.index_heads * s.index_width * s.causal_pairs)
     causal = scores.view(-1)[:s.causal_pairs]  # the top-k reads each row's causal prefix
     indices, kept = _kernel("dsa_indexer_top_k", (causal,), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
-    indices, kept = _kernel("dsa_topk_compact", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
-    (indices,) = _kernel("dsa_topk_sort", (indices,), [(s.rows(s.kept), I32)])
-    return indices, kept
+    return _compacted(s, indices, kept)
 
 
 def _top_k_per_head(s: _Shape, index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor
@@ -355,10 +360,10 @@ def _top_k_per_head(s: _Shape, index_q: torch.Tensor, index_k: torch.Tensor, wei
         scores = key.new_empty(square)
         _kernel_writes(scores)
     for _ in range(s.index_heads):
-        (query,) = _kernel("copy", (index_q,), [(s.rows(s.index_width), F32)])
+        (query,) = _kernel("copy", (index_q[:, :, 0],), [(s.rows(s.index_width), F32)])  # a head's
         (head,) = _kernel("bmm_fp32", (query, key), [(square, F32)], flops=2 * s.index_width * s.b * s.s * s.s)
         _kernel("relu_", (head,), [], into=(head,))
-        (weight,) = _kernel("copy", (weights,), [(s.rows(), F32)])
+        (weight,) = _kernel("copy", (weights[..., 0],), [(s.rows(), F32)])
         _kernel("mul_", (head, weight), [], into=(head,))
         _kernel("add_", (scores, head), [], into=(scores,))
         del head
@@ -368,8 +373,15 @@ def _top_k_per_head(s: _Shape, index_q: torch.Tensor, index_k: torch.Tensor, wei
     del scores, masked
     indices, kept = _kernel("cat", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
     indices, kept = _kernel("dsa_topk_in_bounds", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
-    for _ in range(2):
-        indices, kept = _kernel("dsa_topk_compact", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
+    return _compacted(s, indices, kept)
+
+
+def _compacted(s: _Shape, indices: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k's kept indices and scores compacted, compacted again where the loss is on (FlashMLA's forward is
+    handed no top-k length then: `_run_sparse_attention_forward`'s `_prepare_attention_topk_indices`, a grad-only
+    pass), and the indices sorted."""
+    indices, kept = _kernel("dsa_topk_compact", (indices, kept), [(s.rows(s.kept), I32), (s.rows(s.kept), F32)])
+    (indices,) = _kernel("dsa_topk_prepare", (indices,), [(s.rows(s.kept), I32)])
     (indices,) = _kernel("dsa_topk_sort", (indices,), [(s.rows(s.kept), I32)])
     return indices, kept
 
