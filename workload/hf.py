@@ -38,6 +38,7 @@ import inspect
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -267,6 +268,7 @@ def _kept(indices: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return blocked.scatter(-1, indices.long(), 0.0).unsqueeze(1)
 
 
+@dataclass
 class TopKHandoff:
     """The top k the last sparse attention layer run returned, which transformers hands the next layer
     (`prev_topk_indices`: GLM-5.2's layers of `indexer_types` "shared" attend to the keys the last layer that ran
@@ -274,8 +276,7 @@ class TopKHandoff:
     stage starts only at a layer that runs its indexer (`FOLLOWS_PREVIOUS`), which sets them before the layers
     after it read them, so one stage's forward never reads another micro-batch's."""
 
-    def __init__(self) -> None:
-        self.indices: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
