@@ -23,8 +23,9 @@ from torch import nn
 
 from ..profiles.partition import starts_refusal
 from ..profiles.schema import RECV_WINDOW
+from ..profiles.workload import follows_flags
 from ..schedules import Schedule, StageGraph
-from ..workload.models import BATCH, FOLLOWS_PREVIOUS, Model, build_model
+from ..workload.models import BATCH, Model, build_model
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -257,16 +258,11 @@ def _one_copy(schedule: Schedule) -> StageGraph:
     return graph if graph.copies == 1 else StageGraph(n, tuple(e for e in graph.edges if e[1] < n))
 
 
-def _follows(model: Model) -> list[bool]:
-    """Per layer of `model`, whether no stage may start at it (`FOLLOWS_PREVIOUS`)."""
-    return [bool(getattr(layer, FOLLOWS_PREVIOUS, False)) for layer in model.layers]
-
-
 def _route(model: Model, bounds: list[int], schedule: Schedule, follows: Sequence[bool]
            ) -> dict[tuple[int, int], set[int]]:
     """Per edge of one model copy's stage graph, the layer outputs it carries when `model`'s layers, wired by its
     `inputs`, are cut at `bounds`; ExecutorError where the stage graph cannot carry the cut, or where a stage would
-    start at a layer no stage may start at (`follows`, `_follows`)."""
+    start at a layer no stage may start at (`follows`: profiles/workload.py `follows_flags`)."""
     name, inputs = model.name, model.inputs
     refused = starts_refusal(follows, bounds)
     if refused is not None:
@@ -309,7 +305,7 @@ def carried_bounds(spec: RunSpec, layer_ms: Sequence[float] | None = None,
     A branching model cut as a chain (by a profile's partition, or evenly) may not fit a graph schedule's
     stages (GraphPipe's diamond): its branches must land on the graph's branches."""
     model = model if model is not None else spec.build_model()
-    layers, p, follows = len(model.layers), spec.schedule.graph.stages_per_copy, _follows(model)
+    layers, p, follows = len(model.layers), spec.schedule.graph.stages_per_copy, follows_flags(model.layers)
 
     def carries(bounds: Sequence[int]) -> bool:
         try:
@@ -361,7 +357,7 @@ def cut(spec: RunSpec, model: Model | None = None, outputs: LayerOutputs | None 
         bounds = list(default) if default is not None else even_bounds(layers, p)  # none: _route says why not
     else:
         bounds = check_bounds(spec.bounds, layers, p)
-    carried = _route(model, bounds, schedule, _follows(model))
+    carried = _route(model, bounds, schedule, follows_flags(model.layers))
     outputs = layer_outputs(spec, model) if outputs is None else outputs
     edge_dtypes = {}
     for edge, outs in carried.items():

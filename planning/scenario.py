@@ -41,7 +41,7 @@ from ..profiles.partition import (
     starts_refusal,
 )
 from ..profiles.partition import StageCosts as RangeCosts
-from ..profiles.workload import most_stages, too_few_layers
+from ..profiles.workload import follows_flags, most_stages, too_few_layers
 from ..schedules import (
     COLLECTIVE_KINDS,
     KIND_CODE,
@@ -1138,7 +1138,7 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
             return measured.partition.bounds
         return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages,
                          stage_time=profile_stage_time(measured), devices=devices)
-    refused = starts_refusal([layer.follows_previous for layer in measured.layers], bounds)
+    refused = starts_refusal(follows_flags(measured.layers), bounds)
     if refused is not None:
         raise CostError(f"--stage-cut {stage_cut}: {refused}")
     return bounds

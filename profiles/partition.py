@@ -279,10 +279,10 @@ def leanest_partition(layers: Sequence[LayerCost], stages: int,
     """The split whose fullest stage holds the least memory (by `stage_bytes`, default 1F1B's), and those
     bytes: what to fall back on, and to report, when no split fits a cap."""
     n = _check_starts(layers, stages)
-    none = np.zeros((n + 1, n + 1))
-    barred = _starting(layers, lambda k: none)
+    refused = (_stage_blocks(n, stages, _starting(layers, lambda k: np.zeros((n + 1, n + 1))), 0.0)
+               if _barred(layers) else None)
     return _min_max_split(n, stages, _stage_blocks(n, stages, stage_bytes or _one_f_one_b_bytes(layers, stages)),
-                          None if barred(0) is none else _stage_blocks(n, stages, barred, 0.0))
+                          refused)
 
 
 def equal_blocks(kinds: Sequence[str], stages: int) -> list[int]:
@@ -483,11 +483,16 @@ def _check_starts(layers: Sequence[LayerCost], stages: int) -> int:
     return n
 
 
-def _starting(layers: Sequence[LayerCost], stage_time: StageCosts) -> StageCosts:
-    """`stage_time` with every range that starts at a layer no stage may start at (`stage_starts`) infinitely slow,
-    so that every search here cuts only where a stage may start; itself where every layer may."""
+def _barred(layers: Sequence[LayerCost]) -> list[int]:
+    """The layers no stage may start at (all but `stage_starts`)."""
     starts = set(stage_starts([layer.follows_previous for layer in layers]))
-    barred = [i for i in range(len(layers)) if i not in starts]
+    return [i for i in range(len(layers)) if i not in starts]
+
+
+def _starting(layers: Sequence[LayerCost], stage_time: StageCosts) -> StageCosts:
+    """`stage_time` with every range that starts at a layer no stage may start at (`_barred`) infinitely slow, so
+    that every search here cuts only where a stage may start; itself where every layer may."""
+    barred = _barred(layers)
     if not barred:
         return stage_time
 

@@ -22,11 +22,16 @@ def is_hf(model: str) -> bool:
     return model.startswith(HF_PREFIX)
 
 
+def follows_flags(layers: Sequence[Any]) -> list[bool]:
+    """Per layer of `layers` (a count's, a profile's, or a model's modules, which carry workload/models.py
+    `FOLLOWS_PREVIOUS` where set), whether no stage may start at it."""
+    return [bool(getattr(layer, "follows_previous", False)) for layer in layers]
+
+
 def most_stages(layers: Sequence[Any]) -> int:
-    """The most stages `layers` (a count's, a profile's or a model's, `FOLLOWS_PREVIOUS` on those that follow the
-    layer before them) can be cut into: one at each layer a stage may start at (profiles/partition.py
-    `stage_starts`)."""
-    return len(stage_starts([bool(getattr(layer, "follows_previous", False)) for layer in layers]))
+    """The most stages `layers` (`follows_flags`) can be cut into: one at each layer a stage may start at
+    (profiles/partition.py `stage_starts`)."""
+    return len(stage_starts(follows_flags(layers)))
 
 
 def layers_text(layers: Sequence[Any]) -> str:
