@@ -57,6 +57,15 @@ from pipesim.traces import Summary, Trace, summarize
 settings.register_profile("pipesim", derandomize=True)
 settings.load_profile("pipesim")
 
+if importlib.util.find_spec("tqdm") is not None:  # installed with transformers
+    import tqdm
+
+    # No tqdm monitor thread: torch.fx's Interpreter makes a bar (disabled) under torch.compile (test_torch_compile),
+    # whose monitor lived as long as the test worker, and a process running another thread spawns its tune and
+    # simulate workers, fresh interpreters importing the simulator, where the command line forks them (planning/
+    # tune.py start_workers): 143 of a run's 215 worker pools, about 1.6 CPU s each.
+    tqdm.tqdm.monitor_interval = 0
+
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="transformers is not installed (pip install 'pipesim[hf]')")
 

@@ -473,5 +473,7 @@ def test_ending_the_workers_at_once_with_work_the_search_cancelled_reports_nothi
     running = [pool.submit(time.sleep, 60) for _ in range(3)]
     cancelled = pool.submit(time.sleep, 60)  # the manager cannot have taken it from its pending tasks: cancellable
     assert cancelled.cancel()
+    feeder = pool._call_queue._thread
     pool.stop(at_once=True)
     assert all(future.done() for future in running) and reported == []
+    assert not feeder.is_alive()  # else the process's next pool is spawned (another thread runs), not forked
