@@ -6,7 +6,7 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -124,7 +124,7 @@ def _table(counted: WorkloadCount) -> Table:
         table.add_column(column, justify="left" if column in ("layers", "output") else "right", no_wrap=True)
     runs: list[list[LayerCount]] = []
     for layer in counted.layers:
-        if runs and {**asdict(runs[-1][0]), "name": "", "inputs": ()} == {**asdict(layer), "name": "", "inputs": ()}:
+        if runs and replace(runs[-1][0], name="", inputs=()) == replace(layer, name="", inputs=()):  # field by field
             runs[-1].append(layer)
         else:
             runs.append([layer])
