@@ -461,10 +461,11 @@ class Workers(ProcessPoolExecutor):
             self.shutdown(cancel_futures=True)  # joins the pool's manager thread
             # the tasks' pipe, read by no worker now: its feeder thread, blocked writing a task's hundreds of KB, is
             # joined as this process exits, which hung where Python 3.11's manager thread, failing on a cancelled
-            # task (`_quiet_on_cancelled_work`), left it open (3.12's closes it, gh-94777). Closed once that thread
-            # has ended: closed beside it, both closed the one descriptor. Then the queue closed too, which that
-            # thread did not, and its feeder thread joined: left waiting for more tasks, it lived as long as this
-            # process, whose next pool is then spawned, not forked (`start_workers`: another thread runs)
+            # task (`_quiet_on_cancelled_work`), ended before its own closing of the pipe and the queue (later
+            # Pythons catch that failure). Closed once that thread has ended: closed beside it, both closed the one
+            # descriptor. Then the queue closed and its feeder thread joined (no-ops where the manager did both): left
+            # waiting for more tasks, the feeder lived as long as this process, whose next pool is then spawned, not
+            # forked (`start_workers`: another thread runs)
             if at_once and tasks is not None:
                 tasks._reader.close()
                 tasks.close()

@@ -62,8 +62,8 @@ if importlib.util.find_spec("tqdm") is not None:  # installed with transformers
 
     # No tqdm monitor thread: torch.fx's Interpreter makes a bar (disabled) under torch.compile (test_torch_compile),
     # whose monitor lived as long as the test worker, and a process running another thread spawns its tune and
-    # simulate workers, fresh interpreters importing the simulator, where the command line forks them (planning/
-    # tune.py start_workers): 143 of a run's 215 worker pools, about 1.6 CPU s each.
+    # simulate workers, fresh interpreters importing the simulator, where the command line forks them
+    # (planning/tune.py start_workers): 143 of a run's 215 worker pools, about 1.6 CPU s each.
     tqdm.tqdm.monitor_interval = 0
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -229,9 +229,9 @@ def tune_rows(document: dict) -> list[dict]:
 
 def refused(*args: Any) -> str:
     """The command line run in the current folder (a test's empty tmp_path), which must refuse in one line with exit
-    2 and write nothing: its message."""
-    code, _, err = pipesim(*args)
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    2 and write nothing, on stdout either: its message."""
+    code, out, err = pipesim(*args)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, (code, out, err)
     assert not list(Path.cwd().iterdir())
     return err
 

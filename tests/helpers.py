@@ -220,6 +220,17 @@ def write_config(folder: Path, fields: dict) -> Path:
     return folder
 
 
+def what_if_refused(tmp_path: Path, model: str, *flags: Any) -> str:
+    """`simulate --gpu h100-sxm` of `model` at 64 tokens on 2 stages with `flags` and an --html page, which must
+    refuse in one line (exit 2, nothing on stdout, no page): the line."""
+    page = tmp_path / "t.html"
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 64, "-b", 1, "-p", 2,
+                             *flags, "--html", page)
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, (code, out, err)
+    assert not page.exists()
+    return err
+
+
 _CONFIG_COUNTS: dict[tuple, WorkloadCount] = {}  # count_config's, by config and arguments
 
 
