@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import choose_from, device_refusal
-from ..profiles.workload import is_hf, most_stages, too_few_layers
+from ..profiles.workload import is_hf, too_many_stages
 from ..traces.compare import TORCH_RUNTIME
 from ..traces.metrics import mib_text, percent_text, signed_text
 from ..units import GIB, KIB, MIB, bytes_text, count_text
@@ -233,9 +233,8 @@ def calibrate(
                                        else None, dtype))  # a GPU's forward holds its micro-batch there
             net = build_model(model, **options)
             say_part_counted(model)
-            if stages > most_stages(net.layers):  # a model that is no built-in, once built
-                raise InputError(too_few_layers(f"--stages {stages:,}", net.name, net.options, len(net.layers),
-                                                starts=most_stages(net.layers)))
+            # a model that is no built-in, once built
+            refuse(too_many_stages(f"--stages {stages:,}", stages, net.name, net.options, net.layers))
             if is_given(ctx, "expert_parallel"):
                 check_expert_parallel(expert_parallel, net)
             sizes = default_sizes(int(link_max_mb * MIB)) if links else []

@@ -83,9 +83,9 @@ def count(
 def _stage_starts_note(counted: WorkloadCount) -> str:
     """Which layers a pipeline stage may start at, where some may not (a sparse attention sharing its top k)."""
     from ..profiles.partition import FOLLOWS_WHY
-    from ..profiles.workload import most_stages
+    from ..profiles.workload import follows_flags, most_stages
 
-    follows = [i for i, layer in enumerate(counted.layers) if layer.follows_previous]
+    follows = [i for i, follows in enumerate(follows_flags(counted.layers)) if follows]
     runs = [[i for _, i in run] for _, run in itertools.groupby(enumerate(follows), lambda at: at[1] - at[0])]
     return (f"a stage may start at {most_stages(counted.layers):,} of the {len(counted.layers):,} layers, not at "
             f"{', '.join(f'{run[0]}' if len(run) == 1 else f'{run[0]}-{run[-1]}' for run in runs)}: each "

@@ -16,7 +16,7 @@ import typer
 
 from ..choices import choose_from, nearest_text
 from ..planning.host import HOST_KERNEL_US
-from ..profiles.workload import RECOMPUTED_PARTS, module_regions, most_stages, too_few_layers
+from ..profiles.workload import RECOMPUTED_PARTS, module_regions, too_many_stages
 from ..units import MIB, degree_text
 from .common import (
     COUNTING_MODEL,
@@ -727,9 +727,8 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     its layers for the next."""
     from ..planning.estimate import estimate_profile
 
-    if parallel.pipeline > most_stages(counted.layers):
-        raise InputError(too_few_layers(f"--stages {parallel.pipeline:,}", counted.model, counted.options,
-                                        len(counted.layers), starts=most_stages(counted.layers)))
+    refuse(too_many_stages(f"--stages {parallel.pipeline:,}", parallel.pipeline, counted.model, counted.options,
+                           counted.layers))
     with refused_with_flags():
         profile = estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
                                    curve=what.curve, memo=memo)

@@ -221,10 +221,10 @@ def tune(
                                      f"{tensor * context * data_parallel:,} at --data-parallel {data_parallel:,} "
                                      f"(got {devices:,})")
                 depths = (devices // (tensor * context * data_parallel),)
-                if depths[0] > most_stages(measured.layers):
+                most = most_stages(measured.layers)
+                if depths[0] > most:
                     room = devices // (tensor * context)  # p x d
-                    least = min(d for d in range(1, room + 1)
-                                if not room % d and room // d <= most_stages(measured.layers))
+                    least = min(d for d in range(1, room + 1) if not room % d and room // d <= most)
                     raise InputError(f"--data-parallel: give at least {least:,}, so that p = {room:,}/d devices a "
                                      f"pipeline is at most the profile's {layers_text(measured.layers)} (got "
                                      f"{data_parallel:,})")
@@ -587,6 +587,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
         # its layers made for one p and its replays for one p and d, kept for the rest (`_estimate_group`)
         made_for_b = (counted, LayerMemo(counted, what.gpu, what.curve), {})
         degrees = _expert_degrees(what, counted, expert_given)
+        most = most_stages(counted.layers)  # the deepest pipeline its layers cut into
         for t in tensors:
             at_t, made = what, made_for_b
             if what.loss_parallel and t == 1:  # torchtitan's loss parallelism is on at t > 1 only
@@ -597,8 +598,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             splits = (False,) if t == 1 else (False, True) if sequence_parallel is None else (sequence_parallel,)
             block, apart = [], {}  # apart: by (E, p), whether the second order places it otherwise
             for order, e in itertools.product(orders, degrees):
-                depths = [devices // (t * data)] if data else [p for p in range(1, most_stages(counted.layers) + 1)
-                                                               if devices % (t * p) == 0]
+                depths = [devices // (t * data)] if data else [p for p in range(1, most + 1) if devices % (t * p) == 0]
                 # a given d and E: the estimate says why they do not fit (in the first order: a second adds)
                 if len(degrees) > 1 or not data or order != orders[0]:
                     depths = [p for p in depths if expert_grid_refusal(

@@ -41,7 +41,7 @@ from ..profiles.partition import (
     starts_refusal,
 )
 from ..profiles.partition import StageCosts as RangeCosts
-from ..profiles.workload import follows_flags, most_stages, too_few_layers
+from ..profiles.workload import follows_flags, too_many_stages
 from ..schedules import (
     COLLECTIVE_KINDS,
     KIND_CODE,
@@ -1128,10 +1128,11 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     (`partition`). `sized_by_flags`: Scenario.sized_by_flags."""
     from ..profiles.schema import layer_costs, profile_stage_time
 
-    if num_stages > most_stages(measured.layers):
-        raise CostError(too_few_layers(f"the schedule's {num_stages:,} model stages (--stages x --chunks)",
-                                       measured.model.name, measured.model.options, len(measured.layers),
-                                       profiled=not sized_by_flags, starts=most_stages(measured.layers)))
+    refused = too_many_stages(f"the schedule's {num_stages:,} model stages (--stages x --chunks)", num_stages,
+                              measured.model.name, measured.model.options, measured.layers,
+                              profiled=not sized_by_flags)
+    if refused is not None:
+        raise CostError(refused)
     bounds = _given_bounds(measured, num_stages, stage_cut, devices)
     if bounds is None:
         if num_stages == measured.partition.stages:

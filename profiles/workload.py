@@ -43,6 +43,16 @@ def layers_text(layers: Sequence[Any]) -> str:
     return f"{most:,} layers a stage may start at (of {len(layers):,})"
 
 
+def too_many_stages(stages: str, count: int, model: str, options: Mapping[str, Any], layers: Sequence[Any],
+                    profiled: bool = False) -> str | None:
+    """`too_few_layers`' line where `count` stages (asked for by the flags `stages`) are more than `layers` can be cut
+    into (`most_stages`); None where they fit."""
+    most = most_stages(layers)
+    if count <= most:
+        return None
+    return too_few_layers(stages, model, options, len(layers), profiled=profiled, starts=most)
+
+
 def too_few_layers(stages: str, model: str, options: Mapping[str, Any], layers: int, profiled: bool = False,
                    starts: int | None = None) -> str:
     """The one line for more stages than the model has layers (`stages`: the flags that ask for them), which the
