@@ -18,7 +18,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from ..profiles.workload import too_few_layers
+from ..profiles.workload import too_many_stages
 from ..traces.metrics import loss_text, mib_text, percent_text, rate_text
 from ..units import count_text, degree_text, float_text, number_allowed, rounds_text
 from ..workload.processes import HEARTBEAT_S, STALL_LEAST_S
@@ -347,8 +347,7 @@ def run(
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, dtype=DTYPES[dtype or "float32"], bounds=bounds,
                        threads_per_rank=threads_per_rank, timeout_s=timeout, heldout=heldout, rank_order=rank_order)
-        if len(net.layers) < built.num_stages:  # a model that is no built-in, once built
-            raise InputError(too_few_layers(asked, model, net.options, len(net.layers)))
+        refuse(too_many_stages(asked, built.num_stages, model, net.options, net.layers))  # no built-in, once built
         if bounds is None and carried_bounds(spec, model=net) is None:
             raise InputError(_no_cut(spec, len(net.layers)))
         if bounds is not None:
