@@ -1503,6 +1503,19 @@ def given_precision(flags: dict) -> str | None:
     return precision
 
 
+def check_optimizer_held(optimizer: str, precision: str | None, measured: Profile | None) -> None:
+    """Refuse `optimizer` where the precision holds state it does not keep (`precision_optimizer_refusal`): the
+    --precision given, else the one the profile `measured` was estimated with."""
+    from ..sim.costs import precision_optimizer_refusal
+
+    estimate = measured.estimate if measured is not None and precision is None else None
+    if estimate is not None:
+        refuse(precision_optimizer_refusal(estimate.parallelism.get("precision"), optimizer,
+                                           "the profile, estimated with --precision"))
+    else:
+        refuse(precision_optimizer_refusal(precision, optimizer))
+
+
 def check_pp_runtime(pp_runtime: str, p2p_sync: str | None = None) -> str:
     """--pp-runtime's value, one of `PP_RUNTIMES` (simulate, sweep and tune take it); costs priced under
     `p2p_sync` (what says so: --p2p-sync, or a --profile estimated with it) are refused with torch's, whose
@@ -1564,6 +1577,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     flags = {**ctx.params, **overrides}
     refuse(optimizer_refusal(flags["optimizer"], "--optimizer"))
     precision = given_precision(flags)
+    check_optimizer_held(flags["optimizer"], precision, measured)
     most = {"--fwd": (MAX_MS, ""), "--bwd": (MAX_MS, ""),
             "--param-mb": _param_mb_most(flags["optimizer"], precision or "fp32"),
             "--activation-mb": (MAX_BYTES / MIB, ""), "--output-mb": (MAX_BYTES / MIB, "")}

@@ -45,6 +45,7 @@ from .common import (
     check_allocator,
     check_memory_gb,
     check_method_options,
+    check_optimizer_held,
     check_p2p_sync,
     collector_paused,
     fail,
@@ -185,7 +186,7 @@ def tune(
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
         check_allocator(ctx, what)
-        given_precision(ctx.params)
+        check_optimizer_held(optimizer, given_precision(ctx.params), None)
         zero = zero_stage(ctx.params)
         zero_flag = "--sharded-optimizer" if sharded_optimizer else f"--zero {zero}"  # as the user gave it
         work: dict[int, ModelWork] = {}  # by b, with --gpu
@@ -198,6 +199,7 @@ def tune(
             if profile is None:
                 raise InputError("--profile or --gpu: give the model's profile, or a GPU and --model to estimate it on")
             measured = load_profile_flag(ctx, profile)
+            check_optimizer_held(optimizer, None, measured)
             check_p2p_sync(ctx, schedule or METHODS, measured)
             env = measured.environment
             tensor, context, expert = _estimated_degrees(measured)

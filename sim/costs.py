@@ -108,13 +108,15 @@ class Precision:
     the optimizer's float32 master copy of the weights (0: it updates the weights themselves) and each tensor of
     its state (a moment). The master copy is optimizer state, sharded with it. `stored_bytes`: the weights as
     stored between passes, which the passes read as copies of `weight_bytes` gathered from them (FSDP2's mixed
-    precision: float32 shards, 16-bit compute copies; None: the weights the passes read are the stored ones)."""
+    precision: float32 shards, 16-bit compute copies; None: the weights the passes read are the stored ones).
+    `adam_only`: the runtime it stands for keeps Adam's moments its own way and runs no other optimizer."""
 
     weight_bytes: int
     grad_bytes: int
     master_bytes: int
     state_bytes: int
     stored_bytes: int | None = None
+    adam_only: bool = False
 
     def optimizer_state_bytes(self, weight_bytes: int, optimizer: str) -> int:
         """The state `optimizer` keeps, master copy included, for weights of `weight_bytes`."""
@@ -152,7 +154,8 @@ class Precision:
 # FP32").
 PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
               "megatron-16bit-grads": Precision(2, 2, 4, 4), "fsdp2": Precision(2, 4, 0, 4, stored_bytes=4),
-              "nemo-bf16-adam": Precision(2, 2, 0, 2), "megatron-bf16-moments": Precision(2, 4, 4, 2)}
+              "nemo-bf16-adam": Precision(2, 2, 0, 2, adam_only=True),
+              "megatron-bf16-moments": Precision(2, 4, 4, 2, adam_only=True)}
 
 
 def owned_bytes(param_bytes: int, master_bytes: int, stored_bytes: int | None) -> int:
@@ -167,6 +170,16 @@ def precision_refusal(name: str, flag: str = "precision") -> str | None:
     """The one line refusing a precision that is not one of `PRECISIONS`, naming it as its reader does (`flag`: the
     commands' --precision); None for one that is. The typed costs and the estimate's parallelism refuse with it."""
     return None if name in PRECISIONS else choose_from(flag, PRECISIONS, name)
+
+
+def precision_optimizer_refusal(precision: str | None, optimizer: str, given_by: str = "--precision") -> str | None:
+    """The one line refusing `optimizer` under a precision whose runtime runs Adam alone (`Precision.adam_only`:
+    NeMo's distributed Adam; Megatron-LM's bf16 moments, its `exp_avg_dtype`, which its Adam alone reads), as
+    `given_by` names the precision (the flag, or the profile it was estimated into); None where they go together."""
+    if precision is None or not PRECISIONS[precision].adam_only or optimizer in ("adam", "adamw"):
+        return None
+    return (f"--optimizer {optimizer}: {given_by} {precision} holds Adam's two moments, which {optimizer} does not "
+            "keep (its runtime runs Adam alone): give --optimizer adam or adamw, or another precision")
 
 
 # Whose pipeline runtime holds the boundary tensors (`--pp-runtime`, `held_as_runtime`).

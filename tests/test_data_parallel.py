@@ -24,6 +24,7 @@ from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.sim import Cluster, Costs, Link, simulate
 from pipesim.traces import Stream, read_trace, summarize, write_trace
 from pipesim.units import MIB
+from tests.conftest import pipesim, refused
 from tests.helpers import A100, GPT_CPU
 
 _SYNCHRONOUS_BUILT = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "pipedream", "xpipe", "avgpipe")
@@ -325,3 +326,25 @@ def test_a_trace_of_an_older_pipesim_reads_its_sharded_optimizer_as_zero_1():
     assert ScheduleParams.recorded({**recorded, "sharded_optimizer": True}).zero == 1
     assert ScheduleParams.recorded({**recorded, "sharded_optimizer": False}).zero == 0
     assert ScheduleParams.recorded(asdict(ScheduleParams(2, 4, data_parallel=2, zero=3))).zero == 3
+
+
+@pytest.mark.parametrize("precision", ["nemo-bf16-adam", "megatron-bf16-moments"])
+def test_a_precision_that_holds_adams_moments_refuses_another_optimizer(tmp_path, monkeypatch, precision):
+    """NeMo's distributed Adam and Megatron-LM's bf16 moments (its Adam's `exp_avg_dtype`) run Adam alone: SGD,
+    with or without momentum, is refused under them, given as --precision or as the profile was estimated."""
+    pytest.importorskip("torch")
+    profile = tmp_path / "profile.json"
+    gpt = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 2, "--seq-len", 32)
+    assert pipesim("estimate", *gpt, "-p", 2, "--precision", precision, "--out", profile).code == 0
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    for optimizer in ("sgd", "momentum"):
+        why = f"--optimizer {optimizer}: --precision {precision} holds Adam's two moments, which {optimizer} does not"
+        assert why in refused("simulate", *gpt, "-p", 2, "-s", "1f1b", "--precision", precision,
+                              "--optimizer", optimizer, "--json")
+        assert why in refused("tune", *gpt, "--devices", 2, "-s", "1f1b", "--precision", precision,
+                              "--optimizer", optimizer)
+        from_profile = f"--optimizer {optimizer}: the profile, estimated with --precision {precision} holds"
+        assert from_profile in refused("simulate", "--profile", profile, "-s", "1f1b", "--optimizer", optimizer)
+        assert from_profile in refused("tune", "--profile", profile, "--devices", 2, "--optimizer", optimizer)
+    assert pipesim("simulate", "--profile", profile, "-s", "1f1b", "--optimizer", "adamw").code == 0
