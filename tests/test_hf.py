@@ -16,7 +16,7 @@ import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import help_records, needs_transformers, pipesim, pipesim_fresh, simulate_json
-from tests.helpers import FFN, H100, H100_BF16, HEAD, KV, LLAMA, A, B, H, L, S, V, write_config
+from tests.helpers import FFN, H100, H100_BF16, HEAD, KV, LLAMA, QWEN3_MOE, A, B, H, L, S, V, write_config
 from tests.helpers import LLAMA_GPT as GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,6 +238,19 @@ UNREADABLE = [
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 0}),
      "config.json: num_experts_per_tok: give a whole number from 1 to 16,384 (got 0)"),
 ]
+@needs_transformers
+def test_a_window_the_config_switches_off_is_not_read_as_it_transformers_saves_it(tmp_path):
+    """Qwen2-MoE's config class saves sliding_window 0 where use_sliding_window is false (transformers 5.25): a
+    Qwen1.5-MoE config that transformers saved itself was refused for a size it never reads. Switched on, the
+    window is held to 1 or more as before."""
+    qwen2_moe = {**QWEN3_MOE, "model_type": "qwen2_moe", "num_experts": 8, "shared_expert_intermediate_size": 64,
+                 "sliding_window": 0}
+    off = write_config(tmp_path / "off", {**qwen2_moe, "use_sliding_window": False})
+    assert pipesim("count", "--model", f"hf:{off}", "--seq-len", 32).code == 0
+    on = write_config(tmp_path / "on", {**qwen2_moe, "use_sliding_window": True})
+    assert "sliding_window: give a whole number from 1 to 1,048,576 (got 0)" in estimate_refusal(on, tmp_path / "o")
+
+
 NO_KV_HEADS = {name: value for name, value in LLAMA.items() if name != "num_key_value_heads"}
 NO_LONGEST = {name: value for name, value in LLAMA.items() if name != "max_position_embeddings"}
 

@@ -38,6 +38,10 @@ SIZES = {**{field: size for size, field in FIGURES.items()}, "num_key_value_head
 # one (Qwen-MoE's `num_experts > 0` in modeling_qwen3_moe.py, GraniteMoeHybrid's) and a mixture of no experts
 # where it does not (Mixtral's, which workload/hf.py refuses once built)
 LEAST = dict.fromkeys(EXPERT_FIELDS, 0)
+# Of `SIZES`, those a config may switch off -> the field that does: switched off (false), the size is not read, and
+# transformers writes one that is no size there (Qwen2-MoE's config saves sliding_window 0 where use_sliding_window
+# is false, configuration_qwen2_moe.py at transformers 5.25; Qwen2's and Qwen3's None)
+SWITCHED_BY = {"sliding_window": "use_sliding_window"}
 LONGEST_FIELD = "max_position_embeddings"  # the most tokens a sample of the model holds
 # A multimodal model's config (Gemma 3's, Mistral 3's, Llama 4's as their repositories publish them) holds its language
 # model's config under this key, beside its encoders' (vision_config, audio_config: each a config with a model_type):
@@ -138,7 +142,8 @@ def read_hf_config(spec: str) -> HfConfig:
     tells, so workload/hf.py refuses the rest once it is read: a size given under an alias (`_check_aliased_sizes`),
     key/value heads that do not divide the attention heads (`_kv_heads`), more experts a token than routed experts.
     A multimodal model's config that gives no decoder figure of its own is read as its language model's part
-    (`LANGUAGE_PART`, the top level's `SHARED_FIELDS` over its own), its other parts named in `HfConfig.left_out`."""
+    (`LANGUAGE_PART`, the top level's `SHARED_FIELDS` over its own), its other parts named in `HfConfig.left_out`.
+    A size the config switches off (`SWITCHED_BY`) is not read."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
@@ -172,8 +177,8 @@ def read_hf_config(spec: str) -> HfConfig:
         fields = {**language, **{key: fields[key] for key in SHARED_FIELDS if key in fields}}
     config = HfConfig(spec, path, fields, part_of, left_out)
     for field in SIZES:
-        refusal = None if fields.get(field) is None else size_field_refusal(spec, config.where, field, field,
-                                                                              fields[field])
+        unread = fields.get(field) is None or fields.get(SWITCHED_BY.get(field)) is False
+        refusal = None if unread else size_field_refusal(spec, config.where, field, field, fields[field])
         if refusal is not None:
             raise HfConfigError(refusal)
     return config
