@@ -94,11 +94,12 @@ def _stage_starts_note(counted: WorkloadCount) -> str:
 
 def _routing_note(counted: WorkloadCount) -> str:
     """How a mixture of experts' data-dependent routing was counted (workload/moe.py)."""
-    from ..workload.moe import DEFAULT_TOP_K, expected_tokens
+    from ..workload.moe import expected_tokens
+    from ..workload.sizes import top_k_of
 
     options = counted.options
     tokens, experts = counted.microbatch_size * options["seq_len"], options["experts"]
-    top_k = options.get("top_k") or DEFAULT_TOP_K
+    top_k = top_k_of(options)
     each = expected_tokens(tokens, top_k, experts, options.get("capacity_factor"))
     return (f"routed experts counted at balanced routing: each of the {experts} computes {each:,} of a micro-batch's "
             f"{tokens:,} tokens (top {top_k}{', padded to its capacity' if options.get('capacity_factor') else ''})")

@@ -83,6 +83,7 @@ from ..profiles.workload import (
 from ..schedules.ranks import RANK_ORDERS, SettingsError, dense_grid
 from ..sim.caching_allocator import LayerAllocations, left_live
 from ..sim.costs import HELD_PRODUCT_SLOWDOWN, PRECISIONS, Precision, precision_refusal
+from ..workload.sizes import top_k_of
 from .experts import (
     ALL_TO_ALLS,
     DISPATCHERS,
@@ -894,7 +895,8 @@ def placed(placement: EstimatePlacement, counted: WorkloadCount, parallel: Paral
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
                                parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,
                                parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor,
-                               _routing_groups(counted.options), parallel.routing, curve.hybridep)
+                               _routing_groups(counted.options), parallel.routing, curve.hybridep,
+                               top_k_of(counted.options))
     except ExpertParallelError as exc:
         raise EstimateError(*exc.args) from None  # its {settings} as they are
     return (experts, links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,

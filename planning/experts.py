@@ -582,14 +582,16 @@ def check_expert_ranks(ranks: int, experts: int | None) -> None:
         raise ExpertParallelError(f"expert: {ranks}, but the model has no routed experts to place (a mixture of "
                                   "experts: gpt --experts, or a Hugging Face MoE config)")
     if experts and experts % ranks:
-        raise ExpertParallelError(f"expert: {ranks} does not divide the model's {experts} routed experts")
+        fitting = [n for n in range(1, experts + 1) if experts % n == 0]
+        raise ExpertParallelError(f"expert: {ranks} does not divide the model's {experts} routed experts; give one "
+                                  f"of {', '.join(map(str, fitting))}")
 
 
 def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
                  pipeline: int, data: int, hot_share: float | None = None, dispatcher: str | None = None,
                  order: str = "pipesim", expert_tensor: int | None = None,
                  groups: tuple[int, int] | None = None, routing: str = "balanced",
-                 hybridep: DispatcherRates | None = None) -> ExpertGroup:
+                 hybridep: DispatcherRates | None = None, top_k: int = 1) -> ExpertGroup:
     """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
     model), placed as the rank `order` says (schedules/ranks.py) with each expert split over `expert_tensor` ranks
     (None: t), its busiest expert taking `hot_share` of the routed token copies (None: balanced), its tokens
@@ -597,7 +599,8 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
     any; kept only where each rank's and each node's experts lie in one group or hold whole ones), by `routing` (of
     `ROUTINGS`; `Parallelism` refuses another dispatcher or routing), HybridEP priced at the part's `hybridep`
     table where it has one measured at the group's ranks a node (else, or None: on the links); an impossible
-    degree or share, or a dispatcher or routing that needs more ranks, is `ExpertParallelError`."""
+    degree or share, or a dispatcher or routing that needs more ranks, is `ExpertParallelError`. A token's `top_k`
+    copies go to as many distinct experts, so an expert receives at most 1/top_k of them."""
     check_expert_ranks(ranks, experts)
     try:
         grid = expert_grid(order, tensor, context, pipeline, data, ranks, expert_tensor)
@@ -608,9 +611,10 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
             raise ExpertParallelError("hot_expert_share: changes nothing on one expert-parallel rank (the experts' "
                                       "work is the same however the tokens are routed); give --expert-parallel "
                                       "above 1")
-        if not 1 / experts <= hot_share <= 1:
+        if not 1 / experts <= hot_share <= 1 / top_k:
+            most = "1" if top_k == 1 else f"1/{top_k} (each token's {top_k} copies go to {top_k} distinct experts)"
             raise ExpertParallelError(f"hot_expert_share: {hot_share} is not a share of {experts} experts' tokens: "
-                                      f"from 1/{experts} (balanced) to 1")
+                                      f"from 1/{experts} (balanced) to {most}")
     if dispatcher is not None and ranks == 1:
         raise ExpertParallelError("token_dispatcher: dispatches tokens between expert-parallel ranks; give "
                                   "--expert-parallel above 1")

@@ -180,7 +180,7 @@ def test_expert_parallel_of_a_dense_model_is_refused_before_torch_is_imported(tm
                                    cwd=tmp_path)
     assert [(code, out, err.startswith(f"error: {dense} ")) for code, out, err in runs] == \
         [(2, "", True)] * 2 + [(2, "", False), (2, "", True)]
-    assert runs[2].err == "error: --expert-parallel 2 does not divide the model's 3 routed experts\n"
+    assert runs[2].err == "error: --expert-parallel 2 does not divide the model's 3 routed experts; give one of 1, 3\n"
     assert "torch" not in imported and not list(tmp_path.iterdir())
 
 

@@ -268,24 +268,31 @@ def test_an_impossible_degree_names_what_it_must_divide(ranks, experts, data, fr
         expert_group(PLACEMENT, ranks, experts, 1, 1, 1, data)
 
 
-@pytest.mark.parametrize("ranks, share, fragment", [
-    (2, 0.1, r"hot_expert_share: 0.1 is not a share of 8 experts' tokens: from 1/8 \(balanced\) to 1"),
-    (2, 1.5, r"hot_expert_share: 1.5 is not a share"),
-    (1, 0.5, r"hot_expert_share: changes nothing on one expert-parallel rank"),
+@pytest.mark.parametrize("ranks, share, top_k, fragment", [
+    (2, 0.1, 1, r"hot_expert_share: 0.1 is not a share of 8 experts' tokens: from 1/8 \(balanced\) to 1$"),
+    (2, 1.5, 1, r"hot_expert_share: 1.5 is not a share"),
+    # a token's 2 copies go to 2 distinct experts: one expert receives at most half of them (it was priced at 1)
+    (2, 0.6, 2, r"hot_expert_share: 0.6 is not a share of 8 experts' tokens: from 1/8 \(balanced\) to 1/2 \(each "
+                r"token's 2 copies go to 2 distinct experts\)"),
+    (1, 0.5, 1, r"hot_expert_share: changes nothing on one expert-parallel rank"),
 ])
-def test_a_hot_share_must_be_a_share_and_needs_expert_parallelism(ranks, share, fragment):
+def test_a_hot_share_must_be_a_share_and_needs_expert_parallelism(ranks, share, top_k, fragment):
     with pytest.raises(ExpertParallelError, match=fragment):
-        expert_group(PLACEMENT, ranks, EXPERTS, 1, 1, 1, 2, hot_share=share)
+        expert_group(PLACEMENT, ranks, EXPERTS, 1, 1, 1, 2, hot_share=share, top_k=top_k)
+    if ranks > 1 and top_k > 1:
+        assert expert_group(PLACEMENT, ranks, EXPERTS, 1, 1, 1, 2, hot_share=1 / top_k, top_k=top_k).hot_share == 0.5
 
 
 @pytest.mark.parametrize("args, fragment", [
     (("--experts", 8, "--expert-parallel", 3, "--data-parallel", 6),
-     "--expert-parallel 3 does not divide the model's 8 routed experts"),
+     "--expert-parallel 3 does not divide the model's 8 routed experts; give one of 1, 2, 4, 8"),
     (("--experts", 8, "--expert-parallel", 4),
      "--expert-parallel 4 must divide the data-parallel degree, 1: give --data-parallel a multiple of 4"),
     (("--expert-parallel", 2, "--data-parallel", 2), "--expert-parallel 2, but the model has no routed experts"),
     (("--experts", 8, "--expert-parallel", 2, "--data-parallel", 2, "--hot-expert-share", 0.05),
      "--hot-expert-share 0.05 is not a share of 8 experts' tokens"),
+    (("--experts", 8, "--expert-parallel", 2, "--data-parallel", 2, "--hot-expert-share", 1),
+     "--hot-expert-share 1.0 is not a share of 8 experts' tokens: from 1/8 (balanced) to 1/2 (each token's 2 copies"),
     (("--experts", 8, "--expert-parallel", 2, "--data-parallel", 2, "--routing", "even"),
      "--routing: choose from balanced, random (got 'even')"),
     (("--experts", 8, "--routing", "random"), "--routing random changes nothing on one expert-parallel rank"),

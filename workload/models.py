@@ -30,7 +30,6 @@ from pipesim.workload import data
 from pipesim.workload.moe import (
     BLOCK_NORM,
     CHECKPOINT_REGION,
-    DEFAULT_TOP_K,
     ExpertExchange,
     ExpertShape,
     exchanged_experts,
@@ -42,6 +41,7 @@ from pipesim.workload.moe import (
 from pipesim.workload.rope import rotated
 from pipesim.workload.sizes import (
     DEFAULT_SIZES,
+    DEFAULT_TOP_K,
     HF_OPTIONS,
     capacity_factor_refusal,
     hf_options_refusal,
