@@ -175,8 +175,9 @@ def precision_refusal(name: str, flag: str = "precision") -> str | None:
 def precision_optimizer_refusal(precision: str | None, optimizer: str, given_by: str = "--precision") -> str | None:
     """The one line refusing `optimizer` under a precision whose runtime runs Adam alone (`Precision.adam_only`:
     NeMo's distributed Adam; Megatron-LM's bf16 moments, its `exp_avg_dtype`, which its Adam alone reads), as
-    `given_by` names the precision (the flag, or the profile it was estimated into); None where they go together."""
-    if precision is None or not PRECISIONS[precision].adam_only or optimizer in ("adam", "adamw"):
+    `given_by` names the precision (the flag, or the profile it was estimated into); None where they go together,
+    or where the precision is none known (its reader refuses it: `precision_refusal`)."""
+    if precision not in PRECISIONS or not PRECISIONS[precision].adam_only or optimizer in ("adam", "adamw"):
         return None
     return (f"--optimizer {optimizer}: {given_by} {precision} holds Adam's two moments, which {optimizer} does not "
             "keep (its runtime runs Adam alone): give --optimizer adam or adamw, or another precision")
