@@ -273,8 +273,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # pydantic: only for --gpu
-    from ..planning.estimate import check_ring_attention, kernel_curve
-    from ..workload.sizes import attention_of, flag_sizes_refusal, kernels_refusal
+    from ..planning.estimate import EstimateError, check_ring_attention, kernel_curve, no_sequence_refusal
+    from ..workload.sizes import DEFAULT_SIZES, attention_of, flag_sizes_refusal, kernels_refusal
 
     clash = [flag_of(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
@@ -357,6 +357,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   expert_gemm=_or_default(params, "expert_gemm", "grouped"), p2p_sync=params.get("p2p_sync", False),
                   cuda_graphs=_comma_list(params.get("cuda_graphs")))
     with refused_with_flags():  # the layout's rules, before the model is counted (which takes seconds)
+        if what.context > 1 and "seq_len" not in DEFAULT_SIZES.get(what.model, {"seq_len": None}):
+            raise EstimateError(no_sequence_refusal(what.context, what.model))  # before its attention's kernel
         check_ring_attention(what.context, what.attention)
         recompute = _or_default(params, "recompute", "none")
         # with the modules as given: `parallelism` drops them under full and op, which tune tries too; at the t

@@ -2766,6 +2766,11 @@ def check_ring_attention(c: int, attention: str | None) -> None:
                             "TransformerEngine's context parallel): give {attention} flash")
 
 
+def no_sequence_refusal(c: int, model: str) -> str:
+    """The line refusing C context-parallel ranks for `model`, whose samples are no sequence (mlp's, cnn's)."""
+    return f"context: {c} splits the sequence, and {model} has none"
+
+
 def check_context(counted: WorkloadCount, c: int, tensor: int, rotate: str) -> None:
     """C context-parallel ranks need a sequence of 2C equal chunks (the causal load balance) and a fused attention
     kernel for the ring to run (`check_ring_attention`), and Gated DeltaNet layers (workload/gdn.py) heads that C
@@ -2777,7 +2782,7 @@ def check_context(counted: WorkloadCount, c: int, tensor: int, rotate: str) -> N
     self.attention_chunk_size == 0`), whose layers then need no ring, and pipesim would price the ring for them."""
     seq = counted.options.get("seq_len")
     if not seq:
-        raise EstimateError(f"context: {c} splits the sequence, and {counted.model} has none")
+        raise EstimateError(no_sequence_refusal(c, counted.model))
     if counted.options.get("sparse_attention_keys"):
         raise EstimateError(f"context: {c} splits the sequence, and {counted.model}'s sparse attention runs context-"
                             "parallel by gathering every key to each rank (Megatron-core's DSA takes cp_comm_type "
@@ -2866,6 +2871,14 @@ def fp8_peak_tflops(gpu: Gpu, named: str) -> float:
     if gpu.dense_tflops.fp8 is None:
         raise EstimateError(f"{{dtype}} fp8: {named} has no FP8 peak in the catalogue (no float8 tensor cores)")
     return gpu.dense_tflops.fp8
+
+
+def check_float8_products(counted: WorkloadCount) -> None:
+    """Float8 runs a transformer layer's linear products (planning/fp8.py): a model with none (mlp, cnn) ran in 16
+    bits all through under {dtype} fp8, yet was priced with TransformerEngine's float8 module calls: EstimateError."""
+    if not any(layer.transformer_layer for layer in counted.layers):
+        raise EstimateError(f"{{dtype}} fp8 runs a transformer layer's linear products in float8, and "
+                            f"{counted.model} has none (it would run in 16 bits all through): give {{dtype}} bf16")
 
 
 def kernel_curve(curve: Curve, kernel: str, gpu: str) -> Curve:
@@ -2999,6 +3012,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if counted.options.get("sparse_attention_keys"):
         check_sparse_attention_recompute(parallel)
     check_sequence_split(counted, parallel)
+    if parallel.fp8 is not None:
+        check_float8_products(counted)
     placement = node_placement(gpu, cluster, curve)
     if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:
         raise EstimateError(f"tp_overlap: moves its chunks between the GPUs of one node (userbuffers, symmetric "
@@ -3038,6 +3053,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     sharing = sharing_dispatcher(device, parallel)
     float8 = parallel.float8_forms(element)  # each layer's form built once for all that price it
     accumulated = held.grad_bytes if parallel.accumulation == "fused" else None  # in the weight-gradient products
+    # a TransformerEngine module call's Python: in transformer layers alone (Megatron-core's embedding and output
+    # layer are its own modules, VocabParallelEmbedding and ColumnParallelLinear, not TransformerEngine's)
     modules_us = module_us(parallel.fp8, parallel.host_module_us)
 
     issues: list[_HostIssue] = []
@@ -3075,7 +3092,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             pass that takes the weights' gradients."""
             return {name: pass_kernels(
                 estimate.timed_ops[name], [op for op, _ in estimate.timed_ops["fwd"]], float8.recipe is not None,
-                parallel.host_kernel_us, name, modules_us,
+                parallel.host_kernel_us, name, modules_us if layer.transformer_layer else 0.0,
                 {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms),
                 tokens_wait and (name == "fwd" or (name != "wgrad" and reruns_dispatch(parallel))),
                 None if estimate.ring is None else estimate.ring.kernels,

@@ -208,3 +208,16 @@ def test_megatron_ddps_hook_adds_each_local_experts_bias_gradient_in_a_kernel_th
     assert {name: round(fused[name] - separate[name]) for name in fused} == {"fwd": 0, "bwd": 8, "igrad": 0, "wgrad": 8}
     plain = kernels(mixtral, "fused")
     assert {name: round(plain[name] - kernels(mixtral, "separate")[name]) for name in plain} == dict.fromkeys(plain, 0)
+
+
+def test_only_transformer_layers_call_transformer_engines_modules(tmp_path):
+    """Megatron-core's embedding and output layer are its own modules (VocabParallelEmbedding, ColumnParallelLinear),
+    not TransformerEngine's: the head's product paid a float8 module call (twice 83.1 us) each pass under its float8
+    recipes. The blocks' issue grows with the module cost; the embedding's and the head's do not."""
+    dense = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--gpu", "h100-sxm",
+             "--attention", "flash", "--dtype", "fp8", "--fp8-recipe", "te", "--host-kernel-us", 0)
+    slow, slower = (layers(tmp_path, *dense, "--host-module-us", us) for us in (1000, 2000))
+    assert [layer["name"] for layer in slow] == ["0:_Embed", "1:_Block", "2:_Block", "3:Sequential"]
+    slack = [[layer["host_issue"][name]["slack_ms"] for name in ("fwd", "bwd", "igrad")] for layer in (*slow, *slower)]
+    assert slack[:4:3] == slack[4::3] and all(0 < ms < 0.1 for ms in slack[3])  # the head: its GEMMs' issue alone
+    assert all(many < few < 0 for many, few in zip(slack[5] + slack[6], slack[1] + slack[2]))

@@ -183,3 +183,13 @@ def test_the_count_refuses_its_kernels_with_the_same_line():
     with pytest.raises(ModelError) as refused:
         count_built("mlp", {"layers": 2, "width": 8}, 1, torch.float32, norm_kernel="apex")
     assert str(refused.value) == kernels_refusal("torch", "apex", "eager", False)
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_context_parallelism_of_a_model_without_a_sequence_says_so_before_asking_for_a_fused_kernel(tmp_path, model):
+    """mlp and cnn have no sequence to split: the refusal said to give --attention flash first, which could never
+    help, then that they have none."""
+    code, out, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--context-parallel", 2,
+                             "--out", tmp_path / "p.json")
+    assert (code, out, err) == (2, "", f"error: --context-parallel 2 splits the sequence, and {model} has none\n")
+    assert not (tmp_path / "p.json").exists()
