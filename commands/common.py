@@ -532,7 +532,8 @@ RepeatKv = Annotated[bool, typer.Option(
     "--repeat-kv", help="With --gpu: grouped-query attention's keys and values copied to every query head before "
                         "the attention kernel, as torchtitan's Llama does (its `repeat_kv`), so the kernel saves and "
                         "a context-parallel ring passes them repeated; by default the kernel takes the fewer "
-                        "key/value heads (enable_gqa).",
+                        "key/value heads (enable_gqa). With --attention flash: torch's math attention copies them "
+                        "itself.",
     show_default=False)]
 RouterAuxLoss = Annotated[str | None, typer.Option(
     "--router-aux-loss", metavar="HOW", help="With --gpu: a mixture of experts' load-balancing loss in every MoE "

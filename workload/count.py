@@ -961,6 +961,10 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
         raise ModelError("--repeat-kv: this model's attention takes as many key/value heads as query heads (no "
                          "grouped-query attention, or one whose code copies them already): there is nothing to copy; "
                          "leave it out")
+    if repeat_kv and not kernels.flash:  # the copies changed the caching allocator's replay alone
+        raise ModelError("--repeat-kv: under --attention math torch's attention copies grouped-query keys and values "
+                         "to every query head itself, the copies --repeat-kv would make: leave it out, or give "
+                         "--attention flash")
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention if kernels.attended else None, counted)
 
