@@ -336,16 +336,21 @@ def overlap_expert_communication(schedule: Schedule) -> Schedule:
                             "or more, or --stages 1")
     segment = (t.device.astype(np.int64) * schedule.minibatches + t.minibatch) * schedule.pipelines + t.pipeline
     starts = np.flatnonzero(np.r_[True, segment[1:] != segment[:-1]])  # a device's mini-batch: its pattern, its OPTs
-    order, peer = [], t.peer.copy()
+    order, peer, pairs = [], t.peer.copy(), 0
     for lo, hi in zip(starts, np.r_[starts[1:], len(segment)]):
         rows = np.arange(lo, hi)
         forwards, backwards = rows[forward[lo:hi]], rows[backward[lo:hi]]
         warmup = int(np.searchsorted(rows[forward[lo:hi] | backward[lo:hi]], backwards[0]))  # 1F1B's, plus one
         paired = len(forwards) - warmup
+        pairs += paired
         pair_forwards, pair_backwards = forwards[warmup:], backwards[:paired]
         peer[pair_forwards], peer[pair_backwards] = t.stage[pair_backwards], t.stage[pair_forwards]
         order += [forwards[:warmup], np.stack([pair_forwards, pair_backwards], axis=1).ravel(), backwards[paired:],
                   rows[~(forward[lo:hi] | backward[lo:hi])]]
+    if not pairs:  # it would change nothing, taken silently
+        raise ScheduleError(f"{schedule.method}: --overlap-expert-comm pairs a steady-state forward with the backward "
+                            f"run next, and at m = {schedule.microbatches} every forward runs in the warm-up, before "
+                            "any backward: give more micro-batches, or leave it out")
     taken = np.concatenate(order)
     table = ActionTable(t.device[taken], t.kind[taken], t.stage[taken], t.microbatch[taken], t.minibatch[taken],
                         t.pipeline[taken], peer[taken])

@@ -92,6 +92,17 @@ def test_orders_megatron_does_not_pair_are_refused(method, stages, chunks, exper
                                               overlap_expert_comm=True))
 
 
+def test_an_overlap_that_pairs_nothing_is_refused():
+    """1F1B on one stage at m = 1 runs its forward in the warm-up and its backward alone: no pair, so the overlap
+    changed nothing and was taken silently. At m = 2 one pair forms."""
+    with pytest.raises(ScheduleError, match="^1f1b: --overlap-expert-comm pairs a steady-state forward with the "
+                                            "backward run next, and at m = 1 every forward runs in the warm-up"):
+        build_schedule("1f1b", ScheduleParams(stages=1, microbatches=1, expert_parallel=2, overlap_expert_comm=True))
+    paired = build_schedule("1f1b", ScheduleParams(stages=1, microbatches=2, expert_parallel=2,
+                                                   overlap_expert_comm=True))
+    assert (paired.table.peer >= 0).sum() == 2 * paired.minibatches  # a forward and a backward each mini-batch
+
+
 def step_ms(method: str, stages: int, chunks: int, microbatches: int, overlap: bool, costs: StageCosts,
             latency_ms: float = 0.0) -> float:
     schedule = overlapped(method, stages, microbatches, chunks, minibatches=2, overlap=overlap)
