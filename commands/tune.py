@@ -645,9 +645,12 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
         replicas = "" if what.expert == 1 else "; " + "; ".join(
             named[order] * (len(orders) > 1) + rules[order] for order in orders)
         reasons = "".join(f"; at t = {', '.join(f'{t:,}' for t in sorted(ts))}: {why}" for why, ts in refusals.items())
+        # where no t was refused for its own sake, the replicas' rule is what no t meets
+        fix = ("give more --devices or a smaller --expert-parallel" if what.expert > 1 and not refusals else
+               "give another --tensor-parallel" if tensor else "give --tensor-parallel")
         raise InputError(f"--devices {devices * what.context:,}: no tensor-parallel degree t of "
                          f"{', '.join(f'{t:,}' for t in tensors)} suits the model (t must divide its heads and MLP "
-                         f"width{replicas}){reasons}; give --tensor-parallel")
+                         f"width{replicas}){reasons}; {fix}")
     return settings
 
 

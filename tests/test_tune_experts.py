@@ -124,3 +124,12 @@ def test_where_each_t_is_refused_for_its_own_reason_the_line_says_each():
     assert "; at t = 1: --stages 8: gpt of 4 blocks" in err, err
     assert "; at t = 2, 4: --hot-expert-share changes nothing on one expert-parallel rank" in err, err
     assert "; at t = 8: --tensor-parallel 8 does not divide the model's 4 heads; give --tensor-parallel\n" in err, err
+
+
+def test_where_no_t_places_the_experts_on_too_few_devices_the_line_asks_for_devices_not_a_t():
+    """E = 8 on 4 devices: no replicas d = D/(t·C·p) are a multiple of 8 at any t, and the line ended "give
+    --tensor-parallel", with --tensor-parallel 1 given too, which no t could answer."""
+    for given in ((), ("--tensor-parallel", 1)):
+        code, out, err = pipesim("tune", *MOE, "-D", 4, "--expert-parallel", 8, "-s", "1f1b", *given)
+        assert code == 2 and out == "" and err.splitlines()[-1].endswith(
+            "must be a multiple of --expert-parallel 8); give more --devices or a smaller --expert-parallel"), err
