@@ -214,6 +214,9 @@ UNREADABLE = [
     (lambda folder: (folder / "c.json").write_bytes(b"\xab\xcd") and folder / "c.json",  # 'utf-8' codec's words
      "--model hf:{folder}/c.json: Hugging Face config {folder}/c.json is not a text (UTF-8) file"),
     (lambda folder: (folder / "c.json").write_text('{"hidden_size": 8}') and folder / "c.json", "has no model_type"),
+    # it said "has no model_type" of one that has, not a string
+    (lambda folder: write_config(folder, {**LLAMA, "model_type": 5}),
+     "{folder}/config.json: model_type: give the name transformers knows the model by, a string (got 5)"),
     *((lambda folder, text=text: (folder / "c.json").write_text(text) and folder / "c.json",
        "{folder}/c.json is not a JSON object; give a Hugging Face config.json") for text in ("[]", "[1]", "7", '"x"')),
     (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 0}),
@@ -320,10 +323,11 @@ SEQ = ("--seq-len", 16)
 @pytest.mark.parametrize("fields, args, fragment", [
     ({**LLAMA, "model_type": "nosuch"}, SEQ, "does not know model_type 'nosuch'; it builds"),
     ({"model_type": "llama", "hidden_size": 64}, SEQ, "{folder}/config.json gives no num_hidden_layers, "
-     "num_attention_heads, intermediate_size, vocab_size; a dense decoder's config needs each of them"),
+     "num_attention_heads, intermediate_size, vocab_size; a decoder's config needs each of them (transformers would "
+     "fill in its class's default, another model's size)"),
     ({"model_type": "llama"}, SEQ, "{folder}/config.json gives no num_hidden_layers, hidden_size, num_attention_heads, "
-     "intermediate_size, vocab_size; a dense decoder's config needs each of them"),
-    ({k: v for k, v in LLAMA.items() if k != "vocab_size"}, SEQ, "config.json gives no vocab_size; a dense decoder's "
+     "intermediate_size, vocab_size; a decoder's config needs each of them"),
+    ({k: v for k, v in LLAMA.items() if k != "vocab_size"}, SEQ, "config.json gives no vocab_size; a decoder's "
      "config needs it"),
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "intermediate_size": 256},
      SEQ, "GPT2LMHeadModel is not laid out as pipesim cuts a decoder"),

@@ -690,8 +690,9 @@ def _settings(config: HfConfig, config_class: type, figures: dict[str, str]) -> 
         raise _not_laid_out(f"--model {config.spec}", f"model_type {config.model_type!r} ({config_class.__name__} "
                                                       f"has no {', '.join(unknown)})")
     if missing:
-        raise ModelError(f"--model {config.spec}: {config.where} gives no {', '.join(missing)}; a dense decoder's "
-                         f"config needs {'it' if len(missing) == 1 else 'each of them'}")
+        raise ModelError(f"--model {config.spec}: {config.where} gives no {', '.join(missing)}; a decoder's config "
+                         f"needs {'it' if len(missing) == 1 else 'each of them'} (transformers would fill in its "
+                         "class's default, another model's size)")
     try:
         settings = config_class.from_dict(config.fields)
     except Exception as exc:  # its checks of the fields' values (rope settings, ...): whatever they raised, in one line
