@@ -962,9 +962,11 @@ def _expert_group_text(profile: Profile, expert: int) -> str:
     nic = f"its NIC ({network.kind} {network.bytes_per_ms / 1e6:.3g} GB/s)"
     if group.dispatcher in FLEX_DISPATCHERS:
         backend = "DeepEP" if group.dispatcher == "deepep" else "HybridEP"
+        # the links the group has: no other rank on a rank's node, or no other node
+        sends = [*([f"to each other rank holding any of its experts over {node.kind}"] if group.per_node > 1 else []),
+                 *([f"to each other node over {nic}"] if expert > group.per_node else [])]
         return (f"expert-parallel group: {expert} ranks, {group.per_node} on each node; {backend}'s dispatch sends a "
-                f"token once to each other rank holding any of its experts over {node.kind}, once to each other "
-                f"node over {nic}")
+                f"token once {', once '.join(sends)}")
     return (f"expert-parallel group: {expert} ranks, {group.per_node} on each node; an all-to-all sends "
             f"{group.per_node - 1}/{expert} of a rank's token copies over {node.kind} and {expert - group.per_node}/"
             f"{expert} over {nic}")

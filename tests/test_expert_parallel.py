@@ -344,6 +344,25 @@ def test_the_estimate_says_where_the_all_to_alls_go(tmp_path):
             "nvlink and 6/8 over its NIC (infiniband") in text
 
 
+@pytest.mark.parametrize("stages, data, says", [
+    # one rank a node: no other rank of the group over NVLink (the line named it)
+    (8, 8, "8 ranks, 1 on each node; DeepEP's dispatch sends a token once to each other node over its NIC"),
+    (1, 8, "8 ranks, 8 on each node; DeepEP's dispatch sends a token once to each other rank holding any of its "
+           "experts over nvlink"),
+    (4, 8, "8 ranks, 2 on each node; DeepEP's dispatch sends a token once to each other rank holding any of its "
+           "experts over nvlink, once to each other node over its NIC"),
+])
+def test_the_estimate_says_which_links_deepeps_dispatch_takes(tmp_path, stages, data, says):
+    code, out, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--width", 64,
+                             "--heads", 4, "--seq-len", 32, "--vocab", 100, "--experts", 8, "--stages", stages,
+                             "--data-parallel", data, "--expert-parallel", 8, "--token-dispatcher", "deepep",
+                             "--out", tmp_path / "profile.json")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert f"expert-parallel group: {says}" in text
+    assert "each other node" in text if stages > 1 else "each other node" not in text
+
+
 def test_each_experts_gradients_are_reduced_over_the_replicas_that_hold_it():
     """d = 8, E = 4: the dense weights' gradients over 8 replicas, the experts' over the 2 that hold the same ones;
     with E = 8 every expert is on one replica and its gradients are reduced by none."""
