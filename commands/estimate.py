@@ -803,7 +803,7 @@ class ModelWork:
     def per_device_text(self) -> str:
         """The GPUs a schedule's device stands for, as a table's title says them ("" for one)."""
         if self.context > 1:
-            return f"t x C = {self.tensor} x {self.context} GPUs per device"
+            return f"t x C = {self.tensor:,} x {self.context:,} GPUs per device"
         return f"{degree_text('t', self.tensor)} GPUs per device" if self.tensor > 1 else ""
 
     @classmethod
@@ -1047,7 +1047,7 @@ def _print_estimate(profile: Profile, optimizer: str, sources: bool) -> None:
     if (line := out_of_memory_line("the 1F1B estimate", checks)) is not None:
         print_message(f"warning: {line}", stderr)
     links = [(what, link) for what, link in (("tensor-parallel group" + tensor_span_text(estimate),
-                                                estimate.tensor_link),
+                                                estimate.tensor_link if estimate.degrees[0] > 1 else None),
                                                ("between stages", estimate.stage_link),
                                                ("data-parallel group" + (" (its C x d ranks)" if
                                                 estimate.context_link else ""), estimate.data_parallel_link),

@@ -625,3 +625,20 @@ def test_a_mixture_of_experts_estimate_run_with_the_other_sharding_holds_what_th
         assert plain == pytest.approx(sharded, rel=1e-4) and plain_ms == pytest.approx(sharded_ms, rel=1e-6), zero
     assert held("zero1")[0] < held("plain")[0]  # each runs as made where nothing is said
     assert held("zero1", "--data-parallel", 8, "--expert-parallel", 4) == held("zero1")
+
+
+def test_the_links_line_names_a_tensor_parallel_group_only_where_there_is_one_and_the_header_writes_c_whole(tmp_path):
+    """At t = 1 the links line named a tensor-parallel group's NVLink (a group of one GPU talks over nothing), and
+    the header wrote C = 1,024 as 1024 where the caption wrote it 1,024."""
+    from tests.conftest import pipesim
+
+    gpt = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 2, "--seq-len", 4096,
+           "--attention", "flash", "-p", 1)
+    for tensor, named in ((1, False), (2, True)):
+        code, out, err = pipesim("estimate", *gpt, "--tensor-parallel", tensor, "--out", tmp_path / f"{tensor}.json")
+        assert code == 0, err
+        links = next(line for line in " ".join(out.split()).split("links: ")[1:])
+        assert links.startswith("tensor-parallel group nvlink") is named, links
+    code, out, err = pipesim("simulate", *gpt, "--context-parallel", 1024, "-m", 1, "-s", "1f1b")
+    assert code == 0, err
+    assert out.splitlines()[0].endswith("t x C = 1 x 1,024 GPUs per device")
