@@ -94,8 +94,8 @@ def _stage_starts_note(counted: WorkloadCount) -> str:
 
 def _routing_note(counted: WorkloadCount) -> str:
     """How a mixture of experts' data-dependent routing was counted (workload/moe.py)."""
+    from ..profiles.workload import top_k_of
     from ..workload.moe import expected_tokens
-    from ..workload.sizes import top_k_of
 
     options = counted.options
     tokens, experts = counted.microbatch_size * options["seq_len"], options["experts"]

@@ -77,13 +77,13 @@ from ..profiles.workload import (
     layers_text,
     module_regions,
     most_stages,
+    top_k_of,
     transient_peak,
     weighted_products,
 )
 from ..schedules.ranks import RANK_ORDERS, SettingsError, dense_grid
 from ..sim.caching_allocator import LayerAllocations, left_live
 from ..sim.costs import HELD_PRODUCT_SLOWDOWN, PRECISIONS, Precision, precision_refusal
-from ..workload.sizes import top_k_of
 from .experts import (
     ALL_TO_ALLS,
     DISPATCHERS,

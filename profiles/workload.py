@@ -14,6 +14,14 @@ from ..units import count_text
 from .partition import FOLLOWS_WHY, stage_starts
 
 HF_PREFIX = "hf:"  # --model hf:PATH counts a Hugging Face decoder from its config (workload/hfconfig.py)
+DEFAULT_TOP_K = 2  # the routed experts a token goes to without --top-k: GShard's and Mixtral's
+
+
+def top_k_of(options: Mapping[str, Any]) -> int:
+    """The routed experts a token of the model counted with `options` goes to (its --top-k, or a Hugging Face
+    config's; else `DEFAULT_TOP_K`, the built-in gpt's)."""
+    return options.get("top_k") or DEFAULT_TOP_K
+
 
 
 def is_hf(model: str) -> bool:

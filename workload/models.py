@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from pipesim.choices import choose_from
-from pipesim.profiles.workload import is_hf
+from pipesim.profiles.workload import DEFAULT_TOP_K, is_hf
 from pipesim.units import float_text, number_allowed
 from pipesim.workload import data
 from pipesim.workload.moe import (
@@ -41,7 +41,6 @@ from pipesim.workload.moe import (
 from pipesim.workload.rope import rotated
 from pipesim.workload.sizes import (
     DEFAULT_SIZES,
-    DEFAULT_TOP_K,
     HF_OPTIONS,
     capacity_factor_refusal,
     hf_options_refusal,

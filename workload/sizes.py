@@ -11,15 +11,6 @@ from ..choices import choose_from, unknown_names
 from ..profiles.workload import is_hf, too_few_layers
 from ..units import float_text, number_allowed
 
-DEFAULT_TOP_K = 2  # the routed experts a token goes to without --top-k: GShard's and Mixtral's
-
-
-def top_k_of(options: Mapping[str, Any]) -> int:
-    """The routed experts a token of the model built with `options` goes to (its --top-k, or a Hugging Face
-    config's; else `DEFAULT_TOP_K`, the built-in gpt's)."""
-    return options.get("top_k") or DEFAULT_TOP_K
-
-
 DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "mlp": {"layers": 8, "width": 512},
     "cnn": {"layers": 6, "width": 32},
