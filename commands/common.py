@@ -532,8 +532,8 @@ RepeatKv = Annotated[bool, typer.Option(
     "--repeat-kv", help="With --gpu: grouped-query attention's keys and values copied to every query head before "
                         "the attention kernel, as torchtitan's Llama does (its `repeat_kv`), so the kernel saves and "
                         "a context-parallel ring passes them repeated; by default the kernel takes the fewer "
-                        "key/value heads (enable_gqa). With --attention flash: torch's math attention copies them "
-                        "itself.",
+                        "key/value heads (enable_gqa). Needs --attention flash: under math, torch's attention "
+                        "copies them itself.",
     show_default=False)]
 RouterAuxLoss = Annotated[str | None, typer.Option(
     "--router-aux-loss", metavar="HOW", help="With --gpu: a mixture of experts' load-balancing loss in every MoE "
@@ -1509,10 +1509,8 @@ def check_optimizer_held(optimizer: str, precision: str | None, measured: Profil
     --precision given, else the one the profile `measured` was estimated with."""
     from ..sim.costs import precision_optimizer_refusal
 
-    estimate = measured.estimate if measured is not None and precision is None else None
-    if estimate is not None:
-        refuse(precision_optimizer_refusal(estimate.parallelism.get("precision"), optimizer,
-                                           "the profile, estimated with --precision"))
+    if precision is None and measured is not None:
+        refuse(precision_optimizer_refusal(measured.estimated_parallelism.get("precision"), optimizer, profile=True))
     else:
         refuse(precision_optimizer_refusal(precision, optimizer))
 

@@ -94,12 +94,10 @@ def _stage_starts_note(counted: WorkloadCount) -> str:
 
 def _routing_note(counted: WorkloadCount) -> str:
     """How a mixture of experts' data-dependent routing was counted (workload/moe.py)."""
-    from ..profiles.workload import top_k_of
     from ..workload.moe import expected_tokens
 
     options = counted.options
-    tokens, experts = counted.microbatch_size * options["seq_len"], options["experts"]
-    top_k = top_k_of(options)
+    tokens, experts, top_k = counted.microbatch_size * options["seq_len"], options["experts"], counted.top_k
     each = expected_tokens(tokens, top_k, experts, options.get("capacity_factor"))
     return (f"routed experts counted at balanced routing: each of the {experts} computes {each:,} of a micro-batch's "
             f"{tokens:,} tokens (top {top_k}{', padded to its capacity' if options.get('capacity_factor') else ''})")

@@ -37,6 +37,7 @@ from .common import (
     TensorParallel,
     Zero,
     check_dtype,
+    check_optimizer_held,
     check_outputs,
     collector_paused,
     fail,
@@ -285,6 +286,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                          "--heads, --seq-len, ...), --model hf:PATH (a Hugging Face config.json) with --seq-len, or "
                          "--model package.module:attribute")
     check_dtype(params["dtype"], FP8)
+    check_optimizer_held(params.get("optimizer", "adam"), params.get("precision"), None)  # before the count
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")

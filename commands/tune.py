@@ -186,7 +186,7 @@ def tune(
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
         check_allocator(ctx, what)
-        check_optimizer_held(optimizer, given_precision(ctx.params), None)
+        given_precision(ctx.params)
         zero = zero_stage(ctx.params)
         zero_flag = "--sharded-optimizer" if sharded_optimizer else f"--zero {zero}"  # as the user gave it
         work: dict[int, ModelWork] = {}  # by b, with --gpu

@@ -77,7 +77,6 @@ from ..profiles.workload import (
     layers_text,
     module_regions,
     most_stages,
-    top_k_of,
     transient_peak,
     weighted_products,
 )
@@ -896,7 +895,7 @@ def placed(placement: EstimatePlacement, counted: WorkloadCount, parallel: Paral
                                parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,
                                parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor,
                                _routing_groups(counted.options), parallel.routing, curve.hybridep,
-                               top_k_of(counted.options))
+                               counted.top_k)
     except ExpertParallelError as exc:
         raise EstimateError(*exc.args) from None  # its {settings} as they are
     return (experts, links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,
@@ -2874,11 +2873,12 @@ def fp8_peak_tflops(gpu: Gpu, named: str) -> float:
 
 
 def check_float8_products(counted: WorkloadCount) -> None:
-    """Float8 runs a transformer layer's linear products (planning/fp8.py): a model with none (mlp, cnn) ran in 16
-    bits all through under {dtype} fp8, yet was priced with TransformerEngine's float8 module calls: EstimateError."""
+    """pipesim prices float8 in a transformer layer's linear products alone (planning/fp8.py): a model with none
+    (mlp, cnn) was priced in 16 bits all through under {dtype} fp8, with TransformerEngine's float8 module calls
+    added: EstimateError."""
     if not any(layer.transformer_layer for layer in counted.layers):
-        raise EstimateError(f"{{dtype}} fp8 runs a transformer layer's linear products in float8, and "
-                            f"{counted.model} has none (it would run in 16 bits all through): give {{dtype}} bf16")
+        raise EstimateError(f"{{dtype}} fp8: pipesim prices float8 in a transformer layer's linear products, and "
+                            f"{counted.model} has none: give {{dtype}} bf16")
 
 
 def kernel_curve(curve: Curve, kernel: str, gpu: str) -> Curve:

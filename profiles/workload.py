@@ -14,14 +14,6 @@ from ..units import count_text
 from .partition import FOLLOWS_WHY, stage_starts
 
 HF_PREFIX = "hf:"  # --model hf:PATH counts a Hugging Face decoder from its config (workload/hfconfig.py)
-DEFAULT_TOP_K = 2  # the routed experts a token goes to without --top-k: GShard's and Mixtral's
-
-
-def top_k_of(options: Mapping[str, Any]) -> int:
-    """The routed experts a token of the model counted with `options` goes to (its --top-k, or a Hugging Face
-    config's; else `DEFAULT_TOP_K`, the built-in gpt's)."""
-    return options.get("top_k") or DEFAULT_TOP_K
-
 
 
 def is_hf(model: str) -> bool:
@@ -452,6 +444,11 @@ class WorkloadCount:
     def total(self, name: str) -> int:
         """The sum over layers of LayerCount's number `name` (a field or `model_flops`)."""
         return sum(getattr(layer, name) for layer in self.layers)
+
+    @property
+    def top_k(self) -> int:
+        """The most routed experts a token of any mixture-of-experts block goes to, as counted (1: none routes)."""
+        return max((block.top_k for layer in self.layers for block in layer.routed_blocks), default=1)
 
     @cached_property
     def same_as(self) -> tuple[int | None, ...]:

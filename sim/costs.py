@@ -109,14 +109,15 @@ class Precision:
     its state (a moment). The master copy is optimizer state, sharded with it. `stored_bytes`: the weights as
     stored between passes, which the passes read as copies of `weight_bytes` gathered from them (FSDP2's mixed
     precision: float32 shards, 16-bit compute copies; None: the weights the passes read are the stored ones).
-    `adam_only`: the runtime it stands for keeps Adam's moments its own way and runs no other optimizer."""
+    `adam_moments`: where the precision holds Adam's moments its own way, whose setting does, which no other
+    optimizer reads ("": none)."""
 
     weight_bytes: int
     grad_bytes: int
     master_bytes: int
     state_bytes: int
     stored_bytes: int | None = None
-    adam_only: bool = False
+    adam_moments: str = ""
 
     def optimizer_state_bytes(self, weight_bytes: int, optimizer: str) -> int:
         """The state `optimizer` keeps, master copy included, for weights of `weight_bytes`."""
@@ -154,8 +155,9 @@ class Precision:
 # FP32").
 PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
               "megatron-16bit-grads": Precision(2, 2, 4, 4), "fsdp2": Precision(2, 4, 0, 4, stored_bytes=4),
-              "nemo-bf16-adam": Precision(2, 2, 0, 2, adam_only=True),
-              "megatron-bf16-moments": Precision(2, 4, 4, 2, adam_only=True)}
+              "nemo-bf16-adam": Precision(2, 2, 0, 2, adam_moments="NeMo's distributed Adam, which runs Adam alone"),
+              "megatron-bf16-moments": Precision(2, 4, 4, 2, adam_moments="Megatron-LM's exp_avg_dtype, which its Adam "
+                                                                          "alone reads; megatron holds the rest's")}
 
 
 def owned_bytes(param_bytes: int, master_bytes: int, stored_bytes: int | None) -> int:
@@ -172,15 +174,18 @@ def precision_refusal(name: str, flag: str = "precision") -> str | None:
     return None if name in PRECISIONS else choose_from(flag, PRECISIONS, name)
 
 
-def precision_optimizer_refusal(precision: str | None, optimizer: str, given_by: str = "--precision") -> str | None:
-    """The one line refusing `optimizer` under a precision whose runtime runs Adam alone (`Precision.adam_only`:
-    NeMo's distributed Adam; Megatron-LM's bf16 moments, its `exp_avg_dtype`, which its Adam alone reads), as
-    `given_by` names the precision (the flag, or the profile it was estimated into); None where they go together,
-    or where the precision is none known (its reader refuses it: `precision_refusal`)."""
-    if precision not in PRECISIONS or not PRECISIONS[precision].adam_only or optimizer in ("adam", "adamw"):
+def precision_optimizer_refusal(precision: str | None, optimizer: str, profile: bool = False) -> str | None:
+    """The one line refusing SGD, with or without momentum, under a precision that holds Adam's moments
+    (`Precision.adam_moments`), given as --precision or, with `profile`, as the profile was estimated; None where
+    they go together, or where either is none known (its reader refuses it)."""
+    if precision not in PRECISIONS or not PRECISIONS[precision].adam_moments or optimizer not in ("sgd", "momentum"):
         return None
-    return (f"--optimizer {optimizer}: {given_by} {precision} holds Adam's two moments, which {optimizer} does not "
-            "keep (its runtime runs Adam alone): give --optimizer adam or adamw, or another precision")
+    held = f"holds Adam's two moments ({PRECISIONS[precision].adam_moments}); {optimizer} keeps neither"
+    if profile:
+        return (f"--optimizer {optimizer}: the profile was estimated with --precision {precision}, which {held}: give "
+                "--optimizer adam or adamw, or estimate it with another --precision")
+    return (f"--optimizer {optimizer}: --precision {precision} {held}: give --optimizer adam or adamw, or another "
+            "--precision")
 
 
 # Whose pipeline runtime holds the boundary tensors (`--pp-runtime`, `held_as_runtime`).

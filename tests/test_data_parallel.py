@@ -330,8 +330,9 @@ def test_a_trace_of_an_older_pipesim_reads_its_sharded_optimizer_as_zero_1():
 
 @pytest.mark.parametrize("precision", ["nemo-bf16-adam", "megatron-bf16-moments"])
 def test_a_precision_that_holds_adams_moments_refuses_another_optimizer(tmp_path, monkeypatch, precision):
-    """NeMo's distributed Adam and Megatron-LM's bf16 moments (its Adam's `exp_avg_dtype`) run Adam alone: SGD,
-    with or without momentum, is refused under them, given as --precision or as the profile was estimated."""
+    """NeMo's distributed Adam and Megatron-LM's bf16 moments (its Adam's `exp_avg_dtype`) hold Adam's moments:
+    SGD, with or without momentum, is refused under them, given as --precision (before the model is counted) or as
+    the profile was estimated, by every command that prices a step."""
     pytest.importorskip("torch")
     profile = tmp_path / "profile.json"
     gpt = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 2, "--seq-len", 32)
@@ -339,12 +340,14 @@ def test_a_precision_that_holds_adams_moments_refuses_another_optimizer(tmp_path
     (tmp_path / "run").mkdir()
     monkeypatch.chdir(tmp_path / "run")
     for optimizer in ("sgd", "momentum"):
-        why = f"--optimizer {optimizer}: --precision {precision} holds Adam's two moments, which {optimizer} does not"
-        assert why in refused("simulate", *gpt, "-p", 2, "-s", "1f1b", "--precision", precision,
-                              "--optimizer", optimizer, "--json")
-        assert why in refused("tune", *gpt, "--devices", 2, "-s", "1f1b", "--precision", precision,
-                              "--optimizer", optimizer)
-        from_profile = f"--optimizer {optimizer}: the profile, estimated with --precision {precision} holds"
+        why = f"--optimizer {optimizer}: --precision {precision} holds Adam's two moments ("
+        given = ("--precision", precision, "--optimizer", optimizer)
+        assert why in refused("estimate", *gpt, "-p", 2, *given, "--out", "e.json")
+        assert why in refused("simulate", *gpt, "-p", 2, "-s", "1f1b", *given, "--json")
+        assert why in refused("sweep", *gpt, "-p", 2, "-s", "1f1b", *given, "--out", "r.csv")
+        assert why in refused("tune", *gpt, "--devices", 2, "-s", "1f1b", *given)
+        from_profile = (f"--optimizer {optimizer}: the profile was estimated with --precision {precision}, which "
+                        f"holds Adam's two moments (")
         assert from_profile in refused("simulate", "--profile", profile, "-s", "1f1b", "--optimizer", optimizer)
         assert from_profile in refused("tune", "--profile", profile, "--devices", 2, "--optimizer", optimizer)
     assert pipesim("simulate", "--profile", profile, "-s", "1f1b", "--optimizer", "adamw").code == 0

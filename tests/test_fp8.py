@@ -106,9 +106,9 @@ def test_fp8_on_a_part_without_an_fp8_peak_is_refused_by_every_what_if_command(t
     ("h100-sxm", ("--fp8-recipe", "te"), "--fp8-recipe says how --dtype fp8 runs the linear products"),
     ("h100-sxm", ("--dtype", "fp8", "--fp8-recipe", "mx"), "--fp8-recipe: choose from te, torchao, te-current"),
     # no transformer layer: nothing runs in float8, yet it was priced with TransformerEngine's float8 module calls
-    ("h100-sxm", ("--model", "mlp", "--dtype", "fp8"), "--dtype fp8 runs a transformer layer's linear products in "
-                                                       "float8, and mlp has none"),
-    ("h100-sxm", ("--model", "cnn", "--dtype", "fp8"), "and cnn has none (it would run in 16 bits all through)"),
+    ("h100-sxm", ("--model", "mlp", "--dtype", "fp8"), "--dtype fp8: pipesim prices float8 in a transformer layer's "
+                                                       "linear products, and mlp has none: give --dtype bf16"),
+    ("h100-sxm", ("--model", "cnn", "--dtype", "fp8"), "and cnn has none: give --dtype bf16"),
 ])
 def test_bad_fp8_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, gpu, args, fragment):
     pytest.importorskip("torch")

@@ -241,19 +241,6 @@ UNREADABLE = [
     (lambda folder: write_config(folder, {**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 0}),
      "config.json: num_experts_per_tok: give a whole number from 1 to 16,384 (got 0)"),
 ]
-@needs_transformers
-def test_a_window_the_config_switches_off_is_not_read_as_it_transformers_saves_it(tmp_path):
-    """Qwen2-MoE's config class saves sliding_window 0 where use_sliding_window is false (transformers 5.25): a
-    Qwen1.5-MoE config that transformers saved itself was refused for a size it never reads. Switched on, the
-    window is held to 1 or more as before."""
-    qwen2_moe = {**QWEN3_MOE, "model_type": "qwen2_moe", "num_experts": 8, "shared_expert_intermediate_size": 64,
-                 "sliding_window": 0}
-    off = write_config(tmp_path / "off", {**qwen2_moe, "use_sliding_window": False})
-    assert pipesim("count", "--model", f"hf:{off}", "--seq-len", 32).code == 0
-    on = write_config(tmp_path / "on", {**qwen2_moe, "use_sliding_window": True})
-    assert "sliding_window: give a whole number from 1 to 1,048,576 (got 0)" in estimate_refusal(on, tmp_path / "o")
-
-
 NO_KV_HEADS = {name: value for name, value in LLAMA.items() if name != "num_key_value_heads"}
 NO_LONGEST = {name: value for name, value in LLAMA.items() if name != "max_position_embeddings"}
 
@@ -482,3 +469,22 @@ def test_every_command_whose_model_may_be_a_config_says_so_in_its_help():
     helps = {name: record[1] for name, param, record in help_records() if param.name == "model"}
     assert {"calibrate", "run", "simulate", "estimate", "count"} <= set(helps)
     assert [name for name, text in helps.items() if "hf:PATH" not in text] == ["study"]
+
+
+@needs_transformers
+def test_a_window_the_config_switches_off_is_not_read_as_it_transformers_saves_it(tmp_path):
+    """Qwen2-MoE's config class saves sliding_window 0 where use_sliding_window is false (transformers 5.25): a
+    Qwen1.5-MoE config that transformers saved itself was refused for a size it never reads. Switched on, the
+    window is held to 1 or more as before; switched off yet named by a layer's type, it is refused as its layer
+    reads it."""
+    qwen2_moe = {**QWEN3_MOE, "model_type": "qwen2_moe", "num_experts": 8, "shared_expert_intermediate_size": 64,
+                 "sliding_window": 0}
+    off = write_config(tmp_path / "off", {**qwen2_moe, "use_sliding_window": False})
+    assert pipesim("count", "--model", f"hf:{off}", "--seq-len", 32).code == 0
+    on = write_config(tmp_path / "on", {**qwen2_moe, "use_sliding_window": True})
+    assert "sliding_window: give a whole number from 1 to 1,048,576 (got 0)" in estimate_refusal(on, tmp_path / "o")
+    typed = write_config(tmp_path / "typed", {**qwen2_moe, "use_sliding_window": False,
+                                              "layer_types": ["sliding_attention"]})
+    assert estimate_refusal(typed, tmp_path / "t").endswith(
+        "Qwen2MoeAttention attends within a sliding window of 0 keys: give the config's sliding_window a whole "
+        "number from 1, or switch it off for every layer\n")

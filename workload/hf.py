@@ -208,6 +208,9 @@ def counted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         raise ModelError(f"--model: {type(module).__name__} hands its attention {unknown}, which the fused attention "
                          "kernels pipesim counts do not compute")
     window = kwargs.pop("sliding_window", getattr(module, "sliding_window", None))
+    if window is not None and window < 1:  # a config whose window is switched off yet read (hfconfig's SWITCHED_BY)
+        raise ModelError(f"--model: {type(module).__name__} attends within a sliding window of {window} keys: give the "
+                         "config's sliding_window a whole number from 1, or switch it off for every layer")
     kept = kwargs.pop(SPARSE_KEYS, None)
     computed = query.device.type != "meta"
     if kept is not None:

@@ -24,12 +24,13 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from pipesim.choices import choose_from
-from pipesim.profiles.workload import DEFAULT_TOP_K, is_hf
+from pipesim.profiles.workload import is_hf
 from pipesim.units import float_text, number_allowed
 from pipesim.workload import data
 from pipesim.workload.moe import (
     BLOCK_NORM,
     CHECKPOINT_REGION,
+    DEFAULT_TOP_K,
     ExpertExchange,
     ExpertShape,
     exchanged_experts,

@@ -49,6 +49,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..profiles.workload import RoutedBlock
 
+DEFAULT_TOP_K = 2  # GShard's and Mixtral's
+
 
 @dataclass(frozen=True)
 class ExpertShape:
