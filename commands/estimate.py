@@ -359,7 +359,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   expert_gemm=_or_default(params, "expert_gemm", "grouped"), p2p_sync=params.get("p2p_sync", False),
                   cuda_graphs=_comma_list(params.get("cuda_graphs")))
     with refused_with_flags():  # the layout's rules, before the model is counted (which takes seconds)
-        if what.context > 1 and "seq_len" not in DEFAULT_SIZES.get(what.model, {"seq_len": None}):
+        built_in = DEFAULT_SIZES.get(what.model)  # None: a Hugging Face config or the user's module, counted first
+        if what.context > 1 and built_in is not None and "seq_len" not in built_in:
             raise EstimateError(no_sequence_refusal(what.context, what.model))  # before its attention's kernel
         check_ring_attention(what.context, what.attention)
         recompute = _or_default(params, "recompute", "none")

@@ -109,8 +109,8 @@ class Precision:
     its state (a moment). The master copy is optimizer state, sharded with it. `stored_bytes`: the weights as
     stored between passes, which the passes read as copies of `weight_bytes` gathered from them (FSDP2's mixed
     precision: float32 shards, 16-bit compute copies; None: the weights the passes read are the stored ones).
-    `adam_moments`: where the precision holds Adam's moments its own way, whose setting does, which no other
-    optimizer reads ("": none)."""
+    `adam_moments`: whose setting holds Adam's moments so, one no other optimizer reads ("": it holds any
+    optimizer's state)."""
 
     weight_bytes: int
     grad_bytes: int
@@ -157,7 +157,7 @@ PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
               "megatron-16bit-grads": Precision(2, 2, 4, 4), "fsdp2": Precision(2, 4, 0, 4, stored_bytes=4),
               "nemo-bf16-adam": Precision(2, 2, 0, 2, adam_moments="NeMo's distributed Adam, which runs Adam alone"),
               "megatron-bf16-moments": Precision(2, 4, 4, 2, adam_moments="Megatron-LM's exp_avg_dtype, which its Adam "
-                                                                          "alone reads; megatron holds the rest's")}
+                                                                          "alone reads")}
 
 
 def owned_bytes(param_bytes: int, master_bytes: int, stored_bytes: int | None) -> int:
