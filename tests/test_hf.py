@@ -16,7 +16,7 @@ import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import help_records, needs_transformers, pipesim, pipesim_fresh, simulate_json
-from tests.helpers import FFN, H100, H100_BF16, HEAD, KV, LLAMA, QWEN3_MOE, A, B, H, L, S, V, write_config
+from tests.helpers import FFN, H100, H100_BF16, HEAD, KV, LLAMA, MIXTRAL, QWEN3_MOE, A, B, H, L, S, V, write_config
 from tests.helpers import LLAMA_GPT as GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -346,6 +346,11 @@ SEQ = ("--seq-len", 16)
                                                                                         ("4096", SEQ), (True, SEQ))),
     ({**LLAMA, "max_position_embeddings": 0}, (),
      "{folder}/config.json: max_position_embeddings: give a whole number of at least 1 (got 0)"),
+    # torch's "Attempting to broadcast a dimension of length ..." from the layer's reshape, the fields unnamed
+    # (Llama's config class refuses it itself, Mixtral's does not)
+    ({**MIXTRAL, "hidden_size": 66}, SEQ, "{folder}/config.json's hidden_size 66 is not a whole number of its 4 "
+     "attention heads (transformers takes a head as hidden_size / num_attention_heads where head_dim is not given): "
+     "give a multiple of 4, or a head_dim"),
     # transformers' ACT2FN lookup, a bare KeyError: 'nosuch' where the field went unnamed
     ({**LLAMA, "hidden_act": "nosuch"}, SEQ, "{folder}/config.json gives hidden_act 'nosuch', an activation "
                                              "transformers does not know; give one of gelu, "),

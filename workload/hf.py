@@ -340,6 +340,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     _check_dense_attention(settings, where)
     _check_aliased_sizes(config, settings)
     options["kv_heads"] = _kv_heads(config, settings) or options["heads"]
+    _check_head_size(config, settings, options["width"], options["heads"])
     routed = _routed_experts(config, settings)
     experts = routed[1] if routed else None
     if experts:
@@ -564,6 +565,18 @@ def _check_aliased_sizes(config: HfConfig, settings: Any) -> None:
                    if read and read[0] != field and read[1] is not None else None)
         if refusal is not None:
             raise ModelError(refusal)
+
+
+def _check_head_size(config: HfConfig, settings: Any, width: int, heads: int) -> None:
+    """Refuse a width its attention heads do not divide where the head size is the width's share (no head_dim in
+    the config, nor one of its class's own): transformers' attention then reshapes the width into heads of
+    width // heads and torch failed deep in the count ("Attempting to broadcast a dimension ..."). Some config
+    classes refuse it themselves (Llama's `validate_architecture`); Mixtral's, among others, do not."""
+    if width % heads and getattr(settings, "head_dim", None) in (None, width // heads) \
+            and "head_dim" not in config.fields:
+        raise ModelError(f"--model {config.spec}: {config.where}'s hidden_size {width:,} is not a whole number of its "
+                         f"{heads:,} attention heads (transformers takes a head as hidden_size / num_attention_heads "
+                         f"where head_dim is not given): give a multiple of {heads:,}, or a head_dim")
 
 
 def _kv_heads(config: HfConfig, settings: Any) -> int | None:
