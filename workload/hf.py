@@ -572,8 +572,8 @@ def _check_head_size(config: HfConfig, settings: Any, width: int, heads: int) ->
     the config, nor one of its class's own): transformers' attention then reshapes the width into heads of
     width // heads and torch failed deep in the count ("Attempting to broadcast a dimension ..."). Some config
     classes refuse it themselves (Llama's `validate_architecture`); Mixtral's, among others, do not."""
-    if width % heads and getattr(settings, "head_dim", None) in (None, width // heads) \
-            and "head_dim" not in config.fields:
+    if width % heads and "head_dim" not in config.fields and getattr(settings, "head_dim", None) in (None,
+                                                                                                   width // heads):
         raise ModelError(f"--model {config.spec}: {config.where}'s hidden_size {width:,} is not a whole number of its "
                          f"{heads:,} attention heads (transformers takes a head as hidden_size / num_attention_heads "
                          f"where head_dim is not given): give a multiple of {heads:,}, or a head_dim")

@@ -161,12 +161,12 @@ def read_hf_config(spec: str) -> HfConfig:
     if not isinstance(fields, dict):  # an array, number or string: no fields to read
         raise HfConfigError(f"--model {spec}: {path} is not a JSON object; give a Hugging Face {CONFIG_NAME} "
                             "(an object of fields, model_type among them)")
-    if "model_type" in fields and not isinstance(fields["model_type"], str):
-        raise HfConfigError(f"--model {spec}: {path}: model_type: give the name transformers knows the model by, a "
-                            f"string (got {json.dumps(fields['model_type'])})")
-    if not isinstance(fields.get("model_type"), str):
+    if "model_type" not in fields:
         raise HfConfigError(f"--model {spec}: {path} has no model_type; give a Hugging Face {CONFIG_NAME} "
                             "(model_type says which transformers model it configures)")
+    if not isinstance(fields["model_type"], str):
+        raise HfConfigError(f"--model {spec}: {path}: model_type: give the name transformers knows the model by, a "
+                            f"string (got {json.dumps(fields['model_type'])})")
     language = fields.get(LANGUAGE_PART)
     part_of, left_out = None, ()
     if isinstance(language, dict) and not any(field in fields for field in FIGURES.values()):
