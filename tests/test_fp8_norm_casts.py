@@ -111,7 +111,11 @@ def test_a_gathered_norm_output_is_transposed_whole_once():
     block = _block()
     assert gathered_norm_share(block, TE) == 1.0
     assert gathered_norm_share(block, FP8_RECIPES["te-current"]) == 0.0
-    assert gathered_norm_share(_block(experts=4, top_k=2), TE) == 0.5  # the attention's norm of the two
+    # a mixture of experts' router reads its pre-MLP norm's output on the rank's own tokens (Megatron-core's
+    # TopKRouter under sequence parallelism): the attention's norm alone is gathered
+    moe = _block(experts=4, top_k=2)
+    assert [number for _, number in moe.sequence_inputs] == [number for number, _ in float8_norm_outputs(moe)]
+    assert gathered_norm_share(moe, TE) == 1.0
 
 
 def test_a_norm_fed_shape_is_taken_once_over_the_products_of_that_shape():

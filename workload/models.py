@@ -35,6 +35,7 @@ from pipesim.workload.moe import (
     ExpertShape,
     exchanged_experts,
     gated_mlp,
+    gating_linear,
     routed_experts,
     routing,
     with_aux_loss,
@@ -259,7 +260,9 @@ class _ExpertsMLP(nn.Module):
     """A mixture of experts in place of the MLP: a router (a product to one score per routed expert, softmax in
     float32, the top k kept and their weights renormalised to sum to 1, as Mixtral's), the routed experts
     (`workload.moe.routed_experts`), each an MLP as the dense one without biases (as Mixtral's and DeepSeek's), and
-    the shared experts, one MLP of shared·ffn that every token passes (DeepSeekMoE's)."""
+    the shared experts, one MLP of shared·ffn that every token passes (DeepSeekMoE's). The router's product is a
+    gating product (`gating_linear`), as Megatron-core's TopKRouter computes it: no TransformerEngine module, so
+    never in float8."""
 
     def __init__(self, width: int, shape: ExpertShape, gated: bool, bias: bool = True) -> None:
         super().__init__()
@@ -285,8 +288,8 @@ class _ExpertsMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        with routing():
-            scores = with_aux_loss(self.router(flat))  # the load-balancing loss where the count asks for it
+        with routing():  # the load-balancing loss where the count asks for it
+            scores = with_aux_loss(gating_linear(flat, self.router.weight, flat.dtype))
         weights, index = scores.float().softmax(-1).topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         activation = _swiglu if self.gated else F.gelu
