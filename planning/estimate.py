@@ -107,6 +107,7 @@ from .fp8 import (
     Float8Forms,
     Fp8Recipe,
     casts_weights_per_use,
+    float8_products,
     float8_weight_bytes,
     float8_weights,
     gathered_in_float8,
@@ -2881,6 +2882,34 @@ def check_float8_products(counted: WorkloadCount) -> None:
                             f"{counted.model} has none: give {{dtype}} bf16")
 
 
+def check_float8_shapes(counted: WorkloadCount, parallel: Parallelism, experts: ExpertGroup) -> None:
+    """Each product the recipe runs in float8 (`float8_products`), at its shape on the busiest rank, in the multiples
+    its runtime takes (`Fp8Recipe.product_multiples`), which otherwise refuses it (TransformerEngine's assertion,
+    torch._scaled_mm's check): EstimateError naming the product. A routed expert's rows are not held to them:
+    Megatron-core pads each local expert's tokens for float8 (`ExpertGroup.float8_padded`)."""
+    recipe = FP8_RECIPES[parallel.fp8]
+    multiples = recipe.product_multiples
+    for layer, same in zip(counted.layers, counted.same_as, strict=True):
+        products = [] if same is not None else float8_products(layer, recipe)
+        if not products:
+            continue
+        split = _Split.of(layer, parallel)
+        local = iter([op.shape for op in experts.local(layer).ops["fwd"] if op.routed and op.kind == "matmul"]
+                     if any(op.routed for op in products) else [])  # the routed products, in the count's order
+        for op in products:
+            shapes = [next(local)] if op.routed else [mine.shape for mine, _, _ in split.products(op, "fwd")]
+            for _, rows, outputs, inputs in shapes:
+                dims = ((0 if op.routed else rows), outputs, inputs)
+                if any(size % multiple for size, multiple in zip(dims, multiples, strict=True)):
+                    kind, ranks = (("a routed expert's product", "an {expert_tensor}") if op.routed else
+                                   ("a product", "tensor and context ranks"))
+                    raise EstimateError(
+                        f"{{fp8}} {parallel.fp8}: layer {layer.name} has {kind} of {inputs:,} to {outputs:,} "
+                        f"features on {rows:,} rows a rank, and the recipe's float8 kernels take rows in multiples "
+                        f"of {multiples[0]}, output features of {multiples[1]} and input features of {multiples[2]}: "
+                        f"give {{dtype}} bf16, or sizes and {ranks} that keep them so")
+
+
 def kernel_curve(curve: Curve, kernel: str, gpu: str) -> Curve:
     """`curve` pricing fused attention at `kernel`'s published rate on the part: which kernel a run's attention
     takes is the framework's choice (TransformerEngine: FlashAttention-2 with NVTE_FUSED_ATTN=0, cuDNN's fused
@@ -3021,6 +3050,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                             f"{placement.gpus_per_node} GPUs: give {{tensor}} {placement.gpus_per_node} or fewer, or "
                             "leave {tp_overlap} out")
     experts, links, _ = placed(placement, counted, parallel, curve)
+    if parallel.fp8 is not None:
+        check_float8_shapes(counted, parallel, experts)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")

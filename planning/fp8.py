@@ -148,6 +148,8 @@ class Fp8Recipe:
     elements of a row (None: as counted); `delayed_scaling`: TransformerEngine's delayed scaling as its 1.x
     modules run it (te's, as the H100 runs' v1.10-era containers ran it); the work it adds beside the products is
     its three properties' (`fuses_bias_gradients`, `clones_scale_inverses`, `reduces_and_updates_amaxes`);
+    `product_multiples`: what the float8 products' shapes on a rank must be multiples of, as (rows, output
+    features, input features), where the runtime refuses others (`float8_shape_refusal`);
     `norm_cast_kernels`: the kernels that cast a product's input a TransformerEngine LayerNormLinear's norm wrote
     (planning/te.py `float8_norm_outputs`), its norm's kernel doing the rest: under delayed scaling none, the norm
     writes float8 (`norms_write_float8`, `norms_in_float8`), at v1.7 to v1.11 and v2.x alike (csrc/extensions/
@@ -173,6 +175,9 @@ class Fp8Recipe:
     # the kernels that cast a product's input a LayerNormLinear's norm wrote, its norm kernel doing the rest (None: as
     # any input's, `kernels`)
     norm_cast_kernels: tuple[tuple[str, int, int], ...] | None = None
+    # TransformerEngine's `assert_dim_for_fp8_exec` on a float8 product's input and weight (pytorch/utils.py: all
+    # but the last dimension's product a multiple of 8, the last of 16): rows, output features 8, input features 16
+    product_multiples: tuple[int, int, int] = (8, 8, 16)
 
     @property
     def fuses_bias_gradients(self) -> bool:
@@ -212,7 +217,11 @@ FP8_RECIPES = {
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False,
-                         split_accumulation=BACKWARD_PASSES),
+                         split_accumulation=BACKWARD_PASSES,
+                         # torch._scaled_mm takes both operands' dimensions in multiples of 16 but the first's rows
+                         # (aten/src/ATen/native/cuda/Blas.cpp), and the weight gradient's first operand is the
+                         # output gradient transposed: its rows, the tokens, are a contraction there
+                         product_multiples=(16, 16, 16)),
 }
 FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("zero_amax", 0, 0), ("amax", 1, 0), ("scale", 0, 0),
                                                                   ("cast_transpose", 1, 2)), fuses_split_casts=False,
@@ -274,12 +283,15 @@ def saved_weight_bytes(layer: LayerCount, recipe: Fp8Recipe, tensor_ranks: int) 
     return elements * FP8_BYTES / tensor_ranks + tensors * FP8_SCALE_BYTES
 
 
+def float8_products(layer: LayerCount, recipe: Fp8Recipe) -> list[OpCount]:
+    """A transformer layer's forward products the recipe runs in float8 (none in another layer)."""
+    return [op for op in layer.ops.get("fwd", ()) if _converted(op, recipe)] if layer.transformer_layer else []
+
+
 def float8_weights(layer: LayerCount, recipe: Fp8Recipe) -> tuple[int, int]:
     """The weights of a transformer layer's products the recipe runs in float8 (its float8 linears): their elements
     and how many tensors (none in another layer). A routed product's are its experts' all."""
-    if not layer.transformer_layer:
-        return 0, 0
-    products = [op for op in layer.ops.get("fwd", ()) if _converted(op, recipe)]
+    products = float8_products(layer, recipe)
     return (sum(op.count * op.shape[0] * op.shape[2] * op.shape[3] for op in products),
             sum(op.count * op.shape[0] for op in products))
 

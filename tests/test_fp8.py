@@ -102,6 +102,14 @@ def test_fp8_on_a_part_without_an_fp8_peak_is_refused_by_every_what_if_command(t
     assert len(err.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
 
 
+def _small(args: tuple[str, ...]) -> tuple[str, ...]:
+    """`args` after the small gpt's flags (SMALL) that `args` does not give itself; none where it names a model."""
+    if "--model" in args:
+        return args
+    pairs = zip(SMALL[::2], SMALL[1::2], strict=True)
+    return (*(part for flag, value in pairs if flag not in args for part in (flag, value)), *args)
+
+
 @pytest.mark.parametrize("gpu, args, fragment", [
     ("h100-sxm", ("--fp8-recipe", "te"), "--fp8-recipe says how --dtype fp8 runs the linear products"),
     ("h100-sxm", ("--dtype", "fp8", "--fp8-recipe", "mx"), "--fp8-recipe: choose from te, torchao, te-current"),
@@ -109,14 +117,36 @@ def test_fp8_on_a_part_without_an_fp8_peak_is_refused_by_every_what_if_command(t
     ("h100-sxm", ("--model", "mlp", "--dtype", "fp8"), "--dtype fp8: pipesim prices float8 in a transformer layer's "
                                                        "linear products, and mlp has none: give --dtype bf16"),
     ("h100-sxm", ("--model", "cnn", "--dtype", "fp8"), "and cnn has none: give --dtype bf16"),
+    # shapes the runtime's float8 products refuse (`check_float8_shapes`): the rank's, TransformerEngine's multiples
+    (("h100-sxm", ("--width", "1000", "--dtype", "fp8"), "--fp8-recipe te: layer 1:_Block has a product of 1,000 to "
+      "3,000 features on 64 rows a rank, and the recipe's float8 kernels take rows in multiples of 8, output features "
+      "of 8 and input features of 16: give --dtype bf16, or sizes and tensor and context ranks that keep them so")),
+    ("h100-sxm", ("--ffn", "272", "--tensor-parallel", "2", "--dtype", "fp8"), "a product of 136 to 256 features"),
+    ("h100-sxm", ("--seq-len", "8", "--dtype", "fp8", "--fp8-recipe", "torchao"), "on 8 rows a rank, and the recipe's "
+                                                                                   "float8 kernels take rows in "
+                                                                                   "multiples of 16"),
+    ("h100-sxm", ("--experts", "4", "--expert-ffn", "272", "--tensor-parallel", "2", "--dtype", "fp8"),
+     "a routed expert's product of 136 to 256 features on 32 rows a rank"),
 ])
 def test_bad_fp8_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, gpu, args, fragment):
     pytest.importorskip("torch")
     monkeypatch.chdir(tmp_path)
-    model = SMALL if "--model" not in args else ()
-    code, _, err = pipesim("estimate", "--gpu", gpu, *model, *args, "--out", "e.json")
+    code, _, err = pipesim("estimate", "--gpu", gpu, *_small(args), "--out", "e.json")
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args", [
+    ("--ffn", "272"),  # 272 whole, 136 a rank at t = 2
+    ("--seq-len", "8"),  # 8 rows: TransformerEngine's multiple, not torch._scaled_mm's
+    ("--experts", "4", "--expert-ffn", "272", "--tensor-parallel", "2", "--expert-tensor-parallel", "1",
+     "--rank-order", "megatron"),  # each expert whole on its rank
+])
+def test_float8_shapes_the_runtime_takes_are_priced(args):
+    pytest.importorskip("torch")
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", *_small(args), "--dtype", "fp8", "-p", "2", "-m", "2",
+                             "-s", "1f1b", "--json")
+    assert code == 0 and json.loads(out)["results"][0]["makespan_ms"] > 0, err
 
 
 def test_simulate_sweep_tune_and_estimate_take_fp8_and_the_estimate_records_its_recipe(tmp_path):
