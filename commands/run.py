@@ -65,6 +65,7 @@ from .common import (
     check_expert_parallel,
     check_expert_parallel_unbuilt,
     check_method_options,
+    check_optimizer_held,
     check_outputs,
     check_prediction,
     check_threads,
@@ -256,6 +257,7 @@ def run(
         bounds, measured = None, None
         if profile is not None:
             measured, bounds = _partition(profile, model, options)
+            check_optimizer_held(optimizer, None, measured)  # auto's order is searched on the profile's step
             model = measured.model.name
             context = int(measured.estimated_parallelism.get("context", 1))
             if context > 1:  # its schedule would reduce over context-parallel ranks the executor does not start

@@ -332,7 +332,8 @@ def test_a_trace_of_an_older_pipesim_reads_its_sharded_optimizer_as_zero_1():
 def test_a_precision_that_holds_adams_moments_refuses_another_optimizer(tmp_path, monkeypatch, precision):
     """NeMo's distributed Adam and Megatron-LM's bf16 moments (its Adam's `exp_avg_dtype`) hold Adam's moments:
     SGD, with or without momentum, is refused under them, given as --precision (before the model is counted) or as
-    the profile was estimated, by every command that prices a step."""
+    the profile was estimated, by every command that prices a step, and by run, whose auto order is searched on
+    the profile's step."""
     pytest.importorskip("torch")
     profile = tmp_path / "profile.json"
     gpt = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 2, "--seq-len", 32)
@@ -350,4 +351,6 @@ def test_a_precision_that_holds_adams_moments_refuses_another_optimizer(tmp_path
                         f"holds Adam's two moments (")
         assert from_profile in refused("simulate", "--profile", profile, "-s", "1f1b", "--optimizer", optimizer)
         assert from_profile in refused("tune", "--profile", profile, "--devices", 2, "--optimizer", optimizer)
+        assert from_profile in refused("run", "--profile", profile, "-s", "1f1b", "--optimizer", optimizer)
+    assert from_profile.replace("momentum", "sgd") in refused("run", "--profile", profile, "-s", "1f1b")  # its default
     assert pipesim("simulate", "--profile", profile, "-s", "1f1b", "--optimizer", "adamw").code == 0
