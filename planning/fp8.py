@@ -149,7 +149,7 @@ class Fp8Recipe:
     modules run it (te's, as the H100 runs' v1.10-era containers ran it); the work it adds beside the products is
     its three properties' (`fuses_bias_gradients`, `clones_scale_inverses`, `reduces_and_updates_amaxes`);
     `product_multiples`: what the float8 products' shapes on a rank must be multiples of, as (rows, output
-    features, input features), where the runtime refuses others (`float8_shape_refusal`);
+    features, input features), where the runtime refuses others (planning/estimate.py `check_float8_shapes`);
     `norm_cast_kernels`: the kernels that cast a product's input a TransformerEngine LayerNormLinear's norm wrote
     (planning/te.py `float8_norm_outputs`), its norm's kernel doing the rest: under delayed scaling none, the norm
     writes float8 (`norms_write_float8`, `norms_in_float8`), at v1.7 to v1.11 and v2.x alike (csrc/extensions/
