@@ -19,7 +19,7 @@ from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import MAX_MS, MIB, count_text, degree_text, rounds_text
+from ..units import GIB, MAX_MS, MIB, count_text, degree_text, rounds_text
 from .common import (
     LEAST_MS,
     TORCH_CSV,
@@ -63,6 +63,7 @@ from .common import (
     check_allocator,
     check_estimate_experts,
     check_estimate_overlap,
+    check_memory_gb,
     check_method_options,
     check_outputs,
     check_p2p_sync,
@@ -160,6 +161,10 @@ def simulate(
     prediction: PredictionSource = None,
     activation_limit: ActivationLimit = None,
     search_seconds: SearchSeconds = None,
+    memory_gb: Annotated[float | None, typer.Option(
+        "--memory-gb", metavar="GIB", help="Each device's memory in GiB, in place of the part's, the cluster file's "
+                                           "or the profile's: a device whose peak passes it is out of memory, and "
+                                           "auto searches its order within it (tune's cap).")] = None,
     graph: Annotated[Path | None, typer.Option(
         "--graph", help='graphpipe: stage DAG JSON {"stages": n, "edges": [[a, b], ...], "placement": [...]} (default: '
                         'built-in two-branch model).', metavar="JSON")] = None,
@@ -277,6 +282,7 @@ def simulate(
                                               "--prediction", "--activation-limit", "--search-seconds"))
         check_p2p_sync(ctx, compared)  # the flag's refusals before the model is counted (a --profile's once read)
         search = search_options(activation_limit, search_seconds)
+        check_memory_gb(memory_gb)
         refuse(above_zero_refusal(cost_scale, "--cost-scale"))
         check_outputs([*(("--trace", path) for path in (_output_paths(trace, names) if trace else [])),
                        ("--html", html)],
@@ -297,7 +303,8 @@ def simulate(
             say_part_counted(what.model)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
-                           cost_scale=cost_scale, **allocator_fields(allocator, counted, parallel, optimizer_step))
+                           cost_scale=cost_scale, memory_bytes=int(memory_gb * GIB) if memory_gb is not None else None,
+                           **allocator_fields(allocator, counted, parallel, optimizer_step))
         check_p2p_sync(ctx, compared, scenario.measured)
         if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:
             placed = scenario.dag[0].num_stages  # graphpipe ran at the file's p whatever --stages said

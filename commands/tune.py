@@ -341,8 +341,10 @@ def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
             ("rank_order", "--rank-order", c.rank_order if estimated and c.rank_order != "pipesim" else None),
             ("zero", "--zero", c.zero or None),
             ("stage_cut", "--stage-cut", LAYERS + ",".join(str(b - a) for a, b in pairwise(candidate.bounds))),
+            # a searched order's R as its search held it (one no order reaches: the cap bound it), not the R it
+            # reached, under which simulate's search, each device allowed that share of 1F1B's fullest, differs
             ("activation_limit", "--activation-limit",
-             None if candidate.activation_limit is None else repr(candidate.activation_limit))]
+             None if candidate.activation_limit is None else f"{candidate.params.activation_limit:g}")]
 
 
 def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
