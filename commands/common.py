@@ -26,6 +26,7 @@ from rich.console import Console
 from ..choices import choose_from, optimizer_refusal
 from ..files import PAGE_HEALTH, is_profile_bytes, is_trace_bytes, without_bom
 from ..units import (
+    GIB,
     MAX_BYTES,
     MAX_MS,
     MIB,
@@ -1332,6 +1333,20 @@ def check_memory_gb(memory_gb: float | None) -> None:
     below it read as "fits in 0 GiB", to a PiB."""
     if memory_gb is not None and (refusal := memory_gib_refusal(memory_gb)):
         raise InputError(f"--memory-gb: {refusal}")
+
+
+def check_memory_cap(memory_gb: float | None, device_bytes: int | None, part: str | None) -> None:
+    """--memory-gb at most the device's own memory, `device_bytes` (None: not known), of catalogue part `part` (None:
+    the profiled device): a cap above it holds the layouts to memory the device lacks (tune chose one of
+    183,986 MiB at 200 GiB on an 80 GB H100, which simulate without the cap marks out of memory)."""
+    if memory_gb is None or not device_bytes or int(memory_gb * GIB) <= device_bytes:
+        return
+    from ..planning.tune import memory_text
+
+    device = (f"{part}'s {memory_text(device_bytes)} (`pipesim gpus`)" if part else
+              f"the profiled device's {memory_text(device_bytes)}")
+    raise InputError(f"--memory-gb {memory_gb:g}: more than {device}, so a layout that fits the cap would run out of "
+                     f"memory there: give at most {device_bytes / GIB:.4g}")
 
 
 def check_threads(flag: str, threads: int) -> None:

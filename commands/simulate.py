@@ -63,6 +63,7 @@ from .common import (
     check_allocator,
     check_estimate_experts,
     check_estimate_overlap,
+    check_memory_cap,
     check_memory_gb,
     check_method_options,
     check_outputs,
@@ -305,6 +306,9 @@ def simulate(
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            cost_scale=cost_scale, memory_bytes=int(memory_gb * GIB) if memory_gb is not None else None,
                            **allocator_fields(allocator, counted, parallel, optimizer_step))
+        if scenario.measured is not None:  # an estimate's part as --gpu named it, a profile's as it records it
+            check_memory_cap(memory_gb, scenario.measured.environment.device_memory_bytes,
+                             ctx.params.get("gpu") or (scenario.measured.estimate and scenario.measured.estimate.gpu))
         check_p2p_sync(ctx, compared, scenario.measured)
         if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:
             placed = scenario.dag[0].num_stages  # graphpipe ran at the file's p whatever --stages said

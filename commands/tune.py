@@ -43,6 +43,7 @@ from .common import (
     Zero,
     allocator_fields,
     check_allocator,
+    check_memory_cap,
     check_memory_gb,
     check_method_options,
     check_optimizer_held,
@@ -200,6 +201,8 @@ def tune(
                 raise InputError("--profile or --gpu: give the model's profile, or a GPU and --model to estimate it on")
             measured = load_profile_flag(ctx, profile)
             check_optimizer_held(optimizer, None, measured)
+            check_memory_cap(memory_gb, measured.environment.device_memory_bytes,
+                             measured.estimate and measured.estimate.gpu)
             check_p2p_sync(ctx, schedule or METHODS, measured)
             env = measured.environment
             tensor, context, expert = _estimated_degrees(measured)
@@ -263,6 +266,7 @@ def tune(
                 sizes = tuple(b for b in sizes if scored_at_once(b, what.options["seq_len"]))
             say_part_counted(what.model)
             part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
+            check_memory_cap(memory_gb, what.gpu.device_memory_bytes, part)
             if memory_cap_bytes is None:  # the part's own memory, as its estimates record it (device_memory_bytes)
                 memory_cap_bytes, capped_by = what.gpu.device_memory_bytes, part
             _check_weights_fit(counts[sizes[0]], devices, memory_cap_bytes, capped_by)

@@ -175,6 +175,11 @@ def test_schedules_lists_methods():
                                                  "number from 0 to 1 (got nan)"),
     (["-s", "dualpipev", "--fb-hidden-fraction", "nan"], "error: --fb-hidden-fraction: give a "
                                                          "finite number from 0 to 1 (got nan)"),
+    (["-s", "auto", "--memory-gb", "0"], "error: --memory-gb: give GiB per device, from 1 byte to 1,048,576 GiB"),
+    # a cap past the profiled device's memory: what fits it would not fit the device
+    (["-s", "1f1b", "--profile", "traces/profiles/gpt-cpu.json", "--memory-gb", "24"],
+     "error: --memory-gb 24: more than the profiled device's 23.5 GiB, so a layout that fits the cap would run out "
+     "of memory there: give at most 23.54"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     code, out, err = pipesim("simulate", *args)

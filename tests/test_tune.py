@@ -374,6 +374,12 @@ def test_cli_json_is_the_search_result():
      "--memory-gb: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e-300)"),
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "1e300"], "to 1,048,576 GiB (got 1e300)"),
     (["--profile", "missing.json", "--devices", "4"], "cannot read profile missing.json"),
+    # a cap past the device's memory: the choice fitted it and ran out of memory in simulate without it
+    (["--profile", str(GPT), "--devices", "4", "--memory-gb", "24"],
+     "--memory-gb 24: more than the profiled device's 23.5 GiB, so a layout that fits the cap would run out of memory "
+     "there: give at most 23.54"),
+    (["--gpu", "h100-sxm", "--model", "gpt", "--layers", "4", "--devices", "4", "--memory-gb", "200"],
+     "--memory-gb 200: more than h100-sxm's 79.1 GiB (`pipesim gpus`)"),
     (["--profile", str(GPT), "--devices", "4", "-s", "dualpipe"],
      "dualpipe refuses every shape with a batch of 128 samples on 4 devices (dualpipe: the search cuts the model "
      "into one chain of stages, and this method runs 2 copies of it; not searched yet)"),
