@@ -3258,6 +3258,10 @@ def _fastest_leanest(settings: list[Setting], problem: Problem) -> tuple[Result,
     lean = replace(problem, memory_cap_bytes=0)
     every = prepare(settings, lean)[0]
     candidates = [c for c in every if c.staleness <= problem.max_staleness]
+    if not every and _searched_within_cap(problem):  # a searched order has no leanest cut: it fills what it is given
+        raise TuneError(f"{nothing_fits_text(problem.memory_cap_bytes, problem.gpus, problem.memory_part)}: "
+                        f"{_searched_within_cap(problem)}, and no other method was given: give more memory, or add "
+                        "methods (-s 1f1b, ...)")
     if not candidates:
         raise TuneError(f"no configuration has staleness <= {problem.max_staleness:,}; raise --max-staleness or add "
                         "synchronous schedules")
@@ -3295,15 +3299,26 @@ def _nothing_fits(least: Result, problem: Problem, leanest_stale: Result | None 
     needs, and where the leanest staler one (`leanest_stale`) fits, that it does and what allows it (`tune -s
     pipedream` said only that p = 1, the one shape of staleness 0, needs 0.41 GiB, where p = 2 fits in 0.287)."""
     more_digits = digits_apart(least.peak_memory_bytes, problem.memory_cap_bytes, memory_text)
+    searched = _searched_within_cap(problem)
     said = (f"{nothing_fits_text(problem.memory_cap_bytes, problem.gpus, problem.memory_part, more_digits)}; the "
-            f"least memory any needs is {memory_text(least.peak_memory_bytes, more_digits)} per device "
-            f"({least.config.label()}, {degree_text('m', least.config.microbatches)})")
+            f"least memory {'a fixed order' if searched else 'any'} needs is "
+            f"{memory_text(least.peak_memory_bytes, more_digits)} per device ({least.config.label()}, "
+            f"{degree_text('m', least.config.microbatches)})" + (f"; {searched}" if searched else ""))
     if leanest_stale is None or leanest_stale.peak_memory_bytes > problem.memory_cap_bytes:
         return said
     limit, staleness = problem.max_staleness, leanest_stale.staleness
     return (f"{said} at staleness {limit:,}{' or less' if limit else ''}; {leanest_stale.config.label()} fits in "
             f"{memory_text(leanest_stale.peak_memory_bytes)} at staleness {staleness:,}: --max-staleness "
             f"{staleness:,} allows it")
+
+
+def _searched_within_cap(problem: Problem) -> str:
+    """What a refusal says of the methods given whose order is searched within the cap (auto), which have no least
+    memory of their own to name (their order fills what the cap leaves, at each cap another): "" where none was
+    given."""
+    searched = [name for name in problem.schedules if METHODS[name].needs_costs]
+    return (f"{' and '.join(searched)}, searched within the cap, found no order that fits it as simulated"
+            if searched else "")
 
 
 def nothing_fits_text(memory_cap_bytes: int, gpus: int, part: str | None, more_digits: int = 0) -> str:

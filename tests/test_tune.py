@@ -361,7 +361,16 @@ def test_cli_json_is_the_search_result():
     (["--devices", "4"], "--profile or --gpu: give the model's profile"),
     (["--profile", str(GPT), "--devices", "0"], "--devices"),
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "0.01"],
-     "--memory-gb: no configuration fits in 0.01 GiB; the least memory any needs is 0.178 GiB per device (1f1b p=4"),
+     "--memory-gb: no configuration fits in 0.01 GiB; the least memory a fixed order needs is 0.178 GiB per device "
+     "(1f1b p=4"),
+    # auto fills what the cap leaves, at each cap another order: no least memory of its own, and alone it said "no
+    # configuration has staleness <= 0", of a synchronous method
+    (["--profile", str(GPT), "--devices", "8", "--memory-gb", "0.12"],
+     "the least memory a fixed order needs is 0.146 GiB per device (1f1b p=8, m=32); auto, searched within the cap, "
+     "found no order that fits it as simulated"),
+    (["--profile", str(GPT), "--devices", "8", "--memory-gb", "0.12", "-s", "auto"],
+     "--memory-gb: no configuration fits in 0.12 GiB: auto, searched within the cap, found no order that fits it as "
+     "simulated, and no other method was given: give more memory, or add methods (-s 1f1b, ...)"),
     # within the staleness limit none fits, at staleness 1 one does: it said only that pipedream's p = 1 needs more
     (["--profile", str(GPT), "--devices", "8", "--memory-gb", "0.3", "-s", "pipedream"],
      "no configuration fits in 0.3 GiB; the least memory any needs is 0.41 GiB per device (pipedream p=1, m=4) at "
