@@ -144,11 +144,14 @@ def tune(
     replicas of a p-deep pipeline, whose P pipelines each run m = B/(r·P·b) micro-batches per step (whole).
     Maximise samples/s with every device's peak memory <= G and staleness <= --max-staleness; ties go to
     less memory, then less staleness. Each stage all-reduces its gradients over the r replicas before its
-    update (a ring scaled from the profile's 2-rank all-reduce, not overlapped with the backward). The
-    layers are split into p·v stages by the memory-capped partitioner with the schedule's own memory model.
+    update, right after its own last backward, on the network beside the backward work still to come (NCCL's
+    faster of ring and tree, on the link fitted to the profile's all-reduce; an estimate's data-parallel link
+    with --gpu). The layers are split into p·v stages by the memory-capped partitioner with the schedule's own
+    memory model.
 
     auto, the order searched from the costs, is searched for each candidate's partition with the device's whole
-    memory to hold activations; the R column is the activation limit its order then holds (1: 1F1B's).
+    memory to hold activations; the R column is the activation limit its order then holds (1: 1F1B's), and the
+    simulate line printed gives the cap and an R no order reaches, as the search held them.
 
     The search bounds before it simulates: staleness and a memory floor from the schedule alone, a
     throughput bound from each device's compute, its waits for the all-reduce and the pipeline's fill and
