@@ -141,7 +141,7 @@ def _refusal_once_edited(trace, tmp_path, edit) -> str:
     # said as "num_devices: give a whole number from 1 to 1, the trace's events (got 3)"
     (lambda doc: doc.update(traceEvents=[]), "traceEvents: empty, where a pipesim trace holds every op its devices"),
     (lambda doc: next(e for e in doc["traceEvents"] if e.get("ph") == "X").update(pid=3),
-     "trace event 0 (F): pid 3 is not one of the trace's 3 devices (0..2)"),
+     "trace event 18 (F): pid 3 is not one of the trace's 3 devices (0..2)"),  # its index in traceEvents
 ])
 def test_devices_out_of_range_are_refused(predicted, tmp_path, edit, fragment):
     """`view` drew a trace of -1 devices, and an op on a device the trace does not have."""
@@ -162,15 +162,54 @@ def test_a_header_field_is_refused_in_the_one_wording(predicted, tmp_path, edit,
 
 
 @pytest.mark.parametrize("field,value,fragment", [
-    ("dur", -1.0, "dur of at least 0 (got ts="),
-    ("ts", float("nan"), "ts, dur: give finite numbers of µs, dur of at least 0 (got ts=nan, dur="),
-    ("dur", "long", "a field is not a number"),
+    ("dur", -1.0, "dur of at least 0, within 4.61e+12 µs of 0 (the simulator's clock; got ts="),
+    ("ts", float("nan"), "trace event 18 (F on device 0): ts, dur: give finite numbers of µs, dur of at least 0, "
+                         "within 4.61e+12 µs of 0 (the simulator's clock; got ts=nan, dur="),
+    ("dur", "long", 'trace event 18: dur: give a number (got "long")'),
+    # past the simulator's clock: compare read "no op took time", view drew the rest
+    ("ts", 1e300, "(the simulator's clock; got ts=1e+300, dur="),
+    ("dur", 1e18, "(the simulator's clock; got ts=0, dur=1e+18)"),
 ])
 def test_an_op_that_ends_before_it_starts_or_is_not_a_time_is_refused(predicted, tmp_path, field, value, fragment):
     def edit(doc):
         next(e for e in doc["traceEvents"] if e.get("ph") == "X").update({field: value})
 
     assert fragment in _refusal_once_edited(predicted, tmp_path, edit)
+
+
+def _first_op(doc) -> dict:
+    return next(e for e in doc["traceEvents"] if e.get("ph") == "X")
+
+
+def _first_memory_sample(doc) -> dict:
+    return next(e for e in doc["traceEvents"] if e.get("ph") == "C" and e["name"] == "memory_bytes")
+
+
+@pytest.mark.parametrize("edit,line", [
+    # a counter's sample: null was numpy's TypeError, a string its UFuncNoLoopError, NaN and negative bytes drawn
+    *((lambda doc, bad=bad: _first_memory_sample(doc)["args"].update(value=bad),
+       "counter 'memory_bytes' on device 0: ts, args.value: give finite numbers, the value bytes of at least 0")
+      for bad in (None, "12", float("nan"), -1)),
+    (lambda doc: _first_memory_sample(doc).update(ts="x"),
+     "counter 'memory_bytes' on device 0: ts, args.value: give finite numbers, the value bytes of at least 0"),
+    # an op's indices: "0", 0.5 and true were read as stage 0; past the run's they were drawn or "not predicted"
+    *((lambda doc, bad=bad: _first_op(doc)["args"].update(stage=bad),
+       f"trace event 18: args.stage: give a whole number (got {json.dumps(bad)})") for bad in ("0", 0.5, True)),
+    (lambda doc: _first_op(doc)["args"].update(microbatch=99),
+     "trace event 18 (F on device 0): args.microbatch: give a whole number from -1 to 1 (got 99)"),
+    (lambda doc: _first_op(doc)["args"].update(minibatch=99),
+     "trace event 18 (F on device 0): args.minibatch: give a whole number from 0 to 2 (got 99)"),
+    (lambda doc: _first_op(doc)["args"].update(stage=-1),
+     "trace event 18 (F on device 0): args.stage: give a whole number from 0 to 2 (got -1)"),
+    (lambda doc: doc["traceEvents"].append(dict(_first_op(doc))),
+     "(F on device 0): stage 0, micro-batch 0 of mini-batch 0 runs twice: each compute op runs once"),
+    # said "missing or wrong field 'ZZZ'" and "'NoneType' object has no attribute 'get'"
+    (lambda doc: _first_op(doc).update(cat="ZZZ"),
+     'trace event 18: cat: give one of the header\'s kinds (F, B, I, W, OPT, '),
+    (lambda doc: doc["traceEvents"].insert(0, None), "trace event 0: give an object (got null)"),
+])
+def test_a_hand_edited_op_or_counter_is_one_line_naming_its_field(predicted, tmp_path, edit, line):
+    assert line in _refusal_once_edited(predicted, tmp_path, edit)
 
 
 @settings(max_examples=80, deadline=None)

@@ -65,6 +65,9 @@ _INT_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "minibatch", 
 _MEASURED_COLUMNS = ("cpu_us", "wait_us")  # where a run measured them; -1.0 elsewhere, and left out of its file
 _FLOAT_COLUMNS = ("start_us", "dur_us", *_MEASURED_COLUMNS)
 _ARG_COLUMNS = ("stage", "microbatch", "minibatch", "pipeline", "peer", "version", "prediction")
+_EVENT_FIELDS = {"device": "pid", "stream": "tid", "start_us": "ts", "dur_us": "dur"}  # the rest are args'
+# the latest an op may end, in µs: the simulator's picosecond clock (sim/engine.py `_COUNTER_LIMIT`, 2**62 ps)
+MAX_TRACE_US = 2**62 / 1e6
 
 
 class TraceError(ValueError):
@@ -474,11 +477,18 @@ def from_chrome(doc: Any) -> Trace:
     kind_codes = {k: i for i, k in enumerate(kinds)}
     columns: dict[str, list] = {name: [] for name in _INT_COLUMNS + _FLOAT_COLUMNS}
     samples: dict[tuple[str, int], tuple[list, list]] = {}
+    op_events: list[int] = []  # each op's index in traceEvents
     index = 0
     try:
         for index, event in enumerate(doc["traceEvents"]):
+            if not isinstance(event, dict):
+                raise TraceError(f"trace event {index:,}: give an object (got {json.dumps(event)[:40]})")
             phase = event.get("ph")
             if phase == "X":
+                if event.get("cat") not in kind_codes:
+                    raise TraceError(f"trace event {index:,}: cat: give one of the header's kinds ({', '.join(kinds)}) "
+                                     f"(got {json.dumps(event.get('cat'))[:40]})")
+                op_events.append(index)
                 args = event["args"]
                 columns["device"].append(event["pid"])
                 columns["stream"].append(event["tid"])
@@ -495,30 +505,41 @@ def from_chrome(doc: Any) -> Trace:
                 values.append(event["args"]["value"])
     except (KeyError, TypeError, AttributeError) as exc:
         raise TraceError(f"malformed trace event {index:,}: missing or wrong field {exc}") from None
-    try:
-        ops = Ops(**columns)
-    except (TypeError, ValueError) as exc:
-        raise TraceError(f"malformed trace event: a field is not a number ({exc})") from None
+    for name, values in columns.items():  # JSON's numbers of the right kind: "0", 0.5 or true read as a stage
+        whole = name in _INT_COLUMNS
+        if not set(map(type, values)) <= ({int} if whole else {int, float}):
+            i = next(i for i, value in enumerate(values) if not _numeric(value, whole))
+            raise TraceError(f"trace event {op_events[i]:,}: {_EVENT_FIELDS.get(name, 'args.' + name)}: give "
+                             f"{'a whole number' if whole else 'a number'} (got "
+                             f"{json.dumps(values[i])[:40]})")
+    ops = Ops(**columns)
     # an op that ends before it starts would break every interval computed from the trace (summarize's merge)
-    bad = np.flatnonzero(~np.isfinite(ops.start_us) | ~np.isfinite(ops.dur_us) | (ops.dur_us < 0))
+    bad = np.flatnonzero(~np.isfinite(ops.start_us) | ~np.isfinite(ops.dur_us) | (ops.dur_us < 0)
+                         | (np.abs(ops.start_us) + np.abs(ops.dur_us) > MAX_TRACE_US))
     if len(bad):
         i = int(bad[0])
-        raise TraceError(f"trace event {i} ({kinds[ops.kind[i]]} on device {ops.device[i]}): ts, dur: give finite "
-                         f"numbers of µs, dur of at least 0 (got ts={float(ops.start_us[i]):g}, "
-                         f"dur={float(ops.dur_us[i]):g})")
+        raise TraceError(f"trace event {op_events[i]:,} ({kinds[ops.kind[i]]} on device {ops.device[i]}): ts, dur: "
+                         f"give finite numbers of µs, dur of at least 0, within {MAX_TRACE_US:.3g} µs of 0 (the "
+                         f"simulator's clock; got ts={float(ops.start_us[i]):g}, dur={float(ops.dur_us[i]):g})")
     outside = np.flatnonzero((ops.device < 0) | (ops.device >= num_devices))
     if len(outside):
         i = int(outside[0])
-        raise TraceError(f"trace event {i} ({kinds[ops.kind[i]]}): pid {int(ops.device[i])} is not one of the trace's "
-                         f"{num_devices} devices (0..{num_devices - 1})")
+        raise TraceError(f"trace event {op_events[i]:,} ({kinds[ops.kind[i]]}): pid {int(ops.device[i])} is not one "
+                         f"of the trace's {num_devices} devices (0..{num_devices - 1})")
     counters = {}
     for name in counter_names:
         per_device = []
         for d in range(num_devices):
-            times, values = samples.get((name, d), ([], []))
-            per_device.append(Counter(np.asarray(times, dtype=np.float64), np.asarray(values)))
+            times, values = (np.asarray(column) for column in samples.get((name, d), ([], [])))
+            if len(times) and not (times.dtype.kind in "iuf" and values.dtype.kind in "iuf"
+                                   and np.isfinite(times).all() and np.isfinite(values).all()
+                                   and (values >= 0).all()):
+                raise TraceError(f"counter {name!r} on device {d}: ts, args.value: give finite numbers, the value "
+                                 "bytes of at least 0")
+            per_device.append(Counter(times.astype(np.float64), values))
         counters[name] = per_device
     meta = TraceMeta.from_dict(meta)
+    _check_op_fields(ops, kinds, meta, op_events)
     parts = meta.peak_memory_parts
     later = {"runtime_buffers", "transient", "reserve"}  # the parts counted since breakdowns were first recorded
     if parts is not None and all(set(MEMORY_PARTS) - later <= set(held) <= set(MEMORY_PARTS) for held in parts):
@@ -541,6 +562,39 @@ def from_chrome(doc: Any) -> Trace:
                          "devices, in order, each sharers list naming its device among the trace's, and bytes "
                          "finite and >= 0")
     return Trace(kinds, num_devices, ops, meta, counters)
+
+
+def _check_op_fields(ops: Ops, kinds: tuple[str, ...], meta: TraceMeta, op_events: list[int]) -> None:
+    """Each op's indices within what the header says the run had (its stages, N mini-batches, P pipelines and m
+    micro-batches, -1 where none applies: a micro-batch of 99 in a run of 4 was "not predicted", a mini-batch past
+    N drawn as a step of -0.593 ms), and each compute op run once (a second F0 was "not predicted", where the
+    prediction has one): TraceError naming the first op's event and field."""
+    ranges = {"stage": (0, len(meta.placement)), "minibatch": (0, meta.minibatches), "pipeline": (0, meta.pipelines),
+              "microbatch": (-1, meta.microbatches), "peer": (-1, None), "version": (-1, None),
+              "prediction": (-1, None)}
+    for name, (least, bound) in ranges.items():
+        column = getattr(ops, name)
+        bad = np.flatnonzero((column < least) | (column >= bound if bound is not None else False))
+        if len(bad):
+            i = int(bad[0])
+            raise TraceError(f"trace event {op_events[i]:,} ({kinds[ops.kind[i]]} on device {ops.device[i]}): "
+                             f"args.{name}: {number_allowed(least, None if bound is None else bound - 1)} (got "
+                             f"{int(column[i]):,})")
+    compute = np.flatnonzero(np.isin(ops.kind, [kinds.index(k) for k in ("F", "B", "I", "W") if k in kinds]))
+    keys = np.stack([getattr(ops, name)[compute] for name in ("device", "kind", "stage", "microbatch", "minibatch",
+                                                               "pipeline")], axis=1)
+    order = np.lexsort(keys.T)
+    repeats = np.flatnonzero((keys[order][1:] == keys[order][:-1]).all(axis=1))
+    if len(repeats):
+        i = int(compute[max(order[repeats[0]], order[repeats[0] + 1])])  # the later of the two
+        raise TraceError(f"trace event {op_events[i]:,} ({kinds[ops.kind[i]]} on device {ops.device[i]}): stage "
+                         f"{ops.stage[i]}, micro-batch {ops.microbatch[i]} of mini-batch {ops.minibatch[i]} runs "
+                         "twice: each compute op runs once")
+
+
+def _numeric(value: Any, whole: bool) -> bool:
+    """A JSON number (not a boolean), and a whole one where `whole`."""
+    return isinstance(value, int if whole else (int, float)) and not isinstance(value, bool)
 
 
 _OWN_FD = re.compile(r"/(?:proc/(self|\d+)/fd|dev/fd)/(\d+)")  # a descriptor of a process, by number
