@@ -625,6 +625,14 @@ def _heldout_text(extra: dict) -> str:
     return loss_text(heldout["loss"]) + (f" / {percent_text(heldout['accuracy'])}" if "accuracy" in heldout else "")
 
 
+def _step_text(minibatches: int) -> str:
+    """What run's step column measures (traces/metrics.py `summarize`): the mean mini-batch from the first's end to
+    the last's, the warm-up left out; with one mini-batch, that one, marked *."""
+    if minibatches == 1:
+        return "* step: the one mini-batch, all warm-up (N=1): give --minibatches 2 or more for a steady step"
+    return "step: one mini-batch, the mean from the first mini-batch's end to the last's (the warm-up left out)"
+
+
 def _print_table(result, summary, trace: Path | None, html: Path | None) -> None:
     from ..executor.weights import trained_in
 
@@ -644,7 +652,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
                         f"{f' ({degrees})' if replicas > 1 else ''} over "
                         f"{hardware.get('transport')} ({hardware.get('device')})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption="step: one mini-batch in steady state (from the second mini-batch's end on); "
+                  caption=f"{_step_text(meta.minibatches)}; "
                           f"{meta.extra.get('optimizer')} at lr {meta.extra.get('lr')} in "
                           f"{trained_in(meta.extra.get('dtype'))} (--optimizer, --lr, --dtype)",
                   caption_justify="left")
@@ -657,7 +665,8 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
         peaks = [f"replica {r:,}: " + ", ".join(peaks[r * p:(r + 1) * p]) for r in range(replicas)]
     else:
         peaks = [f"{device:,}: {peak}" for device, peak in enumerate(peaks)]
-    table.add_row(f"{summary.time_per_minibatch_ms:,.2f}", rate_text(summary.samples_per_s),
+    table.add_row(f"{summary.time_per_minibatch_ms:,.2f}{'*' * (meta.minibatches == 1)}",
+                  rate_text(summary.samples_per_s),
                   f"{loss_text(first)} -> {loss_text(last)}", held,
                   "; ".join(peaks) if replicas > 1 else ", ".join(peaks))
     print_table(table)

@@ -26,7 +26,7 @@ from pipesim.schedules import ScheduleParams, lower
 from pipesim.traces import read_trace
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import served_rendezvous
-from tests.conftest import build, pipesim, pipesim_fresh, run
+from tests.conftest import at_columns, build, pipesim, pipesim_fresh, run
 from tests.helpers import GPT_CPU
 
 # A task a few steps of SGD learn (the class is where the first four features peak), so "the loss falls" does
@@ -301,6 +301,27 @@ def test_a_run_of_a_profile_runs_its_model_and_without_either_says_which_to_give
     code, _, err = pipesim("run", "-s", "1f1b", "--trace", tmp_path / "x.json")
     assert code == 2 and "--model: give the model to run, or --profile, whose model it runs" in err
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("minibatches, step, caption", [
+    (1, r"[\d,]+\.\d\d\*", "* step: the one mini-batch, all warm-up (N=1): give --minibatches 2 or more for a "
+                            "steady step"),
+    (2, r"[\d,]+\.\d\d", "step: one mini-batch, the mean from the first mini-batch's end to the last's (the warm-up "
+                          "left out)"),
+])
+def test_runs_step_column_says_what_it_measures(tmp_path, profile, monkeypatch, minibatches, step, caption):
+    """The step is the mean from the first mini-batch's end to the last's (`summarize`), where the caption said
+    "from the second mini-batch's end on"; at N = 1 it is the one mini-batch, warm-up and all, marked * as simulate
+    marks it, where it was shown as a steady step."""
+    from pipesim.executor import runners
+
+    monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: run_in_process(spec))
+    at_columns(monkeypatch, 200)
+    code, out, err = pipesim("run", "-s", "1f1b", "--microbatches", 2, "--minibatches", minibatches, "--profile",
+                             profile, "--trace", tmp_path / "t.json", "--no-heldout")
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if re.match(r"\s*[\d,]+\.\d\d", line))
+    assert re.fullmatch(step, row.split()[0]) and caption in out, out
 
 
 def test_a_run_of_a_torch_timed_profile_warns_as_compare_does(tmp_path, profile, monkeypatch):
