@@ -288,6 +288,9 @@ def run(
             raise InputError(f"--model {model}: run builds a Hugging Face model at the sequence length it was "
                              "calibrated at: give --profile, from `pipesim calibrate --model hf:PATH --seq-len N`")
         sized = {**options, "seq_len": measured.model.options.get("seq_len")} if measured else options
+        if measured is not None and not is_given(ctx, "model") and (named := model_name_refusal(model)):
+            raise InputError(f"--profile {profile}: its model.name {model!r} is no model run can build "
+                             f"({named.removeprefix('--model: ')})")  # the profile's name, not a --model given
         refuse(model_name_refusal(model) or flag_sizes_refusal(model, sized))  # require_model's first check and the
         # sizes' bounds, before the server starts (a config is built at its profile's sequence length)
         check_outputs([("--trace", trace), ("--html", html)],

@@ -303,6 +303,19 @@ def test_a_run_of_a_profile_runs_its_model_and_without_either_says_which_to_give
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_profiles_model_name_that_names_no_model_is_the_profiles_fault(tmp_path, profile):
+    """A profile whose model.name names no model, run without --model, was refused as "--model: unknown 'nosuch'",
+    a flag the user never gave."""
+    document = json.loads(profile.read_text())
+    document["model"]["name"] = "nosuch"
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps(document))
+    code, out, err = pipesim("run", "-s", "1f1b", "--profile", named, "--trace", tmp_path / "t.json")
+    assert code == 2 and err.startswith(f"error: --profile {named}: its model.name 'nosuch' is no model run can "
+                                        "build (unknown 'nosuch'; choose from mlp, cnn, gpt"), err
+    assert not (tmp_path / "t.json").exists()
+
+
 @pytest.mark.parametrize("minibatches, step, caption", [
     (1, r"[\d,]+\.\d\d\*", "* step: the one mini-batch, all warm-up (N=1): give --minibatches 2 or more for a "
                             "steady step"),
