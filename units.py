@@ -13,6 +13,9 @@ MAX_BYTES = PIB  # any size pipesim reads larger is a typo, and would overflow t
 MAX_MEMORY_GIB = MAX_BYTES // GIB  # a device's memory (a cluster's, a GPU's, --memory-gb) at most: the same PiB
 MIN_MEMORY_GIB = 1 / GIB  # a device's memory at least: one byte, as pipesim holds it in whole bytes (int(gib * GIB))
 MAX_MS = 1e9  # about 11.6 days per op: any time pipesim reads larger is a typo, and would overflow its clock
+# The most the simulator's picosecond clock and its memory counters (int64) count to, with room to spare (sim/engine.py
+# refuses a run past it; a trace's op that ends later is refused as it is read)
+COUNTER_LIMIT = 2**62
 
 
 def count_text(number: int, noun: str) -> str:

@@ -1341,12 +1341,13 @@ def check_memory_cap(memory_gb: float | None, device_bytes: int | None, part: st
     183,986 MiB at 200 GiB on an 80 GB H100, which simulate without the cap marks out of memory)."""
     if memory_gb is None or not device_bytes or int(memory_gb * GIB) <= device_bytes:
         return
-    from ..planning.tune import memory_text
+    from ..planning.tune import digits_apart, memory_text
 
-    device = (f"{part}'s {memory_text(device_bytes)} (`pipesim gpus`)" if part else
-              f"the profiled device's {memory_text(device_bytes)}")
+    held = memory_text(device_bytes, digits_apart(device_bytes, memory_gb * GIB, memory_text))  # reads under the cap
+    device = f"{part}'s {held} (`pipesim gpus`)" if part else f"the profiled device's {held}"
+    most = math.floor(device_bytes / GIB * 100) / 100  # rounded down: what it says is taken
     raise InputError(f"--memory-gb {memory_gb:g}: more than {device}, so a layout that fits the cap would run out of "
-                     f"memory there: give at most {device_bytes / GIB:.4g}")
+                     f"memory there: give at most {most:g}")
 
 
 def check_threads(flag: str, threads: int) -> None:

@@ -257,7 +257,8 @@ def run(
         bounds, measured = None, None
         if profile is not None:
             measured, bounds = _partition(profile, model, options)
-            check_optimizer_held(optimizer, None, measured)  # auto's order is searched on the profile's step
+            # the profile's step, priced for the run's optimizer, is what auto searches and compare predicts from
+            check_optimizer_held(optimizer, None, measured)
             model = measured.model.name
             context = int(measured.estimated_parallelism.get("context", 1))
             if context > 1:  # its schedule would reduce over context-parallel ranks the executor does not start

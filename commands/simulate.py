@@ -294,6 +294,8 @@ def simulate(
                              "give one")
         what = what_if(ctx, profile_reads=("expert_parallel",))
         check_allocator(ctx, what)
+        if what is not None:  # before the count; a --profile's device once the scenario has read it
+            check_memory_cap(memory_gb, what.gpu.device_memory_bytes, ctx.params["gpu"])
         counted = parallel = estimated = None
         if what is not None:
             with transient_status(COUNTING_STATUS, as_json):
@@ -306,9 +308,9 @@ def simulate(
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            cost_scale=cost_scale, memory_bytes=int(memory_gb * GIB) if memory_gb is not None else None,
                            **allocator_fields(allocator, counted, parallel, optimizer_step))
-        if scenario.measured is not None:  # an estimate's part as --gpu named it, a profile's as it records it
+        if what is None and scenario.measured is not None:  # a profile's part as it records it
             check_memory_cap(memory_gb, scenario.measured.environment.device_memory_bytes,
-                             ctx.params.get("gpu") or (scenario.measured.estimate and scenario.measured.estimate.gpu))
+                             scenario.measured.estimate and scenario.measured.estimate.gpu)
         check_p2p_sync(ctx, compared, scenario.measured)
         if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:
             placed = scenario.dag[0].num_stages  # graphpipe ran at the file's p whatever --stages said

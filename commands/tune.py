@@ -261,6 +261,8 @@ def tune(
                 raise InputError(f"--batch-size: give a multiple of --microbatch-size {microbatch_size:,} "
                                  f"(got {batch:,})")
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
+            check_memory_cap(memory_gb, what.gpu.device_memory_bytes,
+                             what.cluster.gpu if what.cluster is not None else ctx.params["gpu"])
             with transient_status(COUNTING_MODEL, quiet=False):  # a first count imports torch: seconds
                 counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, the only line
             if counts[sizes[0]].options.get("sparse_attention_keys"):  # the sizes whose scores the fused path takes
@@ -269,7 +271,6 @@ def tune(
                 sizes = tuple(b for b in sizes if scored_at_once(b, what.options["seq_len"]))
             say_part_counted(what.model)
             part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
-            check_memory_cap(memory_gb, what.gpu.device_memory_bytes, part)
             if memory_cap_bytes is None:  # the part's own memory, as its estimates record it (device_memory_bytes)
                 memory_cap_bytes, capped_by = what.gpu.device_memory_bytes, part
             _check_weights_fit(counts[sizes[0]], devices, memory_cap_bytes, capped_by)
@@ -351,7 +352,7 @@ def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
             # a searched order's R as its search held it (one no order reaches: the cap bound it), not the R it
             # reached, under which simulate's search, each device allowed that share of 1F1B's fullest, differs
             ("activation_limit", "--activation-limit",
-             None if candidate.activation_limit is None else f"{candidate.params.activation_limit:g}")]
+             None if candidate.activation_limit is None else f"{candidate.params.activation_limit:.0f}")]
 
 
 def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:

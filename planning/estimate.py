@@ -2885,29 +2885,37 @@ def check_float8_products(counted: WorkloadCount) -> None:
 def check_float8_shapes(counted: WorkloadCount, parallel: Parallelism, experts: ExpertGroup) -> None:
     """Each product the recipe runs in float8 (`float8_products`), at its shape on the busiest rank, in the multiples
     its runtime takes (`Fp8Recipe.product_multiples`), which otherwise refuses it (TransformerEngine's assertion,
-    torch._scaled_mm's check): EstimateError naming the product. A routed expert's rows are not held to them:
-    Megatron-core pads each local expert's tokens for float8 (`ExpertGroup.float8_padded`)."""
+    torch._scaled_mm's check): EstimateError naming the product and the dimension. A recipe that casts before a
+    sequence-parallel all-gather (`gathers_float8`: TransformerEngine's Linear asserts on the rank's input, then
+    gathers it) holds a column-parallel product's rows to them before the gather, its t-th. A routed expert's rows
+    are not held to them: Megatron-core pads each local expert's tokens for float8 (`ExpertGroup.float8_padded`)."""
     recipe = FP8_RECIPES[parallel.fp8]
-    multiples = recipe.product_multiples
+    gathered_after = recipe.gathers_float8 and parallel.sequence_parallel
     for layer, same in zip(counted.layers, counted.same_as, strict=True):
         products = [] if same is not None else float8_products(layer, recipe)
         if not products:
             continue
         split = _Split.of(layer, parallel)
-        local = iter([op.shape for op in experts.local(layer).ops["fwd"] if op.routed and op.kind == "matmul"]
-                     if any(op.routed for op in products) else [])  # the routed products, in the count's order
+        routed = [op for op in products if op.routed]
+        local = dict(zip(map(id, routed), [op.shape for op in experts.local(layer).ops["fwd"] if op.routed and
+                                           op.kind == "matmul"] if routed else [], strict=True))
         for op in products:
-            shapes = [next(local)] if op.routed else [mine.shape for mine, _, _ in split.products(op, "fwd")]
+            shapes = [local[id(op)]] if op.routed else [mine.shape for mine, _, _ in split.products(op, "fwd")]
             for _, rows, outputs, inputs in shapes:
-                dims = ((0 if op.routed else rows), outputs, inputs)
-                if any(size % multiple for size, multiple in zip(dims, multiples, strict=True)):
+                if gathered_after and not op.routed and outputs < op.shape[2]:  # column-parallel: split outputs
+                    rows //= parallel.tensor
+                dims = {"rows": None if op.routed else rows, "output features": outputs, "input features": inputs}
+                wrong = [f"{name} in multiples of {multiple}" for (name, size), multiple
+                         in zip(dims.items(), recipe.product_multiples, strict=True)
+                         if size is not None and size % multiple]
+                if wrong:
                     kind, ranks = (("a routed expert's product", "an {expert_tensor}") if op.routed else
-                                   ("a product", "tensor and context ranks"))
+                                   ("a product", "a {tensor} and {context}"))
                     raise EstimateError(
                         f"{{fp8}} {parallel.fp8}: layer {layer.name} has {kind} of {inputs:,} to {outputs:,} "
-                        f"features on {rows:,} rows a rank, and the recipe's float8 kernels take rows in multiples "
-                        f"of {multiples[0]}, output features of {multiples[1]} and input features of {multiples[2]}: "
-                        f"give {{dtype}} bf16, or sizes and {ranks} that keep them so")
+                        f"features{'' if op.routed else f' on {rows:,} rows a rank'}, and the recipe's float8 "
+                        f"kernels take {' and '.join(wrong)}: give {{dtype}} bf16, or sizes and {ranks} that keep "
+                        "them so")
 
 
 def kernel_curve(curve: Curve, kernel: str, gpu: str) -> Curve:

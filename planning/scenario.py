@@ -164,7 +164,8 @@ class Scenario:
     per: str = "stage"  # what --fwd, --bwd, --param-mb, --activation-mb describe: see `costs`
     source: Path | None = None  # the schedule file, named in errors
     cost_scale: float = 1.0  # `sweep --cost-scale`: every compute time x this (a faster or slower accelerator)
-    memory_bytes: int | None = None  # `tune --memory-gb`: every device's memory, whatever the cluster or profile say
+    memory_bytes: int | None = None  # --memory-gb (tune's, simulate's): every device's memory, whatever the cluster
+    # or profile say
     network_gb_s: float | None = None  # typed costs: each GPU's network for the data-parallel all-reduce (GB/s)
     stage_cut: str = "balanced"  # how a profile's layers are cut into model stages: STAGE_CUTS, FIRST_LAST, LAYOUT
     precision: str = "fp32"  # typed costs: how --param-mb's weights, their gradients and state are held (PRECISIONS)

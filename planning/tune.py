@@ -3258,10 +3258,13 @@ def _fastest_leanest(settings: list[Setting], problem: Problem) -> tuple[Result,
     lean = replace(problem, memory_cap_bytes=0)
     every = prepare(settings, lean)[0]
     candidates = [c for c in every if c.staleness <= problem.max_staleness]
-    if not every and _searched_within_cap(problem):  # a searched order has no leanest cut: it fills what it is given
+    searched = _searched_within_cap(problem)
+    if not every and searched:  # a searched order has no leanest cut: it fills what it is given
+        others = [name for name in problem.schedules if not METHODS[name].needs_costs]
+        rest = (f"{', '.join(others)} {'refuses' if len(others) == 1 else 'refuse'} every shape" if others else
+                "no other method was given")
         raise TuneError(f"{nothing_fits_text(problem.memory_cap_bytes, problem.gpus, problem.memory_part)}: "
-                        f"{_searched_within_cap(problem)}, and no other method was given: give more memory, or add "
-                        "methods (-s 1f1b, ...)")
+                        f"{searched}, and {rest}: give more memory, or add methods (-s 1f1b, ...)")
     if not candidates:
         raise TuneError(f"no configuration has staleness <= {problem.max_staleness:,}; raise --max-staleness or add "
                         "synchronous schedules")

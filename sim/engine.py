@@ -56,6 +56,7 @@ from ..schedules import (
 from ..schedules.lowering import Lowered, lower, preflight
 from ..schedules.passes import exchange_begins
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
+from ..units import COUNTER_LIMIT
 from .cluster import Cluster
 from .costs import (
     TRANSIENT_KINDS,
@@ -68,9 +69,6 @@ from .costs import (
 )
 
 _PS_PER_MS = 1e9
-# The most the picosecond clock and the counters (int64) count to, with room to spare: a run whose times add up to
-# more would overflow the clock (`_check_clock`), a device's memory events adding up to more its counter.
-_COUNTER_LIMIT = 2**62
 # `_Model._lockstep`: the steps per sweep, over a window of sweeps, above which sweeping pays (a sweep costs about
 # as much as 25 steps one at a time).
 _SWEEP_PAYS = 32
@@ -101,13 +99,13 @@ def _picoseconds(ms: np.ndarray, part: str = "compute") -> np.ndarray:
     start where the one before it ends starts exactly there, however its time was added up. `part`: of
     `_CLOCK_PARTS`, what sets them."""
     ps = np.asarray(ms, dtype=np.float64) * _PS_PER_MS
-    if ps.size and not ps.max() < _COUNTER_LIMIT:  # a time the clock cannot hold: refused, not cast to garbage
+    if ps.size and not ps.max() < COUNTER_LIMIT:  # a time the clock cannot hold: refused, not cast to garbage
         raise _clock_refusal(float(ps.max()), part)
     return np.round(ps, out=ps).astype(np.int64)
 
 
 def _clock_refusal(ps: float, part: str) -> CostError:
-    most_ms = _COUNTER_LIMIT / _PS_PER_MS
+    most_ms = COUNTER_LIMIT / _PS_PER_MS
     return CostError(f"the run's times add up to {ps / _PS_PER_MS:.3g} ms, more than the simulator's picosecond "
                      f"clock holds ({most_ms:.3g} ms, about {most_ms / 86_400_000:.0f} days), most of them "
                      f"{_CLOCK_PARTS[part]}: lower those, m (--microbatches) or N (--minibatches)")
@@ -120,7 +118,7 @@ def _check_clock(held_ps: np.ndarray, transfer_ps: np.ndarray, collective_ps: np
     parts = {"compute": float(held_ps.sum(dtype=np.float64)) * max(contention, default=1.0),
              "transfers": float(transfer_ps.sum(dtype=np.float64)),
              "collectives": float(collective_ps.sum(dtype=np.float64))}
-    if not (total := sum(parts.values())) < _COUNTER_LIMIT:
+    if not (total := sum(parts.values())) < COUNTER_LIMIT:
         raise _clock_refusal(total, max(parts, key=parts.__getitem__))
 
 
@@ -2030,9 +2028,9 @@ def _step_counters(bounds, first_ps, second_ps, deltas: tuple[np.ndarray, np.nda
             mine_deltas[0::2], mine_deltas[1::2] = deltas[0][lo:hi], deltas[1][lo:hi]
             keep = np.flatnonzero(mine_deltas != 0)
             mine_times, mine_deltas = _event_times_ms(first_ps, second_ps, lo, hi)[keep], mine_deltas[keep]
-        if not abs(initial[d]) + float(np.abs(mine_deltas).sum(dtype=np.float64)) < _COUNTER_LIMIT:  # int64 wraps
+        if not abs(initial[d]) + float(np.abs(mine_deltas).sum(dtype=np.float64)) < COUNTER_LIMIT:  # int64 wraps
             raise CostError(f"device {d}'s rows add and free more bytes than the simulator's counters hold "
-                            f"({_COUNTER_LIMIT:.3g}): lower the sizes or m (--microbatches)")
+                            f"({COUNTER_LIMIT:.3g}): lower the sizes or m (--microbatches)")
         order = np.argsort(mine_times, kind="stable")
         values = initial[d] + np.cumsum(mine_deltas[order])
         highest = int(np.argmax(values)) if len(values) else -1

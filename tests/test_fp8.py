@@ -119,14 +119,19 @@ def _small(args: tuple[str, ...]) -> tuple[str, ...]:
     ("h100-sxm", ("--model", "cnn", "--dtype", "fp8"), "and cnn has none: give --dtype bf16"),
     # shapes the runtime's float8 products refuse (`check_float8_shapes`): the rank's, TransformerEngine's multiples
     (("h100-sxm", ("--width", "1000", "--dtype", "fp8"), "--fp8-recipe te: layer 1:_Block has a product of 1,000 to "
-      "3,000 features on 64 rows a rank, and the recipe's float8 kernels take rows in multiples of 8, output features "
-      "of 8 and input features of 16: give --dtype bf16, or sizes and tensor and context ranks that keep them so")),
+      "3,000 features on 64 rows a rank, and the recipe's float8 kernels take input features in multiples of 16: give "
+      "--dtype bf16, or sizes and a --tensor-parallel and --context-parallel that keep them so")),
+    # TransformerEngine asserts on the rank's rows before sequence parallelism gathers them: 24 / 2
+    ("h100-sxm", ("--seq-len", "24", "-b", "1", "--tensor-parallel", "2", "--sequence-parallel", "--dtype", "fp8"),
+     "a product of 256 to 384 features on 12 rows a rank, and the recipe's float8 kernels take rows in multiples of "
+     "8"),
     ("h100-sxm", ("--ffn", "272", "--tensor-parallel", "2", "--dtype", "fp8"), "a product of 136 to 256 features"),
     ("h100-sxm", ("--seq-len", "8", "--dtype", "fp8", "--fp8-recipe", "torchao"), "on 8 rows a rank, and the recipe's "
                                                                                    "float8 kernels take rows in "
                                                                                    "multiples of 16"),
     ("h100-sxm", ("--experts", "4", "--expert-ffn", "272", "--tensor-parallel", "2", "--dtype", "fp8"),
-     "a routed expert's product of 136 to 256 features on 32 rows a rank"),
+     "a routed expert's product of 136 to 256 features, and the recipe's float8 kernels take input features in "
+     "multiples of 16: give --dtype bf16, or sizes and an --expert-tensor-parallel that keep them so"),
 ])
 def test_bad_fp8_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, gpu, args, fragment):
     pytest.importorskip("torch")
@@ -139,6 +144,7 @@ def test_bad_fp8_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypat
 @pytest.mark.parametrize("args", [
     ("--ffn", "272"),  # 272 whole, 136 a rank at t = 2
     ("--seq-len", "8"),  # 8 rows: TransformerEngine's multiple, not torch._scaled_mm's
+    ("--seq-len", "24", "-b", "1", "--tensor-parallel", "2"),  # 24 rows a rank, gathered by none
     ("--experts", "4", "--expert-ffn", "272", "--tensor-parallel", "2", "--expert-tensor-parallel", "1",
      "--rank-order", "megatron"),  # each expert whole on its rank
 ])

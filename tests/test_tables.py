@@ -473,7 +473,8 @@ def test_an_mfu_above_100_percent_is_said_to_be_float8_over_the_bfloat16_peak():
         assert code == 0, err
         caption = " ".join(out.split())
         assert ("an MFU above 100%: float8 products outrun the bfloat16 peak it is over" in caption) is said, caption
-        code, out, err = pipesim("tune", *model[:14], "--dtype", dtype, "-D", 1, "-b", 8, "-B", 32, "--memory-gb",
-                                 1000, "-s", "1f1b")  # tune's table says it alike
+        # tune's table says it alike, of one such layer that fits the part (its vocabulary small: the head is bf16)
+        code, out, err = pipesim("tune", *model[:4], "--layers", 1, *model[6:12], "--vocab", 128, "--dtype", dtype,
+                                 "-D", 1, "-b", 4, "-B", 16, "--optimizer", "sgd", "-s", "1f1b")
         assert code == 0, err
         assert ("an MFU above 100%: float8 products outrun" in " ".join(out.split())) is said, out

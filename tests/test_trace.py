@@ -165,7 +165,8 @@ def test_a_header_field_is_refused_in_the_one_wording(predicted, tmp_path, edit,
     ("dur", -1.0, "dur of at least 0, within 4.61e+12 µs of 0 (the simulator's clock; got ts="),
     ("ts", float("nan"), "trace event 18 (F on device 0): ts, dur: give finite numbers of µs, dur of at least 0, "
                          "within 4.61e+12 µs of 0 (the simulator's clock; got ts=nan, dur="),
-    ("dur", "long", 'trace event 18: dur: give a number (got "long")'),
+    ("dur", "long", 'trace event 18: dur: give a number that numpy holds (got "long")'),
+    ("ts", 10**400, "trace event 18: ts: give a number that numpy holds (got 1000000000"),
     # past the simulator's clock: compare read "no op took time", view drew the rest
     ("ts", 1e300, "(the simulator's clock; got ts=1e+300, dur="),
     ("dur", 1e18, "(the simulator's clock; got ts=0, dur=1e+18)"),
@@ -188,13 +189,14 @@ def _first_memory_sample(doc) -> dict:
 @pytest.mark.parametrize("edit,line", [
     # a counter's sample: null was numpy's TypeError, a string its UFuncNoLoopError, NaN and negative bytes drawn
     *((lambda doc, bad=bad: _first_memory_sample(doc)["args"].update(value=bad),
-       "counter 'memory_bytes' on device 0: ts, args.value: give finite numbers, the value bytes of at least 0")
+       "counter 'memory_bytes' on device 0: ts, args.value: give finite numbers, the value at least 0")
       for bad in (None, "12", float("nan"), -1)),
     (lambda doc: _first_memory_sample(doc).update(ts="x"),
-     "counter 'memory_bytes' on device 0: ts, args.value: give finite numbers, the value bytes of at least 0"),
+     "counter 'memory_bytes' on device 0: ts, args.value: give finite numbers, the value at least 0"),
     # an op's indices: "0", 0.5 and true were read as stage 0; past the run's they were drawn or "not predicted"
     *((lambda doc, bad=bad: _first_op(doc)["args"].update(stage=bad),
-       f"trace event 18: args.stage: give a whole number (got {json.dumps(bad)})") for bad in ("0", 0.5, True)),
+       f"trace event 18: args.stage: give a whole number that numpy holds (got {json.dumps(bad)})")
+      for bad in ("0", 0.5, True, 10**20)),
     (lambda doc: _first_op(doc)["args"].update(microbatch=99),
      "trace event 18 (F on device 0): args.microbatch: give a whole number from -1 to 1 (got 99)"),
     (lambda doc: _first_op(doc)["args"].update(minibatch=99),

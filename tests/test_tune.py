@@ -371,6 +371,8 @@ def test_cli_json_is_the_search_result():
     (["--profile", str(GPT), "--devices", "8", "--memory-gb", "0.12", "-s", "auto"],
      "--memory-gb: no configuration fits in 0.12 GiB: auto, searched within the cap, found no order that fits it as "
      "simulated, and no other method was given: give more memory, or add methods (-s 1f1b, ...)"),
+    (["--profile", str(GPT), "--devices", "8", "--memory-gb", "0.12", "-s", "auto", "-s", "dualpipe"],
+     "auto, searched within the cap, found no order that fits it as simulated, and dualpipe refuses every shape"),
     # within the staleness limit none fits, at staleness 1 one does: it said only that pipedream's p = 1 needs more
     (["--profile", str(GPT), "--devices", "8", "--memory-gb", "0.3", "-s", "pipedream"],
      "no configuration fits in 0.3 GiB; the least memory any needs is 0.41 GiB per device (pipedream p=1, m=4) at "
@@ -673,6 +675,8 @@ def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
     document = json.loads(out)
     choice, command = document["choice"], document["simulate_command"]
     assert command.startswith("pipesim simulate ") and "--stage-cut layers:" in command
+    if "0.145" in map(str, flags):  # the case of auto's line
+        assert choice["schedule"] == "auto" and " --memory-gb 0.145 " in command, command
     assert command.count(" -s ") == 1, command  # the choice's method, not the ones tune searched
     code, out, err = pipesim(*shlex.split(command)[1:], "--json")
     assert code == 0, err
@@ -736,13 +740,16 @@ def test_every_tune_flag_is_passed_on_to_simulate_as_it_parses_there_or_left_out
     config = SimpleNamespace(schedule="1f1b", stages=2, chunks=1, pipelines=2, microbatches=4, replicas=2, tensor=2,
                              microbatch_size=1, recompute="full", expert=2, sequence_parallel=True, zero=1,
                              rank_order="megatron")
-    chosen = _choice_flags(config, SimpleNamespace(bounds=[0, 3, 5], activation_limit=2))
+    chosen = _choice_flags(config, SimpleNamespace(bounds=[0, 3, 5], activation_limit=2,
+                                                   params=SimpleNamespace(activation_limit=16.0)))
     assert all(value is not None for _, _, value in chosen)  # every flag the choice can give, given
     assert all(flag in takes[name].opts for name, flag, _ in chosen), chosen
+    assert ("activation_limit", "--activation-limit", "16") in chosen  # the R auto's search held, not the one reached
     own = {*(name for name, _, _ in chosen), "as_json"}
-    assert {"schedule", "zero"} <= own and not {"devices", "memory_gb", "max_chunks"} & set(takes)
+    assert {"schedule", "zero"} <= own and not {"devices", "max_chunks"} & set(takes)
     passed = [param for param in commands["tune"].params if param.name in takes and param.name not in own]
     assert len(passed) > 40, [param.name for param in passed]  # the model's, the costs' and the runtime's flags
+    assert "memory_gb" in {param.name for param in passed}  # the cap: simulate's OOM marks and auto's search
     for param in passed:
         there = takes[param.name]
         assert param.opts[0] in there.opts and param.multiple == there.multiple, param.name

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NoReturn, Protocol
 
 import numpy as np
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
@@ -28,7 +28,7 @@ from .. import __version__
 from ..choices import nearest_text, optimizer_refusal
 from ..files import TRACE, first_error, read_document
 from ..memory_parts import MEMORY_PARTS
-from ..units import number_allowed
+from ..units import COUNTER_LIMIT, number_allowed
 
 SCHEMA_VERSION = 2
 
@@ -66,8 +66,7 @@ _MEASURED_COLUMNS = ("cpu_us", "wait_us")  # where a run measured them; -1.0 els
 _FLOAT_COLUMNS = ("start_us", "dur_us", *_MEASURED_COLUMNS)
 _ARG_COLUMNS = ("stage", "microbatch", "minibatch", "pipeline", "peer", "version", "prediction")
 _EVENT_FIELDS = {"device": "pid", "stream": "tid", "start_us": "ts", "dur_us": "dur"}  # the rest are args'
-# the latest an op may end, in µs: the simulator's picosecond clock (sim/engine.py `_COUNTER_LIMIT`, 2**62 ps)
-MAX_TRACE_US = 2**62 / 1e6
+MAX_TRACE_US = COUNTER_LIMIT / 1e6  # the latest an op may end, in µs: the simulator's picosecond clock
 
 
 class TraceError(ValueError):
@@ -505,20 +504,21 @@ def from_chrome(doc: Any) -> Trace:
                 values.append(event["args"]["value"])
     except (KeyError, TypeError, AttributeError) as exc:
         raise TraceError(f"malformed trace event {index:,}: missing or wrong field {exc}") from None
-    for name, values in columns.items():  # JSON's numbers of the right kind: "0", 0.5 or true read as a stage
-        whole = name in _INT_COLUMNS
-        if not set(map(type, values)) <= ({int} if whole else {int, float}):
-            i = next(i for i, value in enumerate(values) if not _numeric(value, whole))
-            raise TraceError(f"trace event {op_events[i]:,}: {_EVENT_FIELDS.get(name, 'args.' + name)}: give "
-                             f"{'a whole number' if whole else 'a number'} (got "
-                             f"{json.dumps(values[i])[:40]})")
-    ops = Ops(**columns)
+    # JSON's numbers of the right kind ("0", 0.5 or true read as a stage), that numpy holds (10**20 a stage, 10**400 a
+    # time: numpy's traceback)
+    if any(not set(map(type, values)) <= ({int} if name in _INT_COLUMNS else {int, float})
+           for name, values in columns.items()):
+        _refuse_number(columns, op_events)
+    try:
+        ops = Ops(**columns)
+    except OverflowError:
+        _refuse_number(columns, op_events)
     # an op that ends before it starts would break every interval computed from the trace (summarize's merge)
     bad = np.flatnonzero(~np.isfinite(ops.start_us) | ~np.isfinite(ops.dur_us) | (ops.dur_us < 0)
                          | (np.abs(ops.start_us) + np.abs(ops.dur_us) > MAX_TRACE_US))
     if len(bad):
         i = int(bad[0])
-        raise TraceError(f"trace event {op_events[i]:,} ({kinds[ops.kind[i]]} on device {ops.device[i]}): ts, dur: "
+        raise TraceError(f"{_op_text(i, ops, kinds, op_events)}: ts, dur: "
                          f"give finite numbers of µs, dur of at least 0, within {MAX_TRACE_US:.3g} µs of 0 (the "
                          f"simulator's clock; got ts={float(ops.start_us[i]):g}, dur={float(ops.dur_us[i]):g})")
     outside = np.flatnonzero((ops.device < 0) | (ops.device >= num_devices))
@@ -535,7 +535,7 @@ def from_chrome(doc: Any) -> Trace:
                                    and np.isfinite(times).all() and np.isfinite(values).all()
                                    and (values >= 0).all()):
                 raise TraceError(f"counter {name!r} on device {d}: ts, args.value: give finite numbers, the value "
-                                 "bytes of at least 0")
+                                 "at least 0")
             per_device.append(Counter(times.astype(np.float64), values))
         counters[name] = per_device
     meta = TraceMeta.from_dict(meta)
@@ -577,7 +577,7 @@ def _check_op_fields(ops: Ops, kinds: tuple[str, ...], meta: TraceMeta, op_event
         bad = np.flatnonzero((column < least) | (column >= bound if bound is not None else False))
         if len(bad):
             i = int(bad[0])
-            raise TraceError(f"trace event {op_events[i]:,} ({kinds[ops.kind[i]]} on device {ops.device[i]}): "
+            raise TraceError(f"{_op_text(i, ops, kinds, op_events)}: "
                              f"args.{name}: {number_allowed(least, None if bound is None else bound - 1)} (got "
                              f"{int(column[i]):,})")
     compute = np.flatnonzero(np.isin(ops.kind, [kinds.index(k) for k in ("F", "B", "I", "W") if k in kinds]))
@@ -587,14 +587,31 @@ def _check_op_fields(ops: Ops, kinds: tuple[str, ...], meta: TraceMeta, op_event
     repeats = np.flatnonzero((keys[order][1:] == keys[order][:-1]).all(axis=1))
     if len(repeats):
         i = int(compute[max(order[repeats[0]], order[repeats[0] + 1])])  # the later of the two
-        raise TraceError(f"trace event {op_events[i]:,} ({kinds[ops.kind[i]]} on device {ops.device[i]}): stage "
+        raise TraceError(f"{_op_text(i, ops, kinds, op_events)}: stage "
                          f"{ops.stage[i]}, micro-batch {ops.microbatch[i]} of mini-batch {ops.minibatch[i]} runs "
                          "twice: each compute op runs once")
 
 
+def _refuse_number(columns: dict[str, list], op_events: list[int]) -> NoReturn:
+    """TraceError naming the first op's field that is no number numpy holds (`_numeric`)."""
+    name, i = next((name, i) for name, values in columns.items() for i, value in enumerate(values)
+                   if not _numeric(value, name in _INT_COLUMNS))
+    raise TraceError(f"trace event {op_events[i]:,}: {_EVENT_FIELDS.get(name, 'args.' + name)}: give "
+                     f"{'a whole number' if name in _INT_COLUMNS else 'a number'} that numpy holds (got "
+                     f"{json.dumps(columns[name][i])[:40]})")
+
+
 def _numeric(value: Any, whole: bool) -> bool:
-    """A JSON number (not a boolean), and a whole one where `whole`."""
-    return isinstance(value, int if whole else (int, float)) and not isinstance(value, bool)
+    """A JSON number (not a boolean), and a whole one where `whole`, that numpy holds: a whole number in int64, any
+    other in float64 (JSON's floats are; an integer beyond 2**1023 is not)."""
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+        return False
+    return isinstance(value, float) or -2 ** (63 if whole else 1023) <= value < 2 ** (63 if whole else 1023)
+
+
+def _op_text(i: int, ops: Ops, kinds: tuple[str, ...], op_events: list[int]) -> str:
+    """How a refusal names op `i`: its event's index in traceEvents, its kind and device."""
+    return f"trace event {op_events[i]:,} ({kinds[ops.kind[i]]} on device {ops.device[i]})"
 
 
 _OWN_FD = re.compile(r"/(?:proc/(self|\d+)/fd|dev/fd)/(\d+)")  # a descriptor of a process, by number
