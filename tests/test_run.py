@@ -335,6 +335,10 @@ def test_runs_step_column_says_what_it_measures(tmp_path, profile, monkeypatch, 
     assert code == 0, err
     row = next(line for line in out.splitlines() if re.match(r"\s*[\d,]+\.\d\d", line))
     assert re.fullmatch(step, row.split()[0]) and caption in out, out
+    code, _, err = pipesim("compare", tmp_path / "t.json")  # compare warns of the run's time too
+    assert code == 0, err
+    said = "warning: the run is one mini-batch (N=1), all warm-up: the time compared is the whole run"
+    assert (said in " ".join(err.split())) is (minibatches == 1), err
 
 
 def test_a_run_of_a_torch_timed_profile_warns_as_compare_does(tmp_path, profile, monkeypatch):

@@ -397,6 +397,14 @@ TORCH_RUNTIME = "torch.distributed.pipelining"  # a measured torch run's `hardwa
 
 
 def _warnings(predicted: Trace, measured: Trace) -> list[str]:
+    """A run of one mini-batch is all warm-up: the time compared is the whole run (`summarize`'s step at N = 1,
+    which run marks *), not a steady step; and the costs' warnings (`_cost_warnings`)."""
+    whole_run = ["the run is one mini-batch (N=1), all warm-up: the time compared is the whole run, the pipeline's "
+                 "fill and drain included, not a steady step; run with --minibatches 2 or more"]
+    return whole_run * (measured.meta.minibatches == 1) + _cost_warnings(predicted, measured)
+
+
+def _cost_warnings(predicted: Trace, measured: Trace) -> list[str]:
     """A prediction from typed what-if costs describes no machine: its error against a run measures the
     numbers typed, not pipesim. One whose profile timed its stages' passes with another runtime's code than the
     run's (`calibrate --passes-as`) prices each pass at that runtime's cost."""
