@@ -630,11 +630,12 @@ def _heldout_text(extra: dict) -> str:
 
 
 def _step_text(minibatches: int) -> str:
-    """What run's step column measures (traces/metrics.py `summarize`): the mean mini-batch from the first's end to
-    the last's, the warm-up left out; with one mini-batch, that one, marked *."""
+    """What run's step column measures (traces/metrics.py `summarize`): the mean time between mini-batch ends, from
+    the first's on, the last left out where mini-batches overlap; with one mini-batch, that one, marked *."""
     if minibatches == 1:
         return "* step: the one mini-batch, all warm-up (N=1): give --minibatches 2 or more for a steady step"
-    return "step: one mini-batch, the mean from the first mini-batch's end to the last's (the warm-up left out)"
+    return ("step: one mini-batch, the mean time between mini-batch ends from the first's on (the warm-up left out; "
+            "the last too where mini-batches overlap)")
 
 
 def _print_table(result, summary, trace: Path | None, html: Path | None) -> None:

@@ -319,11 +319,11 @@ def test_a_profiles_model_name_that_names_no_model_is_the_profiles_fault(tmp_pat
 @pytest.mark.parametrize("minibatches, step, caption", [
     (1, r"[\d,]+\.\d\d\*", "* step: the one mini-batch, all warm-up (N=1): give --minibatches 2 or more for a "
                             "steady step"),
-    (2, r"[\d,]+\.\d\d", "step: one mini-batch, the mean from the first mini-batch's end to the last's (the warm-up "
-                          "left out)"),
+    (2, r"[\d,]+\.\d\d", "step: one mini-batch, the mean time between mini-batch ends from the first's on (the "
+                          "warm-up left out; the last too where mini-batches overlap)"),
 ])
 def test_runs_step_column_says_what_it_measures(tmp_path, profile, monkeypatch, minibatches, step, caption):
-    """The step is the mean from the first mini-batch's end to the last's (`summarize`), where the caption said
+    """The step is the mean time between mini-batch ends from the first's on (`summarize`), where the caption said
     "from the second mini-batch's end on"; at N = 1 it is the one mini-batch, warm-up and all, marked * as simulate
     marks it, where it was shown as a steady step."""
     from pipesim.executor import runners
