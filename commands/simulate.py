@@ -284,6 +284,9 @@ def simulate(
         check_p2p_sync(ctx, compared)  # the flag's refusals before the model is counted (a --profile's once read)
         search = search_options(activation_limit, search_seconds)
         check_memory_gb(memory_gb)
+        if jitter == 0 and is_given(ctx, "seed"):  # it seeds --jitter's draws alone: taken silently, it changed nothing
+            raise InputError("--seed seeds --jitter's draws, and no --jitter was given: give --jitter SIGMA, or leave "
+                             "--seed out")
         refuse(above_zero_refusal(cost_scale, "--cost-scale"))
         check_outputs([*(("--trace", path) for path in (_output_paths(trace, names) if trace else [])),
                        ("--html", html)],

@@ -176,6 +176,9 @@ def test_schedules_lists_methods():
     (["-s", "dualpipev", "--fb-hidden-fraction", "nan"], "error: --fb-hidden-fraction: give a "
                                                          "finite number from 0 to 1 (got nan)"),
     (["-s", "auto", "--memory-gb", "0"], "error: --memory-gb: give GiB per device, from 1 byte to 1,048,576 GiB"),
+    # it seeds --jitter alone: taken without one, it changed nothing
+    (["-s", "1f1b", "--seed", "5"], "error: --seed seeds --jitter's draws, and no --jitter was given: give --jitter "
+                                    "SIGMA, or leave --seed out"),
     # a cap past the profiled device's memory: what fits it would not fit the device
     (["-s", "1f1b", "--profile", "traces/profiles/gpt-cpu.json", "--memory-gb", "24"],
      "error: --memory-gb 24: more than the profiled device's 23.5 GiB, so a layout that fits the cap would run out "
