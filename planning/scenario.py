@@ -69,7 +69,7 @@ from ..sim.costs import (
 )
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
-from ..units import MIB, whole_number
+from ..units import MAX_MS, MIB, whole_number
 from .fp8 import FP8_RECIPES
 from .te import AMAX_UPDATE_KERNELS
 
@@ -879,11 +879,17 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert
         experts = c.expert_param_bytes / c.param_bytes if sched.expert_parallel > 1 and c.param_bytes else 0.0
         return over_expert_groups(collective, nbytes, experts, d, expert_replicas)
 
-    return replace(costs, stages=tuple(replace(
-        c, reduce_ms=over_groups(reduce, c.gradient_bytes, c),
-        gather_ms=over_groups(link.reduce_scatter_ms, c.gathered_weight_bytes, c) + c.gather_cast_ms if sharded
-        else 0.0)
-        for c in costs.stages))
+    stages = []
+    for k, c in enumerate(costs.stages):
+        reduce_ms = over_groups(reduce, c.gradient_bytes, c)
+        gather_ms = (over_groups(link.reduce_scatter_ms, c.gathered_weight_bytes, c) + c.gather_cast_ms if sharded
+                     else 0.0)
+        if (longest_ms := max(reduce_ms, gather_ms)) > MAX_MS:  # said by what sets it, not as StageCosts' field
+            raise CostError(f"stage {k}'s data-parallel collectives over {d:,} ranks take {longest_ms:.3g} ms on "
+                            f"their link, more than the {MAX_MS:g} ms an op may take: give fewer ranks "
+                            "(--data-parallel), smaller weights (--param-mb) or a faster network (--network-gb-s)")
+        stages.append(replace(c, reduce_ms=reduce_ms, gather_ms=gather_ms))
+    return replace(costs, stages=tuple(stages))
 
 
 def over_expert_groups(collective: Callable[[float, int], float], nbytes: float, expert_share: float, ranks: int,

@@ -176,6 +176,11 @@ def test_schedules_lists_methods():
     (["-s", "dualpipev", "--fb-hidden-fraction", "nan"], "error: --fb-hidden-fraction: give a "
                                                          "finite number from 0 to 1 (got nan)"),
     (["-s", "auto", "--memory-gb", "0"], "error: --memory-gb: give GiB per device, from 1 byte to 1,048,576 GiB"),
+    # a collective past an op's longest: it named StageCosts' field ("reduce_ms must be a finite number ...")
+    (["-s", "1f1b", "--data-parallel", "1000", "--network-gb-s", "0.001", "--param-mb", "1000000"],
+     "error: stage 0's data-parallel collectives over 1,000 ranks take 2.1e+09 ms on their link, more than the 1e+09 "
+     "ms an op may take: give fewer ranks (--data-parallel), smaller weights (--param-mb) or a faster network "
+     "(--network-gb-s)"),
     # it seeds --jitter alone: taken without one, it changed nothing
     (["-s", "1f1b", "--seed", "5"], "error: --seed seeds --jitter's draws, and no --jitter was given: give --jitter "
                                     "SIGMA, or leave --seed out"),
