@@ -39,7 +39,6 @@ from .common import (
     check_dtype,
     check_expert_parallel,
     check_expert_parallel_unbuilt,
-    check_memory_gb,
     check_outputs,
     check_threads,
     description_column,
@@ -47,6 +46,7 @@ from .common import (
     flag_of,
     host_memory_refusal,
     is_given,
+    memory_gb_bytes,
     model_reads,
     read_error,
     refuse,
@@ -189,7 +189,7 @@ def calibrate(
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         if device is not None:  # None: cuda where torch sees a GPU, asked of torch later
             refuse(device_refusal(device))
-        check_memory_gb(memory_gb)
+        memory_cap_bytes = memory_gb_bytes(memory_gb)
         check_threads("--threads", threads)
         for flag, runs in (("--repeats", repeats), ("--warmup", warmup)):
             if runs > MAX_RUNS:
@@ -248,7 +248,7 @@ def calibrate(
                     ready()
                 profile = run_calibration(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
-                    memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance,
+                    memory_cap_bytes=memory_cap_bytes, advance=advance,
                     cache=cache, phase=phase, expert_parallel=expert_parallel, passes_as=passes_as)
                 probe = ContentionProbe(profile, model, options, advance, ranks) if contention else None
                 kept = cache.find("contention", probe.cache_key()) if probe is not None else None

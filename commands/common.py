@@ -1328,26 +1328,30 @@ def require_model(needer: str, model: str, torch_needer: str | None = None) -> N
         require(f"{needer} --model {model} (transformers builds it from its config)", "transformers")
 
 
-def check_memory_gb(memory_gb: float | None) -> None:
-    """--memory-gb, held as whole bytes (tune's and calibrate's `int(memory_gb * GIB)`): from one byte, where a cap
-    below it read as "fits in 0 GiB", to a PiB."""
-    if memory_gb is not None and (refusal := memory_gib_refusal(memory_gb)):
+def memory_gb_bytes(memory_gb: float | None) -> int | None:
+    """--memory-gb as the whole bytes pipesim holds it in (None: not given), from one byte, where a cap below it
+    read as "fits in 0 GiB", to a PiB."""
+    if memory_gb is None:
+        return None
+    if refusal := memory_gib_refusal(memory_gb):
         raise InputError(f"--memory-gb: {refusal}")
+    return int(memory_gb * GIB)
 
 
-def check_memory_cap(memory_gb: float | None, device_bytes: int | None, part: str | None) -> None:
-    """--memory-gb at most the device's own memory, `device_bytes` (None: not known), of catalogue part `part` (None:
-    the profiled device): a cap above it holds the layouts to memory the device lacks (tune chose one of
-    183,986 MiB at 200 GiB on an 80 GB H100, which simulate without the cap marks out of memory)."""
-    if memory_gb is None or not device_bytes or int(memory_gb * GIB) <= device_bytes:
+def check_memory_cap(cap_bytes: int | None, device_bytes: int | None, part: str | None) -> None:
+    """--memory-gb (`cap_bytes`, `memory_gb_bytes`') at most the device's own memory, `device_bytes` (None: not
+    known), of catalogue part `part` (None: the profiled device): a cap above it holds the layouts to memory the
+    device lacks (tune chose one of 183,986 MiB at 200 GiB on an 80 GB H100, which simulate without the cap marks
+    out of memory)."""
+    if cap_bytes is None or not device_bytes or cap_bytes <= device_bytes:
         return
     from ..planning.tune import digits_apart, memory_text
 
-    held = memory_text(device_bytes, digits_apart(device_bytes, memory_gb * GIB, memory_text))  # reads under the cap
+    held = memory_text(device_bytes, digits_apart(device_bytes, cap_bytes, memory_text))  # reads under the cap
     device = f"{part}'s {held} (`pipesim gpus`)" if part else f"the profiled device's {held}"
     most = math.floor(device_bytes / GIB * 100) / 100  # rounded down: what it says is taken
-    raise InputError(f"--memory-gb {memory_gb:g}: more than {device}, so a layout that fits the cap would run out of "
-                     f"memory there: give at most {most:g}")
+    raise InputError(f"--memory-gb {cap_bytes / GIB:g}: more than {device}, so a layout that fits the cap would run "
+                     f"out of memory there: give at most {most:g}")
 
 
 def check_threads(flag: str, threads: int) -> None:

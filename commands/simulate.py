@@ -19,7 +19,7 @@ from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, mib_text, ms_text, percent_text, rate_text
-from ..units import GIB, MAX_MS, MIB, count_text, degree_text, rounds_text
+from ..units import MAX_MS, MIB, count_text, degree_text, rounds_text
 from .common import (
     LEAST_MS,
     TORCH_CSV,
@@ -64,7 +64,6 @@ from .common import (
     check_estimate_experts,
     check_estimate_overlap,
     check_memory_cap,
-    check_memory_gb,
     check_method_options,
     check_outputs,
     check_p2p_sync,
@@ -75,6 +74,7 @@ from .common import (
     finite_from,
     is_given,
     load_profile_flag,
+    memory_gb_bytes,
     model_reads,
     optional_what_if_options,
     out_of_memory,
@@ -283,7 +283,7 @@ def simulate(
                                               "--prediction", "--activation-limit", "--search-seconds"))
         check_p2p_sync(ctx, compared)  # the flag's refusals before the model is counted (a --profile's once read)
         search = search_options(activation_limit, search_seconds)
-        check_memory_gb(memory_gb)
+        memory_bytes = memory_gb_bytes(memory_gb)
         if jitter == 0 and is_given(ctx, "seed"):  # it seeds --jitter's draws alone: taken silently, it changed nothing
             raise InputError("--seed seeds --jitter's draws, and no --jitter was given: give --jitter SIGMA, or leave "
                              "--seed out")
@@ -298,7 +298,7 @@ def simulate(
         what = what_if(ctx, profile_reads=("expert_parallel",))
         check_allocator(ctx, what)
         if what is not None:  # before the count; a --profile's device once the scenario has read it
-            check_memory_cap(memory_gb, what.gpu.device_memory_bytes, ctx.params["gpu"])
+            check_memory_cap(memory_bytes, what.gpu.device_memory_bytes, ctx.params["gpu"])
         counted = parallel = estimated = None
         if what is not None:
             with transient_status(COUNTING_STATUS, as_json):
@@ -309,10 +309,10 @@ def simulate(
             say_part_counted(what.model)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
-                           cost_scale=cost_scale, memory_bytes=int(memory_gb * GIB) if memory_gb is not None else None,
+                           cost_scale=cost_scale, memory_bytes=memory_bytes,
                            **allocator_fields(allocator, counted, parallel, optimizer_step))
         if what is None and scenario.measured is not None:  # a profile's part as it records it
-            check_memory_cap(memory_gb, scenario.measured.environment.device_memory_bytes,
+            check_memory_cap(memory_bytes, scenario.measured.environment.device_memory_bytes,
                              scenario.measured.estimate and scenario.measured.estimate.gpu)
         check_p2p_sync(ctx, compared, scenario.measured)
         if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:

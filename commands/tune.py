@@ -26,7 +26,7 @@ from ..choices import unknown_names
 from ..schedules.ranks import RANK_ORDERS
 from ..traces.hostload import usable_cpus
 from ..traces.metrics import STALENESS_HEADER, percent_text, rate_text
-from ..units import GIB, count_text, degree_text
+from ..units import count_text, degree_text
 from .common import (
     COUNTING_MODEL,
     MAX_DEVICES,
@@ -44,7 +44,6 @@ from .common import (
     allocator_fields,
     check_allocator,
     check_memory_cap,
-    check_memory_gb,
     check_method_options,
     check_optimizer_held,
     check_p2p_sync,
@@ -54,6 +53,7 @@ from .common import (
     given_simulate_flags,
     is_given,
     load_profile_flag,
+    memory_gb_bytes,
     refuse,
     refused_with_flags,
     say_part_counted,
@@ -185,7 +185,7 @@ def tune(
             raise InputError(unknown_names("--schedule", unknown, METHODS))
         check_method_options(ctx, schedule or METHODS, ("--search-seconds",))  # as simulate and sweep refuse it
         refuse(optimizer_refusal(optimizer, "--optimizer"))
-        check_memory_gb(memory_gb)
+        memory_cap_bytes = memory_gb_bytes(memory_gb)  # None: the device's own memory
         check_p2p_sync(ctx, schedule or METHODS)
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
@@ -194,7 +194,6 @@ def tune(
         zero = zero_stage(ctx.params)
         zero_flag = "--sharded-optimizer" if sharded_optimizer else f"--zero {zero}"  # as the user gave it
         work: dict[int, ModelWork] = {}  # by b, with --gpu
-        memory_cap_bytes = int(memory_gb * GIB) if memory_gb is not None else None  # None: the device's own memory
         capped_by = None  # the catalogue part whose own memory is the cap (--gpu's, or its cluster's)
         if what is None:
             if zero:
@@ -204,7 +203,7 @@ def tune(
                 raise InputError("--profile or --gpu: give the model's profile, or a GPU and --model to estimate it on")
             measured = load_profile_flag(ctx, profile)
             check_optimizer_held(optimizer, None, measured)
-            check_memory_cap(memory_gb, measured.environment.device_memory_bytes,
+            check_memory_cap(memory_cap_bytes, measured.environment.device_memory_bytes,
                              measured.estimate and measured.estimate.gpu)
             check_p2p_sync(ctx, schedule or METHODS, measured)
             env = measured.environment
@@ -261,8 +260,8 @@ def tune(
                 raise InputError(f"--batch-size: give a multiple of --microbatch-size {microbatch_size:,} "
                                  f"(got {batch:,})")
             _check_max_pipelines(ctx, max_pipelines, batch, min(sizes))
-            check_memory_cap(memory_gb, what.gpu.device_memory_bytes,
-                             what.cluster.gpu if what.cluster is not None else ctx.params["gpu"])
+            part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
+            check_memory_cap(memory_cap_bytes, what.gpu.device_memory_bytes, part)
             with transient_status(COUNTING_MODEL, quiet=False):  # a first count imports torch: seconds
                 counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, the only line
             if counts[sizes[0]].options.get("sparse_attention_keys"):  # the sizes whose scores the fused path takes
@@ -270,7 +269,6 @@ def tune(
 
                 sizes = tuple(b for b in sizes if scored_at_once(b, what.options["seq_len"]))
             say_part_counted(what.model)
-            part = what.cluster.gpu if what.cluster is not None else ctx.params["gpu"]  # a cluster's: its part's
             if memory_cap_bytes is None:  # the part's own memory, as its estimates record it (device_memory_bytes)
                 memory_cap_bytes, capped_by = what.gpu.device_memory_bytes, part
             _check_weights_fit(counts[sizes[0]], devices, memory_cap_bytes, capped_by)
