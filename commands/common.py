@@ -1003,6 +1003,24 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
     refuse(elastic_alpha_refusal(ctx.params.get("elastic_alpha"), "--elastic-alpha"))
 
 
+def check_wgrad_fraction(ctx: typer.Context, names: Iterable[str], loaded=None) -> None:
+    """Refuse --wgrad-fraction where none of the methods `names` runs a backward's weight gradient apart
+    (`Method.splits_backward`), nor `loaded`, a --schedule-file's order, has a W row: it prices W alone, so taken
+    it would change nothing."""
+    from ..schedules import METHODS
+    from ..schedules.analysis import weight_gradients
+
+    if not is_given(ctx, "wgrad_fraction"):
+        return
+    names = list(names)
+    if loaded is not None and weight_gradients(loaded) or any(METHODS[n].splits_backward for n in names
+                                                              if n in METHODS):
+        return
+    splitters = ", ".join(m.name for m in METHODS.values() if m.splits_backward)
+    raise InputError(f"--wgrad-fraction prices the weight gradient a split backward runs apart (W), and none of "
+                     f"{', '.join(names)} splits it ({splitters} do): leave it out")
+
+
 def check_allocator(ctx: typer.Context, what) -> None:
     """--allocator: one of ALLOCATORS, and with --gpu only (what `what_if` returned: None without it);
     --optimizer-step (where the command takes it): one of OPTIMIZER_STEPS, megatron with --gpu, a replay and Adam."""

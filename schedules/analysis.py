@@ -134,6 +134,11 @@ def overlapped_pairs(schedule: Schedule) -> int:
     return int(np.count_nonzero((t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0)))
 
 
+def weight_gradients(schedule: Schedule) -> int:
+    """How many weight-gradient rows (W, a split backward's second part) the schedule runs."""
+    return int(np.count_nonzero(schedule.table.kind == KIND_CODE[Kind.W]))
+
+
 def _check_pairs(schedule: Schedule, t: ActionTable, compute: np.ndarray) -> None:
     """Each part of an overlapped pair (a compute row naming a peer) sits next to its other part on its device,
     the forward first, as `ir.overlapped` makes them."""

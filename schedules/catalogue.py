@@ -19,7 +19,7 @@ def _searched(params: ScheduleParams) -> Schedule:
 SEARCHED = (
     Method("auto", "Searched for the costs given: the fastest synchronous order (split backward where it helps) "
            "under --activation-limit", _searched, options=frozenset({"activation_limit", "search_seconds"}),
-           needs_costs=True, partitioned_as="1f1b"),
+           needs_costs=True, partitioned_as="1f1b", splits_backward=True),
 )
 _ALL = {method.name: method for method in (*BASELINES, *RIVALS, *SEARCHED, *ASYNCHRONOUS, *GRAPH)}
 # The order the command line lists them in: fixed synchronous methods, the searched one, asynchronous ones, the rest.

@@ -195,8 +195,9 @@ class Method:
     (megatron/core/pipeline_parallel/schedules.py at NVIDIA/Megatron-LM d98e8a64dd,
     `forward_backward_pipelining_with_interleaving`: in its steady state a forward, a backward, then
     `send_forward_backward_recv_forward_backward`, line 1935), where its 1F1B exchanges between them
-    (`send_forward_recv_backward`, line 2416). Callers ask `reads` and `shape` rather than `defaults` and
-    `options`, so the rules live here."""
+    (`send_forward_recv_backward`, line 2416). `splits_backward`: its order runs a backward's weight gradient
+    apart (W rows), or a searched order may, so that it reads `--wgrad-fraction`. Callers ask `reads` and `shape`
+    rather than `defaults` and `options`, so the rules live here."""
 
     name: str
     summary: str
@@ -208,6 +209,7 @@ class Method:
     partitioned_as: str | None = None  # with needs_costs; None: its own order
     p2p_sync: bool = False
     exchanges_per_step: bool = False
+    splits_backward: bool = False
     fixed: frozenset[str] = frozenset()  # shapes of `defaults` it runs at that value alone (a V's two chunks)
 
     def build(self, params: ScheduleParams) -> Schedule:

@@ -308,15 +308,16 @@ def dualpipe(params: ScheduleParams) -> Schedule:
 RIVALS = (
     Method("interleaved-1f1b", "Interleaved 1F1B (Megatron): v chunks per device, bubble divided by v; m multiple "
            "of p", interleaved_1f1b, defaults={"chunks": 2}, exchanges_per_step=True),
-    Method("zb-h1", "Zero bubble H1: backward split into I and W, W's fill the bubble; 1F1B's peak memory", zb_h1),
+    Method("zb-h1", "Zero bubble H1: backward split into I and W, W's fill the bubble; 1F1B's peak memory", zb_h1,
+           splits_backward=True),
     Method("zb-h2", "Zero bubble H2: 2(p-k)-1 forwards before the first I; no bubble after warm-up, 2p-1 "
-           "activations", zb_h2),
+           "activations", zb_h2, splits_backward=True),
     Method("zb-v", "Zero bubble V: two chunks per device in a V, split backward; 1F1B's activation memory", zb_v,
-           defaults={"chunks": 2}, fixed=frozenset({"chunks"})),
+           defaults={"chunks": 2}, fixed=frozenset({"chunks"}), splits_backward=True),
     Method("dualpipev", "DualPipeV (DeepSeek): DualPipe cut in half, two chunks per device in a V; a forward and "
            "another micro-batch's backward run as one overlapped F&B pair (--fb-hidden-fraction); m >= 2p",
-           dualpipev, defaults={"chunks": 2}, fixed=frozenset({"chunks"})),
+           dualpipev, defaults={"chunks": 2}, fixed=frozenset({"chunks"}), splits_backward=True),
     Method("dualpipe", "DualPipe (DeepSeek-V3): two copies of the model fed from both ends of the devices, F&B pairs "
            "in the steady state; twice the weights; p even, m even and >= 2p", dualpipe, defaults={"chunks": 2},
-           fixed=frozenset({"chunks"})),
+           fixed=frozenset({"chunks"}), splits_backward=True),
 )

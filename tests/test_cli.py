@@ -184,6 +184,10 @@ def test_schedules_lists_methods():
     # it seeds --jitter alone: taken without one, it changed nothing
     (["-s", "1f1b", "--seed", "5"], "error: --seed seeds --jitter's draws, and no --jitter was given: give --jitter "
                                     "SIGMA, or leave --seed out"),
+    # it prices the W a split backward runs apart: taken for orders that run none, it changed nothing
+    (["-s", "gpipe", "-s", "1f1b", "--wgrad-fraction", "0.3"],
+     "error: --wgrad-fraction prices the weight gradient a split backward runs apart (W), and none of gpipe, 1f1b "
+     "splits it (zb-h1, zb-h2, zb-v, dualpipev, dualpipe, auto do): leave it out"),
     # a cap past the profiled device's memory: what fits it would not fit the device
     (["-s", "1f1b", "--profile", "traces/profiles/gpt-cpu.json", "--memory-gb", "24"],
      "error: --memory-gb 24: more than the profiled device's 23.5 GiB, so a layout that fits the cap would run out "

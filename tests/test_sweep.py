@@ -425,6 +425,9 @@ def without(module, monkeypatch):
      "--prediction applies to spectrain, pipeoptim, xpipe only, not 1f1b, zb-h1"),
     (["-s", "1f1b", "--grid", "GRID:chunks = [2]"],  # a grid's axis too: 1f1b swept alone, chunks 1
      "--chunks applies to interleaved-1f1b, zb-v, dualpipev, dualpipe only, not 1f1b"),
+    # it prices W alone, and neither method splits its backward: taken, it changed nothing
+    (["-s", "gpipe,1f1b", "--wgrad-fraction", "0.2"], "--wgrad-fraction prices the weight gradient a split backward "
+                                                      "runs apart (W), and none of gpipe, 1f1b splits it"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, args, fragment):
     out = tmp_path / "out"
