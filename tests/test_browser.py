@@ -908,10 +908,10 @@ def test_the_timelines_hovers_and_ticks_write_ms_and_mib_as_the_rest_of_the_page
 
 # Values where two rules could part: zero and its sign, under MIB_SHOWN, a tie in binary (0.0625, 1.125) and one
 # only in decimal (2.675: 2.67499... in binary), rounded up into the next decade (9.995, a tie only in decimal,
-# 99.995, 0.9996), thousands, millions, and not finite.
+# 99.995, 0.9996), a share just short of whole (0.99995), thousands, millions, and not finite.
 NUMBERS = [0.0, -0.0, 0.0004, 0.004, 0.01, -0.0001, -1.5, -250.25, 0.0625, 1.0625, 1.125, 0.0725, 2.675, 14.11,
-           9.995, 9.996, 99.995, 100.0, 999.5, 1234.5678, 1e6, 0.09996, 0.9996, 13.278, float("nan"), float("inf"),
-           float("-inf")]
+           9.995, 9.996, 99.995, 100.0, 999.5, 1234.5678, 1e6, 0.09996, 0.9996, 0.99995, -0.9999999, 13.278,
+           float("nan"), float("inf"), float("-inf")]
 
 
 @pytest.fixture(scope="module")
@@ -944,6 +944,8 @@ def test_the_page_scripts_numbers_are_pythons(two_device_page):
     assert v.probed["numbers"] == python
     assert python[0][NUMBERS.index(0.0625)] == "0.063" and python[1][NUMBERS.index(2.675)] == "2.68"
     assert [python[1][NUMBERS.index(mib)] for mib in (9.995, 99.995, 0.9996)] == ["10.0", "100", "1.00"]
+    assert [python[2][NUMBERS.index(share)] for share in (0.9996, 0.99995, -0.9999999)] == ["99.96%", "99.995%",
+                                                                                             "-100%"]
 
 
 if __name__ == "__main__":

@@ -267,14 +267,15 @@ def test_a_peak_under_a_hundredth_of_a_mib_is_not_written_as_nothing(mib, text):
 def test_the_pages_write_each_unit_one_way():
     """ms to the microsecond, as simulate's table (the bars wrote two decimals, the title's makespan two and its
     mini-batch three); a share to a tenth of a percent, whole from 100 % up; MiB's ties round up as the page's
-    script does (1.125 MiB read 1.12 in the title and 1.13 hovered); thousands separated throughout."""
+    script does (1.125 MiB read 1.12 in the title and 1.13 hovered); thousands separated throughout. A share short
+    of 100 % takes the decimals that keep it so, up to four (a bubble of 99.96 % read "100%")."""
     from pipesim.traces.view import mib_text, ms_text, percent_text
 
     assert [ms_text(ms) for ms in (33.6, 12345.6789, 0.0004)] == ["33.600", "12,345.679", "0.000"]
-    assert [percent_text(f) for f in (0.073, 0, 0.9994, 0.9996, 1, 13.278)] == ["7.3%", "0.0%", "99.9%", "100%",
-                                                                               "100%", "1,328%"]
-    assert [percent_text(f, signed=True) for f in (0.367, -0.032, 15, -0.99999)] == ["+36.7%", "-3.2%", "+1,500%",
-                                                                                    "-100%"]
+    assert [percent_text(f) for f in (0.073, 0, 0.9994, 0.9996, 0.9999, 1, 13.278)] == [
+        "7.3%", "0.0%", "99.9%", "99.96%", "99.99%", "100%", "1,328%"]  # short of whole, not read as whole
+    assert [percent_text(f, signed=True) for f in (0.367, -0.032, 15, -0.99999, -0.9999999)] == [
+        "+36.7%", "-3.2%", "+1,500%", "-99.999%", "-100%"]
     assert [mib_text(mib) for mib in (1.125, 10.25, 0.375, 1288.5, 81920)] == ["1.13", "10.3", "0.38", "1,289",
                                                                                  "81,920"]
 

@@ -102,9 +102,13 @@ def loss_text(loss: float) -> str:
 
 def percent_text(fraction: float, signed: bool = False) -> str:
     """A share as the pages write it: to a tenth of a percent, whole from 100 % up ("7.3%", "1,328%"): an error bar's
-    "1,327.8%" was shrunk to fit it. `signed`: an error's sign too ("+36.7%", "+1,500%", where it read "+1500.0%")."""
+    "1,327.8%" was shrunk to fit it. A share short of 100 % takes up to four decimals rather than read as whole: a
+    bubble of 99.96 % read "100%" (and "100.0%" before). `signed`: an error's sign too ("+36.7%", "+1,500%", where it
+    read "+1500.0%")."""
     percent = 100 * fraction
-    decimals = 0 if abs(round(percent, 1)) >= 100 else 1  # 0.9996 read "100.0%"
+    decimals = 0
+    if abs(percent) < 100:  # the page's percentText alike
+        decimals = next((d for d in range(1, 5) if abs(_rounded(percent, d)) < 100), 0)
     return _decimal_text(percent, decimals, "+" if signed else "") + "%"
 
 

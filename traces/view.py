@@ -871,7 +871,9 @@ _TIMELINE_JS = r"""
   }
   function percentText(fraction) {
     const percent = 100 * fraction;
-    return fmt(percent, Math.abs(percent.toFixed(1)) >= 100 ? 0 : 1) + "%";
+    const short = d => Math.abs(Number(fmt(percent, d))) < 100;  // short of 100 % at d decimals
+    const decimals = Math.abs(percent) < 100 ? [1, 2, 3, 4].find(short) ?? 0 : 0;
+    return fmt(percent, decimals) + "%";
   }
   if (TEST) window.pipesimNumbers = {msText, mibText, percentText};  // tests/test_browser.py holds them to Python's
   // Each trace's lines of the title: its name, its figures, then in grey its shape, wrapped between them where a
