@@ -11,7 +11,9 @@ step: mini-batches following each other, each device starting the next one after
 knobs reach, up to 4 stages every in-order pattern is timed where the budget affords them all (then none is
 faster), else patterns one op move away from the best are, for the rest of the budget. The one with the
 shortest steady-state time per mini-batch wins (ties: the faster cold first mini-batch, then the first tried),
-so the same inputs give the same schedule.
+so the same inputs give the same schedule. Where a device's memory could bind, it also holds what the device
+has received and not yet taken in, as the simulator does: the list scheduler counts it before an F on the device
+and on the next one, and every candidate is held to it, timed (`within_room`).
 
 The result is an ordinary Schedule: per mini-batch each device runs its pattern, then its stage's OPT.
 """
@@ -70,7 +72,11 @@ class StageTimes:
     of one micro-batch (the runtime's own cost per row included), `opt_ms[k]` its update; `send_ms[k]` the
     activation's transfer from stage k to k + 1 and `grad_ms[k]` its gradient's back; `held_bytes[k]` what a
     micro-batch holds from its F until its I (or B), `kept_bytes[k]` what it still holds from its I until its W;
-    `limit_bytes[k]` the most device k may hold at once."""
+    `limit_bytes[k]` the most device k may hold at once. Where its memory is known (`room_bytes[k]`, () where no
+    device's is), what it holds beside its weights, state and the one boundary tensor of each kind `_buffer_bytes`
+    counts: the activations and the boundary tensors beyond those (`within_room`), each of `boundary_bytes[k]` at
+    the boundary of stages k and k + 1; `takes_input[k]` whether stage k's forward takes its received input in as
+    an activation from its start (its held bytes are known) rather than free it at its end."""
 
     op_ms: tuple[tuple[float, float, float, float], ...]
     opt_ms: tuple[float, ...]
@@ -80,6 +86,9 @@ class StageTimes:
     kept_bytes: tuple[float, ...]
     limit_bytes: tuple[float, ...]
     microbatches: int
+    boundary_bytes: tuple[float, ...] = ()
+    room_bytes: tuple[float, ...] = ()
+    takes_input: tuple[bool, ...] = ()
 
     @property
     def stages(self) -> int:
@@ -149,9 +158,11 @@ def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_byt
     limit_r = params.activation_limit if params.activation_limit is not None else DEFAULT_LIMIT
     reference = one_f_one_b_peak(held.tolist(), m)
     limit = np.full(p, limit_r * reference)  # a Python float: R up to 1e308 saturates to inf, silently
+    room = np.full(p, math.inf)
     for d, memory in enumerate(memory_bytes[:p]):
         if memory is not None and unit == "bytes":
-            limit[d] = min(limit[d], memory - static[d] - _buffer_bytes(costs, d))
+            room[d] = memory - static[d] - _buffer_bytes(costs, d)
+            limit[d] = min(limit[d], room[d])
 
     def amount(value: float) -> str:
         return f"{value / MIB:,.1f} MiB" if unit == "bytes" else f"{value:g} micro-batch{'' if value == 1 else 'es'}"
@@ -171,8 +182,11 @@ def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_byt
                                    f"of device {d}'s ({amount(held[d])}); R must be at least "
                                    f"{least_limit(held[d], reference)}")
     opt = ops[:, KIND_CODE[Kind.OPT]] + host[KIND_CODE[Kind.OPT]]
+    known = np.isfinite(room).any()
     return StageTimes(tuple(map(tuple, op_ms.tolist())), tuple(opt.tolist()), send_ms, grad_ms,
-                      tuple(held.tolist()), tuple(kept.tolist()), tuple(limit.tolist()), m)
+                      tuple(held.tolist()), tuple(kept.tolist()), tuple(limit.tolist()), m,
+                      tuple(map(float, out[:-1])) if known else (), tuple(room.tolist()) if known else (),
+                      tuple(c.held_bytes is not None for c in costs.stages) if known else ())
 
 
 def one_f_one_b_peak(held: Sequence[float], microbatches: int) -> float:
@@ -242,6 +256,9 @@ def _search(times: StageTimes, budget_seconds: float, progress: Callable[[float]
     search.improve()
     if times.stages > _EXACT_STAGES or not search.time_every_in_order():
         search.explore()
+    if search.best is None:  # where boundary tensors waiting fill a room: one micro-batch at a time holds one each
+        search.consider(tuple(tuple((code, j) for j in range(times.microbatches) for code in (_F, _I, _W))
+                              for _ in range(times.stages)), None)
     if progress is not None:
         progress(1.0)
     if search.best is None:  # cannot happen: one micro-batch at a time always fits (checked by `stage_times`)
@@ -261,15 +278,14 @@ class _Search:
         self.best_key: tuple[float, float] | None = None
         self.best_knobs: Knobs | None = None
         self.tried: set[Knobs] = set()
+        self.roomy = _roomy(times)
 
     def affords(self) -> bool:
         return self.budget_ops >= 2 * self.cost_ops
 
     def consider(self, pattern: Pattern | None, knobs: Knobs | None) -> bool:
         """Time `pattern` (if it fits) and keep it if it beats the best; whether it did."""
-        if pattern is None or not fits(pattern, self.times):
-            return False
-        done = finish_ms(pattern, self.times, _STEADY)
+        done = None if pattern is None else self.finish_ms(pattern)
         if done is None:
             return False
         key = (round(done[1] - done[0], 9), round(done[0], 9))
@@ -376,10 +392,20 @@ class _Search:
 
     def step_ms(self, pattern: Pattern) -> float | None:
         """`pattern`'s steady step, None where it deadlocks or breaks a device's limit."""
+        done = self.finish_ms(pattern)
+        return None if done is None else done[1] - done[0]
+
+    def finish_ms(self, pattern: Pattern) -> list[float] | None:
+        """`pattern`'s mini-batches' ends (`finish_ms`), None where it deadlocks, breaks a device's activation limit
+        or, timed, holds more than a device's room, boundary tensors waiting included (`within_room`, where a
+        device's room could bind)."""
         if not fits(pattern, self.times):
             return None
-        done = finish_ms(pattern, self.times, _STEADY)
-        return None if done is None else done[1] - done[0]
+        starts = None if all(self.roomy) else [[] for _ in pattern]
+        done = finish_ms(pattern, self.times, _STEADY, starts)
+        if done is None or (starts is not None and not within_room(pattern, self.times, starts, self.roomy)):
+            return None
+        return done
 
     def report(self) -> None:
         if self.progress is not None:
@@ -497,10 +523,74 @@ def peak_bytes(pattern: Pattern, times: StageTimes) -> list[float]:
     return peaks
 
 
-def finish_ms(pattern: Pattern, times: StageTimes, minibatches: int) -> list[float] | None:
+def _roomy(times: StageTimes) -> list[bool]:
+    """Per device, whether its room cannot bind: unknown, or at least all m micro-batches' activations and m - 1
+    boundary tensors of each kind beyond the one `_buffer_bytes` counts (a flushing order holds no more: each is a
+    micro-batch of the mini-batch in flight on the device)."""
+    if not times.room_bytes:
+        return [True] * times.stages
+    m, sizes = times.microbatches, (0.0, *times.boundary_bytes, 0.0)
+    return [room >= m * held + 2 * (m - 1) * (sizes[k] + sizes[k + 1])
+            for k, (room, held) in enumerate(zip(times.room_bytes, times.held_bytes))]
+
+
+def within_room(pattern: Pattern, times: StageTimes, starts: Sequence[Sequence[float]], roomy: Sequence[bool]) -> bool:
+    """Whether each device whose room could bind (`roomy` False) holds within it, timed as `starts` says
+    (`finish_ms`'s), its activations and the boundary tensors beyond the one of each kind `_buffer_bytes` counts,
+    as the simulator holds them (sim/engine.py, `_memory_tables`): one it sends from the end of the op that makes it
+    for the transfer's time; one it receives from its arrival until the op that takes it in ends, or begins where
+    that is an F whose stage takes its input in (`takes_input`). What an op adds counts from its start, what it
+    frees from its end; at equal times arrivals come first, then the device's own changes in its order, then the
+    transfers' ends."""
+    p, m, ops_ms = times.stages, times.microbatches, times.op_ms
+    where = [{(_I if code == _B else code, j): r for r, (code, j) in enumerate(ops)} for ops in pattern]
+
+    def ends(d: int, code: int, unit: int) -> float:
+        """When device d's F (code _F) or backward (_I: its I or B) of `unit`, b·m + j, ends."""
+        b, j = divmod(unit, m)
+        r = where[d][code, j]
+        return starts[d][b * len(pattern[d]) + r] + ops_ms[d][pattern[d][r][0]]
+
+    sizes = (0.0, *times.boundary_bytes, 0.0)
+    for k, ops in enumerate(pattern):
+        if roomy[k]:
+            continue
+        held, kept = times.held_bytes[k], times.kept_bytes[k]
+        freed = (-held, held - kept, kept, held)  # by op code, at its end; an F's held from its start
+        size = (sizes[k], sizes[k], sizes[k + 1], sizes[k + 1])  # by kind: received input, sent gradient, sent
+        events = []  # (ms, group, order in it, activations, kind, count) # output, received gradient
+        for index, start in enumerate(starts[k]):
+            b, r = divmod(index, len(ops))
+            code, j = ops[r]
+            unit, end, own = b * m + j, start + ops_ms[k][code], 2 * index
+            if code == _F:
+                events.append((start, 1, own, held, 0, 0))
+                if k:
+                    events += [(ends(k - 1, _F, unit) + times.send_ms[k - 1], 0, 0, 0.0, 0, 1),
+                               (start, 1, own, 0.0, 0, -1) if times.takes_input[k] else (end, 1, own + 1, 0.0, 0, -1)]
+                if k < p - 1:
+                    events += [(end, 1, own + 1, 0.0, 2, 1), (end + times.send_ms[k], 2, 0, 0.0, 2, -1)]
+                continue
+            if code != _W and k < p - 1:
+                events += [(ends(k + 1, _I, unit) + times.grad_ms[k], 0, 0, 0.0, 3, 1), (end, 1, own + 1, 0.0, 3, -1)]
+            if code != _W and k:
+                events += [(end, 1, own + 1, 0.0, 1, 1), (end + times.grad_ms[k - 1], 2, 0, 0.0, 1, -1)]
+            events.append((end, 1, own + 1, -freed[code], 0, 0))
+        activations, counts = 0.0, [0, 0, 0, 0]
+        for _, _, _, bytes_, kind, count in sorted(events):
+            activations += bytes_
+            counts[kind] += count
+            if activations + sum(max(n - 1, 0) * b for n, b in zip(counts, size)) > times.room_bytes[k] + 1e-9:
+                return False
+    return True
+
+
+def finish_ms(pattern: Pattern, times: StageTimes, minibatches: int, starts: list[list[float]] | None = None
+              ) -> list[float] | None:
     """When each of `minibatches` mini-batches ends (its last op, updates included), every device running the
     pattern and then its update per mini-batch; None if the pattern deadlocks. The simulator's model without
-    contention: a device's ops run in order, each as soon as the device is free and its inputs have arrived."""
+    contention: a device's ops run in order, each as soon as the device is free and its inputs have arrived.
+    `starts`, if given (a list per device), gets when each op begins, device by device in its order."""
     p, m = times.stages, times.microbatches
     ends = [-1.0] * (2 * p * m * minibatches)  # at k·units + u: F of stage k; at (p + k)·units + u: I or B of stage k
     waiting = [-1] * p  # the index in `ends` each device waits for (-1: none)
@@ -528,6 +618,8 @@ def finish_ms(pattern: Pattern, times: StageTimes, minibatches: int) -> list[flo
                     break
                 if arrived + delay > now:
                     now = arrived + delay
+            if starts is not None:
+                starts[k].append(now)
             now += duration
             if output >= 0:
                 ends[output + offset] = now
@@ -613,6 +705,12 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
     forward_end = [0.0] * units + [-1.0] * (p * units)  # at (k + 1)·units + u: F of stage k; at u: the input, at once
     backward_end = [-1.0] * (p * units) + [0.0] * units  # at k·units + u: I of stage k; at p·units + u: the loss
     waits_f, waits_i = [-1] * p, [-1] * p  # [k]: the unit whose F (I) device k waits for from its neighbour
+    # Where a device's room could bind (`_roomy`): [k] the F's and I's device k has begun (one more slot, never
+    # begun: the boundaries past the ends) and the activations it holds, from which its neighbours count what they
+    # send it and it has yet to take in; whether it waits for room, its own or the next device's, to begin an F
+    begun_f, begun_i, load, waits_room = [0] * (p + 1), [0] * (p + 1), [0.0] * p, [False] * p
+    roomy, rooms = _roomy(times), times.room_bytes or (math.inf,) * p
+    sizes = (0.0, *times.boundary_bytes, 0.0) if times.room_bytes else (0.0,) * (p + 1)
     # per device: when it last stopped (read only while it is stopped), its live heap entry, when it is due
     clock, token, due, asleep = [0.0] * p, [0] * p, [0.0] * p, [False] * p
     recorded: list[list[tuple[int, int]]] = [[] for _ in range(p)]
@@ -648,6 +746,12 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
         record = recorded[k].append
         pending: deque[int] = deque()
         memory, inf = 0.0, math.inf
+        room, unbound, after = rooms[k] + 1e-9, roomy[k], below >= 0 and not roomy[below]
+        up, down = sizes[k], sizes[k + 1]  # the boundary tensors it receives from above and from below
+        room_below = rooms[below] + 1e-9 if after else inf
+        # an F that frees its input as it ends holds it beside the next one: one fewer taken in, here and below
+        taken = 2 if not unbound and times.takes_input[k] else 1
+        untaken_below = 0 if not after or times.takes_input[below] else 1
         now = yield
         for b in range(n):
             base, keep = b * m, b == n - 1
@@ -666,10 +770,15 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                 # a guarded stage avoids
                 free_until = i_at if guard and i == 0 and i_at is not None else inf
                 if i_at is not None and i_at <= now:
+                    begun_i[k] += 1
+                    if above >= 0 and waits_room[above]:
+                        waits_room[above] = False
+                        wake(above, now)
                     now += i_ms
                     if keep:
                         record((_I, i))
                     memory -= freed
+                    load[k] = memory
                     pending.append(i)
                     u = base + i
                     backward_end[backward_out + u] = now
@@ -677,11 +786,20 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                         waits_i[above] = -1
                         wake(above, now + grad_out)
                     i += 1
-                elif f_at is not None and f_at <= now and memory + held <= limit and now + f_ms <= free_until:
+                elif f_at is not None and f_at <= now and memory + held <= limit and now + f_ms <= free_until and (
+                        unbound or memory + held + max(begun_f[above] - base - f - taken, 0) * up  # beyond one each
+                        + max(begun_i[below] - base - i - 1, 0) * down <= room) and (
+                        not after or load[below] + max(base + f - begun_f[below] + untaken_below, 0) * down  # below
+                        + max(begun_i[below + 1] - begun_i[below] - 1, 0) * sizes[k + 2] <= room_below):
+                    begun_f[k] += 1
+                    if above >= 0 and waits_room[above]:
+                        waits_room[above] = False
+                        wake(above, now)
                     now += f_ms
                     if keep:
                         record((_F, f))
                     memory += held
+                    load[k] = memory
                     u = base + f
                     forward_end[forward_out + u] = now
                     if below >= 0 and waits_f[below] == u:
@@ -695,9 +813,18 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                     if keep:
                         record((_W, j))
                     memory -= kept
+                    load[k] = memory
+                    if above >= 0 and waits_room[above]:
+                        waits_room[above] = False
+                        wake(above, now)
                 else:  # wait: for an input whose arrival is known, or for one not yet sent
-                    sleeps = i < f and i_at is None
-                    if sleeps:
+                    # an F with room for its activations but not beside what it has yet to take in, or not in the
+                    # next device's, waits for an I, or for the next device to begin an op (`_roomy` where neither
+                    # room binds)
+                    waits_room[k] = ((not unbound or after) and f_at is not None and f_at <= now
+                                     and memory + held <= limit and now + f_ms <= free_until)
+                    sleeps = (i < f and i_at is None) or waits_room[k]
+                    if i < f and i_at is None:
                         waits_i[k] = base + i
                     wake_at = i_at  # None or later than now (else it would run): the earliest known arrival
                     if f_at is not None and f_at > now and (wake_at is None or f_at < wake_at):
@@ -756,8 +883,10 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
 
 def _merge_backward(pattern: Pattern, times: StageTimes) -> Pattern:
     """On the first stage, an I followed at once by its own W becomes one B where B costs no more than the two (a
-    split backward walks the graph twice): fewer rows, the same memory (W frees what I kept when B ends), and no
-    one waits for that stage's input gradient. Elsewhere B would send its gradient only after the W part."""
+    split backward walks the graph twice): fewer rows, the same activations (W frees what I kept when B ends), and
+    no one waits for that stage's input gradient. Elsewhere B would send its gradient only after the W part. Where
+    that stage's room could bind, not if it then breaks it: a B holds the gradient it received until it ends, past
+    where the I would have, beside those arriving meanwhile."""
     if times.op_ms[0][_B] > times.op_ms[0][_I] + times.op_ms[0][_W]:
         return pattern
     out: list[tuple[int, int]] = []
@@ -766,7 +895,13 @@ def _merge_backward(pattern: Pattern, times: StageTimes) -> Pattern:
             out[-1] = (_B, j)
         else:
             out.append((code, j))
-    return (tuple(out), *pattern[1:])
+    merged = (tuple(out), *pattern[1:])
+    roomy = _roomy(times)
+    if not roomy[0]:
+        starts: list[list[float]] = [[] for _ in merged]
+        if finish_ms(merged, times, _STEADY, starts) is None or not within_room(merged, times, starts, roomy):
+            return pattern
+    return merged
 
 
 def _schedule(params: ScheduleParams, pattern: Pattern) -> Schedule:
