@@ -365,7 +365,10 @@ def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
     # tries it without them, and simulate refuses them with it)
     own = {*(name for name, _, value in chosen if name != "rank_order" or value is not None), "as_json",
            *(("search_seconds",) if c.schedule != "auto" else ()),
-           *(("recompute_modules",) if c.recompute in ("full", "op") else ())}
+           *(("recompute_modules",) if c.recompute in ("full", "op") else ()),
+           # what changes nothing at the choice's t = 1 or E = 1, which tune estimated without it (simulate refuses)
+           *(("tp_overlap", "tp_overlap_no_margin", "tp_overlap_fp8_buf") if c.tensor == 1 else ()),
+           *(("hot_expert_share", "routing", "token_dispatcher", "dispatcher_sms") if c.expert == 1 else ())}
     return [["pipesim", "simulate"], *given_simulate_flags(ctx, own),
             *([flag] if value is True else [flag, str(value)] for _, flag, value in chosen if value is not None)]
 
@@ -555,6 +558,18 @@ def _expert_degrees(what: WhatIf, counted: WorkloadCount, expert_given: bool) ->
     return [what.expert] if expert_given or not experts else [e for e in range(1, experts + 1) if experts % e == 0]
 
 
+def _as_estimated(what: WhatIf, tensor: int, expert: int, expert_given: bool) -> WhatIf:
+    """`what` as a layout of t = `tensor` and E = `expert` is estimated: at t = 1 without --tp-overlap and its
+    settings, which have nothing to overlap there; at a searched E = 1, every routed expert on the rank, without how
+    tokens are routed and dispatched between expert-parallel ranks (--hot-expert-share, --routing, --token-dispatcher
+    and its SMs), which changes nothing there (a given E = 1 is refused with them, in one line)."""
+    if tensor == 1:
+        what = replace(what, tp_overlap=False, tp_overlap_no_margin=False, tp_overlap_fp8_buf=False)
+    if expert == 1 and not expert_given:
+        what = replace(what, hot_expert_share=None, routing="balanced", token_dispatcher=None, dispatcher_sms=None)
+    return what
+
+
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
                         sizes: tuple[int, ...], optimizer: str, allocator: str, optimizer_step: str,
                         pp_runtime: str,
@@ -573,9 +588,11 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's counted already (the rest are
     counted here); `report` is told how many are done. Where no t suits, the estimates' refusal if every t tried got
     the same one (it is not about t), else which t's were tried and each refused t's reason (one rule said for all of
-    them would send the user after the wrong flag). A searched E the estimate refuses is left out where another suits
-    the t (E = 1 beside --token-dispatcher or --hot-expert-share, which need E > 1; a dispatcher or routing that
-    needs more ranks), as is a searched t the estimate refuses (--recompute op, modelled at t = 1 only); a given t it
+    them would send the user after the wrong flag). A searched E = 1 is estimated without the flags of routing and
+    dispatch between expert-parallel ranks (`_one_expert_rank`), and t = 1 without --tp-overlap, which change nothing
+    there (a layout they leave out may be the fastest; the printed simulate line leaves them out too). A searched E
+    the estimate refuses is left out where another suits the t (a dispatcher or routing that needs more ranks), as is
+    a searched t the estimate refuses (--recompute op, modelled at t = 1 only); a given t it
     refuses is its one line. Under --precision fsdp2, a layout of one replica (d·C = 1) is left out: FSDP2's weights
     are sharded over the replicas, and simulate refuses --zero over one. A searched t = 1 under --loss-parallel is
     counted with aten's loss, which torchtitan runs there (simulate refuses the flag at a given t = 1). Each (b, t, E)'s
@@ -604,10 +621,12 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 at_t = replace(what, loss_parallel=False)  # (ParallelDims.loss_parallel_enabled): aten's loss
                 counted_t = count_what_if(at_t, b)
                 made = (counted_t, LayerMemo(counted_t, what.gpu, what.curve), {})
-            # off at t = 1, given or not: nothing to split over (the row's "-"; simulate refuses it there)
+            # off at t = 1, given or not: nothing to split over (the row's "-"; simulate refuses it there), nor to
+            # overlap (--tp-overlap, which needs sequence parallelism, and its settings)
             splits = (False,) if t == 1 else (False, True) if sequence_parallel is None else (sequence_parallel,)
             block, apart = [], {}  # apart: by (E, p), whether the second order places it otherwise
             for order, e in itertools.product(orders, degrees):
+                at_e = _as_estimated(at_t, t, e, expert_given)
                 depths = [devices // (t * data)] if data else [p for p in range(1, most + 1) if devices % (t * p) == 0]
                 # a given d and E: the estimate says why they do not fit (in the first order: a second adds)
                 if len(degrees) > 1 or not data or order != orders[0]:
@@ -617,7 +636,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                     depths = [p for p in depths if devices // (t * p) * what.context > 1]
                 for p in depths if len(orders) > 1 else ():
                     if (e, p) not in apart:
-                        apart[e, p] = _placed_apart(at_t, made[0], (p, t, devices // (t * p), kinds[0], e), orders[1],
+                        apart[e, p] = _placed_apart(at_e, made[0], (p, t, devices // (t * p), kinds[0], e), orders[1],
                                                     splits)
                 alike = tuple(p for p in depths if order == orders[0] and len(orders) > 1 and not apart[e, p])
                 if order != orders[0]:
@@ -625,7 +644,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                     if not depths:
                         continue
                 block.append(len(groups))
-                groups.append((at_t, made, _EstimateGroup(t, e, tuple(depths), kinds, splits, order, alike)))
+                groups.append((at_t, made, _EstimateGroup(t, e, tuple(depths), kinds, splits, order, expert_given,
+                                                          alike)))
             blocks.append((t, block))
     done = _estimate_groups(groups, (devices, optimizer, pp_runtime, allocator, optimizer_step), pool,
                             lambda count: report(f"{_estimating_text(degrees, orders)}: {count} done")
@@ -674,6 +694,7 @@ class _EstimateGroup:
     kinds: tuple[str, ...]
     splits: tuple[bool, ...]
     rank_order: str
+    expert_given: bool  # E given, not searched (`_as_estimated`)
     alike: tuple[int, ...] = ()  # the depths p the other order searched places alike (its estimate would be this one)
 
 
@@ -729,6 +750,7 @@ def _estimate_group(what: WhatIf, counted: WorkloadCount, group: _EstimateGroup,
     from ..planning.tune import Setting
 
     settings, t, e = [], group.tensor, group.expert
+    what = _as_estimated(what, t, e, group.expert_given)  # here, not shipped: the layers' memo is the what-if's part's
     try:
         with refused_with_flags():
             for p, kind, split in itertools.product(group.depths, group.kinds, group.splits):
