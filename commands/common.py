@@ -702,11 +702,12 @@ SEARCH_DEFAULTS = {"comm": "0", "activation_mb": "0", "param_mb": "0", "output_m
                    "avg": None, "optimizer": "adam", "microbatch_size": 1, "blocking_comm": False, "cluster": None,
                    "profile": None}
 
-# Options only some methods read, by flag (`Method.reads` says which).
+# Options only some methods read, by flag (a command's parameter of the flag's name): the option each stands for,
+# which `Method.reads` says who reads (tune's --max-chunks bounds the chunks it searches).
 METHOD_OPTIONS = {"--chunks": "chunks", "--pipelines": "pipelines", "--advance": "advance",
                   "--average-every": "average_every", "--elastic-alpha": "elastic_alpha", "--graph": "graph",
                   "--prediction": "prediction", "--activation-limit": "activation_limit",
-                  "--search-seconds": "search_seconds"}
+                  "--search-seconds": "search_seconds", "--max-chunks": "chunks", "--max-pipelines": "pipelines"}
 
 
 class InputError(Exception):
@@ -998,7 +999,7 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
     for flag in flags:
         option = METHOD_OPTIONS[flag]
         readers = [m.name for m in METHODS.values() if m.reads(option)]
-        if (is_given(ctx, option) or option in given) and not set(readers) & set(names):
+        if (is_given(ctx, flag[2:].replace("-", "_")) or option in given) and not set(readers) & set(names):
             raise InputError(f"{flag} applies to {', '.join(readers)} only, not {', '.join(names)}")
     refuse(elastic_alpha_refusal(ctx.params.get("elastic_alpha"), "--elastic-alpha"))
 
@@ -1045,12 +1046,17 @@ def allocator_fields(allocator: str, counted, parallel, optimizer_step: str = "h
     and `allocations`, what caching or expandable replays (`layer_allocations`, with Megatron-LM's optimizer step
     under --optimizer-step megatron): none without --gpu (`counted` None), with --allocator none, or for a
     mixture of experts, whose count is a whole layer's, every expert's, which the estimate divides by t·C but not
-    by the E ranks sharing them (so --optimizer-step megatron, which only a replay runs, is refused there)."""
+    by the E ranks sharing them (so --optimizer-step megatron, which only a replay runs, and --allocator expandable,
+    which only a replay reads, are refused there)."""
     fields = {"expandable_segments": allocator == "expandable", "allocations": None}
     experts = counted is not None and any(layer.dispatched_bytes for layer in counted.layers)
     if experts and optimizer_step == "megatron":  # no replay to put the step in: refused, not ignored
         raise InputError("--optimizer-step megatron: the caching allocator replays no mixture of experts' steps (its "
                          "count is every expert's, not a rank's); leave --optimizer-step held")
+    if experts and allocator == "expandable":  # nor segments to expand: taken, it changed nothing
+        raise InputError("--allocator expandable: the caching allocator replays no mixture of experts' steps (its "
+                         "count is every expert's, not a rank's), so its peak is the tensors alone; leave --allocator "
+                         "out")
     if counted is not None and allocator != "none" and not experts:
         from ..planning.estimate import EstimateError, layer_allocations
 

@@ -183,7 +183,9 @@ def tune(
         unknown = [name for name in schedule if name not in METHODS]
         if unknown:
             raise InputError(unknown_names("--schedule", unknown, METHODS))
-        check_method_options(ctx, schedule or METHODS, ("--search-seconds",))  # as simulate and sweep refuse it
+        # as simulate and sweep refuse them; a bound of 1 holds every method at its own (1F1B's v = 1, P = 1)
+        check_method_options(ctx, schedule or METHODS, ("--search-seconds", *(flag for flag, most in (
+            ("--max-chunks", max_chunks), ("--max-pipelines", max_pipelines)) if most > 1)))
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         memory_cap_bytes = memory_gb_bytes(memory_gb)  # None: the device's own memory
         check_p2p_sync(ctx, schedule or METHODS)

@@ -94,6 +94,11 @@ class StageTimes:
     def stages(self) -> int:
         return len(self.opt_ms)
 
+    @property
+    def boundary_sizes(self) -> tuple[float, ...]:
+        """`boundary_bytes` with none past either end: [k] what stage k receives from above, [k + 1] from below."""
+        return (0.0, *self.boundary_bytes, 0.0) if self.boundary_bytes else (0.0,) * (self.stages + 1)
+
 
 def search_schedule(params: ScheduleParams, costs: Costs, links: Cluster, memory_bytes: Sequence[int | None] = (),
                     progress: Callable[[float], None] | None = None) -> Schedule:
@@ -261,8 +266,8 @@ def _search(times: StageTimes, budget_seconds: float, progress: Callable[[float]
                               for _ in range(times.stages)), None)
     if progress is not None:
         progress(1.0)
-    if search.best is None:  # cannot happen: one micro-batch at a time always fits (checked by `stage_times`)
-        raise ScheduleError(f"{METHOD}: no order fits the activation limit")
+    if search.best is None:  # one micro-batch at a time fits where what it keeps from its I to its W fits too
+        raise ScheduleError(f"{METHOD}: no order fits each device's activation limit and memory")
     return search.best
 
 
@@ -283,9 +288,10 @@ class _Search:
     def affords(self) -> bool:
         return self.budget_ops >= 2 * self.cost_ops
 
-    def consider(self, pattern: Pattern | None, knobs: Knobs | None) -> bool:
-        """Time `pattern` (if it fits) and keep it if it beats the best; whether it did."""
-        done = None if pattern is None else self.finish_ms(pattern)
+    def consider(self, pattern: Pattern | None, knobs: Knobs | None, done: list[float] | None = None) -> bool:
+        """Time `pattern` (if it fits; `done`: timed already) and keep it if it beats the best; whether it did."""
+        if done is None and pattern is not None:
+            done = self.finish_ms(pattern)
         if done is None:
             return False
         key = (round(done[1] - done[0], 9), round(done[0], 9))
@@ -345,10 +351,10 @@ class _Search:
                         return
                     seen.add(candidate)
                     self.budget_ops -= self.cost_ops
-                    step = self.step_ms(candidate)
-                    if step is not None and step <= self.best_key[0] + 1e-9:
+                    done = self.finish_ms(candidate)
+                    if done is not None and done[1] - done[0] <= self.best_key[0] + 1e-9:
                         frontier.append(candidate)
-                        self.consider(candidate, None)
+                        self.consider(candidate, None, done)
             self.report()
 
     def time_every_in_order(self) -> bool:
@@ -390,22 +396,15 @@ class _Search:
         self.report()
         return True
 
-    def step_ms(self, pattern: Pattern) -> float | None:
-        """`pattern`'s steady step, None where it deadlocks or breaks a device's limit."""
-        done = self.finish_ms(pattern)
-        return None if done is None else done[1] - done[0]
-
     def finish_ms(self, pattern: Pattern) -> list[float] | None:
         """`pattern`'s mini-batches' ends (`finish_ms`), None where it deadlocks, breaks a device's activation limit
         or, timed, holds more than a device's room, boundary tensors waiting included (`within_room`, where a
         device's room could bind)."""
         if not fits(pattern, self.times):
             return None
-        starts = None if all(self.roomy) else [[] for _ in pattern]
-        done = finish_ms(pattern, self.times, _STEADY, starts)
-        if done is None or (starts is not None and not within_room(pattern, self.times, starts, self.roomy)):
-            return None
-        return done
+        if not all(self.roomy):  # a second pass over its ops, sorted
+            self.budget_ops -= self.cost_ops
+        return _timed_within_room(pattern, self.times, self.roomy)
 
     def report(self) -> None:
         if self.progress is not None:
@@ -524,24 +523,38 @@ def peak_bytes(pattern: Pattern, times: StageTimes) -> list[float]:
 
 
 def _roomy(times: StageTimes) -> list[bool]:
-    """Per device, whether its room cannot bind: unknown, or at least all m micro-batches' activations and m - 1
+    """Per device, whether its room cannot bind: unknown, or at least all m micro-batches' activations (each the
+    more of what it holds until its I and what it keeps from there until its W, which may be more) and m - 1
     boundary tensors of each kind beyond the one `_buffer_bytes` counts (a flushing order holds no more: each is a
     micro-batch of the mini-batch in flight on the device)."""
     if not times.room_bytes:
         return [True] * times.stages
-    m, sizes = times.microbatches, (0.0, *times.boundary_bytes, 0.0)
-    return [room >= m * held + 2 * (m - 1) * (sizes[k] + sizes[k + 1])
-            for k, (room, held) in enumerate(zip(times.room_bytes, times.held_bytes))]
+    m, sizes = times.microbatches, times.boundary_sizes
+    return [room >= m * max(held, kept) + 2 * (m - 1) * (sizes[k] + sizes[k + 1])
+            for k, (room, held, kept) in enumerate(zip(times.room_bytes, times.held_bytes, times.kept_bytes))]
+
+
+def _timed_within_room(pattern: Pattern, times: StageTimes, roomy: Sequence[bool]) -> list[float] | None:
+    """`finish_ms` of `pattern` over `_STEADY` mini-batches, None where it deadlocks or, timed, breaks a device's
+    room (`within_room`; not timed again where no room binds, `roomy`)."""
+    starts = None if all(roomy) else [[] for _ in pattern]
+    done = finish_ms(pattern, times, _STEADY, starts)
+    if done is None or (starts is not None and not within_room(pattern, times, starts, roomy)):
+        return None
+    return done
 
 
 def within_room(pattern: Pattern, times: StageTimes, starts: Sequence[Sequence[float]], roomy: Sequence[bool]) -> bool:
     """Whether each device whose room could bind (`roomy` False) holds within it, timed as `starts` says
     (`finish_ms`'s), its activations and the boundary tensors beyond the one of each kind `_buffer_bytes` counts,
     as the simulator holds them (sim/engine.py, `_memory_tables`): one it sends from the end of the op that makes it
-    for the transfer's time; one it receives from its arrival until the op that takes it in ends, or begins where
-    that is an F whose stage takes its input in (`takes_input`). What an op adds counts from its start, what it
-    frees from its end; at equal times arrivals come first, then the device's own changes in its order, then the
-    transfers' ends."""
+    for the transfer's time (an F's output not where its stage takes its input in, `takes_input`: its own then, an
+    activation); one it receives from its arrival until the op that takes it in ends, or begins where that is such
+    an F. What an op adds counts from its start, what it frees from its end; at equal times arrivals come first,
+    then the device's own changes in its order, then the transfers' ends. Transfers are timed as `finish_ms` times
+    them, each link free: where they queue on a busy one, or wait for the receiver (--blocking-comm), the simulator
+    may hold a sent tensor longer than counted here (a device then reads out of memory once simulated, and `tune`
+    takes the next order that fits)."""
     p, m, ops_ms = times.stages, times.microbatches, times.op_ms
     where = [{(_I if code == _B else code, j): r for r, (code, j) in enumerate(ops)} for ops in pattern]
 
@@ -551,14 +564,16 @@ def within_room(pattern: Pattern, times: StageTimes, starts: Sequence[Sequence[f
         r = where[d][code, j]
         return starts[d][b * len(pattern[d]) + r] + ops_ms[d][pattern[d][r][0]]
 
-    sizes = (0.0, *times.boundary_bytes, 0.0)
+    sizes = times.boundary_sizes
     for k, ops in enumerate(pattern):
         if roomy[k]:
             continue
         held, kept = times.held_bytes[k], times.kept_bytes[k]
-        freed = (-held, held - kept, kept, held)  # by op code, at its end; an F's held from its start
-        size = (sizes[k], sizes[k], sizes[k + 1], sizes[k + 1])  # by kind: received input, sent gradient, sent
-        events = []  # (ms, group, order in it, activations, kind, count) # output, received gradient
+        freed = (0.0, held - kept, kept, held)  # by op code, at its end (an F holds `held` from its start)
+        # by kind of boundary tensor: received input, sent gradient, sent output, received gradient
+        size = (sizes[k], sizes[k], sizes[k + 1], sizes[k + 1])
+        sends_output = k < p - 1 and not times.takes_input[k]
+        events = []  # (ms, group: arrivals, own changes, transfers' ends; order in it, activations, kind, count)
         for index, start in enumerate(starts[k]):
             b, r = divmod(index, len(ops))
             code, j = ops[r]
@@ -568,7 +583,7 @@ def within_room(pattern: Pattern, times: StageTimes, starts: Sequence[Sequence[f
                 if k:
                     events += [(ends(k - 1, _F, unit) + times.send_ms[k - 1], 0, 0, 0.0, 0, 1),
                                (start, 1, own, 0.0, 0, -1) if times.takes_input[k] else (end, 1, own + 1, 0.0, 0, -1)]
-                if k < p - 1:
+                if sends_output:
                     events += [(end, 1, own + 1, 0.0, 2, 1), (end + times.send_ms[k], 2, 0, 0.0, 2, -1)]
                 continue
             if code != _W and k < p - 1:
@@ -697,7 +712,8 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
     is the pattern. None where the knobs leave a device nothing it can ever run.
 
     Each device runs as a generator that keeps its own counters, memory and costs in local variables and yields
-    whenever another device is due before it: the search's dearest loop reads locals, not per-device lists. A
+    whenever another device is due before it: the search's dearest loop reads locals, not per-device lists (but
+    its neighbours' counts and activations where a room binds, `within_room`'s boundary tensors). A
     device waits for at most one F and one I at a time, so who waits for an end time is a slot per device; one
     that waits for an arrival due before every other device decides again at once, as the heap would have it."""
     p, m, n = times.stages, times.microbatches, _STEADY
@@ -707,10 +723,11 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
     waits_f, waits_i = [-1] * p, [-1] * p  # [k]: the unit whose F (I) device k waits for from its neighbour
     # Where a device's room could bind (`_roomy`): [k] the F's and I's device k has begun (one more slot, never
     # begun: the boundaries past the ends) and the activations it holds, from which its neighbours count what they
-    # send it and it has yet to take in; whether it waits for room, its own or the next device's, to begin an F
-    begun_f, begun_i, load, waits_room = [0] * (p + 1), [0] * (p + 1), [0.0] * p, [False] * p
-    roomy, rooms = _roomy(times), times.room_bytes or (math.inf,) * p
-    sizes = (0.0, *times.boundary_bytes, 0.0) if times.room_bytes else (0.0,) * (p + 1)
+    # send it and it has yet to take in. A device short of room, its own or the next one's, waits for its own next
+    # I, as for its activation limit, not for the other device: its order then says the wait (an F after that I),
+    # which a pattern run as soon as each op can (`finish_ms`, the simulator) would not
+    begun_f, begun_i, load = [0] * (p + 1), [0] * (p + 1), [0.0] * p
+    roomy, rooms, sizes = _roomy(times), times.room_bytes or (math.inf,) * p, times.boundary_sizes
     # per device: when it last stopped (read only while it is stopped), its live heap entry, when it is due
     clock, token, due, asleep = [0.0] * p, [0] * p, [0.0] * p, [False] * p
     recorded: list[list[tuple[int, int]]] = [[] for _ in range(p)]
@@ -748,10 +765,23 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
         memory, inf = 0.0, math.inf
         room, unbound, after = rooms[k] + 1e-9, roomy[k], below >= 0 and not roomy[below]
         up, down = sizes[k], sizes[k + 1]  # the boundary tensors it receives from above and from below
-        room_below = rooms[below] + 1e-9 if after else inf
-        # an F that frees its input as it ends holds it beside the next one: one fewer taken in, here and below
+        # Of the inputs sent to a device and not yet begun, those beyond one that its next F leaves held: all but
+        # two where its stage takes its input in as the F begins (that one, and the one `_buffer_bytes` counts),
+        # else all but one (the F holds its own until it ends). Here, and on the device below (`fits_below`).
         taken = 2 if not unbound and times.takes_input[k] else 1
-        untaken_below = 0 if not after or times.takes_input[below] else 1
+
+        def fits_below(sent: int) -> bool:
+            """Whether the next device, `sent` inputs of this device's sent so far, holds those beyond one within its
+            room, as it is (an F under way holding its own input too, where it frees it as it ends) and as its next
+            F would leave it: it holds them however full it is, and one that could not begin its next F would wait
+            for what only it can free."""
+            takes, waiting = times.takes_input[below], sent - begun_f[below]
+            gradients = max(begun_i[below + 1] - begun_i[below] - 1, 0) * sizes[k + 2]
+            now_beyond, next_beyond = waiting - (1 if takes else 0), waiting - (2 if takes else 1)
+            return ((now_beyond <= 0 or load[below] + now_beyond * down + gradients <= rooms[below] + 1e-9)
+                    and (next_beyond <= 0 or load[below] + times.held_bytes[below] + next_beyond * down + gradients
+                         <= rooms[below] + 1e-9))
+
         now = yield
         for b in range(n):
             base, keep = b * m, b == n - 1
@@ -771,9 +801,6 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                 free_until = i_at if guard and i == 0 and i_at is not None else inf
                 if i_at is not None and i_at <= now:
                     begun_i[k] += 1
-                    if above >= 0 and waits_room[above]:
-                        waits_room[above] = False
-                        wake(above, now)
                     now += i_ms
                     if keep:
                         record((_I, i))
@@ -789,12 +816,8 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                 elif f_at is not None and f_at <= now and memory + held <= limit and now + f_ms <= free_until and (
                         unbound or memory + held + max(begun_f[above] - base - f - taken, 0) * up  # beyond one each
                         + max(begun_i[below] - base - i - 1, 0) * down <= room) and (
-                        not after or load[below] + max(base + f - begun_f[below] + untaken_below, 0) * down  # below
-                        + max(begun_i[below + 1] - begun_i[below] - 1, 0) * sizes[k + 2] <= room_below):
+                        not after or fits_below(base + f + 1)):
                     begun_f[k] += 1
-                    if above >= 0 and waits_room[above]:
-                        waits_room[above] = False
-                        wake(above, now)
                     now += f_ms
                     if keep:
                         record((_F, f))
@@ -814,17 +837,9 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                         record((_W, j))
                     memory -= kept
                     load[k] = memory
-                    if above >= 0 and waits_room[above]:
-                        waits_room[above] = False
-                        wake(above, now)
                 else:  # wait: for an input whose arrival is known, or for one not yet sent
-                    # an F with room for its activations but not beside what it has yet to take in, or not in the
-                    # next device's, waits for an I, or for the next device to begin an op (`_roomy` where neither
-                    # room binds)
-                    waits_room[k] = ((not unbound or after) and f_at is not None and f_at <= now
-                                     and memory + held <= limit and now + f_ms <= free_until)
-                    sleeps = (i < f and i_at is None) or waits_room[k]
-                    if i < f and i_at is None:
+                    sleeps = i < f and i_at is None
+                    if sleeps:
                         waits_i[k] = base + i
                     wake_at = i_at  # None or later than now (else it would run): the earliest known arrival
                     if f_at is not None and f_at > now and (wake_at is None or f_at < wake_at):
@@ -884,9 +899,10 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
 def _merge_backward(pattern: Pattern, times: StageTimes) -> Pattern:
     """On the first stage, an I followed at once by its own W becomes one B where B costs no more than the two (a
     split backward walks the graph twice): fewer rows, the same activations (W frees what I kept when B ends), and
-    no one waits for that stage's input gradient. Elsewhere B would send its gradient only after the W part. Where
-    that stage's room could bind, not if it then breaks it: a B holds the gradient it received until it ends, past
-    where the I would have, beside those arriving meanwhile."""
+    no one waits for that stage's input gradient. Elsewhere B would send its gradient only after the W part. Where a
+    room could bind, not if one then breaks: a B holds the gradient it received until it ends, past where the I
+    would have, beside those arriving meanwhile, and where B is cheaper the next forwards reach the next device
+    sooner."""
     if times.op_ms[0][_B] > times.op_ms[0][_I] + times.op_ms[0][_W]:
         return pattern
     out: list[tuple[int, int]] = []
@@ -897,11 +913,7 @@ def _merge_backward(pattern: Pattern, times: StageTimes) -> Pattern:
             out.append((code, j))
     merged = (tuple(out), *pattern[1:])
     roomy = _roomy(times)
-    if not roomy[0]:
-        starts: list[list[float]] = [[] for _ in merged]
-        if finish_ms(merged, times, _STEADY, starts) is None or not within_room(merged, times, starts, roomy):
-            return pattern
-    return merged
+    return merged if all(roomy) or _timed_within_room(merged, times, roomy) is not None else pattern
 
 
 def _schedule(params: ScheduleParams, pattern: Pattern) -> Schedule:

@@ -2012,7 +2012,9 @@ def _slower_part(result: Result, choice: Result) -> str:
     busiest device computing 17,571 vs 12,953 ms in a step 2.6% longer), the step and both, as neither alone says
     how much was lost."""
     work_ms = result.candidate.busiest_ms, choice.candidate.busiest_ms
-    idle_ms = result.step_ms - work_ms[0], choice.step_ms - work_ms[1]
+    # none where the step is its busiest device's compute but for the subtraction's rounding ("idle 2.01e-10 ms")
+    idle_ms = tuple(0.0 if abs(step - work) <= 1e-9 * step else step - work
+                    for step, work in zip((result.step_ms, choice.step_ms), work_ms))
     more_work, more_idle = work_ms[0] - work_ms[1], idle_ms[0] - idle_ms[1]
     if min(more_work, more_idle) < -1e-9 * choice.step_ms:  # shrank, beyond the subtractions' rounding
         return (f"step {_apart(result.step_ms, choice.step_ms)} ms: busiest device computing {_apart(*work_ms)} "

@@ -13,17 +13,25 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pipesim.planning.auto import (
+    _GRID,
+    _STEADY,
     DEFAULT_SECONDS,
     ActivationLimitError,
+    Knobs,
+    StageTimes,
     _buffer_bytes,
+    _greedy,
     _in_order,
+    _roomy,
     best_pattern,
     finish_ms,
+    fits,
     forget_searches,
     one_f_one_b_peak,
     schedule_frame,
     search_schedule,
     stage_times,
+    within_room,
 )
 from pipesim.schedules import METHODS, ScheduleError, preflight
 from pipesim.sim import Cluster, Costs, simulate
@@ -117,6 +125,33 @@ def test_property_auto_holds_its_sends_within_the_devices_memory(scenario, room_
                            Cluster.uniform(p, comm), memory)
     trace, _ = _run(auto, costs, comm)
     assert all(counter.values.max() <= memory[d] for d, counter in enumerate(trace.counters["memory_bytes"]))
+
+
+@pytest.mark.parametrize("takes_input", [True, False])
+def test_every_list_scheduler_variant_keeps_a_slow_devices_room_in_its_order(takes_input):
+    """Device 1, five times as slow, has room for one micro-batch's activations and half an input beside it: the
+    list scheduler's device 0 waited for it to make room and then ran its F at once, which its order (run as soon
+    as each op can, as the simulator runs it) did not say, so the order broke that room; or it stalled. It waits for
+    its own next I instead, so that the order says the wait."""
+    times = StageTimes(op_ms=((1, 1, 1, 2), (5, 5, 5, 10)), opt_ms=(0, 0), send_ms=(0.0,), grad_ms=(0.0,),
+                       held_bytes=(MIB, 3 * MIB), kept_bytes=(MIB / 2, 1.5 * MIB), limit_bytes=(1e18, 3.5 * MIB),
+                       microbatches=4, boundary_bytes=(MIB,), room_bytes=(1e18, 3.5 * MIB),
+                       takes_input=(takes_input, takes_input))
+    for variant in _GRID:
+        pattern = _greedy(times, Knobs.scaled(times, *variant))
+        assert pattern is not None and fits(pattern, times), variant
+        starts = [[] for _ in pattern]
+        finish_ms(pattern, times, _STEADY, starts)
+        assert within_room(pattern, times, starts, _roomy(times)), variant
+
+
+def test_a_device_that_keeps_more_to_its_w_than_its_i_held_is_checked_for_room():
+    """What an I keeps until its W may exceed what the F held (sim/costs.py `wgrad_held`): four micro-batches each
+    keeping 3 MiB fill 12 MiB, past a room of 11 that four F's alone (4 MiB) would not reach."""
+    times = StageTimes(op_ms=((1, 1, 1, 2), (1, 1, 1, 2)), opt_ms=(0, 0), send_ms=(0.0,), grad_ms=(0.0,),
+                       held_bytes=(MIB, MIB), kept_bytes=(MIB, 3 * MIB), limit_bytes=(1e18, 1e18), microbatches=4,
+                       boundary_bytes=(MIB / 2,), room_bytes=(1e18, 11 * MIB), takes_input=(True, True))
+    assert _roomy(times) == [True, False]
 
 
 @pytest.mark.parametrize("cap_gib", [0.135, 0.138])

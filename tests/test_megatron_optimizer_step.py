@@ -164,3 +164,15 @@ def test_optimizer_step_megatron_is_refused_for_a_mixture_of_experts_which_no_re
     code, out, err = pipesim(*command)
     assert (code, out) == (2, "") and "replays no mixture of experts' steps" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [["simulate", *MOE[:-2], "-p", "2", "--data-parallel", "8", "-m", "4", "-s",
+                                      "1f1b"], ["tune", *MOE[:-2], *TUNE_ONE[TUNE_ONE.index("-D"):-1]]])
+def test_expandable_segments_are_refused_for_a_mixture_of_experts_which_no_replay_runs(command):
+    """--allocator expandable gave a mixture of experts the caching allocator's figures, the tensors alone."""
+    from tests.conftest import pipesim
+
+    code, out, err = pipesim(*command, "--allocator", "expandable")
+    assert (code, out) == (2, "") and err.strip().splitlines()[-1] == (
+        "error: --allocator expandable: the caching allocator replays no mixture of experts' steps (its count is "
+        "every expert's, not a rank's), so its peak is the tensors alone; leave --allocator out")

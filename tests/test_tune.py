@@ -724,6 +724,24 @@ def test_autos_search_budget_without_auto_is_refused_as_simulate_refuses_it(meth
     assert (code, out, err) == (2, "", f"error: --search-seconds applies to auto only, not {', '.join(methods)}\n")
 
 
+def test_an_idle_time_of_the_subtractions_rounding_reads_0():
+    """The busiest device of auto at p = 8 computes its whole step but for the subtraction's rounding: "why not" read
+    "idle 2.01e-10 vs 0.99 ms"."""
+    code, out, err = pipesim("tune", "--profile", "traces/profiles/cnn-cpu.json", "--devices", 8, "--memory-gb", 0.02,
+                             "-s", "gpipe", "-s", "1f1b", "-s", "auto")
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if " auto       8 " in line)
+    assert "idle 0 vs 0.99 ms" in row and "e-" not in row, row
+
+
+@pytest.mark.parametrize("flag, readers", [("--max-chunks", "interleaved-1f1b, zb-v, dualpipev, dualpipe"),
+                                           ("--max-pipelines", "avgpipe")])
+def test_a_bound_on_a_shape_no_method_given_takes_is_refused(flag, readers):
+    """`tune -s 1f1b --max-chunks 3` searched 1F1B at v = 1 without a word of the bound it could not apply."""
+    code, out, err = pipesim("tune", "--profile", GPT, "-D", 8, "--memory-gb", 0.3, "-s", "1f1b,zb-h1", flag, 3)
+    assert (code, out, err) == (2, "", f"error: {flag} applies to {readers} only, not 1f1b, zb-h1\n")
+
+
 def test_every_tune_flag_is_passed_on_to_simulate_as_it_parses_there_or_left_out_as_tunes_own():
     """tune's simulate command gives the user's flags that simulate takes alike (`given_simulate_flags`, by name) and
     are not the choice's: each parses in simulate as tune prints it, and each of the choice's flags is one of
