@@ -663,7 +663,13 @@ def test_the_cap_and_the_peak_column_write_a_thousand_gib_alike():
     # the caching allocator's cache carries over steps, and this choice's step takes a segment more from its third:
     # tune runs N = 3, simulate's default is 2, and both read the steady reserve (`steady_rows`)
     pytest.param(("--gpu", "h100-sxm", "--model", "hf:examples/llama3.1-8b", "--seq-len", 8192, "-D", 16, "-B", 64,
-                  "-s", "1f1b", "-s", "zb-h1", "--tensor-parallel", 2), marks=needs_transformers)])
+                  "-s", "1f1b", "-s", "zb-h1", "--tensor-parallel", 2), marks=needs_transformers),
+    # under a cap the caching allocator's reserve is replayed within it, as the line's --memory-gb has simulate do:
+    # tune replayed it within the part's 80 GB, 40,053 MiB where the line gave 39,559
+    pytest.param(("--gpu", "h100-sxm", "--model", "hf:examples/llama3.1-8b", "--seq-len", 8192, "-D", 16, "-b", 1,
+                  "--tensor-parallel", 2, "--recompute", "selective", "--sequence-parallel", "-s", "1f1b",
+                  "--data-parallel", 4, "--rank-order", "megatron", "--zero", 1, "--memory-gb", 40),
+                 marks=needs_transformers)])
 def test_the_simulate_command_tune_prints_gives_its_choice(flags, monkeypatch):
     """tune prints the `pipesim simulate` command that reproduces its choice, the cut as layers:N,N,... (its
     partition printed as 0-6 | 7-15 could be had only as first-last:6,8, in blocks, which nothing said), and --json
