@@ -782,7 +782,7 @@ def search_summary(stats, estimates_s: float | None = None) -> str:
             + f"{stats.stale:,} too stale and {stats.over_memory_floor:,} over the cap by their memory floor "
             f"({stats.simulated_over_limits:,} of them simulated to show what the limits cost), {stats.pruned:,} "
             f"pruned by the throughput bound, {stats.simulated:,} simulated"
-            + (f", and {count_text(stats.simulated_leanest, 'leanest cut')} simulated where no cut for time fits"
+            + (f", and {count_text(stats.simulated_leanest, 'leaner cut')} simulated where no cut for time fits"
                if stats.simulated_leanest else "") + f"; {stats.seconds:.2f} s"
             + (f" after {estimates_s:.2f} s of estimates" if estimates_s is not None else ""))
 

@@ -553,8 +553,8 @@ def within_room(pattern: Pattern, times: StageTimes, starts: Sequence[Sequence[f
     an F. What an op adds counts from its start, what it frees from its end; at equal times arrivals come first,
     then the device's own changes in its order, then the transfers' ends. Transfers are timed as `finish_ms` times
     them, each link free: where they queue on a busy one, or wait for the receiver (--blocking-comm), the simulator
-    may hold a sent tensor longer than counted here (a device then reads out of memory once simulated, and `tune`
-    takes the next order that fits)."""
+    may hold a sent tensor longer than counted here (simulate then marks the device out of memory, and tune counts
+    the order over its cap)."""
     p, m, ops_ms = times.stages, times.microbatches, times.op_ms
     where = [{(_I if code == _B else code, j): r for r, (code, j) in enumerate(ops)} for ops in pattern]
 
