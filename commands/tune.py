@@ -369,7 +369,8 @@ def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
            *(("search_seconds",) if c.schedule != "auto" else ()),
            *(("recompute_modules",) if c.recompute in ("full", "op") else ()),
            # what changes nothing at the choice's t = 1 or E = 1, which tune estimated without it (simulate refuses)
-           *(("tp_overlap", "tp_overlap_no_margin", "tp_overlap_fp8_buf") if c.tensor == 1 else ()),
+           *(("tp_overlap", "tp_overlap_no_margin", "tp_overlap_fp8_buf", "tp_runtime", "loss_parallel")
+             if c.tensor == 1 else ()),
            *(("hot_expert_share", "routing", "token_dispatcher", "dispatcher_sms") if c.expert == 1 else ())}
     return [["pipesim", "simulate"], *given_simulate_flags(ctx, own),
             *([flag] if value is True else [flag, str(value)] for _, flag, value in chosen if value is not None)]
@@ -560,14 +561,28 @@ def _expert_degrees(what: WhatIf, counted: WorkloadCount, expert_given: bool) ->
     return [what.expert] if expert_given or not experts else [e for e in range(1, experts + 1) if experts % e == 0]
 
 
-def _as_estimated(what: WhatIf, tensor: int, expert: int, expert_given: bool) -> WhatIf:
+def _check_routing(what: WhatIf, counted: WorkloadCount) -> None:
+    """Refuse, in one line, a value of routing's or dispatch's flags that no E makes sense of (a busiest expert's
+    share no share of the experts' tokens, random routing beside one, a dispatcher holding every multiprocessor):
+    E = 1 is estimated without them (`_as_estimated`), so it would answer where every E > 1 refuses them."""
+    from ..planning.estimate import check_dispatcher_sms
+    from ..planning.experts import check_routing
+
+    with refused_with_flags():
+        check_routing(counted.options["experts"], counted.top_k, what.hot_expert_share, what.routing)
+        if what.dispatcher_sms is not None:
+            check_dispatcher_sms(what.dispatcher_sms, (what.curve or what.gpu.curve).multiprocessors)
+
+
+def _as_estimated(what: WhatIf, tensor: int, expert: int, expert_fixed: bool) -> WhatIf:
     """`what` as a layout of t = `tensor` and E = `expert` is estimated: at t = 1 without --tp-overlap and its
-    settings, which have nothing to overlap there; at a searched E = 1, every routed expert on the rank, without how
-    tokens are routed and dispatched between expert-parallel ranks (--hot-expert-share, --routing, --token-dispatcher
-    and its SMs), which changes nothing there (a given E = 1 is refused with them, in one line)."""
+    settings, which have nothing to overlap there; at E = 1 searched among others (not `expert_fixed`: given, or a
+    dense model's), every routed expert on the rank, without how tokens are routed and dispatched between
+    expert-parallel ranks (--hot-expert-share, --routing, --token-dispatcher and its SMs), which changes nothing
+    there (`_check_routing` checks their values; a fixed E = 1 is refused with them, in one line)."""
     if tensor == 1:
         what = replace(what, tp_overlap=False, tp_overlap_no_margin=False, tp_overlap_fp8_buf=False)
-    if expert == 1 and not expert_given:
+    if expert == 1 and not expert_fixed:
         what = replace(what, hot_expert_share=None, routing="balanced", token_dispatcher=None, dispatcher_sms=None)
     return what
 
@@ -591,7 +606,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     counted here); `report` is told how many are done. Where no t suits, the estimates' refusal if every t tried got
     the same one (it is not about t), else which t's were tried and each refused t's reason (one rule said for all of
     them would send the user after the wrong flag). A searched E = 1 is estimated without the flags of routing and
-    dispatch between expert-parallel ranks (`_one_expert_rank`), and t = 1 without --tp-overlap, which change nothing
+    dispatch between expert-parallel ranks (`_as_estimated`), and t = 1 without --tp-overlap, which change nothing
     there (a layout they leave out may be the fastest; the printed simulate line leaves them out too). A searched E
     the estimate refuses is left out where another suits the t (a dispatcher or routing that needs more ranks), as is
     a searched t the estimate refuses (--recompute op, modelled at t = 1 only); a given t it
@@ -616,6 +631,9 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
         # its layers made for one p and its replays for one p and d, kept for the rest (`_estimate_group`)
         made_for_b = (counted, LayerMemo(counted, what.gpu, what.curve), {})
         degrees = _expert_degrees(what, counted, expert_given)
+        fixed_expert = expert_given or len(degrees) == 1  # E = 1 is searched without routing's flags where not
+        if not fixed_expert:
+            _check_routing(what, counted)
         most = most_stages(counted.layers)  # the deepest pipeline its layers cut into
         for t in tensors:
             at_t, made = what, made_for_b
@@ -628,7 +646,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             splits = (False,) if t == 1 else (False, True) if sequence_parallel is None else (sequence_parallel,)
             block, apart = [], {}  # apart: by (E, p), whether the second order places it otherwise
             for order, e in itertools.product(orders, degrees):
-                at_e = _as_estimated(at_t, t, e, expert_given)
+                at_e = _as_estimated(at_t, t, e, fixed_expert)
                 depths = [devices // (t * data)] if data else [p for p in range(1, most + 1) if devices % (t * p) == 0]
                 # a given d and E: the estimate says why they do not fit (in the first order: a second adds)
                 if len(degrees) > 1 or not data or order != orders[0]:
@@ -646,7 +664,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                     if not depths:
                         continue
                 block.append(len(groups))
-                groups.append((at_t, made, _EstimateGroup(t, e, tuple(depths), kinds, splits, order, expert_given,
+                groups.append((at_t, made, _EstimateGroup(t, e, tuple(depths), kinds, splits, order, fixed_expert,
                                                           alike)))
             blocks.append((t, block))
     done = _estimate_groups(groups, (devices, optimizer, pp_runtime, allocator, optimizer_step), pool,
@@ -696,7 +714,7 @@ class _EstimateGroup:
     kinds: tuple[str, ...]
     splits: tuple[bool, ...]
     rank_order: str
-    expert_given: bool  # E given, not searched (`_as_estimated`)
+    expert_fixed: bool  # E given, or a dense model's 1: not searched (`_as_estimated`)
     alike: tuple[int, ...] = ()  # the depths p the other order searched places alike (its estimate would be this one)
 
 
@@ -752,7 +770,7 @@ def _estimate_group(what: WhatIf, counted: WorkloadCount, group: _EstimateGroup,
     from ..planning.tune import Setting
 
     settings, t, e = [], group.tensor, group.expert
-    what = _as_estimated(what, t, e, group.expert_given)  # here, not shipped: the layers' memo is the what-if's part's
+    what = _as_estimated(what, t, e, group.expert_fixed)  # here, not shipped: the layers' memo is the what-if's part's
     try:
         with refused_with_flags():
             for p, kind, split in itertools.product(group.depths, group.kinds, group.splits):

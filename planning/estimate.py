@@ -1227,6 +1227,13 @@ NCCL_ALL_TO_ALL_MULTIPROCESSORS = 16
 SM_TARGET_RECIPES = frozenset({"deepseek"})
 
 
+def check_dispatcher_sms(held: int, multiprocessors: int) -> None:
+    """EstimateError where the dispatcher's kernels hold every multiprocessor of the part (`sharing_dispatcher`)."""
+    if held >= multiprocessors:
+        raise EstimateError(f"dispatcher_sms: {held} of the part's {multiprocessors} multiprocessors leaves none to "
+                            "compute on; give fewer")
+
+
 def sharing_dispatcher(device: Device, parallel: Parallelism) -> Device | None:
     """`device` as a pass computing beside the dispatcher's kernels sees it, DeepEP's or HybridEP's
     (`--dispatcher-sms`) or NCCL's all-to-all's, each holding its multiprocessors until its data has moved; None
@@ -1246,9 +1253,7 @@ def sharing_dispatcher(device: Device, parallel: Parallelism) -> Device | None:
     if parallel.token_dispatcher in FLEX_DISPATCHERS:
         held = (FLEX_DISPATCHER_MULTIPROCESSORS[parallel.token_dispatcher] if parallel.dispatcher_sms is None
                 else parallel.dispatcher_sms)
-    if held >= device.curve.multiprocessors:
-        raise EstimateError(f"dispatcher_sms: {held} of the part's {device.curve.multiprocessors} multiprocessors "
-                            "leaves none to compute on; give fewer")
+    check_dispatcher_sms(held, device.curve.multiprocessors)
     left = on_multiprocessors(device, device.curve.multiprocessors - held)
     held_products = device.curve.persistent_products and parallel.fp8 not in SM_TARGET_RECIPES
     return replace(left, products_held_on=device) if held_products else left

@@ -587,6 +587,19 @@ def check_expert_ranks(ranks: int, experts: int | None) -> None:
                                   f"of {', '.join(map(str, fitting))}")
 
 
+def check_routing(experts: int, top_k: int, hot_share: float | None, routing: str) -> None:
+    """`ExpertParallelError` for routing no ranks make sense of: a busiest expert's share that is no share of
+    `experts` experts' tokens (from balanced, 1/experts, to every token's copy, 1/top_k), or random routing beside
+    one (tune checks them where it estimates E = 1 without them, commands/tune.py `_as_estimated`)."""
+    if hot_share is not None and not 1 / experts <= hot_share <= 1 / top_k:
+        most = "1" if top_k == 1 else f"1/{top_k} (each token's {top_k} copies go to {top_k} distinct experts)"
+        raise ExpertParallelError(f"hot_expert_share: {hot_share} is not a share of {experts} experts' tokens: "
+                                  f"from 1/{experts} (balanced) to {most}")
+    if routing == "random" and hot_share is not None:
+        raise ExpertParallelError("routing: random draws each token's experts alike, where --hot-expert-share names "
+                                  "one busiest expert's share: give one of them")
+
+
 def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
                  pipeline: int, data: int, hot_share: float | None = None, dispatcher: str | None = None,
                  order: str = "pipesim", expert_tensor: int | None = None,
@@ -606,24 +619,16 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
         grid = expert_grid(order, tensor, context, pipeline, data, ranks, expert_tensor)
     except RankOrderError as exc:
         raise ExpertParallelError(*exc.args) from None  # its {settings} as they are
-    if hot_share is not None:
-        if ranks == 1:
-            raise ExpertParallelError("hot_expert_share: changes nothing on one expert-parallel rank (the experts' "
-                                      "work is the same however the tokens are routed); give --expert-parallel "
-                                      "above 1")
-        if not 1 / experts <= hot_share <= 1 / top_k:
-            most = "1" if top_k == 1 else f"1/{top_k} (each token's {top_k} copies go to {top_k} distinct experts)"
-            raise ExpertParallelError(f"hot_expert_share: {hot_share} is not a share of {experts} experts' tokens: "
-                                      f"from 1/{experts} (balanced) to {most}")
+    if hot_share is not None and ranks == 1:
+        raise ExpertParallelError("hot_expert_share: changes nothing on one expert-parallel rank (the experts' "
+                                  "work is the same however the tokens are routed); give --expert-parallel above 1")
     if dispatcher is not None and ranks == 1:
         raise ExpertParallelError("token_dispatcher: dispatches tokens between expert-parallel ranks; give "
                                   "--expert-parallel above 1")
     if routing == "random" and ranks == 1:
         raise ExpertParallelError("routing: random changes nothing on one expert-parallel rank (it waits for no "
                                   "busier one); give --expert-parallel above 1")
-    if routing == "random" and hot_share is not None:
-        raise ExpertParallelError("routing: random draws each token's experts alike, where --hot-expert-share names "
-                                  "one busiest expert's share: give one of them")
+    check_routing(experts, top_k, hot_share, routing)
     per_node = grid.per_node(("ep",), placement.gpus_per_node)
     if groups is not None and not (experts and experts % groups[0] == 0 and all(
             _aligned(experts // ranks * count, experts // groups[0]) for count in (1, per_node))):

@@ -3303,20 +3303,22 @@ def _fastest_leanest(settings: list[Setting], problem: Problem) -> tuple[Result,
 def _fastest_tightened(shapes: list[Shape], built: _Built, problem: Problem, leanest: Result) -> tuple[Result | None,
                                                                                                    int]:
     """Where no cut for time fits the cap once simulated and `leanest` is the fastest that fits on its leanest cut
-    (`_fastest_leanest`): each configuration whose cut for time was simulated over the cap and is faster, fastest
-    first, cut again for the cap less what its cut overran it by (the caching allocator's reserve, which the
-    partitioner does not count), up to `TIGHTENINGS` times, until a cut fits; the fastest that fits and beats
-    `leanest` (None: none), and how many it simulated. Without it a cap raised chose slower: the 8B Llama's 1F1B at
-    41 GiB cut for time 18 | 17 over it, then its leanest 15 | 20 at 13.1 samples/s, where 40 GiB gave 17 | 18 at
-    14.4."""
+    (`_fastest_leanest`): each configuration of a fixed order whose cut for time was simulated over the cap and is
+    faster, fastest first, cut again for the cap less what its cut overran it by (the caching allocator's reserve,
+    which the partitioner does not count), up to `TIGHTENINGS` times, until a cut fits or can no longer win (a cut as
+    before is not simulated again); the fastest that fits and beats `leanest` (None: none), and how many it
+    simulated. (Those whose tensors alone pass the cap, never simulated with the reserve, are not cut again.) Without
+    it a cap raised chose slower: the 8B Llama's 1F1B at 41 GiB cut for time 18 | 17 over it, then its leanest 15 |
+    20 at 13.1 samples/s, where 40 GiB gave 17 | 18 at 14.4."""
     fastest, simulated = None, 0
-    over = [(built.results[shape.index], shape) for shape in shapes if shape.index in built.results]
+    over = [(built.results[shape.index], shape) for shape in shapes if shape.index in built.results
+            and not METHODS[shape.config.schedule].needs_costs]  # a searched order fills the cap it is cut for
     for result, shape in sorted(((result, shape) for result, shape in over if result.staleness <= problem.max_staleness
                                  and not allowed(result, problem)), key=lambda pair: rank_key(pair[0])):
-        if rank_key(result) >= rank_key(fastest or leanest):  # no cut of it is faster than its cut for time
-            break
-        cap = problem.memory_cap_bytes
+        cap, bounds = problem.memory_cap_bytes, result.candidate.bounds
         for _ in range(TIGHTENINGS):
+            if rank_key(result) >= rank_key(fastest or leanest):  # a leaner cut is no faster
+                break
             cap -= result.peak_memory_bytes - problem.memory_cap_bytes
             try:
                 candidate = _candidate(shape.setting, replace(problem, memory_cap_bytes=max(cap, 0)), shape.config,
@@ -3326,7 +3328,9 @@ def _fastest_tightened(shapes: list[Shape], built: _Built, problem: Problem, lea
                 break
             if candidate.memory_floor_bytes > problem.memory_cap_bytes:
                 break
-            result, simulated = evaluate(problem, candidate), simulated + 1
+            if candidate.bounds == bounds:  # the same cut: the cap lowered by its overrun again, not simulated again
+                continue
+            result, bounds, simulated = evaluate(problem, candidate), candidate.bounds, simulated + 1
             if allowed(result, problem):
                 if rank_key(result) < rank_key(fastest or leanest):
                     fastest = result

@@ -72,6 +72,30 @@ def test_a_flag_of_dispatch_between_expert_ranks_is_left_out_at_a_searched_e_1_a
                                             "none to compute on; give fewer")
 
 
+@pytest.mark.parametrize("flags, line", [
+    (("--hot-expert-share", 0.9), "error: --hot-expert-share 0.9 is not a share of 8 experts' tokens: from 1/8 "
+                                  "(balanced) to 1/2 (each token's 2 copies go to 2 distinct experts)"),
+    (("--hot-expert-share", 0.25, "--routing", "random"), "error: --routing random draws each token's experts alike, "
+                                                          "where --hot-expert-share names one busiest expert's share: "
+                                                          "give one of them"),
+    (("--token-dispatcher", "deepep", "--dispatcher-sms", 108),
+     "error: --dispatcher-sms 108 of the part's 108 multiprocessors leaves none to compute on; give fewer")])
+def test_a_routing_value_no_e_takes_is_refused_though_e_1_is_searched_without_it(flags, line):
+    """E = 1 is estimated without routing's and dispatch's flags: every E > 1 refusing their value left E = 1 to
+    answer, the value taken without a word."""
+    code, out, err = pipesim("tune", *MOE, *FLAGS, "-s", "1f1b", *flags)
+    assert (code, out) == (2, ""), out
+    assert err.strip().splitlines()[-1] == line
+
+
+def test_a_dense_model_refuses_routings_flags():
+    """A dense model searches E = 1 alone: the flags are refused, not dropped as at a searched E = 1."""
+    code, out, err = pipesim("tune", *MOE[:-4], *FLAGS, "-s", "1f1b", "--hot-expert-share", 0.25)
+    assert (code, out) == (2, "")
+    assert err.strip().splitlines()[-1].startswith("error: --hot-expert-share applies to a mixture of experts' "
+                                                   "routing, and the model has no routed experts")
+
+
 def test_search_over_e_equals_exhaustive_search_and_its_bounds_hold(moe_settings):
     """Under a cap that only the larger E's fit at p = 1, where the experts' weights are spread the most, and with
     every fixed order holding its setting's all-to-alls (each E's own order, not one shared by every E)."""

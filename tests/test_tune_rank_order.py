@@ -134,16 +134,17 @@ def test_tp_overlap_leaves_t_1_searched_without_it():
     built that refused layout outside the comparison's guard, a traceback; then tune searched t = 2 and up alone,
     though t = 1 has nothing to overlap (gpt-oss-20b on 8 H100s: t = 2 at 18.7 samples/s where t = 1 gives 21.7). It
     searches t = 1 without it, and the simulate line it prints for a t = 1 choice leaves it out, as simulate refuses
-    it there."""
+    it there, and what else acts at t > 1 alone (--tp-runtime, --loss-parallel: the line was refused)."""
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256, "--heads",
                              4, "--seq-len", 256, "--vocab", 1000, "-D", 16, "-B", 32, "-b", 2, "--recompute", "none",
-                             "--tp-overlap", "--sequence-parallel", "-s", "1f1b", "--json")
+                             "--tp-overlap", "--sequence-parallel", "--tp-runtime", "torch", "--loss-parallel", "-s",
+                             "1f1b", "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert {row["tensor_parallel"] for row in (doc["choice"], *doc["runners_up"])} == {1, 2}
     assert doc["choice"]["tensor_parallel"] == 1
     line = shlex.split(doc["simulate_command"])
-    assert "--tp-overlap" not in line and "--sequence-parallel" not in line
+    assert not {"--tp-overlap", "--sequence-parallel", "--tp-runtime", "--loss-parallel"} & set(line)
     code, out, err = pipesim(*line[1:], "--json")
     assert code == 0, err
     assert json.loads(out)["results"][0]["samples_per_s"] == pytest.approx(doc["choice"]["samples_per_s"], rel=1e-12)
