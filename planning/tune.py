@@ -554,14 +554,20 @@ def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None
     replayed within it (its replay within the part's whole memory kept more cached, a peak 494 MiB over that line's
     on the 8B Llama at 40 GiB), and auto's order searched within it."""
     started = time.perf_counter()
-    settings = [replace(setting, scenario=replace(setting.scenario, memory_bytes=problem.memory_cap_bytes))
-                for setting in settings]
+    settings = capped_settings(settings, problem)
     orders = _Orders()
     shapes, count, refused = _shapes(settings, problem, orders)
     if not shapes:
         raise TuneError(_nothing_to_search(settings, problem, count, orders.refusals()))
     with _Built(problem, orders, report, len(shapes), workers, pool) as built:
         return _search(settings, problem, shapes, built, count, refused, started)
+
+
+def capped_settings(settings: list[Setting], problem: Problem) -> list[Setting]:
+    """`settings` each with its devices' memory the problem's cap (`Scenario.memory_bytes`), as `tune` searches them:
+    what an exhaustive search of the same problem simulates too."""
+    return [replace(setting, scenario=replace(setting.scenario, memory_bytes=problem.memory_cap_bytes))
+            for setting in settings]
 
 
 def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], built: _Built, count: int, refused: int,

@@ -707,8 +707,9 @@ def exhaustive(source, prob):
     """Every candidate simulated: the groups of twins in rank order, allowed ones, those faster than the
     best allowed one by more than OVER_MARGIN but over a limit (whose memory floor fits: one over it is never
     simulated; the fastest over the cap alone among the rows shown), and those as fast over the staleness limit
-    alone, as `tune` defines them (the search is what is under test)."""
-    candidates, _, _ = tuning.prepare(source, prob)
+    alone, as `tune` defines them (the search is what is under test), each device's memory the cap, as `tune` holds
+    it (`capped_settings`)."""
+    candidates, _, _ = tuning.prepare(tuning.capped_settings(source, prob), prob)
     results = [tuning.evaluate(prob, c) for c in candidates]
 
     def grouped(chosen):
