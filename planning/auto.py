@@ -728,6 +728,7 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
     # which a pattern run as soon as each op can (`finish_ms`, the simulator) would not
     begun_f, begun_i, load = [0] * (p + 1), [0] * (p + 1), [0.0] * p
     roomy, rooms, sizes = _roomy(times), times.room_bytes or (math.inf,) * p, times.boundary_sizes
+    tracked = not all(roomy)  # kept only where read
     # per device: when it last stopped (read only while it is stopped), its live heap entry, when it is due
     clock, token, due, asleep = [0.0] * p, [0] * p, [0.0] * p, [False] * p
     recorded: list[list[tuple[int, int]]] = [[] for _ in range(p)]
@@ -800,12 +801,12 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                 # a guarded stage avoids
                 free_until = i_at if guard and i == 0 and i_at is not None else inf
                 if i_at is not None and i_at <= now:
-                    begun_i[k] += 1
                     now += i_ms
                     if keep:
                         record((_I, i))
                     memory -= freed
-                    load[k] = memory
+                    if tracked:
+                        begun_i[k], load[k] = base + i + 1, memory
                     pending.append(i)
                     u = base + i
                     backward_end[backward_out + u] = now
@@ -817,12 +818,12 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                         unbound or memory + held + max(begun_f[above] - base - f - taken, 0) * up  # beyond one each
                         + max(begun_i[below] - base - i - 1, 0) * down <= room) and (
                         not after or fits_below(base + f + 1)):
-                    begun_f[k] += 1
                     now += f_ms
                     if keep:
                         record((_F, f))
                     memory += held
-                    load[k] = memory
+                    if tracked:
+                        begun_f[k], load[k] = base + f + 1, memory
                     u = base + f
                     forward_end[forward_out + u] = now
                     if below >= 0 and waits_f[below] == u:
@@ -836,7 +837,8 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                     if keep:
                         record((_W, j))
                     memory -= kept
-                    load[k] = memory
+                    if tracked:
+                        load[k] = memory
                 else:  # wait: for an input whose arrival is known, or for one not yet sent
                     sleeps = i < f and i_at is None
                     if sleeps:
