@@ -1014,8 +1014,8 @@ def check_wgrad_fraction(ctx: typer.Context, names: Iterable[str], loaded=None) 
     if not is_given(ctx, "wgrad_fraction"):
         return
     names = list(names)
-    if loaded is not None and weight_gradients(loaded) or any(METHODS[n].splits_backward for n in names
-                                                              if n in METHODS):
+    if (loaded is not None and weight_gradients(loaded)) or any(METHODS[n].splits_backward for n in names
+                                                                if n in METHODS):
         return
     splitters = ", ".join(m.name for m in METHODS.values() if m.splits_backward)
     raise InputError(f"--wgrad-fraction prices the weight gradient a split backward runs apart (W), and none of "

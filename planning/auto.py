@@ -770,18 +770,20 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
         # two where its stage takes its input in as the F begins (that one, and the one `_buffer_bytes` counts),
         # else all but one (the F holds its own until it ends). Here, and on the device below (`fits_below`).
         taken = 2 if not unbound and times.takes_input[k] else 1
+        if after:
+            taken_below, held_below, room_below = (2 if times.takes_input[below] else 1, times.held_bytes[below],
+                                                   rooms[below] + 1e-9)
 
         def fits_below(sent: int) -> bool:
             """Whether the next device, `sent` inputs of this device's sent so far, holds those beyond one within its
             room, as it is (an F under way holding its own input too, where it frees it as it ends) and as its next
             F would leave it: it holds them however full it is, and one that could not begin its next F would wait
             for what only it can free."""
-            takes, waiting = times.takes_input[below], sent - begun_f[below]
+            waiting = sent - begun_f[below]
             gradients = max(begun_i[below + 1] - begun_i[below] - 1, 0) * sizes[k + 2]
-            now_beyond, next_beyond = waiting - (1 if takes else 0), waiting - (2 if takes else 1)
-            return ((now_beyond <= 0 or load[below] + now_beyond * down + gradients <= rooms[below] + 1e-9)
-                    and (next_beyond <= 0 or load[below] + times.held_bytes[below] + next_beyond * down + gradients
-                         <= rooms[below] + 1e-9))
+            now_beyond, next_beyond = waiting - taken_below + 1, waiting - taken_below
+            return ((now_beyond <= 0 or load[below] + now_beyond * down + gradients <= room_below)
+                    and (next_beyond <= 0 or load[below] + held_below + next_beyond * down + gradients <= room_below))
 
         now = yield
         for b in range(n):

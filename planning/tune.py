@@ -3319,8 +3319,9 @@ def _fastest_tightened(shapes: list[Shape], built: _Built, problem: Problem, lea
     fastest, simulated = None, 0
     over = [(built.results[shape.index], shape) for shape in shapes if shape.index in built.results
             and not METHODS[shape.config.schedule].needs_costs]  # a searched order fills the cap it is cut for
-    for result, shape in sorted(((result, shape) for result, shape in over if result.staleness <= problem.max_staleness
-                                 and not allowed(result, problem)), key=lambda pair: rank_key(pair[0])):
+    over = [(result, shape) for result, shape in over
+            if result.staleness <= problem.max_staleness and not allowed(result, problem)]
+    for result, shape in sorted(over, key=lambda pair: rank_key(pair[0])):
         cap, bounds = problem.memory_cap_bytes, result.candidate.bounds
         for _ in range(TIGHTENINGS):
             if rank_key(result) >= rank_key(fastest or leanest):  # a leaner cut is no faster
