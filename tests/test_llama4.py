@@ -43,16 +43,18 @@ def test_a_mixture_computes_what_transformers_llama4_moe_computes_with_each_toke
     """transformers' forward runs all 8 experts on every token, those not routed to scaled by 0 (silu(0) = 0: they
     add nothing); pipesim's runs each token through its top-1 expert, its input scaled by the router's sigmoid,
     beside the shared expert: the same output and router logits, and the same gradients of the tokens and of every
-    weight (the router's through its top-1 logits alone, as transformers' scatter of -inf leaves it)."""
+    weight (the router's through its top-1 logits alone, as transformers' scatter of -inf leaves it). In float64: the
+    two sum in different orders, and in float32 gradients near 1,000 then differ by 2e-5 on an AVX2 host, past
+    assert_close's float32 tolerance; in float64 they agree to 1e-12."""
     import copy
 
     from pipesim.workload.hf import _as_megatron_runs
 
-    theirs_moe = _llama4_moe()
+    theirs_moe = _llama4_moe().double()
     ours_moe = copy.deepcopy(theirs_moe)
     _as_megatron_runs(torch.nn.ModuleList([ours_moe]))
     assert ours_moe.forward.func.__name__ == "_input_scaled_mixture"
-    tokens = torch.randn(BATCH, SEQ, H, generator=torch.Generator().manual_seed(1))
+    tokens = torch.randn(BATCH, SEQ, H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     results = []
     for moe in (theirs_moe, ours_moe):
         given = tokens.clone().requires_grad_()
