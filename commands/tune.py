@@ -827,8 +827,12 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     configs = [row.result.config for _, row in marked]
     # a column every row agrees on said once under the table (`said_once`): the --gpu tunes' "stale", all 0,
     # printed alone in a second part at 80 columns; b and recomp where the flags fix them, the rank order where one
-    # wins every row
-    said = said_once({STALENESS_HEADER: [f"{row.result.staleness:,}" for _, row in marked],
+    # wins every row. A row over the staleness limit says its own in its why not ("staleness 1 > 0"), so the
+    # column is said once where the rows within the limit agree (gpt-oss-20b's tune on 8 H100s, whose stale
+    # pipedream rows printed it alone in a second part at 80 columns)
+    stale_over = any(row.result.staleness > problem.max_staleness for _, row in marked)
+    said = said_once({STALENESS_HEADER: [f"{row.result.staleness:,}" for _, row in marked
+                                         if row.result.staleness <= problem.max_staleness],
                       **({"b": [f"{c.microbatch_size:,}" for c in configs],
                           "recomp": [_recompute_text(c) for c in configs]} if work else {}),
                       **({"ranks": [_ranks_cell(c) for c in configs]} if orders_searched else {})},
@@ -869,7 +873,10 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
                           + "bubble: 1 - mean compute / step time"
                           + (f"; {MFU_PAST_PEAK_TEXT}" if any(share > 1 for share in mfus.values()) else "")
-                          + "".join(f"; {header}: {value} in every row" for header, value in said.items()))
+                          + "".join(f"; {header}: {value} in every row" + (
+                                       " within the staleness limit (one over it says its own under why not)"
+                                       if header == STALENESS_HEADER and stale_over else "")
+                                    for header, value in said.items()))
     estimate_columns = (("t", *("sp",) * split, "d", *("E",) * experts, *("ranks",) * ranks,
                          *("b",) * ("b" in shown), *("recomp",) * ("recomp" in shown)) if work else ())
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",

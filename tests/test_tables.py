@@ -450,6 +450,22 @@ def test_tune_says_once_under_its_table_a_staleness_every_row_agrees_on(tmp_path
     assert header.split()[5:8] == ["d", "ranks", "m"], header
 
 
+def test_tune_says_a_staleness_once_where_only_rows_over_its_limit_differ(tmp_path, monkeypatch):
+    """The README's tune lists stale orders over the limit (pipedream's 1 > 0): each says its staleness in its why
+    not, so the rows within the limit, all 0, say theirs once under the table (gpt-oss-20b's tune on 8 H100s printed
+    the "stale" column alone in a second part at 80 columns). Where rows within the limit differ (--max-staleness 1:
+    PipeDream's rows 1, 1F1B's 0), the column stays."""
+    readme = ["tune", "--profile", "traces/profiles/gpt-cpu.json", "--devices", "8", "--memory-gb", "0.3"]
+    out = _output(readme, 80, tmp_path, monkeypatch)
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["schedule"])
+    flat = " ".join(out.split())
+    assert "stale" not in header.split() and "over pipedream p=2: staleness 1 > 0" in flat, out
+    assert "stale: 0 in every row within the staleness limit (one over it says its own under why not)" in flat, out
+    out = _output([*readme, "--max-staleness", "1", "-s", "1f1b", "-s", "pipedream"], 80, tmp_path, monkeypatch)
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["schedule"])
+    assert "stale" in header.split() and "stale: " not in " ".join(out.split()), out
+
+
 def test_simulates_caption_says_peak_act_counts_a_chunks_activations_where_v_is_above_one():
     """ZB-V's 8 beside 1F1B's 4 read as twice 1F1B's activations; each of ZB-V's is a chunk's, half a device's
     layers."""
