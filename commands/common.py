@@ -491,8 +491,9 @@ TpRuntime = Annotated[str | None, typer.Option(
     "--tp-runtime", metavar="RUNTIME", help="With --sequence-parallel: whose tensor-parallel layers run: megatron "
                                             "(Megatron-core and TransformerEngine, NeMo's; the default: each "
                                             "column-parallel product keeps its 1/t of the input and gathers it again "
-                                            "for its weight gradient) or torch (DTensor's, torchtitan's: keeps the "
-                                            "gathered input).")]
+                                            "for its weight gradient; MLA's down-projections column-parallel) or "
+                                            "torch (DTensor's, torchtitan's: keeps the gathered input; MLA's "
+                                            "down-projections whole on every GPU).")]
 LossParallel = Annotated[bool, typer.Option(
     "--loss-parallel", help="With --gpu: the loss computed as torch's loss_parallel computes it (torchtitan's with "
                             "t > 1): logits split by vocabulary over the t GPUs, its fused backward holding one "

@@ -624,6 +624,9 @@ class _Reduction:
 
     op: OpCount
     part: float = 1.0
+    # no reduction but the all-gather sequence parallelism pairs with one (`_Split.products`: torch's latent
+    # down-projections, whose input gradient is whole on every rank)
+    gathers_only: bool = False
 
     @property
     def summed(self) -> bool:
@@ -651,8 +654,8 @@ class _Split:
     tokens: int
     seq: int | None
     context: int = 1
-    # per product with weights (its index in `LayerCount.weight_grad_outputs`), "column", "row" or "replicated"
-    # (`_weight_splits`)
+    # per product with weights (its index in `LayerCount.weight_grad_outputs`), "column", "row", "replicated" or
+    # "latent" (`_weight_splits`)
     weights: dict[int, str] = field(default_factory=dict, compare=False)
     # per pass, per product shape, each of the pass's products of that shape with a role (`weighted_products`):
     # (how its weight splits, which product it is, the weight's side tensor parallelism divides, that side summed
@@ -666,6 +669,8 @@ class _Split:
     runtime: str = "megatron"
     # the sequence-parallel collectives that copy their whole tensor once more (`Parallelism.collective_copies`)
     collective_copies: frozenset[str] = frozenset()
+    # the forward's storages whole on every rank beside the latent products (`_latent_storages`)
+    latent_storages: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, layer: LayerCount, parallel: Parallelism) -> _Split:
@@ -673,21 +678,22 @@ class _Split:
         width = shape[-1] if shape else 0
         tokens = math.prod(shape[:-1]) if shape else 0
         forward = weighted_products(layer, {}, "fwd") if parallel.tensor > 1 else {}  # its products, found once
-        weights = _weight_splits(layer, forward, tokens, width)
+        weights = _weight_splits(layer, forward, tokens, width, parallel.tp_runtime)
         groups = _input_groups(layer, forward, weights, parallel.tp_runtime) if weights else {}
         roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int, int], ...]]] = {}
         for name in PASSES if weights else ():
             shapes = dict(layer.product_allocations.get(name, ()))
             for number, (j, how, role) in weighted_products(layer, weights, name).items():
                 if how:
-                    side = layer.weight_grad_outputs[j][0][2 if how == "column" else 3]
+                    side = layer.weight_grad_outputs[j][0][2 if how in ("column", "latent") else 3]
                     together = sum(layer.weight_grad_outputs[i][0][2] for i in groups.get(j, ())
-                                   if weights.get(i) == "column") if how == "column" else side
+                                   if weights.get(i) == how) if how in ("column", "latent") else side
                     of_pass, key = roles.setdefault(name, {}), tuple(shapes[number])
                     of_pass[key] = (*of_pass.get(key, ()), (how, role, side, together or side))
+        latent = [j for j, how in weights.items() if how == "latent"]
         return cls(parallel.tensor, parallel.sequence_parallel, width, tokens, shape[-2] if len(shape) >= 3 else None,
                    parallel.context, weights, roles, groups, parallel.tp_runtime,
-                   parallel.collective_copies)
+                   parallel.collective_copies, _latent_storages(layer, forward, latent) if latent else frozenset())
 
     def context_share(self, op: OpCount) -> OpCount:
         """The op on one of C context-parallel ranks: every op works per token, so 1/C of its FLOPs and bytes,
@@ -732,7 +738,12 @@ class _Split:
         projection, width x width as the output projection is, for a row-parallel one. Column-parallel products
         that read one input (a Hugging Face model's separate q, k and v, gate and up) reduce their summed input
         gradient once (`_Reduction`). A replicated weight (a router's) is whole on every rank: its products run on
-        the tokens the rank holds, reducing nothing (`_replicated_at`)."""
+        the tokens the rank holds, reducing nothing (`_replicated_at`). A latent one (torch's MLA down-projections,
+        `_weight_splits`) runs whole on every token, its input gradient whole too; under sequence parallelism the
+        backward still gathers the attention output projection's gradient from the tokens' shards (DTensor's
+        Shard(1) to Replicate), which the input-gradient reduction of the column-parallel products reading the
+        attention's input carries elsewhere (`reduced_ms`: a reduce-scatter and an all-gather): theirs carries that
+        gather alone (`_Reduction.gathers_only`), once for the products sharing the input."""
         if op.routed:
             return ((op, None, 1.0),)
         roles = self.roles.get(name, {}).get(op.shape, ())
@@ -740,28 +751,32 @@ class _Split:
             product, reduced = self.matmul(op, name == "fwd")
             mine = self.context_share(product)
             return ((mine, _Reduction(mine) if reduced else None, 1.0),)
-        splits: dict[tuple[int, bool, int], int] = {}
+        splits: dict[tuple[int | None, str | None, int], int] = {}
         _, m, _, _ = op.shape
         for how, role, side, together in roles:
             split_at = {"output": 2 if how == "row" else 1, "input": 2 if how == "column" else 1}
-            at = self._replicated_at(role) if how == "replicated" else split_at.get(role, 0 if m == side else 1)
-            key = (at, (how, role) in _CONTRACTED, together if role == "input" else side)
+            at = (None if how == "latent" else self._replicated_at(role) if how == "replicated"
+                  else split_at.get(role, 0 if m == side else 1))
+            collective = ("reduce" if (how, role) in _CONTRACTED else "gather"
+                          if (how, role) == ("latent", "input") and self.sequence_parallel else None)
+            key = (at, collective, together if role == "input" else side)
             splits[key] = splits.get(key, 0) + 1
-        return tuple((self.context_share(self._divided(op, at)), self._reduction(op, at, together) if reduced else None,
-                      n / len(roles)) for (at, reduced, together), n in splits.items())
+        return tuple((self.context_share(self._divided(op, at)),
+                      self._reduction(op, at, together, collective == "gather") if collective else None,
+                      n / len(roles)) for (at, collective, together), n in splits.items())
 
-    def _reduction(self, op: OpCount, at: int | None, together: int) -> _Reduction:
-        """The reduction a product split on its dimension `at` takes part in: its own, or where column-parallel
-        products that share its input contract over `together` features in all, theirs summed, as the fused
-        product of them all writes it, of which `op` carries its share of the features."""
+    def _reduction(self, op: OpCount, at: int | None, together: int, gathers_only: bool) -> _Reduction:
+        """The reduction a product split on its dimension `at` takes part in (`gathers_only`: the gather alone): its
+        own, or where products that share its input contract over `together` features in all, theirs summed, as
+        the fused product of them all writes it, of which `op` carries its share of the features."""
         mine = self.context_share(self._divided(op, at))
         batch, m, n, k = op.shape
         if together == k:
-            return _Reduction(mine)
+            return _Reduction(mine, gathers_only=gathers_only)
         elements = m * n + (m + n) * together, m * n + (m + n) * k  # its output and inputs, fused and its own
         fused = replace(op, shape=(batch, m, n, together), flops=op.flops * together // k,
                         moved_bytes=op.moved_bytes * elements[0] // elements[1])
-        return _Reduction(self.context_share(self._divided(fused, at)), k / together)
+        return _Reduction(self.context_share(self._divided(fused, at)), k / together, gathers_only)
 
     def _replicated_at(self, role: str) -> int | None:
         """Where a replicated weight's product (`role`, `weighted_products`) divides over t: on its tokens, m of
@@ -779,8 +794,10 @@ class _Split:
         """Whether a product (`weighted_products`' (index, how its weight splits, which product it is)) of a
         replicated weight writes its output whole on the rank, as it runs (`_replicated_at`): its weight gradient
         always, its output and input gradient where the rank holds all the tokens (Megatron-core's router without
-        sequence parallelism, torch's after its gather), not 1/t as a tensor of its shape otherwise is."""
-        return product is not None and product[1] == "replicated" and self._replicated_at(product[2]) not in (0, 1)
+        sequence parallelism, torch's after its gather; torch's latent down-projections always), not 1/t as a
+        tensor of its shape otherwise is."""
+        return product is not None and (product[1] == "latent" or product[1] == "replicated"
+                                        and self._replicated_at(product[2]) not in (0, 1))
 
     def _divided(self, op: OpCount, at: int | None) -> OpCount:
         """`op` with its dimension `at` of (m, n, k) divided by t (None: whole)."""
@@ -1626,7 +1643,7 @@ def unfused_weight_share(layer: LayerCount, element_bytes: int) -> float:
     return max(0.0, 1.0 - in_products / layer.param_bytes)
 
 
-def replicated_share(layer: LayerCount, element_bytes: int) -> float:
+def replicated_share(layer: LayerCount, element_bytes: int, runtime: str) -> float:
     """Of `layer`'s weights (by bytes), the share tensor parallelism keeps whole on every rank, not 1/t, its gradient
     and optimizer state too (Megatron-core's distributed optimizer shards them over the data-parallel ranks only);
     `element_bytes`: the count's. Its router's (`_weight_splits`' "replicated") and its norms' (`LayerCount.
@@ -1637,13 +1654,19 @@ def replicated_share(layer: LayerCount, element_bytes: int) -> float:
     `SequenceParallel()`, keeps their weights Replicate ("unsharded@TP": torchtitan/models/common/
     decoder_sharding.py `norm_config` at b5bcd76c66). Its row-parallel products' biases (`_row_bias_bytes`) and its
     learned position embedding (`LayerCount.position_embedding_bytes`) too: Megatron-core's LanguageModelEmbedding
-    holds it as a plain Embedding, not a vocabulary-parallel one."""
+    holds it as a plain Embedding, not a vocabulary-parallel one. Under torch's `runtime` its latent
+    down-projections' too (MLA's, `_weight_splits`), NoParallel in torchtitan's plan."""
     if not layer.param_bytes:
         return 0.0
-    router = sum(n * k for ((_, _, n, k), _, _), router in zip(layer.weight_grad_outputs, layer.weight_grad_router)
-                 if router)
-    whole = router * element_bytes + layer.norm_param_bytes + _row_bias_bytes(layer) + layer.position_embedding_bytes
-    return whole / layer.param_bytes
+    whole = [router for router in layer.weight_grad_router]
+    if runtime == "torch" and layer.forward_reads:
+        shape = _stream_shape(layer)
+        splits = _weight_splits(layer, weighted_products(layer, {}, "fwd"), math.prod(shape[:-1]) if shape else 0,
+                                shape[-1] if shape else 0, runtime)
+        whole = [router or splits.get(j) == "latent" for j, router in enumerate(whole)]
+    products = sum(n * k for ((_, _, n, k), _, _), kept in zip(layer.weight_grad_outputs, whole) if kept)
+    return (products * element_bytes + layer.norm_param_bytes + _row_bias_bytes(layer)
+            + layer.position_embedding_bytes) / layer.param_bytes
 
 
 def _row_bias_bytes(layer: LayerCount, splits: Mapping[int, str] | None = None) -> int:
@@ -1664,7 +1687,7 @@ def _biases(layer: LayerCount, splits: Mapping[int, str] | None = None) -> list[
     if splits is None:
         shape = _stream_shape(layer)
         splits = _weight_splits(layer, weighted_products(layer, {}, "fwd"), math.prod(shape[:-1]) if shape else 0,
-                                shape[-1] if shape else 0)
+                                shape[-1] if shape else 0, "megatron")  # its rows are either runtime's
     return [(nbytes, splits.get(j) == "row") for j, nbytes in enumerate(layer.weight_grad_bias_bytes) if nbytes]
 
 
@@ -1695,11 +1718,12 @@ def _replicated_gradients(layer: LayerCount, name: str, weights: frozenset[int],
     return frozenset(whole | ({embedding} if embedding is not None else set()))  # none where the layer has none
 
 
-def rank_share(layer: LayerCount, share: float, t: int, element_bytes: int) -> float:
+def rank_share(layer: LayerCount, share: float, parallel: Parallelism, element_bytes: int) -> float:
     """t times the share of `layer`'s weights one of the t ranks holds where it holds `share` of their t-th (of the
     routed experts' its 1/(E·ETP), `held_share`; of every weight under a sharded optimizer, whose shards are taken
     apart): its replicated weights whole, t - 1 more of them (`replicated_share`)."""
-    return share + (t - 1) * replicated_share(layer, element_bytes)
+    t = parallel.tensor
+    return share + (t - 1) * replicated_share(layer, element_bytes, parallel.tp_runtime) if t > 1 else share
 
 
 def state_share(layer: LayerCount, parallel: Parallelism, weight_shards: int, element_bytes: int) -> float:
@@ -1707,7 +1731,7 @@ def state_share(layer: LayerCount, parallel: Parallelism, weight_shards: int, el
     (`rank_share`): all of them where the optimizer is sharded (over the d replicas either way), else the share one
     of the E·ETP ranks holds (`held_share`)."""
     held = 1.0 if parallel.sharded_optimizer else held_share(layer, weight_shards)
-    return rank_share(layer, held, parallel.tensor, element_bytes)
+    return rank_share(layer, held, parallel, element_bytes)
 
 
 def replicated_reduce_ms(layers: Sequence[LayerCount], parallel: Parallelism, held: Precision, element_bytes: int,
@@ -1742,7 +1766,7 @@ def _partial_gradient_share(layer: LayerCount, parallel: Parallelism, element_by
     `LanguageModelEmbedding` at core_v0.14.0); else its query's and key's norms'."""
     if parallel.sequence_parallel:
         positions = layer.position_embedding_bytes / layer.param_bytes if layer.param_bytes else 0.0
-        return replicated_share(layer, element_bytes) - positions
+        return replicated_share(layer, element_bytes, parallel.tp_runtime) - positions
     return layer.qk_norm_param_bytes / layer.param_bytes if layer.param_bytes else 0.0
 
 
@@ -1775,6 +1799,10 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         op = reduction.op
         batch, m, n, _ = op.shape
         nbytes, gathered = batch * m * n * element_bytes, batch * m * n * gathered_bytes
+        if reduction.gathers_only and parallel.tp_overlap:  # hidden as async TP hides a gather (`async_tp_ms`)
+            return product_ms + ring_exchange_ms(op, device, t, gathered, tensor_link)
+        if reduction.gathers_only:
+            return product_ms + all_gather_ms(gathered, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
         regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
         gather_ms = input_gather_ms(gathered, product_ms, t, tensor_link, device) if regathers else 0.0
         if regathers and gathered_bytes == FP8_BYTES:
@@ -1810,7 +1838,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     parts = dict.fromkeys(SAVED_PARTS, 0.0)
     named = layer.saved_parts or ("other",) * len(layer.saved_tensors)
     regions = Regions.of(layer, parallel.recomputed_regions)
-    whole = {i for i, _ in gathered_saves(layer, parallel)}
+    whole = {i for i, _ in gathered_saves(layer, parallel)} | _latent_saves(layer, split)
     rerun_bytes = 0.0  # what the backward makes again of the saved tensors below
     region_rerun: list[tuple[int, float]] = []  # of it, a recomputed region's: (index in saved_tensors, bytes)
     for i, ((shape, nbytes), part) in enumerate(zip(layer.saved_tensors, named)):
@@ -2076,14 +2104,17 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
       the last (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its
       own, megatron/core/tensor_parallel/mappings.py at core_v0.9.0; DTensor's backward of Partial to Shard(1)).
     Without the count's products, or without sequence parallelism, `_on_rank`'s alone, but for what a replicated
-    weight's product writes (`_Split.replicated_whole`) and a replicated weight's gradient (`_replicated_gradients`);
-    a parameter's gradient whole on each of the C ranks (`_weight_gradients`)."""
+    weight's product writes (`_Split.replicated_whole`), a replicated weight's gradient (`_replicated_gradients`) and
+    the forward's storages beside torch's latent products (`_Split.latent_storages`); a parameter's gradient whole on
+    each of the C ranks (`_weight_gradients`)."""
     events = layer.allocations.get(name, ())
     roles = weighted_products(layer, split.weights, name) if split.weights else {}
     weights = _weight_gradients(layer, name)
     replicated = _replicated_gradients(layer, name, weights, split.weights) if split.t > 1 else frozenset()
-    rank = [(number, round(_on_rank(shape, nbytes, split, replicated=number in replicated or split.replicated_whole(
-        roles.get(number)), weight=number in weights))) for number, shape, nbytes, _ in events]
+    latent = split.latent_storages if name == "fwd" else frozenset()
+    rank = [(number, round(_on_rank(shape, nbytes, split, replicated=number in replicated or number in latent
+                                    or split.replicated_whole(roles.get(number)), weight=number in weights)))
+            for number, shape, nbytes, _ in events]
     if not (split.sequence_parallel and split.t > 1 and layer.product_allocations.get(name)):
         return tuple(rank)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
@@ -2214,7 +2245,7 @@ def _with_collective_copies(events: Sequence[tuple[int, int]], tensor: int, gath
 
 
 def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], tokens: int,
-                   width: int) -> dict[int, str]:
+                   width: int, runtime: str) -> dict[int, str]:
     """How tensor parallelism splits each product with weights (`LayerCount.weight_grad_outputs`, by index; the routed
     experts' aside; `forward`: the forward's, `weighted_products` with no splits), told by its role in the count, not
     its shape: "replicated", not split, a mixture of experts' router (`LayerCount.weight_grad_router`): Megatron-core's
@@ -2227,8 +2258,12 @@ def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], 
     v, a gated MLP's gate and up) or reads one sequence parallelism gathers (`LayerCount.sequence_inputs`: a norm's
     output, the layer's input); "row" where it writes the residual stream's (tokens x width) otherwise (wo, w2); the
     rest none. Telling them by shape alone misreads a Hugging Face model's separate q, k, v and o projections, which are
-    all width x width, and its router, which reads a float32 copy of the norm's output. Empty where the count does not
-    record its products' storages."""
+    all width x width, and its router, which reads a float32 copy of the norm's output. "latent" under torch's
+    (`runtime`), MLA's down-projections (`_latent_products`): torchtitan's plan leaves wq_a and wkv_a `NoParallel`,
+    whole on every rank on the gathered input, and splits wq_b and wkv_b column-wise (torchtitan/models/deepseek_v3/
+    infra/parallelize.py `apply_non_moe_tp` at 018740b7), as transformers' DeepSeek-V3 TP plan names q_b_proj and
+    kv_b_proj alone (`_Split.products`); Megatron-core's are column-parallel (`_input_groups`). Empty where the count
+    does not record its products' storages."""
     outputs = layer.weight_grad_outputs
     routed, router = _routed(layer), _gating(layer)
     reads = dict(layer.forward_reads)
@@ -2245,21 +2280,17 @@ def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], 
             weights[j] = "column"
         elif shape[1:3] == (tokens, width):
             weights[j] = "row"
+    if runtime == "torch":
+        weights |= dict.fromkeys(_latent_products(layer, forward, weights), "latent")
     return weights
 
 
-def _input_groups(layer: LayerCount, forward: dict[int, tuple[int, str, str]], weights: dict[int, str],
-                  runtime: str) -> dict[int, tuple[int, ...]]:
-    """Per product with weights (`LayerCount.weight_grad_outputs`, by index; `forward`: the forward's, as
-    `_weight_splits` takes them) that shares its input with others, the products whose input gradients one reduction
-    sums, in the forward's order, told by what each forward product read (`LayerCount.forward_reads`; nothing made
-    inside: the layer's input): under torch's (`runtime`) all that read it, one DTensor whose Partial gradients autograd
-    sums; under Megatron-core's those it fuses into one ColumnParallelLinear (q, k and v, gate and up), not one whose
-    output reaches a column-parallel product's input (`weights`) through ops other than products: MLA's
-    down-projections, whose outputs the norms and the up-projections read, are a TEColumnParallelLinear each,
-    linear_q_down_proj and linear_kv_down_proj, each reducing its own input gradient
-    (megatron/core/models/gpt/gpt_layer_specs.py and megatron/core/transformer/multi_latent_attention.py at 7094270c6f,
-    core_r0.12.0, NeMo 25.04's). Empty for a count without its reads."""
+def _latent_products(layer: LayerCount, forward: dict[int, tuple[int, str, str]],
+                     weights: dict[int, str]) -> list[int]:
+    """The products with weights (`LayerCount.weight_grad_outputs`, by index; `forward`: the forward's, as
+    `_weight_splits` takes them) that share their input with others and whose output reaches a column-parallel
+    product's input (`weights`) through ops other than products: MLA's down-projections, whose outputs the norms and
+    the up-projections read (the latent). None for a count without its reads."""
     outputs = layer.weight_grad_outputs
     reads = dict(layer.forward_reads)
     products = forward if reads else {}
@@ -2280,12 +2311,65 @@ def _input_groups(layer: LayerCount, forward: dict[int, tuple[int, str, str]], w
             seen.update(made_from.get(storage, ()))
         return False
 
+    return [j for number, (j, _, _) in products.items() if outputs[j][2] and feeds_a_column_product(number)]
+
+
+def _latent_storages(layer: LayerCount, forward: dict[int, tuple[int, str, str]], latent: list[int]) -> frozenset[int]:
+    """The forward's storages (numbers in `allocations["fwd"]`) a rank holds whole beside torch's latent products
+    (`_weight_splits`' "latent", by index; `forward`: the forward's products): their outputs, and what ops other
+    than products make of those and of storages no product's output reaches (the rotary tables) alone: the norms'
+    copies, statistics and outputs, the keys' rotary part; not what meets a split tensor (that part concatenated
+    with wkv_b's heads), nor what a product makes (wq_b's, wkv_b's outputs, column-split)."""
+    derived = set(forward)  # storages a product's output reaches through ops other than products
+    whole = {number for number, (j, _, _) in forward.items() if j in latent}
+    for number, read in sorted(layer.forward_reads):  # each after those it reads
+        if number in forward or not derived.intersection(read):
+            continue
+        derived.add(number)
+        if whole.intersection(read) and all(source in whole or source not in derived for source in read):
+            whole.add(number)
+    return frozenset(whole)
+
+
+def _latent_saves(layer: LayerCount, split: _Split) -> set[int]:
+    """The indices in `saved_tensors` of the latent storages (`_Split.latent_storages`) autograd saves, matched in
+    the forward's order, each to the next saved tensor of its bytes and elements after the last one matched (autograd
+    saves a tensor as the op reading it runs: a norm's statistics matched the attention norm's, of the same size,
+    when taken in any order); the count records which storage a saved tensor is only for a product's input
+    (`LayerCount.sequence_inputs`), taken as given."""
+    if not split.latent_storages:
+        return set()
+    made = {number: (math.prod(shape), nbytes) for number, shape, nbytes, _ in layer.allocations.get("fwd", ())
+            if nbytes > 0}
+    known = {number: i for i, number in layer.sequence_inputs}
+    sizes = [(math.prod(shape), nbytes) for shape, nbytes in layer.saved_tensors]
+    found, after = set(), -1
+    for number in sorted(split.latent_storages.intersection(layer.saved_allocations)):
+        i = known.get(number, next((i for i in range(after + 1, len(sizes))
+                                    if i not in known.values() and sizes[i] == made.get(number)), None))
+        if i is not None:
+            found.add(i)
+            after = max(after, i)
+    return found
+
+
+def _input_groups(layer: LayerCount, forward: dict[int, tuple[int, str, str]], weights: dict[int, str],
+                  runtime: str) -> dict[int, tuple[int, ...]]:
+    """Per product with weights (`LayerCount.weight_grad_outputs`, by index; `forward`: the forward's, as
+    `_weight_splits` takes them) that shares its input with others, the products whose input gradients one reduction
+    sums, in the forward's order, told by what each forward product read (`LayerCount.forward_reads`; nothing made
+    inside: the layer's input): under torch's (`runtime`) all that read it, one DTensor whose Partial gradients autograd
+    sums (MLA's latent down-projections' group the gather alone, `_Split.products`); under Megatron-core's those it
+    fuses into one ColumnParallelLinear (q, k and v, gate and up), not MLA's down-projections (`_latent_products`), a
+    TEColumnParallelLinear each, linear_q_down_proj and linear_kv_down_proj, each reducing its own input gradient
+    (megatron/core/models/gpt/gpt_layer_specs.py and megatron/core/transformer/multi_latent_attention.py at 7094270c6f,
+    core_r0.12.0, NeMo 25.04's). Empty for a count without its reads."""
+    outputs = layer.weight_grad_outputs
+    reads = dict(layer.forward_reads)
+    alone = _latent_products(layer, forward, weights) if runtime == "megatron" else []
     by_input: dict[tuple[int, ...], list[int]] = {}
-    alone: list[int] = []
-    for number, (j, _, _) in products.items():
-        if outputs[j][2] and runtime == "megatron" and feeds_a_column_product(number):
-            alone.append(j)
-        elif outputs[j][2]:
+    for number, (j, _, _) in forward.items() if reads else ():
+        if outputs[j][2] and j not in alone:
             by_input.setdefault(reads.get(number, ()), []).append(j)
     return {j: (j,) for j in alone} | {j: tuple(group) for group in by_input.values() for j in group}
 
@@ -2467,7 +2551,7 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
     t, local = parallel.tensor, weight_shards(parallel.expert, parallel.expert_tensor, parallel.tensor)
     shards = {number: parallel.data * parallel.context / (local if number in experts else 1) for number in live}
     grads = {number: nbytes / (local if number in experts else 1) for number, nbytes in live.items()}
-    share = rank_share(layer, held_share(layer, local), t, element_bytes)  # t x the rank's
+    share = rank_share(layer, held_share(layer, local), parallel, element_bytes)  # t x the rank's
     weights = round(layer.param_bytes * share) // t
     gathered = gathered_weight_bytes(layer, weights, parallel, element_bytes)
     accumulated = PRECISIONS["fsdp2"].gradient_bytes(round(layer.grad_bytes * share)) // t
@@ -3119,7 +3203,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         routed, combined = (estimate_layer(part(busiest), device, parallel, links.tensor, element, links.context,
                                            float8, accumulated) if paired else None
                             for part in (_routed_part, _combine_part))
-        share = rank_share(layer, held_share(layer, experts.weight_shards), t, element)  # t x the rank's
+        share = rank_share(layer, held_share(layer, experts.weight_shards), parallel, element)  # t x the rank's
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)

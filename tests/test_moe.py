@@ -443,22 +443,121 @@ def test_mla_under_flash_pads_the_values_to_the_queries_head_size():
 
 
 @needs_transformers
-@pytest.mark.parametrize("runtime, down", [("megatron", {(1, TOKENS, H, 12): 2.0}),
-                                           ("torch", {(1, TOKENS, H, 24): 1.0})])
-def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_splits_them(runtime, down):
-    """t = 2: MLA's q and kv down-projections (24 outputs each, both column-parallel on the attention's input) reduce
-    their input gradients each under Megatron-core, a TEColumnParallelLinear each whose output the norm and the
-    up-projection read (planning/estimate.py `_input_groups`), two reductions over their 12 features a rank; under
-    torch's once, summed over their 48 (12 + 12 a rank); the shared expert's gate and up (32 each) once under both,
-    as Megatron-core's fused linear_fc1 and DTensor's summed Partial gradients reduce them; the router, replicated,
-    none (tests/test_router_tensor_parallel.py)."""
+@pytest.mark.parametrize("runtime, sequence_parallel, down", [
+    ("megatron", False, {(1, TOKENS, H, 12): 2.0}), ("megatron", True, {(1, TOKENS, H, 12): 2.0}),
+    ("torch", True, {(1, TOKENS, H, 48): 1.0})])
+def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_splits_them(runtime, sequence_parallel,
+                                                                                      down):
+    """t = 2: MLA's q and kv down-projections (24 outputs each) reduce their input gradients each under Megatron-core,
+    a TEColumnParallelLinear each whose output the norm and the up-projection read (planning/estimate.py
+    `_input_groups`), two reductions over their 12 features a rank; under torch's (with sequence parallelism, as
+    --tp-runtime takes it), NoParallel in torchtitan's plan (`_weight_splits`' "latent"), none: each rank computes
+    them whole on every token, their input gradient whole, and they carry once (`_Reduction.gathers_only`, over their
+    48 features) the one all-gather the attention output's gradient takes; the shared expert's gate and up (32 each)
+    once under both, as Megatron-core's fused linear_fc1 and DTensor's summed Partial gradients reduce them; the
+    router, replicated, none (tests/test_router_tensor_parallel.py)."""
     from pipesim.planning.estimate import Parallelism, _Split
 
     layer = tiny_deepseek_count().layers[2]
-    split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime))
-    reduced = reductions(split, [op for op in layer.ops["igrad"] if op.kind == "matmul"], "igrad")
+    split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime, sequence_parallel=sequence_parallel))
+    igrad = [op for op in layer.ops["igrad"] if op.kind == "matmul"]
+    reduced = reductions(split, igrad, "igrad")
     # the attention's or the MLP's input, 64 wide
     assert {shape: n for shape, n in reduced.items() if shape[2] == H} == {**down, (1, TOKENS, H, 32): 1.0}
+    gathered = {reduction.op.shape for op in igrad for _, reduction, _ in split.products(op, "igrad")
+                if reduction is not None and reduction.gathers_only}
+    assert gathered == ({(1, TOKENS, H, 48)} if runtime == "torch" and sequence_parallel else set())
+    latent = [j for j, how in split.weights.items() if how == "latent"]
+    assert latent == ([0, 2] if runtime == "torch" else [])  # q_a_proj, kv_a_proj_with_mqa (24 outputs each)
+
+
+@needs_transformers
+def test_torchs_latent_down_projections_run_whole_on_every_rank_and_hold_their_weights_whole():
+    """Under torch's runtime at t = 2 MLA's down-projections are NoParallel (torchtitan's plan): their forward
+    products run whole (64 tokens x 24 outputs x 64 inputs), not Megatron-core's 12 outputs a rank, and the rank holds
+    their weights whole: t - 1 more of their 2 x 24 x 64 elements than Megatron-core's rank, its norms and router
+    alike under both (`replicated_share`)."""
+    from pipesim.planning.estimate import Parallelism, _Split, replicated_share
+
+    layer = tiny_deepseek_count().layers[2]
+    (down,) = [op for op in layer.ops["fwd"] if op.kind == "matmul" and op.shape == (1, TOKENS, 24, H)]
+    assert down.count == 2  # the two, counted as one op of their shape
+    for runtime, outputs in (("megatron", 12), ("torch", 24)):
+        split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime, sequence_parallel=True))
+        assert [mine.shape for mine, _, _ in split.products(down, "fwd")] == [(1, TOKENS, outputs, H)]
+    element = 2
+    extra = (replicated_share(layer, element, "torch") - replicated_share(layer, element, "megatron"))
+    assert round(extra * layer.param_bytes) == 2 * 24 * H * element
+
+
+@needs_transformers
+def test_torchs_backward_gathers_the_attention_outputs_gradient_and_scatters_no_latent_input_gradient(monkeypatch):
+    """The MoE layer under torch's sequence parallelism at t = 2, its tokens x width collectives as priced (each
+    once for the products of one shape, the attention's and the MoE block's output projections alike): the forward's
+    reduce-scatter and all-gather; in each backward pricing (the backward whole and its input-gradient pass) the MoE
+    block's pair (the shared expert's input-gradient reduction) and the attention output's gradient gathered
+    (DTensor's Shard(1) to Replicate), priced with the latent down-projections (`_Reduction.gathers_only`), whose
+    input gradient, whole on every rank, no collective scatters: 5 all-gathers, 3 reduce-scatters, where pricing
+    them column-parallel gave 5 of each."""
+    import pipesim.planning.estimate as estimate
+    from tests.helpers import H100_BF16
+
+    moved: dict[str, list[int]] = {"all_gather_ms": [], "reduce_scatter_ms": []}
+    for name, calls in moved.items():
+        real = getattr(estimate, name)
+        monkeypatch.setattr(estimate, name, lambda nbytes, *args, calls=calls, real=real:
+                            calls.append(nbytes) or real(nbytes, *args))
+    link = estimate.EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1e9)
+    estimate.estimate_layer(tiny_deepseek_count().layers[2], H100_BF16,
+                            estimate.Parallelism(tensor=2, tp_runtime="torch", sequence_parallel=True), link, 2)
+    assert {name: calls.count(TOKENS * H * 2) for name, calls in moved.items()} == {"all_gather_ms": 5,
+                                                                                  "reduce_scatter_ms": 3}
+
+
+@needs_transformers
+def test_torch_saves_the_latent_norms_tensors_whole_and_megatron_its_share():
+    """Under torch's runtime the latent (the down-projections' outputs and what the q and kv norms make of them) is
+    whole on every rank, so what those norms save is too (`_latent_saves`): each norm's float32 copy, its statistics
+    and its 16-bit copy, and the up-projection's input; not the attention norm's statistics of the same size, saved
+    before them. Megatron-core scatters the latent back to the tokens' shards: none. The layer's activation memory
+    on a rank grows by (t - 1)/t of them."""
+    from pipesim.planning.estimate import EstimateLink, Parallelism, _latent_saves, _Split, estimate_layer
+    from tests.helpers import H100_BF16
+
+    layer = tiny_deepseek_count().layers[2]
+    saved = layer.saved_tensors
+    torch_split = _Split.of(layer, Parallelism(tensor=2, tp_runtime="torch", sequence_parallel=True))
+    whole = sorted(_latent_saves(layer, torch_split))
+    q, kv = (B, S, 24), (B, S, 16)
+    assert [saved[i] for i in whole] == [
+        (q, B * S * 24 * 4), ((B, S, 1), B * S * 4), (q, B * S * 24 * 2), ((B * S, 24), B * S * 24 * 2),
+        (kv, B * S * 16 * 4), ((B, S, 1), B * S * 4), (kv, B * S * 16 * 2), ((B * S, 16), B * S * 16 * 2)]
+    assert _latent_saves(layer, _Split.of(layer, Parallelism(tensor=2, sequence_parallel=True))) == set()
+    link = EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1e9)
+    kept = {runtime: estimate_layer(layer, H100_BF16, Parallelism(tensor=2, tp_runtime=runtime,
+                                                                  sequence_parallel=True), link, 2).activation_bytes
+            for runtime in ("megatron", "torch")}
+    up_inputs = saved[whole[3]][1] + saved[whole[7]][1]  # whole under torch's sequence parallelism already
+    assert kept["torch"] - kept["megatron"] >= (sum(saved[i][1] for i in whole) - up_inputs) / 2
+
+
+@needs_transformers
+def test_torchs_whole_kv_down_projection_takes_float8_where_megatrons_split_one_is_refused(tmp_path):
+    """--fp8-recipe torchao at t = 4 on an MLA whose kv down-projection writes 32 features (16 latent, 16 rotary):
+    Megatron-core's column split leaves 8 a rank, which torch._scaled_mm refuses (multiples of 16); torch's runtime
+    keeps it whole (NoParallel), 32, and the estimate is made."""
+    config = write_config(tmp_path / "mla", {**TINY_DEEPSEEK, "kv_lora_rank": 16, "qk_rope_head_dim": 16,
+                                            "q_lora_rank": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
+                                            "moe_intermediate_size": 64})
+    for runtime in ("megatron", "torch"):
+        out = tmp_path / f"{runtime}.json"
+        code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", f"hf:{config}", "--seq-len", S, "-b", B,
+                               "--dtype", "fp8", "--fp8-recipe", "torchao", "--tensor-parallel", 4,
+                               "--sequence-parallel", "--tp-runtime", runtime, "--out", out)
+        if runtime == "megatron":
+            assert code == 2 and "has a product of 64 to 8 features on 64 rows a rank" in err and not out.exists()
+        else:
+            assert code == 0 and out.exists(), err
 
 
 def capacity_counts(tmp_path, fields: dict, *factors: float | None, **options) -> list[WorkloadCount]:

@@ -218,7 +218,8 @@ def test_a_shared_experts_gate_is_held_as_the_router(tmp_path):
     assert marked == [(1, TOKENS, 1, H), ROUTER]  # the shared expert, its gate inside, before the router
     split = _Split.of(layer, Parallelism(tensor=T, sequence_parallel=True))
     assert [split.weights[j] for j, router in enumerate(layer.weight_grad_router) if router] == ["replicated"] * 2
-    assert estimate.replicated_share(layer, E) * layer.param_bytes == (EXPERTS + 1) * H * E + layer.norm_param_bytes
+    assert (estimate.replicated_share(layer, E, "megatron") * layer.param_bytes
+            == (EXPERTS + 1) * H * E + layer.norm_param_bytes)
 
 
 @pytest.mark.parametrize("sequence_parallel, runtime, tokens", [
