@@ -624,9 +624,11 @@ class _Reduction:
 
     op: OpCount
     part: float = 1.0
-    # no reduction but the all-gather sequence parallelism pairs with one (`_Split.products`: torch's latent
-    # down-projections, whose input gradient is whole on every rank)
-    gathers_only: bool = False
+    # "reduce": reduced as the layout's collectives reduce (`reduced_ms`); "gather": no reduction but the all-gather
+    # sequence parallelism pairs with one (torch's latent down-projections, whose input gradient is whole on every
+    # rank); "all-reduce": a Partial gradient of a whole input made Replicate (torch's MLA up-projections, which read
+    # the latent): `_Split.products`
+    collective: str = "reduce"
 
     @property
     def summed(self) -> bool:
@@ -669,8 +671,10 @@ class _Split:
     runtime: str = "megatron"
     # the sequence-parallel collectives that copy their whole tensor once more (`Parallelism.collective_copies`)
     collective_copies: frozenset[str] = frozenset()
-    # the forward's storages whole on every rank beside the latent products (`_latent_storages`)
+    # the forward's storages whole on every rank beside the latent products (`_latent_storages`), and the
+    # column-parallel products that read one (by index: torch's MLA up-projections)
     latent_storages: frozenset[int] = frozenset()
+    latent_readers: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, layer: LayerCount, parallel: Parallelism) -> _Split:
@@ -680,20 +684,28 @@ class _Split:
         forward = weighted_products(layer, {}, "fwd") if parallel.tensor > 1 else {}  # its products, found once
         weights = _weight_splits(layer, forward, tokens, width, parallel.tp_runtime)
         groups = _input_groups(layer, forward, weights, parallel.tp_runtime) if weights else {}
+        latent = [j for j, how in weights.items() if how == "latent"]
+        storages = _latent_storages(layer, forward, latent) if latent else frozenset()
+        reads = dict(layer.forward_reads) if latent else {}
+        readers = frozenset(j for number, (j, _, _) in forward.items()
+                            if weights.get(j) == "column" and storages.intersection(reads.get(number, ())))
         roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int, int], ...]]] = {}
         for name in PASSES if weights else ():
             shapes = dict(layer.product_allocations.get(name, ()))
             for number, (j, how, role) in weighted_products(layer, weights, name).items():
+                if how == "latent" and any(weights.get(i) == "column" for i in groups.get(j, ())):
+                    how = "replicated"  # its input's gradient reduced, and the gather carried, by a column product's
+                if j in readers:
+                    how = "up"  # column-parallel on a whole input (`products`)
                 if how:
-                    side = layer.weight_grad_outputs[j][0][2 if how in ("column", "latent") else 3]
+                    side = layer.weight_grad_outputs[j][0][2 if how in ("column", "latent", "up") else 3]
                     together = sum(layer.weight_grad_outputs[i][0][2] for i in groups.get(j, ())
                                    if weights.get(i) == how) if how in ("column", "latent") else side
                     of_pass, key = roles.setdefault(name, {}), tuple(shapes[number])
                     of_pass[key] = (*of_pass.get(key, ()), (how, role, side, together or side))
-        latent = [j for j, how in weights.items() if how == "latent"]
         return cls(parallel.tensor, parallel.sequence_parallel, width, tokens, shape[-2] if len(shape) >= 3 else None,
                    parallel.context, weights, roles, groups, parallel.tp_runtime,
-                   parallel.collective_copies, _latent_storages(layer, forward, latent) if latent else frozenset())
+                   parallel.collective_copies, storages, readers)
 
     def context_share(self, op: OpCount) -> OpCount:
         """The op on one of C context-parallel ranks: every op works per token, so 1/C of its FLOPs and bytes,
@@ -743,7 +755,9 @@ class _Split:
         backward still gathers the attention output projection's gradient from the tokens' shards (DTensor's
         Shard(1) to Replicate), which the input-gradient reduction of the column-parallel products reading the
         attention's input carries elsewhere (`reduced_ms`: a reduce-scatter and an all-gather): theirs carries that
-        gather alone (`_Reduction.gathers_only`), once for the products sharing the input."""
+        gather alone (`_Reduction.collective`), once for the products sharing the input. A column-parallel product
+        that reads the latent (torch's MLA up-projections, `_Split.latent_readers`) reads it whole on every rank: its
+        input gradient, Partial, is all-reduced to Replicate (DTensor), not reduce-scattered."""
         if op.routed:
             return ((op, None, 1.0),)
         roles = self.roles.get(name, {}).get(op.shape, ())
@@ -754,29 +768,29 @@ class _Split:
         splits: dict[tuple[int | None, str | None, int], int] = {}
         _, m, _, _ = op.shape
         for how, role, side, together in roles:
-            split_at = {"output": 2 if how == "row" else 1, "input": 2 if how == "column" else 1}
+            split_at = {"output": 2 if how == "row" else 1, "input": 2 if how in ("column", "up") else 1}
             at = (None if how == "latent" else self._replicated_at(role) if how == "replicated"
                   else split_at.get(role, 0 if m == side else 1))
-            collective = ("reduce" if (how, role) in _CONTRACTED else "gather"
-                          if (how, role) == ("latent", "input") and self.sequence_parallel else None)
+            collective = ("reduce" if (how, role) in _CONTRACTED else "all-reduce" if (how, role) == ("up", "input")
+                          else "gather" if (how, role) == ("latent", "input") and self.sequence_parallel else None)
             key = (at, collective, together if role == "input" else side)
             splits[key] = splits.get(key, 0) + 1
         return tuple((self.context_share(self._divided(op, at)),
-                      self._reduction(op, at, together, collective == "gather") if collective else None,
+                      self._reduction(op, at, together, collective) if collective else None,
                       n / len(roles)) for (at, collective, together), n in splits.items())
 
-    def _reduction(self, op: OpCount, at: int | None, together: int, gathers_only: bool) -> _Reduction:
-        """The reduction a product split on its dimension `at` takes part in (`gathers_only`: the gather alone): its
-        own, or where products that share its input contract over `together` features in all, theirs summed, as
-        the fused product of them all writes it, of which `op` carries its share of the features."""
+    def _reduction(self, op: OpCount, at: int | None, together: int, collective: str) -> _Reduction:
+        """The reduction (`_Reduction.collective`) a product split on its dimension `at` takes part in: its own, or
+        where products that share its input contract over `together` features in all, theirs summed, as the fused
+        product of them all writes it, of which `op` carries its share of the features."""
         mine = self.context_share(self._divided(op, at))
         batch, m, n, k = op.shape
         if together == k:
-            return _Reduction(mine, gathers_only=gathers_only)
+            return _Reduction(mine, collective=collective)
         elements = m * n + (m + n) * together, m * n + (m + n) * k  # its output and inputs, fused and its own
         fused = replace(op, shape=(batch, m, n, together), flops=op.flops * together // k,
                         moved_bytes=op.moved_bytes * elements[0] // elements[1])
-        return _Reduction(self.context_share(self._divided(fused, at)), k / together, gathers_only)
+        return _Reduction(self.context_share(self._divided(fused, at)), k / together, collective)
 
     def _replicated_at(self, role: str) -> int | None:
         """Where a replicated weight's product (`role`, `weighted_products`) divides over t: on its tokens, m of
@@ -1477,12 +1491,26 @@ def gathered_saves(layer: LayerCount, parallel: Parallelism) -> tuple[tuple[int,
     return layer.sequence_inputs
 
 
+def float8_weights_on_rank(layer: LayerCount, parallel: Parallelism) -> tuple[float, int]:
+    """Of `layer`'s float8 linears' weights (`float8_weights`), the elements one of the t ranks holds, 1/t of each
+    but a latent product's (torch's MLA down-projections, `_weight_splits`), whole, and how many tensors."""
+    recipe = parallel.float8_recipe
+    elements, tensors = float8_weights(layer, recipe)
+    t = parallel.tensor
+    if t == 1 or parallel.tp_runtime != "torch":
+        return elements / t, tensors
+    roles = _Split.of(layer, parallel).roles.get("fwd", {})
+    whole = sum(op.count * op.shape[0] * op.shape[2] * op.shape[3] * sum(how == "latent" for how, *_ in of_shape)
+                / len(of_shape) for op in float8_products(layer, recipe) if (of_shape := roles.get(op.shape)))
+    return (elements - whole) / t + whole, tensors
+
+
 def _float8_shards(layers: Sequence[LayerCount], parallel: Parallelism) -> tuple[float, int]:
-    """Of `layers`' float8 linears' weights, the elements of this rank's shard under FSDP2 (1/t of each weight, of
-    which 1/(d·C)) and how many tensors."""
-    counted = [float8_weights(layer, parallel.float8_recipe) for layer in layers]
+    """Of `layers`' float8 linears' weights, the elements of this rank's shard under FSDP2 (its tensor-parallel
+    share, `float8_weights_on_rank`, of which 1/(d·C)) and how many tensors."""
+    counted = [float8_weights_on_rank(layer, parallel) for layer in layers]
     elements, tensors = sum(found[0] for found in counted), sum(found[1] for found in counted)
-    return elements / (parallel.tensor * parallel.data * parallel.context), tensors
+    return elements / (parallel.data * parallel.context), tensors
 
 
 def shard_cast_ms(layers: Sequence[LayerCount], parallel: Parallelism, device: Device) -> float:
@@ -1799,10 +1827,12 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         op = reduction.op
         batch, m, n, _ = op.shape
         nbytes, gathered = batch * m * n * element_bytes, batch * m * n * gathered_bytes
-        if reduction.gathers_only and parallel.tp_overlap:  # hidden as async TP hides a gather (`async_tp_ms`)
+        if reduction.collective == "gather" and parallel.tp_overlap:  # hidden as async TP hides one (`async_tp_ms`)
             return product_ms + ring_exchange_ms(op, device, t, gathered, tensor_link)
-        if reduction.gathers_only:
+        if reduction.collective == "gather":
             return product_ms + all_gather_ms(gathered, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
+        if reduction.collective == "all-reduce":  # no reduce-scatter for async TP to fuse: exposed
+            return product_ms + all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
         regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
         gather_ms = input_gather_ms(gathered, product_ms, t, tensor_link, device) if regathers else 0.0
         if regathers and gathered_bytes == FP8_BYTES:
@@ -1881,7 +1911,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     at_experts = pass_ops(regions.at_experts, "fwd")  # rerun where the backward reaches the experts' down product
     parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
     # a recipe's saved float8 weight copies (planning/fp8.py), not the tokens': made again where the forward reruns
-    weight_copies = saved_weight_bytes(layer, parallel.float8_recipe, t) if parallel.fp8 is not None else 0.0
+    weight_copies = saved_weight_bytes(parallel.float8_recipe, *float8_weights_on_rank(layer, parallel)) \
+        if parallel.fp8 is not None else 0.0
     parts["other"] += 0.0 if parallel.recompute in ("op", "full") else weight_copies
     kept = sum(parts.values())
     total = round(min(kept, saved / c + weight_copies) if parallel.recompute in ("selective", "full")
@@ -2104,14 +2135,17 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
       the last (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its
       own, megatron/core/tensor_parallel/mappings.py at core_v0.9.0; DTensor's backward of Partial to Shard(1)).
     Without the count's products, or without sequence parallelism, `_on_rank`'s alone, but for what a replicated
-    weight's product writes (`_Split.replicated_whole`), a replicated weight's gradient (`_replicated_gradients`) and
-    the forward's storages beside torch's latent products (`_Split.latent_storages`); a parameter's gradient whole on
-    each of the C ranks (`_weight_gradients`)."""
+    weight's product writes (`_Split.replicated_whole`), a replicated weight's gradient (`_replicated_gradients`),
+    the forward's storages beside torch's latent products (`_Split.latent_storages`) and the input gradients of the
+    products that read them (`_Split.latent_readers`); a parameter's gradient whole on each of the C ranks
+    (`_weight_gradients`)."""
     events = layer.allocations.get(name, ())
     roles = weighted_products(layer, split.weights, name) if split.weights else {}
     weights = _weight_gradients(layer, name)
     replicated = _replicated_gradients(layer, name, weights, split.weights) if split.t > 1 else frozenset()
     latent = split.latent_storages if name == "fwd" else frozenset()
+    # an up-projection's input gradient (`_Split.latent_readers`), a Partial of the whole latent
+    latent |= {number for number, (j, _, role) in roles.items() if j in split.latent_readers and role == "input"}
     rank = [(number, round(_on_rank(shape, nbytes, split, replicated=number in replicated or number in latent
                                     or split.replicated_whole(roles.get(number)), weight=number in weights)))
             for number, shape, nbytes, _ in events]
@@ -2289,8 +2323,11 @@ def _latent_products(layer: LayerCount, forward: dict[int, tuple[int, str, str]]
                      weights: dict[int, str]) -> list[int]:
     """The products with weights (`LayerCount.weight_grad_outputs`, by index; `forward`: the forward's, as
     `_weight_splits` takes them) that share their input with others and whose output reaches a column-parallel
-    product's input (`weights`) through ops other than products: MLA's down-projections, whose outputs the norms and
-    the up-projections read (the latent). None for a count without its reads."""
+    product's input (`weights`) made in MLA's up-projection region (`LayerCount.region_allocations`' "mla_up_proj":
+    q_b_proj, kv_b_proj and the norms before them) through ops other than products: MLA's down-projections, whose
+    outputs the norms and the up-projections read (the latent). Not a Gated DeltaNet's in_proj_qkvz and in_proj_ba,
+    whose outputs reach out_proj through its gated norm: Megatron-core fuses them into one in_proj (megatron/core/
+    ssm/gated_delta_net.py), one reduction. None for a count without its reads or regions."""
     outputs = layer.weight_grad_outputs
     reads = dict(layer.forward_reads)
     products = forward if reads else {}
@@ -2298,8 +2335,9 @@ def _latent_products(layer: LayerCount, forward: dict[int, tuple[int, str, str]]
     for number, read in reads.items():
         for source in read if number not in products else ():
             made_from.setdefault(source, []).append(number)
+    up_projection = set(layer.region_allocations.get("mla_up_proj", ()))
     column_inputs = {source for number, (j, _, _) in products.items() if weights.get(j) == "column"
-                     for source in reads.get(number, ())}
+                     for source in reads.get(number, ()) if source in up_projection}
 
     def feeds_a_column_product(number: int) -> bool:
         seen, todo = {number}, [number]
@@ -2332,25 +2370,9 @@ def _latent_storages(layer: LayerCount, forward: dict[int, tuple[int, str, str]]
 
 
 def _latent_saves(layer: LayerCount, split: _Split) -> set[int]:
-    """The indices in `saved_tensors` of the latent storages (`_Split.latent_storages`) autograd saves, matched in
-    the forward's order, each to the next saved tensor of its bytes and elements after the last one matched (autograd
-    saves a tensor as the op reading it runs: a norm's statistics matched the attention norm's, of the same size,
-    when taken in any order); the count records which storage a saved tensor is only for a product's input
-    (`LayerCount.sequence_inputs`), taken as given."""
-    if not split.latent_storages:
-        return set()
-    made = {number: (math.prod(shape), nbytes) for number, shape, nbytes, _ in layer.allocations.get("fwd", ())
-            if nbytes > 0}
-    known = {number: i for i, number in layer.sequence_inputs}
-    sizes = [(math.prod(shape), nbytes) for shape, nbytes in layer.saved_tensors]
-    found, after = set(), -1
-    for number in sorted(split.latent_storages.intersection(layer.saved_allocations)):
-        i = known.get(number, next((i for i in range(after + 1, len(sizes))
-                                    if i not in known.values() and sizes[i] == made.get(number)), None))
-        if i is not None:
-            found.add(i)
-            after = max(after, i)
-    return found
+    """The indices in `saved_tensors` of the latent storages (`_Split.latent_storages`) autograd saves
+    (`LayerCount.saved_storages`; none for a count from before it was recorded)."""
+    return {i for i, number in enumerate(layer.saved_storages) if number in split.latent_storages}
 
 
 def _input_groups(layer: LayerCount, forward: dict[int, tuple[int, str, str]], weights: dict[int, str],
@@ -2421,9 +2443,9 @@ def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parall
     optimizer's uint8 param buffer); the rest as the passes read them."""
     if not (parallel.fsdp_float8_all_gather or parallel.fp8_param_gather):
         return weight_bytes
-    elements, tensors = float8_weights(layer, parallel.float8_recipe)
+    elements, tensors = float8_weights_on_rank(layer, parallel)
     scales = tensors * FP8_SCALE_BYTES if parallel.fsdp_float8_all_gather else 0
-    return weight_bytes - elements // parallel.tensor * (element_bytes - FP8_BYTES) + scales
+    return weight_bytes - int(elements) * (element_bytes - FP8_BYTES) + scales
 
 
 def allocations_key(parallel: Parallelism) -> Parallelism:

@@ -273,14 +273,13 @@ def gathered_in_float8(recipe: Fp8Recipe) -> Fp8Recipe:
                                   for name, roles in recipe.casts.items()}, saves_float8_weights=False)
 
 
-def saved_weight_bytes(layer: LayerCount, recipe: Fp8Recipe, tensor_ranks: int) -> float:
+def saved_weight_bytes(recipe: Fp8Recipe, elements: float, tensors: int) -> float:
     """The float8 weight copies and their float32 scales the recipe's forward saves for the backward (torchao at
-    eab345c), per micro-batch on one of `tensor_ranks` tensor-parallel ranks: 1/t of each weight, whatever the
-    tokens; 0 for a recipe that saves none."""
+    eab345c), per micro-batch on a rank that holds `elements` of its float8 linears' `tensors` weights
+    (planning/estimate.py `float8_weights_on_rank`), whatever the tokens; 0 for a recipe that saves none."""
     if not recipe.saves_float8_weights:
         return 0.0
-    elements, tensors = float8_weights(layer, recipe)
-    return elements * FP8_BYTES / tensor_ranks + tensors * FP8_SCALE_BYTES
+    return elements * FP8_BYTES + tensors * FP8_SCALE_BYTES
 
 
 def float8_products(layer: LayerCount, recipe: Fp8Recipe) -> list[OpCount]:

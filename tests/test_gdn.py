@@ -296,3 +296,20 @@ def test_tune_refuses_context_parallel_ranks_a_tensor_rank_s_heads_do_not_split_
         f"error: --context-parallel 2 does not divide the 1 gated delta rule key heads of {model} a tensor-parallel "
         "rank holds (Megatron-core splits them over the context-parallel ranks, around its Gated DeltaNet layers); "
         "leave --context-parallel out"], err
+
+
+@pytest.mark.parametrize("runtime", ["megatron", "torch"])
+def test_a_gated_delta_nets_in_projections_reduce_their_input_gradient_once(tmp_path, runtime):
+    """in_proj_qkvz and in_proj_ba read the layer's normed input and reach out_proj through the gated norm: one
+    column-parallel reduction of their summed input gradient under both runtimes (Megatron-core's fused in_proj,
+    DTensor's summed Partial gradients), neither taken for MLA's latent down-projections (planning/estimate.py
+    `_latent_products`), which reduced each its own under Megatron-core and ran whole under torch's."""
+    from pipesim.planning.estimate import Parallelism, _Split
+
+    layer = _delta_net_layer(tmp_path)
+    split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime, sequence_parallel=True))
+    in_projections = [0, 1]  # (64 tokens x) 192 = q, k (2 x 2 x 16), v and z (2 x 4 x 16); 8 = b and a (2 x 4)
+    assert [layer.weight_grad_outputs[j][0] for j in in_projections] == [(1, BT, 2 * HK * K + 2 * HV * V, D),
+                                                                         (1, BT, 2 * HV, D)]
+    assert {split.weights[j] for j in in_projections} == {"column"}
+    assert {split.groups[j] for j in in_projections} == {tuple(in_projections)}

@@ -452,7 +452,7 @@ def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_split
     a TEColumnParallelLinear each whose output the norm and the up-projection read (planning/estimate.py
     `_input_groups`), two reductions over their 12 features a rank; under torch's (with sequence parallelism, as
     --tp-runtime takes it), NoParallel in torchtitan's plan (`_weight_splits`' "latent"), none: each rank computes
-    them whole on every token, their input gradient whole, and they carry once (`_Reduction.gathers_only`, over their
+    them whole on every token, their input gradient whole, and they carry once (`_Reduction.collective`, over their
     48 features) the one all-gather the attention output's gradient takes; the shared expert's gate and up (32 each)
     once under both, as Megatron-core's fused linear_fc1 and DTensor's summed Partial gradients reduce them; the
     router, replicated, none (tests/test_router_tensor_parallel.py)."""
@@ -465,10 +465,37 @@ def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_split
     # the attention's or the MLP's input, 64 wide
     assert {shape: n for shape, n in reduced.items() if shape[2] == H} == {**down, (1, TOKENS, H, 32): 1.0}
     gathered = {reduction.op.shape for op in igrad for _, reduction, _ in split.products(op, "igrad")
-                if reduction is not None and reduction.gathers_only}
+                if reduction is not None and reduction.collective == "gather"}
     assert gathered == ({(1, TOKENS, H, 48)} if runtime == "torch" and sequence_parallel else set())
     latent = [j for j, how in split.weights.items() if how == "latent"]
     assert latent == ([0, 2] if runtime == "torch" else [])  # q_a_proj, kv_a_proj_with_mqa (24 outputs each)
+    # the up-projections' (q_b_proj: 24 to 48 features, 24 a rank; kv_b_proj: 16 to 64, 32 a rank) input gradients:
+    # under torch a Partial of the whole latent, all-reduced (DTensor's Partial to Replicate), not reduce-scattered
+    up = {reduction.op.shape: reduction.collective for op in igrad for _, reduction, _ in split.products(op, "igrad")
+          if reduction is not None and reduction.op.shape[2] in (24, 16)}
+    collective = "all-reduce" if runtime == "torch" else "reduce"
+    assert up == {(1, TOKENS, 24, 24): collective, (1, TOKENS, 16, 32): collective}
+    assert split.latent_readers == ({1, 3} if runtime == "torch" else set())
+
+
+@needs_transformers
+def test_without_a_q_down_projection_torchs_latent_kv_one_leaves_the_gather_to_the_column_parallel_q(tmp_path):
+    """q_lora_rank null (DeepSeek-V2-Lite's, torchtitan's 16B flavour): wq is ColwiseParallel beside the NoParallel
+    wkv_a on the attention's input, so the one reduce-scatter of that input's gradient (DTensor sums the Partial and
+    the Replicate parts into a Partial) and the attention output's gather are wq's reduction (48 features, 24 a
+    rank), not a second gather of wkv_a's; under Megatron-core wkv_a reduces its own (24 features, 12 a rank)."""
+    from pipesim.planning.estimate import Parallelism, _Split
+
+    (layer,) = [counted.layers[2] for counted in capacity_counts(tmp_path, {**TINY_DEEPSEEK, "q_lora_rank": None},
+                                                                None)]
+    igrad = [op for op in layer.ops["igrad"] if op.kind == "matmul"]
+    for runtime, attention in (("megatron", {(1, TOKENS, H, 24): 1.0, (1, TOKENS, H, 12): 1.0}),
+                               ("torch", {(1, TOKENS, H, 24): 1.0})):
+        split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime, sequence_parallel=True))
+        reduced = reductions(split, igrad, "igrad")
+        assert {shape: n for shape, n in reduced.items() if shape[2] == H and shape[3] != 32} == attention, runtime
+        assert "gather" not in {reduction.collective for op in igrad
+                                for _, reduction, _ in split.products(op, "igrad") if reduction is not None}
 
 
 @needs_transformers
@@ -496,7 +523,7 @@ def test_torchs_backward_gathers_the_attention_outputs_gradient_and_scatters_no_
     once for the products of one shape, the attention's and the MoE block's output projections alike): the forward's
     reduce-scatter and all-gather; in each backward pricing (the backward whole and its input-gradient pass) the MoE
     block's pair (the shared expert's input-gradient reduction) and the attention output's gradient gathered
-    (DTensor's Shard(1) to Replicate), priced with the latent down-projections (`_Reduction.gathers_only`), whose
+    (DTensor's Shard(1) to Replicate), priced with the latent down-projections (`_Reduction.collective`), whose
     input gradient, whole on every rank, no collective scatters: 5 all-gathers, 3 reduce-scatters, where pricing
     them column-parallel gave 5 of each."""
     import pipesim.planning.estimate as estimate
@@ -539,6 +566,40 @@ def test_torch_saves_the_latent_norms_tensors_whole_and_megatron_its_share():
             for runtime in ("megatron", "torch")}
     up_inputs = saved[whole[3]][1] + saved[whole[7]][1]  # whole under torch's sequence parallelism already
     assert kept["torch"] - kept["megatron"] >= (sum(saved[i][1] for i in whole) - up_inputs) / 2
+
+
+@needs_transformers
+def test_torchs_up_projections_make_their_latent_input_gradients_whole():
+    """The input gradients of q_b_proj (64 tokens x 24) and kv_b_proj (x 16), bf16, as a rank allocates them in the
+    backward (`_rank_pass`): under torch's runtime Partials of the whole latent before their all-reduce, whole; under
+    Megatron-core's, whose latent is the tokens' shards again, 1/t."""
+    from pipesim.planning.estimate import Parallelism, _rank_pass, _Split
+    from pipesim.profiles.workload import weighted_products
+
+    layer = tiny_deepseek_count().layers[2]
+    for runtime, t_share in (("megatron", 2), ("torch", 1)):
+        split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime, sequence_parallel=True))
+        roles = weighted_products(layer, split.weights, "igrad")
+        inputs = {number for number, (j, _, role) in roles.items() if j in (1, 3) and role == "input"}
+        made = [nbytes for number, nbytes in _rank_pass(layer, split, "igrad", 2) if number in inputs and nbytes > 0]
+        assert sorted(made) == [TOKENS * 16 * 2 // t_share, TOKENS * 24 * 2 // t_share], runtime
+
+
+@needs_transformers
+def test_torchs_rank_holds_its_latent_down_projections_float8_weights_whole():
+    """torchao's float8 linears on one of t = 2 ranks (`float8_weights_on_rank`, which the saved float8 weight copies,
+    FSDP2's float8 shards and its float8 all-gather read): under Megatron-core's split 1/t of every weight; under
+    torch's, MLA's q and kv down-projections (24 x 64 each) whole."""
+    from pipesim.planning.estimate import Parallelism, float8_weights_on_rank
+    from pipesim.planning.fp8 import FP8_RECIPES, float8_weights
+
+    layer = tiny_deepseek_count().layers[2]
+    elements, tensors = float8_weights(layer, FP8_RECIPES["torchao"])
+    on_rank = {runtime: float8_weights_on_rank(layer, Parallelism(tensor=2, tp_runtime=runtime, sequence_parallel=True,
+                                                                  fp8="torchao"))
+               for runtime in ("megatron", "torch")}
+    assert on_rank["megatron"] == (elements / 2, tensors)
+    assert on_rank["torch"] == (elements / 2 + 2 * 24 * H / 2, tensors)
 
 
 @needs_transformers

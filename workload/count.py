@@ -1112,7 +1112,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                      "wgrad": wgrad.allocations},
         product_allocations={"fwd": fwd.products, "bwd": full.products, "igrad": igrad.products,
                              "wgrad": wgrad.products},
-        saved_allocations=fwd.live.alive(saved), forward_reads=fwd.live.reads(),
+        saved_allocations=fwd.live.alive(saved), saved_storages=tuple(fwd.live.known.get(key, -1) for key in saved),
+        forward_reads=fwd.live.reads(),
         saved_reads=saved_reads,
         saved_region_entries={name: _saved_region_entries(saved, regions, reads)
                               for name, reads in saved_reads.items()},
