@@ -1491,16 +1491,20 @@ def gathered_saves(layer: LayerCount, parallel: Parallelism) -> tuple[tuple[int,
     return layer.sequence_inputs
 
 
-def float8_weights_on_rank(layer: LayerCount, parallel: Parallelism) -> tuple[float, int]:
+def float8_weights_on_rank(layer: LayerCount, parallel: Parallelism, split: _Split | None = None
+                           ) -> tuple[float, int]:
     """Of `layer`'s float8 linears' weights (`float8_weights`), the elements one of the t ranks holds, 1/t of each
-    but a latent product's (torch's MLA down-projections, `_weight_splits`), whole, and how many tensors."""
+    but a latent product's (torch's MLA down-projections, `_weight_splits`; "replicated" in `_Split.roles` beside a
+    column-parallel product, as no router is a float8 linear), whole, and how many tensors. `split`: the layer's, where
+    made (else made here)."""
     recipe = parallel.float8_recipe
     elements, tensors = float8_weights(layer, recipe)
     t = parallel.tensor
     if t == 1 or parallel.tp_runtime != "torch":
         return elements / t, tensors
-    roles = _Split.of(layer, parallel).roles.get("fwd", {})
-    whole = sum(op.count * op.shape[0] * op.shape[2] * op.shape[3] * sum(how == "latent" for how, *_ in of_shape)
+    roles = (split or _Split.of(layer, parallel)).roles.get("fwd", {})
+    whole = sum(op.count * op.shape[0] * op.shape[2] * op.shape[3] * sum(how in ("latent", "replicated")
+                                                                         for how, *_ in of_shape)
                 / len(of_shape) for op in float8_products(layer, recipe) if (of_shape := roles.get(op.shape)))
     return (elements - whole) / t + whole, tensors
 
@@ -1911,7 +1915,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     at_experts = pass_ops(regions.at_experts, "fwd")  # rerun where the backward reaches the experts' down product
     parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
     # a recipe's saved float8 weight copies (planning/fp8.py), not the tokens': made again where the forward reruns
-    weight_copies = saved_weight_bytes(parallel.float8_recipe, *float8_weights_on_rank(layer, parallel)) \
+    weight_copies = saved_weight_bytes(parallel.float8_recipe, *float8_weights_on_rank(layer, parallel, split)) \
         if parallel.fp8 is not None else 0.0
     parts["other"] += 0.0 if parallel.recompute in ("op", "full") else weight_copies
     kept = sum(parts.values())
@@ -2322,9 +2326,10 @@ def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], 
 def _latent_products(layer: LayerCount, forward: dict[int, tuple[int, str, str]],
                      weights: dict[int, str]) -> list[int]:
     """The products with weights (`LayerCount.weight_grad_outputs`, by index; `forward`: the forward's, as
-    `_weight_splits` takes them) that share their input with others and whose output reaches a column-parallel
-    product's input (`weights`) made in MLA's up-projection region (`LayerCount.region_allocations`' "mla_up_proj":
-    q_b_proj, kv_b_proj and the norms before them) through ops other than products: MLA's down-projections, whose
+    `_weight_splits` takes them) that share their input with others and whose output reaches the input of a
+    column-parallel product (`weights`) of MLA's up-projection region (`LayerCount.region_allocations`' "mla_up_proj":
+    q_b_proj, kv_b_proj, and the norms before them unless kept apart) through ops other than products: MLA's
+    down-projections, whose
     outputs the norms and the up-projections read (the latent). Not a Gated DeltaNet's in_proj_qkvz and in_proj_ba,
     whose outputs reach out_proj through its gated norm: Megatron-core fuses them into one in_proj (megatron/core/
     ssm/gated_delta_net.py), one reduction. None for a count without its reads or regions."""
@@ -2336,8 +2341,8 @@ def _latent_products(layer: LayerCount, forward: dict[int, tuple[int, str, str]]
         for source in read if number not in products else ():
             made_from.setdefault(source, []).append(number)
     up_projection = set(layer.region_allocations.get("mla_up_proj", ()))
-    column_inputs = {source for number, (j, _, _) in products.items() if weights.get(j) == "column"
-                     for source in reads.get(number, ()) if source in up_projection}
+    column_inputs = {source for number, (j, _, _) in products.items()
+                     if weights.get(j) == "column" and number in up_projection for source in reads.get(number, ())}
 
     def feeds_a_column_product(number: int) -> bool:
         seen, todo = {number}, [number]
@@ -2371,7 +2376,8 @@ def _latent_storages(layer: LayerCount, forward: dict[int, tuple[int, str, str]]
 
 def _latent_saves(layer: LayerCount, split: _Split) -> set[int]:
     """The indices in `saved_tensors` of the latent storages (`_Split.latent_storages`) autograd saves
-    (`LayerCount.saved_storages`; none for a count from before it was recorded)."""
+    (`LayerCount.saved_storages`; none for a count from before it was recorded, which is held 1/t: a host-cached
+    count is made again by the code that records it, `count_sources`)."""
     return {i for i, number in enumerate(layer.saved_storages) if number in split.latent_storages}
 
 

@@ -283,8 +283,8 @@ class LayerCount:
     # the numbers, in `allocations["fwd"]`, of the forward's storages that autograd saves for the backward (the
     # rest it leaves live is its output), which a recomputation drops and the backward makes again
     saved_allocations: tuple[int, ...] = ()
-    # per saved tensor (saved_tensors' order), its storage's number in allocations["fwd"] (-1: made before the layer,
-    # its input); (): a count from before it was recorded
+    # per saved tensor (saved_tensors' order), its storage's number in allocations["fwd"] (-1: made outside the
+    # layer: its input, tables handed to it); (): a count from before it was recorded
     saved_storages: tuple[int, ...] = ()
     # per storage of allocations["fwd"], (its number, the numbers of those the ops making or writing it read): the
     # forward's data flow (workload/count.py `_LiveBytes.reads`); (): a count from before it was recorded

@@ -603,6 +603,25 @@ def test_torchs_rank_holds_its_latent_down_projections_float8_weights_whole():
 
 
 @needs_transformers
+def test_without_a_q_down_projection_torchs_rank_holds_the_kv_one_whole_in_float8_as_in_bf16(tmp_path):
+    """q_lora_rank null: wkv_a (24 x 64), NoParallel beside the column-parallel wq, is whole on the rank in its float8
+    copy (`float8_weights_on_rank`) as in its 16-bit weight (`replicated_share`): t - 1 more of its elements than
+    Megatron-core's rank holds, in both."""
+    from pipesim.planning.estimate import Parallelism, float8_weights_on_rank, replicated_share
+    from pipesim.planning.fp8 import FP8_RECIPES, float8_weights
+
+    (layer,) = [counted.layers[2] for counted in capacity_counts(tmp_path, {**TINY_DEEPSEEK, "q_lora_rank": None},
+                                                                None)]
+    elements, _ = float8_weights(layer, FP8_RECIPES["torchao"])
+    on_rank = {runtime: float8_weights_on_rank(layer, Parallelism(tensor=2, tp_runtime=runtime, sequence_parallel=True,
+                                                                  fp8="torchao"))[0]
+               for runtime in ("megatron", "torch")}
+    assert on_rank == {"megatron": elements / 2, "torch": elements / 2 + 24 * H / 2}
+    assert round((replicated_share(layer, 2, "torch") - replicated_share(layer, 2, "megatron"))
+                 * layer.param_bytes) == 24 * H * 2
+
+
+@needs_transformers
 def test_torchs_whole_kv_down_projection_takes_float8_where_megatrons_split_one_is_refused(tmp_path):
     """--fp8-recipe torchao at t = 4 on an MLA whose kv down-projection writes 32 features (16 latent, 16 rotary):
     Megatron-core's column split leaves 8 a rank, which torch._scaled_mm refuses (multiples of 16); torch's runtime
