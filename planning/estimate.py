@@ -1690,7 +1690,7 @@ def replicated_share(layer: LayerCount, element_bytes: int, runtime: str) -> flo
     down-projections' too (MLA's, `_weight_splits`), NoParallel in torchtitan's plan."""
     if not layer.param_bytes:
         return 0.0
-    whole = [router for router in layer.weight_grad_router]
+    whole = list(layer.weight_grad_router) or [False] * len(layer.weight_grad_outputs)  # (): a layer without routers
     if runtime == "torch" and layer.forward_reads:
         shape = _stream_shape(layer)
         splits = _weight_splits(layer, weighted_products(layer, {}, "fwd"), math.prod(shape[:-1]) if shape else 0,
