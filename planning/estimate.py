@@ -2148,8 +2148,8 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
     weights = _weight_gradients(layer, name)
     replicated = _replicated_gradients(layer, name, weights, split.weights) if split.t > 1 else frozenset()
     latent = split.latent_storages if name == "fwd" else frozenset()
-    # an up-projection's input gradient (`_Split.latent_readers`), a Partial of the whole latent
-    latent |= {number for number, (j, _, role) in roles.items() if j in split.latent_readers and role == "input"}
+    if split.latent_readers:  # an up-projection's input gradient, a Partial of the whole latent
+        latent |= {number for number, (j, _, role) in roles.items() if j in split.latent_readers and role == "input"}
     rank = [(number, round(_on_rank(shape, nbytes, split, replicated=number in replicated or number in latent
                                     or split.replicated_whole(roles.get(number)), weight=number in weights)))
             for number, shape, nbytes, _ in events]

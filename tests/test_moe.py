@@ -486,8 +486,7 @@ def test_without_a_q_down_projection_torchs_latent_kv_one_leaves_the_gather_to_t
     rank), not a second gather of wkv_a's; under Megatron-core wkv_a reduces its own (24 features, 12 a rank)."""
     from pipesim.planning.estimate import Parallelism, _Split
 
-    (layer,) = [counted.layers[2] for counted in capacity_counts(tmp_path, {**TINY_DEEPSEEK, "q_lora_rank": None},
-                                                                None)]
+    layer = count_config(tmp_path / "q-less", {**TINY_DEEPSEEK, "q_lora_rank": None}).layers[2]
     igrad = [op for op in layer.ops["igrad"] if op.kind == "matmul"]
     for runtime, attention in (("megatron", {(1, TOKENS, H, 24): 1.0, (1, TOKENS, H, 12): 1.0}),
                                ("torch", {(1, TOKENS, H, 24): 1.0})):
@@ -610,8 +609,7 @@ def test_without_a_q_down_projection_torchs_rank_holds_the_kv_one_whole_in_float
     from pipesim.planning.estimate import Parallelism, float8_weights_on_rank, replicated_share
     from pipesim.planning.fp8 import FP8_RECIPES, float8_weights
 
-    (layer,) = [counted.layers[2] for counted in capacity_counts(tmp_path, {**TINY_DEEPSEEK, "q_lora_rank": None},
-                                                                None)]
+    layer = count_config(tmp_path / "q-less", {**TINY_DEEPSEEK, "q_lora_rank": None}).layers[2]
     elements, _ = float8_weights(layer, FP8_RECIPES["torchao"])
     on_rank = {runtime: float8_weights_on_rank(layer, Parallelism(tensor=2, tp_runtime=runtime, sequence_parallel=True,
                                                                   fp8="torchao"))[0]
