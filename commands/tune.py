@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import as_completed
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -369,9 +369,8 @@ def _simulate_command(ctx: typer.Context, result) -> list[list[str]]:
            *(("search_seconds",) if c.schedule != "auto" else ()),
            *(("recompute_modules",) if c.recompute in ("full", "op") else ()),
            # what changes nothing at the choice's t = 1 or E = 1, which tune estimated without it (simulate refuses)
-           *(("tp_overlap", "tp_overlap_no_margin", "tp_overlap_fp8_buf", "tp_runtime", "loss_parallel")
-             if c.tensor == 1 else ()),
-           *(("hot_expert_share", "routing", "token_dispatcher", "dispatcher_sms") if c.expert == 1 else ())}
+           *((*TP_OVERLAP_SETTINGS, "tp_runtime", "loss_parallel") if c.tensor == 1 else ()),
+           *(ROUTING_SETTINGS if c.expert == 1 else ())}
     return [["pipesim", "simulate"], *given_simulate_flags(ctx, own),
             *([flag] if value is True else [flag, str(value)] for _, flag, value in chosen if value is not None)]
 
@@ -574,17 +573,22 @@ def _check_routing(what: WhatIf, counted: WorkloadCount) -> None:
             check_dispatcher_sms(what.dispatcher_sms, (what.curve or what.gpu.curve).multiprocessors)
 
 
+# What a layout of t = 1 or of E = 1 has no use for (`_as_estimated`): WhatIf's fields, named as simulate's parameters
+# (`_simulate_command`)
+TP_OVERLAP_SETTINGS = ("tp_overlap", "tp_overlap_no_margin", "tp_overlap_fp8_buf")
+ROUTING_SETTINGS = ("hot_expert_share", "routing", "token_dispatcher", "dispatcher_sms")
+
+
 def _as_estimated(what: WhatIf, tensor: int, expert: int, expert_fixed: bool) -> WhatIf:
     """`what` as a layout of t = `tensor` and E = `expert` is estimated: at t = 1 without --tp-overlap and its
     settings, which have nothing to overlap there; at E = 1 searched among others (not `expert_fixed`: given, or a
     dense model's), every routed expert on the rank, without how tokens are routed and dispatched between
     expert-parallel ranks (--hot-expert-share, --routing, --token-dispatcher and its SMs), which changes nothing
     there (`_check_routing` checks their values; a fixed E = 1 is refused with them, in one line)."""
-    if tensor == 1:
-        what = replace(what, tp_overlap=False, tp_overlap_no_margin=False, tp_overlap_fp8_buf=False)
-    if expert == 1 and not expert_fixed:
-        what = replace(what, hot_expert_share=None, routing="balanced", token_dispatcher=None, dispatcher_sms=None)
-    return what
+    unset = (*(TP_OVERLAP_SETTINGS if tensor == 1 else ()), *(ROUTING_SETTINGS if expert == 1 and not expert_fixed
+                                                                else ()))
+    return replace(what, **{field.name: field.default for field in fields(WhatIf) if field.name in unset}) \
+        if unset else what
 
 
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
