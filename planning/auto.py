@@ -554,50 +554,96 @@ def within_room(pattern: Pattern, times: StageTimes, starts: Sequence[Sequence[f
     then the device's own changes in its order, then the transfers' ends. Transfers are timed as `finish_ms` times
     them, each link free: where they queue on a busy one, or wait for the receiver (--blocking-comm), the simulator
     may hold a sent tensor longer than counted here (simulate then marks the device out of memory, and tune counts
-    the order over its cap)."""
-    p, m, ops_ms = times.stages, times.microbatches, times.op_ms
-    where = [{(_I if code == _B else code, j): r for r, (code, j) in enumerate(ops)} for ops in pattern]
+    the order over its cap).
 
-    def ends(d: int, code: int, unit: int) -> float:
-        """When device d's F (code _F) or backward (_I: its I or B) of `unit`, b·m + j, ends."""
-        b, j = divmod(unit, m)
-        r = where[d][code, j]
-        return starts[d][b * len(pattern[d]) + r] + ops_ms[d][pattern[d][r][0]]
-
+    Each device's changes are arrays, sorted and summed in numpy (`_Events`): the search times hundreds of
+    candidates, each of thousands of changes, and this check was most of a tune's time op by op in Python."""
+    p = times.stages
+    table = _OpTable(pattern, starts, times)
     sizes = times.boundary_sizes
-    for k, ops in enumerate(pattern):
+    for k in range(p):
         if roomy[k]:
             continue
+        code, unit, start, end, own = table.ops(k)
         held, kept = times.held_bytes[k], times.kept_bytes[k]
-        freed = (0.0, held - kept, kept, held)  # by op code, at its end (an F holds `held` from its start)
-        # by kind of boundary tensor: received input, sent gradient, sent output, received gradient
-        size = (sizes[k], sizes[k], sizes[k + 1], sizes[k + 1])
-        sends_output = k < p - 1 and not times.takes_input[k]
-        events = []  # (ms, group: arrivals, own changes, transfers' ends; order in it, activations, kind, count)
-        for index, start in enumerate(starts[k]):
-            b, r = divmod(index, len(ops))
-            code, j = ops[r]
-            unit, end, own = b * m + j, start + ops_ms[k][code], 2 * index
-            if code == _F:
-                events.append((start, 1, own, held, 0, 0))
-                if k:
-                    events += [(ends(k - 1, _F, unit) + times.send_ms[k - 1], 0, 0, 0.0, 0, 1),
-                               (start, 1, own, 0.0, 0, -1) if times.takes_input[k] else (end, 1, own + 1, 0.0, 0, -1)]
-                if sends_output:
-                    events += [(end, 1, own + 1, 0.0, 2, 1), (end + times.send_ms[k], 2, 0, 0.0, 2, -1)]
-                continue
-            if code != _W and k < p - 1:
-                events += [(ends(k + 1, _I, unit) + times.grad_ms[k], 0, 0, 0.0, 3, 1), (end, 1, own + 1, 0.0, 3, -1)]
-            if code != _W and k:
-                events += [(end, 1, own + 1, 0.0, 1, 1), (end + times.grad_ms[k - 1], 2, 0, 0.0, 1, -1)]
-            events.append((end, 1, own + 1, -freed[code], 0, 0))
-        activations, counts = 0.0, [0, 0, 0, 0]
-        for _, _, _, bytes_, kind, count in sorted(events):
-            activations += bytes_
-            counts[kind] += count
-            if activations + sum(max(n - 1, 0) * b for n, b in zip(counts, size)) > times.room_bytes[k] + 1e-9:
-                return False
+        freed = np.array([0.0, held - kept, kept, held])  # by op code, at its end (an F holds `held` from its start)
+        forward, backward = code == _F, (code == _I) | (code == _B)
+        events = _Events()  # (ms, group: arrivals, own changes, transfers' ends; order in it, activations, kind, count)
+        events.add(start[forward], 1, own[forward], held, 0, 0)
+        if k:
+            events.add(table.ends(k - 1, _F)[unit[forward]] + times.send_ms[k - 1], 0, 0, 0.0, 0, 1)
+            if times.takes_input[k]:
+                events.add(start[forward], 1, own[forward], 0.0, 0, -1)
+            else:
+                events.add(end[forward], 1, own[forward] + 1, 0.0, 0, -1)
+        if k < p - 1 and not times.takes_input[k]:  # it sends its output
+            events.add(end[forward], 1, own[forward] + 1, 0.0, 2, 1)
+            events.add(end[forward] + times.send_ms[k], 2, 0, 0.0, 2, -1)
+        if k < p - 1:
+            events.add(table.ends(k + 1, _I)[unit[backward]] + times.grad_ms[k], 0, 0, 0.0, 3, 1)
+            events.add(end[backward], 1, own[backward] + 1, 0.0, 3, -1)
+        if k:
+            events.add(end[backward], 1, own[backward] + 1, 0.0, 1, 1)
+            events.add(end[backward] + times.grad_ms[k - 1], 2, 0, 0.0, 1, -1)
+        later = ~forward
+        events.add(end[later], 1, own[later] + 1, -freed[code[later]], 0, 0)
+        if events.peak(sizes[k], sizes[k + 1]) > times.room_bytes[k] + 1e-9:
+            return False
     return True
+
+
+class _OpTable:
+    """A timed pattern's ops as arrays, device by device: each op's code, unit (b·m + j), start and end ms, and
+    its place in its device's order (twice its index: an op's changes at its start, then those at its end)."""
+
+    def __init__(self, pattern: Pattern, starts: Sequence[Sequence[float]], times: StageTimes) -> None:
+        self.pattern, self.starts, self.times = pattern, starts, times
+        self._ops: dict[int, tuple[np.ndarray, ...]] = {}
+        self._ends: dict[tuple[int, int], np.ndarray] = {}
+
+    def ops(self, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if d not in self._ops:
+            ops, m = self.pattern[d], self.times.microbatches
+            start = np.asarray(self.starts[d], dtype=float)
+            minibatches = len(start) // len(ops)
+            code = np.tile(np.array([c for c, _ in ops]), minibatches)
+            unit = np.repeat(np.arange(minibatches) * m, len(ops)) + np.tile(np.array([j for _, j in ops]), minibatches)
+            end = start + np.asarray(self.times.op_ms[d], dtype=float)[code]
+            self._ops[d] = code, unit, start, end, 2 * np.arange(len(start))
+        return self._ops[d]
+
+    def ends(self, d: int, code: int) -> np.ndarray:
+        """By unit, when device d's F (code _F) or backward (_I: its I or B) of it ends."""
+        if (d, code) not in self._ends:
+            codes, unit, _, end, _ = self.ops(d)
+            chosen = codes == _F if code == _F else (codes == _I) | (codes == _B)
+            by_unit = np.full(len(codes), np.nan)  # as many units as ops, and more than enough
+            by_unit[unit[chosen]] = end[chosen]
+            self._ends[d, code] = by_unit
+        return self._ends[d, code]
+
+
+class _Events:
+    """One device's memory changes (`within_room`), a piece at a time (the changes at `ms`, each field of theirs an
+    array or one value for all), sorted and summed as Python would sort their tuples and sum them in that order."""
+
+    def __init__(self) -> None:
+        self.pieces: list[list[np.ndarray]] = []
+
+    def add(self, ms: np.ndarray, group: int, order: np.ndarray | int, activation_bytes: np.ndarray | float,
+            kind: int, count: int) -> None:
+        self.pieces.append([field if isinstance(field, np.ndarray) else np.full(len(ms), field)
+                            for field in (ms, group, order, activation_bytes, kind, count)])
+
+    def peak(self, received_bytes: float, sent_bytes: float) -> float:
+        """The most the device holds at once: its activations and, of each kind of boundary tensor (received
+        input, sent gradient, sent output, received gradient), those beyond the first, each of its size."""
+        ms, group, order, activation_bytes, kind, count = (np.concatenate(field) for field in zip(*self.pieces))
+        at = np.lexsort((count, kind, activation_bytes, order, group, ms))  # the last key first, as tuples sort
+        activation_bytes, kind, count = activation_bytes[at], kind[at], count[at]
+        beyond = [np.maximum(np.cumsum(np.where(kind == c, count, 0)) - 1, 0) * size
+                  for c, size in enumerate((received_bytes, received_bytes, sent_bytes, sent_bytes))]
+        return float((np.cumsum(activation_bytes) + (beyond[0] + beyond[1] + beyond[2] + beyond[3])).max())
 
 
 def finish_ms(pattern: Pattern, times: StageTimes, minibatches: int, starts: list[list[float]] | None = None

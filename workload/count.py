@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import math
 import weakref
 from collections import Counter
@@ -874,12 +875,24 @@ def _attention_copied(save: _Save) -> int:
 
 
 def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> tuple[int, int]:
-    """(state bytes, bytes moved) of a step of optimizer `name` over meta weights of `shapes`: the second step,
-    since the first one creates the state instead of updating it."""
-    weights = [torch.empty(shape, dtype=dtype, device=META, requires_grad=True) for shape, dtype in shapes]
-    for w in weights:
-        w.grad = torch.empty_like(w)
-    optimizer = make_optimizer(name, weights, 1e-3)
+    """(state bytes, bytes moved) of a step of optimizer `name` over meta weights of `shapes`: the sum of each
+    weight's own (workload/optim.py's foreach kernels read and write each tensor of their lists once, and its state
+    is per tensor), one weight of each shape and dtype stepped (`_weight_step`): a MoE layer's hundreds of experts'
+    weights are a few shapes."""
+    state_bytes = moved_bytes = 0
+    for (shape, dtype), weights in Counter(shapes).items():
+        state, moved = _weight_step(name, shape, dtype, torch.get_default_dtype())
+        state_bytes, moved_bytes = state_bytes + weights * state, moved_bytes + weights * moved
+    return state_bytes, moved_bytes
+
+
+@functools.cache
+def _weight_step(name: str, shape: tuple[int, ...], dtype: torch.dtype, default_dtype: torch.dtype) -> tuple[int, int]:
+    """(state bytes, bytes moved) of the second step of optimizer `name` over one meta weight (the first creates the
+    state instead of updating it); `default_dtype`, torch's, is that of Adam's step count."""
+    weight = torch.empty(shape, dtype=dtype, device=META, requires_grad=True)
+    weight.grad = torch.empty_like(weight)
+    optimizer = make_optimizer(name, [weight], 1e-3)
     optimizer.step()
     tally = _Tally()
     with _MovedBytes(tally):
