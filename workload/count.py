@@ -880,9 +880,9 @@ def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype]
     is per tensor), one weight of each shape and dtype stepped (`_weight_step`): a MoE layer's hundreds of experts'
     weights are a few shapes."""
     state_bytes = moved_bytes = 0
-    for (shape, dtype), weights in Counter(shapes).items():
+    for (shape, dtype), copies in Counter(shapes).items():
         state, moved = _weight_step(name, shape, dtype, torch.get_default_dtype())
-        state_bytes, moved_bytes = state_bytes + weights * state, moved_bytes + weights * moved
+        state_bytes, moved_bytes = state_bytes + copies * state, moved_bytes + copies * moved
     return state_bytes, moved_bytes
 
 
