@@ -148,8 +148,9 @@ def check_size(name: str, value: int, least: int = 1) -> None:
 def _relu_linear(inputs: int, outputs: int) -> nn.Linear:
     """A linear layer initialised for a ReLU after it (He et al.): a deep stack then keeps its signal, so plain
     SGD trains the mlp at any depth (torch's default init shrinks it layer by layer). Not on the meta device, whose
-    values are never read: its normal_ is a Python reference whose first call imports torch's compiler (torch._dynamo:
-    1.8 s of a command's check that the weights fit in host memory, `host_memory_refusal`)."""
+    values are never read: its normal_ is a Python reference whose first call imports torch's compiler (torch._dynamo),
+    1.8 s of `host_memory_refusal`'s check of the weights where no forward on the meta device follows (calibrate on a
+    GPU; with a micro-batch, the forward's addmm there imports it all the same)."""
     layer = nn.Linear(inputs, outputs)
     if not layer.weight.is_meta:
         nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
