@@ -576,10 +576,10 @@ def within_room(pattern: Pattern, times: StageTimes, starts: Sequence[Sequence[f
                 events.add(start[forward], 1, own[forward], 0.0, 0, -1)
             else:
                 events.add(end[forward], 1, own[forward] + 1, 0.0, 0, -1)
-        if k < p - 1 and not times.takes_input[k]:  # it sends its output
-            events.add(end[forward], 1, own[forward] + 1, 0.0, 2, 1)
-            events.add(end[forward] + times.send_ms[k], 2, 0, 0.0, 2, -1)
         if k < p - 1:
+            if not times.takes_input[k]:  # it sends its output
+                events.add(end[forward], 1, own[forward] + 1, 0.0, 2, 1)
+                events.add(end[forward] + times.send_ms[k], 2, 0, 0.0, 2, -1)
             events.add(table.ends(k + 1, _I)[unit[backward]] + times.grad_ms[k], 0, 0, 0.0, 3, 1)
             events.add(end[backward], 1, own[backward] + 1, 0.0, 3, -1)
         if k:

@@ -17,7 +17,7 @@ from torch import nn
 from pipesim.sim.caching_allocator import left_live
 from pipesim.workload.count import LayerCount, count_built, count_model
 from pipesim.workload.models import Model, ModelError
-from pipesim.workload.optim import OPTIMIZERS, make_optimizer
+from pipesim.workload.optim import OPTIMIZERS
 from tests.conftest import pipesim
 
 B, S, H, A = 2, 32, 64, 4  # micro-batch, sequence, hidden, heads of the small gpt
@@ -250,19 +250,11 @@ def test_optimizer_steps_move_what_torch_reads_and_writes():
 def test_a_step_over_many_weights_moves_and_keeps_what_each_weights_own_step_does(name):
     """The count steps one weight of each shape and dtype and multiplies (a MoE layer's experts are hundreds of
     weights of a few shapes): what stepping them all together moves and keeps, as the optimizer runs them."""
-    from pipesim.workload.count import _MovedBytes, _nbytes, _optimizer_step, _Tally
+    from pipesim.workload.count import _optimizer_step, stepped
 
     shapes = 3 * (((64, 32), torch.bfloat16),) + (((32,), torch.float32), ((7, 5, 3), torch.bfloat16))
-    weights = [torch.empty(shape, dtype=dtype, device="meta", requires_grad=True) for shape, dtype in shapes]
-    for weight in weights:
-        weight.grad = torch.empty_like(weight)
-    optimizer = make_optimizer(name, weights, 1e-3)
-    optimizer.step()
-    tally = _Tally()
-    with _MovedBytes(tally):
-        optimizer.step()
-    state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    assert _optimizer_step(name, shapes) == (state, tally.moved_bytes) and tally.moved_bytes > 0
+    together = stepped(name, shapes)
+    assert _optimizer_step(name, shapes) == together and together[1] > 0
 
 
 def test_bad_model_options_and_attention_are_named():

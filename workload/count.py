@@ -888,11 +888,17 @@ def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype]
 
 @functools.cache
 def _weight_step(name: str, shape: tuple[int, ...], dtype: torch.dtype, default_dtype: torch.dtype) -> tuple[int, int]:
-    """(state bytes, bytes moved) of the second step of optimizer `name` over one meta weight (the first creates the
-    state instead of updating it); `default_dtype`, torch's, is that of Adam's step count."""
-    weight = torch.empty(shape, dtype=dtype, device=META, requires_grad=True)
-    weight.grad = torch.empty_like(weight)
-    optimizer = make_optimizer(name, [weight], 1e-3)
+    """`stepped` over one weight of `shape` and `dtype`; `default_dtype`, torch's, is that of Adam's step count."""
+    return stepped(name, ((shape, dtype),))
+
+
+def stepped(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> tuple[int, int]:
+    """(state bytes, bytes moved) of the second step of optimizer `name` over meta weights of `shapes`, stepped
+    together (the first step creates the state instead of updating it)."""
+    weights = [torch.empty(shape, dtype=dtype, device=META, requires_grad=True) for shape, dtype in shapes]
+    for weight in weights:
+        weight.grad = torch.empty_like(weight)
+    optimizer = make_optimizer(name, weights, 1e-3)
     optimizer.step()
     tally = _Tally()
     with _MovedBytes(tally):
