@@ -166,6 +166,7 @@ def calibrate(
     from ..profiles.schema import optimizer_refusal, profile_json
     from ..traces import write_atomic
     from ..traces.hostload import HostLoad, mark
+    from ..workload.hfconfig import build_imports
     from ..workload.processes import prepare, ready
     from ..workload.sizes import flag_sizes_refusal, model_name_refusal, stages_refusal
 
@@ -210,7 +211,7 @@ def calibrate(
         # what a cached host term is reused under: the others' load with nothing of this calibration running yet
         load_now = HostLoad.now(began) if starts_processes else None
         if starts_processes:  # before torch's import: their server imports it while this process does
-            prepare()
+            prepare(build_imports(model))
         with transient_status(STARTING_STATUS, quiet=False):  # torch's import: seconds before the phases' bar
             require_model("pipesim calibrate", model)  # torch imported, so a broken build stops here
             if runtime:  # its probe times the executor on a small mlp, which draws the digits

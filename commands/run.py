@@ -216,6 +216,7 @@ def run(
     from ..traces import summarize, write_trace
     from ..traces.compare import passes_warning
     from ..traces.hostload import HostLoad, mark, ranks_per_host
+    from ..workload.hfconfig import build_imports
     from ..workload.processes import prepare
     from ..workload.sizes import flag_sizes_refusal, model_name_refusal, stages_refusal
 
@@ -320,7 +321,7 @@ def run(
         # every flag that needs nothing started is read: a refusal starts no server and imports no torch
         began = mark()  # the host's load before this run starts anything
         if not under_torchrun():  # this command starts the ranks: their server's imports overlap this one's
-            prepare()
+            prepare(build_imports(model))
         # torch's import (begun by the ranks' server above) and the model: seconds before the ranks' bar
         with transient_status(f"{STARTING_STATUS} ({model})", quiet=as_json or under_torchrun()):
             require_model("pipesim run", model)  # torch imported, so a broken build stops here

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.workload import processes
+from tests.conftest import needs_transformers
 
 
 def _report(out, *_) -> None:
@@ -71,6 +72,44 @@ def test_a_spawned_rank_has_what_its_first_backward_imports_before_its_work(monk
     monkeypatch.setattr(processes._STARTER, "method", "spawn")
     seen = _run_one(1, torch.zeros(1))
     assert seen[4] and seen[5] == []
+
+
+def _loaded(out, modules: list[str]) -> None:
+    """A rank's report of which of `modules` it holds as it starts its work."""
+    out.put([name in sys.modules for name in modules])
+
+
+@needs_transformers
+def test_a_hugging_face_configs_ranks_are_forked_with_transformers_model_code_imported():
+    """Each rank of `run --model hf:PATH` imported transformers' model code itself (4.3 s of a quiet core, the two
+    ranks' side by side on 2 cores): the server imports it once (`build_imports`), before its last preload, which
+    must stay last. A fresh process, for a server of its own; a rank's view as its work starts."""
+    import subprocess
+    import textwrap
+
+    from pipesim.workload.hfconfig import build_imports
+
+    assert build_imports("mlp") == () and build_imports("pkg.mod:model") == ()
+    script = textwrap.dedent("""
+        import sys
+        from multiprocessing import forkserver
+        from pipesim.workload import processes
+        from pipesim.workload.hfconfig import build_imports
+        from tests.test_processes import _loaded
+        processes.prepare(build_imports("hf:examples/llama3.1-8b"))
+        context = processes.rank_context()
+        out = context.Queue()
+        names = ["transformers.modeling_utils", "pipesim.workload.hf"]
+        proc = processes.rank_process(context, _loaded, (out, names), "pipesim-test-rank", 1)
+        processes.start_processes([proc], 1)
+        print(processes._STARTER.method, out.get(timeout=60), forkserver._forkserver._preload_modules[-1])
+        proc.join(timeout=10)
+    """)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "forkserver [True, True] pipesim.workload.server_exit", done.stdout
 
 
 @pytest.mark.parametrize("broken", ["platform", "start", "answer"])

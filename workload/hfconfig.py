@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import read_json
-from ..profiles.workload import HF_PREFIX
+from ..profiles.workload import HF_PREFIX, is_hf
 from ..units import number_allowed
 from .sizes import MAX_SIZES, size_refusal
 
@@ -91,6 +91,14 @@ class HfConfig:
     def digest(self) -> str:
         """What the model is, whatever the file is called or how it is laid out: its fields, sorted."""
         return hashlib.sha256(json.dumps(self.fields, sort_keys=True).encode()).hexdigest()
+
+
+def build_imports(model: str) -> tuple[str, ...]:
+    """What a process building --model `model` imports beyond torch and pipesim's executor: for a Hugging Face config,
+    transformers' model code (4.3 s of one quiet core; a config's own modeling module adds 0.02-0.1), which a
+    rank's forkserver imports once for all of them (workload/processes.py `prepare`); none for pipesim's own models
+    and a user's module (whose imports are theirs)."""
+    return ("transformers.modeling_utils", f"{__package__}.hf") if is_hf(model) else ()
 
 
 def hf_config_path(spec: str) -> Path:

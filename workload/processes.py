@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,8 +94,9 @@ class _Starter:
         self.started = False
         self.lock = threading.Lock()
 
-    def prepare(self) -> None:
-        """Start the forkserver, its imports included, without waiting for it."""
+    def prepare(self, also: Sequence[str] = ()) -> None:
+        """Start the forkserver, its imports (`PRELOAD`, `also` before its last) included, without waiting for it.
+        A server already started keeps the imports it started with."""
         with self.lock:
             if self.started or self.method is not None:
                 return
@@ -104,7 +105,7 @@ class _Starter:
                 return
             from multiprocessing import forkserver, resource_tracker
 
-            forkserver.set_forkserver_preload(PRELOAD)
+            forkserver.set_forkserver_preload([*PRELOAD[:-1], *also, PRELOAD[-1]])
             try:
                 resource_tracker.ensure_running()  # first: its start unblocks SIGINT, which the server's must not
                 with _sigint_deferred():
@@ -172,9 +173,10 @@ class _Starter:
 
 _STARTER = _Starter()
 
-def prepare() -> None:
-    """Start the forkserver now, so that its imports overlap the caller's; `ready` waits for it."""
-    _STARTER.prepare()
+def prepare(also: Sequence[str] = ()) -> None:
+    """Start the forkserver now, so that its imports overlap the caller's; `ready` waits for it. `also`: modules
+    the ranks import beyond `PRELOAD` (workload/hfconfig.py `build_imports`), imported once there, not in each."""
+    _STARTER.prepare(also)
 
 
 def ready() -> None:
