@@ -1005,22 +1005,25 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
     refuse(elastic_alpha_refusal(ctx.params.get("elastic_alpha"), "--elastic-alpha"))
 
 
-def check_wgrad_fraction(ctx: typer.Context, names: Iterable[str], loaded=None) -> None:
-    """Refuse --wgrad-fraction where none of the methods `names` runs a backward's weight gradient apart
-    (`Method.splits_backward`), nor `loaded`, a --schedule-file's order, has a W row: it prices W alone, so taken
-    it would change nothing."""
+def check_row_costs(ctx: typer.Context, names: Iterable[str], loaded=None) -> None:
+    """Refuse a flag that prices one kind of row alone where none of the methods `names` runs such a row, nor
+    `loaded` (a --schedule-file's order) holds one: taken, it would change nothing. --wgrad-fraction prices W,
+    --pred PRED, --avg AVG (`Method.runs`); `simulate -s 1f1b --pred 3 --avg 3` ran as without them."""
     from ..schedules import METHODS
-    from ..schedules.analysis import weight_gradients
+    from ..schedules.analysis import rows_of
+    from ..schedules.ir import Kind
 
-    if not is_given(ctx, "wgrad_fraction"):
-        return
     names = list(names)
-    if (loaded is not None and weight_gradients(loaded)) or any(METHODS[n].splits_backward for n in names
-                                                                if n in METHODS):
-        return
-    splitters = ", ".join(m.name for m in METHODS.values() if m.splits_backward)
-    raise InputError(f"--wgrad-fraction prices the weight gradient a split backward runs apart (W), and none of "
-                     f"{', '.join(names)} splits it ({splitters} do): leave it out")
+    for param, kind, what, does in (
+            ("wgrad_fraction", Kind.W, "the weight gradient a split backward runs apart (W)", "splits it"),
+            ("pred", Kind.PRED, "the weight prediction (PRED)", "predicts weights"),
+            ("avg", Kind.AVG, "the elastic averaging of pipelines (AVG)", "averages pipelines")):
+        if not is_given(ctx, param) or (loaded is not None and rows_of(loaded, kind)) or any(
+                METHODS[n].runs(kind) for n in names if n in METHODS):
+            continue
+        runners = [m.name for m in METHODS.values() if m.runs(kind)]
+        raise InputError(f"--{param.replace('_', '-')} prices {what}, and none of {', '.join(names)} {does} "
+                         f"({', '.join(runners)} {'does' if len(runners) == 1 else 'do'}): leave it out")
 
 
 def check_allocator(ctx: typer.Context, what) -> None:

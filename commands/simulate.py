@@ -68,7 +68,7 @@ from .common import (
     check_outputs,
     check_p2p_sync,
     check_prediction,
-    check_wgrad_fraction,
+    check_row_costs,
     check_writable,
     expert_overlap_options,
     fail,
@@ -282,7 +282,7 @@ def simulate(
         check_prediction(prediction)
         check_method_options(ctx, compared, ("--advance", "--average-every", "--elastic-alpha", "--graph",
                                               "--prediction", "--activation-limit", "--search-seconds"))
-        check_wgrad_fraction(ctx, names, loaded)
+        check_row_costs(ctx, names, loaded)
         check_p2p_sync(ctx, compared)  # the flag's refusals before the model is counted (a --profile's once read)
         search = search_options(activation_limit, search_seconds)
         memory_bytes = memory_gb_bytes(memory_gb)

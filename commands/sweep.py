@@ -47,7 +47,7 @@ from .common import (
     check_method_options,
     check_outputs,
     check_p2p_sync,
-    check_wgrad_fraction,
+    check_row_costs,
     expert_overlap_options,
     fail,
     finite_from,
@@ -268,7 +268,7 @@ def sweep(
         check_method_options(ctx, axes.get("schedule", METHODS), ("--chunks", "--pipelines", "--prediction",
                                                                   "--activation-limit", "--search-seconds"),
                              given=(key.replace("-", "_") for key in axes))
-        check_wgrad_fraction(ctx, axes.get("schedule", METHODS))
+        check_row_costs(ctx, axes.get("schedule", METHODS))
         what = what_if(ctx)
         check_allocator(ctx, what)
         scenario = scenario_from_flags(ctx, "model")

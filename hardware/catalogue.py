@@ -33,6 +33,12 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 # it prefers on Hopper when NVTE_FUSED_ATTN=1) and FlashAttention-3 (flash-attn's hopper/ kernels).
 ATTENTION_KERNELS = ("flash2", "cudnn", "flash3")
 NAME = r"^[a-z0-9][a-z0-9.-]*$"  # how parts and clusters are named on the command line (--gpu a100-sxm-80gb)
+# A part's rates and sizes within what a part could have, a thousandth of today's slowest to a thousand times today's
+# fastest, so that every time the estimate makes of them is finite: a --gpus file's 1e-300 TFLOP/s or GB/s, a kernel
+# overhead of 1e300 ms or tiles of 0 rows ended in a traceback, and 1e18 multiprocessors were blamed on the micro-batch
+TFLOP_S = Annotated[float, Field(ge=1e-3, le=1e6)]
+GB_S = Annotated[float, Field(ge=1e-3, le=1e6)]
+TILE_SIDE = Annotated[int, Field(ge=1, le=4096)]
 
 
 class CatalogueError(ValueError):
@@ -46,11 +52,11 @@ class _Strict(BaseModel):
 class DenseTflops(_Strict):
     """Dense (no 2:4 sparsity) peak TFLOP/s per dtype; a dtype the part has no tensor-core path for is absent."""
 
-    fp32: float = Field(gt=0)
-    tf32: float | None = Field(default=None, gt=0)
-    bf16: float = Field(gt=0)
-    fp16: float = Field(gt=0)
-    fp8: float | None = Field(default=None, gt=0)
+    fp32: TFLOP_S
+    tf32: TFLOP_S | None = None
+    bf16: TFLOP_S
+    fp16: TFLOP_S
+    fp8: TFLOP_S | None = None
 
 
 class IntraNode(_Strict):
@@ -58,8 +64,8 @@ class IntraNode(_Strict):
     switch, all of it reaches any peer); a mesh (`peer_gb_s_per_direction`) reaches each peer at that rate."""
 
     link: Literal["nvlink", "xgmi", "pcie"]
-    gb_s_per_direction: float = Field(gt=0)
-    peer_gb_s_per_direction: float | None = Field(default=None, gt=0)
+    gb_s_per_direction: GB_S
+    peer_gb_s_per_direction: GB_S | None = None
     gpus_per_node: int = Field(ge=1)
     source: str = Field(min_length=1)
     note: str = ""
@@ -69,7 +75,7 @@ class Network(_Strict):
     """The inter-node network per GPU (its own NIC, or its share of the node's), in Gb/s (10^9 bits)."""
 
     kind: Literal["infiniband", "roce", "ethernet"]
-    gbit_s: float = Field(gt=0)
+    gbit_s: Annotated[float, Field(ge=8e-3, le=8e6)]  # GB_S's, in bits
     source: str = Field(min_length=1)
     note: str = ""
 
@@ -87,7 +93,7 @@ class AttentionPasses(_Strict):
     causal_forward: float = Field(gt=0, le=1)
     backward: float = Field(gt=0, le=1)
     causal_backward: float = Field(gt=0, le=1)
-    causal_tail: float = Field(0.0, ge=0)
+    causal_tail: float = Field(0.0, ge=0, le=1000)
     measured_tiles: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
@@ -105,8 +111,8 @@ class DispatcherRates(_Strict):
     the nearest's."""
 
     ranks: list[int] = Field(min_length=1)
-    dispatch_gb_s: list[Annotated[float, Field(gt=0)]]
-    combine_gb_s: list[Annotated[float, Field(gt=0)]]
+    dispatch_gb_s: list[GB_S]
+    combine_gb_s: list[GB_S]
     gpus_per_node: int = Field(ge=1)
     source: str = Field(min_length=1)
 
@@ -159,9 +165,9 @@ class Curve(_Strict):
     memory_efficiency: float = Field(gt=0, le=1)
     link_efficiency: float = Field(1.0, gt=0, le=1)
     network_efficiency: float = Field(1.0, gt=0, le=1)
-    kernel_overhead_ms: float = Field(ge=0)
-    multiprocessors: int = Field(ge=1)
-    tiles: list[Annotated[tuple[int, int], Strict(False)]] = Field(min_length=1)  # TOML writes a pair as a list
+    kernel_overhead_ms: float = Field(ge=0, le=1000)
+    multiprocessors: int = Field(ge=1, le=100_000)
+    tiles: list[Annotated[tuple[TILE_SIDE, TILE_SIDE], Strict(False)]] = Field(min_length=1)  # TOML: a pair a list
     persistent_products: StrictBool = False  # not "yes", which pydantic would read as true
     fp8_split_accumulation_efficiency: float | None = Field(default=None, gt=0, le=1)
     hybridep: DispatcherRates | None = None
@@ -224,7 +230,7 @@ class Gpu(_Strict):
 
     name: str = Field(min_length=1)
     memory_gib: Annotated[float, AfterValidator(checked_memory_gib)]
-    memory_bandwidth_gb_s: float = Field(gt=0)
+    memory_bandwidth_gb_s: GB_S
     source: str = Field(min_length=1)
     dense_tflops: DenseTflops
     intra_node: IntraNode

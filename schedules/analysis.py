@@ -134,9 +134,9 @@ def overlapped_pairs(schedule: Schedule) -> int:
     return int(np.count_nonzero((t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0)))
 
 
-def weight_gradients(schedule: Schedule) -> int:
-    """How many weight-gradient rows (W, a split backward's second part) the schedule runs."""
-    return int(np.count_nonzero(schedule.table.kind == KIND_CODE[Kind.W]))
+def rows_of(schedule: Schedule, kind: Kind) -> int:
+    """How many rows of `kind` the schedule runs (W: a split backward's second part; PRED, AVG: a weight policy's)."""
+    return int(np.count_nonzero(schedule.table.kind == KIND_CODE[kind]))
 
 
 def _check_pairs(schedule: Schedule, t: ActionTable, compute: np.ndarray) -> None:

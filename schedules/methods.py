@@ -217,6 +217,13 @@ class Method:
         (`in_rounds`)."""
         return self.make(params) if params.rounds == 1 else in_rounds(self.make, params)
 
+    def runs(self, kind: Kind) -> bool:
+        """Whether its order runs rows of `kind`, one a cost flag prices alone (W, PRED or AVG: what --wgrad-fraction,
+        --pred and --avg are refused by without): W where it splits the backward, PRED where it reads a prediction
+        source, AVG where it reads an elastic alpha."""
+        return {Kind.W: self.splits_backward, Kind.PRED: self.reads("prediction"),
+                Kind.AVG: self.reads("elastic_alpha")}[kind]
+
     def reads(self, option: str) -> bool:
         """Whether this method reads `option`, an input only some methods read (chunks, pipelines, AvgPipe's
         knobs, GraphPipe's graph): a shape it has a default for, or one of its own options."""

@@ -18,7 +18,7 @@ from pipesim.schedules import (
     find_deadlock,
     weight_versions,
 )
-from pipesim.schedules.analysis import weight_gradients
+from pipesim.schedules.analysis import rows_of
 from pipesim.schedules.graph import graph_schedule, load_graph, two_branch_graph
 from tests.conftest import build, simulated
 from tests.helpers import method_shape
@@ -86,8 +86,9 @@ def test_property_every_method_is_complete_deadlock_free_and_follows_its_rule(na
     schedule = build(name, p, m, n)
     check_complete(schedule)
     assert find_deadlock(schedule) == {}
-    if not METHODS[name].needs_costs:  # what --wgrad-fraction is refused by; a searched order may merge its W's
-        assert (weight_gradients(schedule) > 0) == METHODS[name].splits_backward
+    if not METHODS[name].needs_costs:  # what --wgrad-fraction, --pred, --avg are refused by (a searched order may
+        for kind in (Kind.W, Kind.PRED, Kind.AVG):  # merge its W's)
+            assert (rows_of(schedule, kind) > 0) == METHODS[name].runs(kind), kind
     versions = weight_versions(schedule)
     _, trace, summary = simulated(schedule, param_mb=8, activation_mb=1, output_mb=0.5)
     _check_rule(name, schedule, versions, summary)

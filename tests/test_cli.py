@@ -188,6 +188,17 @@ def test_schedules_lists_methods():
     (["-s", "gpipe", "-s", "1f1b", "--wgrad-fraction", "0.3"],
      "error: --wgrad-fraction prices the weight gradient a split backward runs apart (W), and none of gpipe, 1f1b "
      "splits it (zb-h1, zb-h2, zb-v, dualpipev, dualpipe, auto do): leave it out"),
+    # they price PRED and AVG rows alone: taken for orders that run none, they changed nothing
+    (["-s", "1f1b", "--pred", "3", "--avg", "3"],
+     "error: --pred prices the weight prediction (PRED), and none of 1f1b predicts weights (spectrain, pipeoptim, "
+     "xpipe do): leave it out"),
+    (["-s", "1f1b", "-s", "xpipe", "--avg", "3"],
+     "error: --avg prices the elastic averaging of pipelines (AVG), and none of 1f1b, xpipe averages pipelines "
+     "(avgpipe does): leave it out"),
+    # a factor taking a stage's time past the simulator's: it named StageCosts' field ("fwd_ms must be ...")
+    (["-s", "1f1b", "--cost-scale", "1e10"],
+     "error: --cost-scale 1e+10 makes stage 0's bwd_ms 2e+10, more than the simulator takes (at most 1e+09 ms): "
+     "give a smaller factor"),
     # a cap past the profiled device's memory: what fits it would not fit the device
     (["-s", "1f1b", "--profile", "traces/profiles/gpt-cpu.json", "--memory-gb", "24"],
      "error: --memory-gb 24: more than the profiled device's 23.5 GiB, so a layout that fits the cap would run out "

@@ -21,6 +21,15 @@ dense_tflops = {{ fp32 = 10, bf16 = 100, fp16 = 100 }}
 intra_node = {{ link = "pcie", gb_s_per_direction = 32, gpus_per_node = 4, source = "https://example.com/board" }}
 network = {{ kind = "ethernet", gbit_s = 100, source = "https://example.com/nic" }}
 """
+CURVE = """[gpu.x.curve]
+matmul_efficiency = 0.8
+attention_efficiency = 0.35
+memory_efficiency = 0.88
+kernel_overhead_ms = 0.004
+multiprocessors = 132
+tiles = [[128, 128]]
+source = "https://example.com/curve"
+"""  # part x's
 
 
 def test_the_catalogue_holds_the_required_parts_each_figure_with_a_source():
@@ -55,6 +64,20 @@ def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
      "gpu.x.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e30)"),
     (PART.format(name="x").replace("memory_gib = 24", "memory_gib = 1e-300"),  # held as 0 bytes: nothing fits
      "gpu.x.memory_gib: give GiB per device, from 1 byte to 1,048,576 GiB (got 1e-300)"),
+    # figures past what a part could have: each ended in a traceback from the estimate (a time not finite, a
+    # division by a tile of 0 rows) or was blamed on the micro-batch (1e18 multiprocessors)
+    (PART.format(name="x").replace("bf16 = 100", "bf16 = 1e-300"),
+     "gpu.x.dense_tflops.bf16: Input should be greater than or equal to 0.001 (got 1e-300)"),
+    (PART.format(name="x").replace("memory_bandwidth_gb_s = 1000", "memory_bandwidth_gb_s = 1e-300"),
+     "gpu.x.memory_bandwidth_gb_s: Input should be greater than or equal to 0.001 (got 1e-300)"),
+    (PART.format(name="x").replace("gbit_s = 100", "gbit_s = 1e300"),
+     "gpu.x.network.gbit_s: Input should be less than or equal to 8,000,000 (got 1e+300)"),
+    (PART.format(name="x") + CURVE.replace("tiles = [[128, 128]]", "tiles = [[0, 128]]"),
+     "gpu.x.curve.tiles.0.0: Input should be greater than or equal to 1 (got 0)"),
+    (PART.format(name="x") + CURVE.replace("kernel_overhead_ms = 0.004", "kernel_overhead_ms = 1e300"),
+     "gpu.x.curve.kernel_overhead_ms: Input should be less than or equal to 1,000 (got 1e+300)"),
+    (PART.format(name="x") + CURVE.replace("multiprocessors = 132", "multiprocessors = 1000000000000000000"),
+     "gpu.x.curve.multiprocessors: Input should be less than or equal to 100,000 (got 1,000,000,000,000,000,000)"),
     (PART.format(name="x").replace('"pcie"', '"usb"'), "gpu.x.intra_node.link: Input should be 'nvlink', 'xgmi'"),
     (PART.format(name="x") + "speed = 3\n", "gpu.x.speed: unknown field; allowed: name, memory_gib, "
                                      "memory_bandwidth_gb_s, source, dense_tflops, intra_node, network, curve, "
@@ -90,6 +113,34 @@ def test_a_bad_file_names_the_field_and_what_is_allowed(tmp_path, text, fragment
     assert fragment in str(caught.value) and str(own) in str(caught.value)
     code, out, err = pipesim("gpus", "--gpus", own)
     assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_part_at_the_bounds_of_its_figures_is_simulated_or_refused_in_one_line(tmp_path):
+    """The slowest figures a file may give run a small gpt past the simulator's times: refused in one line naming
+    the micro-batch and the part, not a traceback; the fastest run it."""
+    def part(memory_gb_s: str, tflops: str, link_gb_s: str, gbit_s: str) -> str:
+        return (PART.format(name="x").replace("memory_bandwidth_gb_s = 1000", f"memory_bandwidth_gb_s = {memory_gb_s}")
+                .replace("fp32 = 10, bf16 = 100, fp16 = 100", f"fp32 = {tflops}, bf16 = {tflops}, fp16 = {tflops}")
+                .replace("gb_s_per_direction = 32", f"gb_s_per_direction = {link_gb_s}")
+                .replace("gbit_s = 100", f"gbit_s = {gbit_s}"))
+
+    slowest = part("0.001", "0.001", "0.001", "0.008") + (
+        CURVE.replace("kernel_overhead_ms = 0.004", "kernel_overhead_ms = 1000")
+        .replace("multiprocessors = 132", "multiprocessors = 100000").replace("[[128, 128]]", "[[4096, 4096]]"))
+    fastest = part("1e6", "1e6", "1e6", "8e6") + (
+        CURVE.replace("kernel_overhead_ms = 0.004", "kernel_overhead_ms = 0").replace("[[128, 128]]", "[[1, 1]]"))
+    answers = []
+    for text in (slowest, fastest):
+        own = tmp_path / "part.toml"
+        own.write_text(text)
+        answers.append(pipesim("simulate", "-s", "1f1b", "--gpus", own, "--gpu", "x", "--model", "gpt", "--layers", 2,
+                               "--width", 64, "--heads", 2, "--seq-len", 32, "--vocab", 100, "-p", 2,
+                               "--tensor-parallel", 2))
+    (code, out, err), fast = answers
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("error: the estimate at micro-batch size 1 (--microbatch-size): layers' ")
+    assert err.endswith("; give a smaller micro-batch or model, or a faster part\n")
+    assert fast.code == 0 and fast.err == "" and "1f1b" in fast.out
 
 
 def test_a_misspelt_part_is_answered_with_the_nearest_known_one():
