@@ -1005,23 +1005,33 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
     refuse(elastic_alpha_refusal(ctx.params.get("elastic_alpha"), "--elastic-alpha"))
 
 
+# The cost flags that price one kind of row alone (by parameter): the kind (schedules/ir.py `Kind`), what it is,
+# and what a method whose order runs it does (`Method.runs`)
+ROW_COSTS = {"wgrad_fraction": ("W", "the weight gradient a split backward runs apart (W)", "splits it"),
+             "pred": ("PRED", "the weight prediction (PRED)", "predicts weights"),
+             "avg": ("AVG", "the elastic averaging of pipelines (AVG)", "averages pipelines")}
+
+
+def prices_rows_of(method, param: str) -> bool:
+    """Whether `param`, a cost flag's parameter, prices rows `method` runs (any flag not of `ROW_COSTS` does)."""
+    from ..schedules.ir import Kind
+
+    return param not in ROW_COSTS or method.runs(Kind(ROW_COSTS[param][0]))
+
+
 def check_row_costs(ctx: typer.Context, names: Iterable[str], loaded=None) -> None:
-    """Refuse a flag that prices one kind of row alone where none of the methods `names` runs such a row, nor
-    `loaded` (a --schedule-file's order) holds one: taken, it would change nothing. --wgrad-fraction prices W,
-    --pred PRED, --avg AVG (`Method.runs`); `simulate -s 1f1b --pred 3 --avg 3` ran as without them."""
+    """Refuse a flag of `ROW_COSTS` where none of the methods `names` runs its rows, nor `loaded` (a --schedule-file's
+    order) holds one: taken, it would change nothing (`simulate -s 1f1b --pred 3 --avg 3` ran as without them)."""
     from ..schedules import METHODS
     from ..schedules.analysis import rows_of
     from ..schedules.ir import Kind
 
     names = list(names)
-    for param, kind, what, does in (
-            ("wgrad_fraction", Kind.W, "the weight gradient a split backward runs apart (W)", "splits it"),
-            ("pred", Kind.PRED, "the weight prediction (PRED)", "predicts weights"),
-            ("avg", Kind.AVG, "the elastic averaging of pipelines (AVG)", "averages pipelines")):
-        if not is_given(ctx, param) or (loaded is not None and rows_of(loaded, kind)) or any(
-                METHODS[n].runs(kind) for n in names if n in METHODS):
+    for param, (kind, what, does) in ROW_COSTS.items():
+        if not is_given(ctx, param) or (loaded is not None and rows_of(loaded, Kind(kind))) or any(
+                prices_rows_of(METHODS[n], param) for n in names if n in METHODS):
             continue
-        runners = [m.name for m in METHODS.values() if m.runs(kind)]
+        runners = [m.name for m in METHODS.values() if prices_rows_of(m, param)]
         raise InputError(f"--{param.replace('_', '-')} prices {what}, and none of {', '.join(names)} {does} "
                          f"({', '.join(runners)} {'does' if len(runners) == 1 else 'do'}): leave it out")
 

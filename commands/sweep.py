@@ -55,6 +55,7 @@ from .common import (
     given_simulate_flags,
     model_reads,
     optional_what_if_options,
+    prices_rows_of,
     progress,
     read_error,
     require,
@@ -363,7 +364,8 @@ ROW_OWN = ("schedule", "stages", "microbatches", "minibatches", "chunks", "pipel
 def _simulate_line(ctx: typer.Context, built_in: bool, comm_read: bool) -> Callable[[Config], str]:
     """Each row's `pipesim simulate` line: the flags the user gave that simulate takes alike, then the row's
     configuration; where the costs are the built-in flags' (`built_in`), each a device's share of the whole model's,
-    and where the links are --comm's (`comm_read`), its milliseconds, whose defaults differ between the two."""
+    and where the links are --comm's (`comm_read`), its milliseconds, whose defaults differ between the two. A flag
+    pricing rows the row's order does not run (`ROW_COSTS`) is left out of its line, which simulate would refuse."""
     from ..schedules import METHODS
 
     fixed = given_simulate_flags(ctx, {*ROW_OWN, *(WHOLE_MODEL_COSTS if built_in else ()),
@@ -373,13 +375,14 @@ def _simulate_line(ctx: typer.Context, built_in: bool, comm_read: bool) -> Calla
     def line(c: Config) -> str:
         method = METHODS[c.schedule]
         costs = [[flag_of(name), repr(float(ctx.params[name]) / c.stages)] for name in WHOLE_MODEL_COSTS
-                 if built_in and ctx.params[name] is not None]
+                 if built_in and ctx.params[name] is not None and prices_rows_of(method, name)]
         own = [("-s", c.schedule), ("-p", c.stages), ("-m", c.microbatches), ("-n", c.minibatches),
                ("-v", c.chunks if method.reads("chunks") else None),
                ("-P", c.pipelines if method.reads("pipelines") else None), ("--prediction", c.prediction),
                ("--activation-limit", c.activation_limit), ("--search-seconds", c.search_seconds),
                ("--cost-scale", c.cost_scale if c.cost_scale != 1 else None)]
-        pieces = [["pipesim", "simulate"], *fixed, *comm, *costs,
+        given = [piece for piece in fixed if prices_rows_of(method, piece[0].removeprefix("--").replace("-", "_"))]
+        pieces = [["pipesim", "simulate"], *given, *comm, *costs,
                   *([flag, repr(value) if isinstance(value, float) else str(value)] for flag, value in own
                     if value is not None)]
         return " ".join(map(shlex.join, pieces))

@@ -16,9 +16,11 @@ FIGURES = ("time_per_minibatch_ms", "samples_per_s", "bubble_fraction", "peak_me
            "makespan_ms", "exposed_comm_ms")
 
 SWEEPS = {
-    # the built-in costs, the whole model's in sweep and a device's share in simulate, every method and every axis
+    # the built-in costs, the whole model's in sweep and a device's share in simulate, every method and every axis;
+    # a row whose order runs no PRED (W) rows has no --pred (--wgrad-fraction) in its line, which simulate refuses
     "built-in costs": ["-p", "2,4", "-m", 8, "-v", 2, "-P", 2, "--activation-limit", 0.8, "--prediction", "paper",
-                       "--cost-scale", "0.5,1", "--data-parallel", 2, "--fwd", 6, "--pred", 0.3, "--comm", 0.2],
+                       "--cost-scale", "0.5,1", "--data-parallel", 2, "--fwd", 6, "--pred", 0.3, "--comm", 0.2,
+                       "--wgrad-fraction", 0.4],
     # sweep's defaults, --comm's among them (0.1 ms, simulate's 0): the line gives each
     "the built-in defaults": ["-s", "1f1b,zb-v,pipedream", "-p", "2,4", "-m", 4],
     "a cluster's links": ["-s", "1f1b,zb-h1,zb-v", "-p", 2, "-m", 4, "--cluster", REPO / "examples" / "cluster.json",
