@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     StrictBool,
     ValidationInfo,
     field_validator,
@@ -227,10 +228,11 @@ def _describe_link(link: Link) -> dict[str, Any]:
 
 
 class _Strict(BaseModel):
-    """A cluster file's part (`load_cluster`): no key outside its fields. Each validator is built at the first
+    """A cluster file's part (`load_cluster`): no key outside its fields, and each of its values of its field's
+    type, not converted to it (true read as 1 GiB or device 1, "80" as 80). Each validator is built at the first
     cluster file read (defer_build), not when the simulator is imported."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True, strict=True)
 
 
 class DeviceSpec(_Strict):
@@ -243,7 +245,7 @@ class DeviceSpec(_Strict):
 class LinkSpec(_Strict):
     latency_us: float = Field(default=0.0, ge=0, le=MAX_MS * 1e3)  # past it, no clock holds one transfer
     bandwidth_gb_per_s: float | None = Field(default=None, gt=0)
-    table: list[tuple[float, float]] | None = None
+    table: list[Annotated[tuple[float, float], Strict(False)]] | None = None  # JSON writes a pair as a list
 
     @field_validator("table")
     @classmethod

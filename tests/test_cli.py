@@ -388,6 +388,14 @@ def test_malformed_cluster_file(tmp_path):
                             ({"link": {"table": [[10, 1], [20, 2e9]]}},
                              "link.table: give [bytes, ms] points, each ms a finite number from 0 to 1,000,000,000 "
                              "(got 2,000,000,000 at 20 bytes)"),
+                            # each of its field's type: true was read as 1 GiB or device 1, "80" as 80
+                            ({"devices": [{"name": "g", "memory_gib": True}] * 4},
+                             "devices.0.memory_gib: give a number (got true)"),
+                            ({"devices": [{"name": "g", "memory_gib": "80"}] * 4},
+                             "devices.0.memory_gib: give a number, without quotes (got '80')"),
+                            ({"links": [{"src": True, "dst": 0}]}, "links.0.src: give a whole number (got true)"),
+                            ({"link": {"table": [[10, 1], [20, "2"]]}},
+                             "link.table.1.1: give a number, without quotes (got '2')"),
                             ({"contention": [1.5, 2.5]},
                              "contention: give slowdowns with 1, 2, ... devices computing at once, the first 1 and "
                              "each a finite number above 0 (got [1.5, 2.5])")):
