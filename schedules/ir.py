@@ -203,6 +203,8 @@ class StageGraph:
             if not (0 <= src < self.num_stages and 0 <= dst < self.num_stages) or src == dst:
                 raise ScheduleError(f'"edges": give [from, to] pairs of distinct stages 0..{self.num_stages - 1} '
                                     f"(got [{src}, {dst}])")
+            if dst in succs[src]:  # a second transfer of the same tensor: one more buffer counted, no other effect
+                raise ScheduleError(f'"edges": give each [from, to] pair once (got [{src}, {dst}] twice)')
             succs[src].append(dst)
             preds[dst].append(src)
         object.__setattr__(self, "preds", tuple(tuple(p) for p in preds))
