@@ -332,6 +332,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     calibrated = None
     if params.get("curve_from") is not None:
         calibrated = read_profile(params["curve_from"], "--curve-from")
+        if (env := calibrated.environment).device != "cuda":  # how the fit is checked without a GPU: said, not silent
+            print_message(f"note: --curve-from {params['curve_from']} was calibrated on the {env.device} "
+                          f"({env.device_name}): {name} is priced at that device's own rates, not a GPU's "
+                          "(calibrate on the part: --device cuda)", stderr)
     modules, zero = params.get("recompute_modules"), zero_stage(params)
     what = WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES.get(params["dtype"], "bfloat16"), attention_of(params["attention"], params["model"]),

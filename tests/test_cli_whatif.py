@@ -310,6 +310,9 @@ def test_curve_from_a_calibration_fits_the_part_to_its_measured_layers(tmp_path)
             "--dtype", "fp32", "--attention", FIT_ATTENTION, "--out")  # the kernel torch ran there, as the fit counts
     code, out, err = pipesim(*args, str(tmp_path / "fitted.json"), "--curve-from", str(calibration))
     assert code == 0, err
+    assert err == (f"note: --curve-from {calibration} was calibrated on the cpu ({measured.environment.device_name}): "
+                   f"{GPU[1]} is priced at that device's own rates, not a GPU's (calibrate on the part: --device "
+                   "cuda)\n")  # a fit's check: taken, but not in silence
     fitted = load_profile(tmp_path / "fitted.json")
     assert "fitted to" in fitted.estimate.curve["source"] and "gpt-cpu.json" in fitted.estimate.curve["source"]
     errors = [abs(estimated.fwd.median_ms / timed.fwd.median_ms - 1)
