@@ -16,7 +16,25 @@ import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import help_records, needs_transformers, pipesim, pipesim_fresh, simulate_json
-from tests.helpers import FFN, H100, H100_BF16, HEAD, KV, LLAMA, MIXTRAL, QWEN3_MOE, A, B, H, L, S, V, write_config
+from tests.helpers import (
+    EXPERTS,
+    FFN,
+    H100,
+    H100_BF16,
+    HEAD,
+    KV,
+    LLAMA,
+    MIXTRAL,
+    QWEN3_MOE,
+    TINY_DEEPSEEK,
+    A,
+    B,
+    H,
+    L,
+    S,
+    V,
+    write_config,
+)
 from tests.helpers import LLAMA_GPT as GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -356,6 +374,10 @@ SEQ = ("--seq-len", 16)
                                              "transformers does not know; give one of gelu, "),
     (LLAMA, ("--seq-len", 0), "--seq-len: give a whole number from 1 to 1,048,576 (got 0)"),
     (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),
+    # every layer dense: "its 4 experts are not held as transformers' experts modules"
+    ({**TINY_DEEPSEEK, "first_k_dense_replace": 5}, SEQ, f"{{folder}}/config.json gives {EXPERTS} routed experts, but "
+     "places them in none of its layers (first_k_dense_replace 5), so transformers builds a dense model: place them "
+     "in a layer, or give no routed experts"),
 ])
 def test_a_config_transformers_cannot_build_as_a_decoder_is_one_line(tmp_path, fields, args, fragment):
     folder = write_config(tmp_path / "model", fields)
@@ -368,14 +390,16 @@ def test_experts_with_a_norm_after_each_are_refused_in_one_line():
     """transformers' experts interface marks a norm after each expert (has_post_expert_norm), which pipesim's
     experts do not run; biases and interleaved gate/up weights (gpt-oss's) it runs."""
     from pipesim.workload.hf import _check_experts
+    from pipesim.workload.hfconfig import HfConfig
     from pipesim.workload.models import ModelError
 
+    config = HfConfig("hf:x", Path("x/config.json"), {})
     experts = torch.nn.Module()
     experts.has_bias, experts.is_concatenated, experts.has_post_expert_norm = True, False, False
-    _check_experts(torch.nn.Sequential(experts), "--model hf:x", 4)
+    _check_experts(torch.nn.Sequential(experts), "--model hf:x", config, 4)
     experts.has_post_expert_norm = True
     with pytest.raises(ModelError, match=r"^--model hf:x: its experts \(Module\) have a norm after each expert;"):
-        _check_experts(torch.nn.Sequential(experts), "--model hf:x", 4)
+        _check_experts(torch.nn.Sequential(experts), "--model hf:x", config, 4)
 
 
 def test_run_takes_a_configs_sequence_length_from_its_profile_and_says_so(tmp_path):
