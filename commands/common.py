@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, get_args
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, NoReturn, get_args
 
 import typer
 from rich.console import Console
@@ -1005,23 +1005,32 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
     refuse(elastic_alpha_refusal(ctx.params.get("elastic_alpha"), "--elastic-alpha"))
 
 
-# The cost flags that price one kind of row alone (by parameter): the kind (schedules/ir.py `Kind`), what it is,
-# and what a method whose order runs it does (`Method.runs`)
-ROW_COSTS = {"wgrad_fraction": ("W", "the weight gradient a split backward runs apart (W)", "splits it"),
-             "pred": ("PRED", "the weight prediction (PRED)", "predicts weights"),
-             "avg": ("AVG", "the elastic averaging of pipelines (AVG)", "averages pipelines")}
+class RowCost(NamedTuple):
+    """A cost flag that prices one kind of row alone: the kind (schedules/ir.py `Kind`), what the row is, and what a
+    method whose order runs it does (`Method.runs`)."""
+
+    kind: str
+    what: str
+    does: str
+
+
+ROW_COSTS = {"wgrad_fraction": RowCost("W", "the weight gradient a split backward runs apart (W)", "splits it"),
+             "pred": RowCost("PRED", "the weight prediction (PRED)", "predicts weights"),
+             "avg": RowCost("AVG", "the elastic averaging of pipelines (AVG)", "averages pipelines")}  # by parameter
 
 
 def prices_rows_of(method, param: str) -> bool:
     """Whether `param`, a cost flag's parameter, prices rows `method` runs (any flag not of `ROW_COSTS` does)."""
     from ..schedules.ir import Kind
 
-    return param not in ROW_COSTS or method.runs(Kind(ROW_COSTS[param][0]))
+    return param not in ROW_COSTS or method.runs(Kind(ROW_COSTS[param].kind))
 
 
 def check_row_costs(ctx: typer.Context, names: Iterable[str], loaded=None) -> None:
     """Refuse a flag of `ROW_COSTS` where none of the methods `names` runs its rows, nor `loaded` (a --schedule-file's
-    order) holds one: taken, it would change nothing (`simulate -s 1f1b --pred 3 --avg 3` ran as without them)."""
+    order) holds one: taken, it would change nothing (`simulate -s 1f1b --pred 3 --avg 3` ran as without them). By
+    method, as sweep's rows' lines leave them out: a shape of one that runs them in others passes (avgpipe at -P 1
+    averages nothing)."""
     from ..schedules import METHODS
     from ..schedules.analysis import rows_of
     from ..schedules.ir import Kind
@@ -1346,6 +1355,20 @@ def say_part_counted(model: str) -> None:
         return
     if note is not None:
         print_message(f"note: {note}", stderr)
+
+
+def say_what_if_counted(what) -> None:
+    """`say_part_counted` for a what-if (commands/estimate.py `WhatIf`), and where its part's curve is fitted to a
+    calibration made off a GPU (--curve-from a CPU's: how the fit is checked without one), that the part is priced
+    at that device's own rates (a CPU's put an H100's products at 0.000843 of its datasheet): said once it is
+    counted, so that a refusal stays one line."""
+    from .tables import print_message
+
+    say_part_counted(what.model)
+    if what.calibrated is not None and (env := what.calibrated.environment).device != "cuda":
+        print_message(f"note: --curve-from {what.calibrated_path} was calibrated on the {env.device} "
+                      f"({env.device_name}): {what.gpu.name} is priced at that device's own rates, not a GPU's "
+                      "(calibrate on the part: --device cuda)", stderr)
 
 
 def require_model(needer: str, model: str, torch_needer: str | None = None) -> None:

@@ -53,7 +53,7 @@ from .common import (
     refuse,
     refused_with_flags,
     require_model,
-    say_part_counted,
+    say_what_if_counted,
     stderr,
     stdout,
     transient_status,
@@ -332,10 +332,6 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     calibrated = None
     if params.get("curve_from") is not None:
         calibrated = read_profile(params["curve_from"], "--curve-from")
-        if (env := calibrated.environment).device != "cuda":  # how the fit is checked without a GPU: said, not silent
-            print_message(f"note: --curve-from {params['curve_from']} was calibrated on the {env.device} "
-                          f"({env.device_name}): {name} is priced at that device's own rates, not a GPU's "
-                          "(calibrate on the part: --device cuda)", stderr)
     modules, zero = params.get("recompute_modules"), zero_stage(params)
     what = WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES.get(params["dtype"], "bfloat16"), attention_of(params["attention"], params["model"]),
@@ -734,13 +730,16 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     counted with (`KERNEL_DEFAULTS`) in its parallelism; a parallelism the model cannot take (t not dividing its
     heads) is one line naming the flag. `memo` (`LayerMemo`, of `counted` on the what-if part and curve) keeps
     its layers for the next."""
-    from ..planning.estimate import estimate_profile
+    from ..planning.estimate import PastLimitsError, estimate_profile
 
     refuse(too_many_stages(f"--stages {parallel.pipeline:,}", parallel.pipeline, counted.model, counted.options,
                            counted.layers))
     with refused_with_flags():
-        profile = estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
-                                   curve=what.curve, memo=memo)
+        try:
+            profile = estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
+                                       curve=what.curve, memo=memo)
+        except PastLimitsError as exc:
+            raise InputError(_past_limits_line(counted.microbatch_size, str(exc))) from None
     kernels = {name: getattr(what, name) for name in KERNEL_DEFAULTS}
     estimate = profile.estimate.model_copy(update={"parallelism": {**profile.estimate.parallelism, **kernels}})
     return profile.model_copy(update={"estimate": estimate})
@@ -754,8 +753,15 @@ def check_estimate_limits(profile: Profile) -> None:
     from ..profiles.schema import past_limits
 
     if (past := past_limits(profile)) is not None:
-        raise InputError(f"the estimate at micro-batch size {profile.environment.microbatch_size:,} "
-                         f"(--microbatch-size): {past}; give a smaller micro-batch or model, or a faster part")
+        raise InputError(_past_limits_line(profile.environment.microbatch_size, past))
+
+
+def _past_limits_line(microbatch_size: int, past: str) -> str:
+    """An estimate past the simulator's limits (`past`, the figure past them), said of the micro-batch and, for a
+    time (its limit in ms), the part."""
+    faster = ", or a faster part" if past.endswith(" ms)") else ""
+    return (f"the estimate at micro-batch size {microbatch_size:,} (--microbatch-size): {past}; give a smaller "
+            f"micro-batch or model{faster}")
 
 
 def peak_text(measured: Profile | None, what: WhatIf | None, scenario) -> str:
@@ -874,7 +880,7 @@ def estimate(
             profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
                                                                         recompute), optimizer)
             check_estimate_limits(profile)
-        say_part_counted(what.model)
+        say_what_if_counted(what)
         with writing("--out"):
             write_atomic(out, profile_json(profile))
     except InputError as exc:

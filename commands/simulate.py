@@ -84,7 +84,7 @@ from .common import (
     read_error,
     refuse,
     refused_with_flags,
-    say_part_counted,
+    say_what_if_counted,
     scenario_from_flags,
     search_options,
     searched_scenario,
@@ -308,7 +308,7 @@ def simulate(
                 parallel = what.parallelism(stages, tensor_parallel, data_parallel, recompute)
                 estimated = estimated_profile(what, counted, parallel, optimizer)
                 check_estimate_limits(estimated)
-            say_part_counted(what.model)
+            say_what_if_counted(what)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            cost_scale=cost_scale, memory_bytes=memory_bytes,

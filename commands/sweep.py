@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import re
@@ -20,6 +21,7 @@ from ..units import MAX_MS, count_text, degree_text, rounds_text, whole_number
 from .common import (
     COUNTING_MODEL,
     LEAST_MS,
+    ROW_COSTS,
     SWEEP_RESULTS,
     Allocator,
     BlockingComm,
@@ -59,7 +61,7 @@ from .common import (
     progress,
     read_error,
     require,
-    say_part_counted,
+    say_what_if_counted,
     scenario_from_flags,
     search_options,
     stderr,
@@ -308,7 +310,7 @@ def sweep(
                     continue
                 jobs.append((replace(scenario_from_flags(ctx, "model", estimated=estimated),
                                      **allocator_fields(allocator, counted, parallel, optimizer_step)), indices))
-            say_part_counted(what.model)
+            say_what_if_counted(what)
         results = [None] * len(configs)
         sweeps = [(indices, run(shared, [configs[i] for i in indices], workers, ray)) for shared, indices in jobs]
         finished = itertools.chain(too_deep, ((indices[i], result) for indices, sweep in sweeps for i, result in sweep))
@@ -368,9 +370,12 @@ def _simulate_line(ctx: typer.Context, built_in: bool, comm_read: bool) -> Calla
     pricing rows the row's order does not run (`ROW_COSTS`) is left out of its line, which simulate would refuse."""
     from ..schedules import METHODS
 
-    fixed = given_simulate_flags(ctx, {*ROW_OWN, *(WHOLE_MODEL_COSTS if built_in else ()),
-                                       *(("comm",) if comm_read else ())})
+    left_out = {*ROW_OWN, *(WHOLE_MODEL_COSTS if built_in else ()), *(("comm",) if comm_read else ())}
     comm = [["--comm", ctx.params["comm"]]] if comm_read else []
+
+    @functools.cache
+    def given(method: str) -> list[list[str]]:
+        return given_simulate_flags(ctx, left_out | {p for p in ROW_COSTS if not prices_rows_of(METHODS[method], p)})
 
     def line(c: Config) -> str:
         method = METHODS[c.schedule]
@@ -381,8 +386,7 @@ def _simulate_line(ctx: typer.Context, built_in: bool, comm_read: bool) -> Calla
                ("-P", c.pipelines if method.reads("pipelines") else None), ("--prediction", c.prediction),
                ("--activation-limit", c.activation_limit), ("--search-seconds", c.search_seconds),
                ("--cost-scale", c.cost_scale if c.cost_scale != 1 else None)]
-        given = [piece for piece in fixed if prices_rows_of(method, piece[0].removeprefix("--").replace("-", "_"))]
-        pieces = [["pipesim", "simulate"], *given, *comm, *costs,
+        pieces = [["pipesim", "simulate"], *given(c.schedule), *comm, *costs,
                   *([flag, repr(value) if isinstance(value, float) else str(value)] for flag, value in own
                     if value is not None)]
         return " ".join(map(shlex.join, pieces))

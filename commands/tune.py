@@ -56,7 +56,7 @@ from .common import (
     memory_gb_bytes,
     refuse,
     refused_with_flags,
-    say_part_counted,
+    say_what_if_counted,
     search_options,
     stderr,
     stdout,
@@ -270,7 +270,7 @@ def tune(
                 from ..workload.dsa import scored_at_once
 
                 sizes = tuple(b for b in sizes if scored_at_once(b, what.options["seq_len"]))
-            say_part_counted(what.model)
+            say_what_if_counted(what)
             if memory_cap_bytes is None:  # the part's own memory, as its estimates record it (device_memory_bytes)
                 memory_cap_bytes, capped_by = what.gpu.device_memory_bytes, part
             _check_weights_fit(counts[sizes[0]], devices, memory_cap_bytes, capped_by)

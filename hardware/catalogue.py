@@ -33,9 +33,10 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 # it prefers on Hopper when NVTE_FUSED_ATTN=1) and FlashAttention-3 (flash-attn's hopper/ kernels).
 ATTENTION_KERNELS = ("flash2", "cudnn", "flash3")
 NAME = r"^[a-z0-9][a-z0-9.-]*$"  # how parts and clusters are named on the command line (--gpu a100-sxm-80gb)
-# A part's rates and sizes within what a part could have, a thousandth of today's slowest to a thousand times today's
-# fastest, so that every time the estimate makes of them is finite: a --gpus file's 1e-300 TFLOP/s or GB/s, a kernel
-# overhead of 1e300 ms or tiles of 0 rows ended in a traceback, and 1e18 multiprocessors were blamed on the micro-batch
+# A part's rates and sizes within fixed limits far past any part's (the built-in parts run 19.5 to 4,500 TFLOP/s, 864
+# to 8,000 GB/s), so that every time the estimate makes of them is finite: a --gpus file's 1e-300 TFLOP/s or GB/s, a
+# kernel overhead of 1e300 ms or tiles of 0 rows ended in a traceback, and 1e18 multiprocessors were blamed on the
+# micro-batch
 TFLOP_S = Annotated[float, Field(ge=1e-3, le=1e6)]
 GB_S = Annotated[float, Field(ge=1e-3, le=1e6)]
 TILE_SIDE = Annotated[int, Field(ge=1, le=4096)]

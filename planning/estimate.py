@@ -46,6 +46,7 @@ from ..profiles.partition import partition
 from ..profiles.schema import (
     OPTIMIZERS,
     PASSES,
+    SUMMED_BYTES,
     Environment,
     Estimate,
     EstimateLink,
@@ -63,6 +64,7 @@ from ..profiles.schema import (
     aggregate_stages,
     boundary_bytes,
     layer_costs,
+    layers_past_limits,
     optimizer_refusal,
     stage_time,
 )
@@ -224,6 +226,11 @@ PRECISION_ACCUMULATION = {"fp32": "separate", "megatron": "fused", "megatron-16b
 
 class EstimateError(SettingsError):
     """A parallelism or part the estimate cannot price (`SettingsError`: its settings written {setting})."""
+
+
+class PastLimitsError(ValueError):
+    """Layers whose sizes add up past what the simulator takes (profiles/schema.py `layers_past_limits`'s line):
+    a micro-batch or model too large for the part, which the command names."""
 
 
 # The settings of a `Parallelism` that name one of a few choices, and those that may be None (none of it).
@@ -3309,6 +3316,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     def kept(what: tuple, make: Callable[[], Any]) -> Any:
         return make() if memo is None else memo.kept((key, *what), make)
 
+    if (past := layers_past_limits(layers, SUMMED_BYTES)) is not None:
+        raise PastLimitsError(past)
     costs = kept(("costs", optimizer), lambda: layer_costs(layers, optimizer))
     if bounds is None:
         bounds = partition(costs, parallel.pipeline,

@@ -908,7 +908,7 @@ def scaled(costs: Costs, factor: float) -> Costs:
     network = ("reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms", "ring_bwd_ms")
     times = [{f.name: getattr(c, f.name) * factor for f in fields(c) if f.name.endswith("_ms")
               and f.name not in network and getattr(c, f.name) is not None} for c in costs.stages]
-    for k, stage in enumerate(times):  # said of the factor: StageCosts would name its field, which no flag sets
+    for k, stage in enumerate(times):  # said of the factor that made it: StageCosts named the field alone
         if (longest := max(stage, key=stage.get, default=None)) is not None and not stage[longest] <= MAX_MS:
             raise CostError(f"--cost-scale {factor:g} makes stage {k}'s {longest} {stage[longest]:.3g}, more than "
                             f"the simulator takes (at most {MAX_MS:.3g} ms): give a smaller factor")

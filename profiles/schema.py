@@ -12,7 +12,7 @@ import itertools
 import json
 import math
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -1229,15 +1229,34 @@ def load_profile(path: str | Path) -> Profile:
 def past_limits(profile: Profile) -> str | None:
     """Which size or time of the profile the simulator cannot take, or None: a stage's sizes up to MAX_BYTES and
     its times up to MAX_MS (sim/costs.py `StageCosts`), and a stage may hold every layer, so the layers' sums are
-    bounded, and each calibrated stage's own figures. Said here naming the file's field, where StageCosts would name
-    its own."""
+    bounded (`layers_past_limits`), and each calibrated stage's own figures. Said here naming the file's field, where
+    StageCosts would name its own."""
+    return layers_past_limits(profile.layers) or _named_past_limits(
+        (f"stages.{i}.", name, "is", value) for i, stage in enumerate(profile.stages)
+        for name, value in _numbers(stage.model_dump()))
+
+
+# The sizes a stage sums over its layers in int64 arrays (`wgrad_held_ranges`, partition.py `activation_ranges`)
+SUMMED_BYTES = ("activation_bytes", "shared_with_previous_bytes", "wgrad_kept_bytes", "wgrad_kept_below_bytes",
+                "wgrad_gradient_bytes")
+
+
+def layers_past_limits(layers: Sequence[LayerProfile], names: Sequence[str] | None = None) -> str | None:
+    """Which of the layers' sizes or times add up past what a stage may take (`past_limits`), or None; of the fields
+    `names` alone where given: an estimate's `SUMMED_BYTES`, checked before its stages sum them in int64 arrays,
+    which wrapped around to a negative wgrad_kept_bytes (a traceback) at a micro-batch of 10**12, in microseconds
+    for each of tune's candidates, where every number of a layer's took milliseconds."""
     totals: dict[str, float] = {}
-    for layer in profile.layers:
-        for name, value in _numbers(layer.model_dump()):
+    for layer in layers:
+        numbers = _numbers(layer.model_dump()) if names is None else (
+            (name, getattr(layer, name)) for name in names if getattr(layer, name) is not None)
+        for name, value in numbers:
             totals[name] = totals.get(name, 0.0) + value
-    named = [("layers' ", name, "add up to", value) for name, value in totals.items()]
-    named += [(f"stages.{i}.", name, "is", value) for i, stage in enumerate(profile.stages)
-              for name, value in _numbers(stage.model_dump())]
+    return _named_past_limits(("layers' ", name, "add up to", value) for name, value in totals.items())
+
+
+def _named_past_limits(named: Iterable[tuple[str, str, str, float]]) -> str | None:
+    """The first of `named` (where, field, verb, value) past its limit (a time's MAX_MS, a size's MAX_BYTES)."""
     for where, name, verb, value in named:
         most, unit = (MAX_MS, "ms") if name.endswith("_ms") else (MAX_BYTES, "bytes") if "bytes" in name else (0, "")
         if unit and value > most:

@@ -61,6 +61,12 @@ HUGE = ("--model", "gpt", "--layers", "4", "--width", "16384", "--heads", "16", 
      "the estimate at micro-batch size 1,000,000,000,000 (--microbatch-size): layers' "),
     (("simulate", *GPU, *SMALL, "-b", str(10**12)),
      "the estimate at micro-batch size 1,000,000,000,000 (--microbatch-size)"),
+    # the scores of math attention summed over a stage's layers past 2**63 bytes wrapped around in int64: a negative
+    # wgrad_kept_bytes, StageProfile's traceback
+    (("estimate", *GPU, "--model", "gpt", "--layers", "4", "--width", "256", "--heads", "4", "--seq-len", "128",
+      "--vocab", "1000", "--dtype", "fp32", "--attention", "math", "-b", str(10**12), "--out", "est.json"),
+     "the estimate at micro-batch size 1,000,000,000,000 (--microbatch-size): layers' activation_bytes add up to "
+     "1.02e+19, more than the simulator takes (at most 1.13e+15 bytes); give a smaller micro-batch or model\n"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fragment):
     monkeypatch.chdir(tmp_path)
@@ -300,19 +306,26 @@ def test_dropout_is_counted_and_priced():
 def test_curve_from_a_calibration_fits_the_part_to_its_measured_layers(tmp_path):
     from statistics import median
 
+    from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import FIT_ATTENTION
     from pipesim.profiles.schema import load_profile
 
     calibration = GPT_CPU
     measured = load_profile(calibration)
     shape = [f"--{key.replace('_', '-')}={value}" for key, value in measured.model.options.items()]
-    args = ("estimate", *GPU, "--model", "gpt", *shape, "-b", str(measured.environment.microbatch_size),
-            "--dtype", "fp32", "--attention", FIT_ATTENTION, "--out")  # the kernel torch ran there, as the fit counts
+    def estimate(b: int) -> tuple:  # the kernel torch ran there, as the fit counts
+        return ("estimate", *GPU, "--model", "gpt", *shape, "-b", b, "--dtype", "fp32", "--attention", FIT_ATTENTION,
+                "--out")
+
+    args = estimate(measured.environment.microbatch_size)
     code, out, err = pipesim(*args, str(tmp_path / "fitted.json"), "--curve-from", str(calibration))
     assert code == 0, err
+    part = load_catalogue().gpu[GPU[1]].name
     assert err == (f"note: --curve-from {calibration} was calibrated on the cpu ({measured.environment.device_name}): "
-                   f"{GPU[1]} is priced at that device's own rates, not a GPU's (calibrate on the part: --device "
+                   f"{part} is priced at that device's own rates, not a GPU's (calibrate on the part: --device "
                    "cuda)\n")  # a fit's check: taken, but not in silence
+    code, out, err = pipesim(*estimate(10**12), tmp_path / "huge.json", "--curve-from", calibration)
+    assert code == 2 and err.startswith("error: the estimate at micro-batch size") and err.count("\n") == 1, err
     fitted = load_profile(tmp_path / "fitted.json")
     assert "fitted to" in fitted.estimate.curve["source"] and "gpt-cpu.json" in fitted.estimate.curve["source"]
     errors = [abs(estimated.fwd.median_ms / timed.fwd.median_ms - 1)

@@ -375,9 +375,13 @@ SEQ = ("--seq-len", 16)
     (LLAMA, ("--seq-len", 0), "--seq-len: give a whole number from 1 to 1,048,576 (got 0)"),
     (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),
     # every layer dense: "its 4 experts are not held as transformers' experts modules"
-    ({**TINY_DEEPSEEK, "first_k_dense_replace": 5}, SEQ, f"{{folder}}/config.json gives {EXPERTS} routed experts, but "
-     "places them in none of its layers (first_k_dense_replace 5), so transformers builds a dense model: place them "
-     "in a layer, or give no routed experts"),
+    ({**TINY_DEEPSEEK, "first_k_dense_replace": 5}, SEQ, f"its {EXPERTS} routed experts (n_routed_experts) are "
+     "placed in none of its layers (first_k_dense_replace 5), so transformers builds a dense model: place them in a "
+     "layer, or give no routed experts"),
+    # the experts its class's default, a long list of placements shown in part
+    ({**QWEN3_MOE, "mlp_only_layers": list(range(0, 40, 2))}, SEQ, "its 128 routed experts (num_local_experts, its "
+     "class's default) are placed in none of its layers (mlp_only_layers [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, ...), so "
+     "transformers builds a dense model"),
 ])
 def test_a_config_transformers_cannot_build_as_a_decoder_is_one_line(tmp_path, fields, args, fragment):
     folder = write_config(tmp_path / "model", fields)
@@ -396,10 +400,10 @@ def test_experts_with_a_norm_after_each_are_refused_in_one_line():
     config = HfConfig("hf:x", Path("x/config.json"), {})
     experts = torch.nn.Module()
     experts.has_bias, experts.is_concatenated, experts.has_post_expert_norm = True, False, False
-    _check_experts(torch.nn.Sequential(experts), "--model hf:x", config, 4)
+    _check_experts(torch.nn.Sequential(experts), "--model hf:x", config, ("num_experts", 4))
     experts.has_post_expert_norm = True
     with pytest.raises(ModelError, match=r"^--model hf:x: its experts \(Module\) have a norm after each expert;"):
-        _check_experts(torch.nn.Sequential(experts), "--model hf:x", config, 4)
+        _check_experts(torch.nn.Sequential(experts), "--model hf:x", config, ("num_experts", 4))
 
 
 def test_run_takes_a_configs_sequence_length_from_its_profile_and_says_so(tmp_path):

@@ -35,8 +35,10 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import json
 import math
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -388,7 +390,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         raise _activation_refusal(config, exc) or ModelError(
             f"{where}: transformers cannot build it: {_in_one_line(exc)}") from None
     if experts:
-        _check_experts(model, where, config, experts)
+        _check_experts(model, where, config, routed)
     else:
         _check_no_experts(model, where, config, routed)
     _check_no_linear_attention(model, where)
@@ -506,18 +508,21 @@ def _drop_past_capacity(layers: list[nn.Module], capacity_factor: float) -> None
                 setattr(module, CAPACITY_ATTRIBUTE, capacity_factor)
 
 
-def _check_experts(model: nn.Module, where: str, config: HfConfig, experts: int) -> None:
-    """Refuse a mixture of experts whose experts `balanced_experts` cannot run as they are: none in any layer, its
-    config placing them in none (`MOE_PLACEMENT_FIELDS`: DeepSeek-V3's first_k_dense_replace past its layers); not
-    held as 3-D weights (transformers' experts interface, or an `EVERY_TOKEN_MIXTURES` module's), or with a norm
-    after each expert. Biases are run (gpt-oss's), and gate and up weights interleaved (gpt-oss's) by the module's
-    own `_apply_gate`, which splits them."""
-    held = [m for m in model.modules() if _is_experts(m)]
+def _check_experts(model: nn.Module, where: str, config: HfConfig, routed: tuple[str, int]) -> None:
+    """Refuse a mixture of experts (`routed`: the field giving its routed experts and their count, its class's default
+    where the config gives none) whose experts `balanced_experts` cannot run as they are: in no layer, its config
+    placing them in none (`MOE_PLACEMENT_FIELDS`, each given shown up to 40 characters: DeepSeek-V3's
+    first_k_dense_replace past its layers); not held as 3-D weights (transformers' experts interface, or an
+    `EVERY_TOKEN_MIXTURES` module's), or with a norm after each expert. Biases are run (gpt-oss's), and gate and up
+    weights interleaved (gpt-oss's) by the module's own `_apply_gate`, which splits them."""
+    (field, experts), held = routed, [m for m in model.modules() if _is_experts(m)]
     if not held and not any(hasattr(m, "experts") for m in model.modules()):
-        placing = [f"{name} {config.fields[name]}" for name in MOE_PLACEMENT_FIELDS if name in config.fields]
-        raise ModelError(f"{where}: {config.where} gives {experts} routed experts, but places them in none of its "
-                         f"layers{' (' + ', '.join(placing) + ')' if placing else ''}, so transformers builds a dense "
-                         "model: place them in a layer, or give no routed experts")
+        placing = [f"{name} {textwrap.shorten(json.dumps(config.fields[name]), 40, placeholder=' ...')}"
+                   for name in MOE_PLACEMENT_FIELDS if name in config.fields]
+        given = field if field in config.fields else f"{field}, its class's default"
+        raise ModelError(f"{where}: its {experts:,} routed experts ({given}) are placed in none of its layers"
+                         f"{' (' + ', '.join(placing) + ')' if placing else ''}, so transformers builds a dense model: "
+                         "place them in a layer, or give no routed experts")
     if not held:
         raise ModelError(f"{where}: its {experts} experts are not held as transformers' experts modules (3-D weights "
                          "run by an experts implementation), which pipesim counts at their expected share")

@@ -26,9 +26,12 @@ FIGURES = {"layers": "num_hidden_layers", "width": "hidden_size", "heads": "num_
 # DeepSeek, OLMoE) and how many of them each token goes to.
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 # The fields that place a mixture's experts in some of its decoder layers, the rest dense (DeepSeek's and GLM's first
-# k, Qwen's step and list, Llama 4's step and list, transformers' per-layer types)
+# k, Qwen's step and list, Llama 4's step and list, Jamba's period, ERNIE's range, Doge's switch, transformers'
+# per-layer types)
 MOE_PLACEMENT_FIELDS = ("first_k_dense_replace", "decoder_sparse_step", "mlp_only_layers", "moe_layer_freq",
-                        "interleave_moe_layer_step", "moe_layers", "mlp_layer_types")
+                        "interleave_moe_layer_step", "moe_layers", "expert_layer_period", "expert_layer_offset",
+                        "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "is_moe",
+                        "mlp_layer_types")
 TOP_K_FIELD = "num_experts_per_tok"
 # The sizes a config gives (the key/value heads where it is not the attention heads', the keys a sliding window
 # holds, the routed experts and a token's share of them), each a whole number of at least 1 (`LEAST`) where given:
