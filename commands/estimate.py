@@ -746,10 +746,11 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
 
 
 def check_estimate_limits(profile: Profile) -> None:
-    """An estimate past the sizes and times the simulator takes, refused naming the micro-batch and the part (a --gpus
-    file's may run a thousandth of today's): `estimate -b 10**12` wrote a profile that `--profile` refused, and
-    `simulate --gpu` said "fwd_ms must be a finite number". Not for each of tune's candidates (3,636 for DeepSeek-V3,
-    15 ms each), whose simulation refuses one all the same."""
+    """An estimate past the sizes and times the simulator takes, refused naming the micro-batch (and for a time the
+    part: `_past_limits_line`): `estimate -b 10**12` wrote a profile that `--profile` refused, and `simulate --gpu`
+    said "fwd_ms must be a finite number". Not for each of tune's candidates (3,636 for DeepSeek-V3, 15 ms each), whose
+    simulation refuses one all the same; their layers' summed sizes are checked as they are estimated (planning/
+    estimate.py `PastLimitsError`)."""
     from ..profiles.schema import past_limits
 
     if (past := past_limits(profile)) is not None:

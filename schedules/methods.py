@@ -218,9 +218,9 @@ class Method:
         return self.make(params) if params.rounds == 1 else in_rounds(self.make, params)
 
     def runs(self, kind: Kind) -> bool:
-        """Whether its order runs rows of `kind`, one a cost flag prices alone (W, PRED or AVG: what --wgrad-fraction,
-        --pred and --avg are refused by without): W where it splits the backward, PRED where it reads a prediction
-        source, AVG where it reads an elastic alpha."""
+        """Whether its order runs rows of `kind`, one a cost flag prices alone (W, PRED or AVG: --wgrad-fraction,
+        --pred and --avg, refused where no order compared runs them): W where it splits the backward, PRED where it
+        reads a prediction source, AVG where it reads an elastic alpha."""
         return {Kind.W: self.splits_backward, Kind.PRED: self.reads("prediction"),
                 Kind.AVG: self.reads("elastic_alpha")}[kind]
 
