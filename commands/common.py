@@ -1036,12 +1036,12 @@ def check_row_costs(ctx: typer.Context, names: Iterable[str], loaded=None) -> No
     from ..schedules.ir import Kind
 
     names = list(names)
-    for param, (kind, what, does) in ROW_COSTS.items():
-        if not is_given(ctx, param) or (loaded is not None and rows_of(loaded, Kind(kind))) or any(
+    for param, cost in ROW_COSTS.items():
+        if not is_given(ctx, param) or (loaded is not None and rows_of(loaded, Kind(cost.kind))) or any(
                 prices_rows_of(METHODS[n], param) for n in names if n in METHODS):
             continue
         runners = [m.name for m in METHODS.values() if prices_rows_of(m, param)]
-        raise InputError(f"--{param.replace('_', '-')} prices {what}, and none of {', '.join(names)} {does} "
+        raise InputError(f"--{param.replace('_', '-')} prices {cost.what}, and none of {', '.join(names)} {cost.does} "
                          f"({', '.join(runners)} {'does' if len(runners) == 1 else 'do'}): leave it out")
 
 
