@@ -98,6 +98,10 @@ Advance = Annotated[int | None, typer.Option(
     "--advance", min=0, metavar="A", help="avgpipe: forwards beyond 1F1B's warm-up before the first backward (0: "
                                           "1F1B, >= m: all forwards first). Default: AvgPipe's 2(p-k)-1 forwards "
                                           "first.")]
+MicrobatchGroup = Annotated[int | None, typer.Option(
+    "--microbatch-group", min=1, metavar="G", show_default=False,
+    help="interleaved-1f1b: micro-batches each chunk takes in turn, from p to m, the remainder m mod G 0 or at least "
+         "p (Megatron-core's microbatch_group_size_per_vp_stage; default p, so m a multiple of p).")]
 AverageEvery = Annotated[int, typer.Option(
     "--average-every", metavar="N", min=1, help="avgpipe: elastic averaging period in mini-batches.")]
 ElasticAlpha = Annotated[float | None, typer.Option(
@@ -706,6 +710,7 @@ SEARCH_DEFAULTS = {"comm": "0", "activation_mb": "0", "param_mb": "0", "output_m
 # Options only some methods read, by flag (a command's parameter of the flag's name): the option each stands for,
 # which `Method.reads` says who reads (tune's --max-chunks bounds the chunks it searches).
 METHOD_OPTIONS = {"--chunks": "chunks", "--pipelines": "pipelines", "--advance": "advance",
+                  "--microbatch-group": "microbatch_group",
                   "--average-every": "average_every", "--elastic-alpha": "elastic_alpha", "--graph": "graph",
                   "--prediction": "prediction", "--activation-limit": "activation_limit",
                   "--search-seconds": "search_seconds", "--max-chunks": "chunks", "--max-pipelines": "pipelines"}

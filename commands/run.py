@@ -41,6 +41,7 @@ from .common import (
     KvHeads,
     Layers,
     Microbatches,
+    MicrobatchGroup,
     Minibatches,
     OverlapExpertComm,
     Pipelines,
@@ -134,6 +135,7 @@ def run(
     rank_order: RunRankOrder = "pipesim",
     overlap_expert_comm: OverlapExpertComm = False,
     advance: Advance = None,
+    microbatch_group: MicrobatchGroup = None,
     average_every: AverageEvery = 1,
     elastic_alpha: ElasticAlpha = None,
     prediction: PredictionSource = None,
@@ -227,9 +229,9 @@ def run(
     unwritten: list[str] = []  # why each output that could not be written was not, said after the results
     try:
         method = method_named(schedule)
-        check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
-                                                  "--pipelines", "--prediction", "--activation-limit",
-                                                  "--search-seconds"))
+        check_method_options(ctx, [method.name], ("--advance", "--microbatch-group", "--average-every",
+                                                  "--elastic-alpha", "--chunks", "--pipelines", "--prediction",
+                                                  "--activation-limit", "--search-seconds"))
         search = search_options(activation_limit, search_seconds)
         if backend not in BACKENDS:
             raise InputError(choose_from("--backend", BACKENDS, backend))
@@ -305,7 +307,8 @@ def run(
         if scenario is not None:  # the order searched runs the estimate's E (a built one runs --expert-parallel's)
             check_estimate_experts(measured, stages, data_parallel)
         params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
-                               average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
+                               microbatch_group=microbatch_group, average_every=average_every,
+                               elastic_alpha=elastic_alpha, prediction=prediction,
                                data_parallel=data_parallel, expert_parallel=expert_parallel,
                                overlap_expert_comm=overlap_expert_comm, rounds=rounds,
                                **method.read_options(search))

@@ -35,6 +35,7 @@ from .common import (
     HeldPrecision,
     InputError,
     Microbatches,
+    MicrobatchGroup,
     MicrobatchSize,
     NetworkGbS,
     OptimizerBuckets,
@@ -158,6 +159,7 @@ def simulate(
                                                         "--schedule-file's step once.")] = None,
     pipelines: Pipelines = None,
     advance: Advance = None,
+    microbatch_group: MicrobatchGroup = None,
     average_every: AverageEvery = 1,
     elastic_alpha: ElasticAlpha = None,
     prediction: PredictionSource = None,
@@ -280,8 +282,8 @@ def simulate(
         if len(set(names)) != len(names):
             raise InputError("--schedule: each method may be given once")
         check_prediction(prediction)
-        check_method_options(ctx, compared, ("--advance", "--average-every", "--elastic-alpha", "--graph",
-                                              "--prediction", "--activation-limit", "--search-seconds"))
+        check_method_options(ctx, compared, ("--advance", "--microbatch-group", "--average-every", "--elastic-alpha",
+                                              "--graph", "--prediction", "--activation-limit", "--search-seconds"))
         check_row_costs(ctx, names, loaded)
         check_p2p_sync(ctx, compared)  # the flag's refusals before the model is counted (a --profile's once read)
         search = search_options(activation_limit, search_seconds)
@@ -338,7 +340,8 @@ def simulate(
             method = METHODS[name]
             options = method.read_options({"prediction": prediction, **search})
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
-                                   average_every=average_every, elastic_alpha=elastic_alpha,
+                                   microbatch_group=microbatch_group, average_every=average_every,
+                                   elastic_alpha=elastic_alpha,
                                    data_parallel=data_parallel, zero=zero_stage(ctx.params),
                                    reduce_after_flush=reduce_after_flush, expert_parallel=experts, rounds=rounds,
                                    **options)
@@ -930,9 +933,10 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
 
 def _label(summary, sched) -> str:
     """A method's row label in simulate's tables, with the shape that tells its runs apart: "interleaved-1f1b
-    (v=2)" (--memory's table said "interleaved-1f1b" alone)."""
+    (v=2)", "(v=2, g=16)" with a micro-batch group given (--memory's table said "interleaved-1f1b" alone)."""
     shape = [degree_text("v", sched.num_stages // sched.num_devices)] if sched.num_stages > sched.num_devices else []
     shape += [degree_text("P", sched.pipelines)] if sched.pipelines > 1 else []
+    shape += [degree_text("g", group)] if (group := sched.params.get("microbatch_group")) is not None else []
     shape += [f"s: {_source(sched)}"] if _source(sched) else []
     return summary.schedule + (f" ({', '.join(shape)})" if shape else "")
 

@@ -115,6 +115,9 @@ class ScheduleParams:
     expert_parallel: int = 1
     overlap_expert_comm: bool = False  # Megatron-core's EP overlap: `passes.overlap_expert_communication`
     rounds: int = 1
+    # interleaved-1f1b: the micro-batches each chunk takes in turn (Megatron-core's
+    # microbatch_group_size_per_vp_stage); None: p, Megatron-core's default
+    microbatch_group: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every", "data_parallel",
@@ -122,6 +125,10 @@ class ScheduleParams:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ScheduleError(f"{name}: {number_allowed(1, None)} (got {value_text(value)})")
+        if self.microbatch_group is not None and (not isinstance(self.microbatch_group, int)
+                                                  or self.microbatch_group < 1):
+            raise ScheduleError(f"microbatch_group: {number_allowed(1, None)} (got "
+                                f"{value_text(self.microbatch_group)})")
         if self.advance is not None and (not isinstance(self.advance, int) or self.advance < 0):
             raise ScheduleError(f"advance: {number_allowed(0, None)} (got {value_text(self.advance)})")
         refused = (elastic_alpha_refusal(self.elastic_alpha) or prediction_refusal(self.prediction)

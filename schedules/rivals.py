@@ -58,27 +58,62 @@ def interleaved_1f1b(params: ScheduleParams) -> Schedule:
     """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): v chunks per device, model stage s on device
     s mod p, so a micro-batch crosses every device v times and the fill/drain bubble shrinks by v.
 
-    Device k runs m·v virtual micro-batches: forward i is chunk (i mod pv) div p of micro-batch
-    (i div pv)·p + i mod p; backward i the same micro-batch on the mirrored chunk v−1−(i mod pv) div p.
-    Warm-up (p−k−1)·2 + (v−1)·p forwards (capped at m·v), then 1F1B, then cool-down. Megatron runs its
-    non-interleaved 1F1B when v = 1, so that case is plain 1F1B (warm-up p−k−1).
+    The micro-batches pass through the chunks in groups of g (`microbatch_group`, Megatron-core's
+    microbatch_group_size_per_vp_stage, p by default): every device's forward i is entry i of the table that runs
+    each group through chunk 0, then chunk 1, ... (`megatron_chunk_order`), its backward i the same micro-batch on
+    the mirrored chunk v - 1 - c. Warm-up (p - k - 1)·2 + (v - 1)·g forwards (capped at m·v), then 1F1B, then
+    cool-down (schedules.py `get_pp_rank_microbatches`). Megatron runs its non-interleaved 1F1B when v = 1, so
+    that case is plain 1F1B (warm-up p - k - 1), which takes no group.
     """
     method = "interleaved-1f1b"
     require_single_pipeline(method, params)
     p, m, v = params.stages, params.microbatches, params.chunks
-    if v > 1 and m % p:
-        raise ScheduleError(
-            f"{method} with {v} chunks per device needs micro-batches to be a multiple of stages "
-            f"(Megatron sends p micro-batches through each chunk in turn): got {degree_text('m', m)}, "
-            f"{degree_text('p', p)}"
-        )
+    given = params.microbatch_group
+    if v == 1 and given is not None:
+        raise ScheduleError(f"--microbatch-group: {method} at v = 1 runs Megatron's plain 1F1B, which takes no "
+                            f"group: give --chunks 2 or more, or leave --microbatch-group out")
+    g = p if given is None else given
+    if v > 1:
+        _check_microbatch_group(method, p, m, v, g, given is not None)
     k = np.arange(p)  # the device
-    warmup = (p - k - 1) * 2 + (v - 1) * p if v > 1 else p - k - 1
+    warmup = (p - k - 1) * 2 + (v - 1) * g if v > 1 else p - k - 1
     backward, i = interleave_1f1b_rows(m * v, warmup)  # per device, the virtual micro-batch i of each step
-    group, offset = np.divmod(i, p * v)
-    chunk = np.where(backward, v - 1 - offset // p, offset // p)
-    pattern = ActionTable.from_device_rows(np.where(backward, _B, _F), chunk * p + k[:, None], group * p + offset % p)
+    table_microbatch, table_chunk = megatron_chunk_order(m, v, g)
+    chunk = np.where(backward, v - 1 - table_chunk[i], table_chunk[i])
+    pattern = ActionTable.from_device_rows(np.where(backward, _B, _F), chunk * p + k[:, None], table_microbatch[i])
     return _flushed(method, params, [s % p for s in range(p * v)], pattern)
+
+
+def megatron_chunk_order(m: int, v: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """(micro-batch, chunk) of each of a device's m·v forwards in turn, as Megatron-core's `get_schedule_table`
+    orders them: the micro-batches in groups of g (the last one the rest), each group through chunk 0, then
+    chunk 1, and so on."""
+    starts = np.arange(0, m, g)
+    sizes = np.minimum(starts + g, m) - starts
+    microbatch = np.concatenate([np.tile(np.arange(a, a + n), v) for a, n in zip(starts, sizes)])
+    chunk = np.concatenate([np.repeat(np.arange(v), n) for n in sizes])
+    return microbatch, chunk
+
+
+def _check_microbatch_group(method: str, p: int, m: int, v: int, g: int, given: bool) -> None:
+    """Refuse a group Megatron-core refuses (forward_backward_pipelining_with_interleaving): g from p to m, and a
+    last group of m mod g micro-batches either none or at least p, since fewer than p leave the pipeline waiting
+    on its own dependencies. With g = p, its default, that is m a multiple of p."""
+    if not given:
+        if m % p:
+            raise ScheduleError(
+                f"{method} with {v} chunks per device needs micro-batches to be a multiple of stages "
+                f"(Megatron sends p micro-batches through each chunk in turn): got {degree_text('m', m)}, "
+                f"{degree_text('p', p)}; or give --microbatch-group G from p to m whose remainder m mod G is 0 or at "
+                f"least p (Megatron's microbatch_group_size_per_vp_stage)")
+        return
+    if not p <= g <= m:
+        raise ScheduleError(f"--microbatch-group: give {p:,} (p) to {m:,} (m), the micro-batches each chunk takes "
+                            f"in turn, as Megatron-core does (got {g:,})")
+    if 0 < m % g < p:
+        raise ScheduleError(f"--microbatch-group: its last group would hold m mod G = {m % g:,} micro-batches, fewer "
+                            f"than p = {p:,}, which Megatron-core refuses (it leaves the pipeline waiting on its "
+                            f"own dependencies): give a G whose remainder is 0 or at least p (got {g:,})")
 
 
 def _defer_weight_gradients(backward: np.ndarray, microbatch: np.ndarray,
@@ -307,7 +342,8 @@ def dualpipe(params: ScheduleParams) -> Schedule:
 
 RIVALS = (
     Method("interleaved-1f1b", "Interleaved 1F1B (Megatron): v chunks per device, bubble divided by v; m multiple "
-           "of p", interleaved_1f1b, defaults={"chunks": 2}, exchanges_per_step=True),
+           "of p, or of --microbatch-group", interleaved_1f1b, defaults={"chunks": 2},
+           options=frozenset({"microbatch_group"}), exchanges_per_step=True),
     Method("zb-h1", "Zero bubble H1: backward split into I and W, W's fill the bubble; 1F1B's peak memory", zb_h1,
            splits_backward=True),
     Method("zb-h2", "Zero bubble H2: 2(p-k)-1 forwards before the first I; no bubble after warm-up, 2p-1 "

@@ -144,6 +144,10 @@ def test_schedules_lists_methods():
     (["--frobnicate"], "`pipesim simulate` has no option --frobnicate; see `pipesim simulate --help`"),
     (["-s", "interleaved-1f1b", "-m", "6"], "multiple of stages"),
     (["-s", "1f1b", "--advance", "2"], "--advance applies to avgpipe only"),
+    (["-s", "1f1b", "--microbatch-group", "4"], "--microbatch-group applies to interleaved-1f1b only, not 1f1b"),
+    (["-s", "interleaved-1f1b", "-m", "10", "--microbatch-group", "4"], "--microbatch-group: its last group would "
+                                                                         "hold m mod G = 2 micro-batches, fewer than "
+                                                                         "p = 4"),
     (["-s", "avgpipe", "--elastic-alpha", "0"], "--elastic-alpha"),
     (["-s", "graphpipe", "--graph", "/no/such/graph.json"], "--graph: cannot read graph file /no/such/graph.json"),
     (["-s", "graphpipe", "--graph", EXAMPLES / "dag.json", "-p", "3"],  # graphpipe ran at p = 6 with no word

@@ -91,6 +91,16 @@ def test_synchronous_methods_train_exactly_like_one_process(method, stages, chun
     np.testing.assert_allclose(result.losses[0], losses, rtol=1e-6)  # the loss itself is taken in float32
 
 
+def test_interleaved_with_a_microbatch_group_trains_exactly_like_one_process():
+    """m = 5 on p = 2, v = 2 runs only with a group of 3 (the last group 2, at least p): Megatron-core's order."""
+    spec = replace(spec_for("interleaved-1f1b", chunks=2, m=4, n=2),
+                   schedule=build_schedule("interleaved-1f1b", ScheduleParams(2, 5, 2, chunks=2, microbatch_group=3)))
+    result = run_in_process(spec)
+    want, losses = single_process(spec)
+    assert_same(pipeline_weights(result, 4), want)
+    np.testing.assert_allclose(result.losses[0], losses, rtol=1e-6)
+
+
 def test_the_trace_carries_the_lowerings_versions_and_the_copies_held():
     for method in ("pipedream", "pipedream-2bw", "zb-v"):
         spec = spec_for(method, chunks=2 if method == "zb-v" else 1, m=2, n=4)

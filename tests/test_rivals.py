@@ -6,7 +6,7 @@ Costs are per model stage (per chunk for interleaved and V schedules); I costs b
 import pytest
 
 from pipesim.schedules import Kind, Schedule, ScheduleError, ScheduleParams, build_schedule, validate
-from tests.conftest import run
+from tests.conftest import build, run, simulated
 
 RIVALS = ["interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev"]
 
@@ -44,6 +44,46 @@ def test_interleaved_megatron_order():
     assert schedule.placement == (0, 1, 0, 1)
     assert device_text(schedule, 0) == (
         "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3 0OPT 2OPT")
+
+
+def _megatron_interleaved_text(p: int, m: int, v: int, g: int, rank: int) -> str:
+    """What Megatron-core's forward_backward_pipelining_with_interleaving runs on pipeline `rank`, written as its
+    loops run (schedules.py at d98e8a64: `get_schedule_table`, `get_pp_rank_microbatches`, `get_model_chunk_id`),
+    in pipesim's text form: stage c·p + rank of chunk c."""
+    table = []
+    for first in range(0, m, g):
+        last = m if first + g >= m else first + g
+        table += [(microbatch, chunk) for chunk in range(v) for microbatch in range(first, last)]
+    total = m * v
+    warmup = min((p - rank - 1) * 2 + (v - 1) * g, total)
+
+    def step(i: int, forward: bool) -> str:
+        microbatch, chunk = table[i]
+        return f"{(chunk if forward else v - 1 - chunk) * p + rank}{'F' if forward else 'B'}{microbatch}"
+
+    steps = [step(i, True) for i in range(warmup)]
+    for k in range(total - warmup):
+        steps += [step(k + warmup, True), step(k, False)]
+    steps += [step(k, False) for k in range(total - warmup, total)]
+    return " ".join(steps + [f"{c * p + rank}OPT" for c in range(v)])
+
+
+@pytest.mark.parametrize("p,v,m,g", [(2, 2, 4, None), (4, 2, 8, None), (3, 3, 9, None), (2, 2, 5, 3),
+                                     (4, 2, 10, 5), (4, 2, 10, 6), (4, 3, 10, 10), (13, 2, 32, 16)])
+def test_interleaved_runs_megatron_cores_order_with_any_microbatch_group(p, v, m, g):
+    """Every device's order is the one Megatron-core's loops run, with its default group of p micro-batches a
+    chunk and with --microbatch-group (GLM-5.2's pretraining recipe: p = 13, v = 2, m = 32, g = 16)."""
+    schedule = build_schedule("interleaved-1f1b", ScheduleParams(p, m, chunks=v, microbatch_group=g))
+    for rank in range(p):
+        assert device_text(schedule, rank) == _megatron_interleaved_text(p, m, v, p if g is None else g, rank)
+
+
+def test_a_larger_microbatch_group_holds_more_microbatches_in_flight():
+    """The warm-up grows by (v - 1) per micro-batch added to the group, and with it the activations device 0
+    holds: (p - 1)·2 + (v - 1)·g + 1 chunks' worth."""
+    for g, held in ((5, 12), (6, 13), (10, 17)):
+        summary = simulated(build("interleaved-1f1b", 4, 10, chunks=2, microbatch_group=g), fwd=0.5, bwd=1).summary
+        assert summary.devices[0].peak_activations == held
 
 
 # Zero bubble, handcrafted (Qi et al. 2023, figure 3)
@@ -192,6 +232,11 @@ def test_rivals_are_synchronous_and_flush_per_minibatch(name):
 @pytest.mark.parametrize("name,params,fragment", [
     ("interleaved-1f1b", ScheduleParams(4, 6, chunks=2), "multiple of stages"),
     ("interleaved-1f1b", ScheduleParams(4, 8, pipelines=2), "--pipelines: give 1, as "),
+    ("interleaved-1f1b", ScheduleParams(4, 10, chunks=2), "or give --microbatch-group G from p to m"),
+    ("interleaved-1f1b", ScheduleParams(4, 10, chunks=2, microbatch_group=3), r"give 4 \(p\) to 10 \(m\)"),
+    ("interleaved-1f1b", ScheduleParams(4, 10, chunks=2, microbatch_group=11), r"give 4 \(p\) to 10 \(m\)"),
+    ("interleaved-1f1b", ScheduleParams(4, 10, chunks=2, microbatch_group=4), "m mod G = 2 micro-batches, fewer"),
+    ("interleaved-1f1b", ScheduleParams(4, 8, microbatch_group=4), "at v = 1 runs Megatron's plain 1F1B"),
     ("zb-h1", ScheduleParams(4, 8, chunks=2), "--chunks: give 1, as "),
     ("zb-h2", ScheduleParams(4, 8, chunks=2), "--chunks: give 1, as "),
     ("zb-h2", ScheduleParams(4, 6), "at least 2p-1 = 7 micro-batches"),
