@@ -290,7 +290,8 @@ def equal_blocks(kinds: Sequence[str], stages: int) -> list[int]:
     one contiguous run), the layers before them with the first stage and those after with the last: how
     Megatron-LM cuts a transformer (the embedding with the first stage, the head with the last), which refuses a
     block count the stages do not divide (megatron/model/transformer.py, `_get_num_layers`)."""
-    first, blocks, kind = _block_run(kinds, stages)
+    _check(kinds, stages)
+    first, blocks, kind = _block_run(kinds)
     if blocks % stages:
         raise PartitionError(f"{blocks} blocks ({kind}) do not divide into {stages} model stages (p·v)")
     return _bounds(kinds, first, [blocks // stages] * stages)
@@ -302,7 +303,8 @@ def padded_blocks(kinds: Sequence[str], stages: int) -> list[int]:
     `ParallelTransformer.get_offset`): padded up to a multiple of the stages, each stage as many blocks, then one
     fewer in the last stage, the first, the second, ... for each padded block, so that with two the ends, which
     also hold the embedding and the loss, have one block fewer than the rest (the paper's section 5.1)."""
-    first, blocks, _ = _block_run(kinds, stages)
+    _check(kinds, stages)
+    first, blocks, _ = _block_run(kinds)
     per = -(-blocks // stages)
     sizes = [per] * stages
     for stage in range(-1, per * stages - blocks - 1):
@@ -315,7 +317,8 @@ def first_last_blocks(kinds: Sequence[str], stages: int, first_blocks: int, last
     `--decoder-last-pipeline-num-layers`): the first stage `first_blocks` of the model's blocks (with the layers
     before them, the embedding), the last `last_blocks` (with those after, the norm and head), every other stage an
     equal share of the rest, refused where they do not divide it (as TransformerConfig's check refuses it)."""
-    first, blocks, kind = _block_run(kinds, stages)
+    _check(kinds, stages)
+    first, blocks, kind = _block_run(kinds)
     middle, inner = blocks - first_blocks - last_blocks, stages - 2
     if stages < 2:
         raise PartitionError(f"it cuts a first and a last stage: give p·v 2 or more model stages (got {stages})")
@@ -382,11 +385,11 @@ def layout_blocks(kinds: Sequence[str], stages: int, layout: Sequence[str], mtp_
     as many t as the model's blocks and m as its `mtp_layers`, every m after the last t, in one stage, the last
     its device runs (`devices`: each device's stages); and where its stages are not the schedule's `stages`. The
     layers before the blocks go with E and those after with L, but that with m the final norm goes with the last
-    t (`TransformerBlock.has_final_layernorm_in_this_stage`) and the `mtp_kind` layer with the m. A stage left
-    without a layer, which Megatron-core allows, is refused: each of pipesim's stages runs some."""
+    t (`TransformerBlock.has_final_layernorm_in_this_stage`) and the `mtp_kind` layer with the m. A stage may hold
+    no layer, as Megatron-core allows (its bound repeats the next one's): its device passes the activation on."""
     if len(layout) != stages:
         raise PartitionError(f"its {len(layout)} stages are not the schedule's p·v = {stages} model stages")
-    first, blocks, kind = _block_run(kinds, stages)
+    first, blocks, kind = _block_run(kinds)
     flat = "".join(layout)
     at = {letter: [k for k, stage in enumerate(layout) for held in stage if held == letter] for letter in "Etm"}
     rules = ((flat[:1] == "E" and flat[-1:] == "L", "E first and L last"),
@@ -408,17 +411,13 @@ def layout_blocks(kinds: Sequence[str], stages: int, layout: Sequence[str], mtp_
         tail = [loss] * after
     held = [at["E"][0]] * first + at["t"] + tail
     bounds = [sum(stage < k for stage in held) for k in range(stages)] + [len(kinds)]
-    empty = [k for k, (start, stop) in enumerate(itertools.pairwise(bounds)) if start >= stop]
-    if empty:
-        raise PartitionError(f"it leaves model stage {empty[0]} without a layer (pipesim runs no empty stage)")
     return bounds
 
 
-def _block_run(kinds: Sequence[str], stages: int) -> tuple[int, int, str]:
+def _block_run(kinds: Sequence[str]) -> tuple[int, int, str]:
     """Where the model's blocks (the layers of its most common kind, on a tie the first seen between the first
     and last layers: one block ties with the embedding) start, how many there are, and their kind; refused where
     they are not one contiguous run."""
-    _check(kinds, stages)
     kind = max(dict.fromkeys(kinds[1:-1] or kinds), key=kinds.count)
     where = [i for i, k in enumerate(kinds) if k == kind]
     first, blocks = where[0], len(where)

@@ -754,9 +754,12 @@ def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool
     """Per stage, what a runtime holds from a micro-batch's forward until its backward beyond what autograd
     saves: the inputs it receives and the outputs it sends (`boundary_bytes`'s) that no layer of the stage
     saves, since the backward starts from those outputs and ends at those inputs. A tensor passed through a
-    chain stage is received, and counted, once. None for every stage where the layers do not say."""
+    chain stage is received, and counted, once. None for every stage where the layers do not say, but a stage
+    holding no layer (a layout's empty stage): it holds what it passes on, which no layer of its saves, as
+    Megatron-core's schedule keeps each chunk's received input until its backward."""
     if any(layer.saved_input_bytes is None or layer.output_saved is None for layer in layers):
-        return [None] * (len(bounds) - 1)
+        return [passed if start == stop else None
+                for passed, (start, stop) in zip(boundary_bytes(layers, bounds, dag), itertools.pairwise(bounds))]
     stage_of = _stage_of(bounds)
     readers: dict[int, dict[int, bool]] = {}  # layer -> {stage reading its output: whether a reader saves it}
     for i, layer in enumerate(layers):
@@ -882,6 +885,8 @@ def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name:
     forward = name.startswith("fwd")
     received = p2p_sync and (start > 0 if forward else stop < len(layers))
     mine = layers[start:stop]
+    if not mine:
+        return 0.0  # an empty stage: its clone of the input (Megatron-core's) is all it runs
     issues = [layer.host_issue for layer in mine]
     if issues and not received and all(issue is not None and not issue["fwd"].synchronises for issue in issues):
         passes = [issue[name] for issue in issues]  # nothing synchronises: no layer's lead is read, in any order

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipesim.workload.count import count_built
-from tests.conftest import needs_transformers, pipesim
+from tests.conftest import needs_transformers, pipesim, simulate_json
 from tests.helpers import (
     S,
     assert_computes_transformers_model,
@@ -316,6 +316,18 @@ def test_a_stage_starts_only_at_a_layer_that_runs_its_indexer(tmp_path, layout, 
             "which no stage boundary passes on: start each stage at one of the 5 of the 7 layers that may (0, 1, 3, 5, "
             "6)") in err, err
     assert not (tmp_path / "t.html").exists()
+
+
+def test_an_empty_stage_keeps_a_sharing_group_whole(tmp_path):
+    """GLM-5.2's pretraining layout leaves stages empty so that each group of layers sharing a top k stays in one
+    stage (Megatron-Bridge's glm52_pretrain_416gpu_h100_bf16_config): an empty stage's bound is the next stage's
+    start, held to the same rule."""
+    model = f"hf:{write_config(tmp_path / 'glm52', GLM52)}"
+    args = ("--gpu", "h100-sxm", "--model", model, "--seq-len", S, "-b", 1, "-p", 3, "-s", "1f1b")
+    (cut,) = simulate_json(*args, "--stage-cut", "layout:Ett||ttL")
+    assert cut["stage_bounds"] == [0, 3, 3, 7]
+    code, out, err = pipesim("simulate", *args, "--stage-cut", "layout:Et||tttL")
+    assert (code, out) == (2, "") and "a stage would start at layer 2, which reuses the top k" in err, err
 
 
 def test_the_executor_refuses_a_cut_that_starts_a_stage_at_a_layer_that_shares(tmp_path):

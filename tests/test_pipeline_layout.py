@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -93,11 +94,68 @@ def test_deepseek_v3s_recipe_layout_gives_two_blocks_a_stage_and_the_mtp_layer_w
     (2, "Ett|tmtL", 1, None, "a layout needs every t before the first m"),
     (3, "Ett|ttm|mL", 2, None, "a layout needs every m in one stage"),
     (4, "Ett|ttm|L|", 1, ((0, 2), (1, 3)), "a layout needs its m in the last stage its device runs"),
-    (4, "Ett|ttm|L|", 1, None, "it leaves model stage 3 without a layer"),
 ])
 def test_a_layout_megatron_core_or_pipesim_refuses_names_why(stages, layout, mtp, devices, message):
     with pytest.raises(PartitionError, match=re.escape(message)):
         layout_blocks(HF_MTP if mtp else HF, stages, megatron_layout(layout), mtp, MTP, devices)
+
+
+def test_a_stage_may_hold_no_layer_as_megatron_core_allows():
+    """Megatron-core's own example `E||t|L` (docs/user-guide/features/pipeline_parallel_layout.md), more stages
+    than the model has layers, and an empty stage between two of blocks: each empty stage's bound repeats the
+    next one's."""
+    one = ["_Embed", "_Block", "Sequential"]
+    assert layout_blocks(one, 4, megatron_layout("E||t|L")) == [0, 1, 1, 2, 3]
+    assert layout_blocks(HF, 4, megatron_layout("Ett||tt|L")) == [0, 3, 3, 5, 7]
+    assert layout_blocks(HF_MTP, 4, megatron_layout("Ett|ttm|L|"), 1, MTP) == [0, 3, 7, 8, 8]
+
+
+def _gpt_profile():
+    """GPT's model (4 blocks between an embedding and a heavy head) estimated on its part."""
+    import torch
+
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Parallelism, estimate_profile
+    from pipesim.workload.count import count_built
+
+    count = count_built("gpt", dict(layers=4, width=64, heads=2, seq_len=32, vocab=32768), 1, torch.bfloat16)
+    return estimate_profile(count, load_catalogue().find("a100-sxm-80gb"), Parallelism())
+
+
+def test_an_empty_stage_costs_no_compute_and_holds_the_input_it_passes_on():
+    """Interleaved 1F1B on 2 x 2 with stage 2 empty: its device still runs the stage's forward and backward for
+    every micro-batch, each taking no time, and holds the activation it receives until the backward (its
+    `held_bytes`, what stage 1 sends), while stage 3 receives it as before."""
+    from pipesim.planning.scenario import profile_scenario
+    from pipesim.schedules import Kind, ScheduleParams
+    from pipesim.sim.engine import simulate
+    from pipesim.traces.metrics import summarize
+
+    scenario = profile_scenario(_gpt_profile(), "adam")
+    scenario = replace(scenario, stage_cut="layout:Ett|t||tL")
+    sched = scenario.build("interleaved-1f1b", ScheduleParams(2, 4, chunks=2))
+    stages = scenario.costs(sched).stages
+    empty = stages[2]
+    assert (empty.fwd_ms, empty.bwd_ms, empty.param_bytes, empty.activation_bytes) == (0.0, 0.0, 0, 0)
+    assert empty.held_bytes == stages[1].output_bytes == empty.output_bytes > 0
+    assert [row.microbatch for row in sched.orders[0] if row.stage == 2 and row.kind is Kind.F] == [0, 1, 2, 3]
+    costs = scenario.costs(sched)
+    unheld = replace(costs, stages=[replace(c, held_bytes=None) if k == 2 else c for k, c in enumerate(stages)])
+    peak, peak_unheld = (summarize(simulate(sched, c, scenario.links(sched))).devices[0].peak_memory_mb
+                         for c in (costs, unheld))
+    assert peak > peak_unheld  # device 0 holds stage 2's inputs in flight
+    (cut,) = simulate_json(*GPT, "-p", 2, "-m", 4, "-s", "interleaved-1f1b", "--stage-cut", "layout:Ett|t||tL")
+    assert cut["stage_bounds"] == [0, 3, 4, 4, 6]
+
+
+def test_a_layout_may_cut_more_stages_than_the_model_has_layers():
+    """Megatron-core's `E||t|L` on a gpt of one block (3 layers) into p·v = 4 stages: only a layout may."""
+    one = ("--model", "gpt", "--layers", 1, "--width", 64, "--heads", 2, "--seq-len", 32, "--gpu", "a100-sxm-80gb",
+           "-p", 2, "-m", 4, "-s", "interleaved-1f1b")
+    (cut,) = simulate_json(*one, "--stage-cut", "layout:E||t|L")
+    assert cut["stage_bounds"] == [0, 1, 1, 2, 3]
+    code, _, err = pipesim("simulate", *one, "--stage-cut", "balanced")
+    assert code == 2 and "give at most 3 stages" in err, err
 
 
 def test_simulate_cuts_as_the_layout_says_and_interleaved_stages_in_megatrons_virtual_order():
