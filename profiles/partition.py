@@ -394,6 +394,9 @@ def layout_blocks(kinds: Sequence[str], stages: int, layout: Sequence[str], mtp_
     at = {letter: [k for k, stage in enumerate(layout) for held in stage if held == letter] for letter in "Etm"}
     rules = ((flat[:1] == "E" and flat[-1:] == "L", "E first and L last"),
              (flat.count("E") == flat.count("L") == 1, "E and L once each"),
+             # GPTModel's pre_process and post_process follow the stage's place, not the layout
+             ("E" in layout[0] and "L" in layout[-1], "E in the first stage and L in the last, where Megatron-core "
+                                                      "builds the embedding and the loss whatever the layout says"),
              (len(at["t"]) == blocks, f"{blocks} t, the model's blocks ({kind}), not {len(at['t'])}"),
              (len(at["m"]) == mtp_layers, f"{mtp_layers} m, the model's --mtp-layers, not {len(at['m'])}"),
              ("t" not in flat.partition("m")[2], "every t before the first m"),
