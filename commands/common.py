@@ -1686,7 +1686,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if optimizer_buckets != "megatron" and missing:
         raise InputError(f"--optimizer-buckets {optimizer_buckets} groups the distributed optimizer's collectives of "
                          f"--gpu's or --profile's layers: give {' and '.join(missing)}")
-    stage_cut = flags.get("stage_cut", "balanced")
+    stage_cut = flags.get("stage_cut") or "balanced"  # run's None: the profile's partition, balanced as a scenario
     try:
         first_last(stage_cut)
         check_stage_cut(stage_cut, pp_runtime)

@@ -180,6 +180,11 @@ def run(
         "--profile", metavar="JSON", help="Profile from `pipesim calibrate`: its partition gives the stage layer "
                                           "bounds (and the model's size options); auto's order is searched for its "
                                           "costs.")] = None,
+    stage_cut: Annotated[str | None, typer.Option(
+        "--stage-cut", metavar="HOW", show_default=False,
+        help="With --profile: how its layers are cut into the p·v stages the ranks run, as simulate's --stage-cut "
+             "(balanced, equal-blocks, padded-blocks, first-last:F,L, layout:STRING, whose stages may hold no "
+             "layer, or layers:N,N,...). Default: the profile's partition.")] = None,
     threads_per_rank: Annotated[int, typer.Option(
         "--threads-per-rank", metavar="T", min=1, help="Torch threads per rank, at most the cores pipesim may "
                                                        "run on.")] = 1,
@@ -258,6 +263,7 @@ def run(
         # the profile is checked against the run's flags before torch is imported (5-10 s), as is the schedule's
         # stage count against its partition
         bounds, measured = None, None
+        _check_stage_cut(stage_cut, profile)
         if profile is not None:
             measured, bounds = _partition(profile, model, options)
             # the profile's step, priced for the run's optimizer, is what auto searches and compare predicts from
@@ -312,15 +318,20 @@ def run(
                                data_parallel=data_parallel, expert_parallel=expert_parallel,
                                overlap_expert_comm=overlap_expert_comm, rounds=rounds,
                                **method.read_options(search))
-        # a searched order: for the costs of the stages the run cuts (the profile's partition, where it fits)
-        built = built_schedule(method, params, scenario, as_json, bounds)
+        # a searched order: for the costs of the stages the run cuts (the profile's partition, where it fits; where
+        # --stage-cut is given, the scenario's cut, which is that)
+        built = built_schedule(method, params, scenario, as_json, None if stage_cut else bounds)
+        if stage_cut is not None:
+            bounds = _cut(measured, built, stage_cut)
         if bounds is not None and len(bounds) - 1 != built.num_stages:
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
                              f"{stages} devices has {built.num_stages}; "
                              f"{_made(measured).command} with --stages {built.num_stages} or "
                              "drop --profile")
         asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
-        refuse(stages_refusal(asked, built.num_stages, model, measured.model.options if measured else options))
+        emptied = stage_cut is not None and _is_layout(stage_cut)  # a layout's stages may hold no layer
+        if not emptied:
+            refuse(stages_refusal(asked, built.num_stages, model, measured.model.options if measured else options))
         # every flag that needs nothing started is read: a refusal starts no server and imports no torch
         began = mark()  # the host's load before this run starts anything
         if not under_torchrun():  # this command starts the ranks: their server's imports overlap this one's
@@ -357,7 +368,8 @@ def run(
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, dtype=DTYPES[dtype or "float32"], bounds=bounds,
                        threads_per_rank=threads_per_rank, timeout_s=timeout, heldout=heldout, rank_order=rank_order)
-        refuse(too_many_stages(asked, built.num_stages, model, net.options, net.layers))  # no built-in, once built
+        if not emptied:  # no built-in, once built
+            refuse(too_many_stages(asked, built.num_stages, model, net.options, net.layers))
         if bounds is None and carried_bounds(spec, model=net) is None:
             raise InputError(_no_cut(spec, len(net.layers)))
         if bounds is not None:
@@ -486,6 +498,43 @@ def _check_expert_replicas(expert_parallel: int, data_parallel: int, device: str
 
     with refused_with_flags():
         check_expert_replicas(expert_parallel, data_parallel)
+
+
+def _check_stage_cut(stage_cut: str | None, profile: Path | None) -> None:
+    """Refuse a --stage-cut run cannot take, before anything is read: one without a profile, whose layers it cuts;
+    fit, a cut simulate searches within each device's memory; a form simulate does not know."""
+    from ..planning.scenario import FIT, CostError, first_last
+
+    if stage_cut is None:
+        return
+    if profile is None:
+        raise InputError(f"--stage-cut {stage_cut}: it cuts a profile's layers: give --profile (without one, run "
+                         "cuts the model evenly)")
+    if stage_cut == FIT:
+        raise InputError(f"--stage-cut {FIT}: a cut simulate searches within each device's memory; give the cut it "
+                         "printed (`pipesim simulate ... --json`: stage_bounds) as layers:N,N,...")
+    try:
+        first_last(stage_cut)
+    except CostError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _is_layout(stage_cut: str) -> bool:
+    from ..planning.scenario import LAYOUT
+
+    return stage_cut.startswith(LAYOUT)
+
+
+def _cut(measured, built, stage_cut: str) -> tuple[int, ...]:
+    """The profile's layers cut into `built`'s model stages as `stage_cut` says (planning/scenario.py
+    `profile_bounds`, each device's stages as the schedule places them)."""
+    from ..planning.scenario import CostError, device_stages, profile_bounds
+
+    per_copy = built.num_stages
+    try:
+        return tuple(profile_bounds(measured, per_copy, stage_cut, device_stages(built, per_copy)))
+    except CostError as exc:
+        raise InputError(str(exc)) from None
 
 
 def _partition(path: Path, model: str | None, options: dict[str, int]):

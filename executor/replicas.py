@@ -139,7 +139,10 @@ def bucket(weights: list[torch.Tensor], flat: torch.Tensor | None = None) -> lis
 
 
 def flat_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The one flat buffer `tensors` are views of, end to end in their order (`bucket`'s), else None."""
+    """The one flat buffer `tensors` are views of, end to end in their order (`bucket`'s), else None (none for no
+    tensors: a stage without weights, a layout's empty one)."""
+    if not tensors:
+        return None
     base = tensors[0]._base
     if base is None or base.dim() != 1 or not base.is_contiguous():
         return None

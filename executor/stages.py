@@ -57,11 +57,13 @@ def even_bounds(layers: int, stages: int) -> list[int]:
 
 
 def check_bounds(bounds: Sequence[int], layers: int, stages: int) -> list[int]:
+    """`bounds` as ints, refused unless they cut `layers` into `stages`: a stage between the first and the last
+    may hold no layer (a Megatron-core layout's empty stage, which passes its input on: `StageModule`)."""
     bounds = [int(b) for b in bounds]
     if len(bounds) != stages + 1 or bounds[0] != 0 or bounds[-1] != layers or any(
-            a >= b for a, b in zip(bounds, bounds[1:])):
-        raise ExecutorError(f"stage bounds {bounds}: expected {stages + 1} increasing layer indices from 0 to "
-                            f"{layers}, every stage holding at least one layer")
+            a > b for a, b in zip(bounds, bounds[1:])) or bounds[1] == 0 or bounds[-2] == layers:
+        raise ExecutorError(f"stage bounds {bounds}: expected {stages + 1} layer indices rising from 0 to "
+                            f"{layers}, the first and last stages holding at least one layer")
     return bounds
 
 
@@ -189,6 +191,8 @@ class StageModule(nn.Module):
                 size = math.prod(shape)
                 outputs[layer] = flat[offset:offset + size].view(shape)
                 offset += size
+        if not self.layers:  # an empty stage: Megatron-core's TransformerBlock of no layers clones its input
+            outputs = {layer: out.clone() for layer, out in outputs.items()}
         for offset, (layer, reads) in enumerate(zip(self.layers, self.wiring)):
             outputs[self.first + offset] = layer(*(outputs[s] for s in reads))
         if self.outgoing:

@@ -187,8 +187,10 @@ def test_a_prediction_from_a_profile_records_the_optimizer_and_dtype_it_was_pric
     ("extra.model_options", ["layers"], 'give an object of the model\'s options (got ["layers"])'),
     ("extra.optimizer", "lion", "choose from sgd, momentum, adam, adamw (got 'lion')"),
     ("calibration.optimizer", 5, "choose from sgd, momentum, adam, adamw (got 5)"),
-    ("extra.bounds", [0, 5, 5, 9], "give the stages' first layers and the layer count, whole numbers rising from 0 "
-                                   "(got [0, 5, 5, 9])"),
+    ("extra.bounds", [0, 5, 4, 9], "give the stages' first layers and the layer count, whole numbers from 0 never "
+                                   "falling, the first and last stages holding a layer (got [0, 5, 4, 9])"),
+    ("extra.bounds", [0, 0, 5, 9], "give the stages' first layers and the layer count, whole numbers from 0 never "
+                                   "falling, the first and last stages holding a layer (got [0, 0, 5, 9])"),
     ("extra.model", 5, "give a name (a string) (got 5)"),
     ("hardware.compute", [0, 1], 'give a list of each rank\'s "host/device" (got [0, 1])'),
     ("hardware.threads_per_rank", "x", 'give a whole number of at least 1 (got "x")'),

@@ -5,9 +5,11 @@ refused as its TransformerConfig refuses it, and cut onto the model's layers."""
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -199,3 +201,53 @@ def test_an_mtp_layout_runs_the_module_with_the_m(tmp_path):
     assert cut["stage_bounds"] == [0, 2, 6]
     code, _, err = pipesim("simulate", *args, "--stage-cut", "layout:Et|tmL")
     assert code == 2 and "a layout needs 0 m, the model's --mtp-layers, not 1" in err
+
+
+GPT_RUN = {"layers": 4, "width": 64, "heads": 2, "seq_len": 32, "vocab": 512}
+
+
+def test_run_cuts_a_profile_as_a_layout_with_an_empty_stage_and_trains_as_one_process(tmp_path):
+    """`run --stage-cut layout:...` on a profile made for two stages: interleaved 1F1B on 2 x 2, stage 2 empty (its
+    device clones the activation and passes it on), trains to the losses one process gives; the trace records the
+    cut, whose empty stage ran a forward and a backward for every micro-batch, and `compare` reads it."""
+    from pipesim.executor import RunSpec
+    from pipesim.schedules import Kind
+    from pipesim.schedules.table import KIND_CODE
+    from pipesim.traces.trace import read_trace
+    from tests.conftest import build
+    from tests.reference import single_process
+
+    sizes = [str(flag) for name, value in GPT_RUN.items() for flag in (f"--{name.replace('_', '-')}", value)]
+    profile, trace = tmp_path / "profile.json", tmp_path / "run.json"
+    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", *sizes, "-b", 2, "-p", 2, "--dtype", "fp32",
+                   "--out", profile).code == 0
+    code, out, err = pipesim("run", "--profile", profile, "-s", "interleaved-1f1b", "-p", 2, "-v", 2, "-m", 4, "-n", 2,
+                             "--stage-cut", "layout:Ett|t||tL", "--json", "--no-heldout", "--trace", trace)
+    assert code == 0, err
+    losses: list[float] = []
+    single_process(RunSpec(build("gpipe", 1, 4, 2), "gpt", GPT_RUN, microbatch_size=2, lr=0.05), losses)
+    np.testing.assert_allclose(json.loads(out)["losses"][0], losses, rtol=1e-5)
+    ran = read_trace(trace)
+    assert ran.meta.extra["bounds"] == [0, 3, 4, 4, 6]
+    for kind in (Kind.F, Kind.B):
+        rows = (ran.ops.stage == 2) & (ran.ops.kind == KIND_CODE[kind])
+        assert sorted(zip(ran.ops.minibatch[rows], ran.ops.microbatch[rows])) == [(b, j) for b in range(2)
+                                                                                  for j in range(4)]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--model", "mlp", "--stage-cut", "layout:Et|tL"), "--stage-cut layout:Et|tL: it cuts a profile's layers: give "
+                                                        "--profile"),
+    (("--profile", PROFILE_PLACEHOLDER := "PROFILE", "--stage-cut", "fit"), "--stage-cut fit: a cut simulate "
+                                                                           "searches within each device's memory"),
+    (("--profile", PROFILE_PLACEHOLDER, "--stage-cut", "halves"), "--stage-cut: choose from balanced, fit,"),
+    (("--profile", PROFILE_PLACEHOLDER, "--stage-cut", "layout:Et|tttL"), "--stage-cut layout:Et|tttL: its 2 stages "
+                                                                          "are not the schedule's p·v = 4"),
+])
+def test_a_stage_cut_run_cannot_take_is_one_line(tmp_path, flags, message):
+    profile = tmp_path / "profile.json"
+    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 64, "--heads", 2,
+                   "--seq-len", 32, "--vocab", 512, "-b", 2, "-p", 2, "--dtype", "fp32", "--out", profile).code == 0
+    flags = [profile if flag == PROFILE_PLACEHOLDER else flag for flag in flags]
+    code, out, err = pipesim("run", *flags, "-s", "interleaved-1f1b", "-p", 2, "-v", 2, "-m", 4, "--no-heldout")
+    assert (code, out) == (2, "") and err.count("\n") == 1 and message in err, err

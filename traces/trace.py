@@ -306,9 +306,11 @@ def _whole(least: int) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def _rising(value: Any) -> bool:
+def _stage_bounds(value: Any) -> bool:
+    """Stage bounds (executor/stages.py `check_bounds`): from 0, never falling, the first and last stages holding a
+    layer, one between them none where a layout leaves it empty."""
     return (isinstance(value, list) and len(value) >= 2 and value[0] == 0 and all(map(_whole(0), value))
-            and all(a < b for a, b in zip(value, value[1:])))
+            and all(a <= b for a, b in zip(value, value[1:])) and value[1] > 0 and value[-2] < value[-1])
 
 
 def _is(kind: type) -> Callable[[Any], bool]:
@@ -325,7 +327,8 @@ _COUNT = (_whole(1), number_allowed(1, None).removeprefix("give "))
 _RECORDED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "params.data_parallel": _COUNT,
     "extra.model": _NAME, "extra.dtype": _NAME, "extra.model_options": _OBJECT,
-    "extra.bounds": (_rising, "the stages' first layers and the layer count, whole numbers rising from 0"),
+    "extra.bounds": (_stage_bounds, "the stages' first layers and the layer count, whole numbers from 0 never "
+                                    "falling, the first and last stages holding a layer"),
     "hardware.device": _NAME, "hardware.runtime": _NAME, "hardware.host_staged": (_is(bool), "true or false"),
     "hardware.compute": (lambda value: isinstance(value, list) and all(map(_is(str), value)),
                          'a list of each rank\'s "host/device"'),
