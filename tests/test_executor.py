@@ -31,6 +31,7 @@ from pipesim.executor import (
     run_in_process,
     run_multiprocess,
 )
+from pipesim.executor.stages import check_bounds
 from pipesim.executor.weights import StageWeights, average_replicas
 from pipesim.schedules import ScheduleParams, build_schedule, lower
 from pipesim.traces.trace import Stream, read_trace, write_trace
@@ -99,6 +100,23 @@ def test_interleaved_with_a_microbatch_group_trains_exactly_like_one_process():
     want, losses = single_process(spec)
     assert_same(pipeline_weights(result, 4), want)
     np.testing.assert_allclose(result.losses[0], losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("method, bounds", [("interleaved-1f1b", [0, 3, 4, 4, 8]), ("zb-v", [0, 3, 3, 5, 8])])
+def test_an_empty_stage_passes_its_input_on_and_trains_exactly_like_one_process(method, bounds):
+    """A layout's empty stage (interleaved's stage 2 on device 0; zb-v's stage 1, on device 1 in the V): its rank
+    clones what it receives, sends it on and passes the gradient back."""
+    spec = replace(spec_for(method, chunks=2, m=4, n=2, optimizer="adam"), bounds=tuple(bounds))
+    result = run_in_process(spec)
+    want, losses = single_process(spec)
+    assert_same(pipeline_weights(result, 4), want)
+    np.testing.assert_allclose(result.losses[0], losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bounds", [[0, 0, 3, 7], [0, 3, 7, 7], [0, 4, 3, 7]])
+def test_the_first_and_last_stages_hold_a_layer_and_bounds_never_fall(bounds):
+    with pytest.raises(ExecutorError, match="the first and last stages holding at least one layer"):
+        check_bounds(bounds, 7, 3)
 
 
 def test_the_trace_carries_the_lowerings_versions_and_the_copies_held():
