@@ -1020,6 +1020,7 @@ def export(
                                       "method's.")] = None,
     microbatches: Annotated[int, typer.Option(
         "--microbatches", "-m", metavar="M", min=1, help="Micro-batches per mini-batch m.")] = 8,
+    microbatch_group: MicrobatchGroup = None,
     activation_limit: ActivationLimit = None,
     search_seconds: SearchSeconds = None,
     profile: Annotated[Path | None, typer.Option(
@@ -1044,7 +1045,7 @@ def export(
             raise InputError(unknown_names("--format", [fmt], EXPORT_FORMATS))
         check_outputs([("--out", out, TORCH_CSV)], [("--profile", profile)])
         method = method_named(schedule)
-        check_method_options(ctx, [method.name], ("--activation-limit", "--search-seconds"))
+        check_method_options(ctx, [method.name], ("--microbatch-group", "--activation-limit", "--search-seconds"))
         search = search_options(activation_limit, search_seconds)
         if profile is not None and not method.needs_costs:
             raise InputError(f"--profile: only a schedule searched from the costs (auto) reads it, not {method.name}")
@@ -1053,7 +1054,8 @@ def export(
         if measured is not None and not is_given(ctx, "stages"):
             stages = measured.partition.stages
         # at the method's own P: a CSV is one pipeline, and AvgPipe's two are refused (at one it averages nothing)
-        params = method.params(stages, microbatches, chunks=chunks, **method.read_options(search))
+        params = method.params(stages, microbatches, chunks=chunks, microbatch_group=microbatch_group,
+                               **method.read_options(search))
         if scenario is not None:
             check_estimate_experts(measured, stages, 1, one_replica="export")
         built = built_schedule(method, params, scenario, False)

@@ -245,6 +245,7 @@ def test_idle_cells_and_comm_actions_are_skipped_and_opt_appended():
 @pytest.mark.parametrize("name,args", [
     ("1f1b", ["-p", "4", "-m", "8"]),
     ("gpipe", ["-p", "3", "-m", "5"]),
+    ("interleaved-1f1b", ["-p", "2", "-m", "5", "-v", "2", "--microbatch-group", "3"]),
 ])
 def test_cli_export_then_simulate_file_matches_schedule(tmp_path, name, args):
     out = tmp_path / f"{name}.csv"
