@@ -113,8 +113,9 @@ def test_a_stage_may_hold_no_layer_as_megatron_core_allows():
     assert layout_blocks(HF, 4, megatron_layout("Ett||tt|L")) == [0, 3, 3, 5, 7]
 
 
-def _gpt_profile():
-    """GPT's model (4 blocks between an embedding and a heavy head) estimated on its part."""
+def _gpt_profile(data: int = 1):
+    """GPT's model (4 blocks between an embedding and a heavy head) estimated on its part, over `data` replicas
+    (ZeRO-1 where more than one)."""
     import torch
 
     from pipesim.hardware.catalogue import load_catalogue
@@ -122,7 +123,8 @@ def _gpt_profile():
     from pipesim.workload.count import count_built
 
     count = count_built("gpt", dict(layers=4, width=64, heads=2, seq_len=32, vocab=32768), 1, torch.bfloat16)
-    return estimate_profile(count, load_catalogue().find("a100-sxm-80gb"), Parallelism())
+    return estimate_profile(count, load_catalogue().find("a100-sxm-80gb"),
+                            Parallelism(data=data, sharded_optimizer=data > 1))
 
 
 def test_an_empty_stage_costs_no_compute_and_holds_the_input_it_passes_on():
@@ -149,6 +151,19 @@ def test_an_empty_stage_costs_no_compute_and_holds_the_input_it_passes_on():
     assert peak > peak_unheld  # device 0 holds stage 2's inputs in flight
     (cut,) = simulate_json(*GPT, "-p", 2, "-m", 4, "-s", "interleaved-1f1b", "--stage-cut", "layout:Ett|t||tL")
     assert cut["stage_bounds"] == [0, 3, 4, 4, 6]
+
+
+def test_an_empty_stage_reduces_and_updates_nothing():
+    """Over 4 replicas under ZeRO-1 a stage without weights issues no reduce-scatter nor all-gather (Megatron-core's
+    DDP has no bucket for it) and its update waits on none, where a stage with weights pays its collectives."""
+    from pipesim.planning.scenario import profile_scenario
+    from pipesim.schedules import ScheduleParams
+
+    scenario = replace(profile_scenario(_gpt_profile(data=4), "adam"), stage_cut="layout:Ett|t||tL")
+    sched = scenario.build("interleaved-1f1b", ScheduleParams(2, 4, chunks=2, data_parallel=4, zero=1))
+    stages = scenario.costs(sched).stages
+    assert (stages[2].reduce_ms, stages[2].gather_ms, stages[2].opt_ms, stages[2].collective_delay_ms) == (0, 0, 0, 0)
+    assert min(stages[1].reduce_ms, stages[1].gather_ms) > 0
 
 
 def test_a_layout_may_cut_more_stages_than_the_model_has_layers():
