@@ -1753,7 +1753,8 @@ def searched_scenario(ctx: typer.Context, method, measured: Profile | None = Non
         if given:
             raise InputError(f"{', '.join(given)}: the profile gives {method.name}'s costs; drop "
                              f"{'these flags' if len(given) > 1 else given[0]}")
-        return profile_scenario(measured, ctx.params.get("optimizer") or SEARCH_DEFAULTS["optimizer"])
+        return replace(profile_scenario(measured, ctx.params.get("optimizer") or SEARCH_DEFAULTS["optimizer"]),
+                       stage_cut=ctx.params.get("stage_cut") or "balanced")  # run's cut, where it takes one
     if not (is_given(ctx, "fwd") and is_given(ctx, "bwd")):
         raise InputError(f"--fwd and --bwd, or --profile: {method.name} searches its order from the stage costs, so "
                          "give them")

@@ -313,11 +313,10 @@ def run(
         if scenario is not None:  # the order searched runs the estimate's E (a built one runs --expert-parallel's)
             check_estimate_experts(measured, stages, data_parallel)
         params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
-                               microbatch_group=microbatch_group, average_every=average_every,
-                               elastic_alpha=elastic_alpha, prediction=prediction,
+                               average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
                                data_parallel=data_parallel, expert_parallel=expert_parallel,
                                overlap_expert_comm=overlap_expert_comm, rounds=rounds,
-                               **method.read_options(search))
+                               **method.read_options({"microbatch_group": microbatch_group, **search}))
         # a searched order: for the costs of the stages the run cuts (the profile's partition, where it fits; where
         # --stage-cut is given, the scenario's cut, which is that)
         built = built_schedule(method, params, scenario, as_json, None if stage_cut else bounds)
@@ -325,8 +324,8 @@ def run(
             bounds = _cut(measured, built, stage_cut)
         if bounds is not None and len(bounds) - 1 != built.num_stages:
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
-                             f"{stages} devices has {built.num_stages}; "
-                             f"{_made(measured).command} with --stages {built.num_stages} or "
+                             f"{stages} devices has {built.num_stages}; give --stage-cut balanced (its layers cut "
+                             f"again), {_made(measured).command} with --stages {built.num_stages} or "
                              "drop --profile")
         asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
         emptied = stage_cut is not None and _is_layout(stage_cut)  # a layout's stages may hold no layer
@@ -511,8 +510,9 @@ def _check_stage_cut(stage_cut: str | None, profile: Path | None) -> None:
         raise InputError(f"--stage-cut {stage_cut}: it cuts a profile's layers: give --profile (without one, run "
                          "cuts the model evenly)")
     if stage_cut == FIT:
-        raise InputError(f"--stage-cut {FIT}: a cut simulate searches within each device's memory; give the cut it "
-                         "printed (`pipesim simulate ... --json`: stage_bounds) as layers:N,N,...")
+        raise InputError(f"--stage-cut {FIT}: a cut simulate searches within each device's memory; give the one it "
+                         "found as layers:N,N,..., each stage's layers (`pipesim simulate ... --json`'s stage_bounds, "
+                         "differenced)")
     try:
         first_last(stage_cut)
     except CostError as exc:

@@ -338,10 +338,9 @@ def simulate(
 
         def build(name: str, count: int, at=None):
             method = METHODS[name]
-            options = method.read_options({"prediction": prediction, **search})
+            options = method.read_options({"prediction": prediction, "microbatch_group": microbatch_group, **search})
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
-                                   microbatch_group=microbatch_group, average_every=average_every,
-                                   elastic_alpha=elastic_alpha,
+                                   average_every=average_every, elastic_alpha=elastic_alpha,
                                    data_parallel=data_parallel, zero=zero_stage(ctx.params),
                                    reduce_after_flush=reduce_after_flush, expert_parallel=experts, rounds=rounds,
                                    **options)
@@ -440,6 +439,8 @@ def simulate(
             result["prediction"] = sched.params.get("prediction")  # the source of s used; null: no prediction
             result["minibatches"] = sched.minibatches
             result["rounds"] = sched.rounds  # flushes a mini-batch's micro-batches run in
+            result["chunks"] = sched.num_stages // sched.num_devices  # v: the model stages a device runs, as labelled
+            result["microbatch_group"] = sched.params.get("microbatch_group")  # G given; null: p, or none taken
             result["steady_state"] = is_steady  # false: time_per_minibatch_ms includes the warm-up
             result["overlapped_pairs"] = pairs[sched.method]  # F&B pairs over every device and mini-batch
             result["fb_hidden_fraction"] = fb_hidden_fraction if pairs[sched.method] else None
@@ -1054,8 +1055,8 @@ def export(
         if measured is not None and not is_given(ctx, "stages"):
             stages = measured.partition.stages
         # at the method's own P: a CSV is one pipeline, and AvgPipe's two are refused (at one it averages nothing)
-        params = method.params(stages, microbatches, chunks=chunks, microbatch_group=microbatch_group,
-                               **method.read_options(search))
+        params = method.params(stages, microbatches, chunks=chunks,
+                               **method.read_options({"microbatch_group": microbatch_group, **search}))
         if scenario is not None:
             check_estimate_experts(measured, stages, 1, one_replica="export")
         built = built_schedule(method, params, scenario, False)

@@ -111,14 +111,16 @@ def first_last(stage_cut: str) -> tuple[int, int] | None:
 
 def layer_counts(stage_cut: str) -> list[int] | None:
     """Each model stage's count of the profile's layers a layers:N,N,... cut gives (the cut tune chose, which it
-    prints so that simulate can reproduce it), None for any other cut; a count that is not a whole number from 1 is
-    refused in one line."""
+    prints so that simulate can reproduce it; a --json's stage_bounds, differenced), None for any other cut; a count
+    that is not a whole number is refused in one line, as is a first or last stage of none (one between may hold
+    none, as a layout's empty stage does)."""
     if not stage_cut.startswith(LAYERS):
         return None
     counts = _counts(stage_cut, LAYERS)
-    if not counts or not all(counts):
+    if not counts or None in counts or not (counts[0] and counts[-1]):
         raise CostError(f"--stage-cut {stage_cut}: give each model stage's layers after {LAYERS!r}, whole numbers "
-                        f"from 1 to {LAYOUT_MOST_CHARACTERS:,} separated by commas")
+                        f"to {LAYOUT_MOST_CHARACTERS:,} separated by commas, the first and last stages' from 1 (a "
+                        "stage between them may hold none)")
     return counts
 
 
@@ -222,8 +224,9 @@ class Scenario:
             raise ScheduleError(f"--rounds: {name} {does}: leave --rounds out, or give gpipe, 1f1b, "
                                 "interleaved-1f1b, zb-h1, ...")
         if method.needs_costs:
-            from .auto import schedule_frame, search_schedule
+            from .auto import check_shape, schedule_frame, search_schedule
 
+            check_shape(params)  # before the cut: a layout of p·v stages is refused for auto's shape, not its count
             frame = schedule_frame(params)
             costs, links = self.costs(frame, bounds), self.links(frame)  # links built once: the limits read it too
             limits = [None if limit is None else limit - held for limit, held in itertools.zip_longest(
@@ -1143,7 +1146,8 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     (`partition`). `sized_by_flags`: Scenario.sized_by_flags."""
     from ..profiles.schema import layer_costs, profile_stage_time
 
-    refused = None if layout_of(stage_cut) is not None else too_many_stages(
+    given = layout_of(stage_cut) is not None or layer_counts(stage_cut) is not None  # whose stages may be empty
+    refused = None if given else too_many_stages(
         f"the schedule's {num_stages:,} model stages (--stages x --chunks)", num_stages, measured.model.name,
         measured.model.options, measured.layers, profiled=not sized_by_flags)
     if refused is not None:  # a layout may leave stages empty (GLM-5.2's p·v = 26 of 25 starts)
@@ -1183,7 +1187,9 @@ def _given_bounds(measured: Profile, num_stages: int, stage_cut: str,
                 return first_last_blocks(kinds, num_stages, *ends)
             return BLOCK_CUTS[stage_cut](kinds, num_stages)
         except PartitionError as exc:
-            raise CostError(f"--stage-cut {stage_cut}: {exc}; use --stage-cut balanced") from None
+            balanced = too_many_stages("", num_stages, measured.model.name, measured.model.options, measured.layers)
+            raise CostError(f"--stage-cut {stage_cut}: {exc}" + (
+                "" if balanced else "; use --stage-cut balanced")) from None
     return None
 
 

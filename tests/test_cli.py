@@ -1139,3 +1139,15 @@ def test_an_estimated_profiles_model_too_short_names_the_profile_not_the_estimat
     code, _, err = pipesim("simulate", "-s", "interleaved-1f1b", "--gpu", "h100-sxm", "--model", "gpt", "--layers",
                            "4", "-p", "4", "-v", "2")
     assert code == 2 and "8 model stages (--stages x --chunks): gpt of 4 blocks (--layers) has 6 layers" in err, err
+
+
+def test_a_microbatch_group_is_given_to_interleaved_1f1b_alone():
+    """Beside 1f1b, --microbatch-group shapes interleaved-1f1b's order only: the table labels that row alone, and
+    --json records the group (and v) per row."""
+    flags = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 8, "--seq-len", 256, "-b", 1, "-p", 4, "-m", 10,
+             "-s", "1f1b", "-s", "interleaved-1f1b", "--microbatch-group", 5)
+    code, out, err = pipesim("simulate", *flags)
+    assert code == 0, err
+    assert re.search(r"^ interleaved-1f1b \(v=2, g=5\) ", out, re.M) and re.search(r"^ 1f1b +[0-9]", out, re.M), out
+    rows = {r["schedule"]: (r["chunks"], r["microbatch_group"]) for r in simulate_json(*flags)}
+    assert rows == {"1f1b": (1, None), "interleaved-1f1b": (2, 5)}

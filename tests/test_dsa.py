@@ -328,6 +328,13 @@ def test_an_empty_stage_keeps_a_sharing_group_whole(tmp_path):
     assert cut["stage_bounds"] == [0, 3, 3, 7]
     code, out, err = pipesim("simulate", *args, "--stage-cut", "layout:Et||tttL")
     assert (code, out) == (2, "") and "a stage would start at layer 2, which reuses the top k" in err, err
+    # 6 stages, more than the 5 layers a stage may start at: a layout of another count is not pointed to balanced,
+    # which cannot cut them either, and balanced names the layout
+    six = ("-p", 3, "-s", "interleaved-1f1b", "--chunks", 2, "-m", 6)
+    code, out, err = pipesim("simulate", *args[:-4], *six, "--stage-cut", "layout:Ett||ttL")
+    assert code == 2 and "its 3 stages are not the schedule's p·v = 6" in err and "balanced" not in err, err
+    code, out, err = pipesim("simulate", *args[:-4], *six, "--stage-cut", "balanced")
+    assert code == 2 and "give at most 5 stages, or a --stage-cut layout:STRING that leaves some stages empty" in err
 
 
 def test_the_executor_refuses_a_cut_that_starts_a_stage_at_a_layer_that_shares(tmp_path):

@@ -266,3 +266,37 @@ def test_a_stage_cut_run_cannot_take_is_one_line(tmp_path, flags, message):
     flags = [profile if flag == PROFILE_PLACEHOLDER else flag for flag in flags]
     code, out, err = pipesim("run", *flags, "-s", "interleaved-1f1b", "-p", 2, "-v", 2, "-m", 4, "--no-heldout")
     assert (code, out) == (2, "") and err.count("\n") == 1 and message in err, err
+
+
+def test_run_searches_auto_for_the_cut_it_runs(tmp_path):
+    """`run -s auto --stage-cut layers:1,5` runs the order simulate searches for that cut (it ran the order of the
+    profile's own cut, whose second stage split its backward where this one's does not)."""
+    from pipesim.schedules.table import KIND_CODE
+    from pipesim.traces.trace import read_trace
+
+    profile, ran, predicted = tmp_path / "profile.json", tmp_path / "run.json", tmp_path / "simulated.json"
+    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 64, "--heads", 2,
+                   "--seq-len", 32, "--vocab", 512, "-b", 2, "-p", 2, "--dtype", "fp32", "--out", profile).code == 0
+    shape = ("-s", "auto", "-p", 2, "-m", 4, "-n", 2, "--stage-cut", "layers:1,5")
+    code, _, err = pipesim("run", "--profile", profile, *shape, "--no-heldout", "--trace", ran)
+    assert code == 0, err
+    code, _, err = pipesim("simulate", "--profile", profile, *shape, "--optimizer", "sgd", "--trace", predicted)
+    assert code == 0, err
+    compute = [KIND_CODE[kind] for kind in KIND_CODE if kind.value in ("F", "B", "I", "W")]
+
+    def orders(path):
+        ops = read_trace(path).ops
+        rows = np.isin(ops.kind, compute)
+        return [list(zip(ops.kind[rows & (ops.device == d)], ops.stage[rows & (ops.device == d)],
+                         ops.microbatch[rows & (ops.device == d)], ops.minibatch[rows & (ops.device == d)]))
+                for d in range(2)]
+
+    assert orders(ran) == orders(predicted)
+
+
+def test_auto_is_refused_for_its_shape_before_a_layout_for_its_count():
+    """auto places one stage a device: at --chunks 2 it says so, not that the layout's 4 stages are not its 2."""
+    one = ("--model", "gpt", "--layers", 1, "--width", 64, "--heads", 2, "--seq-len", 32, "--gpu", "a100-sxm-80gb")
+    code, _, err = pipesim("simulate", *one, "-p", 2, "-m", 8, "-s", "auto", "--chunks", 2, "--stage-cut",
+                           "layout:E||t|L")
+    assert code == 2 and "auto places one model stage per device in one pipeline" in err, err

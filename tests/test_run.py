@@ -262,7 +262,8 @@ def test_progress_counts_a_minibatch_done_at_each_devices_last_row_of_it(method,
 
 
 @pytest.mark.parametrize("stages, model, message", [
-    (3, "mlp", "its partition has 2 stages, but 1f1b on 3 devices has 3; calibrate with --stages 3 or drop --profile"),
+    (3, "mlp", "its partition has 2 stages, but 1f1b on 3 devices has 3; give --stage-cut balanced (its layers cut "
+               "again), calibrate with --stages 3 or drop --profile"),
     (2, "cnn", "it profiles model 'mlp', not 'cnn'"),
 ])
 def test_a_profile_that_does_not_match_is_refused(tmp_path, profile, stages, model, message):
@@ -387,7 +388,8 @@ def test_an_estimate_of_another_depth_is_refused_naming_estimate_not_calibrate(t
     code, _, err = pipesim("run", "--schedule", "1f1b", "--model", "gpt", "--stages", 3, "--microbatches", 2,
                            "--minibatches", 1, "--profile", estimate)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "its partition has 2 stages, but 1f1b on 3 devices has 3; estimate with --stages 3 or drop --profile" in err
+    assert ("its partition has 2 stages, but 1f1b on 3 devices has 3; give --stage-cut balanced (its layers cut "
+            "again), estimate with --stages 3 or drop --profile") in err
 
 
 def test_a_run_trains_in_its_profiles_dtype_and_refuses_another(tmp_path, profile, monkeypatch):

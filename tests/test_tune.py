@@ -787,4 +787,8 @@ def test_a_cut_by_layers_names_what_it_must_sum_to():
     assert len(err.strip().splitlines()) == 1, err
     for cut in ("layers:0,16", "layers:", f"layers:8,{'9' * 5000}"):  # int() refuses 5,000 digits in a traceback
         code, _, err = pipesim("simulate", "--profile", GPT, "-s", "1f1b", "-p", 2, "-m", 4, "--stage-cut", cut)
-        assert code == 2 and "whole numbers from 1" in err and len(err.strip().splitlines()) == 1, err
+        assert code == 2 and "the first and last stages' from 1" in err and len(err.strip().splitlines()) == 1, err
+    # a stage between the first and the last may hold none: a --json's stage_bounds [0, 3, 3, 4, 16], differenced
+    (cut,) = simulate_json("--profile", GPT, "-s", "interleaved-1f1b", "-p", 2, "-m", 4,
+                           "--stage-cut", "layers:3,0,1,12")
+    assert cut["stage_bounds"] == [0, 3, 3, 4, 16]
