@@ -825,23 +825,18 @@ class CollectiveLink:
 
     def all_reduce_ms(self, nbytes: float, ranks: int, tree_correction: bool = True) -> float:
         """An all-reduce; without `tree_correction`, NCCL's tree at its full rate: a bound from below that is
-        concave in the bytes (`nccl_all_reduce_ms`). None of no bytes: a stage without weights (a layout's empty
-        stage) has no bucket for Megatron-core's DDP to reduce, nor torch's."""
+        concave in the bytes (`nccl_all_reduce_ms`)."""
         from ..hardware.collectives import all_reduce_ms, nccl_all_reduce_ms
 
-        if nbytes <= 0:
-            return 0.0
         if self.per_node is None:
             return all_reduce_ms(nbytes, ranks, self.latency_ms, self.bytes_per_ms)
         return nccl_all_reduce_ms(nbytes, ranks, self.per_node, self.node_latency_ms, self.latency_ms,
                                   self.bytes_per_ms, tree_correction, self.node_link)
 
     def reduce_scatter_ms(self, nbytes: float, ranks: int) -> float:
-        """A reduce-scatter, or an all-gather (the same traffic reversed); none of no bytes (`all_reduce_ms`)."""
+        """A reduce-scatter, or an all-gather (the same traffic reversed)."""
         from ..hardware.collectives import nccl_reduce_scatter_ms, reduce_scatter_ms
 
-        if nbytes <= 0:
-            return 0.0
         if self.per_node is None:
             return reduce_scatter_ms(nbytes, ranks, self.latency_ms, self.bytes_per_ms)
         return nccl_reduce_scatter_ms(nbytes, ranks, self.per_node, self.node_latency_ms, self.latency_ms,
@@ -889,6 +884,9 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert
 
     stages = []
     for k, c in enumerate(costs.stages):
+        if not c.gradient_bytes:  # no weights (a layout's empty stage): no bucket to reduce or gather, as Megatron-
+            stages.append(replace(c, reduce_ms=0.0, gather_ms=0.0))  # core's DDP and torch's have none for it
+            continue
         reduce_ms = over_groups(reduce, c.gradient_bytes, c)
         gather_ms = (over_groups(link.reduce_scatter_ms, c.gathered_weight_bytes, c) + c.gather_cast_ms if sharded
                      else 0.0)
