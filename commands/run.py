@@ -322,15 +322,17 @@ def run(
         built = built_schedule(method, params, scenario, as_json, None if stage_cut else bounds)
         if stage_cut is not None:
             bounds = _cut(measured, built, stage_cut)
-        if bounds is not None and len(bounds) - 1 != built.num_stages:
+        per_copy = built.graph.stages_per_copy  # a profile's cut is one model copy's (DualPipe runs two)
+        if bounds is not None and len(bounds) - 1 != per_copy:
+            copies = " in each model copy" if per_copy != built.num_stages else ""
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
-                             f"{stages} devices has {built.num_stages}; give --stage-cut balanced (its layers cut "
-                             f"again), {_made(measured).command} with --stages {built.num_stages} or "
-                             "drop --profile")
+                             f"{stages} devices has {per_copy}{copies}; "
+                             f"give --stage-cut balanced (its layers cut again), {_made(measured).command} with "
+                             f"--stages {per_copy} or drop --profile")
         asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
-        emptied = stage_cut is not None and _is_layout(stage_cut)  # a layout's stages may hold no layer
+        emptied = stage_cut is not None and _given_cut(stage_cut)  # its stages may hold no layer
         if not emptied:
-            refuse(stages_refusal(asked, built.num_stages, model, measured.model.options if measured else options))
+            refuse(stages_refusal(asked, per_copy, model, measured.model.options if measured else options))
         # every flag that needs nothing started is read: a refusal starts no server and imports no torch
         began = mark()  # the host's load before this run starts anything
         if not under_torchrun():  # this command starts the ranks: their server's imports overlap this one's
@@ -368,14 +370,17 @@ def run(
                        seed=seed, dtype=DTYPES[dtype or "float32"], bounds=bounds,
                        threads_per_rank=threads_per_rank, timeout_s=timeout, heldout=heldout, rank_order=rank_order)
         if not emptied:  # no built-in, once built
-            refuse(too_many_stages(asked, built.num_stages, model, net.options, net.layers))
+            refuse(too_many_stages(asked, per_copy, model, net.options, net.layers))
         if bounds is None and carried_bounds(spec, model=net) is None:
             raise InputError(_no_cut(spec, len(net.layers)))
         if bounds is not None:
             carried = carried_bounds(spec, [cost.ms for cost in layer_costs(measured.layers, optimizer)], model=net)
             if carried is None:
                 raise InputError(f"--profile {profile}: {schedule}'s stage graph can carry no cut of the profile's "
-                                 f"{len(measured.layers)} layers into {built.num_stages} stages")
+                                 f"{len(measured.layers)} layers into {per_copy} stages")
+            if carried != bounds and stage_cut is not None:
+                raise InputError(f"--stage-cut {stage_cut}: {schedule}'s stage graph cannot carry the cut at layers "
+                                 f"{list(bounds)}; give another cut (layers:N,N,...)")
             if carried != bounds:
                 spec = dataclasses.replace(spec, bounds=carried)
                 if not as_json:
@@ -519,18 +524,19 @@ def _check_stage_cut(stage_cut: str | None, profile: Path | None) -> None:
         raise InputError(str(exc)) from None
 
 
-def _is_layout(stage_cut: str) -> bool:
-    from ..planning.scenario import LAYOUT
+def _given_cut(stage_cut: str) -> bool:
+    """Whether `stage_cut` gives the stages' layers itself (a layout or layer counts), which may leave one empty."""
+    from ..planning.scenario import LAYERS, LAYOUT
 
-    return stage_cut.startswith(LAYOUT)
+    return stage_cut.startswith((LAYOUT, LAYERS))
 
 
 def _cut(measured, built, stage_cut: str) -> tuple[int, ...]:
-    """The profile's layers cut into `built`'s model stages as `stage_cut` says (planning/scenario.py
+    """The profile's layers cut into one model copy's stages of `built` as `stage_cut` says (planning/scenario.py
     `profile_bounds`, each device's stages as the schedule places them)."""
     from ..planning.scenario import CostError, device_stages, profile_bounds
 
-    per_copy = built.num_stages
+    per_copy = built.graph.stages_per_copy
     try:
         return tuple(profile_bounds(measured, per_copy, stage_cut, device_stages(built, per_copy)))
     except CostError as exc:

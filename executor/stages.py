@@ -318,6 +318,8 @@ def carried_bounds(spec: RunSpec, layer_ms: Sequence[float] | None = None,
             return False
         return True
 
+    if spec.bounds is not None and carries(spec.bounds):  # a given cut may leave stages empty (a layout's)
+        return tuple(spec.bounds)
     if layers < p:
         return None
     preferred = spec.bounds if spec.bounds is not None else even_bounds(layers, p)

@@ -14,7 +14,7 @@ import itertools
 import math
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, fields, replace
 from operator import attrgetter
 from pathlib import Path
@@ -303,7 +303,17 @@ class Scenario:
             return costs
         link = self.data_parallel_link(sched)
         return self._collectives_beside_products(self._distributed_optimizer_collectives(
-            collective_costs(costs, sched, link, self.expert_replicas(sched)), sched, link, bounds), sched)
+            collective_costs(costs, sched, link, self.expert_replicas(sched), self._empty_stages(sched, bounds)),
+            sched, link, bounds), sched)
+
+    def _empty_stages(self, sched: Schedule, bounds: Sequence[int] | None) -> frozenset[int]:
+        """The model stages of `sched` (every copy's) that hold none of the profile's layers, as a layout may leave
+        them (`layout_blocks`); none for typed costs, whose stages are what the flags give."""
+        if self.measured is None:
+            return frozenset()
+        cut = list(bounds) if bounds is not None else self.cut(sched)
+        per_copy = len(cut) - 1
+        return frozenset(k for k in range(sched.num_stages) if cut[k % per_copy] == cut[k % per_copy + 1])
 
     def _distributed_optimizer_collectives(self, costs: Costs, sched: Schedule, link: CollectiveLink,
                                            bounds: Sequence[int] | None) -> Costs:
@@ -866,14 +876,16 @@ def _grouped(ufunc: np.ufunc, groups: np.ndarray, values: np.ndarray, size: int,
     return out
 
 
-def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert_replicas: int | None = None) -> Costs:
+def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert_replicas: int | None = None,
+                     empty: Set[int] = frozenset()) -> Costs:
     """Each stage's REDUCE and GATHER priced for the schedule's d·C `gradient_ranks` on `link`: the gradients as
     accumulated (`StageCosts.gradient_bytes`, the precision's: Megatron-LM reduces float32 main gradients under
     --bf16 unless --grad-reduce-in-bf16, megatron/training/arguments.py `validate_args` at d98e8a64dd, and FSDP2
     in its reduce dtype) all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then
     all-gathered; NCCL's faster of ring and tree for an all-reduce. Under E-way expert parallelism the routed
     experts' share (`expert_param_bytes`) goes over the `expert_replicas` ranks that hold the same experts (None:
-    d·C/E; folded over t·C·d, schedules/ranks.py: t·C·d/(E·ETP)), after the rest."""
+    d·C/E; folded over t·C·d, schedules/ranks.py: t·C·d/(E·ETP)), after the rest. The `empty` stages, which hold no
+    layer (a layout's), issue none: Megatron-core's DDP has no bucket for them, nor torch's."""
     d, sharded = sched.gradient_ranks, sched.sharded_optimizer
     expert_replicas = expert_replicas or d // sched.expert_parallel
     reduce = link.reduce_scatter_ms if sharded else link.all_reduce_ms
@@ -884,8 +896,8 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert
 
     stages = []
     for k, c in enumerate(costs.stages):
-        if not c.gradient_bytes:  # no weights (a layout's empty stage): no bucket to reduce or gather, as Megatron-
-            stages.append(replace(c, reduce_ms=0.0, gather_ms=0.0))  # core's DDP and torch's have none for it
+        if k in empty:
+            stages.append(replace(c, reduce_ms=0.0, gather_ms=0.0))
             continue
         reduce_ms = over_groups(reduce, c.gradient_bytes, c)
         gather_ms = (over_groups(link.reduce_scatter_ms, c.gathered_weight_bytes, c) + c.gather_cast_ms if sharded
@@ -1149,7 +1161,8 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
         f"the schedule's {num_stages:,} model stages (--stages x --chunks)", num_stages, measured.model.name,
         measured.model.options, measured.layers, profiled=not sized_by_flags)
     if refused is not None:  # a layout may leave stages empty (GLM-5.2's p·v = 26 of 25 starts)
-        raise CostError(f"{refused}, or a --stage-cut {LAYOUT}STRING that leaves some stages empty")
+        raise CostError(f"{refused}; a cut you give (--stage-cut {LAYOUT}STRING or {LAYERS}N,N,...) may leave "
+                        "stages between the first and the last empty")
     bounds = _given_bounds(measured, num_stages, stage_cut, devices)
     if bounds is None:
         if num_stages == measured.partition.stages:
@@ -1194,11 +1207,17 @@ def _given_bounds(measured: Profile, num_stages: int, stage_cut: str,
 def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | None = None,
                   stage_cut: str = "balanced", sized_by_flags: bool = False) -> StageGraph:
     """The stage DAG of the profile's model cut into `num_stages` (at `bounds`, default `profile_bounds` by
-    `stage_cut`; a chain unless its layers branch)."""
+    `stage_cut`; a chain unless its layers branch). A stage of no layer is refused: the graph is the layers' own
+    edges, which pass through no empty stage."""
     from ..profiles.schema import stage_edges
 
     cut = list(bounds) if bounds is not None else profile_bounds(measured, num_stages, stage_cut,
                                                                  sized_by_flags=sized_by_flags)
+    empty = next((k for k, (start, stop) in enumerate(itertools.pairwise(cut)) if start == stop), None)
+    if empty is not None:
+        raise CostError(f"--stage-cut {stage_cut}: it leaves model stage {empty} without a layer, and a method that "
+                        "runs the model's own graph of stages (graphpipe) links stages by the layers they hold: give "
+                        "a cut whose every stage holds one")
     return StageGraph(num_stages, tuple(stage_edges(measured.layers, cut)))
 
 

@@ -108,6 +108,9 @@ def _check_microbatch_group(method: str, p: int, m: int, v: int, g: int, given: 
                                             "0 or at least p (Megatron's microbatch_group_size_per_vp_stage)"
                                             if m > p else ""))
         return
+    if m < p:
+        raise ScheduleError(f"--microbatch-group: a group holds p to m micro-batches, and m = {m:,} is fewer than "
+                            f"p = {p:,}: give --microbatches {p:,} or more")
     if not p <= g <= m:
         raise ScheduleError(f"--microbatch-group: give {p:,} (p) to {m:,} (m), the micro-batches each chunk takes "
                             f"in turn, as Megatron-core does (got {g:,})")
@@ -342,8 +345,8 @@ def dualpipe(params: ScheduleParams) -> Schedule:
 
 
 RIVALS = (
-    Method("interleaved-1f1b", "Interleaved 1F1B (Megatron): v chunks per device, bubble divided by v; m multiple "
-           "of p, or of --microbatch-group", interleaved_1f1b, defaults={"chunks": 2},
+    Method("interleaved-1f1b", "Interleaved 1F1B (Megatron): v chunks per device, bubble divided by v; m a "
+           "multiple of p, or as --microbatch-group allows", interleaved_1f1b, defaults={"chunks": 2},
            options=frozenset({"microbatch_group"}), exchanges_per_step=True),
     Method("zb-h1", "Zero bubble H1: backward split into I and W, W's fill the bubble; 1F1B's peak memory", zb_h1,
            splits_backward=True),

@@ -903,3 +903,20 @@ def test_a_torch_run_that_recorded_no_pass_is_refused_saying_so(tmp_path):
     assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "8", "-n", "3", "--trace", predicted).code == 0
     code, out, err = pipesim("compare", run_dir, predicted)
     assert (code, out) == (2, "") and "the profiler traces hold no forward or backward pass" in err, err
+
+
+def test_a_micro_batch_group_of_p_compares_with_the_default_and_another_does_not(tmp_path):
+    """--microbatch-group p is interleaved 1F1B's default order: a trace given it and one without are the same run;
+    a group of m is another."""
+    from pipesim.traces.compare import check_comparable
+
+    traces = {}
+    for group in (None, 2, 4):
+        path = tmp_path / f"{group}.json"
+        code, _, err = pipesim("simulate", "-s", "interleaved-1f1b", "-p", 2, "-m", 4, "--trace", path,
+                               *(("--microbatch-group", group) if group else ()))
+        assert code == 0, err
+        traces[group] = read_trace(path)
+    check_comparable(traces[None], traces[2])
+    with pytest.raises(TraceError, match="microbatch_group 4 measured, 2 predicted"):
+        check_comparable(traces[None], traces[4])

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipesim.profiles.partition import PartitionError, equal_blocks, layout_blocks, megatron_layout
+from pipesim.traces.trace import read_trace
 from tests.conftest import needs_transformers, pipesim, simulate_json
 from tests.helpers import HEAVY_HEAD_GPT_FLAGS as GPT
 from tests.helpers import TINY_DEEPSEEK, write_config
@@ -224,11 +225,10 @@ GPT_RUN = {"layers": 4, "width": 64, "heads": 2, "seq_len": 32, "vocab": 512}
 def test_run_cuts_a_profile_as_a_layout_with_an_empty_stage_and_trains_as_one_process(tmp_path):
     """`run --stage-cut layout:...` on a profile made for two stages: interleaved 1F1B on 2 x 2, stage 2 empty (its
     device clones the activation and passes it on), trains to the losses one process gives; the trace records the
-    cut, whose empty stage ran a forward and a backward for every micro-batch, and `compare` reads it."""
+    cut, whose empty stage ran a forward and a backward for every micro-batch."""
     from pipesim.executor import RunSpec
     from pipesim.schedules import Kind
     from pipesim.schedules.table import KIND_CODE
-    from pipesim.traces.trace import read_trace
     from tests.conftest import build
     from tests.reference import single_process
 
@@ -272,7 +272,6 @@ def test_run_searches_auto_for_the_cut_it_runs(tmp_path):
     """`run -s auto --stage-cut layers:1,5` runs the order simulate searches for that cut (it ran the order of the
     profile's own cut, whose second stage split its backward where this one's does not)."""
     from pipesim.schedules.table import KIND_CODE
-    from pipesim.traces.trace import read_trace
 
     profile, ran, predicted = tmp_path / "profile.json", tmp_path / "run.json", tmp_path / "simulated.json"
     assert pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 64, "--heads", 2,
@@ -300,3 +299,38 @@ def test_auto_is_refused_for_its_shape_before_a_layout_for_its_count():
     code, _, err = pipesim("simulate", *one, "-p", 2, "-m", 8, "-s", "auto", "--chunks", 2, "--stage-cut",
                            "layout:E||t|L")
     assert code == 2 and "auto places one model stage per device in one pipeline" in err, err
+
+
+def test_typed_costs_of_no_weights_still_pay_the_all_reduces_latency():
+    """Only a cut's empty stage issues no collective: stages the flags give no weights (--param-mb 0, the default)
+    still all-reduce, at their ring's latency."""
+    flags = ("-s", "1f1b", "--fwd", 1, "--bwd", 2, "--comm", 0.5, "--network-gb-s", 10, "--data-parallel", 4)
+    (none,) = simulate_json(*flags, "--param-mb", 0)
+    (some,) = simulate_json(*flags, "--param-mb", "1e-6")
+    (alone,) = simulate_json(*flags[:-4], "--param-mb", 0)
+    assert none["time_per_minibatch_ms"] == pytest.approx(some["time_per_minibatch_ms"], rel=1e-6)
+    assert none["time_per_minibatch_ms"] > alone["time_per_minibatch_ms"]
+
+
+def test_graphpipe_refuses_an_empty_stage_naming_the_cut():
+    code, _, err = pipesim("simulate", *GPT, "-p", 3, "-m", 4, "-s", "graphpipe", "--stage-cut", "layout:Ett||ttL")
+    assert code == 2 and "--stage-cut layout:Ett||ttL: it leaves model stage 1 without a layer" in err, err
+
+
+def test_run_takes_a_cut_of_more_stages_than_layers_and_dualpipes_one_copy(tmp_path):
+    """`run --stage-cut layout:E||t|L` on a profile of 3 layers (4 stages), `layers:` with an empty stage, and
+    DualPipe's cut of one model copy, which a profile's partition of p stages is (refused before as 2p)."""
+    one, six = tmp_path / "one.json", tmp_path / "six.json"
+    for path, layers in ((one, 1), (six, 4)):
+        assert pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", layers, "--width", 64, "--heads",
+                       2, "--seq-len", 32, "--vocab", 512, "-b", 2, "-p", 2, "--dtype", "fp32", "--out", path).code == 0
+    runs = ((one, ("-s", "interleaved-1f1b", "-v", 2, "--stage-cut", "layout:E||t|L"), [0, 1, 1, 2, 3]),
+            (six, ("-s", "interleaved-1f1b", "-v", 2, "--stage-cut", "layers:2,0,2,2"), [0, 2, 2, 4, 6]),
+            (six, ("-s", "dualpipe",), [0, 3, 6]),
+            (six, ("-s", "dualpipe", "--stage-cut", "layers:2,4"), [0, 2, 6]))
+    for profile, flags, bounds in runs:
+        trace = tmp_path / "run.json"
+        code, _, err = pipesim("run", "--profile", profile, *flags, "-p", 2, "-m", 4, "-n", 1, "--no-heldout",
+                               "--trace", trace)
+        assert code == 0, (flags, err)
+        assert read_trace(trace).meta.extra["bounds"] == bounds, flags

@@ -237,6 +237,7 @@ def test_rivals_are_synchronous_and_flush_per_minibatch(name):
     ("interleaved-1f1b", ScheduleParams(4, 10, chunks=2, microbatch_group=11), r"give 4 \(p\) to 10 \(m\)"),
     ("interleaved-1f1b", ScheduleParams(4, 10, chunks=2, microbatch_group=4), "m mod G = 2 micro-batches, fewer"),
     ("interleaved-1f1b", ScheduleParams(4, 8, microbatch_group=4), "at v = 1 runs Megatron's plain 1F1B"),
+    ("interleaved-1f1b", ScheduleParams(4, 2, chunks=2, microbatch_group=4), "m = 2 is fewer than p = 4"),
     ("zb-h1", ScheduleParams(4, 8, chunks=2), "--chunks: give 1, as "),
     ("zb-h2", ScheduleParams(4, 8, chunks=2), "--chunks: give 1, as "),
     ("zb-h2", ScheduleParams(4, 6), "at least 2p-1 = 7 micro-batches"),

@@ -129,6 +129,13 @@ class Comparison:
         return asdict(self)
 
 
+def _param(params: dict, name: str):
+    """A recorded schedule parameter as it shaped the order: 1 where not recorded (`rounds` before it existed);
+    interleaved 1F1B's micro-batch group p where left to its default, as given."""
+    value = params.get(name, 1)
+    return params.get("stages") if name == "microbatch_group" and value is None else value
+
+
 def check_comparable(predicted: Trace, measured: Trace) -> None:
     """Raise TraceError naming the first thing in which the two runs differ (schedule, shape, placement, then a
     parameter both record, e.g. the activation limit auto was searched for)."""
@@ -142,7 +149,7 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
                              + (f": predict with {hint} {b}" if hint else ""))
     # a trace written before --rounds existed ran its micro-batches in one flush
     for name in sorted((set(predicted.meta.params) & set(measured.meta.params)) | {"rounds"}):
-        a, b = predicted.meta.params.get(name, 1), measured.meta.params.get(name, 1)
+        a, b = _param(predicted.meta.params, name), _param(measured.meta.params, name)
         if a != b:
             hint = f": predict with --rounds {b}" if name == "rounds" and predicted.meta.source == "predicted" else ""
             raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted{hint}")

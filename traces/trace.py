@@ -308,7 +308,7 @@ def _whole(least: int) -> Callable[[Any], bool]:
 
 def _stage_bounds(value: Any) -> bool:
     """Stage bounds (executor/stages.py `check_bounds`): from 0, never falling, the first and last stages holding a
-    layer, one between them none where a layout leaves it empty."""
+    layer; any stage between them may hold none (a layout's empty stage)."""
     return (isinstance(value, list) and len(value) >= 2 and value[0] == 0 and all(map(_whole(0), value))
             and all(a <= b for a, b in zip(value, value[1:])) and value[1] > 0 and value[-2] < value[-1])
 
