@@ -152,6 +152,9 @@ def test_an_empty_stage_costs_no_compute_and_holds_the_input_it_passes_on():
     assert peak > peak_unheld  # device 0 holds stage 2's inputs in flight
     (cut,) = simulate_json(*GPT, "-p", 2, "-m", 4, "-s", "interleaved-1f1b", "--stage-cut", "layout:Ett|t||tL")
     assert cut["stage_bounds"] == [0, 3, 4, 4, 6]
+    code, out, err = pipesim("simulate", *GPT, "-p", 2, "-m", 4, "-s", "interleaved-1f1b", "--stage-cut",
+                             "layout:Ett|t||tL")
+    assert code == 0 and "model stage 2 holds no layer (--stage-cut)" in " ".join(out.split()), err
 
 
 def test_an_empty_stage_reduces_and_updates_nothing():
