@@ -339,6 +339,7 @@ def _choice_flags(c, candidate) -> list[tuple[str, str, object]]:
 
     estimated = c.recompute is not None  # with --gpu: the degrees and b searched
     return [("schedule", "-s", c.schedule), ("stages", "-p", c.stages), ("chunks", "-v", c.chunks),
+            ("microbatch_group", "--microbatch-group", c.microbatch_group),
             ("pipelines", "-P", c.pipelines if c.pipelines > 1 else None), ("microbatches", "-m", c.microbatches),
             ("data_parallel", "--data-parallel", c.replicas),
             ("tensor_parallel", "--tensor-parallel", c.tensor if estimated else None),
@@ -829,6 +830,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     marked = [("best", tuning.choice), *((str(rank), row) for rank, row in enumerate(tuning.runners_up, 2)),
               *(("over", row) for row in tuning.excluded)]
     configs = [row.result.config for _, row in marked]
+    grouped = any(c.microbatch_group is not None for c in configs)  # interleaved 1F1B's groups where m is no multiple
     # a column every row agrees on said once under the table (`said_once`): the --gpu tunes' "stale", all 0,
     # printed alone in a second part at 80 columns; b and recomp where the flags fix them, the rank order where one
     # wins every row. A row over the staleness limit says its own in its why not ("staleness 1 > 0"), so the
@@ -873,6 +875,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                         + f", staleness <= {problem.max_staleness:,}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption=f"{estimated}{read}p: devices per pipeline ({replicas}), {held}v: chunks per device, "
+                          + ("g: the micro-batches each chunk takes in turn where m is no multiple of p "
+                             "(Megatron-core's group, --microbatch-group; -: p), " if grouped else "")
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
                           + "bubble: 1 - mean compute / step time"
@@ -883,7 +887,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                                     for header, value in said.items()))
     estimate_columns = (("t", *("sp",) * split, "d", *("E",) * experts, *("ranks",) * ranks,
                          *("b",) * ("b" in shown), *("recomp",) * ("recomp" in shown)) if work else ())
-    for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
+    for header in ("", "schedule", "p", "v", *("g",) * grouped, *("P",) * shared, *estimate_columns, "m",
+                   *("R",) * searched, "samples/s",
                    *("MFU",) * bool(work), "bubble", "peak",
                    *(STALENESS_HEADER,) * (STALENESS_HEADER not in said), "why not"):
         table.add_column(header, justify="left" if header in ("schedule", "ranks", "recomp", "why not") else "right",
@@ -894,7 +899,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
         ratio = result.candidate.activation_limit
         mfu = [percent_text(mfus[id(row)])] if work else []
-        table.add_row(mark, c.schedule, f"{c.stages:,}", f"{c.chunks:,}", *[f"{c.pipelines:,}"] * shared,
+        group = ["-" if c.microbatch_group is None else f"{c.microbatch_group:,}"] * grouped
+        table.add_row(mark, c.schedule, f"{c.stages:,}", f"{c.chunks:,}", *group, *[f"{c.pipelines:,}"] * shared,
                       *([f"{c.tensor:,}", *[_split_text(c)] * split, f"{c.replicas:,}", *[f"{c.expert:,}"] * experts,
                          *[_ranks_cell(c)] * ranks, *[f"{c.microbatch_size:,}"] * ("b" in shown),
                          *[_recompute_text(c)] * ("recomp" in shown)] if work else []),

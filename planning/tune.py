@@ -124,6 +124,7 @@ from ..schedules import (
     warmup_minibatches,
 )
 from ..schedules.ranks import estimated_experts_refusal
+from ..schedules.rivals import least_microbatch_group
 from ..sim.cluster import Cluster
 from ..sim.costs import Costs, owned_bytes, product_delay
 from ..sim.engine import device_product_ms, simulate, static_bytes, takes_time
@@ -230,9 +231,12 @@ class Config:
     sequence_parallel: bool = False  # an estimate's
     rank_order: str = "pipesim"  # an estimate's
     orders_alike: bool = False  # the setting's
+    # interleaved 1F1B's micro-batch group where m is no multiple of p (`least_microbatch_group`); None: p's
+    microbatch_group: int | None = None
 
     def label(self) -> str:
         extra = [degree_text("v", self.chunks)] * (self.chunks > 1)
+        extra += [degree_text("g", self.microbatch_group)] if self.microbatch_group is not None else []
         extra += [degree_text("P", self.pipelines)] * (self.pipelines > 1)
         extra += [degree_text("t", self.tensor)] * (self.tensor > 1) + ["sp"] * self.sequence_parallel
         extra += [degree_text("d", self.replicas)] * (self.recompute is not None)
@@ -293,7 +297,8 @@ class Result:
     def to_dict(self) -> dict:
         c = self.config
         return {"schedule": c.schedule, "stages": c.stages, "chunks": c.chunks, "pipelines": c.pipelines,
-                "microbatches": c.microbatches, "replicas": c.replicas, "tensor_parallel": c.tensor,
+                "microbatches": c.microbatches, "microbatch_group": c.microbatch_group, "replicas": c.replicas,
+                "tensor_parallel": c.tensor,
                 "microbatch_size": c.microbatch_size, "recompute": c.recompute, "expert_parallel": c.expert,
                 "zero": c.zero, "sequence_parallel": c.sequence_parallel, "rank_order": c.rank_order,
                 "rank_orders_alike": c.orders_alike,
@@ -1072,7 +1077,7 @@ class _Built:
         order at m, no partition, no costs); None for any other fixed order."""
         config, setting = shape.config, shape.setting
         sketch = self.orders.of_shape(setting.scenario, config.schedule, config.stages, config.microbatches,
-                                      config.chunks, config.pipelines)  # a shape's: not refused (`_shapes`)
+                                      config.chunks, config.pipelines, config.microbatch_group)  # not refused
         chain = self._chain_work(setting)
         if sketch.chain is None or chain is None:
             return None
@@ -1698,13 +1703,15 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                         if m < 1 or rest:
                             continue
                         count += 1
-                        sketch = orders.of_shape(scenario, name, p, m, v, pipelines)
+                        group = least_microbatch_group(p, m) if v > 1 and METHODS[name].reads(
+                            "microbatch_group") else None  # Megatron-core's, where its default p is refused
+                        sketch = orders.of_shape(scenario, name, p, m, v, pipelines, group)
                         if isinstance(sketch, ScheduleError):
                             refused += 1
                             continue
                         config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute, setting.expert,
                                         zero[p], setting.sequence_parallel, setting.rank_order,
-                                        setting.orders_alike)
+                                        setting.orders_alike, group)
                         floor = (pipelines * held[p] + sketch.extra_copies * work.param_bytes) // p
                         bound = _shape_bound(problem, config, work, sketch, scenario.cost_scale, reduce_ms[p])
                         shapes.append(Shape(config, setting, count - 1, sketch.staleness, bound, floor))
@@ -2129,15 +2136,15 @@ class _Orders:
         return found
 
     def of_shape(self, scenario: Scenario, name: str, stages: int, microbatches: int, chunks: int,
-                 pipelines: int) -> _Sketch | ScheduleError:
+                 pipelines: int, microbatch_group: int | None = None) -> _Sketch | ScheduleError:
         """The sketch of a shape (a searched order's, `_searched_sketch`, once `check_shape` takes it), or why the
         method refuses it, returned rather than raised: most of the search's shapes (tens of thousands on a large
         problem) are refused, each looked up by its numbers, without building anything. It does not depend on
         the replicas d, so the settings share it."""
-        key = (name, stages, microbatches, chunks, pipelines, self._model_key(scenario, name))
+        key = (name, stages, microbatches, chunks, pipelines, microbatch_group, self._model_key(scenario, name))
         if key not in self._shapes:
             try:
-                params = ScheduleParams(stages, microbatches, 2, chunks, pipelines)
+                params = ScheduleParams(stages, microbatches, 2, chunks, pipelines, microbatch_group=microbatch_group)
                 if METHODS[name].needs_costs:
                     check_shape(params)
                     self._shapes[key] = _searched_sketch(stages, microbatches)
@@ -2227,7 +2234,8 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
     searched for that partition (`_candidate`)."""
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     planned = METHODS[name].partitioned_as or name
-    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas, zero=config.zero)
+    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas, zero=config.zero,
+                            microbatch_group=config.microbatch_group)
     sketch = orders.sketch(setting.scenario, planned, params)
     short = warmup_minibatches(sketch.flushing, sketch.stages, m)
     params = replace(params, minibatches=short + (1 if sketch.flushing else STEADY_STEPS))

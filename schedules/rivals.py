@@ -95,6 +95,15 @@ def megatron_chunk_order(m: int, v: int, g: int) -> tuple[np.ndarray, np.ndarray
     return microbatch, chunk
 
 
+def least_microbatch_group(p: int, m: int) -> int | None:
+    """The smallest micro-batch group Megatron-core takes for m micro-batches on p stages where its default, p, is
+    refused (m not a multiple of p): the group that holds the fewest micro-batches in flight (`interleaved_1f1b`'s
+    warm-up grows with it); None where the default runs, or where no group does (m < p)."""
+    if m % p == 0 or m < p:
+        return None
+    return next(g for g in range(p + 1, m + 1) if m % g == 0 or m % g >= p)
+
+
 def _check_microbatch_group(method: str, p: int, m: int, v: int, g: int, given: bool) -> None:
     """Refuse a group Megatron-core refuses (forward_backward_pipelining_with_interleaving): g from p to m, and a
     last group of m mod g micro-batches either none or at least p, since fewer than p leave the pipeline waiting

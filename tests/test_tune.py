@@ -763,7 +763,7 @@ def test_every_tune_flag_is_passed_on_to_simulate_as_it_parses_there_or_left_out
     takes = {param.name: param for param in commands["simulate"].params}
     config = SimpleNamespace(schedule="1f1b", stages=2, chunks=1, pipelines=2, microbatches=4, replicas=2, tensor=2,
                              microbatch_size=1, recompute="full", expert=2, sequence_parallel=True, zero=1,
-                             rank_order="megatron")
+                             rank_order="megatron", microbatch_group=3)
     chosen = _choice_flags(config, SimpleNamespace(bounds=[0, 3, 5], activation_limit=2,
                                                    params=SimpleNamespace(activation_limit=16.0)))
     assert all(value is not None for _, _, value in chosen)  # every flag the choice can give, given
@@ -792,3 +792,24 @@ def test_a_cut_by_layers_names_what_it_must_sum_to():
     (cut,) = simulate_json("--profile", GPT, "-s", "interleaved-1f1b", "-p", 2, "-m", 4,
                            "--stage-cut", "layers:3,0,1,12")
     assert cut["stage_bounds"] == [0, 3, 3, 4, 16]
+
+
+def test_tune_runs_interleaved_1f1b_in_megatron_cores_least_group_where_m_is_no_multiple_of_p():
+    """10 samples on 4 GPUs: m = 5 at p = 2, 10 at p = 4, which Megatron-core's default group (p) refuses and its
+    least group takes (3 and 5: `least_microbatch_group`); the chosen one's simulate line, with its group, gives its
+    samples/s."""
+    from pipesim.schedules.rivals import least_microbatch_group
+
+    assert [least_microbatch_group(p, m) for p, m in ((2, 5), (4, 10), (13, 32), (4, 8), (4, 3), (4, 7))] == \
+        [3, 5, 16, None, None, 7]
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 12, "--seq-len", 1024, "-D", 4,
+                             "-B", 10, "-b", 1, "-s", "interleaved-1f1b", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    chosen = document["choice"]
+    assert chosen["chunks"] > 1 and chosen["microbatch_group"] == least_microbatch_group(chosen["stages"],
+                                                                                          chosen["microbatches"])
+    line = document["simulate_command"]
+    assert f"--microbatch-group {chosen['microbatch_group']}" in line
+    (simulated,) = simulate_json(*shlex.split(line)[2:])
+    assert simulated["samples_per_s"] == pytest.approx(chosen["samples_per_s"], rel=1e-9)
