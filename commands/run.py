@@ -330,7 +330,9 @@ def run(
                              f"give --stage-cut balanced (its layers cut again), {_made(measured).command} with "
                              f"--stages {per_copy} or drop --profile")
         asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
-        emptied = stage_cut is not None and _given_cut(stage_cut)  # its stages may hold no layer
+        from ..planning.scenario import gives_layers
+
+        emptied = stage_cut is not None and gives_layers(stage_cut)  # its stages may hold no layer
         if not emptied:
             refuse(stages_refusal(asked, per_copy, model, measured.model.options if measured else options))
         # every flag that needs nothing started is read: a refusal starts no server and imports no torch
@@ -522,13 +524,6 @@ def _check_stage_cut(stage_cut: str | None, profile: Path | None) -> None:
         first_last(stage_cut)
     except CostError as exc:
         raise InputError(str(exc)) from None
-
-
-def _given_cut(stage_cut: str) -> bool:
-    """Whether `stage_cut` gives the stages' layers itself (a layout or layer counts), which may leave one empty."""
-    from ..planning.scenario import LAYERS, LAYOUT
-
-    return stage_cut.startswith((LAYOUT, LAYERS))
 
 
 def _cut(measured, built, stage_cut: str) -> tuple[int, ...]:

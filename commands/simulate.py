@@ -751,20 +751,13 @@ def _cut_text(scenario, cuts: dict[str, list[int]]) -> str:
     """For the caption: the layers each model stage holds where `--stage-cut fit` chose them (the cut is the
     planner's, and a user asks which it chose); the stages a given cut leaves empty, which run no layer."""
     from ..planning.scenario import FIT
+    from ..profiles.partition import empty_stages
 
-    if scenario.stage_cut != FIT:
-        empty = {name: [k for k, (start, stop) in enumerate(zip(cut, cut[1:])) if start == stop]
-                 for name, cut in cuts.items() if cut}
-        if not any(empty.values()):
+    if scenario.stage_cut != FIT:  # a cut given alike to every method (a layout, layer counts): one set of stages
+        empty = sorted({k for cut in cuts.values() if cut for k in empty_stages(cut)})
+        if not empty:
             return ""
-        stages = {tuple(held) for held in empty.values() if held}
-        if len(stages) == 1:
-            (held,) = stages
-            said = f"model stage {held[0]} holds" if len(held) == 1 else \
-                f"model stages {', '.join(map(str, held))} hold"
-        else:
-            said = "model stages " + "; ".join(f"{', '.join(map(str, held))} of {name}"
-                                               for name, held in empty.items() if held) + " hold"
+        said = f"model stage {empty[0]} holds" if len(empty) == 1 else f"model stages {', '.join(map(str, empty))} hold"
         return f"; {said} no layer (--stage-cut): each passes its input on, holding it until its backward"
     held = ", ".join(f"{name} {'/'.join(str(stop - start) for start, stop in zip(cut, cut[1:]))}"
                      for name, cut in cuts.items())

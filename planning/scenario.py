@@ -29,6 +29,7 @@ from ..profiles.partition import (
     PairBytes,
     PartitionError,
     activation_ranges,
+    empty_stages,
     equal_blocks,
     first_last_blocks,
     layout_blocks,
@@ -129,6 +130,12 @@ def _counts(stage_cut: str, form: str) -> list[int | None]:
     start with `form`: as many at most as a layout may unroll to, far past any model's."""
     return ([whole_number(count, LAYOUT_MOST_CHARACTERS) for count in stage_cut.removeprefix(form).split(",")]
             if stage_cut.startswith(form) else [])
+
+
+def gives_layers(stage_cut: str) -> bool:
+    """Whether `stage_cut` gives each stage's layers itself (`layout_of`, `layer_counts`), so that a stage between
+    the first and the last may hold none."""
+    return stage_cut.startswith((LAYOUT, LAYERS))
 
 
 def layout_of(stage_cut: str) -> list[str] | None:
@@ -313,7 +320,7 @@ class Scenario:
             return frozenset()
         cut = list(bounds) if bounds is not None else self.cut(sched)
         per_copy = len(cut) - 1
-        return frozenset(k for k in range(sched.num_stages) if cut[k % per_copy] == cut[k % per_copy + 1])
+        return frozenset(copy * per_copy + k for k in empty_stages(cut) for copy in range(sched.num_stages // per_copy))
 
     def _distributed_optimizer_collectives(self, costs: Costs, sched: Schedule, link: CollectiveLink,
                                            bounds: Sequence[int] | None) -> Costs:
@@ -1156,8 +1163,7 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     (`partition`). `sized_by_flags`: Scenario.sized_by_flags."""
     from ..profiles.schema import layer_costs, profile_stage_time
 
-    given = layout_of(stage_cut) is not None or layer_counts(stage_cut) is not None  # whose stages may be empty
-    refused = None if given else too_many_stages(
+    refused = None if gives_layers(stage_cut) else too_many_stages(
         f"the schedule's {num_stages:,} model stages (--stages x --chunks)", num_stages, measured.model.name,
         measured.model.options, measured.layers, profiled=not sized_by_flags)
     if refused is not None:  # a layout may leave stages empty (GLM-5.2's p·v = 26 of 25 starts)
@@ -1213,9 +1219,9 @@ def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | No
 
     cut = list(bounds) if bounds is not None else profile_bounds(measured, num_stages, stage_cut,
                                                                  sized_by_flags=sized_by_flags)
-    empty = next((k for k, (start, stop) in enumerate(itertools.pairwise(cut)) if start == stop), None)
-    if empty is not None:
-        raise CostError(f"--stage-cut {stage_cut}: it leaves model stage {empty} without a layer, and a method that "
+    empty = empty_stages(cut)
+    if empty:
+        raise CostError(f"--stage-cut {stage_cut}: it leaves model stage {empty[0]} without a layer, and a method that "
                         "runs the model's own graph of stages (graphpipe) links stages by the layers they hold: give "
                         "a cut whose every stage holds one")
     return StageGraph(num_stages, tuple(stage_edges(measured.layers, cut)))

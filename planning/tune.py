@@ -1694,6 +1694,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                                         work.grad_bytes)
                      for p in depths for d in [problem.devices // (p * t)]}
         for name in problem.schedules:
+            grouped = METHODS[name].reads("microbatch_group")  # Megatron-core's group where its default p is refused
             for p in depths:
                 replicas = problem.devices // (p * t)
                 # Chunks on a lone device would only split its all-reduce: v > 1 needs a pipeline.
@@ -1703,8 +1704,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                         if m < 1 or rest:
                             continue
                         count += 1
-                        group = least_microbatch_group(p, m) if v > 1 and METHODS[name].reads(
-                            "microbatch_group") else None  # Megatron-core's, where its default p is refused
+                        group = least_microbatch_group(p, m) if v > 1 and grouped else None
                         sketch = orders.of_shape(scenario, name, p, m, v, pipelines, group)
                         if isinstance(sketch, ScheduleError):
                             refused += 1

@@ -459,6 +459,12 @@ def stage_starts(follows_previous: Sequence[bool]) -> list[int]:
     return [i for i, follows in enumerate(follows_previous) if not follows or i == 0]
 
 
+def empty_stages(bounds: Sequence[int]) -> list[int]:
+    """The stages a cut at `bounds` leaves without a layer, whose bound repeats the next one's (a layout's: Megatron-
+    core allows them, `layout_blocks`)."""
+    return [k for k, (start, stop) in enumerate(itertools.pairwise(bounds)) if start == stop]
+
+
 def starts_refusal(follows_previous: Sequence[bool], bounds: Sequence[int]) -> str | None:
     """Why a cut at `bounds` is refused (None: it is not): a stage would start at a layer no stage may start at."""
     barred = next((start for start in bounds[1:-1] if follows_previous[start]), None)
