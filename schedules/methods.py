@@ -155,14 +155,6 @@ class ScheduleParams:
             params["zero"] = int(bool(params.pop("sharded_optimizer")))
         return cls(**params)
 
-    @staticmethod
-    def shaping(params: Mapping, name: str) -> object:
-        """A parameter a trace recorded (`TraceMeta.params`) as it shaped the order: 1 where not recorded (`rounds`
-        before it existed), interleaved 1F1B's micro-batch group p where left to its default (`microbatch_group`),
-        so that two runs of the same order compare alike whichever way it was asked for."""
-        value = params.get(name, 1)
-        return params.get("stages") if name == "microbatch_group" and value is None else value
-
     def _check_size(self) -> None:
         """Refuse what would take minutes or more memory than a machine has, naming the parameter to lower: the
         largest factor of the estimated rows (F and B of every stage and micro-batch, and with more than one
