@@ -1204,9 +1204,11 @@ def _given_bounds(measured: Profile, num_stages: int, stage_cut: str,
                 return first_last_blocks(kinds, num_stages, *ends)
             return BLOCK_CUTS[stage_cut](kinds, num_stages)
         except PartitionError as exc:
-            balanced = too_many_stages("", num_stages, measured.model.name, measured.model.options, measured.layers)
-            raise CostError(f"--stage-cut {stage_cut}: {exc}" + (
-                "" if balanced else "; use --stage-cut balanced")) from None
+            # a layout's refusal names its own fix; a block cut's, balanced where that can cut so many stages
+            balanced = layout is None and not too_many_stages("", num_stages, measured.model.name,
+                                                              measured.model.options, measured.layers)
+            raise CostError(f"--stage-cut {stage_cut}: {exc}" + ("; use --stage-cut balanced" if balanced else "")
+                            ) from None
     return None
 
 

@@ -388,17 +388,20 @@ def layout_blocks(kinds: Sequence[str], stages: int, layout: Sequence[str], mtp_
     t (`TransformerBlock.has_final_layernorm_in_this_stage`) and the `mtp_kind` layer with the m. A stage may hold
     no layer, as Megatron-core allows (its bound repeats the next one's): its device passes the activation on."""
     if len(layout) != stages:
-        raise PartitionError(f"its {len(layout)} stages are not the schedule's p·v = {stages} model stages")
+        raise PartitionError(f"its {len(layout)} stages are not the schedule's p·v = {stages} model stages: give a "
+                             f"layout of {stages} stages, or -p and --chunks whose product is {len(layout)}")
     first, blocks, kind = _block_run(kinds)
     flat = "".join(layout)
     at = {letter: [k for k, stage in enumerate(layout) for held in stage if held == letter] for letter in "Etm"}
+    mtp_fix = f": give --mtp-layers {len(at['m'])} or leave the m out" if not mtp_layers and at["m"] else ""
     rules = ((flat[:1] == "E" and flat[-1:] == "L", "E first and L last"),
              (flat.count("E") == flat.count("L") == 1, "E and L once each"),
              # GPTModel's pre_process and post_process follow the stage's place, not the layout
              ("E" in layout[0] and "L" in layout[-1], "E in the first stage and L in the last, where Megatron-core "
                                                       "builds the embedding and the loss whatever the layout says"),
-             (len(at["t"]) == blocks, f"{blocks} t, the model's blocks ({kind}), not {len(at['t'])}"),
-             (len(at["m"]) == mtp_layers, f"{mtp_layers} m, the model's --mtp-layers, not {len(at['m'])}"),
+             (len(at["t"]) == blocks, f"a t for each of the model's {blocks} blocks ({kind}); it has {len(at['t'])}"),
+             (len(at["m"]) == mtp_layers, f"an m for each multi-token prediction layer (--mtp-layers {mtp_layers}); "
+                                          f"it has {len(at['m'])}{mtp_fix}"),
              ("t" not in flat.partition("m")[2], "every t before the first m"),
              (len(set(at["m"])) < 2, "every m in one stage"),
              (not at["m"] or devices is None or any(max(held) == at["m"][0] for held in devices),

@@ -89,11 +89,13 @@ def test_deepseek_v3s_recipe_layout_gives_two_blocks_a_stage_and_the_mtp_layer_w
 
 
 @pytest.mark.parametrize(("stages", "layout", "mtp", "devices", "message"), [
-    (3, "Ett|ttL", 0, None, "its 2 stages are not the schedule's p·v = 3 model stages"),
-    (2, "Ettt|ttL", 0, None, "a layout needs 4 t, the model's blocks (DecoderLayer), not 5"),
+    (3, "Ett|ttL", 0, None, "its 2 stages are not the schedule's p·v = 3 model stages: give a layout of 3 stages, "
+                            "or -p and --chunks whose product is 2"),
+    (2, "Ettt|ttL", 0, None, "a layout needs a t for each of the model's 4 blocks (DecoderLayer); it has 5"),
     (2, "tE|tttL", 0, None, "a layout needs E first and L last"),
     (2, "EEtt|ttL", 0, None, "a layout needs E and L once each"),
-    (2, "Ett|ttmL", 0, None, "a layout needs 0 m, the model's --mtp-layers, not 1"),
+    (2, "Ett|ttmL", 0, None, "a layout needs an m for each multi-token prediction layer (--mtp-layers 0); it has 1: "
+                             "give --mtp-layers 1 or leave the m out"),
     (2, "Ett|tmtL", 1, None, "a layout needs every t before the first m"),
     (3, "Ett|ttm|mL", 2, None, "a layout needs every m in one stage"),
     (4, "Ett|ttm||L", 1, ((0, 2), (1, 3)), "a layout needs its m in the last stage its device runs"),
@@ -197,17 +199,19 @@ def test_simulate_cuts_as_the_layout_says_and_interleaved_stages_in_megatrons_vi
     ("Et|tq|L", "--stage-cut layout:Et|tq|L: stage 1 holds 'q'; a layout has letters E (the embedding)"),
     ("Et|(tt|L", "stage 1 holds '(' (a parenthesis unbalanced, nested or without *n)"),
     ("Et|t|tL", "--stage-cut layout:Et|t|tL: its 3 stages are not the schedule's p·v = 2 model stages"),
-    ("Et|tL", "a layout needs 4 t, the model's blocks (_Block), not 2"),
-    ("Ett|tmtL", "a layout needs 0 m, the model's --mtp-layers, not 1"),
+    ("Et|tL", "a layout needs a t for each of the model's 4 blocks (_Block); it has 2"),
+    ("Ett|tmtL", "a layout needs an m for each multi-token prediction layer (--mtp-layers 0); it has 1: give "
+                 "--mtp-layers 1 or leave the m out"),
     # a repeat of 10**11, 10**12 nested, or of 5,000 digits: a MemoryError, minutes, int()'s ValueError, unrolled
     ("Et*99999999999|L", "its repeats unroll to more than 1,000,000 characters"),
     ("E(t*1000000)*1000000|L", "its repeats unroll to more than 1,000,000 characters"),
     (f"Et*{'9' * 5000}|L", "its repeats unroll to more than 1,000,000 characters"),
-    (f"E(tt)*{'0' * 5000}3|L", "a layout needs 4 t, the model's blocks (_Block), not 6"),
+    (f"E(tt)*{'0' * 5000}3|L", "a layout needs a t for each of the model's 4 blocks (_Block); it has 6"),
 ])
 def test_a_bad_layout_is_one_line_exit_2(layout, message):
     code, out, err = pipesim("simulate", *GPT, "-p", 2, "-s", "1f1b", "--stage-cut", f"layout:{layout}")
     assert code == 2 and not out and err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert "--stage-cut balanced" not in err, "a layout's refusal names its own fix, not a cut that drops the layout"
 
 
 @needs_transformers
@@ -219,7 +223,8 @@ def test_an_mtp_layout_runs_the_module_with_the_m(tmp_path):
     (cut,) = simulate_json(*args, "--mtp-layers", 1, "--stage-cut", "layout:Et|tmL")
     assert cut["stage_bounds"] == [0, 2, 6]
     code, _, err = pipesim("simulate", *args, "--stage-cut", "layout:Et|tmL")
-    assert code == 2 and "a layout needs 0 m, the model's --mtp-layers, not 1" in err
+    assert code == 2 and ("a layout needs an m for each multi-token prediction layer (--mtp-layers 0); it has 1: "
+                          "give --mtp-layers 1 or leave the m out") in err
 
 
 GPT_RUN = {"layers": 4, "width": 64, "heads": 2, "seq_len": 32, "vocab": 512}
