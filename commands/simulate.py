@@ -466,6 +466,7 @@ def simulate(
                          + _overlap_text(built, pairs, fb_hidden_fraction) + _scale_text(cost_scale, work)
                          + _runtime_text(scenario) + _cluster_text(scenario, built)
                          + _cut_text(scenario, {name: cuts[name] for name in names})
+                         + _host_text(scenario, {name: cuts[name] for name in names})
                          + _searched_again_text(searched_again)
                          + _held_back_text(built, summaries, memory, [costed[name] for name in names]),
                          [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
@@ -762,6 +763,28 @@ def _cut_text(scenario, cuts: dict[str, list[int]]) -> str:
     held = ", ".join(f"{name} {'/'.join(str(stop - start) for start, stop in zip(cut, cut[1:]))}"
                      for name, cut in cuts.items())
     return f"; layers a model stage, cut for time within each device's memory (--stage-cut {FIT}): {held}"
+
+
+HOST_BOUND_SHOWN = 0.1  # the caption says how long passes wait for their host where a stage's wait is this share
+
+
+def _host_text(scenario, cuts: dict[str, list[int]]) -> str:
+    """For the caption: where an estimate's passes wait for the host to issue their kernels (its host-bound
+    stages, profiles/schema.py `stage_host_share`), the most any stage waits, so that a step slowed by the host (a
+    float8 step slower than bfloat16's, each TransformerEngine module call costing its host) reads as that."""
+    from ..profiles.schema import p2p_synced, stage_host_share
+
+    measured = scenario.measured
+    if measured is None:
+        return ""
+    synced = p2p_synced(measured)
+    share = max((stage_host_share(measured.layers, start, stop, synced) for cut in cuts.values() if cut
+                 for start, stop in zip(cut, cut[1:])), default=0.0)
+    if share < HOST_BOUND_SHOWN:
+        return ""
+    return (f"; host-bound: a stage's forward and backward wait up to {percent_text(share)} of their time for the "
+            "host to issue their kernels and module calls (--host-kernel-us, --host-module-us; --cuda-graphs "
+            "issues a graph at one kernel's cost)")
 
 
 def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> str:

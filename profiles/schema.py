@@ -895,6 +895,20 @@ def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name:
     return waited
 
 
+def stage_host_share(layers: list[LayerProfile], start: int, stop: int, p2p_sync: bool = False) -> float:
+    """The share of a stage's forward and backward its host's issue of their kernels holds the GPU waiting: the waits
+    its layers' times carry and those its own passes add (`stage_host_waits_ms`) over the passes' times; 0 where its
+    layers' issue is not known (measured, or an empty stage)."""
+    mine = layers[start:stop]
+    if not mine or any(layer.host_issue is None for layer in mine):
+        return 0.0
+    passes = ("fwd", "bwd")
+    carried = math.fsum(layer.host_issue[name].carried_ms for layer in mine for name in passes)
+    own = math.fsum(stage_host_waits_ms(layers, start, stop, name, p2p_sync) for name in passes)
+    total = math.fsum(getattr(layer, name).median_ms for layer in mine for name in passes) + own
+    return (carried + own) / total if total > 0 else 0.0
+
+
 def _unsynchronised_ms(slack: Sequence[float], carried: Sequence[float]) -> float:
     """What a pass that nothing synchronises waits for its host beyond the waits its layers' times carry: its
     issue's excess over its GPU time, of its layers' `slack` and `carried` waits (`_host_waits_ms`)."""

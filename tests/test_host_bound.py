@@ -221,3 +221,33 @@ def test_only_transformer_layers_call_transformer_engines_modules(tmp_path):
     slack = [[layer["host_issue"][name]["slack_ms"] for name in ("fwd", "bwd", "igrad")] for layer in (*slow, *slower)]
     assert slack[:4:3] == slack[4::3] and all(0 < ms < 0.1 for ms in slack[3])  # the head: its GEMMs' issue alone
     assert all(many < few < 0 for many, few in zip(slack[5] + slack[6], slack[1] + slack[2]))
+
+
+def test_the_caption_says_how_long_a_host_bound_stage_waits_for_its_host(tmp_path):
+    """A small dense gpt on an H100 waits for its host to issue its kernels: each stage's share of waiting is its
+    forward and backward's time less their GPU time (the same passes priced with the host free) over that time, and
+    the caption gives the most a stage waits; with the host free it says nothing."""
+    from pipesim.profiles.schema import load_profile, stage_host_share
+
+    small = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256,
+             "-b", 1, "-p", 2)
+    shares, cuts = [], []
+    for host, path in (((), tmp_path / "host.json"), (("--host-kernel-us", 0), tmp_path / "free.json")):
+        assert pipesim("estimate", *small, *host, "--out", path).code == 0
+        profile = load_profile(path)
+        bounds = profile.partition.bounds
+        cuts.append(bounds)
+        shares.append([stage_host_share(profile.layers, a, b) for a, b in zip(bounds, bounds[1:])])
+        if host:
+            gpu_ms = [stage.fwd_ms + stage.bwd_ms for stage in profile.stages]
+        else:
+            issued_ms = [stage.fwd_ms + stage.bwd_ms for stage in profile.stages]
+    assert cuts[0] == cuts[1] and shares[1] == [0.0, 0.0]
+    assert shares[0] == pytest.approx([1 - gpu / issued for gpu, issued in zip(gpu_ms, issued_ms)], rel=1e-9)
+    assert min(shares[0]) > 0.5
+    code, out, err = pipesim("simulate", *small, "-m", 4, "-s", "1f1b")
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert f"host-bound: a stage's forward and backward wait up to {100 * max(shares[0]):.1f}% of their time" in said
+    code, out, err = pipesim("simulate", *small, "-m", 4, "-s", "1f1b", "--host-kernel-us", 0)
+    assert code == 0 and "host-bound" not in out, err
