@@ -772,11 +772,11 @@ def _host_text(scenario, cuts: dict[str, list[int]]) -> str:
     """For the caption: where an estimate's passes wait for the host to issue their kernels (its host-bound
     stages, profiles/schema.py `stage_host_share`), the most any stage waits, so that a step slowed by the host (a
     float8 step slower than bfloat16's, each TransformerEngine module call costing its host) reads as that."""
+    measured = scenario.measured
+    if measured is None:  # typed costs: nothing was issued (and the profile schema stays unimported)
+        return ""
     from ..profiles.schema import p2p_synced, stage_host_share
 
-    measured = scenario.measured
-    if measured is None:
-        return ""
     synced = p2p_synced(measured)
     share = max((stage_host_share(measured.layers, start, stop, synced) for cut in cuts.values() if cut
                  for start, stop in zip(cut, cut[1:])), default=0.0)

@@ -128,7 +128,8 @@ def test_traces_of_different_runs_are_refused_naming_the_difference():
         compare(run("1f1b", 2, 4).trace, as_measured(run("gpipe", 2, 4).trace))
     with pytest.raises(TraceError, match="microbatches 8 measured, 4 predicted: predict with -m 8$"):
         compare(run("1f1b", 2, 4).trace, as_measured(run("1f1b", 2, 8).trace))
-    with pytest.raises(TraceError, match="microbatches 8 measured, 4 predicted$"):  # two runs: no flag makes either
+    # two runs: no flag makes either
+    with pytest.raises(TraceError, match=r"microbatches 8 measured, 4 in PREDICTED \(a run\)$"):
         compare(as_measured(run("1f1b", 2, 4).trace), as_measured(run("1f1b", 2, 8).trace))
     with pytest.raises(TraceError, match="activation_limit 2.0 measured, 1.0 predicted"):  # auto searched for other R
         compare(simulated(build("auto", 4, 8, activation_limit=1.0)).trace,
@@ -265,6 +266,7 @@ def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_
     assert json.loads(out)["iteration_time_error"] == pytest.approx((33.0 - 34.1) / 34.1)
     code, out, err = pipesim("compare", measured, predicted, "--html", tmp_path / "c.html")
     assert code == 0 and "error -3.2%" in out and (tmp_path / "c.html").stat().st_size > 0
+    assert " ".join(err.split()) == f"warning: {TWO_PREDICTIONS}"  # a prediction given as the run is said to be
     # One argument predicts the run again from the profile it recorded: a prediction has none.
     code, _, err = pipesim("compare", predicted)
     assert code == 2 and f"MEASURED {predicted}: a predicted trace, not a measured one" in err, err
@@ -278,7 +280,7 @@ def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_
     other = tmp_path / "o.json"
     assert pipesim("simulate", "-s", "1f1b", "-p", "4", "-m", "8", "--trace", other).code == 0
     code, _, err = pipesim("compare", other, predicted)
-    assert code == 2 and "schedule 1f1b measured, gpipe predicted" in err
+    assert code == 2 and "schedule 1f1b in MEASURED (a prediction), gpipe predicted" in err
     # A run given second, its prediction first: refused, naming the order (it reported the run's time as predicted)
     run = Path(__file__).parent.parent / "traces" / "measured" / "fidelity-cpu2-day3-runs" / "1f1b.json"
     assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 4, "-n", 8, "--trace", other).code == 0  # the run's shape
@@ -614,9 +616,13 @@ def test_a_torch_pipelining_run_compares_with_its_prediction(tmp_path, run_dir, 
     assert code == 2 and "ranks [0, 1]" in err
 
 
+TWO_PREDICTIONS = ("MEASURED is a prediction (`pipesim simulate --trace`), not a run: what the tables call measured is "
+                   "that prediction, and the error one prediction's against the other")
+
+
 def test_two_predictions_from_a_torch_timed_profile_compare_without_a_runtime_warning(tmp_path):
     """Neither is a run, so no runtime differs from the profile's: a `--passes-as torch` profile's prediction held
-    against another prediction was warned of as "this is pipesim's run"."""
+    against another prediction was warned of as "this is pipesim's run"; that MEASURED is a prediction is said."""
     profile = json.loads(MLP_PROFILE.read_text())
     profile["environment"]["passes_as"] = "torch"
     (tmp_path / "torch.json").write_text(json.dumps(profile))
@@ -624,7 +630,8 @@ def test_two_predictions_from_a_torch_timed_profile_compare_without_a_runtime_wa
         assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "8", "-n", "3", "--profile", tmp_path / "torch.json",
                        "--optimizer", "sgd", "--jitter", jitter, "--trace", tmp_path / name).code == 0
     code, out, err = pipesim("compare", tmp_path / "b.json", tmp_path / "a.json", "--json")
-    assert code == 0 and err == "" and json.loads(out)["warnings"] == []
+    assert code == 0 and json.loads(out)["warnings"] == [TWO_PREDICTIONS]
+    assert " ".join(err.split()) == f"warning: {TWO_PREDICTIONS}"
 
 
 def test_the_replay_places_ranks_where_they_computed():
@@ -918,5 +925,5 @@ def test_a_micro_batch_group_of_p_compares_with_the_default_and_another_does_not
         assert code == 0, err
         traces[group] = read_trace(path)
     check_comparable(traces[None], traces[2])
-    with pytest.raises(TraceError, match="microbatch_group 4 measured, 2 predicted"):
+    with pytest.raises(TraceError, match=r"microbatch_group 4 in MEASURED \(a prediction\), 2 predicted"):
         check_comparable(traces[None], traces[4])

@@ -128,8 +128,9 @@ def test_compare_names_rounds_that_differ_and_reads_an_older_trace_as_one_flush(
     older = json.loads(rounds.read_text())
     older["pipesim"]["meta"]["params"].pop("rounds")
     (tmp_path / "older.json").write_text(json.dumps(older))
-    for measured, predicted, said in ((rounds, one, "rounds 2 measured, 1 predicted: predict with --rounds 2"),
-                                      (tmp_path / "older.json", rounds, "rounds 1 measured, 2 predicted")):
+    ran = "in MEASURED (a prediction)"  # both simulated
+    for measured, predicted, said in ((rounds, one, f"rounds 2 {ran}, 1 predicted: predict with --rounds 2"),
+                                      (tmp_path / "older.json", rounds, f"rounds 1 {ran}, 2 predicted")):
         code, out, err = pipesim("compare", str(measured), str(predicted))
         assert code == 2 and said in err, err
 

@@ -137,26 +137,34 @@ def _param(params: dict, name: str):
     return params.get("stages") if name == "microbatch_group" and value is None else value
 
 
+def _sides(predicted: Trace, measured: Trace) -> tuple[str, str]:
+    """How a refusal names each trace: by what it is, measured or predicted, and by its argument where it is not
+    what its argument asks for (a prediction given as MEASURED, a run as PREDICTED)."""
+    return ("measured" if measured.meta.source == "measured" else "in MEASURED (a prediction)",
+            "predicted" if predicted.meta.source == "predicted" else "in PREDICTED (a run)")
+
+
 def check_comparable(predicted: Trace, measured: Trace) -> None:
     """Raise TraceError naming the first thing in which the two runs differ (schedule, shape, placement, then a
     parameter both record, e.g. the activation limit auto was searched for)."""
+    ran, predicts = _sides(predicted, measured)
     for name in _SHAPE:
         a, b = getattr(predicted.meta, name), getattr(measured.meta, name)
         # a stage graph is its set of edges, in whatever order its builder listed them
         same = sorted(map(tuple, a)) == sorted(map(tuple, b)) if name == "stage_edges" else a == b
         if not same:
             hint = _SHAPE_FLAGS.get(name) if predicted.meta.source == "predicted" else None
-            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted"
+            raise TraceError(f"the traces describe different runs: {name} {b} {ran}, {a} {predicts}"
                              + (f": predict with {hint} {b}" if hint else ""))
     # a trace written before --rounds existed ran its micro-batches in one flush
     for name in sorted((set(predicted.meta.params) & set(measured.meta.params)) | {"rounds"}):
         a, b = _param(predicted.meta.params, name), _param(measured.meta.params, name)
         if a != b:
             hint = f": predict with --rounds {b}" if name == "rounds" and predicted.meta.source == "predicted" else ""
-            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted{hint}")
+            raise TraceError(f"the traces describe different runs: {name} {b} {ran}, {a} {predicts}{hint}")
     if predicted.num_devices != measured.num_devices:
-        raise TraceError(f"the traces describe different runs: {measured.num_devices} devices measured, "
-                         f"{predicted.num_devices} predicted")
+        raise TraceError(f"the traces describe different runs: {measured.num_devices} devices {ran}, "
+                         f"{predicted.num_devices} {predicts}")
     trained, calibrated = _setting_of(measured), _setting_of(predicted)
     if trained is None or calibrated is None:
         return
@@ -413,9 +421,13 @@ def _warnings(predicted: Trace, measured: Trace) -> list[str]:
 
 
 def _cost_warnings(predicted: Trace, measured: Trace) -> list[str]:
-    """A prediction from typed what-if costs describes no machine: its error against a run measures the
-    numbers typed, not pipesim. One whose profile timed its stages' passes with another runtime's code than the
-    run's (`calibrate --passes-as`) prices each pass at that runtime's cost."""
+    """A prediction given as MEASURED is no run: the error is one prediction's against another. A prediction from
+    typed what-if costs describes no machine: its error against a run measures the numbers typed, not pipesim.
+    One whose profile timed its stages' passes with another runtime's code than the run's (`calibrate
+    --passes-as`) prices each pass at that runtime's cost."""
+    if measured.meta.source == "predicted":
+        return ["MEASURED is a prediction (`pipesim simulate --trace`), not a run: what the tables call measured is "
+                "that prediction, and the error one prediction's against the other"]
     if predicted.meta.source != "predicted":
         return []
     calibration = predicted.meta.calibration
