@@ -1151,3 +1151,12 @@ def test_a_microbatch_group_is_given_to_interleaved_1f1b_alone():
     assert re.search(r"^ interleaved-1f1b \(v=2, g=5\) ", out, re.M) and re.search(r"^ 1f1b +[0-9]", out, re.M), out
     rows = {r["schedule"]: (r["chunks"], r["microbatch_group"]) for r in simulate_json(*flags)}
     assert rows == {"1f1b": (1, None), "interleaved-1f1b": (2, 5)}
+
+
+def test_a_microbatch_group_of_p_reads_as_the_default():
+    """--microbatch-group p is Megatron-core's default order: the table, --json and the trace read as without it."""
+    shape = ("-p", 2, "-m", 8, "-s", "interleaved-1f1b")
+    given, default = simulate_json(*shape, "--microbatch-group", 2), simulate_json(*shape)
+    assert given == default and given[0]["microbatch_group"] is None
+    code, out, err = pipesim("simulate", *shape, "--microbatch-group", 2)
+    assert code == 0 and re.search(r"^ interleaved-1f1b \(v=2\) ", out, re.M), out
