@@ -227,6 +227,7 @@ def sweep(
         Grid,
         GridError,
         Result,
+        estimate_degrees,
         load_grid,
         one_row_per_schedule,
         pareto_front,
@@ -327,9 +328,11 @@ def sweep(
                                                                                  and scenario.measured.link))
         results = one_row_per_schedule([replace(r, command=line(r.config)) for r in results])
         front = pareto_front(results)
+        shown = jobs[0][0]  # under --gpu an estimate's, its allocations replayed or not as every p's are
+        degrees = estimate_degrees(shown.measured)
         if out is not None:
             with writing("--out"):
-                write_results(results, out)
+                write_results(results, out, degrees)
         if html is not None:
             from ..planning.sweep import write_tradeoff_html
 
@@ -341,11 +344,10 @@ def sweep(
         fail(_unreached(ray, exc))
     except OSError as exc:
         fail(read_error(exc))
-    shown = jobs[0][0]  # under --gpu an estimate's, its allocations replayed or not as every p's are
     estimate = shown.measured.estimate if shown.measured is not None else None
     moved = "" if estimate is None or what is not None else experts_moved_text(
         estimate, ((r.config.stages, r.config.data_parallel) for r in results))
-    _print_front(results, front, peak_text(shown.measured, what, shown), out, html, moved)
+    _print_front(results, front, peak_text(shown.measured, what, shown), out, html, moved, degrees)
     _print_skipped(results, out)
     _warn_if_none_fits(results)
     stdout.print(where_text([sweep for _, sweep in sweeps]), highlight=False)
@@ -448,6 +450,15 @@ FRONT_HEADERS = {"v": "chunks per device", "P": "pipelines", "cost×": "the cost
                  "R": "auto's activation limit, in 1F1B's peak"}
 
 
+def _degrees_text(degrees: dict[str, int]) -> str:
+    """For the caption: the estimate's tensor, context and expert parallelism every row runs, where more than 1 (no
+    column shows them, and the rows' commands give them)."""
+    shown = [degree_text(letter, degrees.get(column, 1)) for letter, column in
+             (("t", "tensor_parallel"), ("C", "context_parallel"), ("E", "expert_parallel"))
+             if degrees.get(column, 1) > 1]
+    return f"; {', '.join(shown)} in every row" if shown else ""
+
+
 def _replicas_text(config) -> str:
     """For the caption: the data-parallel replicas every configuration runs (one --data-parallel, or a --profile
     estimate's own d) and how they shard and reduce, where there are more than one, and the rounds a mini-batch
@@ -480,10 +491,11 @@ def _on_fronts_text(results: list, front: list[int]) -> str:
 
 
 def _print_front(results: list, front: list[int], peak: str, out: Path | None, html: Path | None,
-                 moved: str = "") -> None:
+                 moved: str = "", degrees: dict[str, int] | None = None) -> None:
     """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first; `peak`: what the peak
     column is (`peak_text`); `moved`: how a --profile's all-to-alls are priced where a row's p and d place its
-    expert-parallel group otherwise (`experts_moved_text`)."""
+    expert-parallel group otherwise (`experts_moved_text`); `degrees`: the estimate's t, C and E every row runs
+    (`estimate_degrees`)."""
     from ..planning.sweep import front_group
 
     shown = _whole_fronts(results, front)
@@ -511,7 +523,7 @@ def _print_front(results: list, front: list[int], peak: str, out: Path | None, h
                   box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="; ".join(f"{header}: {text}" + (f", {said[header]} in every row" if header in said else "")
                                     for header, text in FRONT_HEADERS.items()) + "; -: not the method's"
-                  + (f"; {peak}" if peak else "") + _replicas_text(configs[0])
+                  + (f"; {peak}" if peak else "") + _degrees_text(degrees or {}) + _replicas_text(configs[0])
                   + (f"; the all-to-alls are the profile's, {moved}" if moved else "")
                   + ("; memory: OOM where a device's peak is past its memory (simulate names the devices)"
                      if over else "")

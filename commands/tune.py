@@ -878,8 +878,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                           + ("g: the micro-batches each chunk takes in turn where m is no multiple of p "
                              "(Megatron-core's group, --microbatch-group; -: p), " if grouped else "")
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
-                          + ("R: the activation memory a searched order (auto) holds, in 1F1B's, searched with no limit but "
-                             "the memory's (simulate's --activation-limit p·m); " if searched else "")
+                          + ("R: the activation memory a searched order (auto) holds, in 1F1B's, searched with no "
+                             "limit but the memory's (simulate's --activation-limit p·m); " if searched else "")
                           + "bubble: 1 - mean compute / step time"
                           + (f"; {MFU_PAST_PEAK_TEXT}" if any(share > 1 for share in mfus.values()) else "")
                           + "".join(f"; {header}: {value} in every row" + (

@@ -16,13 +16,14 @@ import hashlib
 import io
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import as_completed
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import date, time
 from itertools import product
 from pathlib import Path
 from time import process_time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -40,6 +41,9 @@ from ..units import count_text, degree_text, number_allowed, rounds_text
 from .auto import ActivationLimitError
 from .scenario import Scenario
 from .tune import start_workers
+
+if TYPE_CHECKING:
+    from ..profiles.schema import Profile
 
 AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale", "prediction",
         "activation-limit")  # flags, TOML keys
@@ -148,11 +152,22 @@ class Result:
                 "same_as": "; ".join(c.variant for c in self.same_as), "command": self.command}
 
 
+# The degrees every row runs that no axis of the grid moves: an estimate's tensor, context and expert parallelism
+# (its profile's, or --gpu's flags), 1 for other costs; a results file records them beside d
+DEGREES = {"tensor_parallel": "tensor", "context_parallel": "context", "expert_parallel": "expert"}
+
+
+def estimate_degrees(profile: Profile | None) -> dict[str, int]:
+    """`DEGREES` as `profile` estimated them (1 each for a calibrated profile or typed costs)."""
+    parallelism = profile.estimate.parallelism if profile is not None and profile.estimate is not None else {}
+    return {column: int(parallelism.get(key) or 1) for column, key in DEGREES.items()}
+
+
+_TYPES = {"str": str, "str | None": str, "int": int, "float": float, "float | None": float, "bool": bool}
 # The columns of the results file and their types (for Parquet's schema and for readers of the CSV).
 COLUMNS: dict[str, type] = {
-    **{f.name: {"str": str, "str | None": str, "int": int, "float": float, "float | None": float,
-                "bool": bool}[f.type]
-       for f in (*fields(Config), *fields(Metrics))},
+    **{f.name: _TYPES[f.type] for f in fields(Config)}, **dict.fromkeys(DEGREES, int),
+    **{f.name: _TYPES[f.type] for f in fields(Metrics)},
     "status": str, "reason": str, "same_as": str, "pareto_front": bool, "command": str,
 }
 
@@ -492,12 +507,13 @@ def pareto_front(results: Sequence[Result]) -> list[int]:
     return front
 
 
-def write_results(results: Sequence[Result], path: Path) -> None:
-    """One row per configuration, with whether it is on its Pareto front (`pareto_front`: the terminal shows the
-    first fronts, up to `FRONT_ROWS` rows): CSV, or Parquet for a .parquet path (needs pyarrow); replaced
-    atomically."""
+def write_results(results: Sequence[Result], path: Path, degrees: Mapping[str, int] | None = None) -> None:
+    """One row per configuration, with the degrees every row runs (`degrees`, `estimate_degrees`; 1 each where not
+    given) and whether it is on its Pareto front (`pareto_front`: the terminal shows the first fronts, up to
+    `FRONT_ROWS` rows): CSV, or Parquet for a .parquet path (needs pyarrow); replaced atomically."""
     fronts = set(pareto_front(results))
-    records = [{**r.record(), "pareto_front": i in fronts} for i, r in enumerate(results)]
+    degrees = dict.fromkeys(DEGREES, 1) | dict(degrees or {})
+    records = [{**r.record(), **degrees, "pareto_front": i in fronts} for i, r in enumerate(results)]
     if Path(path).suffix != ".parquet":
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=list(COLUMNS), lineterminator="\n")

@@ -222,7 +222,8 @@ def test_results_round_trip_through_csv(tmp_path):
     path = tmp_path / "r.csv"
     write_results(results, path)
     fronts = set(pareto_front(results))
-    assert read_csv(path) == [{**r.record(), "pareto_front": i in fronts} for i, r in enumerate(results)]
+    ones = {"tensor_parallel": 1, "context_parallel": 1, "expert_parallel": 1}  # typed costs: no estimate's degrees
+    assert read_csv(path) == [{**r.record(), **ones, "pareto_front": i in fronts} for i, r in enumerate(results)]
     assert 0 < len(fronts) < len(results)
     assert [p.name for p in tmp_path.iterdir()] == ["r.csv"]  # no temporary file left behind
 
@@ -232,9 +233,10 @@ def test_results_round_trip_through_parquet(tmp_path):
     import pyarrow.parquet as pq
 
     results = [r for _, r in sorted(run(MODEL, Grid(("1f1b", "zb-v"), (4,), (8,), 2, chunks=(1, 2)).configs()))]
-    write_results(results, tmp_path / "r.parquet")
     fronts = set(pareto_front(results))
-    assert pq.read_table(tmp_path / "r.parquet").to_pylist() == [{**r.record(), "pareto_front": i in fronts}
+    degrees = {"tensor_parallel": 2, "context_parallel": 1, "expert_parallel": 4}
+    write_results(results, tmp_path / "r.parquet", degrees)
+    assert pq.read_table(tmp_path / "r.parquet").to_pylist() == [{**r.record(), **degrees, "pareto_front": i in fronts}
                                                                  for i, r in enumerate(results)]
 
 
