@@ -118,7 +118,8 @@ def _check_microbatch_group(method: str, p: int, m: int, v: int, g: int, given: 
                 f"(Megatron sends p micro-batches through each chunk in turn): got {degree_text('m', m)}, "
                 f"{degree_text('p', p)}" + ("; simulate, run and export take --microbatch-group G from p to m whose "
                                             "remainder m mod G is 0 or at least p (Megatron's "
-                                            "microbatch_group_size_per_vp_stage)" if m > p else ""))
+                                            "microbatch_group_size_per_vp_stage), here "
+                                            f"{least_microbatch_group(p, m):,} at the least" if m > p else ""))
         return
     if m < p:
         raise ScheduleError(f"--microbatch-group: a group holds p to m micro-batches, and m = {m:,} is fewer than "

@@ -231,6 +231,8 @@ def test_rivals_are_synchronous_and_flush_per_minibatch(name):
 
 @pytest.mark.parametrize("name,params,fragment", [
     ("interleaved-1f1b", ScheduleParams(4, 6, chunks=2), "multiple of stages"),
+    ("interleaved-1f1b", ScheduleParams(4, 9, chunks=2), r"microbatch_group_size_per_vp_stage\), here 5 at the "
+                                                         "least$"),
     ("interleaved-1f1b", ScheduleParams(4, 8, pipelines=2), "--pipelines: give 1, as "),
     ("interleaved-1f1b", ScheduleParams(4, 10, chunks=2), "simulate, run and export take --microbatch-group G"),
     ("interleaved-1f1b", ScheduleParams(4, 10, chunks=2, microbatch_group=3), r"give 4 \(p\) to 10 \(m\)"),
