@@ -832,8 +832,8 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     configs = [row.result.config for _, row in marked]
     grouped = any(c.microbatch_group is not None for c in configs)  # interleaved 1F1B's groups where m is no multiple
     # a column every row agrees on said once under the table (`said_once`): the --gpu tunes' "stale", all 0,
-    # printed alone in a second part at 80 columns; b and recomp where the flags fix them, the rank order where one
-    # wins every row. A row over the staleness limit says its own in its why not ("staleness 1 > 0"), so the
+    # printed alone in a second part at 80 columns; b, recomp and E where the flags fix them, the rank order where
+    # one wins every row. A row over the staleness limit says its own in its why not ("staleness 1 > 0"), so the
     # column is said once where the rows within the limit agree (gpt-oss-20b's tune on 8 H100s, whose stale
     # pipedream rows printed it alone in a second part at 80 columns)
     stale_over = any(row.result.staleness > problem.max_staleness for _, row in marked)
@@ -841,9 +841,10 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                                          if row.result.staleness <= problem.max_staleness],
                       **({"b": [f"{c.microbatch_size:,}" for c in configs],
                           "recomp": [_recompute_text(c) for c in configs]} if work else {}),
+                      **({"E": [f"{c.expert:,}" for c in configs]} if experts else {}),
                       **({"ranks": [_ranks_cell(c) for c in configs]} if orders_searched else {})},
-                     (STALENESS_HEADER, "b", "recomp", "ranks"))
-    shown = {header for header in ("b", "recomp") if work and header not in said}
+                     (STALENESS_HEADER, "b", "recomp", "E", "ranks"))
+    shown = {header for header in ("b", "recomp", "E") if work and header not in said}
     ranks = orders_searched and "ranks" not in said  # a column where the rows' rank orders differ
     estimated = (f"estimated, t, {'sequence parallelism (sp), ' * split}{'E, ' * experts}"
                  f"{'rank order (ranks), ' * orders_searched}b and recomputation "
@@ -886,7 +887,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                                        " within the staleness limit (one over it says its own under why not)"
                                        if header == STALENESS_HEADER and stale_over else "")
                                     for header, value in said.items()))
-    estimate_columns = (("t", *("sp",) * split, "d", *("E",) * experts, *("ranks",) * ranks,
+    estimate_columns = (("t", *("sp",) * split, "d", *("E",) * ("E" in shown), *("ranks",) * ranks,
                          *("b",) * ("b" in shown), *("recomp",) * ("recomp" in shown)) if work else ())
     for header in ("", "schedule", "p", "v", *("g",) * grouped, *("P",) * shared, *estimate_columns, "m",
                    *("R",) * searched, "samples/s",
@@ -902,8 +903,9 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         mfu = [percent_text(mfus[id(row)])] if work else []
         group = ["-" if c.microbatch_group is None else f"{c.microbatch_group:,}"] * grouped
         table.add_row(mark, c.schedule, f"{c.stages:,}", f"{c.chunks:,}", *group, *[f"{c.pipelines:,}"] * shared,
-                      *([f"{c.tensor:,}", *[_split_text(c)] * split, f"{c.replicas:,}", *[f"{c.expert:,}"] * experts,
-                         *[_ranks_cell(c)] * ranks, *[f"{c.microbatch_size:,}"] * ("b" in shown),
+                      *([f"{c.tensor:,}", *[_split_text(c)] * split, f"{c.replicas:,}",
+                         *[f"{c.expert:,}"] * ("E" in shown), *[_ranks_cell(c)] * ranks,
+                         *[f"{c.microbatch_size:,}"] * ("b" in shown),
                          *[_recompute_text(c)] * ("recomp" in shown)] if work else []),
                       f"{c.microbatches:,}", *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),
