@@ -289,7 +289,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     check_optimizer_held(params.get("optimizer", "adam"), params.get("precision"), None)  # before the count
     if params.get("tp_overlap") and params.get("tensor_parallel") == 1:  # before its own want of sequence parallelism
         raise InputError("--tp-overlap overlaps a tensor-parallel group's sequence-parallel all-gathers and "
-                         "reduce-scatters with its products: give --tensor-parallel 2 or more and --sequence-parallel")
+                         "reduce-scatters with its products: give --tensor-parallel 2 or more"
+                         + ("" if params.get("sequence_parallel") else " and --sequence-parallel"))
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")

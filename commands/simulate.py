@@ -765,7 +765,7 @@ def _cut_text(scenario, cuts: dict[str, list[int]]) -> str:
     return f"; layers a model stage, cut for time within each device's memory (--stage-cut {FIT}): {held}"
 
 
-HOST_BOUND_SHOWN = 0.1  # the caption says how long passes wait for their host where a stage's wait is this share
+HOST_BOUND_SHOWN = 0.1  # the caption says how long passes wait for their host where a stage waits at least this share
 
 
 def _host_text(scenario, cuts: dict[str, list[int]]) -> str:
@@ -782,9 +782,11 @@ def _host_text(scenario, cuts: dict[str, list[int]]) -> str:
                  for start, stop in zip(cut, cut[1:])), default=0.0)
     if share < HOST_BOUND_SHOWN:
         return ""
+    graphs = ("" if measured.estimated_parallelism.get("cuda_graphs")
+              else "; --cuda-graphs issues a graph at one kernel's cost")
     return (f"; host-bound: a stage's forward and backward wait up to {percent_text(share)} of their time for the "
-            "host to issue their kernels and module calls (--host-kernel-us, --host-module-us; --cuda-graphs "
-            "issues a graph at one kernel's cost)")
+            f"host to issue their kernels and module calls (as estimated with --host-kernel-us and --host-module-us"
+            f"{graphs})")
 
 
 def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> str:

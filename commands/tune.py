@@ -209,7 +209,7 @@ def tune(
                              measured.estimate and measured.estimate.gpu)
             check_p2p_sync(ctx, schedule or METHODS, measured)
             env = measured.environment
-            tensor, context, expert = _estimated_degrees(measured)
+            tensor, context, expert = measured.estimated_degrees
             if devices % (tensor * context):
                 each = (f"{degree_text('t', tensor)} GPUs per stage"
                         + f" and {degree_text('C', context)} context-parallel ranks" * (context > 1))
@@ -390,13 +390,6 @@ def _shell_lines(command: list[list[str]], width: int | None) -> str:
 def _split_text(config) -> str:
     """A row's sequence parallelism: on or off at t > 1, "-" at t = 1 (nothing to split over)."""
     return "-" if config.tensor == 1 else "on" if config.sequence_parallel else "off"
-
-
-def _estimated_degrees(measured) -> tuple[int, int, int]:
-    """A --profile's t (GPUs per stage), C (context-parallel ranks a device of its schedules stands for) and E (ranks
-    its routed experts are placed over): an estimate's, whose schedules run with them (`Scenario.order_params`);
-    1, 1 and 1 for a calibration."""
-    return tuple(int(measured.estimated_parallelism.get(name, 1)) for name in ("tensor", "context", "expert"))
 
 
 def _held_as(measured) -> str | None:
@@ -820,7 +813,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     from ..planning.tune import memory_text, significant_ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
-    tensor, context, expert = _estimated_degrees(measured)  # with --gpu, t and E are each row's
+    tensor, context, expert = measured.estimated_degrees  # with --gpu, t and E are each row's
     rows = [tuning.choice, *tuning.runners_up, *tuning.excluded]
     # Columns that would hold one value on every row are left out: R (no searched order), P (one pipeline).
     searched = any(row.result.candidate.activation_limit is not None for row in rows)
@@ -844,12 +837,13 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                       **({"E": [f"{c.expert:,}" for c in configs]} if experts else {}),
                       **({"ranks": [_ranks_cell(c) for c in configs]} if orders_searched else {})},
                      (STALENESS_HEADER, "b", "recomp", "E", "ranks"))
-    shown = {header for header in ("b", "recomp", "E") if work and header not in said}
+    shown = {header for header in ("b", "recomp", *("E",) * experts) if work and header not in said}
     ranks = orders_searched and "ranks" not in said  # a column where the rows' rank orders differ
     estimated = (f"estimated, t, {'sequence parallelism (sp), ' * split}{'E, ' * experts}"
                  f"{'rank order (ranks), ' * orders_searched}b and recomputation "
                  f"(recomp; sel: selective) searched where not given; "
-                 f"{'E: ranks the routed experts are placed over; ' * experts}"
+                 + ("E: ranks the routed experts are placed over"
+                    + (f", {said.pop('E')} in every row" if "E" in said else "") + "; " if experts else "")
                  + (f"ranks: {_ranks_text(experts, context)}"
                     + (f", {said.pop('ranks')} in every row" if "ranks" in said else "") + "; "
                     if orders_searched else "") +

@@ -153,18 +153,19 @@ class Result:
 
 
 # The degrees every row runs that no axis of the grid moves: an estimate's tensor, context and expert parallelism
-# (its profile's, or --gpu's flags), 1 for other costs; a results file records them beside d
-DEGREES = {"tensor_parallel": "tensor", "context_parallel": "context", "expert_parallel": "expert"}
+# (its profile's, or --gpu's flags: `Profile.estimated_degrees`), 1 for other costs; a results file records them
+# beside d (the expert-tensor group, which --rank-order megatron alone reads, the rows' commands give)
+DEGREES = ("tensor_parallel", "context_parallel", "expert_parallel")
 
 
 def estimate_degrees(profile: Profile | None) -> dict[str, int]:
     """`DEGREES` as `profile` estimated them (1 each for a calibrated profile or typed costs)."""
-    parallelism = profile.estimate.parallelism if profile is not None and profile.estimate is not None else {}
-    return {column: int(parallelism.get(key) or 1) for column, key in DEGREES.items()}
+    return dict(zip(DEGREES, (1, 1, 1) if profile is None else profile.estimated_degrees, strict=True))
 
 
+# The columns of the results file and their types (for Parquet's schema and for readers of the CSV): the fields'
+# annotations, as text under `from __future__ import annotations`, read as types
 _TYPES = {"str": str, "str | None": str, "int": int, "float": float, "float | None": float, "bool": bool}
-# The columns of the results file and their types (for Parquet's schema and for readers of the CSV).
 COLUMNS: dict[str, type] = {
     **{f.name: _TYPES[f.type] for f in fields(Config)}, **dict.fromkeys(DEGREES, int),
     **{f.name: _TYPES[f.type] for f in fields(Metrics)},

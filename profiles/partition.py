@@ -388,12 +388,14 @@ def layout_blocks(kinds: Sequence[str], stages: int, layout: Sequence[str], mtp_
     t (`TransformerBlock.has_final_layernorm_in_this_stage`) and the `mtp_kind` layer with the m. A stage may hold
     no layer, as Megatron-core allows (its bound repeats the next one's): its device passes the activation on."""
     if len(layout) != stages:
-        raise PartitionError(f"its {len(layout)} stages are not the schedule's p·v = {stages} model stages: give a "
-                             f"layout of {stages} stages, or -p and --chunks whose product is {len(layout)}")
+        raise PartitionError(f"its {len(layout)} stages are not the schedule's {stages} model stages (a model "
+                             f"copy's): give a layout of {stages} stages, or the --stages (and --chunks) that make "
+                             f"{len(layout)}")
     first, blocks, kind = _block_run(kinds)
     flat = "".join(layout)
     at = {letter: [k for k, stage in enumerate(layout) for held in stage if held == letter] for letter in "Etm"}
-    mtp_fix = f": give --mtp-layers {len(at['m'])} or leave the m out" if not mtp_layers and at["m"] else ""
+    mtp_fix = (f": leave the m out, or count an hf: model's with --mtp-layers {len(at['m'])}"
+               if not mtp_layers and at["m"] else "")
     rules = ((flat[:1] == "E" and flat[-1:] == "L", "E first and L last"),
              (flat.count("E") == flat.count("L") == 1, "E and L once each"),
              # GPTModel's pre_process and post_process follow the stage's place, not the layout

@@ -687,6 +687,12 @@ class Profile(_Strict):
         """The parallelism an estimate was made at; {} for a measured profile, each degree then read as 1."""
         return self.estimate.parallelism if self.estimate is not None else {}
 
+    @property
+    def estimated_degrees(self) -> tuple[int, int, int]:
+        """An estimate's t (GPUs per stage), C (context-parallel ranks a device stands for) and E (ranks its routed
+        experts are placed over), which its schedules run with (`Scenario.order_params`); 1 each for a calibration."""
+        return tuple(int(self.estimated_parallelism.get(name, 1)) for name in ("tensor", "context", "expert"))
+
     def master_bytes(self, start: int, stop: int) -> int:
         """The master copy of layers [start, stop)'s weights the optimizer owns (0: none, it updates the weights
         themselves): a calibration's SGD state, since SGD keeps none of its own (calibrate/measure.py
@@ -898,7 +904,8 @@ def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name:
 def stage_host_share(layers: list[LayerProfile], start: int, stop: int, p2p_sync: bool = False) -> float:
     """The share of a stage's forward and backward its host's issue of their kernels holds the GPU waiting: the waits
     its layers' times carry and those its own passes add (`stage_host_waits_ms`) over the passes' times; 0 where its
-    layers' issue is not known (measured, or an empty stage)."""
+    layers' issue is not known (measured, or an empty stage). Of the whole backward: a zero-bubble schedule's split
+    halves (igrad, wgrad) wait by their own issue, which this does not part."""
     mine = layers[start:stop]
     if not mine or any(layer.host_issue is None for layer in mine):
         return 0.0

@@ -110,8 +110,9 @@ def expert_grid(order: str, t: int, c: int, p: int, d: int, e: int, etp: int | N
         check_expert_replicas(e, d)
         return RankGrid(_EXPERT[order], (t, c, p, e, d // e))
     if (t * c * d) % (etp * e):
+        # the widest expert-tensor group within t that folds (an estimate's flag, so said as what would fold)
         fit = [k for k in range(1, t + 1) if t % k == 0 and (t * c * d) % (k * e) == 0]
-        fix = f": give {{expert_tensor}} {fit[-1]}" if fit and fit[-1] != etp else ""
+        fix = f"; {{expert_tensor}} {fit[-1]} would fold them" if fit else ""
         raise RankOrderError(f"expert: {e} x {named} = {e * etp} must divide the t·C·d = {t * c * d} ranks of a "
                              f"stage, which Megatron-core folds the experts over{fix}")
     return RankGrid(_EXPERT[order], (etp, e, t * c * d // (etp * e), p))

@@ -7,8 +7,8 @@ Each function names the source whose order it follows; the order rules are writt
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -77,7 +77,7 @@ def interleaved_1f1b(params: ScheduleParams) -> Schedule:
     if v > 1:
         _check_microbatch_group(method, p, m, v, g, given is not None)
     if given == p:  # Megatron-core's default, recorded as not given: the same order reads the same everywhere
-        params = dataclasses.replace(params, microbatch_group=None)
+        params = replace(params, microbatch_group=None)
     k = np.arange(p)  # the device
     warmup = (p - k - 1) * 2 + (v - 1) * g if v > 1 else p - k - 1
     backward, i = interleave_1f1b_rows(m * v, warmup)  # per device, the virtual micro-batch i of each step

@@ -158,7 +158,7 @@ def test_a_prediction_calibrated_or_priced_for_another_setting_than_the_run_trai
         with pytest.raises(TraceError, match=says):
             compare(predicted, as_measured(predicted, extra=extra, calibration=None, microbatch_size=size))
     other_run = as_measured(predicted, extra=trained, calibration=None)  # the noise floor: a run against a run
-    with pytest.raises(TraceError, match=r"optimizer sgd measured, adam in the other run$"):
+    with pytest.raises(TraceError, match=r"optimizer sgd measured, adam in PREDICTED \(a run\)$"):
         compare(other_run, as_measured(predicted, extra=trained | {"optimizer": "sgd"}, calibration=None))
     on_gpu = replace(predicted.meta, calibration=gpt | {"device": "cuda"})  # an estimate on a catalogue GPU
     with pytest.raises(TraceError, match="device cpu measured, cuda predicted"):

@@ -231,23 +231,23 @@ def test_the_caption_says_how_long_a_host_bound_stage_waits_for_its_host(tmp_pat
 
     small = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256,
              "-b", 1, "-p", 2)
-    shares, cuts = [], []
-    for host, path in (((), tmp_path / "host.json"), (("--host-kernel-us", 0), tmp_path / "free.json")):
-        assert pipesim("estimate", *small, *host, "--out", path).code == 0
-        profile = load_profile(path)
-        bounds = profile.partition.bounds
-        cuts.append(bounds)
-        shares.append([stage_host_share(profile.layers, a, b) for a, b in zip(bounds, bounds[1:])])
-        if host:
-            gpu_ms = [stage.fwd_ms + stage.bwd_ms for stage in profile.stages]
-        else:
-            issued_ms = [stage.fwd_ms + stage.bwd_ms for stage in profile.stages]
-    assert cuts[0] == cuts[1] and shares[1] == [0.0, 0.0]
-    assert shares[0] == pytest.approx([1 - gpu / issued for gpu, issued in zip(gpu_ms, issued_ms)], rel=1e-9)
-    assert min(shares[0]) > 0.5
+    profiles = {}
+    for name, host in (("issued", ()), ("gpu", ("--host-kernel-us", 0))):
+        assert pipesim("estimate", *small, *host, "--out", tmp_path / f"{name}.json").code == 0
+        profiles[name] = load_profile(tmp_path / f"{name}.json")
+    issued, gpu = profiles["issued"], profiles["gpu"]
+    bounds = issued.partition.bounds
+    assert gpu.partition.bounds == bounds
+    shares = {name: [stage_host_share(profile.layers, a, b) for a, b in zip(bounds, bounds[1:])]
+              for name, profile in profiles.items()}
+    assert shares["gpu"] == [0.0, 0.0]
+    assert shares["issued"] == pytest.approx([1 - (free.fwd_ms + free.bwd_ms) / (held.fwd_ms + held.bwd_ms)
+                                              for held, free in zip(issued.stages, gpu.stages)], rel=1e-9)
+    assert min(shares["issued"]) > 0.5
     code, out, err = pipesim("simulate", *small, "-m", 4, "-s", "1f1b")
     assert code == 0, err
     said = " ".join(out.split())
-    assert f"host-bound: a stage's forward and backward wait up to {100 * max(shares[0]):.1f}% of their time" in said
+    assert f"host-bound: a stage's forward and backward wait up to {100 * max(shares['issued']):.1f}% of their time" \
+        in said
     code, out, err = pipesim("simulate", *small, "-m", 4, "-s", "1f1b", "--host-kernel-us", 0)
     assert code == 0 and "host-bound" not in out, err

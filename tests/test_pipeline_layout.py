@@ -89,13 +89,13 @@ def test_deepseek_v3s_recipe_layout_gives_two_blocks_a_stage_and_the_mtp_layer_w
 
 
 @pytest.mark.parametrize(("stages", "layout", "mtp", "devices", "message"), [
-    (3, "Ett|ttL", 0, None, "its 2 stages are not the schedule's p·v = 3 model stages: give a layout of 3 stages, "
-                            "or -p and --chunks whose product is 2"),
+    (3, "Ett|ttL", 0, None, "its 2 stages are not the schedule's 3 model stages (a model copy's): give a layout of 3 "
+                            "stages, or the --stages (and --chunks) that make 2"),
     (2, "Ettt|ttL", 0, None, "a layout needs a t for each of the model's 4 blocks (DecoderLayer); it has 5"),
     (2, "tE|tttL", 0, None, "a layout needs E first and L last"),
     (2, "EEtt|ttL", 0, None, "a layout needs E and L once each"),
     (2, "Ett|ttmL", 0, None, "a layout needs an m for each multi-token prediction layer (--mtp-layers 0); it has 1: "
-                             "give --mtp-layers 1 or leave the m out"),
+                             "leave the m out, or count an hf: model's with --mtp-layers 1"),
     (2, "Ett|tmtL", 1, None, "a layout needs every t before the first m"),
     (3, "Ett|ttm|mL", 2, None, "a layout needs every m in one stage"),
     (4, "Ett|ttm||L", 1, ((0, 2), (1, 3)), "a layout needs its m in the last stage its device runs"),
@@ -198,10 +198,10 @@ def test_simulate_cuts_as_the_layout_says_and_interleaved_stages_in_megatrons_vi
 @pytest.mark.parametrize(("layout", "message"), [
     ("Et|tq|L", "--stage-cut layout:Et|tq|L: stage 1 holds 'q'; a layout has letters E (the embedding)"),
     ("Et|(tt|L", "stage 1 holds '(' (a parenthesis unbalanced, nested or without *n)"),
-    ("Et|t|tL", "--stage-cut layout:Et|t|tL: its 3 stages are not the schedule's p·v = 2 model stages"),
+    ("Et|t|tL", "--stage-cut layout:Et|t|tL: its 3 stages are not the schedule's 2 model stages"),
     ("Et|tL", "a layout needs a t for each of the model's 4 blocks (_Block); it has 2"),
-    ("Ett|tmtL", "a layout needs an m for each multi-token prediction layer (--mtp-layers 0); it has 1: give "
-                 "--mtp-layers 1 or leave the m out"),
+    ("Ett|tmtL", "a layout needs an m for each multi-token prediction layer (--mtp-layers 0); it has 1: leave the m "
+                 "out, or count an hf: model's with --mtp-layers 1"),
     # a repeat of 10**11, 10**12 nested, or of 5,000 digits: a MemoryError, minutes, int()'s ValueError, unrolled
     ("Et*99999999999|L", "its repeats unroll to more than 1,000,000 characters"),
     ("E(t*1000000)*1000000|L", "its repeats unroll to more than 1,000,000 characters"),
@@ -224,7 +224,7 @@ def test_an_mtp_layout_runs_the_module_with_the_m(tmp_path):
     assert cut["stage_bounds"] == [0, 2, 6]
     code, _, err = pipesim("simulate", *args, "--stage-cut", "layout:Et|tmL")
     assert code == 2 and ("a layout needs an m for each multi-token prediction layer (--mtp-layers 0); it has 1: "
-                          "give --mtp-layers 1 or leave the m out") in err
+                          "leave the m out, or count an hf: model's with --mtp-layers 1") in err
 
 
 GPT_RUN = {"layers": 4, "width": 64, "heads": 2, "seq_len": 32, "vocab": 512}
@@ -265,7 +265,7 @@ def test_run_cuts_a_profile_as_a_layout_with_an_empty_stage_and_trains_as_one_pr
                                                                            "searches within each device's memory"),
     (("--profile", PROFILE_PLACEHOLDER, "--stage-cut", "halves"), "--stage-cut: choose from balanced, fit,"),
     (("--profile", PROFILE_PLACEHOLDER, "--stage-cut", "layout:Et|tttL"), "--stage-cut layout:Et|tttL: its 2 stages "
-                                                                          "are not the schedule's p·v = 4"),
+                                                                          "are not the schedule's 4 model stages"),
 ])
 def test_a_stage_cut_run_cannot_take_is_one_line(tmp_path, flags, message):
     profile = tmp_path / "profile.json"

@@ -130,7 +130,7 @@ def test_simulate_takes_the_rank_order_and_refuses_bad_values_in_one_line():
     # E = 8 over the same t·d = 8 ranks folds at ETP = 1, which the refusal of the default t = 2 names
     code, out, err = pipesim("simulate", *MOE[:MOE.index("--data-parallel")], *folded[:4], "--expert-parallel", "8",
                              "--rank-order", "megatron", "-s", "1f1b")
-    assert (code, out) == (2, "") and err.endswith("folds the experts over: give --expert-tensor-parallel 1\n"), err
+    assert (code, out) == (2, "") and err.endswith("; --expert-tensor-parallel 1 would fold them\n"), err
 
 
 def test_experts_folded_past_the_replicas_reduce_their_gradients_over_the_ranks_holding_the_same_ones():

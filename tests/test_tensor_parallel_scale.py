@@ -143,8 +143,9 @@ def test_tp_overlap_needs_sequence_parallelism_and_one_node(tmp_path):
         Parallelism(tensor=8, tp_overlap=True)
     code, _, err = pipesim("estimate", *GPT16, "--tensor-parallel", 8, "--tp-overlap", "--out", tmp_path / "p.json")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "give --sequence-parallel too" in err
-    code, _, err = pipesim("estimate", *GPT16, "--tp-overlap", "--out", tmp_path / "p.json")  # t = 1: both flags named
-    assert code == 2 and err.endswith("give --tensor-parallel 2 or more and --sequence-parallel\n"), err
+    for given, wanted in (((), " and --sequence-parallel"), (("--sequence-parallel",), "")):  # t = 1: what is missing
+        code, _, err = pipesim("estimate", *GPT16, "--tp-overlap", *given, "--out", tmp_path / "p.json")
+        assert code == 2 and err.endswith(f"give --tensor-parallel 2 or more{wanted}\n"), err
     code, _, err = pipesim("estimate", *GPT16, "--tensor-parallel", 16, "--sequence-parallel", "--tp-overlap",
                            "--out", tmp_path / "p.json")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--tp-overlap moves its chunks" in err

@@ -173,9 +173,9 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
     for name, b, a in [(name, trained[name], calibrated[name]) for name in _SETTING] + options:
         if a != b and None not in (a, b):
             if predicted.meta.calibration is None:  # two runs, one held against the other (the noise floor)
-                raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} in the other run")
+                raise TraceError(f"the traces describe different runs: {name} {b} {ran}, {a} {predicts}")
             again = f"simulate with --optimizer {b}" if name == "optimizer" else "predict from a profile of what ran"
-            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted (its costs' "
+            raise TraceError(f"the traces describe different runs: {name} {b} {ran}, {a} {predicts} (its costs' "
                              f"calibration): {again}")
 
 
@@ -436,9 +436,7 @@ def _cost_warnings(predicted: Trace, measured: Trace) -> list[str]:
                 "profile, so this error says nothing about pipesim's accuracy: calibrate the model (`pipesim "
                 "calibrate`) and predict with `pipesim simulate --profile PROFILE`"]
     torch_run = (measured.meta.hardware or {}).get("runtime") == TORCH_RUNTIME
-    if measured.meta.source != "measured" or torch_run == (calibration.get("passes_as") == "torch"):
-        return []  # (two predictions: no run's runtime to hold the profile's against)
-    return [passes_warning(torch_run)]
+    return [] if torch_run == (calibration.get("passes_as") == "torch") else [passes_warning(torch_run)]
 
 
 def _unrecorded_notes(predicted: Trace, measured: Trace) -> list[str]:
