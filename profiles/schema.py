@@ -760,9 +760,12 @@ def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool
     """Per stage, what a runtime holds from a micro-batch's forward until its backward beyond what autograd
     saves: the inputs it receives and the outputs it sends (`boundary_bytes`'s) that no layer of the stage
     saves, since the backward starts from those outputs and ends at those inputs. A tensor passed through a
-    chain stage is received, and counted, once. None for every stage where the layers do not say, but a stage
-    holding no layer (a layout's empty stage): it holds what it passes on, which no layer of its saves, as
-    Megatron-core's schedule keeps each chunk's received input until its backward."""
+    chain stage is received, and counted, once; a stage holding no layer (a layout's empty stage) sends on a copy
+    of it, which pipesim's runtime keeps as it keeps every stage's sent output (executor/stages.py `StageModule`:
+    Megatron-core's TransformerBlock of no layers clones its input). None for every stage where the layers do not
+    say (an estimate, priced as Megatron-core runs it), but an empty stage: it holds what it passes on, as
+    Megatron-core's schedule keeps each chunk's received input until its backward, and its copy not (its schedule
+    frees each sent output's storage, `deallocate_output_tensor`)."""
     if any(layer.saved_input_bytes is None or layer.output_saved is None for layer in layers):
         return [passed if start == stop else None
                 for passed, (start, stop) in zip(boundary_bytes(layers, bounds, dag), itertools.pairwise(bounds))]
@@ -783,7 +786,7 @@ def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool
             held[first] += nbytes  # sent
         for k in (stages if dag else range(first + 1, max(stages) + 1)):  # a chain passes it through
             if not stages.get(k, False):
-                held[k] += nbytes  # received
+                held[k] += nbytes * (2 if bounds[k] == bounds[k + 1] else 1)  # received (and an empty stage's copy)
     return held
 
 

@@ -1021,3 +1021,22 @@ def test_a_second_model_reuses_the_link_and_all_reduce_and_measures_its_all_redu
     assert all(p.allreduce.beside_compute == [1.0, 1.5, 2.0] and "beside_compute" not in p.allreduce.meta
                for p in profiles)
     assert sorted(path.name.split("-")[0] for path in tmp_path.iterdir()) == ["beside", "beside", "links"]
+
+
+def test_an_empty_stage_holds_what_it_receives_and_the_copy_it_sends_on_in_pipesims_runtime():
+    """A layout's empty stage clones its input (executor/stages.py `StageModule`, as Megatron-core's TransformerBlock
+    of no layers does) and pipesim's runtime keeps every sent output until its backward: a calibration's stage holds
+    both; an estimate's (the layers not saying what they save) the received input alone, Megatron-core's schedule
+    freeing each sent output's storage (`deallocate_pipeline_outputs`)."""
+    from tests.helpers import GPT_CPU
+
+    measured = load_profile(GPT_CPU)
+    said = [layer.model_copy(update={"output_saved": False,
+                                     "saved_input_bytes": [measured.layers[s].output_bytes if s >= 0 else 0
+                                                           for s in layer.inputs]})
+            for layer in measured.layers]
+    nbytes = said[2].output_bytes
+    bounds = [0, 3, 3, len(said)]
+    assert boundary_held_bytes(said, bounds, dag=False) == [nbytes, 2 * nbytes, 0]
+    assert boundary_held_bytes(said, [0, 3, len(said)], dag=False) == [nbytes, 0]
+    assert boundary_held_bytes(measured.layers, bounds, dag=False) == [None, nbytes, None]

@@ -128,6 +128,10 @@ def test_traces_of_different_runs_are_refused_naming_the_difference():
         compare(run("1f1b", 2, 4).trace, as_measured(run("gpipe", 2, 4).trace))
     with pytest.raises(TraceError, match="microbatches 8 measured, 4 predicted: predict with -m 8$"):
         compare(run("1f1b", 2, 4).trace, as_measured(run("1f1b", 2, 8).trace))
+    # every difference at once, each with its flag: one at a time, a user fixing the first met the next
+    with pytest.raises(TraceError, match="schedule gpipe measured, 1f1b predicted: predict with -s gpipe; "
+                                         "microbatches 8 measured, 4 predicted: predict with -m 8$"):
+        compare(run("1f1b", 2, 4).trace, as_measured(run("gpipe", 2, 8).trace))
     # two runs: no flag makes either
     with pytest.raises(TraceError, match=r"microbatches 8 measured, 4 in PREDICTED \(a run\)$"):
         compare(as_measured(run("1f1b", 2, 4).trace), as_measured(run("1f1b", 2, 8).trace))
@@ -151,6 +155,10 @@ def test_a_prediction_calibrated_or_priced_for_another_setting_than_the_run_trai
     trained = {"model": "gpt", "model_options": {"layers": 2, "width": 64}, "dtype": "float32", "optimizer": "adam"}
     assert compare(predicted, as_measured(predicted, extra=trained, calibration=None)).iteration_time_error == 0
     for extra, size, says in ((trained | {"model": "mlp"}, 8, "model mlp measured, gpt predicted"),
+                              (trained | {"model": "mlp", "model_options": {"layers": 4}}, 32,  # another model's sizes
+                               r"runs: model mlp measured, gpt predicted \(its costs' calibration\); microbatch_size "
+                               r"32 measured, 8 predicted \(its costs' calibration\): predict from a profile of what "
+                               r"ran$"),
                               (trained | {"model_options": {"layers": 4}}, 8, "model option layers 4 measured, 2 "),
                               (trained, 32, "microbatch_size 32 measured, 8 predicted"),
                               (trained | {"optimizer": "sgd"}, 8, "optimizer sgd measured.*--optimizer sgd"),

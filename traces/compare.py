@@ -145,38 +145,52 @@ def _sides(predicted: Trace, measured: Trace) -> tuple[str, str]:
 
 
 def check_comparable(predicted: Trace, measured: Trace) -> None:
-    """Raise TraceError naming the first thing in which the two runs differ (schedule, shape, placement, then a
-    parameter both record, e.g. the activation limit auto was searched for)."""
+    """Raise TraceError naming every thing in which the two runs differ, each with the flag that predicts the run
+    where one does: what the prediction's costs were calibrated on (model, micro-batch size, dtype, optimizer,
+    device), then the schedule, shape and placement, then a parameter both record (e.g. the activation limit auto
+    was searched for) and the devices; one at a time, a user fixing the first met the next."""
     ran, predicts = _sides(predicted, measured)
+    differences = _setting_differences(predicted, measured, ran, predicts)
     for name in _SHAPE:
         a, b = getattr(predicted.meta, name), getattr(measured.meta, name)
         # a stage graph is its set of edges, in whatever order its builder listed them
         same = sorted(map(tuple, a)) == sorted(map(tuple, b)) if name == "stage_edges" else a == b
         if not same:
             hint = _SHAPE_FLAGS.get(name) if predicted.meta.source == "predicted" else None
-            raise TraceError(f"the traces describe different runs: {name} {b} {ran}, {a} {predicts}"
-                             + (f": predict with {hint} {b}" if hint else ""))
+            differences.append(f"{name} {b} {ran}, {a} {predicts}" + (f": predict with {hint} {b}" if hint else ""))
+    # the schedule's parameters and its devices, where the shape is the same (else they differ with it: p's group)
     # a trace written before --rounds existed ran its micro-batches in one flush
-    for name in sorted((set(predicted.meta.params) & set(measured.meta.params)) | {"rounds"}):
+    for name in sorted((set(predicted.meta.params) & set(measured.meta.params)) | {"rounds"}) * (not differences):
         a, b = _param(predicted.meta.params, name), _param(measured.meta.params, name)
         if a != b:
             hint = f": predict with --rounds {b}" if name == "rounds" and predicted.meta.source == "predicted" else ""
-            raise TraceError(f"the traces describe different runs: {name} {b} {ran}, {a} {predicts}{hint}")
-    if predicted.num_devices != measured.num_devices:
-        raise TraceError(f"the traces describe different runs: {measured.num_devices} devices {ran}, "
-                         f"{predicted.num_devices} {predicts}")
+            differences.append(f"{name} {b} {ran}, {a} {predicts}{hint}")
+    if predicted.num_devices != measured.num_devices and not differences:
+        differences.append(f"{measured.num_devices} devices {ran}, {predicted.num_devices} {predicts}")
+    if differences:
+        raise TraceError(f"the traces describe different runs: {'; '.join(differences)}")
+
+
+def _setting_differences(predicted: Trace, measured: Trace, ran: str, predicts: str) -> list[str]:
+    """`check_comparable`'s differences in what the runs trained, or the prediction's costs were calibrated on
+    (`_setting_of`), where both record it; the fix once, after the last."""
     trained, calibrated = _setting_of(measured), _setting_of(predicted)
     if trained is None or calibrated is None:
-        return
-    options = [(f"model option {key}", trained["options"][key], calibrated["options"][key])
-               for key in sorted(set(trained["options"]) & set(calibrated["options"]))]
-    for name, b, a in [(name, trained[name], calibrated[name]) for name in _SETTING] + options:
-        if a != b and None not in (a, b):
-            if predicted.meta.calibration is None:  # two runs, one held against the other (the noise floor)
-                raise TraceError(f"the traces describe different runs: {name} {b} {ran}, {a} {predicts}")
-            again = f"simulate with --optimizer {b}" if name == "optimizer" else "predict from a profile of what ran"
-            raise TraceError(f"the traces describe different runs: {name} {b} {ran}, {a} {predicts} (its costs' "
-                             f"calibration): {again}")
+        return []
+    options = [(f"model option {key}", trained["options"][key], calibrated["options"][key])  # of the same model
+               for key in sorted(set(trained["options"]) & set(calibrated["options"]))
+               if trained["model"] == calibrated["model"]]
+    differ = [(name, b, a) for name, b, a in [(name, trained[name], calibrated[name]) for name in _SETTING] + options
+              if a != b and None not in (a, b)]
+    if not differ:
+        return []
+    if predicted.meta.calibration is None:  # two runs, one held against the other (the noise floor)
+        return [f"{name} {b} {ran}, {a} {predicts}" for name, b, a in differ]
+    said = [f"{name} {b} {ran}, {a} {predicts} (its costs' calibration)" for name, b, a in differ]
+    names = [name for name, *_ in differ]
+    again = (f"simulate with --optimizer {differ[0][1]}" if names == ["optimizer"]
+             else "predict from a profile of what ran")
+    return [*said[:-1], f"{said[-1]}: {again}"]
 
 
 _SETTING = ("model", "microbatch_size", "dtype", "optimizer", "device")  # besides the model's size options
