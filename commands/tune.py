@@ -297,8 +297,9 @@ def tune(
             if not env.memory_cap_bytes and measured.estimate is not None:  # its part's memory, as --gpu's
                 capped_by = measured.estimate.gpu
         problem = Problem(schedule_devices, memory_cap_bytes, batch,
-                          tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
-                          max_pipelines, budget, zero, memory_part=capped_by, context=context)
+                          # catalogue order, whatever -s's: twins tie to the plainer (1f1b, not interleaved at v = 1)
+                          tuple(name for name in METHODS if not schedule or name in schedule), max_staleness,
+                          max_chunks, max_pipelines, budget, zero, memory_part=capped_by, context=context)
         searching = f"searching the configurations of {count_text(len(settings), 'profile')}, best bound first"
         if pool is None:  # forked, before _working's thread: spawned in the search, each imported the simulator again
             pool = start_workers(workers)

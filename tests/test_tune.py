@@ -813,3 +813,13 @@ def test_tune_runs_interleaved_1f1b_in_megatron_cores_least_group_where_m_is_no_
     assert f"--microbatch-group {chosen['microbatch_group']}" in line
     (simulated,) = simulate_json(*shlex.split(line)[2:])
     assert simulated["samples_per_s"] == pytest.approx(chosen["samples_per_s"], rel=1e-9)
+
+
+def test_twins_are_named_in_catalogue_order_whatever_order_s_gives():
+    """At v = 1 interleaved 1F1B is 1F1B: the choice reads as the plainer method in either order of -s (given
+    interleaved-1f1b first, the row and its simulate line named it)."""
+    for order in (("interleaved-1f1b", "1f1b"), ("1f1b", "interleaved-1f1b")):
+        code, out, err = pipesim("tune", *GPT_UNDER_03, *(flag for name in order for flag in ("-s", name)), "--json")
+        assert code == 0, err
+        choice = json.loads(out)["choice"]
+        assert (choice["schedule"], choice["same_result"]) == ("1f1b", ["interleaved-1f1b p=2"])
