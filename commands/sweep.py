@@ -337,7 +337,7 @@ def sweep(
             from ..planning.sweep import write_tradeoff_html
 
             with writing("--html"):
-                write_tradeoff_html(results, front, html)
+                write_tradeoff_html(results, front, html, degrees)
     except (InputError, GridError, ClusterError) as exc:
         fail(str(exc))
     except ConnectionError as exc:  # Ray could not reach the cluster
@@ -450,15 +450,6 @@ FRONT_HEADERS = {"v": "chunks per device", "P": "pipelines", "cost×": "the cost
                  "R": "auto's activation limit, in 1F1B's peak"}
 
 
-def _degrees_text(degrees: dict[str, int]) -> str:
-    """For the caption: the estimate's tensor, context and expert parallelism every row runs, where more than 1 (no
-    column shows them, and the rows' commands give them)."""
-    shown = [degree_text(letter, degrees.get(column, 1)) for letter, column in
-             (("t", "tensor_parallel"), ("C", "context_parallel"), ("E", "expert_parallel"))
-             if degrees.get(column, 1) > 1]
-    return f"; {', '.join(shown)} in every row" if shown else ""
-
-
 def _replicas_text(config) -> str:
     """For the caption: the data-parallel replicas every configuration runs (one --data-parallel, or a --profile
     estimate's own d) and how they shard and reduce, where there are more than one, and the rounds a mini-batch
@@ -496,9 +487,10 @@ def _print_front(results: list, front: list[int], peak: str, out: Path | None, h
     column is (`peak_text`); `moved`: how a --profile's all-to-alls are priced where a row's p and d place its
     expert-parallel group otherwise (`experts_moved_text`); `degrees`: the estimate's t, C and E every row runs
     (`estimate_degrees`)."""
-    from ..planning.sweep import front_group
+    from ..planning.sweep import degrees_text, front_group
 
     shown = _whole_fronts(results, front)
+    every = degrees_text(degrees or {})
     over = any(results[i].metrics.out_of_memory for i in shown)  # a front of a model the devices cannot hold
     folds = any(results[i].same_as for i in shown)
     configs, metrics = [results[i].config for i in shown], [results[i].metrics for i in shown]
@@ -523,7 +515,8 @@ def _print_front(results: list, front: list[int], peak: str, out: Path | None, h
                   box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="; ".join(f"{header}: {text}" + (f", {said[header]} in every row" if header in said else "")
                                     for header, text in FRONT_HEADERS.items()) + "; -: not the method's"
-                  + (f"; {peak}" if peak else "") + _degrees_text(degrees or {}) + _replicas_text(configs[0])
+                  + (f"; {peak}" if peak else "") + (f"; {every} in every row" if every else "")
+                  + _replicas_text(configs[0])
                   + (f"; the all-to-alls are the profile's, {moved}" if moved else "")
                   + ("; memory: OOM where a device's peak is past its memory (simulate names the devices)"
                      if over else "")

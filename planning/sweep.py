@@ -163,6 +163,13 @@ def estimate_degrees(profile: Profile | None) -> dict[str, int]:
     return dict(zip(DEGREES, (1, 1, 1) if profile is None else profile.estimated_degrees, strict=True))
 
 
+def degrees_text(degrees: Mapping[str, int]) -> str:
+    """The `degrees` over 1 ("t=2, E=4"; "" for none), which the terminal's caption and the page say every row runs
+    (no column shows them, and the rows' commands give them)."""
+    return ", ".join(degree_text(letter, degrees.get(column, 1)) for letter, column in zip("tCE", DEGREES)
+                     if degrees.get(column, 1) > 1)
+
+
 # The columns of the results file and their types (for Parquet's schema and for readers of the CSV): the fields'
 # annotations, as text under `from __future__ import annotations`, read as types
 _TYPES = {"str": str, "str | None": str, "int": int, "float": float, "float | None": float, "bool": bool}
@@ -706,14 +713,17 @@ def fronts_table(best: Sequence[Result]):
     return table
 
 
-def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: Path) -> None:
+def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: Path,
+                        degrees: Mapping[str, int] | None = None) -> None:
     """The trade-off figure and the Pareto fronts listed below it: one self-contained offline page (plotly.js
-    embedded)."""
+    embedded); `degrees`: the estimate's t, C and E every row runs (`estimate_degrees`)."""
     from ..traces.view import write_html
 
     best = [results[i] for i in front]
+    every = degrees_text(degrees or {})
     write_html([(f"Trade-off: time per mini-batch vs peak memory, {ran_text(results)}, one Pareto front per p, cost "
-                 "scale and mini-batch size", tradeoff_figure(results, front)),
+                 "scale and mini-batch size" + (f"; {every} in every row" if every else ""),
+                 tradeoff_figure(results, front)),
                 (f"Pareto fronts: {count_text(len(best), 'configuration')}"
                  + ("; *: no steady state, the warm-up included (-n is short of it)"
                     if any(not r.metrics.steady_state for r in best) else ""), fronts_table(best))], path,

@@ -210,12 +210,13 @@ def test_sweep_and_estimate_take_the_context_ranks(tmp_path, monkeypatch):
     rows = {}
     for c in (1, 2):
         code, out, err = pipesim("sweep", *model, "--context-parallel", str(c), "-s", "1f1b", "--stages", "2", "-m",
-                                 "4", "-o", f"c{c}.csv")
+                                 "4", "-o", f"c{c}.csv", "--html", f"c{c}.html")
         assert code == 0, err
         rows[c] = next(csv.DictReader(Path(f"c{c}.csv").open()))
-        # no column shows the context ranks: the caption says them and the results file records them
+        # no column shows the context ranks: the caption and the page say them, the results file records them
         assert rows[c]["context_parallel"] == str(c) and rows[c]["tensor_parallel"] == "1"
         assert ("C=2 in every row" in " ".join(out.split())) == (c == 2)
+        assert ("mini-batch size; C=2 in every row" in Path(f"c{c}.html").read_text()) == (c == 2)
     for column in ("time_per_minibatch_ms", "peak_memory_mb"):  # half the tokens per GPU: faster, less held
         assert float(rows[2][column]) < float(rows[1][column]), column
     code, out, err = pipesim("estimate", *model, "--context-parallel", "2", "-o", "cp.json")
