@@ -778,8 +778,8 @@ def _host_text(scenario, cuts: dict[str, list[int]]) -> str:
     from ..profiles.schema import p2p_synced, stage_host_share
 
     synced = p2p_synced(measured)
-    share = max((stage_host_share(measured.layers, start, stop, synced) for cut in cuts.values() if cut
-                 for start, stop in zip(cut, cut[1:])), default=0.0)
+    stages = {(start, stop) for cut in cuts.values() if cut for start, stop in zip(cut, cut[1:])}  # methods share cuts
+    share = max((stage_host_share(measured.layers, start, stop, synced) for start, stop in stages), default=0.0)
     if share < HOST_BOUND_SHOWN:
         return ""
     graphs = ("" if measured.estimated_parallelism.get("cuda_graphs")

@@ -35,6 +35,7 @@ from .partition import (
     LayerCost,
     StageCosts,
     activation_ranges,
+    empty_stages,
     exact_range_sums,
     product_mean_ms,
     range_sums,
@@ -766,9 +767,9 @@ def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool
     say (an estimate, priced as Megatron-core runs it), but an empty stage: it holds what it passes on, as
     Megatron-core's schedule keeps each chunk's received input until its backward, and its copy not (its schedule
     frees each sent output's storage, `deallocate_output_tensor`)."""
+    empty = set(empty_stages(bounds))
     if any(layer.saved_input_bytes is None or layer.output_saved is None for layer in layers):
-        return [passed if start == stop else None
-                for passed, (start, stop) in zip(boundary_bytes(layers, bounds, dag), itertools.pairwise(bounds))]
+        return [passed if k in empty else None for k, passed in enumerate(boundary_bytes(layers, bounds, dag))]
     stage_of = _stage_of(bounds)
     readers: dict[int, dict[int, bool]] = {}  # layer -> {stage reading its output: whether a reader saves it}
     for i, layer in enumerate(layers):
@@ -786,7 +787,7 @@ def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool
             held[first] += nbytes  # sent
         for k in (stages if dag else range(first + 1, max(stages) + 1)):  # a chain passes it through
             if not stages.get(k, False):
-                held[k] += nbytes * (2 if bounds[k] == bounds[k + 1] else 1)  # received (and an empty stage's copy)
+                held[k] += nbytes * (2 if k in empty else 1)  # received (and an empty stage's copy)
     return held
 
 

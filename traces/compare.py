@@ -158,15 +158,16 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
         if not same:
             hint = _SHAPE_FLAGS.get(name) if predicted.meta.source == "predicted" else None
             differences.append(f"{name} {b} {ran}, {a} {predicts}" + (f": predict with {hint} {b}" if hint else ""))
-    # the schedule's parameters and its devices, where the shape is the same (else they differ with it: p's group)
-    # a trace written before --rounds existed ran its micro-batches in one flush
-    for name in sorted((set(predicted.meta.params) & set(measured.meta.params)) | {"rounds"}) * (not differences):
-        a, b = _param(predicted.meta.params, name), _param(measured.meta.params, name)
-        if a != b:
-            hint = f": predict with --rounds {b}" if name == "rounds" and predicted.meta.source == "predicted" else ""
-            differences.append(f"{name} {b} {ran}, {a} {predicts}{hint}")
-    if predicted.num_devices != measured.num_devices and not differences:
-        differences.append(f"{measured.num_devices} devices {ran}, {predicted.num_devices} {predicts}")
+    if not differences:  # the schedule's parameters and its devices (else they differ with the shape: p's group)
+        # a trace written before --rounds existed ran its micro-batches in one flush
+        for name in sorted((set(predicted.meta.params) & set(measured.meta.params)) | {"rounds"}):
+            a, b = _param(predicted.meta.params, name), _param(measured.meta.params, name)
+            if a != b:
+                hint = (f": predict with --rounds {b}" if name == "rounds" and predicted.meta.source == "predicted"
+                        else "")
+                differences.append(f"{name} {b} {ran}, {a} {predicts}{hint}")
+        if predicted.num_devices != measured.num_devices and not differences:
+            differences.append(f"{measured.num_devices} devices {ran}, {predicted.num_devices} {predicts}")
     if differences:
         raise TraceError(f"the traces describe different runs: {'; '.join(differences)}")
 
@@ -187,8 +188,7 @@ def _setting_differences(predicted: Trace, measured: Trace, ran: str, predicts: 
     if predicted.meta.calibration is None:  # two runs, one held against the other (the noise floor)
         return [f"{name} {b} {ran}, {a} {predicts}" for name, b, a in differ]
     said = [f"{name} {b} {ran}, {a} {predicts} (its costs' calibration)" for name, b, a in differ]
-    names = [name for name, *_ in differ]
-    again = (f"simulate with --optimizer {differ[0][1]}" if names == ["optimizer"]
+    again = (f"simulate with --optimizer {differ[0][1]}" if [name for name, *_ in differ] == ["optimizer"]
              else "predict from a profile of what ran")
     return [*said[:-1], f"{said[-1]}: {again}"]
 
