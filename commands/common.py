@@ -1404,18 +1404,22 @@ def memory_gb_bytes(memory_gb: float | None) -> int | None:
     return int(memory_gb * GIB)
 
 
-def check_memory_cap(cap_bytes: int | None, device_bytes: int | None, part: str | None) -> None:
+def check_memory_cap(cap_bytes: int | None, device_bytes: int | None, part: str | None,
+                     holder: str | None = None) -> None:
     """--memory-gb (`cap_bytes`, `memory_gb_bytes`') at most the device's own memory, `device_bytes` (None: not
-    known), of catalogue part `part` (None: the profiled device): a cap above it holds the layouts to memory the
-    device lacks (tune chose one of 183,986 MiB at 200 GiB on an 80 GB H100, which simulate without the cap marks
-    out of memory)."""
+    known), of catalogue part `part` (None: the profiled device, or `holder` where given: the device of a cluster
+    file that gives it): a cap above it holds the layouts to memory the device lacks (tune chose one of 183,986 MiB
+    at 200 GiB on an 80 GB H100, which simulate without the cap marks out of memory)."""
     if cap_bytes is None or not device_bytes or cap_bytes <= device_bytes:
         return
     from ..planning.tune import digits_apart, memory_text
 
     held = memory_text(device_bytes, digits_apart(device_bytes, cap_bytes, memory_text))  # reads under the cap
-    device = f"{part}'s {held} (`pipesim gpus`)" if part else f"the profiled device's {held}"
-    most = math.floor(device_bytes / GIB * 100) / 100  # rounded down: what it says is taken
+    device = (f"{part}'s {held} (`pipesim gpus`)" if part else f"the {held} of {holder}" if holder
+              else f"the profiled device's {held}")
+    most = math.floor(device_bytes / GIB * 100 + 1e-6) / 100  # a catalogue's 79.11 GiB read back as 79.10999...
+    if memory_gb_bytes(most) > device_bytes:  # rounded down: what it says is taken
+        most -= 0.01
     raise InputError(f"--memory-gb {cap_bytes / GIB:g}: more than {device}, so a layout that fits the cap would run "
                      f"out of memory there: give at most {most:g}")
 

@@ -323,18 +323,19 @@ def run(
         if stage_cut is not None:
             bounds = _cut(measured, built, stage_cut)
         per_copy = built.graph.stages_per_copy  # a profile's cut is one model copy's (DualPipe runs two)
+        asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
+        from ..planning.scenario import gives_layers
+
+        emptied = stage_cut is not None and gives_layers(stage_cut)  # its stages may hold no layer
+        if not emptied:  # before the partition's count: a fix it names must be one the model's layers allow
+            refuse(stages_refusal(asked, per_copy, model, options) if measured is None else too_many_stages(
+                asked, per_copy, model, measured.model.options, measured.layers, profiled=True))
         if bounds is not None and len(bounds) - 1 != per_copy:
             copies = " in each model copy" if per_copy != built.num_stages else ""
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
                              f"{stages} devices has {per_copy}{copies}; "
                              f"give --stage-cut balanced (its layers cut again), {_made(measured).command} with "
                              f"--stages {per_copy} or drop --profile")
-        asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
-        from ..planning.scenario import gives_layers
-
-        emptied = stage_cut is not None and gives_layers(stage_cut)  # its stages may hold no layer
-        if not emptied:
-            refuse(stages_refusal(asked, per_copy, model, measured.model.options if measured else options))
         # every flag that needs nothing started is read: a refusal starts no server and imports no torch
         began = mark()  # the host's load before this run starts anything
         if not under_torchrun():  # this command starts the ranks: their server's imports overlap this one's

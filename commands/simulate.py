@@ -318,6 +318,10 @@ def simulate(
         if what is None and scenario.measured is not None:  # a profile's part as it records it
             check_memory_cap(memory_bytes, scenario.measured.environment.device_memory_bytes,
                              scenario.measured.estimate and scenario.measured.estimate.gpu)
+        elif scenario.topology is not None and any(scenario.topology.memory_bytes):  # the cluster's least memory
+            least, name = min((held, name) for held, name in zip(scenario.topology.memory_bytes,
+                                                                 scenario.topology.device_names) if held)
+            check_memory_cap(memory_bytes, least, None, f"--cluster {cluster}'s {name}")
         check_p2p_sync(ctx, compared, scenario.measured)
         if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:
             placed = scenario.dag[0].num_stages  # graphpipe ran at the file's p whatever --stages said

@@ -322,9 +322,8 @@ def carried_bounds(spec: RunSpec, layer_ms: Sequence[float] | None = None,
         return tuple(spec.bounds)
     if layers < p:
         return None
-    preferred = spec.bounds if spec.bounds is not None else even_bounds(layers, p)
-    if carries(preferred):
-        return tuple(preferred)
+    if spec.bounds is None and carries(even := even_bounds(layers, p)):
+        return tuple(even)
     if math.comb(layers - 1, p - 1) > MAX_CUTS_SEARCHED:
         return None
     totals = [0.0, *itertools.accumulate(layer_ms if layer_ms is not None else [1.0] * layers)]

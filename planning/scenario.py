@@ -309,9 +309,12 @@ class Scenario:
         if sched.gradient_ranks == 1:
             return costs
         link = self.data_parallel_link(sched)
+        or_faster = (", smaller weights (--param-mb) or a faster network (--network-gb-s)" if self.measured is None
+                     else " or a part with a faster network (--gpu)" if self._estimate is not None
+                     else " or a profile calibrated on a faster link")
         return self._collectives_beside_products(self._distributed_optimizer_collectives(
-            collective_costs(costs, sched, link, self.expert_replicas(sched), self._empty_stages(sched, bounds)),
-            sched, link, bounds), sched)
+            collective_costs(costs, sched, link, self.expert_replicas(sched), self._empty_stages(sched, bounds),
+                             or_faster), sched, link, bounds), sched)
 
     def _empty_stages(self, sched: Schedule, bounds: Sequence[int] | None) -> frozenset[int]:
         """The model stages of `sched` (every copy's) that hold none of the profile's layers, as a layout may leave
@@ -884,7 +887,7 @@ def _grouped(ufunc: np.ufunc, groups: np.ndarray, values: np.ndarray, size: int,
 
 
 def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert_replicas: int | None = None,
-                     empty: Set[int] = frozenset()) -> Costs:
+                     empty: Set[int] = frozenset(), or_faster: str = " or a faster link") -> Costs:
     """Each stage's REDUCE and GATHER priced for the schedule's d·C `gradient_ranks` on `link`: the gradients as
     accumulated (`StageCosts.gradient_bytes`, the precision's: Megatron-LM reduces float32 main gradients under
     --bf16 unless --grad-reduce-in-bf16, megatron/training/arguments.py `validate_args` at d98e8a64dd, and FSDP2
@@ -892,7 +895,9 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert
     all-gathered; NCCL's faster of ring and tree for an all-reduce. Under E-way expert parallelism the routed
     experts' share (`expert_param_bytes`) goes over the `expert_replicas` ranks that hold the same experts (None:
     d·C/E; folded over t·C·d, schedules/ranks.py: t·C·d/(E·ETP)), after the rest. The `empty` stages, which hold no
-    layer (a layout's), issue none: Megatron-core's DDP has no bucket for them, nor torch's."""
+    layer (a layout's), issue none: Megatron-core's DDP has no bucket for them, nor torch's. `or_faster`: what the
+    costs' source takes for a faster collective, which a refusal of one longer than an op may take names after
+    fewer ranks."""
     d, sharded = sched.gradient_ranks, sched.sharded_optimizer
     expert_replicas = expert_replicas or d // sched.expert_parallel
     reduce = link.reduce_scatter_ms if sharded else link.all_reduce_ms
@@ -912,7 +917,7 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert
         if (longest_ms := max(reduce_ms, gather_ms)) > MAX_MS:  # said by what sets it, not as StageCosts' field
             raise CostError(f"stage {k}'s data-parallel collectives over {d:,} ranks take {longest_ms:.3g} ms on "
                             f"their link, more than the {MAX_MS:g} ms an op may take: give fewer ranks "
-                            "(--data-parallel), smaller weights (--param-mb) or a faster network (--network-gb-s)")
+                            f"(--data-parallel){or_faster}")
         stages.append(replace(c, reduce_ms=reduce_ms, gather_ms=gather_ms))
     return replace(costs, stages=tuple(stages))
 
@@ -1163,12 +1168,13 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     (`partition`). `sized_by_flags`: Scenario.sized_by_flags."""
     from ..profiles.schema import layer_costs, profile_stage_time
 
+    # a layout may leave stages empty (GLM-5.2's p·v = 26 of 25 starts): the other fix
     refused = None if gives_layers(stage_cut) else too_many_stages(
         f"the schedule's {num_stages:,} model stages (--stages x --chunks)", num_stages, measured.model.name,
-        measured.model.options, measured.layers, profiled=not sized_by_flags)
-    if refused is not None:  # a layout may leave stages empty (GLM-5.2's p·v = 26 of 25 starts)
-        raise CostError(f"{refused}; a cut you give (--stage-cut {LAYOUT}STRING or {LAYERS}N,N,...) may leave "
-                        "stages between the first and the last empty")
+        measured.model.options, measured.layers, profiled=not sized_by_flags,
+        emptied_by=f"--stage-cut {LAYOUT}STRING or {LAYERS}N,N,...")
+    if refused is not None:
+        raise CostError(refused)
     bounds = _given_bounds(measured, num_stages, stage_cut, devices)
     if bounds is None:
         if num_stages == measured.partition.stages:

@@ -44,30 +44,35 @@ def layers_text(layers: Sequence[Any]) -> str:
 
 
 def too_many_stages(stages: str, count: int, model: str, options: Mapping[str, Any], layers: Sequence[Any],
-                    profiled: bool = False) -> str | None:
+                    profiled: bool = False, emptied_by: str | None = None) -> str | None:
     """`too_few_layers`' line where `count` stages (asked for by the flags `stages`) are more than `layers` can be cut
     into (`most_stages`); None where they fit."""
     most = most_stages(layers)
     if count <= most:
         return None
-    return too_few_layers(stages, model, options, len(layers), profiled=profiled, starts=most)
+    return too_few_layers(stages, model, options, len(layers), profiled=profiled, starts=most, emptied_by=emptied_by)
 
 
 def too_few_layers(stages: str, model: str, options: Mapping[str, Any], layers: int, profiled: bool = False,
-                   starts: int | None = None) -> str:
+                   starts: int | None = None, emptied_by: str | None = None) -> str:
     """The one line for more stages than the model has layers (`stages`: the flags that ask for them), which the
     command line says of a model it builds or counts and the planner of a profile's (`profiled`: a --profile file's,
     whose blocks no --layers gave). --layers counts a built-in model's blocks, and a pipeline cuts between all its
     layers, the embedding or classifier around the blocks too: both counts are said, so that 4 blocks and 6 layers
-    do not read as a contradiction. `starts`: the layers a stage may start at, where fewer (`most_stages`)."""
+    do not read as a contradiction. `starts`: the layers a stage may start at, where fewer (`most_stages`).
+    `emptied_by`: the cuts that may leave a stage empty where the command takes one (a layout's), said as the other
+    fix, in place of "each needs at least one layer", which they would contradict."""
     given = "" if is_hf(model) or profiled else " (--layers)"  # a Hugging Face config gives its own
     blocks = f" of {count_text(options['layers'], 'block')}{given}" if "layers" in options else ""
     whose = "the profile's " if profiled else ""
     if starts is not None and starts < layers:
-        return (f"{stages}: {whose}{model}{blocks} has {layers} layers in all, {starts} of which may start a stage "
-                f"(each other {FOLLOWS_WHY}); give at most {starts} stages")
-    return (f"{stages}: {whose}{model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs "
-            "at least one layer)")
+        counted, most = f", {starts} of which may start a stage (each other {FOLLOWS_WHY})", starts
+    else:
+        counted, most = "", layers
+    other = (" (each needs at least one layer)" if emptied_by is None and not counted
+             else "" if emptied_by is None
+             else f", or a cut that may leave stages between the first and the last empty ({emptied_by})")
+    return f"{stages}: {whose}{model}{blocks} has {layers} layers in all{counted}; give at most {most} stages{other}"
 
 
 # forward, full backward, and the backward split into its input-gradient and weight-gradient passes: the weight

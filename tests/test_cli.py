@@ -207,12 +207,33 @@ def test_schedules_lists_methods():
     (["-s", "1f1b", "--profile", "traces/profiles/gpt-cpu.json", "--memory-gb", "24"],
      "error: --memory-gb 24: more than the profiled device's 23.5 GiB, so a layout that fits the cap would run out "
      "of memory there: give at most 23.54"),
+    # the catalogue's 79.11 GiB, read back from its bytes as 79.1099..., was "give at most 79.1" (79.11 runs)
+    (["-s", "1f1b", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "-p", "2", "--memory-gb", "79.12"],
+     "error: --memory-gb 79.12: more than h100-sxm's 79.11 GiB (`pipesim gpus`), so a layout that fits the cap would "
+     "run out of memory there: give at most 79.11"),
+    # a cluster file's devices give their memory too: a cap past it was taken
+    (["-s", "1f1b", "-p", "4", "--cluster", "examples/cluster.json", "--memory-gb", "1000"],
+     "error: --memory-gb 1000: more than the 80 GiB of --cluster examples/cluster.json's gpu0, so a layout that fits "
+     "the cap would run out of memory there: give at most 80"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     code, out, err = pipesim("simulate", *args)
     assert code == 2
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
+
+
+def test_a_collective_past_an_ops_longest_names_the_fix_a_profile_takes(tmp_path):
+    """A profile's measured all-reduce prices its collectives: the line named --param-mb and --network-gb-s, which
+    a profile refuses in turn."""
+    profile = json.loads(Path(GPT_CPU).read_text())
+    for point in profile["allreduce"]["points"]:
+        point["ms"] *= 1e9
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(profile))
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--profile", slow, "--data-parallel", 2)
+    assert code == 2 and err.rstrip().endswith("give fewer ranks (--data-parallel) or a profile calibrated on a "
+                                               "faster link"), err
 
 
 @pytest.mark.parametrize("args, line", [

@@ -36,7 +36,8 @@ HUGE = ("--model", "gpt", "--layers", "4", "--width", "16384", "--heads", "16", 
     (("estimate", *GPU, *SMALL, "-p", "9", "--out", "est.json"), "--stages 9: gpt of 3 blocks (--layers) has 5 layers"),
     (("simulate", *GPU, *SMALL, "-p", "4", "-s", "dualpipev"),
      "error: the schedule's 8 model stages (--stages x --chunks): gpt of 3 blocks (--layers) has 5 layers in all; "
-     "give at most 5 stages (each needs at least one layer)"),
+     "give at most 5 stages, or a cut that may leave stages between the first and the last empty (--stage-cut "
+     "layout:STRING or layers:N,N,...)"),
     (("simulate", *GPU, "--model", "cnn", "--layers", "3", "-p", "4", "-s", "interleaved-1f1b"),  # all Sequential
      "stages (--stages x --chunks): cnn of 3 blocks (--layers) has 4 layers in all; give at most 4 stages"),
     (("simulate", *GPU, *SMALL[:3], "1", *SMALL[4:], "-p", "2", "-s", "interleaved-1f1b", "--chunks", "2"),

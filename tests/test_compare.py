@@ -933,5 +933,20 @@ def test_a_micro_batch_group_of_p_compares_with_the_default_and_another_does_not
         assert code == 0, err
         traces[group] = read_trace(path)
     check_comparable(traces[None], traces[2])
-    with pytest.raises(TraceError, match=r"microbatch_group 4 in MEASURED \(a prediction\), 2 predicted"):
+    with pytest.raises(TraceError, match=r"microbatch_group 4 in MEASURED \(a prediction\), 2 predicted: predict "
+                                         r"with --microbatch-group 4$"):
         check_comparable(traces[None], traces[4])
+
+
+def test_a_shape_that_needs_its_group_is_predicted_with_it(tmp_path):
+    """Interleaved 1F1B at m = 5, p = 2 runs in a group of its own: "predict with -m 5" alone was refused by
+    simulate (m no multiple of p), which needs the run's --microbatch-group beside it."""
+    from pipesim.traces.compare import check_comparable
+
+    paths = [tmp_path / "grouped.json", tmp_path / "default.json"]
+    for path, shape in zip(paths, [("-m", 5, "--microbatch-group", 3), ("-m", 4)]):
+        code, _, err = pipesim("simulate", "-s", "interleaved-1f1b", "-p", 2, "--chunks", 2, *shape, "--trace", path)
+        assert code == 0, err
+    with pytest.raises(TraceError, match=r"microbatches 5 in MEASURED \(a prediction\), 4 predicted: predict with "
+                                         r"-m 5 --microbatch-group 3$"):
+        check_comparable(read_trace(paths[1]), read_trace(paths[0]))

@@ -334,8 +334,8 @@ def test_an_empty_stage_keeps_a_sharing_group_whole(tmp_path):
     code, out, err = pipesim("simulate", *args[:-4], *six, "--stage-cut", "layout:Ett||ttL")
     assert code == 2 and "its 3 stages are not the schedule's 6 model stages" in err and "balanced" not in err, err
     code, out, err = pipesim("simulate", *args[:-4], *six, "--stage-cut", "balanced")
-    assert code == 2 and ("give at most 5 stages; a cut you give (--stage-cut layout:STRING or layers:N,N,...) may "
-                          "leave stages between the first and the last empty") in err, err
+    assert code == 2 and ("give at most 5 stages, or a cut that may leave stages between the first and the last "
+                          "empty (--stage-cut layout:STRING or layers:N,N,...)") in err, err
 
 
 def test_the_executor_refuses_a_cut_that_starts_a_stage_at_a_layer_that_shares(tmp_path):

@@ -265,6 +265,8 @@ def test_progress_counts_a_minibatch_done_at_each_devices_last_row_of_it(method,
     (3, "mlp", "its partition has 2 stages, but 1f1b on 3 devices has 3; give --stage-cut balanced (its layers cut "
                "again), calibrate with --stages 3 or drop --profile"),
     (2, "cnn", "it profiles model 'mlp', not 'cnn'"),
+    # more stages than its layers: said of the layers, where the partition's count named fixes refused in turn
+    (5, "mlp", "--stages 5: the profile's mlp of 3 blocks has 4 layers in all; give at most 4 stages"),
 ])
 def test_a_profile_that_does_not_match_is_refused(tmp_path, profile, stages, model, message):
     trace = tmp_path / "t.json"

@@ -22,6 +22,8 @@ _IDENTITY = ("stage", "microbatch", "minibatch", "pipeline", "peer")
 _SHAPE = ("schedule", "microbatches", "minibatches", "pipelines", "placement", "stage_edges")
 # the simulate flag giving a prediction a shape a run had ("minibatches 20 measured, 8 predicted" said no more)
 _SHAPE_FLAGS = {"schedule": "-s", "microbatches": "-m", "minibatches": "-n", "pipelines": "--pipelines"}
+# and of the recorded parameters that shape the order; interleaved 1F1B's group goes with m (a group m needs)
+_PARAM_FLAGS = {"rounds": "--rounds", "microbatch_group": "--microbatch-group"}
 
 
 @dataclass(frozen=True)
@@ -157,15 +159,18 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
         same = sorted(map(tuple, a)) == sorted(map(tuple, b)) if name == "stage_edges" else a == b
         if not same:
             hint = _SHAPE_FLAGS.get(name) if predicted.meta.source == "predicted" else None
-            differences.append(f"{name} {b} {ran}, {a} {predicts}" + (f": predict with {hint} {b}" if hint else ""))
+            group = measured.meta.params.get("microbatch_group")
+            grouped = (f" --microbatch-group {group}" if name == "microbatches" and group is not None
+                       and group != predicted.meta.params.get("microbatch_group") else "")
+            differences.append(f"{name} {b} {ran}, {a} {predicts}"
+                               + (f": predict with {hint} {b}{grouped}" if hint else ""))
     if not differences:  # the schedule's parameters and its devices (else they differ with the shape: p's group)
         # a trace written before --rounds existed ran its micro-batches in one flush
         for name in sorted((set(predicted.meta.params) & set(measured.meta.params)) | {"rounds"}):
             a, b = _param(predicted.meta.params, name), _param(measured.meta.params, name)
             if a != b:
-                hint = (f": predict with --rounds {b}" if name == "rounds" and predicted.meta.source == "predicted"
-                        else "")
-                differences.append(f"{name} {b} {ran}, {a} {predicts}{hint}")
+                flag = _PARAM_FLAGS.get(name) if predicted.meta.source == "predicted" else None
+                differences.append(f"{name} {b} {ran}, {a} {predicts}" + (f": predict with {flag} {b}" if flag else ""))
         if predicted.num_devices != measured.num_devices and not differences:
             differences.append(f"{measured.num_devices} devices {ran}, {predicted.num_devices} {predicts}")
     if differences:
