@@ -69,6 +69,14 @@ def _read(path: str | Path, error: type[Exception], loads: Callable[[str], Any],
         looks = _looks_like(text) if language == "JSON" else None
         raise error(f"{prefix}{named} is {looks}, not {language}{'; give ' * bool(give)}{give}" if looks
                     else f"{prefix}{named} is not valid {language}: {exc}") from None
+    # what the parser takes for valid but Python's limits refuse: a value nested past its recursion limit, a whole
+    # number past its digits for a conversion (`sys.get_int_max_str_digits`); no file pipesim reads holds either
+    except RecursionError:
+        raise error(f"{prefix}{named} is not {language} pipesim reads: its values nest more than "
+                    f"{sys.getrecursionlimit():,} deep") from None
+    except ValueError:
+        raise error(f"{prefix}{named} is not {language} pipesim reads: it holds a whole number of more than "
+                    f"{sys.get_int_max_str_digits():,} digits") from None
 
 
 def _looks_like(text: str) -> str | None:

@@ -48,6 +48,7 @@ from .common import (
     is_given,
     memory_gb_bytes,
     model_reads,
+    output_path,
     read_error,
     refuse,
     refuse_out_of_host_memory,
@@ -75,7 +76,7 @@ def calibrate(
                                         "one, or hf:PATH, a Hugging Face config.json or its folder (with --seq-len; "
                                         "built with its weights on the device).")],
     out: Annotated[Path, typer.Option(
-        "--out", "-o", metavar="JSON", help="Profile JSON to write (replaced atomically).")],
+        "--out", "-o", metavar="JSON", parser=output_path, help="Profile JSON to write (replaced atomically).")],
     stages: Annotated[int, typer.Option(
         "--stages", "-p", metavar="P", min=1, help="Pipeline stages p to partition the layers into.")] = 2,
     microbatch_size: Annotated[int, typer.Option(

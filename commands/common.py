@@ -64,6 +64,14 @@ def finite_from(low: float, high: float, least: float = 0.0) -> Callable[[float 
     return check
 
 
+def output_path(value: str) -> Path:
+    """An output flag's typer parser: the path it names, where a trailing slash, which Path drops, names a folder
+    (`--html newdir/` wrote a file named newdir)."""
+    if value.endswith(("/", os.sep)):
+        raise typer.BadParameter(f"{value} names a folder; give a file path")
+    return Path(value)
+
+
 def finite_number_allowed(low: float, high: float) -> str:
     """What a finite number flag from `low` to `high` (inf: no upper bound) takes, in the parser's words."""
     return number_allowed(low, high if high < math.inf else None, whole=False, finite=True)

@@ -19,6 +19,7 @@ from .common import (
     InputError,
     check_outputs,
     fail,
+    output_path,
     refuse,
     stderr,
     stdout,
@@ -135,6 +136,15 @@ def _render(c) -> None:
         stdout.print(f"note: {note}", highlight=False)
 
 
+def _page_notes(c) -> list[str]:
+    """What the page says above its timelines, as the command prints it: the warnings (which say what makes the
+    error itself misleading: what-if costs, another runtime's passes, a busy host), the conditions the prediction
+    was calibrated in against the run's, and the notes."""
+    conditions = [Text.from_markup(line).plain for line in _conditions(c.conditions)] if c.conditions else []
+    return ([f"warning: {warning}" for warning in c.warnings]
+            + ([f"conditions: {'; '.join(conditions)}"] if conditions else []) + [f"note: {note}" for note in c.notes])
+
+
 def _pipesim_traces_refusal(folder: Path, files: list[Path], predicted: Path | None) -> str | None:
     """Where a folder given as MEASURED holds pipesim traces, which the torch.profiler reader took for rank 0's
     ("holds torch profiler traces", "profiler traces of ranks [0]"): the file to give, as a command where it holds
@@ -207,7 +217,7 @@ def compare(
         help="Predicted trace (`pipesim simulate --trace`). Default: predict MEASURED again from the profile it "
              "was run with.", metavar="PREDICTED")] = None,
     html: Annotated[Path | None, typer.Option(
-        "--html", metavar="PATH", help="Write both timelines to this HTML page.")] = None,
+        "--html", metavar="PATH", parser=output_path, help="Write both timelines to this HTML page.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
 ) -> None:
     """Compare a measured run with its prediction op by op. Iteration time, per-op duration and start errors by
@@ -229,7 +239,7 @@ def compare(
                                         title=f"pipesim: {result.schedule}, predicted and measured",
                                         views=[("predicted and measured", [0, 1]), ("predicted", [0]),
                                                ("measured", [1])],
-                                        notes=result.notes,
+                                        notes=_page_notes(result),
                                         figures=[("per-op duration error by kind", error_figure(result))])
     except (InputError, TraceError) as exc:
         fail(str(exc))

@@ -48,6 +48,7 @@ from .common import (
     model_reads,
     option_of,
     out_of_memory_line,
+    output_path,
     read_error,
     read_profile,
     refuse,
@@ -855,7 +856,7 @@ def estimate(
     gpu: GpuName,
     model: ModelName,
     out: Annotated[Path, typer.Option(
-        "--out", "-o", metavar="JSON", help="Profile JSON to write (replaced atomically).")],
+        "--out", "-o", metavar="JSON", parser=output_path, help="Profile JSON to write (replaced atomically).")],
     stages: Stages = 1,
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,

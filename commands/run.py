@@ -76,6 +76,7 @@ from .common import (
     host_memory_refusal,
     is_given,
     model_reads,
+    output_path,
     read_error,
     read_profile,
     refuse,
@@ -121,9 +122,9 @@ def run(
              "of modules, or a zero-argument callable returning one, or hf:PATH with a --profile calibrated from it. "
              "Default: --profile's model.")] = None,
     trace: Annotated[Path | None, typer.Option(
-        "--trace", metavar="PATH", help="Measured trace to write (Chrome Trace Event JSON; written whole, also "
-                                        "for a run that stopped part-way or was interrupted, then marked "
-                                        "incomplete).")] = None,
+        "--trace", metavar="PATH", parser=output_path,
+        help="Measured trace to write (Chrome Trace Event JSON; written whole, also for a run that stopped part-way or "
+             "was interrupted, then marked incomplete).")] = None,
     stages: Stages = 2,
     chunks: Chunks = None,
     microbatches: Microbatches = 4,
@@ -201,7 +202,7 @@ def run(
                                        "taken; the default gpt's 256 x 128 tokens take about 11 CPU s, more than "
                                        "a short run's training. --no-heldout skips it: not scored.")] = True,
     html: Annotated[Path | None, typer.Option(
-        "--html", metavar="PATH", help="Write the timeline page (self-contained HTML).")] = None,
+        "--html", metavar="PATH", parser=output_path, help="Write the timeline page (self-contained HTML).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
     """Run a schedule for real with torch, and trace it. It trains the model with the method's weight semantics and

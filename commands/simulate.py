@@ -81,6 +81,7 @@ from .common import (
     optional_what_if_options,
     out_of_memory,
     out_of_memory_line,
+    output_path,
     progress,
     read_error,
     refuse,
@@ -242,10 +243,11 @@ def simulate(
         "--memory", help="Print each device's peak memory by what holds it (weights, gradients, optimizer state, "
                          "activations, transfer buffers) instead of the timing table.")] = False,
     html: Annotated[Path | None, typer.Option(
-        "--html", metavar="PATH", help="Write an interactive timeline (self-contained HTML).")] = None,
+        "--html", metavar="PATH", parser=output_path,
+        help="Write an interactive timeline (self-contained HTML).")] = None,
     trace: Annotated[Path | None, typer.Option(
-        "--trace", metavar="PATH", help="Write Chrome Trace Event JSON (Perfetto); -<schedule> is added for "
-                                        "several.")] = None,
+        "--trace", metavar="PATH", parser=output_path,
+        help="Write Chrome Trace Event JSON (Perfetto); -<schedule> is added for several.")] = None,
 ) -> None:
     """Predict schedules' timelines, bubbles, memory and staleness.
 
@@ -430,8 +432,9 @@ def simulate(
             with writing("--html"):
                 write_timeline_page(traces, html, title=f"pipesim: {heading}", labels=names, summaries=summaries,
                                     notes=[f"skipped: {_skip_text(name, reason)}" for name, reason in skipped.items()]
-                                    + _out_of_memory_lines(summaries, memory),
-                                    memory_checks=memory)
+                                    + _out_of_memory_lines(summaries, memory)
+                                    + ([] if all(steady) else [_unsteady_text(built, steady)]),
+                                    memory_checks=memory, unsteady=[not is_steady for is_steady in steady])
     except (InputError, ScheduleError, CostError, ClusterError, SimulationError) as exc:
         fail(str(exc))
     except OSError as exc:
@@ -829,19 +832,24 @@ def _out_of_memory_lines(summaries: list, memory: list) -> list[str]:
 
 def _steady_text(schedules: list, steady: list[bool]) -> str:
     """What the step column means, saying plainly which rows (marked *) are no steady state and why."""
-    from ..schedules import steady_minibatches
-
     if all(steady):
         return "step: one mini-batch in steady state; bubble: idle share of that step"
+    return f"step: one mini-batch in steady state; {_unsteady_text(schedules, steady)}; bubble: idle share of that step"
+
+
+def _unsteady_text(schedules: list, steady: list[bool]) -> str:
+    """What the * the table and the page mark the rows that are no steady state with means, and why they are not
+    (some are)."""
+    from ..schedules import steady_minibatches
+
     short = [sched for sched, is_steady in zip(schedules, steady) if not is_steady]
     n = short[0].minibatches
     why = "one mini-batch (N=1) is all warm-up" if n == 1 else f"N={n} is short of it (" + ", ".join(
         f"{sched.method} needs N>={steady_minibatches(sched)}" for sched in short) + ")"
     enough = ("give --minibatches 2 or more, which repeat the file's step" if short[0].params.get("format")
               == "torch-csv" else "leave out --minibatches for enough")
-    return (f"step: one mini-batch in steady state; * marks no steady state: {why}, so step and samples/s "
-            f"include the warm-up and staleness can be below a longer run's; {enough}; "
-            "bubble: idle share of that step")
+    return (f"* marks no steady state: {why}, so step and samples/s include the warm-up and staleness can be below "
+            f"a longer run's; {enough}")
 
 
 def _print_table(summaries: list, schedules: list, steady: list[bool], example: bool, skipped: dict[str, str],
@@ -1046,7 +1054,8 @@ def export(
     fmt: Annotated[str, typer.Option(
         "--format", metavar="FORMAT", help="Output format: torch-csv (torch.distributed.pipelining's schedule CSV, "
                                            "one row per rank; synchronous one-pipeline methods).")],
-    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="File to write (replaced atomically).")],
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", metavar="FILE", parser=output_path, help="File to write (replaced atomically).")],
     stages: Annotated[int, typer.Option(
         "--stages", "-p", metavar="P", min=1, show_default=False, help="Pipeline depth p: devices in one pipeline "
                                                                        "(default 4, or the profile's).")] = 4,

@@ -33,6 +33,7 @@ from .common import (
     fail,
     host_memory_refusal,
     is_given,
+    output_path,
     read_error,
     refuse,
     refuse_out_of_host_memory,
@@ -119,9 +120,11 @@ def study(
     timing_repeats: Annotated[int, typer.Option(
         "--timing-repeats", min=1, metavar="R", help="Fresh timed runs per arm (the median is kept).")] = 3,
     results: Annotated[Path, typer.Option(
-        "--results", metavar="JSON", help="Results file: written after every run; a study with the same setting "
-                                          "resumes from it.")] = Path("study.json"),
-    html: Annotated[Path, typer.Option("--html", metavar="PATH", help="The study's page.")] = Path("study.html"),
+        "--results", metavar="JSON", parser=output_path,
+        help="Results file: written after every run; a study with the same setting resumes from it.")
+    ] = Path("study.json"),
+    html: Annotated[Path, typer.Option(
+        "--html", metavar="PATH", parser=output_path, help="The study's page.")] = Path("study.html"),
     plot_only: Annotated[bool, typer.Option(
         "--plot-only", help="Train nothing: show the table and write the page from --results.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,

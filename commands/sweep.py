@@ -57,6 +57,7 @@ from .common import (
     given_simulate_flags,
     model_reads,
     optional_what_if_options,
+    output_path,
     prices_rows_of,
     progress,
     read_error,
@@ -205,12 +206,12 @@ def sweep(
                                          "ray://host:10001, or local to start one); needs pipesim[ray] (ray:// "
                                          "needs ray[client]).")] = None,
     out: Annotated[Path | None, typer.Option(
-        "--out", "-o", metavar="FILE", help="Results, one row per configuration: .csv, or .parquet (needs pyarrow); "
-                                            "replaced atomically.")] = None,
+        "--out", "-o", metavar="FILE", parser=output_path,
+        help="Results, one row per configuration: .csv, or .parquet (needs pyarrow); replaced atomically.")] = None,
     html: Annotated[Path | None, typer.Option(
-        "--html", metavar="PATH", help="Write the trade-off view: time per mini-batch vs peak memory, a colour per "
-                                       "schedule, a symbol per staleness, one Pareto front at a time (self-contained "
-                                       "HTML).")] = None,
+        "--html", metavar="PATH", parser=output_path,
+        help="Write the trade-off view: time per mini-batch vs peak memory, a colour per schedule, a symbol per "
+             "staleness, one Pareto front at a time (self-contained HTML).")] = None,
 ) -> None:
     """Simulate a grid of configurations; find their Pareto fronts. The configurations run in parallel; the
     fronts are of time, memory and staleness.

@@ -14,6 +14,7 @@ from .common import (
     check_outputs,
     fail,
     out_of_memory_line,
+    output_path,
     stderr,
     stdout,
     transient_status,
@@ -42,8 +43,8 @@ def view(
     traces: Annotated[list[Path], typer.Argument(help="Trace files (from simulate --trace or run --trace).",
                                                  metavar="TRACE...")],
     html: Annotated[Path | None, typer.Option(
-        "--html", metavar="PATH", help="Page to write (a pipesim page there is replaced). Default: the first trace's "
-                                       "name with .html.")] = None,
+        "--html", metavar="PATH", parser=output_path,
+        help="Page to write (a pipesim page there is replaced). Default: the first trace's name with .html.")] = None,
 ) -> None:
     """Draw traces on one self-contained page (works offline). One view per trace and, for several traces, one
     with their lanes interleaved device by device, predicted beside measured; memory under the timelines, with each

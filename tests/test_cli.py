@@ -628,6 +628,21 @@ def test_the_page_says_which_methods_run_out_of_memory(tmp_path):
     assert warnings[0].startswith("1f1b runs out of memory: device 1 peaks at")
 
 
+def test_the_pages_chart_marks_a_step_that_is_no_steady_state_as_the_table_does(tmp_path):
+    """PipeDream at N = 3 is short of its steady state: the table printed 24.000* and 333.3*, the page's bars 24.000
+    and 333.3, with nothing to say why."""
+    page = tmp_path / "t.html"
+    code, out, _ = pipesim("simulate", "-s", "1f1b", "-s", "pipedream", "-p", 4, "-m", 8, "-n", 3, "--html", page)
+    data = _page_data(page.read_text())
+    texts = {bar["name"]: bar["text"] for bar in data["summary"]["data"]}
+    assert code == 0 and "pipedream 24.000* 333.3*" in " ".join(out.split())
+    assert texts["samples/s (more is better)"] == ["242.4", "333.3*"]
+    assert texts["time per mini-batch (ms)"] == ["33.000", "24.000*"] and texts["bubble"] == ["27.3%", "0.0%"]
+    assert data["notes"] == ["* marks no steady state: N=3 is short of it (pipedream needs N>=4), so step and "
+                             "samples/s include the warm-up and staleness can be below a longer run's; leave out "
+                             "--minibatches for enough"]
+
+
 def test_the_page_says_which_methods_were_skipped_as_stderr_does(tmp_path):
     """Each starting with its method's name, whether its reason did (zb-h2's) or not (1f1b's --fwd)."""
     page = tmp_path / "t.html"

@@ -12,7 +12,7 @@ import pytest
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Ops, Trace, TraceError, read_trace
 from tests.conftest import build, pipesim, run, simulated
-from tests.helpers import GPT_CPU, profiler_event, profiler_ranks
+from tests.helpers import GPT_CPU, page_data, profiler_event, profiler_ranks
 
 
 def as_measured(trace: Trace, keep: np.ndarray | None = None, **meta) -> Trace:
@@ -562,6 +562,27 @@ def test_a_torch_run_held_against_the_prediction_of_another_is_refused(tmp_path,
     assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "8", "-n", "3", "--trace", predicted).code == 0
     code, out, err = pipesim("compare", TORCH_RUNS / "torch-1f1b-2cpu", predicted, "--json")
     assert code == 0 and any("record no model" in note for note in json.loads(out)["notes"]), err
+
+
+def test_the_page_says_the_warnings_and_notes_the_command_prints(tmp_path):
+    """The page showed a what-if prediction's -95.5 % without the warning that it says nothing of pipesim's
+    accuracy, which only stderr gave."""
+    predicted, page = tmp_path / "p.json", tmp_path / "c.html"
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 8, "-n", 3, "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", TORCH_RUNS / "torch-1f1b-2cpu", predicted, "--html", page)
+    notes = page_data(page.read_text())["notes"]
+    assert code == 0 and [note.split(":")[0] for note in notes] == ["warning", "note"], notes
+    assert notes[0].startswith("warning: the prediction's costs are what-if numbers"), notes
+    assert all(" ".join(note.split()) in " ".join((err + out).split()) for note in notes), (notes, err, out)
+
+
+def test_the_page_says_the_conditions_the_prediction_was_calibrated_in(tmp_path):
+    """A GPU run on the H200 compared with the prediction its own calibration gives: its conditions, one line."""
+    page = tmp_path / "c.html"
+    code, out, err = pipesim("compare", TORCH_RUNS / "gpu-check-h200-day41" / "run-1f1b.json", "--html", page)
+    notes = page_data(page.read_text())["notes"]
+    assert code == 0 and [note.split(":")[0] for note in notes] == ["conditions"], notes
+    assert notes[0].startswith("conditions: calibrated: 26 s before the run; others' load on the host: "), notes
 
 
 @pytest.mark.parametrize("run_dir, schedule, recorded", [

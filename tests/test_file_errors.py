@@ -448,3 +448,43 @@ def test_a_missing_field_says_what_kind_of_value_to_give(field, said):
     with pytest.raises(ValidationError) as refused:
         Link.model_validate(given)
     assert first_error(refused.value, Link) == said
+
+
+@pytest.mark.parametrize("body, why", [
+    ("[" * 100_000 + "]" * 100_000, "its values nest more than 1,000 deep"),
+    ('{"a": ' + "9" * 5_001 + "}", "it holds a whole number of more than 4,300 digits"),
+])
+@pytest.mark.parametrize("args, named", [
+    (["compare", "bad.json"], "trace bad.json"),
+    (["view", "bad.json"], "trace bad.json"),
+    (["simulate", "--profile", "bad.json"], "--profile: profile bad.json"),
+    (["simulate", "--cluster", "bad.json"], "--cluster: cluster file bad.json"),
+    (["count", "--model", "hf:bad.json"], "--model hf:bad.json: Hugging Face config bad.json"),
+])
+def test_json_past_pythons_limits_is_one_line(tmp_path, monkeypatch, body, why, args, named):
+    """Valid JSON that Python's limits refuse (a RecursionError, a ValueError for an integer of too many digits)
+    was a traceback and exit 1."""
+    monkeypatch.chdir(tmp_path)
+    Path("bad.json").write_text(body)
+    code, _, err = pipesim(*args)
+    assert (code, err) == (2, f"error: {named} is not JSON pipesim reads: {why}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["simulate", "-s", "1f1b", "--html", "new/"], "--html"),
+    (["simulate", "-s", "1f1b", "-s", "zb-h1", "--trace", "new/"], "--trace"),
+    (["view", "t.json", "--html", "new/"], "--html"),
+    (["compare", "t.json", "--html", "new/"], "--html"),
+    (["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--out", "new/"], "--out"),
+    (["sweep", "-s", "1f1b", "-p", "2", "--out", "new/"], "--out"),
+    (["run", "-s", "1f1b", "--model", "mlp", "--trace", "new/"], "--trace"),
+    (["calibrate", "--model", "mlp", "--out", "new/"], "--out"),
+    (["study", "--html", "new/"], "--html"),
+])
+def test_an_output_ending_in_a_slash_names_a_folder(tmp_path, monkeypatch, args, flag):
+    """Path drops a trailing slash: `--html new/` wrote a file named new (and --trace new/ files new-1f1b, ...)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*args)
+    assert (code, out, err) == (2, "", f"error: {flag}: new/ names a folder; give a file path\n")
+    assert list(tmp_path.iterdir()) == []

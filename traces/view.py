@@ -330,7 +330,8 @@ SUMMARY_TEXT_PX = 10
 
 def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Sequence[Summary],
                    shown: Sequence[int],
-                   memory_checks: Sequence[Sequence[MemoryCheck] | None] | None = None) -> dict[str, Any]:
+                   memory_checks: Sequence[Sequence[MemoryCheck] | None] | None = None,
+                   unsteady: Sequence[bool] | None = None) -> dict[str, Any]:
     """The chart that heads a page of several traces (Plotly's figure JSON, which the page draws): a horizontal bar
     per trace in each panel of `_SUMMARY_PANELS`, the traces `shown` (the first view's) highlighted. Time per
     mini-batch says how many samples each mini-batch holds, and its title warns where they differ: a larger
@@ -338,13 +339,17 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
     `timeline_page` takes them) has "OOM" after its peak, as the table's memory column says: ZB-V's DeepSeek-V3
     peak led the panel unmarked, the fastest bar beside it. `titles` are the panels' titles and notes as text: the
     page builds their annotations, each wrapped to its panel's width, and grows the top margin by the lines they
-    take (`fitSummaryTitles`), so the figure's layout holds none."""
+    take (`fitSummaryTitles`), so the figure's layout holds none. A trace `unsteady` says has its samples/s and
+    time per mini-batch marked *, as simulate's table marks a step that is no steady state."""
     samples = [t.meta.samples_per_minibatch for t in traces]
+    marks = ["*" if short else "" for short in unsteady or [False] * len(traces)]
     over = [any(check.out_of_memory for check in checks or ()) for checks in memory_checks or [None] * len(traces)]
     data = []
     for j, (title, field, text_of) in enumerate(_SUMMARY_PANELS):
         values = [getattr(s, field) for s in summaries]
         texts = ["n/a" if v is None else text_of(v) for v in values]
+        if field in ("samples_per_s", "time_per_minibatch_ms"):
+            texts = [text + mark for text, mark in zip(texts, marks)]
         hover = texts
         if field == "time_per_minibatch_ms":
             hover = [f"{text} ms per mini-batch of {n:,} samples" for text, n in zip(texts, samples)]
@@ -385,7 +390,8 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
                   summaries: Sequence[Summary] | None = None,
                   views: Sequence[tuple[str, Sequence[int]]] | None = None, notes: Sequence[str] = (),
                   figures: Sequence[tuple[str, go.Figure]] = (),
-                  memory_checks: Sequence[Sequence[MemoryCheck] | None] | None = None) -> str:
+                  memory_checks: Sequence[Sequence[MemoryCheck] | None] | None = None,
+                  unsteady: Sequence[bool] | None = None) -> str:
     """The HTML of the timeline page for `traces`.
 
     `labels` name the traces (default: their schedules); `summaries` are their `summarize` results (computed
@@ -396,7 +402,8 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     shown under the title (methods that could not run, say); `figures` are small (SVG) figures with a heading
     each, under the timeline (compare's error panel). `memory_checks` holds, per trace, each device's check
     against its memory (the table's fits / OOM), drawn as a dashed line over its memory curve at the most it
-    may hold, so what does not fit shows.
+    may hold, so what does not fit shows. `unsteady`: per trace, whether its step is no steady state's, marked *
+    in the chart as the table marks it (a note says why).
     """
     traces = list(traces)
     if not traces:
@@ -420,7 +427,8 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
         "notes": list(notes),
         "traces": [trace_data(t, label, s, check) for t, label, s, check in zip(traces, labels, summaries, checks)],
         "views": [{"name": name, "traces": list(members)} for name, members in views],
-        "summary": summary_figure(traces, labels, summaries, views[0][1], checks) if len(traces) > 1 else None,
+        "summary": (summary_figure(traces, labels, summaries, views[0][1], checks, unsteady) if len(traces) > 1
+                    else None),
         "numbers": {"mib_shown": MIB_SHOWN, "ms_decimals": MS_DECIMALS, "tick_format": TICK_FORMAT},
     }
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
