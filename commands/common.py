@@ -64,10 +64,10 @@ def finite_from(low: float, high: float, least: float = 0.0) -> Callable[[float 
     return check
 
 
-def output_path(value: str) -> Path:
+def output_path(value: str | Path) -> Path:
     """An output flag's typer parser: the path it names, where a trailing slash, which Path drops, names a folder
-    (`--html newdir/` wrote a file named newdir)."""
-    if value.endswith(("/", os.sep)):
+    (`--html newdir/` wrote a file named newdir). A default is a Path already."""
+    if isinstance(value, str) and value.endswith(("/", os.sep)):
         raise typer.BadParameter(f"{value} names a folder; give a file path")
     return Path(value)
 

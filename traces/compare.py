@@ -10,6 +10,7 @@ iteration time relative (the headline: (predicted - measured) / measured).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
@@ -22,8 +23,21 @@ _IDENTITY = ("stage", "microbatch", "minibatch", "pipeline", "peer")
 _SHAPE = ("schedule", "microbatches", "minibatches", "pipelines", "placement", "stage_edges")
 # the simulate flag giving a prediction a shape a run had ("minibatches 20 measured, 8 predicted" said no more)
 _SHAPE_FLAGS = {"schedule": "-s", "microbatches": "-m", "minibatches": "-n", "pipelines": "--pipelines"}
-# and of the recorded parameters that shape the order; interleaved 1F1B's group goes with m (a group m needs)
-_PARAM_FLAGS = {"rounds": "--rounds", "microbatch_group": "--microbatch-group"}
+# and of the recorded parameters (the schedule's); interleaved 1F1B's group goes with m (a group m needs)
+_PARAM_FLAGS = {"stages": "-p", "chunks": "--chunks", "rounds": "--rounds", "microbatch_group": "--microbatch-group",
+                "data_parallel": "--data-parallel", "zero": "--zero", "context_parallel": "--context-parallel",
+                "expert_parallel": "--expert-parallel", "overlap_expert_comm": "--overlap-expert-comm",
+                "reduce_after_flush": "--reduce-after-flush", "advance": "--advance",
+                "average_every": "--average-every", "elastic_alpha": "--elastic-alpha", "prediction": "--prediction",
+                "activation_limit": "--activation-limit"}
+
+
+def _flag_text(flag: str, value) -> str:
+    """The simulate flag that gives a parameter `value`: its number or name, a switch alone, or without it where
+    the run had it off or left to its default (None)."""
+    if value is None or value is False:
+        return f"without {flag}"
+    return flag if value is True else f"{flag} {value}"
 
 
 @dataclass(frozen=True)
@@ -153,24 +167,36 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
     was searched for) and the devices; one at a time, a user fixing the first met the next."""
     ran, predicts = _sides(predicted, measured)
     differences = _setting_differences(predicted, measured, ran, predicts)
+    hinted = predicted.meta.source == "predicted"  # the flags that predict the run, said to a prediction alone
+    recorded, planned = measured.meta.params, predicted.meta.params
     for name in _SHAPE:
         a, b = getattr(predicted.meta, name), getattr(measured.meta, name)
-        # a stage graph is its set of edges, in whatever order its builder listed them
-        same = sorted(map(tuple, a)) == sorted(map(tuple, b)) if name == "stage_edges" else a == b
-        if not same:
-            hint = _SHAPE_FLAGS.get(name) if predicted.meta.source == "predicted" else None
-            group = measured.meta.params.get("microbatch_group")
-            grouped = (f" --microbatch-group {group}" if name == "microbatches" and group is not None
-                       and group != predicted.meta.params.get("microbatch_group") else "")
-            differences.append(f"{name} {b} {ran}, {a} {predicts}"
-                               + (f": predict with {hint} {b}{grouped}" if hint else ""))
+        # a stage graph is its set of edges, in whatever order its builder listed them; of another stage count (a
+        # placement's length), they differ with it and are not said
+        same = (sorted(map(tuple, a)) == sorted(map(tuple, b)) or len(predicted.meta.placement)
+                != len(measured.meta.placement)) if name == "stage_edges" else a == b
+        if same:
+            continue
+        if name == "placement":  # the devices, and the chunks each runs, that place the run's stages so
+            shaping = [(_PARAM_FLAGS[key], recorded.get(key)) for key in ("stages", "chunks")
+                       if recorded.get(key) is not None and recorded.get(key) != planned.get(key)]
+            if not shaping and measured.num_devices != predicted.num_devices:  # a run that records no parameters
+                shaping = [(_PARAM_FLAGS["stages"], measured.num_devices)]
+        else:
+            shaping = [(_SHAPE_FLAGS[name], b)] if name in _SHAPE_FLAGS else []
+        group = recorded.get("microbatch_group")
+        if name == "microbatches" and group is not None and group != planned.get("microbatch_group"):
+            shaping.append((_PARAM_FLAGS["microbatch_group"], group))  # a group the run's m needs
+        fix = " ".join(_flag_text(flag, value) for flag, value in shaping)
+        differences.append(f"{name} {b} {ran}, {a} {predicts}" + (f": predict with {fix}" if hinted and fix else ""))
     if not differences:  # the schedule's parameters and its devices (else they differ with the shape: p's group)
         # a trace written before --rounds existed ran its micro-batches in one flush
-        for name in sorted((set(predicted.meta.params) & set(measured.meta.params)) | {"rounds"}):
-            a, b = _param(predicted.meta.params, name), _param(measured.meta.params, name)
+        for name in sorted((set(planned) & set(recorded)) | {"rounds"}):
+            a, b = _param(planned, name), _param(recorded, name)
             if a != b:
-                flag = _PARAM_FLAGS.get(name) if predicted.meta.source == "predicted" else None
-                differences.append(f"{name} {b} {ran}, {a} {predicts}" + (f": predict with {flag} {b}" if flag else ""))
+                flag = _PARAM_FLAGS.get(name) if hinted else None
+                differences.append(f"{name} {b} {ran}, {a} {predicts}"
+                                   + (f": predict with {_flag_text(flag, b)}" if flag else ""))
         if predicted.num_devices != measured.num_devices and not differences:
             differences.append(f"{measured.num_devices} devices {ran}, {predicted.num_devices} {predicts}")
     if differences:
@@ -436,7 +462,33 @@ def _warnings(predicted: Trace, measured: Trace) -> list[str]:
     which run marks *), not a steady step; and the costs' warnings (`_cost_warnings`)."""
     whole_run = ["the run is one mini-batch (N=1), all warm-up: the time compared is the whole run, the pipeline's "
                  "fill and drain included, not a steady step; run with --minibatches 2 or more"]
-    return whole_run * (measured.meta.minibatches == 1) + _cost_warnings(predicted, measured)
+    return (whole_run * (measured.meta.minibatches == 1) + _cost_warnings(predicted, measured)
+            + _placement_warnings(predicted, measured))
+
+
+def _shared_compute(devices: Sequence[str | None]) -> dict[str, list[int]]:
+    """The compute resources (GPUs) two ranks or more ran on, each with its ranks (`devices`: each rank's, None: one
+    of its own)."""
+    ranks: dict[str, list[int]] = {}
+    for rank, device in enumerate(devices):
+        if device is not None:
+            ranks.setdefault(device, []).append(rank)
+    return {device: held for device, held in ranks.items() if len(held) > 1}
+
+
+def _placement_warnings(predicted: Trace, measured: Trace) -> list[str]:
+    """A run whose ranks shared GPUs (one GPU lent, DESIGN's §5) held against a prediction that gives each rank its
+    own: the shared GPU's compute and memory are priced apart, and the error is mostly that (an H200 run's 1F1B: -23.6
+    % against -3.1 % from the prediction compare makes of the run itself)."""
+    if measured.meta.source != "measured" or predicted.meta.source != "predicted":
+        return []
+    shared = _shared_compute((measured.meta.hardware or {}).get("compute") or [])
+    placed = [device.get("compute") for device in ((predicted.meta.cluster or {}).get("devices") or [])]
+    if not shared or _shared_compute(placed):
+        return []
+    ran = "; ".join(f"ranks {', '.join(map(str, ranks))} on {device}" for device, ranks in shared.items())
+    return [f"the run's ranks shared GPUs ({ran}), where the prediction gives each rank a GPU of its own: their "
+            "compute and memory are priced apart; `pipesim compare MEASURED` alone predicts the run as it was placed"]
 
 
 def _cost_warnings(predicted: Trace, measured: Trace) -> list[str]:
@@ -561,6 +613,9 @@ def compared(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> t
                         f"{measured.ops.device[at_m[recorded][i]]}: predicted version {v_p[i]}, measured {v_m[i]}"
                         for i in wrong[:3]]
     notes += _unrecorded_notes(predicted, measured)
+    if predicted.meta.source == "measured" and measured.meta.source == "measured":  # a run against another
+        notes.append("PREDICTED is a run too: what the tables call predicted is that run, and the errors one run's "
+                     "against the other (the same run repeated: the noise floor)")
     if not measured.meta.complete:
         notes.append(f"the measured run is {measured.meta.incomplete_text}: {len(only_p):,} predicted ops were never "
                      "run; the errors, and every predicted figure, cover the ops that ran")
