@@ -100,7 +100,8 @@ def _render(c) -> None:
                      f"{_percent(c.compute_duration_bias)})", highlight=False)
     durations = Table(box=box.SIMPLE_HEAD, title_justify="left",
                       title="duration by kind, ms summed over its ops; error relative (worst: op@device)")
-    starts = Table(box=box.SIMPLE_HEAD, title="start error by kind, ms from each run's first op", title_justify="left")
+    starts = Table(box=box.SIMPLE_HEAD, title="start error by kind, ms from its mini-batch's first op in each run",
+                   title_justify="left")
     for table, headers in ((durations, ("kind", "ops", "predicted ms", "measured ms", "|median|", "|p90|", "bias",
                                         "worst")),
                            (starts, ("kind", "ops", "|median|", "|p90|", "worst"))):

@@ -22,6 +22,18 @@ def as_measured(trace: Trace, keep: np.ndarray | None = None, **meta) -> Trace:
     return Trace(trace.kinds, trace.num_devices, ops, replace(trace.meta, source="measured", **meta), trace.counters)
 
 
+def test_a_start_error_counts_from_its_mini_batchs_first_op():
+    """A run whose first mini-batch took 800 ms longer (a GPU's one-off warm-up) runs every later op at its predicted
+    time within its own mini-batch: from the run's first op every one of them read 800 ms early, each kind's median
+    the warm-up's, where within its mini-batch none is off."""
+    predicted = run("1f1b", 4, 8, 3, comm=0.1, param_mb=100, activation_mb=10).trace
+    measured = as_measured(predicted)
+    measured.ops.start_us[measured.ops.minibatch >= 1] += 800e3
+    c = compare(predicted, measured)
+    assert all(k.start_median_ms == 0 and k.start_p90_ms == 0 for k in c.kinds), c.kinds
+    assert c.iteration_time_error != 0  # the step from mini-batch 0's end to the last's: the warm-up's share of it
+
+
 def test_identical_traces_have_no_error():
     predicted = run("1f1b", 4, 8, 3, comm=0.1, param_mb=100, activation_mb=10).trace
     c = compare(predicted, as_measured(predicted))
