@@ -1231,17 +1231,19 @@ def check_writable(flag: str, path: Path | None) -> None:
 
 
 def check_outputs(outputs: Sequence[tuple[str, Path | None] | tuple[str, Path | None, Output]],
-                  reads: Sequence[tuple[str, Path | None]] = ()) -> None:
+                  reads: Sequence[tuple[str, Path | None]] = (), as_json: bool = False) -> None:
     """Refuse, before any work is done, an output that cannot be written (`check_writable`, in the order given) or
     that names the file of another output, or of a file the command reads: the later write replaced the earlier
     (`simulate --trace t.json --html t.json` kept the page, not the trace) or the input (`view t.json --html t.json`
     wrote the page over its trace). Outputs written in place (a FIFO, /dev/stdout) may be shared. Each (flag, path)
     pair names its flag as the user gave it, or a read argument by what it is ("trace": "the trace it reads", where
-    its metavar read "is also TRACE"); a third, the `Output` the flag writes where `OUTPUTS` has none for it."""
+    its metavar read "is also TRACE"); a third, the `Output` the flag writes where `OUTPUTS` has none for it.
+    `as_json`: the command prints --json's document (`_to_standard_output`)."""
     from ..traces.trace import writes_in_place
 
     for flag, path, *_ in outputs:
         check_writable(flag, path)
+    _to_standard_output(outputs, as_json)
     seen: dict[str, str] = {}
     for k, (flag, path, *_) in enumerate([*reads, *outputs]):
         if path is None:
@@ -1254,6 +1256,31 @@ def check_outputs(outputs: Sequence[tuple[str, Path | None] | tuple[str, Path | 
     for flag, path, *output in outputs:
         if path is not None and (output or flag in OUTPUTS) and not writes_in_place(path):
             check_replaceable(flag, path, output[0] if output else OUTPUTS[flag])
+
+
+def _is_standard_output(path: Path) -> bool:
+    """Whether `path` is this process's standard output (/dev/stdout, /dev/fd/1, the terminal or pipe it writes to)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError):  # no such file, or a standard output with no file behind it (a test's capture)
+        return False
+
+
+def _to_standard_output(outputs: Sequence[tuple], as_json: bool) -> None:
+    """An output written to the standard output (`--trace /dev/stdout | jq`) is all it holds: what the command prints
+    goes to stderr instead (the table and "wrote" followed the trace, and nothing piped from it parsed), and one
+    that --json's document (`as_json`) or another output would share it with is refused."""
+    written = [(flag, path) for flag, path, *_ in outputs if path is not None and _is_standard_output(path)]
+    if not written:
+        return
+    (flag, path), *others = written
+    if as_json:
+        raise InputError(f"{flag}: {path} is the standard output, which --json prints to: give {flag} a file, or "
+                         "leave --json out")
+    if others:
+        raise InputError(f"{others[0][0]}: {others[0][1]} is the standard output, which {flag} writes to: give one "
+                         "a file")
+    stdout.file = sys.stderr
 
 
 def refuse_unwritable(*outputs: tuple[str, Path | None]) -> None:

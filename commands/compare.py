@@ -229,7 +229,7 @@ def compare(
 
     try:
         with transient_status(READING_STATUS, quiet=as_json):  # a large run's traces: tens of seconds
-            check_outputs([("--html", html)], [("measured trace", measured), ("predicted trace", predicted)])
+            check_outputs([("--html", html)], [("measured trace", measured), ("predicted trace", predicted)], as_json)
             predicted_trace, measured_trace = _read_traces(measured, predicted)
             result, held = compared(predicted_trace, measured_trace)
             if html is not None:

@@ -305,7 +305,7 @@ def run(
         refuse(model_name_refusal(model) or flag_sizes_refusal(model, sized))  # require_model's first check and the
         # sizes' bounds, before the server starts (a config is built at its profile's sequence length)
         check_outputs([("--trace", trace), ("--html", html)],
-                      [("--profile", profile), *model_reads({**ctx.params, "model": model})])
+                      [("--profile", profile), *model_reads({**ctx.params, "model": model})], as_json)
         if expert_parallel > 1:  # its experts first: a dense model's --data-parallel would be the wrong fix
             check_expert_parallel_unbuilt(expert_parallel, model, measured.model.options if measured else options,
                                           placed=True)

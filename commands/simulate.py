@@ -297,7 +297,7 @@ def simulate(
         check_outputs([*(("--trace", path) for path in (_output_paths(trace, names) if trace else [])),
                        ("--html", html)],
                       [("--profile", profile), ("--cluster", cluster), ("--graph", graph),
-                       ("--schedule-file", schedule_file), *model_reads(ctx.params)])
+                       ("--schedule-file", schedule_file), *model_reads(ctx.params)], as_json)
         if memory_view and as_json:
             raise InputError("--memory is a table; --json gives each device's breakdown as peak_memory_parts_mb: "
                              "give one")

@@ -140,7 +140,7 @@ def study(
 
     try:
         check_outputs([("--results", None if plot_only else results), ("--html", html)],
-                      [("--results", results if plot_only else None)])
+                      [("--results", results if plot_only else None)], as_json)
         if plot_only:
             trained = ["/".join([param.opts[0], *param.secondary_opts]) for param in ctx.command.params
                        if is_given(ctx, param.name)

@@ -488,3 +488,22 @@ def test_an_output_ending_in_a_slash_names_a_folder(tmp_path, monkeypatch, args,
     code, out, err = pipesim(*args)
     assert (code, out, err) == (2, "", f"error: {flag}: new/ names a folder; give a file path\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_to_the_standard_output_is_all_it_holds(tmp_path):
+    """`--trace /dev/stdout | jq`: the table and "wrote" followed the trace there, and --json's document too, so
+    nothing piped from it parsed. The table goes to stderr; --json, or a second output there, is refused."""
+    def simulate(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pipesim.cli", "simulate", "-s", "1f1b", *flags], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+
+    done = simulate("--trace", "/dev/stdout")
+    assert done.returncode == 0 and json.loads(done.stdout)["pipesim"]["meta"]["schedule"] == "1f1b"
+    assert " 1f1b " in done.stderr and "wrote /dev/stdout" in done.stderr
+    done = simulate("--trace", "/dev/stdout", "--json")
+    assert (done.returncode, done.stdout) == (2, "") and done.stderr == (
+        "error: --trace: /dev/stdout is the standard output, which --json prints to: give --trace a file, or leave "
+        "--json out\n")
+    done = simulate("--trace", "/dev/stdout", "--html", "/dev/stdout")
+    assert (done.returncode, done.stdout) == (2, "") and "--html: /dev/stdout is the standard output, which --trace " \
+                                                         "writes to: give one a file" in done.stderr
