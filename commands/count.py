@@ -140,7 +140,16 @@ def _table(counted: WorkloadCount) -> Table:
     table.add_row("total", *_figures(counted.total("fwd_flops"), counted.total("igrad_flops"),
                                      counted.total("wgrad_flops"), moved, counted.total("saved_bytes"),
                                      counted.total("param_bytes"), adam), "", "")
+    table.caption = COLUMNS_TEXT
+    table.caption_justify = "left"
     return table
+
+
+# What each column counts, said under the table (its headers are a word each; `docs/hardware.md` has the long form)
+COLUMNS_TEXT = ("FLOP: of the matrix products and attention, forward, input-gradient (igrad) and weight-gradient "
+                "(wgrad) passes; moved B: bytes the other ops read and write (norms, activations, copies), the three "
+                "passes together; saved B: the activations the backward keeps; Adam B: Adam's state; output: the "
+                "layer's output shape; k, M, G, ...: 10^3, 10^6, 10^9, ... (decimal)")
 
 
 def _figures(*counts: int) -> list[str]:

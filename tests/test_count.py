@@ -400,9 +400,18 @@ def test_a_count_names_the_attention_kernel_only_for_a_model_that_attends():
     assert count_built("mlp", dict(layers=2, width=8), B, torch.float32, "math").attention is None
     code, out, err = pipesim("count", "--model", "mlp", "--layers", 2, "--width", 8)
     assert code == 0, err
-    assert "mlp layers=2 width=8, b=1, bfloat16: per layer" in out and "attention" not in out
+    assert "mlp layers=2 width=8, b=1, bfloat16: per layer" in out and "attention" not in out.splitlines()[0]
     code, out, err = pipesim("count", "--layers", 2, "--width", 32, "--heads", 4, "--seq-len", 16, "--vocab", 64)
     assert code == 0 and "bfloat16, math attention: per layer" in " ".join(out.split())
+
+
+def test_the_count_says_what_each_column_counts():
+    """"moved B 7.17 k" stood beside three FLOP columns with nothing to say it is the three passes' bytes together,
+    or that k is 10^3."""
+    code, out, err = pipesim("count", "--model", "mlp", "--layers", 2, "--width", 8)
+    said = " ".join(out.split())
+    assert code == 0 and "moved B: bytes the other ops read and write (norms, activations, copies), the three passes " \
+                         "together" in said and "k, M, G, ...: 10^3, 10^6, 10^9, ... (decimal)" in said, out
 
 
 def test_counts_take_an_si_prefix_up_to_yotta_and_never_an_exponent():
