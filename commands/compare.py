@@ -142,8 +142,8 @@ def _page_notes(c) -> list[str]:
     error itself misleading: what-if costs, another runtime's passes, a busy host), the conditions the prediction
     was calibrated in against the run's, and the notes."""
     conditions = [Text.from_markup(line).plain for line in _conditions(c.conditions)] if c.conditions else []
-    return ([f"warning: {warning}" for warning in c.warnings]
-            + ([f"conditions: {'; '.join(conditions)}"] if conditions else []) + [f"note: {note}" for note in c.notes])
+    return ([f"warning: {warning}" for warning in c.warnings] + [f"conditions: {line}" for line in conditions]
+            + [f"note: {note}" for note in c.notes])
 
 
 def _pipesim_traces_refusal(folder: Path, files: list[Path], predicted: Path | None) -> str | None:

@@ -612,6 +612,14 @@ def test_a_prediction_that_gives_ranks_which_shared_a_gpu_their_own_is_warned_of
         "placed"], out
     code, out, _ = pipesim("compare", runs / "run-1f1b.json", "--json")
     assert code == 0 and not [w for w in json.loads(out)["warnings"] if "shared GPUs" in w], out
+    # CPU ranks (a gloo run's two, 'vm/cpu' both) share the host's cores, which the calibration's contention prices:
+    # no GPU was shared
+    runs = TORCH_RUNS / "fidelity-cpu2-day3-runs"
+    code, _, err = pipesim("simulate", "--profile", runs / "mlp-profile.json", "--optimizer", "sgd", "-s", "1f1b",
+                           "-p", 2, "-m", 4, "-n", 8, "--trace", predicted)
+    assert code == 0, err
+    code, out, _ = pipesim("compare", runs / "1f1b.json", predicted, "--json")
+    assert code == 0 and json.loads(out)["warnings"] == [], out
 
 
 def test_the_page_says_the_conditions_the_prediction_was_calibrated_in(tmp_path):
@@ -619,8 +627,10 @@ def test_the_page_says_the_conditions_the_prediction_was_calibrated_in(tmp_path)
     page = tmp_path / "c.html"
     code, out, err = pipesim("compare", TORCH_RUNS / "gpu-check-h200-day41" / "run-1f1b.json", "--html", page)
     notes = page_data(page.read_text())["notes"]
-    assert code == 0 and [note.split(":")[0] for note in notes] == ["conditions"], notes
-    assert notes[0].startswith("conditions: calibrated: 26 s before the run; others' load on the host: "), notes
+    assert code == 0 and {note.split(":")[0] for note in notes} == {"conditions"}, notes
+    assert notes[:2] == ["conditions: calibrated: 26 s before the run", "conditions: others' load on the host: 0.04 on "
+                         "16 cores (0.00 per core, from CPU time) while calibrating; 0.02 on 16 cores (0.00 per core, "
+                         "from CPU time) while running"], notes
 
 
 @pytest.mark.parametrize("run_dir, schedule, recorded", [

@@ -492,9 +492,10 @@ def _placement_warnings(predicted: Trace, measured: Trace) -> list[str]:
     """A run whose ranks shared GPUs (one GPU lent, DESIGN's §5) held against a prediction that gives each rank its
     own: the shared GPU's compute and memory are priced apart, and the error is mostly that (an H200 run's 1F1B: -23.6
     % against -3.1 % from the prediction compare makes of the run itself)."""
-    if measured.meta.source != "measured" or predicted.meta.source != "predicted":
-        return []
-    shared = _shared_compute((measured.meta.hardware or {}).get("compute") or [])
+    hardware = measured.meta.hardware or {}
+    if measured.meta.source != "measured" or predicted.meta.source != "predicted" or hardware.get("device") != "cuda":
+        return []  # CPU ranks share the host's cores, as the calibration's contention prices them, not a GPU
+    shared = _shared_compute(hardware.get("compute") or [])
     placed = [device.get("compute") for device in ((predicted.meta.cluster or {}).get("devices") or [])]
     if not shared or _shared_compute(placed):
         return []
