@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import gzip
 import json
 import math
 import re
@@ -16,6 +17,7 @@ import shlex
 import sys
 import types
 import typing
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +53,14 @@ def read_text(path: str | Path, error: type[Exception], prefix: str = "", named:
     and naming the file as `named` (its path by default)."""
     named = str(path) if named is None else named
     try:
+        if str(path).endswith(".gz"):  # torch.profiler's tensorboard_trace_handler writes .pt.trace.json.gz
+            with gzip.open(path, "rt", encoding="utf-8-sig") as file:
+                return file.read()
         return Path(path).read_text(encoding="utf-8-sig")
-    except OSError as exc:
-        raise error(f"{prefix}cannot read {named}: {exc.strerror}") from None
+    except (EOFError, zlib.error) as exc:  # a gzip file cut short, or corrupt
+        raise error(f"{prefix}{named} is not a whole gzip file ({exc})") from None
+    except OSError as exc:  # gzip's BadGzipFile is one, with no strerror: its message says what is wrong
+        raise error(f"{prefix}cannot read {named}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise error(f"{prefix}{named} is not a text (UTF-8) file") from None
 

@@ -178,14 +178,16 @@ def _read_traces(measured: Path, predicted: Path | None):
     from ..traces.trace import TraceError, read_trace
 
     if os.path.isdir(measured):  # False for a path that cannot be looked at, which read_trace names
-        from ..planning.torch_profile import check_same_run, read_torch_profile
+        from ..planning.torch_profile import check_same_run, profiler_actions, read_torch_profile
 
-        ranks = sorted(measured.glob("*.json"))
+        # torch.profiler's traces as it exports them (.json), or its tensorboard_trace_handler's gzipped ones
+        ranks = sorted([*measured.glob("*.json"), *measured.glob("*.json.gz")])
         if not ranks:  # before PREDICTED is asked for: the folder itself is what is wrong
-            raise InputError(f"MEASURED: {measured} is a folder with no .json files; give a trace from "
+            raise InputError(f"MEASURED: {measured} is a folder with no .json or .json.gz files; give a trace from "
                              "`pipesim run --trace`, or a folder of torch.profiler traces, one per rank")
         refuse(_pipesim_traces_refusal(measured, ranks, predicted))
-        if predicted is None:
+        if predicted is None:  # said of what it holds: a file that is no profiler trace is named as such
+            profiler_actions(ranks)
             raise InputError(f"{measured} holds torch profiler traces, which say nothing about the run's "
                              "schedule or costs: give the predicted trace too")
         predicted_trace = read_trace(predicted)

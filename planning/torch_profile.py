@@ -149,17 +149,25 @@ def events_read(events: list) -> list[dict]:
     return ranges + list({id(e): e for e in _read(events, 0)[1]}.values())
 
 
-def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
-    """The measured trace of the torch run whose profiler files are `paths` (one per rank), in the shape of
-    the prediction `like` (its schedule, kinds and metadata), so `compare` can match the two op by op."""
+def profiler_actions(paths: Sequence[Path]) -> dict[int, list]:
+    """Per rank, the actions its profiler file times (`_actions`), one file a rank; TraceError naming the file that is
+    no torch.profiler trace, or the two of one rank."""
     if not paths:
         raise TraceError("no torch profiler traces given")
     per_rank: dict[int, list] = {}
+    of_rank: dict[int, Path] = {}
     for i, path in enumerate(sorted(paths)):
         rank, found = _actions(Path(path), i)
         if rank in per_rank:
-            raise TraceError(f"two profiler traces are of rank {rank} ({path} and another): give one per rank")
-        per_rank[rank] = found
+            raise TraceError(f"two profiler traces are of rank {rank} ({of_rank[rank]} and {path}): give one per rank")
+        per_rank[rank], of_rank[rank] = found, Path(path)
+    return per_rank
+
+
+def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
+    """The measured trace of the torch run whose profiler files are `paths` (one per rank), in the shape of
+    the prediction `like` (its schedule, kinds and metadata), so `compare` can match the two op by op."""
+    per_rank = profiler_actions(paths)
     ranks = sorted(per_rank)
     if ranks != list(range(like.num_devices)):
         raise TraceError(f"profiler traces of ranks {ranks}; the prediction has {like.num_devices} devices "

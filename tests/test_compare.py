@@ -633,6 +633,32 @@ def test_the_page_says_the_conditions_the_prediction_was_calibrated_in(tmp_path)
                          "from CPU time) while running"], notes
 
 
+def test_a_folder_of_gzipped_profiler_traces_is_read_and_one_of_other_files_is_named(tmp_path):
+    """torch.profiler's tensorboard_trace_handler writes .pt.trace.json.gz: such a folder read "a folder with no .json
+    files". A folder of JSON that is no profiler trace read "holds torch profiler traces"; two traces of one rank
+    named one of them and "another"."""
+    import gzip
+    import shutil
+
+    gzipped, other, twice = (tmp_path / name for name in ("gz", "other", "twice"))
+    for folder in (gzipped, other, twice):
+        folder.mkdir()
+    for path in sorted((TORCH_RUNS / "torch-1f1b-2cpu").glob("*.json")):
+        (gzipped / f"{path.stem}.pt.trace.json.gz").write_bytes(gzip.compress(path.read_bytes()))
+        shutil.copy(path, twice / path.name)
+    shutil.copy(TORCH_RUNS / "torch-1f1b-2cpu" / "rank0.json", twice / "rank0-again.json")
+    (other / "notes.json").write_text('{"a": 1}')
+    predicted = tmp_path / "p.json"
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 8, "-n", 3, "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", gzipped, predicted, "--json")
+    assert code == 0 and json.loads(out)["matched_ops"] > 0, err
+    code, out, err = pipesim("compare", other)
+    assert (code, out, err) == (2, "", f"error: {other / 'notes.json'}: not a Chrome trace (no traceEvents list)\n")
+    code, out, err = pipesim("compare", twice, predicted)
+    assert (code, out) == (2, "") and err == (f"error: two profiler traces are of rank 0 ({twice / 'rank0-again.json'} "
+                                              f"and {twice / 'rank0.json'}): give one per rank\n"), err
+
+
 @pytest.mark.parametrize("run_dir, schedule, recorded", [
     ("torch-1f1b-2cpu", "1f1b", {"F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}),  # PP:<action> ranges
     ("torch-gpipe-2cpu", "gpipe", {"F", "B", "OPT"}),  # ScheduleGPipe's Forward i / Backward i ranges
@@ -838,7 +864,7 @@ def test_compare_names_a_folder_without_traces(tmp_path, predicted):
     assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--trace", trace).code == 0
     code, out, err = pipesim("compare", folder, *([trace] if predicted else []), "--html", page)
     assert code == 2 and out == "" and err.count("\n") == 1 and not page.exists(), err
-    assert f"MEASURED: {folder} is a folder with no .json files" in err
+    assert f"MEASURED: {folder} is a folder with no .json or .json.gz files" in err
 
 
 @pytest.mark.parametrize("predicted", [False, True])

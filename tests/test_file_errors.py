@@ -507,3 +507,19 @@ def test_an_output_to_the_standard_output_is_all_it_holds(tmp_path):
     done = simulate("--trace", "/dev/stdout", "--html", "/dev/stdout")
     assert (done.returncode, done.stdout) == (2, "") and "--html: /dev/stdout is the standard output, which --trace " \
                                                          "writes to: give one a file" in done.stderr
+
+
+@pytest.mark.parametrize("body, line", [
+    (b"garbage", "cannot read trace t.json.gz: Not a gzipped file (b'ga')"),
+    (None, "trace t.json.gz is not a whole gzip file (Compressed file ended before the end-of-stream marker was "
+           "reached)"),
+])
+def test_a_gzip_file_that_is_not_one_or_is_cut_short_is_one_line(tmp_path, monkeypatch, body, line):
+    """A file named .gz is read through gzip (torch.profiler's tensorboard_trace_handler writes .json.gz)."""
+    import gzip
+
+    monkeypatch.chdir(tmp_path)
+    Path("t.json.gz").write_bytes(body if body is not None else gzip.compress(b'{"traceEvents": []}' * 100)[:40])
+    code, _, err = pipesim("view", "t.json.gz", "--html", "t.html")
+    assert (code, err) == (2, f"error: {line}\n")
+    assert not Path("t.html").exists()
