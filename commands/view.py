@@ -79,6 +79,10 @@ def view(
                 raise InputError(f"TRACE: {again} is given twice; give each trace once")
             replaced = out.is_file()
             loaded = [read_trace(path) for path in traces]
+            if (empty := next((path for path, trace in zip(traces, loaded)
+                               if not len(trace.ops) and trace.meta.complete), None)) is not None:
+                raise InputError(f"trace {empty} holds no ops: nothing to draw (a run that stopped before its first "
+                                 "op is marked incomplete)")
             labels, subjects = zip(*_names(traces, loaded))
             views = [(label, [i]) for i, label in enumerate(labels)]
             if len(loaded) > 1:

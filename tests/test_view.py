@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
@@ -613,3 +614,44 @@ def test_view_tells_traces_of_one_name_apart_by_their_folders_and_refuses_a_file
     assert code == 2 and err.strip().splitlines() == [f"error: TRACE: {tmp_path}/d1/../d1/a.json is given twice; "
                                                       "give each trace once"]
     assert not page.exists()
+
+
+def test_a_trace_whose_fields_name_no_device_or_rank_of_its_run_is_refused_and_an_empty_one_is_not_drawn(tmp_path):
+    """Hand-edited traces that read silently: memory counters on pid 77 of a 2-device run drew every device's memory
+    as n/a; failed_rank 7 of a 2-rank run read "rank 7 failed"; a complete trace of no ops drew an empty "0 ops"
+    page (compare refused it)."""
+    from tests.conftest import pipesim
+
+    source = tmp_path / "t.json"
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "-n", 2, "--trace", source).code == 0
+    document = json.loads(source.read_text())
+
+    def edited(name: str, edit) -> Path:
+        copy = json.loads(json.dumps(document))
+        edit(copy)
+        (path := tmp_path / name).write_text(json.dumps(copy))
+        return path
+
+    def counters_on_77(doc):
+        for event in doc["traceEvents"]:
+            if event.get("ph") == "C":
+                event["pid"] = 77
+
+    def rank_7(doc):
+        doc["pipesim"]["meta"].update(failed_rank=7, complete=False)
+
+    def no_ops(doc):
+        doc["traceEvents"] = [event for event in doc["traceEvents"] if event.get("ph") != "X"]
+
+    for name, edit, line in [
+        ("counters.json", counters_on_77, "trace {}: counter 'memory_bytes': pid 77 is not one of the trace's 2 "
+                                          "devices (0..1)"),
+        ("rank.json", rank_7, "trace {}: pipesim header: meta.failed_rank: give a whole number from 0 to 1, one of "
+                              "the run's 2 ranks (got 7)"),
+        ("empty.json", no_ops, "trace {} holds no ops: nothing to draw (a run that stopped before its first op is "
+                               "marked incomplete)"),
+    ]:
+        path = edited(name, edit)
+        code, out, err = pipesim("view", path, "--html", tmp_path / "v.html")
+        assert (code, out, err) == (2, "", f"error: {line.format(path)}\n")
+        assert not (tmp_path / "v.html").exists()

@@ -529,6 +529,12 @@ def from_chrome(doc: Any) -> Trace:
         i = int(outside[0])
         raise TraceError(f"trace event {op_events[i]:,} ({kinds[ops.kind[i]]}): pid {int(ops.device[i])} is not one "
                          f"of the trace's {num_devices} devices (0..{num_devices - 1})")
+    # a counter's sample on no device of the trace: its curve was never drawn, and its device's memory read n/a
+    stray = next(((name, pid) for name, pid in samples if name in counter_names
+                  and (not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < num_devices)), None)
+    if stray is not None:
+        raise TraceError(f"counter {stray[0]!r}: pid {json.dumps(stray[1])} is not one of the trace's {num_devices} "
+                         f"devices (0..{num_devices - 1})")
     counters = {}
     for name in counter_names:
         per_device = []
@@ -542,6 +548,10 @@ def from_chrome(doc: Any) -> Trace:
             per_device.append(Counter(times.astype(np.float64), values))
         counters[name] = per_device
     meta = TraceMeta.from_dict(meta)
+    ranks = (meta.hardware or {}).get("ranks") or num_devices * (meta.params.get("data_parallel") or 1)
+    if meta.failed_rank is not None and not 0 <= meta.failed_rank < ranks:  # "rank 7 failed" of a 2-rank run
+        raise TraceError(f"pipesim header: meta.failed_rank: {number_allowed(0, ranks - 1)}, one of the run's "
+                         f"{ranks:,} ranks (got {meta.failed_rank:,})")
     _check_op_fields(ops, kinds, meta, op_events)
     parts = meta.peak_memory_parts
     later = {"runtime_buffers", "transient", "reserve"}  # the parts counted since breakdowns were first recorded
