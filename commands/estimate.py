@@ -276,7 +276,13 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # pydantic: only for --gpu
     from ..planning.estimate import EstimateError, check_ring_attention, kernel_curve, no_sequence_refusal
-    from ..workload.sizes import DEFAULT_SIZES, attention_of, flag_sizes_refusal, kernels_refusal
+    from ..workload.sizes import (
+        DEFAULT_SIZES,
+        REPEAT_KV_UNDER_MATH,
+        attention_of,
+        flag_sizes_refusal,
+        kernels_refusal,
+    )
 
     clash = [flag_of(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
@@ -300,6 +306,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     rope_kernel, loss_parallel = params.get("rope_kernel", "eager"), params.get("loss_parallel", False)
     router_aux_loss = _or_default(params, "router_aux_loss", "none")
     refuse(kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel, router_aux_loss))
+    if (params.get("repeat_kv") and params["model"] not in DEFAULT_SIZES  # a built-in one counts in a second, and
+            and attention_of(params["attention"], params["model"]) != "flash"):  # says first if it has none to copy
+        raise InputError(REPEAT_KV_UNDER_MATH)
     refuse(flag_sizes_refusal(params["model"], {key: params.get(key) for key in MODEL_SIZES}))
     if loss_parallel and params.get("tensor_parallel") == 1:  # torchtitan's at t > 1 only
         raise InputError("--loss-parallel splits the logits by vocabulary over a tensor-parallel group (torchtitan's "

@@ -86,16 +86,18 @@ def test_a_device_is_written_in_place_and_its_error_names_it():
 
 @pytest.mark.parametrize("redirect", ["pipe", "file"])
 def test_dev_stdout_is_written_in_place(tmp_path, redirect):
-    """Also when stdout is a regular file: replacing it would lose what was printed around the write."""
+    """Also when stdout is a regular file: replacing it would lose what was printed around the write. What the
+    command prints goes to stderr: the standard output holds the output alone, as a pipe reads it."""
     command = [sys.executable, "-c", "from pipesim.cli import main; main()", *EXPORT, "--out", "/dev/stdout"]
     if redirect == "pipe":
-        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        out, err = done.stdout, done.stderr
     else:
         with open(tmp_path / "stdout.txt", "w") as handle:
-            subprocess.run(command, stdout=handle, check=True)
+            err = subprocess.run(command, stdout=handle, stderr=subprocess.PIPE, text=True, check=True).stderr
         out = (tmp_path / "stdout.txt").read_text()
         assert os.listdir(tmp_path) == ["stdout.txt"]
-    assert out == CSV + "wrote /dev/stdout\n"
+    assert out == CSV and err == "wrote /dev/stdout\n"
 
 
 def test_output_checks_before_any_work(tmp_path):

@@ -1,13 +1,16 @@
 """--repeat-kv: grouped-query attention's keys and values copied to every query head before the attention kernel, as
 torchtitan's Llama does (torchtitan/models/llama/model.py at 9dec370, `repeat_kv`), so the kernel saves them and a
 context-parallel ring passes them at the queries' heads."""
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from pipesim.planning.estimate import ContextRing
 from pipesim.workload.count import _GpuKernels, count_built
+from pipesim.workload.sizes import REPEAT_KV_UNDER_MATH
 
-from .conftest import pipesim
+from .conftest import pipesim, pipesim_fresh
 from .helpers import estimated_layers
 
 HEADS, KV_HEADS, SEQ, HEAD_SIZE, BATCH = 8, 2, 256, 32, 2
@@ -78,3 +81,13 @@ def test_grouped_keys_and_values_under_math_attention_are_refused_the_repeat(tmp
                    "flash\n")
     assert list(tmp_path.iterdir()) == []
     assert pipesim("estimate", *GQA_GPT_FLAGS, "--repeat-kv", "--out", "p.json").code == 0
+
+
+def test_a_hugging_face_model_under_math_attention_is_refused_the_repeat_before_its_count():
+    """Llama 3.1 405B's count ran whole (torch imported, 126 layers traced) before the refusal, which needs only
+    the flags."""
+    config = Path(__file__).parents[1] / "examples" / "llama3.1-405b"
+    fresh = pipesim_fresh(["simulate", "--gpu", "h100-sxm", "--model", f"hf:{config}", "--seq-len", 8192, "-p", 16,
+                           "-s", "1f1b", "--attention", "math", "--repeat-kv"])
+    assert [run.code for run in fresh.runs] == [2] and "torch" not in fresh.imported
+    assert fresh.runs[0].err == f"error: {REPEAT_KV_UNDER_MATH}\n"

@@ -78,7 +78,7 @@ from .moe import router_aux_loss as moe_router_aux_loss
 from .norms import NO_RMSNORM_TO_FUSE, fused_norms, is_transformers_rms_norm
 from .optim import OPTIMIZERS, make_optimizer
 from .rope import NO_ROPE_TO_FUSE, fused_rope
-from .sizes import CROSS_ENTROPY, kernels_refusal
+from .sizes import CROSS_ENTROPY, REPEAT_KV_UNDER_MATH, kernels_refusal
 
 __all__ = ["ATTENTION", "CROSS_ENTROPY", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
 
@@ -981,9 +981,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
                          "grouped-query attention, or one whose code copies them already): there is nothing to copy; "
                          "leave it out")
     if repeat_kv and not kernels.flash:  # the copies changed the caching allocator's replay alone
-        raise ModelError("--repeat-kv: under --attention math torch's attention copies grouped-query keys and values "
-                         "to every query head itself, the copies --repeat-kv would make: leave it out, or give "
-                         "--attention flash")
+        raise ModelError(REPEAT_KV_UNDER_MATH)
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention if kernels.attended else None, counted)
 

@@ -71,6 +71,13 @@ ROPE_KERNELS = ("eager", "fused")  # how a Hugging Face model's rotary position 
 ROUTER_AUX_LOSSES = ("none", "unfused", "fused")
 
 
+# --repeat-kv beside torch's math attention, which copies grouped keys and values itself: said by the count, and for a
+# model not built in (a Hugging Face config's 405B counted whole first) before it
+REPEAT_KV_UNDER_MATH = ("--repeat-kv: under --attention math torch's attention copies grouped-query keys and values to "
+                        "every query head itself, the copies --repeat-kv would make: leave it out, or give --attention "
+                        "flash")
+
+
 def kernels_refusal(cross_entropy: str, norm_kernel: str, rope_kernel: str, loss_parallel: bool,
                     router_aux_loss: str = "none") -> str | None:
     """The one line refusing kernels the count does not take (None: it takes them), which the command line says
