@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipesim.executor import run_multiprocess, runners
+from pipesim.executor import ExecutorError, run_multiprocess, runners
 from pipesim.executor.runners import HEARTBEAT_S, Heartbeat, _Reporter, _Supervisor
 from pipesim.schedules import lower
 from pipesim.traces.hostload import oom_kills
@@ -145,24 +145,52 @@ class _SentUntilExiting:
         return _SentUntilExiting, ()
 
 
-def _put_and_return(messages, flushed: bool) -> None:
-    messages.put(("done", 1, _SentUntilExiting()))
-    if flushed:
-        runners._flushed(messages)
+class _NoSetup:
+    """A rank's set-up pipe that fails as it is read: `_rank_main` then reports the error and ends."""
+
+    def recv(self):
+        raise ExecutorError("no set-up")
 
 
-@pytest.mark.parametrize("flushed", [True, False])
-def test_a_rank_sends_what_it_put_before_it_exits(flushed):
+class _LastSentUntilExiting:
+    """A rank's queue (`messages`) whose every item carries a `_SentUntilExiting` last: what `_rank_main` puts as it
+    ends (its error here) is lost unless it flushes the queue before the process exits."""
+
+    def __init__(self, messages) -> None:
+        self.messages = messages
+
+    def put(self, item: tuple) -> None:
+        self.messages.put((*item, _SentUntilExiting()))
+
+    def close(self) -> None:
+        self.messages.close()
+
+    def join_thread(self) -> None:
+        self.messages.join_thread()
+
+
+def _put_and_return(messages, in_rank_main: bool) -> None:
+    """Put an item as a rank does: `_rank_main` puts its error (its set-up fails) and flushes the queue as it ends;
+    a process that puts one and returns leaves it to the exit."""
+    if in_rank_main:
+        runners._rank_main(_NoSetup(), 1, None, None, _LastSentUntilExiting(messages), None)
+    else:
+        messages.put(("error", 1, "no set-up", False, _SentUntilExiting()))
+
+
+@pytest.mark.parametrize("in_rank_main", [True, False])
+def test_a_rank_sends_what_it_put_before_it_exits(in_rank_main):
     """A rank's queue is flushed in `_rank_main`, not at the process's exit, where multiprocessing's feeder thread
     drops an item it fails to send without a word: the parent then saw a rank that had put its result exit with
     code 0 and never read it (calibrate's runtime probe in CI, "rank 1 exited with code 0 (last action 1OPT.4)").
-    Flushed, the item arrives; left to the exit, the same item is lost (what this guards against)."""
+    `_rank_main`'s last item (its error, which fails to send once the process is exiting) arrives; left to the exit,
+    the same item is lost (what this guards against)."""
     import multiprocessing
     import queue
 
     context = multiprocessing.get_context("fork")
     messages = context.Queue()
-    process = context.Process(target=_put_and_return, args=(messages, flushed))
+    process = context.Process(target=_put_and_return, args=(messages, in_rank_main))
     process.start()
     process.join(30)
     assert process.exitcode == 0
@@ -170,8 +198,9 @@ def test_a_rank_sends_what_it_put_before_it_exits(flushed):
         message = messages.get(timeout=2)
     except queue.Empty:
         message = None
-    if flushed:
-        assert message is not None and message[:2] == ("done", 1) and isinstance(message[2], _SentUntilExiting)
+    if in_rank_main:
+        assert message is not None and message[:4] == ("error", 1, "no set-up", False)
+        assert isinstance(message[4], _SentUntilExiting)
     else:
         assert message is None
 
