@@ -346,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
         # click's usage and parameter errors
         fail(_missing(exc) or _bad_value(exc, args) or _extra(exc, args) or _unknown_option(exc)
              or _no_value(exc, args) or exc.format_message())
+    finally:  # a command whose output went to the standard output printed to stderr (`_to_standard_output`): no more
+        if (common := sys.modules.get(f"{__package__}.commands.common")) is not None:
+            common.stdout.file = None
     if code == INTERRUPTED:  # typer turns a KeyboardInterrupt in a command into this exit code
         print("interrupted", file=sys.stderr)
     if argv is None:  # the process ends here: the interpreter's last collections over what torch and sympy made

@@ -13,6 +13,7 @@ import inspect
 import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -1235,7 +1236,8 @@ def check_outputs(outputs: Sequence[tuple[str, Path | None] | tuple[str, Path | 
     """Refuse, before any work is done, an output that cannot be written (`check_writable`, in the order given) or
     that names the file of another output, or of a file the command reads: the later write replaced the earlier
     (`simulate --trace t.json --html t.json` kept the page, not the trace) or the input (`view t.json --html t.json`
-    wrote the page over its trace). Outputs written in place (a FIFO, /dev/stdout) may be shared. Each (flag, path)
+    wrote the page over its trace). Outputs written in place (a FIFO, a device) may be shared, but for the standard
+    output, which holds one (`_to_standard_output`). Each (flag, path)
     pair names its flag as the user gave it, or a read argument by what it is ("trace": "the trace it reads", where
     its metavar read "is also TRACE"); a third, the `Output` the flag writes where `OUTPUTS` has none for it.
     `as_json`: the command prints --json's document (`_to_standard_output`)."""
@@ -1258,10 +1260,17 @@ def check_outputs(outputs: Sequence[tuple[str, Path | None] | tuple[str, Path | 
             check_replaceable(flag, path, output[0] if output else OUTPUTS[flag])
 
 
+STANDARD_OUTPUT_PATHS = ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
+
+
 def _is_standard_output(path: Path) -> bool:
-    """Whether `path` is this process's standard output (/dev/stdout, /dev/fd/1, the terminal or pipe it writes to)."""
+    """Whether `path` names this process's standard output: /dev/stdout (or its fd's other names), or the file or
+    pipe it writes to, but not a device both merely name (`--trace /dev/null > /dev/null` discards both)."""
+    if os.path.abspath(path) in STANDARD_OUTPUT_PATHS:
+        return True
     try:
-        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+        named = os.stat(path)
+        return not stat.S_ISCHR(named.st_mode) and os.path.samestat(named, os.fstat(sys.stdout.fileno()))
     except (OSError, ValueError):  # no such file, or a standard output with no file behind it (a test's capture)
         return False
 
@@ -1280,7 +1289,7 @@ def _to_standard_output(outputs: Sequence[tuple], as_json: bool) -> None:
     if others:
         raise InputError(f"{others[0][0]}: {others[0][1]} is the standard output, which {flag} writes to: give one "
                          "a file")
-    stdout.file = sys.stderr
+    stdout.file = sys.stderr  # for this command: the command line sets it back as the command ends (cli.main)
 
 
 def refuse_unwritable(*outputs: tuple[str, Path | None]) -> None:

@@ -325,12 +325,13 @@ def run(
             bounds = _cut(measured, built, stage_cut)
         per_copy = built.graph.stages_per_copy  # a profile's cut is one model copy's (DualPipe runs two)
         asked = f"--stages {stages:,}" + (f" x --chunks {params.chunks:,}" if params.chunks > 1 else "")
-        from ..planning.scenario import gives_layers
+        from ..planning.scenario import EMPTYING_CUTS, gives_layers
 
         emptied = stage_cut is not None and gives_layers(stage_cut)  # its stages may hold no layer
         if not emptied:  # before the partition's count: a fix it names must be one the model's layers allow
-            refuse(stages_refusal(asked, per_copy, model, options) if measured is None else too_many_stages(
-                asked, per_copy, model, measured.model.options, measured.layers, profiled=True))
+            refuse(stages_refusal(asked, per_copy, model, options, EMPTYING_CUTS) if measured is None
+                   else too_many_stages(asked, per_copy, model, measured.model.options, measured.layers,
+                                        profiled=True, emptied_by=EMPTYING_CUTS))
         if bounds is not None and len(bounds) - 1 != per_copy:
             copies = " in each model copy" if per_copy != built.num_stages else ""
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
@@ -374,7 +375,7 @@ def run(
                        seed=seed, dtype=DTYPES[dtype or "float32"], bounds=bounds,
                        threads_per_rank=threads_per_rank, timeout_s=timeout, heldout=heldout, rank_order=rank_order)
         if not emptied:  # no built-in, once built
-            refuse(too_many_stages(asked, per_copy, model, net.options, net.layers))
+            refuse(too_many_stages(asked, per_copy, model, net.options, net.layers, emptied_by=EMPTYING_CUTS))
         if bounds is None and carried_bounds(spec, model=net) is None:
             raise InputError(_no_cut(spec, len(net.layers)))
         if bounds is not None:

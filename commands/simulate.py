@@ -117,13 +117,27 @@ from .tables import add_columns, print_message, print_table, said_once
 if TYPE_CHECKING:
     from ..planning.scenario import SearchedAgain
     from ..planning.tune import Workers
+    from ..schedules import Schedule
     from ..sim.caching_allocator import LayerAllocations
+    from ..sim.cluster import Cluster
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 # --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger
 # ones overflowed the simulator's clock (inf x 0: its times summed to nan)
 MAX_JITTER = 3.0
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
+
+
+def _check_cluster_memory(memory_bytes: int | None, topology: Cluster | None, path: Path | None,
+                          schedules: Iterable[Schedule]) -> None:
+    """--memory-gb at most the least memory a --cluster file gives the devices the schedules run on (those past
+    them hold none of the run: `Scenario.memory_limits`)."""
+    used = max((sched.num_devices for sched in schedules), default=0)
+    held = [] if topology is None else [(memory, name) for memory, name in zip(
+        topology.memory_bytes[:used], topology.device_names[:used]) if memory]
+    if held:
+        least, name = min(held)
+        check_memory_cap(memory_bytes, least, None, f"--cluster {path}'s {name}")
 
 
 def _output_paths(path: Path, names: list[str]) -> list[Path]:
@@ -320,10 +334,6 @@ def simulate(
         if what is None and scenario.measured is not None:  # a profile's part as it records it
             check_memory_cap(memory_bytes, scenario.measured.environment.device_memory_bytes,
                              scenario.measured.estimate and scenario.measured.estimate.gpu)
-        elif scenario.topology is not None and any(scenario.topology.memory_bytes):  # the cluster's least memory
-            least, name = min((held, name) for held, name in zip(scenario.topology.memory_bytes,
-                                                                 scenario.topology.device_names) if held)
-            check_memory_cap(memory_bytes, least, None, f"--cluster {cluster}'s {name}")
         check_p2p_sync(ctx, compared, scenario.measured)
         if scenario.dag is not None and is_given(ctx, "stages") and stages != scenario.dag[0].num_stages:
             placed = scenario.dag[0].num_stages  # graphpipe ran at the file's p whatever --stages said
@@ -374,6 +384,7 @@ def simulate(
                     del schedules[name]
                     skipped[name] = str(exc)
         _check_cost_lists(scenario, schedules)
+        _check_cluster_memory(memory_bytes, scenario.topology, cluster, schedules.values())
         pairs = {name: overlapped_pairs(sched) for name, sched in schedules.items()}
         if fb_hidden_fraction and not any(pairs.values()):
             raise InputError(f"--fb-hidden-fraction prices overlapped F&B pairs, and none of {', '.join(schedules)} "
@@ -433,7 +444,8 @@ def simulate(
                 write_timeline_page(traces, html, title=f"pipesim: {heading}", labels=names, summaries=summaries,
                                     notes=[f"skipped: {_skip_text(name, reason)}" for name, reason in skipped.items()]
                                     + _out_of_memory_lines(summaries, memory)
-                                    + ([] if all(steady) else [_unsteady_text(built, steady)]),
+                                    # the chart marks it where there is one (two methods or more)
+                                    + ([] if all(steady) else [_unsteady_text(built, steady, len(built) > 1)]),
                                     memory_checks=memory, unsteady=[not is_steady for is_steady in steady])
     except (InputError, ScheduleError, CostError, ClusterError, SimulationError) as exc:
         fail(str(exc))
@@ -837,9 +849,9 @@ def _steady_text(schedules: list, steady: list[bool]) -> str:
     return f"step: one mini-batch in steady state; {_unsteady_text(schedules, steady)}; bubble: idle share of that step"
 
 
-def _unsteady_text(schedules: list, steady: list[bool]) -> str:
+def _unsteady_text(schedules: list, steady: list[bool], marked: bool = True) -> str:
     """What the * the table and the page mark the rows that are no steady state with means, and why they are not
-    (some are)."""
+    (some are); where nothing is `marked` (a page of one method has no chart), which is no steady state."""
     from ..schedules import steady_minibatches
 
     short = [sched for sched, is_steady in zip(schedules, steady) if not is_steady]
@@ -848,8 +860,9 @@ def _unsteady_text(schedules: list, steady: list[bool]) -> str:
         f"{sched.method} needs N>={steady_minibatches(sched)}" for sched in short) + ")"
     enough = ("give --minibatches 2 or more, which repeat the file's step" if short[0].params.get("format")
               == "torch-csv" else "leave out --minibatches for enough")
-    return (f"* marks no steady state: {why}, so step and samples/s include the warm-up and staleness can be below "
-            f"a longer run's; {enough}")
+    said = "* marks no steady state" if marked else f"{short[0].method} is no steady state"
+    return (f"{said}: {why}, so step and samples/s include the warm-up and staleness can be below a longer run's; "
+            f"{enough}")
 
 
 def _print_table(summaries: list, schedules: list, steady: list[bool], example: bool, skipped: dict[str, str],

@@ -42,12 +42,10 @@ def _tail(path: Path, alike: list[Path]) -> str:
     """The fewest last parts of `path` that no other of `alike` ends in: two folders' a.json are told apart by their
     folders (by name alone their summary bars were drawn as one), and no more of their paths (the whole of
     traces/measured/gpu-check-h200-day41/run-1f1b.json took 40 % of a 1,400 px page's lanes)."""
-    whole = path.resolve().parts
-    for count in range(1, len(whole) + 1):
-        tail = whole[-count:]
-        if sum(other.resolve().parts[-count:] == tail for other in alike) == 1:
-            return str(Path(*tail))
-    return str(path)
+    whole = Path(os.path.abspath(path)).parts  # as given, not through a link (runs/latest, not its target's name)
+    count = next(count for count in range(1, len(whole) + 1)  # view refused two paths of one file: one is found
+                 if sum(Path(os.path.abspath(other)).parts[-count:] == whole[-count:] for other in alike) == 1)
+    return str(Path(*whole[-count:]))
 
 
 def view(

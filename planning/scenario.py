@@ -1158,6 +1158,11 @@ def device_stages(sched: Schedule, stages: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(s % stages for s in held) for held in sched.stages_by_device)
 
 
+# The cuts that may leave a stage between the first and the last empty (`gives_layers`), which a refusal of more
+# stages than a model has layers a stage may start at names as the other fix (GLM-5.2's p·v = 26 of 25 starts)
+EMPTYING_CUTS = f"--stage-cut {LAYOUT}STRING or {LAYERS}N,N,..."
+
+
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced",
                    devices: Sequence[Sequence[int]] | None = None, sized_by_flags: bool = False) -> list[int]:
     """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`, `layer_counts`,
@@ -1168,11 +1173,9 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     (`partition`). `sized_by_flags`: Scenario.sized_by_flags."""
     from ..profiles.schema import layer_costs, profile_stage_time
 
-    # a layout may leave stages empty (GLM-5.2's p·v = 26 of 25 starts): the other fix
     refused = None if gives_layers(stage_cut) else too_many_stages(
         f"the schedule's {num_stages:,} model stages (--stages x --chunks)", num_stages, measured.model.name,
-        measured.model.options, measured.layers, profiled=not sized_by_flags,
-        emptied_by=f"--stage-cut {LAYOUT}STRING or {LAYERS}N,N,...")
+        measured.model.options, measured.layers, profiled=not sized_by_flags, emptied_by=EMPTYING_CUTS)
     if refused is not None:
         raise CostError(refused)
     bounds = _given_bounds(measured, num_stages, stage_cut, devices)

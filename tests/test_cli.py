@@ -223,6 +223,16 @@ def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert "Traceback" not in err and err.strip().count("\n") == 0
 
 
+def test_memory_gb_is_held_to_the_cluster_devices_a_run_uses(tmp_path):
+    """A 2-device run on a cluster file whose third and fourth devices hold less was refused for a device it never
+    runs on."""
+    devices = [{"name": f"gpu{k}", "memory_gib": gib} for k, gib in enumerate((80, 80, 40, 40))]
+    (cluster := tmp_path / "c.json").write_text(json.dumps({"devices": devices}))
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "--cluster", cluster, "--memory-gb", 60).code == 0
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 4, "--cluster", cluster, "--memory-gb", 60)
+    assert code == 2 and f"more than the 40 GiB of --cluster {cluster}'s gpu2" in err, err
+
+
 def test_a_collective_past_an_ops_longest_names_the_fix_a_profile_takes(tmp_path):
     """A profile's measured all-reduce prices its collectives: the line named --param-mb and --network-gb-s, which
     a profile refuses in turn."""
@@ -641,6 +651,10 @@ def test_the_pages_chart_marks_a_step_that_is_no_steady_state_as_the_table_does(
     assert data["notes"] == ["* marks no steady state: N=3 is short of it (pipedream needs N>=4), so step and "
                              "samples/s include the warm-up and staleness can be below a longer run's; leave out "
                              "--minibatches for enough"]
+    # one method's page has no chart to mark: its note names the method
+    code, _, _ = pipesim("simulate", "-s", "pipedream", "-p", 4, "-m", 8, "-n", 3, "--html", page)
+    data = _page_data(page.read_text())
+    assert code == 0 and data["summary"] is None and data["notes"][0].startswith("pipedream is no steady state: N=3")
 
 
 def test_the_page_says_which_methods_were_skipped_as_stderr_does(tmp_path):

@@ -507,6 +507,21 @@ def test_an_output_to_the_standard_output_is_all_it_holds(tmp_path):
     done = simulate("--trace", "/dev/stdout", "--html", "/dev/stdout")
     assert (done.returncode, done.stdout) == (2, "") and "--html: /dev/stdout is the standard output, which --trace " \
                                                          "writes to: give one a file" in done.stderr
+    # a device both merely name is no standard output: `--json --trace /dev/null > /dev/null` discards both
+    done = subprocess.run([sys.executable, "-m", "pipesim.cli", "simulate", "-s", "1f1b", "--json", "--trace",
+                           "/dev/null", "--html", "/dev/null"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_a_command_after_one_that_wrote_to_the_standard_output_prints_there_again(tmp_path, monkeypatch):
+    """The table of a command whose output is /dev/stdout goes to stderr; the next command in the same process
+    (a library's caller, a test) printed its table to stderr too."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--html", "/dev/stdout")
+    assert code == 0 and " 1f1b " in err and " 1f1b " not in out
+    code, out, err = pipesim("simulate", "-s", "1f1b")
+    assert code == 0 and " 1f1b " in out and err == ""
 
 
 @pytest.mark.parametrize("body, line", [

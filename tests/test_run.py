@@ -266,7 +266,8 @@ def test_progress_counts_a_minibatch_done_at_each_devices_last_row_of_it(method,
                "again), calibrate with --stages 3 or drop --profile"),
     (2, "cnn", "it profiles model 'mlp', not 'cnn'"),
     # more stages than its layers: said of the layers, where the partition's count named fixes refused in turn
-    (5, "mlp", "--stages 5: the profile's mlp of 3 blocks has 4 layers in all; give at most 4 stages"),
+    (5, "mlp", "--stages 5: the profile's mlp of 3 blocks has 4 layers in all; give at most 4 stages, or a cut that "
+               "may leave stages between the first and the last empty (--stage-cut layout:STRING or layers:N,N,...)"),
 ])
 def test_a_profile_that_does_not_match_is_refused(tmp_path, profile, stages, model, message):
     trace = tmp_path / "t.json"

@@ -180,8 +180,8 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
         if name == "placement":  # the devices, and the chunks each runs, that place the run's stages so
             shaping = [(_PARAM_FLAGS[key], recorded.get(key)) for key in ("stages", "chunks")
                        if recorded.get(key) is not None and recorded.get(key) != planned.get(key)]
-            if not shaping and measured.num_devices != predicted.num_devices:  # a run that records no parameters
-                shaping = [(_PARAM_FLAGS["stages"], measured.num_devices)]
+            if "stages" not in recorded and measured.num_devices != predicted.num_devices:  # a run that records
+                shaping = [(_PARAM_FLAGS["stages"], measured.num_devices)]  # no parameters
         else:
             shaping = [(_SHAPE_FLAGS[name], b)] if name in _SHAPE_FLAGS else []
         group = recorded.get("microbatch_group")
@@ -497,9 +497,11 @@ def _placement_warnings(predicted: Trace, measured: Trace) -> list[str]:
         return []  # CPU ranks share the host's cores, as the calibration's contention prices them, not a GPU
     shared = _shared_compute(hardware.get("compute") or [])
     placed = [device.get("compute") for device in ((predicted.meta.cluster or {}).get("devices") or [])]
-    if not shared or _shared_compute(placed):
+    # host-staged ranks take turns as one GPU's do, whatever GPUs they ran on (`TraceMeta.shares_gpu`, as replayed)
+    if not (shared or measured.meta.shares_gpu) or _shared_compute(placed):
         return []
-    ran = "; ".join(f"ranks {', '.join(map(str, ranks))} on {device}" for device, ranks in shared.items())
+    ran = ("; ".join(f"ranks {', '.join(map(str, ranks))} on {device}" for device, ranks in shared.items())
+           or "the host-staged transport: one rank's rows at a time")
     return [f"the run's ranks shared GPUs ({ran}), where the prediction gives each rank a GPU of its own: their "
             "compute and memory are priced apart; `pipesim compare MEASURED` alone predicts the run as it was placed"]
 

@@ -548,7 +548,7 @@ def from_chrome(doc: Any) -> Trace:
             per_device.append(Counter(times.astype(np.float64), values))
         counters[name] = per_device
     meta = TraceMeta.from_dict(meta)
-    ranks = (meta.hardware or {}).get("ranks") or num_devices * (meta.params.get("data_parallel") or 1)
+    ranks = (meta.hardware or {}).get("ranks") or num_devices  # a data-parallel run's trace holds its p·d devices
     if meta.failed_rank is not None and not 0 <= meta.failed_rank < ranks:  # "rank 7 failed" of a 2-rank run
         raise TraceError(f"pipesim header: meta.failed_rank: {number_allowed(0, ranks - 1)}, one of the run's "
                          f"{ranks:,} ranks (got {meta.failed_rank:,})")

@@ -38,16 +38,18 @@ def built_in_layers(model: str, blocks: int) -> int:
     return {"mlp": blocks + 1, "cnn": blocks + 1, "gpt": blocks + 2, "two-branch": 2 * blocks + 2}[model]
 
 
-def stages_refusal(stages: str, count: int, model: str, sizes: Mapping[str, Any]) -> str | None:
+def stages_refusal(stages: str, count: int, model: str, sizes: Mapping[str, Any],
+                   emptied_by: str | None = None) -> str | None:
     """The one line refusing `count` stages (asked for by the flags `stages`) of a built-in `model` of `sizes` (its
-    size flags; None: not given) with fewer layers (profiles/workload.py `too_few_layers`), said before torch is
-    imported: `calibrate --model mlp --stages 20` was refused after torch's import and the processes' server, 8.8 s.
-    None where each stage has a layer, or for another model, whose layers are known once it is built."""
+    size flags; None: not given) with fewer layers (profiles/workload.py `too_few_layers`, `emptied_by` as there),
+    said before torch is imported: `calibrate --model mlp --stages 20` was refused after torch's import and the
+    processes' server, 8.8 s. None where each stage has a layer, or for another model, whose layers are known once it
+    is built."""
     if model not in DEFAULT_SIZES:
         return None
     options = {**DEFAULT_SIZES[model], **{name: value for name, value in sizes.items() if value is not None}}
     layers = built_in_layers(model, options["layers"])
-    return too_few_layers(stages, model, options, layers) if count > layers else None
+    return too_few_layers(stages, model, options, layers, emptied_by=emptied_by) if count > layers else None
 
 
 def attention_of(given: str | None, model: str) -> str:
