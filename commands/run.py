@@ -313,14 +313,24 @@ def run(
         scenario = searched_scenario(ctx, method, measured)
         if scenario is not None:  # the order searched runs the estimate's E (a built one runs --expert-parallel's)
             check_estimate_experts(measured, stages, data_parallel)
-        params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
-                               average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
-                               data_parallel=data_parallel, expert_parallel=expert_parallel,
-                               overlap_expert_comm=overlap_expert_comm, rounds=rounds,
-                               **method.read_options({"microbatch_group": microbatch_group, **search}))
-        # a searched order: for the costs of the stages the run cuts (the profile's partition, where it fits; where
-        # --stage-cut is given, the scenario's cut, which is that)
-        built = built_schedule(method, params, scenario, as_json, None if stage_cut else bounds)
+
+        def shaped(stages: int):
+            """The schedule's parameters and the schedule itself on `stages` devices: a searched order is searched
+            for the costs of the stages the run cuts (the profile's partition, where it fits; where --stage-cut is
+            given, the scenario's cut, which is that)."""
+            params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
+                                   average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
+                                   data_parallel=data_parallel, expert_parallel=expert_parallel,
+                                   overlap_expert_comm=overlap_expert_comm, rounds=rounds,
+                                   **method.read_options({"microbatch_group": microbatch_group, **search}))
+            return params, built_schedule(method, params, scenario, as_json, None if stage_cut else bounds)
+
+        params, built = shaped(stages)
+        per_device = built.graph.stages_per_copy / stages  # each device's stages of one model copy (v, 2 for a V)
+        if (bounds is not None and stage_cut is None and not is_given(ctx, "stages")
+                and (profiled := (len(bounds) - 1) / per_device) != stages and profiled.is_integer()):
+            stages = int(profiled)  # the devices the profile's cut was made for, not --stages' default
+            params, built = shaped(stages)
         if stage_cut is not None:
             bounds = _cut(measured, built, stage_cut)
         per_copy = built.graph.stages_per_copy  # a profile's cut is one model copy's (DualPipe runs two)

@@ -307,6 +307,24 @@ def test_a_run_of_a_profile_runs_its_model_and_without_either_says_which_to_give
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_run_of_a_profile_runs_on_the_devices_its_cut_was_made_for(tmp_path, monkeypatch):
+    """A 3-stage profile run without --stages took --stages' default of 2 and was refused ("its partition has 3
+    stages, but 1f1b on 2 devices has 2"), where the README runs a profile with no --stages."""
+    from pipesim.executor import runners
+
+    three = tmp_path / "three.json"
+    code, _, err = pipesim("calibrate", *SMALL_MLP, "--stages", 3, "--no-links", "--no-runtime", "--no-contention",
+                           "--repeats", 1, "--warmup", 0, "--out", three)
+    assert code == 0, err
+    ran = []
+    monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: ran.append(spec) or run_in_process(spec))
+    code, _, err = pipesim("run", "-s", "1f1b", "--microbatches", 3, "--minibatches", 1, "--profile", three,
+                           "--trace", tmp_path / "t.json", "--no-heldout")
+    assert code == 0 and ran[0].schedule.num_devices == 3, err
+    code, _, err = pipesim("run", "-s", "1f1b", "--stages", 2, "--profile", three, "--trace", tmp_path / "x.json")
+    assert code == 2 and "its partition has 3 stages, but 1f1b on 2 devices has 2" in err  # given: held to it
+
+
 def test_a_profiles_model_name_that_names_no_model_is_the_profiles_fault(tmp_path, profile):
     """A profile whose model.name names no model, run without --model, was refused as "--model: unknown 'nosuch'",
     a flag the user never gave."""
