@@ -354,7 +354,12 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:  # the process ends here: the interpreter's last collections over what torch and sympy made
         gc.freeze()  # took `pipesim calibrate` 0.5-1.4 s on the 2-core host; frozen, they are not scanned
         if (processes := sys.modules.get(f"{__package__}.workload.processes")) is not None:
-            processes.stop()  # its forkserver, which may still be importing, ends with it, not seconds after
+            try:
+                processes.stop()  # its forkserver, which may still be importing, ends with it, not seconds after
+            except KeyboardInterrupt:  # a Ctrl-C as it ends (a run's ranks' second one): said once, no traceback
+                if code != INTERRUPTED:
+                    print("interrupted", file=sys.stderr)
+                code = INTERRUPTED
     raise SystemExit(code if isinstance(code, int) else 0)
 
 

@@ -441,8 +441,8 @@ def run(
         if failure is not None:
             for why in unwritten:
                 print_message(why, stderr, "error: ", "bold red")
-            if trace is not None:
-                stdout.print(f"wrote {trace} (incomplete)", highlight=False)
+            if trace is not None:  # on stderr beside --json, whose standard output holds its document or nothing
+                (stderr if as_json else stdout).print(f"wrote {trace} (incomplete)", highlight=False)
             if isinstance(failure, RunInterrupted):
                 raise KeyboardInterrupt  # cli.main's one line, "interrupted", and exit code 130
             if failure.diverged:

@@ -78,14 +78,14 @@ def _alive(pid: int) -> bool:
     return _state(pid) not in ("", "Z")
 
 
-def _launch(tmp_path: Path, fault: str | None, stall_timeout_s: int = 3) -> subprocess.Popen:
+def _launch(tmp_path: Path, fault: str | None, stall_timeout_s: int = 3, *flags: str) -> subprocess.Popen:
     env = {name: value for name, value in os.environ.items() if name != FAULT_ENV}
     if fault is not None:
         env[FAULT_ENV] = fault
     # SIGINT as a terminal's foreground command has it: a shell's background job (CI started with `&`) would
     # hand down SIGINT ignored, and Ctrl-C would then mean nothing to the command
     return subprocess.Popen([sys.executable, "-m", "pipesim.cli", "run", *RUN, "--stall-timeout",
-                             str(stall_timeout_s), "--trace", str(tmp_path / "t.json")],
+                             str(stall_timeout_s), "--trace", str(tmp_path / "t.json"), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -110,16 +110,20 @@ def _none_left(pids: set[int]) -> bool:
     return not any(_alive(pid) for pid in pids)
 
 
-@pytest.mark.parametrize("fault, message", [
-    ("1:60:KILL", "rank 1 was killed by signal 9 (last action 1"),
-    ("1:12:STOP", "rank 1 made no progress for 3 s (last action 1"),
+@pytest.mark.parametrize("fault, message, flags", [
+    ("1:60:KILL", "rank 1 was killed by signal 9 (last action 1", ("--json",)),
+    ("1:12:STOP", "rank 1 made no progress for 3 s (last action 1", ()),
 ])
-def test_a_rank_that_dies_or_stops_ends_the_run(tmp_path, fault, message):
-    proc = _launch(tmp_path, fault)
+def test_a_rank_that_dies_or_stops_ends_the_run(tmp_path, fault, message, flags):
+    """With --json the standard output holds its document or nothing: "wrote t.json (incomplete)" was there, and
+    `| jq` failed on it."""
+    proc = _launch(tmp_path, fault, 3, *flags)
     seen = _watch(proc)
     out, err = proc.communicate(timeout=BOUND_S)
     assert proc.returncode == 1, err
     assert message in err and "Traceback" not in err
+    wrote = f"wrote {tmp_path / 't.json'} (incomplete)"
+    assert (out, wrote in err) == ("", True) if flags else wrote in out, (out, err)
     assert len(seen) >= 2 and _none_left(seen)
     trace = read_trace(tmp_path / "t.json")
     assert not trace.meta.complete and trace.meta.failed_rank == 1
