@@ -182,7 +182,8 @@ def study(
             from ..executor import ExecutorError
 
             try:
-                _train(saved, setting, chosen, rates, seed_list, timing, timing_repeats, results, quiet=as_json)
+                _train(saved, setting, chosen, rates, seed_list, timing, timing_repeats, results, quiet=as_json,
+                       repeats_given=is_given(ctx, "timing_repeats"))
             # a run or a probe failed, not the input: earlier runs are kept
             except (ExecutorError, RuntimeProbeError, ContentionError) as exc:
                 print_message(f"{exc}; the finished runs are in {results}", stderr, "error: ", "bold red")
@@ -247,8 +248,12 @@ def _title(setting) -> str:
     return f"pipesim study: {setting.model} ({options}), {degrees}, {setting.samples:,} samples"
 
 
-def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int, path: Path, quiet: bool) -> None:
-    """Every run and timing the results file lacks, saving it after each, behind one progress bar."""
+def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int, path: Path, quiet: bool,
+           repeats_given: bool = False) -> None:
+    """Every run and timing the results file lacks, saving it after each, behind one progress bar; a timing it
+    holds of other `repeats` than --timing-repeats gives (`repeats_given`) is taken again, and said so: kept, the
+    flag changed nothing (a resumed study timed 1 run each where --timing-repeats 2 was given). Left to the default,
+    the file's timings are kept, whose repeats the caption says."""
     from rich.progress import Progress
 
     from ..profiles.schema import Profile
@@ -264,7 +269,13 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
     runs = [(arm, key) for arm, key in runs if not saved.done(key)]
     timings: list = []  # one arm per method: the order and the work do not depend on the source of s
     for arm in chosen:
-        if timing and saved.timing(arm) is None and all(t.method != arm.method for t in timings):
+        held = saved.timing(arm)
+        if held is not None and repeats_given and held.repeats != repeats:
+            print_message(f"timing {arm.label} again: --results {path} holds {count_text(held.repeats, 'run')} of it, "
+                          f"and --timing-repeats {repeats:,} asks for {repeats:,}", stderr, "note: ")
+            saved.timings.remove(held)
+            held = None
+        if timing and held is None and all(t.method != arm.method for t in timings):
             timings.append(arm)
     calibrating = bool(timings) and saved.profile is None
     with Progress(*counted_bar_columns(), console=stderr, transient=True,

@@ -160,6 +160,31 @@ def test_study_trains_writes_its_results_and_page_then_resumes_without_training_
     assert code == 0 and " ".join(out.split()).endswith(f"wrote {page} (replaced the file that was there)"), out
 
 
+def test_a_timing_of_other_repeats_than_given_is_taken_again_and_said(tmp_path, monkeypatch, capsys):
+    """A resumed study with --timing-repeats 2 kept the file's timing of one run and said "one run each
+    (--timing-repeats 1)": the flag changed nothing. Left to the default, the file's timing is kept."""
+    import pipesim.study.train as training
+    from pipesim.commands.study import _train
+    from pipesim.study.results import TimingRecord
+
+    arm, path = Arm("gpipe"), tmp_path / "study.json"
+    saved = StudyFile(format_version=1, setting=TINY.as_dict(), profile={},
+                      runs=[training.train(TINY, arm, "momentum", 0.05, 0)])
+    once = TimingRecord(method="gpipe", source=None, optimizer="momentum", lr=0.05, seed=0, repeats=1,
+                        measured_samples_per_s=10.0, measured_spread=0.0, predicted_samples_per_s=11.0, ranks=2)
+    saved.timings = [once]
+    timed = []
+    monkeypatch.setattr(training, "time_arm", lambda *args: timed.append(args[-1]) or once.model_copy(
+        update={"repeats": args[-1]}))
+    monkeypatch.setattr("pipesim.profiles.schema.Profile.model_validate", lambda document: None)
+    train_once = {"momentum": 0.05}
+    _train(saved, TINY, [arm], train_once, [0], True, 3, path, quiet=True)  # the default: kept
+    assert timed == [] and saved.timings == [once]
+    _train(saved, TINY, [arm], train_once, [0], True, 2, path, quiet=True, repeats_given=True)
+    assert timed == [2] and [t.repeats for t in saved.timings] == [2] and load_results(path).timings == saved.timings
+    assert "note: timing gpipe again: --results" in capsys.readouterr().err
+
+
 def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_path):
     results = tmp_path / "study.json"
     StudyFile(format_version=1, setting=TINY.as_dict()).save(results)
