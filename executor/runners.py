@@ -118,23 +118,33 @@ def run_in_process(spec: RunSpec) -> RunResult:
     results: list[DeviceResult | None] = [None] * layout.ranks
     causes: list[tuple[int, Exception]] = []
 
+    def abandoned(reason: str) -> bool:
+        """Every rank's receives and rooms failed with `reason`: each stops at its next wait. Whether this was the
+        first reason (the cause)."""
+        first = transports[0].abandon(reason)  # the ranks' transports share one office
+        for room in rooms:
+            room.abandon(reason)
+        return first
+
     def work(rank: int) -> None:
         try:
             results[rank] = loops[rank].run()
         except Exception as exc:  # the first failure is the cause; the other ranks stop at once
-            reason = f"{layout.name(rank)} failed"
-            first = transports[rank].abandon(reason)
-            for room in rooms:
-                room.abandon(reason)
-            if first:
+            if abandoned(f"{layout.name(rank)} failed"):
                 causes.append((rank, exc))
 
     threads = [threading.Thread(target=work, args=(rank,), name=f"pipesim-rank-{rank}", daemon=True)
                for rank in range(layout.ranks)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except BaseException:  # Ctrl-C: the ranks stop before the interpreter ends, which aborted inside torch's
+        abandoned("interrupted")  # kernels of a rank still running ("terminate called without an active exception")
+        for thread in threads:
+            thread.join(STOP_GRACE_S)
+        raise
     if causes:
         rank, exc = causes[0]
         message = f"{layout.name(rank)}: {type(exc).__name__}: {exc}"

@@ -283,3 +283,25 @@ def test_the_kernels_out_of_memory_kills_are_read_from_vmstat(tmp_path):
     assert oom_kills(tmp_path) is None
     (tmp_path / "proc" / "vmstat").write_text("nr_free_pages 12\noom_kill 7\nnuma_hit 3\n")
     assert oom_kills(tmp_path) == 7
+
+
+def test_ctrl_c_while_ranks_run_in_process_stops_them_before_it_returns(monkeypatch):
+    """A study trains its ranks as threads of its process: Ctrl-C reached the main thread's join, the ranks ran on
+    in torch's kernels as the interpreter ended, and it aborted ("terminate called without an active exception",
+    exit 134). The ranks stop at their next wait, and are gone before the interrupt goes on."""
+    import threading
+
+    joined = threading.Thread.join
+    interrupted = []
+
+    def join(thread, timeout=None):
+        if thread.name.startswith("pipesim-rank") and not interrupted:
+            interrupted.append(thread.name)
+            time.sleep(0.2)  # the ranks under way
+            raise KeyboardInterrupt
+        return joined(thread, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", join)
+    with pytest.raises(KeyboardInterrupt):
+        runners.run_in_process(spec_for("1f1b", stages=2, m=4, n=500))
+    assert interrupted and not [t for t in threading.enumerate() if t.name.startswith("pipesim-rank")]
