@@ -278,24 +278,31 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
         if timing and held is None and all(t.method != arm.method for t in timings):
             timings.append(arm)
     calibrating = bool(timings) and saved.profile is None
-    with Progress(*counted_bar_columns(), console=stderr, transient=True,
-                  disable=quiet or not stderr.is_terminal) as bar:
-        task = bar.add_task("study", total=len(runs) + len(timings) + calibrating)
+    total, piped = len(runs) + len(timings) + calibrating, not quiet and not stderr.is_terminal
+    with Progress(*counted_bar_columns(), console=stderr, transient=True, disable=quiet or piped) as bar:
+        task = bar.add_task("study", total=total)
+
+        def doing(what: str) -> None:
+            """The bar's description; piped (a log, CI), a line of it: a study of minutes said nothing there."""
+            bar.update(task, description=what)
+            if piped:
+                print_message(f"study: {bar.tasks[0].completed:,.0f}/{total:,} done; {what}", stderr)
+
         if calibrating:
             ranks = max(build(setting, arm.method, arm.source).num_devices for arm in timings)
             profile = _calibrate(setting, next(iter(rates)), ranks,
-                                 lambda what: bar.update(task, description=f"calibrating the setting: {what}"))
+                                 lambda what: doing(f"calibrating the setting: {what}"))
             saved.profile = profile.model_dump(mode="json")
             save()
             bar.advance(task)
         for arm, key in runs:
-            bar.update(task, description=f"training {arm.label}, {key.optimizer}, seed {key.seed}")
+            doing(f"training {arm.label}, {key.optimizer}, seed {key.seed}")
             saved.runs.append(train(setting, arm, key.optimizer, key.lr, key.seed))
             save()
             bar.advance(task)
         profile = Profile.model_validate(saved.profile) if timings else None
         for arm in timings:
-            bar.update(task, description=f"timing {arm.label} on {count_text(setting.stages, 'rank')}")
+            doing(f"timing {arm.label} on {count_text(setting.stages, 'rank')}")
             run = saved.trained(arm, rates, seed_list)  # after training: a run known to reach the end
             if run is not None:
                 saved.timings.append(time_arm(setting, arm, run.optimizer, run.lr, run.seed, profile, repeats))

@@ -147,6 +147,9 @@ def test_study_trains_writes_its_results_and_page_then_resumes_without_training_
     more_seeds = replaced(TINY_FLAGS, "--seeds", 3)
     code, out, err = pipesim(*flags, *more_seeds, "--results", results, "--html", page)
     assert code == 0, err
+    # piped (a log, CI), each run is a line on stderr: a study of minutes said nothing there
+    assert [line for line in err.splitlines() if line.startswith("study: ")] == [
+        "study: 0/2 done; training gpipe, momentum, seed 2", "study: 1/2 done; training pipedream, momentum, seed 2"]
     resumed = load_results(results)
     assert len(resumed.runs) == 6 and [r.wall_s for r in resumed.runs[:4]] == stamps  # the old runs were kept
     assert "pipedream" in out and "0,0" in out
