@@ -149,8 +149,8 @@ class HostCache:
         """The term `kind` measured with `settings` on this host, if the cache holds one to reuse (not `fresh`,
         not too old, measured under the load there is now)."""
         path, key = self._located(kind, settings)
-        entry = None if self.fresh else _read(path, key)
-        why = "--fresh" if self.fresh else "none was cached" if entry is None else self._stale(entry)
+        entry, unread = (None, "--fresh") if self.fresh else _read(path, key)
+        why = unread if entry is None else self._stale(entry)
         if why is None:
             return entry
         self._missed[path] = why
@@ -195,14 +195,17 @@ class HostCache:
         return self.path(kind, key), key
 
 
-def _read(path: Path, key: dict[str, Any]) -> Cached | None:
-    """The entry at `path` if it is readable and was measured for `key`."""
+def _read(path: Path, key: dict[str, Any]) -> tuple[Cached | None, str]:
+    """The entry at `path` if it is readable and was measured for `key`, else None and why: none kept, or one that
+    cannot be read (cut short, edited), which is measured again too but not said to be missing."""
+    if not path.exists():
+        return None, "none was cached"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         if raw["key"] != key:
-            return None
+            return None, "none was cached"
         datetime.fromisoformat(raw["measured_at"])
         return Cached(raw["value"], raw["measured_at"], fresh=False, load=HostLoad.from_dict(raw.get("load")),
-                      load_before=HostLoad.from_dict(raw.get("load_before")))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+                      load_before=HostLoad.from_dict(raw.get("load_before"))), ""
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"the cached one could not be read ({type(exc).__name__})"

@@ -183,6 +183,11 @@ def test_a_term_cached_under_high_load_is_measured_again_when_the_load_is_low(tm
     entry.write_text(json.dumps(doc))
     unrecorded = get()
     assert unrecorded.fresh and "does not say the host's load" in unrecorded.describe()
+    # an entry cut short is measured again, and said unreadable, not missing
+    entry.write_text('{"garbage": ')
+    cut_short = get()
+    assert cut_short.fresh and cut_short.meta()["measured_because"] == "the cached one could not be read " \
+                                                                       "(JSONDecodeError)"
     # where the platform keeps neither CPU time nor a load average nothing tells two loads apart: reused, said unknown
     monkeypatch.setattr(hostload, "sample", lambda: CpuSample(time.monotonic(), None, None, None))
     entry.unlink()
