@@ -714,7 +714,19 @@ class Profile(_Strict):
                 **({"passes_as": env.passes_as} if env.passes_as != "executor" else {}),
                 **({"estimate": self.estimate.model_dump(mode="json")} if self.estimate is not None else {}),
                 **({"date": env.date, "load": env.load, "ranks": env.ranks, "host_terms": self.host_terms()}
-                   if env.load is not None else {})}
+                   if env.load is not None else {}),
+                **({"unmeasured": unmeasured} if (unmeasured := self.unmeasured_terms()) else {})}
+
+    def unmeasured_terms(self) -> list[str]:
+        """The host terms a calibration skipped (calibrate's --no-links, --no-runtime, --no-contention), whose costs a
+        prediction from it leaves out: its transfers at 0 ms, its rows at no runtime cost, ranks computing at once
+        as fast as one alone. Contention is a CPU host's (a GPU's ranks do not share cores); none for an estimate."""
+        if self.estimate is not None:
+            return []
+        terms = [("link and all-reduce", self.link), ("runtime probe", self.runtime)]
+        if self.environment.device == "cpu":
+            terms.append(("contention", self.contention))
+        return [name for name, term in terms if term is None]
 
     def host_terms(self) -> dict[str, dict]:
         """Per term measured on the host rather than the model (the link and all-reduce, the all-reduce beside

@@ -321,6 +321,12 @@ def test_a_run_of_a_profile_runs_on_the_devices_its_cut_was_made_for(tmp_path, m
     code, _, err = pipesim("run", "-s", "1f1b", "--microbatches", 3, "--minibatches", 1, "--profile", three,
                            "--trace", tmp_path / "t.json", "--no-heldout")
     assert code == 0 and ran[0].schedule.num_devices == 3, err
+    # compared with its prediction, the terms the profile skipped are said: every transfer read -100 % unexplained
+    code, out, err = pipesim("compare", tmp_path / "t.json", "--json")
+    assert code == 0 and json.loads(out)["notes"] == [
+        "the prediction's profile was calibrated with --no-links, --no-runtime, --no-contention: it prices every "
+        "transfer at 0 ms; no runtime cost on a row; ranks computing at once as fast as one alone, which the errors "
+        "show"], out
     code, _, err = pipesim("run", "-s", "1f1b", "--stages", 2, "--profile", three, "--trace", tmp_path / "x.json")
     assert code == 2 and "its partition has 3 stages, but 1f1b on 2 devices has 2" in err  # given: held to it
 

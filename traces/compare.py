@@ -466,6 +466,11 @@ def _device_errors(p: Summary, m: Summary) -> list[DeviceErrors]:
     return out
 
 
+# per host term a profile records as unmeasured (profiles/schema.py `unmeasured_terms`), calibrate's flag that
+# skipped it and what a prediction from the profile prices without it
+UNMEASURED = {"link and all-reduce": ("--no-links", "every transfer at 0 ms"),
+              "runtime probe": ("--no-runtime", "no runtime cost on a row"),
+              "contention": ("--no-contention", "ranks computing at once as fast as one alone")}
 TORCH_RUNTIME = "torch.distributed.pipelining"  # a measured torch run's `hardware.runtime` (planning/torch_profile.py)
 
 
@@ -628,6 +633,10 @@ def compared(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> t
                         f"{measured.ops.device[at_m[recorded][i]]}: predicted version {v_p[i]}, measured {v_m[i]}"
                         for i in wrong[:3]]
     notes += _unrecorded_notes(predicted, measured)
+    if unmeasured := [UNMEASURED.get(term, (term, "nothing")) for term in
+                      (predicted.meta.calibration or {}).get("unmeasured") or []]:
+        notes.append(f"the prediction's profile was calibrated with {', '.join(flag for flag, _ in unmeasured)}: it "
+                     f"prices {'; '.join(priced for _, priced in unmeasured)}, which the errors show")
     if predicted.meta.source == "measured" and measured.meta.source == "measured":  # a run against another
         notes.append("PREDICTED is a run too: what the tables call predicted is that run, and the errors one run's "
                      "against the other (the same run repeated: the noise floor)")

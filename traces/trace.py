@@ -336,6 +336,8 @@ _RECORDED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "calibration.model": _NAME, "calibration.dtype": _NAME, "calibration.device": _NAME,
     "calibration.passes_as": _NAME, "calibration.options": _OBJECT,
     "calibration.ranks": _COUNT,
+    "calibration.unmeasured": (lambda value: isinstance(value, list) and all(map(_is(str), value)),
+                               "a list of the host terms not measured"),
     "calibration.host_terms": (lambda value: isinstance(value, dict) and all(map(_is(dict), value.values())),
                                "an object of the host terms, each an object"),
 }
