@@ -24,6 +24,7 @@ from ..units import count_text, degree_text, float_text, number_allowed, rounds_
 from ..workload.processes import HEARTBEAT_S, STALL_LEAST_S
 from .common import (
     DTYPES,
+    PIPED_EVERY_S,
     SEARCH_COSTS,
     STARTING_STATUS,
     ActivationLimit,
@@ -486,8 +487,6 @@ def _written(write: Callable[[], None], flag: str, unwritten: list[str]) -> bool
         return False
     return True
 
-
-PIPED_EVERY_S = 10.0  # seconds: how often a run piped to a file says how far it is
 
 # The files this process holds open per rank it starts (executor/runners.py's run_multiprocess): a pipe's two ends
 # that send the rank its work, and the process's sentinel and its pipe to the forkserver.
