@@ -314,24 +314,16 @@ def run(
         scenario = searched_scenario(ctx, method, measured)
         if scenario is not None:  # the order searched runs the estimate's E (a built one runs --expert-parallel's)
             check_estimate_experts(measured, stages, data_parallel)
-
-        def shaped(stages: int):
-            """The schedule's parameters and the schedule itself on `stages` devices: a searched order is searched
-            for the costs of the stages the run cuts (the profile's partition, where it fits; where --stage-cut is
-            given, the scenario's cut, which is that)."""
-            params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
-                                   average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
-                                   data_parallel=data_parallel, expert_parallel=expert_parallel,
-                                   overlap_expert_comm=overlap_expert_comm, rounds=rounds,
-                                   **method.read_options({"microbatch_group": microbatch_group, **search}))
-            return params, built_schedule(method, params, scenario, as_json, None if stage_cut else bounds)
-
-        params, built = shaped(stages)
-        per_device = built.graph.stages_per_copy / stages  # each device's stages of one model copy (v, 2 for a V)
-        if (bounds is not None and stage_cut is None and not is_given(ctx, "stages")
-                and (profiled := (len(bounds) - 1) / per_device) != stages and profiled.is_integer()):
-            stages = int(profiled)  # the devices the profile's cut was made for, not --stages' default
-            params, built = shaped(stages)
+        if bounds is not None and stage_cut is None and not is_given(ctx, "stages"):  # not --stages' default
+            stages = _profiled_devices(method, len(bounds) - 1, stages, microbatches, chunks, pipelines)
+        params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
+                               average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
+                               data_parallel=data_parallel, expert_parallel=expert_parallel,
+                               overlap_expert_comm=overlap_expert_comm, rounds=rounds,
+                               **method.read_options({"microbatch_group": microbatch_group, **search}))
+        # a searched order: for the costs of the stages the run cuts (the profile's partition, where it fits; where
+        # --stage-cut is given, the scenario's cut, which is that)
+        built = built_schedule(method, params, scenario, as_json, None if stage_cut else bounds)
         if stage_cut is not None:
             bounds = _cut(measured, built, stage_cut)
         per_copy = built.graph.stages_per_copy  # a profile's cut is one model copy's (DualPipe runs two)
@@ -474,6 +466,23 @@ def run(
         print_message(why, stderr, "error: ", "bold red")
     if unwritten:
         fail(unwritten[-1], every_rank=True)  # the one rank that reports
+
+
+def _profiled_devices(method, cut_stages: int, stages: int, microbatches: int, chunks: int | None,
+                      pipelines: int | None) -> int:
+    """The devices a profile's cut into `cut_stages` model stages (one copy's) runs on under `method`, each device
+    running its share of a copy's stages as the method's order at `stages` devices does (v, 2 for a V; a searched
+    order's as the order it is partitioned as, which needs no costs): `stages` where the cut divides into none."""
+    from ..schedules import ScheduleError
+    from ..schedules.catalogue import method_named
+
+    shape = method_named(method.partitioned_as) if method.needs_costs else method
+    try:  # two mini-batches: the fewest that show an order's shape
+        probe = shape.build(shape.params(stages, microbatches, 2, chunks, pipelines))
+    except ScheduleError:  # the run's own build says why
+        return stages
+    devices = cut_stages * stages / probe.graph.stages_per_copy
+    return int(devices) if devices.is_integer() and devices >= 1 else stages
 
 
 def _written(write: Callable[[], None], flag: str, unwritten: list[str]) -> bool:

@@ -135,7 +135,8 @@ def study(
     and sample budget, per optimizer and seed: held-out accuracy and loss (mean ± std over seeds), measured and
     predicted throughput, and the staleness and prediction distance of every stage. A predicting method also runs
     with each other source of s that changes its distances (unless --prediction picks one)."""
-    from ..schedules import ScheduleError
+    from ..schedules import METHODS, ScheduleError
+    from ..schedules.catalogue import method_named
     from ..study.plan import DEFAULT_METHODS, DEFAULT_OPTIMIZERS, Setting, arms
     from ..study.results import ResultsError, load_results, open_results, recorded_arms, summarize
     from ..workload.sizes import stages_refusal
@@ -168,6 +169,11 @@ def study(
             rates = _optimizers(optimizers or list(DEFAULT_OPTIMIZERS))
             setting = Setting(model, {"layers": layers, "width": width}, stages, microbatches, microbatch_size,
                               minibatches, pipelines)
+            searched = [name for name in schedules or [] if name in METHODS and method_named(name).needs_costs]
+            if searched:  # its build's refusal named the planner's API, and no flag
+                raise InputError(f"--schedule {searched[0]}: its order is searched from the stages' costs, which a "
+                                 f"study does not price: train it with `pipesim run -s {searched[0]} --profile "
+                                 "PROFILE`, or give a fixed method")
             chosen = arms(setting, schedules or list(DEFAULT_METHODS), prediction)
             # given to methods that do not read them, they were dropped: `-s 1f1b --pipelines 3` trained 1F1B alone;
             # after `arms`, which names a method that is none (`-s bogus --pipelines 3` was "not bogus")

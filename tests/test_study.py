@@ -189,6 +189,15 @@ def test_a_timing_of_other_repeats_than_given_is_taken_again_and_said(tmp_path, 
     assert "note: timing gpipe again: --results" in capsys.readouterr().err
 
 
+def test_a_searched_method_is_refused_naming_the_flag_and_the_command_that_trains_it(tmp_path):
+    """auto's build refused it in the planner's words ("planning.scenario.Scenario.build"), naming no flag."""
+    code, out, err = pipesim("study", "-s", "auto", *TINY_FLAGS, "--results", tmp_path / "s.json")
+    assert (code, out) == (2, "") and err == (
+        "error: --schedule auto: its order is searched from the stages' costs, which a study does not price: train it "
+        "with `pipesim run -s auto --profile PROFILE`, or give a fixed method\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_path):
     results = tmp_path / "study.json"
     StudyFile(format_version=1, setting=TINY.as_dict()).save(results)
