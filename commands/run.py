@@ -450,6 +450,11 @@ def run(
                     [result.trace], html, title=f"pipesim run: {schedule} (measured)",
                     labels=[f"{schedule} measured"], summaries=[summary]), "--html", unwritten):
                 html = None
+    except KeyboardInterrupt:  # first: the names of the clauses after it are imported with torch
+        if trace is not None and not started:  # a started run writes what its ranks measured, and says so
+            print_message(f"--trace {trace}: not written, the run was interrupted before its ranks started", stderr,
+                          "note: ")
+        raise
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc), started or getattr(exc, "every_rank", False))
     except ExecutorError as exc:
