@@ -32,6 +32,18 @@ def test_view_shape_groups_each_degree():
         "p=2, d=1,500 (one replica drawn), v=1,200, P=1,000, m=4,096, N=2,048")
 
 
+def test_view_shape_of_a_run_that_stopped_part_way_says_how_many_mini_batches_ran():
+    """An interrupted run's line read "N=2,000" where a few hundred ran: the mini-batches every device updated its
+    weights for are said beside N."""
+    trace = run("1f1b", 2, 2, 3, comm=0.1).trace
+    first = trace.ops.minibatch == 0
+    ops = dataclasses.replace(trace.ops, **{name: getattr(trace.ops, name)[first] for name in
+                                            trace.ops.__dataclass_fields__})
+    stopped = dataclasses.replace(trace, ops=ops, meta=dataclasses.replace(trace.meta, complete=False))
+    assert shape_text(stopped) == "p=2, m=2, N=3 asked, 1 run"
+    assert shape_text(trace) == "p=2, m=2, N=3"
+
+
 def test_tune_label_groups_each_degree():
     config = tune.Config("1f1b", 1024, 2000, 3000, 4096, 1500, tensor=1100, microbatch_size=1300, recompute="none",
                          expert=1700)

@@ -269,7 +269,9 @@ def device_names(trace: Trace) -> list[str]:
 
 def shape_text(trace: Trace) -> str:
     """The run's shape as the command line gives it: p devices per pipeline, d replicas (and whether the trace
-    holds them all or one stands for all, as a prediction's does), v chunks, P pipelines, m, N."""
+    holds them all or one stands for all, as a prediction's does), v chunks, P pipelines, m, N; of a run that
+    stopped part-way, the mini-batches every device updated its weights for too (an interrupted run's line read
+    N=2,000 where 312 ran)."""
     meta = trace.meta
     p, d = _devices_per_pipeline(meta), int(meta.params.get("data_parallel", 1))
     chunks = int(meta.params.get("chunks", 1))
@@ -280,8 +282,13 @@ def shape_text(trace: Trace) -> str:
         parts.append(degree_text("v", chunks))
     if meta.pipelines > 1:
         parts.append(degree_text("P", meta.pipelines))
+    ran = ""
+    if not meta.complete and "OPT" in trace.kinds:
+        updates = np.bincount(trace.ops.device[trace.ops.kind == trace.kinds.index("OPT")],
+                              minlength=trace.num_devices)
+        ran = f" asked, {int(updates.min()):,} run"
     return ", ".join(parts + [degree_text("m", meta.microbatches) + rounds_text(meta.rounds),
-                              degree_text("N", meta.minibatches)])
+                              degree_text("N", meta.minibatches) + ran])
 
 
 def _labels(traces: Sequence[Trace]) -> list[str]:
