@@ -1520,9 +1520,6 @@ def description_column():
     return TextColumn("{task.description}", table_column=Column(ratio=1))
 
 
-PIPED_EVERY_S = 10.0  # seconds: how often a command of minutes piped to a file (a log, CI) says how far it is
-
-
 def counted_bar_columns() -> tuple:
     """A transient bar of counted work (run's mini-batches, study's runs): its description (`description_column`),
     a bar of 20 characters, the count done and the elapsed time. rich's bar of 40 left a description 23 characters

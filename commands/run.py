@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 import sys
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +23,6 @@ from ..units import count_text, degree_text, float_text, number_allowed, rounds_
 from ..workload.processes import HEARTBEAT_S, STALL_LEAST_S
 from .common import (
     DTYPES,
-    PIPED_EVERY_S,
     SEARCH_COSTS,
     STARTING_STATUS,
     ActivationLimit,
@@ -93,7 +91,7 @@ from .common import (
     with_help,
     writing,
 )
-from .tables import print_message, print_table
+from .tables import piped_lines, print_message, print_table
 
 DataParallel = Annotated[int, typer.Option(
     "--data-parallel", metavar="D", min=1, help="Data-parallel replicas of the pipeline: p x D ranks (numbered as "
@@ -644,19 +642,15 @@ def _listed(numbers: list[int]) -> str:
 @contextmanager
 def _progress_bar(minibatches: int, disable: bool):
     """A progress bar on an interactive terminal: mini-batches every device has finished, and the last loss; piped,
-    a line of the same at most every PIPED_EVERY_S (a run of 64 replicas sat 44 s with nothing on stderr). Yields
-    the runner's `on_progress`."""
+    a line of the same now and then (`piped_lines`). Yields the runner's `on_progress`."""
     from rich.progress import Progress
 
     if not disable and not stderr.is_terminal:
-        said = time.monotonic()
+        line = piped_lines("run", stderr)
 
         def say(progress) -> None:
-            nonlocal said
-            if time.monotonic() - said >= PIPED_EVERY_S:
-                said = time.monotonic()
-                loss = "" if progress.last_loss is None else f", loss {progress.last_loss:.4g}"
-                print_message(f"run: {progress.minibatches_done:,}/{minibatches:,} mini-batches{loss}", stderr)
+            loss = "" if progress.last_loss is None else f", loss {progress.last_loss:.4g}"
+            line(f"{progress.minibatches_done:,}/{minibatches:,} mini-batches{loss}")
 
         yield say
         return

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -20,7 +19,6 @@ from ..choices import choose_from
 from ..traces.metrics import STALENESS_HEADER
 from ..units import count_text, degree_text
 from .common import (
-    PIPED_EVERY_S,
     STARTING_STATUS,
     InputError,
     Microbatches,
@@ -46,7 +44,7 @@ from .common import (
     writing,
     wrote_text,
 )
-from .tables import print_message, print_table
+from .tables import piped_lines, print_message, print_table
 
 
 def _optimizers(specs: list[str]) -> dict[str, float]:
@@ -287,18 +285,16 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
             timings.append(arm)
     calibrating = bool(timings) and saved.profile is None
     total, piped = len(runs) + len(timings) + calibrating, not quiet and not stderr.is_terminal
-    said = time.monotonic()
+    line = piped_lines("study", stderr)
     with Progress(*counted_bar_columns(), console=stderr, transient=True, disable=quiet or piped) as bar:
         task = bar.add_task("study", total=total)
 
         def doing(what: str) -> None:
-            """The bar's description; piped (a log, CI), a line of it at most every PIPED_EVERY_S, as run says its
-            progress there: a study of minutes said nothing."""
-            nonlocal said
+            """The bar's description; piped (a log, CI), a line of it now and then, as run says its progress there:
+            a study of minutes said nothing."""
             bar.update(task, description=what)
-            if piped and time.monotonic() - said >= PIPED_EVERY_S:
-                said = time.monotonic()
-                print_message(f"study: {bar.tasks[0].completed:,.0f}/{total:,} done; {what}", stderr)
+            if piped:
+                line(f"{bar.tasks[0].completed:,.0f}/{total:,} done; {what}")
 
         if calibrating:
             ranks = max(build(setting, arm.method, arm.source).num_devices for arm in timings)

@@ -12,7 +12,8 @@ import io
 import os
 import re
 import textwrap
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 
@@ -313,6 +314,23 @@ def print_paragraph(text: str, console: Console = stdout) -> None:
     """`text` wrapped at the console's width (`_wrapped`): tune's search summary ended "...; 23.62" / "s" at 80
     columns. Printed as written (no markup, no highlighting)."""
     console.print(_wrapped(text, console.width), markup=False, highlight=False, soft_wrap=True)
+
+
+PIPED_EVERY_S = 10.0  # seconds: how often a command of minutes piped to a file (a log, CI) says how far it is
+
+
+def piped_lines(command: str, console: Console) -> Callable[[str], None]:
+    """How a command of minutes whose bar is not drawn (piped to a log, CI) says how far it is: each text given, as
+    "COMMAND: TEXT" on `console`, at most every PIPED_EVERY_S (a run of 64 replicas sat 44 s with nothing there)."""
+    said = time.monotonic()
+
+    def say(text: str) -> None:
+        nonlocal said
+        if time.monotonic() - said >= PIPED_EVERY_S:
+            said = time.monotonic()
+            print_message(f"{command}: {text}", console)
+
+    return say
 
 
 def print_message(text: str, console: Console, lead: str = "", lead_style: str | None = None) -> None:

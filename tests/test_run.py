@@ -982,9 +982,7 @@ def test_run_takes_the_gpt_sizes_calibrate_takes(tmp_path):
 
 def test_a_run_piped_to_a_file_says_how_far_it_is(tmp_path, monkeypatch):
     """Piped, run printed nothing until its table: 44 s of an empty stderr for 64 replicas (a new user's pass)."""
-    import pipesim.commands.run as running
-
-    monkeypatch.setattr(running, "PIPED_EVERY_S", 0.0)
+    monkeypatch.setattr("pipesim.commands.tables.PIPED_EVERY_S", 0.0)
     code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--stages", 2, "--microbatches", 2,
                              "--minibatches", 3)
     said = [line for line in err.splitlines() if line.startswith("run: ")]

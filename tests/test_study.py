@@ -145,7 +145,7 @@ def test_study_trains_writes_its_results_and_page_then_resumes_without_training_
     stamps = [r.wall_s for r in saved.runs]
 
     more_seeds = replaced(TINY_FLAGS, "--seeds", 3)
-    monkeypatch.setattr("pipesim.commands.study.PIPED_EVERY_S", 0.0)  # a line a run (10 s apart at the most)
+    monkeypatch.setattr("pipesim.commands.tables.PIPED_EVERY_S", 0.0)  # a line a run (10 s apart at the most)
     code, out, err = pipesim(*flags, *more_seeds, "--results", results, "--html", page)
     assert code == 0, err
     # piped (a log, CI), its progress is a line on stderr: a study of minutes said nothing there
