@@ -487,15 +487,16 @@ class Scenario:
         return sched.gradient_ranks * estimate.degrees[0] // (sched.expert_parallel * etp)
 
     def _sharded_for(self, costs: Costs, sched: Schedule) -> Costs:
-        """An estimate for a sharded optimizer holds one shard of its d·C and steps over it: here the state the
-        schedule's ranks share (the simulator divides it by the schedule's d·C where the schedule shards), and the
-        step over what one of them updates (its bytes at the memory's rate, the kernel's overhead aside), whether the
-        estimate or only the schedule shards. Unsharded, a rank holds the state of its own 1/(E·ETP/t) of the routed
-        experts (W = E·ETP/t, `weight_shards`); sharded, its d·C share of every expert's, as Megatron-core shards
-        the experts' over their own d·C·t/(E·ETP) ranks: the state the ranks share is the unsharded rank's with its
-        experts' W times over (k = 1 - f + f·W of it, f the rank's weights' routed share). Scaled by d·C alone,
-        DeepSeek-V3 estimated at E = 64 unsharded read 110 MiB of optimizer state a rank under --zero 1, where the
-        estimate made sharded holds 3,087."""
+        """An estimate for a sharded optimizer holds one shard of its d·C and steps over it: here an unsharded
+        rank's state (the simulator shards it over the schedule's d·C where the schedule shards), and the step over
+        what one of them updates (its bytes at the memory's rate, the kernel's overhead aside), whether the estimate
+        or only the schedule shards. Unsharded, a rank holds the weights and state of its own 1/(E·ETP/t) of the
+        routed experts (W = E·ETP/t, `weight_shards`); sharded, its d·C share of every expert's, as Megatron-core
+        shards the experts' over their own d·C·t/(E·ETP) ranks (`StageCosts.expert_shards`, so that ZeRO-2's and
+        3's gradient and weight shards are the experts' too): a shard is k = 1 - f + f·W of the unsharded rank's
+        over d·C, f the rank's weights' routed share (`StageCosts.shard_scale`). Scaled by d·C alone, DeepSeek-V3
+        estimated at E = 64 unsharded read 110 MiB of optimizer state a rank under --zero 1, where the estimate
+        made sharded holds 3,087."""
         estimate = self._estimate
         if estimate is None:
             return costs
@@ -510,11 +511,10 @@ class Scenario:
         overhead_ms = float(estimate.curve.get("kernel_overhead_ms", 0.0))
 
         def resharded(c: StageCosts) -> StageCosts:
-            shared = 1 + (spread - 1) * (c.expert_param_bytes / c.param_bytes if c.param_bytes else 0.0)  # k
-            held = shared / shards if sharded else 1.0  # what the estimate's rank holds, in its unsharded rank's
-            holds = shared / sched.gradient_ranks if sched.sharded_optimizer else 1.0  # the schedule's, alike
-            state_bytes = c.optimizer_state_bytes / held * (shared if sched.sharded_optimizer else 1.0)
-            return replace(c, optimizer_state_bytes=round(state_bytes),
+            c = replace(c, expert_shards=spread)
+            held = c.shard_scale / shards if sharded else 1.0  # what the estimate's rank holds, in its unsharded rank's
+            holds = c.shard_scale / sched.gradient_ranks if sched.sharded_optimizer else 1.0  # the schedule's, alike
+            return replace(c, optimizer_state_bytes=round(c.optimizer_state_bytes / held),
                            opt_ms=overhead_ms + (c.opt_ms - overhead_ms) * holds / held)
 
         return replace(costs, stages=tuple(resharded(c) for c in costs.stages))

@@ -253,7 +253,10 @@ class StageCosts:
     stages they run beside (their whole time where products run persistent CTAs: planning/scenario.py's
     `_collectives_beside_products`), paid in its OPT row, which runs that much longer;
     `expert_param_bytes`, of `param_bytes`, the routed experts' weights, whose gradients under E-way expert
-    parallelism only the d/E replicas that hold the same experts reduce.
+    parallelism only the d/E replicas that hold the same experts reduce. `expert_shards`: W, the rank holds 1/W of
+    the model's routed experts (E·ETP/t, planning/experts.py `weight_shards`), so their own data-parallel group, over
+    which ZeRO shards them (Megatron-core's expert data-parallel group, d·C·t/(E·ETP) ranks), is W times smaller than
+    the d·C the rest shard over: a shard holds `shard_scale` times 1/(d·C) of the stage's weights, gradients and state.
     `ring_fwd_ms` and `ring_bwd_ms`: the link time of the key/value exchanges of the stage's attention around its
     context-parallel ring during a forward (a RING_F) and during a backward (a RING_B: the keys and values again
     and their gradients, and a full recomputation's forward ring), on the network stream; `ring_fwd_hidden_ms`
@@ -319,6 +322,7 @@ class StageCosts:
     bwd_sharing_ms: float = 0.0
     collective_delay_ms: float = 0.0
     expert_param_bytes: int = 0
+    expert_shards: float = 1.0
     ring_fwd_ms: float = 0.0
     ring_bwd_ms: float = 0.0
     ring_fwd_hidden_ms: float = 0.0
@@ -352,6 +356,14 @@ class StageCosts:
     def stored_param_bytes(self) -> int:
         return self.param_bytes if self.stored_bytes is None else self.stored_bytes
 
+    @property
+    def shard_scale(self) -> float:
+        """A ZeRO shard over the stage's d·C ranks in 1/(d·C)s of what it shards: the dense weights' 1/(d·C) and
+        the routed experts' 1/(d·C/W) (`expert_shards`), 1 + (W - 1)·f for the experts' share f of the weights."""
+        if not self.param_bytes:
+            return 1.0
+        return 1 + (self.expert_shards - 1) * self.expert_param_bytes / self.param_bytes
+
     def __post_init__(self) -> None:
         given = self.__dict__
         for name, limit, optional in _STAGE_NUMBERS:
@@ -360,6 +372,9 @@ class StageCosts:
                 continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= limit:
                 raise CostError(f"{name} must be a finite number from 0 to {limit:g} (got {value!r})")
+        if not (isinstance(self.expert_shards, (int, float)) and math.isfinite(self.expert_shards)
+                and self.expert_shards > 0):
+            raise CostError(f"expert_shards must be a finite number over 0 (got {self.expert_shards!r})")
         if not 0.0 <= self.wgrad_fraction <= 1.0:
             raise CostError(f"wgrad_fraction must be between 0 and 1 (got {self.wgrad_fraction!r})")
         for name in ("transient_bytes", "ring_buffer_bytes"):

@@ -32,8 +32,9 @@ import collections
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from operator import attrgetter
 
 import numpy as np
 import simpy
@@ -905,11 +906,12 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
     stage replica holds its whole gradients from its first backward (B or W) of a mini-batch until its last,
     accumulated as they are kept (FSDP2 upcasts them to its reduce dtype to accumulate them:
     `FSDPParam.to_accumulated_grad_if_needed`), then reduce-scatters them into a 1/(d·C) shard
-    (`Schedule.gradient_ranks`), held until the update ends (torchtitan zeroes the gradients to None before each
-    step); with torchtitan's `reshard_after_forward=False` under PP (`apply_fsdp`) its whole weights from the
-    all-gather ahead of its first forward (the GATHER row, whose output FSDP2 allocates when it issues it) until
-    that last backward. The whole weights are as all-gathered (`StageCosts.gathered_weight_bytes`: under FSDP2's
-    float8 all-gather its float8 linears' at 1 byte), the gradients in the 16-bit dtype.
+    (`Schedule.gradient_ranks`; the routed experts' over their own group, `StageCosts.shard_scale`), held until the
+    update ends (torchtitan zeroes the gradients to None before each step); with torchtitan's
+    `reshard_after_forward=False` under PP (`apply_fsdp`) its whole weights from the all-gather ahead of its first
+    forward (the GATHER row, whose output FSDP2 allocates when it issues it) until that last backward. The whole
+    weights are as all-gathered (`StageCosts.gathered_weight_bytes`: under FSDP2's float8 all-gather its float8
+    linears' at 1 byte), the gradients in the 16-bit dtype.
     One stage and no pipeline (FSDP2 alone): each pass gathers the weights it computes with and frees them after,
     reduce-scattering its gradients into the shard as it goes, so every F, B, I and W holds
     `StageCosts.gathered_bytes` of whole weights (ZeRO-3) and B and W as many of whole gradients, in the weights'
@@ -919,7 +921,7 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
     def per_stage(values: list[int]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
 
-    shard = -(-per_stage([c.gradient_bytes for c in stages]) // schedule.gradient_ranks)
+    shard = per_stage([shard_bytes((c,), attrgetter("gradient_bytes"), schedule.gradient_ranks) for c in stages])
     backward = _per_replica_minibatch(t, schedule, (Kind.B, Kind.W))
     updates = _per_replica_minibatch(t, schedule, (Kind.OPT,))
     events: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {"gradients": [], "parameters": []}
@@ -1108,11 +1110,17 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     return parts
 
 
+def shard_bytes(stages: Sequence[StageCosts], nbytes: Callable[[StageCosts], int], ranks: int) -> int:
+    """One of `ranks` ZeRO shards of what `nbytes` reads of `stages`, each stage's routed experts sharded over their
+    own smaller group (`StageCosts.shard_scale`), rounded up."""
+    return -(-sum(round(nbytes(c) * c.shard_scale) for c in stages) // ranks)
+
+
 def held_static_parts(schedule: Schedule, mine: Sequence[StageCosts]) -> dict[str, int]:
     """`static_parts` of a device holding the stages `mine` (by part; those it holds none of left out), also what
     the memory-fitting partitioner counts a layer to hold (planning/scenario.py `Scenario.cut`)."""
-    def shard(nbytes: int) -> int:
-        return -(-nbytes // schedule.gradient_ranks)
+    def shard(nbytes: Callable[[StageCosts], int]) -> int:
+        return shard_bytes(mine, nbytes, schedule.gradient_ranks)
 
     weights = sum(c.param_bytes for c in mine)
     # below ZeRO-3 the weights as all-gathered are what is held (TransformerEngine's float8 weights: their data
@@ -1120,11 +1128,11 @@ def held_static_parts(schedule: Schedule, mine: Sequence[StageCosts]) -> dict[st
     stored, grads = sum(c.gathered_weight_bytes for c in mine), sum(c.gradient_bytes for c in mine)
     state = sum(c.optimizer_state_bytes for c in mine)
     if schedule.zero >= 3:  # ZeRO-3 (FSDP): the weights as stored, sharded
-        stored = shard(sum(c.stored_param_bytes for c in mine))
+        stored = shard(attrgetter("stored_param_bytes"))
     if schedule.zero >= 2:  # ZeRO-2: the gradients only while computed and until the update (`_unsharded`)
         grads = 0
     if schedule.zero >= 1:  # ZeRO-1: each of the d replicas keeps its shard of the state
-        state = shard(state)
+        state = shard(attrgetter("optimizer_state_bytes"))
     float8 = sum(c.float8_weight_bytes for c in mine)  # a float8 recipe's weight casts: never sharded
     policy = schedule.policy
     copies = ((policy.extra_copies - policy.master_copies) * weights

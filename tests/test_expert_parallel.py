@@ -103,6 +103,56 @@ def test_with_a_sharded_optimizer_the_experts_state_is_spread_over_the_d_replica
         [layer.optimizer_state_bytes for layer in whole.layers]
 
 
+def test_zero_3_and_2_shard_the_experts_weights_and_gradients_over_their_own_replicas():
+    """d = 8, E = 4: a rank's 1 MB of dense weights shard over the 8 replicas, its 3 MB of experts (a quarter of
+    the 12 MB) over the 2 that hold the same ones, as its optimizer state does (Megatron-core's expert data-parallel
+    group; FSDP2's `dp_mod_ep`): ZeRO-3 keeps 1/8 + 3/2 MB between passes and ZeRO-2 the same gradients after their
+    reduce-scatter. Over d alone, the experts' shard read 3/8 MB, E times too little."""
+    from pipesim.schedules import ScheduleParams, build_schedule
+    from pipesim.sim.cluster import Cluster
+    from pipesim.sim.costs import Costs, StageCosts
+    from pipesim.sim.engine import held_static_parts, simulate
+
+    stage = StageCosts(fwd_ms=1.0, bwd_ms=2.0, param_bytes=4_000_000, expert_param_bytes=3_000_000,
+                       optimizer_state_bytes=8_000_000, expert_shards=4)
+    shard = 1_000_000 / 8 + 3_000_000 / 2
+    for zero in (2, 3):
+        schedule = build_schedule("1f1b", ScheduleParams(stages=2, microbatches=2, data_parallel=8, expert_parallel=4,
+                                                         zero=zero))
+        held = held_static_parts(schedule, [stage])
+        assert held["optimizer_state"] == 2 * shard
+        assert held["parameters"] == (shard if zero == 3 else 4_000_000)
+        costs = Costs((stage, stage))
+        gradients = simulate(schedule, costs, Cluster.uniform(2, 0.1)).counters["memory_bytes.gradients"][0]
+        assert sorted(set(gradients.values)) == [0, shard, 4_000_000]  # whole from the backward, then the shard
+    assert StageCosts(fwd_ms=1.0, bwd_ms=1.0, param_bytes=4_000_000, expert_param_bytes=3_000_000).shard_scale == 1
+
+
+@pytest.mark.parametrize("zero", [["--zero", 3], ["--zero", 3, "--precision", "fsdp2"], ["--zero", 1]])
+def test_a_ranks_zero_shard_is_as_large_whatever_the_experts_placement(zero):
+    """Expert parallelism places the experts; ZeRO shards what a rank holds over the ranks that hold the same, so
+    its shard stays 1/d of its stage's every weight at E = 1, 4 and 8 (d = 8)."""
+    def sharded_mb(*flags) -> list[tuple[float, float]]:
+        code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256,
+                                 "--heads", 4, "--seq-len", 256, "--vocab", 512, "--experts", 8, "--top-k", 2,
+                                 "-p", 2, "-m", 2, "-s", "1f1b", "--data-parallel", 8, "--allocator", "none",
+                                 "--json", *flags)
+        assert code == 0, err
+        devices = json.loads(out)["results"][0]["devices"]
+        return [(d["peak_memory_parts_mb"]["parameters"], d["peak_memory_parts_mb"]["optimizer_state"])
+                for d in devices]
+
+    for expert in (4, 8):
+        whole = sharded_mb("--expert-parallel", expert)  # the rank's own weights, whole (ZeRO-3: as it computes)
+        held = sharded_mb("--expert-parallel", expert, *zero)
+        unplaced = sharded_mb(*zero)
+        unplaced_whole = sharded_mb()
+        for (weights, state), (mine, _), (everything, every_state), (all_weights, _) in zip(
+                held, whole, unplaced, unplaced_whole, strict=True):
+            assert weights - mine == pytest.approx(everything - all_weights, abs=0.02), expert
+            assert state == pytest.approx(every_state, abs=0.02), expert
+
+
 def test_a_moe_layer_records_two_all_to_alls_after_its_forward_and_two_after_its_backward():
     """The all-to-alls are the layer's own figures, which the stage's A2A_F and A2A_B rows run
     (tests/test_all_to_all.py); the other layers' passes are unchanged (a MoE layer's grouped products run the
