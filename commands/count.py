@@ -148,8 +148,10 @@ def _table(counted: WorkloadCount) -> Table:
 # What each column counts, said under the table (its headers are a word each; `docs/hardware.md` has the long form)
 COLUMNS_TEXT = ("FLOP: of the matrix products and attention, forward, input-gradient (igrad) and weight-gradient "
                 "(wgrad) passes; moved B: bytes the other ops read and write (norms, activations, copies), the three "
-                "passes together; saved B: the activations the backward keeps; Adam B: Adam's state; output: the "
-                "layer's output shape; k, M, G, ...: 10^3, 10^6, 10^9, ... (decimal)")
+                "passes together; saved B: the activations the backward keeps; Adam B: torch.optim Adam's two "
+                "moments in the weights' dtype (mixed precision, simulate's default in 16 bits, keeps float32 "
+                "moments and a float32 master copy: 12 B a parameter); output: the layer's output shape; k, M, G, "
+                "...: 10^3, 10^6, 10^9, ... (decimal)")
 
 
 def _figures(*counts: int) -> list[str]:

@@ -842,11 +842,15 @@ def _out_of_memory_lines(summaries: list, memory: list) -> list[str]:
             if (line := out_of_memory_line(summary.schedule, checks)) is not None]
 
 
+# what simulate's and tune's bubble counts: every wait of the compute, the pipeline's and exposed communication's
+BUBBLE_TEXT = "bubble: idle share of that step (exposed communication's waits included)"
+
+
 def _steady_text(schedules: list, steady: list[bool]) -> str:
     """What the step column means, saying plainly which rows (marked *) are no steady state and why."""
     if all(steady):
-        return "step: one mini-batch in steady state; bubble: idle share of that step"
-    return f"step: one mini-batch in steady state; {_unsteady_text(schedules, steady)}; bubble: idle share of that step"
+        return f"step: one mini-batch in steady state; {BUBBLE_TEXT}"
+    return f"step: one mini-batch in steady state; {_unsteady_text(schedules, steady)}; {BUBBLE_TEXT}"
 
 
 def _unsteady_text(schedules: list, steady: list[bool], marked: bool = True) -> str:

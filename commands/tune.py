@@ -876,7 +876,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's, searched with no "
                              "limit but the memory's (simulate's --activation-limit p·m); " if searched else "")
-                          + "bubble: 1 - mean compute / step time"
+                          + "bubble: 1 - mean compute / step time (exposed communication's waits included)"
                           + (f"; {MFU_PAST_PEAK_TEXT}" if any(share > 1 for share in mfus.values()) else "")
                           + "".join(f"; {header}: {value} in every row" + (
                                        " within the staleness limit (one over it says its own under why not)"

@@ -445,8 +445,8 @@ def test_tune_says_once_under_its_table_a_staleness_every_row_agrees_on(tmp_path
     lines = out.splitlines()
     header = next(line for line in lines if line.split()[:1] == ["schedule"])
     assert "stale" not in header and "printed in" not in out and max(map(len, lines)) <= 80, out
-    assert "bubble: 1 - mean compute / step time; stale: 0 in every row; b: 1 in every row; recomp: none in every row" \
-        in " ".join(out.split()), out
+    assert ("bubble: 1 - mean compute / step time (exposed communication's waits included); stale: 0 in every row; "
+            "b: 1 in every row; recomp: none in every row") in " ".join(out.split()), out
     assert header.split()[5:8] == ["d", "ranks", "m"], header
 
 
