@@ -219,7 +219,7 @@ def test_a_study_of_one_seed_where_an_arm_diverged_says_one_seed_on_its_accuracy
 
 def test_the_study_page_writes_rates_and_samples_as_the_other_pages_do(blown_up):
     """A rate of 0.176 samples/s read "0 samples/s measured" (",.0f"), where the tables and the timeline's summary
-    write "0.18" (`rate_text`); samples and samples/s ticks separate thousands ("1,500" where plotly wrote
+    write "0.176" (`rate_text`); samples and samples/s ticks separate thousands ("1,500" where plotly wrote
     "1500", "20k" past 10,000)."""
     from pipesim.study.page import accuracy_figure, loss_figure
     from pipesim.study.results import TimingRecord, recorded_arms, summarize
@@ -232,7 +232,7 @@ def test_the_study_page_writes_rates_and_samples_as_the_other_pages_do(blown_up)
     summaries = summarize(saved, arms, optimizers, seeds)
     timed = accuracy_figure(summaries, list(optimizers))
     hovers = [t.hovertemplate for t in timed.data]
-    assert any("accuracy 50.0% (one seed)<br>0.18 samples/s measured, 1,500.0 predicted" in h for h in hovers), hovers
+    assert any("accuracy 50.0% (one seed)<br>0.176 samples/s measured, 1,500.0 predicted" in h for h in hovers), hovers
     assert timed.layout.xaxis.tickformat == ","
     loss = loss_figure(summaries, list(optimizers))
     assert [loss.layout[name].tickformat for name in ("xaxis", "xaxis2")] == [",", ","]  # a panel per optimizer

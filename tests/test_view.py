@@ -235,14 +235,14 @@ def test_summary_chart_leads_with_samples_per_s_and_says_when_mini_batches_diffe
 
 
 def test_summary_bars_write_samples_per_s_as_the_tables_do(trace):
-    """A 405B model's rates below 1 samples/s keep two significant digits on the page's bars, as in the commands'
-    tables (`rate_text`): 0.176, 0.178 and 0.233 read 0.18, 0.18 and 0.23, not 0.2 alike."""
+    """A 405B model's rates below 1 samples/s keep three significant digits on the page's bars, as in the commands'
+    tables (`rate_text`): 0.176, 0.178 and 0.233, not 0.2 alike."""
     from pipesim.traces.view import summary_figure
 
     rates = (0.176, 0.178, 0.233)
     summaries = [dataclasses.replace(summarize(trace), samples_per_s=rate) for rate in rates]
     bars = summary_figure([trace] * 3, ["zb-h1", "1f1b", "zb-v"], summaries, [0])["data"][0]
-    assert bars["text"] == bars["customdata"] == ["0.18", "0.18", "0.23"]
+    assert bars["text"] == bars["customdata"] == ["0.176", "0.178", "0.233"]
 
 
 def test_a_small_runs_peak_memory_keeps_three_significant_digits_on_the_page(trace):
