@@ -440,7 +440,10 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None, context: 
     product for --devices, and the nearest degrees that divide D with the others kept, a C among them only where it
     also splits `seq_len` tokens into 2C equal chunks, as `check_context` asks next (seq_len None: not given), a t
     only where it splits the model (`splits_model`, asked of such a t alone: it counts the model), as the estimate
-    asks next."""
+    asks next. A C that does not split the sequence so is left to `check_context`'s refusal, which names the Cs that
+    do: a --devices suggested for it was refused in turn."""
+    if context > 1 and seq_len and seq_len % (2 * context):
+        return
     given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data),
                                                ("--context-parallel", context if context > 1 else None)) if value]
     product = math.prod(value for _, value in given)

@@ -58,6 +58,18 @@ def test_a_degree_that_does_not_divide_the_devices_is_named_with_what_would():
                                           f"{product} (got 12); give --devices {product}")
 
 
+def test_a_context_degree_that_does_not_split_the_sequence_is_refused_for_that_before_any_devices_are_suggested():
+    """New-user pass: C = 3 of 16 devices at 8,192 tokens was told "give --devices 15 or 18", then at 18 that C = 3
+    does not split the sequence into 2C chunks. The sequence's refusal comes first, naming the Cs that split both."""
+    _check_degrees(16, None, None, 3, 8192, _splits_any)  # left to check_context
+    with pytest.raises(InputError):
+        _check_degrees(16, None, None, 3, 6144, _splits_any)  # 3 splits 6,144 into 6 chunks: the devices refuse it
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
+                             "--seq-len", 8192, "--attention", "flash", "--devices", 16, "--context-parallel", 3)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "--context-parallel 3 does not split the sequence of 8,192 tokens" in err and "--devices" not in err, err
+
+
 @pytest.mark.parametrize(("experts", "searched"), [((), "t, b, recomputation and p"),
                                                    (("--experts", 8, "--top-k", 2), "t, b, recomputation, E and p")])
 def test_tune_says_it_searches_e_for_a_mixture_of_experts(monkeypatch, experts, searched):
