@@ -815,10 +815,10 @@ def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> st
                    if pairs[sched.method]]
     if not overlapping:
         return ""
-    price = ("F + B, nothing hidden" if fraction == 0
-             else f"F + B less {fraction:g} of the shorter part") + " (--fb-hidden-fraction)"
+    price = ("taking F + B, neither compute hidden under the other" if fraction == 0
+             else f"taking F + B less {fraction:g} of the shorter compute") + " (--fb-hidden-fraction)"
     experts = any(sched.expert_parallel > 1 for sched in schedules)
-    hidden = ", each part's expert all-to-alls under the other's compute" if experts else ""
+    hidden = ", each part's expert all-to-alls hidden under the other part's compute" if experts else ""
     return f"; F&B pairs per mini-batch over all devices: {', '.join(overlapping)}, each {price}{hidden}"
 
 
