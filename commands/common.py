@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ..profiles.schema import Profile
     from ..schedules import Schedule
     from ..schedules.methods import Method, ScheduleParams
+    from ..sim.cluster import Cluster
 
 # Text wraps at the terminal's width, else at $COLUMNS, else at 120 (pipes and CI logs); tables: commands/tables.py.
 stdout = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
@@ -690,6 +691,10 @@ ActivationLimit = Annotated[str | None, typer.Option(
                                             "1F1B's peak for the same costs, on its fullest device (default 1, "
                                             "which always admits 1F1B's own order; 2: twice). Where device memory "
                                             "is known, also what fits in it.")]
+DeviceMemoryGb = Annotated[float | None, typer.Option(
+    "--memory-gb", metavar="GIB", help="Each device's memory in GiB, in place of the part's, the cluster file's or the "
+                                       "profile's: a device whose peak passes it is out of memory, and auto searches "
+                                       "its order within it (tune's cap).")]
 SearchSeconds = Annotated[str | None, typer.Option(
     "--search-seconds", metavar="S", help="auto: the search's budget in seconds (default 0.3; at most 86,400, a "
                                           "day), counted in ops at a fixed rate, so the same inputs give the same "
@@ -1466,6 +1471,16 @@ def check_memory_cap(cap_bytes: int | None, device_bytes: int | None, part: str 
         most -= 0.01
     raise InputError(f"--memory-gb {cap_bytes / GIB:g}: more than {device}, so a layout that fits the cap would run "
                      f"out of memory there: give at most {most:g}")
+
+
+def check_cluster_memory(memory_bytes: int | None, topology: Cluster | None, path: Path | None, devices: int) -> None:
+    """--memory-gb at most the least memory a --cluster file gives the first `devices`, those a run uses (those past
+    them hold none of it: `Scenario.memory_limits`)."""
+    held = [] if topology is None else [(memory, name) for memory, name in zip(
+        topology.memory_bytes[:devices], topology.device_names[:devices]) if memory]
+    if held:
+        least, name = min(held)
+        check_memory_cap(memory_bytes, least, None, f"--cluster {path}'s {name}")
 
 
 def check_threads(flag: str, threads: int) -> None:

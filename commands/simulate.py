@@ -30,6 +30,7 @@ from .common import (
     BlockingComm,
     Chunks,
     DataParallel,
+    DeviceMemoryGb,
     ElasticAlpha,
     HeldOptimizer,
     HeldPrecision,
@@ -62,6 +63,7 @@ from .common import (
     allocator_fields,
     built_schedule,
     check_allocator,
+    check_cluster_memory,
     check_estimate_experts,
     check_estimate_overlap,
     check_memory_cap,
@@ -117,27 +119,13 @@ from .tables import add_columns, print_message, print_table, said_once
 if TYPE_CHECKING:
     from ..planning.scenario import SearchedAgain
     from ..planning.tune import Workers
-    from ..schedules import Schedule
     from ..sim.caching_allocator import LayerAllocations
-    from ..sim.cluster import Cluster
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 # --jitter's log-normal sigma at most: at 3 a 3-sigma draw already multiplies a time by e^9 (about 8,000); larger
 # ones overflowed the simulator's clock (inf x 0: its times summed to nan)
 MAX_JITTER = 3.0
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
-
-
-def _check_cluster_memory(memory_bytes: int | None, topology: Cluster | None, path: Path | None,
-                          schedules: Iterable[Schedule]) -> None:
-    """--memory-gb at most the least memory a --cluster file gives the devices the schedules run on (those past
-    them hold none of the run: `Scenario.memory_limits`)."""
-    used = max((sched.num_devices for sched in schedules), default=0)
-    held = [] if topology is None else [(memory, name) for memory, name in zip(
-        topology.memory_bytes[:used], topology.device_names[:used]) if memory]
-    if held:
-        least, name = min(held)
-        check_memory_cap(memory_bytes, least, None, f"--cluster {path}'s {name}")
 
 
 def _output_paths(path: Path, names: list[str]) -> list[Path]:
@@ -180,10 +168,7 @@ def simulate(
     prediction: PredictionSource = None,
     activation_limit: ActivationLimit = None,
     search_seconds: SearchSeconds = None,
-    memory_gb: Annotated[float | None, typer.Option(
-        "--memory-gb", metavar="GIB", help="Each device's memory in GiB, in place of the part's, the cluster file's "
-                                           "or the profile's: a device whose peak passes it is out of memory, and "
-                                           "auto searches its order within it (tune's cap).")] = None,
+    memory_gb: DeviceMemoryGb = None,
     graph: Annotated[Path | None, typer.Option(
         "--graph", help='graphpipe: stage DAG JSON {"stages": n, "edges": [[a, b], ...], "placement": [...]} (default: '
                         'built-in two-branch model).', metavar="JSON")] = None,
@@ -384,7 +369,8 @@ def simulate(
                     del schedules[name]
                     skipped[name] = str(exc)
         _check_cost_lists(scenario, schedules)
-        _check_cluster_memory(memory_bytes, scenario.topology, cluster, schedules.values())
+        check_cluster_memory(memory_bytes, scenario.topology, cluster,
+                             max((sched.num_devices for sched in schedules.values()), default=0))
         pairs = {name: overlapped_pairs(sched) for name, sched in schedules.items()}
         if fb_hidden_fraction and not any(pairs.values()):
             raise InputError(f"--fb-hidden-fraction prices overlapped F&B pairs, and none of {', '.join(schedules)} "

@@ -26,6 +26,7 @@ from .common import (
     Allocator,
     BlockingComm,
     DataParallel,
+    DeviceMemoryGb,
     HeldOptimizer,
     HeldPrecision,
     InputError,
@@ -44,8 +45,10 @@ from .common import (
     Zero,
     allocator_fields,
     check_allocator,
+    check_cluster_memory,
     check_estimate_experts,
     check_estimate_overlap,
+    check_memory_cap,
     check_method_options,
     check_outputs,
     check_p2p_sync,
@@ -55,6 +58,7 @@ from .common import (
     finite_from,
     flag_of,
     given_simulate_flags,
+    memory_gb_bytes,
     model_reads,
     optional_what_if_options,
     output_path,
@@ -197,6 +201,7 @@ def sweep(
     optimizer_step: OptimizerStep = "held",
     pp_runtime: PpRuntime = "pipesim",
     stage_cut: StageCut = "balanced",
+    memory_gb: DeviceMemoryGb = None,
     workers: Annotated[int | None, typer.Option(
         "--workers", "-j", metavar="N", min=1,
         help="Worker processes (default: one per CPU core this process may use, where the grid's work pays for "
@@ -276,7 +281,13 @@ def sweep(
         check_row_costs(ctx, axes.get("schedule", METHODS))
         what = what_if(ctx)
         check_allocator(ctx, what)
-        scenario = scenario_from_flags(ctx, "model")
+        memory_bytes = memory_gb_bytes(memory_gb)
+        if what is not None:
+            check_memory_cap(memory_bytes, what.gpu.device_memory_bytes, ctx.params["gpu"])
+        scenario = replace(scenario_from_flags(ctx, "model"), memory_bytes=memory_bytes)
+        if scenario.measured is not None and what is None:  # a profile's part as it records it
+            check_memory_cap(memory_bytes, scenario.measured.environment.device_memory_bytes,
+                             scenario.measured.estimate and scenario.measured.estimate.gpu)
         data_parallel = ctx.params["data_parallel"]  # a --profile estimate's own d where none was given
         check_p2p_sync(ctx, axes.get("schedule", METHODS), scenario.measured)
         lists = [flag for flag, values in scenario.per_stage.items() if len(values) > 1]
@@ -289,6 +300,7 @@ def sweep(
             axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
             axes.get("cost-scale", (1.0,)), axes.get("prediction"), axes.get("activation-limit"),
             search["search_seconds"], data_parallel, reduce_after_flush, zero_stage(ctx.params), rounds).configs()
+        check_cluster_memory(memory_bytes, scenario.topology, cluster, max(config.stages for config in configs))
         for p in sorted({config.stages for config in configs}) if what is None else ():
             check_estimate_experts(scenario.measured, p, data_parallel)
         if what is None:
@@ -310,7 +322,7 @@ def sweep(
                         raise
                     too_deep += [(i, Result(configs[i], reason=str(exc))) for i in indices]
                     continue
-                jobs.append((replace(scenario_from_flags(ctx, "model", estimated=estimated),
+                jobs.append((replace(scenario_from_flags(ctx, "model", estimated=estimated), memory_bytes=memory_bytes,
                                      **allocator_fields(allocator, counted, parallel, optimizer_step)), indices))
             say_what_if_counted(what)
         results = [None] * len(configs)

@@ -156,8 +156,8 @@ def test_simulate_says_how_many_pairs_each_method_overlaps_and_prices_them_by_th
     code, out, _ = pipesim("simulate", *args)
     caption = " ".join(out.split())  # the pairs of every device together: "dualpipev 867" read as one device's
     assert code == 0, caption
-    assert ("F&B pairs per mini-batch over all devices: dualpipev 25, each taking F + B, neither compute hidden under the "
-            "other") in caption
+    assert ("F&B pairs per mini-batch over all devices: dualpipev 25, each taking F + B, neither compute hidden "
+            "under the other") in caption
 
 
 def test_the_pairs_caption_writes_thousands_separated():

@@ -481,11 +481,11 @@ def test_the_trade_offs_hover_and_the_fronts_table_write_each_figure_alike():
                                     exposed_comm_ms=0.0))
     fig = tradeoff_figure([result], [0])
     (hover,) = fig.data[0].text
-    assert "12,345.679 ms per mini-batch, 0.18 samples/s<br>peak <0.01 MiB, staleness 0, bubble 7.3%" in hover
+    assert "12,345.679 ms per mini-batch, 0.176 samples/s<br>peak <0.01 MiB, staleness 0, bubble 7.3%" in hover
     for axis in (fig.layout.xaxis, fig.layout.yaxis):  # whole steps of ms or MiB
         assert next(stop.value for stop in axis.tickformatstops if stop.dtickrange[0] == 1) == ","
     cells = fronts_table([result]).data[0].cells
-    assert [column[0] for column in cells.values[2:]] == ["12,345.679", "<0.01", "0", "0.18", "7.3%"]
+    assert [column[0] for column in cells.values[2:]] == ["12,345.679", "<0.01", "0", "0.176", "7.3%"]
     assert cells.format is None
 
 
@@ -571,3 +571,22 @@ def test_the_terminal_shows_whole_fronts_and_the_results_file_marks_every_front_
     first = [i for i in front if front_group(results[i].config) == front_group(results[front[0]].config)]
     monkeypatch.setattr(sweeping, "FRONT_ROWS", len(first) - 1)  # a first front longer than the rows allowed:
     assert len(first) > 1 and sweeping._whole_fronts(results, front) == first[:-1]  # its fastest, not hundreds
+
+
+def test_memory_gb_caps_each_configuration_as_simulate_caps_its_run(tmp_path):
+    """New-user pass: sweep had no --memory-gb (simulate's and tune's cap), so a grid could be held only to a part's or
+    a cluster file's memory. Each row is over its cap as the `pipesim simulate` line it writes, which repeats the cap,
+    says; a cap past the part's memory is refused as simulate refuses it."""
+    out = tmp_path / "r.csv"
+    code, _, err = pipesim("sweep", "-s", "1f1b", "-p", "2,4", "--memory-gb", 2, "--out", out)
+    assert code == 0, err
+    rows = {int(row["stages"]): row for row in csv.DictReader(out.open())}
+    assert {p: row["out_of_memory"] for p, row in rows.items()} == {2: "True", 4: "False"}
+    for row in rows.values():
+        assert "--memory-gb 2.0" in row["command"]
+        [simulated] = simulate_json(*row["command"].split()[2:])
+        assert simulated["devices"][0]["memory_limit_mb"] == 2048
+        assert str(any(device["out_of_memory"] for device in simulated["devices"])) == row["out_of_memory"]
+    code, out_text, err = pipesim("sweep", "-s", "1f1b", "--cluster", "examples/cluster.json", "--memory-gb", 100)
+    assert code == 2 and out_text == "" and len(err.strip().splitlines()) == 1, err
+    assert "--memory-gb 100: more than the 80 GiB of --cluster examples/cluster.json's gpu0" in err
