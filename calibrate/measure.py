@@ -58,6 +58,7 @@ from ..profiles.schema import (
     layer_costs,
 )
 from ..units import GIB, KIB, MIB, bytes_text
+from ..workload.count import tied_layers
 from ..workload.models import BATCH, FOLLOWS_PREVIOUS, Model, ModelError, routed_experts_of
 from ..workload.moe import dispatches
 from ..workload.optim import make_optimizer
@@ -304,6 +305,7 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
     zero = _zero(settings)
     inputs, layers, keep = [], [], []
     previous: dict[int, int] = {}
+    tied = tied_layers(model.layers)
     for i, layer in enumerate(model.layers):
         args = [outputs[s].detach() for s in model.inputs[i]]
         saved: dict[int, int] = {}  # storage address -> bytes
@@ -345,7 +347,7 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
             routed_experts=(model.options.get("experts") or routed_experts_of(layer) or 0) if routed.blocks else 0,
             dispatched_bytes=routed.token_bytes,
             dispatched_block_bytes=[block.sent_bytes for block in routed.blocks],
-            follows_previous=bool(getattr(layer, FOLLOWS_PREVIOUS, False))))
+            follows_previous=bool(getattr(layer, FOLLOWS_PREVIOUS, False)), tied_layer=tied[i]))
         previous = saved
     return Recording(inputs, target), layers
 

@@ -77,7 +77,16 @@ def count(
         print_message(_routing_note(counted), stderr)
     if any(layer.follows_previous for layer in counted.layers):
         print_message(_stage_starts_note(counted), stderr)
+    if tied := [(layer, counted.layers[layer.tied_layer]) for layer in counted.layers if layer.tied_layer >= 0]:
+        print_message(_tied_note(tied), stderr)
     print_message(f"counted on the meta device in {time.perf_counter() - started:.1f} s", stderr)
+
+
+def _tied_note(tied: list[tuple[LayerCount, LayerCount]]) -> str:
+    """Which layers' weights are another's (a tied head's, the embedding's), counted once in the total."""
+    pairs = ", ".join(f"{layer.name}'s are {tie.name}'s" for layer, tie in tied)
+    return (f"tied weights: {pairs}, counted once in the total; a stage holding both holds them once, stages apart "
+            "each their own copy (Megatron-LM's last stage keeps one)")
 
 
 def _stage_starts_note(counted: WorkloadCount) -> str:
@@ -136,7 +145,7 @@ def _table(counted: WorkloadCount) -> Table:
                       "x".join(map(str, first.output_shape)) or "(loss)", _si(first.output_bytes))
     table.add_section()
     moved = sum(counted.total(name) for name in ("fwd_moved_bytes", "igrad_moved_bytes", "wgrad_moved_bytes"))
-    adam = sum(layer.optimizer_state_bytes["adam"] for layer in counted.layers)
+    adam = sum(layer.optimizer_state_bytes["adam"] for layer in counted.layers if layer.tied_layer < 0)
     table.add_row("total", *_figures(counted.total("fwd_flops"), counted.total("igrad_flops"),
                                      counted.total("wgrad_flops"), moved, counted.total("saved_bytes"),
                                      counted.total("param_bytes"), adam), "", "")

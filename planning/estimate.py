@@ -42,7 +42,7 @@ from ..choices import choose_from
 from ..hardware.catalogue import ATTENTION_KERNELS
 from ..hardware.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from ..memory_parts import SAVED_PARTS
-from ..profiles.partition import partition
+from ..profiles.partition import owned_at, partition
 from ..profiles.schema import (
     OPTIMIZERS,
     PASSES,
@@ -3295,6 +3295,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             model_output_bytes=layer.model_output_bytes // (vocabulary_ranks * parallel.context),
             runtime_buffer_bytes=scores_buffer_bytes(layer, parallel), follows_previous=layer.follows_previous,
+            tied_layer=layer.tied_layer,
             param_bytes=params,
             all_gather_bytes=(gathered_weight_bytes(layer, params, parallel, element)
                               if parallel.fsdp_float8_all_gather or parallel.fp8_param_gather else None),
@@ -3345,13 +3346,14 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     for start, stop in zip(bounds, bounds[1:]):
         # the weights this rank holds (its 1/t, and of the routed experts its 1/(E·ETP)), which its accumulation,
         # averaging, prediction and copy pass over: each layer's held `param_bytes` above
-        params = sum(layer.param_bytes for layer in layers[start:stop])
+        own = owned_at(layers, start, stop)  # a tied layer's weights once
+        params = sum(layers[i].param_bytes for i in own)
         # the step's work besides its optimizer's pass: float8 casts, the routers' all-reduce, scales' precompute
         besides_ms = sum(ms for layer_casts in step_casts_ms[start:stop] for ms in layer_casts)
         besides_ms += replicated_reduce_ms(counted.layers[start:stop], parallel, held, element, links.tensor)
         besides_ms += scale_precompute_ms(counted.layers[start:stop], parallel, device, links.data)
         passes_weights = _timing(memory_ms(3 * params))  # a prediction's and the averaging's pass (frozen: shared)
-        steps = {name: StepTimes(step=_timing(besides_ms + memory_ms(sum(step_bytes[name][start:stop]) / shards)),
+        steps = {name: StepTimes(step=_timing(besides_ms + memory_ms(sum(step_bytes[name][i] for i in own) / shards)),
                                  predict=passes_weights) for name in OPTIMIZERS}
         # a pass of its own over the weights it accumulates, read, read, write: all of them (separate), or those no
         # product accumulates (fused: `unfused_weight_share`)

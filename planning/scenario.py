@@ -40,6 +40,7 @@ from ..profiles.partition import (
     range_sums,
     searched_partition,
     starts_refusal,
+    tied_pairs,
 )
 from ..profiles.partition import StageCosts as RangeCosts
 from ..profiles.workload import follows_flags, too_many_stages
@@ -737,10 +738,13 @@ class Scenario:
         n = len(layers)
         costs = self._sharded_for(profile_costs(self.measured, self.optimizer, range(n + 1)), sched)
         held = [held_static_parts(sched, [c]) for c in costs.stages]
-        # the runtime's buffer is one a process, its layers' largest (`held_static_parts`): a range's most, not sum
-        static = (range_sums(sum(parts.values()) - parts["runtime_buffers"] for parts in held)
+        # the runtime's buffer is one a process, its layers' largest (`held_static_parts`): a range's most, not sum;
+        # a tied layer's weights and what they hold once where the range holds its tie too (`tied_pairs`)
+        tied = tied_pairs(layers)
+        static = (range_sums(sum(parts.values()) - parts["runtime_buffers"] - _weights_held(parts) for parts in held)
+                  + range_sums(map(_weights_held, held), tied)
                   + _range_maxima([parts["runtime_buffers"] for parts in held]))
-        weights = range_sums(c.param_bytes for c in costs.stages)
+        weights = range_sums((c.param_bytes for c in costs.stages), tied)
         transient = _range_maxima([max(layer.transient_bytes.values(), default=0) for layer in layers])
         received = 2 * np.array([0, *(layer.output_bytes for layer in layers[:-1]), 0])  # into layer i, and back
         versions = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), version_reads(sched)[1], sched.num_stages)
@@ -1415,6 +1419,11 @@ def measured_all_to_alls(costs: Costs, measured: Profile, bounds: Sequence[int],
         replace(c, all_to_all_fwd_ms=exchanges_ms(start, stop, True, ALL_TO_ALLS["fwd"]),
                 all_to_all_bwd_ms=exchanges_ms(start, stop, False, ALL_TO_ALLS["bwd"]))
         for c, (start, stop) in zip(costs.stages, itertools.pairwise(bounds))))
+
+
+def _weights_held(parts: dict[str, int]) -> int:
+    """Of a layer's `held_static_parts`, what its weights hold: themselves, their gradients and optimizer state."""
+    return parts["parameters"] + parts["gradients"] + parts["optimizer_state"]
 
 
 def gathered_bytes(layers: Sequence[LayerProfile]) -> int:

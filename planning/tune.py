@@ -89,8 +89,10 @@ from ..profiles.partition import (
     ScaledRanges,
     activation_ranges,
     least_slowest,
+    owners,
     partition,
     range_sums,
+    tied_pairs,
 )
 from ..profiles.schema import (
     LayerProfile,
@@ -1455,10 +1457,9 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     weights' bytes (`stages_for`), and its gradient accumulation (`_least_accumulate_ms`). A layer's times are its
     least (`_own_times`): a stage's host waits beyond its layers' times are at least minus the waits carried in
     those of its layers that never synchronise, so their times without them sum to no more than any cut's stages."""
-    held = (sum(layer_static_bytes(layer, optimizer) for layer in profile.layers),
-            sum(layer.param_bytes for layer in profile.layers),
-            sum(layer.expert_param_bytes for layer in profile.layers),
-            sum(layer.grad_bytes for layer in profile.layers))
+    own = owners(profile.layers, 0, len(profile.layers))  # a tied layer's weights once: no cut holds less
+    held = (sum(layer_static_bytes(layer, optimizer) for layer in own), sum(layer.param_bytes for layer in own),
+            sum(layer.expert_param_bytes for layer in own), sum(layer.grad_bytes for layer in own))
     steps = tuple(math.fsum(pick(stage).median_ms for stage in profile.stages) for pick in (
         lambda s: s.steps[optimizer].step, lambda s: s.steps[optimizer].predict, lambda s: s.average))
     layers = _own_times(profile, least=True).layers
@@ -2906,7 +2907,7 @@ def _cut_accumulates_ms(profile: Profile, bounds: list[int]) -> np.ndarray:
         return np.zeros(len(bounds) - 1)
     total_ms = math.fsum(s.accumulate.median_ms for s in stages)
     total_bytes = sum(s.param_bytes for s in stages) or 1
-    return np.array([total_ms * (sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes)
+    return np.array([total_ms * sum(layer.param_bytes for layer in owners(profile.layers, start, stop)) / total_bytes
                      for start, stop in zip(bounds, bounds[1:])])
 
 
@@ -3037,12 +3038,12 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
       the fewest (Llama 3.1 8B's DualPipeV at p = 2, t = 2: 40.2 and 24.0 GiB of 80; held to 40 a stage, its cut
       lost 4.6 % a step to simulate's own).
     """
-    layers = layer_costs(profile.layers, optimizer)
-    static = range_sums(c.static_bytes for c in layers)
-    params = range_sums(layer.param_bytes for layer in profile.layers)
+    layers, tied = layer_costs(profile.layers, optimizer), tied_pairs(profile.layers)
+    static = range_sums((c.static_bytes for c in layers), tied)
+    params = range_sums((layer.param_bytes for layer in profile.layers), tied)
     # the weights as the optimizer owns them, which a policy's master copies are of, as a stage's costs hold them
-    owned = range_sums(owned_bytes(layer.param_bytes, *held_weights(profile, i, i + 1, layer.param_bytes))
-                       for i, layer in enumerate(profile.layers))
+    owned = range_sums((owned_bytes(layer.param_bytes, *held_weights(profile, i, i + 1, layer.param_bytes))
+                        for i, layer in enumerate(profile.layers)), tied)
     activations = activation_ranges(layers)
     sent = np.array([layer.output_bytes for layer in profile.layers[:-1]] + [0])
     # an activation and a gradient in transfer at each boundary: into the stage's first layer, out of its last

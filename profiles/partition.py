@@ -15,10 +15,13 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TypeVar
 
 import numpy as np
 
 from ..units import GIB, whole_number
+
+Owned = TypeVar("Owned")  # a layer of any kind that has `tied_layer` (`owners`)
 
 # `_least_busy_devices`: the share by which a cut's busiest device is less busy than the best's where it beats it:
 # more than rounding's (the same times summed in another order)
@@ -49,13 +52,16 @@ class _TooManyPrefixes(Exception):
 class LayerCost:
     """What the partitioner needs of one layer. `shared_with_previous_bytes`: part of its saved activations
     that the layer before it saves too (a ReLU output the next Linear keeps as its input), counted once
-    when both are in one stage. `follows_previous`: no stage may start at it (`starts_refusal`)."""
+    when both are in one stage. `follows_previous`: no stage may start at it (`starts_refusal`). `tied_layer`: the
+    earlier layer whose weights are its own (a tied head's, the embedding's; -1: none), its `static_bytes` held
+    once where a stage holds both (`tied_pairs`)."""
 
     ms: float
     static_bytes: int
     activation_bytes: int
     shared_with_previous_bytes: int = 0
     follows_previous: bool = False
+    tied_layer: int = -1
 
 
 def stage_activation_bytes(layers: Sequence[LayerCost], start: int, stop: int) -> int:
@@ -65,8 +71,26 @@ def stage_activation_bytes(layers: Sequence[LayerCost], start: int, stop: int) -
 
 def stage_memory_bytes(layers: Sequence[LayerCost], start: int, stop: int, stage: int, stages: int) -> int:
     """Peak bytes of layers [start, stop) as stage `stage` of `stages` under 1F1B (see the module docstring)."""
-    static = sum(layer.static_bytes for layer in layers[start:stop])
+    static = sum(layer.static_bytes for layer in owners(layers, start, stop))
     return static + (stages - stage) * stage_activation_bytes(layers, start, stop)
+
+
+def tied_pairs(layers: Sequence) -> list[tuple[int, int]]:
+    """(layer, the earlier layer whose weights are its own) for each tied layer of `layers` (LayerCost,
+    LayerProfile or LayerCount: each has `tied_layer`)."""
+    return [(i, layer.tied_layer) for i, layer in enumerate(layers) if layer.tied_layer >= 0]
+
+
+def owned_at(layers: Sequence, start: int, stop: int) -> list[int]:
+    """The layers of [start, stop) whose weights a stage holding them holds as their own, by index: all but a tied
+    one whose tie lies among them (the two are one tensor there; on stages apart each keeps a copy, Megatron-LM's
+    way)."""
+    return [i for i in range(start, stop) if not start <= layers[i].tied_layer < stop]
+
+
+def owners(layers: Sequence[Owned], start: int, stop: int) -> list[Owned]:
+    """`owned_at`'s layers."""
+    return [layers[i] for i in owned_at(layers, start, stop)]
 
 
 def product_mean_ms(parts: Iterable[tuple[float, float]]) -> float:
@@ -269,9 +293,15 @@ def ranges(prefix: Sequence[float] | np.ndarray) -> np.ndarray:
     return values[None, :] - values[:, None]
 
 
-def range_sums(values: Iterable[float]) -> np.ndarray:
-    """Entry [i, j]: what items i .. j-1 of `values` add up to (`ranges` of their prefix sums)."""
-    return ranges(np.cumsum([0, *values]))
+def range_sums(values: Iterable[float], tied: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+    """Entry [i, j]: what items i .. j-1 of `values` add up to (`ranges` of their prefix sums), each item k of a
+    `tied` pair (k, t) (`tied_pairs`) left out of the ranges that hold item t too (a tied layer's weights, one
+    tensor with its tie's there)."""
+    values = list(values)
+    sums = ranges(np.cumsum([0, *values]))
+    for k, t in tied:
+        sums[:t + 1, k + 1:] -= values[k]
+    return sums
 
 
 def leanest_partition(layers: Sequence[LayerCost], stages: int,
@@ -561,7 +591,7 @@ def _range_ms(times: tuple[float, ...]) -> np.ndarray:
 
 
 def _one_f_one_b_bytes(layers: Sequence[LayerCost], stages: int) -> ScaledRanges:
-    return ScaledRanges(range_sums(layer.static_bytes for layer in layers),
+    return ScaledRanges(range_sums((layer.static_bytes for layer in layers), tied_pairs(layers)),
                         ((range(stages, 0, -1), activation_ranges(layers)),))
 
 

@@ -37,6 +37,7 @@ from .partition import (
     activation_ranges,
     empty_stages,
     exact_range_sums,
+    owners,
     product_mean_ms,
     range_sums,
     stage_activation_bytes,
@@ -192,6 +193,9 @@ class LayerProfile(_Strict):
     # reusing the top k an earlier layer's indexer kept), which no stage boundary passes on (profiles/partition.py
     # `starts_refusal`)
     follows_previous: bool = False
+    # The earlier layer whose weights are all of this one's (`LayerCount.tied_layer`: a tied head's, the
+    # embedding's); -1: its own. A stage holding both holds them once (profiles/partition.py `tied_pairs`)
+    tied_layer: int = Field(-1, ge=-1)
     # The network time of the layer's routed experts' all-to-alls over their expert-parallel group (an estimate's,
     # planning/experts.py) after its forward and after its backward, which the stage's A2A_F and A2A_B rows run
     all_to_all_fwd_ms: float = Field(0.0, ge=0)
@@ -663,6 +667,9 @@ class Profile(_Strict):
         for i, layer in enumerate(self.layers):
             if not layer.inputs or any(not -1 <= s < i for s in layer.inputs):
                 raise ValueError(f"layers.{i}.inputs must name earlier layers or -1 (the batch), got {layer.inputs}")
+            if layer.tied_layer >= i:
+                raise ValueError(f"layers.{i}.tied_layer must name an earlier layer or -1 (its own weights), got "
+                                 f"{layer.tied_layer}")
         keyed = [(f"layers.{i}.optimizer_state_bytes", layer.optimizer_state_bytes)
                  for i, layer in enumerate(self.layers)]
         keyed += [(f"stages.{k}.{name}", getattr(stage, name)) for k, stage in enumerate(self.stages)
@@ -810,7 +817,7 @@ def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
                       + max(layer.ring_fwd_ms - layer.ring_fwd_hidden_ms, 0.0)
                       + max(layer.ring_bwd_ms - layer.ring_bwd_hidden_ms, 0.0),
                       layer_static_bytes(layer, optimizer), layer.activation_bytes, layer.shared_with_previous_bytes,
-                      layer.follows_previous)
+                      layer.follows_previous, layer.tied_layer)
             for layer in layers]
 
 
@@ -1052,7 +1059,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
     out = []
     kept, gradients, known = wgrad_held_ranges(layers, activation_ranges(costs))
     for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
-        mine = layers[start:stop]
+        mine, own = layers[start:stop], owners(layers, start, stop)  # (`own`: a tied layer's weights once)
         activation_bytes = stage_activation_bytes(costs, start, stop)
         times = (_summed(layers, start, stop, ones, ones, p2p_sync) if passes is None else
                  {f"{kind}_ms": getattr(passes[k], kind).median_ms for kind in ("fwd", "bwd", "igrad", "wgrad")})
@@ -1063,13 +1070,13 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             wgrad_kept_bytes=int(kept[start, stop]) if known[start, stop] else None,
             wgrad_gradient_bytes=int(gradients[start, stop]),
             output_bytes=output_bytes[k],
-            param_bytes=sum(layer.param_bytes for layer in mine),
-            grad_bytes=sum(layer.grad_bytes for layer in mine),
-            optimizer_state_bytes={name: sum(layer.optimizer_state_bytes[name] for layer in mine)
+            param_bytes=sum(layer.param_bytes for layer in own),
+            grad_bytes=sum(layer.grad_bytes for layer in own),
+            optimizer_state_bytes={name: sum(layer.optimizer_state_bytes[name] for layer in own)
                                    for name in OPTIMIZERS},
-            float8_weight_bytes=sum(layer.float8_weight_bytes for layer in mine),
-            all_gather_bytes=(None if all(layer.all_gather_bytes is None for layer in mine) else
-                              sum(layer.gathered_weight_bytes for layer in mine)),
+            float8_weight_bytes=sum(layer.float8_weight_bytes for layer in own),
+            all_gather_bytes=(None if all(layer.all_gather_bytes is None for layer in own) else
+                              sum(layer.gathered_weight_bytes for layer in own)),
             model_output_bytes=sum(layer.model_output_bytes for layer in mine),
             runtime_buffer_bytes=max((layer.runtime_buffer_bytes for layer in mine), default=0),
             transient_bytes=stage_transient_bytes(layers, start, stop),
@@ -1231,7 +1238,7 @@ def step_totals(profile: Profile, optimizers: Sequence[str]) -> SummedSteps:
 def step_shares(profile: Profile, bounds: Sequence[int]) -> list[float]:
     """Each stage's share of the step times at `bounds`: its layers' parameter bytes over the calibrated stages'."""
     total_bytes = sum(stage.param_bytes for stage in profile.stages) or 1
-    return [sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes
+    return [sum(layer.param_bytes for layer in owners(profile.layers, start, stop)) / total_bytes
             for start, stop in zip(bounds, bounds[1:])]
 
 

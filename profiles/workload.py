@@ -196,6 +196,10 @@ class RoutedBlock(NamedTuple):
     sent_bytes: int
 
 
+# a LayerCount's numbers of its weights and what they hold beside them, which a tied layer shares with its tie
+HELD_WITH_WEIGHTS = ("param_bytes", "grad_bytes", "norm_param_bytes", "position_embedding_bytes")
+
+
 @dataclass(frozen=True)
 class LayerCount:
     """One layer's work for one micro-batch (FLOPs, bytes) and its sizes (bytes). `*_moved_bytes` sum the
@@ -326,6 +330,10 @@ class LayerCount:
     decoder_block: bool = False
     # no pipeline stage may start at it (workload/models.py `FOLLOWS_PREVIOUS`)
     follows_previous: bool = False
+    # the earlier layer whose weights are all of this one's (a tied head's are the embedding's: transformers'
+    # tie_word_embeddings), one tensor where a stage holds both (profiles/partition.py `tied_pairs`); on stages
+    # apart the later keeps its own copy, as Megatron-LM's last stage does; -1: its own
+    tied_layer: int = -1
     # a Mamba-2 mixer and its norm alone, Megatron-core's MambaLayer: what CUDA graphs of the "mamba" scope capture
     # whole (planning/estimate.py `CUDA_GRAPH_SCOPES`)
     mamba_layer: bool = False
@@ -450,8 +458,10 @@ class WorkloadCount:
     layers: list[LayerCount] = field(default_factory=list)
 
     def total(self, name: str) -> int:
-        """The sum over layers of LayerCount's number `name` (a field or `model_flops`)."""
-        return sum(getattr(layer, name) for layer in self.layers)
+        """The sum over layers of LayerCount's number `name` (a field or `model_flops`), the model's weights once: a
+        tied layer's weights, their gradients and optimizer state (`HELD_WITH_WEIGHTS`) are its tie's."""
+        return sum(getattr(layer, name) for layer in self.layers
+                   if name not in HELD_WITH_WEIGHTS or layer.tied_layer < 0)
 
     @property
     def top_k(self) -> int:

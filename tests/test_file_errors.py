@@ -538,3 +538,15 @@ def test_a_gzip_file_that_is_not_one_or_is_cut_short_is_one_line(tmp_path, monke
     code, _, err = pipesim("view", "t.json.gz", "--html", "t.html")
     assert (code, err) == (2, f"error: {line}\n")
     assert not Path("t.html").exists()
+
+
+@pytest.mark.parametrize("tied", [1, 5])
+def test_a_profile_whose_layer_ties_itself_or_a_later_layer_is_refused_naming_the_field(tmp_path, monkeypatch, tied):
+    """A layer's `tied_layer` names the earlier layer whose weights are its own (a tied head's, the embedding's)."""
+    monkeypatch.chdir(tmp_path)
+    document = json.loads((ROOT / "traces" / "profiles" / "gpt-cpu.json").read_text())
+    document["layers"][1]["tied_layer"] = tied
+    Path("p.json").write_text(json.dumps(document))
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--profile", "p.json")
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert f"layers.1.tied_layer must name an earlier layer or -1 (its own weights), got {tied}" in err, err

@@ -198,6 +198,38 @@ def test_the_llama_3_1_examples_have_their_published_parameter_counts():
 
 
 @needs_transformers
+def test_a_tied_heads_weights_are_the_embeddings_held_once_where_a_stage_holds_both(tmp_path):
+    """New-user pass: a Llama 3.2 1B-shaped config (tie_word_embeddings) counted 1.50 B parameters, its head counted as
+    weights of its own, and at p = 1 held them twice (4.5 GiB of weights, gradients and Adam's state too many). The
+    head's weights are the embedding's (`tied_layer`): the total counts them once, a stage holding both holds them
+    once, and stages apart each keep a copy, as Megatron-LM's last stage does."""
+    tied = write_config(tmp_path / "tied", {**LLAMA, "tie_word_embeddings": True})
+    untied = write_config(tmp_path / "untied", LLAMA)
+    counted = {name: count_built(f"hf:{folder}", {"seq_len": S}, B, torch.bfloat16)
+               for name, folder in (("tied", tied), ("untied", untied))}
+    embedding = counted["untied"].layers[0].param_bytes
+    assert [layer.tied_layer for layer in counted["tied"].layers] == [-1] * (L + 2) + [0]
+    assert counted["tied"].total("param_bytes") == counted["untied"].total("param_bytes") - V * H * E == \
+        counted["untied"].total("param_bytes") - embedding
+    assert counted["tied"].total("grad_bytes") == counted["untied"].total("grad_bytes") - embedding
+    code, _, err = pipesim("count", "--model", f"hf:{tied}", "--seq-len", S)
+    assert code == 0 and "tied weights: " in " ".join(err.split()), err
+
+    def parts(folder: Path, stages: int) -> list[dict[str, float]]:
+        [result] = simulate_json("--gpu", "h100-sxm", "--model", f"hf:{folder}", "--seq-len", S, "-p", stages, "-m", 2,
+                                 "-s", "1f1b", "--allocator", "none")
+        return [device["peak_memory_parts_mb"] for device in result["devices"]]
+
+    weights = ("parameters", "gradients", "optimizer_state")
+    for part in weights:
+        (one,), (whole,) = parts(tied, 1), parts(untied, 1)
+        # the head's share of the model's weights (its optimizer state within Adam's step counts a tensor)
+        assert whole[part] - one[part] == pytest.approx(whole[part] * embedding / counted["untied"].total(
+            "param_bytes"), rel=1e-3), part
+        assert [device[part] for device in parts(tied, 2)] == [device[part] for device in parts(untied, 2)], part
+
+
+@needs_transformers
 def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_counting(tmp_path, monkeypatch):
     from pipesim.workload import count as counting
 

@@ -37,3 +37,26 @@ def test_stage_time_table_keeps_what_a_float_prefix_sum_cancels():
 
 def test_stage_time_table_sums_a_time_that_is_not_finite_as_fsum_does():
     assert _ranges_off_fsum([1.0, math.inf, 2.0]) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 10**12), min_size=2, max_size=10), data=st.data())
+def test_every_ranges_weights_hold_a_tied_layers_once_where_its_tie_is_in_the_range(sizes, data):
+    """A tied layer's weights are its tie's (a tied head's, the embedding's): the range table of weights, the
+    stage sums (`owners`) and the partitioner's 1F1B bytes count them once in a range holding both, each copy in a
+    range holding one."""
+    import numpy as np
+
+    from pipesim.profiles.partition import owned_at, range_sums, stage_memory_bytes, tied_pairs
+
+    k = data.draw(st.integers(1, len(sizes) - 1))
+    tie = data.draw(st.integers(0, k - 1))
+    layers = [LayerCost(1.0, size, 0, tied_layer=tie if i == k else -1) for i, size in enumerate(sizes)]
+    assert tied_pairs(layers) == [(k, tie)]
+    table = range_sums((layer.static_bytes for layer in layers), tied_pairs(layers))
+    for i in range(len(sizes)):
+        for j in range(i + 1, len(sizes) + 1):
+            held = sum(sizes[i:j]) - (sizes[k] if i <= tie and k < j else 0)
+            assert table[i, j] == held == sum(sizes[at] for at in owned_at(layers, i, j))
+            assert stage_memory_bytes(layers, i, j, 0, 1) == held
+    assert np.array_equal(range_sums(sizes), range_sums(sizes, ()))

@@ -39,7 +39,7 @@ import functools
 import math
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -967,6 +967,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
                 alike[key] = replace(count, scores_bytes=kernels.scores_bytes), out
             count, outputs[i] = alike[key]
             counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
+    counted = [replace(count, tied_layer=tied) for count, tied in zip(counted, tied_layers(model.layers))]
     fused = {op.op for count in counted for op in count.ops["fwd"]}
     transformers_norms = any(map(is_transformers_rms_norm, (m for layer in model.layers for m in layer.modules())))
     for kernel, replaced, refusal in ((norm_kernel, transformers_norms, NO_RMSNORM_TO_FUSE),  # torch's RMSNorm runs
@@ -1045,6 +1046,17 @@ def _addressable(microbatch_size: int) -> Iterator[None]:
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ModelError(f"--microbatch-size {microbatch_size:,}: a tensor of the micro-batch is larger than torch "
                          f"can address ({first_line}); give a smaller one") from None
+
+
+def tied_layers(layers: Sequence[torch.nn.Module]) -> list[int]:
+    """Per layer, the earlier layer whose parameters are all of its own (`LayerCount.tied_layer`: a tied head's are
+    the embedding's, the one Parameter transformers gives both), else -1."""
+    first: dict[int, int] = {}  # each parameter's first layer, by identity
+    tied = []
+    for i, layer in enumerate(layers):
+        holders = {first.setdefault(id(weight), i) for weight in layer.parameters()}
+        tied.append(holders.pop() if len(holders) == 1 and i not in holders else -1)
+    return tied
 
 
 def shared_weights(layer: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
