@@ -58,8 +58,7 @@ from ..profiles.schema import (
     layer_costs,
 )
 from ..units import GIB, KIB, MIB, bytes_text
-from ..workload.count import tied_layers
-from ..workload.models import BATCH, FOLLOWS_PREVIOUS, Model, ModelError, routed_experts_of
+from ..workload.models import BATCH, FOLLOWS_PREVIOUS, Model, ModelError, routed_experts_of, tied_layers
 from ..workload.moe import dispatches
 from ..workload.optim import make_optimizer
 from .cache import HostCache, fresh

@@ -9,6 +9,7 @@ in a single-process run, whichever rank holds it. A schedule of several model co
 
 from __future__ import annotations
 
+import bisect
 import copy
 import itertools
 import math
@@ -25,7 +26,7 @@ from ..profiles.partition import starts_refusal
 from ..profiles.schema import RECV_WINDOW
 from ..profiles.workload import follows_flags
 from ..schedules import Schedule, StageGraph
-from ..workload.models import BATCH, Model, build_model
+from ..workload.models import BATCH, Model, build_model, tied_layers
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -363,6 +364,7 @@ def cut(spec: RunSpec, model: Model | None = None, outputs: LayerOutputs | None 
     else:
         bounds = check_bounds(spec.bounds, layers, p)
     carried = _route(model, bounds, schedule, follows_flags(model.layers))
+    _check_ties(model, bounds)
     outputs = layer_outputs(spec, model) if outputs is None else outputs
     edge_dtypes = {}
     for edge, outs in carried.items():
@@ -388,6 +390,24 @@ def cut(spec: RunSpec, model: Model | None = None, outputs: LayerOutputs | None 
                   [shifted(out_edges[s], c) for c in range(copies) for s in range(p)], reads_batch * copies,
                   {shifted([e], c)[0]: shape for c in range(copies) for e, shape in edge_shapes.items()},
                   {shifted([e], c)[0]: dtype for c in range(copies) for e, dtype in edge_dtypes.items()}, outputs)
+
+
+def _check_ties(model: Model, bounds: Sequence[int]) -> None:
+    """A layer whose weights are another's (a tied head's, the embedding's) trains them as one only on that layer's
+    stage: stages apart would each update a copy with their own gradients alone, where one process (and
+    Megatron-LM, which all-reduces the two copies' gradients) updates one with both."""
+    names = model.layer_names()
+    for layer, tie in enumerate(tied_layers(model.layers)):
+        if tie < 0:
+            continue
+        first, last = (bisect.bisect_right(bounds, at) - 1 for at in (tie, layer))
+        if first != last:
+            raise ExecutorError(
+                f"layer {names[layer]}'s weights are layer {names[tie]}'s (tied, as a Hugging Face config's "
+                f"tie_word_embeddings ties its head to its embedding), and stages {first} and {last} would "
+                "each train a copy on its own gradients alone, not as one process trains them: give --stages 1, a cut "
+                "that keeps both on one stage, or an untied config (pipesim's executor does not all-reduce the "
+                "copies' gradients as Megatron-LM does)")
 
 
 HELDOUT_CHUNK_ELEMENTS = 1 << 26  # the most output elements one forward of the held-out set makes: the GPU check's

@@ -1089,20 +1089,20 @@ def assert_computes_transformers_model(folder: Path, parts: Callable[[Any, Any],
         torch.testing.assert_close(hidden, theirs(tokens, use_cache=False).logits)
 
 
-def assert_trains_as_one_process(tmp_path: Path, model: str) -> None:
-    """`run` trains `model` (hf:PATH, 24 tokens a sample) from its estimated profile on two gloo ranks, two stages,
-    to the losses one process gives."""
+def assert_trains_as_one_process(tmp_path: Path, model: str, stages: int = 2) -> None:
+    """`run` trains `model` (hf:PATH, 24 tokens a sample) from its estimated profile on `stages` gloo ranks, a stage
+    each, to the losses one process gives."""
     from pipesim.executor import RunSpec
     from tests.reference import single_process
 
     profile = tmp_path / "profile.json"
-    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 24, "-b", 1, "-p", 2, "--dtype",
-                   "fp32", "--out", profile).code == 0
-    code, out, err = pipesim("run", "--model", model, "--profile", profile, "-s", "1f1b", "-p", 2, "-m", 2, "-n", 2,
-                             "--json", "--no-heldout")
+    assert pipesim("estimate", "--gpu", "h100-sxm", "--model", model, "--seq-len", 24, "-b", 1, "-p", stages,
+                   "--dtype", "fp32", "--out", profile).code == 0
+    code, out, err = pipesim("run", "--model", model, "--profile", profile, "-s", "1f1b", "-p", stages, "-m", 2,
+                             "-n", 2, "--json", "--no-heldout")
     assert code == 0, err
     ran = json.loads(out)
-    assert ran["hardware"]["ranks"] == 2
+    assert ran["hardware"]["ranks"] == stages
     losses: list[float] = []
     single_process(RunSpec(build("gpipe", 1, 2, 2), model, {"seq_len": 24}, microbatch_size=1, lr=0.05), losses)
     np.testing.assert_allclose(ran["losses"][0], losses, rtol=1e-5)

@@ -193,7 +193,7 @@ def single_process(spec: RunSpec, losses: list[float] | None = None) -> list[tor
     (HALF) in mixed precision: each micro-batch's 16-bit gradients summed in float32, the optimizer stepping float32
     masters (returned), the model's weights copied from them after each update."""
     model = initial_model(spec)
-    params = [p for layer in model.layers for p in layer.parameters()]
+    params = list({id(p): p for layer in model.layers for p in layer.parameters()}.values())  # a tied one once
     half = spec.dtype in HALF
     masters = [p.detach().to(torch.float32, copy=True) for p in params] if half else params
     opt = optimizer(spec.optimizer, masters, spec.lr)

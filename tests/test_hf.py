@@ -33,6 +33,7 @@ from tests.helpers import (
     L,
     S,
     V,
+    assert_trains_as_one_process,
     write_config,
 )
 from tests.helpers import LLAMA_GPT as GPT
@@ -227,6 +228,23 @@ def test_a_tied_heads_weights_are_the_embeddings_held_once_where_a_stage_holds_b
         assert whole[part] - one[part] == pytest.approx(whole[part] * embedding / counted["untied"].total(
             "param_bytes"), rel=1e-3), part
         assert [device[part] for device in parts(tied, 2)] == [device[part] for device in parts(untied, 2)], part
+
+
+@needs_transformers
+def test_a_tied_model_trains_as_one_process_on_one_stage_and_is_refused_across_two(tmp_path):
+    """On one stage the tied head and embedding are one tensor (torch.func's tie_weights), stepped once with both
+    gradients, as one process steps it (whose optimizer had been given it twice); across two stages each would train a
+    copy on its own gradients (a second step's loss 6.2370 against 6.2306), which `run` refuses in one line."""
+    tied = f"hf:{write_config(tmp_path / 'tied', {**LLAMA, 'tie_word_embeddings': True})}"
+    assert_trains_as_one_process(tmp_path, tied, stages=1)
+    profile = tmp_path / "two.json"
+    code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", tied, "--seq-len", 24, "-p", 2, "--out", profile)
+    assert code == 0, err
+    code, out, err = pipesim("run", "--model", tied, "--profile", profile, "-s", "1f1b", "-p", 2, "-m", 2, "-n", 1,
+                             "--trace", tmp_path / "t.json")
+    assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert "weights are layer 0:Embedding's (tied" in err and "give --stages 1" in err, err
+    assert not (tmp_path / "t.json").exists()
 
 
 @needs_transformers

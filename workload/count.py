@@ -39,7 +39,7 @@ import functools
 import math
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,7 +57,7 @@ from ..profiles.workload import CHECKPOINTED_REGIONS, LayerCount, OpCount, Workl
 from .gdn import context_exchanges, is_gated_delta_net
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .mamba import is_mamba2_mixer
-from .models import BATCH, FOLLOWS_PREVIOUS, Model, ModelError, classification_loss
+from .models import BATCH, FOLLOWS_PREVIOUS, Model, ModelError, classification_loss, tied_layers
 from .moe import (
     BLOCK_NORM,
     CHECKPOINT_REGION,
@@ -1046,17 +1046,6 @@ def _addressable(microbatch_size: int) -> Iterator[None]:
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ModelError(f"--microbatch-size {microbatch_size:,}: a tensor of the micro-batch is larger than torch "
                          f"can address ({first_line}); give a smaller one") from None
-
-
-def tied_layers(layers: Sequence[torch.nn.Module]) -> list[int]:
-    """Per layer, the earlier layer whose parameters are all of its own (`LayerCount.tied_layer`: a tied head's are
-    the embedding's, the one Parameter transformers gives both), else -1."""
-    first: dict[int, int] = {}  # each parameter's first layer, by identity
-    tied = []
-    for i, layer in enumerate(layers):
-        holders = {first.setdefault(id(weight), i) for weight in layer.parameters()}
-        tied.append(holders.pop() if len(holders) == 1 and i not in holders else -1)
-    return tied
 
 
 def shared_weights(layer: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:

@@ -13,7 +13,7 @@ import inspect
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -113,6 +113,17 @@ class Model:
         if self.classifier:
             scores["accuracy"] = float((output.argmax(-1) == target).float().mean())
         return scores
+
+
+def tied_layers(layers: Sequence[nn.Module]) -> list[int]:
+    """Per layer, the earlier layer whose parameters are all of its own (`LayerCount.tied_layer`: a tied head's are
+    the embedding's, the one Parameter transformers gives both), else -1."""
+    first: dict[int, int] = {}  # each parameter's first layer, by identity
+    tied = []
+    for i, layer in enumerate(layers):
+        holders = {first.setdefault(id(weight), i) for weight in layer.parameters()}
+        tied.append(holders.pop() if len(holders) == 1 and i not in holders else -1)
+    return tied
 
 
 def classification_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
