@@ -221,13 +221,12 @@ def test_a_tied_heads_weights_are_the_embeddings_held_once_where_a_stage_holds_b
                                  "-s", "1f1b", "--allocator", "none")
         return [device["peak_memory_parts_mb"] for device in result["devices"]]
 
-    weights = ("parameters", "gradients", "optimizer_state")
-    for part in weights:
-        (one,), (whole,) = parts(tied, 1), parts(untied, 1)
+    (one,), (whole,), apart, untied_apart = parts(tied, 1), parts(untied, 1), parts(tied, 2), parts(untied, 2)
+    for part in ("parameters", "gradients", "optimizer_state"):
         # the head's share of the model's weights (its optimizer state within Adam's step counts a tensor)
         assert whole[part] - one[part] == pytest.approx(whole[part] * embedding / counted["untied"].total(
             "param_bytes"), rel=1e-3), part
-        assert [device[part] for device in parts(tied, 2)] == [device[part] for device in parts(untied, 2)], part
+        assert [device[part] for device in apart] == [device[part] for device in untied_apart], part
 
 
 @needs_transformers
