@@ -850,8 +850,9 @@ class ModelWork:
         fp8 too, as torchtitan reports it (docs/hardware.md), where simulate's said "the GPUs' dense peak" and the
         docs "in the model's dtype" of a model given as fp8; `gpus`: how many (None: each row's own)."""
         whose = "the GPUs'" if gpus is None else f"the {gpus:,} GPUs'"
-        return (f"MFU: model FLOPs (no recomputation; attention's every query-key pair, those the causal mask "
-                f"skips too, as torchtitan counts) per second over {whose} dense peak in {self.peak_dtype}"
+        return (f"MFU: model FLOPs (no recomputation; attention's every query-key pair within a layer's window, "
+                f"those the causal mask skips too, as torchtitan counts) per second over {whose} dense peak in "
+                f"{self.peak_dtype}"
                 + " (under fp8 too)" * self.float8)
 
     def metrics(self, samples_per_s: float, gpus: int) -> dict[str, float | None]:

@@ -440,9 +440,20 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None, context: 
     product for --devices, and the nearest degrees that divide D with the others kept, a C among them only where it
     also splits `seq_len` tokens into 2C equal chunks, as `check_context` asks next (seq_len None: not given), a t
     only where it splits the model (`splits_model`, asked of such a t alone: it counts the model), as the estimate
-    asks next. A C that does not split the sequence so is left to `check_context`'s refusal, which names the Cs that
-    do: a --devices suggested for it was refused in turn."""
+    asks next. A C that does not split the sequence so is refused first, naming the nearest Cs that split both the
+    sequence and D with the other degrees kept (a --devices suggested for it was refused in turn); where none does,
+    `check_context` refuses it next."""
     if context > 1 and seq_len and seq_len % (2 * context):
+        others = math.prod(value for value in (tensor, data) if value)
+        room = 0 if devices % others else devices // others  # what C may divide, the other degrees kept
+        fitting = [n for n in range(2, room + 1) if not room % n and not seq_len % (2 * n)]
+        nearest = [n for n in fitting if n < context][-1:] + [n for n in fitting if n > context][:1]
+        if nearest:
+            raise InputError(f"--context-parallel {context:,} does not split the sequence of {seq_len:,} tokens into "
+                             f"2 x {context:,} equal chunks (the causal load balance); give --context-parallel "
+                             f"{' or '.join(f'{n:,}' for n in nearest)} (C must divide --seq-len / 2 = "
+                             f"{seq_len // 2:,} and --devices {devices:,}" + (" with the other degrees" if others > 1
+                                                                               else "") + ")")
         return
     given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data),
                                                ("--context-parallel", context if context > 1 else None)) if value]

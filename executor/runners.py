@@ -45,7 +45,7 @@ from ..workload.transport import (
 from .experts import dist_experts, thread_experts
 from .replicas import Layout, dist_replicas, thread_replicas
 from .runtime import DeviceLoop, DeviceResult
-from .stages import DivergedError, ExecutorError, RunSpec, cut, heldout_scores
+from .stages import DivergedError, ExecutorError, RunSpec, cut, heldout_scores, training_cut
 
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS))
 
@@ -111,7 +111,7 @@ def run_in_process(spec: RunSpec) -> RunResult:
     rooms, members = thread_replicas(layout, spec.timeout_s)
     exchanges, experts = thread_experts(layout, spec.schedule.expert_parallel, spec.timeout_s)
     rooms += exchanges
-    outputs = cut(spec).outputs  # each rank's cut takes them: one forward finds them
+    outputs = training_cut(spec).outputs  # each rank's cut takes them: one forward finds them
     loops = [DeviceLoop(spec, lowered, cut(spec, outputs=outputs), device, transports[rank], replica=replica,
                         replicas=members[rank], experts=experts[rank])
              for rank, (device, replica) in enumerate(map(layout.place, range(layout.ranks)))]
@@ -533,7 +533,7 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
     (neither timeout counts its time)."""
     lowered = _lowered(spec)
     # fail here, in one line, on a model the schedule cannot be cut into; the ranks' cuts take its layers' outputs
-    outputs = cut(spec).outputs
+    outputs = training_cut(spec).outputs
     world = _layout(spec).ranks
     try:
         choice = choose_transport(device, world, backend=backend)
@@ -709,7 +709,7 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
     world = layout.ranks
     if (refusal := job.world_refusal(spec.schedule, layout)) is not None:
         raise ExecutorError(refusal)
-    stages = cut(spec)
+    stages = training_cut(spec)
     try:
         choice = choose_transport(device, job.local_world_size, backend=backend)
     except (ValueError, TransportError) as exc:

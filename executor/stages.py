@@ -364,7 +364,6 @@ def cut(spec: RunSpec, model: Model | None = None, outputs: LayerOutputs | None 
     else:
         bounds = check_bounds(spec.bounds, layers, p)
     carried = _route(model, bounds, schedule, follows_flags(model.layers))
-    _check_ties(model, bounds)
     outputs = layer_outputs(spec, model) if outputs is None else outputs
     edge_dtypes = {}
     for edge, outs in carried.items():
@@ -392,22 +391,24 @@ def cut(spec: RunSpec, model: Model | None = None, outputs: LayerOutputs | None 
                   {shifted([e], c)[0]: dtype for c in range(copies) for e, dtype in edge_dtypes.items()}, outputs)
 
 
-def _check_ties(model: Model, bounds: Sequence[int]) -> None:
-    """A layer whose weights are another's (a tied head's, the embedding's) trains them as one only on that layer's
-    stage: stages apart would each update a copy with their own gradients alone, where one process (and
-    Megatron-LM, which all-reduces the two copies' gradients) updates one with both."""
-    names = model.layer_names()
-    for layer, tie in enumerate(tied_layers(model.layers)):
+def training_cut(spec: RunSpec, outputs: LayerOutputs | None = None) -> Stages:
+    """`cut`, refused where a layer whose weights are another's (a tied head's, the embedding's) lies on another
+    stage than its tie: each stage would train its copy on its own gradients, where one process (and Megatron-LM,
+    which all-reduces the copies' gradients) trains one on both. Calibration times such stages' passes as they are."""
+    stages = cut(spec, outputs=outputs)
+    names = stages.model.layer_names()
+    for layer, tie in enumerate(tied_layers(stages.model.layers)):
         if tie < 0:
             continue
-        first, last = (bisect.bisect_right(bounds, at) - 1 for at in (tie, layer))
+        first, last = (bisect.bisect_right(stages.bounds, at) - 1 for at in (tie, layer))
         if first != last:
             raise ExecutorError(
                 f"layer {names[layer]}'s weights are layer {names[tie]}'s (tied, as a Hugging Face config's "
-                f"tie_word_embeddings ties its head to its embedding), and stages {first} and {last} would "
-                "each train a copy on its own gradients alone, not as one process trains them: give --stages 1, a cut "
-                "that keeps both on one stage, or an untied config (pipesim's executor does not all-reduce the "
-                "copies' gradients as Megatron-LM does)")
+                f"tie_word_embeddings ties its head to its embedding), and {spec.schedule.method}'s stages {first} "
+                f"and {last} would each train a copy on its own gradients alone, not as one process trains them: "
+                "give --stages 1 with a schedule of one stage a device (-s 1f1b), or an untied config (pipesim's "
+                "executor does not all-reduce the copies' gradients as Megatron-LM does)")
+    return stages
 
 
 HELDOUT_CHUNK_ELEMENTS = 1 << 26  # the most output elements one forward of the held-out set makes: the GPU check's

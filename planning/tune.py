@@ -131,7 +131,7 @@ from ..sim.cluster import Cluster
 from ..sim.costs import Costs, owned_bytes, product_delay
 from ..sim.engine import device_product_ms, simulate, static_bytes, takes_time
 from ..traces import Summary, Trace, summarize
-from ..traces.metrics import percent_text, steady_bubble, steady_compute_ms
+from ..traces.metrics import percent_text, rate_text, steady_bubble, steady_compute_ms
 from ..units import GIB, MIB, count_text, degree_text
 from .auto import activation_ratio, check_shape, schedule_frame
 from .scenario import (
@@ -1018,9 +1018,9 @@ class _Built:
         link, (held, _, experts, grads) = self._data_link(setting, config), self._layer_bytes(setting)
         ranks = self._expert_group(setting, config)
         priced = self._reduces.setdefault((id(setting), config.stages, config.replicas), {})
-        stages = list(zip((held[bounds[1:]] - held[bounds[:-1]]).tolist(),
-                          (experts[bounds[1:]] - experts[bounds[:-1]]).tolist(),
-                          (grads[bounds[1:]] - grads[bounds[:-1]]).tolist(), [True] + [False] * (len(bounds) - 2)))
+        starts, stops = bounds[:-1], bounds[1:]
+        stages = list(zip(held[starts, stops].tolist(), experts[starts, stops].tolist(), grads[starts, stops].tolist(),
+                          [True] + [False] * (len(bounds) - 2)))
         for stage in stages:
             if stage not in priced:  # partitions of a model of like layers cut stages of like bytes
                 nbytes, expert_bytes, grad_bytes, first = stage
@@ -1033,12 +1033,13 @@ class _Built:
         return _per_pipeline(self._expert_groups, setting, config, _expert_ranks)
 
     def _layer_bytes(self, setting: Setting) -> tuple[np.ndarray, bool, np.ndarray, np.ndarray]:
-        """The setting's layers' weights' bytes as prefix sums, whether they form a chain (`_chain_of_layers`), and
-        their routed experts' bytes and their gradients' (as accumulated) as prefix sums, read once: the layer
-        bounds ask for them on every partition."""
+        """The setting's layers' weights' bytes over every range of them ([i, j]: layers i .. j-1, a tied layer's
+        once where its tie is among them: `range_sums`), whether they form a chain (`_chain_of_layers`), and their
+        routed experts' bytes and their gradients' (as accumulated) alike, read once: the layer bounds ask for them
+        on every partition."""
         if id(setting) not in self._layers:
             layers = setting.scenario.measured.layers
-            held, experts, grads = (np.concatenate([[0], np.cumsum([getattr(layer, name) for layer in layers])])
+            held, experts, grads = (range_sums((getattr(layer, name) for layer in layers), tied_pairs(layers))
                                     for name in ("param_bytes", "expert_param_bytes", "grad_bytes"))
             self._layers[id(setting)] = held, _chain_of_layers(setting.scenario.measured), experts, grads
         return self._layers[id(setting)]
@@ -3431,7 +3432,8 @@ def _staler_note(staler: Row, choice: Result, unsimulated: StalerBound | None = 
     most = (f", up to {_percent(unsimulated.max_samples_per_s / choice.samples_per_s - 1)} more by the bounds of the "
             f"{count_text(unsimulated.configurations, 'stale configuration')} not simulated" if unsimulated else "")
     return (f"at staleness {result.staleness}, {result.config.label()}{same} fits and gives "
-            f"{result.samples_per_s:,.1f} samples/s, {_percent(gain / choice.samples_per_s)} ({gain:,.1f}) more than "
+            f"{rate_text(result.samples_per_s)} samples/s, {_percent(gain / choice.samples_per_s)} ({rate_text(gain)}) "
+            "more than "
             f"{choice.config.label()}{most}; it trains on stale weights: --max-staleness {result.staleness} allows it")
 
 

@@ -709,7 +709,7 @@ class Profile(_Strict):
         says (planning/scenario.py `held_weights`)."""
         if self.estimate is not None:
             return 0
-        return sum(layer.optimizer_state_bytes[MASTER_ONLY] for layer in self.layers[start:stop])
+        return sum(layer.optimizer_state_bytes[MASTER_ONLY] for layer in owners(self.layers, start, stop))
 
     def describe(self) -> dict:
         """What the profile measured, as a prediction made from it records it: the model and the setting its

@@ -242,8 +242,16 @@ def test_a_tied_model_trains_as_one_process_on_one_stage_and_is_refused_across_t
     code, out, err = pipesim("run", "--model", tied, "--profile", profile, "-s", "1f1b", "-p", 2, "-m", 2, "-n", 1,
                              "--trace", tmp_path / "t.json")
     assert (code, out) == (2, "") and len(err.strip().splitlines()) == 1, err
-    assert "weights are layer 0:Embedding's (tied" in err and "give --stages 1" in err, err
+    assert "weights are layer 0:Embedding's (tied" in err and "1f1b's stages 0 and 1" in err, err
     assert not (tmp_path / "t.json").exists()
+    from pipesim.executor import ExecutorError, RunSpec
+    from pipesim.executor.stages import cut, training_cut
+    from tests.conftest import build
+
+    spec = RunSpec(build("1f1b", 2, 2, 1), tied, {"seq_len": 24}, microbatch_size=1)
+    assert cut(spec).bounds == [0, 3, 5]  # calibrate times each stage's passes (a review: it had been refused)
+    with pytest.raises(ExecutorError, match="would each train a copy"):
+        training_cut(spec)
 
 
 @needs_transformers

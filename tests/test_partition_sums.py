@@ -60,3 +60,20 @@ def test_every_ranges_weights_hold_a_tied_layers_once_where_its_tie_is_in_the_ra
             assert table[i, j] == held == sum(sizes[at] for at in owned_at(layers, i, j))
             assert stage_memory_bytes(layers, i, j, 0, 1) == held
     assert np.array_equal(range_sums(sizes), range_sums(sizes, ()))
+
+
+def test_a_profiles_master_copy_holds_a_tied_layers_weights_once_where_its_tie_is_in_the_range():
+    """A calibration's float32 masters of a tied head are the embedding's: a review found `Profile.master_bytes`
+    counted them twice at p = 1 (avgpipe's parameters 1.0898 MiB where 0.9648 are held)."""
+    from pathlib import Path
+
+    from pipesim.profiles.schema import MASTER_ONLY, load_profile
+
+    profile = load_profile(Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json")
+    last = len(profile.layers) - 1
+    layers = [layer.model_copy(update={"optimizer_state_bytes": {**layer.optimizer_state_bytes, MASTER_ONLY: 8 + i},
+                                       "tied_layer": 0 if i == last else -1})
+              for i, layer in enumerate(profile.layers)]
+    tied = profile.model_copy(update={"layers": layers})
+    assert tied.master_bytes(0, last + 1) == sum(8 + i for i in range(last))
+    assert tied.master_bytes(1, last + 1) == sum(8 + i for i in range(1, last + 1))

@@ -75,6 +75,7 @@ KINDS = {  # name: the flags of `tune --gpu` after the model's (a large vocabula
     "estimate, torch's tensor-parallel overlapped": ("--tensor-parallel", 2, "--sequence-parallel", "--tp-runtime",
                                                      "torch", "--tp-overlap"),
     "hf config": (TINY_LLAMA,),
+    "hf config, tied head": ({**TINY_LLAMA, "tie_word_embeddings": True},),
     "hf config, experts over 2 ranks": (TINY_QWEN3_MOE, "--expert-parallel", 2),
     "estimated, context-parallel experts": Estimated(("-p", 2, "--data-parallel", 2, "--context-parallel", 2,
                                                       *EXPERTS, "--expert-parallel", 2, "--attention", "flash")),

@@ -61,13 +61,20 @@ def test_a_degree_that_does_not_divide_the_devices_is_named_with_what_would():
 def test_a_context_degree_that_does_not_split_the_sequence_is_refused_for_that_before_any_devices_are_suggested():
     """New-user pass: C = 3 of 16 devices at 8,192 tokens was told "give --devices 15 or 18", then at 18 that C = 3
     does not split the sequence into 2C chunks. The sequence's refusal comes first, naming the Cs that split both."""
-    _check_degrees(16, None, None, 3, 8192, _splits_any)  # left to check_context
+    with pytest.raises(InputError) as both:
+        _check_degrees(16, None, None, 3, 8192, _splits_any)
+    assert str(both.value).endswith("give --context-parallel 2 or 4 (C must divide --seq-len / 2 = 4,096 and "
+                                    "--devices 16)")
+    with pytest.raises(InputError) as devices:  # a review: 4 or 8 were named, and 8 does not divide 12
+        _check_degrees(12, None, None, 5, 8192, _splits_any)
+    assert "give --context-parallel 4 (C must divide" in str(devices.value)
+    _check_degrees(12, 3, 4, 5, 8192, _splits_any)  # no C of 2 or more divides 12 / (3 x 4): left to check_context
     with pytest.raises(InputError):
         _check_degrees(16, None, None, 3, 6144, _splits_any)  # 3 splits 6,144 into 6 chunks: the devices refuse it
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
                              "--seq-len", 8192, "--attention", "flash", "--devices", 16, "--context-parallel", 3)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert "--context-parallel 3 does not split the sequence of 8,192 tokens" in err and "--devices" not in err, err
+    assert "--context-parallel 3 does not split the sequence of 8,192 tokens" in err and "give --devices" not in err
 
 
 @pytest.mark.parametrize(("experts", "searched"), [((), "t, b, recomputation and p"),
