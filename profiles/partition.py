@@ -53,7 +53,7 @@ class LayerCost:
     """What the partitioner needs of one layer. `shared_with_previous_bytes`: part of its saved activations
     that the layer before it saves too (a ReLU output the next Linear keeps as its input), counted once
     when both are in one stage. `follows_previous`: no stage may start at it (`starts_refusal`). `tied_layer`: the
-    earlier layer whose weights are its own (a tied head's, the embedding's; -1: none), its `static_bytes` held
+    earlier layer whose weights this one's are (a tied head's, the embedding's; -1: none), its `static_bytes` held
     once where a stage holds both (`tied_pairs`)."""
 
     ms: float
@@ -76,7 +76,7 @@ def stage_memory_bytes(layers: Sequence[LayerCost], start: int, stop: int, stage
 
 
 def tied_pairs(layers: Sequence) -> list[tuple[int, int]]:
-    """(layer, the earlier layer whose weights are its own) for each tied layer of `layers` (LayerCost,
+    """(layer, the earlier layer whose weights its weights are) for each tied layer of `layers` (LayerCost,
     LayerProfile or LayerCount: each has `tied_layer`)."""
     return [(i, layer.tied_layer) for i, layer in enumerate(layers) if layer.tied_layer >= 0]
 
