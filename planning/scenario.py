@@ -990,10 +990,7 @@ class StageMemory:
     def stage(self, sched: Schedule, s: int) -> np.ndarray:
         """Model stage s alone at its most: its device's peak is at most its stages' sum (their peaks need not
         coincide, and one pass's transient runs at a time where pairs do not overlap), what the cut is found by."""
-        device = sched.placement[s]
-        stages = sched.stages_on(device)
-        column = stages.index(s)
-        counts = np.unique(self.together[device][:, [column, column + len(stages)]], axis=0)
+        counts = _stage_counts(self.together, sched, s)
         most = np.max([forward * self.activations + until_w * self.held_until_w for forward, until_w in counts],
                       axis=0, initial=0)
         return self.held[s] + self.transient + most
@@ -1039,6 +1036,20 @@ def _range_maxima(values: Sequence[int]) -> np.ndarray:
     for i in range(len(values)):
         maxima[i, i + 1:] = np.maximum.accumulate(values[i:])
     return maxima
+
+
+def stage_held_counts(sched: Schedule) -> list[np.ndarray]:
+    """Per model stage, every distinct (micro-batches it holds from their forward, those it holds from their
+    input-gradient pass until their weight pass) at once, as `StageMemory.stage` weighs them (tune's partition)."""
+    together = _held_together(sched)
+    return [_stage_counts(together, sched, s) for s in range(sched.num_stages)]
+
+
+def _stage_counts(together: list[np.ndarray], sched: Schedule, s: int) -> np.ndarray:
+    """Model stage s's columns of its device's `_held_together` rows, each distinct pair once."""
+    stages = sched.stages_on(sched.placement[s])
+    column = stages.index(s)
+    return np.unique(together[sched.placement[s]][:, [column, column + len(stages)]], axis=0)
 
 
 def _held_together(sched: Schedule) -> list[np.ndarray]:

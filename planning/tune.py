@@ -85,6 +85,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..profiles.partition import (
+    MostOfRanges,
     OverCapError,
     ScaledRanges,
     activation_ranges,
@@ -104,6 +105,7 @@ from ..profiles.schema import (
     stage_waits_ms,
     step_shares,
     step_totals,
+    wgrad_held_ranges,
 )
 from ..profiles.workload import layers_text, most_stages
 from ..schedules import (
@@ -128,7 +130,7 @@ from ..schedules import (
 from ..schedules.ranks import estimated_experts_refusal
 from ..schedules.rivals import least_microbatch_group
 from ..sim.cluster import Cluster
-from ..sim.costs import Costs, owned_bytes, product_delay
+from ..sim.costs import WGRAD_ACTIVATION_FRACTION, Costs, owned_bytes, product_delay, wgrad_held
 from ..sim.engine import device_product_ms, simulate, static_bytes, takes_time
 from ..traces import Summary, Trace, summarize
 from ..traces.metrics import percent_text, rate_text, steady_bubble, steady_compute_ms
@@ -142,6 +144,7 @@ from .scenario import (
     held_weights,
     over_expert_groups,
     profile_costs,
+    stage_held_counts,
 )
 
 RUNNERS_UP = 5
@@ -2088,6 +2091,12 @@ class _Order:
     def lingering(self) -> tuple[int, ...]:
         return self.held[1]
 
+    @cached_property
+    def held_counts(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per stage, every distinct (micro-batches held from their forward, from their input-gradient pass until
+        their weight pass) at once (planning/scenario.py `stage_held_counts`): what its partition weighs."""
+        return tuple(tuple(map(tuple, counts.tolist())) for counts in stage_held_counts(self.schedule))
+
     def __getstate__(self) -> dict:
         """Sent to a worker without `steps`: it reads its own rows there, cheaper than pickling them here."""
         return {**self.__dict__, "steps": {}}
@@ -2244,7 +2253,7 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
     order = orders(setting.scenario, planned, params)
     policy = order.schedule.policy
     bounds = split(order.schedule.num_stages, pipelines, tuple(map(tuple, order.per_step.tolist())),
-                   policy.extra_copies, policy.master_copies, order.in_flight, order.lingering,
+                   policy.extra_copies, policy.master_copies, order.held_counts, order.lingering,
                    problem.memory_cap_bytes, device_stages(order.schedule, order.schedule.num_stages))
     return params, short, order, bounds
 
@@ -3046,6 +3055,9 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     owned = range_sums((owned_bytes(layer.param_bytes, *held_weights(profile, i, i + 1, layer.param_bytes))
                         for i, layer in enumerate(profile.layers)), tied)
     activations = activation_ranges(layers)
+    # what a split backward's stage holds from its I until its W ends, as the simulator and simulate's fit hold it
+    until_w = np.add(*wgrad_held(activations, *wgrad_held_ranges(profile.layers, activations),
+                                 WGRAD_ACTIVATION_FRACTION))
     sent = np.array([layer.output_bytes for layer in profile.layers[:-1]] + [0])
     # an activation and a gradient in transfer at each boundary: into the stage's first layer, out of its last
     boundary = 2 * np.concatenate([[0], sent])  # [i]: what layer i receives (and its gradient), as layer i-1 sends
@@ -3067,8 +3079,8 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
 
     @cache
     def split(stages: int, pipelines: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
-              master_copies: int, in_flight: tuple[int, ...], lingering: tuple[int, ...], device_bytes: int,
-              devices: tuple[tuple[int, ...], ...]) -> list[int]:
+              master_copies: int, held_counts: tuple[tuple[tuple[int, int], ...], ...], lingering: tuple[int, ...],
+              device_bytes: int, devices: tuple[tuple[int, ...], ...]) -> list[int]:
         summed = summed_ms(pipelines)
         held = pipelines * static + buffers
         times = cache(lambda weights: summed @ np.array(weights))  # stages that run the same ops share theirs
@@ -3079,7 +3091,13 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
         copies = ((tuple(extra_copies - master_copies + count for count in lingering), params),)
         if master_copies:
             copies += (((master_copies,) * stages, owned),)
-        stage_bytes = ScaledRanges(held, (*copies, (in_flight, activations)))
+        # each stage's micro-batches at once (`_Order.held_counts`): so many with their activations whole, so many more
+        # with what their W reads, in a few combinations, a row of memory each
+        rows = max(map(len, held_counts))
+        stage_bytes = MostOfRanges(tuple(
+            ScaledRanges(held, (*copies, *((tuple(counts[min(r, len(counts) - 1)][side] for counts in held_counts),
+                                            table) for side, table in ((0, activations), (1, until_w)))))
+            for r in range(rows)))
         most_held = max(map(len, devices))
         try:
             cut = partition(layers, stages, device_bytes, stage_bytes, stage_time, devices)
@@ -3111,7 +3129,7 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     return split
 
 
-def _fits_devices(stage_bytes: ScaledRanges, cut: list[int], devices: Sequence[Sequence[int]],
+def _fits_devices(stage_bytes: ScaledRanges | MostOfRanges, cut: list[int], devices: Sequence[Sequence[int]],
                   device_bytes: int) -> bool:
     """Whether each device holds the stages it runs (`devices`, per device, as `partition` takes them) of `cut`
     within `device_bytes`, each stage's bytes as `stage_bytes` counts them."""

@@ -138,6 +138,24 @@ class ScaledRanges:
         return total
 
 
+@dataclass(frozen=True)
+class MostOfRanges:
+    """Stage costs that are the most of several `ScaledRanges`, each a way a stage may hold its micro-batches at once
+    (a split backward's: so many from their forward with all their activations, so many more from their input-gradient
+    pass with what their weight pass reads, in a few combinations, none the most for every range)."""
+
+    rows: tuple[ScaledRanges, ...]
+
+    def __call__(self, k: int) -> np.ndarray:
+        return np.maximum.reduce([row(k) for row in self.rows])
+
+    def at(self, k: int, start: int, stop: int) -> int:
+        return max(row.at(k, start, stop) for row in self.rows)
+
+    def blocks(self, n: int, p: int) -> np.ndarray:
+        return np.maximum.reduce([row.blocks(n, p) for row in self.rows])
+
+
 def _bands(table: np.ndarray, n: int, p: int) -> np.ndarray:
     """A read-only view [k, r, c] of `table`'s entry [k + r, k + 1 + c], the ranges stage k of p may hold
     (`_stage_blocks`)."""
@@ -609,7 +627,7 @@ def _stage_blocks(n: int, p: int, cost: StageCosts, above: float | None = None) 
     non-empty stages can hold (it starts at k .. n-p+k and ends at k+1 .. n-p+k+1), r > c no range; or, given
     `above`, whether that cost is over it (a cap: one byte an entry, read off each stage's costs as they come)."""
     m = n - p + 1
-    if isinstance(cost, ScaledRanges):
+    if isinstance(cost, (ScaledRanges, MostOfRanges)):
         blocks = cost.blocks(n, p)
         return blocks.astype(float) if above is None else blocks > above
     blocks = np.empty((p, m, m), dtype=float if above is None else bool)  # floats as the split compares them

@@ -31,6 +31,9 @@ OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 # that find their multiprocessors held run their tiles after the others' (`product_delay`; a held pass's products,
 # planning/estimate.py `op_ms`)
 HELD_PRODUCT_SLOWDOWN = 2
+# The share of a micro-batch's activations a split backward keeps from its I until its W where a stage does not say
+# (`Costs.wgrad_activation_fraction`'s default)
+WGRAD_ACTIVATION_FRACTION = 0.5
 # A time in one unit throughout: the engine's integer picoseconds, or ms (`held_compute`)
 Time = TypeVar("Time", int, float)
 # A span that joins none before it (`held_compute`): NaN compares false with every end, even a kernel's that never
@@ -515,7 +518,7 @@ class Costs:
 
     stages: tuple[StageCosts, ...]
     microbatch_size: int = 1
-    wgrad_activation_fraction: float = 0.5
+    wgrad_activation_fraction: float = WGRAD_ACTIVATION_FRACTION
     overhead: RowOverhead = RowOverhead()
     kept_gradients: float = 0.0
     recv_window: int = 0

@@ -141,3 +141,24 @@ def test_where_no_cut_for_time_fits_one_cut_again_for_the_cap_less_its_overrun_m
     assert simulated["samples_per_s"] == pytest.approx(choices[41]["samples_per_s"], rel=1e-12)
     assert simulated["peak_memory_mb"] / 1024 == pytest.approx(choices[41]["peak_memory_gib"], rel=1e-12)
     assert choices[41]["peak_memory_gib"] <= 41
+
+
+def test_a_split_backwards_partition_weighs_what_its_weight_passes_hold():
+    """ZB-H1 holds what each deferred W reads from its I until the W, most on its last stages (the simulator and
+    simulate's fit weigh it); tune's partition weighed 1F1B's micro-batches alone, so it packed the last stages and
+    said the least any cut needs is 30.5 GiB, where a cut of 23.1 fits (a new user's pass: a Llama 3.1 70B layout
+    refused at 60 GiB, needing "88.2", fits in 58.7). The choice is what its simulate line gives."""
+    zb_h1 = ("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 24, "--width", 4096, "--heads", 32,
+             "--seq-len", 4096, "--attention", "flash", "-D", 8, "-s", "zb-h1", "--tensor-parallel", 1,
+             "--data-parallel", 1, "--recompute", "none", "-b", 1, "-B", 64)
+    code, _, err = pipesim(*zb_h1, "--memory-gb", 22)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        "error: --memory-gb: no configuration fits in 22 GiB; the least memory any needs is 23.1 GiB per device"), err
+    code, out, err = pipesim(*zb_h1, "--memory-gb", 25, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    choice = document["choice"]
+    assert choice["peak_memory_gib"] <= 25
+    [simulated] = simulate_json(*document["simulate_command"].split()[2:])
+    assert max(device["peak_memory_mb"] for device in simulated["devices"]) / 1024 == pytest.approx(
+        choice["peak_memory_gib"], rel=1e-6)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from pipesim.planning import tune as tuning
-from pipesim.traces.metrics import percent_text
+from pipesim.traces.metrics import percent_text, rate_text
 from tests.helpers import differences, exhaustive, gpt_on_8
 
 LOOSE = 1e6  # samples/s: a bound no candidate reaches, so still a bound
@@ -59,8 +59,8 @@ def test_the_note_stops_at_the_first_stale_configuration_that_beats_the_choice_a
     choice = found.choice.result.samples_per_s
     gain, most = slowest.samples_per_s / choice - 1, bound.max_samples_per_s / choice - 1
     note = next(n for n in found.notes if "--max-staleness" in n)
-    assert note.startswith(f"at staleness 1, spectrain p=8 fits and gives {slowest.samples_per_s:,.1f} samples/s, "
-                           f"{percent_text(gain)} ") and most > gain
+    assert note.startswith(f"at staleness 1, spectrain p=8 fits and gives {rate_text(slowest.samples_per_s)} "
+                           f"samples/s, {percent_text(gain)} ") and most > gain
     assert f"more than 1f1b p=4, up to {percent_text(most)} more by the bounds of the {bound.configurations} stale " \
            "configurations not simulated; it trains on stale weights" in note, note
     document = found.to_dict()["staler_winner"]
@@ -80,5 +80,5 @@ def test_the_note_is_exact_where_nothing_unsimulated_could_beat_the_configuratio
     assert found.staler.result.config.label() == "pipedream p=4" and found.staler_bound is None
     assert found.staler.twins == []
     note = next(n for n in found.notes if "--max-staleness" in n)
-    assert note.startswith("at staleness 1, pipedream p=4 fits and gives 8.6 samples/s") and "up to" not in note
+    assert note.startswith("at staleness 1, pipedream p=4 fits and gives 8.63 samples/s") and "up to" not in note
     assert found.to_dict()["staler_winner"]["bound_samples_per_s"] is None
