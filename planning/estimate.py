@@ -3115,6 +3115,24 @@ def tensor_split_refusal(options: dict[str, Any], tensor: int, expert_tensor: in
     """Why `tensor` ranks cannot split the model counted with `options` (None: they can): Megatron splits its heads,
     key/value heads and MLP width over the t ranks, an expert's MLP width over `expert_tensor` (ETP) where given,
     else over t. The line starts with the Parallelism field to blame, as the estimate's refusals do."""
+    refusal = _unsplit(options, tensor, expert_tensor)
+    if refusal is None:
+        if options.get("sparse_attention_keys") and tensor > 1:
+            return (f"tensor: {tensor} ranks would each run the whole indexer of the model's sparse attention, which "
+                    "Megatron-core duplicates on every tensor-parallel rank over the gathered sequence, and pipesim "
+                    "does not price so yet: give 1")
+        return None
+    field_name, ranks, size, what = refusal
+    splits = [n for n in range(1, max(size, ranks) + 1) if _unsplit(options, *(
+        (n, expert_tensor) if field_name == "tensor" else (tensor, n))) is None]
+    nearest = [n for n in splits if n < ranks][-1:] + [n for n in splits if n > ranks][:1]
+    instead = f": give {{{field_name}}} {' or '.join(f'{n:,}' for n in nearest)}" if nearest else ""
+    return f"{field_name}: {ranks} does not divide the model's {size:,} {what}{instead}"
+
+
+def _unsplit(options: dict[str, Any], tensor: int, expert_tensor: int | None) -> tuple[str, int, int, str] | None:
+    """`tensor_split_refusal`'s first size that the ranks do not divide: (the field to blame, its ranks, the size,
+    what it is), None where they divide every one."""
     expert_split = ("tensor", tensor) if expert_tensor is None else ("expert_tensor", expert_tensor)
     for name, what, (field_name, ranks) in (("heads", "heads", ("tensor", tensor)),
                                             ("kv_heads", "key/value heads", ("tensor", tensor)),
@@ -3126,11 +3144,7 @@ def tensor_split_refusal(options: dict[str, Any], tensor: int, expert_tensor: in
                                             ("linear_value_heads", "gated delta rule value heads", ("tensor", tensor))):
         size = options.get(name)
         if size and size % ranks:
-            return f"{field_name}: {ranks} does not divide the model's {size:,} {what}"
-    if options.get("sparse_attention_keys") and tensor > 1:
-        return (f"tensor: {tensor} ranks would each run the whole indexer of the model's sparse attention, which "
-                "Megatron-core duplicates on every tensor-parallel rank over the gathered sequence, and pipesim does "
-                "not price so yet: give 1")
+            return field_name, ranks, size, what
     return None
 
 

@@ -28,7 +28,8 @@ HUGE = ("--model", "gpt", "--layers", "4", "--width", "16384", "--heads", "16", 
     (("simulate", *GPU, *SMALL, "--profile", "x.json"), "--profile: --gpu estimates the costs"),
     (("simulate", *GPU, *SMALL, "--recompute", "some"), "--recompute: choose from none, selective, full"),
     (("simulate", *GPU, *SMALL, "--dtype", "int8"), "--dtype: choose from fp32, bf16"),
-    (("simulate", *GPU, *SMALL, "--tensor-parallel", "3"), "--tensor-parallel 3 does not divide the model's 4 heads"),
+    (("simulate", *GPU, *SMALL, "--tensor-parallel", "3"), "--tensor-parallel 3 does not divide the model's 4 heads: "
+     "give --tensor-parallel 2"),  # the nearest that splits every size: 4 does not split its 2 key/value heads
     (("simulate", *GPU, *SMALL, "--kv-heads", "2", "--tensor-parallel", "4"),
      "--tensor-parallel 4 does not divide the model's 2 key/value heads"),
     (("simulate", *GPU, *SMALL, "--ffn", "90", "--tensor-parallel", "4"),

@@ -175,7 +175,8 @@ def test_a_mixture_of_experts_with_no_dense_mlp_is_counted_at_its_experts_width(
     assert (counted.options["ffn"], counted.options["expert_ffn"]) == (24, 24)
     code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", f"hf:{folder}", "--seq-len", S, "-p", 1,
                              "--tensor-parallel", 16)
-    assert (code, out) == (2, "") and err.strip() == "error: --tensor-parallel 16 does not divide the model's 4 heads"
+    assert (code, out) == (2, "")
+    assert err.strip() == "error: --tensor-parallel 16 does not divide the model's 4 heads: give --tensor-parallel 2"
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
