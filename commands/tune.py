@@ -928,10 +928,12 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
         add(mark, row, style={"best": "bold", "over": "dim"}.get(mark))
     print_table_last_below(table, [f"{mark} {row.result.config.label()}" for mark, row in marked])
     bounds = tuning.choice.result.candidate.bounds
+    config = tuning.choice.result.config
+    collectives = ("one replica: no data-parallel collective" if config.replicas == 1 else
+                   f"{'reduce-scatter and all-gather' if config.zero else 'all-reduce'} "
+                   f"{significant_ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step")
     print_paragraph("partition (layers per model stage): " + " | ".join(
-        f"{a:,}-{b - 1:,}" if b - a > 1 else f"{a:,}" for a, b in pairwise(bounds)) + "; "
-        f"{'reduce-scatter and all-gather' if tuning.choice.result.config.zero else 'all-reduce'} "
-        f"{significant_ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step")
+        f"{a:,}-{b - 1:,}" if b - a > 1 else f"{a:,}" for a, b in pairwise(bounds)) + f"; {collectives}")
     stdout.print("the choice, as simulate gives it:\n" + _shell_lines(command, available_width(stdout)),
                  highlight=False, soft_wrap=True)
     print_paragraph(search_summary(stats, estimates_s))

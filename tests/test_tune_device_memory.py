@@ -160,5 +160,7 @@ def test_a_split_backwards_partition_weighs_what_its_weight_passes_hold():
     choice = document["choice"]
     assert choice["peak_memory_gib"] <= 25
     [simulated] = simulate_json(*document["simulate_command"].split()[2:])
+    code, out, err = pipesim(*zb_h1, "--memory-gb", 25)  # d = 1 said "all-reduce 0 ms per step"
+    assert code == 0 and "; one replica: no data-parallel collective" in " ".join(out.split()), err
     assert max(device["peak_memory_mb"] for device in simulated["devices"]) / 1024 == pytest.approx(
         choice["peak_memory_gib"], rel=1e-6)
