@@ -457,7 +457,8 @@ def test_search_equals_exhaustive_search_over_random_costs(seed):
 
 def test_a_step_over_a_second_says_what_it_does_on_stderr_when_piped(monkeypatch):
     """Piped, a long search must not look hung: one line once a step passes NOTE_AFTER_S (a second; 0.2 s here, the
-    same rule, a second sooner); a quick one says nothing."""
+    same rule, a second sooner), then how far it is at most every PIPED_EVERY_S (a 70B's search over 64 GPUs said
+    nothing more for 50 s: a new user's pass); a quick one says nothing."""
     import contextlib
     import io
     import time
@@ -466,14 +467,16 @@ def test_a_step_over_a_second_says_what_it_does_on_stderr_when_piped(monkeypatch
     from pipesim.commands.tune import _working
 
     monkeypatch.setattr(tune, "NOTE_AFTER_S", 0.2)
+    monkeypatch.setattr("pipesim.commands.tables.PIPED_EVERY_S", 0.3)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         with _working("estimating") as report:
-            assert report is None  # no terminal: no status to update
+            report("estimating: 1 done")  # within PIPED_EVERY_S of the start: not said
             time.sleep(0.5)
-        with _working("searching"):
-            pass
-    assert err.getvalue() == "tune: estimating ...\n"
+            report("estimating: 2 done")
+        with _working("searching") as report:
+            report("searching: 3 built")
+    assert err.getvalue() == "tune: estimating ...\ntune: estimating: 2 done\n"
 
 
 @pytest.mark.parametrize(("flags", "refusal"), [
