@@ -826,7 +826,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     --gpu's estimates' seconds, which the search's summary gives after its own (None: a profile's);
     `orders_searched`: whether the settings were estimated in both rank orders (a "ranks" column, or its one value
     in the caption)."""
-    from ..planning.tune import memory_text, significant_ms_text
+    from ..planning.tune import cut_text, memory_text, significant_ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
     tensor, context, expert = measured.estimated_degrees  # with --gpu, t and E are each row's
@@ -933,8 +933,7 @@ def _print_tuning(tuning, measured, work: dict, replicas_given: bool, command: l
     collectives = ("one replica: no data-parallel collective" if config.replicas == 1 else
                    f"{'reduce-scatter and all-gather' if config.zero else 'all-reduce'} "
                    f"{significant_ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step")
-    print_paragraph("partition (layers per model stage): " + " | ".join(
-        f"{a:,}-{b - 1:,}" if b - a > 1 else f"{a:,}" for a, b in pairwise(bounds)) + f"; {collectives}")
+    print_paragraph(f"partition (layers per model stage): {cut_text(bounds)}; {collectives}")
     stdout.print("the choice, as simulate gives it:\n" + _shell_lines(command, available_width(stdout)),
                  highlight=False, soft_wrap=True)
     print_paragraph(search_summary(stats, estimates_s))

@@ -2019,7 +2019,11 @@ def explain(result: Result, choice: Result, problem: Problem) -> str:
     if result.staleness > problem.max_staleness:
         limits.append(f"staleness {result.staleness} > {problem.max_staleness}")
     if result.peak_memory_bytes > problem.memory_cap_bytes:
-        limits.append(f"over memory: {_apart(result.peak_memory_bytes, problem.memory_cap_bytes, memory_text, '>')}")
+        # the choice's own configuration on another cut (its cut for time) reads as the choice row for row: its cut
+        cut = (f" on layers {cut_text(result.candidate.bounds)}"
+               if result.config == choice.config and result.candidate.bounds != choice.candidate.bounds else "")
+        limits.append(f"over memory: {_apart(result.peak_memory_bytes, problem.memory_cap_bytes, memory_text, '>')}"
+                      f"{cut}")
     if limits:
         return f"{'; '.join(limits)} ({_percent(result.samples_per_s / choice.samples_per_s - 1)} faster)"
     if result is choice:
@@ -2029,6 +2033,11 @@ def explain(result: Result, choice: Result, problem: Problem) -> str:
     if result.peak_memory_bytes > choice.peak_memory_bytes:
         return f"as fast, more memory: {_apart(result.peak_memory_bytes, choice.peak_memory_bytes, memory_text)}"
     return f"as fast and lean, staleness {result.staleness} vs {choice.staleness}"  # else it would be a twin
+
+
+def cut_text(bounds: Sequence[int]) -> str:
+    """The layers each model stage holds: "0-1 | 2-3 | 4-6" (tune's partition line and its rows)."""
+    return " | ".join(f"{a:,}-{b - 1:,}" if b - a > 1 else f"{a:,}" for a, b in itertools.pairwise(bounds))
 
 
 def _slower_part(result: Result, choice: Result) -> str:

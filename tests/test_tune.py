@@ -613,7 +613,7 @@ def test_a_runner_ups_reason_shows_its_figures_apart():
 
     def result(samples_per_s: float, step_ms: float, busiest_ms: float, bubble: float, gib: float = 1.0):
         return SimpleNamespace(staleness=0, peak_memory_bytes=gib * GIB, samples_per_s=samples_per_s,
-                               step_ms=step_ms, bubble_fraction=bubble,
+                               step_ms=step_ms, bubble_fraction=bubble, config=(samples_per_s, step_ms),
                                candidate=SimpleNamespace(busiest_ms=busiest_ms))
 
     problem = SimpleNamespace(max_staleness=0, memory_cap_bytes=1 << 40)

@@ -42,6 +42,8 @@ def test_where_no_cut_for_time_fits_the_leanest_cut_that_fits_is_the_answer():
     assert choice["peak_memory_gib"] <= 13 < over[0]["peak_memory_gib"]
     assert choice["samples_per_s"] < over[0]["samples_per_s"]
     assert any("the fastest configuration that fits on its leanest cut" in note for note in document["notes"])
+    # the choice's configuration on its cut for time reads as the choice but for its cut, which its row names
+    assert over[0]["why"] == "over memory: 14.4 GiB > 13 GiB on layers 0-2 | 3-5 | 6-7 | 8-9 (0.9% faster)"
     code, out, err = pipesim("tune", *GPT_16K, "-D", 2, "--memory-gb", 10)
     # the last line: a search over a second says so on the line before (commands/tune.py `_working`)
     assert code == 2 and err.strip().splitlines()[-1].startswith(
