@@ -3123,7 +3123,8 @@ def tensor_split_refusal(options: dict[str, Any], tensor: int, expert_tensor: in
                     "does not price so yet: give 1")
         return None
     field_name, ranks, size, what = refusal
-    splits = [n for n in range(1, max(size, ranks) + 1) if _unsplit(options, *(
+    divisors = sorted({d for k in range(1, math.isqrt(size) + 1) if not size % k for d in (k, size // k)})
+    splits = [n for n in divisors if _unsplit(options, *(  # each must divide `size`: its divisors, not up to ranks
         (n, expert_tensor) if field_name == "tensor" else (tensor, n))) is None]
     nearest = [n for n in splits if n < ranks][-1:] + [n for n in splits if n > ranks][:1]
     instead = f": give {{{field_name}}} {' or '.join(f'{n:,}' for n in nearest)}" if nearest else ""
