@@ -2926,8 +2926,8 @@ def _cut_accumulates_ms(profile: Profile, bounds: list[int]) -> np.ndarray:
         return np.zeros(len(bounds) - 1)
     total_ms = math.fsum(s.accumulate.median_ms for s in stages)
     total_bytes = sum(s.param_bytes for s in stages) or 1
-    return np.array([total_ms * sum(layer.param_bytes for layer in owners(profile.layers, start, stop)) / total_bytes
-                     for start, stop in zip(bounds, bounds[1:])])
+    return np.array([total_ms * (sum(layer.param_bytes for layer in owners(profile.layers, start, stop))
+                                 / total_bytes) for start, stop in zip(bounds, bounds[1:])])
 
 
 def _sends_hold(schedule: Schedule, holds: bool, links: Cluster) -> bool:

@@ -11,7 +11,8 @@ import pytest
 from pipesim.sim.costs import MAX_BYTES, MAX_MS, CostError, StageCosts
 
 NUMBERS = [field for field in dataclasses.fields(StageCosts)
-           if field.type in ("float", "int", "float | None", "int | None") and field.name != "wgrad_fraction"]
+           if field.type in ("float", "int", "float | None", "int | None")
+           and field.name not in ("wgrad_fraction", "expert_shards")]  # each a range of its own, tested below
 
 
 @pytest.mark.parametrize("name", [field.name for field in NUMBERS])
@@ -35,3 +36,12 @@ def test_the_first_field_out_of_range_is_named():
         StageCosts(fwd_ms=-1.0, bwd_ms=-1.0, param_bytes=-1)
     with pytest.raises(CostError, match="^param_bytes must"):
         StageCosts(fwd_ms=1.0, bwd_ms=1.0, param_bytes=-1, held_bytes=-1)
+
+
+@pytest.mark.parametrize("bad", [-1, 0, math.nan, math.inf, "1"])
+def test_expert_shards_is_a_finite_number_over_zero(bad):
+    """W = E·ETP/t may be a fraction (ETP under t) but never 0: a rank holds 1/W of the routed experts."""
+    with pytest.raises(CostError) as refused:
+        StageCosts(fwd_ms=1.0, bwd_ms=1.0, expert_shards=bad)
+    assert str(refused.value) == f"expert_shards must be a finite number over 0 (got {bad!r})"
+    assert StageCosts(fwd_ms=1.0, bwd_ms=1.0, expert_shards=0.5).expert_shards == 0.5

@@ -166,7 +166,8 @@ def test_where_each_t_is_refused_for_its_own_reason_the_line_says_each():
         note.startswith("tune: estimating") for note in before), err
     assert "; at t = 1: --stages 8: gpt of 4 blocks" in err, err
     assert "; at t = 2, 4: --expert-parallel 2 must divide the data-parallel degree, 1" in err, err
-    assert "; at t = 8: --tensor-parallel 8 does not divide the model's 4 heads; give --tensor-parallel\n" in err, err
+    assert ("; at t = 8: --tensor-parallel 8 does not divide the model's 4 heads: give --tensor-parallel 4; give "
+            "--tensor-parallel\n") in err, err
 
 
 def test_where_no_t_places_the_experts_on_too_few_devices_the_line_asks_for_devices_not_a_t():
