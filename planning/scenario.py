@@ -1041,8 +1041,17 @@ def _range_maxima(values: Sequence[int]) -> np.ndarray:
 def stage_held_counts(sched: Schedule) -> list[np.ndarray]:
     """Per model stage, every distinct (micro-batches it holds from their forward, those it holds from their
     input-gradient pass until their weight pass) at once, as `StageMemory.stage` weighs them (tune's partition)."""
-    together = _held_together(sched)
-    return [_stage_counts(together, sched, s) for s in range(sched.num_stages)]
+    t = sched.table
+    adds = (t.kind == KIND_CODE[Kind.F]).astype(np.int64)
+    takes = -kind_mask(t.kind, Kind.B, Kind.I).astype(np.int64)
+    until_w = kind_mask(t.kind, Kind.I).astype(np.int64) - kind_mask(t.kind, Kind.W)
+    counts = []
+    for s in range(sched.num_stages):  # its own columns of `_held_together`'s rows: its device's other stages add 0
+        rows = np.flatnonzero((t.device == sched.placement[s]) & (t.stage == s))
+        steps = np.zeros((2 * len(rows), 2), dtype=np.int64)
+        steps[0::2, 0], steps[1::2, 0], steps[1::2, 1] = adds[rows], takes[rows], until_w[rows]
+        counts.append(np.unique(np.cumsum(steps, axis=0), axis=0))
+    return counts
 
 
 def _stage_counts(together: list[np.ndarray], sched: Schedule, s: int) -> np.ndarray:
