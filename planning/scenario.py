@@ -1042,9 +1042,7 @@ def stage_held_counts(sched: Schedule) -> list[np.ndarray]:
     """Per model stage, every distinct (micro-batches it holds from their forward, those it holds from their
     input-gradient pass until their weight pass) at once, as `StageMemory.stage` weighs them (tune's partition)."""
     t = sched.table
-    adds = (t.kind == KIND_CODE[Kind.F]).astype(np.int64)
-    takes = -kind_mask(t.kind, Kind.B, Kind.I).astype(np.int64)
-    until_w = kind_mask(t.kind, Kind.I).astype(np.int64) - kind_mask(t.kind, Kind.W)
+    adds, takes, until_w = _held_steps(t.kind)
     counts = []
     for s in range(sched.num_stages):  # its own columns of `_held_together`'s rows: its device's other stages add 0
         rows = np.flatnonzero((t.device == sched.placement[s]) & (t.stage == s))
@@ -1061,15 +1059,21 @@ def _stage_counts(together: list[np.ndarray], sched: Schedule, s: int) -> np.nda
     return np.unique(together[sched.placement[s]][:, [column, column + len(stages)]], axis=0)
 
 
+def _held_steps(kind: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of an order's table: the micro-batches from their forward it adds at its start and takes at its end (a
+    forward adds one, a backward or input-gradient pass takes one), and those it adds at its end until their weight
+    pass (an I adds one, a W takes one): sim/engine.py `_memory_tables`' rules."""
+    return ((kind == KIND_CODE[Kind.F]).astype(np.int64), -kind_mask(kind, Kind.B, Kind.I).astype(np.int64),
+            kind_mask(kind, Kind.I).astype(np.int64) - kind_mask(kind, Kind.W))
+
+
 def _held_together(sched: Schedule) -> list[np.ndarray]:
     """Per device, every distinct count of micro-batches each of its stages holds at once (`StageMemory.together`),
     in its order: a forward adds one at its start, a backward or input-gradient pass takes one at its end, which
     the latter adds to what its stage holds until its weight pass, whose end takes one (sim/engine.py
     `_memory_tables`)."""
     t = sched.table
-    adds = (t.kind == KIND_CODE[Kind.F]).astype(np.int64)
-    takes = -kind_mask(t.kind, Kind.B, Kind.I).astype(np.int64)
-    until_w = kind_mask(t.kind, Kind.I).astype(np.int64) - kind_mask(t.kind, Kind.W)
+    adds, takes, until_w = _held_steps(t.kind)
     together = []
     for device in range(sched.num_devices):
         stages, rows = sched.stages_on(device), np.flatnonzero(t.device == device)
